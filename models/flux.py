@@ -1,0 +1,217 @@
+"""FLUX.1 pipeline adapter (diffusers ``FluxPipeline``).
+
+Three ways to get weights, one loading path:
+
+* ``model.path``: a local diffusers snapshot (``model_index.json`` + component folders) loaded with
+  ``FluxPipeline.from_pretrained``.
+* embedded (``tiny_flux``): the architecture in ``model.architecture`` with seeded random weights, created on
+  first use into the cache with ``save_pretrained`` (safetensors), then loaded with the same
+  ``from_pretrained`` call as a real checkpoint.
+* ``model.load_format=dummy``: the architecture with random weights built directly on the device, no files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from runner.dataset import BUILTIN_PROMPTS, Item, file_sha256
+
+# Bump when the embedded-model recipe changes, so caches made by an older recipe are not reused.
+EMBEDDED_RECIPE = 2
+
+
+class ModelPathError(ValueError):
+    """``model.path`` does not point at a diffusers pipeline snapshot."""
+
+
+def check_snapshot(path: str) -> Path:
+    """Validate a diffusers snapshot directory before anything loads.
+
+    Raises:
+        ModelPathError: the path does not exist, or has no ``model_index.json`` (not a diffusers layout).
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelPathError(f"model.path={path!r} does not exist; fix: pass a local diffusers snapshot directory "
+                             "(the folder with model_index.json)")
+    if not (p / "model_index.json").is_file():
+        raise ModelPathError(f"model.path={path!r} has no model_index.json, so it is not a diffusers pipeline layout; "
+                             "fix: point at the snapshot root written by save_pretrained / huggingface-cli download")
+    return p
+
+
+def _build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+    """Instantiate every FLUX component from ``arch`` with random weights seeded by ``arch['weights_seed']``."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from models.tokenizers import build_clip_tokenizer, build_t5_tokenizer, corpus_from
+
+    corpus = corpus_from(BUILTIN_PROMPTS)
+    tcfg = arch.get("tokenizer", {})
+    vocab = int(tcfg.get("vocab_size", 512))
+    tokenizer = build_clip_tokenizer(corpus, vocab, int(tcfg.get("clip_max_length", 77)))
+    tokenizer_2 = build_t5_tokenizer(corpus, vocab)
+    clip_kw = dict(arch["text_encoder"])
+    clip_kw["vocab_size"] = max(len(tokenizer), int(clip_kw.get("vocab_size", 0)))
+    clip_kw.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    t5_kw = dict(arch["text_encoder_2"])
+    t5_kw["vocab_size"] = max(len(tokenizer_2), int(t5_kw.get("vocab_size", 0)))
+    t5_kw.update(pad_token_id=tokenizer_2.pad_token_id, eos_token_id=tokenizer_2.eos_token_id,
+                 decoder_start_token_id=tokenizer_2.pad_token_id)
+    sched_kw = dict(arch["scheduler"])
+
+    torch.manual_seed(int(arch.get("weights_seed", 0)))
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else torch.float32)
+    try:
+        with torch.device(device):
+            transformer = FluxTransformer2DModel(**arch["transformer"])
+            vae = AutoencoderKL(**arch["vae"])
+            text_encoder = CLIPTextModel(CLIPTextConfig(**clip_kw))
+            text_encoder_2 = T5EncoderModel(T5Config(**t5_kw))
+    finally:
+        torch.set_default_dtype(prev)
+    scale = float(arch.get("dummy_weight_scale", 1.0))
+    if scale != 1.0:  # keeps activations of deep random transformers finite in bf16
+        with torch.no_grad():
+            for p in transformer.parameters():
+                if p.dim() >= 2:
+                    p.mul_(scale)
+    return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
+                tokenizer=tokenizer, tokenizer_2=tokenizer_2,
+                scheduler=FlowMatchEulerDiscreteScheduler(**sched_kw))
+
+
+def embedded_snapshot(name: str, arch: Dict[str, Any], cache_dir: Optional[str]) -> Path:
+    """Return the cache dir of an embedded model, creating it (``save_pretrained``, safetensors) on first use.
+
+    The dir name carries a hash of the architecture and the recipe version, so a config change never reuses
+    stale weights. Creation writes to a temp dir and renames it, so a killed first run leaves no half-written
+    snapshot behind.
+    """
+    import diffusers
+    from diffusers import FluxPipeline
+
+    root = Path(cache_dir or os.environ.get("RUNNER_CACHE", "~/.cache/runner")).expanduser()
+    key = hashlib.sha256(json.dumps({"arch": arch, "recipe": EMBEDDED_RECIPE, "diffusers": diffusers.__version__},
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    target = root / f"{name}-{key}"
+    if (target / "model_index.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{target.name}.tmp{os.getpid()}"
+    pipe = FluxPipeline(**_build_components(arch))
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process created it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+class FluxAdapter:
+    """Builds and runs a diffusers ``FluxPipeline`` for the runner loop.
+
+    The transformer's attention modules (``FluxAttention``) are the call sites of the model's single attention
+    role, ``joint`` (text and image tokens attend jointly in double- and single-stream blocks).
+    """
+
+    stage = "denoise"
+
+    def __init__(self, model_cfg: Any, device: str, dtype: torch.dtype, cache_dir: Optional[str] = None):
+        self.cfg = model_cfg
+        self.device = device
+        self.dtype = dtype
+        self.cache_dir = cache_dir
+        self.pipe = None
+        self.source: Dict[str, Any] = {}
+
+    # ----------------------------------------------------------------------------------------------- loading
+    def resolve_source(self) -> Dict[str, Any]:
+        """Decide where weights come from and validate it, without loading anything.
+
+        Raises:
+            ModelPathError: ``model.path`` is not a diffusers snapshot.
+            ValueError: no path for a non-embedded model without ``load_format=dummy``.
+        """
+        cfg = self.cfg
+        if cfg.load_format == "dummy":
+            self.source = {"kind": "dummy", "weights_seed": cfg.architecture.get("weights_seed", 0)}
+        elif cfg.path:
+            self.source = {"kind": "path", "path": str(check_snapshot(cfg.path).resolve()), "revision": cfg.revision}
+        elif cfg.embedded:
+            self.source = {"kind": "embedded"}
+        elif cfg.load_format != "auto":
+            raise ValueError(f"model.load_format={cfg.load_format!r} is not one of auto, dummy")
+        else:
+            raise ValueError(f"model={cfg.name} needs weights: set model.path=/path/to/diffusers/snapshot, "
+                             "or model.load_format=dummy for random weights")
+        return self.source
+
+    def head_dim(self) -> int:
+        """Attention head dimension of the transformer (from the architecture or the snapshot's config)."""
+        if self.source.get("kind") == "path":
+            cfg = json.loads((Path(self.source["path"]) / "transformer" / "config.json").read_text())
+            return int(cfg["attention_head_dim"])
+        return int(self.cfg.architecture["transformer"]["attention_head_dim"])
+
+    def load(self) -> None:
+        """Build the pipeline on ``self.device`` in ``self.dtype``; records weight-file hashes in ``source``."""
+        from diffusers import FluxPipeline
+
+        from omegaconf import OmegaConf
+
+        arch = OmegaConf.to_container(self.cfg.architecture, resolve=True) if not isinstance(
+            self.cfg.architecture, dict) else self.cfg.architecture
+        kind = self.source["kind"]
+        if kind == "dummy":
+            self.pipe = FluxPipeline(**_build_components(arch, device=self.device, dtype=self.dtype))
+        else:
+            path = Path(self.source["path"]) if kind == "path" else embedded_snapshot(self.cfg.name, arch, self.cache_dir)
+            self.source["path"] = str(path)
+            self.source["files"] = {str(f.relative_to(path)): file_sha256(f)
+                                    for f in sorted(path.rglob("*.safetensors"))}
+            self.pipe = FluxPipeline.from_pretrained(path, dtype=self.dtype, local_files_only=True)
+            self.pipe.to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+
+    # ------------------------------------------------------------------------------------------- attention
+    def attention_sites(self) -> Iterator[Tuple[str, str, Any]]:
+        """Yield ``(role, layer_name, attention_module)`` for every attention call site of the transformer."""
+        from diffusers.models.attention import AttentionModuleMixin
+
+        for name, mod in self.pipe.transformer.named_modules():
+            if isinstance(mod, AttentionModuleMixin):
+                yield "joint", name, mod
+
+    # ------------------------------------------------------------------------------------------ generation
+    def generate(self, batch: List[Item]) -> List[np.ndarray]:
+        """Generate one image per item; all items share ``shape_key``.
+
+        Returns:
+            One float32 array per item, layout HWC, values in [0, 1] (NaN/inf preserved for the finite check).
+        """
+        r0 = batch[0].row
+        gens = [torch.Generator(device="cpu").manual_seed(it.seed) for it in batch]
+        kwargs: Dict[str, Any] = {}
+        if r0.negative_prompt is not None:
+            kwargs.update(negative_prompt=[it.row.negative_prompt for it in batch],
+                          true_cfg_scale=float(self.cfg.generation.true_cfg_scale))
+        with torch.inference_mode():
+            out = self.pipe(prompt=[it.row.prompt for it in batch], height=r0.height, width=r0.width,
+                            num_inference_steps=r0.num_inference_steps, guidance_scale=r0.guidance_scale,
+                            generator=gens, max_sequence_length=int(self.cfg.generation.max_sequence_length),
+                            output_type="np", **kwargs)
+        return [np.asarray(img, dtype=np.float32) for img in out.images]

@@ -1,0 +1,60 @@
+"""Tokenizers built locally (there is no model hub here).
+
+Both FLUX text encoders get a byte-level BPE tokenizer trained deterministically on a fixed corpus (the builtin
+prompts), wrapped in ``transformers.PreTrainedTokenizerFast`` with the special tokens and post-processing of the
+tokenizer it stands in for:
+
+* CLIP-style: ``<|startoftext|> ... <|endoftext|>``, padded with ``<|endoftext|>`` (the CLIP text model pools
+  at the first end-of-text token), ``model_max_length`` 77.
+* T5-style: ``... </s>``, padded with ``<pad>`` (id 0), ``model_max_length`` 512.
+
+Byte-level BPE covers any UTF-8 text, so unseen words never map to an unknown token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+CLIP_SPECIALS = ["<|startoftext|>", "<|endoftext|>"]
+T5_SPECIALS = ["<pad>", "</s>", "<unk>"]
+
+
+def _train(corpus: Iterable[str], vocab_size: int, specials: list[str]) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus), trainer=trainer)
+    return tok
+
+
+def build_clip_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int = 77) -> PreTrainedTokenizerFast:
+    """CLIP-style tokenizer: ids 0/1 are ``<|startoftext|>``/``<|endoftext|>``; pad = end-of-text."""
+    tok = _train(corpus, vocab_size, CLIP_SPECIALS)
+    bos, eos = (tok.token_to_id(t) for t in CLIP_SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{CLIP_SPECIALS[0]} $A {CLIP_SPECIALS[1]}",
+        special_tokens=[(CLIP_SPECIALS[0], bos), (CLIP_SPECIALS[1], eos)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=CLIP_SPECIALS[0], eos_token=CLIP_SPECIALS[1],
+                                   pad_token=CLIP_SPECIALS[1], unk_token=CLIP_SPECIALS[1],
+                                   model_max_length=max_length)
+
+
+def build_t5_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int = 512) -> PreTrainedTokenizerFast:
+    """T5-style tokenizer: ``<pad>`` = 0, ``</s>`` = 1 appended to every sequence, ``<unk>`` = 2."""
+    tok = _train(corpus, vocab_size, T5_SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+                                   model_max_length=max_length)
+
+
+def corpus_from(path: Path) -> list[str]:
+    """Training text for the tokenizers: the ``prompt`` of every line of a JSONL file."""
+    import json
+
+    return [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,0 +1,280 @@
+"""Dataset rows: loading (builtin, JSONL, CSV, TXT), validation before any model loads, and expansion into items.
+
+A *row* is one line of the dataset; an *item* is one image to generate (a row with ``num_images_per_prompt: 2``
+gives two items). Seeds belong to items, never to batches or ranks, so the images do not depend on
+``batch_size`` or on how rows are spread over workers.
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional
+
+BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
+
+# Field -> (type, check, fix). Types are the JSON types accepted; ints are also accepted for float fields.
+ROW_FIELDS: Dict[str, type] = {
+    "id": str,
+    "prompt": str,
+    "negative_prompt": str,
+    "seed": int,
+    "width": int,
+    "height": int,
+    "num_inference_steps": int,
+    "guidance_scale": float,
+    "num_images_per_prompt": int,
+}
+
+
+class DatasetError(ValueError):
+    """Raised for bad dataset input. ``problems`` lists one message per bad field, each naming file, line,
+    field, value and the fix."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = problems
+        head = f"{len(problems)} problem(s) in the dataset:" if len(problems) > 1 else "dataset problem:"
+        super().__init__(head + "\n  " + "\n  ".join(problems))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One validated dataset row with every generation parameter filled in (row value, else run config)."""
+
+    id: str
+    prompt: str
+    negative_prompt: Optional[str]
+    seed: Optional[int]
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    num_images_per_prompt: int
+    line: int
+
+
+@dataclass(frozen=True)
+class Item:
+    """One image to generate: a row, the image index within the row, and its seed."""
+
+    row: Row
+    index: int
+    seed: int
+
+    @property
+    def key(self) -> str:
+        """Stable artifact key: the row id, with ``-<index>`` when the row has several images."""
+        return self.row.id if self.row.num_images_per_prompt == 1 else f"{self.row.id}-{self.index}"
+
+    @property
+    def shape_key(self) -> tuple:
+        """Rows with equal shape keys can share a batch (same latent shape, steps and guidance)."""
+        r = self.row
+        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, r.negative_prompt is not None)
+
+
+def derive_seed(run_seed: int, row_id: str) -> int:
+    """Deterministic 63-bit seed of a row without one: sha256 of ``"<run_seed>:<row_id>"``."""
+    digest = hashlib.sha256(f"{run_seed}:{row_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+def _read_raw(fmt: str, path: Path) -> List[tuple[int, Dict[str, Any]]]:
+    """Return ``(line_number, raw_row)`` pairs; raise DatasetError on unreadable or malformed input."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DatasetError([f"dataset.path: file {str(path)!r} does not exist; fix: pass an existing file"])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DatasetError([f"{path}:{line}: text is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
+                            "fix: re-encode the file as UTF-8"])
+    text = text.lstrip("\ufeff")
+    rows: List[tuple[int, Dict[str, Any]]] = []
+    if fmt in ("jsonl", "builtin"):
+        problems = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                problems.append(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno}); fix: one JSON object per line")
+                continue
+            if not isinstance(obj, dict):
+                problems.append(f"{path}:{n}: expected a JSON object with a 'prompt' field, got {type(obj).__name__}")
+                continue
+            rows.append((n, obj))
+        if problems:
+            raise DatasetError(problems)
+    elif fmt == "csv":
+        reader = csv.DictReader(io.StringIO(text))
+        if not reader.fieldnames or "prompt" not in reader.fieldnames:
+            raise DatasetError([f"{path}:1: CSV header {reader.fieldnames!r} has no 'prompt' column; "
+                                "fix: add a header line naming the columns, e.g. id,prompt"])
+        for rec in reader:
+            n = reader.line_num
+            if None in rec:
+                raise DatasetError([f"{path}:{n}: row has more cells than the header has columns; "
+                                    "fix: quote prompts that contain commas"])
+            rows.append((n, {k: v for k, v in rec.items() if v not in (None, "")} | {"prompt": rec.get("prompt") or ""}))
+    elif fmt == "txt":
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                rows.append((n, {"id": f"line{n:06d}", "prompt": line.strip()}))
+    else:
+        raise DatasetError([f"dataset.format: unknown format {fmt!r}; fix: one of builtin, jsonl, csv, txt"])
+    return rows
+
+
+def _coerce(value: Any, typ: type, from_text: bool) -> Any:
+    """Convert a raw value to ``typ`` (text cells from CSV are parsed); raise ValueError when impossible."""
+    if typ is str:
+        if from_text or isinstance(value, str):
+            return str(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError
+    if typ is int:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, int):
+            return value
+        if from_text and isinstance(value, str):
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError
+    if typ is float:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_text and isinstance(value, str):
+            return float(value)
+        raise ValueError
+    raise TypeError(typ)
+
+
+def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_multiple: int, max_pixels: int,
+              limit: Optional[int] = None) -> tuple[List[Row], Path]:
+    """Read and validate every row, before any model loads.
+
+    Args:
+        fmt: ``builtin`` | ``jsonl`` | ``csv`` | ``txt``.
+        path: file path (ignored for ``builtin``).
+        defaults: run-level values of the row fields (``width``, ``height``, ``num_inference_steps``,
+            ``guidance_scale``, ``num_images_per_prompt``, ``negative_prompt``).
+        size_multiple: width and height must be positive multiples of this (FLUX: 16 = VAE factor 8 x patch 2).
+        max_pixels: upper bound of ``width * height``.
+        limit: keep the first ``limit`` rows.
+
+    Returns:
+        ``(rows, resolved_path)``.
+
+    Raises:
+        DatasetError: listing every problem found (file, line, field, value, fix).
+    """
+    if fmt == "builtin":
+        src = BUILTIN_PROMPTS
+    else:
+        if not path:
+            raise DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path=/path/to/prompts.{fmt}"])
+        src = Path(path).expanduser()
+        if not src.is_file():
+            raise DatasetError([f"dataset.path: {path!r} is not a file; fix: pass the path of an existing .{fmt} file"])
+    raw = _read_raw(fmt, src)
+    if limit is not None:
+        raw = raw[:limit]
+    problems: List[str] = []
+    rows: List[Row] = []
+    seen: Dict[str, int] = {}
+    from_text = fmt == "csv"
+    for n, rec in raw:
+        where = f"{src}:{n}"
+        vals: Dict[str, Any] = {}
+        for key, value in rec.items():
+            if key not in ROW_FIELDS:
+                close = difflib.get_close_matches(key, ROW_FIELDS, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"valid fields: {', '.join(ROW_FIELDS)}"
+                problems.append(f"{where}: unknown field {key!r}; fix: {hint}")
+                continue
+            if value is None:
+                continue
+            try:
+                vals[key] = _coerce(value, ROW_FIELDS[key], from_text)
+            except (ValueError, TypeError):
+                problems.append(f"{where}: field {key!r} = {value!r} is not a {ROW_FIELDS[key].__name__}")
+        rid = vals.get("id", f"row{n:06d}")
+        prompt = vals.get("prompt")
+        if prompt is None or not prompt.strip():
+            problems.append(f"{where}: field 'prompt' is {'missing' if prompt is None else 'empty'}; "
+                            "fix: give every row a non-empty prompt")
+        if rid in seen:
+            problems.append(f"{where}: duplicate id {rid!r} (first on line {seen[rid]}); fix: ids must be unique")
+        seen.setdefault(rid, n)
+        merged = {k: vals.get(k, defaults.get(k)) for k in ("width", "height", "num_inference_steps",
+                                                            "guidance_scale", "num_images_per_prompt")}
+        for key in ("width", "height"):
+            v = merged[key]
+            if v is None or v <= 0 or v % size_multiple:
+                problems.append(f"{where}: field {key!r} = {v!r} is not a positive multiple of {size_multiple}; "
+                                f"fix: use e.g. {max(size_multiple, round((v or 0) / size_multiple) * size_multiple)}")
+        if (merged["width"] or 0) * (merged["height"] or 0) > max_pixels:
+            problems.append(f"{where}: {merged['width']}x{merged['height']} exceeds max_pixels={max_pixels}; "
+                            "fix: smaller sizes, or raise max_pixels")
+        if merged["num_inference_steps"] is None or merged["num_inference_steps"] <= 0:
+            problems.append(f"{where}: field 'num_inference_steps' = {merged['num_inference_steps']!r} must be >= 1")
+        if merged["guidance_scale"] is None or merged["guidance_scale"] < 0:
+            problems.append(f"{where}: field 'guidance_scale' = {merged['guidance_scale']!r} must be >= 0")
+        if merged["num_images_per_prompt"] is None or merged["num_images_per_prompt"] < 1:
+            problems.append(f"{where}: field 'num_images_per_prompt' = {merged['num_images_per_prompt']!r} "
+                            "must be >= 1")
+        if problems and problems[-1].startswith(where):
+            continue
+        rows.append(Row(id=rid, prompt=prompt or "", negative_prompt=vals.get("negative_prompt", defaults.get("negative_prompt")),
+                        seed=vals.get("seed"), line=n, **merged))
+    if problems:
+        raise DatasetError(problems)
+    if not rows:
+        raise DatasetError([f"{src}: no rows; fix: add at least one prompt"])
+    return rows, src
+
+
+def expand_items(rows: Iterable[Row], run_seed: int) -> List[Item]:
+    """One item per image. Seed of image ``k`` of a row: ``row.seed + k`` if the row sets a seed, else
+    ``derive_seed(run_seed, row.id) + k`` (mod 2**63)."""
+    items = []
+    for row in rows:
+        base = row.seed if row.seed is not None else derive_seed(run_seed, row.id)
+        for k in range(row.num_images_per_prompt):
+            items.append(Item(row=row, index=k, seed=(base + k) % (1 << 63)))
+    return items
+
+
+def batches(items: List[Item], batch_size: int) -> List[List[Item]]:
+    """Group items into batches of at most ``batch_size`` with equal ``shape_key``, keeping dataset order
+    within each shape group (a group's batches start where its first item stands)."""
+    groups: Dict[tuple, List[Item]] = {}
+    for it in items:
+        groups.setdefault(it.shape_key, []).append(it)
+    out = []
+    for group in groups.values():
+        out.extend(group[i:i + batch_size] for i in range(0, len(group), batch_size))
+    return out
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex digest of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,159 @@
+"""Structured config schema for every Hydra group, registered in Hydra's ConfigStore.
+
+The schema is the contract between the YAML in ``conf/`` and the code: Hydra merges each group's YAML into
+these dataclasses, so an unknown key (a typo) or a value of the wrong type fails at compose time with Hydra's
+own message, before anything is imported or loaded.
+
+Unset backend choices are ``None`` (``null`` in YAML), which is distinct from an explicit ``"auto"``; the
+resolver (``runner.resolve``) keeps the two apart.
+
+Compatible with Hydra 1.3 and 1.4: mutable defaults use ``default_factory``; nothing is built with an
+unrestricted ``hydra.utils.instantiate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class BackendConfig:
+    """Backend choices of one scope (run level, a model's defaults, or one stage).
+
+    ``attention`` is a backend name (``TORCH_SDPA``, alias ``sdpa``, ... or ``auto``) or a spec
+    ``{default: <spec>, per_role: {<role>: <spec>}}`` where a spec is ``{backend, quant, skip_softmax}``.
+    ``linear`` and ``moe`` are names. ``None`` means "not set at this layer".
+    """
+
+    attention: Any = None
+    linear: Optional[str] = None
+    moe: Optional[str] = None
+
+
+@dataclass
+class StageConfig:
+    """One stage of a model's pipeline (FLUX has one: ``denoise``)."""
+
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    engine_extras: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationDefaults:
+    """Per-model generation defaults, used for every dataset row that does not set the field."""
+
+    width: int = 1024
+    height: int = 1024
+    num_inference_steps: int = 28
+    guidance_scale: float = 3.5
+    max_sequence_length: int = 512
+    true_cfg_scale: float = 1.0
+
+
+@dataclass
+class ModelConfig:
+    """A model: which adapter builds it, from where, and its defaults.
+
+    ``load_format``: ``auto`` (load ``path``, or for an embedded model create it on first use into the cache),
+    ``dummy`` (the architecture in ``architecture`` with random weights built directly on the device, no
+    checkpoint; for benchmarks).
+    """
+
+    name: str = MISSING
+    adapter: str = "flux"
+    path: Optional[str] = None
+    revision: Optional[str] = None
+    load_format: str = "auto"
+    embedded: bool = False
+    architecture: Dict[str, Any] = field(default_factory=dict)
+    roles: List[str] = field(default_factory=lambda: ["joint"])
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    stages: Dict[str, StageConfig] = field(default_factory=lambda: {"denoise": StageConfig()})
+    size_multiple: int = 16
+
+
+@dataclass
+class PlatformConfig:
+    """A device platform: its torch device type and the capability probes to record.
+
+    ``overlays`` maps a model name to backend values that replace that model's defaults on this platform
+    (layer 5 of the precedence contract).
+    """
+
+    name: str = MISSING
+    device: str = "auto"
+    probes: List[str] = field(default_factory=list)
+    overlays: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ParallelismConfig:
+    """How work is spread over devices. Only ``single`` runs today."""
+
+    mode: str = "single"
+    world_size: int = 1
+
+
+@dataclass
+class DatasetConfig:
+    """Where prompts come from. ``format``: ``builtin`` | ``jsonl`` | ``csv`` | ``txt``."""
+
+    format: str = MISSING
+    path: Optional[str] = None
+    limit: Optional[int] = None
+
+
+@dataclass
+class OutputConfig:
+    """Artifact settings. ``dir`` defaults to the Hydra run dir."""
+
+    dir: Optional[str] = None
+    image_format: str = "png"
+
+
+@dataclass
+class EvidenceConfig:
+    """Evidence collection (see ``runner.evidence``)."""
+
+    enabled: bool = True
+    profile: bool = True
+    strict: bool = True
+
+
+@dataclass
+class RunConfig:
+    """The composed run config (``conf/config.yaml``)."""
+
+    model: ModelConfig = MISSING
+    platform: PlatformConfig = MISSING
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    dataset: DatasetConfig = MISSING
+    output: OutputConfig = field(default_factory=OutputConfig)
+    evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
+    seed: int = 0
+    dtype: str = "auto"
+    batch_size: int = 1
+    num_images_per_prompt: int = 1
+    max_pixels: int = 4096 * 4096
+    cache_dir: Optional[str] = None
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (idempotent).
+
+    ``runner_schema`` validates the whole run config; ``schema/<group>`` nodes are available to group YAML
+    files that want to name their schema explicitly.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="runner_schema", node=RunConfig)
+    cs.store(group="schema/model", name="base", node=ModelConfig)
+    cs.store(group="schema/platform", name="base", node=PlatformConfig)
+    cs.store(group="schema/dataset", name="base", node=DatasetConfig)
+    cs.store(group="schema/backend", name="base", node=BackendConfig)
+    cs.store(group="schema/parallelism", name="base", node=ParallelismConfig)
