@@ -129,6 +129,8 @@ class FluxAdapter:
     """
 
     stage = "denoise"
+    backend_fields = ("attention", "linear")  # no MoE layers in FLUX.1
+    needs_mask = False  # FluxAttnProcessor passes attention_mask=None on the text-to-image path
 
     def __init__(self, model_cfg: Any, device: str, dtype: torch.dtype, cache_dir: Optional[str] = None):
         self.cfg = model_cfg
@@ -186,6 +188,11 @@ class FluxAdapter:
             self.pipe = FluxPipeline.from_pretrained(path, dtype=self.dtype, local_files_only=True)
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """The stage's denoising model (``FluxTransformer2DModel``)."""
+        return self.pipe.transformer
 
     # ------------------------------------------------------------------------------------------- attention
     def attention_sites(self) -> Iterator[Tuple[str, str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from runner.schema import register_configs  # noqa: E402
 
+log = logging.getLogger("runner")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 register_configs()
@@ -23,10 +25,14 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     """Compose the run config, then execute it into the Hydra run dir. Exits non-zero when items failed."""
-    from runner.execute import run
+    from runner.execute import USER_ERRORS, run
 
     hc = HydraConfig.get()
-    code = run(cfg, Path(hc.runtime.output_dir), overrides=list(hc.overrides.task))
+    try:
+        code = run(cfg, Path(hc.runtime.output_dir), overrides=list(hc.overrides.task))
+    except USER_ERRORS as e:  # bad input or a refused backend: a clear message, no traceback
+        log.error("%s: %s", type(e).__name__, e)
+        sys.exit(2)
     if code:
         sys.exit(code)
 

@@ -11,13 +11,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import dataset as ds
+from runner import evidence
 from runner.artifacts import Journal, atomic_write_bytes, encode_png
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.platform import detect
@@ -75,10 +76,67 @@ def make_adapter(cfg: DictConfig, device: str, dtype: torch.dtype):
     raise ConfigValueError(f"model.adapter={cfg.model.adapter!r} is not known; fix: flux")
 
 
-def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> int:
-    """Execute one run into ``run_dir``. Returns the process exit code (0: every item written).
+def _user_errors() -> tuple:
+    from kernels.attention import AttentionWiringError
+    from kernels.registry import BackendError
+    from models.flux import ModelPathError
+    from runner.platform import PlatformError
+
+    return (ds.DatasetError, ConfigValueError, BackendError, PlatformError, ModelPathError, AttentionWiringError,
+            evidence.EvidenceError)
+
+
+LIBRARY_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
+               "TORCH_CUDNN_SDPA_ENABLED", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def resolve_backends(cfg: DictConfig, overrides: Sequence[str], adapter: Any, plat: Any, dtype: torch.dtype):
+    """Resolve the stage's backends under the precedence contract and check they can run here (no weights load).
+
+    Returns:
+        ``({field: FieldResolution}, engine_extras)`` of the adapter's stage.
 
     Raises:
+        kernels.registry.BackendError subclasses, naming the field, the value, the reason and the fix.
+    """
+    from kernels.registry import SelectionContext
+    from runner.resolve import StageInfo, check_placement, cli_keys, resolve_stage
+
+    check_placement(cfg)
+    ctx = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=dtype, head_dim=adapter.head_dim(),
+                           needs_mask=adapter.needs_mask, sequence_parallel=False)
+    info = StageInfo(name=adapter.stage, roles=list(cfg.model.roles), fields=adapter.backend_fields, ctx=ctx)
+    return resolve_stage(cfg, cli_keys(overrides), info)
+
+
+def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any) -> Dict[str, Any]:
+    """Wire the selected attention and linear implementations into the loaded model, with their probes."""
+    from kernels import attention, linear
+
+    sites = attention.install(adapter.stage, adapter.attention_sites(), resolutions["attention"].selected, plat.sm)
+    lin = linear.install(adapter.denoiser, resolutions["linear"].selected)
+    return {"attention": sites, "linear": lin}
+
+
+def expected_forwards(batch: List[ds.Item], true_cfg_scale: float) -> int:
+    """Denoiser forwards a FluxPipeline call makes for ``batch``: steps, doubled under true CFG."""
+    r = batch[0].row
+    return r.num_inference_steps * (2 if r.negative_prompt is not None and true_cfg_scale > 1 else 1)
+
+
+def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
+        on_loaded: Optional[Callable[[Any], None]] = None) -> int:
+    """Execute one run into ``run_dir``. Returns the process exit code (0: every item written and verified).
+
+    Args:
+        cfg: the composed run config.
+        run_dir: output directory (the Hydra run dir).
+        overrides: the CLI overrides (Hydra's task overrides); they decide the CLI precedence layers.
+        on_loaded: called with the adapter once the model is loaded and backends are installed (tests use it
+            to tamper with the model and check that the evidence notices).
+
+    Raises:
+        evidence.EvidenceError: strict evidence found a mismatch (after everything was written).
         dataset.DatasetError, ConfigValueError, PlatformError, ModelPathError and backend selection errors, all
         before any weight loads.
     """
@@ -98,6 +156,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> int:
     dtype = resolve_dtype(cfg.dtype, plat.kind)
     adapter = make_adapter(cfg, plat.device, dtype)
     source = adapter.resolve_source()
+    resolutions, engine_extras = resolve_backends(cfg, overrides, adapter, plat, dtype)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     img_dir = out_dir / "images"
@@ -112,6 +171,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> int:
     manifest.section("dataset", {"format": cfg.dataset.format, "path": str(data_path),
                                  "sha256": ds.file_sha256(data_path), "rows": len(rows), "items": len(items)})
     manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": source})
+    manifest.section("backends", {adapter.stage: {f: r.to_dict() for f, r in resolutions.items()}})
+    manifest.section("environment", {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ})
     manifest.flush()
 
     t0 = time.perf_counter()
@@ -119,7 +180,12 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> int:
     load_s = time.perf_counter() - t0
     manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": adapter.source,
                                "load_s": round(load_s, 3)})
+    probes = install_backends(adapter, resolutions, plat)
+    denoiser = evidence.DenoiserProbe(adapter.denoiser, profile=cfg.evidence.profile, device_kind=plat.kind)
+    if on_loaded is not None:
+        on_loaded(adapter)
     manifest.flush()
+    want_forwards = 0
 
     counts = {"ok": 0, "failed": 0}
     gen_s = write_s = 0.0
@@ -131,6 +197,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> int:
     try:
         for batch in ds.batches(items, cfg.batch_size):
             t0 = time.perf_counter()
+            want_forwards += expected_forwards(batch, float(cfg.model.generation.true_cfg_scale))
             images = adapter.generate(batch)
             t1 = time.perf_counter()
             per_item_gen = (t1 - t0) / len(batch)
@@ -163,6 +230,11 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> int:
                 write_s += time.perf_counter() - tw
                 bar.update(1)
         status = "completed" if counts["failed"] == 0 else "completed_with_failures"
+        ev = evidence.build(adapter.stage, probes, denoiser, want_forwards, finite=counts["failed"] == 0,
+                            device=plat.device)
+        manifest.section("evidence", ev)
+        if ev["verdict"] != "verified":
+            status = "evidence_mismatch" if cfg.evidence.strict else "limited"
     except BaseException as e:
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         manifest.section("error", f"{type(e).__name__}: {e}")
@@ -180,4 +252,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> int:
         manifest.flush()
     log.info("run %s: %d ok, %d failed, %.1f s -> %s", status, counts["ok"], counts["failed"],
              time.perf_counter() - t_start, out_dir)
+    if status == "evidence_mismatch":
+        raise evidence.EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
+                                     + "\n  ".join(manifest.doc["evidence"]["mismatches"]))
     return 0 if counts["failed"] == 0 else 1
+
+
+USER_ERRORS = _user_errors()

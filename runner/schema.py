@@ -40,6 +40,11 @@ class StageConfig:
 
     backend: BackendConfig = field(default_factory=BackendConfig)
     engine_extras: Dict[str, Any] = field(default_factory=dict)
+    # Misplaced-key guards: must stay null. A backend name here is rejected at startup with the place it belongs
+    # (stages.<name>.backend.<field>) instead of Hydra's bare "key not in struct".
+    attention: Any = None
+    linear: Any = None
+    moe: Any = None
 
 
 @dataclass
@@ -75,6 +80,10 @@ class ModelConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     stages: Dict[str, StageConfig] = field(default_factory=lambda: {"denoise": StageConfig()})
     size_multiple: int = 16
+    # Misplaced-key guards (see StageConfig): backend choices belong under model.backend / model.stages.
+    attention: Any = None
+    linear: Any = None
+    moe: Any = None
 
 
 @dataclass

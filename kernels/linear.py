@@ -1,0 +1,108 @@
+"""Linear backends: ``TORCH`` (dense GEMM in the model dtype) and ``FP8`` (dynamic-scaled FP8 GEMM).
+
+``TORCH`` keeps the model's ``nn.Linear`` modules and attaches a call counter (a forward pre-hook that delegates
+nothing and changes nothing). ``FP8`` replaces the eligible ``nn.Linear`` modules of the transformer blocks with
+:class:`FP8Linear`, which counts its own calls.
+
+FP8 scheme (lossy, never chosen by ``auto``): weights quantized once to ``float8_e4m3fn`` with one scale per
+output row; activations quantized per call with one scale per token (row-wise dynamic scaling); GEMM by
+``torch._scaled_mm`` with bf16/fp16 output and the bias fused. Scale = amax / 448 (448 is the largest finite
+e4m3fn value, OCP FP8 spec). Row-wise scaling needs sm90 (cuBLASLt); sm89 uses per-tensor scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+E4M3_MAX = 448.0
+
+
+@dataclass
+class LinearRecord:
+    """Calls observed per implementation for one stage's linear layers.
+
+    Attributes:
+        resolved: canonical backend selected (``TORCH`` | ``FP8``).
+        modules: number of linear modules under this backend.
+        observed: implementation name -> calls (summed over modules).
+        skipped: modules left dense under ``FP8`` (shape not a multiple of 16, or outside the transformer blocks).
+    """
+
+    resolved: str
+    modules: int = 0
+    observed: Dict[str, int] = field(default_factory=dict)
+    skipped: List[str] = field(default_factory=list)
+
+    def add(self, impl: str, n: int = 1) -> None:
+        self.observed[impl] = self.observed.get(impl, 0) + n
+
+
+def _quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise e4m3 quantization of a 2-D tensor ``(rows, cols)``: returns ``(x_fp8, scale[rows, 1] fp32)``."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / E4M3_MAX
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+class FP8Linear(nn.Module):
+    """Drop-in ``nn.Linear`` replacement computing ``x @ W.T + b`` with FP8 operands.
+
+    Input ``(..., in_features)`` in bf16/fp16, output ``(..., out_features)`` in the input dtype.
+    """
+
+    def __init__(self, linear: nn.Linear, record: LinearRecord):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w_fp8, w_scale = _quantize_rows(linear.weight.detach())
+        self.register_buffer("weight_fp8", w_fp8)           # (out, in), e4m3
+        self.register_buffer("weight_scale", w_scale.t().contiguous())  # (1, out), fp32
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self._record = record
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._record.add("FP8")
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        x_fp8, x_scale = _quantize_rows(x2)
+        out = torch._scaled_mm(x_fp8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale,
+                               bias=self.bias, out_dtype=x.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+def _eligible(name: str, mod: nn.Linear, prefixes: Tuple[str, ...]) -> bool:
+    return name.startswith(prefixes) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+
+def install(model: nn.Module, backend: str,
+            prefixes: Tuple[str, ...] = ("transformer_blocks.", "single_transformer_blocks.")) -> LinearRecord:
+    """Apply linear backend ``backend`` to ``model`` and return the record its calls are counted into.
+
+    Args:
+        model: the stage's transformer.
+        backend: ``TORCH`` or ``FP8``.
+        prefixes: module-name prefixes whose linears FP8 may replace (the transformer blocks; embedders and the
+            output projection stay dense, as in common FP8 recipes for DiTs).
+    """
+    rec = LinearRecord(resolved=backend)
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    if backend == "TORCH":
+        for _, m in linears:
+            m.register_forward_pre_hook(lambda mod, args, _r=rec: _r.add("TORCH"))
+        rec.modules = len(linears)
+        return rec
+    if backend != "FP8":
+        raise ValueError(f"unknown linear backend {backend!r}")
+    for name, m in linears:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if _eligible(name, m, prefixes):
+            setattr(parent, child, FP8Linear(m, rec))
+            rec.modules += 1
+        else:
+            m.register_forward_pre_hook(lambda mod, args, _r=rec: _r.add("TORCH"))
+            rec.skipped.append(name)
+    return rec

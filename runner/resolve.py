@@ -1,0 +1,304 @@
+"""Backend resolution: the precedence contract, stage by stage and field by field.
+
+For each stage and field (``attention``, ``linear``, ``moe``) the value comes from the first layer that sets it,
+highest first:
+
+====  ====================  ==========================================================================
+ 1    ``cli_stage``         CLI override of ``model.stages.<stage>.backend.<field>``
+ 2    ``cli_run``           CLI override of ``backend.<field>``
+ 3    ``yaml_stage``        ``model.stages.<stage>.backend.<field>`` from YAML (model file, experiment preset)
+ 4    ``yaml_run``          ``backend.<field>`` from YAML (backend group, experiment preset)
+ 4b   ``engine_extras``     legacy ``model.stages.<stage>.engine_extras.<field>_backend`` (after the platform
+                            overlay's ``engine_extras`` merged into it): a user setting, so it beats the layers
+                            below, but it loses to every first-class field above
+ 5    ``platform_overlay``  ``platform.overlays.<model>.backend.<field>``
+ 6    ``model_default``     ``model.backend.<field>``
+ 7    ``auto``              nothing set anywhere
+====  ====================  ==========================================================================
+
+Unset is ``None``; an explicit ``auto`` is a value like any other and is kept (``explicit: true``). Hydra's
+merged config cannot say who set a value, so CLI layers are told apart from YAML by the task overrides.
+
+After resolution the legacy keys are removed from the stage's ``engine_extras`` so no engine can read them later.
+A warning is issued only when a legacy key and the winning first-class value differ after normalization.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from kernels import registry as reg
+
+log = logging.getLogger("runner.resolve")
+
+LEGACY_KEYS = {"attention": "attention_backend", "moe": "moe_backend", "linear": "linear_backend"}
+BACKEND_KEYS = set(reg.FIELDS) | set(LEGACY_KEYS.values())
+LAYERS = ("cli_stage", "cli_run", "yaml_stage", "yaml_run", "engine_extras", "platform_overlay", "model_default",
+          "auto")
+
+
+class MisplacedBackendKeyError(reg.BackendError):
+    """A backend key where nothing reads it; the message says where it belongs."""
+
+
+class StageConflictError(reg.BackendError):
+    """A run-level backend value that a stage cannot honour (and the stage sets no value of its own)."""
+
+
+class BackendConflictWarning(UserWarning):
+    """A legacy ``engine_extras`` key differs from the first-class value that wins."""
+
+
+@dataclass
+class StageInfo:
+    """What resolution needs to know about a stage.
+
+    Attributes:
+        name: stage name (``denoise``).
+        roles: attention roles its model declares (FLUX: ``joint``).
+        fields: fields the stage's engine can use (FLUX: attention, linear; no MoE layers).
+        ctx: capability-check context (platform, dtype, head_dim, mask, sequence parallelism).
+    """
+
+    name: str
+    roles: Sequence[str]
+    fields: Sequence[str]
+    ctx: reg.SelectionContext
+
+
+@dataclass
+class FieldResolution:
+    """Resolution of one (stage, field): manifest section ``backends.<stage>.<field>``.
+
+    ``resolved`` is the canonical backend (``linear``/``moe``) or ``{role: {backend, quant, skip_softmax}}``
+    (attention). ``selected`` is the implementation that will run, per role for attention.
+    """
+
+    stage: str
+    field: str
+    requested: Any
+    layer: str
+    explicit: bool
+    resolved: Any = None
+    selected: Any = None
+    reason: Optional[str] = None
+    legacy: Optional[Dict[str, Any]] = None
+    warnings: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _plain(x: Any) -> Any:
+    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
+
+
+def cli_keys(overrides: Iterable[str]) -> List[str]:
+    """Config keys set by CLI overrides (``+``/``++``/``~`` prefixes removed), via Hydra's own parser."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return [o.key_or_group for o in parsed]
+
+
+def _set_by(keys: Sequence[str], prefix: str) -> bool:
+    return any(k == prefix or k.startswith(prefix + ".") for k in keys)
+
+
+def check_placement(cfg: DictConfig) -> None:
+    """Reject backend keys placed where nothing reads them.
+
+    Raises:
+        MisplacedBackendKeyError: e.g. ``model.architecture.attention`` (belongs under ``model.backend`` or
+        ``model.stages.<stage>.backend``), a first-class name inside ``engine_extras``, or an unknown key in a
+        platform overlay.
+    """
+    model = cfg.model
+    for key in ("attention", "linear", "moe"):
+        if model.get(key) is not None:
+            raise MisplacedBackendKeyError(
+                f"model.{key} is not read: backend choices belong under model.backend.{key} (the model's "
+                f"default) or model.stages.<stage>.backend.{key}; fix: move it there")
+    for key in _plain(model.architecture) or {}:
+        if key in BACKEND_KEYS:
+            raise MisplacedBackendKeyError(
+                f"model.architecture.{key} is not read: backend choices belong under model.backend or "
+                f"model.stages.<stage>.backend (legacy: model.stages.<stage>.engine_extras.<field>_backend)")
+    for sname, stage in (model.stages or {}).items():
+        for key in ("attention", "linear", "moe"):
+            if stage.get(key) is not None:
+                raise MisplacedBackendKeyError(
+                    f"model.stages.{sname}.{key} is not read; fix: model.stages.{sname}.backend.{key}")
+        for key in (stage.engine_extras or {}):
+            if key in reg.FIELDS:
+                raise MisplacedBackendKeyError(
+                    f"model.stages.{sname}.engine_extras.{key} is not read; fix: model.stages.{sname}.backend.{key} "
+                    f"(or the legacy key engine_extras.{LEGACY_KEYS[key]})")
+    for mname, overlay in (cfg.platform.overlays or {}).items():
+        for key in (overlay or {}):
+            if key not in ("backend", "engine_extras"):
+                raise MisplacedBackendKeyError(
+                    f"platform.overlays.{mname}.{key} is not read; an overlay takes `backend: {{attention, linear, "
+                    f"moe}}` and `engine_extras: {{...}}`")
+
+
+def _normalize_attention(value: Any, roles: Sequence[str], where: str) -> Dict[str, Dict[str, Any]]:
+    """Turn a name or a ``{default, per_role}`` spec into ``{role: {backend, quant, skip_softmax}}``."""
+    def spec(v: Any, w: str) -> Dict[str, Any]:
+        if isinstance(v, str):
+            return {"backend": reg.normalize("attention", v), "quant": None, "skip_softmax": None}
+        if isinstance(v, dict):
+            unknown = set(v) - {"backend", "quant", "skip_softmax"}
+            if unknown:
+                raise reg.BackendSpecError(f"{w}: unknown key(s) {sorted(unknown)}; a spec takes backend, quant, "
+                                           "skip_softmax")
+            if "backend" not in v:
+                raise reg.BackendSpecError(f"{w}: a spec needs `backend`")
+            return {"backend": reg.normalize("attention", v["backend"]), "quant": v.get("quant"),
+                    "skip_softmax": v.get("skip_softmax")}
+        raise reg.BackendSpecError(f"{w}={v!r}: expected a backend name or a spec")
+
+    if isinstance(value, dict) and ("default" in value or "per_role" in value):
+        unknown = set(value) - {"default", "per_role"}
+        if unknown:
+            raise reg.BackendSpecError(f"{where}: unknown key(s) {sorted(unknown)}; expected default, per_role")
+        default = spec(value.get("default", "auto"), f"{where}.default")
+        per_role = value.get("per_role") or {}
+        for role in per_role:
+            if role not in roles:
+                raise reg.BackendSpecError(f"{where}.per_role.{role}: the model has no attention role {role!r}; "
+                                           f"its roles: {', '.join(roles)}")
+        return {r: (spec(per_role[r], f"{where}.per_role.{r}") if r in per_role else dict(default)) for r in roles}
+    s = spec(value, where)
+    return {r: dict(s) for r in roles}
+
+
+def _canonical(fld: str, value: Any, roles: Sequence[str], where: str) -> Any:
+    if fld == "attention":
+        return _normalize_attention(value, roles, where)
+    return reg.normalize(fld, value)
+
+
+def _layers(cfg: DictConfig, cli: Sequence[str], stage: str, fld: str) -> List[Tuple[str, Any]]:
+    """Candidate values of (stage, field), highest layer first, skipping layers that do not set it."""
+    stage_key = f"model.stages.{stage}.backend.{fld}"
+    run_key = f"backend.{fld}"
+    stage_val = _plain(OmegaConf.select(cfg, stage_key))
+    run_val = _plain(OmegaConf.select(cfg, run_key))
+    overlay = _plain(OmegaConf.select(cfg, f"platform.overlays.{cfg.model.name}.backend.{fld}"))
+    model_val = _plain(OmegaConf.select(cfg, f"model.backend.{fld}"))
+    out: List[Tuple[str, Any]] = []
+    if stage_val is not None:
+        out.append(("cli_stage" if _set_by(cli, stage_key) else "yaml_stage", stage_val))
+    if run_val is not None:
+        out.append(("cli_run" if _set_by(cli, run_key) else "yaml_run", run_val))
+    out.sort(key=lambda lv: LAYERS.index(lv[0]))
+    if overlay is not None:
+        out.append(("platform_overlay", overlay))
+    if model_val is not None:
+        out.append(("model_default", model_val))
+    return out
+
+
+def resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tuple[Dict[str, FieldResolution],
+                                                                             Dict[str, Any]]:
+    """Resolve every field of one stage and check that what was chosen can run.
+
+    Returns:
+        ``({field: FieldResolution}, engine_extras)`` where ``engine_extras`` is the stage's extras after the
+        platform overlay merged into it and the legacy backend keys were removed.
+
+    Raises:
+        UnknownBackendError, BackendUnavailableError, BackendSpecError, StageConflictError.
+    """
+    stage_cfg = OmegaConf.select(cfg, f"model.stages.{info.name}")
+    extras: Dict[str, Any] = dict(_plain(stage_cfg.engine_extras) if stage_cfg is not None else {})
+    overlay_extras = _plain(OmegaConf.select(cfg, f"platform.overlays.{cfg.model.name}.engine_extras")) or {}
+    extras = {**extras, **overlay_extras}  # platform overlay merged first ...
+    legacy = {f: extras.pop(k) for f, k in LEGACY_KEYS.items() if k in extras}  # ... then removed for good
+
+    out: Dict[str, FieldResolution] = {}
+    for fld in reg.FIELDS:
+        where_stage = f"model.stages.{info.name}.backend.{fld}"
+        layers = _layers(cfg, cli, info.name, fld)
+        leg_val = legacy.get(fld)
+        leg_canon = None
+        if leg_val is not None:
+            leg_canon = _canonical(fld, leg_val, info.roles,
+                                   f"model.stages.{info.name}.engine_extras.{LEGACY_KEYS[fld]}")
+            idx = next((i for i, (lay, _) in enumerate(layers) if LAYERS.index(lay) > LAYERS.index("engine_extras")),
+                       len(layers))
+            layers.insert(idx, ("engine_extras", leg_val))
+        if layers:
+            layer, requested = layers[0]
+        else:
+            layer, requested = "auto", reg.AUTO
+        res = FieldResolution(stage=info.name, field=fld, requested=requested, layer=layer,
+                              explicit=layer != "auto")
+        where = where_stage if layer in ("cli_stage", "yaml_stage") else (
+            f"model.stages.{info.name}.engine_extras.{LEGACY_KEYS[fld]}" if layer == "engine_extras" else
+            f"platform.overlays.{cfg.model.name}.backend.{fld}" if layer == "platform_overlay" else
+            f"model.backend.{fld}" if layer == "model_default" else f"backend.{fld}")
+        canon = _canonical(fld, requested, info.roles, where)
+        res.resolved = canon
+        if leg_val is not None:
+            res.legacy = {"key": LEGACY_KEYS[fld], "value": leg_val, "normalized": leg_canon,
+                          "used": layer == "engine_extras"}
+            if layer != "engine_extras" and leg_canon != canon:
+                msg = (f"stage {info.name}: engine_extras.{LEGACY_KEYS[fld]}={leg_val!r} (normalized "
+                       f"{_short(leg_canon)}) conflicts with {where}={_short(canon)} from layer {layer}; "
+                       f"the first-class value wins and the legacy key is dropped")
+                res.warnings.append(msg)
+                warnings.warn(msg, BackendConflictWarning, stacklevel=2)
+        if fld not in info.fields:
+            if _any_not_auto(canon) and layer in ("cli_run", "yaml_run"):
+                raise StageConflictError(
+                    f"backend.{fld}={_short(canon)} (from {layer}) cannot be honoured by stage {info.name!r}: its "
+                    f"engine has no {fld} backends; fix: drop backend.{fld}, or set {where_stage}=auto")
+            if _any_not_auto(canon):
+                raise StageConflictError(f"{where}={_short(canon)}: stage {info.name!r} has no {fld} layers")
+            res.selected, res.reason = None, f"not applicable: stage {info.name!r} has no {fld} layers"
+            out[fld] = res
+            continue
+        if fld == "attention":
+            sel: Dict[str, Dict[str, Any]] = {}
+            reasons = {}
+            for role, spec in canon.items():
+                w = where if len(canon) == 1 else f"{where} (role {role})"
+                name = spec["backend"]
+                if name == reg.AUTO:
+                    if spec.get("quant") or spec.get("skip_softmax"):
+                        raise reg.BackendSpecError(f"{w}: quant/skip_softmax need a named backend, not auto")
+                    name, reasons[role] = reg.auto_select("attention", info.ctx)
+                else:
+                    reg.check("attention", name, info.ctx, where=w)
+                reg.validate_spec(name, spec, w)
+                sel[role] = {**spec, "backend": name}
+            res.selected = sel
+            res.reason = "; ".join(f"{r}: {why}" for r, why in reasons.items()) or None
+        else:
+            if canon == reg.AUTO:
+                res.selected, res.reason = reg.auto_select(fld, info.ctx)
+            else:
+                reg.check(fld, canon, info.ctx, where=where)
+                res.selected = canon
+        out[fld] = res
+    return out, extras
+
+
+def _any_not_auto(canon: Any) -> bool:
+    if isinstance(canon, dict):
+        return any(s["backend"] != reg.AUTO for s in canon.values())
+    return canon != reg.AUTO
+
+
+def _short(canon: Any) -> str:
+    if isinstance(canon, dict):
+        names = {s["backend"] for s in canon.values()}
+        return names.pop() if len(names) == 1 else str({r: s["backend"] for r, s in canon.items()})
+    return str(canon)
