@@ -62,6 +62,7 @@ class AttentionSite:
     resolved: str
     observed: Counter = field(default_factory=Counter)
     custom: Optional[Callable[..., torch.Tensor]] = None
+    observing: bool = True
 
 
 def flashinfer_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -120,7 +121,8 @@ def _patch_dispatcher() -> None:
 
 
 def install(stage: str, sites: Iterable[Tuple[str, str, torch.nn.Module]],
-            selected: Dict[str, Dict[str, Any]], platform_sm: Optional[int] = None) -> List[AttentionSite]:
+            selected: Dict[str, Dict[str, Any]], platform_sm: Optional[int] = None,
+            observe: bool = True) -> List[AttentionSite]:
     """Point every attention module at its role's selected backend and attach the call-site probe.
 
     Args:
@@ -128,6 +130,8 @@ def install(stage: str, sites: Iterable[Tuple[str, str, torch.nn.Module]],
         sites: ``(role, layer_name, module)`` from the model adapter.
         selected: ``{role: {backend, quant, skip_softmax}}`` from resolution.
         platform_sm: compute capability (picks FA3 over FA2 on sm90 when ``flash_attn_interface`` exists).
+        observe: attach the call-site probes. Off under ``torch.compile`` (Python counters would be traced into
+            the graph, not run per call); the profiler's kernel evidence covers compiled runs.
 
     Returns:
         One :class:`AttentionSite` per module, in model order.
@@ -138,7 +142,8 @@ def install(stage: str, sites: Iterable[Tuple[str, str, torch.nn.Module]],
     """
     from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
 
-    _patch_dispatcher()
+    if observe or any(s["backend"] in _CARRIED for s in selected.values()):
+        _patch_dispatcher()
     out: List[AttentionSite] = []
     for role, layer, module in sites:
         name = selected[role]["backend"]
@@ -157,9 +162,11 @@ def install(stage: str, sites: Iterable[Tuple[str, str, torch.nn.Module]],
         except RuntimeError as e:
             raise AttentionWiringError(f"{name}: diffusers refused backend {dname!r}: {e}") from e
         module.processor._attention_backend = backend
-        site = AttentionSite(stage=stage, role=role, layer=layer, resolved=name, custom=CUSTOM_KERNELS.get(name))
-        module.register_forward_pre_hook(_enter(site))
-        module.register_forward_hook(_exit)
+        site = AttentionSite(stage=stage, role=role, layer=layer, resolved=name, custom=CUSTOM_KERNELS.get(name),
+                             observing=observe)
+        if observe or site.custom is not None:
+            module.register_forward_pre_hook(_enter(site))
+            module.register_forward_hook(_exit)
         out.append(site)
     return out
 

@@ -33,6 +33,7 @@ class LinearRecord:
     """
 
     resolved: str
+    counting: bool = True
     modules: int = 0
     observed: Dict[str, int] = field(default_factory=dict)
     skipped: List[str] = field(default_factory=list)
@@ -64,7 +65,8 @@ class FP8Linear(nn.Module):
         self._record = record
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._record.add("FP8")
+        if self._record.counting:
+            self._record.add("FP8")
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         x_fp8, x_scale = _quantize_rows(x2)
@@ -78,7 +80,8 @@ def _eligible(name: str, mod: nn.Linear, prefixes: Tuple[str, ...]) -> bool:
 
 
 def install(model: nn.Module, backend: str,
-            prefixes: Tuple[str, ...] = ("transformer_blocks.", "single_transformer_blocks.")) -> LinearRecord:
+            prefixes: Tuple[str, ...] = ("transformer_blocks.", "single_transformer_blocks."),
+            observe: bool = True) -> LinearRecord:
     """Apply linear backend ``backend`` to ``model`` and return the record its calls are counted into.
 
     Args:
@@ -86,12 +89,14 @@ def install(model: nn.Module, backend: str,
         backend: ``TORCH`` or ``FP8``.
         prefixes: module-name prefixes whose linears FP8 may replace (the transformer blocks; embedders and the
             output projection stay dense, as in common FP8 recipes for DiTs).
+        observe: count calls (off under ``torch.compile``, where counters would be traced, not run per call).
     """
-    rec = LinearRecord(resolved=backend)
+    rec = LinearRecord(resolved=backend, counting=observe)
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     if backend == "TORCH":
         for _, m in linears:
-            m.register_forward_pre_hook(lambda mod, args, _r=rec: _r.add("TORCH"))
+            if observe:
+                m.register_forward_pre_hook(lambda mod, args, _r=rec: _r.add("TORCH"))
         rec.modules = len(linears)
         return rec
     if backend != "FP8":
@@ -103,6 +108,7 @@ def install(model: nn.Module, backend: str,
             setattr(parent, child, FP8Linear(m, rec))
             rec.modules += 1
         else:
-            m.register_forward_pre_hook(lambda mod, args, _r=rec: _r.add("TORCH"))
+            if observe:
+                m.register_forward_pre_hook(lambda mod, args, _r=rec: _r.add("TORCH"))
             rec.skipped.append(name)
     return rec

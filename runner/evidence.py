@@ -65,12 +65,17 @@ class KernelTrace:
         pat = re.compile(regex, re.I)
         return sorted({n for n in self.kernels if pat.search(n)}) + sorted({n for n in self.ops if pat.search(n)})
 
+    def calls(self, names: List[str]) -> int:
+        """Largest call count among ``names`` in the profiled forward (one kernel launch per attention call)."""
+        return max([self.kernels.get(n, 0) or self.ops.get(n, 0) for n in names], default=0)
+
 
 class DenoiserProbe:
     """Counts denoiser forwards and profiles the first one (one denoising step) with ``torch.profiler``."""
 
-    def __init__(self, model: torch.nn.Module, profile: bool, device_kind: str):
+    def __init__(self, model: torch.nn.Module, profile: bool, device_kind: str, profile_forward: int = 1):
         self.forwards = 0
+        self.profile_forward = profile_forward
         self.trace: Optional[KernelTrace] = None
         self._prof = None
         self._profile = profile
@@ -80,7 +85,7 @@ class DenoiserProbe:
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         self.forwards += 1
-        if self._profile and self.trace is None and self._prof is None:
+        if self._profile and self.trace is None and self._prof is None and self.forwards >= self.profile_forward:
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU]
@@ -126,7 +131,13 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         mismatches.append(f"stage {stage}: the denoiser ran {fwd} forwards, expected {expected_forwards}")
     layers = []
     by_backend: Dict[str, int] = {}
+    observing = probes.get("observed", True)
     for site in probes["attention"]:
+        by_backend[site.resolved] = by_backend.get(site.resolved, 0) + 1
+        if not observing:  # compiled: per-call counters do not run; kernel evidence below
+            layers.append({"role": site.role, "layer": site.layer, "resolved": site.resolved, "calls": None,
+                           "observed": None, "ok": None})
+            continue
         observed = dict(site.observed)
         calls = sum(observed.values())
         ok = set(observed) == {site.resolved} and calls == fwd
@@ -136,13 +147,12 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
             mismatches.append(f"stage {stage}, role {site.role}, layer {site.layer}: resolved {site.resolved}, "
                               f"observed {observed.get(site.resolved, 0)} calls of it in {fwd} forwards; ran "
                               f"instead: {ran}")
-        by_backend[site.resolved] = by_backend.get(site.resolved, 0) + 1
         layers.append({"role": site.role, "layer": site.layer, "resolved": site.resolved, "calls": calls,
                        "observed": observed, "ok": ok})
     lin = probes["linear"]
     lin_entry = {"resolved": lin.resolved, "modules": lin.modules, "observed": dict(lin.observed),
                  "skipped_modules": len(lin.skipped)}
-    if lin.observed.get(lin.resolved, 0) < lin.modules * fwd:
+    if observing and lin.observed.get(lin.resolved, 0) < lin.modules * fwd:
         mismatches.append(f"stage {stage}, linear: resolved {lin.resolved} on {lin.modules} modules, observed "
                           f"{lin.observed.get(lin.resolved, 0)} calls in {fwd} forwards ({lin.observed})")
     if lin.resolved == "TORCH" and any(k != "TORCH" for k in lin.observed):
@@ -150,16 +160,21 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
     kernels: Dict[str, Any] = {"profiled": trace is not None}
     if trace is not None:
         matched = {}
-        for b in list(by_backend):
+        launches = {}
+        for b, n_sites in by_backend.items():
             names = trace.match(SIGNATURES["attention"].get(b, r"$^"))
             matched[b] = names
+            launches[b] = trace.calls(names)
             if not names:
                 mismatches.append(f"stage {stage}, attention: no profiled kernel matches {b}'s signature "
                                   f"/{SIGNATURES['attention'].get(b)}/")
+            elif len(by_backend) == 1 and launches[b] < n_sites:
+                mismatches.append(f"stage {stage}, attention: {b} kernels launched {launches[b]} times in the profiled "
+                                  f"forward, but {n_sites} call sites resolved to it")
         lin_names = trace.match(SIGNATURES["linear"][lin.resolved])
         if not lin_names:
             mismatches.append(f"stage {stage}, linear: no profiled kernel matches {lin.resolved}")
-        kernels.update(attention=matched, linear={lin.resolved: lin_names},
+        kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
                        device_kernels=len(trace.kernels), ops=len(trace.ops))
     if not finite:
         mismatches.append("non-finite outputs were produced (see items.jsonl rows with status failed)")

@@ -58,6 +58,8 @@ def check_run_values(cfg: DictConfig) -> None:
         raise ConfigValueError(f"num_images_per_prompt={cfg.num_images_per_prompt} must be >= 1")
     if cfg.max_pixels < 1:
         raise ConfigValueError(f"max_pixels={cfg.max_pixels} must be >= 1")
+    if cfg.compile not in ("none", "regional"):
+        raise ConfigValueError(f"compile={cfg.compile!r} is not one of none, regional")
     if cfg.parallelism.mode != "single" or cfg.parallelism.world_size != 1:
         raise ConfigValueError(f"parallelism.mode={cfg.parallelism.mode!r} (world_size={cfg.parallelism.world_size})"
                                " is not implemented yet; fix: parallelism=single")
@@ -109,13 +111,26 @@ def resolve_backends(cfg: DictConfig, overrides: Sequence[str], adapter: Any, pl
     return resolve_stage(cfg, cli_keys(overrides), info)
 
 
-def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any) -> Dict[str, Any]:
-    """Wire the selected attention and linear implementations into the loaded model, with their probes."""
+def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compile_mode: str = "none"
+                     ) -> Dict[str, Any]:
+    """Wire the selected attention and linear implementations into the loaded model, with their probes, then
+    compile if asked (``regional``: ``torch.compile`` of each repeated transformer block, diffusers'
+    ``compile_repeated_blocks``). Compiled runs keep no Python call counters; the profiler gives their evidence.
+
+    Raises:
+        ConfigValueError: unknown ``compile`` mode.
+    """
     from kernels import attention, linear
 
-    sites = attention.install(adapter.stage, adapter.attention_sites(), resolutions["attention"].selected, plat.sm)
-    lin = linear.install(adapter.denoiser, resolutions["linear"].selected)
-    return {"attention": sites, "linear": lin}
+    if compile_mode not in ("none", "regional"):
+        raise ConfigValueError(f"compile={compile_mode!r} is not one of none, regional")
+    observe = compile_mode == "none"
+    sites = attention.install(adapter.stage, adapter.attention_sites(), resolutions["attention"].selected, plat.sm,
+                              observe=observe)
+    lin = linear.install(adapter.denoiser, resolutions["linear"].selected, observe=observe)
+    if compile_mode == "regional":
+        adapter.denoiser.compile_repeated_blocks(fullgraph=False, dynamic=False)
+    return {"attention": sites, "linear": lin, "observed": observe}
 
 
 def expected_forwards(batch: List[ds.Item], true_cfg_scale: float) -> int:
@@ -180,8 +195,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     load_s = time.perf_counter() - t0
     manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": adapter.source,
                                "load_s": round(load_s, 3)})
-    probes = install_backends(adapter, resolutions, plat)
-    denoiser = evidence.DenoiserProbe(adapter.denoiser, profile=cfg.evidence.profile, device_kind=plat.kind)
+    probes = install_backends(adapter, resolutions, plat, cfg.compile)
+    # Profile the 2nd forward when compiled (the 1st compiles), else the 1st.
+    denoiser = evidence.DenoiserProbe(adapter.denoiser, profile=cfg.evidence.profile, device_kind=plat.kind,
+                                      profile_forward=2 if cfg.compile != "none" else 1)
     if on_loaded is not None:
         on_loaded(adapter)
     manifest.flush()

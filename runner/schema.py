@@ -147,6 +147,7 @@ class RunConfig:
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
     seed: int = 0
     dtype: str = "auto"
+    compile: str = "none"
     batch_size: int = 1
     num_images_per_prompt: int = 1
     max_pixels: int = 4096 * 4096
