@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runner runs on a CUDA GPU with evidence, one per backend choice, on a reduced-depth FLUX.1-dev architecture
 # (real width, random weights, load_format=dummy). Usage: benchmarks/gpu_evidence.sh OUT_DIR none|regional
+# Optional 3rd argument: a regex; only runs whose tag matches it.
 # Writes OUT_DIR/evidence_<compile>.json: per run, the exit code, the backends and evidence sections.
 set -u
 out=${1:?out dir}; mode=${2:-none}
@@ -17,10 +18,11 @@ fi
 mkdir -p "$out/runs"
 for r in "${runs[@]}"; do
   tag=${r%% *}; ov=${r#"$tag"}
+  [[ "$tag" =~ ${3:-.} ]] || continue
   d="$out/runs/$mode-$tag"
-  start=$(date +%s.%N)
+  start=$SECONDS
   python -m runner $M $ov hydra.run.dir="$d" >"$out/runs/$mode-$tag.log" 2>&1
-  echo "$tag rc=$? wall=$(echo "$(date +%s.%N) - $start" | bc) s"
+  echo "$tag rc=$? wall=$((SECONDS - start)) s"
   grep -E "ERROR|Error" "$out/runs/$mode-$tag.log" | tail -2
 done
 python - "$out" "$mode" <<'PY'

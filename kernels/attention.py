@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-# Canonical backend -> diffusers AttentionBackendName value.
+# Canonical backend -> diffusers AttentionBackendName value (see ``plan`` for the ones diffusers may not run).
 DIFFUSERS_BACKEND = {
     "TORCH_SDPA": "native",
     "CUDNN_ATTN": "_native_cudnn",
@@ -33,7 +33,7 @@ DIFFUSERS_BACKEND = {
     "SAGE_ATTN": "sage",
     "FLASHINFER_ATTN": "native",  # carrier: our kernel is called by the observing wrapper
 }
-_CARRIED = {"FLASHINFER_ATTN"}
+_CARRIED = {"FLASHINFER_ATTN", "SAGE_ATTN"}
 # diffusers backend value -> canonical name, for what was observed (others are reported as ``diffusers:<value>``).
 OBSERVED_NAME = {"native": "TORCH_SDPA", "_native_cudnn": "CUDNN_ATTN", "flash": "FLASH_ATTN", "_flash_3": "FLASH_ATTN",
                  "sage": "SAGE_ATTN", "flash_4_hub": "FLASH_ATTN"}
@@ -89,7 +89,72 @@ def flashinfer_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return torch.stack(outs, 0)
 
 
-CUSTOM_KERNELS: Dict[str, Callable[..., torch.Tensor]] = {"FLASHINFER_ATTN": flashinfer_attention}
+def sage_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
+                   scale: Optional[float] = None, **_: Any) -> torch.Tensor:
+    """SageAttention ``sageattn`` (1.x Triton: INT8 Q/K per block, FP16 P/V) on the NHD layout.
+
+    Used when diffusers' own ``sage`` backend refuses the installed package (diffusers wants sageattention >= 2.1.1;
+    1.0.6 is the pure-Triton release that installs everywhere).
+
+    Args:
+        query, key, value: ``(batch, seq_len, heads, head_dim)``, fp16/bf16, CUDA; head_dim in {64, 96, 128}.
+
+    Returns:
+        ``(batch, seq_len, heads, head_dim)`` in the query dtype.
+
+    Raises:
+        ValueError: a mask or dropout was passed.
+    """
+    from sageattention import sageattn
+
+    if attn_mask is not None or dropout_p:
+        raise ValueError("SAGE_ATTN was called with a mask or dropout it cannot honour")
+    out = sageattn(query, key, value, tensor_layout="NHD", is_causal=is_causal, sm_scale=scale)
+    return out.to(query.dtype)
+
+
+CUSTOM_KERNELS: Dict[str, Callable[..., torch.Tensor]] = {"FLASHINFER_ATTN": flashinfer_attention,
+                                                          "SAGE_ATTN": sage_attention}
+
+
+def _diffusers_can(dname: str) -> Optional[str]:
+    """None when diffusers can run backend ``dname`` here, else diffusers' reason."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+
+    try:
+        _check_attention_backend_requirements(AttentionBackendName(dname))
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def plan(name: str, platform_sm: Optional[int] = None) -> Tuple[str, Optional[Callable[..., torch.Tensor]]]:
+    """How backend ``name`` is wired: ``(diffusers backend value, our kernel or None)``. No weights needed, so the
+    runner calls it at startup.
+
+    Raises:
+        AttentionWiringError: no wiring exists (TRTLLM_ATTN) or diffusers refuses the installed package.
+    """
+    if name not in DIFFUSERS_BACKEND:
+        raise AttentionWiringError(f"{name} is not wired into diffusers models yet; fix: choose CUDNN_ATTN, "
+                                   "FLASH_ATTN, SAGE_ATTN, FLASHINFER_ATTN or TORCH_SDPA")
+    dname = DIFFUSERS_BACKEND[name]
+    if name == "FLASH_ATTN" and platform_sm == 90:
+        from kernels.registry import _symbol
+
+        if _symbol("flash_attn_interface:flash_attn_func"):
+            dname = "_flash_3"
+    if name == "SAGE_ATTN":
+        if _diffusers_can("sage") is None:
+            return "sage", None
+        return "native", sage_attention
+    if name in CUSTOM_KERNELS:
+        return dname, CUSTOM_KERNELS[name]
+    why = _diffusers_can(dname)
+    if why:
+        raise AttentionWiringError(f"{name}: diffusers refused backend {dname!r}: {why}")
+    return dname, None
 
 
 def _observing(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -140,29 +205,16 @@ def install(stage: str, sites: Iterable[Tuple[str, str, torch.nn.Module]],
         AttentionWiringError: a backend that has no wiring into diffusers models (TRTLLM_ATTN), or diffusers'
         own requirement check refused it.
     """
-    from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
+    from diffusers.models.attention_dispatch import AttentionBackendName
 
-    if observe or any(s["backend"] in _CARRIED for s in selected.values()):
+    plans = {role: plan(spec["backend"], platform_sm) for role, spec in selected.items()}
+    if observe or any(custom is not None for _, custom in plans.values()):
         _patch_dispatcher()
     out: List[AttentionSite] = []
     for role, layer, module in sites:
-        name = selected[role]["backend"]
-        if name not in DIFFUSERS_BACKEND:
-            raise AttentionWiringError(f"{name} is not wired into diffusers models yet (role {role}); "
-                                       "fix: choose CUDNN_ATTN, FLASH_ATTN, SAGE_ATTN, FLASHINFER_ATTN or TORCH_SDPA")
-        dname = DIFFUSERS_BACKEND[name]
-        if name == "FLASH_ATTN" and platform_sm == 90:
-            from kernels.registry import _symbol
-
-            if _symbol("flash_attn_interface:flash_attn_func"):
-                dname = "_flash_3"
-        backend = AttentionBackendName(dname)
-        try:
-            _check_attention_backend_requirements(backend)
-        except RuntimeError as e:
-            raise AttentionWiringError(f"{name}: diffusers refused backend {dname!r}: {e}") from e
-        module.processor._attention_backend = backend
-        site = AttentionSite(stage=stage, role=role, layer=layer, resolved=name, custom=CUSTOM_KERNELS.get(name),
+        dname, custom = plans[role]
+        module.processor._attention_backend = AttentionBackendName(dname)
+        site = AttentionSite(stage=stage, role=role, layer=layer, resolved=selected[role]["backend"], custom=custom,
                              observing=observe)
         if observe or site.custom is not None:
             module.register_forward_pre_hook(_enter(site))

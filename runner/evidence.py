@@ -174,7 +174,9 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         lin_names = trace.match(SIGNATURES["linear"][lin.resolved])
         if not lin_names:
             mismatches.append(f"stage {stage}, linear: no profiled kernel matches {lin.resolved}")
+        top = sorted(trace.kernels.items(), key=lambda kv: -kv[1])[:40]
         kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
+                       top_device_kernels=dict(top),
                        device_kernels=len(trace.kernels), ops=len(trace.ops))
     if not finite:
         mismatches.append("non-finite outputs were produced (see items.jsonl rows with status failed)")

@@ -108,7 +108,12 @@ def resolve_backends(cfg: DictConfig, overrides: Sequence[str], adapter: Any, pl
     ctx = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=dtype, head_dim=adapter.head_dim(),
                            needs_mask=adapter.needs_mask, sequence_parallel=False)
     info = StageInfo(name=adapter.stage, roles=list(cfg.model.roles), fields=adapter.backend_fields, ctx=ctx)
-    return resolve_stage(cfg, cli_keys(overrides), info)
+    resolutions, extras = resolve_stage(cfg, cli_keys(overrides), info)
+    from kernels.attention import plan
+
+    for spec in resolutions["attention"].selected.values():  # wiring problems surface now, not after loading
+        plan(spec["backend"], plat.sm)
+    return resolutions, extras
 
 
 def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compile_mode: str = "none"
