@@ -27,7 +27,8 @@ import torch
 # Backend -> regex over profiled names (aten op names on CPU, device kernel names on GPUs). Sources: kernel names
 # seen in torch.profiler traces (cuDNN frontend SDPA "cudnn_generated_fort_native_sdpa_*"; flash-attn
 # "flash_fwd_kernel"; SageAttention's Triton "_attn_fwd" and "quant_per_block_int8_kernel"; cuBLASLt/CUTLASS FP8
-# GEMMs carry "e4m3" in their names).
+# GEMMs carry "e4m3" in their names, and torch 2.11's cuBLASLt picks "nvjet_sm90_qqtst_..._ovscale_..." for
+# row-wise scaled FP8 on the H200, seen there 2026-11-29).
 SIGNATURES: Dict[str, Dict[str, str]] = {
     "attention": {
         "TORCH_SDPA": r"aten::_scaled_dot_product_(flash_attention_for_cpu|attention_math|efficient_attention|"
@@ -39,7 +40,7 @@ SIGNATURES: Dict[str, Dict[str, str]] = {
     },
     "linear": {
         "TORCH": r"aten::(addmm|mm|bmm|linear)\b|gemm|cutlass|nvjet|xmma",
-        "FP8": r"aten::_scaled_mm|e4m3|fp8|f8f8",
+        "FP8": r"aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq",
     },
 }
 
@@ -174,6 +175,9 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         lin_names = trace.match(SIGNATURES["linear"][lin.resolved])
         if not lin_names:
             mismatches.append(f"stage {stage}, linear: no profiled kernel matches {lin.resolved}")
+        if lin.resolved == "TORCH" and trace.match(SIGNATURES["linear"]["FP8"]):
+            mismatches.append(f"stage {stage}, linear: resolved TORCH but FP8 GEMMs ran: "
+                              f"{trace.match(SIGNATURES['linear']['FP8'])}")
         top = sorted(trace.kernels.items(), key=lambda kv: -kv[1])[:40]
         kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
                        top_device_kernels=dict(top),
