@@ -116,11 +116,12 @@ def resolve_backends(cfg: DictConfig, overrides: Sequence[str], adapter: Any, pl
     return resolutions, extras
 
 
-def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compile_mode: str = "none"
-                     ) -> Dict[str, Any]:
+def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compile_mode: str = "none",
+                     observe: bool = True) -> Dict[str, Any]:
     """Wire the selected attention and linear implementations into the loaded model, with their probes, then
     compile if asked (``regional``: ``torch.compile`` of each repeated transformer block, diffusers'
     ``compile_repeated_blocks``). Compiled runs keep no Python call counters; the profiler gives their evidence.
+    ``observe=False`` (``evidence.enabled=false``) installs the same implementations without any probe.
 
     Raises:
         ConfigValueError: unknown ``compile`` mode.
@@ -129,7 +130,7 @@ def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compi
 
     if compile_mode not in ("none", "regional"):
         raise ConfigValueError(f"compile={compile_mode!r} is not one of none, regional")
-    observe = compile_mode == "none"
+    observe = observe and compile_mode == "none"
     sites = attention.install(adapter.stage, adapter.attention_sites(), resolutions["attention"].selected, plat.sm,
                               observe=observe)
     lin = linear.install(adapter.denoiser, resolutions["linear"].selected, observe=observe)
@@ -200,9 +201,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     load_s = time.perf_counter() - t0
     manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": adapter.source,
                                "load_s": round(load_s, 3)})
-    probes = install_backends(adapter, resolutions, plat, cfg.compile)
+    probes = install_backends(adapter, resolutions, plat, cfg.compile, observe=cfg.evidence.enabled)
     # Profile the 2nd forward when compiled (the 1st compiles), else the 1st.
-    denoiser = evidence.DenoiserProbe(adapter.denoiser, profile=cfg.evidence.profile, device_kind=plat.kind,
+    denoiser = evidence.DenoiserProbe(adapter.denoiser, profile=cfg.evidence.enabled and cfg.evidence.profile,
+                                      device_kind=plat.kind,
                                       profile_forward=2 if cfg.compile != "none" else 1)
     if on_loaded is not None:
         on_loaded(adapter)
@@ -252,10 +254,14 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                 write_s += time.perf_counter() - tw
                 bar.update(1)
         status = "completed" if counts["failed"] == 0 else "completed_with_failures"
-        ev = evidence.build(adapter.stage, probes, denoiser, want_forwards, finite=counts["failed"] == 0,
-                            device=plat.device)
+        if cfg.evidence.enabled:
+            ev = evidence.build(adapter.stage, probes, denoiser, want_forwards, finite=counts["failed"] == 0,
+                                device=plat.device)
+        else:
+            ev = {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": counts["failed"] == 0,
+                  "verdict": "not_collected", "mismatches": []}
         manifest.section("evidence", ev)
-        if ev["verdict"] != "verified":
+        if ev["verdict"] not in ("verified", "not_collected"):
             status = "evidence_mismatch" if cfg.evidence.strict else "limited"
     except BaseException as e:
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
