@@ -7,8 +7,11 @@ dataset rows, platform, backend selection) is checked before the model loads.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -18,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import dataset as ds
-from runner import evidence
+from runner import evidence, resume
 from runner.artifacts import Journal, atomic_write_bytes, encode_png
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.platform import detect
@@ -85,7 +88,7 @@ def _user_errors() -> tuple:
     from runner.platform import PlatformError
 
     return (ds.DatasetError, ConfigValueError, BackendError, PlatformError, ModelPathError, AttentionWiringError,
-            evidence.EvidenceError)
+            evidence.EvidenceError, resume.ResumeConflictError)
 
 
 LIBRARY_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
@@ -145,34 +148,94 @@ def expected_forwards(batch: List[ds.Item], true_cfg_scale: float) -> int:
     return r.num_inference_steps * (2 if r.negative_prompt is not None and true_cfg_scale > 1 else 1)
 
 
+class _Stop:
+    """SIGINT/SIGTERM handling: the first signal asks the loop to stop after the current batch; a second one
+    exits at once (every write is atomic or an fsynced journal line, so nothing is left half-written)."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._old: Dict[int, Any] = {}
+
+    def __enter__(self) -> "_Stop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum = signum
+        log.warning("%s received: stopping after the current batch (send again to exit now)",
+                    signal.Signals(signum).name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _item_record(it: ds.Item, batch_len: int) -> Dict[str, Any]:
+    return {
+        "id": it.row.id, "index": it.index, "key": it.key,
+        "prompt_sha256": hashlib.sha256(it.row.prompt.encode()).hexdigest(),
+        "seed": it.seed,
+        "params": {"width": it.row.width, "height": it.row.height,
+                   "num_inference_steps": it.row.num_inference_steps, "guidance_scale": it.row.guidance_scale,
+                   "negative_prompt": it.row.negative_prompt, "batch_size": batch_len},
+    }
+
+
+def _compact_journal(out_dir: Path, items: List[ds.Item]) -> None:
+    """Rewrite ``items.jsonl`` atomically with the latest record per item, in dataset order (after a resume the
+    file then reads exactly like an uninterrupted run's)."""
+    latest = {r["key"]: r for r in resume.read_journal(out_dir / "items.jsonl") if "key" in r}
+    lines = [json.dumps(latest[it.key]) + "\n" for it in items if it.key in latest]
+    atomic_write_bytes(out_dir / "items.jsonl", "".join(lines).encode())
+
+
 def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         on_loaded: Optional[Callable[[Any], None]] = None) -> int:
-    """Execute one run into ``run_dir``. Returns the process exit code (0: every item written and verified).
+    """Execute one run into ``run_dir``. Returns the process exit code (0: every item written and verified;
+    1: some items failed; 128+signal: interrupted).
 
     Args:
         cfg: the composed run config.
-        run_dir: output directory (the Hydra run dir).
+        run_dir: output directory (the Hydra run dir); ``run.resume`` or ``output.dir`` take precedence.
         overrides: the CLI overrides (Hydra's task overrides); they decide the CLI precedence layers.
         on_loaded: called with the adapter once the model is loaded and backends are installed (tests use it
             to tamper with the model and check that the evidence notices).
 
     Raises:
         evidence.EvidenceError: strict evidence found a mismatch (after everything was written).
-        dataset.DatasetError, ConfigValueError, PlatformError, ModelPathError and backend selection errors, all
-        before any weight loads.
+        dataset.DatasetError, ConfigValueError, PlatformError, ModelPathError, ResumeConflictError and backend
+        selection errors, all before any weight loads.
     """
     t_start = time.perf_counter()
-    run_dir = Path(run_dir)
-    out_dir = Path(cfg.output.dir) if cfg.output.dir else run_dir
+    out_dir = Path(cfg.run.resume or cfg.output.dir or run_dir)
     check_run_values(cfg)
-    model_defaults = cfg.model.generation
-    defaults = dict(width=model_defaults.width, height=model_defaults.height,
-                    num_inference_steps=model_defaults.num_inference_steps,
-                    guidance_scale=model_defaults.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt)
+    g = cfg.model.generation
+    defaults = dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
+                    guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt)
     rows, data_path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
                                    size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels,
                                    limit=cfg.dataset.limit)
     items = ds.expand_items(rows, cfg.seed)
+    data_sha = ds.file_sha256(data_path)
+    resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
+    prev = resume.previous_run(out_dir)
+    if cfg.run.resume and prev is None:
+        raise resume.ResumeConflictError(f"run.resume={cfg.run.resume!r} holds no manifest.json, so there is no run "
+                                         "to resume; fix: point at an earlier run dir")
+    done: Dict[str, Dict[str, Any]] = {}
+    if prev is not None:
+        diffs = resume.semantic_diff(prev.get("config", {}), resolved_cfg, prev.get("dataset", {}).get("sha256"),
+                                     data_sha)
+        if diffs and not cfg.run.force:
+            raise resume.ResumeConflictError(
+                f"{out_dir} holds a run with a different config; resuming would mix artifacts. Differing keys:\n  "
+                + "\n  ".join(diffs) + "\nfix: use a new run dir, or run.force=true to resume anyway")
+        done = resume.finished(out_dir)
+    todo = [it for it in items if it.key not in done]
     plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
     dtype = resolve_dtype(cfg.dtype, plat.kind)
     adapter = make_adapter(cfg, plat.device, dtype)
@@ -183,85 +246,95 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     img_dir = out_dir / "images"
     img_dir.mkdir(exist_ok=True)
     manifest = Manifest(out_dir / "manifest.json")
-    manifest.section("config", OmegaConf.to_container(cfg, resolve=True))
+    if prev is not None:
+        manifest.section("resumed_from", {"run_id": prev.get("run_id"), "status": prev.get("status"),
+                                          "reused_items": len(items) - len(todo), "forced": bool(cfg.run.force)})
+    manifest.section("config", resolved_cfg)
     manifest.section("overrides", list(overrides))
     manifest.section("git", git_state(REPO_ROOT))
     manifest.section("packages", package_versions())
     manifest.section("platform", plat.to_dict())
     manifest.section("dtype", str(dtype).replace("torch.", ""))
-    manifest.section("dataset", {"format": cfg.dataset.format, "path": str(data_path),
-                                 "sha256": ds.file_sha256(data_path), "rows": len(rows), "items": len(items)})
+    manifest.section("dataset", {"format": cfg.dataset.format, "path": str(data_path), "sha256": data_sha,
+                                 "rows": len(rows), "items": len(items)})
     manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": source})
     manifest.section("backends", {adapter.stage: {f: r.to_dict() for f, r in resolutions.items()}})
     manifest.section("environment", {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ})
     manifest.flush()
 
-    t0 = time.perf_counter()
-    adapter.load()
-    load_s = time.perf_counter() - t0
-    manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": adapter.source,
-                               "load_s": round(load_s, 3)})
-    probes = install_backends(adapter, resolutions, plat, cfg.compile, observe=cfg.evidence.enabled)
-    # Profile the 2nd forward when compiled (the 1st compiles), else the 1st.
-    denoiser = evidence.DenoiserProbe(adapter.denoiser, profile=cfg.evidence.enabled and cfg.evidence.profile,
-                                      device_kind=plat.kind,
-                                      profile_forward=2 if cfg.compile != "none" else 1)
-    if on_loaded is not None:
-        on_loaded(adapter)
-    manifest.flush()
-    want_forwards = 0
-
-    counts = {"ok": 0, "failed": 0}
-    gen_s = write_s = 0.0
-    journal = Journal(out_dir / "items.jsonl")
+    counts = {"ok": 0, "failed": 0, "reused": len(items) - len(todo)}
+    gen_s = write_s = load_s = 0.0
     status = "running"
+    want_forwards = 0
+    probes: Dict[str, Any] = {}
+    denoiser = None
+    journal = Journal(out_dir / "items.jsonl")
     from tqdm import tqdm
 
-    bar = tqdm(total=len(items), unit="img", desc=cfg.model.name, dynamic_ncols=True)
+    bar = tqdm(total=len(items), initial=len(items) - len(todo), unit="img", desc=cfg.model.name,
+               dynamic_ncols=True)
+    stop = _Stop()
     try:
-        for batch in ds.batches(items, cfg.batch_size):
-            t0 = time.perf_counter()
-            want_forwards += expected_forwards(batch, float(cfg.model.generation.true_cfg_scale))
-            images = adapter.generate(batch)
-            t1 = time.perf_counter()
-            per_item_gen = (t1 - t0) / len(batch)
-            gen_s += t1 - t0
-            for it, img in zip(batch, images):
-                tw = time.perf_counter()
-                rec: Dict[str, Any] = {
-                    "id": it.row.id, "index": it.index, "key": it.key,
-                    "prompt_sha256": hashlib.sha256(it.row.prompt.encode()).hexdigest(),
-                    "seed": it.seed,
-                    "params": {"width": it.row.width, "height": it.row.height,
-                               "num_inference_steps": it.row.num_inference_steps,
-                               "guidance_scale": it.row.guidance_scale,
-                               "negative_prompt": it.row.negative_prompt, "batch_size": len(batch)},
-                }
-                if not np.isfinite(img).all():
-                    rec.update(status="failed", reason=f"non-finite output ({int((~np.isfinite(img)).sum())} values)",
-                               file=None)
-                    counts["failed"] += 1
-                else:
-                    data = encode_png(img)
-                    path = img_dir / f"{it.key}.png"
-                    atomic_write_bytes(path, data)
-                    rec.update(status="ok", file=str(path.relative_to(out_dir)),
-                               file_sha256=hashlib.sha256(data).hexdigest())
-                    counts["ok"] += 1
-                rec["timing"] = {"generate_s": round(per_item_gen, 4),
-                                 "write_s": round(time.perf_counter() - tw, 4)}
-                journal.append(rec)
-                write_s += time.perf_counter() - tw
-                bar.update(1)
-        status = "completed" if counts["failed"] == 0 else "completed_with_failures"
-        if cfg.evidence.enabled:
+        with stop:
+            if todo:
+                t0 = time.perf_counter()
+                adapter.load()
+                load_s = time.perf_counter() - t0
+                manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter,
+                                           "source": adapter.source, "load_s": round(load_s, 3)})
+                probes = install_backends(adapter, resolutions, plat, cfg.compile, observe=cfg.evidence.enabled)
+                # Profile the 2nd forward when compiled (the 1st compiles), else the 1st.
+                denoiser = evidence.DenoiserProbe(adapter.denoiser, profile=cfg.evidence.enabled and cfg.evidence.profile,
+                                                  device_kind=plat.kind,
+                                                  profile_forward=2 if cfg.compile != "none" else 1)
+                if on_loaded is not None:
+                    on_loaded(adapter)
+                manifest.flush()
+            for batch in ds.batches(todo, cfg.batch_size):
+                if stop.signum is not None:
+                    break
+                t0 = time.perf_counter()
+                want_forwards += expected_forwards(batch, float(g.true_cfg_scale))
+                images = adapter.generate(batch)
+                t1 = time.perf_counter()
+                gen_s += t1 - t0
+                for it, img in zip(batch, images):
+                    tw = time.perf_counter()
+                    rec = _item_record(it, len(batch))
+                    if not np.isfinite(img).all():
+                        rec.update(status="failed", file=None,
+                                   reason=f"non-finite output ({int((~np.isfinite(img)).sum())} values)")
+                        counts["failed"] += 1
+                    else:
+                        data = encode_png(img)
+                        path = img_dir / f"{it.key}.png"
+                        atomic_write_bytes(path, data)
+                        rec.update(status="ok", file=str(path.relative_to(out_dir)),
+                                   file_sha256=hashlib.sha256(data).hexdigest())
+                        counts["ok"] += 1
+                    rec["timing"] = {"generate_s": round((t1 - t0) / len(batch), 4),
+                                     "write_s": round(time.perf_counter() - tw, 4)}
+                    journal.append(rec)
+                    write_s += time.perf_counter() - tw
+                    bar.update(1)
+                manifest.section("counts", counts)
+                manifest.flush()  # checkpoint
+        if stop.signum is not None:
+            status = "interrupted"
+        else:
+            status = "completed" if counts["failed"] == 0 else "completed_with_failures"
+        if not todo:
+            ev = {"enabled": cfg.evidence.enabled, "pid": os.getpid(), "device": plat.device, "all_finite": True,
+                  "verdict": "not_collected", "reason": "every item was reused from the earlier run",
+                  "mismatches": []}
+        elif cfg.evidence.enabled:
             ev = evidence.build(adapter.stage, probes, denoiser, want_forwards, finite=counts["failed"] == 0,
                                 device=plat.device)
         else:
             ev = {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": counts["failed"] == 0,
                   "verdict": "not_collected", "mismatches": []}
         manifest.section("evidence", ev)
-        if ev["verdict"] not in ("verified", "not_collected"):
+        if ev["verdict"] not in ("verified", "not_collected") and status != "interrupted":
             status = "evidence_mismatch" if cfg.evidence.strict else "limited"
     except BaseException as e:
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
@@ -270,6 +343,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     finally:
         bar.close()
         journal.close()
+        _compact_journal(out_dir, items)
         wall = time.perf_counter() - t_start
         manifest.section("counts", counts)
         manifest.section("timing", {"wall_s": round(wall, 3), "load_s": round(load_s, 3),
@@ -278,11 +352,13 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         manifest.doc["status"] = status
         manifest.doc["ended_at"] = now_iso()
         manifest.flush()
-    log.info("run %s: %d ok, %d failed, %.1f s -> %s", status, counts["ok"], counts["failed"],
-             time.perf_counter() - t_start, out_dir)
+    log.info("run %s: %d ok, %d failed, %d reused, %.1f s -> %s", status, counts["ok"], counts["failed"],
+             counts["reused"], time.perf_counter() - t_start, out_dir)
     if status == "evidence_mismatch":
         raise evidence.EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
                                      + "\n  ".join(manifest.doc["evidence"]["mismatches"]))
+    if status == "interrupted":
+        return 128 + (stop.signum or signal.SIGINT)
     return 0 if counts["failed"] == 0 else 1
 
 

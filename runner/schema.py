@@ -135,6 +135,15 @@ class EvidenceConfig:
 
 
 @dataclass
+class RunControl:
+    """Resume control. ``resume``: an earlier run dir to finish (finished, intact items are kept); ``force``:
+    resume even when the semantic config differs."""
+
+    resume: Optional[str] = None
+    force: bool = False
+
+
+@dataclass
 class RunConfig:
     """The composed run config (``conf/config.yaml``)."""
 
@@ -145,6 +154,7 @@ class RunConfig:
     dataset: DatasetConfig = MISSING
     output: OutputConfig = field(default_factory=OutputConfig)
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
+    run: RunControl = field(default_factory=RunControl)
     seed: int = 0
     dtype: str = "auto"
     compile: str = "none"

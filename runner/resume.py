@@ -1,0 +1,89 @@
+"""Resume: reuse the finished items of an earlier run in the same dir, regenerate the rest with the same seeds.
+
+An item counts as finished when its ``items.jsonl`` record says ``ok`` and its artifact exists with the recorded
+sha256. Missing or corrupt artifacts are regenerated. A resume whose *semantic* config (what changes the
+artifacts: model, backends, dtype, generation sizes, seed, dataset content) differs from the earlier run's is
+refused with the differing keys named, unless ``run.force=true``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+SEMANTIC_KEYS = ("model.name", "model.adapter", "model.path", "model.revision", "model.load_format",
+                 "model.architecture", "model.generation", "model.backend", "model.stages", "backend", "dtype",
+                 "seed", "num_images_per_prompt", "compile")
+
+
+class ResumeConflictError(ValueError):
+    """The run dir holds a run with a different semantic config (names the keys and the fix)."""
+
+
+def _get(d: Dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _flat(x: Any, prefix: str) -> Dict[str, Any]:
+    if isinstance(x, dict):
+        out: Dict[str, Any] = {}
+        for k, v in x.items():
+            out.update(_flat(v, f"{prefix}.{k}"))
+        return out or {prefix: {}}
+    return {prefix: x}
+
+
+def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_sha: Optional[str],
+                  new_dataset_sha: str) -> List[str]:
+    """Dotted keys whose values differ between two resolved configs (plus ``dataset.sha256``), as
+    ``"key: old -> new"`` strings."""
+    diffs = []
+    for key in SEMANTIC_KEYS:
+        a, b = _flat(_get(old_cfg, key), key), _flat(_get(new_cfg, key), key)
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                diffs.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
+    if old_dataset_sha is not None and old_dataset_sha != new_dataset_sha:
+        diffs.append(f"dataset.sha256: {old_dataset_sha[:12]}… -> {new_dataset_sha[:12]}…")
+    return diffs
+
+
+def previous_run(out_dir: Path) -> Optional[Dict[str, Any]]:
+    """The earlier manifest in ``out_dir``, or None when the dir holds no run."""
+    p = out_dir / "manifest.json"
+    if not p.is_file():
+        return None
+    return json.loads(p.read_text())
+
+
+def read_journal(path: Path) -> List[Dict[str, Any]]:
+    """Records of an ``items.jsonl``; a truncated last line (a kill mid-write) is ignored."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def finished(out_dir: Path) -> Dict[str, Dict[str, Any]]:
+    """``{item key: record}`` of items whose artifact exists and matches its recorded sha256."""
+    done: Dict[str, Dict[str, Any]] = {}
+    for rec in read_journal(out_dir / "items.jsonl"):
+        if rec.get("status") != "ok" or not rec.get("file"):
+            continue
+        f = out_dir / rec["file"]
+        if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() == rec.get("file_sha256"):
+            done[rec["key"]] = rec
+        else:
+            done.pop(rec["key"], None)
+    return done
