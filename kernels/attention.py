@@ -33,7 +33,6 @@ DIFFUSERS_BACKEND = {
     "SAGE_ATTN": "sage",
     "FLASHINFER_ATTN": "native",  # carrier: our kernel is called by the observing wrapper
 }
-_CARRIED = {"FLASHINFER_ATTN", "SAGE_ATTN"}
 # diffusers backend value -> canonical name, for what was observed (others are reported as ``diffusers:<value>``).
 OBSERVED_NAME = {"native": "TORCH_SDPA", "_native_cudnn": "CUDNN_ATTN", "flash": "FLASH_ATTN", "_flash_3": "FLASH_ATTN",
                  "sage": "SAGE_ATTN", "flash_4_hub": "FLASH_ATTN"}
@@ -114,6 +113,28 @@ def sage_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.to(query.dtype)
 
 
+def flash4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
+                     scale: Optional[float] = None, **_: Any) -> torch.Tensor:
+    """FlashAttention-4 (``flash_attn.cute.flash_attn_func``, CuTe DSL) for Blackwell (sm100+).
+
+    Args:
+        query, key, value: ``(batch, seq_len, heads, head_dim)``, fp16/bf16, CUDA.
+
+    Returns:
+        ``(batch, seq_len, heads, head_dim)``.
+
+    Raises:
+        ValueError: a mask or dropout was passed.
+    """
+    from flash_attn.cute import flash_attn_func
+
+    if attn_mask is not None or dropout_p:
+        raise ValueError("FLASH_ATTN (FA4) was called with a mask or dropout it cannot honour")
+    out = flash_attn_func(query, key, value, softmax_scale=scale, causal=is_causal)
+    return out[0] if isinstance(out, tuple) else out
+
+
 CUSTOM_KERNELS: Dict[str, Callable[..., torch.Tensor]] = {"FLASHINFER_ATTN": flashinfer_attention,
                                                           "SAGE_ATTN": sage_attention}
 
@@ -140,6 +161,8 @@ def plan(name: str, platform_sm: Optional[int] = None) -> Tuple[str, Optional[Ca
         raise AttentionWiringError(f"{name} is not wired into diffusers models yet; fix: choose CUDNN_ATTN, "
                                    "FLASH_ATTN, SAGE_ATTN, FLASHINFER_ATTN or TORCH_SDPA")
     dname = DIFFUSERS_BACKEND[name]
+    if name == "FLASH_ATTN" and platform_sm is not None and platform_sm >= 100:
+        return "native", flash4_attention  # FA2/FA3 wheels do not run Blackwell; the registry demanded FA4
     if name == "FLASH_ATTN" and platform_sm == 90:
         from kernels.registry import _symbol
 
@@ -173,7 +196,7 @@ def _observing(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torc
 
 
 def _custom_name(site: AttentionSite) -> str:
-    return site.resolved if site.resolved in _CARRIED else "custom"
+    return site.resolved  # a kernel of ours is attached to a site only for the backend resolved there
 
 
 def _patch_dispatcher() -> None:

@@ -204,19 +204,23 @@ def _key(s: str) -> str:
     return s.strip().lower().replace("-", "_")
 
 
-def normalize(field_name: str, value: Any) -> str:
+def normalize(field_name: str, value: Any, where: Optional[str] = None) -> str:
     """Canonical spelling of a backend name, or ``auto``.
 
     Case-insensitive, ``-`` and ``_`` equivalent, aliases accepted: ``normalize("attention", "torch-sdpa")`` ->
     ``"TORCH_SDPA"``.
 
+    Args:
+        where: the config key the value came from, for the error message (default ``backend.<field>``).
+
     Raises:
         UnknownBackendError: listing the valid names and the closest match.
     """
+    where = where or f"backend.{field_name}"
     if field_name not in BACKENDS:
         raise UnknownBackendError(f"unknown backend field {field_name!r}; valid fields: {', '.join(FIELDS)}")
     if not isinstance(value, str):
-        raise UnknownBackendError(f"backend.{field_name}={value!r} is not a name")
+        raise UnknownBackendError(f"{where}={value!r} is not a name")
     k = _key(value)
     if k == AUTO:
         return AUTO
@@ -229,7 +233,7 @@ def normalize(field_name: str, value: Any) -> str:
     valid = sorted(BACKENDS[field_name]) + [AUTO]
     close = difflib.get_close_matches(k, list(table), n=1, cutoff=0.4)
     hint = f"; closest match: {table[close[0]]}" if close else ""
-    raise UnknownBackendError(f"backend.{field_name}={value!r} is not a known backend{hint}; "
+    raise UnknownBackendError(f"{where}={value!r} is not a known backend{hint}; "
                               f"valid names: {', '.join(valid)} (aliases: "
                               f"{', '.join(sorted(a for b in BACKENDS[field_name].values() for a in b.aliases))})")
 
@@ -267,8 +271,11 @@ _AUTO_ATTENTION: Dict[str, Sequence[Tuple[str, str]]] = {
 }
 
 
-def auto_select(field_name: str, ctx: SelectionContext) -> Tuple[str, str]:
+def auto_select(field_name: str, ctx: SelectionContext, wired: Optional[Sequence[str]] = None) -> Tuple[str, str]:
     """Choose a backend for ``auto`` and say why.
+
+    Args:
+        wired: the backends the stage's engine can run (None: all). Auto never picks one outside it.
 
     Returns:
         ``(canonical_name, reason)``; the reason lists the candidates that were skipped and why.
@@ -288,6 +295,9 @@ def auto_select(field_name: str, ctx: SelectionContext) -> Tuple[str, str]:
         order = (("TRITON", "fused grouped-expert kernel on GPU"), ("TORCH", "reference expert loop"))
     skipped = []
     for name, reason in order:
+        if wired is not None and name not in wired:
+            skipped.append(f"{name}: not wired into this stage's engine")
+            continue
         why = get(field_name, name).unmet(ctx)
         if not why:
             return name, reason + (f" (skipped: {'; '.join(skipped)})" if skipped else "")

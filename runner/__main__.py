@@ -25,11 +25,15 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     """Compose the run config, then execute it into the Hydra run dir. Exits non-zero when items failed."""
+    from runner.evidence import EvidenceError
     from runner.execute import USER_ERRORS, run
 
     hc = HydraConfig.get()
     try:
         code = run(cfg, Path(hc.runtime.output_dir), overrides=list(hc.overrides.task))
+    except EvidenceError as e:  # everything was written; the evidence contradicts the resolution
+        log.error("%s: %s", type(e).__name__, e)
+        sys.exit(3)
     except USER_ERRORS as e:  # bad input or a refused backend: a clear message, no traceback
         log.error("%s: %s", type(e).__name__, e)
         sys.exit(2)

@@ -10,9 +10,11 @@ Two independent observations:
   signatures. This also works under ``torch.compile``, where Python counters do not run per call.
 
 Verdict: ``verified`` when every site ran only its resolved backend, once per denoiser forward, each selected
-backend's signature matched a profiled kernel, and all outputs were finite; otherwise ``mismatch``
-(``evidence.strict=true``: the run exits non-zero naming the layer and what ran instead) or ``limited``
-(``evidence.strict=false``).
+backend's signature matched a profiled kernel, and all outputs were finite. ``mismatch`` when an observed
+implementation differs from the resolved one (``evidence.strict=true``: the run ends with
+:class:`EvidenceError`, exit 3, naming the layer and what ran instead; ``strict=false``: status ``limited``).
+``nonfinite_outputs`` when the backends matched but some outputs were NaN/inf: those rows are failed, the others
+written, and the run exits 1.
 """
 
 from __future__ import annotations
@@ -182,14 +184,13 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
                        top_device_kernels=dict(top),
                        device_kernels=len(trace.kernels), ops=len(trace.ops))
-    if not finite:
-        mismatches.append("non-finite outputs were produced (see items.jsonl rows with status failed)")
+    verdict = "mismatch" if mismatches else ("nonfinite_outputs" if not finite else "verified")
     return {
         "pid": os.getpid(), "device": device,
         "stages": {stage: {"denoiser_forwards": fwd, "expected_forwards": expected_forwards,
                            "attention": {"by_backend": by_backend, "layers": layers}, "linear": lin_entry,
                            "kernels": kernels}},
         "all_finite": finite,
-        "verdict": "verified" if not mismatches else "mismatch",
+        "verdict": verdict,
         "mismatches": mismatches,
     }

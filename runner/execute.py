@@ -107,10 +107,13 @@ def resolve_backends(cfg: DictConfig, overrides: Sequence[str], adapter: Any, pl
     from kernels.registry import SelectionContext
     from runner.resolve import StageInfo, check_placement, cli_keys, resolve_stage
 
-    check_placement(cfg)
+    check_placement(cfg, stages=[adapter.stage])
     ctx = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=dtype, head_dim=adapter.head_dim(),
                            needs_mask=adapter.needs_mask, sequence_parallel=False)
-    info = StageInfo(name=adapter.stage, roles=list(cfg.model.roles), fields=adapter.backend_fields, ctx=ctx)
+    from kernels.attention import DIFFUSERS_BACKEND
+
+    info = StageInfo(name=adapter.stage, roles=list(cfg.model.roles), fields=adapter.backend_fields, ctx=ctx,
+                     wired={"attention": list(DIFFUSERS_BACKEND)})
     resolutions, extras = resolve_stage(cfg, cli_keys(overrides), info)
     from kernels.attention import plan
 
@@ -334,7 +337,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
             ev = {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": counts["failed"] == 0,
                   "verdict": "not_collected", "mismatches": []}
         manifest.section("evidence", ev)
-        if ev["verdict"] not in ("verified", "not_collected") and status != "interrupted":
+        if ev["verdict"] == "mismatch" and status != "interrupted":
             status = "evidence_mismatch" if cfg.evidence.strict else "limited"
     except BaseException as e:
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"

@@ -38,6 +38,14 @@ log = logging.getLogger("runner.resolve")
 
 LEGACY_KEYS = {"attention": "attention_backend", "moe": "moe_backend", "linear": "linear_backend"}
 BACKEND_KEYS = set(reg.FIELDS) | set(LEGACY_KEYS.values())
+def _config_groups() -> List[str]:
+    from pathlib import Path
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    return sorted(p.name for p in conf.iterdir() if p.is_dir())
+
+
+CONFIG_GROUPS = _config_groups()
 LAYERS = ("cli_stage", "cli_run", "yaml_stage", "yaml_run", "engine_extras", "platform_overlay", "model_default",
           "auto")
 
@@ -63,12 +71,14 @@ class StageInfo:
         roles: attention roles its model declares (FLUX: ``joint``).
         fields: fields the stage's engine can use (FLUX: attention, linear; no MoE layers).
         ctx: capability-check context (platform, dtype, head_dim, mask, sequence parallelism).
+        wired: per field, the backends the stage's engine has wiring for; ``auto`` only chooses among them.
     """
 
     name: str
     roles: Sequence[str]
     fields: Sequence[str]
     ctx: reg.SelectionContext
+    wired: Optional[Dict[str, Sequence[str]]] = None  # field -> backends the engine can run (auto picks among them)
 
 
 @dataclass
@@ -98,27 +108,46 @@ def _plain(x: Any) -> Any:
     return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
-def cli_keys(overrides: Iterable[str]) -> List[str]:
-    """Config keys set by CLI overrides (``+``/``++``/``~`` prefixes removed), via Hydra's own parser."""
+def cli_keys(overrides: Iterable[str], groups: Iterable[str] = ()) -> List[str]:
+    """Config keys set by CLI overrides (``+``/``++``/``~`` prefixes removed), via Hydra's own parser.
+
+    Args:
+        groups: config group names (``backend``, ``model``...). ``backend=<preset>`` selects a YAML file, which is
+            YAML content, not a CLI value, so group selections are left out.
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    groups = set(groups) or set(CONFIG_GROUPS)
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    return [o.key_or_group for o in parsed]
+    return [o.key_or_group for o in parsed if not (o.key_or_group in groups and o.package is None)]
 
 
-def _set_by(keys: Sequence[str], prefix: str) -> bool:
-    return any(k == prefix or k.startswith(prefix + ".") for k in keys)
+def _set_by(keys: Sequence[str], key: str) -> bool:
+    """True when a CLI key sets ``key``, one of its children, or a parent node that contains it."""
+    return any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in keys)
 
 
-def check_placement(cfg: DictConfig) -> None:
+def check_placement(cfg: DictConfig, stages: Optional[Sequence[str]] = None) -> None:
     """Reject backend keys placed where nothing reads them.
+
+    Args:
+        stages: the stage names the model's adapter has; settings under any other stage name are never read.
 
     Raises:
         MisplacedBackendKeyError: e.g. ``model.architecture.attention`` (belongs under ``model.backend`` or
-        ``model.stages.<stage>.backend``), a first-class name inside ``engine_extras``, or an unknown key in a
-        platform overlay.
+        ``model.stages.<stage>.backend``), a first-class name inside ``engine_extras``, a stage the model does not
+        have, or an unknown key in a platform overlay.
     """
     model = cfg.model
+    if stages is not None:
+        for sname in (model.stages or {}):
+            if sname not in stages:
+                import difflib
+
+                close = difflib.get_close_matches(sname, list(stages), n=1)
+                raise MisplacedBackendKeyError(
+                    f"model.stages.{sname}: model {model.name} has no stage {sname!r}, so nothing reads it; its "
+                    f"stages: {', '.join(stages)}" + (f"; did you mean {close[0]!r}?" if close else ""))
     for key in ("attention", "linear", "moe"):
         if model.get(key) is not None:
             raise MisplacedBackendKeyError(
@@ -145,13 +174,23 @@ def check_placement(cfg: DictConfig) -> None:
                 raise MisplacedBackendKeyError(
                     f"platform.overlays.{mname}.{key} is not read; an overlay takes `backend: {{attention, linear, "
                     f"moe}}` and `engine_extras: {{...}}`")
+        for key in ((overlay or {}).get("backend") or {}):
+            if key not in reg.FIELDS:
+                raise MisplacedBackendKeyError(
+                    f"platform.overlays.{mname}.backend.{key} is not read; an overlay's backend takes "
+                    f"{', '.join(reg.FIELDS)}")
+        for key in ((overlay or {}).get("engine_extras") or {}):
+            if key in reg.FIELDS:
+                raise MisplacedBackendKeyError(
+                    f"platform.overlays.{mname}.engine_extras.{key} is not read; fix: "
+                    f"platform.overlays.{mname}.backend.{key} (or the legacy key engine_extras.{LEGACY_KEYS[key]})")
 
 
 def _normalize_attention(value: Any, roles: Sequence[str], where: str) -> Dict[str, Dict[str, Any]]:
     """Turn a name or a ``{default, per_role}`` spec into ``{role: {backend, quant, skip_softmax}}``."""
     def spec(v: Any, w: str) -> Dict[str, Any]:
         if isinstance(v, str):
-            return {"backend": reg.normalize("attention", v), "quant": None, "skip_softmax": None}
+            return {"backend": reg.normalize("attention", v, w), "quant": None, "skip_softmax": None}
         if isinstance(v, dict):
             unknown = set(v) - {"backend", "quant", "skip_softmax"}
             if unknown:
@@ -159,7 +198,7 @@ def _normalize_attention(value: Any, roles: Sequence[str], where: str) -> Dict[s
                                            "skip_softmax")
             if "backend" not in v:
                 raise reg.BackendSpecError(f"{w}: a spec needs `backend`")
-            return {"backend": reg.normalize("attention", v["backend"]), "quant": v.get("quant"),
+            return {"backend": reg.normalize("attention", v["backend"], f"{w}.backend"), "quant": v.get("quant"),
                     "skip_softmax": v.get("skip_softmax")}
         raise reg.BackendSpecError(f"{w}={v!r}: expected a backend name or a spec")
 
@@ -181,7 +220,7 @@ def _normalize_attention(value: Any, roles: Sequence[str], where: str) -> Dict[s
 def _canonical(fld: str, value: Any, roles: Sequence[str], where: str) -> Any:
     if fld == "attention":
         return _normalize_attention(value, roles, where)
-    return reg.normalize(fld, value)
+    return reg.normalize(fld, value, where)
 
 
 def _layers(cfg: DictConfig, cli: Sequence[str], stage: str, fld: str) -> List[Tuple[str, Any]]:
@@ -256,6 +295,15 @@ def resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tuple
                 res.warnings.append(msg)
                 warnings.warn(msg, BackendConflictWarning, stacklevel=2)
         if fld not in info.fields:
+            stage_sets = any(lay in ("cli_stage", "yaml_stage") for lay, _ in layers)
+            stage_val = next((v for lay, v in layers if lay in ("cli_stage", "yaml_stage")), None)
+            if stage_sets:  # the stage's own value governs it: only an explicit non-auto value is an error
+                own = _canonical(fld, stage_val, info.roles, where_stage)
+                if _any_not_auto(own):
+                    raise StageConflictError(f"{where_stage}={_short(own)}: stage {info.name!r} has no {fld} layers")
+                res.selected, res.reason = None, f"not applicable: stage {info.name!r} has no {fld} layers"
+                out[fld] = res
+                continue
             if _any_not_auto(canon) and layer in ("cli_run", "yaml_run"):
                 raise StageConflictError(
                     f"backend.{fld}={_short(canon)} (from {layer}) cannot be honoured by stage {info.name!r}: its "
@@ -274,7 +322,7 @@ def resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tuple
                 if name == reg.AUTO:
                     if spec.get("quant") or spec.get("skip_softmax"):
                         raise reg.BackendSpecError(f"{w}: quant/skip_softmax need a named backend, not auto")
-                    name, reasons[role] = reg.auto_select("attention", info.ctx)
+                    name, reasons[role] = reg.auto_select("attention", info.ctx, (info.wired or {}).get("attention"))
                 else:
                     reg.check("attention", name, info.ctx, where=w)
                 reg.validate_spec(name, spec, w)
@@ -283,7 +331,7 @@ def resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tuple
             res.reason = "; ".join(f"{r}: {why}" for r, why in reasons.items()) or None
         else:
             if canon == reg.AUTO:
-                res.selected, res.reason = reg.auto_select(fld, info.ctx)
+                res.selected, res.reason = reg.auto_select(fld, info.ctx, (info.wired or {}).get(fld))
             else:
                 reg.check(fld, canon, info.ctx, where=where)
                 res.selected = canon

@@ -1,0 +1,444 @@
+"""MoE backends: ``TORCH`` (reference expert loop) and ``TRITON`` (grouped-expert Triton kernels).
+
+Block: a standard top-k routed SwiGLU mixture of experts, as in Qwen3-MoE and Mixtral::
+
+    logits  = x @ gate.weight.T                                   # (T, E)
+    probs   = softmax(logits, dim=-1, dtype=float32)              # routing in fp32
+    w, ids  = topk(probs, k)                                      # (T, k), (T, k)
+    w       = w / w.sum(-1, keepdim=True)   if renormalize        # Qwen3-MoE norm_topk_prob / Mixtral
+    y[t]    = sum_j w[t, j] * expert_{ids[t, j]}(x[t])
+    expert_e(x) = (silu(x @ w_gate[e].T) * (x @ w_up[e].T)) @ w_down[e].T
+
+Routing convention: Hugging Face transformers ``Qwen3MoeSparseMoeBlock`` (``modeling_qwen3_moe.py``: softmax in
+``torch.float`` over all experts, ``torch.topk``, divide by the top-k sum when ``config.norm_topk_prob``) and
+``MixtralSparseMoeBlock`` (``modeling_mixtral.py``: same, always renormalized). ``renormalize=False`` keeps the raw
+softmax probabilities of the chosen experts (Qwen2-MoE / Qwen1.5-MoE style, ``norm_topk_prob=False``).
+
+Weight layout (the ``nn.Linear`` convention, ``out x in``, stacked over experts):
+    * ``w_gate``: ``(E, I, H)`` -- expert ``e``'s gate projection ``H -> I`` (HF ``experts[e].gate_proj.weight``).
+    * ``w_up``:   ``(E, I, H)`` -- expert ``e``'s up projection ``H -> I`` (HF ``experts[e].up_proj.weight``).
+    * ``w_down``: ``(E, H, I)`` -- expert ``e``'s down projection ``I -> H`` (HF ``experts[e].down_proj.weight``).
+with ``H`` = hidden size, ``I`` = expert intermediate size, ``E`` = number of experts.
+
+TRITON implementation (:func:`moe_triton`), in the style of vLLM's ``fused_moe``:
+    1. routing in torch (fp32 softmax, top-k, renormalize);
+    2. "align": the ``T*k`` token-expert assignments are sorted by expert and each expert's list is padded to a
+       multiple of ``BLOCK_M`` with a sentinel (``T*k``), so every ``BLOCK_M`` block of the sorted list belongs to
+       exactly one expert (``expert_ids[block]``) -- torch ops, one host sync for the number of blocks;
+    3. Triton kernel 1: per (block of assignments, block of I): ``acc_g = A @ w_gate[e].T``,
+       ``acc_u = A @ w_up[e].T`` (two fp32 accumulators sharing the A tile), ``h = silu(acc_g) * acc_u`` in fp32,
+       stored in the input dtype to ``inter[T*k, I]`` at the assignment's flat index ``t*k + j``;
+    4. Triton kernel 2: per (block of assignments, block of H): ``acc = inter[rows] @ w_down[e].T`` in fp32,
+       multiplied by the assignment's routing weight (fp32), stored to ``out_k[T*k, H]``;
+    5. combine: ``out_k.view(T, k, H).sum(1)`` in fp32, cast to the input dtype (deterministic, no atomics).
+
+Both implementations count nothing themselves; :class:`SwiGLUMoE` counts which one its ``forward`` ran.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # triton is optional: importing this module must work on a CPU-only machine without it
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+    _TRITON_IMPORT_ERROR: Optional[BaseException] = None
+except Exception as _e:  # noqa: BLE001 - a broken install is not an install
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+    _TRITON_IMPORT_ERROR = _e
+
+IMPLS = ("TORCH", "TRITON")
+
+
+# ------------------------------------------------------------------------------------------------ routing
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing (Qwen3-MoE / Mixtral convention).
+
+    Args:
+        router_logits: ``(T, E)``, any float dtype.
+        top_k: experts per token, ``1 <= top_k <= E``.
+        renormalize: divide the chosen probabilities by their sum (``norm_topk_prob``).
+
+    Returns:
+        ``(weights, ids)``: ``(T, top_k)`` fp32 routing weights and ``(T, top_k)`` int64 expert ids, ordered by
+        descending probability.
+
+    Raises:
+        ValueError: ``router_logits`` not 2-D, or ``top_k`` outside ``[1, E]``.
+    """
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be (T, E), got shape {tuple(router_logits.shape)}")
+    n_exp = router_logits.shape[1]
+    if not 1 <= top_k <= n_exp:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={n_exp}]")
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _check_shapes(x: torch.Tensor, router_logits: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                  w_down: torch.Tensor) -> Tuple[int, int, int, int]:
+    """Validate the operand shapes; returns ``(T, H, I, E)``."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be (T, H), got shape {tuple(x.shape)}")
+    if w_gate.dim() != 3 or w_up.shape != w_gate.shape:
+        raise ValueError(f"w_gate and w_up must both be (E, I, H), got {tuple(w_gate.shape)} and "
+                         f"{tuple(w_up.shape)}")
+    n_exp, inter, hidden = w_gate.shape
+    if w_down.shape != (n_exp, hidden, inter):
+        raise ValueError(f"w_down must be (E, H, I) = {(n_exp, hidden, inter)}, got {tuple(w_down.shape)}")
+    if x.shape[1] != hidden:
+        raise ValueError(f"x has hidden size {x.shape[1]}, the expert weights have H={hidden}")
+    if router_logits.shape != (x.shape[0], n_exp):
+        raise ValueError(f"router_logits must be (T, E) = {(x.shape[0], n_exp)}, got {tuple(router_logits.shape)}")
+    return x.shape[0], hidden, inter, n_exp
+
+
+# ------------------------------------------------------------------------------------------------ TORCH
+
+
+def moe_reference(x: torch.Tensor, router_logits: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                  w_down: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
+    """Reference expert loop (the ``TORCH`` backend), as Hugging Face's ``Qwen3MoeSparseMoeBlock`` computes it.
+
+    Routing in fp32 (:func:`route`); the weights are then cast to ``x.dtype`` and every expert's SwiGLU, the
+    weighting and the ``index_add_`` combine run in ``x.dtype`` on ``x.device``. Called with fp32 operands (TF32
+    off) it is the numerical oracle for the other implementations.
+
+    Args:
+        x: ``(T, H)`` tokens, any float dtype, any device.
+        router_logits: ``(T, E)`` router logits (``x @ gate.weight.T``).
+        w_gate: ``(E, I, H)``; w_up: ``(E, I, H)``; w_down: ``(E, H, I)`` -- same dtype and device as ``x``.
+        top_k: experts per token.
+        renormalize: renormalize the top-k routing weights to sum to 1.
+
+    Returns:
+        ``(T, H)`` in ``x.dtype``.
+
+    Raises:
+        ValueError: inconsistent shapes or ``top_k`` outside ``[1, E]``.
+    """
+    n_tok, hidden, _, n_exp = _check_shapes(x, router_logits, w_gate, w_up, w_down)
+    weights, ids = route(router_logits, top_k, renormalize)
+    weights = weights.to(x.dtype)
+    out = torch.zeros(n_tok, hidden, dtype=x.dtype, device=x.device)
+    if n_tok == 0:
+        return out
+    # (E, k, T) one-hot; experts that no token chose are skipped (one host sync, as in HF's loop).
+    expert_mask = F.one_hot(ids, num_classes=n_exp).permute(2, 1, 0)
+    hit = torch.nonzero(expert_mask.sum(dim=(1, 2)) > 0).flatten().tolist()
+    for e in hit:
+        slot, tok = torch.where(expert_mask[e])
+        xe = x[tok]
+        h = F.silu(xe @ w_gate[e].t()) * (xe @ w_up[e].t())
+        ye = (h @ w_down[e].t()) * weights[tok, slot, None]
+        out.index_add_(0, tok, ye.to(x.dtype))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ TRITON
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_gate_up_silu_kernel(
+        x_ptr, wg_ptr, wu_ptr, inter_ptr, sorted_ids_ptr, expert_ids_ptr,
+        num_valid, top_k, H, I,
+        stride_xm, stride_xk,
+        stride_we, stride_wn, stride_wk,
+        stride_im, stride_in,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """inter[a, n] = silu(x[a // k] . w_gate[e, n]) * (x[a // k] . w_up[e, n]) for the BLOCK_M assignments
+        ``a`` of block ``program_id(0)`` (all of expert ``e``) and the BLOCK_N columns ``n`` of ``program_id(1)``.
+        w_gate/w_up share strides (both (E, I, H))."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        assign = tl.load(sorted_ids_ptr + offs_m)                   # flat assignment index t*k + j, or sentinel
+        row_ok = assign < num_valid
+        tok = (assign // top_k).to(tl.int64)                       # token row of x
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < I
+        offs_k = tl.arange(0, BLOCK_K)
+
+        a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk                    # (BM, BK)
+        w_off = e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # (BK, BN)
+        g_ptrs = wg_ptr + w_off
+        u_ptrs = wu_ptr + w_off
+
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = (k0 + offs_k) < H
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_g += tl.dot(a, bg)
+            acc_u += tl.dot(a, bu)
+            a_ptrs += BLOCK_K * stride_xk
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                  # silu(g) * u in fp32
+        i_ptrs = inter_ptr + assign[:, None].to(tl.int64) * stride_im + offs_n[None, :] * stride_in
+        tl.store(i_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _moe_down_kernel(
+        inter_ptr, wd_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
+        num_valid, H, I,
+        stride_im, stride_ik,
+        stride_we, stride_wn, stride_wk,
+        stride_om, stride_on,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """out_k[a, n] = topk_w[a] * (inter[a] . w_down[e, n]) for the BLOCK_M assignments ``a`` of block
+        ``program_id(0)`` (all of expert ``e``) and the BLOCK_N hidden columns ``n`` of ``program_id(1)``."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        assign = tl.load(sorted_ids_ptr + offs_m)
+        row_ok = assign < num_valid
+        rows = assign.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < H
+        offs_k = tl.arange(0, BLOCK_K)
+
+        a_ptrs = inter_ptr + rows[:, None] * stride_im + offs_k[None, :] * stride_ik                # (BM, BK)
+        b_ptrs = wd_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_ok = (k0 + offs_k) < I
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += tl.dot(a, b)
+            a_ptrs += BLOCK_K * stride_ik
+            b_ptrs += BLOCK_K * stride_wk
+
+        wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0)     # fp32 routing weight of each assignment
+        acc = acc * wt[:, None]
+        o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """Sort the token-expert assignments by expert and pad each expert's run to a multiple of ``block_m``.
+
+    Args:
+        ids: ``(T, k)`` expert ids; assignment ``a = t*k + j`` is ``ids.flatten()[a]``.
+        num_experts: E.
+        block_m: rows per block of the grouped GEMMs.
+
+    Returns:
+        ``(sorted_ids, expert_ids, num_blocks)``: ``sorted_ids`` ``(num_blocks * block_m,)`` int32 assignment
+        indices, grouped by expert in ascending expert order (stable: ascending ``a`` within an expert), padded
+        with the sentinel ``T*k``; ``expert_ids`` ``(num_blocks,)`` int32, the expert of each block. Experts
+        with no assignment get no block.
+    """
+    flat = ids.flatten()
+    num_valid = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)                     # (E,)
+    padded = (counts + block_m - 1) // block_m * block_m                     # (E,)
+    start_unpadded = torch.cumsum(counts, 0) - counts                        # first sorted position of expert e
+    start_padded = torch.cumsum(padded, 0) - padded                          # first padded position of expert e
+    order = torch.argsort(flat, stable=True)                                 # sorted position -> assignment
+    sorted_exp = flat[order]
+    rank = torch.arange(num_valid, device=flat.device) - start_unpadded[sorted_exp]
+    dest = start_padded[sorted_exp] + rank
+    total = int(padded.sum().item())                                         # host sync: grid size
+    sorted_ids = torch.full((total,), num_valid, dtype=torch.int32, device=flat.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    num_blocks = total // block_m
+    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32),
+                                         padded // block_m, output_size=num_blocks)
+    return sorted_ids, expert_ids, num_blocks
+
+
+def _pick_blocks(num_valid: int, num_experts: int, hidden: int, inter: int) -> Dict[str, int]:
+    """Block sizes (all >= 16 for tl.dot): small BLOCK_M when experts get few rows (decode), 64 otherwise."""
+    per_expert = num_valid / max(num_experts, 1)
+    block_m = 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+
+
+def _triton_unavailable_reason(x: torch.Tensor) -> Optional[str]:
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"   # Triton's CPU interpreter (debugging only)
+    missing = []
+    if not (x.is_cuda or interpret):
+        missing.append(f"a CUDA/ROCm GPU tensor (got device {x.device.type!r})")
+    if not HAS_TRITON:
+        missing.append(f"the `triton` package (import failed: {_TRITON_IMPORT_ERROR!r})")
+    if not missing:
+        return None
+    return ("MoE backend TRITON (moe_triton) needs " + " and ".join(missing)
+            + "; use backend TORCH (moe_reference) on this device")
+
+
+def moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+               w_down: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
+    """Grouped-expert Triton MoE (the ``TRITON`` backend); same contract as :func:`moe_reference`.
+
+    Args:
+        x: ``(T, H)`` bf16/fp16 CUDA tensor.
+        router_logits: ``(T, E)`` any float dtype, same device.
+        w_gate: ``(E, I, H)``; w_up: ``(E, I, H)``; w_down: ``(E, H, I)`` -- ``x.dtype``, same device; any
+            strides (passed to the kernels).
+        top_k: experts per token; renormalize: as :func:`route`.
+
+    Returns:
+        ``(T, H)`` in ``x.dtype``. GEMMs accumulate in fp32; the SwiGLU activation ``inter (T*k, I)`` and the
+        per-assignment outputs are rounded to ``x.dtype``; the top-k combine sums in fp32.
+
+    Raises:
+        RuntimeError: ``x`` is not on a CUDA/ROCm device or ``triton`` is not importable (the message names
+            which); ``TRITON_INTERPRET=1`` lifts the device requirement (Triton's CPU interpreter, for debugging).
+        TypeError: ``x`` not bf16/fp16, or the weights not in ``x.dtype``.
+        ValueError: inconsistent shapes or ``top_k`` outside ``[1, E]``.
+    """
+    why = _triton_unavailable_reason(x)
+    if why:
+        raise RuntimeError(why)
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"moe_triton takes bf16/fp16 activations, got {x.dtype}")
+    if any(w.dtype != x.dtype for w in (w_gate, w_up, w_down)):
+        raise TypeError(f"expert weights must be {x.dtype}, got {w_gate.dtype}/{w_up.dtype}/{w_down.dtype}")
+    return moe_triton_stages(x, router_logits, w_gate, w_up, w_down, top_k, renormalize)["out"]
+
+
+def moe_triton_stages(x: torch.Tensor, router_logits: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                      w_down: torch.Tensor, top_k: int, renormalize: bool = True) -> Dict[str, object]:
+    """:func:`moe_triton` keeping every stage, for debugging (``benchmarks/moe_parity.py`` uses it on failure).
+
+    Call :func:`moe_triton` first (or satisfy its checks): this function does not re-check device/dtype.
+
+    Returns:
+        dict with ``out`` ``(T, H)``; ``weights`` ``(T, k)`` fp32 and ``ids`` ``(T, k)`` (routing);
+        ``sorted_ids`` / ``expert_ids`` / ``num_blocks`` (:func:`align_block_size`); ``inter`` ``(T*k, I)``
+        (kernel 1: SwiGLU activation per assignment ``t*k + j``); ``out_k`` ``(T*k, H)`` (kernel 2: routing-weighted
+        down projection per assignment); ``cfg`` (block sizes).
+    """
+    n_tok, hidden, inter, n_exp = _check_shapes(x, router_logits, w_gate, w_up, w_down)
+    if n_tok == 0:
+        return {"out": torch.empty(0, hidden, dtype=x.dtype, device=x.device)}
+    weights, ids = route(router_logits, top_k, renormalize)
+    num_valid = n_tok * top_k
+    cfg = _pick_blocks(num_valid, n_exp, hidden, inter)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    sorted_ids, expert_ids, num_blocks = align_block_size(ids, n_exp, bm)
+    topk_w = weights.reshape(-1).contiguous()                                 # (T*k,) fp32
+
+    if w_up.stride() != w_gate.stride():  # kernel 1 reads both with one set of strides
+        w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
+    inter_buf = torch.empty(num_valid, inter, dtype=x.dtype, device=x.device)
+    _moe_gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, bn))](
+        x, w_gate, w_up, inter_buf, sorted_ids, expert_ids,
+        num_valid, top_k, hidden, inter,
+        x.stride(0), x.stride(1),
+        w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
+        inter_buf.stride(0), inter_buf.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+    out_k = torch.empty(num_valid, hidden, dtype=x.dtype, device=x.device)
+    _moe_down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
+        inter_buf, w_down, out_k, topk_w, sorted_ids, expert_ids,
+        num_valid, hidden, inter,
+        inter_buf.stride(0), inter_buf.stride(1),
+        w_down.stride(0), w_down.stride(1), w_down.stride(2),
+        out_k.stride(0), out_k.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    out = out_k.view(n_tok, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return {"out": out, "weights": weights, "ids": ids, "sorted_ids": sorted_ids, "expert_ids": expert_ids,
+            "num_blocks": num_blocks, "inter": inter_buf, "out_k": out_k, "cfg": cfg}
+
+
+# ------------------------------------------------------------------------------------------------ module
+
+_IMPL_FN = {"TORCH": moe_reference, "TRITON": moe_triton}
+
+
+class SwiGLUMoE(nn.Module):
+    """Top-k routed SwiGLU MoE block with a selectable backend and a per-implementation call counter.
+
+    Args:
+        hidden_size: H; intermediate_size: I (per expert); num_experts: E; top_k: experts per token.
+        backend: ``"TORCH"`` (:func:`moe_reference`) or ``"TRITON"`` (:func:`moe_triton`); registry aliases
+            (``torch``, ``fused``, ...) are accepted through :func:`kernels.registry.normalize`.
+        renormalize: renormalize the top-k routing weights (Qwen3-MoE ``norm_topk_prob``; Mixtral: always).
+        dtype / device: of the parameters.
+
+    Parameters:
+        gate: ``nn.Linear(H, E, bias=False)``, the router (weight ``(E, H)``).
+        w_gate: ``(E, I, H)``; w_up: ``(E, I, H)``; w_down: ``(E, H, I)`` (see the module docstring).
+
+    Attributes:
+        calls: ``{"TORCH": n, "TRITON": m}``, forward calls per implementation that actually ran.
+
+    Forward: ``x`` ``(..., H)`` -> ``(..., H)`` in ``x.dtype``; the router runs in the parameters' dtype.
+
+    Raises:
+        kernels.registry.UnknownBackendError: an unknown backend name (at construction).
+        RuntimeError: backend ``TRITON`` called on a CPU tensor or without ``triton`` (at forward; the runner's
+            registry check refuses it earlier, at startup).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 backend: str = "TORCH", renormalize: bool = True, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None):
+        super().__init__()
+        from kernels import registry as reg
+
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.backend = reg.normalize("moe", backend)
+        if self.backend not in _IMPL_FN:
+            raise ValueError(f"SwiGLUMoE needs a concrete backend ({', '.join(IMPLS)}), got {backend!r}; resolve "
+                             f"`auto` with kernels.registry.auto_select first")
+        kw = {"dtype": dtype, "device": device}
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, **kw)
+        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, **kw))
+        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, **kw))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
+        self.calls: Dict[str, int] = {name: 0 for name in IMPLS}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init per expert (kaiming-uniform bound 1/sqrt(fan_in))."""
+        for w, fan_in in ((self.w_gate, self.hidden_size), (self.w_up, self.hidden_size),
+                          (self.w_down, self.intermediate_size)):
+            bound = fan_in ** -0.5
+            nn.init.uniform_(w, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        logits = self.gate(x2)
+        fn = _IMPL_FN[self.backend]
+        y = fn(x2, logits, self.w_gate, self.w_up, self.w_down, self.top_k, self.renormalize)
+        self.calls[self.backend] += 1  # counted after it ran: a raising call is not a call
+        return y.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, backend={self.backend}, "
+                f"renormalize={self.renormalize}")

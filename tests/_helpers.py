@@ -1,0 +1,119 @@
+"""Helpers shared by test_backends.py, test_precedence.py and test_evidence.py (plain functions, no fixtures,
+so they work whatever tests/conftest.py provides).
+
+* :func:`compose` composes the run config exactly as ``python -m runner`` does (``conf/`` by default, or a
+  temporary copy of it that carries extra preset files, see :func:`conf_with_presets`).
+* :func:`resolve` runs the precedence resolution of one stage against a faked platform.
+* :func:`execute` runs the real pipeline (``runner.execute.run``) into a run dir and reads back what it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
+
+
+def ctx(platform_kind: str = "cuda", sm: Optional[int] = 90, dtype: torch.dtype = torch.bfloat16,
+        head_dim: Optional[int] = 128, **kw: Any):
+    """A faked ``SelectionContext`` (default: an sm90 GPU running bf16 with head_dim 128)."""
+    from kernels.registry import SelectionContext
+
+    return SelectionContext(platform_kind=platform_kind, sm=sm, dtype=dtype, head_dim=head_dim, **kw)
+
+
+CPU = dict(platform_kind="cpu", sm=None, dtype=torch.float32)
+
+
+def compose(overrides: Iterable[str] = (), config_dir: Optional[Path] = None):
+    """The run config as ``python -m runner <overrides>`` composes it."""
+    import hydra
+
+    from runner.schema import register_configs
+
+    register_configs()
+    with hydra.initialize_config_dir(version_base="1.3", config_dir=str(config_dir or CONF_DIR), job_name="test"):
+        return hydra.compose("config", overrides=list(overrides))
+
+
+def conf_with_presets(root: Path, presets: Dict[str, str]) -> Path:
+    """A copy of ``conf/`` under ``root`` with ``experiment/<name>.yaml`` presets (``# @package _global_``), used
+    with ``experiment=<name>``: real YAML layers merged by Hydra before the CLI overrides."""
+    dst = root / "conf"
+    if not dst.exists():
+        shutil.copytree(CONF_DIR, dst)
+    (dst / "experiment").mkdir(exist_ok=True)
+    for name, body in presets.items():
+        (dst / "experiment" / f"{name}.yaml").write_text("# @package _global_\n" + body, encoding="utf-8")
+    return dst
+
+
+def stage_info(name: str = "denoise", roles: Sequence[str] = ("joint",),
+               fields: Sequence[str] = ("attention", "linear"), context: Any = None):
+    from runner.resolve import StageInfo
+
+    return StageInfo(name=name, roles=list(roles), fields=tuple(fields), ctx=context if context is not None else ctx())
+
+
+def resolve(cfg: Any, overrides: Sequence[str], info: Any = None, record: bool = False):
+    """``resolve_stage(cfg, cli_keys(overrides), info)``; with ``record`` also the warnings it issued."""
+    from runner.resolve import cli_keys, resolve_stage
+
+    info = info if info is not None else stage_info()
+    if not record:
+        return resolve_stage(cfg, cli_keys(overrides), info)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = resolve_stage(cfg, cli_keys(overrides), info)
+    return out, list(caught)
+
+
+def per_role(name: str, roles: Sequence[str] = ("joint",)) -> Dict[str, Dict[str, Any]]:
+    """The ``resolved`` value of an attention field that names one backend for every role."""
+    return {r: {"backend": name, "quant": None, "skip_softmax": None} for r in roles}
+
+
+@dataclass
+class Run:
+    """What one ``runner.execute.run`` left in its run dir."""
+
+    run_dir: Path
+    code: Optional[int]
+    error: Optional[BaseException]
+    seconds: float
+
+    @property
+    def manifest(self) -> Dict[str, Any]:
+        return json.loads((self.run_dir / "manifest.json").read_text())
+
+    @property
+    def items(self) -> List[Dict[str, Any]]:
+        path = self.run_dir / "items.jsonl"
+        return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def execute(run_dir: Path, overrides: Sequence[str] = (), on_loaded: Optional[Callable[[Any], None]] = None,
+            config_dir: Optional[Path] = None, catch: Tuple[type, ...] = ()) -> Run:
+    """Compose ``platform=cpu`` + ``overrides`` and execute it into ``run_dir``; exceptions in ``catch`` are kept
+    in :attr:`Run.error` instead of raised."""
+    import time
+
+    from runner.execute import run
+
+    overrides = ["platform=cpu", *overrides]
+    cfg = compose(overrides, config_dir)
+    t0 = time.perf_counter()
+    code, err = None, None
+    try:
+        code = run(cfg, run_dir, overrides, on_loaded=on_loaded)
+    except catch as e:  # noqa: B030 - catch is a tuple of exception types
+        err = e
+    return Run(run_dir=run_dir, code=code, error=err, seconds=time.perf_counter() - t0)

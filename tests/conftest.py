@@ -1,0 +1,148 @@
+"""Shared fixtures: Hydra composition over ``conf/``, one embedded-model cache per session, and a helper that
+runs the real pipeline (``runner.execute.run``) into a temporary run dir and reads back what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
+# shared/ sits beside the project's root (CI lays a copy there); RUNNER_SHARED_DIR points elsewhere.
+SHARED_DIR = Path(os.environ.get("RUNNER_SHARED_DIR", REPO_ROOT.parent / "shared"))
+CASES_DIR = SHARED_DIR / "cases"
+
+
+@pytest.fixture
+def case_file() -> Callable[[str], Path]:
+    """``case_file(name)``: path of a case in ``shared/cases``; skips when shared/ is not beside the checkout."""
+
+    def _case(name: str) -> Path:
+        path = CASES_DIR / name
+        if not path.is_file():
+            pytest.skip(f"{path} not found (shared/ must sit beside the repo, or set RUNNER_SHARED_DIR)")
+        return path
+
+    return _case
+
+
+@pytest.fixture
+def write_jsonl(tmp_path) -> Callable[..., Path]:
+    """``write_jsonl(rows, name="rows.jsonl")``: one JSON object per line, in ``tmp_path``."""
+
+    def _write(rows: Iterable[Dict[str, Any]], name: str = "rows.jsonl") -> Path:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        return path
+
+    return _write
+
+
+@pytest.fixture(scope="session", autouse=True)
+def runner_cache(tmp_path_factory) -> Path:
+    """One embedded-model cache for the whole session (in-process runs and subprocesses both read
+    ``RUNNER_CACHE``), so tiny_flux is created once and never lands in the user's ~/.cache."""
+    cache = tmp_path_factory.mktemp("runner_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RUNNER_CACHE", str(cache))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TOKENIZERS_PARALLELISM", "false")
+        yield cache
+
+
+@pytest.fixture(scope="session")
+def compose() -> Callable[..., Any]:
+    """``compose(overrides, return_hydra_config=False)``: the run config as ``python -m runner`` composes it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from runner.schema import register_configs
+
+    register_configs()
+
+    def _compose(overrides: Iterable[str] = (), return_hydra_config: bool = False):
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="test"):
+            return hydra_compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+
+    return _compose
+
+
+@dataclass
+class RunResult:
+    """What one run left in its run dir."""
+
+    run_dir: Path
+    code: int
+    overrides: List[str]
+    cfg: Any = None
+
+    @property
+    def manifest(self) -> Dict[str, Any]:
+        return json.loads((self.run_dir / "manifest.json").read_text())
+
+    @property
+    def items(self) -> List[Dict[str, Any]]:
+        lines = (self.run_dir / "items.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def pngs(self) -> Dict[str, bytes]:
+        """Item key -> PNG bytes on disk, for every ok row of items.jsonl."""
+        return {it["key"]: (self.run_dir / it["file"]).read_bytes() for it in self.items if it["status"] == "ok"}
+
+
+@pytest.fixture(scope="session")
+def execute(compose) -> Callable[..., RunResult]:
+    """``execute(overrides, run_dir)``: compose (on ``platform=cpu``) and run the real pipeline into ``run_dir``."""
+    from runner.execute import run
+
+    def _execute(overrides: Iterable[str], run_dir: Path) -> RunResult:
+        overrides = ["platform=cpu", *overrides]
+        cfg = compose(overrides)
+        code = run(cfg, run_dir, overrides)
+        return RunResult(run_dir=Path(run_dir), code=code, overrides=overrides, cfg=cfg)
+
+    return _execute
+
+
+@pytest.fixture
+def run_job(execute, tmp_path) -> Callable[..., RunResult]:
+    """``run_job(overrides, name=None)``: ``execute`` into ``tmp_path/<name>`` (a new dir per call)."""
+    counter = iter(range(1000))
+
+    def _run(overrides: Iterable[str] = (), name: Optional[str] = None) -> RunResult:
+        return execute(overrides, tmp_path / (name or f"run{next(counter)}"))
+
+    return _run
+
+
+@pytest.fixture(scope="session")
+def tiny_snapshot(compose, runner_cache, tmp_path_factory) -> Path:
+    """The tiny_flux pipeline written by ``save_pretrained`` to a plain directory: a diffusers snapshot as a
+    user would download one, for ``model=flux model.path=<dir>``."""
+    from diffusers import FluxPipeline
+    from omegaconf import OmegaConf
+
+    from models.flux import embedded_snapshot
+
+    cfg = compose([])
+    arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
+    src = embedded_snapshot(cfg.model.name, arch, None)
+    dst = tmp_path_factory.mktemp("snapshot") / "tiny-flux-snapshot"
+    pipe = FluxPipeline.from_pretrained(src, local_files_only=True)
+    pipe.save_pretrained(dst, safe_serialization=True)
+    return dst
+
+
+@pytest.fixture
+def subprocess_env(runner_cache) -> Dict[str, str]:
+    """Environment for ``python -m runner`` subprocesses: the session cache, offline."""
+    env = dict(os.environ)
+    env.update(RUNNER_CACHE=str(runner_cache), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    return env
+

@@ -1,0 +1,67 @@
+"""``python -m runner`` as a user runs it: a subprocess in a scratch working directory, with every Hydra output
+dir under ``tmp_path`` so nothing lands in the repository's ``outputs/``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import yaml
+
+
+def _runner(args, cwd, env, timeout=300):
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cfg_job_prints_composed_config(tmp_path, subprocess_env):
+    p = _runner(["--cfg", "job"], tmp_path, subprocess_env)
+    assert p.returncode == 0, p.stderr
+    assert "tiny_flux" in p.stdout
+    cfg = yaml.safe_load(p.stdout)
+    assert cfg["model"]["name"] == "tiny_flux"
+    assert cfg["dataset"]["format"] == "builtin"
+    assert "hydra" not in cfg
+    assert not (tmp_path / "outputs").exists(), "--cfg job must not start a run"
+
+
+def test_cfg_job_shows_overrides(tmp_path, subprocess_env):
+    p = _runner(["--cfg", "job", "dataset=jsonl", "dataset.path=my.jsonl", "batch_size=4", "seed=7"], tmp_path,
+                subprocess_env)
+    assert p.returncode == 0, p.stderr
+    cfg = yaml.safe_load(p.stdout)
+    assert (cfg["dataset"]["format"], cfg["dataset"]["path"], cfg["batch_size"], cfg["seed"]) == (
+        "jsonl", "my.jsonl", 4, 7)
+
+
+def test_typo_exits_nonzero(tmp_path, subprocess_env):
+    p = _runner(["batch_size=abc"], tmp_path, subprocess_env)
+    assert p.returncode != 0
+    assert "batch_size" in p.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_multirun_seed_sweep(tmp_path, subprocess_env):
+    sweep = tmp_path / "sweep"
+    p = _runner(["-m", "seed=1,2", "dataset.limit=2", "platform=cpu", f"hydra.sweep.dir={sweep}"], tmp_path,
+                subprocess_env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    jobs = sorted(d for d in sweep.iterdir() if d.is_dir())
+    assert [d.name for d in jobs] == ["0", "1"]
+    images = []
+    for job, seed in zip(jobs, (1, 2)):
+        m = json.loads((job / "manifest.json").read_text())
+        assert m["status"] == "completed"
+        assert m["config"]["seed"] == seed
+        assert f"seed={seed}" in m["overrides"]
+        assert (m["counts"]["ok"], m["counts"]["failed"]) == (2, 0)
+        items = [json.loads(line) for line in (job / "items.jsonl").read_text().splitlines()]
+        assert len(items) == 2
+        for it in items:
+            data = (job / it["file"]).read_bytes()
+            assert it["file_sha256"] == hashlib.sha256(data).hexdigest()
+            images.append(data)
+    assert images[:2] != images[2:], "seed=1 and seed=2 gave the same images"
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
