@@ -68,14 +68,40 @@ class Item:
 
     @property
     def key(self) -> str:
-        """Stable artifact key: the row id, with ``-<index>`` when the row has several images."""
+        """Stable item key: the row id, with ``-<index>`` when the row has several images."""
         return self.row.id if self.row.num_images_per_prompt == 1 else f"{self.row.id}-{self.index}"
+
+    @property
+    def filename_stem(self) -> str:
+        """A file name stem safe on every OS for this item (see :func:`safe_stem`)."""
+        return safe_stem(self.key)
 
     @property
     def shape_key(self) -> tuple:
         """Rows with equal shape keys can share a batch (same latent shape, steps and guidance)."""
         r = self.row
         return (r.width, r.height, r.num_inference_steps, r.guidance_scale, r.negative_prompt is not None)
+
+
+_RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))}
+
+
+def safe_stem(key: str, max_len: int = 96) -> str:
+    """File name stem for an item key that stays inside its directory on every OS.
+
+    Characters outside ``[A-Za-z0-9._-]`` become ``_``, leading dots are removed (no ``..``, no hidden files),
+    Windows device names (``CON``, ``COM1``...) get a ``_`` prefix, and the result is cut to ``max_len``. Whenever
+    the stem differs from the key, ``-<first 8 hex of sha256(key)>`` is appended, so two keys that sanitise to
+    the same text (``a/b`` and ``a_b``... or the empty id) still get distinct files.
+    """
+    import re
+
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", key).lstrip(".")[:max_len]
+    if stem.split(".")[0].upper() in _RESERVED:
+        stem = "_" + stem
+    if stem != key or not stem:
+        stem = f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+    return stem
 
 
 def derive_seed(run_seed: int, row_id: str) -> int:

@@ -188,6 +188,27 @@ def _item_record(it: ds.Item, batch_len: int) -> Dict[str, Any]:
     }
 
 
+def _generate_isolated(adapter: Any, batch: List[ds.Item]) -> Dict[str, Any]:
+    """Generate a batch; when the pipeline raises, retry its items one by one so that one bad row fails alone.
+
+    Returns:
+        ``{"images": [array | exception per item], "ran": [sub-batches whose denoising completed]}``.
+    """
+    try:
+        return {"images": adapter.generate(batch), "ran": [batch]}
+    except Exception as e:  # noqa: BLE001 - recorded per item, never swallowed silently
+        if len(batch) == 1:
+            return {"images": [e], "ran": []}
+        log.warning("batch of %d failed (%s: %s); retrying its items one by one", len(batch), type(e).__name__, e)
+        images: List[Any] = []
+        ran = []
+        for it in batch:
+            r = _generate_isolated(adapter, [it])
+            images.extend(r["images"])
+            ran.extend(r["ran"])
+        return {"images": images, "ran": ran}
+
+
 def _compact_journal(out_dir: Path, items: List[ds.Item]) -> None:
     """Rewrite ``items.jsonl`` atomically with the latest record per item, in dataset order (after a resume the
     file then reads exactly like an uninterrupted run's)."""
@@ -269,6 +290,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     gen_s = write_s = load_s = 0.0
     status = "running"
     want_forwards = 0
+    raised = False
+    nonfinite = 0
     probes: Dict[str, Any] = {}
     denoiser = None
     journal = Journal(out_dir / "items.jsonl")
@@ -297,20 +320,27 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                 if stop.signum is not None:
                     break
                 t0 = time.perf_counter()
-                want_forwards += expected_forwards(batch, float(g.true_cfg_scale))
-                images = adapter.generate(batch)
+                results = _generate_isolated(adapter, batch)
                 t1 = time.perf_counter()
                 gen_s += t1 - t0
-                for it, img in zip(batch, images):
+                want_forwards += sum(expected_forwards(b, float(g.true_cfg_scale)) for b in results["ran"])
+                if len(results["ran"]) != 1 or results["ran"][0] is not batch:
+                    raised = True  # a pipeline call raised part-way: forward totals are no longer predictable
+                for it, img in zip(batch, results["images"]):
                     tw = time.perf_counter()
                     rec = _item_record(it, len(batch))
-                    if not np.isfinite(img).all():
+                    if isinstance(img, BaseException):
+                        rec.update(status="failed", file=None, reason=f"{type(img).__name__}: {img}")
+                        counts["failed"] += 1
+                        log.error("item %r failed: %s: %s", it.key, type(img).__name__, img)
+                    elif not np.isfinite(img).all():
                         rec.update(status="failed", file=None,
                                    reason=f"non-finite output ({int((~np.isfinite(img)).sum())} values)")
                         counts["failed"] += 1
+                        nonfinite += 1
                     else:
                         data = encode_png(img)
-                        path = img_dir / f"{it.key}.png"
+                        path = img_dir / f"{it.filename_stem}.png"
                         atomic_write_bytes(path, data)
                         rec.update(status="ok", file=str(path.relative_to(out_dir)),
                                    file_sha256=hashlib.sha256(data).hexdigest())
@@ -331,10 +361,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                   "verdict": "not_collected", "reason": "every item was reused from the earlier run",
                   "mismatches": []}
         elif cfg.evidence.enabled:
-            ev = evidence.build(adapter.stage, probes, denoiser, want_forwards, finite=counts["failed"] == 0,
-                                device=plat.device)
+            ev = evidence.build(adapter.stage, probes, denoiser, None if raised else want_forwards,
+                                finite=nonfinite == 0, device=plat.device)
         else:
-            ev = {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": counts["failed"] == 0,
+            ev = {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": nonfinite == 0,
                   "verdict": "not_collected", "mismatches": []}
         manifest.section("evidence", ev)
         if ev["verdict"] == "mismatch" and status != "interrupted":
