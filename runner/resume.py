@@ -59,7 +59,10 @@ def previous_run(out_dir: Path) -> Optional[Dict[str, Any]]:
     p = out_dir / "manifest.json"
     if not p.is_file():
         return None
-    return json.loads(p.read_text())
+    doc = json.loads(p.read_text())
+    if doc.get("status") in ("refused", "invalid"):  # stopped before any artifact: nothing to resume
+        return None
+    return doc
 
 
 def read_journal(path: Path) -> List[Dict[str, Any]]:

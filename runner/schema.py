@@ -135,6 +135,13 @@ class EvidenceConfig:
 
 
 @dataclass
+class ReportConfig:
+    """Sweep report settings. ``reference``: the job (number or dir name) the others are compared with."""
+
+    reference: Optional[str] = None
+
+
+@dataclass
 class RunControl:
     """Resume control. ``resume``: an earlier run dir to finish (finished, intact items are kept); ``force``:
     resume even when the semantic config differs."""
@@ -155,6 +162,7 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
     run: RunControl = field(default_factory=RunControl)
+    report: ReportConfig = field(default_factory=ReportConfig)
     seed: int = 0
     dtype: str = "auto"
     compile: str = "none"

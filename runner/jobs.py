@@ -1,0 +1,95 @@
+"""One job of the CLI: run it, classify the outcome, and leave a record that sweeps and the matrix can read.
+
+Every job dir gets ``job_status.json``: ``{exit_code, outcome, error_type, error}``. Outcomes:
+
+* ``ok``: every item written, evidence verified (or not collected).
+* ``failed_items``: some items failed (non-finite or raised); the rest were written.
+* ``refused``: a documented refusal at startup: an explicitly selected backend cannot run on this platform
+  (``BackendUnavailableError``). The job dir also gets a ``manifest.json`` with ``status: refused``.
+* ``invalid``: any other bad input (unknown names, bad rows, bad paths...), also with a ``status: invalid``
+  manifest.
+* ``evidence_mismatch``: the run finished but what executed differs from the resolution.
+* ``crashed``: an unexpected exception (its traceback is in the job log).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.artifacts import atomic_write_json
+from runner.manifest import Manifest, git_state, now_iso, package_versions
+
+log = logging.getLogger("runner")
+
+EXIT = {"ok": 0, "failed_items": 1, "crashed": 1, "refused": 2, "invalid": 2, "evidence_mismatch": 3}
+
+
+def _refusal_manifest(out_dir: Path, cfg: DictConfig, overrides: List[str], status: str, err: BaseException) -> None:
+    """A manifest for a run stopped before its model loaded (never trusted by a resume: status refused/invalid)."""
+    from runner.execute import REPO_ROOT
+
+    m = Manifest(out_dir / "manifest.json")
+    m.doc.update(status=status, ended_at=now_iso())
+    m.section("config", OmegaConf.to_container(cfg, resolve=False))
+    m.section("overrides", overrides)
+    m.section("error", {"type": type(err).__name__, "message": str(err)})
+    m.section("git", git_state(REPO_ROOT))
+    m.section("packages", package_versions())
+    try:
+        from runner.platform import detect
+
+        m.section("platform", detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes)).to_dict())
+    except Exception as e:  # noqa: BLE001 - the platform itself may be what was refused
+        m.section("platform", {"error": str(e)})
+    m.flush()
+
+
+def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool = True) -> int:
+    """Run ``runner.execute.run`` and record the outcome in ``out_dir/job_status.json``.
+
+    Args:
+        reraise: re-raise unexpected exceptions (single runs); in a multirun they are recorded and the sweep goes on.
+
+    Returns:
+        The exit code (see the module docstring).
+    """
+    from kernels.registry import BackendUnavailableError
+    from runner.evidence import EvidenceError
+    from runner.execute import USER_ERRORS, run
+
+    out_dir = Path(cfg.run.resume or cfg.output.dir or out_dir)
+    status: Dict[str, Any] = {"error_type": None, "error": None}
+    try:
+        code = run(cfg, out_dir, overrides=overrides)
+        outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
+    except EvidenceError as e:
+        log.error("%s: %s", type(e).__name__, e)
+        outcome, code = "evidence_mismatch", EXIT["evidence_mismatch"]
+        status.update(error_type=type(e).__name__, error=str(e))
+    except USER_ERRORS as e:  # bad input or a refused backend: a clear message, no traceback
+        log.error("%s: %s", type(e).__name__, e)
+        outcome = "refused" if isinstance(e, BackendUnavailableError) else "invalid"
+        code = EXIT[outcome]
+        status.update(error_type=type(e).__name__, error=str(e))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not (out_dir / "manifest.json").exists():
+            _refusal_manifest(out_dir, cfg, overrides, outcome, e)
+    except Exception as e:  # noqa: BLE001
+        log.error("job crashed: %s", traceback.format_exc())
+        outcome, code = "crashed", EXIT["crashed"]
+        status.update(error_type=type(e).__name__, error=str(e))
+        if reraise:
+            _write_status(out_dir, code, outcome, status)
+            raise
+    _write_status(out_dir, code, outcome, status)
+    return code
+
+
+def _write_status(out_dir: Path, code: int, outcome: str, status: Dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / "job_status.json", {"exit_code": code, "outcome": outcome, **status})
