@@ -31,6 +31,8 @@ TRITON implementation (:func:`moe_triton`), in the style of vLLM's ``fused_moe``
     4. Triton kernel 2: per (block of assignments, block of H): ``acc = inter[rows] @ w_down[e].T`` in fp32,
        multiplied by the assignment's routing weight (fp32), stored to ``out_k[T*k, H]``;
     5. combine: ``out_k.view(T, k, H).sum(1)`` in fp32, cast to the input dtype (deterministic, no atomics).
+    ``H`` and ``I`` are compile-time constants of both kernels (one compile per model shape and block config;
+    runtime loop bounds also break ``range`` in Triton 3.6's CPU interpreter); block sizes are all >= 16 (tl.dot).
 
 Both implementations count nothing themselves; :class:`SwiGLUMoE` counts which one its ``forward`` ran.
 """
@@ -156,7 +158,7 @@ if HAS_TRITON:
     @triton.jit
     def _moe_gate_up_silu_kernel(
         x_ptr, wg_ptr, wu_ptr, inter_ptr, sorted_ids_ptr, expert_ids_ptr,
-        num_valid, top_k, H, I,
+        num_valid, top_k, H: tl.constexpr, I: tl.constexpr,
         stride_xm, stride_xk,
         stride_we, stride_wn, stride_wk,
         stride_im, stride_in,
@@ -201,7 +203,7 @@ if HAS_TRITON:
     @triton.jit
     def _moe_down_kernel(
         inter_ptr, wd_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
-        num_valid, H, I,
+        num_valid, H: tl.constexpr, I: tl.constexpr,
         stride_im, stride_ik,
         stride_we, stride_wn, stride_wk,
         stride_om, stride_on,

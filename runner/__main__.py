@@ -44,4 +44,7 @@ def main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
+    from runner.distributed import agree_argv
+
+    sys.argv = sys.argv[:1] + agree_argv(sys.argv[1:])  # torchrun: every rank uses rank 0's run dir
     main()

@@ -64,9 +64,22 @@ def check_run_values(cfg: DictConfig) -> None:
         raise ConfigValueError(f"max_pixels={cfg.max_pixels} must be >= 1")
     if cfg.compile not in ("none", "regional"):
         raise ConfigValueError(f"compile={cfg.compile!r} is not one of none, regional")
-    if cfg.parallelism.mode != "single" or cfg.parallelism.world_size != 1:
-        raise ConfigValueError(f"parallelism.mode={cfg.parallelism.mode!r} (world_size={cfg.parallelism.world_size})"
-                               " is not implemented yet; fix: parallelism=single")
+    mode = cfg.parallelism.mode
+    if mode in ("cfg", "ulysses"):
+        raise ConfigValueError(f"parallelism={mode} ({'CFG-parallel' if mode == 'cfg' else 'Ulysses sequence parallel'}"
+                               ") is not implemented yet; it would otherwise run single-device. fix: parallelism=single "
+                               "or parallelism=data")
+    if mode not in ("single", "data"):
+        raise ConfigValueError(f"parallelism.mode={mode!r} is not one of single, data, cfg, ulysses")
+    from runner.distributed import torchrun_worker
+
+    tw = torchrun_worker()
+    if tw is not None and tw.world_size > 1 and mode != "data":
+        raise ConfigValueError(f"started by torchrun with WORLD_SIZE={tw.world_size} but parallelism={mode}: every "
+                               "rank would generate the whole dataset; fix: parallelism=data")
+    if mode == "data" and tw is None and cfg.launcher.name != "ray":
+        raise ConfigValueError("parallelism=data needs workers: launch with `torchrun --nproc-per-node N -m runner "
+                               "parallelism=data` or add launcher=ray")
 
 
 def make_adapter(cfg: DictConfig, device: str, dtype: torch.dtype):
@@ -249,16 +262,21 @@ def _generate_isolated(adapter: Any, batch: List[ds.Item]) -> Dict[str, Any]:
         return {"images": images, "ran": ran}
 
 
-def _compact_journal(out_dir: Path, items: List[ds.Item]) -> None:
-    """Rewrite ``items.jsonl`` atomically with the latest record per item, in dataset order (after a resume the
-    file then reads exactly like an uninterrupted run's)."""
-    latest = {r["key"]: r for r in resume.read_journal(out_dir / "items.jsonl") if "key" in r}
+def _compact_journal(out_dir: Path, items: List[ds.Item], name: str = "items.jsonl") -> None:
+    """Rewrite the journal atomically with the latest record per item, in dataset order (after a resume the
+    file then reads exactly like an uninterrupted run's). Records of items reused from another journal of the
+    dir (an earlier merged run, other workers) are copied in, so the journal covers all of ``items``."""
+    latest = {}
+    for p in sorted(out_dir.glob("items*.jsonl")):
+        if p.name != name:
+            latest.update({r["key"]: r for r in resume.read_journal(p) if r.get("status") == "ok"})
+    latest.update({r["key"]: r for r in resume.read_journal(out_dir / name) if "key" in r})
     lines = [json.dumps(latest[it.key]) + "\n" for it in items if it.key in latest]
-    atomic_write_bytes(out_dir / "items.jsonl", "".join(lines).encode())
+    atomic_write_bytes(out_dir / name, "".join(lines).encode())
 
 
 def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
-        on_loaded: Optional[Callable[[Any], None]] = None) -> int:
+        on_loaded: Optional[Callable[[Any], None]] = None, worker: Optional[Any] = None) -> int:
     """Execute one run into ``run_dir``. Returns the process exit code (0: every item written and verified;
     1: some items failed; 128+signal: interrupted).
 
@@ -268,6 +286,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         overrides: the CLI overrides (Hydra's task overrides); they decide the CLI precedence layers.
         on_loaded: called with the adapter once the model is loaded and backends are installed (tests use it
             to tamper with the model and check that the evidence notices).
+        worker: a data-parallel worker (``runner.distributed.Worker``): it generates only its shard and writes
+            ``items.rank<r>.jsonl`` and ``manifest.rank<r>.json``; the merge makes the run's files.
 
     Raises:
         evidence.EvidenceError: strict evidence found a mismatch (after everything was written).
@@ -284,9 +304,15 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                                    size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels,
                                    limit=cfg.dataset.limit)
     items = ds.expand_items(rows, cfg.seed)
+    journal_name, manifest_name = "items.jsonl", "manifest.json"
+    if worker is not None and worker.world_size > 1:
+        from runner.distributed import shard_of
+
+        items = [it for it in items if shard_of(it.row.id, worker.world_size) == worker.rank]
+        journal_name, manifest_name = worker.journal, worker.manifest
     data_sha = ds.file_sha256(data_path)
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
-    prev = resume.previous_run(out_dir)
+    prev = resume.previous_run(out_dir, (manifest_name, "manifest.json"))
     if cfg.run.resume and prev is None:
         raise resume.ResumeConflictError(f"run.resume={cfg.run.resume!r} holds no manifest.json, so there is no run "
                                          "to resume; fix: point at an earlier run dir")
@@ -300,6 +326,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                 + "\n  ".join(diffs) + "\nfix: use a new run dir, or run.force=true to resume anyway")
         done = resume.finished(out_dir)
     todo = [it for it in items if it.key not in done]
+    if cfg.cpu_threads is not None:
+        if cfg.cpu_threads < 1:
+            raise ConfigValueError(f"cpu_threads={cfg.cpu_threads} must be >= 1 (or null for torch's default)")
+        torch.set_num_threads(int(cfg.cpu_threads))
     plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
     dtype = resolve_dtype(cfg.dtype, plat.kind)
     adapter = make_adapter(cfg, plat.device, dtype)
@@ -309,7 +339,11 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     out_dir.mkdir(parents=True, exist_ok=True)
     img_dir = out_dir / "images"
     img_dir.mkdir(exist_ok=True)
-    manifest = Manifest(out_dir / "manifest.json")
+    manifest = Manifest(out_dir / manifest_name)
+    if worker is not None:
+        from runner.distributed import worker_record
+
+        manifest.section("worker", worker_record(worker, len(items)))
     if prev is not None:
         manifest.section("resumed_from", {"run_id": prev.get("run_id"), "status": prev.get("status"),
                                           "reused_items": len(items) - len(todo), "forced": bool(cfg.run.force)})
@@ -325,7 +359,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     manifest.section("backends", {adapter.stage: {f: r.to_dict() for f, r in resolutions.items()}})
     manifest.section("environment", {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ})
     manifest.flush()
-    write_repro(out_dir, overrides, manifest.doc["packages"])
+    if worker is None or worker.rank == 0:
+        write_repro(out_dir, overrides, manifest.doc["packages"])
 
     counts = {"ok": 0, "failed": 0, "reused": len(items) - len(todo)}
     gen_s = write_s = load_s = 0.0
@@ -335,7 +370,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     nonfinite = 0
     probes: Dict[str, Any] = {}
     denoiser = None
-    journal = Journal(out_dir / "items.jsonl")
+    journal = Journal(out_dir / journal_name)
     from tqdm import tqdm
 
     bar = tqdm(total=len(items), initial=len(items) - len(todo), unit="img", desc=cfg.model.name,
@@ -417,7 +452,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     finally:
         bar.close()
         journal.close()
-        _compact_journal(out_dir, items)
+        _compact_journal(out_dir, items, journal_name)
         wall = time.perf_counter() - t_start
         manifest.section("counts", counts)
         phases = dict(getattr(adapter, "phase_s", {}) or {})

@@ -62,10 +62,26 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     from runner.evidence import EvidenceError
     from runner.execute import USER_ERRORS, run
 
-    out_dir = Path(cfg.run.resume or cfg.output.dir or out_dir)
+    from runner import distributed as dp
+
+    job_dir = Path(out_dir)  # where this process's job_status.json goes (a worker's own Hydra dir for rank > 0)
+    out_dir = Path(cfg.run.resume or cfg.output.dir or dp.shared_run_dir(Path(out_dir)))
+    if job_dir == dp.shared_run_dir(job_dir):
+        job_dir = out_dir
     status: Dict[str, Any] = {"error_type": None, "error": None}
+    worker = dp.torchrun_worker() if cfg.parallelism.mode == "data" else None
     try:
-        code = run(cfg, out_dir, overrides=overrides)
+        if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
+            from runner.ray_launcher import run_on_ray
+
+            code = run_on_ray(cfg, out_dir, overrides)
+        elif worker is not None and worker.world_size > 1:
+            code = run(cfg, out_dir, overrides=overrides, worker=worker)
+            dp.barrier()
+            if worker.rank == 0:
+                code = _merged_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun"))
+        else:
+            code = run(cfg, out_dir, overrides=overrides)
         outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
     except EvidenceError as e:
         log.error("%s: %s", type(e).__name__, e)
@@ -84,10 +100,32 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         outcome, code = "crashed", EXIT["crashed"]
         status.update(error_type=type(e).__name__, error=str(e))
         if reraise:
-            _write_status(out_dir, code, outcome, status)
+            _write_status(job_dir, code, outcome, status)
             raise
-    _write_status(out_dir, code, outcome, status)
+    _write_status(job_dir, code, outcome, status)
     return code
+
+
+def dataset_keys(cfg: DictConfig) -> List[str]:
+    """Every item key of the run's dataset, in dataset order (the merged journal's order)."""
+    from runner import dataset as ds
+
+    g = cfg.model.generation
+    rows, _ = ds.load_rows(cfg.dataset.format, cfg.dataset.path,
+                           defaults=dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
+                                         guidance_scale=g.guidance_scale,
+                                         num_images_per_prompt=cfg.num_images_per_prompt),
+                           size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels, limit=cfg.dataset.limit)
+    return [it.key for it in ds.expand_items(rows, cfg.seed)]
+
+
+def _merged_code(merged: Dict[str, Any]) -> int:
+    """Exit code of a merged data-parallel run: 0 all written, 1 otherwise."""
+    if merged["status"] == "completed":
+        return 0
+    log.error("data-parallel run %s: workers not completed: %s; missing items: %d", merged["status"],
+              merged["failed_workers"], merged["counts"]["missing"])
+    return 1
 
 
 def _write_status(out_dir: Path, code: int, outcome: str, status: Dict[str, Any]) -> None:

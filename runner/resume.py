@@ -54,10 +54,11 @@ def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_
     return diffs
 
 
-def previous_run(out_dir: Path) -> Optional[Dict[str, Any]]:
-    """The earlier manifest in ``out_dir``, or None when the dir holds no run."""
-    p = out_dir / "manifest.json"
-    if not p.is_file():
+def previous_run(out_dir: Path, names: tuple = ("manifest.json",)) -> Optional[Dict[str, Any]]:
+    """The earlier manifest in ``out_dir`` (the first of ``names`` that exists), or None when the dir holds no
+    run (or only a run refused before it produced anything)."""
+    p = next((out_dir / n for n in names if (out_dir / n).is_file()), None)
+    if p is None:
         return None
     doc = json.loads(p.read_text())
     if doc.get("status") in ("refused", "invalid"):  # stopped before any artifact: nothing to resume
@@ -81,12 +82,13 @@ def read_journal(path: Path) -> List[Dict[str, Any]]:
 def finished(out_dir: Path) -> Dict[str, Dict[str, Any]]:
     """``{item key: record}`` of items whose artifact exists and matches its recorded sha256."""
     done: Dict[str, Dict[str, Any]] = {}
-    for rec in read_journal(out_dir / "items.jsonl"):
+    records = [rec for p in sorted(out_dir.glob("items*.jsonl")) for rec in read_journal(p)]  # + workers' journals
+    for rec in records:
         if rec.get("status") != "ok" or not rec.get("file"):
             continue
         f = out_dir / rec["file"]
         if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() == rec.get("file_sha256"):
             done[rec["key"]] = rec
-        else:
+        elif rec["key"] in done and not (out_dir / done[rec["key"]]["file"]).is_file():
             done.pop(rec["key"], None)
     return done

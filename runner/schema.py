@@ -102,10 +102,28 @@ class PlatformConfig:
 
 @dataclass
 class ParallelismConfig:
-    """How work is spread over devices. Only ``single`` runs today."""
+    """How work is spread over devices.
+
+    ``mode``: ``single`` | ``data`` (dataset sharded over torchrun ranks or Ray workers) | ``cfg`` (CFG-parallel) |
+    ``ulysses`` (Ulysses sequence parallel). ``cfg`` and ``ulysses`` are refused at startup (not implemented).
+    ``degree``: devices per replica for the model-parallel modes.
+    """
 
     mode: str = "single"
     world_size: int = 1
+    degree: int = 1
+
+
+@dataclass
+class LauncherConfig:
+    """Who starts the workers of ``parallelism=data``. ``local``: this process, or torchrun; ``ray``: Ray actors
+    (``num_workers`` of them, ``num_gpus_per_worker`` each, on the cluster at ``address``, or a local one)."""
+
+    name: str = "local"
+    num_workers: int = 2
+    num_gpus_per_worker: float = 0.0
+    num_cpus_per_worker: float = 1.0
+    address: Optional[str] = None
 
 
 @dataclass
@@ -158,6 +176,7 @@ class RunConfig:
     platform: PlatformConfig = MISSING
     backend: BackendConfig = field(default_factory=BackendConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
     dataset: DatasetConfig = MISSING
     output: OutputConfig = field(default_factory=OutputConfig)
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
@@ -166,6 +185,7 @@ class RunConfig:
     seed: int = 0
     dtype: str = "auto"
     compile: str = "none"
+    cpu_threads: Optional[int] = 1
     batch_size: int = 1
     num_images_per_prompt: int = 1
     max_pixels: int = 4096 * 4096

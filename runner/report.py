@@ -1,0 +1,673 @@
+"""Self-contained HTML report of sweeps and runs, built from what they wrote (manifests, ``job_status.json``,
+``items.jsonl`` and the images) and nothing else.
+
+``report.html`` carries everything inline: CSS, an SVG bar chart and the image thumbnails as base64 ``data:``
+URIs, so it opens offline and can be attached to a ticket. It shows:
+
+* one row per job: overrides, outcome (``job_status.json``) and manifest status, the backend resolution of each
+  field (selected implementation, what was requested and at which precedence layer), the evidence verdict,
+  wall time (s), per-phase time (s: text encoding, denoising, VAE decode, writing), throughput (images/s) and
+  peak memory (device bytes allocated by torch when recorded, else host peak RSS); refused/invalid jobs with
+  their error message;
+* parity of every job against a reference job (the first job with images, or ``reference``): per item PSNR
+  (dB, ``inf`` when identical), SSIM (Wang et al. 2004) and the maximum absolute pixel difference (0..255);
+* an image grid of the same items across jobs, and a bar chart of images/s per job;
+* per-job details: the backend resolution table, evidence mismatches, failed items.
+
+CLI: ``python -m runner.report <sweep_or_run_dirs...> [--out report.html] [--reference N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+PARITY_TOLERANCE_DB = 40.0
+"""Default parity tolerance: an item is within tolerance when its PSNR against the reference is >= this (dB)."""
+
+PHASES = (("text_encode", "text enc."), ("denoise", "denoise"), ("vae_decode", "VAE dec."), ("write", "write"))
+FIELDS = ("attention", "linear", "moe")
+MAX_GRID_ITEMS = 24
+THUMB_PX = 160
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading runs
+
+
+@dataclass
+class Job:
+    """One run dir as the report sees it.
+
+    Attributes:
+        name: the dir name (a sweep's job number, e.g. ``"0"``).
+        label: unique display name (``<sweep>/<job>`` when several dirs are reported).
+        path: the run dir.
+        group: the sweep dir it belongs to (the run dir itself for a standalone run).
+        manifest: ``manifest.json`` (``{}`` when absent).
+        status: ``job_status.json`` (``{}`` when absent: a plain ``python -m runner`` run that exited 0 has it too).
+        items: the records of ``items.jsonl`` in file order.
+    """
+
+    name: str
+    label: str
+    path: Path
+    group: Path
+    manifest: Dict[str, Any] = field(default_factory=dict)
+    status: Dict[str, Any] = field(default_factory=dict)
+    items: List[Dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def outcome(self) -> str:
+        """``job_status.json`` outcome, or one derived from the manifest status when the file is absent."""
+        if self.status.get("outcome"):
+            return self.status["outcome"]
+        st = self.manifest.get("status")
+        return {"completed": "ok", "refused": "refused", "invalid": "invalid",
+                "completed_with_failures": "failed_items"}.get(st, st or "unknown")
+
+    @property
+    def error(self) -> Optional[str]:
+        """The recorded error message (refusals, bad input, crashes), if any."""
+        err = self.manifest.get("error")
+        if isinstance(err, dict):
+            err = f"{err.get('type')}: {err.get('message')}"
+        return self.status.get("error") or err
+
+    @property
+    def ok_items(self) -> Dict[str, Dict[str, Any]]:
+        """Item key -> record of every item written (``status: ok`` with a file)."""
+        return {r["key"]: r for r in self.items if r.get("status") == "ok" and r.get("file")}
+
+    def image_path(self, key: str) -> Path:
+        return self.path / self.ok_items[key]["file"]
+
+
+def _read_json(path: Path) -> Dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _read_items(path: Path) -> List[Dict[str, Any]]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a torn last line of an interrupted run
+    return out
+
+
+def is_run_dir(d: Path) -> bool:
+    """A run dir holds ``manifest.json`` or ``job_status.json``."""
+    return (d / "manifest.json").exists() or (d / "job_status.json").exists()
+
+
+def _job_sort_key(p: Path) -> tuple:
+    return (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name)
+
+
+def load_jobs(dirs: Iterable[Path]) -> List[Job]:
+    """The jobs of sweep dirs (their run-dir children, in job-number order) and of run dirs, in argument order.
+
+    Raises:
+        FileNotFoundError: a dir is neither a run dir nor a sweep dir holding run dirs.
+    """
+    dirs = [Path(d) for d in dirs]
+    found: List[tuple] = []
+    for d in dirs:
+        if is_run_dir(d):
+            found.append((d, d))
+            continue
+        kids = sorted((p for p in d.iterdir() if p.is_dir() and is_run_dir(p)), key=_job_sort_key) \
+            if d.is_dir() else []
+        if not kids:
+            raise FileNotFoundError(f"{d} is neither a run dir (manifest.json / job_status.json) nor a sweep dir "
+                                    "holding run dirs")
+        found.extend((k, d) for k in kids)
+    several = len(dirs) > 1
+    jobs = []
+    for path, group in found:
+        label = path.name if not several or path == group else f"{group.name}/{path.name}"
+        jobs.append(Job(name=path.name, label=label, path=path, group=group,
+                        manifest=_read_json(path / "manifest.json"), status=_read_json(path / "job_status.json"),
+                        items=_read_items(path / "items.jsonl")))
+    return jobs
+
+
+def pick_reference(jobs: Sequence[Job], reference: Any = None) -> Optional[Job]:
+    """The parity reference: the job whose name, label or path is ``reference`` (an int job number works), else
+    the first job with written images. None when no job has images.
+
+    Raises:
+        KeyError: ``reference`` names no job, or a job with no images.
+    """
+    if reference is not None and str(reference) != "":
+        ref = str(reference)
+        for j in jobs:
+            if ref in (j.name, j.label, str(j.path)):
+                if not j.ok_items:
+                    raise KeyError(f"reference job {ref!r} has no images (outcome {j.outcome})")
+                return j
+        raise KeyError(f"reference={ref!r} names no job; jobs: {', '.join(j.label for j in jobs)}")
+    return next((j for j in jobs if j.ok_items), None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Image metrics
+
+
+def load_rgb(path: Path) -> np.ndarray:
+    """An image file as a ``uint8`` array of shape (height, width, 3)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.uint8)
+
+
+def psnr(a: np.ndarray, b: np.ndarray, peak: float = 255.0) -> float:
+    """Peak signal-to-noise ratio in dB, ``10 log10(peak^2 / MSE)``; ``inf`` when the images are identical."""
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10.0 * math.log10(peak * peak / mse)
+
+
+def _gaussian(size: int = 11, sigma: float = 1.5) -> np.ndarray:
+    x = np.arange(size, dtype=np.float64) - (size - 1) / 2.0
+    g = np.exp(-(x ** 2) / (2 * sigma ** 2))
+    return g / g.sum()
+
+
+def _filter_valid(x: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Separable 2-D filtering of the first two axes with window ``g`` (``valid`` region, as MATLAB's filter2)."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    x = sliding_window_view(x, g.size, axis=0) @ g
+    return sliding_window_view(x, g.size, axis=1) @ g
+
+
+def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, k1: float = 0.01, k2: float = 0.03,
+         win: int = 11, sigma: float = 1.5) -> float:
+    """Mean structural similarity (SSIM) of two images, unitless, 1.0 when identical.
+
+    Z. Wang, A. C. Bovik, H. R. Sheikh, E. P. Simoncelli, "Image quality assessment: from error visibility to
+    structural similarity", IEEE Trans. Image Processing 13(4):600-612, 2004. Per channel, local statistics under
+    an 11x11 Gaussian window (sigma 1.5, normalised), ``C1 = (K1 L)^2``, ``C2 = (K2 L)^2`` with K1 = 0.01,
+    K2 = 0.03, L = 255::
+
+        SSIM(x, y) = (2 mu_x mu_y + C1) (2 sigma_xy + C2) / ((mu_x^2 + mu_y^2 + C1) (sigma_x^2 + sigma_y^2 + C2))
+
+    averaged over the valid window positions and over channels (no automatic downsampling). Images smaller than
+    the window use the largest odd window that fits.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"SSIM needs equal shapes, got {a.shape} and {b.shape}")
+    x = a.astype(np.float64).reshape(a.shape[0], a.shape[1], -1)
+    y = b.astype(np.float64).reshape(b.shape[0], b.shape[1], -1)
+    win = min(win, x.shape[0], x.shape[1])
+    win -= (win + 1) % 2  # odd
+    g = _gaussian(win, sigma)
+    c1, c2 = (k1 * peak) ** 2, (k2 * peak) ** 2
+    mx, my = _filter_valid(x, g), _filter_valid(y, g)
+    sxx = _filter_valid(x * x, g) - mx * mx
+    syy = _filter_valid(y * y, g) - my * my
+    sxy = _filter_valid(x * y, g) - mx * my
+    m = ((2 * mx * my + c1) * (2 * sxy + c2)) / ((mx * mx + my * my + c1) * (sxx + syy + c2))
+    return float(m.mean())
+
+
+def compare_images(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
+    """``{psnr_db, ssim, max_abs_diff}`` of two uint8 images (max_abs_diff in pixel levels 0..255), or
+    ``{error}`` when their shapes differ."""
+    if a.shape != b.shape:
+        return {"psnr_db": None, "ssim": None, "max_abs_diff": None, "error": f"shape {a.shape} vs {b.shape}"}
+    if np.array_equal(a, b):
+        return {"psnr_db": math.inf, "ssim": 1.0, "max_abs_diff": 0}
+    return {"psnr_db": psnr(a, b), "ssim": ssim(a, b),
+            "max_abs_diff": int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())}
+
+
+def _same_item(r: Dict[str, Any], s: Dict[str, Any]) -> bool:
+    """Two item records describe the same request (seed, prompt and generation parameters; batch size aside)."""
+    def sig(x: Dict[str, Any]) -> tuple:
+        p = {k: v for k, v in (x.get("params") or {}).items() if k != "batch_size"}
+        return x.get("seed"), x.get("prompt_sha256"), json.dumps(p, sort_keys=True)
+
+    return sig(r) == sig(s)
+
+
+def parity(ref: Job, job: Job, tolerance_db: float = PARITY_TOLERANCE_DB) -> List[Dict[str, Any]]:
+    """Per-item parity of ``job`` against ``ref`` over the reference's written items.
+
+    Returns:
+        One dict per reference item: ``key``, ``psnr_db`` (dB, ``inf`` if identical), ``ssim``, ``max_abs_diff``
+        (0..255), ``within`` (PSNR >= ``tolerance_db``) and ``note`` for items missing or not comparable (another
+        seed, prompt or size: no metric, ``within`` None).
+    """
+    out = []
+    mine = job.ok_items
+    for key, r in ref.ok_items.items():
+        row: Dict[str, Any] = {"key": key, "psnr_db": None, "ssim": None, "max_abs_diff": None, "within": None}
+        if key not in mine:
+            row.update(note="missing", within=False)
+        elif not _same_item(r, mine[key]):
+            row.update(note="not comparable (seed/prompt/params differ)")
+        else:
+            m = compare_images(load_rgb(ref.image_path(key)), load_rgb(job.image_path(key)))
+            row.update(m)
+            row["within"] = m["psnr_db"] is not None and m["psnr_db"] >= tolerance_db
+            if m.get("error"):
+                row["note"] = m.pop("error")
+        out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Summaries of manifest sections
+
+
+def backend_summary(sel: Any) -> Optional[str]:
+    """A selected/resolved backend value as text: a name, or ``role:name`` pairs when roles differ; None if n/a."""
+    if sel is None:
+        return None
+    if isinstance(sel, dict):
+        names = {r: (v.get("backend") if isinstance(v, dict) else v) for r, v in sel.items()}
+        extras = {r: {k: x for k, x in v.items() if k != "backend" and x is not None}
+                  for r, v in sel.items() if isinstance(v, dict)}
+        extra = "".join(f" {r}[{', '.join(f'{k}={x}' for k, x in e.items())}]" for r, e in extras.items() if e)
+        uniq = set(names.values())
+        base = next(iter(uniq)) if len(uniq) == 1 else ", ".join(f"{r}:{n}" for r, n in names.items())
+        return f"{base}{extra}"
+    return str(sel)
+
+
+def backend_fields(m: Dict[str, Any]) -> Dict[str, List[Dict[str, Any]]]:
+    """field -> one entry per stage: ``{stage, requested, layer, selected, resolved, reason}`` from the manifest's
+    ``backends`` section (empty for runs refused before resolution)."""
+    out: Dict[str, List[Dict[str, Any]]] = {f: [] for f in FIELDS}
+    for stage, fields in (m.get("backends") or {}).items():
+        for f, r in (fields or {}).items():
+            out.setdefault(f, []).append({"stage": stage, "requested": r.get("requested"), "layer": r.get("layer"),
+                                          "selected": backend_summary(r.get("selected")),
+                                          "resolved": backend_summary(r.get("resolved")),
+                                          "reason": r.get("reason"), "warnings": r.get("warnings") or []})
+    return out
+
+
+def memory_summary(m: Dict[str, Any]) -> Optional[str]:
+    """Peak device memory allocated by torch (MiB) when recorded, else host peak RSS (MiB)."""
+    mem = m.get("memory") or {}
+    if mem.get("device_peak_allocated_bytes") is not None:
+        return f"{mem['device_peak_allocated_bytes'] / 2**20:,.0f} MiB device"
+    if mem.get("host_peak_rss_bytes") is not None:
+        return f"{mem['host_peak_rss_bytes'] / 2**20:,.0f} MiB host RSS"
+    return None
+
+
+def device_summary(m: Dict[str, Any]) -> str:
+    """``kind: device name [sm]`` from the manifest's platform section."""
+    p = m.get("platform") or {}
+    if not p or "error" in p:
+        return "unknown"
+    name = (p.get("probes") or {}).get("device_name") or p.get("device")
+    cap = p.get("capability")
+    return f"{p.get('kind')}: {name}" + (f" {cap}" if cap else "")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# HTML
+
+CSS = """
+*{box-sizing:border-box}
+body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px;color:#1d2330;background:#fff}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d8dce3;padding-bottom:4px}
+h3{font-size:15px;margin:16px 0 6px}
+.meta{color:#5b6475;font-size:12.5px}
+table{border-collapse:collapse;margin:6px 0 10px;font-size:12.5px}
+th,td{border:1px solid #d8dce3;padding:4px 7px;text-align:left;vertical-align:top}
+th{background:#f2f4f7;font-weight:600;white-space:nowrap}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table.jobs{width:100%;table-layout:auto}
+table.jobs td.ovr{min-width:250px;max-width:340px;overflow-wrap:anywhere}
+code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px}
+.sub{display:block;color:#5b6475;font-size:11.5px}
+.err{color:#9b1c1c;font-size:12px;overflow-wrap:anywhere;display:block}
+.badge{display:inline-block;padding:1px 7px;border-radius:9px;font-size:11.5px;font-weight:600;white-space:nowrap}
+.ok{background:#dcf3e3;color:#17602d}.bad{background:#fbe0e0;color:#9b1c1c}
+.warn{background:#fdf0d5;color:#7a4b00}.info{background:#e4ebf7;color:#1f4a8a}
+.grid{display:grid;gap:10px;align-items:start}
+.grid .cell{border:1px solid #d8dce3;border-radius:4px;padding:4px;text-align:center;font-size:11.5px;background:#fafbfc}
+.grid .head{font-weight:600;font-size:12px;text-align:center;align-self:end;overflow-wrap:anywhere}
+.grid .key{font-weight:600;font-size:12px;align-self:center;overflow-wrap:anywhere}
+.grid img{display:block;margin:0 auto 3px;max-width:100%;height:auto}
+.grid .empty{color:#8a93a3;padding:20px 0}
+details{margin:6px 0 14px}summary{cursor:pointer;font-weight:600}
+.card{border:1px solid #d8dce3;border-radius:6px;padding:8px 12px;margin:10px 0}
+svg text{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif}
+"""
+
+_OUTCOME_CLASS = {"ok": "ok", "refused": "info", "invalid": "bad", "failed_items": "bad", "evidence_mismatch": "bad",
+                  "crashed": "bad", "interrupted": "warn", "unknown": "warn"}
+_VERDICT_CLASS = {"verified": "ok", "not_collected": "warn", "mismatch": "bad"}
+
+
+def _e(x: Any) -> str:
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def _badge(text: Any, cls: str) -> str:
+    return f'<span class="badge {cls}">{_e(text)}</span>'
+
+
+def _num(x: Optional[float], fmt: str = "{:.3f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def fmt_psnr(x: Optional[float]) -> str:
+    """PSNR as text in dB (``inf`` when identical)."""
+    return "—" if x is None else ("inf" if math.isinf(x) else f"{x:.2f}")
+
+
+def _thumb(path: Path, px: int = THUMB_PX) -> str:
+    """A JPEG preview (longest side ``px`` pixels, quality 90) as a ``data:`` URI; parity metrics are computed on
+    the full-size files, never on previews."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        im.thumbnail((px, px))
+        buf = io.BytesIO()
+        im.save(buf, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _common_overrides(jobs: Sequence[Job]) -> List[str]:
+    lists = [j.manifest.get("overrides") or [] for j in jobs if j.manifest]
+    if not lists:
+        return []
+    return [o for o in lists[0] if all(o in lst for lst in lists[1:])]
+
+
+def _bar_chart(jobs: Sequence[Job]) -> str:
+    """Inline SVG: a horizontal bar of images/s per job (jobs without throughput are labelled, no bar)."""
+    label_w, bar_w, row_h, top = 150, 520, 26, 24
+    vals = [(j, (j.manifest.get("timing") or {}).get("images_per_s")) for j in jobs]
+    vmax = max([v for _, v in vals if v] or [1.0])
+    h = top + row_h * len(vals) + 26
+    parts = [f'<svg width="{label_w + bar_w + 110}" height="{h}" role="img" '
+             f'aria-label="images per second per job">',
+             f'<text x="{label_w}" y="14" font-size="12" fill="#5b6475">images/s (generation time only: text '
+             f'encoding + denoising + VAE decode)</text>']
+    for i, (j, v) in enumerate(vals):
+        y = top + i * row_h
+        parts.append(f'<text x="{label_w - 8}" y="{y + 16}" font-size="12" text-anchor="end">'
+                     f'{_e(j.label[:22])}</text>')
+        if v:
+            w = max(1.0, bar_w * v / vmax)
+            parts.append(f'<rect x="{label_w}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" fill="#4a78c2">'
+                         f'<title>{_e(j.label)}: {v:.4g} images/s</title></rect>')
+            parts.append(f'<text x="{label_w + w + 6:.1f}" y="{y + 16}" font-size="12">{v:.3g}</text>')
+        else:
+            parts.append(f'<text x="{label_w + 4}" y="{y + 16}" font-size="12" fill="#8a93a3">'
+                         f'{_e(j.outcome)} (no throughput)</text>')
+    axis_y = top + row_h * len(vals) + 2
+    parts.append(f'<line x1="{label_w}" y1="{top}" x2="{label_w}" y2="{axis_y}" stroke="#5b6475"/>')
+    parts.append(f'<line x1="{label_w}" y1="{axis_y}" x2="{label_w + bar_w}" y2="{axis_y}" stroke="#5b6475"/>')
+    for frac in (0, 0.5, 1):
+        x = label_w + bar_w * frac
+        parts.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" stroke="#5b6475"/>')
+        parts.append(f'<text x="{x:.1f}" y="{axis_y + 17}" font-size="11" text-anchor="middle" fill="#5b6475">'
+                     f'{vmax * frac:.3g}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
+    head = ("<tr><th>job</th><th>overrides</th><th>outcome / status</th>"
+            + "".join(f"<th>{f}</th>" for f in FIELDS)
+            + "<th>evidence</th><th>wall s</th>"
+            + "".join(f"<th>{lbl} s</th>" for _, lbl in PHASES)
+            + "<th>images/s</th><th>peak memory</th></tr>")
+    rows = []
+    for j in jobs:
+        m = j.manifest
+        ovr = [o for o in (m.get("overrides") or []) if o not in common]
+        cells = [f"<td><b>{_e(j.label)}</b></td>",
+                 '<td class="ovr mono">' + ("<br>".join(_e(o) for o in ovr) or "<i>(common only)</i>") + "</td>"]
+        oc = _badge(j.outcome, _OUTCOME_CLASS.get(j.outcome, "warn"))
+        st = f'<span class="sub">status: {_e(m.get("status", "—"))}</span>'
+        cells.append(f"<td>{oc}{st}</td>")
+        bf = backend_fields(m)
+        if not any(bf.values()) and not m.get("timing"):  # stopped before resolution: the error fills the row
+            span = len(FIELDS) + len(PHASES) + 5
+            cells.append(f'<td colspan="{span}"><span class="err">{_e(j.error or "no record")}</span></td>')
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+            continue
+        if j.error:
+            cells[-1] = f'<td>{oc}{st}<span class="err">{_e(j.error)}</span></td>'
+        for f in FIELDS:
+            entries = bf.get(f) or []
+            if not entries:
+                cells.append("<td>—</td>")
+                continue
+            txt = []
+            for en in entries:
+                stage = f"{en['stage']}: " if len(entries) > 1 else ""
+                txt.append(f"{_e(stage)}<b>{_e(en['selected'] or 'n/a')}</b>"
+                           f'<span class="sub">requested {_e(en["requested"])} · {_e(en["layer"])}</span>')
+            cells.append("<td>" + "".join(txt) + "</td>")
+        ev = m.get("evidence") or {}
+        if ev:
+            v = ev.get("verdict", "—")
+            fin = "" if ev.get("all_finite", True) else '<span class="sub">non-finite outputs</span>'
+            cells.append(f"<td>{_badge(v, _VERDICT_CLASS.get(v, 'warn'))}{fin}</td>")
+        else:
+            cells.append("<td>—</td>")
+        t = m.get("timing") or {}
+        ph = t.get("phases_s") or {}
+        cells.append(f'<td class="num">{_num(t.get("wall_s"), "{:.2f}")}</td>')
+        cells.extend(f'<td class="num">{_num(ph.get(k))}</td>' for k, _ in PHASES)
+        cells.append(f'<td class="num">{_num(t.get("images_per_s"), "{:.3f}")}</td>')
+        cells.append(f'<td class="num">{_e(memory_summary(m) or "—")}</td>')
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return f'<table class="jobs">{head}{"".join(rows)}</table>'
+
+
+def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dict[str, Any]]],
+                    tolerance_db: float) -> str:
+    if ref is None:
+        return "<p>No job wrote images, so there is no parity reference.</p>"
+    out = [f"<p>Reference: job <b>{_e(ref.label)}</b> ({_e(' '.join(ref.manifest.get('overrides') or []))}). "
+           f"PSNR in dB (<code>inf</code>: identical pixels), SSIM of Wang et al. 2004 (11x11 Gaussian window, "
+           f"σ 1.5, per RGB channel, 1.0: identical), max |Δ| in pixel levels (0..255). Within tolerance: "
+           f"PSNR ≥ {tolerance_db:g} dB. Only items with the same seed, prompt and parameters are compared.</p>"]
+    summary = ["<tr><th>job</th><th>items compared</th><th>min PSNR dB</th><th>min SSIM</th><th>max |Δ|</th>"
+               "<th>verdict</th></tr>"]
+    detail = ["<tr><th>job</th><th>item</th><th>PSNR dB</th><th>SSIM</th><th>max |Δ|</th><th>verdict</th></tr>"]
+    for j in jobs:
+        if j is ref:
+            continue
+        rows = par.get(j.label)
+        if rows is None:
+            summary.append(f"<tr><td>{_e(j.label)}</td><td colspan=5><i>no images ({_e(j.outcome)})</i></td></tr>")
+            continue
+        done = [r for r in rows if r["psnr_db"] is not None]
+        if done:
+            mn_p = min(r["psnr_db"] for r in done)
+            mn_s = min(r["ssim"] for r in done)
+            mx_d = max(r["max_abs_diff"] for r in done)
+        bad = [r for r in rows if r["within"] is False]
+        verdict = (_badge(f"{len(bad)} outside", "bad") if bad else
+                   _badge("within", "ok") if done else _badge("not comparable", "warn"))
+        summary.append(f"<tr><td>{_e(j.label)}</td><td class=num>{len(done)} / {len(rows)}</td>"
+                       f"<td class=num>{fmt_psnr(mn_p) if done else '—'}</td>"
+                       f"<td class=num>{_num(mn_s, '{:.4f}') if done else '—'}</td>"
+                       f"<td class=num>{mx_d if done else '—'}</td><td>{verdict}</td></tr>")
+        for r in rows:
+            v = (_badge(r["note"], "warn" if r["within"] is None else "bad") if r.get("note")
+                 else _badge("within", "ok") if r["within"] else _badge("outside", "bad"))
+            detail.append(f"<tr><td>{_e(j.label)}</td><td class=mono>{_e(r['key'])}</td>"
+                          f"<td class=num>{fmt_psnr(r['psnr_db'])}</td><td class=num>{_num(r['ssim'], '{:.4f}')}</td>"
+                          f"<td class=num>{'—' if r['max_abs_diff'] is None else r['max_abs_diff']}</td>"
+                          f"<td>{v}</td></tr>")
+    out.append(f'<table class="parity-summary">{"".join(summary)}</table>')
+    if len(detail) > 1:
+        out.append(f'<h3>Per item</h3><table class="parity">{"".join(detail)}</table>')
+    return "".join(out)
+
+
+def _image_grid(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dict[str, Any]]]) -> str:
+    with_images = [j for j in jobs if j.ok_items]
+    if not with_images:
+        return "<p>No images.</p>"
+    keys: List[str] = []
+    for j in ([ref] if ref else []) + with_images:
+        keys.extend(k for k in j.ok_items if k not in keys)
+    shown = keys[:MAX_GRID_ITEMS]
+    note = (f"<p class=meta>Showing the first {len(shown)} of {len(keys)} items.</p>" if len(keys) > len(shown)
+            else "")
+    cols = f"minmax(90px,140px) repeat({len(with_images)}, minmax(120px, {THUMB_PX + 12}px))"
+    cells = ['<div class="head"></div>']
+    cells += [f'<div class="head">{_e(j.label)}{" (reference)" if j is ref else ""}</div>' for j in with_images]
+    for k in shown:
+        cells.append(f'<div class="key mono">{_e(k)}</div>')
+        for j in with_images:
+            if k not in j.ok_items:
+                cells.append('<div class="cell empty">—</div>')
+                continue
+            cap = ""
+            if j is not ref:
+                r = next((r for r in par.get(j.label, []) if r["key"] == k), None)
+                if r and r["psnr_db"] is not None:
+                    cap = f"PSNR {fmt_psnr(r['psnr_db'])} dB · SSIM {r['ssim']:.3f}"
+            else:
+                cap = "reference"
+            cells.append(f'<div class="cell"><img alt="{_e(k)} / job {_e(j.label)}" src="{_thumb(j.image_path(k))}">'
+                         f"{_e(cap)}</div>")
+    return f'{note}<div class="grid" style="grid-template-columns:{cols}">{"".join(cells)}</div>'
+
+
+def _details(j: Job) -> str:
+    m = j.manifest
+    parts = [f'<div class="card" id="job-{_e(j.label)}"><h3>Job {_e(j.label)} '
+             f'{_badge(j.outcome, _OUTCOME_CLASS.get(j.outcome, "warn"))}</h3>',
+             f'<div class="meta mono">{_e(j.path)}</div>',
+             f'<p>overrides: <code>{_e(" ".join(m.get("overrides") or []))}</code><br>'
+             f'device: {_e(device_summary(m))} · dtype: {_e(m.get("dtype", (m.get("config") or {}).get("dtype")))}'
+             f' · model: {_e((m.get("model") or {}).get("name") or ((m.get("config") or {}).get("model") or {}).get("name"))}'
+             f' · counts: {_e(json.dumps(m.get("counts")) if m.get("counts") else "—")}</p>']
+    if j.error:
+        parts.append(f'<p class="err">{_e(j.error)}</p>')
+    rows = []
+    for f, entries in backend_fields(m).items():
+        for en in entries:
+            warn = "<br>".join(_e(w) for w in en["warnings"])
+            rows.append(f"<tr><td>{_e(en['stage'])}</td><td>{_e(f)}</td><td class=mono>{_e(en['requested'])}</td>"
+                        f"<td>{_e(en['layer'])}</td><td class=mono>{_e(en['resolved'])}</td>"
+                        f"<td class=mono><b>{_e(en['selected'] or 'n/a')}</b></td><td>{_e(en['reason'] or '')}"
+                        f"{'<br>' + warn if warn else ''}</td></tr>")
+    if rows:
+        parts.append("<table><tr><th>stage</th><th>field</th><th>requested</th><th>layer</th><th>resolved</th>"
+                     "<th>selected</th><th>reason / warnings</th></tr>" + "".join(rows) + "</table>")
+    ev = m.get("evidence") or {}
+    if ev.get("mismatches"):
+        parts.append("<p><b>evidence mismatches</b></p><ul>"
+                     + "".join(f"<li>{_e(x)}</li>" for x in ev["mismatches"]) + "</ul>")
+    failed = [r for r in j.items if r.get("status") == "failed"]
+    if failed:
+        parts.append("<p><b>failed items</b></p><ul>"
+                     + "".join(f"<li><code>{_e(r.get('key'))}</code>: {_e(r.get('reason'))}</li>" for r in failed)
+                     + "</ul>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PARITY_TOLERANCE_DB,
+           sources: Sequence[Path] = ()) -> str:
+    """The report as one HTML document (no external resources)."""
+    ref = pick_reference(jobs, reference)
+    par = {j.label: parity(ref, j, tolerance_db) for j in jobs if ref is not None and j is not ref and j.ok_items}
+    common = _common_overrides(jobs)
+    counts: Dict[str, int] = {}
+    for j in jobs:
+        counts[j.outcome] = counts.get(j.outcome, 0) + 1
+    devices = sorted({device_summary(j.manifest) for j in jobs if j.manifest})
+    commits = sorted({str(((j.manifest.get("git") or {}).get("commit") or "")[:12]) for j in jobs if j.manifest} - {""})
+    title = "runner report: " + ", ".join(Path(s).name or str(s) for s in sources) if sources else "runner report"
+    body = [
+        f"<h1>{_e(title)}</h1>",
+        f'<div class="meta">generated {_e(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))} from '
+        f'{_e(", ".join(str(s) for s in sources))} · {len(jobs)} job(s): '
+        + ", ".join(f"{n} {_e(k)}" for k, n in counts.items())
+        + f" · device: {_e('; '.join(devices) or '—')} · git: {_e(', '.join(commits) or '—')}</div>",
+        f'<p class="meta">common overrides: <code>{_e(" ".join(common) or "—")}</code>. Times in seconds '
+        "(wall: the whole job incl. model load; phases: text encoding, denoising, VAE decode, writing PNGs). "
+        "Backend cells: the implementation selected, then what was requested and the precedence layer that set "
+        "it.</p>",
+        "<h2>Jobs</h2>", _jobs_table(jobs, common),
+        "<h2>Throughput</h2>", _bar_chart(jobs),
+        "<h2>Parity</h2>", _parity_section(jobs, ref, par, tolerance_db),
+        "<h2>Images</h2>", _image_grid(jobs, ref, par),
+        "<h2>Job details</h2>", "".join(_details(j) for j in jobs),
+    ]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")
+
+
+def write_report(dirs: List[Path], out: Path, reference: Optional[str] = None,
+                 tolerance_db: float = PARITY_TOLERANCE_DB) -> Path:
+    """Write ``out`` (a self-contained HTML file) for the jobs of ``dirs`` (sweep dirs or run dirs).
+
+    Args:
+        reference: parity reference job (dir name, label or path; an int job number works); default: the first
+            job with images.
+        tolerance_db: PSNR (dB) at or above which an item counts as within parity tolerance.
+
+    Returns:
+        ``out``.
+    """
+    jobs = load_jobs(dirs)
+    doc = render(jobs, reference=reference, tolerance_db=tolerance_db, sources=[Path(d) for d in dirs])
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from runner.artifacts import atomic_write_bytes
+
+    atomic_write_bytes(out, doc.encode("utf-8"))
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m runner.report",
+                                 description="Regenerate the HTML report of sweeps/runs from their manifests.")
+    ap.add_argument("dirs", nargs="+", type=Path, help="sweep dirs (holding job dirs) or run dirs")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output file (default: report.html in the single dir given, else ./report.html)")
+    ap.add_argument("--reference", default=None, help="parity reference job (dir name); default: first with images")
+    ap.add_argument("--tolerance-db", type=float, default=PARITY_TOLERANCE_DB,
+                    help=f"parity tolerance: PSNR >= this many dB (default {PARITY_TOLERANCE_DB:g})")
+    a = ap.parse_args(argv)
+    out = a.out or (a.dirs[0] / "report.html" if len(a.dirs) == 1 else Path("report.html"))
+    try:
+        path = write_report(a.dirs, out, reference=a.reference, tolerance_db=a.tolerance_db)
+    except (FileNotFoundError, KeyError) as e:
+        print(f"report: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
