@@ -1,0 +1,233 @@
+"""Re-run a finished run from its manifest and check that it reproduces, item by item.
+
+``python -m runner.repro <run_dir> [--out NEW_DIR] [--tolerance-db 40]`` runs
+``<python> -m runner <the manifest's overrides> hydra.run.dir=NEW_DIR`` (the command ``repro.sh`` holds, with the
+library environment variables the original recorded) and then compares:
+
+* artifacts, item by item over the original's written items: when the original ran on CPU (deterministic) the
+  files must be byte-identical (sha256 of the files on disk); elsewhere PSNR >= ``--tolerance-db`` (dB; default
+  40, recorded in the result) and the maximum absolute pixel difference (0..255) is reported. An original file
+  that no longer matches the sha256 in its ``items.jsonl`` record is named as modified after the run;
+* the ``backends`` section: the selected (and resolved) value of every stage and field must be unchanged;
+* the dataset sha256 and, for runs refused at startup, the status and error type.
+
+It prints a per-item table (key, original sha, new sha, equal/PSNR, verdict), writes the comparison to
+``NEW_DIR/repro_check.json`` and exits 0 when everything reproduces, 1 on any mismatch, missing item or changed
+backend resolution (each named), 2 when ``run_dir`` holds no manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from runner.report import PARITY_TOLERANCE_DB, compare_images, fmt_psnr, load_rgb
+
+# Keys whose original value would point the re-run back at the original dir (or resume it).
+_DROP_KEYS = ("output.dir", "run.resume", "run.force")
+
+
+def _sha(path: Path) -> Optional[str]:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _items(run_dir: Path) -> Dict[str, Dict[str, Any]]:
+    out = {}
+    p = run_dir / "items.jsonl"
+    if p.exists():
+        for line in p.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if "key" in r:
+                out[r["key"]] = r
+    return out
+
+
+def rerun_command(manifest: Dict[str, Any], new_dir: Path) -> List[str]:
+    """``python -m runner`` argv of the re-run: the original overrides minus those naming the output or resume
+    dir, with a relative ``dataset.path`` replaced by the absolute path the manifest recorded, into ``new_dir``."""
+    args = []
+    ds_path = (manifest.get("dataset") or {}).get("path")
+    for o in manifest.get("overrides") or []:
+        key, _, val = o.partition("=")
+        key = key.lstrip("+~")
+        if key in _DROP_KEYS:
+            continue
+        if key == "dataset.path" and ds_path and not Path(val).is_absolute():
+            o = f"{o.split('=', 1)[0]}={ds_path}"
+        args.append(o)
+    cfg = manifest.get("config") or {}
+    if (cfg.get("output") or {}).get("dir"):
+        args.append(f"output.dir={new_dir}")
+    if (cfg.get("run") or {}).get("resume"):
+        args.append("run.resume=null")
+    return [sys.executable, "-m", "runner", *args, f"hydra.run.dir={new_dir}"]
+
+
+def _backend_diffs(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
+    diffs = []
+    for stage in sorted(set(a) | set(b)):
+        fa, fb = a.get(stage) or {}, b.get(stage) or {}
+        for f in sorted(set(fa) | set(fb)):
+            for part in ("selected", "resolved"):
+                va, vb = (fa.get(f) or {}).get(part), (fb.get(f) or {}).get(part)
+                if va != vb:
+                    diffs.append(f"backend resolution changed: {stage}.{f} {part} {json.dumps(va)} -> "
+                                 f"{json.dumps(vb)}")
+    return diffs
+
+
+def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANCE_DB,
+            exact: Optional[bool] = None) -> Dict[str, Any]:
+    """Compare a re-run with its original (see the module docstring).
+
+    Args:
+        exact: byte equality (default: when the original ran on CPU) instead of the PSNR tolerance.
+
+    Returns:
+        ``{ok, mode, tolerance_db, items: [{key, original_sha256, new_sha256, psnr_db, max_abs_diff, verdict,
+        ok}], problems: [text naming each mismatch]}``.
+    """
+    mo = json.loads((orig_dir / "manifest.json").read_text())
+    mn = json.loads((new_dir / "manifest.json").read_text()) if (new_dir / "manifest.json").exists() else {}
+    kind = (mo.get("platform") or {}).get("kind")
+    exact = (kind == "cpu") if exact is None else exact
+    problems: List[str] = []
+    if not mn:
+        problems.append(f"the re-run wrote no manifest.json in {new_dir}")
+    if mo.get("status") in ("refused", "invalid"):
+        eo, en = (mo.get("error") or {}).get("type"), (mn.get("error") or {}).get("type")
+        if (mn.get("status"), en) != (mo.get("status"), eo):
+            problems.append(f"original was {mo.get('status')} ({eo}); re-run is {mn.get('status')} ({en})")
+    problems += _backend_diffs(mo.get("backends") or {}, mn.get("backends") or {})
+    da, db = (mo.get("dataset") or {}).get("sha256"), (mn.get("dataset") or {}).get("sha256")
+    if da and db and da != db:
+        problems.append(f"dataset changed: sha256 {da[:12]} -> {db[:12]}")
+    oi, ni = _items(orig_dir), _items(new_dir)
+    rows = []
+    for key, r in oi.items():
+        if r.get("status") != "ok" or not r.get("file"):
+            continue
+        row: Dict[str, Any] = {"key": key, "original_sha256": _sha(orig_dir / r["file"]), "new_sha256": None,
+                               "psnr_db": None, "max_abs_diff": None, "ok": False}
+        notes = []
+        if row["original_sha256"] is None:
+            notes.append("original file missing")
+        elif r.get("file_sha256") and row["original_sha256"] != r["file_sha256"]:
+            notes.append("original file modified after the run (sha256 differs from items.jsonl)")
+        n = ni.get(key)
+        if n is None or n.get("status") != "ok" or not n.get("file"):
+            notes.append("missing in re-run" + (f" ({n.get('status')}: {n.get('reason')})" if n else ""))
+        else:
+            row["new_sha256"] = _sha(new_dir / n["file"])
+            equal = row["original_sha256"] is not None and row["original_sha256"] == row["new_sha256"]
+            if row["original_sha256"] is not None and row["new_sha256"] is not None and not equal:
+                m = compare_images(load_rgb(orig_dir / r["file"]), load_rgb(new_dir / n["file"]))
+                row.update(psnr_db=m["psnr_db"], max_abs_diff=m["max_abs_diff"])
+            elif equal:
+                row.update(psnr_db=float("inf"), max_abs_diff=0)
+            if exact and not equal:
+                notes.append("bytes differ")
+            elif not exact and not equal and (row["psnr_db"] is None or row["psnr_db"] < tolerance_db):
+                notes.append(f"PSNR {fmt_psnr(row['psnr_db'])} dB < {tolerance_db:g} dB")
+        row["ok"] = not notes
+        row["verdict"] = "ok" if row["ok"] else "; ".join(notes)
+        if notes:
+            problems.append(f"item {key!r}: {row['verdict']}")
+        rows.append(row)
+    extra = [k for k, n in ni.items() if n.get("status") == "ok" and k not in oi]
+    problems += [f"item {k!r}: only in the re-run" for k in extra]
+    return {"ok": not problems, "mode": "bytes" if exact else "psnr", "tolerance_db": None if exact else tolerance_db,
+            "original": str(orig_dir), "rerun": str(new_dir), "platform": kind, "items": rows, "problems": problems}
+
+
+def format_table(result: Dict[str, Any]) -> str:
+    """The per-item comparison as a plain-text table."""
+    head = ("key", "original sha256", "new sha256", "equal/PSNR dB", "max |diff|", "verdict")
+    lines = []
+    for r in result["items"]:
+        eq = ("equal" if r["original_sha256"] and r["original_sha256"] == r["new_sha256"]
+              else fmt_psnr(r["psnr_db"]))
+        lines.append((r["key"], (r["original_sha256"] or "—")[:16], (r["new_sha256"] or "—")[:16], eq,
+                      "—" if r["max_abs_diff"] is None else str(r["max_abs_diff"]), r["verdict"]))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*l) for l in lines)])
+
+
+def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float = PARITY_TOLERANCE_DB,
+              exact: Optional[bool] = None, timeout_s: Optional[float] = None) -> Tuple[int, Dict[str, Any]]:
+    """Re-run ``run_dir`` into ``new_dir`` and compare. Returns ``(exit code, comparison)``.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` holds no manifest.json.
+        FileExistsError: ``new_dir`` already holds a run.
+    """
+    run_dir = Path(run_dir).resolve()
+    if not (run_dir / "manifest.json").exists():
+        raise FileNotFoundError(f"{run_dir} holds no manifest.json")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    if new_dir is None:
+        new_dir = Path("outputs/repro") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")  # as repro.sh
+    new_dir = Path(new_dir).resolve()
+    if (new_dir / "manifest.json").exists():
+        raise FileExistsError(f"{new_dir} already holds a run; choose a new --out")
+    cmd = rerun_command(manifest, new_dir)
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in (manifest.get("environment") or {}).items()})
+    print("repro:", " ".join(cmd), flush=True)
+    p = subprocess.run(cmd, env=env, timeout=timeout_s)
+    result = compare(run_dir, new_dir, tolerance_db, exact)
+    orig_code = 0 if manifest.get("status") == "completed" else None
+    result["rerun_exit_code"] = p.returncode
+    if orig_code == 0 and p.returncode != 0:
+        result["problems"].insert(0, f"the re-run exited {p.returncode} (the original completed)")
+        result["ok"] = False
+    if new_dir.is_dir():
+        from runner.artifacts import atomic_write_json
+
+        atomic_write_json(new_dir / "repro_check.json", result)
+    return (0 if result["ok"] else 1), result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m runner.repro",
+                                 description="Re-run a run from its manifest and compare the artifacts item by item.")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--out", type=Path, default=None, help="new run dir (default: outputs/repro/<date>_<time>, as repro.sh)")
+    ap.add_argument("--tolerance-db", type=float, default=PARITY_TOLERANCE_DB,
+                    help="PSNR tolerance in dB for runs not on CPU (default %(default)g)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--exact", dest="exact", action="store_true", default=None,
+                      help="require byte-identical files (default on CPU)")
+    mode.add_argument("--psnr", dest="exact", action="store_false", help="use the PSNR tolerance even on CPU")
+    a = ap.parse_args(argv)
+    try:
+        code, res = reproduce(a.run_dir, a.out, a.tolerance_db, a.exact)
+    except (FileNotFoundError, FileExistsError) as e:
+        print(f"repro: {e}", file=sys.stderr)
+        return 2
+    crit = "byte equality" if res["mode"] == "bytes" else f"PSNR >= {res['tolerance_db']:g} dB"
+    print(f"\nrepro of {res['original']} -> {res['rerun']} (platform {res['platform']}; criterion: {crit})")
+    print(format_table(res))
+    if res["problems"]:
+        print("\nREPRO FAILED:", *res["problems"], sep="\n  ", file=sys.stderr)
+    else:
+        print(f"\nREPRO OK: {len(res['items'])} item(s) reproduced, backend resolution unchanged")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
