@@ -1,0 +1,134 @@
+"""Scale-out on CPU: torchrun and Ray data parallelism give the artifacts of a 1-worker run, merge into one
+manifest, survive a killed worker with a resume; submitit_local runs a sweep; unimplemented modes refuse."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ROWS = 6
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _runner(args, cwd, timeout=300, torchrun=0):
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "-m", "runner"]
+           if torchrun else [sys.executable, "-m", "runner"]) + list(args)
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _hashes(run_dir: Path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((run_dir / "images").glob("*.png"))}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single") / "run"
+    r = _runner([f"dataset.limit={ROWS}", f"hydra.run.dir={d}"], cwd=d.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    h = _hashes(d)
+    assert len(h) == ROWS
+    return h
+
+
+def _check_merged(d: Path, single, world_size: int, launcher: str):
+    assert _hashes(d) == single  # byte-identical to the 1-worker run
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["status"] == "completed"
+    assert m["parallelism"] == {"mode": "data", "world_size": world_size, "launcher": launcher,
+                                "sharding": "sha256(row id)[:8] mod world_size"}
+    assert [w["rank"] for w in m["workers"]] == list(range(world_size))
+    assert all(w["status"] == "completed" and w["evidence_verdict"] == "verified" for w in m["workers"])
+    assert len({w["pid"] for w in m["workers"]}) == world_size  # really different processes
+    assert sum(w["shard_items"] for w in m["workers"]) == ROWS
+    items = [json.loads(l) for l in (d / "items.jsonl").read_text().splitlines()]
+    assert len(items) == ROWS and len({i["key"] for i in items}) == ROWS
+    return m
+
+
+def test_torchrun_two_workers_equal_single(tmp_path, single):
+    d = tmp_path / "dp"
+    r = _runner(["parallelism=data", f"dataset.limit={ROWS}", f"hydra.run.dir={d}"], cwd=tmp_path, torchrun=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_merged(d, single, 2, "torchrun")
+    assert (d / "workers" / "rank1").is_dir() and not (d / "workers" / "rank0").exists()  # rank 0 owns the run dir
+    assert not (tmp_path / "outputs").exists()  # no rank made a run dir of its own
+
+
+def test_torchrun_killed_worker_then_resume(tmp_path, single):
+    d = tmp_path / "dpk"
+    args = ["parallelism=data", "dataset.limit=16", f"hydra.run.dir={d}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner", *args]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    victim = None
+    deadline = time.time() + 240
+    while time.time() < deadline and victim is None:
+        m1 = d / "manifest.rank1.json"
+        if m1.exists() and (d / "items.rank1.jsonl").exists() and (d / "items.rank1.jsonl").read_text().count("\n") >= 1:
+            victim = json.loads(m1.read_text())["worker"]["pid"]
+        time.sleep(0.2)
+    assert victim, "rank 1 never started writing"
+    os.kill(victim, signal.SIGKILL)
+    assert p.wait(timeout=120) != 0
+    r = _runner(args, cwd=tmp_path, torchrun=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["status"] == "completed" and m["counts"]["ok"] == 16 and m["counts"]["missing"] == 0
+    w1 = m["workers"][1]
+    assert w1["resumed_from"] == "running"  # the manifest says rank 1 died in the first attempt
+    assert w1["counts"]["reused"] >= 1  # its finished rows were kept, not regenerated
+    ref = tmp_path / "ref"
+    r = _runner(["dataset.limit=16", f"hydra.run.dir={ref}"], cwd=tmp_path)
+    assert r.returncode == 0
+    assert _hashes(d) == _hashes(ref)
+    assert not [p for p in d.rglob("*") if ".tmp" in p.name]
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("ray"), reason="ray not installed (extra: scale)")
+def test_ray_two_workers_equal_single(tmp_path, single):
+    d = tmp_path / "ray"
+    r = _runner(["parallelism=data", "launcher=ray", "launcher.num_workers=2", f"dataset.limit={ROWS}",
+                 f"hydra.run.dir={d}"], cwd=tmp_path, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_merged(d, single, 2, "ray")
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("hydra_plugins.hydra_submitit_launcher"),
+                    reason="hydra-submitit-launcher not installed (extra: scale)")
+def test_submitit_local_two_job_sweep(tmp_path):
+    sw = tmp_path / "sweep"
+    r = _runner(["-m", "hydra/launcher=submitit_local", "seed=1,2", "dataset.limit=1", f"hydra.sweep.dir={sw}",
+                 "hydra.launcher.timeout_min=10"], cwd=tmp_path, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((sw / "sweep.json").read_text())
+    assert [j["outcome"] for j in doc["jobs"]] == ["ok", "ok"]
+    seeds = [json.loads((sw / j["dir"] / "manifest.json").read_text())["config"]["seed"] for j in doc["jobs"]]
+    assert sorted(seeds) == [1, 2]
+
+
+@pytest.mark.parametrize("mode", ["cfg", "ulysses"])
+def test_unimplemented_parallel_modes_refuse(tmp_path, mode):
+    r = _runner([f"parallelism={mode}", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
+    assert r.returncode == 2
+    assert "not implemented" in (r.stdout + r.stderr)
+    assert not (tmp_path / "r" / "images").exists()
+
+
+def test_data_parallel_without_workers_refuses(tmp_path):
+    r = _runner(["parallelism=data", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
+    assert r.returncode == 2
+    assert "torchrun" in (r.stdout + r.stderr)
