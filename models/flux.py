@@ -55,8 +55,13 @@ def _build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
 
     from models.tokenizers import build_clip_tokenizer, build_t5_tokenizer, corpus_from
 
-    corpus = corpus_from(BUILTIN_PROMPTS)
     tcfg = arch.get("tokenizer", {})
+    if tcfg.get("corpus") == "toy_shapes":
+        from models.toy_shapes.data import caption, combos
+
+        corpus = [caption(*c) for c in combos()]
+    else:
+        corpus = corpus_from(BUILTIN_PROMPTS)
     vocab = int(tcfg.get("vocab_size", 512))
     tokenizer = build_clip_tokenizer(corpus, vocab, int(tcfg.get("clip_max_length", 77)))
     tokenizer_2 = build_t5_tokenizer(corpus, vocab)
@@ -188,6 +193,33 @@ class FluxAdapter:
             self.pipe = FluxPipeline.from_pretrained(path, dtype=self.dtype, local_files_only=True)
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
+        self._time_phases()
+
+    def _time_phases(self) -> None:
+        """Accumulate wall seconds of text encoding and VAE decoding via forward hooks on those modules (with a
+        device sync at their boundaries only, never inside the denoising loop). Denoising time is the pipeline
+        call minus these (``phase_seconds``)."""
+        import time
+
+        self.phase_s: Dict[str, float] = {"text_encode": 0.0, "vae_decode": 0.0}
+        sync = torch.cuda.synchronize if str(self.device).startswith("cuda") else (lambda: None)
+        for phase, mods in (("text_encode", (self.pipe.text_encoder, self.pipe.text_encoder_2)),
+                            ("vae_decode", (self.pipe.vae.decoder,))):
+            for mod in mods:
+                if mod is None:
+                    continue
+                start: Dict[str, float] = {}
+
+                def pre(m, a, _s=start):
+                    sync()
+                    _s["t"] = time.perf_counter()
+
+                def post(m, a, o, _s=start, _p=phase):
+                    sync()
+                    self.phase_s[_p] += time.perf_counter() - _s.pop("t", time.perf_counter())
+
+                mod.register_forward_pre_hook(pre)
+                mod.register_forward_hook(post)
 
     @property
     def denoiser(self) -> torch.nn.Module:

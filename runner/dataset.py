@@ -29,6 +29,7 @@ ROW_FIELDS: Dict[str, type] = {
     "num_inference_steps": int,
     "guidance_scale": float,
     "num_images_per_prompt": int,
+    "expect": dict,  # expected attributes for an oracle, e.g. {"color": "red", "shape": "circle"}
 }
 
 
@@ -56,6 +57,7 @@ class Row:
     guidance_scale: float
     num_images_per_prompt: int
     line: int
+    expect: Optional[Dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,14 @@ def _coerce(value: Any, typ: type, from_text: bool) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         raise ValueError
+    if typ is dict:
+        if isinstance(value, dict):
+            return value
+        if from_text and isinstance(value, str):
+            obj = json.loads(value)
+            if isinstance(obj, dict):
+                return obj
+        raise ValueError
     if typ is float:
         if isinstance(value, bool):
             raise ValueError
@@ -190,7 +200,7 @@ def _coerce(value: Any, typ: type, from_text: bool) -> Any:
 
 
 def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_multiple: int, max_pixels: int,
-              limit: Optional[int] = None) -> tuple[List[Row], Path]:
+              limit: Optional[int] = None, builtin: str = "prompts.jsonl") -> tuple[List[Row], Path]:
     """Read and validate every row, before any model loads.
 
     Args:
@@ -201,6 +211,7 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
         size_multiple: width and height must be positive multiples of this (FLUX: 16 = VAE factor 8 x patch 2).
         max_pixels: upper bound of ``width * height``.
         limit: keep the first ``limit`` rows.
+        builtin: file name under ``runner/data`` that ``builtin`` reads (the model's builtin prompts).
 
     Returns:
         ``(rows, resolved_path)``.
@@ -209,7 +220,7 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
         DatasetError: listing every problem found (file, line, field, value, fix).
     """
     if fmt == "builtin":
-        src = BUILTIN_PROMPTS
+        src = BUILTIN_PROMPTS.parent / builtin
     else:
         if not path:
             raise DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path=/path/to/prompts.{fmt}"])
@@ -266,7 +277,7 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
         if problems and problems[-1].startswith(where):
             continue
         rows.append(Row(id=rid, prompt=prompt or "", negative_prompt=vals.get("negative_prompt", defaults.get("negative_prompt")),
-                        seed=vals.get("seed"), line=n, **merged))
+                        seed=vals.get("seed"), line=n, expect=vals.get("expect"), **merged))
     if problems:
         raise DatasetError(problems)
     if not rows:

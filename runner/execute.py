@@ -230,6 +230,31 @@ def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any
     path.chmod(0o755)
 
 
+def accuracy_section(cfg: DictConfig, items: List[ds.Item], out_dir: Path, journal: str) -> Optional[Dict[str, Any]]:
+    """Share of items whose image matches the row's ``expect`` attributes, read back by the model's oracle
+    (``model.oracle``); None when the model has no oracle or no row carries expectations. Items that failed or
+    are missing count as misses."""
+    if not cfg.model.oracle or not any(it.row.expect for it in items):
+        return None
+    if cfg.model.oracle != "toy_shapes":
+        raise ConfigValueError(f"model.oracle={cfg.model.oracle!r} is not known; fix: toy_shapes or null")
+    from PIL import Image
+
+    from models.toy_shapes.oracle import accuracy, read
+
+    recs = {r["key"]: r for r in resume.read_journal(out_dir / journal)}
+    pairs, per_item = [], {}
+    for it in items:
+        if not it.row.expect:
+            continue
+        rec = recs.get(it.key)
+        got = ({"color": None, "shape": None, "position": None} if not rec or rec.get("status") != "ok"
+               else read(np.asarray(Image.open(out_dir / rec["file"]).convert("RGB"))))
+        pairs.append((got, it.row.expect))
+        per_item[it.key] = got
+    return {"oracle": cfg.model.oracle, **accuracy(pairs), "read": per_item}
+
+
 def _item_record(it: ds.Item, batch_len: int) -> Dict[str, Any]:
     return {
         "id": it.row.id, "index": it.index, "key": it.key,
@@ -302,7 +327,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                     guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt)
     rows, data_path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
                                    size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels,
-                                   limit=cfg.dataset.limit)
+                                   limit=cfg.dataset.limit, builtin=cfg.model.builtin_prompts)
     items = ds.expand_items(rows, cfg.seed)
     journal_name, manifest_name = "items.jsonl", "manifest.json"
     if worker is not None and worker.world_size > 1:
@@ -443,6 +468,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
             ev = {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": nonfinite == 0,
                   "verdict": "not_collected", "mismatches": []}
         manifest.section("evidence", ev)
+        acc = accuracy_section(cfg, items, out_dir, journal_name)
+        if acc is not None:
+            manifest.section("accuracy", acc)
         if ev["verdict"] == "mismatch" and status != "interrupted":
             status = "evidence_mismatch" if cfg.evidence.strict else "limited"
     except BaseException as e:

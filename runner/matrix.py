@@ -136,12 +136,23 @@ def _dtype(m: Dict[str, Any]) -> str:
 
 
 def _device(m: Dict[str, Any]) -> str:
+    """``kind: device name [sm]`` from the platform probes; every distinct worker device of a merged
+    data-parallel manifest."""
     p = m.get("platform") or {}
     if not p or "error" in p:
         return "unknown"
     name = (p.get("probes") or {}).get("device_name") or p.get("device")
+    names = sorted({w.get("device_name") for w in m.get("workers") or [] if w.get("device_name")} | {name})
     cap = p.get("capability") or (p.get("probes") or {}).get("capability")
-    return f"{p.get('kind')}: {name}" + (f" {cap}" if cap else "")
+    return f"{p.get('kind')}: {' + '.join(str(n) for n in names)}" + (f" {cap}" if cap else "")
+
+
+def _all_finite(ev: Dict[str, Any]) -> bool:
+    """Outputs finite per the evidence (a merged data-parallel manifest: every worker's evidence)."""
+    if "all_finite" in ev:
+        return bool(ev["all_finite"])
+    workers = ev.get("workers") or {}
+    return bool(workers) and all((w or {}).get("all_finite", False) for w in workers.values())
 
 
 def row_key(job: Job) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
@@ -150,10 +161,12 @@ def row_key(job: Job) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
     cfg = m.get("config") or {}
     model = (m.get("model") or {}).get("name") or (cfg.get("model") or {}).get("name") or "?"
     adapter = (m.get("model") or {}).get("adapter") or (cfg.get("model") or {}).get("adapter")
-    par = cfg.get("parallelism") or {}
+    par = m.get("parallelism") or cfg.get("parallelism") or {}  # the merged data-parallel section wins
+    par_txt = f"{par.get('mode', 'single')} x{par.get('world_size', 1)}" + (
+        f" ({par['launcher']})" if par.get("launcher") else "")
     cells, eff = _backend_cells(m)
     key = {"model": model, "task": TASKS.get(adapter, adapter or "?"), **cells, "dtype": _dtype(m),
-           "parallelism": f"{par.get('mode', 'single')} x{par.get('world_size', 1)}", "device": _device(m)}
+           "parallelism": par_txt, "device": _device(m)}
     return key, eff
 
 
@@ -171,7 +184,7 @@ def classify(job: Job, ref: Optional[Job], tolerance_db: float = PARITY_TOLERANC
                                                                                            or [])[:200]
     if status != "completed" or outcome not in ("ok", "unknown"):
         return "failed", f"outcome {outcome}, status {status}" + (f": {job.error}" if job.error else "")
-    if not ev.get("all_finite", False):
+    if not _all_finite(ev):
         return "failed", "non-finite outputs"
     if ev.get("verdict") == "not_collected":
         return "limited", "evidence not collected" + (f" ({ev['reason']})" if ev.get("reason") else "")

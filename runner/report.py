@@ -27,9 +27,10 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class Job:
             err = f"{err.get('type')}: {err.get('message')}"
         return self.status.get("error") or err
 
-    @property
+    @cached_property
     def ok_items(self) -> Dict[str, Dict[str, Any]]:
         """Item key -> record of every item written (``status: ok`` with a file)."""
         return {r["key"]: r for r in self.items if r.get("status") == "ok" and r.get("file")}
@@ -140,9 +141,11 @@ def load_jobs(dirs: Iterable[Path]) -> List[Job]:
                                     "holding run dirs")
         found.extend((k, d) for k in kids)
     several = len(dirs) > 1
-    jobs = []
+    jobs: List[Job] = []
     for path, group in found:
         label = path.name if not several or path == group else f"{group.name}/{path.name}"
+        if any(j.label == label for j in jobs):  # same names under different parents
+            label = f"{label}#{len(jobs)}"
         jobs.append(Job(name=path.name, label=label, path=path, group=group,
                         manifest=_read_json(path / "manifest.json"), status=_read_json(path / "job_status.json"),
                         items=_read_items(path / "items.jsonl")))
@@ -192,11 +195,19 @@ def _gaussian(size: int = 11, sigma: float = 1.5) -> np.ndarray:
 
 
 def _filter_valid(x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """Separable 2-D filtering of the first two axes with window ``g`` (``valid`` region, as MATLAB's filter2)."""
-    from numpy.lib.stride_tricks import sliding_window_view
-
-    x = sliding_window_view(x, g.size, axis=0) @ g
-    return sliding_window_view(x, g.size, axis=1) @ g
+    """Separable 2-D filtering of the first two axes with the symmetric window ``g`` (``valid`` region, as
+    MATLAB's ``filter2(..., 'valid')``): a weighted sum of shifted slices, one axis at a time, in place."""
+    n = g.size
+    for axis in (0, 1):
+        m = x.shape[axis] - n + 1
+        sl = lambda k: x[k:k + m] if axis == 0 else x[:, k:k + m]  # noqa: E731
+        acc = sl(0) * g[0]
+        tmp = np.empty_like(acc)
+        for k in range(1, n):
+            np.multiply(sl(k), g[k], out=tmp)
+            acc += tmp
+        x = acc
+    return x
 
 
 def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, k1: float = 0.01, k2: float = 0.03,
@@ -215,18 +226,25 @@ def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, k1: float = 0.01, k2
     """
     if a.shape != b.shape:
         raise ValueError(f"SSIM needs equal shapes, got {a.shape} and {b.shape}")
-    x = a.astype(np.float64).reshape(a.shape[0], a.shape[1], -1)
-    y = b.astype(np.float64).reshape(b.shape[0], b.shape[1], -1)
+    # float32 on data centred per image and channel: (co)variances are shift-invariant and centring keeps
+    # E[x^2] - mu^2 accurate; the means get their offsets back for the luminance term
+    x = a.astype(np.float32).reshape(a.shape[0], a.shape[1], -1)
+    y = b.astype(np.float32).reshape(b.shape[0], b.shape[1], -1)
+    ox, oy = x.mean(axis=(0, 1), dtype=np.float64), y.mean(axis=(0, 1), dtype=np.float64)
+    x, y = x - ox.astype(np.float32), y - oy.astype(np.float32)
     win = min(win, x.shape[0], x.shape[1])
     win -= (win + 1) % 2  # odd
-    g = _gaussian(win, sigma)
+    g = _gaussian(win, sigma).astype(np.float32)
     c1, c2 = (k1 * peak) ** 2, (k2 * peak) ** 2
-    mx, my = _filter_valid(x, g), _filter_valid(y, g)
-    sxx = _filter_valid(x * x, g) - mx * mx
-    syy = _filter_valid(y * y, g) - my * my
-    sxy = _filter_valid(x * y, g) - mx * my
+    c = x.shape[2]
+    f = _filter_valid(np.concatenate([x, y, x * x, y * y, x * y], axis=2), g)  # the five local moments at once
+    mx, my = f[..., :c], f[..., c:2 * c]
+    sxx = f[..., 2 * c:3 * c] - mx * mx
+    syy = f[..., 3 * c:4 * c] - my * my
+    sxy = f[..., 4 * c:] - mx * my
+    mx, my = mx + ox, my + oy  # the luminance term needs the true means (float64 from here)
     m = ((2 * mx * my + c1) * (2 * sxy + c2)) / ((mx * mx + my * my + c1) * (sxx + syy + c2))
-    return float(m.mean())
+    return float(m.mean(dtype=np.float64))
 
 
 def compare_images(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
@@ -307,13 +325,13 @@ def backend_fields(m: Dict[str, Any]) -> Dict[str, List[Dict[str, Any]]]:
     return out
 
 
-def memory_summary(m: Dict[str, Any]) -> Optional[str]:
-    """Peak device memory allocated by torch (MiB) when recorded, else host peak RSS (MiB)."""
+def memory_summary(m: Dict[str, Any]) -> Optional[Tuple[str, str]]:
+    """``(MiB, what)``: peak device memory allocated by torch when recorded, else host peak RSS; None if neither."""
     mem = m.get("memory") or {}
     if mem.get("device_peak_allocated_bytes") is not None:
-        return f"{mem['device_peak_allocated_bytes'] / 2**20:,.0f} MiB device"
+        return f"{mem['device_peak_allocated_bytes'] / 2**20:,.0f} MiB", "device allocated"
     if mem.get("host_peak_rss_bytes") is not None:
-        return f"{mem['host_peak_rss_bytes'] / 2**20:,.0f} MiB host RSS"
+        return f"{mem['host_peak_rss_bytes'] / 2**20:,.0f} MiB", "host RSS"
     return None
 
 
@@ -341,7 +359,8 @@ th,td{border:1px solid #d8dce3;padding:4px 7px;text-align:left;vertical-align:to
 th{background:#f2f4f7;font-weight:600;white-space:nowrap}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 table.jobs{width:100%;table-layout:auto}
-table.jobs td.ovr{min-width:250px;max-width:340px;overflow-wrap:anywhere}
+table.jobs td.ovr{min-width:210px;max-width:320px;overflow-wrap:anywhere}
+.scroll{overflow-x:auto;max-width:100%}
 code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px}
 .sub{display:block;color:#5b6475;font-size:11.5px}
 .err{color:#9b1c1c;font-size:12px;overflow-wrap:anywhere;display:block}
@@ -446,7 +465,8 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         m = j.manifest
         ovr = [o for o in (m.get("overrides") or []) if o not in common]
         cells = [f"<td><b>{_e(j.label)}</b></td>",
-                 '<td class="ovr mono">' + ("<br>".join(_e(o) for o in ovr) or "<i>(common only)</i>") + "</td>"]
+                 '<td class="ovr mono">' + ("<br>".join(_e(o).replace("=", "=<wbr>") for o in ovr)
+                                            or "<i>(common only)</i>") + "</td>"]
         oc = _badge(j.outcome, _OUTCOME_CLASS.get(j.outcome, "warn"))
         st = f'<span class="sub">status: {_e(m.get("status", "—"))}</span>'
         cells.append(f"<td>{oc}{st}</td>")
@@ -481,9 +501,11 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         cells.append(f'<td class="num">{_num(t.get("wall_s"), "{:.2f}")}</td>')
         cells.extend(f'<td class="num">{_num(ph.get(k))}</td>' for k, _ in PHASES)
         cells.append(f'<td class="num">{_num(t.get("images_per_s"), "{:.3f}")}</td>')
-        cells.append(f'<td class="num">{_e(memory_summary(m) or "—")}</td>')
+        mem = memory_summary(m)
+        cells.append(f'<td class="num">{_e(mem[0])}<span class="sub">{_e(mem[1])}</span></td>' if mem
+                     else '<td class="num">—</td>')
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    return f'<table class="jobs">{head}{"".join(rows)}</table>'
+    return f'<div class="scroll"><table class="jobs">{head}{"".join(rows)}</table></div>'
 
 
 def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dict[str, Any]]],
@@ -509,9 +531,11 @@ def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List
             mn_p = min(r["psnr_db"] for r in done)
             mn_s = min(r["ssim"] for r in done)
             mx_d = max(r["max_abs_diff"] for r in done)
-        bad = [r for r in rows if r["within"] is False]
-        verdict = (_badge(f"{len(bad)} outside", "bad") if bad else
-                   _badge("within", "ok") if done else _badge("not comparable", "warn"))
+        missing = [r for r in rows if r.get("note") == "missing"]
+        outside = [r for r in rows if r["within"] is False and r.get("note") != "missing"]
+        verdict = "".join([_badge(f"{len(outside)} outside", "bad") if outside else "",
+                           _badge(f"{len(missing)} missing", "bad") if missing else ""]) or (
+            _badge("within", "ok") if done else _badge("not comparable", "warn"))
         summary.append(f"<tr><td>{_e(j.label)}</td><td class=num>{len(done)} / {len(rows)}</td>"
                        f"<td class=num>{fmt_psnr(mn_p) if done else '—'}</td>"
                        f"<td class=num>{_num(mn_s, '{:.4f}') if done else '—'}</td>"
@@ -525,7 +549,9 @@ def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List
                           f"<td>{v}</td></tr>")
     out.append(f'<table class="parity-summary">{"".join(summary)}</table>')
     if len(detail) > 1:
-        out.append(f'<h3>Per item</h3><table class="parity">{"".join(detail)}</table>')
+        opened = " open" if len(detail) <= 61 else ""
+        out.append(f'<details{opened}><summary>Per item ({len(detail) - 1} rows)</summary>'
+                   f'<table class="parity">{"".join(detail)}</table></details>')
     return "".join(out)
 
 

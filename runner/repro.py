@@ -147,10 +147,17 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
         if notes:
             problems.append(f"item {key!r}: {row['verdict']}")
         rows.append(row)
+    notes = []  # informational: a changed code or library version explains a mismatch but is not one
+    ga, gb = mo.get("git") or {}, mn.get("git") or {}
+    if ga.get("commit") != gb.get("commit") or gb.get("dirty"):
+        notes.append(f"git: original {str(ga.get('commit'))[:12]} (dirty={ga.get('dirty')}), re-run "
+                     f"{str(gb.get('commit'))[:12]} (dirty={gb.get('dirty')})")
+    pa, pb = mo.get("packages") or {}, mn.get("packages") or {}
+    notes += [f"package {k}: {pa.get(k)} -> {pb.get(k)}" for k in sorted(set(pa) | set(pb)) if pa.get(k) != pb.get(k)]
     extra = [k for k, n in ni.items() if n.get("status") == "ok" and k not in oi]
     problems += [f"item {k!r}: only in the re-run" for k in extra]
     return {"ok": not problems, "mode": "bytes" if exact else "psnr", "tolerance_db": None if exact else tolerance_db,
-            "original": str(orig_dir), "rerun": str(new_dir), "platform": kind, "items": rows, "problems": problems}
+            "original": str(orig_dir), "rerun": str(new_dir), "platform": kind, "items": rows, "problems": problems, "notes": notes}
 
 
 def format_table(result: Dict[str, Any]) -> str:
@@ -222,6 +229,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     crit = "byte equality" if res["mode"] == "bytes" else f"PSNR >= {res['tolerance_db']:g} dB"
     print(f"\nrepro of {res['original']} -> {res['rerun']} (platform {res['platform']}; criterion: {crit})")
     print(format_table(res))
+    if res.get("notes"):
+        print("\nnotes (not failures):", *res["notes"], sep="\n  ")
     if res["problems"]:
         print("\nREPRO FAILED:", *res["problems"], sep="\n  ", file=sys.stderr)
     else:

