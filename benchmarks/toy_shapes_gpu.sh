@@ -5,7 +5,7 @@ set -u
 out=${1:?out}
 python -m models.toy_shapes.train --out "$out/w" --report "$out/train.json" 2>&1 | tail -25
 tar -C "$out/w" -cf "$out/toy_shapes_weights.tar" .
-for b in "TORCH_SDPA" "CUDNN_ATTN" "SAGE_ATTN" "TORCH_SDPA backend.linear=FP8" "CUDNN_ATTN backend.linear=FP8"; do
+for b in "TORCH_SDPA" "CUDNN_ATTN" "SAGE_ATTN" "CUDNN_ATTN backend.linear=FP8"; do
   tag=$(echo "$b" | tr ' =.' '___')
   python -m runner model=toy_shapes model.path="$out/w" platform=cuda dtype=bfloat16 num_images_per_prompt=4 \
     batch_size=8 backend.attention=$b hydra.run.dir="$out/runs/$tag" > "$out/runs_$tag.log" 2>&1

@@ -86,6 +86,8 @@ def _build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
             text_encoder_2 = T5EncoderModel(T5Config(**t5_kw))
     finally:
         torch.set_default_dtype(prev)
+    for m in (transformer, vae, text_encoder, text_encoder_2):
+        m.eval()  # constructed modules start in train mode: dropout would be live (from_pretrained sets eval)
     scale = float(arch.get("dummy_weight_scale", 1.0))
     if scale != 1.0:  # keeps activations of deep random transformers finite in bf16
         with torch.no_grad():

@@ -212,7 +212,8 @@ class VLLMAdapter:
         self.sampling = dict(sampling or {})
         bad = set(self.sampling) - set(SAMPLING_KEYS)
         if bad:
-            raise VLLMConfigError(f"sampling keys {sorted(bad)} are not supported; supported: {', '.join(SAMPLING_KEYS)}")
+            raise VLLMConfigError(f"sampling keys {sorted(bad)} are not supported; supported: "
+                                  f"{', '.join(SAMPLING_KEYS)}")
         self.backends = normalize_backends(backends)
         self.engine_args = dict(engine_args or {})
         owned = set(self.engine_args) & (set(_OWNED) | {"attention_backend", "attention_config", "kernel_config",
@@ -248,26 +249,47 @@ class VLLMAdapter:
             kw["kernel_config"] = kern
         return kw
 
+    def check_model_dir(self) -> Path:
+        """Validate the model directory before vLLM sees it (a missing local path would otherwise be taken for a
+        hub repo id and retried against the network for ~20 s before failing).
+
+        Raises:
+            VLLMConfigError: no such directory, no ``config.json``, or no ``*.safetensors`` for ``load_format=auto``.
+        """
+        p = Path(self.model).expanduser()
+        if not (p / "config.json").is_file():
+            raise VLLMConfigError(f"model={self.model!r} is not a local model directory with config.json")
+        if self.load_format == "auto" and not any(p.glob("*.safetensors")):
+            raise VLLMConfigError(f"model={self.model!r} has no *.safetensors; use load_format='dummy' for random "
+                                  "weights")
+        return p
+
     def load(self) -> None:
         """Start the engine (reads the weights unless ``load_format="dummy"``); fills ``self.info``.
 
-        ``self.info``: ``vllm_version``, ``llm_kwargs``, ``env`` (the vLLM variables in force), ``start_s`` (s).
+        ``self.info``: ``vllm_version``, ``llm_kwargs``, ``start_s`` (s, engine construction without the
+        ``import vllm``), ``env`` (the ``VLLM_*`` variables in force when the engine started) and
+        ``env_set_by_vllm`` (those vLLM itself set or changed while starting, e.g. ``VLLM_WORKER_MULTIPROC_METHOD``).
 
         Raises:
+            VLLMConfigError: see :meth:`check_model_dir`.
             Whatever vLLM raises for a configuration it refuses, e.g. ``ValueError`` for an explicit MoE backend
             that cannot run here (``Unquantized MoE backend TRITON does not support the deployment
             configuration since kernel does not support current device cpu.``).
         """
         import vllm
 
+        self.check_model_dir()
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kw = self.llm_kwargs()
+        env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**kw)
         start_s = time.perf_counter() - t0
-        self.info = {"vllm_version": vllm.__version__, "llm_kwargs": kw, "start_s": round(start_s, 3),
-                     "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
+        self.info = {"vllm_version": vllm.__version__, "llm_kwargs": kw, "start_s": round(start_s, 3), "env": env,
+                     "env_set_by_vllm": {k: v for k, v in os.environ.items()
+                                         if k.startswith("VLLM_") and env.get(k) != v}}
 
     def close(self) -> None:
         """Shut the engine down (frees the KV cache; worker processes exit when not in-process)."""
@@ -329,7 +351,11 @@ class VLLMAdapter:
             ``output_token_ids``, ``text``, ``finish_reason`` (``length`` | ``stop`` | ...), ``stop_reason``,
             ``timing``: ``batch_s`` (wall seconds of the whole call), ``batch_rows``, ``row_s`` (batch_s / rows),
             ``output_tokens`` (this output), ``batch_tokens_per_s`` (all output tokens of the call / batch_s), and
-            when vLLM reports request metrics ``first_token_s`` (s from scheduling to first token).
+            ``first_token_s`` (s, vLLM's ``first_token_latency``) only when vLLM reports request metrics, i.e. with
+            ``engine_args={"disable_log_stats": False}`` (``vllm.LLM`` defaults it to True).
+
+        Rows sharing one ``seed`` draw from identical random streams (similar prompts then give similar samples);
+        give each row its own seed (the runner's per-item seed) for independent samples.
         """
         if self.llm is None:
             raise RuntimeError("generate() needs a loaded engine; call load() first")

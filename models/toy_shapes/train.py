@@ -65,6 +65,8 @@ def main() -> None:
     p.add_argument("--report", default=None, help="write training/eval figures as JSON here")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 training with TF32 tensor cores: the model is small
+    torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
 
@@ -85,11 +87,12 @@ def main() -> None:
     t0 = time.time()
     x_all, caps_all = images_tensor(20000 if device == "cuda" else 64, args.seed + 1, args.size, device)
     opt = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
+    vsched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=args.vae_steps, pct_start=0.05)
     vae.train()
     for step in range(args.vae_steps):
         idx = torch.randint(0, x_all.shape[0], (min(args.batch, x_all.shape[0]),), device=device)
         x = x_all[idx]
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=False):
             post = vae.encode(x).latent_dist
             z = post.sample()
             rec = vae.decode(z).sample
@@ -97,6 +100,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        vsched.step()
         if step % 500 == 0 or step == args.vae_steps - 1:
             print(f"vae step {step} loss {loss.item():.5f}", flush=True)
     vae.eval()
@@ -134,7 +138,7 @@ def main() -> None:
         s = torch.exp(torch.tensor(mu, device=device)) / (torch.exp(torch.tensor(mu, device=device)) + (1 / s - 1))
         e = torch.randn_like(x0)
         xt = (1 - s[:, None, None]) * x0 + s[:, None, None] * e
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=False):
             v = tr(hidden_states=xt, timestep=s, pooled_projections=pooled[ci], encoder_hidden_states=pe[ci],
                    txt_ids=txt_ids, img_ids=img_ids, guidance=None, return_dict=False)[0]
         loss = F.mse_loss(v.float(), e - x0)
