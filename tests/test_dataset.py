@@ -221,7 +221,7 @@ def test_csv_bad_cells_named(tmp_path):
     assert any(_on_line(p, 3) and "'width'" in p and "wide" in p for p in problems), problems
 
 
-@pytest.mark.parametrize("fmt,text,n_items", [("txt", TXT, 3), ("csv", CSV, 3)])
+@pytest.mark.parametrize("fmt,text,n_items", [("txt", TXT, 3), ("csv", CSV, 3)], ids=["txt", "csv"])
 def test_txt_and_csv_run(run_job, tmp_path, fmt, text, n_items):
     path = tmp_path / f"prompts.{fmt}"
     path.write_text(text, encoding="utf-8")
