@@ -152,20 +152,20 @@ class FluxAdapter:
         """Decide where weights come from and validate it, without loading anything.
 
         Raises:
-            ModelPathError: ``model.path`` is not a diffusers snapshot.
-            ValueError: no path for a non-embedded model without ``load_format=dummy``.
+            ModelPathError: ``model.path`` is not a diffusers snapshot, or a non-embedded model has no path and
+                no ``load_format=dummy``, or ``load_format`` is unknown.
         """
         cfg = self.cfg
+        if cfg.load_format not in ("auto", "dummy"):
+            raise ModelPathError(f"model.load_format={cfg.load_format!r} is not one of auto, dummy")
         if cfg.load_format == "dummy":
             self.source = {"kind": "dummy", "weights_seed": cfg.architecture.get("weights_seed", 0)}
         elif cfg.path:
             self.source = {"kind": "path", "path": str(check_snapshot(cfg.path).resolve()), "revision": cfg.revision}
         elif cfg.embedded:
             self.source = {"kind": "embedded"}
-        elif cfg.load_format != "auto":
-            raise ValueError(f"model.load_format={cfg.load_format!r} is not one of auto, dummy")
         else:
-            raise ValueError(f"model={cfg.name} needs weights: set model.path=/path/to/diffusers/snapshot, "
+            raise ModelPathError(f"model={cfg.name} needs weights: set model.path=/path/to/diffusers/snapshot, "
                              "or model.load_format=dummy for random weights")
         return self.source
 
@@ -192,7 +192,8 @@ class FluxAdapter:
             self.source["path"] = str(path)
             self.source["files"] = {str(f.relative_to(path)): file_sha256(f)
                                     for f in sorted(path.rglob("*.safetensors"))}
-            self.pipe = FluxPipeline.from_pretrained(path, dtype=self.dtype, local_files_only=True)
+            self.pipe = FluxPipeline.from_pretrained(path, dtype=self.dtype, local_files_only=True,
+                                                     use_safetensors=True)  # never fall back to pickle
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self._time_phases()

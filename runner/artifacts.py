@@ -63,6 +63,11 @@ class Journal:
 
     def __init__(self, path: Path):
         self.path = path
+        if path.exists() and path.stat().st_size:
+            with open(path, "rb+") as f:  # a kill mid-write leaves a partial last line: cut it off
+                data = f.read()
+                if not data.endswith(b"\n"):
+                    f.truncate(data.rfind(b"\n") + 1)
         self._f = open(path, "a", encoding="utf-8")
 
     def append(self, record: Dict[str, Any]) -> None:

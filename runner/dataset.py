@@ -269,8 +269,12 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
                             "fix: smaller sizes, or raise max_pixels")
         if merged["num_inference_steps"] is None or merged["num_inference_steps"] <= 0:
             problems.append(f"{where}: field 'num_inference_steps' = {merged['num_inference_steps']!r} must be >= 1")
-        if merged["guidance_scale"] is None or merged["guidance_scale"] < 0:
-            problems.append(f"{where}: field 'guidance_scale' = {merged['guidance_scale']!r} must be >= 0")
+        if vals.get("seed") is not None and not 0 <= vals["seed"] < (1 << 63) - 64:
+            problems.append(f"{where}: field 'seed' = {vals['seed']!r} must be in [0, 2**63 - 64)")
+        import math
+
+        if merged["guidance_scale"] is None or not math.isfinite(merged["guidance_scale"]) or merged["guidance_scale"] < 0:
+            problems.append(f"{where}: field 'guidance_scale' = {merged['guidance_scale']!r} must be a finite number >= 0")
         if merged["num_images_per_prompt"] is None or merged["num_images_per_prompt"] < 1:
             problems.append(f"{where}: field 'num_images_per_prompt' = {merged['num_images_per_prompt']!r} "
                             "must be >= 1")
@@ -287,12 +291,23 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
 
 def expand_items(rows: Iterable[Row], run_seed: int) -> List[Item]:
     """One item per image. Seed of image ``k`` of a row: ``row.seed + k`` if the row sets a seed, else
-    ``derive_seed(run_seed, row.id) + k`` (mod 2**63)."""
+    ``derive_seed(run_seed, row.id) + k`` (mod 2**63).
+
+    Raises:
+        DatasetError: two items get the same key (row ``a`` with 2 images makes ``a-1``, which a row may also
+            be called), since they would share one file.
+    """
     items = []
+    seen: Dict[str, Row] = {}
     for row in rows:
         base = row.seed if row.seed is not None else derive_seed(run_seed, row.id)
         for k in range(row.num_images_per_prompt):
-            items.append(Item(row=row, index=k, seed=(base + k) % (1 << 63)))
+            it = Item(row=row, index=k, seed=base + k if row.seed is not None else (base + k) % (1 << 63))
+            if it.key in seen:
+                raise DatasetError([f"line {row.line}: item key {it.key!r} of row {row.id!r} collides with row "
+                                    f"{seen[it.key].id!r} (line {seen[it.key].line}); fix: rename one of the ids"])
+            seen[it.key] = row
+            items.append(it)
     return items
 
 

@@ -50,14 +50,43 @@ def resolve_dtype(name: str, platform_kind: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def _check_schema(cfg: DictConfig) -> None:
+    """Re-validate against the structured schema: Hydra's ``+key=value`` appends keys with ``force_add`` and so
+    bypasses it (``+model.nme=x`` composes). Raises ConfigValueError naming the key."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from runner.schema import RunConfig
+
+    try:
+        OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg, resolve=False))
+    except OmegaConfBaseException as e:
+        msg = str(e).splitlines()[0]
+        raise ConfigValueError(f"config does not match the schema: {msg}; fix: remove or correct that key "
+                               "(a `+key=...` override adds keys the schema does not know)") from None
+
+
 def check_run_values(cfg: DictConfig) -> None:
     """Range checks of run-level fields that Hydra's type checks cannot express.
 
     Raises:
         ConfigValueError: naming the field, the value and the fix.
     """
+    _check_schema(cfg)
     if cfg.batch_size < 1:
         raise ConfigValueError(f"batch_size={cfg.batch_size} must be >= 1; fix: batch_size=1")
+    if cfg.dataset.limit is not None and cfg.dataset.limit < 1:
+        raise ConfigValueError(f"dataset.limit={cfg.dataset.limit} must be >= 1 (or null for every row)")
+    if cfg.output.image_format != "png":
+        raise ConfigValueError(f"output.image_format={cfg.output.image_format!r}: only png is written (lossless, so "
+                               "artifacts can be compared byte for byte); fix: output.image_format=png")
+    g = cfg.model.generation
+    if g.max_sequence_length < 1:
+        raise ConfigValueError(f"model.generation.max_sequence_length={g.max_sequence_length} must be >= 1")
+    import math
+
+    for key in ("guidance_scale", "true_cfg_scale"):
+        if not math.isfinite(g[key]) or g[key] < 0:
+            raise ConfigValueError(f"model.generation.{key}={g[key]} must be a finite number >= 0")
     if cfg.num_images_per_prompt < 1:
         raise ConfigValueError(f"num_images_per_prompt={cfg.num_images_per_prompt} must be >= 1")
     if cfg.max_pixels < 1:
@@ -350,6 +379,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                 f"{out_dir} holds a run with a different config; resuming would mix artifacts. Differing keys:\n  "
                 + "\n  ".join(diffs) + "\nfix: use a new run dir, or run.force=true to resume anyway")
         done = resume.finished(out_dir)
+        resume.remove_temp_files(out_dir)
     todo = [it for it in items if it.key not in done]
     if cfg.cpu_threads is not None:
         if cfg.cpu_threads < 1:
@@ -378,7 +408,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     manifest.section("packages", package_versions())
     manifest.section("platform", plat.to_dict())
     manifest.section("dtype", str(dtype).replace("torch.", ""))
-    manifest.section("dataset", {"format": cfg.dataset.format, "path": str(data_path), "sha256": data_sha,
+    manifest.section("dataset", {"format": cfg.dataset.format, "path": str(Path(data_path).resolve()), "sha256": data_sha,
                                  "rows": len(rows), "items": len(items)})
     manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": source})
     manifest.section("backends", {adapter.stage: {f: r.to_dict() for f, r in resolutions.items()}})
@@ -427,9 +457,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                 want_forwards += sum(expected_forwards(b, float(g.true_cfg_scale)) for b in results["ran"])
                 if len(results["ran"]) != 1 or results["ran"][0] is not batch:
                     raised = True  # a pipeline call raised part-way: forward totals are no longer predictable
+                ran_size = {id(i): len(b) for b in results["ran"] for i in b}
                 for it, img in zip(batch, results["images"]):
                     tw = time.perf_counter()
-                    rec = _item_record(it, len(batch))
+                    rec = _item_record(it, ran_size.get(id(it), len(batch)))
                     if isinstance(img, BaseException):
                         rec.update(status="failed", file=None, reason=f"{type(img).__name__}: {img}")
                         counts["failed"] += 1

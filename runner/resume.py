@@ -79,6 +79,21 @@ def read_journal(path: Path) -> List[Dict[str, Any]]:
     return out
 
 
+def remove_temp_files(out_dir: Path) -> List[str]:
+    """Delete temp files (``.<name>.tmp<pid>``) that a killed run left in ``out_dir`` and ``out_dir/images``;
+    returns their names. Only names of that pattern are touched."""
+    import re
+
+    gone = []
+    for d in (out_dir, out_dir / "images"):
+        if d.is_dir():
+            for p in d.iterdir():
+                if p.is_file() and re.fullmatch(r"\..+\.tmp\d+", p.name):
+                    p.unlink()
+                    gone.append(p.name)
+    return gone
+
+
 def finished(out_dir: Path) -> Dict[str, Dict[str, Any]]:
     """``{item key: record}`` of items whose artifact exists and matches its recorded sha256."""
     done: Dict[str, Dict[str, Any]] = {}
