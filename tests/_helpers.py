@@ -41,7 +41,9 @@ def compose(overrides: Iterable[str] = (), config_dir: Optional[Path] = None):
 
     register_configs()
     with hydra.initialize_config_dir(version_base="1.3", config_dir=str(config_dir or CONF_DIR), job_name="test"):
-        return hydra.compose("config", overrides=list(overrides))
+        from conftest import with_test_model
+
+        return hydra.compose("config", overrides=with_test_model(overrides))
 
 
 def conf_with_presets(root: Path, presets: Dict[str, str]) -> Path:

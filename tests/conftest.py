@@ -55,6 +55,15 @@ def runner_cache(tmp_path_factory) -> Path:
         yield cache
 
 
+def with_test_model(overrides: Iterable[str]) -> List[str]:
+    """Most tests exercise the loop on ``tiny_flux`` (random weights, 128 px, the 18 builtin prompts); the trained
+    default ``toy_shapes`` has its own tests (test_toy_shapes.py). An explicit ``model=`` wins."""
+    overrides = list(overrides)
+    if not any(o.split("=")[0].lstrip("+~") == "model" for o in overrides):
+        overrides.insert(0, "model=tiny_flux")
+    return overrides
+
+
 @pytest.fixture(scope="session")
 def compose() -> Callable[..., Any]:
     """``compose(overrides, return_hydra_config=False)``: the run config as ``python -m runner`` composes it."""
@@ -65,9 +74,10 @@ def compose() -> Callable[..., Any]:
 
     register_configs()
 
-    def _compose(overrides: Iterable[str] = (), return_hydra_config: bool = False):
+    def _compose(overrides: Iterable[str] = (), return_hydra_config: bool = False, test_model: bool = True):
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="test"):
-            return hydra_compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+            return hydra_compose("config", overrides=with_test_model(overrides) if test_model else list(overrides),
+                                 return_hydra_config=return_hydra_config)
 
     return _compose
 
@@ -146,3 +156,52 @@ def subprocess_env(runner_cache) -> Dict[str, str]:
                PYTHONUNBUFFERED="1")
     return env
 
+
+
+# ------------------------------------------------------------------------------------- hardware markers
+# Tests state their hardware needs with markers; a CI job selects with -m (scripts/ci/). A test collected on the
+# wrong hardware is skipped with the reason, never silently passed.
+HARDWARE_MARKERS = {"cpu": "runs on a CPU alone; never skipped", "cuda": "needs a CUDA device",
+                    "sm90": "needs a compute capability 9.x GPU (Hopper: H100/H200); implies cuda",
+                    "sm100": "needs a compute capability 10.x GPU (Blackwell B200/GB200); implies cuda",
+                    "cards_2": "needs at least 2 CUDA devices; implies cuda"}
+
+
+def pytest_configure(config):
+    for name, doc in HARDWARE_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+def _cuda_facts():
+    try:
+        import torch
+    except ImportError:
+        return 0, None, "no torch"
+    if not torch.cuda.is_available():
+        return 0, None, "no CUDA device"
+    return torch.cuda.device_count(), tuple(torch.cuda.get_device_capability(0)), torch.cuda.get_device_name(0)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m deselection, so sm90/sm100/cards_2 count as cuda
+def pytest_collection_modifyitems(config, items):
+    facts = None
+    for item in items:
+        marks = {m.name for m in item.iter_markers()} & set(HARDWARE_MARKERS)
+        if not marks - {"cpu"}:
+            continue
+        if marks & {"sm90", "sm100", "cards_2"} and "cuda" not in marks:
+            item.add_marker(pytest.mark.cuda)
+        facts = facts or _cuda_facts()
+        n, cap, name = facts
+        here = f"{name} sm{cap[0]}{cap[1]}" if cap else name
+        if n == 0:
+            reason = "needs a CUDA device; none is visible on this machine (torch.cuda.is_available() is False)"
+        elif "sm90" in marks and cap[0] != 9:
+            reason = f"needs sm90 (Hopper); device 0 is {here}"
+        elif "sm100" in marks and cap[0] != 10:
+            reason = f"needs sm100 (Blackwell); device 0 is {here}"
+        elif "cards_2" in marks and n < 2:
+            reason = f"needs 2 CUDA devices; {n} visible"
+        else:
+            continue
+        item.add_marker(pytest.mark.skip(reason=reason))

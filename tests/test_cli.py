@@ -19,9 +19,9 @@ def _runner(args, cwd, env, timeout=300):
 def test_cfg_job_prints_composed_config(tmp_path, subprocess_env):
     p = _runner(["--cfg", "job"], tmp_path, subprocess_env)
     assert p.returncode == 0, p.stderr
-    assert "tiny_flux" in p.stdout
+    assert "name: toy_shapes" in p.stdout  # the embedded default
     cfg = yaml.safe_load(p.stdout)
-    assert cfg["model"]["name"] == "tiny_flux"
+    assert cfg["model"]["name"] == "toy_shapes"
     assert cfg["dataset"]["format"] == "builtin"
     assert "hydra" not in cfg
     assert not (tmp_path / "outputs").exists(), "--cfg job must not start a run"

@@ -100,9 +100,9 @@ def test_dataset_options(compose, option):
 
 
 def test_defaults(compose):
-    cfg = compose([], return_hydra_config=True)
+    cfg = compose([], return_hydra_config=True, test_model=False)
     choices = cfg.hydra.runtime.choices
-    assert {g: choices[g] for g in REQUIRED} == {"model": "tiny_flux", "platform": "auto", "backend": "auto",
+    assert {g: choices[g] for g in REQUIRED} == {"model": "toy_shapes", "platform": "auto", "backend": "auto",
                                                   "parallelism": "single", "dataset": "builtin"}
     assert OmegaConf.get_type(cfg) is schema.RunConfig
     assert (cfg.seed, cfg.batch_size, cfg.num_images_per_prompt, cfg.dtype) == (0, 1, 1, "auto")

@@ -286,7 +286,7 @@ def test_c10_library_env_var_does_not_override_the_runner(tmp_path, cli):
     run_dir = tmp_path / "c10"
     env = dict(os.environ, DIFFUSERS_ATTN_BACKEND="_native_math", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "runner", "platform=cpu", *cli, "dataset.limit=1", f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "runner", "model=tiny_flux", "platform=cpu", *cli, "dataset.limit=1", f"hydra.run.dir={run_dir}"]
     p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     m = json.loads((run_dir / "manifest.json").read_text())
