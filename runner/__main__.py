@@ -20,6 +20,7 @@ log = logging.getLogger("runner")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 register_configs()
+_TASK_STARTED = False  # set once Hydra composed a config and called the task
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -35,6 +36,8 @@ def main(cfg: DictConfig) -> int:
 
     from runner.jobs import run_job
 
+    global _TASK_STARTED
+    _TASK_STARTED = True
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     code = run_job(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task), reraise=not multirun)
@@ -47,4 +50,10 @@ if __name__ == "__main__":
     from runner.distributed import agree_argv
 
     sys.argv = sys.argv[:1] + agree_argv(sys.argv[1:])  # torchrun: every rank uses rank 0's run dir
-    main()
+    try:
+        main()
+    except SystemExit as e:
+        # Hydra reports a composition error (unknown option, wrong type) with exit 1; bad input is exit 2 here.
+        if e.code == 1 and not _TASK_STARTED:
+            sys.exit(2)
+        raise

@@ -93,7 +93,7 @@ def test_matrix_states(sweep, capsys):
     assert [(r["state"], r["runs"]) for r in by_attn["TORCH_SDPA"]] == [("validated", "0, 1")]
     sdpa = by_attn["TORCH_SDPA"][0]
     assert (sdpa["model"], sdpa["task"], sdpa["dtype"], sdpa["linear"], sdpa["moe"]) == (
-        "tiny_flux", "text-to-image", "float32", "auto→TORCH", "n/a")
+        "toy_shapes", "text-to-image", "float32", "auto→TORCH", "n/a")
     assert sdpa["device"].startswith("cpu: ") and sdpa["parallelism"] == "single x1"
     assert [(r["state"], r["runs"]) for r in by_attn["CUDNN_ATTN"]] == [("unsupported", "2")]
     assert "needs platform cuda" in by_attn["CUDNN_ATTN"][0]["notes"]

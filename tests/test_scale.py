@@ -27,7 +27,7 @@ def _env():
 
 def _runner(args, cwd, timeout=300, torchrun=0):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "-m", "runner"]
-           if torchrun else [sys.executable, "-m", "runner"]) + list(args)
+           if torchrun else [sys.executable, "-m", "runner"]) + ["model=tiny_flux"] + list(args)
     return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -72,7 +72,8 @@ def test_torchrun_two_workers_equal_single(tmp_path, single):
 def test_torchrun_killed_worker_then_resume(tmp_path, single):
     d = tmp_path / "dpk"
     args = ["parallelism=data", "dataset.limit=16", f"hydra.run.dir={d}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner", "model=tiny_flux",
+           *args]
     p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     victim = None
     deadline = time.time() + 240

@@ -45,13 +45,15 @@ def test_weights_ship_within_budget():
     assert not list(w.rglob("*.bin"))  # safetensors only
 
 
-def _run(execute, tmp_path, name, overrides, on_loaded=None):
+def _run(tmp_path, name, overrides, on_loaded=None):
+    from _helpers import execute
+
     return execute(tmp_path / name, ["model=toy_shapes", "dataset.limit=12", "evidence.strict=false", *overrides],
                    on_loaded=on_loaded)
 
 
-def test_default_run_follows_captions(execute, tmp_path):
-    r = _run(execute, tmp_path, "sdpa", ["backend.attention=TORCH_SDPA"])
+def test_default_run_follows_captions(tmp_path):
+    r = _run(tmp_path, "sdpa", ["backend.attention=TORCH_SDPA"])
     acc = r.manifest["accuracy"]
     assert r.code == 0 and acc["n"] == 12
     assert acc["color"] >= 0.8 and acc["shape"] >= 0.6 and acc["position"] >= 0.8, acc
@@ -66,13 +68,11 @@ def _shuffle_keys(adapter):
         q, k, v = (t.transpose(1, 2) for t in (query, key[:, perm], value))
         return F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2)
 
-    from kernels.attention import _CURRENT  # noqa: F401  (the sites' custom kernel rides on the native entry)
-
     for site in adapter._runner_sites:
         site.custom = broken
 
 
-def test_broken_attention_collapses_accuracy(execute, tmp_path, monkeypatch):
+def test_broken_attention_collapses_accuracy(tmp_path, monkeypatch):
     import runner.execute as ex
 
     real = ex.install_backends
@@ -83,8 +83,8 @@ def test_broken_attention_collapses_accuracy(execute, tmp_path, monkeypatch):
         return probes
 
     monkeypatch.setattr(ex, "install_backends", keep_sites)
-    good = _run(execute, tmp_path, "good", ["backend.attention=TORCH_SDPA"])
-    bad = _run(execute, tmp_path, "bad", ["backend.attention=TORCH_SDPA"], on_loaded=_shuffle_keys)
+    good = _run(tmp_path, "good", ["backend.attention=TORCH_SDPA"])
+    bad = _run(tmp_path, "bad", ["backend.attention=TORCH_SDPA"], on_loaded=_shuffle_keys)
     g, b = good.manifest["accuracy"], bad.manifest["accuracy"]
     assert g["all"] >= 0.8, g
     assert b["all"] <= 0.4 and b["all"] < g["all"] - 0.4, (g, b)
