@@ -27,7 +27,7 @@ def _env():
 
 def _runner(args, cwd, timeout=300, torchrun=0):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "-m", "runner"]
-           if torchrun else [sys.executable, "-m", "runner"]) + ["model=tiny_flux"] + list(args)
+           if torchrun else [sys.executable, "-m", "runner"]) + list(args) + ["model=tiny_flux"]
     return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
