@@ -133,3 +133,34 @@ def test_data_parallel_without_workers_refuses(tmp_path):
     r = _runner(["parallelism=data", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
     assert r.returncode == 2
     assert "torchrun" in (r.stdout + r.stderr)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("ray"), reason="ray not installed (extra: scale)")
+def test_ray_killed_worker_then_resume(tmp_path):
+    d = tmp_path / "rk"
+    args = ["parallelism=data", "launcher=ray", "launcher.num_workers=2", "dataset.limit=16", f"hydra.run.dir={d}"]
+    cmd = [sys.executable, "-m", "runner", *args, "model=tiny_flux"]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    victim = None
+    deadline = time.time() + 300
+    while time.time() < deadline and victim is None:
+        j = d / "items.rank1.jsonl"
+        if (d / "manifest.rank1.json").exists() and j.exists() and j.read_text().count("\n") >= 2:
+            victim = json.loads((d / "manifest.rank1.json").read_text())["worker"]["pid"]
+        time.sleep(0.2)
+    assert victim, "ray worker 1 never started writing"
+    os.kill(victim, signal.SIGKILL)
+    assert p.wait(timeout=300) == 1  # the driver merges what exists and reports the incomplete run
+    first = json.loads((d / "manifest.json").read_text())
+    assert first["status"] == "incomplete" and first["failed_workers"] == [1]
+    kept = {k: v for k, v in _hashes(d).items()}
+    r = _runner(args, cwd=tmp_path, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["status"] == "completed" and m["counts"]["ok"] == 16
+    assert m["workers"][1]["resumed_from"] == "running" and m["workers"][1]["counts"]["reused"] >= 2
+    after = _hashes(d)
+    assert all(after[k] == v for k, v in kept.items())  # finished rows were kept, not regenerated differently
+    ref = tmp_path / "ref"
+    assert _runner(["dataset.limit=16", f"hydra.run.dir={ref}"], cwd=tmp_path).returncode == 0
+    assert after == _hashes(ref)
