@@ -33,7 +33,7 @@ def main() -> None:
 
     from runner import dataset as ds
     from runner.evidence import DenoiserProbe
-    from runner.execute import install_backends, make_adapter, resolve_backends, resolve_dtype
+    from runner.execute import install_backends, load_dataset, make_adapter, resolve_backends, resolve_dtype
     from runner.platform import detect
     from runner.schema import register_configs
 
@@ -44,11 +44,10 @@ def main() -> None:
     plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
     dtype = resolve_dtype(cfg.dtype, plat.kind)
     g = cfg.model.generation
-    rows, _ = ds.load_rows("builtin", None, defaults=dict(width=g.width, height=g.height,
-                                                          num_inference_steps=g.num_inference_steps,
-                                                          guidance_scale=g.guidance_scale, num_images_per_prompt=1),
-                           size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels, limit=cfg.batch_size)
-    batch = ds.expand_items(rows, cfg.seed)
+    from omegaconf import OmegaConf
+
+    OmegaConf.update(cfg, "dataset.limit", cfg.batch_size)  # one batch of the configured dataset
+    batch = ds.expand_items(load_dataset(cfg)[0], cfg.seed)
     adapters = {}
     for mode in ("on", "off"):
         a = make_adapter(cfg, plat.device, dtype)

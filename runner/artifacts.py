@@ -65,8 +65,9 @@ class Journal:
         self.path = path
         if path.exists() and path.stat().st_size:
             with open(path, "rb+") as f:  # a kill mid-write leaves a partial last line: cut it off
-                data = f.read()
-                if not data.endswith(b"\n"):
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    data = path.read_bytes()
                     f.truncate(data.rfind(b"\n") + 1)
         self._f = open(path, "a", encoding="utf-8")
 

@@ -188,6 +188,20 @@ def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compi
     return {"attention": sites, "linear": lin, "observed": observe}
 
 
+def load_dataset(cfg: DictConfig) -> tuple:
+    """The run's dataset rows, validated, with the run's and the model's defaults filled in.
+
+    Returns:
+        ``(rows, path)``. Raises dataset.DatasetError.
+    """
+    g = cfg.model.generation
+    defaults = dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
+                    guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt)
+    return ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
+                        size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels, limit=cfg.dataset.limit,
+                        builtin=cfg.model.builtin_prompts)
+
+
 def expected_forwards(batch: List[ds.Item], true_cfg_scale: float) -> int:
     """Denoiser forwards a FluxPipeline call makes for ``batch``: steps, doubled under true CFG."""
     r = batch[0].row
@@ -352,11 +366,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     out_dir = Path(cfg.run.resume or cfg.output.dir or run_dir)
     check_run_values(cfg)
     g = cfg.model.generation
-    defaults = dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
-                    guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt)
-    rows, data_path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
-                                   size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels,
-                                   limit=cfg.dataset.limit, builtin=cfg.model.builtin_prompts)
+    rows, data_path = load_dataset(cfg)
     items = ds.expand_items(rows, cfg.seed)
     journal_name, manifest_name = "items.jsonl", "manifest.json"
     if worker is not None and worker.world_size > 1:

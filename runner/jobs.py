@@ -109,14 +109,9 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
 def dataset_keys(cfg: DictConfig) -> List[str]:
     """Every item key of the run's dataset, in dataset order (the merged journal's order)."""
     from runner import dataset as ds
+    from runner.execute import load_dataset
 
-    g = cfg.model.generation
-    rows, _ = ds.load_rows(cfg.dataset.format, cfg.dataset.path,
-                           defaults=dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
-                                         guidance_scale=g.guidance_scale,
-                                         num_images_per_prompt=cfg.num_images_per_prompt),
-                           size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels, limit=cfg.dataset.limit)
-    return [it.key for it in ds.expand_items(rows, cfg.seed)]
+    return [it.key for it in ds.expand_items(load_dataset(cfg)[0], cfg.seed)]
 
 
 def _merged_code(merged: Dict[str, Any]) -> int:
