@@ -89,7 +89,7 @@ def _build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
     for m in (transformer, vae, text_encoder, text_encoder_2):
         m.eval()  # constructed modules start in train mode: dropout would be live (from_pretrained sets eval)
     scale = float(arch.get("dummy_weight_scale", 1.0))
-    if scale != 1.0:  # keeps activations of deep random transformers finite in bf16
+    if scale != 1.0 and str(device) != "meta":  # keeps activations of deep random transformers finite in bf16
         with torch.no_grad():
             for p in transformer.parameters():
                 if p.dim() >= 2:
@@ -168,6 +168,18 @@ class FluxAdapter:
             raise ModelPathError(f"model={cfg.name} needs weights: set model.path=/path/to/diffusers/snapshot, "
                              "or model.load_format=dummy for random weights")
         return self.source
+
+    def weight_bytes(self) -> Optional[int]:
+        """Bytes the weights take in ``self.dtype`` once loaded, for a memory check before loading: for
+        ``load_format=dummy`` by building the architecture on the meta device (no memory); None otherwise."""
+        if self.source.get("kind") != "dummy":
+            return None
+        from omegaconf import OmegaConf
+
+        arch = OmegaConf.to_container(self.cfg.architecture, resolve=True)
+        comps = _build_components(arch, device="meta", dtype=self.dtype)
+        return sum(p.numel() * p.element_size() for k in ("transformer", "vae", "text_encoder", "text_encoder_2")
+                   for p in comps[k].parameters())
 
     def head_dim(self) -> int:
         """Attention head dimension of the transformer (from the architecture or the snapshot's config)."""

@@ -102,7 +102,7 @@ def safe_stem(key: str, max_len: int = 96) -> str:
     if stem.split(".")[0].upper() in _RESERVED:
         stem = "_" + stem
     if stem != key or not stem:
-        stem = f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+        stem = f"{stem or 'id'}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
     return stem
 
 
@@ -219,6 +219,8 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
     Raises:
         DatasetError: listing every problem found (file, line, field, value, fix).
     """
+    if fmt not in ("builtin", "jsonl", "csv", "txt"):
+        raise DatasetError([f"dataset.format={fmt!r} is not known; fix: one of builtin, jsonl, csv, txt"])
     if fmt == "builtin":
         src = BUILTIN_PROMPTS.parent / builtin
     else:
@@ -248,7 +250,9 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
             try:
                 vals[key] = _coerce(value, ROW_FIELDS[key], from_text)
             except (ValueError, TypeError):
-                problems.append(f"{where}: field {key!r} = {value!r} is not a {ROW_FIELDS[key].__name__}")
+                kind = {str: "a string", int: "an integer", float: "a number", dict: "an object"}[ROW_FIELDS[key]]
+                problems.append(f"{where}: field {key!r} = {value!r} is not {kind}; fix: write it as {kind}"
+                                + (" (no quotes)" if isinstance(value, str) and ROW_FIELDS[key] is not str else ""))
         rid = vals.get("id", f"row{n:06d}")
         prompt = vals.get("prompt")
         if prompt is None or not prompt.strip():

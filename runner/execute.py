@@ -80,6 +80,16 @@ def check_run_values(cfg: DictConfig) -> None:
         raise ConfigValueError(f"output.image_format={cfg.output.image_format!r}: only png is written (lossless, so "
                                "artifacts can be compared byte for byte); fix: output.image_format=png")
     g = cfg.model.generation
+    m = cfg.model.size_multiple
+    for key in ("width", "height"):  # defaults are checked here so errors name the config key, not a data file
+        if g[key] <= 0 or g[key] % m:
+            raise ConfigValueError(f"model.generation.{key}={g[key]} is not a positive multiple of {m} (model "
+                                   f"{cfg.model.name}); fix: e.g. model.generation.{key}={max(m, round(g[key] / m) * m)}")
+    if cfg.max_pixels >= 1 and g.width * g.height > cfg.max_pixels:
+        raise ConfigValueError(f"model.generation width x height = {g.width}x{g.height} exceeds max_pixels="
+                               f"{cfg.max_pixels}; fix: smaller sizes, or raise max_pixels")
+    if g.num_inference_steps < 1:
+        raise ConfigValueError(f"model.generation.num_inference_steps={g.num_inference_steps} must be >= 1")
     if g.max_sequence_length < 1:
         raise ConfigValueError(f"model.generation.max_sequence_length={g.max_sequence_length} must be >= 1")
     import math
@@ -162,6 +172,17 @@ def resolve_backends(cfg: DictConfig, overrides: Sequence[str], adapter: Any, pl
 
     for spec in resolutions["attention"].selected.values():  # wiring problems surface now, not after loading
         plan(spec["backend"], plat.sm)
+    if extras and not getattr(adapter, "reads_engine_extras", False):
+        import difflib
+
+        from runner.resolve import LEGACY_KEYS, MisplacedBackendKeyError
+
+        key = sorted(extras)[0]
+        close = difflib.get_close_matches(key, list(LEGACY_KEYS.values()), n=1)
+        raise MisplacedBackendKeyError(
+            f"model.stages.{adapter.stage}.engine_extras.{key} is not read: the {adapter.stage!r} stage's engine "
+            f"(diffusers) takes no engine_extras" + (f"; did you mean the legacy key {close[0]!r}?" if close else
+                                                      "; fix: remove it"))
     return resolutions, extras
 
 
@@ -186,6 +207,35 @@ def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compi
     if compile_mode == "regional":
         adapter.denoiser.compile_repeated_blocks(fullgraph=False, dynamic=False)
     return {"attention": sites, "linear": lin, "observed": observe}
+
+
+def available_bytes(plat: Any) -> Optional[int]:
+    """Free memory where the weights will live: the GPU's free bytes, or the host's MemAvailable (Linux)."""
+    if plat.kind in ("cuda", "rocm"):
+        return torch.cuda.mem_get_info(0)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(adapter: Any, plat: Any) -> None:
+    """Refuse before loading when the weights alone cannot fit (``load_format=dummy`` sizes are known exactly).
+
+    Raises:
+        ConfigValueError: naming the model, the bytes needed and available, and the fix.
+    """
+    need = adapter.weight_bytes() if hasattr(adapter, "weight_bytes") else None
+    have = available_bytes(plat)
+    if need is None or have is None or need <= have:
+        return
+    raise ConfigValueError(
+        f"model={adapter.cfg.name} needs {need / 2**30:.1f} GiB for its weights in "
+        f"{str(adapter.dtype).replace('torch.', '')} on {plat.device}, but only {have / 2**30:.1f} GiB is free; fix: "
+        "run it on a GPU (platform=cuda dtype=bfloat16), or use model=tiny_flux / model=toy_shapes on this machine")
 
 
 def load_dataset(cfg: DictConfig) -> tuple:
@@ -370,9 +420,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     items = ds.expand_items(rows, cfg.seed)
     journal_name, manifest_name = "items.jsonl", "manifest.json"
     if worker is not None and worker.world_size > 1:
-        from runner.distributed import shard_of
+        from runner.distributed import shards
 
-        items = [it for it in items if shard_of(it.row.id, worker.world_size) == worker.rank]
+        rank_of = shards([r.id for r in rows], worker.world_size)
+        items = [it for it in items if rank_of[it.row.id] == worker.rank]
         journal_name, manifest_name = worker.journal, worker.manifest
     data_sha = ds.file_sha256(data_path)
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
@@ -400,6 +451,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     adapter = make_adapter(cfg, plat.device, dtype)
     source = adapter.resolve_source()
     resolutions, engine_extras = resolve_backends(cfg, overrides, adapter, plat, dtype)
+    check_memory(adapter, plat)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     img_dir = out_dir / "images"

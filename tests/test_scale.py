@@ -50,11 +50,12 @@ def _check_merged(d: Path, single, world_size: int, launcher: str):
     m = json.loads((d / "manifest.json").read_text())
     assert m["status"] == "completed"
     assert m["parallelism"] == {"mode": "data", "world_size": world_size, "launcher": launcher,
-                                "sharding": "sha256(row id)[:8] mod world_size"}
+                                "sharding": "rows sorted by sha256(id), dealt round-robin over ranks"}
     assert [w["rank"] for w in m["workers"]] == list(range(world_size))
     assert all(w["status"] == "completed" and w["evidence_verdict"] == "verified" for w in m["workers"])
     assert len({w["pid"] for w in m["workers"]}) == world_size  # really different processes
     assert sum(w["shard_items"] for w in m["workers"]) == ROWS
+    assert max(w["shard_items"] for w in m["workers"]) - min(w["shard_items"] for w in m["workers"]) <= 1
     items = [json.loads(l) for l in (d / "items.jsonl").read_text().splitlines()]
     assert len(items) == ROWS and len({i["key"] for i in items}) == ROWS
     return m

@@ -40,14 +40,15 @@ def read(image: np.ndarray) -> Dict[str, Optional[str]]:
 
 
 def accuracy(pairs: Iterable[tuple]) -> Dict[str, float]:
-    """Share of matches per attribute over ``(read_result, expected)`` pairs, plus ``all`` (every attribute
-    right) and ``n``."""
+    """Share of matches per attribute over ``(read_result, expected)`` pairs (each attribute over the rows that
+    state it; None when none does), plus ``all`` (every stated attribute right, over all rows) and ``n``."""
     pairs = list(pairs)
     n = len(pairs)
     out: Dict[str, float] = {"n": n}
     if not n:
         return out
     for key in ("color", "shape", "position"):
-        out[key] = sum(got.get(key) == exp.get(key) for got, exp in pairs if key in exp) / n
+        stated = [(got, exp) for got, exp in pairs if key in exp]  # rows that state this attribute
+        out[key] = sum(got.get(key) == exp[key] for got, exp in stated) / len(stated) if stated else None
     out["all"] = sum(all(got.get(k) == v for k, v in exp.items()) for got, exp in pairs) / n
     return out
