@@ -212,7 +212,7 @@ def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compi
 def available_bytes(plat: Any) -> Optional[int]:
     """Free memory where the weights will live: the GPU's free bytes, or the host's MemAvailable (Linux)."""
     if plat.kind in ("cuda", "rocm"):
-        return torch.cuda.mem_get_info(0)[0]
+        return torch.cuda.mem_get_info(torch.cuda.current_device())[0]
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

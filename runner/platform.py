@@ -71,14 +71,14 @@ def _available(kind: str) -> bool:
 def _probe(name: str, kind: str) -> Any:
     if name == "device_name":
         if kind in ("cuda", "rocm"):
-            return torch.cuda.get_device_name(0)
+            return torch.cuda.get_device_name(torch.cuda.current_device())
         if kind == "xpu":
             return torch.xpu.get_device_name(0)
         if kind == "cpu":
             return _py_platform.processor() or _py_platform.machine()
         return kind
     if name == "capability" and kind in ("cuda", "rocm"):
-        return "sm%d%d" % torch.cuda.get_device_capability(0)
+        return "sm%d%d" % torch.cuda.get_device_capability(torch.cuda.current_device())
     if name == "cuda" and kind == "cuda":
         return torch.version.cuda
     if name == "hip" and kind == "rocm":
@@ -112,8 +112,13 @@ def detect(name: str = "auto", device: str = "auto", probes: tuple = ()) -> Plat
         raise PlatformError(f"platform={name}: no {kind} device is available on this machine "
                             f"(detected: {_detect_kind()}); fix: use platform=auto or platform={_detect_kind()}")
     dev_type = {"rocm": "cuda"}.get(kind, kind) if device == "auto" else device
-    dev = f"{dev_type}:0" if dev_type in ("cuda", "xpu", "npu") else dev_type
-    cap = tuple(torch.cuda.get_device_capability(0)) if kind in ("cuda", "rocm") else None
+    import os
+
+    index = int(os.environ.get("LOCAL_RANK", 0))  # torchrun: one device per local rank
+    dev = f"{dev_type}:{index}" if dev_type in ("cuda", "xpu", "npu") else dev_type
+    if dev_type == "cuda":
+        torch.cuda.set_device(index)
+    cap = tuple(torch.cuda.get_device_capability(index)) if kind in ("cuda", "rocm") else None
     probed = {p: _probe(p, kind) for p in (probes or ("device_name",))}
     probed.setdefault("device_name", _probe("device_name", kind))
     probed["torch_threads"] = torch.get_num_threads()
