@@ -13,7 +13,7 @@ e4m3fn value, OCP FP8 spec). Row-wise scaling needs sm90 (cuBLASLt); sm89 uses p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import nn

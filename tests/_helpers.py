@@ -119,3 +119,14 @@ def execute(run_dir: Path, overrides: Sequence[str] = (), on_loaded: Optional[Ca
     except catch as e:  # noqa: B030 - catch is a tuple of exception types
         err = e
     return Run(run_dir=run_dir, code=code, error=err, seconds=time.perf_counter() - t0)
+
+
+# Dataset rows shared by the dataset and reliability tests (one pins its own seed).
+SAMPLE_ROWS = [
+    {"id": "lighthouse", "prompt": "a lighthouse on a rocky cliff at dusk"},
+    {"id": "fox", "prompt": "a red fox asleep in fresh snow"},
+    {"id": "market", "prompt": "a crowded night market in the rain"},
+    {"id": "pinned", "prompt": "a porcelain teapot on a wooden table", "seed": 1234},
+    {"id": "koi", "prompt": "koi fish among lily pads"},
+    {"id": "cabin", "prompt": "a wooden cabin beside a frozen lake"},
+]

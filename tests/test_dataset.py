@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from _helpers import SAMPLE_ROWS
 from hydra.errors import HydraException
 from omegaconf.errors import MissingMandatoryValue
 from PIL import Image
@@ -41,13 +43,7 @@ def _on_line(problem: str, n: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- JSONL, seeds
-ROWS = [
-    {"id": "lighthouse", "prompt": "a lighthouse on a rocky cliff at dusk"},
-    {"id": "fox", "prompt": "a red fox asleep in fresh snow"},
-    {"id": "market", "prompt": "a crowded night market in the rain"},
-    {"id": "pinned", "prompt": "a porcelain teapot on a wooden table", "seed": 1234},
-    {"id": "koi", "prompt": "koi fish among lily pads"},
-]
+ROWS = SAMPLE_ROWS[:5]
 
 
 def test_jsonl_batch4_seed7_twice_byte_identical(run_job, write_jsonl, tmp_path, monkeypatch):

@@ -30,6 +30,8 @@ from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import pytest
+
+from _helpers import SAMPLE_ROWS
 from hydra.errors import HydraException, MissingConfigException
 
 from runner import resume as rs
@@ -43,14 +45,7 @@ C07 = SHARED_DIR / "cases" / "c07_bad_rows.jsonl"
 TIMING_FIELDS = ("timing",)
 STEPS = "model.generation.num_inference_steps=2"
 
-ROWS = [
-    {"id": "lighthouse", "prompt": "a lighthouse on a rocky cliff at dusk"},
-    {"id": "fox", "prompt": "a red fox asleep in fresh snow"},
-    {"id": "market", "prompt": "a crowded night market in the rain"},
-    {"id": "pinned", "prompt": "a porcelain teapot on a wooden table", "seed": 1234},
-    {"id": "koi", "prompt": "koi fish among lily pads"},
-    {"id": "cabin", "prompt": "a wooden cabin beside a frozen lake"},
-]
+ROWS = SAMPLE_ROWS
 KEYS = [r["id"] for r in ROWS]
 
 
