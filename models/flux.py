@@ -250,6 +250,51 @@ class FluxAdapter:
             if isinstance(mod, AttentionModuleMixin):
                 yield "joint", name, mod
 
+    # ------------------------------------------------------------------------------------------ speed
+    def optimize(self, opts: Any) -> Dict[str, Any]:
+        """Apply the math-preserving speed settings of ``optimize`` (``runner.schema.OptimizeConfig``) to the
+        loaded pipeline, before backends are installed (so FP8 linear sees the fused projections).
+
+        ``fuse_qkv``: diffusers' ``AttentionModuleMixin.fuse_projections`` per attention module (q|k|v weights
+        concatenated into one ``to_qkv`` Linear, 3072 -> 9216 for FLUX.1; the text stream's ``add_{q,k,v}_proj``
+        into ``to_added_qkv``); the unfused Linears are then deleted, which frees their copy of the weights and
+        keeps linear evidence exact (no module that never runs). ``vae_channels_last``: the VAE's parameters in
+        NHWC layout (``torch.channels_last``), which cuDNN convolutions prefer on NVIDIA GPUs.
+
+        Returns:
+            What was applied, for the manifest: ``{"fuse_qkv": {"modules": n} | False, "vae_channels_last": bool}``.
+        """
+        from diffusers.models.attention import AttentionModuleMixin
+
+        applied: Dict[str, Any] = {"fuse_qkv": False, "vae_channels_last": False}
+        if opts.fuse_qkv:
+            n = 0
+            for mod in self.pipe.transformer.modules():
+                if isinstance(mod, AttentionModuleMixin) and mod._supports_qkv_fusion and not mod.fused_projections:
+                    mod.fuse_projections()
+                    for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+                        if getattr(mod, name, None) is not None:
+                            delattr(mod, name)
+                    n += 1
+            applied["fuse_qkv"] = {"modules": n}
+        if opts.vae_channels_last:
+            self.pipe.vae.to(memory_format=torch.channels_last)
+            applied["vae_channels_last"] = True
+        return applied
+
+    def warmup(self, batch: List[Item], steps: int = 2) -> None:
+        """One pipeline call of ``steps`` denoising steps at ``batch``'s shape and size, output discarded, so that
+        ``torch.compile`` (static shapes) compiles before the timed loop; the phase timers are reset after it.
+        Uses its own generator, so no row's noise changes."""
+        r0 = batch[0].row
+        with torch.inference_mode():
+            self.pipe(prompt=[it.row.prompt for it in batch], height=r0.height, width=r0.width,
+                      num_inference_steps=steps, guidance_scale=r0.guidance_scale,
+                      generator=torch.Generator(device="cpu").manual_seed(0),
+                      max_sequence_length=int(self.cfg.generation.max_sequence_length), output_type="np")
+        for k in self.phase_s:
+            self.phase_s[k] = 0.0
+
     # ------------------------------------------------------------------------------------------ generation
     def generate(self, batch: List[Item]) -> List[np.ndarray]:
         """Generate one image per item; all items share ``shape_key``.

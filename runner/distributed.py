@@ -115,8 +115,9 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
 
     Returns:
         The merged manifest. Its ``status`` is ``completed`` only when every worker completed; ``workers`` lists
-        each rank's host, device, shard size, status, counts, evidence verdict, and the status its previous
-        attempt ended with (``resumed_from``: a worker that died shows ``running`` there).
+        each rank's host, device, shard size, status, counts, evidence verdict, timing, memory, and the status
+        its previous attempt ended with (``resumed_from``: a worker that died shows ``running`` there).
+        ``timing.images_per_hour`` is every worker's ok images over the slowest worker's generation loop.
     """
     latest: Dict[str, Dict[str, Any]] = {}
     for p in sorted(out_dir.glob("items*.jsonl")):
@@ -140,7 +141,10 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
                         "pid": doc.get("evidence", {}).get("pid"), "shard_items": w.get("shard_items"),
                         "status": doc.get("status"), "counts": doc.get("counts"),
                         "evidence_verdict": doc.get("evidence", {}).get("verdict"),
-                        "resumed_from": (doc.get("resumed_from") or {}).get("status")})
+                        "resumed_from": (doc.get("resumed_from") or {}).get("status"),
+                        "timing": {k: doc.get("timing", {}).get(k) for k in ("wall_s", "load_s", "warmup_s", "loop_s",
+                                                                             "images_per_hour")},
+                        "memory": doc.get("memory")})
     base = next((d for d in docs if d is not None), {})
     merged = dict(base)
     merged.pop("worker", None)
@@ -151,6 +155,13 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     merged["parallelism"] = {"mode": "data", "world_size": world_size, "launcher": launcher,
                              "sharding": "rows sorted by sha256(id), dealt round-robin over ranks"}
     merged["workers"] = workers
+    loops = [w["timing"]["loop_s"] for w in workers if w.get("timing", {}).get("loop_s")]
+    walls = [w["timing"]["wall_s"] for w in workers if w.get("timing", {}).get("wall_s")]
+    # Workers run side by side: the run's generation loop lasts as long as its slowest worker's.
+    merged["timing"] = {"loop_s": max(loops) if loops else None, "wall_s": max(walls) if walls else None,
+                        "images_per_hour": round(3600 * sum((w.get("counts") or {}).get("ok", 0) for w in workers)
+                                                 / max(loops), 1) if loops else None,
+                        "per_worker": "workers[].timing"}
     merged["evidence"] = {"workers": {str(r): (d or {}).get("evidence") for r, d in enumerate(docs)},
                           "verdict": "verified" if all((d or {}).get("evidence", {}).get("verdict") in
                                                        ("verified", "not_collected") for d in docs) else "mismatch"}

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import dataset as ds
 from runner import evidence, resume
-from runner.artifacts import Journal, atomic_write_bytes, encode_png
+from runner.artifacts import ArtifactWriter, Journal, atomic_write_bytes
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.platform import detect
 
@@ -348,6 +348,14 @@ def accuracy_section(cfg: DictConfig, items: List[ds.Item], out_dir: Path, journ
     return {"oracle": cfg.model.oracle, **accuracy(pairs), "read": per_item}
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile (dynamo) has produced in this process so far; a rise during the generation loop
+    means a recompile (a new shape or a guard failure)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _item_record(it: ds.Item, batch_len: int) -> Dict[str, Any]:
     return {
         "id": it.row.id, "index": it.index, "key": it.key,
@@ -480,18 +488,27 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         write_repro(out_dir, overrides, manifest.doc["packages"])
 
     counts = {"ok": 0, "failed": 0, "reused": len(items) - len(todo)}
-    gen_s = write_s = load_s = 0.0
+    gen_s = load_s = warmup_s = loop_s = 0.0
     status = "running"
     want_forwards = 0
     raised = False
     nonfinite = 0
     probes: Dict[str, Any] = {}
     denoiser = None
+    graphs_before: Optional[int] = None
     journal = Journal(out_dir / journal_name)
     from tqdm import tqdm
 
     bar = tqdm(total=len(items), initial=len(items) - len(todo), unit="img", desc=cfg.model.name,
                dynamic_ncols=True)
+
+    def on_record(rec: Dict[str, Any]) -> None:
+        counts["ok" if rec["status"] == "ok" else "failed"] += 1
+        bar.update(1)
+
+    writer = ArtifactWriter(journal, int(cfg.output.write_workers), on_record,
+                            max_pending=4 * max(1, int(cfg.output.write_workers)) + cfg.batch_size)
+    batches = list(ds.batches(todo, cfg.batch_size))
     stop = _Stop()
     try:
         with stop:
@@ -501,15 +518,23 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                 load_s = time.perf_counter() - t0
                 manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter,
                                            "source": adapter.source, "load_s": round(load_s, 3)})
+                if hasattr(adapter, "optimize"):
+                    manifest.section("optimize", adapter.optimize(cfg.optimize))
                 probes = install_backends(adapter, resolutions, plat, cfg.compile, observe=cfg.evidence.enabled)
-                # Profile the 2nd forward when compiled (the 1st compiles), else the 1st.
+                if cfg.compile != "none" and cfg.optimize.warmup and hasattr(adapter, "warmup"):
+                    t0 = time.perf_counter()
+                    adapter.warmup(batches[0])  # compiles the blocks; probes are off when compiled
+                    warmup_s = time.perf_counter() - t0
+                    graphs_before = _compiled_graphs()
+                # Profile the 2nd forward when compiled without warm-up (the 1st compiles), else the 1st.
                 denoiser = evidence.DenoiserProbe(adapter.denoiser, profile=cfg.evidence.enabled and cfg.evidence.profile,
                                                   device_kind=plat.kind,
-                                                  profile_forward=2 if cfg.compile != "none" else 1)
+                                                  profile_forward=2 if cfg.compile != "none" and not warmup_s else 1)
                 if on_loaded is not None:
                     on_loaded(adapter)
                 manifest.flush()
-            for batch in ds.batches(todo, cfg.batch_size):
+            t_loop = time.perf_counter()
+            for batch in batches:
                 if stop.signum is not None:
                     break
                 t0 = time.perf_counter()
@@ -521,31 +546,24 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                     raised = True  # a pipeline call raised part-way: forward totals are no longer predictable
                 ran_size = {id(i): len(b) for b in results["ran"] for i in b}
                 for it, img in zip(batch, results["images"]):
-                    tw = time.perf_counter()
                     rec = _item_record(it, ran_size.get(id(it), len(batch)))
+                    rec["timing"] = {"generate_s": round((t1 - t0) / len(batch), 4)}
                     if isinstance(img, BaseException):
                         rec.update(status="failed", file=None, reason=f"{type(img).__name__}: {img}")
-                        counts["failed"] += 1
                         log.error("item %r failed: %s: %s", it.key, type(img).__name__, img)
+                        writer.submit(rec)
                     elif not np.isfinite(img).all():
                         rec.update(status="failed", file=None,
                                    reason=f"non-finite output ({int((~np.isfinite(img)).sum())} values)")
-                        counts["failed"] += 1
                         nonfinite += 1
+                        writer.submit(rec)
                     else:
-                        data = encode_png(img)
                         path = img_dir / f"{it.filename_stem}.png"
-                        atomic_write_bytes(path, data)
-                        rec.update(status="ok", file=str(path.relative_to(out_dir)),
-                                   file_sha256=hashlib.sha256(data).hexdigest())
-                        counts["ok"] += 1
-                    rec["timing"] = {"generate_s": round((t1 - t0) / len(batch), 4),
-                                     "write_s": round(time.perf_counter() - tw, 4)}
-                    journal.append(rec)
-                    write_s += time.perf_counter() - tw
-                    bar.update(1)
+                        writer.submit(rec, path, img, str(path.relative_to(out_dir)))
                 manifest.section("counts", counts)
                 manifest.flush()  # checkpoint
+            writer.drain(block=True)
+            loop_s = time.perf_counter() - t_loop
         if stop.signum is not None:
             status = "interrupted"
         else:
@@ -571,6 +589,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         manifest.section("error", f"{type(e).__name__}: {e}")
         raise
     finally:
+        writer.close()  # every produced artifact is written, also when the loop raised
         bar.close()
         journal.close()
         _compact_journal(out_dir, items, journal_name)
@@ -579,10 +598,18 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         phases = dict(getattr(adapter, "phase_s", {}) or {})
         if phases:
             phases["denoise"] = max(0.0, gen_s - sum(phases.values()))
-        manifest.section("timing", {"wall_s": round(wall, 3), "load_s": round(load_s, 3),
-                                    "generate_s": round(gen_s, 3), "write_s": round(write_s, 3),
-                                    "phases_s": {k: round(v, 4) for k, v in phases.items()} | {"write": round(write_s, 4)},
-                                    "images_per_s": round(counts["ok"] / gen_s, 4) if gen_s else None})
+        write_s = writer.thread_s
+        manifest.section("timing", {
+            "wall_s": round(wall, 3), "load_s": round(load_s, 3), "warmup_s": round(warmup_s, 3),
+            "generate_s": round(gen_s, 3), "write_s": round(write_s, 3),
+            "write_wait_s": round(writer.wait_s, 3), "write_workers": int(cfg.output.write_workers),
+            "loop_s": round(loop_s, 3),
+            "phases_s": {k: round(v, 4) for k, v in phases.items()} | {"write": round(write_s, 4)},
+            "images_per_s": round(counts["ok"] / gen_s, 4) if gen_s else None,
+            "images_per_hour": round(3600 * counts["ok"] / loop_s, 1) if loop_s else None})
+        if graphs_before is not None:
+            manifest.section("compile", {"mode": cfg.compile, "warmup_s": round(warmup_s, 3),
+                                         "graphs_compiled_after_warmup": _compiled_graphs() - graphs_before})
         manifest.section("memory", peak_memory(plat.kind))
         manifest.doc["status"] = status
         manifest.doc["ended_at"] = now_iso()

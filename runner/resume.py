@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional
 
 SEMANTIC_KEYS = ("model.name", "model.adapter", "model.path", "model.revision", "model.load_format",
                  "model.architecture", "model.generation", "model.backend", "model.stages", "backend", "dtype",
-                 "seed", "num_images_per_prompt", "compile")
+                 "seed", "num_images_per_prompt", "compile", "optimize.fuse_qkv",
+                 "optimize.vae_channels_last")
 
 
 class ResumeConflictError(ValueError):

@@ -143,6 +143,25 @@ class OutputConfig:
 
     dir: Optional[str] = None
     image_format: str = "png"
+    write_workers: int = 2  # threads that encode and write artifacts while the next batch generates; 0: inline
+
+
+@dataclass
+class OptimizeConfig:
+    """Speed settings of diffusion stages that keep the math (each measured alone by
+    ``benchmarks/flux_dev_1024.py``).
+
+    Attributes:
+        fuse_qkv: one GEMM for q, k, v (and the text stream's added q, k, v) per attention module, diffusers'
+            ``fuse_projections``; the unfused projections are dropped (no duplicate weights in memory).
+        vae_channels_last: the VAE in channels-last (NHWC) memory format, faster convolutions on GPUs.
+        warmup: with ``compile`` on, one pipeline call of 2 steps at the first batch's shape runs before the timed
+            loop, so compilation is not billed to the first batch (``timing.warmup_s``); its output is discarded.
+    """
+
+    fuse_qkv: bool = False
+    vae_channels_last: bool = False
+    warmup: bool = True
 
 
 @dataclass
@@ -181,6 +200,7 @@ class RunConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     dataset: DatasetConfig = MISSING
     output: OutputConfig = field(default_factory=OutputConfig)
+    optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
     run: RunControl = field(default_factory=RunControl)
     report: ReportConfig = field(default_factory=ReportConfig)
