@@ -294,7 +294,8 @@ def sync_counter(device: str, batch_index: int = 1) -> tuple:
             if state["on"]:
                 torch.cuda.set_sync_debug_mode(0)
                 rec = caught[0]
-                state["syncs"] = [str(w.message)[:200] for w in rec if "synchroniz" in str(w.message).lower()]
+                state["syncs"] = [str(w.message)[:200] for w in rec
+                                  if "called a synchronizing" in str(w.message).lower()]
                 cm.__exit__(None, None, None)
                 state["on"] = False
 
@@ -317,7 +318,8 @@ def psnr_vs(ref: Dict[str, Path], files: Dict[str, Path]) -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ ablation
-def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards: int = 5) -> Dict[str, Any]:
+def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards: int = 5,
+             res: Optional[Dict[str, Any]] = None, save: Callable[[], None] = lambda: None) -> Dict[str, Any]:
     """Each optimization alone on the eager TORCH_SDPA transformer, then combined, at the step level:
     median ms of one transformer forward (CUDA events, ``forwards`` timed after 2 warm-ups) with the inputs the
     pipeline prepares at the workload shape; VAE decode and text encoding timed alone; batch 1 vs 4."""
@@ -375,14 +377,41 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
         return lambda: pipe.transformer(**kw)
 
     plat = detect("cuda", None, ())
-    res: Dict[str, Any] = {"policy": f"median of {forwards} forwards after 2 warm-ups, CUDA events",
-                           "flops_per_forward": flops, "matmul_tflops": matmul}
+    res = {} if res is None else res
+    res.update({"policy": f"median of {forwards} forwards after 2 warm-ups, CUDA events",
+                "flops_per_forward": flops, "matmul_tflops": matmul})
 
-    def record(name: str, ms: float, images: int = 1) -> None:
+    ref_out: Dict[str, Any] = {}
+
+    def record(name: str, ms: float, images: int = 1, kw: Optional[Dict[str, Any]] = None) -> None:
         per = ms / images
         res[name] = {"ms_per_step": round(per, 2),
                      "mfu": round(flops / (per / 1e3) / (matmul * 1e12), 4) if flops else None}
-        print(f"  ablation {name:<34} {per:8.2f} ms/step/image", flush=True)
+        if images == 1:  # output parity vs the eager TORCH_SDPA transformer (the baseline's math), same inputs
+            with torch.inference_mode():
+                o = pipe.transformer(**(kw or kw1))[0].float()
+            if "ref" not in ref_out:
+                ref_out["ref"] = o
+            r = ref_out["ref"]
+            res[name]["max_abs_diff_vs_eager_sdpa"] = float((o - r).abs().max())
+            res[name]["rel_l2_err_vs_eager_sdpa"] = float((o - r).norm() / r.norm())
+        print(f"  ablation {name:<34} {per:8.2f} ms/step/image {res[name]}", flush=True)
+        save()
+
+    def top_kernels(n: int = 25) -> Dict[str, Any]:
+        """Device time per kernel over one forward (torch.profiler), the biggest first, in ms."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            pipe.transformer(**kw1)
+            torch.cuda.synchronize()
+        tot: Dict[str, float] = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                tot[ev.name] = tot.get(ev.name, 0.0) + ev.device_time_total / 1e3
+        total = sum(tot.values())
+        top = sorted(tot.items(), key=lambda kv: -kv[1])[:n]
+        return {"device_ms_total": round(total, 2), "top_ms": {k[:140]: round(v, 3) for k, v in top}}
 
     def set_attention(name: str) -> None:
         sites = [("joint", n, m) for n, m in pipe.transformer.named_modules()
@@ -423,6 +452,7 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
     torch._dynamo.reset()
     pipe.transformer.compile_repeated_blocks(fullgraph=False, dynamic=False)
     record("compiled_fused_cudnn", time_fn(fwd()))
+    res["profile_compiled_fused_cudnn"] = top_kernels()
     record("compiled_fused_cudnn_batch4", time_fn(fwd(batched(kw1, 4))), images=4)
     from kernels import linear as lin_mod
 
@@ -430,6 +460,7 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
     lin_mod.install(pipe.transformer, "FP8", observe=False)
     pipe.transformer.compile_repeated_blocks(fullgraph=False, dynamic=False)
     record("compiled_fused_cudnn_fp8", time_fn(fwd()))
+    res["profile_compiled_fused_cudnn_fp8"] = top_kernels()
     return res
 
 
@@ -504,7 +535,8 @@ def main() -> int:
     save()
 
     if args.ablation:
-        results["ablation"] = ablation(cfg, device, dtype, matmul=results["matmul_tflops"])
+        ablation(cfg, device, dtype, matmul=results["matmul_tflops"], res=results.setdefault("ablation", {}),
+                 save=save)
         save()
         return 0
 

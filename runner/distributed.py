@@ -1,6 +1,6 @@
 """Data parallelism on engines people already run: torchrun (one node) and Ray (clusters).
 
-``parallelism=data`` splits the dataset into deterministic shards by row id (``shards``); each worker runs the
+``parallelism=data`` deals the run's batches over the workers (``shard``); each worker runs the
 same resolved config on its shard and writes into the one run dir: images under ``images/``, its journal
 ``items.rank<r>.jsonl`` and its manifest ``manifest.rank<r>.json``. Rank 0 (torchrun) or the driver (Ray) then
 merges the journals into one ``items.jsonl`` in dataset order and the manifests into one ``manifest.json`` that
@@ -46,11 +46,26 @@ class Worker:
         return f"manifest.rank{self.rank}.json"
 
 
-def shards(row_ids: List[str], world_size: int) -> Dict[str, int]:
-    """Rank of every row: rows sorted by sha256(row id) are dealt round-robin over the ranks. Deterministic,
-    independent of row order and of the machine, and balanced (shard sizes differ by at most one row)."""
-    order = sorted(set(row_ids), key=lambda i: (hashlib.sha256(i.encode()).digest(), i))
-    return {rid: k % world_size for k, rid in enumerate(order)}
+def shard(batches: List[List[Any]], world_size: int, rank: int) -> List[Any]:
+    """The items of ``rank``: the run's batches (``runner.dataset.batches`` of every item, formed exactly as a
+    one-worker run forms them) dealt whole, in order, each to the rank with the fewest items so far (ties: the
+    lowest rank). Each item therefore keeps its batch peers
+    and its position in the batch, so a GPU computes it with the same kernels and reduction order as a
+    one-worker run does (GEMM kernels may round a row differently at another position in M, seen on the H200).
+    Balanced: shard sizes differ by at most ``batch_size`` items.
+
+    Returns:
+        The rank's items, batch after batch (re-batching them with the same ``batch_size`` gives back the same
+        batches).
+    """
+    load = [0] * world_size
+    mine: List[Any] = []
+    for b in batches:
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        load[r] += len(b)
+        if r == rank:
+            mine.extend(b)
+    return mine
 
 
 def torchrun_worker() -> Optional[Worker]:
@@ -153,7 +168,7 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     merged["counts"] = {"ok": len(ok), "failed": len(failed), "items": len(keys_in_order),
                         "missing": len([k for k in keys_in_order if k not in latest])}
     merged["parallelism"] = {"mode": "data", "world_size": world_size, "launcher": launcher,
-                             "sharding": "rows sorted by sha256(id), dealt round-robin over ranks"}
+                             "sharding": "the run's batches dealt whole, each to the rank with the fewest items"}
     merged["workers"] = workers
     loops = [w["timing"]["loop_s"] for w in workers if w.get("timing", {}).get("loop_s")]
     walls = [w["timing"]["wall_s"] for w in workers if w.get("timing", {}).get("wall_s")]

@@ -428,10 +428,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     items = ds.expand_items(rows, cfg.seed)
     journal_name, manifest_name = "items.jsonl", "manifest.json"
     if worker is not None and worker.world_size > 1:
-        from runner.distributed import shards
+        from runner.distributed import shard
 
-        rank_of = shards([r.id for r in rows], worker.world_size)
-        items = [it for it in items if rank_of[it.row.id] == worker.rank]
+        items = shard(ds.batches(items, cfg.batch_size), worker.world_size, worker.rank)
         journal_name, manifest_name = worker.journal, worker.manifest
     data_sha = ds.file_sha256(data_path)
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)

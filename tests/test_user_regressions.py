@@ -12,17 +12,26 @@ from runner.dataset import DatasetError, load_rows, safe_stem
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_shards_are_balanced_and_order_independent():
-    from runner.distributed import shards
+def test_shards_are_balanced_whole_batches():
+    from runner.dataset import Row, batches, expand_items
+    from runner.distributed import shard
 
     ids = [json.loads(l)["id"] for l in (REPO / "runner/data/shapes.jsonl").read_text().splitlines()]
-    for n in (1, 2, 3, 5):
-        for world in (2, 3, 4):
-            a = shards(ids[:n + 3], world)
-            b = shards(list(reversed(ids[:n + 3])), world)
-            assert a == b
-            sizes = [list(a.values()).count(r) for r in range(world)]
-            assert max(sizes) - min(sizes) <= 1, sizes  # hash-mod gave rank 0 all of the first 6 ids
+    for n in (1, 2, 3, 5, 9):
+        rows = [Row(id=i, prompt=i, negative_prompt=None, seed=None, width=64 if k % 3 else 32, height=64,
+                    num_inference_steps=2, guidance_scale=1.0, num_images_per_prompt=1, line=k)
+                for k, i in enumerate(ids[:n + 3])]  # two shapes: batches never mix them
+        items = expand_items(rows, 0)
+        for bs in (1, 2, 3):
+            whole = batches(items, bs)
+            for world in (2, 3, 4):
+                parts = [shard(whole, world, r) for r in range(world)]
+                assert sorted(it.key for p in parts for it in p) == sorted(it.key for it in items)
+                sizes = [len(p) for p in parts]
+                assert max(sizes) - min(sizes) <= bs, sizes  # hash-mod once gave rank 0 all of the first 6 ids
+                # each rank re-batches its items into exactly the batches a one-worker run forms
+                got = sorted(tuple(it.key for it in b) for p in parts for b in batches(p, bs))
+                assert got == sorted(tuple(it.key for it in b) for b in whole)
 
 
 def test_merge_keys_come_from_the_models_builtin_dataset(compose):

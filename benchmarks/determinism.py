@@ -1,0 +1,98 @@
+"""Are the runner's artifacts a function of (weights, row, seed) alone? Checks, in one process:
+
+* weights: the ``load_format=dummy`` builder run on every visible GPU (and twice on the first) gives bitwise equal
+  parameters (float64 sum and sum of squares of every parameter, per component);
+* run-to-run: the same rows twice (``A`` and ``B``) give the same PNG bytes;
+* batch peers: the first row generated with other rows in its batch (``C``) gives the same bytes as in ``A``.
+
+Usage: ``python benchmarks/determinism.py --out DIR [--prompts 4] [overrides ...]`` (default overrides:
+``experiment=flux_dev_h200``). Writes ``DIR/determinism.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def checksums(arch, device, dtype):
+    import torch
+
+    from models.flux import _build_components
+
+    comps = _build_components(arch, device=device, dtype=dtype)
+    out = {}
+    for k in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+        s = s2 = 0.0
+        for p in comps[k].parameters():
+            x = p.detach().double()
+            s += float(x.sum())
+            s2 += float((x * x).sum())
+        out[k] = [s, s2]
+    del comps
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    import torch
+    from omegaconf import OmegaConf
+
+    from flux_dev_1024 import compose, free
+    from runner import execute
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ov = args.overrides or ["experiment=flux_dev_h200"]
+    builtin = [json.loads(x) for x in (ROOT / "runner" / "data" / "prompts.jsonl").read_text().splitlines() if x]
+    rows = [{"id": f"p{i:02d}", "prompt": builtin[i % len(builtin)]["prompt"]} for i in range(2 * args.prompts)]
+    res = {"overrides": ov}
+    cfg = compose(ov)
+    arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    devs = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
+    sums = {d: checksums(arch, d, dtype) for d in devs}
+    sums[devs[0] + " again"] = checksums(arch, devs[0], dtype)
+    first = sums[devs[0]]
+    res["weights_equal"] = {d: s == first for d, s in sums.items()}
+    res["weights_checksums"] = sums
+    print(json.dumps(res["weights_equal"]), flush=True)
+    sets = {"A": rows[:args.prompts], "B": rows[:args.prompts], "C": [rows[0]] + rows[args.prompts:2 * args.prompts - 1]}
+    shas = {}
+    for name, rs in sets.items():
+        free(devs[0])
+        f = out / f"{name}.jsonl"
+        f.write_text("".join(json.dumps(r) + "\n" for r in rs))
+        o = ov + ["dataset=jsonl", f"dataset.path={f}", f"batch_size={args.prompts}"]
+        execute.run(compose(o), out / name, o)
+        shas[name] = {r["key"]: r.get("file_sha256") for r in map(json.loads, (out / name / "items.jsonl").read_text()
+                                                                   .splitlines())}
+        print(name, shas[name], flush=True)
+    res["run_to_run_identical"] = {k: shas["A"][k] == shas["B"].get(k) for k in shas["A"]}
+    k0 = next(iter(shas["A"]))
+    res["first_row_same_with_other_batch_peers"] = shas["A"][k0] == shas["C"].get(k0)
+    if not all(res["run_to_run_identical"].values()) or not res["first_row_same_with_other_batch_peers"]:
+        from runner.report import load_rgb, psnr
+
+        res["psnr_A_vs_B_db"] = {k: round(psnr(load_rgb(out / "A" / "images" / f"{k}.png"),
+                                                load_rgb(out / "B" / "images" / f"{k}.png")), 2) for k in shas["A"]}
+        res["psnr_first_row_A_vs_C_db"] = round(psnr(load_rgb(out / "A" / "images" / f"{k0}.png"),
+                                                     load_rgb(out / "C" / "images" / f"{k0}.png")), 2)
+    (out / "determinism.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in res.items() if k != "weights_checksums"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
