@@ -14,7 +14,6 @@ in ``<run dir>/workers/rank<r>``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket

@@ -9,13 +9,12 @@ so that more than one attention and linear backend can run.
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import pytest
 import torch
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 
 from kernels import registry as reg
 from kernels.registry import BackendSpecError

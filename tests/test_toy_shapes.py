@@ -3,11 +3,9 @@ attention kernel makes accuracy collapse (the oracle catches what configuration 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from models.toy_shapes import oracle
