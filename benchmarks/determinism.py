@@ -44,6 +44,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--sets", default="A,B,C,D", help="which runs (A, B: the same rows; C: row 0 with other peers; "
+                   "D: row 0 at position 1)")
+    p.add_argument("--no-weights", action="store_true", help="skip the weight checksums")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     import torch
@@ -62,13 +65,16 @@ def main() -> int:
     arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     devs = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
-    sums = {d: checksums(arch, d, dtype) for d in devs}
-    sums[devs[0] + " again"] = checksums(arch, devs[0], dtype)
-    first = sums[devs[0]]
-    res["weights_equal"] = {d: s == first for d, s in sums.items()}
-    res["weights_checksums"] = sums
-    print(json.dumps(res["weights_equal"]), flush=True)
-    sets = {"A": rows[:args.prompts], "B": rows[:args.prompts], "C": [rows[0]] + rows[args.prompts:2 * args.prompts - 1]}
+    if not args.no_weights:
+        sums = {d: checksums(arch, d, dtype) for d in devs}
+        sums[devs[0] + " again"] = checksums(arch, devs[0], dtype)
+        first = sums[devs[0]]
+        res["weights_equal"] = {d: s == first for d, s in sums.items()}
+        res["weights_checksums"] = sums
+        print(json.dumps(res["weights_equal"]), flush=True)
+    sets = {"A": rows[:args.prompts], "B": rows[:args.prompts], "C": [rows[0]] + rows[args.prompts:2 * args.prompts - 1],
+            "D": [rows[args.prompts], rows[0]] + rows[args.prompts + 1:2 * args.prompts - 1]}
+    sets = {k: v for k, v in sets.items() if k in args.sets.split(",")}
     shas = {}
     for name, rs in sets.items():
         free(devs[0])
@@ -79,18 +85,24 @@ def main() -> int:
         shas[name] = {r["key"]: r.get("file_sha256") for r in map(json.loads, (out / name / "items.jsonl").read_text()
                                                                    .splitlines())}
         print(name, shas[name], flush=True)
-    res["run_to_run_identical"] = {k: shas["A"][k] == shas["B"].get(k) for k in shas["A"]}
-    k0 = next(iter(shas["A"]))
-    res["first_row_same_with_other_batch_peers"] = shas["A"][k0] == shas["C"].get(k0)
-    if not all(res["run_to_run_identical"].values()) or not res["first_row_same_with_other_batch_peers"]:
-        from runner.report import load_rgb, psnr
+    from runner.report import load_rgb, psnr
 
-        res["psnr_A_vs_B_db"] = {k: round(psnr(load_rgb(out / "A" / "images" / f"{k}.png"),
-                                                load_rgb(out / "B" / "images" / f"{k}.png")), 2) for k in shas["A"]}
-        res["psnr_first_row_A_vs_C_db"] = round(psnr(load_rgb(out / "A" / "images" / f"{k0}.png"),
-                                                     load_rgb(out / "C" / "images" / f"{k0}.png")), 2)
+    k0 = rows[0]["id"]
+
+    def cmp(a: str, b: str, keys) -> dict:
+        return {k: {"identical": shas[a][k] == shas[b][k],
+                    "psnr_db": round(psnr(load_rgb(out / a / "images" / f"{k}.png"),
+                                          load_rgb(out / b / "images" / f"{k}.png")), 2)} for k in keys}
+
+    res["shas"] = shas
+    if "B" in shas:
+        res["run_to_run_A_vs_B"] = cmp("A", "B", shas["A"])
+    if "C" in shas:
+        res["row0_other_peers_same_position_A_vs_C"] = cmp("A", "C", [k0])
+    if "D" in shas:
+        res["row0_position_1_A_vs_D"] = cmp("A", "D", [k0])
     (out / "determinism.json").write_text(json.dumps(res, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in res.items() if k != "weights_checksums"}, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("weights_checksums",)}, indent=1))
     return 0
 
 

@@ -115,6 +115,8 @@ def detect(name: str = "auto", device: str = "auto", probes: tuple = ()) -> Plat
     import os
 
     index = int(os.environ.get("LOCAL_RANK", 0))  # torchrun: one device per local rank
+    if dev_type == "cuda" and torch.cuda.device_count():
+        index %= torch.cuda.device_count()  # more ranks than GPUs (wiring checks): ranks share GPUs round-robin
     dev = f"{dev_type}:{index}" if dev_type in ("cuda", "xpu", "npu") else dev_type
     if dev_type == "cuda":
         torch.cuda.set_device(index)
