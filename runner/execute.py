@@ -6,6 +6,7 @@ dataset rows, platform, backend selection) is checked before the model loads.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -15,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -192,6 +193,7 @@ def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compi
     compile if asked (``regional``: ``torch.compile`` of each repeated transformer block, diffusers'
     ``compile_repeated_blocks``). Compiled runs keep no Python call counters; the profiler gives their evidence.
     ``observe=False`` (``evidence.enabled=false``) installs the same implementations without any probe.
+    Compilation itself happens at the first call (the warm-up), under :func:`deterministic_compile`.
 
     Raises:
         ConfigValueError: unknown ``compile`` mode.
@@ -207,6 +209,29 @@ def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compi
     if compile_mode == "regional":
         adapter.denoiser.compile_repeated_blocks(fullgraph=False, dynamic=False)
     return {"attention": sites, "linear": lin, "observed": observe}
+
+
+@contextlib.contextmanager
+def deterministic_compile(enabled: bool) -> Iterator[Optional[bool]]:
+    """Inductor's deterministic mode (``torch._inductor.config.deterministic``: no on-device benchmarking of kernel
+    configurations that change numerics) for everything compiled inside, restored on exit.
+
+    The flag is set through ``torch.use_deterministic_algorithms(True, warn_only=True)``: dynamo re-applies that
+    global after converting each frame (``torch/_dynamo/convert_frame.py``), which resets an Inductor flag set on
+    its own after the first compiled block. ``warn_only`` keeps eager ops without a deterministic kernel running
+    (they warn instead of raising). Yields Inductor's flag as seen inside (None: this torch has no such mode).
+    """
+    import torch._inductor.config as inductor_config
+
+    if not enabled:
+        yield getattr(inductor_config, "deterministic", None)
+        return
+    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield getattr(inductor_config, "deterministic", None)
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
 
 
 def available_bytes(plat: Any) -> Optional[int]:
@@ -509,8 +534,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                             max_pending=4 * max(1, int(cfg.output.write_workers)) + cfg.batch_size)
     batches = list(ds.batches(todo, cfg.batch_size))
     stop = _Stop()
+    det_compile = deterministic_compile(cfg.compile != "none" and bool(cfg.optimize.deterministic_compile))
     try:
-        with stop:
+        with stop, det_compile as inductor_deterministic:  # noqa: F841 - re-read after the warm-up
             if todo:
                 t0 = time.perf_counter()
                 adapter.load()
@@ -525,6 +551,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                     adapter.warmup(batches[0])  # compiles the blocks; probes are off when compiled
                     warmup_s = time.perf_counter() - t0
                     graphs_before = _compiled_graphs()
+                    import torch._inductor.config as inductor_config
+
+                    # still set after every block compiled (dynamo re-applies the global per frame)
+                    inductor_deterministic = getattr(inductor_config, "deterministic", None)
                 # Profile the 2nd forward when compiled without warm-up (the 1st compiles), else the 1st.
                 denoiser = evidence.DenoiserProbe(adapter.denoiser, profile=cfg.evidence.enabled and cfg.evidence.profile,
                                                   device_kind=plat.kind,
@@ -608,6 +638,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
             "images_per_hour": round(3600 * counts["ok"] / loop_s, 1) if loop_s else None})
         if graphs_before is not None:
             manifest.section("compile", {"mode": cfg.compile, "warmup_s": round(warmup_s, 3),
+                                         "inductor_deterministic": inductor_deterministic,
                                          "graphs_compiled_after_warmup": _compiled_graphs() - graphs_before})
         manifest.section("memory", peak_memory(plat.kind))
         manifest.doc["status"] = status

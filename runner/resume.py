@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 SEMANTIC_KEYS = ("model.name", "model.adapter", "model.path", "model.revision", "model.load_format",
                  "model.architecture", "model.generation", "model.backend", "model.stages", "backend", "dtype",
                  "seed", "num_images_per_prompt", "compile", "optimize.fuse_qkv",
-                 "optimize.vae_channels_last")
+                 "optimize.vae_channels_last", "optimize.deterministic_compile")
 
 
 class ResumeConflictError(ValueError):

@@ -157,11 +157,17 @@ class OptimizeConfig:
         vae_channels_last: the VAE in channels-last (NHWC) memory format, faster convolutions on GPUs.
         warmup: with ``compile`` on, one pipeline call of 2 steps at the first batch's shape runs before the timed
             loop, so compilation is not billed to the first batch (``timing.warmup_s``); its output is discarded.
+        deterministic_compile: with ``compile`` on, Inductor's deterministic mode
+            (``torch._inductor.config.deterministic``): no on-device benchmarking of kernel configurations that
+            change numerics, so every process compiles the same kernels. Without it, reduction configs picked by
+            timing differ between processes and so do the images (seen on the H200: two processes of the same
+            run, PSNR ~49 dB apart).
     """
 
     fuse_qkv: bool = False
     vae_channels_last: bool = False
     warmup: bool = True
+    deterministic_compile: bool = True
 
 
 @dataclass
