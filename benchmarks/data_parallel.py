@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import prompt_rows, write_jsonl  # noqa: E402
 
 
 def _run(cmd, env, log: Path) -> tuple:
@@ -42,10 +45,7 @@ def main() -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     overrides = args.overrides or ["experiment=flux_dev_h200"]
-    builtin = [json.loads(x) for x in (ROOT / "runner" / "data" / "prompts.jsonl").read_text().splitlines() if x]
-    prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i:02d}", "prompt": builtin[i % len(builtin)]["prompt"]}) + "\n"
-                               for i in range(args.prompts)))
+    prompts = write_jsonl(out / "prompts.jsonl", prompt_rows(args.prompts))
     common = overrides + ["dataset=jsonl", f"dataset.path={prompts}"]
     env = dict(os.environ)
     res = {"command": " ".join(["python"] + sys.argv), "overrides": common, "gpus": args.gpus}

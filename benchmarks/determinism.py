@@ -52,14 +52,14 @@ def main() -> int:
     import torch
     from omegaconf import OmegaConf
 
+    from common import prompt_rows, write_jsonl
     from flux_dev_1024 import compose, free
     from runner import execute
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     ov = args.overrides or ["experiment=flux_dev_h200"]
-    builtin = [json.loads(x) for x in (ROOT / "runner" / "data" / "prompts.jsonl").read_text().splitlines() if x]
-    rows = [{"id": f"p{i:02d}", "prompt": builtin[i % len(builtin)]["prompt"]} for i in range(2 * args.prompts)]
+    rows = prompt_rows(2 * args.prompts)
     res = {"overrides": ov}
     cfg = compose(ov)
     arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
@@ -78,8 +78,7 @@ def main() -> int:
     shas = {}
     for name, rs in sets.items():
         free(devs[0])
-        f = out / f"{name}.jsonl"
-        f.write_text("".join(json.dumps(r) + "\n" for r in rs))
+        f = write_jsonl(out / f"{name}.jsonl", rs)
         o = ov + ["dataset=jsonl", f"dataset.path={f}", f"batch_size={args.prompts}"]
         execute.run(compose(o), out / name, o)
         shas[name] = {r["key"]: r.get("file_sha256") for r in map(json.loads, (out / name / "items.jsonl").read_text()

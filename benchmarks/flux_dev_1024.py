@@ -46,8 +46,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
+from common import prompt_rows, time_ms, write_jsonl  # noqa: E402
 
 TARGETS = {"speedup_lossless": 1.6, "mfu_lossless": 0.75, "psnr_lossless_db": 40.0, "speedup_fp8": 2.5,
            "psnr_fp8_db": 30.0, "runner_overhead": 1.03}  # from the issue (#7)
@@ -83,22 +85,7 @@ def matmul_tflops(device: str, m: int, n: int, k: int, repeats: int = 30) -> flo
     dt = torch.bfloat16 if device.startswith("cuda") else torch.float32
     a = torch.randn(m, k, device=device, dtype=dt)
     b = torch.randn(k, n, device=device, dtype=dt)
-    for _ in range(5):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            a @ b
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t0)
-    return 2 * m * n * k / statistics.median(times) / 1e12
+    return 2 * m * n * k / (time_ms(lambda: a @ b, device, warmup=5, iters=repeats) / 1e3) / 1e12
 
 
 class PhaseEvents:
@@ -361,17 +348,7 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
 
     def time_fn(fn: Callable[[], Any], n: int = forwards) -> float:
         with torch.inference_mode():
-            for _ in range(2):
-                fn()
-            ts = []
-            for _ in range(n):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                ts.append(s.elapsed_time(e))
-        return statistics.median(ts)
+            return time_ms(fn, device, warmup=2, iters=n)
 
     def fwd(kw=kw1):
         return lambda: pipe.transformer(**kw)
@@ -481,10 +458,7 @@ def main() -> int:
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    prompts = out / "prompts.jsonl"
-    builtin = [json.loads(line) for line in ds.BUILTIN_PROMPTS.read_text().splitlines() if line.strip()]
-    rows = [{"id": f"p{i:02d}", "prompt": builtin[i % len(builtin)]["prompt"]} for i in range(args.prompts)]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = write_jsonl(out / "prompts.jsonl", prompt_rows(args.prompts))
     if args.smoke:
         base = ["model=tiny_flux", "platform=cpu", "model.generation.num_inference_steps=4"]
         lossless = base + ["optimize.fuse_qkv=true", "optimize.vae_channels_last=true", "batch_size=2"]

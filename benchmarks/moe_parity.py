@@ -42,19 +42,19 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import time_ms  # noqa: E402
 from kernels import moe  # noqa: E402
 
 SHAPES = {
@@ -113,28 +113,6 @@ def make_case(shape: Dict[str, int], tokens: int, dtype: torch.dtype, device: st
     hi = {"x": x.float(), "wg": w["wg_hi"], "wu": w["wu_hi"], "wd": w["wd_hi"]}
     logits = hi["x"] @ w["gate_hi"].t()                                        # fp32, shared by every path
     return {"lo": lo, "hi": hi, "logits": logits}
-
-
-def time_ms(fn: Callable[[], Any], device: str, warmup: int, iters: int) -> float:
-    """Median milliseconds per call (CUDA events on CUDA, perf_counter elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    times: List[float] = []
-    if device == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def debug_triton(c: Dict[str, Any], top_k: int, swap: bool = False) -> Dict[str, Any]:
