@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 from runner.artifacts import atomic_write_bytes, atomic_write_json
 
 WORKER_SUBDIR = "workers"
+SHARDING = "the run's batches dealt whole, in order, each to the rank with the fewest items (see shard)"
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     merged["counts"] = {"ok": len(ok), "failed": len(failed), "items": len(keys_in_order),
                         "missing": len([k for k in keys_in_order if k not in latest])}
     merged["parallelism"] = {"mode": "data", "world_size": world_size, "launcher": launcher,
-                             "sharding": "the run's batches dealt whole, each to the rank with the fewest items"}
+                             "sharding": SHARDING}
     merged["workers"] = workers
     loops = [w["timing"]["loop_s"] for w in workers if w.get("timing", {}).get("loop_s")]
     walls = [w["timing"]["wall_s"] for w in workers if w.get("timing", {}).get("wall_s")]

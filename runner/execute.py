@@ -102,6 +102,9 @@ def check_run_values(cfg: DictConfig) -> None:
         raise ConfigValueError(f"num_images_per_prompt={cfg.num_images_per_prompt} must be >= 1")
     if cfg.max_pixels < 1:
         raise ConfigValueError(f"max_pixels={cfg.max_pixels} must be >= 1")
+    if cfg.output.write_workers < 0:
+        raise ConfigValueError(f"output.write_workers={cfg.output.write_workers} must be >= 0 (0 writes artifacts in the "
+                               "generating thread); fix: output.write_workers=2")
     if cfg.compile not in ("none", "regional"):
         raise ConfigValueError(f"compile={cfg.compile!r} is not one of none, regional")
     mode = cfg.parallelism.mode

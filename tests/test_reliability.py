@@ -616,6 +616,8 @@ BAD_INPUTS = [
     ("model-path-no-index", None, ["model=flux", "model.path={tmp}"], "models.flux.ModelPathError",
      [r"model\.path='.*' has no model_index\.json"]),
     ("compile-bogus", None, ["compile=bogus"], ConfigValueError, [r"compile='bogus' is not one of none, regional"]),
+    ("write-workers-negative", None, ["output.write_workers=-1"], ConfigValueError,
+     [r"output.write_workers=-1 must be >= 0", r"fix: output.write_workers=2"]),
     ("dtype-float64", None, ["dtype=float64"], ConfigValueError,
      [r"dtype='float64' is not one of auto, float32, bfloat16, float16"]),
     ("parallelism-data", None, ["parallelism.mode=data"], ConfigValueError, [r"parallelism(\.mode)?='?data"]),

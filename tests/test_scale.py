@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from runner.distributed import SHARDING
+
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 6
 
@@ -50,7 +52,7 @@ def _check_merged(d: Path, single, world_size: int, launcher: str):
     m = json.loads((d / "manifest.json").read_text())
     assert m["status"] == "completed"
     assert m["parallelism"] == {"mode": "data", "world_size": world_size, "launcher": launcher,
-                                "sharding": "rows sorted by sha256(id), dealt round-robin over ranks"}
+                                "sharding": SHARDING}
     assert [w["rank"] for w in m["workers"]] == list(range(world_size))
     assert all(w["status"] == "completed" and w["evidence_verdict"] == "verified" for w in m["workers"])
     assert len({w["pid"] for w in m["workers"]}) == world_size  # really different processes
@@ -139,14 +141,16 @@ def test_data_parallel_without_workers_refuses(tmp_path):
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("ray"), reason="ray not installed (extra: scale)")
 def test_ray_killed_worker_then_resume(tmp_path):
     d = tmp_path / "rk"
-    args = ["parallelism=data", "launcher=ray", "launcher.num_workers=2", "dataset.limit=16", f"hydra.run.dir={d}"]
+    slow = "model.generation.num_inference_steps=12"  # 3x the default: rank 1 is still busy when it is killed
+    args = ["parallelism=data", "launcher=ray", "launcher.num_workers=2", "dataset.limit=16", slow,
+            f"hydra.run.dir={d}"]
     cmd = [sys.executable, "-m", "runner", *args, "model=tiny_flux"]
     p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     victim = None
     deadline = time.time() + 300
     while time.time() < deadline and victim is None:
         j = d / "items.rank1.jsonl"
-        if (d / "manifest.rank1.json").exists() and j.exists() and j.read_text().count("\n") >= 2:
+        if (d / "manifest.rank1.json").exists() and j.exists() and j.read_text().count("\n") >= 1:
             victim = json.loads((d / "manifest.rank1.json").read_text())["worker"]["pid"]
         time.sleep(0.2)
     assert victim, "ray worker 1 never started writing"
@@ -159,9 +163,9 @@ def test_ray_killed_worker_then_resume(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads((d / "manifest.json").read_text())
     assert m["status"] == "completed" and m["counts"]["ok"] == 16
-    assert m["workers"][1]["resumed_from"] == "running" and m["workers"][1]["counts"]["reused"] >= 2
+    assert m["workers"][1]["resumed_from"] == "running" and m["workers"][1]["counts"]["reused"] >= 1
     after = _hashes(d)
     assert all(after[k] == v for k, v in kept.items())  # finished rows were kept, not regenerated differently
     ref = tmp_path / "ref"
-    assert _runner(["dataset.limit=16", f"hydra.run.dir={ref}"], cwd=tmp_path).returncode == 0
+    assert _runner(["dataset.limit=16", slow, f"hydra.run.dir={ref}"], cwd=tmp_path).returncode == 0
     assert after == _hashes(ref)
