@@ -618,7 +618,7 @@ class VLLMAdapter:
 
         Returns:
             One record per output (``n`` records for a row with ``n`` > 1), in row order: ``id``, ``index``
-            (completion index within the row), ``prompt`` (None for token-id prompts), ``prompt_token_ids``,
+            (completion index within the row), ``request_id`` (vLLM's ``RequestOutput.request_id``), ``prompt`` (None for token-id prompts), ``prompt_token_ids``,
             ``output_token_ids``, ``text``, ``finish_reason`` (``length`` | ``stop`` | ...), ``stop_reason``,
             ``timing``: ``batch_s`` (wall seconds of the whole call), ``batch_rows``, ``row_s`` (batch_s / rows),
             ``output_tokens`` (this output), ``batch_tokens_per_s`` (all output tokens of the call / batch_s), and
@@ -646,7 +646,7 @@ class VLLMAdapter:
                 if m is not None and getattr(m, "first_token_latency", 0):
                     timing["first_token_s"] = round(float(m.first_token_latency), 4)
                 records.append({
-                    "id": row.get("id"), "index": c.index,
+                    "id": row.get("id"), "index": c.index, "request_id": out.request_id,
                     "prompt": row.get("prompt"),
                     "prompt_token_ids": list(out.prompt_token_ids or []),
                     "output_token_ids": list(c.token_ids), "text": c.text,

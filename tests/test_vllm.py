@@ -21,7 +21,7 @@ from models.vllm_engine import (  # noqa: E402
     valid_backend_names,
 )
 
-FIELDS = {"id", "index", "prompt", "prompt_token_ids", "output_token_ids", "text", "finish_reason", "stop_reason",
+FIELDS = {"id", "index", "request_id", "prompt", "prompt_token_ids", "output_token_ids", "text", "finish_reason", "stop_reason",
           "timing"}
 
 
