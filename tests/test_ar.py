@@ -158,7 +158,7 @@ def test_run_level_name_of_the_wrong_engine_is_refused_for_that_stage(compose, t
 def test_cli_tiny_qwen3_moe_token_id_prompts(rows_file, tmp_path, subprocess_env):
     p = subprocess.run([sys.executable, "-m", "runner", "model=tiny_qwen3_moe", "dataset=jsonl",
                         f"dataset.path={rows_file}", f"hydra.run.dir={tmp_path}"], env=subprocess_env,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     m = json.loads((tmp_path / "manifest.json").read_text())
     assert m["status"] == "completed" and m["counts"]["ok"] == 2
