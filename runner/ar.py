@@ -281,6 +281,17 @@ class ARStage:
                          names=VLLMNames(on_cpu=self.plat.kind == "cpu"))
         self.resolutions, extras = resolve_stage(self.cfg, cli_keys(self.overrides), info)
         extras = self._engine_extras(extras)
+        import dataclasses
+        import difflib
+
+        from vllm import EngineArgs
+
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        for key in extras:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                raise ARConfigError(f"model.stages.{self.name}.engine_extras.{key} is not a vllm.EngineArgs field"
+                                    + (f"; did you mean {close[0]!r}?" if close else "; fix: remove it"))
         model_dir = self._model_dir(where)
         max_model_len = int(extras.pop("max_model_len", 256))
         backends = {f: r.selected for f, r in self.resolutions.items()}

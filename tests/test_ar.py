@@ -163,3 +163,26 @@ def test_cli_tiny_qwen3_moe_token_id_prompts(rows_file, tmp_path, subprocess_env
     m = json.loads((tmp_path / "manifest.json").read_text())
     assert m["status"] == "completed" and m["counts"]["ok"] == 2
     assert m["evidence"]["stages"]["generate"]["requests"]["seventeen"]["prefill_tokens"] == 17
+
+
+def test_ar_backends_use_the_runner_precedence_layers(compose):
+    """Resolution only (vLLM imported, no engine): stage > run > legacy engine_extras, with provenance, and
+    shared aliases mapped to vLLM's names; a misspelt engine argument is refused naming the closest one."""
+    from runner.ar import ARConfigError, ARStage
+    from runner.platform import detect
+
+    ov = ["platform=cpu", "model=tiny_qwen3_moe", "backend.linear=TORCH",
+          "model.stages.generate.backend.attention=cpu_attn", "backend.attention=auto",
+          "+model.stages.generate.engine_extras.moe_backend=auto"]
+    cfg = compose(ov)
+    st = ARStage(cfg, "generate", cfg.model, ov, detect("cpu"), "float32")
+    st.prepare()
+    r = st.resolutions
+    assert (r["attention"].layer, r["attention"].resolved) == ("cli_stage", "CPU_ATTN")
+    assert (r["linear"].layer, r["linear"].requested, r["linear"].resolved) == ("cli_run", "TORCH", "torch")
+    assert (r["moe"].layer, r["moe"].resolved, r["moe"].legacy["used"]) == ("engine_extras", "auto", True)
+    assert st.adapter.llm_kwargs()["kernel_config"] == {"linear_backend": "torch"}
+    assert st.adapter.llm_kwargs()["attention_config"] == {"backend": "CPU_ATTN"}
+    bad = ["platform=cpu", "model=tiny_qwen3_moe", "+model.stages.generate.engine_extras.max_num_seq=4"]
+    with pytest.raises(ARConfigError, match="did you mean 'max_num_seqs'"):
+        ARStage(compose(bad), "generate", compose(bad).model, bad, detect("cpu"), "float32").prepare()
