@@ -339,14 +339,17 @@ class ARStage:
         return str(d)
 
     # ------------------------------------------------------------------------------------------------ engine
-    def load(self) -> None:
+    def load(self, on_loaded: Optional[Any] = None) -> None:
         """Start the engine, read back from the worker what it built and the config it holds, and start
-        observing steps (scheduler outputs, per-phase layer calls, profiled ops)."""
+        observing steps (scheduler outputs, per-phase layer calls, profiled ops). ``on_loaded(self)`` runs between
+        the engine start and the inspection."""
         from models.vllm_engine import StepObserver
 
         t0 = time.perf_counter()
         self.adapter.load()
         self.load_s = time.perf_counter() - t0
+        if on_loaded is not None:
+            on_loaded(self)
         if self.source.get("kind") == "path":
             self.source["files"] = {f.name: ds.file_sha256(f) for f in sorted(Path(self.source["path"]).glob("*.safetensors"))}
         self.worker = {"built": self.adapter.inspect(), "config": self.adapter.worker_config()}
@@ -530,10 +533,12 @@ def _check_ar_run(cfg: DictConfig) -> None:
                                "(engine_extras.enforce_eager=false); fix: compile=none")
 
 
-def run_ar(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> int:
+def run_ar(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
+           on_loaded: Optional[Any] = None) -> int:
     """Run an AR model (``model.adapter=vllm``) over the dataset: one ``items.jsonl`` record per output and the
     manifest (backends with provenance, worker evidence, prefill/decode counts). Returns the exit code (0: every
-    row generated and the evidence verified; 1: some rows failed).
+    row generated and the evidence verified; 1: some rows failed). ``on_loaded(stage)`` is called once the engine
+    runs, before the worker is inspected (tests use it to tamper with the worker's model).
 
     Raises:
         ARConfigError, dataset.DatasetError, kernels.registry.BackendError, ConfigValueError: before the engine
@@ -572,7 +577,7 @@ def run_ar(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> int
     journal = Journal(out_dir / "items.jsonl")
     records: List[Dict[str, Any]] = []
     try:
-        stage.load()
+        stage.load(on_loaded)
         manifest.section("model", {"name": cfg.model.name, "adapter": "vllm", "source": stage.source,
                                    "load_s": round(stage.load_s, 3), "engine": stage.adapter.info})
         manifest.section("backends", {DEFAULT_STAGE: stage.backends_section()})

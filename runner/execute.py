@@ -417,7 +417,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     if cfg.model.adapter == "vllm":  # an autoregressive model: one vLLM engine over the dataset
         from runner.ar import run_ar
 
-        return run_ar(cfg, run_dir, overrides)
+        return run_ar(cfg, run_dir, overrides, on_loaded=on_loaded)
     t_start = time.perf_counter()
     out_dir = Path(cfg.run.resume or cfg.output.dir or run_dir)
     check_run_values(cfg)

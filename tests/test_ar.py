@@ -186,3 +186,38 @@ def test_ar_backends_use_the_runner_precedence_layers(compose):
     bad = ["platform=cpu", "model=tiny_qwen3_moe", "+model.stages.generate.engine_extras.max_num_seq=4"]
     with pytest.raises(ARConfigError, match="did you mean 'max_num_seqs'"):
         ARStage(compose(bad), "generate", compose(bad).model, bad, detect("cpu"), "float32").prepare()
+
+
+def _swap_first_attention_backend(stage):
+    """Tamper inside the worker: layer 0's attention module claims another backend class than it was built with
+    (the state vLLM's silent CPU_ATTN fallback would produce the other way round)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    other = AttentionBackendEnum.TRITON_ATTN  # an enum member; its class is only imported by get_class()
+
+    class Claimed:
+        @staticmethod
+        def get_name():
+            return other.name
+
+    def tamper(model):
+        for _name, m in model.named_modules():
+            if hasattr(m, "attn_backend") and hasattr(m, "impl"):
+                m.attn_backend = Claimed
+                return 1
+        return 0
+
+    assert stage.adapter.llm.apply_model(tamper) == [1]
+
+
+def test_evidence_mismatch_from_the_worker_exits_3(compose, rows_file, tmp_path):
+    from runner.evidence import EvidenceError
+    from runner.execute import run
+
+    ov = ["platform=cpu", "model=tiny_qwen3_moe", "dataset=jsonl", f"dataset.path={rows_file}",
+          "backend.attention=CPU_ATTN"]
+    with pytest.raises(EvidenceError, match="attention: requested CPU_ATTN, the worker built"):
+        run(compose(ov), tmp_path, ov, on_loaded=_swap_first_attention_backend)
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["status"] == "evidence_mismatch" and m["evidence"]["verdict"] == "mismatch"
+    assert "TRITON_ATTN" in m["evidence"]["stages"]["generate"]["worker"]["attention"]["backends"]
