@@ -363,9 +363,12 @@ class ARStage:
         recs = self.adapter.generate([r.request() for r in rows])
         counts = self.observer.per_request()
         by_id = {r.id: r for r in rows}
+        n_out: Dict[str, int] = {}
+        for r in recs:
+            n_out[r["id"]] = n_out.get(r["id"], 0) + 1
         for r in recs:
             row = by_id[r["id"]]
-            r["key"] = r["id"] if len([x for x in recs if x["id"] == r["id"]]) == 1 else f"{r['id']}-{r['index']}"
+            r["key"] = r["id"] if n_out[r["id"]] == 1 else f"{r['id']}-{r['index']}"
             r["seed"] = row.seed
             r["sampling"] = {**self.sampling, **row.sampling}
             r["tokens"] = counts.get(str(r["request_id"]))
@@ -380,8 +383,8 @@ class ARStage:
 
     # ---------------------------------------------------------------------------------------------- evidence
     def backends_section(self) -> Dict[str, Any]:
-        """``backends.<stage>``: the resolution per field (requested, layer, resolved, selected, reason), plus
-        ``engine: vllm`` and, once the engine ran, ``worker``: what vLLM's worker built for the field."""
+        """``backends.<stage>``: the resolution per field (requested, layer, resolved, selected, reason), plus,
+        once the engine ran, ``worker``: what vLLM's worker built for the field and the config it holds."""
         out = {f: r.to_dict() for f, r in self.resolutions.items()}
         built = getattr(self, "worker", None)
         if built:
@@ -391,7 +394,7 @@ class ARStage:
                                     "kernel_config": c["kernel_config"]["moe_backend"]}
             out["linear"]["worker"] = {"methods": b["linear"]["methods"],
                                        "kernel_config": c["kernel_config"]["linear_backend"]}
-        return {"engine": "vllm", **out}
+        return out
 
     def evidence_section(self, records: Sequence[Dict[str, Any]]) -> Tuple[Dict[str, Any], List[str]]:
         """``evidence.stages.<stage>`` and its mismatches (empty: verified).

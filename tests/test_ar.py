@@ -88,7 +88,7 @@ def test_manifest_shows_the_moe_and_linear_implementations_vllm_used(ar_run):
 
 def test_linear_torch_and_moe_auto_reach_the_workers_kernel_config(ar_run):
     b = ar_run.manifest["backends"]["generate"]
-    assert b["engine"] == "vllm"
+    assert ar_run.manifest["evidence"]["stages"]["generate"]["engine"] == "vllm"
     assert (b["linear"]["requested"], b["linear"]["layer"], b["linear"]["selected"]) == ("torch", "cli_run", "torch")
     assert (b["moe"]["requested"], b["moe"]["layer"], b["moe"]["explicit"]) == ("auto", "cli_run", True)
     # read inside the worker (LLM.collective_rpc), not from our own config
