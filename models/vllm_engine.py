@@ -32,7 +32,17 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 #: Per-row keys that override the configured sampling defaults (names of ``vllm.SamplingParams`` fields).
 SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop")
@@ -87,6 +97,122 @@ def normalize_backends(backends: Optional[Mapping[str, Any]]) -> Dict[str, str]:
                                   f"{', '.join(valid[fld])}")
         out[fld] = name
     return out
+
+
+#: Our shared backend names (``kernels.registry`` canonical names) that mean the same thing in vLLM. A shared
+#: name not listed here has no vLLM meaning for that field (e.g. MoE ``TORCH``: vLLM has no torch expert loop) and
+#: is refused naming vLLM's valid names.
+SHARED_ALIASES: Dict[str, Dict[str, str]] = {
+    "linear": {"TORCH": "torch"},
+    "moe": {"TRITON": "triton"},
+    "attention": {"FLASH_ATTN": "FLASH_ATTN", "FLASHINFER_ATTN": "FLASHINFER"},
+}
+
+#: Attention backends vLLM 0.32 honours on CPU for decoder attention: ``CpuPlatform.get_attn_backend_cls``
+#: (``vllm/platforms/cpu.py:143-179``) returns ``CPU_ATTN`` for any other request, logging only INFO
+#: "Cannot use <X> backend on CPU." (``CPU_MLA``/``AMX_MLA`` serve MLA models, which this adapter does not build).
+CPU_ATTENTION = ("CPU_ATTN",)
+
+
+class VLLMNames:
+    """Backend names of an AR stage, as vLLM defines them: the ``EngineNames`` hooks of ``runner.resolve``.
+
+    * ``canonical``: vLLM's own normalization (attention: upper case member of ``AttentionBackendEnum``; MoE/linear:
+      lower case, ``-`` -> ``_``, member of the ``MoEBackend`` / ``LinearBackend`` Literals), else a shared runner
+      alias from :data:`SHARED_ALIASES`; anything else raises ``UnknownBackendError`` listing vLLM's names.
+    * ``check``: names vLLM accepts but would not honour on this platform fail closed here, before the engine
+      starts (what vLLM itself does, measured on vLLM 0.32.0 CPU, in ``models/vllm_notes.md``):
+
+      - attention other than ``CPU_ATTN`` on CPU: vLLM silently runs ``CPU_ATTN`` instead;
+      - any explicit MoE name on CPU: the only CPU experts are reachable through ``auto``; an explicit GPU
+        kernel makes vLLM raise at model construction ("Unquantized MoE backend TRITON does not support the
+        deployment configuration since kernel does not support current device cpu.");
+      - an explicit linear name other than ``torch`` on CPU: ``dispatch_unquantized_gemm`` returns the CPU GEMM
+        before looking at ``linear_backend`` (``model_executor/layers/utils.py:620-626``), so the name would be
+        ignored without a log line. ``torch`` (our shared ``TORCH``: dense, unquantized GEMM in the model dtype)
+        is what the CPU path runs; the evidence checks that every linear layer is ``UnquantizedLinearMethod``.
+    * ``auto``: stays ``auto`` (vLLM chooses in the worker); the evidence records what it picked.
+
+    Args:
+        on_cpu: the stage runs on vLLM's CPU platform (``vllm.platforms.current_platform.is_cpu()`` by default).
+    """
+
+    engine = "vllm"
+
+    def __init__(self, on_cpu: Optional[bool] = None) -> None:
+        self._valid = valid_backend_names()
+        if on_cpu is None:
+            from vllm.platforms import current_platform
+
+            on_cpu = current_platform.is_cpu()
+        self.on_cpu = bool(on_cpu)
+
+    def canonical(self, fld: str, value: Any, where: str) -> str:
+        """vLLM's name for ``value`` of field ``fld`` (``auto`` kept). Raises ``UnknownBackendError``."""
+        from kernels import registry as reg
+
+        if isinstance(value, dict):
+            raise reg.BackendSpecError(f"{where}={value!r}: a vLLM stage takes one backend name per field (no "
+                                       "per-role specs); fix: e.g. CPU_ATTN or auto")
+        if value is None or str(value).strip().lower() == "auto":
+            return "auto"
+        raw = str(value).strip()
+        name = raw.upper() if fld == "attention" else raw.lower().replace("-", "_")
+        if name in self._valid[fld] or (fld == "attention" and name.replace("-", "_") in self._valid[fld]):
+            return name.replace("-", "_")
+        try:  # a shared runner alias that means the same in vLLM
+            shared = reg.normalize(fld, raw, where)
+        except reg.UnknownBackendError:
+            shared = None
+        if shared is not None and shared in SHARED_ALIASES.get(fld, {}):
+            return SHARED_ALIASES[fld][shared]
+        why = (f" (the runner's {shared} has no vLLM {fld} equivalent)" if shared is not None else "")
+        raise reg.UnknownBackendError(f"{where}={value!r} is not a vLLM {fld} backend{why}; valid names (vLLM "
+                                      f"{_vllm_version()}): {', '.join(self._valid[fld])}")
+
+    def check(self, fld: str, name: str, where: str) -> None:
+        """Raise ``BackendUnavailableError`` when vLLM would not honour ``name`` here (see the class docstring)."""
+        from kernels import registry as reg
+
+        if not self.on_cpu:
+            return
+        why = None
+        if fld == "attention" and name not in CPU_ATTENTION:
+            why = (f"on CPU vLLM {_vllm_version()} runs only {', '.join(CPU_ATTENTION)} for decoder attention and "
+                   f"silently replaces {name} with it (vllm/platforms/cpu.py CpuPlatform.get_attn_backend_cls)")
+        elif fld == "moe":
+            why = (f"on CPU vLLM's only MoE experts (CPUUnquantizedExperts and its ISA variants) are chosen by auto; "
+                   f"an explicit {name!r} makes the engine fail at model construction: \"Unquantized MoE backend "
+                   f"{name.upper()} does not support the deployment configuration since kernel does not support "
+                   "current device cpu\" (vllm/model_executor/layers/fused_moe/oracle/unquantized.py)")
+        elif fld == "linear" and name != "torch":
+            why = (f"on CPU vLLM ignores linear_backend={name!r} for unquantized weights (it dispatches the CPU GEMM, "
+                   "oneDNN or torch, before reading the name: vllm/model_executor/layers/utils.py "
+                   "dispatch_unquantized_gemm)")
+        if why:
+            raise reg.BackendUnavailableError(f"{where}={name} cannot run here: {why}. Fix: {where}=auto"
+                                              + (" (or CPU_ATTN)" if fld == "attention" else
+                                                 " (or torch)" if fld == "linear" else "") + ".")
+
+    def auto(self, fld: str) -> Tuple[str, str]:
+        """``("auto", reason)``: vLLM chooses in the worker; the evidence records its pick."""
+        return "auto", "vLLM chooses in the worker; evidence.stages.<stage>.worker records what it built"
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def _worker_config(worker: Any) -> Dict[str, Any]:
+    """Runs inside the worker (``LLM.collective_rpc``): the kernel and attention config the worker holds."""
+    vc = worker.vllm_config
+    att = vc.attention_config.backend
+    return {"kernel_config": {"moe_backend": vc.kernel_config.moe_backend,
+                              "linear_backend": vc.kernel_config.linear_backend},
+            "attention_config": {"backend": getattr(att, "name", att)},
+            "device": str(vc.device_config.device), "dtype": str(vc.model_config.dtype).replace("torch.", "")}
 
 
 def _inspect_model(model: Any) -> Dict[str, Any]:
@@ -155,25 +281,168 @@ def mismatches(requested: Mapping[str, str], inspected: Mapping[str, Any]) -> Li
     """What ran differently from what was asked for (empty: consistent).
 
     Args:
-        requested: normalized names (:func:`normalize_backends`); ``auto`` entries are never mismatches.
+        requested: normalized names (:func:`normalize_backends` / :class:`VLLMNames`); ``auto`` is never a mismatch.
         inspected: :meth:`VLLMAdapter.inspect` output.
 
-    Only attention names can be compared by name (``AttentionBackend.get_name()`` equals the enum name). An
-    explicit MoE name is either honoured or vLLM refuses to start, so only the case "MoE layers exist but none
-    was built" is flagged. An explicit ``linear_backend`` for unquantized layers is not used by vLLM at all
-    (``UnquantizedLinearMethod`` ignores it on CPU), so any explicit linear name is reported.
+    Attention names compare by name (``AttentionBackend.get_name()`` equals the enum name). An explicit MoE name
+    is either honoured or vLLM refuses to start, so only "MoE layers exist but none was built" is flagged.
+    ``linear_backend`` is not used by vLLM for unquantized layers: ``torch`` (dense, unquantized GEMM) matches
+    when every linear layer is ``UnquantizedLinearMethod``; any other explicit linear name is reported.
     """
     out: List[str] = []
     att = requested.get("attention", "auto")
     ran = inspected.get("attention", {}).get("backends", [])
     if att != "auto" and ran != [att]:
         out.append(f"attention: requested {att}, the worker built {', '.join(ran) or 'nothing'}")
+    moe = requested.get("moe", "auto")
+    if moe != "auto" and not inspected.get("moe", {}).get("experts"):
+        out.append(f"moe: requested {moe}, the worker built no MoE experts")
     lin = requested.get("linear", "auto")
-    if lin != "auto":
-        methods = inspected.get("linear", {}).get("methods", [])
+    methods = inspected.get("linear", {}).get("methods", [])
+    dense = methods and all(m.endswith(("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")) for m in methods)
+    if lin == "torch" and not dense:
+        out.append(f"linear: requested torch (dense, unquantized), the layers run {', '.join(methods) or 'nothing'}")
+    elif lin not in ("auto", "torch"):
         out.append(f"linear: requested {lin}, but the layers run {', '.join(methods) or 'nothing'}, which do "
                    f"not take a linear_backend for unquantized weights")
     return out
+
+
+#: Profiler op names of vLLM's CPU kernels per layer kind (seen with torch.profiler on vLLM 0.32.0 CPU:
+#: ``models/vllm_notes.md`` 3d). Used to check that the implementation the worker built is the one that ran.
+CPU_OPS = {
+    "attention": {"CPU_ATTN": "_C::cpu_attention_with_kv_cache"},
+    "moe": {"CPU": "_C::cpu_fused_moe"},
+    "linear": {"onednn_mm": "_C::onednn_mm", "torch.nn.functional.linear": "aten::linear"},
+}
+
+
+class StepObserver:
+    """Watches an in-process vLLM engine step by step: prefill/decode token counts per request (from each
+    ``SchedulerOutput``), per-phase call counts of the attention, MoE and linear layers (forward hooks in the
+    worker) and the profiler ops of the first prefill and the first decode step.
+
+    A step is ``prefill`` when any request it schedules still has prompt tokens to compute, else ``decode``.
+    Per request: ``prompt_tokens``, ``prefix_cached_tokens`` (computed before its first step, from vLLM's prefix
+    cache), ``prefill_tokens`` / ``prefill_steps`` (tokens scheduled while the prompt was not yet computed) and
+    ``decode_tokens`` / ``decode_steps`` (one token per step after that). For a 17-token prompt and 4 new tokens
+    without a prefix-cache hit: prefill 17 tokens in 1 step (which also samples the first token), then 3 decode
+    steps of 1 token.
+
+    Needs the engine core in this process (``VLLMAdapter(in_process=True)``).
+    """
+
+    def __init__(self, llm: Any, profile: bool = True) -> None:
+        core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+        if core is None or not hasattr(core, "scheduler"):
+            raise RuntimeError("StepObserver needs the in-process engine core (VLLMAdapter(in_process=True))")
+        self.llm = llm
+        self.scheduler = core.scheduler
+        self.profile = profile
+        self.phase: Optional[str] = None
+        self.steps = {"prefill": 0, "decode": 0}
+        self.calls: Dict[str, Dict[str, int]] = {"prefill": {}, "decode": {}}
+        self.layers: Dict[str, int] = {}
+        self.requests: Dict[str, Dict[str, int]] = {}
+        self.ops: Dict[str, Dict[str, int]] = {}
+        self._prof = None
+        self._prof_phase: Optional[str] = None
+        self._orig = None
+        self._handles: List[Any] = []
+
+    # hooks ------------------------------------------------------------------------------------------------
+    def _install_hooks(self, model: Any) -> Dict[str, int]:
+        from torch import nn
+
+        def counter(kind: str) -> Callable[..., None]:
+            def hook(module: Any, args: Any, output: Any) -> None:
+                if self.phase is not None:
+                    d = self.calls[self.phase]
+                    d[kind] = d.get(kind, 0) + 1
+            return hook
+
+        layers: Dict[str, int] = {}
+        for _name, m in model.named_modules():
+            kind = None
+            if hasattr(m, "attn_backend") and hasattr(m, "impl"):
+                kind = "attention"
+            elif type(m).__name__.endswith("SparseMoeBlock"):  # the MoE block (router + experts) of each layer
+                kind = "moe"
+            elif type(getattr(m, "quant_method", None)).__name__.endswith("LinearMethod"):
+                kind = "linear"
+            if kind is not None and isinstance(m, nn.Module):
+                self._handles.append(m.register_forward_hook(counter(kind)))
+                layers[kind] = layers.get(kind, 0) + 1
+        return layers
+
+    def __enter__(self) -> StepObserver:
+        self.layers = self.llm.apply_model(self._install_hooks)[0]
+        self._orig = self.scheduler.schedule
+        orig = self._orig
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            self._stop_profile()
+            out = orig(*args, **kwargs)
+            self._account(out)
+            return out
+
+        self.scheduler.schedule = schedule
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop_profile()
+        if self._orig is not None:
+            self.scheduler.schedule = self._orig
+            self._orig = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.phase = None
+
+    # accounting -------------------------------------------------------------------------------------------
+    def _account(self, out: Any) -> None:
+        if not out.num_scheduled_tokens:
+            self.phase = None
+            return
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        phase = "decode"
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests.get(rid)
+            n_prompt = int(getattr(req, "num_prompt_tokens", 0) or 0)
+            rec = self.requests.setdefault(rid, {"prompt_tokens": n_prompt, "prefix_cached_tokens": computed.get(rid, 0),
+                                                 "prefill_tokens": 0, "prefill_steps": 0, "decode_tokens": 0,
+                                                 "decode_steps": 0})
+            if computed.get(rid, 0) < n_prompt:
+                rec["prefill_tokens"] += int(n)
+                rec["prefill_steps"] += 1
+                phase = "prefill"
+            else:
+                rec["decode_tokens"] += int(n)
+                rec["decode_steps"] += 1
+        self.phase = phase
+        self.steps[phase] += 1
+        if self.profile and phase not in self.ops:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU])
+            self._prof.__enter__()
+            self._prof_phase = phase
+
+    def _stop_profile(self) -> None:
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        ops: Dict[str, int] = {}
+        for ev in prof.events():
+            ops[ev.name] = ops.get(ev.name, 0) + 1
+        self.ops[self._prof_phase or "unknown"] = ops
+
+    def per_request(self) -> Dict[str, Dict[str, int]]:
+        """Counts keyed by the request id ``LLM.generate`` reports (vLLM's internal ids add ``-<hash>``)."""
+        return {rid.split("-")[0]: v for rid, v in self.requests.items()}
 
 
 class VLLMAdapter:
@@ -299,6 +568,10 @@ class VLLMAdapter:
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             self.llm = None
+            if self.in_process:  # the in-process worker initialised torch.distributed; the next engine re-creates it
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
 
     # ----------------------------------------------------------------------------------------------- evidence
     def inspect(self) -> Dict[str, Any]:
@@ -312,6 +585,14 @@ class VLLMAdapter:
         if self.llm is None:
             raise RuntimeError("inspect() needs a loaded engine; call load() first")
         return self.llm.apply_model(_inspect_model)[0]
+
+    def worker_config(self) -> Dict[str, Any]:
+        """The kernel/attention config as the worker holds it (``LLM.collective_rpc``, read in the worker):
+        ``{"kernel_config": {"moe_backend", "linear_backend"}, "attention_config": {"backend"}, "device", "dtype"}``.
+        Shows that the requested names reached vLLM (not that they ran: see :meth:`inspect`)."""
+        if self.llm is None:
+            raise RuntimeError("worker_config() needs a loaded engine; call load() first")
+        return self.llm.collective_rpc(_worker_config)[0]
 
     def mismatches(self) -> List[str]:
         """:func:`mismatches` of the requested backends against :meth:`inspect`."""
@@ -347,7 +628,7 @@ class VLLMAdapter:
 
         Returns:
             One record per output (``n`` records for a row with ``n`` > 1), in row order: ``id``, ``index``
-            (completion index within the row), ``prompt`` (None for token-id prompts), ``prompt_token_ids``,
+            (completion index within the row), ``request_id`` (vLLM's ``RequestOutput.request_id``), ``prompt`` (None for token-id prompts), ``prompt_token_ids``,
             ``output_token_ids``, ``text``, ``finish_reason`` (``length`` | ``stop`` | ...), ``stop_reason``,
             ``timing``: ``batch_s`` (wall seconds of the whole call), ``batch_rows``, ``row_s`` (batch_s / rows),
             ``output_tokens`` (this output), ``batch_tokens_per_s`` (all output tokens of the call / batch_s), and
@@ -375,7 +656,7 @@ class VLLMAdapter:
                 if m is not None and getattr(m, "first_token_latency", 0):
                     timing["first_token_s"] = round(float(m.first_token_latency), 4)
                 records.append({
-                    "id": row.get("id"), "index": c.index,
+                    "id": row.get("id"), "index": c.index, "request_id": out.request_id,
                     "prompt": row.get("prompt"),
                     "prompt_token_ids": list(out.prompt_token_ids or []),
                     "output_token_ids": list(c.token_ids), "text": c.text,

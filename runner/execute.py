@@ -135,16 +135,18 @@ def make_adapter(cfg: DictConfig, device: str, dtype: torch.dtype):
         from models.flux import FluxAdapter
 
         return FluxAdapter(cfg.model, device, dtype, cache_dir=cfg.cache_dir)
-    raise ConfigValueError(f"model.adapter={cfg.model.adapter!r} is not known; fix: flux")
+    raise ConfigValueError(f"model.adapter={cfg.model.adapter!r} is not known; fix: flux, or vllm (AR models, "
+                           "run by runner.ar)")
 
 
 def _user_errors() -> tuple:
     from kernels.attention import AttentionWiringError
     from kernels.registry import BackendError
     from models.flux import ModelPathError
+    from runner.ar import ARConfigError
     from runner.platform import PlatformError
 
-    return (ds.DatasetError, ConfigValueError, BackendError, PlatformError, ModelPathError, AttentionWiringError,
+    return (ds.DatasetError, ARConfigError, ConfigValueError, BackendError, PlatformError, ModelPathError, AttentionWiringError,
             evidence.EvidenceError, resume.ResumeConflictError)
 
 
@@ -164,7 +166,7 @@ def resolve_backends(cfg: DictConfig, overrides: Sequence[str], adapter: Any, pl
     from kernels.registry import SelectionContext
     from runner.resolve import StageInfo, check_placement, cli_keys, resolve_stage
 
-    check_placement(cfg, stages=[adapter.stage])
+    check_placement(cfg, stages=[adapter.stage, *[s for s in (cfg.model.pipeline or []) if s != adapter.stage]])
     ctx = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=dtype, head_dim=adapter.head_dim(),
                            needs_mask=adapter.needs_mask, sequence_parallel=False)
     from kernels.attention import DIFFUSERS_BACKEND
@@ -448,6 +450,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         dataset.DatasetError, ConfigValueError, PlatformError, ModelPathError, ResumeConflictError and backend
         selection errors, all before any weight loads.
     """
+    if cfg.model.adapter == "vllm":  # an autoregressive model: one vLLM engine over the dataset
+        from runner.ar import run_ar
+
+        return run_ar(cfg, run_dir, overrides, on_loaded=on_loaded)
     t_start = time.perf_counter()
     out_dir = Path(cfg.run.resume or cfg.output.dir or run_dir)
     check_run_values(cfg)
@@ -487,6 +493,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     source = adapter.resolve_source()
     resolutions, engine_extras = resolve_backends(cfg, overrides, adapter, plat, dtype)
     check_memory(adapter, plat)
+    from runner.ar import prepare_upstream, run_upstream
+
+    upstream = prepare_upstream(cfg, overrides, plat, adapter.stage)  # a pipeline's AR stage, checked before loading
 
     out_dir.mkdir(parents=True, exist_ok=True)
     img_dir = out_dir / "images"
@@ -508,7 +517,13 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     manifest.section("dataset", {"format": cfg.dataset.format, "path": str(Path(data_path).resolve()), "sha256": data_sha,
                                  "rows": len(rows), "items": len(items)})
     manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": source})
-    manifest.section("backends", {adapter.stage: {f: r.to_dict() for f, r in resolutions.items()}})
+    backends_doc = {adapter.stage: {f: r.to_dict() for f, r in resolutions.items()}}
+    if upstream is not None:
+        backends_doc = {upstream.stage.name: upstream.stage.backends_section(), **backends_doc}
+        manifest.section("pipeline", {"stages": list(cfg.model.pipeline), "feeds": {
+            upstream.stage.name: {"input": "dataset prompt", "output": f"{upstream.stage.name}.jsonl"},
+            adapter.stage: {"input": upstream.stage.name, "template": upstream.template}}})
+    manifest.section("backends", backends_doc)
     manifest.section("environment", {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ})
     manifest.flush()
     if worker is None or worker.rank == 0:
@@ -523,6 +538,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     probes: Dict[str, Any] = {}
     denoiser = None
     graphs_before: Optional[int] = None
+    links: Dict[str, Any] = {}
+    up_ev: Optional[Dict[str, Any]] = None
     journal = Journal(out_dir / journal_name)
     from tqdm import tqdm
 
@@ -535,11 +552,20 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
 
     writer = ArtifactWriter(journal, int(cfg.output.write_workers), on_record,
                             max_pending=4 * max(1, int(cfg.output.write_workers)) + cfg.batch_size)
-    batches = list(ds.batches(todo, cfg.batch_size))
     stop = _Stop()
-    det_compile = deterministic_compile(cfg.compile != "none" and bool(cfg.optimize.deterministic_compile))
     try:
-        with stop, det_compile as inductor_deterministic:  # noqa: F841 - re-read after the warm-up
+        with stop, contextlib.ExitStack() as scoped:
+            if todo and upstream is not None:  # the AR stage runs first (its engine is shut down before FLUX loads)
+                todo, links, up_ev = run_upstream(upstream, todo, out_dir)
+                backends_doc[upstream.stage.name] = upstream.stage.backends_section()
+                manifest.section("backends", backends_doc)
+                manifest.section("pipeline", {**manifest.doc["pipeline"], "links": len(links),
+                                              upstream.stage.name: {"load_s": round(up_ev["load_s"], 3),
+                                                                    "source": up_ev["source"]}})
+                manifest.flush()
+            batches = list(ds.batches(todo, cfg.batch_size))  # after the AR stage: prompts may have changed
+            inductor_deterministic = scoped.enter_context(  # noqa: F841 - re-read after the warm-up
+                deterministic_compile(cfg.compile != "none" and bool(cfg.optimize.deterministic_compile)))
             if todo:
                 t0 = time.perf_counter()
                 adapter.load()
@@ -580,6 +606,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                 for it, img in zip(batch, results["images"]):
                     rec = _item_record(it, ran_size.get(id(it), len(batch)))
                     rec["timing"] = {"generate_s": round((t1 - t0) / len(batch), 4)}
+                    if it.row.id in links:  # the AR output this image was rendered from
+                        rec["from"] = links[it.row.id]
                     if isinstance(img, BaseException):
                         rec.update(status="failed", file=None, reason=f"{type(img).__name__}: {img}")
                         log.error("item %r failed: %s: %s", it.key, type(img).__name__, img)
@@ -610,6 +638,11 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         else:
             ev = {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": nonfinite == 0,
                   "verdict": "not_collected", "mismatches": []}
+        if up_ev is not None:
+            ev.setdefault("stages", {})[upstream.stage.name] = up_ev["section"]
+            ev["mismatches"] = list(up_ev["mismatches"]) + list(ev.get("mismatches", []))
+            if up_ev["mismatches"]:
+                ev["verdict"] = "mismatch"
         manifest.section("evidence", ev)
         acc = accuracy_section(cfg, items, out_dir, journal_name)
         if acc is not None:

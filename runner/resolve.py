@@ -79,6 +79,30 @@ class StageInfo:
     fields: Sequence[str]
     ctx: reg.SelectionContext
     wired: Optional[Dict[str, Sequence[str]]] = None  # field -> backends the engine can run (auto picks among them)
+    names: Optional[Any] = None  # an engine with its own backend names (vLLM): see EngineNames
+
+
+class EngineNames:
+    """Interface of an engine that owns its backend names (an AR stage through vLLM: ``models.vllm_engine``).
+
+    When a :class:`StageInfo` carries one, the precedence layers and provenance are resolved exactly as for the
+    runner's own backends, but names are normalized, checked and auto-selected by the engine instead of
+    ``kernels.registry``.
+    """
+
+    engine = "engine"
+
+    def canonical(self, fld: str, value: Any, where: str) -> str:
+        """The engine's canonical name of ``value`` (``auto`` stays ``auto``). Raises UnknownBackendError."""
+        raise NotImplementedError
+
+    def check(self, fld: str, name: str, where: str) -> None:
+        """Fail closed before the engine starts. Raises BackendUnavailableError naming the reason."""
+        raise NotImplementedError
+
+    def auto(self, fld: str) -> Tuple[str, str]:
+        """``(selected, reason)`` for ``auto``."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -217,7 +241,9 @@ def _normalize_attention(value: Any, roles: Sequence[str], where: str) -> Dict[s
     return {r: dict(s) for r in roles}
 
 
-def _canonical(fld: str, value: Any, roles: Sequence[str], where: str) -> Any:
+def _canonical(fld: str, value: Any, roles: Sequence[str], where: str, names: Optional[EngineNames] = None) -> Any:
+    if names is not None:
+        return names.canonical(fld, value, where)
     if fld == "attention":
         return _normalize_attention(value, roles, where)
     return reg.normalize(fld, value, where)
@@ -269,7 +295,7 @@ def resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tuple
         leg_canon = None
         if leg_val is not None:
             leg_canon = _canonical(fld, leg_val, info.roles,
-                                   f"model.stages.{info.name}.engine_extras.{LEGACY_KEYS[fld]}")
+                                   f"model.stages.{info.name}.engine_extras.{LEGACY_KEYS[fld]}", info.names)
             idx = next((i for i, (lay, _) in enumerate(layers) if LAYERS.index(lay) > LAYERS.index("engine_extras")),
                        len(layers))
             layers.insert(idx, ("engine_extras", leg_val))
@@ -283,7 +309,7 @@ def resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tuple
             f"model.stages.{info.name}.engine_extras.{LEGACY_KEYS[fld]}" if layer == "engine_extras" else
             f"platform.overlays.{cfg.model.name}.backend.{fld}" if layer == "platform_overlay" else
             f"model.backend.{fld}" if layer == "model_default" else f"backend.{fld}")
-        canon = _canonical(fld, requested, info.roles, where)
+        canon = _canonical(fld, requested, info.roles, where, info.names)
         res.resolved = canon
         if leg_val is not None:
             res.legacy = {"key": LEGACY_KEYS[fld], "value": leg_val, "normalized": leg_canon,
@@ -298,7 +324,7 @@ def resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tuple
             stage_sets = any(lay in ("cli_stage", "yaml_stage") for lay, _ in layers)
             stage_val = next((v for lay, v in layers if lay in ("cli_stage", "yaml_stage")), None)
             if stage_sets:  # the stage's own value governs it: only an explicit non-auto value is an error
-                own = _canonical(fld, stage_val, info.roles, where_stage)
+                own = _canonical(fld, stage_val, info.roles, where_stage, info.names)
                 if _any_not_auto(own):
                     raise StageConflictError(f"{where_stage}={_short(own)}: stage {info.name!r} has no {fld} layers")
                 res.selected, res.reason = None, f"not applicable: stage {info.name!r} has no {fld} layers"
@@ -313,7 +339,13 @@ def resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tuple
             res.selected, res.reason = None, f"not applicable: stage {info.name!r} has no {fld} layers"
             out[fld] = res
             continue
-        if fld == "attention":
+        if info.names is not None:  # the engine's own names (vLLM): it checks and chooses
+            if canon == reg.AUTO:
+                res.selected, res.reason = info.names.auto(fld)
+            else:
+                info.names.check(fld, canon, where)
+                res.selected = canon
+        elif fld == "attention":
             sel: Dict[str, Dict[str, Any]] = {}
             reasons = {}
             for role, spec in canon.items():

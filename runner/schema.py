@@ -36,10 +36,22 @@ class BackendConfig:
 
 @dataclass
 class StageConfig:
-    """One stage of a model's pipeline (FLUX has one: ``denoise``)."""
+    """One stage of a model's pipeline (FLUX has one: ``denoise``; ``tiny_qwen3_moe`` has ``generate``).
+
+    ``engine_extras``: further engine arguments (vLLM stages: ``vllm.EngineArgs`` fields such as ``max_model_len``,
+    ``max_num_seqs``; diffusers stages take none). In a multi-stage model (``model.pipeline``):
+    ``adapter`` runs the stage when it is not the model's own (``vllm``), ``model`` is that stage's model config
+    (same fields as ``model``, e.g. composed from ``conf/model/tiny_qwen3_moe.yaml``), ``input`` says what feeds
+    it (``prompt``: the dataset row's prompt; ``<stage>``: that stage's output text) and ``template`` how the
+    input becomes this stage's prompt (``{prompt}``: the row's prompt, ``{text}``: the upstream output text).
+    """
 
     backend: BackendConfig = field(default_factory=BackendConfig)
     engine_extras: Dict[str, Any] = field(default_factory=dict)
+    adapter: Optional[str] = None
+    model: Dict[str, Any] = field(default_factory=dict)
+    input: Optional[str] = None
+    template: Optional[str] = None
     # Misplaced-key guards: must stay null. A backend name here is rejected at startup with the place it belongs
     # (stages.<name>.backend.<field>) instead of Hydra's bare "key not in struct".
     attention: Any = None
@@ -81,6 +93,11 @@ class ModelConfig:
     stages: Dict[str, StageConfig] = field(default_factory=lambda: {"denoise": StageConfig()})
     size_multiple: int = 16
     builtin_prompts: str = "prompts.jsonl"  # dataset=builtin reads runner/data/<this>
+    # Autoregressive models (adapter vllm): default ``vllm.SamplingParams`` fields (max_tokens, temperature,
+    # top_p, top_k, seed, ...); dataset rows override them per row.
+    sampling: Dict[str, Any] = field(default_factory=dict)
+    # Multi-stage models: stage names in execution order (empty: the single stage of ``adapter``).
+    pipeline: List[str] = field(default_factory=list)
     oracle: Optional[str] = None  # reads generated images back (models.toy_shapes.oracle) for `accuracy`
     # Misplaced-key guards (see StageConfig): backend choices belong under model.backend / model.stages.
     attention: Any = None

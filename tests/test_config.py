@@ -46,6 +46,18 @@ def _group_overrides(group: str, option: str) -> list[str]:
     return ov
 
 
+def _assert_arrives(want, got, where):
+    """Every value ``want`` sets is in ``got``: lists and leaves equal; mappings may gain keys from the schema's
+    defaults (a stage the YAML names gets the StageConfig fields it does not set)."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict), f"{where}: {got!r} is not a mapping"
+        for k, v in want.items():
+            assert k in got, f"{where}.{k} was dropped"
+            _assert_arrives(v, got[k], f"{where}.{k}")
+    else:
+        assert got == want, f"{where}={got!r}, YAML says {want!r}"
+
+
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
 def test_every_group_option_composes(compose, group, option):
     cfg = compose(_group_overrides(group, option), return_hydra_config=True)
@@ -60,7 +72,8 @@ def test_every_group_option_composes(compose, group, option):
         want = yaml[key]
         got = node[key]
         if OmegaConf.is_config(want):
-            assert OmegaConf.to_container(got, resolve=True) == OmegaConf.to_container(want, resolve=True), key
+            _assert_arrives(OmegaConf.to_container(want, resolve=True), OmegaConf.to_container(got, resolve=True),
+                            f"{group}={option}: {key}")
         else:
             assert got == want, f"{group}={option}: {key}={got!r}, YAML says {want!r}"
     OmegaConf.to_container(cfg, resolve=False)  # the whole tree is well formed
