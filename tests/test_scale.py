@@ -54,6 +54,9 @@ def _check_merged(d: Path, single, world_size: int, launcher: str):
     assert m["parallelism"] == {"mode": "data", "world_size": world_size, "launcher": launcher,
                                 "sharding": SHARDING}
     assert [w["rank"] for w in m["workers"]] == list(range(world_size))
+    assert m["dataset"]["items"] == ROWS and m["counts"] == {"ok": ROWS, "failed": 0, "reused": 0, "items": ROWS,
+                                                              "missing": 0}
+    assert m["evidence"]["mismatches"] == []
     assert all(w["status"] == "completed" and w["evidence_verdict"] == "verified" for w in m["workers"])
     assert len({w["pid"] for w in m["workers"]}) == world_size  # really different processes
     assert sum(w["shard_items"] for w in m["workers"]) == ROWS
@@ -91,7 +94,8 @@ def test_torchrun_killed_worker_then_resume(tmp_path, single):
     r = _runner(args, cwd=tmp_path, torchrun=2)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads((d / "manifest.json").read_text())
-    assert m["status"] == "completed" and m["counts"]["ok"] == 16 and m["counts"]["missing"] == 0
+    assert m["status"] == "completed" and m["counts"]["missing"] == 0 and m["dataset"]["items"] == 16
+    assert m["counts"]["ok"] + m["counts"]["reused"] == 16 and m["counts"]["reused"] >= 1  # as a 1-worker resume
     w1 = m["workers"][1]
     assert w1["resumed_from"] == "running"  # the manifest says rank 1 died in the first attempt
     assert w1["counts"]["reused"] >= 1  # its finished rows were kept, not regenerated
@@ -162,7 +166,7 @@ def test_ray_killed_worker_then_resume(tmp_path):
     r = _runner(args, cwd=tmp_path, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads((d / "manifest.json").read_text())
-    assert m["status"] == "completed" and m["counts"]["ok"] == 16
+    assert m["status"] == "completed" and m["counts"]["ok"] + m["counts"]["reused"] == 16
     assert m["workers"][1]["resumed_from"] == "running" and m["workers"][1]["counts"]["reused"] >= 1
     after = _hashes(d)
     assert all(after[k] == v for k, v in kept.items())  # finished rows were kept, not regenerated differently

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,33 @@ def test_model_too_large_for_this_host_is_refused_before_loading(execute, tmp_pa
     with pytest.raises(ConfigValueError, match=r"model=flux needs \d+\.\d GiB .* only 8\.0 GiB is free"):
         execute(["model=flux", "model.load_format=dummy", "dataset.limit=1"], tmp_path / "r")
     assert not (tmp_path / "r" / "images").exists()
+
+
+def test_repro_sh_writes_into_the_new_dir_not_the_original_output_dir(tmp_path, subprocess_env):
+    import subprocess
+
+    orig = tmp_path / "outdir"
+    args = [sys.executable, "-m", "runner", "model=tiny_flux", "dataset.limit=2", f"output.dir={orig}",
+            f"hydra.run.dir={tmp_path / 'hydra'}"]
+    assert subprocess.run(args, cwd=tmp_path, env=subprocess_env, capture_output=True).returncode == 0
+    before = (orig / "manifest.json").read_bytes()
+    script = (orig / "repro.sh").read_text()
+    assert "output.dir" not in script and "hydra.run.dir=/" not in script
+    new = tmp_path / "newrepro"
+    p = subprocess.run(["bash", str(orig / "repro.sh"), str(new)], cwd=tmp_path, env=subprocess_env,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    # the re-run once went back into output.dir: 2 reused, and the original manifest was overwritten
+    assert (orig / "manifest.json").read_bytes() == before
+    m = json.loads((new / "manifest.json").read_text())
+    assert m["counts"]["ok"] == 2 and m["counts"]["reused"] == 0
+    assert sorted(p.name for p in (new / "images").glob("*.png")) == sorted(p.name for p in (orig / "images").glob("*.png"))
+
+
+def test_matrix_does_not_call_token_outputs_non_finite():
+    from runner.matrix import _all_finite
+
+    ar = {"verdict": "verified", "stages": {"generate": {}}, "mismatches": []}  # an AR run's evidence
+    assert _all_finite(ar)  # a verified AR job was listed as "failed: non-finite outputs"
+    assert not _all_finite({"all_finite": False})
+    assert not _all_finite({"workers": {}}) and _all_finite({"workers": {"0": {"all_finite": True}}})
