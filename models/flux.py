@@ -259,7 +259,8 @@ class FluxAdapter:
         concatenated into one ``to_qkv`` Linear, 3072 -> 9216 for FLUX.1; the text stream's ``add_{q,k,v}_proj``
         into ``to_added_qkv``); the unfused Linears are then deleted, which frees their copy of the weights and
         keeps linear evidence exact (no module that never runs). ``vae_channels_last``: the VAE's parameters in
-        NHWC layout (``torch.channels_last``), which cuDNN convolutions prefer on NVIDIA GPUs.
+        NHWC layout (``torch.channels_last``); measured slower on the H200 with torch 2.11 (127.9 vs 86.7 ms per
+        1024x1024 decode, ``benchmarks/results/flux_dev_1024_h200.json`` ablation), so off by default.
 
         Returns:
             What was applied, for the manifest: ``{"fuse_qkv": {"modules": n} | False, "vae_channels_last": bool}``.
