@@ -279,8 +279,25 @@ def resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tuple
         platform overlay merged into it and the legacy backend keys were removed.
 
     Raises:
-        UnknownBackendError, BackendUnavailableError, BackendSpecError, StageConflictError.
+        UnknownBackendError, BackendUnavailableError, BackendSpecError, StageConflictError. In a multi-stage
+        pipeline, an error about a run-level ``backend.<field>`` names the stage that refused it and the
+        per-stage key to use instead.
     """
+    try:
+        return _resolve_stage(cfg, cli, info)
+    except reg.BackendError as e:
+        stages = list(OmegaConf.select(cfg, "model.pipeline") or [])
+        msg = str(e)
+        if len(stages) > 1 and msg.startswith("backend."):
+            fld = msg.split("=", 1)[0].split(".")[1]
+            raise type(e)(f"stage {info.name!r} of model.pipeline {stages}: {msg}\n(backend.{fld} applies to every "
+                          f"stage; to set it for one stage only use model.stages.<stage>.backend.{fld}, e.g. "
+                          f"model.stages.{info.name}.backend.{fld})") from None
+        raise
+
+
+def _resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tuple[Dict[str, FieldResolution],
+                                                                              Dict[str, Any]]:
     stage_cfg = OmegaConf.select(cfg, f"model.stages.{info.name}")
     extras: Dict[str, Any] = dict(_plain(stage_cfg.engine_extras) if stage_cfg is not None else {})
     overlay_extras = _plain(OmegaConf.select(cfg, f"platform.overlays.{cfg.model.name}.engine_extras")) or {}

@@ -107,3 +107,16 @@ def test_matrix_does_not_call_token_outputs_non_finite():
     assert _all_finite(ar)  # a verified AR job was listed as "failed: non-finite outputs"
     assert not _all_finite({"all_finite": False})
     assert not _all_finite({"workers": {}}) and _all_finite({"workers": {"0": {"all_finite": True}}})
+
+
+def test_run_level_backend_error_in_a_pipeline_names_the_stage():
+    from _helpers import CPU, compose, ctx, resolve, stage_info
+    from kernels.registry import UnknownBackendError
+
+    ov = ["model=prompt_expand_flux", "platform=cpu", "backend.attention=CPU_ATTN"]
+    cfg = compose(ov)
+    with pytest.raises(UnknownBackendError) as e:
+        resolve(cfg, ov, stage_info("denoise", context=ctx(**CPU)))
+    msg = str(e.value)  # once only "backend.attention='CPU_ATTN' is not a known backend; closest match: CUDNN_ATTN"
+    assert msg.startswith("stage 'denoise' of model.pipeline ['expand', 'denoise']: backend.attention='CPU_ATTN'")
+    assert "model.stages.denoise.backend.attention" in msg
