@@ -277,9 +277,39 @@ def load_dataset(cfg: DictConfig) -> tuple:
     g = cfg.model.generation
     defaults = dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
                     guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt)
-    return ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
-                        size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels, limit=cfg.dataset.limit,
-                        builtin=cfg.model.builtin_prompts)
+    rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
+                              size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels,
+                              limit=cfg.dataset.limit, builtin=cfg.model.builtin_prompts)
+    if cfg.model.oracle == "toy_shapes":
+        check_expectations(rows, path)
+    return rows, path
+
+
+def check_expectations(rows: List[ds.Row], path: Any) -> None:
+    """``expect`` of every row names attributes the toy_shapes oracle reads (``color``, ``shape``, ``position``)
+    with values it can return; a typo would otherwise count as a miss (or as not stated) in ``accuracy``.
+
+    Raises:
+        dataset.DatasetError: naming the file and line, the key or value, the valid ones and the closest match.
+    """
+    import difflib
+
+    from models.toy_shapes.data import COLORS, POSITIONS, SHAPES
+
+    valid = {"color": list(COLORS), "shape": list(SHAPES), "position": list(POSITIONS)}
+    problems = []
+    for r in rows:
+        for key, value in (r.expect or {}).items():
+            if key not in valid:
+                close = difflib.get_close_matches(key, list(valid), n=1)
+                problems.append(f"{path}:{r.line}: expect.{key} is not an attribute the toy_shapes oracle reads; "
+                                f"valid: {', '.join(valid)}" + (f"; fix: expect.{close[0]}" if close else ""))
+            elif value not in valid[key]:
+                close = difflib.get_close_matches(str(value), valid[key], n=1)
+                problems.append(f"{path}:{r.line}: expect.{key}={value!r} is not a value the oracle returns; valid: "
+                                f"{', '.join(valid[key])}" + (f"; fix: {close[0]!r}" if close else ""))
+    if problems:
+        raise ds.DatasetError(problems)
 
 
 def expected_forwards(batch: List[ds.Item], true_cfg_scale: float) -> int:

@@ -120,3 +120,15 @@ def test_run_level_backend_error_in_a_pipeline_names_the_stage():
     msg = str(e.value)  # once only "backend.attention='CPU_ATTN' is not a known backend; closest match: CUDNN_ATTN"
     assert msg.startswith("stage 'denoise' of model.pipeline ['expand', 'denoise']: backend.attention='CPU_ATTN'")
     assert "model.stages.denoise.backend.attention" in msg
+
+
+def test_expect_keys_and_values_are_checked_before_loading(execute, tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text(json.dumps({"id": "a", "prompt": "a blue square in the center on a white background",
+                             "expect": {"colour": "blue", "shape": "sqaure"}}) + "\n")
+    with pytest.raises(DatasetError) as e:  # was accepted: accuracy came out color None, shape 0.0
+        execute(["model=toy_shapes", "dataset=jsonl", f"dataset.path={p}"], tmp_path / "r")
+    msg = str(e.value)
+    assert "expect.colour is not an attribute" in msg and "fix: expect.color" in msg
+    assert "expect.shape='sqaure' is not a value" in msg and "fix: 'square'" in msg
+    assert not (tmp_path / "r" / "images").exists()
