@@ -126,6 +126,96 @@ def test_bad_rows_fail_before_the_engine_naming_line_and_field(compose, tmp_path
     assert "bad.jsonl:3: field 'temperature' = -1.0 must be >= 0" in status["error"]
 
 
+def test_rows_vllm_would_fail_or_truncate_are_refused_before_the_engine(compose, tmp_path):
+    """n>1 (child requests without scheduler records), min_tokens > max_tokens (failed at run time), a text prompt
+    whose tokens + max_tokens exceed max_model_len (silently cut at 253 tokens), a text prompt longer than
+    max_model_len (failed at run time): all exit 2 naming line, field, value and fix."""
+    p = tmp_path / "bad.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "n2", "prompt": "a red fox", "n": 2},
+        {"id": "minmax", "prompt": "a red fox", "min_tokens": 10, "max_tokens": 2},
+        {"id": "long_out", "prompt": "a red fox", "max_tokens": 300},
+        {"id": "long_in", "prompt": " ".join(["fox"] * 300), "max_tokens": 4},
+        {"id": "fine", "prompt": "a red fox", "max_tokens": 4}]), encoding="utf-8")
+    code, status = _job(compose, ["model=tiny_qwen3_moe", "dataset=jsonl", f"dataset.path={p}"], tmp_path / "run")
+    assert code == 2 and status["error_type"] == "DatasetError", status
+    err = status["error"]
+    assert "bad.jsonl:1: field 'n' = 2 is not supported" in err and "fix: drop 'n'" in err
+    assert "bad.jsonl:2: min_tokens 10 exceeds max_tokens 2" in err
+    assert "bad.jsonl:3: " in err and "+ max_tokens 300 = " in err and "exceeds max_model_len=256" in err
+    assert "bad.jsonl:4: " in err and "prompt tokens (the model's tokenizer) + max_tokens 4" in err
+    assert "bad.jsonl:5" not in err
+    assert not (tmp_path / "run" / "items.jsonl").exists()
+
+
+@pytest.mark.parametrize("override, error, text", [
+    ("+model.sampling.n=2", "ARConfigError", "model.sampling.n=2 is not supported"),
+    ("+model.stages.expand.model.sampling.n=2", "ARConfigError", "model.stages.expand.model.sampling.n=2 is not"),
+    ("model.sampling.temperature=-3", "ARConfigError", "model.sampling.temperature=-3 must be >= 0"),
+    ("model.stages.generate.engine_extras.max_num_seqs=0", "ARConfigError",
+     "model.stages.generate.engine_extras.max_num_seqs=0"),
+    ("model.stages.generate.engine_extras.max_model_len=100000", "ARConfigError",
+     "model.stages.generate.engine_extras.max_model_len=100000"),
+])
+def test_model_sampling_and_engine_arguments_are_checked_before_the_engine(compose, rows_file, tmp_path, override,
+                                                                           error, text):
+    model = "prompt_expand_flux" if "expand" in override else "tiny_qwen3_moe"
+    ov = [f"model={model}", override] + (["dataset=jsonl", f"dataset.path={rows_file}"] if model != "prompt_expand_flux"
+                                         else ["dataset.limit=1"])
+    code, status = _job(compose, ov, tmp_path)
+    assert code == 2 and status["outcome"] == "invalid" and status["error_type"] == error, status
+    assert text in status["error"] and "fix" in status["error"]
+    assert "Traceback" not in status["error"]
+    assert json.loads((tmp_path / "manifest.json").read_text())["status"] == "invalid"
+    assert not (tmp_path / "items.jsonl").exists()
+
+
+def test_rerun_into_a_dir_holding_an_ar_run_is_refused(compose, ar_run, rows_file, tmp_path):
+    before = (ar_run.run_dir / "items.jsonl").read_bytes()
+    manifest = (ar_run.run_dir / "manifest.json").read_bytes()
+    code, status = _job(compose, ["model=tiny_qwen3_moe", "dataset=jsonl", f"dataset.path={rows_file}", "seed=7"],
+                        ar_run.run_dir)
+    assert code == 2 and status["error_type"] == "ResumeConflictError"
+    assert str(ar_run.run_dir) in status["error"] and "fix: run into a new dir" in status["error"]
+    assert (ar_run.run_dir / "items.jsonl").read_bytes() == before  # nothing appended, manifest untouched
+    assert (ar_run.run_dir / "manifest.json").read_bytes() == manifest
+    (ar_run.run_dir / "job_status.json").unlink()
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_stops_an_ar_run_after_the_current_batch(compose, tmp_path, sig):
+    """The README's contract, as for diffusion runs: the first SIGINT/SIGTERM stops after the current batch, the
+    run exits 128+signal with manifest status ``interrupted`` and the rows written so far kept."""
+    import signal
+
+    from runner.execute import run
+
+    p = tmp_path / "rows.jsonl"
+    p.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": [3, 4, 5 + i], "max_tokens": 2}) + "\n"
+                         for i in range(4)), encoding="utf-8")
+    signum = getattr(signal, sig)
+    handler_before = signal.getsignal(signum)
+
+    def signal_after_first_batch(stage):
+        gen = stage.adapter.generate
+
+        def generate(rows):
+            out = gen(rows)
+            os.kill(os.getpid(), signum)  # a real signal, delivered while the engine runs
+            return out
+
+        stage.adapter.generate = generate
+
+    ov = ["platform=cpu", "model=tiny_qwen3_moe", "dataset=jsonl", f"dataset.path={p}", "batch_size=1"]
+    code = run(compose(ov), tmp_path / "run", ov, on_loaded=signal_after_first_batch)
+    assert code == 128 + signum
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert m["status"] == "interrupted" and m["counts"]["ok"] == 1
+    items = [json.loads(line) for line in (tmp_path / "run" / "items.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in items] == ["r0"] and items[0]["status"] == "ok"
+    assert signal.getsignal(signum) == handler_before  # the run's handler is gone again
+
+
 def test_prompt_expand_flux_records_backends_and_evidence_per_stage(execute, tmp_path):
     r = execute(["model=prompt_expand_flux", "model.stages.expand.backend.attention=CPU_ATTN",
                  "backend.attention=sdpa", "dataset.limit=2"], tmp_path / "pipe")
@@ -146,6 +236,13 @@ def test_prompt_expand_flux_records_backends_and_evidence_per_stage(execute, tmp
         assert link["stage"] == "expand" and link["file"] == "expand.jsonl" and link["text"] == src["text"]
         assert link["downstream_prompt"] == f"{src['prompt']}, {src['text']}".strip()
         assert it["status"] == "ok" and (r.run_dir / it["file"]).is_file()
+    # a re-run into the dir after losing one image resumes it; expand.jsonl keeps one record per id
+    (r.run_dir / r.items[0]["file"]).unlink()
+    r2 = execute(["model=prompt_expand_flux", "model.stages.expand.backend.attention=CPU_ATTN",
+                  "backend.attention=sdpa", "dataset.limit=2"], tmp_path / "pipe")
+    assert r2.code == 0 and r2.manifest["counts"]["reused"] == 1
+    ids = [json.loads(line)["id"] for line in (r.run_dir / "expand.jsonl").read_text().splitlines()]
+    assert sorted(ids) == sorted(ar) and len(ids) == 2
 
 
 def test_run_level_name_of_the_wrong_engine_is_refused_for_that_stage(compose, tmp_path):
