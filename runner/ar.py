@@ -326,6 +326,15 @@ class ARStage:
         from vllm import EngineArgs
 
         known = {f.name for f in dataclasses.fields(EngineArgs)}
+        cli = {"attention_backend": ["attention"], "attention_config": ["attention"],
+               "kernel_config": ["moe", "linear"], "moe_backend": ["moe"], "linear_backend": ["linear"]}
+        for key in extras:
+            if key in cli:
+                raise ARConfigError(
+                    f"model.stages.{self.name}.engine_extras.{key}={extras[key]!r}: backends are set through the "
+                    "backend fields (resolved with precedence and checked against what vLLM honours); fix: remove "
+                    "it and pass " + " and/or ".join(f"backend.{f}=NAME" for f in cli[key])
+                    + f" (model.stages.{self.name}.backend.<field>=NAME for this stage only)")
         for key in extras:
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -629,8 +638,8 @@ def run_ar(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
 
     t_start = time.perf_counter()
     out_dir = Path(cfg.output.dir or run_dir)
+    _check_ar_run(cfg)  # first: parallelism=data is refused for AR whatever the launcher
     check_run_values(cfg)
-    _check_ar_run(cfg)
     held = [n for n in ("manifest.json", "items.jsonl") if (out_dir / n).exists()]
     if held:
         from runner.resume import ResumeConflictError

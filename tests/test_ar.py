@@ -103,6 +103,15 @@ def test_linear_torch_and_moe_auto_reach_the_workers_kernel_config(ar_run):
     ("backend.moe=triton", "BackendUnavailableError", "does not support current device cpu"),
     ("backend.attention=FLASH_ATTN", "BackendUnavailableError", "silently replaces FLASH_ATTN"),
     ("model.stages.generate.backend.linear=cutlass", "BackendUnavailableError", "ignores linear_backend='cutlass'"),
+    # vLLM has TORCH_SDPA, but on CPU it would silently run CPU_ATTN: say that (not "no vLLM equivalent")
+    ("backend.attention=sdpa", "BackendUnavailableError", "silently replaces TORCH_SDPA with it"),
+    ("backend.moe=trition", "UnknownBackendError", "fix: did you mean 'triton'?"),
+    ("backend.attention=cpuattn", "UnknownBackendError", "fix: did you mean 'CPU_ATTN'?"),
+    ("parallelism=data", "ConfigValueError", "parallelism=data: AR stages run on one vLLM engine"),
+    ("+model.stages.generate.engine_extras.attention_config={backend:CPU_ATTN}", "ARConfigError",
+     "fix: remove it and pass backend.attention=NAME"),
+    ("+model.stages.generate.engine_extras.kernel_config={linear_backend:torch}", "ARConfigError",
+     "pass backend.moe=NAME and/or backend.linear=NAME"),
 ])
 def test_backends_vllm_would_not_honour_fail_before_the_engine_starts(compose, rows_file, tmp_path, override,
                                                                        error, text):
@@ -318,3 +327,23 @@ def test_evidence_mismatch_from_the_worker_exits_3(compose, rows_file, tmp_path)
     m = json.loads((tmp_path / "manifest.json").read_text())
     assert m["status"] == "evidence_mismatch" and m["evidence"]["verdict"] == "mismatch"
     assert "TRITON_ATTN" in m["evidence"]["stages"]["generate"]["worker"]["attention"]["backends"]
+
+
+def test_repro_of_an_ar_run_compares_output_token_ids(ar_run, tmp_path):
+    """``python -m runner.repro`` on an AR run re-runs it and compares every record's output_token_ids (it used
+    to print 'REPRO OK: 0 item(s)' comparing nothing); a changed token is named."""
+    import shutil
+
+    from runner.repro import compare, reproduce
+
+    code, res = reproduce(ar_run.run_dir, tmp_path / "re", timeout_s=300)
+    assert code == 0, res["problems"]
+    assert sorted(r["key"] for r in res["items"]) == ["fox", "seventeen"] and all(r["ok"] for r in res["items"])
+    tampered = tmp_path / "tampered"
+    shutil.copytree(tmp_path / "re", tampered)
+    recs = [json.loads(line) for line in (tampered / "items.jsonl").read_text().splitlines()]
+    recs[0]["output_token_ids"][1] += 1
+    (tampered / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    bad = compare(ar_run.run_dir, tampered)
+    assert not bad["ok"]
+    assert f"item {recs[0]['key']!r}: output_token_ids differ from token 1" in "\n".join(bad["problems"])
