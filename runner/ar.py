@@ -247,6 +247,18 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
     return rows, src
 
 
+#: Files of a Hugging Face model directory that decide what an AR stage runs: weights, config, tokenizer.
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".txt", ".model", ".tiktoken", ".py")
+
+
+def model_files(d: Path) -> Dict[str, str]:
+    """``{file name: sha256}`` of the weight, config and tokenizer files of model directory ``d`` (top level;
+    ``*.safetensors``/``*.bin`` weights, ``config.json``, ``generation_config.json``, tokenizer files, any
+    ``*.safetensors.index.json``), for the manifest's ``model.source.files``."""
+    return {f.name: ds.file_sha256(f) for f in sorted(Path(d).iterdir())
+            if f.is_file() and not f.name.startswith(".") and f.name.endswith(MODEL_FILE_SUFFIXES)}
+
+
 class ARStage:
     """One AR stage: its model, its resolved backends, the vLLM engine and its evidence.
 
@@ -403,7 +415,7 @@ class ARStage:
             if not (p / "config.json").is_file():
                 raise ARConfigError(f"{where}.path={m.path!r} is not a local Hugging Face model directory (no "
                                     "config.json); fix: point at the checkpoint directory")
-            self.source = {"kind": "path", "path": str(p.resolve()), "load_format": "auto"}
+            self.source = {"kind": "path", "path": str(p.resolve()), "load_format": "auto", "files": model_files(p)}
             return str(p)
         if not m.get("embedded"):
             raise ARConfigError(f"model {m.get('name')} needs weights: set {where}.path=/checkpoint (or "
@@ -417,7 +429,7 @@ class ARStage:
         d = build(root, arch=arch or None, weights="none" if fmt == "dummy" else "seeded",
                   dtype="float32" if self.dtype_name == "auto" else self.dtype_name)
         self.source = {"kind": "dummy" if fmt == "dummy" else "embedded", "path": str(d), "load_format": fmt,
-                       "architecture": arch}
+                       "architecture": arch, "files": model_files(Path(d))}
         return str(d)
 
     # ------------------------------------------------------------------------------------------------ engine
@@ -432,8 +444,6 @@ class ARStage:
         self.load_s = time.perf_counter() - t0
         if on_loaded is not None:
             on_loaded(self)
-        if self.source.get("kind") == "path":
-            self.source["files"] = {f.name: ds.file_sha256(f) for f in sorted(Path(self.source["path"]).glob("*.safetensors"))}
         self.worker = {"built": self.adapter.inspect(), "config": self.adapter.worker_config()}
         self.observer = StepObserver(self.adapter.llm, profile=bool(self.cfg.evidence.enabled and
                                                                     self.cfg.evidence.profile))

@@ -347,3 +347,37 @@ def test_repro_of_an_ar_run_compares_output_token_ids(ar_run, tmp_path):
     bad = compare(ar_run.run_dir, tampered)
     assert not bad["ok"]
     assert f"item {recs[0]['key']!r}: output_token_ids differ from token 1" in "\n".join(bad["problems"])
+
+
+def test_ar_sources_record_sha256_of_weights_config_and_tokenizer(compose, ar_run, tmp_path):
+    """model.source.files: sha256 of every weight, config and tokenizer file the engine reads, for the embedded
+    model (dummy and seeded weights) and a model.path checkpoint (not only *.safetensors)."""
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    from runner.ar import ARStage
+    from runner.platform import detect
+
+    def sha(p):
+        return hashlib.sha256(Path(p).read_bytes()).hexdigest()
+
+    src = ar_run.manifest["model"]["source"]  # load_format=dummy: config and tokenizer, no weights
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(src["files"])
+    assert src["files"]["tokenizer.json"] == sha(Path(src["path"]) / "tokenizer.json")
+
+    def source(ov):
+        ov = ["platform=cpu", *ov]
+        cfg = compose(ov)
+        st = ARStage(cfg, "generate", cfg.model, ov, detect("cpu"), "float32")
+        st.prepare()
+        return st.source
+
+    emb = source(["model=tiny_qwen3_moe", "model.load_format=auto"])
+    assert emb["kind"] == "embedded"
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= set(emb["files"])
+    assert emb["files"]["model.safetensors"] == sha(Path(emb["path"]) / "model.safetensors")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(emb["path"], ckpt)
+    p = source(["model=tiny_qwen3_moe", f"model.path={ckpt}", "model.load_format=auto"])
+    assert p["kind"] == "path" and p["files"] == emb["files"]
