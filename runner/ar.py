@@ -807,7 +807,31 @@ def prepare_upstream(cfg: DictConfig, overrides: Sequence[str], plat: Any, final
                             f"{{prompt}} and {{text}} ({e})") from None
     stage = ARStage(cfg, name, model_cfg_of(cfg, name), overrides, plat, _dtype_name(cfg, plat))
     stage.prepare()
+    check_upstream_prompts(cfg, stage)
     return Upstream(stage=stage, downstream=final_stage, template=template)
+
+
+def check_upstream_prompts(cfg: DictConfig, stage: ARStage) -> None:
+    """Before the engine starts: every dataset prompt, tokenized with the stage model's tokenizer, plus the stage's
+    ``max_tokens`` must fit in its ``max_model_len`` (as ``load_rows`` checks an AR model's rows).
+
+    Raises:
+        dataset.DatasetError: naming each row (line, id), its token count and the fix.
+    """
+    from runner.execute import load_dataset
+
+    rows, src = load_dataset(cfg)
+    max_tokens = int(stage.sampling.get("max_tokens") or 16)
+    problems = []
+    for r in rows:
+        n = stage.count_tokens(r.prompt)
+        if n + max_tokens > stage.max_model_len:
+            problems.append(f"{src}:{r.line}: row {r.id!r}: {n} prompt tokens (stage {stage.name}'s tokenizer) + "
+                            f"max_tokens {max_tokens} = {n + max_tokens} exceeds max_model_len={stage.max_model_len}"
+                            f"; fix: a shorter prompt, or model.stages.{stage.name}.model.sampling.max_tokens / "
+                            f"model.stages.{stage.name}.engine_extras.max_model_len")
+    if problems:
+        raise ds.DatasetError(problems)
 
 
 def compact_stage_journal(path: Path) -> None:

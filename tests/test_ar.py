@@ -381,3 +381,13 @@ def test_ar_sources_record_sha256_of_weights_config_and_tokenizer(compose, ar_ru
     shutil.copytree(emb["path"], ckpt)
     p = source(["model=tiny_qwen3_moe", f"model.path={ckpt}", "model.load_format=auto"])
     assert p["kind"] == "path" and p["files"] == emb["files"]
+
+
+def test_pipeline_prompt_too_long_for_the_ar_stage_is_refused_before_the_engine(compose, tmp_path):
+    p = tmp_path / "long.txt"
+    p.write_text("a red fox\n" + " ".join(["fox"] * 300) + "\n", encoding="utf-8")
+    code, status = _job(compose, ["model=prompt_expand_flux", "dataset=txt", f"dataset.path={p}"], tmp_path / "run")
+    assert code == 2 and status["error_type"] == "DatasetError", status
+    assert "long.txt:2: row 'line000002': " in status["error"] and "exceeds max_model_len=" in status["error"]
+    assert "long.txt:1" not in status["error"]
+    assert not (tmp_path / "run" / "expand.jsonl").exists()
