@@ -681,7 +681,8 @@ def run_ar(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     records: List[Dict[str, Any]] = []
     stop = _Stop()
     try:
-        stop.__enter__()  # SIGINT/SIGTERM: stop after the current batch (re-armed below: vLLM may install its own)
+        stop.__enter__()  # SIGINT/SIGTERM: stop after the current batch (re-armed after the engine start, in case
+        # an engine version installs its own handlers; vLLM 0.32 in-process does not)
         stage.load(on_loaded)
         stop.__exit__(None, None, None)
         stop.__enter__()
@@ -870,13 +871,21 @@ def run_upstream(up: Upstream, items: List[ds.Item], out_dir: Path) -> Tuple[Lis
                for r in rows.values()]
     journal = Journal(out_dir / f"{st.name}.jsonl")
     records: List[Dict[str, Any]] = []
+    from runner.execute import _Stop
+
+    handler = signal.getsignal(signal.SIGINT)
+    stop = getattr(handler, "__self__", None)  # the diffusion loop's _Stop (runner.execute.run), when installed
+    stop = stop if isinstance(stop, _Stop) else None
+    size = max(1, int(st.cfg.batch_size))
     try:
         st.load()
-        recs = st.generate(ar_rows) if ar_rows else []
-        for r in recs:
-            r["status"] = "ok"
-            journal.append(r)
-            records.append(r)
+        for i in range(0, len(ar_rows), size):  # batch_size rows per generate call, so a signal stops in time
+            if stop is not None and stop.signum is not None:
+                break
+            for r in st.generate(ar_rows[i:i + size]):
+                r["status"] = "ok"
+                journal.append(r)
+                records.append(r)
         section, mm = st.evidence_section(records)
     finally:
         journal.close()

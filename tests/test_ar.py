@@ -391,3 +391,35 @@ def test_pipeline_prompt_too_long_for_the_ar_stage_is_refused_before_the_engine(
     assert "long.txt:2: row 'line000002': " in status["error"] and "exceeds max_model_len=" in status["error"]
     assert "long.txt:1" not in status["error"]
     assert not (tmp_path / "run" / "expand.jsonl").exists()
+
+
+def test_a_signal_during_the_pipelines_ar_stage_stops_it_after_the_current_batch(compose, tmp_path):
+    """The pipeline's AR stage generates batch_size rows per call and stops at the next call after SIGINT; the
+    run ends interrupted (130) with the expand records written so far and no image rendered."""
+    import signal
+    import threading
+    import time
+
+    from runner.execute import run
+
+    run_dir = tmp_path / "pipe"
+    journal = run_dir / "expand.jsonl"
+
+    def interrupt_after_first_record():
+        t_end = time.monotonic() + 120
+        while time.monotonic() < t_end:
+            if journal.is_file() and journal.read_text().strip():
+                os.kill(os.getpid(), signal.SIGINT)  # handled in the main thread by the run's handler
+                return
+            time.sleep(0.005)
+
+    ov = ["platform=cpu", "model=prompt_expand_flux", "dataset.limit=8", "batch_size=1",
+          "model.stages.expand.model.sampling.max_tokens=48"]
+    threading.Thread(target=interrupt_after_first_record, daemon=True).start()
+    code = run(compose(ov), run_dir, ov)
+    assert code == 130
+    m = json.loads((run_dir / "manifest.json").read_text())
+    assert m["status"] == "interrupted"
+    recs = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert 1 <= len(recs) < 8 and all(r["status"] == "ok" for r in recs)
+    assert not list(run_dir.rglob("*.png"))
