@@ -252,6 +252,20 @@ def test_prompt_expand_flux_records_backends_and_evidence_per_stage(execute, tmp
     assert r2.code == 0 and r2.manifest["counts"]["reused"] == 1
     ids = [json.loads(line)["id"] for line in (r.run_dir / "expand.jsonl").read_text().splitlines()]
     assert sorted(ids) == sorted(ar) and len(ids) == 2
+    # runner.repro compares the AR stage's output_token_ids too: a changed expand record is named
+    import shutil
+
+    from runner.repro import compare
+
+    other = tmp_path / "other"
+    shutil.copytree(r.run_dir, other)
+    assert compare(r.run_dir, other)["ok"]
+    recs = [json.loads(line) for line in (other / "expand.jsonl").read_text().splitlines()]
+    recs[1]["output_token_ids"] = recs[1]["output_token_ids"][:-1]
+    (other / "expand.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    res = compare(r.run_dir, other)
+    assert not res["ok"] and any(p.startswith(f"item 'expand.jsonl:{recs[1]['key']}': output_token_ids differ")
+                                 for p in res["problems"]), res["problems"]
 
 
 def test_run_level_name_of_the_wrong_engine_is_refused_for_that_stage(compose, tmp_path):
