@@ -64,6 +64,11 @@ def test_every_row_generates_with_prefill_and_decode_counts(ar_run):
     f = recs["fox"]
     assert f["prompt"] == ROWS[1]["prompt"] and isinstance(f["text"], str) and f["seed"] == 5
     assert f["tokens"]["prefill_tokens"] == len(f["prompt_token_ids"]) and f["tokens"]["decode_steps"] == 5
+    # the startup length check of text prompts counts tokens as the engine did
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(m["model"]["source"]["path"])
+    assert len(tok(f["prompt"], add_special_tokens=True)["input_ids"]) == len(f["prompt_token_ids"])
     ev = m["evidence"]["stages"]["generate"]
     assert ev["requests"]["seventeen"]["prefill_tokens"] == 17
     # every layer ran once per engine step, in prefill and in decode
