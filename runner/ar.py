@@ -378,8 +378,12 @@ class ARStage:
         import pydantic
         from vllm import EngineArgs
 
+        env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
         try:
             EngineArgs(**self.adapter.llm_kwargs()).create_engine_config()
+            # variables vLLM sets while building its config (e.g. VLLM_WORKER_MULTIPROC_METHOD): recorded with the
+            # engine's own in model.engine.env_set_by_vllm after load()
+            self.env_set_by_check = {k: v for k, v in os.environ.items() if k.startswith("VLLM_") and env.get(k) != v}
         except (pydantic.ValidationError, ValueError, TypeError) as e:
             if isinstance(e, pydantic.ValidationError):
                 why = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ())) or err.get('type')}: "
@@ -442,6 +446,8 @@ class ARStage:
         t0 = time.perf_counter()
         self.adapter.load()
         self.load_s = time.perf_counter() - t0
+        for k, v in getattr(self, "env_set_by_check", {}).items():
+            self.adapter.info.setdefault("env_set_by_vllm", {}).setdefault(k, v)
         if on_loaded is not None:
             on_loaded(self)
         self.worker = {"built": self.adapter.inspect(), "config": self.adapter.worker_config()}
