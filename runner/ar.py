@@ -108,8 +108,9 @@ def check_sampling(where: str, sampling: Dict[str, Any]) -> None:
                 raise ARConfigError(f"{where}.sampling.{key}={v!r} {why}"
                                     + ("" if "fix:" in why else f"; fix: set {where}.sampling.{key} in range"))
     lo, hi = sampling.get("min_tokens"), sampling.get("max_tokens")
-    if lo is not None and hi is not None and lo > hi:
-        raise ARConfigError(f"{where}.sampling.min_tokens={lo} exceeds {where}.sampling.max_tokens={hi}; fix: "
+    if lo is not None and lo > (16 if hi is None else hi):
+        raise ARConfigError(f"{where}.sampling.min_tokens={lo} exceeds {where}.sampling.max_tokens="
+                            f"{16 if hi is None else hi}{' (vLLM default)' if hi is None else ''}; fix: "
                             "min_tokens <= max_tokens")
 
 
