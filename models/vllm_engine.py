@@ -166,9 +166,16 @@ class VLLMNames:
             shared = None
         if shared is not None and shared in SHARED_ALIASES.get(fld, {}):
             return SHARED_ALIASES[fld][shared]
+        if shared is not None and shared in self._valid[fld]:
+            return shared  # the runner's name is also vLLM's (sdpa -> TORCH_SDPA); check() says if it runs here
+        import difflib
+
+        by_key = {n.lower().replace("-", "_"): n for n in self._valid[fld]}
+        close = difflib.get_close_matches(raw.lower().replace("-", "_"), list(by_key), n=1, cutoff=0.6)
         why = (f" (the runner's {shared} has no vLLM {fld} equivalent)" if shared is not None else "")
+        hint = f"did you mean {by_key[close[0]]!r}?" if close else "one of those names, or auto"
         raise reg.UnknownBackendError(f"{where}={value!r} is not a vLLM {fld} backend{why}; valid names (vLLM "
-                                      f"{_vllm_version()}): {', '.join(self._valid[fld])}")
+                                      f"{_vllm_version()}): {', '.join(self._valid[fld])}; fix: {hint}")
 
     def check(self, fld: str, name: str, where: str) -> None:
         """Raise ``BackendUnavailableError`` when vLLM would not honour ``name`` here (see the class docstring)."""

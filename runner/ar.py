@@ -16,10 +16,11 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,11 +86,36 @@ def _check_value(key: str, v: Any) -> Optional[str]:
         return "must be -1 (off) or >= 0"
     if key == "seed" and not 0 <= v < (1 << 63):
         return "must be in [0, 2**63)"
+    if key == "n" and v != 1:
+        return ("is not supported: one output per row (vLLM's n>1 child requests carry no per-output prefill/decode "
+                "counts the evidence can check); fix: drop 'n', or repeat the row under other ids (and seeds)")
     return None
 
 
+def check_sampling(where: str, sampling: Dict[str, Any]) -> None:
+    """Validate ``model.sampling`` defaults with the same checks as row fields (types and ranges, ``n`` must be 1,
+    ``min_tokens <= max_tokens``). Raises ARConfigError naming ``<where>.sampling.<key>``, the value and the fix."""
+    for key, v in sampling.items():
+        if v is None or key not in AR_ROW_FIELDS:
+            continue
+        typ = AR_ROW_FIELDS[key]
+        if typ in (int, float):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int)):
+                raise ARConfigError(f"{where}.sampling.{key}={v!r} is not {'an integer' if typ is int else 'a number'}"
+                                    f"; fix: {where}.sampling.{key}=<{'integer' if typ is int else 'number'}>")
+            why = _check_value(key, v)
+            if why:
+                raise ARConfigError(f"{where}.sampling.{key}={v!r} {why}"
+                                    + ("" if "fix:" in why else f"; fix: set {where}.sampling.{key} in range"))
+    lo, hi = sampling.get("min_tokens"), sampling.get("max_tokens")
+    if lo is not None and lo > (16 if hi is None else hi):
+        raise ARConfigError(f"{where}.sampling.min_tokens={lo} exceeds {where}.sampling.max_tokens="
+                            f"{16 if hi is None else hi}{' (vLLM default)' if hi is None else ''}; fix: "
+                            "min_tokens <= max_tokens")
+
+
 def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[int], max_model_len: int,
-              model_cfg: Any) -> Tuple[List[ARRow], Path]:
+              model_cfg: Any, count_tokens: Optional[Callable[[str], int]] = None) -> Tuple[List[ARRow], Path]:
     """Read and validate the AR dataset before the engine starts.
 
     Rows: ``{"id", "prompt"}`` or ``{"id", "prompt_token_ids": [int, ...]}`` plus optional ``max_tokens``,
@@ -99,7 +125,9 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
     Args:
         sampling: the model's ``vllm.SamplingParams`` defaults (``model.sampling``).
         vocab_size: the model's vocabulary (token ids must be below it), None when unknown.
-        max_model_len: the engine's limit on prompt + output tokens (token-id rows are checked against it).
+        max_model_len: the engine's limit on prompt + output tokens, in tokens (token-id rows, and text rows when
+            ``count_tokens`` is given, are checked against it).
+        count_tokens: text -> number of prompt tokens as the engine will tokenize it (the model's tokenizer).
 
     Returns:
         ``(rows, path)``.
@@ -188,13 +216,24 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
                 problems.append(f"{where}: field 'prompt_token_ids' has ids outside [0, {vocab_size}) (the model's "
                                 f"vocabulary): min {min(ids)}, max {max(ids)}")
                 bad = True
-            else:
-                want = len(ids) + int(vals.get("max_tokens", sampling.get("max_tokens", 16)))
-                if want > max_model_len:
-                    problems.append(f"{where}: {len(ids)} prompt tokens + max_tokens "
-                                    f"{want - len(ids)} = {want} exceeds max_model_len={max_model_len}; fix: fewer "
-                                    "tokens, or raise engine_extras.max_model_len")
-                    bad = True
+        eff_max = int(vals.get("max_tokens", sampling.get("max_tokens") or 16))  # vLLM's default: 16
+        eff_min = int(vals.get("min_tokens", sampling.get("min_tokens") or 0))
+        if not bad and eff_min > eff_max:
+            problems.append(f"{where}: min_tokens {eff_min} exceeds max_tokens {eff_max} (row or model.sampling); "
+                            "fix: min_tokens <= max_tokens")
+            bad = True
+        n_prompt = None
+        if ids is not None and ids and not bad:
+            n_prompt, kind = len(ids), "prompt tokens"
+        elif ids is None and text is not None and text.strip() and count_tokens is not None and not bad:
+            n_prompt, kind = count_tokens(text), "prompt tokens (the model's tokenizer)"
+        if n_prompt is not None:
+            want = n_prompt + eff_max
+            if want > max_model_len:
+                problems.append(f"{where}: {n_prompt} {kind} + max_tokens {eff_max} = {want} exceeds "
+                                f"max_model_len={max_model_len}; fix: a shorter prompt or smaller max_tokens, or "
+                                "raise model.stages.generate.engine_extras.max_model_len")
+                bad = True
         if bad:
             continue
         row_sampling = {k: v for k, v in vals.items() if k not in ("id", "prompt", "prompt_token_ids", "seed")}
@@ -207,6 +246,18 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
     if not rows:
         raise ds.DatasetError([f"{src}: no rows; fix: add at least one prompt"])
     return rows, src
+
+
+#: Files of a Hugging Face model directory that decide what an AR stage runs: weights, config, tokenizer.
+MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".txt", ".model", ".tiktoken", ".py")
+
+
+def model_files(d: Path) -> Dict[str, str]:
+    """``{file name: sha256}`` of the weight, config and tokenizer files of model directory ``d`` (top level;
+    ``*.safetensors``/``*.bin`` weights, ``config.json``, ``generation_config.json``, tokenizer files, any
+    ``*.safetensors.index.json``), for the manifest's ``model.source.files``."""
+    return {f.name: ds.file_sha256(f) for f in sorted(Path(d).iterdir())
+            if f.is_file() and not f.name.startswith(".") and f.name.endswith(MODEL_FILE_SUFFIXES)}
 
 
 class ARStage:
@@ -276,6 +327,7 @@ class ARStage:
         if bad:
             raise ARConfigError(f"{where}.sampling has {bad}, not vllm.SamplingParams fields this runner passes; "
                                 f"valid: {', '.join(SAMPLING_KEYS)}")
+        check_sampling(where, sampling)
         info = StageInfo(name=self.name, roles=list(m.get("roles") or ["decoder"]), fields=("attention", "linear", "moe"),
                          ctx=SelectionContext(platform_kind=self.plat.kind, sm=self.plat.sm),
                          names=VLLMNames(on_cpu=self.plat.kind == "cpu"))
@@ -287,12 +339,22 @@ class ARStage:
         from vllm import EngineArgs
 
         known = {f.name for f in dataclasses.fields(EngineArgs)}
+        cli = {"attention_backend": ["attention"], "attention_config": ["attention"],
+               "kernel_config": ["moe", "linear"], "moe_backend": ["moe"], "linear_backend": ["linear"]}
+        for key in extras:
+            if key in cli:
+                raise ARConfigError(
+                    f"model.stages.{self.name}.engine_extras.{key}={extras[key]!r}: backends are set through the "
+                    "backend fields (resolved with precedence and checked against what vLLM honours); fix: remove "
+                    "it and pass " + " and/or ".join(f"backend.{f}=NAME" for f in cli[key])
+                    + f" (model.stages.{self.name}.backend.<field>=NAME for this stage only)")
         for key in extras:
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known), n=1)
                 raise ARConfigError(f"model.stages.{self.name}.engine_extras.{key} is not a vllm.EngineArgs field"
                                     + (f"; did you mean {close[0]!r}?" if close else "; fix: remove it"))
         model_dir = self._model_dir(where)
+        user_extras = dict(extras)
         max_model_len = int(extras.pop("max_model_len", 256))
         backends = {f: r.selected for f, r in self.resolutions.items()}
         try:
@@ -302,10 +364,47 @@ class ARStage:
             self.adapter.check_model_dir()
         except VLLMConfigError as e:
             raise ARConfigError(f"stage {self.name}: {e}") from None
+        self._check_engine_args(user_extras)
         cfg_json = json.loads((Path(model_dir) / "config.json").read_text())
         self.vocab_size = cfg_json.get("vocab_size")
         self.max_model_len = max_model_len
         self.sampling = sampling
+        self.model_dir = model_dir
+        self._tokenizer: Any = None
+
+    def _check_engine_args(self, user_extras: Dict[str, Any]) -> None:
+        """Let vLLM validate the engine arguments (``EngineArgs.create_engine_config``: reads config.json, loads no
+        weights, ~2 s) so that a value it refuses (``max_num_seqs=0``, ``max_model_len`` above the model's) is exit 2
+        naming the ``engine_extras`` key, not a crash after the manifest says ``running``."""
+        import pydantic
+        from vllm import EngineArgs
+
+        env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+        try:
+            EngineArgs(**self.adapter.llm_kwargs()).create_engine_config()
+            # variables vLLM sets while building its config (e.g. VLLM_WORKER_MULTIPROC_METHOD): recorded with the
+            # engine's own in model.engine.env_set_by_vllm after load()
+            self.env_set_by_check = {k: v for k, v in os.environ.items() if k.startswith("VLLM_") and env.get(k) != v}
+        except (pydantic.ValidationError, ValueError, TypeError) as e:
+            if isinstance(e, pydantic.ValidationError):
+                why = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ())) or err.get('type')}: "
+                                f"{err.get('msg')}" for err in e.errors())
+            else:
+                why = str(e)
+            why = why.split(". To allow")[0]
+            named = [k for k in user_extras if k in why] or list(user_extras)
+            keys = ", ".join(f"model.stages.{self.name}.engine_extras.{k}={user_extras[k]!r}" for k in named)
+            raise ARConfigError(f"vLLM refuses the engine arguments ({keys or 'the defaults'}): {why}; fix: change "
+                                f"or remove {'that value' if len(named) == 1 else 'those values'}") from None
+
+    def count_tokens(self, text: str) -> int:
+        """Prompt tokens of ``text`` as the engine tokenizes it (the model directory's tokenizer, special tokens
+        added as vLLM's ``generate`` does)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return len(self._tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def _model_dir(self, where: str) -> str:
         """Where the weights/config come from; fills ``self.source``. Raises ARConfigError."""
@@ -321,7 +420,7 @@ class ARStage:
             if not (p / "config.json").is_file():
                 raise ARConfigError(f"{where}.path={m.path!r} is not a local Hugging Face model directory (no "
                                     "config.json); fix: point at the checkpoint directory")
-            self.source = {"kind": "path", "path": str(p.resolve()), "load_format": "auto"}
+            self.source = {"kind": "path", "path": str(p.resolve()), "load_format": "auto", "files": model_files(p)}
             return str(p)
         if not m.get("embedded"):
             raise ARConfigError(f"model {m.get('name')} needs weights: set {where}.path=/checkpoint (or "
@@ -335,7 +434,7 @@ class ARStage:
         d = build(root, arch=arch or None, weights="none" if fmt == "dummy" else "seeded",
                   dtype="float32" if self.dtype_name == "auto" else self.dtype_name)
         self.source = {"kind": "dummy" if fmt == "dummy" else "embedded", "path": str(d), "load_format": fmt,
-                       "architecture": arch}
+                       "architecture": arch, "files": model_files(Path(d))}
         return str(d)
 
     # ------------------------------------------------------------------------------------------------ engine
@@ -348,10 +447,10 @@ class ARStage:
         t0 = time.perf_counter()
         self.adapter.load()
         self.load_s = time.perf_counter() - t0
+        for k, v in getattr(self, "env_set_by_check", {}).items():
+            self.adapter.info.setdefault("env_set_by_vllm", {}).setdefault(k, v)
         if on_loaded is not None:
             on_loaded(self)
-        if self.source.get("kind") == "path":
-            self.source["files"] = {f.name: ds.file_sha256(f) for f in sorted(Path(self.source["path"]).glob("*.safetensors"))}
         self.worker = {"built": self.adapter.inspect(), "config": self.adapter.worker_config()}
         self.observer = StepObserver(self.adapter.llm, profile=bool(self.cfg.evidence.enabled and
                                                                     self.cfg.evidence.profile))
@@ -549,21 +648,29 @@ def run_ar(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     """
     from runner import evidence
     from runner.artifacts import Journal
-    from runner.execute import check_run_values, peak_memory, write_repro
+    from runner.execute import _Stop, check_run_values, peak_memory, write_repro
     from runner.manifest import Manifest, now_iso
     from runner.platform import detect
     from runner.resolve import check_placement
 
     t_start = time.perf_counter()
     out_dir = Path(cfg.output.dir or run_dir)
+    _check_ar_run(cfg)  # first: parallelism=data is refused for AR whatever the launcher
     check_run_values(cfg)
-    _check_ar_run(cfg)
+    held = [n for n in ("manifest.json", "items.jsonl") if (out_dir / n).exists()]
+    if held:
+        from runner.resume import ResumeConflictError
+
+        raise ResumeConflictError(f"{out_dir} already holds a run ({', '.join(held)}); AR runs do not resume and "
+                                  "would mix two runs' records; fix: run into a new dir (hydra.run.dir=<new dir> or "
+                                  "output.dir=<new dir>)")
     check_placement(_default_stage_only(cfg, [DEFAULT_STAGE]), stages=[DEFAULT_STAGE])
     plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
     dtype_name = _dtype_name(cfg, plat)
     stage = ARStage(_default_stage_only(cfg, [DEFAULT_STAGE]), DEFAULT_STAGE, cfg.model, overrides, plat, dtype_name)
     stage.prepare()  # imports vLLM, resolves backends (fail closed), builds the tiny model dir; no engine yet
-    rows, data_path = load_rows(cfg, stage.sampling, stage.vocab_size, stage.max_model_len, cfg.model)
+    rows, data_path = load_rows(cfg, stage.sampling, stage.vocab_size, stage.max_model_len, cfg.model,
+                                count_tokens=stage.count_tokens)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = Manifest(out_dir / "manifest.json")
@@ -579,13 +686,20 @@ def run_ar(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     status, gen_s = "running", 0.0
     journal = Journal(out_dir / "items.jsonl")
     records: List[Dict[str, Any]] = []
+    stop = _Stop()
     try:
+        stop.__enter__()  # SIGINT/SIGTERM: stop after the current batch (re-armed after the engine start, in case
+        # an engine version installs its own handlers; vLLM 0.32 in-process does not)
         stage.load(on_loaded)
+        stop.__exit__(None, None, None)
+        stop.__enter__()
         manifest.section("model", {"name": cfg.model.name, "adapter": "vllm", "source": stage.source,
                                    "load_s": round(stage.load_s, 3), "engine": stage.adapter.info})
         manifest.section("backends", {DEFAULT_STAGE: stage.backends_section()})
         manifest.flush()
         for i in range(0, len(rows), cfg.batch_size):
+            if stop.signum is not None:
+                break
             chunk = rows[i:i + cfg.batch_size]
             t0 = time.perf_counter()
             try:
@@ -609,13 +723,16 @@ def run_ar(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         manifest.section("evidence", {"enabled": True, "pid": os.getpid(), "device": plat.device,
                                       "stages": {DEFAULT_STAGE: section}, "verdict": verdict, "mismatches": mm})
         status = "completed" if counts["failed"] == 0 else "completed_with_failures"
-        if mm:
+        if stop.signum is not None:
+            status = "interrupted"
+        elif mm:
             status = "evidence_mismatch" if cfg.evidence.strict else "limited"
     except BaseException as e:
-        status = "failed"
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         manifest.section("error", f"{type(e).__name__}: {e}")
         raise
     finally:
+        stop.__exit__(None, None, None)
         journal.close()
         stage.close()
         out_tokens = sum(len(r["output_token_ids"]) for r in records)
@@ -633,6 +750,8 @@ def run_ar(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     if status == "evidence_mismatch":
         raise evidence.EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
                                      + "\n  ".join(manifest.doc["evidence"]["mismatches"]))
+    if status == "interrupted":
+        return 128 + (stop.signum or signal.SIGINT)
     return 0 if counts["failed"] == 0 else 1
 
 
@@ -696,7 +815,45 @@ def prepare_upstream(cfg: DictConfig, overrides: Sequence[str], plat: Any, final
                             f"{{prompt}} and {{text}} ({e})") from None
     stage = ARStage(cfg, name, model_cfg_of(cfg, name), overrides, plat, _dtype_name(cfg, plat))
     stage.prepare()
+    check_upstream_prompts(cfg, stage)
     return Upstream(stage=stage, downstream=final_stage, template=template)
+
+
+def check_upstream_prompts(cfg: DictConfig, stage: ARStage) -> None:
+    """Before the engine starts: every dataset prompt, tokenized with the stage model's tokenizer, plus the stage's
+    ``max_tokens`` must fit in its ``max_model_len`` (as ``load_rows`` checks an AR model's rows).
+
+    Raises:
+        dataset.DatasetError: naming each row (line, id), its token count and the fix.
+    """
+    from runner.execute import load_dataset
+
+    rows, src = load_dataset(cfg)
+    max_tokens = int(stage.sampling.get("max_tokens") or 16)
+    problems = []
+    for r in rows:
+        n = stage.count_tokens(r.prompt)
+        if n + max_tokens > stage.max_model_len:
+            problems.append(f"{src}:{r.line}: row {r.id!r}: {n} prompt tokens (stage {stage.name}'s tokenizer) + "
+                            f"max_tokens {max_tokens} = {n + max_tokens} exceeds max_model_len={stage.max_model_len}"
+                            f"; fix: a shorter prompt, or model.stages.{stage.name}.model.sampling.max_tokens / "
+                            f"model.stages.{stage.name}.engine_extras.max_model_len")
+    if problems:
+        raise ds.DatasetError(problems)
+
+
+def compact_stage_journal(path: Path) -> None:
+    """Rewrite an AR stage journal (``expand.jsonl``) atomically with one record per ``key`` (the latest wins), in
+    the order keys first appeared: a resumed pipeline re-runs the stage for the rows it regenerates, and their
+    new records replace the old ones instead of piling up."""
+    from runner.artifacts import atomic_write_bytes
+    from runner.resume import read_journal
+
+    latest: Dict[str, Dict[str, Any]] = {}
+    for r in read_journal(path):
+        latest[r.get("key", r.get("id"))] = r
+    if path.is_file():
+        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in latest.values()).encode())
 
 
 def run_upstream(up: Upstream, items: List[ds.Item], out_dir: Path) -> Tuple[List[ds.Item], Dict[str, Any], Dict[str, Any]]:
@@ -721,17 +878,26 @@ def run_upstream(up: Upstream, items: List[ds.Item], out_dir: Path) -> Tuple[Lis
                for r in rows.values()]
     journal = Journal(out_dir / f"{st.name}.jsonl")
     records: List[Dict[str, Any]] = []
+    from runner.execute import _Stop
+
+    handler = signal.getsignal(signal.SIGINT)
+    stop = getattr(handler, "__self__", None)  # the diffusion loop's _Stop (runner.execute.run), when installed
+    stop = stop if isinstance(stop, _Stop) else None
+    size = max(1, int(st.cfg.batch_size))
     try:
         st.load()
-        recs = st.generate(ar_rows) if ar_rows else []
-        for r in recs:
-            r["status"] = "ok"
-            journal.append(r)
-            records.append(r)
+        for i in range(0, len(ar_rows), size):  # batch_size rows per generate call, so a signal stops in time
+            if stop is not None and stop.signum is not None:
+                break
+            for r in st.generate(ar_rows[i:i + size]):
+                r["status"] = "ok"
+                journal.append(r)
+                records.append(r)
         section, mm = st.evidence_section(records)
     finally:
         journal.close()
         st.close()
+        compact_stage_journal(out_dir / f"{st.name}.jsonl")
     links: Dict[str, Any] = {}
     for r in records:
         if r["index"] != 0:

@@ -8,6 +8,9 @@ library environment variables the original recorded) and then compares:
   files must be byte-identical (sha256 of the files on disk); elsewhere PSNR >= ``--tolerance-db`` (dB; default
   40, recorded in the result) and the maximum absolute pixel difference (0..255) is reported. An original file
   that no longer matches the sha256 in its ``items.jsonl`` record is named as modified after the run;
+* AR records (vLLM stages: ``items.jsonl`` of ``model=tiny_qwen3_moe``, ``expand.jsonl`` of a pipeline), per
+  record key: the ``output_token_ids`` must be identical (on every platform; ``--tolerance-db`` applies to images
+  only), shown as the sha256 of the token-id list;
 * the ``backends`` section: the selected (and resolved) value of every stage and field must be unchanged;
 * the dataset sha256 and, for runs refused at startup, the status and error type.
 
@@ -41,9 +44,57 @@ def _sha(path: Path) -> Optional[str]:
         return None
 
 
-def _items(run_dir: Path) -> Dict[str, Dict[str, Any]]:
+def _tokens_sha(ids: Any) -> Optional[str]:
+    return None if ids is None else hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+
+
+def _ar_journals(run_dir: Path) -> List[str]:
+    """Journals of the run holding AR records (``output_token_ids``): ``items.jsonl`` of an AR model, the AR
+    stage's ``<stage>.jsonl`` of a pipeline."""
+    out = []
+    for p in sorted(run_dir.glob("*.jsonl")):
+        if p.name.startswith("items.") and p.name != "items.jsonl":
+            continue
+        if any("output_token_ids" in r for r in _items(run_dir, p.name).values()):
+            out.append(p.name)
+    return out
+
+
+def _compare_tokens(orig_dir: Path, new_dir: Path, name: str) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Per AR record of ``name``: the re-run's ``output_token_ids`` must equal the original's."""
+    rows, problems = [], []
+    oi, ni = _items(orig_dir, name), _items(new_dir, name)
+    label = "" if name == "items.jsonl" else f"{name}:"
+    for key, r in oi.items():
+        if r.get("status") != "ok" or "output_token_ids" not in r:
+            continue
+        n = ni.get(key)
+        row: Dict[str, Any] = {"key": f"{label}{key}", "original_sha256": _tokens_sha(r["output_token_ids"]),
+                               "new_sha256": None, "psnr_db": None, "max_abs_diff": None, "ok": False}
+        if n is None or n.get("status") != "ok" or n.get("output_token_ids") is None:
+            verdict = "missing in re-run" + (f" ({n.get('status')}: {n.get('reason')})" if n else "")
+        else:
+            row["new_sha256"] = _tokens_sha(n["output_token_ids"])
+            a, b = r["output_token_ids"], n["output_token_ids"]
+            if a == b:
+                verdict = "ok"
+            else:
+                first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                verdict = (f"output_token_ids differ from token {first} ({len(a)} original vs {len(b)} re-run "
+                           "tokens)")
+        row["ok"] = verdict == "ok"
+        row["verdict"] = verdict
+        if not row["ok"]:
+            problems.append(f"item {row['key']!r}: {verdict}")
+        rows.append(row)
+    extra = [k for k, n in ni.items() if n.get("status") == "ok" and "output_token_ids" in n and k not in oi]
+    problems += [f"item {label}{k!r}: only in the re-run" for k in extra]
+    return rows, problems
+
+
+def _items(run_dir: Path, name: str = "items.jsonl") -> Dict[str, Dict[str, Any]]:
     out = {}
-    p = run_dir / "items.jsonl"
+    p = run_dir / name
     if p.exists():
         for line in p.read_text().splitlines():
             try:
@@ -147,6 +198,13 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
         if notes:
             problems.append(f"item {key!r}: {row['verdict']}")
         rows.append(row)
+    for name in _ar_journals(orig_dir):
+        tok_rows, tok_problems = _compare_tokens(orig_dir, new_dir, name)
+        rows += tok_rows
+        problems += tok_problems
+    if mo.get("status") not in ("refused", "invalid") and not rows:
+        problems.append(f"{orig_dir} holds no ok item to compare (no image file, no AR output); nothing was "
+                        "reproduced")
     notes = []  # informational: a changed code or library version explains a mismatch but is not one
     ga, gb = mo.get("git") or {}, mn.get("git") or {}
     if ga.get("commit") != gb.get("commit") or gb.get("dirty"):
@@ -154,7 +212,7 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
                      f"{str(gb.get('commit'))[:12]} (dirty={gb.get('dirty')})")
     pa, pb = mo.get("packages") or {}, mn.get("packages") or {}
     notes += [f"package {k}: {pa.get(k)} -> {pb.get(k)}" for k in sorted(set(pa) | set(pb)) if pa.get(k) != pb.get(k)]
-    extra = [k for k, n in ni.items() if n.get("status") == "ok" and k not in oi]
+    extra = [k for k, n in ni.items() if n.get("status") == "ok" and k not in oi and "output_token_ids" not in n]
     problems += [f"item {k!r}: only in the re-run" for k in extra]
     return {"ok": not problems, "mode": "bytes" if exact else "psnr", "tolerance_db": None if exact else tolerance_db,
             "original": str(orig_dir), "rerun": str(new_dir), "platform": kind, "items": rows, "problems": problems, "notes": notes}
