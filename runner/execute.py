@@ -114,6 +114,11 @@ def check_run_values(cfg: DictConfig) -> None:
                                "or parallelism=data")
     if mode not in ("single", "data"):
         raise ConfigValueError(f"parallelism.mode={mode!r} is not one of single, data, cfg, ulysses")
+    stages = list(cfg.model.get("pipeline") or [])
+    if mode == "data" and len(stages) > 1:  # before the launcher checks: no launcher makes this work
+        raise ConfigValueError(f"parallelism=data with the multi-stage model={cfg.model.name} (pipeline {stages}): its "
+                               "AR stage runs on one vLLM engine, so data parallelism is not supported yet; fix: "
+                               "parallelism=single")
     from runner.distributed import torchrun_worker
 
     tw = torchrun_worker()

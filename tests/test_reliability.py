@@ -622,6 +622,8 @@ BAD_INPUTS = [
      [r"dtype='float64' is not one of auto, float32, bfloat16, float16"]),
     ("parallelism-data", None, ["parallelism.mode=data"], ConfigValueError, [r"parallelism(\.mode)?='?data"]),
     ("parallelism-ulysses", None, ["parallelism.mode=ulysses"], ConfigValueError, [r"ulysses.*not implemented"]),
+    ("pipeline-data-parallel", None, ["model=prompt_expand_flux", "parallelism=data"], ConfigValueError,
+     [r"parallelism=data with the multi-stage model=prompt_expand_flux", r"fix: parallelism=single"]),
 ]
 
 
