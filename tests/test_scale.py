@@ -77,7 +77,8 @@ def test_torchrun_two_workers_equal_single(tmp_path, single):
 
 def test_torchrun_killed_worker_then_resume(tmp_path, single):
     d = tmp_path / "dpk"
-    args = ["parallelism=data", "dataset.limit=16", f"hydra.run.dir={d}"]
+    slow = "model.generation.num_inference_steps=12"  # 3x the default: rank 1 is still busy when it is killed
+    args = ["parallelism=data", "dataset.limit=16", slow, f"hydra.run.dir={d}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner", "model=tiny_flux",
            *args]
     p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -100,7 +101,7 @@ def test_torchrun_killed_worker_then_resume(tmp_path, single):
     assert w1["resumed_from"] == "running"  # the manifest says rank 1 died in the first attempt
     assert w1["counts"]["reused"] >= 1  # its finished rows were kept, not regenerated
     ref = tmp_path / "ref"
-    r = _runner(["dataset.limit=16", f"hydra.run.dir={ref}"], cwd=tmp_path)
+    r = _runner(["dataset.limit=16", slow, f"hydra.run.dir={ref}"], cwd=tmp_path)
     assert r.returncode == 0
     assert _hashes(d) == _hashes(ref)
     assert not [p for p in d.rglob("*") if ".tmp" in p.name]
