@@ -856,8 +856,11 @@ def compact_stage_journal(path: Path) -> None:
         atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in latest.values()).encode())
 
 
-def run_upstream(up: Upstream, items: List[ds.Item], out_dir: Path) -> Tuple[List[ds.Item], Dict[str, Any], Dict[str, Any]]:
+def run_upstream(up: Upstream, items: List[ds.Item], out_dir: Path,
+                 stop: Optional[Any] = None) -> Tuple[List[ds.Item], Dict[str, Any], Dict[str, Any]]:
     """Run the AR stage once per dataset row of ``items`` and feed its text into the rows' prompts.
+
+    ``stop``: the run's ``runner.execute._Stop``; after a signal no further ``batch_size`` rows are generated.
 
     Writes ``<stage>.jsonl`` (one record per AR output, as ``run_ar`` writes them).
 
@@ -878,11 +881,6 @@ def run_upstream(up: Upstream, items: List[ds.Item], out_dir: Path) -> Tuple[Lis
                for r in rows.values()]
     journal = Journal(out_dir / f"{st.name}.jsonl")
     records: List[Dict[str, Any]] = []
-    from runner.execute import _Stop
-
-    handler = signal.getsignal(signal.SIGINT)
-    stop = getattr(handler, "__self__", None)  # the diffusion loop's _Stop (runner.execute.run), when installed
-    stop = stop if isinstance(stop, _Stop) else None
     size = max(1, int(st.cfg.batch_size))
     try:
         st.load()

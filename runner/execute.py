@@ -222,24 +222,22 @@ def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compi
 
 
 @contextlib.contextmanager
-def deterministic_compile(enabled: bool) -> Iterator[Optional[bool]]:
+def deterministic_compile(enabled: bool) -> Iterator[None]:
     """Inductor's deterministic mode (``torch._inductor.config.deterministic``: no on-device benchmarking of kernel
     configurations that change numerics) for everything compiled inside, restored on exit.
 
     The flag is set through ``torch.use_deterministic_algorithms(True, warn_only=True)``: dynamo re-applies that
     global after converting each frame (``torch/_dynamo/convert_frame.py``), which resets an Inductor flag set on
     its own after the first compiled block. ``warn_only`` keeps eager ops without a deterministic kernel running
-    (they warn instead of raising). Yields Inductor's flag as seen inside (None: this torch has no such mode).
+    (they warn instead of raising).
     """
-    import torch._inductor.config as inductor_config
-
     if not enabled:
-        yield getattr(inductor_config, "deterministic", None)
+        yield
         return
     prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        yield getattr(inductor_config, "deterministic", None)
+        yield
     finally:
         torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
 
@@ -580,6 +578,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     probes: Dict[str, Any] = {}
     denoiser = None
     graphs_before: Optional[int] = None
+    inductor_deterministic: Optional[bool] = None
     links: Dict[str, Any] = {}
     up_ev: Optional[Dict[str, Any]] = None
     journal = Journal(out_dir / journal_name)
@@ -598,7 +597,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     try:
         with stop, contextlib.ExitStack() as scoped:
             if todo and upstream is not None:  # the AR stage runs first (its engine is shut down before FLUX loads)
-                todo, links, up_ev = run_upstream(upstream, todo, out_dir)
+                todo, links, up_ev = run_upstream(upstream, todo, out_dir, stop)
                 backends_doc[upstream.stage.name] = upstream.stage.backends_section()
                 manifest.section("backends", backends_doc)
                 manifest.section("pipeline", {**manifest.doc["pipeline"], "links": len(links),
@@ -606,8 +605,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                                                                     "source": up_ev["source"]}})
                 manifest.flush()
             batches = list(ds.batches(todo, cfg.batch_size))  # after the AR stage: prompts may have changed
-            inductor_deterministic = scoped.enter_context(  # noqa: F841 - re-read after the warm-up
-                deterministic_compile(cfg.compile != "none" and bool(cfg.optimize.deterministic_compile)))
+            det = cfg.compile != "none" and bool(cfg.optimize.deterministic_compile)
+            scoped.enter_context(deterministic_compile(det))
             if todo:
                 t0 = time.perf_counter()
                 adapter.load()
