@@ -20,6 +20,16 @@ REPO = Path(__file__).resolve().parent.parent
 ROWS = 6
 
 
+def _installed(module: str) -> bool:
+    """``module`` importable; a missing parent package (``hydra_plugins``) counts as not installed."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def _env():
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.pop("RANK", None)
@@ -107,7 +117,7 @@ def test_torchrun_killed_worker_then_resume(tmp_path, single):
     assert not [p for p in d.rglob("*") if ".tmp" in p.name]
 
 
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("ray"), reason="ray not installed (extra: scale)")
+@pytest.mark.skipif(not _installed("ray"), reason="ray not installed (extra: scale)")
 def test_ray_two_workers_equal_single(tmp_path, single):
     d = tmp_path / "ray"
     r = _runner(["parallelism=data", "launcher=ray", "launcher.num_workers=2", f"dataset.limit={ROWS}",
@@ -116,7 +126,7 @@ def test_ray_two_workers_equal_single(tmp_path, single):
     _check_merged(d, single, 2, "ray")
 
 
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("hydra_plugins.hydra_submitit_launcher"),
+@pytest.mark.skipif(not _installed("hydra_plugins.hydra_submitit_launcher"),
                     reason="hydra-submitit-launcher not installed (extra: scale)")
 def test_submitit_local_two_job_sweep(tmp_path):
     sw = tmp_path / "sweep"
@@ -143,7 +153,7 @@ def test_data_parallel_without_workers_refuses(tmp_path):
     assert "torchrun" in (r.stdout + r.stderr)
 
 
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("ray"), reason="ray not installed (extra: scale)")
+@pytest.mark.skipif(not _installed("ray"), reason="ray not installed (extra: scale)")
 def test_ray_killed_worker_then_resume(tmp_path):
     d = tmp_path / "rk"
     slow = "model.generation.num_inference_steps=12"  # 3x the default: rank 1 is still busy when it is killed
