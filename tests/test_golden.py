@@ -1,0 +1,42 @@
+"""Artifacts of the two embedded defaults are byte-identical to those recorded before the architecture change
+(``tests/data/golden_artifacts.json``, recorded at commit 5c202f4 with the torch build named there).
+
+A restructuring that changes what is computed (a swapped seed, another batch composition, another PNG encoder
+setting, a backend installed differently) changes at least one hash. The hashes hold for the recorded CPU torch
+build; with another torch build float rounding may differ, so the comparison is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = json.loads((REPO_ROOT / "tests" / "data" / "golden_artifacts.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["toy_shapes", "tiny_flux"])
+def test_artifacts_match_recorded_hashes(model, tmp_path, subprocess_env):
+    if torch.__version__ != GOLDEN["recorded_with"]["torch"]:
+        pytest.skip(f"hashes were recorded with torch {GOLDEN['recorded_with']['torch']}, this is {torch.__version__}")
+    run_dir = tmp_path / "run"
+    env = dict(subprocess_env, PYTHONPATH=str(REPO_ROOT) + os.pathsep + subprocess_env.get("PYTHONPATH", ""))
+    args = [sys.executable, "-m", "runner", f"model={model}", "platform=cpu", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+           for p in sorted((run_dir / "images").glob("*.png"))}
+    want = GOLDEN[model]
+    assert sorted(got) == sorted(want), "a different set of artifacts was written"
+    changed = [k for k in want if got[k] != want[k]]
+    assert not changed, f"{len(changed)} of {len(want)} artifacts changed: {changed[:5]}"
+    items = [json.loads(line) for line in (run_dir / "items.jsonl").read_text().splitlines()]
+    assert {it["file"]: it["file_sha256"] for it in items} == want
