@@ -1,4 +1,4 @@
-"""FLUX.1 pipeline adapter (diffusers ``FluxPipeline``).
+"""FLUX.1 engine (diffusers ``FluxPipeline``).
 
 Three ways to get weights, one loading path:
 
@@ -21,13 +21,15 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
+from models.diffusers_engine import DiffusersEngine
 from runner.dataset import BUILTIN_PROMPTS, Item, file_sha256
+from runner.errors import ConfigValueError, UserInputError
 
 # Bump when the embedded-model recipe changes, so caches made by an older recipe are not reused.
 EMBEDDED_RECIPE = 2
 
 
-class ModelPathError(ValueError):
+class ModelPathError(UserInputError):
     """``model.path`` does not point at a diffusers pipeline snapshot."""
 
 
@@ -128,24 +130,18 @@ def embedded_snapshot(name: str, arch: Dict[str, Any], cache_dir: Optional[str])
     return target
 
 
-class FluxAdapter:
-    """Builds and runs a diffusers ``FluxPipeline`` for the runner loop.
+class FluxEngine(DiffusersEngine):
+    """The FLUX.1 family on diffusers' ``FluxPipeline`` (engine ``flux``; the loop's protocol comes from
+    :class:`models.diffusers_engine.DiffusersEngine`, this class holds the model knowledge).
 
     The transformer's attention modules (``FluxAttention``) are the call sites of the model's single attention
-    role, ``joint`` (text and image tokens attend jointly in double- and single-stream blocks).
+    role, ``joint`` (text and image tokens attend jointly in double- and single-stream blocks). A pipeline call
+    makes ``num_inference_steps`` transformer forwards, twice that under true CFG (a negative prompt with
+    ``true_cfg_scale`` > 1).
     """
 
-    stage = "denoise"
     backend_fields = ("attention", "linear")  # no MoE layers in FLUX.1
     needs_mask = False  # FluxAttnProcessor passes attention_mask=None on the text-to-image path
-
-    def __init__(self, model_cfg: Any, device: str, dtype: torch.dtype, cache_dir: Optional[str] = None):
-        self.cfg = model_cfg
-        self.device = device
-        self.dtype = dtype
-        self.cache_dir = cache_dir
-        self.pipe = None
-        self.source: Dict[str, Any] = {}
 
     # ----------------------------------------------------------------------------------------------- loading
     def resolve_source(self) -> Dict[str, Any]:
@@ -188,7 +184,7 @@ class FluxAdapter:
             return int(cfg["attention_head_dim"])
         return int(self.cfg.architecture["transformer"]["attention_head_dim"])
 
-    def load(self) -> None:
+    def load_pipeline(self) -> None:
         """Build the pipeline on ``self.device`` in ``self.dtype``; records weight-file hashes in ``source``."""
         from diffusers import FluxPipeline
 
@@ -283,7 +279,7 @@ class FluxAdapter:
             applied["vae_channels_last"] = True
         return applied
 
-    def warmup(self, batch: List[Item], steps: int = 2) -> None:
+    def warmup_call(self, batch: List[Item], steps: int = 2) -> None:
         """One pipeline call of ``steps`` denoising steps at ``batch``'s shape and size, output discarded, so that
         ``torch.compile`` (static shapes) compiles before the timed loop; the phase timers are reset after it.
         Uses its own generator, so no row's noise changes."""
@@ -297,7 +293,32 @@ class FluxAdapter:
             self.phase_s[k] = 0.0
 
     # ------------------------------------------------------------------------------------------ generation
-    def generate(self, batch: List[Item]) -> List[np.ndarray]:
+    def expected_forwards(self, batch: List[Item]) -> int:
+        """Transformer forwards one ``FluxPipeline`` call makes for ``batch``: steps, doubled under true CFG."""
+        r = batch[0].row
+        true_cfg = float(self.cfg.generation.true_cfg_scale)
+        return r.num_inference_steps * (2 if r.negative_prompt is not None and true_cfg > 1 else 1)
+
+    def check_rows(self, rows: List[Any], path: Any) -> None:
+        """Rows' ``expect`` attributes are checked against the model's oracle (``model.oracle``)."""
+        if self.cfg.oracle == "toy_shapes":
+            from models.toy_shapes.oracle import check_expectations
+
+            check_expectations(rows, path)
+
+    def accuracy(self, items: List[Item], records: Dict[str, Dict[str, Any]], out_dir: Path
+                 ) -> Optional[Dict[str, Any]]:
+        """Share of items whose image matches the row's ``expect``, read back by the model's oracle
+        (``model.oracle``); None when the model has no oracle or no row carries expectations."""
+        if not self.cfg.oracle or not any(it.row.expect for it in items):
+            return None
+        if self.cfg.oracle != "toy_shapes":
+            raise ConfigValueError(f"model.oracle={self.cfg.oracle!r} is not known; fix: toy_shapes or null")
+        from models.toy_shapes.oracle import accuracy_section
+
+        return accuracy_section(items, records, out_dir)
+
+    def call(self, batch: List[Item]) -> List[np.ndarray]:
         """Generate one image per item; all items share ``shape_key``.
 
         Returns:

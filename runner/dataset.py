@@ -112,7 +112,7 @@ def derive_seed(run_seed: int, row_id: str) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-def _read_raw(fmt: str, path: Path) -> List[tuple[int, Dict[str, Any]]]:
+def read_raw(fmt: str, path: Path) -> List[tuple[int, Dict[str, Any]]]:
     """Return ``(line_number, raw_row)`` pairs; raise DatasetError on unreadable or malformed input."""
     try:
         data = path.read_bytes()
@@ -162,7 +162,7 @@ def _read_raw(fmt: str, path: Path) -> List[tuple[int, Dict[str, Any]]]:
     return rows
 
 
-def _coerce(value: Any, typ: type, from_text: bool) -> Any:
+def coerce(value: Any, typ: type, from_text: bool) -> Any:
     """Convert a raw value to ``typ`` (text cells from CSV are parsed); raise ValueError when impossible."""
     if typ is str:
         if from_text or isinstance(value, str):
@@ -229,7 +229,7 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
         src = Path(path).expanduser()
         if not src.is_file():
             raise DatasetError([f"dataset.path: {path!r} is not a file; fix: pass the path of an existing .{fmt} file"])
-    raw = _read_raw(fmt, src)
+    raw = read_raw(fmt, src)
     if limit is not None:
         raw = raw[:limit]
     problems: List[str] = []
@@ -248,7 +248,7 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
             if value is None:
                 continue
             try:
-                vals[key] = _coerce(value, ROW_FIELDS[key], from_text)
+                vals[key] = coerce(value, ROW_FIELDS[key], from_text)
             except (ValueError, TypeError):
                 kind = {str: "a string", int: "an integer", float: "a number", dict: "an object"}[ROW_FIELDS[key]]
                 problems.append(f"{where}: field {key!r} = {value!r} is not {kind}; fix: write it as {kind}"

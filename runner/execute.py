@@ -1,7 +1,14 @@
-"""The runner loop: validate, resolve, load, generate every item, write artifacts and the manifest.
+"""The one run loop, for every engine and for multi-stage pipelines (:func:`run`).
 
 Order matters and is the product's promise: everything that can be checked without weights (config values,
-dataset rows, platform, backend selection) is checked before the model loads.
+dataset rows, platform, backend selection) is checked for every stage before any stage loads. The steps:
+
+1. check the run config; build the stage graph's engines from the registry (``models.registry``);
+2. prepare every stage: engine config checks, platform, weight sources and backends resolved (fail closed);
+3. read and check the dataset rows; items; resume or refuse a dir that holds a run; the manifest header;
+4. per stage, in graph order: load -> batch -> generate -> sink (durable file, then journal line) -> checkpoint;
+   an upstream stage's outputs rewrite the next stage's prompts;
+5. verdict: evidence of every stage that ran, the model's oracle, timing, the final manifest, the exit code.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -24,18 +32,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import dataset as ds
 from runner import evidence, resume
-from runner.artifacts import ArtifactWriter, Journal, atomic_write_bytes
+from runner.artifacts import atomic_write_bytes
+from runner.errors import ConfigValueError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.platform import detect
+from runner.sinks import SINKS, compact_journal, read_journal
 
 log = logging.getLogger("runner")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ConfigValueError(ValueError):
-    """A run-level config value is out of range (names the field, the value and the fix)."""
 
 
 def resolve_dtype(name: str, platform_kind: str) -> torch.dtype:
@@ -51,7 +57,7 @@ def resolve_dtype(name: str, platform_kind: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _check_schema(cfg: DictConfig) -> None:
+def check_schema(cfg: DictConfig) -> None:
     """Re-validate against the structured schema: Hydra's ``+key=value`` appends keys with ``force_add`` and so
     bypasses it (``+model.nme=x`` composes). Raises ConfigValueError naming the key."""
     from omegaconf.errors import OmegaConfBaseException
@@ -67,12 +73,12 @@ def _check_schema(cfg: DictConfig) -> None:
 
 
 def check_run_values(cfg: DictConfig) -> None:
-    """Range checks of run-level fields that Hydra's type checks cannot express.
+    """Range checks of run-level fields that Hydra's type checks cannot express (a model's own fields are checked
+    by its engine's ``check_config``).
 
     Raises:
         ConfigValueError: naming the field, the value and the fix.
     """
-    _check_schema(cfg)
     if cfg.batch_size < 1:
         raise ConfigValueError(f"batch_size={cfg.batch_size} must be >= 1; fix: batch_size=1")
     if cfg.dataset.limit is not None and cfg.dataset.limit < 1:
@@ -80,24 +86,6 @@ def check_run_values(cfg: DictConfig) -> None:
     if cfg.output.image_format != "png":
         raise ConfigValueError(f"output.image_format={cfg.output.image_format!r}: only png is written (lossless, so "
                                "artifacts can be compared byte for byte); fix: output.image_format=png")
-    g = cfg.model.generation
-    m = cfg.model.size_multiple
-    for key in ("width", "height"):  # defaults are checked here so errors name the config key, not a data file
-        if g[key] <= 0 or g[key] % m:
-            raise ConfigValueError(f"model.generation.{key}={g[key]} is not a positive multiple of {m} (model "
-                                   f"{cfg.model.name}); fix: e.g. model.generation.{key}={max(m, round(g[key] / m) * m)}")
-    if cfg.max_pixels >= 1 and g.width * g.height > cfg.max_pixels:
-        raise ConfigValueError(f"model.generation width x height = {g.width}x{g.height} exceeds max_pixels="
-                               f"{cfg.max_pixels}; fix: smaller sizes, or raise max_pixels")
-    if g.num_inference_steps < 1:
-        raise ConfigValueError(f"model.generation.num_inference_steps={g.num_inference_steps} must be >= 1")
-    if g.max_sequence_length < 1:
-        raise ConfigValueError(f"model.generation.max_sequence_length={g.max_sequence_length} must be >= 1")
-    import math
-
-    for key in ("guidance_scale", "true_cfg_scale"):
-        if not math.isfinite(g[key]) or g[key] < 0:
-            raise ConfigValueError(f"model.generation.{key}={g[key]} must be a finite number >= 0")
     if cfg.num_images_per_prompt < 1:
         raise ConfigValueError(f"num_images_per_prompt={cfg.num_images_per_prompt} must be >= 1")
     if cfg.max_pixels < 1:
@@ -130,198 +118,11 @@ def check_run_values(cfg: DictConfig) -> None:
                                "parallelism=data` or add launcher=ray")
 
 
-def make_adapter(cfg: DictConfig, device: str, dtype: torch.dtype):
-    """The pipeline adapter named by ``model.adapter``.
-
-    Raises:
-        ConfigValueError: unknown adapter.
-    """
-    if cfg.model.adapter == "flux":
-        from models.flux import FluxAdapter
-
-        return FluxAdapter(cfg.model, device, dtype, cache_dir=cfg.cache_dir)
-    raise ConfigValueError(f"model.adapter={cfg.model.adapter!r} is not known; fix: flux, or vllm (AR models, "
-                           "run by runner.ar)")
-
-
-def _user_errors() -> tuple:
-    from kernels.attention import AttentionWiringError
-    from kernels.registry import BackendError
-    from models.flux import ModelPathError
-    from runner.ar import ARConfigError
-    from runner.platform import PlatformError
-
-    return (ds.DatasetError, ARConfigError, ConfigValueError, BackendError, PlatformError, ModelPathError, AttentionWiringError,
-            evidence.EvidenceError, resume.ResumeConflictError)
-
-
 LIBRARY_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
                "TORCH_CUDNN_SDPA_ENABLED", "PYTORCH_CUDA_ALLOC_CONF")
 
 
-def resolve_backends(cfg: DictConfig, overrides: Sequence[str], adapter: Any, plat: Any, dtype: torch.dtype):
-    """Resolve the stage's backends under the precedence contract and check they can run here (no weights load).
-
-    Returns:
-        ``({field: FieldResolution}, engine_extras)`` of the adapter's stage.
-
-    Raises:
-        kernels.registry.BackendError subclasses, naming the field, the value, the reason and the fix.
-    """
-    from kernels.registry import SelectionContext
-    from runner.resolve import StageInfo, check_placement, cli_keys, resolve_stage
-
-    check_placement(cfg, stages=[adapter.stage, *[s for s in (cfg.model.pipeline or []) if s != adapter.stage]])
-    ctx = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=dtype, head_dim=adapter.head_dim(),
-                           needs_mask=adapter.needs_mask, sequence_parallel=False)
-    from kernels.attention import DIFFUSERS_BACKEND
-
-    info = StageInfo(name=adapter.stage, roles=list(cfg.model.roles), fields=adapter.backend_fields, ctx=ctx,
-                     wired={"attention": list(DIFFUSERS_BACKEND)})
-    resolutions, extras = resolve_stage(cfg, cli_keys(overrides), info)
-    from kernels.attention import plan
-
-    for spec in resolutions["attention"].selected.values():  # wiring problems surface now, not after loading
-        plan(spec["backend"], plat.sm)
-    if extras and not getattr(adapter, "reads_engine_extras", False):
-        import difflib
-
-        from runner.resolve import LEGACY_KEYS, MisplacedBackendKeyError
-
-        key = sorted(extras)[0]
-        close = difflib.get_close_matches(key, list(LEGACY_KEYS.values()), n=1)
-        raise MisplacedBackendKeyError(
-            f"model.stages.{adapter.stage}.engine_extras.{key} is not read: the {adapter.stage!r} stage's engine "
-            f"(diffusers) takes no engine_extras" + (f"; did you mean the legacy key {close[0]!r}?" if close else
-                                                      "; fix: remove it"))
-    return resolutions, extras
-
-
-def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compile_mode: str = "none",
-                     observe: bool = True) -> Dict[str, Any]:
-    """Wire the selected attention and linear implementations into the loaded model, with their probes, then
-    compile if asked (``regional``: ``torch.compile`` of each repeated transformer block, diffusers'
-    ``compile_repeated_blocks``). Compiled runs keep no Python call counters; the profiler gives their evidence.
-    ``observe=False`` (``evidence.enabled=false``) installs the same implementations without any probe.
-    Compilation itself happens at the first call (the warm-up), under :func:`deterministic_compile`.
-
-    Raises:
-        ConfigValueError: unknown ``compile`` mode.
-    """
-    from kernels import attention, linear
-
-    if compile_mode not in ("none", "regional"):
-        raise ConfigValueError(f"compile={compile_mode!r} is not one of none, regional")
-    observe = observe and compile_mode == "none"
-    sites = attention.install(adapter.stage, adapter.attention_sites(), resolutions["attention"].selected, plat.sm,
-                              observe=observe)
-    lin = linear.install(adapter.denoiser, resolutions["linear"].selected, observe=observe)
-    if compile_mode == "regional":
-        adapter.denoiser.compile_repeated_blocks(fullgraph=False, dynamic=False)
-    return {"attention": sites, "linear": lin, "observed": observe}
-
-
-@contextlib.contextmanager
-def deterministic_compile(enabled: bool) -> Iterator[None]:
-    """Inductor's deterministic mode (``torch._inductor.config.deterministic``: no on-device benchmarking of kernel
-    configurations that change numerics) for everything compiled inside, restored on exit.
-
-    The flag is set through ``torch.use_deterministic_algorithms(True, warn_only=True)``: dynamo re-applies that
-    global after converting each frame (``torch/_dynamo/convert_frame.py``), which resets an Inductor flag set on
-    its own after the first compiled block. ``warn_only`` keeps eager ops without a deterministic kernel running
-    (they warn instead of raising).
-    """
-    if not enabled:
-        yield
-        return
-    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
-
-
-def available_bytes(plat: Any) -> Optional[int]:
-    """Free memory where the weights will live: the GPU's free bytes, or the host's MemAvailable (Linux)."""
-    if plat.kind in ("cuda", "rocm"):
-        return torch.cuda.mem_get_info(torch.cuda.current_device())[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def check_memory(adapter: Any, plat: Any) -> None:
-    """Refuse before loading when the weights alone cannot fit (``load_format=dummy`` sizes are known exactly).
-
-    Raises:
-        ConfigValueError: naming the model, the bytes needed and available, and the fix.
-    """
-    need = adapter.weight_bytes() if hasattr(adapter, "weight_bytes") else None
-    have = available_bytes(plat)
-    if need is None or have is None or need <= have:
-        return
-    raise ConfigValueError(
-        f"model={adapter.cfg.name} needs {need / 2**30:.1f} GiB for its weights in "
-        f"{str(adapter.dtype).replace('torch.', '')} on {plat.device}, but only {have / 2**30:.1f} GiB is free; fix: "
-        "run it on a GPU (platform=cuda dtype=bfloat16), or use model=tiny_flux / model=toy_shapes on this machine")
-
-
-def load_dataset(cfg: DictConfig) -> tuple:
-    """The run's dataset rows, validated, with the run's and the model's defaults filled in.
-
-    Returns:
-        ``(rows, path)``. Raises dataset.DatasetError.
-    """
-    g = cfg.model.generation
-    defaults = dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
-                    guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt)
-    rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
-                              size_multiple=cfg.model.size_multiple, max_pixels=cfg.max_pixels,
-                              limit=cfg.dataset.limit, builtin=cfg.model.builtin_prompts)
-    if cfg.model.oracle == "toy_shapes":
-        check_expectations(rows, path)
-    return rows, path
-
-
-def check_expectations(rows: List[ds.Row], path: Any) -> None:
-    """``expect`` of every row names attributes the toy_shapes oracle reads (``color``, ``shape``, ``position``)
-    with values it can return; a typo would otherwise count as a miss (or as not stated) in ``accuracy``.
-
-    Raises:
-        dataset.DatasetError: naming the file and line, the key or value, the valid ones and the closest match.
-    """
-    import difflib
-
-    from models.toy_shapes.data import COLORS, POSITIONS, SHAPES
-
-    valid = {"color": list(COLORS), "shape": list(SHAPES), "position": list(POSITIONS)}
-    problems = []
-    for r in rows:
-        for key, value in (r.expect or {}).items():
-            if key not in valid:
-                close = difflib.get_close_matches(key, list(valid), n=1)
-                problems.append(f"{path}:{r.line}: expect.{key} is not an attribute the toy_shapes oracle reads; "
-                                f"valid: {', '.join(valid)}" + (f"; fix: expect.{close[0]}" if close else ""))
-            elif value not in valid[key]:
-                close = difflib.get_close_matches(str(value), valid[key], n=1)
-                problems.append(f"{path}:{r.line}: expect.{key}={value!r} is not a value the oracle returns; valid: "
-                                f"{', '.join(valid[key])}" + (f"; fix: {close[0]!r}" if close else ""))
-    if problems:
-        raise ds.DatasetError(problems)
-
-
-def expected_forwards(batch: List[ds.Item], true_cfg_scale: float) -> int:
-    """Denoiser forwards a FluxPipeline call makes for ``batch``: steps, doubled under true CFG."""
-    r = batch[0].row
-    return r.num_inference_steps * (2 if r.negative_prompt is not None and true_cfg_scale > 1 else 1)
-
-
-class _Stop:
+class Stop:
     """SIGINT/SIGTERM handling: the first signal asks the loop to stop after the current batch; a second one
     exits at once (every write is atomic or an fsynced journal line, so nothing is left half-written)."""
 
@@ -329,7 +130,7 @@ class _Stop:
         self.signum: Optional[int] = None
         self._old: Dict[int, Any] = {}
 
-    def __enter__(self) -> "_Stop":
+    def __enter__(self) -> "Stop":
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -345,6 +146,12 @@ class _Stop:
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old = {}
+
+    def rearm(self) -> None:
+        """Install the handlers again (after an engine start, in case an engine version installs its own)."""
+        self.__exit__(None, None, None)
+        self.__enter__()
 
 
 def peak_memory(kind: str) -> Dict[str, Any]:
@@ -393,84 +200,178 @@ def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any
     path.chmod(0o755)
 
 
-def accuracy_section(cfg: DictConfig, items: List[ds.Item], out_dir: Path, journal: str) -> Optional[Dict[str, Any]]:
-    """Share of items whose image matches the row's ``expect`` attributes, read back by the model's oracle
-    (``model.oracle``); None when the model has no oracle or no row carries expectations. Items that failed or
-    are missing count as misses."""
-    if not cfg.model.oracle or not any(it.row.expect for it in items):
-        return None
-    if cfg.model.oracle != "toy_shapes":
-        raise ConfigValueError(f"model.oracle={cfg.model.oracle!r} is not known; fix: toy_shapes or null")
-    from PIL import Image
+# ------------------------------------------------------------------------------------------------- stage graph
+@dataclass
+class StageSpec:
+    """One node of the run's stage graph: the stage name, its engine (``model.adapter`` value), its model config,
+    and, for a stage fed by another, the feeding stage and the prompt ``template`` (``{prompt}``, ``{text}``)."""
 
-    from models.toy_shapes.oracle import accuracy, read
+    name: str
+    adapter: str
+    model_cfg: Any
+    input: Optional[str] = None
+    template: Optional[str] = None
 
-    recs = {r["key"]: r for r in resume.read_journal(out_dir / journal)}
-    pairs, per_item = [], {}
-    for it in items:
-        if not it.row.expect:
+
+def stage_graph(cfg: DictConfig) -> List[StageSpec]:
+    """The run's stages in execution order; the last one writes ``items.jsonl``.
+
+    A single-stage model is one stage named by its engine (``default_stage``: ``denoise``, ``generate``).
+    ``model.pipeline`` lists stages; supported shape: one stage with ``input: prompt`` feeding the model's own
+    (last) stage, whose ``template`` builds its prompt from the fed text.
+
+    Raises:
+        runner.errors.UserInputError: naming the stage, the field and the fix.
+    """
+    from models.registry import engine_class
+
+    final = StageSpec(engine_class(cfg.model.adapter).default_stage, cfg.model.adapter, cfg.model)
+    order = list(cfg.model.get("pipeline") or [])
+    if not order:
+        return [final]
+    stages = cfg.model.stages or {}
+    for s in order:
+        if s not in stages:
+            raise UserInputError(f"model.pipeline lists {s!r}, which model.stages does not define; stages: "
+                                 f"{', '.join(stages)}")
+    if order[-1] != final.name:
+        raise UserInputError(f"model.pipeline={order}: the last stage must be the model's {final.name!r} stage")
+    if len(order) != 2:
+        raise UserInputError(f"model.pipeline={order}: one stage feeding {final.name!r} is supported")
+    s = order[0]
+    if (stages[s].input or "prompt") != "prompt":
+        raise UserInputError(f"model.stages.{s}.input={stages[s].input!r}: the first stage reads the dataset's "
+                             "prompt; fix: input: prompt")
+    if stages[final.name].input != s:
+        raise UserInputError(f"model.stages.{final.name}.input={stages[final.name].input!r}: it must name the "
+                             f"stage that feeds it; fix: model.stages.{final.name}.input={s}")
+    template = stages[final.name].template or "{prompt}, {text}"
+    try:
+        template.format(prompt="", text="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise UserInputError(f"model.stages.{final.name}.template={template!r} is not a format string over "
+                             f"{{prompt}} and {{text}} ({e})") from None
+    up_cls = engine_class(stages[s].adapter, where=f"model.stages.{s}.adapter")
+    up_model = up_cls.stage_model_cfg(cfg, s)
+    final.input, final.template = s, template
+    return [StageSpec(s, stages[s].adapter, up_model, input="prompt"), final]
+
+
+def _link_records(stage: str, records: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """``{row id: link}`` of an upstream stage's text records: the stage, its journal file, the record id, the
+    sha256 of its output token ids, its text and the prompt it was given."""
+    links: Dict[str, Dict[str, Any]] = {}
+    for r in records:
+        if r.get("index", 0) != 0:
             continue
-        rec = recs.get(it.key)
-        got = ({"color": None, "shape": None, "position": None} if not rec or rec.get("status") != "ok"
-               else read(np.asarray(Image.open(out_dir / rec["file"]).convert("RGB"))))
-        pairs.append((got, it.row.expect))
-        per_item[it.key] = got
-    return {"oracle": cfg.model.oracle, **accuracy(pairs), "read": per_item}
+        links[r["id"]] = {"stage": stage, "file": f"{stage}.jsonl", "id": r["id"],
+                          "output_sha256": hashlib.sha256(json.dumps(r["output_token_ids"]).encode()).hexdigest(),
+                          "text": r["text"], "upstream_prompt": r["prompt"]}
+    return links
 
 
-def _compiled_graphs() -> int:
-    """Graphs torch.compile (dynamo) has produced in this process so far; a rise during the generation loop
-    means a recompile (a new shape or a guard failure)."""
-    from torch._dynamo.utils import counters
+def _feed(items: List[Any], links: Dict[str, Dict[str, Any]], template: str) -> List[Any]:
+    """The downstream items with their prompts rebuilt from the upstream text (``template``); items whose row
+    has no upstream output keep their prompt. Records the downstream prompt in each link."""
+    from dataclasses import replace
 
-    return int(counters["stats"]["unique_graphs"])
-
-
-def _item_record(it: ds.Item, batch_len: int) -> Dict[str, Any]:
-    return {
-        "id": it.row.id, "index": it.index, "key": it.key,
-        "prompt_sha256": hashlib.sha256(it.row.prompt.encode()).hexdigest(),
-        "seed": it.seed,
-        "params": {"width": it.row.width, "height": it.row.height,
-                   "num_inference_steps": it.row.num_inference_steps, "guidance_scale": it.row.guidance_scale,
-                   "negative_prompt": it.row.negative_prompt, "batch_size": batch_len},
-    }
+    rows = {}
+    for it in items:
+        rows.setdefault(it.row.id, it.row)
+    new_rows = {rid: replace(row, prompt=template.format(prompt=row.prompt, text=links[rid]["text"]).strip())
+                for rid, row in rows.items() if rid in links}
+    out = [replace(it, row=new_rows.get(it.row.id, it.row)) for it in items]
+    for it in out:
+        if it.row.id in links:
+            links[it.row.id]["downstream_prompt"] = it.row.prompt
+    return out
 
 
-def _generate_isolated(adapter: Any, batch: List[ds.Item]) -> Dict[str, Any]:
-    """Generate a batch; when the pipeline raises, retry its items one by one so that one bad row fails alone.
+# ------------------------------------------------------------------------------------------------ stage loop
+@dataclass
+class _Timing:
+    load_s: float = 0.0
+    warmup_s: float = 0.0
+    generate_s: float = 0.0
+    loop_s: float = 0.0
+
+
+def _generate_isolated(engine: Any, batch: List[Any]) -> Tuple[List[Any], List[List[Any]]]:
+    """Generate a batch; when the engine raises, retry its items one by one so that one bad row fails alone.
 
     Returns:
-        ``{"images": [array | exception per item], "ran": [sub-batches whose denoising completed]}``.
+        ``(outputs, ran)``: one output or exception per item, and the sub-batches whose generation completed.
     """
     try:
-        return {"images": adapter.generate(batch), "ran": [batch]}
+        return engine.generate(batch), [batch]
     except Exception as e:  # noqa: BLE001 - recorded per item, never swallowed silently
         if len(batch) == 1:
-            return {"images": [e], "ran": []}
+            return [e], []
         log.warning("batch of %d failed (%s: %s); retrying its items one by one", len(batch), type(e).__name__, e)
-        images: List[Any] = []
-        ran = []
+        outs: List[Any] = []
+        ran: List[List[Any]] = []
         for it in batch:
-            r = _generate_isolated(adapter, [it])
-            images.extend(r["images"])
-            ran.extend(r["ran"])
-        return {"images": images, "ran": ran}
+            o, r = _generate_isolated(engine, [it])
+            outs.extend(o)
+            ran.extend(r)
+        return outs, ran
 
 
-def _compact_journal(out_dir: Path, items: List[ds.Item], name: str = "items.jsonl") -> None:
-    """Rewrite the journal atomically with the latest record per item, in dataset order (after a resume the
-    file then reads exactly like an uninterrupted run's). Records of items reused from another journal of the
-    dir (an earlier merged run, other workers) are copied in, so the journal covers all of ``items``."""
-    latest = {}
-    for p in sorted(out_dir.glob("items*.jsonl")):
-        if p.name != name:
-            latest.update({r["key"]: r for r in resume.read_journal(p) if r.get("status") == "ok"})
-    latest.update({r["key"]: r for r in resume.read_journal(out_dir / name) if "key" in r})
-    lines = [json.dumps(latest[it.key]) + "\n" for it in items if it.key in latest]
-    atomic_write_bytes(out_dir / name, "".join(lines).encode())
+def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: Stop, timing: _Timing,
+              on_loaded: Optional[Callable[[Any], None]] = None, links: Optional[Dict[str, Any]] = None,
+              after_load: Optional[Callable[[Dict[str, Any]], None]] = None,
+              checkpoint: Optional[Callable[[], None]] = None) -> "StageResult":
+    """Load ``engine`` and generate ``items`` into ``sink``: batch -> generate -> submit -> checkpoint, until done
+    or a stop signal. The same body runs every stage of every run.
+
+    Args:
+        links: ``{row id: link}`` to the upstream record each item was rendered from (added as ``from``).
+        after_load: called with the manifest sections ``engine.load`` returned.
+        checkpoint: called after every batch (rewrites the manifest).
+
+    Returns:
+        What was observed, for the engine's evidence.
+    """
+    from models.base import StageResult
+
+    result = StageResult()
+    if not items or stop.signum is not None:
+        return result
+    t0 = time.perf_counter()
+    sections = engine.load(on_loaded)
+    timing.load_s += time.perf_counter() - t0
+    stop.rearm()  # in case the engine start installed handlers of its own
+    batches = engine.batches(items, cfg.batch_size)
+    timing.warmup_s += engine.warmup(batches[0])
+    if after_load is not None:
+        after_load(sections)
+    t_loop = time.perf_counter()
+    for batch in batches:
+        if stop.signum is not None:
+            break
+        t0 = time.perf_counter()
+        outputs, ran = _generate_isolated(engine, batch)
+        dt = time.perf_counter() - t0
+        timing.generate_s += dt
+        result.generated = True
+        ran_size = {id(i): len(b) for b in ran for i in b}
+        for it, out in zip(batch, outputs):
+            rec = engine.record(it, out, ran_size.get(id(it), len(batch)), dt / len(batch))
+            if links and it.row.id in links:
+                rec["from"] = links[it.row.id]
+            if isinstance(out, BaseException):
+                log.error("item %r failed: %s: %s", it.key, type(out).__name__, out)
+            sink.submit(rec, out)
+        if checkpoint is not None:
+            checkpoint()
+    sink.drain()
+    timing.loop_s += time.perf_counter() - t_loop
+    result.records = list(sink.ok_records)
+    result.nonfinite = sink.nonfinite
+    return result
 
 
+# -------------------------------------------------------------------------------------------------- the loop
 def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         on_loaded: Optional[Callable[[Any], None]] = None, worker: Optional[Any] = None) -> int:
     """Execute one run into ``run_dir``. Returns the process exit code (0: every item written and verified;
@@ -480,35 +381,63 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         cfg: the composed run config.
         run_dir: output directory (the Hydra run dir); ``run.resume`` or ``output.dir`` take precedence.
         overrides: the CLI overrides (Hydra's task overrides); they decide the CLI precedence layers.
-        on_loaded: called with the adapter once the model is loaded and backends are installed (tests use it
-            to tamper with the model and check that the evidence notices).
+        on_loaded: called with the last stage's engine once its model is loaded and backends are installed
+            (tests use it to tamper with the model and check that the evidence notices).
         worker: a data-parallel worker (``runner.distributed.Worker``): it generates only its shard and writes
             ``items.rank<r>.jsonl`` and ``manifest.rank<r>.json``; the merge makes the run's files.
 
     Raises:
+        runner.errors.RunnerError subclasses: bad input or a refused backend, all before any weight loads;
         evidence.EvidenceError: strict evidence found a mismatch (after everything was written).
-        dataset.DatasetError, ConfigValueError, PlatformError, ModelPathError, ResumeConflictError and backend
-        selection errors, all before any weight loads.
     """
-    if cfg.model.adapter == "vllm":  # an autoregressive model: one vLLM engine over the dataset
-        from runner.ar import run_ar
+    from models.base import StageContext
+    from models.registry import engine_class
 
-        return run_ar(cfg, run_dir, overrides, on_loaded=on_loaded)
     t_start = time.perf_counter()
     out_dir = Path(cfg.run.resume or cfg.output.dir or run_dir)
+
+    # 1. the run config, the stage graph and its engines (constructors load nothing)
+    check_schema(cfg)
+    specs = stage_graph(cfg)
+    engines = [engine_class(s.adapter)(StageContext(cfg=cfg, overrides=list(overrides), stage=s.name,
+                                                    model_cfg=s.model_cfg, plat=None, dtype=None)) for s in specs]
+    final, upstream = engines[-1], engines[:-1]
+
+    # 2. prepare every stage before any stage loads
+    for e in engines:
+        e.check_config()
     check_run_values(cfg)
-    g = cfg.model.generation
-    rows, data_path = load_dataset(cfg)
-    items = ds.expand_items(rows, cfg.seed)
+    if not final.resumable:
+        held = [n for n in ("manifest.json", "items.jsonl") if (out_dir / n).exists()]
+        if held:
+            raise resume.ResumeConflictError(
+                f"{out_dir} already holds a run ({', '.join(held)}); {specs[-1].adapter} runs do not resume and "
+                "would mix two runs' records; fix: run into a new dir (hydra.run.dir=<new dir> or "
+                "output.dir=<new dir>)")
+    if cfg.cpu_threads is not None:
+        if cfg.cpu_threads < 1:
+            raise ConfigValueError(f"cpu_threads={cfg.cpu_threads} must be >= 1 (or null for torch's default)")
+        torch.set_num_threads(int(cfg.cpu_threads))
+    plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
+    dtype = resolve_dtype(cfg.dtype, plat.kind)
+    for e in engines:
+        e.ctx.plat, e.ctx.dtype = plat, dtype
+    sources = {e.stage: e.prepare() for e in reversed(engines)}
+
+    # 3. rows and items; resume; the manifest header
+    rows, data_path = final.read_rows()
+    for e in upstream:
+        e.check_inputs(rows, data_path)
+    items = final.items(rows, cfg.seed)
     journal_name, manifest_name = "items.jsonl", "manifest.json"
     if worker is not None and worker.world_size > 1:
         from runner.distributed import shard
 
-        items = shard(ds.batches(items, cfg.batch_size), worker.world_size, worker.rank)
+        items = shard(final.batches(items, cfg.batch_size), worker.world_size, worker.rank)
         journal_name, manifest_name = worker.journal, worker.manifest
     data_sha = ds.file_sha256(data_path)
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
-    prev = resume.previous_run(out_dir, (manifest_name, "manifest.json"))
+    prev = resume.previous_run(out_dir, (manifest_name, "manifest.json")) if final.resumable else None
     if cfg.run.resume and prev is None:
         raise resume.ResumeConflictError(f"run.resume={cfg.run.resume!r} holds no manifest.json, so there is no run "
                                          "to resume; fix: point at an earlier run dir")
@@ -523,23 +452,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         done = resume.finished(out_dir)
         resume.remove_temp_files(out_dir)
     todo = [it for it in items if it.key not in done]
-    if cfg.cpu_threads is not None:
-        if cfg.cpu_threads < 1:
-            raise ConfigValueError(f"cpu_threads={cfg.cpu_threads} must be >= 1 (or null for torch's default)")
-        torch.set_num_threads(int(cfg.cpu_threads))
-    plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
-    dtype = resolve_dtype(cfg.dtype, plat.kind)
-    adapter = make_adapter(cfg, plat.device, dtype)
-    source = adapter.resolve_source()
-    resolutions, engine_extras = resolve_backends(cfg, overrides, adapter, plat, dtype)
-    check_memory(adapter, plat)
-    from runner.ar import prepare_upstream, run_upstream
-
-    upstream = prepare_upstream(cfg, overrides, plat, adapter.stage)  # a pipeline's AR stage, checked before loading
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    img_dir = out_dir / "images"
-    img_dir.mkdir(exist_ok=True)
     manifest = Manifest(out_dir / manifest_name)
     if worker is not None:
         from runner.distributed import worker_record
@@ -554,138 +468,108 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     manifest.section("packages", package_versions())
     manifest.section("platform", plat.to_dict())
     manifest.section("dtype", str(dtype).replace("torch.", ""))
-    manifest.section("dataset", {"format": cfg.dataset.format, "path": str(Path(data_path).resolve()), "sha256": data_sha,
-                                 "rows": len(rows), "items": len(items)})
-    manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": source})
-    backends_doc = {adapter.stage: {f: r.to_dict() for f, r in resolutions.items()}}
-    if upstream is not None:
-        backends_doc = {upstream.stage.name: upstream.stage.backends_section(), **backends_doc}
-        manifest.section("pipeline", {"stages": list(cfg.model.pipeline), "feeds": {
-            upstream.stage.name: {"input": "dataset prompt", "output": f"{upstream.stage.name}.jsonl"},
-            adapter.stage: {"input": upstream.stage.name, "template": upstream.template}}})
+    dataset_doc = {"format": cfg.dataset.format, "path": str(Path(data_path).resolve()), "sha256": data_sha,
+                   "rows": len(rows)}
+    if final.output == "image":
+        dataset_doc["items"] = len(items)
+    manifest.section("dataset", dataset_doc)
+    model_doc = {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": sources[final.stage]}
+    manifest.section("model", model_doc)
+    backends_doc = {e.stage: e.backends_section() for e in engines}
     manifest.section("backends", backends_doc)
+    if upstream:
+        manifest.section("pipeline", {"stages": [s.name for s in specs], "feeds": {
+            specs[0].name: {"input": "dataset prompt", "output": f"{specs[0].name}.jsonl"},
+            final.stage: {"input": specs[-1].input, "template": specs[-1].template}}})
     manifest.section("environment", {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ})
     manifest.flush()
     if worker is None or worker.rank == 0:
         write_repro(out_dir, overrides, manifest.doc["packages"])
 
+    # 4. every stage in graph order: load -> batch -> generate -> sink -> checkpoint
     counts = {"ok": 0, "failed": 0, "reused": len(items) - len(todo)}
-    gen_s = load_s = warmup_s = loop_s = 0.0
+    timing = _Timing()
     status = "running"
-    want_forwards = 0
-    raised = False
-    nonfinite = 0
-    probes: Dict[str, Any] = {}
-    denoiser = None
-    graphs_before: Optional[int] = None
-    inductor_deterministic: Optional[bool] = None
+    results: Dict[str, Any] = {}
     links: Dict[str, Any] = {}
-    up_ev: Optional[Dict[str, Any]] = None
-    journal = Journal(out_dir / journal_name)
     from tqdm import tqdm
 
-    bar = tqdm(total=len(items), initial=len(items) - len(todo), unit="img", desc=cfg.model.name,
+    bar = tqdm(total=len(items), initial=len(items) - len(todo), unit=final.unit, desc=cfg.model.name,
                dynamic_ncols=True)
 
     def on_record(rec: Dict[str, Any]) -> None:
         counts["ok" if rec["status"] == "ok" else "failed"] += 1
         bar.update(1)
 
-    writer = ArtifactWriter(journal, int(cfg.output.write_workers), on_record,
-                            max_pending=4 * max(1, int(cfg.output.write_workers)) + cfg.batch_size)
-    stop = _Stop()
+    def checkpoint() -> None:
+        manifest.section("counts", counts)
+        manifest.flush()
+
+    workers = int(cfg.output.write_workers)
+    sink_cls = SINKS[final.output]
+    sink = (sink_cls(out_dir, journal_name, workers=workers, max_pending=4 * max(1, workers) + cfg.batch_size,
+                     on_record=on_record) if final.output == "image" else
+            sink_cls(out_dir, journal_name, on_record=on_record))
+    stop = Stop()
     try:
-        with stop, contextlib.ExitStack() as scoped:
-            if todo and upstream is not None:  # the AR stage runs first (its engine is shut down before FLUX loads)
-                todo, links, up_ev = run_upstream(upstream, todo, out_dir, stop)
-                backends_doc[upstream.stage.name] = upstream.stage.backends_section()
+        with stop:
+            for e, spec in zip(upstream, specs):
+                if not todo or stop.signum is not None:
+                    break
+                firsts = list({it.row.id: it.row for it in todo}.values())
+                up_sink = SINKS[e.output](out_dir, f"{e.stage}.jsonl")
+                try:
+                    results[e.stage] = run_stage(e, e.items_from(firsts), up_sink, cfg, stop, _Timing())
+                finally:
+                    up_sink.close()
+                    e.close()
+                    compact_journal(out_dir / f"{e.stage}.jsonl")
+                links = _link_records(e.stage, results[e.stage].records)
+                todo = _feed(todo, links, specs[-1].template)
+                backends_doc[e.stage] = e.backends_section()
                 manifest.section("backends", backends_doc)
                 manifest.section("pipeline", {**manifest.doc["pipeline"], "links": len(links),
-                                              upstream.stage.name: {"load_s": round(up_ev["load_s"], 3),
-                                                                    "source": up_ev["source"]}})
+                                              e.stage: {"load_s": round(e.load_s, 3), "source": e.source}})
                 manifest.flush()
-            batches = list(ds.batches(todo, cfg.batch_size))  # after the AR stage: prompts may have changed
-            det = cfg.compile != "none" and bool(cfg.optimize.deterministic_compile)
-            scoped.enter_context(deterministic_compile(det))
-            if todo:
-                t0 = time.perf_counter()
-                adapter.load()
-                load_s = time.perf_counter() - t0
-                manifest.section("model", {"name": cfg.model.name, "adapter": cfg.model.adapter,
-                                           "source": adapter.source, "load_s": round(load_s, 3)})
-                if hasattr(adapter, "optimize"):
-                    manifest.section("optimize", adapter.optimize(cfg.optimize))
-                probes = install_backends(adapter, resolutions, plat, cfg.compile, observe=cfg.evidence.enabled)
-                if cfg.compile != "none" and cfg.optimize.warmup and hasattr(adapter, "warmup"):
-                    t0 = time.perf_counter()
-                    adapter.warmup(batches[0])  # compiles the blocks; probes are off when compiled
-                    warmup_s = time.perf_counter() - t0
-                    graphs_before = _compiled_graphs()
-                    import torch._inductor.config as inductor_config
 
-                    # still set after every block compiled (dynamo re-applies the global per frame)
-                    inductor_deterministic = getattr(inductor_config, "deterministic", None)
-                # Profile the 2nd forward when compiled without warm-up (the 1st compiles), else the 1st.
-                denoiser = evidence.DenoiserProbe(adapter.denoiser, profile=cfg.evidence.enabled and cfg.evidence.profile,
-                                                  device_kind=plat.kind,
-                                                  profile_forward=2 if cfg.compile != "none" and not warmup_s else 1)
-                if on_loaded is not None:
-                    on_loaded(adapter)
+            def after_load(sections: Dict[str, Any]) -> None:
+                manifest.section("model", {**model_doc, "source": final.source, **sections.pop("model", {})})
+                for k, v in sections.items():
+                    manifest.section(k, v)
+                manifest.section("backends", {**backends_doc, final.stage: final.backends_section()})
                 manifest.flush()
-            t_loop = time.perf_counter()
-            for batch in batches:
-                if stop.signum is not None:
-                    break
-                t0 = time.perf_counter()
-                results = _generate_isolated(adapter, batch)
-                t1 = time.perf_counter()
-                gen_s += t1 - t0
-                want_forwards += sum(expected_forwards(b, float(g.true_cfg_scale)) for b in results["ran"])
-                if len(results["ran"]) != 1 or results["ran"][0] is not batch:
-                    raised = True  # a pipeline call raised part-way: forward totals are no longer predictable
-                ran_size = {id(i): len(b) for b in results["ran"] for i in b}
-                for it, img in zip(batch, results["images"]):
-                    rec = _item_record(it, ran_size.get(id(it), len(batch)))
-                    rec["timing"] = {"generate_s": round((t1 - t0) / len(batch), 4)}
-                    if it.row.id in links:  # the AR output this image was rendered from
-                        rec["from"] = links[it.row.id]
-                    if isinstance(img, BaseException):
-                        rec.update(status="failed", file=None, reason=f"{type(img).__name__}: {img}")
-                        log.error("item %r failed: %s: %s", it.key, type(img).__name__, img)
-                        writer.submit(rec)
-                    elif not np.isfinite(img).all():
-                        rec.update(status="failed", file=None,
-                                   reason=f"non-finite output ({int((~np.isfinite(img)).sum())} values)")
-                        nonfinite += 1
-                        writer.submit(rec)
-                    else:
-                        path = img_dir / f"{it.filename_stem}.png"
-                        writer.submit(rec, path, img, str(path.relative_to(out_dir)))
-                manifest.section("counts", counts)
-                manifest.flush()  # checkpoint
-            writer.drain(block=True)
-            loop_s = time.perf_counter() - t_loop
+
+            results[final.stage] = run_stage(final, todo, sink, cfg, stop, timing, on_loaded=on_loaded,
+                                             links=links, after_load=after_load, checkpoint=checkpoint)
+
+        # 5. verdict
         if stop.signum is not None:
             status = "interrupted"
         else:
             status = "completed" if counts["failed"] == 0 else "completed_with_failures"
-        if not todo:
+        ran = [e for e in engines if e.stage in results and results[e.stage].generated]
+        nonfinite = sum(r.nonfinite for r in results.values())
+        if not ran:
             ev = {"enabled": cfg.evidence.enabled, "pid": os.getpid(), "device": plat.device, "all_finite": True,
                   "verdict": "not_collected", "reason": "every item was reused from the earlier run",
                   "mismatches": []}
-        elif cfg.evidence.enabled:
-            ev = evidence.build(adapter.stage, probes, denoiser, None if raised else want_forwards,
-                                finite=nonfinite == 0, device=plat.device)
-        else:
+        elif not cfg.evidence.enabled:
             ev = {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": nonfinite == 0,
                   "verdict": "not_collected", "mismatches": []}
-        if up_ev is not None:
-            ev.setdefault("stages", {})[upstream.stage.name] = up_ev["section"]
-            ev["mismatches"] = list(up_ev["mismatches"]) + list(ev.get("mismatches", []))
-            if up_ev["mismatches"]:
-                ev["verdict"] = "mismatch"
+        else:
+            stages_doc: Dict[str, Any] = {}
+            mismatches: List[str] = []
+            for e in ran:
+                stages_doc[e.stage], mm = e.evidence(results[e.stage])
+                mismatches += mm
+            ev = {"enabled": True, "pid": os.getpid(), "device": plat.device, "stages": stages_doc,
+                  "all_finite": nonfinite == 0,
+                  "verdict": "mismatch" if mismatches else ("nonfinite_outputs" if nonfinite else "verified"),
+                  "mismatches": mismatches}
         manifest.section("evidence", ev)
-        acc = accuracy_section(cfg, items, out_dir, journal_name)
+        sink.drain()
+        acc = final.accuracy(items, {r["key"]: r for r in read_journal(out_dir / journal_name) if "key" in r},
+                             out_dir)
         if acc is not None:
             manifest.section("accuracy", acc)
         if ev["verdict"] == "mismatch" and status != "interrupted":
@@ -695,28 +579,31 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         manifest.section("error", f"{type(e).__name__}: {e}")
         raise
     finally:
-        writer.close()  # every produced artifact is written, also when the loop raised
-        bar.close()
-        journal.close()
-        _compact_journal(out_dir, items, journal_name)
-        wall = time.perf_counter() - t_start
+        try:
+            sink.close()  # every produced artifact is written, also when the loop raised
+        finally:
+            bar.close()
+            for e in engines:
+                e.close()
+        _compact(out_dir, items, journal_name, final)
         manifest.section("counts", counts)
-        phases = dict(getattr(adapter, "phase_s", {}) or {})
-        if phases:
-            phases["denoise"] = max(0.0, gen_s - sum(phases.values()))
-        write_s = writer.thread_s
+        res = results.get(final.stage)
+        phases = final.timing_phases(timing.generate_s)
+        ok = counts["ok"]
         manifest.section("timing", {
-            "wall_s": round(wall, 3), "load_s": round(load_s, 3), "warmup_s": round(warmup_s, 3),
-            "generate_s": round(gen_s, 3), "write_s": round(write_s, 3),
-            "write_wait_s": round(writer.wait_s, 3), "write_workers": int(cfg.output.write_workers),
-            "loop_s": round(loop_s, 3),
-            "phases_s": {k: round(v, 4) for k, v in phases.items()} | {"write": round(write_s, 4)},
-            "images_per_s": round(counts["ok"] / gen_s, 4) if gen_s else None,
-            "images_per_hour": round(3600 * counts["ok"] / loop_s, 1) if loop_s else None})
-        if graphs_before is not None:
-            manifest.section("compile", {"mode": cfg.compile, "warmup_s": round(warmup_s, 3),
-                                         "inductor_deterministic": inductor_deterministic,
-                                         "graphs_compiled_after_warmup": _compiled_graphs() - graphs_before})
+            "wall_s": round(time.perf_counter() - t_start, 3), "load_s": round(timing.load_s, 3),
+            "warmup_s": round(timing.warmup_s, 3), "generate_s": round(timing.generate_s, 3),
+            "write_s": round(sink.write_s, 3), "write_wait_s": round(sink.wait_s, 3), "write_workers": workers,
+            "loop_s": round(timing.loop_s, 3),
+            "phases_s": {k: round(v, 4) for k, v in phases.items()} | {"write": round(sink.write_s, 4)},
+            "images_per_s" if final.output == "image" else "items_per_s":
+                round(ok / timing.generate_s, 4) if timing.generate_s else None,
+            "images_per_hour" if final.output == "image" else "items_per_hour":
+                round(3600 * ok / timing.loop_s, 1) if timing.loop_s else None,
+            **(final.timing_extra(res, timing.generate_s) if res is not None else {})})
+        comp = final.compile_section()
+        if comp is not None:
+            manifest.section("compile", comp)
         manifest.section("memory", peak_memory(plat.kind))
         manifest.doc["status"] = status
         manifest.doc["ended_at"] = now_iso()
@@ -731,4 +618,39 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     return 0 if counts["failed"] == 0 else 1
 
 
+def _compact(out_dir: Path, items: List[Any], name: str, final: Any) -> None:
+    """Rewrite the journal with the latest record per item, in dataset order (after a resume the file then reads
+    exactly like an uninterrupted run's). For a resumable stage, ok records of items reused from another journal
+    of the dir (an earlier merged run, other workers) are copied in, so the journal covers all of ``items``."""
+    extra: Dict[str, Dict[str, Any]] = {}
+    if final.resumable:
+        for p in sorted(out_dir.glob("items*.jsonl")):
+            if p.name != name:
+                extra.update({r["key"]: r for r in read_journal(p) if r.get("status") == "ok"})
+    compact_journal(out_dir / name, order=[it.key for it in items], extra=extra)
+
+
+def _user_errors() -> tuple:
+    from kernels.attention import AttentionWiringError
+    from kernels.registry import BackendError
+    from models.flux import ModelPathError
+    from models.vllm_stage import ARConfigError
+    from runner.platform import PlatformError
+
+    return (UserInputError, ds.DatasetError, ARConfigError, ConfigValueError, BackendError, PlatformError,
+            ModelPathError, AttentionWiringError, evidence.EvidenceError, resume.ResumeConflictError)
+
+
 USER_ERRORS = _user_errors()
+
+
+def dataset_keys(cfg: DictConfig) -> List[str]:
+    """Every item key of the run's dataset, in dataset order (the merged journal's order of a data-parallel run)."""
+    from models.base import StageContext
+    from models.registry import engine_class
+
+    spec = stage_graph(cfg)[-1]
+    engine = engine_class(spec.adapter)(StageContext(cfg=cfg, overrides=[], stage=spec.name, model_cfg=spec.model_cfg,
+                                                     plat=None, dtype=None))
+    rows, _ = engine.read_rows()
+    return [it.key for it in engine.items(rows, cfg.seed)]

@@ -108,10 +108,9 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
 
 def dataset_keys(cfg: DictConfig) -> List[str]:
     """Every item key of the run's dataset, in dataset order (the merged journal's order)."""
-    from runner import dataset as ds
-    from runner.execute import load_dataset
+    from runner.execute import dataset_keys as keys
 
-    return [it.key for it in ds.expand_items(load_dataset(cfg)[0], cfg.seed)]
+    return keys(cfg)
 
 
 def _merged_code(merged: Dict[str, Any]) -> int:

@@ -52,3 +52,51 @@ def accuracy(pairs: Iterable[tuple]) -> Dict[str, float]:
         out[key] = sum(got.get(key) == exp[key] for got, exp in stated) / len(stated) if stated else None
     out["all"] = sum(all(got.get(k) == v for k, v in exp.items()) for got, exp in pairs) / n
     return out
+
+
+def check_expectations(rows: Iterable, path: object) -> None:
+    """``expect`` of every row names attributes this oracle reads (``color``, ``shape``, ``position``) with values
+    it can return; a typo would otherwise count as a miss (or as not stated) in ``accuracy``.
+
+    Raises:
+        runner.dataset.DatasetError: naming the file and line, the key or value, the valid ones and the closest
+            match.
+    """
+    import difflib
+
+    from models.toy_shapes.data import SHAPES
+    from runner.dataset import DatasetError
+
+    valid = {"color": list(COLORS), "shape": list(SHAPES), "position": list(POSITIONS)}
+    problems = []
+    for r in rows:
+        for key, value in (r.expect or {}).items():
+            if key not in valid:
+                close = difflib.get_close_matches(key, list(valid), n=1)
+                problems.append(f"{path}:{r.line}: expect.{key} is not an attribute the toy_shapes oracle reads; "
+                                f"valid: {', '.join(valid)}" + (f"; fix: expect.{close[0]}" if close else ""))
+            elif value not in valid[key]:
+                close = difflib.get_close_matches(str(value), valid[key], n=1)
+                problems.append(f"{path}:{r.line}: expect.{key}={value!r} is not a value the oracle returns; valid: "
+                                f"{', '.join(valid[key])}" + (f"; fix: {close[0]!r}" if close else ""))
+    if problems:
+        raise DatasetError(problems)
+
+
+def accuracy_section(items: Iterable, records: Dict[str, dict], out_dir: object) -> Dict[str, object]:
+    """The manifest's ``accuracy``: every item with ``expect`` read back from its file on disk (``records``: the
+    run's journal records by item key); failed or missing items count as misses."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    pairs, per_item = [], {}
+    for it in items:
+        if not it.row.expect:
+            continue
+        rec = records.get(it.key)
+        got = ({"color": None, "shape": None, "position": None} if not rec or rec.get("status") != "ok"
+               else read(np.asarray(Image.open(Path(out_dir) / rec["file"]).convert("RGB"))))
+        pairs.append((got, it.row.expect))
+        per_item[it.key] = got
+    return {"oracle": "toy_shapes", **accuracy(pairs), "read": per_item}

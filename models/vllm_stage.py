@@ -1,8 +1,9 @@
-"""Autoregressive stages through vLLM: a whole run of an AR model (``model=tiny_qwen3_moe``) and the AR stage of a
-multi-stage pipeline (``model=prompt_expand_flux``: ``expand`` feeds ``denoise``).
+"""The vLLM engine (``model.adapter=vllm``): a whole run of an AR model (``model=tiny_qwen3_moe``) and the AR stage
+of a multi-stage pipeline (``model=prompt_expand_flux``: ``expand`` feeds ``denoise``), both driven by the one run
+loop (``runner.execute.run``) through the engine protocol (:mod:`models.base`).
 
-Same promises as the diffusion loop (``runner.execute``): the dataset rows, the model directory and every backend
-choice are checked before the engine starts; backends go through ``runner.resolve`` (the same 8-layer precedence
+Same promises as diffusion stages: the dataset rows, the model directory and every backend choice are checked
+before the engine starts; backends go through ``runner.resolve`` (the same 8-layer precedence
 and provenance, with vLLM's own names via :class:`models.vllm_engine.VLLMNames`); the manifest records what the
 worker actually built and ran (:class:`models.vllm_engine.StepObserver`), and a contradiction is exit 3.
 
@@ -24,7 +25,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from models.base import EngineBase, StageContext, StageResult, TextOutput
 from runner import dataset as ds
+from runner.errors import UserInputError
 
 log = logging.getLogger("runner")
 
@@ -36,7 +39,7 @@ AR_ROW_FIELDS: Dict[str, Any] = {
 DEFAULT_STAGE = "generate"
 
 
-class ARConfigError(ValueError):
+class ARConfigError(UserInputError):
     """Bad configuration of an AR stage (names the field, the value and the fix); exit 2 before the engine starts."""
 
 
@@ -52,6 +55,11 @@ class ARRow:
     prompt_token_ids: Optional[List[int]]
     seed: int
     sampling: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """The item key: the row id (one output per row)."""
+        return self.id
 
     def request(self) -> Dict[str, Any]:
         """The row as :meth:`models.vllm_engine.VLLMAdapter.generate` takes it."""
@@ -146,7 +154,7 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
         src = Path(cfg.dataset.path).expanduser()
         if not src.is_file():
             raise ds.DatasetError([f"dataset.path: {cfg.dataset.path!r} is not a file; fix: pass an existing .{fmt} file"])
-    raw = ds._read_raw(fmt, src)
+    raw = ds.read_raw(fmt, src)
     if cfg.dataset.limit is not None:
         raw = raw[:cfg.dataset.limit]
     problems: List[str] = []
@@ -187,7 +195,7 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
                         raise ValueError
                     vals[key] = value
                 else:
-                    vals[key] = ds._coerce(value, typ, fmt == "csv")
+                    vals[key] = ds.coerce(value, typ, fmt == "csv")
             except (ValueError, TypeError, json.JSONDecodeError):
                 kind = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
                         list: "a list of integers" if key == "prompt_token_ids" else "a list of strings"}[typ]
@@ -260,36 +268,53 @@ def model_files(d: Path) -> Dict[str, str]:
             if f.is_file() and not f.name.startswith(".") and f.name.endswith(MODEL_FILE_SUFFIXES)}
 
 
-class ARStage:
+class VLLMEngine(EngineBase):
     """One AR stage: its model, its resolved backends, the vLLM engine and its evidence.
 
-    Args:
-        cfg: the composed run config (precedence layers are read from it).
-        name: stage name (``generate`` for an AR model, ``expand`` in ``prompt_expand_flux``).
-        model_cfg: the stage's model config (``cfg.model`` for an AR model, ``model.stages.<name>.model`` in a
-            pipeline): ``path``, ``load_format``, ``embedded``, ``architecture``, ``sampling``, ``stages``.
-        overrides: CLI overrides (decide the CLI precedence layers).
-        plat: ``runner.platform.PlatformInfo``.
-        dtype_name: ``float32`` | ``bfloat16`` | ``float16`` (vLLM's ``dtype``).
+    Built from a :class:`models.base.StageContext`: ``stage`` is ``generate`` for an AR model, ``expand`` in
+    ``prompt_expand_flux``; ``model_cfg`` is ``cfg.model`` for an AR model, ``model.stages.<name>.model`` in a
+    pipeline (``path``, ``load_format``, ``embedded``, ``architecture``, ``sampling``, ``stages``); vLLM's
+    ``dtype`` is the stage dtype's name (``float32`` | ``bfloat16`` | ``float16``).
 
-    Everything in the constructor and :meth:`prepare` runs before the engine starts and raises
-    ``ARConfigError``, ``dataset.DatasetError`` or ``kernels.registry.BackendError`` (exit 2).
+    Everything before :meth:`load` runs before the engine starts and raises ``ARConfigError``,
+    ``dataset.DatasetError`` or ``kernels.registry.BackendError`` (exit 2).
     """
 
-    def __init__(self, cfg: DictConfig, name: str, model_cfg: Any, overrides: Sequence[str], plat: Any,
-                 dtype_name: str) -> None:
+    output = "text"
+    unit = "row"
+    resumable = False  # a dir that holds a run is refused (see runner.execute)
+    default_stage = DEFAULT_STAGE
+
+    @classmethod
+    def stage_model_cfg(cls, cfg: DictConfig, stage: str) -> Any:
+        """:func:`model_cfg_of`."""
+        return model_cfg_of(cfg, stage)
+
+    def __init__(self, ctx: StageContext) -> None:
+        cfg = ctx.cfg
+        if ctx.stage == DEFAULT_STAGE:
+            cfg = _default_stage_only(cfg, [DEFAULT_STAGE])
+        self.ctx = ctx
         self.cfg = cfg
-        self.name = name
-        self.model_cfg = model_cfg
-        self.overrides = list(overrides)
-        self.plat = plat
-        self.dtype_name = dtype_name
+        self.name = self.stage = ctx.stage
+        self.model_cfg = ctx.model_cfg
+        self.overrides = list(ctx.overrides)
         self.adapter: Any = None
         self.resolutions: Dict[str, Any] = {}
         self.source: Dict[str, Any] = {}
         self.evidence: Dict[str, Any] = {}
         self.observer: Any = None
         self.load_s = 0.0
+
+    @property
+    def plat(self) -> Any:
+        """``runner.platform.PlatformInfo`` of this process (known once the loop detected it)."""
+        return self.ctx.plat
+
+    @property
+    def dtype_name(self) -> str:
+        """vLLM's ``dtype``: ``float32`` | ``bfloat16`` | ``float16``."""
+        return str(self.ctx.dtype).replace("torch.", "")
 
     # ------------------------------------------------------------------------------------------------ checks
     def _engine_extras(self, extras: Dict[str, Any]) -> Dict[str, Any]:
@@ -298,8 +323,21 @@ class ARStage:
                        ) if self.name != DEFAULT_STAGE else None
         return {**(inner or {}), **extras}
 
-    def prepare(self) -> None:
+    def check_config(self) -> None:
+        """What AR stages do not support yet (``parallelism`` other than single, ``run.resume``, ``compile``).
+
+        Raises:
+            ARConfigError: naming the field, the value and the fix.
+        """
+        _check_ar_run(self.ctx.cfg)
+        if self.stage == DEFAULT_STAGE:
+            from runner.resolve import check_placement
+
+            check_placement(self.cfg, stages=[DEFAULT_STAGE])
+
+    def prepare(self) -> Dict[str, Any]:
         """Resolve the model directory and the backends, and build the engine arguments; nothing starts.
+        Returns the manifest's ``model.source``.
 
         Raises:
             ARConfigError: vLLM missing, bad ``load_format``/``path``/``sampling``/``engine_extras``.
@@ -371,6 +409,7 @@ class ARStage:
         self.sampling = sampling
         self.model_dir = model_dir
         self._tokenizer: Any = None
+        return self.source
 
     def _check_engine_args(self, user_extras: Dict[str, Any]) -> None:
         """Let vLLM validate the engine arguments (``EngineArgs.create_engine_config``: reads config.json, loads no
@@ -438,10 +477,50 @@ class ARStage:
         return str(d)
 
     # ------------------------------------------------------------------------------------------------ engine
-    def load(self, on_loaded: Optional[Any] = None) -> None:
+    def read_rows(self) -> Tuple[List[ARRow], Path]:
+        """The AR dataset rows (:func:`load_rows`), text prompts tokenized with the model's tokenizer."""
+        return load_rows(self.cfg, self.sampling, self.vocab_size, self.max_model_len, self.model_cfg,
+                         count_tokens=self.count_tokens)
+
+    def items(self, rows: Sequence[ARRow], run_seed: int) -> List[ARRow]:
+        """One item per row (``n`` is 1; each row already holds its request seed)."""
+        return list(rows)
+
+    def items_from(self, rows: Sequence[ds.Row]) -> List[ARRow]:
+        """An upstream stage's items: one request per downstream dataset row, with the row's prompt and seed (the
+        row's own, else derived from the run seed and the id)."""
+        return [ARRow(id=r.id, line=r.line, prompt=r.prompt, prompt_token_ids=None,
+                      seed=r.seed % (1 << 31) if r.seed is not None else _request_seed(self.ctx.cfg.seed, r.id))
+                for r in rows]
+
+    def batches(self, items: Sequence[ARRow], batch_size: int) -> List[List[ARRow]]:
+        """``batch_size`` rows per ``LLM.generate`` call, in dataset order (vLLM batches within a call)."""
+        size = max(1, int(batch_size))
+        return [list(items[i:i + size]) for i in range(0, len(items), size)]
+
+    def check_inputs(self, rows: Sequence[Any], path: Any) -> None:
+        """Before the engine starts: every downstream dataset prompt, tokenized with this stage's tokenizer, plus
+        the stage's ``max_tokens`` must fit in its ``max_model_len`` (as :func:`load_rows` checks an AR model's).
+
+        Raises:
+            dataset.DatasetError: naming each row (line, id), its token count and the fix.
+        """
+        max_tokens = int(self.sampling.get("max_tokens") or 16)
+        problems = []
+        for r in rows:
+            n = self.count_tokens(r.prompt)
+            if n + max_tokens > self.max_model_len:
+                problems.append(f"{path}:{r.line}: row {r.id!r}: {n} prompt tokens (stage {self.name}'s tokenizer) "
+                                f"+ max_tokens {max_tokens} = {n + max_tokens} exceeds max_model_len="
+                                f"{self.max_model_len}; fix: a shorter prompt, or model.stages.{self.name}.model."
+                                f"sampling.max_tokens / model.stages.{self.name}.engine_extras.max_model_len")
+        if problems:
+            raise ds.DatasetError(problems)
+
+    def load(self, on_loaded: Optional[Any] = None) -> Dict[str, Any]:
         """Start the engine, read back from the worker what it built and the config it holds, and start
         observing steps (scheduler outputs, per-phase layer calls, profiled ops). ``on_loaded(self)`` runs between
-        the engine start and the inspection."""
+        the engine start and the inspection. Returns the manifest's ``model.load_s`` and ``model.engine``."""
         from models.vllm_engine import StepObserver
 
         t0 = time.perf_counter()
@@ -455,10 +534,15 @@ class ARStage:
         self.observer = StepObserver(self.adapter.llm, profile=bool(self.cfg.evidence.enabled and
                                                                     self.cfg.evidence.profile))
         self.observer.__enter__()
+        return {"model": {"load_s": round(self.load_s, 3), "engine": self.adapter.info}}
 
-    def generate(self, rows: Sequence[ARRow]) -> List[Dict[str, Any]]:
-        """One record per output (see ``VLLMAdapter.generate``) plus the request's prefill/decode counts
-        (``tokens``) and the row's ``seed``/``sampling``."""
+    def generate(self, rows: Sequence[ARRow]) -> List[TextOutput]:
+        """One :class:`models.base.TextOutput` per row: the record of its output (see ``VLLMAdapter.generate``)
+        plus the request's prefill/decode counts (``tokens``) and the row's ``seed``/``sampling``."""
+        return [TextOutput(r) for r in self.generate_records(rows)]
+
+    def generate_records(self, rows: Sequence[ARRow]) -> List[Dict[str, Any]]:
+        """The records of :meth:`generate`, one per output, in row order."""
         recs = self.adapter.generate([r.request() for r in rows])
         counts = self.observer.per_request()
         by_id = {r.id: r for r in rows}
@@ -472,6 +556,23 @@ class ARStage:
             r["sampling"] = {**self.sampling, **row.sampling}
             r["tokens"] = counts.get(str(r["request_id"]))
         return recs
+
+    def record(self, item: ARRow, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:
+        """The journal record: the output's record (its ``timing`` is vLLM's), or ``id``/``key`` of a failed
+        row (the sink adds ``status`` and the reason)."""
+        if isinstance(output, TextOutput):
+            return output.record
+        return {"id": item.id, "key": item.key}
+
+    def evidence(self, result: StageResult) -> Tuple[Dict[str, Any], List[str]]:
+        """:meth:`evidence_section` over the records written ok."""
+        return self.evidence_section(result.records)
+
+    def timing_extra(self, result: StageResult, generate_s: float) -> Dict[str, Any]:
+        """Output tokens and tokens/s of the stage."""
+        out_tokens = sum(len(r["output_token_ids"]) for r in result.records)
+        return {"output_tokens": out_tokens,
+                "output_tokens_per_s": round(out_tokens / generate_s, 2) if generate_s else None}
 
     def close(self) -> None:
         """Stop observing and shut the engine down (frees its KV cache)."""
@@ -601,313 +702,13 @@ def _default_stage_only(cfg: DictConfig, keep: Sequence[str]) -> DictConfig:
     return c
 
 
-def _write_manifest_common(manifest: Any, cfg: DictConfig, overrides: Sequence[str], plat: Any, dtype_name: str,
-                           resolved_cfg: Dict[str, Any]) -> None:
-    from runner.execute import LIBRARY_ENV, REPO_ROOT
-    from runner.manifest import git_state, package_versions
-
-    manifest.section("config", resolved_cfg)
-    manifest.section("overrides", list(overrides))
-    manifest.section("git", git_state(REPO_ROOT))
-    manifest.section("packages", package_versions())
-    manifest.section("platform", plat.to_dict())
-    manifest.section("dtype", dtype_name)
-    manifest.section("environment", {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ})
-
-
-def _dtype_name(cfg: DictConfig, plat: Any) -> str:
-    from runner.execute import resolve_dtype
-
-    return str(resolve_dtype(cfg.dtype, plat.kind)).replace("torch.", "")
-
-
 def _check_ar_run(cfg: DictConfig) -> None:
-    from runner.execute import ConfigValueError
-
     if cfg.parallelism.mode != "single":
-        raise ConfigValueError(f"parallelism={cfg.parallelism.mode}: AR stages run on one vLLM engine here; fix: "
-                               "parallelism=single (vLLM's own tensor/data parallelism: "
-                               "model.stages.<stage>.engine_extras.tensor_parallel_size)")
+        raise ARConfigError(f"parallelism={cfg.parallelism.mode}: AR stages run on one vLLM engine here; fix: "
+                            "parallelism=single (vLLM's own tensor/data parallelism: "
+                            "model.stages.<stage>.engine_extras.tensor_parallel_size)")
     if cfg.run.resume:
-        raise ConfigValueError("run.resume is not supported for AR stages yet; fix: run into a new dir")
+        raise ARConfigError("run.resume is not supported for AR stages yet; fix: run into a new dir")
     if cfg.compile != "none":
-        raise ConfigValueError(f"compile={cfg.compile}: AR stages leave compilation to vLLM "
-                               "(engine_extras.enforce_eager=false); fix: compile=none")
-
-
-def run_ar(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
-           on_loaded: Optional[Any] = None) -> int:
-    """Run an AR model (``model.adapter=vllm``) over the dataset: one ``items.jsonl`` record per output and the
-    manifest (backends with provenance, worker evidence, prefill/decode counts). Returns the exit code (0: every
-    row generated and the evidence verified; 1: some rows failed). ``on_loaded(stage)`` is called once the engine
-    runs, before the worker is inspected (tests use it to tamper with the worker's model).
-
-    Raises:
-        ARConfigError, dataset.DatasetError, kernels.registry.BackendError, ConfigValueError: before the engine
-        starts (exit 2). evidence.EvidenceError: the worker contradicts the resolution (exit 3, strict).
-    """
-    from runner import evidence
-    from runner.artifacts import Journal
-    from runner.execute import _Stop, check_run_values, peak_memory, write_repro
-    from runner.manifest import Manifest, now_iso
-    from runner.platform import detect
-    from runner.resolve import check_placement
-
-    t_start = time.perf_counter()
-    out_dir = Path(cfg.output.dir or run_dir)
-    _check_ar_run(cfg)  # first: parallelism=data is refused for AR whatever the launcher
-    check_run_values(cfg)
-    held = [n for n in ("manifest.json", "items.jsonl") if (out_dir / n).exists()]
-    if held:
-        from runner.resume import ResumeConflictError
-
-        raise ResumeConflictError(f"{out_dir} already holds a run ({', '.join(held)}); AR runs do not resume and "
-                                  "would mix two runs' records; fix: run into a new dir (hydra.run.dir=<new dir> or "
-                                  "output.dir=<new dir>)")
-    check_placement(_default_stage_only(cfg, [DEFAULT_STAGE]), stages=[DEFAULT_STAGE])
-    plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
-    dtype_name = _dtype_name(cfg, plat)
-    stage = ARStage(_default_stage_only(cfg, [DEFAULT_STAGE]), DEFAULT_STAGE, cfg.model, overrides, plat, dtype_name)
-    stage.prepare()  # imports vLLM, resolves backends (fail closed), builds the tiny model dir; no engine yet
-    rows, data_path = load_rows(cfg, stage.sampling, stage.vocab_size, stage.max_model_len, cfg.model,
-                                count_tokens=stage.count_tokens)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(out_dir / "manifest.json")
-    _write_manifest_common(manifest, cfg, overrides, plat, dtype_name, OmegaConf.to_container(cfg, resolve=True))
-    manifest.section("dataset", {"format": cfg.dataset.format, "path": str(Path(data_path).resolve()),
-                                 "sha256": ds.file_sha256(data_path), "rows": len(rows)})
-    manifest.section("model", {"name": cfg.model.name, "adapter": "vllm", "source": stage.source})
-    manifest.section("backends", {DEFAULT_STAGE: stage.backends_section()})
-    manifest.flush()
-    write_repro(out_dir, overrides, manifest.doc["packages"])
-
-    counts = {"ok": 0, "failed": 0, "reused": 0}
-    status, gen_s = "running", 0.0
-    journal = Journal(out_dir / "items.jsonl")
-    records: List[Dict[str, Any]] = []
-    stop = _Stop()
-    try:
-        stop.__enter__()  # SIGINT/SIGTERM: stop after the current batch (re-armed after the engine start, in case
-        # an engine version installs its own handlers; vLLM 0.32 in-process does not)
-        stage.load(on_loaded)
-        stop.__exit__(None, None, None)
-        stop.__enter__()
-        manifest.section("model", {"name": cfg.model.name, "adapter": "vllm", "source": stage.source,
-                                   "load_s": round(stage.load_s, 3), "engine": stage.adapter.info})
-        manifest.section("backends", {DEFAULT_STAGE: stage.backends_section()})
-        manifest.flush()
-        for i in range(0, len(rows), cfg.batch_size):
-            if stop.signum is not None:
-                break
-            chunk = rows[i:i + cfg.batch_size]
-            t0 = time.perf_counter()
-            try:
-                recs = stage.generate(chunk)
-            except Exception as e:  # noqa: BLE001 - recorded per row
-                log.error("rows %s failed: %s: %s", [r.id for r in chunk], type(e).__name__, e)
-                for r in chunk:
-                    journal.append({"id": r.id, "key": r.id, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
-                    counts["failed"] += 1
-                continue
-            gen_s += time.perf_counter() - t0
-            for r in recs:
-                r["status"] = "ok"
-                journal.append(r)
-                records.append(r)
-            counts["ok"] += len({r["id"] for r in recs})
-            manifest.section("counts", counts)
-            manifest.flush()
-        section, mm = stage.evidence_section(records)
-        verdict = "mismatch" if mm else "verified"
-        manifest.section("evidence", {"enabled": True, "pid": os.getpid(), "device": plat.device,
-                                      "stages": {DEFAULT_STAGE: section}, "verdict": verdict, "mismatches": mm})
-        status = "completed" if counts["failed"] == 0 else "completed_with_failures"
-        if stop.signum is not None:
-            status = "interrupted"
-        elif mm:
-            status = "evidence_mismatch" if cfg.evidence.strict else "limited"
-    except BaseException as e:
-        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-        manifest.section("error", f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        stop.__exit__(None, None, None)
-        journal.close()
-        stage.close()
-        out_tokens = sum(len(r["output_token_ids"]) for r in records)
-        manifest.section("counts", counts)
-        manifest.section("timing", {"wall_s": round(time.perf_counter() - t_start, 3),
-                                    "load_s": round(stage.load_s, 3), "generate_s": round(gen_s, 3),
-                                    "output_tokens": out_tokens,
-                                    "output_tokens_per_s": round(out_tokens / gen_s, 2) if gen_s else None})
-        manifest.section("memory", peak_memory(plat.kind))
-        manifest.doc["status"] = status
-        manifest.doc["ended_at"] = now_iso()
-        manifest.flush()
-    log.info("run %s: %d rows ok, %d failed, %.1f s -> %s", status, counts["ok"], counts["failed"],
-             time.perf_counter() - t_start, out_dir)
-    if status == "evidence_mismatch":
-        raise evidence.EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
-                                     + "\n  ".join(manifest.doc["evidence"]["mismatches"]))
-    if status == "interrupted":
-        return 128 + (stop.signum or signal.SIGINT)
-    return 0 if counts["failed"] == 0 else 1
-
-
-# -------------------------------------------------------------------------------------------------- pipelines
-@dataclass
-class Upstream:
-    """The AR stage of a pipeline that feeds the diffusion stage: ``stage`` runs on each row's prompt and
-    ``template`` (``{prompt}``, ``{text}``) builds the downstream prompt."""
-
-    stage: ARStage
-    downstream: str
-    template: str
-
-
-def pipeline_stages(cfg: DictConfig, final_stage: str) -> List[str]:
-    """Validate ``model.pipeline`` (empty: single stage) and return its AR stage names (those before the final,
-    diffusion stage). Supported shape: AR stages with ``input: prompt`` feeding the final stage
-    (``input: <ar stage>``).
-
-    Raises:
-        ARConfigError: naming the stage and the field.
-    """
-    order = list(cfg.model.pipeline or [])
-    if not order:
-        return []
-    stages = cfg.model.stages or {}
-    for s in order:
-        if s not in stages:
-            raise ARConfigError(f"model.pipeline lists {s!r}, which model.stages does not define; stages: "
-                                f"{', '.join(stages)}")
-    if order[-1] != final_stage:
-        raise ARConfigError(f"model.pipeline={order}: the last stage must be the model's {final_stage!r} stage")
-    ar = order[:-1]
-    if len(ar) != 1:
-        raise ARConfigError(f"model.pipeline={order}: one AR stage feeding {final_stage!r} is supported")
-    s = ar[0]
-    if stages[s].adapter != "vllm":
-        raise ARConfigError(f"model.stages.{s}.adapter={stages[s].adapter!r}: an upstream stage runs through vllm; "
-                            f"fix: model.stages.{s}.adapter=vllm")
-    if (stages[s].input or "prompt") != "prompt":
-        raise ARConfigError(f"model.stages.{s}.input={stages[s].input!r}: the first stage reads the dataset's "
-                            "prompt; fix: input: prompt")
-    if stages[final_stage].input != s:
-        raise ARConfigError(f"model.stages.{final_stage}.input={stages[final_stage].input!r}: it must name the "
-                            f"stage that feeds it; fix: model.stages.{final_stage}.input={s}")
-    return ar
-
-
-def prepare_upstream(cfg: DictConfig, overrides: Sequence[str], plat: Any, final_stage: str) -> Optional[Upstream]:
-    """Check and resolve the pipeline's AR stage before anything loads (None for a single-stage model)."""
-    ar = pipeline_stages(cfg, final_stage)
-    if not ar:
-        return None
-    _check_ar_run(cfg)
-    name = ar[0]
-    template = cfg.model.stages[final_stage].template or "{prompt}, {text}"
-    try:
-        template.format(prompt="", text="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise ARConfigError(f"model.stages.{final_stage}.template={template!r} is not a format string over "
-                            f"{{prompt}} and {{text}} ({e})") from None
-    stage = ARStage(cfg, name, model_cfg_of(cfg, name), overrides, plat, _dtype_name(cfg, plat))
-    stage.prepare()
-    check_upstream_prompts(cfg, stage)
-    return Upstream(stage=stage, downstream=final_stage, template=template)
-
-
-def check_upstream_prompts(cfg: DictConfig, stage: ARStage) -> None:
-    """Before the engine starts: every dataset prompt, tokenized with the stage model's tokenizer, plus the stage's
-    ``max_tokens`` must fit in its ``max_model_len`` (as ``load_rows`` checks an AR model's rows).
-
-    Raises:
-        dataset.DatasetError: naming each row (line, id), its token count and the fix.
-    """
-    from runner.execute import load_dataset
-
-    rows, src = load_dataset(cfg)
-    max_tokens = int(stage.sampling.get("max_tokens") or 16)
-    problems = []
-    for r in rows:
-        n = stage.count_tokens(r.prompt)
-        if n + max_tokens > stage.max_model_len:
-            problems.append(f"{src}:{r.line}: row {r.id!r}: {n} prompt tokens (stage {stage.name}'s tokenizer) + "
-                            f"max_tokens {max_tokens} = {n + max_tokens} exceeds max_model_len={stage.max_model_len}"
-                            f"; fix: a shorter prompt, or model.stages.{stage.name}.model.sampling.max_tokens / "
-                            f"model.stages.{stage.name}.engine_extras.max_model_len")
-    if problems:
-        raise ds.DatasetError(problems)
-
-
-def compact_stage_journal(path: Path) -> None:
-    """Rewrite an AR stage journal (``expand.jsonl``) atomically with one record per ``key`` (the latest wins), in
-    the order keys first appeared: a resumed pipeline re-runs the stage for the rows it regenerates, and their
-    new records replace the old ones instead of piling up."""
-    from runner.artifacts import atomic_write_bytes
-    from runner.resume import read_journal
-
-    latest: Dict[str, Dict[str, Any]] = {}
-    for r in read_journal(path):
-        latest[r.get("key", r.get("id"))] = r
-    if path.is_file():
-        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in latest.values()).encode())
-
-
-def run_upstream(up: Upstream, items: List[ds.Item], out_dir: Path,
-                 stop: Optional[Any] = None) -> Tuple[List[ds.Item], Dict[str, Any], Dict[str, Any]]:
-    """Run the AR stage once per dataset row of ``items`` and feed its text into the rows' prompts.
-
-    ``stop``: the run's ``runner.execute._Stop``; after a signal no further ``batch_size`` rows are generated.
-
-    Writes ``<stage>.jsonl`` (one record per AR output, as ``run_ar`` writes them).
-
-    Returns:
-        ``(items with the downstream prompts, {row id: link}, evidence section)``: a link names the AR record
-        (``stage``, ``file``, ``id``, ``output_sha256`` of its token ids, ``text``, the upstream ``prompt``).
-    """
-    from dataclasses import replace
-
-    from runner.artifacts import Journal
-
-    st = up.stage
-    rows: Dict[str, ds.Row] = {}
-    for it in items:
-        rows.setdefault(it.row.id, it.row)
-    ar_rows = [ARRow(id=r.id, line=r.line, prompt=r.prompt, prompt_token_ids=None,
-                     seed=r.seed % (1 << 31) if r.seed is not None else _request_seed(st.cfg.seed, r.id))
-               for r in rows.values()]
-    journal = Journal(out_dir / f"{st.name}.jsonl")
-    records: List[Dict[str, Any]] = []
-    size = max(1, int(st.cfg.batch_size))
-    try:
-        st.load()
-        for i in range(0, len(ar_rows), size):  # batch_size rows per generate call, so a signal stops in time
-            if stop is not None and stop.signum is not None:
-                break
-            for r in st.generate(ar_rows[i:i + size]):
-                r["status"] = "ok"
-                journal.append(r)
-                records.append(r)
-        section, mm = st.evidence_section(records)
-    finally:
-        journal.close()
-        st.close()
-        compact_stage_journal(out_dir / f"{st.name}.jsonl")
-    links: Dict[str, Any] = {}
-    for r in records:
-        if r["index"] != 0:
-            continue
-        links[r["id"]] = {"stage": st.name, "file": f"{st.name}.jsonl", "id": r["id"],
-                          "output_sha256": hashlib.sha256(json.dumps(r["output_token_ids"]).encode()).hexdigest(),
-                          "text": r["text"], "upstream_prompt": r["prompt"]}
-    new_rows = {rid: replace(row, prompt=up.template.format(prompt=row.prompt, text=links[rid]["text"]).strip())
-                for rid, row in rows.items() if rid in links}
-    out = [replace(it, row=new_rows.get(it.row.id, it.row)) for it in items]
-    for it in out:
-        if it.row.id in links:
-            links[it.row.id]["downstream_prompt"] = it.row.prompt
-    return out, links, {"section": section, "mismatches": mm, "load_s": st.load_s, "source": st.source,
-                        "engine": st.adapter.info if st.adapter else None}
+        raise ARConfigError(f"compile={cfg.compile}: AR stages leave compilation to vLLM "
+                            "(engine_extras.enforce_eager=false); fix: compile=none")

@@ -1,0 +1,205 @@
+"""The engine protocol: what one stage of a run must provide to the run loop (``runner.execute.run``).
+
+An engine runs one stage of a run (``denoise`` of a diffusion model, ``generate`` of an AR model, ``expand`` of a
+pipeline). The loop calls it in this order, and only in this order:
+
+1. ``check_config()``: run-config checks of this engine's own fields (no I/O).
+2. ``prepare()``: everything that needs no weights: the weight source checked, the backends resolved under the
+   precedence contract and checked against the platform (fail closed). Returns the manifest's ``model.source``.
+3. ``read_rows()`` / ``items(rows, seed)``: the dataset read and validated for this engine; the work items.
+   ``check_inputs(rows)`` lets an upstream stage check the prompts it will be fed (token counts).
+4. ``load(on_loaded)``: weights, backends installed, probes attached; returns manifest sections to add.
+5. ``batches(items, batch_size)``; ``warmup(batch)`` (may do nothing), then ``generate(batch)`` per batch: one :class:`ImageOutput` or
+   :class:`TextOutput` per item, in batch order; raising fails the batch (the loop retries its items alone).
+6. ``record(item, output, batch_len, generate_s)``: the journal record of one item (without ``status``/``file``:
+   the sink adds those once the artifact is durable).
+7. ``evidence(result)``: the stage's evidence section and its mismatches, from what was observed.
+8. ``close()``: free the engine (always called, also after an error).
+
+Every ``check_config``/``prepare``/``read_rows``/``check_inputs`` error is a ``runner.errors.RunnerError``
+raised before any weight loads. Engines are looked up by name in :mod:`models.registry` (lazy import paths).
+Model knowledge (forward counts, FP8 module prefixes, oracles) lives with the model's engine, not in the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import numpy as np
+
+
+@dataclass
+class ImageOutput:
+    """One generated image: ``image`` float32, layout (H, W, C), values in [0, 1]; NaN/inf are kept so that the
+    sink can refuse a non-finite output instead of writing it."""
+
+    image: np.ndarray
+
+    def nonfinite(self) -> int:
+        """Number of non-finite values (0: the image can be written)."""
+        return int((~np.isfinite(self.image)).sum())
+
+
+@dataclass
+class TextOutput:
+    """One generated text record (an AR output): ``record`` holds ``id``, ``key``, ``prompt``,
+    ``prompt_token_ids``, ``output_token_ids``, ``text``, ``finish_reason``, ``timing``, ``tokens``, ..."""
+
+    record: Dict[str, Any]
+
+
+@dataclass
+class StageContext:
+    """What the loop hands an engine when it builds it.
+
+    Attributes:
+        cfg: the composed run config (precedence layers are read from it).
+        overrides: the CLI overrides (they decide the CLI precedence layers).
+        stage: the stage name (``denoise``, ``generate``, ``expand``).
+        model_cfg: the stage's model config (``cfg.model``, or ``model.stages.<stage>.model`` in a pipeline).
+        plat: ``runner.platform.PlatformInfo`` of this process.
+        dtype: ``torch.dtype`` of the stage's compute.
+    """
+
+    cfg: Any
+    overrides: Sequence[str]
+    stage: str
+    model_cfg: Any
+    plat: Any
+    dtype: Any
+
+
+@dataclass
+class StageResult:
+    """What the loop observed while a stage generated, handed to :meth:`Engine.evidence`.
+
+    Attributes:
+        records: the journal records written with ``status: ok`` in this process, in order.
+        nonfinite: items refused because their output held NaN/inf.
+        generated: whether any batch was generated (False: every item was reused from an earlier run).
+    """
+
+    records: List[Dict[str, Any]] = field(default_factory=list)
+    nonfinite: int = 0
+    generated: bool = False
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One stage's model: see the module docstring for the call order.
+
+    Class attributes:
+        output: ``"image"`` (written by the PNG sink) or ``"text"`` (the text-record sink).
+        unit: the progress-bar unit (``img``, ``row``).
+        resumable: a re-run into the run dir reuses finished items (otherwise a dir holding a run is refused).
+        default_stage: the stage name of a single-stage model (``denoise``, ``generate``).
+
+    ``stage_model_cfg(cfg, stage)`` is the model config of this engine's stage in a pipeline; ``items_from(rows)``
+    turns downstream dataset rows into this engine's items when it feeds another stage.
+    """
+
+    output: ClassVar[str]
+    unit: ClassVar[str]
+    resumable: ClassVar[bool]
+    default_stage: ClassVar[str]
+    stage: str
+    source: Dict[str, Any]
+
+    @classmethod
+    def stage_model_cfg(cls, cfg: Any, stage: str) -> Any: ...
+
+    def items_from(self, rows: Sequence[Any]) -> List[Any]: ...
+
+    def check_config(self) -> None: ...
+
+    def prepare(self) -> Dict[str, Any]: ...
+
+    def read_rows(self) -> Tuple[List[Any], Path]: ...
+
+    def items(self, rows: Sequence[Any], run_seed: int) -> List[Any]: ...
+
+    def check_inputs(self, rows: Sequence[Any], path: Any) -> None: ...
+
+    def batches(self, items: Sequence[Any], batch_size: int) -> List[List[Any]]: ...
+
+    def backends_section(self) -> Dict[str, Any]: ...
+
+    def load(self, on_loaded: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]: ...
+
+    def warmup(self, batch: Sequence[Any]) -> float: ...
+
+    def generate(self, batch: Sequence[Any]) -> List[Any]: ...
+
+    def record(self, item: Any, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]: ...
+
+    def evidence(self, result: StageResult) -> Tuple[Dict[str, Any], List[str]]: ...
+
+    def timing_phases(self, generate_s: float) -> Dict[str, float]: ...
+
+    def timing_extra(self, result: StageResult, generate_s: float) -> Dict[str, Any]: ...
+
+    def compile_section(self) -> Optional[Dict[str, Any]]: ...
+
+    def accuracy(self, items: Sequence[Any], records: Dict[str, Dict[str, Any]], out_dir: Path
+                 ) -> Optional[Dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+class EngineBase:
+    """Defaults of the protocol's optional steps, for engines to inherit (no probing with ``hasattr``: every
+    engine has every method)."""
+
+    output: ClassVar[str] = "image"
+    unit: ClassVar[str] = "item"
+    resumable: ClassVar[bool] = False
+    default_stage: ClassVar[str] = "generate"
+    stage: str = ""
+
+    @classmethod
+    def stage_model_cfg(cls, cfg: Any, stage: str) -> Any:
+        """``model.stages.<stage>.model`` of a pipeline."""
+        return cfg.model.stages[stage].model
+
+    def items_from(self, rows: Sequence[Any]) -> List[Any]:
+        """An engine that cannot feed another stage refuses to be placed before one.
+
+        Raises:
+            runner.errors.UserInputError: naming the stage.
+        """
+        from runner.errors import UserInputError
+
+        raise UserInputError(f"stage {self.stage!r} ({type(self).__name__}) cannot feed another stage; fix: put it "
+                             "last in model.pipeline")
+
+    def check_config(self) -> None:
+        """No engine-specific config checks."""
+
+    def check_inputs(self, rows: Sequence[Any], path: Any) -> None:
+        """An upstream stage accepts any downstream prompt."""
+
+    def warmup(self, batch: Sequence[Any]) -> float:
+        """No warm-up; returns 0 seconds."""
+        return 0.0
+
+    def timing_phases(self, generate_s: float) -> Dict[str, float]:
+        """No per-phase timing."""
+        return {}
+
+    def timing_extra(self, result: StageResult, generate_s: float) -> Dict[str, Any]:
+        """No engine-specific timing figures."""
+        return {}
+
+    def compile_section(self) -> Optional[Dict[str, Any]]:
+        """Nothing compiled by the runner."""
+        return None
+
+    def accuracy(self, items: Sequence[Any], records: Dict[str, Dict[str, Any]], out_dir: Path
+                 ) -> Optional[Dict[str, Any]]:
+        """No oracle."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to free."""

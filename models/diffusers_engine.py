@@ -1,0 +1,362 @@
+"""What every diffusers-served stage shares: backend resolution and installation through diffusers' attention
+dispatcher, the denoiser probe and its evidence, the memory check, compile warm-up, dataset rows of diffusion
+fields. A model family subclasses :class:`DiffusersEngine` with its own loading, call arguments, forward count
+and oracle (``models.flux.FluxEngine``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from models.base import EngineBase, ImageOutput, StageContext, StageResult
+from runner import dataset as ds
+from runner import evidence
+from runner.errors import ConfigValueError
+
+
+def available_bytes(plat: Any) -> Optional[int]:
+    """Free bytes where the weights will live: the GPU's free bytes, or the host's ``MemAvailable`` (Linux)."""
+    if plat.kind in ("cuda", "rocm"):
+        return torch.cuda.mem_get_info(torch.cuda.current_device())[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def deterministic_compile(enabled: bool) -> Iterator[None]:
+    """Inductor's deterministic mode (``torch._inductor.config.deterministic``: no on-device benchmarking of kernel
+    configurations that change numerics) for everything compiled inside, restored on exit.
+
+    The flag is set through ``torch.use_deterministic_algorithms(True, warn_only=True)``: dynamo re-applies that
+    global after converting each frame (``torch/_dynamo/convert_frame.py``), which resets an Inductor flag set on
+    its own after the first compiled block. ``warn_only`` keeps eager ops without a deterministic kernel running
+    (they warn instead of raising).
+    """
+    if not enabled:
+        yield
+        return
+    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile (dynamo) has produced in this process so far; a rise during the generation loop
+    means a recompile (a new shape or a guard failure)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class DiffusersEngine(EngineBase):
+    """Base of diffusion stages run through a diffusers pipeline; subclasses provide the model knowledge:
+
+    * ``resolve_source()``, ``head_dim()``, ``weight_bytes()``, ``load_pipeline()``: where weights come from and
+      how the pipeline is built (nothing loads before ``load``);
+    * ``denoiser`` (the ``torch.nn.Module`` whose forwards are counted), ``attention_sites()`` (``(role, layer,
+      module)`` of every attention call site), ``expected_forwards(batch)`` (denoiser forwards one pipeline call
+      makes), ``call(batch)`` (one pipeline call: float32 (H, W, C) arrays in [0, 1]);
+    * optionally ``optimize(opts)`` and ``warmup_call(batch)``, ``check_rows(rows, path)`` and ``accuracy(...)``.
+
+    The loop's protocol (:class:`models.base.Engine`) is implemented here once for all of them.
+    """
+
+    output: ClassVar[str] = "image"
+    unit: ClassVar[str] = "img"
+    resumable: ClassVar[bool] = True
+    default_stage: ClassVar[str] = "denoise"
+    backend_fields: ClassVar[Tuple[str, ...]] = ("attention", "linear")
+    needs_mask: ClassVar[bool] = False
+    reads_engine_extras: ClassVar[bool] = False
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.stage = ctx.stage
+        self.cfg = ctx.model_cfg
+        self.cache_dir = ctx.cfg.cache_dir if ctx.cfg is not None else None
+        self.pipe: Any = None
+        self.source: Dict[str, Any] = {}
+        self.resolutions: Dict[str, Any] = {}
+        self.probes: Dict[str, Any] = {}
+        self.probe: Optional[evidence.DenoiserProbe] = None
+        self.phase_s: Dict[str, float] = {}
+        self.want_forwards = 0
+        self.raised = False
+        self.load_s = self.warmup_s = 0.0
+        self.graphs_before: Optional[int] = None
+        self.inductor_deterministic: Optional[bool] = None
+        self._scope = contextlib.ExitStack()
+
+    @property
+    def device(self) -> str:
+        """The torch device string of this process's platform (known once the loop detected it)."""
+        return self.ctx.plat.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stage's compute dtype."""
+        return self.ctx.dtype
+
+    # ------------------------------------------------------------------------------------------ 1. config checks
+    def check_config(self) -> None:
+        """Generation defaults of ``model.generation`` and the run's ``max_pixels`` (errors name the config key,
+        not a data file).
+
+        Raises:
+            ConfigValueError: naming the field, the value and the fix.
+        """
+        cfg = self.ctx.cfg
+        g = self.cfg.generation
+        m = self.cfg.size_multiple
+        for key in ("width", "height"):
+            if g[key] <= 0 or g[key] % m:
+                raise ConfigValueError(f"model.generation.{key}={g[key]} is not a positive multiple of {m} (model "
+                                       f"{self.cfg.name}); fix: e.g. model.generation.{key}="
+                                       f"{max(m, round(g[key] / m) * m)}")
+        if cfg.max_pixels >= 1 and g.width * g.height > cfg.max_pixels:
+            raise ConfigValueError(f"model.generation width x height = {g.width}x{g.height} exceeds max_pixels="
+                                   f"{cfg.max_pixels}; fix: smaller sizes, or raise max_pixels")
+        if g.num_inference_steps < 1:
+            raise ConfigValueError(f"model.generation.num_inference_steps={g.num_inference_steps} must be >= 1")
+        if g.max_sequence_length < 1:
+            raise ConfigValueError(f"model.generation.max_sequence_length={g.max_sequence_length} must be >= 1")
+        for key in ("guidance_scale", "true_cfg_scale"):
+            if not math.isfinite(g[key]) or g[key] < 0:
+                raise ConfigValueError(f"model.generation.{key}={g[key]} must be a finite number >= 0")
+
+    # --------------------------------------------------------------------------------------------- 2. prepare
+    def prepare(self) -> Dict[str, Any]:
+        """Check the weight source, resolve and check the backends, check the memory; nothing loads.
+
+        Returns:
+            The manifest's ``model.source``.
+
+        Raises:
+            runner.errors.RunnerError subclasses (model path, backend selection, memory), naming the fix.
+        """
+        self.resolve_source()
+        self.resolutions, _ = self.resolve_backends()
+        self.check_memory()
+        return self.source
+
+    def resolve_backends(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """Resolve the stage's backends under the precedence contract and check they can run here.
+
+        Returns:
+            ``({field: FieldResolution}, engine_extras)`` of the stage.
+
+        Raises:
+            kernels.registry.BackendError subclasses, naming the field, the value, the reason and the fix.
+        """
+        from kernels.attention import DIFFUSERS_BACKEND, plan
+        from kernels.registry import SelectionContext
+        from runner.resolve import LEGACY_KEYS, MisplacedBackendKeyError, StageInfo, check_placement, cli_keys, resolve_stage
+
+        cfg, plat = self.ctx.cfg, self.ctx.plat
+        check_placement(cfg, stages=[self.stage, *[s for s in (cfg.model.pipeline or []) if s != self.stage]])
+        sel = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=self.head_dim(),
+                               needs_mask=self.needs_mask, sequence_parallel=False)
+        info = StageInfo(name=self.stage, roles=list(cfg.model.roles), fields=self.backend_fields, ctx=sel,
+                         wired={"attention": list(DIFFUSERS_BACKEND)})
+        resolutions, extras = resolve_stage(cfg, cli_keys(self.ctx.overrides), info)
+        for spec in resolutions["attention"].selected.values():  # wiring problems surface now, not after loading
+            plan(spec["backend"], plat.sm)
+        if extras and not self.reads_engine_extras:
+            import difflib
+
+            key = sorted(extras)[0]
+            close = difflib.get_close_matches(key, list(LEGACY_KEYS.values()), n=1)
+            raise MisplacedBackendKeyError(
+                f"model.stages.{self.stage}.engine_extras.{key} is not read: the {self.stage!r} stage's engine "
+                f"(diffusers) takes no engine_extras" + (f"; did you mean the legacy key {close[0]!r}?" if close else
+                                                          "; fix: remove it"))
+        return resolutions, extras
+
+    def check_memory(self) -> None:
+        """Refuse before loading when the weights alone cannot fit (``load_format=dummy`` sizes are exact).
+
+        Raises:
+            ConfigValueError: naming the model, the bytes needed and available, and the fix.
+        """
+        need = self.weight_bytes()
+        have = available_bytes(self.ctx.plat)
+        if need is None or have is None or need <= have:
+            return
+        raise ConfigValueError(
+            f"model={self.cfg.name} needs {need / 2**30:.1f} GiB for its weights in "
+            f"{str(self.dtype).replace('torch.', '')} on {self.ctx.plat.device}, but only {have / 2**30:.1f} GiB "
+            "is free; fix: run it on a GPU (platform=cuda dtype=bfloat16), or use model=tiny_flux / "
+            "model=toy_shapes on this machine")
+
+    def backends_section(self) -> Dict[str, Any]:
+        """``backends.<stage>``: per field, what was requested, its layer, the canonical and selected names."""
+        return {f: r.to_dict() for f, r in self.resolutions.items()}
+
+    # ------------------------------------------------------------------------------------------------ 3. rows
+    def read_rows(self) -> Tuple[List[ds.Row], Path]:
+        """The run's dataset rows, validated, with the run's and the model's defaults filled in.
+
+        Raises:
+            dataset.DatasetError: every problem found (file, line, field, value, fix).
+        """
+        cfg = self.ctx.cfg
+        g = self.cfg.generation
+        defaults = dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
+                        guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt)
+        rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
+                                  size_multiple=self.cfg.size_multiple, max_pixels=cfg.max_pixels,
+                                  limit=cfg.dataset.limit, builtin=self.cfg.builtin_prompts)
+        self.check_rows(rows, path)
+        return rows, path
+
+    def check_rows(self, rows: Sequence[ds.Row], path: Any) -> None:
+        """Model-specific row checks (e.g. an oracle's ``expect`` vocabulary); none by default."""
+
+    def items(self, rows: Sequence[ds.Row], run_seed: int) -> List[ds.Item]:
+        """One item per image (``runner.dataset.expand_items``: seeds belong to rows, not batches)."""
+        return ds.expand_items(rows, run_seed)
+
+    def batches(self, items: Sequence[ds.Item], batch_size: int) -> List[List[ds.Item]]:
+        """Batches of equal shape (``runner.dataset.batches``)."""
+        return ds.batches(list(items), batch_size)
+
+    def check_inputs(self, rows: Sequence[Any], path: Any) -> None:
+        """A diffusion stage takes any prompt (the text encoders truncate at ``max_sequence_length``)."""
+
+    # ------------------------------------------------------------------------------------------------ 4. load
+    def load(self, on_loaded: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
+        """Load the pipeline, apply ``optimize``, install the backends with their probes, compile if asked.
+
+        ``on_loaded(self)`` runs after the probe is attached (tests tamper with the model there).
+
+        Returns:
+            Manifest sections to add: ``model`` (source and ``load_s``) and ``optimize`` (what was applied).
+        """
+        from kernels import attention, linear
+
+        cfg = self.ctx.cfg
+        compile_mode = cfg.compile
+        det = compile_mode != "none" and bool(cfg.optimize.deterministic_compile)
+        self._scope.enter_context(deterministic_compile(det))
+        t0 = time.perf_counter()
+        self.load_pipeline()
+        self.load_s = time.perf_counter() - t0
+        sections: Dict[str, Any] = {"model": {"load_s": round(self.load_s, 3)},
+                                    "optimize": self.optimize(cfg.optimize)}
+        observe = bool(cfg.evidence.enabled) and compile_mode == "none"
+        sites = attention.install(self.stage, self.attention_sites(), self.resolutions["attention"].selected,
+                                  self.ctx.plat.sm, observe=observe)
+        lin = linear.install(self.denoiser, self.resolutions["linear"].selected, observe=observe)
+        if compile_mode == "regional":
+            self.denoiser.compile_repeated_blocks(fullgraph=False, dynamic=False)
+        self.probes = {"attention": sites, "linear": lin, "observed": observe}
+        self._on_loaded = on_loaded
+        return sections
+
+    def optimize(self, opts: Any) -> Dict[str, Any]:
+        """Math-preserving speed settings; none by default."""
+        return {}
+
+    def warmup(self, batch: Sequence[ds.Item]) -> float:
+        """With ``compile`` on and ``optimize.warmup``: one short call at ``batch``'s shape so that compilation
+        happens before the timed loop. Then the denoiser probe is attached (profiling the 2nd forward when
+        compiled without warm-up, since the 1st compiles) and ``on_loaded`` runs. Returns the warm-up seconds."""
+        cfg = self.ctx.cfg
+        if cfg.compile != "none" and cfg.optimize.warmup and batch:
+            t0 = time.perf_counter()
+            self.warmup_call(batch)
+            self.warmup_s = time.perf_counter() - t0
+            self.graphs_before = compiled_graphs()
+            import torch._inductor.config as inductor_config
+
+            # still set after every block compiled (dynamo re-applies the global per frame)
+            self.inductor_deterministic = getattr(inductor_config, "deterministic", None)
+        self.probe = evidence.DenoiserProbe(self.denoiser, profile=cfg.evidence.enabled and cfg.evidence.profile,
+                                            device_kind=self.ctx.plat.kind,
+                                            profile_forward=2 if cfg.compile != "none" and not self.warmup_s else 1)
+        if self._on_loaded is not None:
+            self._on_loaded(self)
+        return self.warmup_s
+
+    def warmup_call(self, batch: Sequence[ds.Item]) -> None:
+        """One short pipeline call whose output is discarded; a subclass that compiles provides it."""
+
+    # -------------------------------------------------------------------------------------------- 5. generate
+    def generate(self, batch: Sequence[ds.Item]) -> List[ImageOutput]:
+        """One pipeline call over ``batch``; counts the denoiser forwards it should have made.
+
+        Raises:
+            Whatever the pipeline raises; the loop then retries the batch's items one by one.
+        """
+        try:
+            images = self.call(batch)
+        except Exception:
+            self.raised = True  # a call raised part-way: forward totals are no longer predictable
+            raise
+        self.want_forwards += self.expected_forwards(batch)
+        return [ImageOutput(img) for img in images]
+
+    def record(self, item: ds.Item, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:
+        """The journal record of one image (without ``status``/``file``: the sink adds them)."""
+        import hashlib
+
+        r = item.row
+        return {
+            "id": r.id, "index": item.index, "key": item.key,
+            "prompt_sha256": hashlib.sha256(r.prompt.encode()).hexdigest(),
+            "seed": item.seed,
+            "params": {"width": r.width, "height": r.height, "num_inference_steps": r.num_inference_steps,
+                       "guidance_scale": r.guidance_scale, "negative_prompt": r.negative_prompt,
+                       "batch_size": batch_len},
+            "timing": {"generate_s": round(generate_s, 4)},
+        }
+
+    # -------------------------------------------------------------------------------------------- 6. evidence
+    def evidence(self, result: StageResult) -> Tuple[Dict[str, Any], List[str]]:
+        """The stage's evidence (``runner.evidence.build``): attention call sites and linear layers observed,
+        denoiser forwards against :meth:`expected_forwards`, profiled kernels against each backend's signature.
+
+        Returns:
+            ``(section, mismatches)``; the section is the whole ``evidence`` document of a single-stage run.
+        """
+        ev = evidence.build(self.stage, self.probes, self.probe, None if self.raised else self.want_forwards,
+                            finite=result.nonfinite == 0, device=self.device)
+        return ev, list(ev["mismatches"])
+
+    def timing_phases(self, generate_s: float) -> Dict[str, float]:
+        """Seconds per pipeline phase (text encoding, VAE decoding; denoising is the rest of ``generate_s``)."""
+        phases = dict(self.phase_s or {})
+        if phases:
+            phases["denoise"] = max(0.0, generate_s - sum(phases.values()))
+        return phases
+
+    def compile_section(self) -> Optional[Dict[str, Any]]:
+        """``compile``: warm-up seconds, Inductor's deterministic flag, graphs compiled after the warm-up."""
+        if self.graphs_before is None:
+            return None
+        return {"mode": self.ctx.cfg.compile, "warmup_s": round(self.warmup_s, 3),
+                "inductor_deterministic": self.inductor_deterministic,
+                "graphs_compiled_after_warmup": compiled_graphs() - self.graphs_before}
+
+    def accuracy(self, items: Sequence[ds.Item], records: Dict[str, Dict[str, Any]], out_dir: Path
+                 ) -> Optional[Dict[str, Any]]:
+        """The model's oracle score over ``items`` (None: the model has no oracle)."""
+        return None
+
+    def close(self) -> None:
+        """Leave the compile scope (deterministic mode restored)."""
+        self._scope.close()
