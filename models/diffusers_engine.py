@@ -331,11 +331,11 @@ class DiffusersEngine(EngineBase):
         denoiser forwards against :meth:`expected_forwards`, profiled kernels against each backend's signature.
 
         Returns:
-            ``(section, mismatches)``; the section is the whole ``evidence`` document of a single-stage run.
+            ``(evidence.stages.<stage>, mismatches)``.
         """
         ev = evidence.build(self.stage, self.probes, self.probe, None if self.raised else self.want_forwards,
                             finite=result.nonfinite == 0, device=self.device)
-        return ev, list(ev["mismatches"])
+        return ev["stages"][self.stage], list(ev["mismatches"])
 
     def timing_phases(self, generate_s: float) -> Dict[str, float]:
         """Seconds per pipeline phase (text encoding, VAE decoding; denoising is the rest of ``generate_s``)."""

@@ -703,12 +703,15 @@ def _default_stage_only(cfg: DictConfig, keep: Sequence[str]) -> DictConfig:
 
 
 def _check_ar_run(cfg: DictConfig) -> None:
+    """Run-level settings AR stages do not support yet. Raises ConfigValueError naming the field and the fix."""
+    from runner.errors import ConfigValueError
+
     if cfg.parallelism.mode != "single":
-        raise ARConfigError(f"parallelism={cfg.parallelism.mode}: AR stages run on one vLLM engine here; fix: "
+        raise ConfigValueError(f"parallelism={cfg.parallelism.mode}: AR stages run on one vLLM engine here; fix: "
                             "parallelism=single (vLLM's own tensor/data parallelism: "
                             "model.stages.<stage>.engine_extras.tensor_parallel_size)")
     if cfg.run.resume:
-        raise ARConfigError("run.resume is not supported for AR stages yet; fix: run into a new dir")
+        raise ConfigValueError("run.resume is not supported for AR stages yet; fix: run into a new dir")
     if cfg.compile != "none":
-        raise ARConfigError(f"compile={cfg.compile}: AR stages leave compilation to vLLM "
+        raise ConfigValueError(f"compile={cfg.compile}: AR stages leave compilation to vLLM "
                             "(engine_extras.enforce_eager=false); fix: compile=none")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from runner.artifacts import atomic_write_bytes, atomic_write_json
+from runner.sinks import read_journal
 
 WORKER_SUBDIR = "workers"
 SHARDING = "the run's batches dealt whole, in order, each to the rank with the fewest items (see shard)"
@@ -116,12 +117,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
-    from runner.resume import read_journal
-
-    return read_journal(path)
-
-
 def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str) -> Dict[str, Any]:
     """Merge the workers' journals and manifests of ``out_dir`` into ``items.jsonl`` and ``manifest.json``.
 
@@ -136,7 +131,7 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     """
     latest: Dict[str, Dict[str, Any]] = {}
     for p in sorted(out_dir.glob("items*.jsonl")):
-        for rec in _read_jsonl(p):
+        for rec in read_journal(p):
             if "key" in rec:
                 if rec.get("status") == "ok" or rec["key"] not in latest:
                     latest[rec["key"]] = rec

@@ -102,11 +102,6 @@ def check_run_values(cfg: DictConfig) -> None:
                                "or parallelism=data")
     if mode not in ("single", "data"):
         raise ConfigValueError(f"parallelism.mode={mode!r} is not one of single, data, cfg, ulysses")
-    stages = list(cfg.model.get("pipeline") or [])
-    if mode == "data" and len(stages) > 1:  # before the launcher checks: no launcher makes this work
-        raise ConfigValueError(f"parallelism=data with the multi-stage model={cfg.model.name} (pipeline {stages}): its "
-                               "AR stage runs on one vLLM engine, so data parallelism is not supported yet; fix: "
-                               "parallelism=single")
     from runner.distributed import torchrun_worker
 
     tw = torchrun_worker()
@@ -238,6 +233,10 @@ def stage_graph(cfg: DictConfig) -> List[StageSpec]:
         raise UserInputError(f"model.pipeline={order}: the last stage must be the model's {final.name!r} stage")
     if len(order) != 2:
         raise UserInputError(f"model.pipeline={order}: one stage feeding {final.name!r} is supported")
+    if cfg.parallelism.mode == "data":  # before the stages' and the launcher's checks: nothing makes this work
+        raise ConfigValueError(f"parallelism=data with the multi-stage model={cfg.model.name} (pipeline {order}): its "
+                               "first stage runs on one engine, so data parallelism is not supported yet; fix: "
+                               "parallelism=single")
     s = order[0]
     if (stages[s].input or "prompt") != "prompt":
         raise UserInputError(f"model.stages.{s}.input={stages[s].input!r}: the first stage reads the dataset's "
@@ -255,6 +254,18 @@ def stage_graph(cfg: DictConfig) -> List[StageSpec]:
     up_model = up_cls.stage_model_cfg(cfg, s)
     final.input, final.template = s, template
     return [StageSpec(s, stages[s].adapter, up_model, input="prompt"), final]
+
+
+def build_engines(cfg: DictConfig, overrides: Sequence[str], plat: Any = None, dtype: Any = None,
+                  specs: Optional[List[StageSpec]] = None) -> List[Any]:
+    """One engine per stage of :func:`stage_graph` (constructors load and check nothing); ``plat``/``dtype`` may be
+    filled in later (``engine.ctx.plat``), before ``prepare``."""
+    from models.base import StageContext
+    from models.registry import engine_class
+
+    return [engine_class(s.adapter)(StageContext(cfg=cfg, overrides=list(overrides), stage=s.name,
+                                                 model_cfg=s.model_cfg, plat=plat, dtype=dtype))
+            for s in (specs if specs is not None else stage_graph(cfg))]
 
 
 def _link_records(stage: str, records: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -390,17 +401,13 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         runner.errors.RunnerError subclasses: bad input or a refused backend, all before any weight loads;
         evidence.EvidenceError: strict evidence found a mismatch (after everything was written).
     """
-    from models.base import StageContext
-    from models.registry import engine_class
-
     t_start = time.perf_counter()
     out_dir = Path(cfg.run.resume or cfg.output.dir or run_dir)
 
     # 1. the run config, the stage graph and its engines (constructors load nothing)
     check_schema(cfg)
     specs = stage_graph(cfg)
-    engines = [engine_class(s.adapter)(StageContext(cfg=cfg, overrides=list(overrides), stage=s.name,
-                                                    model_cfg=s.model_cfg, plat=None, dtype=None)) for s in specs]
+    engines = build_engines(cfg, overrides, specs=specs)
     final, upstream = engines[-1], engines[:-1]
 
     # 2. prepare every stage before any stage loads
@@ -646,11 +653,6 @@ USER_ERRORS = _user_errors()
 
 def dataset_keys(cfg: DictConfig) -> List[str]:
     """Every item key of the run's dataset, in dataset order (the merged journal's order of a data-parallel run)."""
-    from models.base import StageContext
-    from models.registry import engine_class
-
-    spec = stage_graph(cfg)[-1]
-    engine = engine_class(spec.adapter)(StageContext(cfg=cfg, overrides=[], stage=spec.name, model_cfg=spec.model_cfg,
-                                                     plat=None, dtype=None))
+    engine = build_engines(cfg, [])[-1]
     rows, _ = engine.read_rows()
     return [it.key for it in engine.items(rows, cfg.seed)]

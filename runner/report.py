@@ -34,6 +34,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from runner.sinks import read_journal
+
 PARITY_TOLERANCE_DB = 40.0
 """Default parity tolerance: an item is within tolerance when its PSNR against the reference is >= this (dB)."""
 
@@ -102,17 +104,6 @@ def _read_json(path: Path) -> Dict[str, Any]:
         return {}
 
 
-def _read_items(path: Path) -> List[Dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a torn last line of an interrupted run
-    return out
-
-
 def is_run_dir(d: Path) -> bool:
     """A run dir holds ``manifest.json`` or ``job_status.json``."""
     return (d / "manifest.json").exists() or (d / "job_status.json").exists()
@@ -148,7 +139,7 @@ def load_jobs(dirs: Iterable[Path]) -> List[Job]:
             label = f"{label}#{len(jobs)}"
         jobs.append(Job(name=path.name, label=label, path=path, group=group,
                         manifest=_read_json(path / "manifest.json"), status=_read_json(path / "job_status.json"),
-                        items=_read_items(path / "items.jsonl")))
+                        items=read_journal(path / "items.jsonl")))
     return jobs
 
 

@@ -93,17 +93,9 @@ def _compare_tokens(orig_dir: Path, new_dir: Path, name: str) -> Tuple[List[Dict
 
 
 def _items(run_dir: Path, name: str = "items.jsonl") -> Dict[str, Dict[str, Any]]:
-    out = {}
-    p = run_dir / name
-    if p.exists():
-        for line in p.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if "key" in r:
-                out[r["key"]] = r
-    return out
+    from runner.sinks import read_journal
+
+    return {r["key"]: r for r in read_journal(run_dir / name) if "key" in r}
 
 
 def rerun_command(manifest: Dict[str, Any], new_dir: Path) -> List[str]:

@@ -67,19 +67,6 @@ def previous_run(out_dir: Path, names: tuple = ("manifest.json",)) -> Optional[D
     return doc
 
 
-def read_journal(path: Path) -> List[Dict[str, Any]]:
-    """Records of an ``items.jsonl``; a truncated last line (a kill mid-write) is ignored."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def remove_temp_files(out_dir: Path) -> List[str]:
     """Delete temp files (``.<name>.tmp<pid>``) that a killed run left in ``out_dir`` and ``out_dir/images``;
     returns their names. Only names of that pattern are touched."""
@@ -97,6 +84,8 @@ def remove_temp_files(out_dir: Path) -> List[str]:
 
 def finished(out_dir: Path) -> Dict[str, Dict[str, Any]]:
     """``{item key: record}`` of items whose artifact exists and matches its recorded sha256."""
+    from runner.sinks import read_journal
+
     done: Dict[str, Dict[str, Any]] = {}
     records = [rec for p in sorted(out_dir.glob("items*.jsonl")) for rec in read_journal(p)]  # + workers' journals
     for rec in records:

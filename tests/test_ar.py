@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 if os.environ.get("RUNNER_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  (CI: must be installed)
@@ -295,14 +296,15 @@ def test_cli_tiny_qwen3_moe_token_id_prompts(rows_file, tmp_path, subprocess_env
 def test_ar_backends_use_the_runner_precedence_layers(compose):
     """Resolution only (vLLM imported, no engine): stage > run > legacy engine_extras, with provenance, and
     shared aliases mapped to vLLM's names; a misspelt engine argument is refused naming the closest one."""
-    from runner.ar import ARConfigError, ARStage
+    from models.vllm_stage import ARConfigError
+    from runner.execute import build_engines
     from runner.platform import detect
 
     ov = ["platform=cpu", "model=tiny_qwen3_moe", "backend.linear=TORCH",
           "model.stages.generate.backend.attention=cpu_attn", "backend.attention=auto",
           "+model.stages.generate.engine_extras.moe_backend=auto"]
     cfg = compose(ov)
-    st = ARStage(cfg, "generate", cfg.model, ov, detect("cpu"), "float32")
+    st = build_engines(cfg, ov, detect("cpu"), torch.float32)[-1]
     st.prepare()
     r = st.resolutions
     assert (r["attention"].layer, r["attention"].resolved) == ("cli_stage", "CPU_ATTN")
@@ -312,7 +314,7 @@ def test_ar_backends_use_the_runner_precedence_layers(compose):
     assert st.adapter.llm_kwargs()["attention_config"] == {"backend": "CPU_ATTN"}
     bad = ["platform=cpu", "model=tiny_qwen3_moe", "+model.stages.generate.engine_extras.max_num_seq=4"]
     with pytest.raises(ARConfigError, match="did you mean 'max_num_seqs'"):
-        ARStage(compose(bad), "generate", compose(bad).model, bad, detect("cpu"), "float32").prepare()
+        build_engines(compose(bad), bad, detect("cpu"), torch.float32)[-1].prepare()
 
 
 def _swap_first_attention_backend(stage):
@@ -377,7 +379,7 @@ def test_ar_sources_record_sha256_of_weights_config_and_tokenizer(compose, ar_ru
     import shutil
     from pathlib import Path
 
-    from runner.ar import ARStage
+    from runner.execute import build_engines
     from runner.platform import detect
 
     def sha(p):
@@ -390,7 +392,7 @@ def test_ar_sources_record_sha256_of_weights_config_and_tokenizer(compose, ar_ru
     def source(ov):
         ov = ["platform=cpu", *ov]
         cfg = compose(ov)
-        st = ARStage(cfg, "generate", cfg.model, ov, detect("cpu"), "float32")
+        st = build_engines(cfg, ov, detect("cpu"), torch.float32)[-1]
         st.prepare()
         return st.source
 

@@ -317,15 +317,16 @@ def test_auto_only_returns_backends_that_pass_their_checks():
 
 
 def _startup(overrides, sm=100, head_dim=128):
-    """``runner.execute.resolve_backends`` (all startup checks, no weights) on a faked GPU and a faked adapter."""
+    """The diffusion engine's ``resolve_backends`` (all startup checks, no weights) on a faked GPU, with the
+    model's head_dim faked."""
     from types import SimpleNamespace
 
-    from runner.execute import resolve_backends
+    from runner.execute import build_engines
 
-    adapter = SimpleNamespace(head_dim=lambda: head_dim, needs_mask=False, stage="denoise",
-                              backend_fields=("attention", "linear"))
-    return resolve_backends(compose(overrides), overrides, adapter, SimpleNamespace(kind="cuda", sm=sm),
-                            torch.bfloat16)
+    engine = build_engines(compose(overrides), overrides, SimpleNamespace(kind="cuda", sm=sm, device="cuda"),
+                           torch.bfloat16)[-1]
+    engine.head_dim = lambda: head_dim
+    return engine.resolve_backends()
 
 
 # regression: bug: on sm100/sm103 with flashinfer installed, auto selects TRTLLM_ATTN, 

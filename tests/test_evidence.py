@@ -266,7 +266,7 @@ def test_cudnn_on_cpu_refused_before_the_model_loads(tmp_path, monkeypatch):
     def loaded(*a, **k):
         raise AssertionError("the model was loaded before the backend was refused")
 
-    monkeypatch.setattr(flux.FluxAdapter, "load", loaded)
+    monkeypatch.setattr(flux.FluxEngine, "load_pipeline", loaded)
     monkeypatch.setattr(flux, "embedded_snapshot", loaded)
     run_dir = tmp_path / "cudnn"
     t0 = time.perf_counter()

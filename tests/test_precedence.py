@@ -417,17 +417,16 @@ def test_run_level_cli_beats_yaml_stage_values_of_every_stage(tmp_path):
 
 # regression: bug: a backend under a stage the model's adapter does not have 
 def test_backend_under_unknown_stage_is_rejected(tmp_path):
-    from runner.execute import make_adapter, resolve_backends
+    from runner.execute import build_engines
     from runner.platform import detect
 
     conf = conf_with_presets(tmp_path, {"typo": "model:\n  stages:\n    denoize:\n      backend: {attention: cudnn}\n"})
     ov = ["platform=cpu", "experiment=typo"]
     cfg = compose(ov, conf)
-    plat = detect("cpu", "cpu")
-    adapter = make_adapter(cfg, plat.device, torch.float32)
-    adapter.resolve_source()
+    engine = build_engines(cfg, ov, detect("cpu", "cpu"), torch.float32)[-1]
+    engine.resolve_source()
     with pytest.raises(reg.BackendError, match="denoize"):
-        resolve_backends(cfg, ov, adapter, plat, torch.float32)
+        engine.resolve_backends()
 
 
 # -------------------------------------------------------------------------------------- misplaced keys

@@ -36,7 +36,8 @@ from hydra.errors import HydraException, MissingConfigException
 
 from runner import resume as rs
 from runner.dataset import DatasetError
-from runner.execute import ConfigValueError, run
+from runner.errors import ConfigValueError
+from runner.execute import run
 from runner.resume import ResumeConflictError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -229,9 +230,9 @@ def test_resume_skips_intact_regenerates_missing_and_corrupt(ref, data, compose,
 @pytest.mark.parametrize("how", ["run.resume", "same-dir"])
 def test_resume_with_different_semantic_config_refused(ref, data, compose, tmp_path, monkeypatch, overrides, keys,
                                                        how):
-    from models.flux import FluxAdapter
+    from models.flux import FluxEngine
 
-    monkeypatch.setattr(FluxAdapter, "load", lambda self: pytest.fail("model loaded before the resume was refused"))
+    monkeypatch.setattr(FluxEngine, "load_pipeline", lambda self: pytest.fail("model loaded before the resume was refused"))
     d = _copy_run(ref.run_dir, tmp_path / "run")
     before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
     extra = [f"run.resume={d}"] if how == "run.resume" else []
@@ -272,9 +273,9 @@ def test_forced_resume_with_different_seed(ref, data, compose, tmp_path):
 
 
 def test_resume_of_dir_without_manifest_refused(data, compose, tmp_path, monkeypatch):
-    from models.flux import FluxAdapter
+    from models.flux import FluxEngine
 
-    monkeypatch.setattr(FluxAdapter, "load", lambda self: pytest.fail("model loaded"))
+    monkeypatch.setattr(FluxEngine, "load_pipeline", lambda self: pytest.fail("model loaded"))
     empty = tmp_path / "empty"
     empty.mkdir()
     refused = tmp_path / "refused"  # a manifest left by a run refused at startup is not a run to resume
@@ -642,7 +643,7 @@ def _forbid_model_load(monkeypatch) -> None:
     def no(*a, **k):
         raise _Loaded("the model was created or loaded before the input was refused")
 
-    monkeypatch.setattr(flux.FluxAdapter, "load", no)
+    monkeypatch.setattr(flux.FluxEngine, "load_pipeline", no)
     monkeypatch.setattr(flux, "embedded_snapshot", no)
 
 

@@ -66,21 +66,11 @@ def _shuffle_keys(adapter):
         q, k, v = (t.transpose(1, 2) for t in (query, key[:, perm], value))
         return F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2)
 
-    for site in adapter._runner_sites:
+    for site in adapter.probes["attention"]:
         site.custom = broken
 
 
 def test_broken_attention_collapses_accuracy(tmp_path, monkeypatch):
-    import runner.execute as ex
-
-    real = ex.install_backends
-
-    def keep_sites(adapter, *a, **k):
-        probes = real(adapter, *a, **k)
-        adapter._runner_sites = probes["attention"]
-        return probes
-
-    monkeypatch.setattr(ex, "install_backends", keep_sites)
     good = _run(tmp_path, "good", ["backend.attention=TORCH_SDPA"])
     bad = _run(tmp_path, "bad", ["backend.attention=TORCH_SDPA"], on_loaded=_shuffle_keys)
     g, b = good.manifest["accuracy"], bad.manifest["accuracy"]
