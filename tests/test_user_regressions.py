@@ -70,10 +70,10 @@ def test_misspelt_engine_extras_key_is_refused(execute, tmp_path):
 
 
 def test_model_too_large_for_this_host_is_refused_before_loading(execute, tmp_path, monkeypatch):
-    import runner.execute as ex
+    import models.diffusers_engine as de
     from runner.errors import ConfigValueError
 
-    monkeypatch.setattr(ex, "available_bytes", lambda plat: 8 * 2**30)  # a host with 8 GiB free
+    monkeypatch.setattr(de, "available_bytes", lambda plat: 8 * 2**30)  # a host with 8 GiB free
     with pytest.raises(ConfigValueError, match=r"model=flux needs \d+\.\d GiB .* only 8\.0 GiB is free"):
         execute(["model=flux", "model.load_format=dummy", "dataset.limit=1"], tmp_path / "r")
     assert not (tmp_path / "r" / "images").exists()
