@@ -22,12 +22,13 @@ import numpy as np
 import torch
 
 from runner.dataset import BUILTIN_PROMPTS, Item, file_sha256
+from runner.errors import UserInputError
 
 # Bump when the embedded-model recipe changes, so caches made by an older recipe are not reused.
 EMBEDDED_RECIPE = 2
 
 
-class ModelPathError(ValueError):
+class ModelPathError(UserInputError, ValueError):
     """``model.path`` does not point at a diffusers pipeline snapshot."""
 
 

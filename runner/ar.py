@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from runner import dataset as ds
+from runner.errors import UserInputError
 
 log = logging.getLogger("runner")
 
@@ -36,7 +37,7 @@ AR_ROW_FIELDS: Dict[str, Any] = {
 DEFAULT_STAGE = "generate"
 
 
-class ARConfigError(ValueError):
+class ARConfigError(UserInputError, ValueError):
     """Bad configuration of an AR stage (names the field, the value and the fix); exit 2 before the engine starts."""
 
 

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner import dataset as ds
 from runner import evidence, resume
 from runner.artifacts import ArtifactWriter, Journal, atomic_write_bytes
+from runner.errors import UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.platform import detect
 
@@ -34,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ConfigValueError(ValueError):
+class ConfigValueError(UserInputError, ValueError):
     """A run-level config value is out of range (names the field, the value and the fix)."""
 
 
@@ -142,17 +143,6 @@ def make_adapter(cfg: DictConfig, device: str, dtype: torch.dtype):
         return FluxAdapter(cfg.model, device, dtype, cache_dir=cfg.cache_dir)
     raise ConfigValueError(f"model.adapter={cfg.model.adapter!r} is not known; fix: flux, or vllm (AR models, "
                            "run by runner.ar)")
-
-
-def _user_errors() -> tuple:
-    from kernels.attention import AttentionWiringError
-    from kernels.registry import BackendError
-    from models.flux import ModelPathError
-    from runner.ar import ARConfigError
-    from runner.platform import PlatformError
-
-    return (ds.DatasetError, ARConfigError, ConfigValueError, BackendError, PlatformError, ModelPathError, AttentionWiringError,
-            evidence.EvidenceError, resume.ResumeConflictError)
 
 
 LIBRARY_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
@@ -729,6 +719,3 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     if status == "interrupted":
         return 128 + (stop.signum or signal.SIGINT)
     return 0 if counts["failed"] == 0 else 1
-
-
-USER_ERRORS = _user_errors()
