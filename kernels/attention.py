@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from kernels.registry import BackendUnavailableError
+
 # Canonical backend -> diffusers AttentionBackendName value (see ``plan`` for the ones diffusers may not run).
 DIFFUSERS_BACKEND = {
     "TORCH_SDPA": "native",
@@ -41,8 +43,14 @@ _CURRENT: contextvars.ContextVar[Optional["AttentionSite"]] = contextvars.Contex
                                                                                     default=None)
 
 
-class AttentionWiringError(RuntimeError):
-    """A selected attention backend could not be wired into the model (raised at startup)."""
+class AttentionWiringError(BackendUnavailableError, RuntimeError):
+    """A selected attention backend cannot be wired into this model here (raised at startup, before weights load).
+
+    A refusal exactly like :class:`~kernels.registry.BackendUnavailableError` (outcome ``refused``, exit 2): the
+    backend passed the registry's capability checks but has no wiring into diffusers models (``TRTLLM_ATTN``), or
+    diffusers' own requirement check refuses the installed package. ``RuntimeError`` stays a base for callers that
+    caught it before.
+    """
 
 
 @dataclass

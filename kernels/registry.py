@@ -26,11 +26,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from runner.errors import RefusedError, UserInputError
+
 FIELDS = ("attention", "linear", "moe")
 AUTO = "auto"
 
 
-class BackendError(ValueError):
+class BackendError(UserInputError, ValueError):
     """Base class of backend selection errors."""
 
 
@@ -38,7 +40,7 @@ class UnknownBackendError(BackendError):
     """A backend name that normalizes to no known backend (lists the valid names and the closest match)."""
 
 
-class BackendUnavailableError(BackendError):
+class BackendUnavailableError(RefusedError, BackendError):
     """An explicitly selected backend cannot run here; the message names each unmet requirement."""
 
 

@@ -29,7 +29,7 @@ from runner.errors import ConfigValueError, UserInputError
 EMBEDDED_RECIPE = 2
 
 
-class ModelPathError(UserInputError):
+class ModelPathError(UserInputError, ValueError):
     """``model.path`` does not point at a diffusers pipeline snapshot."""
 
 

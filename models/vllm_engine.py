@@ -44,6 +44,8 @@ from typing import (
     Tuple,
 )
 
+from runner.errors import UserInputError
+
 #: Per-row keys that override the configured sampling defaults (names of ``vllm.SamplingParams`` fields).
 SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop")
 
@@ -51,7 +53,7 @@ SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "s
 _OWNED = ("model", "load_format", "dtype", "seed", "max_model_len", "enforce_eager")
 
 
-class VLLMConfigError(ValueError):
+class VLLMConfigError(UserInputError, ValueError):
     """A backend name vLLM does not know, a bad sampling key or a malformed prompt row."""
 
 

@@ -39,7 +39,7 @@ AR_ROW_FIELDS: Dict[str, Any] = {
 DEFAULT_STAGE = "generate"
 
 
-class ARConfigError(UserInputError):
+class ARConfigError(UserInputError, ValueError):
     """Bad configuration of an AR stage (names the field, the value and the fix); exit 2 before the engine starts."""
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
+from runner.errors import UserInputError
+
 BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
 
 # Field -> (type, check, fix). Types are the JSON types accepted; ints are also accepted for float fields.
@@ -33,7 +35,7 @@ ROW_FIELDS: Dict[str, type] = {
 }
 
 
-class DatasetError(ValueError):
+class DatasetError(UserInputError, ValueError):
     """Raised for bad dataset input. ``problems`` lists one message per bad field, each naming file, line,
     field, value and the fix."""
 
@@ -41,6 +43,9 @@ class DatasetError(ValueError):
         self.problems = problems
         head = f"{len(problems)} problem(s) in the dataset:" if len(problems) > 1 else "dataset problem:"
         super().__init__(head + "\n  " + "\n  ".join(problems))
+
+    def __reduce__(self):  # pickled by Ray: rebuild from the problems, not from the joined message
+        return type(self), (self.problems,), self.__dict__
 
 
 @dataclass(frozen=True)

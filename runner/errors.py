@@ -1,14 +1,73 @@
-"""Placeholder until the errors branch lands (replaced at merge)."""
+"""The exception hierarchy of user-facing errors: every mistake a user can make ends in one of these.
+
+Each class carries what the CLI needs to end the run without a traceback:
+
+* ``exit_code``: the process exit code (2 bad input or a refusal, 3 evidence contradicts the resolution);
+* ``outcome``: the ``job_status.json`` outcome (``invalid``, ``refused``, ``evidence_mismatch``);
+* ``fix``: optionally, what to do about it (``RunnerError(msg, fix="...")``); most messages already end in
+  ``"; fix: ..."`` and give none separately.
+
+``runner.jobs.run_job`` and the other CLIs classify by these attributes alone (``isinstance(e, RunnerError)``),
+so a new error class only has to derive from the right base. Classes defined elsewhere keep their old builtin
+base as a mixin (``class DatasetError(UserInputError, ValueError)``) so callers catching ``ValueError`` still do.
+
+This module imports nothing from the project (every module may import it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
 
 
 class RunnerError(Exception):
+    """Base of every error a user can cause: bad input, a refused request, evidence contradicting a run.
+
+    Attributes:
+        exit_code: process exit code of a run that stops with this error.
+        outcome: the ``job_status.json`` outcome it records.
+        fix: what the user should do, or None when the message already says it (or there is nothing to do).
+    """
+
+    exit_code: int = 2
+    outcome: str = "invalid"
+    fix: Optional[str] = None
+
+    def __init__(self, *args: object, fix: Optional[str] = None) -> None:
+        super().__init__(*args)
+        if fix is not None:
+            self.fix = fix
+
+    def __str__(self) -> str:
+        # BaseException's text, not a mixin's (KeyError would quote the message).
+        msg = BaseException.__str__(self)
+        if self.fix and "fix:" not in msg:
+            return f"{msg}; fix: {self.fix}"
+        return msg
+
+
+class UserInputError(RunnerError):
+    """Bad input: an unknown name, a malformed dataset row, a value out of range, a path that is not there.
+    Outcome ``invalid``, exit 2; nothing is written but a ``status: invalid`` manifest."""
+
     exit_code = 2
     outcome = "invalid"
 
 
-class UserInputError(RunnerError, ValueError):
-    pass
+class RefusedError(UserInputError):
+    """A documented refusal: a valid, explicit request (e.g. ``backend.attention=trtllm``) that cannot run on this
+    platform. Outcome ``refused``, exit 2; a sweep counts it as accepted (the matrix shows ``unsupported``)."""
+
+    exit_code = 2
+    outcome = "refused"
 
 
-class ConfigValueError(UserInputError):
+class EvidenceMismatchError(RunnerError):
+    """What executed contradicts what was resolved (``evidence.strict=true``). Outcome ``evidence_mismatch``,
+    exit 3."""
+
+    exit_code = 3
+    outcome = "evidence_mismatch"
+
+
+class ConfigValueError(UserInputError, ValueError):
     """A run-level config value is out of range (names the field, the value and the fix)."""

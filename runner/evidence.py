@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from runner.errors import EvidenceMismatchError
+
 # Backend -> regex over profiled names (aten op names on CPU, device kernel names on GPUs). Sources: kernel names
 # seen in torch.profiler traces (cuDNN frontend SDPA "cudnn_generated_fort_native_sdpa_*"; flash-attn
 # "flash_fwd_kernel"; SageAttention's Triton "_attn_fwd" and "quant_per_block_int8_kernel"; cuBLASLt/CUTLASS FP8
@@ -47,7 +49,7 @@ SIGNATURES: Dict[str, Dict[str, str]] = {
 }
 
 
-class EvidenceError(RuntimeError):
+class EvidenceError(EvidenceMismatchError, RuntimeError):
     """The run's evidence contradicts its resolution (strict mode); names the layer and what ran instead."""
 
 

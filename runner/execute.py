@@ -637,20 +637,6 @@ def _compact(out_dir: Path, items: List[Any], name: str, final: Any) -> None:
     compact_journal(out_dir / name, order=[it.key for it in items], extra=extra)
 
 
-def _user_errors() -> tuple:
-    from kernels.attention import AttentionWiringError
-    from kernels.registry import BackendError
-    from models.flux import ModelPathError
-    from models.vllm_stage import ARConfigError
-    from runner.platform import PlatformError
-
-    return (UserInputError, ds.DatasetError, ARConfigError, ConfigValueError, BackendError, PlatformError,
-            ModelPathError, AttentionWiringError, evidence.EvidenceError, resume.ResumeConflictError)
-
-
-USER_ERRORS = _user_errors()
-
-
 def dataset_keys(cfg: DictConfig) -> List[str]:
     """Every item key of the run's dataset, in dataset order (the merged journal's order of a data-parallel run)."""
     engine = build_engines(cfg, [])[-1]

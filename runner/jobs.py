@@ -5,11 +5,14 @@ Every job dir gets ``job_status.json``: ``{exit_code, outcome, error_type, error
 * ``ok``: every item written, evidence verified (or not collected).
 * ``failed_items``: some items failed (non-finite or raised); the rest were written.
 * ``refused``: a documented refusal at startup: an explicitly selected backend cannot run on this platform
-  (``BackendUnavailableError``). The job dir also gets a ``manifest.json`` with ``status: refused``.
-* ``invalid``: any other bad input (unknown names, bad rows, bad paths...), also with a ``status: invalid``
-  manifest.
-* ``evidence_mismatch``: the run finished but what executed differs from the resolution.
+  (``runner.errors.RefusedError``: ``BackendUnavailableError``, ``AttentionWiringError``). The job dir also gets a
+  ``manifest.json`` with ``status: refused``.
+* ``invalid``: any other bad input (``runner.errors.UserInputError``: unknown names, bad rows, bad paths...), also
+  with a ``status: invalid`` manifest.
+* ``evidence_mismatch``: what executed differs from the resolution (``runner.errors.EvidenceMismatchError``).
 * ``crashed``: an unexpected exception (its traceback is in the job log).
+
+A :class:`runner.errors.RunnerError` carries its own ``outcome`` and ``exit_code``; nothing here lists classes.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ from typing import Any, Dict, List
 from omegaconf import DictConfig, OmegaConf
 
 from runner.artifacts import atomic_write_json
+from runner.errors import RunnerError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 
 log = logging.getLogger("runner")
 
 EXIT = {"ok": 0, "failed_items": 1, "crashed": 1, "refused": 2, "invalid": 2, "evidence_mismatch": 3}
+# Outcomes of a run stopped before anything was generated: recorded with a ``status: <outcome>`` manifest that a
+# resume never trusts (``runner.resume.previous_run``).
+STARTUP_OUTCOMES = ("refused", "invalid")
 
 
 def _refusal_manifest(out_dir: Path, cfg: DictConfig, overrides: List[str], status: str, err: BaseException) -> None:
@@ -58,9 +65,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     Returns:
         The exit code (see the module docstring).
     """
-    from kernels.registry import BackendUnavailableError
-    from runner.evidence import EvidenceError
-    from runner.execute import USER_ERRORS, run
+    from runner.execute import run
 
     from runner import distributed as dp
 
@@ -83,18 +88,14 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         else:
             code = run(cfg, out_dir, overrides=overrides)
         outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
-    except EvidenceError as e:
+    except RunnerError as e:  # a user mistake, a refusal or contradicting evidence: its message, no traceback
         log.error("%s: %s", type(e).__name__, e)
-        outcome, code = "evidence_mismatch", EXIT["evidence_mismatch"]
+        outcome, code = e.outcome, e.exit_code
         status.update(error_type=type(e).__name__, error=str(e))
-    except USER_ERRORS as e:  # bad input or a refused backend: a clear message, no traceback
-        log.error("%s: %s", type(e).__name__, e)
-        outcome = "refused" if isinstance(e, BackendUnavailableError) else "invalid"
-        code = EXIT[outcome]
-        status.update(error_type=type(e).__name__, error=str(e))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if not (out_dir / "manifest.json").exists():
-            _refusal_manifest(out_dir, cfg, overrides, outcome, e)
+        if outcome in STARTUP_OUTCOMES:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if not (out_dir / "manifest.json").exists():
+                _refusal_manifest(out_dir, cfg, overrides, outcome, e)
     except Exception as e:  # noqa: BLE001
         log.error("job crashed: %s", traceback.format_exc())
         outcome, code = "crashed", EXIT["crashed"]

@@ -39,12 +39,17 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from runner.errors import RunnerError, UserInputError
 from runner.report import (FIELDS, PARITY_TOLERANCE_DB, Job, backend_summary, fmt_psnr, load_jobs, parity,
                            pick_reference)
 
 COLUMNS = ("model", "task", "attention", "linear", "moe", "dtype", "parallelism", "device")
 TASKS = {"flux": "text-to-image"}
 STATE_ORDER = ("failed", "unsupported", "limited", "validated")
+
+
+class GridError(UserInputError, ValueError):
+    """A ``--grid`` entry that is not ``AXIS=V1,V2`` with AXIS one of the matrix columns."""
 
 
 def _norm_backend(field: str, value: Any) -> str:
@@ -214,7 +219,7 @@ def parse_grid(grid: Any) -> Dict[str, List[str]]:
     """``["attention=A,B", "dtype=bfloat16"]`` (or a mapping) -> ``{axis: [values]}``, backend names normalised.
 
     Raises:
-        ValueError: an axis that is not a column, or an entry without ``=``.
+        GridError: an axis that is not a column, or an entry without ``=``.
     """
     items: Iterable[Tuple[str, Any]]
     if isinstance(grid, Mapping):
@@ -223,14 +228,14 @@ def parse_grid(grid: Any) -> Dict[str, List[str]]:
         items = []
         for g in grid or []:
             if "=" not in g:
-                raise ValueError(f"--grid {g!r}: expected AXIS=V1,V2 with AXIS one of {', '.join(COLUMNS)}")
+                raise GridError(f"--grid {g!r}: expected AXIS=V1,V2; fix: AXIS one of {', '.join(COLUMNS)}")
             k, v = g.split("=", 1)
             items.append((k.strip(), v.split(",")))
     out: Dict[str, List[str]] = {}
     for k, vals in items:
         k = k.removeprefix("backend.")
         if k not in COLUMNS:
-            raise ValueError(f"--grid axis {k!r} is not one of {', '.join(COLUMNS)}")
+            raise GridError(f"--grid axis {k!r} is not a column; fix: one of {', '.join(COLUMNS)}")
         vals = [vals] if isinstance(vals, str) else list(vals)
         out[k] = list(dict.fromkeys(_norm_backend(k, v.strip()) if k in FIELDS else v.strip()
                                     for v in vals if v.strip()))
@@ -344,6 +349,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     try:
         print(matrix_table(a.dirs, a.grid, a.reference, a.tolerance_db), end="")
+    except RunnerError as e:
+        print(f"matrix: {type(e).__name__}: {e}", file=sys.stderr)
+        return e.exit_code
     except (FileNotFoundError, ValueError) as e:
         print(f"matrix: {e}", file=sys.stderr)
         return 2

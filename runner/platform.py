@@ -13,8 +13,10 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from runner.errors import UserInputError
 
-class PlatformError(RuntimeError):
+
+class PlatformError(UserInputError, RuntimeError):
     """The requested platform is not present on this machine."""
 
 

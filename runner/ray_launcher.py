@@ -15,6 +15,8 @@ from typing import Any, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.errors import RunnerError
+
 log = logging.getLogger("runner.ray")
 
 
@@ -36,6 +38,8 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str]) -> int:
 
     Raises:
         ImportError: Ray is not installed (``pip install ray``).
+        runner.errors.RunnerError: a worker stopped on a user error (bad input, a refused backend...); the first
+            one is re-raised in the driver so the run ends with its exit code, as a one-process run does.
     """
     import ray
 
@@ -52,11 +56,18 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     refs = [remote.remote(cfg_dict, str(out_dir), list(overrides), r, n) for r in range(n)]
     codes = []
+    refusal = None
     for r, ref in enumerate(refs):
         try:
             codes.append(ray.get(ref))
         except Exception as e:  # noqa: BLE001 - a dead worker is recorded by the merge, not fatal here
-            log.error("ray worker %d failed: %s", r, e)
+            cause = getattr(e, "cause", e)  # ray.exceptions.RayTaskError wraps the worker's exception
+            if isinstance(cause, RunnerError):  # every worker checks the same config: a user error, not a crash
+                refusal = refusal or cause
+            else:
+                log.error("ray worker %d failed: %s", r, e)
             codes.append(None)
+    if refusal is not None:
+        raise refusal  # classified by run_job from its exit_code/outcome, as in a one-process run
     merged = merge(out_dir, n, dataset_keys(cfg), "ray")
     return _merged_code(merged)

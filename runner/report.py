@@ -35,6 +35,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from runner.sinks import read_journal
+from runner.errors import RunnerError, UserInputError
 
 PARITY_TOLERANCE_DB = 40.0
 """Default parity tolerance: an item is within tolerance when its PSNR against the reference is >= this (dB)."""
@@ -43,6 +44,14 @@ PHASES = (("text_encode", "text enc."), ("denoise", "denoise"), ("vae_decode", "
 FIELDS = ("attention", "linear", "moe")
 MAX_GRID_ITEMS = 24
 THUMB_PX = 160
+
+
+class RunDirError(UserInputError, FileNotFoundError):
+    """A dir given to the report (or the matrix) is neither a run dir nor a sweep dir holding run dirs."""
+
+
+class UnknownReferenceError(UserInputError, KeyError):
+    """``--reference`` names no job, or a job with no images to compare against."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -117,7 +126,7 @@ def load_jobs(dirs: Iterable[Path]) -> List[Job]:
     """The jobs of sweep dirs (their run-dir children, in job-number order) and of run dirs, in argument order.
 
     Raises:
-        FileNotFoundError: a dir is neither a run dir nor a sweep dir holding run dirs.
+        RunDirError: a dir is neither a run dir nor a sweep dir holding run dirs.
     """
     dirs = [Path(d) for d in dirs]
     found: List[tuple] = []
@@ -128,8 +137,9 @@ def load_jobs(dirs: Iterable[Path]) -> List[Job]:
         kids = sorted((p for p in d.iterdir() if p.is_dir() and is_run_dir(p)), key=_job_sort_key) \
             if d.is_dir() else []
         if not kids:
-            raise FileNotFoundError(f"{d} is neither a run dir (manifest.json / job_status.json) nor a sweep dir "
-                                    "holding run dirs")
+            raise RunDirError(f"{d} is neither a run dir (manifest.json / job_status.json) nor a sweep dir "
+                              "holding run dirs; fix: pass a run dir or a sweep dir (outputs/runs/... or "
+                              "outputs/multirun/...)")
         found.extend((k, d) for k in kids)
     several = len(dirs) > 1
     jobs: List[Job] = []
@@ -148,16 +158,18 @@ def pick_reference(jobs: Sequence[Job], reference: Any = None) -> Optional[Job]:
     the first job with written images. None when no job has images.
 
     Raises:
-        KeyError: ``reference`` names no job, or a job with no images.
+        UnknownReferenceError: ``reference`` names no job, or a job with no images.
     """
     if reference is not None and str(reference) != "":
         ref = str(reference)
         for j in jobs:
             if ref in (j.name, j.label, str(j.path)):
                 if not j.ok_items:
-                    raise KeyError(f"reference job {ref!r} has no images (outcome {j.outcome})")
+                    raise UnknownReferenceError(f"reference job {ref!r} has no images (outcome {j.outcome}); "
+                                                "fix: name a job with written images")
                 return j
-        raise KeyError(f"reference={ref!r} names no job; jobs: {', '.join(j.label for j in jobs)}")
+        raise UnknownReferenceError(f"reference={ref!r} names no job; fix: one of "
+                                    f"{', '.join(j.label for j in jobs)}")
     return next((j for j in jobs if j.ok_items), None)
 
 
@@ -679,6 +691,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = a.out or (a.dirs[0] / "report.html" if len(a.dirs) == 1 else Path("report.html"))
     try:
         path = write_report(a.dirs, out, reference=a.reference, tolerance_db=a.tolerance_db)
+    except RunnerError as e:
+        print(f"report: {type(e).__name__}: {e}", file=sys.stderr)
+        return e.exit_code
     except (FileNotFoundError, KeyError) as e:
         print(f"report: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

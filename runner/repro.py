@@ -31,7 +31,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from runner.errors import RunnerError, UserInputError
 from runner.report import PARITY_TOLERANCE_DB, compare_images, fmt_psnr, load_rgb
+
+
+class ReproInputError(UserInputError, OSError):
+    """The run dir to reproduce holds no readable manifest, or ``--out`` already holds a run."""
+
 
 # Keys whose original value would point the re-run back at the original dir (or resume it).
 _DROP_KEYS = ("output.dir", "run.resume", "run.force")
@@ -229,18 +235,22 @@ def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float
     """Re-run ``run_dir`` into ``new_dir`` and compare. Returns ``(exit code, comparison)``.
 
     Raises:
-        FileNotFoundError: ``run_dir`` holds no manifest.json.
-        FileExistsError: ``new_dir`` already holds a run.
+        ReproInputError: ``run_dir`` holds no (readable) manifest.json, or ``new_dir`` already holds a run.
     """
     run_dir = Path(run_dir).resolve()
     if not (run_dir / "manifest.json").exists():
-        raise FileNotFoundError(f"{run_dir} holds no manifest.json")
-    manifest = json.loads((run_dir / "manifest.json").read_text())
+        raise ReproInputError(f"{run_dir} holds no manifest.json; fix: pass the dir of a run (it holds "
+                              "manifest.json)")
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+    except ValueError as e:
+        raise ReproInputError(f"{run_dir / 'manifest.json'} is not valid JSON ({e}); fix: pass a run dir "
+                              "whose manifest is intact") from None
     if new_dir is None:
         new_dir = Path("outputs/repro") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")  # as repro.sh
     new_dir = Path(new_dir).resolve()
     if (new_dir / "manifest.json").exists():
-        raise FileExistsError(f"{new_dir} already holds a run; choose a new --out")
+        raise ReproInputError(f"{new_dir} already holds a run; fix: choose a new --out")
     cmd = rerun_command(manifest, new_dir)
     env = dict(os.environ)
     env.update({k: str(v) for k, v in (manifest.get("environment") or {}).items()})
@@ -273,6 +283,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     try:
         code, res = reproduce(a.run_dir, a.out, a.tolerance_db, a.exact)
+    except RunnerError as e:
+        print(f"repro: {type(e).__name__}: {e}", file=sys.stderr)
+        return e.exit_code
     except (FileNotFoundError, FileExistsError) as e:
         print(f"repro: {e}", file=sys.stderr)
         return 2

@@ -13,13 +13,15 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from runner.errors import UserInputError
+
 SEMANTIC_KEYS = ("model.name", "model.adapter", "model.path", "model.revision", "model.load_format",
                  "model.architecture", "model.generation", "model.backend", "model.stages", "backend", "dtype",
                  "seed", "num_images_per_prompt", "compile", "optimize.fuse_qkv",
                  "optimize.vae_channels_last", "optimize.deterministic_compile")
 
 
-class ResumeConflictError(ValueError):
+class ResumeConflictError(UserInputError, ValueError):
     """The run dir holds a run with a different semantic config (names the keys and the fix)."""
 
 
