@@ -314,7 +314,7 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
     from omegaconf import OmegaConf
 
     from kernels import attention as attn_mod
-    from models.flux import FluxAdapter, _build_components
+    from models.flux import FluxEngine, _build_components
     from runner.platform import detect
 
     free(device)
@@ -413,7 +413,7 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
     res["text_encode_x4_batched_ms_per_prompt"] = round(time_fn(lambda: enc(4)) / 4, 2)
     # fused QKV alone (eager), then compile alone (on the fused model: compile is measured on top of it, both
     # alone vs eager fused, and combined with cuDNN)
-    adapter = FluxAdapter.__new__(FluxAdapter)
+    adapter = FluxEngine.__new__(FluxEngine)  # only its optimize() on this pipe
     adapter.pipe = pipe
     adapter.optimize(OmegaConf.create({"fuse_qkv": True, "vae_channels_last": False}))
     kw_fused = kw1
@@ -453,8 +453,7 @@ def main() -> int:
     p.add_argument("--results", default=None, help="also write the JSON here")
     args = p.parse_args()
 
-    from runner import dataset as ds
-    from runner.execute import load_dataset, resolve_dtype
+    from runner.execute import build_engines, resolve_dtype
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -475,7 +474,8 @@ def main() -> int:
         fp8 = fp8 and fp8 + [f"batch_size={args.batch_size}"]
     cfg = compose(base + data)
     dtype = resolve_dtype("bfloat16" if device == "cuda" else "float32", "cuda" if device == "cuda" else "cpu")
-    items = ds.expand_items(load_dataset(cfg)[0], cfg.seed)
+    engine = build_engines(cfg, base + data)[-1]
+    items = engine.items(engine.read_rows()[0], cfg.seed)
 
     results: Dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",

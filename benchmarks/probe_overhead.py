@@ -31,9 +31,8 @@ def main() -> None:
     import hydra
     import torch
 
-    from runner import dataset as ds
     from runner.evidence import DenoiserProbe
-    from runner.execute import install_backends, load_dataset, make_adapter, resolve_backends, resolve_dtype
+    from runner.execute import build_engines, resolve_dtype
     from runner.platform import detect
     from runner.schema import register_configs
 
@@ -47,14 +46,13 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     OmegaConf.update(cfg, "dataset.limit", cfg.batch_size)  # one batch of the configured dataset
-    batch = ds.expand_items(load_dataset(cfg)[0], cfg.seed)
     adapters = {}
     for mode in ("on", "off"):
-        a = make_adapter(cfg, plat.device, dtype)
-        a.resolve_source()
-        res, _ = resolve_backends(cfg, args.overrides, a, plat, dtype)
+        OmegaConf.update(cfg, "evidence.enabled", mode == "on")
+        a = build_engines(cfg, args.overrides, plat, dtype)[-1]  # the engine as the run loop drives it
+        a.prepare()
+        batch = a.items(a.read_rows()[0], cfg.seed)
         a.load()
-        install_backends(a, res, plat, observe=mode == "on")
         if mode == "on":
             DenoiserProbe(a.denoiser, profile=False, device_kind=plat.kind)
         a.generate(batch)  # warm-up

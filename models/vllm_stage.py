@@ -302,7 +302,6 @@ class VLLMEngine(EngineBase):
         self.adapter: Any = None
         self.resolutions: Dict[str, Any] = {}
         self.source: Dict[str, Any] = {}
-        self.evidence: Dict[str, Any] = {}
         self.observer: Any = None
         self.load_s = 0.0
 
