@@ -174,10 +174,10 @@ def resolve_backends(cfg: DictConfig, overrides: Sequence[str], adapter: Any, pl
     check_placement(cfg, stages=[adapter.stage, *[s for s in (cfg.model.pipeline or []) if s != adapter.stage]])
     ctx = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=dtype, head_dim=adapter.head_dim(),
                            needs_mask=adapter.needs_mask, sequence_parallel=False)
-    from kernels.attention import DIFFUSERS_BACKEND
+    from kernels.registry import wired
 
     info = StageInfo(name=adapter.stage, roles=list(cfg.model.roles), fields=adapter.backend_fields, ctx=ctx,
-                     wired={"attention": list(DIFFUSERS_BACKEND)})
+                     wired={"attention": wired("attention", "diffusers")})
     resolutions, extras = resolve_stage(cfg, cli_keys(overrides), info)
     from kernels.attention import plan
 
