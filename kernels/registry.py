@@ -249,7 +249,8 @@ class DiffusersWiring:
         return load_object(self.choose)(sm) or self
 
 
-Auto = Dict[str, Tuple[int, str]]
+AutoPriority = Dict[str, Tuple[int, str]]
+PLATFORM_CLASSES = ("sm100", "sm120", "cuda", "other")  # keys of Backend.auto (with "*"), see platform_class
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ class Backend:
     name: str
     aliases: Tuple[str, ...] = ()
     requires: Tuple[Callable[[SelectionContext], List[str]], ...] = ()
-    auto: Auto = field(default_factory=dict)
+    auto: AutoPriority = field(default_factory=dict)
     diffusers: Optional[DiffusersWiring] = None
     vllm: Optional[str] = None
     signature: Optional[str] = None
@@ -316,15 +317,34 @@ def _key(s: str) -> str:
 
 
 def register_backend(b: Backend) -> Backend:
-    """Add a backend record to the registry; an out-of-tree backend is this one call.
+    """Add a backend record to the registry; an out-of-tree backend is this one call, e.g. an attention kernel
+    ``attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_)`` in
+    ``my_pkg/attn.py`` (layout ``(batch, seq_len, heads, head_dim)``)::
+
+        register_backend(Backend(
+            "attention", "MY_ATTN", aliases=("my-attn",),
+            requires=(on_platform("cuda"), sm_at_least(90), symbol("my_pkg.attn:attention"),
+                      dtype_in(torch.bfloat16)),
+            auto={"cuda": (15, "MY_ATTN fits")},  # optional: between cuDNN (10) and flash-attn (20)
+            diffusers=DiffusersWiring("native", kernel="my_pkg.attn:attention"),
+            signature=r"my_attn_fwd"))  # the kernel name its launches carry in a profiler trace
+
+    after which ``backend.attention=my-attn`` resolves, installs, observes and verifies it like a built-in.
 
     Raises:
         ValueError: an unknown field, a name or alias (normalized) that another backend of the field already
-            uses, ``auto`` as a name, or a diffusers dispatcher entry in ``diffusers.observed`` that another
-            backend already owns.
+            uses, ``auto`` as a name, an ``auto`` key that is not a platform class, diffusers wiring on a field
+            other than attention, or a diffusers dispatcher entry in ``diffusers.observed`` that another backend
+            already owns.
     """
     if b.field not in BACKENDS:
         raise ValueError(f"backend {b.name}: unknown field {b.field!r}; fields: {', '.join(FIELDS)}")
+    bad = sorted(set(b.auto) - {*PLATFORM_CLASSES, "*"})
+    if bad:
+        raise ValueError(f"backend {b.name}: auto keys {bad} are not platform classes ({', '.join(PLATFORM_CLASSES)}"
+                         ", *)")
+    if b.diffusers is not None and b.field != "attention":
+        raise ValueError(f"backend {b.name}: diffusers wiring is for attention backends, this is {b.field}")
     taken = {_key(a): o.name for o in BACKENDS[b.field].values() for a in (o.name, *o.aliases)}
     for a in (b.name, *b.aliases):
         if _key(a) == AUTO:
@@ -408,7 +428,7 @@ register_backend(Backend(
 register_backend(Backend(
     "attention", "FLASH_ATTN", aliases=("flash", "flash_attention", "fa"),
     requires=(on_platform("cuda"), sm_at_least(80), dtype_in(*_HALF), head_dim_at_most(256), head_dim_multiple_of(8),
-              no_mask(), _flash_check),
+              no_mask(), Requirement("flash-attn generation matches the GPU", _flash_check)),
     auto={"cuda": (20, "flash-attn installed and cuDNN does not fit")},
     diffusers=DiffusersWiring("flash", observed=("flash", "_flash_3", "flash_4_hub"),
                               choose="kernels.attention:choose_flash"),
@@ -501,8 +521,9 @@ def check(field_name: str, name: str, ctx: SelectionContext, where: str = "") ->
 
 
 def platform_class(ctx: SelectionContext) -> str:
-    """The platform class that keys :attr:`Backend.auto`: ``sm100`` (datacenter Blackwell, sm100/sm103),
-    ``sm120`` (sm120 and later), ``cuda`` (any other CUDA GPU) or ``other`` (CPU, ROCm, XPU, NPU, MPS)."""
+    """The platform class (:data:`PLATFORM_CLASSES`) that keys :attr:`Backend.auto`: ``sm100`` (datacenter
+    Blackwell, sm100/sm103), ``sm120`` (sm120 and later), ``cuda`` (any other CUDA GPU) or ``other`` (CPU, ROCm,
+    XPU, NPU, MPS)."""
     if ctx.platform_kind != "cuda":
         return "other"
     if ctx.sm in (100, 103):

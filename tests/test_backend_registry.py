@@ -63,10 +63,21 @@ def test_register_refuses_a_name_or_alias_already_taken():
     assert "MY_OTHER" not in reg.BACKENDS["attention"]
 
 
+def test_register_refuses_malformed_records():
+    with pytest.raises(ValueError, match="platform class"):
+        reg.register_backend(Backend("attention", "MY_OTHER", auto={"hopper": (0, "typo")}))
+    with pytest.raises(ValueError, match="attention"):
+        reg.register_backend(Backend("linear", "MY_OTHER", diffusers=DiffusersWiring("native")))
+    with pytest.raises(ValueError, match="field"):
+        reg.register_backend(Backend("attn", "MY_OTHER"))
+    assert all("MY_OTHER" not in t for t in reg.BACKENDS.values())
+
+
 def test_register_refuses_to_observe_an_entry_another_backend_owns():
     """The probe's mapping from what executed to a name cannot be taken over: ``native`` is TORCH_SDPA's."""
     with pytest.raises(ValueError, match="native.*TORCH_SDPA"):
-        reg.register_backend(Backend("attention", "MY_OTHER", diffusers=DiffusersWiring("native", observed=("native",))))
+        reg.register_backend(Backend("attention", "MY_OTHER",
+                                     diffusers=DiffusersWiring("native", observed=("native",))))
     assert reg.observed_name("native") == "TORCH_SDPA"
     assert reg.observed_name("_native_math") == "diffusers:_native_math"
 
