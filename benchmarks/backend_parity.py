@@ -126,13 +126,14 @@ def kernel_bench(ctx, device):
     ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
     flop = 4 * S * S * D * H * B
     out = {}
-    for name, dname in attn_impl.DIFFUSERS_BACKEND.items():
+    for name in reg.wired("attention", "diffusers"):
         if reg.get("attention", name).unmet(ctx):
             continue
         qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
-        fn = (lambda: attn_impl.CUSTOM_KERNELS[name](qb, kb, vb)) if name in attn_impl.CUSTOM_KERNELS else (
-            lambda: dispatch_attention_fn(qb, kb, vb, backend=dname))
         try:
+            dname, kernel = attn_impl.plan(name, ctx.sm)  # the record's wiring on this device
+            fn = (lambda: kernel(qb, kb, vb)) if kernel is not None else (
+                lambda: dispatch_attention_fn(qb, kb, vb, backend=dname))
             o = fn().float()
             times = []
             for i in range(25):

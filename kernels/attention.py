@@ -5,8 +5,11 @@ of a diffusers transformer owns a processor whose ``_attention_backend`` names t
 ``dispatch_attention_fn`` calls. We set it per module (so roles can differ), exactly as
 ``ModelMixin.set_attention_backend`` does for a whole model.
 
-Kernels diffusers does not ship (FlashInfer prefill) ride on the ``native`` entry: the observing wrapper we put
-around each registered diffusers backend calls our kernel instead when the current call site selected it.
+What each backend is wired to comes from its record in ``kernels.registry`` (``Backend.diffusers``, a
+``DiffusersWiring``): a diffusers backend value, or a kernel of ours. Kernels diffusers does not ship (FlashInfer
+prefill, SageAttention 1.x, FA4 on Blackwell, out-of-tree kernels) ride on the ``native`` entry: the observing
+wrapper we put around each registered diffusers backend calls our kernel instead when the current call site
+selected it.
 
 Observation: a forward pre-hook on each attention module marks the current call site (stage, role, layer) in a
 context variable; the wrapper around each diffusers backend function records which backend actually ran at that
@@ -25,19 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from kernels.registry import BackendUnavailableError
-
-# Canonical backend -> diffusers AttentionBackendName value (see ``plan`` for the ones diffusers may not run).
-DIFFUSERS_BACKEND = {
-    "TORCH_SDPA": "native",
-    "CUDNN_ATTN": "_native_cudnn",
-    "FLASH_ATTN": "flash",
-    "SAGE_ATTN": "sage",
-    "FLASHINFER_ATTN": "native",  # carrier: our kernel is called by the observing wrapper
-}
-# diffusers backend value -> canonical name, for what was observed (others are reported as ``diffusers:<value>``).
-OBSERVED_NAME = {"native": "TORCH_SDPA", "_native_cudnn": "CUDNN_ATTN", "flash": "FLASH_ATTN", "_flash_3": "FLASH_ATTN",
-                 "sage": "SAGE_ATTN", "flash_4_hub": "FLASH_ATTN"}
+from kernels.registry import BackendUnavailableError, DiffusersWiring, observed_name
 
 _CURRENT: contextvars.ContextVar[Optional["AttentionSite"]] = contextvars.ContextVar("runner_attention_site",
                                                                                     default=None)
@@ -61,6 +52,9 @@ class AttentionSite:
         stage, role, layer: where it is (``layer`` is the module path, e.g. ``transformer_blocks.0.attn``).
         resolved: canonical backend the resolution selected for this site.
         observed: canonical (or ``diffusers:<name>``) backend -> number of calls observed executing here.
+        custom: our kernel attached to this site (None: diffusers' implementation of the processor's backend).
+        observing: the probe counts calls here.
+        carrier: the diffusers dispatcher entry whose observing wrapper calls ``custom`` instead.
     """
 
     stage: str
@@ -70,6 +64,7 @@ class AttentionSite:
     observed: Counter = field(default_factory=Counter)
     custom: Optional[Callable[..., torch.Tensor]] = None
     observing: bool = True
+    carrier: str = "native"
 
 
 def flashinfer_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -143,10 +138,6 @@ def flash4_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out[0] if isinstance(out, tuple) else out
 
 
-CUSTOM_KERNELS: Dict[str, Callable[..., torch.Tensor]] = {"FLASHINFER_ATTN": flashinfer_attention,
-                                                          "SAGE_ATTN": sage_attention}
-
-
 def _diffusers_can(dname: str) -> Optional[str]:
     """None when diffusers can run backend ``dname`` here, else diffusers' reason."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
@@ -158,53 +149,71 @@ def _diffusers_can(dname: str) -> Optional[str]:
     return None
 
 
+def choose_flash(platform_sm: Optional[int]) -> Optional[DiffusersWiring]:
+    """FLASH_ATTN's per-device wiring (``DiffusersWiring.choose``): FA4 (:func:`flash4_attention`) on sm100+, where
+    FA2/FA3 wheels do not run and the registry demanded FA4; diffusers' ``_flash_3`` on sm90 when
+    ``flash_attn_interface`` (FA3) imports; else None (diffusers' ``flash``, FA2)."""
+    from kernels import registry as reg
+
+    if platform_sm is not None and platform_sm >= 100:
+        return DiffusersWiring("native", kernel=flash4_attention)
+    if platform_sm == 90 and reg._symbol("flash_attn_interface:flash_attn_func"):
+        return DiffusersWiring("_flash_3")
+    return None
+
+
+def choose_sage(platform_sm: Optional[int]) -> Optional[DiffusersWiring]:
+    """SAGE_ATTN's wiring (``DiffusersWiring.choose``): diffusers' own ``sage`` when its requirement check accepts
+    the installed package (it wants sageattention >= 2.1.1), else our :func:`sage_attention` over 1.x."""
+    if _diffusers_can("sage") is None:
+        return None
+    return DiffusersWiring("native", kernel=sage_attention)
+
+
 def plan(name: str, platform_sm: Optional[int] = None) -> Tuple[str, Optional[Callable[..., torch.Tensor]]]:
-    """How backend ``name`` is wired: ``(diffusers backend value, our kernel or None)``. No weights needed, so the
-    runner calls it at startup.
+    """How backend ``name`` is wired, from its registry record: ``(diffusers backend value, our kernel or None)``.
+    No weights needed, so the runner calls it at startup.
+
+    Args:
+        platform_sm: compute capability (None off CUDA), for the record's per-device ``choose``.
 
     Raises:
-        AttentionWiringError: no wiring exists (TRTLLM_ATTN) or diffusers refuses the installed package.
+        AttentionWiringError: the record has no diffusers wiring (TRTLLM_ATTN), its kernel does not import, or
+        diffusers' own requirement check refuses the installed package for its backend.
     """
-    if name not in DIFFUSERS_BACKEND:
-        raise AttentionWiringError(f"{name} is not wired into diffusers models yet; fix: choose CUDNN_ATTN, "
-                                   "FLASH_ATTN, SAGE_ATTN, FLASHINFER_ATTN or TORCH_SDPA")
-    dname = DIFFUSERS_BACKEND[name]
-    if name == "FLASH_ATTN" and platform_sm is not None and platform_sm >= 100:
-        return "native", flash4_attention  # FA2/FA3 wheels do not run Blackwell; the registry demanded FA4
-    if name == "FLASH_ATTN" and platform_sm == 90:
-        from kernels.registry import _symbol
+    from kernels import registry as reg
 
-        if _symbol("flash_attn_interface:flash_attn_func"):
-            dname = "_flash_3"
-    if name == "SAGE_ATTN":
-        if _diffusers_can("sage") is None:
-            return "sage", None
-        return "native", sage_attention
-    if name in CUSTOM_KERNELS:
-        return dname, CUSTOM_KERNELS[name]
-    why = _diffusers_can(dname)
+    record = reg.get("attention", name)
+    if record.diffusers is None:
+        # requirement-free fallbacks last: "CUDNN_ATTN, ..., FLASHINFER_ATTN or TORCH_SDPA"
+        names = sorted(reg.wired("attention", "diffusers"), key=lambda n: not reg.get("attention", n).requires)
+        raise AttentionWiringError(f"{name} is not wired into diffusers models yet; fix: choose "
+                                   f"{', '.join(names[:-1])} or {names[-1]}")
+    wiring = record.diffusers.for_device(platform_sm)
+    if wiring.kernel is not None:
+        try:
+            return wiring.backend, reg.load_object(wiring.kernel)
+        except (ImportError, AttributeError) as e:
+            raise AttentionWiringError(f"{name}: its kernel {wiring.kernel!r} does not import: {e}") from None
+    why = _diffusers_can(wiring.backend)
     if why:
-        raise AttentionWiringError(f"{name}: diffusers refused backend {dname!r}: {why}")
-    return dname, None
+        raise AttentionWiringError(f"{name}: diffusers refused backend {wiring.backend!r}: {why}")
+    return wiring.backend, None
 
 
 def _observing(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def observed(*args: Any, **kwargs: Any) -> torch.Tensor:
         site = _CURRENT.get()
         if site is not None:
-            if site.custom is not None and name == "native":
-                site.observed[_custom_name(site)] += 1
+            if site.custom is not None and name == site.carrier:
+                site.observed[site.resolved] += 1  # a kernel is attached only to sites resolved to its backend
                 return site.custom(*args, **kwargs)
-            site.observed[OBSERVED_NAME.get(name, f"diffusers:{name}")] += 1
+            site.observed[observed_name(name)] += 1
         return fn(*args, **kwargs)
 
     observed.__wrapped__ = fn  # type: ignore[attr-defined]
     observed._runner_observed = True  # type: ignore[attr-defined]
     return observed
-
-
-def _custom_name(site: AttentionSite) -> str:
-    return site.resolved  # a kernel of ours is attached to a site only for the backend resolved there
 
 
 def _patch_dispatcher() -> None:
@@ -246,7 +255,7 @@ def install(stage: str, sites: Iterable[Tuple[str, str, torch.nn.Module]],
         dname, custom = plans[role]
         module.processor._attention_backend = AttentionBackendName(dname)
         site = AttentionSite(stage=stage, role=role, layer=layer, resolved=selected[role]["backend"], custom=custom,
-                             observing=observe)
+                             observing=observe, carrier=dname)
         if observe or site.custom is not None:
             module.register_forward_pre_hook(_enter(site))
             module.register_forward_hook(_exit)

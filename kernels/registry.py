@@ -1,10 +1,22 @@
-"""Backend registry: canonical names, aliases, requirements, capability checks and ``auto`` selection.
+"""Backend registry: one record per backend, with its names, requirements, ``auto`` priority and wiring.
 
-Three fields are selectable per stage: ``attention``, ``linear`` and ``moe``. Each backend declares what it needs
-(platform kind, compute capability, package and the exact symbol, dtypes, head_dim, mask support, sequence
-parallelism) and :func:`check` tests those needs against the live platform and the model's shape. An explicit
-choice that fails a check raises :class:`BackendUnavailableError` at startup, before weights load; only ``auto``
-chooses, and :func:`auto_select` returns the reason with the choice.
+Three fields are selectable per stage: ``attention``, ``linear`` and ``moe``. Each backend is one
+:class:`Backend` record holding everything the runner knows about it:
+
+* names: the canonical spelling stored everywhere and the aliases accepted on input;
+* requirements: small reusable checks (:func:`on_platform`, :func:`sm_at_least`, :func:`symbol`, ...), in the manner
+  of diffusers' ``_AttentionBackendRegistry.register(name, constraints=[...])``; :meth:`Backend.unmet` evaluates
+  every one of them and returns every unmet reason, like vLLM's ``AttentionBackend.validate_configuration``;
+* ``auto`` priority per platform class (:func:`platform_class`);
+* how it is wired into diffusers models (:class:`DiffusersWiring`: a diffusers ``AttentionBackendName`` value, or
+  our own kernel as a callable or a lazy ``"module:attr"`` path, like vLLM's enum values that are lazy class
+  paths) and which diffusers dispatcher entries the call-site probe reports as this backend;
+* its name in vLLM (for AR stages) and the profiler signature the evidence matches kernel names against.
+
+An explicit choice that fails a check raises :class:`BackendUnavailableError` at startup, before weights load;
+only ``auto`` chooses, and :func:`auto_select` returns the reason with the choice. An out-of-tree backend is one
+:func:`register_backend` call (and :func:`unregister_backend`, or the :func:`registered` context manager, to
+remove it again).
 
 Sources of the numeric rules:
   * cuDNN SDPA: head_dim <= 256 and a multiple of 8, fp16/bf16 only (cuDNN frontend SDPA support matrix).
@@ -14,15 +26,24 @@ Sources of the numeric rules:
     sm100+. An FA2/FA3 wheel is not FA4 on Blackwell.
   * SageAttention 1.x (Triton): head_dim in {64, 96, 128}, fp16/bf16, sm80+; INT8 Q/K in blocks of 128/64.
   * FP8 GEMM (``torch._scaled_mm``): sm89+ (Ada/Hopper FP8 tensor cores), K and N multiples of 16.
+  * ``auto`` order, measured on the H200 at the FLUX 1024 shape: cuDNN SDPA 654 TFLOP/s vs FA2 331
+    (shared/reference/h200_measured.json).
+  * Profiler signatures: kernel names seen in torch.profiler traces (cuDNN frontend SDPA
+    "cudnn_generated_fort_native_sdpa_*"; flash-attn "flash_fwd_kernel"; SageAttention's Triton "_attn_fwd" and
+    "quant_per_block_int8_kernel"; cuBLASLt/CUTLASS FP8 GEMMs carry "e4m3" in their names, and torch 2.11's
+    cuBLASLt picks "nvjet_sm90_qqtst_..._ovscale_..." for row-wise scaled FP8 on the H200, seen there 2026-11-29).
+  * vLLM names: members of ``vllm.v1.attention.backends.registry.AttentionBackendEnum`` and the ``Literal`` types
+    ``vllm.config.kernel.LinearBackend`` / ``MoEBackend`` of vLLM 0.32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -81,75 +102,197 @@ def _symbol(path: str) -> bool:
     return not attr or hasattr(m, attr)
 
 
+def load_object(ref: Any) -> Any:
+    """The object a lazy ``"module.sub:attr"`` path names (anything else is returned as it is).
+
+    Raises:
+        ImportError: the module does not import; AttributeError: it has no such attribute.
+    """
+    if not isinstance(ref, str):
+        return ref
+    mod, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(mod)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+# ------------------------------------------------------------------------------------------- requirements
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One requirement of a backend, in the manner of diffusers' attention ``constraints``.
+
+    Calling it with a :class:`SelectionContext` returns the reasons it is unmet there (empty: met); a
+    requirement never stops the others from being evaluated.
+
+    Attributes:
+        label: short description for listings (``platform cuda``, ``sm >= 80``).
+        test: ``ctx -> list of reasons``.
+    """
+
+    label: str
+    test: Callable[[SelectionContext], List[str]]
+
+    def __call__(self, ctx: SelectionContext) -> List[str]:
+        return list(self.test(ctx))
+
+
+def _device(ctx: SelectionContext) -> str:
+    return "sm%d" % ctx.sm if ctx.sm else "not a CUDA GPU"
+
+
+def on_platform(*kinds: str) -> Requirement:
+    """Runs only on these platform kinds (``cuda``, ``rocm``, ...)."""
+    return Requirement(f"platform {'/'.join(kinds)}", lambda ctx: [] if ctx.platform_kind in kinds else [
+        f"needs platform {'/'.join(kinds)}, this is {ctx.platform_kind}"])
+
+
+def sm_at_least(sm: int) -> Requirement:
+    """Needs CUDA compute capability ``>= sm`` (90 = sm90); unmet off CUDA (no compute capability)."""
+    return Requirement(f"sm >= {sm}", lambda ctx: [] if ctx.sm is not None and ctx.sm >= sm else [
+        f"needs compute capability >= sm{sm}, this device is {_device(ctx)}"])
+
+
+def sm_in(*sms: int) -> Requirement:
+    """Needs one of these exact compute capabilities (cubins built for them only)."""
+    return Requirement(f"sm in {sms}", lambda ctx: [] if ctx.sm in sms else [
+        f"needs compute capability {' or '.join(f'sm{s}' for s in sms)}, this device is {_device(ctx)}"])
+
+
+def symbol(path: str) -> Requirement:
+    """The exact entry point the implementation calls, ``module.sub:attr``, must import (checked through
+    :func:`_symbol` at call time, so tests can fake installed packages)."""
+    def test(ctx: SelectionContext) -> List[str]:
+        if _symbol(path):
+            return []
+        pkg = path.split(":")[0].split(".")[0]
+        return [f"needs `{path.replace(':', '.')}`" + (f" (package `{pkg}` is not installed)"
+                                                       if importlib.util.find_spec(pkg) is None else
+                                                       " (the installed package lacks it)")]
+
+    return Requirement(f"symbol {path}", test)
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def dtype_in(*dtypes: torch.dtype) -> Requirement:
+    """The model's compute dtype is one of these."""
+    return Requirement(f"dtype {'/'.join(map(_dtype_name, dtypes))}", lambda ctx: [] if ctx.dtype in dtypes else [
+        f"needs dtype {'/'.join(map(_dtype_name, dtypes))}, the model runs in {_dtype_name(ctx.dtype)}"])
+
+
+def head_dim_in(*dims: int) -> Requirement:
+    """The attention head_dim is one of these (compiled instantiations); unknown head_dim passes."""
+    return Requirement(f"head_dim in {set(dims)}", lambda ctx: [] if ctx.head_dim is None or ctx.head_dim in dims
+                       else [f"needs head_dim in {set(dims)}, the model has head_dim {ctx.head_dim}"])
+
+
+def head_dim_at_most(n: int) -> Requirement:
+    """The attention head_dim is at most ``n``; unknown head_dim passes."""
+    return Requirement(f"head_dim <= {n}", lambda ctx: [] if ctx.head_dim is None or ctx.head_dim <= n else [
+        f"needs head_dim <= {n}, the model has head_dim {ctx.head_dim}"])
+
+
+def head_dim_multiple_of(n: int) -> Requirement:
+    """The attention head_dim is a multiple of ``n``; unknown head_dim passes."""
+    return Requirement(f"head_dim % {n} == 0", lambda ctx: [] if ctx.head_dim is None or not ctx.head_dim % n else [
+        f"needs head_dim a multiple of {n}, the model has {ctx.head_dim}"])
+
+
+def no_mask() -> Requirement:
+    """Cannot honour an attention mask (unmet when the model's attention passes one)."""
+    return Requirement("no attention mask", lambda ctx: [] if not ctx.needs_mask else [
+        "cannot honour an attention mask, and this model's attention passes one"])
+
+
+def no_sequence_parallel() -> Requirement:
+    """Cannot run on a sequence sharded across devices."""
+    return Requirement("no sequence parallelism", lambda ctx: [] if not ctx.sequence_parallel else [
+        "does not support sequence parallelism"])
+
+
+# ------------------------------------------------------------------------------------------------ records
+
+
+@dataclass(frozen=True)
+class DiffusersWiring:
+    """How an attention backend is wired into diffusers models (applied by ``kernels.attention.install``).
+
+    Attributes:
+        backend: the diffusers ``AttentionBackendName`` value set on every attention module's processor
+            (``native``, ``_native_cudnn``, ``flash``, ``sage``, ...). With a ``kernel`` it is the carrier: the
+            observing wrapper around that dispatcher entry calls the kernel instead, at the call sites that
+            selected it (diffusers' ``AttentionBackendName`` is a closed enum, so our kernels cannot be entries).
+        kernel: our implementation, a callable or a lazy ``"module:attr"`` path imported when the backend is
+            planned. It takes query/key/value ``(batch, seq_len, heads, head_dim)`` and the keywords ``attn_mask,
+            dropout_p, is_causal, scale`` (others ignored) and returns ``(batch, seq_len, heads, head_dim)``.
+            None: diffusers' own implementation of ``backend`` runs, after diffusers' requirement check.
+        observed: diffusers dispatcher entries which, seen executing, the call-site probe reports as this backend
+            (FLASH_ATTN: ``flash``, ``_flash_3``, ``flash_4_hub``). An entry is owned by one backend at most; an
+            entry owned by none is reported as ``diffusers:<entry>``. Calls of ``kernel`` are reported as the
+            backend that owns the kernel.
+        choose: optional per-device variant, ``(sm) -> DiffusersWiring or None`` (a callable or a lazy path), where
+            ``sm`` is the compute capability (None off CUDA); None keeps this wiring.
+    """
+
+    backend: str = "native"
+    kernel: Any = None
+    observed: Tuple[str, ...] = ()
+    choose: Any = None
+
+    def for_device(self, sm: Optional[int]) -> "DiffusersWiring":
+        """The wiring to use on a device of compute capability ``sm`` (``choose`` applied)."""
+        if self.choose is None:
+            return self
+        return load_object(self.choose)(sm) or self
+
+
+AutoPriority = Dict[str, Tuple[int, str]]
+PLATFORM_CLASSES = ("sm100", "sm120", "cuda", "other")  # keys of Backend.auto (with "*"), see platform_class
+
+
 @dataclass(frozen=True)
 class Backend:
-    """One selectable implementation.
+    """One selectable implementation: everything the runner knows about it, in one record.
 
     Attributes:
         field: ``attention`` | ``linear`` | ``moe``.
         name: canonical spelling stored everywhere (``TORCH_SDPA``).
         aliases: other accepted spellings (normalized: case-insensitive, ``-`` == ``_``).
-        platforms: platform kinds it runs on.
-        min_sm / sm_allowed: compute capability floor, or the exact set of allowed sm values.
-        symbols: ``module:attr`` that must import (the exact entry point the implementation calls).
-        dtypes: allowed compute dtypes (None: any).
-        head_dims / max_head_dim / head_dim_multiple: head_dim rules (attention).
-        supports_mask / supports_sequence_parallel: capability flags.
+        requires: its requirements (:class:`Requirement` or any ``ctx -> list of reasons`` callable), evaluated in
+            order by :meth:`unmet`; the platform requirement comes first so that reason leads the message.
+        auto: ``{platform class: (priority, reason)}`` (classes from :func:`platform_class`, ``*`` for every
+            class): where ``auto`` may choose it; the lowest priority that passes its checks wins, ties in
+            registration order. Absent: ``auto`` never chooses it (FP8 is lossy, so never).
+        diffusers: how it is wired into diffusers models (attention); None: diffusers stages cannot run it.
+        vllm: vLLM's name of the same implementation for AR stages (``FLASHINFER_ATTN`` -> ``FLASHINFER``,
+            linear ``TORCH`` -> ``torch``); None: no vLLM equivalent.
+        signature: regex over profiled names (aten op names on CPU, device kernel names on GPUs) that this
+            backend's execution leaves in a ``torch.profiler`` trace (``runner.evidence``); None: none known.
         quant_keys / skip_softmax_keys: spec keys the backend takes (others are errors).
     """
 
     field: str
     name: str
     aliases: Tuple[str, ...] = ()
-    platforms: Tuple[str, ...] = ("cpu", "cuda", "rocm", "xpu", "npu", "mps")
-    min_sm: Optional[int] = None
-    sm_allowed: Optional[Tuple[int, ...]] = None
-    symbols: Tuple[str, ...] = ()
-    symbol_alternatives: Tuple[Tuple[str, ...], ...] = ()
-    dtypes: Optional[Tuple[torch.dtype, ...]] = None
-    head_dims: Optional[Tuple[int, ...]] = None
-    max_head_dim: Optional[int] = None
-    head_dim_multiple: Optional[int] = None
-    supports_mask: bool = True
-    supports_sequence_parallel: bool = True
+    requires: Tuple[Callable[[SelectionContext], List[str]], ...] = ()
+    auto: AutoPriority = field(default_factory=dict)
+    diffusers: Optional[DiffusersWiring] = None
+    vllm: Optional[str] = None
+    signature: Optional[str] = None
     quant_keys: Dict[str, Any] = field(default_factory=dict)
     skip_softmax_keys: Tuple[str, ...] = ()
-    extra_check: Optional[Callable[["SelectionContext"], List[str]]] = None
 
     def unmet(self, ctx: SelectionContext) -> List[str]:
-        """Every requirement not met in ``ctx``, as human-readable reasons (empty: it can run)."""
+        """Every requirement not met in ``ctx``, as human-readable reasons (empty: it can run). Every requirement
+        is evaluated; none hides another (a GPU kernel on a CPU names the platform and the compute capability)."""
         why: List[str] = []
-        if ctx.platform_kind not in self.platforms:
-            why.append(f"needs platform {'/'.join(self.platforms)}, this is {ctx.platform_kind}")
-            return why
-        if self.sm_allowed is not None and ctx.sm not in self.sm_allowed:
-            why.append(f"needs compute capability {' or '.join(f'sm{s}' for s in self.sm_allowed)}, "
-                       f"this device is {'sm%d' % ctx.sm if ctx.sm else 'not a CUDA GPU'}")
-        elif self.min_sm is not None and (ctx.sm is None or ctx.sm < self.min_sm):
-            why.append(f"needs compute capability >= sm{self.min_sm}, this device is "
-                       f"{'sm%d' % ctx.sm if ctx.sm else 'not a CUDA GPU'}")
-        for sym in self.symbols:
-            if not _symbol(sym):
-                pkg = sym.split(":")[0].split(".")[0]
-                why.append(f"needs `{sym.replace(':', '.')}`" + (f" (package `{pkg}` is not installed)"
-                                                                  if importlib.util.find_spec(pkg) is None else
-                                                                  " (the installed package lacks it)"))
-        if self.dtypes is not None and ctx.dtype not in self.dtypes:
-            why.append(f"needs dtype {'/'.join(str(d).replace('torch.', '') for d in self.dtypes)}, "
-                       f"the model runs in {str(ctx.dtype).replace('torch.', '')}")
-        if ctx.head_dim is not None:
-            if self.head_dims is not None and ctx.head_dim not in self.head_dims:
-                why.append(f"needs head_dim in {set(self.head_dims)}, the model has head_dim {ctx.head_dim}")
-            if self.max_head_dim is not None and ctx.head_dim > self.max_head_dim:
-                why.append(f"needs head_dim <= {self.max_head_dim}, the model has head_dim {ctx.head_dim}")
-            if self.head_dim_multiple and ctx.head_dim % self.head_dim_multiple:
-                why.append(f"needs head_dim a multiple of {self.head_dim_multiple}, the model has {ctx.head_dim}")
-        if ctx.needs_mask and not self.supports_mask:
-            why.append("cannot honour an attention mask, and this model's attention passes one")
-        if ctx.sequence_parallel and not self.supports_sequence_parallel:
-            why.append("does not support sequence parallelism")
-        if self.extra_check is not None:
-            why.extend(self.extra_check(ctx))
+        for req in self.requires:
+            why.extend(req(ctx))
         return why
 
 
@@ -168,42 +311,163 @@ def _flash_check(ctx: SelectionContext) -> List[str]:
 
 
 BACKENDS: Dict[str, Dict[str, Backend]] = {f: {} for f in FIELDS}
-
-
-def register(b: Backend) -> Backend:
-    """Add a backend to the registry (its canonical name and aliases must be unique within its field)."""
-    BACKENDS[b.field][b.name] = b
-    return b
-
-
-register(Backend("attention", "TORCH_SDPA", aliases=("sdpa", "torch", "torch_sdpa", "native")))
-register(Backend("attention", "CUDNN_ATTN", aliases=("cudnn", "cudnn_attention"), platforms=("cuda",), min_sm=80,
-                 symbols=("torch.nn.attention:SDPBackend",), dtypes=_HALF, max_head_dim=256, head_dim_multiple=8))
-register(Backend("attention", "FLASH_ATTN", aliases=("flash", "flash_attention", "fa"), platforms=("cuda",),
-                 min_sm=80, dtypes=_HALF, max_head_dim=256, head_dim_multiple=8, supports_mask=False,
-                 extra_check=_flash_check))
-register(Backend("attention", "SAGE_ATTN", aliases=("sage", "sageattention", "sage_attention"),
-                 platforms=("cuda",), min_sm=80, symbols=("sageattention:sageattn",), dtypes=_HALF,
-                 head_dims=(64, 96, 128), supports_mask=False,
-                 quant_keys={"dtype_qk": ("int8",), "q_block_size": (128,), "k_block_size": (64,)}))
-register(Backend("attention", "FLASHINFER_ATTN", aliases=("flashinfer", "flashinfer_attention"),
-                 platforms=("cuda",), min_sm=80, symbols=("flashinfer.prefill:single_prefill_with_kv_cache",),
-                 dtypes=_HALF, head_dims=(64, 128, 256), supports_mask=False, supports_sequence_parallel=False))
-register(Backend("attention", "TRTLLM_ATTN", aliases=("trtllm", "trtllm_gen", "trtllm_attention"),
-                 platforms=("cuda",), sm_allowed=(100, 103),
-                 symbols=("flashinfer.prefill:trtllm_batch_context_with_kv_cache",), dtypes=_HALF,
-                 head_dims=(128,), supports_mask=False, supports_sequence_parallel=False,
-                 skip_softmax_keys=("threshold", "target_sparsity", "disabled_until_timestep")))
-register(Backend("linear", "TORCH", aliases=("torch", "dense", "bf16")))
-register(Backend("linear", "FP8", aliases=("fp8", "fp8_dynamic", "fp8_rowwise"), platforms=("cuda",), min_sm=89,
-                 symbols=("torch:_scaled_mm",), dtypes=_HALF))
-register(Backend("moe", "TORCH", aliases=("torch", "reference", "loop")))
-register(Backend("moe", "TRITON", aliases=("triton", "fused", "grouped"), platforms=("cuda", "rocm"),
-                 min_sm=80, symbols=("triton:jit",)))
+_OBSERVED: Dict[str, str] = {}  # diffusers dispatcher entry -> canonical attention backend (from the records)
 
 
 def _key(s: str) -> str:
     return s.strip().lower().replace("-", "_")
+
+
+def register_backend(b: Backend) -> Backend:
+    """Add a backend record to the registry; an out-of-tree backend is this one call, e.g. an attention kernel
+    ``attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_)`` in
+    ``my_pkg/attn.py`` (layout ``(batch, seq_len, heads, head_dim)``)::
+
+        register_backend(Backend(
+            "attention", "MY_ATTN", aliases=("my-attn",),
+            requires=(on_platform("cuda"), sm_at_least(90), symbol("my_pkg.attn:attention"),
+                      dtype_in(torch.bfloat16)),
+            auto={"cuda": (15, "MY_ATTN fits")},  # optional: between cuDNN (10) and flash-attn (20)
+            diffusers=DiffusersWiring("native", kernel="my_pkg.attn:attention"),
+            signature=r"my_attn_fwd"))  # the kernel name its launches carry in a profiler trace
+
+    after which ``backend.attention=my-attn`` resolves, installs, observes and verifies it like a built-in.
+
+    Raises:
+        ValueError: an unknown field, a name or alias (normalized) that another backend of the field already
+            uses, ``auto`` as a name, an ``auto`` key that is not a platform class, diffusers wiring on a field
+            other than attention, or a diffusers dispatcher entry in ``diffusers.observed`` that another backend
+            already owns.
+    """
+    if b.field not in BACKENDS:
+        raise ValueError(f"backend {b.name}: unknown field {b.field!r}; fields: {', '.join(FIELDS)}")
+    bad = sorted(set(b.auto) - {*PLATFORM_CLASSES, "*"})
+    if bad:
+        raise ValueError(f"backend {b.name}: auto keys {bad} are not platform classes ({', '.join(PLATFORM_CLASSES)}"
+                         ", *)")
+    if b.diffusers is not None and b.field != "attention":
+        raise ValueError(f"backend {b.name}: diffusers wiring is for attention backends, this is {b.field}")
+    taken = {_key(a): o.name for o in BACKENDS[b.field].values() for a in (o.name, *o.aliases)}
+    for a in (b.name, *b.aliases):
+        if _key(a) == AUTO:
+            raise ValueError(f"backend {b.name}: {a!r} is reserved (auto)")
+        if _key(a) in taken:
+            raise ValueError(f"backend {b.name}: {b.field} name {a!r} is already {taken[_key(a)]}'s")
+    observed = b.diffusers.observed if b.diffusers is not None else ()
+    for entry in observed:
+        if entry in _OBSERVED:
+            raise ValueError(f"backend {b.name}: diffusers entry {entry!r} is already observed as {_OBSERVED[entry]}")
+    BACKENDS[b.field][b.name] = b
+    _OBSERVED.update({entry: b.name for entry in observed})
+    return b
+
+
+def unregister_backend(field_name: str, name: str) -> Backend:
+    """Remove a registered backend (tests, out-of-tree plugins) and return its record.
+
+    Raises:
+        KeyError: no backend ``name`` in ``field_name``.
+    """
+    b = BACKENDS[field_name].pop(name)
+    for entry in (b.diffusers.observed if b.diffusers is not None else ()):
+        _OBSERVED.pop(entry, None)
+    return b
+
+
+@contextlib.contextmanager
+def registered(b: Backend) -> Iterator[Backend]:
+    """``with registered(record):`` the backend is registered inside the block and removed on exit."""
+    register_backend(b)
+    try:
+        yield b
+    finally:
+        unregister_backend(b.field, b.name)
+
+
+def observed_name(entry: str) -> str:
+    """The canonical backend the probe reports when diffusers dispatcher entry ``entry`` executes, or
+    ``diffusers:<entry>`` when no registered backend owns it."""
+    return _OBSERVED.get(entry, f"diffusers:{entry}")
+
+
+def wired(field_name: str, engine: str) -> List[str]:
+    """Canonical names of the backends of ``field_name`` that ``engine`` (``diffusers`` | ``vllm``) can run, in
+    registration order."""
+    if engine not in ("diffusers", "vllm"):
+        raise ValueError(f"unknown engine {engine!r}; engines: diffusers, vllm")
+    return [b.name for b in BACKENDS[field_name].values() if getattr(b, engine) is not None]
+
+
+def vllm_name(field_name: str, name: str) -> Optional[str]:
+    """vLLM's name of the runner's backend ``name`` (None: no vLLM equivalent, or not a runner backend)."""
+    b = BACKENDS.get(field_name, {}).get(name)
+    return b.vllm if b is not None else None
+
+
+def signature(field_name: str, name: str) -> Optional[str]:
+    """The profiler signature regex of backend ``name`` (None: none known, or not a registered backend)."""
+    b = BACKENDS.get(field_name, {}).get(name)
+    return b.signature if b is not None else None
+
+
+# Built-in backends. Auto priorities: lower first, per platform class (see platform_class).
+_ATTN_FALLBACK = "no specialised kernel fits"
+register_backend(Backend(
+    "attention", "TORCH_SDPA", aliases=("sdpa", "torch", "torch_sdpa", "native"),
+    auto={"sm100": (30, _ATTN_FALLBACK), "sm120": (30, _ATTN_FALLBACK), "cuda": (30, _ATTN_FALLBACK),
+          "other": (30, "the only attention backend on this platform")},
+    diffusers=DiffusersWiring("native", observed=("native",)), vllm="TORCH_SDPA",
+    signature=r"aten::_scaled_dot_product_(flash_attention_for_cpu|attention_math|efficient_attention|"
+              r"flash_attention|cudnn_attention)|fmha|flash_fwd|cudnn.*sdpa|sdpa.*cudnn"))
+register_backend(Backend(
+    "attention", "CUDNN_ATTN", aliases=("cudnn", "cudnn_attention"),
+    requires=(on_platform("cuda"), sm_at_least(80), symbol("torch.nn.attention:SDPBackend"), dtype_in(*_HALF),
+              head_dim_at_most(256), head_dim_multiple_of(8)),
+    auto={"sm100": (20, "cuDNN SDPA supports the shape"), "sm120": (10, "cuDNN SDPA supports the shape"),
+          "cuda": (10, "cuDNN SDPA supports the shape (654 vs 331 TFLOP/s for FA2 at FLUX 1024^2 on H200)")},
+    diffusers=DiffusersWiring("_native_cudnn", observed=("_native_cudnn",)),
+    signature=r"aten::_scaled_dot_product_cudnn_attention|cudnn.*(sdpa|fprop)|sdpa.*cudnn|fmha.*cudnn"))
+register_backend(Backend(
+    "attention", "FLASH_ATTN", aliases=("flash", "flash_attention", "fa"),
+    requires=(on_platform("cuda"), sm_at_least(80), dtype_in(*_HALF), head_dim_at_most(256), head_dim_multiple_of(8),
+              no_mask(), Requirement("flash-attn generation matches the GPU", _flash_check)),
+    auto={"cuda": (20, "flash-attn installed and cuDNN does not fit")},
+    diffusers=DiffusersWiring("flash", observed=("flash", "_flash_3", "flash_4_hub"),
+                              choose="kernels.attention:choose_flash"),
+    vllm="FLASH_ATTN", signature=r"flash_fwd|flash_attn|FlashAttn"))
+register_backend(Backend(
+    "attention", "SAGE_ATTN", aliases=("sage", "sageattention", "sage_attention"),
+    requires=(on_platform("cuda"), sm_at_least(80), symbol("sageattention:sageattn"), dtype_in(*_HALF),
+              head_dim_in(64, 96, 128), no_mask()),
+    diffusers=DiffusersWiring("sage", observed=("sage",), choose="kernels.attention:choose_sage"),
+    signature=r"_attn_fwd|quant_per_block|sageattn|qk_int8",
+    quant_keys={"dtype_qk": ("int8",), "q_block_size": (128,), "k_block_size": (64,)}))
+register_backend(Backend(
+    "attention", "FLASHINFER_ATTN", aliases=("flashinfer", "flashinfer_attention"),
+    requires=(on_platform("cuda"), sm_at_least(80), symbol("flashinfer.prefill:single_prefill_with_kv_cache"),
+              dtype_in(*_HALF), head_dim_in(64, 128, 256), no_mask(), no_sequence_parallel()),
+    auto={"sm120": (20, "FlashInfer prefill installed")},
+    diffusers=DiffusersWiring("native", kernel="kernels.attention:flashinfer_attention"), vllm="FLASHINFER",
+    signature=r"flashinfer|SinglePrefill|BatchPrefill|PrefillWithKVCache"))
+register_backend(Backend(
+    "attention", "TRTLLM_ATTN", aliases=("trtllm", "trtllm_gen", "trtllm_attention"),
+    requires=(on_platform("cuda"), sm_in(100, 103), symbol("flashinfer.prefill:trtllm_batch_context_with_kv_cache"),
+              dtype_in(*_HALF), head_dim_in(128), no_mask(), no_sequence_parallel()),
+    auto={"sm100": (10, "trtllm-gen FMHA is the fastest Blackwell datacenter kernel for head_dim 128 without masks")},
+    skip_softmax_keys=("threshold", "target_sparsity", "disabled_until_timestep")))
+register_backend(Backend(
+    "linear", "TORCH", aliases=("torch", "dense", "bf16"),
+    auto={"*": (10, "dense GEMM in the model dtype; FP8 is lossy and never chosen by auto")}, vllm="torch",
+    signature=r"aten::(addmm|mm|bmm|linear)\b|gemm|cutlass|nvjet|xmma"))
+register_backend(Backend(
+    "linear", "FP8", aliases=("fp8", "fp8_dynamic", "fp8_rowwise"),
+    requires=(on_platform("cuda"), sm_at_least(89), symbol("torch:_scaled_mm"), dtype_in(*_HALF)),
+    signature=r"aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq"))
+register_backend(Backend("moe", "TORCH", aliases=("torch", "reference", "loop"),
+                         auto={"*": (20, "reference expert loop")}))
+register_backend(Backend("moe", "TRITON", aliases=("triton", "fused", "grouped"),
+                         requires=(on_platform("cuda", "rocm"), sm_at_least(80), symbol("triton:jit")),
+                         auto={"*": (10, "fused grouped-expert kernel on GPU")}, vllm="triton"))
 
 
 def normalize(field_name: str, value: Any, where: Optional[str] = None) -> str:
@@ -258,45 +522,45 @@ def check(field_name: str, name: str, ctx: SelectionContext, where: str = "") ->
             + f". Fix: choose another backend (or `auto`) for {where or 'backend.' + field_name}.")
 
 
-# Auto order per platform (first that passes its checks wins). Measured on the H200 at the FLUX 1024 shape:
-# cuDNN SDPA 654 TFLOP/s vs FA2 331 (shared/reference/h200_measured.json).
-_AUTO_ATTENTION: Dict[str, Sequence[Tuple[str, str]]] = {
-    "sm100": (("TRTLLM_ATTN", "trtllm-gen FMHA is the fastest Blackwell datacenter kernel for head_dim 128 without "
-                              "masks"), ("CUDNN_ATTN", "cuDNN SDPA supports the shape"),
-              ("TORCH_SDPA", "no specialised kernel fits")),
-    "sm120": (("CUDNN_ATTN", "cuDNN SDPA supports the shape"), ("FLASHINFER_ATTN", "FlashInfer prefill installed"),
-              ("TORCH_SDPA", "no specialised kernel fits")),
-    "cuda": (("CUDNN_ATTN", "cuDNN SDPA supports the shape (654 vs 331 TFLOP/s for FA2 at FLUX 1024^2 on H200)"),
-             ("FLASH_ATTN", "flash-attn installed and cuDNN does not fit"),
-             ("TORCH_SDPA", "no specialised kernel fits")),
-    "other": (("TORCH_SDPA", "the only attention backend on this platform"),),
-}
+def platform_class(ctx: SelectionContext) -> str:
+    """The platform class (:data:`PLATFORM_CLASSES`) that keys :attr:`Backend.auto`: ``sm100`` (datacenter
+    Blackwell, sm100/sm103), ``sm120`` (sm120 and later), ``cuda`` (any other CUDA GPU) or ``other`` (CPU, ROCm,
+    XPU, NPU, MPS)."""
+    if ctx.platform_kind != "cuda":
+        return "other"
+    if ctx.sm in (100, 103):
+        return "sm100"
+    if ctx.sm is not None and ctx.sm >= 120:
+        return "sm120"
+    return "cuda"
+
+
+def auto_order(field_name: str, ctx: SelectionContext) -> List[Tuple[str, str]]:
+    """``auto``'s candidates for ``ctx``, first tried first: ``[(canonical_name, reason)]`` from the records'
+    :attr:`Backend.auto` entries for :func:`platform_class` (or ``*``), by priority, ties in registration order."""
+    cls = platform_class(ctx)
+    ranked = []
+    for i, b in enumerate(BACKENDS[field_name].values()):
+        entry = b.auto.get(cls, b.auto.get("*"))
+        if entry is not None:
+            ranked.append((entry[0], i, b.name, entry[1]))
+    return [(name, reason) for _, _, name, reason in sorted(ranked)]
 
 
 def auto_select(field_name: str, ctx: SelectionContext, wired: Optional[Sequence[str]] = None) -> Tuple[str, str]:
-    """Choose a backend for ``auto`` and say why.
+    """Choose a backend for ``auto`` and say why (candidates from :func:`auto_order`).
 
     Args:
         wired: the backends the stage's engine can run (None: all). Auto never picks one outside it.
 
     Returns:
         ``(canonical_name, reason)``; the reason lists the candidates that were skipped and why.
+
+    Raises:
+        BackendUnavailableError: no candidate passes its checks (every skipped candidate and why).
     """
-    if field_name == "attention":
-        if ctx.platform_kind == "cuda" and ctx.sm in (100, 103):
-            order = _AUTO_ATTENTION["sm100"]
-        elif ctx.platform_kind == "cuda" and ctx.sm is not None and ctx.sm >= 120:
-            order = _AUTO_ATTENTION["sm120"]
-        elif ctx.platform_kind == "cuda":
-            order = _AUTO_ATTENTION["cuda"]
-        else:
-            order = _AUTO_ATTENTION["other"]
-    elif field_name == "linear":
-        order = (("TORCH", "dense GEMM in the model dtype; FP8 is lossy and never chosen by auto"),)
-    else:
-        order = (("TRITON", "fused grouped-expert kernel on GPU"), ("TORCH", "reference expert loop"))
     skipped = []
-    for name, reason in order:
+    for name, reason in auto_order(field_name, ctx):
         if wired is not None and name not in wired:
             skipped.append(f"{name}: not wired into this stage's engine")
             continue

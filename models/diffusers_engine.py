@@ -162,8 +162,8 @@ class DiffusersEngine(EngineBase):
         Raises:
             kernels.registry.BackendError subclasses, naming the field, the value, the reason and the fix.
         """
-        from kernels.attention import DIFFUSERS_BACKEND, plan
-        from kernels.registry import SelectionContext
+        from kernels.attention import plan
+        from kernels.registry import SelectionContext, wired
         from runner.resolve import LEGACY_KEYS, MisplacedBackendKeyError, StageInfo, check_placement, cli_keys, resolve_stage
 
         cfg, plat = self.ctx.cfg, self.ctx.plat
@@ -171,7 +171,7 @@ class DiffusersEngine(EngineBase):
         sel = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=self.head_dim(),
                                needs_mask=self.needs_mask, sequence_parallel=False)
         info = StageInfo(name=self.stage, roles=list(cfg.model.roles), fields=self.backend_fields, ctx=sel,
-                         wired={"attention": list(DIFFUSERS_BACKEND)})
+                         wired={"attention": wired("attention", "diffusers")})
         resolutions, extras = resolve_stage(cfg, cli_keys(self.ctx.overrides), info)
         for spec in resolutions["attention"].selected.values():  # wiring problems surface now, not after loading
             plan(spec["backend"], plat.sm)

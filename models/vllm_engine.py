@@ -101,15 +101,6 @@ def normalize_backends(backends: Optional[Mapping[str, Any]]) -> Dict[str, str]:
     return out
 
 
-#: Our shared backend names (``kernels.registry`` canonical names) that mean the same thing in vLLM. A shared
-#: name not listed here has no vLLM meaning for that field (e.g. MoE ``TORCH``: vLLM has no torch expert loop) and
-#: is refused naming vLLM's valid names.
-SHARED_ALIASES: Dict[str, Dict[str, str]] = {
-    "linear": {"TORCH": "torch"},
-    "moe": {"TRITON": "triton"},
-    "attention": {"FLASH_ATTN": "FLASH_ATTN", "FLASHINFER_ATTN": "FLASHINFER"},
-}
-
 #: Attention backends vLLM 0.32 honours on CPU for decoder attention: ``CpuPlatform.get_attn_backend_cls``
 #: (``vllm/platforms/cpu.py:143-179``) returns ``CPU_ATTN`` for any other request, logging only INFO
 #: "Cannot use <X> backend on CPU." (``CPU_MLA``/``AMX_MLA`` serve MLA models, which this adapter does not build).
@@ -120,8 +111,10 @@ class VLLMNames:
     """Backend names of an AR stage, as vLLM defines them: the ``EngineNames`` hooks of ``runner.resolve``.
 
     * ``canonical``: vLLM's own normalization (attention: upper case member of ``AttentionBackendEnum``; MoE/linear:
-      lower case, ``-`` -> ``_``, member of the ``MoEBackend`` / ``LinearBackend`` Literals), else a shared runner
-      alias from :data:`SHARED_ALIASES`; anything else raises ``UnknownBackendError`` listing vLLM's names.
+      lower case, ``-`` -> ``_``, member of the ``MoEBackend`` / ``LinearBackend`` Literals), else a runner name
+      (or alias) whose registry record gives its vLLM name (``Backend.vllm``: ``flashinfer`` -> ``FLASHINFER``);
+      anything else raises ``UnknownBackendError`` listing vLLM's names. A runner backend without a vLLM name
+      (e.g. MoE ``TORCH``: vLLM has no torch expert loop) is refused the same way.
     * ``check``: names vLLM accepts but would not honour on this platform fail closed here, before the engine
       starts (what vLLM itself does, measured on vLLM 0.32.0 CPU, in ``models/vllm_notes.md``):
 
@@ -162,14 +155,13 @@ class VLLMNames:
         name = raw.upper() if fld == "attention" else raw.lower().replace("-", "_")
         if name in self._valid[fld] or (fld == "attention" and name.replace("-", "_") in self._valid[fld]):
             return name.replace("-", "_")
-        try:  # a shared runner alias that means the same in vLLM
+        try:  # a runner name whose record says what it is called in vLLM
             shared = reg.normalize(fld, raw, where)
         except reg.UnknownBackendError:
             shared = None
-        if shared is not None and shared in SHARED_ALIASES.get(fld, {}):
-            return SHARED_ALIASES[fld][shared]
-        if shared is not None and shared in self._valid[fld]:
-            return shared  # the runner's name is also vLLM's (sdpa -> TORCH_SDPA); check() says if it runs here
+        mapped = reg.vllm_name(fld, shared) if shared is not None else None
+        if mapped is not None:
+            return mapped  # e.g. sdpa -> TORCH_SDPA, flashinfer -> FLASHINFER; check() says if it runs here
         import difflib
 
         by_key = {n.lower().replace("-", "_"): n for n in self._valid[fld]}

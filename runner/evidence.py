@@ -7,7 +7,8 @@ Two independent observations:
   (``kernels.linear``); a hook on the denoiser counts its forwards.
 * **Kernels** (profiler): one denoiser forward (one denoising step) of the first batch runs under
   ``torch.profiler``; the names of the device kernels (CPU: the ``aten::`` ops) are matched against per-backend
-  signatures. This also works under ``torch.compile``, where Python counters do not run per call.
+  signatures (``Backend.signature`` of each record in ``kernels.registry``). This also works under
+  ``torch.compile``, where Python counters do not run per call.
 
 Verdict: ``verified`` when every site ran only its resolved backend, once per denoiser forward, each selected
 backend's signature matched a profiled kernel, and all outputs were finite. ``mismatch`` when an observed
@@ -26,27 +27,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from kernels import registry as reg
 from runner.errors import EvidenceMismatchError
-
-# Backend -> regex over profiled names (aten op names on CPU, device kernel names on GPUs). Sources: kernel names
-# seen in torch.profiler traces (cuDNN frontend SDPA "cudnn_generated_fort_native_sdpa_*"; flash-attn
-# "flash_fwd_kernel"; SageAttention's Triton "_attn_fwd" and "quant_per_block_int8_kernel"; cuBLASLt/CUTLASS FP8
-# GEMMs carry "e4m3" in their names, and torch 2.11's cuBLASLt picks "nvjet_sm90_qqtst_..._ovscale_..." for
-# row-wise scaled FP8 on the H200, seen there 2026-11-29).
-SIGNATURES: Dict[str, Dict[str, str]] = {
-    "attention": {
-        "TORCH_SDPA": r"aten::_scaled_dot_product_(flash_attention_for_cpu|attention_math|efficient_attention|"
-                      r"flash_attention|cudnn_attention)|fmha|flash_fwd|cudnn.*sdpa|sdpa.*cudnn",
-        "CUDNN_ATTN": r"aten::_scaled_dot_product_cudnn_attention|cudnn.*(sdpa|fprop)|sdpa.*cudnn|fmha.*cudnn",
-        "FLASH_ATTN": r"flash_fwd|flash_attn|FlashAttn",
-        "SAGE_ATTN": r"_attn_fwd|quant_per_block|sageattn|qk_int8",
-        "FLASHINFER_ATTN": r"flashinfer|SinglePrefill|BatchPrefill|PrefillWithKVCache",
-    },
-    "linear": {
-        "TORCH": r"aten::(addmm|mm|bmm|linear)\b|gemm|cutlass|nvjet|xmma",
-        "FP8": r"aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq",
-    },
-}
 
 
 class EvidenceError(EvidenceMismatchError, RuntimeError):
@@ -169,21 +151,22 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         matched = {}
         launches = {}
         for b, n_sites in by_backend.items():
-            names = trace.match(SIGNATURES["attention"].get(b, r"$^"))
+            sig = reg.signature("attention", b)
+            names = trace.match(sig or r"$^")
             matched[b] = names
             launches[b] = trace.calls(names)
             if not names:
                 mismatches.append(f"stage {stage}, attention: no profiled kernel matches {b}'s signature "
-                                  f"/{SIGNATURES['attention'].get(b)}/")
+                                  f"/{sig}/")
             elif len(by_backend) == 1 and launches[b] < n_sites:
                 mismatches.append(f"stage {stage}, attention: {b} kernels launched {launches[b]} times in the profiled "
                                   f"forward, but {n_sites} call sites resolved to it")
-        lin_names = trace.match(SIGNATURES["linear"][lin.resolved])
+        lin_names = trace.match(reg.signature("linear", lin.resolved) or r"$^")
         if not lin_names:
             mismatches.append(f"stage {stage}, linear: no profiled kernel matches {lin.resolved}")
-        if lin.resolved == "TORCH" and trace.match(SIGNATURES["linear"]["FP8"]):
-            mismatches.append(f"stage {stage}, linear: resolved TORCH but FP8 GEMMs ran: "
-                              f"{trace.match(SIGNATURES['linear']['FP8'])}")
+        fp8 = reg.signature("linear", "FP8")
+        if lin.resolved == "TORCH" and fp8 and trace.match(fp8):
+            mismatches.append(f"stage {stage}, linear: resolved TORCH but FP8 GEMMs ran: {trace.match(fp8)}")
         top = sorted(trace.kernels.items(), key=lambda kv: -kv[1])[:40]
         kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
                        top_device_kernels=dict(top),

@@ -331,12 +331,12 @@ def _startup(overrides, sm=100, head_dim=128):
 
 # regression: bug: on sm100/sm103 with flashinfer installed, auto selects TRTLLM_ATTN, 
 def test_auto_never_selects_an_unwired_attention_backend(monkeypatch):
-    from kernels import attention
-
     monkeypatch.setattr(reg, "_symbol", lambda path: True)  # every optional package installed
+    wired = reg.wired("attention", "diffusers")
+    assert "TRTLLM_ATTN" not in wired and "TORCH_SDPA" in wired
     for sm in (80, 90, 100, 103, 120):
-        name, _ = reg.auto_select("attention", ctx(sm=sm), wired=list(attention.DIFFUSERS_BACKEND))
-        assert name in attention.DIFFUSERS_BACKEND, f"sm{sm}: auto chose {name}, which the runner cannot wire"
+        name, _ = reg.auto_select("attention", ctx(sm=sm), wired=wired)
+        assert name in wired, f"sm{sm}: auto chose {name}, which the runner cannot wire"
 
 
 # regression: bug: a default (auto) run on sm100/sm103 with flashinfer installed is 
