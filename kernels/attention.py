@@ -164,9 +164,9 @@ def plan(name: str, platform_sm: Optional[int] = None) -> Tuple[str, Optional[Ca
     if name == "FLASH_ATTN" and platform_sm is not None and platform_sm >= 100:
         return "native", flash4_attention  # FA2/FA3 wheels do not run Blackwell; the registry demanded FA4
     if name == "FLASH_ATTN" and platform_sm == 90:
-        from kernels.registry import _symbol
+        from kernels.registry import has_symbol
 
-        if _symbol("flash_attn_interface:flash_attn_func"):
+        if has_symbol("flash_attn_interface:flash_attn_func"):
             dname = "_flash_3"
     if name == "SAGE_ATTN":
         if _diffusers_can("sage") is None:

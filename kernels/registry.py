@@ -67,7 +67,7 @@ class SelectionContext:
     sequence_parallel: bool = False
 
 
-def _symbol(path: str) -> bool:
+def has_symbol(path: str) -> bool:
     """True when ``module.sub:attr`` (or a bare module) imports and has the attribute."""
     mod, _, attr = path.partition(":")
     if importlib.util.find_spec(mod.split(".")[0]) is None:
@@ -127,7 +127,7 @@ class Backend:
             why.append(f"needs compute capability >= sm{self.min_sm}, this device is "
                        f"{'sm%d' % ctx.sm if ctx.sm else 'not a CUDA GPU'}")
         for sym in self.symbols:
-            if not _symbol(sym):
+            if not has_symbol(sym):
                 pkg = sym.split(":")[0].split(".")[0]
                 why.append(f"needs `{sym.replace(':', '.')}`" + (f" (package `{pkg}` is not installed)"
                                                                   if importlib.util.find_spec(pkg) is None else
@@ -156,10 +156,10 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def _flash_check(ctx: SelectionContext) -> List[str]:
     """flash-attn generation must match the GPU: FA4 (flash_attn.cute) on sm100+, FA2/FA3 below."""
-    if ctx.sm is not None and ctx.sm >= 100 and not _symbol("flash_attn.cute:flash_attn_func"):
+    if ctx.sm is not None and ctx.sm >= 100 and not has_symbol("flash_attn.cute:flash_attn_func"):
         return ["on Blackwell (sm100+) needs FA4 `flash_attn.cute.flash_attn_func`; FA2/FA3 wheels are not FA4"]
-    if ctx.sm is not None and ctx.sm < 100 and not (_symbol("flash_attn:flash_attn_func")
-                                                    or _symbol("flash_attn_interface:flash_attn_func")):
+    if ctx.sm is not None and ctx.sm < 100 and not (has_symbol("flash_attn:flash_attn_func")
+                                                    or has_symbol("flash_attn_interface:flash_attn_func")):
         return ["needs `flash_attn.flash_attn_func` (FA2) or `flash_attn_interface.flash_attn_func` (FA3) "
                 "(package `flash-attn` is not installed)"]
     return []

@@ -74,12 +74,12 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
             from runner.ray_launcher import run_on_ray
 
-            code = run_on_ray(cfg, out_dir, overrides)
+            code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg))
         elif worker is not None and worker.world_size > 1:
             code = run(cfg, out_dir, overrides=overrides, worker=worker)
             dp.barrier()
             if worker.rank == 0:
-                code = _merged_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun"))
+                code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun"))
         else:
             code = run(cfg, out_dir, overrides=overrides)
         outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
@@ -112,15 +112,6 @@ def dataset_keys(cfg: DictConfig) -> List[str]:
     from runner.execute import load_dataset
 
     return [it.key for it in ds.expand_items(load_dataset(cfg)[0], cfg.seed)]
-
-
-def _merged_code(merged: Dict[str, Any]) -> int:
-    """Exit code of a merged data-parallel run: 0 all written, 1 otherwise."""
-    if merged["status"] == "completed":
-        return 0
-    log.error("data-parallel run %s: workers not completed: %s; missing items: %d", merged["status"],
-              merged["failed_workers"], merged["counts"]["missing"])
-    return 1
 
 
 def _write_status(out_dir: Path, code: int, outcome: str, status: Dict[str, Any]) -> None:

@@ -73,11 +73,11 @@ def main() -> None:
     from diffusers import FluxPipeline
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-    from models.flux import _build_components
+    from models.flux import build_components
     from models.toy_shapes.data import caption, combos
 
     arch = load_arch()
-    comps = _build_components(arch)
+    comps = build_components(arch)
     pipe = FluxPipeline(**comps).to(device)
     vae, tr = pipe.vae, pipe.transformer
     max_len = 16
