@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.artifacts import atomic_write_json
 from runner.manifest import Manifest, git_state, now_iso, package_versions
+from runner.paths import PROJECT_ROOT
 
 log = logging.getLogger("runner")
 
@@ -31,14 +32,12 @@ EXIT = {"ok": 0, "failed_items": 1, "crashed": 1, "refused": 2, "invalid": 2, "e
 
 def _refusal_manifest(out_dir: Path, cfg: DictConfig, overrides: List[str], status: str, err: BaseException) -> None:
     """A manifest for a run stopped before its model loaded (never trusted by a resume: status refused/invalid)."""
-    from runner.execute import REPO_ROOT
-
     m = Manifest(out_dir / "manifest.json")
     m.doc.update(status=status, ended_at=now_iso())
     m.section("config", OmegaConf.to_container(cfg, resolve=False))
     m.section("overrides", overrides)
     m.section("error", {"type": type(err).__name__, "message": str(err)})
-    m.section("git", git_state(REPO_ROOT))
+    m.section("git", git_state(PROJECT_ROOT))
     m.section("packages", package_versions())
     try:
         from runner.platform import detect

@@ -31,7 +31,9 @@ def load_arch() -> dict:
     """The architecture of ``conf/model/toy_shapes.yaml``."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(REPO / "conf/model/toy_shapes.yaml").architecture, resolve=True)
+    from runner.paths import CONF_DIR
+
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model/toy_shapes.yaml").architecture, resolve=True)
 
 
 def images_tensor(n: int, seed: int, size: int, device: str):
