@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def checksums(arch, device, dtype):
     import torch
 
-    from models.flux import _build_components
+    from models.flux import build_components
 
-    comps = _build_components(arch, device=device, dtype=dtype)
+    comps = build_components(arch, device=device, dtype=dtype)
     out = {}
     for k in ("transformer", "vae", "text_encoder", "text_encoder_2"):
         s = s2 = 0.0

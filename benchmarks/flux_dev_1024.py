@@ -1,6 +1,6 @@
 """FLUX.1-dev at 1024x1024, 28 steps: plain diffusers vs the runner, side by side in one process on one GPU.
 
-Variants, on identical weights (``load_format=dummy``: the same builder, ``models.flux._build_components``, with
+Variants, on identical weights (``load_format=dummy``: the same builder, ``models.flux.build_components``, with
 the same seed on the same device) and identical per-row seeds:
 
 (a) ``baseline``: plain diffusers. ``FluxPipeline`` called once per prompt (default attention: torch SDPA, which
@@ -159,12 +159,12 @@ def run_baseline(cfg: Any, items: List[Any], out: Path, device: str, dtype: torc
     from diffusers import FluxPipeline
     from omegaconf import OmegaConf
 
-    from models.flux import _build_components
+    from models.flux import build_components
 
     free(device)
     t0 = time.perf_counter()
     arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
-    pipe = FluxPipeline(**_build_components(arch, device=device, dtype=dtype))
+    pipe = FluxPipeline(**build_components(arch, device=device, dtype=dtype))
     pipe.set_progress_bar_config(disable=True)
     g = cfg.model.generation
     msl = int(g.max_sequence_length)
@@ -314,12 +314,12 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
     from omegaconf import OmegaConf
 
     from kernels import attention as attn_mod
-    from models.flux import FluxEngine, _build_components
+    from models.flux import FluxEngine, build_components
     from runner.platform import detect
 
     free(device)
     arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
-    pipe = FluxPipeline(**_build_components(arch, device=device, dtype=dtype))
+    pipe = FluxPipeline(**build_components(arch, device=device, dtype=dtype))
     pipe.set_progress_bar_config(disable=True)
     g = cfg.model.generation
     captured: Dict[str, Any] = {}

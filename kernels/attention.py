@@ -157,7 +157,7 @@ def choose_flash(platform_sm: Optional[int]) -> Optional[DiffusersWiring]:
 
     if platform_sm is not None and platform_sm >= 100:
         return DiffusersWiring("native", kernel=flash4_attention)
-    if platform_sm == 90 and reg._symbol("flash_attn_interface:flash_attn_func"):
+    if platform_sm == 90 and reg.has_symbol("flash_attn_interface:flash_attn_func"):
         return DiffusersWiring("_flash_3")
     return None
 

@@ -90,7 +90,7 @@ class SelectionContext:
     sequence_parallel: bool = False
 
 
-def _symbol(path: str) -> bool:
+def has_symbol(path: str) -> bool:
     """True when ``module.sub:attr`` (or a bare module) imports and has the attribute."""
     mod, _, attr = path.partition(":")
     if importlib.util.find_spec(mod.split(".")[0]) is None:
@@ -163,9 +163,9 @@ def sm_in(*sms: int) -> Requirement:
 
 def symbol(path: str) -> Requirement:
     """The exact entry point the implementation calls, ``module.sub:attr``, must import (checked through
-    :func:`_symbol` at call time, so tests can fake installed packages)."""
+    :func:`has_symbol` at call time, so tests can fake installed packages)."""
     def test(ctx: SelectionContext) -> List[str]:
-        if _symbol(path):
+        if has_symbol(path):
             return []
         pkg = path.split(":")[0].split(".")[0]
         return [f"needs `{path.replace(':', '.')}`" + (f" (package `{pkg}` is not installed)"
@@ -301,10 +301,10 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def _flash_check(ctx: SelectionContext) -> List[str]:
     """flash-attn generation must match the GPU: FA4 (flash_attn.cute) on sm100+, FA2/FA3 below."""
-    if ctx.sm is not None and ctx.sm >= 100 and not _symbol("flash_attn.cute:flash_attn_func"):
+    if ctx.sm is not None and ctx.sm >= 100 and not has_symbol("flash_attn.cute:flash_attn_func"):
         return ["on Blackwell (sm100+) needs FA4 `flash_attn.cute.flash_attn_func`; FA2/FA3 wheels are not FA4"]
-    if ctx.sm is not None and ctx.sm < 100 and not (_symbol("flash_attn:flash_attn_func")
-                                                    or _symbol("flash_attn_interface:flash_attn_func")):
+    if ctx.sm is not None and ctx.sm < 100 and not (has_symbol("flash_attn:flash_attn_func")
+                                                    or has_symbol("flash_attn_interface:flash_attn_func")):
         return ["needs `flash_attn.flash_attn_func` (FA2) or `flash_attn_interface.flash_attn_func` (FA3) "
                 "(package `flash-attn` is not installed)"]
     return []

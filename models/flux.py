@@ -49,7 +49,7 @@ def check_snapshot(path: str) -> Path:
     return p
 
 
-def _build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
+def build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
                       dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
     """Instantiate every FLUX component from ``arch`` with random weights seeded by ``arch['weights_seed']``."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
@@ -119,7 +119,7 @@ def embedded_snapshot(name: str, arch: Dict[str, Any], cache_dir: Optional[str])
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{target.name}.tmp{os.getpid()}"
-    pipe = FluxPipeline(**_build_components(arch))
+    pipe = FluxPipeline(**build_components(arch))
     pipe.save_pretrained(tmp, safe_serialization=True)
     try:
         os.rename(tmp, target)
@@ -173,7 +173,7 @@ class FluxEngine(DiffusersEngine):
         from omegaconf import OmegaConf
 
         arch = OmegaConf.to_container(self.cfg.architecture, resolve=True)
-        comps = _build_components(arch, device="meta", dtype=self.dtype)
+        comps = build_components(arch, device="meta", dtype=self.dtype)
         return sum(p.numel() * p.element_size() for k in ("transformer", "vae", "text_encoder", "text_encoder_2")
                    for p in comps[k].parameters())
 
@@ -194,7 +194,7 @@ class FluxEngine(DiffusersEngine):
             self.cfg.architecture, dict) else self.cfg.architecture
         kind = self.source["kind"]
         if kind == "dummy":
-            self.pipe = FluxPipeline(**_build_components(arch, device=self.device, dtype=self.dtype))
+            self.pipe = FluxPipeline(**build_components(arch, device=self.device, dtype=self.dtype))
         else:
             path = Path(self.source["path"]) if kind == "path" else embedded_snapshot(self.cfg.name, arch, self.cache_dir)
             self.source["path"] = str(path)

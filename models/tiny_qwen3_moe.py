@@ -58,11 +58,11 @@ def build_tokenizer(vocab_size: int = 512, corpus_path: Optional[Path] = None):
     """
     from transformers import PreTrainedTokenizerFast
 
-    from models.tokenizers import _train, corpus_from
+    from models.tokenizers import corpus_from, train_bpe
     from runner.dataset import BUILTIN_PROMPTS
 
     corpus = corpus_from(Path(corpus_path) if corpus_path else BUILTIN_PROMPTS)
-    tok = _train(corpus, vocab_size, SPECIALS)
+    tok = train_bpe(corpus, vocab_size, SPECIALS)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[0],
                                    additional_special_tokens=SPECIALS[1:], model_max_length=int(ARCH[
                                        "max_position_embeddings"]))

@@ -23,7 +23,8 @@ CLIP_SPECIALS = ["<|startoftext|>", "<|endoftext|>"]
 T5_SPECIALS = ["<pad>", "</s>", "<unk>"]
 
 
-def _train(corpus: Iterable[str], vocab_size: int, specials: list[str]) -> Tokenizer:
+def train_bpe(corpus: Iterable[str], vocab_size: int, specials: list[str]) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on ``corpus``; ``specials`` take the first ids, in order."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tok.decoder = decoders.ByteLevel()
@@ -35,7 +36,7 @@ def _train(corpus: Iterable[str], vocab_size: int, specials: list[str]) -> Token
 
 def build_clip_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int = 77) -> PreTrainedTokenizerFast:
     """CLIP-style tokenizer: ids 0/1 are ``<|startoftext|>``/``<|endoftext|>``; pad = end-of-text."""
-    tok = _train(corpus, vocab_size, CLIP_SPECIALS)
+    tok = train_bpe(corpus, vocab_size, CLIP_SPECIALS)
     bos, eos = (tok.token_to_id(t) for t in CLIP_SPECIALS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{CLIP_SPECIALS[0]} $A {CLIP_SPECIALS[1]}",
@@ -47,7 +48,7 @@ def build_clip_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int
 
 def build_t5_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int = 512) -> PreTrainedTokenizerFast:
     """T5-style tokenizer: ``<pad>`` = 0, ``</s>`` = 1 appended to every sequence, ``<unk>`` = 2."""
-    tok = _train(corpus, vocab_size, T5_SPECIALS)
+    tok = train_bpe(corpus, vocab_size, T5_SPECIALS)
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
                                    model_max_length=max_length)

@@ -14,16 +14,16 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from runner.paths import CONF_DIR  # noqa: E402
 from runner.schema import register_configs  # noqa: E402
 
 log = logging.getLogger("runner")
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 register_configs()
 _TASK_STARTED = False  # set once Hydra composed a config and called the task
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> int:
     """Compose the run config, then execute it into the Hydra run dir.
 

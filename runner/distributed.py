@@ -15,6 +15,7 @@ in ``<run dir>/workers/rank<r>``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from dataclasses import asdict, dataclass
@@ -24,6 +25,8 @@ from typing import Any, Dict, List, Optional
 
 from runner.artifacts import atomic_write_bytes, atomic_write_json
 from runner.sinks import read_journal
+
+log = logging.getLogger("runner")
 
 WORKER_SUBDIR = "workers"
 SHARDING = "the run's batches dealt whole, in order, each to the rank with the fewest items (see shard)"
@@ -191,6 +194,15 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
                                                                                    "completed_with_failures")]
     atomic_write_json(out_dir / "manifest.json", merged)
     return merged
+
+
+def merged_exit_code(merged: Dict[str, Any]) -> int:
+    """Exit code of a merged data-parallel run (``merge``'s result): 0 all written, 1 otherwise."""
+    if merged["status"] == "completed":
+        return 0
+    log.error("data-parallel run %s: workers not completed: %s; missing items: %d", merged["status"],
+              merged["failed_workers"], merged["counts"]["missing"])
+    return 1
 
 
 def worker_record(w: Worker, shard_items: int) -> Dict[str, Any]:

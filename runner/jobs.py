@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.artifacts import atomic_write_json
 from runner.errors import RunnerError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
+from runner.paths import PROJECT_ROOT
 
 log = logging.getLogger("runner")
 
@@ -38,14 +39,12 @@ STARTUP_OUTCOMES = ("refused", "invalid")
 
 def _refusal_manifest(out_dir: Path, cfg: DictConfig, overrides: List[str], status: str, err: BaseException) -> None:
     """A manifest for a run stopped before its model loaded (never trusted by a resume: status refused/invalid)."""
-    from runner.execute import REPO_ROOT
-
     m = Manifest(out_dir / "manifest.json")
     m.doc.update(status=status, ended_at=now_iso())
     m.section("config", OmegaConf.to_container(cfg, resolve=False))
     m.section("overrides", overrides)
     m.section("error", {"type": type(err).__name__, "message": str(err)})
-    m.section("git", git_state(REPO_ROOT))
+    m.section("git", git_state(PROJECT_ROOT))
     m.section("packages", package_versions())
     try:
         from runner.platform import detect
@@ -65,7 +64,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     Returns:
         The exit code (see the module docstring).
     """
-    from runner.execute import run
+    from runner.execute import dataset_keys, run
 
     from runner import distributed as dp
 
@@ -79,12 +78,12 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
             from runner.ray_launcher import run_on_ray
 
-            code = run_on_ray(cfg, out_dir, overrides)
+            code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg))
         elif worker is not None and worker.world_size > 1:
             code = run(cfg, out_dir, overrides=overrides, worker=worker)
             dp.barrier()
             if worker.rank == 0:
-                code = _merged_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun"))
+                code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun"))
         else:
             code = run(cfg, out_dir, overrides=overrides)
         outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
@@ -105,22 +104,6 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
             raise
     _write_status(job_dir, code, outcome, status)
     return code
-
-
-def dataset_keys(cfg: DictConfig) -> List[str]:
-    """Every item key of the run's dataset, in dataset order (the merged journal's order)."""
-    from runner.execute import dataset_keys as keys
-
-    return keys(cfg)
-
-
-def _merged_code(merged: Dict[str, Any]) -> int:
-    """Exit code of a merged data-parallel run: 0 all written, 1 otherwise."""
-    if merged["status"] == "completed":
-        return 0
-    log.error("data-parallel run %s: workers not completed: %s; missing items: %d", merged["status"],
-              merged["failed_workers"], merged["counts"]["missing"])
-    return 1
 
 
 def _write_status(out_dir: Path, code: int, outcome: str, status: Dict[str, Any]) -> None:

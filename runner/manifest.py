@@ -39,7 +39,10 @@ def package_versions() -> Dict[str, str | None]:
 
 
 def git_state(root: Path) -> Dict[str, Any]:
-    """``{"commit": sha | None, "dirty": bool | None}`` of the repository containing ``root``."""
+    """``{"commit": sha | None, "dirty": bool | None}`` of the git checkout whose top-level folder is ``root``.
+
+    When ``root`` is not the top of a checkout (an installed package in site-packages, even one inside some other
+    repository; or no git), both are None and ``note`` says so, with the runner's version."""
     def git(*args: str) -> str | None:
         try:
             r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
@@ -47,6 +50,11 @@ def git_state(root: Path) -> Dict[str, Any]:
             return None
         return r.stdout.strip() if r.returncode == 0 else None
 
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != Path(root).resolve():
+        from runner import __version__
+
+        return {"commit": None, "dirty": None, "note": f"not a git checkout: runner {__version__} from {root}"}
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": None if status is None else bool(status)}

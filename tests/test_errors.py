@@ -163,7 +163,7 @@ def _fake_gpu(monkeypatch, sm: int) -> None:
     from runner import execute
     from runner.platform import PlatformInfo
 
-    monkeypatch.setattr(reg, "_symbol", lambda path: True)
+    monkeypatch.setattr(reg, "has_symbol", lambda path: True)
     monkeypatch.setattr(execute, "detect", lambda *a, **k: PlatformInfo(kind="cuda", device="cpu",
                                                                          capability=divmod(sm, 10)))
 

@@ -36,7 +36,7 @@ def test_shards_are_balanced_whole_batches():
 
 
 def test_merge_keys_come_from_the_models_builtin_dataset(compose):
-    from runner.jobs import dataset_keys
+    from runner.execute import dataset_keys
 
     cfg = compose(["dataset.limit=4"], test_model=False)  # the default model, toy_shapes
     want = [json.loads(l)["id"] for l in (REPO / "runner/data/shapes.jsonl").read_text().splitlines()][:4]

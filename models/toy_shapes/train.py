@@ -31,7 +31,9 @@ def load_arch() -> dict:
     """The architecture of ``conf/model/toy_shapes.yaml``."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(REPO / "conf/model/toy_shapes.yaml").architecture, resolve=True)
+    from runner.paths import CONF_DIR
+
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model/toy_shapes.yaml").architecture, resolve=True)
 
 
 def images_tensor(n: int, seed: int, size: int, device: str):
@@ -73,11 +75,11 @@ def main() -> None:
     from diffusers import FluxPipeline
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-    from models.flux import _build_components
+    from models.flux import build_components
     from models.toy_shapes.data import caption, combos
 
     arch = load_arch()
-    comps = _build_components(arch)
+    comps = build_components(arch)
     pipe = FluxPipeline(**comps).to(device)
     vae, tr = pipe.vae, pipe.transformer
     max_len = 16
