@@ -136,8 +136,6 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
         dataset.DatasetError: listing every bad row (file, line, field, value, fix).
     """
     fmt = cfg.dataset.format
-    if fmt not in ("builtin", "jsonl", "csv", "txt"):
-        raise ds.DatasetError([f"dataset.format={fmt!r} is not known; fix: one of builtin, jsonl, csv, txt"])
     if fmt == "builtin":
         src = ds.BUILTIN_PROMPTS.parent / model_cfg.builtin_prompts
     else:
@@ -409,9 +407,7 @@ class ARStage:
     def _model_dir(self, where: str) -> str:
         """Where the weights/config come from; fills ``self.source``. Raises ARConfigError."""
         m = self.model_cfg
-        fmt = m.get("load_format") or "auto"
-        if fmt not in ("auto", "dummy"):
-            raise ARConfigError(f"{where}.load_format={fmt!r} is not one of auto, dummy")
+        fmt = str(m.load_format)  # a plain string: it travels into vLLM's EngineArgs
         if m.get("path"):
             if fmt == "dummy":
                 raise ARConfigError(f"{where}.path={m.path!r} is set but {where}.load_format=dummy would replace its "
@@ -774,7 +770,7 @@ def pipeline_stages(cfg: DictConfig, final_stage: str) -> List[str]:
     Raises:
         ARConfigError: naming the stage and the field.
     """
-    order = list(cfg.model.pipeline or [])
+    order = list(cfg.model.get("pipeline") or [])  # only a pipeline model has one
     if not order:
         return []
     stages = cfg.model.stages or {}

@@ -56,10 +56,11 @@ def _check_schema(cfg: DictConfig) -> None:
     bypasses it (``+model.nme=x`` composes). Raises ConfigValueError naming the key."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from runner.schema import RunConfig
+    from runner.schema import typed_skeleton
 
+    plain = OmegaConf.to_container(cfg, resolve=False)
     try:
-        OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg, resolve=False))
+        OmegaConf.merge(typed_skeleton(plain), plain)
     except OmegaConfBaseException as e:
         msg = str(e).splitlines()[0]
         raise ConfigValueError(f"config does not match the schema: {msg}; fix: remove or correct that key "
@@ -77,9 +78,38 @@ def check_run_values(cfg: DictConfig) -> None:
         raise ConfigValueError(f"batch_size={cfg.batch_size} must be >= 1; fix: batch_size=1")
     if cfg.dataset.limit is not None and cfg.dataset.limit < 1:
         raise ConfigValueError(f"dataset.limit={cfg.dataset.limit} must be >= 1 (or null for every row)")
-    if cfg.output.image_format != "png":
-        raise ConfigValueError(f"output.image_format={cfg.output.image_format!r}: only png is written (lossless, so "
-                               "artifacts can be compared byte for byte); fix: output.image_format=png")
+    if "generation" in cfg.model:  # a diffusion model's defaults
+        _check_generation(cfg)
+    if cfg.num_images_per_prompt < 1:
+        raise ConfigValueError(f"num_images_per_prompt={cfg.num_images_per_prompt} must be >= 1")
+    if cfg.max_pixels < 1:
+        raise ConfigValueError(f"max_pixels={cfg.max_pixels} must be >= 1")
+    if cfg.output.write_workers < 0:
+        raise ConfigValueError(f"output.write_workers={cfg.output.write_workers} must be >= 0 (0 writes artifacts in the "
+                               "generating thread); fix: output.write_workers=2")
+    mode = cfg.parallelism.mode
+    if mode in ("cfg", "ulysses"):
+        raise ConfigValueError(f"parallelism={mode} ({'CFG-parallel' if mode == 'cfg' else 'Ulysses sequence parallel'}"
+                               ") is not implemented yet; it would otherwise run single-device. fix: parallelism=single "
+                               "or parallelism=data")
+    stages = list(cfg.model.get("pipeline") or [])
+    if mode == "data" and len(stages) > 1:  # before the launcher checks: no launcher makes this work
+        raise ConfigValueError(f"parallelism=data with the multi-stage model={cfg.model.name} (pipeline {stages}): its "
+                               "AR stage runs on one vLLM engine, so data parallelism is not supported yet; fix: "
+                               "parallelism=single")
+    from runner.distributed import torchrun_worker
+
+    tw = torchrun_worker()
+    if tw is not None and tw.world_size > 1 and mode != "data":
+        raise ConfigValueError(f"started by torchrun with WORLD_SIZE={tw.world_size} but parallelism={mode}: every "
+                               "rank would generate the whole dataset; fix: parallelism=data")
+    if mode == "data" and tw is None and cfg.launcher.name != "ray":
+        raise ConfigValueError("parallelism=data needs workers: launch with `torchrun --nproc-per-node N -m runner "
+                               "parallelism=data` or add launcher=ray")
+
+
+def _check_generation(cfg: DictConfig) -> None:
+    """Range checks of a diffusion model's ``model.generation`` defaults. Raises ConfigValueError."""
     g = cfg.model.generation
     m = cfg.model.size_multiple
     for key in ("width", "height"):  # defaults are checked here so errors name the config key, not a data file
@@ -98,36 +128,6 @@ def check_run_values(cfg: DictConfig) -> None:
     for key in ("guidance_scale", "true_cfg_scale"):
         if not math.isfinite(g[key]) or g[key] < 0:
             raise ConfigValueError(f"model.generation.{key}={g[key]} must be a finite number >= 0")
-    if cfg.num_images_per_prompt < 1:
-        raise ConfigValueError(f"num_images_per_prompt={cfg.num_images_per_prompt} must be >= 1")
-    if cfg.max_pixels < 1:
-        raise ConfigValueError(f"max_pixels={cfg.max_pixels} must be >= 1")
-    if cfg.output.write_workers < 0:
-        raise ConfigValueError(f"output.write_workers={cfg.output.write_workers} must be >= 0 (0 writes artifacts in the "
-                               "generating thread); fix: output.write_workers=2")
-    if cfg.compile not in ("none", "regional"):
-        raise ConfigValueError(f"compile={cfg.compile!r} is not one of none, regional")
-    mode = cfg.parallelism.mode
-    if mode in ("cfg", "ulysses"):
-        raise ConfigValueError(f"parallelism={mode} ({'CFG-parallel' if mode == 'cfg' else 'Ulysses sequence parallel'}"
-                               ") is not implemented yet; it would otherwise run single-device. fix: parallelism=single "
-                               "or parallelism=data")
-    if mode not in ("single", "data"):
-        raise ConfigValueError(f"parallelism.mode={mode!r} is not one of single, data, cfg, ulysses")
-    stages = list(cfg.model.get("pipeline") or [])
-    if mode == "data" and len(stages) > 1:  # before the launcher checks: no launcher makes this work
-        raise ConfigValueError(f"parallelism=data with the multi-stage model={cfg.model.name} (pipeline {stages}): its "
-                               "AR stage runs on one vLLM engine, so data parallelism is not supported yet; fix: "
-                               "parallelism=single")
-    from runner.distributed import torchrun_worker
-
-    tw = torchrun_worker()
-    if tw is not None and tw.world_size > 1 and mode != "data":
-        raise ConfigValueError(f"started by torchrun with WORLD_SIZE={tw.world_size} but parallelism={mode}: every "
-                               "rank would generate the whole dataset; fix: parallelism=data")
-    if mode == "data" and tw is None and cfg.launcher.name != "ray":
-        raise ConfigValueError("parallelism=data needs workers: launch with `torchrun --nproc-per-node N -m runner "
-                               "parallelism=data` or add launcher=ray")
 
 
 def make_adapter(cfg: DictConfig, device: str, dtype: torch.dtype):
@@ -171,7 +171,7 @@ def resolve_backends(cfg: DictConfig, overrides: Sequence[str], adapter: Any, pl
     from kernels.registry import SelectionContext
     from runner.resolve import StageInfo, check_placement, cli_keys, resolve_stage
 
-    check_placement(cfg, stages=[adapter.stage, *[s for s in (cfg.model.pipeline or []) if s != adapter.stage]])
+    check_placement(cfg, stages=[adapter.stage, *[s for s in (cfg.model.get("pipeline") or []) if s != adapter.stage]])
     ctx = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=dtype, head_dim=adapter.head_dim(),
                            needs_mask=adapter.needs_mask, sequence_parallel=False)
     from kernels.attention import DIFFUSERS_BACKEND
@@ -204,14 +204,9 @@ def install_backends(adapter: Any, resolutions: Dict[str, Any], plat: Any, compi
     ``compile_repeated_blocks``). Compiled runs keep no Python call counters; the profiler gives their evidence.
     ``observe=False`` (``evidence.enabled=false``) installs the same implementations without any probe.
     Compilation itself happens at the first call (the warm-up), under :func:`deterministic_compile`.
-
-    Raises:
-        ConfigValueError: unknown ``compile`` mode.
     """
     from kernels import attention, linear
 
-    if compile_mode not in ("none", "regional"):
-        raise ConfigValueError(f"compile={compile_mode!r} is not one of none, regional")
     observe = observe and compile_mode == "none"
     sites = attention.install(adapter.stage, adapter.attention_sites(), resolutions["attention"].selected, plat.sm,
                               observe=observe)
