@@ -233,7 +233,7 @@ class ModelConfig:
     """Attention roles of the model (``backend.attention.per_role`` keys)."""
     backend: BackendConfig = field(default_factory=BackendConfig)
     """The model's backend defaults (layer ``model_default`` of the precedence contract)."""
-    stages: Any = field(default_factory=dict)
+    stages: Dict[str, StageConfig] = field(default_factory=dict)
     """The model's stages by name (each family sets its own; a stage the model does not have is refused)."""
     builtin_prompts: str = "prompts.jsonl"
     """Rows of ``dataset=builtin``: the file ``runner/data/<this>``."""
@@ -256,7 +256,7 @@ class DiffusionModelConfig(ModelConfig):
     """Revision of ``path``, recorded in the manifest's model source (and compared on resume)."""
     roles: List[str] = field(default_factory=lambda: ["joint"])
     """Attention roles (FLUX: ``joint``)."""
-    stages: Any = field(default_factory=lambda: {"denoise": StageConfig()})
+    stages: Dict[str, StageConfig] = field(default_factory=lambda: {"denoise": StageConfig()})
     """The model's single stage, ``denoise``."""
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     """Per-row generation defaults."""
@@ -275,7 +275,7 @@ class ARModelConfig(ModelConfig):
     """The vLLM engine (``models.vllm_engine``)."""
     roles: List[str] = field(default_factory=lambda: ["decoder"])
     """Attention roles (``decoder``)."""
-    stages: Any = field(default_factory=lambda: {"generate": StageConfig()})
+    stages: Dict[str, StageConfig] = field(default_factory=lambda: {"generate": StageConfig()})
     """The model's single stage, ``generate`` (``engine_extras``: further ``vllm.EngineArgs`` fields)."""
     sampling: Dict[str, Any] = field(default_factory=dict)
     """Default ``vllm.SamplingParams`` fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
@@ -302,8 +302,10 @@ class PipelineStageConfig(StageConfig):
 @dataclass
 class PipelineModelConfig(DiffusionModelConfig):
     """A diffusion model fed by other stages (``conf/model/prompt_expand_flux.yaml``). It extends the diffusion
-    model it renders with, so its file lists that model first: ``defaults: [tiny_flux, base_pipeline, ...]``
-    (Hydra merges a schema only into a config of the same class or a base class)."""
+    model it renders with, so its file lists that model first, then this schema, then the schema of each added
+    stage: ``defaults: [tiny_flux, base_pipeline, base_pipeline_stage@stages.expand, ...]`` (Hydra merges a
+    schema only into a config of the same class or a base class, and a stage added to a composed model gets the
+    model's stage schema, ``StageConfig``, unless its own schema comes first)."""
 
     pipeline: List[str] = field(default_factory=list)
     """Stage names in execution order; the last is the model's own diffusion stage."""
@@ -513,7 +515,8 @@ def register_configs() -> None:
     """Register the schema with Hydra's ConfigStore (idempotent).
 
     ``runner_schema`` validates the whole run config; ``model/base_diffusion``, ``model/base_ar`` and
-    ``model/base_pipeline`` are the family schemas model YAMLs list first in their defaults.
+    ``model/base_pipeline`` are the family schemas model YAMLs list in their defaults, ``model/base_pipeline_stage``
+    the schema of a stage a pipeline adds.
     """
     from omegaconf import OmegaConf
 
@@ -524,6 +527,7 @@ def register_configs() -> None:
     cs.store(group="model", name="base_diffusion", node=DiffusionModelConfig)
     cs.store(group="model", name="base_ar", node=ARModelConfig)
     cs.store(group="model", name="base_pipeline", node=_extension(PipelineModelConfig, DiffusionModelConfig))
+    cs.store(group="model", name="base_pipeline_stage", node=PipelineStageConfig)
 
 
 def _extension(cls: type, base: type) -> Any:
