@@ -574,7 +574,7 @@ def model_cfg_of(cfg: DictConfig, stage: str) -> Any:
     pipeline (with ``roles``/``sampling`` defaults of the schema)."""
     if stage == DEFAULT_STAGE and cfg.model.adapter == "vllm":
         return cfg.model
-    m = OmegaConf.create(_plain(cfg.model.stages[stage].model))
+    m = OmegaConf.create(_plain(cfg.model.stages[stage].model) or {})  # null: no model composed into it
     if "name" not in m:
         raise ARConfigError(f"model.stages.{stage}.model has no `name`; fix: compose a model into it, e.g. "
                             f"defaults: [tiny_qwen3_moe@stages.{stage}.model]")
