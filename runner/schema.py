@@ -205,7 +205,8 @@ class GenerationDefaults:
     max_sequence_length: int = 512
     """Token limit of the T5 prompt encoding."""
     true_cfg_scale: float = 1.0
-    """True classifier-free guidance scale (> 1: a second, unconditional forward per step)."""
+    """True classifier-free guidance scale (> 1 with a row's ``negative_prompt``: a second, unconditional forward
+    per step)."""
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -419,7 +420,8 @@ class EvidenceConfig:
     enabled: bool = True
     """Install probes that record which implementations ran."""
     profile: bool = True
-    """Also profile the first denoiser call to name the kernels that ran."""
+    """Also profile with ``torch.profiler`` (diffusion: the first denoising step) and match the kernels that ran
+    against the resolved backends' signatures."""
     strict: bool = True
     """Evidence that contradicts the resolved backends ends the run with exit 3 (false: recorded, ``limited``)."""
 
