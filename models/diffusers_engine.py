@@ -167,7 +167,7 @@ class DiffusersEngine(EngineBase):
         from runner.resolve import LEGACY_KEYS, MisplacedBackendKeyError, StageInfo, check_placement, cli_keys, resolve_stage
 
         cfg, plat = self.ctx.cfg, self.ctx.plat
-        check_placement(cfg, stages=[self.stage, *[s for s in (cfg.model.pipeline or []) if s != self.stage]])
+        check_placement(cfg, stages=[self.stage, *[s for s in (cfg.model.get("pipeline") or []) if s != self.stage]])
         sel = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=self.head_dim(),
                                needs_mask=self.needs_mask, sequence_parallel=False)
         info = StageInfo(name=self.stage, roles=list(cfg.model.roles), fields=self.backend_fields, ctx=sel,

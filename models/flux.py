@@ -149,11 +149,9 @@ class FluxEngine(DiffusersEngine):
 
         Raises:
             ModelPathError: ``model.path`` is not a diffusers snapshot, or a non-embedded model has no path and
-                no ``load_format=dummy``, or ``load_format`` is unknown.
+                no ``load_format=dummy``.
         """
         cfg = self.cfg
-        if cfg.load_format not in ("auto", "dummy"):
-            raise ModelPathError(f"model.load_format={cfg.load_format!r} is not one of auto, dummy")
         if cfg.load_format == "dummy":
             self.source = {"kind": "dummy", "weights_seed": cfg.architecture.get("weights_seed", 0)}
         elif cfg.path:

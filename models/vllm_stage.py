@@ -144,8 +144,6 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
         dataset.DatasetError: listing every bad row (file, line, field, value, fix).
     """
     fmt = cfg.dataset.format
-    if fmt not in ("builtin", "jsonl", "csv", "txt"):
-        raise ds.DatasetError([f"dataset.format={fmt!r} is not known; fix: one of builtin, jsonl, csv, txt"])
     if fmt == "builtin":
         src = ds.BUILTIN_PROMPTS.parent / model_cfg.builtin_prompts
     else:
@@ -447,9 +445,7 @@ class VLLMEngine(EngineBase):
     def _model_dir(self, where: str) -> str:
         """Where the weights/config come from; fills ``self.source``. Raises ARConfigError."""
         m = self.model_cfg
-        fmt = m.get("load_format") or "auto"
-        if fmt not in ("auto", "dummy"):
-            raise ARConfigError(f"{where}.load_format={fmt!r} is not one of auto, dummy")
+        fmt = str(m.load_format)  # a plain string: it travels into vLLM's EngineArgs
         if m.get("path"):
             if fmt == "dummy":
                 raise ARConfigError(f"{where}.path={m.path!r} is set but {where}.load_format=dummy would replace its "
@@ -678,7 +674,7 @@ def model_cfg_of(cfg: DictConfig, stage: str) -> Any:
     pipeline (with ``roles``/``sampling`` defaults of the schema)."""
     if stage == DEFAULT_STAGE and cfg.model.adapter == "vllm":
         return cfg.model
-    m = OmegaConf.create(_plain(cfg.model.stages[stage].model))
+    m = OmegaConf.create(_plain(cfg.model.stages[stage].model) or {})  # null: no model composed into it
     if "name" not in m:
         raise ARConfigError(f"model.stages.{stage}.model has no `name`; fix: compose a model into it, e.g. "
                             f"defaults: [tiny_qwen3_moe@stages.{stage}.model]")

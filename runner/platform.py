@@ -109,6 +109,8 @@ def detect(name: str = "auto", device: str = "auto", probes: tuple = ()) -> Plat
     Raises:
         PlatformError: the named platform is not available here (e.g. ``platform=cuda`` on a CPU machine).
     """
+    # Plain strings from here on (the config's are runner.schema choices): they reach torch and the manifest.
+    name, device, probes = str(name), str(device), tuple(str(p) for p in probes)
     kind = _detect_kind() if name == "auto" else name
     if not _available(kind):
         raise PlatformError(f"platform={name}: no {kind} device is available on this machine "

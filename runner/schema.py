@@ -1,11 +1,25 @@
 """Structured config schema for every Hydra group, registered in Hydra's ConfigStore.
 
 The schema is the contract between the YAML in ``conf/`` and the code: Hydra merges each group's YAML into
-these dataclasses, so an unknown key (a typo) or a value of the wrong type fails at compose time with Hydra's
-own message, before anything is imported or loaded.
+these dataclasses, so an unknown key (a typo), a value of the wrong type or a value outside a closed choice fails
+at compose time with Hydra's own message (naming the key, the value and, for a choice, the valid values), before
+anything is imported or loaded.
+
+Closed choices are :class:`Choice` enums (OmegaConf 2.3 does not take ``Literal``). A member *is* its string:
+it compares, hashes, formats, prints and serialises to JSON as its plain value, so ``cfg.compile != "none"`` and
+the manifest's ``config`` section read exactly as with plain strings.
+
+Models have one schema per family, each a config of the ``model`` group that model YAMLs extend (Hydra's
+"schema per option" pattern, ``defaults: [base_diffusion, _self_]``): ``base_diffusion``
+(:class:`DiffusionModelConfig`, diffusers), ``base_ar`` (:class:`ARModelConfig`, vLLM) and ``base_pipeline``
+(:class:`PipelineModelConfig`, a diffusion model fed by other stages). A key of another family
+(``model.sampling`` on a diffusion model) is refused at compose time.
 
 Unset backend choices are ``None`` (``null`` in YAML), which is distinct from an explicit ``"auto"``; the
 resolver (``runner.resolve``) keeps the two apart.
+
+Every field is read by some code outside this module (``tests/test_schema.py`` checks it): a field nothing
+reads would accept a value and silently ignore it.
 
 Compatible with Hydra 1.3 and 1.4: mutable defaults use ``default_factory``; nothing is built with an
 unrestricted ``hydra.utils.instantiate``.
@@ -14,178 +28,382 @@ unrestricted ``hydra.utils.instantiate``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from enum import Enum
+from typing import Any, Dict, List, Mapping, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+# ------------------------------------------------------------------------------------------------ closed choices
+
+
+class Choice(str, Enum):
+    """A closed choice. Members are named by their value and behave as that plain string everywhere:
+    ``==``, ``hash``, ``str()``, f-strings, ``repr()`` (``'regional'``, as a plain string's) and ``json.dumps``."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(str.__str__(self), spec)
+
+    def __repr__(self) -> str:
+        return repr(str.__str__(self))
+
+    __hash__ = str.__hash__
+
+
+class DType(Choice):
+    """Compute dtype of the run. ``auto``: bfloat16 on GPUs/accelerators, float32 on CPU."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Compile(Choice):
+    """``torch.compile`` of diffusion stages. ``regional``: each repeated transformer block."""
+
+    none = "none"
+    regional = "regional"
+
+
+class ParallelismMode(Choice):
+    """How work is spread over devices (``cfg`` and ``ulysses`` are refused at startup: not implemented)."""
+
+    single = "single"
+    data = "data"
+    cfg = "cfg"
+    ulysses = "ulysses"
+
+
+class LauncherName(Choice):
+    """Who starts the workers of ``parallelism=data``."""
+
+    local = "local"
+    ray = "ray"
+
+
+class DatasetFormat(Choice):
+    """Where and how dataset rows are read."""
+
+    builtin = "builtin"
+    jsonl = "jsonl"
+    csv = "csv"
+    txt = "txt"
+
+
+class PlatformName(Choice):
+    """A device platform (``auto`` detects one at startup)."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    rocm = "rocm"
+    xpu = "xpu"
+    npu = "npu"
+    mps = "mps"
+
+
+class DeviceType(Choice):
+    """A torch device type (``auto``: the platform's own; ROCm GPUs are ``cuda`` to torch)."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    xpu = "xpu"
+    npu = "npu"
+    mps = "mps"
+
+
+class Probe(Choice):
+    """A capability probe recorded in the manifest (``runner.platform``); one that does not apply records null."""
+
+    device_name = "device_name"
+    capability = "capability"
+    driver = "driver"
+    cuda = "cuda"
+    cudnn = "cudnn"
+    hip = "hip"
+
+
+class LoadFormat(Choice):
+    """Where a model's weights come from: ``auto`` (``path``, or an embedded model built into the cache on first
+    use) or ``dummy`` (random weights, no checkpoint; for benchmarks)."""
+
+    auto = "auto"
+    dummy = "dummy"
+
+
+#: ``model.adapter`` values whose models take the AR schema; the engine name itself is an open choice checked
+#: against ``models.registry`` (an engine registered out of tree is one ``register_engine`` call).
+AR_ENGINES = ("vllm",)
+
+
+class Oracle(Choice):
+    """Readers of generated images that score them against the row's expectations (``accuracy``)."""
+
+    toy_shapes = "toy_shapes"
+
+
+# ------------------------------------------------------------------------------------------------ backends, stages
+
 
 @dataclass
 class BackendConfig:
-    """Backend choices of one scope (run level, a model's defaults, or one stage).
-
-    ``attention`` is a backend name (``TORCH_SDPA``, alias ``sdpa``, ... or ``auto``) or a spec
-    ``{default: <spec>, per_role: {<role>: <spec>}}`` where a spec is ``{backend, quant, skip_softmax}``.
-    ``linear`` and ``moe`` are names. ``None`` means "not set at this layer".
-    """
+    """Backend choices of one scope (run level, a model's defaults, or one stage). ``None``: not set at this layer.
+    Names are open (the registry in ``kernels.registry`` knows them, with aliases), so they stay strings."""
 
     attention: Any = None
+    """A backend name (``TORCH_SDPA``, alias ``sdpa``, ..., or ``auto``) or a spec
+    ``{default: <spec>, per_role: {<role>: <spec>}}`` where a spec is ``{backend, quant, skip_softmax}``."""
     linear: Optional[str] = None
+    """Linear-layer backend name (``TORCH``, ``FP8``, ..., or ``auto``)."""
     moe: Optional[str] = None
+    """Mixture-of-experts backend name (``TORCH``, ``TRITON``, ..., or ``auto``)."""
 
 
 @dataclass
 class StageConfig:
-    """One stage of a model's pipeline (FLUX has one: ``denoise``; ``tiny_qwen3_moe`` has ``generate``).
-
-    ``engine_extras``: further engine arguments (vLLM stages: ``vllm.EngineArgs`` fields such as ``max_model_len``,
-    ``max_num_seqs``; diffusers stages take none). In a multi-stage model (``model.pipeline``):
-    ``adapter`` runs the stage when it is not the model's own (``vllm``), ``model`` is that stage's model config
-    (same fields as ``model``, e.g. composed from ``conf/model/tiny_qwen3_moe.yaml``), ``input`` says what feeds
-    it (``prompt``: the dataset row's prompt; ``<stage>``: that stage's output text) and ``template`` how the
-    input becomes this stage's prompt (``{prompt}``: the row's prompt, ``{text}``: the upstream output text).
-    """
+    """One stage of a model (FLUX has one: ``denoise``; ``tiny_qwen3_moe`` has ``generate``)."""
 
     backend: BackendConfig = field(default_factory=BackendConfig)
+    """Backend choices of this stage only (layer ``cli_stage``/``yaml_stage`` of the precedence contract)."""
     engine_extras: Dict[str, Any] = field(default_factory=dict)
-    adapter: Optional[str] = None
-    model: Dict[str, Any] = field(default_factory=dict)
-    input: Optional[str] = None
-    template: Optional[str] = None
+    """Further engine arguments: ``vllm.EngineArgs`` fields of a vLLM stage (``max_model_len``, ``max_num_seqs``);
+    a diffusers stage takes none (refused)."""
     # Misplaced-key guards: must stay null. A backend name here is rejected at startup with the place it belongs
     # (stages.<name>.backend.<field>) instead of Hydra's bare "key not in struct".
     attention: Any = None
+    """Guard: refused when set; the stage's attention backend is ``backend.attention``."""
     linear: Any = None
+    """Guard: refused when set; the stage's linear backend is ``backend.linear``."""
     moe: Any = None
+    """Guard: refused when set; the stage's MoE backend is ``backend.moe``."""
 
 
 @dataclass
 class GenerationDefaults:
-    """Per-model generation defaults, used for every dataset row that does not set the field."""
+    """Per-model generation defaults of a diffusion model, used for every dataset row that does not set the field."""
 
     width: int = 1024
+    """Image width in pixels (a multiple of ``model.size_multiple``)."""
     height: int = 1024
+    """Image height in pixels (a multiple of ``model.size_multiple``)."""
     num_inference_steps: int = 28
+    """Denoising steps."""
     guidance_scale: float = 3.5
+    """Guidance scale (FLUX.1-dev: distilled guidance embedding; 0 for models without one)."""
     max_sequence_length: int = 512
+    """Token limit of the T5 prompt encoding."""
     true_cfg_scale: float = 1.0
+    """True classifier-free guidance scale (> 1 with a row's ``negative_prompt``: a second, unconditional forward
+    per step)."""
+
+
+# ------------------------------------------------------------------------------------------------ models
 
 
 @dataclass
 class ModelConfig:
-    """A model: which adapter builds it, from where, and its defaults.
-
-    ``load_format``: ``auto`` (load ``path``, or for an embedded model create it on first use into the cache),
-    ``dummy`` (the architecture in ``architecture`` with random weights built directly on the device, no
-    checkpoint; for benchmarks).
-    """
+    """What every model has, whatever its family. Model YAMLs extend a family schema (``base_diffusion``,
+    ``base_ar``, ``base_pipeline``), never this one directly."""
 
     name: str = MISSING
-    adapter: str = "flux"
+    """Model name: the manifest's ``model.name``, and the key of ``platform.overlays``."""
+    adapter: Any = MISSING
+    """The engine that runs the model (each family narrows it to its own engines)."""
     path: Optional[str] = None
-    revision: Optional[str] = None
-    load_format: str = "auto"
+    """A local checkpoint directory (diffusers snapshot, or Hugging Face model directory for vLLM)."""
+    load_format: LoadFormat = LoadFormat.auto
+    """``auto``: load ``path`` (or build an embedded model on first use); ``dummy``: random weights, no checkpoint."""
     embedded: bool = False
+    """The model is built by the runner on first use into ``cache_dir`` (no download)."""
     architecture: Dict[str, Any] = field(default_factory=dict)
-    roles: List[str] = field(default_factory=lambda: ["joint"])
-    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    """Component configs: what ``load_format=dummy`` and embedded models build (AR: overrides of the tiny model's
+    architecture)."""
+    roles: List[str] = field(default_factory=list)
+    """Attention roles of the model (``backend.attention.per_role`` keys)."""
     backend: BackendConfig = field(default_factory=BackendConfig)
-    stages: Dict[str, StageConfig] = field(default_factory=lambda: {"denoise": StageConfig()})
-    size_multiple: int = 16
-    builtin_prompts: str = "prompts.jsonl"  # dataset=builtin reads runner/data/<this>
-    # Autoregressive models (adapter vllm): default ``vllm.SamplingParams`` fields (max_tokens, temperature,
-    # top_p, top_k, seed, ...); dataset rows override them per row.
-    sampling: Dict[str, Any] = field(default_factory=dict)
-    # Multi-stage models: stage names in execution order (empty: the single stage of ``adapter``).
-    pipeline: List[str] = field(default_factory=list)
-    oracle: Optional[str] = None  # reads generated images back (models.toy_shapes.oracle) for `accuracy`
+    """The model's backend defaults (layer ``model_default`` of the precedence contract)."""
+    stages: Dict[str, StageConfig] = field(default_factory=dict)
+    """The model's stages by name (each family sets its own; a stage the model does not have is refused)."""
+    builtin_prompts: str = "prompts.jsonl"
+    """Rows of ``dataset=builtin``: the file ``runner/data/<this>``."""
     # Misplaced-key guards (see StageConfig): backend choices belong under model.backend / model.stages.
     attention: Any = None
+    """Guard: refused when set; the model's default is ``model.backend.attention``."""
     linear: Any = None
+    """Guard: refused when set; the model's default is ``model.backend.linear``."""
     moe: Any = None
+    """Guard: refused when set; the model's default is ``model.backend.moe``."""
+
+
+@dataclass
+class DiffusionModelConfig(ModelConfig):
+    """A diffusion model run through diffusers (``conf/model/flux.yaml``: ``defaults: [base_diffusion, _self_]``)."""
+
+    adapter: str = "flux"
+    """The engine (``models.registry``): ``flux`` (``models.flux.FluxEngine``)."""
+    revision: Optional[str] = None
+    """Revision of ``path``, recorded in the manifest's model source (and compared on resume)."""
+    roles: List[str] = field(default_factory=lambda: ["joint"])
+    """Attention roles (FLUX: ``joint``)."""
+    stages: Dict[str, StageConfig] = field(default_factory=lambda: {"denoise": StageConfig()})
+    """The model's single stage, ``denoise``."""
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    """Per-row generation defaults."""
+    size_multiple: int = 16
+    """Widths and heights must be multiples of this (VAE factor x patch size)."""
+    oracle: Optional[Oracle] = None
+    """Reads generated images back (``models.toy_shapes.oracle``) for the manifest's ``accuracy``; null: none."""
+
+
+@dataclass
+class ARModelConfig(ModelConfig):
+    """An autoregressive model run through vLLM (``conf/model/tiny_qwen3_moe.yaml``:
+    ``defaults: [base_ar, _self_]``)."""
+
+    adapter: str = "vllm"
+    """The engine (``models.registry``): ``vllm`` (``models.vllm_stage.VLLMEngine``)."""
+    roles: List[str] = field(default_factory=lambda: ["decoder"])
+    """Attention roles (``decoder``)."""
+    stages: Dict[str, StageConfig] = field(default_factory=lambda: {"generate": StageConfig()})
+    """The model's single stage, ``generate`` (``engine_extras``: further ``vllm.EngineArgs`` fields)."""
+    sampling: Dict[str, Any] = field(default_factory=dict)
+    """Default ``vllm.SamplingParams`` fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+    ...); dataset rows override them per row."""
+
+
+@dataclass
+class PipelineStageConfig(StageConfig):
+    """A stage of a multi-stage model: its own backends, and for a stage the model's adapter does not run, the
+    engine and model that run it and what feeds it."""
+
+    adapter: Optional[str] = None
+    """The engine of a stage that is not the model's own (``vllm``); null for the model's own stage."""
+    model: Optional[ModelConfig] = None
+    """That stage's model config, composed from a model file: ``defaults: [tiny_qwen3_moe@stages.<stage>.model]``."""
+    input: Optional[str] = None
+    """What feeds the stage: ``prompt`` (the dataset row's prompt) or the name of the stage whose output text it
+    reads."""
+    template: Optional[str] = None
+    """How the input becomes this stage's prompt: a format string over ``{prompt}`` (the row's prompt) and
+    ``{text}`` (the upstream output text); null: ``"{prompt}, {text}"``."""
+
+
+@dataclass
+class PipelineModelConfig(DiffusionModelConfig):
+    """A diffusion model fed by other stages (``conf/model/prompt_expand_flux.yaml``). It extends the diffusion
+    model it renders with, so its file lists that model first, then this schema, then the schema of each added
+    stage: ``defaults: [tiny_flux, base_pipeline, base_pipeline_stage@stages.expand, ...]`` (Hydra merges a
+    schema only into a config of the same class or a base class, and a stage added to a composed model gets the
+    model's stage schema, ``StageConfig``, unless its own schema comes first)."""
+
+    pipeline: List[str] = field(default_factory=list)
+    """Stage names in execution order; the last is the model's own diffusion stage."""
+    stages: Dict[str, PipelineStageConfig] = field(default_factory=lambda: {"denoise": PipelineStageConfig()})
+    """Every stage of the pipeline by name."""
+
+
+MODEL_FAMILIES = {"base_diffusion": DiffusionModelConfig, "base_ar": ARModelConfig, "base_pipeline": PipelineModelConfig}
+
+
+def model_schema(model: Mapping[str, Any]) -> type:
+    """The family schema of a model config as a plain mapping (a run config rebuilt from a dict has lost its
+    types): a pipeline when it lists ``pipeline``, AR when its adapter is an AR engine, else diffusion."""
+    if "pipeline" in model:
+        return PipelineModelConfig
+    if model.get("adapter") in AR_ENGINES:
+        return ARModelConfig
+    return DiffusionModelConfig
+
+
+# ------------------------------------------------------------------------------------------------ run-level groups
 
 
 @dataclass
 class PlatformConfig:
-    """A device platform: its torch device type and the capability probes to record.
+    """A device platform: its torch device type and the capability probes to record."""
 
-    ``overlays`` maps a model name to backend values that replace that model's defaults on this platform
-    (layer 5 of the precedence contract).
-    """
-
-    name: str = MISSING
-    device: str = "auto"
-    probes: List[str] = field(default_factory=list)
+    name: PlatformName = MISSING
+    """The platform (``auto``: detect cuda/rocm, xpu, npu, mps, then cpu)."""
+    device: DeviceType = DeviceType.auto
+    """Torch device type (``auto``: the platform's)."""
+    probes: List[Probe] = field(default_factory=list)
+    """Probes whose readings the manifest records (``device_name`` is always recorded)."""
     overlays: Dict[str, Any] = field(default_factory=dict)
+    """Model name -> ``{backend: {...}, engine_extras: {...}}`` replacing that model's defaults on this platform
+    (layer ``platform_overlay`` of the precedence contract)."""
 
 
 @dataclass
 class ParallelismConfig:
-    """How work is spread over devices.
+    """How work is spread over devices."""
 
-    ``mode``: ``single`` | ``data`` (dataset sharded over torchrun ranks or Ray workers) | ``cfg`` (CFG-parallel) |
-    ``ulysses`` (Ulysses sequence parallel). ``cfg`` and ``ulysses`` are refused at startup (not implemented).
-    ``degree``: devices per replica for the model-parallel modes.
-    """
-
-    mode: str = "single"
-    world_size: int = 1
-    degree: int = 1
+    mode: ParallelismMode = ParallelismMode.single
+    """``single``; ``data``: the dataset sharded over torchrun ranks or Ray workers (the launcher decides how
+    many); ``cfg`` (CFG-parallel) and ``ulysses`` (sequence parallel) are refused at startup (not implemented)."""
 
 
 @dataclass
 class LauncherConfig:
-    """Who starts the workers of ``parallelism=data``. ``local``: this process, or torchrun; ``ray``: Ray actors
-    (``num_workers`` of them, ``num_gpus_per_worker`` each, on the cluster at ``address``, or a local one)."""
+    """Who starts the workers of ``parallelism=data``."""
 
-    name: str = "local"
+    name: LauncherName = LauncherName.local
+    """``local``: this process, or the ranks torchrun started; ``ray``: Ray actors."""
     num_workers: int = 2
+    """Ray: number of worker actors."""
     num_gpus_per_worker: float = 0.0
+    """Ray: GPUs reserved per worker."""
     num_cpus_per_worker: float = 1.0
+    """Ray: CPUs reserved per worker."""
     address: Optional[str] = None
+    """Ray: the cluster to join (``auto``: the one this machine belongs to); null starts a local Ray."""
 
 
 @dataclass
 class DatasetConfig:
-    """Where prompts come from. ``format``: ``builtin`` | ``jsonl`` | ``csv`` | ``txt``."""
+    """Where prompts come from."""
 
-    format: str = MISSING
+    format: DatasetFormat = MISSING
+    """``builtin`` (the model's ``builtin_prompts``), ``jsonl``, ``csv`` or ``txt``."""
     path: Optional[str] = None
+    """The rows file (required except for ``builtin``)."""
     limit: Optional[int] = None
+    """Use only the first N rows (null: every row)."""
 
 
 @dataclass
 class OutputConfig:
-    """Artifact settings. ``dir`` defaults to the Hydra run dir."""
+    """Artifact settings."""
 
     dir: Optional[str] = None
-    image_format: str = "png"
-    write_workers: int = 2  # threads that encode and write artifacts while the next batch generates; 0: inline
+    """Run directory (null: the Hydra run dir)."""
+    write_workers: int = 2
+    """Threads that encode and write artifacts while the next batch generates; 0: inline."""
 
 
 @dataclass
 class OptimizeConfig:
     """Speed settings of diffusion stages that keep the math (each measured alone by
-    ``benchmarks/flux_dev_1024.py``).
-
-    Attributes:
-        fuse_qkv: one GEMM for q, k, v (and the text stream's added q, k, v) per attention module, diffusers'
-            ``fuse_projections``; the unfused projections are dropped (no duplicate weights in memory).
-        vae_channels_last: the VAE in channels-last (NHWC) memory format (slower on the H200 with torch 2.11:
-            127.9 vs 86.7 ms per 1024x1024 decode; kept for other GPUs and builds).
-        warmup: with ``compile`` on, one pipeline call of 2 steps at the first batch's shape runs before the timed
-            loop, so compilation is not billed to the first batch (``timing.warmup_s``); its output is discarded.
-        deterministic_compile: with ``compile`` on, Inductor's deterministic mode
-            (``torch._inductor.config.deterministic``): no on-device benchmarking of kernel configurations that
-            change numerics, so every process compiles the same kernels. Without it, reduction configs picked by
-            timing differ between processes and so do the images (seen on the H200: two processes of the same
-            run, PSNR ~49 dB apart).
-    """
+    ``benchmarks/flux_dev_1024.py``)."""
 
     fuse_qkv: bool = False
+    """One GEMM for q, k, v (and the text stream's added q, k, v) per attention module, diffusers'
+    ``fuse_projections``; the unfused projections are dropped (no duplicate weights in memory)."""
     vae_channels_last: bool = False
+    """The VAE in channels-last (NHWC) memory format (slower on the H200 with torch 2.11: 127.9 vs 86.7 ms per
+    1024x1024 decode; kept for other GPUs and builds)."""
     warmup: bool = True
+    """With ``compile`` on, one pipeline call of 2 steps at the first batch's shape runs before the timed loop, so
+    compilation is not billed to the first batch (``timing.warmup_s``); its output is discarded."""
     deterministic_compile: bool = True
+    """With ``compile`` on, Inductor's deterministic mode (``torch._inductor.config.deterministic``): no on-device
+    benchmarking of kernel configurations that change numerics, so every process compiles the same kernels.
+    Without it, reduction configs picked by timing differ between processes and so do the images (seen on the
+    H200: two processes of the same run, PSNR ~49 dB apart)."""
 
 
 @dataclass
@@ -193,24 +411,30 @@ class EvidenceConfig:
     """Evidence collection (see ``runner.evidence``)."""
 
     enabled: bool = True
+    """Install probes that record which implementations ran."""
     profile: bool = True
+    """Also profile with ``torch.profiler`` (diffusion: the first denoising step) and match the kernels that ran
+    against the resolved backends' signatures."""
     strict: bool = True
+    """Evidence that contradicts the resolved backends ends the run with exit 3 (false: recorded, ``limited``)."""
 
 
 @dataclass
 class ReportConfig:
-    """Sweep report settings. ``reference``: the job (number or dir name) the others are compared with."""
+    """Sweep report settings (read by ``runner.sweep.SweepCallback`` through ``hydra.callbacks``)."""
 
     reference: Optional[str] = None
+    """The job (number or dir name) the others are compared with (null: the first job)."""
 
 
 @dataclass
 class RunControl:
-    """Resume control. ``resume``: an earlier run dir to finish (finished, intact items are kept); ``force``:
-    resume even when the semantic config differs."""
+    """Resume control."""
 
     resume: Optional[str] = None
+    """An earlier run dir to finish (finished, intact items are kept)."""
     force: bool = False
+    """Resume even when the semantic config differs."""
 
 
 @dataclass
@@ -218,24 +442,43 @@ class RunConfig:
     """The composed run config (``conf/config.yaml``)."""
 
     model: ModelConfig = MISSING
+    """The model (group ``model``; one of the family schemas)."""
     platform: PlatformConfig = MISSING
+    """The device platform (group ``platform``)."""
     backend: BackendConfig = field(default_factory=BackendConfig)
+    """Run-level backend choices (group ``backend``; layer ``cli_global``/``yaml_global``)."""
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """How work is spread over devices (group ``parallelism``)."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """Who starts the workers (group ``launcher``)."""
     dataset: DatasetConfig = MISSING
+    """Where prompts come from (group ``dataset``)."""
     output: OutputConfig = field(default_factory=OutputConfig)
+    """Artifact settings."""
     optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
+    """Speed settings of diffusion stages that keep the math."""
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
+    """Evidence collection."""
     run: RunControl = field(default_factory=RunControl)
+    """Resume control."""
     report: ReportConfig = field(default_factory=ReportConfig)
+    """Sweep report settings."""
     seed: int = 0
-    dtype: str = "auto"
-    compile: str = "none"
+    """Base seed; each item's seed derives from it and the item key."""
+    dtype: DType = DType.auto
+    """Compute dtype (``auto``: bfloat16 on GPUs, float32 on CPU)."""
+    compile: Compile = Compile.none
+    """``regional``: ``torch.compile`` of the repeated transformer blocks of diffusion stages."""
     cpu_threads: Optional[int] = 1
+    """Torch threads on CPU (fixed so CPU outputs are bitwise identical across launchers); null: torch's default."""
     batch_size: int = 1
+    """Rows of the same shape and steps generated together."""
     num_images_per_prompt: int = 1
+    """Images per dataset row (each its own item and seed)."""
     max_pixels: int = 4096 * 4096
+    """Width x height limit per image."""
     cache_dir: Optional[str] = None
+    """Where embedded models are built on first use (null: ``$RUNNER_CACHE`` or ``~/.cache/runner``)."""
 
 
 def _repo_root() -> str:
@@ -244,11 +487,31 @@ def _repo_root() -> str:
     return str(PROJECT_ROOT)
 
 
+def typed_skeleton(cfg: Mapping[str, Any]) -> Any:
+    """A structured ``RunConfig`` whose model nodes have the family schemas of ``cfg``'s models (the top-level
+    model and each pipeline stage's model), to merge ``cfg`` into for validation."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(RunConfig)
+    model = cfg.get("model")
+    if not isinstance(model, Mapping):
+        return base
+    typed: Dict[str, Any] = {"model": OmegaConf.structured(model_schema(model))}
+    stages = model.get("stages") if "pipeline" in model else None
+    for sname, stage in (stages or {}).items():
+        if isinstance(stage, Mapping) and isinstance(stage.get("model"), Mapping):
+            typed.setdefault("stages", {})[sname] = {"model": OmegaConf.structured(model_schema(stage["model"]))}
+    if "stages" in typed:
+        typed["model"] = OmegaConf.merge(typed["model"], {"stages": typed.pop("stages")})
+    return OmegaConf.merge(base, typed)
+
+
 def register_configs() -> None:
     """Register the schema with Hydra's ConfigStore (idempotent).
 
-    ``runner_schema`` validates the whole run config; ``schema/<group>`` nodes are available to group YAML
-    files that want to name their schema explicitly.
+    ``runner_schema`` validates the whole run config; ``model/base_diffusion``, ``model/base_ar`` and
+    ``model/base_pipeline`` are the family schemas model YAMLs list in their defaults, ``model/base_pipeline_stage``
+    the schema of a stage a pipeline adds.
     """
     from omegaconf import OmegaConf
 
@@ -257,8 +520,28 @@ def register_configs() -> None:
         # the site-packages folder of an installed runner (both hold models/toy_shapes/weights)
     cs = ConfigStore.instance()
     cs.store(name="runner_schema", node=RunConfig)
-    cs.store(group="schema/model", name="base", node=ModelConfig)
-    cs.store(group="schema/platform", name="base", node=PlatformConfig)
-    cs.store(group="schema/dataset", name="base", node=DatasetConfig)
-    cs.store(group="schema/backend", name="base", node=BackendConfig)
-    cs.store(group="schema/parallelism", name="base", node=ParallelismConfig)
+    cs.store(group="model", name="base_diffusion", node=DiffusionModelConfig)
+    cs.store(group="model", name="base_ar", node=ARModelConfig)
+    cs.store(group="model", name="base_pipeline", node=_extension(PipelineModelConfig, DiffusionModelConfig))
+    cs.store(group="model", name="base_pipeline_stage", node=PipelineStageConfig)
+
+
+def _extension(cls: type, base: type) -> Any:
+    """``cls``'s schema with the fields it inherits from ``base`` left missing: merged after a config of class
+    ``base`` it adds ``cls``'s own fields and type, but does not reset the values that config set (a structured
+    node's defaults would). The stages it names keep their own new fields, and their ``StageConfig`` fields are left
+    missing the same way."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(cls)
+    own = {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(base)}
+    for f in dataclasses.fields(base):
+        if f.name == "stages":
+            for sname in list(node.stages):  # a stage keeps its own new fields, as the model does
+                for sf in dataclasses.fields(StageConfig):
+                    node.stages[sname][sf.name] = MISSING
+        elif f.name not in own:
+            node[f.name] = MISSING
+    return node
