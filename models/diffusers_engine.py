@@ -86,8 +86,9 @@ class DiffusersEngine(EngineBase):
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.stage = ctx.stage
-        self.cfg = ctx.model_cfg
-        self.cache_dir = ctx.cfg.cache_dir if ctx.cfg is not None else None
+        self.cfg = self.model_cfg = ctx.model_cfg  # the stage's model config (``cfg`` in model subclasses)
+        cfg = ctx.cfg
+        self.cache_dir = cfg.cache_dir if cfg is not None else None
         self.pipe: Any = None
         self.source: Dict[str, Any] = {}
         self.resolutions: Dict[str, Any] = {}
@@ -120,12 +121,12 @@ class DiffusersEngine(EngineBase):
             ConfigValueError: naming the field, the value and the fix.
         """
         cfg = self.ctx.cfg
-        g = self.cfg.generation
-        m = self.cfg.size_multiple
+        g = self.model_cfg.generation
+        m = self.model_cfg.size_multiple
         for key in ("width", "height"):
             if g[key] <= 0 or g[key] % m:
                 raise ConfigValueError(f"model.generation.{key}={g[key]} is not a positive multiple of {m} (model "
-                                       f"{self.cfg.name}); fix: e.g. model.generation.{key}="
+                                       f"{self.model_cfg.name}); fix: e.g. model.generation.{key}="
                                        f"{max(m, round(g[key] / m) * m)}")
         if cfg.max_pixels >= 1 and g.width * g.height > cfg.max_pixels:
             raise ConfigValueError(f"model.generation width x height = {g.width}x{g.height} exceeds max_pixels="
@@ -197,7 +198,7 @@ class DiffusersEngine(EngineBase):
         if need is None or have is None or need <= have:
             return
         raise ConfigValueError(
-            f"model={self.cfg.name} needs {need / 2**30:.1f} GiB for its weights in "
+            f"model={self.model_cfg.name} needs {need / 2**30:.1f} GiB for its weights in "
             f"{str(self.dtype).replace('torch.', '')} on {self.ctx.plat.device}, but only {have / 2**30:.1f} GiB "
             "is free; fix: run it on a GPU (platform=cuda dtype=bfloat16), or use model=tiny_flux / "
             "model=toy_shapes on this machine")
@@ -214,12 +215,12 @@ class DiffusersEngine(EngineBase):
             dataset.DatasetError: every problem found (file, line, field, value, fix).
         """
         cfg = self.ctx.cfg
-        g = self.cfg.generation
+        g = self.model_cfg.generation
         defaults = dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
                         guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt)
         rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
-                                  size_multiple=self.cfg.size_multiple, max_pixels=cfg.max_pixels,
-                                  limit=cfg.dataset.limit, builtin=self.cfg.builtin_prompts)
+                                  size_multiple=self.model_cfg.size_multiple, max_pixels=cfg.max_pixels,
+                                  limit=cfg.dataset.limit, builtin=self.model_cfg.builtin_prompts)
         self.check_rows(rows, path)
         return rows, path
 

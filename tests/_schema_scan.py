@@ -23,12 +23,16 @@ SCANNED = ("runner", "models", "kernels")
 ANY = "*"  # a key computed at run time (a stage name, a formatted path segment)
 
 # name (after dropping a leading ``self.``) -> the config node it holds, where an assignment does not say so:
-# ``FluxAdapter(cfg.model, ...)`` keeps the model as ``self.cfg``; ``ARStage`` keeps a model as ``model_cfg``;
-# ``FluxAdapter.optimize(opts)`` gets ``cfg.optimize``.
+# ``FluxEngine`` keeps the model as ``self.cfg``; ``DiffusersEngine`` and ``VLLMEngine`` keep it as ``model_cfg``;
+# ``FluxEngine.optimize(opts)`` gets ``cfg.optimize``.
 CONFIG_NAMES: Dict[Tuple[str, str], Tuple[str, ...]] = {
     ("models/flux.py", "cfg"): ("cfg", "model"),
     ("models/flux.py", "opts"): ("cfg", "optimize"),
-    ("runner/ar.py", "model_cfg"): ("cfg", "model"),
+    ("models/vllm_stage.py", "model_cfg"): ("cfg", "model"),
+    ("models/diffusers_engine.py", "model_cfg"): ("cfg", "model"),
+    # an engine's ``ctx`` (models.base.StageContext) holds the run config as ``ctx.cfg``
+    ("models/diffusers_engine.py", "ctx"): (),
+    ("models/vllm_stage.py", "ctx"): (),
 }
 ROOTS = {"cfg"}  # names of the run config itself
 PASS_THROUGH = {"_plain", "list", "dict", "tuple", "sorted", "bool", "int", "float", "str", "to_container", "create"}
