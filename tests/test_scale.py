@@ -87,7 +87,9 @@ def test_torchrun_two_workers_equal_single(tmp_path, single):
 
 def test_torchrun_killed_worker_then_resume(tmp_path, single):
     d = tmp_path / "dpk"
-    slow = "model.generation.num_inference_steps=12"  # 3x the default: rank 1 is still busy when it is killed
+    # 6x the default steps: rank 1 is still busy when it is killed (with 12, rank 1 once finished its 8 items on
+    # a loaded 2-core CI machine between the poll that saw its first record and the kill)
+    slow = "model.generation.num_inference_steps=24"
     args = ["parallelism=data", "dataset.limit=16", slow, f"hydra.run.dir={d}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner", "model=tiny_flux",
            *args]
@@ -98,8 +100,11 @@ def test_torchrun_killed_worker_then_resume(tmp_path, single):
         m1 = d / "manifest.rank1.json"
         if m1.exists() and (d / "items.rank1.jsonl").exists() and (d / "items.rank1.jsonl").read_text().count("\n") >= 1:
             victim = json.loads(m1.read_text())["worker"]["pid"]
-        time.sleep(0.2)
+            os.kill(victim, signal.SIGSTOP)  # frozen at once: the kill below finds it where the poll saw it
+            break
+        time.sleep(0.05)
     assert victim, "rank 1 never started writing"
+    assert json.loads((d / "manifest.rank1.json").read_text())["status"] == "running"
     os.kill(victim, signal.SIGKILL)
     assert p.wait(timeout=120) != 0
     r = _runner(args, cwd=tmp_path, torchrun=2)
@@ -156,7 +161,9 @@ def test_data_parallel_without_workers_refuses(tmp_path):
 @pytest.mark.skipif(not _installed("ray"), reason="ray not installed (extra: scale)")
 def test_ray_killed_worker_then_resume(tmp_path):
     d = tmp_path / "rk"
-    slow = "model.generation.num_inference_steps=12"  # 3x the default: rank 1 is still busy when it is killed
+    # 6x the default steps: rank 1 is still busy when it is killed (with 12, rank 1 once finished its 8 items on
+    # a loaded 2-core CI machine between the poll that saw its first record and the kill)
+    slow = "model.generation.num_inference_steps=24"
     args = ["parallelism=data", "launcher=ray", "launcher.num_workers=2", "dataset.limit=16", slow,
             f"hydra.run.dir={d}"]
     cmd = [sys.executable, "-m", "runner", *args, "model=tiny_flux"]
