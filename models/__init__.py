@@ -1,4 +1,6 @@
-"""Pipeline adapters: each turns a model config into a loaded pipeline and runs batches of items.
+"""Engines: each runs one stage of a run (a model family's loading, call arguments and model knowledge) behind the
+protocol of :mod:`models.base`, looked up by ``model.adapter`` in :mod:`models.registry`.
 
-``flux``: diffusers ``FluxPipeline`` (``models.flux.FluxEngine``); ``vllm``: vLLM (``models.vllm_stage.VLLMEngine``). See ``models.registry``.
+``flux``: diffusers ``FluxPipeline`` (:class:`models.flux.FluxEngine`, on :class:`models.diffusers_engine.DiffusersEngine`);
+``vllm``: autoregressive models through vLLM (:class:`models.vllm_stage.VLLMEngine`).
 """

@@ -13,11 +13,9 @@ evidence needs (scheduler outputs and forward hooks are read directly).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -102,7 +102,7 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
 
     Args:
         stage: stage name.
-        probes: ``{"attention": [AttentionSite], "linear": LinearRecord}`` from ``runner.execute.install_backends``.
+        probes: ``{"attention": [AttentionSite], "linear": LinearRecord}`` from ``models.diffusers_engine.DiffusersEngine.load``.
         denoiser: the forward counter/profiler.
         expected_forwards: denoiser forwards the run should have made (sum over batches of steps x CFG passes);
             None when a pipeline call raised part-way, so the total cannot be predicted.

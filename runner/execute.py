@@ -13,7 +13,6 @@ dataset rows, platform, backend selection) is checked for every stage before any
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -24,9 +23,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,13 +33,15 @@ from runner import evidence, resume
 from runner.artifacts import atomic_write_bytes
 from runner.errors import ConfigValueError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
-from runner.paths import repro_location
+from runner.paths import PROJECT_ROOT, repro_location
 from runner.platform import detect
 from runner.sinks import SINKS, compact_journal, read_journal
 
+if TYPE_CHECKING:
+    from models.base import StageResult
+
 log = logging.getLogger("runner")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -466,7 +466,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                                           "reused_items": len(items) - len(todo), "forced": bool(cfg.run.force)})
     manifest.section("config", resolved_cfg)
     manifest.section("overrides", list(overrides))
-    manifest.section("git", git_state(REPO_ROOT))
+    manifest.section("git", git_state(PROJECT_ROOT))
     manifest.section("packages", package_versions())
     manifest.section("platform", plat.to_dict())
     manifest.section("dtype", str(dtype).replace("torch.", ""))
