@@ -174,15 +174,18 @@ def test_ray_killed_worker_then_resume(tmp_path):
         j = d / "items.rank1.jsonl"
         if (d / "manifest.rank1.json").exists() and j.exists() and j.read_text().count("\n") >= 1:
             victim = json.loads((d / "manifest.rank1.json").read_text())["worker"]["pid"]
-        time.sleep(0.2)
+            os.kill(victim, signal.SIGSTOP)  # frozen at once: the kill below finds it where the poll saw it
+            break
+        time.sleep(0.05)
     assert victim, "ray worker 1 never started writing"
+    assert json.loads((d / "manifest.rank1.json").read_text())["status"] == "running"
     os.kill(victim, signal.SIGKILL)
     assert p.wait(timeout=300) == 1  # the driver merges what exists and reports the incomplete run
     first = json.loads((d / "manifest.json").read_text())
     assert first["status"] == "incomplete" and first["failed_workers"] == [1]
     kept = {k: v for k, v in _hashes(d).items()}
     r = _runner(args, cwd=tmp_path, timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])  # Hydra's job log goes to stdout
     m = json.loads((d / "manifest.json").read_text())
     assert m["status"] == "completed" and m["counts"]["ok"] + m["counts"]["reused"] == 16
     assert m["workers"][1]["resumed_from"] == "running" and m["workers"][1]["counts"]["reused"] >= 1
