@@ -3,12 +3,15 @@ artifact is in place, JSON documents replaced atomically."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import numpy as np
+
+from runner.errors import StorageError
 
 
 def _fsync_dir(path: Path) -> None:
@@ -24,14 +27,42 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: errno values that mean "this storage cannot take the write" rather than a fault of one item
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def storage_error(path: Path, e: OSError) -> Exception:
+    """``e`` as a :class:`runner.errors.StorageError` naming ``path`` and the fix when its errno is one of
+    :data:`STORAGE_ERRNOS`, else ``e`` itself."""
+    if e.errno not in STORAGE_ERRNOS:
+        return e
+    err = StorageError(f"cannot write {path}: {os.strerror(e.errno)}",
+                       fix=f"free space or fix permissions on {path.parent}, then re-run the same command: finished "
+                           "items are kept and the run resumes")
+    err.errno = e.errno
+    return err
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see either the old file or the complete new one."""
+    """Write ``data`` to ``path`` so that readers see either the old file or the complete new one.
+
+    Raises:
+        runner.errors.StorageError: the storage refused the write (disk full, read-only, permission); the temp
+            file is removed, ``path`` is left as it was.
+    """
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise storage_error(path, e) from e
     _fsync_dir(path.parent)
 
 
@@ -72,9 +103,18 @@ class Journal:
         self._f = open(path, "a", encoding="utf-8")
 
     def append(self, record: Dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, sort_keys=False) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        """Append one record as a line, flushed and fsynced before returning.
+
+        Raises:
+            runner.errors.StorageError: the storage refused the write (a partial line is cut off by the next
+                :class:`Journal` opened on the file).
+        """
+        try:
+            self._f.write(json.dumps(record, sort_keys=False) + "\n")
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            raise storage_error(self.path, e) from e
 
     def close(self) -> None:
         self._f.close()
@@ -154,6 +194,8 @@ class ArtifactWriter:
             self._pending.popleft()
             if fut is not None:
                 err = fut.exception()
+                if isinstance(err, StorageError):
+                    raise err  # the storage is the fault, not this item: stop the run, keep what was written
                 if err is None:
                     res = fut.result()
                     self.thread_s += res["s"]

@@ -71,3 +71,13 @@ class EvidenceMismatchError(RunnerError):
 
 class ConfigValueError(UserInputError, ValueError):
     """A run-level config value is out of range (names the field, the value and the fix)."""
+
+
+class StorageError(RunnerError, OSError):
+    """The run dir cannot be written: disk full (``ENOSPC``), quota (``EDQUOT``), read-only (``EROFS``), permission
+    (``EACCES``/``EPERM``). The run stops at the first such error instead of failing every further item; what was
+    already written durably is kept (no partial file is left: the temp file is removed), and re-running the same
+    command resumes once the cause is fixed. Outcome ``storage_error``, exit 1 (the input was fine)."""
+
+    exit_code = 1
+    outcome = "storage_error"

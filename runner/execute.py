@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner import dataset as ds
 from runner import evidence, resume
 from runner.artifacts import atomic_write_bytes
-from runner.errors import ConfigValueError, UserInputError
+from runner.errors import ConfigValueError, StorageError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.paths import PROJECT_ROOT, repro_location
 from runner.platform import detect
@@ -577,12 +577,19 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         if ev["verdict"] == "mismatch" and status != "interrupted":
             status = "evidence_mismatch" if cfg.evidence.strict else "limited"
     except BaseException as e:
-        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        status = ("interrupted" if isinstance(e, KeyboardInterrupt) else
+                  "storage_error" if isinstance(e, StorageError) else "failed")
         manifest.section("error", f"{type(e).__name__}: {e}")
         raise
     finally:
+        close_error: Optional[StorageError] = None
         try:
             sink.close()  # every produced artifact is written, also when the loop raised
+        except StorageError as e:  # what did reach the disk is journaled; the first storage error is reported
+            if status != "storage_error":
+                status, close_error = "storage_error", e
+                manifest.section("error", f"{type(e).__name__}: {e}")
+            log.error("%s", e)
         finally:
             bar.close()
             for e in engines:
@@ -610,6 +617,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         manifest.doc["status"] = status
         manifest.doc["ended_at"] = now_iso()
         manifest.flush()
+        if close_error is not None and sys.exc_info()[0] is None:
+            raise close_error
     log.info("run %s: %d ok, %d failed, %d reused, %.1f s -> %s", status, counts["ok"], counts["failed"],
              counts["reused"], time.perf_counter() - t_start, out_dir)
     if status == "evidence_mismatch":

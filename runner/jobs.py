@@ -107,5 +107,10 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
 
 
 def _write_status(out_dir: Path, code: int, outcome: str, status: Dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "job_status.json", {"exit_code": code, "outcome": outcome, **status})
+    """Write ``job_status.json``; where the dir cannot take it (disk full, read-only) the outcome is logged instead
+    (the exit code still says it)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out_dir / "job_status.json", {"exit_code": code, "outcome": outcome, **status})
+    except OSError as e:  # StorageError included
+        log.error("job_status.json not written (%s: %s); outcome %s, exit %d", type(e).__name__, e, outcome, code)
