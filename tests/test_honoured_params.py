@@ -265,3 +265,23 @@ def test_c12_on_truncation_error_refuses_the_long_row(compose, case_file, tmp_pa
     code, status = _job(compose, ov, tmp_path / "job")
     assert code == 2, status
     _refused_before_start(tmp_path / "job", cache)
+
+
+def test_c12_prompts_fed_by_an_upstream_stage_are_counted_and_refused_per_item(execute, case_file, tmp_path):
+    """In a pipeline the diffusion prompt ("{prompt}, {text}") exists only after the expand stage ran: each record
+    still carries its token counts, and ``dataset.on_truncation=error`` fails the truncated item alone, naming it."""
+    path = case_file("c05_mixed_lengths.jsonl")
+    ov = ["model=prompt_expand_flux", "model.stages.expand.backend.attention=CPU_ATTN", "backend.attention=sdpa",
+          "dataset=jsonl", f"dataset.path={path}", "model.generation.num_inference_steps=2"]
+    ok = execute(ov, tmp_path / "record")
+    assert ok.code == 0
+    recs = {it["key"]: it for it in ok.items}
+    assert recs["long"]["tokens"]["t5"]["dropped"] > 0 and recs["short"]["tokens"]["t5"]["dropped"] == 0
+    assert recs["long"]["tokens"]["t5"]["count"] > len(json.loads(path.read_text().splitlines()[2])["prompt"].split())
+    assert ok.manifest["prompts"]["truncated_items"] == 1
+
+    err = execute([*ov, "dataset.on_truncation=error"], tmp_path / "error")
+    assert err.code == 1
+    recs = {it["key"]: it for it in err.items}
+    assert recs["short"]["status"] == recs["medium"]["status"] == "ok"
+    assert recs["long"]["status"] == "failed" and "truncated" in json.dumps(recs["long"]), recs["long"]
