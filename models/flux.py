@@ -234,6 +234,8 @@ class FluxEngine(DiffusersEngine):
         Raises:
             ModelPathError: the snapshot has no readable config for it.
         """
+        if not self.source:  # read_rows without prepare (runner.execute.dataset_keys, benchmarks)
+            self.resolve_source()
         if self.source.get("kind") == "path":
             f = Path(self.source["path"]) / name / "config.json"
             try:
@@ -260,6 +262,8 @@ class FluxEngine(DiffusersEngine):
         snapshot's tokenizer folders (``model.path``, or an embedded model already in the cache), else built from
         the architecture exactly as :func:`build_components` builds them; the loaded pipeline's own once loaded."""
         if getattr(self, "_toks", None) is None:
+            if not self.source:
+                self.resolve_source()
             kind = self.source.get("kind")
             target = embedded_target(self.cfg.name, self._arch(), self.cache_dir) if kind == "embedded" else None
             if kind == "path":
