@@ -13,7 +13,8 @@ pipeline). The loop calls it in this order, and only in this order:
    :class:`TextOutput` per item, in batch order; raising fails the batch (the loop retries its items alone).
 6. ``record(item, output, batch_len, generate_s)``: the journal record of one item (without ``status``/``file``:
    the sink adds those once the artifact is durable).
-7. ``evidence(result)``: the stage's evidence section and its mismatches, from what was observed.
+7. ``evidence(result)``: the stage's evidence section and its mismatches, from what was observed;
+   ``prompts_section(records)``: the manifest's ``prompts`` (truncated prompts counted), from the final journal.
 8. ``close()``: free the engine (always called, also after an error).
 
 Every ``check_config``/``prepare``/``read_rows``/``check_inputs`` error is a ``runner.errors.RunnerError``
@@ -145,6 +146,8 @@ class Engine(Protocol):
     def accuracy(self, items: Sequence[Any], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]: ...
 
+    def prompts_section(self, records: Sequence[Dict[str, Any]]) -> Optional[Dict[str, Any]]: ...
+
     def close(self) -> None: ...
 
 
@@ -199,6 +202,11 @@ class EngineBase:
     def accuracy(self, items: Sequence[Any], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]:
         """No oracle."""
+        return None
+
+    def prompts_section(self, records: Sequence[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """The manifest's ``prompts`` (what the text encoders truncated, fields ignored), from the final journal's
+        records; None: nothing to report."""
         return None
 
     def close(self) -> None:

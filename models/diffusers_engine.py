@@ -7,6 +7,7 @@ and oracle (``models.flux.FluxEngine``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from pathlib import Path
@@ -67,6 +68,8 @@ def check_safetensors(root: Path) -> int:
         n += 1
     return n
 
+log = logging.getLogger("runner")
+
 
 def available_bytes(plat: Any) -> Optional[int]:
     """Free bytes where the weights will live: the GPU's free bytes, or the host's ``MemAvailable`` (Linux)."""
@@ -118,7 +121,10 @@ class DiffusersEngine(EngineBase):
     * ``denoiser`` (the ``torch.nn.Module`` whose forwards are counted), ``attention_sites()`` (``(role, layer,
       module)`` of every attention call site), ``expected_forwards(batch)`` (denoiser forwards one pipeline call
       makes), ``call(batch)`` (one pipeline call: float32 (H, W, C) arrays in [0, 1]);
-    * optionally ``optimize(opts)`` and ``warmup_call(batch)``, ``check_rows(rows, path)`` and ``accuracy(...)``.
+    * optionally ``optimize(opts)`` and ``warmup_call(batch)``, ``check_rows(rows, path)`` and ``accuracy(...)``;
+    * what the model honours: ``check_source()`` (config checks that need the model's configs, no weights),
+      ``ignored_fields(rows)`` (generation fields the model ignores under the run's config, with why) and
+      ``prompt_tokens(prompts)`` (per text encoder: token count, limit, tokens dropped).
 
     The loop's protocol (:class:`models.base.Engine`) is implemented here once for all of them.
     """
@@ -184,7 +190,9 @@ class DiffusersEngine(EngineBase):
         if g.max_sequence_length < 1:
             raise ConfigValueError(f"model.generation.max_sequence_length={g.max_sequence_length} must be >= 1")
         for key in ("guidance_scale", "true_cfg_scale"):
-            if not math.isfinite(g[key]) or g[key] < 0:
+            if g[key] is None and key == "guidance_scale":  # null: the model takes no guidance (check_ignored)
+                continue
+            if g[key] is None or not math.isfinite(g[key]) or g[key] < 0:
                 raise ConfigValueError(f"model.generation.{key}={g[key]} must be a finite number >= 0")
 
     # --------------------------------------------------------------------------------------------- 2. prepare
@@ -200,9 +208,14 @@ class DiffusersEngine(EngineBase):
         self.resolve_source()
         if self.source.get("kind") == "path":
             check_safetensors(Path(self.source["path"]))
+        self.check_source()
         self.resolutions, _ = self.resolve_backends()
         self.check_memory()
         return self.source
+
+    def check_source(self) -> None:
+        """Config checks that need the model's own configs or tokenizers (read from the weight source, no weights
+        load); none by default."""
 
     def resolve_backends(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """Resolve the stage's backends under the precedence contract and check they can run here.
@@ -271,8 +284,115 @@ class DiffusersEngine(EngineBase):
         rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
                                   size_multiple=self.model_cfg.size_multiple, max_pixels=cfg.max_pixels,
                                   limit=cfg.dataset.limit, builtin=self.model_cfg.builtin_prompts)
+        rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
+        self.check_truncation(rows, path)
         return rows, path
+
+    # ------------------------------------------------------------------------ what the model honours
+    def ignored_fields(self, rows: Sequence[ds.Row]) -> Dict[str, Tuple[str, str]]:
+        """Generation fields the model ignores under the run's config: ``{field: (why, fix)}``; none by default.
+        A field listed here that a row or ``model.generation`` sets is handled by ``dataset.on_ignored``."""
+        return {}
+
+    def check_ignored(self, rows: List[ds.Row], path: Any) -> List[ds.Row]:
+        """Refuse (``dataset.on_ignored=error``) or strip and note (``record``) the values that the model ignores,
+        set by a row or by a ``model.generation`` default. A default left null (``guidance_scale: null`` on a
+        model without guidance embedding) is not set: the item records it as null (not applicable).
+
+        Raises:
+            ConfigValueError: a ``model.generation.<field>`` the model ignores (error mode), naming key, why, fix.
+            dataset.DatasetError: every row that sets one (error mode), with file:line, field, why and fix.
+        """
+        ignored = self.ignored_fields(rows)
+        if not ignored:
+            return rows
+        mode, name, g = str(self.ctx.cfg.dataset.on_ignored), self.model_cfg.name, self.model_cfg.generation
+        from_config: Dict[str, Tuple[str, Any]] = {}
+        for f, (why, fix) in ignored.items():
+            if f in g and g[f] is not None:
+                key = f"model.generation.{f}"
+                if mode == "error":
+                    raise ConfigValueError(f"{key}={g[f]} is ignored by model={name}: {why}; fix: {key}=null, {fix}, or "
+                                           "dataset.on_ignored=record to run it and record the value as ignored")
+                from_config[f] = (key, g[f])
+        rows = ds.apply_ignored(rows, path, ignored, mode, name, from_config)
+        n = sum(1 for r in rows if r.ignored)
+        if n:
+            log.warning("%d of %d rows set a value that model=%s ignores (%s); it is not applied, and their records "
+                        "list it under 'ignored' (dataset.on_ignored=record)", n, len(rows), name,
+                        ", ".join(sorted({f for r in rows for f in (r.ignored or {})})))
+        return rows
+
+    def prompt_tokens(self, prompts: Sequence[str]) -> List[Dict[str, Dict[str, int]]]:
+        """Per prompt, per text encoder: ``{"count", "limit", "dropped"}`` (tokens with the special tokens, the most
+        the encoder takes, how many it drops). Empty dicts by default (a model without text encoders)."""
+        return [{} for _ in prompts]
+
+    def fed(self) -> bool:
+        """The stage's prompts are built from an upstream stage's output (known only after that stage ran)."""
+        pipeline = list(self.ctx.cfg.model.get("pipeline") or []) if self.ctx.cfg is not None else []
+        return bool(pipeline) and pipeline[-1] == self.stage and len(pipeline) > 1
+
+    def check_truncation(self, rows: Sequence[ds.Row], path: Any) -> None:
+        """Dataset prompts longer than a text encoder takes: logged with their counts; refused with
+        ``dataset.on_truncation=error`` (file:line, encoder, count, limit, fix). A stage whose prompts are fed by
+        an upstream stage is checked per batch instead (:meth:`check_batch_truncation`).
+
+        Raises:
+            dataset.DatasetError: ``on_truncation=error``, every truncated row.
+        """
+        if self.fed():
+            return
+        counts = self.prompt_tokens([r.prompt for r in rows])
+        over = [(r, c) for r, c in zip(rows, counts) if any(e["dropped"] for e in c.values())]
+        if not over:
+            return
+        if str(self.ctx.cfg.dataset.on_truncation) == "error":
+            raise ds.DatasetError([f"{path}:{r.line}: prompt of row {r.id!r} is truncated: {self._describe(c)}; the "
+                                   "image would be that of its first tokens only; fix: shorten the prompt"
+                                   + self._truncation_fix(c) + ", or dataset.on_truncation=record to run it and "
+                                   "record the tokens dropped" for r, c in over])
+        per = {enc: sum(1 for _, c in over if c.get(enc, {}).get("dropped")) for enc in counts[0]}
+        log.warning("%d of %d rows have prompts longer than a text encoder takes (%s); the encoder sees their first "
+                    "tokens, and each item records its token counts and the tokens dropped (dataset.on_truncation="
+                    "error refuses them)", len(over), len(rows),
+                    ", ".join(f"{enc}: {n} over {counts[0][enc]['limit']}" for enc, n in per.items() if n))
+
+    @staticmethod
+    def _describe(counts: Dict[str, Dict[str, int]]) -> str:
+        return ", ".join(f"{enc} {c['count']} tokens, {c['dropped']} over its limit of {c['limit']}"
+                         for enc, c in counts.items() if c["dropped"])
+
+    def _truncation_fix(self, counts: Dict[str, Dict[str, int]]) -> str:
+        """A model-specific remedy to add to a truncation refusal; none by default."""
+        return ""
+
+    def check_batch_truncation(self, batch: Sequence[ds.Item]) -> None:
+        """``dataset.on_truncation=error`` for prompts fed by an upstream stage (not known at startup): a batch
+        holding a truncated prompt raises, and the loop fails that item alone with the reason.
+
+        Raises:
+            dataset.DatasetError: naming the row, the encoder and the counts.
+        """
+        if not self.fed() or str(self.ctx.cfg.dataset.on_truncation) != "error":
+            return
+        bad = [(it, c) for it, c in zip(batch, self.prompt_tokens([it.row.prompt for it in batch]))
+               if any(e["dropped"] for e in c.values())]
+        if bad:
+            raise ds.DatasetError([f"row {it.row.id!r} (line {it.row.line}): the prompt fed by the upstream stage is "
+                                   f"truncated: {self._describe(c)} (dataset.on_truncation=error)" for it, c in bad])
+
+    def prompts_section(self, records: Sequence[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """The manifest's ``prompts``: items whose prompt a text encoder truncated, in total and per encoder, from
+        the items' records (``tokens``); logged when any was."""
+        out = ds.prompts_summary(records)
+        if out["truncated_items"]:
+            log.warning("%d of %d items had prompts truncated by a text encoder (%s); their records say how many "
+                        "tokens were dropped", out["truncated_items"], out["items"],
+                        ", ".join(f"{k}: {v}" for k, v in out["truncated_by_encoder"].items() if v))
+        return {**out, "on_truncation": str(self.ctx.cfg.dataset.on_truncation),
+                "on_ignored": str(self.ctx.cfg.dataset.on_ignored)}
 
     def check_rows(self, rows: Sequence[ds.Row], path: Any) -> None:
         """Model-specific row checks (e.g. an oracle's ``expect`` vocabulary); none by default."""
@@ -353,6 +473,7 @@ class DiffusersEngine(EngineBase):
         Raises:
             Whatever the pipeline raises; the loop then retries the batch's items one by one.
         """
+        self.check_batch_truncation(batch)
         try:
             images = self.call(batch)
         except Exception:
@@ -366,15 +487,24 @@ class DiffusersEngine(EngineBase):
         import hashlib
 
         r = item.row
-        return {
+        rec: Dict[str, Any] = {
             "id": r.id, "index": item.index, "key": item.key,
             "prompt_sha256": hashlib.sha256(r.prompt.encode()).hexdigest(),
             "seed": item.seed,
             "params": {"width": r.width, "height": r.height, "num_inference_steps": r.num_inference_steps,
                        "guidance_scale": r.guidance_scale, "negative_prompt": r.negative_prompt,
-                       "batch_size": batch_len},
+                       **self.applied_params(r), "batch_size": batch_len},
+            "tokens": self.prompt_tokens([r.prompt])[0],
             "timing": {"generate_s": round(generate_s, 4)},
         }
+        if r.ignored:
+            rec["ignored"] = r.ignored
+        return rec
+
+    def applied_params(self, row: ds.Row) -> Dict[str, Any]:
+        """Further generation values that determine the item's bytes, as applied (null: not applied); none by
+        default."""
+        return {}
 
     # -------------------------------------------------------------------------------------------- 6. evidence
     def evidence(self, result: StageResult) -> Tuple[Dict[str, Any], List[str]]:

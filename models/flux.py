@@ -49,12 +49,14 @@ def check_snapshot(path: str) -> Path:
     return p
 
 
-def build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
-    """Instantiate every FLUX component from ``arch`` with random weights seeded by ``arch['weights_seed']``."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+#: The most T5 tokens FluxPipeline encodes: its ``check_inputs`` raises for ``max_sequence_length > 512`` (after the
+#: model loaded); the runner refuses it at startup, with the T5 tokenizer's ``model_max_length`` if lower.
+FLUX_MAX_SEQUENCE_LENGTH = 512
 
+
+def build_tokenizers(arch: Dict[str, Any]) -> Tuple[Any, Any]:
+    """The CLIP-style and T5-style tokenizers of an architecture built by the runner (embedded or dummy), as
+    :func:`build_components` gives them to the pipeline; builds no model."""
     from models.tokenizers import build_clip_tokenizer, build_t5_tokenizer, corpus_from
 
     tcfg = arch.get("tokenizer", {})
@@ -65,8 +67,41 @@ def build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
     else:
         corpus = corpus_from(BUILTIN_PROMPTS)
     vocab = int(tcfg.get("vocab_size", 512))
-    tokenizer = build_clip_tokenizer(corpus, vocab, int(tcfg.get("clip_max_length", 77)))
-    tokenizer_2 = build_t5_tokenizer(corpus, vocab)
+    return build_clip_tokenizer(corpus, vocab, int(tcfg.get("clip_max_length", 77))), build_t5_tokenizer(corpus, vocab)
+
+
+def snapshot_tokenizers(path: Path) -> Dict[str, Any]:
+    """``{"clip": tokenizer, "t5": tokenizer_2}`` of a diffusers snapshot, loaded from its tokenizer folders with the
+    classes its ``model_index.json`` names (as ``FluxPipeline.from_pretrained`` loads them); no weights load.
+
+    Raises:
+        ModelPathError: a tokenizer the pipeline needs is missing or cannot be read.
+    """
+    import transformers
+
+    index = json.loads((path / "model_index.json").read_text())
+    out: Dict[str, Any] = {}
+    for enc, sub in (("clip", "tokenizer"), ("t5", "tokenizer_2")):
+        entry = index.get(sub) or [None, None]
+        if entry[1] is None or not (path / sub).is_dir():
+            raise ModelPathError(f"model.path={str(path)!r} has no {sub} (model_index.json / {sub}/), which "
+                                 "FluxPipeline needs; fix: point at a complete FLUX snapshot")
+        cls = getattr(transformers, str(entry[1]), None) or transformers.AutoTokenizer
+        try:
+            out[enc] = cls.from_pretrained(str(path / sub), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ModelPathError(f"model.path={str(path)!r}: {sub}/ cannot be read as a {entry[1]} ({e}); fix: "
+                                 "re-download the snapshot's tokenizer files") from None
+    return out
+
+
+def build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+    """Instantiate every FLUX component from ``arch`` with random weights seeded by ``arch['weights_seed']``."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2 = build_tokenizers(arch)
     clip_kw = dict(arch["text_encoder"])
     clip_kw["vocab_size"] = max(len(tokenizer), int(clip_kw.get("vocab_size", 0)))
     clip_kw.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -101,6 +136,16 @@ def build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
                 scheduler=FlowMatchEulerDiscreteScheduler(**sched_kw))
 
 
+def embedded_target(name: str, arch: Dict[str, Any], cache_dir: Optional[str]) -> Path:
+    """Where :func:`embedded_snapshot` keeps the embedded model of ``arch`` (it may not exist yet)."""
+    import diffusers
+
+    root = Path(cache_dir or os.environ.get("RUNNER_CACHE", "~/.cache/runner")).expanduser()
+    key = hashlib.sha256(json.dumps({"arch": arch, "recipe": EMBEDDED_RECIPE, "diffusers": diffusers.__version__},
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    return root / f"{name}-{key}"
+
+
 def embedded_snapshot(name: str, arch: Dict[str, Any], cache_dir: Optional[str]) -> Path:
     """Return the cache dir of an embedded model, creating it (``save_pretrained``, safetensors) on first use.
 
@@ -108,13 +153,10 @@ def embedded_snapshot(name: str, arch: Dict[str, Any], cache_dir: Optional[str])
     stale weights. Creation writes to a temp dir and renames it, so a killed first run leaves no half-written
     snapshot behind.
     """
-    import diffusers
     from diffusers import FluxPipeline
 
-    root = Path(cache_dir or os.environ.get("RUNNER_CACHE", "~/.cache/runner")).expanduser()
-    key = hashlib.sha256(json.dumps({"arch": arch, "recipe": EMBEDDED_RECIPE, "diffusers": diffusers.__version__},
-                                    sort_keys=True).encode()).hexdigest()[:12]
-    target = root / f"{name}-{key}"
+    target = embedded_target(name, arch, cache_dir)
+    root = target.parent
     if (target / "model_index.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -177,19 +219,172 @@ class FluxEngine(DiffusersEngine):
 
     def head_dim(self) -> int:
         """Attention head dimension of the transformer (from the architecture or the snapshot's config)."""
+        return int(self.component_config("transformer")["attention_head_dim"])
+
+    def _arch(self) -> Dict[str, Any]:
+        from omegaconf import OmegaConf
+
+        arch = self.cfg.architecture
+        return arch if isinstance(arch, dict) else OmegaConf.to_container(arch, resolve=True)
+
+    def component_config(self, name: str) -> Dict[str, Any]:
+        """The config of pipeline component ``name`` (``transformer``, ``vae``): the snapshot's
+        ``<name>/config.json`` for ``model.path``, else ``model.architecture.<name>``; reads no weights.
+
+        Raises:
+            ModelPathError: the snapshot has no readable config for it.
+        """
+        if not self.source:  # read_rows without prepare (runner.execute.dataset_keys, benchmarks)
+            self.resolve_source()
         if self.source.get("kind") == "path":
-            cfg = json.loads((Path(self.source["path"]) / "transformer" / "config.json").read_text())
-            return int(cfg["attention_head_dim"])
-        return int(self.cfg.architecture["transformer"]["attention_head_dim"])
+            f = Path(self.source["path"]) / name / "config.json"
+            try:
+                return json.loads(f.read_text())
+            except (OSError, ValueError) as e:
+                raise ModelPathError(f"model.path={self.source['path']!r}: {name}/config.json cannot be read ({e}); "
+                                     "fix: point at a complete diffusers snapshot") from None
+        return dict(self._arch()[name])
+
+    @property
+    def guidance_embeds(self) -> bool:
+        """The transformer takes a guidance value (FLUX.1-dev's distilled guidance embedding): its config's
+        ``guidance_embeds`` (diffusers' ``FluxTransformer2DModel`` default when absent). FluxPipeline passes
+        ``guidance_scale`` to the transformer only then."""
+        import inspect
+
+        from diffusers import FluxTransformer2DModel
+
+        default = inspect.signature(FluxTransformer2DModel.__init__).parameters["guidance_embeds"].default
+        return bool(self.component_config("transformer").get("guidance_embeds", default))
+
+    def tokenizers(self) -> Dict[str, Any]:
+        """``{"clip": tokenizer, "t5": tokenizer_2}`` as the pipeline uses them, without loading weights: the
+        snapshot's tokenizer folders (``model.path``, or an embedded model already in the cache), else built from
+        the architecture exactly as :func:`build_components` builds them; the loaded pipeline's own once loaded."""
+        if getattr(self, "_toks", None) is None:
+            if not self.source:
+                self.resolve_source()
+            kind = self.source.get("kind")
+            target = embedded_target(self.cfg.name, self._arch(), self.cache_dir) if kind == "embedded" else None
+            if kind == "path":
+                self._toks = snapshot_tokenizers(Path(self.source["path"]))
+            elif target is not None and (target / "model_index.json").is_file():
+                self._toks = snapshot_tokenizers(target)
+            else:
+                clip, t5 = build_tokenizers(self._arch())
+                self._toks = {"clip": clip, "t5": t5}
+            self._token_cache: Dict[str, Dict[str, Dict[str, int]]] = {}
+        return self._toks
+
+    def sequence_limit(self) -> int:
+        """The most T5 tokens ``model.generation.max_sequence_length`` may ask for: FluxPipeline's 512, or the T5
+        tokenizer's ``model_max_length`` if lower."""
+        t5_max = getattr(self.tokenizers()["t5"], "model_max_length", None) or FLUX_MAX_SEQUENCE_LENGTH
+        return int(min(FLUX_MAX_SEQUENCE_LENGTH, t5_max))
+
+    def check_source(self) -> None:
+        """What the model's configs and tokenizers decide, checked before anything loads:
+
+        * ``model.generation.max_sequence_length`` at most :meth:`sequence_limit` (FluxPipeline would raise after
+          the model loaded);
+        * ``model.size_multiple`` a multiple of what FluxPipeline needs (VAE scale factor x 2 for the 2x2 latent
+          packing): otherwise it would round a width or height down and write an image of another size than the
+          record says.
+
+        Raises:
+            ConfigValueError: naming the key, the value, the model's limit and the fix.
+        """
+        g = self.cfg.generation
+        limit = self.sequence_limit()
+        if g.max_sequence_length > limit:
+            raise ConfigValueError(
+                f"model.generation.max_sequence_length={g.max_sequence_length} exceeds {limit}, the most T5 tokens "
+                f"model={self.cfg.name} encodes (FluxPipeline refuses max_sequence_length > "
+                f"{FLUX_MAX_SEQUENCE_LENGTH}; the T5 tokenizer's model_max_length is "
+                f"{getattr(self.tokenizers()['t5'], 'model_max_length', None)}); fix: "
+                f"model.generation.max_sequence_length={limit}")
+        blocks = self.component_config("vae").get("block_out_channels") or [0] * 4
+        need = 2 ** (len(blocks) - 1) * 2
+        if self.cfg.size_multiple % need:
+            raise ConfigValueError(
+                f"model.size_multiple={self.cfg.size_multiple}, but model={self.cfg.name}'s VAE (scale factor "
+                f"{need // 2}) and 2x2 latent packing need widths and heights in multiples of {need}: FluxPipeline "
+                f"would round the others down; fix: model.size_multiple={need}")
+
+    def ignored_fields(self, rows: Any) -> Dict[str, Tuple[str, str]]:
+        """What FluxPipeline ignores here: ``guidance_scale`` when the transformer has no guidance embedding;
+        ``negative_prompt`` unless ``true_cfg_scale`` > 1 (its true-CFG rule); ``true_cfg_scale`` > 1 when no row
+        has a negative prompt."""
+        g = self.cfg.generation
+        out: Dict[str, Tuple[str, str]] = {}
+        if not self.guidance_embeds:
+            out["guidance_scale"] = (
+                "its transformer has no guidance embedding (transformer config guidance_embeds=false), so FluxPipeline "
+                "passes no guidance and every value gives the same image",
+                "use a model with guidance embeddings (e.g. model=flux)")
+        tc = float(g.true_cfg_scale)
+        if tc <= 1:
+            out["negative_prompt"] = (
+                f"model.generation.true_cfg_scale={tc} <= 1, and FluxPipeline uses a negative prompt only under true "
+                "CFG (true_cfg_scale > 1)", "model.generation.true_cfg_scale=4 to apply it (twice the transformer "
+                                             "forwards per step)")
+        elif not any(r.negative_prompt is not None for r in rows):
+            out["true_cfg_scale"] = (
+                "no row has a negative_prompt, and FluxPipeline runs true CFG only with one",
+                "add negative_prompt to the rows")
+        return out
+
+    def check_rows(self, rows: List[Any], path: Any) -> None:
+        """Rows without a guidance value on a model that takes one are refused (``model.generation.guidance_scale:
+        null`` is for models without guidance embedding); rows' ``expect`` attributes are checked against the
+        model's oracle (``model.oracle``).
+
+        Raises:
+            ConfigValueError: a guidance value is missing, naming ``model.generation.guidance_scale``.
+        """
+        if any(r.guidance_scale is None for r in rows) and self.guidance_embeds:
+            raise ConfigValueError(
+                f"model.generation.guidance_scale=null, but model={self.cfg.name}'s transformer takes a guidance value "
+                "(transformer config guidance_embeds=true); fix: model.generation.guidance_scale=3.5 (FLUX.1-dev's "
+                "default), or a guidance_scale in every row")
+        if self.cfg.oracle == "toy_shapes":
+            from models.toy_shapes.oracle import check_expectations
+
+            check_expectations(rows, path)
+
+    def prompt_tokens(self, prompts: Any) -> List[Dict[str, Dict[str, int]]]:
+        """Per prompt: ``{"clip": {...}, "t5": {...}}`` with ``count`` (tokens with the special tokens, untruncated),
+        ``limit`` (CLIP: the tokenizer's ``model_max_length``, FluxPipeline's ``tokenizer_max_length``; T5:
+        ``model.generation.max_sequence_length``) and ``dropped`` (tokens past the limit: the encoder never sees
+        them)."""
+        toks = self.tokenizers()
+        limits = {"clip": int(toks["clip"].model_max_length), "t5": int(self.cfg.generation.max_sequence_length)}
+        todo = sorted({p for p in prompts if p not in self._token_cache})
+        if todo:
+            counts = {enc: [len(ids) for ids in toks[enc](todo, truncation=False, verbose=False)["input_ids"]]
+                      for enc in ("clip", "t5")}
+            for i, p in enumerate(todo):
+                self._token_cache[p] = {enc: {"count": counts[enc][i], "limit": limits[enc],
+                                              "dropped": max(0, counts[enc][i] - limits[enc])} for enc in limits}
+        return [self._token_cache[p] for p in prompts]
+
+    def _truncation_fix(self, counts: Dict[str, Dict[str, int]]) -> str:
+        limit, msl = self.sequence_limit(), int(self.cfg.generation.max_sequence_length)
+        if counts.get("t5", {}).get("dropped") and msl < limit:
+            return (f" (CLIP takes {counts['clip']['limit']} tokens), raise model.generation.max_sequence_length "
+                    f"(now {msl}, at most {limit})")
+        return ""
+
+    def applied_params(self, row: Any) -> Dict[str, Any]:
+        """``true_cfg_scale`` when the row's negative prompt is applied (true CFG), else null."""
+        return {"true_cfg_scale": float(self.cfg.generation.true_cfg_scale) if row.negative_prompt is not None
+                else None}
 
     def load_pipeline(self) -> None:
         """Build the pipeline on ``self.device`` in ``self.dtype``; records weight-file hashes in ``source``."""
         from diffusers import FluxPipeline
 
-        from omegaconf import OmegaConf
-
-        arch = OmegaConf.to_container(self.cfg.architecture, resolve=True) if not isinstance(
-            self.cfg.architecture, dict) else self.cfg.architecture
+        arch = self._arch()
         kind = self.source["kind"]
         if kind == "dummy":
             self.pipe = FluxPipeline(**build_components(arch, device=self.device, dtype=self.dtype))
@@ -202,6 +397,8 @@ class FluxEngine(DiffusersEngine):
                                                      use_safetensors=True)  # never fall back to pickle
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
+        self._toks = {"clip": self.pipe.tokenizer, "t5": self.pipe.tokenizer_2}  # records count with the loaded ones
+        self._token_cache = {}
         self._time_phases()
 
     def _time_phases(self) -> None:
@@ -284,7 +481,7 @@ class FluxEngine(DiffusersEngine):
         r0 = batch[0].row
         with torch.inference_mode():
             self.pipe(prompt=[it.row.prompt for it in batch], height=r0.height, width=r0.width,
-                      num_inference_steps=steps, guidance_scale=r0.guidance_scale,
+                      num_inference_steps=steps, **self._guidance(r0),
                       generator=torch.Generator(device="cpu").manual_seed(0),
                       max_sequence_length=int(self.cfg.generation.max_sequence_length), output_type="np")
         for k in self.phase_s:
@@ -296,13 +493,6 @@ class FluxEngine(DiffusersEngine):
         r = batch[0].row
         true_cfg = float(self.cfg.generation.true_cfg_scale)
         return r.num_inference_steps * (2 if r.negative_prompt is not None and true_cfg > 1 else 1)
-
-    def check_rows(self, rows: List[Any], path: Any) -> None:
-        """Rows' ``expect`` attributes are checked against the model's oracle (``model.oracle``)."""
-        if self.cfg.oracle == "toy_shapes":
-            from models.toy_shapes.oracle import check_expectations
-
-            check_expectations(rows, path)
 
     def accuracy(self, items: List[Item], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]:
@@ -316,6 +506,11 @@ class FluxEngine(DiffusersEngine):
 
         return accuracy_section(items, records, out_dir)
 
+    @staticmethod
+    def _guidance(row: Any) -> Dict[str, Any]:
+        """``guidance_scale`` for the pipeline call, left out when the model takes none (row value None)."""
+        return {} if row.guidance_scale is None else {"guidance_scale": row.guidance_scale}
+
     def call(self, batch: List[Item]) -> List[np.ndarray]:
         """Generate one image per item; all items share ``shape_key``.
 
@@ -324,13 +519,13 @@ class FluxEngine(DiffusersEngine):
         """
         r0 = batch[0].row
         gens = [torch.Generator(device="cpu").manual_seed(it.seed) for it in batch]
-        kwargs: Dict[str, Any] = {}
+        kwargs: Dict[str, Any] = self._guidance(r0)
         if r0.negative_prompt is not None:
             kwargs.update(negative_prompt=[it.row.negative_prompt for it in batch],
                           true_cfg_scale=float(self.cfg.generation.true_cfg_scale))
         with torch.inference_mode():
             out = self.pipe(prompt=[it.row.prompt for it in batch], height=r0.height, width=r0.width,
-                            num_inference_steps=r0.num_inference_steps, guidance_scale=r0.guidance_scale,
+                            num_inference_steps=r0.num_inference_steps,
                             generator=gens, max_sequence_length=int(self.cfg.generation.max_sequence_length),
                             output_type="np", **kwargs)
         return [np.asarray(img, dtype=np.float32) for img in out.images]

@@ -35,6 +35,13 @@ AR_ROW_FIELDS: Dict[str, Any] = {
     "temperature": float, "top_p": float, "top_k": int, "seed": int, "n": int, "ignore_eos": bool, "stop": list,
 }
 DEFAULT_STAGE = "generate"
+#: vLLM's greedy threshold (``vllm.sampling_params._SAMPLING_EPS``): a temperature below it is greedy sampling, where
+#: ``SamplingParams`` resets ``top_p``/``top_k``/``min_p`` and no random number is drawn (the seed is unused).
+GREEDY_EPS = 1e-5
+#: Sampling fields greedy sampling ignores.
+GREEDY_IGNORES = ("top_p", "top_k", "min_p", "seed")
+GREEDY_WHY = ("temperature 0 is greedy sampling: vLLM resets top_p/top_k/min_p and draws no random numbers, so the "
+              "value changes nothing")
 
 
 class ARConfigError(UserInputError, ValueError):
@@ -53,6 +60,8 @@ class ARRow:
     prompt_token_ids: Optional[List[int]]
     seed: int
     sampling: Dict[str, Any] = field(default_factory=dict)
+    ignored: Dict[str, Any] = field(default_factory=dict)
+    """Row fields vLLM ignores that the run accepted (``dataset.on_ignored=record``): ``{field: {value, why}}``."""
 
     @property
     def key(self) -> str:
@@ -240,11 +249,23 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
                 bad = True
         if bad:
             continue
+        ignored: Dict[str, Any] = {}
+        if float(vals.get("temperature", sampling.get("temperature", 1.0))) < GREEDY_EPS:  # vLLM's default: 1.0
+            for key in [k for k in GREEDY_IGNORES if k in vals]:
+                if str(cfg.dataset.get("on_ignored") or "error") == "error":
+                    problems.append(f"{where}: field {key!r} = {vals[key]!r} is ignored: {GREEDY_WHY}; fix: remove "
+                                    f"{key!r} from the row, a temperature > 0, or dataset.on_ignored=record to run it "
+                                    "and record the value as ignored")
+                    bad = True
+                else:
+                    ignored[key] = {"value": vals.pop(key), "why": GREEDY_WHY, "from": where}
+        if bad:
+            continue
         row_sampling = {k: v for k, v in vals.items() if k not in ("id", "prompt", "prompt_token_ids", "seed")}
         seed = vals.get("seed", sampling.get("seed"))
         rows.append(ARRow(id=rid, line=n, prompt=text if ids is None else None, prompt_token_ids=ids,
                           seed=int(seed) if seed is not None else _request_seed(cfg.seed, rid),
-                          sampling=row_sampling))
+                          sampling=row_sampling, ignored=ignored))
     if problems:
         raise ds.DatasetError(problems)
     if not rows:
@@ -547,6 +568,12 @@ class VLLMEngine(EngineBase):
             r["key"] = r["id"] if n_out[r["id"]] == 1 else f"{r['id']}-{r['index']}"
             r["seed"] = row.seed
             r["sampling"] = {**self.sampling, **row.sampling}
+            if float(r["sampling"].get("temperature", 1.0)) < GREEDY_EPS:  # greedy: only what vLLM applies
+                r["seed"] = None
+                r["not_applied"] = {k: r["sampling"].pop(k) for k in GREEDY_IGNORES if k in r["sampling"]}
+                r["not_applied"]["seed"] = row.seed
+            if row.ignored:
+                r["ignored"] = row.ignored
             r["tokens"] = counts.get(str(r["request_id"]))
         return recs
 

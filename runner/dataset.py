@@ -59,10 +59,16 @@ class Row:
     width: int
     height: int
     num_inference_steps: int
-    guidance_scale: float
+    guidance_scale: Optional[float]
+    """None: the model takes no guidance value (its transformer has no guidance embedding)."""
     num_images_per_prompt: int
     line: int
     expect: Optional[Dict[str, Any]] = None
+    set_fields: tuple = ()
+    """The generation fields the row itself sets (the others come from the run config or the model)."""
+    ignored: Optional[Dict[str, Any]] = None
+    """Fields the model ignores that the run accepted (``dataset.on_ignored=record``): ``{field: {"value", "why",
+    "from"}}``; the row's own value of each is None (not applied)."""
 
 
 @dataclass(frozen=True)
@@ -282,7 +288,8 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
             problems.append(f"{where}: field 'seed' = {vals['seed']!r} must be in [0, 2**63 - 64)")
         import math
 
-        if merged["guidance_scale"] is None or not math.isfinite(merged["guidance_scale"]) or merged["guidance_scale"] < 0:
+        if merged["guidance_scale"] is not None and (not math.isfinite(merged["guidance_scale"])
+                                                     or merged["guidance_scale"] < 0):
             problems.append(f"{where}: field 'guidance_scale' = {merged['guidance_scale']!r} must be a finite number >= 0")
         if merged["num_images_per_prompt"] is None or merged["num_images_per_prompt"] < 1:
             problems.append(f"{where}: field 'num_images_per_prompt' = {merged['num_images_per_prompt']!r} "
@@ -290,12 +297,66 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
         if problems and problems[-1].startswith(where):
             continue
         rows.append(Row(id=rid, prompt=prompt or "", negative_prompt=vals.get("negative_prompt", defaults.get("negative_prompt")),
-                        seed=vals.get("seed"), line=n, expect=vals.get("expect"), **merged))
+                        seed=vals.get("seed"), line=n, expect=vals.get("expect"),
+                        set_fields=tuple(k for k in vals if k not in ("id", "prompt", "expect")), **merged))
     if problems:
         raise DatasetError(problems)
     if not rows:
         raise DatasetError([f"{src}: no rows; fix: add at least one prompt"])
     return rows, src
+
+
+def apply_ignored(rows: List[Row], path: Any, ignored: Dict[str, tuple], mode: str, model: str,
+                  config_values: Optional[Dict[str, tuple]] = None) -> List[Row]:
+    """Rows with the fields the model ignores handled by ``dataset.on_ignored`` (``mode``).
+
+    Args:
+        ignored: ``{field: (why, fix)}``: the generation fields the model ignores under this run's config.
+        mode: ``error``: a row that sets one is refused; ``record``: the value is removed from the row (not applied)
+            and kept under ``row.ignored`` with the reason, for the item's record.
+        model: the model name, for the messages.
+        config_values: ``{field: (config key, value)}`` of config defaults the model ignores and that the run
+            accepted (the caller refuses them in ``error`` mode); rows that take the default record it as ignored.
+
+    Raises:
+        DatasetError: ``mode == "error"``, one problem per row and field (file:line, field, value, why, fix).
+    """
+    from dataclasses import replace
+
+    problems: List[str] = []
+    out: List[Row] = []
+    for r in rows:
+        hits: Dict[str, Any] = {}
+        for f, (why, fix) in ignored.items():
+            if f in r.set_fields:
+                if mode == "error":
+                    problems.append(f"{path}:{r.line}: field {f!r} = {getattr(r, f)!r} is ignored by model={model}: "
+                                    f"{why}; fix: remove {f!r} from the row, {fix}, or dataset.on_ignored=record to run "
+                                    "it and record the value as ignored")
+                else:
+                    hits[f] = {"value": getattr(r, f), "why": why, "from": f"{path}:{r.line}"}
+            elif config_values and f in config_values:
+                key, value = config_values[f]
+                hits[f] = {"value": value, "why": why, "from": key}
+        if hits:
+            r = replace(r, ignored=hits, **{f: None for f in hits if f in Row.__dataclass_fields__})
+        out.append(r)
+    if problems:
+        raise DatasetError(problems)
+    return out
+
+
+def prompts_summary(records: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
+    """Counts over the ok image records of a journal: items, items whose prompt a text encoder truncated (in total
+    and per encoder, from each record's ``tokens``), items that carry ``ignored`` fields."""
+    recs = [r for r in records if r.get("status") == "ok"]
+    tok = [r["tokens"] for r in recs if r.get("tokens")]
+    per: Dict[str, int] = {}
+    for t in tok:
+        for enc, c in t.items():
+            per[enc] = per.get(enc, 0) + (1 if c.get("dropped") else 0)
+    return {"items": len(recs), "truncated_items": sum(1 for t in tok if any(c.get("dropped") for c in t.values())),
+            "truncated_by_encoder": per, "items_with_ignored_fields": sum(1 for r in recs if r.get("ignored"))}
 
 
 def expand_items(rows: Iterable[Row], run_seed: int) -> List[Item]:

@@ -170,6 +170,10 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
                         "reused": sum(c.get("reused", 0) for c in wc), "items": len(keys_in_order),
                         "missing": len([k for k in keys_in_order if k not in latest])}
     merged["dataset"] = {**(base.get("dataset") or {}), "items": len(keys_in_order)}  # the run's, not rank 0's shard
+    if "prompts" in base:  # truncated prompts and ignored fields of the whole run, not of rank 0's shard
+        from runner.dataset import prompts_summary
+
+        merged["prompts"] = {**base["prompts"], **prompts_summary(ok)}
     merged["parallelism"] = {"mode": "data", "world_size": world_size, "launcher": launcher,
                              "sharding": SHARDING}
     merged["workers"] = workers

@@ -570,10 +570,13 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                   "mismatches": mismatches}
         manifest.section("evidence", ev)
         sink.drain()
-        acc = final.accuracy(items, {r["key"]: r for r in read_journal(out_dir / journal_name) if "key" in r},
-                             out_dir)
+        journal = {r["key"]: r for r in read_journal(out_dir / journal_name) if "key" in r}
+        acc = final.accuracy(items, journal, out_dir)
         if acc is not None:
             manifest.section("accuracy", acc)
+        prompts = final.prompts_section(list(journal.values()))
+        if prompts is not None:
+            manifest.section("prompts", prompts)
         if ev["verdict"] == "mismatch" and status != "interrupted":
             status = "evidence_mismatch" if cfg.evidence.strict else "limited"
     except BaseException as e:

@@ -94,6 +94,23 @@ class DatasetFormat(Choice):
     txt = "txt"
 
 
+class OnIgnored(Choice):
+    """What a dataset row or a ``model.generation`` default that the model ignores does (a guidance scale on a model
+    without guidance embedding, a negative prompt without true CFG): ``error`` refuses the run at startup;
+    ``record`` runs it without the value and records the value as ignored (never as applied)."""
+
+    error = "error"
+    record = "record"
+
+
+class OnTruncation(Choice):
+    """What a prompt longer than a text encoder takes does: ``record`` runs it (the encoder sees its first tokens)
+    and records per encoder the token count and the tokens dropped; ``error`` refuses the row at startup."""
+
+    record = "record"
+    error = "error"
+
+
 class PlatformName(Choice):
     """A device platform (``auto`` detects one at startup)."""
 
@@ -193,10 +210,13 @@ class GenerationDefaults:
     """Image height in pixels (a multiple of ``model.size_multiple``)."""
     num_inference_steps: int = 28
     """Denoising steps."""
-    guidance_scale: float = 3.5
-    """Guidance scale (FLUX.1-dev: distilled guidance embedding; 0 for models without one)."""
+    guidance_scale: Optional[float] = 3.5
+    """Guidance scale (FLUX.1-dev: distilled guidance embedding). null for a model whose transformer has no
+    guidance embedding (FLUX.1-schnell, toy_shapes): any value there is ignored, so setting one is refused
+    (``dataset.on_ignored``)."""
     max_sequence_length: int = 512
-    """Token limit of the T5 prompt encoding."""
+    """Token limit of the T5 prompt encoding (longer prompts are truncated and recorded; at most what the T5
+    tokenizer and FluxPipeline take, 512)."""
     true_cfg_scale: float = 1.0
     """True classifier-free guidance scale (> 1 with a row's ``negative_prompt``: a second, unconditional forward
     per step)."""
@@ -373,6 +393,12 @@ class DatasetConfig:
     """The rows file (required except for ``builtin``)."""
     limit: Optional[int] = None
     """Use only the first N rows (null: every row)."""
+    on_ignored: OnIgnored = OnIgnored.error
+    """A row field or ``model.generation`` default that the model ignores: ``error`` (refused at startup) or
+    ``record`` (run without it; the item records the value under ``ignored``)."""
+    on_truncation: OnTruncation = OnTruncation.record
+    """A prompt longer than a text encoder takes: ``record`` (run; the item records per encoder its token count and
+    the tokens dropped) or ``error`` (refused at startup)."""
 
 
 @dataclass
