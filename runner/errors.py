@@ -71,3 +71,19 @@ class EvidenceMismatchError(RunnerError):
 
 class ConfigValueError(UserInputError, ValueError):
     """A run-level config value is out of range (names the field, the value and the fix)."""
+
+
+class RunDirLockError(RunnerError):
+    """The run dir cannot be held for this run: it cannot be created, or another run holds it
+    (:class:`RunDirInUseError`). Exit 2; nothing is written into the dir, not even ``job_status.json`` (the dir may
+    belong to the run that holds it)."""
+
+    exit_code = 2
+    outcome = "invalid"
+
+
+class RunDirInUseError(RunDirLockError):
+    """Another run (another process, or another data-parallel run) holds the run dir's lock (names the dir, the
+    holder's pid, host, start time and command, and the fix)."""
+
+    outcome = "in_use"

@@ -24,8 +24,9 @@ from typing import Any, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import rundir
 from runner.artifacts import atomic_write_json
-from runner.errors import RunnerError
+from runner.errors import RunDirLockError, RunnerError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.paths import PROJECT_ROOT
 
@@ -74,19 +75,40 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         job_dir = out_dir
     status: Dict[str, Any] = {"error_type": None, "error": None}
     worker = dp.torchrun_worker() if cfg.parallelism.mode == "data" else None
+    lock = None
+
+    def on_exit(code: int) -> None:  # a second signal ends the process at once: its job status first
+        _write_status(job_dir, code, "interrupted", {"error_type": "Interrupted",
+                                                     "error": "a second signal ended the run at once"})
+
     try:
+        # Hold the run dir first (re-entrant: the Hydra callback took it already in `python -m runner`); under
+        # torchrun the run holds it through rank 0, and every rank learns whether it was refused.
+        tw = dp.torchrun_worker()
+        if tw is not None and tw.world_size > 1:
+            dp.claim_run_dir(out_dir, tw, create=not cfg.run.resume)
+        else:
+            lock = rundir.acquire(out_dir, create=not cfg.run.resume)
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
             from runner.ray_launcher import run_on_ray
 
             code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg))
         elif worker is not None and worker.world_size > 1:
-            code = run(cfg, out_dir, overrides=overrides, worker=worker)
+            code = run(cfg, out_dir, overrides=overrides, worker=worker, on_exit=on_exit)
             dp.barrier()
             if worker.rank == 0:
                 code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun"))
         else:
-            code = run(cfg, out_dir, overrides=overrides)
+            code = run(cfg, out_dir, overrides=overrides, on_exit=on_exit)
         outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
+    except RunDirLockError as e:  # the dir is another run's (or unusable): write nothing into it
+        log.error("%s: %s", type(e).__name__, e)
+        rundir.release(lock)
+        return e.exit_code
+    except KeyboardInterrupt:  # a signal outside the run loop's own handling (before it started, or after)
+        log.error("interrupted")
+        outcome, code = "interrupted", 128 + 2
+        status.update(error_type="KeyboardInterrupt", error="interrupted")
     except RunnerError as e:  # a user mistake, a refusal or contradicting evidence: its message, no traceback
         log.error("%s: %s", type(e).__name__, e)
         outcome, code = e.outcome, e.exit_code
@@ -101,11 +123,51 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         status.update(error_type=type(e).__name__, error=str(e))
         if reraise:
             _write_status(job_dir, code, outcome, status)
+            rundir.release(lock)
             raise
     _write_status(job_dir, code, outcome, status)
+    rundir.release(lock)
     return code
 
 
 def _write_status(out_dir: Path, code: int, outcome: str, status: Dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "job_status.json", {"exit_code": code, "outcome": outcome, **status})
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra is a dependency of the CLI
+    _HydraCallback = object  # type: ignore[misc,assignment]
+
+
+def _refuse(e: RunnerError) -> None:
+    import sys
+
+    print(f"[runner] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)  # Hydra only warns about a callback's exceptions
+
+
+class RunDirLockCallback(_HydraCallback):
+    """Holds the run dir from the start of ``python -m runner`` (``on_run_start``: before Hydra writes ``.hydra/``
+    and the job log into it) until the process ends; for a multirun, the sweep dir (``on_multirun_start``; each
+    job's dir is then held by its job, ``run_job``). A refusal (``runner.errors.RunDirInUseError``: another run
+    holds the dir) ends the process with exit 2 before anything is written. Under torchrun, rank 0 takes the lock
+    and tells the other ranks (``runner.distributed.claim_run_dir``)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from runner import distributed as dp
+
+        resume = OmegaConf.select(config, "run.resume")
+        target = resume or OmegaConf.select(config, "output.dir") or dp.shared_run_dir(
+            Path(str(OmegaConf.select(config, "hydra.run.dir"))))
+        try:
+            dp.claim_run_dir(Path(str(target)).absolute(), dp.torchrun_worker(), create=not resume)
+        except RunDirLockError as e:
+            _refuse(e)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            rundir.acquire(Path(str(OmegaConf.select(config, "hydra.sweep.dir"))).absolute())
+        except RunDirLockError as e:
+            _refuse(e)
