@@ -512,6 +512,9 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     manifest.section("owner", lock.holder if lock is not None else rundir.holder_record(token or ""))
     if lock is not None:  # holder, start, command; a stale lock of a dead run taken over (lock.took_over)
         manifest.section("lock", lock.record())
+        if lock.took_over is not None:
+            log.warning("run dir %s: took over the stale lock of %s (that process is gone)", out_dir,
+                        rundir.describe(lock.took_over))
     if worker is not None:
         from runner.distributed import worker_record
 

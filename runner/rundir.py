@@ -234,8 +234,6 @@ def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5) -> Optional
     except OSError as e:
         os.close(fd)
         raise _unwritable(d, e) from None
-    if prev is not None:
-        log.warning("run dir %s: took over the stale lock of %s (that process is gone)", d, describe(prev))
     _HELD[key] = lock
     return lock
 
