@@ -146,8 +146,8 @@ def read_holder(run_dir: Path, wait_s: float = 0.0) -> Optional[Dict[str, Any]]:
 def _probe(path: Path, mode: int) -> Optional[bool]:
     """True: some process holds a lock on ``path`` conflicting with ``mode``; False: none (or no file); None:
     the filesystem has no flock."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:  # write access for an exclusive probe (NFS emulates flock with POSIX locks, which need it)
+        fd = os.open(path, (os.O_RDWR if mode == fcntl.LOCK_EX else os.O_RDONLY) | os.O_CLOEXEC)
     except OSError:
         return False
     try:
@@ -212,12 +212,7 @@ def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5) -> Optional
             if e.errno in _UNSUPPORTED:
                 return _unenforced(d, token, f"{type(e).__name__}: {e.strerror} (flock on {path})")
             raise _unwritable(d, e) from None
-        try:  # a holder that ends unlinks the file before unlocking it: lock the file that is at `path` now
-            st, now = os.fstat(fd), os.stat(path)
-            same = (st.st_ino, st.st_dev) == (now.st_ino, now.st_dev)
-        except FileNotFoundError:
-            same = False
-        if same:
+        if _same_file(fd, path):  # a holder that ends unlinks the file before unlocking: lock the current one
             break
         os.close(fd)
     prev = _read_fd(fd)
@@ -266,8 +261,7 @@ def _drop(lock: RunLock) -> None:
         w = lock.dir / WORKERS_NAME
         if w.exists() and _probe(w, fcntl.LOCK_EX) is False:
             w.unlink()
-        st, now = os.fstat(fd), os.stat(lock.dir / LOCK_NAME)
-        if (st.st_ino, st.st_dev) == (now.st_ino, now.st_dev):
+        if _same_file(fd, lock.dir / LOCK_NAME):
             os.unlink(lock.dir / LOCK_NAME)  # before unlocking: a waiter then finds no file, or a new one
     except OSError:
         pass
@@ -276,11 +270,14 @@ def _drop(lock: RunLock) -> None:
 
 
 def release_all() -> None:
-    """Drop every lock of this process (at exit, and before a forced ``os._exit``)."""
+    """Drop every lock of this process, and leave every run it joined (at exit, and before a forced
+    ``os._exit``)."""
     for key in list(_HELD):
         lock = _HELD.pop(key)
         lock.count = 0
         _drop(lock)
+    for key in list(_JOINED):
+        leave(Path(key))
 
 
 atexit.register(release_all)
@@ -306,17 +303,22 @@ def join(run_dir: Path, token: Optional[str]) -> str:
             return _JOINED[key][1]
         leave(run_dir)  # a reused worker process (Ray) joining the next run of the same dir
     d = Path(run_dir)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        fd = os.open(d / WORKERS_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise _unwritable(d, e) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    except OSError as e:
-        if e.errno not in _UNSUPPORTED:
-            os.close(fd)
+    while True:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd = os.open(d / WORKERS_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
             raise _unwritable(d, e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                os.close(fd)
+                raise _unwritable(d, e) from None
+            break
+        if _same_file(fd, d / WORKERS_NAME):  # the last worker to leave unlinks it: hold the current file
+            break
+        os.close(fd)
     info, busy = lock_state(d)
     if busy is not False and info and (token is None or info.get("token") == token):
         _JOINED[key] = (fd, info.get("token") or token or "")
@@ -327,10 +329,29 @@ def join(run_dir: Path, token: Optional[str]) -> str:
 
 
 def leave(run_dir: Path) -> None:
-    """Undo :func:`join` (a worker process that outlives its run, e.g. a reused Ray worker)."""
+    """Undo :func:`join` (at the end of a worker's part, and at exit). The last process of the run to leave
+    (no other worker, and the owner gone) removes ``workers.lock``."""
     fd_token = _JOINED.pop(_key(run_dir), None)
-    if fd_token is not None:
-        os.close(fd_token[0])
+    if fd_token is None:
+        return
+    fd = fd_token[0]
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other worker holds it
+        path = Path(run_dir) / WORKERS_NAME
+        if _same_file(fd, path) and not lock_state(run_dir)[1]:
+            os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (st.st_ino, st.st_dev) == (now.st_ino, now.st_dev)
 
 
 def run_token(run_dir: Path) -> Optional[str]:

@@ -301,3 +301,43 @@ def test_default_dirs_never_collide(tmp_path, subprocess_env, monkeypatch):
         assert got[0][1] != got[1][1], got
         for pid, text in got:
             assert text.endswith(f"-{pid}"), (pid, text)
+
+
+# ==================================================================================== data parallelism
+def test_torchrun_run_holds_its_dir_for_all_ranks(tmp_path, subprocess_env, compose):
+    """The two ranks of one torchrun run share the dir (rank 0 holds run.lock, rank 1 joined through
+    workers.lock); a second run started meanwhile is refused naming rank 0; the run completes and merges."""
+    from omegaconf import OmegaConf
+
+    from models.flux import embedded_snapshot
+
+    cfg = compose([])  # the embedded tiny_flux exists before two ranks start (they would both create it)
+    embedded_snapshot(cfg.model.name, OmegaConf.to_container(cfg.model.architecture, resolve=True), None)
+    d = tmp_path / "dp"
+    env = _env(subprocess_env)
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    log = tmp_path / "dp.log"
+    with open(log, "wb") as f:
+        p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner",
+                              "model=tiny_flux", "parallelism=data", "dataset.limit=8",
+                              "model.generation.num_inference_steps=300", f"hydra.run.dir={d}"], cwd=tmp_path,
+                             env=env, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while _lines(d / "items.rank1.jsonl") < 1 or not (d / "manifest.rank0.json").exists():
+        assert p.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.02)
+    rank0 = json.loads((d / "manifest.rank0.json").read_text())["worker"]["pid"]
+    rank1 = json.loads((d / "manifest.rank1.json").read_text())
+    assert json.loads((d / "run.lock").read_text())["pid"] == rank0
+    assert rank1["owner"]["token"] == json.loads((d / "run.lock").read_text())["token"]  # rank 1 joined the run
+    assert (d / "workers.lock").exists()
+    second = subprocess.run([sys.executable, "-m", "runner", "model=tiny_flux", "platform=cpu", "dataset.limit=1",
+                             f"hydra.run.dir={d}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2 and f"pid {rank0}" in second.stderr, second.stderr[-2000:]
+    assert p.wait(timeout=400) == 0, log.read_text()[-3000:]
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["status"] == "completed" and m["counts"]["missing"] == 0
+    assert m["lock"]["holder"]["pid"] == rank0
+    assert not (d / "run.lock").exists() and not (d / "workers.lock").exists()
