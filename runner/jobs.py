@@ -11,8 +11,12 @@ Every job dir gets ``job_status.json``: ``{exit_code, outcome, error_type, error
   with a ``status: invalid`` manifest.
 * ``evidence_mismatch``: what executed differs from the resolution (``runner.errors.EvidenceMismatchError``).
 * ``crashed``: an unexpected exception (its traceback is in the job log).
+* ``interrupted``: a signal stopped it (``128 + N``; a second signal writes this before the process exits).
 
-A :class:`runner.errors.RunnerError` carries its own ``outcome`` and ``exit_code``; nothing here lists classes.
+A :class:`runner.errors.RunnerError` carries its own ``outcome`` and ``exit_code``; nothing here lists classes,
+except that a run dir held by another run (``runner.errors.RunDirLockError``) gets no ``job_status.json`` at all:
+the dir is not this job's. The job holds its run dir (``runner.rundir``) from before the run until its status is
+written; ``RunDirLockCallback`` takes it even earlier, before Hydra writes into the dir.
 """
 
 from __future__ import annotations
@@ -159,10 +163,13 @@ class RunDirLockCallback(_HydraCallback):
         from runner import distributed as dp
 
         resume = OmegaConf.select(config, "run.resume")
-        target = resume or OmegaConf.select(config, "output.dir") or dp.shared_run_dir(
-            Path(str(OmegaConf.select(config, "hydra.run.dir"))))
+        hydra_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
+        given = resume or OmegaConf.select(config, "output.dir")
+        # relative to where the run will be: Hydra's run dir when hydra.job.chdir moves the process there
+        base = hydra_dir if OmegaConf.select(config, "hydra.job.chdir") else Path.cwd()
+        target = base / str(given) if given else dp.shared_run_dir(hydra_dir)
         try:
-            dp.claim_run_dir(Path(str(target)).absolute(), dp.torchrun_worker(), create=not resume)
+            dp.claim_run_dir(target, dp.torchrun_worker(), create=not resume)
         except RunDirLockError as e:
             _refuse(e)
 

@@ -280,7 +280,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runner.repro",
                                  description="Re-run a run from its manifest and compare the artifacts item by item.")
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--out", type=Path, default=None, help="new run dir (default: a new outputs/repro/<date>_<time>, created exclusively)")
+    ap.add_argument("--out", type=Path, default=None, help="new run dir (default: outputs/repro/<date>_<time>, as repro.sh)")
     ap.add_argument("--tolerance-db", type=float, default=PARITY_TOLERANCE_DB,
                     help="PSNR tolerance in dB for runs not on CPU (default %(default)g)")
     mode = ap.add_mutually_exclusive_group()
