@@ -118,7 +118,8 @@ def shared_run_dir(hydra_run_dir: Path) -> Path:
 _CLAIMED: Dict[str, Optional[str]] = {}  # run dir -> the run's token, once claimed by this torchrun rank
 
 
-def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True) -> Optional[str]:
+def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True,
+                  key: Optional[str] = None) -> Optional[str]:
     """Hold ``out_dir`` for this torchrun run before anything is written into it; returns the run's token (None:
     a missing dir not created, ``create=False``).
 
@@ -132,7 +133,7 @@ def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True) 
         runner.errors.RunDirLockError: the dir is held by another run, or cannot be created.
     """
     if worker is None or worker.world_size == 1:
-        lock = rundir.acquire(out_dir, create=create)
+        lock = rundir.acquire(out_dir, create=create, key=key)
         return lock.token if lock is not None else None
     key = str(Path(out_dir).resolve())
     if key in _CLAIMED:
@@ -145,7 +146,7 @@ def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True) 
     box: List[Any] = [None]
     if worker.rank == 0:
         try:
-            lock = rundir.acquire(out_dir, create=create)
+            lock = rundir.acquire(out_dir, create=create, key=key)
             if lock is not None:
                 resume.remove_temp_files(out_dir)
             box = [("ok", lock.token if lock is not None else None)]

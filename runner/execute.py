@@ -435,7 +435,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     if worker is not None or joined:
         token = rundir.run_token(out_dir) or (rundir.join(out_dir, None) if out_dir.is_dir() else None)
         return _run(cfg, out_dir, overrides, on_loaded, worker, on_exit, token)
-    lock = rundir.acquire(out_dir, create=not cfg.run.resume)  # a missing run.resume dir is refused below
+    lock = rundir.acquire(out_dir, create=not cfg.run.resume,  # a missing run.resume dir is refused below
+                          key="run.resume" if cfg.run.resume else "output.dir" if cfg.output.dir else None)
     try:
         return _run(cfg, out_dir, overrides, on_loaded, worker, on_exit, lock.token if lock is not None else None)
     finally:

@@ -90,9 +90,9 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         # torchrun the run holds it through rank 0, and every rank learns whether it was refused.
         tw = dp.torchrun_worker()
         if tw is not None and tw.world_size > 1:
-            dp.claim_run_dir(out_dir, tw, create=not cfg.run.resume)
+            dp.claim_run_dir(out_dir, tw, create=not cfg.run.resume, key=_dir_key(cfg))
         else:
-            lock = rundir.acquire(out_dir, create=not cfg.run.resume)
+            lock = rundir.acquire(out_dir, create=not cfg.run.resume, key=_dir_key(cfg))
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
             from runner.ray_launcher import run_on_ray
 
@@ -134,6 +134,11 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     return code
 
 
+def _dir_key(cfg: DictConfig) -> str:
+    """The config key that names the run dir (for messages)."""
+    return "run.resume" if cfg.run.resume else "output.dir" if cfg.output.dir else "hydra.run.dir"
+
+
 def _write_status(out_dir: Path, code: int, outcome: str, status: Dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "job_status.json", {"exit_code": code, "outcome": outcome, **status})
@@ -168,8 +173,9 @@ class RunDirLockCallback(_HydraCallback):
         # relative to where the run will be: Hydra's run dir when hydra.job.chdir moves the process there
         base = hydra_dir if OmegaConf.select(config, "hydra.job.chdir") else Path.cwd()
         target = base / str(given) if given else dp.shared_run_dir(hydra_dir)
+        key = "run.resume" if resume else "output.dir" if given else "hydra.run.dir"
         try:
-            dp.claim_run_dir(target, dp.torchrun_worker(), create=not resume)
+            dp.claim_run_dir(target, dp.torchrun_worker(), create=not resume, key=key)
         except RunDirLockError as e:
             _refuse(e)
 

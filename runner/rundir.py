@@ -161,35 +161,47 @@ def _probe(path: Path, mode: int) -> Optional[bool]:
         os.close(fd)
 
 
-def _unwritable(d: Path, e: OSError) -> RunDirLockError:
-    return RunDirLockError(f"cannot create or write the run dir {d} ({type(e).__name__}: {e.strerror or e}); "
-                           "fix: choose a dir whose parents are folders you can write (hydra.run.dir=<dir> or "
-                           "output.dir=<dir>)")
+def _unwritable(d: Path, e: OSError, key: Optional[str] = None) -> RunDirLockError:
+    return RunDirLockError(f"cannot create or write the run dir {d}{f' ({key})' if key else ''} "
+                           f"({type(e).__name__}: {e.strerror or e}); fix: choose a dir whose parents are folders "
+                           "you can write (hydra.run.dir=<dir> or output.dir=<dir>)")
 
 
-def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5) -> Optional[RunLock]:
+def _in_use(d: Path, path: Path, key: Optional[str]) -> RunDirInUseError:
+    holder = read_holder(d, 2.0)
+    note = ""
+    if holder and holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid")):
+        note = " (that process is gone, but a child process it started still holds the lock)"
+    return RunDirInUseError(f"run dir {d}{f' ({key})' if key else ''} is in use by another run: "
+                            f"{describe(holder)}{note} (lock file {path}); two runs writing into one dir would mix "
+                            f"their artifacts and records; {FIX}")
+
+
+def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5, key: Optional[str] = None
+            ) -> Optional[RunLock]:
     """Hold ``run_dir`` for this process's run (re-entrant: a dir this process holds is counted again).
 
     Args:
         create: create the dir when missing; with False a missing dir is not held (None is returned).
         wait_s: how long a busy lock is retried (a reader's momentary probe also holds it).
+        key: the config key that named the dir (``hydra.run.dir``, ``output.dir``...), for messages.
 
     Raises:
         RunDirInUseError: another process holds the dir, or workers of an earlier run still write into it.
         RunDirLockError: the dir cannot be created or written.
     """
     d = Path(run_dir)
-    key = _key(d)
-    if key in _HELD:
-        _HELD[key].count += 1
-        return _HELD[key]
+    reg = _key(d)
+    if reg in _HELD:
+        _HELD[reg].count += 1
+        return _HELD[reg]
     if not d.is_dir():
         if not create:
             return None
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise _unwritable(d, e) from None
+            raise _unwritable(d, e, key) from None
     path = d / LOCK_NAME
     token = uuid.uuid4().hex
     deadline = time.monotonic() + wait_s
@@ -197,7 +209,7 @@ def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5) -> Optional
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise _unwritable(d, e) from None
+            raise _unwritable(d, e, key) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -206,12 +218,10 @@ def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5) -> Optional
                 if time.monotonic() < deadline:
                     time.sleep(0.05)
                     continue
-                raise RunDirInUseError(f"run dir {d} is in use by another run: {describe(read_holder(d, 2.0))} "
-                                       f"(lock file {path}); two runs writing into one dir would mix their "
-                                       f"artifacts and records; {FIX}") from None
+                raise _in_use(d, path, key) from None
             if e.errno in _UNSUPPORTED:
                 return _unenforced(d, token, f"{type(e).__name__}: {e.strerror} (flock on {path})")
-            raise _unwritable(d, e) from None
+            raise _unwritable(d, e, key) from None
         if _same_file(fd, path):  # a holder that ends unlinks the file before unlocking: lock the current one
             break
         os.close(fd)
@@ -228,8 +238,8 @@ def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5) -> Optional
         os.fsync(fd)
     except OSError as e:
         os.close(fd)
-        raise _unwritable(d, e) from None
-    _HELD[key] = lock
+        raise _unwritable(d, e, key) from None
+    _HELD[reg] = lock
     return lock
 
 
