@@ -52,6 +52,8 @@ if __name__ == "__main__":
     sys.argv = sys.argv[:1] + agree_argv(sys.argv[1:])  # torchrun: every rank uses rank 0's run dir
     try:
         main()
+    except KeyboardInterrupt:  # a signal after the run recorded its final status (or before it started)
+        sys.exit(128 + 2)
     except SystemExit as e:
         # Hydra reports a composition error (unknown option, wrong type) with exit 1; bad input is exit 2 here.
         if e.code == 1 and not _TASK_STARTED:

@@ -23,7 +23,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from runner import rundir
 from runner.artifacts import atomic_write_bytes, atomic_write_json
+from runner.errors import RunDirInUseError, RunDirLockError
 from runner.sinks import read_journal
 
 log = logging.getLogger("runner")
@@ -96,7 +98,8 @@ def agree_argv(argv: List[str]) -> List[str]:
 
     _control_group()
     given = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
-    box = [given or f"outputs/runs/{datetime.now():%Y-%m-%d}/{datetime.now():%H-%M-%S-%f}-dp{w.world_size}"]
+    now = datetime.now()
+    box = [given or f"outputs/runs/{now:%Y-%m-%d}/{now:%H-%M-%S-%f}-{os.getpid()}-dp{w.world_size}"]
     dist.broadcast_object_list(box, src=0)
     run_dir = box[0]
     argv = [a for a in argv if not a.startswith("hydra.run.dir=")]
@@ -112,12 +115,66 @@ def shared_run_dir(hydra_run_dir: Path) -> Path:
     return hydra_run_dir
 
 
+_CLAIMED: Dict[str, Optional[str]] = {}  # run dir -> the run's token, once claimed by this torchrun rank
+
+
+def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True,
+                  key: Optional[str] = None) -> Optional[str]:
+    """Hold ``out_dir`` for this torchrun run before anything is written into it; returns the run's token (None:
+    a missing dir not created, ``create=False``).
+
+    Rank 0 takes the run dir's lock (``runner.rundir.acquire``), removes the temp files a killed run left (no
+    rank writes yet), and broadcasts the outcome over the control group; every other rank then joins the run
+    (``runner.rundir.join``: a shared lock on ``workers.lock``), or, when rank 0 was refused, is refused with the
+    same error. Once per process and dir (the Hydra callback claims first; ``run_job`` then gets the same token).
+    Outside torchrun (or with one rank) this is ``acquire``, counted like it.
+
+    Raises:
+        runner.errors.RunDirLockError: the dir is held by another run, or cannot be created.
+    """
+    if worker is None or worker.world_size == 1:
+        lock = rundir.acquire(out_dir, create=create, key=key)
+        return lock.token if lock is not None else None
+    key = str(Path(out_dir).resolve())
+    if key in _CLAIMED:
+        return _CLAIMED[key]
+    import torch.distributed as dist
+
+    from runner import resume
+
+    _control_group()
+    box: List[Any] = [None]
+    if worker.rank == 0:
+        try:
+            lock = rundir.acquire(out_dir, create=create, key=key)
+            if lock is not None:
+                resume.remove_temp_files(out_dir)
+            box = [("ok", lock.token if lock is not None else None)]
+        except RunDirLockError as e:
+            box = [(type(e).__name__, str(e))]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "RunDirInUseError":
+        raise RunDirInUseError(f"(rank 0) {value}")
+    if kind != "ok":
+        raise RunDirLockError(f"(rank 0) {value}")
+    if worker.rank != 0 and value is not None:
+        rundir.join(out_dir, value)
+    _CLAIMED[key] = value
+    return value
+
+
 def barrier() -> None:
     """Wait for every torchrun rank (no-op outside a process group)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _ended(status: Optional[str]) -> Optional[str]:
+    """A worker's status once every worker ended: ``running`` means its process died without a final status."""
+    return "crashed" if status == "running" else status
 
 
 def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str) -> Dict[str, Any]:
@@ -129,10 +186,12 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     Returns:
         The merged manifest. Its ``status`` is ``completed`` only when every worker completed; ``workers`` lists
         each rank's host, device, shard size, status, counts, evidence verdict, timing, memory, and the status
-        its previous attempt ended with (``resumed_from``: a worker that died shows ``running`` there).
+        its previous attempt ended with (``resumed_from``: a worker that died shows ``crashed`` there; a worker
+        manifest still at ``running`` when the merge runs, after every worker ended, is ``crashed`` too).
         ``timing.images_per_hour`` is every worker's ok images over the slowest worker's generation loop.
     """
-    latest: Dict[str, Dict[str, Any]] = {}
+    latest: Dict[str, Dict[str, Any]] = {}  # merged after every worker ended: a worker manifest still at
+    # ``running`` is one whose process died without a final status (``crashed``)
     for p in sorted(out_dir.glob("items*.jsonl")):
         for rec in read_journal(p):
             if "key" in rec:
@@ -152,9 +211,10 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
         workers.append({"rank": r, "host": w.get("host"), "device": doc.get("platform", {}).get("device"),
                         "device_name": doc.get("platform", {}).get("probes", {}).get("device_name"),
                         "pid": doc.get("evidence", {}).get("pid"), "shard_items": w.get("shard_items"),
-                        "status": doc.get("status"), "counts": doc.get("counts"),
+                        "status": _ended(doc.get("status")),
+                        "counts": doc.get("counts"),
                         "evidence_verdict": doc.get("evidence", {}).get("verdict"),
-                        "resumed_from": (doc.get("resumed_from") or {}).get("status"),
+                        "resumed_from": _ended((doc.get("resumed_from") or {}).get("status")),
                         "timing": {k: doc.get("timing", {}).get(k) for k in ("wall_s", "load_s", "warmup_s", "loop_s",
                                                                              "images_per_hour")},
                         "memory": doc.get("memory")})
@@ -196,6 +256,10 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
                         and not merged["counts"]["missing"] else "incomplete")
     merged["failed_workers"] = [w["rank"] for w in workers if w["status"] not in ("completed",
                                                                                    "completed_with_failures")]
+    lock = rundir.held(out_dir)  # the merge runs in the process that holds the run dir (rank 0, the Ray driver)
+    if lock is not None:
+        merged["lock"] = lock.record()
+        merged["owner"] = lock.holder
     atomic_write_json(out_dir / "manifest.json", merged)
     return merged
 

@@ -81,3 +81,19 @@ class StorageError(RunnerError, OSError):
 
     exit_code = 1
     outcome = "storage_error"
+
+
+class RunDirLockError(RunnerError):
+    """The run dir cannot be held for this run: it cannot be created, or another run holds it
+    (:class:`RunDirInUseError`). Exit 2; nothing is written into the dir, not even ``job_status.json`` (the dir may
+    belong to the run that holds it)."""
+
+    exit_code = 2
+    outcome = "invalid"
+
+
+class RunDirInUseError(RunDirLockError):
+    """Another run (another process, or another data-parallel run) holds the run dir's lock (names the dir, the
+    holder's pid, host, start time and command, and the fix)."""
+
+    outcome = "in_use"

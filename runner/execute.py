@@ -29,7 +29,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import dataset as ds
-from runner import evidence, resume
+from runner import evidence, resume, rundir
 from runner.artifacts import atomic_write_bytes
 from runner.errors import ConfigValueError, StorageError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
@@ -114,10 +114,13 @@ LIBRARY_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "VLLM_ATTENTIO
 
 class Stop:
     """SIGINT/SIGTERM handling: the first signal asks the loop to stop after the current batch; a second one
-    exits at once (every write is atomic or an fsynced journal line, so nothing is left half-written)."""
+    ends the process at once (``os._exit(128 + signal)``), after ``on_force`` recorded the final status (the
+    manifest at ``interrupted`` with its end time, ``job_status.json``). Every write is atomic or an fsynced
+    journal line, so nothing is left half-written; a resume regenerates what the abandoned batch did not write."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_force: Optional[Callable[[int], None]] = None) -> None:
         self.signum: Optional[int] = None
+        self.on_force = on_force
         self._old: Dict[int, Any] = {}
 
     def __enter__(self) -> "Stop":
@@ -128,10 +131,27 @@ class Stop:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
-            os._exit(128 + signum)
+            self._force(signum)
         self.signum = signum
         log.warning("%s received: stopping after the current batch (send again to exit now)",
                     signal.Signals(signum).name)
+
+    def _force(self, signum: int) -> None:
+        """The second signal: record the final status (a further signal cannot interrupt that), then exit."""
+        try:
+            for sig in self._old:
+                signal.signal(sig, signal.SIG_IGN)
+            log.warning("%s received again: exiting now, without finishing the current batch",
+                        signal.Signals(signum).name)
+            if self.on_force is not None:
+                self.on_force(signum)
+        except BaseException as e:  # noqa: BLE001 - exit anyway: the process was told twice to end
+            try:
+                log.error("recording the final status failed: %s: %s", type(e).__name__, e)
+            except BaseException:  # noqa: BLE001
+                pass
+        finally:
+            os._exit(128 + signum)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
@@ -183,8 +203,14 @@ def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any
              "        have = None",
              "    bad += [f'{k}: expected {v}, found {have}'] if have != v else []",
              "if bad: print('repro: package versions differ:', *bad, sep='\\n  ', file=sys.stderr)", "PY",
-             "\"$PY\" -m runner " + " ".join(shlex.quote(o) for o in overrides)
-             + ' hydra.run.dir="${1:-outputs/repro/$(date +%Y-%m-%d_%H-%M-%S)}"', ""]
+             # default NEW_RUN_DIR: created exclusively (mkdir fails on an existing name), so two re-runs
+             # started in the same second never share a dir
+             'NEW="${1:-}"',
+             'if [ -z "$NEW" ]; then',
+             '  mkdir -p outputs/repro; base="outputs/repro/$(date +%Y-%m-%d_%H-%M-%S)"; NEW="$base"; n=0',
+             '  until mkdir "$NEW" 2>/dev/null; do n=$((n + 1)); NEW="$base-$n"; done',
+             'fi',
+             "\"$PY\" -m runner " + " ".join(shlex.quote(o) for o in overrides) + ' hydra.run.dir="$NEW"', ""]
     path = out_dir / "repro.sh"
     atomic_write_bytes(path, "\n".join(lines).encode())
     path.chmod(0o755)
@@ -379,7 +405,8 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
 
 # -------------------------------------------------------------------------------------------------- the loop
 def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
-        on_loaded: Optional[Callable[[Any], None]] = None, worker: Optional[Any] = None) -> int:
+        on_loaded: Optional[Callable[[Any], None]] = None, worker: Optional[Any] = None,
+        on_exit: Optional[Callable[[int], None]] = None) -> int:
     """Execute one run into ``run_dir``. Returns the process exit code (0: every item written and verified;
     1: some items failed; 128+signal: interrupted).
 
@@ -391,13 +418,35 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
             (tests use it to tamper with the model and check that the evidence notices).
         worker: a data-parallel worker (``runner.distributed.Worker``): it generates only its shard and writes
             ``items.rank<r>.jsonl`` and ``manifest.rank<r>.json``; the merge makes the run's files.
+        on_exit: called with the exit code when a second signal ends the process at once, after the manifest
+            was finalized (``runner.jobs`` writes ``job_status.json`` there).
+
+    The run dir is held for the whole call (``runner.rundir``): a plain run takes its lock first thing, before
+    anything loads or anything in the dir is read or written (re-entrant: ``python -m runner`` took it already);
+    a worker belongs to the run that holds it (rank 0, the Ray driver).
 
     Raises:
         runner.errors.RunnerError subclasses: bad input or a refused backend, all before any weight loads;
+            ``RunDirInUseError`` when another run holds the dir;
         evidence.EvidenceError: strict evidence found a mismatch (after everything was written).
     """
-    t_start = time.perf_counter()
     out_dir = Path(cfg.run.resume or cfg.output.dir or run_dir)
+    joined = rundir.run_token(out_dir) if rundir.held(out_dir) is None else None  # a torchrun rank > 0
+    if worker is not None or joined:
+        token = rundir.run_token(out_dir) or (rundir.join(out_dir, None) if out_dir.is_dir() else None)
+        return _run(cfg, out_dir, overrides, on_loaded, worker, on_exit, token)
+    lock = rundir.acquire(out_dir, create=not cfg.run.resume,  # a missing run.resume dir is refused below
+                          key="run.resume" if cfg.run.resume else "output.dir" if cfg.output.dir else None)
+    try:
+        return _run(cfg, out_dir, overrides, on_loaded, worker, on_exit, lock.token if lock is not None else None)
+    finally:
+        rundir.release(lock)
+
+
+def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Optional[Callable[[Any], None]],
+         worker: Optional[Any], on_exit: Optional[Callable[[int], None]], token: Optional[str]) -> int:
+    """The body of :func:`run`, in a run dir this process's run holds (``token``)."""
+    t_start = time.perf_counter()
 
     # 1. the run config, the stage graph and its engines (constructors load nothing)
     check_schema(cfg)
@@ -444,6 +493,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         raise resume.ResumeConflictError(f"run.resume={cfg.run.resume!r} holds no manifest.json, so there is no run "
                                          "to resume; fix: point at an earlier run dir")
     done: Dict[str, Dict[str, Any]] = {}
+    if prev is not None and prev.get("status") == "running":  # this run holds the dir: that process is gone
+        prev = {**prev, "status": "crashed"}
     if prev is not None:
         diffs = resume.semantic_diff(prev.get("config", {}), resolved_cfg, prev.get("dataset", {}).get("sha256"),
                                      data_sha)
@@ -452,11 +503,19 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                 f"{out_dir} holds a run with a different config; resuming would mix artifacts. Differing keys:\n  "
                 + "\n  ".join(diffs) + "\nfix: use a new run dir, or run.force=true to resume anyway")
         done = resume.finished(out_dir)
-        resume.remove_temp_files(out_dir)
+        if worker is None:  # a data-parallel run's owner cleans before any worker writes (claim_run_dir, ray)
+            resume.remove_temp_files(out_dir)
     todo = [it for it in items if it.key not in done]
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = Manifest(out_dir / manifest_name)
+    lock = rundir.held(out_dir)
+    manifest.section("owner", lock.holder if lock is not None else rundir.holder_record(token or ""))
+    if lock is not None:  # holder, start, command; a stale lock of a dead run taken over (lock.took_over)
+        manifest.section("lock", lock.record())
+        if lock.took_over is not None:
+            log.warning("run dir %s: took over the stale lock of %s (that process is gone)", out_dir,
+                        rundir.describe(lock.took_over))
     if worker is not None:
         from runner.distributed import worker_record
 
@@ -484,9 +543,6 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
             specs[0].name: {"input": "dataset prompt", "output": f"{specs[0].name}.jsonl"},
             final.stage: {"input": specs[-1].input, "template": specs[-1].template}}})
     manifest.section("environment", {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ})
-    manifest.flush()
-    if worker is None or worker.rank == 0:
-        write_repro(out_dir, overrides, manifest.doc["packages"])
 
     # 4. every stage in graph order: load -> batch -> generate -> sink -> checkpoint
     counts = {"ok": 0, "failed": 0, "reused": len(items) - len(todo)}
@@ -494,55 +550,75 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     status = "running"
     results: Dict[str, Any] = {}
     links: Dict[str, Any] = {}
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(items), initial=len(items) - len(todo), unit=final.unit, desc=cfg.model.name,
-               dynamic_ncols=True)
-
-    def on_record(rec: Dict[str, Any]) -> None:
-        counts["ok" if rec["status"] == "ok" else "failed"] += 1
-        bar.update(1)
-
-    def checkpoint() -> None:
-        manifest.section("counts", counts)
-        manifest.flush()
-
     workers = int(cfg.output.write_workers)
-    sink_cls = SINKS[final.output]
-    sink = (sink_cls(out_dir, journal_name, workers=workers, max_pending=4 * max(1, workers) + cfg.batch_size,
-                     on_record=on_record) if final.output == "image" else
-            sink_cls(out_dir, journal_name, on_record=on_record))
-    stop = Stop()
+    sink: Any = None
+    bar: Any = None
+
+    def force_exit(signum: int) -> None:  # a second signal: the final status, then os._exit (Stop)
+        manifest.section("counts", counts)
+        manifest.section("interrupt", {"signal": signal.Signals(signum).name, "forced": True,
+                                       "note": "a second signal ended the process without finishing the current "
+                                               "batch; a resume regenerates what it did not write"})
+        manifest.doc["status"] = "interrupted"
+        manifest.doc["ended_at"] = now_iso()
+        manifest.flush()
+        if on_exit is not None:
+            on_exit(128 + signum)
+        rundir.release_all()
+
+    # From the manifest's first write to its last, every way this run ends records its final status: the loop's
+    # end, an exception (except/finally below), a first signal (stop after the batch), a second one (force_exit).
+    stop = Stop(on_force=force_exit)
+    stop.__enter__()
     try:
-        with stop:
-            for e, spec in zip(upstream, specs):
-                if not todo or stop.signum is not None:
-                    break
-                firsts = list({it.row.id: it.row for it in todo}.values())
-                up_sink = SINKS[e.output](out_dir, f"{e.stage}.jsonl")
-                try:
-                    results[e.stage] = run_stage(e, e.items_from(firsts), up_sink, cfg, stop, _Timing())
-                finally:
-                    up_sink.close()
-                    e.close()
-                    compact_journal(out_dir / f"{e.stage}.jsonl")
-                links = _link_records(e.stage, results[e.stage].records)
-                todo = _feed(todo, links, specs[-1].template)
-                backends_doc[e.stage] = e.backends_section()
-                manifest.section("backends", backends_doc)
-                manifest.section("pipeline", {**manifest.doc["pipeline"], "links": len(links),
-                                              e.stage: {"load_s": round(e.load_s, 3), "source": e.source}})
-                manifest.flush()
+        manifest.flush()
+        if worker is None or worker.rank == 0:
+            write_repro(out_dir, overrides, manifest.doc["packages"])
+        from tqdm import tqdm
 
-            def after_load(sections: Dict[str, Any]) -> None:
-                manifest.section("model", {**model_doc, "source": final.source, **sections.pop("model", {})})
-                for k, v in sections.items():
-                    manifest.section(k, v)
-                manifest.section("backends", {**backends_doc, final.stage: final.backends_section()})
-                manifest.flush()
+        bar = tqdm(total=len(items), initial=len(items) - len(todo), unit=final.unit, desc=cfg.model.name,
+                   dynamic_ncols=True)
 
-            results[final.stage] = run_stage(final, todo, sink, cfg, stop, timing, on_loaded=on_loaded,
-                                             links=links, after_load=after_load, checkpoint=checkpoint)
+        def on_record(rec: Dict[str, Any]) -> None:
+            counts["ok" if rec["status"] == "ok" else "failed"] += 1
+            bar.update(1)
+
+        def checkpoint() -> None:
+            manifest.section("counts", counts)
+            manifest.flush()
+
+        sink_cls = SINKS[final.output]
+        sink = (sink_cls(out_dir, journal_name, workers=workers, max_pending=4 * max(1, workers) + cfg.batch_size,
+                         on_record=on_record) if final.output == "image" else
+                sink_cls(out_dir, journal_name, on_record=on_record))
+        for e, spec in zip(upstream, specs):
+            if not todo or stop.signum is not None:
+                break
+            firsts = list({it.row.id: it.row for it in todo}.values())
+            up_sink = SINKS[e.output](out_dir, f"{e.stage}.jsonl")
+            try:
+                results[e.stage] = run_stage(e, e.items_from(firsts), up_sink, cfg, stop, _Timing())
+            finally:
+                up_sink.close()
+                e.close()
+                compact_journal(out_dir / f"{e.stage}.jsonl")
+            links = _link_records(e.stage, results[e.stage].records)
+            todo = _feed(todo, links, specs[-1].template)
+            backends_doc[e.stage] = e.backends_section()
+            manifest.section("backends", backends_doc)
+            manifest.section("pipeline", {**manifest.doc["pipeline"], "links": len(links),
+                                          e.stage: {"load_s": round(e.load_s, 3), "source": e.source}})
+            manifest.flush()
+
+        def after_load(sections: Dict[str, Any]) -> None:
+            manifest.section("model", {**model_doc, "source": final.source, **sections.pop("model", {})})
+            for k, v in sections.items():
+                manifest.section(k, v)
+            manifest.section("backends", {**backends_doc, final.stage: final.backends_section()})
+            manifest.flush()
+
+        results[final.stage] = run_stage(final, todo, sink, cfg, stop, timing, on_loaded=on_loaded,
+                                         links=links, after_load=after_load, checkpoint=checkpoint)
 
         # 5. verdict
         if stop.signum is not None:
@@ -585,43 +661,53 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         manifest.section("error", f"{type(e).__name__}: {e}")
         raise
     finally:
-        close_error: Optional[StorageError] = None
+        closing_error: Optional[BaseException] = None
         try:
-            sink.close()  # every produced artifact is written, also when the loop raised
-        except StorageError as e:  # what did reach the disk is journaled; the first storage error is reported
-            if status != "storage_error":
-                status, close_error = "storage_error", e
-                manifest.section("error", f"{type(e).__name__}: {e}")
-            log.error("%s", e)
+            try:
+                if sink is not None:
+                    sink.close()  # every produced artifact is written, also when the loop raised
+            finally:
+                if bar is not None:
+                    bar.close()
+                for e in engines:
+                    e.close()
+            if sink is not None:
+                _compact(out_dir, items, journal_name, final)
+        except BaseException as e:  # the final status is written all the same, then the error goes on
+            closing_error = e
+            if status not in ("interrupted", "storage_error"):
+                status = "storage_error" if isinstance(e, StorageError) else "failed"
+            manifest.doc.setdefault("error", f"{type(e).__name__}: {e}")
+        try:
+            try:
+                manifest.section("counts", counts)
+                res = results.get(final.stage)
+                phases = final.timing_phases(timing.generate_s)
+                write_s = getattr(sink, "write_s", 0.0)
+                ok = counts["ok"]
+                manifest.section("timing", {
+                    "wall_s": round(time.perf_counter() - t_start, 3), "load_s": round(timing.load_s, 3),
+                    "warmup_s": round(timing.warmup_s, 3), "generate_s": round(timing.generate_s, 3),
+                    "write_s": round(write_s, 3), "write_wait_s": round(getattr(sink, "wait_s", 0.0), 3),
+                    "write_workers": workers, "loop_s": round(timing.loop_s, 3),
+                    "phases_s": {k: round(v, 4) for k, v in phases.items()} | {"write": round(write_s, 4)},
+                    "images_per_s" if final.output == "image" else "items_per_s":
+                        round(ok / timing.generate_s, 4) if timing.generate_s else None,
+                    "images_per_hour" if final.output == "image" else "items_per_hour":
+                        round(3600 * ok / timing.loop_s, 1) if timing.loop_s else None,
+                    **(final.timing_extra(res, timing.generate_s) if res is not None else {})})
+                comp = final.compile_section()
+                if comp is not None:
+                    manifest.section("compile", comp)
+                manifest.section("memory", peak_memory(plat.kind))
+            finally:
+                manifest.doc["status"] = status
+                manifest.doc["ended_at"] = now_iso()
+                manifest.flush()
         finally:
-            bar.close()
-            for e in engines:
-                e.close()
-        _compact(out_dir, items, journal_name, final)
-        manifest.section("counts", counts)
-        res = results.get(final.stage)
-        phases = final.timing_phases(timing.generate_s)
-        ok = counts["ok"]
-        manifest.section("timing", {
-            "wall_s": round(time.perf_counter() - t_start, 3), "load_s": round(timing.load_s, 3),
-            "warmup_s": round(timing.warmup_s, 3), "generate_s": round(timing.generate_s, 3),
-            "write_s": round(sink.write_s, 3), "write_wait_s": round(sink.wait_s, 3), "write_workers": workers,
-            "loop_s": round(timing.loop_s, 3),
-            "phases_s": {k: round(v, 4) for k, v in phases.items()} | {"write": round(sink.write_s, 4)},
-            "images_per_s" if final.output == "image" else "items_per_s":
-                round(ok / timing.generate_s, 4) if timing.generate_s else None,
-            "images_per_hour" if final.output == "image" else "items_per_hour":
-                round(3600 * ok / timing.loop_s, 1) if timing.loop_s else None,
-            **(final.timing_extra(res, timing.generate_s) if res is not None else {})})
-        comp = final.compile_section()
-        if comp is not None:
-            manifest.section("compile", comp)
-        manifest.section("memory", peak_memory(plat.kind))
-        manifest.doc["status"] = status
-        manifest.doc["ended_at"] = now_iso()
-        manifest.flush()
-        if close_error is not None and sys.exc_info()[0] is None:
-            raise close_error
+            stop.__exit__(None, None, None)
+        if closing_error is not None and sys.exc_info()[0] is None:  # else the error that ended the loop goes on
+            raise closing_error
     log.info("run %s: %d ok, %d failed, %d reused, %.1f s -> %s", status, counts["ok"], counts["failed"],
              counts["reused"], time.perf_counter() - t_start, out_dir)
     if status == "evidence_mismatch":

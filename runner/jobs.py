@@ -11,8 +11,12 @@ Every job dir gets ``job_status.json``: ``{exit_code, outcome, error_type, error
   with a ``status: invalid`` manifest.
 * ``evidence_mismatch``: what executed differs from the resolution (``runner.errors.EvidenceMismatchError``).
 * ``crashed``: an unexpected exception (its traceback is in the job log).
+* ``interrupted``: a signal stopped it (``128 + N``; a second signal writes this before the process exits).
 
-A :class:`runner.errors.RunnerError` carries its own ``outcome`` and ``exit_code``; nothing here lists classes.
+A :class:`runner.errors.RunnerError` carries its own ``outcome`` and ``exit_code``; nothing here lists classes,
+except that a run dir held by another run (``runner.errors.RunDirLockError``) gets no ``job_status.json`` at all:
+the dir is not this job's. The job holds its run dir (``runner.rundir``) from before the run until its status is
+written; ``RunDirLockCallback`` takes it even earlier, before Hydra writes into the dir.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from typing import Any, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import rundir
 from runner.artifacts import atomic_write_json
-from runner.errors import RunnerError
+from runner.errors import RunDirLockError, RunnerError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.paths import PROJECT_ROOT
 
@@ -74,19 +79,40 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         job_dir = out_dir
     status: Dict[str, Any] = {"error_type": None, "error": None}
     worker = dp.torchrun_worker() if cfg.parallelism.mode == "data" else None
+    lock = None
+
+    def on_exit(code: int) -> None:  # a second signal ends the process at once: its job status first
+        _write_status(job_dir, code, "interrupted", {"error_type": "Interrupted",
+                                                     "error": "a second signal ended the run at once"})
+
     try:
+        # Hold the run dir first (re-entrant: the Hydra callback took it already in `python -m runner`); under
+        # torchrun the run holds it through rank 0, and every rank learns whether it was refused.
+        tw = dp.torchrun_worker()
+        if tw is not None and tw.world_size > 1:
+            dp.claim_run_dir(out_dir, tw, create=not cfg.run.resume, key=_dir_key(cfg))
+        else:
+            lock = rundir.acquire(out_dir, create=not cfg.run.resume, key=_dir_key(cfg))
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
             from runner.ray_launcher import run_on_ray
 
             code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg))
         elif worker is not None and worker.world_size > 1:
-            code = run(cfg, out_dir, overrides=overrides, worker=worker)
+            code = run(cfg, out_dir, overrides=overrides, worker=worker, on_exit=on_exit)
             dp.barrier()
             if worker.rank == 0:
                 code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun"))
         else:
-            code = run(cfg, out_dir, overrides=overrides)
+            code = run(cfg, out_dir, overrides=overrides, on_exit=on_exit)
         outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
+    except RunDirLockError as e:  # the dir is another run's (or unusable): write nothing into it
+        log.error("%s: %s", type(e).__name__, e)
+        rundir.release(lock)
+        return e.exit_code
+    except KeyboardInterrupt:  # a signal outside the run loop's own handling (before it started, or after)
+        log.error("interrupted")
+        outcome, code = "interrupted", 128 + 2
+        status.update(error_type="KeyboardInterrupt", error="interrupted")
     except RunnerError as e:  # a user mistake, a refusal or contradicting evidence: its message, no traceback
         log.error("%s: %s", type(e).__name__, e)
         outcome, code = e.outcome, e.exit_code
@@ -101,9 +127,16 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         status.update(error_type=type(e).__name__, error=str(e))
         if reraise:
             _write_status(job_dir, code, outcome, status)
+            rundir.release(lock)
             raise
     _write_status(job_dir, code, outcome, status)
+    rundir.release(lock)
     return code
+
+
+def _dir_key(cfg: DictConfig) -> str:
+    """The config key that names the run dir (for messages)."""
+    return "run.resume" if cfg.run.resume else "output.dir" if cfg.output.dir else "hydra.run.dir"
 
 
 def _write_status(out_dir: Path, code: int, outcome: str, status: Dict[str, Any]) -> None:
@@ -114,3 +147,45 @@ def _write_status(out_dir: Path, code: int, outcome: str, status: Dict[str, Any]
         atomic_write_json(out_dir / "job_status.json", {"exit_code": code, "outcome": outcome, **status})
     except OSError as e:  # StorageError included
         log.error("job_status.json not written (%s: %s); outcome %s, exit %d", type(e).__name__, e, outcome, code)
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra is a dependency of the CLI
+    _HydraCallback = object  # type: ignore[misc,assignment]
+
+
+def _refuse(e: RunnerError) -> None:
+    import sys
+
+    print(f"[runner] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)  # Hydra only warns about a callback's exceptions
+
+
+class RunDirLockCallback(_HydraCallback):
+    """Holds the run dir from the start of ``python -m runner`` (``on_run_start``: before Hydra writes ``.hydra/``
+    and the job log into it) until the process ends; for a multirun, the sweep dir (``on_multirun_start``; each
+    job's dir is then held by its job, ``run_job``). A refusal (``runner.errors.RunDirInUseError``: another run
+    holds the dir) ends the process with exit 2 before anything is written. Under torchrun, rank 0 takes the lock
+    and tells the other ranks (``runner.distributed.claim_run_dir``)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from runner import distributed as dp
+
+        resume = OmegaConf.select(config, "run.resume")
+        hydra_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
+        given = resume or OmegaConf.select(config, "output.dir")
+        # relative to where the run will be: Hydra's run dir when hydra.job.chdir moves the process there
+        base = hydra_dir if OmegaConf.select(config, "hydra.job.chdir") else Path.cwd()
+        target = base / str(given) if given else dp.shared_run_dir(hydra_dir)
+        key = "run.resume" if resume else "output.dir" if given else "hydra.run.dir"
+        try:
+            dp.claim_run_dir(target, dp.torchrun_worker(), create=not resume, key=key)
+        except RunDirLockError as e:
+            _refuse(e)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            rundir.acquire(Path(str(OmegaConf.select(config, "hydra.sweep.dir"))).absolute())
+        except RunDirLockError as e:
+            _refuse(e)

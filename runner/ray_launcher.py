@@ -11,26 +11,34 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import resume, rundir
 from runner.errors import RunnerError
 
 log = logging.getLogger("runner.ray")
 
 
-def _worker_main(cfg_dict: Dict[str, Any], out_dir: str, overrides: List[str], rank: int, world_size: int) -> int:
-    """Body of one Ray worker: rebuild the config and run its shard."""
+def _worker_main(cfg_dict: Dict[str, Any], out_dir: str, overrides: List[str], rank: int, world_size: int,
+                 token: Optional[str] = None) -> int:
+    """Body of one Ray worker: join the run that holds the run dir (``token``), rebuild the config and run its
+    shard."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from runner import rundir
     from runner.distributed import Worker
     from runner.execute import run
 
-    cfg = OmegaConf.create(cfg_dict)
-    return run(cfg, Path(out_dir), overrides=overrides, worker=Worker(rank=rank, world_size=world_size,
-                                                                      launcher="ray"))
+    rundir.join(Path(out_dir), token)
+    try:
+        cfg = OmegaConf.create(cfg_dict)
+        return run(cfg, Path(out_dir), overrides=overrides, worker=Worker(rank=rank, world_size=world_size,
+                                                                          launcher="ray"))
+    finally:
+        rundir.leave(Path(out_dir))  # a Ray worker process may be reused for another task
 
 
 def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[str]) -> int:
@@ -55,20 +63,24 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[
     remote = ray.remote(num_cpus=cfg.launcher.num_cpus_per_worker,
                         num_gpus=cfg.launcher.num_gpus_per_worker, max_retries=0)(_worker_main)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    refs = [remote.remote(cfg_dict, str(out_dir), list(overrides), r, n) for r in range(n)]
-    codes = []
-    refusal = None
-    for r, ref in enumerate(refs):
-        try:
-            codes.append(ray.get(ref))
-        except Exception as e:  # noqa: BLE001 - a dead worker is recorded by the merge, not fatal here
-            cause = getattr(e, "cause", e)  # ray.exceptions.RayTaskError wraps the worker's exception
-            if isinstance(cause, RunnerError):  # every worker checks the same config: a user error, not a crash
-                refusal = refusal or cause
-            else:
-                log.error("ray worker %d failed: %s", r, e)
-            codes.append(None)
-    if refusal is not None:
-        raise refusal  # classified by run_job from its exit_code/outcome, as in a one-process run
-    return merged_exit_code(merge(out_dir, n, keys, "ray"))
+    lock = rundir.acquire(out_dir)  # the driver holds the run dir for its workers (re-entrant: run_job holds it)
+    try:
+        resume.remove_temp_files(out_dir)  # before any worker writes
+        refs = [remote.remote(cfg_dict, str(out_dir), list(overrides), r, n, lock.token) for r in range(n)]
+        codes = []
+        refusal = None
+        for r, ref in enumerate(refs):
+            try:
+                codes.append(ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - a dead worker is recorded by the merge, not fatal here
+                cause = getattr(e, "cause", e)  # ray.exceptions.RayTaskError wraps the worker's exception
+                if isinstance(cause, RunnerError):  # every worker checks the same config: a user error, not a crash
+                    refusal = refusal or cause
+                else:
+                    log.error("ray worker %d failed: %s", r, e)
+                codes.append(None)
+        if refusal is not None:
+            raise refusal  # classified by run_job from its exit_code/outcome, as in a one-process run
+        return merged_exit_code(merge(out_dir, n, keys, "ray"))
+    finally:
+        rundir.release(lock)

@@ -34,6 +34,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from runner import rundir
 from runner.sinks import read_journal
 from runner.errors import RunnerError, UserInputError
 
@@ -82,10 +83,14 @@ class Job:
 
     @property
     def outcome(self) -> str:
-        """``job_status.json`` outcome, or one derived from the manifest status when the file is absent."""
+        """``job_status.json`` outcome, or one derived from the manifest status when the file is absent. A manifest
+        at ``running`` (its run is alive) or ``crashed`` (it ended without a final status, see ``load_jobs``) wins:
+        a ``job_status.json`` beside it is an earlier attempt's."""
+        st = self.manifest.get("status")
+        if st in ("running", "crashed"):
+            return st
         if self.status.get("outcome"):
             return self.status["outcome"]
-        st = self.manifest.get("status")
         return {"completed": "ok", "refused": "refused", "invalid": "invalid",
                 "completed_with_failures": "failed_items"}.get(st, st or "unknown")
 
@@ -111,6 +116,17 @@ def _read_json(path: Path) -> Dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def read_manifest(run_dir: Path) -> Dict[str, Any]:
+    """``run_dir/manifest.json`` (``{}`` when absent), with ``status: running`` replaced by ``crashed`` when the
+    run that wrote it is no longer alive (``runner.rundir.effective_status``: its process ended without writing a
+    final status); the recorded status is kept as ``recorded_status``."""
+    doc = _read_json(Path(run_dir) / "manifest.json")
+    st = rundir.effective_status(run_dir, doc) if doc else None
+    if doc and st != doc.get("status"):
+        doc = {**doc, "status": st, "recorded_status": doc.get("status")}
+    return doc
 
 
 def is_run_dir(d: Path) -> bool:
@@ -148,7 +164,7 @@ def load_jobs(dirs: Iterable[Path]) -> List[Job]:
         if any(j.label == label for j in jobs):  # same names under different parents
             label = f"{label}#{len(jobs)}"
         jobs.append(Job(name=path.name, label=label, path=path, group=group,
-                        manifest=_read_json(path / "manifest.json"), status=_read_json(path / "job_status.json"),
+                        manifest=read_manifest(path), status=_read_json(path / "job_status.json"),
                         items=read_journal(path / "items.jsonl")))
     return jobs
 

@@ -27,10 +27,10 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from runner import rundir
 from runner.errors import RunnerError, UserInputError
 from runner.report import PARITY_TOLERANCE_DB, compare_images, fmt_psnr, load_rgb
 
@@ -246,8 +246,12 @@ def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float
     except ValueError as e:
         raise ReproInputError(f"{run_dir / 'manifest.json'} is not valid JSON ({e}); fix: pass a run dir "
                               "whose manifest is intact") from None
+    status = rundir.effective_status(run_dir, manifest)
+    if status == "running":
+        raise ReproInputError(f"{run_dir} is still running ({rundir.describe((manifest.get('owner') or {}))}); "
+                              "fix: reproduce it once it has ended")
     if new_dir is None:
-        new_dir = Path("outputs/repro") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")  # as repro.sh
+        new_dir = rundir.new_dir(Path("outputs/repro"))  # created exclusively: never another re-run's dir
     new_dir = Path(new_dir).resolve()
     if (new_dir / "manifest.json").exists():
         raise ReproInputError(f"{new_dir} already holds a run; fix: choose a new --out")
@@ -257,6 +261,9 @@ def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float
     print("repro:", " ".join(cmd), flush=True)
     p = subprocess.run(cmd, env=env, timeout=timeout_s)
     result = compare(run_dir, new_dir, tolerance_db, exact)
+    if status == "crashed":
+        result["notes"].insert(0, f"original status: crashed (its manifest says running but {run_dir} is held by "
+                                  "no process: it ended without a final status); its finished items are compared")
     orig_code = 0 if manifest.get("status") == "completed" else None
     result["rerun_exit_code"] = p.returncode
     if orig_code == 0 and p.returncode != 0:

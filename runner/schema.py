@@ -544,6 +544,10 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("repo_root"):
         OmegaConf.register_new_resolver("repo_root", _repo_root)  # ${repo_root:}: the checkout's root, or
         # the site-packages folder of an installed runner (both hold models/toy_shapes/weights)
+    if not OmegaConf.has_resolver("runner_pid"):
+        from runner.rundir import pid_resolver
+
+        OmegaConf.register_new_resolver("runner_pid", pid_resolver)  # ${runner_pid:}: default dir names
     cs = ConfigStore.instance()
     cs.store(name="runner_schema", node=RunConfig)
     cs.store(group="model", name="base_diffusion", node=DiffusionModelConfig)

@@ -17,6 +17,7 @@ from typing import Any, Dict, List
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from runner import rundir
 from runner.artifacts import atomic_write_json
 
 log = logging.getLogger("runner.sweep")
@@ -37,8 +38,10 @@ def summarize(sweep_dir: Path) -> Dict[str, Any]:
     for d in job_dirs(sweep_dir):
         st = json.loads((d / "job_status.json").read_text()) if (d / "job_status.json").exists() else {}
         man = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").exists() else {}
-        jobs.append({"dir": d.name, "overrides": man.get("overrides"), "outcome": st.get("outcome", "unknown"),
-                     "exit_code": st.get("exit_code"), "status": man.get("status"), "error": st.get("error")})
+        status = rundir.effective_status(d, man) if man else None  # running with a dead owner: crashed
+        outcome = status if status in ("running", "crashed") else st.get("outcome", "unknown")
+        jobs.append({"dir": d.name, "overrides": man.get("overrides"), "outcome": outcome,
+                     "exit_code": st.get("exit_code"), "status": status, "error": st.get("error")})
     failed = [j for j in jobs if j["outcome"] not in ACCEPTED_OUTCOMES]
     return {"sweep_dir": str(sweep_dir), "jobs": jobs, "exit_code": 1 if failed else 0,
             "rule": "exit 0 iff every job is ok or refused (documented capability refusal at startup)"}

@@ -113,7 +113,7 @@ def test_torchrun_killed_worker_then_resume(tmp_path, single):
     assert m["status"] == "completed" and m["counts"]["missing"] == 0 and m["dataset"]["items"] == 16
     assert m["counts"]["ok"] + m["counts"]["reused"] == 16 and m["counts"]["reused"] >= 1  # as a 1-worker resume
     w1 = m["workers"][1]
-    assert w1["resumed_from"] == "running"  # the manifest says rank 1 died in the first attempt
+    assert w1["resumed_from"] == "crashed"  # rank 1 died in the first attempt (its manifest was left at running)
     assert w1["counts"]["reused"] >= 1  # its finished rows were kept, not regenerated
     ref = tmp_path / "ref"
     r = _runner(["dataset.limit=16", slow, f"hydra.run.dir={ref}"], cwd=tmp_path)
@@ -188,7 +188,7 @@ def test_ray_killed_worker_then_resume(tmp_path):
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])  # Hydra's job log goes to stdout
     m = json.loads((d / "manifest.json").read_text())
     assert m["status"] == "completed" and m["counts"]["ok"] + m["counts"]["reused"] == 16
-    assert m["workers"][1]["resumed_from"] == "running" and m["workers"][1]["counts"]["reused"] >= 1
+    assert m["workers"][1]["resumed_from"] == "crashed" and m["workers"][1]["counts"]["reused"] >= 1
     after = _hashes(d)
     assert all(after[k] == v for k, v in kept.items())  # finished rows were kept, not regenerated differently
     ref = tmp_path / "ref"

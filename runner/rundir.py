@@ -1,0 +1,441 @@
+"""One run per run dir, unique default dirs, and whether a run a manifest says is ``running`` is still alive.
+
+**The lock.** A run holds an exclusive ``flock`` on ``<run dir>/run.lock`` for its whole life, taken before
+anything in the dir is read for a resume or written: ``python -m runner`` takes it in a Hydra callback
+(:class:`runner.jobs.RunDirLockCallback`) before Hydra writes ``.hydra/`` and the job log there, and
+:func:`runner.execute.run` takes it (re-entrantly) for in-process callers. The file names its holder: pid, host,
+start time, command and a token naming the run. A second process is refused (:class:`RunDirInUseError`, exit 2)
+naming the dir and the holder. The kernel drops the lock when its process dies, however it dies; a run that ends
+removes the file, so a file found unlocked but naming a holder is the stale lock of a dead run: the next run
+takes it over and records the dead holder in its manifest (``lock.took_over``).
+
+**Data parallelism.** One *run* holds the dir, all its workers together: its owner (the single process, torchrun
+rank 0, the Ray driver) holds ``run.lock``; its workers (torchrun ranks > 0, Ray actors) hold a shared lock on
+``workers.lock`` and check that ``run.lock`` names their run's token (:func:`join`). A new run takes a dir over
+only when both are free, i.e. no process of an earlier run still writes there.
+
+**Liveness.** :func:`effective_status`: a manifest at ``status: running`` whose run holds no lock any more is
+reported ``crashed`` (its process ended without writing a final status: SIGKILL, power loss, OOM killer).
+
+**Default dirs.** ``conf/config.yaml`` names default run and sweep dirs by date, time to the microsecond and
+the process id (``${runner_pid:}``), and :func:`new_dir` creates a dir exclusively (``mkdir``, a ``-<n>`` suffix
+when the name is taken), so two runs never pick the same default dir whatever second they start in.
+
+This module imports nothing heavy (no torch): readers (report, matrix, sweep) use it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import json
+import logging
+import os
+import shlex
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from runner.errors import RunDirInUseError, RunDirLockError
+
+log = logging.getLogger("runner")
+
+LOCK_NAME = "run.lock"
+WORKERS_NAME = "workers.lock"
+_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+FIX = ("fix: wait for that run to end, or write into another dir (hydra.run.dir=<new dir> or "
+       "output.dir=<new dir>); a lock whose process is dead is taken over by the next run")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _key(d: Path) -> str:
+    return str(Path(d).resolve())
+
+
+def holder_record(token: str) -> Dict[str, Any]:
+    """Who holds (or joins) a run dir: this process's pid, host, start of the hold, command line and the token
+    naming the run."""
+    argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started_at": _now(), "command": shlex.join(argv),
+            "cwd": os.getcwd(), "token": token}
+
+
+def describe(holder: Optional[Dict[str, Any]]) -> str:
+    """``pid P on host H, started T, command: C`` (or what is known of it)."""
+    if not holder:
+        return "a process that has not recorded itself yet"
+    return (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started_at')}, "
+            f"command: {holder.get('command')}")
+
+
+@dataclass
+class RunLock:
+    """The lock of a run dir held by this process (see the module docstring).
+
+    Attributes:
+        holder: :func:`holder_record` of this process, also written into ``run.lock``.
+        took_over: the holder recorded in a stale ``run.lock`` this run took over (its process was dead).
+        enforced: False where the filesystem has no ``flock`` (the lock could not be taken; ``reason`` says why).
+    """
+
+    dir: Path
+    holder: Dict[str, Any]
+    took_over: Optional[Dict[str, Any]] = None
+    enforced: bool = True
+    reason: Optional[str] = None
+    fd: Optional[int] = None
+    count: int = 1
+
+    @property
+    def token(self) -> str:
+        return self.holder["token"]
+
+    def record(self) -> Dict[str, Any]:
+        """The manifest's ``lock`` section."""
+        doc: Dict[str, Any] = {"file": LOCK_NAME, "holder": self.holder, "enforced": self.enforced}
+        if self.reason:
+            doc["reason"] = self.reason
+        if self.took_over is not None:
+            doc["took_over"] = self.took_over
+        return doc
+
+
+_HELD: Dict[str, RunLock] = {}  # run dir -> the lock this process holds on it
+_JOINED: Dict[str, Tuple[int, str]] = {}  # run dir -> (workers.lock fd, run token) of a worker process
+
+
+def _read_fd(fd: int) -> Optional[Dict[str, Any]]:
+    try:
+        data = os.pread(fd, 65536, 0)
+    except OSError:
+        return None
+    try:
+        doc = json.loads(data.decode("utf-8")) if data.strip() else None
+    except ValueError:
+        return {"unreadable": data[:200].decode("utf-8", "replace")}
+    return doc if isinstance(doc, dict) else None
+
+
+def read_holder(run_dir: Path, wait_s: float = 0.0) -> Optional[Dict[str, Any]]:
+    """The holder recorded in ``run_dir/run.lock`` (None: no file, or not written yet after ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            doc = _read_fd(fd)
+        finally:
+            os.close(fd)
+        if doc is not None or time.monotonic() >= deadline:
+            return doc
+        time.sleep(0.02)
+
+
+def _probe(path: Path, mode: int) -> Optional[bool]:
+    """True: some process holds a lock on ``path`` conflicting with ``mode``; False: none (or no file); None:
+    the filesystem has no flock."""
+    try:  # write access for an exclusive probe (NFS emulates flock with POSIX locks, which need it)
+        fd = os.open(path, (os.O_RDWR if mode == fcntl.LOCK_EX else os.O_RDONLY) | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except OSError as e:
+        return True if e.errno in _BUSY else None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _unwritable(d: Path, e: OSError, key: Optional[str] = None) -> RunDirLockError:
+    return RunDirLockError(f"cannot create or write the run dir {d}{f' ({key})' if key else ''} "
+                           f"({type(e).__name__}: {e.strerror or e}); fix: choose a dir whose parents are folders "
+                           "you can write (hydra.run.dir=<dir> or output.dir=<dir>)")
+
+
+def _in_use(d: Path, path: Path, key: Optional[str]) -> RunDirInUseError:
+    holder = read_holder(d, 2.0)
+    note = ""
+    if holder and holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid")):
+        note = " (that process is gone, but a child process it started still holds the lock)"
+    return RunDirInUseError(f"run dir {d}{f' ({key})' if key else ''} is in use by another run: "
+                            f"{describe(holder)}{note} (lock file {path}); two runs writing into one dir would mix "
+                            f"their artifacts and records; {FIX}")
+
+
+def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5, key: Optional[str] = None
+            ) -> Optional[RunLock]:
+    """Hold ``run_dir`` for this process's run (re-entrant: a dir this process holds is counted again).
+
+    Args:
+        create: create the dir when missing; with False a missing dir is not held (None is returned).
+        wait_s: how long a busy lock is retried (a reader's momentary probe also holds it).
+        key: the config key that named the dir (``hydra.run.dir``, ``output.dir``...), for messages.
+
+    Raises:
+        RunDirInUseError: another process holds the dir, or workers of an earlier run still write into it.
+        RunDirLockError: the dir cannot be created or written.
+    """
+    d = Path(run_dir)
+    reg = _key(d)
+    if reg in _HELD:
+        _HELD[reg].count += 1
+        return _HELD[reg]
+    if not d.is_dir():
+        if not create:
+            return None
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _unwritable(d, e, key) from None
+    path = d / LOCK_NAME
+    token = uuid.uuid4().hex
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise _unwritable(d, e, key) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in _BUSY:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise _in_use(d, path, key) from None
+            if e.errno in _UNSUPPORTED:
+                return _unenforced(d, token, f"{type(e).__name__}: {e.strerror} (flock on {path})")
+            raise _unwritable(d, e, key) from None
+        if _same_file(fd, path):  # a holder that ends unlinks the file before unlocking: lock the current one
+            break
+        os.close(fd)
+    prev = _read_fd(fd)
+    if _probe(d / WORKERS_NAME, fcntl.LOCK_EX):
+        os.close(fd)  # the stale holder's record (if any) stays for the next try
+        who = f"the run of {describe(prev)}" if prev else "an earlier run"
+        raise RunDirInUseError(f"run dir {d}: {who} ended, but its data-parallel workers still write into it "
+                               f"(they hold {d / WORKERS_NAME}); {FIX}")
+    lock = RunLock(dir=d, holder=holder_record(token), took_over=prev, fd=fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(lock.holder) + "\n").encode(), 0)
+        os.fsync(fd)
+    except OSError as e:
+        os.close(fd)
+        raise _unwritable(d, e, key) from None
+    _HELD[reg] = lock
+    return lock
+
+
+def _unenforced(d: Path, token: str, reason: str) -> RunLock:
+    log.warning("run dir %s: this filesystem has no file locks (%s); the run dir is NOT protected against a "
+                "second run writing into it", d, reason)
+    lock = RunLock(dir=d, holder=holder_record(token), enforced=False, reason=reason)
+    _HELD[_key(d)] = lock
+    return lock
+
+
+def release(lock: Optional[RunLock]) -> None:
+    """Give back one hold of :func:`acquire`; the last one removes ``run.lock`` (and ``workers.lock`` when no
+    worker holds it) and unlocks."""
+    if lock is None:
+        return
+    lock.count -= 1
+    if lock.count > 0:
+        return
+    _HELD.pop(_key(lock.dir), None)
+    _drop(lock)
+
+
+def _drop(lock: RunLock) -> None:
+    if lock.fd is None:
+        return
+    fd, lock.fd = lock.fd, None
+    try:
+        w = lock.dir / WORKERS_NAME
+        if w.exists() and _probe(w, fcntl.LOCK_EX) is False:
+            w.unlink()
+        if _same_file(fd, lock.dir / LOCK_NAME):
+            os.unlink(lock.dir / LOCK_NAME)  # before unlocking: a waiter then finds no file, or a new one
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def release_all() -> None:
+    """Drop every lock of this process, and leave every run it joined (at exit, and before a forced
+    ``os._exit``)."""
+    for key in list(_HELD):
+        lock = _HELD.pop(key)
+        lock.count = 0
+        _drop(lock)
+    for key in list(_JOINED):
+        leave(Path(key))
+
+
+atexit.register(release_all)
+
+
+def held(run_dir: Path) -> Optional[RunLock]:
+    """The lock this process holds on ``run_dir``, if any."""
+    return _HELD.get(_key(run_dir))
+
+
+def join(run_dir: Path, token: Optional[str]) -> str:
+    """Register this process as a data-parallel worker of the run that holds ``run_dir`` (token ``token``):
+    a shared lock on ``workers.lock`` for the rest of the process. Returns the run's token.
+
+    Raises:
+        RunDirInUseError: ``run_dir`` is held by no run, or by another run than ``token``'s.
+    """
+    key = _key(run_dir)
+    if key in _HELD:  # this process owns the run (torchrun rank 0)
+        return _HELD[key].token
+    if key in _JOINED:
+        if token is None or _JOINED[key][1] == token:
+            return _JOINED[key][1]
+        leave(run_dir)  # a reused worker process (Ray) joining the next run of the same dir
+    d = Path(run_dir)
+    while True:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd = os.open(d / WORKERS_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise _unwritable(d, e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                os.close(fd)
+                raise _unwritable(d, e) from None
+            break
+        if _same_file(fd, d / WORKERS_NAME):  # the last worker to leave unlinks it: hold the current file
+            break
+        os.close(fd)
+    info, busy = lock_state(d)
+    if busy is not False and info and (token is None or info.get("token") == token):
+        _JOINED[key] = (fd, info.get("token") or token or "")
+        return _JOINED[key][1]
+    os.close(fd)
+    raise RunDirInUseError(f"data-parallel worker: run dir {d} is not held by its run (token {token}); it is "
+                           f"held by {describe(info) if busy else 'no run'}; {FIX}")
+
+
+def leave(run_dir: Path) -> None:
+    """Undo :func:`join` (at the end of a worker's part, and at exit). The last process of the run to leave
+    (no other worker, and the owner gone) removes ``workers.lock``."""
+    fd_token = _JOINED.pop(_key(run_dir), None)
+    if fd_token is None:
+        return
+    fd = fd_token[0]
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other worker holds it
+        path = Path(run_dir) / WORKERS_NAME
+        if _same_file(fd, path) and not lock_state(run_dir)[1]:
+            os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (st.st_ino, st.st_dev) == (now.st_ino, now.st_dev)
+
+
+def run_token(run_dir: Path) -> Optional[str]:
+    """The token of the run this process holds or joined ``run_dir`` for (None: neither)."""
+    key = _key(run_dir)
+    if key in _HELD:
+        return _HELD[key].token
+    return _JOINED[key][1] if key in _JOINED else None
+
+
+# ----------------------------------------------------------------------------------------------- liveness
+def lock_state(run_dir: Path) -> Tuple[Optional[Dict[str, Any]], Optional[bool]]:
+    """``(holder, held)`` of ``run_dir/run.lock``: the recorded holder, and whether a live process holds it
+    (None: the filesystem has no flock)."""
+    key = _key(run_dir)
+    if key in _HELD:
+        return _HELD[key].holder, True
+    path = Path(run_dir) / LOCK_NAME
+    return read_holder(run_dir), _probe(path, fcntl.LOCK_SH)
+
+
+def _pid_alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def owner_alive(run_dir: Path, doc: Dict[str, Any]) -> bool:
+    """Whether the run that wrote manifest ``doc`` in ``run_dir`` is still alive: its lock (or, when its owner
+    died, its workers' lock) is held. Manifests record the run's token in ``owner``; without one (a run dir
+    written before run locks) any live holder counts. Where the filesystem has no flock, the owner's pid is
+    checked when it ran on this host."""
+    owner = doc.get("owner") or {}
+    token = owner.get("token")
+    info, busy = lock_state(run_dir)
+    same_run = token is None or not info or info.get("token") == token
+    if busy:
+        return same_run
+    if busy is None or (doc.get("lock") or {}).get("enforced") is False:
+        return owner.get("host") == socket.gethostname() and _pid_alive(owner.get("pid"))
+    if info and token and info.get("token") == token and _probe(Path(run_dir) / WORKERS_NAME, fcntl.LOCK_EX):
+        return True  # the owner died; workers of its run still write
+    return False
+
+
+def effective_status(run_dir: Path, doc: Dict[str, Any]) -> Optional[str]:
+    """The manifest's ``status``, except ``running`` whose run is no longer alive: ``crashed``."""
+    st = doc.get("status")
+    if st == "running" and not owner_alive(run_dir, doc):
+        return "crashed"
+    return st
+
+
+# ------------------------------------------------------------------------------------------- default dirs
+def new_dir(parent: Path, stem: Optional[str] = None) -> Path:
+    """A new dir under ``parent`` named ``stem`` (default: ``<date>_<time with microseconds>``), created
+    exclusively: when the name is taken (another process in the same instant) ``-1``, ``-2``... is appended."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    stem = stem or datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")
+    for n in range(10000):
+        d = parent / (stem if n == 0 else f"{stem}-{n}")
+        try:
+            d.mkdir()
+            return d
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free name {stem}-<n> under {parent}")
+
+
+def pid_resolver() -> str:
+    """``${runner_pid:}`` in ``conf/config.yaml``: this process's id (default dir names)."""
+    return str(os.getpid())
