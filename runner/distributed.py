@@ -21,7 +21,7 @@ import socket
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from runner.artifacts import atomic_write_bytes, atomic_write_json
 from runner.sinks import read_journal
@@ -120,11 +120,15 @@ def barrier() -> None:
         dist.barrier()
 
 
-def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str) -> Dict[str, Any]:
+def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str,
+          current: Optional[Callable[[List[str]], Dict[str, List[str]]]] = None) -> Dict[str, Any]:
     """Merge the workers' journals and manifests of ``out_dir`` into ``items.jsonl`` and ``manifest.json``.
 
     Args:
         keys_in_order: every item key of the dataset, in dataset order (the merged journal follows it).
+        current: given the workers' run identity hashes, the ``inputs_sha256`` values an item's ok record may
+            carry (``runner.execute.current_inputs``); an ok record with another value is an earlier config's
+            output and is left out (the same rule as a resume's, ``runner.resume``). None: every ok record counts.
 
     Returns:
         The merged manifest. Its ``status`` is ``completed`` only when every worker completed; ``workers`` lists
@@ -132,19 +136,26 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
         its previous attempt ended with (``resumed_from``: a worker that died shows ``running`` there).
         ``timing.images_per_hour`` is every worker's ok images over the slowest worker's generation loop.
     """
+    docs: List[Optional[Dict[str, Any]]] = []
+    for r in range(world_size):
+        p = out_dir / f"manifest.rank{r}.json"
+        docs.append(json.loads(p.read_text()) if p.exists() else None)
+    valid = None
+    if current is not None:
+        valid = current([d["identity"]["sha256"] for d in docs if d and (d.get("identity") or {}).get("sha256")])
     latest: Dict[str, Dict[str, Any]] = {}
     for p in sorted(out_dir.glob("items*.jsonl")):
         for rec in read_journal(p):
             if "key" in rec:
+                if rec.get("status") == "ok" and valid is not None and rec.get("inputs_sha256") not in valid.get(
+                        rec["key"], ()):
+                    continue  # an earlier config's output
                 if rec.get("status") == "ok" or rec["key"] not in latest:
                     latest[rec["key"]] = rec
     lines = [json.dumps(latest[k]) + "\n" for k in keys_in_order if k in latest]
     atomic_write_bytes(out_dir / "items.jsonl", "".join(lines).encode())
-    workers, docs = [], []
-    for r in range(world_size):
-        p = out_dir / f"manifest.rank{r}.json"
-        doc = json.loads(p.read_text()) if p.exists() else None
-        docs.append(doc)
+    workers = []
+    for r, doc in enumerate(docs):
         if doc is None:
             workers.append({"rank": r, "status": "missing"})
             continue

@@ -326,7 +326,8 @@ def _generate_isolated(engine: Any, batch: List[Any]) -> Tuple[List[Any], List[L
 def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: Stop, timing: _Timing,
               on_loaded: Optional[Callable[[Any], None]] = None, links: Optional[Dict[str, Any]] = None,
               after_load: Optional[Callable[[Dict[str, Any]], None]] = None,
-              checkpoint: Optional[Callable[[], None]] = None) -> "StageResult":
+              checkpoint: Optional[Callable[[], None]] = None,
+              identity: Optional[Callable[[Any], str]] = None) -> "StageResult":
     """Load ``engine`` and generate ``items`` into ``sink``: batch -> generate -> submit -> checkpoint, until done
     or a stop signal. The same body runs every stage of every run.
 
@@ -334,6 +335,8 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
         links: ``{row id: link}`` to the upstream record each item was rendered from (added as ``from``).
         after_load: called with the manifest sections ``engine.load`` returned.
         checkpoint: called after every batch (rewrites the manifest).
+        identity: ``item -> inputs_sha256``, recorded in each record with the batch (size, position) it ran in
+            (resumable stages: a resume compares both, ``runner.resume.reusable``).
 
     Returns:
         What was observed, for the engine's evidence.
@@ -360,9 +363,12 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
         dt = time.perf_counter() - t0
         timing.generate_s += dt
         result.generated = True
-        ran_size = {id(i): len(b) for b in ran for i in b}
-        for it, out in zip(batch, outputs):
-            rec = engine.record(it, out, ran_size.get(id(it), len(batch)), dt / len(batch))
+        ran_in = {id(i): (len(b), p) for b in ran for p, i in enumerate(b)}
+        for pos, (it, out) in enumerate(zip(batch, outputs)):
+            size, at = ran_in.get(id(it), (len(batch), pos))
+            rec = engine.record(it, out, size, dt / len(batch))
+            if identity is not None:
+                rec["inputs_sha256"], rec["batch"] = identity(it), {"size": size, "position": at}
             if links and it.row.id in links:
                 rec["from"] = links[it.row.id]
             if isinstance(out, BaseException):
@@ -439,21 +445,35 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         journal_name, manifest_name = worker.journal, worker.manifest
     data_sha = ds.file_sha256(data_path)
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
+    packages = package_versions()
+    backends_doc = {e.stage: e.backends_section() for e in engines}
+    identity = resume.run_identity(resolved_cfg, str(dtype).replace("torch.", ""), plat.to_dict(), backends_doc,
+                                   packages, sources[final.stage])
+    run_sha = resume.identity_sha256(identity)
+    # what each item's inputs_sha256 must be for this run to reuse it (its batch as this run forms it)
+    all_batches = final.batches(items, cfg.batch_size) if final.resumable else []
+    expected = resume.expected_inputs(run_sha, all_batches)
     prev = resume.previous_run(out_dir, (manifest_name, "manifest.json")) if final.resumable else None
     if cfg.run.resume and prev is None:
         raise resume.ResumeConflictError(f"run.resume={cfg.run.resume!r} holds no manifest.json, so there is no run "
                                          "to resume; fix: point at an earlier run dir")
-    done: Dict[str, Dict[str, Any]] = {}
+    reuse: Dict[str, Dict[str, Any]] = {}
     if prev is not None:
         diffs = resume.semantic_diff(prev.get("config", {}), resolved_cfg, prev.get("dataset", {}).get("sha256"),
                                      data_sha)
         if diffs and not cfg.run.force:
             raise resume.ResumeConflictError(
                 f"{out_dir} holds a run with a different config; resuming would mix artifacts. Differing keys:\n  "
-                + "\n  ".join(diffs) + "\nfix: use a new run dir, or run.force=true to resume anyway")
+                + "\n  ".join(diffs) + "\nfix: use a new run dir, or run.force=true to resume anyway (only items "
+                "whose inputs still match are kept)")
         done = resume.finished(out_dir)
+        reuse = resume.reusable(done, expected)
+        _log_not_reused(done, reuse, items, {k: v for k, v in (prev.get("identity") or {}).items() if k != "sha256"},
+                        identity)
         resume.remove_temp_files(out_dir)
-    todo = [it for it in items if it.key not in done]
+    # a batch holding an item that cannot be reused runs again whole (its peers and positions fixed)
+    again = {it.key for it in resume.regenerate_batches(all_batches, reuse)}
+    todo = [it for it in items if it.key in again] if final.resumable else list(items)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = Manifest(out_dir / manifest_name)
@@ -467,7 +487,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     manifest.section("config", resolved_cfg)
     manifest.section("overrides", list(overrides))
     manifest.section("git", git_state(PROJECT_ROOT))
-    manifest.section("packages", package_versions())
+    manifest.section("packages", packages)
+    manifest.section("identity", {**identity, "sha256": run_sha})
     manifest.section("platform", plat.to_dict())
     manifest.section("dtype", str(dtype).replace("torch.", ""))
     dataset_doc = {"format": cfg.dataset.format, "path": str(Path(data_path).resolve()), "sha256": data_sha,
@@ -477,7 +498,6 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     manifest.section("dataset", dataset_doc)
     model_doc = {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": sources[final.stage]}
     manifest.section("model", model_doc)
-    backends_doc = {e.stage: e.backends_section() for e in engines}
     manifest.section("backends", backends_doc)
     if upstream:
         manifest.section("pipeline", {"stages": [s.name for s in specs], "feeds": {
@@ -541,8 +561,11 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
                 manifest.section("backends", {**backends_doc, final.stage: final.backends_section()})
                 manifest.flush()
 
-            results[final.stage] = run_stage(final, todo, sink, cfg, stop, timing, on_loaded=on_loaded,
-                                             links=links, after_load=after_load, checkpoint=checkpoint)
+            originals = {it.key: it for it in items}  # before an upstream stage rewrote the prompts
+            results[final.stage] = run_stage(
+                final, todo, sink, cfg, stop, timing, on_loaded=on_loaded, links=links, after_load=after_load,
+                checkpoint=checkpoint, identity=(lambda it: resume.inputs_sha256(run_sha, originals[it.key]))
+                if final.resumable else None)
 
         # 5. verdict
         if stop.signum is not None:
@@ -587,7 +610,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
             bar.close()
             for e in engines:
                 e.close()
-        _compact(out_dir, items, journal_name, final)
+        _compact(out_dir, items, journal_name, final, expected)
         manifest.section("counts", counts)
         res = results.get(final.stage)
         phases = final.timing_phases(timing.generate_s)
@@ -620,16 +643,51 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     return 0 if counts["failed"] == 0 else 1
 
 
-def _compact(out_dir: Path, items: List[Any], name: str, final: Any) -> None:
+def _compact(out_dir: Path, items: List[Any], name: str, final: Any, expected: Dict[str, Dict[str, Any]]) -> None:
     """Rewrite the journal with the latest record per item, in dataset order (after a resume the file then reads
     exactly like an uninterrupted run's). For a resumable stage, ok records of items reused from another journal
-    of the dir (an earlier merged run, other workers) are copied in, so the journal covers all of ``items``."""
+    of the dir (an earlier merged run, other workers) are copied in, so the journal covers all of ``items``; an ok
+    record whose ``inputs_sha256`` is not the current run's (an earlier config's output that this run did not get
+    to regenerate) is left out, so no journal line claims an artifact the current config did not produce."""
     extra: Dict[str, Dict[str, Any]] = {}
+    current = None
     if final.resumable:
+        def current(r: Dict[str, Any]) -> bool:
+            return r.get("status") != "ok" or r.get("inputs_sha256") == (expected.get(r.get("key")) or {}).get(
+                "inputs_sha256")
+
         for p in sorted(out_dir.glob("items*.jsonl")):
             if p.name != name:
-                extra.update({r["key"]: r for r in read_journal(p) if r.get("status") == "ok"})
-    compact_journal(out_dir / name, order=[it.key for it in items], extra=extra)
+                extra.update({r["key"]: r for r in read_journal(p) if r.get("status") == "ok" and current(r)})
+    compact_journal(out_dir / name, order=[it.key for it in items], extra=extra, keep=current)
+
+
+def _log_not_reused(done: Dict[str, Dict[str, Any]], reuse: Dict[str, Dict[str, Any]], items: List[Any],
+                    old_identity: Optional[Dict[str, Any]], identity: Dict[str, Any]) -> None:
+    """Log the finished items of the dir that are regenerated because the current run would not produce them
+    exactly, with the reason of each (the first few) and what differs in the run identity."""
+    by_key = {it.key: it for it in items}
+    stale = [k for k in done if k in by_key and k not in reuse]
+    if not stale:
+        return
+    run_diff = resume.identity_diff(old_identity, identity) if old_identity != identity else []
+    reasons = [f"{k} ({resume.why_not_reused(done[k], by_key[k], bool(run_diff))})" for k in stale[:10]]
+    log.warning("%d finished item(s) are regenerated, their inputs differ from this run's: %s%s%s", len(stale),
+                ", ".join(reasons), " ..." if len(stale) > 10 else "",
+                ("; run identity differs: " + "; ".join(run_diff[:8])) if run_diff else "")
+
+
+def current_inputs(cfg: DictConfig) -> Callable[[List[str]], Dict[str, List[str]]]:
+    """For the data-parallel merge: given the workers' run identity hashes (their manifests' ``identity.sha256``),
+    the ``inputs_sha256`` values each item's record may carry to be an output of the current run."""
+    engine = build_engines(cfg, [])[-1]
+    rows, _ = engine.read_rows()
+    items = engine.items(rows, cfg.seed)
+
+    def current(run_shas: List[str]) -> Dict[str, List[str]]:
+        return {it.key: [resume.inputs_sha256(s, it) for s in dict.fromkeys(run_shas)] for it in items}
+
+    return current
 
 
 def dataset_keys(cfg: DictConfig) -> List[str]:

@@ -64,7 +64,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     Returns:
         The exit code (see the module docstring).
     """
-    from runner.execute import dataset_keys, run
+    from runner.execute import current_inputs, dataset_keys, run
 
     from runner import distributed as dp
 
@@ -78,12 +78,13 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
             from runner.ray_launcher import run_on_ray
 
-            code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg))
+            code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg), current_inputs(cfg))
         elif worker is not None and worker.world_size > 1:
             code = run(cfg, out_dir, overrides=overrides, worker=worker)
             dp.barrier()
             if worker.rank == 0:
-                code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun"))
+                code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun",
+                                                    current_inputs(cfg)))
         else:
             code = run(cfg, out_dir, overrides=overrides)
         outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
