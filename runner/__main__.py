@@ -55,5 +55,9 @@ if __name__ == "__main__":
     except SystemExit as e:
         # Hydra reports a composition error (unknown option, wrong type) with exit 1; bad input is exit 2 here.
         if e.code == 1 and not _TASK_STARTED:
+            from runner.resolve import override_hints
+
+            for hint in override_hints(sys.argv[1:]):  # Hydra's "not in struct" does not say where a key belongs
+                print(f"runner: {hint}", file=sys.stderr)
             sys.exit(2)
         raise

@@ -58,16 +58,83 @@ def resolve_dtype(name: str, platform_kind: str) -> torch.dtype:
     return DTYPES[name]
 
 
+#: Keys ``hydra.utils.instantiate`` acts on: a config holding one anywhere could build an arbitrary object.
+INSTANTIATE_KEYS = ("_target_", "_args_", "_partial_", "_recursive_", "_convert_")
+
+
+def check_no_instantiate_keys(node: Any, where: str = "") -> None:
+    """Refuse Hydra's instantiate keys (:data:`INSTANTIATE_KEYS`) at any depth of the run config (the one check of
+    them; nothing in the runner instantiates from the run config, so a ``_target_`` is never meant).
+
+    Raises:
+        ConfigValueError: naming the dotted key and the fix.
+    """
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        key = f"{where}.{k}" if where else str(k)
+        if k in INSTANTIATE_KEYS:
+            raise ConfigValueError(f"{key}: the run config takes no {k} (Hydra's instantiate keys "
+                                   f"{', '.join(INSTANTIATE_KEYS)} are refused at any depth: nothing here builds "
+                                   f"objects from the config); fix: remove it (+{key}=... adds it)")
+        check_no_instantiate_keys(v, key)
+
+
+def _unknown_key_message(plain: Dict[str, Any], full_key: str, key: str) -> Tuple[str, bool]:
+    """What to say about ``full_key``, a key the schema does not know, and whether it is a misplaced backend key:
+    where a backend-like key belongs (``runner.resolve.misplaced_backend_message``), else the closest known key of
+    its node, else the known keys."""
+    import difflib
+
+    from runner.resolve import backend_field_of, misplaced_backend_message
+    from runner.schema import typed_skeleton
+
+    parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+    value = OmegaConf.select(OmegaConf.create(plain), full_key, default=None) if full_key else None
+    stages = list(((plain.get("model") or {}).get("stages") or {}))
+    hint = misplaced_backend_message(full_key, None if OmegaConf.is_config(value) else value, stages)
+    if hint:
+        return hint, True
+    known: List[str] = []
+    try:
+        node = OmegaConf.select(typed_skeleton(plain), parent) if parent else typed_skeleton(plain)
+        known = [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []
+    except Exception:  # noqa: BLE001 - the hint is best effort; the key is refused anyway
+        pass
+    if not parent.endswith("backend"):  # misplaced-key guards (model.attention...) are refused when set
+        known = [k for k in known if not backend_field_of(k)]
+    close = difflib.get_close_matches(str(key), known, n=1)
+    if close:
+        return (f"{full_key} is not a config key; did you mean {parent + '.' if parent else ''}{close[0]}? fix: "
+                "correct or remove it (a `+key=...` override adds keys the schema does not know)"), False
+    return (f"{full_key} is not a config key" + (f"; {parent or 'the run config'} takes: {', '.join(known)}"
+                                                 if known else "")
+            + "; fix: remove or correct that key (a `+key=...` override adds keys the schema does not know)"), False
+
+
 def check_schema(cfg: DictConfig) -> None:
     """Re-validate against the structured schema: Hydra's ``+key=value`` appends keys with ``force_add`` and so
-    bypasses it (``+model.nme=x`` composes). Raises ConfigValueError naming the key."""
-    from omegaconf.errors import OmegaConfBaseException
+    bypasses it (``+model.nme=x`` composes). Refuses Hydra's instantiate keys at any depth first
+    (:func:`check_no_instantiate_keys`). An unknown key gets where it belongs when it names a backend field
+    (``+model.attention_backend``: ``backend.attention``), else the closest known key.
 
+    Raises:
+        ConfigValueError, runner.resolve.MisplacedBackendKeyError: naming the key and the fix.
+    """
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    from runner.resolve import MisplacedBackendKeyError
     from runner.schema import typed_skeleton
 
     plain = OmegaConf.to_container(cfg, resolve=False)
+    check_no_instantiate_keys(plain)
     try:
         OmegaConf.merge(typed_skeleton(plain), plain)
+    except ConfigKeyError as e:
+        full_key = str(e.full_key or e.key or "")
+        msg, misplaced = _unknown_key_message(plain, full_key, str(e.key))
+        if misplaced:
+            raise MisplacedBackendKeyError(msg) from None
+        raise ConfigValueError(f"config does not match the schema: {msg}") from None
     except OmegaConfBaseException as e:
         msg = str(e).splitlines()[0]
         raise ConfigValueError(f"config does not match the schema: {msg}; fix: remove or correct that key "
