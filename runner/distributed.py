@@ -94,14 +94,25 @@ def agree_argv(argv: List[str]) -> List[str]:
         return argv
     import torch.distributed as dist
 
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from runner.paths import hydra_quote
+
     _control_group()
-    given = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
+    given = next((a for a in argv if a.startswith("hydra.run.dir=")), None)
+    text = OverridesParser.create().parse_override(given).value() if given else None
+    if isinstance(text, str) and "${" not in text:  # a plain path: quoted again below, whatever it holds
+        given = hydra_quote(text)
+    elif given:
+        given = given.split("=", 1)[1]  # an interpolation: passed on as written
     box = [given or f"outputs/runs/{datetime.now():%Y-%m-%d}/{datetime.now():%H-%M-%S-%f}-dp{w.world_size}"]
     dist.broadcast_object_list(box, src=0)
     run_dir = box[0]
     argv = [a for a in argv if not a.startswith("hydra.run.dir=")]
     if w.rank == 0:
         return argv + [f"hydra.run.dir={run_dir}"]
+    if isinstance(text, str) and "${" not in text:
+        return argv + [f"hydra.run.dir={hydra_quote(f'{text}/{WORKER_SUBDIR}/rank{w.rank}')}"]
     return argv + [f"hydra.run.dir={run_dir}/{WORKER_SUBDIR}/rank{w.rank}"]
 
 

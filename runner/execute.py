@@ -33,7 +33,7 @@ from runner import evidence, resume
 from runner.artifacts import atomic_write_bytes
 from runner.errors import ConfigValueError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
-from runner.paths import PROJECT_ROOT, repro_location
+from runner.paths import PROJECT_ROOT, original_cwd, repro_location
 from runner.platform import detect
 from runner.sinks import SINKS, compact_journal, read_journal
 
@@ -250,8 +250,10 @@ def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any
              "        have = None",
              "    bad += [f'{k}: expected {v}, found {have}'] if have != v else []",
              "if bad: print('repro: package versions differ:', *bad, sep='\\n  ', file=sys.stderr)", "PY",
+             # NEW_RUN_DIR reaches Hydra through the environment, so no character of it meets Hydra's grammar
+             'export RUNNER_REPRO_DIR="${1:-outputs/repro/$(date +%Y-%m-%d_%H-%M-%S)}"',
              "\"$PY\" -m runner " + " ".join(shlex.quote(o) for o in overrides)
-             + ' hydra.run.dir="${1:-outputs/repro/$(date +%Y-%m-%d_%H-%M-%S)}"', ""]
+             + " 'hydra.run.dir=${oc.env:RUNNER_REPRO_DIR}'", ""]
     path = out_dir / "repro.sh"
     atomic_write_bytes(path, "\n".join(lines).encode())
     path.chmod(0o755)
@@ -552,7 +554,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         manifest.section("resumed_from", {"run_id": prev.get("run_id"), "status": prev.get("status"),
                                           "reused_items": len(items) - len(todo), "forced": bool(cfg.run.force)})
     manifest.section("config", resolved_cfg)
-    manifest.section("overrides", list(overrides))
+    manifest.section("overrides", list(overrides))  # Hydra's input lines: the raw argv form, replayed verbatim
+    manifest.section("cwd", str(original_cwd()))
     manifest.section("git", git_state(PROJECT_ROOT))
     manifest.section("packages", packages)
     manifest.section("identity", {**identity, "sha256": run_sha})
