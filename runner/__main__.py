@@ -50,6 +50,13 @@ if __name__ == "__main__":
     from runner.distributed import agree_argv
 
     sys.argv = sys.argv[:1] + agree_argv(sys.argv[1:])  # torchrun: every rank uses rank 0's run dir
+    from runner.environment import OutputPathError, check_launch_dirs
+
+    try:
+        check_launch_dirs(sys.argv[1:])  # Hydra creates the run dir before the task: a bad one is a traceback
+    except OutputPathError as e:
+        print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     try:
         main()
     except SystemExit as e:

@@ -176,7 +176,7 @@ def check_run_values(cfg: DictConfig) -> None:
 
 
 LIBRARY_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
-               "TORCH_CUDNN_SDPA_ENABLED", "PYTORCH_CUDA_ALLOC_CONF")
+               "TORCH_CUDNN_SDPA_ENABLED", "PYTORCH_CUDA_ALLOC_CONF", "TRITON_INTERPRET")  # checked: runner.environment
 
 
 class Stop:
@@ -474,9 +474,12 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     t_start = time.perf_counter()
     out_dir = Path(cfg.run.resume or cfg.output.dir or run_dir)
 
-    # 1. the run config, the stage graph and its engines (constructors load nothing)
+    # 1. the run config, the stage graph and its engines (constructors load nothing); environment, run dir
     check_schema(cfg)
     specs = stage_graph(cfg)
+    from runner.environment import check_outside
+
+    check_outside(cfg, out_dir, embedded=any(bool(s.model_cfg.get("embedded")) for s in specs))
     engines = build_engines(cfg, overrides, specs=specs)
     final, upstream = engines[-1], engines[:-1]
 

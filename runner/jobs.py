@@ -68,7 +68,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
 
     from runner import distributed as dp
 
-    job_dir = Path(out_dir)  # where this process's job_status.json goes (a worker's own Hydra dir for rank > 0)
+    job_dir = hydra_dir = Path(out_dir)  # where this process's job_status.json goes (rank > 0: its own Hydra dir)
     out_dir = Path(cfg.run.resume or cfg.output.dir or dp.shared_run_dir(Path(out_dir)))
     if job_dir == dp.shared_run_dir(job_dir):
         job_dir = out_dir
@@ -93,9 +93,14 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         outcome, code = e.outcome, e.exit_code
         status.update(error_type=type(e).__name__, error=str(e))
         if outcome in STARTUP_OUTCOMES:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            if not (out_dir / "manifest.json").exists():
-                _refusal_manifest(out_dir, cfg, overrides, outcome, e)
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                if not (out_dir / "manifest.json").exists():
+                    _refusal_manifest(out_dir, cfg, overrides, outcome, e)
+            except OSError:  # the run dir itself was refused (output.dir under a file...): the job dir gets it
+                job_dir = hydra_dir
+                if not (job_dir / "manifest.json").exists():
+                    _refusal_manifest(job_dir, cfg, overrides, outcome, e)
     except Exception as e:  # noqa: BLE001
         log.error("job crashed: %s", traceback.format_exc())
         outcome, code = "crashed", EXIT["crashed"]
