@@ -434,7 +434,9 @@ def _resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tupl
                         raise reg.BackendSpecError(f"{w}: quant/skip_softmax need a named backend, not auto")
                     name, reasons[role] = reg.auto_select("attention", info.ctx, (info.wired or {}).get("attention"))
                 else:
-                    reg.check("attention", name, info.ctx, where=w)
+                    wired = (info.wired or {}).get("attention")
+                    reg.check("attention", name, info.ctx, where=w, also=[] if wired is None or name in wired else [
+                        f"is not wired into the engine of stage {info.name!r} (it runs {', '.join(wired)})"])
                 reg.validate_spec(name, spec, w)
                 sel[role] = {**spec, "backend": name}
             res.selected = sel
@@ -443,7 +445,9 @@ def _resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tupl
             if canon == reg.AUTO:
                 res.selected, res.reason = reg.auto_select(fld, info.ctx, (info.wired or {}).get(fld))
             else:
-                reg.check(fld, canon, info.ctx, where=where)
+                wired = (info.wired or {}).get(fld)
+                reg.check(fld, canon, info.ctx, where=where, also=[] if wired is None or canon in wired else [
+                    f"is not wired into the engine of stage {info.name!r} (it runs {', '.join(wired)})"])
                 res.selected = canon
         out[fld] = res
     return out, extras
