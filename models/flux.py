@@ -86,8 +86,12 @@ def check_architecture(arch: Dict[str, Any], where: str = "model.architecture") 
 
     from models.base import check_init_keys
 
+    from runner.resolve import MisplacedBackendKeyError, backend_field_of, misplaced_backend_message
+
     known = [*ARCH_COMPONENTS, *ARCH_OTHER]
     for key in arch:
+        if key not in known and backend_field_of(key):
+            raise MisplacedBackendKeyError(misplaced_backend_message(f"{where}.{key}", arch[key]))
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             raise ConfigValueError(f"{where}.{key} is not read by the FLUX builder" + (

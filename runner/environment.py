@@ -100,7 +100,7 @@ def _alloc_conf(v: str) -> Optional[str]:
         else:
             cur += ch
     parts.append(cur)
-    if not all(re.fullmatch(r"\s*[A-Za-z_]+\s*:\s*\S.*", p) for p in parts):
+    if not all(re.fullmatch(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*:\s*\S.*", p) for p in parts):
         return ("not a list of key:value options (torch would raise when it first allocates on the GPU); fix: "
                 "e.g. expandable_segments:True, or unset it")
     import torch
