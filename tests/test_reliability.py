@@ -994,12 +994,15 @@ def _pixels(png: bytes):
 
 
 def test_c08_batch_size_1_and_4_same_items_and_images(ref, bs4):
-    """Seeds belong to rows: batch_size=4 gives the same records (but batch_size) and the same images within one
-    8-bit step per pixel."""
+    """Seeds belong to rows: batch_size=4 gives the same records (but the batch each item ran in: batch_size and
+    batch {size, position}; inputs_sha256 is the same) and the same images within one 8-bit step per pixel."""
     assert [it["params"]["batch_size"] for it in bs4.items] == [4, 4, 4, 4, 2, 2]
+    assert [(it["batch"]["size"], it["batch"]["position"]) for it in bs4.items] == [(4, 0), (4, 1), (4, 2), (4, 3),
+                                                                                     (2, 0), (2, 1)]
     p1, recs1 = _state(ref.run_dir)
     p4, recs4 = _state(bs4.run_dir)
-    drop = lambda r: {**_strip(r), "params": {k: v for k, v in r["params"].items() if k != "batch_size"}}  # noqa
+    drop = lambda r: {**_strip(r, ("timing", "batch")),  # noqa
+                      "params": {k: v for k, v in r["params"].items() if k != "batch_size"}}
     assert [{k: v for k, v in drop(r).items() if k != "file_sha256"} for r in recs1] == \
         [{k: v for k, v in drop(r).items() if k != "file_sha256"} for r in recs4]
     assert sorted(p1) == sorted(p4) == sorted(KEYS)
