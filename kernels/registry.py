@@ -509,14 +509,19 @@ def get(field_name: str, name: str) -> Backend:
     return BACKENDS[field_name][name]
 
 
-def check(field_name: str, name: str, ctx: SelectionContext, where: str = "") -> None:
+def check(field_name: str, name: str, ctx: SelectionContext, where: str = "", also: Sequence[str] = ()) -> None:
     """Fail closed: raise unless backend ``name`` can run in ``ctx``.
+
+    Args:
+        also: further unmet requirements known to the caller (``not wired into this stage's engine``), listed
+            with the record's own when those refuse it (alone they are the caller's to raise).
 
     Raises:
         BackendUnavailableError: naming the backend, where it was requested and every unmet requirement.
     """
     why = get(field_name, name).unmet(ctx)
     if why:
+        why = [*why, *also]
         raise BackendUnavailableError(
             f"{where or 'backend.' + field_name}={name} cannot run here: " + "; ".join(why)
             + f". Fix: choose another backend (or `auto`) for {where or 'backend.' + field_name}.")

@@ -211,3 +211,59 @@ class EngineBase:
 
     def close(self) -> None:
         """Nothing to free."""
+
+
+# ------------------------------------------------------------------------------------- startup checks of models
+#: Weight files deserialized with pickle (``torch.load`` can run code from them): never loaded by the runner.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def pickle_only_weights(folder: Path) -> Optional[Path]:
+    """The first pickle weight file of ``folder`` (top level) when it holds no ``*.safetensors`` file, else None:
+    such a folder can only be loaded by unpickling."""
+    folder = Path(folder)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return None
+    return next((f for f in sorted(folder.iterdir()) if f.is_file() and f.suffix in PICKLE_SUFFIXES), None)
+
+
+def unknown_init_keys(cls: type, keys: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """``(keys cls(**kw) does not take, names it takes)``: from its ``__init__`` signature, plus, for a
+    transformers config (which may store any keyword silently), its ``attribute_map`` aliases and the attributes of
+    a default instance. A class taking ``**kwargs`` otherwise is not checked (``([], [])``)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    is_config = hasattr(cls, "attribute_map") and hasattr(cls, "to_dict")
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()) and not is_config:
+        return [], []
+    takes = {n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if is_config:
+        takes |= set(getattr(cls, "attribute_map", None) or {})
+        try:
+            takes |= set(cls().to_dict())
+        except Exception:  # noqa: BLE001 - a config without defaults: its signature alone
+            pass
+    return sorted(k for k in keys if k not in takes), sorted(takes)
+
+
+def check_init_keys(cls: type, keys: Sequence[str], where: str) -> None:
+    """Refuse keys of a config node (``where``, dotted) that ``cls`` does not take, before anything is built.
+
+    Raises:
+        runner.errors.ConfigValueError: naming the key, the class, the closest parameter and the fix.
+    """
+    import difflib
+
+    from runner.errors import ConfigValueError
+
+    unknown, takes = unknown_init_keys(cls, keys)
+    if not unknown:
+        return
+    k = unknown[0]
+    close = difflib.get_close_matches(k, takes, n=1)
+    raise ConfigValueError(
+        f"{where}.{k} is not a parameter of {cls.__module__.split('.')[0]}.{cls.__name__} (it would fail or be "
+        f"ignored when the model is built)" + (f"; did you mean {where}.{close[0]}?" if close else "")
+        + f" fix: remove or correct it" + ("" if close else f" (it takes: {', '.join(takes)})")
+        + (f"; also unknown: {', '.join(unknown[1:])}" if len(unknown) > 1 else ""))

@@ -37,7 +37,8 @@ def check_snapshot(path: str) -> Path:
     """Validate a diffusers snapshot directory before anything loads.
 
     Raises:
-        ModelPathError: the path does not exist, or has no ``model_index.json`` (not a diffusers layout).
+        ModelPathError: the path does not exist, has no ``model_index.json`` (not a diffusers layout), or a
+            component folder holds pickle weights (``.bin``...) and no ``.safetensors``: never loaded.
     """
     p = Path(path).expanduser()
     if not p.exists():
@@ -46,12 +47,71 @@ def check_snapshot(path: str) -> Path:
     if not (p / "model_index.json").is_file():
         raise ModelPathError(f"model.path={path!r} has no model_index.json, so it is not a diffusers pipeline layout; "
                              "fix: point at the snapshot root written by save_pretrained / huggingface-cli download")
+    from models.base import pickle_only_weights
+
+    try:
+        index = json.loads((p / "model_index.json").read_text())
+    except ValueError as e:
+        raise ModelPathError(f"model.path={path!r}: model_index.json is not valid JSON ({e}); fix: download the "
+                             "snapshot again") from None
+    for name, spec in index.items():
+        pkl = pickle_only_weights(p / name) if isinstance(spec, list) and not name.startswith("_") else None
+        if pkl is not None:  # from_pretrained would fail (use_safetensors=True) or, elsewhere, unpickle it
+            raise ModelPathError(
+                f"model.path={path!r}: {pkl.relative_to(p)} is a pickle checkpoint and {name}/ has no .safetensors "
+                "weights; the runner never loads pickle files (unpickling can run code); fix: use a snapshot with "
+                "safetensors weights (huggingface-cli download <repo> --include '*.safetensors' '*.json' '*.txt' "
+                "'*.model'), or convert it once where you trust the file: load it with diffusers/transformers and "
+                "save_pretrained(..., safe_serialization=True)")
     return p
 
 
 #: The most T5 tokens FluxPipeline encodes: its ``check_inputs`` raises for ``max_sequence_length > 512`` (after the
 #: model loaded); the runner refuses it at startup, with the T5 tokenizer's ``model_max_length`` if lower.
 FLUX_MAX_SEQUENCE_LENGTH = 512
+
+
+#: model.architecture of an embedded / dummy FLUX: component -> (library, class it builds), and the other keys
+ARCH_COMPONENTS = {"transformer": ("diffusers", "FluxTransformer2DModel"), "vae": ("diffusers", "AutoencoderKL"),
+                   "text_encoder": ("transformers", "CLIPTextConfig"), "text_encoder_2": ("transformers", "T5Config"),
+                   "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler")}
+ARCH_OTHER = {"weights_seed": None, "dummy_weight_scale": None,
+              "tokenizer": ("corpus", "vocab_size", "clip_max_length")}
+
+
+def check_architecture(arch: Dict[str, Any], where: str = "model.architecture") -> None:
+    """Every key of ``arch`` against what :func:`build_components` passes it to (the component classes' config
+    signatures), before anything is built.
+
+    Raises:
+        ConfigValueError: an unknown or missing key, naming it, the class and the fix.
+    """
+    import difflib
+    import importlib
+
+    from models.base import check_init_keys
+
+    from runner.resolve import MisplacedBackendKeyError, backend_field_of, misplaced_backend_message
+
+    known = [*ARCH_COMPONENTS, *ARCH_OTHER]
+    for key in arch:
+        if key not in known and backend_field_of(key):
+            raise MisplacedBackendKeyError(misplaced_backend_message(f"{where}.{key}", arch[key]))
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise ConfigValueError(f"{where}.{key} is not read by the FLUX builder" + (
+                f"; did you mean {where}.{close[0]}?" if close else f" (it reads {', '.join(known)})")
+                + " fix: remove or correct it")
+    for key, (lib, cls_name) in ARCH_COMPONENTS.items():
+        if not isinstance(arch.get(key), dict):
+            raise ConfigValueError(f"{where}.{key} is missing (a mapping of {lib}'s {cls_name} arguments); fix: "
+                                   f"start from conf/model/tiny_flux.yaml")
+        check_init_keys(getattr(importlib.import_module(lib), cls_name), list(arch[key]), f"{where}.{key}")
+    tok = arch.get("tokenizer") or {}
+    for key in tok:
+        if key not in ARCH_OTHER["tokenizer"]:
+            raise ConfigValueError(f"{where}.tokenizer.{key} is not read; it takes "
+                                   f"{', '.join(ARCH_OTHER['tokenizer'])}; fix: remove or correct it")
 
 
 def build_tokenizers(arch: Dict[str, Any]) -> Tuple[Any, Any]:
@@ -190,10 +250,16 @@ class FluxEngine(DiffusersEngine):
         """Decide where weights come from and validate it, without loading anything.
 
         Raises:
-            ModelPathError: ``model.path`` is not a diffusers snapshot, or a non-embedded model has no path and
-                no ``load_format=dummy``.
+            ModelPathError: ``model.path`` is not a diffusers snapshot (or holds pickle weights only), or a
+                non-embedded model has no path and no ``load_format=dummy``.
+            ConfigValueError: a ``model.architecture`` key the component classes do not take.
         """
         cfg = self.cfg
+        if cfg.load_format == "dummy" or (cfg.embedded and not cfg.path):
+            from omegaconf import OmegaConf
+
+            check_architecture(OmegaConf.to_container(cfg.architecture, resolve=True)
+                               if not isinstance(cfg.architecture, dict) else cfg.architecture)
         if cfg.load_format == "dummy":
             self.source = {"kind": "dummy", "weights_seed": cfg.architecture.get("weights_seed", 0)}
         elif cfg.path:

@@ -473,6 +473,13 @@ class VLLMEngine(EngineBase):
             if not (p / "config.json").is_file():
                 raise ARConfigError(f"{where}.path={m.path!r} is not a local Hugging Face model directory (no "
                                     "config.json); fix: point at the checkpoint directory")
+            from models.base import pickle_only_weights
+
+            pkl = pickle_only_weights(p)
+            if pkl is not None:  # vLLM would unpickle it (load_format auto falls back to *.bin)
+                raise ARConfigError(f"{where}.path={m.path!r}: {pkl.name} is a pickle checkpoint and the directory "
+                                    "has no .safetensors weights; the runner never loads pickle files; fix: use "
+                                    "the model's safetensors weights (or convert once where you trust the file)")
             self.source = {"kind": "path", "path": str(p.resolve()), "load_format": "auto", "files": model_files(p)}
             return str(p)
         if not m.get("embedded"):
@@ -484,6 +491,11 @@ class VLLMEngine(EngineBase):
 
         root = self.cfg.cache_dir or os.environ.get("RUNNER_CACHE")
         arch = dict(_plain(m.get("architecture")) or {})
+        from transformers import Qwen3MoeConfig
+
+        from models.base import check_init_keys
+
+        check_init_keys(Qwen3MoeConfig, [k for k in arch if k != "weights_seed"], f"{where}.architecture")
         d = build(root, arch=arch or None, weights="none" if fmt == "dummy" else "seeded",
                   dtype="float32" if self.dtype_name == "auto" else self.dtype_name)
         self.source = {"kind": "dummy" if fmt == "dummy" else "embedded", "path": str(d), "load_format": fmt,

@@ -50,6 +50,13 @@ if __name__ == "__main__":
     from runner.distributed import agree_argv
 
     sys.argv = sys.argv[:1] + agree_argv(sys.argv[1:])  # torchrun: every rank uses rank 0's run dir
+    from runner.environment import OutputPathError, check_launch_dirs
+
+    try:
+        check_launch_dirs(sys.argv[1:])  # Hydra creates the run dir before the task: a bad one is a traceback
+    except OutputPathError as e:
+        print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     try:
         main()
     except KeyboardInterrupt:  # a signal after the run recorded its final status (or before it started)
@@ -57,5 +64,9 @@ if __name__ == "__main__":
     except SystemExit as e:
         # Hydra reports a composition error (unknown option, wrong type) with exit 1; bad input is exit 2 here.
         if e.code == 1 and not _TASK_STARTED:
+            from runner.resolve import override_hints
+
+            for hint in override_hints(sys.argv[1:]):  # Hydra's "not in struct" does not say where a key belongs
+                print(f"runner: {hint}", file=sys.stderr)
             sys.exit(2)
         raise

@@ -21,7 +21,7 @@ import socket
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from runner import rundir
 from runner.artifacts import atomic_write_bytes, atomic_write_json
@@ -96,8 +96,17 @@ def agree_argv(argv: List[str]) -> List[str]:
         return argv
     import torch.distributed as dist
 
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from runner.paths import hydra_quote
+
     _control_group()
-    given = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
+    given = next((a for a in argv if a.startswith("hydra.run.dir=")), None)
+    text = OverridesParser.create().parse_override(given).value() if given else None
+    if isinstance(text, str) and "${" not in text:  # a plain path: quoted again below, whatever it holds
+        given = hydra_quote(text)
+    elif given:
+        given = given.split("=", 1)[1]  # an interpolation: passed on as written
     now = datetime.now()
     box = [given or f"outputs/runs/{now:%Y-%m-%d}/{now:%H-%M-%S-%f}-{os.getpid()}-dp{w.world_size}"]
     dist.broadcast_object_list(box, src=0)
@@ -105,6 +114,8 @@ def agree_argv(argv: List[str]) -> List[str]:
     argv = [a for a in argv if not a.startswith("hydra.run.dir=")]
     if w.rank == 0:
         return argv + [f"hydra.run.dir={run_dir}"]
+    if isinstance(text, str) and "${" not in text:
+        return argv + [f"hydra.run.dir={hydra_quote(f'{text}/{WORKER_SUBDIR}/rank{w.rank}')}"]
     return argv + [f"hydra.run.dir={run_dir}/{WORKER_SUBDIR}/rank{w.rank}"]
 
 
@@ -177,11 +188,15 @@ def _ended(status: Optional[str]) -> Optional[str]:
     return "crashed" if status == "running" else status
 
 
-def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str) -> Dict[str, Any]:
+def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str,
+          current: Optional[Callable[[List[str]], Dict[str, List[str]]]] = None) -> Dict[str, Any]:
     """Merge the workers' journals and manifests of ``out_dir`` into ``items.jsonl`` and ``manifest.json``.
 
     Args:
         keys_in_order: every item key of the dataset, in dataset order (the merged journal follows it).
+        current: given the workers' run identity hashes, the ``inputs_sha256`` values an item's ok record may
+            carry (``runner.execute.current_inputs``); an ok record with another value is an earlier config's
+            output and is left out (the same rule as a resume's, ``runner.resume``). None: every ok record counts.
 
     Returns:
         The merged manifest. Its ``status`` is ``completed`` only when every worker completed; ``workers`` lists
@@ -190,20 +205,28 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
         manifest still at ``running`` when the merge runs, after every worker ended, is ``crashed`` too).
         ``timing.images_per_hour`` is every worker's ok images over the slowest worker's generation loop.
     """
-    latest: Dict[str, Dict[str, Any]] = {}  # merged after every worker ended: a worker manifest still at
-    # ``running`` is one whose process died without a final status (``crashed``)
+    # merged after every worker ended: a worker manifest still at ``running`` is one whose process died
+    # without a final status (``crashed``)
+    docs: List[Optional[Dict[str, Any]]] = []
+    for r in range(world_size):
+        p = out_dir / f"manifest.rank{r}.json"
+        docs.append(json.loads(p.read_text()) if p.exists() else None)
+    valid = None
+    if current is not None:
+        valid = current([d["identity"]["sha256"] for d in docs if d and (d.get("identity") or {}).get("sha256")])
+    latest: Dict[str, Dict[str, Any]] = {}
     for p in sorted(out_dir.glob("items*.jsonl")):
         for rec in read_journal(p):
             if "key" in rec:
+                if rec.get("status") == "ok" and valid is not None and rec.get("inputs_sha256") not in valid.get(
+                        rec["key"], ()):
+                    continue  # an earlier config's output
                 if rec.get("status") == "ok" or rec["key"] not in latest:
                     latest[rec["key"]] = rec
     lines = [json.dumps(latest[k]) + "\n" for k in keys_in_order if k in latest]
     atomic_write_bytes(out_dir / "items.jsonl", "".join(lines).encode())
-    workers, docs = [], []
-    for r in range(world_size):
-        p = out_dir / f"manifest.rank{r}.json"
-        doc = json.loads(p.read_text()) if p.exists() else None
-        docs.append(doc)
+    workers = []
+    for r, doc in enumerate(docs):
         if doc is None:
             workers.append({"rank": r, "status": "missing"})
             continue

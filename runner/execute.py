@@ -33,7 +33,7 @@ from runner import evidence, resume, rundir
 from runner.artifacts import atomic_write_bytes
 from runner.errors import ConfigValueError, StorageError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
-from runner.paths import PROJECT_ROOT, repro_location
+from runner.paths import PROJECT_ROOT, original_cwd, repro_location
 from runner.platform import detect
 from runner.sinks import SINKS, compact_journal, read_journal
 
@@ -58,16 +58,83 @@ def resolve_dtype(name: str, platform_kind: str) -> torch.dtype:
     return DTYPES[name]
 
 
+#: Keys ``hydra.utils.instantiate`` acts on: a config holding one anywhere could build an arbitrary object.
+INSTANTIATE_KEYS = ("_target_", "_args_", "_partial_", "_recursive_", "_convert_")
+
+
+def check_no_instantiate_keys(node: Any, where: str = "") -> None:
+    """Refuse Hydra's instantiate keys (:data:`INSTANTIATE_KEYS`) at any depth of the run config (the one check of
+    them; nothing in the runner instantiates from the run config, so a ``_target_`` is never meant).
+
+    Raises:
+        ConfigValueError: naming the dotted key and the fix.
+    """
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        key = f"{where}.{k}" if where else str(k)
+        if k in INSTANTIATE_KEYS:
+            raise ConfigValueError(f"{key}: the run config takes no {k} (Hydra's instantiate keys "
+                                   f"{', '.join(INSTANTIATE_KEYS)} are refused at any depth: nothing here builds "
+                                   f"objects from the config); fix: remove it (+{key}=... adds it)")
+        check_no_instantiate_keys(v, key)
+
+
+def _unknown_key_message(plain: Dict[str, Any], full_key: str, key: str) -> Tuple[str, bool]:
+    """What to say about ``full_key``, a key the schema does not know, and whether it is a misplaced backend key:
+    where a backend-like key belongs (``runner.resolve.misplaced_backend_message``), else the closest known key of
+    its node, else the known keys."""
+    import difflib
+
+    from runner.resolve import backend_field_of, misplaced_backend_message
+    from runner.schema import typed_skeleton
+
+    parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+    value = OmegaConf.select(OmegaConf.create(plain), full_key, default=None) if full_key else None
+    stages = list(((plain.get("model") or {}).get("stages") or {}))
+    hint = misplaced_backend_message(full_key, None if OmegaConf.is_config(value) else value, stages)
+    if hint:
+        return hint, True
+    known: List[str] = []
+    try:
+        node = OmegaConf.select(typed_skeleton(plain), parent) if parent else typed_skeleton(plain)
+        known = [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []
+    except Exception:  # noqa: BLE001 - the hint is best effort; the key is refused anyway
+        pass
+    if not parent.endswith("backend"):  # misplaced-key guards (model.attention...) are refused when set
+        known = [k for k in known if not backend_field_of(k)]
+    close = difflib.get_close_matches(str(key), known, n=1)
+    if close:
+        return (f"{full_key} is not a config key; did you mean {parent + '.' if parent else ''}{close[0]}? fix: "
+                "correct or remove it (a `+key=...` override adds keys the schema does not know)"), False
+    return (f"{full_key} is not a config key" + (f"; {parent or 'the run config'} takes: {', '.join(known)}"
+                                                 if known else "")
+            + "; fix: remove or correct that key (a `+key=...` override adds keys the schema does not know)"), False
+
+
 def check_schema(cfg: DictConfig) -> None:
     """Re-validate against the structured schema: Hydra's ``+key=value`` appends keys with ``force_add`` and so
-    bypasses it (``+model.nme=x`` composes). Raises ConfigValueError naming the key."""
-    from omegaconf.errors import OmegaConfBaseException
+    bypasses it (``+model.nme=x`` composes). Refuses Hydra's instantiate keys at any depth first
+    (:func:`check_no_instantiate_keys`). An unknown key gets where it belongs when it names a backend field
+    (``+model.attention_backend``: ``backend.attention``), else the closest known key.
 
+    Raises:
+        ConfigValueError, runner.resolve.MisplacedBackendKeyError: naming the key and the fix.
+    """
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    from runner.resolve import MisplacedBackendKeyError
     from runner.schema import typed_skeleton
 
     plain = OmegaConf.to_container(cfg, resolve=False)
+    check_no_instantiate_keys(plain)
     try:
         OmegaConf.merge(typed_skeleton(plain), plain)
+    except ConfigKeyError as e:
+        full_key = str(e.full_key or e.key or "")
+        msg, misplaced = _unknown_key_message(plain, full_key, str(e.key))
+        if misplaced:
+            raise MisplacedBackendKeyError(msg) from None
+        raise ConfigValueError(f"config does not match the schema: {msg}") from None
     except OmegaConfBaseException as e:
         msg = str(e).splitlines()[0]
         raise ConfigValueError(f"config does not match the schema: {msg}; fix: remove or correct that key "
@@ -109,7 +176,7 @@ def check_run_values(cfg: DictConfig) -> None:
 
 
 LIBRARY_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
-               "TORCH_CUDNN_SDPA_ENABLED", "PYTORCH_CUDA_ALLOC_CONF")
+               "TORCH_CUDNN_SDPA_ENABLED", "PYTORCH_CUDA_ALLOC_CONF", "TRITON_INTERPRET")  # checked: runner.environment
 
 
 class Stop:
@@ -210,7 +277,10 @@ def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any
              '  mkdir -p outputs/repro; base="outputs/repro/$(date +%Y-%m-%d_%H-%M-%S)"; NEW="$base"; n=0',
              '  until mkdir "$NEW" 2>/dev/null; do n=$((n + 1)); NEW="$base-$n"; done',
              'fi',
-             "\"$PY\" -m runner " + " ".join(shlex.quote(o) for o in overrides) + ' hydra.run.dir="$NEW"', ""]
+             # NEW_RUN_DIR reaches Hydra through the environment, so no character of it meets Hydra's grammar
+             'export RUNNER_REPRO_DIR="$NEW"',
+             "\"$PY\" -m runner " + " ".join(shlex.quote(o) for o in overrides)
+             + " 'hydra.run.dir=${oc.env:RUNNER_REPRO_DIR}'", ""]
     path = out_dir / "repro.sh"
     atomic_write_bytes(path, "\n".join(lines).encode())
     path.chmod(0o755)
@@ -352,7 +422,8 @@ def _generate_isolated(engine: Any, batch: List[Any]) -> Tuple[List[Any], List[L
 def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: Stop, timing: _Timing,
               on_loaded: Optional[Callable[[Any], None]] = None, links: Optional[Dict[str, Any]] = None,
               after_load: Optional[Callable[[Dict[str, Any]], None]] = None,
-              checkpoint: Optional[Callable[[], None]] = None) -> "StageResult":
+              checkpoint: Optional[Callable[[], None]] = None,
+              identity: Optional[Callable[[Any], str]] = None) -> "StageResult":
     """Load ``engine`` and generate ``items`` into ``sink``: batch -> generate -> submit -> checkpoint, until done
     or a stop signal. The same body runs every stage of every run.
 
@@ -360,6 +431,8 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
         links: ``{row id: link}`` to the upstream record each item was rendered from (added as ``from``).
         after_load: called with the manifest sections ``engine.load`` returned.
         checkpoint: called after every batch (rewrites the manifest).
+        identity: ``item -> inputs_sha256``, recorded in each record with the batch (size, position) it ran in
+            (resumable stages: a resume compares both, ``runner.resume.reusable``).
 
     Returns:
         What was observed, for the engine's evidence.
@@ -386,9 +459,12 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
         dt = time.perf_counter() - t0
         timing.generate_s += dt
         result.generated = True
-        ran_size = {id(i): len(b) for b in ran for i in b}
-        for it, out in zip(batch, outputs):
-            rec = engine.record(it, out, ran_size.get(id(it), len(batch)), dt / len(batch))
+        ran_in = {id(i): (len(b), p) for b in ran for p, i in enumerate(b)}
+        for pos, (it, out) in enumerate(zip(batch, outputs)):
+            size, at = ran_in.get(id(it), (len(batch), pos))
+            rec = engine.record(it, out, size, dt / len(batch))
+            if identity is not None:
+                rec["inputs_sha256"], rec["batch"] = identity(it), {"size": size, "position": at}
             if links and it.row.id in links:
                 rec["from"] = links[it.row.id]
             if isinstance(out, BaseException):
@@ -448,9 +524,12 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     """The body of :func:`run`, in a run dir this process's run holds (``token``)."""
     t_start = time.perf_counter()
 
-    # 1. the run config, the stage graph and its engines (constructors load nothing)
+    # 1. the run config, the stage graph and its engines (constructors load nothing); environment, run dir
     check_schema(cfg)
     specs = stage_graph(cfg)
+    from runner.environment import check_outside
+
+    check_outside(cfg, out_dir, embedded=any(bool(s.model_cfg.get("embedded")) for s in specs))
     engines = build_engines(cfg, overrides, specs=specs)
     final, upstream = engines[-1], engines[:-1]
 
@@ -488,11 +567,20 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
         journal_name, manifest_name = worker.journal, worker.manifest
     data_sha = ds.file_sha256(data_path)
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
+    packages = package_versions()
+    backends_doc = {e.stage: e.backends_section() for e in engines}
+    identity = resume.run_identity(resolved_cfg, str(dtype).replace("torch.", ""), plat.to_dict(), backends_doc,
+                                   packages, sources[final.stage])
+    run_sha = resume.identity_sha256(identity)
+    # what each item's inputs_sha256 must be for this run to reuse it (its batch as this run forms it)
+    all_batches = final.batches(items, cfg.batch_size) if final.resumable else []
+    expected = resume.expected_inputs(run_sha, all_batches)
     prev = resume.previous_run(out_dir, (manifest_name, "manifest.json")) if final.resumable else None
     if cfg.run.resume and prev is None:
         raise resume.ResumeConflictError(f"run.resume={cfg.run.resume!r} holds no manifest.json, so there is no run "
                                          "to resume; fix: point at an earlier run dir")
     done: Dict[str, Dict[str, Any]] = {}
+    reuse: Dict[str, Dict[str, Any]] = {}
     if prev is not None and prev.get("status") == "running":  # this run holds the dir: that process is gone
         prev = {**prev, "status": "crashed"}
     if prev is not None:
@@ -501,11 +589,17 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
         if diffs and not cfg.run.force:
             raise resume.ResumeConflictError(
                 f"{out_dir} holds a run with a different config; resuming would mix artifacts. Differing keys:\n  "
-                + "\n  ".join(diffs) + "\nfix: use a new run dir, or run.force=true to resume anyway")
+                + "\n  ".join(diffs) + "\nfix: use a new run dir, or run.force=true to resume anyway (only items "
+                "whose inputs still match are kept)")
         done = resume.finished(out_dir)
+        reuse = resume.reusable(done, expected)
+        _log_not_reused(done, reuse, items, {k: v for k, v in (prev.get("identity") or {}).items() if k != "sha256"},
+                        identity)
         if worker is None:  # a data-parallel run's owner cleans before any worker writes (claim_run_dir, ray)
             resume.remove_temp_files(out_dir)
-    todo = [it for it in items if it.key not in done]
+    # a batch holding an item that cannot be reused runs again whole (its peers and positions fixed)
+    again = {it.key for it in resume.regenerate_batches(all_batches, reuse)}
+    todo = [it for it in items if it.key in again] if final.resumable else list(items)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = Manifest(out_dir / manifest_name)
@@ -524,9 +618,11 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
         manifest.section("resumed_from", {"run_id": prev.get("run_id"), "status": prev.get("status"),
                                           "reused_items": len(items) - len(todo), "forced": bool(cfg.run.force)})
     manifest.section("config", resolved_cfg)
-    manifest.section("overrides", list(overrides))
+    manifest.section("overrides", list(overrides))  # Hydra's input lines: the raw argv form, replayed verbatim
+    manifest.section("cwd", str(original_cwd()))
     manifest.section("git", git_state(PROJECT_ROOT))
-    manifest.section("packages", package_versions())
+    manifest.section("packages", packages)
+    manifest.section("identity", {**identity, "sha256": run_sha})
     manifest.section("platform", plat.to_dict())
     manifest.section("dtype", str(dtype).replace("torch.", ""))
     dataset_doc = {"format": cfg.dataset.format, "path": str(Path(data_path).resolve()), "sha256": data_sha,
@@ -536,7 +632,6 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     manifest.section("dataset", dataset_doc)
     model_doc = {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": sources[final.stage]}
     manifest.section("model", model_doc)
-    backends_doc = {e.stage: e.backends_section() for e in engines}
     manifest.section("backends", backends_doc)
     if upstream:
         manifest.section("pipeline", {"stages": [s.name for s in specs], "feeds": {
@@ -617,8 +712,11 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
             manifest.section("backends", {**backends_doc, final.stage: final.backends_section()})
             manifest.flush()
 
-        results[final.stage] = run_stage(final, todo, sink, cfg, stop, timing, on_loaded=on_loaded,
-                                         links=links, after_load=after_load, checkpoint=checkpoint)
+        originals = {it.key: it for it in items}  # before an upstream stage rewrote the prompts
+        results[final.stage] = run_stage(
+            final, todo, sink, cfg, stop, timing, on_loaded=on_loaded, links=links, after_load=after_load,
+            checkpoint=checkpoint, identity=(lambda it: resume.inputs_sha256(run_sha, originals[it.key]))
+            if final.resumable else None)
 
         # 5. verdict
         if stop.signum is not None:
@@ -672,7 +770,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
                 for e in engines:
                     e.close()
             if sink is not None:
-                _compact(out_dir, items, journal_name, final)
+                _compact(out_dir, items, journal_name, final, expected)
         except BaseException as e:  # the final status is written all the same, then the error goes on
             closing_error = e
             if status not in ("interrupted", "storage_error"):
@@ -718,16 +816,51 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     return 0 if counts["failed"] == 0 else 1
 
 
-def _compact(out_dir: Path, items: List[Any], name: str, final: Any) -> None:
+def _compact(out_dir: Path, items: List[Any], name: str, final: Any, expected: Dict[str, Dict[str, Any]]) -> None:
     """Rewrite the journal with the latest record per item, in dataset order (after a resume the file then reads
     exactly like an uninterrupted run's). For a resumable stage, ok records of items reused from another journal
-    of the dir (an earlier merged run, other workers) are copied in, so the journal covers all of ``items``."""
+    of the dir (an earlier merged run, other workers) are copied in, so the journal covers all of ``items``; an ok
+    record whose ``inputs_sha256`` is not the current run's (an earlier config's output that this run did not get
+    to regenerate) is left out, so no journal line claims an artifact the current config did not produce."""
     extra: Dict[str, Dict[str, Any]] = {}
+    current = None
     if final.resumable:
+        def current(r: Dict[str, Any]) -> bool:
+            return r.get("status") != "ok" or r.get("inputs_sha256") == (expected.get(r.get("key")) or {}).get(
+                "inputs_sha256")
+
         for p in sorted(out_dir.glob("items*.jsonl")):
             if p.name != name:
-                extra.update({r["key"]: r for r in read_journal(p) if r.get("status") == "ok"})
-    compact_journal(out_dir / name, order=[it.key for it in items], extra=extra)
+                extra.update({r["key"]: r for r in read_journal(p) if r.get("status") == "ok" and current(r)})
+    compact_journal(out_dir / name, order=[it.key for it in items], extra=extra, keep=current)
+
+
+def _log_not_reused(done: Dict[str, Dict[str, Any]], reuse: Dict[str, Dict[str, Any]], items: List[Any],
+                    old_identity: Optional[Dict[str, Any]], identity: Dict[str, Any]) -> None:
+    """Log the finished items of the dir that are regenerated because the current run would not produce them
+    exactly, with the reason of each (the first few) and what differs in the run identity."""
+    by_key = {it.key: it for it in items}
+    stale = [k for k in done if k in by_key and k not in reuse]
+    if not stale:
+        return
+    run_diff = resume.identity_diff(old_identity, identity) if old_identity != identity else []
+    reasons = [f"{k} ({resume.why_not_reused(done[k], by_key[k], bool(run_diff))})" for k in stale[:10]]
+    log.warning("%d finished item(s) are regenerated, their inputs differ from this run's: %s%s%s", len(stale),
+                ", ".join(reasons), " ..." if len(stale) > 10 else "",
+                ("; run identity differs: " + "; ".join(run_diff[:8])) if run_diff else "")
+
+
+def current_inputs(cfg: DictConfig) -> Callable[[List[str]], Dict[str, List[str]]]:
+    """For the data-parallel merge: given the workers' run identity hashes (their manifests' ``identity.sha256``),
+    the ``inputs_sha256`` values each item's record may carry to be an output of the current run."""
+    engine = build_engines(cfg, [])[-1]
+    rows, _ = engine.read_rows()
+    items = engine.items(rows, cfg.seed)
+
+    def current(run_shas: List[str]) -> Dict[str, List[str]]:
+        return {it.key: [resume.inputs_sha256(s, it) for s in dict.fromkeys(run_shas)] for it in items}
+
+    return current
 
 
 def dataset_keys(cfg: DictConfig) -> List[str]:

@@ -69,11 +69,11 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     Returns:
         The exit code (see the module docstring).
     """
-    from runner.execute import dataset_keys, run
+    from runner.execute import current_inputs, dataset_keys, run
 
     from runner import distributed as dp
 
-    job_dir = Path(out_dir)  # where this process's job_status.json goes (a worker's own Hydra dir for rank > 0)
+    job_dir = hydra_dir = Path(out_dir)  # where this process's job_status.json goes (rank > 0: its own Hydra dir)
     out_dir = Path(cfg.run.resume or cfg.output.dir or dp.shared_run_dir(Path(out_dir)))
     if job_dir == dp.shared_run_dir(job_dir):
         job_dir = out_dir
@@ -96,12 +96,13 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
             from runner.ray_launcher import run_on_ray
 
-            code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg))
+            code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg), current_inputs(cfg))
         elif worker is not None and worker.world_size > 1:
             code = run(cfg, out_dir, overrides=overrides, worker=worker, on_exit=on_exit)
             dp.barrier()
             if worker.rank == 0:
-                code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun"))
+                code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun",
+                                                    current_inputs(cfg)))
         else:
             code = run(cfg, out_dir, overrides=overrides, on_exit=on_exit)
         outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
@@ -118,9 +119,14 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         outcome, code = e.outcome, e.exit_code
         status.update(error_type=type(e).__name__, error=str(e))
         if outcome in STARTUP_OUTCOMES:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            if not (out_dir / "manifest.json").exists():
-                _refusal_manifest(out_dir, cfg, overrides, outcome, e)
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                if not (out_dir / "manifest.json").exists():
+                    _refusal_manifest(out_dir, cfg, overrides, outcome, e)
+            except OSError:  # the run dir itself was refused (output.dir under a file...): the job dir gets it
+                job_dir = hydra_dir
+                if not (job_dir / "manifest.json").exists():
+                    _refusal_manifest(job_dir, cfg, overrides, outcome, e)
     except Exception as e:  # noqa: BLE001
         log.error("job crashed: %s", traceback.format_exc())
         outcome, code = "crashed", EXIT["crashed"]

@@ -61,3 +61,16 @@ def original_cwd() -> Path:
     except Exception:  # noqa: BLE001 - no Hydra context (a Ray worker, a test calling run() directly)
         pass
     return Path.cwd()
+
+
+def hydra_quote(value: str) -> str:
+    """``value`` as a Hydra override value that composes to exactly ``value``, whatever characters it holds
+    (parentheses, brackets, braces, commas, quotes, spaces, ``$``, ``=``, ``:``, ``\\``, unicode): a single-quoted
+    Hydra string (Hydra's own escaping of quotes and of backslashes before a quote), with OmegaConf's
+    interpolation opener ``${`` escaped so it stays text."""
+    import re
+
+    from hydra.core.override_parser.types import Quote, QuotedString
+
+    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)  # OmegaConf: \${ is a literal ${
+    return QuotedString(text=text, quote=Quote.single).with_quotes()

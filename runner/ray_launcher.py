@@ -41,11 +41,12 @@ def _worker_main(cfg_dict: Dict[str, Any], out_dir: str, overrides: List[str], r
         rundir.leave(Path(out_dir))  # a Ray worker process may be reused for another task
 
 
-def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[str]) -> int:
+def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[str], current: Any = None) -> int:
     """Run ``parallelism=data`` on Ray actors and merge. Returns 0 when every item of the dataset was written.
 
     Args:
         keys: every item key of the run's dataset, in dataset order (the merged journal follows it).
+        current: what ``runner.distributed.merge`` takes as ``current`` (records of the current config only).
 
     Raises:
         ImportError: Ray is not installed (``pip install ray``).
@@ -81,6 +82,6 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[
                 codes.append(None)
         if refusal is not None:
             raise refusal  # classified by run_job from its exit_code/outcome, as in a one-process run
-        return merged_exit_code(merge(out_dir, n, keys, "ray"))
+        return merged_exit_code(merge(out_dir, n, keys, "ray", current))
     finally:
         rundir.release(lock)

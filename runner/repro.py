@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from runner import rundir
 from runner.errors import RunnerError, UserInputError
+from runner.paths import hydra_quote
 from runner.report import PARITY_TOLERANCE_DB, compare_images, fmt_psnr, load_rgb
 
 
@@ -104,25 +105,38 @@ def _items(run_dir: Path, name: str = "items.jsonl") -> Dict[str, Dict[str, Any]
     return {r["key"]: r for r in read_journal(run_dir / name) if "key" in r}
 
 
+def _override_value(override: str) -> Optional[Any]:
+    """The value an override sets, as Hydra parses it (None when it does not parse)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(override).value()
+    except Exception:  # noqa: BLE001 - it parsed in the original run; left as it was
+        return None
+
+
 def rerun_command(manifest: Dict[str, Any], new_dir: Path) -> List[str]:
-    """``python -m runner`` argv of the re-run: the original overrides minus those naming the output or resume
-    dir, with a relative ``dataset.path`` replaced by the absolute path the manifest recorded, into ``new_dir``."""
+    """``python -m runner`` argv of the re-run: the original overrides exactly as the original process received
+    them (the manifest's ``overrides`` are Hydra's input lines, the raw argv form), minus those naming the output
+    or resume dir; a relative ``dataset.path`` is replaced by the absolute path the manifest recorded, and every
+    path the re-run adds is quoted for Hydra's grammar (:func:`hydra_quote`), into ``new_dir``."""
     args = []
     ds_path = (manifest.get("dataset") or {}).get("path")
     for o in manifest.get("overrides") or []:
-        key, _, val = o.partition("=")
-        key = key.lstrip("+~")
+        key = o.partition("=")[0].lstrip("+~")
         if key in _DROP_KEYS:
             continue
-        if key == "dataset.path" and ds_path and not Path(val).is_absolute():
-            o = f"{o.split('=', 1)[0]}={ds_path}"
+        if key == "dataset.path" and ds_path:
+            val = _override_value(o)
+            if isinstance(val, str) and not Path(val).is_absolute():
+                o = f"{o.split('=', 1)[0]}={hydra_quote(ds_path)}"
         args.append(o)
     cfg = manifest.get("config") or {}
     if (cfg.get("output") or {}).get("dir"):
-        args.append(f"output.dir={new_dir}")
+        args.append(f"output.dir={hydra_quote(str(new_dir))}")
     if (cfg.get("run") or {}).get("resume"):
         args.append("run.resume=null")
-    return [sys.executable, "-m", "runner", *args, f"hydra.run.dir={new_dir}"]
+    return [sys.executable, "-m", "runner", *args, f"hydra.run.dir={hydra_quote(str(new_dir))}"]
 
 
 def _backend_diffs(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
@@ -258,8 +272,12 @@ def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float
     cmd = rerun_command(manifest, new_dir)
     env = dict(os.environ)
     env.update({k: str(v) for k, v in (manifest.get("environment") or {}).items()})
-    print("repro:", " ".join(cmd), flush=True)
-    p = subprocess.run(cmd, env=env, timeout=timeout_s)
+    import shlex
+
+    cwd = manifest.get("cwd")  # where the original ran: relative paths in its overrides resolve as they did
+    cwd = cwd if cwd and Path(cwd).is_dir() else None
+    print("repro:", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    p = subprocess.run(cmd, env=env, timeout=timeout_s, cwd=cwd)
     result = compare(run_dir, new_dir, tolerance_db, exact)
     if status == "crashed":
         result["notes"].insert(0, f"original status: crashed (its manifest says running but {run_dir} is held by "

@@ -53,6 +53,46 @@ class MisplacedBackendKeyError(reg.BackendError):
     """A backend key where nothing reads it; the message says where it belongs."""
 
 
+_BACKEND_STEMS = (("attention", ("attention", "attn", "sdpa")), ("moe", ("moe",)), ("linear", ("linear",)))
+
+
+def backend_field_of(name: str, loose: bool = False) -> Optional[str]:
+    """The backend field (``attention``, ``moe``, ``linear``) a key name stands for, or None.
+
+    Strict: the field's name or an abbreviation, alone or with ``_backend``/``_impl`` (``attention``,
+    ``attention_backend``, ``attn_backend``, ``attn``, ``moe_backend``, ``linear_impl``...). ``loose`` also takes
+    any ``_``-separated word of the name (``attention_kernel``): for keys no schema knows anyway.
+    """
+    n = str(name).lower().replace("-", "_")
+    words = n.split("_")
+    for fld, stems in _BACKEND_STEMS:
+        for stem in stems:
+            if n in (stem, f"{stem}_backend", f"{stem}_backends", f"{stem}_impl", f"{stem}backend",
+                     f"backend_{stem}") or (loose and stem in words):
+                return fld
+    return None
+
+
+def misplaced_backend_message(key: str, value: Any = None, stages: Sequence[str] = ()) -> Optional[str]:
+    """The message for a backend-like key ``key`` (dotted) placed where nothing reads it: where the field belongs
+    (run level, one stage, the model's default) and the fix; None when ``key``'s last part is not backend-like or
+    ``key`` already is a backend place.
+
+    Args:
+        stages: the model's stage names (one of them stands in for ``<stage>`` when there is only one).
+    """
+    parts = key.split(".")
+    fld = backend_field_of(parts[-1], loose=True)
+    if fld is None or (len(parts) >= 2 and parts[-2] == "backend"):
+        return None
+    stage = (parts[2] if len(parts) > 3 and parts[:2] == ["model", "stages"] else
+             stages[0] if len(stages) == 1 else "<stage>")
+    shown = "" if value is None or isinstance(value, (dict, list)) else f"={value}"
+    return (f"{key} is not read: the {fld} backend is chosen with backend.{fld} (the whole run), "
+            f"model.stages.{stage}.backend.{fld} (one stage) or model.backend.{fld} (the model's default); "
+            f"fix: backend.{fld}{shown or '=<name>'} or model.stages.{stage}.backend.{fld}{shown or '=<name>'}")
+
+
 class StageConflictError(reg.BackendError):
     """A run-level backend value that a stage cannot honour (and the stage sets no value of its own)."""
 
@@ -177,10 +217,9 @@ def check_placement(cfg: DictConfig, stages: Optional[Sequence[str]] = None) -> 
                 f"model.{key} is not read: backend choices belong under model.backend.{key} (the model's "
                 f"default) or model.stages.<stage>.backend.{key}; fix: move it there")
     for key in _plain(model.architecture) or {}:
-        if key in BACKEND_KEYS:
-            raise MisplacedBackendKeyError(
-                f"model.architecture.{key} is not read: backend choices belong under model.backend or "
-                f"model.stages.<stage>.backend (legacy: model.stages.<stage>.engine_extras.<field>_backend)")
+        if key in BACKEND_KEYS or backend_field_of(key):
+            raise MisplacedBackendKeyError(misplaced_backend_message(f"model.architecture.{key}")
+                                           + " (legacy: model.stages.<stage>.engine_extras.<field>_backend)")
     for sname, stage in (model.stages or {}).items():
         for key in ("attention", "linear", "moe"):
             if stage.get(key) is not None:
@@ -194,19 +233,42 @@ def check_placement(cfg: DictConfig, stages: Optional[Sequence[str]] = None) -> 
     for mname, overlay in (cfg.platform.overlays or {}).items():
         for key in (overlay or {}):
             if key not in ("backend", "engine_extras"):
+                fld = backend_field_of(key, loose=True)
                 raise MisplacedBackendKeyError(
                     f"platform.overlays.{mname}.{key} is not read; an overlay takes `backend: {{attention, linear, "
-                    f"moe}}` and `engine_extras: {{...}}`")
+                    f"moe}}` and `engine_extras: {{...}}`"
+                    + (f"; fix: platform.overlays.{mname}.backend.{fld}" if fld else ""))
         for key in ((overlay or {}).get("backend") or {}):
             if key not in reg.FIELDS:
+                fld = backend_field_of(key, loose=True)
                 raise MisplacedBackendKeyError(
                     f"platform.overlays.{mname}.backend.{key} is not read; an overlay's backend takes "
-                    f"{', '.join(reg.FIELDS)}")
+                    f"{', '.join(reg.FIELDS)}" + (f"; fix: platform.overlays.{mname}.backend.{fld}" if fld else ""))
         for key in ((overlay or {}).get("engine_extras") or {}):
             if key in reg.FIELDS:
                 raise MisplacedBackendKeyError(
                     f"platform.overlays.{mname}.engine_extras.{key} is not read; fix: "
                     f"platform.overlays.{mname}.backend.{key} (or the legacy key engine_extras.{LEGACY_KEYS[key]})")
+
+
+def override_hints(argv: Sequence[str]) -> List[str]:
+    """For a command line Hydra refused: where each backend-like key that is not a backend place belongs
+    (``model.attention_backend=sdpa`` -> ``backend.attention``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    hints = []
+    for arg in argv:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        try:
+            o = OverridesParser.create().parse_override(arg)
+            key, value = o.key_or_group, o.value()
+        except Exception:  # noqa: BLE001 - Hydra has already said what is wrong with it
+            continue
+        msg = misplaced_backend_message(key, value if isinstance(value, (str, int, float)) else None)
+        if msg:
+            hints.append(msg)
+    return hints
 
 
 def _normalize_attention(value: Any, roles: Sequence[str], where: str) -> Dict[str, Dict[str, Any]]:
@@ -372,7 +434,9 @@ def _resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tupl
                         raise reg.BackendSpecError(f"{w}: quant/skip_softmax need a named backend, not auto")
                     name, reasons[role] = reg.auto_select("attention", info.ctx, (info.wired or {}).get("attention"))
                 else:
-                    reg.check("attention", name, info.ctx, where=w)
+                    wired = (info.wired or {}).get("attention")
+                    reg.check("attention", name, info.ctx, where=w, also=[] if wired is None or name in wired else [
+                        f"is not wired into the engine of stage {info.name!r} (it runs {', '.join(wired)})"])
                 reg.validate_spec(name, spec, w)
                 sel[role] = {**spec, "backend": name}
             res.selected = sel
@@ -381,7 +445,9 @@ def _resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tupl
             if canon == reg.AUTO:
                 res.selected, res.reason = reg.auto_select(fld, info.ctx, (info.wired or {}).get(fld))
             else:
-                reg.check(fld, canon, info.ctx, where=where)
+                wired = (info.wired or {}).get(fld)
+                reg.check(fld, canon, info.ctx, where=where, also=[] if wired is None or canon in wired else [
+                    f"is not wired into the engine of stage {info.name!r} (it runs {', '.join(wired)})"])
                 res.selected = canon
         out[fld] = res
     return out, extras

@@ -1,17 +1,35 @@
 """Resume: reuse the finished items of an earlier run in the same dir, regenerate the rest with the same seeds.
 
-An item counts as finished when its ``items.jsonl`` record says ``ok`` and its artifact exists with the recorded
-sha256. Missing or corrupt artifacts are regenerated. A resume whose *semantic* config (what changes the
-artifacts: model, backends, dtype, generation sizes, seed, dataset content) differs from the earlier run's is
-refused with the differing keys named, unless ``run.force=true``.
+An item is reused only when the current run would produce exactly it: its ``items.jsonl`` record says ``ok``, its
+artifact exists with the recorded sha256, and the record's ``inputs_sha256`` and ``batch`` equal those the
+current run computes for that item (:func:`inputs_sha256`, :func:`expected_inputs`): together, everything that
+determines the artifact's bytes,
+
+* the item's own inputs (:func:`item_inputs`): prompt, negative prompt, seed, width, height, steps, guidance
+  (every field of its dataset row but the id, the line number and the oracle's ``expect``); in a pipeline the
+  row's prompt before the upstream stage rewrote it (the upstream stage's config and template are in the run's
+  identity; its output is a function of them);
+* its batch (recorded as ``batch: {size, position}``, compared beside the hash): the size of the batch it ran in
+  and its position there (batched GEMMs may round a row differently at another size or position:
+  ``batch_size=4`` differs from ``batch_size=1`` by one intensity level on CPU); the loop regenerates every batch
+  that holds an item it cannot reuse, whole, so items keep their batch peers and positions;
+* the run's identity (:func:`run_identity`): the semantic config (model, weights source, architecture,
+  generation settings, compile, optimize, cpu_threads), the resolved dtype and the backends selected per stage,
+  the platform kind and device, and the versions of the packages that compute or encode it (torch, diffusers,
+  transformers, pillow, vLLM, kernels).
+
+Missing or corrupt artifacts and items whose inputs differ are regenerated. A resume whose *semantic* config
+differs from the earlier run's is refused with the differing keys named, unless ``run.force=true``; with it,
+only the items whose inputs still match are kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from runner.errors import UserInputError
 
@@ -85,7 +103,8 @@ def remove_temp_files(out_dir: Path) -> List[str]:
 
 
 def finished(out_dir: Path) -> Dict[str, Dict[str, Any]]:
-    """``{item key: record}`` of items whose artifact exists and matches its recorded sha256."""
+    """``{item key: record}`` of items whose artifact exists and matches its recorded sha256 (whatever inputs
+    produced it: :func:`reusable` keeps those the current run would produce)."""
     from runner.sinks import read_journal
 
     done: Dict[str, Dict[str, Any]] = {}
@@ -99,3 +118,141 @@ def finished(out_dir: Path) -> Dict[str, Dict[str, Any]]:
         elif rec["key"] in done and not (out_dir / done[rec["key"]]["file"]).is_file():
             done.pop(rec["key"], None)
     return done
+
+
+# ------------------------------------------------------------------------------------------------ identity
+#: Row fields that do not change an item's bytes: the id and line name the file, ``expect`` is the oracle's,
+#: ``num_images_per_prompt`` makes more items (each with its own seed, which is part of the inputs).
+ITEM_FIELDS_EXCLUDED = ("id", "line", "expect", "num_images_per_prompt")
+#: Row fields whose run-level defaults (``model.generation.<field>``) reach the bytes only through the rows.
+ROW_DEFAULTS = ("width", "height", "num_inference_steps", "guidance_scale")
+#: Package versions that do not change what is computed or encoded.
+PACKAGES_EXCLUDED = ("python", "hydra-core", "omegaconf")
+
+
+def _canonical(x: Any) -> bytes:
+    return json.dumps(x, sort_keys=True, default=str, separators=(",", ":")).encode()
+
+
+def item_inputs(item: Any) -> Dict[str, Any]:
+    """What of one item determines its bytes: every field of its row except :data:`ITEM_FIELDS_EXCLUDED`, and its
+    effective seed. A row field added later is included unless excluded here."""
+    row = item.row
+    d = dataclasses.asdict(row) if dataclasses.is_dataclass(row) else dict(vars(row))
+    d = {k: v for k, v in d.items() if k not in ITEM_FIELDS_EXCLUDED}
+    d["seed"] = item.seed
+    return d
+
+
+def _source_fingerprint(source: Dict[str, Any]) -> Dict[str, Any]:
+    """The weight source, with a cheap fingerprint of a local snapshot: every config/index JSON's sha256 and every
+    weight file's name and size (hashing the weights would read gigabytes before anything starts)."""
+    out = {k: v for k, v in source.items() if k != "files"}
+    path = source.get("path")
+    if source.get("kind") == "path" and path and Path(path).is_dir():
+        root = Path(path)
+        files = {}
+        for f in sorted(root.rglob("*")):
+            if not f.is_file():
+                continue
+            rel = str(f.relative_to(root))
+            files[rel] = (hashlib.sha256(f.read_bytes()).hexdigest() if f.suffix == ".json" and
+                          f.stat().st_size < (1 << 24) else f.stat().st_size)
+        out["files"] = files
+    return out
+
+
+def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], backends: Dict[str, Any],
+                 packages: Dict[str, Any], source: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The part of every item's identity that the whole run shares (see the module docstring).
+
+    Args:
+        cfg: the resolved run config.
+        dtype: the resolved compute dtype (``float32``).
+        platform: ``PlatformInfo.to_dict()``.
+        backends: ``{stage: {field: FieldResolution.to_dict()}}``; only what is *selected* counts (``auto`` and an
+            explicit name that select the same backend compute the same bytes).
+        packages: ``runner.manifest.package_versions()``.
+        source: the final stage's weight source (``model.source``).
+    """
+    config: Dict[str, Any] = {}
+    for key in SEMANTIC_KEYS + ("cpu_threads",):
+        if key in ("seed", "num_images_per_prompt", "backend", "model.backend"):  # per item / in ``backends``
+            continue
+        val = json.loads(_canonical(_get(cfg, key)))
+        if key == "model.generation" and isinstance(val, dict):
+            val = {k: v for k, v in val.items() if k not in ROW_DEFAULTS}
+        if key == "model.stages" and isinstance(val, dict):
+            val = {s: {k: v for k, v in (st or {}).items() if k != "backend"} for s, st in val.items()}
+        config[key] = val
+    probes = platform.get("probes") or {}
+    return {
+        "config": config,
+        "dtype": dtype,
+        "platform": {"kind": platform.get("kind"), "capability": platform.get("capability"),
+                     "device_name": probes.get("device_name") if platform.get("kind") != "cpu" else None},
+        "backends": {st: {f: (r or {}).get("selected") for f, r in (fields or {}).items()}
+                     for st, fields in backends.items()},
+        "packages": {k: v for k, v in packages.items() if k not in PACKAGES_EXCLUDED},
+        "source": _source_fingerprint(source or {}),
+    }
+
+
+def identity_sha256(identity: Dict[str, Any]) -> str:
+    """sha256 of a run identity (:func:`run_identity`)."""
+    return hashlib.sha256(_canonical(identity)).hexdigest()
+
+
+def inputs_sha256(run_sha: str, item: Any) -> str:
+    """The ``inputs_sha256`` of one item: its inputs (:func:`item_inputs`) under the run identity ``run_sha``."""
+    return hashlib.sha256(_canonical({"run": run_sha, "item": item_inputs(item)})).hexdigest()
+
+
+def expected_inputs(run_sha: str, batches: Iterable[Sequence[Any]]) -> Dict[str, Dict[str, Any]]:
+    """``{item key: {"inputs_sha256", "batch": {"size", "position"}}}`` of every item of ``batches``, as the run
+    forms them."""
+    return {it.key: {"inputs_sha256": inputs_sha256(run_sha, it), "batch": {"size": len(b), "position": p}}
+            for b in batches for p, it in enumerate(b)}
+
+
+def identity_diff(old: Optional[Dict[str, Any]], new: Dict[str, Any]) -> List[str]:
+    """Dotted keys of two run identities that differ (``config.model.generation.true_cfg_scale``, ``packages.torch``),
+    for the log of a resume that regenerates items."""
+    if not old:
+        return ["(the earlier run recorded no identity)"]
+    a, b = _flat(old, "identity"), _flat(new, "identity")
+    return [f"{k[len('identity.'):]}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
+
+
+def reusable(done: Dict[str, Dict[str, Any]], expected: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """The finished records the current run would produce exactly: ``inputs_sha256`` and ``batch`` (size and
+    position) equal to ``expected``'s. A record without them (written before identities were recorded) is never
+    reused."""
+    return {k: r for k, r in done.items() if k in expected
+            and r.get("inputs_sha256") == expected[k]["inputs_sha256"] and r.get("batch") == expected[k]["batch"]}
+
+
+def why_not_reused(rec: Dict[str, Any], item: Any, run_changed: bool) -> str:
+    """The first reason ``rec`` is not the current run's output of ``item``: prompt, seed, a parameter, the batch,
+    or the run identity."""
+    r = item.row
+    if rec.get("prompt_sha256") not in (None, hashlib.sha256(r.prompt.encode()).hexdigest()):
+        return "prompt"
+    if rec.get("seed") is not None and rec.get("seed") != item.seed:
+        return "seed"
+    params = rec.get("params") or {}
+    for k, v in item_inputs(item).items():
+        if k in params and params[k] != v:
+            return k
+    if "inputs_sha256" not in rec:
+        return "no inputs_sha256 recorded"
+    if run_changed:
+        return "run config/platform/backends/packages"
+    return "its batch: size/position " + "/".join(str((rec.get("batch") or {}).get(k)) for k in ("size", "position"))
+
+
+def regenerate_batches(batches: Sequence[Sequence[Any]], reuse: Dict[str, Any]) -> List[Any]:
+    """Items of every batch that holds an item not in ``reuse``, batch after batch: such a batch runs again whole,
+    so each of its items keeps its batch peers and position (its reused items are written again, same bytes)."""
+    return [it for b in batches if any(it.key not in reuse for it in b) for it in b]

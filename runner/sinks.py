@@ -33,18 +33,20 @@ def read_journal(path: Path) -> List[Dict[str, Any]]:
 
 
 def compact_journal(path: Path, order: Optional[List[str]] = None,
-                    extra: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+                    extra: Optional[Dict[str, Dict[str, Any]]] = None,
+                    keep: Optional[Callable[[Dict[str, Any]], bool]] = None) -> None:
     """Rewrite ``path`` atomically with the latest record per ``key`` (``id`` where a record has no key).
 
     Args:
         order: keys in the order the journal must list them (dataset order; keys with no record are skipped);
             None keeps the order in which keys first appeared.
         extra: records to use for keys the journal itself lacks (ok records of other journals of the run dir).
+        keep: records of the journal for which it is False are left out (as if never written).
     """
     latest: Dict[str, Dict[str, Any]] = dict(extra or {})
     for r in read_journal(path):
         k = r.get("key", r.get("id"))
-        if k is not None:
+        if k is not None and (keep is None or keep(r)):
             latest[k] = r
     if order is None:
         if not Path(path).is_file():

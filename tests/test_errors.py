@@ -103,6 +103,8 @@ CONTRACT = {
     "runner.report.UnknownReferenceError": ("invalid", 2, KeyError),
     "runner.matrix.GridError": ("invalid", 2, ValueError),
     "runner.repro.ReproInputError": ("invalid", 2, OSError),
+    "runner.environment.EnvironmentVariableError": ("invalid", 2, ValueError),
+    "runner.environment.OutputPathError": ("invalid", 2, OSError),
 }
 
 

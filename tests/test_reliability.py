@@ -256,20 +256,25 @@ def test_resume_with_changed_dataset_refused(ref, data, compose, tmp_path):
 
 
 def test_forced_resume_with_different_seed(ref, data, compose, tmp_path):
-    """run.force=true resumes despite the conflict: intact items are kept, the missing one uses the new seed."""
+    """run.force=true resumes despite the conflict, but keeps only items the new config would produce exactly
+    (issue #16 kind 4): 'pinned' sets its own seed and is kept untouched; every row whose seed derives from the run
+    seed gets the new seed and a new image; the missing one is generated with the new seed."""
     d = _copy_run(ref.run_dir, tmp_path / "run")
     recs = _journal(d)
     (d / recs[-1]["file"]).unlink()
+    pinned = (d / "images" / "pinned.png").stat()
     assert _run(compose, d, _ov(data, "seed=1", "run.force=true", f"run.resume={d}")) == 0
     man = json.loads((d / "manifest.json").read_text())
-    assert man["resumed_from"]["forced"] is True and man["resumed_from"]["reused_items"] == 5
+    assert man["resumed_from"]["forced"] is True and man["resumed_from"]["reused_items"] == 1
     assert man["config"]["seed"] == 1
+    now = (d / "images" / "pinned.png").stat()
+    assert (now.st_ino, now.st_mtime_ns) == (pinned.st_ino, pinned.st_mtime_ns), "pinned was rewritten"
     pngs, new = _state(d)
     ref_pngs, _ = _state(ref.run_dir)
-    for k in KEYS[:-1]:
-        assert pngs[k] == ref_pngs[k]
-    assert new[-1]["key"] == "cabin" and new[-1]["seed"] == _derived_seed(1, "cabin") != recs[-1]["seed"]
-    assert pngs["cabin"] != ref_pngs["cabin"]
+    for r in new:
+        want = 1234 if r["key"] == "pinned" else _derived_seed(1, r["key"])
+        assert r["seed"] == want, r
+        assert (pngs[r["key"]] == ref_pngs[r["key"]]) == (r["key"] == "pinned"), r["key"]
 
 
 def test_resume_of_dir_without_manifest_refused(data, compose, tmp_path, monkeypatch):
@@ -989,12 +994,15 @@ def _pixels(png: bytes):
 
 
 def test_c08_batch_size_1_and_4_same_items_and_images(ref, bs4):
-    """Seeds belong to rows: batch_size=4 gives the same records (but batch_size) and the same images within one
-    8-bit step per pixel."""
+    """Seeds belong to rows: batch_size=4 gives the same records (but the batch each item ran in: batch_size and
+    batch {size, position}; inputs_sha256 is the same) and the same images within one 8-bit step per pixel."""
     assert [it["params"]["batch_size"] for it in bs4.items] == [4, 4, 4, 4, 2, 2]
+    assert [(it["batch"]["size"], it["batch"]["position"]) for it in bs4.items] == [(4, 0), (4, 1), (4, 2), (4, 3),
+                                                                                     (2, 0), (2, 1)]
     p1, recs1 = _state(ref.run_dir)
     p4, recs4 = _state(bs4.run_dir)
-    drop = lambda r: {**_strip(r), "params": {k: v for k, v in r["params"].items() if k != "batch_size"}}  # noqa
+    drop = lambda r: {**_strip(r, ("timing", "batch")),  # noqa
+                      "params": {k: v for k, v in r["params"].items() if k != "batch_size"}}
     assert [{k: v for k, v in drop(r).items() if k != "file_sha256"} for r in recs1] == \
         [{k: v for k, v in drop(r).items() if k != "file_sha256"} for r in recs4]
     assert sorted(p1) == sorted(p4) == sorted(KEYS)

@@ -12,11 +12,9 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess

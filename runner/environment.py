@@ -1,0 +1,226 @@
+"""Startup checks of what a run reads from outside its config: environment variables and the directories it will
+write, so that a mistake there ends in exit 2 naming the variable or key and the fix, before anything loads,
+instead of a library's traceback half-way through (``DIFFUSERS_ATTN_BACKEND=garbage`` made diffusers' dispatcher
+fail to import; ``output.dir`` under a regular file raised ``NotADirectoryError`` after startup).
+
+Variables checked (each only when set): ``DIFFUSERS_ATTN_BACKEND`` (a diffusers ``AttentionBackendName``),
+``DIFFUSERS_ATTN_CHECKS`` (a boolean diffusers reads; other text silently means false), ``CUDA_VISIBLE_DEVICES``
+(device indices or UUIDs; garbage hides every GPU), ``TORCH_CUDNN_SDPA_ENABLED`` (``0``/``1``),
+``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``/``PYTORCH_HIP_ALLOC_CONF`` (``key:value,...``; torch's own
+parser on a GPU), ``LOCAL_RANK`` and ``VLLM_CPU_KVCACHE_SPACE`` (integers), ``TRITON_INTERPRET`` (``0``/``1``) and
+``RUNNER_CACHE`` (a directory that can be created). Directories: the run dir (``output.dir``, ``run.resume`` or the
+Hydra run dir) and the cache of embedded models (``cache_dir``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from runner.errors import UserInputError
+
+
+class EnvironmentVariableError(UserInputError, ValueError):
+    """An environment variable the runner or a library it drives reads holds a value they cannot use."""
+
+
+class OutputPathError(UserInputError, OSError):
+    """A directory the run must write cannot be created or written (names the key and the fix)."""
+
+
+_TRUE = ("1", "ON", "YES", "TRUE")
+_FALSE = ("0", "OFF", "NO", "FALSE", "")
+
+
+def diffusers_attention_backends() -> List[str]:
+    """The values diffusers' ``AttentionBackendName`` takes, read without letting an invalid
+    ``DIFFUSERS_ATTN_BACKEND`` break the import (diffusers reads it into ``utils.constants`` and builds its
+    dispatcher's default from it when ``attention_dispatch`` is first imported)."""
+    import importlib
+    import sys
+
+    import diffusers.utils.constants as constants
+
+    try:
+        mod = importlib.import_module("diffusers.models.attention_dispatch")
+    except ValueError:  # the value itself: import once with diffusers' default just to read the names
+        sys.modules.pop("diffusers.models.attention_dispatch", None)
+        saved = constants.DIFFUSERS_ATTN_BACKEND
+        constants.DIFFUSERS_ATTN_BACKEND = "native"
+        try:
+            mod = importlib.import_module("diffusers.models.attention_dispatch")
+        finally:
+            constants.DIFFUSERS_ATTN_BACKEND = saved
+    return [m.value for m in mod.AttentionBackendName]
+
+
+def _diffusers_attn_backend(v: str) -> Optional[str]:
+    names = diffusers_attention_backends()
+    if v in names:
+        return None
+    import difflib
+
+    close = difflib.get_close_matches(v, names, n=1)
+    return (f"diffusers knows no attention backend {v!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; it takes one of {', '.join(names)}. The runner sets every attention call site itself "
+            "(backend.attention); fix: unset DIFFUSERS_ATTN_BACKEND and choose backend.attention=<name>")
+
+
+def _bool(v: str) -> Optional[str]:
+    if v.upper() in _TRUE + _FALSE:
+        return None
+    return f"not a boolean (diffusers reads anything but {'/'.join(_TRUE)} as false); fix: 1 or 0"
+
+
+def _zero_one(v: str) -> Optional[str]:
+    return None if v in ("0", "1") else "takes 0 or 1; fix: 0 or 1, or unset it"
+
+
+def _int(v: str) -> Optional[str]:
+    return None if re.fullmatch(r"\s*\d+\s*", v) else "not a non-negative integer; fix: an integer, or unset it"
+
+
+def _visible_devices(v: str) -> Optional[str]:
+    entry = r"\s*(-?\d+|GPU-[0-9A-Za-z-]+|MIG-[0-9A-Za-z/-]+)\s*"
+    if v.strip() == "" or re.fullmatch(f"{entry}(,{entry})*", v):
+        return None
+    return ("not a list of device indices or UUIDs (CUDA would hide every GPU and the run would fall back or be "
+            "refused for another reason); fix: e.g. CUDA_VISIBLE_DEVICES=0,1, or unset it")
+
+
+def _alloc_conf(v: str) -> Optional[str]:
+    depth, parts, cur = 0, [], ""
+    for ch in v:  # top-level commas only (roundup_power2_divisions:[256:1,512:2] holds some)
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    if not all(re.fullmatch(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*:\s*\S.*", p) for p in parts):
+        return ("not a list of key:value options (torch would raise when it first allocates on the GPU); fix: "
+                "e.g. expandable_segments:True, or unset it")
+    import torch
+
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is not None and torch.cuda.is_available():  # torch's own parser: unknown options, bad values
+        try:
+            setter(v)
+        except RuntimeError as e:
+            return f"torch refuses it: {str(e).splitlines()[0]}; fix: correct it, or unset it"
+    return None
+
+
+def _dir_var(v: str) -> Optional[str]:
+    why = _dir_problem(Path(v).expanduser())
+    return None if why is None else f"{why}; fix: point it at a directory you can write, or unset it"
+
+
+CHECKS: Dict[str, Callable[[str], Optional[str]]] = {
+    "DIFFUSERS_ATTN_BACKEND": _diffusers_attn_backend,
+    "DIFFUSERS_ATTN_CHECKS": _bool,
+    "CUDA_VISIBLE_DEVICES": _visible_devices,
+    "TORCH_CUDNN_SDPA_ENABLED": _zero_one,
+    "PYTORCH_CUDA_ALLOC_CONF": _alloc_conf,
+    "PYTORCH_ALLOC_CONF": _alloc_conf,
+    "PYTORCH_HIP_ALLOC_CONF": _alloc_conf,
+    "LOCAL_RANK": _int,
+    "VLLM_CPU_KVCACHE_SPACE": _int,
+    "TRITON_INTERPRET": _zero_one,
+    "RUNNER_CACHE": _dir_var,
+}
+
+
+def check_environment(environ: Optional[Dict[str, str]] = None) -> None:
+    """Check every variable of :data:`CHECKS` that is set.
+
+    Raises:
+        EnvironmentVariableError: listing each bad variable, its value, why and the fix.
+    """
+    env = os.environ if environ is None else environ
+    problems = []
+    for name, check in CHECKS.items():
+        if name in env:
+            why = check(env[name])
+            if why:
+                problems.append(f"{name}={env[name]!r}: {why}")
+    if problems:
+        raise EnvironmentVariableError("environment variable problem(s):\n  " + "\n  ".join(problems))
+
+
+def _dir_problem(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be used as a directory to write into (None: it can)."""
+    if path.exists():
+        if not path.is_dir():
+            return f"{path} is a file, not a directory"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{path} is not writable"
+        return None
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, so no directory can be created under it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable, so {path} cannot be created"
+    return None
+
+
+def check_dir(path: Path, key: str) -> None:
+    """Refuse a directory the run must write when it cannot be created or written.
+
+    Args:
+        key: the config key or variable that named it (``output.dir``).
+
+    Raises:
+        OutputPathError: naming ``key``, the path, why and the fix.
+    """
+    why = _dir_problem(Path(path).expanduser())
+    if why:
+        raise OutputPathError(f"{key}={str(path)!r}: {why}; fix: {key}=<a directory you can write>")
+
+
+def check_outside(cfg: Any, out_dir: Path, embedded: bool) -> None:
+    """What a run reads or writes outside its config, checked at startup: the environment
+    (:func:`check_environment`), the run dir, and the cache of embedded models when one is built (``embedded``)
+    or ``cache_dir`` is set.
+
+    Raises:
+        EnvironmentVariableError, OutputPathError.
+    """
+    check_environment()
+    check_dir(out_dir, "run.resume" if cfg.run.resume else "output.dir" if cfg.output.dir else "hydra.run.dir")
+    if cfg.cache_dir:
+        check_dir(Path(cfg.cache_dir), "cache_dir")
+    elif embedded and "RUNNER_CACHE" not in os.environ:
+        check_dir(Path("~/.cache/runner").expanduser(), "cache_dir (default ~/.cache/runner)")
+
+
+def check_launch_dirs(argv: List[str]) -> None:
+    """The Hydra run (or sweep) dir of a command line, checked before Hydra creates it (Hydra's own
+    ``NotADirectoryError`` is a traceback): the literal part of ``hydra.run.dir`` / ``hydra.sweep.dir`` before any
+    interpolation, or ``outputs`` (the default's) when the command line sets none.
+
+    Raises:
+        OutputPathError: naming the key and the fix.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in argv) else "hydra.run.dir"
+    given = next((a for a in argv if a.split("=", 1)[0] == key), None)
+    if given is None:
+        check_dir(Path("outputs"), f"{key} (default outputs/...)")
+        return
+    try:
+        value = OverridesParser.create().parse_override(given).value()
+    except Exception:  # noqa: BLE001 - Hydra reports a value it cannot parse
+        return
+    if isinstance(value, str):
+        literal = value.split("${", 1)[0]
+        if literal and "${" in value and not literal.endswith("/"):
+            literal = str(Path(literal).parent)
+        if literal:
+            check_dir(Path(literal), key)
