@@ -88,6 +88,9 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     try:
         # Hold the run dir first (re-entrant: the Hydra callback took it already in `python -m runner`); under
         # torchrun the run holds it through rank 0, and every rank learns whether it was refused.
+        from runner.environment import check_dir
+
+        check_dir(out_dir, _dir_key(cfg))  # a path no run can use is bad input (exit 2, named), not a lock matter
         tw = dp.torchrun_worker()
         if tw is not None and tw.world_size > 1:
             dp.claim_run_dir(out_dir, tw, create=not cfg.run.resume, key=_dir_key(cfg))
@@ -185,6 +188,12 @@ class RunDirLockCallback(_HydraCallback):
         base = hydra_dir if OmegaConf.select(config, "hydra.job.chdir") else Path.cwd()
         target = base / str(given) if given else dp.shared_run_dir(hydra_dir)
         key = "run.resume" if resume else "output.dir" if given else "hydra.run.dir"
+        from runner.environment import OutputPathError, check_dir
+
+        try:
+            check_dir(target, key)
+        except OutputPathError:  # not a dir this run could use: the run's startup checks refuse it (exit 2, with
+            return  # job_status.json in Hydra's dir), nothing to hold
         try:
             dp.claim_run_dir(target, dp.torchrun_worker(), create=not resume, key=key)
         except RunDirLockError as e:

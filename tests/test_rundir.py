@@ -272,7 +272,11 @@ def test_default_dirs_never_collide(tmp_path, subprocess_env, monkeypatch):
     orig.mkdir()
     monkeypatch.chdir(tmp_path)
     write_repro(orig, ["seed=1"], {})
-    env = dict(subprocess_env, PYTHON="echo")  # the script's interpreter: prints the command it would run
+    fake = tmp_path / "fakepy"  # the script's interpreter: prints the run dir the re-run would get (repro.sh
+    # hands it to Hydra through RUNNER_REPRO_DIR, so no character of it meets Hydra's override grammar)
+    fake.write_text('#!/bin/sh\ncase "$1" in -m) echo "hydra.run.dir=$RUNNER_REPRO_DIR";; esac\n')
+    fake.chmod(0o755)
+    env = dict(subprocess_env, PYTHON=str(fake))
     outs = []
     procs = [subprocess.Popen(["bash", str(orig / "repro.sh")], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
