@@ -10,6 +10,15 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+if __name__ == "__main__":  # before anything imports torch: its CUDA library aborts on a malformed allocator setting
+    from runner.environment import EnvironmentVariableError, check_before_torch
+
+    try:
+        check_before_torch()
+    except EnvironmentVariableError as e:
+        print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

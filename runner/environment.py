@@ -90,7 +90,10 @@ def _visible_devices(v: str) -> Optional[str]:
             "refused for another reason); fix: e.g. CUDA_VISIBLE_DEVICES=0,1, or unset it")
 
 
-def _alloc_conf(v: str) -> Optional[str]:
+def _alloc_conf_format(v: str) -> Optional[str]:
+    """Why an allocator setting is not a ``key:value,...`` list (None: it is). Needs no torch: libc10_cuda parses
+    ``PYTORCH_CUDA_ALLOC_CONF`` while it loads and aborts the process (``terminate called after throwing an instance
+    of 'c10::Error'``, seen on the H200 with torch 2.11 for ``garbage``), so this runs before torch is imported."""
     depth, parts, cur = 0, [], ""
     for ch in v:  # top-level commas only (roundup_power2_divisions:[256:1,512:2] holds some)
         depth += (ch == "[") - (ch == "]")
@@ -101,8 +104,33 @@ def _alloc_conf(v: str) -> Optional[str]:
             cur += ch
     parts.append(cur)
     if not all(re.fullmatch(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*:\s*\S.*", p) for p in parts):
-        return ("not a list of key:value options (torch would raise when it first allocates on the GPU); fix: "
+        return ("not a list of key:value options (torch aborts the process when it loads its CUDA library); fix: "
                 "e.g. expandable_segments:True, or unset it")
+    return None
+
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def check_before_torch(environ: Optional[Dict[str, str]] = None) -> None:
+    """The checks that must run before ``import torch`` (``python -m runner`` calls it first thing): the format of
+    the allocator settings, which torch's CUDA library parses while it loads.
+
+    Raises:
+        EnvironmentVariableError: naming the variable, its value, why and the fix.
+    """
+    env = os.environ if environ is None else environ
+    problems = [f"{n}={env[n]!r}: {why}" for n in ALLOC_CONF_VARS if n in env
+                for why in [_alloc_conf_format(env[n])] if why]
+    if problems:
+        raise EnvironmentVariableError("environment variable problem(s):\n  " + "\n  ".join(problems))
+
+
+def _alloc_conf(v: str) -> Optional[str]:
+    """:func:`_alloc_conf_format`, then torch's own parser where a GPU is there (unknown options, bad values)."""
+    why = _alloc_conf_format(v)
+    if why:
+        return why
     import torch
 
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)

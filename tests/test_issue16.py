@@ -418,3 +418,19 @@ def test_c20_hydra_compose_error_gets_the_pointer(subprocess_env, tmp_path):
     p = _cli(["model.attention_backend=sdpa", f"hydra.run.dir={tmp_path / 'r'}"], subprocess_env, tmp_path)
     assert p.returncode == 2
     assert "backend.attention=sdpa" in p.stderr, p.stderr[-2000:]
+
+
+# regression: bug: on the H200 `PYTORCH_CUDA_ALLOC_CONF=garbage python -m runner ...` aborted the process
+# (exit 134, "terminate called after throwing an instance of 'c10::Error'") while torch loaded its CUDA library,
+# before the startup check that refuses it could run; on a CPU the same check ran only after Hydra made the run dir.
+@pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_malformed_allocator_setting_is_refused_before_torch_is_imported(subprocess_env, tmp_path, var):
+    d = tmp_path / "run"
+    env = dict(subprocess_env, PYTHONPATH=str(REPO_ROOT), **{var: "garbage"})
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "runner", "platform=cpu", f"hydra.run.dir={d}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert var in p.stderr and "fix" in p.stderr and "Traceback" not in p.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "hydra" not in imported  # refused first thing, before torch or Hydra load
+    assert not d.exists()
