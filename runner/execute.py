@@ -723,25 +723,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
             status = "interrupted"
         else:
             status = "completed" if counts["failed"] == 0 else "completed_with_failures"
-        ran = [e for e in engines if e.stage in results and results[e.stage].generated]
-        nonfinite = sum(r.nonfinite for r in results.values())
-        if not ran:
-            ev = {"enabled": cfg.evidence.enabled, "pid": os.getpid(), "device": plat.device, "all_finite": True,
-                  "verdict": "not_collected", "reason": "every item was reused from the earlier run",
-                  "mismatches": []}
-        elif not cfg.evidence.enabled:
-            ev = {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": nonfinite == 0,
-                  "verdict": "not_collected", "mismatches": []}
-        else:
-            stages_doc: Dict[str, Any] = {}
-            mismatches: List[str] = []
-            for e in ran:
-                stages_doc[e.stage], mm = e.evidence(results[e.stage])
-                mismatches += mm
-            ev = {"enabled": True, "pid": os.getpid(), "device": plat.device, "stages": stages_doc,
-                  "all_finite": nonfinite == 0,
-                  "verdict": "mismatch" if mismatches else ("nonfinite_outputs" if nonfinite else "verified"),
-                  "mismatches": mismatches}
+        ev = _evidence_doc(cfg, plat, engines, results)
         manifest.section("evidence", ev)
         sink.drain()
         journal = {r["key"]: r for r in read_journal(out_dir / journal_name) if "key" in r}
@@ -814,6 +796,30 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     if status == "interrupted":
         return 128 + (stop.signum or signal.SIGINT)
     return 0 if counts["failed"] == 0 else 1
+
+
+def _evidence_doc(cfg: DictConfig, plat: Any, engines: Sequence[Any], results: Dict[str, Any]) -> Dict[str, Any]:
+    """The manifest's ``evidence``: each stage that generated gives its section and mismatches
+    (``engine.evidence``); the verdict is ``mismatch`` when any stage contradicts its resolution, else
+    ``nonfinite_outputs`` when an output held NaN/inf, else ``verified``; ``not_collected`` when nothing was generated
+    (every item reused) or ``evidence.enabled=false``."""
+    ran = [e for e in engines if e.stage in results and results[e.stage].generated]
+    nonfinite = sum(r.nonfinite for r in results.values())
+    if not ran:
+        return {"enabled": cfg.evidence.enabled, "pid": os.getpid(), "device": plat.device, "all_finite": True,
+                "verdict": "not_collected", "reason": "every item was reused from the earlier run", "mismatches": []}
+    if not cfg.evidence.enabled:
+        return {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": nonfinite == 0,
+                "verdict": "not_collected", "mismatches": []}
+    stages_doc: Dict[str, Any] = {}
+    mismatches: List[str] = []
+    for e in ran:
+        stages_doc[e.stage], mm = e.evidence(results[e.stage])
+        mismatches += mm
+    return {"enabled": True, "pid": os.getpid(), "device": plat.device, "stages": stages_doc,
+            "all_finite": nonfinite == 0,
+            "verdict": "mismatch" if mismatches else ("nonfinite_outputs" if nonfinite else "verified"),
+            "mismatches": mismatches}
 
 
 def _compact(out_dir: Path, items: List[Any], name: str, final: Any, expected: Dict[str, Dict[str, Any]]) -> None:
