@@ -409,7 +409,11 @@ class VLLMEngine(EngineBase):
                                     + (f"; did you mean {close[0]!r}?" if close else "; fix: remove it"))
         model_dir = self._model_dir(where)
         user_extras = dict(extras)
-        max_model_len = int(extras.pop("max_model_len", 256))
+        max_model_len = extras.pop("max_model_len", 256)
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ARConfigError(f"model.stages.{self.name}.engine_extras.max_model_len={max_model_len!r} is not a "
+                                "positive integer (tokens of prompt + output); fix: e.g. "
+                                f"model.stages.{self.name}.engine_extras.max_model_len=256")
         backends = {f: r.selected for f, r in self.resolutions.items()}
         try:
             self.adapter = VLLMAdapter(model_dir, load_format=self.source["load_format"], dtype=self.dtype_name,

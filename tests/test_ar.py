@@ -317,6 +317,18 @@ def test_ar_backends_use_the_runner_precedence_layers(compose):
         build_engines(compose(bad), bad, detect("cpu"), torch.float32)[-1].prepare()
 
 
+# regression: bug: `engine_extras.max_model_len=abc` ended in a traceback (int('abc') in prepare), exit 1
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "true"])
+def test_engine_extras_max_model_len_must_be_a_positive_integer(compose, value):
+    from models.vllm_stage import ARConfigError
+    from runner.execute import build_engines
+    from runner.platform import detect
+
+    ov = ["platform=cpu", "model=tiny_qwen3_moe", f"model.stages.generate.engine_extras.max_model_len={value}"]
+    with pytest.raises(ARConfigError, match=r"engine_extras\.max_model_len=.*positive integer.*fix"):
+        build_engines(compose(ov), ov, detect("cpu"), torch.float32)[-1].prepare()
+
+
 def _swap_first_attention_backend(stage):
     """Tamper inside the worker: layer 0's attention module claims another backend class than it was built with
     (the state vLLM's silent CPU_ATTN fallback would produce the other way round)."""
