@@ -125,6 +125,14 @@ def check_schema(cfg: DictConfig) -> None:
     from runner.resolve import MisplacedBackendKeyError
     from runner.schema import typed_skeleton
 
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:  # e.g. model=base_diffusion: a family's schema, which --help lists beside the models
+        base = ("; the model option chosen is a schema base (base_diffusion, base_ar, base_pipeline), not a model"
+                if "model.name" in missing else "")
+        raise ConfigValueError(
+            f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no value{base}; fix: choose a model option "
+            "(model=toy_shapes, tiny_flux, flux, flux_schnell, tiny_qwen3_moe, prompt_expand_flux) or set "
+            + " ".join(f"{k}=..." for k in missing))
     plain = OmegaConf.to_container(cfg, resolve=False)
     check_no_instantiate_keys(plain)
     try:

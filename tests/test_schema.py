@@ -307,3 +307,19 @@ def test_an_ar_engine_on_a_diffusion_model_is_refused_before_anything_loads(comp
     with pytest.raises(ConfigValueError, match="does not match the schema"):
         run(compose(ov), tmp_path / "run", ov)
     assert not (tmp_path / "run" / "manifest.json").exists() and not (tmp_path / "run" / "images").exists()
+
+
+# regression: bug: `python -m runner model=base_diffusion` (listed by --help beside the models) ended in a
+# traceback (omegaconf MissingMandatoryValue: model.name), exit 1
+@pytest.mark.parametrize("base", ["base_diffusion", "base_ar", "base_pipeline"])
+def test_a_schema_base_chosen_as_model_is_refused_naming_it(subprocess_env, tmp_path, base):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-m", "runner", f"model={base}", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, env=dict(subprocess_env, PYTHONPATH=str(repo)), capture_output=True, text=True,
+                       timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-2000:]
+    assert "Traceback" not in out and "model.name" in out and "no value" in out and "schema base" in out and "fix" in out
