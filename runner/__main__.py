@@ -38,7 +38,8 @@ def main(cfg: DictConfig) -> int:
 
     Exit codes: 0 every item written and verified; 1 some items failed (or a crash); 2 bad input or a backend
     refused at startup; 3 evidence contradicts the resolved backends; 128+N interrupted by signal N.
-    In a multirun each job's outcome is written to ``job_status.json`` and the sweep goes on; the sweep callback
+    In a multirun each job's outcome is written to ``job_status.json`` and the sweep goes on, except after an
+    interrupted job (SIGINT/SIGTERM), which ends the sweep with that job's 128+N; otherwise the sweep callback
     (``runner.sweep.SweepCallback``) sets the sweep's exit code.
     """
     from hydra.types import RunMode
@@ -50,7 +51,7 @@ def main(cfg: DictConfig) -> int:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     code = run_job(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task), reraise=not multirun)
-    if code and not multirun:
+    if code and (not multirun or code > 128):  # an interrupted job ends the sweep too: Ctrl-C means stop
         sys.exit(code)
     return code
 

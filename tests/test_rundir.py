@@ -343,3 +343,24 @@ def test_torchrun_run_holds_its_dir_for_all_ranks(tmp_path, subprocess_env, comp
     assert m["status"] == "completed" and m["counts"]["missing"] == 0
     assert m["lock"]["holder"]["pid"] == rank0
     assert not (d / "run.lock").exists() and not (d / "workers.lock").exists()
+
+
+# regression: bug: Ctrl-C during a sweep stopped the current job only; Hydra then launched the next jobs
+def test_ctrl_c_during_a_sweep_stops_the_sweep(tmp_path, subprocess_env):
+    sweep = tmp_path / "sweep"
+    log = tmp_path / "sweep.log"
+    with open(log, "wb") as f:
+        p = subprocess.Popen([sys.executable, "-m", "runner", "-m", "model=tiny_flux", "platform=cpu",
+                              "dataset.limit=3", "model.generation.num_inference_steps=100", "seed=1,2",
+                              f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=_env(subprocess_env), stdout=f,
+                             stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while _lines(sweep / "0" / "items.jsonl") < 1:  # job 0 is generating its second item
+        assert p.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.01)
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(timeout=120)
+    assert rc == 128 + signal.SIGINT, log.read_text()[-3000:]
+    assert json.loads((sweep / "0" / "job_status.json").read_text())["outcome"] == "interrupted"
+    assert not (sweep / "1").exists()  # the second job never started
