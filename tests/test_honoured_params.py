@@ -285,3 +285,23 @@ def test_c12_prompts_fed_by_an_upstream_stage_are_counted_and_refused_per_item(e
     recs = {it["key"]: it for it in err.items}
     assert recs["short"]["status"] == recs["medium"]["status"] == "ok"
     assert recs["long"]["status"] == "failed" and "truncated" in json.dumps(recs["long"]), recs["long"]
+
+
+# regression: bug: a 2-million-character prompt printed diffusers' truncation warning with the whole dropped text on
+# every call (4.4 MB of console for one item); the record's `tokens` already says what was dropped
+def test_truncation_is_not_echoed_to_the_console(subprocess_env, tmp_path):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    data = tmp_path / "huge.jsonl"
+    data.write_text(json.dumps({"id": "huge", "prompt": "red circle " * 5000}) + "\n")
+    p = subprocess.run([sys.executable, "-m", "runner", "model=tiny_flux", "platform=cpu", "dataset=jsonl",
+                        f"dataset.path={data}", "model.generation.num_inference_steps=1", f"hydra.run.dir={tmp_path / 'r'}"],
+                       cwd=tmp_path, env=dict(subprocess_env, PYTHONPATH=str(repo)), capture_output=True, text=True,
+                       timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-2000:]
+    assert "was truncated because" not in out and len(out) < 20000, len(out)
+    rec = json.loads((tmp_path / "r" / "items.jsonl").read_text().splitlines()[0])
+    assert all(t["dropped"] > 0 for t in rec["tokens"].values()), rec["tokens"]
