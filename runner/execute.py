@@ -35,7 +35,7 @@ from runner.errors import ConfigValueError, StorageError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.paths import PROJECT_ROOT, original_cwd, repro_location
 from runner.platform import detect
-from runner.sinks import SINKS, compact_journal, read_journal
+from runner.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal
 
 if TYPE_CHECKING:
     from models.base import StageResult
@@ -760,7 +760,14 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
                 for e in engines:
                     e.close()
             if sink is not None:
+                before = read_journal(out_dir / journal_name) if worker is None else []  # compaction drops some
                 _compact(out_dir, items, journal_name, final, expected)
+                if worker is None:
+                    unlisted = keep_unlisted(out_dir, journal_name, before)
+                    if unlisted:
+                        log.warning("%d file(s) in %s are not items of this run (an earlier run's, e.g. a larger "
+                                    "dataset.limit); their records are kept in %s", unlisted, out_dir, UNLISTED)
+                    manifest.section("unlisted_files", {"count": unlisted, "journal": UNLISTED})
         except BaseException as e:  # the final status is written all the same, then the error goes on
             closing_error = e
             if status not in ("interrupted", "storage_error"):

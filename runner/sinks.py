@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 from runner.artifacts import ArtifactWriter, Journal, atomic_write_bytes
 
@@ -199,3 +199,45 @@ class RecordSink(_Counting):
 
 #: engine output kind -> sink class
 SINKS: Dict[str, Any] = {"image": PNGSink, "text": RecordSink}
+
+
+UNLISTED = "items.unlisted.jsonl"
+
+
+def keep_unlisted(out_dir: Path, journal_name: str = "items.jsonl", before: Sequence[Dict[str, Any]] = ()) -> int:
+    """Keep a record for every artifact in ``out_dir`` that the run's journal no longer lists, in
+    ``items.unlisted.jsonl`` (latest record per file; rewritten atomically, removed when empty).
+
+    A resume can leave such files: a smaller ``dataset.limit``, a row removed from the dataset, an item of an
+    earlier config a forced resume did not get to regenerate. Their records are dropped from ``items.jsonl`` (which
+    lists exactly this run's items), but the files stay; kept here, no file in the dir is without a record, and a
+    later run whose identity matches reuses them (``runner.resume.finished`` reads every ``items*.jsonl``).
+
+    Args:
+        before: the journal's records as they were before it was compacted (the latest candidates).
+
+    Returns:
+        The number of such files.
+    """
+    out_dir = Path(out_dir)
+    listed = {r.get("file") for r in read_journal(out_dir / journal_name) if r.get("status") == "ok"}
+    keep: Dict[str, Dict[str, Any]] = {}
+    for p in sorted(out_dir.glob("items*.jsonl")):
+        if p.name == journal_name:
+            continue
+        for r in read_journal(p):
+            f = r.get("file")
+            if r.get("status") == "ok" and f and f not in listed:
+                keep[f] = r
+    for r in before:
+        f = r.get("file")
+        if r.get("status") == "ok" and f and f not in listed:
+            keep[f] = r
+    ok = {f: r for f, r in keep.items() if (out_dir / f).is_file()
+          and hashlib.sha256((out_dir / f).read_bytes()).hexdigest() == r.get("file_sha256")}
+    path = out_dir / UNLISTED
+    if ok:
+        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for _, r in sorted(ok.items())).encode())
+    elif path.exists():
+        path.unlink()
+    return len(ok)

@@ -139,3 +139,24 @@ def test_truncated_weight_file_is_refused_at_startup_naming_it(compose, tmp_path
     st = json.loads((d / "job_status.json").read_text())
     assert st["error_type"] == "WeightFileError" and str(w) in st["error"] and "truncated" in st["error"]
     assert not _images(d)
+
+
+# regression: bug: a resume with a smaller dataset.limit dropped the records of the other items' files, which
+# stayed on disk without a record (and the next full run regenerated them)
+def test_resume_with_a_smaller_dataset_keeps_a_record_for_every_file(compose, tmp_path):
+    d = tmp_path / "run"
+    assert _job(compose, d) == 0
+    before = _images(d)
+    assert _job(compose, d, ["dataset.limit=2"]) == 0  # after LIMIT's 5: the last one wins
+    assert len(_records(d)) == 2
+    unlisted = [json.loads(line) for line in (d / "items.unlisted.jsonl").read_text().splitlines()]
+    assert len(unlisted) == 3
+    listed = {r["file"]: r["file_sha256"] for r in _records(d) + unlisted}
+    assert listed == {f"images/{n}": sha for n, sha in before.items()}  # every file on disk has a record
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["unlisted_files"]["count"] == 3
+    assert _job(compose, d) == 0
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["counts"]["reused"] == 5 and m["counts"]["ok"] == 0  # nothing regenerated
+    assert not (d / "items.unlisted.jsonl").exists() and _images(d) == before
+    _consistent(d)
