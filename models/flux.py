@@ -156,6 +156,45 @@ def snapshot_tokenizers(path: Path) -> Dict[str, Any]:
     return out
 
 
+#: snapshot folder -> its config file (diffusers' layout)
+_COMPONENT_CONFIG = {"transformer": "config.json", "vae": "config.json", "text_encoder": "config.json",
+                     "text_encoder_2": "config.json", "scheduler": "scheduler_config.json"}
+
+
+def check_architecture_matches_snapshot(arch: Dict[str, Any], path: Path, where: str = "model.architecture") -> None:
+    """With ``model.path`` the snapshot's component configs decide the architecture; every component value in
+    ``arch`` (the keys given on the command line) must be what the snapshot's config says, so a manifest never
+    records an architecture override that did not run (``model.architecture.transformer.num_layers=7`` on a
+    2-layer snapshot was accepted and recorded).
+
+    Raises:
+        ConfigValueError: listing each key the snapshot's config lacks or holds another value for, and the fix.
+    """
+    problems = []
+    for comp, fname in _COMPONENT_CONFIG.items():
+        given = arch.get(comp)
+        f = path / comp / fname
+        if not isinstance(given, dict) or not f.is_file():
+            continue
+        have = json.loads(f.read_text())
+        for key, value in given.items():
+            norm = (lambda v: list(v) if isinstance(v, (list, tuple)) else v)
+            if key not in have:  # a typo is refused; a real argument the snapshot's file omits cannot be compared
+                lib, cls_name = ARCH_COMPONENTS[comp]
+                import importlib
+
+                from models.base import check_init_keys
+
+                check_init_keys(getattr(importlib.import_module(lib), cls_name), [key], f"{where}.{comp}")
+            elif norm(have[key]) != norm(value):
+                problems.append(f"{where}.{comp}.{key}={value!r}: the snapshot's {comp}/{fname} says {have[key]!r}")
+    if problems:
+        raise ConfigValueError(f"model.path={str(path)!r} decides the architecture, and model.architecture says "
+                               "otherwise:\n  " + "\n  ".join(problems) + "\nfix: remove those overrides (the "
+                               "snapshot's configs are what runs), or point model.path at a snapshot with that "
+                               "architecture, or use load_format=dummy for random weights of any architecture")
+
+
 def build_components(arch: Dict[str, Any], device: str | torch.device = "cpu",
                       dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
     """Instantiate every FLUX component from ``arch`` with random weights seeded by ``arch['weights_seed']``."""
@@ -280,6 +319,19 @@ class FluxEngine(DiffusersEngine):
             self.source = {"kind": "dummy", "weights_seed": cfg.architecture.get("weights_seed", 0)}
         elif cfg.path:
             self.source = {"kind": "path", "path": str(check_snapshot(cfg.path).resolve()), "revision": cfg.revision}
+            from omegaconf import OmegaConf
+
+            arch = (OmegaConf.to_container(cfg.architecture, resolve=True)
+                    if not isinstance(cfg.architecture, dict) else cfg.architecture)
+            # the model file's architecture is the one a dummy/embedded build uses; keys set on the command line
+            # for a snapshot must be what the snapshot holds
+            given = [o.lstrip("+~").split("=", 1)[0] for o in self.ctx.overrides]
+            cli = {}
+            for key in given:
+                parts = key.split(".")
+                if parts[:2] == ["model", "architecture"] and len(parts) == 4 and isinstance(arch.get(parts[2]), dict):
+                    cli.setdefault(parts[2], {})[parts[3]] = arch[parts[2]].get(parts[3])
+            check_architecture_matches_snapshot(cli, Path(self.source["path"]))
         elif cfg.embedded:
             self.source = {"kind": "embedded"}
         else:

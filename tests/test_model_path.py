@@ -76,3 +76,21 @@ def test_flux_without_weights_refused(compose, tmp_path):
     with pytest.raises(ValueError, match="model.path"):
         run(compose(ov), run_dir, ov)
     assert not (run_dir / "manifest.json").exists()
+
+
+# regression: bug: with model.path (the default toy_shapes too) model.architecture.* was silently ignored, and the
+# manifest recorded e.g. transformer.num_layers=7 for a 2-layer snapshot; a typo (num_layerz) was accepted
+@pytest.mark.parametrize("override,named", [
+    ("model.architecture.transformer.num_layers=7", "num_layers=7: the snapshot's transformer/config.json says 2"),
+    ("+model.architecture.transformer.num_layerz=5", "num_layerz is not a parameter"),
+])
+def test_architecture_override_that_the_snapshot_contradicts_is_refused(compose, tmp_path, monkeypatch, override,
+                                                                        named):
+    import models.flux as flux
+    from runner.errors import ConfigValueError
+    from runner.execute import run
+
+    monkeypatch.setattr(flux.FluxEngine, "load_pipeline", lambda self: pytest.fail("the model was loaded"))
+    ov = ["platform=cpu", "model=toy_shapes", "dataset.limit=1", override]
+    with pytest.raises(ConfigValueError, match=named):
+        run(compose(ov), tmp_path / "run", ov)
