@@ -349,6 +349,10 @@ def stage_graph(cfg: DictConfig) -> List[StageSpec]:
     except (KeyError, IndexError, ValueError) as e:
         raise UserInputError(f"model.stages.{final.name}.template={template!r} is not a format string over "
                              f"{{prompt}} and {{text}} ({e})") from None
+    if "{text}" not in template:  # the stage's output would be computed and never used
+        raise UserInputError(f"model.stages.{final.name}.template={template!r} does not use {{text}}, the output of "
+                             f"stage {s!r}, so every item would be rendered without it; fix: e.g. "
+                             f"model.stages.{final.name}.template='{{prompt}}, {{text}}'")
     up_cls = engine_class(stages[s].adapter, where=f"model.stages.{s}.adapter")
     up_model = up_cls.stage_model_cfg(cfg, s)
     final.input, final.template = s, template

@@ -169,3 +169,14 @@ def test_registry_imports_engines_lazily():
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]
+
+
+# regression: bug: `model=prompt_expand_flux model.stages.denoise.template=x` was accepted: every image was
+# rendered from "x" and the expand stage's output went unused
+@pytest.mark.parametrize("template", ["x", "{prompt}"])
+def test_pipeline_template_without_the_upstream_text_is_refused(compose, template):
+    from runner.execute import stage_graph
+
+    cfg = compose(["platform=cpu", "model=prompt_expand_flux", f"model.stages.denoise.template='{template}'"])
+    with pytest.raises(UserInputError, match=r"does not use \{text\}.*fix"):
+        stage_graph(cfg)
