@@ -280,7 +280,8 @@ class DiffusersEngine(EngineBase):
         cfg = self.ctx.cfg
         g = self.model_cfg.generation
         defaults = dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
-                        guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt)
+                        guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt,
+                        num_frames=g.get("num_frames"), fps=g.get("fps"))
         rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
                                   size_multiple=self.model_cfg.size_multiple, max_pixels=cfg.max_pixels,
                                   limit=cfg.dataset.limit, builtin=self.model_cfg.builtin_prompts)
@@ -309,8 +310,8 @@ class DiffusersEngine(EngineBase):
             return rows
         mode, name, g = str(self.ctx.cfg.dataset.on_ignored), self.model_cfg.name, self.model_cfg.generation
         from_config: Dict[str, Tuple[str, Any]] = {}
-        for f, (why, fix) in ignored.items():
-            if f in g and g[f] is not None:
+        for f, (why, fix, *applies) in ignored.items():
+            if f in g and g[f] is not None and not applies:
                 key = f"model.generation.{f}"
                 if mode == "error":
                     raise ConfigValueError(f"{key}={g[f]} is ignored by model={name}: {why}; fix: {key}=null, {fix}, or "

@@ -14,6 +14,10 @@ from typing import Any, Dict, Union
 #: engine name (``model.adapter``) -> ``"module:Class"`` or the class itself (registered at run time).
 ENGINES: Dict[str, Union[str, type]] = {
     "flux": "models.flux:FluxEngine",
+    "sd3": "models.sd3:SD3Engine",
+    "qwen_image": "models.qwen_image:QwenImageEngine",
+    "wan": "models.wan:WanEngine",
+    "diffusers": "models.pipelines:PipelineEngine",
     "vllm": "models.vllm_stage:VLLMEngine",
 }
 
@@ -53,3 +57,14 @@ def engine_class(name: str, where: str = "model.adapter") -> Any:
         mod, _, attr = target.partition(":")
         target = getattr(importlib.import_module(mod), attr)
     return target
+
+
+#: diffusers pipeline class -> the engine (family) that describes it; a snapshot of another pipeline is told which
+#: ``model.adapter`` serves it.
+PIPELINE_FAMILIES = {"FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3", "QwenImagePipeline": "qwen_image",
+                     "WanPipeline": "wan"}
+
+
+def family_for_pipeline(pipeline_class: str) -> Any:
+    """The engine name whose family loads ``pipeline_class`` (a ``model_index.json`` ``_class_name``), or None."""
+    return PIPELINE_FAMILIES.get(str(pipeline_class))

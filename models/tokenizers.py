@@ -59,3 +59,29 @@ def corpus_from(path: Path) -> list[str]:
     import json
 
     return [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+#: Qwen2's pre-tokenizer split pattern (``tokenizer.json`` of the Qwen2/Qwen2.5 tokenizers).
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_qwen2_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int = 32768,
+                          template_text: Iterable[str] = ()) -> PreTrainedTokenizerFast:
+    """Qwen2-style tokenizer: Qwen2's split pattern then byte-level BPE, no BOS/EOS added, ``<|endoftext|>`` as pad
+    (Qwen2.5-VL's), chat markers ``<|im_start|>``/``<|im_end|>`` as special tokens. ``template_text`` (a prompt
+    template's fixed text) is weighted in training so that each of its words is one token, as in Qwen's vocabulary:
+    pipelines that drop a template's first N tokens (QwenImagePipeline drops 34) then drop exactly the template.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(pattern=__import__("tokenizers").Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=QWEN2_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus) + [t for t in template_text for _ in range(50)], trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token=None, model_max_length=max_length,
+                                   additional_special_tokens=QWEN2_SPECIALS[1:])

@@ -31,6 +31,8 @@ ROW_FIELDS: Dict[str, type] = {
     "num_inference_steps": int,
     "guidance_scale": float,
     "num_images_per_prompt": int,
+    "num_frames": int,  # video models: frames per video (model rules, e.g. Wan's 4k+1, checked by the engine)
+    "fps": int,  # video models: frames per second of the written video
     "expect": dict,  # expected attributes for an oracle, e.g. {"color": "red", "shape": "circle"}
 }
 
@@ -64,6 +66,10 @@ class Row:
     num_images_per_prompt: int
     line: int
     expect: Optional[Dict[str, Any]] = None
+    num_frames: Optional[int] = None
+    """Frames of a video (None: an image model)."""
+    fps: Optional[int] = None
+    """Frames per second of the written video (None: an image model)."""
     set_fields: tuple = ()
     """The generation fields the row itself sets (the others come from the run config or the model)."""
     ignored: Optional[Dict[str, Any]] = None
@@ -93,7 +99,8 @@ class Item:
     def shape_key(self) -> tuple:
         """Rows with equal shape keys can share a batch (same latent shape, steps and guidance)."""
         r = self.row
-        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, r.negative_prompt is not None)
+        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, r.negative_prompt is not None,
+                r.num_frames)
 
 
 _RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))}
@@ -273,7 +280,8 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
             problems.append(f"{where}: duplicate id {rid!r} (first on line {seen[rid]}); fix: ids must be unique")
         seen.setdefault(rid, n)
         merged = {k: vals.get(k, defaults.get(k)) for k in ("width", "height", "num_inference_steps",
-                                                            "guidance_scale", "num_images_per_prompt")}
+                                                            "guidance_scale", "num_images_per_prompt",
+                                                            "num_frames", "fps")}
         for key in ("width", "height"):
             v = merged[key]
             if v is None or v <= 0 or v % size_multiple:
@@ -291,6 +299,9 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
         if merged["guidance_scale"] is not None and (not math.isfinite(merged["guidance_scale"])
                                                      or merged["guidance_scale"] < 0):
             problems.append(f"{where}: field 'guidance_scale' = {merged['guidance_scale']!r} must be a finite number >= 0")
+        for key in ("num_frames", "fps"):
+            if merged[key] is not None and not 1 <= merged[key] <= 100_000:
+                problems.append(f"{where}: field {key!r} = {merged[key]!r} must be a positive integer")
         if merged["num_images_per_prompt"] is None or merged["num_images_per_prompt"] < 1:
             problems.append(f"{where}: field 'num_images_per_prompt' = {merged['num_images_per_prompt']!r} "
                             "must be >= 1")
@@ -311,7 +322,9 @@ def apply_ignored(rows: List[Row], path: Any, ignored: Dict[str, tuple], mode: s
     """Rows with the fields the model ignores handled by ``dataset.on_ignored`` (``mode``).
 
     Args:
-        ignored: ``{field: (why, fix)}``: the generation fields the model ignores under this run's config.
+        ignored: ``{field: (why, fix)}`` or ``{field: (why, fix, applies)}``: the generation fields the model ignores
+            under this run's config; ``applies(row)`` limits it to the rows it is true for (e.g. a negative prompt is
+            ignored only in rows whose guidance turns guidance off).
         mode: ``error``: a row that sets one is refused; ``record``: the value is removed from the row (not applied)
             and kept under ``row.ignored`` with the reason, for the item's record.
         model: the model name, for the messages.
@@ -327,7 +340,9 @@ def apply_ignored(rows: List[Row], path: Any, ignored: Dict[str, tuple], mode: s
     out: List[Row] = []
     for r in rows:
         hits: Dict[str, Any] = {}
-        for f, (why, fix) in ignored.items():
+        for f, (why, fix, *applies) in ignored.items():
+            if applies and not applies[0](r):
+                continue
             if f in r.set_fields:
                 if mode == "error":
                     problems.append(f"{path}:{r.line}: field {f!r} = {getattr(r, f)!r} is ignored by model={model}: "

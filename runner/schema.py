@@ -162,6 +162,7 @@ class Oracle(Choice):
     """Readers of generated images that score them against the row's expectations (``accuracy``)."""
 
     toy_shapes = "toy_shapes"
+    toy_motion = "toy_motion"
 
 
 # ------------------------------------------------------------------------------------------------ backends, stages
@@ -215,11 +216,15 @@ class GenerationDefaults:
     guidance embedding (FLUX.1-schnell, toy_shapes): any value there is ignored, so setting one is refused
     (``dataset.on_ignored``)."""
     max_sequence_length: int = 512
-    """Token limit of the T5 prompt encoding (longer prompts are truncated and recorded; at most what the T5
-    tokenizer and FluxPipeline take, 512)."""
+    """Token limit of the sequence text encoder (T5, UMT5, Qwen2.5-VL; longer prompts are truncated and recorded;
+    at most what the tokenizer and the pipeline take: FLUX and SD3 512, Qwen-Image 1024)."""
     true_cfg_scale: float = 1.0
     """True classifier-free guidance scale (> 1 with a row's ``negative_prompt``: a second, unconditional forward
     per step)."""
+    num_frames: Optional[int] = None
+    """Video models: frames per video (Wan: 4k+1, e.g. 81); null for image models (a value there is refused)."""
+    fps: Optional[int] = None
+    """Video models: frames per second of the written video (Wan 2.1: 16); null for image models."""
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -265,7 +270,8 @@ class DiffusionModelConfig(ModelConfig):
     """A diffusion model run through diffusers (``conf/model/flux.yaml``: ``defaults: [base_diffusion, _self_]``)."""
 
     adapter: str = "flux"
-    """The engine (``models.registry``): ``flux`` (``models.flux.FluxEngine``)."""
+    """The engine (``models.registry``): a family, ``flux``, ``sd3``, ``qwen_image``, ``wan``, or ``diffusers`` (any
+    transformer-based pipeline, from its snapshot's ``model_index.json``; ``models.pipelines.PipelineEngine``)."""
     revision: Optional[str] = None
     """Revision of ``path``, recorded in the manifest's model source (and compared on resume)."""
     roles: List[str] = field(default_factory=lambda: ["joint"])

@@ -23,11 +23,11 @@ SCANNED = ("runner", "models", "kernels")
 ANY = "*"  # a key computed at run time (a stage name, a formatted path segment)
 
 # name (after dropping a leading ``self.``) -> the config node it holds, where an assignment does not say so:
-# ``FluxEngine`` keeps the model as ``self.cfg``; ``DiffusersEngine`` and ``VLLMEngine`` keep it as ``model_cfg``;
-# ``FluxEngine.optimize(opts)`` gets ``cfg.optimize``.
+# the diffusers families (``models.pipelines.PipelineEngine``) keep the model as ``self.cfg``; ``DiffusersEngine`` and ``VLLMEngine`` keep it as ``model_cfg``;
+# ``PipelineEngine.optimize(opts)`` gets ``cfg.optimize``.
 CONFIG_NAMES: Dict[Tuple[str, str], Tuple[str, ...]] = {
-    ("models/flux.py", "cfg"): ("cfg", "model"),
-    ("models/flux.py", "opts"): ("cfg", "optimize"),
+    **{(f"models/{m}.py", "cfg"): ("cfg", "model") for m in ("flux", "pipelines", "sd3", "qwen_image", "wan")},
+    ("models/pipelines.py", "opts"): ("cfg", "optimize"),
     ("models/vllm_stage.py", "model_cfg"): ("cfg", "model"),
     ("models/diffusers_engine.py", "model_cfg"): ("cfg", "model"),
     # an engine's ``ctx`` (models.base.StageContext) holds the run config as ``ctx.cfg``

@@ -1,0 +1,875 @@
+"""The diffusers engine for any transformer-based ``DiffusionPipeline``; model families are small subclasses.
+
+:class:`PipelineEngine` holds what does not depend on the model: where weights come from (a local snapshot, a Hub
+id in the local cache, an embedded model built into the cache on first use, or ``load_format=dummy``), the
+snapshot layout check, building random-weight components from ``model.architecture``, loading with the pipeline
+class the snapshot's ``model_index.json`` names, mapping row fields onto that pipeline's ``__call__`` arguments
+(a field it does not take is refused at startup), attention call sites, QKV fusion, phase timers and the call.
+
+A family (``models/flux.py``, ``models/sd3.py``, ``models/qwen_image.py``, ``models/wan.py``; torchtitan's "same
+files for every model, a small spec per model") declares its pipeline class, its components and tokenizers, and
+the rules the pipeline applies silently (forwards per step under guidance, sequence-length ceilings, size
+multiples, frame counts), so the runner refuses what the pipeline would change and counts what it must run.
+
+``model.adapter=diffusers`` serves a snapshot of a pipeline no family describes: the pipeline class comes from
+its ``model_index.json``; forward counts are then not predicted (the evidence still requires every attention
+call site to have run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from models.diffusers_engine import DiffusersEngine
+from runner.dataset import BUILTIN_PROMPTS, Item, Row
+from runner.errors import ConfigValueError, UserInputError
+
+log = logging.getLogger("runner")
+
+# Bump when the embedded-model recipe changes, so caches made by an older recipe are not reused.
+EMBEDDED_RECIPE = 2
+
+
+class ModelPathError(UserInputError, ValueError):
+    """``model.path`` does not point at a diffusers pipeline snapshot the chosen model can load."""
+
+
+#: row field -> the pipeline ``__call__`` argument it feeds (``fps`` feeds the video sink, not the pipeline)
+CALL_ARGS = {"negative_prompt": "negative_prompt", "guidance_scale": "guidance_scale", "num_frames": "num_frames",
+             "width": "width", "height": "height", "num_inference_steps": "num_inference_steps"}
+
+
+def read_index(path: Path) -> Dict[str, Any]:
+    """A snapshot's ``model_index.json``.
+
+    Raises:
+        ModelPathError: missing or not JSON, naming the path and the fix.
+    """
+    f = path / "model_index.json"
+    if not f.is_file():
+        raise ModelPathError(f"model.path={str(path)!r} has no model_index.json, so it is not a diffusers pipeline "
+                             "layout; fix: point at the snapshot root written by save_pretrained / hf download")
+    try:
+        return json.loads(f.read_text())
+    except ValueError as e:
+        raise ModelPathError(f"model.path={str(path)!r}: model_index.json is not valid JSON ({e}); fix: download the "
+                             "snapshot again") from None
+
+
+def check_snapshot(path: str) -> Path:
+    """Validate a diffusers snapshot directory before anything loads.
+
+    Raises:
+        ModelPathError: the path does not exist, has no ``model_index.json`` (not a diffusers layout), or a
+            component folder holds pickle weights (``.bin``...) and no ``.safetensors``: never loaded.
+    """
+    from models.base import pickle_only_weights
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelPathError(f"model.path={path!r} does not exist; fix: pass a local diffusers snapshot directory "
+                             "(the folder with model_index.json)")
+    index = read_index(p)
+    for name, spec in index.items():
+        pkl = pickle_only_weights(p / name) if isinstance(spec, list) and not name.startswith("_") else None
+        if pkl is not None:  # from_pretrained would fail (use_safetensors=True) or, elsewhere, unpickle it
+            raise ModelPathError(
+                f"model.path={path!r}: {pkl.relative_to(p)} is a pickle checkpoint and {name}/ has no .safetensors "
+                "weights; the runner never loads pickle files (unpickling can run code); fix: use a snapshot with "
+                "safetensors weights (hf download <repo> --include '*.safetensors' '*.json' '*.txt' "
+                "'*.model'), or convert it once where you trust the file: load it with diffusers/transformers and "
+                "save_pretrained(..., safe_serialization=True)")
+    return p
+
+
+def uses_dispatcher(module: torch.nn.Module) -> bool:
+    """The attention module's processor calls diffusers' ``dispatch_attention_fn`` (so backends can be chosen and
+    observed per call site); read from the processor class's source."""
+    proc = getattr(module, "processor", None)
+    if proc is None:
+        return False
+    try:
+        return "dispatch_attention_fn" in inspect.getsource(type(proc))
+    except (OSError, TypeError):
+        return False
+
+
+def attention_modules(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every attention module of a diffusers model: ``AttentionModuleMixin`` (the dispatcher
+    era) and the older ``attention_processor.Attention`` (SD3, PixArt...)."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, (AttentionModuleMixin, Attention)):
+            yield name, mod
+
+
+class PipelineEngine(DiffusersEngine):
+    """A diffusion stage on a diffusers pipeline (engine ``diffusers``; families subclass it).
+
+    Family declarations (class attributes):
+
+    * ``pipeline_class``: the diffusers pipeline class (None: the snapshot's ``model_index.json`` decides);
+    * ``components``: ``{component: (library, model class, config class or None)}`` built in this order from
+      ``model.architecture.<component>`` for embedded and dummy weights (a ``transformers`` model is built as
+      ``Model(Config(**kw))``, a diffusers one as ``Model(**kw)``);
+    * ``tokenizers_spec``: ``{tokenizer component: (kind, encoder label, text encoder component)}``; kinds
+      ``clip``, ``t5``, ``qwen2`` (``models.tokenizers``); the label names the encoder in records' ``tokens``;
+    * ``max_sequence_length_limit``: the most ``max_sequence_length`` the pipeline accepts (its ``check_inputs``);
+    * ``video``: the pipeline returns ``frames`` (batch, frames, H, W, C) instead of ``images``.
+    """
+
+    pipeline_class: ClassVar[Optional[str]] = None
+    components: ClassVar[Dict[str, Tuple[str, str, Optional[str]]]] = {}
+    tokenizers_spec: ClassVar[Dict[str, Tuple[str, str, str]]] = {}
+    max_sequence_length_limit: ClassVar[Optional[int]] = None
+    video: ClassVar[bool] = False
+    arch_other: ClassVar[Dict[str, Any]] = {"weights_seed": None, "dummy_weight_scale": None,
+                                            "tokenizer": ("corpus", "vocab_size", "clip_max_length")}
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self._toks: Optional[Dict[str, Any]] = None
+        self._token_cache: Dict[str, Dict[str, Dict[str, int]]] = {}
+        self._call_params: Optional[set] = None
+
+    # ----------------------------------------------------------------------------------------------- family
+    @classmethod
+    def family(cls) -> str:
+        """The family's name (the ``model.adapter`` it is registered under)."""
+        return cls.__name__.replace("Engine", "").lower() or "diffusers"
+
+    def pipeline_name(self) -> str:
+        """The diffusers pipeline class this stage loads: the family's, else the snapshot's ``_class_name``."""
+        if self.pipeline_class:
+            return self.pipeline_class
+        if self.source.get("kind") == "path":
+            return str(read_index(Path(self.source["path"])).get("_class_name"))
+        raise ModelPathError(f"model={self.cfg.name} (model.adapter=diffusers) learns its pipeline from a snapshot; "
+                             "fix: set model.path to a diffusers snapshot (embedded and dummy weights need a family: "
+                             "model.adapter=flux|sd3|qwen_image|wan)")
+
+    def pipeline_cls(self) -> type:
+        """The diffusers pipeline class object.
+
+        Raises:
+            ModelPathError: diffusers has no class of that name (a newer diffusers, or not a diffusers pipeline).
+        """
+        import diffusers
+
+        name = self.pipeline_name()
+        cls = getattr(diffusers, name, None)
+        if cls is None:
+            raise ModelPathError(f"model.path={self.source.get('path')!r} names pipeline {name!r}, which diffusers "
+                                 f"{diffusers.__version__} does not have; fix: a snapshot of a diffusers pipeline, "
+                                 "or a diffusers version that has it")
+        return cls
+
+    # ----------------------------------------------------------------------------------------------- loading
+    def _arch(self) -> Dict[str, Any]:
+        from omegaconf import OmegaConf
+
+        arch = self.cfg.architecture
+        return arch if isinstance(arch, dict) else OmegaConf.to_container(arch, resolve=True)
+
+    def resolve_source(self) -> Dict[str, Any]:
+        """Decide where weights come from and validate it, without loading anything: ``model.path`` (a local
+        snapshot, or a Hub id resolved in the local Hugging Face cache), an embedded model, or ``dummy``.
+
+        Raises:
+            ModelPathError: not a diffusers snapshot, pickle weights only, a layout another pipeline's, or no
+                weights configured.
+            ConfigValueError: a ``model.architecture`` key the component classes do not take, or one given for a
+                snapshot that says otherwise.
+        """
+        cfg = self.cfg
+        if cfg.load_format == "dummy" or (cfg.embedded and not cfg.path):
+            self.check_architecture(self._arch())
+        if cfg.load_format == "dummy":
+            self.source = {"kind": "dummy", "weights_seed": self._arch().get("weights_seed", 0)}
+        elif cfg.path:
+            path, prov = self.locate(str(cfg.path))
+            self.source = {"kind": "path", "path": str(check_snapshot(str(path)).resolve()),
+                           "revision": cfg.revision, **prov}
+            self.check_layout(Path(self.source["path"]))
+            given = [o.lstrip("+~").split("=", 1)[0] for o in self.ctx.overrides]
+            arch, cli = self._arch(), {}
+            for key in given:
+                parts = key.split(".")
+                if parts[:2] == ["model", "architecture"] and len(parts) == 4 and isinstance(arch.get(parts[2]), dict):
+                    cli.setdefault(parts[2], {})[parts[3]] = arch[parts[2]].get(parts[3])
+            self.check_architecture_matches_snapshot(cli, Path(self.source["path"]))
+        elif cfg.embedded:
+            self.source = {"kind": "embedded"}
+        else:
+            raise ModelPathError(f"model={cfg.name} needs weights: set model.path=/path/to/diffusers/snapshot (or a "
+                                 "Hub id in the local cache), or model.load_format=dummy for random weights")
+        return self.source
+
+    def locate(self, value: str) -> Tuple[Path, Dict[str, Any]]:
+        """``model.path`` as a directory: a local path as given; a Hub id resolved in the local cache when
+        ``runner.weights`` provides it. Returns ``(dir, provenance)``."""
+        try:
+            from runner.weights import resolve_model_path
+        except ImportError:
+            return Path(value).expanduser(), {}
+        return resolve_model_path(value, self.cfg.revision)
+
+    def check_layout(self, path: Path) -> None:
+        """The snapshot's ``model_index.json`` must name the family's pipeline class, and each component the family
+        builds must be there with the class the family expects.
+
+        Raises:
+            ModelPathError: naming what model=<name> expects and what the snapshot holds, and the fix.
+        """
+        index = read_index(path)
+        found = str(index.get("_class_name"))
+        comps = {k: v[1] for k, v in index.items() if isinstance(v, list) and not k.startswith("_") and v[1]}
+        have = ", ".join(f"{k}: {v}" for k, v in sorted(comps.items())) or "no components"
+        problems = []
+        if self.pipeline_class and found != self.pipeline_class:
+            problems.append(f"pipeline {self.pipeline_class}, found {found}")
+        for comp, (_lib, cls_name, _cfg) in self.components.items():
+            if comp == "scheduler":
+                continue
+            if comp not in comps:
+                problems.append(f"component {comp} ({cls_name}) is missing")
+            elif comps[comp] != cls_name:
+                problems.append(f"{comp} is {comps[comp]}, expected {cls_name}")
+            elif not (path / comp).is_dir():
+                problems.append(f"folder {comp}/ is missing")
+        if problems:
+            from models.registry import family_for_pipeline
+
+            other = family_for_pipeline(found)
+            raise ModelPathError(
+                f"model.path={str(path)!r} is not a {self.pipeline_class or 'diffusers'} snapshot that "
+                f"model={self.cfg.name} can load: " + "; ".join(problems) + f" (the snapshot: {found} with {have}); "
+                "fix: " + (f"use a model config with model.adapter={other} for this snapshot" if other else
+                           "point model.path at a snapshot of this model, or use model.adapter=diffusers for "
+                           "another transformer-based pipeline"))
+        if "transformer" not in comps:
+            raise ModelPathError(f"model.path={str(path)!r}: {found} has no transformer ({have}); the runner serves "
+                                 "transformer-based pipelines (a UNet pipeline is not one); fix: a DiT snapshot "
+                                 "(FLUX.1, SD3.5, Qwen-Image, Wan...)")
+
+    def check_architecture(self, arch: Dict[str, Any], where: str = "model.architecture") -> None:
+        """Every key of ``arch`` against the family's component classes, before anything is built.
+
+        Raises:
+            ConfigValueError: an unknown or missing key, naming it, the class and the fix.
+        """
+        import difflib
+
+        from models.base import check_init_keys
+        from runner.resolve import MisplacedBackendKeyError, backend_field_of, misplaced_backend_message
+
+        if not self.components:
+            raise ConfigValueError(f"model={self.cfg.name}: model.adapter={self.family()} builds no architecture; "
+                                   "fix: model.path=<snapshot>, or a family adapter (flux, sd3, qwen_image, wan)")
+        known = [*self.components, *self.arch_other]
+        for key in arch:
+            if key not in known and backend_field_of(key):
+                raise MisplacedBackendKeyError(misplaced_backend_message(f"{where}.{key}", arch[key]))
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                raise ConfigValueError(f"{where}.{key} is not read by the {self.family()} builder" + (
+                    f"; did you mean {where}.{close[0]}?" if close else f" (it reads {', '.join(known)})")
+                    + " fix: remove or correct it")
+        for key, (lib, cls_name, cfg_name) in self.components.items():
+            name = cfg_name or cls_name
+            if not isinstance(arch.get(key), dict):
+                raise ConfigValueError(f"{where}.{key} is missing (a mapping of {lib}'s {name} arguments); fix: "
+                                       f"start from a tiny_* model config of this family")
+            check_init_keys(getattr(importlib.import_module(lib), name), list(arch[key]), f"{where}.{key}")
+        for key in arch.get("tokenizer") or {}:
+            if key not in self.arch_other["tokenizer"]:
+                raise ConfigValueError(f"{where}.tokenizer.{key} is not read; it takes "
+                                       f"{', '.join(self.arch_other['tokenizer'])}; fix: remove or correct it")
+
+    def check_architecture_matches_snapshot(self, arch: Dict[str, Any], path: Path,
+                                            where: str = "model.architecture") -> None:
+        """With ``model.path`` the snapshot's component configs decide the architecture; every component value in
+        ``arch`` (the keys given on the command line) must be what the snapshot's config says, so a manifest never
+        records an architecture override that did not run.
+
+        Raises:
+            ConfigValueError: listing each key the snapshot's config lacks or holds another value for, and the fix.
+        """
+        from models.base import check_init_keys
+
+        problems = []
+        norm = (lambda v: list(v) if isinstance(v, (list, tuple)) else v)
+        for comp, given in arch.items():
+            fname = "scheduler_config.json" if comp == "scheduler" else "config.json"
+            f = path / comp / fname
+            if not isinstance(given, dict) or not f.is_file() or comp not in self.components:
+                continue
+            have = json.loads(f.read_text())
+            for key, value in given.items():
+                if key not in have:  # a typo is refused; a real argument the file omits cannot be compared
+                    lib, cls_name, cfg_name = self.components[comp]
+                    check_init_keys(getattr(importlib.import_module(lib), cfg_name or cls_name), [key],
+                                    f"{where}.{comp}")
+                elif norm(have[key]) != norm(value):
+                    problems.append(f"{where}.{comp}.{key}={value!r}: the snapshot's {comp}/{fname} says {have[key]!r}")
+        if problems:
+            raise ConfigValueError(f"model.path={str(path)!r} decides the architecture, and model.architecture says "
+                                   "otherwise:\n  " + "\n  ".join(problems) + "\nfix: remove those overrides (the "
+                                   "snapshot's configs are what runs), or point model.path at a snapshot with that "
+                                   "architecture, or use load_format=dummy for random weights of any architecture")
+
+    def component_config(self, name: str) -> Dict[str, Any]:
+        """The config of pipeline component ``name``: the snapshot's ``<name>/config.json`` for ``model.path``,
+        else ``model.architecture.<name>``; reads no weights.
+
+        Raises:
+            ModelPathError: the snapshot has no readable config for it.
+        """
+        if not self.source:  # read_rows without prepare (runner.execute.dataset_keys, benchmarks)
+            self.resolve_source()
+        if self.source.get("kind") == "path":
+            f = Path(self.source["path"]) / name / ("scheduler_config.json" if name == "scheduler" else "config.json")
+            try:
+                return json.loads(f.read_text())
+            except (OSError, ValueError) as e:
+                raise ModelPathError(f"model.path={self.source['path']!r}: {f.relative_to(self.source['path'])} "
+                                     f"cannot be read ({e}); fix: point at a complete diffusers snapshot") from None
+        return dict(self._arch()[name])
+
+    def weight_bytes(self) -> Optional[int]:
+        """Bytes the weights take in ``self.dtype`` once loaded, for a memory check before loading: for
+        ``load_format=dummy`` by building the architecture on the meta device (no memory); None otherwise."""
+        if self.source.get("kind") != "dummy":
+            return None
+        comps = self.build_components(self._arch(), device="meta", dtype=self.dtype)
+        return sum(p.numel() * p.element_size() for v in comps.values() if isinstance(v, torch.nn.Module)
+                   for p in v.parameters())
+
+    def head_dim(self) -> int:
+        """Attention head dimension of the transformer (from the architecture or the snapshot's config)."""
+        return int(self.component_config("transformer")["attention_head_dim"])
+
+    # ------------------------------------------------------------------------------------------- building
+    @classmethod
+    def corpus(cls, arch: Dict[str, Any]) -> List[str]:
+        """Training text of locally built tokenizers: the builtin prompts, or the toy corpus named in
+        ``model.architecture.tokenizer.corpus``."""
+        from models.tokenizers import corpus_from
+
+        name = (arch.get("tokenizer") or {}).get("corpus")
+        if name == "toy_shapes":
+            from models.toy_shapes.data import caption, combos
+
+            return [caption(*c) for c in combos()]
+        if name == "toy_motion":
+            from models.toy_motion.data import captions
+
+            return captions()
+        return corpus_from(BUILTIN_PROMPTS)
+
+    @classmethod
+    def build_tokenizers(cls, arch: Dict[str, Any]) -> Dict[str, Any]:
+        """``{tokenizer component: tokenizer}`` built locally from ``model.architecture.tokenizer`` (vocab size,
+        corpus, CLIP length), as :meth:`build_components` gives them to the pipeline; builds no model."""
+        from models import tokenizers as T
+
+        tcfg = arch.get("tokenizer") or {}
+        corpus, vocab = cls.corpus(arch), int(tcfg.get("vocab_size", 512))
+        out = {}
+        for comp, (kind, _label, _enc) in cls.tokenizers_spec.items():
+            if kind == "clip":
+                out[comp] = T.build_clip_tokenizer(corpus, vocab, int(tcfg.get("clip_max_length", 77)))
+            elif kind == "t5":
+                out[comp] = T.build_t5_tokenizer(corpus, vocab)
+            elif kind == "qwen2":
+                out[comp] = T.build_qwen2_tokenizer(corpus, vocab)
+            else:
+                raise ValueError(f"unknown tokenizer kind {kind!r}")
+        return out
+
+    @classmethod
+    def encoder_config(cls, kind: str, tok: Any, kw: Dict[str, Any]) -> Dict[str, Any]:
+        """A text encoder's config arguments made consistent with its tokenizer (vocabulary and special ids)."""
+        kw = dict(kw)
+        kw["vocab_size"] = max(len(tok), int(kw.get("vocab_size", 0)))
+        if kind == "clip":
+            kw.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        elif kind == "t5":
+            kw.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      decoder_start_token_id=tok.pad_token_id)
+        return kw
+
+    @classmethod
+    def build_components(cls, arch: Dict[str, Any], device: str | torch.device = "cpu",
+                         dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+        """Every component of the family from ``arch`` with random weights seeded by ``arch['weights_seed']``
+        (models built in ``components`` order after one ``torch.manual_seed``), plus the tokenizers.
+
+        Returns:
+            ``{component: object}``, the keyword arguments of the pipeline class.
+        """
+        toks = cls.build_tokenizers(arch)
+        kinds = {enc: (kind, toks[comp]) for comp, (kind, _l, enc) in cls.tokenizers_spec.items()}
+        torch.manual_seed(int(arch.get("weights_seed", 0)))
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype if dtype.is_floating_point else torch.float32)
+        built: Dict[str, Any] = {}
+        try:
+            with torch.device(device):
+                for comp, (lib, cls_name, cfg_name) in cls.components.items():
+                    if comp == "scheduler":
+                        continue
+                    mod = importlib.import_module(lib)
+                    kw = dict(arch[comp])
+                    if cfg_name:
+                        if comp in kinds:
+                            kw = cls.encoder_config(kinds[comp][0], kinds[comp][1], kw)
+                        built[comp] = getattr(mod, cls_name)(getattr(mod, cfg_name)(**kw))
+                    else:
+                        built[comp] = getattr(mod, cls_name)(**kw)
+        finally:
+            torch.set_default_dtype(prev)
+        for m in built.values():
+            m.eval()  # constructed modules start in train mode: dropout would be live (from_pretrained sets eval)
+        scale = float(arch.get("dummy_weight_scale", 1.0))
+        if scale != 1.0 and str(device) != "meta":  # keeps activations of deep random transformers finite in bf16
+            with torch.no_grad():
+                for p in built["transformer"].parameters():
+                    if p.dim() >= 2:
+                        p.mul_(scale)
+        if "scheduler" in cls.components:
+            lib, cls_name, _ = cls.components["scheduler"]
+            built["scheduler"] = getattr(importlib.import_module(lib), cls_name)(**arch["scheduler"])
+        return {**built, **toks}
+
+    def embedded_target(self, arch: Dict[str, Any]) -> Path:
+        """Where :meth:`embedded_snapshot` keeps the embedded model of ``arch`` (it may not exist yet)."""
+        return embedded_target(self.cfg.name, arch, self.cache_dir)
+
+    def embedded_snapshot(self, arch: Dict[str, Any]) -> Path:
+        """The cache dir of the embedded model, created (``save_pretrained``, safetensors) on first use; a temp dir
+        renamed into place, so a killed first run leaves no half-written snapshot."""
+        target = self.embedded_target(arch)
+        if (target / "model_index.json").is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
+        pipe = self.pipeline_cls()(**self.build_components(arch))
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process created it first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+    def load_pipeline(self) -> None:
+        """Build the pipeline on ``self.device`` in ``self.dtype``; records weight-file hashes in ``source``."""
+        kind = self.source["kind"]
+        cls = self.pipeline_cls()
+        if kind == "dummy":
+            self.pipe = cls(**self.build_components(self._arch(), device=self.device, dtype=self.dtype))
+        else:
+            path = Path(self.source["path"]) if kind == "path" else self.embedded_snapshot(self._arch())
+            self.source["path"] = str(path)
+            self.source.update(self.hash_weights(path))
+            self.pipe = cls.from_pretrained(path, dtype=self.dtype, local_files_only=True,
+                                            use_safetensors=True)  # never fall back to pickle
+            self.pipe.to(self.device)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.prepare_attention()
+        self._toks = None  # records count with the loaded tokenizers
+        self._token_cache = {}
+        self._time_phases()
+
+    def hash_weights(self, path: Path) -> Dict[str, Any]:
+        """``{"files": {relative path: sha256}}`` of the weight files the pipeline loads (with
+        ``runner.weights``: only the components' files, digests cached by path, size and mtime)."""
+        try:
+            from runner.weights import hash_files, weight_files
+        except ImportError:
+            from runner.dataset import file_sha256
+
+            return {"files": {str(f.relative_to(path)): file_sha256(f) for f in sorted(path.rglob("*.safetensors"))}}
+        files, stats = hash_files(weight_files(path), path, self.cache_dir)
+        return {"files": files, "hashing": stats}
+
+    def prepare_attention(self) -> None:
+        """Family hook after loading, before backends are installed (e.g. SD3 routes its joint attention through
+        diffusers' dispatcher); nothing by default."""
+
+    def _time_phases(self) -> None:
+        """Accumulate wall seconds of text encoding and VAE decoding via forward hooks on those modules (with a
+        device sync at their boundaries only, never inside the denoising loop). Denoising time is the pipeline
+        call minus these (``timing_phases``)."""
+        import time
+
+        self.phase_s = {"text_encode": 0.0, "vae_decode": 0.0}
+        sync = torch.cuda.synchronize if str(self.device).startswith("cuda") else (lambda: None)
+        encoders = [getattr(self.pipe, n) for n in sorted(vars(self.pipe.config)) if n.startswith("text_encoder")]
+        vae = getattr(self.pipe, "vae", None)
+        for phase, mods in (("text_encode", encoders), ("vae_decode", (getattr(vae, "decoder", None),))):
+            for mod in mods:
+                if not isinstance(mod, torch.nn.Module):
+                    continue
+                start: Dict[str, float] = {}
+
+                def pre(m, a, _s=start):
+                    sync()
+                    _s["t"] = time.perf_counter()
+
+                def post(m, a, o, _s=start, _p=phase):
+                    sync()
+                    self.phase_s[_p] += time.perf_counter() - _s.pop("t", time.perf_counter())
+
+                mod.register_forward_pre_hook(pre)
+                mod.register_forward_hook(post)
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """The stage's denoising model (the pipeline's ``transformer``)."""
+        return self.pipe.transformer
+
+    # ------------------------------------------------------------------------------------------- attention
+    def attention_role(self, layer: str) -> str:
+        """The role (``model.roles``) of the attention module at ``layer``; the model's first role by default."""
+        return str(self.cfg.roles[0])
+
+    def attention_sites(self) -> Iterator[Tuple[str, str, Any]]:
+        """Yield ``(role, layer_name, attention_module)`` for every attention call site of the transformer.
+
+        Raises:
+            ConfigValueError: a site whose processor does not call diffusers' dispatcher (its backend can be
+                neither chosen nor observed), naming the model and the module.
+        """
+        for name, mod in attention_modules(self.pipe.transformer):
+            if not uses_dispatcher(mod):
+                raise ConfigValueError(
+                    f"model={self.cfg.name}: attention module {name} ({type(mod.processor).__name__}) does not call "
+                    "diffusers' attention dispatcher, so its backend can be neither selected nor observed; fix: a "
+                    "model family whose transformer uses the dispatcher (flux, sd3, qwen_image, wan)")
+            yield self.attention_role(name), name, mod
+
+    def dispatches(self) -> bool:
+        """The transformer's attention goes through diffusers' dispatcher, decided before loading from its
+        module's source (families that route it themselves, like SD3, say so by overriding this)."""
+        import sys
+
+        cls_name = self.component_class("transformer")
+        import diffusers
+
+        cls = getattr(diffusers, cls_name, None)
+        if cls is None:
+            return False
+        try:
+            return "dispatch_attention_fn" in inspect.getsource(sys.modules[cls.__module__])
+        except (OSError, TypeError):
+            return False
+
+    def component_class(self, comp: str) -> str:
+        """The class name of component ``comp``: the family's, else the snapshot's ``model_index.json``."""
+        if comp in self.components:
+            return self.components[comp][1]
+        index = read_index(Path(self.source["path"]))
+        return str((index.get(comp) or [None, None])[1])
+
+    def resolve_backends(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """The base resolution, then: a transformer that does not use diffusers' dispatcher takes no explicit
+        attention backend (refused, naming the model).
+
+        Raises:
+            kernels.registry.BackendError subclasses; ConfigValueError for a non-dispatching transformer.
+        """
+        resolutions, extras = super().resolve_backends()
+        att = resolutions.get("attention")
+        if att is not None and not self.dispatches():
+            raise ConfigValueError(
+                f"model={self.cfg.name}: its transformer ({self.component_class('transformer')}) does not call "
+                "diffusers' attention dispatcher, so no attention backend can be selected or observed in it; fix: "
+                "a model family whose transformer uses the dispatcher (flux, sd3, qwen_image, wan)")
+        return resolutions, extras
+
+    # ------------------------------------------------------------------------------------------------ speed
+    def optimize(self, opts: Any) -> Dict[str, Any]:
+        """Apply the math-preserving speed settings of ``optimize`` (``runner.schema.OptimizeConfig``) to the
+        loaded pipeline, before backends are installed (so FP8 linear sees the fused projections).
+
+        ``fuse_qkv``: diffusers' ``fuse_projections`` per attention module that supports it (q|k|v weights
+        concatenated into one ``to_qkv`` Linear; cross-attention k|v into ``to_kv``; the text stream's into
+        ``to_added_qkv``/``to_added_kv``); the unfused Linears a fused one replaces are then deleted, which frees
+        their copy of the weights and keeps linear evidence exact (no module that never runs).
+        ``vae_channels_last``: the VAE's parameters in NHWC layout (``torch.channels_last``); measured slower on
+        the H200 with torch 2.11 (``benchmarks/results/flux_dev_1024_h200.json`` ablation), so off by default.
+
+        Returns:
+            What was applied, for the manifest: ``{"fuse_qkv": {"modules": n} | False, "vae_channels_last": bool}``.
+        """
+        from diffusers.models.attention import AttentionModuleMixin
+
+        covers = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
+                  "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
+                  "to_added_kv": ("add_k_proj", "add_v_proj")}
+        applied: Dict[str, Any] = {"fuse_qkv": False, "vae_channels_last": False}
+        if opts.fuse_qkv:
+            n = 0
+            for _, mod in attention_modules(self.pipe.transformer):
+                if not (isinstance(mod, AttentionModuleMixin) and mod._supports_qkv_fusion
+                        and not getattr(mod, "fused_projections", False)):
+                    continue
+                mod.fuse_projections()
+                for fused, names in covers.items():
+                    if getattr(mod, fused, None) is not None:
+                        for name in names:
+                            if getattr(mod, name, None) is not None:
+                                delattr(mod, name)
+                n += 1
+            applied["fuse_qkv"] = {"modules": n}
+        if opts.vae_channels_last:
+            self.pipe.vae.to(memory_format=torch.channels_last)
+            applied["vae_channels_last"] = True
+        return applied
+
+    # --------------------------------------------------------------------------------------- tokens, limits
+    def tokenizers(self) -> Dict[str, Any]:
+        """``{encoder label: tokenizer}`` as the pipeline uses them, without loading weights: the snapshot's
+        tokenizer folders (``model.path``, or an embedded model already in the cache), else built from the
+        architecture exactly as :meth:`build_components` builds them; the loaded pipeline's own once loaded."""
+        if self._toks is None:
+            if self.pipe is not None:
+                self._toks = {label: getattr(self.pipe, comp) for comp, (_k, label, _e) in self.tokenizers_spec.items()}
+            else:
+                if not self.source:
+                    self.resolve_source()
+                kind = self.source.get("kind")
+                target = self.embedded_target(self._arch()) if kind == "embedded" else None
+                root = (Path(self.source["path"]) if kind == "path" else
+                        target if target is not None and (target / "model_index.json").is_file() else None)
+                by_comp = self.snapshot_tokenizers(root) if root is not None else self.build_tokenizers(self._arch())
+                self._toks = {label: by_comp[comp] for comp, (_k, label, _e) in self.tokenizers_spec.items()}
+            self._token_cache = {}
+        return self._toks
+
+    def snapshot_tokenizers(self, path: Path) -> Dict[str, Any]:
+        """``{tokenizer component: tokenizer}`` of a snapshot, loaded with the classes its ``model_index.json``
+        names (as ``from_pretrained`` loads them); no weights load.
+
+        Raises:
+            ModelPathError: a tokenizer the pipeline needs is missing or cannot be read.
+        """
+        import transformers
+
+        index = read_index(path)
+        out: Dict[str, Any] = {}
+        for sub in self.tokenizers_spec:
+            entry = index.get(sub) or [None, None]
+            if entry[1] is None or not (path / sub).is_dir():
+                raise ModelPathError(f"model.path={str(path)!r} has no {sub} (model_index.json / {sub}/), which "
+                                     f"{self.pipeline_name()} needs; fix: point at a complete snapshot")
+            cls = getattr(transformers, str(entry[1]), None) or transformers.AutoTokenizer
+            try:
+                out[sub] = cls.from_pretrained(str(path / sub), local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise ModelPathError(f"model.path={str(path)!r}: {sub}/ cannot be read as a {entry[1]} ({e}); fix: "
+                                     "re-download the snapshot's tokenizer files") from None
+        return out
+
+    def token_limit(self, label: str, tok: Any) -> int:
+        """The most tokens encoder ``label`` sees: CLIP-style encoders their tokenizer's ``model_max_length``, the
+        others ``model.generation.max_sequence_length``."""
+        kind = next(k for k, lab, _ in self.tokenizers_spec.values() if lab == label)
+        return int(tok.model_max_length) if kind == "clip" else int(self.cfg.generation.max_sequence_length)
+
+    def count_tokens(self, label: str, tok: Any, prompts: List[str]) -> List[int]:
+        """Tokens encoder ``label`` would be given for each prompt, untruncated, with special tokens."""
+        return [len(ids) for ids in tok(prompts, truncation=False, verbose=False)["input_ids"]]
+
+    def prompt_tokens(self, prompts: Sequence[str]) -> List[Dict[str, Dict[str, int]]]:
+        """Per prompt, per text encoder: ``{"count", "limit", "dropped"}`` (tokens with the special tokens,
+        untruncated; the most the encoder sees; tokens past the limit, never seen)."""
+        toks = self.tokenizers()
+        todo = sorted({p for p in prompts if p not in self._token_cache})
+        if todo:
+            limits = {lab: self.token_limit(lab, t) for lab, t in toks.items()}
+            counts = {lab: self.count_tokens(lab, t, todo) for lab, t in toks.items()}
+            for i, p in enumerate(todo):
+                self._token_cache[p] = {lab: {"count": counts[lab][i], "limit": limits[lab],
+                                              "dropped": max(0, counts[lab][i] - limits[lab])} for lab in limits}
+        return [self._token_cache[p] for p in prompts]
+
+    def sequence_limit(self) -> Optional[int]:
+        """The most ``model.generation.max_sequence_length`` may ask for: the pipeline's ceiling, or the sequence
+        tokenizer's ``model_max_length`` if lower (None: no ceiling known)."""
+        limit = self.max_sequence_length_limit
+        for kind, label, _ in self.tokenizers_spec.values():
+            if kind != "clip":
+                m = getattr(self.tokenizers()[label], "model_max_length", None)
+                if m and m < 10 ** 9 and limit is not None:
+                    limit = min(limit, int(m))
+        return limit
+
+    def size_need(self) -> Optional[int]:
+        """The multiple widths and heights must be for the pipeline to keep them (it rounds or refuses others):
+        the VAE's spatial scale factor times the transformer's patch size; None when not known."""
+        return None
+
+    def check_source(self) -> None:
+        """What the model's configs and tokenizers decide, checked before anything loads:
+        ``max_sequence_length`` at most :meth:`sequence_limit`; ``model.size_multiple`` a multiple of
+        :meth:`size_need`.
+
+        Raises:
+            ConfigValueError: naming the key, the value, the model's limit and the fix.
+        """
+        g = self.cfg.generation
+        limit = self.sequence_limit() if self.tokenizers_spec else None
+        if limit is not None and g.max_sequence_length > limit:
+            raise ConfigValueError(
+                f"model.generation.max_sequence_length={g.max_sequence_length} exceeds {limit}, the most tokens "
+                f"model={self.cfg.name} encodes ({self.pipeline_name()} refuses more than "
+                f"{self.max_sequence_length_limit}, or its tokenizer's model_max_length is lower); fix: "
+                f"model.generation.max_sequence_length={limit}")
+        need = self.size_need()
+        if need and self.cfg.size_multiple % need:
+            raise ConfigValueError(
+                f"model.size_multiple={self.cfg.size_multiple}, but model={self.cfg.name}'s VAE and patch size need "
+                f"widths and heights in multiples of {need}: {self.pipeline_name()} would round or refuse the "
+                f"others; fix: model.size_multiple={need}")
+
+    def _truncation_fix(self, counts: Dict[str, Dict[str, int]]) -> str:
+        limit, msl = self.sequence_limit(), int(self.cfg.generation.max_sequence_length)
+        seq = [lab for k, lab, _ in self.tokenizers_spec.values() if k != "clip"]
+        if limit and any(counts.get(lab, {}).get("dropped") for lab in seq) and msl < limit:
+            return f", raise model.generation.max_sequence_length (now {msl}, at most {limit})"
+        return ""
+
+    # -------------------------------------------------------------------------------------- call arguments
+    def call_params(self) -> set:
+        """The argument names of the pipeline class's ``__call__``."""
+        if self._call_params is None:
+            self._call_params = set(inspect.signature(self.pipeline_cls().__call__).parameters)
+        return self._call_params
+
+    def check_rows(self, rows: List[Row], path: Any) -> None:
+        """Every generation field set by a row or a default must be an argument of the pipeline's ``__call__``
+        (else the pipeline could not apply it); then the family's rules and the oracle's vocabulary.
+
+        Raises:
+            ConfigValueError: a field the pipeline does not take, naming it, the pipeline and the fix.
+        """
+        params = self.call_params()
+        for field_name, arg in CALL_ARGS.items():
+            if arg in params:
+                continue
+            setters = [r for r in rows if getattr(r, field_name, None) is not None]
+            if setters:
+                r = setters[0]
+                where = (f"{path}:{r.line} (row {r.id!r})" if field_name in r.set_fields else
+                         f"model.generation.{field_name}")
+                raise ConfigValueError(
+                    f"{field_name}={getattr(r, field_name)!r} ({where}, {len(setters)} row(s)): "
+                    f"{self.pipeline_name()} (model={self.cfg.name}) takes no {arg} argument, so it cannot be "
+                    f"applied; fix: remove {field_name} from the rows (and model.generation), or use a model "
+                    "that takes it")
+        self.check_family_rows(rows, path)
+        if self.cfg.oracle:
+            oracle(self.cfg.oracle).check_expectations(rows, path)
+
+    def check_family_rows(self, rows: List[Row], path: Any) -> None:
+        """Family rules on row values the pipeline would otherwise change silently; none by default."""
+
+    def call_kwargs(self, batch: Sequence[Item]) -> Dict[str, Any]:
+        """The pipeline ``__call__`` arguments for ``batch`` (all items share ``shape_key``), without
+        ``generator`` and ``output_type``."""
+        r0 = batch[0].row
+        kw: Dict[str, Any] = {"prompt": [it.row.prompt for it in batch], "height": r0.height, "width": r0.width,
+                              "num_inference_steps": r0.num_inference_steps}
+        if r0.guidance_scale is not None:
+            kw["guidance_scale"] = r0.guidance_scale
+        if r0.negative_prompt is not None:
+            kw["negative_prompt"] = [it.row.negative_prompt for it in batch]
+        if getattr(r0, "num_frames", None) is not None:
+            kw["num_frames"] = r0.num_frames
+        if "max_sequence_length" in self.call_params():
+            kw["max_sequence_length"] = int(self.cfg.generation.max_sequence_length)
+        kw.update(self.family_kwargs(batch))
+        return kw
+
+    def family_kwargs(self, batch: Sequence[Item]) -> Dict[str, Any]:
+        """Further call arguments of the family (e.g. ``true_cfg_scale``); none by default."""
+        return {}
+
+    def warmup_call(self, batch: List[Item], steps: int = 2) -> None:
+        """One pipeline call of ``steps`` denoising steps at ``batch``'s shape, output discarded, so that
+        ``torch.compile`` (static shapes) compiles before the timed loop; the phase timers are reset after it.
+        Uses its own generator, so no row's noise changes."""
+        kw = {**self.call_kwargs(batch), "num_inference_steps": steps}
+        with torch.inference_mode():
+            self.pipe(**kw, generator=torch.Generator(device="cpu").manual_seed(0), output_type="np")
+        for k in self.phase_s:
+            self.phase_s[k] = 0.0
+
+    def expected_forwards(self, batch: List[Item]) -> Optional[int]:
+        """Transformer forwards one pipeline call makes for ``batch``; None: not known for this pipeline (the
+        evidence then does not check the count)."""
+        return None
+
+    def call(self, batch: List[Item]) -> List[np.ndarray]:
+        """One pipeline call over ``batch`` (all items share ``shape_key``), one seeded generator per item.
+
+        Returns:
+            One float32 array per item in [0, 1] (NaN/inf preserved for the finite check): images (H, W, C),
+            videos (F, H, W, C).
+        """
+        gens = [torch.Generator(device="cpu").manual_seed(it.seed) for it in batch]
+        with torch.inference_mode():
+            out = self.pipe(**self.call_kwargs(batch), generator=gens, output_type="np")
+        arrays = out.frames if self.video else out.images
+        return [np.asarray(a, dtype=np.float32) for a in arrays]
+
+    def accuracy(self, items: List[Item], records: Dict[str, Dict[str, Any]], out_dir: Path
+                 ) -> Optional[Dict[str, Any]]:
+        """Share of items whose output matches the row's ``expect``, read back by the model's oracle
+        (``model.oracle``); None when the model has no oracle or no row carries expectations."""
+        if not self.cfg.oracle or not any(it.row.expect for it in items):
+            return None
+        return oracle(self.cfg.oracle).accuracy_section(items, records, out_dir)
+
+
+#: ``model.oracle`` -> module with ``check_expectations(rows, path)`` and ``accuracy_section(items, records, dir)``
+ORACLES = {"toy_shapes": "models.toy_shapes.oracle", "toy_motion": "models.toy_motion.oracle"}
+
+
+def oracle(name: Any) -> Any:
+    """The oracle module of ``model.oracle``.
+
+    Raises:
+        ConfigValueError: an unknown oracle, naming the known ones.
+    """
+    key = str(getattr(name, "value", name))
+    if key not in ORACLES:
+        raise ConfigValueError(f"model.oracle={key!r} is not known; fix: one of {', '.join(ORACLES)}, or null")
+    return importlib.import_module(ORACLES[key])
+
+
+def embedded_target(name: str, arch: Dict[str, Any], cache_dir: Optional[str]) -> Path:
+    """Where an embedded model of ``arch`` is kept in the cache (it may not exist yet): the name plus a hash of
+    the architecture, the recipe version and the diffusers version, so a change never reuses stale weights."""
+    import diffusers
+
+    root = Path(cache_dir or os.environ.get("RUNNER_CACHE", "~/.cache/runner")).expanduser()
+    key = hashlib.sha256(json.dumps({"arch": arch, "recipe": EMBEDDED_RECIPE, "diffusers": diffusers.__version__},
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    return root / f"{name}-{key}"

@@ -1,0 +1,126 @@
+"""Stable Diffusion 3 / 3.5 family (diffusers ``StableDiffusion3Pipeline``) on the generic pipeline engine.
+
+Three text encoders (CLIP-L and CLIP-G with projection, T5-XXL), an MMDiT transformer (``SD3Transformer2DModel``)
+and classifier-free guidance with a negative prompt: ``guidance_scale > 1`` batches the unconditional and the
+conditional input into ONE transformer forward per step (``pipeline_stable_diffusion_3.py``:
+``latent_model_input = torch.cat([latents] * 2)``), so forwards per call = ``num_inference_steps``.
+
+diffusers 0.42's SD3 attention (``JointAttnProcessor2_0``) calls ``F.scaled_dot_product_attention`` itself, not
+diffusers' attention dispatcher; :class:`SD3DispatchAttnProcessor` is the same computation routed through
+``dispatch_attention_fn``, installed on every attention module after loading, so SD3 takes the runner's attention
+backends and their per-call-site evidence like the dispatcher-era models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from models.flux import quiet_truncation_warnings
+from models.pipelines import PipelineEngine
+from runner.dataset import Item
+
+
+class SD3DispatchAttnProcessor:
+    """``JointAttnProcessor2_0`` (diffusers 0.42, ``attention_processor.py``) with its attention call routed through
+    diffusers' dispatcher (``dispatch_attention_fn(q, k, v, backend=self._attention_backend)``); also handles
+    fused projections (``to_qkv``/``to_added_qkv`` after ``fuse_projections``).
+
+    Layout at the dispatcher: ``(batch, seq_len, heads, head_dim)``, image tokens first, then text tokens.
+    """
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
+                 attention_mask: Optional[torch.Tensor] = None, *args: Any, **kwargs: Any) -> Any:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        b = hidden_states.shape[0]
+        if getattr(attn, "fused_projections", False) and getattr(attn, "to_qkv", None) is not None:
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+        query, key, value = (t.view(b, -1, attn.heads, head_dim) for t in (query, key, value))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        n_img = hidden_states.shape[1]
+        if encoder_hidden_states is not None:
+            if getattr(attn, "fused_projections", False) and getattr(attn, "to_added_qkv", None) is not None:
+                eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+            else:
+                eq, ek, ev = (attn.add_q_proj(encoder_hidden_states), attn.add_k_proj(encoder_hidden_states),
+                              attn.add_v_proj(encoder_hidden_states))
+            eq, ek, ev = (t.view(b, -1, attn.heads, head_dim) for t in (eq, ek, ev))
+            if attn.norm_added_q is not None:
+                eq = attn.norm_added_q(eq)
+            if attn.norm_added_k is not None:
+                ek = attn.norm_added_k(ek)
+            query, key, value = (torch.cat([x, e], dim=1) for x, e in ((query, eq), (key, ek), (value, ev)))
+        out = dispatch_attention_fn(query, key, value, dropout_p=0.0, is_causal=False,
+                                    backend=self._attention_backend, parallel_config=self._parallel_config)
+        out = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is not None:
+            out, enc = out[:, :n_img], out[:, n_img:]
+            if not attn.context_pre_only:
+                enc = attn.to_add_out(enc)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return (out, enc) if encoder_hidden_states is not None else out
+
+
+class SD3Engine(PipelineEngine):
+    """The SD3 / SD3.5 family (engine ``sd3``): roles ``joint`` (every ``Attention`` of the MMDiT)."""
+
+    pipeline_class = "StableDiffusion3Pipeline"
+    components = {"transformer": ("diffusers", "SD3Transformer2DModel", None),
+                  "vae": ("diffusers", "AutoencoderKL", None),
+                  "text_encoder": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
+                  "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
+                  "text_encoder_3": ("transformers", "T5EncoderModel", "T5Config"),
+                  "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", None)}
+    tokenizers_spec = {"tokenizer": ("clip", "clip_l", "text_encoder"), "tokenizer_2": ("clip", "clip_g", "text_encoder_2"),
+                       "tokenizer_3": ("t5", "t5", "text_encoder_3")}
+    max_sequence_length_limit = 512  # StableDiffusion3Pipeline.check_inputs raises above 512
+    backend_fields = ("attention", "linear")
+    needs_mask = False
+
+    @classmethod
+    def family(cls) -> str:
+        return "sd3"
+
+    def dispatches(self) -> bool:
+        """True: :meth:`prepare_attention` routes every attention module through diffusers' dispatcher."""
+        return True
+
+    def prepare_attention(self) -> None:
+        """Install :class:`SD3DispatchAttnProcessor` on every attention module of the transformer."""
+        from models.pipelines import attention_modules
+
+        for _, mod in attention_modules(self.pipe.transformer):
+            mod.set_processor(SD3DispatchAttnProcessor())
+
+    def size_need(self) -> int:
+        """VAE scale factor x the transformer's ``patch_size`` (``check_inputs`` refuses other sizes)."""
+        blocks = self.component_config("vae").get("block_out_channels") or [0] * 4
+        return 2 ** (len(blocks) - 1) * int(self.component_config("transformer").get("patch_size", 2))
+
+    def ignored_fields(self, rows: Any) -> Dict[str, Tuple[str, ...]]:
+        """``negative_prompt`` in rows whose ``guidance_scale`` <= 1: classifier-free guidance is off there, and
+        StableDiffusion3Pipeline uses the negative prompt only with it."""
+        return {"negative_prompt": ("guidance_scale <= 1 turns classifier-free guidance off, and "
+                                    "StableDiffusion3Pipeline uses the negative prompt only with it",
+                                    "guidance_scale > 1 in that row (SD3.5's default is 3.5 to 4.5)",
+                                    lambda r: r.guidance_scale is None or r.guidance_scale <= 1)}
+
+    def load_pipeline(self) -> None:
+        """The generic loading, with diffusers' per-call truncation warning filtered (records carry the counts)."""
+        quiet_truncation_warnings("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3")
+        super().load_pipeline()
+
+    def expected_forwards(self, batch: List[Item]) -> int:
+        """One transformer forward per step (CFG batches both branches into one forward)."""
+        return batch[0].row.num_inference_steps

@@ -1,0 +1,117 @@
+"""Wan 2.1 text-to-video family (diffusers ``WanPipeline``) on the generic pipeline engine.
+
+UMT5 text encoder, ``WanTransformer3DModel`` (self-attention over video tokens, cross-attention to the text: roles
+``self`` and ``cross``), the causal video VAE ``AutoencoderKLWan``. Output: ``frames`` (batch, F, H, W, C).
+Rules the pipeline applies silently and the runner refuses instead: ``num_frames`` must be ``k * t + 1`` with ``t``
+the VAE's temporal factor (``2 ** sum(temperal_downsample)``, 4 for Wan) or the pipeline rounds it down with a
+warning; classifier-free guidance (``guidance_scale > 1``) makes a second transformer forward per step (unbatched:
+``noise_uncond = current_model(...)``), and the negative prompt is used only then.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from models.flux import quiet_truncation_warnings
+from models.pipelines import PipelineEngine
+from runner.dataset import DatasetError, Item, Row
+from runner.errors import ConfigValueError
+
+
+class WanEngine(PipelineEngine):
+    """The Wan 2.1 text-to-video family (engine ``wan``)."""
+
+    pipeline_class = "WanPipeline"
+    components = {"transformer": ("diffusers", "WanTransformer3DModel", None),
+                  "vae": ("diffusers", "AutoencoderKLWan", None),
+                  "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
+                  "scheduler": ("diffusers", "UniPCMultistepScheduler", None)}
+    tokenizers_spec = {"tokenizer": ("t5", "umt5", "text_encoder")}
+    max_sequence_length_limit = None
+    video = True
+    output = "video"
+    unit = "video"
+    backend_fields = ("attention", "linear")
+    needs_mask = False  # WanAttnProcessor passes no mask: text embeddings are zero-padded to max_sequence_length
+
+    @classmethod
+    def family(cls) -> str:
+        return "wan"
+
+    def attention_role(self, layer: str) -> str:
+        """``cross`` for the blocks' ``attn2`` (queries: video tokens; keys/values: text), else ``self``; a model
+        config listing one role uses it for both."""
+        roles = [str(r) for r in self.cfg.roles]
+        want = "cross" if layer.endswith("attn2") else "self"
+        return want if want in roles else roles[0]
+
+    def temporal_factor(self) -> int:
+        """The VAE's temporal compression: ``2 ** sum(temperal_downsample)`` (Wan 2.1: 4)."""
+        return 2 ** sum(bool(x) for x in (self.component_config("vae").get("temperal_downsample")
+                                          or [False, True, True]))
+
+    def size_need(self) -> int:
+        """VAE spatial factor (2 ** len(temperal_downsample)) x the transformer's spatial patch (2): 16 for Wan."""
+        vae = self.component_config("vae")
+        patch = self.component_config("transformer").get("patch_size") or [1, 2, 2]
+        return 2 ** len(vae.get("temperal_downsample") or [False, True, True]) * int(patch[-1])
+
+    def check_config(self) -> None:
+        """The base checks, and ``model.generation.num_frames``/``fps`` set and valid.
+
+        Raises:
+            ConfigValueError: naming the key, the value and the fix.
+        """
+        super().check_config()
+        g = self.cfg.generation
+        if g.get("num_frames") is None or g.get("fps") is None:
+            raise ConfigValueError(f"model={self.cfg.name} generates video: model.generation.num_frames and "
+                                   "model.generation.fps must be set; fix: e.g. model.generation.num_frames=81 "
+                                   "model.generation.fps=16 (Wan 2.1's defaults)")
+
+    def check_family_rows(self, rows: List[Row], path: Any) -> None:
+        """``num_frames`` of every row must be ``k * t + 1`` (t = the VAE's temporal factor): WanPipeline rounds other
+        counts down with a warning, and the video would have fewer frames than its record says.
+
+        Raises:
+            DatasetError / ConfigValueError: every bad row (file:line) or the bad default, with the nearest valid
+            counts.
+        """
+        t = self.temporal_factor()
+        bad = [r for r in rows if r.num_frames is None or r.num_frames < 1 or (r.num_frames - 1) % t]
+        if not bad:
+            return
+
+        def fix(n: Optional[int]) -> str:
+            lo = max(1, ((n or 1) - 1) // t * t + 1)
+            return f"{lo} or {lo + t}"
+
+        defaults = [r for r in bad if "num_frames" not in r.set_fields]
+        if defaults and len(defaults) == len(bad):
+            n = defaults[0].num_frames
+            raise ConfigValueError(f"model.generation.num_frames={n} is not {t}k+1, which model={self.cfg.name}'s VAE "
+                                   f"needs (temporal factor {t}; WanPipeline would round it down); fix: "
+                                   f"model.generation.num_frames={fix(n).split(' or ')[0]}")
+        raise DatasetError([f"{path}:{r.line}: num_frames={r.num_frames} is not {t}k+1, which model={self.cfg.name}'s "
+                            f"VAE needs (temporal factor {t}; WanPipeline would round it down, writing fewer frames "
+                            f"than recorded); fix: num_frames={fix(r.num_frames)}" for r in bad])
+
+    def ignored_fields(self, rows: Any) -> Dict[str, Tuple[str, ...]]:
+        """``negative_prompt`` in rows whose ``guidance_scale`` <= 1 (no classifier-free guidance there)."""
+        return {"negative_prompt": ("guidance_scale <= 1 turns classifier-free guidance off, and WanPipeline uses the "
+                                    "negative prompt only with it", "guidance_scale > 1 in that row (Wan 2.1: 5.0)",
+                                    lambda r: r.guidance_scale is None or r.guidance_scale <= 1)}
+
+    def applied_params(self, row: Any) -> Dict[str, Any]:
+        """``num_frames`` and ``fps`` of the video."""
+        return {"num_frames": row.num_frames, "fps": row.fps}
+
+    def load_pipeline(self) -> None:
+        """The generic loading, with diffusers' per-call truncation warning filtered (records carry the counts)."""
+        quiet_truncation_warnings("diffusers.pipelines.wan.pipeline_wan")
+        super().load_pipeline()
+
+    def expected_forwards(self, batch: List[Item]) -> int:
+        """Steps, doubled under classifier-free guidance (``guidance_scale`` > 1: a separate unconditional forward)."""
+        r = batch[0].row
+        return r.num_inference_steps * (2 if r.guidance_scale is not None and r.guidance_scale > 1 else 1)
