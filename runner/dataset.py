@@ -408,10 +408,14 @@ def batches(items: List[Item], batch_size: int) -> List[List[Item]]:
     return out
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 hex digest of a file's bytes."""
+def file_sha256(path: Path, chunk_bytes: int = 8 << 20) -> str:
+    """sha256 hex digest of a file's bytes, read in chunks of ``chunk_bytes`` (8 MiB) into one reused buffer."""
+    import os
+
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(max(1 << 16, min(chunk_bytes, os.fstat(f.fileno()).st_size + 1)))  # small file: small buffer
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
