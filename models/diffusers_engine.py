@@ -149,7 +149,7 @@ class DiffusersEngine(EngineBase):
         self.probes: Dict[str, Any] = {}
         self.probe: Optional[evidence.DenoiserProbe] = None
         self.phase_s: Dict[str, float] = {}
-        self.want_forwards = 0
+        self.want_forwards: Optional[int] = 0
         self.raised = False
         self.load_s = self.warmup_s = 0.0
         self.graphs_before: Optional[int] = None
@@ -480,7 +480,8 @@ class DiffusersEngine(EngineBase):
         except Exception:
             self.raised = True  # a call raised part-way: forward totals are no longer predictable
             raise
-        self.want_forwards += self.expected_forwards(batch)
+        want = self.expected_forwards(batch)  # None: the pipeline's forward count is not known (not checked)
+        self.want_forwards = None if want is None or self.want_forwards is None else self.want_forwards + want
         return [ImageOutput(img) for img in images]
 
     def record(self, item: ds.Item, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:

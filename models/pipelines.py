@@ -199,9 +199,13 @@ class PipelineEngine(DiffusersEngine):
         if cfg.load_format == "dummy":
             self.source = {"kind": "dummy", "weights_seed": self._arch().get("weights_seed", 0)}
         elif cfg.path:
-            path, prov = self.locate(str(cfg.path))
-            self.source = {"kind": "path", "path": str(check_snapshot(str(path)).resolve()),
-                           "revision": cfg.revision, **prov}
+            from runner.weights import resolve_model_path
+
+            path, prov = resolve_model_path(str(cfg.path), cfg.revision)
+            self.source = {"kind": "path", "path": str(check_snapshot(str(path)).resolve()), "revision": cfg.revision}
+            if prov.get("kind") == "hub":  # the Hub id, the commit the cache holds, where the cache is
+                self.source["hub"] = {k: prov[k] for k in ("repo_id", "revision", "requested_revision", "cache_dir")
+                                      if k in prov}
             self.check_layout(Path(self.source["path"]))
             given = [o.lstrip("+~").split("=", 1)[0] for o in self.ctx.overrides]
             arch, cli = self._arch(), {}
@@ -216,15 +220,6 @@ class PipelineEngine(DiffusersEngine):
             raise ModelPathError(f"model={cfg.name} needs weights: set model.path=/path/to/diffusers/snapshot (or a "
                                  "Hub id in the local cache), or model.load_format=dummy for random weights")
         return self.source
-
-    def locate(self, value: str) -> Tuple[Path, Dict[str, Any]]:
-        """``model.path`` as a directory: a local path as given; a Hub id resolved in the local cache when
-        ``runner.weights`` provides it. Returns ``(dir, provenance)``."""
-        try:
-            from runner.weights import resolve_model_path
-        except ImportError:
-            return Path(value).expanduser(), {}
-        return resolve_model_path(value, self.cfg.revision)
 
     def check_layout(self, path: Path) -> None:
         """The snapshot's ``model_index.json`` must name the family's pipeline class, and each component the family
@@ -359,7 +354,11 @@ class PipelineEngine(DiffusersEngine):
 
     def head_dim(self) -> int:
         """Attention head dimension of the transformer (from the architecture or the snapshot's config)."""
-        return int(self.component_config("transformer")["attention_head_dim"])
+        conf = self.component_config("transformer")
+        if "attention_head_dim" not in conf:
+            raise ModelPathError(f"model={self.cfg.name}: the transformer's config has no attention_head_dim; fix: a "
+                                 "complete snapshot (transformer/config.json) of a DiT pipeline")
+        return int(conf["attention_head_dim"])
 
     # ------------------------------------------------------------------------------------------- building
     @classmethod
@@ -496,16 +495,13 @@ class PipelineEngine(DiffusersEngine):
         self._time_phases()
 
     def hash_weights(self, path: Path) -> Dict[str, Any]:
-        """``{"files": {relative path: sha256}}`` of the weight files the pipeline loads (with
-        ``runner.weights``: only the components' files, digests cached by path, size and mtime)."""
-        try:
-            from runner.weights import hash_files, weight_files
-        except ImportError:
-            from runner.dataset import file_sha256
+        """``{"files": {relative path: sha256}, "hashing": {computed, cached, hash_s, bytes_hashed}}`` of the weight
+        files the pipeline loads (``runner.weights``: only the listed components' files; digests cached by path,
+        size and modification time, so a second job on a large snapshot hashes nothing)."""
+        from runner.weights import hash_snapshot
 
-            return {"files": {str(f.relative_to(path)): file_sha256(f) for f in sorted(path.rglob("*.safetensors"))}}
-        files, stats = hash_files(weight_files(path), path, self.cache_dir)
-        return {"files": files, "hashing": stats}
+        files, stats = hash_snapshot(path, self.cache_dir)
+        return {"files": files, "hashing": {k: stats[k] for k in ("computed", "cached", "hash_s", "bytes_hashed")}}
 
     def prepare_attention(self) -> None:
         """Family hook after loading, before backends are installed (e.g. SD3 routes its joint attention through
@@ -593,13 +589,12 @@ class PipelineEngine(DiffusersEngine):
         Raises:
             kernels.registry.BackendError subclasses; ConfigValueError for a non-dispatching transformer.
         """
-        resolutions, extras = super().resolve_backends()
-        att = resolutions.get("attention")
-        if att is not None and not self.dispatches():
+        if "attention" in self.backend_fields and not self.dispatches():
             raise ConfigValueError(
                 f"model={self.cfg.name}: its transformer ({self.component_class('transformer')}) does not call "
                 "diffusers' attention dispatcher, so no attention backend can be selected or observed in it; fix: "
                 "a model family whose transformer uses the dispatcher (flux, sd3, qwen_image, wan)")
+        resolutions, extras = super().resolve_backends()
         return resolutions, extras
 
     # ------------------------------------------------------------------------------------------------ speed
