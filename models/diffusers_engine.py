@@ -135,6 +135,9 @@ class DiffusersEngine(EngineBase):
     default_stage: ClassVar[str] = "denoise"
     backend_fields: ClassVar[Tuple[str, ...]] = ("attention", "linear")
     needs_mask: ClassVar[bool] = False
+    fp8_prefixes: ClassVar[Tuple[str, ...]] = ("transformer_blocks.", "single_transformer_blocks.")
+    """Module-name prefixes of the denoiser whose Linears FP8 linear may replace (the transformer blocks; embedders
+    and the output projection stay dense)."""
     reads_engine_extras: ClassVar[bool] = False
 
     def __init__(self, ctx: StageContext) -> None:
@@ -432,7 +435,8 @@ class DiffusersEngine(EngineBase):
         observe = bool(cfg.evidence.enabled) and compile_mode == "none"
         sites = attention.install(self.stage, self.attention_sites(), self.resolutions["attention"].selected,
                                   self.ctx.plat.sm, observe=observe)
-        lin = linear.install(self.denoiser, self.resolutions["linear"].selected, observe=observe)
+        lin = linear.install(self.denoiser, self.resolutions["linear"].selected, prefixes=self.fp8_prefixes,
+                             observe=observe)
         if compile_mode == "regional":
             self.denoiser.compile_repeated_blocks(fullgraph=False, dynamic=False)
         self.probes = {"attention": sites, "linear": lin, "observed": observe}

@@ -32,6 +32,7 @@ class WanEngine(PipelineEngine):
     output = "video"
     unit = "video"
     backend_fields = ("attention", "linear")
+    fp8_prefixes = ("blocks.",)  # WanTransformer3DModel names its blocks ``blocks.N``
     needs_mask = False  # WanAttnProcessor passes no mask: text embeddings are zero-padded to max_sequence_length
 
     @classmethod

@@ -140,6 +140,9 @@ def item_inputs(item: Any) -> Dict[str, Any]:
     row = item.row
     d = dataclasses.asdict(row) if dataclasses.is_dataclass(row) else dict(vars(row))
     d = {k: v for k, v in d.items() if k not in ITEM_FIELDS_EXCLUDED}
+    for k in ("num_frames", "fps"):  # video fields: absent from image rows, so image identities stay as they were
+        if d.get(k) is None:
+            d.pop(k, None)
     d["seed"] = item.seed
     return d
 

@@ -1,0 +1,224 @@
+"""SD3.5 Large, Qwen-Image and Wan 2.1 14B at their published workloads, random full-size weights: plain diffusers vs
+the runner's lossless settings vs FP8 linear, transformer forward by forward, side by side in one process; then a
+short run through the runner per family whose evidence must be verified for ``CUDNN_ATTN`` and ``FP8`` linear.
+
+Per family (``--family sd3|qwen_image|wan``, repeatable):
+
+1. One pipeline is built with the family's own builder (``load_format=dummy``: ``PipelineEngine.build_components``,
+   seeded, bf16, on the GPU). A 1-step pipeline call at the workload shape captures the transformer's inputs.
+2. ``baseline``: the transformer as diffusers builds it (default attention: torch SDPA; eager) — ms per forward.
+3. ``lossless``: the same module after the runner's lossless preset applied in place through the engine's own code
+   (``optimize`` with ``fuse_qkv``, ``kernels.attention.install`` of ``CUDNN_ATTN`` on every call site, regional
+   ``torch.compile``) — ms per forward, and the max/mean abs difference of its output from the baseline's.
+4. ``fp8``: (3) plus ``kernels.linear.install`` of ``FP8`` (row-wise dynamic e4m3) — ms per forward, difference.
+   ms per denoising step = ms per forward x forwards per step (2 under the family's CFG rule when it is on).
+5. MFU = model FLOPs of one forward (``torch.utils.flop_counter.FlopCounterMode``) / time, as a fraction of the bf16
+   matmul rate measured in this process.
+6. Evidence: ``python -m runner``'s own loop (``runner.execute.run``) with ``backend.attention=CUDNN_ATTN
+   backend.linear=FP8``, 2 steps, 1 row, eager (the call-site probes observe every call) — the verdict and the
+   kernels profiled.
+
+Usage: ``python benchmarks/families_h200.py --family sd3 --family wan --out DIR`` (one H200: ~4 min per family);
+``--smoke`` runs the tiny variants on the CPU to check the script. Results: ``DIR/families_<family>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+from common import time_ms  # noqa: E402
+
+WORKLOADS = {  # the issue's workloads (#17): published defaults of each model
+    "sd3": dict(model="sd3", prompt="a photo of a lighthouse on a cliff at dusk", negative="blurry",
+                scale=0.05, iters=10),
+    "qwen_image": dict(model="qwen_image", prompt="a photo of a lighthouse on a cliff at dusk", negative=" ",
+                       scale=0.05, iters=5),
+    "wan": dict(model="wan", prompt="a lighthouse on a cliff at dusk, waves crashing", negative="blurry",
+                scale=0.05, iters=3),
+}
+SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan"}
+
+
+def compose(overrides):
+    import hydra
+
+    from runner.schema import register_configs
+
+    register_configs()
+    with hydra.initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="bench"):
+        return hydra.compose("config", overrides=list(overrides))
+
+
+def engine_for(cfg: Any, device: str, dtype: torch.dtype) -> Any:
+    """The family's engine for ``cfg`` (no weights loaded)."""
+    from models.base import StageContext
+    from models.registry import engine_class
+    from runner.platform import detect
+
+    plat = detect(str(cfg.platform.name), str(cfg.platform.device))
+    return engine_class(str(cfg.model.adapter))(StageContext(cfg=cfg, overrides=[], stage="denoise",
+                                                             model_cfg=cfg.model, plat=plat, dtype=dtype))
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> Dict[str, float]:
+    a, b = a.float(), b.float()
+    return {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean()),
+            "mean_abs_ref": float(b.abs().mean())}
+
+
+def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
+    from omegaconf import OmegaConf
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kernels import attention, linear
+
+    w = WORKLOADS[family]
+    device = "cpu" if smoke else "cuda"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    model = SMOKE[family] if smoke else w["model"]
+    ov = [f"model={model}", f"platform={'cpu' if smoke else 'cuda'}", f"dtype={'float32' if smoke else 'bfloat16'}"]
+    if not smoke:
+        ov += ["model.load_format=dummy", f"+model.architecture.dummy_weight_scale={w['scale']}"]
+    cfg = compose(ov)
+    eng = engine_for(cfg, device, dtype)
+    eng.resolve_source()
+    g = cfg.model.generation
+    rec: Dict[str, Any] = {"family": family, "model": model, "device": torch.cuda.get_device_name() if device == "cuda"
+                           else "cpu", "torch": torch.__version__, "width": g.width, "height": g.height,
+                           "num_inference_steps": g.num_inference_steps, "num_frames": g.get("num_frames"),
+                           "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    t0 = time.perf_counter()
+    arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
+    pipe = eng.pipeline_cls()(**eng.build_components(arch, device=device, dtype=dtype))
+    pipe.set_progress_bar_config(disable=True)
+    rec["build_s"] = round(time.perf_counter() - t0, 1)
+
+    # the inputs of one transformer forward at the workload shape, prepared by the pipeline itself
+    captured: Dict[str, Any] = {}
+
+    def grab(mod, args, kwargs):
+        if not captured:
+            captured.update(kwargs)
+
+    h = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    call = dict(prompt=w["prompt"], height=g.height, width=g.width, num_inference_steps=1, output_type="latent")
+    if g.get("num_frames"):
+        call["num_frames"] = g.num_frames
+    if "max_sequence_length" in eng.call_params():
+        call["max_sequence_length"] = int(g.max_sequence_length)
+    with torch.inference_mode():
+        pipe(**call)
+    h.remove()
+    tr = pipe.transformer
+    with torch.inference_mode(), FlopCounterMode(display=False) as fc:
+        ref = tr(**captured)[0]
+    flops = float(fc.get_total_flops())
+    rec["forward_tflop"] = round(flops / 1e12, 3)
+    a = torch.randn(8192, 8192, device=device, dtype=dtype)
+    peak = 2 * 8192 ** 3 / (time_ms(lambda: a @ a, device, warmup=5, iters=20) / 1e3) / 1e12
+    del a
+    rec["matmul_tflops"] = round(peak, 1)
+    iters = 2 if smoke else w["iters"]
+
+    def timed(name: str) -> None:
+        with torch.inference_mode():
+            ms = time_ms(lambda: tr(**captured), device, warmup=2, iters=iters)
+            outp = tr(**captured)[0]
+        rec[name] = {"ms_per_forward": round(ms, 2), "mfu": round(flops / (ms / 1e3) / 1e12 / peak, 3),
+                     "vs_baseline": diff(outp, ref)}
+        print(family, name, rec[name], flush=True)
+
+    timed("baseline")
+    # the runner's lossless preset, applied in place by the runner's own code
+    eng.pipe = pipe
+    rec["optimize"] = eng.optimize(OmegaConf.create({"fuse_qkv": True, "vae_channels_last": False}))
+    att = "TORCH_SDPA" if smoke else "CUDNN_ATTN"
+    roles = [str(r) for r in cfg.model.roles]
+    attention.install("denoise", eng.attention_sites(), {r: {"backend": att} for r in roles},
+                      None if smoke else torch.cuda.get_device_capability()[0] * 10, observe=False)
+    if not smoke:
+        tr.compile_repeated_blocks(fullgraph=False, dynamic=False)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        tr(**captured)
+    rec["compile_s"] = round(time.perf_counter() - t0, 1)
+    timed("lossless")
+    fp8 = linear.install(tr, "FP8", prefixes=type(engine_for(cfg, device, dtype)).fp8_prefixes, observe=False)
+    rec["fp8_modules"] = fp8.modules
+    torch._dynamo.reset()
+    if not smoke:
+        tr.compile_repeated_blocks(fullgraph=False, dynamic=False)
+    with torch.inference_mode():
+        tr(**captured)
+    timed("fp8")
+    per_step = 1
+    if family == "wan" and (g.guidance_scale or 0) > 1:
+        per_step = 2
+    if family == "qwen_image" and float(g.true_cfg_scale) > 1:
+        per_step = 2  # the workload's rows carry a negative prompt (the model card's ' ')
+    rec["forwards_per_step"] = per_step
+    for k in ("baseline", "lossless", "fp8"):
+        rec[k]["ms_per_step"] = round(rec[k]["ms_per_forward"] * per_step, 2)
+    rec["speedup_lossless"] = round(rec["baseline"]["ms_per_forward"] / rec["lossless"]["ms_per_forward"], 3)
+    rec["speedup_fp8"] = round(rec["baseline"]["ms_per_forward"] / rec["fp8"]["ms_per_forward"], 3)
+    del pipe, tr, captured, ref, eng
+    gc.collect()
+    torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    # evidence through the runner's own loop
+    from runner.execute import run
+
+    rows = out / f"{family}_rows.jsonl"
+    rows.write_text(json.dumps({"id": "e0", "prompt": w["prompt"], "negative_prompt": w["negative"]}) + "\n")
+    ev_ov = [*ov, "dataset=jsonl", f"dataset.path={rows}", "model.generation.num_inference_steps=2",
+             f"backend.attention={att}", f"backend.linear={'TORCH' if smoke else 'FP8'}", "compile=none"]
+    run_dir = out / f"{family}_evidence_run"
+    t0 = time.perf_counter()
+    code = run(compose(ev_ov), run_dir, ev_ov)
+    man = json.loads((run_dir / "manifest.json").read_text())
+    st = man["evidence"]["stages"]["denoise"]
+    rec["evidence"] = {"exit_code": code, "overrides": ev_ov, "verdict": man["evidence"]["verdict"],
+                       "mismatches": man["evidence"]["mismatches"], "denoiser_forwards": st["denoiser_forwards"],
+                       "expected_forwards": st["expected_forwards"],
+                       "attention_by_backend": st["attention"]["by_backend"], "linear": st.get("linear"),
+                       "kernels": {k: st.get("kernels", {}).get(k) for k in ("attention", "linear")},
+                       "run_s": round(time.perf_counter() - t0, 1)}
+    print(family, "evidence", rec["evidence"]["verdict"], rec["evidence"]["kernels"], flush=True)
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--family", action="append", choices=list(WORKLOADS), required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    for fam in a.family:
+        try:
+            rec = bench_family(fam, a.smoke, a.out)
+        except Exception as e:  # one family failing must not lose the others' figures
+            import traceback
+
+            traceback.print_exc()
+            rec = {"family": fam, "error": f"{type(e).__name__}: {e}"}
+        (a.out / f"families_{fam}.json").write_text(json.dumps(rec, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
