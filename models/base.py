@@ -9,8 +9,9 @@ pipeline). The loop calls it in this order, and only in this order:
 3. ``read_rows()`` / ``items(rows, seed)``: the dataset read and validated for this engine; the work items.
    ``check_inputs(rows)`` lets an upstream stage check the prompts it will be fed (token counts).
 4. ``load(on_loaded)``: weights, backends installed, probes attached; returns manifest sections to add.
-5. ``batches(items, batch_size)``; ``warmup(batch)`` (may do nothing), then ``generate(batch)`` per batch: one :class:`ImageOutput` or
-   :class:`TextOutput` per item, in batch order; raising fails the batch (the loop retries its items alone).
+5. ``batches(items, batch_size)``; ``warmup(batch)`` (may do nothing), then ``generate(batch)`` per batch: one
+   :class:`ImageOutput`, :class:`VideoOutput` or :class:`TextOutput` per item (by the engine's ``output``), in batch
+   order; raising fails the batch (the loop retries its items alone).
 6. ``record(item, output, batch_len, generate_s)``: the journal record of one item (without ``status``/``file``:
    the sink adds those once the artifact is durable).
 7. ``evidence(result)``: the stage's evidence section and its mismatches, from what was observed;
@@ -41,6 +42,21 @@ class ImageOutput:
     def nonfinite(self) -> int:
         """Number of non-finite values (0: the image can be written)."""
         return int((~np.isfinite(self.image)).sum())
+
+
+@dataclass
+class VideoOutput:
+    """One generated video: ``frames`` float32, layout (F, H, W, C) with C = 3 (RGB), frames in time order, values
+    in [0, 1] (what ``diffusers.WanPipeline(..., output_type="np").frames[i]`` holds); NaN/inf are kept so that the
+    sink can refuse a non-finite output instead of writing it. ``fps``: the frame rate (frames per second) the
+    engine generated for, used when the record's ``params`` carry no ``fps`` (``runner.sinks.MP4Sink``)."""
+
+    frames: np.ndarray
+    fps: Optional[float] = None
+
+    def nonfinite(self) -> int:
+        """Number of non-finite values (0: the video can be written)."""
+        return int((~np.isfinite(self.frames)).sum())
 
 
 @dataclass
@@ -92,8 +108,10 @@ class Engine(Protocol):
     """One stage's model: see the module docstring for the call order.
 
     Class attributes:
-        output: ``"image"`` (written by the PNG sink) or ``"text"`` (the text-record sink).
-        unit: the progress-bar unit (``img``, ``row``).
+        output: ``"image"`` (written by the PNG sink), ``"video"`` (the MP4 sink; the record's ``params.fps``, else
+            ``VideoOutput.fps``, is the frame rate) or ``"text"`` (the text-record sink): a key of
+            ``runner.sinks.SINKS``.
+        unit: the progress-bar unit (``img``, ``video``, ``row``).
         resumable: a re-run into the run dir reuses finished items (otherwise a dir holding a run is refused).
         default_stage: the stage name of a single-stage model (``denoise``, ``generate``).
 

@@ -7,14 +7,16 @@ import errno
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
 from runner.errors import StorageError
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path`` (a rename in it is then durable); errors are ignored (not every filesystem
+    allows it)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -63,7 +65,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         except OSError:
             pass
         raise storage_error(path, e) from e
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -134,9 +136,14 @@ class ArtifactWriter:
         on_record: called in the caller's thread with each record once it is journaled (counts, progress bar).
         max_pending: submissions held before ``submit`` waits for the oldest (bounds host memory: a 1024x1024
             float32 image is 12 MiB).
+        write: ``write(path, payload) -> {"sha256": of the file's bytes, "fields": {...} (optional, added to the
+            record)}``, called in a writer thread; it must leave ``path`` complete or absent (temp name, fsync,
+            rename) and raise :class:`runner.errors.StorageError` when the storage refuses. Default: the payload is
+            an HWC float image, written as PNG.
     """
 
-    def __init__(self, journal: Journal, workers: int, on_record, max_pending: int = 16):
+    def __init__(self, journal: Journal, workers: int, on_record, max_pending: int = 16,
+                 write: Optional[Callable[[Path, Any], Dict[str, Any]]] = None):
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
@@ -147,21 +154,29 @@ class ArtifactWriter:
         self._pending: Any = deque()
         self.thread_s = 0.0  # summed encode + write seconds in the worker threads
         self.wait_s = 0.0  # seconds the caller spent waiting for writes
+        self._write_artifact = write or self._write_png
 
     @staticmethod
-    def _write(path: Path, image: np.ndarray) -> Dict[str, Any]:
+    def _write_png(path: Path, image: np.ndarray) -> Dict[str, Any]:
         import hashlib
+
+        data = encode_png(image)
+        atomic_write_bytes(path, data)
+        return {"sha256": hashlib.sha256(data).hexdigest()}
+
+    def _write(self, path: Path, payload: Any) -> Dict[str, Any]:
         import time
 
         t0 = time.perf_counter()
-        data = encode_png(image)
-        atomic_write_bytes(path, data)
-        return {"sha256": hashlib.sha256(data).hexdigest(), "s": time.perf_counter() - t0}
+        res = dict(self._write_artifact(path, payload))
+        res["s"] = time.perf_counter() - t0
+        return res
 
-    def submit(self, record: Dict[str, Any], path: Optional[Path] = None, image: Optional[np.ndarray] = None,
+    def submit(self, record: Dict[str, Any], path: Optional[Path] = None, image: Any = None,
                rel: Optional[str] = None) -> None:
-        """Queue ``record``; with ``path``/``image`` the artifact is written first and the record gets
-        ``status=ok``, ``file=rel``, ``file_sha256`` (or ``status=failed`` with the write error as reason)."""
+        """Queue ``record``; with ``path``/``image`` (the payload of ``write``) the artifact is written first and the
+        record gets ``status=ok``, ``file=rel``, ``file_sha256`` and the write's ``fields`` (or ``status=failed``
+        with the write error as reason)."""
         from concurrent.futures import Future
 
         fut: Optional[Future] = None
@@ -199,7 +214,7 @@ class ArtifactWriter:
                 if err is None:
                     res = fut.result()
                     self.thread_s += res["s"]
-                    rec.update(status="ok", file=rel, file_sha256=res["sha256"])
+                    rec.update(status="ok", file=rel, file_sha256=res["sha256"], **res.get("fields", {}))
                     rec.setdefault("timing", {})["write_s"] = round(res["s"], 4)
                 else:
                     rec.update(status="failed", file=None, reason=f"writing the artifact failed: "

@@ -7,8 +7,9 @@ Variables checked (each only when set): ``DIFFUSERS_ATTN_BACKEND`` (a diffusers 
 ``DIFFUSERS_ATTN_CHECKS`` (a boolean diffusers reads; other text silently means false), ``CUDA_VISIBLE_DEVICES``
 (device indices or UUIDs; garbage hides every GPU), ``TORCH_CUDNN_SDPA_ENABLED`` (``0``/``1``),
 ``PYTORCH_CUDA_ALLOC_CONF``/``PYTORCH_ALLOC_CONF``/``PYTORCH_HIP_ALLOC_CONF`` (``key:value,...``; torch's own
-parser on a GPU), ``LOCAL_RANK`` and ``VLLM_CPU_KVCACHE_SPACE`` (integers), ``TRITON_INTERPRET`` (``0``/``1``) and
-``RUNNER_CACHE`` (a directory that can be created). Directories: the run dir (``output.dir``, ``run.resume`` or the
+parser on a GPU), ``LOCAL_RANK`` and ``VLLM_CPU_KVCACHE_SPACE`` (integers), ``TRITON_INTERPRET`` (``0``/``1``),
+``RUNNER_CACHE`` (a directory that can be created) and ``IMAGEIO_FFMPEG_EXE`` (an executable file: the ffmpeg that
+encodes videos instead of imageio-ffmpeg's own). Directories: the run dir (``output.dir``, ``run.resume`` or the
 Hydra run dir) and the cache of embedded models (``cache_dir``).
 """
 
@@ -147,6 +148,16 @@ def _dir_var(v: str) -> Optional[str]:
     return None if why is None else f"{why}; fix: point it at a directory you can write, or unset it"
 
 
+def _executable(v: str) -> Optional[str]:
+    import shutil
+
+    p = Path(v).expanduser()
+    if (p.is_file() and os.access(p, os.X_OK)) or (os.sep not in v and shutil.which(v)):
+        return None
+    return (f"{'is not executable' if p.is_file() else 'is not a file'}; fix: point it at an ffmpeg binary, or unset "
+            "it to use the ffmpeg imageio-ffmpeg ships")
+
+
 CHECKS: Dict[str, Callable[[str], Optional[str]]] = {
     "DIFFUSERS_ATTN_BACKEND": _diffusers_attn_backend,
     "DIFFUSERS_ATTN_CHECKS": _bool,
@@ -159,6 +170,7 @@ CHECKS: Dict[str, Callable[[str], Optional[str]]] = {
     "VLLM_CPU_KVCACHE_SPACE": _int,
     "TRITON_INTERPRET": _zero_one,
     "RUNNER_CACHE": _dir_var,
+    "IMAGEIO_FFMPEG_EXE": _executable,
 }
 
 

@@ -184,7 +184,8 @@ def check_run_values(cfg: DictConfig) -> None:
 
 
 LIBRARY_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
-               "TORCH_CUDNN_SDPA_ENABLED", "PYTORCH_CUDA_ALLOC_CONF", "TRITON_INTERPRET")  # checked: runner.environment
+               "TORCH_CUDNN_SDPA_ENABLED", "PYTORCH_CUDA_ALLOC_CONF", "TRITON_INTERPRET",
+               "IMAGEIO_FFMPEG_EXE")  # checked: runner.environment
 
 
 class Stop:
@@ -581,8 +582,9 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
     packages = package_versions()
     backends_doc = {e.stage: e.backends_section() for e in engines}
+    sink_cls = SINKS[final.output]
     identity = resume.run_identity(resolved_cfg, str(dtype).replace("torch.", ""), plat.to_dict(), backends_doc,
-                                   packages, sources[final.stage])
+                                   packages, sources[final.stage], output=sink_cls.identity(cfg))
     run_sha = resume.identity_sha256(identity)
     # what each item's inputs_sha256 must be for this run to reuse it (its batch as this run forms it)
     all_batches = final.batches(items, cfg.batch_size) if final.resumable else []
@@ -597,7 +599,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
         prev = {**prev, "status": "crashed"}
     if prev is not None:
         diffs = resume.semantic_diff(prev.get("config", {}), resolved_cfg, prev.get("dataset", {}).get("sha256"),
-                                     data_sha)
+                                     data_sha, keys=sink_cls.config_keys)
         if diffs and not cfg.run.force:
             raise resume.ResumeConflictError(
                 f"{out_dir} holds a run with a different config; resuming would mix artifacts. Differing keys:\n  "
@@ -639,7 +641,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     manifest.section("dtype", str(dtype).replace("torch.", ""))
     dataset_doc = {"format": cfg.dataset.format, "path": str(Path(data_path).resolve()), "sha256": data_sha,
                    "rows": len(rows)}
-    if final.output == "image":
+    if final.output != "text":
         dataset_doc["items"] = len(items)
     manifest.section("dataset", dataset_doc)
     model_doc = {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": sources[final.stage]}
@@ -694,10 +696,9 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
             manifest.section("counts", counts)
             manifest.flush()
 
-        sink_cls = SINKS[final.output]
-        sink = (sink_cls(out_dir, journal_name, workers=workers, max_pending=4 * max(1, workers) + cfg.batch_size,
-                         on_record=on_record) if final.output == "image" else
-                sink_cls(out_dir, journal_name, on_record=on_record))
+        threads = (dict(workers=workers, max_pending=4 * max(1, workers) + cfg.batch_size) if sink_cls.threaded
+                   else {})
+        sink = sink_cls(out_dir, journal_name, on_record=on_record, **threads, **sink_cls.options(cfg))
         for e, spec in zip(upstream, specs):
             if not todo or stop.signum is not None:
                 break
@@ -784,16 +785,15 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
                 phases = final.timing_phases(timing.generate_s)
                 write_s = getattr(sink, "write_s", 0.0)
                 ok = counts["ok"]
+                rate = {"image": "images", "video": "videos"}.get(final.output, "items")  # images_per_s, ...
                 manifest.section("timing", {
                     "wall_s": round(time.perf_counter() - t_start, 3), "load_s": round(timing.load_s, 3),
                     "warmup_s": round(timing.warmup_s, 3), "generate_s": round(timing.generate_s, 3),
                     "write_s": round(write_s, 3), "write_wait_s": round(getattr(sink, "wait_s", 0.0), 3),
                     "write_workers": workers, "loop_s": round(timing.loop_s, 3),
                     "phases_s": {k: round(v, 4) for k, v in phases.items()} | {"write": round(write_s, 4)},
-                    "images_per_s" if final.output == "image" else "items_per_s":
-                        round(ok / timing.generate_s, 4) if timing.generate_s else None,
-                    "images_per_hour" if final.output == "image" else "items_per_hour":
-                        round(3600 * ok / timing.loop_s, 1) if timing.loop_s else None,
+                    f"{rate}_per_s": round(ok / timing.generate_s, 4) if timing.generate_s else None,
+                    f"{rate}_per_hour": round(3600 * ok / timing.loop_s, 1) if timing.loop_s else None,
                     **(final.timing_extra(res, timing.generate_s) if res is not None else {})})
                 comp = final.compile_section()
                 if comp is not None:

@@ -1,8 +1,9 @@
 """Self-contained HTML report of sweeps and runs, built from what they wrote (manifests, ``job_status.json``,
-``items.jsonl`` and the images) and nothing else.
+``items.jsonl``, the images and videos) and nothing else.
 
 ``report.html`` carries everything inline: CSS, an SVG bar chart and the image thumbnails as base64 ``data:``
-URIs, so it opens offline and can be attached to a ticket. It shows:
+URIs (a video's thumbnail is its poster frame: the middle frame, decoded from the MP4), so it opens offline and
+can be attached to a ticket. It shows:
 
 * one row per job: overrides, outcome (``job_status.json``) and manifest status, the backend resolution of each
   field (selected implementation, what was requested and at which precedence layer), the evidence verdict,
@@ -10,7 +11,8 @@ URIs, so it opens offline and can be attached to a ticket. It shows:
   peak memory (device bytes allocated by torch when recorded, else host peak RSS); refused/invalid jobs with
   their error message;
 * parity of every job against a reference job (the first job with images, or ``reference``): per item PSNR
-  (dB, ``inf`` when identical), SSIM (Wang et al. 2004) and the maximum absolute pixel difference (0..255);
+  (dB, ``inf`` when identical), SSIM (Wang et al. 2004) and the maximum absolute pixel difference (0..255); for a
+  video, the PSNR of its worst frame, the SSIM of that frame and the maximum difference over all frames;
 * an image grid of the same items across jobs, and a bar chart of images/s per job;
 * per-job details: the backend resolution table, evidence mismatches, failed items.
 
@@ -108,7 +110,13 @@ class Job:
         return {r["key"]: r for r in self.items if r.get("status") == "ok" and r.get("file")}
 
     def image_path(self, key: str) -> Path:
+        """The item's artifact file (an image, or a video: :func:`is_video`)."""
         return self.path / self.ok_items[key]["file"]
+
+
+def is_video(record: Dict[str, Any]) -> bool:
+    """The record's artifact is a video (an MP4 of ``runner.sinks.MP4Sink``)."""
+    return str(record.get("file") or "").endswith(".mp4")
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
@@ -266,6 +274,35 @@ def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, k1: float = 0.01, k2
     return float(m.mean(dtype=np.float64))
 
 
+def load_frames(path: Path) -> np.ndarray:
+    """A video file's decoded frames (``runner.video.decode_mp4``), ``uint8`` (F, H, W, 3)."""
+    from runner.video import decode_mp4
+
+    return decode_mp4(path)
+
+
+def compare_videos(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
+    """``{psnr_db, ssim, max_abs_diff, worst_frame}`` of two ``uint8`` videos (F, H, W, 3), frame by frame:
+    ``psnr_db`` of the worst frame (dB, ``inf`` when every frame is identical), ``ssim`` of that frame,
+    ``max_abs_diff`` over all frames (0..255), ``worst_frame`` its index; or ``{error}`` when their shapes (frame
+    count, size) differ."""
+    if a.shape != b.shape:
+        return {"psnr_db": None, "ssim": None, "max_abs_diff": None, "error": f"frames {a.shape} vs {b.shape}"}
+    if np.array_equal(a, b):
+        return {"psnr_db": math.inf, "ssim": 1.0, "max_abs_diff": 0, "worst_frame": None}
+    per = [psnr(x, y) for x, y in zip(a, b)]
+    k = int(np.argmin(per))
+    return {"psnr_db": per[k], "ssim": ssim(a[k], b[k]), "worst_frame": k,
+            "max_abs_diff": int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())}
+
+
+def compare_files(a: Path, b: Path) -> Dict[str, Any]:
+    """:func:`compare_videos` of two MP4 files, :func:`compare_images` of two images."""
+    if str(a).endswith(".mp4") or str(b).endswith(".mp4"):
+        return compare_videos(load_frames(a), load_frames(b))
+    return compare_images(load_rgb(a), load_rgb(b))
+
+
 def compare_images(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
     """``{psnr_db, ssim, max_abs_diff}`` of two uint8 images (max_abs_diff in pixel levels 0..255), or
     ``{error}`` when their shapes differ."""
@@ -303,7 +340,7 @@ def parity(ref: Job, job: Job, tolerance_db: float = PARITY_TOLERANCE_DB) -> Lis
         elif not _same_item(r, mine[key]):
             row.update(note="not comparable (seed/prompt/params differ)")
         else:
-            m = compare_images(load_rgb(ref.image_path(key)), load_rgb(job.image_path(key)))
+            m = compare_files(ref.image_path(key), job.image_path(key))
             row.update(m)
             row["within"] = m["psnr_db"] is not None and m["psnr_db"] >= tolerance_db
             if m.get("error"):
@@ -419,17 +456,33 @@ def fmt_psnr(x: Optional[float]) -> str:
     return "—" if x is None else ("inf" if math.isinf(x) else f"{x:.2f}")
 
 
-def _thumb(path: Path, px: int = THUMB_PX) -> str:
-    """A JPEG preview (longest side ``px`` pixels, quality 90) as a ``data:`` URI; parity metrics are computed on
-    the full-size files, never on previews."""
+def _thumb(path: Path, px: int = THUMB_PX, num_frames: Optional[int] = None) -> str:
+    """A JPEG preview (longest side ``px`` pixels, quality 90) as a ``data:`` URI; of a video (``.mp4``), its
+    poster frame (``runner.video.poster``: the middle of ``num_frames``). Parity metrics are computed on the
+    full-size files, never on previews."""
     from PIL import Image
 
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        im.thumbnail((px, px))
-        buf = io.BytesIO()
-        im.save(buf, format="JPEG", quality=90)
+    if str(path).endswith(".mp4"):
+        from runner.video import poster
+
+        im = Image.fromarray(poster(path, num_frames))
+    else:
+        with Image.open(path) as f:
+            im = f.convert("RGB")
+    im.thumbnail((px, px))
+    buf = io.BytesIO()
+    im.save(buf, format="JPEG", quality=90)
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def throughput(m: Dict[str, Any]) -> Tuple[Optional[float], str]:
+    """``(value, unit)`` of a manifest's generation throughput: ``images/s``, ``videos/s`` or ``items/s``
+    (``timing.<unit>_per_s``); ``(None, "images/s")`` when none was recorded."""
+    t = m.get("timing") or {}
+    for unit in ("images", "videos", "items"):
+        if t.get(f"{unit}_per_s") is not None:
+            return t[f"{unit}_per_s"], f"{unit}/s"
+    return None, "images/s"
 
 
 def _common_overrides(jobs: Sequence[Job]) -> List[str]:
@@ -440,23 +493,26 @@ def _common_overrides(jobs: Sequence[Job]) -> List[str]:
 
 
 def _bar_chart(jobs: Sequence[Job]) -> str:
-    """Inline SVG: a horizontal bar of images/s per job (jobs without throughput are labelled, no bar)."""
+    """Inline SVG: a horizontal bar of images/s (videos/s of video jobs) per job (jobs without throughput are
+    labelled, no bar)."""
     label_w, bar_w, row_h, top = 150, 520, 26, 24
-    vals = [(j, (j.manifest.get("timing") or {}).get("images_per_s")) for j in jobs]
+    rates = [(j, *throughput(j.manifest)) for j in jobs]
+    vals = [(j, v) for j, v, _ in rates]
+    units = " · ".join(dict.fromkeys(u for _, v, u in rates if v is not None)) or "images/s"
     vmax = max([v for _, v in vals if v] or [1.0])
     h = top + row_h * len(vals) + 26
     parts = [f'<svg width="{label_w + bar_w + 110}" height="{h}" role="img" '
              f'aria-label="images per second per job">',
-             f'<text x="{label_w}" y="14" font-size="12" fill="#5b6475">images/s (generation time only: text '
+             f'<text x="{label_w}" y="14" font-size="12" fill="#5b6475">{units} (generation time only: text '
              f'encoding + denoising + VAE decode)</text>']
-    for i, (j, v) in enumerate(vals):
+    for i, (j, v, unit) in enumerate(rates):
         y = top + i * row_h
         parts.append(f'<text x="{label_w - 8}" y="{y + 16}" font-size="12" text-anchor="end">'
                      f'{_e(j.label[:22])}</text>')
         if v:
             w = max(1.0, bar_w * v / vmax)
             parts.append(f'<rect x="{label_w}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" fill="#4a78c2">'
-                         f'<title>{_e(j.label)}: {v:.4g} images/s</title></rect>')
+                         f'<title>{_e(j.label)}: {v:.4g} {unit}</title></rect>')
             parts.append(f'<text x="{label_w + w + 6:.1f}" y="{y + 16}" font-size="12">{v:.3g}</text>')
         else:
             parts.append(f'<text x="{label_w + 4}" y="{y + 16}" font-size="12" fill="#8a93a3">'
@@ -519,7 +575,9 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         ph = t.get("phases_s") or {}
         cells.append(f'<td class="num">{_num(t.get("wall_s"), "{:.2f}")}</td>')
         cells.extend(f'<td class="num">{_num(ph.get(k))}</td>' for k, _ in PHASES)
-        cells.append(f'<td class="num">{_num(t.get("images_per_s"), "{:.3f}")}</td>')
+        rate, unit = throughput(m)
+        sub = f'<span class="sub">{unit}</span>' if unit != "images/s" and rate is not None else ""
+        cells.append(f'<td class="num">{_num(rate, "{:.3f}")}{sub}</td>')
         mem = memory_summary(m)
         cells.append(f'<td class="num">{_e(mem[0])}<span class="sub">{_e(mem[1])}</span></td>' if mem
                      else '<td class="num">—</td>')
@@ -600,6 +658,16 @@ def _image_grid(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dic
                     cap = f"PSNR {fmt_psnr(r['psnr_db'])} dB · SSIM {r['ssim']:.3f}"
             else:
                 cap = "reference"
+            rec = j.ok_items[k]
+            if is_video(rec):
+                n = rec.get("num_frames")
+                pos = f"frame {n // 2 + 1} of {n}" if n else "first frame"
+                fps = f" at {rec['fps']:g} fps" if isinstance(rec.get("fps"), (int, float)) else ""
+                cells.append(f'<div class="cell video"><img class="poster" alt="{_e(k)} / job {_e(j.label)}: poster, '
+                             f'{pos}" title="{_e(rec["file"])}: poster, {pos}{fps}" '
+                             f'src="{_thumb(j.image_path(k), num_frames=n)}">'
+                             f'<span class="sub">video · {_e(pos)}{_e(fps)}</span>{_e(cap)}</div>')
+                continue
             cells.append(f'<div class="cell"><img alt="{_e(k)} / job {_e(j.label)}" src="{_thumb(j.image_path(k))}">'
                          f"{_e(cap)}</div>")
     return f'{note}<div class="grid" style="grid-template-columns:{cols}">{"".join(cells)}</div>'
@@ -665,7 +733,8 @@ def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PAR
         "<h2>Jobs</h2>", _jobs_table(jobs, common),
         "<h2>Throughput</h2>", _bar_chart(jobs),
         "<h2>Parity</h2>", _parity_section(jobs, ref, par, tolerance_db),
-        "<h2>Images</h2>", _image_grid(jobs, ref, par),
+        "<h2>Images and videos (poster frames)</h2>" if any(is_video(r) for j in jobs for r in j.ok_items.values())
+        else "<h2>Images</h2>", _image_grid(jobs, ref, par),
         "<h2>Job details</h2>", "".join(_details(j) for j in jobs),
     ]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

@@ -8,6 +8,11 @@ library environment variables the original recorded) and then compares:
   files must be byte-identical (sha256 of the files on disk); elsewhere PSNR >= ``--tolerance-db`` (dB; default
   40, recorded in the result) and the maximum absolute pixel difference (0..255) is reported. An original file
   that no longer matches the sha256 in its ``items.jsonl`` record is named as modified after the run;
+* videos (MP4) by their decoded frames, not their bytes (an encoder or muxer version may change the container
+  alone): both files are decoded here and the sha256 of the frames (``frames_sha256``) must be equal on CPU;
+  elsewhere every frame's PSNR >= ``--tolerance-db`` (the worst frame is reported). The table's sha256 columns
+  then hold the frames' sha256 (``compared: frames``); a recorded ``frames_sha256`` that the original no longer
+  decodes to here is a note (another decoder), not a failure;
 * AR records (vLLM stages: ``items.jsonl`` of ``model=tiny_qwen3_moe``, ``expand.jsonl`` of a pipeline), per
   record key: the ``output_token_ids`` must be identical (on every platform; ``--tolerance-db`` applies to images
   only), shown as the sha256 of the token-id list;
@@ -33,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from runner import rundir
 from runner.errors import RunnerError, UserInputError
 from runner.paths import hydra_quote
-from runner.report import PARITY_TOLERANCE_DB, compare_images, fmt_psnr, load_rgb
+from runner.report import PARITY_TOLERANCE_DB, compare_files, fmt_psnr
 
 
 class ReproInputError(UserInputError, OSError):
@@ -97,6 +102,28 @@ def _compare_tokens(orig_dir: Path, new_dir: Path, name: str) -> Tuple[List[Dict
     extra = [k for k, n in ni.items() if n.get("status") == "ok" and "output_token_ids" in n and k not in oi]
     problems += [f"item {label}{k!r}: only in the re-run" for k in extra]
     return rows, problems
+
+
+def _frames_shas(orig_dir: Path, r: Dict[str, Any], new_dir: Path, n: Dict[str, Any]
+                 ) -> Tuple[Optional[str], Optional[str], List[str]]:
+    """``(original frames sha256, re-run frames sha256, notes)`` of two video records: both files decoded here
+    (``runner.video``), so the two hashes come from one decoder; a note for each recorded ``frames_sha256`` that its
+    file no longer decodes to here (another ffmpeg decodes differently)."""
+    from runner.video import decode_mp4, frames_sha256
+
+    out: List[Optional[str]] = []
+    notes: List[str] = []
+    for d, rec, which in ((orig_dir, r, "original"), (new_dir, n, "re-run")):
+        try:
+            sha = frames_sha256(decode_mp4(d / rec["file"]))
+        except (OSError, RuntimeError, ValueError) as e:
+            sha = None
+            notes.append(f"the {which} video does not decode here ({type(e).__name__}: {e})")
+        if sha is not None and rec.get("frames_sha256") and sha != rec["frames_sha256"]:
+            notes.append(f"the {which} video decodes here to frames_sha256 {sha[:12]}, its record says "
+                         f"{str(rec['frames_sha256'])[:12]} (another decoder)")
+        out.append(sha)
+    return out[0], out[1], notes
 
 
 def _items(run_dir: Path, name: str = "items.jsonl") -> Dict[str, Dict[str, Any]]:
@@ -180,11 +207,14 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
         problems.append(f"dataset changed: sha256 {da[:12]} -> {db[:12]}")
     oi, ni = _items(orig_dir), _items(new_dir)
     rows = []
+    video_notes: List[str] = []
     for key, r in oi.items():
         if r.get("status") != "ok" or not r.get("file"):
             continue
+        video = str(r["file"]).endswith(".mp4")
         row: Dict[str, Any] = {"key": key, "original_sha256": _sha(orig_dir / r["file"]), "new_sha256": None,
-                               "psnr_db": None, "max_abs_diff": None, "ok": False}
+                               "psnr_db": None, "max_abs_diff": None, "ok": False,
+                               "compared": "frames" if video else "bytes"}
         notes = []
         if row["original_sha256"] is None:
             notes.append("original file missing")
@@ -195,14 +225,24 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
             notes.append("missing in re-run" + (f" ({n.get('status')}: {n.get('reason')})" if n else ""))
         else:
             row["new_sha256"] = _sha(new_dir / n["file"])
+            if video and row["original_sha256"] is not None and row["new_sha256"] is not None:
+                row["original_sha256"], row["new_sha256"], note = _frames_shas(orig_dir, r, new_dir, n)
+                video_notes += [f"item {key!r}: {x}" for x in note]
+            undecodable = video and (row["original_sha256"] is None or row["new_sha256"] is None)
+            if undecodable:
+                notes.append("a video does not decode here (see notes)")
             equal = row["original_sha256"] is not None and row["original_sha256"] == row["new_sha256"]
             if row["original_sha256"] is not None and row["new_sha256"] is not None and not equal:
-                m = compare_images(load_rgb(orig_dir / r["file"]), load_rgb(new_dir / n["file"]))
+                m = compare_files(orig_dir / r["file"], new_dir / n["file"])
                 row.update(psnr_db=m["psnr_db"], max_abs_diff=m["max_abs_diff"])
+                if video and m.get("error"):  # another frame count or size
+                    notes.append(m["error"])
             elif equal:
                 row.update(psnr_db=float("inf"), max_abs_diff=0)
-            if exact and not equal:
-                notes.append("bytes differ")
+            if undecodable:
+                pass
+            elif exact and not equal:
+                notes.append("decoded frames differ (frames_sha256)" if video else "bytes differ")
             elif not exact and not equal and (row["psnr_db"] is None or row["psnr_db"] < tolerance_db):
                 notes.append(f"PSNR {fmt_psnr(row['psnr_db'])} dB < {tolerance_db:g} dB")
         row["ok"] = not notes
@@ -217,7 +257,7 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
     if mo.get("status") not in ("refused", "invalid") and not rows:
         problems.append(f"{orig_dir} holds no ok item to compare (no image file, no AR output); nothing was "
                         "reproduced")
-    notes = []  # informational: a changed code or library version explains a mismatch but is not one
+    notes = list(video_notes)  # informational: a changed code or library version explains a mismatch but is not one
     ga, gb = mo.get("git") or {}, mn.get("git") or {}
     if ga.get("commit") != gb.get("commit") or gb.get("dirty"):
         notes.append(f"git: original {str(ga.get('commit'))[:12]} (dirty={ga.get('dirty')}), re-run "

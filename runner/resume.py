@@ -61,11 +61,16 @@ def _flat(x: Any, prefix: str) -> Dict[str, Any]:
 
 
 def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_sha: Optional[str],
-                  new_dataset_sha: str) -> List[str]:
+                  new_dataset_sha: str, keys: Sequence[str] = ()) -> List[str]:
     """Dotted keys whose values differ between two resolved configs (plus ``dataset.sha256``), as
-    ``"key: old -> new"`` strings."""
+    ``"key: old -> new"`` strings.
+
+    Args:
+        keys: further keys compared beside :data:`SEMANTIC_KEYS` (the sink's ``config_keys``: ``output.video_codec``
+            of a video run), so that they count only for the runs whose artifacts they change.
+    """
     diffs = []
-    for key in SEMANTIC_KEYS:
+    for key in (*SEMANTIC_KEYS, *keys):
         a, b = _flat(_get(old_cfg, key), key), _flat(_get(new_cfg, key), key)
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
@@ -88,12 +93,12 @@ def previous_run(out_dir: Path, names: tuple = ("manifest.json",)) -> Optional[D
 
 
 def remove_temp_files(out_dir: Path) -> List[str]:
-    """Delete temp files (``.<name>.tmp<pid>``) that a killed run left in ``out_dir`` and ``out_dir/images``;
-    returns their names. Only names of that pattern are touched."""
+    """Delete temp files (``.<name>.tmp<pid>``) that a killed run left in ``out_dir``, ``out_dir/images`` and
+    ``out_dir/videos``; returns their names. Only names of that pattern are touched."""
     import re
 
     gone = []
-    for d in (out_dir, out_dir / "images"):
+    for d in (out_dir, out_dir / "images", out_dir / "videos"):
         if d.is_dir():
             for p in d.iterdir():
                 if p.is_file() and re.fullmatch(r"\..+\.tmp\d+", p.name):
@@ -103,17 +108,17 @@ def remove_temp_files(out_dir: Path) -> List[str]:
 
 
 def finished(out_dir: Path) -> Dict[str, Dict[str, Any]]:
-    """``{item key: record}`` of items whose artifact exists and matches its recorded sha256 (whatever inputs
-    produced it: :func:`reusable` keeps those the current run would produce)."""
-    from runner.sinks import read_journal
+    """``{item key: record}`` of items whose artifact exists and matches its recorded sha256 (and so does its frame
+    dump, when it names one: ``runner.sinks.artifact_intact``), whatever inputs produced it (:func:`reusable` keeps
+    those the current run would produce)."""
+    from runner.sinks import artifact_intact, read_journal
 
     done: Dict[str, Dict[str, Any]] = {}
     records = [rec for p in sorted(out_dir.glob("items*.jsonl")) for rec in read_journal(p)]  # + workers' journals
     for rec in records:
         if rec.get("status") != "ok" or not rec.get("file"):
             continue
-        f = out_dir / rec["file"]
-        if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() == rec.get("file_sha256"):
+        if artifact_intact(out_dir, rec):
             done[rec["key"]] = rec
         elif rec["key"] in done and not (out_dir / done[rec["key"]]["file"]).is_file():
             done.pop(rec["key"], None)
@@ -166,7 +171,8 @@ def _source_fingerprint(source: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], backends: Dict[str, Any],
-                 packages: Dict[str, Any], source: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                 packages: Dict[str, Any], source: Optional[Dict[str, Any]] = None,
+                 output: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The part of every item's identity that the whole run shares (see the module docstring).
 
     Args:
@@ -177,6 +183,8 @@ def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], back
             explicit name that select the same backend compute the same bytes).
         packages: ``runner.manifest.package_versions()``.
         source: the final stage's weight source (``model.source``).
+        output: what encodes the artifacts beyond the packages (the sink's ``identity``: a video run's codec
+            preset, imageio-ffmpeg and ffmpeg versions, frame dump), kept as ``output``; None: no such key.
     """
     config: Dict[str, Any] = {}
     for key in SEMANTIC_KEYS + ("cpu_threads",):
@@ -189,7 +197,7 @@ def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], back
             val = {s: {k: v for k, v in (st or {}).items() if k != "backend"} for s, st in val.items()}
         config[key] = val
     probes = platform.get("probes") or {}
-    return {
+    doc = {
         "config": config,
         "dtype": dtype,
         "platform": {"kind": platform.get("kind"), "capability": platform.get("capability"),
@@ -199,6 +207,9 @@ def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], back
         "packages": {k: v for k, v in packages.items() if k not in PACKAGES_EXCLUDED},
         "source": _source_fingerprint(source or {}),
     }
+    if output is not None:
+        doc["output"] = output
+    return doc
 
 
 def identity_sha256(identity: Dict[str, Any]) -> str:

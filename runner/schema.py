@@ -111,6 +111,15 @@ class OnTruncation(Choice):
     error = "error"
 
 
+class VideoCodec(Choice):
+    """How the MP4 sink encodes videos (``runner.video.CODECS``): ``h264_lossless`` (libx264rgb, RGB, lossless: the
+    decoded frames are the generated frames; not playable in browsers) or ``h264`` (libx264, yuv420p, CRF 18:
+    plays everywhere, lossy; even sizes only)."""
+
+    h264_lossless = "h264_lossless"
+    h264 = "h264"
+
+
 class PlatformName(Choice):
     """A device platform (``auto`` detects one at startup)."""
 
@@ -415,6 +424,12 @@ class OutputConfig:
     """Run directory (null: the Hydra run dir)."""
     write_workers: int = 2
     """Threads that encode and write artifacts while the next batch generates; 0: inline."""
+    video_codec: VideoCodec = VideoCodec.h264_lossless
+    """Video models: the MP4 encoding (``h264_lossless``: decoded frames equal the generated ones; ``h264``:
+    browser-playable, lossy). Records carry the sha256 of the decoded frames either way."""
+    video_frames: bool = False
+    """Video models: also write each video's generated ``uint8`` frames losslessly to ``videos/<id>.frames.npz``
+    (``numpy.load(f)["frames"]``, layout (F, H, W, 3)) for parity checks."""
 
 
 @dataclass

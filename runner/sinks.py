@@ -3,8 +3,15 @@
 A sink turns a stage's outputs into durable files plus journal lines, in that order: ``submit(record, output)``
 writes the artifact (temp name, fsync, rename) and only then appends the record (flushed, fsynced), so a journal
 line never names a file that is not complete. ``verify(record)`` says whether a journaled artifact is still the one
-recorded (resume); ``close()`` finishes every queued write. A new output format (MP4, parquet, webdataset) is a
-new sink class and an entry in :data:`SINKS`.
+recorded (resume: :func:`artifact_intact`); ``close()`` finishes every queued write. A new output format (parquet,
+webdataset) is a new sink class and an entry in :data:`SINKS` (engine ``output`` kind -> sink): ``image`` (PNG),
+``video`` (MP4), ``text`` (journal records).
+
+Class attributes the run loop reads: ``threaded`` (the constructor takes ``workers``/``max_pending``: artifacts
+are encoded on writer threads), ``config_keys`` (run-config keys that change the artifacts: a resume with other
+values is refused, like the semantic keys of ``runner.resume``); classmethods ``options(cfg)`` (constructor
+arguments from the run config) and ``identity(cfg)`` (what encodes the artifacts, added to the run identity;
+None: nothing beyond the packages already recorded; may raise a ``runner.errors.RunnerError`` at startup).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from runner.artifacts import ArtifactWriter, Journal, atomic_write_bytes
 
@@ -55,6 +62,28 @@ def compact_journal(path: Path, order: Optional[List[str]] = None,
     atomic_write_bytes(Path(path), "".join(json.dumps(latest[k]) + "\n" for k in order if k in latest).encode())
 
 
+def artifact_intact(out_dir: Path, record: Dict[str, Any]) -> bool:
+    """An ok record whose artifact ``file`` exists with the recorded ``file_sha256`` and, when it names a frame
+    dump (``frames_file``), that file exists with ``frames_file_sha256``."""
+    if record.get("status") != "ok" or not record.get("file"):
+        return False
+    for name, sha in (("file", "file_sha256"), ("frames_file", "frames_file_sha256")):
+        if name == "file" or record.get(name):
+            f = Path(out_dir) / record[name]
+            if not f.is_file() or file_sha256(f) != record.get(sha):
+                return False
+    return True
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex digest of a file's bytes, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 class Sink(Protocol):
     """Where one stage's outputs go. ``submit`` never loses a produced output: a write error becomes a
     ``status: failed`` record naming it."""
@@ -71,7 +100,21 @@ class Sink(Protocol):
 
 
 class _Counting:
-    """Shared bookkeeping: counts per status and the records written ok in this process."""
+    """Shared bookkeeping: counts per status and the records written ok in this process; the defaults of the
+    class attributes and classmethods the run loop reads (see the module docstring)."""
+
+    threaded = False
+    config_keys: tuple = ()
+
+    @classmethod
+    def options(cls, cfg: Any) -> Dict[str, Any]:
+        """No constructor arguments from the run config."""
+        return {}
+
+    @classmethod
+    def identity(cls, cfg: Any) -> Optional[Dict[str, Any]]:
+        """Nothing to add to the run identity."""
+        return None
 
     def __init__(self, on_record: Optional[Callable[[Dict[str, Any]], None]]) -> None:
         self.counts = {"ok": 0, "failed": 0}
@@ -87,36 +130,34 @@ class _Counting:
             self._on_record(rec)
 
 
-class PNGSink(_Counting):
-    """Images as lossless PNG files ``images/<stem>.png`` (no metadata, so equal pixels give equal bytes), encoded
-    and written on ``workers`` threads while the next batch generates (:class:`runner.artifacts.ArtifactWriter`).
+class _FileSink(_Counting):
+    """A sink of one file per item under ``out_dir/<subdir>``, encoded and written on ``workers`` threads while the
+    next batch generates (:class:`runner.artifacts.ArtifactWriter`): the shared part of :class:`PNGSink` and
+    :class:`MP4Sink`. Subclasses set ``subdir``/``suffix`` and give ``_payload(record, output)``: the writer's
+    payload, or a failure reason."""
 
-    ``submit(record, output)``: ``output`` is a :class:`models.base.ImageOutput`, or the exception that failed the
-    item; a non-finite image is refused (``status: failed``, the count of bad values as reason) and never written.
-    The record gets ``status``, ``file`` (relative to the run dir) and ``file_sha256`` once the file is in place.
+    subdir = ""
+    suffix = ""
+    threaded = True
 
-    Args:
-        out_dir: the run dir; images go to ``out_dir/images``.
-        journal_name: the journal file in ``out_dir`` (``items.jsonl``, or a worker's ``items.rank<r>.jsonl``).
-        workers: encoder threads (0: inline).
-        max_pending: outputs held before ``submit`` waits (bounds host memory: a 1024x1024 float32 image is 12 MiB).
-        on_record: called in the caller's thread with each record once it is journaled.
-    """
-
-    suffix = ".png"
-
-    def __init__(self, out_dir: Path, journal_name: str = "items.jsonl", workers: int = 0, max_pending: int = 16,
-                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+    def __init__(self, out_dir: Path, journal_name: str, workers: int, max_pending: int,
+                 on_record: Optional[Callable[[Dict[str, Any]], None]],
+                 write: Optional[Callable[[Path, Any], Dict[str, Any]]] = None) -> None:
         super().__init__(on_record)
         self.out_dir = Path(out_dir)
         self.journal_name = journal_name
-        self.dir = self.out_dir / "images"
+        self.dir = self.out_dir / self.subdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.out_dir / journal_name)
-        self.writer = ArtifactWriter(self.journal, workers, self._recorded, max_pending=max_pending)
+        self.writer = ArtifactWriter(self.journal, workers, self._recorded, max_pending=max_pending, write=write)
+
+    def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:
+        raise NotImplementedError
 
     def submit(self, record: Dict[str, Any], output: Any) -> None:
-        """Queue one item's output; the file is named by ``runner.dataset.safe_stem`` of the record's ``key``."""
+        """Queue one item's output (or the exception that failed it); the file is named by
+        ``runner.dataset.safe_stem`` of the record's ``key``. A non-finite output is refused (``status: failed``,
+        the count of bad values as reason) and never written."""
         if isinstance(output, BaseException):
             record.update(status="failed", file=None, reason=f"{type(output).__name__}: {output}")
             self.writer.submit(record)
@@ -130,14 +171,16 @@ class PNGSink(_Counting):
         from runner.dataset import safe_stem
 
         path = self.dir / f"{safe_stem(record['key'])}{self.suffix}"
-        self.writer.submit(record, path, output.image, str(path.relative_to(self.out_dir)))
+        payload, reason = self._payload(record, output, path)
+        if reason is not None:
+            record.update(status="failed", file=None, reason=reason)
+            self.writer.submit(record)
+            return
+        self.writer.submit(record, path, payload, str(path.relative_to(self.out_dir)))
 
     def verify(self, record: Dict[str, Any]) -> bool:
-        """The record says ok and its file exists with the recorded sha256."""
-        if record.get("status") != "ok" or not record.get("file"):
-            return False
-        f = self.out_dir / record["file"]
-        return f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() == record.get("file_sha256")
+        """The record says ok and its files exist with the recorded sha256 (:func:`artifact_intact`)."""
+        return artifact_intact(self.out_dir, record)
 
     def drain(self) -> None:
         """Wait for every queued write and journal it."""
@@ -159,6 +202,128 @@ class PNGSink(_Counting):
             self.writer.close()
         finally:
             self.journal.close()
+
+
+class PNGSink(_FileSink):
+    """Images as lossless PNG files ``images/<stem>.png`` (no metadata, so equal pixels give equal bytes), encoded
+    and written on ``workers`` threads while the next batch generates (:class:`runner.artifacts.ArtifactWriter`).
+
+    ``submit(record, output)``: ``output`` is a :class:`models.base.ImageOutput`, or the exception that failed the
+    item; a non-finite image is refused (``status: failed``, the count of bad values as reason) and never written.
+    The record gets ``status``, ``file`` (relative to the run dir) and ``file_sha256`` once the file is in place.
+
+    Args:
+        out_dir: the run dir; images go to ``out_dir/images``.
+        journal_name: the journal file in ``out_dir`` (``items.jsonl``, or a worker's ``items.rank<r>.jsonl``).
+        workers: encoder threads (0: inline).
+        max_pending: outputs held before ``submit`` waits (bounds host memory: a 1024x1024 float32 image is 12 MiB).
+        on_record: called in the caller's thread with each record once it is journaled.
+    """
+
+    subdir = "images"
+    suffix = ".png"
+
+    def __init__(self, out_dir: Path, journal_name: str = "items.jsonl", workers: int = 0, max_pending: int = 16,
+                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+        super().__init__(out_dir, journal_name, workers, max_pending, on_record)
+
+    def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:
+        return output.image, None
+
+
+class MP4Sink(_FileSink):
+    """Videos as MP4 files ``videos/<stem>.mp4`` (``runner.video``: H.264, ``output.video_codec``), encoded on writer
+    threads like :class:`PNGSink`'s images, with the same crash-safety order (temp name, fsync, rename, then the
+    journal line). Every written file is decoded back and checked before it is renamed into place.
+
+    ``output`` is a :class:`models.base.VideoOutput` (float32 frames (F, H, W, 3) in [0, 1]) or the exception that
+    failed the item; a video holding NaN/inf is refused (``status: failed``) and never written. Its frame rate is
+    the record's ``params.fps`` when the engine set it, else ``output.fps``; neither, or not a number > 0, fails
+    the item.
+
+    The record gets ``status``, ``file`` (``videos/<stem>.mp4``), ``file_sha256`` (the container's bytes: resume
+    reuses only that exact file), ``frames_sha256`` (``runner.video.frames_sha256`` of the frames the file decodes
+    to: repro compares it, it survives a muxer or encoder version that changes only the container),
+    ``num_frames``, ``fps``, ``width``, ``height``, ``video`` (codec name, encoder, pixel format, lossless, ffmpeg
+    version) and, with ``output.video_frames=true``, ``frames_file`` (``videos/<stem>.frames.npz``: the generated
+    ``uint8`` frames, lossless, ``numpy.load(f)["frames"]``) and ``frames_file_sha256``.
+
+    Args:
+        out_dir: the run dir; videos go to ``out_dir/videos``.
+        journal_name: the journal file in ``out_dir``.
+        workers: encoder threads (0: inline).
+        max_pending: outputs held before ``submit`` waits; at most ``workers + 1`` (each holds its ``uint8``
+            frames, F*H*W*3 bytes: 97 MiB for 81 frames of 832x480).
+        on_record: called in the caller's thread with each record once it is journaled.
+        codec: a key of ``runner.video.CODECS``.
+        dump_frames: also write the lossless frame dump.
+
+    Raises:
+        runner.video.VideoEncoderError: no usable ffmpeg or encoder.
+    """
+
+    subdir = "videos"
+    suffix = ".mp4"
+    config_keys = ("output.video_codec", "output.video_frames")
+
+    def __init__(self, out_dir: Path, journal_name: str = "items.jsonl", workers: int = 0, max_pending: int = 16,
+                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None, codec: str = "h264_lossless",
+                 dump_frames: bool = False) -> None:
+        from runner import video
+
+        self.codec = str(codec)
+        self.dump_frames = bool(dump_frames)
+        info = video.encoder_info(self.codec)
+        self.video_doc = {k: info[k] for k in ("codec", "encoder", "pix_fmt", "lossless", "ffmpeg")}
+        super().__init__(out_dir, journal_name, workers, min(max_pending, workers + 1), on_record, write=self._write)
+
+    @classmethod
+    def options(cls, cfg: Any) -> Dict[str, Any]:
+        """``codec`` from ``output.video_codec``, ``dump_frames`` from ``output.video_frames``."""
+        return {"codec": str(cfg.output.video_codec), "dump_frames": bool(cfg.output.video_frames)}
+
+    @classmethod
+    def identity(cls, cfg: Any) -> Dict[str, Any]:
+        """The encoder (``runner.video.encoder_info``: codec preset, imageio-ffmpeg and ffmpeg versions) and whether
+        frames are dumped.
+
+        Raises:
+            runner.video.VideoEncoderError: no usable ffmpeg or encoder (at startup, before any weight loads).
+        """
+        from runner import video
+
+        return {"video": video.encoder_info(str(cfg.output.video_codec)),
+                "frames_dump": bool(cfg.output.video_frames)}
+
+    def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:
+        """``(uint8 frames, fps, dump path)``: the frames converted here, so a pending video holds a quarter of
+        the float32 frames."""
+        import math
+
+        from runner import video
+
+        fps = (record.get("params") or {}).get("fps")
+        fps = output.fps if fps is None else fps
+        if fps is None:
+            return None, "no frame rate: the engine set neither the record's params.fps nor VideoOutput.fps"
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+            return None, f"fps={fps!r} is not a number > 0"
+        try:
+            frames = video.to_uint8_frames(output.frames)
+        except ValueError as e:
+            return None, str(e)
+        dump = path.with_name(f"{path.stem}.frames.npz") if self.dump_frames else None
+        return (frames, fps, dump), None
+
+    def _write(self, path: Path, payload: Any) -> Dict[str, Any]:
+        from runner import video
+
+        frames, fps, dump = payload
+        res = video.write_video(path, frames, fps, self.codec, dump)
+        res["fields"]["video"] = dict(self.video_doc)
+        if dump is not None:
+            res["fields"] = {"frames_file": str(dump.relative_to(self.out_dir)), **res["fields"]}
+        return res
 
 
 class RecordSink(_Counting):
@@ -198,7 +363,7 @@ class RecordSink(_Counting):
 
 
 #: engine output kind -> sink class
-SINKS: Dict[str, Any] = {"image": PNGSink, "text": RecordSink}
+SINKS: Dict[str, Any] = {"image": PNGSink, "video": MP4Sink, "text": RecordSink}
 
 
 UNLISTED = "items.unlisted.jsonl"
@@ -233,8 +398,7 @@ def keep_unlisted(out_dir: Path, journal_name: str = "items.jsonl", before: Sequ
         f = r.get("file")
         if r.get("status") == "ok" and f and f not in listed:
             keep[f] = r
-    ok = {f: r for f, r in keep.items() if (out_dir / f).is_file()
-          and hashlib.sha256((out_dir / f).read_bytes()).hexdigest() == r.get("file_sha256")}
+    ok = {f: r for f, r in keep.items() if artifact_intact(out_dir, r)}
     path = out_dir / UNLISTED
     if ok:
         atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for _, r in sorted(ok.items())).encode())
