@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequ
 
 import torch
 
-from models.base import EngineBase, ImageOutput, StageContext, StageResult
+from models.base import EngineBase, ImageOutput, StageContext, StageResult, VideoOutput
 from runner import dataset as ds
 from runner import evidence
 from runner.errors import ConfigValueError, UserInputError
@@ -486,6 +486,8 @@ class DiffusersEngine(EngineBase):
             raise
         want = self.expected_forwards(batch)  # None: the pipeline's forward count is not known (not checked)
         self.want_forwards = None if want is None or self.want_forwards is None else self.want_forwards + want
+        if self.output == "video":
+            return [VideoOutput(frames, fps=it.row.fps) for frames, it in zip(images, batch)]
         return [ImageOutput(img) for img in images]
 
     def record(self, item: ds.Item, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:
