@@ -103,7 +103,16 @@ def check_expectations(rows: Iterable, path: object) -> None:
 
 
 def read_video(path: object) -> np.ndarray:
-    """The frames of a video file as uint8 ``(F, H, W, 3)`` (decoded with imageio-ffmpeg's bundled ffmpeg)."""
+    """The frames of a video file as uint8 ``(F, H, W, 3)``: ``runner.video.decode_mp4`` where the runner has it
+    (the MP4 sink's own decoder), else imageio-ffmpeg's reader (its bundled ffmpeg, RGB24)."""
+    from pathlib import Path
+
+    try:
+        from runner.video import decode_mp4
+    except ImportError:
+        decode_mp4 = None
+    if decode_mp4 is not None:
+        return np.asarray(decode_mp4(Path(path)), dtype=np.uint8)
     import imageio_ffmpeg
 
     gen = imageio_ffmpeg.read_frames(str(path), pix_fmt="rgb24")
