@@ -110,6 +110,21 @@ def test_weights_ship_within_budget():
 
 
 @needs_weights
+def test_config_documents_the_shipped_snapshot(compose):
+    """conf/model/toy_motion.yaml's architecture is what the snapshot's configs say (the trained VAE's latent
+    statistics included: benchmarks/toy_motion_install.py writes them)."""
+    from omegaconf import OmegaConf
+
+    arch = OmegaConf.to_container(compose(["model=toy_motion", "platform=cpu"]).model.architecture, resolve=True)
+    norm = (lambda v: list(v) if isinstance(v, (list, tuple)) else v)
+    for comp in ("transformer", "vae", "scheduler"):
+        have = json.loads((WEIGHTS / comp / ("scheduler_config.json" if comp == "scheduler" else "config.json"))
+                          .read_text())
+        diff = {k: (v, have.get(k)) for k, v in arch[comp].items() if norm(have.get(k)) != norm(v)}
+        assert not diff, (comp, diff)
+
+
+@needs_weights
 @pytest.mark.slow
 def test_default_run_follows_captions(tmp_path):
     """``python -m runner model=toy_motion`` on CPU: every builtin caption, accuracy >= 0.9 per attribute."""
