@@ -5,7 +5,7 @@ short run through the runner per family whose evidence must be verified for ``CU
 Per family (``--family sd3|qwen_image|wan``, repeatable):
 
 1. One pipeline is built with the family's own builder (``load_format=dummy``: ``PipelineEngine.build_components``,
-   seeded, bf16, on the GPU). A 1-step pipeline call at the workload shape captures the transformer's inputs.
+   seeded, bf16, on the GPU). A 2-step pipeline call at the workload shape captures the transformer's inputs.
 2. ``baseline``: the transformer as diffusers builds it (default attention: torch SDPA; eager) — ms per forward.
 3. ``lossless``: the same module after the runner's lossless preset applied in place through the engine's own code
    (``optimize`` with ``fuse_qkv``, ``kernels.attention.install`` of ``CUDNN_ATTN`` on every call site, regional
@@ -113,7 +113,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
             captured.update(kwargs)
 
     h = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
-    call = dict(prompt=w["prompt"], height=g.height, width=g.width, num_inference_steps=1, output_type="latent")
+    call = dict(prompt=w["prompt"], height=g.height, width=g.width, num_inference_steps=2, output_type="latent")
     if g.get("num_frames"):
         call["num_frames"] = g.num_frames
     if "max_sequence_length" in eng.call_params():
@@ -143,6 +143,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     timed("baseline")
     # the runner's lossless preset, applied in place by the runner's own code
     eng.pipe = pipe
+    eng.prepare_attention()  # SD3: diffusers' processors replaced by the dispatching one (same math)
     rec["optimize"] = eng.optimize(OmegaConf.create({"fuse_qkv": True, "vae_channels_last": False}))
     att = "TORCH_SDPA" if smoke else "CUDNN_ATTN"
     roles = [str(r) for r in cfg.model.roles]
@@ -185,6 +186,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     rows = out / f"{family}_rows.jsonl"
     rows.write_text(json.dumps({"id": "e0", "prompt": w["prompt"], "negative_prompt": w["negative"]}) + "\n")
     ev_ov = [*ov, "dataset=jsonl", f"dataset.path={rows}", "model.generation.num_inference_steps=2",
+             "dataset.on_ignored=record",
              f"backend.attention={att}", f"backend.linear={'TORCH' if smoke else 'FP8'}", "compile=none"]
     run_dir = out / f"{family}_evidence_run"
     t0 = time.perf_counter()

@@ -782,6 +782,14 @@ class PipelineEngine(DiffusersEngine):
         if self.cfg.oracle:
             oracle(self.cfg.oracle).check_expectations(rows, path)
 
+    def ignored_fields(self, rows: Sequence[Row]) -> Dict[str, Tuple[str, ...]]:
+        """``true_cfg_scale`` > 1 on a pipeline whose ``__call__`` takes no ``true_cfg_scale`` (SD3, Wan: their
+        guidance is ``guidance_scale``). Families add their own rules to these."""
+        if float(self.cfg.generation.true_cfg_scale) > 1 and "true_cfg_scale" not in self.call_params():
+            return {"true_cfg_scale": (f"{self.pipeline_name()} takes no true_cfg_scale (its classifier-free "
+                                       "guidance is guidance_scale)", "set guidance_scale instead")}
+        return {}
+
     def check_family_rows(self, rows: List[Row], path: Any) -> None:
         """Family rules on row values the pipeline would otherwise change silently; none by default."""
 

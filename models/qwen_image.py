@@ -66,7 +66,8 @@ class QwenImageEngine(PipelineEngine):
         kw = dict(kw)
         text = dict(kw.get("text_config") or {})
         text["vocab_size"] = max(len(tok), int(text.get("vocab_size", 0)))
-        text.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        # Qwen2.5-VL's bos is <|endoftext|> (id 151643 in Qwen's vocabulary), its pad too
+        text.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id)
         kw["text_config"] = text
         return kw
 

@@ -111,7 +111,7 @@ class SD3Engine(PipelineEngine):
     def ignored_fields(self, rows: Any) -> Dict[str, Tuple[str, ...]]:
         """``negative_prompt`` in rows whose ``guidance_scale`` <= 1: classifier-free guidance is off there, and
         StableDiffusion3Pipeline uses the negative prompt only with it."""
-        return {"negative_prompt": ("guidance_scale <= 1 turns classifier-free guidance off, and "
+        return {**super().ignored_fields(rows), "negative_prompt": ("guidance_scale <= 1 turns classifier-free guidance off, and "
                                     "StableDiffusion3Pipeline uses the negative prompt only with it",
                                     "guidance_scale > 1 in that row (SD3.5's default is 3.5 to 4.5)",
                                     lambda r: r.guidance_scale is None or r.guidance_scale <= 1)}

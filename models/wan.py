@@ -99,7 +99,7 @@ class WanEngine(PipelineEngine):
 
     def ignored_fields(self, rows: Any) -> Dict[str, Tuple[str, ...]]:
         """``negative_prompt`` in rows whose ``guidance_scale`` <= 1 (no classifier-free guidance there)."""
-        return {"negative_prompt": ("guidance_scale <= 1 turns classifier-free guidance off, and WanPipeline uses the "
+        return {**super().ignored_fields(rows), "negative_prompt": ("guidance_scale <= 1 turns classifier-free guidance off, and WanPipeline uses the "
                                     "negative prompt only with it", "guidance_scale > 1 in that row (Wan 2.1: 5.0)",
                                     lambda r: r.guidance_scale is None or r.guidance_scale <= 1)}
 

@@ -28,7 +28,7 @@ def family_sweep(tmp_path_factory) -> Path:
         {"id": "a", "prompt": "a red cube on a table", "negative_prompt": "blurry", "seed": 1},
         {"id": "b", "prompt": "a blue sphere in the sky", "seed": 2}]))
     p = run_module("runner", ["-m", f"model={','.join(FAMILIES)}", "backend.attention=TORCH_SDPA", "platform=cpu",
-                              "dataset=jsonl", f"dataset.path={rows}", f"hydra.sweep.dir={root / 'sweep'}"], cwd=root)
+                              "dataset=jsonl", "dataset.on_ignored=record", f"dataset.path={rows}", f"hydra.sweep.dir={root / 'sweep'}"], cwd=root)
     assert p.returncode == 0, _tail(p)
     return root / "sweep"
 
@@ -62,6 +62,30 @@ def test_family_runs_with_verified_evidence(family_sweep, model):
     for it in items:
         assert (d / it["file"]).is_file()
         assert it["file"].endswith(".mp4" if model == "tiny_wan" else ".png")
+
+
+@pytest.mark.slow
+def test_qwen_image_true_cfg_doubles_the_forwards(run_job, write_jsonl):
+    """Qwen-Image's true CFG (a negative prompt and true_cfg_scale > 1): two transformer forwards per step, checked
+    against what ran; the record says the scale applied."""
+    rows = write_jsonl([{"id": "a", "prompt": "a red cube", "negative_prompt": " ", "seed": 1}])
+    r = run_job(["model=tiny_qwen_image", "model.generation.true_cfg_scale=4", "dataset=jsonl",
+                 f"dataset.path={rows}"])
+    assert r.code == 0
+    st = r.manifest["evidence"]["stages"]["denoise"]
+    assert r.manifest["evidence"]["verdict"] == "verified"
+    assert st["denoiser_forwards"] == st["expected_forwards"] == 2 * 4
+    assert r.items[0]["params"]["true_cfg_scale"] == 4.0
+
+
+def test_true_cfg_scale_on_a_pipeline_without_it_is_refused(compose):
+    """SD3 and Wan take no true_cfg_scale (their guidance is guidance_scale): a value > 1 would be silently unused."""
+    from runner.errors import ConfigValueError
+
+    for model in ("tiny_sd3", "tiny_wan"):
+        cfg = compose([f"model={model}", "platform=cpu", "model.generation.true_cfg_scale=4"])
+        with pytest.raises(ConfigValueError, match="true_cfg_scale=4.0 is ignored.*takes no true_cfg_scale"):
+            _engine(cfg).read_rows()
 
 
 @pytest.mark.slow
