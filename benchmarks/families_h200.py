@@ -83,6 +83,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from kernels import attention, linear
+    from models.diffusers_engine import compile_regional
 
     w = WORKLOADS[family]
     device = "cpu" if smoke else "cuda"
@@ -150,7 +151,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     attention.install("denoise", eng.attention_sites(), {r: {"backend": att} for r in roles},
                       None if smoke else torch.cuda.get_device_capability()[0] * 10, observe=False)
     if not smoke:
-        tr.compile_repeated_blocks(fullgraph=False, dynamic=False)
+        compile_regional(tr)
     t0 = time.perf_counter()
     with torch.inference_mode():
         tr(**captured)
@@ -160,7 +161,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     rec["fp8_modules"] = fp8.modules
     torch._dynamo.reset()
     if not smoke:
-        tr.compile_repeated_blocks(fullgraph=False, dynamic=False)
+        compile_regional(tr)
     with torch.inference_mode():
         tr(**captured)
     timed("fp8")

@@ -105,6 +105,27 @@ def deterministic_compile(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
 
 
+def compile_regional(model: torch.nn.Module) -> Dict[str, Any]:
+    """Regional ``torch.compile``: each repeated transformer block compiled on its own (one graph reused by every
+    block of a class), the rest eager. diffusers' ``compile_repeated_blocks`` where the model class declares its
+    ``_repeated_blocks``; otherwise (SD3's ``SD3Transformer2DModel`` declares none) the class of the blocks in the
+    model's top-level ``nn.ModuleList`` children, compiled the same way (``module.compile``).
+
+    Returns:
+        ``{"blocks": [class names], "via": "compile_repeated_blocks" | "module_lists"}`` for the manifest.
+    """
+    if getattr(model, "_repeated_blocks", None):
+        model.compile_repeated_blocks(fullgraph=False, dynamic=False)
+        return {"blocks": list(model._repeated_blocks), "via": "compile_repeated_blocks"}
+    names = set()
+    for child in model.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                block.compile(fullgraph=False, dynamic=False)
+                names.add(type(block).__name__)
+    return {"blocks": sorted(names), "via": "module_lists"}
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile (dynamo) has produced in this process so far; a rise during the generation loop
     means a recompile (a new shape or a guard failure)."""
@@ -438,7 +459,7 @@ class DiffusersEngine(EngineBase):
         lin = linear.install(self.denoiser, self.resolutions["linear"].selected, prefixes=self.fp8_prefixes,
                              observe=observe)
         if compile_mode == "regional":
-            self.denoiser.compile_repeated_blocks(fullgraph=False, dynamic=False)
+            self.regions = compile_regional(self.denoiser)
         self.probes = {"attention": sites, "linear": lin, "observed": observe}
         self._on_loaded = on_loaded
         return sections
@@ -537,8 +558,8 @@ class DiffusersEngine(EngineBase):
         """``compile``: warm-up seconds, Inductor's deterministic flag, graphs compiled after the warm-up."""
         if self.graphs_before is None:
             return None
-        return {"mode": self.ctx.cfg.compile, "warmup_s": round(self.warmup_s, 3),
-                "inductor_deterministic": self.inductor_deterministic,
+        return {"mode": self.ctx.cfg.compile, "regions": getattr(self, "regions", None),
+                "warmup_s": round(self.warmup_s, 3), "inductor_deterministic": self.inductor_deterministic,
                 "graphs_compiled_after_warmup": compiled_graphs() - self.graphs_before}
 
     def accuracy(self, items: Sequence[ds.Item], records: Dict[str, Dict[str, Any]], out_dir: Path

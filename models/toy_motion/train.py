@@ -27,6 +27,7 @@ Usage: ``python -m models.toy_motion.train --out models/toy_motion/weights [--va
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -179,19 +180,24 @@ def main() -> None:
 
     # ---- 1. VAE
     t0 = time.time()
-    opt = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
-    bud = Budget(args.vae_steps, None if args.time_limit is None else 0.4 * args.time_limit)
+    opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
+    bud = Budget(args.vae_steps, None if args.time_limit is None else 0.45 * args.time_limit)
+    amp = contextlib.nullcontext()  # bf16 autocast measured slower here (159 vs 133 ms/step): fp32 with TF32 matmuls
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     vae.train()
     step, losses = 0, []
     while step < bud.steps:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, bud.steps, 1e-3)
+            g["lr"] = lr_at(step, bud.steps, 2e-3)
         idx = torch.randint(0, x_all.shape[0], (min(args.vae_batch, x_all.shape[0]),), device=device)
         x = to_float(x_all[idx])
-        post = vae.encode(x).latent_dist
-        rec = vae.decode(post.sample()).sample
+        with amp:
+            post = vae.encode(x).latent_dist
+            rec = vae.decode(post.sample()).sample
+        # the shape covers a few % of the white frame: its pixels weigh 10x, or the VAE learns a white video
+        weight = 1.0 + 9.0 * (x.amin(dim=1, keepdim=True) < 0.8).float()
         mse = F.mse_loss(rec.float(), x)
-        loss = mse + 1e-6 * post.kl().mean()
+        loss = (weight * (rec.float() - x) ** 2).mean() + 1e-6 * post.kl().float().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -236,7 +242,11 @@ def main() -> None:
     cap_ids = torch.tensor([cap_index[c] for c in caps_all], device=device)
     shift = float(pipe.scheduler.config.flow_shift)
     n_train = float(pipe.scheduler.config.num_train_timesteps)
-    opt = torch.optim.AdamW(tr.parameters(), lr=4e-4, weight_decay=0.01)
+    # the text encoder learns too: frozen at its random init it could not tell "from left to right" from "from right
+    # to left" (the same words; 0.44 direction accuracy in the first H200 run)
+    te = pipe.text_encoder
+    te.requires_grad_(True)  # eval mode kept: no dropout, the same encoder function at training and inference
+    opt = torch.optim.AdamW([*tr.parameters(), *te.parameters()], lr=4e-4, weight_decay=0.01)
     left = None if args.time_limit is None else max(30.0, args.time_limit - (time.time() - t_start))
     bud = Budget(args.steps, left)
     tr.train()
@@ -254,11 +264,12 @@ def main() -> None:
         e = torch.randn_like(x0)
         sv = s.view(-1, 1, 1, 1, 1)
         xt = (1 - sv) * x0 + sv * e
+        pe = encode_text(pipe, all_caps, device)  # (n_captions, MAX_LEN, d), with gradients into the text encoder
         v = tr(hidden_states=xt, timestep=s * n_train, encoder_hidden_states=pe[ci], return_dict=False)[0]
         loss = F.mse_loss(v.float(), e - x0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([*tr.parameters(), *te.parameters()], 1.0)
         opt.step()
         losses.append(loss.item()) if step % 10 == 0 or step >= bud.steps - 50 else None
         if step % 500 == 0 or step == bud.steps - 1:
@@ -266,6 +277,7 @@ def main() -> None:
         step += 1
         bud.check(step, sync)
     tr.eval()
+    te.requires_grad_(False)
     report.update(flow_loss=float(np.mean(losses[-50:])), flow_s=time.time() - t0, steps=bud.steps,
                   steps_planned=bud.planned, train_s=time.time() - t_start)
 
