@@ -46,6 +46,23 @@ class WanEngine(PipelineEngine):
         want = "cross" if layer.endswith("attn2") else "self"
         return want if want in roles else roles[0]
 
+    def check_layout(self, path: Any) -> None:
+        """The generic layout check, and no second transformer: a Wan 2.2 snapshot (``transformer_2``, the low-noise
+        expert, switched at ``boundary_ratio``) runs steps on a module the probes do not watch, so it is refused
+        until the engine observes both.
+
+        Raises:
+            ModelPathError: naming the component and the fix.
+        """
+        from models.pipelines import ModelPathError, read_index
+
+        super().check_layout(path)
+        entry = read_index(path).get("transformer_2") or [None, None]
+        if entry[1]:
+            raise ModelPathError(f"model.path={str(path)!r} is a Wan 2.2 two-expert snapshot (transformer_2: {entry[1]}); "
+                                 "the runner serves Wan 2.1 text-to-video (one transformer) so far; fix: a Wan 2.1 "
+                                 "snapshot (e.g. Wan-AI/Wan2.1-T2V-14B-Diffusers)")
+
     def temporal_factor(self) -> int:
         """The VAE's temporal compression: ``2 ** sum(temperal_downsample)`` (Wan 2.1: 4)."""
         return 2 ** sum(bool(x) for x in (self.component_config("vae").get("temperal_downsample")
