@@ -47,20 +47,9 @@ def captions() -> List[str]:
 
 def draw_frame(color: str, shape: str, cx: float, cy: float, size: int = SIZE, scale: float = SCALE) -> np.ndarray:
     """One frame, ``(size, size, 3)`` uint8: the shape centred at pixel ``(cx, cy)`` (the shapes of toy_shapes)."""
-    from PIL import Image, ImageDraw
+    from models.toy_shapes.data import draw_at
 
-    img = Image.new("RGB", (size, size), (255, 255, 255))
-    d = ImageDraw.Draw(img)
-    r = scale * size / 2
-    box = (cx - r, cy - r, cx + r, cy + r)
-    fill = COLORS[color]
-    if shape == "circle":
-        d.ellipse(box, fill=fill)
-    elif shape == "square":
-        d.rectangle(box, fill=fill)
-    else:
-        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
-    return np.asarray(img)
+    return draw_at(color, shape, cx, cy, size, scale)
 
 
 def draw(color: str, shape: str, direction: str, num_frames: int = NUM_FRAMES, size: int = SIZE,

@@ -60,18 +60,11 @@ def read(frames: np.ndarray) -> Dict[str, Optional[str]]:
 
 
 def accuracy(pairs: Iterable[tuple]) -> Dict[str, float]:
-    """Share of matches per attribute over ``(read_result, expected)`` pairs (each attribute over the rows that
-    state it; None when none does), plus ``all`` (every stated attribute right, over all rows) and ``n``."""
-    pairs = list(pairs)
-    n = len(pairs)
-    out: Dict[str, float] = {"n": n}
-    if not n:
-        return out
-    for key in ATTRS:
-        stated = [(got, exp) for got, exp in pairs if key in exp]
-        out[key] = sum(got.get(key) == exp[key] for got, exp in stated) / len(stated) if stated else None
-    out["all"] = sum(all(got.get(k) == v for k, v in exp.items()) for got, exp in pairs) / n
-    return out
+    """Share of matches per attribute (colour, shape, direction) over ``(read_result, expected)`` pairs, plus
+    ``all`` and ``n`` (``models.toy_shapes.oracle.accuracy`` over :data:`ATTRS`)."""
+    from models.toy_shapes.oracle import accuracy as shared
+
+    return shared(pairs, ATTRS)
 
 
 def check_expectations(rows: Iterable, path: object) -> None:
@@ -82,24 +75,10 @@ def check_expectations(rows: Iterable, path: object) -> None:
         runner.dataset.DatasetError: naming the file and line, the key or value, the valid ones and the closest
             match.
     """
-    import difflib
+    from models.toy_shapes.oracle import check_vocabulary
 
-    from runner.dataset import DatasetError
-
-    valid = {"color": list(COLORS), "shape": list(SHAPES), "direction": list(DIRECTIONS)}
-    problems = []
-    for r in rows:
-        for key, value in (r.expect or {}).items():
-            if key not in valid:
-                close = difflib.get_close_matches(key, list(valid), n=1)
-                problems.append(f"{path}:{r.line}: expect.{key} is not an attribute the toy_motion oracle reads; "
-                                f"valid: {', '.join(valid)}" + (f"; fix: expect.{close[0]}" if close else ""))
-            elif value not in valid[key]:
-                close = difflib.get_close_matches(str(value), valid[key], n=1)
-                problems.append(f"{path}:{r.line}: expect.{key}={value!r} is not a value the oracle returns; valid: "
-                                f"{', '.join(valid[key])}" + (f"; fix: {close[0]!r}" if close else ""))
-    if problems:
-        raise DatasetError(problems)
+    check_vocabulary(rows, path, {"color": list(COLORS), "shape": list(SHAPES), "direction": list(DIRECTIONS)},
+                     "toy_motion")
 
 
 def read_video(path: object) -> np.ndarray:

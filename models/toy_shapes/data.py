@@ -31,11 +31,16 @@ def caption(color: str, shape: str, position: str) -> str:
 
 def draw(color: str, shape: str, position: str, size: int = 64, scale: float = 0.36) -> np.ndarray:
     """Render one image, ``(size, size, 3)`` uint8. ``scale``: shape width as a fraction of the side."""
+    return draw_at(color, shape, POSITIONS[position][0] * size, POSITIONS[position][1] * size, size, scale)
+
+
+def draw_at(color: str, shape: str, cx: float, cy: float, size: int = 64, scale: float = 0.36) -> np.ndarray:
+    """One ``(size, size, 3)`` uint8 image: the shape centred at pixel ``(cx, cy)`` on white (also the frames of
+    ``models.toy_motion``)."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (size, size), (255, 255, 255))
     d = ImageDraw.Draw(img)
-    cx, cy = POSITIONS[position][0] * size, POSITIONS[position][1] * size
     r = scale * size / 2
     box = (cx - r, cy - r, cx + r, cy + r)
     fill = COLORS[color]

@@ -39,15 +39,16 @@ def read(image: np.ndarray) -> Dict[str, Optional[str]]:
     return {"color": color, "shape": shape, "position": position}
 
 
-def accuracy(pairs: Iterable[tuple]) -> Dict[str, float]:
-    """Share of matches per attribute over ``(read_result, expected)`` pairs (each attribute over the rows that
-    state it; None when none does), plus ``all`` (every stated attribute right, over all rows) and ``n``."""
+def accuracy(pairs: Iterable[tuple], attrs: Iterable[str] = ("color", "shape", "position")) -> Dict[str, float]:
+    """Share of matches per attribute of ``attrs`` over ``(read_result, expected)`` pairs (each attribute over the
+    rows that state it; None when none does), plus ``all`` (every stated attribute right, over all rows) and ``n``.
+    Shared by the toy oracles (``models.toy_motion.oracle`` reads ``direction`` instead of ``position``)."""
     pairs = list(pairs)
     n = len(pairs)
     out: Dict[str, float] = {"n": n}
     if not n:
         return out
-    for key in ("color", "shape", "position"):
+    for key in attrs:
         stated = [(got, exp) for got, exp in pairs if key in exp]  # rows that state this attribute
         out[key] = sum(got.get(key) == exp[key] for got, exp in stated) / len(stated) if stated else None
     out["all"] = sum(all(got.get(k) == v for k, v in exp.items()) for got, exp in pairs) / n
@@ -62,18 +63,29 @@ def check_expectations(rows: Iterable, path: object) -> None:
         runner.dataset.DatasetError: naming the file and line, the key or value, the valid ones and the closest
             match.
     """
+    from models.toy_shapes.data import SHAPES
+
+    check_vocabulary(rows, path, {"color": list(COLORS), "shape": list(SHAPES), "position": list(POSITIONS)},
+                     "toy_shapes")
+
+
+def check_vocabulary(rows: Iterable, path: object, valid: Dict[str, list], oracle: str) -> None:
+    """Every row's ``expect`` keys among ``valid`` and each value among ``valid[key]`` (the toy oracles' check).
+
+    Raises:
+        runner.dataset.DatasetError: one problem per bad key or value, with file:line, the valid ones and the
+            closest match.
+    """
     import difflib
 
-    from models.toy_shapes.data import SHAPES
     from runner.dataset import DatasetError
 
-    valid = {"color": list(COLORS), "shape": list(SHAPES), "position": list(POSITIONS)}
     problems = []
     for r in rows:
         for key, value in (r.expect or {}).items():
             if key not in valid:
                 close = difflib.get_close_matches(key, list(valid), n=1)
-                problems.append(f"{path}:{r.line}: expect.{key} is not an attribute the toy_shapes oracle reads; "
+                problems.append(f"{path}:{r.line}: expect.{key} is not an attribute the {oracle} oracle reads; "
                                 f"valid: {', '.join(valid)}" + (f"; fix: expect.{close[0]}" if close else ""))
             elif value not in valid[key]:
                 close = difflib.get_close_matches(str(value), valid[key], n=1)
