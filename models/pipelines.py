@@ -32,7 +32,8 @@ import torch
 
 from models.diffusers_engine import DiffusersEngine
 from runner.dataset import BUILTIN_PROMPTS, Item, Row
-from runner.errors import ConfigValueError, UserInputError
+from runner.errors import ConfigValueError
+from runner.weights import ModelPathError  # the one class for a model.path that cannot be used (re-exported)
 
 log = logging.getLogger("runner")
 
@@ -40,8 +41,6 @@ log = logging.getLogger("runner")
 EMBEDDED_RECIPE = 2
 
 
-class ModelPathError(UserInputError, ValueError):
-    """``model.path`` does not point at a diffusers pipeline snapshot the chosen model can load."""
 
 
 #: row field -> the pipeline ``__call__`` argument it feeds (``fps`` feeds the video sink, not the pipeline)

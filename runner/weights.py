@@ -38,13 +38,13 @@ _LOCAL_PREFIXES = ("/", "./", "../", "~")
 _REVISION_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]*")
 
 
-class ModelSourceError(UserInputError, ValueError):
+class ModelPathError(UserInputError, ValueError):
     """``model.path`` names no usable weights: a local path that does not exist, a repo id the Hugging Face cache
     does not hold (at the requested revision), an incomplete snapshot, or a snapshot listing weight files it does
     not have. Outcome ``invalid``, exit 2; the message names what was searched and the fix."""
 
 
-class HubCacheMissError(ModelSourceError):
+class HubCacheMissError(ModelPathError):
     """A repo id (``model.path=org/name``) the local Hugging Face cache does not hold, or not at
     ``model.revision`` (names the repo, the cache searched, what it does hold, and the download command)."""
 
@@ -128,7 +128,7 @@ def resolve_model_path(value: str, revision: Optional[str] = None) -> Tuple[Path
         "cache_dir", "path"}`` for a repo id.
 
     Raises:
-        ModelSourceError: a local-looking path that does not exist, or (for a repo id) a ``revision`` that is not a
+        ModelPathError: a local-looking path that does not exist, or (for a repo id) a ``revision`` that is not a
             ref name.
         HubCacheMissError: the repo id is not in the cache, not at that revision, or its snapshot is incomplete
             (names the repo, the cache searched, the revisions it holds and the ``hf download`` command).
@@ -137,11 +137,11 @@ def resolve_model_path(value: str, revision: Optional[str] = None) -> Tuple[Path
     if p.exists():
         return p, {"kind": "path", "path": str(p.resolve()), "revision": revision}
     if not looks_like_repo_id(value):
-        raise ModelSourceError(f"model.path={value!r} does not exist; fix: pass a local diffusers snapshot directory "
+        raise ModelPathError(f"model.path={value!r} does not exist; fix: pass a local diffusers snapshot directory "
                                "(the folder with model_index.json), or a Hugging Face repo id org/name held in the "
                                "local cache")
     if revision is not None and (not _REVISION_RE.fullmatch(revision) or ".." in revision):
-        raise ModelSourceError(f"model.revision={revision!r} is not a branch, tag or commit name; fix: a name such as "
+        raise ModelPathError(f"model.revision={revision!r} is not a branch, tag or commit name; fix: a name such as "
                                "main, v1.0 or a full 40-hex commit hash")
     import huggingface_hub.errors as hf_errors
     from huggingface_hub import snapshot_download
@@ -191,11 +191,11 @@ def _component_files(snapshot: Path, folder: Path) -> List[Path]:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 names = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
-                raise ModelSourceError(f"{index.relative_to(snapshot)} is not a shard index ({e!r}); fix: download "
+                raise ModelPathError(f"{index.relative_to(snapshot)} is not a shard index ({e!r}); fix: download "
                                        "the snapshot again") from None
             bad = [n for n in names if not isinstance(n, str) or os.path.isabs(n) or ".." in Path(n).parts]
             if bad:
-                raise ModelSourceError(f"{index.relative_to(snapshot)} lists shard(s) outside {folder.name}/ "
+                raise ModelPathError(f"{index.relative_to(snapshot)} lists shard(s) outside {folder.name}/ "
                                        f"({', '.join(map(repr, bad[:3]))}); fix: download the snapshot again")
             shards.extend(folder / n for n in names)
         return sorted(set(shards))
@@ -217,7 +217,7 @@ def weight_files(snapshot: Path) -> List[Path]:
         Paths under ``snapshot`` (symlinks of a hub cache snapshot kept, not resolved), sorted.
 
     Raises:
-        ModelSourceError: no readable ``model_index.json``, an unreadable shard index, or a listed file that is
+        ModelPathError: no readable ``model_index.json``, an unreadable shard index, or a listed file that is
             missing (an incomplete download, or a cache snapshot whose blob is gone).
     """
     snapshot = Path(snapshot)
@@ -226,7 +226,7 @@ def weight_files(snapshot: Path) -> List[Path]:
         if not isinstance(index, dict):
             raise ValueError(f"a JSON {type(index).__name__}, not an object")
     except (OSError, ValueError) as e:
-        raise ModelSourceError(f"{snapshot}: model_index.json cannot be read ({e}); fix: point at a diffusers "
+        raise ModelPathError(f"{snapshot}: model_index.json cannot be read ({e}); fix: point at a diffusers "
                                "snapshot root (the folder with model_index.json), or download it again") from None
     out: List[Path] = []
     for name, spec in index.items():
@@ -237,7 +237,7 @@ def weight_files(snapshot: Path) -> List[Path]:
             out.extend(_component_files(snapshot, folder))
     missing = [f.relative_to(snapshot).as_posix() for f in out if not f.is_file()]
     if missing:
-        raise ModelSourceError(f"{snapshot}: {len(missing)} weight file(s) the pipeline loads are missing or dangling "
+        raise ModelPathError(f"{snapshot}: {len(missing)} weight file(s) the pipeline loads are missing or dangling "
                                f"links ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); fix: "
                                f"download the snapshot again (hf download <repo> {DOWNLOAD_PATTERNS})")
     return sorted(out)
@@ -435,7 +435,7 @@ def hash_snapshot(snapshot: Path, cache_dir: Optional[Path] = None) -> Tuple[Dic
     ``model.source.hashing``.
 
     Raises:
-        ModelSourceError: see :func:`weight_files`.
+        ModelPathError: see :func:`weight_files`.
         OSError: see :func:`hash_files`.
     """
     return hash_files(weight_files(snapshot), snapshot, cache_dir)

@@ -20,7 +20,7 @@ import pytest
 
 import runner.weights as weights
 from runner.errors import UserInputError
-from runner.weights import (HubCacheMissError, ModelSourceError, hash_files, hash_snapshot, resolve_model_path,
+from runner.weights import (HubCacheMissError, ModelPathError, hash_files, hash_snapshot, resolve_model_path,
                             weight_files)
 
 FLUX_INDEX = {"_class_name": "FluxPipeline", "_diffusers_version": "0.35.0",
@@ -127,7 +127,7 @@ def test_existing_relative_dir_wins_over_a_repo_id(tmp_path, hf_home, monkeypatc
 @pytest.mark.parametrize("value", ["/nonexistent/snapshot", "./missing", "../missing", "~/missing-snapshot-xyz",
                                    "a/b/c", "org/na me", "org--x/name"])
 def test_local_looking_missing_path_keeps_the_message(value, hf_home):
-    with pytest.raises(ModelSourceError) as ei:
+    with pytest.raises(ModelPathError) as ei:
         resolve_model_path(value, None)
     assert not isinstance(ei.value, HubCacheMissError)
     assert f"model.path={value!r} does not exist; fix: pass a local diffusers snapshot directory" in str(ei.value)
@@ -212,7 +212,7 @@ def test_incomplete_snapshot_is_a_cache_miss(hf_home):
 
 def test_revision_that_is_no_ref_name_is_refused(hf_home):
     add_to_hub_cache(hf_home / "hub", "org/name", flux_files())
-    with pytest.raises(ModelSourceError, match="is not a branch, tag or commit name"):
+    with pytest.raises(ModelPathError, match="is not a branch, tag or commit name"):
         resolve_model_path("org/name", "../../../etc")
 
 
@@ -262,13 +262,13 @@ def test_missing_shard_or_index_is_an_input_error(tmp_path):
     files = flux_files()
     del files["transformer/diffusion_pytorch_model-00002-of-00002.safetensors"]
     snap = write_tree(tmp_path / "s", files)
-    with pytest.raises(ModelSourceError, match=r"1 weight file\(s\).*00002-of-00002.*fix: download the snapshot"):
+    with pytest.raises(ModelPathError, match=r"1 weight file\(s\).*00002-of-00002.*fix: download the snapshot"):
         weight_files(snap)
     (snap / "transformer" / "diffusion_pytorch_model.safetensors.index.json").write_text("{not json")
-    with pytest.raises(ModelSourceError, match="is not a shard index"):
+    with pytest.raises(ModelPathError, match="is not a shard index"):
         weight_files(snap)
     (snap / "model_index.json").unlink()
-    with pytest.raises(ModelSourceError, match="model_index.json cannot be read"):
+    with pytest.raises(ModelPathError, match="model_index.json cannot be read"):
         weight_files(snap)
 
 
@@ -276,7 +276,7 @@ def test_dangling_blob_link_is_reported(hf_home):
     add_to_hub_cache(hf_home / "hub", "org/name", flux_files())
     snap, _ = resolve_model_path("org/name", None)
     os.unlink(os.path.realpath(snap / "vae" / "diffusion_pytorch_model.safetensors"))
-    with pytest.raises(ModelSourceError, match="vae/diffusion_pytorch_model.safetensors"):
+    with pytest.raises(ModelPathError, match="vae/diffusion_pytorch_model.safetensors"):
         weight_files(snap)
 
 
