@@ -274,6 +274,10 @@ class Backend:
         signature: regex over profiled names (aten op names on CPU, device kernel names on GPUs) that this
             backend's execution leaves in a ``torch.profiler`` trace (``runner.evidence``); None: none known.
         quant_keys / skip_softmax_keys: spec keys the backend takes (others are errors).
+        lossy: its results differ from the dense model-dtype computation by design (quantized GEMMs or attention),
+            beyond rounding-order differences: a run selecting it is labelled lossy (``runner.lossy``) and gated
+            against a lossless run of the same rows (``runner.gate``). A spec with ``quant`` or ``skip_softmax``
+            set is lossy whatever the backend.
     """
 
     field: str
@@ -286,6 +290,7 @@ class Backend:
     signature: Optional[str] = None
     quant_keys: Dict[str, Any] = field(default_factory=dict)
     skip_softmax_keys: Tuple[str, ...] = ()
+    lossy: bool = False
 
     def unmet(self, ctx: SelectionContext) -> List[str]:
         """Every requirement not met in ``ctx``, as human-readable reasons (empty: it can run). Every requirement
@@ -404,6 +409,12 @@ def vllm_name(field_name: str, name: str) -> Optional[str]:
     return b.vllm if b is not None else None
 
 
+def is_lossy(field_name: str, name: str) -> bool:
+    """Backend ``name`` of ``field_name`` is lossy by design (:attr:`Backend.lossy`); False for unknown names."""
+    b = BACKENDS.get(field_name, {}).get(name)
+    return bool(b is not None and b.lossy)
+
+
 def signature(field_name: str, name: str) -> Optional[str]:
     """The profiler signature regex of backend ``name`` (None: none known, or not a registered backend)."""
     b = BACKENDS.get(field_name, {}).get(name)
@@ -441,7 +452,8 @@ register_backend(Backend(
               head_dim_in(64, 96, 128), no_mask()),
     diffusers=DiffusersWiring("sage", observed=("sage",), choose="kernels.attention:choose_sage"),
     signature=r"_attn_fwd|quant_per_block|sageattn|qk_int8",
-    quant_keys={"dtype_qk": ("int8",), "q_block_size": (128,), "k_block_size": (64,)}))
+    quant_keys={"dtype_qk": ("int8",), "q_block_size": (128,), "k_block_size": (64,)},
+    lossy=True))  # SageAttention quantizes Q and K to INT8 (per block) whatever the spec says
 register_backend(Backend(
     "attention", "FLASHINFER_ATTN", aliases=("flashinfer", "flashinfer_attention"),
     requires=(on_platform("cuda"), sm_at_least(80), symbol("flashinfer.prefill:single_prefill_with_kv_cache"),
@@ -462,7 +474,7 @@ register_backend(Backend(
 register_backend(Backend(
     "linear", "FP8", aliases=("fp8", "fp8_dynamic", "fp8_rowwise"),
     requires=(on_platform("cuda"), sm_at_least(89), symbol("torch:_scaled_mm"), dtype_in(*_HALF)),
-    signature=r"aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq"))
+    signature=r"aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq", lossy=True))
 register_backend(Backend("moe", "TORCH", aliases=("torch", "reference", "loop"),
                          auto={"*": (20, "reference expert loop")}))
 register_backend(Backend("moe", "TRITON", aliases=("triton", "fused", "grouped"),

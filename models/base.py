@@ -177,6 +177,9 @@ class EngineBase:
     unit: ClassVar[str] = "item"
     resumable: ClassVar[bool] = False
     default_stage: ClassVar[str] = "generate"
+    applies_cache: ClassVar[bool] = False
+    """The engine applies ``cache.*`` (step caching of a denoiser); a run with a cache and no such engine is
+    refused."""
     stage: str = ""
 
     @classmethod

@@ -160,6 +160,7 @@ class DiffusersEngine(EngineBase):
     """Module-name prefixes of the denoiser whose Linears FP8 linear may replace (the transformer blocks; embedders
     and the output projection stay dense)."""
     reads_engine_extras: ClassVar[bool] = False
+    applies_cache: ClassVar[bool] = True  # cache.* (models.cache): the step cache of the denoiser
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -178,6 +179,9 @@ class DiffusersEngine(EngineBase):
         self.load_s = self.warmup_s = 0.0
         self.graphs_before: Optional[int] = None
         self.inductor_deterministic: Optional[bool] = None
+        self.cache_settings: Any = None  # models.cache.CacheSettings once check_config validated cache.*
+        self.step_cache: Any = None  # models.cache.StepCache once loaded with a cache
+        self.cache_records: Dict[str, Dict[str, Any]] = {}  # item key -> its record's ``cache`` field
         self._scope = contextlib.ExitStack()
 
     @property
@@ -195,10 +199,17 @@ class DiffusersEngine(EngineBase):
         """Generation defaults of ``model.generation`` and the run's ``max_pixels`` (errors name the config key,
         not a data file).
 
+        Also the step cache (``cache.*``, :func:`models.cache.settings`), validated against its method.
+
         Raises:
-            ConfigValueError: naming the field, the value and the fix.
+            ConfigValueError: naming the field, the value and the fix (``models.cache.CacheConfigError`` for
+                ``cache.*``, also a cache with ``compile=regional``).
         """
         cfg = self.ctx.cfg
+        if cfg is not None and cfg.get("cache") is not None:
+            from models import cache as step_cache
+
+            self.cache_settings = step_cache.settings(cfg)
         g = self.model_cfg.generation
         m = self.model_cfg.size_multiple
         for key in ("width", "height"):
@@ -233,9 +244,18 @@ class DiffusersEngine(EngineBase):
         if self.source.get("kind") == "path":
             check_safetensors(Path(self.source["path"]))
         self.check_source()
+        if self.cache_settings is not None:
+            from models import cache as step_cache
+
+            step_cache.check_support(self.cache_settings, str(self.transformer_class()), self.model_cfg.name)
         self.resolutions, _ = self.resolve_backends()
         self.check_memory()
         return self.source
+
+    def transformer_class(self) -> Optional[str]:
+        """The diffusers class name of the denoiser, known before loading (step caches are checked against it);
+        None by default (a subclass that knows it says so)."""
+        return None
 
     def check_source(self) -> None:
         """Config checks that need the model's own configs or tokenizers (read from the weight source, no weights
@@ -312,6 +332,14 @@ class DiffusersEngine(EngineBase):
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
         self.check_truncation(rows, path)
+        if self.cache_settings is not None:
+            from models import cache as step_cache
+
+            per_step = []
+            for r in rows:
+                want = self.expected_forwards([ds.Item(row=r, index=0, seed=0)])
+                per_step.append(None if want is None else want / r.num_inference_steps)
+            step_cache.check_rows_forwards(self.cache_settings, per_step, self.model_cfg.name)
         return rows, path
 
     # ------------------------------------------------------------------------ what the model honours
@@ -458,6 +486,14 @@ class DiffusersEngine(EngineBase):
                                   self.ctx.plat.sm, observe=observe)
         lin = linear.install(self.denoiser, self.resolutions["linear"].selected, prefixes=self.fp8_prefixes,
                              observe=observe)
+        if self.cache_settings is not None:  # after the backends: its hooks wrap the modules as they will run
+            from models import cache as step_cache
+
+            self.step_cache = step_cache.StepCache(self.denoiser, self.cache_settings,
+                                                   [(layer, mod) for _, layer, mod in self.attention_sites()])
+            sections["cache"] = {**self.cache_settings.to_dict(), "lossy": True,
+                                 "blocks": len(self.step_cache.probe.blocks),
+                                 "attention_modules": len(self.step_cache.probe.attention)}
         if compile_mode == "regional":
             self.regions = compile_regional(self.denoiser)
         self.probes = {"attention": sites, "linear": lin, "observed": observe}
@@ -500,19 +536,30 @@ class DiffusersEngine(EngineBase):
             Whatever the pipeline raises; the loop then retries the batch's items one by one.
         """
         self.check_batch_truncation(batch)
+        steps = batch[0].row.num_inference_steps
+        if self.step_cache is not None:
+            self.step_cache.before_call(steps)
         try:
             images = self.call(batch)
         except Exception:
             self.raised = True  # a call raised part-way: forward totals are no longer predictable
+            if self.step_cache is not None:
+                self.step_cache.call_failed()
             raise
         want = self.expected_forwards(batch)  # None: the pipeline's forward count is not known (not checked)
         self.want_forwards = None if want is None or self.want_forwards is None else self.want_forwards + want
+        if self.step_cache is not None:  # what the cache did in this call, observed; shared by the call's items
+            counts = self.step_cache.after_call(steps, want)
+            for it in batch:
+                self.cache_records[it.key] = self.step_cache.record(counts, len(batch))
         if self.output == "video":
             return [VideoOutput(frames, fps=it.row.fps) for frames, it in zip(images, batch)]
         return [ImageOutput(img) for img in images]
 
     def record(self, item: ds.Item, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:
-        """The journal record of one image (without ``status``/``file``: the sink adds them)."""
+        """The journal record of one image (without ``status``/``file``: the sink adds them); with a step cache,
+        ``cache``: method, schedule, params and the forwards and blocks computed and reused in the item's pipeline
+        call."""
         import hashlib
 
         r = item.row
@@ -528,6 +575,9 @@ class DiffusersEngine(EngineBase):
         }
         if r.ignored:
             rec["ignored"] = r.ignored
+        cache = self.cache_records.pop(item.key, None)
+        if cache is not None:  # with a step cache: forwards and blocks computed and reused in the item's call
+            rec["cache"] = cache
         return rec
 
     def applied_params(self, row: ds.Row) -> Dict[str, Any]:
@@ -543,8 +593,14 @@ class DiffusersEngine(EngineBase):
         Returns:
             ``(evidence.stages.<stage>, mismatches)``.
         """
+        cache = None
+        if self.step_cache is not None:
+            section, mm = self.step_cache.evidence(self.stage)
+            probe = self.step_cache.probe
+            cache = {"section": section, "mismatches": mm, "attention_runs": dict(probe.attention_runs),
+                     "forwards_computed": probe.counts.forwards_computed}
         ev = evidence.build(self.stage, self.probes, self.probe, None if self.raised else self.want_forwards,
-                            finite=result.nonfinite == 0, device=self.device)
+                            finite=result.nonfinite == 0, device=self.device, cache=cache)
         return ev["stages"][self.stage], list(ev["mismatches"])
 
     def timing_phases(self, generate_s: float) -> Dict[str, float]:

@@ -574,6 +574,10 @@ class PipelineEngine(DiffusersEngine):
         except (OSError, TypeError):
             return False
 
+    def transformer_class(self) -> Optional[str]:
+        """The transformer's diffusers class: the family's, else the snapshot's ``model_index.json``."""
+        return self.component_class("transformer")
+
     def component_class(self, comp: str) -> str:
         """The class name of component ``comp``: the family's, else the snapshot's ``model_index.json``."""
         if comp in self.components:

@@ -10,6 +10,11 @@ Two independent observations:
   signatures (``Backend.signature`` of each record in ``kernels.registry``). This also works under
   ``torch.compile``, where Python counters do not run per call.
 
+With a step cache (``cache.method``, ``models.cache``) an attention module or a block may be answered from the
+cache: each call site must then have run its backend once per forward in which its module computed (observed by
+the cache's own probe), and the cache's section (forwards and blocks computed and reused, hit rates) adds its own
+mismatches: a configured cache that never hit, or a fixed schedule whose observed reuse differs from its rule.
+
 Verdict: ``verified`` when every site ran only its resolved backend, once per denoiser forward, each selected
 backend's signature matched a profiled kernel, and all outputs were finite. ``mismatch`` when an observed
 implementation differs from the resolved one (``evidence.strict=true``: the run ends with
@@ -97,7 +102,7 @@ class DenoiserProbe:
 
 def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_forwards: Optional[int],
           finite: bool,
-          device: str) -> Dict[str, Any]:
+          device: str, cache: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Assemble the manifest's ``evidence`` section and its verdict.
 
     Args:
@@ -105,9 +110,14 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         probes: ``{"attention": [AttentionSite], "linear": LinearRecord}`` from ``models.diffusers_engine.DiffusersEngine.load``.
         denoiser: the forward counter/profiler.
         expected_forwards: denoiser forwards the run should have made (sum over batches of steps x CFG passes);
-            None when a pipeline call raised part-way, so the total cannot be predicted.
+            None when a pipeline call raised part-way, so the total cannot be predicted. A step cache does not
+            change it: the cache methods skip blocks or attention inside the denoiser, never its call.
         finite: every generated output was finite.
         device: the worker's device string.
+        cache: with a step cache (``models.cache.StepCache``): ``{"section": its evidence, "mismatches": [...],
+            "attention_runs": {layer: forwards in which that attention module computed}, "forwards_computed": n}``.
+            An attention site must then have run its backend once per forward in which its module computed (not
+            once per forward), and linear layers at least once per module per fully computed forward.
 
     Returns:
         The section: ``{pid, device, stages: {stage: {attention, linear, kernels}}, all_finite, verdict,
@@ -129,21 +139,25 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
             continue
         observed = dict(site.observed)
         calls = sum(observed.values())
-        ok = set(observed) <= {site.resolved} and calls == fwd
+        runs = (cache or {}).get("attention_runs", {}).get(site.layer, fwd)  # forwards in which it computed
+        ok = set(observed) <= {site.resolved} and calls == runs
         if not ok:
             other = {k: v for k, v in observed.items() if k != site.resolved}
             ran = ", ".join(f"{k} x{v}" for k, v in other.items()) if other else "nothing else"
+            where = f"{fwd} forwards" if runs == fwd else f"the {runs} of {fwd} forwards in which it computed"
             mismatches.append(f"stage {stage}, role {site.role}, layer {site.layer}: resolved {site.resolved}, "
-                              f"observed {observed.get(site.resolved, 0)} calls of it in {fwd} forwards; ran "
+                              f"observed {observed.get(site.resolved, 0)} calls of it in {where}; ran "
                               f"instead: {ran}")
         layers.append({"role": site.role, "layer": site.layer, "resolved": site.resolved, "calls": calls,
                        "observed": observed, "ok": ok})
     lin = probes["linear"]
     lin_entry = {"resolved": lin.resolved, "modules": lin.modules, "observed": dict(lin.observed),
                  "skipped_modules": len(lin.skipped)}
-    if observing and lin.observed.get(lin.resolved, 0) < lin.modules * fwd:
+    full = cache["forwards_computed"] if cache is not None else fwd  # forwards in which every module ran
+    if observing and lin.observed.get(lin.resolved, 0) < lin.modules * full:
         mismatches.append(f"stage {stage}, linear: resolved {lin.resolved} on {lin.modules} modules, observed "
-                          f"{lin.observed.get(lin.resolved, 0)} calls in {fwd} forwards ({lin.observed})")
+                          f"{lin.observed.get(lin.resolved, 0)} calls in {fwd} forwards"
+                          + (f" ({full} fully computed)" if cache is not None else "") + f" ({lin.observed})")
     if lin.resolved == "TORCH" and any(k != "TORCH" for k in lin.observed):
         mismatches.append(f"stage {stage}, linear: resolved TORCH, observed {lin.observed}")
     kernels: Dict[str, Any] = {"profiled": trace is not None}
@@ -171,12 +185,16 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
                        top_device_kernels=dict(top),
                        device_kernels=len(trace.kernels), ops=len(trace.ops))
+    if cache is not None:
+        mismatches += list(cache.get("mismatches") or [])
     verdict = "mismatch" if mismatches else ("nonfinite_outputs" if not finite else "verified")
+    section = {"denoiser_forwards": fwd, "expected_forwards": expected_forwards,
+               "attention": {"by_backend": by_backend, "layers": layers}, "linear": lin_entry, "kernels": kernels}
+    if cache is not None:
+        section["cache"] = cache["section"]
     return {
         "pid": os.getpid(), "device": device,
-        "stages": {stage: {"denoiser_forwards": fwd, "expected_forwards": expected_forwards,
-                           "attention": {"by_backend": by_backend, "layers": layers}, "linear": lin_entry,
-                           "kernels": kernels}},
+        "stages": {stage: section},
         "all_finite": finite,
         "verdict": verdict,
         "mismatches": mismatches,

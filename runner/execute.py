@@ -29,7 +29,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import dataset as ds
-from runner import evidence, resume, rundir
+from runner import evidence, lossy, resume, rundir
 from runner.artifacts import atomic_write_bytes
 from runner.errors import ConfigValueError, StorageError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
@@ -565,6 +565,12 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     dtype = resolve_dtype(cfg.dtype, plat.kind)
     for e in engines:
         e.ctx.plat, e.ctx.dtype = plat, dtype
+    cache_cfg = cfg.get("cache")
+    if cache_cfg is not None and str(cache_cfg.method).strip().lower() not in ("none", "", "null", "off") and not any(
+            getattr(e, "applies_cache", False) for e in engines):
+        raise ConfigValueError(f"cache.method={cache_cfg.method}: model={cfg.model.name} has no diffusion stage, and "
+                               "step caching applies to a diffusion transformer's denoising steps only; fix: "
+                               "cache.method=none")
     sources = {e.stage: e.prepare() for e in reversed(engines)}
 
     # 3. rows and items; resume; the manifest header
@@ -647,6 +653,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     model_doc = {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": sources[final.stage]}
     manifest.section("model", model_doc)
     manifest.section("backends", backends_doc)
+    manifest.section("lossy", lossy.section(backends_doc, resolved_cfg))  # lanes that change results by design
     if upstream:
         manifest.section("pipeline", {"stages": [s.name for s in specs], "feeds": {
             specs[0].name: {"input": "dataset prompt", "output": f"{specs[0].name}.jsonl"},

@@ -14,6 +14,8 @@ can be attached to a ticket. It shows:
   (dB, ``inf`` when identical), SSIM (Wang et al. 2004) and the maximum absolute pixel difference (0..255); for a
   video, the PSNR of its worst frame, the SSIM of that frame and the maximum difference over all frames;
 * an image grid of the same items across jobs, and a bar chart of images/s per job;
+* the quality gate of lossy jobs (``runner.gate``, its ``gate.json``): each lossy job (labelled ``lossy`` with its
+  lanes in the jobs table: a step cache, FP8 linear, lossy attention) against the lossless job of the same rows;
 * per-job details: the backend resolution table, evidence mismatches, failed items.
 
 CLI: ``python -m runner.report <sweep_or_run_dirs...> [--out report.html] [--reference N]``.
@@ -36,7 +38,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from runner import rundir
+from runner import lossy, rundir
 from runner.sinks import read_journal
 from runner.errors import RunnerError, UserInputError
 
@@ -314,7 +316,7 @@ def compare_images(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
             "max_abs_diff": int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())}
 
 
-def _same_item(r: Dict[str, Any], s: Dict[str, Any]) -> bool:
+def same_item(r: Dict[str, Any], s: Dict[str, Any]) -> bool:
     """Two item records describe the same request (seed, prompt and generation parameters; batch size aside)."""
     def sig(x: Dict[str, Any]) -> tuple:
         p = {k: v for k, v in (x.get("params") or {}).items() if k != "batch_size"}
@@ -337,7 +339,7 @@ def parity(ref: Job, job: Job, tolerance_db: float = PARITY_TOLERANCE_DB) -> Lis
         row: Dict[str, Any] = {"key": key, "psnr_db": None, "ssim": None, "max_abs_diff": None, "within": None}
         if key not in mine:
             row.update(note="missing", within=False)
-        elif not _same_item(r, mine[key]):
+        elif not same_item(r, mine[key]):
             row.update(note="not comparable (seed/prompt/params differ)")
         else:
             m = compare_files(ref.image_path(key), job.image_path(key))
@@ -437,6 +439,8 @@ svg text{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif}
 _OUTCOME_CLASS = {"ok": "ok", "refused": "info", "invalid": "bad", "failed_items": "bad", "evidence_mismatch": "bad",
                   "crashed": "bad", "interrupted": "warn", "unknown": "warn"}
 _VERDICT_CLASS = {"verified": "ok", "not_collected": "warn", "mismatch": "bad"}
+_GATE_CLASS = {"pass": "ok", "fail": "bad", "unmatched": "bad", "not_run": "bad", "skipped": "info",
+               "unchecked": "warn", "none": "info"}
 
 
 def _e(x: Any) -> str:
@@ -543,7 +547,7 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
                  '<td class="ovr mono">' + ("<br>".join(_e(o).replace("=", "=<wbr>") for o in ovr)
                                             or "<i>(common only)</i>") + "</td>"]
         oc = _badge(j.outcome, _OUTCOME_CLASS.get(j.outcome, "warn"))
-        st = f'<span class="sub">status: {_e(m.get("status", "—"))}</span>'
+        st = f'<span class="sub">status: {_e(m.get("status", "—"))}</span>' + _lossy_note(m)
         cells.append(f"<td>{oc}{st}</td>")
         bf = backend_fields(m)
         if not any(bf.values()) and not m.get("timing"):  # stopped before resolution: the error fills the row
@@ -583,6 +587,45 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
                      else '<td class="num">—</td>')
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f'<div class="scroll"><table class="jobs">{head}{"".join(rows)}</table></div>'
+
+
+def _lossy_note(m: Dict[str, Any]) -> str:
+    """A ``lossy`` badge with the lossy lanes of a job (``runner.lossy``), or nothing for a lossless one."""
+    if not m:
+        return ""
+    lab = lossy.of_manifest(m)
+    if not lab["lossy"]:
+        return ""
+    return f'<br>{_badge("lossy", "warn")}<span class="sub mono">{_e(", ".join(lab["lanes"]))}</span>'
+
+
+def _gate_section(jobs: Sequence[Job], gate: Optional[Dict[str, Any]]) -> str:
+    """The quality gate of the lossy jobs (``runner.gate``: ``gate.json``)."""
+    lossy_jobs = [j for j in jobs if j.manifest and lossy.of_manifest(j.manifest)["lossy"]]
+    if gate is None:
+        if not lossy_jobs:
+            return "<p>No job is lossy (no step cache, FP8 linear or lossy attention): nothing to gate.</p>"
+        return ("<p>Lossy jobs: " + ", ".join(_e(j.label) for j in lossy_jobs) + ". Not gated yet: run "
+                "<code>python -m runner.gate &lt;dir&gt;</code>, then regenerate this report.</p>")
+    out = [f"<p>Each lossy job against the lossless job of the same rows: oracle accuracy per attribute must stay "
+           f"≥ {gate.get('min_ratio')}× the lossless job's; PSNR (dB) and SSIM per item via torchmetrics"
+           + (f", PSNR ≥ {gate['min_psnr_db']} dB required" if gate.get("min_psnr_db") is not None else
+              " (reported)") + f". Verdict: {_badge(gate.get('verdict'), _GATE_CLASS.get(gate.get('verdict'), 'warn'))}"
+           "</p>",
+           "<table><tr><th>lossy job</th><th>lanes</th><th>lossless job</th><th>accuracy lossy / lossless (ratio)"
+           "</th><th>min PSNR dB</th><th>min SSIM</th><th>cache hit rate</th><th>verdict</th></tr>"]
+    for e in gate.get("jobs") or []:
+        acc = e.get("accuracy") or {}
+        acc_txt = "<br>".join(f"{_e(k)}: {a['lossy']:.3g} / {a['lossless']:.3g} ({a['ratio']})" for k, a in acc.items())
+        why = "".join(f'<span class="sub">{_e(r)}</span>' for r in e.get("reasons") or [])
+        out.append(f"<tr><td><b>{_e(e.get('lossy_job'))}</b></td><td class=mono>{_e(', '.join(e.get('lanes') or []))}"
+                   f"</td><td>{_e(e.get('lossless_job') or '—')}</td><td>{acc_txt or '—'}</td>"
+                   f"<td class=num>{fmt_psnr((e.get('psnr_db') or {}).get('min'))}</td>"
+                   f"<td class=num>{_num((e.get('ssim') or {}).get('min'), '{:.4f}')}</td>"
+                   f"<td class=num>{_num(e.get('cache_hit_rate'), '{:.3f}')}</td>"
+                   f"<td>{_badge(e.get('verdict'), _GATE_CLASS.get(e.get('verdict'), 'warn'))}{why}</td></tr>")
+    out.append("</table>")
+    return "".join(out)
 
 
 def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dict[str, Any]]],
@@ -709,8 +752,9 @@ def _details(j: Job) -> str:
 
 
 def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PARITY_TOLERANCE_DB,
-           sources: Sequence[Path] = ()) -> str:
-    """The report as one HTML document (no external resources)."""
+           sources: Sequence[Path] = (), gate: Optional[Dict[str, Any]] = None) -> str:
+    """The report as one HTML document (no external resources); ``gate``: the quality gate's document
+    (``runner.gate``), shown when given."""
     ref = pick_reference(jobs, reference)
     par = {j.label: parity(ref, j, tolerance_db) for j in jobs if ref is not None and j is not ref and j.ok_items}
     common = _common_overrides(jobs)
@@ -732,6 +776,7 @@ def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PAR
         "it.</p>",
         "<h2>Jobs</h2>", _jobs_table(jobs, common),
         "<h2>Throughput</h2>", _bar_chart(jobs),
+        "<h2>Quality gate of lossy jobs</h2>", _gate_section(jobs, gate),
         "<h2>Parity</h2>", _parity_section(jobs, ref, par, tolerance_db),
         "<h2>Images and videos (poster frames)</h2>" if any(is_video(r) for j in jobs for r in j.ok_items.values())
         else "<h2>Images</h2>", _image_grid(jobs, ref, par),
@@ -742,19 +787,24 @@ def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PAR
 
 
 def write_report(dirs: List[Path], out: Path, reference: Optional[str] = None,
-                 tolerance_db: float = PARITY_TOLERANCE_DB) -> Path:
+                 tolerance_db: float = PARITY_TOLERANCE_DB, gate: Optional[Dict[str, Any]] = None) -> Path:
     """Write ``out`` (a self-contained HTML file) for the jobs of ``dirs`` (sweep dirs or run dirs).
 
     Args:
         reference: parity reference job (dir name, label or path; an int job number works); default: the first
             job with images.
         tolerance_db: PSNR (dB) at or above which an item counts as within parity tolerance.
+        gate: the quality gate's document (``runner.gate``); default: the ``gate.json`` of the first of ``dirs``
+            that holds one.
 
     Returns:
         ``out``.
     """
     jobs = load_jobs(dirs)
-    doc = render(jobs, reference=reference, tolerance_db=tolerance_db, sources=[Path(d) for d in dirs])
+    if gate is None:
+        found = next((Path(d) / "gate.json" for d in dirs if (Path(d) / "gate.json").is_file()), None)
+        gate = (_read_json(found) or None) if found is not None else None
+    doc = render(jobs, reference=reference, tolerance_db=tolerance_db, sources=[Path(d) for d in dirs], gate=gate)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from runner.artifacts import atomic_write_bytes

@@ -14,9 +14,9 @@ determines the artifact's bytes,
   ``batch_size=4`` differs from ``batch_size=1`` by one intensity level on CPU); the loop regenerates every batch
   that holds an item it cannot reuse, whole, so items keep their batch peers and positions;
 * the run's identity (:func:`run_identity`): the semantic config (model, weights source, architecture,
-  generation settings, compile, optimize, cpu_threads), the resolved dtype and the backends selected per stage,
-  the platform kind and device, and the versions of the packages that compute or encode it (torch, diffusers,
-  transformers, pillow, vLLM, kernels).
+  generation settings, compile, optimize, cpu_threads, and the step cache when one is on), the resolved dtype and
+  the backends selected per stage, the platform kind and device, and the versions of the packages that compute
+  or encode it (torch, diffusers, transformers, pillow, vLLM, kernels).
 
 Missing or corrupt artifacts and items whose inputs differ are regenerated. A resume whose *semantic* config
 differs from the earlier run's is refused with the differing keys named, unless ``run.force=true``; with it,
@@ -60,6 +60,15 @@ def _flat(x: Any, prefix: str) -> Dict[str, Any]:
     return {prefix: x}
 
 
+def cache_config(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The ``cache`` section of a resolved config when a step cache is on, else None: a run without a cache (or
+    written before the section existed) has the identity and semantic config it had before step caching existed."""
+    c = _get(cfg, "cache")
+    if not isinstance(c, dict) or str(c.get("method") or "none").strip().lower() in ("none", "", "null", "off"):
+        return None
+    return c
+
+
 def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_sha: Optional[str],
                   new_dataset_sha: str, keys: Sequence[str] = ()) -> List[str]:
     """Dotted keys whose values differ between two resolved configs (plus ``dataset.sha256``), as
@@ -75,6 +84,9 @@ def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
                 diffs.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
+    a, b = cache_config(old_cfg), cache_config(new_cfg)
+    if a != b:
+        diffs.append(f"cache: {a!r} -> {b!r}")
     if old_dataset_sha is not None and old_dataset_sha != new_dataset_sha:
         diffs.append(f"dataset.sha256: {old_dataset_sha[:12]}… -> {new_dataset_sha[:12]}…")
     return diffs
@@ -196,6 +208,9 @@ def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], back
         if key == "model.stages" and isinstance(val, dict):
             val = {s: {k: v for k, v in (st or {}).items() if k != "backend"} for s, st in val.items()}
         config[key] = val
+    cache = cache_config(cfg)
+    if cache is not None:  # a step cache changes the bytes; without one the key is absent (identities unchanged)
+        config["cache"] = json.loads(_canonical(cache))
     probes = platform.get("probes") or {}
     doc = {
         "config": config,

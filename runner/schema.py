@@ -120,6 +120,15 @@ class VideoCodec(Choice):
     h264 = "h264"
 
 
+class CacheSchedule(Choice):
+    """Which kind of step-cache schedule a run asks for (``models.cache``): ``fixed`` (the steps that reuse are set
+    by the config alone, whatever the weights: taylorseer, pab) or ``adaptive`` (decided each step from the
+    activations: first_block, magcache)."""
+
+    fixed = "fixed"
+    adaptive = "adaptive"
+
+
 class PlatformName(Choice):
     """A device platform (``auto`` detects one at startup)."""
 
@@ -454,6 +463,40 @@ class OptimizeConfig:
 
 
 @dataclass
+class CacheConfig:
+    """Step caching of diffusion stages (``models.cache``): transformer computations of one denoising step reused at
+    later steps, through diffusers' cache hooks. Lossy: a run with a cache is labelled ``lossy`` in its manifest and
+    report, and ``python -m runner.gate`` compares it with the lossless run of the same rows. Each method reads only
+    its own fields (a field it does not read, set, is refused at startup, as is a value out of range); null: the
+    method's default."""
+
+    method: str = "none"
+    """``none``, ``first_block`` (diffusers' First Block Cache), ``magcache``, ``taylorseer``, ``pab`` (Pyramid
+    Attention Broadcast), or a method added with ``models.cache.register_cache_method``."""
+    schedule: Optional[CacheSchedule] = None
+    """``fixed`` or ``adaptive``: refuses a method of the other kind; null: the method's own."""
+    threshold: Optional[float] = None
+    """Adaptive methods: first_block, the relative change of the first block's residual under which the other
+    blocks are skipped (default 0.05); magcache, the accumulated magnitude-ratio error allowed (default 0.06)."""
+    compute_every: Optional[int] = None
+    """Fixed methods: after the warm-up, one step in this many is computed, the others reuse (>= 2; taylorseer
+    default 5, pab 2)."""
+    warmup_steps: Optional[int] = None
+    """Fixed methods: the first steps, always computed (>= 1; taylorseer default 3, pab 1)."""
+    max_skip_steps: Optional[int] = None
+    """magcache: most consecutive steps skipped (default 3)."""
+    retention_ratio: Optional[float] = None
+    """magcache: share of the first steps never skipped, in [0, 1) (default 0.2)."""
+    mag_ratios: Any = None
+    """magcache (required): per-step magnitude ratios calibrated for the checkpoint, a list of floats (interpolated
+    to the step count), or ``flux`` (diffusers' FLUX.1 ratios)."""
+    order: Optional[int] = None
+    """taylorseer: order of the Taylor extrapolation of the cached outputs, 0..3 (default 1; 0 reuses them)."""
+    lite: Optional[bool] = None
+    """taylorseer: diffusers' lite mode (blocks skipped, the output projection extrapolated; default false)."""
+
+
+@dataclass
 class EvidenceConfig:
     """Evidence collection (see ``runner.evidence``)."""
 
@@ -504,6 +547,8 @@ class RunConfig:
     """Artifact settings."""
     optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
     """Speed settings of diffusion stages that keep the math."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """Step caching of diffusion stages (lossy, off by default)."""
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
     """Evidence collection."""
     run: RunControl = field(default_factory=RunControl)

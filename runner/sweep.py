@@ -3,7 +3,9 @@
 Exit rule of a sweep (documented in the README): the sweep exits 0 when every job either finished with all items
 written and evidence verified (``ok``) or was refused at startup because its explicitly selected backend cannot
 run on this platform (``refused``, a documented refusal). Any other outcome (bad input, failed items, evidence
-mismatch, crash) makes the sweep exit 1.
+mismatch, crash) makes the sweep exit 1. When a job is lossy (``runner.lossy``), the quality gate
+(``runner.gate``) runs too and writes ``gate.json``; a failing gate (a lossy job below 0.97x the lossless job's
+accuracy, or without a lossless job of the same rows) also makes the sweep exit 1.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -44,7 +46,25 @@ def summarize(sweep_dir: Path) -> Dict[str, Any]:
                      "exit_code": st.get("exit_code"), "status": status, "error": st.get("error")})
     failed = [j for j in jobs if j["outcome"] not in ACCEPTED_OUTCOMES]
     return {"sweep_dir": str(sweep_dir), "jobs": jobs, "exit_code": 1 if failed else 0,
-            "rule": "exit 0 iff every job is ok or refused (documented capability refusal at startup)"}
+            "rule": "exit 0 iff every job is ok or refused (documented capability refusal at startup) and the quality "
+                    "gate of the lossy jobs, if any, passes"}
+
+
+def gate(sweep_dir: Path, doc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Run the quality gate (``runner.gate``) when a job of the sweep is lossy: writes ``gate.json``, records its
+    verdict in ``doc`` (the ``sweep.json`` document) and raises its exit code on failure; None when no job is
+    lossy."""
+    from runner.gate import evaluate
+    from runner.report import load_jobs
+
+    out = evaluate(load_jobs([sweep_dir]))
+    if out["verdict"] == "none":
+        return None
+    atomic_write_json(sweep_dir / "gate.json", out)
+    doc["gate"] = {"verdict": out["verdict"], "file": "gate.json"}
+    if out["exit_code"]:
+        doc["exit_code"] = 1
+    return out
 
 
 class SweepCallback(Callback):
@@ -59,18 +79,27 @@ class SweepCallback(Callback):
         if not sweep_dir.is_dir():
             return
         doc = summarize(sweep_dir)
+        gated = None
+        try:
+            gated = gate(sweep_dir, doc)
+        except Exception as e:  # noqa: BLE001 - recorded; a gate that cannot run fails the sweep
+            log.error("the quality gate could not run: %s: %s", type(e).__name__, e)
+            doc["gate"], doc["exit_code"] = {"verdict": "error", "error": f"{type(e).__name__}: {e}"}, 1
         atomic_write_json(sweep_dir / "sweep.json", doc)
         try:
             from runner.report import write_report
 
-            write_report([sweep_dir], sweep_dir / "report.html", reference=self.reference)
+            write_report([sweep_dir], sweep_dir / "report.html", reference=self.reference, gate=gated)
         except ImportError:
             pass
         except Exception as e:  # noqa: BLE001 - the report must not hide the sweep's outcome
             log.error("report.html could not be written: %s", e)
         for j in doc["jobs"]:
             log.info("job %s: %s %s", j["dir"], j["outcome"], j["overrides"])
+        if gated is not None:
+            log.info("quality gate: %s (%s)", gated["verdict"], sweep_dir / "gate.json")
         if doc["exit_code"]:
-            log.error("sweep: %d job(s) failed for a reason other than a documented refusal",
-                      sum(j["outcome"] not in ACCEPTED_OUTCOMES for j in doc["jobs"]))
+            log.error("sweep: %d job(s) failed for a reason other than a documented refusal%s",
+                      sum(j["outcome"] not in ACCEPTED_OUTCOMES for j in doc["jobs"]),
+                      f"; quality gate: {doc['gate']['verdict']}" if doc.get("gate") else "")
             sys.exit(doc["exit_code"])

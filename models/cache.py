@@ -1,0 +1,602 @@
+"""Step caching: transformer computations of one denoising step reused at later steps (a lossy lane, opt in with
+``cache.method``), through diffusers' own cache hooks (``CacheMixin.enable_cache``), observed and counted.
+
+Methods (``cache.method``; a method is one :class:`CacheMethod` record, :func:`register_cache_method` adds one):
+
+* ``first_block``: ``FirstBlockCacheConfig`` on every transformer block; adaptive; reads ``threshold``.
+* ``magcache``: ``MagCacheConfig`` on every transformer block; adaptive; reads ``threshold``, ``max_skip_steps``,
+  ``retention_ratio``, ``mag_ratios``.
+* ``taylorseer``: ``TaylorSeerCacheConfig`` on the attention modules (``lite``: blocks and ``proj_out``); fixed;
+  reads ``compute_every``, ``warmup_steps``, ``order``, ``lite``.
+* ``pab``: ``PyramidAttentionBroadcastConfig`` on the self-attention modules; fixed; reads ``compute_every``,
+  ``warmup_steps``.
+
+*Adaptive* methods decide each step from the model's activations (first_block: the relative change of the first
+block's residual against ``threshold``; magcache: the accumulated error of the per-step magnitude ratios
+``mag_ratios`` calibrated for a checkpoint), so how often they hit depends on the weights (on random weights,
+arbitrarily): the evidence reports their hit rate. *Fixed* methods follow a schedule set by the config alone: the
+first ``warmup_steps`` steps are computed, then one step in ``compute_every`` (taylorseer: Taylor-extrapolated
+attention outputs in between; pab: the attention output of the last computed step reused), so speed can be measured
+independently of the weights and the evidence checks the observed reuse against the schedule.
+``cache.schedule=fixed`` (or ``adaptive``) asks for one kind and refuses a method of the other.
+
+Counting (:class:`CacheProbe`): innermost diffusers hooks on every transformer block and every attention module
+(registered before the cache's own hooks, so they run only when the real module computes), torch pre-hooks on the
+same modules (they run on every call, whether the cache answered or not), and pre/post hooks on the transformer
+delimiting its forwards. A block is *computed* in a forward when its own forward ran and every attention module in
+it that was called computed too; else *reused* (skipped, predicted or approximated by the cache). A transformer
+forward is computed when all its blocks were; else reused. Nothing is read from the config to count.
+
+Not wired: FasterCache (approximates the unconditional branch of CFG models), SeaCache (video adapters),
+TextKVCache (not step caching); ``compile=regional`` with a cache (refused: the counting hooks would be traced).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+
+from runner.errors import ConfigValueError, RefusedError
+
+#: ``cache.*`` fields a method may read (``cache.method`` and ``cache.schedule`` aside).
+CACHE_FIELDS = ("threshold", "compute_every", "warmup_steps", "max_skip_steps", "retention_ratio", "mag_ratios",
+                "order", "lite")
+SCHEDULES = ("fixed", "adaptive")
+
+
+class CacheConfigError(ConfigValueError):
+    """A ``cache.*`` value is not valid for the chosen method (names the field, the value and the fix)."""
+
+
+class CacheUnsupportedError(RefusedError):
+    """The model (its transformer, its pipeline's forwards per step, or the run's compile mode) cannot run the
+    chosen cache method; refused before anything loads, naming the model, the method and the fix."""
+
+
+@dataclass(frozen=True)
+class CacheMethod:
+    """Everything the runner knows about one caching method.
+
+    Attributes:
+        name: the ``cache.method`` value (canonical spelling).
+        schedule: ``fixed`` (which steps reuse is set by the config alone) or ``adaptive`` (decided from the
+            activations each step).
+        reads: the ``cache.*`` fields (of :data:`CACHE_FIELDS`) it takes; any other one set is refused.
+        defaults: values of ``reads`` used when the field is null.
+        build: ``(params, steps, probe) -> config``: the object handed to ``apply`` for a pipeline call of
+            ``steps`` denoising steps (``probe.step``: the current step index, for hooks that need it).
+        check: ``params -> [problem]``: each problem ``(field, why, fix)`` for values out of range.
+        needs: ``attention`` (hooks attention modules: the transformer must be a ``CacheMixin``) or ``blocks``
+            (hooks transformer blocks: also a block class diffusers' ``TransformerBlockRegistry`` knows).
+        per_context: keeps a separate state per ``cache_context`` (``cond``/``uncond``), so it is right with
+            several transformer forwards per step (true CFG); False: refused for such rows.
+        reused_steps: fixed schedules: ``(params, steps) -> steps reused`` of one pipeline call (per cache context);
+            None: not predicted (only "never hit" is checked).
+        apply: ``(transformer, config) -> None`` installing it (default: ``transformer.enable_cache(config)``).
+        remove: ``(transformer) -> None`` removing it (default: ``transformer.disable_cache()``).
+        aliases: other accepted spellings (compared case-insensitively, ``-`` equals ``_``).
+    """
+
+    name: str
+    schedule: str
+    reads: Tuple[str, ...]
+    defaults: Dict[str, Any]
+    build: Callable[[Dict[str, Any], int, "CacheProbe"], Any]
+    check: Callable[[Dict[str, Any]], List[Tuple[str, str, str]]] = lambda p: []
+    needs: str = "attention"
+    per_context: bool = True
+    reused_steps: Optional[Callable[[Dict[str, Any], int], int]] = None
+    apply: Optional[Callable[[torch.nn.Module, Any], None]] = None
+    remove: Optional[Callable[[torch.nn.Module], None]] = None
+    aliases: Tuple[str, ...] = ()
+
+
+CACHE_METHODS: Dict[str, CacheMethod] = {}
+
+
+def register_cache_method(method: CacheMethod, *, replace: bool = False) -> None:
+    """Add a caching method (selectable as ``cache.method=<name>``).
+
+    Raises:
+        ValueError: the name is taken and ``replace`` is False, or ``schedule``/``reads``/``needs`` hold unknown
+            values.
+    """
+    if method.name in CACHE_METHODS and not replace:
+        raise ValueError(f"cache method {method.name!r} is already registered; pass replace=True")
+    if method.schedule not in SCHEDULES or method.needs not in ("attention", "blocks"):
+        raise ValueError(f"cache method {method.name!r}: schedule must be one of {SCHEDULES}, needs attention|blocks")
+    unknown = [f for f in (*method.reads, *method.defaults) if f not in CACHE_FIELDS]
+    if unknown:
+        raise ValueError(f"cache method {method.name!r} reads unknown fields {unknown}; fields: {CACHE_FIELDS}")
+    CACHE_METHODS[method.name] = method
+
+
+def unregister_cache_method(name: str) -> None:
+    """Remove a registered method (tests register methods for their own duration)."""
+    CACHE_METHODS.pop(name, None)
+
+
+def _norm(name: Any) -> str:
+    return str(name).strip().lower().replace("-", "_")
+
+
+def method_of(name: Any) -> Optional[CacheMethod]:
+    """The method named ``name`` (any accepted spelling); None for ``none``.
+
+    Raises:
+        CacheConfigError: no such method, listing the known ones and the closest.
+    """
+    n = _norm(name)
+    if n in ("none", "", "null", "off"):
+        return None
+    for m in CACHE_METHODS.values():
+        if n == _norm(m.name) or n in (_norm(a) for a in m.aliases):
+            return m
+    known = sorted(CACHE_METHODS)
+    close = difflib.get_close_matches(n, known + [a for m in CACHE_METHODS.values() for a in m.aliases], n=1)
+    raise CacheConfigError(f"cache.method={name!r} is not a caching method; known: none, {', '.join(known)}"
+                           + (f"; did you mean {close[0]!r}?" if close else "") + "; fix: cache.method=none or one "
+                           "of those")
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The validated cache config of a run: the method, its schedule and every parameter it reads (defaults
+    filled in)."""
+
+    method: CacheMethod
+    schedule: str
+    params: Dict[str, Any]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """``{method, schedule, params}`` as recorded in item records and the manifest."""
+        return {"method": self.method.name, "schedule": self.schedule, "params": dict(self.params)}
+
+
+def settings(cfg: Any) -> Optional[CacheSettings]:
+    """Validate the run's ``cache`` section against its method; None when no cache is configured.
+
+    Raises:
+        CacheConfigError: an unknown method, a schedule the method does not have, a field the method does not read,
+            or a value out of range (each names ``cache.<field>``, the value and the fix).
+        A cache with ``compile=regional`` is refused the same way (not supported yet).
+    """
+    from omegaconf import OmegaConf
+
+    c = cfg.cache
+    m = method_of(c.method)
+    if m is None:
+        given = [f for f in ("schedule", *CACHE_FIELDS) if c[f] is not None]
+        if given:  # a value nothing reads is refused, not ignored
+            raise CacheConfigError(f"cache.{given[0]}={c[given[0]]!r} is set, but cache.method={c.method} (no cache) "
+                                   "reads no cache field; fix: remove it, or choose a method (a sweep over methods "
+                                   "with their own fields: -m 'cache={method:none},{method:taylorseer,compute_every:2}')")
+        return None
+    if c.schedule is not None and str(c.schedule) != m.schedule:
+        other = sorted(n for n, x in CACHE_METHODS.items() if x.schedule == str(c.schedule))
+        why = ("decides each step from the activations (its hit rate depends on the weights)"
+               if m.schedule == "adaptive" else "follows a schedule set by cache.compute_every/warmup_steps")
+        raise CacheConfigError(f"cache.schedule={c.schedule} is not available for cache.method={m.name}, which {why}; "
+                               f"fix: cache.schedule={m.schedule} (or null), or cache.method="
+                               f"{'|'.join(other) or '<a ' + str(c.schedule) + ' method>'}")
+    params: Dict[str, Any] = {}
+    for f in CACHE_FIELDS:
+        v = c[f]
+        if OmegaConf.is_config(v):
+            v = OmegaConf.to_container(v, resolve=True)
+        if v is None:
+            if f in m.reads:
+                params[f] = m.defaults.get(f)
+            continue
+        if f not in m.reads:
+            raise CacheConfigError(f"cache.{f}={v!r} is not read by cache.method={m.name} (it reads: "
+                                   f"{', '.join(m.reads) or 'nothing'}); fix: remove cache.{f} (null)")
+        params[f] = v
+    problems = _check_common(params) + list(m.check(params))
+    if problems:
+        f, why, fix = problems[0]
+        raise CacheConfigError(f"cache.{f}={params.get(f)!r} {why} (cache.method={m.name}); fix: {fix}")
+    if str(cfg.compile) != "none":
+        raise CacheConfigError(
+            f"cache.method={m.name} with compile={cfg.compile}: the cache's counting hooks would be traced into the "
+            "compiled blocks (not measured yet); fix: compile=none with a cache, or cache.method=none")
+    return CacheSettings(method=m, schedule=m.schedule, params=params)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_common(p: Dict[str, Any]) -> List[Tuple[str, str, str]]:
+    """Types and ranges of the shared fields (each method checks its own further rules)."""
+    out: List[Tuple[str, str, str]] = []
+    if "threshold" in p and (not isinstance(p["threshold"], (int, float)) or isinstance(p["threshold"], bool)
+                             or not math.isfinite(p["threshold"]) or p["threshold"] <= 0):
+        out.append(("threshold", "must be a finite number > 0", "e.g. cache.threshold=0.05"))
+    if "compute_every" in p and (not _is_int(p["compute_every"]) or p["compute_every"] < 2):
+        out.append(("compute_every", "must be an integer >= 2 (1 computes every step: nothing is reused)",
+                    "cache.compute_every=2 (or cache.method=none)"))
+    if "warmup_steps" in p and (not _is_int(p["warmup_steps"]) or p["warmup_steps"] < 1):
+        out.append(("warmup_steps", "must be an integer >= 1 (a step must be computed before one can be reused)",
+                    "cache.warmup_steps=1"))
+    if "max_skip_steps" in p and (not _is_int(p["max_skip_steps"]) or p["max_skip_steps"] < 1):
+        out.append(("max_skip_steps", "must be an integer >= 1", "cache.max_skip_steps=3"))
+    if "retention_ratio" in p and (not isinstance(p["retention_ratio"], (int, float))
+                                   or isinstance(p["retention_ratio"], bool) or not 0 <= p["retention_ratio"] < 1):
+        out.append(("retention_ratio", "must be a number in [0, 1) (the share of first steps always computed)",
+                    "cache.retention_ratio=0.2"))
+    if "order" in p and (not _is_int(p["order"]) or not 0 <= p["order"] <= 3):
+        out.append(("order", "must be an integer in 0..3 (Taylor expansion order; 0 reuses the last output)",
+                    "cache.order=1"))
+    if "lite" in p and not isinstance(p["lite"], bool):
+        out.append(("lite", "must be true or false", "cache.lite=false"))
+    return out
+
+
+def check_support(s: CacheSettings, transformer_class: str, model: str) -> None:
+    """Refuse, before loading, a model whose transformer cannot run method ``s.method``: not a diffusers
+    ``CacheMixin`` (no ``enable_cache``), or, for block methods, without a transformer block class that diffusers'
+    ``TransformerBlockRegistry`` describes.
+
+    Raises:
+        CacheUnsupportedError: naming the model, the transformer class, the method and the fix.
+    """
+    import diffusers
+    from diffusers.models.cache_utils import CacheMixin
+
+    cls = getattr(diffusers, str(transformer_class), None)
+    fix = "cache.method=none for this model (or a family whose transformer has enable_cache: flux, qwen_image, wan)"
+    if s.method.apply is not None:  # a registered method that installs itself decides for itself
+        return
+    if cls is None or not issubclass(cls, CacheMixin):
+        raise CacheUnsupportedError(f"cache.method={s.method.name}: model={model}'s transformer "
+                                    f"({transformer_class}) is not a diffusers CacheMixin, so no diffusers cache "
+                                    f"can be enabled on it; fix: {fix}")
+    if s.method.needs == "blocks":
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+
+        def described(block: type) -> bool:
+            try:
+                TransformerBlockRegistry.get(block)
+            except ValueError:
+                return False
+            return True
+
+        module = sys.modules.get(cls.__module__)  # the block classes its module defines or imports
+        here = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, torch.nn.Module)
+                and v is not cls and described(v)] if module else []
+        if not here:
+            raise CacheUnsupportedError(
+                f"cache.method={s.method.name} hooks transformer blocks, and diffusers describes none of "
+                f"{transformer_class}'s block classes (TransformerBlockRegistry); fix: cache.method=taylorseer or "
+                f"pab (attention-level), or {fix}")
+
+
+def check_rows_forwards(s: CacheSettings, forwards_per_step: Sequence[Optional[float]], model: str) -> None:
+    """Refuse a method that keeps one state for every forward (``per_context=False``: pab) when a row makes several
+    transformer forwards per step (true CFG: cond and uncond would share the cached attention), or when the count is
+    not known (a generic pipeline).
+
+    Raises:
+        CacheUnsupportedError: naming the method, the forwards per step and the fix.
+    """
+    if s.method.per_context:
+        return
+    bad = [f for f in forwards_per_step if f is None or f > 1]
+    if bad:
+        what = "an unknown number of" if bad[0] is None else f"{bad[0]:g}"
+        raise CacheUnsupportedError(
+            f"cache.method={s.method.name} keeps one cached output per attention module for every forward, and "
+            f"model={model} makes {what} transformer forwards per step for some rows (true CFG), whose branches would "
+            "then reuse each other's attention; fix: cache.method=taylorseer or first_block (separate state per "
+            "cond/uncond branch), or rows without true CFG")
+
+
+# ---------------------------------------------------------------------------------------------- observation
+class _ProbeHook(ModelHook):
+    """A diffusers hook registered innermost on a module: its ``pre_forward`` runs only when the module's own
+    forward runs (a cache hook registered later wraps it, and skips it when it answers from its cache)."""
+
+    def __init__(self, on_run: Callable[[], None]) -> None:
+        super().__init__()
+        self.on_run = on_run
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
+        self.on_run()
+        return args, kwargs
+
+
+PROBE_HOOK = "runner_cache_probe"
+
+
+@dataclass
+class CacheCounts:
+    """Counts of a span of transformer forwards (one pipeline call, or the whole run).
+
+    Attributes:
+        forwards_computed / forwards_reused: transformer forwards in which every block computed / at least one block
+            was reused (skipped, predicted or approximated by the cache).
+        blocks_computed / blocks_reused: block executions summed over those forwards (blocks per forward x forwards).
+    """
+
+    forwards_computed: int = 0
+    forwards_reused: int = 0
+    blocks_computed: int = 0
+    blocks_reused: int = 0
+
+    def minus(self, other: "CacheCounts") -> "CacheCounts":
+        """The counts since ``other`` (a snapshot of the same probe)."""
+        return CacheCounts(self.forwards_computed - other.forwards_computed,
+                           self.forwards_reused - other.forwards_reused,
+                           self.blocks_computed - other.blocks_computed, self.blocks_reused - other.blocks_reused)
+
+    def to_dict(self) -> Dict[str, int]:
+        return {"forwards_computed": self.forwards_computed, "forwards_reused": self.forwards_reused,
+                "blocks_computed": self.blocks_computed, "blocks_reused": self.blocks_reused}
+
+
+class CacheProbe:
+    """Counts, per transformer forward, which blocks and attention modules really computed (see the module
+    docstring). Install it before the cache: its hooks must be the innermost ones.
+
+    Attributes:
+        blocks: ``[(name, module)]`` of every transformer block (the children of the transformer's top-level
+            ``nn.ModuleList`` s).
+        attention_runs: attention module name -> forwards in which it computed (the evidence expects that many
+            calls of its attention backend at its call site).
+        counts: totals over every forward so far.
+        step: forwards since :meth:`start_call` (the step index of a call with one forward per step).
+    """
+
+    def __init__(self, transformer: torch.nn.Module, attention: Sequence[Tuple[str, torch.nn.Module]]) -> None:
+        self.blocks: List[Tuple[str, torch.nn.Module]] = []
+        for name, child in transformer.named_children():
+            if isinstance(child, torch.nn.ModuleList):
+                self.blocks += [(f"{name}.{i}", b) for i, b in enumerate(child)]
+        if not self.blocks:
+            raise CacheUnsupportedError(f"{type(transformer).__name__} has no transformer blocks in a ModuleList, so "
+                                        "no cache can be observed on it; fix: cache.method=none")
+        self.attention: Dict[str, int] = {}  # attention module name -> index of its block
+        mods: List[Tuple[str, torch.nn.Module]] = []
+        for name, mod in attention:
+            owner = next((i for i, (bn, _) in enumerate(self.blocks) if name.startswith(bn + ".")), None)
+            if owner is not None:
+                self.attention[name] = owner
+                mods.append((name, mod))
+        self.attention_runs: Dict[str, int] = {n: 0 for n in self.attention}
+        self.counts = CacheCounts()
+        self.step = 0
+        self._ran_blocks: set = set()
+        self._called_attn: set = set()
+        self._ran_attn: set = set()
+        for i, (_, block) in enumerate(self.blocks):
+            HookRegistry.check_if_exists_or_initialize(block).register_hook(
+                _ProbeHook(lambda _i=i: self._ran_blocks.add(_i)), PROBE_HOOK)
+        for name, mod in mods:
+            HookRegistry.check_if_exists_or_initialize(mod).register_hook(
+                _ProbeHook(lambda _n=name: self._ran_attn.add(_n)), PROBE_HOOK)
+            mod.register_forward_pre_hook(lambda m, a, _n=name: self._called_attn.add(_n))
+        transformer.register_forward_pre_hook(self._begin)
+        transformer.register_forward_hook(self._end)
+
+    def start_call(self) -> None:
+        """A pipeline call begins (step indices restart at 0)."""
+        self.step = 0
+
+    def snapshot(self) -> CacheCounts:
+        """A copy of the totals, to subtract later (:meth:`CacheCounts.minus`)."""
+        return CacheCounts(**self.counts.to_dict())
+
+    def _begin(self, module: torch.nn.Module, args: Any) -> None:
+        self._ran_blocks.clear()
+        self._called_attn.clear()
+        self._ran_attn.clear()
+
+    def _end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        computed = 0
+        partial = {self.attention[n] for n in self._called_attn if n not in self._ran_attn}
+        for i in range(len(self.blocks)):
+            if i in self._ran_blocks and i not in partial:
+                computed += 1
+        for n in self._ran_attn:
+            self.attention_runs[n] += 1
+        reused = len(self.blocks) - computed
+        c = self.counts
+        c.blocks_computed += computed
+        c.blocks_reused += reused
+        if reused:
+            c.forwards_reused += 1
+        else:
+            c.forwards_computed += 1
+        self.step += 1
+
+
+class StepCache:
+    """A configured cache on one loaded transformer: the probe, the method's hooks (rebuilt when a call has another
+    step count), the per-call counts, and the evidence.
+
+    Attributes:
+        settings: the validated config.
+        probe: the observer (:class:`CacheProbe`).
+        calls: pipeline calls made; ``expected_reused``: forwards the schedule says are reused (fixed methods whose
+            ``reused_steps`` is known and whose forwards per step are known; None otherwise).
+    """
+
+    def __init__(self, transformer: torch.nn.Module, s: CacheSettings,
+                 attention: Sequence[Tuple[str, torch.nn.Module]]) -> None:
+        """Install the probe on ``transformer`` (``attention``: ``(name, module)`` of its attention modules, names
+        relative to the transformer); the method itself is installed by the first :meth:`before_call`."""
+        self.transformer = transformer
+        self.settings = s
+        self.probe = CacheProbe(transformer, attention)
+        self.calls = 0
+        self.expected_reused: Optional[int] = 0 if s.method.reused_steps is not None else None
+        self._steps: Optional[int] = None
+        self._before = self.probe.snapshot()
+
+    def _remove(self) -> None:
+        m = self.settings.method
+        if m.remove is not None:
+            m.remove(self.transformer)
+        else:
+            self.transformer.disable_cache()
+
+    def before_call(self, steps: int) -> None:
+        """Before a pipeline call of ``steps`` denoising steps: (re)install the method for that step count, reset
+        the cache state (a call never sees another call's cached outputs) and mark the counts."""
+        m = self.settings.method
+        if steps != self._steps:
+            if self._steps is not None:
+                self._remove()
+            config = m.build(self.settings.params, steps, self.probe)
+            (m.apply or (lambda t, c: t.enable_cache(c)))(self.transformer, config)
+            self._steps = steps
+        reset = getattr(self.transformer, "_reset_stateful_cache", None)
+        if callable(reset):
+            reset()
+        self.probe.start_call()
+        self._before = self.probe.snapshot()
+
+    def call_failed(self) -> None:
+        """A pipeline call raised part-way: what the schedule predicts for the run is no longer known."""
+        self.expected_reused = None
+
+    def after_call(self, steps: int, forwards: Optional[int]) -> CacheCounts:
+        """After a pipeline call that completed: its counts; adds what a fixed schedule predicts for it.
+
+        Args:
+            forwards: transformer forwards the call should make (None: not known).
+        """
+        self.calls += 1
+        got = self.probe.counts.minus(self._before)
+        m = self.settings.method
+        if self.expected_reused is not None:
+            if forwards is None or forwards % steps:
+                self.expected_reused = None
+            else:
+                self.expected_reused += m.reused_steps(self.settings.params, steps) * (forwards // steps)
+        return got
+
+    def record(self, counts: CacheCounts, items: int) -> Dict[str, Any]:
+        """The ``cache`` field of an item record: method, schedule, params, and the counts of the pipeline call the
+        item ran in (``call_items``: items in that call, which share the counts)."""
+        return {**self.settings.to_dict(), **counts.to_dict(), "call_items": items}
+
+    def evidence(self, stage: str) -> Tuple[Dict[str, Any], List[str]]:
+        """``evidence.stages.<stage>.cache`` (totals, hit rates, what the schedule predicts) and its mismatches: the
+        cache never hit over the run (configured but not observed), or a fixed schedule's reuse not what was
+        observed."""
+        c = self.probe.counts
+        fw, bl = c.forwards_computed + c.forwards_reused, c.blocks_computed + c.blocks_reused
+        doc = {**self.settings.to_dict(), **c.to_dict(),
+               "forwards_hit_rate": round(c.forwards_reused / fw, 4) if fw else None,
+               "blocks_hit_rate": round(c.blocks_reused / bl, 4) if bl else None,
+               "blocks_per_forward": len(self.probe.blocks), "calls": self.calls,
+               "expected_forwards_reused": self.expected_reused}
+        mm: List[str] = []
+        name = self.settings.method.name
+        if fw and c.forwards_reused == 0:
+            mm.append(f"stage {stage}, cache: cache.method={name} is configured, but no block or forward was reused "
+                      f"in {fw} transformer forwards (the cache never hit); fix: "
+                      + ("a larger cache.threshold (its hit rate depends on the weights)"
+                         if self.settings.schedule == "adaptive" else "fewer cache.warmup_steps or more steps")
+                      + ", or cache.method=none")
+        elif self.expected_reused is not None and c.forwards_reused != self.expected_reused:
+            mm.append(f"stage {stage}, cache: cache.method={name}'s fixed schedule reuses {self.expected_reused} "
+                      f"transformer forwards in this run, observed {c.forwards_reused} reused of {fw}")
+        doc["verdict"] = "mismatch" if mm else "observed"
+        return doc, mm
+
+
+# ---------------------------------------------------------------------------------------------- the methods
+def _first_block(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    return FirstBlockCacheConfig(threshold=float(p["threshold"]))
+
+
+def _mag_ratios(p: Dict[str, Any]) -> List[Tuple[str, str, str]]:
+    r = p.get("mag_ratios")
+    if r is None:
+        return [("mag_ratios", "is required: MagCache's per-step magnitude ratios are calibrated per checkpoint",
+                 "cache.mag_ratios=flux (diffusers' FLUX.1 ratios) or a list of ratios, one per step, calibrated "
+                 "for this model")]
+    if isinstance(r, str):
+        return [] if r.lower() == "flux" else [("mag_ratios", "names no shipped ratios (known: flux)",
+                                                "cache.mag_ratios=flux or a list of floats")]
+    ok = isinstance(r, list) and len(r) >= 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                     and math.isfinite(x) and x > 0 for x in r)
+    return [] if ok else [("mag_ratios", "must be 'flux' or a list of at least 2 positive numbers",
+                           "cache.mag_ratios=flux")]
+
+
+def _magcache(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
+    from diffusers.hooks import MagCacheConfig
+
+    r = p["mag_ratios"]
+    if isinstance(r, str):
+        from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+        r = FLUX_MAG_RATIOS
+    return MagCacheConfig(threshold=float(p["threshold"]), max_skip_steps=int(p["max_skip_steps"]),
+                          retention_ratio=float(p["retention_ratio"]), num_inference_steps=int(steps),
+                          mag_ratios=torch.as_tensor(r, dtype=torch.float32))
+
+
+def _taylorseer(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
+    from diffusers.hooks import TaylorSeerCacheConfig
+
+    import re
+
+    # the attention modules of the blocks by name (diffusers' default patterns, ``^blocks.*attn``, fullmatch no
+    # Wan ``attn1``/``attn2``, so on Wan nothing would be cached); lite mode uses diffusers' own patterns
+    return TaylorSeerCacheConfig(cache_interval=int(p["compute_every"]),
+                                 disable_cache_before_step=int(p["warmup_steps"]),
+                                 max_order=int(p["order"]), use_lite_mode=bool(p["lite"]),
+                                 taylor_factors_dtype=torch.float32,
+                                 cache_identifiers=[re.escape(n) for n in probe.attention] or None)
+
+
+def _taylorseer_reused(p: Dict[str, Any], steps: int) -> int:
+    """diffusers' TaylorSeer rule: step s computes when s < warmup or (s - warmup - 1) % interval == 0."""
+    w, n = int(p["warmup_steps"]), int(p["compute_every"])
+    return sum(1 for s in range(steps) if not (s < w or (s - w - 1) % n == 0))
+
+
+def _pab(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
+    from diffusers.hooks import PyramidAttentionBroadcastConfig
+
+    # the "timestep" PAB compares is the step index (probe.step), so the schedule is in steps, not in the
+    # scheduler's timestep units: steps 0..warmup-1 lie outside the skip range and compute
+    return PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=int(p["compute_every"]),
+                                           spatial_attention_timestep_skip_range=(int(p["warmup_steps"]) - 1,
+                                                                                  sys.maxsize),
+                                           current_timestep_callback=lambda: probe.step)
+
+
+def _pab_reused(p: Dict[str, Any], steps: int) -> int:
+    """diffusers' PAB rule with the step index as its timestep: step s computes when s < warmup or s % N == 0."""
+    w, n = int(p["warmup_steps"]), int(p["compute_every"])
+    return sum(1 for s in range(steps) if not (s < w or s % n == 0))
+
+
+register_cache_method(CacheMethod(
+    "first_block", "adaptive", ("threshold",), {"threshold": 0.05}, _first_block, needs="blocks",
+    aliases=("fbc", "first_block_cache", "firstblock")))
+register_cache_method(CacheMethod(
+    "magcache", "adaptive", ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios"),
+    {"threshold": 0.06, "max_skip_steps": 3, "retention_ratio": 0.2, "mag_ratios": None}, _magcache,
+    check=_mag_ratios, needs="blocks", aliases=("mag_cache", "mag")))
+register_cache_method(CacheMethod(
+    "taylorseer", "fixed", ("compute_every", "warmup_steps", "order", "lite"),
+    {"compute_every": 5, "warmup_steps": 3, "order": 1, "lite": False}, _taylorseer,
+    reused_steps=_taylorseer_reused, aliases=("taylorseer_cache", "taylor_seer", "taylor")))
+register_cache_method(CacheMethod(
+    "pab", "fixed", ("compute_every", "warmup_steps"), {"compute_every": 2, "warmup_steps": 1}, _pab,
+    per_context=False, reused_steps=_pab_reused, aliases=("pyramid_attention_broadcast",)))

@@ -1,0 +1,260 @@
+"""Step caching (issue #18): every method runs on the trained toy_shapes with its reuse counted per item from what
+executed; bad cache parameters and unsupported models are refused before loading; a cache that never hits is an
+evidence mismatch; lossy runs are labelled; the quality gate passes a working cache and fails a deliberately broken
+one (a cache that returns the first step's block outputs for every step)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _helpers import execute
+from runner.errors import RunnerError
+
+ROWS = 6  # toy_shapes builtin rows for the gate (lossless accuracy 1.0 on these)
+METHODS = {  # method -> overrides (fixed methods: their schedule; adaptive: a threshold that hits on toy_shapes)
+    "first_block": ["cache.method=first_block", "cache.threshold=0.2"],
+    "magcache": ["cache.method=magcache", "cache.mag_ratios=flux"],
+    "taylorseer": ["cache.method=taylorseer", "cache.compute_every=2", "cache.warmup_steps=3"],
+    "pab": ["cache.method=pab", "cache.compute_every=2"],
+}
+
+
+def _run(path, overrides, limit=ROWS, catch=()):
+    return execute(path, ["model=toy_shapes", f"dataset.limit={limit}", *overrides], catch=catch)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_each_method_records_observed_reuse(tmp_path, method):
+    r = _run(tmp_path / method, METHODS[method], limit=2)
+    assert r.code == 0, r.manifest.get("evidence")
+    m = r.manifest
+    ev = m["evidence"]
+    assert ev["verdict"] == "verified", ev["mismatches"]
+    for rec in r.items:
+        c = rec["cache"]
+        assert c["method"] == method and c["call_items"] == 1
+        assert c["forwards_computed"] + c["forwards_reused"] == rec["params"]["num_inference_steps"] == 16
+        assert c["forwards_reused"] > 0 and c["blocks_reused"] > 0 and c["blocks_computed"] > 0, c
+        assert c["blocks_computed"] + c["blocks_reused"] == 16 * 5  # toy_shapes: 2 double + 3 single blocks
+    sec = ev["stages"]["denoise"]["cache"]
+    assert sec["forwards_reused"] == sum(rec["cache"]["forwards_reused"] for rec in r.items)
+    assert 0 < sec["forwards_hit_rate"] < 1 and sec["calls"] == 2
+    assert ev["stages"]["denoise"]["denoiser_forwards"] == ev["stages"]["denoise"]["expected_forwards"] == 32
+    if sec["schedule"] == "fixed":  # the schedule's own rule predicts the reuse that was observed
+        assert sec["expected_forwards_reused"] == sec["forwards_reused"]
+    # attention sites of reused attention modules ran their backend fewer times than there were forwards
+    layers = ev["stages"]["denoise"]["attention"]["layers"]
+    assert all(lay["ok"] for lay in layers)
+    if method in ("taylorseer", "pab"):
+        assert all(lay["calls"] < 32 for lay in layers), layers
+    assert m["lossy"] == {"lossy": True, "lanes": [f"cache={method}"]}
+    assert m["cache"]["method"] == method and m["cache"]["lossy"] is True
+
+
+def test_no_cache_keeps_records_identity_and_label(tmp_path):
+    from runner import resume
+
+    r = _run(tmp_path / "plain", [], limit=1)
+    assert r.code == 0 and "cache" not in r.items[0] and "cache" not in r.manifest["evidence"]["stages"]["denoise"]
+    assert r.manifest["lossy"] == {"lossy": False, "lanes": []}
+    cfg = r.manifest["config"]
+    assert "cache" not in r.manifest["identity"]["config"]  # identities of runs without a cache are unchanged
+    old = {k: v for k, v in cfg.items() if k != "cache"}  # a manifest written before the section existed
+    assert resume.semantic_diff(old, cfg, None, "x") == []
+    on = {**cfg, "cache": {**cfg["cache"], "method": "taylorseer"}}
+    assert resume.semantic_diff(cfg, on, None, "x") and resume.cache_config(on)["method"] == "taylorseer"
+
+
+BAD = [  # (overrides, error class name, words the message must hold)
+    (["cache.method=taylorsear"], "CacheConfigError", ["cache.method='taylorsear'", "did you mean 'taylorseer'"]),
+    (["cache.method=first_block", "cache.compute_every=2"], "CacheConfigError",
+     ["cache.compute_every=2 is not read by cache.method=first_block", "fix:"]),
+    (["cache.method=taylorseer", "cache.compute_every=1"], "CacheConfigError",
+     ["cache.compute_every=1", ">= 2", "fix: cache.compute_every=2"]),
+    (["cache.method=first_block", "cache.threshold=-1"], "CacheConfigError", ["cache.threshold=-1", "> 0"]),
+    (["cache.method=first_block", "cache.schedule=fixed"], "CacheConfigError",
+     ["cache.schedule=fixed is not available for cache.method=first_block", "taylorseer"]),
+    (["cache.method=magcache"], "CacheConfigError", ["cache.mag_ratios=None is required", "cache.mag_ratios=flux"]),
+    (["cache.method=taylorseer", "cache.order=7"], "CacheConfigError", ["cache.order=7", "0..3"]),
+    (["cache.method=taylorseer", "compile=regional"], "CacheConfigError", ["compile=regional", "compile=none"]),
+    (["cache.compute_every=2"], "CacheConfigError", ["cache.compute_every=2 is set, but cache.method=none"]),
+]
+
+
+@pytest.mark.parametrize("overrides,cls,words", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_cache_config_is_refused_before_loading(tmp_path, overrides, cls, words):
+    r = _run(tmp_path / "run", overrides, limit=1, catch=(RunnerError,))
+    assert r.error is not None and type(r.error).__name__ == cls, r.error
+    assert r.error.exit_code == 2
+    for w in words:
+        assert w in str(r.error), str(r.error)
+    assert not (tmp_path / "run" / "manifest.json").exists()
+
+
+def test_model_without_cache_support_is_refused_before_loading(tmp_path):
+    r = execute(tmp_path / "sd3", ["model=tiny_sd3", "cache.method=taylorseer", "dataset.limit=1"],
+                catch=(RunnerError,))
+    assert type(r.error).__name__ == "CacheUnsupportedError", r.error
+    assert "SD3Transformer2DModel" in str(r.error) and "CacheMixin" in str(r.error) and "fix:" in str(r.error)
+    assert r.error.outcome == "refused" and not (tmp_path / "sd3" / "manifest.json").exists()
+
+
+def test_pab_with_true_cfg_rows_is_refused(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "a", "prompt": "a red circle in the center on a white background",
+                                "negative_prompt": "blue"}) + "\n")
+    r = execute(tmp_path / "run", ["model=toy_shapes", "dataset=jsonl", f"dataset.path={rows}",
+                                   "model.generation.true_cfg_scale=4", "cache.method=pab"], catch=(RunnerError,))
+    assert type(r.error).__name__ == "CacheUnsupportedError", r.error
+    assert "true CFG" in str(r.error) and "2 transformer forwards per step" in str(r.error)
+
+
+def test_cache_that_never_hits_is_an_evidence_mismatch(tmp_path):
+    from runner.evidence import EvidenceError
+
+    r = _run(tmp_path / "run", ["cache.method=first_block", "cache.threshold=1e-9"], limit=1, catch=(EvidenceError,))
+    assert isinstance(r.error, EvidenceError) and r.error.exit_code == 3
+    m = r.manifest
+    assert m["status"] == "evidence_mismatch" and (tmp_path / "run" / "images").is_dir()
+    assert any("the cache never hit" in x and "cache.threshold" in x for x in m["evidence"]["mismatches"])
+    assert m["evidence"]["stages"]["denoise"]["cache"]["forwards_reused"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ the quality gate
+def _stale_method(name, forever):
+    """A deliberately broken cache: every transformer block returns the output of its first call for every later
+    step. ``forever``: its state is never reset (not a stateful diffusers hook), so every later pipeline call, of any
+    row, gets the first row's step-0 outputs too; else it is reset per call (each image is then its own one-step
+    Euler sample: blurred, but its shapes right, so the oracle still reads it)."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    from models.cache import CacheMethod
+
+    class Stale(ModelHook):
+        _is_stateful = not forever
+
+        def __init__(self):
+            super().__init__()
+            self.out = None
+
+        def new_forward(self, module, *args, **kwargs):
+            if self.out is None:
+                self.out = self.fn_ref.original_forward(*args, **kwargs)
+            return self.out
+
+        def reset_state(self, module):
+            self.out = None
+            return module
+
+    def blocks(t):
+        return [b for _, c in t.named_children() if isinstance(c, torch.nn.ModuleList) for b in c]
+
+    def apply(t, config):
+        for b in blocks(t):
+            HookRegistry.check_if_exists_or_initialize(b).register_hook(Stale(), name)
+
+    def remove(t):
+        for b in blocks(t):
+            HookRegistry.check_if_exists_or_initialize(b).remove_hook(name, recurse=False)
+
+    # forever: from the 2nd call on every forward reuses, which the schedule does not predict (not declared)
+    return CacheMethod(name, "fixed", (), {}, build=lambda p, steps, probe: None, apply=apply, remove=remove,
+                       reused_steps=None if forever else (lambda p, steps: steps - 1))
+
+
+@pytest.fixture(scope="module")
+def gate_runs(tmp_path_factory):
+    from models.cache import register_cache_method, unregister_cache_method
+
+    root = tmp_path_factory.mktemp("gate")
+    register_cache_method(_stale_method("stale", forever=True))
+    register_cache_method(_stale_method("stale_per_call", forever=False))
+    try:
+        runs = {name: _run(root / name, ov) for name, ov in (
+            ("lossless", []), ("taylorseer", METHODS["taylorseer"]), ("stale", ["cache.method=stale"]),
+            ("stale_per_call", ["cache.method=stale_per_call"]))}
+    finally:
+        unregister_cache_method("stale")
+        unregister_cache_method("stale_per_call")
+    assert all(r.code == 0 for r in runs.values()), {k: r.manifest.get("evidence") for k, r in runs.items()}
+    return root, runs
+
+
+def test_gate_passes_a_working_cache_and_fails_a_stale_one(gate_runs, capsys):
+    from runner import gate
+
+    root, runs = gate_runs
+    stale = runs["stale"].manifest
+    assert stale["lossy"] == {"lossy": True, "lanes": ["cache=stale"]}
+    assert stale["evidence"]["verdict"] == "verified"  # it ran as configured: only the oracle can tell
+    assert stale["evidence"]["stages"]["denoise"]["cache"]["forwards_reused"] == ROWS * 16 - 1
+
+    dirs = [runs[k].run_dir for k in ("lossless", "taylorseer", "stale")]
+    code = gate.main([*map(str, dirs), "--out", str(root / "gate.json")])
+    out = capsys.readouterr().out
+    doc = json.loads((root / "gate.json").read_text())
+    assert code == 1 and doc["verdict"] == "fail" and doc["exit_code"] == 1, out
+    by = {e["lossy_job"]: e for e in doc["jobs"]}
+    good, bad = by["taylorseer"], by["stale"]
+    assert good["lossless_job"] == bad["lossless_job"] == "lossless"
+    assert good["verdict"] == "pass" and all(a["ratio"] >= 0.97 for a in good["accuracy"].values()), good
+    assert bad["verdict"] == "fail" and any(a["ratio"] is not None and a["ratio"] < 0.97
+                                            for a in bad["accuracy"].values()), bad
+    assert good["psnr_db"]["min"] > bad["psnr_db"]["min"] and len(good["items"]) == ROWS
+    assert all(0 < i["ssim"] <= 1 for i in good["items"])
+    assert "FAIL" in out and "PASS" in out
+
+    # the lossless job alone with the good one passes (exit 0); a lossy job without its lossless job fails
+    assert gate.main([str(runs["lossless"].run_dir), str(runs["taylorseer"].run_dir), "--out",
+                      str(root / "g2.json")]) == 0
+    assert gate.main([str(runs["taylorseer"].run_dir), "--out", str(root / "g3.json")]) == 1
+    assert json.loads((root / "g3.json").read_text())["jobs"][0]["verdict"] == "unmatched"
+
+
+def test_gate_psnr_floor_catches_what_the_oracle_does_not(gate_runs):
+    """A cache stale within each call keeps toy_shapes' shapes (the oracle reads 1.0) but not the pixels: the
+    accuracy gate passes it, a PSNR floor fails it while the working cache stays above."""
+    from runner import gate
+    from runner.report import load_jobs
+
+    root, runs = gate_runs
+    jobs = load_jobs([runs[k].run_dir for k in ("lossless", "taylorseer", "stale_per_call")])
+    assert runs["stale_per_call"].manifest["evidence"]["stages"]["denoise"]["cache"]["forwards_reused"] == ROWS * 15
+    by = {e["lossy_job"]: e for e in gate.evaluate(jobs)["jobs"]}
+    assert by["stale_per_call"]["verdict"] == "pass"  # the oracle alone cannot tell
+    floor = by["taylorseer"]["psnr_db"]["min"] - 1
+    assert by["stale_per_call"]["psnr_db"]["min"] < floor
+    doc = gate.evaluate(jobs, min_psnr_db=floor)
+    by = {e["lossy_job"]: e for e in doc["jobs"]}
+    assert by["stale_per_call"]["verdict"] == "fail" and by["taylorseer"]["verdict"] == "pass"
+    assert doc["exit_code"] == 1 and any("PSNR" in r for r in by["stale_per_call"]["reasons"])
+
+
+def test_report_labels_lossy_jobs_and_shows_the_gate(gate_runs, tmp_path):
+    from runner import gate
+    from runner.report import write_report
+
+    root, runs = gate_runs
+    dirs = [runs[k].run_dir for k in ("lossless", "taylorseer", "stale")]
+    doc = gate.write_gate(dirs, tmp_path / "gate.json")
+    html = write_report(dirs, tmp_path / "report.html", gate=doc).read_text()
+    assert "Quality gate of lossy jobs" in html and "cache=stale" in html and "cache=taylorseer" in html
+    assert html.count(">lossy<") == 2  # the two cached jobs carry the label, the lossless one does not
+    gate_html = html[html.index("Quality gate of lossy jobs"):html.index("<h2>Parity")]
+    assert ">fail<" in gate_html and ">pass<" in gate_html
+
+
+def test_lossy_lanes_of_backends():
+    from runner.lossy import lanes
+
+    sel = {"denoise": {"attention": {"selected": {"joint": {"backend": "SAGE_ATTN", "quant": None,
+                                                            "skip_softmax": None}}},
+                       "linear": {"selected": "FP8"}, "moe": {"selected": None}}}
+    assert lanes(sel, {"cache": {"method": "none"}}) == ["denoise.attention.joint=SAGE_ATTN", "denoise.linear=FP8"]
+    exact = {"denoise": {"attention": {"selected": {"joint": {"backend": "CUDNN_ATTN"}}}, "linear": {"selected": "TORCH"}}}
+    assert lanes(exact, {}) == []
+    quant = {"gen": {"attention": {"selected": {"decoder": {"backend": "TRTLLM_ATTN", "skip_softmax": {"threshold": 1}}}}}}
+    assert lanes(quant, {"cache": {"method": "pab"}}) == ["cache=pab", "gen.attention.decoder=TRTLLM_ATTN+skip_softmax"]
