@@ -30,6 +30,8 @@ class LinearRecord:
         modules: number of linear modules under this backend.
         observed: implementation name -> calls (summed over modules).
         skipped: modules left dense under ``FP8`` (shape not a multiple of 16, or outside the transformer blocks).
+        excluded: modules owned by another backend field (the routed experts of MoE blocks, owned by the MoE
+            backend): neither replaced nor counted here.
     """
 
     resolved: str
@@ -37,6 +39,7 @@ class LinearRecord:
     modules: int = 0
     observed: Dict[str, int] = field(default_factory=dict)
     skipped: List[str] = field(default_factory=list)
+    excluded: List[str] = field(default_factory=list)
 
     def add(self, impl: str, n: int = 1) -> None:
         self.observed[impl] = self.observed.get(impl, 0) + n
@@ -81,7 +84,7 @@ def _eligible(name: str, mod: nn.Linear, prefixes: Tuple[str, ...]) -> bool:
 
 def install(model: nn.Module, backend: str,
             prefixes: Tuple[str, ...] = ("transformer_blocks.", "single_transformer_blocks."),
-            observe: bool = True) -> LinearRecord:
+            observe: bool = True, exclude: Tuple[str, ...] = ()) -> LinearRecord:
     """Apply linear backend ``backend`` to ``model`` and return the record its calls are counted into.
 
     Args:
@@ -90,9 +93,14 @@ def install(model: nn.Module, backend: str,
         prefixes: module-name prefixes whose linears FP8 may replace (the transformer blocks; embedders and the
             output projection stay dense, as in common FP8 recipes for DiTs).
         observe: count calls (off under ``torch.compile``, where counters would be traced, not run per call).
+        exclude: module-name prefixes of Linears another backend field owns (MoE experts): left as they are,
+            uncounted, listed in ``excluded``.
     """
     rec = LinearRecord(resolved=backend, counting=observe)
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    if exclude:
+        rec.excluded = [n for n, _ in linears if n.startswith(exclude)]
+        linears = [(n, m) for n, m in linears if not n.startswith(exclude)]
     if backend == "TORCH":
         for _, m in linears:
             if observe:

@@ -35,12 +35,17 @@ TRITON implementation (:func:`moe_triton`), in the style of vLLM's ``fused_moe``
     runtime loop bounds also break ``range`` in Triton 3.6's CPU interpreter); block sizes are all >= 16 (tl.dot).
 
 Both implementations count nothing themselves; :class:`SwiGLUMoE` counts which one its ``forward`` ran.
+
+Diffusion models' MoE blocks (HiDream-I1) are wired by :func:`install` (bottom of this module): the stage's MoE
+backend decides what computes the routed experts of every block, each block's forward records what actually did
+(:class:`MoESite`), and :func:`block_parity` checks a kernel against the model's own loop.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -444,3 +449,228 @@ class SwiGLUMoE(nn.Module):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, backend={self.backend}, "
                 f"renormalize={self.renormalize}")
+
+
+# ------------------------------------------------------------------------------------ diffusers MoE blocks
+#
+# A diffusion model's MoE block (HiDream-I1: diffusers' ``MOEFeedForwardSwiGLU``) computes
+#     y = routed(x) + shared(x)
+# where ``routed`` is this module's routed SwiGLU mixture (router logits, top-k, a SwiGLU per expert) and ``shared``
+# an optional dense expert every token runs. The MoE backend of the stage decides what computes ``routed``: the
+# model's own expert loop (``TORCH``, the reference) or a kernel with :func:`moe_reference`'s contract (``TRITON``).
+# Which one each block actually ran is observed per call (:class:`MoESite`), never assumed from the configuration.
+
+
+class ExpertsLayout:
+    """Where a model family's MoE block keeps the parts of :func:`moe_reference`'s contract; one subclass per family
+    (``models.hidream.HiDreamExperts``). Every method takes the block (the ``nn.Module`` whose forward is the MoE
+    layer, a "call site").
+
+    Shapes: ``H`` hidden size, ``I`` expert intermediate size, ``E`` routed experts, ``T`` tokens.
+    """
+
+    def experts(self, block: nn.Module) -> Sequence[nn.Module]:
+        """The routed expert modules, whose forwards are the model's own expert loop (observed by hooks)."""
+        raise NotImplementedError
+
+    def expert_linears(self, block: nn.Module) -> Tuple[str, ...]:
+        """Module-name prefixes, relative to the block, of the routed experts' Linears (owned by the MoE backend,
+        so the linear backend neither replaces nor counts them)."""
+        raise NotImplementedError
+
+    def stack(self, block: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w_gate (E, I, H), w_up (E, I, H), w_down (E, H, I))`` of the routed experts, packed once into three
+        contiguous tensors; the experts' own Linears are re-pointed at views of them (no second copy in memory)."""
+        raise NotImplementedError
+
+    def router_logits(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``(T, E)`` router logits of tokens ``x (T, H)`` (in ``x.dtype``)."""
+        raise NotImplementedError
+
+    def top_k(self, block: nn.Module) -> int:
+        """Experts per token."""
+        raise NotImplementedError
+
+    def renormalize(self, block: nn.Module) -> bool:
+        """Whether the top-k routing weights are renormalized to sum to 1."""
+        raise NotImplementedError
+
+    def shared(self, block: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shared expert's output for ``x (..., H)`` (same shape), or None when the block has none."""
+        return None
+
+
+@dataclass
+class MoESite:
+    """One MoE call site of a denoiser and what executed there (manifest ``evidence.stages.<stage>.moe``).
+
+    Attributes:
+        layer: module name of the block in the denoiser.
+        resolved: the canonical MoE backend selected for the stage.
+        experts: E; top_k: experts per token.
+        counting: per-call counters run (off under ``torch.compile``, where Python hooks do not run per call).
+        observed: implementation -> forwards of the block in which it computed the routed experts (``TORCH``: the
+            model's own expert modules ran; a kernel's backend name: that kernel ran; ``unobserved``: the block ran
+            and neither did).
+    """
+
+    layer: str
+    resolved: str
+    experts: int
+    top_k: int
+    counting: bool = True
+    observed: Dict[str, int] = field(default_factory=dict)
+    _ran: Optional[set] = None
+
+    def mark(self, impl: str) -> None:
+        """Record that ``impl`` computed the routed experts during the current forward of the block."""
+        if self.counting and self._ran is not None:
+            self._ran.add(impl)
+
+
+def routed_forward(block: nn.Module, layout: ExpertsLayout, kernel: Callable[..., torch.Tensor],
+                   weights: Tuple[torch.Tensor, torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The block's output with the routed experts computed by ``kernel`` (:func:`moe_reference`'s contract) on
+    ``weights = (w_gate, w_up, w_down)``: ``kernel(x2, router_logits(x2), *weights, top_k, renormalize)`` plus the
+    shared expert. ``x`` is ``(..., H)``; the result has its shape and dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    y = kernel(x2, layout.router_logits(block, x2), *weights, layout.top_k(block), layout.renormalize(block))
+    y = y.reshape(shape).to(x.dtype)
+    s = layout.shared(block, x)
+    return y if s is None else y + s
+
+
+def _moe_kernel(name: str) -> Optional[Callable[..., torch.Tensor]]:
+    """The routed-expert kernel of MoE backend ``name`` (None: the model's own expert loop).
+
+    Raises:
+        ValueError: the backend has no diffusers wiring (``DiffusersMoEWiring``).
+    """
+    from kernels import registry as reg
+
+    wiring = reg.get("moe", name).diffusers
+    if wiring is None:
+        raise ValueError(f"MoE backend {name} is not wired into diffusers models (its record has no "
+                         "DiffusersMoEWiring)")
+    return reg.load_object(wiring.kernel) if wiring.kernel is not None else None
+
+
+def use_kernel(block: nn.Module, layout: ExpertsLayout, name: str, site: Optional[MoESite] = None) -> None:
+    """Make ``block`` compute its routed experts with MoE backend ``name``'s kernel (nothing to do for a backend
+    whose wiring is the model's own loop): the expert weights are packed once (:meth:`ExpertsLayout.stack`) and the
+    block's ``forward`` becomes :func:`routed_forward`, marking ``site`` with ``name`` after each kernel call."""
+    kernel = _moe_kernel(name)
+    if kernel is None:
+        if "forward" in vars(block):  # back to the class's forward (the model's own loop)
+            del block.forward
+        return
+    weights = layout.stack(block)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = routed_forward(block, layout, kernel, weights, x)
+        if site is not None:
+            site.mark(name)  # after it ran: a raising call is not a call
+        return y
+
+    block.forward = forward
+
+
+def install(blocks: Iterable[Tuple[str, nn.Module]], layout: ExpertsLayout, backend: str,
+            observe: bool = True) -> List[MoESite]:
+    """Wire MoE backend ``backend`` into every MoE block of a denoiser and observe what each block runs.
+
+    Args:
+        blocks: ``(layer name, block)`` of every MoE call site.
+        layout: the family's :class:`ExpertsLayout`.
+        backend: canonical MoE backend (``TORCH``: the model's own loop; ``TRITON``: :func:`moe_triton`; or any
+            registered backend with ``DiffusersMoEWiring``).
+        observe: attach the per-call observers (off under ``torch.compile``).
+
+    Returns:
+        One :class:`MoESite` per block, in order; their ``observed`` fill as the blocks run. A block's forward
+        counts once per implementation that computed its routed experts: the model's own loop is seen through
+        forward hooks on its expert modules (reported as the backend whose wiring is the model's loop, ``TORCH``),
+        a kernel through the wrapper that called it.
+
+    Raises:
+        ValueError: ``backend`` is not wired into diffusers models.
+    """
+    from kernels import registry as reg
+
+    own = next((b.name for b in reg.BACKENDS["moe"].values()
+                if b.diffusers is not None and b.diffusers.kernel is None), "TORCH")
+    sites = []
+    for name, block in blocks:
+        site = MoESite(layer=name, resolved=backend, experts=len(layout.experts(block)), top_k=layout.top_k(block),
+                       counting=observe)
+        use_kernel(block, layout, backend, site)
+        if observe:
+            def pre(mod: nn.Module, args: Any, _s: MoESite = site) -> None:
+                _s._ran = set()
+
+            def post(mod: nn.Module, args: Any, out: Any, _s: MoESite = site) -> None:
+                ran, _s._ran = _s._ran or {"unobserved"}, None
+                for impl in ran:
+                    _s.observed[impl] = _s.observed.get(impl, 0) + 1
+
+            block.register_forward_pre_hook(pre)
+            block.register_forward_hook(post)
+            for expert in layout.experts(block):
+                expert.register_forward_pre_hook(lambda mod, args, _s=site: _s.mark(own))
+        sites.append(site)
+    return sites
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref||_2 / ||ref||_2`` over the whole tensor, in fp64."""
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+@torch.no_grad()
+def block_parity(block: nn.Module, layout: ExpertsLayout, x: torch.Tensor,
+                 kernel: Callable[..., torch.Tensor] = moe_reference, swap_gate_up: bool = False) -> float:
+    """Relative error (:func:`rel_err`) of the block computed with ``kernel`` against the model's own forward of the
+    same block on ``x (..., H)`` (diffusers' expert loop: the reference), the block left as it was.
+
+    ``swap_gate_up`` gives the kernel ``w_up`` as the gate projection and ``w_gate`` as the up projection: the
+    negative control (``silu(up) * gate`` is another function), which a parity check must fail.
+    """
+    saved = vars(block).get("forward")
+    if saved is not None:
+        del block.forward
+    try:
+        ref = block(x)
+        wg, wu, wd = layout.stack(block)
+        out = routed_forward(block, layout, kernel, (wu, wg, wd) if swap_gate_up else (wg, wu, wd), x)
+    finally:
+        if saved is not None:
+            block.forward = saved
+    return rel_err(out, ref)
+
+
+@torch.no_grad()
+def time_block(block: nn.Module, layout: ExpertsLayout, x: torch.Tensor, backends: Sequence[str],
+               iters: int = 5, warmup: int = 2) -> Dict[str, float]:
+    """Milliseconds per call of ``block`` on ``x (..., H)`` with each MoE backend in ``backends`` (median of
+    ``iters`` after ``warmup`` calls; the router and the shared expert included, as they run in the model; CUDA
+    synchronized around each call). The block is left computing with the model's own loop."""
+    import statistics
+    import time
+
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    out: Dict[str, float] = {}
+    for name in backends:
+        use_kernel(block, layout, name)
+        times = []
+        for i in range(warmup + iters):
+            sync()
+            t0 = time.perf_counter()
+            block(x)
+            sync()
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+        out[name] = statistics.median(times)
+    if "forward" in vars(block):
+        del block.forward
+    return out

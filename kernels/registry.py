@@ -251,6 +251,23 @@ class DiffusersWiring:
         return load_object(self.choose)(sm) or self
 
 
+@dataclass(frozen=True)
+class DiffusersMoEWiring:
+    """How an MoE backend is wired into the MoE blocks of a diffusers denoiser (applied by
+    ``kernels.moe.install`` through the model family's :class:`kernels.moe.ExpertsLayout`).
+
+    Attributes:
+        kernel: None: the model's own expert loop runs (diffusers' forward of the block, the reference), observed
+            by hooks on its expert modules. Otherwise our routed-expert implementation, a callable or a lazy
+            ``"module:attr"`` path with :func:`kernels.moe.moe_reference`'s contract (``x (T, H), router_logits
+            (T, E), w_gate (E, I, H), w_up (E, I, H), w_down (E, H, I), top_k, renormalize -> (T, H)``); it
+            replaces the routed-expert computation of every MoE block (the router and any shared expert stay the
+            model's), and each of its calls is reported as this backend.
+    """
+
+    kernel: Any = None
+
+
 AutoPriority = Dict[str, Tuple[int, str]]
 PLATFORM_CLASSES = ("sm100", "sm120", "cuda", "other")  # keys of Backend.auto (with "*"), see platform_class
 
@@ -268,7 +285,8 @@ class Backend:
         auto: ``{platform class: (priority, reason)}`` (classes from :func:`platform_class`, ``*`` for every
             class): where ``auto`` may choose it; the lowest priority that passes its checks wins, ties in
             registration order. Absent: ``auto`` never chooses it (FP8 is lossy, so never).
-        diffusers: how it is wired into diffusers models (attention); None: diffusers stages cannot run it.
+        diffusers: how it is wired into diffusers models: :class:`DiffusersWiring` (attention) or
+            :class:`DiffusersMoEWiring` (moe); None: diffusers stages cannot run it.
         vllm: vLLM's name of the same implementation for AR stages (``FLASHINFER_ATTN`` -> ``FLASHINFER``,
             linear ``TORCH`` -> ``torch``); None: no vLLM equivalent.
         signature: regex over profiled names (aten op names on CPU, device kernel names on GPUs) that this
@@ -285,7 +303,7 @@ class Backend:
     aliases: Tuple[str, ...] = ()
     requires: Tuple[Callable[[SelectionContext], List[str]], ...] = ()
     auto: AutoPriority = field(default_factory=dict)
-    diffusers: Optional[DiffusersWiring] = None
+    diffusers: Any = None
     vllm: Optional[str] = None
     signature: Optional[str] = None
     quant_keys: Dict[str, Any] = field(default_factory=dict)
@@ -340,9 +358,9 @@ def register_backend(b: Backend) -> Backend:
 
     Raises:
         ValueError: an unknown field, a name or alias (normalized) that another backend of the field already
-            uses, ``auto`` as a name, an ``auto`` key that is not a platform class, diffusers wiring on a field
-            other than attention, or a diffusers dispatcher entry in ``diffusers.observed`` that another backend
-            already owns.
+            uses, ``auto`` as a name, an ``auto`` key that is not a platform class, diffusers wiring that is not
+            the field's kind (``DiffusersWiring`` for attention, ``DiffusersMoEWiring`` for moe, none for linear),
+            or a diffusers dispatcher entry in ``diffusers.observed`` that another backend already owns.
     """
     if b.field not in BACKENDS:
         raise ValueError(f"backend {b.name}: unknown field {b.field!r}; fields: {', '.join(FIELDS)}")
@@ -350,15 +368,18 @@ def register_backend(b: Backend) -> Backend:
     if bad:
         raise ValueError(f"backend {b.name}: auto keys {bad} are not platform classes ({', '.join(PLATFORM_CLASSES)}"
                          ", *)")
-    if b.diffusers is not None and b.field != "attention":
-        raise ValueError(f"backend {b.name}: diffusers wiring is for attention backends, this is {b.field}")
+    want = {"attention": DiffusersWiring, "moe": DiffusersMoEWiring}.get(b.field)
+    if b.diffusers is not None and (want is None or not isinstance(b.diffusers, want)):
+        raise ValueError(f"backend {b.name}: diffusers wiring is DiffusersWiring for attention backends and "
+                         f"DiffusersMoEWiring for moe backends; this is {b.field} with "
+                         f"{type(b.diffusers).__name__}")
     taken = {_key(a): o.name for o in BACKENDS[b.field].values() for a in (o.name, *o.aliases)}
     for a in (b.name, *b.aliases):
         if _key(a) == AUTO:
             raise ValueError(f"backend {b.name}: {a!r} is reserved (auto)")
         if _key(a) in taken:
             raise ValueError(f"backend {b.name}: {b.field} name {a!r} is already {taken[_key(a)]}'s")
-    observed = b.diffusers.observed if b.diffusers is not None else ()
+    observed = getattr(b.diffusers, "observed", ())
     for entry in observed:
         if entry in _OBSERVED:
             raise ValueError(f"backend {b.name}: diffusers entry {entry!r} is already observed as {_OBSERVED[entry]}")
@@ -374,7 +395,7 @@ def unregister_backend(field_name: str, name: str) -> Backend:
         KeyError: no backend ``name`` in ``field_name``.
     """
     b = BACKENDS[field_name].pop(name)
-    for entry in (b.diffusers.observed if b.diffusers is not None else ()):
+    for entry in getattr(b.diffusers, "observed", ()):
         _OBSERVED.pop(entry, None)
     return b
 
@@ -475,11 +496,23 @@ register_backend(Backend(
     "linear", "FP8", aliases=("fp8", "fp8_dynamic", "fp8_rowwise"),
     requires=(on_platform("cuda"), sm_at_least(89), symbol("torch:_scaled_mm"), dtype_in(*_HALF)),
     signature=r"aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq", lossy=True))
+# MoE. On diffusers stages TORCH is the model's own expert loop (diffusers' forward of each MoE block: per expert a
+# gather, its SwiGLU, and one scatter_reduce_ combine: its profiler signature), TRITON our grouped kernels
+# (kernels.moe.moe_triton: bf16/fp16 on a CUDA GPU; its two Triton kernels are its signature). ``auto`` ranks
+# TRITON first where it can run; a diffusers stage with more than one runnable candidate times them at startup at
+# the model's MoE shape (models.diffusers_engine.DiffusersEngine.choose_moe_by_measurement), and the timings are
+# the recorded reason. AR stages use vLLM's own MoE names (``vllm``), not these wirings.
 register_backend(Backend("moe", "TORCH", aliases=("torch", "reference", "loop"),
-                         auto={"*": (20, "reference expert loop")}))
+                         auto={"*": (20, "reference expert loop")}, diffusers=DiffusersMoEWiring(kernel=None),
+                         signature=r"aten::scatter_reduce"))
 register_backend(Backend("moe", "TRITON", aliases=("triton", "fused", "grouped"),
-                         requires=(on_platform("cuda", "rocm"), sm_at_least(80), symbol("triton:jit")),
-                         auto={"*": (10, "fused grouped-expert kernel on GPU")}, vllm="triton"))
+                         requires=(on_platform("cuda", "rocm"), sm_at_least(80), symbol("triton:jit"),
+                                   dtype_in(*_HALF)),
+                         auto={"*": (10, "fused grouped-expert kernel on GPU (7-16x the bf16 expert loop at 7-1024 "
+                                         "tokens, Qwen3-MoE shape, H200: benchmarks/results/"
+                                         "h200_moe_parity_2026-11-29.json)")},
+                         diffusers=DiffusersMoEWiring(kernel="kernels.moe:moe_triton"), vllm="triton",
+                         signature=r"_moe_gate_up_silu_kernel|_moe_down_kernel"))
 
 
 def normalize(field_name: str, value: Any, where: Optional[str] = None) -> str:

@@ -142,6 +142,9 @@ class DiffusersEngine(EngineBase):
     * ``denoiser`` (the ``torch.nn.Module`` whose forwards are counted), ``attention_sites()`` (``(role, layer,
       module)`` of every attention call site), ``expected_forwards(batch)`` (denoiser forwards one pipeline call
       makes), ``call(batch)`` (one pipeline call: float32 (H, W, C) arrays in [0, 1]);
+    * for MoE layers (``"moe"`` in ``backend_fields``): ``moe_blocks()`` (``(layer, block)`` of every MoE block),
+      ``moe_layout()`` (a ``kernels.moe.ExpertsLayout``) and ``moe_probe()`` (one block of the model's shape, for
+      ``moe=auto``'s measurement);
     * optionally ``optimize(opts)`` and ``warmup_call(batch)``, ``check_rows(rows, path)`` and ``accuracy(...)``;
     * what the model honours: ``check_source()`` (config checks that need the model's configs, no weights),
       ``ignored_fields(rows)`` (generation fields the model ignores under the run's config, with why) and
@@ -155,6 +158,8 @@ class DiffusersEngine(EngineBase):
     resumable: ClassVar[bool] = True
     default_stage: ClassVar[str] = "denoise"
     backend_fields: ClassVar[Tuple[str, ...]] = ("attention", "linear")
+    """Backend fields the stage's model has layers for; a field outside it set to a backend is refused at startup
+    naming the model (``backend.moe=TRITON`` on FLUX). A family with MoE layers adds ``moe``."""
     needs_mask: ClassVar[bool] = False
     fp8_prefixes: ClassVar[Tuple[str, ...]] = ("transformer_blocks.", "single_transformer_blocks.")
     """Module-name prefixes of the denoiser whose Linears FP8 linear may replace (the transformer blocks; embedders
@@ -262,13 +267,15 @@ class DiffusersEngine(EngineBase):
         load); none by default."""
 
     def resolve_backends(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        """Resolve the stage's backends under the precedence contract and check they can run here.
+        """Resolve the stage's backends under the precedence contract and check they can run here; ``moe=auto``
+        on a stage with MoE layers then chooses by measurement (:meth:`choose_moe_by_measurement`).
 
         Returns:
             ``({field: FieldResolution}, engine_extras)`` of the stage.
 
         Raises:
-            kernels.registry.BackendError subclasses, naming the field, the value, the reason and the fix.
+            kernels.registry.BackendError subclasses, naming the field, the value, the reason and the fix (a
+            field outside ``backend_fields`` set to a backend: ``StageConflictError`` naming the model).
         """
         from kernels.attention import plan
         from kernels.registry import SelectionContext, wired
@@ -279,8 +286,11 @@ class DiffusersEngine(EngineBase):
         sel = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=self.head_dim(),
                                needs_mask=self.needs_mask, sequence_parallel=False)
         info = StageInfo(name=self.stage, roles=list(cfg.model.roles), fields=self.backend_fields, ctx=sel,
-                         wired={"attention": wired("attention", "diffusers")})
+                         wired={"attention": wired("attention", "diffusers"), "moe": wired("moe", "diffusers")},
+                         model=str(self.model_cfg.name))
         resolutions, extras = resolve_stage(cfg, cli_keys(self.ctx.overrides), info)
+        if "moe" in self.backend_fields and resolutions["moe"].resolved == "auto":
+            self.choose_moe_by_measurement(resolutions["moe"], sel)
         for spec in resolutions["attention"].selected.values():  # wiring problems surface now, not after loading
             plan(spec["backend"], plat.sm)
         if extras and not self.reads_engine_extras:
@@ -293,6 +303,74 @@ class DiffusersEngine(EngineBase):
                 f"(diffusers) takes no engine_extras" + (f"; did you mean the legacy key {close[0]!r}?" if close else
                                                           "; fix: remove it"))
         return resolutions, extras
+
+    def choose_moe_by_measurement(self, res: Any, sel: Any) -> None:
+        """``moe=auto`` on a stage with MoE layers: where more than one wired MoE backend can run here, time each
+        on one MoE block of the model's shape (:meth:`moe_probe`; ``kernels.moe.time_block``: the router and the
+        shared expert included, median of 5 calls after 2 warm-up calls) and select the fastest; the reason records
+        the device, the shape and every timing. With one candidate (CPU: only ``TORCH``) nothing is timed and the
+        reason says why the others cannot run. A candidate that raises while timed is skipped, with its error in
+        the reason. Under ``parallelism=data`` nothing is timed (every worker must select the same backend, and
+        timings differ between processes): the ranked choice stays, and the reason says so. Mutates ``res``
+        (``selected``, ``reason``)."""
+        from kernels import moe
+        from kernels import registry as reg
+
+        wired_moe = reg.wired("moe", "diffusers")
+        cands = [n for n, _ in reg.auto_order("moe", sel) if n in wired_moe and not reg.get("moe", n).unmet(sel)]
+        if len(cands) < 2:
+            res.reason = f"the only MoE backend that can run here: {res.reason}"
+            return
+        if str(self.ctx.cfg.parallelism.mode) == "data":
+            res.reason = (f"ranked first of {', '.join(cands)} (not timed: under parallelism=data every worker must "
+                          f"select the same backend): {res.reason}")
+            return
+        devices = [torch.device(self.device).index or 0] if str(self.device).startswith("cuda") else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            block, x, shape = self.moe_probe()
+            times: Dict[str, float] = {}
+            failed: Dict[str, str] = {}
+            for name in cands:
+                try:
+                    times.update(moe.time_block(block, self.moe_layout(), x, [name]))
+                except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is not chosen
+                    failed[name] = f"{type(e).__name__}: {e}"
+            del block, x
+        if not times:
+            raise reg.BackendUnavailableError(f"auto found no MoE backend that runs the model's MoE block here: "
+                                              + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+        best = min(times, key=times.__getitem__)
+        res.selected = best
+        res.reason = (f"measured at startup on {self.device} ({shape}, {str(self.dtype).replace('torch.', '')}, "
+                      "median of 5 calls after 2 warm-up calls, router and shared expert included): "
+                      + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(times.items(), key=lambda kv: kv[1]))
+                      + "".join(f", {k} failed ({v})" for k, v in failed.items())
+                      + f"; {best} is the fastest")
+
+    # MoE layers of the denoiser: a family with ``moe`` in ``backend_fields`` provides these.
+    def moe_blocks(self) -> Iterator[Tuple[str, torch.nn.Module]]:
+        """``(layer name, block)`` of every MoE block of the loaded denoiser (names relative to it); none by
+        default."""
+        return iter(())
+
+    def moe_layout(self) -> Any:
+        """The family's ``kernels.moe.ExpertsLayout`` (where its MoE blocks keep router, experts, shared expert).
+
+        Raises:
+            NotImplementedError: the family declares no MoE layers.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no MoE layers")
+
+    def moe_probe(self) -> Tuple[torch.nn.Module, torch.Tensor, str]:
+        """One randomly initialised MoE block of the model's shape on the stage's device and dtype, an input of the
+        tokens one MoE call sees at the configured generation size, and a description of the shape (for
+        :meth:`choose_moe_by_measurement`); reads the model's configs only, no weights.
+
+        Raises:
+            NotImplementedError: the family declares no MoE layers.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no MoE layers")
 
     def check_memory(self) -> None:
         """Refuse before loading when the weights alone cannot fit (``load_format=dummy`` sizes are exact).
@@ -463,7 +541,8 @@ class DiffusersEngine(EngineBase):
 
     # ------------------------------------------------------------------------------------------------ 4. load
     def load(self, on_loaded: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
-        """Load the pipeline, apply ``optimize``, install the backends with their probes, compile if asked.
+        """Load the pipeline, apply ``optimize``, install the backends with their probes (attention call sites, MoE
+        blocks when the family has them, linear layers), compile if asked.
 
         ``on_loaded(self)`` runs after the probe is attached (tests tamper with the model there).
 
@@ -484,8 +563,16 @@ class DiffusersEngine(EngineBase):
         observe = bool(cfg.evidence.enabled) and compile_mode == "none"
         sites = attention.install(self.stage, self.attention_sites(), self.resolutions["attention"].selected,
                                   self.ctx.plat.sm, observe=observe)
+        moe_probe, owned = None, ()
+        if "moe" in self.backend_fields:  # before linear: the routed experts' Linears belong to the MoE backend
+            from kernels import moe
+
+            blocks, layout = list(self.moe_blocks()), self.moe_layout()
+            moe_probe = {"resolved": self.resolutions["moe"].selected,
+                         "sites": moe.install(blocks, layout, self.resolutions["moe"].selected, observe=observe)}
+            owned = tuple(f"{name}.{p}" for name, b in blocks for p in layout.expert_linears(b))
         lin = linear.install(self.denoiser, self.resolutions["linear"].selected, prefixes=self.fp8_prefixes,
-                             observe=observe)
+                             observe=observe, exclude=owned)
         if self.cache_settings is not None:  # after the backends: its hooks wrap the modules as they will run
             from models import cache as step_cache
 
@@ -497,6 +584,8 @@ class DiffusersEngine(EngineBase):
         if compile_mode == "regional":
             self.regions = compile_regional(self.denoiser)
         self.probes = {"attention": sites, "linear": lin, "observed": observe}
+        if moe_probe is not None:
+            self.probes["moe"] = moe_probe
         self._on_loaded = on_loaded
         return sections
 

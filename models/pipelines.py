@@ -6,8 +6,8 @@ snapshot layout check, building random-weight components from ``model.architectu
 class the snapshot's ``model_index.json`` names, mapping row fields onto that pipeline's ``__call__`` arguments
 (a field it does not take is refused at startup), attention call sites, QKV fusion, phase timers and the call.
 
-A family (``models/flux.py``, ``models/sd3.py``, ``models/qwen_image.py``, ``models/wan.py``; torchtitan's "same
-files for every model, a small spec per model") declares its pipeline class, its components and tokenizers, and
+A family (``models/flux.py``, ``models/sd3.py``, ``models/qwen_image.py``, ``models/wan.py``,
+``models/hidream.py``; torchtitan's "same files for every model, a small spec per model") declares its pipeline class, its components and tokenizers, and
 the rules the pipeline applies silently (forwards per step under guidance, sequence-length ceilings, size
 multiples, frame counts), so the runner refuses what the pipeline would change and counts what it must run.
 
@@ -124,7 +124,8 @@ class PipelineEngine(DiffusersEngine):
       ``model.architecture.<component>`` for embedded and dummy weights (a ``transformers`` model is built as
       ``Model(Config(**kw))``, a diffusers one as ``Model(**kw)``);
     * ``tokenizers_spec``: ``{tokenizer component: (kind, encoder label, text encoder component)}``; kinds
-      ``clip``, ``t5``, ``qwen2`` (``models.tokenizers``); the label names the encoder in records' ``tokens``;
+      ``clip``, ``t5``, ``qwen2``, ``llama3`` (``models.tokenizers``); the label names the encoder in records'
+      ``tokens``;
     * ``max_sequence_length_limit``: the most ``max_sequence_length`` the pipeline accepts (its ``check_inputs``);
     * ``video``: the pipeline returns ``frames`` (batch, frames, H, W, C) instead of ``images``.
     """
@@ -157,7 +158,7 @@ class PipelineEngine(DiffusersEngine):
             return str(read_index(Path(self.source["path"])).get("_class_name"))
         raise ModelPathError(f"model={self.cfg.name} (model.adapter=diffusers) learns its pipeline from a snapshot; "
                              "fix: set model.path to a diffusers snapshot (embedded and dummy weights need a family: "
-                             "model.adapter=flux|sd3|qwen_image|wan)")
+                             "model.adapter=flux|sd3|qwen_image|wan|hidream)")
 
     def pipeline_cls(self) -> type:
         """The diffusers pipeline class object.
@@ -271,7 +272,7 @@ class PipelineEngine(DiffusersEngine):
 
         if not self.components:
             raise ConfigValueError(f"model={self.cfg.name}: model.adapter={self.family()} builds no architecture; "
-                                   "fix: model.path=<snapshot>, or a family adapter (flux, sd3, qwen_image, wan)")
+                                   "fix: model.path=<snapshot>, or a family adapter (flux, sd3, qwen_image, wan, hidream)")
         known = [*self.components, *self.arch_other]
         for key in arch:
             if key not in known and backend_field_of(key):
@@ -393,6 +394,8 @@ class PipelineEngine(DiffusersEngine):
                 out[comp] = T.build_t5_tokenizer(corpus, vocab)
             elif kind == "qwen2":
                 out[comp] = T.build_qwen2_tokenizer(corpus, vocab)
+            elif kind == "llama3":
+                out[comp] = T.build_llama3_tokenizer(corpus, vocab)
             else:
                 raise ValueError(f"unknown tokenizer kind {kind!r}")
         return out
@@ -407,6 +410,8 @@ class PipelineEngine(DiffusersEngine):
         elif kind == "t5":
             kw.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                       decoder_start_token_id=tok.pad_token_id)
+        elif kind == "llama3":
+            kw.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         return kw
 
     @classmethod
@@ -555,7 +560,7 @@ class PipelineEngine(DiffusersEngine):
                 raise ConfigValueError(
                     f"model={self.cfg.name}: attention module {name} ({type(mod.processor).__name__}) does not call "
                     "diffusers' attention dispatcher, so its backend can be neither selected nor observed; fix: a "
-                    "model family whose transformer uses the dispatcher (flux, sd3, qwen_image, wan)")
+                    "model family whose transformer uses the dispatcher (flux, sd3, qwen_image, wan, hidream)")
             yield self.attention_role(name), name, mod
 
     def dispatches(self) -> bool:
@@ -596,7 +601,7 @@ class PipelineEngine(DiffusersEngine):
             raise ConfigValueError(
                 f"model={self.cfg.name}: its transformer ({self.component_class('transformer')}) does not call "
                 "diffusers' attention dispatcher, so no attention backend can be selected or observed in it; fix: "
-                "a model family whose transformer uses the dispatcher (flux, sd3, qwen_image, wan)")
+                "a model family whose transformer uses the dispatcher (flux, sd3, qwen_image, wan, hidream)")
         resolutions, extras = super().resolve_backends()
         return resolutions, extras
 

@@ -17,6 +17,7 @@ ENGINES: Dict[str, Union[str, type]] = {
     "sd3": "models.sd3:SD3Engine",
     "qwen_image": "models.qwen_image:QwenImageEngine",
     "wan": "models.wan:WanEngine",
+    "hidream": "models.hidream:HiDreamEngine",
     "diffusers": "models.pipelines:PipelineEngine",
     "vllm": "models.vllm_stage:VLLMEngine",
 }
@@ -62,7 +63,7 @@ def engine_class(name: str, where: str = "model.adapter") -> Any:
 #: diffusers pipeline class -> the engine (family) that describes it; a snapshot of another pipeline is told which
 #: ``model.adapter`` serves it.
 PIPELINE_FAMILIES = {"FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3", "QwenImagePipeline": "qwen_image",
-                     "WanPipeline": "wan"}
+                     "WanPipeline": "wan", "HiDreamImagePipeline": "hidream"}
 
 
 def family_for_pipeline(pipeline_class: str) -> Any:

@@ -8,6 +8,9 @@ tokenizer it stands in for:
   at the first end-of-text token), ``model_max_length`` 77.
 * T5-style: ``... </s>``, padded with ``<pad>`` (id 0), ``model_max_length`` 512.
 
+Other families' stand-ins: Qwen2-style (:func:`build_qwen2_tokenizer`, Qwen-Image) and Llama-3-style
+(:func:`build_llama3_tokenizer`, HiDream-I1's fourth encoder).
+
 Byte-level BPE covers any UTF-8 text, so unseen words never map to an unknown token.
 """
 
@@ -85,3 +88,34 @@ def build_qwen2_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: in
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    unk_token=None, model_max_length=max_length,
                                    additional_special_tokens=QWEN2_SPECIALS[1:])
+
+
+#: Llama 3's pre-tokenizer split pattern (``tokenizer.json`` of Meta-Llama-3.x: numbers in groups of up to 3 digits).
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+
+
+def build_llama3_tokenizer(corpus: Iterable[str], vocab_size: int,
+                           max_length: int = 131072) -> PreTrainedTokenizerFast:
+    """Llama-3.1-Instruct-style tokenizer: Llama 3's split pattern then byte-level BPE; ``<|begin_of_text|>``
+    prepended to every sequence (Llama 3's post-processor; nothing appended), ``eos_token`` ``<|eot_id|>`` (the
+    Instruct tokenizer's), no pad token of its own (``HiDreamImagePipeline`` sets ``pad_token = eos_token``; so does
+    this builder), ``model_max_length`` 131072 (Llama 3.1's context). No chat template: HiDreamImagePipeline feeds
+    the raw prompt. The special tokens take the first ids (Llama 3 puts them at 128000+)."""
+    import tokenizers as tk
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(pattern=tk.Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=LLAMA3_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus), trainer=trainer)
+    bos = LLAMA3_SPECIALS[0]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token="<|eot_id|>",
+                                   pad_token="<|eot_id|>", unk_token=None, model_max_length=max_length,
+                                   additional_special_tokens=LLAMA3_SPECIALS[1:])

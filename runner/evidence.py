@@ -4,7 +4,9 @@ Two independent observations:
 
 * **Calls** (Python level, every forward): each attention call site records which backend the diffusers
   dispatcher actually ran (``kernels.attention``); each linear implementation counts its calls
-  (``kernels.linear``); a hook on the denoiser counts its forwards.
+  (``kernels.linear``); each MoE block records which implementation computed its routed experts
+  (``kernels.moe.install``: the model's own expert modules ran, or our kernel did); a hook on the denoiser counts
+  its forwards.
 * **Kernels** (profiler): one denoiser forward (one denoising step) of the first batch runs under
   ``torch.profiler``; the names of the device kernels (CPU: the ``aten::`` ops) are matched against per-backend
   signatures (``Backend.signature`` of each record in ``kernels.registry``). This also works under
@@ -107,7 +109,8 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
 
     Args:
         stage: stage name.
-        probes: ``{"attention": [AttentionSite], "linear": LinearRecord}`` from ``models.diffusers_engine.DiffusersEngine.load``.
+        probes: ``{"attention": [AttentionSite], "linear": LinearRecord}`` from ``models.diffusers_engine.DiffusersEngine.load``,
+            and ``"moe": {"resolved": name, "sites": [kernels.moe.MoESite]}`` for a stage with MoE layers.
         denoiser: the forward counter/profiler.
         expected_forwards: denoiser forwards the run should have made (sum over batches of steps x CFG passes);
             None when a pipeline call raised part-way, so the total cannot be predicted. A step cache does not
@@ -120,7 +123,7 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
             once per forward), and linear layers at least once per module per fully computed forward.
 
     Returns:
-        The section: ``{pid, device, stages: {stage: {attention, linear, kernels}}, all_finite, verdict,
+        The section: ``{pid, device, stages: {stage: {attention, linear, kernels[, moe]}}, all_finite, verdict,
         mismatches}``.
     """
     trace = denoiser.trace
@@ -154,12 +157,16 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
     lin_entry = {"resolved": lin.resolved, "modules": lin.modules, "observed": dict(lin.observed),
                  "skipped_modules": len(lin.skipped)}
     full = cache["forwards_computed"] if cache is not None else fwd  # forwards in which every module ran
+    if getattr(lin, "excluded", None):
+        lin_entry["moe_owned_modules"] = len(lin.excluded)
     if observing and lin.observed.get(lin.resolved, 0) < lin.modules * full:
         mismatches.append(f"stage {stage}, linear: resolved {lin.resolved} on {lin.modules} modules, observed "
                           f"{lin.observed.get(lin.resolved, 0)} calls in {fwd} forwards"
                           + (f" ({full} fully computed)" if cache is not None else "") + f" ({lin.observed})")
     if lin.resolved == "TORCH" and any(k != "TORCH" for k in lin.observed):
         mismatches.append(f"stage {stage}, linear: resolved TORCH, observed {lin.observed}")
+    moe = probes.get("moe")
+    moe_entry = _moe_calls(stage, moe, full, observing, mismatches) if moe is not None else None
     kernels: Dict[str, Any] = {"profiled": trace is not None}
     if trace is not None:
         matched = {}
@@ -181,6 +188,8 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         fp8 = reg.signature("linear", "FP8")
         if lin.resolved == "TORCH" and fp8 and trace.match(fp8):
             mismatches.append(f"stage {stage}, linear: resolved TORCH but FP8 GEMMs ran: {trace.match(fp8)}")
+        if moe is not None and moe["sites"]:
+            kernels["moe"] = _moe_kernels(stage, moe["resolved"], trace, mismatches)
         top = sorted(trace.kernels.items(), key=lambda kv: -kv[1])[:40]
         kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
                        top_device_kernels=dict(top),
@@ -192,6 +201,8 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
                "attention": {"by_backend": by_backend, "layers": layers}, "linear": lin_entry, "kernels": kernels}
     if cache is not None:
         section["cache"] = cache["section"]
+    if moe_entry is not None:
+        section["moe"] = moe_entry
     return {
         "pid": os.getpid(), "device": device,
         "stages": {stage: section},
@@ -199,3 +210,44 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         "verdict": verdict,
         "mismatches": mismatches,
     }
+
+
+def _moe_calls(stage: str, moe: Dict[str, Any], fwd: int, observing: bool, mismatches: List[str]) -> Dict[str, Any]:
+    """``evidence.stages.<stage>.moe`` from the MoE call sites (``kernels.moe.MoESite``): per layer the forwards
+    in which each implementation computed its routed experts; every site must have run only the resolved backend,
+    once per denoiser forward (mismatches appended)."""
+    resolved, sites = moe["resolved"], moe["sites"]
+    layers, totals = [], {}
+    for site in sites:
+        if not observing:
+            layers.append({"layer": site.layer, "resolved": resolved, "calls": None, "observed": None, "ok": None})
+            continue
+        observed = dict(site.observed)
+        calls = sum(observed.values())
+        ok = set(observed) <= {resolved} and observed.get(resolved, 0) == fwd
+        if not ok:
+            other = {k: v for k, v in observed.items() if k != resolved}
+            ran = ", ".join(f"{k} x{v}" for k, v in other.items()) if other else "nothing else"
+            mismatches.append(f"stage {stage}, MoE layer {site.layer}: resolved {resolved}, observed "
+                              f"{observed.get(resolved, 0)} calls of it in {fwd} forwards; ran instead: {ran}")
+        for k, v in observed.items():
+            totals[k] = totals.get(k, 0) + v
+        layers.append({"layer": site.layer, "resolved": resolved, "experts": site.experts, "top_k": site.top_k,
+                       "calls": calls, "observed": observed, "ok": ok})
+    return {"resolved": resolved, "sites": len(sites), "calls": totals if observing else None, "layers": layers}
+
+
+def _moe_kernels(stage: str, resolved: str, trace: KernelTrace, mismatches: List[str]) -> Dict[str, Any]:
+    """The profiled names matching each MoE backend's signature: the resolved one's must be there, and no other
+    MoE backend's (its experts ran another implementation)."""
+    out = {}
+    for name, b in reg.BACKENDS["moe"].items():
+        if b.signature is None:
+            continue
+        names = trace.match(b.signature)
+        out[name] = names
+        if name == resolved and not names:
+            mismatches.append(f"stage {stage}, MoE: no profiled kernel matches {name}'s signature /{b.signature}/")
+        elif name != resolved and names:
+            mismatches.append(f"stage {stage}, MoE: resolved {resolved}, but {name}'s kernels ran: {names}")
+    return out

@@ -111,6 +111,8 @@ class StageInfo:
         fields: fields the stage's engine can use (FLUX: attention, linear; no MoE layers).
         ctx: capability-check context (platform, dtype, head_dim, mask, sequence parallelism).
         wired: per field, the backends the stage's engine has wiring for; ``auto`` only chooses among them.
+        model: the stage's model name (``model.name`` of the stage), named when a field has nothing to run on
+            (``backend.moe=TRITON`` on a model without MoE layers).
     """
 
     name: str
@@ -119,6 +121,7 @@ class StageInfo:
     ctx: reg.SelectionContext
     wired: Optional[Dict[str, Sequence[str]]] = None  # field -> backends the engine can run (auto picks among them)
     names: Optional[Any] = None  # an engine with its own backend names (vLLM): see EngineNames
+    model: Optional[str] = None
 
 
 class EngineNames:
@@ -401,20 +404,24 @@ def _resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tupl
         if fld not in info.fields:
             stage_sets = any(lay in ("cli_stage", "yaml_stage") for lay, _ in layers)
             stage_val = next((v for lay, v in layers if lay in ("cli_stage", "yaml_stage")), None)
+            who = f"stage {info.name!r}" + (f" (model={info.model})" if info.model else "")
+            none = f"{who} has no {_LABELS.get(fld, fld)} layers"
             if stage_sets:  # the stage's own value governs it: only an explicit non-auto value is an error
                 own = _canonical(fld, stage_val, info.roles, where_stage, info.names)
                 if _any_not_auto(own):
-                    raise StageConflictError(f"{where_stage}={_short(own)}: stage {info.name!r} has no {fld} layers")
-                res.selected, res.reason = None, f"not applicable: stage {info.name!r} has no {fld} layers"
+                    raise StageConflictError(f"{where_stage}={_short(own)}: {none}, so no {fld} backend can run "
+                                             f"there; fix: remove {where_stage} (or set it to auto)")
+                res.selected, res.reason = None, f"not applicable: {none}"
                 out[fld] = res
                 continue
             if _any_not_auto(canon) and layer in ("cli_run", "yaml_run"):
                 raise StageConflictError(
-                    f"backend.{fld}={_short(canon)} (from {layer}) cannot be honoured by stage {info.name!r}: its "
-                    f"engine has no {fld} backends; fix: drop backend.{fld}, or set {where_stage}=auto")
+                    f"backend.{fld}={_short(canon)} (from {layer}) cannot be honoured: {none}, so its engine runs "
+                    f"no {fld} backend; fix: drop backend.{fld}, or set {where_stage}=auto")
             if _any_not_auto(canon):
-                raise StageConflictError(f"{where}={_short(canon)}: stage {info.name!r} has no {fld} layers")
-            res.selected, res.reason = None, f"not applicable: stage {info.name!r} has no {fld} layers"
+                raise StageConflictError(f"{where}={_short(canon)}: {none}, so no {fld} backend can run there; "
+                                         f"fix: remove {where} (or set it to auto)")
+            res.selected, res.reason = None, f"not applicable: {none}"
             out[fld] = res
             continue
         if info.names is not None:  # the engine's own names (vLLM): it checks and chooses
@@ -451,6 +458,9 @@ def _resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tupl
                 res.selected = canon
         out[fld] = res
     return out, extras
+
+
+_LABELS = {"moe": "MoE"}  # how a field's layers are called in messages ("has no MoE layers")
 
 
 def _any_not_auto(canon: Any) -> bool:

@@ -288,8 +288,9 @@ class DiffusionModelConfig(ModelConfig):
     """A diffusion model run through diffusers (``conf/model/flux.yaml``: ``defaults: [base_diffusion, _self_]``)."""
 
     adapter: str = "flux"
-    """The engine (``models.registry``): a family, ``flux``, ``sd3``, ``qwen_image``, ``wan``, or ``diffusers`` (any
-    transformer-based pipeline, from its snapshot's ``model_index.json``; ``models.pipelines.PipelineEngine``)."""
+    """The engine (``models.registry``): a family, ``flux``, ``sd3``, ``qwen_image``, ``wan``, ``hidream``, or
+    ``diffusers`` (any transformer-based pipeline, from its snapshot's ``model_index.json``;
+    ``models.pipelines.PipelineEngine``)."""
     revision: Optional[str] = None
     """Revision of ``path``, recorded in the manifest's model source (and compared on resume)."""
     roles: List[str] = field(default_factory=lambda: ["joint"])

@@ -26,7 +26,8 @@ ANY = "*"  # a key computed at run time (a stage name, a formatted path segment)
 # the diffusers families (``models.pipelines.PipelineEngine``) keep the model as ``self.cfg``; ``DiffusersEngine`` and ``VLLMEngine`` keep it as ``model_cfg``;
 # ``PipelineEngine.optimize(opts)`` gets ``cfg.optimize``.
 CONFIG_NAMES: Dict[Tuple[str, str], Tuple[str, ...]] = {
-    **{(f"models/{m}.py", "cfg"): ("cfg", "model") for m in ("flux", "pipelines", "sd3", "qwen_image", "wan")},
+    **{(f"models/{m}.py", "cfg"): ("cfg", "model") for m in ("flux", "pipelines", "sd3", "qwen_image", "wan",
+                                                                              "hidream")},
     ("models/pipelines.py", "opts"): ("cfg", "optimize"),
     ("models/vllm_stage.py", "model_cfg"): ("cfg", "model"),
     ("models/diffusers_engine.py", "model_cfg"): ("cfg", "model"),

@@ -1,7 +1,8 @@
-"""Model families on the generic diffusers engine (``models.pipelines``): tiny SD3.5, Qwen-Image and Wan end to end
-on CPU (evidence, resume, repro, sweep report), and what every snapshot and row is checked against before loading:
-the pipeline class and components of the snapshot, the pipeline's call arguments, the families' silent rules
-(Wan's 4k+1 frames, sequence ceilings), Hub ids resolved in the local Hugging Face cache."""
+"""Model families on the generic diffusers engine (``models.pipelines``): tiny SD3.5, Qwen-Image, Wan and HiDream-I1
+end to end on CPU (evidence, resume, repro, sweep report), and what every snapshot and row is checked against before
+loading: the pipeline class and components of the snapshot, the pipeline's call arguments, the families' silent rules
+(Wan's 4k+1 frames, sequence ceilings), Hub ids resolved in the local Hugging Face cache. HiDream's own rules and
+its MoE backends: tests/test_hidream.py."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import pytest
 
 from test_report import _tail, run_module
 
-FAMILIES = ["tiny_sd3", "tiny_qwen_image", "tiny_wan"]
+FAMILIES = ["tiny_sd3", "tiny_qwen_image", "tiny_wan", "tiny_hidream"]
 
 
 @pytest.fixture(scope="module")
 def family_sweep(tmp_path_factory) -> Path:
-    """One sweep over the three tiny families (2 rows each, TORCH_SDPA, CPU), with negative prompts and guidance so
+    """One sweep over the tiny families (2 rows each, TORCH_SDPA, CPU), with negative prompts and guidance so
     that every family's guidance branch runs."""
     root = tmp_path_factory.mktemp("family_sweep")
     rows = root / "rows.jsonl"
@@ -48,15 +49,19 @@ def test_family_runs_with_verified_evidence(family_sweep, model):
     assert man["evidence"]["verdict"] == "verified", man["evidence"]["mismatches"]
     st = man["evidence"]["stages"]["denoise"]
     # the family's forward rule was checked against what ran: SD3 batches CFG (1 forward/step), Qwen-Image's true
-    # CFG (row a has a negative prompt, true_cfg_scale defaults to 1 -> not applied) and Wan's unbatched CFG (2)
+    # CFG (row a has a negative prompt, true_cfg_scale defaults to 1 -> not applied), Wan's unbatched CFG (2) and
+    # HiDream's batched CFG (1)
     assert st["denoiser_forwards"] == st["expected_forwards"] > 0
-    per_step = {"tiny_sd3": 1, "tiny_qwen_image": 1, "tiny_wan": 2}[model]
+    per_step = {"tiny_sd3": 1, "tiny_qwen_image": 1, "tiny_wan": 2, "tiny_hidream": 1}[model]
     steps = man["items"]["ok"] if isinstance(man.get("items"), dict) else None
     assert st["expected_forwards"] == per_step * 4 * 2, (st, steps)
     layers = st["attention"]["layers"]
     assert layers and all(l["ok"] and l["observed"] == {"TORCH_SDPA": l["calls"]} and l["calls"] > 0 for l in layers)
     if model == "tiny_wan":  # self- and cross-attention are separate roles
         assert {l["role"] for l in layers} == {"self", "cross"}
+    if model == "tiny_hidream":  # dual- and single-stream attention; MoE blocks observed (backend.moe auto: TORCH)
+        assert {l["role"] for l in layers} == {"joint", "single"}
+        assert st["moe"]["calls"] == {"TORCH": st["moe"]["sites"] * st["denoiser_forwards"]}
     items = [json.loads(x) for x in (d / "items.jsonl").read_text().splitlines()]
     assert [i["status"] for i in items] == ["ok", "ok"]
     for it in items:
