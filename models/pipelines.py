@@ -425,23 +425,28 @@ class PipelineEngine(DiffusersEngine):
         """
         toks = cls.build_tokenizers(arch)
         kinds = {enc: (kind, toks[comp]) for comp, (kind, _l, enc) in cls.tokenizers_spec.items()}
+        # classes resolved (and diffusers' hooks imported) before the device context: a module imported lazily
+        # inside ``torch.device("meta")`` would create its module-level tensors there (diffusers' mag_cache
+        # FLUX_MAG_RATIOS became a meta tensor for the rest of the process)
+        import diffusers.hooks  # noqa: F401
+
+        classes = {comp: (getattr(importlib.import_module(lib), cls_name),
+                          getattr(importlib.import_module(lib), cfg_name) if cfg_name else None)
+                   for comp, (lib, cls_name, cfg_name) in cls.components.items() if comp != "scheduler"}
         torch.manual_seed(int(arch.get("weights_seed", 0)))
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype if dtype.is_floating_point else torch.float32)
         built: Dict[str, Any] = {}
         try:
             with torch.device(device):
-                for comp, (lib, cls_name, cfg_name) in cls.components.items():
-                    if comp == "scheduler":
-                        continue
-                    mod = importlib.import_module(lib)
+                for comp, (model_cls, config_cls) in classes.items():
                     kw = dict(arch[comp])
-                    if cfg_name:
+                    if config_cls is not None:
                         if comp in kinds:
                             kw = cls.encoder_config(kinds[comp][0], kinds[comp][1], kw)
-                        built[comp] = getattr(mod, cls_name)(getattr(mod, cfg_name)(**kw))
+                        built[comp] = model_cls(config_cls(**kw))
                     else:
-                        built[comp] = getattr(mod, cls_name)(**kw)
+                        built[comp] = model_cls(**kw)
         finally:
             torch.set_default_dtype(prev)
         for m in built.values():

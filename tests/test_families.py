@@ -340,3 +340,29 @@ def test_second_job_takes_weight_digests_from_the_cache(run_job, tiny_snapshot):
     assert sorted(ha["computed"]) == files or sorted(ha["cached"]) == files  # a session cache may hold them
     assert sorted(hb["cached"]) == files and hb["computed"] == []
     assert a.manifest["model"]["source"]["files"] == b.manifest["model"]["source"]["files"]
+
+
+@pytest.mark.parametrize("model", ["tiny_flux", "tiny_sd3", "tiny_qwen_image", "tiny_wan", "tiny_hidream"])
+def test_meta_build_leaves_no_library_tensor_on_meta(model, tmp_path):
+    """The memory check builds the architecture on the meta device; classes imported lazily inside that device
+    context created their module-level tensors on meta (diffusers' ``mag_cache.FLUX_MAG_RATIOS``), which broke every
+    later MagCache run in the process. A fresh process builds each family on meta, then no tensor held by a loaded
+    diffusers/transformers module may live on meta."""
+    code = f"""
+import sys, torch
+from omegaconf import OmegaConf
+from models.registry import engine_class
+cfg = OmegaConf.load("conf/model/{model}.yaml")
+eng = engine_class(str(cfg.adapter))
+eng.build_components(OmegaConf.to_container(cfg.architecture, resolve=True), device="meta", dtype=torch.bfloat16)
+bad = [f"{{n}}.{{k}}" for n, m in list(sys.modules.items()) if n.split(".")[0] in ("diffusers", "transformers")
+       for k, v in list(vars(m).items()) if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+print("META", bad)
+sys.exit(1 if bad else 0)
+"""
+    from test_report import subprocess_env
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**subprocess_env(), "PYTHONPATH": str(repo)}
+    p = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
