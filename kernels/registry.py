@@ -79,7 +79,11 @@ class SelectionContext:
         dtype: model compute dtype.
         head_dim: attention head dimension of the stage's model (elements).
         needs_mask: the model's attention path passes a mask (FLUX: no).
-        sequence_parallel: the stage shards the sequence across devices.
+        sequence_parallel: the stage shards the sequence across devices (context parallelism): a backend wired
+            into diffusers must be one of diffusers' context-parallel attention backends
+            (:func:`context_parallel_unmet`).
+        ring_attention: the context parallelism includes ring attention (``ring_degree > 1``), which needs the
+            backend's log-sum-exp.
     """
 
     platform_kind: str
@@ -88,6 +92,7 @@ class SelectionContext:
     head_dim: Optional[int] = None
     needs_mask: bool = False
     sequence_parallel: bool = False
+    ring_attention: bool = False
 
 
 def has_symbol(path: str) -> bool:
@@ -316,7 +321,43 @@ class Backend:
         why: List[str] = []
         for req in self.requires:
             why.extend(req(ctx))
+        if ctx.sequence_parallel and self.diffusers is not None:
+            why.extend(context_parallel_unmet(self, ctx))
         return why
+
+
+#: diffusers dispatcher entries registered with ``supports_context_parallel=True`` whose forward op raises for
+#: ``return_lse=True`` (diffusers 0.42 ``attention_dispatch.py``: ``_native_attention_forward_op``, the NPU op):
+#: Ulysses runs on them, ring attention (which merges per-chunk outputs by their log-sum-exp) does not.
+NO_LSE = ("native", "_native_npu")
+
+
+def context_parallel_unmet(b: "Backend", ctx: SelectionContext) -> List[str]:
+    """Why attention backend ``b`` cannot run under diffusers' context parallelism in ``ctx`` (empty: it can).
+
+    diffusers runs Ulysses/ring attention only inside the dispatcher entries registered with
+    ``supports_context_parallel=True`` (``_AttentionBackendRegistry._supports_context_parallel``;
+    ``ModelMixin.enable_parallelism`` refuses others); our own kernels take no ``_parallel_config``. Ring attention
+    also needs the entry's log-sum-exp (:data:`NO_LSE`).
+    """
+    wiring = b.diffusers.for_device(ctx.sm) if b.diffusers is not None else None
+    if wiring is None:
+        return ["has no diffusers wiring, so no context (sequence) parallelism"]
+    if wiring.kernel is not None:
+        return [f"does not support sequence parallelism (context parallelism): it runs our kernel {wiring.kernel!r}, "
+                "not one of diffusers' context-parallel attention backends"]
+    try:
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    except ImportError:  # pragma: no cover - diffusers is a dependency
+        return ["needs diffusers for context parallelism"]
+    ok = sorted(_AttentionBackendRegistry._supports_context_parallel)
+    if wiring.backend not in ok:
+        return [f"diffusers' {wiring.backend!r} attention backend does not support context parallelism (diffusers "
+                f"supports it in: {', '.join(ok)})"]
+    if ctx.ring_attention and wiring.backend in NO_LSE:
+        return [f"ring attention merges per-chunk results by their log-sum-exp, which diffusers' {wiring.backend!r} "
+                "backend does not return (Ulysses runs on it)"]
+    return []
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -478,7 +519,7 @@ register_backend(Backend(
 register_backend(Backend(
     "attention", "FLASHINFER_ATTN", aliases=("flashinfer", "flashinfer_attention"),
     requires=(on_platform("cuda"), sm_at_least(80), symbol("flashinfer.prefill:single_prefill_with_kv_cache"),
-              dtype_in(*_HALF), head_dim_in(64, 128, 256), no_mask(), no_sequence_parallel()),
+              dtype_in(*_HALF), head_dim_in(64, 128, 256), no_mask()),
     auto={"sm120": (20, "FlashInfer prefill installed")},
     diffusers=DiffusersWiring("native", kernel="kernels.attention:flashinfer_attention"), vllm="FLASHINFER",
     signature=r"flashinfer|SinglePrefill|BatchPrefill|PrefillWithKVCache"))

@@ -78,6 +78,8 @@ class StageContext:
         model_cfg: the stage's model config (``cfg.model``, or ``model.stages.<stage>.model`` in a pipeline).
         plat: ``runner.platform.PlatformInfo`` of this process.
         dtype: ``torch.dtype`` of the stage's compute.
+        parallel: the context-parallel ``runner.distributed.Layout`` of the run (``parallelism=ulysses|ring``),
+            None otherwise; an engine that cannot split a sequence refuses it in ``prepare``.
     """
 
     cfg: Any
@@ -86,6 +88,7 @@ class StageContext:
     model_cfg: Any
     plat: Any
     dtype: Any
+    parallel: Any = None
 
 
 @dataclass
@@ -145,6 +148,8 @@ class Engine(Protocol):
 
     def backends_section(self) -> Dict[str, Any]: ...
 
+    def start_parallel(self) -> None: ...
+
     def load(self, on_loaded: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]: ...
 
     def warmup(self, batch: Sequence[Any]) -> float: ...
@@ -203,6 +208,11 @@ class EngineBase:
 
     def check_inputs(self, rows: Sequence[Any], path: Any) -> None:
         """An upstream stage accepts any downstream prompt."""
+
+    def start_parallel(self) -> None:
+        """Under context parallelism (``ctx.parallel``), create what its ranks share (device mesh, process groups):
+        called by every rank at the same point, after every startup check and before any stage loads. Nothing by
+        default (an engine that cannot split a sequence refuses it in ``prepare``)."""
 
     def warmup(self, batch: Sequence[Any]) -> float:
         """No warm-up; returns 0 seconds."""

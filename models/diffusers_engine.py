@@ -187,6 +187,7 @@ class DiffusersEngine(EngineBase):
         self.cache_settings: Any = None  # models.cache.CacheSettings once check_config validated cache.*
         self.step_cache: Any = None  # models.cache.StepCache once loaded with a cache
         self.cache_records: Dict[str, Dict[str, Any]] = {}  # item key -> its record's ``cache`` field
+        self.parallel_config: Any = None  # diffusers' ParallelConfig under context parallelism (start_parallel)
         self._scope = contextlib.ExitStack()
 
     @property
@@ -253,6 +254,11 @@ class DiffusersEngine(EngineBase):
             from models import cache as step_cache
 
             step_cache.check_support(self.cache_settings, str(self.transformer_class()), self.model_cfg.name)
+        self.check_parallel()
+        if self.cache_settings is not None and self.ctx.parallel is not None:
+            raise ConfigValueError(f"cache.method={self.cache_settings.method} with parallelism="
+                                   f"{self.ctx.parallel.mode}: a step cache under context parallelism is not supported yet (its reuse decisions "
+                                   "would differ per rank); fix: cache.method=none, or parallelism=data/single")
         self.resolutions, _ = self.resolve_backends()
         self.check_memory()
         return self.source
@@ -261,6 +267,66 @@ class DiffusersEngine(EngineBase):
         """The diffusers class name of the denoiser, known before loading (step caches are checked against it);
         None by default (a subclass that knows it says so)."""
         return None
+
+    def start_parallel(self) -> None:
+        """Context parallelism: the device mesh and diffusers' ``ContextParallelConfig`` over it
+        (``models.context_parallel.setup``; collective over every rank), applied to the denoiser in ``load``."""
+        if self.ctx.parallel is not None:
+            from models.context_parallel import setup
+
+            self.parallel_config = setup(self.ctx.parallel, self.ctx.plat.device)
+
+    def check_parallel(self) -> None:
+        """Context parallelism (``ctx.parallel``): refuse what the model cannot split, before loading. A model
+        family supports it by overriding this (and :meth:`context_tokens`); by default it is refused.
+
+        Raises:
+            runner.distributed.ParallelismUnsupportedError: naming the model and the fix.
+        """
+        if self.ctx.parallel is None:
+            return
+        from runner.distributed import ParallelismUnsupportedError
+
+        raise ParallelismUnsupportedError(
+            f"parallelism={self.ctx.parallel.mode}: model={self.model_cfg.name} ({type(self).__name__}) does not "
+            "support context parallelism yet (its sequence lengths per row are not declared to the runner); fix: "
+            "parallelism=data or single")
+
+    def splits_attention(self, layer: str) -> bool:
+        """Whether diffusers runs the attention call site ``layer`` context-parallel (Ulysses/ring collectives), for
+        the evidence's count of collectives; every site by default."""
+        return True
+
+    def context_tokens(self, row: ds.Row) -> Optional[Dict[str, int]]:
+        """The lengths of the sequences diffusers' context-parallel plan splits for ``row`` (``{name: tokens}``),
+        each of which must be a multiple of the context degree; None: not declared (refused by
+        :meth:`check_parallel`)."""
+        return None
+
+    def check_context_rows(self, rows: Sequence[ds.Row], path: Any) -> None:
+        """Under context parallelism every split sequence of every row must divide evenly over the context group
+        (diffusers' ``EquipartitionSharder`` asserts it mid-run).
+
+        Raises:
+            dataset.DatasetError: every such row (file:line, sequence, tokens, degree, fix).
+        """
+        lay = self.ctx.parallel
+        if lay is None:
+            return
+        bad = []
+        for r in rows:
+            for name, n in (self.context_tokens(r) or {}).items():
+                if n % lay.context:
+                    bad.append(f"{path}:{r.line}: row {r.id!r}: its {name} sequence has {n} tokens, not a multiple of "
+                               f"the context degree {lay.context} (ulysses_degree {lay.ulysses} x ring_degree "
+                               f"{lay.ring}), which diffusers splits it over; fix: "
+                               + self.context_fix(name, lay.context))
+        if bad:
+            raise ds.DatasetError(bad)
+
+    def context_fix(self, sequence: str, degree: int) -> str:
+        """How to make ``sequence`` divisible by ``degree`` (for :meth:`check_context_rows`'s message)."""
+        return "another size (or parallelism degree)"
 
     def check_source(self) -> None:
         """Config checks that need the model's own configs or tokenizers (read from the weight source, no weights
@@ -283,8 +349,10 @@ class DiffusersEngine(EngineBase):
 
         cfg, plat = self.ctx.cfg, self.ctx.plat
         check_placement(cfg, stages=[self.stage, *[s for s in (cfg.model.get("pipeline") or []) if s != self.stage]])
+        lay = self.ctx.parallel
         sel = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=self.head_dim(),
-                               needs_mask=self.needs_mask, sequence_parallel=False)
+                               needs_mask=self.needs_mask, sequence_parallel=lay is not None,
+                               ring_attention=lay is not None and lay.ring > 1)
         info = StageInfo(name=self.stage, roles=list(cfg.model.roles), fields=self.backend_fields, ctx=sel,
                          wired={"attention": wired("attention", "diffusers"), "moe": wired("moe", "diffusers")},
                          model=str(self.model_cfg.name))
@@ -409,6 +477,7 @@ class DiffusersEngine(EngineBase):
                                   limit=cfg.dataset.limit, builtin=self.model_cfg.builtin_prompts)
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
+        self.check_context_rows(rows, path)
         self.check_truncation(rows, path)
         if self.cache_settings is not None:
             from models import cache as step_cache
@@ -573,6 +642,10 @@ class DiffusersEngine(EngineBase):
             owned = tuple(f"{name}.{p}" for name, b in blocks for p in layout.expert_linears(b))
         lin = linear.install(self.denoiser, self.resolutions["linear"].selected, prefixes=self.fp8_prefixes,
                              observe=observe, exclude=owned)
+        if self.parallel_config is not None:  # after the backends: diffusers checks each processor's
+            from models.context_parallel import enable
+
+            sections["context_parallel"] = enable(self.denoiser, self.parallel_config)
         if self.cache_settings is not None:  # after the backends: its hooks wrap the modules as they will run
             from models import cache as step_cache
 
@@ -688,8 +761,13 @@ class DiffusersEngine(EngineBase):
             probe = self.step_cache.probe
             cache = {"section": section, "mismatches": mm, "attention_runs": dict(probe.attention_runs),
                      "forwards_computed": probe.counts.forwards_computed}
+        from models.context_parallel import COLLECTIVES, expected_collectives
+
+        want = expected_collectives(self.ctx.parallel,
+                                    sum(1 for site in self.probes["attention"] if self.splits_attention(site.layer)))
         ev = evidence.build(self.stage, self.probes, self.probe, None if self.raised else self.want_forwards,
-                            finite=result.nonfinite == 0, device=self.device, cache=cache)
+                            finite=result.nonfinite == 0, device=self.device, cache=cache,
+                            collectives={k: (COLLECTIVES[k], n) for k, n in want.items()} if want else None)
         return ev["stages"][self.stage], list(ev["mismatches"])
 
     def timing_phases(self, generate_s: float) -> Dict[str, float]:

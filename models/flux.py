@@ -127,6 +127,18 @@ class FluxEngine(PipelineEngine):
             return {}
         return {"true_cfg_scale": float(self.cfg.generation.true_cfg_scale)}
 
+    def context_tokens(self, row: Any) -> Dict[str, int]:
+        """What ``FluxTransformer2DModel._cp_plan`` splits: the packed image tokens ((height / 16) x (width / 16) for
+        FLUX's VAE) and the T5 text tokens (FluxPipeline pads them to ``max_sequence_length``)."""
+        need = self.size_need()
+        return {"image": (row.width // need) * (row.height // need),
+                "text": int(self.cfg.generation.max_sequence_length)}
+
+    def context_fix(self, sequence: str, degree: int) -> str:
+        if sequence == "text":
+            return f"model.generation.max_sequence_length a multiple of {degree}"
+        return f"width and height whose {self.size_need()}-pixel tiles number a multiple of {degree}"
+
     def load_pipeline(self) -> None:
         """The generic loading; diffusers' per-call truncation warning (the whole dropped text: 4.4 MB of console
         for one 2-million-character prompt) is filtered out: every record carries its ``tokens`` per encoder."""

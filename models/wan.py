@@ -68,6 +68,22 @@ class WanEngine(PipelineEngine):
         return 2 ** sum(bool(x) for x in (self.component_config("vae").get("temperal_downsample")
                                           or [False, True, True]))
 
+    def context_tokens(self, row: Any) -> Dict[str, int]:
+        """What ``WanTransformer3DModel._cp_plan`` splits: the video tokens (latent frames x (height / 16) x (width /
+        16)); the text tokens are not split (diffusers keeps ``encoder_hidden_states`` whole for Wan)."""
+        need = self.size_need()
+        frames = (int(row.num_frames) - 1) // self.temporal_factor() + 1
+        return {"video": frames * (row.height // need) * (row.width // need)}
+
+    def splits_attention(self, layer: str) -> bool:
+        """Only self-attention (``attn1``) runs split: diffusers' ``WanAttnProcessor`` passes its parallel config only
+        without ``encoder_hidden_states``; cross-attention (``attn2``) attends local queries to the whole text."""
+        return not layer.endswith("attn2")
+
+    def context_fix(self, sequence: str, degree: int) -> str:
+        return (f"num_frames, width and height whose latent frames x {self.size_need()}-pixel tiles number a "
+                f"multiple of {degree}")
+
     def size_need(self) -> int:
         """VAE spatial factor (2 ** len(temperal_downsample)) x the transformer's spatial patch (2): 16 for Wan."""
         vae = self.component_config("vae")

@@ -10,6 +10,12 @@ the same whatever the world size.
 torchrun: ranks agree on the run dir before Hydra starts (rank 0 picks it and broadcasts it over a gloo process
 group, used for control messages only), so only rank 0 owns the Hydra run dir; rank r > 0 keeps its Hydra logs
 in ``<run dir>/workers/rank<r>``.
+
+``parallelism=ulysses|ring`` (context parallelism, :class:`Layout`): the world is a mesh ``(data, ring, ulysses)``;
+the ranks of one context group (``ring_degree x ulysses_degree`` ranks) compute the same items together, each
+holding a slice of every sequence (diffusers' ``ContextParallelConfig``, applied by the engine); the ``data``
+groups shard the dataset like ``parallelism=data``. Only the group's first rank (its *writer*) writes images and a
+journal; every rank writes its manifest (its role and its evidence), and the merge lists them all.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from runner import rundir
 from runner.artifacts import atomic_write_bytes, atomic_write_json
-from runner.errors import RunDirInUseError, RunDirLockError
+from runner.errors import ConfigValueError, RefusedError, RunDirInUseError, RunDirLockError
 from runner.sinks import read_journal
 
 log = logging.getLogger("runner")
@@ -34,14 +40,111 @@ WORKER_SUBDIR = "workers"
 SHARDING = "the run's batches dealt whole, in order, each to the rank with the fewest items (see shard)"
 
 
+CONTEXT_MODES = ("ulysses", "ring")
+MESH_DIMS = ("data", "ring", "ulysses")
+
+
+class ParallelismConfigError(ConfigValueError):
+    """A ``parallelism`` setting that cannot describe this launch (degrees, world size, launcher); names the field,
+    the value and the fix."""
+
+
+class ParallelismUnsupportedError(RefusedError, ValueError):
+    """A valid context-parallel request this model, backend or platform cannot run (heads not divisible by the
+    Ulysses degree, an attention backend without context-parallel support, a model with no context-parallel plan);
+    names what refuses it and the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The device mesh of a context-parallel run: ``data x ring x ulysses`` ranks, rank-major in that order
+    (``rank = (d * ring + r) * ulysses + u``, the order of ``torch.distributed.device_mesh.init_device_mesh``)."""
+
+    mode: str
+    data: int
+    ring: int
+    ulysses: int
+
+    @property
+    def context(self) -> int:
+        """Ranks per context group (each item's sequence is split over them)."""
+        return self.ring * self.ulysses
+
+    @property
+    def world_size(self) -> int:
+        return self.data * self.context
+
+    def role(self, rank: int) -> Dict[str, Any]:
+        """Rank ``rank``'s place in the mesh: its data group, its ring and Ulysses ranks, whether it writes."""
+        d, c = divmod(rank, self.context)
+        r, u = divmod(c, self.ulysses)
+        return {"rank": rank, "data_group": d, "context_rank": c, "ring_rank": r, "ulysses_rank": u,
+                "writes_artifacts": c == 0,
+                "context_group": list(range(d * self.context, (d + 1) * self.context))}
+
+    def section(self) -> Dict[str, Any]:
+        """The mesh for the manifest's ``parallelism``: shape, dimension names, the rank at every coordinate."""
+        ranks = [[[(d * self.ring + r) * self.ulysses + u for u in range(self.ulysses)] for r in range(self.ring)]
+                 for d in range(self.data)]
+        return {"shape": [self.data, self.ring, self.ulysses], "dim_names": list(MESH_DIMS), "ranks": ranks}
+
+
+def layout(cfg: Any, world_size: Optional[int]) -> Optional[Layout]:
+    """The context-parallel layout of ``cfg`` for a launch of ``world_size`` ranks (None: not a context mode).
+
+    Raises:
+        ParallelismConfigError: a degree below 1 (or below 2 for the mode's own), no torchrun, another launcher,
+            or ``data x ulysses_degree x ring_degree`` other than the world size; each names the field and the fix.
+    """
+    par = cfg.parallelism
+    mode = str(par.mode)
+    if mode not in CONTEXT_MODES:
+        return None
+    u, r = int(par.ulysses_degree), int(par.ring_degree)
+    for key, v in (("ulysses_degree", u), ("ring_degree", r)):
+        if v < 1:
+            raise ParallelismConfigError(f"parallelism.{key}={v} must be >= 1")
+    own = {"ulysses": ("ulysses_degree", u), "ring": ("ring_degree", r)}[mode]
+    if own[1] < 2:
+        raise ParallelismConfigError(f"parallelism={mode} with parallelism.{own[0]}={own[1]}: the sequence would not "
+                                     f"be split; fix: parallelism.{own[0]}=2 (or more), or parallelism=single")
+    if cfg.launcher.name != "local":
+        raise ParallelismConfigError(f"parallelism={mode} with launcher={cfg.launcher.name}: context parallelism runs "
+                                     "under torchrun only so far (its ranks need one process group); fix: launcher=local "
+                                     f"and `torchrun --nproc-per-node N -m runner parallelism={mode}`")
+    ctx = u * r
+    if world_size is None:
+        raise ParallelismConfigError(
+            f"parallelism={mode} needs {ctx} ranks per context group (ulysses_degree={u} x ring_degree={r}): launch "
+            f"with `torchrun --nproc-per-node {ctx} -m runner parallelism={mode}` (or a multiple of {ctx}, for "
+            "data-parallel groups)")
+    data = par.data
+    if data is None:
+        if world_size % ctx:
+            raise ParallelismConfigError(
+                f"torchrun started {world_size} ranks, not a multiple of the context degree {ctx} (parallelism."
+                f"ulysses_degree={u} x parallelism.ring_degree={r}); fix: --nproc-per-node {max(ctx, world_size // ctx * ctx)}"
+                " or other degrees")
+        data = world_size // ctx
+    data = int(data)
+    if data < 1 or data * ctx != world_size:
+        raise ParallelismConfigError(
+            f"parallelism.data={data} x parallelism.ulysses_degree={u} x parallelism.ring_degree={r} = {data * ctx} "
+            f"ranks, but torchrun started {world_size} (WORLD_SIZE); fix: --nproc-per-node {max(1, data) * ctx}, or "
+            "parallelism.data=null to use every rank")
+    return Layout(mode=mode, data=data, ring=r, ulysses=u)
+
+
 @dataclass(frozen=True)
 class Worker:
-    """One data-parallel worker: its rank among ``world_size``, host, and the launcher that started it."""
+    """One data-parallel worker: its rank among ``world_size``, host, and the launcher that started it; under
+    context parallelism its ``layout`` (which data group it serves, whether it writes)."""
 
     rank: int
     world_size: int
     launcher: str
     host: str = socket.gethostname()
+    layout: Optional[Layout] = None
 
     @property
     def journal(self) -> str:
@@ -50,6 +153,21 @@ class Worker:
     @property
     def manifest(self) -> str:
         return f"manifest.rank{self.rank}.json"
+
+    @property
+    def shards(self) -> int:
+        """How many shards the dataset is dealt into (data-parallel groups)."""
+        return self.layout.data if self.layout is not None else self.world_size
+
+    @property
+    def shard_index(self) -> int:
+        """Which shard this worker computes (its data group)."""
+        return self.layout.role(self.rank)["data_group"] if self.layout is not None else self.rank
+
+    @property
+    def writes(self) -> bool:
+        """Whether this worker writes artifacts and a journal (a context group's first rank; every data worker)."""
+        return self.layout is None or self.layout.role(self.rank)["writes_artifacts"]
 
 
 def shard(batches: List[List[Any]], world_size: int, rank: int) -> List[Any]:
@@ -74,18 +192,57 @@ def shard(batches: List[List[Any]], world_size: int, rank: int) -> List[Any]:
     return mine
 
 
-def torchrun_worker() -> Optional[Worker]:
+def torchrun_worker(lay: Optional[Layout] = None) -> Optional[Worker]:
     """The torchrun worker of this process (from ``RANK``/``WORLD_SIZE``), or None outside torchrun."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
-        return Worker(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), launcher="torchrun")
+        return Worker(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), launcher="torchrun",
+                      layout=lay)
     return None
 
 
 def _control_group() -> None:
+    """The default process group: gloo for CPU tensors (control messages, CPU context parallelism) and, where CUDA
+    is available, NCCL for CUDA tensors (the all-to-all / all-gather of context parallelism on GPUs; NCCL only
+    creates a communicator at its first CUDA collective, so data-parallel runs never do)."""
+    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+
+
+def init_context_groups(worker: Optional[Worker]) -> None:
+    """Create the gloo process group of every context group (``torch.distributed.new_group`` is entered by every
+    rank for every group, in the same order, so each rank calls this once at startup); no-op outside context
+    parallelism."""
+    if worker is None or worker.layout is None or _GROUPS:
+        return
+    import torch.distributed as dist
+
+    _control_group()
+    lay = worker.layout
+    for d in range(lay.data):
+        ranks = tuple(range(d * lay.context, (d + 1) * lay.context))
+        _GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
+
+
+def context_group_any(flag: bool, worker: Optional[Worker]) -> bool:
+    """Whether ``flag`` is set on any rank of this worker's context group (``flag`` itself outside context
+    parallelism). Every rank of a group must run the same batches (each forward is a collective over the group),
+    so a stop signal seen by one rank stops them all after the same batch (groups from
+    :func:`init_context_groups`)."""
+    if worker is None or worker.layout is None:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    group = _GROUPS[tuple(worker.layout.role(worker.rank)["context_group"])]
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+_GROUPS: Dict[tuple, Any] = {}
 
 
 def agree_argv(argv: List[str]) -> List[str]:
@@ -189,7 +346,8 @@ def _ended(status: Optional[str]) -> Optional[str]:
 
 
 def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str,
-          current: Optional[Callable[[List[str]], Dict[str, List[str]]]] = None) -> Dict[str, Any]:
+          current: Optional[Callable[[List[str]], Dict[str, List[str]]]] = None,
+          lay: Optional[Layout] = None) -> Dict[str, Any]:
     """Merge the workers' journals and manifests of ``out_dir`` into ``items.jsonl`` and ``manifest.json``.
 
     Args:
@@ -197,6 +355,8 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
         current: given the workers' run identity hashes, the ``inputs_sha256`` values an item's ok record may
             carry (``runner.execute.current_inputs``); an ok record with another value is an earlier config's
             output and is left out (the same rule as a resume's, ``runner.resume``). None: every ok record counts.
+        lay: the context-parallel layout (None: ``parallelism=data``): counts and throughput come from the writing
+            ranks; ``parallelism`` gets the mesh, the degrees and every rank's role.
 
     Returns:
         The merged manifest. Its ``status`` is ``completed`` only when every worker completed; ``workers`` lists
@@ -231,7 +391,8 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
             workers.append({"rank": r, "status": "missing"})
             continue
         w = doc.get("worker", {})
-        workers.append({"rank": r, "host": w.get("host"), "device": doc.get("platform", {}).get("device"),
+        role = {"role": w["role"]} if "role" in w else {}
+        workers.append({"rank": r, **role, "host": w.get("host"), "device": doc.get("platform", {}).get("device"),
                         "device_name": doc.get("platform", {}).get("probes", {}).get("device_name"),
                         "pid": doc.get("evidence", {}).get("pid"), "shard_items": w.get("shard_items"),
                         "status": _ended(doc.get("status")),
@@ -246,7 +407,8 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     merged.pop("worker", None)
     ok = [r for r in latest.values() if r.get("status") == "ok"]
     failed = [r for r in latest.values() if r.get("status") == "failed"]
-    wc = [(d or {}).get("counts") or {} for d in docs]
+    writers = [d for r, d in enumerate(docs) if lay is None or lay.role(r)["writes_artifacts"]]
+    wc = [(d or {}).get("counts") or {} for d in writers]
     # Same meaning as a one-worker run's counts: ok = written by this attempt, reused = kept from an earlier one;
     # plus the run's size and what no worker produced.
     merged["counts"] = {"ok": len(ok) - sum(c.get("reused", 0) for c in wc), "failed": len(failed),
@@ -259,12 +421,22 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
         merged["prompts"] = {**base["prompts"], **prompts_summary(ok)}
     merged["parallelism"] = {"mode": "data", "world_size": world_size, "launcher": launcher,
                              "sharding": SHARDING}
+    if lay is not None:
+        merged["parallelism"] = {
+            "mode": lay.mode, "world_size": world_size, "launcher": launcher, "data": lay.data,
+            "ulysses_degree": lay.ulysses, "ring_degree": lay.ring, "context_degree": lay.context,
+            "sharding": SHARDING.replace("rank", "data group") + "; every rank of a context group computes its "
+                        "group's items together, the group's first rank writes them",
+            "mesh": lay.section(), "roles": [lay.role(r) for r in range(world_size)],
+            "context_parallel": {str(r): (d or {}).get("context_parallel") for r, d in enumerate(docs)}}
+    merged.pop("context_parallel", None)
     merged["workers"] = workers
     loops = [w["timing"]["loop_s"] for w in workers if w.get("timing", {}).get("loop_s")]
     walls = [w["timing"]["wall_s"] for w in workers if w.get("timing", {}).get("wall_s")]
     # Workers run side by side: the run's generation loop lasts as long as its slowest worker's.
     merged["timing"] = {"loop_s": max(loops) if loops else None, "wall_s": max(walls) if walls else None,
-                        "images_per_hour": round(3600 * sum((w.get("counts") or {}).get("ok", 0) for w in workers)
+                        "images_per_hour": round(3600 * sum((w.get("counts") or {}).get("ok", 0) for w in workers
+                                                            if lay is None or lay.role(w["rank"])["writes_artifacts"])
                                                  / max(loops), 1) if loops else None,
                         "per_worker": "workers[].timing"}
     merged["evidence"] = {"workers": {str(r): (d or {}).get("evidence") for r, d in enumerate(docs)},
@@ -297,5 +469,8 @@ def merged_exit_code(merged: Dict[str, Any]) -> int:
 
 
 def worker_record(w: Worker, shard_items: int) -> Dict[str, Any]:
-    """The ``worker`` section of a worker's manifest."""
-    return {**asdict(w), "shard_items": shard_items, "pid": os.getpid()}
+    """The ``worker`` section of a worker's manifest (under context parallelism with its ``role``)."""
+    doc = {k: v for k, v in asdict(w).items() if k != "layout"}
+    if w.layout is not None:
+        doc["role"] = w.layout.role(w.rank)
+    return {**doc, "shard_items": shard_items, "pid": os.getpid()}

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -104,7 +104,8 @@ class DenoiserProbe:
 
 def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_forwards: Optional[int],
           finite: bool,
-          device: str, cache: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+          device: str, cache: Optional[Dict[str, Any]] = None,
+          collectives: Optional[Dict[str, Tuple[str, int]]] = None) -> Dict[str, Any]:
     """Assemble the manifest's ``evidence`` section and its verdict.
 
     Args:
@@ -121,6 +122,10 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
             "attention_runs": {layer: forwards in which that attention module computed}, "forwards_computed": n}``.
             An attention site must then have run its backend once per forward in which its module computed (not
             once per forward), and linear layers at least once per module per fully computed forward.
+        collectives: under context parallelism, ``{kind: (regex, least calls)}`` of the collectives one denoiser
+            forward must run (``all_to_all`` for Ulysses, ``all_gather`` for ring attention): the profiled forward
+            must show at least that many calls of a matching op or kernel, else it is a mismatch (a run configured
+            for context parallelism in which none ran computed every sequence whole, or not at all).
 
     Returns:
         The section: ``{pid, device, stages: {stage: {attention, linear, kernels[, moe]}}, all_finite, verdict,
@@ -194,6 +199,18 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
                        top_device_kernels=dict(top),
                        device_kernels=len(trace.kernels), ops=len(trace.ops))
+        if collectives:
+            seen: Dict[str, Any] = {}
+            for kind, (regex, least) in collectives.items():
+                names = trace.match(regex)
+                calls = trace.calls(names)
+                seen[kind] = {"names": {n: trace.kernels.get(n, 0) or trace.ops.get(n, 0) for n in names},
+                              "calls": calls, "expected_at_least": least}
+                if calls < least:
+                    mismatches.append(f"stage {stage}, context parallelism: {calls} {kind} collective calls in the "
+                                      f"profiled forward, expected at least {least} (matching /{regex}/); the "
+                                      "sequence was not split and exchanged as configured")
+            kernels["collectives"] = seen
     if cache is not None:
         mismatches += list(cache.get("mismatches") or [])
     verdict = "mismatch" if mismatches else ("nonfinite_outputs" if not finite else "verified")

@@ -168,19 +168,27 @@ def check_run_values(cfg: DictConfig) -> None:
         raise ConfigValueError(f"output.write_workers={cfg.output.write_workers} must be >= 0 (0 writes artifacts in the "
                                "generating thread); fix: output.write_workers=2")
     mode = cfg.parallelism.mode
-    if mode in ("cfg", "ulysses"):
-        raise ConfigValueError(f"parallelism={mode} ({'CFG-parallel' if mode == 'cfg' else 'Ulysses sequence parallel'}"
-                               ") is not implemented yet; it would otherwise run single-device. fix: parallelism=single "
-                               "or parallelism=data")
-    from runner.distributed import torchrun_worker
+    if mode == "cfg":
+        raise ConfigValueError(
+            "parallelism=cfg (the conditional and unconditional branches of classifier-free guidance on two ranks) is "
+            "not supported: diffusers 0.42 has no CFG parallelism (its ParallelConfig holds context_parallel_config "
+            "and tensor_parallel_config only; `_modeling_parallel.py` lists CFG/data parallelism as TODO), and its "
+            "pipelines run both branches inside __call__; it would otherwise run single-device. fix: "
+            "parallelism=ulysses or ring (one item over several ranks), parallelism=data, or parallelism=single")
+    from runner.distributed import CONTEXT_MODES, layout, torchrun_worker
 
     tw = torchrun_worker()
-    if tw is not None and tw.world_size > 1 and mode != "data":
+    if tw is not None and tw.world_size > 1 and mode not in ("data", *CONTEXT_MODES):
         raise ConfigValueError(f"started by torchrun with WORLD_SIZE={tw.world_size} but parallelism={mode}: every "
-                               "rank would generate the whole dataset; fix: parallelism=data")
+                               "rank would generate the whole dataset; fix: parallelism=data (or ulysses/ring)")
     if mode == "data" and tw is None and cfg.launcher.name != "ray":
         raise ConfigValueError("parallelism=data needs workers: launch with `torchrun --nproc-per-node N -m runner "
                                "parallelism=data` or add launcher=ray")
+    lay = layout(cfg, tw.world_size if tw is not None else None)  # context modes: degrees x data = world size
+    if lay is not None and cfg.evidence.enabled and not cfg.evidence.profile:
+        raise ConfigValueError(f"parallelism={mode} with evidence.profile=false: only the profiler sees the collectives "
+                               "that prove each sequence was split and exchanged; fix: evidence.profile=true (or "
+                               "evidence.enabled=false to run without evidence)")
 
 
 LIBRARY_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
@@ -333,10 +341,10 @@ def stage_graph(cfg: DictConfig) -> List[StageSpec]:
         raise UserInputError(f"model.pipeline={order}: the last stage must be the model's {final.name!r} stage")
     if len(order) != 2:
         raise UserInputError(f"model.pipeline={order}: one stage feeding {final.name!r} is supported")
-    if cfg.parallelism.mode == "data":  # before the stages' and the launcher's checks: nothing makes this work
-        raise ConfigValueError(f"parallelism=data with the multi-stage model={cfg.model.name} (pipeline {order}): its "
-                               "first stage runs on one engine, so data parallelism is not supported yet; fix: "
-                               "parallelism=single")
+    if cfg.parallelism.mode in ("data", "ulysses", "ring"):  # before the stages' and the launcher's checks
+        raise ConfigValueError(f"parallelism={cfg.parallelism.mode} with the multi-stage model={cfg.model.name} "
+                               f"(pipeline {order}): its first stage runs on one engine, so multi-device runs are not "
+                               "supported yet; fix: parallelism=single")
     s = order[0]
     if (stages[s].input or "prompt") != "prompt":
         raise UserInputError(f"model.stages.{s}.input={stages[s].input!r}: the first stage reads the dataset's "
@@ -432,11 +440,20 @@ def _generate_isolated(engine: Any, batch: List[Any]) -> Tuple[List[Any], List[L
         return outs, ran
 
 
+def _stop_check(stop: Stop, worker: Optional[Any]) -> Callable[[], bool]:
+    """Whether to stop before the next batch: a signal was received (under context parallelism, by any rank of the
+    worker's context group, so that all of them stop after the same batch: ``runner.distributed.context_group_any``)."""
+    from runner.distributed import context_group_any
+
+    return lambda: context_group_any(stop.signum is not None, worker)
+
+
 def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: Stop, timing: _Timing,
               on_loaded: Optional[Callable[[Any], None]] = None, links: Optional[Dict[str, Any]] = None,
               after_load: Optional[Callable[[Dict[str, Any]], None]] = None,
               checkpoint: Optional[Callable[[], None]] = None,
-              identity: Optional[Callable[[Any], str]] = None) -> "StageResult":
+              identity: Optional[Callable[[Any], str]] = None,
+              should_stop: Optional[Callable[[], bool]] = None) -> "StageResult":
     """Load ``engine`` and generate ``items`` into ``sink``: batch -> generate -> submit -> checkpoint, until done
     or a stop signal. The same body runs every stage of every run.
 
@@ -446,6 +463,7 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
         checkpoint: called after every batch (rewrites the manifest).
         identity: ``item -> inputs_sha256``, recorded in each record with the batch (size, position) it ran in
             (resumable stages: a resume compares both, ``runner.resume.reusable``).
+        should_stop: asked before each batch (default: a stop signal was received).
 
     Returns:
         What was observed, for the engine's evidence.
@@ -465,7 +483,7 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
         after_load(sections)
     t_loop = time.perf_counter()
     for batch in batches:
-        if stop.signum is not None:
+        if (should_stop() if should_stop is not None else stop.signum is not None):
             break
         t0 = time.perf_counter()
         outputs, ran = _generate_isolated(engine, batch)
@@ -565,6 +583,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     dtype = resolve_dtype(cfg.dtype, plat.kind)
     for e in engines:
         e.ctx.plat, e.ctx.dtype = plat, dtype
+        e.ctx.parallel = worker.layout if worker is not None else None
     cache_cfg = cfg.get("cache")
     if cache_cfg is not None and str(cache_cfg.method).strip().lower() not in ("none", "", "null", "off") and not any(
             getattr(e, "applies_cache", False) for e in engines):
@@ -582,15 +601,18 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     if worker is not None and worker.world_size > 1:
         from runner.distributed import shard
 
-        items = shard(final.batches(items, cfg.batch_size), worker.world_size, worker.rank)
+        # data-parallel groups (every worker, or every context group) share the batches out
+        items = shard(final.batches(items, cfg.batch_size), worker.shards, worker.shard_index)
         journal_name, manifest_name = worker.journal, worker.manifest
+    writes = worker is None or worker.writes  # a context group's other ranks compute, its first rank writes
     data_sha = ds.file_sha256(data_path)
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
     packages = package_versions()
     backends_doc = {e.stage: e.backends_section() for e in engines}
     sink_cls = SINKS[final.output]
     identity = resume.run_identity(resolved_cfg, str(dtype).replace("torch.", ""), plat.to_dict(), backends_doc,
-                                   packages, sources[final.stage], output=sink_cls.identity(cfg))
+                                   packages, sources[final.stage], output=sink_cls.identity(cfg),
+                                   context=worker.layout if worker is not None else None)
     run_sha = resume.identity_sha256(identity)
     # what each item's inputs_sha256 must be for this run to reuse it (its batch as this run forms it)
     all_batches = final.batches(items, cfg.batch_size) if final.resumable else []
@@ -620,6 +642,12 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     # a batch holding an item that cannot be reused runs again whole (its peers and positions fixed)
     again = {it.key for it in resume.regenerate_batches(all_batches, reuse)}
     todo = [it for it in items if it.key in again] if final.resumable else list(items)
+    if worker is not None:  # every startup check passed on this rank: what context-parallel ranks share (collective)
+        from runner.distributed import init_context_groups
+
+        init_context_groups(worker)
+    for e in engines:
+        e.start_parallel()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = Manifest(out_dir / manifest_name)
@@ -705,7 +733,12 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
 
         threads = (dict(workers=workers, max_pending=4 * max(1, workers) + cfg.batch_size) if sink_cls.threaded
                    else {})
-        sink = sink_cls(out_dir, journal_name, on_record=on_record, **threads, **sink_cls.options(cfg))
+        if writes:
+            sink = sink_cls(out_dir, journal_name, on_record=on_record, **threads, **sink_cls.options(cfg))
+        else:
+            from runner.sinks import ComputeOnlySink
+
+            sink = ComputeOnlySink(out_dir, on_record=on_record)
         for e, spec in zip(upstream, specs):
             if not todo or stop.signum is not None:
                 break
@@ -736,7 +769,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
         results[final.stage] = run_stage(
             final, todo, sink, cfg, stop, timing, on_loaded=on_loaded, links=links, after_load=after_load,
             checkpoint=checkpoint, identity=(lambda it: resume.inputs_sha256(run_sha, originals[it.key]))
-            if final.resumable else None)
+            if final.resumable else None, should_stop=_stop_check(stop, worker))
 
         # 5. verdict
         if stop.signum is not None:
@@ -747,7 +780,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
         manifest.section("evidence", ev)
         sink.drain()
         journal = {r["key"]: r for r in read_journal(out_dir / journal_name) if "key" in r}
-        acc = final.accuracy(items, journal, out_dir)
+        acc = final.accuracy(items, journal, out_dir) if writes else None
         if acc is not None:
             manifest.section("accuracy", acc)
         prompts = final.prompts_section(list(journal.values()))
@@ -771,7 +804,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
                     bar.close()
                 for e in engines:
                     e.close()
-            if sink is not None:
+            if sink is not None and writes:
                 before = read_journal(out_dir / journal_name) if worker is None else []  # compaction drops some
                 _compact(out_dir, items, journal_name, final, expected)
                 if worker is None:

@@ -78,7 +78,15 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     if job_dir == dp.shared_run_dir(job_dir):
         job_dir = out_dir
     status: Dict[str, Any] = {"error_type": None, "error": None}
-    worker = dp.torchrun_worker() if cfg.parallelism.mode == "data" else None
+    context = dp.CONTEXT_MODES
+    worker = None
+    if cfg.parallelism.mode in ("data", *context) and dp.torchrun_worker() is not None:
+        # a context mode's layout (degrees x data = world size) is checked at startup (check_run_values)
+        try:
+            lay = dp.layout(cfg, dp.torchrun_worker().world_size)
+        except RunnerError:
+            lay = None  # refused by the run's own checks, with the same message
+        worker = dp.torchrun_worker(lay)
     lock = None
 
     def on_exit(code: int) -> None:  # a second signal ends the process at once: its job status first
@@ -105,7 +113,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
             dp.barrier()
             if worker.rank == 0:
                 code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun",
-                                                    current_inputs(cfg)))
+                                                    current_inputs(cfg), lay=worker.layout))
         else:
             code = run(cfg, out_dir, overrides=overrides, on_exit=on_exit)
         outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")

@@ -184,7 +184,7 @@ def _source_fingerprint(source: Dict[str, Any]) -> Dict[str, Any]:
 
 def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], backends: Dict[str, Any],
                  packages: Dict[str, Any], source: Optional[Dict[str, Any]] = None,
-                 output: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                 output: Optional[Dict[str, Any]] = None, context: Any = None) -> Dict[str, Any]:
     """The part of every item's identity that the whole run shares (see the module docstring).
 
     Args:
@@ -197,6 +197,10 @@ def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], back
         source: the final stage's weight source (``model.source``).
         output: what encodes the artifacts beyond the packages (the sink's ``identity``: a video run's codec
             preset, imageio-ffmpeg and ffmpeg versions, frame dump), kept as ``output``; None: no such key.
+        context: the context-parallel layout (``runner.distributed.Layout``), kept as ``context_parallel``
+            (its Ulysses and ring degrees: a split sequence's attention sums in another order than a whole one, so
+            its images are close to, not equal to, a one-device run's); None: no such key (data parallelism
+            computes the same bytes as one device).
     """
     config: Dict[str, Any] = {}
     for key in SEMANTIC_KEYS + ("cpu_threads",):
@@ -224,6 +228,8 @@ def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], back
     }
     if output is not None:
         doc["output"] = output
+    if context is not None:
+        doc["context_parallel"] = {"ulysses_degree": context.ulysses, "ring_degree": context.ring}
     return doc
 
 

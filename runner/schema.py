@@ -70,12 +70,15 @@ class Compile(Choice):
 
 
 class ParallelismMode(Choice):
-    """How work is spread over devices (``cfg`` and ``ulysses`` are refused at startup: not implemented)."""
+    """How work is spread over devices: ``data`` shards the dataset; ``ulysses`` and ``ring`` split each item's
+    sequence over a context group of ranks (diffusers' context parallelism); ``cfg`` is refused at startup
+    (diffusers has no CFG parallelism)."""
 
     single = "single"
     data = "data"
     cfg = "cfg"
     ulysses = "ulysses"
+    ring = "ring"
 
 
 class LauncherName(Choice):
@@ -389,7 +392,18 @@ class ParallelismConfig:
 
     mode: ParallelismMode = ParallelismMode.single
     """``single``; ``data``: the dataset sharded over torchrun ranks or Ray workers (the launcher decides how
-    many); ``cfg`` (CFG-parallel) and ``ulysses`` (sequence parallel) are refused at startup (not implemented)."""
+    many); ``ulysses`` / ``ring``: every item's sequence split over a context group of ``ulysses_degree x
+    ring_degree`` torchrun ranks (diffusers' ``ContextParallelConfig``), groups sharding the dataset like ``data``;
+    ``cfg`` is refused at startup (diffusers 0.42 has no CFG parallelism)."""
+    ulysses_degree: int = 1
+    """Ranks of a context group exchanging heads by all-to-all (Ulysses); the model's attention heads must be a
+    multiple of it. ``parallelism=ulysses`` needs >= 2."""
+    ring_degree: int = 1
+    """Ranks of a context group passing key/value chunks around a ring (ring attention). ``parallelism=ring``
+    needs >= 2; both degrees > 1 is diffusers' unified (Ulysses x ring) attention."""
+    data: Optional[int] = None
+    """Context modes: data-parallel groups (each shards the dataset like ``parallelism=data``); ``data x
+    ulysses_degree x ring_degree`` must equal torchrun's world size. null: world size / context degree."""
 
 
 @dataclass

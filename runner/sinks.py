@@ -362,6 +362,42 @@ class RecordSink(_Counting):
         self.journal.close()
 
 
+class ComputeOnlySink(_Counting):
+    """The sink of a context-parallel rank that computes its group's items without writing them (the group's
+    first rank writes the artifacts and the journal): each output is checked (NaN/inf counts as failed, as in a
+    writing sink) and counted; no file, no journal. Records get ``status`` and ``file: null``."""
+
+    def __init__(self, out_dir: Path, journal_name: Optional[str] = None,
+                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+        super().__init__(on_record)
+        self.out_dir = Path(out_dir)
+        self.journal_name = journal_name
+
+    def submit(self, record: Dict[str, Any], output: Any) -> None:
+        """Count one item's output (or the exception that failed it)."""
+        if isinstance(output, BaseException):
+            record.update(status="failed", file=None, reason=f"{type(output).__name__}: {output}")
+        elif output.nonfinite():
+            record.update(status="failed", file=None, reason=f"non-finite output ({output.nonfinite()} values)")
+            self.nonfinite += 1
+        else:
+            record.update(status="ok", file=None)
+        self._recorded(record)
+
+    def verify(self, record: Dict[str, Any]) -> bool:
+        """Nothing of this rank's is on disk to verify."""
+        return False
+
+    def drain(self) -> None:
+        """Nothing is queued."""
+
+    write_s = 0.0
+    wait_s = 0.0
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
 #: engine output kind -> sink class
 SINKS: Dict[str, Any] = {"image": PNGSink, "video": MP4Sink, "text": RecordSink}
 

@@ -629,7 +629,9 @@ BAD_INPUTS = [
     ("dtype-float64", None, ["dtype=float64"], HydraException,
      [r"Invalid value 'float64', expected one of \[auto, float32, bfloat16, float16\]", r"full_key: dtype"]),
     ("parallelism-data", None, ["parallelism.mode=data"], ConfigValueError, [r"parallelism(\.mode)?='?data"]),
-    ("parallelism-ulysses", None, ["parallelism.mode=ulysses"], ConfigValueError, [r"ulysses.*not implemented"]),
+    ("parallelism-ulysses", None, ["parallelism.mode=ulysses", "parallelism.ulysses_degree=2"], ConfigValueError,
+     [r"parallelism=ulysses needs 2 ranks per context group", r"torchrun --nproc-per-node 2"]),
+    ("parallelism-cfg", None, ["parallelism=cfg"], ConfigValueError, [r"diffusers 0\.42 has no CFG parallelism"]),
     ("image-format-webp", None, ["output.image_format=webp"], HydraException, [r"output.image_format"]),  # no such key
     ("load-format-bogus", None, ["model.load_format=bogus"], HydraException,
      [r"Invalid value 'bogus', expected one of \[auto, dummy\]", r"full_key: model.load_format"]),

@@ -34,7 +34,7 @@ def _message(e: BaseException) -> str:
 BAD_CHOICES = [  # (override, the field as Hydra names it, the valid values)
     ("compile=foo", "compile", ["none", "regional"]),
     ("dtype=float64", "dtype", ["auto", "float32", "bfloat16", "float16"]),
-    ("parallelism.mode=pipeline", "parallelism.mode", ["single", "data", "cfg", "ulysses"]),
+    ("parallelism.mode=pipeline", "parallelism.mode", ["single", "data", "cfg", "ulysses", "ring"]),
     ("launcher.name=slurm", "launcher.name", ["local", "ray"]),
     ("dataset.format=parquet", "dataset.format", ["builtin", "jsonl", "csv", "txt"]),
     ("platform.name=tpu", "platform.name", ["auto", "cpu", "cuda", "rocm", "xpu", "npu", "mps"]),
@@ -283,7 +283,8 @@ def test_manifest_config_holds_plain_strings_and_resume_sees_no_change(execute, 
     assert "<" not in json.dumps(cfg) and "Compile." not in text and "DType." not in text
     assert (cfg["compile"], cfg["dtype"], cfg["parallelism"], cfg["dataset"]["format"], cfg["platform"]["name"],
             cfg["platform"]["device"], cfg["launcher"]["name"], cfg["model"]["adapter"], cfg["model"]["load_format"]) == (
-        "none", "auto", {"mode": "single"}, "builtin", "cpu", "cpu", "local", "flux", "auto")
+        "none", "auto", {"mode": "single", "ulysses_degree": 1, "ring_degree": 1, "data": None}, "builtin", "cpu",
+        "cpu", "local", "flux", "auto")
     assert cfg["platform"]["probes"] == ["device_name"]
     assert '"compile": "none"' in text and '"adapter": "flux"' in text
     # the config as the next run composes it (enum members) compares equal to the manifest's plain strings
