@@ -366,3 +366,61 @@ sys.exit(1 if bad else 0)
     env = {**subprocess_env(), "PYTHONPATH": str(repo)}
     p = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+
+
+# ------------------------------------------------------------------------------------------- on a CUDA GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny_sd3", "tiny_qwen_image", "tiny_wan"])
+@pytest.mark.parametrize("lane", ["backend.attention=CUDNN_ATTN", "backend.attention=CUDNN_ATTN backend.linear=FP8"])
+def test_family_on_gpu_evidence_names_the_kernels(run_job, model, lane):
+    """Each family on the GPU, bf16: evidence verified, and the profiled kernels match the selected backends'
+    signatures (cuDNN's fused attention; FP8 GEMMs through ``_scaled_mm``) at every attention call site."""
+    r = run_job([f"model={model}", "platform=cuda", "dtype=bfloat16", "dataset.limit=1", *lane.split()])
+    assert r.code == 0
+    ev = r.manifest["evidence"]
+    assert ev["verdict"] == "verified", ev["mismatches"]
+    st = ev["stages"]["denoise"]
+    assert set(st["attention"]["by_backend"]) == {"CUDNN_ATTN"}
+    assert st["kernels"]["attention"]["CUDNN_ATTN"], st["kernels"]
+    if "FP8" in lane:
+        assert st["linear"]["resolved"] == "FP8" and st["kernels"]["linear"]["FP8"], st["kernels"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_sd3_dispatch_processor_matches_diffusers(device, fused):
+    """SD3DispatchAttnProcessor (SD3's joint attention through diffusers' dispatcher) against diffusers' own
+    JointAttnProcessor2_0 / FusedJointAttnProcessor2_0 on the same weights: the same outputs (fp32 on the CPU,
+    within bf16 rounding on the GPU), with a dual-attention block, and with fused QKV projections."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+    from diffusers.models.attention_processor import FusedJointAttnProcessor2_0, JointAttnProcessor2_0
+
+    from models.sd3 import SD3DispatchAttnProcessor
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    tr = SD3Transformer2DModel(sample_size=32, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=32,
+                               num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=128,
+                               pooled_projection_dim=32, out_channels=16, pos_embed_max_size=32,
+                               qk_norm="rms_norm",  # diffusers' fused processor has no dual-attention path
+                               dual_attention_layers=() if fused else (0,)).to(device, dtype).eval()
+    g = torch.Generator().manual_seed(1)
+    kw = dict(hidden_states=torch.randn(2, 16, 16, 16, generator=g).to(device, dtype),
+              encoder_hidden_states=torch.randn(2, 12, 64, generator=g).to(device, dtype),
+              pooled_projections=torch.randn(2, 32, generator=g).to(device, dtype),
+              timestep=torch.tensor([500.0, 500.0], device=device), return_dict=False)
+    with torch.inference_mode():
+        if fused:
+            for m in tr.modules():
+                if hasattr(m, "fuse_projections") and hasattr(m, "to_q"):
+                    m.fuse_projections()
+        tr.set_attn_processor(FusedJointAttnProcessor2_0() if fused else JointAttnProcessor2_0())
+        ref = tr(**kw)[0].float()
+        tr.set_attn_processor(SD3DispatchAttnProcessor())
+        ours = tr(**kw)[0].float()
+    tol = 1e-5 if device == "cpu" else 2e-2
+    assert (ours - ref).abs().max() <= tol * ref.abs().max(), float((ours - ref).abs().max())
