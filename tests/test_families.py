@@ -406,7 +406,9 @@ def test_sd3_dispatch_processor_matches_diffusers(device, fused):
     tr = SD3Transformer2DModel(sample_size=32, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=32,
                                num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=128,
                                pooled_projection_dim=32, out_channels=16, pos_embed_max_size=32,
-                               qk_norm="rms_norm",  # diffusers' fused processor has no dual-attention path
+                               # diffusers' fused processor has no dual-attention path and skips qk_norm (SD3.5's
+                               # norm_q/norm_k): compared on a model without them
+                               qk_norm=None if fused else "rms_norm",
                                dual_attention_layers=() if fused else (0,)).to(device, dtype).eval()
     g = torch.Generator().manual_seed(1)
     kw = dict(hidden_states=torch.randn(2, 16, 16, 16, generator=g).to(device, dtype),
