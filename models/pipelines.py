@@ -724,8 +724,8 @@ class PipelineEngine(DiffusersEngine):
         for kind, label, _ in self.tokenizers_spec.values():
             if kind != "clip":
                 m = getattr(self.tokenizers()[label], "model_max_length", None)
-                if m and m < 10 ** 9 and limit is not None:
-                    limit = min(limit, int(m))
+                if m and m < 10 ** 9:
+                    limit = int(m) if limit is None else min(limit, int(m))
         return limit
 
     def size_need(self) -> Optional[int]:
@@ -746,8 +746,8 @@ class PipelineEngine(DiffusersEngine):
         if limit is not None and g.max_sequence_length > limit:
             raise ConfigValueError(
                 f"model.generation.max_sequence_length={g.max_sequence_length} exceeds {limit}, the most tokens "
-                f"model={self.cfg.name} encodes ({self.pipeline_name()} refuses more than "
-                f"{self.max_sequence_length_limit}, or its tokenizer's model_max_length is lower); fix: "
+                f"model={self.cfg.name} encodes ({self.pipeline_name()}'s ceiling: "
+                f"{self.max_sequence_length_limit}; or its tokenizer's model_max_length is lower); fix: "
                 f"model.generation.max_sequence_length={limit}")
         need = self.size_need()
         if need and self.cfg.size_multiple % need:
@@ -795,6 +795,18 @@ class PipelineEngine(DiffusersEngine):
             ConfigValueError: a field the pipeline does not take, naming it, the pipeline and the fix.
         """
         params = self.call_params()
+        if not self.video and "num_frames" in params:
+            raise ConfigValueError(
+                f"model={self.cfg.name}: {self.pipeline_name()} generates video, and model.adapter={self.family()} "
+                "writes images; fix: the video family's adapter (model.adapter=wan for WanPipeline snapshots)")
+        if not self.video:
+            setters = [r for r in rows if r.fps is not None]
+            if setters:
+                r = setters[0]
+                where = f"{path}:{r.line} (row {r.id!r})" if "fps" in r.set_fields else "model.generation.fps"
+                raise ConfigValueError(f"fps={r.fps!r} ({where}, {len(setters)} row(s)): model={self.cfg.name} writes "
+                                       "images, and fps applies to video output only; fix: remove fps from the rows "
+                                       "(and model.generation)")
         for field_name, arg in CALL_ARGS.items():
             if arg in params:
                 continue

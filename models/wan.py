@@ -27,7 +27,8 @@ class WanEngine(PipelineEngine):
                   "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
                   "scheduler": ("diffusers", "UniPCMultistepScheduler", None)}
     tokenizers_spec = {"tokenizer": ("t5", "umt5", "text_encoder")}
-    max_sequence_length_limit = None
+    max_sequence_length_limit = 512  # Wan 2.1's text length (``text_len`` 512; WanPipeline's default): UMT5 embeddings
+    # are zero-padded to max_sequence_length, so a larger value only costs memory (100000 tried to allocate 80 GB)
     video = True
     output = "video"
     unit = "video"

@@ -209,6 +209,34 @@ def test_row_field_the_pipeline_does_not_take_is_refused(tmp_path, write_jsonl):
     assert "num_frames=9" in out and "FluxPipeline" in out and f"{rows}:1" in out and "Traceback" not in out
 
 
+@pytest.mark.parametrize("where", ["row", "default"])
+def test_fps_on_an_image_model_is_refused(compose, write_jsonl, where):
+    """fps feeds the video sink only: on an image model it was accepted and silently dropped (exit 0)."""
+    from runner.errors import ConfigValueError
+
+    rows = write_jsonl([{"id": "a", "prompt": "x", **({"fps": 12} if where == "row" else {})}])
+    ov = ["model=tiny_sd3", "platform=cpu", "dataset=jsonl", f"dataset.path={rows}"]
+    if where == "default":
+        ov.append("model.generation.fps=12")
+    with pytest.raises(ConfigValueError, match="fps=12 .*writes images, and fps applies to video output only"):
+        _engine(compose(ov)).read_rows()
+
+
+def test_generic_adapter_refuses_a_video_pipeline(compose, tmp_path):
+    """model.adapter=diffusers on a Wan snapshot loaded and then failed every item (the pipeline returns frames):
+    refused at startup, naming the video family's adapter."""
+    from runner.errors import ConfigValueError
+
+    snap = _fake_snapshot(tmp_path / "wan", "WanPipeline", {
+        "transformer": ("diffusers", "WanTransformer3DModel"), "vae": ("diffusers", "AutoencoderKLWan")})
+    cfg = compose(["model=tiny_wan", "model.adapter=diffusers", f"model.path={snap}", "platform=cpu",
+                   "model.generation.num_frames=null", "model.generation.fps=null"])
+    eng = _engine(cfg)
+    eng.resolve_source()
+    with pytest.raises(ConfigValueError, match="WanPipeline generates video.*model.adapter=wan"):
+        eng.check_rows([], "rows")
+
+
 @pytest.mark.parametrize("frames,ok", [(9, True), (13, True), (1, True), (10, False), (8, False), (0, False)])
 def test_wan_frames_must_be_4k_plus_1(compose, tmp_path, write_jsonl, frames, ok):
     """WanPipeline rounds num_frames down to 4k+1 with a warning (the video would be shorter than its record);
@@ -263,7 +291,8 @@ def test_sd3_negative_prompt_without_guidance_is_ignored_per_row(compose, tmp_pa
     assert got[1].negative_prompt == "dog" and not got[1].ignored
 
 
-@pytest.mark.parametrize("model,limit", [("tiny_sd3", 512), ("tiny_qwen_image", 1024), ("tiny_flux", 512)])
+@pytest.mark.parametrize("model,limit", [("tiny_sd3", 512), ("tiny_qwen_image", 1024), ("tiny_flux", 512),
+                                         ("tiny_wan", 512)])
 def test_sequence_ceiling_of_each_pipeline(compose, model, limit):
     from runner.errors import ConfigValueError
 
