@@ -512,12 +512,15 @@ class DiffusersEngine(EngineBase):
         return [ImageOutput(img) for img in images]
 
     def record(self, item: ds.Item, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:
-        """The journal record of one image (without ``status``/``file``: the sink adds them)."""
+        """The journal record of one image or video (without ``status``/``file``/``file_name``: the sink adds them):
+        ``prompt`` and ``negative_prompt`` as given to the pipeline (the negative prompt is null when not applied),
+        the seed, the parameters as applied, token counts and timing."""
         import hashlib
 
         r = item.row
         rec: Dict[str, Any] = {
             "id": r.id, "index": item.index, "key": item.key,
+            "prompt": r.prompt, "negative_prompt": r.negative_prompt,
             "prompt_sha256": hashlib.sha256(r.prompt.encode()).hexdigest(),
             "seed": item.seed,
             "params": {"width": r.width, "height": r.height, "num_inference_steps": r.num_inference_steps,

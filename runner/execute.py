@@ -35,7 +35,7 @@ from runner.errors import ConfigValueError, StorageError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.paths import PROJECT_ROOT, original_cwd, repro_location
 from runner.platform import detect
-from runner.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal
+from runner.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, write_folder_metadata
 
 if TYPE_CHECKING:
     from models.base import StageResult
@@ -767,7 +767,9 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
             if sink is not None:
                 before = read_journal(out_dir / journal_name) if worker is None else []  # compaction drops some
                 _compact(out_dir, items, journal_name, final, expected)
-                if worker is None:
+                if worker is None:  # the folder indexes follow the compacted journal (a merge writes them for workers)
+                    manifest.section("folder_metadata", write_folder_metadata(
+                        out_dir, read_journal(out_dir / journal_name), cfg.model.name, manifest.doc["run_id"]))
                     unlisted = keep_unlisted(out_dir, journal_name, before)
                     if unlisted:
                         log.warning("%d file(s) in %s are not items of this run (an earlier run's, e.g. a larger "
