@@ -92,3 +92,86 @@ def test_negative_prompt_is_kept_in_the_record_index_and_png(execute, tmp_path, 
     assert _lines(r.run_dir / "images" / "metadata.jsonl")[0]["negative_prompt"] == "blurry, ünïcode"
     assert Image.open(r.run_dir / it["file"]).text["negative_prompt"] == "blurry, ünïcode"
 
+
+# ------------------------------------------------------------------------------------------------ runner.export
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory, compose):
+    from runner.execute import run
+
+    d = tmp_path_factory.mktemp("export") / "run"
+    ov = ["platform=cpu", *TOY, "dataset.limit=3"]
+    assert run(compose(ov), d, ov) == 0
+    return d
+
+
+def _export(args):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    import os
+
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    return subprocess.run([sys.executable, "-m", "runner.export", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_export_parquet_reads_back_with_pyarrow_and_datasets(toy_run, tmp_path):
+    import io
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    from PIL import Image
+
+    p = _export([toy_run, "--format", "parquet", "--out", tmp_path / "pq", "--shard-items", "2"])
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "pq" / "export.json").read_text())
+    items = _lines(toy_run / "items.jsonl")
+    assert doc["rows"] == 3 and sorted(doc["files"]) == ["data-00000-of-00002.parquet", "data-00001-of-00002.parquet"]
+    assert doc["source"]["run_id"] == json.loads((toy_run / "manifest.json").read_text())["run_id"]
+    table = pq.read_table([tmp_path / "pq" / f for f in sorted(doc["files"])][0]).to_pylist() + pq.read_table(
+        [tmp_path / "pq" / f for f in sorted(doc["files"])][1]).to_pylist()
+    assert [r["file_name"] for r in table] == [it["file_name"] for it in items]
+    for row, it in zip(table, items):
+        assert row["image"]["bytes"] == (toy_run / it["file"]).read_bytes()
+        assert (row["prompt"], row["seed"], row["model"]) == (it["prompt"], it["seed"], "toy_shapes")
+        assert row["parameters"]["num_inference_steps"] == it["params"]["num_inference_steps"]
+        Image.open(io.BytesIO(row["image"]["bytes"])).verify()
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    ds = datasets.load_dataset("parquet", data_files=sorted(str(tmp_path / "pq" / f) for f in doc["files"]),
+                               cache_dir=str(tmp_path / "hf"))["train"]
+    assert ds[0]["image"].size == (64, 64) and ds[0]["prompt"] == items[0]["prompt"]
+
+
+def test_export_webdataset_reads_back_with_webdataset(toy_run, tmp_path):
+    wds = pytest.importorskip("webdataset")
+
+    p = _export([toy_run, "--format", "webdataset", "--out", tmp_path / "wds"])
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "wds" / "export.json").read_text())
+    (tar,) = doc["files"]
+    samples = list(wds.WebDataset(str(tmp_path / "wds" / tar), shardshuffle=False))
+    items = _lines(toy_run / "items.jsonl")
+    assert len(samples) == len(items) == 3
+    for s, it in zip(samples, items):
+        fields = json.loads(s["json"])
+        assert s["png"] == (toy_run / it["file"]).read_bytes()
+        assert (fields["prompt"], fields["seed"], fields["file_name"]) == (it["prompt"], it["seed"], it["file_name"])
+
+
+def test_export_refuses_a_modified_artifact_and_a_non_empty_out(toy_run, tmp_path):
+    import shutil
+
+    d = tmp_path / "copy"
+    shutil.copytree(toy_run, d)
+    f = d / _lines(d / "items.jsonl")[1]["file"]
+    f.write_bytes(f.read_bytes() + b"\0")
+    p = _export([d, "--format", "parquet", "--out", tmp_path / "x"])
+    assert p.returncode == 2 and "modified after the run" in p.stderr and f.name in p.stderr and "fix:" in p.stderr
+    assert not (tmp_path / "x" / "export.json").exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    p = _export([toy_run, "--format", "webdataset", "--out", tmp_path / "full"])
+    assert p.returncode == 2 and "not an empty dir" in p.stderr
+    p = _export([tmp_path, "--format", "parquet", "--out", tmp_path / "y"])
+    assert p.returncode == 2 and "not a run dir" in p.stderr
