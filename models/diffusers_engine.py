@@ -308,7 +308,9 @@ class DiffusersEngine(EngineBase):
                         num_frames=g.get("num_frames"), fps=g.get("fps"))
         rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
                                   size_multiple=self.model_cfg.size_multiple, max_pixels=cfg.max_pixels,
-                                  limit=cfg.dataset.limit, builtin=self.model_cfg.builtin_prompts)
+                                  limit=cfg.dataset.limit, builtin=self.model_cfg.builtin_prompts,
+                                  split=cfg.dataset.split, columns=ds.columns_option(cfg.dataset.columns),
+                                  extra_fields=str(cfg.dataset.extra_fields))
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
         self.check_truncation(rows, path)
@@ -514,7 +516,8 @@ class DiffusersEngine(EngineBase):
     def record(self, item: ds.Item, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:
         """The journal record of one image or video (without ``status``/``file``/``file_name``: the sink adds them):
         ``prompt`` and ``negative_prompt`` as given to the pipeline (the negative prompt is null when not applied),
-        the seed, the parameters as applied, token counts and timing."""
+        the seed, the parameters as applied, token counts, timing, and ``meta`` (the row's extra fields kept by
+        ``dataset.extra_fields=keep``) when it has any."""
         import hashlib
 
         r = item.row
@@ -531,6 +534,8 @@ class DiffusersEngine(EngineBase):
         }
         if r.ignored:
             rec["ignored"] = r.ignored
+        if r.meta:
+            rec["meta"] = r.meta
         return rec
 
     def applied_params(self, row: ds.Row) -> Dict[str, Any]:

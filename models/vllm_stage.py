@@ -62,6 +62,8 @@ class ARRow:
     sampling: Dict[str, Any] = field(default_factory=dict)
     ignored: Dict[str, Any] = field(default_factory=dict)
     """Row fields vLLM ignores that the run accepted (``dataset.on_ignored=record``): ``{field: {value, why}}``."""
+    meta: Dict[str, Any] = field(default_factory=dict)
+    """The row's extra fields (``dataset.extra_fields=keep``), recorded with the output, never sent to vLLM."""
 
     @property
     def key(self) -> str:
@@ -151,15 +153,9 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
         dataset.DatasetError: listing every bad row (file, line, field, value, fix).
     """
     fmt = cfg.dataset.format
-    if fmt == "builtin":
-        src = ds.BUILTIN_PROMPTS.parent / model_cfg.builtin_prompts
-    else:
-        if not cfg.dataset.path:
-            raise ds.DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path=/path/to/rows.{fmt}"])
-        src = Path(cfg.dataset.path).expanduser()
-        if not src.is_file():
-            raise ds.DatasetError([f"dataset.path: {cfg.dataset.path!r} is not a file; fix: pass an existing .{fmt} file"])
-    raw = ds.read_raw(fmt, src)
+    src = ds.source_path(fmt, cfg.dataset.path, model_cfg.builtin_prompts)
+    raw = ds.read_raw(fmt, src, cfg.dataset.split, ds.columns_option(cfg.dataset.columns), AR_ROW_FIELDS)
+    extra_mode = str(cfg.dataset.extra_fields)
     if cfg.dataset.limit is not None:
         raw = raw[:cfg.dataset.limit]
     problems: List[str] = []
@@ -168,15 +164,14 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
     for n, rec in raw:
         where = f"{src}:{n}"
         vals: Dict[str, Any] = {}
+        meta: Dict[str, Any] = {}
         bad = False
         for key, value in rec.items():
             if key not in AR_ROW_FIELDS:
-                import difflib
-
-                close = difflib.get_close_matches(key, list(AR_ROW_FIELDS), n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"valid fields: {', '.join(AR_ROW_FIELDS)}"
-                problems.append(f"{where}: unknown field {key!r}; fix: {hint}")
-                bad = True
+                problem = ds.extra_field(key, value, AR_ROW_FIELDS, extra_mode, where, meta)
+                if problem:
+                    problems.append(problem)
+                    bad = True
                 continue
             if value is None:
                 continue
@@ -265,7 +260,7 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
         seed = vals.get("seed", sampling.get("seed"))
         rows.append(ARRow(id=rid, line=n, prompt=text if ids is None else None, prompt_token_ids=ids,
                           seed=int(seed) if seed is not None else _request_seed(cfg.seed, rid),
-                          sampling=row_sampling, ignored=ignored))
+                          sampling=row_sampling, ignored=ignored, meta=meta))
     if problems:
         raise ds.DatasetError(problems)
     if not rows:
@@ -590,6 +585,8 @@ class VLLMEngine(EngineBase):
                 r["not_applied"]["seed"] = row.seed
             if row.ignored:
                 r["ignored"] = row.ignored
+            if row.meta:
+                r["meta"] = row.meta
             r["tokens"] = counts.get(str(r["request_id"]))
         return recs
 

@@ -578,7 +578,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
 
         items = shard(final.batches(items, cfg.batch_size), worker.world_size, worker.rank)
         journal_name, manifest_name = worker.journal, worker.manifest
-    data_sha = ds.file_sha256(data_path)
+    data_sha = ds.dataset_sha256(data_path)
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
     packages = package_versions()
     backends_doc = {e.stage: e.backends_section() for e in engines}

@@ -86,12 +86,23 @@ class LauncherName(Choice):
 
 
 class DatasetFormat(Choice):
-    """Where and how dataset rows are read."""
+    """Where and how dataset rows are read (``runner.dataset.read_raw``)."""
 
     builtin = "builtin"
     jsonl = "jsonl"
     csv = "csv"
     txt = "txt"
+    parquet = "parquet"
+    hf = "hf"
+
+
+class ExtraFields(Choice):
+    """What a dataset field that is no row field does: ``error`` refuses it (with a did-you-mean); ``keep`` records
+    it under the item's ``meta`` unless it is close to a row field (a typo such as ``promt`` is refused either
+    way)."""
+
+    error = "error"
+    keep = "keep"
 
 
 class OnIgnored(Choice):
@@ -403,11 +414,21 @@ class DatasetConfig:
     """Where prompts come from."""
 
     format: DatasetFormat = MISSING
-    """``builtin`` (the model's ``builtin_prompts``), ``jsonl``, ``csv`` or ``txt``."""
+    """``builtin`` (the model's ``builtin_prompts``), ``jsonl``, ``csv``, ``txt``, ``parquet`` (a parquet file) or
+    ``hf`` (a local Hugging Face dataset: a dir written by ``save_to_disk`` or a data file read by ``datasets``)."""
     path: Optional[str] = None
-    """The rows file (required except for ``builtin``)."""
+    """The rows file, or for ``hf`` the ``save_to_disk`` dir or data file (required except for ``builtin``)."""
     limit: Optional[int] = None
     """Use only the first N rows (null: every row)."""
+    split: Optional[str] = None
+    """``hf``: the split of a dataset dict to read (null: ``train``, or the only split)."""
+    columns: Any = None
+    """Row field -> the source column holding it (``dataset.columns={prompt: Prompt}`` reads a CSV's ``Prompt``
+    column as the prompt); a column a mapping names must exist. A mapping of strings (checked at startup,
+    ``runner.dataset.columns_option``); null: none."""
+    extra_fields: ExtraFields = ExtraFields.error
+    """A field that is no row field: ``error`` (refused, with the closest row field) or ``keep`` (recorded under the
+    item's ``meta``, e.g. GenEval's ``tag`` and ``include``; one close to a row field is still refused as a typo)."""
     on_ignored: OnIgnored = OnIgnored.error
     """A row field or ``model.generation`` default that the model ignores: ``error`` (refused at startup) or
     ``record`` (run without it; the item records the value under ``ignored``)."""
