@@ -424,8 +424,8 @@ def source_path(fmt: str, path: Optional[str], builtin: str) -> Path:
     src = Path(path).expanduser()
     if not (src.is_file() or (fmt == "hf" and src.is_dir())):
         what = "a dir written by save_to_disk or a data file" if fmt == "hf" else f"an existing .{fmt} file"
-        raise DatasetError([f"dataset.path: {path!r} is not {'there' if not src.exists() else 'a file'}; fix: pass "
-                            f"the path of {what}"])
+        raise DatasetError([f"dataset.path: {path!r} is not {'a file or dir' if fmt == 'hf' else 'a file'}; fix: "
+                            f"pass the path of {what}"])
     return src
 
 

@@ -67,18 +67,19 @@ def compact_journal(path: Path, order: Optional[List[str]] = None,
 FOLDER_METADATA = "metadata.jsonl"
 
 #: The text fields embedded in every artifact (PNG text chunks, the MP4 ``comment`` as JSON), in this order.
-EMBEDDED_FIELDS = ("key", "prompt", "negative_prompt", "seed", "parameters", "model")
+EMBEDDED_FIELDS = ("prompt", "negative_prompt", "seed", "parameters", "model")
 
 
 def embedded_fields(record: Dict[str, Any], model: Optional[str]) -> Dict[str, str]:
-    """What an artifact carries about itself, as text: the item ``key``, ``prompt``, ``negative_prompt`` (left out
-    when none was applied), ``seed``, ``parameters`` (the record's ``params`` as applied, JSON with sorted keys) and
-    ``model`` (the model name; left out when None).
+    """What an artifact carries about itself, as text: ``prompt``, ``negative_prompt`` (left out when none was
+    applied), ``seed``, ``parameters`` (the record's ``params`` as applied, JSON with sorted keys) and ``model`` (the
+    model name; left out when None).
 
-    Every value is a function of the item's inputs, so equal inputs still give equal bytes: the run's id (a new
-    uuid per process) is not embedded, it is in ``metadata.jsonl`` and ``manifest.json``.
+    Every value is a function of the item's inputs as ``runner.resume.item_inputs`` counts them, so equal inputs
+    still give equal bytes: neither the row id (it names the file) nor the run's id (a new uuid per process) is
+    embedded; both are in ``metadata.jsonl``.
     """
-    out = {"key": str(record.get("key", record.get("id", ""))), "prompt": str(record.get("prompt") or "")}
+    out = {"prompt": str(record.get("prompt") or "")}
     if record.get("negative_prompt") is not None:
         out["negative_prompt"] = str(record["negative_prompt"])
     out["seed"] = str(record.get("seed"))
@@ -285,7 +286,7 @@ class _FileSink(_Counting):
 class PNGSink(_FileSink):
     """Images as lossless PNG files ``images/<stem>.png``, encoded and written on ``workers`` threads while the next
     batch generates (:class:`runner.artifacts.ArtifactWriter`). Each PNG carries text chunks
-    (:func:`embedded_fields`: key, prompt, negative prompt, seed, parameters as JSON, model), all functions of the
+    (:func:`embedded_fields`: prompt, negative prompt, seed, parameters as JSON, model), all functions of the
     item's inputs, so equal pixels and inputs still give equal bytes (``PIL.Image.open(f).text`` reads them).
 
     ``submit(record, output)``: ``output`` is a :class:`models.base.ImageOutput`, or the exception that failed the
@@ -335,7 +336,7 @@ class MP4Sink(_FileSink):
     the item.
 
     Each file's container metadata holds ``title`` (the prompt) and ``comment`` (JSON of :func:`embedded_fields`:
-    key, prompt, negative prompt, seed, parameters, model), all functions of the item's inputs.
+    prompt, negative prompt, seed, parameters, model), all functions of the item's inputs.
 
     The record gets ``status``, ``file`` (``videos/<stem>.mp4``), ``file_name`` (relative to ``videos/``),
     ``file_sha256`` (the container's bytes: resume

@@ -2,8 +2,8 @@
 (``tests/data/golden_artifacts.json``, recorded at commit 5c202f4 with the torch build named there).
 
 Two levels: the decoded pixels (``pixels``: sha256 of the RGB ``uint8`` array, recorded from the 5c202f4
-artifacts) must be unchanged, and the files must be byte-identical to the recorded file hashes (re-recorded once,
-for issue #20, when PNGs started to carry text chunks; the pixels were verified equal before the file hashes were
+artifacts) must be unchanged, and the files must be byte-identical to the recorded file hashes (re-recorded for
+issue #20, when PNGs started to carry text chunks; the pixels were verified equal before the file hashes were
 replaced). A restructuring that changes what is computed (a swapped seed, another batch composition, a backend
 installed differently) changes a pixel hash; one that changes only how it is written (another PNG encoder setting,
 other embedded text) changes a file hash. The hashes hold for the recorded CPU torch build; with another torch build

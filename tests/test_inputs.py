@@ -114,7 +114,7 @@ def test_hf_save_to_disk_dir_split_and_data_file(tmp_path, write_jsonl):
     assert [(r.prompt, r.seed) for r in _load("hf", tmp_path / "one")] == [("a fox", 3)]
     f = write_jsonl([{"prompt": "a owl"}], "hf.jsonl")
     assert [r.prompt for r in _load("hf", f)] == ["a owl"]
-    with pytest.raises(DatasetError, match="is not there"):
+    with pytest.raises(DatasetError, match="is not a file or dir"):
         _load("hf", tmp_path / "missing")
 
 

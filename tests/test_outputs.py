@@ -42,7 +42,7 @@ def test_records_index_and_png_text_load_with_datasets(execute, tmp_path):
             it["prompt"], it["seed"], it["params"], "toy_shapes", run_id, it["file_sha256"])
         text = Image.open(r.run_dir / it["file"]).text
         assert text["prompt"] == it["prompt"] and int(text["seed"]) == it["seed"] and text["model"] == "toy_shapes"
-        assert json.loads(text["parameters"]) == it["params"] and text["key"] == it["key"]
+        assert json.loads(text["parameters"]) == it["params"]
         assert "negative_prompt" not in text  # none applied
     ds = _load_imagefolder(r.run_dir, tmp_path / "hf_cache")
     assert len(ds) == 3
