@@ -320,6 +320,10 @@ class ARModelConfig(ModelConfig):
     sampling: Dict[str, Any] = field(default_factory=dict)
     """Default ``vllm.SamplingParams`` fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
     ...); dataset rows override them per row."""
+    batch_size: Optional[int] = None
+    """Requests per ``LLM.generate`` call (vLLM schedules them continuously, ``max_num_seqs`` at a time). null: the
+    run-level ``batch_size`` when it is given on the command line, else every request of the stage in one call (a
+    stop signal then takes effect when that call returns)."""
 
 
 @dataclass
