@@ -22,6 +22,7 @@ written; ``RunDirLockCallback`` takes it even earlier, before Hydra writes into 
 from __future__ import annotations
 
 import logging
+import sys
 import traceback
 from pathlib import Path
 from typing import Any, Dict, List
@@ -72,6 +73,9 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     from runner.execute import current_inputs, dataset_keys, run
 
     from runner import distributed as dp
+    from runner.console import quiet_libraries, verbose
+
+    quiet_libraries(verbose(sys.argv[1:]))  # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries')
 
     job_dir = hydra_dir = Path(out_dir)  # where this process's job_status.json goes (rank > 0: its own Hydra dir)
     out_dir = Path(cfg.run.resume or cfg.output.dir or dp.shared_run_dir(Path(out_dir)))

@@ -590,6 +590,10 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("repo_root"):
         OmegaConf.register_new_resolver("repo_root", _repo_root)  # ${repo_root:}: the checkout's root, or
         # the site-packages folder of an installed runner (both hold models/toy_shapes/weights)
+    if not OmegaConf.has_resolver("runner_help_groups"):
+        from runner.paths import help_groups
+
+        OmegaConf.register_new_resolver("runner_help_groups", help_groups)  # --help: groups without schema bases
     if not OmegaConf.has_resolver("runner_pid"):
         from runner.rundir import pid_resolver
 
