@@ -550,6 +550,9 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     for e in engines:
         e.check_config()
     check_run_values(cfg)
+    from runner.tracking import check as check_tracker
+
+    check_tracker(cfg)  # tracker=mlflow without mlflow: exit 2 now, not after the run
     if not final.resumable:
         held = [n for n in ("manifest.json", "items.jsonl") if (out_dir / n).exists()]
         if held:

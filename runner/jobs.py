@@ -143,8 +143,22 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
             rundir.release(lock)
             raise
     _write_status(job_dir, code, outcome, status)
+    if outcome not in STARTUP_OUTCOMES and (worker is None or worker.rank == 0):
+        _track(cfg, out_dir, code)
     rundir.release(lock)
     return code
+
+
+def _track(cfg: DictConfig, out_dir: Path, code: int) -> None:
+    """Log the finished run to ``tracker`` (``runner.tracking.log_run``); a tracker failure is logged, the run's
+    exit code stands (everything is in the run dir)."""
+    from runner.tracking import log_run
+
+    try:
+        log_run(cfg, out_dir, code)
+    except Exception as e:  # noqa: BLE001 - the tracker is a copy; the run dir is the record
+        log.error("tracker=%s: logging the run failed (%s: %s); the run dir has everything", cfg.tracker.name,
+                  type(e).__name__, e)
 
 
 def _dir_key(cfg: DictConfig) -> str:

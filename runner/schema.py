@@ -105,6 +105,13 @@ class ExtraFields(Choice):
     keep = "keep"
 
 
+class TrackerName(Choice):
+    """Where a finished run is logged besides its run dir (``runner.tracking``): ``none`` or ``mlflow``."""
+
+    none = "none"
+    mlflow = "mlflow"
+
+
 class OnIgnored(Choice):
     """What a dataset row or a ``model.generation`` default that the model ignores does (a guidance scale on a model
     without guidance embedding, a negative prompt without true CFG): ``error`` refuses the run at startup;
@@ -500,6 +507,21 @@ class ReportConfig:
 
 
 @dataclass
+class TrackerConfig:
+    """An experiment tracker the finished run is logged to (group ``tracker``, ``runner.tracking``)."""
+
+    name: TrackerName = TrackerName.none
+    """``none`` or ``mlflow`` (params, metrics, tags and the manifest/items/metadata files as artifacts)."""
+    uri: Optional[str] = None
+    """The tracking URI (``file:///...``, ``http://host:5000``, ``sqlite:///mlflow.db``); null: the file store
+    ``mlruns/`` in the directory the run was started from."""
+    experiment: str = "runner"
+    """The MLflow experiment (created when missing)."""
+    run_name: Optional[str] = None
+    """The tracker run's name; null: the run dir's name."""
+
+
+@dataclass
 class RunControl:
     """Resume control."""
 
@@ -535,6 +557,8 @@ class RunConfig:
     """Resume control."""
     report: ReportConfig = field(default_factory=ReportConfig)
     """Sweep report settings."""
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    """Where the finished run is logged besides its run dir (group ``tracker``: ``none``, ``mlflow``)."""
     seed: int = 0
     """Base seed; each item's seed derives from it and the item key."""
     dtype: DType = DType.auto
