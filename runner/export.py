@@ -1,7 +1,7 @@
 """Export a run dir to the formats training and evaluation pipelines read: Parquet (Hugging Face ``datasets``
 layout) or WebDataset tar shards.
 
-``python -m runner.export <run dir> --format parquet|webdataset --out DIR [--shard-items N]``
+``python -m runner.export <run dir> --format parquet|webdataset|in-toto --out DIR [--shard-items N]``
 
 One row (sample) per ok item of ``items.jsonl``, in journal order, holding the artifact's bytes and the fields of the
 run dir's folder index (``runner.sinks.folder_metadata_row``: ``file_name``, ``id``, ``key``, ``prompt``,
@@ -16,6 +16,10 @@ and ``fps``; ``meta``). Text runs (vLLM stages: no artifact file) export their r
 * ``webdataset``: ``data-<i>.tar`` shards (``webdataset.ShardWriter``); each sample is ``<key>.png`` (or ``.mp4``)
   plus ``<key>.json`` (the fields), its ``__key__`` the item's 6-digit position and file stem (dots replaced: the
   WebDataset convention splits the extension at the first dot).
+
+* ``in-toto``: ``statement.intoto.json``, an in-toto Statement v1 whose subjects are the artifacts (and the journal
+  and folder indexes) with their sha256 and whose predicate is SLSA Provenance v1 built from the manifest
+  (:func:`intoto_statement`); no artifact bytes are copied.
 
 Every artifact is checked against its recorded ``file_sha256`` before it is exported. The files are written under a
 temp name and renamed into ``DIR`` once complete, with ``export.json`` (format, source run id, rows, each file's
@@ -35,7 +39,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from runner.errors import RunnerError, UserInputError
 
-FORMATS = ("parquet", "webdataset")
+FORMATS = ("parquet", "webdataset", "in-toto")
+#: in-toto Statement v1 and its predicate (SLSA Provenance v1), for ``--format in-toto``.
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
+BUILD_TYPE = "https://github.com/runner/runner/run@v1"
 #: Fields of a text record exported as they are (the record is the artifact).
 TEXT_FIELDS = ("id", "key", "index", "prompt", "prompt_token_ids", "output_token_ids", "text", "finish_reason",
                "seed", "sampling", "meta")
@@ -160,6 +168,49 @@ def _webdataset(samples: Iterator[Dict[str, Any]], tmp: Path, shard_items: int) 
     return parts
 
 
+def intoto_statement(run_dir: Path) -> Dict[str, Any]:
+    """An in-toto Statement v1 (https://github.com/in-toto/attestation/blob/main/spec/v1/statement.md) about the
+    run dir's artifacts: one ``subject`` per ok item's file (``name`` relative to the run dir, ``digest.sha256``,
+    each checked against its record first) and per journal/index file (``items.jsonl``, ``images/metadata.jsonl``),
+    with an SLSA Provenance v1 predicate: ``buildDefinition`` (``externalParameters``: the overrides and the composed
+    config; ``internalParameters``: the run identity; ``resolvedDependencies``: the dataset and the model's weight
+    files with their sha256) and ``runDetails`` (builder ``runner``, invocation id = the run id, start and end).
+
+    Raises:
+        ExportError: see :func:`rows` (a modified or missing artifact, no ok item, not a run dir).
+    """
+    from runner.sinks import read_journal
+
+    run_dir = Path(run_dir)
+    list(rows(run_dir))  # every artifact checked against its record (raises ExportError)
+    m = json.loads((run_dir / "manifest.json").read_text())
+    subjects = [{"name": r["file"], "digest": {"sha256": r["file_sha256"]}}
+                for r in read_journal(run_dir / "items.jsonl") if r.get("status") == "ok" and r.get("file")]
+    for rel in ("items.jsonl", "images/metadata.jsonl", "videos/metadata.jsonl"):
+        if (run_dir / rel).is_file():
+            subjects.append({"name": rel, "digest": {"sha256": _sha256(run_dir / rel)}})
+    ds = m.get("dataset") or {}
+    deps = [{"uri": Path(ds["path"]).as_uri() if ds.get("path") else "dataset", "digest": {"sha256": ds["sha256"]},
+             "name": "dataset"}] if ds.get("sha256") else []
+    source = ((m.get("model") or {}).get("source") or {})
+    for name, sha in sorted((source.get("files") or {}).items()):
+        if isinstance(sha, str) and len(sha) == 64:
+            deps.append({"name": f"model/{name}", "digest": {"sha256": sha}})
+    git = m.get("git") or {}
+    if git.get("commit"):
+        deps.append({"name": "runner", "digest": {"gitCommit": git["commit"]}, "annotations": {"dirty": git.get("dirty")}})
+    return {"_type": STATEMENT_TYPE, "subject": subjects, "predicateType": PREDICATE_TYPE, "predicate": {
+        "buildDefinition": {"buildType": BUILD_TYPE,
+                            "externalParameters": {"overrides": m.get("overrides"), "config": m.get("config")},
+                            "internalParameters": {"identity": m.get("identity"), "packages": m.get("packages"),
+                                                   "platform": m.get("platform")},
+                            "resolvedDependencies": deps},
+        "runDetails": {"builder": {"id": BUILD_TYPE.rsplit("/", 1)[0]},
+                       "metadata": {"invocationId": m.get("run_id"), "startedOn": m.get("started_at"),
+                                    "finishedOn": m.get("ended_at")},
+                       "byproducts": [{"name": "manifest.json", "digest": {"sha256": _sha256(run_dir / "manifest.json")}}]}}}
+
+
 def export(run_dir: Path, fmt: str, out: Path, shard_items: int = 10_000) -> Dict[str, Any]:
     """Export ``run_dir`` into the new or empty dir ``out`` (see the module docstring).
 
@@ -184,6 +235,19 @@ def export(run_dir: Path, fmt: str, out: Path, shard_items: int = 10_000) -> Dic
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not an empty dir; fix: name a new dir")
     run_dir = Path(run_dir)
+    if fmt == "in-toto":
+        statement = intoto_statement(run_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "statement.intoto.json", statement)
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        doc = {"format": fmt, "rows": sum(1 for s in statement["subject"] if s["name"].startswith(("images/",
+                                                                                                   "videos/"))
+                                          and not s["name"].endswith("metadata.jsonl")),
+               "source": {"run_dir": str(run_dir.resolve()), "run_id": manifest.get("run_id"),
+                          "status": manifest.get("status")},
+               "files": {"statement.intoto.json": {"sha256": _sha256(out / "statement.intoto.json")}}}
+        atomic_write_json(out / "export.json", doc)
+        return doc
     counted: List[int] = []
 
     def counting(it: Iterator[Dict[str, Any]]) -> Iterator[Dict[str, Any]]:
@@ -228,7 +292,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry: exit 0 exported (prints the ``export.json`` path), 2 bad input (the error and its fix)."""
     ap = argparse.ArgumentParser(prog="python -m runner.export",
                                  description="Export a run dir's ok items (artifact bytes + prompt, seed, parameters) "
-                                             "to Parquet (Hugging Face datasets layout) or WebDataset tar shards.")
+                                             "to Parquet (Hugging Face datasets layout) or WebDataset tar shards, or "
+                                             "write an in-toto statement (SLSA provenance) about its artifacts.")
     ap.add_argument("run_dir", type=Path, help="a run dir (outputs/runs/<date>/<time>)")
     ap.add_argument("--format", required=True, choices=FORMATS, help="output format")
     ap.add_argument("--out", required=True, type=Path, help="a new or empty output dir")

@@ -175,3 +175,23 @@ def test_export_refuses_a_modified_artifact_and_a_non_empty_out(toy_run, tmp_pat
     assert p.returncode == 2 and "not an empty dir" in p.stderr
     p = _export([tmp_path, "--format", "parquet", "--out", tmp_path / "y"])
     assert p.returncode == 2 and "not a run dir" in p.stderr
+
+
+def test_export_in_toto_statement_names_every_artifact_and_the_run(toy_run, tmp_path):
+    import hashlib
+
+    p = _export([toy_run, "--format", "in-toto", "--out", tmp_path / "att"])
+    assert p.returncode == 0, p.stderr
+    st = json.loads((tmp_path / "att" / "statement.intoto.json").read_text())
+    m = json.loads((toy_run / "manifest.json").read_text())
+    assert st["_type"] == "https://in-toto.io/Statement/v1" and st["predicateType"] == "https://slsa.dev/provenance/v1"
+    subjects = {s["name"]: s["digest"]["sha256"] for s in st["subject"]}
+    items = _lines(toy_run / "items.jsonl")
+    assert {it["file"]: it["file_sha256"] for it in items}.items() <= subjects.items()
+    for name in ("items.jsonl", "images/metadata.jsonl"):
+        assert subjects[name] == hashlib.sha256((toy_run / name).read_bytes()).hexdigest()
+    pred = st["predicate"]
+    assert pred["runDetails"]["metadata"]["invocationId"] == m["run_id"]
+    assert pred["buildDefinition"]["internalParameters"]["identity"]["sha256"] == m["identity"]["sha256"]
+    deps = {d["name"]: d["digest"] for d in pred["buildDefinition"]["resolvedDependencies"]}
+    assert deps["dataset"]["sha256"] == m["dataset"]["sha256"]
