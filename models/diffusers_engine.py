@@ -474,7 +474,9 @@ class DiffusersEngine(EngineBase):
                         num_frames=g.get("num_frames"), fps=g.get("fps"))
         rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
                                   size_multiple=self.model_cfg.size_multiple, max_pixels=cfg.max_pixels,
-                                  limit=cfg.dataset.limit, builtin=self.model_cfg.builtin_prompts)
+                                  limit=cfg.dataset.limit, builtin=self.model_cfg.builtin_prompts,
+                                  split=cfg.dataset.split, columns=ds.columns_option(cfg.dataset.columns),
+                                  extra_fields=str(cfg.dataset.extra_fields))
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
         self.check_context_rows(rows, path)
@@ -719,14 +721,17 @@ class DiffusersEngine(EngineBase):
         return [ImageOutput(img) for img in images]
 
     def record(self, item: ds.Item, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:
-        """The journal record of one image (without ``status``/``file``: the sink adds them); with a step cache,
-        ``cache``: method, schedule, params and the forwards and blocks computed and reused in the item's pipeline
-        call."""
+        """The journal record of one image or video (without ``status``/``file``/``file_name``: the sink adds them):
+        ``prompt`` and ``negative_prompt`` as given to the pipeline (the negative prompt is null when not applied),
+        the seed, the parameters as applied, token counts, timing, and ``meta`` (the row's extra fields kept by
+        ``dataset.extra_fields=keep``) when it has any; with a step cache, ``cache``: method, schedule, params and
+        the forwards and blocks computed and reused in the item's pipeline call."""
         import hashlib
 
         r = item.row
         rec: Dict[str, Any] = {
             "id": r.id, "index": item.index, "key": item.key,
+            "prompt": r.prompt, "negative_prompt": r.negative_prompt,
             "prompt_sha256": hashlib.sha256(r.prompt.encode()).hexdigest(),
             "seed": item.seed,
             "params": {"width": r.width, "height": r.height, "num_inference_steps": r.num_inference_steps,
@@ -740,6 +745,8 @@ class DiffusersEngine(EngineBase):
         cache = self.cache_records.pop(item.key, None)
         if cache is not None:  # with a step cache: forwards and blocks computed and reused in the item's call
             rec["cache"] = cache
+        if r.meta:
+            rec["meta"] = r.meta
         return rec
 
     def applied_params(self, row: ds.Row) -> Dict[str, Any]:

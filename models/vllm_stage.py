@@ -62,6 +62,8 @@ class ARRow:
     sampling: Dict[str, Any] = field(default_factory=dict)
     ignored: Dict[str, Any] = field(default_factory=dict)
     """Row fields vLLM ignores that the run accepted (``dataset.on_ignored=record``): ``{field: {value, why}}``."""
+    meta: Dict[str, Any] = field(default_factory=dict)
+    """The row's extra fields (``dataset.extra_fields=keep``), recorded with the output, never sent to vLLM."""
 
     @property
     def key(self) -> str:
@@ -151,15 +153,9 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
         dataset.DatasetError: listing every bad row (file, line, field, value, fix).
     """
     fmt = cfg.dataset.format
-    if fmt == "builtin":
-        src = ds.BUILTIN_PROMPTS.parent / model_cfg.builtin_prompts
-    else:
-        if not cfg.dataset.path:
-            raise ds.DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path=/path/to/rows.{fmt}"])
-        src = Path(cfg.dataset.path).expanduser()
-        if not src.is_file():
-            raise ds.DatasetError([f"dataset.path: {cfg.dataset.path!r} is not a file; fix: pass an existing .{fmt} file"])
-    raw = ds.read_raw(fmt, src)
+    src = ds.source_path(fmt, cfg.dataset.path, model_cfg.builtin_prompts)
+    raw = ds.read_raw(fmt, src, cfg.dataset.split, ds.columns_option(cfg.dataset.columns), AR_ROW_FIELDS)
+    extra_mode = str(cfg.dataset.extra_fields)
     if cfg.dataset.limit is not None:
         raw = raw[:cfg.dataset.limit]
     problems: List[str] = []
@@ -168,15 +164,14 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
     for n, rec in raw:
         where = f"{src}:{n}"
         vals: Dict[str, Any] = {}
+        meta: Dict[str, Any] = {}
         bad = False
         for key, value in rec.items():
             if key not in AR_ROW_FIELDS:
-                import difflib
-
-                close = difflib.get_close_matches(key, list(AR_ROW_FIELDS), n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"valid fields: {', '.join(AR_ROW_FIELDS)}"
-                problems.append(f"{where}: unknown field {key!r}; fix: {hint}")
-                bad = True
+                problem = ds.extra_field(key, value, AR_ROW_FIELDS, extra_mode, where, meta)
+                if problem:
+                    problems.append(problem)
+                    bad = True
                 continue
             if value is None:
                 continue
@@ -265,7 +260,7 @@ def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[in
         seed = vals.get("seed", sampling.get("seed"))
         rows.append(ARRow(id=rid, line=n, prompt=text if ids is None else None, prompt_token_ids=ids,
                           seed=int(seed) if seed is not None else _request_seed(cfg.seed, rid),
-                          sampling=row_sampling, ignored=ignored))
+                          sampling=row_sampling, ignored=ignored, meta=meta))
     if problems:
         raise ds.DatasetError(problems)
     if not rows:
@@ -320,6 +315,7 @@ class VLLMEngine(EngineBase):
         self.resolutions: Dict[str, Any] = {}
         self.source: Dict[str, Any] = {}
         self.observer: Any = None
+        self.call_plan: Optional[Dict[str, Any]] = None  # how batches() sent the requests (timing.generate_calls)
         self.load_s = 0.0
 
     @property
@@ -346,6 +342,11 @@ class VLLMEngine(EngineBase):
             ARConfigError: naming the field, the value and the fix.
         """
         _check_ar_run(self.ctx.cfg)
+        own = self.model_cfg.get("batch_size")
+        if own is not None and own < 1:
+            where = "model" if self.name == DEFAULT_STAGE else f"model.stages.{self.name}.model"
+            raise ARConfigError(f"{where}.batch_size={own} must be >= 1 (or null: every request in one call); fix: "
+                                f"{where}.batch_size=null")
         if self.stage == DEFAULT_STAGE:
             from runner.resolve import check_placement
 
@@ -523,10 +524,31 @@ class VLLMEngine(EngineBase):
                       seed=r.seed % (1 << 31) if r.seed is not None else _request_seed(self.ctx.cfg.seed, r.id))
                 for r in rows]
 
+    def requests_per_call(self, run_batch_size: int) -> Tuple[Optional[int], str]:
+        """How many requests each ``LLM.generate`` call gets, and where that came from: the stage model's
+        ``batch_size``; else the run-level ``batch_size`` when the command line sets it (``batch_size=1``); else
+        None, every request of the stage in one call (vLLM's continuous batching keeps ``max_num_seqs`` requests in
+        flight; one request per call would leave the engine running a batch of one).
+
+        Returns:
+            ``(size or None for all, source)``.
+        """
+        where = "model" if self.name == DEFAULT_STAGE else f"model.stages.{self.name}.model"
+        own = self.model_cfg.get("batch_size")
+        if own is not None:
+            return int(own), f"{where}.batch_size"
+        if any(o.lstrip("+~").split("=", 1)[0] == "batch_size" for o in self.ctx.overrides):
+            return max(1, int(run_batch_size)), "batch_size (command line)"
+        return None, "default: every request in one call"
+
     def batches(self, items: Sequence[ARRow], batch_size: int) -> List[List[ARRow]]:
-        """``batch_size`` rows per ``LLM.generate`` call, in dataset order (vLLM batches within a call)."""
-        size = max(1, int(batch_size))
-        return [list(items[i:i + size]) for i in range(0, len(items), size)]
+        """Rows per ``LLM.generate`` call (:meth:`requests_per_call`), in dataset order (vLLM batches within a
+        call)."""
+        size, source = self.requests_per_call(batch_size)
+        size = size or max(1, len(items))
+        out = [list(items[i:i + size]) for i in range(0, len(items), size)]
+        self.call_plan = {"requests_per_call": size, "source": source, "calls": len(out)}
+        return out
 
     def check_inputs(self, rows: Sequence[Any], path: Any) -> None:
         """Before the engine starts: every downstream dataset prompt, tokenized with this stage's tokenizer, plus
@@ -590,6 +612,8 @@ class VLLMEngine(EngineBase):
                 r["not_applied"]["seed"] = row.seed
             if row.ignored:
                 r["ignored"] = row.ignored
+            if row.meta:
+                r["meta"] = row.meta
             r["tokens"] = counts.get(str(r["request_id"]))
         return recs
 
@@ -605,10 +629,12 @@ class VLLMEngine(EngineBase):
         return self.evidence_section(result.records)
 
     def timing_extra(self, result: StageResult, generate_s: float) -> Dict[str, Any]:
-        """Output tokens and tokens/s of the stage."""
+        """Output tokens and tokens/s of the stage, and how requests were sent (``generate_calls``: requests per
+        call, where that came from, number of calls)."""
         out_tokens = sum(len(r["output_token_ids"]) for r in result.records)
         return {"output_tokens": out_tokens,
-                "output_tokens_per_s": round(out_tokens / generate_s, 2) if generate_s else None}
+                "output_tokens_per_s": round(out_tokens / generate_s, 2) if generate_s else None,
+                "generate_calls": self.call_plan}
 
     def close(self) -> None:
         """Stop observing and shut the engine down (frees its KV cache)."""

@@ -18,6 +18,9 @@ if __name__ == "__main__":  # before anything imports torch: its CUDA library ab
     except EnvironmentVariableError as e:
         print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    from runner.console import library_env_defaults
+
+    library_env_defaults(sys.argv[1:])  # before torch/vLLM read them: no kineto USDT lines, no vLLM INFO lines
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -67,6 +70,12 @@ if __name__ == "__main__":
     except OutputPathError as e:
         print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    from runner.console import override_key_problem
+
+    problem = override_key_problem(sys.argv[1:])  # `batchsize=4`: did you mean batch_size (not Hydra's "+batchsize")
+    if problem:
+        print(f"runner: {problem}", file=sys.stderr)
+        sys.exit(2)
     try:
         main()
     except KeyboardInterrupt:  # a signal after the run recorded its final status (or before it started)

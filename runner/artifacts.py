@@ -78,16 +78,28 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
     return (np.clip(image, 0.0, 1.0) * 255).round().astype("uint8")
 
 
-def encode_png(image: np.ndarray) -> bytes:
-    """PNG bytes of an HWC float image in [0, 1] (PIL, no metadata, so equal pixels give equal bytes)."""
+def encode_png(image: np.ndarray, text: Optional[Dict[str, str]] = None) -> bytes:
+    """PNG bytes of an HWC float image in [0, 1] (PIL, default compression).
+
+    Args:
+        text: text chunks to embed, in this order (``tEXt``, or ``iTXt`` for a value that is not Latin-1, PIL's
+            ``PngInfo.add_text``); None or empty: none. The bytes are a function of the pixels and ``text`` only (no
+            time stamp), so equal pixels and equal text give equal bytes.
+    """
     import io
 
     from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
 
     arr = to_uint8(image)
     img = Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr)
+    info = None
+    if text:
+        info = PngInfo()
+        for k, v in text.items():
+            info.add_text(k, v)
     buf = io.BytesIO()
-    img.save(buf, format="PNG")
+    img.save(buf, format="PNG", pnginfo=info)
     return buf.getvalue()
 
 
@@ -157,10 +169,11 @@ class ArtifactWriter:
         self._write_artifact = write or self._write_png
 
     @staticmethod
-    def _write_png(path: Path, image: np.ndarray) -> Dict[str, Any]:
+    def _write_png(path: Path, image: Any) -> Dict[str, Any]:
+        """``image``: an HWC float image, or ``(image, text chunks)`` (:func:`encode_png`)."""
         import hashlib
 
-        data = encode_png(image)
+        data = encode_png(*image) if isinstance(image, tuple) else encode_png(image)
         atomic_write_bytes(path, data)
         return {"sha256": hashlib.sha256(data).hexdigest()}
 
@@ -173,10 +186,11 @@ class ArtifactWriter:
         return res
 
     def submit(self, record: Dict[str, Any], path: Optional[Path] = None, image: Any = None,
-               rel: Optional[str] = None) -> None:
+               rel: Optional[str] = None, file_name: Optional[str] = None) -> None:
         """Queue ``record``; with ``path``/``image`` (the payload of ``write``) the artifact is written first and the
-        record gets ``status=ok``, ``file=rel``, ``file_sha256`` and the write's ``fields`` (or ``status=failed``
-        with the write error as reason)."""
+        record gets ``status=ok``, ``file=rel``, ``file_name`` (when given: the name relative to the artifact's
+        folder), ``file_sha256`` and the write's ``fields`` (or ``status=failed`` with the write error as
+        reason)."""
         from concurrent.futures import Future
 
         fut: Optional[Future] = None
@@ -189,7 +203,7 @@ class ArtifactWriter:
                     fut.set_result(self._write(path, image))
                 except Exception as e:  # noqa: BLE001 - recorded on the item
                     fut.set_exception(e)
-        self._pending.append((fut, record, rel))
+        self._pending.append((fut, record, rel, file_name))
         self.drain(block=len(self._pending) > self.max_pending)
 
     def drain(self, block: bool = False) -> None:
@@ -197,7 +211,7 @@ class ArtifactWriter:
         import time
 
         while self._pending:
-            fut, rec, rel = self._pending[0]
+            fut, rec, rel, name = self._pending[0]
             if fut is not None and not fut.done():
                 if not block:
                     return
@@ -214,7 +228,8 @@ class ArtifactWriter:
                 if err is None:
                     res = fut.result()
                     self.thread_s += res["s"]
-                    rec.update(status="ok", file=rel, file_sha256=res["sha256"], **res.get("fields", {}))
+                    rec.update(status="ok", file=rel, **({"file_name": name} if name is not None else {}),
+                               file_sha256=res["sha256"], **res.get("fields", {}))
                     rec.setdefault("timing", {})["write_s"] = round(res["s"], 4)
                 else:
                     rec.update(status="failed", file=None, reason=f"writing the artifact failed: "

@@ -75,6 +75,9 @@ class Row:
     ignored: Optional[Dict[str, Any]] = None
     """Fields the model ignores that the run accepted (``dataset.on_ignored=record``): ``{field: {"value", "why",
     "from"}}``; the row's own value of each is None (not applied)."""
+    meta: Optional[Dict[str, Any]] = None
+    """The row's extra fields (``dataset.extra_fields=keep``: fields that are no row field and not close to one),
+    recorded with the item (``meta``), never passed to the model."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,189 @@ def derive_seed(run_seed: int, row_id: str) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-def read_raw(fmt: str, path: Path) -> List[tuple[int, Dict[str, Any]]]:
-    """Return ``(line_number, raw_row)`` pairs; raise DatasetError on unreadable or malformed input."""
+#: ``dataset.format`` values: where rows come from.
+FORMATS = ("builtin", "jsonl", "csv", "txt", "parquet", "hf")
+#: ``dataset.extra_fields`` values: what a field that is no row field does.
+EXTRA_FIELDS = ("error", "keep")
+
+
+def _arrow_rows(table: Any, src: Path) -> List[tuple[int, Dict[str, Any]]]:
+    """``(row number from 1, row)`` of a pyarrow table, cells as Python values, nulls left out."""
+    return [(n, {k: v for k, v in rec.items() if v is not None}) for n, rec in enumerate(table.to_pylist(), 1)]
+
+
+def _read_parquet(path: Path) -> List[tuple[int, Dict[str, Any]]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(["dataset.format=parquet needs pyarrow, which is not installed; fix: pip install pyarrow "
+                            "(or pip install \"runner[export]\")"]) from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not parquet
+        raise DatasetError([f"{path}: not a readable parquet file ({type(e).__name__}: {e}); fix: pass a .parquet "
+                            "file (pyarrow.parquet.write_table, pandas.DataFrame.to_parquet, Dataset.to_parquet)"])
+    return _arrow_rows(table, path)
+
+
+HF_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def _read_hf(path: Path, split: Optional[str]) -> List[tuple[int, Dict[str, Any]]]:
+    """Rows of a local Hugging Face dataset: a dir written by ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict``
+    whose ``split`` is read: default ``train``, or its only split) or a data file read by ``datasets``' builder of
+    its extension (:data:`HF_FILE_BUILDERS`), with a temporary cache (nothing is written outside the run dir).
+    Cells are read raw from Arrow (no decoding: an image column stays ``{bytes, path}``)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(["dataset.format=hf needs the datasets package, which is not installed; fix: pip install "
+                            "datasets (or pip install \"runner[export]\")"]) from None
+    import tempfile
+
+    datasets.disable_progress_bars()
+    with tempfile.TemporaryDirectory(prefix="runner-hf-") as cache:
+        try:
+            if path.is_dir():
+                d = datasets.load_from_disk(str(path), keep_in_memory=True)
+            else:
+                builder = HF_FILE_BUILDERS.get(path.suffix.lower())
+                if builder is None:
+                    kind = path.suffix or "a file without extension"
+                    raise DatasetError([f"dataset.path={str(path)!r}: dataset=hf reads a dir written by save_to_disk "
+                                        f"or a data file ({', '.join(HF_FILE_BUILDERS)}), not {kind}; fix: pass such "
+                                        "a dir or file"])
+                d = datasets.load_dataset(builder, data_files=str(path), cache_dir=cache, keep_in_memory=True)
+        except DatasetError:
+            raise
+        except Exception as e:  # noqa: BLE001 - datasets raises many types for a dir it cannot read
+            raise DatasetError([f"dataset.path={str(path)!r}: datasets cannot read it ({type(e).__name__}: {e}); "
+                                "fix: a dir written by Dataset.save_to_disk / DatasetDict.save_to_disk, or a data "
+                                f"file ({', '.join(HF_FILE_BUILDERS)})"]) from None
+        if isinstance(d, datasets.DatasetDict):
+            names = list(d)
+            name = split or ("train" if "train" in d else names[0] if len(names) == 1 else None)
+            if name not in d:
+                raise DatasetError([f"dataset.split={split!r}: {path} holds the splits {', '.join(names)}; fix: "
+                                    f"dataset.split={names[0]}" if split else
+                                    f"{path} holds the splits {', '.join(names)} and none is 'train'; fix: "
+                                    f"dataset.split={names[0]}"])
+            d = d[name]
+        return _arrow_rows(d.with_format("arrow")[:], path)
+
+
+def columns_option(value: Any) -> Dict[str, str]:
+    """``dataset.columns`` as ``{row field: source column}`` (null: ``{}``); a column name given as a number is
+    taken as its text.
+
+    Raises:
+        DatasetError: not a mapping, or a value that is not a name (naming the fix).
+    """
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DatasetError([f"dataset.columns={value!r} is not a mapping; fix: dataset.columns={{prompt: Prompt}} "
+                            "(row field: source column)"])
+    bad = [f"dataset.columns.{k}={v!r} is not a column name; fix: dataset.columns.{k}=<column>"
+           for k, v in value.items() if isinstance(v, (dict, list, bool)) or v is None]
+    if bad:
+        raise DatasetError(bad)
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def apply_columns(raw: List[tuple[int, Dict[str, Any]]], columns: Optional[Dict[str, str]], src: Path,
+                  fields: Iterable[str]) -> List[tuple[int, Dict[str, Any]]]:
+    """Rename source columns to row fields: ``columns`` maps a row field to the column that holds it
+    (``{"prompt": "Prompt"}``: the CSV header ``Prompt`` feeds ``prompt``).
+
+    Raises:
+        DatasetError: a key that is no row field (did-you-mean), a column that no row has (naming the columns
+            there are), or a row holding both the column and the field it maps to.
+    """
+    if not columns:
+        return raw
+    import difflib
+
+    fields = list(fields)
+    problems = []
+    for field, col in columns.items():
+        if field not in fields:
+            close = difflib.get_close_matches(field, fields, n=1)
+            problems.append(f"dataset.columns.{field}: {field!r} is not a row field; fix: "
+                            + (f"did you mean {close[0]!r}?" if close else f"one of {', '.join(fields)}")
+                            + " (dataset.columns maps a row field to the column that holds it)")
+    seen = {k for _, rec in raw for k in rec}
+    for field, col in columns.items():
+        if field in fields and col not in seen:
+            problems.append(f"dataset.columns.{field}={col!r}: no row of {src} has a column {col!r}; columns: "
+                            f"{', '.join(sorted(seen))}; fix: name one of them")
+    if problems:
+        raise DatasetError(problems)
+    out = []
+    for n, rec in raw:
+        rec = dict(rec)
+        for field, col in columns.items():
+            if col in rec and col != field:
+                if field in rec:
+                    problems.append(f"{src}:{n}: both {field!r} and {col!r} (mapped to {field!r} by dataset.columns) "
+                                    f"are set; fix: drop one of them, or the mapping")
+                rec[field] = rec.pop(col)
+        out.append((n, rec))
+    if problems:
+        raise DatasetError(problems)
+    return out
+
+
+def extra_field(key: str, value: Any, fields: Iterable[str], mode: str, where: str,
+                meta: Dict[str, Any]) -> Optional[str]:
+    """Handle a row field that is no row field: with ``mode == "keep"`` a field that is not close to a known one
+    (difflib ratio >= 0.6, case ignored) goes into ``meta`` when it is JSON data, and None is returned; else the
+    problem to report. A typo of a known field (``promt``, ``Prompt``, ``seeds``) is refused in either mode, so
+    keeping extra fields never hides one.
+
+    Returns:
+        The problem text (``<where>: unknown field ...; fix: ...``), or None when the field was kept.
+    """
+    import difflib
+
+    fields = list(fields)
+    close = difflib.get_close_matches(key, fields, n=1) or difflib.get_close_matches(
+        key.lower(), fields, n=1, cutoff=0.8)
+    if close:
+        return (f"{where}: unknown field {key!r}; fix: did you mean {close[0]!r}? (a column of that name under "
+                f"another spelling: dataset.columns={{{close[0]}: {key}}})")
+    if mode != "keep":
+        return (f"{where}: unknown field {key!r}; fix: remove it, or dataset.extra_fields=keep to record it under the "
+                f"item's meta (row fields: {', '.join(fields)})")
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return (f"{where}: extra field {key!r} holds {type(value).__name__}, which cannot be recorded as JSON; fix: "
+                "drop that column from the dataset")
+    meta[key] = value
+    return None
+
+
+def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None,
+             fields: Iterable[str] = tuple(ROW_FIELDS)) -> List[tuple[int, Dict[str, Any]]]:
+    """Return ``(line_number, raw_row)`` pairs (for ``parquet`` and ``hf``: the row number from 1), source columns
+    renamed by ``columns`` (:func:`apply_columns` over the engine's row ``fields``; CSV and TXT cells are text, the
+    other formats' cells typed).
+
+    Raises:
+        DatasetError: unreadable or malformed input (file, line, what, fix).
+    """
+    if fmt == "parquet":
+        return apply_columns(_read_parquet(path), columns, path, fields)
+    if fmt == "hf":
+        return apply_columns(_read_hf(path, split), columns, path, fields)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -162,22 +346,28 @@ def read_raw(fmt: str, path: Path) -> List[tuple[int, Dict[str, Any]]]:
             raise DatasetError(problems)
     elif fmt == "csv":
         reader = csv.DictReader(io.StringIO(text))
-        if not reader.fieldnames or "prompt" not in reader.fieldnames:
-            raise DatasetError([f"{path}:1: CSV header {reader.fieldnames!r} has no 'prompt' column; "
-                                "fix: add a header line naming the columns, e.g. id,prompt"])
+        source = (columns or {}).get("prompt", "prompt")
+        if not reader.fieldnames or source not in reader.fieldnames:
+            close = difflib.get_close_matches(source, reader.fieldnames or [], n=1) or [
+                f for f in reader.fieldnames or [] if f.lower() == source.lower()]
+            raise DatasetError([f"{path}:1: CSV header {reader.fieldnames!r} has no {source!r} column; fix: "
+                                + (f"dataset.columns={{prompt: {close[0]}}} to read the prompt from {close[0]!r}"
+                                   if close and source == "prompt" else
+                                   f"name the prompt column (dataset.columns={{prompt: <column>}})"
+                                   if reader.fieldnames else "add a header line naming the columns, e.g. id,prompt")])
         for rec in reader:
             n = reader.line_num
             if None in rec:
                 raise DatasetError([f"{path}:{n}: row has more cells than the header has columns; "
                                     "fix: quote prompts that contain commas"])
-            rows.append((n, {k: v for k, v in rec.items() if v not in (None, "")} | {"prompt": rec.get("prompt") or ""}))
+            rows.append((n, {k: v for k, v in rec.items() if v not in (None, "")} | {source: rec.get(source) or ""}))
     elif fmt == "txt":
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 rows.append((n, {"id": f"line{n:06d}", "prompt": line.strip()}))
     else:
-        raise DatasetError([f"dataset.format: unknown format {fmt!r}; fix: one of builtin, jsonl, csv, txt"])
-    return rows
+        raise DatasetError([f"dataset.format: unknown format {fmt!r}; fix: one of {', '.join(FORMATS)}"])
+    return apply_columns(rows, columns, path, fields)
 
 
 def coerce(value: Any, typ: type, from_text: bool) -> Any:
@@ -217,13 +407,40 @@ def coerce(value: Any, typ: type, from_text: bool) -> Any:
     raise TypeError(typ)
 
 
+def source_path(fmt: str, path: Optional[str], builtin: str) -> Path:
+    """The file (or, for ``hf``, the file or ``save_to_disk`` dir) rows are read from.
+
+    Raises:
+        DatasetError: an unknown format, no ``dataset.path`` for a format that needs one, or a path that is not
+            there (naming the fix).
+    """
+    if fmt not in FORMATS:
+        raise DatasetError([f"dataset.format={fmt!r} is not known; fix: one of {', '.join(FORMATS)}"])
+    if fmt == "builtin":
+        return BUILTIN_PROMPTS.parent / builtin
+    example = {"hf": "/path/to/saved_dataset"}.get(fmt, f"/path/to/prompts.{fmt}")
+    if not path:
+        raise DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path={example}"])
+    src = Path(path).expanduser()
+    if not (src.is_file() or (fmt == "hf" and src.is_dir())):
+        what = "a dir written by save_to_disk or a data file" if fmt == "hf" else f"an existing .{fmt} file"
+        raise DatasetError([f"dataset.path: {path!r} is not {'a file or dir' if fmt == 'hf' else 'a file'}; fix: "
+                            f"pass the path of {what}"])
+    return src
+
+
 def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_multiple: int, max_pixels: int,
-              limit: Optional[int] = None, builtin: str = "prompts.jsonl") -> tuple[List[Row], Path]:
+              limit: Optional[int] = None, builtin: str = "prompts.jsonl", split: Optional[str] = None,
+              columns: Optional[Dict[str, str]] = None, extra_fields: str = "error") -> tuple[List[Row], Path]:
     """Read and validate every row, before any model loads.
 
     Args:
-        fmt: ``builtin`` | ``jsonl`` | ``csv`` | ``txt``.
-        path: file path (ignored for ``builtin``).
+        fmt: one of :data:`FORMATS`.
+        path: file path (ignored for ``builtin``; for ``hf`` a ``save_to_disk`` dir or a data file).
+        split: the split of a ``hf`` dataset dict (None: ``train``, or its only split).
+        columns: ``{row field: source column}`` (``dataset.columns``, :func:`apply_columns`).
+        extra_fields: ``error`` (a field that is no row field is refused) or ``keep`` (kept under the row's ``meta``
+            unless it is close to a row field: :func:`extra_field`).
         defaults: run-level values of the row fields (``width``, ``height``, ``num_inference_steps``,
             ``guidance_scale``, ``num_images_per_prompt``, ``negative_prompt``).
         size_multiple: width and height must be positive multiples of this (FLUX: 16 = VAE factor 8 x patch 2).
@@ -237,17 +454,8 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
     Raises:
         DatasetError: listing every problem found (file, line, field, value, fix).
     """
-    if fmt not in ("builtin", "jsonl", "csv", "txt"):
-        raise DatasetError([f"dataset.format={fmt!r} is not known; fix: one of builtin, jsonl, csv, txt"])
-    if fmt == "builtin":
-        src = BUILTIN_PROMPTS.parent / builtin
-    else:
-        if not path:
-            raise DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path=/path/to/prompts.{fmt}"])
-        src = Path(path).expanduser()
-        if not src.is_file():
-            raise DatasetError([f"dataset.path: {path!r} is not a file; fix: pass the path of an existing .{fmt} file"])
-    raw = read_raw(fmt, src)
+    src = source_path(fmt, path, builtin)
+    raw = read_raw(fmt, src, split, columns)
     if limit is not None:
         raw = raw[:limit]
     problems: List[str] = []
@@ -257,11 +465,12 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
     for n, rec in raw:
         where = f"{src}:{n}"
         vals: Dict[str, Any] = {}
+        meta: Dict[str, Any] = {}
         for key, value in rec.items():
             if key not in ROW_FIELDS:
-                close = difflib.get_close_matches(key, ROW_FIELDS, n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"valid fields: {', '.join(ROW_FIELDS)}"
-                problems.append(f"{where}: unknown field {key!r}; fix: {hint}")
+                problem = extra_field(key, value, ROW_FIELDS, extra_fields, where, meta)
+                if problem:
+                    problems.append(problem)
                 continue
             if value is None:
                 continue
@@ -308,7 +517,7 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
         if problems and problems[-1].startswith(where):
             continue
         rows.append(Row(id=rid, prompt=prompt or "", negative_prompt=vals.get("negative_prompt", defaults.get("negative_prompt")),
-                        seed=vals.get("seed"), line=n, expect=vals.get("expect"),
+                        seed=vals.get("seed"), line=n, expect=vals.get("expect"), meta=meta or None,
                         set_fields=tuple(k for k in vals if k not in ("id", "prompt", "expect")), **merged))
     if problems:
         raise DatasetError(problems)
@@ -418,4 +627,20 @@ def file_sha256(path: Path, chunk_bytes: int = 8 << 20) -> str:
         view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
+    return h.hexdigest()
+
+
+def dataset_sha256(path: Path) -> str:
+    """sha256 of a dataset source: a file's bytes (:func:`file_sha256`), or for a dir (``dataset=hf``, a
+    ``save_to_disk`` dir) the sha256 of its files' relative paths and sha256s, one ``<path>\\0<sha256>\\n`` line each
+    in sorted order (hidden files and ``*.lock`` left out)."""
+    path = Path(path)
+    if not path.is_dir():
+        return file_sha256(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = f.relative_to(path).as_posix()
+        if any(part.startswith(".") for part in rel.split("/")) or rel.endswith(".lock"):
+            continue
+        h.update(f"{rel}\0{file_sha256(f)}\n".encode())
     return h.hexdigest()

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 from runner import rundir
 from runner.artifacts import atomic_write_bytes, atomic_write_json
 from runner.errors import ConfigValueError, RefusedError, RunDirInUseError, RunDirLockError
-from runner.sinks import read_journal
+from runner.sinks import read_journal, write_folder_metadata
 
 log = logging.getLogger("runner")
 
@@ -455,6 +455,9 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     if lock is not None:
         merged["lock"] = lock.record()
         merged["owner"] = lock.holder
+    merged["folder_metadata"] = write_folder_metadata(  # images/metadata.jsonl follows the merged journal
+        out_dir, [latest[k] for k in keys_in_order if k in latest],
+        ((base.get("config") or {}).get("model") or {}).get("name"), merged.get("run_id"))
     atomic_write_json(out_dir / "manifest.json", merged)
     return merged
 

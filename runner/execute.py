@@ -35,7 +35,7 @@ from runner.errors import ConfigValueError, StorageError, UserInputError
 from runner.manifest import Manifest, git_state, now_iso, package_versions
 from runner.paths import PROJECT_ROOT, original_cwd, repro_location
 from runner.platform import detect
-from runner.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal
+from runner.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, write_folder_metadata
 
 if TYPE_CHECKING:
     from models.base import StageResult
@@ -568,6 +568,9 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     for e in engines:
         e.check_config()
     check_run_values(cfg)
+    from runner.tracking import check as check_tracker
+
+    check_tracker(cfg)  # tracker=mlflow without mlflow: exit 2 now, not after the run
     if not final.resumable:
         held = [n for n in ("manifest.json", "items.jsonl") if (out_dir / n).exists()]
         if held:
@@ -605,7 +608,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
         items = shard(final.batches(items, cfg.batch_size), worker.shards, worker.shard_index)
         journal_name, manifest_name = worker.journal, worker.manifest
     writes = worker is None or worker.writes  # a context group's other ranks compute, its first rank writes
-    data_sha = ds.file_sha256(data_path)
+    data_sha = ds.dataset_sha256(data_path)
     resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
     packages = package_versions()
     backends_doc = {e.stage: e.backends_section() for e in engines}
@@ -807,7 +810,9 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
             if sink is not None and writes:
                 before = read_journal(out_dir / journal_name) if worker is None else []  # compaction drops some
                 _compact(out_dir, items, journal_name, final, expected)
-                if worker is None:
+                if worker is None:  # the folder indexes follow the compacted journal (a merge writes them for workers)
+                    manifest.section("folder_metadata", write_folder_metadata(
+                        out_dir, read_journal(out_dir / journal_name), cfg.model.name, manifest.doc["run_id"]))
                     unlisted = keep_unlisted(out_dir, journal_name, before)
                     if unlisted:
                         log.warning("%d file(s) in %s are not items of this run (an earlier run's, e.g. a larger "

@@ -22,6 +22,7 @@ written; ``RunDirLockCallback`` takes it even earlier, before Hydra writes into 
 from __future__ import annotations
 
 import logging
+import sys
 import traceback
 from pathlib import Path
 from typing import Any, Dict, List
@@ -72,6 +73,9 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     from runner.execute import current_inputs, dataset_keys, run
 
     from runner import distributed as dp
+    from runner.console import quiet_libraries, verbose
+
+    quiet_libraries(verbose(sys.argv[1:]))  # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries')
 
     job_dir = hydra_dir = Path(out_dir)  # where this process's job_status.json goes (rank > 0: its own Hydra dir)
     out_dir = Path(cfg.run.resume or cfg.output.dir or dp.shared_run_dir(Path(out_dir)))
@@ -147,8 +151,22 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
             rundir.release(lock)
             raise
     _write_status(job_dir, code, outcome, status)
+    if outcome not in STARTUP_OUTCOMES and (worker is None or worker.rank == 0):
+        _track(cfg, out_dir, code)
     rundir.release(lock)
     return code
+
+
+def _track(cfg: DictConfig, out_dir: Path, code: int) -> None:
+    """Log the finished run to ``tracker`` (``runner.tracking.log_run``); a tracker failure is logged, the run's
+    exit code stands (everything is in the run dir)."""
+    from runner.tracking import log_run
+
+    try:
+        log_run(cfg, out_dir, code)
+    except Exception as e:  # noqa: BLE001 - the tracker is a copy; the run dir is the record
+        log.error("tracker=%s: logging the run failed (%s: %s); the run dir has everything", cfg.tracker.name,
+                  type(e).__name__, e)
 
 
 def _dir_key(cfg: DictConfig) -> str:

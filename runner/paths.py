@@ -74,3 +74,18 @@ def hydra_quote(value: str) -> str:
 
     text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)  # OmegaConf: \${ is a literal ${
     return QuotedString(text=text, quote=Quote.single).with_quotes()
+
+
+#: Options of the ``model`` group that are schemas (``runner.schema``), not models: ``--help`` leaves them out.
+SCHEMA_BASES = ("base_diffusion", "base_ar", "base_pipeline", "base_pipeline_stage")
+
+
+def help_groups() -> str:
+    """The ``--help`` list of config groups: ``  group: option, option`` per group of :data:`CONF_DIR`, one line each,
+    the model schema bases (:data:`SCHEMA_BASES`) left out (the OmegaConf resolver ``${runner_help_groups:}``)."""
+    lines = []
+    for d in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))):
+        opts = sorted(p.stem for p in d.glob("*.yaml") if p.stem not in SCHEMA_BASES)
+        if opts:
+            lines.append(f"  {d.name}: {', '.join(opts)}")
+    return "\n".join(lines)

@@ -139,8 +139,9 @@ def finished(out_dir: Path) -> Dict[str, Dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------------ identity
 #: Row fields that do not change an item's bytes: the id and line name the file, ``expect`` is the oracle's,
-#: ``num_images_per_prompt`` makes more items (each with its own seed, which is part of the inputs).
-ITEM_FIELDS_EXCLUDED = ("id", "line", "expect", "num_images_per_prompt")
+#: ``num_images_per_prompt`` makes more items (each with its own seed, which is part of the inputs), ``meta`` (extra
+#: fields kept by ``dataset.extra_fields=keep``) is only recorded.
+ITEM_FIELDS_EXCLUDED = ("id", "line", "expect", "num_images_per_prompt", "meta")
 #: Row fields whose run-level defaults (``model.generation.<field>``) reach the bytes only through the rows.
 ROW_DEFAULTS = ("width", "height", "num_inference_steps", "guidance_scale")
 #: Package versions that do not change what is computed or encoded.

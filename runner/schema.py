@@ -89,12 +89,30 @@ class LauncherName(Choice):
 
 
 class DatasetFormat(Choice):
-    """Where and how dataset rows are read."""
+    """Where and how dataset rows are read (``runner.dataset.read_raw``)."""
 
     builtin = "builtin"
     jsonl = "jsonl"
     csv = "csv"
     txt = "txt"
+    parquet = "parquet"
+    hf = "hf"
+
+
+class ExtraFields(Choice):
+    """What a dataset field that is no row field does: ``error`` refuses it (with a did-you-mean); ``keep`` records
+    it under the item's ``meta`` unless it is close to a row field (a typo such as ``promt`` is refused either
+    way)."""
+
+    error = "error"
+    keep = "keep"
+
+
+class TrackerName(Choice):
+    """Where a finished run is logged besides its run dir (``runner.tracking``): ``none`` or ``mlflow``."""
+
+    none = "none"
+    mlflow = "mlflow"
 
 
 class OnIgnored(Choice):
@@ -322,6 +340,10 @@ class ARModelConfig(ModelConfig):
     sampling: Dict[str, Any] = field(default_factory=dict)
     """Default ``vllm.SamplingParams`` fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
     ...); dataset rows override them per row."""
+    batch_size: Optional[int] = None
+    """Requests per ``LLM.generate`` call (vLLM schedules them continuously, ``max_num_seqs`` at a time). null: the
+    run-level ``batch_size`` when it is given on the command line, else every request of the stage in one call (a
+    stop signal then takes effect when that call returns)."""
 
 
 @dataclass
@@ -427,11 +449,21 @@ class DatasetConfig:
     """Where prompts come from."""
 
     format: DatasetFormat = MISSING
-    """``builtin`` (the model's ``builtin_prompts``), ``jsonl``, ``csv`` or ``txt``."""
+    """``builtin`` (the model's ``builtin_prompts``), ``jsonl``, ``csv``, ``txt``, ``parquet`` (a parquet file) or
+    ``hf`` (a local Hugging Face dataset: a dir written by ``save_to_disk`` or a data file read by ``datasets``)."""
     path: Optional[str] = None
-    """The rows file (required except for ``builtin``)."""
+    """The rows file, or for ``hf`` the ``save_to_disk`` dir or data file (required except for ``builtin``)."""
     limit: Optional[int] = None
     """Use only the first N rows (null: every row)."""
+    split: Optional[str] = None
+    """``hf``: the split of a dataset dict to read (null: ``train``, or the only split)."""
+    columns: Any = None
+    """Row field -> the source column holding it (``dataset.columns={prompt: Prompt}`` reads a CSV's ``Prompt``
+    column as the prompt); a column a mapping names must exist. A mapping of strings (checked at startup,
+    ``runner.dataset.columns_option``); null: none."""
+    extra_fields: ExtraFields = ExtraFields.error
+    """A field that is no row field: ``error`` (refused, with the closest row field) or ``keep`` (recorded under the
+    item's ``meta``, e.g. GenEval's ``tag`` and ``include``; one close to a row field is still refused as a typo)."""
     on_ignored: OnIgnored = OnIgnored.error
     """A row field or ``model.generation`` default that the model ignores: ``error`` (refused at startup) or
     ``record`` (run without it; the item records the value under ``ignored``)."""
@@ -533,6 +565,21 @@ class ReportConfig:
 
 
 @dataclass
+class TrackerConfig:
+    """An experiment tracker the finished run is logged to (group ``tracker``, ``runner.tracking``)."""
+
+    name: TrackerName = TrackerName.none
+    """``none`` or ``mlflow`` (params, metrics, tags and the manifest/items/metadata files as artifacts)."""
+    uri: Optional[str] = None
+    """The tracking URI (``file:///...``, ``http://host:5000``, ``sqlite:///mlflow.db``); null: the file store
+    ``mlruns/`` in the directory the run was started from."""
+    experiment: str = "runner"
+    """The MLflow experiment (created when missing)."""
+    run_name: Optional[str] = None
+    """The tracker run's name; null: the run dir's name."""
+
+
+@dataclass
 class RunControl:
     """Resume control."""
 
@@ -570,6 +617,8 @@ class RunConfig:
     """Resume control."""
     report: ReportConfig = field(default_factory=ReportConfig)
     """Sweep report settings."""
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    """Where the finished run is logged besides its run dir (group ``tracker``: ``none``, ``mlflow``)."""
     seed: int = 0
     """Base seed; each item's seed derives from it and the item key."""
     dtype: DType = DType.auto
@@ -625,6 +674,10 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("repo_root"):
         OmegaConf.register_new_resolver("repo_root", _repo_root)  # ${repo_root:}: the checkout's root, or
         # the site-packages folder of an installed runner (both hold models/toy_shapes/weights)
+    if not OmegaConf.has_resolver("runner_help_groups"):
+        from runner.paths import help_groups
+
+        OmegaConf.register_new_resolver("runner_help_groups", help_groups)  # --help: groups without schema bases
     if not OmegaConf.has_resolver("runner_pid"):
         from runner.rundir import pid_resolver
 

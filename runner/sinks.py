@@ -62,6 +62,85 @@ def compact_journal(path: Path, order: Optional[List[str]] = None,
     atomic_write_bytes(Path(path), "".join(json.dumps(latest[k]) + "\n" for k in order if k in latest).encode())
 
 
+#: The per-folder index of artifacts (Hugging Face ``imagefolder``/``videofolder`` convention): one JSON line per
+#: artifact of the folder, ``file_name`` relative to the folder.
+FOLDER_METADATA = "metadata.jsonl"
+
+#: The text fields embedded in every artifact (PNG text chunks, the MP4 ``comment`` as JSON), in this order.
+EMBEDDED_FIELDS = ("prompt", "negative_prompt", "seed", "parameters", "model")
+
+
+def embedded_fields(record: Dict[str, Any], model: Optional[str]) -> Dict[str, str]:
+    """What an artifact carries about itself, as text: ``prompt``, ``negative_prompt`` (left out when none was
+    applied), ``seed``, ``parameters`` (the record's ``params`` as applied, JSON with sorted keys) and ``model`` (the
+    model name; left out when None).
+
+    Every value is a function of the item's inputs as ``runner.resume.item_inputs`` counts them, so equal inputs
+    still give equal bytes: neither the row id (it names the file) nor the run's id (a new uuid per process) is
+    embedded; both are in ``metadata.jsonl``.
+    """
+    out = {"prompt": str(record.get("prompt") or "")}
+    if record.get("negative_prompt") is not None:
+        out["negative_prompt"] = str(record["negative_prompt"])
+    out["seed"] = str(record.get("seed"))
+    out["parameters"] = json.dumps(record.get("params") or {}, sort_keys=True, default=str)
+    if model is not None:
+        out["model"] = str(model)
+    return out
+
+
+def folder_metadata_row(record: Dict[str, Any], model: Optional[str], run_id: Optional[str]) -> Dict[str, Any]:
+    """One ``metadata.jsonl`` line of an ok record: ``file_name`` (relative to the artifact's folder), ``id``,
+    ``key``, ``prompt``, ``negative_prompt``, ``seed``, ``parameters`` (an object: the params as applied), ``model``,
+    ``run_id`` (the manifest's ``run_id`` of the run whose ``items.jsonl`` lists it), ``file_sha256``; a video's
+    ``num_frames`` and ``fps``; the record's ``meta`` when it has one."""
+    row: Dict[str, Any] = {"file_name": record.get("file_name") or Path(record["file"]).name,
+                           "id": record.get("id"), "key": record.get("key"), "prompt": record.get("prompt"),
+                           "negative_prompt": record.get("negative_prompt"), "seed": record.get("seed"),
+                           "parameters": record.get("params") or {}, "model": model, "run_id": run_id,
+                           "file_sha256": record.get("file_sha256")}
+    for k in ("num_frames", "fps", "meta"):
+        if record.get(k) is not None:
+            row[k] = record[k]
+    return row
+
+
+def write_folder_metadata(out_dir: Path, records: Sequence[Dict[str, Any]], model: Optional[str],
+                          run_id: Optional[str], folders: Sequence[str] = ("images", "videos")) -> Dict[str, int]:
+    """Write ``<folder>/metadata.jsonl`` (:data:`FOLDER_METADATA`) for each artifact folder of the run dir from the
+    run's journal records, atomically: one line per ok record whose ``file`` lies in that folder, in journal order
+    (:func:`folder_metadata_row`). ``datasets.load_dataset("imagefolder", data_dir=<run>/images)`` then yields
+    each image with its prompt, seed and parameters; files of the folder that no line names (an earlier run's,
+    listed in ``items.unlisted.jsonl``) are skipped by that loader.
+
+    Called after every compaction of ``items.jsonl`` (the run's end, the data-parallel merge), so the file lists
+    exactly the journal's ok items; a folder with none gets its stale ``metadata.jsonl`` removed.
+
+    Returns:
+        ``{"<folder>/metadata.jsonl": lines written}``.
+
+    Raises:
+        runner.errors.StorageError: the storage refused the write.
+    """
+    out_dir = Path(out_dir)
+    rows: Dict[str, List[Dict[str, Any]]] = {f: [] for f in folders}
+    for r in records:
+        f = r.get("file")
+        if r.get("status") == "ok" and f and Path(f).parts[0] in rows and len(Path(f).parts) > 1:
+            rows[Path(f).parts[0]].append(folder_metadata_row(r, model, run_id))
+    written: Dict[str, int] = {}
+    for folder, lines in rows.items():
+        path = out_dir / folder / FOLDER_METADATA
+        if not path.parent.is_dir():  # no artifact there (records that name files elsewhere)
+            continue
+        if lines:
+            atomic_write_bytes(path, "".join(json.dumps(x) + "\n" for x in lines).encode())
+            written[f"{folder}/{FOLDER_METADATA}"] = len(lines)
+        elif path.exists():
+            path.unlink()
+    return written
+
+
 def artifact_intact(out_dir: Path, record: Dict[str, Any]) -> bool:
     """An ok record whose artifact ``file`` exists with the recorded ``file_sha256`` and, when it names a frame
     dump (``frames_file``), that file exists with ``frames_file_sha256``."""
@@ -176,7 +255,7 @@ class _FileSink(_Counting):
             record.update(status="failed", file=None, reason=reason)
             self.writer.submit(record)
             return
-        self.writer.submit(record, path, payload, str(path.relative_to(self.out_dir)))
+        self.writer.submit(record, path, payload, str(path.relative_to(self.out_dir)), str(path.relative_to(self.dir)))
 
     def verify(self, record: Dict[str, Any]) -> bool:
         """The record says ok and its files exist with the recorded sha256 (:func:`artifact_intact`)."""
@@ -205,12 +284,15 @@ class _FileSink(_Counting):
 
 
 class PNGSink(_FileSink):
-    """Images as lossless PNG files ``images/<stem>.png`` (no metadata, so equal pixels give equal bytes), encoded
-    and written on ``workers`` threads while the next batch generates (:class:`runner.artifacts.ArtifactWriter`).
+    """Images as lossless PNG files ``images/<stem>.png``, encoded and written on ``workers`` threads while the next
+    batch generates (:class:`runner.artifacts.ArtifactWriter`). Each PNG carries text chunks
+    (:func:`embedded_fields`: prompt, negative prompt, seed, parameters as JSON, model), all functions of the
+    item's inputs, so equal pixels and inputs still give equal bytes (``PIL.Image.open(f).text`` reads them).
 
     ``submit(record, output)``: ``output`` is a :class:`models.base.ImageOutput`, or the exception that failed the
     item; a non-finite image is refused (``status: failed``, the count of bad values as reason) and never written.
-    The record gets ``status``, ``file`` (relative to the run dir) and ``file_sha256`` once the file is in place.
+    The record gets ``status``, ``file`` (relative to the run dir), ``file_name`` (relative to ``images/``) and
+    ``file_sha256`` once the file is in place.
 
     Args:
         out_dir: the run dir; images go to ``out_dir/images``.
@@ -218,17 +300,29 @@ class PNGSink(_FileSink):
         workers: encoder threads (0: inline).
         max_pending: outputs held before ``submit`` waits (bounds host memory: a 1024x1024 float32 image is 12 MiB).
         on_record: called in the caller's thread with each record once it is journaled.
+        model: the model name embedded in each file (None: not embedded).
     """
 
     subdir = "images"
     suffix = ".png"
 
     def __init__(self, out_dir: Path, journal_name: str = "items.jsonl", workers: int = 0, max_pending: int = 16,
-                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None, model: Optional[str] = None) -> None:
+        self.model = model
         super().__init__(out_dir, journal_name, workers, max_pending, on_record)
 
+    @classmethod
+    def options(cls, cfg: Any) -> Dict[str, Any]:
+        """``model`` from ``model.name``."""
+        return {"model": str(cfg.model.name)}
+
+    @classmethod
+    def identity(cls, cfg: Any) -> Dict[str, Any]:
+        """The text chunks each PNG embeds (a file written before they were embedded is not reused)."""
+        return {"png_text": list(EMBEDDED_FIELDS)}
+
     def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:
-        return output.image, None
+        return (output.image, embedded_fields(record, self.model)), None
 
 
 class MP4Sink(_FileSink):
@@ -241,7 +335,11 @@ class MP4Sink(_FileSink):
     the record's ``params.fps`` when the engine set it, else ``output.fps``; neither, or not a number > 0, fails
     the item.
 
-    The record gets ``status``, ``file`` (``videos/<stem>.mp4``), ``file_sha256`` (the container's bytes: resume
+    Each file's container metadata holds ``title`` (the prompt) and ``comment`` (JSON of :func:`embedded_fields`:
+    prompt, negative prompt, seed, parameters, model), all functions of the item's inputs.
+
+    The record gets ``status``, ``file`` (``videos/<stem>.mp4``), ``file_name`` (relative to ``videos/``),
+    ``file_sha256`` (the container's bytes: resume
     reuses only that exact file), ``frames_sha256`` (``runner.video.frames_sha256`` of the frames the file decodes
     to: repro compares it, it survives a muxer or encoder version that changes only the container),
     ``num_frames``, ``fps``, ``width``, ``height``, ``video`` (codec name, encoder, pixel format, lossless, ffmpeg
@@ -257,6 +355,7 @@ class MP4Sink(_FileSink):
         on_record: called in the caller's thread with each record once it is journaled.
         codec: a key of ``runner.video.CODECS``.
         dump_frames: also write the lossless frame dump.
+        model: the model name embedded in each file (None: not embedded).
 
     Raises:
         runner.video.VideoEncoderError: no usable ffmpeg or encoder.
@@ -268,9 +367,10 @@ class MP4Sink(_FileSink):
 
     def __init__(self, out_dir: Path, journal_name: str = "items.jsonl", workers: int = 0, max_pending: int = 16,
                  on_record: Optional[Callable[[Dict[str, Any]], None]] = None, codec: str = "h264_lossless",
-                 dump_frames: bool = False) -> None:
+                 dump_frames: bool = False, model: Optional[str] = None) -> None:
         from runner import video
 
+        self.model = model
         self.codec = str(codec)
         self.dump_frames = bool(dump_frames)
         info = video.encoder_info(self.codec)
@@ -279,8 +379,10 @@ class MP4Sink(_FileSink):
 
     @classmethod
     def options(cls, cfg: Any) -> Dict[str, Any]:
-        """``codec`` from ``output.video_codec``, ``dump_frames`` from ``output.video_frames``."""
-        return {"codec": str(cfg.output.video_codec), "dump_frames": bool(cfg.output.video_frames)}
+        """``codec`` from ``output.video_codec``, ``dump_frames`` from ``output.video_frames``, ``model`` from
+        ``model.name``."""
+        return {"codec": str(cfg.output.video_codec), "dump_frames": bool(cfg.output.video_frames),
+                "model": str(cfg.model.name)}
 
     @classmethod
     def identity(cls, cfg: Any) -> Dict[str, Any]:
@@ -293,7 +395,7 @@ class MP4Sink(_FileSink):
         from runner import video
 
         return {"video": video.encoder_info(str(cfg.output.video_codec)),
-                "frames_dump": bool(cfg.output.video_frames)}
+                "frames_dump": bool(cfg.output.video_frames), "metadata": list(EMBEDDED_FIELDS)}
 
     def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:
         """``(uint8 frames, fps, dump path)``: the frames converted here, so a pending video holds a quarter of
@@ -313,13 +415,13 @@ class MP4Sink(_FileSink):
         except ValueError as e:
             return None, str(e)
         dump = path.with_name(f"{path.stem}.frames.npz") if self.dump_frames else None
-        return (frames, fps, dump), None
+        return (frames, fps, dump, video.container_metadata(embedded_fields(record, self.model))), None
 
     def _write(self, path: Path, payload: Any) -> Dict[str, Any]:
         from runner import video
 
-        frames, fps, dump = payload
-        res = video.write_video(path, frames, fps, self.codec, dump)
+        frames, fps, dump, meta = payload
+        res = video.write_video(path, frames, fps, self.codec, dump, metadata=meta)
         res["fields"]["video"] = dict(self.video_doc)
         if dump is not None:
             res["fields"] = {"frames_file": str(dump.relative_to(self.out_dir)), **res["fields"]}

@@ -89,7 +89,8 @@ class SweepCallback(Callback):
         try:
             from runner.report import write_report
 
-            write_report([sweep_dir], sweep_dir / "report.html", reference=self.reference, gate=gated)
+            report = write_report([sweep_dir], sweep_dir / "report.html", reference=self.reference, gate=gated)
+            print(f"runner: sweep report: {report}", flush=True)  # where to look, beside the sweep's exit code
         except ImportError:
             pass
         except Exception as e:  # noqa: BLE001 - the report must not hide the sweep's outcome

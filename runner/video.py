@@ -40,7 +40,7 @@ SWS_FLAGS = "bitexact+accurate_rnd+full_chroma_int"
 DECODE_FILTER = f"scale=in_color_matrix=bt709:in_range=tv:flags={SWS_FLAGS}"
 #: x264 threads: fixed, since x264's output depends on the thread count (not on the machine).
 ENCODER_THREADS = 4
-#: Output options of every encode: fixed threads, no muxer version or metadata in the file, index first.
+#: Output options of every encode: fixed threads, no muxer version and no metadata but the tags given, index first.
 COMMON_ARGS: Tuple[str, ...] = ("-threads", str(ENCODER_THREADS), "-fflags", "+bitexact", "-map_metadata", "-1",
                                 "-movflags", "+faststart")
 
@@ -185,9 +185,76 @@ def _storage_errno(stderr: str) -> Optional[int]:
     return next((e for e in sorted(STORAGE_ERRNOS) if os.strerror(e) in stderr), None)
 
 
-def encode_mp4(path: Path, frames: np.ndarray, fps: float, codec: str = "h264_lossless") -> None:
+def container_metadata(fields: Dict[str, str]) -> Dict[str, str]:
+    """The MP4 container metadata of a video from its embedded fields (``runner.sinks.embedded_fields``):
+    ``title`` = the prompt, ``comment`` = every field as one JSON object (sorted keys). Read back with
+    :func:`read_metadata`."""
+    import json
+
+    return {"title": fields.get("prompt", ""), "comment": json.dumps(fields, sort_keys=True, ensure_ascii=False)}
+
+
+def read_metadata(path: Path) -> Dict[str, str]:
+    """The global metadata tags of a media file (lower-case keys: ``title``, ``comment``...), read by the ffmpeg
+    binary (``-f ffmetadata``; its escapes of ``=;#\\`` and newlines undone).
+
+    Raises:
+        VideoEncoderError: no usable ffmpeg.
+        OSError: ffmpeg cannot read the file.
+    """
+    p = subprocess.run([ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-nostdin", "-i", str(path),
+                        "-f", "ffmetadata", "-"], capture_output=True)
+    if p.returncode != 0:
+        raise OSError(errno.EIO, f"ffmpeg cannot read the metadata of {path}: "
+                                 f"{p.stderr.decode('utf-8', 'replace')[-300:]}")
+    out: Dict[str, str] = {}
+    key = None
+    text = p.stdout.decode("utf-8")
+    lines = text.split("\n")
+    buf = ""
+    for line in lines[1:]:  # the first line is the ";FFMETADATA1" header
+        buf += line
+        if buf.endswith("\\") and not buf.endswith("\\\\"):  # an escaped newline continues the value
+            buf = buf[:-1] + "\n"
+            continue
+        if buf and not buf.startswith((";", "#", "[")) and "=" in buf:
+            i = _unescaped_eq(buf)
+            key, val = buf[:i], buf[i + 1:]
+            out[_unescape(key).lower()] = _unescape(val)
+        buf = ""
+    return out
+
+
+def _unescaped_eq(s: str) -> int:
+    i = 0
+    while i < len(s):
+        if s[i] == "\\":
+            i += 2
+            continue
+        if s[i] == "=":
+            return i
+        i += 1
+    return len(s)
+
+
+def _unescape(s: str) -> str:
+    out, i = [], 0
+    while i < len(s):
+        if s[i] == "\\" and i + 1 < len(s):
+            out.append(s[i + 1])
+            i += 2
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)
+
+
+def encode_mp4(path: Path, frames: np.ndarray, fps: float, codec: str = "h264_lossless",
+               metadata: Optional[Dict[str, str]] = None) -> None:
     """Encode ``uint8`` frames (F, H, W, 3) at ``fps`` frames per second into the MP4 file ``path`` (written in
     place: callers write a temp name and rename it). The container is MP4 whatever the name's suffix.
+    ``metadata``: global container tags (``{"title": ..., "comment": ...}``, ffmpeg's ``-metadata key=value``);
+    the bytes stay a function of the frames, the codec and these tags.
 
     Raises:
         ValueError: bad frames, fps not > 0, an odd size for a codec that needs even sizes.
@@ -205,7 +272,8 @@ def encode_mp4(path: Path, frames: np.ndarray, fps: float, codec: str = "h264_lo
                          f"{w}x{h}; fix: even sizes, or output.video_codec=h264_lossless")
     cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-nostdin", "-y",
            "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{w}x{h}", "-framerate", fps_arg(fps), "-i", "-", "-an",
-           "-c:v", spec.encoder, *spec.args, "-pix_fmt", spec.pix_fmt, *COMMON_ARGS, "-f", "mp4", str(path)]
+           "-c:v", spec.encoder, *spec.args, "-pix_fmt", spec.pix_fmt, *COMMON_ARGS,
+           *(a for k, v in (metadata or {}).items() for a in ("-metadata", f"{k}={v}")), "-f", "mp4", str(path)]
     try:
         p = subprocess.run(cmd, input=a.data, capture_output=True)
     except OSError as e:
@@ -267,7 +335,7 @@ def _fsync_file(path: Path) -> None:
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
-                dump: Optional[Path] = None) -> Dict[str, Any]:
+                dump: Optional[Path] = None, metadata: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Write one video durably: encode to a temp name beside ``path`` (``.<name>.tmp<pid>``), fsync it, decode it
     back and check it (frame count and size; for a lossless codec every pixel), write the frame dump ``dump``
     when given (atomically), then rename the video into place and fsync the dir. A kill at any point leaves no
@@ -278,6 +346,7 @@ def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
         fps: frames per second (> 0).
         codec: a key of :data:`CODECS`.
         dump: where to write the lossless frame dump (:func:`frames_npz`), or None.
+        metadata: container tags (:func:`container_metadata`), or None.
 
     Returns:
         ``{"sha256": container bytes' sha256, "fields": {frames_sha256, num_frames, fps, width, height[,
@@ -294,7 +363,7 @@ def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         try:
-            encode_mp4(tmp, a, fps, codec)
+            encode_mp4(tmp, a, fps, codec, metadata)
             _fsync_file(tmp)
             sha = file_sha256(tmp)
         except OSError as e:

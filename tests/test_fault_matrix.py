@@ -33,7 +33,8 @@ def _sha(p: Path) -> str:
 
 
 def _images(d: Path):
-    return {p.name: _sha(p) for p in sorted((d / "images").glob("*"))} if (d / "images").is_dir() else {}
+    return {p.name: _sha(p) for p in sorted((d / "images").glob("*")) if p.name != "metadata.jsonl"} if (
+        d / "images").is_dir() else {}  # metadata.jsonl: the folder's index of the records (runner.sinks)
 
 
 def _records(d: Path):

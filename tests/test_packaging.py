@@ -55,6 +55,7 @@ def _expected_files() -> set:
         weights = REPO_ROOT / "models" / toy / "weights"
         want |= {p.relative_to(REPO_ROOT).as_posix() for p in weights.rglob("*") if p.is_file()}
     want |= {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "runner" / "data").iterdir() if p.is_file()}
+    want |= {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "runner" / "schemas").glob("*.json")}
     return want
 
 

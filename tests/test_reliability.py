@@ -82,7 +82,7 @@ def _state(run_dir: Path):
 
 def _image_files(run_dir: Path) -> List[str]:
     d = run_dir / "images"
-    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+    return sorted(p.name for p in d.iterdir() if p.name != "metadata.jsonl") if d.is_dir() else []  # the index
 
 
 def _tmp_files(root: Path) -> List[Path]:
@@ -607,7 +607,8 @@ BAD_INPUTS = [
      [r"dataset\.path: .* not a file"]),
     ("jsonl-without-path", None, ["dataset=jsonl"], DatasetError, [r"dataset\.path: required for dataset=jsonl"]),
     ("unknown-format", _jsonl(OK), [*J, "dataset.format=xml"], HydraException,
-     [r"Invalid value 'xml', expected one of \[builtin, jsonl, csv, txt\]", r"full_key: dataset.format"]),
+     [r"Invalid value 'xml', expected one of \[builtin, jsonl, csv, txt, parquet, hf\]",
+      r"full_key: dataset.format"]),
     ("limit-0", _jsonl(OK), [*J, "dataset.limit=0"], ConfigValueError, [r"dataset\.limit=0 must be >= 1"]),
     ("cli-seed-float", None, ["seed=1.5"], HydraException, [r"seed=1\.5", r"full_key: seed"]),
     ("cli-batch-size-str", None, ["batch_size=abc"], HydraException, [r"batch_size=abc", r"full_key: batch_size"]),
@@ -847,7 +848,9 @@ def test_hostile_ids_stay_inside_run_dir(compose, tmp_path):
         assert not f.name.startswith("."), f"hidden file for {r['key']!r}: {f.name}"
         assert f.stem.split(".")[0].upper() not in ("CON", "PRN", "AUX", "NUL"), f.name
         assert _sha(f.read_bytes()) == r["file_sha256"]
-    assert len(list((run_dir / "images").iterdir())) == 6
+    assert len(list((run_dir / "images").iterdir())) == 6 + 1  # and metadata.jsonl, naming the six
+    assert sorted(json.loads(x)["file_name"] for x in (run_dir / "images" / "metadata.jsonl").read_text().splitlines()
+                  ) == sorted(f.name for f in files)
     # The names are stable: a re-run into the same dir reuses all six without loading the model.
     loaded: List[Any] = []
     assert _run(compose, run_dir, ["dataset=jsonl", f"dataset.path={data}", STEPS], on_loaded=loaded.append) == 0

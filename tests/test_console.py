@@ -1,0 +1,106 @@
+"""A console that reads like a finished tool (issue #20): ``python -m runner`` prints one progress bar and no
+library warning or profiler line; ``--help`` says what the tool is without the schema bases; a misspelt top-level
+key gets the closest key instead of Hydra's "use +key" tip; a sweep says where its report is. Every test starts
+``python -m runner`` with the repository root on the subprocess's ``PYTHONPATH``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BAR = re.compile(r"^\s*(?P<desc>[^|\r\n]*?):\s+\d+%\|")
+
+
+def _cli(args, env, cwd, timeout=600):
+    env = dict(env, PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.pop("RUNNER_VERBOSE", None)
+    for k in ("KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL"):
+        env.pop(k, None)  # the defaults under test, not the caller's
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _lines(text: str):
+    return [x for x in re.split(r"[\r\n]+", text) if x.strip()]
+
+
+def test_default_run_prints_one_progress_bar_and_no_warning_or_profiler_line(subprocess_env, tmp_path):
+    p = _cli(["dataset.limit=2", f"hydra.run.dir={tmp_path / 'run'}"], subprocess_env, tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    lines = _lines(out)
+    bars = {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m}
+    assert bars == {"toy_shapes"}, f"progress bars: {bars}\n{out}"
+    noisy = [x for x in lines if re.search(r"warn|usdt|profiler", x, re.IGNORECASE)]
+    assert not noisy, noisy
+    others = [x for x in lines if not BAR.match(x)]
+    assert len(others) == 1 and "run completed: 2 ok" in others[0], others
+
+
+def test_help_says_what_the_tool_is_without_schema_bases(subprocess_env, tmp_path):
+    p = _cli(["--help"], subprocess_env, tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert out.startswith("runner: a declarative batch runner for offline generation"), out[:300]
+    assert "powered by Hydra" not in out and "shell-completion" not in out
+    models = next(x for x in out.splitlines() if x.strip().startswith("model:"))
+    assert "toy_shapes" in models and "tiny_qwen3_moe" in models and "base_" not in models, models
+    assert "dataset: builtin, csv, hf, jsonl, parquet, txt" in out
+    assert "python -m runner --cfg job" in out and "runner.export" in out
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_top_level_typo_gets_the_closest_key_not_hydras_plus_tip(subprocess_env, tmp_path):
+    p = _cli(["batchsize=4", f"hydra.run.dir={tmp_path / 'run'}"], subprocess_env, tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert "batchsize is not a config key; did you mean batch_size? fix: batch_size=4" in p.stderr, out
+    assert "+batchsize" not in out and "Traceback" not in out
+    p = _cli(["model=tiny_flux", "model.generation.widht=64", f"hydra.run.dir={tmp_path / 'run'}"], subprocess_env,
+             tmp_path)
+    assert p.returncode == 2 and "did you mean model.generation.width? fix: model.generation.width=64" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_sweep_prints_where_its_report_is(subprocess_env, tmp_path):
+    sweep = tmp_path / "sweep"
+    p = _cli(["-m", "seed=1,2", "dataset.limit=1", f"hydra.sweep.dir={sweep}"], subprocess_env, tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert f"sweep report: {sweep / 'report.html'}" in p.stdout + p.stderr
+    assert (sweep / "report.html").is_file()
+
+
+def test_library_env_defaults_respect_the_user_and_verbose():
+    from runner.console import library_env_defaults
+
+    env = {"VLLM_LOGGING_LEVEL": "DEBUG"}
+    assert library_env_defaults([], env) == {"KINETO_LOG_LEVEL": "6"}
+    assert env == {"VLLM_LOGGING_LEVEL": "DEBUG", "KINETO_LOG_LEVEL": "6"}
+    assert library_env_defaults(["hydra.verbose=true"], {}) == {}
+    assert library_env_defaults([], {"RUNNER_VERBOSE": "1"}) == {}
+
+
+def test_transformers_torchvision_fallback_warning_is_filtered():
+    from runner.console import quiet_libraries
+
+    quiet_libraries()
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    lg = logging.getLogger("transformers.utils.import_utils")  # transformers' root logger does not propagate
+    h = Keep(level=logging.WARNING)
+    lg.addHandler(h)
+    try:
+        lg.warning("`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil`")
+        lg.warning("something else")
+    finally:
+        lg.removeHandler(h)
+    assert seen == ["something else"]
