@@ -3,7 +3,8 @@ libraries it drives unless asked (``RUNNER_VERBOSE=1`` or ``hydra.verbose=...``)
 
 * :func:`library_env_defaults` (before torch or vLLM is imported): ``KINETO_LOG_LEVEL=6`` (torch.profiler's
   kineto prints ``USDT: ... profiler_start``/``profiler_stop`` at its level 5 whenever the evidence profiles a
-  step; 6 is above every kineto level), ``VLLM_LOGGING_LEVEL=WARNING`` (vLLM's INFO lines), each only where the
+  step; 6 is above every kineto level, so kineto's own ERROR lines go too: the evidence still fails a run whose
+  profile lacks the expected kernels), ``VLLM_LOGGING_LEVEL=WARNING`` (vLLM's INFO lines), each only where the
   variable is not set already;
 * :func:`quiet_libraries` (at the start of a run): diffusers' and transformers' loading bars off, a logging
   filter that drops transformers' "requires torchvision (not installed); falling back to ...Pil" warnings (the
@@ -99,15 +100,16 @@ def override_key_problem(argv: Sequence[str]) -> Optional[str]:
     """The first plain ``key=value`` override of ``argv`` whose key the composed config does not have, with the
     closest key of its parent (``batchsize=4``: ``did you mean batch_size?``) or, for a backend-like key, where it
     belongs (``runner.resolve.misplaced_backend_message``). Group choices are composed first, so the model's own keys
-    count. Overrides with ``+``/``++``/``~``, ``hydra.*`` and flags are left to Hydra, and so is everything when the
-    composition itself fails.
+    count. Overrides with ``+``/``++``/``~``, ``hydra.*``, group paths (``hydra/launcher=...``) and flags are left to
+    Hydra, and so is everything when the composition itself fails.
 
     Returns:
         The message (with the fix), or None.
     """
     import difflib
 
-    plain = [a for a in argv if "=" in a and not a.startswith(("-", "+", "~")) and not a.startswith("hydra.")]
+    plain = [a for a in argv if "=" in a and not a.startswith(("-", "+", "~", "hydra.", "hydra/"))
+             and "/" not in a.split("=", 1)[0]]  # group paths (hydra/launcher=..., model/x=...) are Hydra's
     if not plain:
         return None
     try:

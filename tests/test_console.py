@@ -65,6 +65,9 @@ def test_top_level_typo_gets_the_closest_key_not_hydras_plus_tip(subprocess_env,
              tmp_path)
     assert p.returncode == 2 and "did you mean model.generation.width? fix: model.generation.width=64" in p.stderr
     assert not (tmp_path / "run").exists()
+    from runner.console import override_key_problem
+
+    assert override_key_problem(["hydra/launcher=submitit_local", "seed=1,2", "+foo=1", "model=toy_shapes"]) is None
 
 
 def test_sweep_prints_where_its_report_is(subprocess_env, tmp_path):
