@@ -162,6 +162,8 @@ def test_export_webdataset_reads_back_with_webdataset(toy_run, tmp_path):
 def test_export_refuses_a_modified_artifact_and_a_non_empty_out(toy_run, tmp_path):
     import shutil
 
+    pytest.importorskip("datasets")  # the parquet export needs it (the "export" extra)
+
     d = tmp_path / "copy"
     shutil.copytree(toy_run, d)
     f = d / _lines(d / "items.jsonl")[1]["file"]
