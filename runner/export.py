@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+from runner.dataset import file_sha256
 from runner.errors import RunnerError, UserInputError
 
 FORMATS = ("parquet", "webdataset", "in-toto")
@@ -51,14 +52,6 @@ TEXT_FIELDS = ("id", "key", "index", "prompt", "prompt_token_ids", "output_token
 
 class ExportError(UserInputError, ValueError):
     """The run dir cannot be exported as asked (names the file or argument and the fix); exit 2."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def rows(run_dir: Path) -> Iterator[Dict[str, Any]]:
@@ -188,7 +181,7 @@ def intoto_statement(run_dir: Path) -> Dict[str, Any]:
                 for r in read_journal(run_dir / "items.jsonl") if r.get("status") == "ok" and r.get("file")]
     for rel in ("items.jsonl", "images/metadata.jsonl", "videos/metadata.jsonl"):
         if (run_dir / rel).is_file():
-            subjects.append({"name": rel, "digest": {"sha256": _sha256(run_dir / rel)}})
+            subjects.append({"name": rel, "digest": {"sha256": file_sha256(run_dir / rel)}})
     ds = m.get("dataset") or {}
     deps = [{"uri": Path(ds["path"]).as_uri() if ds.get("path") else "dataset", "digest": {"sha256": ds["sha256"]},
              "name": "dataset"}] if ds.get("sha256") else []
@@ -208,7 +201,7 @@ def intoto_statement(run_dir: Path) -> Dict[str, Any]:
         "runDetails": {"builder": {"id": BUILD_TYPE.rsplit("/", 1)[0]},
                        "metadata": {"invocationId": m.get("run_id"), "startedOn": m.get("started_at"),
                                     "finishedOn": m.get("ended_at")},
-                       "byproducts": [{"name": "manifest.json", "digest": {"sha256": _sha256(run_dir / "manifest.json")}}]}}}
+                       "byproducts": [{"name": "manifest.json", "digest": {"sha256": file_sha256(run_dir / "manifest.json")}}]}}}
 
 
 def export(run_dir: Path, fmt: str, out: Path, shard_items: int = 10_000) -> Dict[str, Any]:
@@ -245,7 +238,7 @@ def export(run_dir: Path, fmt: str, out: Path, shard_items: int = 10_000) -> Dic
                                           and not s["name"].endswith("metadata.jsonl")),
                "source": {"run_dir": str(run_dir.resolve()), "run_id": manifest.get("run_id"),
                           "status": manifest.get("status")},
-               "files": {"statement.intoto.json": {"sha256": _sha256(out / "statement.intoto.json")}}}
+               "files": {"statement.intoto.json": {"sha256": file_sha256(out / "statement.intoto.json")}}}
         atomic_write_json(out / "export.json", doc)
         return doc
     counted: List[int] = []
@@ -272,7 +265,7 @@ def export(run_dir: Path, fmt: str, out: Path, shard_items: int = 10_000) -> Dic
         for i, p in enumerate(parts):
             name = f"data-{i:05d}-of-{len(parts):05d}.{ext}"
             os.replace(p, out / name)
-            files[name] = {"sha256": _sha256(out / name)}
+            files[name] = {"sha256": file_sha256(out / name)}
     finally:
         for p in tmp.iterdir():
             p.unlink()

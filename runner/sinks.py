@@ -16,12 +16,12 @@ None: nothing beyond the packages already recorded; may raise a ``runner.errors.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from runner.artifacts import ArtifactWriter, Journal, atomic_write_bytes
+from runner.dataset import file_sha256
 
 
 def read_journal(path: Path) -> List[Dict[str, Any]]:
@@ -152,15 +152,6 @@ def artifact_intact(out_dir: Path, record: Dict[str, Any]) -> bool:
             if not f.is_file() or file_sha256(f) != record.get(sha):
                 return False
     return True
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 hex digest of a file's bytes, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class Sink(Protocol):
