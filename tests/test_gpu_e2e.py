@@ -598,18 +598,23 @@ CACHE_METHODS = {  # method -> overrides (fixed: their schedule; adaptive: a thr
 }
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("method", list(CACHE_METHODS))
-def test_step_cache_on_gpu_counts_reuse(gpu, method):
-    """Each step-cache method on toy_shapes (16 steps, cuDNN attention): blocks and forwards reused were counted from
-    what executed (fixed schedules: exactly as the schedule predicts), the cache hit, attention sites ran their
-    backend only in the forwards in which their module computed, and the kernels verify."""
-    ov = ["model=toy_shapes", "dataset.limit=1", "backend.attention=CUDNN_ATTN", *CACHE_METHODS[method]]
-    require(ov, attention="CUDNN_ATTN")
-    r = gpu.run(f"cache-{method}", ov)
+@pytest.mark.parametrize("method,device", [*[pytest.param(m, "cuda", marks=pytest.mark.cuda) for m in CACHE_METHODS],
+                                           ("taylorseer", "cpu")])
+def test_step_cache_counts_reuse(gpu, tmp_path, method, device):
+    """Each step-cache method on toy_shapes (16 steps; cuDNN attention on the GPU): blocks and forwards reused were
+    counted from what executed (fixed schedules: exactly as the schedule predicts), the cache hit, attention sites
+    ran their backend only in the forwards in which their module computed, and the kernels verify (the CPU twin:
+    one fixed method, TORCH_SDPA, CPU ops)."""
+    attention = "CUDNN_ATTN" if device == "cuda" else "TORCH_SDPA"
+    ov = ["model=toy_shapes", "dataset.limit=1", f"backend.attention={attention}", *CACHE_METHODS[method]]
+    if device == "cuda":
+        require(ov, attention=attention)
+        r = gpu.run(f"cache-{method}", ov)
+    else:
+        r = run_inprocess(tmp_path / "cache", ov, base=CPU)
     assert r.code == 0, r.manifest.get("evidence", {}).get("mismatches")
     m = r.manifest
-    st = check_evidence(m, r.trace, "CUDNN_ATTN")["stage"]
+    st = check_evidence(m, r.trace, attention, device=device)["stage"]
     assert _forwards(st) == 16
     c = r.items[0]["cache"]
     assert c["method"] == method and c["call_items"] == 1
@@ -628,16 +633,20 @@ def test_step_cache_on_gpu_counts_reuse(gpu, method):
 # ----------------------------------------------------------------------------------------- data parallelism
 
 
-@pytest.mark.cuda
-def test_data_parallel_two_ranks_on_gpu(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_data_parallel_two_ranks(tmp_path, device):
     """``torchrun --nproc-per-node 2 -m runner parallelism=data`` (through the shim): on one GPU both ranks share
     it, on more each takes its own (``LOCAL_RANK``). The merged manifest lists both workers, in different processes,
-    each verified with the device kernels of the selected backends in its own profiled forward."""
+    each verified with the device kernels of the selected backends in its own profiled forward (the CPU twin: the
+    same plumbing with CPU ops)."""
+    attention = "CUDNN_ATTN" if device == "cuda" else "TORCH_SDPA"
     ov = ["model=tiny_flux", "parallelism=data", "dataset.limit=4", "model.generation.num_inference_steps=2",
-          "backend.attention=CUDNN_ATTN"]
-    require(ov, attention="CUDNN_ATTN")
+          f"backend.attention={attention}"]
+    if device == "cuda":
+        require(ov, attention=attention)
+    warm_embedded_cache(ov)  # see test_embedded_snapshot_written_on_a_nonzero_rank_has_every_weight_file
     d = tmp_path / "dp"
-    r = run_shim(d, ov, torchrun=2)
+    r = run_shim(d, ov, base=GPU if device == "cuda" else CPU, torchrun=2)
     assert r.code == 0, r.stdout
     m = r.manifest
     assert m["status"] == "completed" and m["evidence"]["verdict"] == "verified", m["evidence"]["mismatches"]
@@ -646,15 +655,49 @@ def test_data_parallel_two_ranks_on_gpu(tmp_path):
     ws = m["workers"]
     assert [w["rank"] for w in ws] == [0, 1] and len({w["pid"] for w in ws}) == 2
     assert all(w["status"] == "completed" and w["evidence_verdict"] == "verified" for w in ws), ws
-    assert all(str(w["device"]).startswith("cuda:") for w in ws), ws
-    if torch.cuda.device_count() == 1:
-        assert {w["device"] for w in ws} == {"cuda:0"}
+    assert all(str(w["device"]).split(":")[0] == device for w in ws), ws
+    if device == "cuda" and torch.cuda.device_count() == 1:
+        assert {w["device"] for w in ws} == {"cuda:0"}  # two ranks on one GPU
     assert sum(w["shard_items"] for w in ws) == 4 and m["counts"]["ok"] == 4
     for rank in (0, 1):
         wm = json.loads((d / f"manifest.rank{rank}.json").read_text())
         trace = pid_trace(r, wm)
         assert trace is not None, f"rank {rank}: no trace for pid {wm['evidence'].get('pid')} ({list(r.traces)})"
-        check_evidence(wm, trace, "CUDNN_ATTN")
+        check_evidence(wm, trace, attention, device=device)
+
+
+def warm_embedded_cache(overrides: Sequence[str]) -> Path:
+    """Build the embedded tiny_flux of ``overrides`` into the session cache in this process (no process group), so
+    that torchrun ranks only load it."""
+    from omegaconf import OmegaConf
+
+    from models.flux import embedded_snapshot
+
+    cfg = compose([*CPU, *overrides])
+    return embedded_snapshot(str(cfg.model.name), OmegaConf.to_container(cfg.model.architecture, resolve=True), None)
+
+
+@pytest.mark.xfail(strict=True, reason="runner bug found by the torchrun twin: an embedded model created on a rank != 0 "
+                   "of an initialized process group lacks the transformers components' files (transformers 5 "
+                   "save_pretrained writes them on rank 0 only), and models.pipelines.embedded_snapshot renames it "
+                   "into the cache all the same; a cold-cache torchrun run then fails, and the broken entry stays")
+def test_embedded_snapshot_written_on_a_nonzero_rank_has_every_weight_file(tmp_path, monkeypatch):
+    """Under ``torchrun parallelism=data`` with a cold cache every rank builds the embedded model; whichever rank's
+    rename wins becomes the cache entry. Rank 1's (faked: transformers asks torch.distributed for the rank) must be
+    complete too, or not be committed."""
+    mixin = pytest.importorskip("transformers.distributed.mixin")
+    if not (hasattr(mixin, "_is_torch_distributed_initialized") and hasattr(mixin, "_get_torch_distributed_rank")):
+        pytest.skip("this transformers does not gate save_pretrained on the torch.distributed rank")
+    from omegaconf import OmegaConf
+
+    from models.flux import embedded_snapshot
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    arch = OmegaConf.to_container(compose([*CPU, "model=tiny_flux"]).model.architecture, resolve=True)
+    snap = embedded_snapshot("tiny_flux", arch, str(tmp_path))
+    for comp in ("text_encoder", "text_encoder_2", "transformer", "vae"):
+        assert list((snap / comp).glob("*.safetensors")), f"{snap / comp} holds no weights: {os.listdir(snap / comp)}"
 
 
 # ---------------------------------------------------------------------------------------------------- repro
