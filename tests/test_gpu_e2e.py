@@ -685,9 +685,10 @@ def warm_embedded_cache(overrides: Sequence[str]) -> Path:
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="runner bug found by the torchrun twin: an embedded model created on a rank != 0 of an initialized process group lacks the transformers components' files (transformers 5 "
-                   "save_pretrained writes them on rank 0 only), and models.pipelines.embedded_snapshot renames it "
-                   "into the cache all the same; a cold-cache torchrun run then fails, and the broken entry stays")
+                   reason="runner bug found by the torchrun twin: an embedded model created on a rank != 0 of an "
+                   "initialized process group lacks the transformers components' files (transformers 5 save_pretrained "
+                   "writes them on rank 0 only), and models.pipelines.embedded_snapshot renames it into the cache all "
+                   "the same; a cold-cache torchrun run then fails, and the broken entry stays")
 def test_embedded_snapshot_written_on_a_nonzero_rank_has_every_weight_file(tmp_path, monkeypatch):
     """Under ``torchrun parallelism=data`` with a cold cache every rank builds the embedded model; whichever rank's
     rename wins becomes the cache entry. Rank 1's (faked: transformers asks torch.distributed for the rank) must be
