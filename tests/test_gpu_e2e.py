@@ -27,9 +27,10 @@ Device kernel names are told apart from CPU-side op names by the profiled trace 
 go through ``tests/_gpu_shim.py``, which writes it next to the run. ``GPU_E2E_SUMMARY=<file.jsonl>`` appends one line
 per verified run (test, backends, the device kernels matched), for benchmarks/results.
 
-CPU twins (no marker): the same helpers on CPU runs of tiny_flux (the evidence check, the negative control through
-the shim in a subprocess, ``auto``'s recorded reason, repro in PSNR mode), and the kernel-name checks on synthetic
-traces, so that the logic the GPU tests rely on is exercised on every CPU runner.
+CPU twins (no marker): the same helpers and plumbing on CPU runs (the evidence check, ``auto``'s recorded reason, the
+negative control and torchrun through the shim in subprocesses, a step cache, repro in PSNR mode) and the kernel-name
+checks on synthetic H200-shaped traces, so that the logic the GPU tests rely on runs on every CPU runner. The torchrun
+twin found a runner bug (:func:`test_embedded_snapshot_written_on_a_nonzero_rank_has_every_weight_file`, strict xfail).
 """
 
 from __future__ import annotations
