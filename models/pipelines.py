@@ -467,21 +467,58 @@ class PipelineEngine(DiffusersEngine):
         return embedded_target(self.cfg.name, arch, self.cache_dir)
 
     def embedded_snapshot(self, arch: Dict[str, Any]) -> Path:
-        """The cache dir of the embedded model, created (``save_pretrained``, safetensors) on first use; a temp dir
-        renamed into place, so a killed first run leaves no half-written snapshot."""
+        """The cache dir of the embedded model, created (``save_pretrained``, safetensors) on first use.
+
+        Built once however many processes ask: under ``<target>.lock`` (``filelock``), by the process of rank 0 when
+        a ``torch.distributed`` group is initialized (transformers' ``save_pretrained`` writes weights on rank 0
+        only, so another rank's copy would lack the text encoders), or by whichever process holds the lock without
+        one; the others wait until the snapshot is complete. Written to a temp dir, checked complete (every
+        component with a ``config.json`` holds a ``*.safetensors``) and renamed into place, so a killed or partial
+        build never becomes the cache entry.
+
+        Raises:
+            RuntimeError: the build came out incomplete (naming the components without weights), or a rank waited
+                more than ``RUNNER_SNAPSHOT_WAIT_S`` seconds (default 900) for rank 0 to build it.
+        """
+        import time
+
+        import filelock
+
         target = self.embedded_target(arch)
-        if (target / "model_index.json").is_file():
+        if snapshot_complete(target):
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        wait_s = float(os.environ.get("RUNNER_SNAPSHOT_WAIT_S", "900"))
+        deadline = time.monotonic() + wait_s
+        while True:
+            with filelock.FileLock(str(target.parent / f".{target.name}.lock")):
+                if snapshot_complete(target):
+                    return target
+                if rank == 0:
+                    return self._build_snapshot(arch, target)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {rank} waited {wait_s:.0f} s for rank 0 to build the embedded model at "
+                                   f"{target}; set RUNNER_SNAPSHOT_WAIT_S to wait longer")
+            time.sleep(0.5)
+
+    def _build_snapshot(self, arch: Dict[str, Any], target: Path) -> Path:
+        """Build, save and commit the embedded snapshot (the caller holds the lock); see :meth:`embedded_snapshot`."""
+        import shutil
+
         tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
         pipe = self.pipeline_cls()(**self.build_components(arch))
         pipe.save_pretrained(tmp, safe_serialization=True)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process created it first
-            import shutil
-
+        missing = missing_weights(tmp)
+        if missing:
             shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"the embedded {self.cfg.name} snapshot came out without weights in {missing} (not "
+                               "committed to the cache); save_pretrained skipped them (a process of rank != 0?)")
+        if target.exists():  # an incomplete entry of an older runner: replace it
+            shutil.rmtree(target)
+        os.rename(tmp, target)
         return target
 
     def load_pipeline(self) -> None:
@@ -907,6 +944,31 @@ def oracle(name: Any) -> Any:
     if key not in ORACLES:
         raise ConfigValueError(f"model.oracle={key!r} is not known; fix: one of {', '.join(ORACLES)}, or null")
     return importlib.import_module(ORACLES[key])
+
+
+def missing_weights(snapshot: Path) -> List[str]:
+    """Components of a saved pipeline ``snapshot`` whose ``model_index.json`` class is a ``torch.nn.Module`` and
+    whose folder holds no ``*.safetensors`` file (missing folder included), sorted; empty when every model component
+    has its weights. A component class that cannot be imported counts as a model."""
+    snapshot = Path(snapshot)
+    index = json.loads((snapshot / "model_index.json").read_text())
+    missing = []
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2 or None in spec:
+            continue
+        try:
+            is_model = issubclass(getattr(importlib.import_module(spec[0]), spec[1]), torch.nn.Module)
+        except (ImportError, AttributeError, TypeError):
+            is_model = True
+        if is_model and not any((snapshot / name).glob("*.safetensors")):
+            missing.append(name)
+    return sorted(missing)
+
+
+def snapshot_complete(snapshot: Path) -> bool:
+    """``snapshot`` has its ``model_index.json`` and every model component its weights (:func:`missing_weights`)."""
+    snapshot = Path(snapshot)
+    return (snapshot / "model_index.json").is_file() and not missing_weights(snapshot)
 
 
 def embedded_target(name: str, arch: Dict[str, Any], cache_dir: Optional[str]) -> Path:

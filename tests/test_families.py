@@ -455,3 +455,56 @@ def test_sd3_dispatch_processor_matches_diffusers(device, fused):
         ours = tr(**kw)[0].float()
     tol = 1e-5 if device == "cpu" else 2e-2
     assert (ours - ref).abs().max() <= tol * ref.abs().max(), float((ours - ref).abs().max())
+
+
+# --------------------------------------------------------------------------- embedded snapshots under several ranks
+def _tiny_flux_arch():
+    from omegaconf import OmegaConf
+
+    from _helpers import compose
+
+    return OmegaConf.to_container(compose(["model=tiny_flux", "platform=cpu"]).model.architecture, resolve=True)
+
+
+def test_embedded_snapshot_missing_weights_is_never_committed(tmp_path, monkeypatch):
+    """transformers 5's ``save_pretrained`` writes weights on rank 0 only: a build whose text encoders came out
+    without weights (transformers told it is rank 1) raises naming them, and no cache entry exists afterwards (found
+    by the torchrun twin of tests/test_gpu_e2e.py: a cold-cache run committed rank 1's copy, 2 times in 3)."""
+    mixin = pytest.importorskip("transformers.distributed.mixin")
+    from models.flux import embedded_snapshot
+    from models.pipelines import embedded_target
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    arch = _tiny_flux_arch()
+    with pytest.raises(RuntimeError, match=r"without weights in \['text_encoder', 'text_encoder_2'\]"):
+        embedded_snapshot("tiny_flux", arch, str(tmp_path))
+    target = embedded_target("tiny_flux", arch, str(tmp_path))
+    assert not target.exists() and not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
+
+
+def test_embedded_snapshot_rebuilds_an_incomplete_entry_and_other_ranks_wait(tmp_path, monkeypatch):
+    """An entry without a component's weights (left by an older runner) is rebuilt, not loaded; a process of rank
+    != 0 never builds: it returns a complete entry, and without one it waits, then fails naming the wait."""
+    from models.flux import embedded_snapshot
+    from models.pipelines import missing_weights
+
+    arch = _tiny_flux_arch()
+    snap = embedded_snapshot("tiny_flux", arch, str(tmp_path))
+    assert missing_weights(snap) == []
+    for f in (snap / "text_encoder").glob("*.safetensors"):
+        f.unlink()
+    assert missing_weights(snap) == ["text_encoder"]
+    assert embedded_snapshot("tiny_flux", arch, str(tmp_path)) == snap and missing_weights(snap) == []
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    assert embedded_snapshot("tiny_flux", arch, str(tmp_path)) == snap  # complete: rank 1 just returns it
+    for f in (snap / "vae").glob("*.safetensors"):
+        f.unlink()
+    monkeypatch.setenv("RUNNER_SNAPSHOT_WAIT_S", "1")
+    with pytest.raises(RuntimeError, match="rank 1 waited 1 s for rank 0"):
+        embedded_snapshot("tiny_flux", arch, str(tmp_path))
+    assert missing_weights(snap) == ["vae"]  # rank 1 built nothing

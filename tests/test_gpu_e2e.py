@@ -30,7 +30,8 @@ per verified run (test, backends, the device kernels matched), for benchmarks/re
 CPU twins (no marker): the same helpers and plumbing on CPU runs (the evidence check, ``auto``'s recorded reason, the
 negative control and torchrun through the shim in subprocesses, a step cache, repro in PSNR mode) and the kernel-name
 checks on synthetic H200-shaped traces, so that the logic the GPU tests rely on runs on every CPU runner. The torchrun
-twin found a runner bug (:func:`test_embedded_snapshot_written_on_a_nonzero_rank_has_every_weight_file`, strict xfail).
+twin found a runner bug (an embedded snapshot committed by a rank != 0 without its text encoders' weights), fixed in
+``models.pipelines.PipelineEngine.embedded_snapshot``; regression tests in tests/test_families.py.
 """
 
 from __future__ import annotations
@@ -652,7 +653,7 @@ def test_data_parallel_two_ranks(tmp_path, device):
           f"backend.attention={attention}"]
     if device == "cuda":
         require(ov, attention=attention)
-    warm_embedded_cache(ov)  # see test_embedded_snapshot_written_on_a_nonzero_rank_has_every_weight_file
+    ov.append(f"cache_dir={tmp_path / 'cold_cache'}")  # both ranks find no embedded model: rank 0 builds it once
     d = tmp_path / "dp"
     r = run_shim(d, ov, base=GPU if device == "cuda" else CPU, torchrun=2)
     assert r.code == 0, r.stdout
@@ -672,41 +673,6 @@ def test_data_parallel_two_ranks(tmp_path, device):
         trace = pid_trace(r, wm)
         assert trace is not None, f"rank {rank}: no trace for pid {wm['evidence'].get('pid')} ({list(r.traces)})"
         check_evidence(wm, trace, attention, device=device)
-
-
-def warm_embedded_cache(overrides: Sequence[str]) -> Path:
-    """Build the embedded tiny_flux of ``overrides`` into the session cache in this process (no process group), so
-    that torchrun ranks only load it."""
-    from omegaconf import OmegaConf
-
-    from models.flux import embedded_snapshot
-
-    cfg = compose([*CPU, *overrides])
-    return embedded_snapshot(str(cfg.model.name), OmegaConf.to_container(cfg.model.architecture, resolve=True), None)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="runner bug found by the torchrun twin: an embedded model created on a rank != 0 of an "
-                   "initialized process group lacks the transformers components' files (transformers 5 save_pretrained "
-                   "writes them on rank 0 only), and models.pipelines.embedded_snapshot renames it into the cache all "
-                   "the same; a cold-cache torchrun run then fails, and the broken entry stays")
-def test_embedded_snapshot_written_on_a_nonzero_rank_has_every_weight_file(tmp_path, monkeypatch):
-    """Under ``torchrun parallelism=data`` with a cold cache every rank builds the embedded model; whichever rank's
-    rename wins becomes the cache entry. Rank 1's (faked: transformers asks torch.distributed for the rank) must be
-    complete too, or not be committed."""
-    mixin = pytest.importorskip("transformers.distributed.mixin")
-    if not (hasattr(mixin, "_is_torch_distributed_initialized") and hasattr(mixin, "_get_torch_distributed_rank")):
-        pytest.skip("this transformers does not gate save_pretrained on the torch.distributed rank")
-    from omegaconf import OmegaConf
-
-    from models.flux import embedded_snapshot
-
-    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
-    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
-    arch = OmegaConf.to_container(compose([*CPU, "model=tiny_flux"]).model.architecture, resolve=True)
-    snap = embedded_snapshot("tiny_flux", arch, str(tmp_path))
-    for comp in ("text_encoder", "text_encoder_2", "transformer", "vae"):
-        assert list((snap / comp).glob("*.safetensors")), f"{snap / comp} holds no weights: {os.listdir(snap / comp)}"
 
 
 # ---------------------------------------------------------------------------------------------------- repro
