@@ -36,7 +36,7 @@ from runner.errors import UserInputError
 SEMANTIC_KEYS = ("model.name", "model.adapter", "model.path", "model.revision", "model.load_format",
                  "model.architecture", "model.generation", "model.backend", "model.stages", "backend", "dtype",
                  "seed", "num_images_per_prompt", "compile", "optimize.fuse_qkv",
-                 "optimize.vae_channels_last", "optimize.deterministic_compile")
+                 "optimize.vae_channels_last", "optimize.deterministic_compile", "optimize.compile_mode")
 
 
 class ResumeConflictError(UserInputError, ValueError):
