@@ -537,6 +537,12 @@ register_backend(Backend(
     "linear", "FP8", aliases=("fp8", "fp8_dynamic", "fp8_rowwise"),
     requires=(on_platform("cuda"), sm_at_least(89), symbol("torch:_scaled_mm"), dtype_in(*_HALF)),
     signature=r"aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq", lossy=True))
+register_backend(Backend(
+    "linear", "FP8_TORCHAO", aliases=("torchao", "torchao_fp8", "fp8_torchao", "ao_fp8"),
+    requires=(on_platform("cuda"), sm_at_least(89),
+              symbol("torchao.quantization:Float8DynamicActivationFloat8WeightConfig"),
+              symbol("torchao.quantization:quantize_"), dtype_in(torch.bfloat16)),
+    signature=r"torchao::|aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq", lossy=True))
 # MoE. On diffusers stages TORCH is the model's own expert loop (diffusers' forward of each MoE block: per expert a
 # gather, its SwiGLU, and one scatter_reduce_ combine: its profiler signature), TRITON our grouped kernels
 # (kernels.moe.moe_triton: bf16/fp16 on a CUDA GPU; its two Triton kernels are its signature). ``auto`` ranks
