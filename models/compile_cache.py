@@ -86,12 +86,13 @@ def key_fields(*, device: str, denoiser: torch.nn.Module, dtype: torch.dtype, ba
             is traced or how it is compiled.
     """
     cfg = getattr(denoiser, "config", None)
+    cfg = {k: v for k, v in dict(cfg).items() if k != "_name_or_path"} if cfg is not None else None  # not a path
     return _jsonable({
         "key_version": KEY_VERSION, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "triton": _version("triton"), "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        "triton": _version("triton"), "diffusers": _version("diffusers"), "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
         "device": device_fields(device),
         "model": {"class": f"{type(denoiser).__module__}.{type(denoiser).__qualname__}",
-                  "config": dict(cfg) if cfg is not None else None},
+                  "config": cfg},
         "dtype": str(dtype).replace("torch.", ""), "backends": backends, "compile": compile_cfg,
     })
 

@@ -138,6 +138,28 @@ def compile_regional(model: torch.nn.Module, mode: str = "default") -> Dict[str,
     return {"blocks": sorted(names), "via": "module_lists", "mode": mode}
 
 
+def compile_blocks_under_hooks(model: torch.nn.Module, mode: str = "default") -> Dict[str, Any]:
+    """Regional compile for a step cache: each block of the model's top-level ``nn.ModuleList`` s gets its
+    ``forward`` compiled (an instance attribute, ``torch.compile(block.forward)``), so hooks registered on the block
+    afterwards (diffusers' ``HookRegistry``, which wraps ``module.forward``) run eagerly around the compiled code
+    and can skip it; ``module.compile()`` would compile ``_call_impl`` with the hooks inside. Blocks of a class
+    share one compiled graph (dynamo keys on the class's ``forward`` code; parameters are graph inputs).
+
+    Returns:
+        ``{"blocks": [class names], "via": "block_forward", "mode"}`` for the manifest.
+    """
+    kw: Dict[str, Any] = {"fullgraph": False, "dynamic": False}
+    if mode != "default":
+        kw["mode"] = TORCH_COMPILE_MODES[mode]
+    names = set()
+    for child in model.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                block.forward = torch.compile(block.forward, **kw)
+                names.add(type(block).__name__)
+    return {"blocks": sorted(names), "via": "block_forward", "mode": mode}
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile (dynamo) has produced in this process so far; a rise during the generation loop
     means a recompile (a new shape or a guard failure)."""
@@ -681,15 +703,21 @@ class DiffusersEngine(EngineBase):
             from models.context_parallel import enable
 
             sections["context_parallel"] = enable(self.denoiser, self.parallel_config)
+        under_hooks = compile_mode == "regional" and self.cache_settings is not None
+        if under_hooks:  # compiled beneath the cache's hooks, which stay eager (models.cache: block-level methods)
+            if cfg.optimize.compile_cache:
+                self.open_compile_cache()
+            self.regions = compile_blocks_under_hooks(self.denoiser, str(cfg.optimize.compile_mode))
         if self.cache_settings is not None:  # after the backends: its hooks wrap the modules as they will run
             from models import cache as step_cache
 
             self.step_cache = step_cache.StepCache(self.denoiser, self.cache_settings,
-                                                   [(layer, mod) for _, layer, mod in self.attention_sites()])
+                                                   [(layer, mod) for _, layer, mod in self.attention_sites()],
+                                                   compiled=under_hooks)
             sections["cache"] = {**self.cache_settings.to_dict(), "lossy": True,
                                  "blocks": len(self.step_cache.probe.blocks),
                                  "attention_modules": len(self.step_cache.probe.attention)}
-        if compile_mode == "regional":
+        if compile_mode == "regional" and not under_hooks:
             if cfg.optimize.compile_cache:
                 self.open_compile_cache()
             self.regions = compile_regional(self.denoiser, str(cfg.optimize.compile_mode))
@@ -732,6 +760,8 @@ class DiffusersEngine(EngineBase):
             self.warmup_s = time.perf_counter() - t0
             if self.compile_cache is not None:
                 self.compile_cache.stop()
+            if self.step_cache is not None:
+                self.step_cache.warmed_up()
             self.graphs_before = compiled_graphs()
             import torch._inductor.config as inductor_config
 
