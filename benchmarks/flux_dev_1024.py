@@ -17,6 +17,9 @@ the same seed on the same device) and identical per-row seeds:
     (``--cache-every N``, ``--cache-warmup W``; 4 and 3: 9 of 28 steps computed, 28/9 = 3.1x fewer transformer
     forwards whatever the weights), compiled beneath the cache's hooks.
 (g) ``cache_fp8``: (f) with FP8 linear (and SAGE2_ATTN with ``--cache-fp8-attn``).
+(h) ``lossless_<mode>``: (b) with ``optimize.compile_mode=<mode>`` (``max_autotune_no_cudagraphs``,
+    ``max_autotune``, ``reduce_overhead``), deterministic compile kept (the max-autotune modes then choose
+    kernels without timing them, so they may equal ``default``).
 
 Also: ``--second-process`` runs (b) again in a fresh process on 4 prompts (one batch) with the compile cache (b)
 filled, and reports its warm-up seconds and the cache hits torch counted; ``--gate`` runs the quality gate on
@@ -683,6 +686,9 @@ def main() -> int:
     def plan(name: str) -> Optional[List[str]]:
         if name == "lossless":
             return lossless
+        if name.startswith("lossless_"):  # lossless_max_autotune, lossless_reduce_overhead, ...: compile modes
+            mode = name[len("lossless_"):]
+            return lossless + [f"optimize.compile_mode={mode}"] if device == "cuda" else None
         if name == "fp8":
             return fp8
         if name == "torchao_fp8":
@@ -699,7 +705,8 @@ def main() -> int:
                 [f"backend.attention={args.attn}"] if args.cache_fp8_attn else [])
         return None
 
-    for name in ("lossless", "fp8", "torchao_fp8", "fp8_attn", "cache", "cache_fp8"):
+    modes = [w for w in want if w.startswith("lossless_")]
+    for name in ("lossless", *modes, "fp8", "torchao_fp8", "fp8_attn", "cache", "cache_fp8"):
         ov = plan(name) if name in want else None
         if ov is None:
             continue
@@ -719,7 +726,7 @@ def main() -> int:
             variants[name]["sync_messages"] = (sync_state["syncs"] or [])[:5]
         if "baseline" in files:
             variants[name]["psnr_vs_baseline"] = psnr_vs(files["baseline"], files[name])
-        if name != "lossless" and "lossless" in files:
+        if name != "lossless" and "lossless" in files:  # a lossless_<mode> variant: bytes vs default compile
             variants[name]["fidelity_vs_lossless"] = fidelity_vs(files["lossless"], files[name])
         results["variants"] = variants
         save()
