@@ -125,7 +125,8 @@ def _sage2_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
 
 
 def _sage2_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
-    return torch.empty_like(query)
+    # contiguous like the real output (empty_like would copy the strides of a transposed query view)
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 
 # One opaque op for torch.compile: sageattention's function calls pybind extensions (``_fused``) and
