@@ -119,6 +119,7 @@ def sage_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def _sage2_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
     from sageattention import sageattn_qk_int8_pv_fp8_cuda_sm90
 
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))  # its assert
     out = sageattn_qk_int8_pv_fp8_cuda_sm90(query, key, value, tensor_layout="NHD", is_causal=False, sm_scale=scale,
                                             qk_quant_gran="per_thread", pv_accum_dtype="fp32+fp32")
     return out.to(query.dtype).contiguous()
