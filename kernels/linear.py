@@ -1,4 +1,5 @@
-"""Linear backends: ``TORCH`` (dense GEMM in the model dtype) and ``FP8`` (dynamic-scaled FP8 GEMM).
+"""Linear backends: ``TORCH`` (dense GEMM in the model dtype), ``FP8`` (our dynamic-scaled FP8 GEMM) and
+``FP8_TORCHAO`` (torchao's dynamic row-wise float8, the same scheme through torchao's tensor subclass).
 
 ``TORCH`` keeps the model's ``nn.Linear`` modules and attaches a call counter (a forward pre-hook that delegates
 nothing and changes nothing). ``FP8`` replaces the eligible ``nn.Linear`` modules of the transformer blocks with
@@ -8,6 +9,15 @@ FP8 scheme (lossy, never chosen by ``auto``): weights quantized once to ``float8
 output row; activations quantized per call with one scale per token (row-wise dynamic scaling); GEMM by
 ``torch._scaled_mm`` with bf16/fp16 output and the bias fused. Scale = amax / 448 (448 is the largest finite
 e4m3fn value, OCP FP8 spec). Row-wise scaling needs sm90 (cuBLASLt); sm89 uses per-tensor scales.
+
+``FP8_TORCHAO`` (lossy, never chosen by ``auto``): ``torchao.quantization.quantize_`` with
+``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` (torchao 0.18) on the same eligible Linears:
+the ``nn.Linear`` modules stay, their weights become torchao ``Float8Tensor`` s (e4m3, one scale per output row),
+activations are quantized per token at each call (``torchao::choose_scale_float8``) and the GEMM is
+``torch._scaled_mm`` (torchao's ``KernelPreference.AUTO`` on sm90). ``set_inductor_config=False``: torchao's
+recommended Inductor settings turn on coordinate-descent tuning, which times kernels on the device and would undo
+``optimize.deterministic_compile``. A Linear torchao declines (bf16 weights only; shapes not multiples of 16) stays
+dense and is listed in ``skipped``.
 """
 
 from __future__ import annotations
@@ -107,6 +117,8 @@ def install(model: nn.Module, backend: str,
                 m.register_forward_pre_hook(lambda mod, args, _r=rec: _r.add("TORCH"))
         rec.modules = len(linears)
         return rec
+    if backend == "FP8_TORCHAO":
+        return _install_torchao(model, rec, linears, prefixes, observe)
     if backend != "FP8":
         raise ValueError(f"unknown linear backend {backend!r}")
     for name, m in linears:
@@ -119,4 +131,36 @@ def install(model: nn.Module, backend: str,
             if observe:
                 m.register_forward_pre_hook(lambda mod, args, _r=rec: _r.add("TORCH"))
             rec.skipped.append(name)
+    return rec
+
+
+def torchao_config() -> object:
+    """torchao's config for ``FP8_TORCHAO``: dynamic row-wise float8 activations and weights (e4m3)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+
+
+def _is_torchao_float8(t: torch.Tensor) -> bool:
+    return "Float8" in type(t).__name__
+
+
+def _install_torchao(model: nn.Module, rec: LinearRecord, linears: List[Tuple[str, nn.Linear]],
+                     prefixes: Tuple[str, ...], observe: bool) -> LinearRecord:
+    """``FP8_TORCHAO``: torchao's ``quantize_`` on the eligible Linears (see the module docstring); each module
+    counts its calls as ``FP8_TORCHAO`` when torchao converted its weight, else ``TORCH`` (listed in ``skipped``)."""
+    from torchao.quantization import quantize_
+
+    want = {name for name, m in linears if _eligible(name, m, prefixes) and m.weight.dtype == torch.bfloat16}
+    if want:
+        quantize_(model, torchao_config(), filter_fn=lambda mod, fqn: fqn in want)
+    for name, m in linears:
+        if name in want and _is_torchao_float8(m.weight):
+            impl = "FP8_TORCHAO"
+            rec.modules += 1
+        else:
+            impl = "TORCH"
+            rec.skipped.append(name)
+        if observe:
+            m.register_forward_pre_hook(lambda mod, args, _r=rec, _i=impl: _r.add(_i))
     return rec

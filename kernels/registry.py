@@ -30,7 +30,9 @@ Sources of the numeric rules:
     (shared/reference/h200_measured.json).
   * Profiler signatures: kernel names seen in torch.profiler traces (cuDNN frontend SDPA
     "cudnn_generated_fort_native_sdpa_*"; flash-attn "flash_fwd_kernel"; SageAttention's Triton "_attn_fwd" and
-    "quant_per_block_int8_kernel"; cuBLASLt/CUTLASS FP8 GEMMs carry "e4m3" in their names, and torch 2.11's
+    "quant_per_block_int8_kernel"; SageAttention 2's sm90 CUDA kernel "qk_int8_sv_f8_attn_kernel" (csrc/qattn/
+    qk_int_sv_f8_cuda_sm90.cu) after its Triton "quant_query/key_per_thread_int8_kernel" and CUDA
+    "TransposePadPermuteKernel"/"MeanScaleKernel" (csrc/fused/fused.cu) quantization kernels; cuBLASLt/CUTLASS FP8 GEMMs carry "e4m3" in their names, and torch 2.11's
     cuBLASLt picks "nvjet_sm90_qqtst_..._ovscale_..." for row-wise scaled FP8 on the H200, seen there 2026-11-29).
   * vLLM names: members of ``vllm.v1.attention.backends.registry.AttentionBackendEnum`` and the ``Literal`` types
     ``vllm.config.kernel.LinearBackend`` / ``MoEBackend`` of vLLM 0.32.
@@ -483,6 +485,15 @@ def signature(field_name: str, name: str) -> Optional[str]:
     return b.signature if b is not None else None
 
 
+def _sage2_check(ctx: SelectionContext) -> List[str]:
+    """SageAttention 2's compiled sm90 kernels import (``sageattention.sm90_compile``, which loads the
+    ``_qattn_sm90`` extension); 1.x (pure Triton) has no such module."""
+    if has_symbol("sageattention.sm90_compile:qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf"):
+        return []
+    return ["needs SageAttention 2 built with its sm90 kernels (`sageattention.sm90_compile`, the `_qattn_sm90` "
+            "extension; sageattention 1.x has none): build it with benchmarks/sage2_build_h200.sh"]
+
+
 # Built-in backends. Auto priorities: lower first, per platform class (see platform_class).
 _ATTN_FALLBACK = "no specialised kernel fits"
 register_backend(Backend(
@@ -517,6 +528,18 @@ register_backend(Backend(
     quant_keys={"dtype_qk": ("int8",), "q_block_size": (128,), "k_block_size": (64,)},
     lossy=True))  # SageAttention quantizes Q and K to INT8 (per block) whatever the spec says
 register_backend(Backend(
+    "attention", "SAGE2_ATTN", aliases=("sage2", "sageattention2", "sage2_fp8", "sage_fp8", "sage2_sm90"),
+    requires=(on_platform("cuda"), sm_in(90), symbol("sageattention:sageattn_qk_int8_pv_fp8_cuda_sm90"),
+              Requirement("SageAttention 2's sm90 extension", _sage2_check), dtype_in(*_HALF),
+              head_dim_in(64, 128), no_mask(), no_sequence_parallel()),
+    diffusers=DiffusersWiring("_sage_qk_int8_pv_fp8_cuda_sm90", kernel="kernels.attention:sage2_attention",
+                              observed=("_sage_qk_int8_pv_fp8_cuda_sm90",)),
+    signature=r"qk_int8_sv_f8_attn_kernel|quant_(query|key)_per_thread_int8_kernel|TransposePadPermuteKernel|"
+              r"MeanScaleKernel|sageattention_sm90::|runner::sage2_sm90_attention",
+    quant_keys={"dtype_qk": ("int8",), "dtype_pv": ("fp8_e4m3",), "qk_quant_gran": ("per_thread",),
+                "pv_accum": ("fp32+fp32",)},
+    lossy=True))  # INT8 Q/K per thread, FP8 P/V per channel, whatever the spec says
+register_backend(Backend(
     "attention", "FLASHINFER_ATTN", aliases=("flashinfer", "flashinfer_attention"),
     requires=(on_platform("cuda"), sm_at_least(80), symbol("flashinfer.prefill:single_prefill_with_kv_cache"),
               dtype_in(*_HALF), head_dim_in(64, 128, 256), no_mask()),
@@ -537,6 +560,12 @@ register_backend(Backend(
     "linear", "FP8", aliases=("fp8", "fp8_dynamic", "fp8_rowwise"),
     requires=(on_platform("cuda"), sm_at_least(89), symbol("torch:_scaled_mm"), dtype_in(*_HALF)),
     signature=r"aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq", lossy=True))
+register_backend(Backend(
+    "linear", "FP8_TORCHAO", aliases=("torchao", "torchao_fp8", "fp8_torchao", "ao_fp8"),
+    requires=(on_platform("cuda"), sm_at_least(89),
+              symbol("torchao.quantization:Float8DynamicActivationFloat8WeightConfig"),
+              symbol("torchao.quantization:quantize_"), dtype_in(torch.bfloat16)),
+    signature=r"torchao::|aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq", lossy=True))
 # MoE. On diffusers stages TORCH is the model's own expert loop (diffusers' forward of each MoE block: per expert a
 # gather, its SwiGLU, and one scatter_reduce_ combine: its profiler signature), TRITON our grouped kernels
 # (kernels.moe.moe_triton: bf16/fp16 on a CUDA GPU; its two Triton kernels are its signature). ``auto`` ranks

@@ -28,7 +28,12 @@ it that was called computed too; else *reused* (skipped, predicted or approximat
 forward is computed when all its blocks were; else reused. Nothing is read from the config to count.
 
 Not wired: FasterCache (approximates the unconditional branch of CFG models), SeaCache (video adapters),
-TextKVCache (not step caching); ``compile=regional`` with a cache (refused: the counting hooks would be traced).
+TextKVCache (not step caching).
+
+``compile=regional`` with a cache: methods whose hooks sit on whole blocks (``taylorseer`` with ``lite``,
+``first_block``, ``magcache``) compile each block's forward beneath the hooks, which stay eager and decide around
+it; the probe then counts blocks only (a block whose forward ran computed). Attention-level methods (``taylorseer``
+without ``lite``, ``pab``) are refused with compile: their hooks would be traced into the compiled blocks.
 """
 
 from __future__ import annotations
@@ -81,6 +86,9 @@ class CacheMethod:
         apply: ``(transformer, config) -> None`` installing it (default: ``transformer.enable_cache(config)``).
         remove: ``(transformer) -> None`` removing it (default: ``transformer.disable_cache()``).
         aliases: other accepted spellings (compared case-insensitively, ``-`` equals ``_``).
+        compiles: ``params -> bool``: its hooks sit on whole transformer blocks (or outside them), never inside,
+            so it runs with ``compile=regional``: each block's forward is compiled and the hooks, left eager,
+            decide around it whether it runs (``models.diffusers_engine.compile_blocks_under_hooks``).
     """
 
     name: str
@@ -95,6 +103,7 @@ class CacheMethod:
     apply: Optional[Callable[[torch.nn.Module, Any], None]] = None
     remove: Optional[Callable[[torch.nn.Module], None]] = None
     aliases: Tuple[str, ...] = ()
+    compiles: Callable[[Dict[str, Any]], bool] = lambda p: False
 
 
 CACHE_METHODS: Dict[str, CacheMethod] = {}
@@ -202,10 +211,11 @@ def settings(cfg: Any) -> Optional[CacheSettings]:
     if problems:
         f, why, fix = problems[0]
         raise CacheConfigError(f"cache.{f}={params.get(f)!r} {why} (cache.method={m.name}); fix: {fix}")
-    if str(cfg.compile) != "none":
+    if str(cfg.compile) != "none" and not m.compiles(params):
         raise CacheConfigError(
-            f"cache.method={m.name} with compile={cfg.compile}: the cache's counting hooks would be traced into the "
-            "compiled blocks (not measured yet); fix: compile=none with a cache, or cache.method=none")
+            f"cache.method={m.name} with compile={cfg.compile}: its hooks sit on attention modules inside the "
+            "transformer blocks, so they would be traced into the compiled blocks; fix: compile=none with this "
+            "method, or a block-level method (cache.method=taylorseer with cache.lite=true, first_block, magcache)")
     return CacheSettings(method=m, schedule=m.schedule, params=params)
 
 
@@ -354,7 +364,10 @@ class CacheProbe:
         step: forwards since :meth:`start_call` (the step index of a call with one forward per step).
     """
 
-    def __init__(self, transformer: torch.nn.Module, attention: Sequence[Tuple[str, torch.nn.Module]]) -> None:
+    def __init__(self, transformer: torch.nn.Module, attention: Sequence[Tuple[str, torch.nn.Module]],
+                 observe_attention: bool = True) -> None:
+        """``observe_attention=False`` (compiled blocks): no hooks inside the blocks; a block computed when its
+        forward ran."""
         self.blocks: List[Tuple[str, torch.nn.Module]] = []
         for name, child in transformer.named_children():
             if isinstance(child, torch.nn.ModuleList):
@@ -364,7 +377,7 @@ class CacheProbe:
                                         "no cache can be observed on it; fix: cache.method=none")
         self.attention: Dict[str, int] = {}  # attention module name -> index of its block
         mods: List[Tuple[str, torch.nn.Module]] = []
-        for name, mod in attention:
+        for name, mod in attention if observe_attention else ():
             owner = next((i for i, (bn, _) in enumerate(self.blocks) if name.startswith(bn + ".")), None)
             if owner is not None:
                 self.attention[name] = owner
@@ -387,6 +400,12 @@ class CacheProbe:
 
     def start_call(self) -> None:
         """A pipeline call begins (step indices restart at 0)."""
+        self.step = 0
+
+    def reset(self) -> None:
+        """Forget every count (after a compile warm-up call, which is no part of the run)."""
+        self.counts = CacheCounts()
+        self.attention_runs = {n: 0 for n in self.attention}
         self.step = 0
 
     def snapshot(self) -> CacheCounts:
@@ -429,12 +448,13 @@ class StepCache:
     """
 
     def __init__(self, transformer: torch.nn.Module, s: CacheSettings,
-                 attention: Sequence[Tuple[str, torch.nn.Module]]) -> None:
+                 attention: Sequence[Tuple[str, torch.nn.Module]], compiled: bool = False) -> None:
         """Install the probe on ``transformer`` (``attention``: ``(name, module)`` of its attention modules, names
-        relative to the transformer); the method itself is installed by the first :meth:`before_call`."""
+        relative to the transformer; ``compiled``: the blocks' forwards are compiled, so nothing is hooked inside
+        them); the method itself is installed by the first :meth:`before_call`."""
         self.transformer = transformer
         self.settings = s
-        self.probe = CacheProbe(transformer, attention)
+        self.probe = CacheProbe(transformer, attention, observe_attention=not compiled)
         self.calls = 0
         self.expected_reused: Optional[int] = 0 if s.method.reused_steps is not None else None
         self._steps: Optional[int] = None
@@ -461,6 +481,11 @@ class StepCache:
         if callable(reset):
             reset()
         self.probe.start_call()
+        self._before = self.probe.snapshot()
+
+    def warmed_up(self) -> None:
+        """A compile warm-up call ran through the probe (before any method was installed): its counts are dropped."""
+        self.probe.reset()
         self._before = self.probe.snapshot()
 
     def call_failed(self) -> None:
@@ -588,15 +613,16 @@ def _pab_reused(p: Dict[str, Any], steps: int) -> int:
 
 register_cache_method(CacheMethod(
     "first_block", "adaptive", ("threshold",), {"threshold": 0.05}, _first_block, needs="blocks",
-    aliases=("fbc", "first_block_cache", "firstblock")))
+    aliases=("fbc", "first_block_cache", "firstblock"), compiles=lambda p: True))
 register_cache_method(CacheMethod(
     "magcache", "adaptive", ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios"),
     {"threshold": 0.06, "max_skip_steps": 3, "retention_ratio": 0.2, "mag_ratios": None}, _magcache,
-    check=_mag_ratios, needs="blocks", aliases=("mag_cache", "mag")))
+    check=_mag_ratios, needs="blocks", aliases=("mag_cache", "mag"), compiles=lambda p: True))
 register_cache_method(CacheMethod(
     "taylorseer", "fixed", ("compute_every", "warmup_steps", "order", "lite"),
     {"compute_every": 5, "warmup_steps": 3, "order": 1, "lite": False}, _taylorseer,
-    reused_steps=_taylorseer_reused, aliases=("taylorseer_cache", "taylor_seer", "taylor")))
+    reused_steps=_taylorseer_reused, aliases=("taylorseer_cache", "taylor_seer", "taylor"),
+    compiles=lambda p: bool(p["lite"])))
 register_cache_method(CacheMethod(
     "pab", "fixed", ("compute_every", "warmup_steps"), {"compute_every": 2, "warmup_steps": 1}, _pab,
     per_context=False, reused_steps=_pab_reused, aliases=("pyramid_attention_broadcast",)))

@@ -105,25 +105,59 @@ def deterministic_compile(enabled: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
 
 
-def compile_regional(model: torch.nn.Module) -> Dict[str, Any]:
+#: ``optimize.compile_mode`` -> ``torch.compile(mode=...)``
+TORCH_COMPILE_MODES = {"default": "default", "max_autotune_no_cudagraphs": "max-autotune-no-cudagraphs",
+                       "max_autotune": "max-autotune", "reduce_overhead": "reduce-overhead"}
+CUDAGRAPH_MODES = ("max_autotune", "reduce_overhead")
+
+
+def compile_regional(model: torch.nn.Module, mode: str = "default") -> Dict[str, Any]:
     """Regional ``torch.compile``: each repeated transformer block compiled on its own (one graph reused by every
     block of a class), the rest eager. diffusers' ``compile_repeated_blocks`` where the model class declares its
     ``_repeated_blocks``; otherwise (SD3's ``SD3Transformer2DModel`` declares none) the class of the blocks in the
     model's top-level ``nn.ModuleList`` children, compiled the same way (``module.compile``).
 
+    Args:
+        mode: ``optimize.compile_mode`` (:data:`TORCH_COMPILE_MODES` maps it to torch's ``mode``).
+
     Returns:
-        ``{"blocks": [class names], "via": "compile_repeated_blocks" | "module_lists"}`` for the manifest.
+        ``{"blocks": [class names], "via": "compile_repeated_blocks" | "module_lists", "mode"}`` for the manifest.
     """
+    kw: Dict[str, Any] = {"fullgraph": False, "dynamic": False}
+    if mode != "default":
+        kw["mode"] = TORCH_COMPILE_MODES[mode]
     if getattr(model, "_repeated_blocks", None):
-        model.compile_repeated_blocks(fullgraph=False, dynamic=False)
-        return {"blocks": list(model._repeated_blocks), "via": "compile_repeated_blocks"}
+        model.compile_repeated_blocks(**kw)
+        return {"blocks": list(model._repeated_blocks), "via": "compile_repeated_blocks", "mode": mode}
     names = set()
     for child in model.children():
         if isinstance(child, torch.nn.ModuleList):
             for block in child:
-                block.compile(fullgraph=False, dynamic=False)
+                block.compile(**kw)
                 names.add(type(block).__name__)
-    return {"blocks": sorted(names), "via": "module_lists"}
+    return {"blocks": sorted(names), "via": "module_lists", "mode": mode}
+
+
+def compile_blocks_under_hooks(model: torch.nn.Module, mode: str = "default") -> Dict[str, Any]:
+    """Regional compile for a step cache: each block of the model's top-level ``nn.ModuleList`` s gets its
+    ``forward`` compiled (an instance attribute, ``torch.compile(block.forward)``), so hooks registered on the block
+    afterwards (diffusers' ``HookRegistry``, which wraps ``module.forward``) run eagerly around the compiled code
+    and can skip it; ``module.compile()`` would compile ``_call_impl`` with the hooks inside. Blocks of a class
+    share one compiled graph (dynamo keys on the class's ``forward`` code; parameters are graph inputs).
+
+    Returns:
+        ``{"blocks": [class names], "via": "block_forward", "mode"}`` for the manifest.
+    """
+    kw: Dict[str, Any] = {"fullgraph": False, "dynamic": False}
+    if mode != "default":
+        kw["mode"] = TORCH_COMPILE_MODES[mode]
+    names = set()
+    for child in model.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                block.forward = torch.compile(block.forward, **kw)
+                names.add(type(block).__name__)
+    return {"blocks": sorted(names), "via": "block_forward", "mode": mode}
 
 
 def compiled_graphs() -> int:
@@ -188,6 +222,7 @@ class DiffusersEngine(EngineBase):
         self.step_cache: Any = None  # models.cache.StepCache once loaded with a cache
         self.cache_records: Dict[str, Dict[str, Any]] = {}  # item key -> its record's ``cache`` field
         self.parallel_config: Any = None  # diffusers' ParallelConfig under context parallelism (start_parallel)
+        self.compile_cache: Any = None  # models.compile_cache.CompileCache with compile on and optimize.compile_cache
         self._scope = contextlib.ExitStack()
 
     @property
@@ -246,6 +281,7 @@ class DiffusersEngine(EngineBase):
         Raises:
             runner.errors.RunnerError subclasses (model path, backend selection, memory), naming the fix.
         """
+        self.check_compile_mode()
         self.resolve_source()
         if self.source.get("kind") == "path":
             check_safetensors(Path(self.source["path"]))
@@ -262,6 +298,25 @@ class DiffusersEngine(EngineBase):
         self.resolutions, _ = self.resolve_backends()
         self.check_memory()
         return self.source
+
+    def check_compile_mode(self) -> None:
+        """``optimize.compile_mode``: only with ``compile`` on (a mode nothing reads is refused), and the CUDA-graph
+        modes only on a CUDA device.
+
+        Raises:
+            ConfigValueError: naming the field, the value and the fix.
+        """
+        cfg = self.ctx.cfg
+        mode = str(cfg.optimize.compile_mode)
+        if mode == "default":
+            return
+        if str(cfg.compile) == "none":
+            raise ConfigValueError(f"optimize.compile_mode={mode} is set, but compile=none compiles nothing; fix: "
+                                   "compile=regional, or optimize.compile_mode=default")
+        if mode in CUDAGRAPH_MODES and self.ctx.plat.kind != "cuda":
+            raise ConfigValueError(f"optimize.compile_mode={mode} uses CUDA graphs, and this platform is "
+                                   f"{self.ctx.plat.kind}; fix: optimize.compile_mode=default or "
+                                   "max_autotune_no_cudagraphs")
 
     def transformer_class(self) -> Optional[str]:
         """The diffusers class name of the denoiser, known before loading (step caches are checked against it);
@@ -648,21 +703,45 @@ class DiffusersEngine(EngineBase):
             from models.context_parallel import enable
 
             sections["context_parallel"] = enable(self.denoiser, self.parallel_config)
+        under_hooks = compile_mode == "regional" and self.cache_settings is not None
+        if under_hooks:  # compiled beneath the cache's hooks, which stay eager (models.cache: block-level methods)
+            if cfg.optimize.compile_cache:
+                self.open_compile_cache()
+            self.regions = compile_blocks_under_hooks(self.denoiser, str(cfg.optimize.compile_mode))
         if self.cache_settings is not None:  # after the backends: its hooks wrap the modules as they will run
             from models import cache as step_cache
 
             self.step_cache = step_cache.StepCache(self.denoiser, self.cache_settings,
-                                                   [(layer, mod) for _, layer, mod in self.attention_sites()])
+                                                   [(layer, mod) for _, layer, mod in self.attention_sites()],
+                                                   compiled=under_hooks)
             sections["cache"] = {**self.cache_settings.to_dict(), "lossy": True,
                                  "blocks": len(self.step_cache.probe.blocks),
                                  "attention_modules": len(self.step_cache.probe.attention)}
-        if compile_mode == "regional":
-            self.regions = compile_regional(self.denoiser)
+        if compile_mode == "regional" and not under_hooks:
+            if cfg.optimize.compile_cache:
+                self.open_compile_cache()
+            self.regions = compile_regional(self.denoiser, str(cfg.optimize.compile_mode))
         self.probes = {"attention": sites, "linear": lin, "observed": observe}
         if moe_probe is not None:
             self.probes["moe"] = moe_probe
         self._on_loaded = on_loaded
         return sections
+
+    def open_compile_cache(self) -> None:
+        """Point torch's compile caches at ``<cache_dir>/compile/<key>`` for this stage (``models.compile_cache``),
+        restored when the engine closes."""
+        from models import compile_cache as cc
+
+        cfg = self.ctx.cfg
+        fields = cc.key_fields(
+            device=self.device, denoiser=self.denoiser, dtype=self.dtype,
+            backends={f: r.selected for f, r in self.resolutions.items()},
+            compile_cfg={"compile": str(cfg.compile), "compile_mode": str(cfg.optimize.compile_mode),
+                         "fuse_qkv": bool(cfg.optimize.fuse_qkv),
+                         "deterministic_compile": bool(cfg.optimize.deterministic_compile),
+                         "engine": type(self).__name__})
+        self.compile_cache = cc.CompileCache(cc.cache_root(self.cache_dir), fields).open()
+        self._scope.callback(self.compile_cache.close)
 
     def optimize(self, opts: Any) -> Dict[str, Any]:
         """Math-preserving speed settings; none by default."""
@@ -675,8 +754,14 @@ class DiffusersEngine(EngineBase):
         cfg = self.ctx.cfg
         if cfg.compile != "none" and cfg.optimize.warmup and batch:
             t0 = time.perf_counter()
+            if self.compile_cache is not None:
+                self.compile_cache.start()
             self.warmup_call(batch)
             self.warmup_s = time.perf_counter() - t0
+            if self.compile_cache is not None:
+                self.compile_cache.stop()
+            if self.step_cache is not None:
+                self.step_cache.warmed_up()
             self.graphs_before = compiled_graphs()
             import torch._inductor.config as inductor_config
 
@@ -785,12 +870,15 @@ class DiffusersEngine(EngineBase):
         return phases
 
     def compile_section(self) -> Optional[Dict[str, Any]]:
-        """``compile``: warm-up seconds, Inductor's deterministic flag, graphs compiled after the warm-up."""
+        """``compile``: warm-up seconds, Inductor's deterministic flag, graphs compiled after the warm-up, and the
+        compile cache (``cache``: key, directory, hit/miss as torch counted them over the warm-up)."""
         if self.graphs_before is None:
             return None
-        return {"mode": self.ctx.cfg.compile, "regions": getattr(self, "regions", None),
+        return {"mode": self.ctx.cfg.compile, "compile_mode": str(self.ctx.cfg.optimize.compile_mode),
+                "regions": getattr(self, "regions", None),
                 "warmup_s": round(self.warmup_s, 3), "inductor_deterministic": self.inductor_deterministic,
-                "graphs_compiled_after_warmup": compiled_graphs() - self.graphs_before}
+                "graphs_compiled_after_warmup": compiled_graphs() - self.graphs_before,
+                "cache": self.compile_cache.section() if self.compile_cache is not None else {"enabled": False}}
 
     def accuracy(self, items: Sequence[ds.Item], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]:

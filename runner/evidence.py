@@ -53,6 +53,8 @@ class KernelTrace:
 
     ops: Dict[str, int] = field(default_factory=dict)
     kernels: Dict[str, int] = field(default_factory=dict)
+    kernel_ms: Dict[str, float] = field(default_factory=dict)
+    """Device milliseconds per kernel name over the profiled forward (GPUs)."""
 
     def match(self, regex: str) -> List[str]:
         """Distinct names (kernels first, then ops) that match ``regex`` (case-insensitive)."""
@@ -97,8 +99,11 @@ class DenoiserProbe:
         prof.__exit__(None, None, None)
         trace = KernelTrace()
         for ev in prof.events():
-            bucket = trace.kernels if ev.device_type != torch.autograd.DeviceType.CPU else trace.ops
+            device = ev.device_type != torch.autograd.DeviceType.CPU
+            bucket = trace.kernels if device else trace.ops
             bucket[ev.name] = bucket.get(ev.name, 0) + 1
+            if device:
+                trace.kernel_ms[ev.name] = trace.kernel_ms.get(ev.name, 0.0) + ev.device_time_total / 1e3
         self.trace = trace
 
 
@@ -187,15 +192,21 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
             elif len(by_backend) == 1 and launches[b] < n_sites:
                 mismatches.append(f"stage {stage}, attention: {b} kernels launched {launches[b]} times in the profiled "
                                   f"forward, but {n_sites} call sites resolved to it")
-        lin_names = trace.match(reg.signature("linear", lin.resolved) or r"$^")
+        attn_names = {n for names in matched.values() for n in names}  # an FP8 attention's kernels are not GEMMs
+        lin_names = [n for n in trace.match(reg.signature("linear", lin.resolved) or r"$^") if n not in attn_names]
         if not lin_names:
             mismatches.append(f"stage {stage}, linear: no profiled kernel matches {lin.resolved}")
         fp8 = reg.signature("linear", "FP8")
-        if lin.resolved == "TORCH" and fp8 and trace.match(fp8):
-            mismatches.append(f"stage {stage}, linear: resolved TORCH but FP8 GEMMs ran: {trace.match(fp8)}")
+        fp8_ran = [n for n in trace.match(fp8) if n not in attn_names] if fp8 else []
+        if lin.resolved == "TORCH" and fp8_ran:
+            mismatches.append(f"stage {stage}, linear: resolved TORCH but FP8 GEMMs ran: {fp8_ran}")
         if moe is not None and moe["sites"]:
             kernels["moe"] = _moe_kernels(stage, moe["resolved"], trace, mismatches)
         top = sorted(trace.kernels.items(), key=lambda kv: -kv[1])[:40]
+        by_ms = sorted(trace.kernel_ms.items(), key=lambda kv: -kv[1])[:25]
+        if by_ms:  # where the profiled step's device time went (a target missed says why from this)
+            kernels["device_ms_total"] = round(sum(trace.kernel_ms.values()), 3)
+            kernels["top_device_ms"] = {k[:160]: round(v, 3) for k, v in by_ms}
         kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
                        top_device_kernels=dict(top),
                        device_kernels=len(trace.kernels), ops=len(trace.ops))

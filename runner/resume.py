@@ -39,6 +39,13 @@ SEMANTIC_KEYS = ("model.name", "model.adapter", "model.path", "model.revision", 
                  "optimize.vae_channels_last", "optimize.deterministic_compile")
 
 
+def compile_mode_of(cfg: Dict[str, Any]) -> Optional[str]:
+    """``optimize.compile_mode`` when it is not torch's default (it can change the kernels, so the bytes); None
+    otherwise, so identities of runs that never set it are unchanged."""
+    mode = _get(cfg, "optimize.compile_mode")
+    return None if mode in (None, "default") else str(mode)
+
+
 class ResumeConflictError(UserInputError, ValueError):
     """The run dir holds a run with a different semantic config (names the keys and the fix)."""
 
@@ -87,6 +94,9 @@ def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_
     a, b = cache_config(old_cfg), cache_config(new_cfg)
     if a != b:
         diffs.append(f"cache: {a!r} -> {b!r}")
+    a, b = compile_mode_of(old_cfg), compile_mode_of(new_cfg)
+    if a != b:
+        diffs.append(f"optimize.compile_mode: {a or 'default'!r} -> {b or 'default'!r}")
     if old_dataset_sha is not None and old_dataset_sha != new_dataset_sha:
         diffs.append(f"dataset.sha256: {old_dataset_sha[:12]}… -> {new_dataset_sha[:12]}…")
     return diffs
@@ -216,6 +226,8 @@ def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], back
     cache = cache_config(cfg)
     if cache is not None:  # a step cache changes the bytes; without one the key is absent (identities unchanged)
         config["cache"] = json.loads(_canonical(cache))
+    if compile_mode_of(cfg) is not None:  # likewise a compile mode other than the default
+        config["optimize.compile_mode"] = compile_mode_of(cfg)
     probes = platform.get("probes") or {}
     doc = {
         "config": config,

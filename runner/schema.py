@@ -69,6 +69,19 @@ class Compile(Choice):
     regional = "regional"
 
 
+class CompileMode(Choice):
+    """``torch.compile``'s ``mode`` for ``compile=regional`` (torch spells them with hyphens: ``max_autotune`` is
+    ``mode="max-autotune"``). ``default``: Inductor's fusions; ``max_autotune_no_cudagraphs``: also GEMM/conv
+    templates chosen among candidates; ``max_autotune``: that plus CUDA graphs; ``reduce_overhead``: CUDA graphs.
+    With ``optimize.deterministic_compile`` the max-autotune modes choose without timing on the device
+    (Inductor's deterministic choice), so every process still compiles the same kernels."""
+
+    default = "default"
+    max_autotune_no_cudagraphs = "max_autotune_no_cudagraphs"
+    max_autotune = "max_autotune"
+    reduce_overhead = "reduce_overhead"
+
+
 class ParallelismMode(Choice):
     """How work is spread over devices: ``data`` shards the dataset; ``ulysses`` and ``ring`` split each item's
     sequence over a context group of ranks (diffusers' context parallelism); ``cfg`` is refused at startup
@@ -507,6 +520,16 @@ class OptimizeConfig:
     benchmarking of kernel configurations that change numerics, so every process compiles the same kernels.
     Without it, reduction configs picked by timing differ between processes and so do the images (seen on the
     H200: two processes of the same run, PSNR ~49 dB apart)."""
+    compile_mode: CompileMode = CompileMode.default
+    """With ``compile`` on: ``torch.compile``'s mode (:class:`CompileMode`); the CUDA-graph modes
+    (``max_autotune``, ``reduce_overhead``) need a CUDA device and are refused elsewhere."""
+    compile_cache: bool = True
+    """With ``compile`` on: Inductor's FX-graph, AOTAutograd and Triton caches live under
+    ``<cache_dir>/compile/<key>``, the key a hash of the torch/CUDA/Triton versions, the device (GPU name and
+    capability, or CPU capability), the denoiser's class and config, the dtype, the backends and the compile
+    settings, so a different torch, GPU or model never reuses them; a second process (or another data-parallel
+    rank) loads the compiled blocks instead of compiling them. The manifest's ``compile.cache`` records the key,
+    the directory and the hits and misses torch counted (``models.compile_cache``)."""
 
 
 @dataclass

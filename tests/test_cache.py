@@ -258,3 +258,23 @@ def test_lossy_lanes_of_backends():
     assert lanes(exact, {}) == []
     quant = {"gen": {"attention": {"selected": {"decoder": {"backend": "TRTLLM_ATTN", "skip_softmax": {"threshold": 1}}}}}}
     assert lanes(quant, {"cache": {"method": "pab"}}) == ["cache=pab", "gen.attention.decoder=TRTLLM_ATTN+skip_softmax"]
+
+
+def test_block_level_cache_runs_under_regional_compile(tmp_path):
+    """taylorseer lite (hooks on whole blocks and proj_out) with compile=regional: each block's forward is compiled
+    beneath the hooks, which stay eager; the fixed schedule is observed as configured and nothing recompiles."""
+    r = _run(tmp_path / "c", ["cache.method=taylorseer", "cache.lite=true", "cache.compute_every=4",
+                              "cache.warmup_steps=3", "compile=regional"], limit=2)
+    m = r.manifest
+    assert r.code == 0 and m["evidence"]["verdict"] == "verified", m["evidence"]["mismatches"]
+    assert m["compile"]["regions"]["via"] == "block_forward" and m["compile"]["graphs_compiled_after_warmup"] == 0
+    sec = m["evidence"]["stages"]["denoise"]["cache"]
+    # the warm-up call is no part of the counts: 2 items x 16 steps, steps 0-2 and 4, 8, 12 computed
+    assert sec["forwards_computed"] + sec["forwards_reused"] == 32
+    assert sec["forwards_reused"] == sec["expected_forwards_reused"] == 20
+    assert m["accuracy"]["all"] == 1.0
+
+
+def test_attention_level_cache_is_refused_with_compile(tmp_path):
+    r = _run(tmp_path / "p", ["cache.method=pab", "compile=regional"], limit=1, catch=(RunnerError,))
+    assert type(r.error).__name__ == "CacheConfigError" and "cache.lite=true" in str(r.error), r.error

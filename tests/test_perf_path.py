@@ -123,3 +123,21 @@ def test_benchmark_script_runs_end_to_end_on_the_tiny_model(tmp_path, subprocess
     assert r["variants"]["lossless"]["psnr_vs_baseline"]["items"] == 2
     assert r["psnr_lossless_db"] >= 40.0  # same weights, same seeds: the runner reproduces plain diffusers
     assert r["flops_per_forward"] > 0 and r["ms_per_step"]["baseline"] > 0
+
+
+def test_benchmark_issue18_variants_smoke(tmp_path, subprocess_env):
+    """The #18 additions on the CPU: the step-cache variant, a second process reading the compile cache the lossless
+    variant filled (a hit counted by torch), and the toy_shapes gate's accuracy ratio, as top-level keys."""
+    out = tmp_path / "bench18"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "flux_dev_1024.py"), "--smoke", "--prompts", "2",
+                           "--variants", "baseline,lossless,cache", "--second-process", "--gate", "--out", str(out)],
+                          cwd=REPO, env=subprocess_env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((out / "flux_dev_1024.json").read_text())
+    assert r["variants"]["cache"]["evidence"]["verdict"] == "verified"
+    assert r["speedup_cache"] > 0 and r["variants"]["cache"]["fidelity_vs_lossless"]["items"] == 2
+    sp = r["second_process"]
+    assert sp["exit_code"] == 0 and sp["cache_status"] == "hit" and sp["graphs_compiled_after_warmup"] == 0
+    assert r["warmup_second_process_s"] == sp["warmup_s"] > 0
+    assert r["accuracy_ratio_cache"] is not None and r["gate_toy_shapes"]["jobs"]["cache"]["verdict"] == "pass"
+    assert "accuracy_ratio_cache" in r["targets_met"] and "speedup_cache" in r["targets_met"]
