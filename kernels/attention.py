@@ -108,12 +108,29 @@ def sage_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Raises:
         ValueError: a mask or dropout was passed.
     """
-    from sageattention import sageattn
-
     if attn_mask is not None or dropout_p:
         raise ValueError("SAGE_ATTN was called with a mask or dropout it cannot honour")
+    return sage_op(query, key, value, is_causal, scale)
+
+
+def _sage_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool,
+               scale: Optional[float]) -> torch.Tensor:
+    from sageattention import sageattn
+
     out = sageattn(query, key, value, tensor_layout="NHD", is_causal=is_causal, sm_scale=scale)
-    return out.to(query.dtype)
+    return out.to(query.dtype).contiguous()
+
+
+def _sage_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool,
+               scale: Optional[float]) -> torch.Tensor:
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+
+
+# Opaque to torch.compile, like SAGE2 below: traced through, sageattn 1.x's Python (per-call mean of K, Triton launch
+# grids from shapes) recompiled compiled blocks after the warm-up on the H200 (6 graphs for tiny_flux with FP8,
+# tests/test_gpu_e2e.py::test_compile_regional_verified_from_kernels_without_recompiles, 2026-12-01).
+sage_op = torch.library.custom_op("runner::sage_attention", _sage_impl, mutates_args=(), device_types="cuda")
+sage_op.register_fake(_sage_fake)
 
 
 def _sage2_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
@@ -211,10 +228,13 @@ def choose_flash(platform_sm: Optional[int]) -> Optional[DiffusersWiring]:
 
 def choose_sage(platform_sm: Optional[int]) -> Optional[DiffusersWiring]:
     """SAGE_ATTN's wiring (``DiffusersWiring.choose``): diffusers' own ``sage`` when its requirement check accepts
-    the installed package (it wants sageattention >= 2.1.1), else our :func:`sage_attention` over 1.x."""
+    the installed package (it wants sageattention >= 2.1.1), else our :func:`sage_attention` over 1.x as the
+    function of diffusers' ``_sage_qk_int8_pv_fp16_triton`` entry."""
     if _diffusers_can("sage") is None:
         return None
-    return DiffusersWiring("native", kernel=sage_attention)
+    # diffusers' Triton entry, owned by our op (:func:`_own_entry`): sites need no routing hook, so compiled
+    # blocks do not break around the call
+    return DiffusersWiring("_sage_qk_int8_pv_fp16_triton", kernel=sage_attention)
 
 
 def plan(name: str, platform_sm: Optional[int] = None) -> Tuple[str, Optional[Callable[..., torch.Tensor]]]:

@@ -510,7 +510,7 @@ register_backend(Backend(
     auto={"sm100": (20, "cuDNN SDPA supports the shape"), "sm120": (10, "cuDNN SDPA supports the shape"),
           "cuda": (10, "cuDNN SDPA supports the shape (654 vs 331 TFLOP/s for FA2 at FLUX 1024^2 on H200)")},
     diffusers=DiffusersWiring("_native_cudnn", observed=("_native_cudnn",)),
-    signature=r"aten::_scaled_dot_product_cudnn_attention|cudnn.*(sdpa|fprop)|sdpa.*cudnn|fmha.*cudnn"))
+    signature=r"aten::_scaled_dot_product_cudnn_attention|cudnn.*sdpa|sdpa.*cudnn|fmha.*cudnn"))
 register_backend(Backend(
     "attention", "FLASH_ATTN", aliases=("flash", "flash_attention", "fa"),
     requires=(on_platform("cuda"), sm_at_least(80), dtype_in(*_HALF), head_dim_at_most(256), head_dim_multiple_of(8),
@@ -523,7 +523,8 @@ register_backend(Backend(
     "attention", "SAGE_ATTN", aliases=("sage", "sageattention", "sage_attention"),
     requires=(on_platform("cuda"), sm_at_least(80), symbol("sageattention:sageattn"), dtype_in(*_HALF),
               head_dim_in(64, 96, 128), no_mask()),
-    diffusers=DiffusersWiring("sage", observed=("sage",), choose="kernels.attention:choose_sage"),
+    diffusers=DiffusersWiring("sage", observed=("sage", "_sage_qk_int8_pv_fp16_triton"),
+                              choose="kernels.attention:choose_sage"),
     signature=r"_attn_fwd|quant_per_block|sageattn|qk_int8",
     quant_keys={"dtype_qk": ("int8",), "q_block_size": (128,), "k_block_size": (64,)},
     lossy=True))  # SageAttention quantizes Q and K to INT8 (per block) whatever the spec says
@@ -535,7 +536,7 @@ register_backend(Backend(
     diffusers=DiffusersWiring("_sage_qk_int8_pv_fp8_cuda_sm90", kernel="kernels.attention:sage2_attention",
                               observed=("_sage_qk_int8_pv_fp8_cuda_sm90",)),
     signature=r"qk_int8_sv_f8_attn_kernel|quant_(query|key)_per_thread_int8_kernel|TransposePadPermuteKernel|"
-              r"MeanScaleKernel|sageattention_sm90::|runner::sage2_sm90_attention",
+              r"MeanScaleKernel|sageattention_sm90::",
     quant_keys={"dtype_qk": ("int8",), "dtype_pv": ("fp8_e4m3",), "qk_quant_gran": ("per_thread",),
                 "pv_accum": ("fp32+fp32",)},
     lossy=True))  # INT8 Q/K per thread, FP8 P/V per channel, whatever the spec says

@@ -181,3 +181,18 @@ def test_miswired_record_is_reported_as_a_mismatch(tmp_path):
     layers = ev["stages"]["denoise"]["attention"]["layers"]
     assert layers and all(not layer["ok"] and set(layer["observed"]) == {"TORCH_SDPA"} for layer in layers)
     assert r.manifest["status"] == "evidence_mismatch"
+
+
+def test_cudnn_attention_signature_excludes_cudnn_convolutions():
+    """cuDNN's convolution kernels (the VAE's, seen on the H200 in a TORCH_SDPA run, 2026-12-01) carry ``cudnn`` and
+    ``fprop`` in their names: CUDNN_ATTN's signature once matched them, so a VAE decode could pass for cuDNN attention
+    in the evidence. Its SDPA kernels match; the convolutions match no attention backend."""
+    import re
+
+    from kernels import registry as reg
+
+    conv = ("void cutlass__5x_cudnn::Kernel<cutlass_tensorop_bf16_s16816fprop_optimized_bf16_64x64_32x10_nhwc_align8>"
+            "(cutlass_tensorop_bf16_s16816fprop_optimized_bf16_64x64_32x10_nhwc_align8::Params)")
+    sdpa = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0"
+    assert re.search(reg.signature("attention", "CUDNN_ATTN"), sdpa, re.I)
+    assert [n for n in reg.BACKENDS["attention"] if re.search(reg.signature("attention", n) or r"$^", conv, re.I)] == []

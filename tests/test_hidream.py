@@ -274,8 +274,10 @@ def test_kernel_matches_diffusers_loop_and_the_swap_is_caught():
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and moe.HAS_TRITON), reason="needs a CUDA GPU with triton")
 def test_triton_kernel_matches_diffusers_loop_on_gpu():
-    """TRITON (bf16) against diffusers' loop in fp32 on a HiDream-I1-shaped block (H=2560, 4 experts top-2), and
-    the negative control; bf16 tolerance 2e-2 (benchmarks/moe_parity.py)."""
+    """TRITON (bf16) against diffusers' loop in fp32 on a HiDream-I1-shaped block (H=2560, 4 experts top-2): no
+    further from it than diffusers' own loop in bf16 on the same bf16 weights (x 1.25), and the negative control
+    (experts swapped) far off. A fixed 2e-2 tolerance failed on the H200 at 0.0206 (2026-12-01): bf16 rounding of
+    H=2560 sums alone comes near it."""
     from models.hidream import HiDreamExperts
 
     layout = HiDreamExperts()
@@ -287,7 +289,9 @@ def test_triton_kernel_matches_diffusers_loop_on_gpu():
         w = layout.stack(lo_block)
         out = moe.routed_forward(lo_block, layout, moe.moe_triton, w, x.bfloat16())
         swapped = moe.routed_forward(lo_block, layout, moe.moe_triton, (w[1], w[0], w[2]), x.bfloat16())
-    assert moe.rel_err(out, ref) < 2e-2 < moe.rel_err(swapped, ref)
+        loop_bf16 = lo_block(x.bfloat16())
+    err, floor = moe.rel_err(out, ref), moe.rel_err(loop_bf16, ref)
+    assert err <= 1.25 * floor and moe.rel_err(swapped, ref) > 10 * floor, (err, floor, moe.rel_err(swapped, ref))
 
 
 # ------------------------------------------------------------------------------------- MoE: precedence

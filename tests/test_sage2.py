@@ -136,3 +136,55 @@ def test_compiled_module_has_no_graph_break_at_the_kernel(fake_sage):
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
     assert not counters["graph_break"]
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def fake_sage1(monkeypatch):
+    """A stand-in ``sageattention`` 1.x (``sageattn`` only: exact attention on NHD) and a CPU kernel for the op."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as R
+
+    from kernels import attention as attn
+
+    calls = []
+
+    def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, **kw):
+        calls.append(tensor_layout)
+        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                             is_causal=is_causal, scale=sm_scale)
+        return o.transpose(1, 2)
+
+    mod = types.ModuleType("sageattention")
+    mod.sageattn = sageattn
+    monkeypatch.setitem(sys.modules, "sageattention", mod)
+    monkeypatch.setattr(R, "_backends", dict(R._backends))
+    attn.sage_op.register_kernel("cpu", attn._sage_impl)
+    yield calls
+
+
+def test_sage1_is_one_opaque_op_under_compile(fake_sage1):
+    """SAGE_ATTN over sageattention 1.x runs as the custom op ``runner::sage_attention``: exact on the stand-in,
+    observed, and a compiled attention module has no graph break (traced through, sageattn's Python recompiled
+    compiled blocks after the warm-up on the H200)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from kernels import attention as attn
+
+    m = _module()
+    x = torch.randn(1, 16, 64)
+    ref = m(x)
+    sites = attn.install("denoise", [("joint", "attn", m)], {"joint": {"backend": "SAGE_ATTN"}}, platform_sm=90,
+                         observe=False)
+    # our kernel as diffusers' Triton entry (its own "sage" wants sageattention >= 2.1.1): no routing hook
+    assert sites[0].custom is None and sites[0].carrier == "_sage_qk_int8_pv_fp16_triton"
+    eager = m(x)
+    torch.testing.assert_close(eager, ref, rtol=1e-5, atol=1e-5)
+    assert fake_sage1 == ["NHD"]
+    torch._dynamo.reset()
+    counters.clear()
+    m.compile(fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        out = m(x)
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+    assert not counters["graph_break"] and fake_sage1 == ["NHD", "NHD"]
+    torch._dynamo.reset()
