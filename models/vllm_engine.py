@@ -345,6 +345,7 @@ def _inspect_model(model: Any) -> Dict[str, Any]:
     """
     attn: Dict[str, int] = {}
     moe: Dict[str, int] = {}
+    swapped: Dict[str, str] = {}
     linear: Dict[str, int] = {}
     layers: Dict[str, str] = {}
 
@@ -370,8 +371,11 @@ def _inspect_model(model: Any) -> Dict[str, Any]:
             # the experts object the kernel calls; vLLM 0.24 builds moe_kernel on the first forward in some paths,
             # so before that the chosen class (experts_cls) is what can be read
             fe = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+            chosen = getattr(qm, "experts_cls", None)  # what vLLM's MoE oracle selected for this layer
             if fe is None:
-                fe = getattr(qm, "experts_cls", None)
+                fe = chosen
+            elif isinstance(chosen, type) and type(fe) is not chosen:
+                swapped[name] = f"{qual(chosen)} -> {qual(fe)}"
             backend = getattr(qm, "unquantized_backend", None)
             key = (f"{getattr(backend, 'name', backend)}|{qual(qm)}|{qual(fe) if fe is not None else None}"
                    f"|isa={getattr(fe, 'isa', None)}|zentorch={getattr(fe, '_use_zentorch', None)}")
@@ -402,7 +406,7 @@ def _inspect_model(model: Any) -> Dict[str, Any]:
         "attention": {"backends": summary(attn, 0), "classes": summary(attn, 1), "impls": summary(attn, 2),
                       "layers": attn},
         "moe": {"backends": summary(moe, 0), "methods": summary(moe, 1), "experts": summary(moe, 2),
-                "layers": moe},
+                "layers": moe, "swapped": swapped},
         "linear": {"methods": summary(linear, 0), "layers": linear},
         "example_layer": layers,
     }
@@ -417,8 +421,9 @@ def mismatches(requested: Mapping[str, str], inspected: Mapping[str, Any]) -> Li
 
     Attention names compare by name (``AttentionBackend.get_name()`` equals the enum name). An explicit MoE name
     must have built the experts class vLLM builds for it (:data:`MOE_EXPERTS`: ``triton`` -> ``TritonExperts``);
-    experts of another class (swapped after resolution) are a mismatch, as is "MoE layers exist but none was
-    built".
+    experts of another class are a mismatch, as is "MoE layers exist but none was built". Whatever the request
+    (``auto`` too), a layer whose experts object is not of the class vLLM's MoE oracle chose for it
+    (``quant_method.experts_cls``: experts swapped after resolution) is a mismatch.
     ``linear_backend`` is not used by vLLM for unquantized layers: ``torch`` (dense, unquantized GEMM) matches
     when every linear layer is ``UnquantizedLinearMethod``; any other explicit linear name is reported.
     """
@@ -431,6 +436,10 @@ def mismatches(requested: Mapping[str, str], inspected: Mapping[str, Any]) -> Li
     experts = [e for e in inspected.get("moe", {}).get("experts", []) if e and e != "None"]
     if moe != "auto" and not experts:
         out.append(f"moe: requested {moe}, the worker built no MoE experts")
+    for layer, change in sorted(inspected.get("moe", {}).get("swapped", {}).items()):
+        out.append(f"moe: {layer} runs other experts than vLLM's MoE oracle chose for it ({change})")
+    if moe == "auto" or not experts:
+        pass
     elif moe in MOE_EXPERTS:
         other = [e for e in experts if e.rsplit(".", 1)[-1] not in MOE_EXPERTS[moe]]
         if other:

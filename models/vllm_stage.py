@@ -517,7 +517,11 @@ class VLLMEngine(EngineBase):
 
         from models.base import check_init_keys
 
-        check_init_keys(Qwen3MoeConfig, [k for k in arch if k != "weights_seed"], f"{where}.architecture")
+        # head_dim is no Qwen3MoeConfig parameter in transformers 5 (it defaults to hidden_size / heads), but the
+        # tiny model's own ARCH passes it, config.json keeps it and vLLM's Qwen3-MoE reads it
+        # (``getattr(config, "head_dim", None)``): Qwen3-30B-A3B has 128 with hidden 2048 and 32 heads
+        check_init_keys(Qwen3MoeConfig, [k for k in arch if k not in ("weights_seed", "head_dim")],
+                        f"{where}.architecture")
         d = build(root, arch=arch or None, weights="none" if fmt == "dummy" else "seeded",
                   dtype="float32" if self.dtype_name == "auto" else self.dtype_name)
         self.source = {"kind": "dummy" if fmt == "dummy" else "embedded", "path": str(d), "load_format": fmt,
@@ -760,7 +764,7 @@ class VLLMEngine(EngineBase):
         section = {
             "engine": "vllm", "vllm_version": self.adapter.info.get("vllm_version"),
             "worker": {"attention": {k: built["attention"][k] for k in ("backends", "classes", "impls", "layers")},
-                       "moe": {k: built["moe"][k] for k in ("backends", "methods", "experts", "layers")},
+                       "moe": {k: built["moe"].get(k) for k in ("backends", "methods", "experts", "layers", "swapped")},
                        "linear": built["linear"], "config": wcfg},
             "layers": obs.layers, "calls": calls,
             "profiled_ops": {"checked": ops_found, "vllm_ops": top},

@@ -151,6 +151,30 @@ def test_inspect_reads_vllm_024_layers():
     assert got["linear"]["methods"][0].endswith("UnquantizedLinearMethod")
 
 
+def test_experts_swapped_after_resolution_are_named_whatever_the_request():
+    import torch
+
+    class Kernel:
+        pass
+
+    class UnquantizedFusedMoEMethod:
+        experts_cls = _Triton
+        unquantized_backend = types.SimpleNamespace(name="TRITON")
+
+    layer = torch.nn.Module()
+    layer.quant_method = UnquantizedFusedMoEMethod()
+    layer.quant_method.moe_kernel = Kernel()
+    layer.quant_method.moe_kernel.fused_experts = _Triton()
+    got = ve._inspect_model(torch.nn.Sequential(layer))
+    assert got["moe"]["swapped"] == {} and ve.mismatches({"moe": "auto"}, got) == []
+    layer.quant_method.moe_kernel.fused_experts.__class__ = type("SwappedExperts", (_Triton,), {})
+    got = ve._inspect_model(torch.nn.Sequential(layer))
+    assert got["moe"]["experts"][0].endswith("SwappedExperts")
+    mm = ve.mismatches({"moe": "auto"}, got)
+    assert len(mm) == 1 and mm[0].startswith("moe: 0 runs other experts than vLLM's MoE oracle chose for it (")
+    assert len(ve.mismatches({"moe": "triton"}, got)) == 2  # and not the class vLLM builds for triton
+
+
 def test_adapter_kwargs_on_a_gpu(monkeypatch, tmp_path):
     from vllm.platforms import current_platform
 
