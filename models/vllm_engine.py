@@ -170,6 +170,10 @@ def cuda_unhonoured(fld: str, name: str, sm: Optional[int]) -> Optional[str]:
             return f"vLLM's {name} needs the flashinfer package, which is not installed here"
         if name.startswith(("CPU_", "ROCM_", "XPU_")) or name in ("AMX_MLA",):
             return f"{name} is a {name.split('_')[0]} backend; this is a CUDA GPU"
+        if name in ("TORCH_SDPA", "NO_ATTENTION", "CUSTOM"):
+            return (f"vLLM's {name} is no decoder attention backend here (TORCH_SDPA is a ViT-only tag with no class, "
+                    "NO_ATTENTION serves attention-free models, CUSTOM needs a registered class): the engine would "
+                    "fail at model construction")
         if name == "FLASH_ATTN":
             fa = flash_attn_versions()
             if sm is not None and sm // 10 == 9 and not fa["fa3"] and not fa["fa2"]:

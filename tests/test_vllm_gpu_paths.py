@@ -94,6 +94,7 @@ def test_cuda_refusals_before_the_engine(monkeypatch):
     assert "not supported for unquantized MoE" in ve.cuda_unhonoured("moe", "triton_unfused", 90)
     assert "flashinfer package" in ve.cuda_unhonoured("attention", "FLASHINFER", 90)
     assert "CUDA GPU" in ve.cuda_unhonoured("attention", "CPU_ATTN", 90)
+    assert "ViT-only" in ve.cuda_unhonoured("attention", "TORCH_SDPA", 90)  # what backend.attention=sdpa maps to
     assert "ignores linear_backend='cutlass'" in ve.cuda_unhonoured("linear", "cutlass", 90)
     assert ve.cuda_unhonoured("linear", "torch", 90) is None
     monkeypatch.setattr(ve, "flash_attn_versions", lambda: {"fa2": False, "fa3": True})  # the carried wheel
