@@ -245,6 +245,10 @@ def big_section(a: argparse.Namespace, plat: str, work: Path, backends: List[str
                runner_overhead=round(runner_s / plain_s, 4),
                runner_overhead_vs_best_plain=round(runner_s / min(plain_runs), 4),
                token_ids_identical=same, llm_kwargs=kw, generate_calls=r["timing"].get("generate_calls"))
+    ov_s = ((res.get("evidence") or {}).get("generate") or {}).get("observer_overhead_s") or {}
+    if ov_s:  # attribution only: what the evidence's observer spent inside the timed call
+        res["observer_overhead_s"] = ov_s
+        res["runner_overhead_without_observer"] = round((runner_s - sum(ov_s.values())) / plain_s, 4)
     del llm, outs
     try:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory

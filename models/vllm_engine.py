@@ -604,6 +604,8 @@ class StepObserver:
         self._prof_phase: Optional[str] = None
         self._orig = None
         self._handles: List[Any] = []
+        #: seconds the observer itself spent inside the engine's steps (what it adds to the generate time)
+        self.overhead_s = {"account": 0.0, "profile_start": 0.0, "profile_stop": 0.0}
 
     # hooks ------------------------------------------------------------------------------------------------
     def _install_hooks(self, model: Any) -> Dict[str, int]:
@@ -643,7 +645,9 @@ class StepObserver:
         def schedule(*args: Any, **kwargs: Any) -> Any:
             self._stop_profile()
             out = orig(*args, **kwargs)
+            t0 = time.perf_counter()
             self._account(out)
+            self.overhead_s["account"] += time.perf_counter() - t0
             return out
 
         self.scheduler.schedule = schedule
@@ -697,14 +701,17 @@ class StepObserver:
             acts = [ProfilerActivity.CPU]
             if self.device_kind in ("cuda", "rocm"):
                 acts.append(ProfilerActivity.CUDA)
+            t0 = time.perf_counter()
             self._profiled.add(phase)
             self._prof = profile(activities=acts)
             self._prof.__enter__()
             self._prof_phase = phase
+            self.overhead_s["profile_start"] += time.perf_counter() - t0
 
     def _stop_profile(self) -> None:
         if self._prof is None:
             return
+        t0 = time.perf_counter()
         prof, self._prof = self._prof, None
         if self.device_kind in ("cuda", "rocm"):
             import torch
@@ -712,6 +719,7 @@ class StepObserver:
             torch.cuda.synchronize()  # the step's kernels are in the trace
         prof.__exit__(None, None, None)  # events are parsed later (_collect), outside the generate call
         self._pending.append((self._prof_phase or "unknown", prof))
+        self.overhead_s["profile_stop"] += time.perf_counter() - t0
 
     def _collect(self) -> None:
         """Parse the stopped profiles: CPU-side op names into :attr:`ops`, device kernels into :attr:`kernels`."""

@@ -767,6 +767,7 @@ class VLLMEngine(EngineBase):
                        "moe": {k: built["moe"].get(k) for k in ("backends", "methods", "experts", "layers", "swapped")},
                        "linear": built["linear"], "config": wcfg},
             "layers": obs.layers, "calls": calls,
+            "observer_overhead_s": {k: round(v, 4) for k, v in obs.overhead_s.items()},
             "profiled_ops": {"checked": ops_found, "vllm_ops": top},
             "profiled_kernels": {"checked": kernels_checked},
             "requests": {r["key"]: r.get("tokens") for r in records},
