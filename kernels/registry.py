@@ -35,7 +35,10 @@ Sources of the numeric rules:
     "TransposePadPermuteKernel"/"MeanScaleKernel" (csrc/fused/fused.cu) quantization kernels; cuBLASLt/CUTLASS FP8 GEMMs carry "e4m3" in their names, and torch 2.11's
     cuBLASLt picks "nvjet_sm90_qqtst_..._ovscale_..." for row-wise scaled FP8 on the H200, seen there 2026-11-29).
   * vLLM names: members of ``vllm.v1.attention.backends.registry.AttentionBackendEnum`` and the ``Literal`` types
-    ``vllm.config.kernel.LinearBackend`` / ``MoEBackend`` of vLLM 0.32.
+    ``vllm.config.kernel.LinearBackend`` / ``MoEBackend`` (read from the installed vLLM: 0.32 CPU, 0.24 CUDA).
+  * vLLM kernel names (``vllm_signature``): vLLM 0.24.0's ``vllm_flash_attn/_vllm_fa3_C.abi3.so`` symbols
+    (``flash::FlashAttnFwdSm90``, ``flash::FlashAttnFwdCombine``) and its Triton ``fused_moe_kernel``
+    (``model_executor/layers/fused_moe/fused_moe.py``).
 """
 
 from __future__ import annotations
@@ -298,6 +301,11 @@ class Backend:
             linear ``TORCH`` -> ``torch``); None: no vLLM equivalent.
         signature: regex over profiled names (aten op names on CPU, device kernel names on GPUs) that this
             backend's execution leaves in a ``torch.profiler`` trace (``runner.evidence``); None: none known.
+        vllm_signature: regex over the device kernel names that vLLM's implementation of the same backend launches
+            (AR stages on a GPU, ``models.vllm_stage``); None: :attr:`signature` serves. vLLM's kernels are its own
+            builds, not the packages the diffusers wiring calls (FLASH_ATTN: vLLM 0.24's ``vllm_flash_attn`` FA3
+            ``cutlass::device_kernel<flash::...FlashAttnFwdSm90<...>>`` on sm90; MoE TRITON: vLLM's Triton
+            ``fused_moe_kernel``, not the runner's ``_moe_gate_up_silu_kernel``).
         quant_keys / skip_softmax_keys: spec keys the backend takes (others are errors).
         lossy: its results differ from the dense model-dtype computation by design (quantized GEMMs or attention),
             beyond rounding-order differences: a run selecting it is labelled lossy (``runner.lossy``) and gated
@@ -313,6 +321,7 @@ class Backend:
     diffusers: Any = None
     vllm: Optional[str] = None
     signature: Optional[str] = None
+    vllm_signature: Optional[str] = None
     quant_keys: Dict[str, Any] = field(default_factory=dict)
     skip_softmax_keys: Tuple[str, ...] = ()
     lossy: bool = False
@@ -473,6 +482,15 @@ def vllm_name(field_name: str, name: str) -> Optional[str]:
     return b.vllm if b is not None else None
 
 
+def vllm_signature(field_name: str, vllm: str) -> Optional[str]:
+    """The device-kernel regex of the runner backend whose vLLM name is ``vllm`` (``vllm_signature``, else its
+    ``signature``); None when no registered backend maps to that vLLM name."""
+    for b in BACKENDS.get(field_name, {}).values():
+        if b.vllm is not None and b.vllm.lower() == str(vllm).lower():
+            return b.vllm_signature or b.signature
+    return None
+
+
 def is_lossy(field_name: str, name: str) -> bool:
     """Backend ``name`` of ``field_name`` is lossy by design (:attr:`Backend.lossy`); False for unknown names."""
     b = BACKENDS.get(field_name, {}).get(name)
@@ -518,7 +536,10 @@ register_backend(Backend(
     auto={"cuda": (20, "flash-attn installed and cuDNN does not fit")},
     diffusers=DiffusersWiring("flash", observed=("flash", "_flash_3", "flash_4_hub"),
                               choose="kernels.attention:choose_flash"),
-    vllm="FLASH_ATTN", signature=r"flash_fwd|flash_attn|FlashAttn"))
+    vllm="FLASH_ATTN", signature=r"flash_fwd|flash_attn|FlashAttn",
+    # vLLM 0.24 vllm_flash_attn: FA3 on sm90 (FlashAttnFwdSm90 main kernel, FlashAttnFwdCombine for split-KV),
+    # FA2 elsewhere (flash_fwd_kernel / flash_fwd_splitkv_kernel); names read from _vllm_fa3_C.abi3.so's symbols
+    vllm_signature=r"FlashAttnFwdSm90|FlashAttnFwdCombine|flash_fwd_(splitkv_)?kernel"))
 register_backend(Backend(
     "attention", "SAGE_ATTN", aliases=("sage", "sageattention", "sage_attention"),
     requires=(on_platform("cuda"), sm_at_least(80), symbol("sageattention:sageattn"), dtype_in(*_HALF),
@@ -583,7 +604,9 @@ register_backend(Backend("moe", "TRITON", aliases=("triton", "fused", "grouped")
                                          "tokens, Qwen3-MoE shape, H200: benchmarks/results/"
                                          "h200_moe_parity_2026-11-29.json)")},
                          diffusers=DiffusersMoEWiring(kernel="kernels.moe:moe_triton"), vllm="triton",
-                         signature=r"_moe_gate_up_silu_kernel|_moe_down_kernel"))
+                         signature=r"_moe_gate_up_silu_kernel|_moe_down_kernel",
+                         # vLLM's TritonExperts (fused_moe/fused_moe.py): two launches per MoE layer and step
+                         vllm_signature=r"\bfused_moe_kernel\b"))
 
 
 def normalize(field_name: str, value: Any, where: Optional[str] = None) -> str:

@@ -49,6 +49,9 @@ from runner.errors import UserInputError
 #: Per-row keys that override the configured sampling defaults (names of ``vllm.SamplingParams`` fields).
 SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop")
 
+#: ``gpu_memory_utilization`` the adapter passes on a GPU when the KV cache has an explicit size (see llm_kwargs).
+GPU_MEMORY_CHECK = 0.05
+
 #: Engine arguments the adapter owns; pass backends through ``backends=`` instead of ``engine_args``.
 _OWNED = ("model", "load_format", "dtype", "seed", "max_model_len", "enforce_eager")
 
@@ -106,6 +109,102 @@ def normalize_backends(backends: Optional[Mapping[str, Any]]) -> Dict[str, str]:
 #: "Cannot use <X> backend on CPU." (``CPU_MLA``/``AMX_MLA`` serve MLA models, which this adapter does not build).
 CPU_ATTENTION = ("CPU_ATTN",)
 
+#: Why a runner backend has no vLLM counterpart (appended to the refusal).
+NO_VLLM_EQUIVALENT = {
+    ("moe", "TORCH"): ": vLLM's unquantized MoE runs fused kernels only, Triton (TritonExperts: fused_moe_kernel) or "
+                      "FlashInfer/AITER, never a torch expert loop (vLLM 0.24/0.32 "
+                      "model_executor/layers/fused_moe/oracle/unquantized.py map_unquantized_backend); "
+                      "backend.moe=TRITON is vLLM's triton",
+}
+
+#: vLLM MoE names -> the experts classes vLLM builds for them (unquantized: ``fused_moe/oracle/unquantized.py``
+#: ``backend_to_kernel_cls``; ``triton`` becomes BatchedTritonExperts with the batched activation format).
+MOE_EXPERTS = {
+    "triton": ("TritonExperts", "BatchedTritonExperts"),
+    "flashinfer_cutlass": ("FlashInferExperts",),
+    "flashinfer_trtllm": ("TrtLlmBf16Experts",),
+    "aiter": ("AiterExperts",),
+}
+
+
+def _importable(mod: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def flash_attn_versions() -> Dict[str, bool]:
+    """Which FlashAttention builds vLLM's ``vllm_flash_attn`` can load: ``{"fa2": bool, "fa3": bool}`` (both False
+    when the module does not import, e.g. the CPU wheel)."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_interface as fa
+    except Exception:  # noqa: BLE001 - any import failure means: not usable
+        return {"fa2": False, "fa3": False}
+    return {"fa2": bool(getattr(fa, "FA2_AVAILABLE", False)), "fa3": bool(getattr(fa, "FA3_AVAILABLE", False))}
+
+
+def cuda_unhonoured(fld: str, name: str, sm: Optional[int]) -> Optional[str]:
+    """Why vLLM on a CUDA GPU of compute capability ``sm`` would not run ``name`` (None: it would, as far as can be
+    told before the engine starts; vLLM itself refuses an explicit attention backend it cannot run, at model
+    construction: ``platforms/cuda.py get_attn_backend_cls`` "Selected backend ... is not valid").
+
+    Checked here because the failure would otherwise come from inside the engine (an ImportError or ValueError
+    after the manifest says ``running``) or not at all:
+
+    * FlashInfer names (attention ``FLASHINFER*``, MoE ``flashinfer_*``) without the ``flashinfer`` package;
+    * ``FLASH_ATTN`` without a FlashAttention build for this GPU in ``vllm.vllm_flash_attn`` (FA3 on sm90, FA2 on
+      sm80+: the wheel carried to the H200 has FA3 only);
+    * CPU/ROCm/XPU-only names (``CPU_ATTN``, ``ROCM_*``, ``XPU_*``, MoE ``aiter``);
+    * MoE names vLLM's unquantized oracle does not map (it maps triton, flashinfer_trtllm, flashinfer_cutlass,
+      aiter; anything else raises "moe_backend=... is not supported for unquantized MoE" at model construction);
+    * linear names other than ``torch``: for unquantized weights vLLM 0.24 dispatches ``F.linear`` whatever the
+      name (``model_executor/layers/utils.py dispatch_unquantized_gemm()`` takes no name), vLLM 0.32 honours only
+      its FlashInfer BF16 names when FlashInfer is installed, and otherwise falls back with a warning.
+    """
+    has_fi = _importable("flashinfer")
+    if fld == "attention":
+        if "FLASHINFER" in name and not has_fi:
+            return f"vLLM's {name} needs the flashinfer package, which is not installed here"
+        if name.startswith(("CPU_", "ROCM_", "XPU_")) or name in ("AMX_MLA",):
+            return f"{name} is a {name.split('_')[0]} backend; this is a CUDA GPU"
+        if name in ("TORCH_SDPA", "NO_ATTENTION", "CUSTOM"):
+            return (f"vLLM's {name} is no decoder attention backend here (TORCH_SDPA is a ViT-only tag with no class, "
+                    "NO_ATTENTION serves attention-free models, CUSTOM needs a registered class): the engine would "
+                    "fail at model construction")
+        if name == "FLASH_ATTN":
+            fa = flash_attn_versions()
+            if sm is not None and sm // 10 == 9 and not fa["fa3"] and not fa["fa2"]:
+                return "vllm.vllm_flash_attn has no FlashAttention build that loads here (FA3 for sm90)"
+            if sm is not None and sm // 10 != 9 and not fa["fa2"]:
+                return (f"vllm.vllm_flash_attn has no FA2 build (FA2 serves sm{sm}; this install has "
+                        f"{'FA3 only' if fa['fa3'] else 'none'})")
+        return None
+    if fld == "moe":
+        if name.startswith("flashinfer") and not has_fi:
+            return f"vLLM's {name} experts need the flashinfer package, which is not installed here"
+        if name.startswith("aiter"):
+            return "AITER experts are ROCm-only"
+        if name not in MOE_EXPERTS:
+            return (f"vLLM's unquantized MoE maps only {', '.join(MOE_EXPERTS)}; {name!r} ends in \"moe_backend="
+                    f"'{name}' is not supported for unquantized MoE\" at model construction (vLLM "
+                    f"{_vllm_version()} fused_moe/oracle/unquantized.py map_unquantized_backend)")
+        return None
+    if fld == "linear" and name != "torch":
+        try:
+            from vllm.model_executor.layers import utils as lu
+        except Exception:  # noqa: BLE001
+            lu = None
+        fi_names = getattr(lu, "_FLASHINFER_BF16_BACKENDS", None) or {}
+        if name in fi_names and has_fi:
+            return None
+        return (f"for unquantized weights vLLM {_vllm_version()} ignores linear_backend={name!r} on CUDA (it runs "
+                "torch's F.linear: model_executor/layers/utils.py dispatch_unquantized_gemm"
+                + (", FlashInfer BF16 names only with flashinfer installed" if fi_names else "") + ")")
+    return None
+
 
 class VLLMNames:
     """Backend names of an AR stage, as vLLM defines them: the ``EngineNames`` hooks of ``runner.resolve``.
@@ -134,13 +233,14 @@ class VLLMNames:
 
     engine = "vllm"
 
-    def __init__(self, on_cpu: Optional[bool] = None) -> None:
+    def __init__(self, on_cpu: Optional[bool] = None, sm: Optional[int] = None) -> None:
         self._valid = valid_backend_names()
         if on_cpu is None:
             from vllm.platforms import current_platform
 
             on_cpu = current_platform.is_cpu()
         self.on_cpu = bool(on_cpu)
+        self.sm = sm
 
     def canonical(self, fld: str, value: Any, where: str) -> str:
         """vLLM's name for ``value`` of field ``fld`` (``auto`` kept). Raises ``UnknownBackendError``."""
@@ -166,7 +266,8 @@ class VLLMNames:
 
         by_key = {n.lower().replace("-", "_"): n for n in self._valid[fld]}
         close = difflib.get_close_matches(raw.lower().replace("-", "_"), list(by_key), n=1, cutoff=0.6)
-        why = (f" (the runner's {shared} has no vLLM {fld} equivalent)" if shared is not None else "")
+        why = (f" (the runner's {shared} has no vLLM {fld} equivalent{NO_VLLM_EQUIVALENT.get((fld, shared), '')})"
+               if shared is not None else "")
         hint = f"did you mean {by_key[close[0]]!r}?" if close else "one of those names, or auto"
         raise reg.UnknownBackendError(f"{where}={value!r} is not a vLLM {fld} backend{why}; valid names (vLLM "
                                       f"{_vllm_version()}): {', '.join(self._valid[fld])}; fix: {hint}")
@@ -176,6 +277,11 @@ class VLLMNames:
         from kernels import registry as reg
 
         if not self.on_cpu:
+            why = cuda_unhonoured(fld, name, self.sm)
+            if why:
+                raise reg.BackendUnavailableError(f"{where}={name} cannot run here: {why}. Fix: {where}=auto"
+                                                  + (" (or FLASH_ATTN)" if fld == "attention" else
+                                                     " (or triton)" if fld == "moe" else " (or torch)") + ".")
             return
         why = None
         if fld == "attention" and name not in CPU_ATTENTION:
@@ -210,10 +316,30 @@ def _worker_config(worker: Any) -> Dict[str, Any]:
     """Runs inside the worker (``LLM.collective_rpc``): the kernel and attention config the worker holds."""
     vc = worker.vllm_config
     att = vc.attention_config.backend
+    sched = getattr(vc, "scheduler_config", None)
     return {"kernel_config": {"moe_backend": vc.kernel_config.moe_backend,
                               "linear_backend": vc.kernel_config.linear_backend},
             "attention_config": {"backend": getattr(att, "name", att)},
-            "device": str(vc.device_config.device), "dtype": str(vc.model_config.dtype).replace("torch.", "")}
+            "device": str(vc.device_config.device), "dtype": str(vc.model_config.dtype).replace("torch.", ""),
+            "async_scheduling": bool(getattr(sched, "async_scheduling", False)),
+            "enforce_eager": bool(getattr(vc.model_config, "enforce_eager", False))}
+
+
+def _dispatched_gemm() -> Any:
+    """vLLM 0.24's GEMM for unquantized linears (``dispatch_unquantized_gemm()``, no arguments; CUDA:
+    ``default_unquantized_gemm`` = ``F.linear``); None where that function takes arguments (0.32) or is absent."""
+    import inspect
+
+    try:
+        from vllm.model_executor.layers.utils import dispatch_unquantized_gemm
+    except ImportError:
+        return None
+    try:
+        if inspect.signature(dispatch_unquantized_gemm).parameters:
+            return None
+    except (TypeError, ValueError):
+        return None
+    return dispatch_unquantized_gemm()
 
 
 def _inspect_model(model: Any) -> Dict[str, Any]:
@@ -223,6 +349,7 @@ def _inspect_model(model: Any) -> Dict[str, Any]:
     """
     attn: Dict[str, int] = {}
     moe: Dict[str, int] = {}
+    swapped: Dict[str, str] = {}
     linear: Dict[str, int] = {}
     layers: Dict[str, str] = {}
 
@@ -235,7 +362,9 @@ def _inspect_model(model: Any) -> Dict[str, Any]:
 
     for name, m in model.named_modules():
         if hasattr(m, "attn_backend") and hasattr(m, "impl"):
-            key = f"{m.attn_backend.get_name()}|{qual(m.attn_backend)}|{qual(m.impl)}|isa={getattr(m, 'isa', None)}"
+            fa = getattr(m.impl, "vllm_flash_attn_version", None)  # FLASH_ATTN's impl: 2, 3 or 4 (GPU)
+            key = (f"{m.attn_backend.get_name()}|{qual(m.attn_backend)}|{qual(m.impl)}|isa={getattr(m, 'isa', None)}"
+                   + (f"|fa={fa}" if fa is not None else ""))
             bump(attn, key)
             layers.setdefault("attention", name)
             continue
@@ -243,14 +372,23 @@ def _inspect_model(model: Any) -> Dict[str, Any]:
         if qm is None:
             continue
         if hasattr(qm, "moe_kernel") or hasattr(qm, "experts_cls"):
+            # the experts object the kernel calls; vLLM 0.24 builds moe_kernel on the first forward in some paths,
+            # so before that the chosen class (experts_cls) is what can be read
             fe = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+            chosen = getattr(qm, "experts_cls", None)  # what vLLM's MoE oracle selected for this layer
+            if fe is None:
+                fe = chosen
+            elif isinstance(chosen, type) and type(fe) is not chosen:
+                swapped[name] = f"{qual(chosen)} -> {qual(fe)}"
             backend = getattr(qm, "unquantized_backend", None)
             key = (f"{getattr(backend, 'name', backend)}|{qual(qm)}|{qual(fe) if fe is not None else None}"
                    f"|isa={getattr(fe, 'isa', None)}|zentorch={getattr(fe, '_use_zentorch', None)}")
             bump(moe, key)
             layers.setdefault("moe", name)
             continue
-        gemm = getattr(qm, "_gemm_impl", None)
+        gemm = getattr(qm, "_gemm_impl", None)  # vLLM 0.32 binds it at construction; 0.24 dispatches per call
+        if gemm is None and type(qm).__name__ == "UnquantizedLinearMethod":
+            gemm = _dispatched_gemm()
         cpu_linear = getattr(m, "cpu_linear", None)
         code = getattr(cpu_linear, "__code__", None)
         kernel = None
@@ -272,7 +410,7 @@ def _inspect_model(model: Any) -> Dict[str, Any]:
         "attention": {"backends": summary(attn, 0), "classes": summary(attn, 1), "impls": summary(attn, 2),
                       "layers": attn},
         "moe": {"backends": summary(moe, 0), "methods": summary(moe, 1), "experts": summary(moe, 2),
-                "layers": moe},
+                "layers": moe, "swapped": swapped},
         "linear": {"methods": summary(linear, 0), "layers": linear},
         "example_layer": layers,
     }
@@ -286,7 +424,10 @@ def mismatches(requested: Mapping[str, str], inspected: Mapping[str, Any]) -> Li
         inspected: :meth:`VLLMAdapter.inspect` output.
 
     Attention names compare by name (``AttentionBackend.get_name()`` equals the enum name). An explicit MoE name
-    is either honoured or vLLM refuses to start, so only "MoE layers exist but none was built" is flagged.
+    must have built the experts class vLLM builds for it (:data:`MOE_EXPERTS`: ``triton`` -> ``TritonExperts``);
+    experts of another class are a mismatch, as is "MoE layers exist but none was built". Whatever the request
+    (``auto`` too), a layer whose experts object is not of the class vLLM's MoE oracle chose for it
+    (``quant_method.experts_cls``: experts swapped after resolution) is a mismatch.
     ``linear_backend`` is not used by vLLM for unquantized layers: ``torch`` (dense, unquantized GEMM) matches
     when every linear layer is ``UnquantizedLinearMethod``; any other explicit linear name is reported.
     """
@@ -296,8 +437,18 @@ def mismatches(requested: Mapping[str, str], inspected: Mapping[str, Any]) -> Li
     if att != "auto" and ran != [att]:
         out.append(f"attention: requested {att}, the worker built {', '.join(ran) or 'nothing'}")
     moe = requested.get("moe", "auto")
-    if moe != "auto" and not inspected.get("moe", {}).get("experts"):
+    experts = [e for e in inspected.get("moe", {}).get("experts", []) if e and e != "None"]
+    if moe != "auto" and not experts:
         out.append(f"moe: requested {moe}, the worker built no MoE experts")
+    for layer, change in sorted(inspected.get("moe", {}).get("swapped", {}).items()):
+        out.append(f"moe: {layer} runs other experts than vLLM's MoE oracle chose for it ({change})")
+    if moe == "auto" or not experts:
+        pass
+    elif moe in MOE_EXPERTS:
+        other = [e for e in experts if e.rsplit(".", 1)[-1] not in MOE_EXPERTS[moe]]
+        if other:
+            out.append(f"moe: requested {moe} (vLLM's {' or '.join(MOE_EXPERTS[moe])}), the worker's MoE layers run "
+                       f"{', '.join(other)}")
     lin = requested.get("linear", "auto")
     methods = inspected.get("linear", {}).get("methods", [])
     dense = methods and all(m.endswith(("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")) for m in methods)
@@ -318,10 +469,95 @@ CPU_OPS = {
 }
 
 
+#: vLLM experts class -> the vLLM MoE name whose kernels it launches (the GPU kernel check under ``auto``).
+EXPERTS_MOE = {cls: name for name, classes in MOE_EXPERTS.items() for cls in classes}
+#: vLLM attention backends without a runner record (so no ``vllm_signature`` in ``kernels.registry``).
+VLLM_ONLY_ATTENTION = {"TRITON_ATTN": r"kernel_unified_attention|_fwd_kernel"}
+
+
+def gpu_kernel_expectations(built: Mapping[str, Any]) -> Dict[str, Tuple[str, Optional[str]]]:
+    """What the worker built, per layer kind, and the regex of the device kernels that implementation launches:
+    ``{"attention": ("FLASH_ATTN", regex), "moe": ("TritonExperts", regex), "linear": ("torch", regex)}``.
+
+    The regexes are the ``vllm_signature`` of the runner backend with that vLLM name (``kernels.registry``:
+    FLASH_ATTN -> vLLM's FA3 ``FlashAttnFwdSm90``; MoE ``triton`` -> ``fused_moe_kernel``; linear ``torch`` ->
+    cuBLAS/CUTLASS GEMMs); None when no signature is known (the check then reports it)."""
+    from kernels import registry as reg
+
+    def union(sigs: List[Optional[str]]) -> Optional[str]:
+        if not sigs or not all(sigs):
+            return None
+        uniq = list(dict.fromkeys(sigs))
+        return uniq[0] if len(uniq) == 1 else "|".join(f"(?:{x})" for x in uniq)
+
+    out: Dict[str, Tuple[str, Optional[str]]] = {}
+    backends = built.get("attention", {}).get("backends", [])
+    if backends:
+        name = "|".join(backends)
+        sigs = [reg.vllm_signature("attention", b) or VLLM_ONLY_ATTENTION.get(b) for b in backends]
+        out["attention"] = (name, union(sigs))
+    experts = [e.rsplit(".", 1)[-1] for e in built.get("moe", {}).get("experts", []) if e and e != "None"]
+    if experts:
+        names = [EXPERTS_MOE.get(e) for e in experts]
+        sigs = [reg.vllm_signature("moe", n) if n else None for n in names]
+        out["moe"] = ("|".join(experts), union(sigs))
+    methods = built.get("linear", {}).get("methods", [])
+    if methods:
+        dense = all(m.endswith(("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")) for m in methods)
+        out["linear"] = ("torch" if dense else "|".join(m.rsplit(".", 1)[-1] for m in methods),
+                         reg.vllm_signature("linear", "torch") if dense else None)
+    return out
+
+
+def check_gpu_kernels(built: Mapping[str, Any], layers: Mapping[str, int],
+                      kernels: Mapping[str, Mapping[str, int]]) -> Tuple[Dict[str, Any], List[str]]:
+    """Did the profiled steps launch the kernels of what the worker built? Per phase (``prefill``, ``decode``) and
+    layer kind: the launches whose name matches :func:`gpu_kernel_expectations`' regex (case-insensitive) must be at
+    least one per layer for attention and MoE (FA3: one ``FlashAttnFwdSm90`` per layer and step, the Triton MoE two
+    ``fused_moe_kernel`` per layer and step) and at least one for linear (a GEMM).
+
+    Args:
+        built: :meth:`VLLMAdapter.inspect`; layers: :attr:`StepObserver.layers`; kernels: :attr:`StepObserver.kernels`.
+
+    Returns:
+        ``({phase: {kind: {"built", "signature", "launches", "min", "kernels"}}}, mismatches)``; kernel names are cut
+        to 160 characters (FA3's template names run to thousands).
+    """
+    import re
+
+    want = gpu_kernel_expectations(built)
+    checked: Dict[str, Any] = {}
+    mm: List[str] = []
+    for phase in ("prefill", "decode"):
+        got = kernels.get(phase)
+        if got is None:
+            continue  # phase not profiled (e.g. max_tokens=1: no decode step)
+        checked[phase] = {}
+        for kind, (what, regex) in want.items():
+            need = int(layers.get(kind, 1)) if kind in ("attention", "moe") else 1
+            if regex is None:
+                mm.append(f"{phase}: {kind} runs {what}, for which no device kernel signature is known")
+                checked[phase][kind] = {"built": what, "signature": None, "launches": 0, "min": need, "kernels": {}}
+                continue
+            pat = re.compile(regex, re.I)
+            hits = {n: c for n, c in got.items() if pat.search(n)}
+            n = sum(hits.values())
+            names: Dict[str, int] = {}
+            for k, c in hits.items():
+                short = k if len(k) <= 160 else k[:157] + "..."
+                names[short] = names.get(short, 0) + c
+            checked[phase][kind] = {"built": what, "signature": regex, "launches": n, "min": need, "kernels": names}
+            if n < need:
+                mm.append(f"{phase}: {kind} ({what}) launched {n} kernels matching {regex!r}, expected >= {need}"
+                          + ("" if got else " (the profile holds no device kernels)"))
+    return checked, mm
+
+
 class StepObserver:
     """Watches an in-process vLLM engine step by step: prefill/decode token counts per request (from each
-    ``SchedulerOutput``), per-phase call counts of the attention, MoE and linear layers (forward hooks in the
-    worker) and the profiler ops of the first prefill and the first decode step.
+    ``SchedulerOutput``, every step), per-phase call counts of the attention, MoE and linear layers (forward hooks
+    in the worker, on the first ``observe_steps`` steps of each phase) and the profiled ops (CPU) and device kernels
+    (GPU) of the first prefill and the first decode step.
 
     A step is ``prefill`` when any request it schedules still has prompt tokens to compute, else ``decode``.
     Per request: ``prompt_tokens``, ``prefix_cached_tokens`` (computed before its first step, from vLLM's prefix
@@ -330,26 +566,46 @@ class StepObserver:
     without a prefix-cache hit: prefill 17 tokens in 1 step (which also samples the first token), then 3 decode
     steps of 1 token.
 
+    The layer hooks are removed once ``observe_steps`` steps of both phases were counted: a hooked module takes
+    ``nn.Module``'s slow call path, a few microseconds per call, which on a GPU in eager mode (a decode step of a
+    48-layer MoE is ~10 ms of kernel launches) would cost several percent of throughput on every step. The
+    profiles are read only when :attr:`ops` / :attr:`kernels` are first used (after the generate call), so their
+    processing is not part of the stage's generate time.
+
     Needs the engine core in this process (``VLLMAdapter(in_process=True)``).
+
+    Args:
+        profile: run ``torch.profiler`` over the first step of each phase.
+        device_kind: ``cpu`` | ``cuda`` | ``rocm``: a GPU adds ``ProfilerActivity.CUDA`` (device kernel names).
+        observe_steps: steps of each phase whose layer calls are counted (None: every step).
     """
 
-    def __init__(self, llm: Any, profile: bool = True) -> None:
+    def __init__(self, llm: Any, profile: bool = True, device_kind: str = "cpu",
+                 observe_steps: Optional[int] = 2) -> None:
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         if core is None or not hasattr(core, "scheduler"):
             raise RuntimeError("StepObserver needs the in-process engine core (VLLMAdapter(in_process=True))")
         self.llm = llm
         self.scheduler = core.scheduler
         self.profile = profile
-        self.phase: Optional[str] = None
-        self.steps = {"prefill": 0, "decode": 0}
+        self.device_kind = device_kind
+        self.observe_steps = observe_steps
+        self.phase: Optional[str] = None  # phase of the current step while its layer calls are counted
+        self.steps = {"prefill": 0, "decode": 0}  # steps whose layer calls were counted
+        self.steps_total = {"prefill": 0, "decode": 0}
         self.calls: Dict[str, Dict[str, int]] = {"prefill": {}, "decode": {}}
         self.layers: Dict[str, int] = {}
         self.requests: Dict[str, Dict[str, int]] = {}
-        self.ops: Dict[str, Dict[str, int]] = {}
+        self._ops: Dict[str, Dict[str, int]] = {}
+        self._kernels: Dict[str, Dict[str, int]] = {}
+        self._profiled: set = set()
+        self._pending: List[Tuple[str, Any]] = []
         self._prof = None
         self._prof_phase: Optional[str] = None
         self._orig = None
         self._handles: List[Any] = []
+        #: seconds the observer itself spent inside the engine's steps (what it adds to the generate time)
+        self.overhead_s = {"account": 0.0, "profile_start": 0.0, "profile_stop": 0.0}
 
     # hooks ------------------------------------------------------------------------------------------------
     def _install_hooks(self, model: Any) -> Dict[str, int]:
@@ -376,6 +632,11 @@ class StepObserver:
                 layers[kind] = layers.get(kind, 0) + 1
         return layers
 
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
     def __enter__(self) -> StepObserver:
         self.layers = self.llm.apply_model(self._install_hooks)[0]
         self._orig = self.scheduler.schedule
@@ -384,7 +645,9 @@ class StepObserver:
         def schedule(*args: Any, **kwargs: Any) -> Any:
             self._stop_profile()
             out = orig(*args, **kwargs)
+            t0 = time.perf_counter()
             self._account(out)
+            self.overhead_s["account"] += time.perf_counter() - t0
             return out
 
         self.scheduler.schedule = schedule
@@ -392,13 +655,15 @@ class StepObserver:
 
     def __exit__(self, *exc: object) -> None:
         self._stop_profile()
-        if self._orig is not None:
+        if self._orig is not None and self.scheduler is not None:
             self.scheduler.schedule = self._orig
             self._orig = None
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._remove_hooks()
         self.phase = None
+        self._collect()
+        # drop the engine: an observer kept for the evidence must not keep the model's weights on the device
+        self.llm = None
+        self.scheduler = None
 
     # accounting -------------------------------------------------------------------------------------------
     def _account(self, out: Any) -> None:
@@ -422,28 +687,88 @@ class StepObserver:
             else:
                 rec["decode_tokens"] += int(n)
                 rec["decode_steps"] += 1
-        self.phase = phase
-        self.steps[phase] += 1
-        if self.profile and phase not in self.ops:
+        self.steps_total[phase] += 1
+        if self.observe_steps is None or self.steps[phase] < self.observe_steps:
+            self.steps[phase] += 1
+            self.phase = phase
+        else:
+            self.phase = None
+            if self._handles and all(self.steps[p] >= self.observe_steps for p in self.steps):
+                self._remove_hooks()
+        if self.profile and phase not in self._profiled:
             from torch.profiler import ProfilerActivity, profile
 
-            self._prof = profile(activities=[ProfilerActivity.CPU])
+            acts = [ProfilerActivity.CPU]
+            if self.device_kind in ("cuda", "rocm"):
+                acts.append(ProfilerActivity.CUDA)
+            t0 = time.perf_counter()
+            self._profiled.add(phase)
+            self._prof = profile(activities=acts)
             self._prof.__enter__()
             self._prof_phase = phase
+            self.overhead_s["profile_start"] += time.perf_counter() - t0
 
     def _stop_profile(self) -> None:
         if self._prof is None:
             return
+        t0 = time.perf_counter()
         prof, self._prof = self._prof, None
-        prof.__exit__(None, None, None)
-        ops: Dict[str, int] = {}
-        for ev in prof.events():
-            ops[ev.name] = ops.get(ev.name, 0) + 1
-        self.ops[self._prof_phase or "unknown"] = ops
+        if self.device_kind in ("cuda", "rocm"):
+            import torch
+
+            torch.cuda.synchronize()  # the step's kernels are in the trace
+        prof.__exit__(None, None, None)  # events are parsed later (_collect), outside the generate call
+        self._pending.append((self._prof_phase or "unknown", prof))
+        self.overhead_s["profile_stop"] += time.perf_counter() - t0
+
+    def _collect(self) -> None:
+        """Parse the stopped profiles: CPU-side op names into :attr:`ops`, device kernels into :attr:`kernels`."""
+        import torch
+
+        pending, self._pending = self._pending, []
+        for phase, prof in pending:
+            ops: Dict[str, int] = {}
+            kernels: Dict[str, int] = {}
+            for ev in prof.events():
+                bucket = ops if ev.device_type == torch.autograd.DeviceType.CPU else kernels
+                bucket[ev.name] = bucket.get(ev.name, 0) + 1
+            self._ops[phase] = ops
+            self._kernels[phase] = kernels
+
+    @property
+    def ops(self) -> Dict[str, Dict[str, int]]:
+        """``{phase: {op name: calls}}`` of the profiled steps (CPU-side ops: ``aten::``, ``_C::``, ``vllm::``)."""
+        self._stop_profile()  # a profile opened by the last step of a call ends here (the engine is idle)
+        self._collect()
+        return self._ops
+
+    @property
+    def kernels(self) -> Dict[str, Dict[str, int]]:
+        """``{phase: {device kernel name: launches}}`` of the profiled steps (empty on CPU)."""
+        self._stop_profile()
+        self._collect()
+        return self._kernels
 
     def per_request(self) -> Dict[str, Dict[str, int]]:
         """Counts keyed by the request id ``LLM.generate`` reports (vLLM's internal ids add ``-<hash>``)."""
         return {rid.split("-")[0]: v for rid, v in self.requests.items()}
+
+
+def prepare_environment() -> Dict[str, str]:
+    """Set what vLLM needs in ``os.environ`` before its first engine starts (only where unset); returns what was set.
+
+    ``VLLM_USE_FLASHINFER_SAMPLER=0`` on a CUDA GPU without the flashinfer package: vLLM's sampler
+    (``v1/sample/ops/topk_topp_sampler.py`` ``TopKTopPSampler.__init__`` -> ``flashinfer_sampler_supported``) imports
+    its FlashInfer backend whenever the variable is not 0 (default 1) and the engine would fail to start with an
+    ImportError; with 0 it samples with its PyTorch implementation.
+    """
+    from vllm.platforms import current_platform
+
+    out: Dict[str, str] = {}
+    if current_platform.is_cuda() and "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ \
+            and not _importable("flashinfer"):
+        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = out["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return out
 
 
 class VLLMAdapter:
@@ -458,7 +783,9 @@ class VLLMAdapter:
         sampling: default ``SamplingParams`` fields (keys of :data:`SAMPLING_KEYS`).
         backends: ``{"attention": NAME, "moe": NAME, "linear": NAME}`` in vLLM's names (``auto`` default).
         engine_args: further ``vllm.EngineArgs`` fields (e.g. ``max_num_seqs``); not the owned ones.
-        enforce_eager: no torch.compile / graphs (default True on CPU, where compilation costs minutes).
+        enforce_eager: no torch.compile / CUDA graphs (default True: the evidence counts layer calls with forward
+            hooks and profiles single steps, which CUDA graph replays and vLLM's compiled graphs bypass; on CPU
+            compilation also costs minutes).
         kv_cache_gib: KV-cache size in GiB, passed as ``kv_cache_memory_bytes`` (bytes) unless ``engine_args`` sets
             it or ``VLLM_CPU_KVCACHE_SPACE`` is set (vLLM's legacy CPU variable, integer GiB, which then wins:
             ``vllm/platforms/cpu.py`` overwrites ``kv_cache_memory_bytes`` from it). With an explicit size vLLM
@@ -505,10 +832,15 @@ class VLLMAdapter:
         on_cpu = current_platform.is_cpu()
         kw: Dict[str, Any] = dict(model=self.model, load_format=self.load_format, dtype=self.dtype, seed=self.seed,
                                   max_model_len=self.max_model_len,
-                                  enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager)
+                                  enforce_eager=True if self.enforce_eager is None else self.enforce_eager)
         kw.update(self.engine_args)
-        if "kv_cache_memory_bytes" not in kw and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        if "kv_cache_memory_bytes" not in kw and not (on_cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
             kw["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
+        if not on_cpu and "kv_cache_memory_bytes" in kw:
+            # with an explicit KV-cache size, vLLM uses gpu_memory_utilization only for a start-up check that
+            # free memory >= utilization x total (v1/worker/utils.py request_memory); its default 0.9 would refuse
+            # to start beside a diffusion stage or another engine of the same process
+            kw.setdefault("gpu_memory_utilization", GPU_MEMORY_CHECK)
         if self.in_process:
             kw.setdefault("distributed_executor_backend", "uni")
         att = self.backends.get("attention", "auto")
@@ -552,12 +884,14 @@ class VLLMAdapter:
         self.check_model_dir()
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        set_by_adapter = prepare_environment()
         kw = self.llm_kwargs()
         env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**kw)
         start_s = time.perf_counter() - t0
         self.info = {"vllm_version": vllm.__version__, "llm_kwargs": kw, "start_s": round(start_s, 3), "env": env,
+                     "env_set_by_adapter": set_by_adapter,
                      "env_set_by_vllm": {k: v for k, v in os.environ.items()
                                          if k.startswith("VLLM_") and env.get(k) != v}}
 

