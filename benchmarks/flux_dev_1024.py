@@ -357,19 +357,30 @@ def fidelity_vs(ref: Dict[str, Path], files: Dict[str, Path]) -> Dict[str, Any]:
 
 
 def second_process(overrides: List[str], out: Path, prompts: Path, n: int) -> Dict[str, Any]:
-    """(b) again in a fresh ``python -m runner`` process on the first ``n`` prompts (one batch at the variant's
-    batch size, the shape the warm-up compiles), reading the compile cache the in-process run filled: its warm-up
-    seconds, the cache status torch counted, and the process's wall time."""
+    """(b) again in two fresh ``python -m runner`` processes, one after the other, on the first ``n`` prompts (one
+    batch at the variant's batch size, the shape the warm-up compiles): the first fills the compile cache as a
+    runner process does (the in-process run's entries need not match a runner process's: the benchmark's process
+    state differs), the second reads it. Returned: the second's warm-up seconds, the cache status torch counted and
+    the process's wall time, with the first's record under ``first_process``. Each process's stderr is kept beside
+    its run dir (``stderr.log``)."""
+    first = _runner_process(overrides, out / "first_process", prompts, n)
+    rec = _runner_process(overrides, out / "second_process", prompts, n)
+    rec["first_process"] = first
+    return rec
+
+
+def _runner_process(overrides: List[str], run_dir: Path, prompts: Path, n: int) -> Dict[str, Any]:
     import subprocess
 
-    run_dir = out / "second_process"
     cmd = [sys.executable, "-m", "runner", *overrides, "dataset=jsonl", f"dataset.path={prompts}",
            f"dataset.limit={n}", f"hydra.run.dir={run_dir}"]
     t0 = time.perf_counter()
     env = dict(__import__("os").environ)
     env["PYTHONPATH"] = str(ROOT) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    p = subprocess.run(cmd, cwd=str(out), env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, cwd=str(run_dir.parent), env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "stderr.log").write_text(p.stderr)
     rec: Dict[str, Any] = {"command": " ".join(cmd[1:]), "exit_code": p.returncode, "wall_s": round(wall, 2)}
     mf = run_dir / "manifest.json"
     if not mf.is_file():

@@ -126,8 +126,9 @@ def test_benchmark_script_runs_end_to_end_on_the_tiny_model(tmp_path, subprocess
 
 
 def test_benchmark_issue18_variants_smoke(tmp_path, subprocess_env):
-    """The #18 additions on the CPU: the step-cache variant, a second process reading the compile cache the lossless
-    variant filled (a hit counted by torch), and the toy_shapes gate's accuracy ratio, as top-level keys."""
+    """The #18 additions on the CPU: the step-cache variant, a second runner process reading the compile cache the
+    first runner process filled (a hit counted by torch), and the toy_shapes gate's accuracy ratio, as top-level
+    keys."""
     out = tmp_path / "bench18"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "flux_dev_1024.py"), "--smoke", "--prompts", "2",
                            "--variants", "baseline,lossless,cache", "--second-process", "--gate", "--out", str(out)],
@@ -138,6 +139,7 @@ def test_benchmark_issue18_variants_smoke(tmp_path, subprocess_env):
     assert r["speedup_cache"] > 0 and r["variants"]["cache"]["fidelity_vs_lossless"]["items"] == 2
     sp = r["second_process"]
     assert sp["exit_code"] == 0 and sp["cache_status"] == "hit" and sp["graphs_compiled_after_warmup"] == 0
+    assert sp["first_process"]["exit_code"] == 0 and sp["first_process"]["cache_key"] == sp["cache_key"]
     assert r["warmup_second_process_s"] == sp["warmup_s"] > 0
     assert r["accuracy_ratio_cache"] is not None and r["gate_toy_shapes"]["jobs"]["cache"]["verdict"] == "pass"
     assert "accuracy_ratio_cache" in r["targets_met"] and "speedup_cache" in r["targets_met"]
