@@ -17,13 +17,14 @@ the same seed on the same device) and identical per-row seeds:
     (``--cache-every N``, ``--cache-warmup W``; 4 and 3: 9 of 28 steps computed, 28/9 = 3.1x fewer transformer
     forwards whatever the weights), compiled beneath the cache's hooks.
 (g) ``cache_fp8``: (f) with FP8 linear (and SAGE2_ATTN with ``--cache-fp8-attn``).
-(h) ``lossless_<mode>``: (b) with ``optimize.compile_mode=<mode>`` (``max_autotune_no_cudagraphs``,
-    ``max_autotune``, ``reduce_overhead``), deterministic compile kept (the max-autotune modes then choose
-    kernels without timing them, so they may equal ``default``).
+(h) ``lossless_<mode>``: (b) with ``optimize.compile_mode=<mode>`` (``max_autotune_no_cudagraphs``; the CUDA-graph
+    modes are refused by the runner: ``lossless_reduce_overhead`` failed on the H200 with torch's "output of
+    CUDAGraphs overwritten" error, one graph being replayed for every block), deterministic compile kept (the
+    max-autotune mode then chooses kernels without timing them, so it may equal ``default``).
 
-Also: ``--second-process`` runs (b) again in a fresh process on 4 prompts (one batch) with the compile cache (b)
-filled, and reports its warm-up seconds and the cache hits torch counted; ``--gate`` runs the quality gate on
-toy_shapes (its 96 builtin rows, oracle accuracy per attribute): lossless vs the cache, FP8 (linear + attention)
+Also: ``--second-process`` runs (b) in two fresh runner processes, one after the other, on 4 prompts (one batch):
+the first fills the compile cache, the second's warm-up seconds and the cache hits torch counted are reported;
+``--gate`` runs the quality gate on toy_shapes (its 96 builtin rows, oracle accuracy per attribute): lossless vs the cache, FP8 (linear + attention)
 and cache + FP8 lanes, through ``runner.execute`` and ``runner.gate`` (PSNR/SSIM with torchmetrics), and writes
 ``accuracy_ratio_*`` (the lowest lossy/lossless ratio over the attributes). PSNR/SSIM of every lossy FLUX variant
 against (b)'s images are reported too (``fidelity_vs_lossless``).

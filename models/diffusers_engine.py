@@ -300,8 +300,8 @@ class DiffusersEngine(EngineBase):
         return self.source
 
     def check_compile_mode(self) -> None:
-        """``optimize.compile_mode``: only with ``compile`` on (a mode nothing reads is refused), and the CUDA-graph
-        modes only on a CUDA device.
+        """``optimize.compile_mode``: only with ``compile`` on (a mode nothing reads is refused); the CUDA-graph
+        modes are refused (regional compile replays one graph for every block of a class).
 
         Raises:
             ConfigValueError: naming the field, the value and the fix.
@@ -313,10 +313,13 @@ class DiffusersEngine(EngineBase):
         if str(cfg.compile) == "none":
             raise ConfigValueError(f"optimize.compile_mode={mode} is set, but compile=none compiles nothing; fix: "
                                    "compile=regional, or optimize.compile_mode=default")
-        if mode in CUDAGRAPH_MODES and self.ctx.plat.kind != "cuda":
-            raise ConfigValueError(f"optimize.compile_mode={mode} uses CUDA graphs, and this platform is "
-                                   f"{self.ctx.plat.kind}; fix: optimize.compile_mode=default or "
-                                   "max_autotune_no_cudagraphs")
+        if mode in CUDAGRAPH_MODES:
+            raise ConfigValueError(
+                f"optimize.compile_mode={mode} uses CUDA graphs, which compile={cfg.compile} cannot: one graph per "
+                "block class is replayed for every block, so each block's output is overwritten by the next replay "
+                "(torch: 'accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run', seen "
+                "on the H200 with FLUX.1-dev, 2026-12-01); fix: optimize.compile_mode=max_autotune_no_cudagraphs or "
+                "default")
 
     def transformer_class(self) -> Optional[str]:
         """The diffusers class name of the denoiser, known before loading (step caches are checked against it);

@@ -522,7 +522,8 @@ class OptimizeConfig:
     H200: two processes of the same run, PSNR ~49 dB apart)."""
     compile_mode: CompileMode = CompileMode.default
     """With ``compile`` on: ``torch.compile``'s mode (:class:`CompileMode`); the CUDA-graph modes
-    (``max_autotune``, ``reduce_overhead``) need a CUDA device and are refused elsewhere."""
+    (``max_autotune``, ``reduce_overhead``) are refused: regional compile replays one CUDA graph for every block of a
+    class, which overwrites each block's output (seen on the H200, 2026-12-01)."""
     compile_cache: bool = True
     """With ``compile`` on: Inductor's FX-graph, AOTAutograd and Triton caches live under
     ``<cache_dir>/compile/<key>``, the key a hash of the torch/CUDA/Triton versions, the device (GPU name and

@@ -80,7 +80,7 @@ def test_key_changes_with_model_config_device_and_torch(monkeypatch):
 @pytest.mark.cpu
 @pytest.mark.parametrize("extra, words", [
     (["optimize.compile_mode=max_autotune_no_cudagraphs"], ["compile=none", "compile=regional"]),
-    (["compile=regional", "optimize.compile_mode=reduce_overhead"], ["CUDA graphs", "cpu"]),
+    (["compile=regional", "optimize.compile_mode=reduce_overhead"], ["CUDA graphs", "overwritten", "default"]),
     (["compile=regional", "optimize.compile_mode=max_autotune"], ["CUDA graphs", "max_autotune_no_cudagraphs"]),
 ])
 def test_compile_mode_is_validated(tmp_path, extra, words):
