@@ -50,7 +50,7 @@ RESULT = ROOT / "benchmarks" / "results" / "mutation.json"
 GROUPS: Dict[str, Dict[str, Any]] = {
     # precedence: which layer wins, per stage and field; the legacy extras and the overlay's extras
     "precedence": {
-        "scope": {"runner/resolve.py": ["cli_keys", "_set_by", "_layers", "resolve_stage", "_resolve_stage",
+        "scope": {"runner/resolve.py": ["cli_keys", "_is_dict_value", "_set_by", "_layers", "resolve_stage", "_resolve_stage",
                                         "_normalize_attention", "_canonical", "_any_not_auto"]},
         "tests": ["tests/test_precedence.py", "tests/test_precedence_layers.py"]},
     # backend registry: every requirement, the platform class, auto order and selection, names, checks
