@@ -543,3 +543,116 @@ def test_trace_calls_is_the_largest_count_kernels_before_ops():
     assert t.calls(["y"]) == 2
     assert t.calls([]) == 0
     assert t.calls(["absent"]) == 0
+
+
+# ------------------------------------------------------------------------------------------------- boundaries
+
+
+def test_compiled_stage_records_every_layer():
+    sites = [site("blocks.0.attn"), site("blocks.1.attn", "CUDNN_ATTN")]
+    layers = build(sites, linear_record(), probe(), observed=False)["stages"]["denoise"]["attention"]["layers"]
+    assert [(l["layer"], l["calls"]) for l in layers] == [("blocks.0.attn", None), ("blocks.1.attn", None)]
+
+
+def test_a_layer_that_ran_two_other_backends():
+    out = build([site("blocks.0.attn", CUDNN_ATTN=1, FLASH_ATTN=1)], linear_record(TORCH=8), probe())
+    assert out["mismatches"][0].endswith("ran instead: CUDNN_ATTN x1, FLASH_ATTN x1")
+
+
+def test_one_linear_module_that_never_ran_in_one_forward():
+    out = build([site("a", TORCH_SDPA=1)], linear_record(modules=1), probe(forwards=1), expected=1)
+    assert out["mismatches"] == ["stage denoise, linear: resolved TORCH on 1 modules, observed 0 calls in 1 forwards "
+                                 "({})"]
+
+
+def test_no_forward_at_all():
+    # every row failed before denoising: nothing ran, nothing was expected to
+    moe = {"resolved": "TORCH", "sites": [moe_site()]}
+    out = build([site("a")], linear_record(), probe(forwards=0), expected=0, moe=moe)
+    assert out["verdict"] == "verified", out["mismatches"]
+    assert out["stages"]["denoise"]["moe"]["layers"][0]["ok"] is True
+
+
+def test_a_linear_record_without_moe_owned_modules():
+    from types import SimpleNamespace
+
+    lin = SimpleNamespace(resolved="TORCH", modules=4, observed={"TORCH": 8}, skipped=[])  # no ``excluded``
+    st = build(two_sites(), lin, probe())["stages"]["denoise"]
+    assert st["linear"] == {"resolved": "TORCH", "modules": 4, "observed": {"TORCH": 8}, "skipped_modules": 0}
+
+
+def test_moe_block_that_never_ran_in_one_forward():
+    moe = {"resolved": "TORCH", "sites": [moe_site()]}
+    out = build([site("a", TORCH_SDPA=1)], linear_record(modules=1, TORCH=1), probe(forwards=1), expected=1, moe=moe)
+    assert out["mismatches"] == ["stage denoise, MoE layer blocks.0.moe: resolved TORCH, observed 0 calls of it in 1 "
+                                 "forwards; ran instead: nothing else"]
+
+
+def test_moe_block_that_ran_two_other_implementations():
+    moe = {"resolved": "TORCH", "sites": [moe_site(TRITON=1, unobserved=1)]}
+    out = build(two_sites(), linear_record(TORCH=8), probe(), moe=moe)
+    assert out["mismatches"][0].endswith("ran instead: TRITON x1, unobserved x1")
+    assert out["stages"]["denoise"]["moe"]["calls"] == {"TRITON": 1, "unobserved": 1}
+
+
+def test_moe_compiled_records_every_block():
+    moe = {"resolved": "TORCH", "sites": [moe_site(), moe_site("blocks.1.moe")]}
+    layers = build(two_sites(), linear_record(), probe(), moe=moe, observed=False)["stages"]["denoise"]["moe"]["layers"]
+    assert [l["layer"] for l in layers] == ["blocks.0.moe", "blocks.1.moe"]
+
+
+def test_moe_kernels_of_every_backend_with_a_signature():
+    first = ev.reg.Backend("moe", "NOSIG_MOE")
+    second = ev.reg.Backend("moe", "SIG_MOE", signature=r"aten::zeros")
+    with ev.reg.registered(first), ev.reg.registered(second):
+        moe = {"resolved": "TORCH", "sites": [moe_site(TORCH=2)]}
+        out = build(two_sites(), linear_record(TORCH=8), probe(profile=True, model=Toy(scatter=True)), moe=moe)
+    assert out["stages"]["denoise"]["kernels"]["moe"] == {"TORCH": ["aten::scatter_reduce"], "TRITON": [],
+                                                          "SIG_MOE": ["aten::zeros"]}
+    assert out["mismatches"] == ["stage denoise, MoE: resolved TORCH, but SIG_MOE's kernels ran: ['aten::zeros']"]
+
+
+def _gpu_trace(den: ev.DenoiserProbe, kernels: dict) -> ev.DenoiserProbe:
+    """The probe with a device-kernel trace as a GPU profile records it (kernel names and launch counts)."""
+    den.trace = ev.KernelTrace(ops={SDPA_CPU: 2, "aten::addmm": 1}, kernels=dict(kernels))
+    return den
+
+
+def test_top_device_kernels_are_the_40_most_launched():
+    kernels = {f"kernel_{i:02d}": i for i in range(1, 46)}
+    out = build(two_sites(), linear_record(TORCH=8), _gpu_trace(probe(), kernels))
+    k = out["stages"]["denoise"]["kernels"]
+    assert list(k["top_device_kernels"].items()) == [(f"kernel_{i:02d}", i) for i in range(45, 5, -1)]
+    assert k["device_kernels"] == 45 and k["ops"] == 2
+
+
+def test_top_device_kernels_ties_keep_the_trace_order():
+    out = build(two_sites(), linear_record(TORCH=8), _gpu_trace(probe(), {"z": 1, "a": 2, "m": 1}))
+    assert list(out["stages"]["denoise"]["kernels"]["top_device_kernels"]) == ["a", "z", "m"]
+
+
+def test_collectives_counted_from_device_kernels():
+    den = _gpu_trace(probe(), {"ncclDevKernel_SendRecv": 4, "flash_fwd": 2})
+    out = build(two_sites(), linear_record(TORCH=8), den, collectives={"all_to_all": (COLLECTIVES["all_to_all"], 4)})
+    assert out["stages"]["denoise"]["kernels"]["collectives"]["all_to_all"] == {
+        "names": {"ncclDevKernel_SendRecv": 4}, "calls": 4, "expected_at_least": 4}
+    assert not any("context parallelism" in m for m in out["mismatches"])
+
+
+class Growing(Toy):
+    """Forward n runs n SDPA calls: the trace tells which forward was profiled."""
+
+    def forward(self, x):
+        self.attn += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("profile_forward", [1, 2, 3])
+def test_the_profiled_forward_is_the_one_asked_for(profile_forward):
+    den = probe(forwards=3, profile=True, model=Growing(attn=0), profile_forward=profile_forward)
+    assert den.forwards == 3 and den.trace.ops[SDPA_CPU] == profile_forward
+
+
+def test_no_profile_before_the_forward_asked_for():
+    den = probe(forwards=2, profile=True, model=Growing(attn=0), profile_forward=3)
+    assert den.trace is None and den.forwards == 2
