@@ -50,7 +50,7 @@ RESULT = ROOT / "benchmarks" / "results" / "mutation.json"
 GROUPS: Dict[str, Dict[str, Any]] = {
     # precedence: which layer wins, per stage and field; the legacy extras and the overlay's extras
     "precedence": {
-        "scope": {"runner/resolve.py": ["cli_keys", "_is_dict_value", "_set_by", "_layers", "resolve_stage", "_resolve_stage",
+        "scope": {"runner/resolve.py": ["cli_keys", "_set_by", "_layers", "resolve_stage", "_resolve_stage",
                                         "_normalize_attention", "_canonical", "_any_not_auto"]},
         # test_precedence.py (the layer pairs through Hydra-composed YAML, ~0.3 s a case) would take hours here;
         # test_precedence_layers.py holds the same pairs on config objects, and the conflicts, specs and messages
@@ -103,9 +103,10 @@ GROUPS: Dict[str, Dict[str, Any]] = {
         "tests": ["tests/test_fp8_linear.py"]},
 }
 
-#: Survivors that cannot change what a user sees, matched on (file, function, original line, mutated line) of the
-#: mutation (stripped), each with the one-line reason. Kept short: everything else that survives is a missing test.
-EQUIVALENT: List[Dict[str, str]] = []
+#: Survivors that cannot change what a user sees (benchmarks/mutation_equivalent.json), matched on the file,
+#: function, original line and mutated line of the mutation (stripped), each with its one-line reason. Everything
+#: else that survives is a missing test (or a GPU-only line this CPU machine cannot tell apart).
+EQUIVALENT: List[Dict[str, str]] = json.loads((ROOT / "benchmarks" / "mutation_equivalent.json").read_text())
 
 
 def _toml_list(xs: List[str]) -> str:

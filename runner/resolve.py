@@ -187,14 +187,7 @@ def cli_keys(overrides: Iterable[str], groups: Iterable[str] = ()) -> List[str]:
     groups = set(groups) or set(CONFIG_GROUPS)
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     return [o.key_or_group for o in parsed
-            if not (o.key_or_group in groups and o.package is None and not _is_dict_value(o))]
-
-
-def _is_dict_value(o: Any) -> bool:
-    try:
-        return isinstance(o.value(), dict)
-    except Exception:  # noqa: BLE001 - a sweep or deletion without a plain value: a group selection if anything
-        return False
+            if not (o.key_or_group in groups and o.package is None and not isinstance(o.value(), dict))]
 
 
 def _set_by(keys: Sequence[str], key: str) -> bool:

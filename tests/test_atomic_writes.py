@@ -234,6 +234,14 @@ def test_journal_appends_durable_lines(tmp_path):
     assert sinks.read_journal(p) == [{"key": "a", "status": "ok"}, {"key": "b"}]
 
 
+def test_journal_lines_keep_the_records_key_order(tmp_path):
+    p = tmp_path / "items.jsonl"
+    j = art.Journal(p)
+    j.append({"status": "ok", "key": "a", "file": "images/a.png"})
+    j.close()
+    assert p.read_text() == '{"status": "ok", "key": "a", "file": "images/a.png"}\n'
+
+
 def test_journal_cuts_a_partial_last_line_of_a_killed_run(tmp_path):
     p = tmp_path / "items.jsonl"
     p.write_bytes(b'{"key": "a"}\n{"key": "b"}\n{"key": "c", "sta')
@@ -385,6 +393,38 @@ def test_writer_bounds_pending_submissions(tmp_path):
     assert [r["key"] for r in sinks.read_journal(tmp_path / "items.jsonl")] == ["a", "b", "c"]
 
 
+def test_writer_times_add_up_over_items(tmp_path):
+    import time
+
+    def slow(path: Path, payload: Any) -> Dict[str, Any]:
+        time.sleep(0.3)
+        return {"sha256": "s"}
+
+    w = art.ArtifactWriter(art.Journal(tmp_path / "items.jsonl"), 1, lambda r: None, max_pending=1, write=slow)
+    for k in "abc":
+        w.submit({"key": k}, tmp_path / k, k)  # each submission beyond one pending waits for the oldest
+    w.close()
+    assert 0.85 <= w.thread_s < 30  # summed over the three writes
+    assert 0.5 <= w.wait_s < 30  # summed over the waits
+    for r in sinks.read_journal(tmp_path / "items.jsonl"):
+        assert 0.29 <= r["timing"]["write_s"] < 30
+
+
+def test_writer_records_write_seconds_to_four_decimals(tmp_path, monkeypatch):
+    import time
+
+    clock = iter([100.0, 100.0123456, 200.0, 200.5])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    w = art.ArtifactWriter(art.Journal(tmp_path / "items.jsonl"), 0, lambda r: None,
+                           write=lambda p, x: {"sha256": "s"})
+    w.submit({"key": "a"}, tmp_path / "a", 1)
+    w.submit({"key": "b"}, tmp_path / "b", 2)
+    monkeypatch.undo()
+    w.close()
+    assert [r["timing"]["write_s"] for r in sinks.read_journal(tmp_path / "items.jsonl")] == [0.0123, 0.5]
+    assert w.thread_s == pytest.approx(0.5123456)
+
+
 def test_writer_max_pending_at_least_one(tmp_path):
     w = art.ArtifactWriter(art.Journal(tmp_path / "j"), 0, lambda r: None, max_pending=0)
     assert w.max_pending == 1
@@ -467,6 +507,19 @@ def test_folder_metadata_lists_the_ok_items_of_each_folder(tmp_path):
     assert [r["file_name"] for r in images] == ["a.png", "b.png"]
     (video,) = sinks.read_journal(tmp_path / "videos" / "metadata.jsonl")
     assert (video["num_frames"], video["fps"], video["meta"]) == (9, 8, {"src": 1})
+
+
+def test_folder_metadata_of_videos_without_an_images_folder(tmp_path):
+    (tmp_path / "videos").mkdir()
+    recs = [_ok("v", "videos/v.mp4"), _ok("folder", "images"), _ok("img", "images/i.png")]
+    assert sinks.write_folder_metadata(tmp_path, recs, None, None) == {"videos/metadata.jsonl": 1}
+    assert not (tmp_path / "images").exists()
+
+
+def test_folder_metadata_never_lists_the_folder_itself(tmp_path):
+    (tmp_path / "images").mkdir()
+    recs = [_ok("folder", "images"), _ok("a", "images/a.png")]
+    assert sinks.write_folder_metadata(tmp_path, recs, None, None) == {"images/metadata.jsonl": 1}
 
 
 def test_folder_metadata_removes_a_stale_index(tmp_path):

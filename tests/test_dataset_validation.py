@@ -203,6 +203,46 @@ def test_a_bad_row_is_not_kept_but_later_rows_are_still_checked(tmp_path):
     assert [m.split(": ", 1)[0] for m in problems(p)] == [f"{p}:1", f"{p}:2"]
 
 
+def test_size_multiple_of_one(tmp_path):
+    rows, _ = load(jsonl(tmp_path, [{"prompt": "p", "width": 1, "height": 3}]), size_multiple=1)
+    assert (rows[0].width, rows[0].height) == (1, 3)
+
+
+def test_a_missing_size_is_not_also_reported_as_too_many_pixels(tmp_path):
+    p = jsonl(tmp_path, [{"prompt": "p", "height": 64}, {"prompt": "q", "width": 64, "height": None}])
+    assert problems(p, defaults=dict(DEFAULTS, width=None, height=None), max_pixels=32) == [
+        f"{p}:1: field 'width' = None is not a positive multiple of 16; fix: use e.g. 16",
+        f"{p}:2: field 'height' = None is not a positive multiple of 16; fix: use e.g. 16"]
+
+
+def test_every_field_of_a_row_is_read_after_an_extra_or_null_one(tmp_path):
+    p = jsonl(tmp_path, [{"category": "x", "prompt": "p", "seed": 3}, {"seed": None, "prompt": "q", "width": 32}])
+    rows, _ = load(p, extra_fields="keep")
+    assert (rows[0].prompt, rows[0].seed, rows[0].meta) == ("p", 3, {"category": "x"})
+    assert (rows[1].prompt, rows[1].width) == ("q", 32)
+
+
+def test_builtin_prompts_by_default(tmp_path):
+    rows, src = ds.load_rows("builtin", None, defaults=DEFAULTS, size_multiple=16, max_pixels=1 << 20)
+    assert src == ds.BUILTIN_PROMPTS and len(rows) >= 1 and all(r.prompt for r in rows)
+
+
+def test_columns_rename_a_source_column(tmp_path):
+    p = tmp_path / "rows.csv"
+    p.write_text("Prompt,Seed\na fox,4\n")
+    rows, _ = load(p, fmt="csv", columns={"prompt": "Prompt", "seed": "Seed"})
+    assert (rows[0].prompt, rows[0].seed) == ("a fox", 4)
+
+
+def test_hf_split(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    d = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "train row"}]),
+                              "test": datasets.Dataset.from_list([{"prompt": "test row"}, {"prompt": "two"}])})
+    d.save_to_disk(str(tmp_path / "ds"))
+    rows, _ = load(tmp_path / "ds", fmt="hf", split="test")
+    assert [r.prompt for r in rows] == ["test row", "two"]
+
+
 def test_no_rows(tmp_path):
     p = tmp_path / "empty.jsonl"
     p.write_text("\n\n")
@@ -248,7 +288,7 @@ def test_coerce_rules():
     for bad, text in ((False, False), ("2.5", False), (None, True)):
         with pytest.raises(ValueError):
             ds.coerce(bad, float, text)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="list"):
         ds.coerce(1, list, False)
 
 
@@ -320,6 +360,11 @@ def test_expand_items_wraps_derived_seeds_only():
     assert [it.seed for it in top] == [2 ** 63 - 65, 2 ** 63 - 64]  # a row's own seed: + k, as written
 
 
+def test_a_rows_own_seed_counts_up_as_written():
+    items = ds.expand_items([_row("t", seed=2 ** 63 - 65, n=70)], 0)
+    assert items[-1].seed == 2 ** 63 - 65 + 69  # never wrapped: the row's seed + k, as documented
+
+
 def test_expand_items_refuses_colliding_keys():
     with pytest.raises(DatasetError) as e:
         ds.expand_items([_row("a", n=2, line=1), _row("a-1", line=2)], 0)
@@ -343,7 +388,7 @@ def test_batches_split_on_every_shape_field():
 
 @pytest.mark.parametrize("key,stem", [
     ("fox", "fox"), ("a.b-c_d", "a.b-c_d"), ("a/b", "a_b-c14cddc0"), ("../x", "_x-d6b96a97"), ("", "id-e3b0c442"),
-    ("CON", "_CON-a3dbc4b6"), ("con.txt", "_con.txt-d3bde286"), ("COM1", "_COM1-6eac394b"),
+    ("CON", "_CON-a3dbc4b6"), ("con.txt", "_con.txt-d3bde286"), ("COM1", "_COM1-6eac394b"), ("Xfox", "Xfox"),
     (".hidden", "hidden-16924190"), ("lpt9.log", "_lpt9.log-83b3402a"),
 ])
 def test_safe_stem(key, stem):

@@ -656,3 +656,33 @@ def test_the_profiled_forward_is_the_one_asked_for(profile_forward):
 def test_no_profile_before_the_forward_asked_for():
     den = probe(forwards=2, profile=True, model=Growing(attn=0), profile_forward=3)
     assert den.trace is None and den.forwards == 2
+
+
+class _Seen(Toy):
+    """Records, during its forward, what the probe's profiler records (its activities)."""
+
+    seen: list
+
+    def forward(self, x):
+        prof = self.probe._prof
+        self.seen.append(None if prof is None else sorted(str(a) for a in prof.activities))
+        return super().forward(x)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the profiler warns that CUDA activity has no device here
+@pytest.mark.parametrize("kind,device", [("cuda", True), ("rocm", True), ("cpu", False), ("xpu", False)])
+def test_on_a_gpu_the_probe_records_the_device_and_waits_for_it(monkeypatch, kind, device):
+    """On a CUDA/ROCm device the profiler also records device activity, and the probe synchronizes the device before
+    it stops the profiler (kernels still queued would be missing from the trace). This machine has no GPU: the
+    synchronize call is recorded instead of run, and the profiler is asked for CUDA activity all the same."""
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(a))
+    model = _Seen()
+    model.seen = []
+    model.probe = ev.DenoiserProbe(model, profile=True, device_kind=kind)
+    model(torch.randn(2, 16))
+    model(torch.randn(2, 16))
+    want = ["ProfilerActivity.CPU", "ProfilerActivity.CUDA"] if device else ["ProfilerActivity.CPU"]
+    assert model.seen == [want, None]  # the first forward only is profiled
+    assert len(syncs) == (1 if device else 0)
+    assert model.probe.trace.ops[SDPA_CPU] == 2

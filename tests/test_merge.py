@@ -313,3 +313,95 @@ def test_merged_exit_code():
 def test_ended():
     assert dist._ended("running") == "crashed"
     assert dist._ended("completed") == "completed" and dist._ended(None) is None
+
+
+# ---------------------------------------------------------------------------------- what a worker may lack
+
+
+def _minimal(d: Path, rank: int, status: str = "crashed") -> None:
+    """The manifest of a worker that died early: a status and little else."""
+    (d / f"manifest.rank{rank}.json").write_text(json.dumps({"status": status}))
+
+
+def test_a_worker_manifest_with_almost_nothing(tmp_path):
+    _worker(tmp_path, 0, [ok("a"), ok("c"), ok("e")])
+    _minimal(tmp_path, 1)
+    m = dist.merge(tmp_path, 2, KEYS, "torchrun")
+    assert m["workers"][1] == {"rank": 1, "host": None, "device": None, "device_name": None, "pid": None,
+                               "shard_items": None, "status": "crashed", "counts": None, "evidence_verdict": None,
+                               "resumed_from": None,
+                               "timing": {"wall_s": None, "load_s": None, "warmup_s": None, "loop_s": None,
+                                          "images_per_hour": None},
+                               "memory": None}
+    assert m["status"] == "incomplete" and m["failed_workers"] == [1]
+    assert m["timing"]["loop_s"] == 10.0 and m["timing"]["images_per_hour"] == 1080.0
+
+
+def test_rank_0_minimal_as_the_base(tmp_path):
+    _minimal(tmp_path, 0, "completed")
+    _worker(tmp_path, 1, [ok(k) for k in KEYS])
+    m = dist.merge(tmp_path, 2, KEYS, "torchrun")
+    assert "worker" not in m and m["dataset"] == {"items": 5} and m["status"] == "completed"
+
+
+def test_rank_0_without_manifest_the_others_still_listed(tmp_path):
+    _worker(tmp_path, 1, [ok(k) for k in KEYS])
+    m = dist.merge(tmp_path, 2, KEYS, "torchrun")
+    assert [w["status"] for w in m["workers"]] == ["missing", "completed"]
+    assert m["run_id"] == "run-1"  # the base is the first manifest there is
+
+
+def test_no_manifest_at_all(tmp_path):
+    (tmp_path / "images").mkdir()
+    m = dist.merge(tmp_path, 2, KEYS, "torchrun")
+    assert m["status"] == "incomplete" and m["counts"]["missing"] == 5
+    assert m["workers"] == [{"rank": 0, "status": "missing"}, {"rank": 1, "status": "missing"}]
+    assert m["evidence"]["mismatches"] == ["rank 0: no manifest", "rank 1: no manifest"]
+    assert read_journal(tmp_path / "items.jsonl") == []
+
+
+def test_counts_without_reused_or_ok(tmp_path):
+    _worker(tmp_path, 0, [ok("a"), ok("c"), ok("e")])
+    _worker(tmp_path, 1, [ok("b"), ok("d")])
+    for r in (0, 1):
+        p = tmp_path / f"manifest.rank{r}.json"
+        doc = json.loads(p.read_text())
+        doc["counts"] = {"failed": 0}
+        p.write_text(json.dumps(doc))
+    m = dist.merge(tmp_path, 2, KEYS, "torchrun")
+    assert m["counts"]["reused"] == 0 and m["counts"]["ok"] == 5
+    assert m["timing"]["images_per_hour"] == 0.0
+
+
+def test_identity_filter_with_a_missing_worker_and_unknown_keys(tmp_path):
+    _worker(tmp_path, 0, [ok("a"), ok("c"), ok("z")])
+    m = dist.merge(tmp_path, 2, ["a", "c", "z"], "torchrun", current=lambda shas: {"a": ["in-a"], "c": ["in-c"]})
+    assert [r["key"] for r in read_journal(tmp_path / "items.jsonl")] == ["a", "c"]
+    assert m["counts"]["missing"] == 1
+
+
+def test_the_evidence_and_folder_index_sections(tmp_path):
+    _two_workers(tmp_path)
+    m = dist.merge(tmp_path, 2, KEYS, "torchrun")
+    doc1 = json.loads((tmp_path / "manifest.rank1.json").read_text())
+    assert m["evidence"]["workers"]["1"] == doc1["evidence"]
+    assert m["folder_metadata"] == {"images/metadata.jsonl": 5}
+
+
+def test_context_parallel_section_text(tmp_path):
+    lay = dist.Layout(mode="ring", data=1, ring=2, ulysses=1)
+    _worker(tmp_path, 0, [ok(k) for k in KEYS])
+    _worker(tmp_path, 1, [])
+    par = dist.merge(tmp_path, 2, KEYS, "torchrun", lay=lay)["parallelism"]
+    assert par["launcher"] == "torchrun"
+    assert par["sharding"] == ("the run's batches dealt whole, in order, each to the data group with the fewest items "
+                               "(see shard); every rank of a context group computes its group's items together, the "
+                               "group's first rank writes them")
+
+
+def test_merged_exit_code_logs_what_is_missing(caplog):
+    import logging
+
+    with caplog.at_level(logging.ERROR, logger="runner"):
+        assert dist.merged_exit_code({"status": "incomplete", "failed_workers": [1, 3], "counts": {"missing": 4}}) == 1
+    assert caplog.messages == ["data-parallel run incomplete: workers not completed: [1, 3]; missing items: 4"]

@@ -279,6 +279,22 @@ def test_an_unknown_name_names_the_key_that_set_it(layer, where):
     assert str(e.value).startswith(f"{where}='zzqq' is not a known backend; valid names: ")
 
 
+@pytest.mark.parametrize("layer,where", [("yaml_stage", "model.stages.denoise.backend.linear"),
+                                         ("model_default", "model.backend.linear")])
+def test_an_unknown_linear_name_names_the_key_that_set_it(layer, where):
+    cfg, cli = config({layer: "zzqq"}, "linear")
+    with pytest.raises(reg.UnknownBackendError) as e:
+        run(cfg, cli)
+    assert str(e.value).startswith(f"{where}='zzqq' is not a known backend; valid names: FP8, TORCH, auto")
+
+
+def test_an_unknown_losing_stage_value_of_a_field_the_stage_lacks():
+    cfg, cli = config({"yaml_stage": "zzqq", "cli_run": "torch"}, "moe")
+    with pytest.raises(reg.UnknownBackendError) as e:
+        run(cfg, cli, NO_MOE)
+    assert str(e.value).startswith("model.stages.denoise.backend.moe='zzqq' is not a known backend")
+
+
 def test_an_unknown_legacy_value_is_an_error_even_when_it_loses():
     cfg, cli = config({"cli_run": "sdpa", "engine_extras": "zzqq"})
     with pytest.raises(reg.UnknownBackendError) as e:
@@ -321,6 +337,33 @@ def test_a_wired_runnable_backend_passes():
     assert res["attention"].selected == per_role("TORCH_SDPA")  # auto picks among the wired only
     assert res["attention"].reason == "joint: no specialised kernel fits (skipped: CUDNN_ATTN: not wired into this " \
                                       "stage's engine; FLASH_ATTN: not wired into this stage's engine)"
+
+
+def test_an_unwired_backend_lists_what_the_engine_runs():
+    cfg, cli = config({"cli_run": "fp8"}, "linear")
+    info = stage_info(fields=("attention", "linear"), context=ctx(**CPU))
+    info.wired = {"linear": ["TORCH", "INT8"], "attention": ["TORCH_SDPA", "FLASH_ATTN"]}
+    with pytest.raises(reg.BackendUnavailableError) as e:
+        run(cfg, cli, info)
+    assert "is not wired into the engine of stage 'denoise' (it runs TORCH, INT8). Fix:" in str(e.value)
+    cfg, cli = config({"cli_run": "cudnn"})
+    with pytest.raises(reg.BackendUnavailableError) as e:
+        run(cfg, cli, info)
+    assert "is not wired into the engine of stage 'denoise' (it runs TORCH_SDPA, FLASH_ATTN). Fix:" in str(e.value)
+
+
+def test_auto_picks_among_the_wired_linear_backends():
+    info = stage_info(fields=("attention", "linear"))
+    info.wired = {"linear": ["FP8"]}
+    with pytest.raises(reg.BackendUnavailableError) as e:
+        run(*config(), info)
+    assert str(e.value) == "auto found no linear backend: TORCH: not wired into this stage's engine"
+
+
+def test_auto_reasons_of_every_role():
+    r = run(*config(), stage_info(roles=("joint", "cross")))[0]["attention"]
+    why = reg.auto_order("attention", ctx())[0][1]
+    assert r.reason == f"joint: {why}; cross: {why}"
 
 
 def test_an_unwired_attention_backend_per_role():
@@ -385,6 +428,9 @@ def test_spec_errors():
     assert str(e.value) == ("backend.attention.per_role.self: the model has no attention role 'self'; its roles: "
                             "joint")
     with pytest.raises(reg.BackendSpecError) as e:
+        _normalized({"per_role": {"self": "sdpa"}}, ("joint", "cross"))
+    assert str(e.value).endswith("its roles: joint, cross")
+    with pytest.raises(reg.BackendSpecError) as e:
         _normalized({"default": "sdpa", "extra": 1})
     assert str(e.value) == "backend.attention: unknown key(s) ['extra']; expected default, per_role"
     with pytest.raises(reg.BackendSpecError) as e:
@@ -420,8 +466,9 @@ def test_quant_with_auto_needs_a_named_backend():
         run(cfg, cli)
     assert str(e.value) == "backend.attention: quant/skip_softmax need a named backend, not auto"
     cfg, cli = config({"cli_run": {"backend": "auto", "quant": {"dtype_qk": "int8"}}})
-    with pytest.raises(reg.BackendSpecError):
+    with pytest.raises(reg.BackendSpecError) as e:
         run(cfg, cli)
+    assert str(e.value) == "backend.attention: quant/skip_softmax need a named backend, not auto"
 
 
 def test_a_spec_the_backend_does_not_take_is_refused_per_role():
@@ -496,6 +543,16 @@ def test_auto_at_any_layer_is_fine(layer):
     assert (r.layer, r.selected) == (layer, None)
 
 
+def test_fields_after_one_the_stage_lacks_are_still_resolved():
+    info = stage_info(fields=("linear", "moe"))
+    res = run(*config(), info)[0]
+    assert set(res) == {"attention", "linear", "moe"}
+    assert (res["attention"].selected, res["linear"].selected) == (None, "TORCH") and res["moe"].selected
+    cfg, cli = config({"yaml_stage": "auto"})
+    res = run(cfg, cli, info)[0]
+    assert set(res) == {"attention", "linear", "moe"} and res["linear"].selected == "TORCH"
+
+
 def test_no_attention_layers_with_a_per_role_stage_value():
     info = stage_info(fields=("linear",))
     cfg, cli = config({"yaml_stage": {"default": "auto", "per_role": {"joint": "sdpa"}}})
@@ -526,6 +583,8 @@ def test_a_run_level_conflict_in_a_pipeline_keeps_its_type():
     with pytest.raises(StageConflictError) as e:
         run(cfg, cli, NO_MOE)
     assert str(e.value).startswith("stage 'denoise' of model.pipeline ['expand', 'denoise']: backend.moe=TORCH (from")
+    assert str(e.value).endswith("\n(backend.moe applies to every stage; to set it for one stage only use "
+                                 "model.stages.<stage>.backend.moe, e.g. model.stages.denoise.backend.moe)")
 
 
 def test_a_stage_level_error_in_a_pipeline_is_unchanged():
@@ -546,9 +605,11 @@ def test_a_run_level_error_of_a_one_stage_model_is_unchanged():
 
 
 class VllmLike(EngineNames):
-    """An engine that owns its backend names (like vLLM's): upper-case names, FLASHINFER only on GPUs."""
+    """An engine that owns its backend names (like vLLM's), per field; some of them unknown to the registry
+    (XFORMERS, CUTLASS); FLASHINFER only on GPUs."""
 
     engine = "vllm"
+    NAMES = {"attention": ("FLASH_ATTN", "FLASHINFER", "XFORMERS"), "linear": ("TORCH",), "moe": ("TRITON", "CUTLASS")}
 
     def __init__(self):
         self.checked = []
@@ -556,8 +617,8 @@ class VllmLike(EngineNames):
     def canonical(self, fld, value, where):
         if str(value).lower() == "auto":
             return "auto"
-        if str(value).upper() not in ("FLASH_ATTN", "FLASHINFER", "TORCH_SDPA", "TRITON", "TORCH"):
-            raise reg.UnknownBackendError(f"{where}={value!r} is not a vLLM backend")
+        if str(value).upper() not in self.NAMES[fld]:
+            raise reg.UnknownBackendError(f"{where}={value!r} is not a vLLM {fld} backend")
         return str(value).upper()
 
     def check(self, fld, name, where):
@@ -574,7 +635,7 @@ def test_an_engines_own_names_resolve_through_the_same_layers():
     names = VllmLike()
     info = stage_info(fields=("attention", "linear", "moe"))
     info.names = names
-    cfg, cli = config({"yaml_stage": "flash_attn", "model_default": "torch_sdpa"})
+    cfg, cli = config({"yaml_stage": "flash_attn", "model_default": "xformers"})
     res = run(cfg, cli, info)[0]
     a = res["attention"]
     assert (a.layer, a.resolved, a.selected, a.reason) == ("yaml_stage", "FLASH_ATTN", "FLASH_ATTN", None)
@@ -585,8 +646,29 @@ def test_an_engines_own_names_resolve_through_the_same_layers():
     with pytest.raises(reg.BackendUnavailableError, match="backend.attention=FLASHINFER: no GPU"):
         run(cfg, cli, info)
     cfg, cli = config({"cli_run": "sdpa"})
-    with pytest.raises(reg.UnknownBackendError, match="backend.attention='sdpa' is not a vLLM backend"):
+    with pytest.raises(reg.UnknownBackendError, match="backend.attention='sdpa' is not a vLLM attention backend"):
         run(cfg, cli, info)
+    cfg, cli = config({"cli_run": "cutlass"}, "moe")
+    assert run(cfg, cli, info)[0]["moe"].selected == "CUTLASS"
+
+
+def test_an_engines_own_names_for_a_legacy_key():
+    info = stage_info(fields=("attention", "linear", "moe"))
+    info.names = VllmLike()
+    cfg, cli = config({"cli_run": "xformers", "engine_extras": "flashinfer"})
+    r = run(cfg, cli, info)[0]["attention"]
+    assert r.legacy == {"key": "attention_backend", "value": "flashinfer", "normalized": "FLASHINFER", "used": False}
+    assert r.warnings[0].startswith("stage denoise: engine_extras.attention_backend='flashinfer' (normalized "
+                                    "FLASHINFER) conflicts with backend.attention=XFORMERS from layer cli_run")
+
+
+def test_an_engines_own_names_for_a_field_the_stage_lacks():
+    info = stage_info(fields=("attention", "linear"))
+    info.names = VllmLike()
+    cfg, cli = config({"yaml_stage": "cutlass", "cli_run": "triton"}, "moe")
+    with pytest.raises(StageConflictError) as e:
+        run(cfg, cli, info)
+    assert str(e.value).startswith("model.stages.denoise.backend.moe=CUTLASS: stage 'denoise' has no MoE layers")
 
 
 def test_the_engine_names_interface_is_abstract():

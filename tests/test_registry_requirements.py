@@ -495,3 +495,13 @@ def test_spec_skip_softmax_exactly_one_of_threshold_and_sparsity(skip, ok):
         with pytest.raises(BackendSpecError) as e:
             reg.validate_spec("TRTLLM_ATTN", spec, "w")
         assert str(e.value) == "w.skip_softmax: set exactly one of threshold, target_sparsity"
+
+
+def test_symbol_in_a_top_level_module_that_lacks_it():
+    assert reg.symbol("json:no_such_fn")(ctx()) == ["needs `json.no_such_fn` (the installed package lacks it)"]
+
+
+def test_context_parallel_without_diffusers(monkeypatch):
+    monkeypatch.setitem(sys.modules, "diffusers.models.attention_dispatch", None)  # the import now fails
+    assert reg.context_parallel_unmet(reg.get("attention", "TORCH_SDPA"), ctx(sequence_parallel=True)) == [
+        "needs diffusers for context parallelism"]

@@ -195,7 +195,7 @@ def test_items_only_in_the_rerun(tmp_path):
 
 
 def test_failed_items_of_the_original_are_not_compared(tmp_path):
-    o, n = pair(tmp_path, {"a": _img(0), "f": {"status": "failed", "file": None}, "g": {"status": "ok"}},
+    o, n = pair(tmp_path, {"f": {"status": "failed", "file": None}, "g": {"status": "ok"}, "a": _img(0)},
                 {"a": _img(0)})
     res = repro.compare(o, n)
     assert res["ok"] and [r["key"] for r in res["items"]] == ["a"]
@@ -305,6 +305,36 @@ def test_ar_records_need_identical_token_ids(tmp_path):
                   "ok": True, "verdict": "ok"}
 
 
+def test_ar_records_not_ok_in_the_original_are_not_compared(tmp_path):
+    o, n = pair(tmp_path, {"bad": _ar([9], "failed"), "plain": {"status": "ok", "text": "x"}, "p": _ar([1, 2])},
+                {"p": _ar([1, 2])})
+    res = repro.compare(o, n)
+    assert res["ok"] and [r["key"] for r in res["items"]] == ["p"]
+
+
+def test_ar_record_missing_from_the_rerun(tmp_path):
+    o, n = pair(tmp_path, {"p": _ar([1]), "q": _ar([2]), "r": _ar([3])},
+                {"p": _ar([1]), "q": {"status": "failed", "reason": "engine died"}})
+    res = repro.compare(o, n)
+    assert res["problems"] == ["item 'q': missing in re-run (failed: engine died)", "item 'r': missing in re-run"]
+    assert [r["ok"] for r in res["items"]] == [True, False, False]
+
+
+def test_ar_record_with_null_token_ids(tmp_path):
+    o, n = pair(tmp_path, {"p": _ar(None)}, {"p": _ar(None)})
+    row = repro.compare(o, n)["items"][0]
+    assert row["original_sha256"] is None and row["verdict"] == "missing in re-run (ok: None)"
+
+
+def test_image_and_token_problems_are_all_listed(tmp_path):
+    o, n = pair(tmp_path, {"a": _img(0)}, {"a": _img(1)})
+    (o / "expand.jsonl").write_text(json.dumps({"key": "r", **_ar([1, 2])}) + "\n")
+    (n / "expand.jsonl").write_text(json.dumps({"key": "r", **_ar([1, 3])}) + "\n")
+    assert repro.compare(o, n)["problems"] == [
+        "item 'a': bytes differ",
+        "item 'expand.jsonl:r': output_token_ids differ from token 1 (2 original vs 2 re-run tokens)"]
+
+
 def test_ar_token_ids_of_another_length(tmp_path):
     o, n = pair(tmp_path, {"p": _ar([1, 2, 3])}, {"p": _ar([1, 2])})
     assert repro.compare(o, n)["problems"] == [
@@ -383,8 +413,8 @@ def test_videos_with_another_frame_count(tmp_path):
     ro = _video(tmp_path / "orig", "v", _frames(0, 3))
     rn = _video(tmp_path / "new", "v", _frames(0, 4))
     o, n = pair(tmp_path, {"v": ro}, {"v": rn}, platform="cuda")
-    problems = repro.compare(o, n)["problems"]
-    assert len(problems) == 1 and problems[0].startswith("item 'v': ") and "PSNR — dB < 40 dB" in problems[0]
+    assert repro.compare(o, n)["problems"] == [
+        "item 'v': frames (3, 16, 16, 3) vs (4, 16, 16, 3); PSNR — dB < 40 dB"]
 
 
 def test_video_that_does_not_decode(tmp_path):
@@ -395,6 +425,14 @@ def test_video_that_does_not_decode(tmp_path):
     res = repro.compare(o, n)
     assert res["problems"] == ["item 'v': a video does not decode here (see notes)"]
     assert len(res["notes"]) == 1 and res["notes"][0].startswith("item 'v': the re-run video does not decode here (")
+
+
+def test_notes_of_every_video_are_kept(tmp_path):
+    ro = {k: _video(tmp_path / "orig", k, _frames(i), frames_sha="0" * 64) for i, k in enumerate("vw")}
+    rn = {k: _video(tmp_path / "new", k, _frames(i)) for i, k in enumerate("vw")}
+    o, n = pair(tmp_path, ro, rn)
+    notes = repro.compare(o, n)["notes"]
+    assert [x.split(":")[0] for x in notes] == ["item 'v'", "item 'w'"]
 
 
 def test_a_recorded_frames_sha_from_another_decoder_is_a_note(tmp_path):
@@ -425,6 +463,8 @@ def test_rerun_command_drops_the_output_and_resume_overrides(tmp_path):
 def test_rerun_command_keeps_an_absolute_dataset_path_as_written(tmp_path):
     man = {"overrides": ["dataset.path=/data/rows.jsonl"], "dataset": {"path": "/data/rows.jsonl"}, "config": {}}
     assert repro.rerun_command(man, tmp_path)[3:] == ["dataset.path=/data/rows.jsonl", f"hydra.run.dir='{tmp_path}'"]
+    eq = {"overrides": ["dataset.path='data/a=b.jsonl'"], "dataset": {"path": "/abs/data/a=b.jsonl"}}
+    assert repro.rerun_command(eq, tmp_path)[3] == "dataset.path='/abs/data/a=b.jsonl'"
     bare = {"overrides": ["dataset.path=rows.jsonl"]}
     assert repro.rerun_command(bare, tmp_path)[3] == "dataset.path=rows.jsonl"  # nothing recorded to replace it
     assert repro.rerun_command({}, tmp_path) == [sys.executable, "-m", "runner", f"hydra.run.dir='{tmp_path}'"]

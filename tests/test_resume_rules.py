@@ -136,7 +136,7 @@ def test_the_step_cache_counts_only_when_on(cfg):
         f"cache: {on['cache']!r} -> {_set(on, 'cache.threshold', 0.2)['cache']!r}"]
 
 
-@pytest.mark.parametrize("method", ["none", "None", " OFF ", "", None, "null"])
+@pytest.mark.parametrize("method", ["none", "None", " OFF ", "", "   ", None, "null"])
 def test_cache_off_spellings(cfg, method):
     assert rs.cache_config(_set(cfg, "cache.method", method)) is None
 
@@ -228,7 +228,7 @@ def test_finished_keeps_intact_artifacts_only(tmp_path):
     (tmp_path / "images" / "missing.png").unlink()
     failed = {"key": "failed", "status": "failed", "file": None}
     nofile = {"key": "nofile", "status": "ok"}
-    _journal(tmp_path / "items.jsonl", [good, corrupt, missing, failed, nofile], tail='{"key": "half')
+    _journal(tmp_path / "items.jsonl", [failed, nofile, good, corrupt, missing], tail='{"key": "half')
     assert rs.finished(tmp_path) == {"good": good}
 
 
