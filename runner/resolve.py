@@ -179,13 +179,15 @@ def cli_keys(overrides: Iterable[str], groups: Iterable[str] = ()) -> List[str]:
 
     Args:
         groups: config group names (``backend``, ``model``...). ``backend=<preset>`` selects a YAML file, which is
-            YAML content, not a CLI value, so group selections are left out.
+            YAML content, not a CLI value, so group selections are left out; a dict for a group's node
+            (``backend={attention: cudnn}``, merged by Hydra like ``backend.attention=cudnn``) is a CLI value.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     groups = set(groups) or set(CONFIG_GROUPS)
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    return [o.key_or_group for o in parsed if not (o.key_or_group in groups and o.package is None)]
+    return [o.key_or_group for o in parsed
+            if not (o.key_or_group in groups and o.package is None and not isinstance(o.value(), dict))]
 
 
 def _set_by(keys: Sequence[str], key: str) -> bool:

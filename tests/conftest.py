@@ -46,9 +46,13 @@ def write_jsonl(tmp_path) -> Callable[..., Path]:
 @pytest.fixture(scope="session", autouse=True)
 def runner_cache(tmp_path_factory) -> Path:
     """One embedded-model cache for the whole session (in-process runs and subprocesses both read
-    ``RUNNER_CACHE``), so tiny_flux is created once and never lands in the user's ~/.cache."""
+    ``RUNNER_CACHE``), so tiny_flux is created once and never lands in the user's ~/.cache. Also puts the repo
+    root first on ``PYTHONPATH``, for every subprocess the tests start."""
     cache = tmp_path_factory.mktemp("runner_cache")
     with pytest.MonkeyPatch.context() as mp:
+        # ``python -m runner`` subprocesses import the checkout under test, not whatever ``runner`` the environment
+        # has installed (an editable install of another checkout, a wheel): the repo root goes first on their path
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
         mp.setenv("RUNNER_CACHE", str(cache))
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setenv("TOKENIZERS_PARALLELISM", "false")
@@ -150,7 +154,8 @@ def tiny_snapshot(compose, runner_cache, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def subprocess_env(runner_cache) -> Dict[str, str]:
-    """Environment for ``python -m runner`` subprocesses: the session cache, offline."""
+    """Environment for ``python -m runner`` subprocesses: the session cache, offline, the repo root first on
+    ``PYTHONPATH`` (:func:`runner_cache`)."""
     env = dict(os.environ)
     env.update(RUNNER_CACHE=str(runner_cache), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")

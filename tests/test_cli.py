@@ -7,6 +7,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -65,3 +66,20 @@ def test_multirun_seed_sweep(tmp_path, subprocess_env):
             images.append(data)
     assert images[:2] != images[2:], "seed=1 and seed=2 gave the same images"
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_subprocesses_import_the_checkout_under_test(tmp_path, subprocess_env):
+    """``python -m runner`` started by a test, from any directory, runs this checkout's code, not a ``runner``
+    installed in the environment (an editable install of another checkout): conftest puts the repo root first on
+    the subprocess's ``PYTHONPATH``, for ``subprocess_env`` and for the environment every subprocess inherits."""
+    import os
+
+    repo = Path(__file__).resolve().parent.parent
+    code = "import json, runner, models, kernels; print(json.dumps([m.__file__ for m in (runner, models, kernels)]))"
+    for env in (subprocess_env, None):
+        p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, p.stderr
+        for f in json.loads(p.stdout):
+            assert Path(f).resolve().is_relative_to(repo), f"{f} is not from {repo}"
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(repo)

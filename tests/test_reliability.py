@@ -226,7 +226,9 @@ def test_resume_skips_intact_regenerates_missing_and_corrupt(ref, data, compose,
     (["backend.attention=TORCH_SDPA"], ["backend.attention: None -> 'TORCH_SDPA'"]),
     (["dtype=bfloat16"], ["dtype: 'auto' -> 'bfloat16'"]),
     (["seed=3", "model.generation.height=64"], ["seed: 0 -> 3", "model.generation.height: 128 -> 64"]),
-], ids=["seed", "width", "backend.attention", "dtype", "seed+height"])
+    (["model.stages.denoise.backend.attention=TORCH_SDPA"],
+     ["model.stages.denoise.backend.attention: None -> 'TORCH_SDPA'"]),
+], ids=["seed", "width", "backend.attention", "dtype", "seed+height", "stage backend"])
 @pytest.mark.parametrize("how", ["run.resume", "same-dir"])
 def test_resume_with_different_semantic_config_refused(ref, data, compose, tmp_path, monkeypatch, overrides, keys,
                                                        how):
