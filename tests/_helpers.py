@@ -32,6 +32,17 @@ def ctx(platform_kind: str = "cuda", sm: Optional[int] = 90, dtype: torch.dtype 
 
 CPU = dict(platform_kind="cpu", sm=None, dtype=torch.float32)
 
+# Distinct spellings of each backend field per precedence layer; adjacent layers also differ in the canonical
+# backend, so a wrong winner shows in both ``requested`` and ``resolved`` (all run on a faked sm90 bf16 GPU).
+LAYER_VALUES = {
+    "attention": {"cli_stage": "cudnn", "cli_run": "Torch-SDPA", "yaml_stage": "CUDNN_ATTN", "yaml_run": "sdpa",
+                  "engine_extras": "cudnn-attention", "platform_overlay": "native", "model_default": "Cudnn"},
+    "linear": {"cli_stage": "fp8", "cli_run": "torch", "yaml_stage": "FP8_ROWWISE", "yaml_run": "dense",
+               "engine_extras": "fp8-dynamic", "platform_overlay": "bf16", "model_default": "Fp8"},
+    "moe": {"cli_stage": "triton", "cli_run": "torch", "yaml_stage": "fused", "yaml_run": "loop",
+            "engine_extras": "grouped", "platform_overlay": "reference", "model_default": "Triton"},
+}
+
 
 def compose(overrides: Iterable[str] = (), config_dir: Optional[Path] = None):
     """The run config as ``python -m runner <overrides>`` composes it."""

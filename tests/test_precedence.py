@@ -22,18 +22,11 @@ from runner.resolve import (LAYERS, BackendConflictWarning, MisplacedBackendKeyE
                             check_placement)
 
 try:
-    from _helpers import CPU, compose, conf_with_presets, ctx, execute, per_role, resolve, stage_info
+    from _helpers import CPU, LAYER_VALUES, compose, conf_with_presets, ctx, execute, per_role, resolve, stage_info
 except ImportError:  # tests/ imported as a package
-    from tests._helpers import CPU, compose, conf_with_presets, ctx, execute, per_role, resolve, stage_info
+    from tests._helpers import CPU, LAYER_VALUES, compose, conf_with_presets, ctx, execute, per_role, resolve, stage_info
 
-# Distinct spellings per layer; adjacent layers also differ in the canonical backend, so a wrong winner shows in
-# both ``requested`` and ``resolved``. All run on the faked sm90 bf16 GPU.
-VALUES = {
-    "attention": {"cli_stage": "cudnn", "cli_run": "Torch-SDPA", "yaml_stage": "CUDNN_ATTN", "yaml_run": "sdpa",
-                  "engine_extras": "cudnn-attention", "platform_overlay": "native", "model_default": "Cudnn"},
-    "linear": {"cli_stage": "fp8", "cli_run": "torch", "yaml_stage": "FP8_ROWWISE", "yaml_run": "dense",
-               "engine_extras": "fp8-dynamic", "platform_overlay": "bf16", "model_default": "Fp8"},
-}
+VALUES = {f: LAYER_VALUES[f] for f in ("attention", "linear")}  # moe: tests/test_hidream.py
 SET_LAYERS = [l for l in LAYERS if l != "auto"]
 
 

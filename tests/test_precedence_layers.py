@@ -102,18 +102,11 @@ from runner.resolve import (LAYERS, BackendConflictWarning, EngineNames, StageCo
                             resolve_stage)
 
 try:
-    from _helpers import CPU, ctx
+    from _helpers import CPU, LAYER_VALUES, ctx
 except ImportError:  # tests/ imported as a package
-    from tests._helpers import CPU, ctx
+    from tests._helpers import CPU, LAYER_VALUES, ctx
 
-VALUES = {
-    "attention": {"cli_stage": "cudnn", "cli_run": "Torch-SDPA", "yaml_stage": "CUDNN_ATTN", "yaml_run": "sdpa",
-                  "engine_extras": "cudnn-attention", "platform_overlay": "native", "model_default": "Cudnn"},
-    "linear": {"cli_stage": "fp8", "cli_run": "torch", "yaml_stage": "FP8_ROWWISE", "yaml_run": "dense",
-               "engine_extras": "fp8-dynamic", "platform_overlay": "bf16", "model_default": "Fp8"},
-    "moe": {"cli_stage": "triton", "cli_run": "torch", "yaml_stage": "fused", "yaml_run": "loop",
-            "engine_extras": "grouped", "platform_overlay": "reference", "model_default": "Triton"},
-}
+VALUES = LAYER_VALUES
 SET = [l for l in LAYERS if l != "auto"]
 STAGE_KEY = "model.stages.denoise.backend.{f}"
 RUN_KEY = "backend.{f}"
@@ -285,7 +278,8 @@ def test_an_unknown_linear_name_names_the_key_that_set_it(layer, where):
     cfg, cli = config({layer: "zzqq"}, "linear")
     with pytest.raises(reg.UnknownBackendError) as e:
         run(cfg, cli)
-    assert str(e.value).startswith(f"{where}='zzqq' is not a known backend; valid names: FP8, TORCH, auto")
+    names = ", ".join(sorted(reg.BACKENDS["linear"]))  # every registered linear backend, e.g. FP8, FP8_TORCHAO, TORCH
+    assert str(e.value).startswith(f"{where}='zzqq' is not a known backend; valid names: {names}, auto")
 
 
 def test_an_unknown_losing_stage_value_of_a_field_the_stage_lacks():
