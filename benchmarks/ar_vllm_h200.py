@@ -63,7 +63,7 @@ TINY_ROWS = [
 def compose(overrides: List[str]):
     import hydra
 
-    from runner.schema import register_configs
+    from runner.core.schema import register_configs
 
     register_configs()
     with hydra.initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="ar_vllm_h200"):
@@ -71,9 +71,9 @@ def compose(overrides: List[str]):
 
 
 def run_runner(overrides: List[str], run_dir: Path, on_loaded: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
-    """One ``runner.execute.run``; the exit code as the CLI would end (a RunnerError's ``exit_code``)."""
-    from runner.errors import RunnerError
-    from runner.execute import run
+    """One ``runner.app.execute.run``; the exit code as the CLI would end (a RunnerError's ``exit_code``)."""
+    from runner.core.errors import RunnerError
+    from runner.app.execute import run
 
     t0 = time.perf_counter()
     err = None

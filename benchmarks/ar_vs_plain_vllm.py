@@ -1,7 +1,7 @@
 """An AR stage through the runner vs plain ``vllm.LLM.generate`` on the same model, prompts and sampling, in one
 process: output tokens per second of the generate calls, and whether the token ids are identical.
 
-1. ``runner.execute.run`` with ``model=<model>`` (default ``tiny_qwen3_moe``, the 18 builtin prompts): its manifest's
+1. ``runner.app.execute.run`` with ``model=<model>`` (default ``tiny_qwen3_moe``, the 18 builtin prompts): its manifest's
    ``timing.generate_s`` and the output tokens of its records; its ``llm_kwargs`` (how it built ``vllm.LLM``).
 2. The runner's LLM is closed, then a plain ``vllm.LLM(**llm_kwargs)`` generates the same prompts with the same
    ``SamplingParams`` (per row seed, as the records say) in one ``generate`` call, timed the same way (wall clock
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 def compose(overrides):
     import hydra
 
-    from runner.schema import register_configs
+    from runner.core.schema import register_configs
 
     register_configs()
     with hydra.initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="bench"):
@@ -42,7 +42,7 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    from runner.execute import run
+    from runner.app.execute import run
 
     ov = [f"model={a.model}", *a.overrides]
     run_dir = a.out / "runner_run"

@@ -66,7 +66,7 @@ def main() -> int:
     res["artifacts"] = {"items_1gpu": len(i1), f"items_{args.gpus}gpu": len(i2), "identical": len(same),
                         "differing": sorted(set(i1) ^ set(i2) | {k for k in i1 if k in i2 and k not in same})}
     if len(same) != len(i1) and i1:
-        from runner.report import load_rgb, psnr
+        from runner.tools.report import load_rgb, psnr
 
         res["artifacts"]["psnr_db_of_differing"] = {k: round(psnr(load_rgb(one / i1[k]["file"]),
                                                                   load_rgb(many / i2[k]["file"])), 2)

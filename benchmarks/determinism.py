@@ -54,7 +54,7 @@ def main() -> int:
 
     from common import prompt_rows, write_jsonl
     from flux_dev_1024 import compose, free
-    from runner import execute
+    from runner.app import execute
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +84,7 @@ def main() -> int:
         shas[name] = {r["key"]: r.get("file_sha256") for r in map(json.loads, (out / name / "items.jsonl").read_text()
                                                                    .splitlines())}
         print(name, shas[name], flush=True)
-    from runner.report import load_rgb, psnr
+    from runner.tools.report import load_rgb, psnr
 
     k0 = rows[0]["id"]
 

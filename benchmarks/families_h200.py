@@ -14,7 +14,7 @@ Per family (``--family sd3|qwen_image|wan``, repeatable):
    ms per denoising step = ms per forward x forwards per step (2 under the family's CFG rule when it is on).
 5. MFU = model FLOPs of one forward (``torch.utils.flop_counter.FlopCounterMode``) / time, as a fraction of the bf16
    matmul rate measured in this process.
-6. Evidence: ``python -m runner``'s own loop (``runner.execute.run``) with ``backend.attention=CUDNN_ATTN
+6. Evidence: ``python -m runner``'s own loop (``runner.app.execute.run``) with ``backend.attention=CUDNN_ATTN
    backend.linear=FP8``, 2 steps, 1 row, eager (the call-site probes observe every call) — the verdict and the
    kernels profiled.
 
@@ -54,7 +54,7 @@ SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan"}
 def compose(overrides):
     import hydra
 
-    from runner.schema import register_configs
+    from runner.core.schema import register_configs
 
     register_configs()
     with hydra.initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="bench"):
@@ -65,7 +65,7 @@ def engine_for(cfg: Any, device: str, dtype: torch.dtype) -> Any:
     """The family's engine for ``cfg`` (no weights loaded)."""
     from models.base import StageContext
     from models.registry import engine_class
-    from runner.platform import detect
+    from runner.core.platform import detect
 
     plat = detect(str(cfg.platform.name), str(cfg.platform.device))
     return engine_class(str(cfg.model.adapter))(StageContext(cfg=cfg, overrides=[], stage="denoise",
@@ -182,7 +182,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
         torch.cuda.empty_cache()
 
     # evidence through the runner's own loop
-    from runner.execute import run
+    from runner.app.execute import run
 
     rows = out / f"{family}_rows.jsonl"
     rows.write_text(json.dumps({"id": "e0", "prompt": w["prompt"], "negative_prompt": w["negative"]}) + "\n")

@@ -5,7 +5,7 @@ the same seed on the same device) and identical per-row seeds:
 
 (a) ``baseline``: plain diffusers. ``FluxPipeline`` called once per prompt (default attention: torch SDPA, which
     picks FlashAttention-2 on Hopper), each image saved with PIL (``Image.save``, PNG), in the caller's thread.
-(b) ``lossless``: the runner (``runner.execute.run``) with the preset ``experiment=flux_dev_h200`` (bf16 weights
+(b) ``lossless``: the runner (``runner.app.execute.run``) with the preset ``experiment=flux_dev_h200`` (bf16 weights
     and activations; cuDNN attention, regional ``torch.compile``, fused QKV, channels-last VAE, batched rows, PNGs
     encoded on writer threads).
 (c) ``fp8``: (b) with ``backend.linear=FP8`` (row-wise dynamic e4m3 scaling, ``torch._scaled_mm``).
@@ -25,7 +25,7 @@ the same seed on the same device) and identical per-row seeds:
 Also: ``--second-process`` runs (b) in two fresh runner processes, one after the other, on 4 prompts (one batch):
 the first fills the compile cache, the second's warm-up seconds and the cache hits torch counted are reported;
 ``--gate`` runs the quality gate on toy_shapes (its 96 builtin rows, oracle accuracy per attribute): lossless vs the cache, FP8 (linear + attention)
-and cache + FP8 lanes, through ``runner.execute`` and ``runner.gate`` (PSNR/SSIM with torchmetrics), and writes
+and cache + FP8 lanes, through ``runner.app.execute`` and ``runner.tools.gate`` (PSNR/SSIM with torchmetrics), and writes
 ``accuracy_ratio_*`` (the lowest lossy/lossless ratio over the attributes). PSNR/SSIM of every lossy FLUX variant
 against (b)'s images are reported too (``fidelity_vs_lossless``).
 
@@ -98,7 +98,7 @@ def compose(overrides: List[str]):
     """The run config exactly as ``python -m runner <overrides>`` composes it."""
     import hydra
 
-    from runner.schema import register_configs
+    from runner.core.schema import register_configs
 
     register_configs()
     with hydra.initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="bench"):
@@ -257,8 +257,8 @@ def run_baseline(cfg: Any, items: List[Any], out: Path, device: str, dtype: torc
 
 def run_runner(name: str, overrides: List[str], out: Path, device: str,
                on_loaded: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
-    """(b)/(c): ``runner.execute.run`` with ``overrides``; returns the variant record and ``{key: png path}``."""
-    from runner import execute
+    """(b)/(c): ``runner.app.execute.run`` with ``overrides``; returns the variant record and ``{key: png path}``."""
+    from runner.app import execute
 
     free(device)
     cfg = compose(overrides)
@@ -333,7 +333,7 @@ def sync_counter(device: str, batch_index: int = 1) -> tuple:
 
 def psnr_vs(ref: Dict[str, Path], files: Dict[str, Path]) -> Dict[str, Any]:
     """PSNR (dB) of each image against the reference image of the same item: mean, min, per item."""
-    from runner.report import load_rgb, psnr
+    from runner.tools.report import load_rgb, psnr
 
     vals = {k: psnr(load_rgb(ref[k]), load_rgb(p)) for k, p in files.items() if k in ref}
     finite = [v for v in vals.values() if math.isfinite(v)]
@@ -343,9 +343,9 @@ def psnr_vs(ref: Dict[str, Path], files: Dict[str, Path]) -> Dict[str, Any]:
 
 
 def fidelity_vs(ref: Dict[str, Path], files: Dict[str, Path]) -> Dict[str, Any]:
-    """PSNR (dB) and SSIM of each image against the reference image of the same item (``runner.gate``'s
+    """PSNR (dB) and SSIM of each image against the reference image of the same item (``runner.tools.gate``'s
     torchmetrics metrics): mean and min of each."""
-    from runner.gate import item_metrics
+    from runner.tools.gate import item_metrics
 
     vals = [item_metrics(p, ref[k]) for k, p in files.items() if k in ref]
     ps = [v["psnr_db"] for v in vals if v.get("psnr_db") is not None]
@@ -408,12 +408,12 @@ def _runner_process(overrides: List[str], run_dir: Path, prompts: Path, n: int) 
 
 def gate_toy_shapes(out: Path, lanes: Dict[str, List[str]], platform: str) -> Dict[str, Any]:
     """The quality gate on toy_shapes (96 builtin rows with expectations): a lossless job and one job per lossy
-    lane (``lanes``: name -> overrides), each through ``runner.execute.run`` (compile off: the numerics of the
-    lanes, not their speed), then ``runner.gate.evaluate``. Returns per lane the accuracy ratios, PSNR/SSIM and
+    lane (``lanes``: name -> overrides), each through ``runner.app.execute.run`` (compile off: the numerics of the
+    lanes, not their speed), then ``runner.tools.gate.evaluate``. Returns per lane the accuracy ratios, PSNR/SSIM and
     verdict, and ``accuracy_ratio`` (min ratio over the attributes)."""
-    from runner import execute
-    from runner.gate import evaluate
-    from runner.report import load_jobs
+    from runner.app import execute
+    from runner.tools.gate import evaluate
+    from runner.tools.report import load_jobs
 
     root = out / "gate"
     base = ["model=toy_shapes", f"platform={platform}"]
@@ -461,7 +461,7 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
 
     from kernels import attention as attn_mod
     from models.flux import FluxEngine, build_components
-    from runner.platform import detect
+    from runner.core.platform import detect
 
     free(device)
     arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
@@ -608,7 +608,7 @@ def main() -> int:
     p.add_argument("--gate", action="store_true", help="toy_shapes quality gate of the cache and FP8 lanes")
     args = p.parse_args()
 
-    from runner.execute import build_engines, resolve_dtype
+    from runner.app.execute import build_engines, resolve_dtype
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

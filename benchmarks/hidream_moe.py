@@ -8,7 +8,7 @@ negative control, timing, and the runner's evidence with each ``backend.moe``.
    (``kernels.moe.routed_forward``), and the NEGATIVE CONTROL, ``TRITON`` with gate and up projections swapped,
    which must fail the tolerance (2e-2, ``benchmarks/moe_parity.py``'s bf16 tolerance). Milliseconds per block
    call for each backend (``kernels.moe.time_block``: router and shared expert included).
-2. Runner: ``runner.execute.run`` with ``model=hidream model.load_format=dummy`` (full size, random weights scaled by
+2. Runner: ``runner.app.execute.run`` with ``model=hidream model.load_format=dummy`` (full size, random weights scaled by
    0.05 so bf16 activations stay finite), 2 steps, 1 row, eager, for ``backend.moe=TORCH``, ``TRITON`` and ``auto``:
    exit code, verdict, ``evidence.stages.denoise.moe`` (calls per implementation), the profiled MoE kernel names
    (TRITON: ``_moe_gate_up_silu_kernel``/``_moe_down_kernel``), and ``auto``'s recorded reason (its startup timing).
@@ -41,7 +41,7 @@ TOL = 2e-2
 def compose(overrides: List[str]) -> Any:
     import hydra
 
-    from runner.schema import register_configs
+    from runner.core.schema import register_configs
 
     register_configs()
     with hydra.initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="bench"):
@@ -95,8 +95,8 @@ def block_checks(smoke: bool, tokens: int, iters: int) -> Dict[str, Any]:
 
 def runner_runs(smoke: bool, out: Path) -> List[Dict[str, Any]]:
     """Part 2: the runner's own loop with each MoE backend; evidence must be verified."""
-    from runner.execute import run
-    from runner.evidence import EvidenceError
+    from runner.app.execute import run
+    from runner.core.evidence import EvidenceError
 
     base = (["model=tiny_hidream", "platform=cpu"] if smoke else
             ["model=hidream", "model.load_format=dummy", "platform=cuda", "+model.architecture.dummy_weight_scale=0.05"])

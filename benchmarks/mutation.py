@@ -50,7 +50,7 @@ RESULT = ROOT / "benchmarks" / "results" / "mutation.json"
 GROUPS: Dict[str, Dict[str, Any]] = {
     # precedence: which layer wins, per stage and field; the legacy extras and the overlay's extras
     "precedence": {
-        "scope": {"runner/resolve.py": ["cli_keys", "_set_by", "_layers", "resolve_stage", "_resolve_stage",
+        "scope": {"runner/core/resolve.py": ["cli_keys", "_set_by", "_layers", "resolve_stage", "_resolve_stage",
                                         "_normalize_attention", "_canonical", "_any_not_auto"]},
         # test_precedence.py (the layer pairs through Hydra-composed YAML, ~0.3 s a case) would take hours here;
         # test_precedence_layers.py holds the same pairs on config objects, and the conflicts, specs and messages
@@ -65,35 +65,35 @@ GROUPS: Dict[str, Dict[str, Any]] = {
         "tests": ["tests/test_backends.py", "tests/test_registry_requirements.py"]},
     # evidence: the verdict and each of its mismatch branches, the forward counter
     "evidence": {
-        "scope": {"runner/evidence.py": ["KernelTrace.match", "KernelTrace.calls", "DenoiserProbe._pre",
+        "scope": {"runner/core/evidence.py": ["KernelTrace.match", "KernelTrace.calls", "DenoiserProbe._pre",
                                          "DenoiserProbe._post", "build", "_moe_calls", "_moe_kernels"]},
         "tests": ["tests/test_evidence_verdict.py"]},
     # resume: the semantic keys, the identity and which finished items are reused
     "resume": {
-        "scope": {"runner/resume.py": ["_get", "_flat", "cache_config", "semantic_diff", "previous_run",
+        "scope": {"runner/core/resume.py": ["_get", "_flat", "cache_config", "semantic_diff", "previous_run",
                                        "remove_temp_files", "finished", "item_inputs", "run_identity",
                                        "inputs_sha256", "expected_inputs", "identity_diff", "reusable",
                                        "why_not_reused", "regenerate_batches"]},
         "tests": ["tests/test_resume_rules.py"]},
     # dataset validation: coercion, every row check, seeds, item keys, batching
     "dataset": {
-        "scope": {"runner/dataset.py": ["safe_stem", "derive_seed", "coerce", "source_path", "load_rows",
+        "scope": {"runner/core/dataset.py": ["safe_stem", "derive_seed", "coerce", "source_path", "load_rows",
                                         "expand_items", "batches"]},
         "tests": ["tests/test_dataset_validation.py"]},
     # artifact writing: atomic replace, the journal, the writer's ordering and error handling, journal reading
     "artifacts": {
-        "scope": {"runner/artifacts.py": ["storage_error", "atomic_write_bytes", "atomic_write_json",
+        "scope": {"runner/core/artifacts.py": ["storage_error", "atomic_write_bytes", "atomic_write_json",
                                           "Journal.__init__", "Journal.append", "ArtifactWriter._write_png",
                                           "ArtifactWriter.submit", "ArtifactWriter.drain", "ArtifactWriter.close"],
-                  "runner/sinks.py": ["read_journal", "compact_journal", "write_folder_metadata", "artifact_intact"]},
+                  "runner/core/sinks.py": ["read_journal", "compact_journal", "write_folder_metadata", "artifact_intact"]},
         "tests": ["tests/test_atomic_writes.py"]},
     # data-parallel sharding and merge
     "distributed": {
-        "scope": {"runner/distributed.py": ["shard", "_ended", "merge", "merged_exit_code"]},
+        "scope": {"runner/core/distributed.py": ["shard", "_ended", "merge", "merged_exit_code"]},
         "tests": ["tests/test_merge.py"]},
     # repro verdicts
     "repro": {
-        "scope": {"runner/repro.py": ["_sha", "_tokens_sha", "_compare_tokens", "_items", "rerun_command",
+        "scope": {"runner/tools/repro.py": ["_sha", "_tokens_sha", "_compare_tokens", "_items", "rerun_command",
                                       "_backend_diffs", "compare"]},
         "tests": ["tests/test_repro_verdicts.py"]},
     # the FP8 linear path (runs on CPU)

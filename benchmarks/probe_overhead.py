@@ -31,10 +31,10 @@ def main() -> None:
     import hydra
     import torch
 
-    from runner.evidence import DenoiserProbe
-    from runner.execute import build_engines, resolve_dtype
-    from runner.platform import detect
-    from runner.schema import register_configs
+    from runner.core.evidence import DenoiserProbe
+    from runner.app.execute import build_engines, resolve_dtype
+    from runner.core.platform import detect
+    from runner.core.schema import register_configs
 
     register_configs()
     conf = str(Path(__file__).resolve().parent.parent / "conf")

@@ -2,7 +2,7 @@
 
 A snapshot of ``--gb`` GB of dummy safetensors-like files (an 8-byte header length, a JSON header, then the
 tensor bytes) is written to a temp dir: a transformer in 5 GB-style shards with its index, a VAE, two text
-encoders, plus a variant file and an extra folder that must not be hashed. Then :func:`runner.weights.hash_snapshot`
+encoders, plus a variant file and an extra folder that must not be hashed. Then :func:`runner.core.weights.hash_snapshot`
 runs twice with a fresh runner cache dir: the first call computes every digest (the files are dropped from the
 page cache first where ``posix_fadvise`` allows, so it reads from the disk), the second finds them all cached.
 
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args()
 
-    from runner.weights import hash_snapshot, weight_files
+    from runner.core.weights import hash_snapshot, weight_files
 
     with tempfile.TemporaryDirectory(prefix="weight-hashing-", dir=args.dir) as tmp:
         snap, cache = Path(tmp) / "snapshot", Path(tmp) / "runner-cache"

@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from runner.errors import RefusedError, UserInputError
+from runner.core.errors import RefusedError, UserInputError
 
 FIELDS = ("attention", "linear", "moe")
 AUTO = "auto"
@@ -300,7 +300,7 @@ class Backend:
         vllm: vLLM's name of the same implementation for AR stages (``FLASHINFER_ATTN`` -> ``FLASHINFER``,
             linear ``TORCH`` -> ``torch``); None: no vLLM equivalent.
         signature: regex over profiled names (aten op names on CPU, device kernel names on GPUs) that this
-            backend's execution leaves in a ``torch.profiler`` trace (``runner.evidence``); None: none known.
+            backend's execution leaves in a ``torch.profiler`` trace (``runner.core.evidence``); None: none known.
         vllm_signature: regex over the device kernel names that vLLM's implementation of the same backend launches
             (AR stages on a GPU, ``models.vllm_stage``); None: :attr:`signature` serves. vLLM's kernels are its own
             builds, not the packages the diffusers wiring calls (FLASH_ATTN: vLLM 0.24's ``vllm_flash_attn`` FA3
@@ -308,8 +308,8 @@ class Backend:
             ``fused_moe_kernel``, not the runner's ``_moe_gate_up_silu_kernel``).
         quant_keys / skip_softmax_keys: spec keys the backend takes (others are errors).
         lossy: its results differ from the dense model-dtype computation by design (quantized GEMMs or attention),
-            beyond rounding-order differences: a run selecting it is labelled lossy (``runner.lossy``) and gated
-            against a lossless run of the same rows (``runner.gate``). A spec with ``quant`` or ``skip_softmax``
+            beyond rounding-order differences: a run selecting it is labelled lossy (``runner.core.lossy``) and gated
+            against a lossless run of the same rows (``runner.tools.gate``). A spec with ``quant`` or ``skip_softmax``
             set is lossy whatever the backend.
     """
 

@@ -1,4 +1,4 @@
-"""The engine protocol: what one stage of a run must provide to the run loop (``runner.execute.run``).
+"""The engine protocol: what one stage of a run must provide to the run loop (``runner.app.execute.run``).
 
 An engine runs one stage of a run (``denoise`` of a diffusion model, ``generate`` of an AR model, ``expand`` of a
 pipeline). The loop calls it in this order, and only in this order:
@@ -18,7 +18,7 @@ pipeline). The loop calls it in this order, and only in this order:
    ``prompts_section(records)``: the manifest's ``prompts`` (truncated prompts counted), from the final journal.
 8. ``close()``: free the engine (always called, also after an error).
 
-Every ``check_config``/``prepare``/``read_rows``/``check_inputs`` error is a ``runner.errors.RunnerError``
+Every ``check_config``/``prepare``/``read_rows``/``check_inputs`` error is a ``runner.core.errors.RunnerError``
 raised before any weight loads. Engines are looked up by name in :mod:`models.registry` (lazy import paths).
 Model knowledge (forward counts, FP8 module prefixes, oracles) lives with the model's engine, not in the loop.
 """
@@ -49,7 +49,7 @@ class VideoOutput:
     """One generated video: ``frames`` float32, layout (F, H, W, C) with C = 3 (RGB), frames in time order, values
     in [0, 1] (what ``diffusers.WanPipeline(..., output_type="np").frames[i]`` holds); NaN/inf are kept so that the
     sink can refuse a non-finite output instead of writing it. ``fps``: the frame rate (frames per second) the
-    engine generated for, used when the record's ``params`` carry no ``fps`` (``runner.sinks.MP4Sink``)."""
+    engine generated for, used when the record's ``params`` carry no ``fps`` (``runner.core.sinks.MP4Sink``)."""
 
     frames: np.ndarray
     fps: Optional[float] = None
@@ -76,9 +76,9 @@ class StageContext:
         overrides: the CLI overrides (they decide the CLI precedence layers).
         stage: the stage name (``denoise``, ``generate``, ``expand``).
         model_cfg: the stage's model config (``cfg.model``, or ``model.stages.<stage>.model`` in a pipeline).
-        plat: ``runner.platform.PlatformInfo`` of this process.
+        plat: ``runner.core.platform.PlatformInfo`` of this process.
         dtype: ``torch.dtype`` of the stage's compute.
-        parallel: the context-parallel ``runner.distributed.Layout`` of the run (``parallelism=ulysses|ring``),
+        parallel: the context-parallel ``runner.core.distributed.Layout`` of the run (``parallelism=ulysses|ring``),
             None otherwise; an engine that cannot split a sequence refuses it in ``prepare``.
     """
 
@@ -113,7 +113,7 @@ class Engine(Protocol):
     Class attributes:
         output: ``"image"`` (written by the PNG sink), ``"video"`` (the MP4 sink; the record's ``params.fps``, else
             ``VideoOutput.fps``, is the frame rate) or ``"text"`` (the text-record sink): a key of
-            ``runner.sinks.SINKS``.
+            ``runner.core.sinks.SINKS``.
         unit: the progress-bar unit (``img``, ``video``, ``row``).
         resumable: a re-run into the run dir reuses finished items (otherwise a dir holding a run is refused).
         default_stage: the stage name of a single-stage model (``denoise``, ``generate``).
@@ -196,9 +196,9 @@ class EngineBase:
         """An engine that cannot feed another stage refuses to be placed before one.
 
         Raises:
-            runner.errors.UserInputError: naming the stage.
+            runner.core.errors.UserInputError: naming the stage.
         """
-        from runner.errors import UserInputError
+        from runner.core.errors import UserInputError
 
         raise UserInputError(f"stage {self.stage!r} ({type(self).__name__}) cannot feed another stage; fix: put it "
                              "last in model.pipeline")
@@ -282,11 +282,11 @@ def check_init_keys(cls: type, keys: Sequence[str], where: str) -> None:
     """Refuse keys of a config node (``where``, dotted) that ``cls`` does not take, before anything is built.
 
     Raises:
-        runner.errors.ConfigValueError: naming the key, the class, the closest parameter and the fix.
+        runner.core.errors.ConfigValueError: naming the key, the class, the closest parameter and the fix.
     """
     import difflib
 
-    from runner.errors import ConfigValueError
+    from runner.core.errors import ConfigValueError
 
     unknown, takes = unknown_init_keys(cls, keys)
     if not unknown:

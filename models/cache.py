@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
-from runner.errors import ConfigValueError, RefusedError
+from runner.core.errors import ConfigValueError, RefusedError
 
 #: ``cache.*`` fields a method may read (``cache.method`` and ``cache.schedule`` aside).
 CACHE_FIELDS = ("threshold", "compute_every", "warmup_steps", "max_skip_steps", "retention_ratio", "mag_ratios",

@@ -104,7 +104,7 @@ def cache_key(fields: Dict[str, Any]) -> str:
 
 def cache_root(cache_dir: Optional[str]) -> Path:
     """``<cache_dir>/compile`` (``cache_dir`` null: ``$RUNNER_CACHE`` or ``~/.cache/runner``)."""
-    from runner.weights import default_cache_dir
+    from runner.core.weights import default_cache_dir
 
     return (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "compile"
 

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from runner.distributed import Layout, ParallelismUnsupportedError
+from runner.core.distributed import Layout, ParallelismUnsupportedError
 
 #: what the profiler shows of each kind of collective (CPU-side ops of torch's functional collectives and of
 #: c10d/gloo/NCCL, and NCCL's device kernels: an all-to-all is send/recv kernels)
@@ -71,7 +71,7 @@ def setup(lay: Layout, device: str) -> Any:
     from diffusers.models._modeling_parallel import ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    from runner.distributed import MESH_DIMS
+    from runner.core.distributed import MESH_DIMS
 
     dev = torch.device(device)
     mesh = init_device_mesh(dev.type, (lay.data, lay.ring, lay.ulysses), mesh_dim_names=MESH_DIMS)

@@ -16,9 +16,9 @@ from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequ
 import torch
 
 from models.base import EngineBase, ImageOutput, StageContext, StageResult, VideoOutput
-from runner import dataset as ds
-from runner import evidence
-from runner.errors import ConfigValueError, UserInputError
+from runner.core import dataset as ds
+from runner.core import evidence
+from runner.core.errors import ConfigValueError, UserInputError
 
 
 class WeightFileError(UserInputError, ValueError):
@@ -279,7 +279,7 @@ class DiffusersEngine(EngineBase):
             The manifest's ``model.source``.
 
         Raises:
-            runner.errors.RunnerError subclasses (model path, backend selection, memory), naming the fix.
+            runner.core.errors.RunnerError subclasses (model path, backend selection, memory), naming the fix.
         """
         self.check_compile_mode()
         self.resolve_source()
@@ -339,11 +339,11 @@ class DiffusersEngine(EngineBase):
         family supports it by overriding this (and :meth:`context_tokens`); by default it is refused.
 
         Raises:
-            runner.distributed.ParallelismUnsupportedError: naming the model and the fix.
+            runner.core.distributed.ParallelismUnsupportedError: naming the model and the fix.
         """
         if self.ctx.parallel is None:
             return
-        from runner.distributed import ParallelismUnsupportedError
+        from runner.core.distributed import ParallelismUnsupportedError
 
         raise ParallelismUnsupportedError(
             f"parallelism={self.ctx.parallel.mode}: model={self.model_cfg.name} ({type(self).__name__}) does not "
@@ -403,7 +403,7 @@ class DiffusersEngine(EngineBase):
         """
         from kernels.attention import plan
         from kernels.registry import SelectionContext, wired
-        from runner.resolve import LEGACY_KEYS, MisplacedBackendKeyError, StageInfo, check_placement, cli_keys, resolve_stage
+        from runner.core.resolve import LEGACY_KEYS, MisplacedBackendKeyError, StageInfo, check_placement, cli_keys, resolve_stage
 
         cfg, plat = self.ctx.cfg, self.ctx.plat
         check_placement(cfg, stages=[self.stage, *[s for s in (cfg.model.get("pipeline") or []) if s != self.stage]])
@@ -658,11 +658,11 @@ class DiffusersEngine(EngineBase):
         """Model-specific row checks (e.g. an oracle's ``expect`` vocabulary); none by default."""
 
     def items(self, rows: Sequence[ds.Row], run_seed: int) -> List[ds.Item]:
-        """One item per image (``runner.dataset.expand_items``: seeds belong to rows, not batches)."""
+        """One item per image (``runner.core.dataset.expand_items``: seeds belong to rows, not batches)."""
         return ds.expand_items(rows, run_seed)
 
     def batches(self, items: Sequence[ds.Item], batch_size: int) -> List[List[ds.Item]]:
-        """Batches of equal shape (``runner.dataset.batches``)."""
+        """Batches of equal shape (``runner.core.dataset.batches``)."""
         return ds.batches(list(items), batch_size)
 
     def check_inputs(self, rows: Sequence[Any], path: Any) -> None:
@@ -844,7 +844,7 @@ class DiffusersEngine(EngineBase):
 
     # -------------------------------------------------------------------------------------------- 6. evidence
     def evidence(self, result: StageResult) -> Tuple[Dict[str, Any], List[str]]:
-        """The stage's evidence (``runner.evidence.build``): attention call sites and linear layers observed,
+        """The stage's evidence (``runner.core.evidence.build``): attention call sites and linear layers observed,
         denoiser forwards against :meth:`expected_forwards`, profiled kernels against each backend's signature.
 
         Returns:

@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from models.pipelines import (EMBEDDED_RECIPE, ModelPathError, PipelineEngine, check_snapshot,  # noqa: F401
                               embedded_target)
-from runner.dataset import Item
-from runner.errors import ConfigValueError
+from runner.core.dataset import Item
+from runner.core.errors import ConfigValueError
 
 #: The most T5 tokens FluxPipeline encodes: its ``check_inputs`` raises for ``max_sequence_length > 512`` (after the
 #: model loaded); the runner refuses it at startup, with the T5 tokenizer's ``model_max_length`` if lower.

@@ -49,8 +49,8 @@ from torch import nn
 from kernels.moe import ExpertsLayout
 from models.flux import quiet_truncation_warnings
 from models.pipelines import ModelPathError, PipelineEngine
-from runner.dataset import DatasetError, Item, Row
-from runner.errors import ConfigValueError
+from runner.core.dataset import DatasetError, Item, Row
+from runner.core.errors import ConfigValueError
 
 #: ``HiDreamImagePipeline.__init__``: ``self.default_sample_size = 128`` (latent pixels per side of the target area)
 DEFAULT_SAMPLE_SIZE = 128

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from models.diffusers_engine import DiffusersEngine
-from runner.dataset import BUILTIN_PROMPTS, Item, Row
-from runner.errors import ConfigValueError
-from runner.weights import ModelPathError  # the one class for a model.path that cannot be used (re-exported)
+from runner.core.dataset import BUILTIN_PROMPTS, Item, Row
+from runner.core.errors import ConfigValueError
+from runner.core.weights import ModelPathError  # the one class for a model.path that cannot be used (re-exported)
 
 log = logging.getLogger("runner")
 
@@ -199,7 +199,7 @@ class PipelineEngine(DiffusersEngine):
         if cfg.load_format == "dummy":
             self.source = {"kind": "dummy", "weights_seed": self._arch().get("weights_seed", 0)}
         elif cfg.path:
-            from runner.weights import resolve_model_path
+            from runner.core.weights import resolve_model_path
 
             path, prov = resolve_model_path(str(cfg.path), cfg.revision)
             self.source = {"kind": "path", "path": str(check_snapshot(str(path)).resolve()), "revision": cfg.revision}
@@ -268,7 +268,7 @@ class PipelineEngine(DiffusersEngine):
         import difflib
 
         from models.base import check_init_keys
-        from runner.resolve import MisplacedBackendKeyError, backend_field_of, misplaced_backend_message
+        from runner.core.resolve import MisplacedBackendKeyError, backend_field_of, misplaced_backend_message
 
         if not self.components:
             raise ConfigValueError(f"model={self.cfg.name}: model.adapter={self.family()} builds no architecture; "
@@ -332,7 +332,7 @@ class PipelineEngine(DiffusersEngine):
         Raises:
             ModelPathError: the snapshot has no readable config for it.
         """
-        if not self.source:  # read_rows without prepare (runner.execute.dataset_keys, benchmarks)
+        if not self.source:  # read_rows without prepare (runner.app.execute.dataset_keys, benchmarks)
             self.resolve_source()
         if self.source.get("kind") == "path":
             f = Path(self.source["path"]) / name / ("scheduler_config.json" if name == "scheduler" else "config.json")
@@ -542,9 +542,9 @@ class PipelineEngine(DiffusersEngine):
 
     def hash_weights(self, path: Path) -> Dict[str, Any]:
         """``{"files": {relative path: sha256}, "hashing": {computed, cached, hash_s, bytes_hashed}}`` of the weight
-        files the pipeline loads (``runner.weights``: only the listed components' files; digests cached by path,
+        files the pipeline loads (``runner.core.weights``: only the listed components' files; digests cached by path,
         size and modification time, so a second job on a large snapshot hashes nothing)."""
-        from runner.weights import hash_snapshot
+        from runner.core.weights import hash_snapshot
 
         files, stats = hash_snapshot(path, self.cache_dir)
         return {"files": files, "hashing": {k: stats[k] for k in ("computed", "cached", "hash_s", "bytes_hashed")}}
@@ -649,7 +649,7 @@ class PipelineEngine(DiffusersEngine):
 
     # ------------------------------------------------------------------------------------------------ speed
     def optimize(self, opts: Any) -> Dict[str, Any]:
-        """Apply the math-preserving speed settings of ``optimize`` (``runner.schema.OptimizeConfig``) to the
+        """Apply the math-preserving speed settings of ``optimize`` (``runner.core.schema.OptimizeConfig``) to the
         loaded pipeline, before backends are installed (so FP8 linear sees the fused projections).
 
         ``fuse_qkv``: diffusers' ``fuse_projections`` per attention module that supports it (q|k|v weights
@@ -806,7 +806,7 @@ class PipelineEngine(DiffusersEngine):
         (``models.context_parallel.check_model``); else refused, naming why.
 
         Raises:
-            runner.distributed.ParallelismUnsupportedError: naming the model and the fix.
+            runner.core.distributed.ParallelismUnsupportedError: naming the model and the fix.
         """
         lay = self.ctx.parallel
         if lay is None:

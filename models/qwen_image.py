@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 from models.pipelines import PipelineEngine
-from runner.dataset import Item
+from runner.core.dataset import Item
 
 #: QwenImagePipeline's prompt template and the tokens of it that it drops (``pipeline_qwenimage.py``, diffusers 0.42)
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "

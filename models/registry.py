@@ -45,9 +45,9 @@ def engine_class(name: str, where: str = "model.adapter") -> Any:
     """The engine class registered under ``name``, imported on first use.
 
     Raises:
-        runner.errors.UserInputError: no engine of that name (lists the registered names and the closest one).
+        runner.core.errors.UserInputError: no engine of that name (lists the registered names and the closest one).
     """
-    from runner.errors import UserInputError
+    from runner.core.errors import UserInputError
 
     target = ENGINES.get(name)
     if target is None:

@@ -19,7 +19,7 @@ import torch
 
 from models.flux import quiet_truncation_warnings
 from models.pipelines import PipelineEngine
-from runner.dataset import Item
+from runner.core.dataset import Item
 
 
 class SD3DispatchAttnProcessor:

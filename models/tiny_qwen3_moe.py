@@ -59,7 +59,7 @@ def build_tokenizer(vocab_size: int = 512, corpus_path: Optional[Path] = None):
     from transformers import PreTrainedTokenizerFast
 
     from models.tokenizers import corpus_from, train_bpe
-    from runner.dataset import BUILTIN_PROMPTS
+    from runner.core.dataset import BUILTIN_PROMPTS
 
     corpus = corpus_from(Path(corpus_path) if corpus_path else BUILTIN_PROMPTS)
     tok = train_bpe(corpus, vocab_size, SPECIALS)

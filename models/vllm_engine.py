@@ -44,7 +44,7 @@ from typing import (
     Tuple,
 )
 
-from runner.errors import UserInputError
+from runner.core.errors import UserInputError
 
 #: Per-row keys that override the configured sampling defaults (names of ``vllm.SamplingParams`` fields).
 SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop")
@@ -207,7 +207,7 @@ def cuda_unhonoured(fld: str, name: str, sm: Optional[int]) -> Optional[str]:
 
 
 class VLLMNames:
-    """Backend names of an AR stage, as vLLM defines them: the ``EngineNames`` hooks of ``runner.resolve``.
+    """Backend names of an AR stage, as vLLM defines them: the ``EngineNames`` hooks of ``runner.core.resolve``.
 
     * ``canonical``: vLLM's own normalization (attention: upper case member of ``AttentionBackendEnum``; MoE/linear:
       lower case, ``-`` -> ``_``, member of the ``MoEBackend`` / ``LinearBackend`` Literals), else a runner name

@@ -1,9 +1,9 @@
 """The vLLM engine (``model.adapter=vllm``): a whole run of an AR model (``model=tiny_qwen3_moe``) and the AR stage
 of a multi-stage pipeline (``model=prompt_expand_flux``: ``expand`` feeds ``denoise``), both driven by the one run
-loop (``runner.execute.run``) through the engine protocol (:mod:`models.base`).
+loop (``runner.app.execute.run``) through the engine protocol (:mod:`models.base`).
 
 Same promises as diffusion stages: the dataset rows, the model directory and every backend choice are checked
-before the engine starts; backends go through ``runner.resolve`` (the same 8-layer precedence
+before the engine starts; backends go through ``runner.core.resolve`` (the same 8-layer precedence
 and provenance, with vLLM's own names via :class:`models.vllm_engine.VLLMNames`); the manifest records what the
 worker actually built and ran (:class:`models.vllm_engine.StepObserver`), and a contradiction is exit 3.
 
@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from models.base import EngineBase, StageContext, StageResult, TextOutput
-from runner import dataset as ds
-from runner.errors import UserInputError
+from runner.core import dataset as ds
+from runner.core.errors import UserInputError
 
 log = logging.getLogger("runner")
 
@@ -294,7 +294,7 @@ class VLLMEngine(EngineBase):
 
     output = "text"
     unit = "row"
-    resumable = False  # a dir that holds a run is refused (see runner.execute)
+    resumable = False  # a dir that holds a run is refused (see runner.app.execute)
     default_stage = DEFAULT_STAGE
 
     @classmethod
@@ -320,7 +320,7 @@ class VLLMEngine(EngineBase):
 
     @property
     def plat(self) -> Any:
-        """``runner.platform.PlatformInfo`` of this process (known once the loop detected it)."""
+        """``runner.core.platform.PlatformInfo`` of this process (known once the loop detected it)."""
         return self.ctx.plat
 
     @property
@@ -348,7 +348,7 @@ class VLLMEngine(EngineBase):
             raise ARConfigError(f"{where}.batch_size={own} must be >= 1 (or null: every request in one call); fix: "
                                 f"{where}.batch_size=null")
         if self.stage == DEFAULT_STAGE:
-            from runner.resolve import check_placement
+            from runner.core.resolve import check_placement
 
             check_placement(self.cfg, stages=[DEFAULT_STAGE])
 
@@ -373,7 +373,7 @@ class VLLMEngine(EngineBase):
             VLLMConfigError,
             VLLMNames,
         )
-        from runner.resolve import StageInfo, cli_keys, resolve_stage
+        from runner.core.resolve import StageInfo, cli_keys, resolve_stage
 
         m = self.model_cfg
         where = "model" if self.name == DEFAULT_STAGE else f"model.stages.{self.name}.model"
@@ -801,7 +801,7 @@ def model_cfg_of(cfg: DictConfig, stage: str) -> Any:
 def _default_stage_only(cfg: DictConfig, keep: Sequence[str]) -> DictConfig:
     """A copy of ``cfg`` without schema-default stages that are not the model's (the structured schema gives every
     model a ``denoise`` stage); a stage the user configured is kept, so check_placement names it."""
-    from runner.schema import StageConfig
+    from runner.core.schema import StageConfig
 
     default = OmegaConf.to_container(OmegaConf.structured(StageConfig), resolve=True)
     stages = _plain(cfg.model.stages) or {}
@@ -816,7 +816,7 @@ def _default_stage_only(cfg: DictConfig, keep: Sequence[str]) -> DictConfig:
 
 def _check_ar_run(cfg: DictConfig) -> None:
     """Run-level settings AR stages do not support yet. Raises ConfigValueError naming the field and the fix."""
-    from runner.errors import ConfigValueError
+    from runner.core.errors import ConfigValueError
 
     if cfg.parallelism.mode != "single":
         raise ConfigValueError(f"parallelism={cfg.parallelism.mode}: AR stages run on one vLLM engine here; fix: "

@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from models.flux import quiet_truncation_warnings
 from models.pipelines import PipelineEngine
-from runner.dataset import DatasetError, Item, Row
-from runner.errors import ConfigValueError
+from runner.core.dataset import DatasetError, Item, Row
+from runner.core.errors import ConfigValueError
 
 
 class WanEngine(PipelineEngine):

@@ -11,14 +11,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 if __name__ == "__main__":  # before anything imports torch: its CUDA library aborts on a malformed allocator setting
-    from runner.environment import EnvironmentVariableError, check_before_torch
+    from runner.core.environment import EnvironmentVariableError, check_before_torch
 
     try:
         check_before_torch()
     except EnvironmentVariableError as e:
         print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    from runner.console import library_env_defaults
+    from runner.app.console import library_env_defaults
 
     library_env_defaults(sys.argv[1:])  # before torch/vLLM read them: no kineto USDT lines, no vLLM INFO lines
 
@@ -26,8 +26,8 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from runner.paths import CONF_DIR  # noqa: E402
-from runner.schema import register_configs  # noqa: E402
+from runner.core.paths import CONF_DIR  # noqa: E402
+from runner.core.schema import register_configs  # noqa: E402
 
 log = logging.getLogger("runner")
 
@@ -43,11 +43,11 @@ def main(cfg: DictConfig) -> int:
     refused at startup; 3 evidence contradicts the resolved backends; 128+N interrupted by signal N.
     In a multirun each job's outcome is written to ``job_status.json`` and the sweep goes on, except after an
     interrupted job (SIGINT/SIGTERM), which ends the sweep with that job's 128+N; otherwise the sweep callback
-    (``runner.sweep.SweepCallback``) sets the sweep's exit code.
+    (``runner.tools.sweep.SweepCallback``) sets the sweep's exit code.
     """
     from hydra.types import RunMode
 
-    from runner.jobs import run_job
+    from runner.app.jobs import run_job
 
     global _TASK_STARTED
     _TASK_STARTED = True
@@ -60,17 +60,17 @@ def main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
-    from runner.distributed import agree_argv
+    from runner.core.distributed import agree_argv
 
     sys.argv = sys.argv[:1] + agree_argv(sys.argv[1:])  # torchrun: every rank uses rank 0's run dir
-    from runner.environment import OutputPathError, check_launch_dirs
+    from runner.core.environment import OutputPathError, check_launch_dirs
 
     try:
         check_launch_dirs(sys.argv[1:])  # Hydra creates the run dir before the task: a bad one is a traceback
     except OutputPathError as e:
         print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    from runner.console import override_key_problem
+    from runner.app.console import override_key_problem
 
     problem = override_key_problem(sys.argv[1:])  # `batchsize=4`: did you mean batch_size (not Hydra's "+batchsize")
     if problem:
@@ -83,7 +83,7 @@ if __name__ == "__main__":
     except SystemExit as e:
         # Hydra reports a composition error (unknown option, wrong type) with exit 1; bad input is exit 2 here.
         if e.code == 1 and not _TASK_STARTED:
-            from runner.resolve import override_hints
+            from runner.core.resolve import override_hints
 
             for hint in override_hints(sys.argv[1:]):  # Hydra's "not in struct" does not say where a key belongs
                 print(f"runner: {hint}", file=sys.stderr)

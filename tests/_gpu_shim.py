@@ -3,12 +3,12 @@ codes, ``job_status.json``), plus two test hooks set through the environment. Us
 runs it makes in a subprocess (torch.compile, torchrun, the negative control); the repository root must come first
 on ``PYTHONPATH`` (this file's folder is ``sys.path[0]``).
 
-* ``GPU_E2E_TRACES=<dir>``: every stage's profiled denoiser forward (``runner.evidence.DenoiserProbe.trace``) is
+* ``GPU_E2E_TRACES=<dir>``: every stage's profiled denoiser forward (``runner.core.evidence.DenoiserProbe.trace``) is
   written to ``<dir>/<pid>.json`` as ``{stage: {"kernels": {name: count}, "ops": {name: count}}}``: device kernels
   and CPU-side ops apart, which the manifest's matched-name lists do not keep (a name there may be a CPU-side
   ``aten::`` op or an Inductor ``record_function`` label as well as a device kernel).
 * ``GPU_E2E_SWAP=<module path>=<diffusers backend>``: once the backends are installed and the probes attached
-  (``runner.execute.run``'s ``on_loaded``), the denoiser's attention module at that path is switched to another
+  (``runner.app.execute.run``'s ``on_loaded``), the denoiser's attention module at that path is switched to another
   diffusers dispatcher entry behind the runner's back (``transformer_blocks.0.attn=native``): the negative control.
 """
 
@@ -44,7 +44,8 @@ def swap_attention(engine: Any, layer: str, backend: str) -> None:
 
 def install() -> None:
     """Apply the hooks the environment asks for (nothing when neither variable is set)."""
-    from runner import evidence, execute
+    from runner.core import evidence
+    from runner.app import execute
 
     out = os.environ.get("GPU_E2E_TRACES")
     if out:
@@ -65,7 +66,7 @@ def install() -> None:
             kwargs["on_loaded"] = lambda engine: swap_attention(engine, layer, backend)
             return real_run(*args, **kwargs)
 
-        execute.run = run  # runner.jobs.run_job imports it at call time
+        execute.run = run  # runner.app.jobs.run_job imports it at call time
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ so they work whatever tests/conftest.py provides).
 * :func:`compose` composes the run config exactly as ``python -m runner`` does (``conf/`` by default, or a
   temporary copy of it that carries extra preset files, see :func:`conf_with_presets`).
 * :func:`resolve` runs the precedence resolution of one stage against a faked platform.
-* :func:`execute` runs the real pipeline (``runner.execute.run``) into a run dir and reads back what it wrote.
+* :func:`execute` runs the real pipeline (``runner.app.execute.run``) into a run dir and reads back what it wrote.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def compose(overrides: Iterable[str] = (), config_dir: Optional[Path] = None):
     """The run config as ``python -m runner <overrides>`` composes it."""
     import hydra
 
-    from runner.schema import register_configs
+    from runner.core.schema import register_configs
 
     register_configs()
     with hydra.initialize_config_dir(version_base="1.3", config_dir=str(config_dir or CONF_DIR), job_name="test"):
@@ -71,14 +71,14 @@ def conf_with_presets(root: Path, presets: Dict[str, str]) -> Path:
 
 def stage_info(name: str = "denoise", roles: Sequence[str] = ("joint",),
                fields: Sequence[str] = ("attention", "linear"), context: Any = None):
-    from runner.resolve import StageInfo
+    from runner.core.resolve import StageInfo
 
     return StageInfo(name=name, roles=list(roles), fields=tuple(fields), ctx=context if context is not None else ctx())
 
 
 def resolve(cfg: Any, overrides: Sequence[str], info: Any = None, record: bool = False):
     """``resolve_stage(cfg, cli_keys(overrides), info)``; with ``record`` also the warnings it issued."""
-    from runner.resolve import cli_keys, resolve_stage
+    from runner.core.resolve import cli_keys, resolve_stage
 
     info = info if info is not None else stage_info()
     if not record:
@@ -96,7 +96,7 @@ def per_role(name: str, roles: Sequence[str] = ("joint",)) -> Dict[str, Dict[str
 
 @dataclass
 class Run:
-    """What one ``runner.execute.run`` left in its run dir."""
+    """What one ``runner.app.execute.run`` left in its run dir."""
 
     run_dir: Path
     code: Optional[int]
@@ -119,7 +119,7 @@ def execute(run_dir: Path, overrides: Sequence[str] = (), on_loaded: Optional[Ca
     in :attr:`Run.error` instead of raised."""
     import time
 
-    from runner.execute import run
+    from runner.app.execute import run
 
     overrides = ["platform=cpu", *overrides]
     cfg = compose(overrides, config_dir)

@@ -144,7 +144,7 @@ def read_chains(roots: Iterable[str] = SCANNED) -> Set[Tuple[str, ...]]:
     """Every access chain and dotted key path in the scanned sources, plus ``${...}`` interpolations in conf/."""
     sources = {py.relative_to(REPO).as_posix(): py.read_text(encoding="utf-8")
                for root in roots for py in sorted((REPO / root).rglob("*.py"))}
-    sources.pop("runner/schema.py", None)
+    sources.pop("runner/core/schema.py", None)
     out = chains_of(sources)
     for y in sorted((REPO / "conf").rglob("*.yaml")):
         for m in re.finditer(r"\$\{([\w.]+)\}", y.read_text(encoding="utf-8")):

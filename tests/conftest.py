@@ -1,5 +1,5 @@
 """Shared fixtures: Hydra composition over ``conf/``, one embedded-model cache per session, and a helper that
-runs the real pipeline (``runner.execute.run``) into a temporary run dir and reads back what it wrote."""
+runs the real pipeline (``runner.app.execute.run``) into a temporary run dir and reads back what it wrote."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def compose() -> Callable[..., Any]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from runner.schema import register_configs
+    from runner.core.schema import register_configs
 
     register_configs()
 
@@ -112,7 +112,7 @@ class RunResult:
 @pytest.fixture(scope="session")
 def execute(compose) -> Callable[..., RunResult]:
     """``execute(overrides, run_dir)``: compose (on ``platform=cpu``) and run the real pipeline into ``run_dir``."""
-    from runner.execute import run
+    from runner.app.execute import run
 
     def _execute(overrides: Iterable[str], run_dir: Path) -> RunResult:
         overrides = ["platform=cpu", *overrides]

@@ -49,8 +49,8 @@ def ar_run(execute, rows_file, tmp_path_factory):
 
 
 def _job(compose, overrides, run_dir):
-    """Run through runner.jobs (exit code and job_status.json, as the CLI does)."""
-    from runner.jobs import run_job
+    """Run through runner.app.jobs (exit code and job_status.json, as the CLI does)."""
+    from runner.app.jobs import run_job
 
     overrides = ["platform=cpu", *overrides]
     code = run_job(compose(overrides), run_dir, overrides, reraise=False)
@@ -212,7 +212,7 @@ def test_a_signal_stops_an_ar_run_after_the_current_batch(compose, tmp_path, sig
     run exits 128+signal with manifest status ``interrupted`` and the rows written so far kept."""
     import signal
 
-    from runner.execute import run
+    from runner.app.execute import run
 
     p = tmp_path / "rows.jsonl"
     p.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": [3, 4, 5 + i], "max_tokens": 2}) + "\n"
@@ -267,10 +267,10 @@ def test_prompt_expand_flux_records_backends_and_evidence_per_stage(execute, tmp
     assert r2.code == 0 and r2.manifest["counts"]["reused"] == 1
     ids = [json.loads(line)["id"] for line in (r.run_dir / "expand.jsonl").read_text().splitlines()]
     assert sorted(ids) == sorted(ar) and len(ids) == 2
-    # runner.repro compares the AR stage's output_token_ids too: a changed expand record is named
+    # runner.tools.repro compares the AR stage's output_token_ids too: a changed expand record is named
     import shutil
 
-    from runner.repro import compare
+    from runner.tools.repro import compare
 
     other = tmp_path / "other"
     shutil.copytree(r.run_dir, other)
@@ -304,8 +304,8 @@ def test_ar_backends_use_the_runner_precedence_layers(compose):
     """Resolution only (vLLM imported, no engine): stage > run > legacy engine_extras, with provenance, and
     shared aliases mapped to vLLM's names; a misspelt engine argument is refused naming the closest one."""
     from models.vllm_stage import ARConfigError
-    from runner.execute import build_engines
-    from runner.platform import detect
+    from runner.app.execute import build_engines
+    from runner.core.platform import detect
 
     ov = ["platform=cpu", "model=tiny_qwen3_moe", "backend.linear=TORCH",
           "model.stages.generate.backend.attention=cpu_attn", "backend.attention=auto",
@@ -328,8 +328,8 @@ def test_ar_backends_use_the_runner_precedence_layers(compose):
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "true"])
 def test_engine_extras_max_model_len_must_be_a_positive_integer(compose, value):
     from models.vllm_stage import ARConfigError
-    from runner.execute import build_engines
-    from runner.platform import detect
+    from runner.app.execute import build_engines
+    from runner.core.platform import detect
 
     ov = ["platform=cpu", "model=tiny_qwen3_moe", f"model.stages.generate.engine_extras.max_model_len={value}"]
     with pytest.raises(ARConfigError, match=r"engine_extras\.max_model_len=.*positive integer.*fix"):
@@ -359,8 +359,8 @@ def _swap_first_attention_backend(stage):
 
 
 def test_evidence_mismatch_from_the_worker_exits_3(compose, rows_file, tmp_path):
-    from runner.evidence import EvidenceError
-    from runner.execute import run
+    from runner.core.evidence import EvidenceError
+    from runner.app.execute import run
 
     ov = ["platform=cpu", "model=tiny_qwen3_moe", "dataset=jsonl", f"dataset.path={rows_file}",
           "backend.attention=CPU_ATTN"]
@@ -376,7 +376,7 @@ def test_repro_of_an_ar_run_compares_output_token_ids(ar_run, tmp_path):
     to print 'REPRO OK: 0 item(s)' comparing nothing); a changed token is named."""
     import shutil
 
-    from runner.repro import compare, reproduce
+    from runner.tools.repro import compare, reproduce
 
     code, res = reproduce(ar_run.run_dir, tmp_path / "re", timeout_s=300)
     assert code == 0, res["problems"]
@@ -398,8 +398,8 @@ def test_ar_sources_record_sha256_of_weights_config_and_tokenizer(compose, ar_ru
     import shutil
     from pathlib import Path
 
-    from runner.execute import build_engines
-    from runner.platform import detect
+    from runner.app.execute import build_engines
+    from runner.core.platform import detect
 
     def sha(p):
         return hashlib.sha256(Path(p).read_bytes()).hexdigest()
@@ -442,7 +442,7 @@ def test_a_signal_during_the_pipelines_ar_stage_stops_it_after_the_current_batch
     import threading
     import time
 
-    from runner.execute import run
+    from runner.app.execute import run
 
     run_dir = tmp_path / "pipe"
     journal = run_dir / "expand.jsonl"

@@ -54,9 +54,9 @@ def rows_file(tmp_path_factory):
 
 
 def _run(compose, overrides, run_dir, on_loaded=None):
-    """``runner.execute.run``; returns (exit code, manifest, error) as the CLI would end (RunnerError.exit_code)."""
-    from runner.errors import RunnerError
-    from runner.execute import run
+    """``runner.app.execute.run``; returns (exit code, manifest, error) as the CLI would end (RunnerError.exit_code)."""
+    from runner.core.errors import RunnerError
+    from runner.app.execute import run
 
     err = None
     try:

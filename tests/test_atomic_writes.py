@@ -1,4 +1,4 @@
-"""Crash-safe writing (``runner.artifacts``, the journal readers of ``runner.sinks``) under deterministic faults.
+"""Crash-safe writing (``runner.core.artifacts``, the journal readers of ``runner.core.sinks``) under deterministic faults.
 
 A write is atomic when a reader, or the next run, sees either the old file or the complete new one, never a part.
 The random SIGKILL test (test_reliability.py) cannot tell an in-place write from an atomic one when the kill lands
@@ -29,10 +29,10 @@ from typing import Any, Dict, List
 import numpy as np
 import pytest
 
-from runner import artifacts as art
-from runner import sinks
-from runner.errors import StorageError
-from runner.resume import remove_temp_files
+from runner.core import artifacts as art
+from runner.core import sinks
+from runner.core.errors import StorageError
+from runner.core.resume import remove_temp_files
 
 pytestmark = pytest.mark.cpu
 
@@ -157,7 +157,7 @@ def test_cleanup_failure_does_not_hide_the_error(tmp_path, monkeypatch):
 _KILLED_BEFORE_RENAME = r"""
 import os, signal, sys
 from pathlib import Path
-import runner.artifacts as art
+import runner.core.artifacts as art
 os.replace = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)  # the data is on disk, the rename never happens
 art.atomic_write_bytes(Path(sys.argv[1]), b"new" * 1000)
 """

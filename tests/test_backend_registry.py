@@ -1,6 +1,6 @@
 """One record per backend (``kernels.registry.Backend``): every unmet requirement is listed, and an out-of-tree
 attention backend registered from this file alone (no edit elsewhere in the repository) is resolved, wired into
-diffusers, observed executing and matched by its own profiler signature in a real ``runner.execute.run``; a record
+diffusers, observed executing and matched by its own profiler signature in a real ``runner.app.execute.run``; a record
 whose wiring does not reach its kernel is reported as a mismatch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from kernels import registry as reg
 from kernels.registry import Backend, BackendUnavailableError, DiffusersWiring, UnknownBackendError
-from runner.evidence import EvidenceError
+from runner.core.evidence import EvidenceError
 
 try:
     from _helpers import CPU, ctx, execute

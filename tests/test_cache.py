@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _helpers import execute
-from runner.errors import RunnerError
+from runner.core.errors import RunnerError
 
 ROWS = 6  # toy_shapes builtin rows for the gate (lossless accuracy 1.0 on these)
 METHODS = {  # method -> overrides (fixed methods: their schedule; adaptive: a threshold that hits on toy_shapes)
@@ -55,7 +55,7 @@ def test_each_method_records_observed_reuse(tmp_path, method):
 
 
 def test_no_cache_keeps_records_identity_and_label(tmp_path):
-    from runner import resume
+    from runner.core import resume
 
     r = _run(tmp_path / "plain", [], limit=1)
     assert r.code == 0 and "cache" not in r.items[0] and "cache" not in r.manifest["evidence"]["stages"]["denoise"]
@@ -113,7 +113,7 @@ def test_pab_with_true_cfg_rows_is_refused(tmp_path):
 
 
 def test_cache_that_never_hits_is_an_evidence_mismatch(tmp_path):
-    from runner.evidence import EvidenceError
+    from runner.core.evidence import EvidenceError
 
     r = _run(tmp_path / "run", ["cache.method=first_block", "cache.threshold=1e-9"], limit=1, catch=(EvidenceError,))
     assert isinstance(r.error, EvidenceError) and r.error.exit_code == 3
@@ -184,7 +184,7 @@ def gate_runs(tmp_path_factory):
 
 
 def test_gate_passes_a_working_cache_and_fails_a_stale_one(gate_runs, capsys):
-    from runner import gate
+    from runner.tools import gate
 
     root, runs = gate_runs
     stale = runs["stale"].manifest
@@ -217,8 +217,8 @@ def test_gate_passes_a_working_cache_and_fails_a_stale_one(gate_runs, capsys):
 def test_gate_psnr_floor_catches_what_the_oracle_does_not(gate_runs):
     """A cache stale within each call keeps toy_shapes' shapes (the oracle reads 1.0) but not the pixels: the
     accuracy gate passes it, a PSNR floor fails it while the working cache stays above."""
-    from runner import gate
-    from runner.report import load_jobs
+    from runner.tools import gate
+    from runner.tools.report import load_jobs
 
     root, runs = gate_runs
     jobs = load_jobs([runs[k].run_dir for k in ("lossless", "taylorseer", "stale_per_call")])
@@ -234,8 +234,8 @@ def test_gate_psnr_floor_catches_what_the_oracle_does_not(gate_runs):
 
 
 def test_report_labels_lossy_jobs_and_shows_the_gate(gate_runs, tmp_path):
-    from runner import gate
-    from runner.report import write_report
+    from runner.tools import gate
+    from runner.tools.report import write_report
 
     root, runs = gate_runs
     dirs = [runs[k].run_dir for k in ("lossless", "taylorseer", "stale")]
@@ -248,7 +248,7 @@ def test_report_labels_lossy_jobs_and_shows_the_gate(gate_runs, tmp_path):
 
 
 def test_lossy_lanes_of_backends():
-    from runner.lossy import lanes
+    from runner.core.lossy import lanes
 
     sel = {"denoise": {"attention": {"selected": {"joint": {"backend": "SAGE_ATTN", "quant": None,
                                                             "skip_softmax": None}}},

@@ -84,7 +84,7 @@ def test_key_changes_with_model_config_device_and_torch(monkeypatch):
     (["compile=regional", "optimize.compile_mode=max_autotune"], ["CUDA graphs", "max_autotune_no_cudagraphs"]),
 ])
 def test_compile_mode_is_validated(tmp_path, extra, words):
-    from runner.errors import RunnerError
+    from runner.core.errors import RunnerError
 
     run = execute(tmp_path / "r", ["model=tiny_flux", "dataset.limit=1", *extra], catch=(RunnerError,))
     assert type(run.error).__name__ == "ConfigValueError" and run.error.exit_code == 2, run.error

@@ -10,7 +10,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner import schema
+from runner.core import schema
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -169,7 +169,7 @@ def test_appended_unknown_key_is_refused(compose, tmp_path, override):
     """``+key=value`` asks Hydra to add a key; Hydra adds it with ``OmegaConf.update(force_add=True)``, which
     passes structured-config nodes, so composition alone may accept a key the schema does not have. Such a
     typo must still never run: refused at compose time, or by the run before it writes or loads anything."""
-    from runner.execute import run
+    from runner.app.execute import run
 
     key = override.split("=")[0].lstrip("+").split(".")[-1]
     cache, run_dir = tmp_path / "cache", tmp_path / "run"

@@ -51,7 +51,7 @@ def test_help_says_what_the_tool_is_without_schema_bases(subprocess_env, tmp_pat
     models = next(x for x in out.splitlines() if x.strip().startswith("model:"))
     assert "toy_shapes" in models and "tiny_qwen3_moe" in models and "base_" not in models, models
     assert "dataset: builtin, csv, hf, jsonl, parquet, txt" in out
-    assert "python -m runner --cfg job" in out and "runner.export" in out
+    assert "python -m runner --cfg job" in out and "runner.tools.export" in out
     assert not (tmp_path / "outputs").exists()
 
 
@@ -65,7 +65,7 @@ def test_top_level_typo_gets_the_closest_key_not_hydras_plus_tip(subprocess_env,
              tmp_path)
     assert p.returncode == 2 and "did you mean model.generation.width? fix: model.generation.width=64" in p.stderr
     assert not (tmp_path / "run").exists()
-    from runner.console import override_key_problem
+    from runner.app.console import override_key_problem
 
     assert override_key_problem(["hydra/launcher=submitit_local", "seed=1,2", "+foo=1", "model=toy_shapes"]) is None
 
@@ -79,7 +79,7 @@ def test_sweep_prints_where_its_report_is(subprocess_env, tmp_path):
 
 
 def test_library_env_defaults_respect_the_user_and_verbose():
-    from runner.console import library_env_defaults
+    from runner.app.console import library_env_defaults
 
     env = {"VLLM_LOGGING_LEVEL": "DEBUG"}
     assert library_env_defaults([], env) == {"KINETO_LOG_LEVEL": "6"}
@@ -89,7 +89,7 @@ def test_library_env_defaults_respect_the_user_and_verbose():
 
 
 def test_transformers_torchvision_fallback_warning_is_filtered():
-    from runner.console import quiet_libraries
+    from runner.app.console import quiet_libraries
 
     quiet_libraries()
     seen = []
@@ -114,7 +114,7 @@ def test_torchao_import_noise_is_filtered_and_other_records_kept():
     C++ extensions of another torch build, torch's pytree deprecation of its enum registrations and diffusers'
     quantizer notice are dropped (CI failed on them once the torchao extra was installed); other records of the same
     loggers stay."""
-    from runner.console import LIBRARY_NOISE, quiet_libraries
+    from runner.app.console import LIBRARY_NOISE, quiet_libraries
 
     quiet_libraries()
     for name, noise in LIBRARY_NOISE.items():

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from kernels import registry as reg
-from runner.distributed import Layout, ParallelismConfigError, ParallelismUnsupportedError, Worker, layout
-from runner.errors import ConfigValueError
+from runner.core.distributed import Layout, ParallelismConfigError, ParallelismUnsupportedError, Worker, layout
+from runner.core.errors import ConfigValueError
 
 ROWS = 3
 STEPS = "model.generation.num_inference_steps=2"
@@ -171,7 +171,7 @@ def fake_torchrun(monkeypatch):
 
 
 def _refused(compose, tmp_path, overrides, world_size: int):
-    from runner.execute import run
+    from runner.app.execute import run
 
     ov = ["platform=cpu", "dataset.limit=2", *overrides]
     cfg = compose(ov)
@@ -249,7 +249,7 @@ def test_context_parallel_needs_a_plan_and_declared_sequences(compose, tmp_path,
 
 
 def test_sequence_not_divisible_by_context_degree(compose, tmp_path, fake_torchrun):
-    from runner.dataset import DatasetError
+    from runner.core.dataset import DatasetError
 
     fake_torchrun(2)
     with pytest.raises(DatasetError) as e:
@@ -259,7 +259,7 @@ def test_sequence_not_divisible_by_context_degree(compose, tmp_path, fake_torchr
 
 
 def test_cfg_parallel_refused_diffusers_has_none(compose, tmp_path):
-    from runner.execute import run
+    from runner.app.execute import run
 
     with pytest.raises(ConfigValueError, match="diffusers 0.42 has no CFG parallelism"):
         run(compose(["platform=cpu", "parallelism=cfg"]), tmp_path / "run", [])
@@ -278,7 +278,7 @@ def test_layout_roles_and_mesh():
 
 def test_no_collective_fails_the_evidence(tmp_path):
     from models.context_parallel import COLLECTIVES, expected_collectives
-    from runner.evidence import KernelTrace, build
+    from runner.core.evidence import KernelTrace, build
 
     lay = Layout("ulysses", data=1, ring=1, ulysses=2)
     want = {k: (COLLECTIVES[k], n) for k, n in expected_collectives(lay, 3).items()}

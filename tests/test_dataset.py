@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import MissingMandatoryValue
 from PIL import Image
 
-from runner.dataset import DatasetError, load_rows
+from runner.core.dataset import DatasetError, load_rows
 
 DEFAULTS = dict(width=128, height=128, num_inference_steps=4, guidance_scale=3.5, num_images_per_prompt=1)
 
@@ -127,7 +127,7 @@ def _assert_nothing_started(run_dir: Path, cache: Path) -> None:
 
 def test_c07_bad_rows_refused_before_model_load(compose, case_file, tmp_path):
     """C07: every bad row is named with its line and field, before the model is created or loaded."""
-    from runner.execute import run
+    from runner.app.execute import run
 
     path = case_file("c07_bad_rows.jsonl")
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
@@ -151,7 +151,7 @@ def test_c07_bad_rows_refused_before_model_load(compose, case_file, tmp_path):
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "txt"])
 def test_file_dataset_needs_path(compose, tmp_path, fmt):
     """``dataset=jsonl|csv|txt`` without ``dataset.path`` is refused, naming ``dataset.path``, before loading."""
-    from runner.execute import run
+    from runner.app.execute import run
 
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     ov = ["platform=cpu", f"dataset={fmt}", f"cache_dir={cache}"]
@@ -167,7 +167,7 @@ def test_file_dataset_needs_path(compose, tmp_path, fmt):
 
 
 def test_missing_dataset_file_refused_before_model_load(compose, tmp_path):
-    from runner.execute import run
+    from runner.app.execute import run
 
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     ov = ["platform=cpu", "dataset=jsonl", f"dataset.path={tmp_path / 'nope.jsonl'}", f"cache_dir={cache}"]

@@ -1,4 +1,4 @@
-"""Dataset validation (``runner.dataset``) check by check, at each check's boundary, with the message a user reads:
+"""Dataset validation (``runner.core.dataset``) check by check, at each check's boundary, with the message a user reads:
 every bad field of every row is named (file:line, field, value, fix) in one error before any model loads; good
 rows get every generation parameter filled in; seeds, item keys, file names and batches follow their rules.
 """
@@ -11,8 +11,8 @@ from typing import Any, Dict, List
 
 import pytest
 
-from runner import dataset as ds
-from runner.dataset import DatasetError, Item, Row
+from runner.core import dataset as ds
+from runner.core.dataset import DatasetError, Item, Row
 
 pytestmark = pytest.mark.cpu
 

@@ -1,5 +1,5 @@
 """The engine seam: an engine registered from a test alone (no edit elsewhere) runs through the one run loop
-(``runner.execute.run``) and writes text records with the text-record sink, with the loop's guarantees: every
+(``runner.app.execute.run``) and writes text records with the text-record sink, with the loop's guarantees: every
 stage prepared before anything loads, one bad row fails alone, the journal in dataset order, evidence from the
 engine, and a refusal of a dir that already holds a run for a non-resumable engine."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from models.base import EngineBase, StageResult, TextOutput
 from models.registry import ENGINES, engine_class, register_engine, unregister_engine
-from runner.errors import UserInputError
+from runner.core.errors import UserInputError
 
 
 class EchoEngine(EngineBase):
@@ -37,14 +37,14 @@ class EchoEngine(EngineBase):
         return self.source
 
     def read_rows(self) -> Tuple[List[Any], Path]:
-        from runner import dataset as ds
+        from runner.core import dataset as ds
 
         g = dict(width=8, height=8, num_inference_steps=1, guidance_scale=0.0, num_images_per_prompt=1)
         return ds.load_rows(self.ctx.cfg.dataset.format, self.ctx.cfg.dataset.path, defaults=g, size_multiple=8,
                             max_pixels=64, limit=self.ctx.cfg.dataset.limit)
 
     def items(self, rows: Sequence[Any], run_seed: int) -> List[Any]:
-        from runner import dataset as ds
+        from runner.core import dataset as ds
 
         return ds.expand_items(rows, run_seed)
 
@@ -91,7 +91,7 @@ def _rows(tmp_path: Path, prompts: Dict[str, str]) -> Path:
 
 
 def _run(compose, run_dir: Path, data: Path, extra: Sequence[str] = ()) -> int:
-    from runner.execute import run
+    from runner.app.execute import run
 
     ov = ["platform=cpu", "model.adapter=echo", "dataset=jsonl", f"dataset.path={data}", "batch_size=2", *extra]
     return run(compose(ov), run_dir, ov)
@@ -121,7 +121,7 @@ def test_registered_toy_engine_writes_text_records_through_the_loop(echo_engine,
 
 
 def test_toy_engine_evidence_mismatch_is_exit_3(echo_engine, compose, tmp_path):
-    from runner.evidence import EvidenceError
+    from runner.core.evidence import EvidenceError
 
     original = EchoEngine.generate
 
@@ -140,7 +140,7 @@ def test_toy_engine_evidence_mismatch_is_exit_3(echo_engine, compose, tmp_path):
 
 
 def test_non_resumable_engine_refuses_a_dir_holding_a_run(echo_engine, compose, tmp_path):
-    from runner.resume import ResumeConflictError
+    from runner.core.resume import ResumeConflictError
 
     data = _rows(tmp_path, {"a": "one"})
     assert _run(compose, tmp_path / "run", data) == 0
@@ -175,7 +175,7 @@ def test_registry_imports_engines_lazily():
 # rendered from "x" and the expand stage's output went unused
 @pytest.mark.parametrize("template", ["x", "{prompt}"])
 def test_pipeline_template_without_the_upstream_text_is_refused(compose, template):
-    from runner.execute import stage_graph
+    from runner.app.execute import stage_graph
 
     cfg = compose(["platform=cpu", "model=prompt_expand_flux", f"model.stages.denoise.template='{template}'"])
     with pytest.raises(UserInputError, match=r"does not use \{text\}.*fix"):

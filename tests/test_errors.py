@@ -1,4 +1,4 @@
-"""The error contract (issue #15): one base class, ``runner.errors.RunnerError``, carries the exit code, the
+"""The error contract (issue #15): one base class, ``runner.core.errors.RunnerError``, carries the exit code, the
 job outcome and the fix; every exception class of the project derives from it; the exit code and outcome come from
 the exception's attributes; no user mistake ends in a traceback (``python -m runner`` and the other CLIs)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import EvidenceMismatchError, RefusedError, RunnerError, UserInputError
+from runner.core.errors import EvidenceMismatchError, RefusedError, RunnerError, UserInputError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("runner", "models", "kernels")
@@ -48,7 +48,7 @@ def test_every_exception_class_derives_from_runner_error():
         if nested:
             if looks_like_error:
                 bad.append(f"{mod}.{name}: an exception class defined inside a function (define it at module level, "
-                           "deriving from runner.errors.RunnerError)")
+                           "deriving from runner.core.errors.RunnerError)")
             continue
         cls = getattr(importlib.import_module(mod), name)
         if not (isinstance(cls, type) and issubclass(cls, BaseException)):
@@ -58,7 +58,7 @@ def test_every_exception_class_derives_from_runner_error():
             continue
         found.add(name)
         if not issubclass(cls, RunnerError):
-            bad.append(f"{mod}.{name}{tuple(bases)} does not derive from runner.errors.RunnerError")
+            bad.append(f"{mod}.{name}{tuple(bases)} does not derive from runner.core.errors.RunnerError")
     assert not bad, "\n".join(bad)
     # the scan really saw the classes (it would pass vacuously on an empty walk)
     assert {"DatasetError", "ConfigValueError", "EvidenceError", "MisplacedBackendKeyError", "StageConflictError",
@@ -74,7 +74,7 @@ def test_errors_module_imports_nothing_from_the_project():
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module or ""] if isinstance(node, ast.ImportFrom) else []
         for n in names:
-            assert n.split(".")[0] not in PACKAGES, f"runner/errors.py imports {n}"
+            assert n.split(".")[0] not in PACKAGES, f"runner/core/errors.py imports {n}"
 
 
 def _cls(path: str):
@@ -84,13 +84,13 @@ def _cls(path: str):
 
 # class -> (outcome, exit code, builtin base kept for callers that catch it)
 CONTRACT = {
-    "runner.dataset.DatasetError": ("invalid", 2, ValueError),
-    "runner.errors.ConfigValueError": ("invalid", 2, ValueError),
-    "runner.evidence.EvidenceError": ("evidence_mismatch", 3, RuntimeError),
-    "runner.resolve.MisplacedBackendKeyError": ("invalid", 2, ValueError),
-    "runner.resolve.StageConflictError": ("invalid", 2, ValueError),
-    "runner.platform.PlatformError": ("invalid", 2, RuntimeError),
-    "runner.resume.ResumeConflictError": ("invalid", 2, ValueError),
+    "runner.core.dataset.DatasetError": ("invalid", 2, ValueError),
+    "runner.core.errors.ConfigValueError": ("invalid", 2, ValueError),
+    "runner.core.evidence.EvidenceError": ("evidence_mismatch", 3, RuntimeError),
+    "runner.core.resolve.MisplacedBackendKeyError": ("invalid", 2, ValueError),
+    "runner.core.resolve.StageConflictError": ("invalid", 2, ValueError),
+    "runner.core.platform.PlatformError": ("invalid", 2, RuntimeError),
+    "runner.core.resume.ResumeConflictError": ("invalid", 2, ValueError),
     "models.vllm_stage.ARConfigError": ("invalid", 2, ValueError),
     "models.flux.ModelPathError": ("invalid", 2, ValueError),
     "models.vllm_engine.VLLMConfigError": ("invalid", 2, ValueError),
@@ -99,23 +99,23 @@ CONTRACT = {
     "kernels.registry.BackendUnavailableError": ("refused", 2, ValueError),
     "kernels.registry.BackendSpecError": ("invalid", 2, ValueError),
     "kernels.attention.AttentionWiringError": ("refused", 2, RuntimeError),
-    "runner.report.RunDirError": ("invalid", 2, FileNotFoundError),
-    "runner.report.UnknownReferenceError": ("invalid", 2, KeyError),
-    "runner.matrix.GridError": ("invalid", 2, ValueError),
-    "runner.repro.ReproInputError": ("invalid", 2, OSError),
-    "runner.environment.EnvironmentVariableError": ("invalid", 2, ValueError),
-    "runner.environment.OutputPathError": ("invalid", 2, OSError),
+    "runner.tools.report.RunDirError": ("invalid", 2, FileNotFoundError),
+    "runner.tools.report.UnknownReferenceError": ("invalid", 2, KeyError),
+    "runner.tools.matrix.GridError": ("invalid", 2, ValueError),
+    "runner.tools.repro.ReproInputError": ("invalid", 2, OSError),
+    "runner.core.environment.EnvironmentVariableError": ("invalid", 2, ValueError),
+    "runner.core.environment.OutputPathError": ("invalid", 2, OSError),
 }
 
 
 @pytest.mark.parametrize("path", sorted(CONTRACT))
 def test_each_class_carries_its_outcome_and_exit_code(path):
-    from runner.jobs import EXIT
+    from runner.app.jobs import EXIT
 
     outcome, code, builtin = CONTRACT[path]
     cls = _cls(path)
     assert (cls.outcome, cls.exit_code) == (outcome, code)
-    assert EXIT[cls.outcome] == cls.exit_code, "job_status outcome and exit code disagree with runner.jobs.EXIT"
+    assert EXIT[cls.outcome] == cls.exit_code, "job_status outcome and exit code disagree with runner.app.jobs.EXIT"
     assert issubclass(cls, builtin), f"{path} no longer catchable as {builtin.__name__}"
     base = {"refused": RefusedError, "invalid": UserInputError, "evidence_mismatch": EvidenceMismatchError}[outcome]
     assert issubclass(cls, base)
@@ -137,7 +137,7 @@ def test_message_is_kept_and_a_separate_fix_is_appended_once():
     e = UserInputError("x=1 is bad; fix: x=2", fix="x=2")
     assert str(e) == "x=1 is bad; fix: x=2", "the fix was appended to a message that already names it"
     assert RunnerError.fix is None and RunnerError("m").fix is None
-    from runner.report import UnknownReferenceError
+    from runner.tools.report import UnknownReferenceError
 
     assert str(UnknownReferenceError("reference='a' names no job")) == "reference='a' names no job"  # not quoted
 
@@ -146,7 +146,7 @@ def test_errors_survive_pickling():
     """Ray ships a worker's exception to the driver by pickling it."""
     import pickle
 
-    from runner.dataset import DatasetError
+    from runner.core.dataset import DatasetError
 
     e = pickle.loads(pickle.dumps(DatasetError(["rows.jsonl:2: field 'prompt' is empty", "rows.jsonl:3: bad"])))
     assert e.problems == ["rows.jsonl:2: field 'prompt' is empty", "rows.jsonl:3: bad"]
@@ -162,8 +162,8 @@ def _fake_gpu(monkeypatch, sm: int) -> None:
     """A CUDA GPU of compute capability ``sm`` with every optional kernel package installed (nothing loads)."""
     import models.flux as flux
     from kernels import registry as reg
-    from runner import execute
-    from runner.platform import PlatformInfo
+    from runner.app import execute
+    from runner.core.platform import PlatformInfo
 
     monkeypatch.setattr(reg, "has_symbol", lambda path: True)
     monkeypatch.setattr(execute, "detect", lambda *a, **k: PlatformInfo(kind="cuda", device="cpu",
@@ -180,7 +180,7 @@ def _fake_gpu(monkeypatch, sm: int) -> None:
 def test_trtllm_request_is_refused_alike_on_blackwell_and_hopper(compose, tmp_path, monkeypatch, sm, error_type):
     """``backend.attention=trtllm`` on FLUX (head_dim 128): on sm100 the registry accepts it and the wiring plan
     refuses it, on sm90 the registry refuses it. Both are the same documented refusal: outcome refused, exit 2."""
-    from runner.jobs import run_job
+    from runner.app.jobs import run_job
 
     _fake_gpu(monkeypatch, sm)
     ov = ["model=flux", "model.load_format=dummy", "backend.attention=trtllm", "dataset.limit=1"]
@@ -212,8 +212,8 @@ class _OddMismatch(RunnerError):
 ])
 def test_run_job_takes_outcome_and_exit_code_from_the_exception(compose, tmp_path, monkeypatch, caplog, exc, outcome,
                                                                  code, manifest):
-    from runner import execute
-    from runner.jobs import run_job
+    from runner.app import execute
+    from runner.app.jobs import run_job
 
     def raising(*a, **k):
         raise exc
@@ -233,8 +233,8 @@ def test_run_job_takes_outcome_and_exit_code_from_the_exception(compose, tmp_pat
 
 
 def test_run_job_still_reports_a_non_user_error_as_a_crash(compose, tmp_path, monkeypatch):
-    from runner import execute
-    from runner.jobs import run_job
+    from runner.app import execute
+    from runner.app.jobs import run_job
 
     def raising(*a, **k):
         raise ValueError("an internal bug, not a user mistake")
@@ -250,7 +250,7 @@ def test_ray_worker_user_error_ends_the_run_with_its_outcome(compose, tmp_path, 
     """A user error raised in Ray workers reaches the driver wrapped (``RayTaskError.cause``): the run is refused
     (exit 2), not merged into an 'incomplete' run with exit 1."""
     from kernels.registry import BackendUnavailableError
-    from runner.jobs import run_job
+    from runner.app.jobs import run_job
 
     refusal = BackendUnavailableError("backend.attention=CUDNN_ATTN cannot run here: needs a CUDA GPU")
 
@@ -303,12 +303,12 @@ def test_multirun_user_mistake_is_recorded_without_traceback(tmp_path, subproces
 
 
 @pytest.mark.parametrize("module,args,error_type", [
-    ("runner.report", ["{empty}"], "RunDirError"),
-    ("runner.report", ["{run}", "--reference", "nope"], "UnknownReferenceError"),
-    ("runner.matrix", ["{empty}"], "RunDirError"),
-    ("runner.matrix", ["{run}", "--grid", "colour=red"], "GridError"),
-    ("runner.repro", ["{empty}"], "ReproInputError"),
-    ("runner.repro", ["{broken}"], "ReproInputError"),
+    ("runner.tools.report", ["{empty}"], "RunDirError"),
+    ("runner.tools.report", ["{run}", "--reference", "nope"], "UnknownReferenceError"),
+    ("runner.tools.matrix", ["{empty}"], "RunDirError"),
+    ("runner.tools.matrix", ["{run}", "--grid", "colour=red"], "GridError"),
+    ("runner.tools.repro", ["{empty}"], "ReproInputError"),
+    ("runner.tools.repro", ["{broken}"], "ReproInputError"),
 ])
 def test_tool_cli_user_mistake_exits_2_with_the_error_named(tmp_path, capsys, module, args, error_type):
     dirs = {k: tmp_path / k for k in ("empty", "run", "broken")}

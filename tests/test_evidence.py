@@ -1,4 +1,4 @@
-"""End-to-end evidence on CPU with the real tiny_flux pipeline (``runner.execute.run``): the manifest's
+"""End-to-end evidence on CPU with the real tiny_flux pipeline (``runner.app.execute.run``): the manifest's
 ``evidence`` and ``backends`` sections, a negative control (a layer switched to another kernel after startup must
 be caught), a NaN row, alias spellings giving identical bytes, refusal before load, and a library environment
 variable that must not override the runner's choice (case C10)."""
@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 import pytest
 
 from kernels.registry import BackendUnavailableError
-from runner.evidence import EvidenceError
+from runner.core.evidence import EvidenceError
 
 try:
     from _helpers import REPO_ROOT, compose, execute

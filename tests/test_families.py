@@ -85,7 +85,7 @@ def test_qwen_image_true_cfg_doubles_the_forwards(run_job, write_jsonl):
 
 def test_true_cfg_scale_on_a_pipeline_without_it_is_refused(compose):
     """SD3 and Wan take no true_cfg_scale (their guidance is guidance_scale): a value > 1 would be silently unused."""
-    from runner.errors import ConfigValueError
+    from runner.core.errors import ConfigValueError
 
     for model in ("tiny_sd3", "tiny_wan"):
         cfg = compose([f"model={model}", "platform=cpu", "model.generation.true_cfg_scale=4"])
@@ -104,7 +104,7 @@ def test_family_sweep_report_lists_every_family(family_sweep):
 @pytest.mark.parametrize("model", FAMILIES)
 def test_family_repro_and_resume(family_sweep, model, tmp_path):
     orig = _job(family_sweep, model)
-    p = run_module("runner.repro", [orig, "--out", tmp_path / "rerun"], cwd=tmp_path)
+    p = run_module("runner.tools.repro", [orig, "--out", tmp_path / "rerun"], cwd=tmp_path)
     assert p.returncode == 0, _tail(p)
     check = json.loads((tmp_path / "rerun" / "repro_check.json").read_text())
     assert check["ok"] and check["problems"] == [], check
@@ -172,8 +172,8 @@ def test_generic_adapter_refuses_a_transformer_without_the_dispatcher(compose, t
     family routes it), so the generic engine refuses any attention backend, naming the model and the class."""
     from models.base import StageContext
     from models.pipelines import PipelineEngine
-    from runner.errors import ConfigValueError
-    from runner.platform import detect
+    from runner.core.errors import ConfigValueError
+    from runner.core.platform import detect
 
     snap = _fake_snapshot(tmp_path / "sd3", "StableDiffusion3Pipeline", {
         "transformer": ("diffusers", "SD3Transformer2DModel"), "vae": ("diffusers", "AutoencoderKL")})
@@ -212,7 +212,7 @@ def test_row_field_the_pipeline_does_not_take_is_refused(tmp_path, write_jsonl):
 @pytest.mark.parametrize("where", ["row", "default"])
 def test_fps_on_an_image_model_is_refused(compose, write_jsonl, where):
     """fps feeds the video sink only: on an image model it was accepted and silently dropped (exit 0)."""
-    from runner.errors import ConfigValueError
+    from runner.core.errors import ConfigValueError
 
     rows = write_jsonl([{"id": "a", "prompt": "x", **({"fps": 12} if where == "row" else {})}])
     ov = ["model=tiny_sd3", "platform=cpu", "dataset=jsonl", f"dataset.path={rows}"]
@@ -225,7 +225,7 @@ def test_fps_on_an_image_model_is_refused(compose, write_jsonl, where):
 def test_generic_adapter_refuses_a_video_pipeline(compose, tmp_path):
     """model.adapter=diffusers on a Wan snapshot loaded and then failed every item (the pipeline returns frames):
     refused at startup, naming the video family's adapter."""
-    from runner.errors import ConfigValueError
+    from runner.core.errors import ConfigValueError
 
     snap = _fake_snapshot(tmp_path / "wan", "WanPipeline", {
         "transformer": ("diffusers", "WanTransformer3DModel"), "vae": ("diffusers", "AutoencoderKLWan")})
@@ -241,8 +241,8 @@ def test_generic_adapter_refuses_a_video_pipeline(compose, tmp_path):
 def test_wan_frames_must_be_4k_plus_1(compose, tmp_path, write_jsonl, frames, ok):
     """WanPipeline rounds num_frames down to 4k+1 with a warning (the video would be shorter than its record);
     the runner refuses it at startup with the nearest valid counts."""
-    from runner.dataset import DatasetError
-    from runner.execute import build_engines  # noqa: F401  (the engines the loop builds)
+    from runner.core.dataset import DatasetError
+    from runner.app.execute import build_engines  # noqa: F401  (the engines the loop builds)
 
     rows = write_jsonl([{"prompt": "a cat", "num_frames": frames}])
     cfg = compose(["model=tiny_wan", "platform=cpu", "dataset=jsonl", f"dataset.path={rows}"])
@@ -260,7 +260,7 @@ def _engine(cfg):
 
     from models.base import StageContext
     from models.registry import engine_class
-    from runner.platform import detect
+    from runner.core.platform import detect
 
     cls = engine_class(cfg.model.adapter)
     return cls(StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=cfg.model, plat=detect(cfg.platform.name, cfg.platform.device),
@@ -268,7 +268,7 @@ def _engine(cfg):
 
 
 def test_wan_default_frames_refused_naming_the_config_key(compose):
-    from runner.errors import ConfigValueError
+    from runner.core.errors import ConfigValueError
 
     cfg = compose(["model=tiny_wan", "platform=cpu", "model.generation.num_frames=10"])
     with pytest.raises(ConfigValueError, match=r"model.generation.num_frames=10 is not 4k\+1.*num_frames=9"):
@@ -278,7 +278,7 @@ def test_wan_default_frames_refused_naming_the_config_key(compose):
 def test_sd3_negative_prompt_without_guidance_is_ignored_per_row(compose, tmp_path, write_jsonl):
     """SD3 applies a negative prompt only with guidance_scale > 1: a row with guidance 1 and a negative prompt is
     refused (on_ignored=error) naming that row only; with on_ignored=record the other row keeps its prompt."""
-    from runner.dataset import DatasetError
+    from runner.core.dataset import DatasetError
 
     rows = write_jsonl([{"id": "g1", "prompt": "a cat", "negative_prompt": "dog", "guidance_scale": 1.0},
                         {"id": "g4", "prompt": "a cat", "negative_prompt": "dog", "guidance_scale": 4.0}])
@@ -294,7 +294,7 @@ def test_sd3_negative_prompt_without_guidance_is_ignored_per_row(compose, tmp_pa
 @pytest.mark.parametrize("model,limit", [("tiny_sd3", 512), ("tiny_qwen_image", 1024), ("tiny_flux", 512),
                                          ("tiny_wan", 512)])
 def test_sequence_ceiling_of_each_pipeline(compose, model, limit):
-    from runner.errors import ConfigValueError
+    from runner.core.errors import ConfigValueError
 
     cfg = compose([f"model={model}", "platform=cpu", f"model.generation.max_sequence_length={limit + 1}"])
     eng = _engine(cfg)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-import runner.artifacts as artifacts
-from runner.jobs import run_job
+import runner.core.artifacts as artifacts
+from runner.app.jobs import run_job
 
 LIMIT = ["dataset.limit=5", "batch_size=1"]
 
@@ -34,7 +34,7 @@ def _sha(p: Path) -> str:
 
 def _images(d: Path):
     return {p.name: _sha(p) for p in sorted((d / "images").glob("*")) if p.name != "metadata.jsonl"} if (
-        d / "images").is_dir() else {}  # metadata.jsonl: the folder's index of the records (runner.sinks)
+        d / "images").is_dir() else {}  # metadata.jsonl: the folder's index of the records (runner.core.sinks)
 
 
 def _records(d: Path):

@@ -25,7 +25,7 @@ def test_record_names_requirements_signature_and_lossy():
                  "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_bias_TNT"):
         assert sig.search(name), name
     assert not sig.search("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN")  # a bf16 GEMM
-    from runner.lossy import lanes
+    from runner.core.lossy import lanes
 
     assert lanes({"denoise": {"linear": {"selected": "FP8_TORCHAO"}}}, {}) == ["denoise.linear=FP8_TORCHAO"]
 
@@ -43,7 +43,7 @@ def test_refused_without_torchao_or_gpu(monkeypatch):
 
 
 def test_run_on_cpu_is_refused_before_loading(tmp_path):
-    from runner.errors import RunnerError
+    from runner.core.errors import RunnerError
 
     r = execute(tmp_path / "r", ["model=tiny_flux", "dataset.limit=1", "backend.linear=FP8_TORCHAO"],
                 catch=(RunnerError,))

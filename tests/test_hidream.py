@@ -25,8 +25,8 @@ from omegaconf import OmegaConf
 from kernels import moe
 from kernels import registry as reg
 from kernels.registry import Backend, BackendUnavailableError, DiffusersMoEWiring
-from runner.evidence import EvidenceError
-from runner.resolve import LAYERS, BackendConflictWarning, StageConflictError
+from runner.core.evidence import EvidenceError
+from runner.core.resolve import LAYERS, BackendConflictWarning, StageConflictError
 
 try:
     from _helpers import REPO_ROOT, compose, conf_with_presets, ctx, execute, resolve, stage_info
@@ -39,7 +39,7 @@ TINY = "model=tiny_hidream"
 def _engine(overrides: Sequence[str] = (), config_dir=None):
     from models.base import StageContext
     from models.registry import engine_class
-    from runner.platform import detect
+    from runner.core.platform import detect
 
     ov = ["platform=cpu", *overrides]
     ov = ov if any(o.startswith("model=") for o in ov) else [TINY, *ov]
@@ -128,8 +128,8 @@ def test_pipeline_size_is_the_pipelines_arithmetic(vae_blocks, size, kept):
 
 
 def test_size_the_pipeline_would_change_is_refused(write_jsonl):
-    from runner.dataset import DatasetError
-    from runner.errors import ConfigValueError
+    from runner.core.dataset import DatasetError
+    from runner.core.errors import ConfigValueError
 
     with pytest.raises(ConfigValueError, match=r"64x128 would become 90x180.*model.generation.width=90 "
                                                r"model.generation.height=180"):
@@ -146,7 +146,7 @@ def test_size_the_pipeline_would_change_is_refused(write_jsonl):
 def test_sequence_lengths_are_checked_per_encoder():
     """CLIP prompts are padded to min(msl, 218) tokens (the tiny CLIPs have 77 positions); T5/Llama encode
     min(msl, model_max_length) silently (the tiny T5 tokenizer's is 512): both refused before loading."""
-    from runner.errors import ConfigValueError
+    from runner.core.errors import ConfigValueError
 
     with pytest.raises(ConfigValueError, match=r"min\(78, 218\) = 78 tokens.*text_encoder has 77 positions"):
         _engine(["model.generation.max_sequence_length=78"]).prepare()
@@ -161,7 +161,7 @@ def test_sequence_lengths_are_checked_per_encoder():
 
 
 def test_negative_prompt_without_guidance_is_ignored(write_jsonl):
-    from runner.dataset import DatasetError
+    from runner.core.dataset import DatasetError
 
     rows = write_jsonl([{"id": "g1", "prompt": "a cat", "negative_prompt": "dog", "guidance_scale": 1.0},
                         {"id": "g5", "prompt": "a cat", "negative_prompt": "dog", "guidance_scale": 5.0}])

@@ -1,6 +1,6 @@
 """Issue #16 kinds 2 and 3: a generation value the model ignores is never recorded as applied (C13), and prompt
 truncation by a text encoder is recorded, never silent (C12). Real runs (tiny_flux unless a test names the model);
-refusals are checked to happen before anything is created or loaded, with exit code 2 through ``runner.jobs``."""
+refusals are checked to happen before anything is created or loaded, with exit code 2 through ``runner.app.jobs``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.dataset import DatasetError
-from runner.errors import ConfigValueError
+from runner.core.dataset import DatasetError
+from runner.core.errors import ConfigValueError
 
 TOY_PROMPT = "a red circle in the center on a white background"
 
@@ -22,8 +22,8 @@ def _on_line(problem: str, n: int) -> bool:
 
 
 def _job(compose, overrides, run_dir):
-    """``runner.jobs.run_job`` as the CLI runs it: (exit code, job_status.json)."""
-    from runner.jobs import run_job
+    """``runner.app.jobs.run_job`` as the CLI runs it: (exit code, job_status.json)."""
+    from runner.app.jobs import run_job
 
     overrides = ["platform=cpu", *overrides]
     code = run_job(compose(overrides), run_dir, overrides, reraise=False)
@@ -37,7 +37,7 @@ def _refused_before_start(run_dir: Path, cache: Path) -> None:
 
 
 def _raise(compose, overrides, run_dir, exc):
-    from runner.execute import run
+    from runner.app.execute import run
 
     overrides = ["platform=cpu", *overrides]
     with pytest.raises(exc) as e:
@@ -140,7 +140,7 @@ def test_schnell_default_is_not_applicable_and_a_guidance_value_is_refused(compo
     """FLUX.1-schnell (``guidance_embeds: false``): its default ``guidance_scale`` is null, so a default run sets
     nothing it ignores (rows carry null: not applicable); ``model.generation.guidance_scale=3.5`` is refused. Read
     from the model's own transformer config, before anything loads (``load_format=dummy``: no weights built)."""
-    from runner.execute import build_engines
+    from runner.app.execute import build_engines
 
     cfg = compose(["model=flux_schnell", "model.load_format=dummy", "platform=cpu"], test_model=False)
     assert cfg.model.generation.guidance_scale is None
@@ -207,7 +207,7 @@ def test_c12_long_row_records_tokens_per_encoder_short_rows_none_dropped(run_job
     """C12: the ``long`` row of c05 (longer than CLIP's 77 tokens and tiny_flux's T5 max_sequence_length=64), in one
     batch with short rows: its record says per text encoder its token count and how many were dropped; the short
     rows say none; the manifest and the run log count the truncated item."""
-    from runner.execute import build_engines
+    from runner.app.execute import build_engines
 
     path = case_file("c05_mixed_lengths.jsonl")
     with caplog.at_level(logging.WARNING, logger="runner"):

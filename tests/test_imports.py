@@ -6,7 +6,7 @@ cycle), ``from pkg import mod`` is an edge to ``pkg.mod``, and relative imports 
 ``if TYPE_CHECKING:`` is skipped (it never runs). Edges to a package's own ancestors (``runner.x`` importing
 ``runner``) are not counted: the ancestor is already being initialized when ``runner.x`` runs.
 
-A private name is one with a single leading underscore. Using one across modules (``from runner.jobs import
+A private name is one with a single leading underscore. Using one across modules (``from runner.app.jobs import
 _merged_code``, or ``jobs._merged_code`` through an imported module) couples a module to another's internals.
 """
 
@@ -58,7 +58,7 @@ def _resolve_relative(module: str, is_pkg: bool, level: int, name: Optional[str]
 
 
 def _known(name: str, modules: Dict[str, Path]) -> Optional[str]:
-    """The longest prefix of ``name`` that is a project module (``runner.execute.run`` -> ``runner.execute``)."""
+    """The longest prefix of ``name`` that is a project module (``runner.app.execute.run`` -> ``runner.app.execute``)."""
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         cand = ".".join(parts[:i])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.dataset import DatasetError, load_rows
+from runner.core.dataset import DatasetError, load_rows
 
 TOY = ["model=toy_shapes"]
 DEFAULTS = dict(width=64, height=64, num_inference_steps=2, guidance_scale=None, num_images_per_prompt=1)
@@ -70,7 +70,7 @@ def test_bad_mappings_are_named(tmp_path, write_jsonl):
     with pytest.raises(DatasetError, match=r"dataset.columns.prompt='caption': no row .* has a column 'caption'; "
                                            r"columns: text"):
         _load("jsonl", p, columns={"prompt": "caption"})
-    from runner.dataset import columns_option
+    from runner.core.dataset import columns_option
 
     with pytest.raises(DatasetError, match="is not a mapping"):
         columns_option(["prompt"])

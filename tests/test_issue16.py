@@ -48,7 +48,7 @@ def _cli(args: List[str], env: Dict[str, str], cwd: Path, timeout: int = 300) ->
 
 def _job(compose, tmp_path: Path, ov: List[str]) -> Dict[str, Any]:
     """``run_job`` in-process (platform=cpu); returns job_status.json (the exit code and the error)."""
-    from runner.jobs import run_job
+    from runner.app.jobs import run_job
 
     ov = ["platform=cpu", *ov]
     code = run_job(compose(ov), tmp_path, ov, reraise=True)
@@ -154,10 +154,10 @@ def test_c14_batch_with_a_missing_item_runs_again_whole(execute, tmp_path):
 
 
 def test_c14_merge_keeps_only_records_of_the_current_config(tmp_path):
-    """runner.distributed.merge (data parallel) reuses ok records of every journal of the dir: a stale ok record
+    """runner.core.distributed.merge (data parallel) reuses ok records of every journal of the dir: a stale ok record
     (an earlier config's, left in items.jsonl) must not win over the rank's failed retry of that item, and a
     current one is kept."""
-    from runner.distributed import merge
+    from runner.core.distributed import merge
 
     def rec(key, status, sha):
         return {"key": key, "id": key, "status": status, "inputs_sha256": sha, "file": f"images/{key}.png"}
@@ -276,7 +276,7 @@ def test_c15_every_env_var_the_run_reads_is_checked_at_startup(compose, tmp_path
 
 @pytest.mark.parametrize("value", ["0", "0,1", "GPU-8f6a3c1e-1234", "", "-1"])
 def test_c15_valid_cuda_visible_devices_accepted(value):
-    from runner.environment import check_environment
+    from runner.core.environment import check_environment
 
     check_environment({"CUDA_VISIBLE_DEVICES": value, "PYTORCH_CUDA_ALLOC_CONF":
                        "expandable_segments:True,roundup_power2_divisions:[256:1,512:2]"})
@@ -311,7 +311,7 @@ AWKWARD = ["run(1).jsonl", "a,b.jsonl", "[x]{y}.jsonl", "it's.jsonl", 'say "hi".
 @pytest.mark.parametrize("name", AWKWARD)
 def test_c17_hydra_quote_composes_to_the_exact_value(compose, name):
     """Property: for each awkward value, the quoted override composes (through Hydra) to exactly that value."""
-    from runner.paths import hydra_quote
+    from runner.core.paths import hydra_quote
 
     path = f"/data/dir ({name})/{name}"
     cfg = compose(["dataset=jsonl", f"dataset.path={hydra_quote(path)}", f"+model.architecture.note={hydra_quote(name)}"])
@@ -321,13 +321,13 @@ def test_c17_hydra_quote_composes_to_the_exact_value(compose, name):
 
 @pytest.mark.parametrize("name", AWKWARD)
 def test_c17_rerun_command_replays_overrides_exactly(name, tmp_path):
-    """runner.repro's re-run argv: the original overrides verbatim; a relative dataset.path becomes the recorded
+    """runner.tools.repro's re-run argv: the original overrides verbatim; a relative dataset.path becomes the recorded
     absolute path, and the new run dir is added, each parsing back to exactly the intended value."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    from runner.paths import hydra_quote
-    from runner.repro import rerun_command
+    from runner.core.paths import hydra_quote
+    from runner.tools.repro import rerun_command
 
     raw = [f"dataset.path={hydra_quote(name)}", f"+model.architecture.note={hydra_quote(name)}"]
     man = {"overrides": raw, "dataset": {"path": f"/abs/{name}"}, "config": {"output": {"dir": "x"}}}

@@ -1,4 +1,4 @@
-"""Data-parallel sharding and the merge of the workers' journals and manifests (``runner.distributed``), as units:
+"""Data-parallel sharding and the merge of the workers' journals and manifests (``runner.core.distributed``), as units:
 run dirs laid out the way the workers leave them (``items.rank<r>.jsonl``, ``manifest.rank<r>.json``, images), then
 the merged ``items.jsonl``, ``manifest.json`` (status, counts, workers, evidence, timing) and the exit code.
 
@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from runner import distributed as dist
-from runner.sinks import read_journal
+from runner.core import distributed as dist
+from runner.core.sinks import read_journal
 
 pytestmark = pytest.mark.cpu
 
@@ -265,7 +265,7 @@ def test_no_prompts_section_when_the_workers_have_none(tmp_path):
 
 
 def test_the_merge_records_the_lock_of_the_process_that_holds_the_dir(tmp_path):
-    from runner import rundir
+    from runner.core import rundir
 
     _two_workers(tmp_path)
     lock = rundir.acquire(tmp_path)

@@ -51,7 +51,7 @@ def test_flux_loads_saved_snapshot(run_job, tiny_snapshot):
 
 
 def test_nonexistent_model_path_refused(compose, tmp_path):
-    from runner.execute import run
+    from runner.app.execute import run
 
     missing = tmp_path / "no" / "such" / "snapshot"
     run_dir = tmp_path / "run"
@@ -63,7 +63,7 @@ def test_nonexistent_model_path_refused(compose, tmp_path):
 
 def test_dir_without_model_index_refused(compose, tmp_path, tiny_snapshot):
     """A real model folder that is not a pipeline root (the snapshot's ``transformer/``) is refused."""
-    from runner.execute import run
+    from runner.app.execute import run
 
     component = tiny_snapshot / "transformer"
     assert any(component.glob("*.safetensors")) and not (component / "model_index.json").exists()
@@ -78,7 +78,7 @@ def test_dir_without_model_index_refused(compose, tmp_path, tiny_snapshot):
 
 def test_flux_without_weights_refused(compose, tmp_path):
     """``model=flux`` with neither a path nor ``load_format=dummy`` says what to set, before loading."""
-    from runner.execute import run
+    from runner.app.execute import run
 
     run_dir = tmp_path / "run"
     ov = ["platform=cpu", "model=flux", *SMALL]
@@ -96,8 +96,8 @@ def test_flux_without_weights_refused(compose, tmp_path):
 def test_architecture_override_that_the_snapshot_contradicts_is_refused(compose, tmp_path, monkeypatch, override,
                                                                         named):
     import models.flux as flux
-    from runner.errors import ConfigValueError
-    from runner.execute import run
+    from runner.core.errors import ConfigValueError
+    from runner.app.execute import run
 
     monkeypatch.setattr(flux.FluxEngine, "load_pipeline", lambda self: pytest.fail("the model was loaded"))
     ov = ["platform=cpu", "model=toy_shapes", "dataset.limit=1", override]

@@ -93,10 +93,10 @@ def test_negative_prompt_is_kept_in_the_record_index_and_png(execute, tmp_path, 
     assert Image.open(r.run_dir / it["file"]).text["negative_prompt"] == "blurry, ünïcode"
 
 
-# ------------------------------------------------------------------------------------------------ runner.export
+# ------------------------------------------------------------------------------------------------ runner.tools.export
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory, compose):
-    from runner.execute import run
+    from runner.app.execute import run
 
     d = tmp_path_factory.mktemp("export") / "run"
     ov = ["platform=cpu", *TOY, "dataset.limit=3"]

@@ -24,7 +24,7 @@ def plain(tmp_path_factory):
 
 
 def _psnr(a: Path, b: Path) -> float:
-    from runner.report import load_rgb, psnr
+    from runner.tools.report import load_rgb, psnr
 
     return psnr(load_rgb(a), load_rgb(b))
 
@@ -78,7 +78,7 @@ def test_compile_warms_up_once_deterministically_and_restores_the_global(tmp_pat
 
 
 def test_writer_keeps_journal_order_and_fails_only_the_item_that_cannot_be_written(tmp_path):
-    from runner.artifacts import ArtifactWriter, Journal
+    from runner.core.artifacts import ArtifactWriter, Journal
 
     journal = Journal(tmp_path / "items.jsonl")
     done = []

@@ -1,4 +1,4 @@
-"""The precedence contract of ``runner.resolve``: which layer wins, what is recorded, legacy ``engine_extras``,
+"""The precedence contract of ``runner.core.resolve``: which layer wins, what is recorded, legacy ``engine_extras``,
 explicit ``auto``, per-stage values, misplaced keys, stage conflicts and per-role specs.
 
 YAML layers are real YAML: a copy of ``conf/`` with ``experiment/<name>.yaml`` presets (``experiment=<name>``),
@@ -18,7 +18,7 @@ from omegaconf import open_dict
 
 from kernels import registry as reg
 from kernels.registry import BackendSpecError
-from runner.resolve import (LAYERS, BackendConflictWarning, MisplacedBackendKeyError, StageConflictError,
+from runner.core.resolve import (LAYERS, BackendConflictWarning, MisplacedBackendKeyError, StageConflictError,
                             check_placement)
 
 try:
@@ -387,7 +387,7 @@ def test_cli_stage_override_touches_only_its_stage(tmp_path):
 
 def test_stage_added_on_the_config_object():
     """The same, with the second stage added to the composed config in code (``open_dict``)."""
-    from runner.schema import BackendConfig, StageConfig
+    from runner.core.schema import BackendConfig, StageConfig
 
     cfg = compose([])
     with open_dict(cfg):
@@ -410,8 +410,8 @@ def test_run_level_cli_beats_yaml_stage_values_of_every_stage(tmp_path):
 
 # regression: bug: a backend under a stage the model's adapter does not have 
 def test_backend_under_unknown_stage_is_rejected(tmp_path):
-    from runner.execute import build_engines
-    from runner.platform import detect
+    from runner.app.execute import build_engines
+    from runner.core.platform import detect
 
     conf = conf_with_presets(tmp_path, {"typo": "model:\n  stages:\n    denoize:\n      backend: {attention: cudnn}\n"})
     ov = ["platform=cpu", "experiment=typo"]

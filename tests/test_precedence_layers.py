@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kernels import registry as reg
-from runner.resolve import cli_keys, _set_by
+from runner.core.resolve import cli_keys, _set_by
 
 try:
     from _helpers import compose, conf_with_presets, per_role, resolve, stage_info
@@ -98,7 +98,7 @@ import warnings  # noqa: E402
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from runner.resolve import (LAYERS, BackendConflictWarning, EngineNames, StageConflictError,  # noqa: E402
+from runner.core.resolve import (LAYERS, BackendConflictWarning, EngineNames, StageConflictError,  # noqa: E402
                             resolve_stage)
 
 try:
@@ -411,7 +411,7 @@ def test_a_spec_with_quant():
 
 
 def _normalized(value, roles=("joint",)):
-    from runner.resolve import _normalize_attention
+    from runner.core.resolve import _normalize_attention
 
     return _normalize_attention(value, roles, "backend.attention")
 

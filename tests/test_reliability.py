@@ -34,11 +34,11 @@ import pytest
 from _helpers import SAMPLE_ROWS
 from hydra.errors import HydraException, MissingConfigException
 
-from runner import resume as rs
-from runner.dataset import DatasetError
-from runner.errors import ConfigValueError
-from runner.execute import run
-from runner.resume import ResumeConflictError
+from runner.core import resume as rs
+from runner.core.dataset import DatasetError
+from runner.core.errors import ConfigValueError
+from runner.app.execute import run
+from runner.core.resume import ResumeConflictError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DIR = Path(os.environ.get("RUNNER_SHARED_DIR", REPO_ROOT.parent / "shared"))
@@ -114,7 +114,7 @@ def _assert_equals_reference(run_dir: Path, ref_dir: Path) -> None:
 
 
 def _run(compose, run_dir: Path, overrides: Sequence[str], on_loaded: Optional[Callable[[Any], None]] = None) -> int:
-    """``runner.execute.run`` in-process on ``platform=cpu`` (unless a platform is given)."""
+    """``runner.app.execute.run`` in-process on ``platform=cpu`` (unless a platform is given)."""
     ov = list(overrides) if any(o.startswith("platform=") for o in overrides) else ["platform=cpu", *overrides]
     return run(compose(ov), Path(run_dir), ov, on_loaded=on_loaded)
 

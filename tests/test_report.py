@@ -1,4 +1,4 @@
-"""The sweep report (``runner.report``): a real 3-job CPU sweep through ``python -m runner -m``, then the
+"""The sweep report (``runner.tools.report``): a real 3-job CPU sweep through ``python -m runner -m``, then the
 report it wrote, its regeneration from the manifests alone, the image metrics, and (when chromium is installed)
 the report rendered in a headless browser.
 
@@ -110,17 +110,17 @@ def test_report_contents(sweep):
 @pytest.mark.slow
 def test_report_regenerates_from_manifests(sweep, tmp_path):
     out = tmp_path / "x.html"
-    p = run_module("runner.report", [sweep, "--out", out], cwd=tmp_path)
+    p = run_module("runner.tools.report", [sweep, "--out", out], cwd=tmp_path)
     assert p.returncode == 0, _tail(p)
     html = out.read_text()
     assert _parity_row(html, "1") == ("2 / 2", "inf", "1.0000", "0", "within")
     assert not RESOURCE_REF.search(html)
     # reference by job dir name; a run dir works as input too
-    p = run_module("runner.report", [sweep / "1", sweep / "0", "--out", tmp_path / "y.html", "--reference", "0"],
+    p = run_module("runner.tools.report", [sweep / "1", sweep / "0", "--out", tmp_path / "y.html", "--reference", "0"],
                    cwd=tmp_path)
     assert p.returncode == 0, _tail(p)
     assert _parity_row((tmp_path / "y.html").read_text(), "1")[1] == "inf"
-    p = run_module("runner.report", [sweep, "--reference", "9", "--out", tmp_path / "z.html"], cwd=tmp_path)
+    p = run_module("runner.tools.report", [sweep, "--reference", "9", "--out", tmp_path / "z.html"], cwd=tmp_path)
     assert p.returncode == 2 and "names no job" in p.stderr
 
 
@@ -140,7 +140,7 @@ def test_unknown_kernel_sweep_exits_1(tmp_path):
 
 
 def test_image_metrics():
-    from runner.report import compare_images, psnr, ssim
+    from runner.tools.report import compare_images, psnr, ssim
 
     rng = np.random.default_rng(0)
     a = rng.integers(0, 256, (32, 40, 3), dtype=np.uint8)

@@ -1,4 +1,4 @@
-"""``runner.repro`` (re-run a run from its manifest and compare item by item) and ``runner.matrix`` (the
+"""``runner.tools.repro`` (re-run a run from its manifest and compare item by item) and ``runner.tools.matrix`` (the
 compatibility matrix from manifests), on the 3-job CPU sweep of tests/test_report.py
 (``backend.attention=TORCH_SDPA,sdpa,CUDNN_ATTN``, ``dataset.limit=2``, ``platform=cpu``)."""
 
@@ -29,7 +29,7 @@ def sweep(tmp_path_factory) -> Path:
 
 def test_repro_of_cpu_run_passes(sweep, tmp_path):
     new = tmp_path / "rerun"
-    p = run_module("runner.repro", [sweep / "0", "--out", new], cwd=tmp_path)
+    p = run_module("runner.tools.repro", [sweep / "0", "--out", new], cwd=tmp_path)
     assert p.returncode == 0, _tail(p)
     assert "REPRO OK" in p.stdout and "byte equality" in p.stdout
     check = json.loads((new / "repro_check.json").read_text())
@@ -49,7 +49,7 @@ def test_repro_names_a_tampered_item(sweep, tmp_path):
     path = orig / rec["file"]
     with Image.open(path) as im:  # another valid PNG, same size, different pixels; nothing else updated
         Image.fromarray(255 - np.asarray(im.convert("RGB"))).save(path, format="PNG")
-    p = run_module("runner.repro", [orig, "--out", tmp_path / "rerun"], cwd=tmp_path)
+    p = run_module("runner.tools.repro", [orig, "--out", tmp_path / "rerun"], cwd=tmp_path)
     assert p.returncode != 0, _tail(p)
     assert "REPRO FAILED" in p.stderr and f"item {rec['key']!r}" in p.stderr, _tail(p)
     other = [json.loads(line) for line in (orig / "items.jsonl").read_text().splitlines()][0]["key"]
@@ -58,7 +58,7 @@ def test_repro_names_a_tampered_item(sweep, tmp_path):
 
 def test_repro_compares_backend_resolution(sweep, tmp_path):
     """A changed resolution fails even with identical pixels (compared from the manifests alone)."""
-    from runner.repro import compare
+    from runner.tools.repro import compare
 
     new = tmp_path / "new"
     shutil.copytree(sweep / "0", new)
@@ -81,7 +81,7 @@ def _rows(md: str) -> List[Dict[str, str]]:
 
 
 def test_matrix_states(sweep, capsys):
-    from runner.matrix import main, matrix_table
+    from runner.tools.matrix import main, matrix_table
 
     md = matrix_table([sweep], grid=["attention=TORCH_SDPA,CUDNN_ATTN,SAGE_ATTN"])
     assert "PSNR >= 40 dB" in md  # the tolerance is stated
@@ -111,7 +111,7 @@ def test_matrix_states(sweep, capsys):
 def test_matrix_parity_outside_tolerance_is_not_validated(sweep, tmp_path):
     from PIL import Image
 
-    from runner.matrix import matrix_table
+    from runner.tools.matrix import matrix_table
 
     copy = tmp_path / "sweep"
     shutil.copytree(sweep, copy)

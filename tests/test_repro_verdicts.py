@@ -1,4 +1,4 @@
-"""Every verdict of ``runner.repro`` on run dirs laid out as runs leave them (``manifest.json``, ``items.jsonl``,
+"""Every verdict of ``runner.tools.repro`` on run dirs laid out as runs leave them (``manifest.json``, ``items.jsonl``,
 PNG/MP4 files, AR records): byte equality on CPU originals, the PSNR tolerance elsewhere (at its boundary), an
 original file modified after the run, items missing from either side, a changed backend resolution or dataset,
 runs refused at startup, AR token ids, and the re-run command.
@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import pytest
 
-from runner import repro
-from runner.artifacts import encode_png
-from runner.report import compare_images, load_rgb
+from runner.tools import repro
+from runner.core.artifacts import encode_png
+from runner.tools.report import compare_images, load_rgb
 
 pytestmark = pytest.mark.cpu
 
@@ -372,7 +372,7 @@ def test_ar_tokens_apply_on_every_platform(tmp_path):
 
 
 def _video(d: Path, key: str, frames: np.ndarray, frames_sha: Optional[str] = None) -> Dict[str, Any]:
-    from runner.video import encode_mp4
+    from runner.core.video import encode_mp4
 
     (d / "videos").mkdir(parents=True, exist_ok=True)
     p = d / "videos" / f"{key}.mp4"
@@ -389,7 +389,7 @@ def _frames(seed: int, n: int = 3) -> np.ndarray:
 
 
 def test_videos_compare_decoded_frames(tmp_path):
-    from runner.video import decode_mp4, frames_sha256
+    from runner.core.video import decode_mp4, frames_sha256
 
     ro, rn = _video(tmp_path / "orig", "v", _frames(0)), _video(tmp_path / "new", "v", _frames(0))
     o, n = pair(tmp_path, {"v": ro}, {"v": rn})

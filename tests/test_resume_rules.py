@@ -1,4 +1,4 @@
-"""The rules of a resume (``runner.resume``), unit by unit: which config keys refuse a resume (every semantic key),
+"""The rules of a resume (``runner.core.resume``), unit by unit: which config keys refuse a resume (every semantic key),
 what the run identity holds, which finished items are reused, why the others are not, and what a killed run left.
 
 A resume that is refused names the differing keys as ``key: old -> new``; these tests build the two configs from
@@ -18,8 +18,8 @@ from typing import Any, Dict, List
 import pytest
 from omegaconf import OmegaConf
 
-from runner import resume as rs
-from runner.dataset import Item, Row
+from runner.core import resume as rs
+from runner.core.dataset import Item, Row
 
 try:
     from _helpers import compose

@@ -1,4 +1,4 @@
-"""End to end on CPU: the real tiny_flux pipeline through ``runner.execute.run``, then every claim of the
+"""End to end on CPU: the real tiny_flux pipeline through ``runner.app.execute.run``, then every claim of the
 manifest and of items.jsonl checked against what is on disk (hashes recomputed here, not taken from the code)."""
 
 from __future__ import annotations

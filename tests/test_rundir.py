@@ -110,8 +110,8 @@ def test_live_holder_refuses_before_anything_is_written(tmp_path, subprocess_env
         assert p.returncode == 2, p.stderr[-2000:]
         assert str(d) in p.stderr and f"pid {holder.pid}" in p.stderr and f"holder {d}" in p.stderr
         assert sorted(x.name for x in d.iterdir()) == ["run.lock"]  # no .hydra, log, manifest or job_status
-        from runner.errors import RunDirInUseError
-        from runner.execute import run
+        from runner.core.errors import RunDirInUseError
+        from runner.app.execute import run
 
         with pytest.raises(RunDirInUseError, match="in use by another run"):  # in-process callers too
             run(compose(["platform=cpu", "dataset.limit=1"]), d)
@@ -187,9 +187,9 @@ def _running_manifest(d: Path, pid: int, token: str) -> Dict[str, Any]:
 
 
 def test_readers_report_a_running_manifest_with_a_dead_owner_as_crashed(tmp_path):
-    from runner.matrix import classify
-    from runner.report import load_jobs
-    from runner.sweep import summarize
+    from runner.tools.matrix import classify
+    from runner.tools.report import load_jobs
+    from runner.tools.sweep import summarize
 
     sweep = tmp_path / "sweep"
     _running_manifest(sweep / "0", _dead_pid(), "tok-dead")
@@ -207,7 +207,7 @@ def test_readers_report_a_running_manifest_with_a_dead_owner_as_crashed(tmp_path
         assert [(j["dir"], j["status"], j["outcome"]) for j in doc["jobs"]] == [
             ("0", "crashed", "crashed"), ("1", "running", "running")]
         assert doc["exit_code"] == 1
-        from runner import rundir
+        from runner.core import rundir
 
         assert rundir.effective_status(sweep / "0", json.loads((sweep / "0" / "manifest.json").read_text())) == \
             "crashed"
@@ -219,7 +219,7 @@ def test_readers_report_a_running_manifest_with_a_dead_owner_as_crashed(tmp_path
 
 
 def test_repro_refuses_a_live_run_and_notes_a_crashed_one(tmp_path):
-    from runner.repro import ReproInputError, reproduce
+    from runner.tools.repro import ReproInputError, reproduce
 
     d = tmp_path / "live"
     holder = _hold(d, "sleep")
@@ -234,7 +234,7 @@ def test_repro_refuses_a_live_run_and_notes_a_crashed_one(tmp_path):
 
 
 def test_merge_reports_a_worker_left_running_as_crashed(tmp_path):
-    from runner.distributed import merge
+    from runner.core.distributed import merge
 
     d = tmp_path / "dp"
     d.mkdir()
@@ -249,7 +249,7 @@ def test_merge_reports_a_worker_left_running_as_crashed(tmp_path):
 
 
 def test_resume_of_a_run_left_running_records_crashed(tmp_path, compose):
-    from runner.execute import run
+    from runner.app.execute import run
 
     d = tmp_path / "r"
     ov = ["platform=cpu", "dataset.limit=2"]
@@ -265,7 +265,7 @@ def test_resume_of_a_run_left_running_records_crashed(tmp_path, compose):
 
 # ============================================================================================ default dirs
 def test_default_dirs_never_collide(tmp_path, subprocess_env, monkeypatch):
-    from runner.execute import write_repro
+    from runner.app.execute import write_repro
 
     # repro.sh: two re-runs into the default dir in the same second get two dirs
     orig = tmp_path / "orig"
@@ -288,7 +288,7 @@ def test_default_dirs_never_collide(tmp_path, subprocess_env, monkeypatch):
     assert all((tmp_path / x).is_dir() for x in dirs), dirs  # created exclusively, before the run
 
     # python -m runner.repro's default: created exclusively, a suffix when the name is taken
-    from runner import rundir
+    from runner.core import rundir
 
     a, b = rundir.new_dir(tmp_path / "repro", "2026-01-01_00-00-00"), rundir.new_dir(tmp_path / "repro",
                                                                                       "2026-01-01_00-00-00")

@@ -42,7 +42,7 @@ def test_record():
     fp8 = re.compile(reg.signature("linear", "FP8"), re.I)
     assert not any(fp8.search(k) for k in KERNELS)
     reg.validate_spec("SAGE2_ATTN", {"quant": {"dtype_qk": "int8", "dtype_pv": "fp8_e4m3"}}, "backend.attention")
-    from runner.lossy import lanes
+    from runner.core.lossy import lanes
 
     sel = {"denoise": {"attention": {"selected": {"joint": {"backend": "SAGE2_ATTN"}}}}}
     assert lanes(sel, {}) == ["denoise.attention.joint=SAGE2_ATTN"]
@@ -62,7 +62,7 @@ def test_refused_without_its_sm90_build(monkeypatch):
 
 
 def test_run_on_cpu_is_refused_before_loading(tmp_path):
-    from runner.errors import RunnerError
+    from runner.core.errors import RunnerError
 
     r = execute(tmp_path / "r", ["model=tiny_flux", "dataset.limit=1", "backend.attention=SAGE2_ATTN"],
                 catch=(RunnerError,))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.distributed import SHARDING
+from runner.core.distributed import SHARDING
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 6

@@ -1,4 +1,4 @@
-"""The structured schema (``runner/schema.py``): closed choices are enums refused at compose time, each model
+"""The structured schema (``runner/core/schema.py``): closed choices are enums refused at compose time, each model
 family has its own schema, every field is documented and read by some code, and enum values stay plain strings
 in everything the run writes."""
 
@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import _schema_scan as scan
-from runner import schema
+from runner.core import schema
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_ERRORS = (HydraException, OmegaConfBaseException)
@@ -57,8 +57,8 @@ def test_bad_choice_is_refused_at_compose_time_naming_the_choices(compose, overr
 
 
 def test_ar_model_handed_to_a_diffusion_engine_is_refused_at_startup(compose, tmp_path):
-    from runner.errors import ConfigValueError
-    from runner.execute import run
+    from runner.core.errors import ConfigValueError
+    from runner.app.execute import run
 
     ov = ["platform=cpu", "model=tiny_qwen3_moe", "model.adapter=flux"]
     with pytest.raises(ConfigValueError, match="does not match the schema"):
@@ -101,7 +101,7 @@ def test_no_hand_check_repeats_an_enum():
     enums = {tuple(sorted(m.value for m in e)) for e in _choice_enums() if len(e) > 1}
     for root in ("runner", "models", "kernels"):
         for py in (REPO / root).rglob("*.py"):
-            if py.name == "schema.py" or py.relative_to(REPO).as_posix() == "runner/dataset.py":
+            if py.name == "schema.py" or py.relative_to(REPO).as_posix() == "runner/core/dataset.py":
                 continue  # dataset.load_rows is a function API that also checks its `fmt` argument
             for node in ast.walk(ast.parse(py.read_text())):
                 if isinstance(node, ast.Compare) and any(isinstance(o, (ast.In, ast.NotIn)) for o in node.ops):
@@ -140,7 +140,7 @@ def test_key_of_another_family_is_refused_at_compose_time(compose, model, overri
 def test_appended_key_of_another_family_is_refused_before_the_run(compose, tmp_path):
     """``+model.sampling=...`` passes composition (Hydra's force-add); the run's schema check refuses it with
     the family schema of the model."""
-    from runner.execute import ConfigValueError, run
+    from runner.app.execute import ConfigValueError, run
 
     ov = ["platform=cpu", "dataset.limit=1", f"cache_dir={tmp_path / 'cache'}", "+model.sampling={max_tokens: 4}"]
     try:
@@ -158,7 +158,7 @@ def test_appended_key_of_another_family_is_refused_before_the_run(compose, tmp_p
                                           ("tiny_qwen3_moe", schema.ARModelConfig),
                                           ("prompt_expand_flux", schema.PipelineModelConfig)])
 def test_model_family_and_run_level_validation(compose, model, family):
-    from runner.execute import check_schema
+    from runner.app.execute import check_schema
 
     cfg = compose([f"model={model}"])
     assert OmegaConf.get_type(cfg.model) is family
@@ -274,7 +274,7 @@ class _RunWithUnread(schema.RunConfig):
 
 
 def test_manifest_config_holds_plain_strings_and_resume_sees_no_change(execute, compose, tmp_path):
-    from runner import resume
+    from runner.core import resume
 
     ov = ["dataset.limit=1", "compile=none", "dtype=auto", f"cache_dir={tmp_path / 'cache'}"]
     r = execute(ov, tmp_path / "run")
@@ -302,8 +302,8 @@ def test_manifest_config_holds_plain_strings_and_resume_sees_no_change(execute, 
 def test_an_ar_engine_on_a_diffusion_model_is_refused_before_anything_loads(compose, tmp_path):
     """``model.adapter`` is an open name (engines register at run time), so the family check happens at startup:
     a diffusion model handed to the AR engine no longer matches the AR schema (exit 2, naming a key)."""
-    from runner.errors import ConfigValueError
-    from runner.execute import run
+    from runner.core.errors import ConfigValueError
+    from runner.app.execute import run
 
     ov = ["platform=cpu", "model.adapter=vllm"]
     with pytest.raises(ConfigValueError, match="does not match the schema"):

@@ -63,14 +63,14 @@ def test_oracle_on_blank_static_and_noise():
 
 
 def _rows(expects):
-    from runner.dataset import Row
+    from runner.core.dataset import Row
 
     return [Row(id=f"r{i}", prompt="p", negative_prompt=None, seed=None, width=64, height=64, num_inference_steps=1,
                 guidance_scale=1.0, num_images_per_prompt=1, line=i + 1, expect=e) for i, e in enumerate(expects)]
 
 
 def test_check_expectations_refuses_unknown_keys_and_values():
-    from runner.dataset import DatasetError
+    from runner.core.dataset import DatasetError
 
     oracle.check_expectations(_rows([{"color": "blue", "shape": "square", "direction": "left to right"}, None]),
                               "ok.jsonl")

@@ -25,7 +25,7 @@ def _client(uri: str):
 
 def test_mlflow_logs_params_metrics_tags_and_artifacts(compose, tmp_path):
     pytest.importorskip("mlflow")
-    from runner.jobs import run_job
+    from runner.app.jobs import run_job
 
     store = (tmp_path / "store").as_uri()
     ov = ["platform=cpu", "model=toy_shapes", "dataset.limit=2", "tracker=mlflow", f"tracker.uri={store}",
@@ -65,8 +65,8 @@ def test_default_store_is_mlruns_in_the_working_directory(subprocess_env, tmp_pa
 
 
 def test_missing_mlflow_is_refused_at_startup(compose, tmp_path, monkeypatch):
-    from runner.execute import run
-    from runner.tracking import TrackerError
+    from runner.app.execute import run
+    from runner.app.tracking import TrackerError
 
     monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow -> ImportError
     ov = ["platform=cpu", "model=toy_shapes", "dataset.limit=1", "tracker=mlflow"]

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from runner.dataset import DatasetError, load_rows, safe_stem
+from runner.core.dataset import DatasetError, load_rows, safe_stem
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_shards_are_balanced_whole_batches():
-    from runner.dataset import Row, batches, expand_items
-    from runner.distributed import shard
+    from runner.core.dataset import Row, batches, expand_items
+    from runner.core.distributed import shard
 
     ids = [json.loads(l)["id"] for l in (REPO / "runner/data/shapes.jsonl").read_text().splitlines()]
     for n in (1, 2, 3, 5, 9):
@@ -36,7 +36,7 @@ def test_shards_are_balanced_whole_batches():
 
 
 def test_merge_keys_come_from_the_models_builtin_dataset(compose):
-    from runner.execute import dataset_keys
+    from runner.app.execute import dataset_keys
 
     cfg = compose(["dataset.limit=4"], test_model=False)  # the default model, toy_shapes
     want = [json.loads(l)["id"] for l in (REPO / "runner/data/shapes.jsonl").read_text().splitlines()][:4]
@@ -62,7 +62,7 @@ def test_unknown_dataset_format_is_named_before_the_path(tmp_path):
 
 
 def test_misspelt_engine_extras_key_is_refused(execute, tmp_path):
-    from runner.resolve import MisplacedBackendKeyError
+    from runner.core.resolve import MisplacedBackendKeyError
 
     with pytest.raises(MisplacedBackendKeyError, match="did you mean the legacy key 'attention_backend'"):
         execute(["+model.stages.denoise.engine_extras.attn_backend=sdpa"], tmp_path / "r")
@@ -71,7 +71,7 @@ def test_misspelt_engine_extras_key_is_refused(execute, tmp_path):
 
 def test_model_too_large_for_this_host_is_refused_before_loading(execute, tmp_path, monkeypatch):
     import models.diffusers_engine as de
-    from runner.errors import ConfigValueError
+    from runner.core.errors import ConfigValueError
 
     monkeypatch.setattr(de, "available_bytes", lambda plat: 8 * 2**30)  # a host with 8 GiB free
     with pytest.raises(ConfigValueError, match=r"model=flux needs \d+\.\d GiB .* only 8\.0 GiB is free"):
@@ -101,7 +101,7 @@ def test_repro_sh_writes_into_the_new_dir_not_the_original_output_dir(tmp_path, 
 
 
 def test_matrix_does_not_call_token_outputs_non_finite():
-    from runner.matrix import _all_finite
+    from runner.tools.matrix import _all_finite
 
     ar = {"verdict": "verified", "stages": {"generate": {}}, "mismatches": []}  # an AR run's evidence
     assert _all_finite(ar)  # a verified AR job was listed as "failed: non-finite outputs"

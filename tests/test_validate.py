@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("jsonschema")
 
-from runner.validate import problems, schema, validate_run_dir  # noqa: E402
+from runner.tools.validate import problems, schema, validate_run_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +31,7 @@ def test_real_run_dirs_validate(execute, tmp_path, compose):
     r = execute(["model=toy_shapes", "dataset.limit=2"], tmp_path / "run")
     assert r.code == 0 and validate_run_dir(r.run_dir) == []
     assert validate_run_dir(REPO / "tests" / "data" / "ar_run") == []  # a real AR run (text records)
-    from runner.jobs import run_job
+    from runner.app.jobs import run_job
 
     ov = ["platform=cpu", "dataset=jsonl", f"dataset.path={tmp_path / 'none.jsonl'}"]
     assert run_job(compose(ov), tmp_path / "refused", ov, reraise=False) == 2

@@ -1,10 +1,10 @@
 """Video output (issue #17): an engine with ``output = "video"``, registered from this test alone, runs through the
-one run loop and the MP4 sink (``runner.sinks.MP4Sink``, ``runner.video``).
+one run loop and the MP4 sink (``runner.core.sinks.MP4Sink``, ``runner.core.video``).
 
 The toy engine renders a square moving across a gradient, from the item's seed (9 frames, 64x48, 12 fps), so every
 frame differs from its neighbours: frames out of order, a dropped or duplicated frame, or a hash of the container
 instead of the frames all show. Expectations are recomputed here from the engine's float frames and from the files
-on disk, decoded with imageio-ffmpeg's reader directly (not through ``runner.video``) where the codec is lossless.
+on disk, decoded with imageio-ffmpeg's reader directly (not through ``runner.core.video``) where the codec is lossless.
 
 * the MP4s decode exactly to the generated ``uint8`` frames; ``frames_sha256`` is the sha256 of those frames, not
   of the file; ``fps``/size/count are recorded and in the container; NaN and a raising row fail alone;
@@ -86,19 +86,19 @@ class MovingSquareEngine(EngineBase):
         return self.source
 
     def read_rows(self) -> Tuple[List[Any], Path]:
-        from runner import dataset as ds
+        from runner.core import dataset as ds
 
         g = dict(width=W, height=H, num_inference_steps=1, guidance_scale=None, num_images_per_prompt=1)
         return ds.load_rows(self.ctx.cfg.dataset.format, self.ctx.cfg.dataset.path, defaults=g, size_multiple=16,
                             max_pixels=W * H, limit=self.ctx.cfg.dataset.limit)
 
     def items(self, rows: Sequence[Any], run_seed: int) -> List[Any]:
-        from runner import dataset as ds
+        from runner.core import dataset as ds
 
         return ds.expand_items(rows, run_seed)
 
     def batches(self, items: Sequence[Any], batch_size: int) -> List[List[Any]]:
-        from runner import dataset as ds
+        from runner.core import dataset as ds
 
         return ds.batches(list(items), batch_size)
 
@@ -151,7 +151,7 @@ def _ov(data: Path, extra: Sequence[str] = ()) -> List[str]:
 
 
 def _run(compose, run_dir: Path, data: Path, extra: Sequence[str] = ()) -> int:
-    from runner.execute import run
+    from runner.app.execute import run
 
     ov = _ov(data, extra)
     return run(compose(ov), run_dir, ov)
@@ -238,7 +238,7 @@ def test_videos_decode_exactly_to_the_generated_frames_and_record_their_hash(vid
 def test_videos_carry_their_prompt_and_fields_and_the_folder_index_lists_them(video_engine, compose, tmp_path):
     """MP4 tags: ``title`` = the prompt, ``comment`` = JSON of the embedded fields; ``videos/metadata.jsonl`` (the
     videofolder convention) names each ok video with its prompt, seed, parameters, frame count and fps."""
-    from runner.video import read_metadata
+    from runner.core.video import read_metadata
 
     d = tmp_path / "run"
     assert _run(compose, d, _rows(tmp_path, {"a": "a red = square; #1 \\ ü", "b": "a blue square"})) == 0
@@ -259,7 +259,7 @@ def test_videos_carry_their_prompt_and_fields_and_the_folder_index_lists_them(vi
 
 
 def test_frame_dump_holds_the_generated_frames(video_engine, compose, tmp_path):
-    from runner.sinks import artifact_intact
+    from runner.core.sinks import artifact_intact
 
     d = tmp_path / "run"
     assert _run(compose, d, _rows(tmp_path, {"a": "one", "b": "two"}), ["output.video_frames=true"]) == 0
@@ -285,8 +285,8 @@ def test_frame_dump_holds_the_generated_frames(video_engine, compose, tmp_path):
 
 
 def test_h264_codec_is_playable_yuv420p_and_records_the_hash_of_what_it_decodes_to(video_engine, compose, tmp_path):
-    from runner.report import psnr
-    from runner.video import decode_mp4
+    from runner.tools.report import psnr
+    from runner.core.video import decode_mp4
 
     d = tmp_path / "run"
     assert _run(compose, d, _rows(tmp_path, {"a": "one", "b": "two"}), ["output.video_codec=h264"]) == 0
@@ -306,7 +306,7 @@ def test_h264_codec_is_playable_yuv420p_and_records_the_hash_of_what_it_decodes_
 
 
 def test_sink_frame_rate_and_shape_rules(tmp_path):
-    from runner.sinks import MP4Sink, read_journal
+    from runner.core.sinks import MP4Sink, read_journal
 
     sink = MP4Sink(tmp_path, workers=1)
     frames = moving_square(1)
@@ -396,7 +396,7 @@ def test_sigkill_between_encode_and_rename_then_resume_equals_uninterrupted(vide
 def test_modified_video_fails_verify_and_is_regenerated_remux_too(video_engine, compose, tmp_path):
     import imageio_ffmpeg
 
-    from runner.sinks import artifact_intact
+    from runner.core.sinks import artifact_intact
 
     data = _rows(tmp_path, {"a": "one", "b": "two", "c": "three"})
     d = tmp_path / "run"
@@ -428,7 +428,7 @@ def test_modified_video_fails_verify_and_is_regenerated_remux_too(video_engine, 
 def test_report_shows_the_middle_frame_of_each_video_as_its_poster(video_engine, compose, tmp_path):
     from PIL import Image
 
-    from runner.report import write_report
+    from runner.tools.report import write_report
 
     d = tmp_path / "run"
     assert _run(compose, d, _rows(tmp_path, {"a": "one", "b": "two", "c": "three"})) == 0
@@ -446,8 +446,8 @@ def test_report_shows_the_middle_frame_of_each_video_as_its_poster(video_engine,
 def test_repro_compares_decoded_frames_not_container_bytes(video_engine, compose, tmp_path):
     import imageio_ffmpeg
 
-    from runner.repro import compare
-    from runner.video import encode_mp4
+    from runner.tools.repro import compare
+    from runner.core.video import encode_mp4
 
     data = _rows(tmp_path, {"a": "one", "b": "two"})
     orig, new = tmp_path / "orig", tmp_path / "new"
@@ -481,7 +481,7 @@ def test_repro_compares_decoded_frames_not_container_bytes(video_engine, compose
 
 # ------------------------------------------------------------------------------------------------ refusals
 def test_resume_with_another_codec_is_refused_naming_the_key(video_engine, compose, tmp_path):
-    from runner.resume import ResumeConflictError
+    from runner.core.resume import ResumeConflictError
 
     data = _rows(tmp_path, {"a": "one"})
     d = tmp_path / "run"
@@ -491,8 +491,8 @@ def test_resume_with_another_codec_is_refused_naming_the_key(video_engine, compo
 
 
 def test_missing_encoder_is_refused_before_the_model_loads(video_engine, compose, tmp_path, monkeypatch):
-    from runner.environment import EnvironmentVariableError, check_environment
-    from runner.video import VideoEncoderError
+    from runner.core.environment import EnvironmentVariableError, check_environment
+    from runner.core.video import VideoEncoderError
 
     fake = tmp_path / "ffmpeg"  # runs, but has no H.264 encoder
     fake.write_text("#!/bin/sh\necho 'ffmpeg version 0.0-fake Copyright'\n")

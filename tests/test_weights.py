@@ -1,5 +1,5 @@
 """Issue #17: ``model.path=<org>/<name>`` resolved through the local Hugging Face cache (never the network), the
-weight files a diffusers pipeline loads, and their digests cached across jobs and ranks (``runner.weights``).
+weight files a diffusers pipeline loads, and their digests cached across jobs and ranks (``runner.core.weights``).
 
 The hub cache is built in its real layout: ``models--org--name/refs/<ref>`` (the commit hash, no newline),
 ``blobs/<id>`` and ``snapshots/<commit>/<path>`` as relative symlinks to the blobs.
@@ -18,9 +18,9 @@ from typing import Dict, Optional
 
 import pytest
 
-import runner.weights as weights
-from runner.errors import UserInputError
-from runner.weights import (HubCacheMissError, ModelPathError, hash_files, hash_snapshot, resolve_model_path,
+import runner.core.weights as weights
+from runner.core.errors import UserInputError
+from runner.core.weights import (HubCacheMissError, ModelPathError, hash_files, hash_snapshot, resolve_model_path,
                             weight_files)
 
 FLUX_INDEX = {"_class_name": "FluxPipeline", "_diffusers_version": "0.35.0",
@@ -290,7 +290,7 @@ def snap(tmp_path) -> Path:
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Counts the files ``runner.weights`` reads to hash (``file_sha256`` calls, by path)."""
+    """Counts the files ``runner.core.weights`` reads to hash (``file_sha256`` calls, by path)."""
     calls = []
     real = weights.file_sha256
 

@@ -72,7 +72,7 @@ def check_expectations(rows: Iterable, path: object) -> None:
     it can return; a typo would otherwise count as a miss (or as not stated) in ``accuracy``.
 
     Raises:
-        runner.dataset.DatasetError: naming the file and line, the key or value, the valid ones and the closest
+        runner.core.dataset.DatasetError: naming the file and line, the key or value, the valid ones and the closest
             match.
     """
     from models.toy_shapes.oracle import check_vocabulary
@@ -82,12 +82,12 @@ def check_expectations(rows: Iterable, path: object) -> None:
 
 
 def read_video(path: object) -> np.ndarray:
-    """The frames of a video file as uint8 ``(F, H, W, 3)``: ``runner.video.decode_mp4`` where the runner has it
+    """The frames of a video file as uint8 ``(F, H, W, 3)``: ``runner.core.video.decode_mp4`` where the runner has it
     (the MP4 sink's own decoder), else imageio-ffmpeg's reader (its bundled ffmpeg, RGB24)."""
     from pathlib import Path
 
     try:
-        from runner.video import decode_mp4
+        from runner.core.video import decode_mp4
     except ImportError:
         decode_mp4 = None
     if decode_mp4 is not None:

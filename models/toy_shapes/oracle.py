@@ -60,7 +60,7 @@ def check_expectations(rows: Iterable, path: object) -> None:
     it can return; a typo would otherwise count as a miss (or as not stated) in ``accuracy``.
 
     Raises:
-        runner.dataset.DatasetError: naming the file and line, the key or value, the valid ones and the closest
+        runner.core.dataset.DatasetError: naming the file and line, the key or value, the valid ones and the closest
             match.
     """
     from models.toy_shapes.data import SHAPES
@@ -73,12 +73,12 @@ def check_vocabulary(rows: Iterable, path: object, valid: Dict[str, list], oracl
     """Every row's ``expect`` keys among ``valid`` and each value among ``valid[key]`` (the toy oracles' check).
 
     Raises:
-        runner.dataset.DatasetError: one problem per bad key or value, with file:line, the valid ones and the
+        runner.core.dataset.DatasetError: one problem per bad key or value, with file:line, the valid ones and the
             closest match.
     """
     import difflib
 
-    from runner.dataset import DatasetError
+    from runner.core.dataset import DatasetError
 
     problems = []
     for r in rows:

@@ -31,7 +31,7 @@ def load_arch() -> dict:
     """The architecture of ``conf/model/toy_shapes.yaml``."""
     from omegaconf import OmegaConf
 
-    from runner.paths import CONF_DIR
+    from runner.core.paths import CONF_DIR
 
     return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model/toy_shapes.yaml").architecture, resolve=True)
 

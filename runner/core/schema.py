@@ -16,7 +16,7 @@ Models have one schema per family, each a config of the ``model`` group that mod
 (``model.sampling`` on a diffusion model) is refused at compose time.
 
 Unset backend choices are ``None`` (``null`` in YAML), which is distinct from an explicit ``"auto"``; the
-resolver (``runner.resolve``) keeps the two apart.
+resolver (``runner.core.resolve``) keeps the two apart.
 
 Every field is read by some code outside this module (``tests/test_schema.py`` checks it): a field nothing
 reads would accept a value and silently ignore it.
@@ -102,7 +102,7 @@ class LauncherName(Choice):
 
 
 class DatasetFormat(Choice):
-    """Where and how dataset rows are read (``runner.dataset.read_raw``)."""
+    """Where and how dataset rows are read (``runner.core.dataset.read_raw``)."""
 
     builtin = "builtin"
     jsonl = "jsonl"
@@ -122,7 +122,7 @@ class ExtraFields(Choice):
 
 
 class TrackerName(Choice):
-    """Where a finished run is logged besides its run dir (``runner.tracking``): ``none`` or ``mlflow``."""
+    """Where a finished run is logged besides its run dir (``runner.app.tracking``): ``none`` or ``mlflow``."""
 
     none = "none"
     mlflow = "mlflow"
@@ -146,7 +146,7 @@ class OnTruncation(Choice):
 
 
 class VideoCodec(Choice):
-    """How the MP4 sink encodes videos (``runner.video.CODECS``): ``h264_lossless`` (libx264rgb, RGB, lossless: the
+    """How the MP4 sink encodes videos (``runner.core.video.CODECS``): ``h264_lossless`` (libx264rgb, RGB, lossless: the
     decoded frames are the generated frames; not playable in browsers) or ``h264`` (libx264, yuv420p, CRF 18:
     plays everywhere, lossy; even sizes only)."""
 
@@ -187,7 +187,7 @@ class DeviceType(Choice):
 
 
 class Probe(Choice):
-    """A capability probe recorded in the manifest (``runner.platform``); one that does not apply records null."""
+    """A capability probe recorded in the manifest (``runner.core.platform``); one that does not apply records null."""
 
     device_name = "device_name"
     capability = "capability"
@@ -473,7 +473,7 @@ class DatasetConfig:
     columns: Any = None
     """Row field -> the source column holding it (``dataset.columns={prompt: Prompt}`` reads a CSV's ``Prompt``
     column as the prompt); a column a mapping names must exist. A mapping of strings (checked at startup,
-    ``runner.dataset.columns_option``); null: none."""
+    ``runner.core.dataset.columns_option``); null: none."""
     extra_fields: ExtraFields = ExtraFields.error
     """A field that is no row field: ``error`` (refused, with the closest row field) or ``keep`` (recorded under the
     item's ``meta``, e.g. GenEval's ``tag`` and ``include``; one close to a row field is still refused as a typo)."""
@@ -569,7 +569,7 @@ class CacheConfig:
 
 @dataclass
 class EvidenceConfig:
-    """Evidence collection (see ``runner.evidence``)."""
+    """Evidence collection (see ``runner.core.evidence``)."""
 
     enabled: bool = True
     """Install probes that record which implementations ran."""
@@ -582,7 +582,7 @@ class EvidenceConfig:
 
 @dataclass
 class ReportConfig:
-    """Sweep report settings (read by ``runner.sweep.SweepCallback`` through ``hydra.callbacks``)."""
+    """Sweep report settings (read by ``runner.tools.sweep.SweepCallback`` through ``hydra.callbacks``)."""
 
     reference: Optional[str] = None
     """The job (number or dir name) the others are compared with (null: the first job)."""
@@ -590,7 +590,7 @@ class ReportConfig:
 
 @dataclass
 class TrackerConfig:
-    """An experiment tracker the finished run is logged to (group ``tracker``, ``runner.tracking``)."""
+    """An experiment tracker the finished run is logged to (group ``tracker``, ``runner.app.tracking``)."""
 
     name: TrackerName = TrackerName.none
     """``none`` or ``mlflow`` (params, metrics, tags and the manifest/items/metadata files as artifacts)."""
@@ -662,7 +662,7 @@ class RunConfig:
 
 
 def _repo_root() -> str:
-    from runner.paths import PROJECT_ROOT
+    from runner.core.paths import PROJECT_ROOT
 
     return str(PROJECT_ROOT)
 
@@ -699,11 +699,11 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("repo_root", _repo_root)  # ${repo_root:}: the checkout's root, or
         # the site-packages folder of an installed runner (both hold models/toy_shapes/weights)
     if not OmegaConf.has_resolver("runner_help_groups"):
-        from runner.paths import help_groups
+        from runner.core.paths import help_groups
 
         OmegaConf.register_new_resolver("runner_help_groups", help_groups)  # --help: groups without schema bases
     if not OmegaConf.has_resolver("runner_pid"):
-        from runner.rundir import pid_resolver
+        from runner.core.rundir import pid_resolver
 
         OmegaConf.register_new_resolver("runner_pid", pid_resolver)  # ${runner_pid:}: default dir names
     cs = ConfigStore.instance()

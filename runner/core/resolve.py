@@ -34,12 +34,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from kernels import registry as reg
 
-log = logging.getLogger("runner.resolve")
+log = logging.getLogger("runner.core.resolve")
 
 LEGACY_KEYS = {"attention": "attention_backend", "moe": "moe_backend", "linear": "linear_backend"}
 BACKEND_KEYS = set(reg.FIELDS) | set(LEGACY_KEYS.values())
 def _config_groups() -> List[str]:
-    from runner.paths import CONF_DIR
+    from runner.core.paths import CONF_DIR
 
     return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 

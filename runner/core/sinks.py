@@ -9,9 +9,9 @@ webdataset) is a new sink class and an entry in :data:`SINKS` (engine ``output``
 
 Class attributes the run loop reads: ``threaded`` (the constructor takes ``workers``/``max_pending``: artifacts
 are encoded on writer threads), ``config_keys`` (run-config keys that change the artifacts: a resume with other
-values is refused, like the semantic keys of ``runner.resume``); classmethods ``options(cfg)`` (constructor
+values is refused, like the semantic keys of ``runner.core.resume``); classmethods ``options(cfg)`` (constructor
 arguments from the run config) and ``identity(cfg)`` (what encodes the artifacts, added to the run identity;
-None: nothing beyond the packages already recorded; may raise a ``runner.errors.RunnerError`` at startup).
+None: nothing beyond the packages already recorded; may raise a ``runner.core.errors.RunnerError`` at startup).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from runner.artifacts import ArtifactWriter, Journal, atomic_write_bytes
-from runner.dataset import file_sha256
+from runner.core.artifacts import ArtifactWriter, Journal, atomic_write_bytes
+from runner.core.dataset import file_sha256
 
 
 def read_journal(path: Path) -> List[Dict[str, Any]]:
@@ -75,7 +75,7 @@ def embedded_fields(record: Dict[str, Any], model: Optional[str]) -> Dict[str, s
     applied), ``seed``, ``parameters`` (the record's ``params`` as applied, JSON with sorted keys) and ``model`` (the
     model name; left out when None).
 
-    Every value is a function of the item's inputs as ``runner.resume.item_inputs`` counts them, so equal inputs
+    Every value is a function of the item's inputs as ``runner.core.resume.item_inputs`` counts them, so equal inputs
     still give equal bytes: neither the row id (it names the file) nor the run's id (a new uuid per process) is
     embedded; both are in ``metadata.jsonl``.
     """
@@ -120,7 +120,7 @@ def write_folder_metadata(out_dir: Path, records: Sequence[Dict[str, Any]], mode
         ``{"<folder>/metadata.jsonl": lines written}``.
 
     Raises:
-        runner.errors.StorageError: the storage refused the write.
+        runner.core.errors.StorageError: the storage refused the write.
     """
     out_dir = Path(out_dir)
     rows: Dict[str, List[Dict[str, Any]]] = {f: [] for f in folders}
@@ -202,7 +202,7 @@ class _Counting:
 
 class _FileSink(_Counting):
     """A sink of one file per item under ``out_dir/<subdir>``, encoded and written on ``workers`` threads while the
-    next batch generates (:class:`runner.artifacts.ArtifactWriter`): the shared part of :class:`PNGSink` and
+    next batch generates (:class:`runner.core.artifacts.ArtifactWriter`): the shared part of :class:`PNGSink` and
     :class:`MP4Sink`. Subclasses set ``subdir``/``suffix`` and give ``_payload(record, output)``: the writer's
     payload, or a failure reason."""
 
@@ -226,7 +226,7 @@ class _FileSink(_Counting):
 
     def submit(self, record: Dict[str, Any], output: Any) -> None:
         """Queue one item's output (or the exception that failed it); the file is named by
-        ``runner.dataset.safe_stem`` of the record's ``key``. A non-finite output is refused (``status: failed``,
+        ``runner.core.dataset.safe_stem`` of the record's ``key``. A non-finite output is refused (``status: failed``,
         the count of bad values as reason) and never written."""
         if isinstance(output, BaseException):
             record.update(status="failed", file=None, reason=f"{type(output).__name__}: {output}")
@@ -238,7 +238,7 @@ class _FileSink(_Counting):
             self.nonfinite += 1
             self.writer.submit(record)
             return
-        from runner.dataset import safe_stem
+        from runner.core.dataset import safe_stem
 
         path = self.dir / f"{safe_stem(record['key'])}{self.suffix}"
         payload, reason = self._payload(record, output, path)
@@ -276,7 +276,7 @@ class _FileSink(_Counting):
 
 class PNGSink(_FileSink):
     """Images as lossless PNG files ``images/<stem>.png``, encoded and written on ``workers`` threads while the next
-    batch generates (:class:`runner.artifacts.ArtifactWriter`). Each PNG carries text chunks
+    batch generates (:class:`runner.core.artifacts.ArtifactWriter`). Each PNG carries text chunks
     (:func:`embedded_fields`: prompt, negative prompt, seed, parameters as JSON, model), all functions of the
     item's inputs, so equal pixels and inputs still give equal bytes (``PIL.Image.open(f).text`` reads them).
 
@@ -317,7 +317,7 @@ class PNGSink(_FileSink):
 
 
 class MP4Sink(_FileSink):
-    """Videos as MP4 files ``videos/<stem>.mp4`` (``runner.video``: H.264, ``output.video_codec``), encoded on writer
+    """Videos as MP4 files ``videos/<stem>.mp4`` (``runner.core.video``: H.264, ``output.video_codec``), encoded on writer
     threads like :class:`PNGSink`'s images, with the same crash-safety order (temp name, fsync, rename, then the
     journal line). Every written file is decoded back and checked before it is renamed into place.
 
@@ -331,7 +331,7 @@ class MP4Sink(_FileSink):
 
     The record gets ``status``, ``file`` (``videos/<stem>.mp4``), ``file_name`` (relative to ``videos/``),
     ``file_sha256`` (the container's bytes: resume
-    reuses only that exact file), ``frames_sha256`` (``runner.video.frames_sha256`` of the frames the file decodes
+    reuses only that exact file), ``frames_sha256`` (``runner.core.video.frames_sha256`` of the frames the file decodes
     to: repro compares it, it survives a muxer or encoder version that changes only the container),
     ``num_frames``, ``fps``, ``width``, ``height``, ``video`` (codec name, encoder, pixel format, lossless, ffmpeg
     version) and, with ``output.video_frames=true``, ``frames_file`` (``videos/<stem>.frames.npz``: the generated
@@ -344,12 +344,12 @@ class MP4Sink(_FileSink):
         max_pending: outputs held before ``submit`` waits; at most ``workers + 1`` (each holds its ``uint8``
             frames, F*H*W*3 bytes: 97 MiB for 81 frames of 832x480).
         on_record: called in the caller's thread with each record once it is journaled.
-        codec: a key of ``runner.video.CODECS``.
+        codec: a key of ``runner.core.video.CODECS``.
         dump_frames: also write the lossless frame dump.
         model: the model name embedded in each file (None: not embedded).
 
     Raises:
-        runner.video.VideoEncoderError: no usable ffmpeg or encoder.
+        runner.core.video.VideoEncoderError: no usable ffmpeg or encoder.
     """
 
     subdir = "videos"
@@ -359,7 +359,7 @@ class MP4Sink(_FileSink):
     def __init__(self, out_dir: Path, journal_name: str = "items.jsonl", workers: int = 0, max_pending: int = 16,
                  on_record: Optional[Callable[[Dict[str, Any]], None]] = None, codec: str = "h264_lossless",
                  dump_frames: bool = False, model: Optional[str] = None) -> None:
-        from runner import video
+        from runner.core import video
 
         self.model = model
         self.codec = str(codec)
@@ -377,13 +377,13 @@ class MP4Sink(_FileSink):
 
     @classmethod
     def identity(cls, cfg: Any) -> Dict[str, Any]:
-        """The encoder (``runner.video.encoder_info``: codec preset, imageio-ffmpeg and ffmpeg versions) and whether
+        """The encoder (``runner.core.video.encoder_info``: codec preset, imageio-ffmpeg and ffmpeg versions) and whether
         frames are dumped.
 
         Raises:
-            runner.video.VideoEncoderError: no usable ffmpeg or encoder (at startup, before any weight loads).
+            runner.core.video.VideoEncoderError: no usable ffmpeg or encoder (at startup, before any weight loads).
         """
-        from runner import video
+        from runner.core import video
 
         return {"video": video.encoder_info(str(cfg.output.video_codec)),
                 "frames_dump": bool(cfg.output.video_frames), "metadata": list(EMBEDDED_FIELDS)}
@@ -393,7 +393,7 @@ class MP4Sink(_FileSink):
         the float32 frames."""
         import math
 
-        from runner import video
+        from runner.core import video
 
         fps = (record.get("params") or {}).get("fps")
         fps = output.fps if fps is None else fps
@@ -409,7 +409,7 @@ class MP4Sink(_FileSink):
         return (frames, fps, dump, video.container_metadata(embedded_fields(record, self.model))), None
 
     def _write(self, path: Path, payload: Any) -> Dict[str, Any]:
-        from runner import video
+        from runner.core import video
 
         frames, fps, dump, meta = payload
         res = video.write_video(path, frames, fps, self.codec, dump, metadata=meta)
@@ -505,7 +505,7 @@ def keep_unlisted(out_dir: Path, journal_name: str = "items.jsonl", before: Sequ
     A resume can leave such files: a smaller ``dataset.limit``, a row removed from the dataset, an item of an
     earlier config a forced resume did not get to regenerate. Their records are dropped from ``items.jsonl`` (which
     lists exactly this run's items), but the files stay; kept here, no file in the dir is without a record, and a
-    later run whose identity matches reuses them (``runner.resume.finished`` reads every ``items*.jsonl``).
+    later run whose identity matches reuses them (``runner.core.resume.finished`` reads every ``items*.jsonl``).
 
     Args:
         before: the journal's records as they were before it was compacted (the latest candidates).

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from runner.errors import UserInputError
+from runner.core.errors import UserInputError
 
 
 class EnvironmentVariableError(UserInputError, ValueError):

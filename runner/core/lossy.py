@@ -2,7 +2,7 @@
 lossy attention backend (``SAGE_ATTN``: INT8 Q/K) or an attention spec with ``quant``/``skip_softmax``.
 
 The manifest's ``lossy`` section (``{"lossy": bool, "lanes": [...]}``) is written from here at startup; the report
-labels such jobs and ``runner.gate`` compares each with the lossless job of the same rows. A manifest written before
+labels such jobs and ``runner.tools.gate`` compares each with the lossless job of the same rows. A manifest written before
 the section existed is labelled from its ``backends`` and ``config`` the same way (:func:`of_manifest`).
 
 Lanes are strings: ``cache=<method>``, ``<stage>.linear=<backend>``, ``<stage>.attention.<role>=<backend>`` (with

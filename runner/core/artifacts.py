@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
-from runner.errors import StorageError
+from runner.core.errors import StorageError
 
 
 def fsync_dir(path: Path) -> None:
@@ -34,7 +34,7 @@ STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCE
 
 
 def storage_error(path: Path, e: OSError) -> Exception:
-    """``e`` as a :class:`runner.errors.StorageError` naming ``path`` and the fix when its errno is one of
+    """``e`` as a :class:`runner.core.errors.StorageError` naming ``path`` and the fix when its errno is one of
     :data:`STORAGE_ERRNOS`, else ``e`` itself."""
     if e.errno not in STORAGE_ERRNOS:
         return e
@@ -49,7 +49,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see either the old file or the complete new one.
 
     Raises:
-        runner.errors.StorageError: the storage refused the write (disk full, read-only, permission); the temp
+        runner.core.errors.StorageError: the storage refused the write (disk full, read-only, permission); the temp
             file is removed, ``path`` is left as it was.
     """
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -120,7 +120,7 @@ class Journal:
         """Append one record as a line, flushed and fsynced before returning.
 
         Raises:
-            runner.errors.StorageError: the storage refused the write (a partial line is cut off by the next
+            runner.core.errors.StorageError: the storage refused the write (a partial line is cut off by the next
                 :class:`Journal` opened on the file).
         """
         try:
@@ -150,7 +150,7 @@ class ArtifactWriter:
             float32 image is 12 MiB).
         write: ``write(path, payload) -> {"sha256": of the file's bytes, "fields": {...} (optional, added to the
             record)}``, called in a writer thread; it must leave ``path`` complete or absent (temp name, fsync,
-            rename) and raise :class:`runner.errors.StorageError` when the storage refuses. Default: the payload is
+            rename) and raise :class:`runner.core.errors.StorageError` when the storage refuses. Default: the payload is
             an HWC float image, written as PNG.
     """
 

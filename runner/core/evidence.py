@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from kernels import registry as reg
-from runner.errors import EvidenceMismatchError
+from runner.core.errors import EvidenceMismatchError
 
 
 class EvidenceError(EvidenceMismatchError, RuntimeError):

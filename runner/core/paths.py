@@ -14,11 +14,14 @@ import sysconfig
 from pathlib import Path
 from typing import List
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RUNNER_DIR = Path(__file__).resolve().parent.parent
+"""The ``runner`` package folder (its ``data/`` and ``schemas/`` sit here)."""
+
+PROJECT_ROOT = RUNNER_DIR.parent
 """The folder holding the ``runner``, ``models`` and ``kernels`` packages: the checkout's root, or the
 site-packages (or ``--target``) folder of an installed package."""
 
-_SHIPPED_CONF = Path(__file__).resolve().parent / "conf"  # only in an installed package
+_SHIPPED_CONF = RUNNER_DIR / "conf"  # only in an installed package
 CONF_DIR = _SHIPPED_CONF if _SHIPPED_CONF.is_dir() else PROJECT_ROOT / "conf"
 """The config tree of ``python -m runner`` (Hydra's primary config directory)."""
 
@@ -76,7 +79,7 @@ def hydra_quote(value: str) -> str:
     return QuotedString(text=text, quote=Quote.single).with_quotes()
 
 
-#: Options of the ``model`` group that are schemas (``runner.schema``), not models: ``--help`` leaves them out.
+#: Options of the ``model`` group that are schemas (``runner.core.schema``), not models: ``--help`` leaves them out.
 SCHEMA_BASES = ("base_diffusion", "base_ar", "base_pipeline", "base_pipeline_stage")
 
 

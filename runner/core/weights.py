@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from runner.dataset import file_sha256
-from runner.errors import UserInputError
+from runner.core.dataset import file_sha256
+from runner.core.errors import UserInputError
 
 log = logging.getLogger("runner")
 
@@ -337,7 +337,7 @@ def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = No
     (temp file + ``os.replace``). Concurrent cold starts therefore hash each file once, not once per process. A
     digest is stored only if the file's stat did not change while it was read. A cache that cannot be read is
     ignored with a warning; one that cannot be written (read-only dir, no lock support) leaves the digests correct
-    and uncached, with a warning. Files are read in 8 MiB chunks (:func:`runner.dataset.file_sha256`).
+    and uncached, with a warning. Files are read in 8 MiB chunks (:func:`runner.core.dataset.file_sha256`).
 
     Args:
         files: the files to hash (e.g. :func:`weight_files`), all under ``root``.

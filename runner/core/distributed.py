@@ -29,10 +29,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from runner import rundir
-from runner.artifacts import atomic_write_bytes, atomic_write_json
-from runner.errors import ConfigValueError, RefusedError, RunDirInUseError, RunDirLockError
-from runner.sinks import read_journal, write_folder_metadata
+from runner.core import rundir
+from runner.core.artifacts import atomic_write_bytes, atomic_write_json
+from runner.core.errors import ConfigValueError, RefusedError, RunDirInUseError, RunDirLockError
+from runner.core.sinks import read_journal, write_folder_metadata
 
 log = logging.getLogger("runner")
 
@@ -171,7 +171,7 @@ class Worker:
 
 
 def shard(batches: List[List[Any]], world_size: int, rank: int) -> List[Any]:
-    """The items of ``rank``: the run's batches (``runner.dataset.batches`` of every item, formed exactly as a
+    """The items of ``rank``: the run's batches (``runner.core.dataset.batches`` of every item, formed exactly as a
     one-worker run forms them) dealt whole, in order, each to the rank with the fewest items so far (ties: the
     lowest rank). Each item therefore keeps its batch peers
     and its position in the batch, so a GPU computes it with the same kernels and reduction order as a
@@ -255,7 +255,7 @@ def agree_argv(argv: List[str]) -> List[str]:
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from runner.paths import hydra_quote
+    from runner.core.paths import hydra_quote
 
     _control_group()
     given = next((a for a in argv if a.startswith("hydra.run.dir=")), None)
@@ -291,14 +291,14 @@ def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True,
     """Hold ``out_dir`` for this torchrun run before anything is written into it; returns the run's token (None:
     a missing dir not created, ``create=False``).
 
-    Rank 0 takes the run dir's lock (``runner.rundir.acquire``), removes the temp files a killed run left (no
+    Rank 0 takes the run dir's lock (``runner.core.rundir.acquire``), removes the temp files a killed run left (no
     rank writes yet), and broadcasts the outcome over the control group; every other rank then joins the run
-    (``runner.rundir.join``: a shared lock on ``workers.lock``), or, when rank 0 was refused, is refused with the
+    (``runner.core.rundir.join``: a shared lock on ``workers.lock``), or, when rank 0 was refused, is refused with the
     same error. Once per process and dir (the Hydra callback claims first; ``run_job`` then gets the same token).
     Outside torchrun (or with one rank) this is ``acquire``, counted like it.
 
     Raises:
-        runner.errors.RunDirLockError: the dir is held by another run, or cannot be created.
+        runner.core.errors.RunDirLockError: the dir is held by another run, or cannot be created.
     """
     if worker is None or worker.world_size == 1:
         lock = rundir.acquire(out_dir, create=create, key=key)
@@ -308,7 +308,7 @@ def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True,
         return _CLAIMED[key]
     import torch.distributed as dist
 
-    from runner import resume
+    from runner.core import resume
 
     _control_group()
     box: List[Any] = [None]
@@ -353,8 +353,8 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     Args:
         keys_in_order: every item key of the dataset, in dataset order (the merged journal follows it).
         current: given the workers' run identity hashes, the ``inputs_sha256`` values an item's ok record may
-            carry (``runner.execute.current_inputs``); an ok record with another value is an earlier config's
-            output and is left out (the same rule as a resume's, ``runner.resume``). None: every ok record counts.
+            carry (``runner.app.execute.current_inputs``); an ok record with another value is an earlier config's
+            output and is left out (the same rule as a resume's, ``runner.core.resume``). None: every ok record counts.
         lay: the context-parallel layout (None: ``parallelism=data``): counts and throughput come from the writing
             ranks; ``parallelism`` gets the mesh, the degrees and every rank's role.
 
@@ -416,7 +416,7 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
                         "missing": len([k for k in keys_in_order if k not in latest])}
     merged["dataset"] = {**(base.get("dataset") or {}), "items": len(keys_in_order)}  # the run's, not rank 0's shard
     if "prompts" in base:  # truncated prompts and ignored fields of the whole run, not of rank 0's shard
-        from runner.dataset import prompts_summary
+        from runner.core.dataset import prompts_summary
 
         merged["prompts"] = {**base["prompts"], **prompts_summary(ok)}
     merged["parallelism"] = {"mode": "data", "world_size": world_size, "launcher": launcher,

@@ -3,8 +3,8 @@
 Exit rule of a sweep (documented in the README): the sweep exits 0 when every job either finished with all items
 written and evidence verified (``ok``) or was refused at startup because its explicitly selected backend cannot
 run on this platform (``refused``, a documented refusal). Any other outcome (bad input, failed items, evidence
-mismatch, crash) makes the sweep exit 1. When a job is lossy (``runner.lossy``), the quality gate
-(``runner.gate``) runs too and writes ``gate.json``; a failing gate (a lossy job below 0.97x the lossless job's
+mismatch, crash) makes the sweep exit 1. When a job is lossy (``runner.core.lossy``), the quality gate
+(``runner.tools.gate``) runs too and writes ``gate.json``; a failing gate (a lossy job below 0.97x the lossless job's
 accuracy, or without a lossless job of the same rows) also makes the sweep exit 1.
 """
 
@@ -19,10 +19,10 @@ from typing import Any, Dict, List, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from runner import rundir
-from runner.artifacts import atomic_write_json
+from runner.core import rundir
+from runner.core.artifacts import atomic_write_json
 
-log = logging.getLogger("runner.sweep")
+log = logging.getLogger("runner.tools.sweep")
 
 ACCEPTED_OUTCOMES = ("ok", "refused")
 
@@ -51,11 +51,11 @@ def summarize(sweep_dir: Path) -> Dict[str, Any]:
 
 
 def gate(sweep_dir: Path, doc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Run the quality gate (``runner.gate``) when a job of the sweep is lossy: writes ``gate.json``, records its
+    """Run the quality gate (``runner.tools.gate``) when a job of the sweep is lossy: writes ``gate.json``, records its
     verdict in ``doc`` (the ``sweep.json`` document) and raises its exit code on failure; None when no job is
     lossy."""
-    from runner.gate import evaluate
-    from runner.report import load_jobs
+    from runner.tools.gate import evaluate
+    from runner.tools.report import load_jobs
 
     out = evaluate(load_jobs([sweep_dir]))
     if out["verdict"] == "none":
@@ -87,7 +87,7 @@ class SweepCallback(Callback):
             doc["gate"], doc["exit_code"] = {"verdict": "error", "error": f"{type(e).__name__}: {e}"}, 1
         atomic_write_json(sweep_dir / "sweep.json", doc)
         try:
-            from runner.report import write_report
+            from runner.tools.report import write_report
 
             report = write_report([sweep_dir], sweep_dir / "report.html", reference=self.reference, gate=gated)
             print(f"runner: sweep report: {report}", flush=True)  # where to look, beside the sweep's exit code

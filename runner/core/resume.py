@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from runner.errors import UserInputError
+from runner.core.errors import UserInputError
 
 SEMANTIC_KEYS = ("model.name", "model.adapter", "model.path", "model.revision", "model.load_format",
                  "model.architecture", "model.generation", "model.backend", "model.stages", "backend", "dtype",
@@ -131,9 +131,9 @@ def remove_temp_files(out_dir: Path) -> List[str]:
 
 def finished(out_dir: Path) -> Dict[str, Dict[str, Any]]:
     """``{item key: record}`` of items whose artifact exists and matches its recorded sha256 (and so does its frame
-    dump, when it names one: ``runner.sinks.artifact_intact``), whatever inputs produced it (:func:`reusable` keeps
+    dump, when it names one: ``runner.core.sinks.artifact_intact``), whatever inputs produced it (:func:`reusable` keeps
     those the current run would produce)."""
-    from runner.sinks import artifact_intact, read_journal
+    from runner.core.sinks import artifact_intact, read_journal
 
     done: Dict[str, Dict[str, Any]] = {}
     records = [rec for p in sorted(out_dir.glob("items*.jsonl")) for rec in read_journal(p)]  # + workers' journals
@@ -204,11 +204,11 @@ def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], back
         platform: ``PlatformInfo.to_dict()``.
         backends: ``{stage: {field: FieldResolution.to_dict()}}``; only what is *selected* counts (``auto`` and an
             explicit name that select the same backend compute the same bytes).
-        packages: ``runner.manifest.package_versions()``.
+        packages: ``runner.core.manifest.package_versions()``.
         source: the final stage's weight source (``model.source``).
         output: what encodes the artifacts beyond the packages (the sink's ``identity``: a video run's codec
             preset, imageio-ffmpeg and ffmpeg versions, frame dump), kept as ``output``; None: no such key.
-        context: the context-parallel layout (``runner.distributed.Layout``), kept as ``context_parallel``
+        context: the context-parallel layout (``runner.core.distributed.Layout``), kept as ``context_parallel``
             (its Ulysses and ring degrees: a split sequence's attention sums in another order than a whole one, so
             its images are close to, not equal to, a one-device run's); None: no such key (data parallelism
             computes the same bytes as one device).

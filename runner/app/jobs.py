@@ -5,17 +5,17 @@ Every job dir gets ``job_status.json``: ``{exit_code, outcome, error_type, error
 * ``ok``: every item written, evidence verified (or not collected).
 * ``failed_items``: some items failed (non-finite or raised); the rest were written.
 * ``refused``: a documented refusal at startup: an explicitly selected backend cannot run on this platform
-  (``runner.errors.RefusedError``: ``BackendUnavailableError``, ``AttentionWiringError``). The job dir also gets a
+  (``runner.core.errors.RefusedError``: ``BackendUnavailableError``, ``AttentionWiringError``). The job dir also gets a
   ``manifest.json`` with ``status: refused``.
-* ``invalid``: any other bad input (``runner.errors.UserInputError``: unknown names, bad rows, bad paths...), also
+* ``invalid``: any other bad input (``runner.core.errors.UserInputError``: unknown names, bad rows, bad paths...), also
   with a ``status: invalid`` manifest.
-* ``evidence_mismatch``: what executed differs from the resolution (``runner.errors.EvidenceMismatchError``).
+* ``evidence_mismatch``: what executed differs from the resolution (``runner.core.errors.EvidenceMismatchError``).
 * ``crashed``: an unexpected exception (its traceback is in the job log).
 * ``interrupted``: a signal stopped it (``128 + N``; a second signal writes this before the process exits).
 
-A :class:`runner.errors.RunnerError` carries its own ``outcome`` and ``exit_code``; nothing here lists classes,
-except that a run dir held by another run (``runner.errors.RunDirLockError``) gets no ``job_status.json`` at all:
-the dir is not this job's. The job holds its run dir (``runner.rundir``) from before the run until its status is
+A :class:`runner.core.errors.RunnerError` carries its own ``outcome`` and ``exit_code``; nothing here lists classes,
+except that a run dir held by another run (``runner.core.errors.RunDirLockError``) gets no ``job_status.json`` at all:
+the dir is not this job's. The job holds its run dir (``runner.core.rundir``) from before the run until its status is
 written; ``RunDirLockCallback`` takes it even earlier, before Hydra writes into the dir.
 """
 
@@ -29,17 +29,17 @@ from typing import Any, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner import rundir
-from runner.artifacts import atomic_write_json
-from runner.errors import RunDirLockError, RunnerError
-from runner.manifest import Manifest, git_state, now_iso, package_versions
-from runner.paths import PROJECT_ROOT
+from runner.core import rundir
+from runner.core.artifacts import atomic_write_json
+from runner.core.errors import RunDirLockError, RunnerError
+from runner.core.manifest import Manifest, git_state, now_iso, package_versions
+from runner.core.paths import PROJECT_ROOT
 
 log = logging.getLogger("runner")
 
 EXIT = {"ok": 0, "failed_items": 1, "crashed": 1, "refused": 2, "invalid": 2, "evidence_mismatch": 3}
 # Outcomes of a run stopped before anything was generated: recorded with a ``status: <outcome>`` manifest that a
-# resume never trusts (``runner.resume.previous_run``).
+# resume never trusts (``runner.core.resume.previous_run``).
 STARTUP_OUTCOMES = ("refused", "invalid")
 
 
@@ -53,7 +53,7 @@ def _refusal_manifest(out_dir: Path, cfg: DictConfig, overrides: List[str], stat
     m.section("git", git_state(PROJECT_ROOT))
     m.section("packages", package_versions())
     try:
-        from runner.platform import detect
+        from runner.core.platform import detect
 
         m.section("platform", detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes)).to_dict())
     except Exception as e:  # noqa: BLE001 - the platform itself may be what was refused
@@ -62,7 +62,7 @@ def _refusal_manifest(out_dir: Path, cfg: DictConfig, overrides: List[str], stat
 
 
 def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool = True) -> int:
-    """Run ``runner.execute.run`` and record the outcome in ``out_dir/job_status.json``.
+    """Run ``runner.app.execute.run`` and record the outcome in ``out_dir/job_status.json``.
 
     Args:
         reraise: re-raise unexpected exceptions (single runs); in a multirun they are recorded and the sweep goes on.
@@ -70,10 +70,10 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     Returns:
         The exit code (see the module docstring).
     """
-    from runner.execute import current_inputs, dataset_keys, run
+    from runner.app.execute import current_inputs, dataset_keys, run
 
-    from runner import distributed as dp
-    from runner.console import quiet_libraries, verbose
+    from runner.core import distributed as dp
+    from runner.app.console import quiet_libraries, verbose
 
     quiet_libraries(verbose(sys.argv[1:]))  # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries')
 
@@ -100,7 +100,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     try:
         # Hold the run dir first (re-entrant: the Hydra callback took it already in `python -m runner`); under
         # torchrun the run holds it through rank 0, and every rank learns whether it was refused.
-        from runner.environment import check_dir
+        from runner.core.environment import check_dir
 
         check_dir(out_dir, _dir_key(cfg))  # a path no run can use is bad input (exit 2, named), not a lock matter
         tw = dp.torchrun_worker()
@@ -109,7 +109,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         else:
             lock = rundir.acquire(out_dir, create=not cfg.run.resume, key=_dir_key(cfg))
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
-            from runner.ray_launcher import run_on_ray
+            from runner.app.ray_launcher import run_on_ray
 
             code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg), current_inputs(cfg))
         elif worker is not None and worker.world_size > 1:
@@ -158,9 +158,9 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
 
 
 def _track(cfg: DictConfig, out_dir: Path, code: int) -> None:
-    """Log the finished run to ``tracker`` (``runner.tracking.log_run``); a tracker failure is logged, the run's
+    """Log the finished run to ``tracker`` (``runner.app.tracking.log_run``); a tracker failure is logged, the run's
     exit code stands (everything is in the run dir)."""
-    from runner.tracking import log_run
+    from runner.app.tracking import log_run
 
     try:
         log_run(cfg, out_dir, code)
@@ -200,12 +200,12 @@ def _refuse(e: RunnerError) -> None:
 class RunDirLockCallback(_HydraCallback):
     """Holds the run dir from the start of ``python -m runner`` (``on_run_start``: before Hydra writes ``.hydra/``
     and the job log into it) until the process ends; for a multirun, the sweep dir (``on_multirun_start``; each
-    job's dir is then held by its job, ``run_job``). A refusal (``runner.errors.RunDirInUseError``: another run
+    job's dir is then held by its job, ``run_job``). A refusal (``runner.core.errors.RunDirInUseError``: another run
     holds the dir) ends the process with exit 2 before anything is written. Under torchrun, rank 0 takes the lock
-    and tells the other ranks (``runner.distributed.claim_run_dir``)."""
+    and tells the other ranks (``runner.core.distributed.claim_run_dir``)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from runner import distributed as dp
+        from runner.core import distributed as dp
 
         resume = OmegaConf.select(config, "run.resume")
         hydra_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
@@ -214,7 +214,7 @@ class RunDirLockCallback(_HydraCallback):
         base = hydra_dir if OmegaConf.select(config, "hydra.job.chdir") else Path.cwd()
         target = base / str(given) if given else dp.shared_run_dir(hydra_dir)
         key = "run.resume" if resume else "output.dir" if given else "hydra.run.dir"
-        from runner.environment import OutputPathError, check_dir
+        from runner.core.environment import OutputPathError, check_dir
 
         try:
             check_dir(target, key)

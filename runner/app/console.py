@@ -14,7 +14,7 @@ libraries it drives unless asked (``RUNNER_VERBOSE=1`` or ``hydra.verbose=...``)
   hides them too);
 * :func:`override_key_problem`: a command-line override whose key is not in the composed config, with the
   closest key (``batchsize=4`` -> ``batch_size``), before Hydra says "use +batchsize";
-* ``--help`` (``conf/config.yaml``'s ``hydra.help``) lists the groups through ``runner.paths.help_groups``, without
+* ``--help`` (``conf/config.yaml``'s ``hydra.help``) lists the groups through ``runner.core.paths.help_groups``, without
   the model schema bases.
 """
 
@@ -114,7 +114,7 @@ def quiet_libraries(is_verbose: bool = False) -> None:
 def override_key_problem(argv: Sequence[str]) -> Optional[str]:
     """The first plain ``key=value`` override of ``argv`` whose key the composed config does not have, with the
     closest key of its parent (``batchsize=4``: ``did you mean batch_size?``) or, for a backend-like key, where it
-    belongs (``runner.resolve.misplaced_backend_message``). Group choices are composed first, so the model's own keys
+    belongs (``runner.core.resolve.misplaced_backend_message``). Group choices are composed first, so the model's own keys
     count. Overrides with ``+``/``++``/``~``, ``hydra.*``, group paths (``hydra/launcher=...``) and flags are left to
     Hydra, and so is everything when the composition itself fails.
 
@@ -132,8 +132,8 @@ def override_key_problem(argv: Sequence[str]) -> Optional[str]:
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from omegaconf import DictConfig
 
-        from runner.paths import CONF_DIR
-        from runner.schema import register_configs
+        from runner.core.paths import CONF_DIR
+        from runner.core.schema import register_configs
 
         register_configs()
         groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
@@ -159,7 +159,7 @@ def override_key_problem(argv: Sequence[str]) -> Optional[str]:
             full = ".".join(parts[:i + 1])
             parent = ".".join(parts[:i])
             try:
-                from runner.resolve import misplaced_backend_message
+                from runner.core.resolve import misplaced_backend_message
 
                 value = o.value()
                 hint = misplaced_backend_message(key, value if isinstance(value, (str, int, float)) else None)

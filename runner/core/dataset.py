@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
-from runner.errors import UserInputError
+from runner.core.errors import UserInputError
+from runner.core.paths import RUNNER_DIR
 
-BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
+BUILTIN_PROMPTS = RUNNER_DIR / "data" / "prompts.jsonl"
 
 # Field -> (type, check, fix). Types are the JSON types accepted; ints are also accepted for float fields.
 ROW_FIELDS: Dict[str, type] = {

@@ -2,8 +2,8 @@
 
 **The lock.** A run holds an exclusive ``flock`` on ``<run dir>/run.lock`` for its whole life, taken before
 anything in the dir is read for a resume or written: ``python -m runner`` takes it in a Hydra callback
-(:class:`runner.jobs.RunDirLockCallback`) before Hydra writes ``.hydra/`` and the job log there, and
-:func:`runner.execute.run` takes it (re-entrantly) for in-process callers. The file names its holder: pid, host,
+(:class:`runner.app.jobs.RunDirLockCallback`) before Hydra writes ``.hydra/`` and the job log there, and
+:func:`runner.app.execute.run` takes it (re-entrantly) for in-process callers. The file names its holder: pid, host,
 start time, command and a token naming the run. A second process is refused (:class:`RunDirInUseError`, exit 2)
 naming the dir and the holder. The kernel drops the lock when its process dies, however it dies; a run that ends
 removes the file, so a file found unlocked but naming a holder is the stale lock of a dead run: the next run
@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from runner.errors import RunDirInUseError, RunDirLockError
+from runner.core.errors import RunDirInUseError, RunDirLockError
 
 log = logging.getLogger("runner")
 

@@ -1,9 +1,9 @@
 """``launcher=ray``: the data-parallel workers as Ray actors (one per GPU on a GPU cluster).
 
 The driver (the Hydra job process) starts or joins Ray (``launcher.address``), creates ``launcher.num_workers``
-actors with ``num_gpus_per_worker`` GPUs each, and has each run ``runner.execute.run`` on its shard of the
+actors with ``num_gpus_per_worker`` GPUs each, and has each run ``runner.app.execute.run`` on its shard of the
 dataset into the shared run dir (which must be on storage every node sees). It then merges the workers'
-journals and manifests (``runner.distributed.merge``). A worker that dies leaves its finished rows intact; a
+journals and manifests (``runner.core.distributed.merge``). A worker that dies leaves its finished rows intact; a
 re-run resumes only the missing rows.
 """
 
@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner import resume, rundir
-from runner.errors import RunnerError
+from runner.core import resume, rundir
+from runner.core.errors import RunnerError
 
 log = logging.getLogger("runner.ray")
 
@@ -28,9 +28,9 @@ def _worker_main(cfg_dict: Dict[str, Any], out_dir: str, overrides: List[str], r
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from runner import rundir
-    from runner.distributed import Worker
-    from runner.execute import run
+    from runner.core import rundir
+    from runner.core.distributed import Worker
+    from runner.app.execute import run
 
     rundir.join(Path(out_dir), token)
     try:
@@ -46,16 +46,16 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[
 
     Args:
         keys: every item key of the run's dataset, in dataset order (the merged journal follows it).
-        current: what ``runner.distributed.merge`` takes as ``current`` (records of the current config only).
+        current: what ``runner.core.distributed.merge`` takes as ``current`` (records of the current config only).
 
     Raises:
         ImportError: Ray is not installed (``pip install ray``).
-        runner.errors.RunnerError: a worker stopped on a user error (bad input, a refused backend...); the first
+        runner.core.errors.RunnerError: a worker stopped on a user error (bad input, a refused backend...); the first
             one is re-raised in the driver so the run ends with its exit code, as a one-process run does.
     """
     import ray
 
-    from runner.distributed import merge, merged_exit_code
+    from runner.core.distributed import merge, merged_exit_code
 
     n = int(cfg.launcher.num_workers)
     if not ray.is_initialized():

@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from runner.errors import RunnerError, UserInputError
+from runner.core.errors import RunnerError, UserInputError
 
 #: swscale flags of every RGB <-> YUV conversion: bit-exact across CPUs, accurate rounding, full chroma.
 SWS_FLAGS = "bitexact+accurate_rnd+full_chroma_int"
@@ -150,12 +150,12 @@ def encoder_info(codec: str) -> Dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ frames
 def to_uint8_frames(frames: np.ndarray) -> np.ndarray:
     """Float frames in [0, 1], layout (F, H, W, 3), as C-contiguous ``uint8`` (F, H, W, 3), rounded like the PNG
-    sink (``runner.artifacts.to_uint8``); ``uint8`` input is taken as it is.
+    sink (``runner.core.artifacts.to_uint8``); ``uint8`` input is taken as it is.
 
     Raises:
         ValueError: not 4-D with 3 channels, or no frame (names the shape).
     """
-    from runner.artifacts import to_uint8
+    from runner.core.artifacts import to_uint8
 
     a = np.asarray(frames)
     if a.ndim != 4 or a.shape[-1] != 3 or min(a.shape) < 1:
@@ -180,13 +180,13 @@ def fps_arg(fps: float) -> str:
 
 def _storage_errno(stderr: str) -> Optional[int]:
     """The errno of a storage failure ffmpeg reported (its text is the C library's ``strerror``), else None."""
-    from runner.artifacts import STORAGE_ERRNOS
+    from runner.core.artifacts import STORAGE_ERRNOS
 
     return next((e for e in sorted(STORAGE_ERRNOS) if os.strerror(e) in stderr), None)
 
 
 def container_metadata(fields: Dict[str, str]) -> Dict[str, str]:
-    """The MP4 container metadata of a video from its embedded fields (``runner.sinks.embedded_fields``):
+    """The MP4 container metadata of a video from its embedded fields (``runner.core.sinks.embedded_fields``):
     ``title`` = the prompt, ``comment`` = every field as one JSON object (sorted keys). Read back with
     :func:`read_metadata`."""
     import json
@@ -353,11 +353,11 @@ def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
         frames_file_sha256]}}``.
 
     Raises:
-        runner.errors.StorageError: the storage refused a write (the temp file is removed).
+        runner.core.errors.StorageError: the storage refused a write (the temp file is removed).
         VideoEncodeError, ValueError: this item cannot be encoded as asked (the temp file is removed).
     """
-    from runner.artifacts import atomic_write_bytes, fsync_dir, storage_error
-    from runner.dataset import file_sha256
+    from runner.core.artifacts import atomic_write_bytes, fsync_dir, storage_error
+    from runner.core.dataset import file_sha256
 
     a = to_uint8_frames(frames)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from runner.errors import UserInputError
+from runner.core.errors import UserInputError
 
 log = logging.getLogger("runner")
 
@@ -43,7 +43,7 @@ def _uri(cfg: Any) -> str:
     """``tracker.uri``, or the file store ``mlruns/`` in the working directory the run was started from."""
     if cfg.tracker.uri:
         return str(cfg.tracker.uri)
-    from runner.paths import original_cwd
+    from runner.core.paths import original_cwd
 
     return (Path(original_cwd()) / "mlruns").resolve().as_uri()
 

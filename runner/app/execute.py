@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner import dataset as ds
-from runner import evidence, lossy, resume, rundir
-from runner.artifacts import atomic_write_bytes
-from runner.errors import ConfigValueError, StorageError, UserInputError
-from runner.manifest import Manifest, git_state, now_iso, package_versions
-from runner.paths import PROJECT_ROOT, original_cwd, repro_location
-from runner.platform import detect
-from runner.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, write_folder_metadata
+from runner.core import dataset as ds
+from runner.core import evidence, lossy, resume, rundir
+from runner.core.artifacts import atomic_write_bytes
+from runner.core.errors import ConfigValueError, StorageError, UserInputError
+from runner.core.manifest import Manifest, git_state, now_iso, package_versions
+from runner.core.paths import PROJECT_ROOT, original_cwd, repro_location
+from runner.core.platform import detect
+from runner.core.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, write_folder_metadata
 
 if TYPE_CHECKING:
     from models.base import StageResult
@@ -81,12 +81,12 @@ def check_no_instantiate_keys(node: Any, where: str = "") -> None:
 
 def _unknown_key_message(plain: Dict[str, Any], full_key: str, key: str) -> Tuple[str, bool]:
     """What to say about ``full_key``, a key the schema does not know, and whether it is a misplaced backend key:
-    where a backend-like key belongs (``runner.resolve.misplaced_backend_message``), else the closest known key of
+    where a backend-like key belongs (``runner.core.resolve.misplaced_backend_message``), else the closest known key of
     its node, else the known keys."""
     import difflib
 
-    from runner.resolve import backend_field_of, misplaced_backend_message
-    from runner.schema import typed_skeleton
+    from runner.core.resolve import backend_field_of, misplaced_backend_message
+    from runner.core.schema import typed_skeleton
 
     parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
     value = OmegaConf.select(OmegaConf.create(plain), full_key, default=None) if full_key else None
@@ -118,12 +118,12 @@ def check_schema(cfg: DictConfig) -> None:
     (``+model.attention_backend``: ``backend.attention``), else the closest known key.
 
     Raises:
-        ConfigValueError, runner.resolve.MisplacedBackendKeyError: naming the key and the fix.
+        ConfigValueError, runner.core.resolve.MisplacedBackendKeyError: naming the key and the fix.
     """
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-    from runner.resolve import MisplacedBackendKeyError
-    from runner.schema import typed_skeleton
+    from runner.core.resolve import MisplacedBackendKeyError
+    from runner.core.schema import typed_skeleton
 
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # e.g. model=base_diffusion: a family's schema, which --help lists beside the models
@@ -175,7 +175,7 @@ def check_run_values(cfg: DictConfig) -> None:
             "and tensor_parallel_config only; `_modeling_parallel.py` lists CFG/data parallelism as TODO), and its "
             "pipelines run both branches inside __call__; it would otherwise run single-device. fix: "
             "parallelism=ulysses or ring (one item over several ranks), parallelism=data, or parallelism=single")
-    from runner.distributed import CONTEXT_MODES, layout, torchrun_worker
+    from runner.core.distributed import CONTEXT_MODES, layout, torchrun_worker
 
     tw = torchrun_worker()
     if tw is not None and tw.world_size > 1 and mode not in ("data", *CONTEXT_MODES):
@@ -193,7 +193,7 @@ def check_run_values(cfg: DictConfig) -> None:
 
 LIBRARY_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "VLLM_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
                "TORCH_CUDNN_SDPA_ENABLED", "PYTORCH_CUDA_ALLOC_CONF", "TRITON_INTERPRET",
-               "IMAGEIO_FFMPEG_EXE")  # checked: runner.environment
+               "IMAGEIO_FFMPEG_EXE")  # checked: runner.core.environment
 
 
 class Stop:
@@ -324,7 +324,7 @@ def stage_graph(cfg: DictConfig) -> List[StageSpec]:
     (last) stage, whose ``template`` builds its prompt from the fed text.
 
     Raises:
-        runner.errors.UserInputError: naming the stage, the field and the fix.
+        runner.core.errors.UserInputError: naming the stage, the field and the fix.
     """
     from models.registry import engine_class
 
@@ -442,8 +442,8 @@ def _generate_isolated(engine: Any, batch: List[Any]) -> Tuple[List[Any], List[L
 
 def _stop_check(stop: Stop, worker: Optional[Any]) -> Callable[[], bool]:
     """Whether to stop before the next batch: a signal was received (under context parallelism, by any rank of the
-    worker's context group, so that all of them stop after the same batch: ``runner.distributed.context_group_any``)."""
-    from runner.distributed import context_group_any
+    worker's context group, so that all of them stop after the same batch: ``runner.core.distributed.context_group_any``)."""
+    from runner.core.distributed import context_group_any
 
     return lambda: context_group_any(stop.signum is not None, worker)
 
@@ -462,7 +462,7 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
         after_load: called with the manifest sections ``engine.load`` returned.
         checkpoint: called after every batch (rewrites the manifest).
         identity: ``item -> inputs_sha256``, recorded in each record with the batch (size, position) it ran in
-            (resumable stages: a resume compares both, ``runner.resume.reusable``).
+            (resumable stages: a resume compares both, ``runner.core.resume.reusable``).
         should_stop: asked before each batch (default: a stop signal was received).
 
     Returns:
@@ -523,17 +523,17 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
         overrides: the CLI overrides (Hydra's task overrides); they decide the CLI precedence layers.
         on_loaded: called with the last stage's engine once its model is loaded and backends are installed
             (tests use it to tamper with the model and check that the evidence notices).
-        worker: a data-parallel worker (``runner.distributed.Worker``): it generates only its shard and writes
+        worker: a data-parallel worker (``runner.core.distributed.Worker``): it generates only its shard and writes
             ``items.rank<r>.jsonl`` and ``manifest.rank<r>.json``; the merge makes the run's files.
         on_exit: called with the exit code when a second signal ends the process at once, after the manifest
-            was finalized (``runner.jobs`` writes ``job_status.json`` there).
+            was finalized (``runner.app.jobs`` writes ``job_status.json`` there).
 
-    The run dir is held for the whole call (``runner.rundir``): a plain run takes its lock first thing, before
+    The run dir is held for the whole call (``runner.core.rundir``): a plain run takes its lock first thing, before
     anything loads or anything in the dir is read or written (re-entrant: ``python -m runner`` took it already);
     a worker belongs to the run that holds it (rank 0, the Ray driver).
 
     Raises:
-        runner.errors.RunnerError subclasses: bad input or a refused backend, all before any weight loads;
+        runner.core.errors.RunnerError subclasses: bad input or a refused backend, all before any weight loads;
             ``RunDirInUseError`` when another run holds the dir;
         evidence.EvidenceError: strict evidence found a mismatch (after everything was written).
     """
@@ -558,7 +558,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     # 1. the run config, the stage graph and its engines (constructors load nothing); environment, run dir
     check_schema(cfg)
     specs = stage_graph(cfg)
-    from runner.environment import check_outside
+    from runner.core.environment import check_outside
 
     check_outside(cfg, out_dir, embedded=any(bool(s.model_cfg.get("embedded")) for s in specs))
     engines = build_engines(cfg, overrides, specs=specs)
@@ -568,7 +568,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     for e in engines:
         e.check_config()
     check_run_values(cfg)
-    from runner.tracking import check as check_tracker
+    from runner.app.tracking import check as check_tracker
 
     check_tracker(cfg)  # tracker=mlflow without mlflow: exit 2 now, not after the run
     if not final.resumable:
@@ -602,7 +602,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     items = final.items(rows, cfg.seed)
     journal_name, manifest_name = "items.jsonl", "manifest.json"
     if worker is not None and worker.world_size > 1:
-        from runner.distributed import shard
+        from runner.core.distributed import shard
 
         # data-parallel groups (every worker, or every context group) share the batches out
         items = shard(final.batches(items, cfg.batch_size), worker.shards, worker.shard_index)
@@ -646,7 +646,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     again = {it.key for it in resume.regenerate_batches(all_batches, reuse)}
     todo = [it for it in items if it.key in again] if final.resumable else list(items)
     if worker is not None:  # every startup check passed on this rank: what context-parallel ranks share (collective)
-        from runner.distributed import init_context_groups
+        from runner.core.distributed import init_context_groups
 
         init_context_groups(worker)
     for e in engines:
@@ -662,7 +662,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
             log.warning("run dir %s: took over the stale lock of %s (that process is gone)", out_dir,
                         rundir.describe(lock.took_over))
     if worker is not None:
-        from runner.distributed import worker_record
+        from runner.core.distributed import worker_record
 
         manifest.section("worker", worker_record(worker, len(items)))
     if prev is not None:
@@ -739,7 +739,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
         if writes:
             sink = sink_cls(out_dir, journal_name, on_record=on_record, **threads, **sink_cls.options(cfg))
         else:
-            from runner.sinks import ComputeOnlySink
+            from runner.core.sinks import ComputeOnlySink
 
             sink = ComputeOnlySink(out_dir, on_record=on_record)
         for e, spec in zip(upstream, specs):

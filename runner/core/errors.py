@@ -7,7 +7,7 @@ Each class carries what the CLI needs to end the run without a traceback:
 * ``fix``: optionally, what to do about it (``RunnerError(msg, fix="...")``); most messages already end in
   ``"; fix: ..."`` and give none separately.
 
-``runner.jobs.run_job`` and the other CLIs classify by these attributes alone (``isinstance(e, RunnerError)``),
+``runner.app.jobs.run_job`` and the other CLIs classify by these attributes alone (``isinstance(e, RunnerError)``),
 so a new error class only has to derive from the right base. Classes defined elsewhere keep their old builtin
 base as a mixin (``class DatasetError(UserInputError, ValueError)``) so callers catching ``ValueError`` still do.
 

@@ -1,0 +1,1 @@
+"""The application: the entry's run loop (`execute`), jobs and sweeps, launchers, the console, trackers."""

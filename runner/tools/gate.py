@@ -1,0 +1,239 @@
+"""Quality gate of lossy lanes: each lossy job (``runner.core.lossy``: a step cache, FP8 linear, lossy attention) is
+compared with the lossless job of the same rows.
+
+* **Matching.** Two jobs hold *the same rows* when they ran the same model weights (the manifest's weight-file
+  hashes, or the source), the same dataset file (sha256) and ``dataset.limit``, the same run ``seed``, images per
+  prompt, generation defaults and dtype. A lossy job is compared with a lossless job (``lossy: false``, outcome
+  ``ok``) of the same rows; among several, the one whose selected backends differ least from its own.
+* **Accuracy.** With an oracle (toy_shapes, toy_motion: the manifest's ``accuracy``), the lossy job's accuracy
+  per attribute (colour, shape, position or direction) must be at least ``min_ratio`` (default
+  :data:`MIN_RATIO`, 0.97) times the lossless job's (an attribute the lossless job gets 0 on passes).
+* **Fidelity.** PSNR (dB; ``inf``: identical) and SSIM (Gaussian window 11, sigma 1.5) of every item against the
+  lossless job's, computed with ``torchmetrics`` (images as RGB in [0, 1]; a video as its decoded frames,
+  PSNR over all its pixels, SSIM the mean over frames); reported, and gated only with ``min_psnr_db``.
+
+Verdicts per lossy job: ``pass``; ``fail`` (an attribute below the ratio, or PSNR below ``min_psnr_db``);
+``unmatched`` (no lossless job of the same rows: fails, add one, e.g. ``cache.method=none``); ``not_run`` (the lossy
+job did not finish ``ok``: fails, except a documented refusal, ``skipped``); ``unchecked`` (no oracle and no PSNR
+floor: reported, does not fail).
+
+CLI: ``python -m runner.gate <sweep or run dirs...> [--min-ratio 0.97] [--min-psnr-db X] [--out gate.json]``;
+writes ``gate.json`` (default: into the single dir given, else ``./gate.json``), prints one line per lossy job,
+exits 0 when no gate fails, 1 when one does, 2 on bad input. A sweep runs it at its end when a job is lossy
+(``runner.tools.sweep``), and ``report.html`` shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from runner.core import lossy
+from runner.core.errors import RunnerError
+from runner.tools.report import Job, is_video, load_frames, load_jobs, load_rgb, same_item
+
+MIN_RATIO = 0.97
+"""Default floor of lossy accuracy / lossless accuracy, per attribute."""
+
+NOT_ATTRIBUTES = ("oracle", "n", "all", "read")
+FAILING = ("fail", "unmatched", "not_run")
+
+
+def rows_identity(job: Job) -> str:
+    """sha256 of what makes two jobs' rows the same (see the module docstring); lanes (backends, cache) aside."""
+    m = job.manifest
+    cfg = m.get("config") or {}
+    src = (m.get("model") or {}).get("source") or {}
+    weights = src.get("files") or {k: src.get(k) for k in ("kind", "path", "weights_seed") if k in src}
+    doc = {"model": (m.get("model") or {}).get("name"), "weights": weights,
+           "dataset": (m.get("dataset") or {}).get("sha256"), "limit": (cfg.get("dataset") or {}).get("limit"),
+           "seed": cfg.get("seed"), "num_images_per_prompt": cfg.get("num_images_per_prompt"),
+           "generation": (cfg.get("model") or {}).get("generation"), "dtype": m.get("dtype")}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _selected(job: Job) -> Dict[str, Any]:
+    return {f"{st}.{f}": (r or {}).get("selected") for st, fields in (job.manifest.get("backends") or {}).items()
+            for f, r in (fields or {}).items()}
+
+
+def _tensor(a: np.ndarray) -> Any:
+    import torch
+
+    t = torch.from_numpy(np.array(a, dtype=np.float32)) / 255.0
+    t = t.unsqueeze(0) if t.dim() == 3 else t  # (N, H, W, C)
+    return t.permute(0, 3, 1, 2)
+
+
+def item_metrics(a: Path, b: Path) -> Dict[str, Any]:
+    """``{psnr_db, ssim}`` of two artifacts (images, or MP4 videos decoded to frames), via ``torchmetrics``;
+    ``{error}`` when their shapes differ. PSNR in dB over every pixel (``inf`` when identical); SSIM averaged
+    over frames."""
+    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+    video = str(a).endswith(".mp4") or str(b).endswith(".mp4")
+    x, y = (load_frames(a), load_frames(b)) if video else (load_rgb(a), load_rgb(b))
+    if x.shape != y.shape:
+        return {"psnr_db": None, "ssim": None, "error": f"shape {x.shape} vs {y.shape}"}
+    if np.array_equal(x, y):
+        return {"psnr_db": math.inf, "ssim": 1.0}
+    tx, ty = _tensor(x), _tensor(y)
+    return {"psnr_db": round(float(peak_signal_noise_ratio(tx, ty, data_range=1.0)), 3),
+            "ssim": round(float(structural_similarity_index_measure(tx, ty, data_range=1.0)), 5)}
+
+
+def accuracy_ratios(lossy_acc: Optional[Dict[str, Any]], ref_acc: Optional[Dict[str, Any]], min_ratio: float
+                    ) -> Optional[Dict[str, Dict[str, Any]]]:
+    """Per oracle attribute: ``{lossy, lossless, ratio, pass}``; None when either job has no accuracy section."""
+    if not lossy_acc or not ref_acc:
+        return None
+    out: Dict[str, Dict[str, Any]] = {}
+    for k, ref in ref_acc.items():
+        if k in NOT_ATTRIBUTES or not isinstance(ref, (int, float)) or isinstance(ref, bool):
+            continue
+        got = lossy_acc.get(k)
+        got = float(got) if isinstance(got, (int, float)) else 0.0
+        ratio = got / ref if ref else None
+        out[k] = {"lossy": got, "lossless": float(ref), "ratio": None if ratio is None else round(ratio, 4),
+                  "pass": got >= ref if ratio is None else ratio >= min_ratio}
+    return out
+
+
+def compare(job: Job, ref: Job, min_ratio: float = MIN_RATIO, min_psnr_db: Optional[float] = None
+            ) -> Dict[str, Any]:
+    """The gate of lossy ``job`` against lossless ``ref`` (same rows): per-attribute accuracy ratios, per-item PSNR
+    and SSIM, the verdict and its reasons."""
+    items: List[Dict[str, Any]] = []
+    mine = job.ok_items
+    for key, r in ref.ok_items.items():
+        row: Dict[str, Any] = {"key": key}
+        if key not in mine:
+            row["note"] = "missing in the lossy job"
+        elif not same_item(r, mine[key]):
+            row["note"] = "not comparable (seed/prompt/params differ)"
+        else:
+            row.update(item_metrics(job.image_path(key), ref.image_path(key)))
+        items.append(row)
+    acc = accuracy_ratios(job.manifest.get("accuracy"), ref.manifest.get("accuracy"), min_ratio)
+    vals = [i for i in items if i.get("psnr_db") is not None]
+    psnr = [i["psnr_db"] for i in vals]
+    ssim = [i["ssim"] for i in vals]
+    reasons = []
+    if acc is not None:
+        reasons += [f"{k}: accuracy {a['lossy']:.4g} vs lossless {a['lossless']:.4g} (ratio {a['ratio']}, needs >= "
+                    f"{min_ratio:g})" for k, a in acc.items() if not a["pass"]]
+    if min_psnr_db is not None:
+        low = [i for i in vals if i["psnr_db"] < min_psnr_db]
+        reasons += [f"{i['key']}: PSNR {i['psnr_db']:.2f} dB < {min_psnr_db:g}" for i in low]
+        reasons += [f"{i['key']}: {i['note']}" for i in items if i.get("note")]
+    checked = acc is not None or min_psnr_db is not None
+    verdict = "fail" if reasons else ("pass" if checked else "unchecked")
+    lanes = lossy.of_manifest(job.manifest)["lanes"]
+    cache = (((job.manifest.get("evidence") or {}).get("stages") or {}).get("denoise") or {}).get("cache")
+    return {"lossy_job": job.label, "lossless_job": ref.label, "lossy_path": str(job.path),
+            "lossless_path": str(ref.path), "lanes": lanes, "verdict": verdict, "reasons": reasons,
+            "accuracy": acc, "min_ratio": min_ratio,
+            "psnr_db": {"min": min(psnr), "mean": round(float(np.mean(psnr)), 3) if all(map(math.isfinite, psnr))
+                        else math.inf} if psnr else None,
+            "ssim": {"min": min(ssim), "mean": round(float(np.mean(ssim)), 5)} if ssim else None,
+            "cache_hit_rate": (cache or {}).get("forwards_hit_rate"), "items": items}
+
+
+def evaluate(jobs: Sequence[Job], min_ratio: float = MIN_RATIO, min_psnr_db: Optional[float] = None
+             ) -> Dict[str, Any]:
+    """The gate of every lossy job among ``jobs`` (see the module docstring).
+
+    Returns:
+        The ``gate.json`` document: ``{min_ratio, min_psnr_db, jobs: [one entry per lossy job], verdict, exit_code,
+        lossless_jobs}``; ``verdict`` is ``fail`` when any entry fails, ``pass`` otherwise (``none`` when no job is
+        lossy).
+    """
+    labels = {j.label: lossy.of_manifest(j.manifest) for j in jobs if j.manifest}
+    lossless = [j for j in jobs if j.manifest and not labels[j.label]["lossy"] and j.outcome == "ok"]
+    keys = {j.label: rows_identity(j) for j in jobs if j.manifest}
+    entries: List[Dict[str, Any]] = []
+    for j in jobs:
+        if not j.manifest or not labels[j.label]["lossy"]:
+            continue
+        base = {"lossy_job": j.label, "lossy_path": str(j.path), "lanes": labels[j.label]["lanes"]}
+        if j.outcome != "ok":
+            v = "skipped" if j.outcome == "refused" else "not_run"
+            entries.append({**base, "verdict": v, "reasons": [f"the lossy job's outcome is {j.outcome}"]})
+            continue
+        same = [r for r in lossless if keys[r.label] == keys[j.label]]
+        if not same:
+            entries.append({**base, "verdict": "unmatched", "reasons": [
+                "no lossless job of the same rows (model weights, dataset, limit, seed, generation, dtype); fix: add "
+                "one to the sweep (e.g. cache.method=none, backend.linear=TORCH) or pass its run dir"]})
+            continue
+        mine = _selected(j)
+        ref = max(same, key=lambda r: sum(v == mine.get(k) for k, v in _selected(r).items()))  # first on ties
+        entries.append(compare(j, ref, min_ratio, min_psnr_db))
+    failed = [e for e in entries if e["verdict"] in FAILING]
+    verdict = "none" if not entries else ("fail" if failed else "pass")
+    return {"min_ratio": min_ratio, "min_psnr_db": min_psnr_db, "verdict": verdict, "exit_code": 1 if failed else 0,
+            "lossless_jobs": [j.label for j in lossless], "jobs": entries,
+            "metrics": "torchmetrics peak_signal_noise_ratio / structural_similarity_index_measure (data_range 1)"}
+
+
+def write_gate(dirs: Sequence[Path], out: Path, min_ratio: float = MIN_RATIO,
+               min_psnr_db: Optional[float] = None) -> Dict[str, Any]:
+    """Evaluate the jobs of ``dirs`` (sweep or run dirs) and write ``out`` (JSON, atomically).
+
+    Raises:
+        runner.tools.report.RunDirError: a dir is neither a run dir nor a sweep dir.
+    """
+    from runner.core.artifacts import atomic_write_json
+
+    doc = evaluate(load_jobs(dirs), min_ratio, min_psnr_db)
+    atomic_write_json(Path(out), doc)
+    return doc
+
+
+def _line(e: Dict[str, Any]) -> str:
+    acc = e.get("accuracy") or {}
+    parts = [f"{e['verdict'].upper():9s} {e['lossy_job']} [{', '.join(e['lanes'])}]"]
+    if e.get("lossless_job"):
+        parts.append(f"vs {e['lossless_job']}")
+    if acc:
+        parts.append(" ".join(f"{k} {a['lossy']:.3g}/{a['lossless']:.3g}" for k, a in acc.items()))
+    if e.get("psnr_db"):
+        parts.append(f"PSNR min {e['psnr_db']['min']} dB, SSIM min {e['ssim']['min']}")
+    if e.get("cache_hit_rate") is not None:
+        parts.append(f"cache hit rate {e['cache_hit_rate']}")
+    return " · ".join(parts) + "".join(f"\n          {r}" for r in e.get("reasons") or [])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m runner.gate",
+                                 description="Compare each lossy job with the lossless job of the same rows.")
+    ap.add_argument("dirs", nargs="+", type=Path, help="sweep dirs (holding job dirs) or run dirs")
+    ap.add_argument("--min-ratio", type=float, default=MIN_RATIO,
+                    help=f"lossy / lossless oracle accuracy floor per attribute (default {MIN_RATIO})")
+    ap.add_argument("--min-psnr-db", type=float, default=None, help="also fail items below this PSNR (dB)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="gate.json path (default: in the single dir given, else ./gate.json)")
+    a = ap.parse_args(argv)
+    out = a.out or (a.dirs[0] / "gate.json" if len(a.dirs) == 1 else Path("gate.json"))
+    try:
+        doc = write_gate(a.dirs, out, a.min_ratio, a.min_psnr_db)
+    except RunnerError as e:
+        print(f"gate: {type(e).__name__}: {e}", file=sys.stderr)
+        return e.exit_code
+    for e in doc["jobs"]:
+        print(_line(e))
+    if not doc["jobs"]:
+        print("no lossy job: nothing to gate")
+    print(f"gate: {doc['verdict']} -> {out}")
+    return int(doc["exit_code"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

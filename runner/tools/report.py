@@ -1,0 +1,840 @@
+"""Self-contained HTML report of sweeps and runs, built from what they wrote (manifests, ``job_status.json``,
+``items.jsonl``, the images and videos) and nothing else.
+
+``report.html`` carries everything inline: CSS, an SVG bar chart and the image thumbnails as base64 ``data:``
+URIs (a video's thumbnail is its poster frame: the middle frame, decoded from the MP4), so it opens offline and
+can be attached to a ticket. It shows:
+
+* one row per job: overrides, outcome (``job_status.json``) and manifest status, the backend resolution of each
+  field (selected implementation, what was requested and at which precedence layer), the evidence verdict,
+  wall time (s), per-phase time (s: text encoding, denoising, VAE decode, writing), throughput (images/s) and
+  peak memory (device bytes allocated by torch when recorded, else host peak RSS); refused/invalid jobs with
+  their error message;
+* parity of every job against a reference job (the first job with images, or ``reference``): per item PSNR
+  (dB, ``inf`` when identical), SSIM (Wang et al. 2004) and the maximum absolute pixel difference (0..255); for a
+  video, the PSNR of its worst frame, the SSIM of that frame and the maximum difference over all frames;
+* an image grid of the same items across jobs, and a bar chart of images/s per job;
+* the quality gate of lossy jobs (``runner.tools.gate``, its ``gate.json``): each lossy job (labelled ``lossy`` with its
+  lanes in the jobs table: a step cache, FP8 linear, lossy attention) against the lossless job of the same rows;
+* per-job details: the backend resolution table, evidence mismatches, failed items.
+
+CLI: ``python -m runner.report <sweep_or_run_dirs...> [--out report.html] [--reference N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from runner.core import lossy, rundir
+from runner.core.sinks import read_journal
+from runner.core.errors import RunnerError, UserInputError
+
+PARITY_TOLERANCE_DB = 40.0
+"""Default parity tolerance: an item is within tolerance when its PSNR against the reference is >= this (dB)."""
+
+PHASES = (("text_encode", "text enc."), ("denoise", "denoise"), ("vae_decode", "VAE dec."), ("write", "write"))
+FIELDS = ("attention", "linear", "moe")
+MAX_GRID_ITEMS = 24
+THUMB_PX = 160
+
+
+class RunDirError(UserInputError, FileNotFoundError):
+    """A dir given to the report (or the matrix) is neither a run dir nor a sweep dir holding run dirs."""
+
+
+class UnknownReferenceError(UserInputError, KeyError):
+    """``--reference`` names no job, or a job with no images to compare against."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading runs
+
+
+@dataclass
+class Job:
+    """One run dir as the report sees it.
+
+    Attributes:
+        name: the dir name (a sweep's job number, e.g. ``"0"``).
+        label: unique display name (``<sweep>/<job>`` when several dirs are reported).
+        path: the run dir.
+        group: the sweep dir it belongs to (the run dir itself for a standalone run).
+        manifest: ``manifest.json`` (``{}`` when absent).
+        status: ``job_status.json`` (``{}`` when absent: a plain ``python -m runner`` run that exited 0 has it too).
+        items: the records of ``items.jsonl`` in file order.
+    """
+
+    name: str
+    label: str
+    path: Path
+    group: Path
+    manifest: Dict[str, Any] = field(default_factory=dict)
+    status: Dict[str, Any] = field(default_factory=dict)
+    items: List[Dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def outcome(self) -> str:
+        """``job_status.json`` outcome, or one derived from the manifest status when the file is absent. A manifest
+        at ``running`` (its run is alive) or ``crashed`` (it ended without a final status, see ``load_jobs``) wins:
+        a ``job_status.json`` beside it is an earlier attempt's."""
+        st = self.manifest.get("status")
+        if st in ("running", "crashed"):
+            return st
+        if self.status.get("outcome"):
+            return self.status["outcome"]
+        return {"completed": "ok", "refused": "refused", "invalid": "invalid",
+                "completed_with_failures": "failed_items"}.get(st, st or "unknown")
+
+    @property
+    def error(self) -> Optional[str]:
+        """The recorded error message (refusals, bad input, crashes), if any."""
+        err = self.manifest.get("error")
+        if isinstance(err, dict):
+            err = f"{err.get('type')}: {err.get('message')}"
+        return self.status.get("error") or err
+
+    @cached_property
+    def ok_items(self) -> Dict[str, Dict[str, Any]]:
+        """Item key -> record of every item written (``status: ok`` with a file)."""
+        return {r["key"]: r for r in self.items if r.get("status") == "ok" and r.get("file")}
+
+    def image_path(self, key: str) -> Path:
+        """The item's artifact file (an image, or a video: :func:`is_video`)."""
+        return self.path / self.ok_items[key]["file"]
+
+
+def is_video(record: Dict[str, Any]) -> bool:
+    """The record's artifact is a video (an MP4 of ``runner.core.sinks.MP4Sink``)."""
+    return str(record.get("file") or "").endswith(".mp4")
+
+
+def _read_json(path: Path) -> Dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def read_manifest(run_dir: Path) -> Dict[str, Any]:
+    """``run_dir/manifest.json`` (``{}`` when absent), with ``status: running`` replaced by ``crashed`` when the
+    run that wrote it is no longer alive (``runner.core.rundir.effective_status``: its process ended without writing a
+    final status); the recorded status is kept as ``recorded_status``."""
+    doc = _read_json(Path(run_dir) / "manifest.json")
+    st = rundir.effective_status(run_dir, doc) if doc else None
+    if doc and st != doc.get("status"):
+        doc = {**doc, "status": st, "recorded_status": doc.get("status")}
+    return doc
+
+
+def is_run_dir(d: Path) -> bool:
+    """A run dir holds ``manifest.json`` or ``job_status.json``."""
+    return (d / "manifest.json").exists() or (d / "job_status.json").exists()
+
+
+def _job_sort_key(p: Path) -> tuple:
+    return (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name)
+
+
+def load_jobs(dirs: Iterable[Path]) -> List[Job]:
+    """The jobs of sweep dirs (their run-dir children, in job-number order) and of run dirs, in argument order.
+
+    Raises:
+        RunDirError: a dir is neither a run dir nor a sweep dir holding run dirs.
+    """
+    dirs = [Path(d) for d in dirs]
+    found: List[tuple] = []
+    for d in dirs:
+        if is_run_dir(d):
+            found.append((d, d))
+            continue
+        kids = sorted((p for p in d.iterdir() if p.is_dir() and is_run_dir(p)), key=_job_sort_key) \
+            if d.is_dir() else []
+        if not kids:
+            raise RunDirError(f"{d} is neither a run dir (manifest.json / job_status.json) nor a sweep dir "
+                              "holding run dirs; fix: pass a run dir or a sweep dir (outputs/runs/... or "
+                              "outputs/multirun/...)")
+        found.extend((k, d) for k in kids)
+    several = len(dirs) > 1
+    jobs: List[Job] = []
+    for path, group in found:
+        label = path.name if not several or path == group else f"{group.name}/{path.name}"
+        if any(j.label == label for j in jobs):  # same names under different parents
+            label = f"{label}#{len(jobs)}"
+        jobs.append(Job(name=path.name, label=label, path=path, group=group,
+                        manifest=read_manifest(path), status=_read_json(path / "job_status.json"),
+                        items=read_journal(path / "items.jsonl")))
+    return jobs
+
+
+def pick_reference(jobs: Sequence[Job], reference: Any = None) -> Optional[Job]:
+    """The parity reference: the job whose name, label or path is ``reference`` (an int job number works), else
+    the first job with written images. None when no job has images.
+
+    Raises:
+        UnknownReferenceError: ``reference`` names no job, or a job with no images.
+    """
+    if reference is not None and str(reference) != "":
+        ref = str(reference)
+        for j in jobs:
+            if ref in (j.name, j.label, str(j.path)):
+                if not j.ok_items:
+                    raise UnknownReferenceError(f"reference job {ref!r} has no images (outcome {j.outcome}); "
+                                                "fix: name a job with written images")
+                return j
+        raise UnknownReferenceError(f"reference={ref!r} names no job; fix: one of "
+                                    f"{', '.join(j.label for j in jobs)}")
+    return next((j for j in jobs if j.ok_items), None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Image metrics
+
+
+def load_rgb(path: Path) -> np.ndarray:
+    """An image file as a ``uint8`` array of shape (height, width, 3)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.uint8)
+
+
+def psnr(a: np.ndarray, b: np.ndarray, peak: float = 255.0) -> float:
+    """Peak signal-to-noise ratio in dB, ``10 log10(peak^2 / MSE)``; ``inf`` when the images are identical."""
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10.0 * math.log10(peak * peak / mse)
+
+
+def _gaussian(size: int = 11, sigma: float = 1.5) -> np.ndarray:
+    x = np.arange(size, dtype=np.float64) - (size - 1) / 2.0
+    g = np.exp(-(x ** 2) / (2 * sigma ** 2))
+    return g / g.sum()
+
+
+def _filter_valid(x: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Separable 2-D filtering of the first two axes with the symmetric window ``g`` (``valid`` region, as
+    MATLAB's ``filter2(..., 'valid')``): a weighted sum of shifted slices, one axis at a time, in place."""
+    n = g.size
+    for axis in (0, 1):
+        m = x.shape[axis] - n + 1
+        sl = lambda k: x[k:k + m] if axis == 0 else x[:, k:k + m]  # noqa: E731
+        acc = sl(0) * g[0]
+        tmp = np.empty_like(acc)
+        for k in range(1, n):
+            np.multiply(sl(k), g[k], out=tmp)
+            acc += tmp
+        x = acc
+    return x
+
+
+def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, k1: float = 0.01, k2: float = 0.03,
+         win: int = 11, sigma: float = 1.5) -> float:
+    """Mean structural similarity (SSIM) of two images, unitless, 1.0 when identical.
+
+    Z. Wang, A. C. Bovik, H. R. Sheikh, E. P. Simoncelli, "Image quality assessment: from error visibility to
+    structural similarity", IEEE Trans. Image Processing 13(4):600-612, 2004. Per channel, local statistics under
+    an 11x11 Gaussian window (sigma 1.5, normalised), ``C1 = (K1 L)^2``, ``C2 = (K2 L)^2`` with K1 = 0.01,
+    K2 = 0.03, L = 255::
+
+        SSIM(x, y) = (2 mu_x mu_y + C1) (2 sigma_xy + C2) / ((mu_x^2 + mu_y^2 + C1) (sigma_x^2 + sigma_y^2 + C2))
+
+    averaged over the valid window positions and over channels (no automatic downsampling). Images smaller than
+    the window use the largest odd window that fits.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"SSIM needs equal shapes, got {a.shape} and {b.shape}")
+    # float32 on data centred per image and channel: (co)variances are shift-invariant and centring keeps
+    # E[x^2] - mu^2 accurate; the means get their offsets back for the luminance term
+    x = a.astype(np.float32).reshape(a.shape[0], a.shape[1], -1)
+    y = b.astype(np.float32).reshape(b.shape[0], b.shape[1], -1)
+    ox, oy = x.mean(axis=(0, 1), dtype=np.float64), y.mean(axis=(0, 1), dtype=np.float64)
+    x, y = x - ox.astype(np.float32), y - oy.astype(np.float32)
+    win = min(win, x.shape[0], x.shape[1])
+    win -= (win + 1) % 2  # odd
+    g = _gaussian(win, sigma).astype(np.float32)
+    c1, c2 = (k1 * peak) ** 2, (k2 * peak) ** 2
+    c = x.shape[2]
+    f = _filter_valid(np.concatenate([x, y, x * x, y * y, x * y], axis=2), g)  # the five local moments at once
+    mx, my = f[..., :c], f[..., c:2 * c]
+    sxx = f[..., 2 * c:3 * c] - mx * mx
+    syy = f[..., 3 * c:4 * c] - my * my
+    sxy = f[..., 4 * c:] - mx * my
+    mx, my = mx + ox, my + oy  # the luminance term needs the true means (float64 from here)
+    m = ((2 * mx * my + c1) * (2 * sxy + c2)) / ((mx * mx + my * my + c1) * (sxx + syy + c2))
+    return float(m.mean(dtype=np.float64))
+
+
+def load_frames(path: Path) -> np.ndarray:
+    """A video file's decoded frames (``runner.core.video.decode_mp4``), ``uint8`` (F, H, W, 3)."""
+    from runner.core.video import decode_mp4
+
+    return decode_mp4(path)
+
+
+def compare_videos(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
+    """``{psnr_db, ssim, max_abs_diff, worst_frame}`` of two ``uint8`` videos (F, H, W, 3), frame by frame:
+    ``psnr_db`` of the worst frame (dB, ``inf`` when every frame is identical), ``ssim`` of that frame,
+    ``max_abs_diff`` over all frames (0..255), ``worst_frame`` its index; or ``{error}`` when their shapes (frame
+    count, size) differ."""
+    if a.shape != b.shape:
+        return {"psnr_db": None, "ssim": None, "max_abs_diff": None, "error": f"frames {a.shape} vs {b.shape}"}
+    if np.array_equal(a, b):
+        return {"psnr_db": math.inf, "ssim": 1.0, "max_abs_diff": 0, "worst_frame": None}
+    per = [psnr(x, y) for x, y in zip(a, b)]
+    k = int(np.argmin(per))
+    return {"psnr_db": per[k], "ssim": ssim(a[k], b[k]), "worst_frame": k,
+            "max_abs_diff": int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())}
+
+
+def compare_files(a: Path, b: Path) -> Dict[str, Any]:
+    """:func:`compare_videos` of two MP4 files, :func:`compare_images` of two images."""
+    if str(a).endswith(".mp4") or str(b).endswith(".mp4"):
+        return compare_videos(load_frames(a), load_frames(b))
+    return compare_images(load_rgb(a), load_rgb(b))
+
+
+def compare_images(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
+    """``{psnr_db, ssim, max_abs_diff}`` of two uint8 images (max_abs_diff in pixel levels 0..255), or
+    ``{error}`` when their shapes differ."""
+    if a.shape != b.shape:
+        return {"psnr_db": None, "ssim": None, "max_abs_diff": None, "error": f"shape {a.shape} vs {b.shape}"}
+    if np.array_equal(a, b):
+        return {"psnr_db": math.inf, "ssim": 1.0, "max_abs_diff": 0}
+    return {"psnr_db": psnr(a, b), "ssim": ssim(a, b),
+            "max_abs_diff": int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())}
+
+
+def same_item(r: Dict[str, Any], s: Dict[str, Any]) -> bool:
+    """Two item records describe the same request (seed, prompt and generation parameters; batch size aside)."""
+    def sig(x: Dict[str, Any]) -> tuple:
+        p = {k: v for k, v in (x.get("params") or {}).items() if k != "batch_size"}
+        return x.get("seed"), x.get("prompt_sha256"), json.dumps(p, sort_keys=True)
+
+    return sig(r) == sig(s)
+
+
+def parity(ref: Job, job: Job, tolerance_db: float = PARITY_TOLERANCE_DB) -> List[Dict[str, Any]]:
+    """Per-item parity of ``job`` against ``ref`` over the reference's written items.
+
+    Returns:
+        One dict per reference item: ``key``, ``psnr_db`` (dB, ``inf`` if identical), ``ssim``, ``max_abs_diff``
+        (0..255), ``within`` (PSNR >= ``tolerance_db``) and ``note`` for items missing or not comparable (another
+        seed, prompt or size: no metric, ``within`` None).
+    """
+    out = []
+    mine = job.ok_items
+    for key, r in ref.ok_items.items():
+        row: Dict[str, Any] = {"key": key, "psnr_db": None, "ssim": None, "max_abs_diff": None, "within": None}
+        if key not in mine:
+            row.update(note="missing", within=False)
+        elif not same_item(r, mine[key]):
+            row.update(note="not comparable (seed/prompt/params differ)")
+        else:
+            m = compare_files(ref.image_path(key), job.image_path(key))
+            row.update(m)
+            row["within"] = m["psnr_db"] is not None and m["psnr_db"] >= tolerance_db
+            if m.get("error"):
+                row["note"] = m.pop("error")
+        out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Summaries of manifest sections
+
+
+def backend_summary(sel: Any) -> Optional[str]:
+    """A selected/resolved backend value as text: a name, or ``role:name`` pairs when roles differ; None if n/a."""
+    if sel is None:
+        return None
+    if isinstance(sel, dict):
+        names = {r: (v.get("backend") if isinstance(v, dict) else v) for r, v in sel.items()}
+        extras = {r: {k: x for k, x in v.items() if k != "backend" and x is not None}
+                  for r, v in sel.items() if isinstance(v, dict)}
+        extra = "".join(f" {r}[{', '.join(f'{k}={x}' for k, x in e.items())}]" for r, e in extras.items() if e)
+        uniq = set(names.values())
+        base = next(iter(uniq)) if len(uniq) == 1 else ", ".join(f"{r}:{n}" for r, n in names.items())
+        return f"{base}{extra}"
+    return str(sel)
+
+
+def backend_fields(m: Dict[str, Any]) -> Dict[str, List[Dict[str, Any]]]:
+    """field -> one entry per stage: ``{stage, requested, layer, selected, resolved, reason}`` from the manifest's
+    ``backends`` section (empty for runs refused before resolution)."""
+    out: Dict[str, List[Dict[str, Any]]] = {f: [] for f in FIELDS}
+    for stage, fields in (m.get("backends") or {}).items():
+        for f, r in (fields or {}).items():
+            out.setdefault(f, []).append({"stage": stage, "requested": r.get("requested"), "layer": r.get("layer"),
+                                          "selected": backend_summary(r.get("selected")),
+                                          "resolved": backend_summary(r.get("resolved")),
+                                          "reason": r.get("reason"), "warnings": r.get("warnings") or []})
+    return out
+
+
+def memory_summary(m: Dict[str, Any]) -> Optional[Tuple[str, str]]:
+    """``(MiB, what)``: peak device memory allocated by torch when recorded, else host peak RSS; None if neither."""
+    mem = m.get("memory") or {}
+    if mem.get("device_peak_allocated_bytes") is not None:
+        return f"{mem['device_peak_allocated_bytes'] / 2**20:,.0f} MiB", "device allocated"
+    if mem.get("host_peak_rss_bytes") is not None:
+        return f"{mem['host_peak_rss_bytes'] / 2**20:,.0f} MiB", "host RSS"
+    return None
+
+
+def device_summary(m: Dict[str, Any]) -> str:
+    """``kind: device name [sm]`` from the manifest's platform section."""
+    p = m.get("platform") or {}
+    if not p or "error" in p:
+        return "unknown"
+    name = (p.get("probes") or {}).get("device_name") or p.get("device")
+    cap = p.get("capability")
+    return f"{p.get('kind')}: {name}" + (f" {cap}" if cap else "")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# HTML
+
+CSS = """
+*{box-sizing:border-box}
+body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:24px;color:#1d2330;background:#fff}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d8dce3;padding-bottom:4px}
+h3{font-size:15px;margin:16px 0 6px}
+.meta{color:#5b6475;font-size:12.5px}
+table{border-collapse:collapse;margin:6px 0 10px;font-size:12.5px}
+th,td{border:1px solid #d8dce3;padding:4px 7px;text-align:left;vertical-align:top}
+th{background:#f2f4f7;font-weight:600;white-space:nowrap}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table.jobs{width:100%;table-layout:auto}
+table.jobs td.ovr{min-width:210px;max-width:320px;overflow-wrap:anywhere}
+.scroll{overflow-x:auto;max-width:100%}
+code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px}
+.sub{display:block;color:#5b6475;font-size:11.5px}
+.err{color:#9b1c1c;font-size:12px;overflow-wrap:anywhere;display:block}
+.badge{display:inline-block;padding:1px 7px;border-radius:9px;font-size:11.5px;font-weight:600;white-space:nowrap}
+.ok{background:#dcf3e3;color:#17602d}.bad{background:#fbe0e0;color:#9b1c1c}
+.warn{background:#fdf0d5;color:#7a4b00}.info{background:#e4ebf7;color:#1f4a8a}
+.grid{display:grid;gap:10px;align-items:start}
+.grid .cell{border:1px solid #d8dce3;border-radius:4px;padding:4px;text-align:center;font-size:11.5px;background:#fafbfc}
+.grid .head{font-weight:600;font-size:12px;text-align:center;align-self:end;overflow-wrap:anywhere}
+.grid .key{font-weight:600;font-size:12px;align-self:center;overflow-wrap:anywhere}
+.grid img{display:block;margin:0 auto 3px;max-width:100%;height:auto}
+.grid .empty{color:#8a93a3;padding:20px 0}
+details{margin:6px 0 14px}summary{cursor:pointer;font-weight:600}
+.card{border:1px solid #d8dce3;border-radius:6px;padding:8px 12px;margin:10px 0}
+svg text{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif}
+"""
+
+_OUTCOME_CLASS = {"ok": "ok", "refused": "info", "invalid": "bad", "failed_items": "bad", "evidence_mismatch": "bad",
+                  "crashed": "bad", "interrupted": "warn", "unknown": "warn"}
+_VERDICT_CLASS = {"verified": "ok", "not_collected": "warn", "mismatch": "bad"}
+_GATE_CLASS = {"pass": "ok", "fail": "bad", "unmatched": "bad", "not_run": "bad", "skipped": "info",
+               "unchecked": "warn", "none": "info"}
+
+
+def _e(x: Any) -> str:
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def _badge(text: Any, cls: str) -> str:
+    return f'<span class="badge {cls}">{_e(text)}</span>'
+
+
+def _num(x: Optional[float], fmt: str = "{:.3f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def fmt_psnr(x: Optional[float]) -> str:
+    """PSNR as text in dB (``inf`` when identical)."""
+    return "—" if x is None else ("inf" if math.isinf(x) else f"{x:.2f}")
+
+
+def _thumb(path: Path, px: int = THUMB_PX, num_frames: Optional[int] = None) -> str:
+    """A JPEG preview (longest side ``px`` pixels, quality 90) as a ``data:`` URI; of a video (``.mp4``), its
+    poster frame (``runner.core.video.poster``: the middle of ``num_frames``). Parity metrics are computed on the
+    full-size files, never on previews."""
+    from PIL import Image
+
+    if str(path).endswith(".mp4"):
+        from runner.core.video import poster
+
+        im = Image.fromarray(poster(path, num_frames))
+    else:
+        with Image.open(path) as f:
+            im = f.convert("RGB")
+    im.thumbnail((px, px))
+    buf = io.BytesIO()
+    im.save(buf, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def throughput(m: Dict[str, Any]) -> Tuple[Optional[float], str]:
+    """``(value, unit)`` of a manifest's generation throughput: ``images/s``, ``videos/s`` or ``items/s``
+    (``timing.<unit>_per_s``); ``(None, "images/s")`` when none was recorded."""
+    t = m.get("timing") or {}
+    for unit in ("images", "videos", "items"):
+        if t.get(f"{unit}_per_s") is not None:
+            return t[f"{unit}_per_s"], f"{unit}/s"
+    return None, "images/s"
+
+
+def _common_overrides(jobs: Sequence[Job]) -> List[str]:
+    lists = [j.manifest.get("overrides") or [] for j in jobs if j.manifest]
+    if not lists:
+        return []
+    return [o for o in lists[0] if all(o in lst for lst in lists[1:])]
+
+
+def _bar_chart(jobs: Sequence[Job]) -> str:
+    """Inline SVG: a horizontal bar of images/s (videos/s of video jobs) per job (jobs without throughput are
+    labelled, no bar)."""
+    label_w, bar_w, row_h, top = 150, 520, 26, 24
+    rates = [(j, *throughput(j.manifest)) for j in jobs]
+    vals = [(j, v) for j, v, _ in rates]
+    units = " · ".join(dict.fromkeys(u for _, v, u in rates if v is not None)) or "images/s"
+    vmax = max([v for _, v in vals if v] or [1.0])
+    h = top + row_h * len(vals) + 26
+    parts = [f'<svg width="{label_w + bar_w + 110}" height="{h}" role="img" '
+             f'aria-label="images per second per job">',
+             f'<text x="{label_w}" y="14" font-size="12" fill="#5b6475">{units} (generation time only: text '
+             f'encoding + denoising + VAE decode)</text>']
+    for i, (j, v, unit) in enumerate(rates):
+        y = top + i * row_h
+        parts.append(f'<text x="{label_w - 8}" y="{y + 16}" font-size="12" text-anchor="end">'
+                     f'{_e(j.label[:22])}</text>')
+        if v:
+            w = max(1.0, bar_w * v / vmax)
+            parts.append(f'<rect x="{label_w}" y="{y + 4}" width="{w:.1f}" height="{row_h - 8}" fill="#4a78c2">'
+                         f'<title>{_e(j.label)}: {v:.4g} {unit}</title></rect>')
+            parts.append(f'<text x="{label_w + w + 6:.1f}" y="{y + 16}" font-size="12">{v:.3g}</text>')
+        else:
+            parts.append(f'<text x="{label_w + 4}" y="{y + 16}" font-size="12" fill="#8a93a3">'
+                         f'{_e(j.outcome)} (no throughput)</text>')
+    axis_y = top + row_h * len(vals) + 2
+    parts.append(f'<line x1="{label_w}" y1="{top}" x2="{label_w}" y2="{axis_y}" stroke="#5b6475"/>')
+    parts.append(f'<line x1="{label_w}" y1="{axis_y}" x2="{label_w + bar_w}" y2="{axis_y}" stroke="#5b6475"/>')
+    for frac in (0, 0.5, 1):
+        x = label_w + bar_w * frac
+        parts.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" stroke="#5b6475"/>')
+        parts.append(f'<text x="{x:.1f}" y="{axis_y + 17}" font-size="11" text-anchor="middle" fill="#5b6475">'
+                     f'{vmax * frac:.3g}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
+    head = ("<tr><th>job</th><th>overrides</th><th>outcome / status</th>"
+            + "".join(f"<th>{f}</th>" for f in FIELDS)
+            + "<th>evidence</th><th>wall s</th>"
+            + "".join(f"<th>{lbl} s</th>" for _, lbl in PHASES)
+            + "<th>images/s</th><th>peak memory</th></tr>")
+    rows = []
+    for j in jobs:
+        m = j.manifest
+        ovr = [o for o in (m.get("overrides") or []) if o not in common]
+        cells = [f"<td><b>{_e(j.label)}</b></td>",
+                 '<td class="ovr mono">' + ("<br>".join(_e(o).replace("=", "=<wbr>") for o in ovr)
+                                            or "<i>(common only)</i>") + "</td>"]
+        oc = _badge(j.outcome, _OUTCOME_CLASS.get(j.outcome, "warn"))
+        st = f'<span class="sub">status: {_e(m.get("status", "—"))}</span>' + _lossy_note(m)
+        cells.append(f"<td>{oc}{st}</td>")
+        bf = backend_fields(m)
+        if not any(bf.values()) and not m.get("timing"):  # stopped before resolution: the error fills the row
+            span = len(FIELDS) + len(PHASES) + 5
+            cells.append(f'<td colspan="{span}"><span class="err">{_e(j.error or "no record")}</span></td>')
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+            continue
+        if j.error:
+            cells[-1] = f'<td>{oc}{st}<span class="err">{_e(j.error)}</span></td>'
+        for f in FIELDS:
+            entries = bf.get(f) or []
+            if not entries:
+                cells.append("<td>—</td>")
+                continue
+            txt = []
+            for en in entries:
+                stage = f"{en['stage']}: " if len(entries) > 1 else ""
+                txt.append(f"{_e(stage)}<b>{_e(en['selected'] or 'n/a')}</b>"
+                           f'<span class="sub">requested {_e(en["requested"])} · {_e(en["layer"])}</span>')
+            cells.append("<td>" + "".join(txt) + "</td>")
+        ev = m.get("evidence") or {}
+        if ev:
+            v = ev.get("verdict", "—")
+            fin = "" if ev.get("all_finite", True) else '<span class="sub">non-finite outputs</span>'
+            cells.append(f"<td>{_badge(v, _VERDICT_CLASS.get(v, 'warn'))}{fin}</td>")
+        else:
+            cells.append("<td>—</td>")
+        t = m.get("timing") or {}
+        ph = t.get("phases_s") or {}
+        cells.append(f'<td class="num">{_num(t.get("wall_s"), "{:.2f}")}</td>')
+        cells.extend(f'<td class="num">{_num(ph.get(k))}</td>' for k, _ in PHASES)
+        rate, unit = throughput(m)
+        sub = f'<span class="sub">{unit}</span>' if unit != "images/s" and rate is not None else ""
+        cells.append(f'<td class="num">{_num(rate, "{:.3f}")}{sub}</td>')
+        mem = memory_summary(m)
+        cells.append(f'<td class="num">{_e(mem[0])}<span class="sub">{_e(mem[1])}</span></td>' if mem
+                     else '<td class="num">—</td>')
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return f'<div class="scroll"><table class="jobs">{head}{"".join(rows)}</table></div>'
+
+
+def _lossy_note(m: Dict[str, Any]) -> str:
+    """A ``lossy`` badge with the lossy lanes of a job (``runner.core.lossy``), or nothing for a lossless one."""
+    if not m:
+        return ""
+    lab = lossy.of_manifest(m)
+    if not lab["lossy"]:
+        return ""
+    return f'<br>{_badge("lossy", "warn")}<span class="sub mono">{_e(", ".join(lab["lanes"]))}</span>'
+
+
+def _gate_section(jobs: Sequence[Job], gate: Optional[Dict[str, Any]]) -> str:
+    """The quality gate of the lossy jobs (``runner.tools.gate``: ``gate.json``)."""
+    lossy_jobs = [j for j in jobs if j.manifest and lossy.of_manifest(j.manifest)["lossy"]]
+    if gate is None:
+        if not lossy_jobs:
+            return "<p>No job is lossy (no step cache, FP8 linear or lossy attention): nothing to gate.</p>"
+        return ("<p>Lossy jobs: " + ", ".join(_e(j.label) for j in lossy_jobs) + ". Not gated yet: run "
+                "<code>python -m runner.gate &lt;dir&gt;</code>, then regenerate this report.</p>")
+    out = [f"<p>Each lossy job against the lossless job of the same rows: oracle accuracy per attribute must stay "
+           f"≥ {gate.get('min_ratio')}× the lossless job's; PSNR (dB) and SSIM per item via torchmetrics"
+           + (f", PSNR ≥ {gate['min_psnr_db']} dB required" if gate.get("min_psnr_db") is not None else
+              " (reported)") + f". Verdict: {_badge(gate.get('verdict'), _GATE_CLASS.get(gate.get('verdict'), 'warn'))}"
+           "</p>",
+           "<table><tr><th>lossy job</th><th>lanes</th><th>lossless job</th><th>accuracy lossy / lossless (ratio)"
+           "</th><th>min PSNR dB</th><th>min SSIM</th><th>cache hit rate</th><th>verdict</th></tr>"]
+    for e in gate.get("jobs") or []:
+        acc = e.get("accuracy") or {}
+        acc_txt = "<br>".join(f"{_e(k)}: {a['lossy']:.3g} / {a['lossless']:.3g} ({a['ratio']})" for k, a in acc.items())
+        why = "".join(f'<span class="sub">{_e(r)}</span>' for r in e.get("reasons") or [])
+        out.append(f"<tr><td><b>{_e(e.get('lossy_job'))}</b></td><td class=mono>{_e(', '.join(e.get('lanes') or []))}"
+                   f"</td><td>{_e(e.get('lossless_job') or '—')}</td><td>{acc_txt or '—'}</td>"
+                   f"<td class=num>{fmt_psnr((e.get('psnr_db') or {}).get('min'))}</td>"
+                   f"<td class=num>{_num((e.get('ssim') or {}).get('min'), '{:.4f}')}</td>"
+                   f"<td class=num>{_num(e.get('cache_hit_rate'), '{:.3f}')}</td>"
+                   f"<td>{_badge(e.get('verdict'), _GATE_CLASS.get(e.get('verdict'), 'warn'))}{why}</td></tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dict[str, Any]]],
+                    tolerance_db: float) -> str:
+    if ref is None:
+        return "<p>No job wrote images, so there is no parity reference.</p>"
+    out = [f"<p>Reference: job <b>{_e(ref.label)}</b> ({_e(' '.join(ref.manifest.get('overrides') or []))}). "
+           f"PSNR in dB (<code>inf</code>: identical pixels), SSIM of Wang et al. 2004 (11x11 Gaussian window, "
+           f"σ 1.5, per RGB channel, 1.0: identical), max |Δ| in pixel levels (0..255). Within tolerance: "
+           f"PSNR ≥ {tolerance_db:g} dB. Only items with the same seed, prompt and parameters are compared.</p>"]
+    summary = ["<tr><th>job</th><th>items compared</th><th>min PSNR dB</th><th>min SSIM</th><th>max |Δ|</th>"
+               "<th>verdict</th></tr>"]
+    detail = ["<tr><th>job</th><th>item</th><th>PSNR dB</th><th>SSIM</th><th>max |Δ|</th><th>verdict</th></tr>"]
+    for j in jobs:
+        if j is ref:
+            continue
+        rows = par.get(j.label)
+        if rows is None:
+            summary.append(f"<tr><td>{_e(j.label)}</td><td colspan=5><i>no images ({_e(j.outcome)})</i></td></tr>")
+            continue
+        done = [r for r in rows if r["psnr_db"] is not None]
+        if done:
+            mn_p = min(r["psnr_db"] for r in done)
+            mn_s = min(r["ssim"] for r in done)
+            mx_d = max(r["max_abs_diff"] for r in done)
+        missing = [r for r in rows if r.get("note") == "missing"]
+        outside = [r for r in rows if r["within"] is False and r.get("note") != "missing"]
+        verdict = "".join([_badge(f"{len(outside)} outside", "bad") if outside else "",
+                           _badge(f"{len(missing)} missing", "bad") if missing else ""]) or (
+            _badge("within", "ok") if done else _badge("not comparable", "warn"))
+        summary.append(f"<tr><td>{_e(j.label)}</td><td class=num>{len(done)} / {len(rows)}</td>"
+                       f"<td class=num>{fmt_psnr(mn_p) if done else '—'}</td>"
+                       f"<td class=num>{_num(mn_s, '{:.4f}') if done else '—'}</td>"
+                       f"<td class=num>{mx_d if done else '—'}</td><td>{verdict}</td></tr>")
+        for r in rows:
+            v = (_badge(r["note"], "warn" if r["within"] is None else "bad") if r.get("note")
+                 else _badge("within", "ok") if r["within"] else _badge("outside", "bad"))
+            detail.append(f"<tr><td>{_e(j.label)}</td><td class=mono>{_e(r['key'])}</td>"
+                          f"<td class=num>{fmt_psnr(r['psnr_db'])}</td><td class=num>{_num(r['ssim'], '{:.4f}')}</td>"
+                          f"<td class=num>{'—' if r['max_abs_diff'] is None else r['max_abs_diff']}</td>"
+                          f"<td>{v}</td></tr>")
+    out.append(f'<table class="parity-summary">{"".join(summary)}</table>')
+    if len(detail) > 1:
+        opened = " open" if len(detail) <= 61 else ""
+        out.append(f'<details{opened}><summary>Per item ({len(detail) - 1} rows)</summary>'
+                   f'<table class="parity">{"".join(detail)}</table></details>')
+    return "".join(out)
+
+
+def _image_grid(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dict[str, Any]]]) -> str:
+    with_images = [j for j in jobs if j.ok_items]
+    if not with_images:
+        return "<p>No images.</p>"
+    keys: List[str] = []
+    for j in ([ref] if ref else []) + with_images:
+        keys.extend(k for k in j.ok_items if k not in keys)
+    shown = keys[:MAX_GRID_ITEMS]
+    note = (f"<p class=meta>Showing the first {len(shown)} of {len(keys)} items.</p>" if len(keys) > len(shown)
+            else "")
+    cols = f"minmax(90px,140px) repeat({len(with_images)}, minmax(120px, {THUMB_PX + 12}px))"
+    cells = ['<div class="head"></div>']
+    cells += [f'<div class="head">{_e(j.label)}{" (reference)" if j is ref else ""}</div>' for j in with_images]
+    for k in shown:
+        cells.append(f'<div class="key mono">{_e(k)}</div>')
+        for j in with_images:
+            if k not in j.ok_items:
+                cells.append('<div class="cell empty">—</div>')
+                continue
+            cap = ""
+            if j is not ref:
+                r = next((r for r in par.get(j.label, []) if r["key"] == k), None)
+                if r and r["psnr_db"] is not None:
+                    cap = f"PSNR {fmt_psnr(r['psnr_db'])} dB · SSIM {r['ssim']:.3f}"
+            else:
+                cap = "reference"
+            rec = j.ok_items[k]
+            if is_video(rec):
+                n = rec.get("num_frames")
+                pos = f"frame {n // 2 + 1} of {n}" if n else "first frame"
+                fps = f" at {rec['fps']:g} fps" if isinstance(rec.get("fps"), (int, float)) else ""
+                cells.append(f'<div class="cell video"><img class="poster" alt="{_e(k)} / job {_e(j.label)}: poster, '
+                             f'{pos}" title="{_e(rec["file"])}: poster, {pos}{fps}" '
+                             f'src="{_thumb(j.image_path(k), num_frames=n)}">'
+                             f'<span class="sub">video · {_e(pos)}{_e(fps)}</span>{_e(cap)}</div>')
+                continue
+            cells.append(f'<div class="cell"><img alt="{_e(k)} / job {_e(j.label)}" src="{_thumb(j.image_path(k))}">'
+                         f"{_e(cap)}</div>")
+    return f'{note}<div class="grid" style="grid-template-columns:{cols}">{"".join(cells)}</div>'
+
+
+def _details(j: Job) -> str:
+    m = j.manifest
+    parts = [f'<div class="card" id="job-{_e(j.label)}"><h3>Job {_e(j.label)} '
+             f'{_badge(j.outcome, _OUTCOME_CLASS.get(j.outcome, "warn"))}</h3>',
+             f'<div class="meta mono">{_e(j.path)}</div>',
+             f'<p>overrides: <code>{_e(" ".join(m.get("overrides") or []))}</code><br>'
+             f'device: {_e(device_summary(m))} · dtype: {_e(m.get("dtype", (m.get("config") or {}).get("dtype")))}'
+             f' · model: {_e((m.get("model") or {}).get("name") or ((m.get("config") or {}).get("model") or {}).get("name"))}'
+             f' · counts: {_e(json.dumps(m.get("counts")) if m.get("counts") else "—")}</p>']
+    if j.error:
+        parts.append(f'<p class="err">{_e(j.error)}</p>')
+    rows = []
+    for f, entries in backend_fields(m).items():
+        for en in entries:
+            warn = "<br>".join(_e(w) for w in en["warnings"])
+            rows.append(f"<tr><td>{_e(en['stage'])}</td><td>{_e(f)}</td><td class=mono>{_e(en['requested'])}</td>"
+                        f"<td>{_e(en['layer'])}</td><td class=mono>{_e(en['resolved'])}</td>"
+                        f"<td class=mono><b>{_e(en['selected'] or 'n/a')}</b></td><td>{_e(en['reason'] or '')}"
+                        f"{'<br>' + warn if warn else ''}</td></tr>")
+    if rows:
+        parts.append("<table><tr><th>stage</th><th>field</th><th>requested</th><th>layer</th><th>resolved</th>"
+                     "<th>selected</th><th>reason / warnings</th></tr>" + "".join(rows) + "</table>")
+    ev = m.get("evidence") or {}
+    if ev.get("mismatches"):
+        parts.append("<p><b>evidence mismatches</b></p><ul>"
+                     + "".join(f"<li>{_e(x)}</li>" for x in ev["mismatches"]) + "</ul>")
+    failed = [r for r in j.items if r.get("status") == "failed"]
+    if failed:
+        parts.append("<p><b>failed items</b></p><ul>"
+                     + "".join(f"<li><code>{_e(r.get('key'))}</code>: {_e(r.get('reason'))}</li>" for r in failed)
+                     + "</ul>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PARITY_TOLERANCE_DB,
+           sources: Sequence[Path] = (), gate: Optional[Dict[str, Any]] = None) -> str:
+    """The report as one HTML document (no external resources); ``gate``: the quality gate's document
+    (``runner.tools.gate``), shown when given."""
+    ref = pick_reference(jobs, reference)
+    par = {j.label: parity(ref, j, tolerance_db) for j in jobs if ref is not None and j is not ref and j.ok_items}
+    common = _common_overrides(jobs)
+    counts: Dict[str, int] = {}
+    for j in jobs:
+        counts[j.outcome] = counts.get(j.outcome, 0) + 1
+    devices = sorted({device_summary(j.manifest) for j in jobs if j.manifest})
+    commits = sorted({str(((j.manifest.get("git") or {}).get("commit") or "")[:12]) for j in jobs if j.manifest} - {""})
+    title = "runner report: " + ", ".join(Path(s).name or str(s) for s in sources) if sources else "runner report"
+    body = [
+        f"<h1>{_e(title)}</h1>",
+        f'<div class="meta">generated {_e(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))} from '
+        f'{_e(", ".join(str(s) for s in sources))} · {len(jobs)} job(s): '
+        + ", ".join(f"{n} {_e(k)}" for k, n in counts.items())
+        + f" · device: {_e('; '.join(devices) or '—')} · git: {_e(', '.join(commits) or '—')}</div>",
+        f'<p class="meta">common overrides: <code>{_e(" ".join(common) or "—")}</code>. Times in seconds '
+        "(wall: the whole job incl. model load; phases: text encoding, denoising, VAE decode, writing PNGs). "
+        "Backend cells: the implementation selected, then what was requested and the precedence layer that set "
+        "it.</p>",
+        "<h2>Jobs</h2>", _jobs_table(jobs, common),
+        "<h2>Throughput</h2>", _bar_chart(jobs),
+        "<h2>Quality gate of lossy jobs</h2>", _gate_section(jobs, gate),
+        "<h2>Parity</h2>", _parity_section(jobs, ref, par, tolerance_db),
+        "<h2>Images and videos (poster frames)</h2>" if any(is_video(r) for j in jobs for r in j.ok_items.values())
+        else "<h2>Images</h2>", _image_grid(jobs, ref, par),
+        "<h2>Job details</h2>", "".join(_details(j) for j in jobs),
+    ]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")
+
+
+def write_report(dirs: List[Path], out: Path, reference: Optional[str] = None,
+                 tolerance_db: float = PARITY_TOLERANCE_DB, gate: Optional[Dict[str, Any]] = None) -> Path:
+    """Write ``out`` (a self-contained HTML file) for the jobs of ``dirs`` (sweep dirs or run dirs).
+
+    Args:
+        reference: parity reference job (dir name, label or path; an int job number works); default: the first
+            job with images.
+        tolerance_db: PSNR (dB) at or above which an item counts as within parity tolerance.
+        gate: the quality gate's document (``runner.tools.gate``); default: the ``gate.json`` of the first of ``dirs``
+            that holds one.
+
+    Returns:
+        ``out``.
+    """
+    jobs = load_jobs(dirs)
+    if gate is None:
+        found = next((Path(d) / "gate.json" for d in dirs if (Path(d) / "gate.json").is_file()), None)
+        gate = (_read_json(found) or None) if found is not None else None
+    doc = render(jobs, reference=reference, tolerance_db=tolerance_db, sources=[Path(d) for d in dirs], gate=gate)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from runner.core.artifacts import atomic_write_bytes
+
+    atomic_write_bytes(out, doc.encode("utf-8"))
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m runner.report",
+                                 description="Regenerate the HTML report of sweeps/runs from their manifests.")
+    ap.add_argument("dirs", nargs="+", type=Path, help="sweep dirs (holding job dirs) or run dirs")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output file (default: report.html in the single dir given, else ./report.html)")
+    ap.add_argument("--reference", default=None, help="parity reference job (dir name); default: first with images")
+    ap.add_argument("--tolerance-db", type=float, default=PARITY_TOLERANCE_DB,
+                    help=f"parity tolerance: PSNR >= this many dB (default {PARITY_TOLERANCE_DB:g})")
+    a = ap.parse_args(argv)
+    out = a.out or (a.dirs[0] / "report.html" if len(a.dirs) == 1 else Path("report.html"))
+    try:
+        path = write_report(a.dirs, out, reference=a.reference, tolerance_db=a.tolerance_db)
+    except RunnerError as e:
+        print(f"report: {type(e).__name__}: {e}", file=sys.stderr)
+        return e.exit_code
+    except (FileNotFoundError, KeyError) as e:
+        print(f"report: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
