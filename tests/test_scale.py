@@ -185,6 +185,15 @@ def test_ray_killed_worker_then_resume(tmp_path):
     assert p.wait(timeout=300) == 1  # the driver merges what exists and reports the incomplete run
     first = json.loads((d / "manifest.json").read_text())
     assert first["status"] == "incomplete" and first["failed_workers"] == [1]
+    # issue 29: no stale state once the run has ended; the dead worker is named with its pid and a reason
+    assert {json.loads((d / f"manifest.rank{r}.json").read_text())["status"] for r in (0, 1)} == {"completed",
+                                                                                                "crashed"}
+    w1 = first["workers"][1]
+    assert w1["status"] == "crashed" and w1["pid"] == victim and w1["reason"].startswith("ray: ")
+    assert json.loads((d / "manifest.rank1.json").read_text())["crash"]["reason"] == w1["reason"]
+    job = json.loads((d / "job_status.json").read_text())
+    assert job["exit_code"] == 1 and job["outcome"] == "crashed" and job["error_type"] == "WorkerFailed"
+    assert f"rank 1 (pid {victim}, host " in job["error"] and "items were not written" in job["error"]
     kept = {k: v for k, v in _hashes(d).items()}
     r = _runner(args, cwd=tmp_path, timeout=400)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])  # Hydra's job log goes to stdout

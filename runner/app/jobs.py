@@ -4,6 +4,9 @@ Every job dir gets ``job_status.json``: ``{exit_code, outcome, error_type, error
 
 * ``ok``: every item written, evidence verified (or not collected).
 * ``failed_items``: some items failed (non-finite or raised); the rest were written.
+* ``crashed``/``interrupted`` of a data-parallel run (Ray, torchrun) whose worker died or was stopped: ``error_type``
+  ``WorkerFailed``, ``error`` names each such worker (rank, pid, host, status, reason) and the items not written
+  (``runner.core.distributed.worker_failure``); exit 1 as before.
 * ``refused``: a documented refusal at startup: an explicitly selected backend cannot run on this platform
   (``runner.core.errors.RefusedError``: ``BackendUnavailableError``, ``AttentionWiringError``). The job dir also gets a
   ``manifest.json`` with ``status: refused``.
@@ -92,6 +95,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
             lay = None  # refused by the run's own checks, with the same message
         worker = dp.torchrun_worker(lay)
     lock = None
+    merged = None  # the merged manifest of a data-parallel run (Ray, or torchrun's rank 0)
 
     def on_exit(code: int) -> None:  # a second signal ends the process at once: its job status first
         _write_status(job_dir, code, "interrupted", {"error_type": "Interrupted",
@@ -111,16 +115,21 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
             from runner.app.ray_launcher import run_on_ray
 
-            code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg), current_inputs(cfg))
+            merged = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg), current_inputs(cfg))
+            code = dp.merged_exit_code(merged)
         elif worker is not None and worker.world_size > 1:
             code = run(cfg, out_dir, overrides=overrides, worker=worker, on_exit=on_exit)
             dp.barrier()
             if worker.rank == 0:
-                code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun",
-                                                    current_inputs(cfg), lay=worker.layout))
+                merged = dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun", current_inputs(cfg),
+                                  lay=worker.layout)
+                code = dp.merged_exit_code(merged)
         else:
             code = run(cfg, out_dir, overrides=overrides, on_exit=on_exit)
         outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
+        if merged is not None and dp.worker_failure(merged) is not None:  # a worker died: name it, not the items
+            outcome, status["error"] = dp.worker_failure(merged)
+            status["error_type"] = "WorkerFailed"
     except RunDirLockError as e:  # the dir is another run's (or unusable): write nothing into it
         log.error("%s: %s", type(e).__name__, e)
         rundir.release(lock)

@@ -27,7 +27,7 @@ import socket
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from runner.core import rundir
 from runner.core.artifacts import atomic_write_bytes, atomic_write_json
@@ -345,9 +345,75 @@ def _ended(status: Optional[str]) -> Optional[str]:
     return "crashed" if status == "running" else status
 
 
+#: The reason of a worker whose manifest still says ``running`` at the merge, after every worker ended.
+DIED_REASON = ("its process ended without a final status (killed, out of memory, or a crash before the run loop "
+               "could record one); manifest.rank{rank}.json still said running after every worker ended")
+
+
+def worker_reason(rank: int, doc: Optional[Dict[str, Any]], reasons: Optional[Dict[int, str]] = None
+                  ) -> Optional[str]:
+    """Why worker ``rank`` did not complete, for its ``workers[]`` record (None: it completed).
+
+    Args:
+        doc: its manifest (``manifest.rank<r>.json``) as read at the merge, or None when it wrote none.
+        reasons: what the launcher saw of a worker that died (Ray's exception), by rank; it comes first.
+    """
+    status = None if doc is None else _ended(doc.get("status"))
+    if status in ("completed", "completed_with_failures"):
+        return None
+    seen = (reasons or {}).get(rank)
+    if doc is None:
+        why = f"no manifest.rank{rank}.json: the worker died before its run started, or never started"
+    elif doc.get("status") == "running":
+        why = DIED_REASON.format(rank=rank)
+    else:
+        why = f"it ended {status}" + (f": {doc['error']}" if doc.get("error") else "")
+    return f"{seen}; {why}" if seen else why
+
+
+def close_dead_workers(out_dir: Path, docs: List[Optional[Dict[str, Any]]], workers: List[Dict[str, Any]]) -> None:
+    """Rewrite each worker manifest still at ``running`` when the merge runs (its process died without a final
+    status) as ``crashed``, with ``ended_at`` (the merge's time: when its end was established) and ``crash``
+    (``reason``, ``detected_by: merge``), so no rank manifest says ``running`` once the run has ended; a
+    resume reads it as it read ``running`` (``resumed_from: crashed``).
+
+    Args:
+        docs: the rank manifests as read, by rank (None: none written); updated in place.
+        workers: the merged ``workers[]`` records, by rank (their ``reason``).
+    """
+    from runner.core.manifest import now_iso
+
+    for r, doc in enumerate(docs):
+        if doc is not None and doc.get("status") == "running":
+            doc.update(status="crashed", ended_at=doc.get("ended_at") or now_iso(),
+                       crash={"reason": workers[r].get("reason"), "detected_by": "merge"})
+            atomic_write_json(out_dir / f"manifest.rank{r}.json", doc)
+
+
+def worker_failure(merged: Dict[str, Any]) -> Optional[Tuple[str, str]]:
+    """The job outcome of a merged run with a worker that did not complete: ``(outcome, error)`` for
+    ``job_status.json``, the error naming each such worker (rank, pid, host, status, reason), the items no worker
+    wrote and the fix; None when every worker completed (the items decide the outcome then). The outcome is
+    ``crashed`` when a worker died or wrote no manifest, ``interrupted`` when one was stopped by a signal, else
+    ``failed_items``."""
+    bad = [w for w in merged.get("workers") or [] if w.get("status") not in ("completed", "completed_with_failures")]
+    if not bad:
+        return None
+    names = "; ".join(f"rank {w['rank']} (pid {w.get('pid')}, host {w.get('host')}) {w.get('status')}: "
+                      f"{w.get('reason')}" for w in bad)
+    c = merged.get("counts") or {}
+    error = (f"{len(bad)} of {len(merged['workers'])} data-parallel workers did not complete: {names}; "
+             f"{c.get('missing', 0)} of {c.get('items', 0)} items were not written; fix: re-run the same command "
+             "(it resumes: only the missing items are generated)")
+    statuses = {w.get("status") for w in bad}
+    outcome = ("crashed" if statuses & {"crashed", "missing"} else
+               "interrupted" if "interrupted" in statuses else "failed_items")
+    return outcome, error
+
+
 def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str,
           current: Optional[Callable[[List[str]], Dict[str, List[str]]]] = None,
-          lay: Optional[Layout] = None) -> Dict[str, Any]:
+          lay: Optional[Layout] = None, reasons: Optional[Dict[int, str]] = None) -> Dict[str, Any]:
     """Merge the workers' journals and manifests of ``out_dir`` into ``items.jsonl`` and ``manifest.json``.
 
     Args:
@@ -357,12 +423,16 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
             output and is left out (the same rule as a resume's, ``runner.core.resume``). None: every ok record counts.
         lay: the context-parallel layout (None: ``parallelism=data``): counts and throughput come from the writing
             ranks; ``parallelism`` gets the mesh, the degrees and every rank's role.
+        reasons: what the launcher saw of each worker that died, by rank (Ray's exception text), added to its
+            ``reason``.
 
     Returns:
         The merged manifest. Its ``status`` is ``completed`` only when every worker completed; ``workers`` lists
-        each rank's host, device, shard size, status, counts, evidence verdict, timing, memory, and the status
+        each rank's host, device, pid, shard size, status, counts, evidence verdict, timing, memory, the status
         its previous attempt ended with (``resumed_from``: a worker that died shows ``crashed`` there; a worker
-        manifest still at ``running`` when the merge runs, after every worker ended, is ``crashed`` too).
+        manifest still at ``running`` when the merge runs, after every worker ended, is ``crashed`` too, and is
+        rewritten so: :func:`close_dead_workers`) and, for a worker that did not complete, ``reason``
+        (:func:`worker_reason`).
         ``timing.images_per_hour`` is every worker's ok images over the slowest worker's generation loop.
     """
     # merged after every worker ended: a worker manifest still at ``running`` is one whose process died
@@ -388,20 +458,23 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     workers = []
     for r, doc in enumerate(docs):
         if doc is None:
-            workers.append({"rank": r, "status": "missing"})
+            workers.append({"rank": r, "status": "missing", "reason": worker_reason(r, None, reasons)})
             continue
         w = doc.get("worker", {})
         role = {"role": w["role"]} if "role" in w else {}
         workers.append({"rank": r, **role, "host": w.get("host"), "device": doc.get("platform", {}).get("device"),
                         "device_name": doc.get("platform", {}).get("probes", {}).get("device_name"),
-                        "pid": doc.get("evidence", {}).get("pid"), "shard_items": w.get("shard_items"),
+                        "pid": doc.get("evidence", {}).get("pid") or w.get("pid"),  # a dead one has no evidence
+                        "shard_items": w.get("shard_items"),
                         "status": _ended(doc.get("status")),
                         "counts": doc.get("counts"),
                         "evidence_verdict": doc.get("evidence", {}).get("verdict"),
                         "resumed_from": _ended((doc.get("resumed_from") or {}).get("status")),
                         "timing": {k: doc.get("timing", {}).get(k) for k in ("wall_s", "load_s", "warmup_s", "loop_s",
                                                                              "images_per_hour")},
-                        "memory": doc.get("memory")})
+                        "memory": doc.get("memory"),
+                        **({"reason": worker_reason(r, doc, reasons)} if worker_reason(r, doc, reasons) else {})})
+    close_dead_workers(out_dir, docs, workers)
     base = next((d for d in docs if d is not None), {})
     merged = dict(base)
     merged.pop("worker", None)
