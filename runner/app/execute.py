@@ -689,7 +689,9 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     model_doc = {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": sources[final.stage]}
     manifest.section("model", model_doc)
     manifest.section("backends", backends_doc)
-    manifest.section("lossy", lossy.section(backends_doc, resolved_cfg))  # lanes that change results by design
+    cache = getattr(final, "cache_settings", None)  # models.cache.CacheSettings (diffusion engines)
+    manifest.section("lossy", lossy.section(backends_doc, resolved_cfg,  # lanes that change results by design
+                                            cache.schedule if cache is not None else None))
     if upstream:
         manifest.section("pipeline", {"stages": [s.name for s in specs], "feeds": {
             specs[0].name: {"input": "dataset prompt", "output": f"{specs[0].name}.jsonl"},
