@@ -467,3 +467,24 @@ def test_ray_reason_is_one_line_of_rays_message():
     assert ray_reason(ValueError()) == "ray: ValueError"
     long = ray_reason(RuntimeError("x" * 1000))
     assert len(long) == 300 and long.endswith("...")
+
+
+def test_torchrun_exit_line_only_on_rank_0_of_several(tmp_path, monkeypatch):
+    """The line is rank 0's alone (every rank checks the same config), and only under torchrun with 2+ ranks."""
+    from runner.core.errors import RefusedError
+
+    e = RefusedError("backend.attention=X cannot run here.")
+    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert dist.torchrun_exit_line(2, "refused", e, tmp_path) is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert dist.torchrun_exit_line(2, "refused", e, tmp_path) is None
+    monkeypatch.setenv("RANK", "0")
+    line = dist.torchrun_exit_line(2, "refused", e, tmp_path)
+    assert line.startswith("runner: exit 2 (refused) on every rank: RefusedError: backend.attention=X cannot run "
+                           "here; torchrun reports this as its own exit 1") and "\n" not in line
+    assert line.endswith(f"the runner's exit code is 2, recorded in {tmp_path / 'job_status.json'}")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert dist.torchrun_exit_line(2, "refused", e, tmp_path) is None

@@ -154,6 +154,23 @@ def test_parallel_modes_refused_without_what_they_need(tmp_path, mode, says):
     assert not (tmp_path / "r" / "images").exists()
 
 
+def test_torchrun_refusal_prints_the_runners_exit_code_once(tmp_path):
+    """Issue 29: a refusal is exit 2 on each rank, but torchrun exits 1 with its ChildFailedError traceback. Rank 0
+    prints one line naming the runner's exit code and the refusal; job_status.json records exit 2."""
+    d = tmp_path / "tr"
+    r = _runner(["parallelism=data", "backend.attention=FLASH_ATTN", f"hydra.run.dir={d}"], cwd=tmp_path, torchrun=2)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]  # torchrun's own code, whatever the ranks' (documented)
+    lines = [x for x in out.splitlines() if x.startswith("runner: exit ")]
+    assert len(lines) == 1, out[-3000:]
+    assert lines[0].startswith("runner: exit 2 (refused) on every rank: BackendUnavailableError: "
+                               "backend.attention=FLASH_ATTN cannot run here")
+    assert "the runner's exit code is 2" in lines[0] and str(d / "job_status.json") in lines[0]
+    job = json.loads((d / "job_status.json").read_text())
+    assert (job["exit_code"], job["outcome"], job["error_type"]) == (2, "refused", "BackendUnavailableError")
+    assert not (d / "images").exists()
+
+
 def test_data_parallel_without_workers_refuses(tmp_path):
     r = _runner(["parallelism=data", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
     assert r.returncode == 2

@@ -141,6 +141,9 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     except RunnerError as e:  # a user mistake, a refusal or contradicting evidence: its message, no traceback
         log.error("%s: %s", type(e).__name__, e)
         outcome, code = e.outcome, e.exit_code
+        line = dp.torchrun_exit_line(code, outcome, e, job_dir)  # torchrun's own exit 1 hides this code
+        if line:
+            print(line, file=sys.stderr, flush=True)
         status.update(error_type=type(e).__name__, error=str(e))
         if outcome in STARTUP_OUTCOMES:
             try:

@@ -200,6 +200,20 @@ def torchrun_worker(lay: Optional[Layout] = None) -> Optional[Worker]:
     return None
 
 
+def torchrun_exit_line(code: int, outcome: str, error: BaseException, job_dir: Path) -> Optional[str]:
+    """The one line rank 0 prints under torchrun when the run stops on a runner error: torchrun exits 1 and prints
+    its own ``ChildFailedError`` traceback whatever a rank's exit code (2 for a refusal or bad input, 3 for
+    contradicting evidence), so the line names the runner's exit code, the outcome and the error, and where it is
+    recorded. None outside torchrun, on a rank other than 0 (every rank checks the same config and would say the
+    same) and with one rank."""
+    w = torchrun_worker()
+    if w is None or w.world_size < 2 or w.rank != 0:
+        return None
+    return (f"runner: exit {code} ({outcome}) on every rank: {type(error).__name__}: {str(error).rstrip('.')}; "
+            f"torchrun reports this as its own exit 1 with a ChildFailedError traceback: the runner's exit code is {code}, recorded "
+            f"in {Path(job_dir) / 'job_status.json'}")
+
+
 def _control_group() -> None:
     """The default process group: gloo for CPU tensors (control messages, CPU context parallelism) and, where CUDA
     is available, NCCL for CUDA tensors (the all-to-all / all-gather of context parallelism on GPUs; NCCL only
