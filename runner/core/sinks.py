@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 from runner.core.artifacts import ArtifactWriter, Journal, atomic_write_bytes, encode_png
 from runner.core.dataset import file_sha256
+from runner.core.errors import RunnerError
 
 
 def read_journal(path: Path) -> List[Dict[str, Any]]:
@@ -143,10 +144,10 @@ def write_folder_metadata(out_dir: Path, records: Sequence[Dict[str, Any]], mode
     return written
 
 
-class ArtifactMismatchError(ValueError):
+class ArtifactMismatchError(RunnerError, ValueError):
     """The written artifact disagrees with its record: its width, height or frame count is not the record's
-    ``params`` value (an engine whose pipeline changed the size it was asked for). The item fails with this as its
-    reason and no file is left under the artifact's name."""
+    ``params`` value (an engine whose pipeline changed the size it was asked for). Never ends a run: the item fails
+    alone with this as its ``reason`` (``status: failed``) and no file is left under the artifact's name."""
 
 
 #: artifact dimension -> the record ``params`` key it must equal (every sink, every engine).
