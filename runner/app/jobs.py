@@ -28,7 +28,7 @@ import logging
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -126,10 +126,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
                 code = dp.merged_exit_code(merged)
         else:
             code = run(cfg, out_dir, overrides=overrides, on_exit=on_exit)
-        outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
-        if merged is not None and dp.worker_failure(merged) is not None:  # a worker died: name it, not the items
-            outcome, status["error"] = dp.worker_failure(merged)
-            status["error_type"] = "WorkerFailed"
+        outcome = _outcome(code, merged, status)
     except RunDirLockError as e:  # the dir is another run's (or unusable): write nothing into it
         log.error("%s: %s", type(e).__name__, e)
         rundir.release(lock)
@@ -141,9 +138,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     except RunnerError as e:  # a user mistake, a refusal or contradicting evidence: its message, no traceback
         log.error("%s: %s", type(e).__name__, e)
         outcome, code = e.outcome, e.exit_code
-        line = dp.torchrun_exit_line(code, outcome, e, job_dir)  # torchrun's own exit 1 hides this code
-        if line:
-            print(line, file=sys.stderr, flush=True)
+        _torchrun_note(code, outcome, e, job_dir)  # torchrun's own exit 1 hides this code: one line names it
         status.update(error_type=type(e).__name__, error=str(e))
         if outcome in STARTUP_OUTCOMES:
             try:
@@ -167,6 +162,28 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         _track(cfg, out_dir, code)
     rundir.release(lock)
     return code
+
+
+def _outcome(code: int, merged: Optional[Dict[str, Any]], status: Dict[str, Any]) -> str:
+    """The outcome of a run that returned ``code``; a merged data-parallel run (``merged``) whose worker did not
+    complete is named by that worker (``runner.core.distributed.worker_failure``: ``status`` gets ``error_type``
+    ``WorkerFailed`` and the error), not by its items."""
+    from runner.core import distributed as dp
+
+    failure = dp.worker_failure(merged) if merged is not None else None
+    if failure is None:
+        return "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
+    status.update(error_type="WorkerFailed", error=failure[1])
+    return failure[0]
+
+
+def _torchrun_note(code: int, outcome: str, e: BaseException, job_dir: Path) -> None:
+    """Print ``runner.core.distributed.torchrun_exit_line`` to stderr (rank 0 under torchrun only)."""
+    from runner.core import distributed as dp
+
+    line = dp.torchrun_exit_line(code, outcome, e, job_dir)
+    if line:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _track(cfg: DictConfig, out_dir: Path, code: int) -> None:

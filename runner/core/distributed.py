@@ -404,6 +404,27 @@ def close_dead_workers(out_dir: Path, docs: List[Optional[Dict[str, Any]]], work
             atomic_write_json(out_dir / f"manifest.rank{r}.json", doc)
 
 
+def worker_entry(rank: int, doc: Optional[Dict[str, Any]], reasons: Optional[Dict[int, str]] = None
+                 ) -> Dict[str, Any]:
+    """One ``workers[]`` record of the merged manifest (see :func:`merge`) from worker ``rank``'s manifest ``doc``
+    as read (None: it wrote none: ``status: missing``); ``reason`` for a worker that did not complete
+    (:func:`worker_reason`)."""
+    why = worker_reason(rank, doc, reasons)
+    if doc is None:
+        return {"rank": rank, "status": "missing", "reason": why}
+    w = doc.get("worker", {})
+    role = {"role": w["role"]} if "role" in w else {}
+    return {"rank": rank, **role, "host": w.get("host"), "device": doc.get("platform", {}).get("device"),
+            "device_name": doc.get("platform", {}).get("probes", {}).get("device_name"),
+            "pid": doc.get("evidence", {}).get("pid") or w.get("pid"),  # a dead worker wrote no evidence
+            "shard_items": w.get("shard_items"), "status": _ended(doc.get("status")), "counts": doc.get("counts"),
+            "evidence_verdict": doc.get("evidence", {}).get("verdict"),
+            "resumed_from": _ended((doc.get("resumed_from") or {}).get("status")),
+            "timing": {k: doc.get("timing", {}).get(k) for k in ("wall_s", "load_s", "warmup_s", "loop_s",
+                                                                 "images_per_hour")},
+            "memory": doc.get("memory"), **({"reason": why} if why else {})}
+
+
 def worker_failure(merged: Dict[str, Any]) -> Optional[Tuple[str, str]]:
     """The job outcome of a merged run with a worker that did not complete: ``(outcome, error)`` for
     ``job_status.json``, the error naming each such worker (rank, pid, host, status, reason), the items no worker
@@ -469,25 +490,7 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
                     latest[rec["key"]] = rec
     lines = [json.dumps(latest[k]) + "\n" for k in keys_in_order if k in latest]
     atomic_write_bytes(out_dir / "items.jsonl", "".join(lines).encode())
-    workers = []
-    for r, doc in enumerate(docs):
-        if doc is None:
-            workers.append({"rank": r, "status": "missing", "reason": worker_reason(r, None, reasons)})
-            continue
-        w = doc.get("worker", {})
-        role = {"role": w["role"]} if "role" in w else {}
-        workers.append({"rank": r, **role, "host": w.get("host"), "device": doc.get("platform", {}).get("device"),
-                        "device_name": doc.get("platform", {}).get("probes", {}).get("device_name"),
-                        "pid": doc.get("evidence", {}).get("pid") or w.get("pid"),  # a dead one has no evidence
-                        "shard_items": w.get("shard_items"),
-                        "status": _ended(doc.get("status")),
-                        "counts": doc.get("counts"),
-                        "evidence_verdict": doc.get("evidence", {}).get("verdict"),
-                        "resumed_from": _ended((doc.get("resumed_from") or {}).get("status")),
-                        "timing": {k: doc.get("timing", {}).get(k) for k in ("wall_s", "load_s", "warmup_s", "loop_s",
-                                                                             "images_per_hour")},
-                        "memory": doc.get("memory"),
-                        **({"reason": worker_reason(r, doc, reasons)} if worker_reason(r, doc, reasons) else {})})
+    workers = [worker_entry(r, doc, reasons) for r, doc in enumerate(docs)]
     close_dead_workers(out_dir, docs, workers)
     base = next((d for d in docs if d is not None), {})
     merged = dict(base)
