@@ -71,8 +71,11 @@ if __name__ == "__main__":
         print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     from runner.app.console import override_key_problem
+    from runner.tools.sweep import sweep_override_problem
 
-    problem = override_key_problem(sys.argv[1:])  # `batchsize=4`: did you mean batch_size (not Hydra's "+batchsize")
+    # `-m model=a,b key.only.a.has=x`: why, and what works (not Hydra's "+key", which fails too)
+    problem = sweep_override_problem(sys.argv[1:])
+    problem = problem or override_key_problem(sys.argv[1:])  # `batchsize=4`: did you mean batch_size (not "+batchsize")
     if problem:
         print(f"runner: {problem}", file=sys.stderr)
         sys.exit(2)

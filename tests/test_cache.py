@@ -50,7 +50,8 @@ def test_each_method_records_observed_reuse(tmp_path, method):
     assert all(lay["ok"] for lay in layers)
     if method in ("taylorseer", "pab"):
         assert all(lay["calls"] < 32 for lay in layers), layers
-    assert m["lossy"] == {"lossy": True, "lanes": [f"cache={method}"]}
+    assert m["lossy"] == {"lossy": True, "lanes": [f"cache={method}"],  # an adaptive cache depends on its batch
+                          "batch_dependent": [f"cache={method}"] if sec["schedule"] == "adaptive" else []}
     assert m["cache"]["method"] == method and m["cache"]["lossy"] is True
 
 
@@ -59,7 +60,7 @@ def test_no_cache_keeps_records_identity_and_label(tmp_path):
 
     r = _run(tmp_path / "plain", [], limit=1)
     assert r.code == 0 and "cache" not in r.items[0] and "cache" not in r.manifest["evidence"]["stages"]["denoise"]
-    assert r.manifest["lossy"] == {"lossy": False, "lanes": []}
+    assert r.manifest["lossy"] == {"lossy": False, "lanes": [], "batch_dependent": []}
     cfg = r.manifest["config"]
     assert "cache" not in r.manifest["identity"]["config"]  # identities of runs without a cache are unchanged
     old = {k: v for k, v in cfg.items() if k != "cache"}  # a manifest written before the section existed
@@ -188,7 +189,7 @@ def test_gate_passes_a_working_cache_and_fails_a_stale_one(gate_runs, capsys):
 
     root, runs = gate_runs
     stale = runs["stale"].manifest
-    assert stale["lossy"] == {"lossy": True, "lanes": ["cache=stale"]}
+    assert stale["lossy"] == {"lossy": True, "lanes": ["cache=stale"], "batch_dependent": []}  # a fixed schedule
     assert stale["evidence"]["verdict"] == "verified"  # it ran as configured: only the oracle can tell
     assert stale["evidence"]["stages"]["denoise"]["cache"]["forwards_reused"] == ROWS * 16 - 1
 
@@ -245,6 +246,77 @@ def test_report_labels_lossy_jobs_and_shows_the_gate(gate_runs, tmp_path):
     assert html.count(">lossy<") == 2  # the two cached jobs carry the label, the lossless one does not
     gate_html = html[html.index("Quality gate of lossy jobs"):html.index("<h2>Parity")]
     assert ">fail<" in gate_html and ">pass<" in gate_html
+
+
+@pytest.fixture(scope="module")
+def batch_runs(tmp_path_factory):
+    """toy_shapes at batch 1 and 4, lossless and with the adaptive first_block cache; taylorseer (fixed) at 4."""
+    root = tmp_path_factory.mktemp("batch")
+    runs = {name: _run(root / name, ov) for name, ov in (
+        ("lossless_b1", ["batch_size=1"]), ("lossless_b4", ["batch_size=4"]),
+        ("first_block_b1", ["batch_size=1", *METHODS["first_block"]]),
+        ("first_block_b4", ["batch_size=4", *METHODS["first_block"]]),
+        ("taylorseer_b4", ["batch_size=4", *METHODS["taylorseer"]]))}
+    assert all(r.code == 0 for r in runs.values()), {k: r.manifest.get("evidence") for k, r in runs.items()}
+    return root, runs
+
+
+def _max_diff(a, b) -> int:
+    import numpy as np
+    from PIL import Image
+
+    return max(int(np.abs(np.asarray(Image.open(x), np.int16) - np.asarray(Image.open(y), np.int16)).max())
+               for x, y in zip(sorted((a / "images").glob("*.png")), sorted((b / "images").glob("*.png"))))
+
+
+def test_an_adaptive_cache_is_a_batch_dependent_lane_and_is_gated_at_its_batch_size(batch_runs):
+    """Issue 29: an adaptive step cache decides per pipeline call from the whole batch, so an image depends on its
+    batch peers (first_block at batch 1 vs 4 differs by far more than the lossless pair, which differs by at most
+    one level). The manifest's ``lossy.batch_dependent`` says so (a fixed schedule is not), and the gate compares
+    such a job only with the lossless job of its batch size: unmatched without one, naming the sizes; a fixed lane
+    falls back to another batch size with a note."""
+    from runner.tools import gate
+    from runner.tools.report import load_jobs
+
+    root, runs = batch_runs
+    d = {k: r.run_dir for k, r in runs.items()}
+    assert _max_diff(d["lossless_b1"], d["lossless_b4"]) <= 1
+    assert _max_diff(d["first_block_b1"], d["first_block_b4"]) > 1  # the peers change the cache's decisions
+    assert runs["first_block_b4"].manifest["lossy"]["batch_dependent"] == ["cache=first_block"]
+    assert runs["taylorseer_b4"].manifest["lossy"]["batch_dependent"] == []
+    assert runs["lossless_b4"].manifest["lossy"] == {"lossy": False, "lanes": [], "batch_dependent": []}
+
+    doc = gate.evaluate(load_jobs([d["lossless_b1"], d["first_block_b4"], d["taylorseer_b4"]]))
+    by = {e["lossy_job"]: e for e in doc["jobs"]}
+    assert by["first_block_b4"]["verdict"] == "unmatched" and doc["exit_code"] == 1
+    why = by["first_block_b4"]["reasons"][0]
+    assert "cache=first_block makes each item depend on its batch peers" in why
+    assert "batch_size=4" in why and "batch_size=1" in why
+    ts = by["taylorseer_b4"]
+    assert ts["lossless_job"] == "lossless_b1" and ts["batch_size"] == {"lossy": 4, "lossless": 1}
+    assert "no lossless job of the same rows at batch_size=4" in ts["note"]
+
+    # with a lossless job of each batch size, each lossy job gets the one of its own, whatever the order
+    doc = gate.evaluate(load_jobs([d["lossless_b1"], d["lossless_b4"], d["first_block_b4"], d["first_block_b1"]]))
+    by = {e["lossy_job"]: e for e in doc["jobs"]}
+    assert by["first_block_b4"]["lossless_job"] == "lossless_b4" and "note" not in by["first_block_b4"]
+    assert by["first_block_b1"]["lossless_job"] == "lossless_b1"
+    assert by["first_block_b4"]["batch_size"] == {"lossy": 4, "lossless": 4}
+
+
+def test_batch_dependence_of_an_older_manifest_is_read_from_its_evidence():
+    """A manifest whose ``lossy`` section predates ``batch_dependent`` gets it from the schedule its evidence
+    (or config) records."""
+    from runner.core.lossy import of_manifest
+
+    old = {"lossy": {"lossy": True, "lanes": ["cache=first_block"]}, "config": {"cache": {"method": "first_block"}},
+           "evidence": {"stages": {"denoise": {"cache": {"method": "first_block", "schedule": "adaptive"}}}}}
+    assert of_manifest(old)["batch_dependent"] == ["cache=first_block"]
+    old["evidence"]["stages"]["denoise"]["cache"]["schedule"] = "fixed"
+    assert of_manifest(old)["batch_dependent"] == []
+    assert of_manifest({"config": {"cache": {"method": "magcache", "schedule": "adaptive"}}})["batch_dependent"] == [
+        "cache=magcache"]
+    assert of_manifest({"lossy": {"lossy": True, "lanes": ["x"], "batch_dependent": ["x"]}})["batch_dependent"] == ["x"]
 
 
 def test_lossy_lanes_of_backends():

@@ -83,3 +83,43 @@ def test_subprocesses_import_the_checkout_under_test(tmp_path, subprocess_env):
         for f in json.loads(p.stdout):
             assert Path(f).resolve().is_relative_to(repo), f"{f} is not from {repo}"
     assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(repo)
+
+
+SWEEP_ONE_MODEL_KEY = ["-m", "model=prompt_expand_flux,tiny_flux", "model.stages.expand.backend.attention=TORCH_SDPA"]
+
+
+def test_sweep_setting_a_key_only_one_model_has_says_why_and_what_works(tmp_path, subprocess_env):
+    """Issue 29: ``-m model=prompt_expand_flux,tiny_flux model.stages.expand.backend.attention=...`` got Hydra's
+    "Could not override" (tiny_flux has no ``model.stages.expand``), and its suggested ``+`` fix fails in the
+    prompt_expand_flux job. Both forms get one runner line (exit 2, no job run) naming the key, the models with and
+    without it, and what works; the fix it names (an experiment preset per model) composes."""
+    for arg in (SWEEP_ONE_MODEL_KEY[2], "+" + SWEEP_ONE_MODEL_KEY[2]):
+        p = _runner([*SWEEP_ONE_MODEL_KEY[:2], arg, f"hydra.sweep.dir={tmp_path / 'sw'}"], tmp_path, subprocess_env)
+        out = p.stdout + p.stderr
+        assert p.returncode == 2, out[-2000:]
+        assert "Could not override" not in out and "Traceback" not in out and "Error merging" not in out
+        line = next(x for x in out.splitlines() if x.startswith("runner: "))
+        assert "exists only in model=prompt_expand_flux (model=tiny_flux has no model.stages.expand)" in line
+        assert "fix: one sweep per model" in line and "-m experiment=" in line
+        assert not (tmp_path / "sw").exists()
+    conf = tmp_path / "conf" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "expand_sdpa.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: prompt_expand_flux\n"
+                                           "model:\n  stages:\n    expand:\n      backend:\n"
+                                           "        attention: TORCH_SDPA\n")
+    p = _runner(["experiment=expand_sdpa", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "--cfg", "job"],
+                tmp_path, subprocess_env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert yaml.safe_load(p.stdout)["model"]["stages"]["expand"]["backend"]["attention"] == "TORCH_SDPA"
+
+
+def test_sweep_override_problem_leaves_other_command_lines_alone():
+    """No message for a single run, a key every swept option has, a key no option has (the typo check's), or a
+    sweep over one model."""
+    from runner.tools.sweep import sweep_override_problem
+
+    assert sweep_override_problem(SWEEP_ONE_MODEL_KEY[1:]) is None  # not a multirun
+    assert sweep_override_problem(["-m", "model=tiny_flux,tiny_sd3", "seed=3", "model.generation.width=64"]) is None
+    assert sweep_override_problem(["-m", "model=tiny_flux,tiny_sd3", "model.nothere=1"]) is None
+    assert sweep_override_problem(["-m", "model=prompt_expand_flux", SWEEP_ONE_MODEL_KEY[2]]) is None
+    assert "exists only in model=prompt_expand_flux" in sweep_override_problem(SWEEP_ONE_MODEL_KEY)

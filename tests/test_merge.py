@@ -145,7 +145,8 @@ def test_timing_without_loops(tmp_path):
 def test_a_worker_without_manifest(tmp_path):
     _worker(tmp_path, 0, [ok("a"), ok("c"), ok("e")])
     m = dist.merge(tmp_path, 2, KEYS, "torchrun")
-    assert m["workers"][1] == {"rank": 1, "status": "missing"}
+    assert m["workers"][1] == {"rank": 1, "status": "missing", "reason": "no manifest.rank1.json: the worker died "
+                                                                   "before its run started, or never started"}
     assert m["status"] == "incomplete" and m["failed_workers"] == [1]
     assert m["counts"]["missing"] == 2 and m["counts"]["ok"] == 3
     assert m["evidence"]["verdict"] == "mismatch" and m["evidence"]["mismatches"] == ["rank 1: no manifest"]
@@ -160,12 +161,60 @@ def test_a_worker_that_died_running_is_crashed(tmp_path):
     assert m["status"] == "incomplete" and m["failed_workers"] == [1]
 
 
+def test_a_dead_workers_manifest_is_closed_and_it_is_named_with_its_pid_and_reason(tmp_path):
+    """Issue 29 (a dead worker leaves stale state): rank 1 killed mid-run (its manifest at ``running``, no evidence
+    section, so no pid there) and Ray's account of it. The merge names it with the pid its ``worker`` section holds
+    and a reason, rewrites ``manifest.rank1.json`` as ``crashed`` (no rank manifest says running once the run has
+    ended), leaves a completed rank's manifest as it was, and the job outcome names the dead worker, not items."""
+    _worker(tmp_path, 0, [ok("a"), ok("c"), ok("e")])
+    _worker(tmp_path, 1, [ok("b")], status="running", verdict=None,
+            worker={"rank": 1, "host": "host1", "shard_items": 2, "pid": 4242})
+    rank0 = (tmp_path / "manifest.rank0.json").read_text()
+    m = dist.merge(tmp_path, 2, KEYS, "ray", reasons={1: "ray: WorkerCrashedError: The worker died unexpectedly"})
+    w1 = m["workers"][1]
+    assert w1["status"] == "crashed" and w1["pid"] == 4242 and m["workers"][0]["pid"] == 100
+    assert w1["reason"].startswith("ray: WorkerCrashedError: The worker died unexpectedly; its process ended "
+                                   "without a final status")
+    assert "manifest.rank1.json still said running" in w1["reason"]
+    assert "reason" not in m["workers"][0]
+    doc = json.loads((tmp_path / "manifest.rank1.json").read_text())
+    assert doc["status"] == "crashed" and doc["ended_at"] and doc["crash"] == {"reason": w1["reason"],
+                                                                              "detected_by": "merge"}
+    assert doc["counts"] == {"ok": 1, "failed": 0, "reused": 0}  # the rest of what it recorded is kept
+    assert (tmp_path / "manifest.rank0.json").read_text() == rank0
+    outcome, error = dist.worker_failure(m)
+    assert outcome == "crashed"
+    assert error.startswith("1 of 2 data-parallel workers did not complete: rank 1 (pid 4242, host host1) "
+                            "crashed: ray: WorkerCrashedError")
+    assert "1 of 5 items were not written" in error and "fix: re-run the same command" in error
+    again = dist.merge(tmp_path, 2, KEYS, "ray")  # a merge of the closed manifest: still crashed, same reason
+    assert again["workers"][1]["status"] == "crashed" and again["workers"][1]["reason"] == "it ended crashed"
+
+
+def test_worker_failure_outcomes():
+    """Every worker completed: no worker failure (the items decide); a stopped one is ``interrupted``; one with
+    no manifest ``crashed``."""
+    done = {"rank": 0, "status": "completed_with_failures"}
+    assert dist.worker_failure({"workers": [done, {"rank": 1, "status": "completed"}]}) is None
+    assert dist.worker_failure({"workers": []}) is None
+    stopped = {"workers": [done, {"rank": 1, "status": "interrupted", "reason": "it ended interrupted"}],
+               "counts": {"missing": 2, "items": 5}}
+    assert dist.worker_failure(stopped)[0] == "interrupted"
+    assert "rank 1 (pid None, host None) interrupted: it ended interrupted" in dist.worker_failure(stopped)[1]
+    gone = {"workers": [done, {"rank": 1, "status": "missing", "reason": "x"}], "counts": {}}
+    assert dist.worker_failure(gone)[0] == "crashed"
+    failed = {"workers": [{"rank": 0, "status": "failed"}], "counts": {}}
+    assert dist.worker_failure(failed)[0] == "failed_items"
+
+
 @pytest.mark.parametrize("status", ["interrupted", "failed", "storage_error"])
 def test_a_worker_that_did_not_complete(tmp_path, status):
     _two_workers(tmp_path, status=status)
     m = dist.merge(tmp_path, 2, KEYS, "torchrun")
     assert m["status"] == "incomplete" and m["failed_workers"] == [1]
     assert m["workers"][1]["status"] == status
+    assert m["workers"][1]["reason"] == f"it ended {status}"
+    assert json.loads((tmp_path / "manifest.rank1.json").read_text())["status"] == status  # not rewritten
 
 
 def test_failed_items_make_completed_with_failures(tmp_path):
@@ -332,7 +381,7 @@ def test_a_worker_manifest_with_almost_nothing(tmp_path):
                                "resumed_from": None,
                                "timing": {"wall_s": None, "load_s": None, "warmup_s": None, "loop_s": None,
                                           "images_per_hour": None},
-                               "memory": None}
+                               "memory": None, "reason": "it ended crashed"}
     assert m["status"] == "incomplete" and m["failed_workers"] == [1]
     assert m["timing"]["loop_s"] == 10.0 and m["timing"]["images_per_hour"] == 1080.0
 
@@ -355,7 +404,9 @@ def test_no_manifest_at_all(tmp_path):
     (tmp_path / "images").mkdir()
     m = dist.merge(tmp_path, 2, KEYS, "torchrun")
     assert m["status"] == "incomplete" and m["counts"]["missing"] == 5
-    assert m["workers"] == [{"rank": 0, "status": "missing"}, {"rank": 1, "status": "missing"}]
+    assert [{k: w[k] for k in ("rank", "status")} for w in m["workers"]] == [{"rank": 0, "status": "missing"},
+                                                                             {"rank": 1, "status": "missing"}]
+    assert all("no manifest.rank" in w["reason"] for w in m["workers"])
     assert m["evidence"]["mismatches"] == ["rank 0: no manifest", "rank 1: no manifest"]
     assert read_journal(tmp_path / "items.jsonl") == []
 
@@ -405,3 +456,35 @@ def test_merged_exit_code_logs_what_is_missing(caplog):
     with caplog.at_level(logging.ERROR, logger="runner"):
         assert dist.merged_exit_code({"status": "incomplete", "failed_workers": [1, 3], "counts": {"missing": 4}}) == 1
     assert caplog.messages == ["data-parallel run incomplete: workers not completed: [1, 3]; missing items: 4"]
+
+
+def test_ray_reason_is_one_line_of_rays_message():
+    """Ray's exception text (many lines of actor and node ids) becomes one bounded line of the worker's reason."""
+    from runner.app.ray_launcher import ray_reason
+
+    e = RuntimeError("\nThe worker died unexpectedly while executing this task.\n\tworker_id: abc\n\tnode_id: def")
+    assert ray_reason(e) == "ray: RuntimeError: The worker died unexpectedly while executing this task."
+    assert ray_reason(ValueError()) == "ray: ValueError"
+    long = ray_reason(RuntimeError("x" * 1000))
+    assert len(long) == 300 and long.endswith("...")
+
+
+def test_torchrun_exit_line_only_on_rank_0_of_several(tmp_path, monkeypatch):
+    """The line is rank 0's alone (every rank checks the same config), and only under torchrun with 2+ ranks."""
+    from runner.core.errors import RefusedError
+
+    e = RefusedError("backend.attention=X cannot run here.")
+    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert dist.torchrun_exit_line(2, "refused", e, tmp_path) is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert dist.torchrun_exit_line(2, "refused", e, tmp_path) is None
+    monkeypatch.setenv("RANK", "0")
+    line = dist.torchrun_exit_line(2, "refused", e, tmp_path)
+    assert line.startswith("runner: exit 2 (refused) on every rank: RefusedError: backend.attention=X cannot run "
+                           "here; torchrun reports this as its own exit 1") and "\n" not in line
+    assert line.endswith(f"the runner's exit code is 2, recorded in {tmp_path / 'job_status.json'}")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert dist.torchrun_exit_line(2, "refused", e, tmp_path) is None

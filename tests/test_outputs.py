@@ -197,3 +197,31 @@ def test_export_in_toto_statement_names_every_artifact_and_the_run(toy_run, tmp_
     assert pred["buildDefinition"]["internalParameters"]["identity"]["sha256"] == m["identity"]["sha256"]
     deps = {d["name"]: d["digest"] for d in pred["buildDefinition"]["resolvedDependencies"]}
     assert deps["dataset"]["sha256"] == m["dataset"]["sha256"]
+
+
+def test_png_whose_size_differs_from_its_record_fails_and_is_not_written(tmp_path):
+    """Issue 29 (a record that disagrees with its artifact), the PNG sink: the size read back from the encoded PNG
+    must equal the record's ``params.width``/``height``; a mismatch fails the item naming both values and writes
+    no file, on the writer threads as inline; a matching image and a record without a size are written."""
+    from models.base import ImageOutput
+    from runner.core.sinks import PNGSink, read_journal
+
+    img = np.full((32, 48, 3), 0.5, np.float32)  # height 32, width 48
+    for workers in (0, 2):
+        d = tmp_path / f"w{workers}"
+        sink = PNGSink(d, workers=workers)
+        sink.submit({"key": "ok", "params": {"width": 48, "height": 32}}, ImageOutput(img))
+        sink.submit({"key": "tall", "params": {"width": 48, "height": 64}}, ImageOutput(img))
+        sink.submit({"key": "both", "params": {"width": 32, "height": 48}}, ImageOutput(img))
+        sink.submit({"key": "unsized", "params": {}}, ImageOutput(img))
+        sink.close()
+        by = {r["key"]: r for r in read_journal(d / "items.jsonl")}
+        assert by["ok"]["status"] == by["unsized"]["status"] == "ok"
+        assert by["tall"]["status"] == "failed" and by["tall"]["file"] is None
+        assert "ArtifactMismatchError" in by["tall"]["reason"]
+        assert "height: record 64, artifact 32" in by["tall"]["reason"]
+        assert "width" not in by["tall"]["reason"]
+        assert "width: record 32, artifact 48" in by["both"]["reason"]
+        assert "height: record 48, artifact 32" in by["both"]["reason"]
+        assert sorted(p.name for p in (d / "images").iterdir()) == ["ok.png", "unsized.png"]
+        assert sink.counts == {"ok": 2, "failed": 2}

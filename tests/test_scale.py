@@ -154,6 +154,23 @@ def test_parallel_modes_refused_without_what_they_need(tmp_path, mode, says):
     assert not (tmp_path / "r" / "images").exists()
 
 
+def test_torchrun_refusal_prints_the_runners_exit_code_once(tmp_path):
+    """Issue 29: a refusal is exit 2 on each rank, but torchrun exits 1 with its ChildFailedError traceback. Rank 0
+    prints one line naming the runner's exit code and the refusal; job_status.json records exit 2."""
+    d = tmp_path / "tr"
+    r = _runner(["parallelism=data", "backend.attention=FLASH_ATTN", f"hydra.run.dir={d}"], cwd=tmp_path, torchrun=2)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]  # torchrun's own code, whatever the ranks' (documented)
+    lines = [x for x in out.splitlines() if x.startswith("runner: exit ")]
+    assert len(lines) == 1, out[-3000:]
+    assert lines[0].startswith("runner: exit 2 (refused) on every rank: BackendUnavailableError: "
+                               "backend.attention=FLASH_ATTN cannot run here")
+    assert "the runner's exit code is 2" in lines[0] and str(d / "job_status.json") in lines[0]
+    job = json.loads((d / "job_status.json").read_text())
+    assert (job["exit_code"], job["outcome"], job["error_type"]) == (2, "refused", "BackendUnavailableError")
+    assert not (d / "images").exists()
+
+
 def test_data_parallel_without_workers_refuses(tmp_path):
     r = _runner(["parallelism=data", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
     assert r.returncode == 2
@@ -185,6 +202,15 @@ def test_ray_killed_worker_then_resume(tmp_path):
     assert p.wait(timeout=300) == 1  # the driver merges what exists and reports the incomplete run
     first = json.loads((d / "manifest.json").read_text())
     assert first["status"] == "incomplete" and first["failed_workers"] == [1]
+    # issue 29: no stale state once the run has ended; the dead worker is named with its pid and a reason
+    assert {json.loads((d / f"manifest.rank{r}.json").read_text())["status"] for r in (0, 1)} == {"completed",
+                                                                                                "crashed"}
+    w1 = first["workers"][1]
+    assert w1["status"] == "crashed" and w1["pid"] == victim and w1["reason"].startswith("ray: ")
+    assert json.loads((d / "manifest.rank1.json").read_text())["crash"]["reason"] == w1["reason"]
+    job = json.loads((d / "job_status.json").read_text())
+    assert job["exit_code"] == 1 and job["outcome"] == "crashed" and job["error_type"] == "WorkerFailed"
+    assert f"rank 1 (pid {victim}, host " in job["error"] and "items were not written" in job["error"]
     kept = {k: v for k, v in _hashes(d).items()}
     r = _runner(args, cwd=tmp_path, timeout=400)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])  # Hydra's job log goes to stdout

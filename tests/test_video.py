@@ -68,7 +68,9 @@ def as_uint8(frames: np.ndarray) -> np.ndarray:
 
 class MovingSquareEngine(EngineBase):
     """A toy video engine: one moving-square video per item. A prompt with ``nan`` yields NaN frames, one with
-    ``boom`` raises (failing its batch, retried alone)."""
+    ``boom`` raises (failing its batch, retried alone); one with ``shrunk`` yields 32x32 frames and one with
+    ``short`` a frame less while the record says 64x48 and 9 frames (a pipeline whose size rule differs from the
+    engine's, like a Wan 2.2 VAE that makes a 48x48 row a 32x32 video)."""
 
     output = "video"
     unit = "video"
@@ -117,6 +119,10 @@ class MovingSquareEngine(EngineBase):
             frames = moving_square(it.seed)
             if "nan" in it.row.prompt:
                 frames[4, 3, 3, 1] = np.nan
+            if "shrunk" in it.row.prompt:
+                frames = frames[:, :32, :32]
+            if "short" in it.row.prompt:
+                frames = frames[:-1]
             out.append(VideoOutput(frames, fps=ENGINE_FPS))
         return out
 
@@ -233,6 +239,27 @@ def test_videos_decode_exactly_to_the_generated_frames_and_record_their_hash(vid
     assert m["identity"]["output"]["video"]["encoder"] == "libx264rgb"
     assert m["identity"]["output"]["frames_dump"] is False
     assert m["evidence"]["verdict"] == "nonfinite_outputs"
+
+
+def test_a_video_whose_size_or_frame_count_differs_from_its_record_fails_and_leaves_no_file(video_engine, compose,
+                                                                                             tmp_path):
+    """Issue 29: the record must not disagree with its artifact. The MP4 sink decodes each file back and fails the
+    item (``ArtifactMismatchError`` naming the record's and the file's value) when its width, height or frame
+    count is not the record's ``params``; nothing is left under a final or a temp name, the other items hold."""
+    rows = {"a": "a red square", "s": "a shrunk square", "t": "a short square"}
+    d = tmp_path / "run"
+    assert _run(compose, d, _rows(tmp_path, rows)) == 1
+    by = {r["key"]: r for r in _records(d)}
+    assert by["a"]["status"] == "ok" and (by["a"]["width"], by["a"]["height"]) == (W, H)
+    for k in ("s", "t"):
+        assert by[k]["status"] == "failed" and by[k]["file"] is None and "ArtifactMismatchError" in by[k]["reason"]
+    assert f"width: record {W}, artifact 32" in by["s"]["reason"]
+    assert f"height: record {H}, artifact 32" in by["s"]["reason"] and "num_frames" not in by["s"]["reason"]
+    assert f"num_frames: record {NUM_FRAMES}, artifact {NUM_FRAMES - 1}" in by["t"]["reason"]
+    assert "width" not in by["t"]["reason"]
+    assert set(_files(d)) == {"videos/a.mp4"} and _temps(d) == []
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["counts"] == {"ok": 1, "failed": 2, "reused": 0}
 
 
 def test_videos_carry_their_prompt_and_fields_and_the_folder_index_lists_them(video_engine, compose, tmp_path):

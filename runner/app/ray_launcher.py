@@ -41,8 +41,19 @@ def _worker_main(cfg_dict: Dict[str, Any], out_dir: str, overrides: List[str], r
         rundir.leave(Path(out_dir))  # a Ray worker process may be reused for another task
 
 
-def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[str], current: Any = None) -> int:
-    """Run ``parallelism=data`` on Ray actors and merge. Returns 0 when every item of the dataset was written.
+def ray_reason(e: BaseException, limit: int = 300) -> str:
+    """Ray's account of a worker that died, for its ``workers[].reason``: ``ray: <exception class>: <its first
+    line>``, at most ``limit`` characters (Ray's messages run to many lines of actor and node ids)."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    text = f"ray: {type(e).__name__}: {first}" if first else f"ray: {type(e).__name__}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[str],
+               current: Any = None) -> Dict[str, Any]:
+    """Run ``parallelism=data`` on Ray actors and merge. Returns the merged manifest
+    (``runner.core.distributed.merge``; ``merged_exit_code`` of it is 0 when every item of the dataset was
+    written); a worker that died is named there with Ray's account of it (``workers[].reason``).
 
     Args:
         keys: every item key of the run's dataset, in dataset order (the merged journal follows it).
@@ -55,7 +66,7 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[
     """
     import ray
 
-    from runner.core.distributed import merge, merged_exit_code
+    from runner.core.distributed import merge
 
     n = int(cfg.launcher.num_workers)
     if not ray.is_initialized():
@@ -68,20 +79,20 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[
     try:
         resume.remove_temp_files(out_dir)  # before any worker writes
         refs = [remote.remote(cfg_dict, str(out_dir), list(overrides), r, n, lock.token) for r in range(n)]
-        codes = []
+        reasons: Dict[int, str] = {}
         refusal = None
         for r, ref in enumerate(refs):
             try:
-                codes.append(ray.get(ref))
+                ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a dead worker is recorded by the merge, not fatal here
                 cause = getattr(e, "cause", e)  # ray.exceptions.RayTaskError wraps the worker's exception
                 if isinstance(cause, RunnerError):  # every worker checks the same config: a user error, not a crash
                     refusal = refusal or cause
                 else:
                     log.error("ray worker %d failed: %s", r, e)
-                codes.append(None)
+                    reasons[r] = ray_reason(e)
         if refusal is not None:
             raise refusal  # classified by run_job from its exit_code/outcome, as in a one-process run
-        return merged_exit_code(merge(out_dir, n, keys, "ray", current))
+        return merge(out_dir, n, keys, "ray", current, reasons=reasons)
     finally:
         rundir.release(lock)

@@ -27,7 +27,7 @@ import socket
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from runner.core import rundir
 from runner.core.artifacts import atomic_write_bytes, atomic_write_json
@@ -200,6 +200,20 @@ def torchrun_worker(lay: Optional[Layout] = None) -> Optional[Worker]:
     return None
 
 
+def torchrun_exit_line(code: int, outcome: str, error: BaseException, job_dir: Path) -> Optional[str]:
+    """The one line rank 0 prints under torchrun when the run stops on a runner error: torchrun exits 1 and prints
+    its own ``ChildFailedError`` traceback whatever a rank's exit code (2 for a refusal or bad input, 3 for
+    contradicting evidence), so the line names the runner's exit code, the outcome and the error, and where it is
+    recorded. None outside torchrun, on a rank other than 0 (every rank checks the same config and would say the
+    same) and with one rank."""
+    w = torchrun_worker()
+    if w is None or w.world_size < 2 or w.rank != 0:
+        return None
+    return (f"runner: exit {code} ({outcome}) on every rank: {type(error).__name__}: {str(error).rstrip('.')}; "
+            f"torchrun reports this as its own exit 1 with a ChildFailedError traceback: the runner's exit code is {code}, recorded "
+            f"in {Path(job_dir) / 'job_status.json'}")
+
+
 def _control_group() -> None:
     """The default process group: gloo for CPU tensors (control messages, CPU context parallelism) and, where CUDA
     is available, NCCL for CUDA tensors (the all-to-all / all-gather of context parallelism on GPUs; NCCL only
@@ -345,9 +359,96 @@ def _ended(status: Optional[str]) -> Optional[str]:
     return "crashed" if status == "running" else status
 
 
+#: The reason of a worker whose manifest still says ``running`` at the merge, after every worker ended.
+DIED_REASON = ("its process ended without a final status (killed, out of memory, or a crash before the run loop "
+               "could record one); manifest.rank{rank}.json still said running after every worker ended")
+
+
+def worker_reason(rank: int, doc: Optional[Dict[str, Any]], reasons: Optional[Dict[int, str]] = None
+                  ) -> Optional[str]:
+    """Why worker ``rank`` did not complete, for its ``workers[]`` record (None: it completed).
+
+    Args:
+        doc: its manifest (``manifest.rank<r>.json``) as read at the merge, or None when it wrote none.
+        reasons: what the launcher saw of a worker that died (Ray's exception), by rank; it comes first.
+    """
+    status = None if doc is None else _ended(doc.get("status"))
+    if status in ("completed", "completed_with_failures"):
+        return None
+    seen = (reasons or {}).get(rank)
+    if doc is None:
+        why = f"no manifest.rank{rank}.json: the worker died before its run started, or never started"
+    elif doc.get("status") == "running":
+        why = DIED_REASON.format(rank=rank)
+    else:
+        why = f"it ended {status}" + (f": {doc['error']}" if doc.get("error") else "")
+    return f"{seen}; {why}" if seen else why
+
+
+def close_dead_workers(out_dir: Path, docs: List[Optional[Dict[str, Any]]], workers: List[Dict[str, Any]]) -> None:
+    """Rewrite each worker manifest still at ``running`` when the merge runs (its process died without a final
+    status) as ``crashed``, with ``ended_at`` (the merge's time: when its end was established) and ``crash``
+    (``reason``, ``detected_by: merge``), so no rank manifest says ``running`` once the run has ended; a
+    resume reads it as it read ``running`` (``resumed_from: crashed``).
+
+    Args:
+        docs: the rank manifests as read, by rank (None: none written); updated in place.
+        workers: the merged ``workers[]`` records, by rank (their ``reason``).
+    """
+    from runner.core.manifest import now_iso
+
+    for r, doc in enumerate(docs):
+        if doc is not None and doc.get("status") == "running":
+            doc.update(status="crashed", ended_at=doc.get("ended_at") or now_iso(),
+                       crash={"reason": workers[r].get("reason"), "detected_by": "merge"})
+            atomic_write_json(out_dir / f"manifest.rank{r}.json", doc)
+
+
+def worker_entry(rank: int, doc: Optional[Dict[str, Any]], reasons: Optional[Dict[int, str]] = None
+                 ) -> Dict[str, Any]:
+    """One ``workers[]`` record of the merged manifest (see :func:`merge`) from worker ``rank``'s manifest ``doc``
+    as read (None: it wrote none: ``status: missing``); ``reason`` for a worker that did not complete
+    (:func:`worker_reason`)."""
+    why = worker_reason(rank, doc, reasons)
+    if doc is None:
+        return {"rank": rank, "status": "missing", "reason": why}
+    w = doc.get("worker", {})
+    role = {"role": w["role"]} if "role" in w else {}
+    return {"rank": rank, **role, "host": w.get("host"), "device": doc.get("platform", {}).get("device"),
+            "device_name": doc.get("platform", {}).get("probes", {}).get("device_name"),
+            "pid": doc.get("evidence", {}).get("pid") or w.get("pid"),  # a dead worker wrote no evidence
+            "shard_items": w.get("shard_items"), "status": _ended(doc.get("status")), "counts": doc.get("counts"),
+            "evidence_verdict": doc.get("evidence", {}).get("verdict"),
+            "resumed_from": _ended((doc.get("resumed_from") or {}).get("status")),
+            "timing": {k: doc.get("timing", {}).get(k) for k in ("wall_s", "load_s", "warmup_s", "loop_s",
+                                                                 "images_per_hour")},
+            "memory": doc.get("memory"), **({"reason": why} if why else {})}
+
+
+def worker_failure(merged: Dict[str, Any]) -> Optional[Tuple[str, str]]:
+    """The job outcome of a merged run with a worker that did not complete: ``(outcome, error)`` for
+    ``job_status.json``, the error naming each such worker (rank, pid, host, status, reason), the items no worker
+    wrote and the fix; None when every worker completed (the items decide the outcome then). The outcome is
+    ``crashed`` when a worker died or wrote no manifest, ``interrupted`` when one was stopped by a signal, else
+    ``failed_items``."""
+    bad = [w for w in merged.get("workers") or [] if w.get("status") not in ("completed", "completed_with_failures")]
+    if not bad:
+        return None
+    names = "; ".join(f"rank {w['rank']} (pid {w.get('pid')}, host {w.get('host')}) {w.get('status')}: "
+                      f"{w.get('reason')}" for w in bad)
+    c = merged.get("counts") or {}
+    error = (f"{len(bad)} of {len(merged['workers'])} data-parallel workers did not complete: {names}; "
+             f"{c.get('missing', 0)} of {c.get('items', 0)} items were not written; fix: re-run the same command "
+             "(it resumes: only the missing items are generated)")
+    statuses = {w.get("status") for w in bad}
+    outcome = ("crashed" if statuses & {"crashed", "missing"} else
+               "interrupted" if "interrupted" in statuses else "failed_items")
+    return outcome, error
+
+
 def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str,
           current: Optional[Callable[[List[str]], Dict[str, List[str]]]] = None,
-          lay: Optional[Layout] = None) -> Dict[str, Any]:
+          lay: Optional[Layout] = None, reasons: Optional[Dict[int, str]] = None) -> Dict[str, Any]:
     """Merge the workers' journals and manifests of ``out_dir`` into ``items.jsonl`` and ``manifest.json``.
 
     Args:
@@ -357,12 +458,16 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
             output and is left out (the same rule as a resume's, ``runner.core.resume``). None: every ok record counts.
         lay: the context-parallel layout (None: ``parallelism=data``): counts and throughput come from the writing
             ranks; ``parallelism`` gets the mesh, the degrees and every rank's role.
+        reasons: what the launcher saw of each worker that died, by rank (Ray's exception text), added to its
+            ``reason``.
 
     Returns:
         The merged manifest. Its ``status`` is ``completed`` only when every worker completed; ``workers`` lists
-        each rank's host, device, shard size, status, counts, evidence verdict, timing, memory, and the status
+        each rank's host, device, pid, shard size, status, counts, evidence verdict, timing, memory, the status
         its previous attempt ended with (``resumed_from``: a worker that died shows ``crashed`` there; a worker
-        manifest still at ``running`` when the merge runs, after every worker ended, is ``crashed`` too).
+        manifest still at ``running`` when the merge runs, after every worker ended, is ``crashed`` too, and is
+        rewritten so: :func:`close_dead_workers`) and, for a worker that did not complete, ``reason``
+        (:func:`worker_reason`).
         ``timing.images_per_hour`` is every worker's ok images over the slowest worker's generation loop.
     """
     # merged after every worker ended: a worker manifest still at ``running`` is one whose process died
@@ -385,23 +490,8 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
                     latest[rec["key"]] = rec
     lines = [json.dumps(latest[k]) + "\n" for k in keys_in_order if k in latest]
     atomic_write_bytes(out_dir / "items.jsonl", "".join(lines).encode())
-    workers = []
-    for r, doc in enumerate(docs):
-        if doc is None:
-            workers.append({"rank": r, "status": "missing"})
-            continue
-        w = doc.get("worker", {})
-        role = {"role": w["role"]} if "role" in w else {}
-        workers.append({"rank": r, **role, "host": w.get("host"), "device": doc.get("platform", {}).get("device"),
-                        "device_name": doc.get("platform", {}).get("probes", {}).get("device_name"),
-                        "pid": doc.get("evidence", {}).get("pid"), "shard_items": w.get("shard_items"),
-                        "status": _ended(doc.get("status")),
-                        "counts": doc.get("counts"),
-                        "evidence_verdict": doc.get("evidence", {}).get("verdict"),
-                        "resumed_from": _ended((doc.get("resumed_from") or {}).get("status")),
-                        "timing": {k: doc.get("timing", {}).get(k) for k in ("wall_s", "load_s", "warmup_s", "loop_s",
-                                                                             "images_per_hour")},
-                        "memory": doc.get("memory")})
+    workers = [worker_entry(r, doc, reasons) for r, doc in enumerate(docs)]
+    close_dead_workers(out_dir, docs, workers)
     base = next((d for d in docs if d is not None), {})
     merged = dict(base)
     merged.pop("worker", None)

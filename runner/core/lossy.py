@@ -1,9 +1,16 @@
 """Which lanes of a run are lossy by design: a step cache (``cache.method``), a lossy linear backend (``FP8``), a
 lossy attention backend (``SAGE_ATTN``: INT8 Q/K) or an attention spec with ``quant``/``skip_softmax``.
 
-The manifest's ``lossy`` section (``{"lossy": bool, "lanes": [...]}``) is written from here at startup; the report
-labels such jobs and ``runner.tools.gate`` compares each with the lossless job of the same rows. A manifest written before
-the section existed is labelled from its ``backends`` and ``config`` the same way (:func:`of_manifest`).
+The manifest's ``lossy`` section (``{"lossy": bool, "lanes": [...], "batch_dependent": [...]}``) is written from here
+at startup; the report labels such jobs and ``runner.tools.gate`` compares each with the lossless job of the same rows
+and batch size. A manifest written before the section existed is labelled from its ``backends``, ``config`` and
+``evidence`` the same way (:func:`of_manifest`).
+
+``batch_dependent`` lists the lanes that make an item's output depend on its batch peers, a property of the lane:
+an *adaptive* step cache (``cache.schedule`` ``adaptive``: ``first_block``, ``magcache``) decides per pipeline call
+from the activations of the whole batch whether to reuse, so an item's image changes with the items it was batched
+with (first_block on toy_shapes: up to 46 intensity levels between batch 1 and batch 4, where lossless pairs differ
+by at most 1). A fixed schedule (``taylorseer``, ``pab``) and the lossy kernels act per item.
 
 Lanes are strings: ``cache=<method>``, ``<stage>.linear=<backend>``, ``<stage>.attention.<role>=<backend>`` (with
 ``+quant``/``+skip_softmax`` when the spec sets them).
@@ -51,15 +58,44 @@ def lanes(backends: Mapping[str, Mapping[str, Any]], config: Optional[Mapping[st
     return out
 
 
-def section(backends: Mapping[str, Mapping[str, Any]], config: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    """The manifest's ``lossy``: ``{"lossy": bool, "lanes": [...]}``."""
+#: Step-cache schedules whose reuse decision is taken per pipeline call from the whole batch's activations.
+BATCH_DEPENDENT_SCHEDULES = ("adaptive",)
+
+
+def section(backends: Mapping[str, Mapping[str, Any]], config: Optional[Mapping[str, Any]],
+            cache_schedule: Optional[str] = None) -> Dict[str, Any]:
+    """The manifest's ``lossy``: ``{"lossy": bool, "lanes": [...], "batch_dependent": [...]}``.
+
+    Args:
+        cache_schedule: the step cache's schedule as validated (``models.cache.CacheSettings.schedule``:
+            ``fixed``/``adaptive``; None: no cache, or unknown); an ``adaptive`` one makes the cache lane
+            ``batch_dependent``.
+    """
     found = lanes(backends, config)
-    return {"lossy": bool(found), "lanes": found}
+    method = _cache_method(config)
+    dependent = ([f"cache={method}"] if method is not None and cache_schedule in BATCH_DEPENDENT_SCHEDULES
+                 else [])
+    return {"lossy": bool(found), "lanes": found, "batch_dependent": dependent}
+
+
+def _recorded_schedule(manifest: Mapping[str, Any]) -> Optional[str]:
+    """The step cache's schedule an older manifest records: its evidence's (``stages.<stage>.cache.schedule``),
+    else ``config.cache.schedule``."""
+    for st in (((manifest.get("evidence") or {}).get("stages")) or {}).values():
+        sched = ((st or {}).get("cache") or {}).get("schedule") if isinstance(st, Mapping) else None
+        if sched:
+            return str(sched)
+    sched = ((manifest.get("config") or {}).get("cache") or {}).get("schedule")
+    return None if sched is None else str(sched)
 
 
 def of_manifest(manifest: Mapping[str, Any]) -> Dict[str, Any]:
-    """A manifest's ``lossy`` section, or the one its ``backends`` and ``config`` imply (older manifests)."""
+    """A manifest's ``lossy`` section, or the one its ``backends``, ``config`` and ``evidence`` imply (older
+    manifests; ``batch_dependent`` of a section written before it existed, the same way)."""
     doc = manifest.get("lossy")
+    implied = section(manifest.get("backends") or {}, manifest.get("config") or {}, _recorded_schedule(manifest))
     if isinstance(doc, Mapping) and "lossy" in doc:
-        return {"lossy": bool(doc["lossy"]), "lanes": list(doc.get("lanes") or [])}
-    return section(manifest.get("backends") or {}, manifest.get("config") or {})
+        dependent = doc["batch_dependent"] if "batch_dependent" in doc else implied["batch_dependent"]
+        return {"lossy": bool(doc["lossy"]), "lanes": list(doc.get("lanes") or []),
+                "batch_dependent": list(dependent or [])}
+    return implied

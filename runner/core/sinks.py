@@ -5,7 +5,9 @@ writes the artifact (temp name, fsync, rename) and only then appends the record 
 line never names a file that is not complete. ``verify(record)`` says whether a journaled artifact is still the one
 recorded (resume: :func:`artifact_intact`); ``close()`` finishes every queued write. A new output format (parquet,
 webdataset) is a new sink class and an entry in :data:`SINKS` (engine ``output`` kind -> sink): ``image`` (PNG),
-``video`` (MP4), ``text`` (journal records).
+``video`` (MP4), ``text`` (journal records). Every file sink checks the artifact it wrote against its record
+(:func:`check_artifact_dims`: width, height, frame count equal the record's ``params``) before it is renamed into
+place, so no engine can journal a record that disagrees with its file.
 
 Class attributes the run loop reads: ``threaded`` (the constructor takes ``workers``/``max_pending``: artifacts
 are encoded on writer threads), ``config_keys`` (run-config keys that change the artifacts: a resume with other
@@ -20,8 +22,9 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from runner.core.artifacts import ArtifactWriter, Journal, atomic_write_bytes
+from runner.core.artifacts import ArtifactWriter, Journal, atomic_write_bytes, encode_png
 from runner.core.dataset import file_sha256
+from runner.core.errors import RunnerError
 
 
 def read_journal(path: Path) -> List[Dict[str, Any]]:
@@ -139,6 +142,33 @@ def write_folder_metadata(out_dir: Path, records: Sequence[Dict[str, Any]], mode
         elif path.exists():
             path.unlink()
     return written
+
+
+class ArtifactMismatchError(RunnerError, ValueError):
+    """The written artifact disagrees with its record: its width, height or frame count is not the record's
+    ``params`` value (an engine whose pipeline changed the size it was asked for). Never ends a run: the item fails
+    alone with this as its ``reason`` (``status: failed``) and no file is left under the artifact's name."""
+
+
+#: artifact dimension -> the record ``params`` key it must equal (every sink, every engine).
+ARTIFACT_DIMS = ("width", "height", "num_frames")
+
+
+def check_artifact_dims(record: Dict[str, Any], dims: Dict[str, int], path: Path) -> None:
+    """Check that the dimensions of the artifact as written (``dims``: ``width``/``height`` in pixels and, for a
+    video, ``num_frames``, read back from the file) equal the record's ``params`` of the same name; a key the
+    params lack is not checked (an engine that records no size).
+
+    Raises:
+        ArtifactMismatchError: naming each field with the record's and the artifact's value.
+    """
+    params = record.get("params") or {}
+    bad = [f"{k}: record {params[k]!r}, artifact {dims[k]!r}" for k in ARTIFACT_DIMS
+           if k in dims and params.get(k) is not None and params[k] != dims[k]]
+    if bad:
+        raise ArtifactMismatchError(
+            f"{path.name} as written disagrees with its record's params ({'; '.join(bad)}): the engine's output "
+            "is not the size it recorded; the item is failed, not written (an engine or pipeline size rule to fix)")
 
 
 def artifact_intact(out_dir: Path, record: Dict[str, Any]) -> bool:
@@ -283,7 +313,8 @@ class PNGSink(_FileSink):
     ``submit(record, output)``: ``output`` is a :class:`models.base.ImageOutput`, or the exception that failed the
     item; a non-finite image is refused (``status: failed``, the count of bad values as reason) and never written.
     The record gets ``status``, ``file`` (relative to the run dir), ``file_name`` (relative to ``images/``) and
-    ``file_sha256`` once the file is in place.
+    ``file_sha256`` once the file is in place. A PNG whose size is not the record's ``params.width``/``height``
+    is not written: the item fails with an :class:`ArtifactMismatchError` naming both (:func:`check_artifact_dims`).
 
     Args:
         out_dir: the run dir; images go to ``out_dir/images``.
@@ -300,7 +331,7 @@ class PNGSink(_FileSink):
     def __init__(self, out_dir: Path, journal_name: str = "items.jsonl", workers: int = 0, max_pending: int = 16,
                  on_record: Optional[Callable[[Dict[str, Any]], None]] = None, model: Optional[str] = None) -> None:
         self.model = model
-        super().__init__(out_dir, journal_name, workers, max_pending, on_record)
+        super().__init__(out_dir, journal_name, workers, max_pending, on_record, write=self._write)
 
     @classmethod
     def options(cls, cfg: Any) -> Dict[str, Any]:
@@ -313,13 +344,33 @@ class PNGSink(_FileSink):
         return {"png_text": list(EMBEDDED_FIELDS)}
 
     def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:
-        return (output.image, embedded_fields(record, self.model)), None
+        return (output.image, embedded_fields(record, self.model), record), None
+
+    @staticmethod
+    def _write(path: Path, payload: Any) -> Dict[str, Any]:
+        """Encode the PNG, read its size back from the encoded bytes and check it against the record's params
+        (:func:`check_artifact_dims`) before the file is written (temp name, fsync, rename)."""
+        import hashlib
+        import io
+
+        from PIL import Image
+
+        image, text, record = payload
+        data = encode_png(image, text)
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+        check_artifact_dims(record, {"width": width, "height": height}, path)
+        atomic_write_bytes(path, data)
+        return {"sha256": hashlib.sha256(data).hexdigest()}
 
 
 class MP4Sink(_FileSink):
     """Videos as MP4 files ``videos/<stem>.mp4`` (``runner.core.video``: H.264, ``output.video_codec``), encoded on writer
     threads like :class:`PNGSink`'s images, with the same crash-safety order (temp name, fsync, rename, then the
-    journal line). Every written file is decoded back and checked before it is renamed into place.
+    journal line). Every written file is decoded back and checked before it is renamed into place: every pixel
+    for a lossless codec, and its width, height and frame count against the record's ``params``
+    (:func:`check_artifact_dims`; a mismatch fails the item with an :class:`ArtifactMismatchError` naming both,
+    and no file is left).
 
     ``output`` is a :class:`models.base.VideoOutput` (float32 frames (F, H, W, 3) in [0, 1]) or the exception that
     failed the item; a video holding NaN/inf is refused (``status: failed``) and never written. Its frame rate is
@@ -406,13 +457,16 @@ class MP4Sink(_FileSink):
         except ValueError as e:
             return None, str(e)
         dump = path.with_name(f"{path.stem}.frames.npz") if self.dump_frames else None
-        return (frames, fps, dump, video.container_metadata(embedded_fields(record, self.model))), None
+        return (frames, fps, dump, video.container_metadata(embedded_fields(record, self.model)), record), None
 
     def _write(self, path: Path, payload: Any) -> Dict[str, Any]:
+        """Write the video (``runner.core.video.write_video``), checking the size and frame count the file decodes
+        to against the record's params (:func:`check_artifact_dims`) before it is renamed into place."""
         from runner.core import video
 
-        frames, fps, dump, meta = payload
-        res = video.write_video(path, frames, fps, self.codec, dump, metadata=meta)
+        frames, fps, dump, meta, record = payload
+        res = video.write_video(path, frames, fps, self.codec, dump, metadata=meta,
+                                check=lambda fields: check_artifact_dims(record, fields, path))
         res["fields"]["video"] = dict(self.video_doc)
         if dump is not None:
             res["fields"] = {"frames_file": str(dump.relative_to(self.out_dir)), **res["fields"]}

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -335,7 +335,8 @@ def _fsync_file(path: Path) -> None:
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
-                dump: Optional[Path] = None, metadata: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+                dump: Optional[Path] = None, metadata: Optional[Dict[str, str]] = None,
+                check: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Write one video durably: encode to a temp name beside ``path`` (``.<name>.tmp<pid>``), fsync it, decode it
     back and check it (frame count and size; for a lossless codec every pixel), write the frame dump ``dump``
     when given (atomically), then rename the video into place and fsync the dir. A kill at any point leaves no
@@ -347,6 +348,9 @@ def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
         codec: a key of :data:`CODECS`.
         dump: where to write the lossless frame dump (:func:`frames_npz`), or None.
         metadata: container tags (:func:`container_metadata`), or None.
+        check: called with the fields of the file as decoded (``num_frames``, ``width``, ``height``, ...) before
+            the dump and the rename; what it raises fails the write like an encode error (the temp file is
+            removed, nothing is left under ``path``). The MP4 sink checks them against the record's params.
 
     Returns:
         ``{"sha256": container bytes' sha256, "fields": {frames_sha256, num_frames, fps, width, height[,
@@ -355,6 +359,7 @@ def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
     Raises:
         runner.core.errors.StorageError: the storage refused a write (the temp file is removed).
         VideoEncodeError, ValueError: this item cannot be encoded as asked (the temp file is removed).
+        Whatever ``check`` raises (the temp file is removed).
     """
     from runner.core.artifacts import atomic_write_bytes, fsync_dir, storage_error
     from runner.core.dataset import file_sha256
@@ -375,8 +380,10 @@ def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
             n = int(np.count_nonzero((back != a).any(axis=(1, 2, 3))))
             raise VideoEncodeError(f"{codec} is lossless but {n} of {len(a)} decoded frames differ from the frames "
                                    "encoded (an ffmpeg build that converts colours?); fix: unset IMAGEIO_FFMPEG_EXE")
-        fields: Dict[str, Any] = {"frames_sha256": frames_sha256(back), "num_frames": int(a.shape[0]),
-                                  "fps": fps, "width": int(a.shape[2]), "height": int(a.shape[1])}
+        fields: Dict[str, Any] = {"frames_sha256": frames_sha256(back), "num_frames": int(back.shape[0]),
+                                  "fps": fps, "width": int(back.shape[2]), "height": int(back.shape[1])}
+        if check is not None:
+            check(fields)
         if dump is not None:
             blob = frames_npz(a)
             atomic_write_bytes(dump, blob)

@@ -72,6 +72,32 @@ def hub_cache_dir() -> Tuple[Path, str]:
     return expand(os.path.join(xdg, "huggingface", "hub")), "default"
 
 
+#: The variables that choose the Hugging Face hub cache (:func:`hub_cache_dir`), recorded as they were set.
+HUB_CACHE_ENV = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
+
+
+def hub_environment(sources: Iterable[Dict[str, Any]]) -> Dict[str, str]:
+    """The environment that resolved a run's Hub ids, for the manifest's ``environment`` section: another process
+    given it resolves the same snapshots whatever its own shell sets (``runner.repro`` and ``repro.sh`` export it).
+
+    Args:
+        sources: the stages' ``model.source`` documents; one resolved from a Hub id carries ``hub.cache_dir``
+            (:func:`resolve_model_path`).
+
+    Returns:
+        ``{}`` when no source came from a Hub id; else ``HF_HUB_CACHE``: the absolute cache dir that resolved it
+        (it takes precedence over ``HF_HOME`` in huggingface_hub as in :func:`hub_cache_dir`), plus ``HF_HOME``
+        and ``HUGGINGFACE_HUB_CACHE`` as this process had them, where set.
+    """
+    dirs = [str(Path(s["hub"]["cache_dir"]).resolve()) for s in sources
+            if isinstance(s, dict) and isinstance(s.get("hub"), dict) and s["hub"].get("cache_dir")]
+    if not dirs:
+        return {}
+    env = {k: os.environ[k] for k in HUB_CACHE_ENV if os.environ.get(k)}
+    env["HF_HUB_CACHE"] = dirs[0]  # one process reads one cache: every stage's is the same
+    return env
+
+
 def looks_like_repo_id(value: str) -> bool:
     """True for ``org/name`` (huggingface_hub's repo id rules: ``[A-Za-z0-9._-]``, no ``--``/``..``, at most 96
     characters) that is not written as a local path (no leading ``/``, ``./``, ``../``, ``~``)."""

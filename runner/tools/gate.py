@@ -4,7 +4,11 @@ compared with the lossless job of the same rows.
 * **Matching.** Two jobs hold *the same rows* when they ran the same model weights (the manifest's weight-file
   hashes, or the source), the same dataset file (sha256) and ``dataset.limit``, the same run ``seed``, images per
   prompt, generation defaults and dtype. A lossy job is compared with a lossless job (``lossy: false``, outcome
-  ``ok``) of the same rows; among several, the one whose selected backends differ least from its own.
+  ``ok``) of the same rows and the same ``batch_size``; among several, the one whose selected backends differ
+  least from its own. A lossy lane whose outputs depend on the batch peers (``runner.core.lossy``
+  ``batch_dependent``: an adaptive step cache) is ``unmatched`` without a lossless job of its batch size (the
+  batch would be measured, not the lane); any other lossy job falls back to a lossless job of another batch size
+  (batching alone moves a lossless pixel by at most one level), with a note saying so.
 * **Accuracy.** With an oracle (toy_shapes, toy_motion: the manifest's ``accuracy``), the lossy job's accuracy
   per attribute (colour, shape, position or direction) must be at least ``min_ratio`` (default
   :data:`MIN_RATIO`, 0.97) times the lossless job's (an attribute the lossless job gets 0 on passes).
@@ -31,7 +35,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -57,6 +61,42 @@ def rows_identity(job: Job) -> str:
            "seed": cfg.get("seed"), "num_images_per_prompt": cfg.get("num_images_per_prompt"),
            "generation": (cfg.get("model") or {}).get("generation"), "dtype": m.get("dtype")}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def batch_size(job: Job) -> Optional[int]:
+    """The job's run-level ``batch_size`` (items per pipeline call), from its manifest's config."""
+    v = (job.manifest.get("config") or {}).get("batch_size")
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def pick_reference(job: Job, same: Sequence[Job], batch_dependent: Sequence[str]
+                   ) -> Tuple[Optional[Job], Optional[str]]:
+    """The lossless job that lossy ``job`` is gated against, among ``same`` (lossless jobs of its rows).
+
+    Those of ``job``'s batch size come first; among them, the one whose selected backends differ least from
+    ``job``'s (the first on ties). Without one of its batch size: a ``batch_dependent`` job gets none (its output
+    depends on its batch peers, so another batch size would be measured with the lane); another lossy job gets the
+    closest of the others, with a note.
+
+    Returns:
+        ``(reference or None, the reason or note: None when the batch sizes match)``.
+    """
+    mine, size = _selected(job), batch_size(job)
+    at_size = [r for r in same if batch_size(r) == size]
+
+    def closest(cands: Sequence[Job]) -> Job:
+        return max(cands, key=lambda r: sum(v == mine.get(k) for k, v in _selected(r).items()))
+
+    if at_size:
+        return closest(at_size), None
+    others = sorted({str(batch_size(r)) for r in same})
+    if batch_dependent:
+        return None, (f"{', '.join(batch_dependent)} makes each item depend on its batch peers, and no lossless job "
+                      f"of the same rows ran at batch_size={size} (they ran at batch_size={', '.join(others)}); fix: "
+                      f"add one (e.g. cache.method=none batch_size={size}) or pass its run dir")
+    ref = closest(same)
+    return ref, (f"no lossless job of the same rows at batch_size={size}: compared with {ref.label} at "
+                 f"batch_size={batch_size(ref)} (batching alone may move a pixel by one level)")
 
 
 def _selected(job: Job) -> Dict[str, Any]:
@@ -153,7 +193,7 @@ def evaluate(jobs: Sequence[Job], min_ratio: float = MIN_RATIO, min_psnr_db: Opt
     Returns:
         The ``gate.json`` document: ``{min_ratio, min_psnr_db, jobs: [one entry per lossy job], verdict, exit_code,
         lossless_jobs}``; ``verdict`` is ``fail`` when any entry fails, ``pass`` otherwise (``none`` when no job is
-        lossy).
+        lossy). A compared entry carries ``batch_size`` (``{lossy, lossless}``) and, when they differ, ``note``.
     """
     labels = {j.label: lossy.of_manifest(j.manifest) for j in jobs if j.manifest}
     lossless = [j for j in jobs if j.manifest and not labels[j.label]["lossy"] and j.outcome == "ok"]
@@ -173,9 +213,13 @@ def evaluate(jobs: Sequence[Job], min_ratio: float = MIN_RATIO, min_psnr_db: Opt
                 "no lossless job of the same rows (model weights, dataset, limit, seed, generation, dtype); fix: add "
                 "one to the sweep (e.g. cache.method=none, backend.linear=TORCH) or pass its run dir"]})
             continue
-        mine = _selected(j)
-        ref = max(same, key=lambda r: sum(v == mine.get(k) for k, v in _selected(r).items()))  # first on ties
-        entries.append(compare(j, ref, min_ratio, min_psnr_db))
+        ref, why = pick_reference(j, same, labels[j.label]["batch_dependent"])
+        if ref is None:
+            entries.append({**base, "verdict": "unmatched", "reasons": [why]})
+            continue
+        entry = compare(j, ref, min_ratio, min_psnr_db)
+        entries.append({**entry, "batch_size": {"lossy": batch_size(j), "lossless": batch_size(ref)},
+                        **({"note": why} if why else {})})
     failed = [e for e in entries if e["verdict"] in FAILING]
     verdict = "none" if not entries else ("fail" if failed else "pass")
     return {"min_ratio": min_ratio, "min_psnr_db": min_psnr_db, "verdict": verdict, "exit_code": 1 if failed else 0,
@@ -208,7 +252,8 @@ def _line(e: Dict[str, Any]) -> str:
         parts.append(f"PSNR min {e['psnr_db']['min']} dB, SSIM min {e['ssim']['min']}")
     if e.get("cache_hit_rate") is not None:
         parts.append(f"cache hit rate {e['cache_hit_rate']}")
-    return " · ".join(parts) + "".join(f"\n          {r}" for r in e.get("reasons") or [])
+    notes = [*(e.get("reasons") or []), *([f"note: {e['note']}"] if e.get("note") else [])]
+    return " · ".join(parts) + "".join(f"\n          {r}" for r in notes)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -2,7 +2,8 @@
 
 ``python -m runner.repro <run_dir> [--out NEW_DIR] [--tolerance-db 40]`` runs
 ``<python> -m runner <the manifest's overrides> hydra.run.dir=NEW_DIR`` (the command ``repro.sh`` holds, with the
-library environment variables the original recorded) and then compares:
+library environment variables the original recorded and the Hub cache that resolved its weights, whatever this
+shell's ``HF_HOME``: :func:`rerun_environment`) and then compares:
 
 * artifacts, item by item over the original's written items: when the original ran on CPU (deterministic) the
   files must be byte-identical (sha256 of the files on disk); elsewhere PSNR >= ``--tolerance-db`` (dB; default
@@ -166,6 +167,19 @@ def rerun_command(manifest: Dict[str, Any], new_dir: Path) -> List[str]:
     return [sys.executable, "-m", "runner", *args, f"hydra.run.dir={hydra_quote(str(new_dir))}"]
 
 
+def rerun_environment(manifest: Dict[str, Any]) -> Dict[str, str]:
+    """The variables the re-run gets on top of this shell's: the manifest's ``environment`` (the library
+    variables and the Hub cache that resolved the weights, ``runner.core.weights.hub_environment``), so a run
+    whose ``model.path`` was a Hub id resolves the same snapshot in a shell without the original ``HF_HOME``. A
+    manifest written before the Hub cache was recorded there still names it in ``model.source.hub.cache_dir``:
+    that becomes ``HF_HUB_CACHE``."""
+    env = {k: str(v) for k, v in (manifest.get("environment") or {}).items()}
+    hub = ((manifest.get("model") or {}).get("source") or {}).get("hub") or {}
+    if hub.get("cache_dir") and "HF_HUB_CACHE" not in env:
+        env["HF_HUB_CACHE"] = str(hub["cache_dir"])
+    return env
+
+
 def _backend_diffs(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
     diffs = []
     for stage in sorted(set(a) | set(b)):
@@ -310,8 +324,7 @@ def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float
     if (new_dir / "manifest.json").exists():
         raise ReproInputError(f"{new_dir} already holds a run; fix: choose a new --out")
     cmd = rerun_command(manifest, new_dir)
-    env = dict(os.environ)
-    env.update({k: str(v) for k, v in (manifest.get("environment") or {}).items()})
+    env = {**os.environ, **rerun_environment(manifest)}
     import shlex
 
     cwd = manifest.get("cwd")  # where the original ran: relative paths in its overrides resolve as they did

@@ -14,7 +14,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -25,6 +25,86 @@ from runner.core.artifacts import atomic_write_json
 log = logging.getLogger("runner.tools.sweep")
 
 ACCEPTED_OUTCOMES = ("ok", "refused")
+
+
+def _has_key(cfg: Any, key: str) -> Optional[str]:
+    """None when the composed ``cfg`` has ``key`` (dotted; a value, list or open node on the way counts as
+    having the rest), else the first dotted prefix of ``key`` that it lacks."""
+    from omegaconf import DictConfig
+
+    node, parts = cfg, key.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return None
+        if part not in list(node.keys()):  # keys(), not `in`: a mandatory (???) value is a key too
+            return ".".join(parts[:i + 1])
+        node = node._get_node(part)  # noqa: SLF001 - omegaconf's accessor, resolves nothing
+    return None
+
+
+def sweep_override_problem(argv: Sequence[str]) -> Optional[str]:
+    """The first override of a multirun (``-m``) that sets a key only some of a swept group's options have
+    (``-m model=prompt_expand_flux,tiny_flux model.stages.expand.backend.attention=TORCH_SDPA``: only
+    prompt_expand_flux has ``model.stages.expand``). Hydra applies every override to every job, so the job
+    without the key fails with "Could not override", and its suggested ``+key`` fails in the job that has it; this
+    message says so and what works: one sweep per option, or one experiment preset per option swept as
+    ``experiment=a,b``.
+
+    Each option of each swept config group (``group=a,b``; other sweep kinds are left to Hydra) is composed with the
+    command line's other group choices (a swept one at its first option). ``hydra.*`` overrides, ``~key`` and
+    flags are Hydra's; so is everything when a composition fails.
+
+    Returns:
+        The message (the override, the options with and without the key, the fix), or None.
+    """
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return None
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        from runner.core.paths import CONF_DIR
+        from runner.core.schema import register_configs
+
+        register_configs()
+        groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+        parser = OverridesParser.create()
+        parsed = [(a, parser.parse_override(a)) for a in argv if "=" in a and not a.startswith(("-", "~", "hydra"))]
+        swept = [(o.key_or_group, list(o.sweep_string_iterator())) for _, o in parsed
+                 if o.key_or_group in groups and o.is_sweep_override()]
+        keys = [(a, o.key_or_group) for a, o in parsed if o.key_or_group not in groups and "@" not in o.key_or_group
+                and "/" not in o.key_or_group]
+        if not swept or not keys:
+            return None
+        fixed = {o.key_or_group: (list(o.sweep_string_iterator())[0] if o.is_sweep_override() else o.value())
+                 for _, o in parsed if o.key_or_group in groups}
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="runner_sweep_check"):
+            for group, options in swept:
+                cfgs = {v: compose("config", overrides=[f"{g}={x}" for g, x in {**fixed, group: v}.items()])
+                        for v in options}
+                for arg, key in keys:
+                    lacks = {v: _has_key(c, key) for v, c in cfgs.items()}
+                    has = [v for v, miss in lacks.items() if miss is None]
+                    if has and len(has) < len(options):
+                        return _sweep_message(arg.lstrip("+"), key, group, options, has, lacks)
+    except Exception:  # noqa: BLE001 - Hydra will report what is wrong with the command line itself
+        return None
+    return None
+
+
+def _sweep_message(arg: str, key: str, group: str, options: Sequence[str], has: Sequence[str],
+                   lacks: Dict[str, Optional[str]]) -> str:
+    """The message of :func:`sweep_override_problem`."""
+    without = [v for v in options if v not in has]
+    gaps = ", ".join(f"{group}={v} has no {lacks[v]}" for v in without)
+    return (f"{arg}: this sweep runs {group}={','.join(options)}, and {key} exists only in {group}="
+            f"{','.join(has)} ({gaps}). Hydra applies every override of a sweep to every job, so the key is "
+            f"refused in the {group}={','.join(without)} job, and +{key} (Hydra's hint) is refused in the "
+            f"{group}={','.join(has)} job, where the key exists. fix: one sweep per {group} (python -m runner -m "
+            f"{group}={','.join(has)} {arg} ...; python -m runner -m {group}={','.join(without)} ...), or one "
+            f"experiment preset per {group} that sets its own fields (conf/experiment/<name>.yaml: "
+            f"'# @package _global_', defaults: [override /{group}: <option>], then the field) swept as "
+            "-m experiment=<name_a>,<name_b>")
 
 
 def job_dirs(sweep_dir: Path) -> List[Path]:
