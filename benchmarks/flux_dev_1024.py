@@ -608,7 +608,8 @@ def main() -> int:
     p.add_argument("--gate", action="store_true", help="toy_shapes quality gate of the cache and FP8 lanes")
     args = p.parse_args()
 
-    from runner.app.execute import build_engines, resolve_dtype
+    from runner.app.checks import resolve_dtype
+    from runner.app.stages import build_engines
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

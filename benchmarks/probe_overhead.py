@@ -32,7 +32,8 @@ def main() -> None:
     import torch
 
     from runner.core.evidence import DenoiserProbe
-    from runner.app.execute import build_engines, resolve_dtype
+    from runner.app.checks import resolve_dtype
+    from runner.app.stages import build_engines
     from runner.core.platform import detect
     from runner.core.schema import register_configs
 

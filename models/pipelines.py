@@ -332,7 +332,7 @@ class PipelineEngine(DiffusersEngine):
         Raises:
             ModelPathError: the snapshot has no readable config for it.
         """
-        if not self.source:  # read_rows without prepare (runner.app.execute.dataset_keys, benchmarks)
+        if not self.source:  # read_rows without prepare (runner.app.execute.DatasetItems.read, benchmarks)
             self.resolve_source()
         if self.source.get("kind") == "path":
             f = Path(self.source["path"]) / name / ("scheduler_config.json" if name == "scheduler" else "config.json")

@@ -304,7 +304,7 @@ def test_ar_backends_use_the_runner_precedence_layers(compose):
     """Resolution only (vLLM imported, no engine): stage > run > legacy engine_extras, with provenance, and
     shared aliases mapped to vLLM's names; a misspelt engine argument is refused naming the closest one."""
     from models.vllm_stage import ARConfigError
-    from runner.app.execute import build_engines
+    from runner.app.stages import build_engines
     from runner.core.platform import detect
 
     ov = ["platform=cpu", "model=tiny_qwen3_moe", "backend.linear=TORCH",
@@ -328,7 +328,7 @@ def test_ar_backends_use_the_runner_precedence_layers(compose):
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "true"])
 def test_engine_extras_max_model_len_must_be_a_positive_integer(compose, value):
     from models.vllm_stage import ARConfigError
-    from runner.app.execute import build_engines
+    from runner.app.stages import build_engines
     from runner.core.platform import detect
 
     ov = ["platform=cpu", "model=tiny_qwen3_moe", f"model.stages.generate.engine_extras.max_model_len={value}"]
@@ -398,7 +398,7 @@ def test_ar_sources_record_sha256_of_weights_config_and_tokenizer(compose, ar_ru
     import shutil
     from pathlib import Path
 
-    from runner.app.execute import build_engines
+    from runner.app.stages import build_engines
     from runner.core.platform import detect
 
     def sha(p):

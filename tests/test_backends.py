@@ -321,7 +321,7 @@ def _startup(overrides, sm=100, head_dim=128):
     model's head_dim faked."""
     from types import SimpleNamespace
 
-    from runner.app.execute import build_engines
+    from runner.app.stages import build_engines
 
     engine = build_engines(compose(overrides), overrides, SimpleNamespace(kind="cuda", sm=sm, device="cuda"),
                            torch.bfloat16)[-1]

@@ -175,7 +175,7 @@ def test_registry_imports_engines_lazily():
 # rendered from "x" and the expand stage's output went unused
 @pytest.mark.parametrize("template", ["x", "{prompt}"])
 def test_pipeline_template_without_the_upstream_text_is_refused(compose, template):
-    from runner.app.execute import stage_graph
+    from runner.app.stages import stage_graph
 
     cfg = compose(["platform=cpu", "model=prompt_expand_flux", f"model.stages.denoise.template='{template}'"])
     with pytest.raises(UserInputError, match=r"does not use \{text\}.*fix"):

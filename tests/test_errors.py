@@ -162,11 +162,11 @@ def _fake_gpu(monkeypatch, sm: int) -> None:
     """A CUDA GPU of compute capability ``sm`` with every optional kernel package installed (nothing loads)."""
     import models.flux as flux
     from kernels import registry as reg
-    from runner.app import execute
+    from runner.app import run as run_module
     from runner.core.platform import PlatformInfo
 
     monkeypatch.setattr(reg, "has_symbol", lambda path: True)
-    monkeypatch.setattr(execute, "detect", lambda *a, **k: PlatformInfo(kind="cuda", device="cpu",
+    monkeypatch.setattr(run_module, "detect", lambda *a, **k: PlatformInfo(kind="cuda", device="cpu",
                                                                          capability=divmod(sm, 10)))
 
     def no(*a, **k):

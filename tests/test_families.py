@@ -242,7 +242,7 @@ def test_wan_frames_must_be_4k_plus_1(compose, tmp_path, write_jsonl, frames, ok
     """WanPipeline rounds num_frames down to 4k+1 with a warning (the video would be shorter than its record);
     the runner refuses it at startup with the nearest valid counts."""
     from runner.core.dataset import DatasetError
-    from runner.app.execute import build_engines  # noqa: F401  (the engines the loop builds)
+    from runner.app.stages import build_engines  # noqa: F401  (the engines the loop builds)
 
     rows = write_jsonl([{"prompt": "a cat", "num_frames": frames}])
     cfg = compose(["model=tiny_wan", "platform=cpu", "dataset=jsonl", f"dataset.path={rows}"])

@@ -140,7 +140,7 @@ def test_schnell_default_is_not_applicable_and_a_guidance_value_is_refused(compo
     """FLUX.1-schnell (``guidance_embeds: false``): its default ``guidance_scale`` is null, so a default run sets
     nothing it ignores (rows carry null: not applicable); ``model.generation.guidance_scale=3.5`` is refused. Read
     from the model's own transformer config, before anything loads (``load_format=dummy``: no weights built)."""
-    from runner.app.execute import build_engines
+    from runner.app.stages import build_engines
 
     cfg = compose(["model=flux_schnell", "model.load_format=dummy", "platform=cpu"], test_model=False)
     assert cfg.model.generation.guidance_scale is None
@@ -207,7 +207,7 @@ def test_c12_long_row_records_tokens_per_encoder_short_rows_none_dropped(run_job
     """C12: the ``long`` row of c05 (longer than CLIP's 77 tokens and tiny_flux's T5 max_sequence_length=64), in one
     batch with short rows: its record says per text encoder its token count and how many were dropped; the short
     rows say none; the manifest and the run log count the truncated item."""
-    from runner.app.execute import build_engines
+    from runner.app.stages import build_engines
 
     path = case_file("c05_mixed_lengths.jsonl")
     with caplog.at_level(logging.WARNING, logger="runner"):

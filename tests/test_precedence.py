@@ -410,7 +410,7 @@ def test_run_level_cli_beats_yaml_stage_values_of_every_stage(tmp_path):
 
 # regression: bug: a backend under a stage the model's adapter does not have 
 def test_backend_under_unknown_stage_is_rejected(tmp_path):
-    from runner.app.execute import build_engines
+    from runner.app.stages import build_engines
     from runner.core.platform import detect
 
     conf = conf_with_presets(tmp_path, {"typo": "model:\n  stages:\n    denoize:\n      backend: {attention: cudnn}\n"})

@@ -265,7 +265,7 @@ def test_resume_of_a_run_left_running_records_crashed(tmp_path, compose):
 
 # ============================================================================================ default dirs
 def test_default_dirs_never_collide(tmp_path, subprocess_env, monkeypatch):
-    from runner.app.execute import write_repro
+    from runner.core.provenance import write_repro
 
     # repro.sh: two re-runs into the default dir in the same second get two dirs
     orig = tmp_path / "orig"

@@ -140,7 +140,8 @@ def test_key_of_another_family_is_refused_at_compose_time(compose, model, overri
 def test_appended_key_of_another_family_is_refused_before_the_run(compose, tmp_path):
     """``+model.sampling=...`` passes composition (Hydra's force-add); the run's schema check refuses it with
     the family schema of the model."""
-    from runner.app.execute import ConfigValueError, run
+    from runner.app.execute import run
+    from runner.core.errors import ConfigValueError
 
     ov = ["platform=cpu", "dataset.limit=1", f"cache_dir={tmp_path / 'cache'}", "+model.sampling={max_tokens: 4}"]
     try:
@@ -158,7 +159,7 @@ def test_appended_key_of_another_family_is_refused_before_the_run(compose, tmp_p
                                           ("tiny_qwen3_moe", schema.ARModelConfig),
                                           ("prompt_expand_flux", schema.PipelineModelConfig)])
 def test_model_family_and_run_level_validation(compose, model, family):
-    from runner.app.execute import check_schema
+    from runner.app.checks import check_schema
 
     cfg = compose([f"model={model}"])
     assert OmegaConf.get_type(cfg.model) is family

@@ -73,7 +73,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     Returns:
         The exit code (see the module docstring).
     """
-    from runner.app.execute import current_inputs, dataset_keys, run
+    from runner.app.execute import DatasetItems, run
 
     from runner.core import distributed as dp
     from runner.app.console import quiet_libraries, verbose
@@ -115,13 +115,15 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
             from runner.app.ray_launcher import run_on_ray
 
-            merged = run_on_ray(cfg, out_dir, overrides, dataset_keys(cfg), current_inputs(cfg))
+            data = DatasetItems.read(cfg)  # the driver runs no stage: its one read of the rows
+            merged = run_on_ray(cfg, out_dir, overrides, data.keys(), data.current())
             code = dp.merged_exit_code(merged)
         elif worker is not None and worker.world_size > 1:
-            code = run(cfg, out_dir, overrides=overrides, worker=worker, on_exit=on_exit)
+            data = DatasetItems()  # filled by the run's own read of the rows
+            code = run(cfg, out_dir, overrides=overrides, worker=worker, on_exit=on_exit, dataset=data)
             dp.barrier()
             if worker.rank == 0:
-                merged = dp.merge(out_dir, worker.world_size, dataset_keys(cfg), "torchrun", current_inputs(cfg),
+                merged = dp.merge(out_dir, worker.world_size, data.keys(), "torchrun", data.current(),
                                   lay=worker.layout)
                 code = dp.merged_exit_code(merged)
         else:

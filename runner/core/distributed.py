@@ -454,7 +454,7 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     Args:
         keys_in_order: every item key of the dataset, in dataset order (the merged journal follows it).
         current: given the workers' run identity hashes, the ``inputs_sha256`` values an item's ok record may
-            carry (``runner.app.execute.current_inputs``); an ok record with another value is an earlier config's
+            carry (``runner.app.execute.DatasetItems.current``); an ok record with another value is an earlier config's
             output and is left out (the same rule as a resume's, ``runner.core.resume``). None: every ok record counts.
         lay: the context-parallel layout (None: ``parallelism=data``): counts and throughput come from the writing
             ranks; ``parallelism`` gets the mesh, the degrees and every rank's role.

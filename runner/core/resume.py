@@ -304,3 +304,89 @@ def regenerate_batches(batches: Sequence[Sequence[Any]], reuse: Dict[str, Any]) 
     """Items of every batch that holds an item not in ``reuse``, batch after batch: such a batch runs again whole,
     so each of its items keeps its batch peers and position (its reused items are written again, same bytes)."""
     return [it for b in batches if any(it.key not in reuse for it in b) for it in b]
+
+
+@dataclasses.dataclass
+class ResumePlan:
+    """What a run does with what its dir already holds, decided before anything loads (:func:`plan`).
+
+    Attributes:
+        run_sha: the run identity's sha256 (:func:`identity_sha256`).
+        expected: ``{item key: {inputs_sha256, batch}}`` this run computes for each item (:func:`expected_inputs`).
+        prev: the earlier run's manifest (``status`` ``crashed`` when it still said ``running``: this run holds the
+            dir, so that process is gone), None for a fresh dir or a stage that does not resume.
+        done: the dir's finished ok records by key (:func:`finished`); ``{}`` without ``prev``.
+        reuse: the records of ``done`` this run reuses (:func:`reusable`).
+        todo: the items to generate, in dataset order: every item of a batch holding one it cannot reuse
+            (:func:`regenerate_batches`; the batch runs again whole), or every item of a stage that does not resume.
+    """
+
+    run_sha: str
+    expected: Dict[str, Dict[str, Any]]
+    prev: Optional[Dict[str, Any]]
+    done: Dict[str, Dict[str, Any]]
+    reuse: Dict[str, Dict[str, Any]]
+    todo: List[Any]
+
+
+def plan(out_dir: Path, *, items: Sequence[Any], batches: Sequence[Sequence[Any]], identity: Dict[str, Any],
+         resumable: bool, manifest_names: tuple, resume_dir: Optional[str], force: bool,
+         config: Dict[str, Any], dataset_sha: Optional[str], config_keys: Sequence[str] = ()) -> ResumePlan:
+    """The resume decision of one run (or one data-parallel worker) into ``out_dir``.
+
+    Args:
+        items: every item of this process, in dataset order; ``batches``: the same items as this run batches them
+            (empty for a stage that does not resume).
+        identity: the run identity (:func:`run_identity`); config / dataset_sha: the resolved run config and the
+            dataset's sha256, compared with the earlier run's (:func:`semantic_diff`, plus ``config_keys``: the
+            output sink's own keys).
+        resumable: whether the final stage resumes at all; manifest_names: where an earlier run's manifest may be.
+        resume_dir / force: ``run.resume`` and ``run.force``.
+
+    Raises:
+        ResumeConflictError: ``run.resume`` names a dir without a run, or the earlier run's semantic config differs
+            and ``run.force`` is false (naming every differing key and the fix).
+    """
+    run_sha = identity_sha256(identity)
+    expected = expected_inputs(run_sha, batches)
+    prev = previous_run(out_dir, manifest_names) if resumable else None
+    if resume_dir and prev is None:
+        raise ResumeConflictError(f"run.resume={resume_dir!r} holds no manifest.json, so there is no run "
+                                  "to resume; fix: point at an earlier run dir")
+    if prev is not None and prev.get("status") == "running":  # this run holds the dir: that process is gone
+        prev = {**prev, "status": "crashed"}
+    done: Dict[str, Dict[str, Any]] = {}
+    reuse: Dict[str, Dict[str, Any]] = {}
+    if prev is not None:
+        diffs = semantic_diff(prev.get("config", {}), config, prev.get("dataset", {}).get("sha256"), dataset_sha,
+                              keys=config_keys)
+        if diffs and not force:
+            raise ResumeConflictError(
+                f"{out_dir} holds a run with a different config; resuming would mix artifacts. Differing keys:\n  "
+                + "\n  ".join(diffs) + "\nfix: use a new run dir, or run.force=true to resume anyway (only items "
+                "whose inputs still match are kept)")
+        done = finished(out_dir)
+        reuse = reusable(done, expected)
+        log_not_reused(done, reuse, items, {k: v for k, v in (prev.get("identity") or {}).items() if k != "sha256"},
+                       identity)
+    again = {it.key for it in regenerate_batches(batches, reuse)}
+    todo = [it for it in items if it.key in again] if resumable else list(items)
+    return ResumePlan(run_sha=run_sha, expected=expected, prev=prev, done=done, reuse=reuse, todo=todo)
+
+
+def log_not_reused(done: Dict[str, Dict[str, Any]], reuse: Dict[str, Dict[str, Any]], items: Sequence[Any],
+                   old_identity: Optional[Dict[str, Any]], identity: Dict[str, Any]) -> None:
+    """Log the finished items of the dir that are regenerated because the current run would not produce them
+    exactly, with the reason of each (the first few) and what differs in the run identity."""
+    import logging
+
+    by_key = {it.key: it for it in items}
+    stale = [k for k in done if k in by_key and k not in reuse]
+    if not stale:
+        return
+    run_diff = identity_diff(old_identity, identity) if old_identity != identity else []
+    reasons = [f"{k} ({why_not_reused(done[k], by_key[k], bool(run_diff))})" for k in stale[:10]]
+    logging.getLogger("runner").warning(
+        "%d finished item(s) are regenerated, their inputs differ from this run's: %s%s%s", len(stale),
+        ", ".join(reasons), " ..." if len(stale) > 10 else "",
+        ("; run identity differs: " + "; ".join(run_diff[:8])) if run_diff else "")

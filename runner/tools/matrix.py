@@ -134,7 +134,7 @@ def _dtype(m: Dict[str, Any]) -> str:
     if m.get("dtype"):
         return str(m["dtype"])
     d = str((m.get("config") or {}).get("dtype") or "auto")
-    if d == "auto":  # the rule of runner.app.execute.resolve_dtype: float32 on CPU, bfloat16 elsewhere
+    if d == "auto":  # the rule of runner.app.checks.resolve_dtype: float32 on CPU, bfloat16 elsewhere
         kind = (m.get("platform") or {}).get("kind")
         return "float32" if kind == "cpu" else ("bfloat16" if kind else "auto")
     return d

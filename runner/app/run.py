@@ -1,0 +1,524 @@
+"""One run as an object (:class:`Run`), for every engine and for multi-stage pipelines.
+
+Order matters and is the product's promise: everything that can be checked without weights (config values,
+dataset rows, platform, backend selection) is checked for every stage before any stage loads. ``Run()`` reads as
+its steps:
+
+1. :meth:`Run.build_stages`: check the run config; the stage graph's engines from the registry (constructors load
+   nothing);
+2. :meth:`Run.prepare_stages`: every stage's config checks, platform, weight sources and backends resolved (fail
+   closed);
+3. :meth:`Run.plan_items`: the dataset rows (read once) and items; the resume plan (``runner.core.resume.plan``);
+4. :meth:`Run.open_manifest`: the manifest header (``runner.core.provenance``);
+5. :meth:`Run.run_stages`: per stage, in graph order, load -> batch -> generate -> sink (durable file, then journal
+   line) -> checkpoint (``runner.app.stages.run_stage``); an upstream stage's outputs rewrite the next one's prompts;
+6. :meth:`Run.verdict`: evidence of every stage that ran, the model's oracle;
+7. :meth:`Run.finalize`: outputs closed and compacted, timing, the final status — on every way the run ends (the
+   loop's end, an exception, a first signal; a second signal records it in :meth:`Run.force_exit`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from runner.app import checks
+from runner.app.signals import Stop
+from runner.app.stages import StageSpec, Timing, build_engines, feed, link_records, run_stage, stage_graph, stop_check
+from runner.core import dataset as ds
+from runner.core import evidence, lossy, provenance, resume, rundir
+from runner.core.errors import StorageError
+from runner.core.manifest import Manifest, now_iso, package_versions
+from runner.core.platform import detect
+from runner.core.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, write_folder_metadata
+
+log = logging.getLogger("runner")
+
+
+def peak_memory(kind: str) -> Dict[str, Any]:
+    """Peak memory of this process: device bytes allocated by torch (CUDA) and host peak RSS bytes."""
+    import resource
+
+    out: Dict[str, Any] = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if kind in ("cuda", "rocm") and torch.cuda.is_available():
+        out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    return out
+
+
+class Run:
+    """One run into a run dir this process's run holds (``token``); ``Run(...)()`` returns the exit code.
+
+    The state below is everything the steps share; each step sets what it computes (None/empty before).
+    """
+
+    # given
+    cfg: DictConfig
+    out_dir: Path
+    overrides: Sequence[str]
+    on_loaded: Optional[Callable[[Any], None]]  # called with the last stage's engine once loaded (tests tamper)
+    worker: Optional[Any]  # runner.core.distributed.Worker of a data-parallel / context-parallel rank
+    on_exit: Optional[Callable[[int], None]]  # called with the exit code when a second signal ends the process
+    token: Optional[str]  # the run dir's lock token this run holds
+    dataset: Optional[Any]  # runner.app.execute.DatasetItems the run fills with every item (the merge reads them)
+    # 1-2: stages
+    t_start: float
+    specs: List[StageSpec]
+    engines: List[Any]
+    plat: Any
+    dtype: torch.dtype
+    sources: Dict[str, Any]  # stage -> the weights source its prepare() resolved
+    # 3-4: items, plan, manifest header
+    rows: List[Any]
+    data_path: Any
+    items: List[Any]  # this process's items (a worker's shard), in dataset order
+    plan: resume.ResumePlan
+    journal_name: str
+    manifest_name: str
+    writes: bool  # False: a context group's other ranks compute, its first rank writes
+    resolved_cfg: Dict[str, Any]
+    backends_doc: Dict[str, Any]
+    model_doc: Dict[str, Any]
+    sink_cls: Any
+    manifest: Manifest
+    # 5-7: the loop and its outcome
+    stop: Stop
+    counts: Dict[str, int]
+    timing: Timing
+    status: str
+    results: Dict[str, Any]  # stage -> models.base.StageResult
+    links: Dict[str, Any]  # row id -> the upstream record its prompt was rendered from
+    sink: Any
+    bar: Any
+    raising: bool  # the loop ended with an exception (it goes on after finalize)
+
+    def __init__(self, cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = (),
+                 on_loaded: Optional[Callable[[Any], None]] = None, worker: Optional[Any] = None,
+                 on_exit: Optional[Callable[[int], None]] = None, token: Optional[str] = None,
+                 dataset: Optional[Any] = None) -> None:
+        self.cfg, self.out_dir, self.overrides, self.on_loaded = cfg, Path(out_dir), overrides, on_loaded
+        self.worker, self.on_exit, self.token, self.dataset = worker, on_exit, token, dataset
+        self.counts, self.timing, self.status = {"ok": 0, "failed": 0, "reused": 0}, Timing(), "running"
+        self.results, self.links, self.sink, self.bar, self.raising = {}, {}, None, None, False
+
+    @property
+    def final(self) -> Any:
+        """The last stage's engine: it writes ``items.jsonl`` and the artifacts."""
+        return self.engines[-1]
+
+    def __call__(self) -> int:
+        """The run's steps (module docstring). Raises what a step raises (``RunnerError`` subclasses before any
+        weight loads; ``evidence.EvidenceError`` after everything was written, under strict evidence)."""
+        self.t_start = time.perf_counter()
+        self.build_stages()
+        self.prepare_stages()
+        self.plan_items()
+        self.open_manifest()
+        # From the manifest's first write to its last, every way this run ends records its final status.
+        self.stop = Stop(on_force=self.force_exit)
+        self.stop.__enter__()
+        try:
+            self.run_stages()
+            self.verdict()
+        except BaseException as e:
+            self.raising = True
+            self.status = ("interrupted" if isinstance(e, KeyboardInterrupt) else
+                           "storage_error" if isinstance(e, StorageError) else "failed")
+            self.manifest.section("error", f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self.finalize()
+        return self.exit_code()
+
+    # ------------------------------------------------------------------------------------- 1-2: stages
+    def build_stages(self) -> None:
+        """1. The run config checked against the schema; the stage graph; one engine per stage; the dirs checked."""
+        checks.check_schema(self.cfg)
+        self.specs = stage_graph(self.cfg)
+        from runner.core.environment import check_outside
+
+        check_outside(self.cfg, self.out_dir, embedded=any(bool(s.model_cfg.get("embedded")) for s in self.specs))
+        self.engines = build_engines(self.cfg, self.overrides, specs=self.specs)
+
+    def prepare_stages(self) -> None:
+        """2. Every stage prepared before any stage loads: config checks, tracker, platform, dtype, backends."""
+        cfg = self.cfg
+        for e in self.engines:
+            e.check_config()
+        checks.check_run_values(cfg)
+        from runner.app.tracking import check as check_tracker
+
+        check_tracker(cfg)  # tracker=mlflow without mlflow: exit 2 now, not after the run
+        checks.check_fresh_dir(self.out_dir, self.final.resumable, self.specs[-1].adapter)
+        checks.apply_cpu_threads(cfg)
+        self.plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
+        self.dtype = checks.resolve_dtype(cfg.dtype, self.plat.kind)
+        for e in self.engines:
+            e.ctx.plat, e.ctx.dtype = self.plat, self.dtype
+            e.ctx.parallel = self.worker.layout if self.worker is not None else None
+        checks.check_cache_applies(cfg, self.engines)
+        self.sources = {e.stage: e.prepare() for e in reversed(self.engines)}
+
+    # ---------------------------------------------------------------------------------- 3: items, plan
+    def plan_items(self) -> None:
+        """3. Rows read once and checked by every stage; items (a worker's shard of the batches)."""
+        cfg, final, worker = self.cfg, self.final, self.worker
+        self.rows, self.data_path = final.read_rows()
+        for e in self.engines[:-1]:
+            e.check_inputs(self.rows, self.data_path)
+        items = final.items(self.rows, cfg.seed)
+        if self.dataset is not None:
+            self.dataset.fill(items)
+        self.journal_name, self.manifest_name = "items.jsonl", "manifest.json"
+        if worker is not None and worker.world_size > 1:
+            from runner.core.distributed import shard
+
+            # data-parallel groups (every worker, or every context group) share the batches out
+            items = shard(final.batches(items, cfg.batch_size), worker.shards, worker.shard_index)
+            self.journal_name, self.manifest_name = worker.journal, worker.manifest
+        self.items = items
+        self.writes = worker is None or worker.writes
+        self.plan_resume()
+
+    def plan_resume(self) -> None:
+        """3b. The run identity and the resume plan (``runner.core.resume.plan``: refusals before anything loads);
+        then what context-parallel ranks share is set up (every startup check passed on this rank)."""
+        cfg, final, worker = self.cfg, self.final, self.worker
+        self.data_sha = ds.dataset_sha256(self.data_path)
+        self.resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
+        self.packages = package_versions()
+        self.backends_doc = {e.stage: e.backends_section() for e in self.engines}
+        self.sink_cls = SINKS[final.output]
+        self.identity = resume.run_identity(
+            self.resolved_cfg, str(self.dtype).replace("torch.", ""), self.plat.to_dict(), self.backends_doc,
+            self.packages, self.sources[final.stage], output=self.sink_cls.identity(cfg),
+            context=worker.layout if worker is not None else None)
+        self.plan = resume.plan(
+            self.out_dir, items=self.items, identity=self.identity, resumable=final.resumable,
+            batches=final.batches(self.items, cfg.batch_size) if final.resumable else [],
+            manifest_names=(self.manifest_name, "manifest.json"), resume_dir=cfg.run.resume,
+            force=bool(cfg.run.force), config=self.resolved_cfg, dataset_sha=self.data_sha,
+            config_keys=self.sink_cls.config_keys)
+        if self.plan.prev is not None and worker is None:  # a data-parallel run's owner cleans (claim_run_dir, ray)
+            resume.remove_temp_files(self.out_dir)
+        self.counts["reused"] = len(self.items) - len(self.plan.todo)
+        if worker is not None:
+            from runner.core.distributed import init_context_groups
+
+            init_context_groups(worker)
+        for e in self.engines:
+            e.start_parallel()
+
+    # ----------------------------------------------------------------------------------- 4: the header
+    def open_manifest(self) -> None:
+        """4. The manifest's header: who holds the dir, the worker, what was resumed, then the provenance
+        sections (``runner.core.provenance.header_sections``)."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.manifest = m = Manifest(self.out_dir / self.manifest_name)
+        lock = rundir.held(self.out_dir)
+        m.section("owner", lock.holder if lock is not None else rundir.holder_record(self.token or ""))
+        if lock is not None:  # holder, start, command; a stale lock of a dead run taken over (lock.took_over)
+            m.section("lock", lock.record())
+            if lock.took_over is not None:
+                log.warning("run dir %s: took over the stale lock of %s (that process is gone)", self.out_dir,
+                            rundir.describe(lock.took_over))
+        if self.worker is not None:
+            from runner.core.distributed import worker_record
+
+            m.section("worker", worker_record(self.worker, len(self.items)))
+        prev = self.plan.prev
+        if prev is not None:
+            m.section("resumed_from", {"run_id": prev.get("run_id"), "status": prev.get("status"),
+                                       "reused_items": self.counts["reused"], "forced": bool(self.cfg.run.force)})
+        for name, value in provenance.header_sections(
+                resolved_cfg=self.resolved_cfg, overrides=self.overrides, packages=self.packages,
+                identity=self.identity, run_sha=self.plan.run_sha, platform=self.plat.to_dict(),
+                dtype=str(self.dtype).replace("torch.", ""), dataset=self.dataset_doc(), model=self.model_section(),
+                backends=self.backends_doc, lossy=self.lossy_section(), pipeline=self.pipeline_section(),
+                environment=provenance.library_environment(self.sources.values())):
+            m.section(name, value)
+
+    def dataset_doc(self) -> Dict[str, Any]:
+        """The manifest's ``dataset``: format, path, sha256, rows (and items, for artifact outputs)."""
+        doc = {"format": self.cfg.dataset.format, "path": str(Path(self.data_path).resolve()),
+               "sha256": self.data_sha, "rows": len(self.rows)}
+        if self.final.output != "text":
+            doc["items"] = len(self.items)
+        return doc
+
+    def model_section(self) -> Dict[str, Any]:
+        """The manifest's ``model`` before loading (name, adapter, the final stage's weights source)."""
+        self.model_doc = {"name": self.cfg.model.name, "adapter": self.cfg.model.adapter,
+                          "source": self.sources[self.final.stage]}
+        return self.model_doc
+
+    def lossy_section(self) -> Dict[str, Any]:
+        """The manifest's ``lossy``: the lanes that change results by design (``runner.core.lossy.section``)."""
+        cache = getattr(self.final, "cache_settings", None)  # models.cache.CacheSettings (diffusion engines)
+        return lossy.section(self.backends_doc, self.resolved_cfg, cache.schedule if cache is not None else None)
+
+    def pipeline_section(self) -> Optional[Dict[str, Any]]:
+        """The manifest's ``pipeline`` of a multi-stage model (stages and what feeds what), else None."""
+        if len(self.specs) < 2:
+            return None
+        first, last = self.specs[0], self.specs[-1]
+        return {"stages": [s.name for s in self.specs], "feeds": {
+            first.name: {"input": "dataset prompt", "output": f"{first.name}.jsonl"},
+            self.final.stage: {"input": last.input, "template": last.template}}}
+
+    # ----------------------------------------------------------------------------------- 5: the stages
+    def run_stages(self) -> None:
+        """5. Every stage in graph order: the upstream stages (their text rewrites the prompts), then the final
+        stage into its sink, the manifest checkpointed after every batch."""
+        self.manifest.flush()
+        if self.worker is None or self.worker.rank == 0:
+            provenance.write_repro(self.out_dir, self.overrides, self.manifest.doc["packages"],
+                                   self.manifest.doc["environment"])
+        from tqdm import tqdm
+
+        todo = self.plan.todo
+        self.bar = tqdm(total=len(self.items), initial=len(self.items) - len(todo), unit=self.final.unit,
+                        desc=self.cfg.model.name, dynamic_ncols=True)
+        self.sink = self.open_sink()
+        todo = self.run_upstream(todo)
+        originals = {it.key: it for it in self.items}  # before an upstream stage rewrote the prompts
+        run_sha = self.plan.run_sha
+        self.results[self.final.stage] = run_stage(
+            self.final, todo, self.sink, self.cfg, self.stop, self.timing, on_loaded=self.on_loaded,
+            links=self.links, after_load=self.after_load, checkpoint=self.checkpoint,
+            identity=(lambda it: resume.inputs_sha256(run_sha, originals[it.key])) if self.final.resumable else None,
+            should_stop=stop_check(self.stop, self.worker))
+
+    def open_sink(self) -> Any:
+        """The final stage's sink (``runner.core.sinks.SINKS`` by output kind; a rank that only computes gets a
+        ``ComputeOnlySink``), counting every record it writes."""
+        workers = int(self.cfg.output.write_workers)
+        threads = (dict(workers=workers, max_pending=4 * max(1, workers) + self.cfg.batch_size)
+                   if self.sink_cls.threaded else {})
+        if self.writes:
+            return self.sink_cls(self.out_dir, self.journal_name, on_record=self.on_record, **threads,
+                                 **self.sink_cls.options(self.cfg))
+        from runner.core.sinks import ComputeOnlySink
+
+        return ComputeOnlySink(self.out_dir, on_record=self.on_record)
+
+    def run_upstream(self, todo: List[Any]) -> List[Any]:
+        """The stages before the final one, each over the first item of every row still to do; returns ``todo``
+        with its prompts rebuilt from the upstream text (``runner.app.stages.feed``)."""
+        for e, spec in zip(self.engines[:-1], self.specs):
+            if not todo or self.stop.signum is not None:
+                break
+            firsts = list({it.row.id: it.row for it in todo}.values())
+            up_sink = SINKS[e.output](self.out_dir, f"{e.stage}.jsonl")
+            try:
+                self.results[e.stage] = run_stage(e, e.items_from(firsts), up_sink, self.cfg, self.stop, Timing())
+            finally:
+                up_sink.close()
+                e.close()
+                compact_journal(self.out_dir / f"{e.stage}.jsonl")
+            self.links = link_records(e.stage, self.results[e.stage].records)
+            todo = feed(todo, self.links, self.specs[-1].template)
+            self.backends_doc[e.stage] = e.backends_section()
+            self.manifest.section("backends", self.backends_doc)
+            self.manifest.section("pipeline", {**self.manifest.doc["pipeline"], "links": len(self.links),
+                                               e.stage: {"load_s": round(e.load_s, 3), "source": e.source}})
+            self.manifest.flush()
+        return todo
+
+    def on_record(self, rec: Dict[str, Any]) -> None:
+        """A record the sink wrote (ok or failed): counted, and the bar moves."""
+        self.counts["ok" if rec["status"] == "ok" else "failed"] += 1
+        self.bar.update(1)
+
+    def checkpoint(self) -> None:
+        """After every batch: the counts, in the manifest on disk."""
+        self.manifest.section("counts", self.counts)
+        self.manifest.flush()
+
+    def after_load(self, sections: Dict[str, Any]) -> None:
+        """The final stage loaded: its load sections (``model`` merged) and resolved backends into the manifest."""
+        self.manifest.section("model", {**self.model_doc, "source": self.final.source, **sections.pop("model", {})})
+        for k, v in sections.items():
+            self.manifest.section(k, v)
+        self.manifest.section("backends", {**self.backends_doc, self.final.stage: self.final.backends_section()})
+        self.manifest.flush()
+
+    # --------------------------------------------------------------------------------------- 6: verdict
+    def verdict(self) -> None:
+        """6. The status of the loop, the evidence of every stage that ran, the oracle's accuracy, the prompts."""
+        m, final = self.manifest, self.final
+        if self.stop.signum is not None:
+            self.status = "interrupted"
+        else:
+            self.status = "completed" if self.counts["failed"] == 0 else "completed_with_failures"
+        ev = evidence_doc(self.cfg, self.plat, self.engines, self.results)
+        m.section("evidence", ev)
+        self.sink.drain()
+        journal = {r["key"]: r for r in read_journal(self.out_dir / self.journal_name) if "key" in r}
+        acc = final.accuracy(self.items, journal, self.out_dir) if self.writes else None
+        if acc is not None:
+            m.section("accuracy", acc)
+        prompts = final.prompts_section(list(journal.values()))
+        if prompts is not None:
+            m.section("prompts", prompts)
+        if ev["verdict"] == "mismatch" and self.status != "interrupted":
+            self.status = "evidence_mismatch" if self.cfg.evidence.strict else "limited"
+
+    # -------------------------------------------------------------------------------------- 7: finalize
+    def finalize(self) -> None:
+        """7. Outputs closed (every produced artifact written, also when the loop raised) and the journal
+        compacted; then, whatever happened there, the final sections and status; the signal handlers restored.
+        An error while closing is raised after the status is written, unless the loop's own error is on its way."""
+        closing_error: Optional[BaseException] = None
+        try:
+            try:
+                self.close_outputs()
+            except BaseException as e:  # the final status is written all the same, then the error goes on
+                closing_error = e
+                if self.status not in ("interrupted", "storage_error"):
+                    self.status = "storage_error" if isinstance(e, StorageError) else "failed"
+                self.manifest.doc.setdefault("error", f"{type(e).__name__}: {e}")
+            try:
+                self.final_sections()
+            finally:
+                self.manifest.doc["status"] = self.status
+                self.manifest.doc["ended_at"] = now_iso()
+                self.manifest.flush()
+        finally:
+            self.stop.__exit__(None, None, None)
+        if closing_error is not None and not self.raising:  # else the error that ended the loop goes on
+            raise closing_error
+
+    def close_outputs(self) -> None:
+        """Close the sink, the bar and every engine; compact the journal; the folder indexes and the files of
+        the dir that are not this run's items."""
+        try:
+            if self.sink is not None:
+                self.sink.close()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            for e in self.engines:
+                e.close()
+        if self.sink is None or not self.writes:
+            return
+        out_dir, name = self.out_dir, self.journal_name
+        before = read_journal(out_dir / name) if self.worker is None else []  # compaction drops some
+        compact(out_dir, self.items, name, self.final, self.plan.expected)
+        if self.worker is None:  # the folder indexes follow the compacted journal (a merge writes them for workers)
+            self.manifest.section("folder_metadata", write_folder_metadata(
+                out_dir, read_journal(out_dir / name), self.cfg.model.name, self.manifest.doc["run_id"]))
+            unlisted = keep_unlisted(out_dir, name, before)
+            if unlisted:
+                log.warning("%d file(s) in %s are not items of this run (an earlier run's, e.g. a larger "
+                            "dataset.limit); their records are kept in %s", unlisted, out_dir, UNLISTED)
+            self.manifest.section("unlisted_files", {"count": unlisted, "journal": UNLISTED})
+
+    def final_sections(self) -> None:
+        """The manifest's counts, timing, compile and memory sections."""
+        self.manifest.section("counts", self.counts)
+        self.manifest.section("timing", self.timing_section())
+        comp = self.final.compile_section()
+        if comp is not None:
+            self.manifest.section("compile", comp)
+        self.manifest.section("memory", peak_memory(self.plat.kind))
+
+    def timing_section(self) -> Dict[str, Any]:
+        """The manifest's ``timing`` (seconds; rates per second of ``generate`` and per hour of the loop)."""
+        t, final = self.timing, self.final
+        res = self.results.get(final.stage)
+        phases = final.timing_phases(t.generate_s)
+        write_s = getattr(self.sink, "write_s", 0.0)
+        ok = self.counts["ok"]
+        rate = {"image": "images", "video": "videos"}.get(final.output, "items")  # images_per_s, ...
+        return {
+            "wall_s": round(time.perf_counter() - self.t_start, 3), "load_s": round(t.load_s, 3),
+            "warmup_s": round(t.warmup_s, 3), "generate_s": round(t.generate_s, 3),
+            "write_s": round(write_s, 3), "write_wait_s": round(getattr(self.sink, "wait_s", 0.0), 3),
+            "write_workers": int(self.cfg.output.write_workers), "loop_s": round(t.loop_s, 3),
+            "phases_s": {k: round(v, 4) for k, v in phases.items()} | {"write": round(write_s, 4)},
+            f"{rate}_per_s": round(ok / t.generate_s, 4) if t.generate_s else None,
+            f"{rate}_per_hour": round(3600 * ok / t.loop_s, 1) if t.loop_s else None,
+            **(final.timing_extra(res, t.generate_s) if res is not None else {})}
+
+    def force_exit(self, signum: int) -> None:
+        """A second signal (``Stop``): the final status recorded, then the process ends (``os._exit``)."""
+        m = self.manifest
+        m.section("counts", self.counts)
+        m.section("interrupt", {"signal": signal.Signals(signum).name, "forced": True,
+                                "note": "a second signal ended the process without finishing the current "
+                                        "batch; a resume regenerates what it did not write"})
+        m.doc["status"] = "interrupted"
+        m.doc["ended_at"] = now_iso()
+        m.flush()
+        if self.on_exit is not None:
+            self.on_exit(128 + signum)
+        rundir.release_all()
+
+    def exit_code(self) -> int:
+        """0: every item written and verified; 1: some failed; 128+signal: interrupted.
+
+        Raises:
+            evidence.EvidenceError: strict evidence found a mismatch (everything was written).
+        """
+        c = self.counts
+        log.info("run %s: %d ok, %d failed, %d reused, %.1f s -> %s", self.status, c["ok"], c["failed"],
+                 c["reused"], time.perf_counter() - self.t_start, self.out_dir)
+        if self.status == "evidence_mismatch":
+            raise evidence.EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
+                                         + "\n  ".join(self.manifest.doc["evidence"]["mismatches"]))
+        if self.status == "interrupted":
+            return 128 + (self.stop.signum or signal.SIGINT)
+        return 0 if c["failed"] == 0 else 1
+
+
+def evidence_doc(cfg: DictConfig, plat: Any, engines: Sequence[Any], results: Dict[str, Any]) -> Dict[str, Any]:
+    """The manifest's ``evidence``: each stage that generated gives its section and mismatches
+    (``engine.evidence``); the verdict is ``mismatch`` when any stage contradicts its resolution, else
+    ``nonfinite_outputs`` when an output held NaN/inf, else ``verified``; ``not_collected`` when nothing was generated
+    (every item reused) or ``evidence.enabled=false``."""
+    ran = [e for e in engines if e.stage in results and results[e.stage].generated]
+    nonfinite = sum(r.nonfinite for r in results.values())
+    if not ran:
+        return {"enabled": cfg.evidence.enabled, "pid": os.getpid(), "device": plat.device, "all_finite": True,
+                "verdict": "not_collected", "reason": "every item was reused from the earlier run", "mismatches": []}
+    if not cfg.evidence.enabled:
+        return {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": nonfinite == 0,
+                "verdict": "not_collected", "mismatches": []}
+    stages_doc: Dict[str, Any] = {}
+    mismatches: List[str] = []
+    for e in ran:
+        stages_doc[e.stage], mm = e.evidence(results[e.stage])
+        mismatches += mm
+    return {"enabled": True, "pid": os.getpid(), "device": plat.device, "stages": stages_doc,
+            "all_finite": nonfinite == 0,
+            "verdict": "mismatch" if mismatches else ("nonfinite_outputs" if nonfinite else "verified"),
+            "mismatches": mismatches}
+
+
+def compact(out_dir: Path, items: List[Any], name: str, final: Any, expected: Dict[str, Dict[str, Any]]) -> None:
+    """Rewrite the journal with the latest record per item, in dataset order (after a resume the file then reads
+    exactly like an uninterrupted run's). For a resumable stage, ok records of items reused from another journal
+    of the dir (an earlier merged run, other workers) are copied in, so the journal covers all of ``items``; an ok
+    record whose ``inputs_sha256`` is not the current run's (an earlier config's output that this run did not get
+    to regenerate) is left out, so no journal line claims an artifact the current config did not produce."""
+    extra: Dict[str, Dict[str, Any]] = {}
+    current = None
+    if final.resumable:
+        def current(r: Dict[str, Any]) -> bool:
+            return r.get("status") != "ok" or r.get("inputs_sha256") == (expected.get(r.get("key")) or {}).get(
+                "inputs_sha256")
+
+        for p in sorted(out_dir.glob("items*.jsonl")):
+            if p.name != name:
+                extra.update({r["key"]: r for r in read_journal(p) if r.get("status") == "ok" and current(r)})
+    compact_journal(out_dir / name, order=[it.key for it in items], extra=extra, keep=current)
+
+
