@@ -332,8 +332,9 @@ def test_source_path_expands_the_home_dir(tmp_path, monkeypatch):
 
 def _row(id: str, seed=None, n: int = 1, line: int = 1, **kw: Any) -> Row:
     base = dict(negative_prompt=None, width=64, height=64, num_inference_steps=4, guidance_scale=3.5)
+    values = {k: kw.pop(k) for k in ("num_frames", "fps") if k in kw}  # the video fields: Row.values
     base.update(kw)
-    return Row(id=id, prompt="p", seed=seed, num_images_per_prompt=n, line=line, **base)
+    return Row(id=id, prompt="p", seed=seed, num_images_per_prompt=n, line=line, values=values, **base)
 
 
 def test_derive_seed_is_fixed_per_run_seed_and_id():
