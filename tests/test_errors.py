@@ -69,7 +69,7 @@ def test_every_exception_class_derives_from_runner_error():
 
 
 def test_errors_module_imports_nothing_from_the_project():
-    tree = ast.parse((REPO_ROOT / "runner" / "errors.py").read_text(encoding="utf-8"))
+    tree = ast.parse((REPO_ROOT / "runner" / "core" / "errors.py").read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module or ""] if isinstance(node, ast.ImportFrom) else []
@@ -91,9 +91,9 @@ CONTRACT = {
     "runner.core.resolve.StageConflictError": ("invalid", 2, ValueError),
     "runner.core.platform.PlatformError": ("invalid", 2, RuntimeError),
     "runner.core.resume.ResumeConflictError": ("invalid", 2, ValueError),
-    "models.vllm_stage.ARConfigError": ("invalid", 2, ValueError),
+    "models.vllm.rows.ARConfigError": ("invalid", 2, ValueError),
     "models.flux.ModelPathError": ("invalid", 2, ValueError),
-    "models.vllm_engine.VLLMConfigError": ("invalid", 2, ValueError),
+    "models.vllm.names.VLLMConfigError": ("invalid", 2, ValueError),
     "kernels.registry.BackendError": ("invalid", 2, ValueError),
     "kernels.registry.UnknownBackendError": ("invalid", 2, ValueError),
     "kernels.registry.BackendUnavailableError": ("refused", 2, ValueError),
