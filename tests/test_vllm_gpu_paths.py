@@ -90,7 +90,7 @@ def test_swapped_experts_are_a_mismatch_for_an_explicit_moe_name():
 
 
 def test_cuda_refusals_before_the_engine(monkeypatch):
-    monkeypatch.setattr(ve, "_importable", lambda mod: False if mod == "flashinfer" else True)
+    monkeypatch.setattr(vn, "importable", lambda mod: False if mod == "flashinfer" else True)
     assert "flashinfer package" in vn.cuda_unhonoured("moe", "flashinfer_cutlass", 90)
     assert vn.cuda_unhonoured("moe", "triton", 90) is None
     assert "not supported for unquantized MoE" in vn.cuda_unhonoured("moe", "triton_unfused", 90)
@@ -196,7 +196,7 @@ def test_flashinfer_sampler_is_switched_off_without_flashinfer(monkeypatch):
 
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True)
-    monkeypatch.setattr(ve, "_importable", lambda mod: mod != "flashinfer")
+    monkeypatch.setattr(va, "importable", lambda mod: mod != "flashinfer")
     assert va.prepare_environment() == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert va.prepare_environment() == {}  # set once; a user's value is never overwritten
@@ -207,7 +207,7 @@ def test_flashinfer_sampler_is_switched_off_without_flashinfer(monkeypatch):
     (4, 4, "stop", True, True), (5, 4, "stop", True, False),  # one discarded step after a stop, no more
     (4, 4, "stop", False, False), (2, 4, "stop", True, False)])
 def test_decode_steps_under_async_scheduling(decode_steps, n_out, finish, async_sched, ok):
-    from models.vllm.engine import decode_steps_ok
+    from models.vllm.observation import decode_steps_ok
 
     assert decode_steps_ok(decode_steps, n_out, finish, async_sched) is ok
 

@@ -462,7 +462,8 @@ class VLLMEngine(EngineBase):
         prompt (``prefill_tokens + prefix_cached_tokens == prompt_tokens``) and each output token after the first
         came from one decode step (under async scheduling a request ended by a stop may have one more, discarded).
         """
-        from models.vllm.observation import CPU_OPS, check_gpu_kernels, mismatches
+        from models.vllm.observation import (check_gpu_kernels, cpu_ops_checked, mismatches, phase_calls,
+                                             request_mismatches)
 
         obs = self.observer
         built, wcfg = self.worker["built"], self.worker["config"]
@@ -473,17 +474,8 @@ class VLLMEngine(EngineBase):
             got = wcfg["kernel_config"][f"{fld}_backend"]
             if want != got:
                 mm.append(f"stage {self.name}, {fld}: resolved {want}, the worker's KernelConfig holds {got}")
-        calls = {}
-        for phase in ("prefill", "decode"):
-            steps = obs.steps[phase]
-            got = obs.calls[phase]
-            calls[phase] = {"steps": steps, "steps_total": obs.steps_total[phase], "calls": dict(got),
-                            "expected_calls": {k: n * steps for k, n in obs.layers.items()}}
-            for kind, n in obs.layers.items():
-                if got.get(kind, 0) != n * steps:
-                    mm.append(f"stage {self.name}, {phase}: {kind} layers ran {got.get(kind, 0)} times in {steps} "
-                              f"steps, expected {n} layers x {steps}")
-        ops_found: Dict[str, Dict[str, int]] = {}
+        calls, cmm = phase_calls(self.name, obs)
+        mm += cmm
         kernels_checked: Dict[str, Any] = {}
         if self.plat.kind in ("cuda", "rocm") and obs.profile:
             kernels_checked, kmm = check_gpu_kernels(built, obs.layers, obs.kernels)
@@ -491,42 +483,11 @@ class VLLMEngine(EngineBase):
             for phase in ("prefill", "decode"):
                 if obs.steps_total[phase] and phase not in kernels_checked:
                     mm.append(f"stage {self.name}, {phase}: no profile of a {phase} step")
+        ops_found: Dict[str, Dict[str, int]] = {}
         if self.plat.kind == "cpu" and obs.profile:
-            kernel = None
-            for k in built["linear"]["layers"]:
-                kernel = k.split("cpu_kernel=")[-1]
-                break
-            want_ops = {"attention": [CPU_OPS["attention"].get(b) for b in built["attention"]["backends"]],
-                        "moe": [CPU_OPS["moe"].get(b) for b in built["moe"]["backends"]],
-                        "linear": [CPU_OPS["linear"].get(kernel or "")]}
-            for phase, ops in obs.ops.items():
-                ops_found[phase] = {}
-                for kind, names in want_ops.items():
-                    for name in names:
-                        n = ops.get(name, 0) if name else 0
-                        ops_found[phase][name or f"<no known op for {kind}>"] = n
-                        if n < obs.layers.get(kind, 1):
-                            mm.append(f"stage {self.name}, {phase}: profiled {n} calls of {name or 'a known op'} "
-                                      f"for {kind} ({built[kind].get('backends') or built[kind].get('methods')}), "
-                                      f"expected >= {obs.layers.get(kind, 1)}")
-        async_sched = bool(wcfg.get("async_scheduling"))
-        for r in records:
-            t = r.get("tokens")
-            if r["index"] != 0:
-                continue
-            if not t:
-                mm.append(f"stage {self.name}, request {r['id']}: no scheduler record")
-                continue
-            if t["prefill_tokens"] + t["prefix_cached_tokens"] != t["prompt_tokens"] or \
-                    t["prompt_tokens"] != len(r["prompt_token_ids"]):
-                mm.append(f"stage {self.name}, request {r['id']}: prefill covered {t['prefill_tokens']} + "
-                          f"{t['prefix_cached_tokens']} cached of {len(r['prompt_token_ids'])} prompt tokens")
-            if r["sampling"].get("n", 1) == 1 and not decode_steps_ok(t["decode_steps"], len(r["output_token_ids"]),
-                                                                      r.get("finish_reason"), async_sched):
-                mm.append(f"stage {self.name}, request {r['id']}: {t['decode_steps']} decode steps for "
-                          f"{len(r['output_token_ids'])} output tokens (expected one per token after the first"
-                          + (", plus at most one discarded step after a stop under async scheduling"
-                             if async_sched else "") + ")")
+            ops_found, omm = cpu_ops_checked(self.name, built, obs)
+            mm += omm
+        mm += request_mismatches(self.name, records, bool(wcfg.get("async_scheduling")))
         top = {ph: dict(sorted(((k, v) for k, v in ops.items() if k.startswith(("_C::", "vllm::"))),
                                key=lambda kv: kv[0])) for ph, ops in obs.ops.items()}
         section = {
@@ -541,17 +502,6 @@ class VLLMEngine(EngineBase):
             "requests": {r["key"]: r.get("tokens") for r in records},
         }
         return section, mm
-
-
-def decode_steps_ok(decode_steps: int, output_tokens: int, finish_reason: Optional[str], async_sched: bool) -> bool:
-    """One decode step per output token after the first (the prefill step samples the first). Under async
-    scheduling (vLLM's default on GPUs) a request's next step is scheduled before its last token is sampled: a
-    request that stops (EOS / stop string) may have one more decode step, whose token vLLM discards
-    (``v1/core/sched`` ``async_tokens_to_discard``); a length-limited one never does (vLLM does not schedule past
-    ``max_tokens``)."""
-    want = max(0, output_tokens - 1)
-    extra = 1 if (async_sched and finish_reason == "stop") else 0
-    return want <= decode_steps <= want + extra
 
 
 def model_cfg_of(cfg: DictConfig, stage: str) -> Any:

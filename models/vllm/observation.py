@@ -11,7 +11,7 @@ worker reports is the evidence, never the request.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from models.vllm.names import MOE_EXPERTS
 
@@ -456,3 +456,77 @@ class StepObserver:
     def per_request(self) -> Dict[str, Dict[str, int]]:
         """Counts keyed by the request id ``LLM.generate`` reports (vLLM's internal ids add ``-<hash>``)."""
         return {rid.split("-")[0]: v for rid, v in self.requests.items()}
+
+
+def decode_steps_ok(decode_steps: int, output_tokens: int, finish_reason: Optional[str], async_sched: bool) -> bool:
+    """One decode step per output token after the first (the prefill step samples the first). Under async
+    scheduling (vLLM's default on GPUs) a request's next step is scheduled before its last token is sampled: a
+    request that stops (EOS / stop string) may have one more decode step, whose token vLLM discards
+    (``v1/core/sched`` ``async_tokens_to_discard``); a length-limited one never does (vLLM does not schedule past
+    ``max_tokens``)."""
+    want = max(0, output_tokens - 1)
+    extra = 1 if (async_sched and finish_reason == "stop") else 0
+    return want <= decode_steps <= want + extra
+
+
+def phase_calls(stage: str, obs: StepObserver) -> Tuple[Dict[str, Any], List[str]]:
+    """Per phase (prefill, decode): the observed steps and layer calls against one call per layer per step;
+    ``(evidence calls section, mismatches)``."""
+    calls, mm = {}, []
+    for phase in ("prefill", "decode"):
+        steps = obs.steps[phase]
+        got = obs.calls[phase]
+        calls[phase] = {"steps": steps, "steps_total": obs.steps_total[phase], "calls": dict(got),
+                        "expected_calls": {k: n * steps for k, n in obs.layers.items()}}
+        for kind, n in obs.layers.items():
+            if got.get(kind, 0) != n * steps:
+                mm.append(f"stage {stage}, {phase}: {kind} layers ran {got.get(kind, 0)} times in {steps} "
+                          f"steps, expected {n} layers x {steps}")
+    return calls, mm
+
+
+def cpu_ops_checked(stage: str, built: Mapping[str, Any], obs: StepObserver
+                    ) -> Tuple[Dict[str, Dict[str, int]], List[str]]:
+    """On CPU: the profiled calls of the op of what the worker built (:data:`CPU_OPS`), at least one per layer
+    per phase; ``({phase: {op: calls}}, mismatches)``."""
+    kernel = next((k.split("cpu_kernel=")[-1] for k in built["linear"]["layers"]), None)
+    want_ops = {"attention": [CPU_OPS["attention"].get(b) for b in built["attention"]["backends"]],
+                "moe": [CPU_OPS["moe"].get(b) for b in built["moe"]["backends"]],
+                "linear": [CPU_OPS["linear"].get(kernel or "")]}
+    found: Dict[str, Dict[str, int]] = {}
+    mm: List[str] = []
+    for phase, ops in obs.ops.items():
+        found[phase] = {}
+        for kind, names in want_ops.items():
+            for name in names:
+                n = ops.get(name, 0) if name else 0
+                found[phase][name or f"<no known op for {kind}>"] = n
+                if n < obs.layers.get(kind, 1):
+                    mm.append(f"stage {stage}, {phase}: profiled {n} calls of {name or 'a known op'} for {kind} "
+                              f"({built[kind].get('backends') or built[kind].get('methods')}), expected >= "
+                              f"{obs.layers.get(kind, 1)}")
+    return found, mm
+
+
+def request_mismatches(stage: str, records: Sequence[Mapping[str, Any]], async_sched: bool) -> List[str]:
+    """Per request (its first output): prefill covered the prompt (``prefill_tokens + prefix_cached_tokens ==
+    prompt_tokens``) and the decode steps match the output tokens (:func:`decode_steps_ok`)."""
+    mm = []
+    for r in records:
+        t = r.get("tokens")
+        if r["index"] != 0:
+            continue
+        if not t:
+            mm.append(f"stage {stage}, request {r['id']}: no scheduler record")
+            continue
+        if t["prefill_tokens"] + t["prefix_cached_tokens"] != t["prompt_tokens"] or \
+                t["prompt_tokens"] != len(r["prompt_token_ids"]):
+            mm.append(f"stage {stage}, request {r['id']}: prefill covered {t['prefill_tokens']} + "
+                      f"{t['prefix_cached_tokens']} cached of {len(r['prompt_token_ids'])} prompt tokens")
+        if r["sampling"].get("n", 1) == 1 and not decode_steps_ok(t["decode_steps"], len(r["output_token_ids"]),
+                                                                  r.get("finish_reason"), async_sched):
+            mm.append(f"stage {stage}, request {r['id']}: {t['decode_steps']} decode steps for "
+                      f"{len(r['output_token_ids'])} output tokens (expected one per token after the first"
+                      + (", plus at most one discarded step after a stop under async scheduling"
+                         if async_sched else "") + ")")
+    return mm
