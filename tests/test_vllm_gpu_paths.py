@@ -99,7 +99,7 @@ def test_cuda_refusals_before_the_engine(monkeypatch):
     assert "ViT-only" in vn.cuda_unhonoured("attention", "TORCH_SDPA", 90)  # what backend.attention=sdpa maps to
     assert "ignores linear_backend='cutlass'" in vn.cuda_unhonoured("linear", "cutlass", 90)
     assert vn.cuda_unhonoured("linear", "torch", 90) is None
-    monkeypatch.setattr(ve, "flash_attn_versions", lambda: {"fa2": False, "fa3": True})  # the carried wheel
+    monkeypatch.setattr(vn, "flash_attn_versions", lambda: {"fa2": False, "fa3": True})  # the carried wheel
     assert vn.cuda_unhonoured("attention", "FLASH_ATTN", 90) is None
     assert "FA3 only" in vn.cuda_unhonoured("attention", "FLASH_ATTN", 80)
     names = vn.VLLMNames(on_cpu=False, sm=90)
