@@ -408,3 +408,15 @@ def test_safe_stem_length():
 def test_item_key_and_file_stem():
     assert Item(row=_row("a/b"), index=0, seed=1).filename_stem == ds.safe_stem("a/b")
     assert Item(row=_row("a", n=2), index=1, seed=1).key == "a-1"
+
+
+def test_csv_trailing_commas_are_told_apart_from_an_unquoted_comma(tmp_path):
+    """Issue 29: ``a,a red circle,,`` under ``id,prompt`` has 4 cells for 2 columns, its extra cells empty: trailing
+    commas, not a prompt to quote; an unquoted comma in a value keeps the quoting hint. Every such row is named."""
+    p = tmp_path / "rows.csv"
+    p.write_text("id,prompt\na,a red circle,,\nb,a blue, square\nc,fine\n", encoding="utf-8")
+    assert problems(p, fmt="csv") == [
+        f"{p}:2: row has more cells than the header has columns (4 cells, 2 columns; the 2 extra cell(s) are empty: "
+        "trailing commas); fix: remove the trailing commas",
+        f"{p}:3: row has more cells than the header has columns (3 cells, 2 columns); fix: quote prompts that "
+        "contain commas"]
