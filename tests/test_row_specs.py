@@ -139,3 +139,33 @@ def test_an_added_field_reaches_items_jsonl_and_resume(strength_engine, execute,
     by2 = {r["key"]: r for r in again.items}
     assert by2["a"]["inputs_sha256"] == by["a"]["inputs_sha256"]
     assert by2["b"]["inputs_sha256"] != by["b"]["inputs_sha256"] and by2["b"]["params"]["strength"] == 0.75
+
+
+# ------------------------------------------------------------------------------------------------ identities kept
+#: ``inputs_sha256`` (under the run hash ``"x"``) of the rows below as the closed ``Row`` of main at d6c0ce0
+#: computed them (image rows, video rows, an ignored negative prompt and fps recorded): the run dirs written before
+#: row specs must still resume.
+KEPT = {"a": "568a0f0f94a47c66f189fae13d7fb0e213eff9fd67aa135fa088385bfe59d259",
+        "b": "343acebf91b73f605250ebaa9843cdf57f276b1972988b78f14e1a59de36f9cd",
+        "c": "ff37d820a2d0960f9897b2780a04a9ec88c802e73653971d6d288c4ba23e9338",
+        "d-0": "b32aa47fc2fa2dee9bfefcc139b6ee1993313435a3384261bc1f085bdb4b175c",
+        "d-1": "97b47d619a35eee8838a7ac7b79d2cb9dfea45ddd7957298b8a6aacc336ed4a7",
+        "e": "e56e97ead89682c63e05c81f98c71c61ba52cacbe1e346f5967838afbc5a78ab"}
+KEPT_VIDEO = {"a": "5c8f4e5f0ddf3767d964eb8433123e3a59049ba3977de0fd44aaec9472bb5aab",
+              "c": "e8a7e7e01c528cc7832edf280d0d944547f6b9b738d8871dcf0745be2808fdfb",
+              "e": "30bf992b2859d335de0f9b5df017808f41ed6020530028df8ab8204252279827"}
+
+
+def test_item_identities_of_earlier_run_dirs_are_kept(tmp_path):
+    rows = [{"id": "a", "prompt": "a fox"}, {"id": "b", "prompt": "q", "seed": 5, "width": 32, "guidance_scale": 2},
+            {"id": "c", "prompt": "v", "num_frames": 5, "fps": 12, "negative_prompt": "ugly"},
+            {"id": "d", "prompt": "w", "num_frames": 9, "expect": {"color": "red"}, "num_images_per_prompt": 2},
+            {"id": "e", "prompt": "x", "guidance_scale": 4.0, "negative_prompt": "n"}]
+    p = _jsonl(tmp_path, rows)
+    ignored = {"negative_prompt": ("why", "fix"), "fps": ("w", "f")}
+    for defaults, want in (({}, KEPT), ({"guidance_scale": None, "num_frames": 9, "fps": 8}, KEPT_VIDEO)):
+        # the recorded ``ignored.from`` names the file the hashes were computed with
+        got = ds.apply_ignored(_load(p, spec=ds.VIDEO_ROW, **defaults), Path("/tmp/idrows.jsonl"), ignored, "record",
+                               "m")
+        hashes = {it.key: rs.inputs_sha256("x", it) for it in ds.expand_items(got, 3)}
+        assert {k: hashes[k] for k in want} == want
