@@ -451,13 +451,14 @@ class VLLMEngine(EngineBase):
     def evidence_section(self, records: Sequence[Dict[str, Any]]) -> Tuple[Dict[str, Any], List[str]]:
         """``evidence.stages.<stage>`` and its mismatches (empty: verified).
 
-        Checks: the worker's attention/MoE/linear implementations against the request (``models.vllm.observation.mismatches``);
+        Checks (:mod:`models.vllm.observation`): the worker's attention/MoE/linear implementations against the
+        request (``mismatches``);
         the requested kernel names reached the worker's KernelConfig; every attention, MoE and linear layer ran
         once per engine step in prefill and in decode (on the first ``StepObserver.observe_steps`` steps of each
         phase); on CPU the profiled ops include the kernel of what the worker built
         (``_C::cpu_attention_with_kv_cache``, ``_C::cpu_fused_moe``, ``_C::onednn_mm``/``aten::linear``); on a GPU the
         profiled device kernels of the first prefill and the first decode step include those of what the worker
-        built (``models.vllm.observation.check_gpu_kernels``: FLASH_ATTN -> FA3 ``FlashAttnFwdSm90`` >= 1 per layer, Triton
+        built (``check_gpu_kernels``: FLASH_ATTN -> FA3 ``FlashAttnFwdSm90`` >= 1 per layer, Triton
         experts -> ``fused_moe_kernel`` >= 1 per layer, dense linears -> a GEMM); per request, prefill covered the
         prompt (``prefill_tokens + prefix_cached_tokens == prompt_tokens``) and each output token after the first
         came from one decode step (under async scheduling a request ended by a stop may have one more, discarded).

@@ -269,7 +269,8 @@ def check_sampling(where: str, sampling: Mapping[str, Any]) -> None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (f.type is int and not isinstance(v, int)):
             word = "integer" if f.type is int else "number"
-            raise ARConfigError(f"{where}.sampling.{key}={v!r} is not {f.words()}; fix: {where}.sampling.{key}=<{word}>")
+            raise ARConfigError(f"{where}.sampling.{key}={v!r} is not {f.words()}; fix: "
+                                f"{where}.sampling.{key}=<{word}>")
         why = f.check(v, {}) if f.check else None
         if why:
             raise ARConfigError(f"{where}.sampling.{key}={v!r} {why}"

@@ -191,9 +191,9 @@ class RowSpec:
     Attributes:
         name: the spec's name (``image``, ``video``, ``ar``).
         fields: the row fields, in the order messages list them.
-        cross: functions ``cross(where, vals, merged, context, bad) -> problems``: rules across fields (a required prompt,
-            ``width * height <= max_pixels``); ``vals`` holds the row's own typed values, ``merged`` every field's
-            value with defaults applied, ``bad`` whether the row already has a problem.
+        cross: functions ``cross(where, vals, merged, context, bad) -> problems``: rules across fields (a required
+            prompt, ``width * height <= max_pixels``); ``vals`` holds the row's own typed values, ``merged`` every
+            defaulted field's value (the row's, else the default), ``bad`` whether the row already has a problem.
         build: ``build(line, row_id, vals, merged, meta, context) -> row``: the validated row object.
         quote_hint: add ``(no quotes)`` to a type error of a quoted non-string value.
         order: the order of the checks after the type checks, as messages list them: field names (the field's
