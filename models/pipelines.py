@@ -837,7 +837,7 @@ class PipelineEngine(DiffusersEngine):
                 f"model={self.cfg.name}: {self.pipeline_name()} generates video, and model.adapter={self.family()} "
                 "writes images; fix: the video family's adapter (model.adapter=wan for WanPipeline snapshots)")
         if not self.video:
-            setters = [r for r in rows if r.fps is not None]
+            setters = [r for r in rows if getattr(r, "fps", None) is not None]  # an image row spec has no fps
             if setters:
                 r = setters[0]
                 where = f"{path}:{r.line} (row {r.id!r})" if "fps" in r.set_fields else "model.generation.fps"
