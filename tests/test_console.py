@@ -51,7 +51,9 @@ def test_help_says_what_the_tool_is_without_schema_bases(subprocess_env, tmp_pat
     models = next(x for x in out.splitlines() if x.strip().startswith("model:"))
     assert "toy_shapes" in models and "tiny_qwen3_moe" in models and "base_" not in models, models
     assert "dataset: builtin, csv, hf, jsonl, parquet, txt" in out
-    assert "python -m runner --cfg job" in out and "runner.tools.export" in out
+    assert "python -m runner --cfg job" in out and "runner.export <run dir>" in out  # the entry module
+    assert "runner.gate" in out and "runner.validate" in out
+    assert "cache.* (lossy step caching: cache.method=none|first_block|magcache|taylorseer|pab" in out
     assert not (tmp_path / "outputs").exists()
 
 
