@@ -159,12 +159,46 @@ def test_image_metrics():
     small = rng.integers(0, 256, (6, 9, 3), dtype=np.uint8)       # smaller than the 11x11 window
     assert ssim(small, small) == pytest.approx(1.0)
     assert compare_images(a, a[:16])["psnr_db"] is None           # shape mismatch: no metric, no crash
-    # a reference value: scikit-image 0.26 structural_similarity(x, y, channel_axis=2, gaussian_weights=True,
-    # sigma=1.5, use_sample_covariance=False, data_range=255) of this deterministic pair
+    # a reference value: torchmetrics 1.x structural_similarity_index_measure (Gaussian 11, sigma 1.5, data_range
+    # 255, float64) of this deterministic pair; the report and the gate share this one implementation (they used
+    # to disagree: a numpy port matching scikit-image's 0.99726 in the report, torchmetrics in the gate)
     i, j = np.mgrid[0:48, 0:40]
     x = np.stack([(i * 7 + j * 13) % 256, (i * i + 3 * j) % 256, (5 * i * j) % 256], axis=2).astype(np.uint8)
     y = np.clip(x.astype(int) + (i * j % 5)[..., None] - 2 + (i % 3)[..., None] * 3, 0, 255).astype(np.uint8)
-    assert ssim(x, y) == pytest.approx(0.9972623536945288, abs=1e-7)
+    assert ssim(x, y) == pytest.approx(0.9953440818933998, abs=1e-7)
+
+
+def test_report_and_gate_give_one_ssim_for_one_pair(tmp_path):
+    """The same 64x64 pair through the report's parity metric and the gate's item metric: one SSIM."""
+    from PIL import Image
+
+    from runner.tools.gate import item_metrics
+    from runner.tools.report import compare_files
+
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    b = np.clip(a.astype(int) + rng.integers(-20, 21, a.shape), 0, 255).astype(np.uint8)
+    pa, pb = tmp_path / "a.png", tmp_path / "b.png"
+    Image.fromarray(a).save(pa)
+    Image.fromarray(b).save(pb)
+    r, g = compare_files(pa, pb), item_metrics(pa, pb)
+    assert 0 < r["ssim"] < 1 and round(r["ssim"], 5) == g["ssim"]
+
+
+def test_not_comparable_names_the_key_that_differs():
+    from types import SimpleNamespace
+
+    from runner.tools.report import item_difference, not_comparable
+
+    r = {"seed": 1, "prompt_sha256": "p", "params": {"width": 64, "height": 64, "batch_size": 1}}
+    assert item_difference(r, dict(r, params={**r["params"], "batch_size": 4})) is None
+    assert item_difference(r, dict(r, seed=2)) == "seed 1 vs 2"
+    assert item_difference(r, dict(r, prompt_sha256="q")) == "prompt"
+    assert item_difference(r, dict(r, params={**r["params"], "width": 32})) == "params.width 64 vs 32"
+    job = lambda name: SimpleNamespace(manifest={"config": {"model": {"name": name}}})  # noqa: E731
+    assert not_comparable(job("tiny_flux"), job("toy_shapes"), r, r) == "not comparable (model tiny_flux vs toy_shapes)"
+    assert not_comparable(job("a"), job("a"), r, dict(r, seed=3)) == "not comparable (seed 1 vs 3)"
+    assert not_comparable(job("a"), job("a"), r, r) is None
 
 
 # ------------------------------------------------------------------------------------------------ browser

@@ -217,63 +217,32 @@ def psnr(a: np.ndarray, b: np.ndarray, peak: float = 255.0) -> float:
     return math.inf if mse == 0 else 10.0 * math.log10(peak * peak / mse)
 
 
-def _gaussian(size: int = 11, sigma: float = 1.5) -> np.ndarray:
-    x = np.arange(size, dtype=np.float64) - (size - 1) / 2.0
-    g = np.exp(-(x ** 2) / (2 * sigma ** 2))
-    return g / g.sum()
-
-
-def _filter_valid(x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """Separable 2-D filtering of the first two axes with the symmetric window ``g`` (``valid`` region, as
-    MATLAB's ``filter2(..., 'valid')``): a weighted sum of shifted slices, one axis at a time, in place."""
-    n = g.size
-    for axis in (0, 1):
-        m = x.shape[axis] - n + 1
-        sl = lambda k: x[k:k + m] if axis == 0 else x[:, k:k + m]  # noqa: E731
-        acc = sl(0) * g[0]
-        tmp = np.empty_like(acc)
-        for k in range(1, n):
-            np.multiply(sl(k), g[k], out=tmp)
-            acc += tmp
-        x = acc
-    return x
-
-
-def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, k1: float = 0.01, k2: float = 0.03,
-         win: int = 11, sigma: float = 1.5) -> float:
-    """Mean structural similarity (SSIM) of two images, unitless, 1.0 when identical.
+def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, win: int = 11, sigma: float = 1.5) -> float:
+    """Mean structural similarity (SSIM) of two images (H, W, C) or frame stacks (N, H, W, C), unitless, 1.0 when
+    identical; the one implementation of the report's parity and of ``runner.tools.gate`` (torchmetrics'
+    ``structural_similarity_index_measure``, in float64).
 
     Z. Wang, A. C. Bovik, H. R. Sheikh, E. P. Simoncelli, "Image quality assessment: from error visibility to
-    structural similarity", IEEE Trans. Image Processing 13(4):600-612, 2004. Per channel, local statistics under
-    an 11x11 Gaussian window (sigma 1.5, normalised), ``C1 = (K1 L)^2``, ``C2 = (K2 L)^2`` with K1 = 0.01,
-    K2 = 0.03, L = 255::
+    structural similarity", IEEE Trans. Image Processing 13(4):600-612, 2004: per channel, local statistics under
+    an 11x11 Gaussian window (sigma 1.5), ``C1 = (0.01 L)^2``, ``C2 = (0.03 L)^2`` with L = ``peak``, averaged
+    over the map and the channels (and the frames). Images smaller than the window use the largest odd window
+    that fits.
 
-        SSIM(x, y) = (2 mu_x mu_y + C1) (2 sigma_xy + C2) / ((mu_x^2 + mu_y^2 + C1) (sigma_x^2 + sigma_y^2 + C2))
-
-    averaged over the valid window positions and over channels (no automatic downsampling). Images smaller than
-    the window use the largest odd window that fits.
+    Raises:
+        ValueError: the shapes differ.
     """
+    import torch
+    from torchmetrics.functional.image import structural_similarity_index_measure
+
     if a.shape != b.shape:
         raise ValueError(f"SSIM needs equal shapes, got {a.shape} and {b.shape}")
-    # float32 on data centred per image and channel: (co)variances are shift-invariant and centring keeps
-    # E[x^2] - mu^2 accurate; the means get their offsets back for the luminance term
-    x = a.astype(np.float32).reshape(a.shape[0], a.shape[1], -1)
-    y = b.astype(np.float32).reshape(b.shape[0], b.shape[1], -1)
-    ox, oy = x.mean(axis=(0, 1), dtype=np.float64), y.mean(axis=(0, 1), dtype=np.float64)
-    x, y = x - ox.astype(np.float32), y - oy.astype(np.float32)
-    win = min(win, x.shape[0], x.shape[1])
+    x = torch.from_numpy(np.asarray(a, dtype=np.float64))
+    y = torch.from_numpy(np.asarray(b, dtype=np.float64))
+    x, y = (x[None], y[None]) if x.dim() == 3 else (x, y)
+    x, y = x.permute(0, 3, 1, 2), y.permute(0, 3, 1, 2)  # (N, C, H, W)
+    win = min(win, x.shape[2], x.shape[3])
     win -= (win + 1) % 2  # odd
-    g = _gaussian(win, sigma).astype(np.float32)
-    c1, c2 = (k1 * peak) ** 2, (k2 * peak) ** 2
-    c = x.shape[2]
-    f = _filter_valid(np.concatenate([x, y, x * x, y * y, x * y], axis=2), g)  # the five local moments at once
-    mx, my = f[..., :c], f[..., c:2 * c]
-    sxx = f[..., 2 * c:3 * c] - mx * mx
-    syy = f[..., 3 * c:4 * c] - my * my
-    sxy = f[..., 4 * c:] - mx * my
-    mx, my = mx + ox, my + oy  # the luminance term needs the true means (float64 from here)
-    m = ((2 * mx * my + c1) * (2 * sxy + c2)) / ((mx * mx + my * my + c1) * (sxx + syy + c2))
-    return float(m.mean(dtype=np.float64))
+    return float(structural_similarity_index_measure(x, y, kernel_size=win, sigma=sigma, data_range=peak))
 
 
 def load_frames(path: Path) -> np.ndarray:
@@ -316,13 +285,41 @@ def compare_images(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
             "max_abs_diff": int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())}
 
 
+def item_difference(r: Dict[str, Any], s: Dict[str, Any]) -> Optional[str]:
+    """What makes two item records different requests, named (``seed 1 vs 2``, ``prompt``,
+    ``params.width 64 vs 32``: the first of seed, prompt and the generation parameters, batch size aside), or None
+    when they describe the same request."""
+    if r.get("seed") != s.get("seed"):
+        return f"seed {r.get('seed')} vs {s.get('seed')}"
+    if r.get("prompt_sha256") != s.get("prompt_sha256"):
+        return "prompt"
+    p, q = r.get("params") or {}, s.get("params") or {}
+    for k in sorted(set(p) | set(q)):
+        if k != "batch_size" and json.dumps(p.get(k), sort_keys=True) != json.dumps(q.get(k), sort_keys=True):
+            return f"params.{k} {p.get(k, '(none)')} vs {q.get(k, '(none)')}"
+    return None
+
+
 def same_item(r: Dict[str, Any], s: Dict[str, Any]) -> bool:
     """Two item records describe the same request (seed, prompt and generation parameters; batch size aside)."""
-    def sig(x: Dict[str, Any]) -> tuple:
-        p = {k: v for k, v in (x.get("params") or {}).items() if k != "batch_size"}
-        return x.get("seed"), x.get("prompt_sha256"), json.dumps(p, sort_keys=True)
+    return item_difference(r, s) is None
 
-    return sig(r) == sig(s)
+
+def model_difference(ref: "Job", job: "Job") -> Optional[str]:
+    """``model tiny_flux vs toy_shapes`` when two jobs ran different models (``config.model.name`` of their
+    manifests), else None: their items are never comparable, whatever their seeds and prompts."""
+    def name(j: "Job") -> Any:
+        return (((j.manifest or {}).get("config") or {}).get("model") or {}).get("name")
+
+    a, b = name(ref), name(job)
+    return f"model {a} vs {b}" if a != b else None
+
+
+def not_comparable(ref: "Job", job: "Job", r: Dict[str, Any], s: Dict[str, Any]) -> Optional[str]:
+    """The note of an item pair that is not compared (``not comparable (model a vs b)``, ``not comparable (seed
+    1 vs 2)``), or None when it is."""
+    why = model_difference(ref, job) or item_difference(r, s)
+    return f"not comparable ({why})" if why else None
 
 
 def parity(ref: Job, job: Job, tolerance_db: float = PARITY_TOLERANCE_DB) -> List[Dict[str, Any]]:
@@ -331,7 +328,7 @@ def parity(ref: Job, job: Job, tolerance_db: float = PARITY_TOLERANCE_DB) -> Lis
     Returns:
         One dict per reference item: ``key``, ``psnr_db`` (dB, ``inf`` if identical), ``ssim``, ``max_abs_diff``
         (0..255), ``within`` (PSNR >= ``tolerance_db``) and ``note`` for items missing or not comparable (another
-        seed, prompt or size: no metric, ``within`` None).
+        model, seed, prompt or size, named by :func:`not_comparable`: no metric, ``within`` None).
     """
     out = []
     mine = job.ok_items
@@ -339,8 +336,8 @@ def parity(ref: Job, job: Job, tolerance_db: float = PARITY_TOLERANCE_DB) -> Lis
         row: Dict[str, Any] = {"key": key, "psnr_db": None, "ssim": None, "max_abs_diff": None, "within": None}
         if key not in mine:
             row.update(note="missing", within=False)
-        elif not same_item(r, mine[key]):
-            row.update(note="not comparable (seed/prompt/params differ)")
+        elif not_comparable(ref, job, r, mine[key]):
+            row.update(note=not_comparable(ref, job, r, mine[key]))
         else:
             m = compare_files(ref.image_path(key), job.image_path(key))
             row.update(m)
@@ -639,6 +636,7 @@ def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List
     summary = ["<tr><th>job</th><th>items compared</th><th>min PSNR dB</th><th>min SSIM</th><th>max |Δ|</th>"
                "<th>verdict</th></tr>"]
     detail = ["<tr><th>job</th><th>item</th><th>PSNR dB</th><th>SSIM</th><th>max |Δ|</th><th>verdict</th></tr>"]
+    nc: List[str] = []  # not comparable items: collapsed, each with the key that differs
     for j in jobs:
         if j is ref:
             continue
@@ -661,6 +659,9 @@ def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List
                        f"<td class=num>{_num(mn_s, '{:.4f}') if done else '—'}</td>"
                        f"<td class=num>{mx_d if done else '—'}</td><td>{verdict}</td></tr>")
         for r in rows:
+            if str(r.get("note", "")).startswith("not comparable"):
+                nc.append(f"<tr><td>{_e(j.label)}</td><td class=mono>{_e(r['key'])}</td><td>{_e(r['note'])}</td></tr>")
+                continue
             v = (_badge(r["note"], "warn" if r["within"] is None else "bad") if r.get("note")
                  else _badge("within", "ok") if r["within"] else _badge("outside", "bad"))
             detail.append(f"<tr><td>{_e(j.label)}</td><td class=mono>{_e(r['key'])}</td>"
@@ -672,6 +673,10 @@ def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List
         opened = " open" if len(detail) <= 61 else ""
         out.append(f'<details{opened}><summary>Per item ({len(detail) - 1} rows)</summary>'
                    f'<table class="parity">{"".join(detail)}</table></details>')
+    if nc:
+        out.append(f'<details class="not-comparable"><summary>Not comparable ({len(nc)} items: another model, seed, '
+                   'prompt or parameter, named per item)</summary><table class="parity sortable"><tr><th>job</th>'
+                   f'<th>item</th><th>why</th></tr>{"".join(nc)}</table></details>')
     return "".join(out)
 
 
