@@ -64,7 +64,7 @@ RESOURCE_REF = re.compile(r"""(?:src|href|action|poster|srcset)\s*=\s*["']?\s*(?
 
 def _parity_row(html: str, job: str) -> Tuple[str, ...]:
     """(items compared, min PSNR, min SSIM, max diff, verdict) of ``job`` in the parity summary table."""
-    table = re.search(r'<table class="parity-summary">(.*?)</table>', html, re.S).group(1)
+    table = re.search(r'<table class="parity-summary[^"]*">(.*?)</table>', html, re.S).group(1)
     for tr in re.findall(r"<tr>(.*?)</tr>", table, re.S):
         cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", tr, re.S)]
         if cells and cells[0] == job:
@@ -87,7 +87,11 @@ def test_report_is_self_contained(sweep):
     assert html.startswith("<!DOCTYPE html>")
     assert not RESOURCE_REF.search(html), RESOURCE_REF.search(html).group(0)
     assert "http://" not in html and "https://" not in html
-    assert "<script" not in html.lower() and "<link" not in html.lower()
+    assert "<link" not in html.lower()
+    from runner.tools.report import SORT_JS  # the one script: inline, the tables' sorting
+
+    assert re.findall(r"<script[^>]*>(.*?)</script>", html, re.S | re.I) == [SORT_JS]
+    assert not re.search(r"<script[^>]*\bsrc", html, re.I)
     imgs = re.findall(r'<img [^>]*src="([^"]*)"', html)
     assert len(imgs) == 4 and all(s.startswith("data:image/") for s in imgs)  # 2 items x 2 jobs with images
     assert "<svg" in html and "images/s" in html
@@ -105,6 +109,37 @@ def test_report_contents(sweep):
     for needle in ("TORCH_SDPA", "requested sdpa", "cli_run", "requested auto", "verified",
                    "text enc. s", "denoise s", "VAE dec. s", "write s", "images/s", "host RSS"):
         assert needle in html, needle
+
+
+@pytest.mark.slow
+def test_report_thumbnails_link_full_size_files_with_seed_and_prompt(sweep):
+    """Under each thumbnail its seed and prompt, around it a link (relative to report.html) to the full-size
+    file; per job the oracle's accuracy; the first job's wall time flagged as a cold start; sortable tables."""
+    html = (sweep / "report.html").read_text()
+    links = re.findall(r'<a href="([^"]+)"><img ', html)
+    assert len(links) == 4 and all((sweep / h).is_file() and h.endswith(".png") for h in links), links
+    rec = json.loads((sweep / "0" / "items.jsonl").read_text().splitlines()[0])
+    assert f"seed {rec['seed']} · {rec['prompt'][:40]}" in html
+    acc = json.loads((sweep / "0" / "manifest.json").read_text())["accuracy"]
+    assert f"all {acc['all']:.3g}" in html and "<th>oracle accuracy</th>" in html
+    assert html.count("first job: includes cold-start warm-up") == 1
+    assert '<table class="jobs sortable">' in html and '<table class="parity-summary sortable">' in html
+
+
+def test_not_comparable_items_are_collapsed_with_their_reason():
+    from types import SimpleNamespace
+
+    from runner.tools.report import _parity_section
+
+    job = lambda label, name: SimpleNamespace(label=label, outcome="ok", manifest={  # noqa: E731
+        "overrides": [], "config": {"model": {"name": name}}})
+    a, b = job("0", "tiny_flux"), job("1", "toy_shapes")
+    rows = [{"key": "k", "psnr_db": None, "ssim": None, "max_abs_diff": None, "within": None,
+             "note": "not comparable (model tiny_flux vs toy_shapes)"}]
+    html = _parity_section([a, b], a, {"1": rows}, 40.0)
+    nc = re.search(r'<details class="not-comparable">(.*?)</details>', html, re.S).group(1)
+    assert "Not comparable (1 items" in nc and "model tiny_flux vs toy_shapes" in nc
+    assert '<details class="not-comparable" open' not in html and "Per item" not in html
 
 
 @pytest.mark.slow

@@ -535,9 +535,9 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
             + "".join(f"<th>{f}</th>" for f in FIELDS)
             + "<th>evidence</th><th>wall s</th>"
             + "".join(f"<th>{lbl} s</th>" for _, lbl in PHASES)
-            + "<th>images/s</th><th>peak memory</th></tr>")
+            + "<th>images/s</th><th>peak memory</th><th>oracle accuracy</th></tr>")
     rows = []
-    for j in jobs:
+    for n_job, j in enumerate(jobs):
         m = j.manifest
         ovr = [o for o in (m.get("overrides") or []) if o not in common]
         cells = [f"<td><b>{_e(j.label)}</b></td>",
@@ -548,7 +548,7 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         cells.append(f"<td>{oc}{st}</td>")
         bf = backend_fields(m)
         if not any(bf.values()) and not m.get("timing"):  # stopped before resolution: the error fills the row
-            span = len(FIELDS) + len(PHASES) + 5
+            span = len(FIELDS) + len(PHASES) + 6
             cells.append(f'<td colspan="{span}"><span class="err">{_e(j.error or "no record")}</span></td>')
             rows.append("<tr>" + "".join(cells) + "</tr>")
             continue
@@ -574,7 +574,7 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
             cells.append("<td>—</td>")
         t = m.get("timing") or {}
         ph = t.get("phases_s") or {}
-        cells.append(f'<td class="num">{_num(t.get("wall_s"), "{:.2f}")}</td>')
+        cells.append(f'<td class="num">{_num(t.get("wall_s"), "{:.2f}")}{warmup_note(m, first=n_job == 0)}</td>')
         cells.extend(f'<td class="num">{_num(ph.get(k))}</td>' for k, _ in PHASES)
         rate, unit = throughput(m)
         sub = f'<span class="sub">{unit}</span>' if unit != "images/s" and rate is not None else ""
@@ -582,8 +582,32 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         mem = memory_summary(m)
         cells.append(f'<td class="num">{_e(mem[0])}<span class="sub">{_e(mem[1])}</span></td>' if mem
                      else '<td class="num">—</td>')
+        cells.append(f"<td>{_e(accuracy_summary(m) or '—')}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    return f'<div class="scroll"><table class="jobs">{head}{"".join(rows)}</table></div>'
+    return f'<div class="scroll"><table class="jobs sortable">{head}{"".join(rows)}</table></div>'
+
+
+def accuracy_summary(m: Dict[str, Any]) -> Optional[str]:
+    """The oracle's accuracy of a job (the manifest's ``accuracy``: share of items whose attribute the oracle read
+    back as requested, 0..1): ``all 0.958 · color 1 · shape 0.958 (n 24)``; None without an oracle."""
+    acc = m.get("accuracy") or {}
+    vals = [(k, v) for k, v in acc.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "n"]
+    if not vals:
+        return None
+    vals.sort(key=lambda kv: kv[0] != "all")  # all first
+    n = f" (n {acc['n']})" if isinstance(acc.get("n"), int) else ""
+    return " · ".join(f"{k} {v:.3g}" for k, v in vals) + n
+
+
+def warmup_note(m: Dict[str, Any], first: bool) -> str:
+    """Under the wall time: the job's warm-up seconds (``timing.warmup_s``) and, for the sweep's first job, a flag:
+    it pays what later jobs of the same process reuse (a cold compile cache, the first load of the weights), so
+    its wall time is not comparable with theirs."""
+    w = (m.get("timing") or {}).get("warmup_s")
+    note = f'<span class="sub">warm-up {w:.2f} s</span>' if isinstance(w, (int, float)) and w > 0 else ""
+    if first:
+        note += _badge("first job: includes cold-start warm-up", "warn")
+    return note
 
 
 def _lossy_note(m: Dict[str, Any]) -> str:
@@ -668,11 +692,11 @@ def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List
                           f"<td class=num>{fmt_psnr(r['psnr_db'])}</td><td class=num>{_num(r['ssim'], '{:.4f}')}</td>"
                           f"<td class=num>{'—' if r['max_abs_diff'] is None else r['max_abs_diff']}</td>"
                           f"<td>{v}</td></tr>")
-    out.append(f'<table class="parity-summary">{"".join(summary)}</table>')
+    out.append(f'<table class="parity-summary sortable">{"".join(summary)}</table>')
     if len(detail) > 1:
         opened = " open" if len(detail) <= 61 else ""
         out.append(f'<details{opened}><summary>Per item ({len(detail) - 1} rows)</summary>'
-                   f'<table class="parity">{"".join(detail)}</table></details>')
+                   f'<table class="parity sortable">{"".join(detail)}</table></details>')
     if nc:
         out.append(f'<details class="not-comparable"><summary>Not comparable ({len(nc)} items: another model, seed, '
                    'prompt or parameter, named per item)</summary><table class="parity sortable"><tr><th>job</th>'
@@ -680,7 +704,26 @@ def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List
     return "".join(out)
 
 
-def _image_grid(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dict[str, Any]]]) -> str:
+def _href(path: Path, base: Optional[Path]) -> str:
+    """A link to the full-size file: relative to the report's dir ``base`` (the report moves with its sweep dir),
+    else a ``file://`` URI."""
+    import os
+    from urllib.parse import quote
+
+    if base is not None:
+        return quote(os.path.relpath(Path(path).resolve(), Path(base).resolve()).replace(os.sep, "/"))
+    return Path(path).resolve().as_uri()
+
+
+def _short(prompt: Any, n: int = 80) -> str:
+    text = " ".join(str(prompt or "").split())
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def _image_grid(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dict[str, Any]]],
+                base: Optional[Path] = None) -> str:
+    """Thumbnails (item x job), each a link to its full-size file, with its parity to the reference, its seed and
+    its prompt."""
     with_images = [j for j in jobs if j.ok_items]
     if not with_images:
         return "<p>No images.</p>"
@@ -707,17 +750,19 @@ def _image_grid(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dic
             else:
                 cap = "reference"
             rec = j.ok_items[k]
+            href = _e(_href(j.image_path(k), base))
+            what = f'<span class="sub">seed {_e(rec.get("seed"))} · {_e(_short(rec.get("prompt")))}</span>'
             if is_video(rec):
                 n = rec.get("num_frames")
                 pos = f"frame {n // 2 + 1} of {n}" if n else "first frame"
                 fps = f" at {rec['fps']:g} fps" if isinstance(rec.get("fps"), (int, float)) else ""
-                cells.append(f'<div class="cell video"><img class="poster" alt="{_e(k)} / job {_e(j.label)}: poster, '
-                             f'{pos}" title="{_e(rec["file"])}: poster, {pos}{fps}" '
-                             f'src="{_thumb(j.image_path(k), num_frames=n)}">'
-                             f'<span class="sub">video · {_e(pos)}{_e(fps)}</span>{_e(cap)}</div>')
+                cells.append(f'<div class="cell video"><a href="{href}"><img class="poster" alt="{_e(k)} / job '
+                             f'{_e(j.label)}: poster, {pos}" title="{_e(rec["file"])}: poster, {pos}{fps}" '
+                             f'src="{_thumb(j.image_path(k), num_frames=n)}"></a>'
+                             f'<span class="sub">video · {_e(pos)}{_e(fps)}</span>{_e(cap)}{what}</div>')
                 continue
-            cells.append(f'<div class="cell"><img alt="{_e(k)} / job {_e(j.label)}" src="{_thumb(j.image_path(k))}">'
-                         f"{_e(cap)}</div>")
+            cells.append(f'<div class="cell"><a href="{href}"><img alt="{_e(k)} / job {_e(j.label)}" '
+                         f'title="{_e(rec.get("file"))}" src="{_thumb(j.image_path(k))}"></a>{_e(cap)}{what}</div>')
     return f'{note}<div class="grid" style="grid-template-columns:{cols}">{"".join(cells)}</div>'
 
 
@@ -757,9 +802,11 @@ def _details(j: Job) -> str:
 
 
 def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PARITY_TOLERANCE_DB,
-           sources: Sequence[Path] = (), gate: Optional[Dict[str, Any]] = None) -> str:
+           sources: Sequence[Path] = (), gate: Optional[Dict[str, Any]] = None, base: Optional[Path] = None) -> str:
     """The report as one HTML document (no external resources); ``gate``: the quality gate's document
-    (``runner.tools.gate``), shown when given."""
+    (``runner.tools.gate``), shown when given; ``base``: the dir the report is written to (links to the full-size
+    files are relative to it). Tables of class ``sortable`` sort by a column when its header is clicked
+    (:data:`SORT_JS`)."""
     ref = pick_reference(jobs, reference)
     par = {j.label: parity(ref, j, tolerance_db) for j in jobs if ref is not None and j is not ref and j.ok_items}
     common = _common_overrides(jobs)
@@ -784,11 +831,35 @@ def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PAR
         "<h2>Quality gate of lossy jobs</h2>", _gate_section(jobs, gate),
         "<h2>Parity</h2>", _parity_section(jobs, ref, par, tolerance_db),
         "<h2>Images and videos (poster frames)</h2>" if any(is_video(r) for j in jobs for r in j.ok_items.values())
-        else "<h2>Images</h2>", _image_grid(jobs, ref, par),
+        else "<h2>Images</h2>", _image_grid(jobs, ref, par, base),
         "<h2>Job details</h2>", "".join(_details(j) for j in jobs),
     ]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")
+            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>" + "\n".join(body)
+            + f"<script>{SORT_JS}</script></body></html>\n")
+
+
+#: Click a header cell of a ``table.sortable`` to sort its rows by that column (numbers numerically, ``—`` last;
+#: again to reverse). Inline, like the CSS: the report has no external resources.
+SORT_JS = """
+document.querySelectorAll('table.sortable').forEach(function (t) {
+  var head = t.rows[0];
+  Array.prototype.forEach.call(head.cells, function (th, col) {
+    th.style.cursor = 'pointer'; th.title = 'sort by this column';
+    th.addEventListener('click', function () {
+      var asc = th.dataset.asc !== '1'; th.dataset.asc = asc ? '1' : '0';
+      var rows = Array.prototype.slice.call(t.rows, 1);
+      var key = function (r) { var c = r.cells[col]; var s = c ? c.textContent.trim() : '';
+        var x = parseFloat(s); return isNaN(x) ? (s === '—' || s === '' ? null : s) : x; };
+      rows.sort(function (a, b) { var x = key(a), y = key(b);
+        if (x === null) return 1; if (y === null) return -1;
+        var d = (typeof x === typeof y) ? (x < y ? -1 : x > y ? 1 : 0) : (typeof x === 'number' ? -1 : 1);
+        return asc ? d : -d; });
+      rows.forEach(function (r) { t.tBodies[0] ? t.tBodies[0].appendChild(r) : t.appendChild(r); });
+    });
+  });
+});
+"""
 
 
 def write_report(dirs: List[Path], out: Path, reference: Optional[str] = None,
@@ -809,7 +880,8 @@ def write_report(dirs: List[Path], out: Path, reference: Optional[str] = None,
     if gate is None:
         found = next((Path(d) / "gate.json" for d in dirs if (Path(d) / "gate.json").is_file()), None)
         gate = (_read_json(found) or None) if found is not None else None
-    doc = render(jobs, reference=reference, tolerance_db=tolerance_db, sources=[Path(d) for d in dirs], gate=gate)
+    doc = render(jobs, reference=reference, tolerance_db=tolerance_db, sources=[Path(d) for d in dirs], gate=gate,
+                 base=Path(out).parent)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from runner.core.artifacts import atomic_write_bytes
