@@ -348,12 +348,30 @@ def hub_blob_digest(real: str) -> Optional[str]:
     return None
 
 
-def _check_named(rel: str, digest: str, named: str) -> None:
-    if digest != named:
-        raise WeightDigestError(f"{rel}: its content's sha256 is {digest}, not the {named} the Hugging Face cache "
-                                "names its blob by (a corrupt or truncated download); fix: delete that blob and the "
-                                "snapshot's link to it and download the file again (huggingface-cli download "
-                                "<repo> <file> --force-download)")
+def _take_hub_names(items: List[Tuple[str, str, Dict[str, int]]], digests: Dict[str, str], stats: Dict[str, Any],
+                    verify: bool) -> Dict[str, str]:
+    """``{rel: sha256}`` of the files that resolve to hub blobs named by their sha256 (recorded in
+    ``stats["hub_named"]``); unless ``verify``, taken into ``digests`` (nothing to read)."""
+    named = {rel: d for rel, real, _ in items for d in [hub_blob_digest(real)] if d is not None}
+    stats["hub_named"] = sorted(named)
+    if not verify:
+        digests.update(named)
+    return named
+
+
+def _check_named(named: Dict[str, str], digests: Dict[str, str]) -> List[str]:
+    """The files of ``named`` (all of them, sorted) once each digest computed matches its blob's name.
+
+    Raises:
+        WeightDigestError: one does not (names the file, both digests and the fix).
+    """
+    for rel, want in named.items():
+        if digests[rel] != want:
+            raise WeightDigestError(f"{rel}: its content's sha256 is {digests[rel]}, not the {want} the Hugging Face "
+                                    "cache names its blob by (a corrupt or truncated download); fix: delete that "
+                                    "blob and the snapshot's link to it and download the file again "
+                                    "(huggingface-cli download <repo> <file> --force-download)")
+    return sorted(named)
 
 
 def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = None,
@@ -395,8 +413,7 @@ def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = No
     """
     import filelock
 
-    if verify is None:
-        verify = os.environ.get(VERIFY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    verify = os.environ.get(VERIFY_ENV, "").strip().lower() in ("1", "true", "yes", "on") if verify is None else verify
 
     t0 = time.perf_counter()
     root = Path(root)
@@ -411,10 +428,7 @@ def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = No
     digests: Dict[str, str] = {}
     stats: Dict[str, Any] = {"computed": [], "cached": [], "hub_named": [], "verified": [], "bytes_hashed": 0,
                              "bytes_total": sum(k["size"] for _, _, k in items), "cache_file": str(cache_file)}
-    named = {rel: d for rel, real, _ in items for d in [hub_blob_digest(real)] if d is not None}
-    stats["hub_named"] = sorted(named)
-    if not verify:  # the Hub cache names LFS blobs by their sha256: nothing to read
-        digests.update(named)
+    named = _take_hub_names(items, digests, stats, verify)
 
     def lookup(entries: Dict[str, List[Dict[str, Any]]]) -> List[Tuple[str, str, Dict[str, int]]]:
         todo = []
@@ -473,10 +487,7 @@ def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = No
         finally:
             if lock is not None:
                 lock.release()
-    if verify:  # read (or found in the digest cache, keyed by stat) like any file: each must match its name
-        for rel, want in named.items():
-            _check_named(rel, digests[rel], want)
-        stats["verified"] = sorted(named)
+    stats["verified"] = _check_named(named, digests) if verify else []  # hashed like any file, then checked
     stats["hash_s"] = time.perf_counter() - t0
     return dict(sorted(digests.items())), stats
 
