@@ -763,6 +763,11 @@ class DiffusersEngine(EngineBase):
         compiled without warm-up, since the 1st compiles) and ``on_loaded`` runs. Returns the warm-up seconds."""
         cfg = self.ctx.cfg
         if cfg.compile != "none" and cfg.optimize.warmup and batch:
+            cc = self.compile_cache  # the bar sits still meanwhile: say why (its ETA starts after it, runner.app.console)
+            log.info("compile=%s: compiling the denoiser's blocks in a warm-up call before the first batch (%s); the "
+                     "progress bar's ETA starts after it", cfg.compile,
+                     f"compile cache {cc.dir}: {'warm, seconds' if cc.existed else 'cold, tens of seconds'}" if cc
+                     else "optimize.compile_cache=false: tens of seconds")
             t0 = time.perf_counter()
             if self.compile_cache is not None:
                 self.compile_cache.start()

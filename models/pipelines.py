@@ -547,7 +547,8 @@ class PipelineEngine(DiffusersEngine):
         from runner.core.weights import hash_snapshot
 
         files, stats = hash_snapshot(path, self.cache_dir)
-        return {"files": files, "hashing": {k: stats[k] for k in ("computed", "cached", "hash_s", "bytes_hashed")}}
+        return {"files": files, "hashing": {k: stats[k] for k in ("computed", "cached", "hub_named", "hash_s",
+                                                                  "bytes_hashed")}}
 
     def prepare_attention(self) -> None:
         """Family hook after loading, before backends are installed (e.g. SD3 routes its joint attention through

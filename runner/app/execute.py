@@ -730,10 +730,9 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
         manifest.flush()
         if worker is None or worker.rank == 0:
             write_repro(out_dir, overrides, manifest.doc["packages"], manifest.doc["environment"])
-        from tqdm import tqdm
+        from runner.app.console import Progress
 
-        bar = tqdm(total=len(items), initial=len(items) - len(todo), unit=final.unit, desc=cfg.model.name,
-                   dynamic_ncols=True)
+        bar = Progress(len(items), len(items) - len(todo), final.unit, cfg.model.name, worker)
 
         def on_record(rec: Dict[str, Any]) -> None:
             counts["ok" if rec["status"] == "ok" else "failed"] += 1
@@ -771,6 +770,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
             manifest.flush()
 
         def after_load(sections: Dict[str, Any]) -> None:
+            bar.warmed_up()  # loading and the compile warm-up are not in the bar's rate and ETA
             manifest.section("model", {**model_doc, "source": final.source, **sections.pop("model", {})})
             for k, v in sections.items():
                 manifest.section(k, v)
@@ -861,8 +861,11 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
             stop.__exit__(None, None, None)
         if closing_error is not None and sys.exc_info()[0] is None:  # else the error that ended the loop goes on
             raise closing_error
-    log.info("run %s: %d ok, %d failed, %d reused, %.1f s -> %s", status, counts["ok"], counts["failed"],
-             counts["reused"], time.perf_counter() - t_start, out_dir)
+    from runner.app.console import summary_line
+
+    # a worker's share is not the run's total: the merge logs that (runner.app.jobs, runner.app.ray_launcher)
+    log.log(logging.INFO if worker is None or worker.world_size == 1 else logging.DEBUG, "%s",
+            summary_line(status, counts, time.perf_counter() - t_start, out_dir))
     if status == "evidence_mismatch":
         raise evidence.EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
                                      + "\n  ".join(manifest.doc["evidence"]["mismatches"]))
