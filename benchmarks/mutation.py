@@ -78,8 +78,11 @@ GROUPS: Dict[str, Dict[str, Any]] = {
     # dataset validation: coercion, every row check, seeds, item keys, batching
     "dataset": {
         "scope": {"runner/core/dataset.py": ["safe_stem", "derive_seed", "coerce", "source_path", "load_rows",
-                                        "expand_items", "batches"]},
-        "tests": ["tests/test_dataset_validation.py"]},
+                                        "expand_items", "batches", "parse_fields", "field_problem",
+                                        "validate_rows", "check_size", "check_at_least_one", "check_seed",
+                                        "check_guidance", "check_video_count", "check_prompt", "check_max_pixels",
+                                        "build_diffusion_row", "csv_extra_cells"]},
+        "tests": ["tests/test_dataset_validation.py", "tests/test_row_specs.py"]},
     # artifact writing: atomic replace, the journal, the writer's ordering and error handling, journal reading
     "artifacts": {
         "scope": {"runner/core/artifacts.py": ["storage_error", "atomic_write_bytes", "atomic_write_json",

@@ -32,7 +32,7 @@ requirements the image lacks (hydra-core, omegaconf, antlr4-python3-runtime, dif
 
 FlashInfer absent has one consequence the runner handles: vLLM's CUDA sampler imports FlashInfer unless
 ``VLLM_USE_FLASHINFER_SAMPLER=0`` (``vllm/v1/sample/ops/topk_topp_sampler.py``), which
-``models.vllm_engine.VLLMAdapter`` sets when ``flashinfer`` does not import.
+``models.vllm.adapter.VLLMAdapter`` sets when ``flashinfer`` does not import.
 
 Usage:
     python benchmarks/vllm_h200_wheels.py prepare [--vllm-wheel PATH]      # here

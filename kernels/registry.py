@@ -302,7 +302,7 @@ class Backend:
         signature: regex over profiled names (aten op names on CPU, device kernel names on GPUs) that this
             backend's execution leaves in a ``torch.profiler`` trace (``runner.core.evidence``); None: none known.
         vllm_signature: regex over the device kernel names that vLLM's implementation of the same backend launches
-            (AR stages on a GPU, ``models.vllm_stage``); None: :attr:`signature` serves. vLLM's kernels are its own
+            (AR stages on a GPU, ``models.vllm.observation``); None: :attr:`signature` serves. vLLM's kernels are its own
             builds, not the packages the diffusers wiring calls (FLASH_ATTN: vLLM 0.24's ``vllm_flash_attn`` FA3
             ``cutlass::device_kernel<flash::...FlashAttnFwdSm90<...>>`` on sm90; MoE TRITON: vLLM's Triton
             ``fused_moe_kernel``, not the runner's ``_moe_gate_up_silu_kernel``).

@@ -2,5 +2,5 @@
 protocol of :mod:`models.base`, looked up by ``model.adapter`` in :mod:`models.registry`.
 
 ``flux``: diffusers ``FluxPipeline`` (:class:`models.flux.FluxEngine`, on :class:`models.diffusers_engine.DiffusersEngine`);
-``vllm``: autoregressive models through vLLM (:class:`models.vllm_stage.VLLMEngine`).
+``vllm``: autoregressive models through vLLM (:class:`models.vllm.engine.VLLMEngine`).
 """

@@ -6,7 +6,9 @@ pipeline). The loop calls it in this order, and only in this order:
 1. ``check_config()``: run-config checks of this engine's own fields (no I/O).
 2. ``prepare()``: everything that needs no weights: the weight source checked, the backends resolved under the
    precedence contract and checked against the platform (fail closed). Returns the manifest's ``model.source``.
-3. ``read_rows()`` / ``items(rows, seed)``: the dataset read and validated for this engine; the work items.
+3. ``read_rows()`` / ``items(rows, seed)``: the dataset read and validated for this engine by the one row driver
+   (``runner.core.dataset.validate_rows``) over the engine's ``row_spec()`` (its fields: type, check, identity,
+   batching key, default), then the work items.
    ``check_inputs(rows)`` lets an upstream stage check the prompts it will be fed (token counts).
 4. ``load(on_loaded)``: weights, backends installed, probes attached; returns manifest sections to add.
 5. ``batches(items, batch_size)``; ``warmup(batch)`` (may do nothing), then ``generate(batch)`` per batch: one
@@ -138,6 +140,8 @@ class Engine(Protocol):
 
     def prepare(self) -> Dict[str, Any]: ...
 
+    def row_spec(self) -> Any: ...
+
     def read_rows(self) -> Tuple[List[Any], Path]: ...
 
     def items(self, rows: Sequence[Any], run_seed: int) -> List[Any]: ...
@@ -202,6 +206,13 @@ class EngineBase:
 
         raise UserInputError(f"stage {self.stage!r} ({type(self).__name__}) cannot feed another stage; fix: put it "
                              "last in model.pipeline")
+
+    def row_spec(self) -> Any:
+        """The engine's dataset row spec (``runner.core.dataset.RowSpec``); the diffusion row
+        (``runner.core.dataset.VIDEO_ROW``) by default."""
+        from runner.core.dataset import VIDEO_ROW
+
+        return VIDEO_ROW
 
     def check_config(self) -> None:
         """No engine-specific config checks."""

@@ -519,6 +519,13 @@ class DiffusersEngine(EngineBase):
         return {f: r.to_dict() for f, r in self.resolutions.items()}
 
     # ------------------------------------------------------------------------------------------------ 3. rows
+    def row_spec(self) -> ds.RowSpec:
+        """The engine's dataset row (``runner.core.dataset.VIDEO_ROW``: the image fields and the video fields, which
+        an image model's ``check_rows`` refuses by name); an engine with further row fields returns
+        ``ds.VIDEO_ROW.extend(...)`` (their values reach validation, the item identity, ``items.jsonl``'s
+        ``params`` and resume through the spec alone)."""
+        return ds.VIDEO_ROW
+
     def read_rows(self) -> Tuple[List[ds.Row], Path]:
         """The run's dataset rows, validated, with the run's and the model's defaults filled in.
 
@@ -527,14 +534,14 @@ class DiffusersEngine(EngineBase):
         """
         cfg = self.ctx.cfg
         g = self.model_cfg.generation
-        defaults = dict(width=g.width, height=g.height, num_inference_steps=g.num_inference_steps,
-                        guidance_scale=g.guidance_scale, num_images_per_prompt=cfg.num_images_per_prompt,
-                        num_frames=g.get("num_frames"), fps=g.get("fps"))
+        spec = self.row_spec()
+        defaults = {f.default: g.get(f.default) for f in spec.fields if f.default}  # model.generation.<field>
+        defaults.update(negative_prompt=None, num_images_per_prompt=cfg.num_images_per_prompt)
         rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
                                   size_multiple=self.model_cfg.size_multiple, max_pixels=cfg.max_pixels,
                                   limit=cfg.dataset.limit, builtin=self.model_cfg.builtin_prompts,
                                   split=cfg.dataset.split, columns=ds.columns_option(cfg.dataset.columns),
-                                  extra_fields=str(cfg.dataset.extra_fields))
+                                  extra_fields=str(cfg.dataset.extra_fields), spec=spec)
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
         self.check_context_rows(rows, path)
@@ -756,6 +763,11 @@ class DiffusersEngine(EngineBase):
         compiled without warm-up, since the 1st compiles) and ``on_loaded`` runs. Returns the warm-up seconds."""
         cfg = self.ctx.cfg
         if cfg.compile != "none" and cfg.optimize.warmup and batch:
+            cc = self.compile_cache  # the bar sits still meanwhile: say why (its ETA starts after it, runner.app.console)
+            log.info("compile=%s: compiling the denoiser's blocks in a warm-up call before the first batch (%s); the "
+                     "progress bar's ETA starts after it", cfg.compile,
+                     f"compile cache {cc.dir}: {'warm, seconds' if cc.existed else 'cold, tens of seconds'}" if cc
+                     else "optimize.compile_cache=false: tens of seconds")
             t0 = time.perf_counter()
             if self.compile_cache is not None:
                 self.compile_cache.start()
@@ -811,7 +823,7 @@ class DiffusersEngine(EngineBase):
     def record(self, item: ds.Item, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:
         """The journal record of one image or video (without ``status``/``file``/``file_name``: the sink adds them):
         ``prompt`` and ``negative_prompt`` as given to the pipeline (the negative prompt is null when not applied),
-        the seed, the parameters as applied, token counts, timing, and ``meta`` (the row's extra fields kept by
+        the seed, the parameters as applied (the engine's further row fields, ``Row.values``, among them), token counts, timing, and ``meta`` (the row's extra fields kept by
         ``dataset.extra_fields=keep``) when it has any; with a step cache, ``cache``: method, schedule, params and
         the forwards and blocks computed and reused in the item's pipeline call."""
         import hashlib
@@ -824,7 +836,7 @@ class DiffusersEngine(EngineBase):
             "seed": item.seed,
             "params": {"width": r.width, "height": r.height, "num_inference_steps": r.num_inference_steps,
                        "guidance_scale": r.guidance_scale, "negative_prompt": r.negative_prompt,
-                       **self.applied_params(r), "batch_size": batch_len},
+                       **r.values, **self.applied_params(r), "batch_size": batch_len},
             "tokens": self.prompt_tokens([r.prompt])[0],
             "timing": {"generate_s": round(generate_s, 4)},
         }

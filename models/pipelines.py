@@ -547,7 +547,8 @@ class PipelineEngine(DiffusersEngine):
         from runner.core.weights import hash_snapshot
 
         files, stats = hash_snapshot(path, self.cache_dir)
-        return {"files": files, "hashing": {k: stats[k] for k in ("computed", "cached", "hash_s", "bytes_hashed")}}
+        return {"files": files, "hashing": {k: stats[k] for k in ("computed", "cached", "hub_named", "hash_s",
+                                                                  "bytes_hashed")}}
 
     def prepare_attention(self) -> None:
         """Family hook after loading, before backends are installed (e.g. SD3 routes its joint attention through
@@ -837,7 +838,7 @@ class PipelineEngine(DiffusersEngine):
                 f"model={self.cfg.name}: {self.pipeline_name()} generates video, and model.adapter={self.family()} "
                 "writes images; fix: the video family's adapter (model.adapter=wan for WanPipeline snapshots)")
         if not self.video:
-            setters = [r for r in rows if r.fps is not None]
+            setters = [r for r in rows if getattr(r, "fps", None) is not None]  # an image row spec has no fps
             if setters:
                 r = setters[0]
                 where = f"{path}:{r.line} (row {r.id!r})" if "fps" in r.set_fields else "model.generation.fps"

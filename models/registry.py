@@ -19,7 +19,7 @@ ENGINES: Dict[str, Union[str, type]] = {
     "wan": "models.wan:WanEngine",
     "hidream": "models.hidream:HiDreamEngine",
     "diffusers": "models.pipelines:PipelineEngine",
-    "vllm": "models.vllm_stage:VLLMEngine",
+    "vllm": "models.vllm.engine:VLLMEngine",
 }
 
 

@@ -13,9 +13,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if __name__ == "__main__":  # before anything imports torch: its CUDA library aborts on a malformed allocator setting
     from runner.core.environment import EnvironmentVariableError, check_before_torch
 
+    from runner.core.requirements import DependencyVersionError, check_versions
+
     try:
         check_before_torch()
-    except EnvironmentVariableError as e:
+        check_versions()  # an untested diffusers (private names, context-parallel and cache APIs): exit 2 now
+    except (EnvironmentVariableError, DependencyVersionError) as e:
         print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     from runner.app.console import library_env_defaults

@@ -29,11 +29,11 @@ CONFIG_NAMES: Dict[Tuple[str, str], Tuple[str, ...]] = {
     **{(f"models/{m}.py", "cfg"): ("cfg", "model") for m in ("flux", "pipelines", "sd3", "qwen_image", "wan",
                                                                               "hidream")},
     ("models/pipelines.py", "opts"): ("cfg", "optimize"),
-    ("models/vllm_stage.py", "model_cfg"): ("cfg", "model"),
+    ("models/vllm/engine.py", "model_cfg"): ("cfg", "model"),
     ("models/diffusers_engine.py", "model_cfg"): ("cfg", "model"),
     # an engine's ``ctx`` (models.base.StageContext) holds the run config as ``ctx.cfg``
     ("models/diffusers_engine.py", "ctx"): (),
-    ("models/vllm_stage.py", "ctx"): (),
+    ("models/vllm/engine.py", "ctx"): (),
 }
 ROOTS = {"cfg"}  # names of the run config itself
 PASS_THROUGH = {"_plain", "list", "dict", "tuple", "sorted", "bool", "int", "float", "str", "to_container", "create"}

@@ -303,7 +303,7 @@ def test_cli_tiny_qwen3_moe_token_id_prompts(rows_file, tmp_path, subprocess_env
 def test_ar_backends_use_the_runner_precedence_layers(compose):
     """Resolution only (vLLM imported, no engine): stage > run > legacy engine_extras, with provenance, and
     shared aliases mapped to vLLM's names; a misspelt engine argument is refused naming the closest one."""
-    from models.vllm_stage import ARConfigError
+    from models.vllm.rows import ARConfigError
     from runner.app.stages import build_engines
     from runner.core.platform import detect
 
@@ -327,7 +327,7 @@ def test_ar_backends_use_the_runner_precedence_layers(compose):
 # regression: bug: `engine_extras.max_model_len=abc` ended in a traceback (int('abc') in prepare), exit 1
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "true"])
 def test_engine_extras_max_model_len_must_be_a_positive_integer(compose, value):
-    from models.vllm_stage import ARConfigError
+    from models.vllm.rows import ARConfigError
     from runner.app.stages import build_engines
     from runner.core.platform import detect
 

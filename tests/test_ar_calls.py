@@ -28,7 +28,7 @@ def test_requests_per_generate_call(compose, overrides, calls, size, source):
 
 
 def test_pipeline_stage_model_batch_size_and_range_check(compose):
-    from models.vllm_stage import ARConfigError
+    from models.vllm.rows import ARConfigError
     from runner.app.stages import build_engines
 
     ov = ["model=prompt_expand_flux", "model.stages.expand.model.batch_size=3"]

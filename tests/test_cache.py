@@ -6,6 +6,8 @@ one (a cache that returns the first step's block outputs for every step)."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,6 +209,8 @@ def test_gate_passes_a_working_cache_and_fails_a_stale_one(gate_runs, capsys):
     assert good["psnr_db"]["min"] > bad["psnr_db"]["min"] and len(good["items"]) == ROWS
     assert all(0 < i["ssim"] <= 1 for i in good["items"])
     assert "FAIL" in out and "PASS" in out
+    ratio = next(iter(good["accuracy"]))  # each attribute's line shows lossy/lossless and the ratio
+    assert re.search(rf"{ratio} [\d.]+/[\d.]+ \(ratio {good['accuracy'][ratio]['ratio']}\)", out), out
 
     # the lossless job alone with the good one passes (exit 0); a lossy job without its lossless job fails
     assert gate.main([str(runs["lossless"].run_dir), str(runs["taylorseer"].run_dir), "--out",
@@ -350,3 +354,14 @@ def test_block_level_cache_runs_under_regional_compile(tmp_path):
 def test_attention_level_cache_is_refused_with_compile(tmp_path):
     r = _run(tmp_path / "p", ["cache.method=pab", "compile=regional"], limit=1, catch=(RunnerError,))
     assert type(r.error).__name__ == "CacheConfigError" and "cache.lite=true" in str(r.error), r.error
+
+
+def test_hand_run_gate_never_replaces_a_sweeps_gate_json(tmp_path):
+    """A sweep's gate.json (which its report reads) stays: a hand-run without --out writes gate.cli.json beside
+    it; without one it writes gate.json; --out is taken as given."""
+    from runner.tools.gate import default_out
+
+    assert default_out([tmp_path]) == tmp_path / "gate.json"
+    (tmp_path / "gate.json").write_text("{}")
+    assert default_out([tmp_path]) == tmp_path / "gate.cli.json"
+    assert default_out([tmp_path, tmp_path / "b"]) == Path("gate.json")

@@ -123,3 +123,50 @@ def test_sweep_override_problem_leaves_other_command_lines_alone():
     assert sweep_override_problem(["-m", "model=tiny_flux,tiny_sd3", "model.nothere=1"]) is None
     assert sweep_override_problem(["-m", "model=prompt_expand_flux", SWEEP_ONE_MODEL_KEY[2]]) is None
     assert "exists only in model=prompt_expand_flux" in sweep_override_problem(SWEEP_ONE_MODEL_KEY)
+
+
+def test_tested_diffusers_range_is_pyprojects_pin():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from runner.core.requirements import TESTED
+
+    repo = Path(__file__).resolve().parent.parent
+    deps = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = {r.name: str(r.specifier) for r in map(Requirement, deps)}
+    from packaging.specifiers import SpecifierSet
+
+    for dist, spec in TESTED.items():
+        assert SpecifierSet(pins[dist]) == SpecifierSet(spec), (dist, pins[dist], spec)
+
+
+def test_version_problems_name_the_package_version_range_and_fix():
+    import pytest
+
+    from runner.core.requirements import DependencyVersionError, check_versions, version_problems
+
+    assert version_problems({"diffusers": "0.42.1"}) == []
+    assert version_problems({"diffusers": "0.35.0"}) == [
+        "diffusers==0.35.0 is outside the tested range diffusers>=0.37,<0.43; fix: pip install 'diffusers>=0.37,<0.43'"]
+    assert "0.43.0 is outside" in version_problems({"diffusers": "0.43.0"})[0]
+    assert version_problems({"diffusers": None})[0].startswith("diffusers is not installed")
+    with pytest.raises(DependencyVersionError) as e:
+        check_versions({"diffusers": "0.36.0"})
+    assert e.value.exit_code == 2
+
+
+def test_an_untested_diffusers_is_refused_at_startup(tmp_path, subprocess_env):
+    """A diffusers 0.35 found first on the path (its metadata: what the check reads) ends ``python -m runner`` with
+    exit 2 and the fix, before Hydra starts or anything is written."""
+    import os
+
+    fake = tmp_path / "site"
+    info = fake / "diffusers-0.35.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: diffusers\nVersion: 0.35.0\n")
+    env = dict(subprocess_env, PYTHONPATH=subprocess_env["PYTHONPATH"] + os.pathsep + str(fake))
+    p = _runner([f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env)
+    assert p.returncode == 2, p.stderr
+    assert "diffusers==0.35.0 is outside the tested range diffusers>=0.37,<0.43" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "run").exists()

@@ -51,7 +51,9 @@ def test_help_says_what_the_tool_is_without_schema_bases(subprocess_env, tmp_pat
     models = next(x for x in out.splitlines() if x.strip().startswith("model:"))
     assert "toy_shapes" in models and "tiny_qwen3_moe" in models and "base_" not in models, models
     assert "dataset: builtin, csv, hf, jsonl, parquet, txt" in out
-    assert "python -m runner --cfg job" in out and "runner.export" in out
+    assert "python -m runner --cfg job" in out and "runner.export <run dir>" in out  # the entry module
+    assert "runner.gate" in out and "runner.validate" in out
+    assert "cache.* (lossy step caching: cache.method=none|first_block|magcache|taylorseer|pab" in out
     assert not (tmp_path / "outputs").exists()
 
 
@@ -134,3 +136,143 @@ def test_torchao_import_noise_is_filtered_and_other_records_kept():
         finally:
             lg.removeHandler(h)
         assert seen == ["a warning the user must see"], (name, seen)
+
+
+def _summary(lines):
+    return [x for x in lines if re.search(r"\brun (completed|completed_with_failures|failed|incomplete)\b", x)]
+
+
+def test_progress_excludes_the_warm_up_from_rate_and_eta():
+    """What comes before the first batch (loading, a compile warm-up) is left out of the bar's elapsed time, so its
+    rate and ETA are the loop's."""
+    import io
+    import time
+
+    from runner.app.console import Progress
+
+    p = Progress(4, 0, "img", "m", file=io.StringIO())
+    time.sleep(0.5)  # the warm-up
+    p.warmed_up()
+    p.update(1)
+    elapsed = p.bar.format_dict["elapsed"]
+    p.close()
+    assert elapsed < 0.25, elapsed
+    q = Progress(4, 0, "img", "m", file=io.StringIO())  # the control: without warmed_up the wait counts
+    time.sleep(0.5)
+    q.update(1)
+    assert q.bar.format_dict["elapsed"] >= 0.5
+    q.close()
+
+
+def test_log_lines_and_warnings_print_above_the_bar_not_glued_to_it(capsys):
+    import sys
+    import warnings
+
+    from runner.app.console import Progress
+
+    h = logging.StreamHandler(sys.stderr)
+    root = logging.getLogger()
+    root.addHandler(h)
+    old = root.level
+    root.setLevel(logging.INFO)
+    try:
+        p = Progress(2, 0, "img", "glue_check", file=sys.stderr)
+        p.update(1)
+        logging.getLogger("runner").info("a runner line")
+        warnings.warn("a library warning", UserWarning)
+        p.update(1)
+        p.close()
+    finally:
+        root.removeHandler(h)
+        root.setLevel(old)
+    err = capsys.readouterr().err
+    lines = _lines(err)
+    assert "a runner line" in lines, lines
+    assert any(x.endswith("UserWarning: a library warning") for x in lines), lines
+    assert not [x for x in lines if "glue_check" in x and ("runner line" in x or "library warning" in x)], lines
+    assert root.handlers.count(h) == 0 and h not in root.handlers
+    with warnings.catch_warnings(record=True) as w:  # warnings are warnings again once the bar is closed
+        warnings.simplefilter("always")
+        warnings.warn("after", UserWarning)
+    assert [str(x.message) for x in w] == ["after"]
+
+
+def test_other_ranks_show_no_bar():
+    import io
+
+    from runner.app.console import Progress
+    from runner.core.distributed import Worker
+
+    out0, out1 = io.StringIO(), io.StringIO()
+    p0 = Progress(3, 0, "img", "m", Worker(rank=0, world_size=2, launcher="torchrun"), file=out0)
+    p1 = Progress(3, 0, "img", "m", Worker(rank=1, world_size=2, launcher="torchrun"), file=out1)
+    for p in (p0, p1):
+        p.update(3)
+        p.close()
+    assert "m [rank 0 of 2]: 100%" in out0.getvalue() and out1.getvalue() == ""
+
+
+def test_compile_warm_up_says_what_it_does_before_the_bar_moves(subprocess_env, tmp_path):
+    p = _cli(["model=tiny_flux", "compile=regional", "dataset.limit=1", f"cache_dir={tmp_path / 'cache'}",
+              f"hydra.run.dir={tmp_path / 'run'}"], subprocess_env, tmp_path, timeout=900)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    lines = _lines(out)
+    says = [i for i, x in enumerate(lines) if "compile=regional: compiling the denoiser's blocks" in x]
+    assert len(says) == 1 and "cold, tens of seconds" in lines[says[0]] and "ETA starts after it" in lines[says[0]]
+    moved = [i for i, x in enumerate(lines) if BAR.match(x) and not re.search(r":\s+0%\|", x)]
+    assert moved and says[0] < moved[0], lines
+    assert {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m} == {"tiny_flux"}
+    assert len(_summary(lines)) == 1 and "run completed: 1 ok" in _summary(lines)[0]
+
+
+def test_vllm_run_prints_one_bar_one_summary_and_no_library_info_line(subprocess_env, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": "fox", "prompt": "a red fox", "max_tokens": 4}\n')
+    p = _cli(["model=tiny_qwen3_moe", "platform=cpu", "dataset=jsonl", f"dataset.path={rows}",
+              f"hydra.run.dir={tmp_path / 'run'}"], subprocess_env, tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    lines = _lines(out)
+    info = [x for x in lines if re.search(r"\[INFO\]| INFO ", x) and "[runner]" not in x]
+    assert not info, info
+    assert {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m} == {"tiny_qwen3_moe"}
+    glued = [x for x in lines if BAR.match(x) and re.search(r"WARNING|INFO", x)]
+    assert not glued, glued
+    assert len(_summary(lines)) == 1 and "run completed: 1 ok" in _summary(lines)[0]
+
+
+def _dp_run(args, env, cwd, torchrun):
+    env = dict(env, PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    for k in ("RUNNER_VERBOSE", "KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner"] if torchrun
+           else [sys.executable, "-m", "runner"])
+    return subprocess.run(cmd + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_torchrun_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_path):
+    p = _dp_run(["parallelism=data", "dataset.limit=4", f"hydra.run.dir={tmp_path / 'run'}"], subprocess_env,
+                tmp_path, torchrun=True)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    lines = _lines(out)
+    assert {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m} == {"toy_shapes [rank 0 of 2]"}
+    s = _summary(lines)
+    assert len(s) == 1 and "run completed: 4 ok, 0 failed, 0 reused over 2 workers" in s[0], s
+
+
+def test_ray_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_path):
+    import pytest
+
+    pytest.importorskip("ray", reason="ray not installed (extra: scale)")
+    p = _dp_run(["parallelism=data", "launcher=ray", "launcher.num_workers=2", "dataset.limit=4",
+                 f"hydra.run.dir={tmp_path / 'run'}"], subprocess_env, tmp_path, torchrun=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    lines = _lines(out)
+    bars = {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m}
+    assert len(bars) == 1 and next(iter(bars)).endswith("toy_shapes [rank 0 of 2]"), bars
+    s = _summary(lines)
+    assert len(s) == 1 and "run completed: 4 ok, 0 failed, 0 reused over 2 workers" in s[0], s
+    assert not [x for x in lines if re.search(r"Loading|\[INFO\]", x) and "[runner" not in x]

@@ -332,8 +332,9 @@ def test_source_path_expands_the_home_dir(tmp_path, monkeypatch):
 
 def _row(id: str, seed=None, n: int = 1, line: int = 1, **kw: Any) -> Row:
     base = dict(negative_prompt=None, width=64, height=64, num_inference_steps=4, guidance_scale=3.5)
+    values = {k: kw.pop(k) for k in ("num_frames", "fps") if k in kw}  # the video fields: Row.values
     base.update(kw)
-    return Row(id=id, prompt="p", seed=seed, num_images_per_prompt=n, line=line, **base)
+    return Row(id=id, prompt="p", seed=seed, num_images_per_prompt=n, line=line, values=values, **base)
 
 
 def test_derive_seed_is_fixed_per_run_seed_and_id():
@@ -407,3 +408,15 @@ def test_safe_stem_length():
 def test_item_key_and_file_stem():
     assert Item(row=_row("a/b"), index=0, seed=1).filename_stem == ds.safe_stem("a/b")
     assert Item(row=_row("a", n=2), index=1, seed=1).key == "a-1"
+
+
+def test_csv_trailing_commas_are_told_apart_from_an_unquoted_comma(tmp_path):
+    """Issue 29: ``a,a red circle,,`` under ``id,prompt`` has 4 cells for 2 columns, its extra cells empty: trailing
+    commas, not a prompt to quote; an unquoted comma in a value keeps the quoting hint. Every such row is named."""
+    p = tmp_path / "rows.csv"
+    p.write_text("id,prompt\na,a red circle,,\nb,a blue, square\nc,fine\n", encoding="utf-8")
+    assert problems(p, fmt="csv") == [
+        f"{p}:2: row has more cells than the header has columns (4 cells, 2 columns; the 2 extra cell(s) are empty: "
+        "trailing commas); fix: remove the trailing commas",
+        f"{p}:3: row has more cells than the header has columns (3 cells, 2 columns); fix: quote prompts that "
+        "contain commas"]

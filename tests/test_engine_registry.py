@@ -164,7 +164,7 @@ def test_registry_imports_engines_lazily():
     import sys
 
     code = ("import sys; import models.registry as r; r.engine_class('flux'); "
-            "print('models.vllm_stage' in sys.modules, 'vllm' in sys.modules)")
+            "print('models.vllm.engine' in sys.modules, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -180,7 +180,7 @@ def test_ar_greedy_row_with_sampling_fields_refused_or_recorded(compose, write_j
     """The same kind on the AR side: vLLM's greedy sampling (temperature 0) ignores ``top_p``/``top_k``/``seed``;
     a row setting one with temperature 0 is refused (file:line, field), or with the option kept out of the request
     and noted as ignored."""
-    from models.vllm_stage import load_rows
+    from models.vllm.rows import load_rows
 
     path = write_jsonl([{"id": "a", "prompt": "x", "temperature": 0, "top_p": 0.5},
                         {"id": "b", "prompt": "y", "top_p": 0.5},

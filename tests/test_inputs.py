@@ -152,7 +152,7 @@ def test_csv_and_hf_runs_from_the_command_line_mapping(execute, tmp_path):
 
 
 def test_ar_rows_take_the_same_mapping_and_extra_fields(compose, write_jsonl):
-    from models.vllm_stage import load_rows as ar_rows
+    from models.vllm.rows import load_rows as ar_rows
 
     p = write_jsonl([{"id": "a", "question": "what is 2+2?", "tag": "math"}])
     cfg = compose(["model=tiny_qwen3_moe", "dataset=jsonl", f"dataset.path={p}", "dataset.columns={prompt: question}",

@@ -225,3 +225,22 @@ def test_png_whose_size_differs_from_its_record_fails_and_is_not_written(tmp_pat
         assert "height: record 48, artifact 32" in by["both"]["reason"]
         assert sorted(p.name for p in (d / "images").iterdir()) == ["ok.png", "unsized.png"]
         assert sink.counts == {"ok": 2, "failed": 2}
+
+
+def test_video_export_is_typed_with_datasets_video_feature(compose, tmp_path):
+    """A video run's parquet export carries ``datasets.Video`` (not an untyped struct); its bytes read back
+    without torchcodec through ``Video(decode=False)`` and equal the run's MP4."""
+    datasets = pytest.importorskip("datasets")
+    from runner.app.execute import run
+
+    d = tmp_path / "run"
+    ov = ["platform=cpu", "model=toy_motion", "dataset.limit=1"]
+    assert run(compose(ov), d, ov) == 0
+    p = _export([d, "--format", "parquet", "--out", tmp_path / "pq"])
+    assert p.returncode == 0, p.stderr
+    files = json.loads((tmp_path / "pq" / "export.json").read_text())["files"]
+    ds = datasets.load_dataset("parquet", data_files=[str(tmp_path / "pq" / f) for f in files], split="train")
+    assert isinstance(ds.features["video"], datasets.Video)
+    row = ds.cast_column("video", datasets.Video(decode=False))[0]
+    rec = next(json.loads(x) for x in (d / "items.jsonl").read_text().splitlines() if '"ok"' in x)
+    assert row["video"]["bytes"] == (d / rec["file"]).read_bytes()

@@ -64,7 +64,7 @@ RESOURCE_REF = re.compile(r"""(?:src|href|action|poster|srcset)\s*=\s*["']?\s*(?
 
 def _parity_row(html: str, job: str) -> Tuple[str, ...]:
     """(items compared, min PSNR, min SSIM, max diff, verdict) of ``job`` in the parity summary table."""
-    table = re.search(r'<table class="parity-summary">(.*?)</table>', html, re.S).group(1)
+    table = re.search(r'<table class="parity-summary[^"]*">(.*?)</table>', html, re.S).group(1)
     for tr in re.findall(r"<tr>(.*?)</tr>", table, re.S):
         cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", tr, re.S)]
         if cells and cells[0] == job:
@@ -87,7 +87,11 @@ def test_report_is_self_contained(sweep):
     assert html.startswith("<!DOCTYPE html>")
     assert not RESOURCE_REF.search(html), RESOURCE_REF.search(html).group(0)
     assert "http://" not in html and "https://" not in html
-    assert "<script" not in html.lower() and "<link" not in html.lower()
+    assert "<link" not in html.lower()
+    from runner.tools.report import SORT_JS  # the one script: inline, the tables' sorting
+
+    assert re.findall(r"<script[^>]*>(.*?)</script>", html, re.S | re.I) == [SORT_JS]
+    assert not re.search(r"<script[^>]*\bsrc", html, re.I)
     imgs = re.findall(r'<img [^>]*src="([^"]*)"', html)
     assert len(imgs) == 4 and all(s.startswith("data:image/") for s in imgs)  # 2 items x 2 jobs with images
     assert "<svg" in html and "images/s" in html
@@ -105,6 +109,37 @@ def test_report_contents(sweep):
     for needle in ("TORCH_SDPA", "requested sdpa", "cli_run", "requested auto", "verified",
                    "text enc. s", "denoise s", "VAE dec. s", "write s", "images/s", "host RSS"):
         assert needle in html, needle
+
+
+@pytest.mark.slow
+def test_report_thumbnails_link_full_size_files_with_seed_and_prompt(sweep):
+    """Under each thumbnail its seed and prompt, around it a link (relative to report.html) to the full-size
+    file; per job the oracle's accuracy; the first job's wall time flagged as a cold start; sortable tables."""
+    html = (sweep / "report.html").read_text()
+    links = re.findall(r'<a href="([^"]+)"><img ', html)
+    assert len(links) == 4 and all((sweep / h).is_file() and h.endswith(".png") for h in links), links
+    rec = json.loads((sweep / "0" / "items.jsonl").read_text().splitlines()[0])
+    assert f"seed {rec['seed']} · {rec['prompt'][:40]}" in html
+    acc = json.loads((sweep / "0" / "manifest.json").read_text())["accuracy"]
+    assert f"all {acc['all']:.3g}" in html and "<th>oracle accuracy</th>" in html
+    assert html.count("first job: includes cold-start warm-up") == 1
+    assert '<table class="jobs sortable">' in html and '<table class="parity-summary sortable">' in html
+
+
+def test_not_comparable_items_are_collapsed_with_their_reason():
+    from types import SimpleNamespace
+
+    from runner.tools.report import _parity_section
+
+    job = lambda label, name: SimpleNamespace(label=label, outcome="ok", manifest={  # noqa: E731
+        "overrides": [], "config": {"model": {"name": name}}})
+    a, b = job("0", "tiny_flux"), job("1", "toy_shapes")
+    rows = [{"key": "k", "psnr_db": None, "ssim": None, "max_abs_diff": None, "within": None,
+             "note": "not comparable (model tiny_flux vs toy_shapes)"}]
+    html = _parity_section([a, b], a, {"1": rows}, 40.0)
+    nc = re.search(r'<details class="not-comparable">(.*?)</details>', html, re.S).group(1)
+    assert "Not comparable (1 items" in nc and "model tiny_flux vs toy_shapes" in nc
+    assert '<details class="not-comparable" open' not in html and "Per item" not in html
 
 
 @pytest.mark.slow
@@ -159,12 +194,46 @@ def test_image_metrics():
     small = rng.integers(0, 256, (6, 9, 3), dtype=np.uint8)       # smaller than the 11x11 window
     assert ssim(small, small) == pytest.approx(1.0)
     assert compare_images(a, a[:16])["psnr_db"] is None           # shape mismatch: no metric, no crash
-    # a reference value: scikit-image 0.26 structural_similarity(x, y, channel_axis=2, gaussian_weights=True,
-    # sigma=1.5, use_sample_covariance=False, data_range=255) of this deterministic pair
+    # a reference value: torchmetrics 1.x structural_similarity_index_measure (Gaussian 11, sigma 1.5, data_range
+    # 255, float64) of this deterministic pair; the report and the gate share this one implementation (they used
+    # to disagree: a numpy port matching scikit-image's 0.99726 in the report, torchmetrics in the gate)
     i, j = np.mgrid[0:48, 0:40]
     x = np.stack([(i * 7 + j * 13) % 256, (i * i + 3 * j) % 256, (5 * i * j) % 256], axis=2).astype(np.uint8)
     y = np.clip(x.astype(int) + (i * j % 5)[..., None] - 2 + (i % 3)[..., None] * 3, 0, 255).astype(np.uint8)
-    assert ssim(x, y) == pytest.approx(0.9972623536945288, abs=1e-7)
+    assert ssim(x, y) == pytest.approx(0.9953440818933998, abs=1e-7)
+
+
+def test_report_and_gate_give_one_ssim_for_one_pair(tmp_path):
+    """The same 64x64 pair through the report's parity metric and the gate's item metric: one SSIM."""
+    from PIL import Image
+
+    from runner.tools.gate import item_metrics
+    from runner.tools.report import compare_files
+
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    b = np.clip(a.astype(int) + rng.integers(-20, 21, a.shape), 0, 255).astype(np.uint8)
+    pa, pb = tmp_path / "a.png", tmp_path / "b.png"
+    Image.fromarray(a).save(pa)
+    Image.fromarray(b).save(pb)
+    r, g = compare_files(pa, pb), item_metrics(pa, pb)
+    assert 0 < r["ssim"] < 1 and round(r["ssim"], 5) == g["ssim"]
+
+
+def test_not_comparable_names_the_key_that_differs():
+    from types import SimpleNamespace
+
+    from runner.tools.report import item_difference, not_comparable
+
+    r = {"seed": 1, "prompt_sha256": "p", "params": {"width": 64, "height": 64, "batch_size": 1}}
+    assert item_difference(r, dict(r, params={**r["params"], "batch_size": 4})) is None
+    assert item_difference(r, dict(r, seed=2)) == "seed 1 vs 2"
+    assert item_difference(r, dict(r, prompt_sha256="q")) == "prompt"
+    assert item_difference(r, dict(r, params={**r["params"], "width": 32})) == "params.width 64 vs 32"
+    job = lambda name: SimpleNamespace(manifest={"config": {"model": {"name": name}}})  # noqa: E731
+    assert not_comparable(job("tiny_flux"), job("toy_shapes"), r, r) == "not comparable (model tiny_flux vs toy_shapes)"
+    assert not_comparable(job("a"), job("a"), r, dict(r, seed=3)) == "not comparable (seed 1 vs 3)"
+    assert not_comparable(job("a"), job("a"), r, r) is None
 
 
 # ------------------------------------------------------------------------------------------------ browser

@@ -468,3 +468,26 @@ def test_rerun_command_keeps_an_absolute_dataset_path_as_written(tmp_path):
     bare = {"overrides": ["dataset.path=rows.jsonl"]}
     assert repro.rerun_command(bare, tmp_path)[3] == "dataset.path=rows.jsonl"  # nothing recorded to replace it
     assert repro.rerun_command({}, tmp_path) == [sys.executable, "-m", "runner", f"hydra.run.dir='{tmp_path}'"]
+
+
+def test_repro_of_a_sweep_dir_reproduces_each_job(tmp_path, subprocess_env):
+    """``python -m runner.repro <sweep dir>``: every job (a subdir with a manifest) is re-run into ``<out>/<job>``
+    and compared; one verdict per job, exit 0 when all reproduce."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(subprocess_env, PYTHONPATH=str(repo) + os.pathsep + subprocess_env.get("PYTHONPATH", ""))
+    sweep = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "runner", "-m", "seed=1,2", "dataset.limit=1",
+                        f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [j.name for j in repro.sweep_jobs(sweep)] == ["0", "1"] and repro.sweep_jobs(sweep / "0") == []
+    out = tmp_path / "again"
+    p = subprocess.run([sys.executable, "-m", "runner.repro", str(sweep), "--out", str(out)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert p.stdout.count("REPRO OK: 1 item(s) reproduced") == 2, p.stdout
+    assert f"repro of sweep {sweep}: 2 of 2 job(s) reproduced -> {out}" in p.stdout
+    for job in ("0", "1"):
+        assert json.loads((out / job / "repro_check.json").read_text())["ok"] is True

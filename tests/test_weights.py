@@ -220,10 +220,33 @@ def test_weight_files_of_a_hub_snapshot_hash_the_blobs(hf_home, tmp_path):
     files = flux_files()
     add_to_hub_cache(hf_home / "hub", "org/name", files)
     snap, _ = resolve_model_path("org/name", None)
-    digests, _ = hash_snapshot(snap, tmp_path / "rc")
-    assert digests == {rel: hashlib.sha256(files[rel]).hexdigest() for rel in LOADED}
+    want = {rel: hashlib.sha256(files[rel]).hexdigest() for rel in LOADED}
+    # the Hub cache names each LFS blob by its sha256: taken as the digest, no byte read, nothing cached
+    digests, stats = hash_snapshot(snap, tmp_path / "rc")
+    assert digests == want and stats["hub_named"] == sorted(LOADED) and stats["computed"] == []
+    assert stats["bytes_hashed"] == 0 and not (tmp_path / "rc" / "weight_digests.json").exists()
+    # verified on demand: read like any file and checked against the names
+    digests, stats = hash_snapshot(snap, tmp_path / "rc", verify=True)
+    assert digests == want and stats["verified"] == sorted(LOADED) and stats["bytes_hashed"] == stats["bytes_total"]
     cache = json.loads((tmp_path / "rc" / "weight_digests.json").read_text())["entries"]
     assert all(Path(p).parent.name == "blobs" for p in cache)  # keyed by the resolved blob, not the symlink
+
+
+def test_a_corrupt_hub_blob_fails_verification_naming_the_file(hf_home, tmp_path, monkeypatch):
+    from runner.core.weights import WeightDigestError
+
+    files = flux_files()
+    add_to_hub_cache(hf_home / "hub", "org/name", files)
+    snap, _ = resolve_model_path("org/name", None)
+    rel = LOADED[0]
+    blob = (snap / rel).resolve()
+    blob.write_bytes(b"truncated")  # the download broke; the name still claims the original sha256
+    assert hash_snapshot(snap, tmp_path / "rc")[0][rel] == blob.name  # unverified: the cache's word
+    monkeypatch.setenv("RUNNER_VERIFY_WEIGHTS", "1")
+    with pytest.raises(WeightDigestError) as e:
+        hash_snapshot(snap, tmp_path / "rc")
+    assert rel in str(e.value) and blob.name in str(e.value) and "--force-download" in str(e.value)
+    assert e.value.exit_code == 2
 
 
 # ------------------------------------------------------------------------------------------------ weight files

@@ -12,6 +12,10 @@ libraries it drives unless asked (``RUNNER_VERBOSE=1`` or ``hydra.verbose=...``)
   says when diffusers imports it (:data:`LIBRARY_NOISE`), and Python's
   ``FutureWarning``s raised inside vLLM's modules. vLLM's WARNING lines stay (``VLLM_LOGGING_LEVEL=ERROR``
   hides them too);
+* :class:`Progress` (the run's bar): shown by the first rank only (torchrun, Ray: one bar, not one per worker),
+  log records and Python warnings printed above it through ``tqdm.write`` (not glued onto its line), and the
+  warm-up (load, compile) excluded from its rate and ETA; :func:`summary_line`: the one line a run (or the merge
+  of a data-parallel run's workers) ends with;
 * :func:`override_key_problem`: a command-line override whose key is not in the composed config, with the
   closest key (``batchsize=4`` -> ``batch_size``), before Hydra says "use +batchsize";
 * ``--help`` (``conf/config.yaml``'s ``hydra.help``) lists the groups through ``runner.core.paths.help_groups``, without
@@ -38,7 +42,13 @@ LIBRARY_NOISE: Dict[str, Tuple[str, ...]] = {
     "torchao": ("Failed to load ",),
     "torch.utils._pytree": ("Calling register_constant() on Enum subclasses is deprecated",),
     "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
+    # once per tokenizer, so twice for a two-encoder pipeline; the runner says it once for the run (how many items a
+    # text encoder truncated) and each record carries its counts (``models.diffusers_engine``)
+    "transformers.tokenization_utils_base": ("Token indices sequence length is longer than",),
 }
+#: Loggers whose own console handler (not the root's) prints library records: redirected through ``tqdm.write``
+#: while the bar is shown, as the root's is (:class:`Progress`).
+CONSOLE_LOGGERS: Tuple[str, ...] = ("", "transformers", "diffusers", "vllm", "ray")
 
 
 def verbose(argv: Sequence[str], environ: Optional[MutableMapping[str, str]] = None) -> bool:
@@ -93,6 +103,9 @@ def quiet_libraries(is_verbose: bool = False) -> None:
 
     # vLLM's own modules touch deprecated torch names at import (torch.distributed.reduce_op): not the user's code
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
+    # vLLM configures its logger (VLLM_LOGGING_LEVEL) on first use; records logged while it is imported (its Triton
+    # probe's INFO lines) reach the root's handler at the runner's INFO level
+    logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "WARNING").upper())
     for name, flt in _FILTERS.items():
         lg = logging.getLogger(name)
         if flt not in lg.filters:
@@ -177,3 +190,83 @@ def override_key_problem(argv: Sequence[str]) -> Optional[str]:
                     "correct or remove it")
     return None
 
+
+
+def _console_handler(lg: logging.Logger) -> bool:
+    import sys
+
+    return any(isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr) for h in lg.handlers)
+
+
+class Progress:
+    """The run's one progress bar (tqdm), shown by the first rank only: under torchrun or Ray every worker makes
+    one, ranks other than 0 keep theirs disabled, and rank 0's says ``[rank 0 of N]`` (its shard; the merged total
+    is :func:`summary_line`'s, after the merge).
+
+    While open, the console handlers of :data:`CONSOLE_LOGGERS` (the root's: Hydra's, so the runner's own lines;
+    the libraries' that print through their own handler) write through ``tqdm.write`` (tqdm's
+    ``logging_redirect_tqdm``), and Python warnings are logged (``logging.captureWarnings``), so no line is glued
+    onto the bar's. :meth:`warmed_up` restarts the bar's clock (``tqdm.unpause``): the time before the first
+    batch (loading, a compile warm-up of tens of seconds on a cold cache) counts in neither the rate nor the ETA.
+
+    Args:
+        total: items of this process's share; initial: those already done (reused by a resume);
+        unit: ``img``, ``video``, ...; desc: the bar's label (the model's name);
+        worker: ``runner.core.distributed.Worker`` or None (one process);
+        file: where the bar goes (default stderr).
+    """
+
+    def __init__(self, total: int, initial: int, unit: str, desc: str, worker: Optional[object] = None,
+                 file: Optional[object] = None) -> None:
+        from contextlib import ExitStack
+
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        world = int(getattr(worker, "world_size", 1) or 1)
+        self.shown = worker is None or int(getattr(worker, "rank", 0)) == 0
+        label = f"{desc} [rank 0 of {world}]" if world > 1 else desc
+        self.bar = tqdm(total=total, initial=initial, unit=unit, desc=label, dynamic_ncols=True, file=file,
+                        disable=not self.shown)
+        self._stack = ExitStack()
+        if self.shown:
+            loggers = [logging.getLogger(n) for n in CONSOLE_LOGGERS]
+            self._stack.enter_context(logging_redirect_tqdm(loggers=[lg for lg in loggers if _console_handler(lg)]))
+            logging.captureWarnings(True)
+            self._stack.callback(logging.captureWarnings, False)
+
+    def update(self, n: int = 1) -> None:
+        """``n`` more items ended (ok or failed)."""
+        self.bar.update(n)
+
+    def warmed_up(self) -> None:
+        """The first batch starts now: what came before is left out of the rate and the ETA."""
+        self.bar.unpause()
+
+    def close(self) -> None:
+        """Close the bar and give the console handlers and warnings back. Idempotent."""
+        self.bar.close()
+        self._stack.close()
+
+
+def summary_line(status: str, counts: Dict[str, int], seconds: Optional[float], out_dir: object,
+                 workers: Optional[int] = None) -> str:
+    """The line a run ends with: ``run completed: 4 ok, 0 failed, 0 reused, 3.2 s -> <dir>``; with ``workers``
+    (a data-parallel run's merge) the merged total of every worker, ``... over 2 workers``, and the items no worker
+    produced (``missing``) when there are any."""
+    parts = [f"{counts.get('ok', 0)} ok", f"{counts.get('failed', 0)} failed", f"{counts.get('reused', 0)} reused"]
+    if counts.get("missing"):
+        parts.append(f"{counts['missing']} missing")
+    tail = f" over {workers} workers" if workers else ""
+    took = f", {seconds:.1f} s" if seconds is not None else ""
+    return f"run {status}: {', '.join(parts)}{tail}{took} -> {out_dir}"
+
+
+def merged_summary(merged: Dict[str, object], out_dir: object) -> str:
+    """:func:`summary_line` of a data-parallel run's merged manifest (``runner.core.distributed.merge``): every
+    worker's items, the slowest worker's wall time."""
+    workers = merged.get("workers") or []
+    timing = merged.get("timing") or {}
+    return summary_line(str(merged.get("status")), dict(merged.get("counts") or {}),  # type: ignore[arg-type]
+                        timing.get("wall_s") if isinstance(timing, dict) else None, out_dir,
+                        workers=len(workers))  # type: ignore[arg-type]

@@ -76,7 +76,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     from runner.app.execute import DatasetItems, run
 
     from runner.core import distributed as dp
-    from runner.app.console import quiet_libraries, verbose
+    from runner.app.console import merged_summary, quiet_libraries, verbose
 
     quiet_libraries(verbose(sys.argv[1:]))  # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries')
 
@@ -125,6 +125,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
             if worker.rank == 0:
                 merged = dp.merge(out_dir, worker.world_size, data.keys(), "torchrun", data.current(),
                                   lay=worker.layout)
+                log.info("%s", merged_summary(merged, out_dir))  # the run's one summary line (workers log theirs at DEBUG)
                 code = dp.merged_exit_code(merged)
         else:
             code = run(cfg, out_dir, overrides=overrides, on_exit=on_exit)

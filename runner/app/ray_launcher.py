@@ -34,6 +34,9 @@ def _worker_main(cfg_dict: Dict[str, Any], out_dir: str, overrides: List[str], r
 
     rundir.join(Path(out_dir), token)
     try:
+        from runner.app.console import quiet_libraries, verbose
+
+        quiet_libraries(verbose(overrides))  # a Ray worker is a fresh process: no loader bars there either
         cfg = OmegaConf.create(cfg_dict)
         return run(cfg, Path(out_dir), overrides=overrides, worker=Worker(rank=rank, world_size=world_size,
                                                                           launcher="ray"))
@@ -66,6 +69,7 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[
     """
     import ray
 
+    from runner.app.console import merged_summary
     from runner.core.distributed import merge
 
     n = int(cfg.launcher.num_workers)
@@ -93,6 +97,8 @@ def run_on_ray(cfg: DictConfig, out_dir: Path, overrides: List[str], keys: List[
                     reasons[r] = ray_reason(e)
         if refusal is not None:
             raise refusal  # classified by run_job from its exit_code/outcome, as in a one-process run
-        return merge(out_dir, n, keys, "ray", current, reasons=reasons)
+        merged = merge(out_dir, n, keys, "ray", current, reasons=reasons)
+        log.info("%s", merged_summary(merged, out_dir))  # the run's one summary line (workers log theirs at DEBUG)
+        return merged
     finally:
         rundir.release(lock)

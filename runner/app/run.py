@@ -281,11 +281,11 @@ class Run:
         if self.worker is None or self.worker.rank == 0:
             provenance.write_repro(self.out_dir, self.overrides, self.manifest.doc["packages"],
                                    self.manifest.doc["environment"])
-        from tqdm import tqdm
+        from runner.app.console import Progress
 
         todo = self.plan.todo
-        self.bar = tqdm(total=len(self.items), initial=len(self.items) - len(todo), unit=self.final.unit,
-                        desc=self.cfg.model.name, dynamic_ncols=True)
+        self.bar = Progress(len(self.items), len(self.items) - len(todo), self.final.unit, self.cfg.model.name,
+                            self.worker)
         self.sink = self.open_sink()
         todo = self.run_upstream(todo)
         originals = {it.key: it for it in self.items}  # before an upstream stage rewrote the prompts
@@ -344,6 +344,7 @@ class Run:
 
     def after_load(self, sections: Dict[str, Any]) -> None:
         """The final stage loaded: its load sections (``model`` merged) and resolved backends into the manifest."""
+        self.bar.warmed_up()  # loading and the compile warm-up are not in the bar's rate and ETA
         self.manifest.section("model", {**self.model_doc, "source": self.final.source, **sections.pop("model", {})})
         for k, v in sections.items():
             self.manifest.section(k, v)
@@ -468,9 +469,12 @@ class Run:
         Raises:
             evidence.EvidenceError: strict evidence found a mismatch (everything was written).
         """
-        c = self.counts
-        log.info("run %s: %d ok, %d failed, %d reused, %.1f s -> %s", self.status, c["ok"], c["failed"],
-                 c["reused"], time.perf_counter() - self.t_start, self.out_dir)
+        from runner.app.console import summary_line
+
+        c, w = self.counts, self.worker
+        # a worker's share is not the run's total: the merge logs that (runner.app.jobs, runner.app.ray_launcher)
+        log.log(logging.INFO if w is None or w.world_size == 1 else logging.DEBUG, "%s",
+                summary_line(self.status, c, time.perf_counter() - self.t_start, self.out_dir))
         if self.status == "evidence_mismatch":
             raise evidence.EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
                                          + "\n  ".join(self.manifest.doc["evidence"]["mismatches"]))

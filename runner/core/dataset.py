@@ -13,30 +13,14 @@ import hashlib
 import io
 import json
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from runner.core.errors import UserInputError
 from runner.core.paths import RUNNER_DIR
 
 BUILTIN_PROMPTS = RUNNER_DIR / "data" / "prompts.jsonl"
-
-# Field -> (type, check, fix). Types are the JSON types accepted; ints are also accepted for float fields.
-ROW_FIELDS: Dict[str, type] = {
-    "id": str,
-    "prompt": str,
-    "negative_prompt": str,
-    "seed": int,
-    "width": int,
-    "height": int,
-    "num_inference_steps": int,
-    "guidance_scale": float,
-    "num_images_per_prompt": int,
-    "num_frames": int,  # video models: frames per video (model rules, e.g. Wan's 4k+1, checked by the engine)
-    "fps": int,  # video models: frames per second of the written video
-    "expect": dict,  # expected attributes for an oracle, e.g. {"color": "red", "shape": "circle"}
-}
-
 
 class DatasetError(UserInputError, ValueError):
     """Raised for bad dataset input. ``problems`` lists one message per bad field, each naming file, line,
@@ -67,10 +51,6 @@ class Row:
     num_images_per_prompt: int
     line: int
     expect: Optional[Dict[str, Any]] = None
-    num_frames: Optional[int] = None
-    """Frames of a video (None: an image model)."""
-    fps: Optional[int] = None
-    """Frames per second of the written video (None: an image model)."""
     set_fields: tuple = ()
     """The generation fields the row itself sets (the others come from the run config or the model)."""
     ignored: Optional[Dict[str, Any]] = None
@@ -79,6 +59,26 @@ class Row:
     meta: Optional[Dict[str, Any]] = None
     """The row's extra fields (``dataset.extra_fields=keep``: fields that are no row field and not close to one),
     recorded with the item (``meta``), never passed to the model."""
+    values: Dict[str, Any] = dc_field(default_factory=dict)
+    """The engine's further row fields (``Field.extra``: a video's ``num_frames`` and ``fps``), those not None;
+    read as attributes (``row.num_frames``; None when the row's spec has the field and the row has no value)."""
+    spec: Optional["RowSpec"] = dc_field(default=None, compare=False, repr=False)
+    """The row spec the row was validated by (None: :data:`VIDEO_ROW`, the diffusion row)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("values", "spec"):
+            raise AttributeError(name)
+        values = self.__dict__.get("values") or {}
+        if name in values:
+            return values[name]
+        if name in self.row_spec.by_name:
+            return None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def row_spec(self) -> "RowSpec":
+        """The row's spec (:attr:`spec`, else :data:`VIDEO_ROW`)."""
+        return self.spec or VIDEO_ROW
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,9 @@ class Item:
 
     @property
     def shape_key(self) -> tuple:
-        """Rows with equal shape keys can share a batch (same latent shape, steps and guidance)."""
-        r = self.row
-        return (r.width, r.height, r.num_inference_steps, r.guidance_scale, r.negative_prompt is not None,
-                r.num_frames)
+        """Rows with equal shape keys can share a batch: the row spec's batching fields (:meth:`RowSpec.shape_key`:
+        latent shape, steps, guidance, whether a negative prompt is set)."""
+        return self.row.row_spec.shape_key(self.row)
 
 
 _RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))}
@@ -132,6 +131,330 @@ def derive_seed(run_seed: int, row_id: str) -> int:
     """Deterministic 63-bit seed of a row without one: sha256 of ``"<run_seed>:<row_id>"``."""
     digest = hashlib.sha256(f"{run_seed}:{row_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+# ------------------------------------------------------------------------------------------------ row specs
+#: JSON types a row field may declare, with the words a message uses for them.
+TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", dict: "an object", bool: "true or false",
+              list: "a list of strings"}
+#: ``Field.identity`` values: ``always`` (in every item's inputs), ``set`` (only when not None: a field added to a
+#: spec later leaves the identities of rows that do not use it as they were), ``no`` (never: names, oracle data).
+IDENTITY = ("always", "set", "no")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One row field of an engine's row spec (:class:`RowSpec`).
+
+    Attributes:
+        name: the field name, as a dataset row spells it.
+        type: the JSON type accepted: ``str``, ``int``, ``float`` (ints accepted), ``bool``, ``dict`` or ``list``.
+        check: ``check(value, context) -> why`` (None: fine): a range rule, e.g. ``"must be >= 1"``; the driver
+            reports ``<file>:<line>: field '<name>' = <value> <why>``. Runs on the row's value, or, for a field with
+            a ``default``, on the value the row gets (its own, else the default; None included).
+        identity: one of :data:`IDENTITY`: whether the value is part of the item's inputs (``inputs_sha256``).
+        batch_key: rows share a batch only when these fields agree; a callable maps the value to its part of the
+            key (``negative_prompt``: whether one is set).
+        default: key of the engine's defaults mapping (run config / ``model.generation``) that fills the field
+            when the row leaves it out; None: no default (the row's value or None).
+        parse: ``parse(value, from_text) -> value`` in place of :func:`coerce` (lists, booleans); raises
+            ValueError/TypeError when the value is not of the type.
+        kind: the words for the type in messages (default :data:`TYPE_WORDS`).
+        extra: False for the fields every row of the spec's row class has as attributes; True for an engine's
+            further fields, kept in ``Row.values`` (and so in the item's record ``params`` when set).
+    """
+
+    name: str
+    type: type
+    check: Optional[Callable[[Any, Mapping[str, Any]], Optional[str]]] = None
+    identity: str = "always"
+    batch_key: Union[bool, Callable[[Any], Any]] = False
+    default: Optional[str] = None
+    parse: Optional[Callable[[Any, bool], Any]] = None
+    kind: Optional[str] = None
+    extra: bool = True
+
+    def words(self) -> str:
+        """The type in words (``an integer``)."""
+        return self.kind or TYPE_WORDS[self.type]
+
+    def value(self, raw: Any, from_text: bool) -> Any:
+        """``raw`` converted to the field's type (:func:`coerce`, or ``parse``); raises ValueError/TypeError."""
+        return self.parse(raw, from_text) if self.parse else coerce(raw, self.type, from_text)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """An engine's dataset row: its fields and the rules across them, read by the one validation driver
+    (:func:`validate_rows`).
+
+    Attributes:
+        name: the spec's name (``image``, ``video``, ``ar``).
+        fields: the row fields, in the order messages list them.
+        cross: functions ``cross(where, vals, merged, context, bad) -> problems``: rules across fields (a required
+            prompt, ``width * height <= max_pixels``); ``vals`` holds the row's own typed values, ``merged`` every
+            defaulted field's value (the row's, else the default), ``bad`` whether the row already has a problem.
+        build: ``build(line, row_id, vals, merged, meta, context) -> row``: the validated row object.
+        quote_hint: add ``(no quotes)`` to a type error of a quoted non-string value.
+        order: the order of the checks after the type checks, as messages list them: field names (the field's
+            check), :data:`UNIQUE_ID` (ids unique) and cross rules; the fields and rules it leaves out follow, in
+            declaration order (empty: unique ids, the fields, the rules).
+    """
+
+    name: str
+    fields: Tuple[Field, ...]
+    cross: Tuple[Callable[..., List[str]], ...]
+    build: Callable[..., Any]
+    quote_hint: bool = True
+    order: Tuple[Union[str, Callable[..., List[str]]], ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"row spec {self.name!r} declares a field twice: {names}")
+        bad = [f.name for f in self.fields if f.identity not in IDENTITY or f.type not in TYPE_WORDS]
+        if bad:
+            raise ValueError(f"row spec {self.name!r}: fields {bad} have an identity outside {IDENTITY} or a type "
+                             f"outside {[t.__name__ for t in TYPE_WORDS]}")
+
+    @property
+    def by_name(self) -> Dict[str, Field]:
+        """``{name: Field}`` in declaration order."""
+        return {f.name: f for f in self.fields}
+
+    def types(self) -> Dict[str, type]:
+        """``{field: type}`` (what :data:`ROW_FIELDS` was for the diffusion row)."""
+        return {f.name: f.type for f in self.fields}
+
+    def extend(self, name: str, *fields: Field, cross: Tuple[Callable[..., List[str]], ...] = (),
+               build: Optional[Callable[..., Any]] = None) -> "RowSpec":
+        """This spec under ``name`` with further fields (after its own), further cross-field rules (run after this
+        spec's) and, when given, another row builder. Every part is a module-level function, so rows that keep
+        their spec pickle (Ray sends them to workers)."""
+        return RowSpec(name, self.fields + tuple(fields), self.cross + tuple(cross), build or self.build,
+                       self.quote_hint, self.order)
+
+    def steps(self) -> List[Union[Field, str, Callable[..., List[str]]]]:
+        """The checks after the type checks, in order (:attr:`order`): fields, :data:`UNIQUE_ID`, cross rules."""
+        fields = self.by_name
+        named = [fields.get(x, None) if isinstance(x, str) and x != UNIQUE_ID else x for x in self.order]
+        named = [x for x in named if x is not None and (not callable(x) or isinstance(x, Field) or x in self.cross)]
+        rest = [x for x in (UNIQUE_ID, *self.fields, *self.cross) if x not in named]
+        return named + rest
+
+    def identity(self, row: Any) -> Dict[str, Any]:
+        """The row's values that are part of its items' inputs (:attr:`Field.identity`)."""
+        out = {}
+        for f in self.fields:
+            v = getattr(row, f.name, None)
+            if f.identity == "always" or (f.identity == "set" and v is not None):
+                out[f.name] = v
+        return out
+
+    def shape_key(self, row: Any) -> tuple:
+        """The batching key of a row: its :attr:`Field.batch_key` fields' values (or their mapped parts)."""
+        return tuple(f.batch_key(getattr(row, f.name, None)) if callable(f.batch_key) else getattr(row, f.name, None)
+                     for f in self.fields if f.batch_key)
+
+
+def parse_fields(rec: Mapping[str, Any], spec: RowSpec, where: str, from_text: bool, extra_mode: str
+                 ) -> Tuple[Dict[str, Any], Dict[str, Any], List[str]]:
+    """One raw row's fields typed by ``spec``: ``(vals, meta, problems)``. A field that is no field of the spec
+    goes through :func:`extra_field` (did-you-mean, ``dataset.extra_fields``); a value of the wrong type is named
+    with its fix (and left out of ``vals``)."""
+    fields = spec.by_name
+    vals: Dict[str, Any] = {}
+    meta: Dict[str, Any] = {}
+    problems: List[str] = []
+    for key, value in rec.items():
+        f = fields.get(key)
+        if f is None:
+            problem = extra_field(key, value, fields, extra_mode, where, meta)
+            if problem:
+                problems.append(problem)
+            continue
+        if value is None:
+            continue
+        try:
+            vals[key] = f.value(value, from_text)
+        except (ValueError, TypeError):
+            kind = f.words()
+            hint = spec.quote_hint and isinstance(value, str) and f.type is not str
+            problems.append(f"{where}: field {key!r} = {value!r} is not {kind}; fix: write it as {kind}"
+                            + (" (no quotes)" if hint else ""))
+            continue
+    return vals, meta, problems
+
+
+#: :attr:`RowSpec.order`'s name of the unique-id check.
+UNIQUE_ID = "<unique id>"
+
+
+def field_problem(f: Field, where: str, vals: Mapping[str, Any], merged: Mapping[str, Any],
+                  context: Mapping[str, Any]) -> List[str]:
+    """``[problem]`` when the field's value breaks its check, else ``[]``: the value the row gets for a field with
+    a default (None included), the row's own value otherwise (checked only when set)."""
+    if f.check is None or (not f.default and f.name not in vals):
+        return []
+    v = merged[f.name] if f.default else vals[f.name]
+    why = f.check(v, context)
+    return [f"{where}: field {f.name!r} = {v!r} {why}"] if why else []
+
+
+def validate_rows(raw: Sequence[Tuple[int, Mapping[str, Any]]], spec: RowSpec, src: Any, *,
+                  from_text: bool = False, extra_fields: str = "error", defaults: Optional[Mapping[str, Any]] = None,
+                  context: Optional[Mapping[str, Any]] = None) -> List[Any]:
+    """The one row-validation driver: every raw row checked against an engine's row spec, every problem of every
+    row listed in one error, before any model loads.
+
+    Per row: the fields' types (:func:`parse_fields`), each field's check (on the row's value, or on the default it
+    takes), unique ids (a row without ``id`` is ``row<line:06d>``), the spec's cross-field rules; a row with no
+    problem becomes ``spec.build(...)``.
+
+    Args:
+        raw: ``(line, raw row)`` pairs (:func:`read_raw`).
+        src: the source file, for ``<src>:<line>`` in messages.
+        from_text: the cells are text (CSV): numbers, objects and lists are parsed from it.
+        extra_fields: ``dataset.extra_fields`` (``error`` | ``keep``).
+        defaults: ``{Field.default: value}``: the engine's run-level values of the fields (``model.generation``).
+        context: what the spec's checks need beyond the row (``size_multiple``, the model's vocabulary...);
+            ``context["spec"]`` is set to ``spec`` for its builder.
+
+    Raises:
+        DatasetError: every problem found (file:line, field, value, fix), or no row at all.
+    """
+    defaults, context = dict(defaults or {}), {**(context or {}), "spec": spec}
+    problems: List[str] = []
+    rows: List[Any] = []
+    seen: Dict[str, int] = {}
+    for n, rec in raw:
+        where = f"{src}:{n}"
+        vals, meta, found = parse_fields(rec, spec, where, from_text, extra_fields)
+        merged = {f.name: vals.get(f.name, defaults.get(f.default)) for f in spec.fields if f.default}
+        rid = vals.get("id", f"row{n:06d}")
+        for step in spec.steps():
+            if step == UNIQUE_ID:
+                if rid in seen:
+                    found.append(f"{where}: duplicate id {rid!r} (first on line {seen[rid]}); fix: ids must be "
+                                 "unique")
+                seen.setdefault(rid, n)
+            elif isinstance(step, Field):
+                found += field_problem(step, where, vals, merged, context)
+            else:
+                found += step(where, vals, merged, context, bool(found))
+        problems += found
+        if not found:
+            rows.append(spec.build(n, rid, vals, merged, meta, context))
+    if problems:
+        raise DatasetError(problems)
+    if not rows:
+        raise DatasetError([f"{src}: no rows; fix: add at least one prompt"])
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ diffusion rows
+def check_size(v: Any, context: Mapping[str, Any]) -> Optional[str]:
+    """``width``/``height``: a positive multiple of ``context["size_multiple"]`` (FLUX: 16 = VAE factor 8 x patch
+    2)."""
+    m = int(context.get("size_multiple") or 1)
+    if v is None or v <= 0 or v % m:
+        return f"is not a positive multiple of {m}; fix: use e.g. {max(m, round((v or 0) / m) * m)}"
+    return None
+
+
+def check_at_least_one(v: Any, context: Mapping[str, Any]) -> Optional[str]:
+    """A count that must be >= 1 (a missing default counts as bad)."""
+    return "must be >= 1" if v is None or v < 1 else None
+
+
+def check_seed(v: Any, context: Mapping[str, Any]) -> Optional[str]:
+    """A row seed: the items' seeds ``seed + k`` stay below 2**63."""
+    return "must be in [0, 2**63 - 64)" if not 0 <= v < (1 << 63) - 64 else None
+
+
+def check_guidance(v: Any, context: Mapping[str, Any]) -> Optional[str]:
+    """``guidance_scale``: finite and >= 0, or None (the model takes no guidance)."""
+    import math
+
+    return "must be a finite number >= 0" if v is not None and (not math.isfinite(v) or v < 0) else None
+
+
+def check_video_count(v: Any, context: Mapping[str, Any]) -> Optional[str]:
+    """``num_frames``/``fps``: None (not a video) or in [1, 100000] (model rules, e.g. Wan's 4k+1, are the
+    engine's)."""
+    return "must be a positive integer" if v is not None and not 1 <= v <= 100_000 else None
+
+
+def is_set(v: Any) -> bool:
+    """Batching key part of a field whose presence, not its value, shapes a batch (``negative_prompt``)."""
+    return v is not None
+
+
+def check_prompt(where: str, vals: Mapping[str, Any], merged: Mapping[str, Any], context: Mapping[str, Any],
+                 bad: bool) -> List[str]:
+    """A diffusion row's prompt: set and not blank."""
+    prompt = vals.get("prompt")
+    if prompt is None or not prompt.strip():
+        return [f"{where}: field 'prompt' is {'missing' if prompt is None else 'empty'}; "
+                "fix: give every row a non-empty prompt"]
+    return []
+
+
+def check_max_pixels(where: str, vals: Mapping[str, Any], merged: Mapping[str, Any], context: Mapping[str, Any],
+                     bad: bool) -> List[str]:
+    """``width * height <= context["max_pixels"]`` (the values the row gets)."""
+    w, h, most = merged.get("width") or 0, merged.get("height") or 0, context.get("max_pixels")
+    if most is not None and w * h > most:
+        return [f"{where}: {merged['width']}x{merged['height']} exceeds max_pixels={most}; "
+                "fix: smaller sizes, or raise max_pixels"]
+    return []
+
+
+#: Fields of a diffusion row that are no generation field (not in ``Row.set_fields``).
+NOT_GENERATION = ("id", "prompt", "expect")
+
+
+def build_diffusion_row(line: int, rid: str, vals: Mapping[str, Any], merged: Mapping[str, Any],
+                        meta: Mapping[str, Any], context: Mapping[str, Any]) -> Row:
+    """The :class:`Row` of a valid diffusion row (``context["spec"]``: the spec it was validated by)."""
+    spec = context["spec"]
+    own = {f.name for f in spec.fields if not f.extra}
+    got = {f.name: merged.get(f.name, vals.get(f.name)) for f in spec.fields}
+    values = {k: v for k, v in got.items() if k not in own and v is not None}
+    return Row(id=rid, prompt=vals.get("prompt") or "", negative_prompt=got["negative_prompt"], seed=got["seed"],
+               width=got["width"], height=got["height"], num_inference_steps=got["num_inference_steps"],
+               guidance_scale=got["guidance_scale"], num_images_per_prompt=got["num_images_per_prompt"], line=line,
+               expect=got["expect"], meta=dict(meta) or None, values=values, spec=spec,
+               set_fields=tuple(k for k in vals if k not in NOT_GENERATION))
+
+
+#: The diffusion image row: a prompt and the pipeline's generation fields, defaults from ``model.generation``.
+IMAGE_ROW = RowSpec("image", (
+    Field("id", str, identity="no", extra=False),
+    Field("prompt", str, extra=False),
+    Field("negative_prompt", str, default="negative_prompt", batch_key=is_set, extra=False),
+    Field("seed", int, check=check_seed, extra=False),
+    Field("width", int, check=check_size, default="width", batch_key=True, extra=False),
+    Field("height", int, check=check_size, default="height", batch_key=True, extra=False),
+    Field("num_inference_steps", int, check=check_at_least_one, default="num_inference_steps", batch_key=True,
+          extra=False),
+    Field("guidance_scale", float, check=check_guidance, default="guidance_scale", batch_key=True, extra=False),
+    Field("num_images_per_prompt", int, check=check_at_least_one, default="num_images_per_prompt", identity="no",
+          extra=False),
+    Field("expect", dict, identity="no", extra=False),  # expected attributes for an oracle, {"color": "red"}
+), (check_prompt, check_max_pixels), build_diffusion_row,
+    order=(check_prompt, UNIQUE_ID, "width", "height", check_max_pixels, "num_inference_steps", "seed",
+           "guidance_scale", "num_frames", "fps", "num_images_per_prompt"))
+#: The video fields: identity only when set, so the items of rows without them keep their identities.
+VIDEO_FIELDS = (
+    Field("num_frames", int, check=check_video_count, default="num_frames", identity="set", batch_key=True),
+    Field("fps", int, check=check_video_count, default="fps", identity="set"),
+)
+#: The diffusion video row (and every diffusion engine's: an image model refuses the video fields by name in its
+#: ``check_rows``, which needs them read).
+VIDEO_ROW = IMAGE_ROW.extend("video", *VIDEO_FIELDS)
+#: ``{field: type}`` of the diffusion row (:data:`VIDEO_ROW`).
+ROW_FIELDS: Dict[str, type] = VIDEO_ROW.types()
 
 
 #: ``dataset.format`` values: where rows come from.
@@ -304,6 +627,18 @@ def extra_field(key: str, value: Any, fields: Iterable[str], mode: str, where: s
     return None
 
 
+def csv_extra_cells(path: Path, line: int, columns: int, extra: Sequence[str]) -> str:
+    """The problem of a CSV row with more cells than its header has columns (``extra``: the cells beyond them).
+    Empty extra cells are trailing commas (``a,a red circle,,``: 4 cells, 2 columns), fixed by removing them; a
+    non-empty one is a value with an unquoted comma, fixed by quoting it."""
+    cells = columns + len(extra)
+    head = f"{path}:{line}: row has more cells than the header has columns ({cells} cells, {columns} columns"
+    if all(not c.strip() for c in extra):
+        return (f"{head}; the {len(extra)} extra cell(s) are empty: trailing commas); fix: remove the trailing "
+                "commas")
+    return f"{head}); fix: quote prompts that contain commas"
+
+
 def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None,
              fields: Iterable[str] = tuple(ROW_FIELDS)) -> List[tuple[int, Dict[str, Any]]]:
     """Return ``(line_number, raw_row)`` pairs (for ``parquet`` and ``hf``: the row number from 1), source columns
@@ -356,12 +691,15 @@ def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optiona
                                    if close and source == "prompt" else
                                    f"name the prompt column (dataset.columns={{prompt: <column>}})"
                                    if reader.fieldnames else "add a header line naming the columns, e.g. id,prompt")])
+        problems = []
         for rec in reader:
             n = reader.line_num
             if None in rec:
-                raise DatasetError([f"{path}:{n}: row has more cells than the header has columns; "
-                                    "fix: quote prompts that contain commas"])
+                problems.append(csv_extra_cells(path, n, len(reader.fieldnames), rec[None]))
+                continue
             rows.append((n, {k: v for k, v in rec.items() if v not in (None, "")} | {source: rec.get(source) or ""}))
+        if problems:
+            raise DatasetError(problems)
     elif fmt == "txt":
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
@@ -432,8 +770,9 @@ def source_path(fmt: str, path: Optional[str], builtin: str) -> Path:
 
 def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_multiple: int, max_pixels: int,
               limit: Optional[int] = None, builtin: str = "prompts.jsonl", split: Optional[str] = None,
-              columns: Optional[Dict[str, str]] = None, extra_fields: str = "error") -> tuple[List[Row], Path]:
-    """Read and validate every row, before any model loads.
+              columns: Optional[Dict[str, str]] = None, extra_fields: str = "error",
+              spec: Optional[RowSpec] = None) -> tuple[List[Row], Path]:
+    """Read and validate every diffusion row, before any model loads (:func:`validate_rows` over ``spec``).
 
     Args:
         fmt: one of :data:`FORMATS`.
@@ -442,12 +781,13 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
         columns: ``{row field: source column}`` (``dataset.columns``, :func:`apply_columns`).
         extra_fields: ``error`` (a field that is no row field is refused) or ``keep`` (kept under the row's ``meta``
             unless it is close to a row field: :func:`extra_field`).
-        defaults: run-level values of the row fields (``width``, ``height``, ``num_inference_steps``,
-            ``guidance_scale``, ``num_images_per_prompt``, ``negative_prompt``).
+        defaults: run-level values of the row fields by their ``Field.default`` key (``width``, ``height``,
+            ``num_inference_steps``, ``guidance_scale``, ``num_images_per_prompt``, ``negative_prompt``...).
         size_multiple: width and height must be positive multiples of this (FLUX: 16 = VAE factor 8 x patch 2).
         max_pixels: upper bound of ``width * height``.
         limit: keep the first ``limit`` rows.
         builtin: file name under ``runner/data`` that ``builtin`` reads (the model's builtin prompts).
+        spec: the engine's row spec (None: :data:`VIDEO_ROW`, the diffusion row).
 
     Returns:
         ``(rows, resolved_path)``.
@@ -455,75 +795,13 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
     Raises:
         DatasetError: listing every problem found (file, line, field, value, fix).
     """
+    spec = spec or VIDEO_ROW
     src = source_path(fmt, path, builtin)
-    raw = read_raw(fmt, src, split, columns)
+    raw = read_raw(fmt, src, split, columns, spec.by_name)
     if limit is not None:
         raw = raw[:limit]
-    problems: List[str] = []
-    rows: List[Row] = []
-    seen: Dict[str, int] = {}
-    from_text = fmt == "csv"
-    for n, rec in raw:
-        where = f"{src}:{n}"
-        vals: Dict[str, Any] = {}
-        meta: Dict[str, Any] = {}
-        for key, value in rec.items():
-            if key not in ROW_FIELDS:
-                problem = extra_field(key, value, ROW_FIELDS, extra_fields, where, meta)
-                if problem:
-                    problems.append(problem)
-                continue
-            if value is None:
-                continue
-            try:
-                vals[key] = coerce(value, ROW_FIELDS[key], from_text)
-            except (ValueError, TypeError):
-                kind = {str: "a string", int: "an integer", float: "a number", dict: "an object"}[ROW_FIELDS[key]]
-                problems.append(f"{where}: field {key!r} = {value!r} is not {kind}; fix: write it as {kind}"
-                                + (" (no quotes)" if isinstance(value, str) and ROW_FIELDS[key] is not str else ""))
-        rid = vals.get("id", f"row{n:06d}")
-        prompt = vals.get("prompt")
-        if prompt is None or not prompt.strip():
-            problems.append(f"{where}: field 'prompt' is {'missing' if prompt is None else 'empty'}; "
-                            "fix: give every row a non-empty prompt")
-        if rid in seen:
-            problems.append(f"{where}: duplicate id {rid!r} (first on line {seen[rid]}); fix: ids must be unique")
-        seen.setdefault(rid, n)
-        merged = {k: vals.get(k, defaults.get(k)) for k in ("width", "height", "num_inference_steps",
-                                                            "guidance_scale", "num_images_per_prompt",
-                                                            "num_frames", "fps")}
-        for key in ("width", "height"):
-            v = merged[key]
-            if v is None or v <= 0 or v % size_multiple:
-                problems.append(f"{where}: field {key!r} = {v!r} is not a positive multiple of {size_multiple}; "
-                                f"fix: use e.g. {max(size_multiple, round((v or 0) / size_multiple) * size_multiple)}")
-        if (merged["width"] or 0) * (merged["height"] or 0) > max_pixels:
-            problems.append(f"{where}: {merged['width']}x{merged['height']} exceeds max_pixels={max_pixels}; "
-                            "fix: smaller sizes, or raise max_pixels")
-        if merged["num_inference_steps"] is None or merged["num_inference_steps"] <= 0:
-            problems.append(f"{where}: field 'num_inference_steps' = {merged['num_inference_steps']!r} must be >= 1")
-        if vals.get("seed") is not None and not 0 <= vals["seed"] < (1 << 63) - 64:
-            problems.append(f"{where}: field 'seed' = {vals['seed']!r} must be in [0, 2**63 - 64)")
-        import math
-
-        if merged["guidance_scale"] is not None and (not math.isfinite(merged["guidance_scale"])
-                                                     or merged["guidance_scale"] < 0):
-            problems.append(f"{where}: field 'guidance_scale' = {merged['guidance_scale']!r} must be a finite number >= 0")
-        for key in ("num_frames", "fps"):
-            if merged[key] is not None and not 1 <= merged[key] <= 100_000:
-                problems.append(f"{where}: field {key!r} = {merged[key]!r} must be a positive integer")
-        if merged["num_images_per_prompt"] is None or merged["num_images_per_prompt"] < 1:
-            problems.append(f"{where}: field 'num_images_per_prompt' = {merged['num_images_per_prompt']!r} "
-                            "must be >= 1")
-        if problems and problems[-1].startswith(where):
-            continue
-        rows.append(Row(id=rid, prompt=prompt or "", negative_prompt=vals.get("negative_prompt", defaults.get("negative_prompt")),
-                        seed=vals.get("seed"), line=n, expect=vals.get("expect"), meta=meta or None,
-                        set_fields=tuple(k for k in vals if k not in ("id", "prompt", "expect")), **merged))
-    if problems:
-        raise DatasetError(problems)
-    if not rows:
-        raise DatasetError([f"{src}: no rows; fix: add at least one prompt"])
+    rows = validate_rows(raw, spec, src, from_text=fmt == "csv", extra_fields=extra_fields, defaults=defaults,
+                         context={"size_multiple": size_multiple, "max_pixels": max_pixels})
     return rows, src
 
 
@@ -564,7 +842,8 @@ def apply_ignored(rows: List[Row], path: Any, ignored: Dict[str, tuple], mode: s
                 key, value = config_values[f]
                 hits[f] = {"value": value, "why": why, "from": key}
         if hits:
-            r = replace(r, ignored=hits, **{f: None for f in hits if f in Row.__dataclass_fields__})
+            values = {k: v for k, v in r.values.items() if k not in hits}
+            r = replace(r, ignored=hits, values=values, **{f: None for f in hits if f in Row.__dataclass_fields__})
         out.append(r)
     if problems:
         raise DatasetError(problems)

@@ -125,7 +125,7 @@ class StageInfo:
 
 
 class EngineNames:
-    """Interface of an engine that owns its backend names (an AR stage through vLLM: ``models.vllm_engine``).
+    """Interface of an engine that owns its backend names (an AR stage through vLLM: ``models.vllm.names``).
 
     When a :class:`StageInfo` carries one, the precedence layers and provenance are resolved exactly as for the
     runner's own backends, but names are normalized, checked and auto-selected by the engine instead of

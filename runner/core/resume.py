@@ -163,14 +163,17 @@ def _canonical(x: Any) -> bytes:
 
 
 def item_inputs(item: Any) -> Dict[str, Any]:
-    """What of one item determines its bytes: every field of its row except :data:`ITEM_FIELDS_EXCLUDED`, and its
-    effective seed. A row field added later is included unless excluded here."""
+    """What of one item determines its bytes, and its effective seed: for a row validated by a row spec
+    (``runner.core.dataset.RowSpec``), the spec's identity fields (``Field.identity``: ``always``, or ``set`` when
+    not None; a field an engine adds reaches the identity through its spec alone) with the row's ``set_fields`` and
+    ``ignored``; for another row object, every field except :data:`ITEM_FIELDS_EXCLUDED`."""
     row = item.row
-    d = dataclasses.asdict(row) if dataclasses.is_dataclass(row) else dict(vars(row))
-    d = {k: v for k, v in d.items() if k not in ITEM_FIELDS_EXCLUDED}
-    for k in ("num_frames", "fps"):  # video fields: absent from image rows, so image identities stay as they were
-        if d.get(k) is None:
-            d.pop(k, None)
+    spec = getattr(row, "row_spec", None)
+    if spec is not None:  # a validated row: its spec's identity fields, and what validation made of the row
+        d = {**spec.identity(row), "set_fields": row.set_fields, "ignored": row.ignored}
+    else:
+        d = dataclasses.asdict(row) if dataclasses.is_dataclass(row) else dict(vars(row))
+        d = {k: v for k, v in d.items() if k not in ITEM_FIELDS_EXCLUDED}
     d["seed"] = item.seed
     return d
 

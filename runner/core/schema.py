@@ -345,7 +345,7 @@ class ARModelConfig(ModelConfig):
     ``defaults: [base_ar, _self_]``)."""
 
     adapter: str = "vllm"
-    """The engine (``models.registry``): ``vllm`` (``models.vllm_stage.VLLMEngine``)."""
+    """The engine (``models.registry``): ``vllm`` (``models.vllm.engine.VLLMEngine``)."""
     roles: List[str] = field(default_factory=lambda: ["decoder"])
     """Attention roles (``decoder``)."""
     stages: Dict[str, StageConfig] = field(default_factory=lambda: {"generate": StageConfig()})

@@ -6,7 +6,8 @@
   ``model_index.json``; shard indexes; non-variant files), so nothing else is hashed.
 * :func:`hash_files`: sha256 of each of those files, with a digest cache under the runner cache dir keyed by the
   file's resolved path, size, modification time, change time and inode: a second job (or another rank) on the
-  same snapshot reads no weight bytes.
+  same snapshot reads no weight bytes; a Hugging Face cache's LFS blobs are named by their sha256, which is taken
+  as their digest without reading them (``RUNNER_VERIFY_WEIGHTS=1`` reads and checks them).
 
 No function here imports torch or diffusers, or touches the network.
 """
@@ -350,8 +351,57 @@ def _merge(entries: Dict[str, List[Dict[str, Any]]], new: Dict[str, Dict[str, An
     return out
 
 
-def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = None
-               ) -> Tuple[Dict[str, str], Dict[str, Any]]:
+#: A Hugging Face cache blob named by its content's sha256 (LFS files: ``blobs/<sha256>``; git-stored files are
+#: named by their 40-hex git blob id instead, and are hashed).
+HUB_BLOB = re.compile(r"^[0-9a-f]{64}$")
+#: ``RUNNER_VERIFY_WEIGHTS=1``: read hub-named blobs too and check them against their names.
+VERIFY_ENV = "RUNNER_VERIFY_WEIGHTS"
+
+
+class WeightDigestError(UserInputError, OSError):
+    """A Hugging Face cache blob whose content does not match the sha256 it is named by (a corrupt download);
+    exit 2."""
+
+
+def hub_blob_digest(real: str) -> Optional[str]:
+    """The sha256 a Hugging Face cache already states for a file: its resolved path is
+    ``<hub cache>/models--<org>--<name>/blobs/<64 hex>`` (huggingface_hub stores an LFS file under its sha256,
+    the ``oid`` of its LFS pointer, and checks it on download), else None."""
+    p = Path(real)
+    if p.parent.name == "blobs" and p.parent.parent.name.startswith(("models--", "datasets--", "spaces--")) \
+            and HUB_BLOB.match(p.name):
+        return p.name
+    return None
+
+
+def _take_hub_names(items: List[Tuple[str, str, Dict[str, int]]], digests: Dict[str, str], stats: Dict[str, Any],
+                    verify: bool) -> Dict[str, str]:
+    """``{rel: sha256}`` of the files that resolve to hub blobs named by their sha256 (recorded in
+    ``stats["hub_named"]``); unless ``verify``, taken into ``digests`` (nothing to read)."""
+    named = {rel: d for rel, real, _ in items for d in [hub_blob_digest(real)] if d is not None}
+    stats["hub_named"] = sorted(named)
+    if not verify:
+        digests.update(named)
+    return named
+
+
+def _check_named(named: Dict[str, str], digests: Dict[str, str]) -> List[str]:
+    """The files of ``named`` (all of them, sorted) once each digest computed matches its blob's name.
+
+    Raises:
+        WeightDigestError: one does not (names the file, both digests and the fix).
+    """
+    for rel, want in named.items():
+        if digests[rel] != want:
+            raise WeightDigestError(f"{rel}: its content's sha256 is {digests[rel]}, not the {want} the Hugging Face "
+                                    "cache names its blob by (a corrupt or truncated download); fix: delete that "
+                                    "blob and the snapshot's link to it and download the file again "
+                                    "(huggingface-cli download <repo> <file> --force-download)")
+    return sorted(named)
+
+
+def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = None,
+               verify: Optional[bool] = None) -> Tuple[Dict[str, str], Dict[str, Any]]:
     """sha256 of each file, reusing digests cached by an earlier call (this process, another job, another rank).
 
     A file's cache key is its resolved path (a hub cache symlink counts as its blob) with its size in bytes,
@@ -365,21 +415,31 @@ def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = No
     ignored with a warning; one that cannot be written (read-only dir, no lock support) leaves the digests correct
     and uncached, with a warning. Files are read in 8 MiB chunks (:func:`runner.core.dataset.file_sha256`).
 
+    A file that resolves to a Hugging Face cache blob named by its sha256 (:func:`hub_blob_digest`: every LFS file
+    of a Hub snapshot, i.e. the weights) is not read at all: its name is its digest (a first job on a 30-60 GB
+    snapshot reads nothing). With ``verify`` such files are hashed like any other (read, or found in the digest
+    cache) and must match their names (:class:`WeightDigestError` otherwise).
+
     Args:
         files: the files to hash (e.g. :func:`weight_files`), all under ``root``.
         root: the snapshot directory; the keys of the result are relative to it.
         cache_dir: the runner cache dir (None: :func:`default_cache_dir`).
+        verify: read hub-named blobs and check them (None: ``RUNNER_VERIFY_WEIGHTS`` is 1/true/yes).
 
     Returns:
         ``({relative posix path: sha256 hex}, stats)`` with stats ``{"computed": [rel...], "cached": [rel...],
+        "hub_named": [rel...] (digests taken from hub blob names), "verified": [rel...] (of those, read and checked),
         "hash_s": wall seconds of the whole call, "bytes_hashed": bytes read to compute digests, "bytes_total":
         bytes of all the files, "cache_file": its path, or None when it could not be used}``.
 
     Raises:
         OSError: a file cannot be stat'ed or read (the weights are unusable).
+        WeightDigestError: with ``verify``, a hub blob whose content does not match its name.
         ValueError: a file is not under ``root``.
     """
     import filelock
+
+    verify = os.environ.get(VERIFY_ENV, "").strip().lower() in ("1", "true", "yes", "on") if verify is None else verify
 
     t0 = time.perf_counter()
     root = Path(root)
@@ -392,8 +452,9 @@ def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = No
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache_file: Optional[Path] = cache_dir / DIGEST_CACHE_NAME
     digests: Dict[str, str] = {}
-    stats: Dict[str, Any] = {"computed": [], "cached": [], "bytes_hashed": 0,
+    stats: Dict[str, Any] = {"computed": [], "cached": [], "hub_named": [], "verified": [], "bytes_hashed": 0,
                              "bytes_total": sum(k["size"] for _, _, k in items), "cache_file": str(cache_file)}
+    named = _take_hub_names(items, digests, stats, verify)
 
     def lookup(entries: Dict[str, List[Dict[str, Any]]]) -> List[Tuple[str, str, Dict[str, int]]]:
         todo = []
@@ -452,11 +513,13 @@ def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = No
         finally:
             if lock is not None:
                 lock.release()
+    stats["verified"] = _check_named(named, digests) if verify else []  # hashed like any file, then checked
     stats["hash_s"] = time.perf_counter() - t0
     return dict(sorted(digests.items())), stats
 
 
-def hash_snapshot(snapshot: Path, cache_dir: Optional[Path] = None) -> Tuple[Dict[str, str], Dict[str, Any]]:
+def hash_snapshot(snapshot: Path, cache_dir: Optional[Path] = None, verify: Optional[bool] = None
+                  ) -> Tuple[Dict[str, str], Dict[str, Any]]:
     """:func:`hash_files` over :func:`weight_files` of ``snapshot``: the manifest's ``model.source.files`` and
     ``model.source.hashing``.
 
@@ -464,4 +527,4 @@ def hash_snapshot(snapshot: Path, cache_dir: Optional[Path] = None) -> Tuple[Dic
         ModelPathError: see :func:`weight_files`.
         OSError: see :func:`hash_files`.
     """
-    return hash_files(weight_files(snapshot), snapshot, cache_dir)
+    return hash_files(weight_files(snapshot), snapshot, cache_dir, verify)

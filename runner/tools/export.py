@@ -12,7 +12,11 @@ and ``fps``; ``meta``). Text runs (vLLM stages: no artifact file) export their r
 * ``parquet``: ``data-<i>-of-<n>.parquet`` written by ``datasets`` (``Dataset.to_parquet``), so the image column
   carries the ``datasets.Image`` feature: ``datasets.load_dataset("parquet", data_files=...)`` decodes it to PIL,
   and ``pyarrow.parquet.read_table`` reads it as a struct ``{bytes, path}``. ``parameters`` and ``meta`` are
-  structs. A video run's ``video`` column is the same ``{bytes, path}`` struct without a decoding feature.
+  structs. A video run's ``video`` column carries the ``datasets.Video`` feature (datasets >= 4), stored as the same
+  ``{bytes, path}`` struct: ``load_dataset`` gives the feature, and decoding a row to frames needs ``torchcodec``
+  (not a dependency: ``pip install torchcodec`` for the installed torch; without it datasets raises "To support
+  decoding videos, please install 'torchcodec'"); ``ds.cast_column("video", datasets.Video(decode=False))`` reads
+  the bytes and path without it, as does ``pyarrow``.
 * ``webdataset``: ``data-<i>.tar`` shards (``webdataset.ShardWriter``); each sample is ``<key>.png`` (or ``.mp4``)
   plus ``<key>.json`` (the fields), its ``__key__`` the item's 6-digit position and file stem (dots replaced: the
   WebDataset convention splits the extension at the first dot).
@@ -129,6 +133,8 @@ def _parquet(samples: Iterator[Dict[str, Any]], tmp: Path, shard_items: int) -> 
         ds = datasets.Dataset.from_list(recs)
         if column == "image":
             ds = ds.cast_column("image", datasets.Image())
+        elif column == "video":  # typed without decoding anything: decoding needs torchcodec (module docstring)
+            ds = ds.cast_column("video", datasets.Video())
         p = tmp / f"part-{len(parts):05d}.parquet"
         ds.to_parquet(str(p))
         parts.append(p)

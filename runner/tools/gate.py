@@ -22,7 +22,9 @@ job did not finish ``ok``: fails, except a documented refusal, ``skipped``); ``u
 floor: reported, does not fail).
 
 CLI: ``python -m runner.gate <sweep or run dirs...> [--min-ratio 0.97] [--min-psnr-db X] [--out gate.json]``;
-writes ``gate.json`` (default: into the single dir given, else ``./gate.json``), prints one line per lossy job,
+writes ``gate.json`` (default: into the single dir given, else ``./gate.json``; ``gate.cli.json`` where a
+``gate.json`` exists already, so the sweep's is never replaced), prints one line per lossy job (each oracle
+attribute as ``lossy/lossless (ratio r)``),
 exits 0 when no gate fails, 1 when one does, 2 on bad input. A sweep runs it at its end when a job is lossy
 (``runner.tools.sweep``), and ``report.html`` shows it.
 """
@@ -41,7 +43,7 @@ import numpy as np
 
 from runner.core import lossy
 from runner.core.errors import RunnerError
-from runner.tools.report import Job, is_video, load_frames, load_jobs, load_rgb, same_item
+from runner.tools.report import Job, is_video, load_frames, load_jobs, load_rgb, not_comparable, ssim
 
 MIN_RATIO = 0.97
 """Default floor of lossy accuracy / lossless accuracy, per attribute."""
@@ -116,7 +118,7 @@ def item_metrics(a: Path, b: Path) -> Dict[str, Any]:
     """``{psnr_db, ssim}`` of two artifacts (images, or MP4 videos decoded to frames), via ``torchmetrics``;
     ``{error}`` when their shapes differ. PSNR in dB over every pixel (``inf`` when identical); SSIM averaged
     over frames."""
-    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+    from torchmetrics.functional.image import peak_signal_noise_ratio
 
     video = str(a).endswith(".mp4") or str(b).endswith(".mp4")
     x, y = (load_frames(a), load_frames(b)) if video else (load_rgb(a), load_rgb(b))
@@ -126,7 +128,7 @@ def item_metrics(a: Path, b: Path) -> Dict[str, Any]:
         return {"psnr_db": math.inf, "ssim": 1.0}
     tx, ty = _tensor(x), _tensor(y)
     return {"psnr_db": round(float(peak_signal_noise_ratio(tx, ty, data_range=1.0)), 3),
-            "ssim": round(float(structural_similarity_index_measure(tx, ty, data_range=1.0)), 5)}
+            "ssim": round(ssim(x, y), 5)}  # the report's SSIM (one implementation: torchmetrics')
 
 
 def accuracy_ratios(lossy_acc: Optional[Dict[str, Any]], ref_acc: Optional[Dict[str, Any]], min_ratio: float
@@ -156,8 +158,8 @@ def compare(job: Job, ref: Job, min_ratio: float = MIN_RATIO, min_psnr_db: Optio
         row: Dict[str, Any] = {"key": key}
         if key not in mine:
             row["note"] = "missing in the lossy job"
-        elif not same_item(r, mine[key]):
-            row["note"] = "not comparable (seed/prompt/params differ)"
+        elif not_comparable(ref, job, r, mine[key]):
+            row["note"] = not_comparable(ref, job, r, mine[key])
         else:
             row.update(item_metrics(job.image_path(key), ref.image_path(key)))
         items.append(row)
@@ -247,13 +249,22 @@ def _line(e: Dict[str, Any]) -> str:
     if e.get("lossless_job"):
         parts.append(f"vs {e['lossless_job']}")
     if acc:
-        parts.append(" ".join(f"{k} {a['lossy']:.3g}/{a['lossless']:.3g}" for k, a in acc.items()))
+        parts.append(" ".join(f"{k} {a['lossy']:.3g}/{a['lossless']:.3g} (ratio {a['ratio']})"
+                              for k, a in acc.items()))
     if e.get("psnr_db"):
         parts.append(f"PSNR min {e['psnr_db']['min']} dB, SSIM min {e['ssim']['min']}")
     if e.get("cache_hit_rate") is not None:
         parts.append(f"cache hit rate {e['cache_hit_rate']}")
     notes = [*(e.get("reasons") or []), *([f"note: {e['note']}"] if e.get("note") else [])]
     return " · ".join(parts) + "".join(f"\n          {r}" for r in notes)
+
+
+def default_out(dirs: Sequence[Path]) -> Path:
+    """Where a hand-run gate writes without ``--out``: ``gate.json`` in the single dir given (else the current
+    dir), unless one is there already (a sweep's own, which its report reads): then ``gate.cli.json`` beside it,
+    so a hand-run with other thresholds never replaces the sweep's record."""
+    out = dirs[0] / "gate.json" if len(dirs) == 1 else Path("gate.json")
+    return out.with_name("gate.cli.json") if out.exists() else out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -264,9 +275,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help=f"lossy / lossless oracle accuracy floor per attribute (default {MIN_RATIO})")
     ap.add_argument("--min-psnr-db", type=float, default=None, help="also fail items below this PSNR (dB)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="gate.json path (default: in the single dir given, else ./gate.json)")
+                    help="output path, overwritten if it exists (default: gate.json in the single dir given, else "
+                         "./gate.json; where that file exists already, e.g. the sweep's own, gate.cli.json beside it)")
     a = ap.parse_args(argv)
-    out = a.out or (a.dirs[0] / "gate.json" if len(a.dirs) == 1 else Path("gate.json"))
+    out = a.out or default_out(a.dirs)
     try:
         doc = write_gate(a.dirs, out, a.min_ratio, a.min_psnr_db)
     except RunnerError as e:

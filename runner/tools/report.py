@@ -217,63 +217,32 @@ def psnr(a: np.ndarray, b: np.ndarray, peak: float = 255.0) -> float:
     return math.inf if mse == 0 else 10.0 * math.log10(peak * peak / mse)
 
 
-def _gaussian(size: int = 11, sigma: float = 1.5) -> np.ndarray:
-    x = np.arange(size, dtype=np.float64) - (size - 1) / 2.0
-    g = np.exp(-(x ** 2) / (2 * sigma ** 2))
-    return g / g.sum()
-
-
-def _filter_valid(x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """Separable 2-D filtering of the first two axes with the symmetric window ``g`` (``valid`` region, as
-    MATLAB's ``filter2(..., 'valid')``): a weighted sum of shifted slices, one axis at a time, in place."""
-    n = g.size
-    for axis in (0, 1):
-        m = x.shape[axis] - n + 1
-        sl = lambda k: x[k:k + m] if axis == 0 else x[:, k:k + m]  # noqa: E731
-        acc = sl(0) * g[0]
-        tmp = np.empty_like(acc)
-        for k in range(1, n):
-            np.multiply(sl(k), g[k], out=tmp)
-            acc += tmp
-        x = acc
-    return x
-
-
-def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, k1: float = 0.01, k2: float = 0.03,
-         win: int = 11, sigma: float = 1.5) -> float:
-    """Mean structural similarity (SSIM) of two images, unitless, 1.0 when identical.
+def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, win: int = 11, sigma: float = 1.5) -> float:
+    """Mean structural similarity (SSIM) of two images (H, W, C) or frame stacks (N, H, W, C), unitless, 1.0 when
+    identical; the one implementation of the report's parity and of ``runner.tools.gate`` (torchmetrics'
+    ``structural_similarity_index_measure``, in float64).
 
     Z. Wang, A. C. Bovik, H. R. Sheikh, E. P. Simoncelli, "Image quality assessment: from error visibility to
-    structural similarity", IEEE Trans. Image Processing 13(4):600-612, 2004. Per channel, local statistics under
-    an 11x11 Gaussian window (sigma 1.5, normalised), ``C1 = (K1 L)^2``, ``C2 = (K2 L)^2`` with K1 = 0.01,
-    K2 = 0.03, L = 255::
+    structural similarity", IEEE Trans. Image Processing 13(4):600-612, 2004: per channel, local statistics under
+    an 11x11 Gaussian window (sigma 1.5), ``C1 = (0.01 L)^2``, ``C2 = (0.03 L)^2`` with L = ``peak``, averaged
+    over the map and the channels (and the frames). Images smaller than the window use the largest odd window
+    that fits.
 
-        SSIM(x, y) = (2 mu_x mu_y + C1) (2 sigma_xy + C2) / ((mu_x^2 + mu_y^2 + C1) (sigma_x^2 + sigma_y^2 + C2))
-
-    averaged over the valid window positions and over channels (no automatic downsampling). Images smaller than
-    the window use the largest odd window that fits.
+    Raises:
+        ValueError: the shapes differ.
     """
+    import torch
+    from torchmetrics.functional.image import structural_similarity_index_measure
+
     if a.shape != b.shape:
         raise ValueError(f"SSIM needs equal shapes, got {a.shape} and {b.shape}")
-    # float32 on data centred per image and channel: (co)variances are shift-invariant and centring keeps
-    # E[x^2] - mu^2 accurate; the means get their offsets back for the luminance term
-    x = a.astype(np.float32).reshape(a.shape[0], a.shape[1], -1)
-    y = b.astype(np.float32).reshape(b.shape[0], b.shape[1], -1)
-    ox, oy = x.mean(axis=(0, 1), dtype=np.float64), y.mean(axis=(0, 1), dtype=np.float64)
-    x, y = x - ox.astype(np.float32), y - oy.astype(np.float32)
-    win = min(win, x.shape[0], x.shape[1])
+    x = torch.from_numpy(np.asarray(a, dtype=np.float64))
+    y = torch.from_numpy(np.asarray(b, dtype=np.float64))
+    x, y = (x[None], y[None]) if x.dim() == 3 else (x, y)
+    x, y = x.permute(0, 3, 1, 2), y.permute(0, 3, 1, 2)  # (N, C, H, W)
+    win = min(win, x.shape[2], x.shape[3])
     win -= (win + 1) % 2  # odd
-    g = _gaussian(win, sigma).astype(np.float32)
-    c1, c2 = (k1 * peak) ** 2, (k2 * peak) ** 2
-    c = x.shape[2]
-    f = _filter_valid(np.concatenate([x, y, x * x, y * y, x * y], axis=2), g)  # the five local moments at once
-    mx, my = f[..., :c], f[..., c:2 * c]
-    sxx = f[..., 2 * c:3 * c] - mx * mx
-    syy = f[..., 3 * c:4 * c] - my * my
-    sxy = f[..., 4 * c:] - mx * my
-    mx, my = mx + ox, my + oy  # the luminance term needs the true means (float64 from here)
-    m = ((2 * mx * my + c1) * (2 * sxy + c2)) / ((mx * mx + my * my + c1) * (sxx + syy + c2))
-    return float(m.mean(dtype=np.float64))
+    return float(structural_similarity_index_measure(x, y, kernel_size=win, sigma=sigma, data_range=peak))
 
 
 def load_frames(path: Path) -> np.ndarray:
@@ -316,13 +285,41 @@ def compare_images(a: np.ndarray, b: np.ndarray) -> Dict[str, Any]:
             "max_abs_diff": int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())}
 
 
+def item_difference(r: Dict[str, Any], s: Dict[str, Any]) -> Optional[str]:
+    """What makes two item records different requests, named (``seed 1 vs 2``, ``prompt``,
+    ``params.width 64 vs 32``: the first of seed, prompt and the generation parameters, batch size aside), or None
+    when they describe the same request."""
+    if r.get("seed") != s.get("seed"):
+        return f"seed {r.get('seed')} vs {s.get('seed')}"
+    if r.get("prompt_sha256") != s.get("prompt_sha256"):
+        return "prompt"
+    p, q = r.get("params") or {}, s.get("params") or {}
+    for k in sorted(set(p) | set(q)):
+        if k != "batch_size" and json.dumps(p.get(k), sort_keys=True) != json.dumps(q.get(k), sort_keys=True):
+            return f"params.{k} {p.get(k, '(none)')} vs {q.get(k, '(none)')}"
+    return None
+
+
 def same_item(r: Dict[str, Any], s: Dict[str, Any]) -> bool:
     """Two item records describe the same request (seed, prompt and generation parameters; batch size aside)."""
-    def sig(x: Dict[str, Any]) -> tuple:
-        p = {k: v for k, v in (x.get("params") or {}).items() if k != "batch_size"}
-        return x.get("seed"), x.get("prompt_sha256"), json.dumps(p, sort_keys=True)
+    return item_difference(r, s) is None
 
-    return sig(r) == sig(s)
+
+def model_difference(ref: "Job", job: "Job") -> Optional[str]:
+    """``model tiny_flux vs toy_shapes`` when two jobs ran different models (``config.model.name`` of their
+    manifests), else None: their items are never comparable, whatever their seeds and prompts."""
+    def name(j: "Job") -> Any:
+        return (((j.manifest or {}).get("config") or {}).get("model") or {}).get("name")
+
+    a, b = name(ref), name(job)
+    return f"model {a} vs {b}" if a != b else None
+
+
+def not_comparable(ref: "Job", job: "Job", r: Dict[str, Any], s: Dict[str, Any]) -> Optional[str]:
+    """The note of an item pair that is not compared (``not comparable (model a vs b)``, ``not comparable (seed
+    1 vs 2)``), or None when it is."""
+    why = model_difference(ref, job) or item_difference(r, s)
+    return f"not comparable ({why})" if why else None
 
 
 def parity(ref: Job, job: Job, tolerance_db: float = PARITY_TOLERANCE_DB) -> List[Dict[str, Any]]:
@@ -331,7 +328,7 @@ def parity(ref: Job, job: Job, tolerance_db: float = PARITY_TOLERANCE_DB) -> Lis
     Returns:
         One dict per reference item: ``key``, ``psnr_db`` (dB, ``inf`` if identical), ``ssim``, ``max_abs_diff``
         (0..255), ``within`` (PSNR >= ``tolerance_db``) and ``note`` for items missing or not comparable (another
-        seed, prompt or size: no metric, ``within`` None).
+        model, seed, prompt or size, named by :func:`not_comparable`: no metric, ``within`` None).
     """
     out = []
     mine = job.ok_items
@@ -339,8 +336,8 @@ def parity(ref: Job, job: Job, tolerance_db: float = PARITY_TOLERANCE_DB) -> Lis
         row: Dict[str, Any] = {"key": key, "psnr_db": None, "ssim": None, "max_abs_diff": None, "within": None}
         if key not in mine:
             row.update(note="missing", within=False)
-        elif not same_item(r, mine[key]):
-            row.update(note="not comparable (seed/prompt/params differ)")
+        elif not_comparable(ref, job, r, mine[key]):
+            row.update(note=not_comparable(ref, job, r, mine[key]))
         else:
             m = compare_files(ref.image_path(key), job.image_path(key))
             row.update(m)
@@ -538,9 +535,9 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
             + "".join(f"<th>{f}</th>" for f in FIELDS)
             + "<th>evidence</th><th>wall s</th>"
             + "".join(f"<th>{lbl} s</th>" for _, lbl in PHASES)
-            + "<th>images/s</th><th>peak memory</th></tr>")
+            + "<th>images/s</th><th>peak memory</th><th>oracle accuracy</th></tr>")
     rows = []
-    for j in jobs:
+    for n_job, j in enumerate(jobs):
         m = j.manifest
         ovr = [o for o in (m.get("overrides") or []) if o not in common]
         cells = [f"<td><b>{_e(j.label)}</b></td>",
@@ -551,7 +548,7 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         cells.append(f"<td>{oc}{st}</td>")
         bf = backend_fields(m)
         if not any(bf.values()) and not m.get("timing"):  # stopped before resolution: the error fills the row
-            span = len(FIELDS) + len(PHASES) + 5
+            span = len(FIELDS) + len(PHASES) + 6
             cells.append(f'<td colspan="{span}"><span class="err">{_e(j.error or "no record")}</span></td>')
             rows.append("<tr>" + "".join(cells) + "</tr>")
             continue
@@ -577,7 +574,7 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
             cells.append("<td>—</td>")
         t = m.get("timing") or {}
         ph = t.get("phases_s") or {}
-        cells.append(f'<td class="num">{_num(t.get("wall_s"), "{:.2f}")}</td>')
+        cells.append(f'<td class="num">{_num(t.get("wall_s"), "{:.2f}")}{warmup_note(m, first=n_job == 0)}</td>')
         cells.extend(f'<td class="num">{_num(ph.get(k))}</td>' for k, _ in PHASES)
         rate, unit = throughput(m)
         sub = f'<span class="sub">{unit}</span>' if unit != "images/s" and rate is not None else ""
@@ -585,8 +582,32 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         mem = memory_summary(m)
         cells.append(f'<td class="num">{_e(mem[0])}<span class="sub">{_e(mem[1])}</span></td>' if mem
                      else '<td class="num">—</td>')
+        cells.append(f"<td>{_e(accuracy_summary(m) or '—')}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    return f'<div class="scroll"><table class="jobs">{head}{"".join(rows)}</table></div>'
+    return f'<div class="scroll"><table class="jobs sortable">{head}{"".join(rows)}</table></div>'
+
+
+def accuracy_summary(m: Dict[str, Any]) -> Optional[str]:
+    """The oracle's accuracy of a job (the manifest's ``accuracy``: share of items whose attribute the oracle read
+    back as requested, 0..1): ``all 0.958 · color 1 · shape 0.958 (n 24)``; None without an oracle."""
+    acc = m.get("accuracy") or {}
+    vals = [(k, v) for k, v in acc.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "n"]
+    if not vals:
+        return None
+    vals.sort(key=lambda kv: kv[0] != "all")  # all first
+    n = f" (n {acc['n']})" if isinstance(acc.get("n"), int) else ""
+    return " · ".join(f"{k} {v:.3g}" for k, v in vals) + n
+
+
+def warmup_note(m: Dict[str, Any], first: bool) -> str:
+    """Under the wall time: the job's warm-up seconds (``timing.warmup_s``) and, for the sweep's first job, a flag:
+    it pays what later jobs of the same process reuse (a cold compile cache, the first load of the weights), so
+    its wall time is not comparable with theirs."""
+    w = (m.get("timing") or {}).get("warmup_s")
+    note = f'<span class="sub">warm-up {w:.2f} s</span>' if isinstance(w, (int, float)) and w > 0 else ""
+    if first:
+        note += _badge("first job: includes cold-start warm-up", "warn")
+    return note
 
 
 def _lossy_note(m: Dict[str, Any]) -> str:
@@ -639,6 +660,7 @@ def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List
     summary = ["<tr><th>job</th><th>items compared</th><th>min PSNR dB</th><th>min SSIM</th><th>max |Δ|</th>"
                "<th>verdict</th></tr>"]
     detail = ["<tr><th>job</th><th>item</th><th>PSNR dB</th><th>SSIM</th><th>max |Δ|</th><th>verdict</th></tr>"]
+    nc: List[str] = []  # not comparable items: collapsed, each with the key that differs
     for j in jobs:
         if j is ref:
             continue
@@ -661,21 +683,47 @@ def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List
                        f"<td class=num>{_num(mn_s, '{:.4f}') if done else '—'}</td>"
                        f"<td class=num>{mx_d if done else '—'}</td><td>{verdict}</td></tr>")
         for r in rows:
+            if str(r.get("note", "")).startswith("not comparable"):
+                nc.append(f"<tr><td>{_e(j.label)}</td><td class=mono>{_e(r['key'])}</td><td>{_e(r['note'])}</td></tr>")
+                continue
             v = (_badge(r["note"], "warn" if r["within"] is None else "bad") if r.get("note")
                  else _badge("within", "ok") if r["within"] else _badge("outside", "bad"))
             detail.append(f"<tr><td>{_e(j.label)}</td><td class=mono>{_e(r['key'])}</td>"
                           f"<td class=num>{fmt_psnr(r['psnr_db'])}</td><td class=num>{_num(r['ssim'], '{:.4f}')}</td>"
                           f"<td class=num>{'—' if r['max_abs_diff'] is None else r['max_abs_diff']}</td>"
                           f"<td>{v}</td></tr>")
-    out.append(f'<table class="parity-summary">{"".join(summary)}</table>')
+    out.append(f'<table class="parity-summary sortable">{"".join(summary)}</table>')
     if len(detail) > 1:
         opened = " open" if len(detail) <= 61 else ""
         out.append(f'<details{opened}><summary>Per item ({len(detail) - 1} rows)</summary>'
-                   f'<table class="parity">{"".join(detail)}</table></details>')
+                   f'<table class="parity sortable">{"".join(detail)}</table></details>')
+    if nc:
+        out.append(f'<details class="not-comparable"><summary>Not comparable ({len(nc)} items: another model, seed, '
+                   'prompt or parameter, named per item)</summary><table class="parity sortable"><tr><th>job</th>'
+                   f'<th>item</th><th>why</th></tr>{"".join(nc)}</table></details>')
     return "".join(out)
 
 
-def _image_grid(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dict[str, Any]]]) -> str:
+def _href(path: Path, base: Optional[Path]) -> str:
+    """A link to the full-size file: relative to the report's dir ``base`` (the report moves with its sweep dir),
+    else a ``file://`` URI."""
+    import os
+    from urllib.parse import quote
+
+    if base is not None:
+        return quote(os.path.relpath(Path(path).resolve(), Path(base).resolve()).replace(os.sep, "/"))
+    return Path(path).resolve().as_uri()
+
+
+def _short(prompt: Any, n: int = 80) -> str:
+    text = " ".join(str(prompt or "").split())
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def _image_grid(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dict[str, Any]]],
+                base: Optional[Path] = None) -> str:
+    """Thumbnails (item x job), each a link to its full-size file, with its parity to the reference, its seed and
+    its prompt."""
     with_images = [j for j in jobs if j.ok_items]
     if not with_images:
         return "<p>No images.</p>"
@@ -702,17 +750,19 @@ def _image_grid(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dic
             else:
                 cap = "reference"
             rec = j.ok_items[k]
+            href = _e(_href(j.image_path(k), base))
+            what = f'<span class="sub">seed {_e(rec.get("seed"))} · {_e(_short(rec.get("prompt")))}</span>'
             if is_video(rec):
                 n = rec.get("num_frames")
                 pos = f"frame {n // 2 + 1} of {n}" if n else "first frame"
                 fps = f" at {rec['fps']:g} fps" if isinstance(rec.get("fps"), (int, float)) else ""
-                cells.append(f'<div class="cell video"><img class="poster" alt="{_e(k)} / job {_e(j.label)}: poster, '
-                             f'{pos}" title="{_e(rec["file"])}: poster, {pos}{fps}" '
-                             f'src="{_thumb(j.image_path(k), num_frames=n)}">'
-                             f'<span class="sub">video · {_e(pos)}{_e(fps)}</span>{_e(cap)}</div>')
+                cells.append(f'<div class="cell video"><a href="{href}"><img class="poster" alt="{_e(k)} / job '
+                             f'{_e(j.label)}: poster, {pos}" title="{_e(rec["file"])}: poster, {pos}{fps}" '
+                             f'src="{_thumb(j.image_path(k), num_frames=n)}"></a>'
+                             f'<span class="sub">video · {_e(pos)}{_e(fps)}</span>{_e(cap)}{what}</div>')
                 continue
-            cells.append(f'<div class="cell"><img alt="{_e(k)} / job {_e(j.label)}" src="{_thumb(j.image_path(k))}">'
-                         f"{_e(cap)}</div>")
+            cells.append(f'<div class="cell"><a href="{href}"><img alt="{_e(k)} / job {_e(j.label)}" '
+                         f'title="{_e(rec.get("file"))}" src="{_thumb(j.image_path(k))}"></a>{_e(cap)}{what}</div>')
     return f'{note}<div class="grid" style="grid-template-columns:{cols}">{"".join(cells)}</div>'
 
 
@@ -752,9 +802,11 @@ def _details(j: Job) -> str:
 
 
 def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PARITY_TOLERANCE_DB,
-           sources: Sequence[Path] = (), gate: Optional[Dict[str, Any]] = None) -> str:
+           sources: Sequence[Path] = (), gate: Optional[Dict[str, Any]] = None, base: Optional[Path] = None) -> str:
     """The report as one HTML document (no external resources); ``gate``: the quality gate's document
-    (``runner.tools.gate``), shown when given."""
+    (``runner.tools.gate``), shown when given; ``base``: the dir the report is written to (links to the full-size
+    files are relative to it). Tables of class ``sortable`` sort by a column when its header is clicked
+    (:data:`SORT_JS`)."""
     ref = pick_reference(jobs, reference)
     par = {j.label: parity(ref, j, tolerance_db) for j in jobs if ref is not None and j is not ref and j.ok_items}
     common = _common_overrides(jobs)
@@ -779,11 +831,35 @@ def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PAR
         "<h2>Quality gate of lossy jobs</h2>", _gate_section(jobs, gate),
         "<h2>Parity</h2>", _parity_section(jobs, ref, par, tolerance_db),
         "<h2>Images and videos (poster frames)</h2>" if any(is_video(r) for j in jobs for r in j.ok_items.values())
-        else "<h2>Images</h2>", _image_grid(jobs, ref, par),
+        else "<h2>Images</h2>", _image_grid(jobs, ref, par, base),
         "<h2>Job details</h2>", "".join(_details(j) for j in jobs),
     ]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")
+            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>" + "\n".join(body)
+            + f"<script>{SORT_JS}</script></body></html>\n")
+
+
+#: Click a header cell of a ``table.sortable`` to sort its rows by that column (numbers numerically, ``—`` last;
+#: again to reverse). Inline, like the CSS: the report has no external resources.
+SORT_JS = """
+document.querySelectorAll('table.sortable').forEach(function (t) {
+  var head = t.rows[0];
+  Array.prototype.forEach.call(head.cells, function (th, col) {
+    th.style.cursor = 'pointer'; th.title = 'sort by this column';
+    th.addEventListener('click', function () {
+      var asc = th.dataset.asc !== '1'; th.dataset.asc = asc ? '1' : '0';
+      var rows = Array.prototype.slice.call(t.rows, 1);
+      var key = function (r) { var c = r.cells[col]; var s = c ? c.textContent.trim() : '';
+        var x = parseFloat(s); return isNaN(x) ? (s === '—' || s === '' ? null : s) : x; };
+      rows.sort(function (a, b) { var x = key(a), y = key(b);
+        if (x === null) return 1; if (y === null) return -1;
+        var d = (typeof x === typeof y) ? (x < y ? -1 : x > y ? 1 : 0) : (typeof x === 'number' ? -1 : 1);
+        return asc ? d : -d; });
+      rows.forEach(function (r) { t.tBodies[0] ? t.tBodies[0].appendChild(r) : t.appendChild(r); });
+    });
+  });
+});
+"""
 
 
 def write_report(dirs: List[Path], out: Path, reference: Optional[str] = None,
@@ -804,7 +880,8 @@ def write_report(dirs: List[Path], out: Path, reference: Optional[str] = None,
     if gate is None:
         found = next((Path(d) / "gate.json" for d in dirs if (Path(d) / "gate.json").is_file()), None)
         gate = (_read_json(found) or None) if found is not None else None
-    doc = render(jobs, reference=reference, tolerance_db=tolerance_db, sources=[Path(d) for d in dirs], gate=gate)
+    doc = render(jobs, reference=reference, tolerance_db=tolerance_db, sources=[Path(d) for d in dirs], gate=gate,
+                 base=Path(out).parent)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from runner.core.artifacts import atomic_write_bytes

