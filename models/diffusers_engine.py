@@ -734,15 +734,13 @@ class DiffusersEngine(EngineBase):
         """Point torch's compile caches at ``<cache_dir>/compile/<key>`` for this stage (``models.compile_cache``),
         restored when the engine closes."""
         from models import compile_cache as cc
+        from runner.core.schema import compile_factors
 
         cfg = self.ctx.cfg
         fields = cc.key_fields(
             device=self.device, denoiser=self.denoiser, dtype=self.dtype,
             backends={f: r.selected for f, r in self.resolutions.items()},
-            compile_cfg={"compile": str(cfg.compile), "compile_mode": str(cfg.optimize.compile_mode),
-                         "fuse_qkv": bool(cfg.optimize.fuse_qkv),
-                         "deterministic_compile": bool(cfg.optimize.deterministic_compile),
-                         "engine": type(self).__name__})
+            compile_cfg={**compile_factors(cfg), "engine": type(self).__name__})
         self.compile_cache = cc.CompileCache(cc.cache_root(self.cache_dir), fields).open()
         self._scope.callback(self.compile_cache.close)
 

@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from runner.core.errors import UserInputError
 from runner.core.paths import RUNNER_DIR
+from runner.core.schema import DatasetFormat, ExtraFields
 
 BUILTIN_PROMPTS = RUNNER_DIR / "data" / "prompts.jsonl"
 
@@ -134,10 +135,10 @@ def derive_seed(run_seed: int, row_id: str) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
-#: ``dataset.format`` values: where rows come from.
-FORMATS = ("builtin", "jsonl", "csv", "txt", "parquet", "hf")
-#: ``dataset.extra_fields`` values: what a field that is no row field does.
-EXTRA_FIELDS = ("error", "keep")
+#: ``dataset.format`` values: where rows come from (spelled once, ``runner.core.schema.DatasetFormat``).
+FORMATS = tuple(f.value for f in DatasetFormat)
+#: ``dataset.extra_fields`` values: what a field that is no row field does (``runner.core.schema.ExtraFields``).
+EXTRA_FIELDS = tuple(f.value for f in ExtraFields)
 
 
 def _arrow_rows(table: Any, src: Path) -> List[tuple[int, Dict[str, Any]]]:
