@@ -50,20 +50,18 @@ FACTORS_METADATA = "runner_factors"
 
 @dataclass(frozen=True)
 class Factors:
-    """A field's declaration of what it enters.
-
-    Attributes:
-        enters: kinds of :data:`FACTOR_KINDS` the field's whole value enters, under its dotted key.
-        omitted_from: kinds a field *inside* such a value is left out of (``model.generation.width`` reaches the
-            bytes through each row, so the identity's ``model.generation`` omits it).
-        when_set: the key enters only while it is set (``cache`` with a method, a ``compile_mode`` other than
-            ``default``): a run that never set it keeps the identity and semantic config it had before the field
-            existed. ``runner.core.resume.WHEN_SET`` says per key what *set* means.
-    """
+    """A field's declaration of what it enters (field metadata :data:`FACTORS_METADATA`, set by :func:`declared`)."""
 
     enters: tuple = ()
+    """Kinds of :data:`FACTOR_KINDS` the field's whole value enters, under its dotted key (``model.generation``)."""
     omitted_from: tuple = ()
+    """Kinds a field *inside* such a value is left out of (``model.generation.width`` reaches the bytes through each
+    row, so the identity's ``model.generation`` omits it)."""
     when_set: bool = False
+    """Resume comparison and identity: the key enters only while set (``cache`` with a method, a ``compile_mode``
+    other than ``default``), so a run that never set it keeps the identity and semantic config it had before the
+    field existed; ``runner.core.resume.WHEN_SET`` says per key what *set* means. The compile-cache key takes the
+    field always."""
 
 
 def declared(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
