@@ -18,6 +18,12 @@ Models have one schema per family, each a config of the ``model`` group that mod
 Unset backend choices are ``None`` (``null`` in YAML), which is distinct from an explicit ``"auto"``; the
 resolver (``runner.core.resolve``) keeps the two apart.
 
+Each field declares what its value enters (:func:`declared`, :class:`Factors`; vLLM's ``compile_factors`` idea):
+the resume comparison, the run identity, the compile-cache key. ``runner.core.resume`` and
+``models.compile_cache``'s callers derive their keys from those declarations (:func:`factor_keys`,
+:func:`omitted_fields`, :func:`compile_factors`) instead of keeping lists. After the schema check the composed
+config converts once to these dataclasses (:func:`to_typed`); engines read it as ``models.base.StageContext.run``.
+
 Every field is read by some code outside this module (``tests/test_schema.py`` checks it): a field nothing
 reads would accept a value and silently ignore it.
 
