@@ -33,6 +33,8 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequ
 
 import numpy as np
 
+from runner.core.schema import RunConfig, to_typed
+
 
 @dataclass
 class ImageOutput:
@@ -74,7 +76,8 @@ class StageContext:
     """What the loop hands an engine when it builds it.
 
     Attributes:
-        cfg: the composed run config (precedence layers are read from it).
+        cfg: the composed run config; only handed on to the precedence resolution of ``runner.core.resolve``
+            (which reads its layers together with ``overrides``). Engines read settings from ``run``.
         overrides: the CLI overrides (they decide the CLI precedence layers).
         stage: the stage name (``denoise``, ``generate``, ``expand``).
         model_cfg: the stage's model config (``cfg.model``, or ``model.stages.<stage>.model`` in a pipeline).
@@ -82,6 +85,8 @@ class StageContext:
         dtype: ``torch.dtype`` of the stage's compute.
         parallel: the context-parallel ``runner.core.distributed.Layout`` of the run (``parallelism=ulysses|ring``),
             None otherwise; an engine that cannot split a sequence refuses it in ``prepare``.
+        run: the run config as the schema's dataclasses (``runner.core.schema.to_typed``): typed run-level groups
+            (``run.optimize.compile_cache``, ``run.dataset.format``); built from ``cfg`` when not given.
     """
 
     cfg: Any
@@ -91,6 +96,11 @@ class StageContext:
     plat: Any
     dtype: Any
     parallel: Any = None
+    run: Optional[RunConfig] = None
+
+    def __post_init__(self) -> None:
+        if self.run is None and self.cfg is not None:
+            self.run = self.cfg if isinstance(self.cfg, RunConfig) else to_typed(self.cfg)
 
 
 @dataclass

@@ -306,7 +306,7 @@ class DiffusersEngine(EngineBase):
         Raises:
             ConfigValueError: naming the field, the value and the fix.
         """
-        cfg = self.ctx.cfg
+        cfg = self.ctx.run
         mode = str(cfg.optimize.compile_mode)
         if mode == "default":
             return
@@ -447,7 +447,7 @@ class DiffusersEngine(EngineBase):
         if len(cands) < 2:
             res.reason = f"the only MoE backend that can run here: {res.reason}"
             return
-        if str(self.ctx.cfg.parallelism.mode) == "data":
+        if str(self.ctx.run.parallelism.mode) == "data":
             res.reason = (f"ranked first of {', '.join(cands)} (not timed: under parallelism=data every worker must "
                           f"select the same backend): {res.reason}")
             return
@@ -532,7 +532,7 @@ class DiffusersEngine(EngineBase):
         Raises:
             dataset.DatasetError: every problem found (file, line, field, value, fix).
         """
-        cfg = self.ctx.cfg
+        cfg = self.ctx.run
         g = self.model_cfg.generation
         spec = self.row_spec()
         defaults = {f.default: g.get(f.default) for f in spec.fields if f.default}  # model.generation.<field>
@@ -574,7 +574,7 @@ class DiffusersEngine(EngineBase):
         ignored = self.ignored_fields(rows)
         if not ignored:
             return rows
-        mode, name, g = str(self.ctx.cfg.dataset.on_ignored), self.model_cfg.name, self.model_cfg.generation
+        mode, name, g = str(self.ctx.run.dataset.on_ignored), self.model_cfg.name, self.model_cfg.generation
         from_config: Dict[str, Tuple[str, Any]] = {}
         for f, (why, fix, *applies) in ignored.items():
             if f in g and g[f] is not None and not applies:
@@ -615,7 +615,7 @@ class DiffusersEngine(EngineBase):
         over = [(r, c) for r, c in zip(rows, counts) if any(e["dropped"] for e in c.values())]
         if not over:
             return
-        if str(self.ctx.cfg.dataset.on_truncation) == "error":
+        if str(self.ctx.run.dataset.on_truncation) == "error":
             raise ds.DatasetError([f"{path}:{r.line}: prompt of row {r.id!r} is truncated: {self._describe(c)}; the "
                                    "image would be that of its first tokens only; fix: shorten the prompt"
                                    + self._truncation_fix(c) + ", or dataset.on_truncation=record to run it and "
@@ -642,7 +642,7 @@ class DiffusersEngine(EngineBase):
         Raises:
             dataset.DatasetError: naming the row, the encoder and the counts.
         """
-        if not self.fed() or str(self.ctx.cfg.dataset.on_truncation) != "error":
+        if not self.fed() or str(self.ctx.run.dataset.on_truncation) != "error":
             return
         bad = [(it, c) for it, c in zip(batch, self.prompt_tokens([it.row.prompt for it in batch]))
                if any(e["dropped"] for e in c.values())]
@@ -658,8 +658,8 @@ class DiffusersEngine(EngineBase):
             log.warning("%d of %d items had prompts truncated by a text encoder (%s); their records say how many "
                         "tokens were dropped", out["truncated_items"], out["items"],
                         ", ".join(f"{k}: {v}" for k, v in out["truncated_by_encoder"].items() if v))
-        return {**out, "on_truncation": str(self.ctx.cfg.dataset.on_truncation),
-                "on_ignored": str(self.ctx.cfg.dataset.on_ignored)}
+        return {**out, "on_truncation": str(self.ctx.run.dataset.on_truncation),
+                "on_ignored": str(self.ctx.run.dataset.on_ignored)}
 
     def check_rows(self, rows: Sequence[ds.Row], path: Any) -> None:
         """Model-specific row checks (e.g. an oracle's ``expect`` vocabulary); none by default."""
@@ -687,7 +687,7 @@ class DiffusersEngine(EngineBase):
         """
         from kernels import attention, linear
 
-        cfg = self.ctx.cfg
+        cfg = self.ctx.run
         compile_mode = cfg.compile
         det = compile_mode != "none" and bool(cfg.optimize.deterministic_compile)
         self._scope.enter_context(deterministic_compile(det))
@@ -741,15 +741,13 @@ class DiffusersEngine(EngineBase):
         """Point torch's compile caches at ``<cache_dir>/compile/<key>`` for this stage (``models.compile_cache``),
         restored when the engine closes."""
         from models import compile_cache as cc
+        from runner.core.schema import compile_factors
 
-        cfg = self.ctx.cfg
+        cfg = self.ctx.run
         fields = cc.key_fields(
             device=self.device, denoiser=self.denoiser, dtype=self.dtype,
             backends={f: r.selected for f, r in self.resolutions.items()},
-            compile_cfg={"compile": str(cfg.compile), "compile_mode": str(cfg.optimize.compile_mode),
-                         "fuse_qkv": bool(cfg.optimize.fuse_qkv),
-                         "deterministic_compile": bool(cfg.optimize.deterministic_compile),
-                         "engine": type(self).__name__})
+            compile_cfg={**compile_factors(cfg), "engine": type(self).__name__})
         self.compile_cache = cc.CompileCache(cc.cache_root(self.cache_dir), fields).open()
         self._scope.callback(self.compile_cache.close)
 
@@ -761,7 +759,7 @@ class DiffusersEngine(EngineBase):
         """With ``compile`` on and ``optimize.warmup``: one short call at ``batch``'s shape so that compilation
         happens before the timed loop. Then the denoiser probe is attached (profiling the 2nd forward when
         compiled without warm-up, since the 1st compiles) and ``on_loaded`` runs. Returns the warm-up seconds."""
-        cfg = self.ctx.cfg
+        cfg = self.ctx.run
         if cfg.compile != "none" and cfg.optimize.warmup and batch:
             cc = self.compile_cache  # the bar sits still meanwhile: say why (its ETA starts after it, runner.app.console)
             log.info("compile=%s: compiling the denoiser's blocks in a warm-up call before the first batch (%s); the "
@@ -889,7 +887,7 @@ class DiffusersEngine(EngineBase):
         compile cache (``cache``: key, directory, hit/miss as torch counted them over the warm-up)."""
         if self.graphs_before is None:
             return None
-        return {"mode": self.ctx.cfg.compile, "compile_mode": str(self.ctx.cfg.optimize.compile_mode),
+        return {"mode": self.ctx.run.compile, "compile_mode": str(self.ctx.run.optimize.compile_mode),
                 "regions": getattr(self, "regions", None),
                 "warmup_s": round(self.warmup_s, 3), "inductor_deterministic": self.inductor_deterministic,
                 "graphs_compiled_after_warmup": compiled_graphs() - self.graphs_before,

@@ -227,7 +227,7 @@ class HiDreamEngine(PipelineEngine):
         w, h = self.pipeline_size(int(g.width), int(g.height))
         f = self.vae_scale_factor() * int(conf.get("patch_size", 2))  # pixels per image token along a side
         cfg_passes = 2 if g.guidance_scale is not None and float(g.guidance_scale) > 1 else 1
-        tokens = (w // f) * (h // f) * cfg_passes * int(self.ctx.cfg.batch_size)
+        tokens = (w // f) * (h // f) * cfg_passes * int(self.ctx.run.batch_size)
         with torch.device(self.device):  # initialised where it runs (the full-size block is ~0.5 GB in bf16)
             block = MOEFeedForwardSwiGLU(dim, 4 * dim, e, k).to(dtype=self.dtype).eval()
         x = torch.randn(1, tokens, dim, device=self.device, dtype=self.dtype)

@@ -93,9 +93,11 @@ def build_engines(cfg: DictConfig, overrides: Sequence[str], plat: Any = None, d
     filled in later (``engine.ctx.plat``), before ``prepare``."""
     from models.base import StageContext
     from models.registry import engine_class
+    from runner.core.schema import to_typed
 
+    run = to_typed(cfg)  # once: every stage's engine reads the same typed config
     return [engine_class(s.adapter)(StageContext(cfg=cfg, overrides=list(overrides), stage=s.name,
-                                                 model_cfg=s.model_cfg, plat=plat, dtype=dtype))
+                                                 model_cfg=s.model_cfg, plat=plat, dtype=dtype, run=run))
             for s in (specs if specs is not None else stage_graph(cfg))]
 
 

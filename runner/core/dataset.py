@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from runner.core.errors import UserInputError
 from runner.core.paths import RUNNER_DIR
+from runner.core.schema import DatasetFormat, ExtraFields
 
 BUILTIN_PROMPTS = RUNNER_DIR / "data" / "prompts.jsonl"
 
@@ -457,10 +458,10 @@ VIDEO_ROW = IMAGE_ROW.extend("video", *VIDEO_FIELDS)
 ROW_FIELDS: Dict[str, type] = VIDEO_ROW.types()
 
 
-#: ``dataset.format`` values: where rows come from.
-FORMATS = ("builtin", "jsonl", "csv", "txt", "parquet", "hf")
-#: ``dataset.extra_fields`` values: what a field that is no row field does.
-EXTRA_FIELDS = ("error", "keep")
+#: ``dataset.format`` values: where rows come from (spelled once, ``runner.core.schema.DatasetFormat``).
+FORMATS = tuple(f.value for f in DatasetFormat)
+#: ``dataset.extra_fields`` values: what a field that is no row field does (``runner.core.schema.ExtraFields``).
+EXTRA_FIELDS = tuple(f.value for f in ExtraFields)
 
 
 def _arrow_rows(table: Any, src: Path) -> List[tuple[int, Dict[str, Any]]]:

@@ -32,11 +32,14 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from runner.core.errors import UserInputError
+from runner.core.schema import IDENTITY, RESUME, factor_keys, holds_entries, omitted_fields
 
-SEMANTIC_KEYS = ("model.name", "model.adapter", "model.path", "model.revision", "model.load_format",
-                 "model.architecture", "model.generation", "model.backend", "model.stages", "backend", "dtype",
-                 "seed", "num_images_per_prompt", "compile", "optimize.fuse_qkv",
-                 "optimize.vae_channels_last", "optimize.deterministic_compile")
+#: Keys of the resolved config compared on resume, derived from the schema's field declarations
+#: (``runner.core.schema.declared(..., enters=(RESUME, ...))``); the ``cache`` and ``optimize.compile_mode`` keys
+#: count only while set (:data:`WHEN_SET`).
+SEMANTIC_KEYS = factor_keys(RESUME)
+#: Keys of the resolved config in the run identity (same declarations, ``IDENTITY``).
+IDENTITY_KEYS = factor_keys(IDENTITY)
 
 
 def compile_mode_of(cfg: Dict[str, Any]) -> Optional[str]:
@@ -76,6 +79,24 @@ def cache_config(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return c
 
 
+#: The keys that enter only while set (``Factors.when_set``), each with what reads its set value (None: unset).
+WHEN_SET = {"cache": cache_config, "optimize.compile_mode": compile_mode_of}
+
+
+def _when_set_keys(kind: str) -> tuple:
+    """The :data:`WHEN_SET` keys that enter ``kind``, in :data:`WHEN_SET`'s order.
+
+    Raises:
+        KeyError: the schema declares a key that enters only while set, and :data:`WHEN_SET` does not say what
+            *set* means for it.
+    """
+    keys = factor_keys(kind, when_set=True)
+    unknown = set(keys) - set(WHEN_SET)
+    if unknown:
+        raise KeyError(f"{sorted(unknown)} enter only while set, but WHEN_SET does not say what set means for them")
+    return tuple(k for k in WHEN_SET if k in keys)
+
+
 def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_sha: Optional[str],
                   new_dataset_sha: str, keys: Sequence[str] = ()) -> List[str]:
     """Dotted keys whose values differ between two resolved configs (plus ``dataset.sha256``), as
@@ -91,12 +112,11 @@ def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
                 diffs.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
-    a, b = cache_config(old_cfg), cache_config(new_cfg)
-    if a != b:
-        diffs.append(f"cache: {a!r} -> {b!r}")
-    a, b = compile_mode_of(old_cfg), compile_mode_of(new_cfg)
-    if a != b:
-        diffs.append(f"optimize.compile_mode: {a or 'default'!r} -> {b or 'default'!r}")
+    for key in _when_set_keys(RESUME):
+        a, b = WHEN_SET[key](old_cfg), WHEN_SET[key](new_cfg)
+        if a != b:
+            shown = (a, b) if key == "cache" else (a or "default", b or "default")
+            diffs.append(f"{key}: {shown[0]!r} -> {shown[1]!r}")
     if old_dataset_sha is not None and old_dataset_sha != new_dataset_sha:
         diffs.append(f"dataset.sha256: {old_dataset_sha[:12]}… -> {new_dataset_sha[:12]}…")
     return diffs
@@ -152,8 +172,9 @@ def finished(out_dir: Path) -> Dict[str, Dict[str, Any]]:
 #: ``num_images_per_prompt`` makes more items (each with its own seed, which is part of the inputs), ``meta`` (extra
 #: fields kept by ``dataset.extra_fields=keep``) is only recorded.
 ITEM_FIELDS_EXCLUDED = ("id", "line", "expect", "num_images_per_prompt", "meta")
-#: Row fields whose run-level defaults (``model.generation.<field>``) reach the bytes only through the rows.
-ROW_DEFAULTS = ("width", "height", "num_inference_steps", "guidance_scale")
+#: Row fields whose run-level defaults (``model.generation.<field>``) reach the bytes only through the rows (declared
+#: on ``runner.core.schema.GenerationDefaults``: omitted from the identity).
+ROW_DEFAULTS = omitted_fields("model.generation", IDENTITY)
 #: Package versions that do not change what is computed or encoded.
 PACKAGES_EXCLUDED = ("python", "hydra-core", "omegaconf")
 
@@ -196,6 +217,18 @@ def _source_fingerprint(source: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _identity_value(cfg: Dict[str, Any], key: str) -> Any:
+    """``key``'s value in the identity: as canonical JSON, without the fields declared omitted from it
+    (``runner.core.schema.omitted_fields``: row defaults, per-stage backends), in each entry of a mapping."""
+    val = json.loads(_canonical(_get(cfg, key)))
+    drop = omitted_fields(key, IDENTITY)
+    if drop and isinstance(val, dict):
+        if holds_entries(key):
+            return {n: {k: v for k, v in (e or {}).items() if k not in drop} for n, e in val.items()}
+        return {k: v for k, v in val.items() if k not in drop}
+    return val
+
+
 def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], backends: Dict[str, Any],
                  packages: Dict[str, Any], source: Optional[Dict[str, Any]] = None,
                  output: Optional[Dict[str, Any]] = None, context: Any = None) -> Dict[str, Any]:
@@ -216,21 +249,11 @@ def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], back
             its images are close to, not equal to, a one-device run's); None: no such key (data parallelism
             computes the same bytes as one device).
     """
-    config: Dict[str, Any] = {}
-    for key in SEMANTIC_KEYS + ("cpu_threads",):
-        if key in ("seed", "num_images_per_prompt", "backend", "model.backend"):  # per item / in ``backends``
-            continue
-        val = json.loads(_canonical(_get(cfg, key)))
-        if key == "model.generation" and isinstance(val, dict):
-            val = {k: v for k, v in val.items() if k not in ROW_DEFAULTS}
-        if key == "model.stages" and isinstance(val, dict):
-            val = {s: {k: v for k, v in (st or {}).items() if k != "backend"} for s, st in val.items()}
-        config[key] = val
-    cache = cache_config(cfg)
-    if cache is not None:  # a step cache changes the bytes; without one the key is absent (identities unchanged)
-        config["cache"] = json.loads(_canonical(cache))
-    if compile_mode_of(cfg) is not None:  # likewise a compile mode other than the default
-        config["optimize.compile_mode"] = compile_mode_of(cfg)
+    config: Dict[str, Any] = {key: _identity_value(cfg, key) for key in IDENTITY_KEYS}
+    for key in _when_set_keys(IDENTITY):  # absent while unset, so identities of runs that never set it are unchanged
+        val = WHEN_SET[key](cfg)
+        if val is not None:
+            config[key] = json.loads(_canonical(val))
     probes = platform.get("probes") or {}
     doc = {
         "config": config,

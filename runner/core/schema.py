@@ -18,6 +18,12 @@ Models have one schema per family, each a config of the ``model`` group that mod
 Unset backend choices are ``None`` (``null`` in YAML), which is distinct from an explicit ``"auto"``; the
 resolver (``runner.core.resolve``) keeps the two apart.
 
+Each field declares what its value enters (:func:`declared`, :class:`Factors`; vLLM's ``compile_factors`` idea):
+the resume comparison, the run identity, the compile-cache key. ``runner.core.resume`` and
+``models.compile_cache``'s callers derive their keys from those declarations (:func:`factor_keys`,
+:func:`omitted_fields`, :func:`compile_factors`) instead of keeping lists. After the schema check the composed
+config converts once to these dataclasses (:func:`to_typed`); engines read it as ``models.base.StageContext.run``.
+
 Every field is read by some code outside this module (``tests/test_schema.py`` checks it): a field nothing
 reads would accept a value and silently ignore it.
 
@@ -27,12 +33,61 @@ unrestricted ``hydra.utils.instantiate``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+# ------------------------------------------------------------------------------------------------ factors
+
+#: What a field's value may enter (vLLM's ``compute_hash``/``compile_factors`` idea, declared per field):
+#: ``resume``: the semantic config compared when a run dir is resumed (``runner.core.resume.semantic_diff``; a
+#: difference refuses the resume unless ``run.force``); ``identity``: the run identity hashed into every item's
+#: ``inputs_sha256`` (``runner.core.resume.run_identity``); ``compile``: the compile settings hashed into the
+#: compile-cache key (``models.compile_cache.key_fields``).
+RESUME, IDENTITY, COMPILE = "resume", "identity", "compile"
+FACTOR_KINDS = (RESUME, IDENTITY, COMPILE)
+#: The field-metadata key holding a field's :class:`Factors`.
+FACTORS_METADATA = "runner_factors"
+
+
+@dataclass(frozen=True)
+class Factors:
+    """A field's declaration of what it enters (field metadata :data:`FACTORS_METADATA`, set by :func:`declared`)."""
+
+    enters: tuple = ()
+    """Kinds of :data:`FACTOR_KINDS` the field's whole value enters, under its dotted key (``model.generation``)."""
+    omitted_from: tuple = ()
+    """Kinds a field *inside* such a value is left out of (``model.generation.width`` reaches the bytes through each
+    row, so the identity's ``model.generation`` omits it)."""
+    when_set: bool = False
+    """Resume comparison and identity: the key enters only while set (``cache`` with a method, a ``compile_mode``
+    other than ``default``), so a run that never set it keeps the identity and semantic config it had before the
+    field existed; ``runner.core.resume.WHEN_SET`` says per key what *set* means. The compile-cache key takes the
+    field always."""
+
+
+def declared(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+             enters: tuple = (), omitted_from: tuple = (), when_set: bool = False) -> Any:
+    """A ``dataclasses.field`` declaring what the field enters (:class:`Factors`).
+
+    Raises:
+        ValueError: a kind that is not one of :data:`FACTOR_KINDS`.
+    """
+    bad = [k for k in (*enters, *omitted_from) if k not in FACTOR_KINDS]
+    if bad:
+        raise ValueError(f"unknown factor kind(s) {bad}; one of {FACTOR_KINDS}")
+    meta = {FACTORS_METADATA: Factors(tuple(enters), tuple(omitted_from), when_set)}
+    return field(default=default, default_factory=default_factory, metadata=meta)
+
+
+def factors_of(f: dataclasses.Field) -> Factors:
+    """The :class:`Factors` a dataclass field declares (none: enters nothing)."""
+    return f.metadata.get(FACTORS_METADATA) or Factors()
+
 
 # ------------------------------------------------------------------------------------------------ closed choices
 
@@ -217,6 +272,12 @@ class Oracle(Choice):
     toy_motion = "toy_motion"
 
 
+
+#: Closed choices the published JSON Schemas (``runner/schemas/<name>.schema.json``) repeat: ``{schema name:
+#: {JSON pointer of an ``enum``: the Choice it lists}}``. ``runner.tools.validate.schema`` validates with the
+#: Choice's values, and ``tests/test_typed_config.py`` proves the published files list the same.
+JSON_SCHEMA_ENUMS = {"manifest": {"/properties/dataset/properties/format": DatasetFormat}}
+
 # ------------------------------------------------------------------------------------------------ backends, stages
 
 
@@ -238,7 +299,7 @@ class BackendConfig:
 class StageConfig:
     """One stage of a model (FLUX has one: ``denoise``; ``tiny_qwen3_moe`` has ``generate``)."""
 
-    backend: BackendConfig = field(default_factory=BackendConfig)
+    backend: BackendConfig = declared(default_factory=BackendConfig, omitted_from=(IDENTITY,))
     """Backend choices of this stage only (layer ``cli_stage``/``yaml_stage`` of the precedence contract)."""
     engine_extras: Dict[str, Any] = field(default_factory=dict)
     """Further engine arguments: ``vllm.EngineArgs`` fields of a vLLM stage (``max_model_len``, ``max_num_seqs``);
@@ -257,13 +318,13 @@ class StageConfig:
 class GenerationDefaults:
     """Per-model generation defaults of a diffusion model, used for every dataset row that does not set the field."""
 
-    width: int = 1024
+    width: int = declared(1024, omitted_from=(IDENTITY,))
     """Image width in pixels (a multiple of ``model.size_multiple``)."""
-    height: int = 1024
+    height: int = declared(1024, omitted_from=(IDENTITY,))
     """Image height in pixels (a multiple of ``model.size_multiple``)."""
-    num_inference_steps: int = 28
+    num_inference_steps: int = declared(28, omitted_from=(IDENTITY,))
     """Denoising steps."""
-    guidance_scale: Optional[float] = 3.5
+    guidance_scale: Optional[float] = declared(3.5, omitted_from=(IDENTITY,))
     """Guidance scale (FLUX.1-dev: distilled guidance embedding). null for a model whose transformer has no
     guidance embedding (FLUX.1-schnell, toy_shapes): any value there is ignored, so setting one is refused
     (``dataset.on_ignored``)."""
@@ -287,24 +348,24 @@ class ModelConfig:
     """What every model has, whatever its family. Model YAMLs extend a family schema (``base_diffusion``,
     ``base_ar``, ``base_pipeline``), never this one directly."""
 
-    name: str = MISSING
+    name: str = declared(MISSING, enters=(RESUME, IDENTITY))
     """Model name: the manifest's ``model.name``, and the key of ``platform.overlays``."""
-    adapter: Any = MISSING
+    adapter: Any = declared(MISSING, enters=(RESUME, IDENTITY))
     """The engine that runs the model (each family narrows it to its own engines)."""
-    path: Optional[str] = None
+    path: Optional[str] = declared(None, enters=(RESUME, IDENTITY))
     """A local checkpoint directory (diffusers snapshot, or Hugging Face model directory for vLLM)."""
-    load_format: LoadFormat = LoadFormat.auto
+    load_format: LoadFormat = declared(LoadFormat.auto, enters=(RESUME, IDENTITY))
     """``auto``: load ``path`` (or build an embedded model on first use); ``dummy``: random weights, no checkpoint."""
     embedded: bool = False
     """The model is built by the runner on first use into ``cache_dir`` (no download)."""
-    architecture: Dict[str, Any] = field(default_factory=dict)
+    architecture: Dict[str, Any] = declared(default_factory=dict, enters=(RESUME, IDENTITY))
     """Component configs: what ``load_format=dummy`` and embedded models build (AR: overrides of the tiny model's
     architecture)."""
     roles: List[str] = field(default_factory=list)
     """Attention roles of the model (``backend.attention.per_role`` keys)."""
-    backend: BackendConfig = field(default_factory=BackendConfig)
+    backend: BackendConfig = declared(default_factory=BackendConfig, enters=(RESUME,))
     """The model's backend defaults (layer ``model_default`` of the precedence contract)."""
-    stages: Dict[str, StageConfig] = field(default_factory=dict)
+    stages: Dict[str, StageConfig] = declared(default_factory=dict, enters=(RESUME, IDENTITY))
     """The model's stages by name (each family sets its own; a stage the model does not have is refused)."""
     builtin_prompts: str = "prompts.jsonl"
     """Rows of ``dataset=builtin``: the file ``runner/data/<this>``."""
@@ -321,17 +382,18 @@ class ModelConfig:
 class DiffusionModelConfig(ModelConfig):
     """A diffusion model run through diffusers (``conf/model/flux.yaml``: ``defaults: [base_diffusion, _self_]``)."""
 
-    adapter: str = "flux"
+    adapter: str = declared("flux", enters=(RESUME, IDENTITY))
     """The engine (``models.registry``): a family, ``flux``, ``sd3``, ``qwen_image``, ``wan``, ``hidream``, or
     ``diffusers`` (any transformer-based pipeline, from its snapshot's ``model_index.json``;
     ``models.pipelines.PipelineEngine``)."""
-    revision: Optional[str] = None
+    revision: Optional[str] = declared(None, enters=(RESUME, IDENTITY))
     """Revision of ``path``, recorded in the manifest's model source (and compared on resume)."""
     roles: List[str] = field(default_factory=lambda: ["joint"])
     """Attention roles (FLUX: ``joint``)."""
-    stages: Dict[str, StageConfig] = field(default_factory=lambda: {"denoise": StageConfig()})
+    stages: Dict[str, StageConfig] = declared(default_factory=lambda: {"denoise": StageConfig()},
+                                              enters=(RESUME, IDENTITY))
     """The model's single stage, ``denoise``."""
-    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    generation: GenerationDefaults = declared(default_factory=GenerationDefaults, enters=(RESUME, IDENTITY))
     """Per-row generation defaults."""
     size_multiple: int = 16
     """Widths and heights must be multiples of this (VAE factor x patch size)."""
@@ -344,11 +406,12 @@ class ARModelConfig(ModelConfig):
     """An autoregressive model run through vLLM (``conf/model/tiny_qwen3_moe.yaml``:
     ``defaults: [base_ar, _self_]``)."""
 
-    adapter: str = "vllm"
+    adapter: str = declared("vllm", enters=(RESUME, IDENTITY))
     """The engine (``models.registry``): ``vllm`` (``models.vllm.engine.VLLMEngine``)."""
     roles: List[str] = field(default_factory=lambda: ["decoder"])
     """Attention roles (``decoder``)."""
-    stages: Dict[str, StageConfig] = field(default_factory=lambda: {"generate": StageConfig()})
+    stages: Dict[str, StageConfig] = declared(default_factory=lambda: {"generate": StageConfig()},
+                                              enters=(RESUME, IDENTITY))
     """The model's single stage, ``generate`` (``engine_extras``: further ``vllm.EngineArgs`` fields)."""
     sampling: Dict[str, Any] = field(default_factory=dict)
     """Default ``vllm.SamplingParams`` fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
@@ -386,7 +449,8 @@ class PipelineModelConfig(DiffusionModelConfig):
 
     pipeline: List[str] = field(default_factory=list)
     """Stage names in execution order; the last is the model's own diffusion stage."""
-    stages: Dict[str, PipelineStageConfig] = field(default_factory=lambda: {"denoise": PipelineStageConfig()})
+    stages: Dict[str, PipelineStageConfig] = declared(default_factory=lambda: {"denoise": PipelineStageConfig()},
+                                                      enters=(RESUME, IDENTITY))
     """Every stage of the pipeline by name."""
 
 
@@ -506,21 +570,21 @@ class OptimizeConfig:
     """Speed settings of diffusion stages that keep the math (each measured alone by
     ``benchmarks/flux_dev_1024.py``)."""
 
-    fuse_qkv: bool = False
+    fuse_qkv: bool = declared(False, enters=(RESUME, IDENTITY, COMPILE))
     """One GEMM for q, k, v (and the text stream's added q, k, v) per attention module, diffusers'
     ``fuse_projections``; the unfused projections are dropped (no duplicate weights in memory)."""
-    vae_channels_last: bool = False
+    vae_channels_last: bool = declared(False, enters=(RESUME, IDENTITY))
     """The VAE in channels-last (NHWC) memory format (slower on the H200 with torch 2.11: 127.9 vs 86.7 ms per
     1024x1024 decode; kept for other GPUs and builds)."""
     warmup: bool = True
     """With ``compile`` on, one pipeline call of 2 steps at the first batch's shape runs before the timed loop, so
     compilation is not billed to the first batch (``timing.warmup_s``); its output is discarded."""
-    deterministic_compile: bool = True
+    deterministic_compile: bool = declared(True, enters=(RESUME, IDENTITY, COMPILE))
     """With ``compile`` on, Inductor's deterministic mode (``torch._inductor.config.deterministic``): no on-device
     benchmarking of kernel configurations that change numerics, so every process compiles the same kernels.
     Without it, reduction configs picked by timing differ between processes and so do the images (seen on the
     H200: two processes of the same run, PSNR ~49 dB apart)."""
-    compile_mode: CompileMode = CompileMode.default
+    compile_mode: CompileMode = declared(CompileMode.default, enters=(RESUME, IDENTITY, COMPILE), when_set=True)
     """With ``compile`` on: ``torch.compile``'s mode (:class:`CompileMode`); the CUDA-graph modes
     (``max_autotune``, ``reduce_overhead``) are refused: regional compile replays one CUDA graph for every block of a
     class, which overwrites each block's output (seen on the H200, 2026-12-01)."""
@@ -621,7 +685,7 @@ class RunConfig:
     """The model (group ``model``; one of the family schemas)."""
     platform: PlatformConfig = MISSING
     """The device platform (group ``platform``)."""
-    backend: BackendConfig = field(default_factory=BackendConfig)
+    backend: BackendConfig = declared(default_factory=BackendConfig, enters=(RESUME,))
     """Run-level backend choices (group ``backend``; layer ``cli_global``/``yaml_global``)."""
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     """How work is spread over devices (group ``parallelism``)."""
@@ -633,7 +697,7 @@ class RunConfig:
     """Artifact settings."""
     optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
     """Speed settings of diffusion stages that keep the math."""
-    cache: CacheConfig = field(default_factory=CacheConfig)
+    cache: CacheConfig = declared(default_factory=CacheConfig, enters=(RESUME, IDENTITY), when_set=True)
     """Step caching of diffusion stages (lossy, off by default)."""
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
     """Evidence collection."""
@@ -643,17 +707,17 @@ class RunConfig:
     """Sweep report settings."""
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     """Where the finished run is logged besides its run dir (group ``tracker``: ``none``, ``mlflow``)."""
-    seed: int = 0
+    seed: int = declared(0, enters=(RESUME,))
     """Base seed; each item's seed derives from it and the item key."""
-    dtype: DType = DType.auto
+    dtype: DType = declared(DType.auto, enters=(RESUME, IDENTITY))
     """Compute dtype (``auto``: bfloat16 on GPUs, float32 on CPU)."""
-    compile: Compile = Compile.none
+    compile: Compile = declared(Compile.none, enters=(RESUME, IDENTITY, COMPILE))
     """``regional``: ``torch.compile`` of the repeated transformer blocks of diffusion stages."""
-    cpu_threads: Optional[int] = 1
+    cpu_threads: Optional[int] = declared(1, enters=(IDENTITY,))
     """Torch threads on CPU (fixed so CPU outputs are bitwise identical across launchers); null: torch's default."""
     batch_size: int = 1
     """Rows of the same shape and steps generated together."""
-    num_images_per_prompt: int = 1
+    num_images_per_prompt: int = declared(1, enters=(RESUME,))
     """Images per dataset row (each its own item and seed)."""
     max_pixels: int = 4096 * 4096
     """Width x height limit per image."""
@@ -733,3 +797,125 @@ def _extension(cls: type, base: type) -> Any:
         elif f.name not in own:
             node[f.name] = MISSING
     return node
+
+
+# ------------------------------------------------------------------------------------------------ typed config
+
+
+def to_typed(cfg: Any) -> RunConfig:
+    """The composed run config as the schema's dataclasses: a :class:`RunConfig` whose ``model`` (and each pipeline
+    stage's ``model``) is an instance of its family's class (:func:`model_schema`), closed choices :class:`Choice`
+    members, built once with ``OmegaConf.to_object`` after ``runner.app.execute.check_schema`` accepted ``cfg``.
+
+    Args:
+        cfg: a ``DictConfig`` composed by Hydra (interpolations are resolved here) or the same as a plain dict.
+
+    Raises:
+        omegaconf.errors.OmegaConfBaseException: ``cfg`` does not match the schema (``check_schema`` refuses such a
+            config first, with a message naming the key and the fix).
+    """
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    return OmegaConf.to_object(OmegaConf.merge(typed_skeleton(plain), plain))
+
+
+# ------------------------------------------------------------------------------------------------ derived factors
+
+
+def _field_class(cls: type, name: str) -> Optional[type]:
+    """The dataclass a field of ``cls`` holds: its type (``Optional`` unwrapped), or the value type of a
+    ``Dict[str, X]``; None when it holds no dataclass."""
+    import typing
+
+    t = typing.get_type_hints(cls)[name]
+    if typing.get_origin(t) is typing.Union:
+        t = next((a for a in typing.get_args(t) if a is not type(None)), t)
+    if typing.get_origin(t) is dict:
+        t = typing.get_args(t)[1]
+    return t if dataclasses.is_dataclass(t) else None
+
+
+def _classes_of(cls: Optional[type]) -> List[type]:
+    """The schemas a field typed ``cls`` may hold: every model family for :class:`ModelConfig`, else ``cls``."""
+    if cls is ModelConfig:
+        return list(MODEL_FAMILIES.values())
+    return [cls] if cls is not None else []
+
+
+def _declared_fields(cls: type = RunConfig, prefix: str = "") -> List[tuple]:
+    """``(dotted key, field, owner class)`` of every field declaring :class:`Factors` ``enters``, in declaration order
+    (the model's fields once, over every family), descending into dataclass fields that declare nothing."""
+    out: List[tuple] = []
+    seen = set()
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if factors_of(f).enters:
+            out.append((key, f, cls))
+            continue
+        sub = None if str(f.type).startswith("Dict") else _field_class(cls, f.name)  # mappings: not descended
+        for c in _classes_of(sub):
+            for entry in _declared_fields(c, key + "."):
+                if entry[0] not in seen:
+                    seen.add(entry[0])
+                    out.append(entry)
+    return out
+
+
+def factor_keys(kind: str, *, when_set: Optional[bool] = False) -> tuple:
+    """Dotted keys of the fields whose value enters ``kind`` (:data:`FACTOR_KINDS`), in declaration order.
+
+    Args:
+        when_set: False: the keys that always enter; True: those that enter only while set
+            (:attr:`Factors.when_set`); None: both.
+    """
+    return tuple(key for key, f, _ in _declared_fields() if kind in factors_of(f).enters
+                 and (when_set is None or factors_of(f).when_set == when_set))
+
+
+def omitted_fields(key: str, kind: str) -> tuple:
+    """Names of the fields inside ``key``'s value (inside each entry of a mapping of dataclasses, such as
+    ``model.stages``) that declare they are left out of ``kind`` (:attr:`Factors.omitted_from`)."""
+    for k, f, owner in _declared_fields():
+        if k == key:
+            sub = _field_class(owner, f.name)
+            return tuple(g.name for g in dataclasses.fields(sub) if kind in factors_of(g).omitted_from) if sub else ()
+    raise KeyError(f"{key} declares no factors")
+
+
+def holds_entries(key: str) -> bool:
+    """Whether ``key``'s value is a mapping of dataclasses (``model.stages``), so :func:`omitted_fields` apply to
+    each entry rather than to the value itself."""
+    import typing
+
+    for k, f, owner in _declared_fields():
+        if k == key:
+            held = typing.get_type_hints(owner)[f.name]
+            return typing.get_origin(held) is dict and _field_class(owner, f.name) is not None
+    raise KeyError(f"{key} declares no factors")
+
+
+def select(cfg: Any, dotted: str) -> Any:
+    """The value at ``dotted`` of a config (dataclasses, ``DictConfig`` or plain dicts); None when absent."""
+    node = cfg
+    for part in dotted.split("."):
+        if isinstance(node, Mapping) or hasattr(node, "keys"):
+            node = node.get(part) if part in node else None
+        else:
+            node = getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def compile_factors(cfg: Any) -> Dict[str, Any]:
+    """The compile settings of a run config that enter the compile-cache key, by field name (``{compile,
+    compile_mode, fuse_qkv, deterministic_compile}``): booleans as ``bool``, choices as their plain string."""
+    import typing
+
+    out: Dict[str, Any] = {}
+    for key, f, owner in _declared_fields():
+        if COMPILE in factors_of(f).enters:
+            v = select(cfg, key)
+            out[f.name] = bool(v) if typing.get_type_hints(owner)[f.name] is bool else str(v)
+    return out

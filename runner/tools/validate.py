@@ -27,12 +27,22 @@ class SchemaValidationSetupError(UserInputError, RuntimeError):
 
 
 def schema(name: str) -> Dict[str, Any]:
-    """The published schema ``name`` (``manifest`` or ``item``) as a dict.
+    """The published schema ``name`` (``manifest`` or ``item``) as a dict, its closed choices' ``enum`` lists taken
+    from the config schema's enums (``runner.core.schema.JSON_SCHEMA_ENUMS``), so a value added there (a dataset
+    format) validates without a second edit.
 
     Raises:
-        KeyError: an unknown name.
+        KeyError: an unknown name, or a JSON pointer of ``JSON_SCHEMA_ENUMS`` the published schema does not hold.
     """
-    return json.loads((SCHEMA_DIR / SCHEMAS[name]).read_text())
+    from runner.core.schema import JSON_SCHEMA_ENUMS
+
+    doc = json.loads((SCHEMA_DIR / SCHEMAS[name]).read_text())
+    for pointer, choice in JSON_SCHEMA_ENUMS.get(name, {}).items():
+        node = doc
+        for part in pointer.strip("/").split("/"):
+            node = node[part]
+        node["enum"] = [c.value for c in choice]
+    return doc
 
 
 @lru_cache(maxsize=None)

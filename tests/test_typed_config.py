@@ -1,0 +1,157 @@
+"""Typed config at the boundary (issue 28): the schema's fields declare what they enter (the resume comparison, the
+run identity, the compile-cache key) and those lists are derived from the declarations, byte-identical to the
+hand-kept lists they replace; the composed config converts once to the schema's dataclasses (``to_typed``) and
+engines get it as ``StageContext.run``; closed choices the JSON Schemas repeat are the schema's enums."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+
+from runner.core import resume as rs
+from runner.core import schema
+
+try:
+    from _helpers import compose
+except ImportError:  # tests/ imported as a package
+    from tests._helpers import compose
+
+pytestmark = pytest.mark.cpu
+
+#: The hand-kept lists of runner/core/resume.py and models/diffusers_engine.py before the declarations (d6c0ce0).
+FORMER_SEMANTIC_KEYS = ("model.name", "model.adapter", "model.path", "model.revision", "model.load_format",
+                        "model.architecture", "model.generation", "model.backend", "model.stages", "backend", "dtype",
+                        "seed", "num_images_per_prompt", "compile", "optimize.fuse_qkv",
+                        "optimize.vae_channels_last", "optimize.deterministic_compile")
+FORMER_IDENTITY_KEYS = tuple(k for k in FORMER_SEMANTIC_KEYS + ("cpu_threads",)
+                             if k not in ("seed", "num_images_per_prompt", "backend", "model.backend"))
+
+CFG = {"model": {"name": "m", "adapter": "flux", "path": None, "revision": "r1", "load_format": "auto",
+                 "architecture": {"transformer": {"num_layers": 1}},
+                 "generation": {"width": 64, "height": 32, "num_inference_steps": 4, "guidance_scale": None,
+                                "max_sequence_length": 77, "true_cfg_scale": 1.0, "num_frames": None, "fps": None},
+                 "backend": {"attention": None, "linear": "FP8", "moe": None},
+                 "stages": {"denoise": {"backend": {"attention": "sdpa"}, "engine_extras": {}, "attention": None}}},
+       "backend": {"attention": None, "linear": None, "moe": None}, "dtype": "auto", "seed": 3,
+       "num_images_per_prompt": 1, "compile": "regional", "cpu_threads": 1,
+       "optimize": {"fuse_qkv": True, "vae_channels_last": False, "deterministic_compile": True,
+                    "compile_mode": "default", "warmup": True},
+       "cache": {"method": "none"}}
+PLAT = {"kind": "cpu", "capability": None, "probes": {"device_name": "x"}}
+BACKENDS = {"denoise": {"linear": {"selected": "FP8"}}}
+PACKAGES = {"torch": "2.13", "python": "3.11"}
+
+
+def test_declared_keys_are_the_former_hand_kept_lists():
+    assert sorted(rs.SEMANTIC_KEYS) == sorted(FORMER_SEMANTIC_KEYS)
+    assert sorted(rs.IDENTITY_KEYS) == sorted(FORMER_IDENTITY_KEYS)
+    assert schema.factor_keys(schema.RESUME, when_set=True) == ("optimize.compile_mode", "cache")
+    assert schema.factor_keys(schema.IDENTITY, when_set=True) == ("optimize.compile_mode", "cache")
+    assert rs.ROW_DEFAULTS == ("width", "height", "num_inference_steps", "guidance_scale")
+    assert schema.omitted_fields("model.stages", schema.IDENTITY) == ("backend",)
+    assert schema.holds_entries("model.stages") and not schema.holds_entries("model.generation")
+    assert sorted(schema.factor_keys(schema.COMPILE, when_set=None)) == [
+        "compile", "optimize.compile_mode", "optimize.deterministic_compile", "optimize.fuse_qkv"]
+
+
+def test_identity_and_resume_comparison_are_byte_identical_to_the_hand_kept_ones():
+    """sha256s computed by runner/core/resume.py of d6c0ce0 (the hand-kept lists) for the same inputs: run dirs
+    written before the declarations keep their identity, so they resume."""
+    assert rs.identity_sha256(rs.run_identity(CFG, "float32", PLAT, BACKENDS, PACKAGES)) == (
+        "1eff37185dd52dbb973a36e92f6186e20b6278672453f6cb9268c444b163b09a")
+    on = copy.deepcopy(CFG)
+    on["cache"] = {"method": "taylorseer", "order": 1}
+    on["optimize"]["compile_mode"] = "max_autotune_no_cudagraphs"
+    assert rs.identity_sha256(rs.run_identity(on, "float32", PLAT, BACKENDS, PACKAGES)) == (
+        "143445f749459febb7b478599a06526bcd4e262eeff003c3b6250407a6b73ff8")
+    assert rs.semantic_diff(CFG, on, None, "x") == [
+        "cache: None -> {'method': 'taylorseer', 'order': 1}",
+        "optimize.compile_mode: 'default' -> 'max_autotune_no_cudagraphs'"]
+
+
+def test_an_omitted_field_stays_out_of_the_identity_and_in_the_resume_comparison():
+    moved = copy.deepcopy(CFG)
+    moved["model"]["generation"]["width"] = 128  # reaches the bytes through the rows
+    moved["model"]["stages"]["denoise"]["backend"]["attention"] = "cudnn"  # through the resolved backends
+    ident = rs.run_identity(moved, "float32", PLAT, BACKENDS, PACKAGES)
+    assert ident == rs.run_identity(CFG, "float32", PLAT, BACKENDS, PACKAGES)
+    assert "width" not in ident["config"]["model.generation"]
+    assert ident["config"]["model.stages"] == {"denoise": {"engine_extras": {}, "attention": None}}
+    assert sorted(rs.semantic_diff(CFG, moved, None, "x")) == [  # keys in declaration order (stages, generation)
+        "model.generation.width: 64 -> 128", "model.stages.denoise.backend.attention: 'sdpa' -> 'cudnn'"]
+
+
+def test_compile_factors_are_the_former_compile_settings_of_the_key():
+    cfg = compose(["model=tiny_flux", "compile=regional", "optimize.fuse_qkv=true",
+                   "optimize.compile_mode=max_autotune_no_cudagraphs"])
+    former = {"compile": "regional", "compile_mode": "max_autotune_no_cudagraphs", "fuse_qkv": True,
+              "deterministic_compile": True}
+    for c in (cfg, schema.to_typed(cfg)):
+        got = schema.compile_factors(c)
+        assert got == former and json.dumps(got, sort_keys=True) == json.dumps(former, sort_keys=True)
+        assert type(got["fuse_qkv"]) is bool and type(got["compile_mode"]) is str
+
+
+def test_every_family_declares_a_shared_field_alike():
+    """A field a family redefines (``adapter``, ``stages``) keeps the declaration of the base's field, so the
+    derived lists do not depend on the family."""
+    families = [schema.ModelConfig, *schema.MODEL_FAMILIES.values()]
+    by_name: dict = {}
+    for cls in families:
+        for f in dataclasses.fields(cls):
+            by_name.setdefault(f.name, set()).add(schema.factors_of(f))
+    assert {n: d for n, d in by_name.items() if len(d) > 1} == {}
+
+
+def test_declared_refuses_an_unknown_kind():
+    with pytest.raises(ValueError, match="unknown factor kind"):
+        schema.declared(0, enters=("identiy",))
+
+
+@pytest.mark.parametrize("model,cls", [("tiny_flux", schema.DiffusionModelConfig),
+                                       ("tiny_qwen3_moe", schema.ARModelConfig),
+                                       ("prompt_expand_flux", schema.PipelineModelConfig)])
+def test_to_typed_builds_the_family_dataclasses(model, cls):
+    run = schema.to_typed(compose([f"model={model}"]))
+    assert type(run) is schema.RunConfig and type(run.model) is cls
+    assert isinstance(run.dataset.format, schema.DatasetFormat) and isinstance(run.compile, schema.Compile)
+    assert type(run.optimize) is schema.OptimizeConfig and run.optimize.compile_cache is True
+    if cls is schema.PipelineModelConfig:
+        assert type(run.model.stages["expand"]) is schema.PipelineStageConfig
+        assert type(run.model.stages["expand"].model) is schema.ARModelConfig
+
+
+def test_stage_context_holds_the_typed_run_config():
+    from models.base import StageContext
+
+    cfg = compose(["model=tiny_flux", "batch_size=3"])
+    ctx = StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=cfg.model, plat=None, dtype=None)
+    assert type(ctx.run) is schema.RunConfig and ctx.run.batch_size == 3
+    given = schema.to_typed(cfg)
+    assert StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=cfg.model, plat=None, dtype=None,
+                        run=given).run is given
+
+
+def test_the_published_json_schemas_list_the_schema_enums():
+    """The JSON Schema copies in runner/schemas/ list each closed choice as the config schema's enum does; a value
+    added to the enum and not to the file fails here (``runner.validate`` itself takes the enum's values)."""
+    from runner.tools import validate
+
+    for name, enums in schema.JSON_SCHEMA_ENUMS.items():
+        published = json.loads((validate.SCHEMA_DIR / validate.SCHEMAS[name]).read_text())
+        served = validate.schema(name)
+        for pointer, choice in enums.items():
+            node, node2 = published, served
+            for part in pointer.strip("/").split("/"):
+                node, node2 = node[part], node2[part]
+            assert node["enum"] == [c.value for c in choice] == node2["enum"], (name, pointer)
+
+
+def test_dataset_format_names_are_the_schema_enum():
+    from runner.core import dataset as ds
+
+    assert ds.FORMATS == tuple(f.value for f in schema.DatasetFormat)
+    assert ds.EXTRA_FIELDS == tuple(f.value for f in schema.ExtraFields)
