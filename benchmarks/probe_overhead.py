@@ -31,7 +31,7 @@ def main() -> None:
     import hydra
     import torch
 
-    from runner.core.evidence import DenoiserProbe
+    from models.denoiser_evidence import DenoiserProbe
     from runner.app.execute import build_engines, resolve_dtype
     from runner.core.platform import detect
     from runner.core.schema import register_configs

@@ -994,6 +994,10 @@ class PipelineEngine(DiffusersEngine):
         r = batch[0].row
         return r.num_inference_steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale))
 
+    def has_forward_rule(self) -> bool:
+        """A spec gives the forward rule; ``model.adapter=diffusers`` (no spec) has none."""
+        return self.spec is not None
+
     def call(self, batch: List[Item]) -> List[np.ndarray]:
         """One pipeline call over ``batch`` (all items share ``shape_key``), one seeded generator per item.
 

@@ -29,9 +29,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner.core import dataset as ds
-from runner.core import evidence, lossy, resume, rundir
+from runner.core import lossy, resume, rundir
 from runner.core.artifacts import atomic_write_bytes
-from runner.core.errors import ConfigValueError, StorageError, UserInputError
+from runner.core.errors import ConfigValueError, EvidenceError, StorageError, UserInputError
 from runner.core.manifest import Manifest, git_state, now_iso, package_versions
 from runner.core.paths import PROJECT_ROOT, original_cwd, repro_location
 from runner.core.platform import detect
@@ -535,7 +535,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
     Raises:
         runner.core.errors.RunnerError subclasses: bad input or a refused backend, all before any weight loads;
             ``RunDirInUseError`` when another run holds the dir;
-        evidence.EvidenceError: strict evidence found a mismatch (after everything was written).
+        EvidenceError: strict evidence found a mismatch (after everything was written).
     """
     out_dir = Path(cfg.run.resume or cfg.output.dir or run_dir)
     joined = rundir.run_token(out_dir) if rundir.held(out_dir) is None else None  # a torchrun rank > 0
@@ -855,7 +855,7 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
     log.info("run %s: %d ok, %d failed, %d reused, %.1f s -> %s", status, counts["ok"], counts["failed"],
              counts["reused"], time.perf_counter() - t_start, out_dir)
     if status == "evidence_mismatch":
-        raise evidence.EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
+        raise EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
                                      + "\n  ".join(manifest.doc["evidence"]["mismatches"]))
     if status == "interrupted":
         return 128 + (stop.signum or signal.SIGINT)
@@ -865,7 +865,8 @@ def _run(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Op
 def _evidence_doc(cfg: DictConfig, plat: Any, engines: Sequence[Any], results: Dict[str, Any]) -> Dict[str, Any]:
     """The manifest's ``evidence``: each stage that generated gives its section and mismatches
     (``engine.evidence``); the verdict is ``mismatch`` when any stage contradicts its resolution, else
-    ``nonfinite_outputs`` when an output held NaN/inf, else ``verified``; ``not_collected`` when nothing was generated
+    ``nonfinite_outputs`` when an output held NaN/inf, else ``limited`` when a stage could not make a check (its
+    section's ``checks``), else ``verified``; ``not_collected`` when nothing was generated
     (every item reused) or ``evidence.enabled=false``."""
     ran = [e for e in engines if e.stage in results and results[e.stage].generated]
     nonfinite = sum(r.nonfinite for r in results.values())
@@ -880,9 +881,11 @@ def _evidence_doc(cfg: DictConfig, plat: Any, engines: Sequence[Any], results: D
     for e in ran:
         stages_doc[e.stage], mm = e.evidence(results[e.stage])
         mismatches += mm
+    limited = any("limited" in (st.get("checks") or {}).values() for st in stages_doc.values())
     return {"enabled": True, "pid": os.getpid(), "device": plat.device, "stages": stages_doc,
             "all_finite": nonfinite == 0,
-            "verdict": "mismatch" if mismatches else ("nonfinite_outputs" if nonfinite else "verified"),
+            "verdict": "mismatch" if mismatches else ("nonfinite_outputs" if nonfinite else
+                                                      "limited" if limited else "verified"),
             "mismatches": mismatches}
 
 

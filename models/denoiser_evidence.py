@@ -22,7 +22,8 @@ backend's signature matched a profiled kernel, and all outputs were finite. ``mi
 implementation differs from the resolved one (``evidence.strict=true``: the run ends with
 :class:`EvidenceError`, exit 3, naming the layer and what ran instead; ``strict=false``: status ``limited``).
 ``nonfinite_outputs`` when the backends matched but some outputs were NaN/inf: those rows are failed, the others
-written, and the run exits 1.
+written, and the run exits 1. ``limited`` when nothing mismatched but a check could not be made (``checks``: the
+forward count of an engine without a forward rule, ``model.adapter=diffusers``); the run's status is unchanged.
 """
 
 from __future__ import annotations
@@ -35,11 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from kernels import registry as reg
-from runner.core.errors import EvidenceMismatchError
-
-
-class EvidenceError(EvidenceMismatchError, RuntimeError):
-    """The run's evidence contradicts its resolution (strict mode); names the layer and what ran instead."""
+from runner.core.errors import EvidenceError  # noqa: F401  (re-exported: raised for this evidence's mismatches)
 
 
 @dataclass
@@ -110,7 +107,7 @@ class DenoiserProbe:
 def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_forwards: Optional[int],
           finite: bool,
           device: str, cache: Optional[Dict[str, Any]] = None,
-          collectives: Optional[Dict[str, Tuple[str, int]]] = None) -> Dict[str, Any]:
+          collectives: Optional[Dict[str, Tuple[str, int]]] = None, forward_rule: bool = True) -> Dict[str, Any]:
     """Assemble the manifest's ``evidence`` section and its verdict.
 
     Args:
@@ -123,6 +120,8 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
             change it: the cache methods skip blocks or attention inside the denoiser, never its call.
         finite: every generated output was finite.
         device: the worker's device string.
+        forward_rule: the engine predicts its forward count (False: the check is ``limited`` and so is the verdict
+            when nothing mismatches; :func:`forward_count_check`).
         cache: with a step cache (``models.cache.StepCache``): ``{"section": its evidence, "mismatches": [...],
             "attention_runs": {layer: forwards in which that attention module computed}, "forwards_computed": n}``.
             An attention site must then have run its backend once per forward in which its module computed (not
@@ -224,8 +223,10 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
             kernels["collectives"] = seen
     if cache is not None:
         mismatches += list(cache.get("mismatches") or [])
-    verdict = "mismatch" if mismatches else ("nonfinite_outputs" if not finite else "verified")
-    section = {"denoiser_forwards": fwd, "expected_forwards": expected_forwards,
+    checks = {"forward_count": forward_count_check(fwd, expected_forwards, forward_rule)}
+    verdict = "mismatch" if mismatches else ("nonfinite_outputs" if not finite else
+                                             "limited" if "limited" in checks.values() else "verified")
+    section = {"denoiser_forwards": fwd, "expected_forwards": expected_forwards, "checks": checks,
                "attention": {"by_backend": by_backend, "layers": layers}, "linear": lin_entry, "kernels": kernels}
     if cache is not None:
         section["cache"] = cache["section"]
@@ -238,6 +239,17 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         "verdict": verdict,
         "mismatches": mismatches,
     }
+
+
+def forward_count_check(forwards: int, expected: Optional[int], rule: bool) -> str:
+    """The forward-count check's status: ``limited`` when the engine has no forward rule (``model.adapter=diffusers``
+    on a pipeline no family describes: the count cannot be checked, so it is never ``verified``); ``not_checked``
+    when a pipeline call raised part-way (the total is not predictable); else ``verified`` or ``mismatch``."""
+    if not rule:
+        return "limited"
+    if expected is None:
+        return "not_checked"
+    return "verified" if forwards == expected else "mismatch"
 
 
 def _moe_calls(stage: str, moe: Dict[str, Any], fwd: int, observing: bool, mismatches: List[str]) -> Dict[str, Any]:
