@@ -140,87 +140,18 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
     fwd = denoiser.forwards
     if expected_forwards is not None and fwd != expected_forwards:
         mismatches.append(f"stage {stage}: the denoiser ran {fwd} forwards, expected {expected_forwards}")
-    layers = []
-    by_backend: Dict[str, int] = {}
     observing = probes.get("observed", True)
-    for site in probes["attention"]:
-        by_backend[site.resolved] = by_backend.get(site.resolved, 0) + 1
-        if not observing:  # compiled: per-call counters do not run; kernel evidence below
-            layers.append({"role": site.role, "layer": site.layer, "resolved": site.resolved, "calls": None,
-                           "observed": None, "ok": None})
-            continue
-        observed = dict(site.observed)
-        calls = sum(observed.values())
-        runs = (cache or {}).get("attention_runs", {}).get(site.layer, fwd)  # forwards in which it computed
-        ok = set(observed) <= {site.resolved} and calls == runs
-        if not ok:
-            other = {k: v for k, v in observed.items() if k != site.resolved}
-            ran = ", ".join(f"{k} x{v}" for k, v in other.items()) if other else "nothing else"
-            where = f"{fwd} forwards" if runs == fwd else f"the {runs} of {fwd} forwards in which it computed"
-            mismatches.append(f"stage {stage}, role {site.role}, layer {site.layer}: resolved {site.resolved}, "
-                              f"observed {observed.get(site.resolved, 0)} calls of it in {where}; ran "
-                              f"instead: {ran}")
-        layers.append({"role": site.role, "layer": site.layer, "resolved": site.resolved, "calls": calls,
-                       "observed": observed, "ok": ok})
+    layers, by_backend = _attention_calls(stage, probes["attention"], observing, fwd, cache, mismatches)
     lin = probes["linear"]
-    lin_entry = {"resolved": lin.resolved, "modules": lin.modules, "observed": dict(lin.observed),
-                 "skipped_modules": len(lin.skipped)}
     full = cache["forwards_computed"] if cache is not None else fwd  # forwards in which every module ran
-    if getattr(lin, "excluded", None):
-        lin_entry["moe_owned_modules"] = len(lin.excluded)
-    if observing and lin.observed.get(lin.resolved, 0) < lin.modules * full:
-        mismatches.append(f"stage {stage}, linear: resolved {lin.resolved} on {lin.modules} modules, observed "
-                          f"{lin.observed.get(lin.resolved, 0)} calls in {fwd} forwards"
-                          + (f" ({full} fully computed)" if cache is not None else "") + f" ({lin.observed})")
-    if lin.resolved == "TORCH" and any(k != "TORCH" for k in lin.observed):
-        mismatches.append(f"stage {stage}, linear: resolved TORCH, observed {lin.observed}")
+    lin_entry = _linear_calls(stage, lin, observing, fwd, full, cache is not None, mismatches)
     moe = probes.get("moe")
     moe_entry = _moe_calls(stage, moe, full, observing, mismatches) if moe is not None else None
     kernels: Dict[str, Any] = {"profiled": trace is not None}
     if trace is not None:
-        matched = {}
-        launches = {}
-        for b, n_sites in by_backend.items():
-            sig = reg.signature("attention", b)
-            names = trace.match(sig or r"$^")
-            matched[b] = names
-            launches[b] = trace.calls(names)
-            if not names:
-                mismatches.append(f"stage {stage}, attention: no profiled kernel matches {b}'s signature "
-                                  f"/{sig}/")
-            elif len(by_backend) == 1 and launches[b] < n_sites:
-                mismatches.append(f"stage {stage}, attention: {b} kernels launched {launches[b]} times in the profiled "
-                                  f"forward, but {n_sites} call sites resolved to it")
-        attn_names = {n for names in matched.values() for n in names}  # an FP8 attention's kernels are not GEMMs
-        lin_names = [n for n in trace.match(reg.signature("linear", lin.resolved) or r"$^") if n not in attn_names]
-        if not lin_names:
-            mismatches.append(f"stage {stage}, linear: no profiled kernel matches {lin.resolved}")
-        fp8 = reg.signature("linear", "FP8")
-        fp8_ran = [n for n in trace.match(fp8) if n not in attn_names] if fp8 else []
-        if lin.resolved == "TORCH" and fp8_ran:
-            mismatches.append(f"stage {stage}, linear: resolved TORCH but FP8 GEMMs ran: {fp8_ran}")
-        if moe is not None and moe["sites"]:
-            kernels["moe"] = _moe_kernels(stage, moe["resolved"], trace, mismatches)
-        top = sorted(trace.kernels.items(), key=lambda kv: -kv[1])[:40]
-        by_ms = sorted(trace.kernel_ms.items(), key=lambda kv: -kv[1])[:25]
-        if by_ms:  # where the profiled step's device time went (a target missed says why from this)
-            kernels["device_ms_total"] = round(sum(trace.kernel_ms.values()), 3)
-            kernels["top_device_ms"] = {k[:160]: round(v, 3) for k, v in by_ms}
-        kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
-                       top_device_kernels=dict(top),
-                       device_kernels=len(trace.kernels), ops=len(trace.ops))
+        kernels.update(_kernel_calls(stage, trace, by_backend, lin.resolved, moe, mismatches))
         if collectives:
-            seen: Dict[str, Any] = {}
-            for kind, (regex, least) in collectives.items():
-                names = trace.match(regex)
-                calls = trace.calls(names)
-                seen[kind] = {"names": {n: trace.kernels.get(n, 0) or trace.ops.get(n, 0) for n in names},
-                              "calls": calls, "expected_at_least": least}
-                if calls < least:
-                    mismatches.append(f"stage {stage}, context parallelism: {calls} {kind} collective calls in the "
-                                      f"profiled forward, expected at least {least} (matching /{regex}/); the "
-                                      "sequence was not split and exchanged as configured")
-            kernels["collectives"] = seen
+            kernels["collectives"] = _collective_calls(stage, trace, collectives, mismatches)
     if cache is not None:
         mismatches += list(cache.get("mismatches") or [])
     checks = {"forward_count": forward_count_check(fwd, expected_forwards, forward_rule)}
@@ -239,6 +170,106 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         "verdict": verdict,
         "mismatches": mismatches,
     }
+
+
+def _attention_calls(stage: str, sites: Any, observing: bool, fwd: int, cache: Optional[Dict[str, Any]],
+                     mismatches: List[str]) -> Tuple[List[Dict[str, Any]], Dict[str, int]]:
+    """Per attention call site: the backend calls observed against once per forward in which it computed
+    (mismatches appended); returns ``(layers, call sites per resolved backend)``."""
+    layers = []
+    by_backend: Dict[str, int] = {}
+    for site in sites:
+        by_backend[site.resolved] = by_backend.get(site.resolved, 0) + 1
+        if not observing:  # compiled: per-call counters do not run; kernel evidence below
+            layers.append({"role": site.role, "layer": site.layer, "resolved": site.resolved, "calls": None,
+                           "observed": None, "ok": None})
+            continue
+        observed = dict(site.observed)
+        calls = sum(observed.values())
+        runs = (cache or {}).get("attention_runs", {}).get(site.layer, fwd)  # forwards in which it computed
+        ok = set(observed) <= {site.resolved} and calls == runs
+        if not ok:
+            other = {k: v for k, v in observed.items() if k != site.resolved}
+            ran = ", ".join(f"{k} x{v}" for k, v in other.items()) if other else "nothing else"
+            where = f"{fwd} forwards" if runs == fwd else f"the {runs} of {fwd} forwards in which it computed"
+            mismatches.append(f"stage {stage}, role {site.role}, layer {site.layer}: resolved {site.resolved}, "
+                              f"observed {observed.get(site.resolved, 0)} calls of it in {where}; ran "
+                              f"instead: {ran}")
+        layers.append({"role": site.role, "layer": site.layer, "resolved": site.resolved, "calls": calls,
+                       "observed": observed, "ok": ok})
+    return layers, by_backend
+
+
+def _linear_calls(stage: str, lin: Any, observing: bool, fwd: int, full: int, cached: bool,
+                  mismatches: List[str]) -> Dict[str, Any]:
+    """The linear entry: calls of the resolved backend, at least one per module per fully computed forward
+    (mismatches appended)."""
+    lin_entry = {"resolved": lin.resolved, "modules": lin.modules, "observed": dict(lin.observed),
+                 "skipped_modules": len(lin.skipped)}
+    if getattr(lin, "excluded", None):
+        lin_entry["moe_owned_modules"] = len(lin.excluded)
+    if observing and lin.observed.get(lin.resolved, 0) < lin.modules * full:
+        mismatches.append(f"stage {stage}, linear: resolved {lin.resolved} on {lin.modules} modules, observed "
+                          f"{lin.observed.get(lin.resolved, 0)} calls in {fwd} forwards"
+                          + (f" ({full} fully computed)" if cached else "") + f" ({lin.observed})")
+    if lin.resolved == "TORCH" and any(k != "TORCH" for k in lin.observed):
+        mismatches.append(f"stage {stage}, linear: resolved TORCH, observed {lin.observed}")
+    return lin_entry
+
+
+def _kernel_calls(stage: str, trace: KernelTrace, by_backend: Dict[str, int], lin_resolved: str, moe: Any,
+                  mismatches: List[str]) -> Dict[str, Any]:
+    """The profiled forward's kernels against each selected backend's signature (mismatches appended)."""
+    kernels: Dict[str, Any] = {}
+    matched = {}
+    launches = {}
+    for b, n_sites in by_backend.items():
+        sig = reg.signature("attention", b)
+        names = trace.match(sig or r"$^")
+        matched[b] = names
+        launches[b] = trace.calls(names)
+        if not names:
+            mismatches.append(f"stage {stage}, attention: no profiled kernel matches {b}'s signature "
+                              f"/{sig}/")
+        elif len(by_backend) == 1 and launches[b] < n_sites:
+            mismatches.append(f"stage {stage}, attention: {b} kernels launched {launches[b]} times in the profiled "
+                              f"forward, but {n_sites} call sites resolved to it")
+    attn_names = {n for names in matched.values() for n in names}  # an FP8 attention's kernels are not GEMMs
+    lin_names = [n for n in trace.match(reg.signature("linear", lin_resolved) or r"$^") if n not in attn_names]
+    if not lin_names:
+        mismatches.append(f"stage {stage}, linear: no profiled kernel matches {lin_resolved}")
+    fp8 = reg.signature("linear", "FP8")
+    fp8_ran = [n for n in trace.match(fp8) if n not in attn_names] if fp8 else []
+    if lin_resolved == "TORCH" and fp8_ran:
+        mismatches.append(f"stage {stage}, linear: resolved TORCH but FP8 GEMMs ran: {fp8_ran}")
+    if moe is not None and moe["sites"]:
+        kernels["moe"] = _moe_kernels(stage, moe["resolved"], trace, mismatches)
+    top = sorted(trace.kernels.items(), key=lambda kv: -kv[1])[:40]
+    by_ms = sorted(trace.kernel_ms.items(), key=lambda kv: -kv[1])[:25]
+    if by_ms:  # where the profiled step's device time went (a target missed says why from this)
+        kernels["device_ms_total"] = round(sum(trace.kernel_ms.values()), 3)
+        kernels["top_device_ms"] = {k[:160]: round(v, 3) for k, v in by_ms}
+    kernels.update(attention=matched, attention_launches=launches, linear={lin_resolved: lin_names},
+                   top_device_kernels=dict(top),
+                   device_kernels=len(trace.kernels), ops=len(trace.ops))
+    return kernels
+
+
+def _collective_calls(stage: str, trace: KernelTrace, collectives: Dict[str, Tuple[str, int]],
+                      mismatches: List[str]) -> Dict[str, Any]:
+    """Context parallelism's collectives in the profiled forward: at least the expected calls of each kind
+    (mismatches appended)."""
+    seen: Dict[str, Any] = {}
+    for kind, (regex, least) in collectives.items():
+        names = trace.match(regex)
+        calls = trace.calls(names)
+        seen[kind] = {"names": {n: trace.kernels.get(n, 0) or trace.ops.get(n, 0) for n in names},
+                      "calls": calls, "expected_at_least": least}
+        if calls < least:
+            mismatches.append(f"stage {stage}, context parallelism: {calls} {kind} collective calls in the "
+                              f"profiled forward, expected at least {least} (matching /{regex}/); the "
+                              "sequence was not split and exchanged as configured")
+    return seen
 
 
 def forward_count_check(forwards: int, expected: Optional[int], rule: bool) -> str:
