@@ -12,8 +12,8 @@ the rules the pipeline applies silently (forwards per step under guidance, seque
 multiples, frame counts), so the runner refuses what the pipeline would change and counts what it must run.
 
 ``model.adapter=diffusers`` serves a snapshot of a pipeline no family describes: the pipeline class comes from
-its ``model_index.json``; forward counts are then not predicted (the evidence still requires every attention
-call site to have run).
+its ``model_index.json``; forward counts are then not predicted: the evidence records the forward-count check as
+``limited`` (never ``verified``) and still requires every attention call site to have run.
 """
 
 from __future__ import annotations
@@ -123,6 +123,28 @@ def module_dispatches(cls: type) -> bool:
     return False
 
 
+def fuse_qkv(transformer: torch.nn.Module) -> int:
+    """diffusers' ``fuse_projections`` on every attention module of ``transformer`` that supports it, deleting the
+    unfused Linears each fused one replaces (their weights freed, linear evidence exact); returns the modules fused."""
+    from diffusers.models.attention import AttentionModuleMixin
+
+    covers = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
+              "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_kv": ("add_k_proj", "add_v_proj")}
+    n = 0
+    for _, mod in attention_modules(transformer):
+        if not (isinstance(mod, AttentionModuleMixin) and getattr(mod, "_supports_qkv_fusion", False)
+                and not getattr(mod, "fused_projections", False)):
+            continue
+        mod.fuse_projections()
+        for fused, names in covers.items():
+            if getattr(mod, fused, None) is not None:
+                for name in names:
+                    if getattr(mod, name, None) is not None:
+                        delattr(mod, name)
+        n += 1
+    return n
+
+
 def family_names() -> List[str]:
     """The registered diffusion families (:func:`models.registry.family_names`), for messages."""
     from models.registry import family_names as names
@@ -142,9 +164,11 @@ def attention_modules(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Mo
 
 
 class PipelineEngine(DiffusersEngine):
-    """A diffusion stage on a diffusers pipeline (engine ``diffusers``; families subclass it).
+    """A diffusion stage on a diffusers pipeline (engine ``diffusers``); one engine drives every family spec.
 
-    Family declarations (class attributes):
+    A family is a :class:`models.family.FamilySpec` (``spec``, registered in :data:`models.registry.FAMILIES`);
+    :func:`models.registry.spec_engine` gives it this class (or the family's own subclass, where behaviour really
+    differs), whose class attributes below are then taken from the spec (``__init_subclass__``):
 
     * ``pipeline_class``: the diffusers pipeline class (None: the snapshot's ``model_index.json`` decides);
     * ``components``: ``{component: (library, model class, config class or None)}`` built in this order from
@@ -723,26 +747,9 @@ class PipelineEngine(DiffusersEngine):
         Returns:
             What was applied, for the manifest: ``{"fuse_qkv": {"modules": n} | False, "vae_channels_last": bool}``.
         """
-        from diffusers.models.attention import AttentionModuleMixin
-
-        covers = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
-                  "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
-                  "to_added_kv": ("add_k_proj", "add_v_proj")}
         applied: Dict[str, Any] = {"fuse_qkv": False, "vae_channels_last": False}
         if opts.fuse_qkv:
-            n = 0
-            for _, mod in attention_modules(self.pipe.transformer):
-                if not (isinstance(mod, AttentionModuleMixin) and mod._supports_qkv_fusion
-                        and not getattr(mod, "fused_projections", False)):
-                    continue
-                mod.fuse_projections()
-                for fused, names in covers.items():
-                    if getattr(mod, fused, None) is not None:
-                        for name in names:
-                            if getattr(mod, name, None) is not None:
-                                delattr(mod, name)
-                n += 1
-            applied["fuse_qkv"] = {"modules": n}
+            applied["fuse_qkv"] = {"modules": fuse_qkv(self.pipe.transformer)}
         if opts.vae_channels_last:
             self.pipe.vae.to(memory_format=torch.channels_last)
             applied["vae_channels_last"] = True
