@@ -52,7 +52,8 @@ def temporal_downsample_scale(vae: Mapping[str, Any], transformer: Mapping[str, 
 def spatial_scale(vae: Mapping[str, Any], transformer: Mapping[str, Any], patch: int) -> int:
     """``scale_factor_spatial * patch``: WanPipeline's ``vae_scale_factor_spatial = vae.config.scale_factor_spatial``
     (``AutoencoderKLWan``'s default 8 when the config lacks it; a Wan 2.2-style VAE says 16)."""
-    return int(vae.get("scale_factor_spatial") or signature_default("AutoencoderKLWan", "scale_factor_spatial", 8)) * patch
+    factor = vae.get("scale_factor_spatial") or signature_default("AutoencoderKLWan", "scale_factor_spatial", 8)
+    return int(factor) * patch
 
 
 def signature_default(cls_name: str, param: str, fallback: Any) -> Any:

@@ -344,8 +344,8 @@ class HiDreamEngine(PipelineEngine):
 
     # ------------------------------------------------------------------------------------------ rows, calls
     def load_pipeline(self) -> None:
-        """The generic loading (the spec's truncation-warning filter included), with transformers' notice that SDPA returns no attention maps (the pipeline asks Llama for them and does not use
-        them)."""
+        """The generic loading (the spec's truncation-warning filter included), with transformers' notice that
+        SDPA returns no attention maps filtered (the pipeline asks Llama for them and does not use them)."""
         logger = logging.getLogger("transformers.integrations.sdpa_attention")
         if not any(isinstance(f, _NoAttentionMapsNotice) for f in logger.filters):
             logger.addFilter(_NoAttentionMapsNotice())

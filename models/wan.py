@@ -66,7 +66,8 @@ class WanEngine(PipelineEngine):
         """The VAE's temporal compression as WanPipeline reads it: ``vae.config.scale_factor_temporal``
         (``AutoencoderKLWan``'s default 4 when the config lacks it)."""
         vae = self.component_config("vae")
-        return int(vae.get("scale_factor_temporal") or signature_default("AutoencoderKLWan", "scale_factor_temporal", 4))
+        factor = vae.get("scale_factor_temporal") or signature_default("AutoencoderKLWan", "scale_factor_temporal", 4)
+        return int(factor)
 
     def context_tokens(self, row: Any) -> Dict[str, int]:
         """What ``WanTransformer3DModel._cp_plan`` splits: the video tokens (latent frames x (height / 16) x (width /

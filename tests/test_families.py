@@ -377,7 +377,7 @@ def test_second_job_takes_weight_digests_from_the_cache(run_job, tiny_snapshot):
     assert a.manifest["model"]["source"]["files"] == b.manifest["model"]["source"]["files"]
 
 
-@pytest.mark.parametrize("model", ["tiny_flux", "tiny_sd3", "tiny_qwen_image", "tiny_wan", "tiny_hidream"])
+@pytest.mark.parametrize("model", [f"tiny_{name}" for name in family_names()])
 def test_meta_build_leaves_no_library_tensor_on_meta(model, tmp_path):
     """The memory check builds the architecture on the meta device; classes imported lazily inside that device
     context created their module-level tensors on meta (diffusers' ``mag_cache.FLUX_MAG_RATIOS``), which broke every
