@@ -460,7 +460,8 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
     from omegaconf import OmegaConf
 
     from kernels import attention as attn_mod
-    from models.flux import FluxEngine, build_components
+    from models.flux import build_components
+    from models.pipelines import fuse_qkv
     from runner.core.platform import detect
 
     free(device)
@@ -559,9 +560,7 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
     res["text_encode_x4_batched_ms_per_prompt"] = round(time_fn(lambda: enc(4)) / 4, 2)
     # fused QKV alone (eager), then compile alone (on the fused model: compile is measured on top of it, both
     # alone vs eager fused, and combined with cuDNN)
-    adapter = FluxEngine.__new__(FluxEngine)  # only its optimize() on this pipe
-    adapter.pipe = pipe
-    adapter.optimize(OmegaConf.create({"fuse_qkv": True, "vae_channels_last": False}))
+    fuse_qkv(pipe.transformer)  # what optimize.fuse_qkv applies
     kw_fused = kw1
     record("eager_fused_qkv", time_fn(fwd(kw_fused)))
     pipe.transformer.compile_repeated_blocks(fullgraph=False, dynamic=False)

@@ -96,7 +96,7 @@ def block_checks(smoke: bool, tokens: int, iters: int) -> Dict[str, Any]:
 def runner_runs(smoke: bool, out: Path) -> List[Dict[str, Any]]:
     """Part 2: the runner's own loop with each MoE backend; evidence must be verified."""
     from runner.app.execute import run
-    from runner.core.evidence import EvidenceError
+    from runner.core.errors import EvidenceError
 
     base = (["model=tiny_hidream", "platform=cpu"] if smoke else
             ["model=hidream", "model.load_format=dummy", "platform=cuda", "+model.architecture.dummy_weight_scale=0.05"])

@@ -65,7 +65,7 @@ GROUPS: Dict[str, Dict[str, Any]] = {
         "tests": ["tests/test_backends.py", "tests/test_registry_requirements.py"]},
     # evidence: the verdict and each of its mismatch branches, the forward counter
     "evidence": {
-        "scope": {"runner/core/evidence.py": ["KernelTrace.match", "KernelTrace.calls", "DenoiserProbe._pre",
+        "scope": {"models/denoiser_evidence.py": ["KernelTrace.match", "KernelTrace.calls", "DenoiserProbe._pre",
                                          "DenoiserProbe._post", "build", "_moe_calls", "_moe_kernels"]},
         "tests": ["tests/test_evidence_verdict.py"]},
     # resume: the semantic keys, the identity and which finished items are reused

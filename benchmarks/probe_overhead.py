@@ -31,7 +31,7 @@ def main() -> None:
     import hydra
     import torch
 
-    from runner.core.evidence import DenoiserProbe
+    from models.denoiser_evidence import DenoiserProbe
     from runner.app.checks import resolve_dtype
     from runner.app.stages import build_engines
     from runner.core.platform import detect

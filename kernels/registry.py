@@ -300,7 +300,7 @@ class Backend:
         vllm: vLLM's name of the same implementation for AR stages (``FLASHINFER_ATTN`` -> ``FLASHINFER``,
             linear ``TORCH`` -> ``torch``); None: no vLLM equivalent.
         signature: regex over profiled names (aten op names on CPU, device kernel names on GPUs) that this
-            backend's execution leaves in a ``torch.profiler`` trace (``runner.core.evidence``); None: none known.
+            backend's execution leaves in a ``torch.profiler`` trace (``models.denoiser_evidence``); None: none known.
         vllm_signature: regex over the device kernel names that vLLM's implementation of the same backend launches
             (AR stages on a GPU, ``models.vllm.observation``); None: :attr:`signature` serves. vLLM's kernels are its own
             builds, not the packages the diffusers wiring calls (FLASH_ATTN: vLLM 0.24's ``vllm_flash_attn`` FA3

@@ -17,7 +17,7 @@ import torch
 
 from models.base import EngineBase, ImageOutput, StageContext, StageResult, VideoOutput
 from runner.core import dataset as ds
-from runner.core import evidence
+from models import denoiser_evidence as evidence
 from runner.core.errors import ConfigValueError, UserInputError
 
 
@@ -685,8 +685,6 @@ class DiffusersEngine(EngineBase):
         Returns:
             Manifest sections to add: ``model`` (source and ``load_s``) and ``optimize`` (what was applied).
         """
-        from kernels import attention, linear
-
         cfg = self.ctx.run
         compile_mode = cfg.compile
         det = compile_mode != "none" and bool(cfg.optimize.deterministic_compile)
@@ -696,46 +694,86 @@ class DiffusersEngine(EngineBase):
         self.load_s = time.perf_counter() - t0
         sections: Dict[str, Any] = {"model": {"load_s": round(self.load_s, 3)},
                                     "optimize": self.optimize(cfg.optimize)}
-        observe = bool(cfg.evidence.enabled) and compile_mode == "none"
-        sites = attention.install(self.stage, self.attention_sites(), self.resolutions["attention"].selected,
-                                  self.ctx.plat.sm, observe=observe)
-        moe_probe, owned = None, ()
-        if "moe" in self.backend_fields:  # before linear: the routed experts' Linears belong to the MoE backend
-            from kernels import moe
+        self.observe = bool(cfg.evidence.enabled) and compile_mode == "none"
+        self.probes = {"observed": self.observe}
+        for name in self.INSTALL_PASSES:
+            getattr(self, f"install_{name}")(sections)
+        self._on_loaded = on_loaded
+        return sections
 
-            blocks, layout = list(self.moe_blocks()), self.moe_layout()
-            moe_probe = {"resolved": self.resolutions["moe"].selected,
-                         "sites": moe.install(blocks, layout, self.resolutions["moe"].selected, observe=observe)}
-            owned = tuple(f"{name}.{p}" for name, b in blocks for p in layout.expert_linears(b))
-        lin = linear.install(self.denoiser, self.resolutions["linear"].selected, prefixes=self.fp8_prefixes,
-                             observe=observe, exclude=owned)
-        if self.parallel_config is not None:  # after the backends: diffusers checks each processor's
+    #: The install passes of :meth:`load`, in order (each ``install_<name>(sections)``): backends before context
+    #: parallelism (diffusers checks each processor's), the MoE backend before linear (the routed experts' Linears
+    #: belong to it), compile beneath the step cache's hooks when both are on (the hooks stay eager), the cache after
+    #: the backends (its hooks wrap the modules as they will run), regional compile last otherwise.
+    INSTALL_PASSES: ClassVar[Tuple[str, ...]] = ("attention", "moe", "linear", "context_parallel",
+                                                 "compile_under_cache", "cache", "compile")
+
+    def install_attention(self, sections: Dict[str, Any]) -> None:
+        """The attention backend on every call site, with its probes (``kernels.attention.install``)."""
+        from kernels import attention
+
+        self.probes["attention"] = attention.install(self.stage, self.attention_sites(),
+                                                     self.resolutions["attention"].selected, self.ctx.plat.sm,
+                                                     observe=self.observe)
+
+    def install_moe(self, sections: Dict[str, Any]) -> None:
+        """The MoE backend on every MoE block when the family has them (``kernels.moe.install``)."""
+        self.moe_owned: Tuple[str, ...] = ()
+        if "moe" not in self.backend_fields:
+            return
+        from kernels import moe
+
+        blocks, layout = list(self.moe_blocks()), self.moe_layout()
+        self.probes["moe"] = {"resolved": self.resolutions["moe"].selected,
+                              "sites": moe.install(blocks, layout, self.resolutions["moe"].selected,
+                                                   observe=self.observe)}
+        self.moe_owned = tuple(f"{name}.{p}" for name, b in blocks for p in layout.expert_linears(b))
+
+    def install_linear(self, sections: Dict[str, Any]) -> None:
+        """The linear backend on the denoiser's blocks, except the MoE backend's Linears (``kernels.linear``)."""
+        from kernels import linear
+
+        self.probes["linear"] = linear.install(self.denoiser, self.resolutions["linear"].selected,
+                                               prefixes=self.fp8_prefixes, observe=self.observe,
+                                               exclude=self.moe_owned)
+
+    def install_context_parallel(self, sections: Dict[str, Any]) -> None:
+        """Diffusers' context parallelism on the denoiser under ``parallelism=ulysses|ring``."""
+        if self.parallel_config is not None:
             from models.context_parallel import enable
 
             sections["context_parallel"] = enable(self.denoiser, self.parallel_config)
-        under_hooks = compile_mode == "regional" and self.cache_settings is not None
-        if under_hooks:  # compiled beneath the cache's hooks, which stay eager (models.cache: block-level methods)
-            if cfg.optimize.compile_cache:
-                self.open_compile_cache()
-            self.regions = compile_blocks_under_hooks(self.denoiser, str(cfg.optimize.compile_mode))
-        if self.cache_settings is not None:  # after the backends: its hooks wrap the modules as they will run
-            from models import cache as step_cache
 
-            self.step_cache = step_cache.StepCache(self.denoiser, self.cache_settings,
-                                                   [(layer, mod) for _, layer, mod in self.attention_sites()],
-                                                   compiled=under_hooks)
-            sections["cache"] = {**self.cache_settings.to_dict(), "lossy": True,
-                                 "blocks": len(self.step_cache.probe.blocks),
-                                 "attention_modules": len(self.step_cache.probe.attention)}
-        if compile_mode == "regional" and not under_hooks:
-            if cfg.optimize.compile_cache:
+    def compiles_under_cache(self) -> bool:
+        """``compile=regional`` with a step cache: blocks compiled beneath the cache's hooks."""
+        return self.ctx.cfg.compile == "regional" and self.cache_settings is not None
+
+    def install_compile_under_cache(self, sections: Dict[str, Any]) -> None:
+        """Regional compile beneath the step cache's hooks, which stay eager (``models.cache``: block-level)."""
+        if self.compiles_under_cache():
+            if self.ctx.cfg.optimize.compile_cache:
                 self.open_compile_cache()
-            self.regions = compile_regional(self.denoiser, str(cfg.optimize.compile_mode))
-        self.probes = {"attention": sites, "linear": lin, "observed": observe}
-        if moe_probe is not None:
-            self.probes["moe"] = moe_probe
-        self._on_loaded = on_loaded
-        return sections
+            self.regions = compile_blocks_under_hooks(self.denoiser, str(self.ctx.cfg.optimize.compile_mode))
+
+    def install_cache(self, sections: Dict[str, Any]) -> None:
+        """The step cache (``cache.*``, :class:`models.cache.StepCache`) on the denoiser."""
+        if self.cache_settings is None:
+            return
+        from models import cache as step_cache
+
+        self.step_cache = step_cache.StepCache(self.denoiser, self.cache_settings,
+                                               [(layer, mod) for _, layer, mod in self.attention_sites()],
+                                               compiled=self.compiles_under_cache())
+        sections["cache"] = {**self.cache_settings.to_dict(), "lossy": True,
+                             "blocks": len(self.step_cache.probe.blocks),
+                             "attention_modules": len(self.step_cache.probe.attention)}
+
+    def install_compile(self, sections: Dict[str, Any]) -> None:
+        """Regional compile of the denoiser's repeated blocks (without a step cache)."""
+        if self.ctx.cfg.compile == "regional" and not self.compiles_under_cache():
+            if self.ctx.cfg.optimize.compile_cache:
+                self.open_compile_cache()
+            self.regions = compile_regional(self.denoiser, str(self.ctx.cfg.optimize.compile_mode))
 
     def open_compile_cache(self) -> None:
         """Point torch's compile caches at ``<cache_dir>/compile/<key>`` for this stage (``models.compile_cache``),
@@ -854,7 +892,7 @@ class DiffusersEngine(EngineBase):
 
     # -------------------------------------------------------------------------------------------- 6. evidence
     def evidence(self, result: StageResult) -> Tuple[Dict[str, Any], List[str]]:
-        """The stage's evidence (``runner.core.evidence.build``): attention call sites and linear layers observed,
+        """The stage's evidence (``models.denoiser_evidence.build``): attention call sites and linear layers observed,
         denoiser forwards against :meth:`expected_forwards`, profiled kernels against each backend's signature.
 
         Returns:
@@ -872,8 +910,13 @@ class DiffusersEngine(EngineBase):
                                     sum(1 for site in self.probes["attention"] if self.splits_attention(site.layer)))
         ev = evidence.build(self.stage, self.probes, self.probe, None if self.raised else self.want_forwards,
                             finite=result.nonfinite == 0, device=self.device, cache=cache,
-                            collectives={k: (COLLECTIVES[k], n) for k, n in want.items()} if want else None)
+                            collectives={k: (COLLECTIVES[k], n) for k, n in want.items()} if want else None,
+                            forward_rule=self.has_forward_rule())
         return ev["stages"][self.stage], list(ev["mismatches"])
+
+    def has_forward_rule(self) -> bool:
+        """The engine predicts its denoiser forwards (:meth:`expected_forwards`); True unless a subclass says not."""
+        return True
 
     def timing_phases(self, generate_s: float) -> Dict[str, float]:
         """Seconds per pipeline phase (text encoding, VAE decoding; denoising is the rest of ``generate_s``)."""

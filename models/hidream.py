@@ -41,15 +41,15 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from kernels.moe import ExpertsLayout
-from models.flux import quiet_truncation_warnings
+from models.family import FamilySpec, block_out_scale
 from models.pipelines import ModelPathError, PipelineEngine
-from runner.core.dataset import DatasetError, Item, Row
+from runner.core.dataset import DatasetError, Row
 from runner.core.errors import ConfigValueError
 
 #: ``HiDreamImagePipeline.__init__``: ``self.default_sample_size = 128`` (latent pixels per side of the target area)
@@ -149,30 +149,36 @@ class HiDreamExperts(ExpertsLayout):
         return block.shared_experts(x)
 
 
+HIDREAM = FamilySpec(
+    name="hidream",
+    tasks={"text_to_image": "HiDreamImagePipeline"},
+    components={"transformer": ("diffusers", "HiDreamImageTransformer2DModel", None),
+                "vae": ("diffusers", "AutoencoderKL", None),
+                "text_encoder": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
+                "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
+                "text_encoder_3": ("transformers", "T5EncoderModel", "T5Config"),
+                "text_encoder_4": ("transformers", "LlamaForCausalLM", "LlamaConfig"),
+                "scheduler": ("diffusers", "UniPCMultistepScheduler", None)},
+    tokenizers={"tokenizer": ("clip", "clip_l", "text_encoder"), "tokenizer_2": ("clip", "clip_g", "text_encoder_2"),
+                "tokenizer_3": ("t5", "t5", "text_encoder_3"), "tokenizer_4": ("llama3", "llama3", "text_encoder_4")},
+    cfg="batched",  # guidance batches both branches into one forward (UniPC / flow-match Euler: one eval per step)
+    size_rule=block_out_scale, patch=2,  # 2 x vae_scale_factor: latents packed in 2x2 patches
+    quiet_loggers=("diffusers.pipelines.hidream_image.pipeline_hidream_image",),
+    max_sequence_length=None,  # HiDreamImagePipeline.check_inputs has none; see HiDreamEngine.sequence_limit
+    attention_processor="models.hidream:HiDreamDispatchAttnProcessor",
+    fp8_prefixes=("double_stream_blocks.", "single_stream_blocks."),
+    needs_mask=False,  # padding image tokens are masked by zeroing their keys, no attention mask
+    engine="models.hidream:HiDreamEngine",
+    guidance_hint="HiDream-I1-Full: 5.0",
+)
+
+
 class HiDreamEngine(PipelineEngine):
     """The HiDream-I1 family (engine ``hidream``): roles ``joint`` (dual-stream attention) and ``single``
     (single-stream attention); backend fields ``attention``, ``linear`` and ``moe`` (the latter only while the
     transformer has routed experts, ``num_routed_experts > 0``)."""
 
-    pipeline_class = "HiDreamImagePipeline"
-    components = {"transformer": ("diffusers", "HiDreamImageTransformer2DModel", None),
-                  "vae": ("diffusers", "AutoencoderKL", None),
-                  "text_encoder": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
-                  "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
-                  "text_encoder_3": ("transformers", "T5EncoderModel", "T5Config"),
-                  "text_encoder_4": ("transformers", "LlamaForCausalLM", "LlamaConfig"),
-                  "scheduler": ("diffusers", "UniPCMultistepScheduler", None)}
-    tokenizers_spec = {"tokenizer": ("clip", "clip_l", "text_encoder"),
-                       "tokenizer_2": ("clip", "clip_g", "text_encoder_2"),
-                       "tokenizer_3": ("t5", "t5", "text_encoder_3"),
-                       "tokenizer_4": ("llama3", "llama3", "text_encoder_4")}
-    max_sequence_length_limit = None  # HiDreamImagePipeline.check_inputs has none; see sequence_limit
-    fp8_prefixes = ("double_stream_blocks.", "single_stream_blocks.")
-    needs_mask = False  # padding image tokens are masked by zeroing their keys, no attention mask
-
-    @classmethod
-    def family(cls) -> str:
-        return "hidream"
+    spec = HIDREAM
 
     @property
     def backend_fields(self) -> Tuple[str, ...]:  # type: ignore[override]
@@ -183,17 +189,6 @@ class HiDreamEngine(PipelineEngine):
         return ("attention", "linear", "moe") if n > 0 else ("attention", "linear")
 
     # ------------------------------------------------------------------------------------------ attention
-    def dispatches(self) -> bool:
-        """True: :meth:`prepare_attention` routes every attention module through diffusers' dispatcher."""
-        return True
-
-    def prepare_attention(self) -> None:
-        """Install :class:`HiDreamDispatchAttnProcessor` on every attention module of the transformer."""
-        from models.pipelines import attention_modules
-
-        for _, mod in attention_modules(self.pipe.transformer):
-            mod.set_processor(HiDreamDispatchAttnProcessor())
-
     def attention_role(self, layer: str) -> str:
         """``single`` for the single-stream blocks' attention, else ``joint``; a model config listing one role uses
         it for both."""
@@ -239,11 +234,6 @@ class HiDreamEngine(PipelineEngine):
         """``2 ** (len(vae.block_out_channels) - 1)`` (HiDreamImagePipeline's ``vae_scale_factor``; 8 for the FLUX
         VAE)."""
         return 2 ** (len(self.component_config("vae").get("block_out_channels") or [0] * 4) - 1)
-
-    def size_need(self) -> int:
-        """``2 x vae_scale_factor``: the pipeline rounds sizes down to multiples of it (the latents are packed in 2x2
-        patches)."""
-        return 2 * self.vae_scale_factor()
 
     def pipeline_size(self, width: int, height: int) -> Tuple[int, int]:
         """The (width, height) in pixels HiDreamImagePipeline generates for a requested one: rescaled to the area
@@ -353,25 +343,10 @@ class HiDreamEngine(PipelineEngine):
                 '"PreTrainedTokenizerFast"])') from None
 
     # ------------------------------------------------------------------------------------------ rows, calls
-    def ignored_fields(self, rows: Any) -> Dict[str, Tuple[Any, ...]]:
-        """``negative_prompt`` in rows whose ``guidance_scale`` <= 1 (no classifier-free guidance there)."""
-        return {**super().ignored_fields(rows),
-                "negative_prompt": ("guidance_scale <= 1 turns classifier-free guidance off, and HiDreamImagePipeline "
-                                    "uses the negative prompt only with it",
-                                    "guidance_scale > 1 in that row (HiDream-I1-Full: 5.0)",
-                                    lambda r: r.guidance_scale is None or r.guidance_scale <= 1)}
-
     def load_pipeline(self) -> None:
-        """The generic loading, with diffusers' per-call truncation warning filtered (records carry the counts) and
-        transformers' notice that SDPA returns no attention maps (the pipeline asks Llama for them and does not use
-        them)."""
-        quiet_truncation_warnings("diffusers.pipelines.hidream_image.pipeline_hidream_image")
+        """The generic loading (the spec's truncation-warning filter included), with transformers' notice that
+        SDPA returns no attention maps filtered (the pipeline asks Llama for them and does not use them)."""
         logger = logging.getLogger("transformers.integrations.sdpa_attention")
         if not any(isinstance(f, _NoAttentionMapsNotice) for f in logger.filters):
             logger.addFilter(_NoAttentionMapsNotice())
         super().load_pipeline()
-
-    def expected_forwards(self, batch: List[Item]) -> int:
-        """One transformer forward per step (guidance batches both branches into one forward; UniPC and flow-match
-        Euler evaluate the model once per step)."""
-        return batch[0].row.num_inference_steps

@@ -12,8 +12,8 @@ the rules the pipeline applies silently (forwards per step under guidance, seque
 multiples, frame counts), so the runner refuses what the pipeline would change and counts what it must run.
 
 ``model.adapter=diffusers`` serves a snapshot of a pipeline no family describes: the pipeline class comes from
-its ``model_index.json``; forward counts are then not predicted (the evidence still requires every attention
-call site to have run).
+its ``model_index.json``; forward counts are then not predicted: the evidence records the forward-count check as
+``limited`` (never ``verified``) and still requires every attention call site to have run.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from models.diffusers_engine import DiffusersEngine
+from models.family import FamilySpec, forwards_per_step, negative_prompt_ignored, quiet_truncation_warnings
 from runner.core.dataset import BUILTIN_PROMPTS, Item, Row
 from runner.core.errors import ConfigValueError
 from runner.core.weights import ModelPathError  # the one class for a model.path that cannot be used (re-exported)
@@ -103,6 +104,54 @@ def uses_dispatcher(module: torch.nn.Module) -> bool:
         return False
 
 
+def module_dispatches(cls: type) -> bool:
+    """Diffusers model class ``cls`` calls diffusers' ``dispatch_attention_fn``: its module's source does, or that of
+    a diffusers module it imports an attention class from (Chroma's ``FluxAttention`` from ``transformer_flux``)."""
+    import sys
+
+    from diffusers.models.attention import AttentionModuleMixin
+
+    mod = sys.modules[cls.__module__]
+    sources = {mod} | {sys.modules[v.__module__] for v in vars(mod).values() if isinstance(v, type)
+                       and issubclass(v, AttentionModuleMixin) and v.__module__.startswith("diffusers.")}
+    for m in sources:
+        try:
+            if "dispatch_attention_fn" in inspect.getsource(m):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def fuse_qkv(transformer: torch.nn.Module) -> int:
+    """diffusers' ``fuse_projections`` on every attention module of ``transformer`` that supports it, deleting the
+    unfused Linears each fused one replaces (their weights freed, linear evidence exact); returns the modules fused."""
+    from diffusers.models.attention import AttentionModuleMixin
+
+    covers = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
+              "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_kv": ("add_k_proj", "add_v_proj")}
+    n = 0
+    for _, mod in attention_modules(transformer):
+        if not (isinstance(mod, AttentionModuleMixin) and getattr(mod, "_supports_qkv_fusion", False)
+                and not getattr(mod, "fused_projections", False)):
+            continue
+        mod.fuse_projections()
+        for fused, names in covers.items():
+            if getattr(mod, fused, None) is not None:
+                for name in names:
+                    if getattr(mod, name, None) is not None:
+                        delattr(mod, name)
+        n += 1
+    return n
+
+
+def family_names() -> List[str]:
+    """The registered diffusion families (:func:`models.registry.family_names`), for messages."""
+    from models.registry import family_names as names
+
+    return names()
+
+
 def attention_modules(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]]:
     """``(name, module)`` of every attention module of a diffusers model: ``AttentionModuleMixin`` (the dispatcher
     era) and the older ``attention_processor.Attention`` (SD3, PixArt...)."""
@@ -115,9 +164,11 @@ def attention_modules(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Mo
 
 
 class PipelineEngine(DiffusersEngine):
-    """A diffusion stage on a diffusers pipeline (engine ``diffusers``; families subclass it).
+    """A diffusion stage on a diffusers pipeline (engine ``diffusers``); one engine drives every family spec.
 
-    Family declarations (class attributes):
+    A family is a :class:`models.family.FamilySpec` (``spec``, registered in :data:`models.registry.FAMILIES`);
+    :func:`models.registry.spec_engine` gives it this class (or the family's own subclass, where behaviour really
+    differs), whose class attributes below are then taken from the spec (``__init_subclass__``):
 
     * ``pipeline_class``: the diffusers pipeline class (None: the snapshot's ``model_index.json`` decides);
     * ``components``: ``{component: (library, model class, config class or None)}`` built in this order from
@@ -130,6 +181,7 @@ class PipelineEngine(DiffusersEngine):
     * ``video``: the pipeline returns ``frames`` (batch, frames, H, W, C) instead of ``images``.
     """
 
+    spec: ClassVar[Optional[FamilySpec]] = None
     pipeline_class: ClassVar[Optional[str]] = None
     components: ClassVar[Dict[str, Tuple[str, str, Optional[str]]]] = {}
     tokenizers_spec: ClassVar[Dict[str, Tuple[str, str, str]]] = {}
@@ -137,6 +189,21 @@ class PipelineEngine(DiffusersEngine):
     video: ClassVar[bool] = False
     arch_other: ClassVar[Dict[str, Any]] = {"weights_seed": None, "dummy_weight_scale": None,
                                             "tokenizer": ("corpus", "vocab_size", "clip_max_length")}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass declaring ``spec`` (:class:`models.family.FamilySpec`) takes its class attributes from it."""
+        super().__init_subclass__(**kwargs)
+        spec = cls.__dict__.get("spec")
+        if spec is None:
+            return
+        cls.pipeline_class, cls.video = spec.pipeline_class, spec.video
+        cls.components, cls.tokenizers_spec = dict(spec.components), dict(spec.tokenizers)
+        cls.max_sequence_length_limit = spec.max_sequence_length
+        cls.needs_mask, cls.fp8_prefixes = spec.needs_mask, spec.fp8_prefixes
+        if "backend_fields" not in cls.__dict__:
+            cls.backend_fields = spec.backend_fields
+        if spec.video:
+            cls.output = cls.unit = "video"
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
@@ -147,8 +214,8 @@ class PipelineEngine(DiffusersEngine):
     # ----------------------------------------------------------------------------------------------- family
     @classmethod
     def family(cls) -> str:
-        """The family's name (the ``model.adapter`` it is registered under)."""
-        return cls.__name__.replace("Engine", "").lower() or "diffusers"
+        """The family's name (the ``model.adapter`` it is registered under; ``diffusers`` without a spec)."""
+        return cls.spec.name if cls.spec is not None else "diffusers"
 
     def pipeline_name(self) -> str:
         """The diffusers pipeline class this stage loads: the family's, else the snapshot's ``_class_name``."""
@@ -158,7 +225,7 @@ class PipelineEngine(DiffusersEngine):
             return str(read_index(Path(self.source["path"])).get("_class_name"))
         raise ModelPathError(f"model={self.cfg.name} (model.adapter=diffusers) learns its pipeline from a snapshot; "
                              "fix: set model.path to a diffusers snapshot (embedded and dummy weights need a family: "
-                             "model.adapter=flux|sd3|qwen_image|wan|hidream)")
+                             f"model.adapter={'|'.join(family_names())})")
 
     def pipeline_cls(self) -> type:
         """The diffusers pipeline class object.
@@ -272,7 +339,7 @@ class PipelineEngine(DiffusersEngine):
 
         if not self.components:
             raise ConfigValueError(f"model={self.cfg.name}: model.adapter={self.family()} builds no architecture; "
-                                   "fix: model.path=<snapshot>, or a family adapter (flux, sd3, qwen_image, wan, hidream)")
+                                   f"fix: model.path=<snapshot>, or a family adapter ({', '.join(family_names())})")
         known = [*self.components, *self.arch_other]
         for key in arch:
             if key not in known and backend_field_of(key):
@@ -467,7 +534,13 @@ class PipelineEngine(DiffusersEngine):
         return embedded_target(self.cfg.name, arch, self.cache_dir)
 
     def embedded_snapshot(self, arch: Dict[str, Any]) -> Path:
-        """The cache dir of the embedded model, created (``save_pretrained``, safetensors) on first use.
+        """The cache dir of the embedded model, created on first use (:meth:`embedded_snapshot_at`)."""
+        return self.embedded_snapshot_at(self.embedded_target(arch), arch)
+
+    @classmethod
+    def embedded_snapshot_at(cls, target: Path, arch: Dict[str, Any]) -> Path:
+        """The family's embedded model of ``arch`` at ``target`` (:func:`embedded_target`), created
+        (``save_pretrained``, safetensors) on first use.
 
         Built once however many processes ask: under ``<target>.lock`` (``filelock``), by the process of rank 0 when
         a ``torch.distributed`` group is initialized (transformers' ``save_pretrained`` writes weights on rank 0
@@ -484,7 +557,6 @@ class PipelineEngine(DiffusersEngine):
 
         import filelock
 
-        target = self.embedded_target(arch)
         if snapshot_complete(target):
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -497,24 +569,31 @@ class PipelineEngine(DiffusersEngine):
                 if snapshot_complete(target):
                     return target
                 if rank == 0:
-                    return self._build_snapshot(arch, target)
+                    return cls.build_snapshot(arch, target)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank {rank} waited {wait_s:.0f} s for rank 0 to build the embedded model at "
                                    f"{target}; set RUNNER_SNAPSHOT_WAIT_S to wait longer")
             time.sleep(0.5)
 
-    def _build_snapshot(self, arch: Dict[str, Any], target: Path) -> Path:
-        """Build, save and commit the embedded snapshot (the caller holds the lock); see :meth:`embedded_snapshot`."""
+    @classmethod
+    def build_snapshot(cls, arch: Dict[str, Any], target: Path) -> Path:
+        """Build, save and commit the embedded snapshot (the caller holds the lock); see
+        :meth:`embedded_snapshot_at`.
+
+        Raises:
+            RuntimeError: ``save_pretrained`` left a model component without weights.
+        """
+        import diffusers
         import shutil
 
         tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        pipe = self.pipeline_cls()(**self.build_components(arch))
+        pipe = getattr(diffusers, str(cls.pipeline_class))(**cls.build_components(arch))
         pipe.save_pretrained(tmp, safe_serialization=True)
         missing = missing_weights(tmp)
         if missing:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise RuntimeError(f"the embedded {self.cfg.name} snapshot came out without weights in {missing} (not "
+            raise RuntimeError(f"the embedded {target.name} snapshot came out without weights in {missing} (not "
                                "committed to the cache); save_pretrained skipped them (a process of rank != 0?)")
         if target.exists():  # an incomplete entry of an older runner: replace it
             shutil.rmtree(target)
@@ -522,7 +601,11 @@ class PipelineEngine(DiffusersEngine):
         return target
 
     def load_pipeline(self) -> None:
-        """Build the pipeline on ``self.device`` in ``self.dtype``; records weight-file hashes in ``source``."""
+        """Build the pipeline on ``self.device`` in ``self.dtype``; records weight-file hashes in ``source``. The
+        spec's ``quiet_loggers`` lose diffusers' per-call truncation warning first (the whole dropped text: 4.4 MB
+        of console for one 2-million-character prompt; every record carries its ``tokens`` per encoder)."""
+        if self.spec is not None:
+            quiet_truncation_warnings(*self.spec.quiet_loggers)
         kind = self.source["kind"]
         cls = self.pipeline_cls()
         if kind == "dummy":
@@ -551,8 +634,14 @@ class PipelineEngine(DiffusersEngine):
                                                                   "bytes_hashed")}}
 
     def prepare_attention(self) -> None:
-        """Family hook after loading, before backends are installed (e.g. SD3 routes its joint attention through
-        diffusers' dispatcher); nothing by default."""
+        """After loading, before backends are installed: the spec's ``attention_processor`` (a processor that routes
+        the attention through diffusers' dispatcher, e.g. SD3's) on every attention module; nothing without one."""
+        if self.spec is None or not self.spec.attention_processor:
+            return
+        mod_name, _, attr = self.spec.attention_processor.partition(":")
+        proc_cls = getattr(importlib.import_module(mod_name), attr)
+        for _, mod in attention_modules(self.pipe.transformer):
+            mod.set_processor(proc_cls())
 
     def _time_phases(self) -> None:
         """Accumulate wall seconds of text encoding and VAE decoding via forward hooks on those modules (with a
@@ -588,8 +677,10 @@ class PipelineEngine(DiffusersEngine):
 
     # ------------------------------------------------------------------------------------------- attention
     def attention_role(self, layer: str) -> str:
-        """The role (``model.roles``) of the attention module at ``layer``; the model's first role by default."""
-        return str(self.cfg.roles[0])
+        """The role (``model.roles``) of the attention module at ``layer``: by the spec's layer-name suffixes
+        (:meth:`models.family.FamilySpec.role`), else the model's first role."""
+        roles = tuple(str(r) for r in self.cfg.roles)
+        return self.spec.role(layer, roles) if self.spec is not None else roles[0]
 
     def attention_sites(self) -> Iterator[Tuple[str, str, Any]]:
         """Yield ``(role, layer_name, attention_module)`` for every attention call site of the transformer.
@@ -603,24 +694,18 @@ class PipelineEngine(DiffusersEngine):
                 raise ConfigValueError(
                     f"model={self.cfg.name}: attention module {name} ({type(mod.processor).__name__}) does not call "
                     "diffusers' attention dispatcher, so its backend can be neither selected nor observed; fix: a "
-                    "model family whose transformer uses the dispatcher (flux, sd3, qwen_image, wan, hidream)")
+                    f"model family whose transformer uses the dispatcher ({', '.join(family_names())})")
             yield self.attention_role(name), name, mod
 
     def dispatches(self) -> bool:
-        """The transformer's attention goes through diffusers' dispatcher, decided before loading from its
-        module's source (families that route it themselves, like SD3, say so by overriding this)."""
-        import sys
-
-        cls_name = self.component_class("transformer")
+        """The transformer's attention goes through diffusers' dispatcher, decided before loading: the spec installs
+        a dispatching processor (SD3, HiDream), else :func:`module_dispatches` on the transformer class."""
+        if self.spec is not None and self.spec.attention_processor:
+            return True
         import diffusers
 
-        cls = getattr(diffusers, cls_name, None)
-        if cls is None:
-            return False
-        try:
-            return "dispatch_attention_fn" in inspect.getsource(sys.modules[cls.__module__])
-        except (OSError, TypeError):
-            return False
+        cls = getattr(diffusers, self.component_class("transformer"), None)
+        return cls is not None and module_dispatches(cls)
 
     def transformer_class(self) -> Optional[str]:
         """The transformer's diffusers class: the family's, else the snapshot's ``model_index.json``."""
@@ -644,7 +729,7 @@ class PipelineEngine(DiffusersEngine):
             raise ConfigValueError(
                 f"model={self.cfg.name}: its transformer ({self.component_class('transformer')}) does not call "
                 "diffusers' attention dispatcher, so no attention backend can be selected or observed in it; fix: "
-                "a model family whose transformer uses the dispatcher (flux, sd3, qwen_image, wan, hidream)")
+                f"a model family whose transformer uses the dispatcher ({', '.join(family_names())})")
         resolutions, extras = super().resolve_backends()
         return resolutions, extras
 
@@ -663,26 +748,9 @@ class PipelineEngine(DiffusersEngine):
         Returns:
             What was applied, for the manifest: ``{"fuse_qkv": {"modules": n} | False, "vae_channels_last": bool}``.
         """
-        from diffusers.models.attention import AttentionModuleMixin
-
-        covers = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
-                  "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
-                  "to_added_kv": ("add_k_proj", "add_v_proj")}
         applied: Dict[str, Any] = {"fuse_qkv": False, "vae_channels_last": False}
         if opts.fuse_qkv:
-            n = 0
-            for _, mod in attention_modules(self.pipe.transformer):
-                if not (isinstance(mod, AttentionModuleMixin) and mod._supports_qkv_fusion
-                        and not getattr(mod, "fused_projections", False)):
-                    continue
-                mod.fuse_projections()
-                for fused, names in covers.items():
-                    if getattr(mod, fused, None) is not None:
-                        for name in names:
-                            if getattr(mod, name, None) is not None:
-                                delattr(mod, name)
-                n += 1
-            applied["fuse_qkv"] = {"modules": n}
+            applied["fuse_qkv"] = {"modules": fuse_qkv(self.pipe.transformer)}
         if opts.vae_channels_last:
             self.pipe.vae.to(memory_format=torch.channels_last)
             applied["vae_channels_last"] = True
@@ -768,8 +836,11 @@ class PipelineEngine(DiffusersEngine):
 
     def size_need(self) -> Optional[int]:
         """The multiple widths and heights must be for the pipeline to keep them (it rounds or refuses others):
-        the VAE's spatial scale factor times the transformer's patch size; None when not known."""
-        return None
+        the VAE's spatial scale factor times the transformer's patch size, by the spec's ``size_rule`` on the
+        snapshot's own configs (as the pipeline computes its ``vae_scale_factor``); None without a spec."""
+        if self.spec is None:
+            return None
+        return self.spec.size_need(self.component_config("vae"), self.component_config("transformer"))
 
     def check_source(self) -> None:
         """What the model's configs and tokenizers decide, checked before anything loads:
@@ -864,11 +935,16 @@ class PipelineEngine(DiffusersEngine):
 
     def ignored_fields(self, rows: Sequence[Row]) -> Dict[str, Tuple[str, ...]]:
         """``true_cfg_scale`` > 1 on a pipeline whose ``__call__`` takes no ``true_cfg_scale`` (SD3, Wan: their
-        guidance is ``guidance_scale``). Families add their own rules to these."""
-        if float(self.cfg.generation.true_cfg_scale) > 1 and "true_cfg_scale" not in self.call_params():
-            return {"true_cfg_scale": (f"{self.pipeline_name()} takes no true_cfg_scale (its classifier-free "
-                                       "guidance is guidance_scale)", "set guidance_scale instead")}
-        return {}
+        guidance is ``guidance_scale``), then the rules of the spec's guidance mode
+        (:func:`models.family.negative_prompt_ignored`). Families add their own rules to these."""
+        tc = float(self.cfg.generation.true_cfg_scale)
+        out: Dict[str, Tuple[Any, ...]] = {}
+        if tc > 1 and "true_cfg_scale" not in self.call_params():
+            out["true_cfg_scale"] = (f"{self.pipeline_name()} takes no true_cfg_scale (its classifier-free "
+                                     "guidance is guidance_scale)", "set guidance_scale instead")
+        if self.spec is not None:
+            out.update(negative_prompt_ignored(self.spec.cfg, self.pipeline_name(), tc, rows, self.spec.guidance_hint))
+        return out
 
     def check_family_rows(self, rows: List[Row], path: Any) -> None:
         """Family rules on row values the pipeline would otherwise change silently; none by default."""
@@ -891,8 +967,21 @@ class PipelineEngine(DiffusersEngine):
         return kw
 
     def family_kwargs(self, batch: Sequence[Item]) -> Dict[str, Any]:
-        """Further call arguments of the family (e.g. ``true_cfg_scale``); none by default."""
-        return {}
+        """Further call arguments: under true CFG ``true_cfg_scale``, the configured value with negative prompts, else
+        1 (QwenImagePipeline's default is 4, which with no negative prompt only warns; FluxPipeline's is 1)."""
+        if self.spec is None or self.spec.cfg != "true_cfg":
+            return {}
+        neg = batch[0].row.negative_prompt is not None
+        return {"true_cfg_scale": float(self.cfg.generation.true_cfg_scale) if neg else 1.0}
+
+    def applied_params(self, row: Any) -> Dict[str, Any]:
+        """Generation values that determine the item's bytes beyond the row's: ``num_frames`` and ``fps`` of a
+        video; under true CFG ``true_cfg_scale`` when the row's negative prompt is applied, else null."""
+        out: Dict[str, Any] = {"num_frames": row.num_frames, "fps": row.fps} if self.video else {}
+        if self.spec is not None and self.spec.cfg == "true_cfg":
+            out["true_cfg_scale"] = (float(self.cfg.generation.true_cfg_scale) if row.negative_prompt is not None
+                                     else None)
+        return out
 
     def warmup_call(self, batch: List[Item], steps: int = 2) -> None:
         """One pipeline call of ``steps`` denoising steps at ``batch``'s shape, output discarded, so that
@@ -905,9 +994,17 @@ class PipelineEngine(DiffusersEngine):
             self.phase_s[k] = 0.0
 
     def expected_forwards(self, batch: List[Item]) -> Optional[int]:
-        """Transformer forwards one pipeline call makes for ``batch``; None: not known for this pipeline (the
-        evidence then does not check the count)."""
-        return None
+        """Transformer forwards one pipeline call makes for ``batch``: steps x the forwards per step of the spec's
+        guidance mode (:func:`models.family.forwards_per_step`); None without a spec (``model.adapter=diffusers``:
+        the evidence then records the forward-count check as ``limited``)."""
+        if self.spec is None:
+            return None
+        r = batch[0].row
+        return r.num_inference_steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale))
+
+    def has_forward_rule(self) -> bool:
+        """A spec gives the forward rule; ``model.adapter=diffusers`` (no spec) has none."""
+        return self.spec is not None
 
     def call(self, batch: List[Item]) -> List[np.ndarray]:
         """One pipeline call over ``batch`` (all items share ``shape_key``), one seeded generator per item.

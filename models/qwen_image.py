@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
+from models.family import FamilySpec, temporal_downsample_scale
 from models.pipelines import PipelineEngine
-from runner.core.dataset import Item
 
 #: QwenImagePipeline's prompt template and the tokens of it that it drops (``pipeline_qwenimage.py``, diffusers 0.42)
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -24,22 +24,27 @@ TEMPLATE_DROP = 34
 QWEN_MAX_SEQUENCE_LENGTH = 1024
 
 
+QWEN_IMAGE = FamilySpec(
+    name="qwen_image",
+    tasks={"text_to_image": "QwenImagePipeline"},
+    components={"transformer": ("diffusers", "QwenImageTransformer2DModel", None),
+                "vae": ("diffusers", "AutoencoderKLQwenImage", None),
+                "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig"),
+                "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", None)},
+    tokenizers={"tokenizer": ("qwen2", "qwen2_5_vl", "text_encoder")},
+    cfg="true_cfg",  # do_true_cfg = true_cfg_scale > 1 and has_neg_prompt: a second forward per step
+    size_rule=temporal_downsample_scale, patch=2,  # 2 ** len(temperal_downsample) x 2 (2x2 latent packing)
+    max_sequence_length=QWEN_MAX_SEQUENCE_LENGTH,
+    needs_mask=True,  # the joint attention masks padded text tokens
+    engine="models.qwen_image:QwenImageEngine",
+    guidance_hint="Qwen-Image's default",
+)
+
+
 class QwenImageEngine(PipelineEngine):
     """The Qwen-Image family (engine ``qwen_image``): role ``joint`` (``QwenDoubleStreamAttnProcessor2_0``)."""
 
-    pipeline_class = "QwenImagePipeline"
-    components = {"transformer": ("diffusers", "QwenImageTransformer2DModel", None),
-                  "vae": ("diffusers", "AutoencoderKLQwenImage", None),
-                  "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig"),
-                  "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", None)}
-    tokenizers_spec = {"tokenizer": ("qwen2", "qwen2_5_vl", "text_encoder")}
-    max_sequence_length_limit = QWEN_MAX_SEQUENCE_LENGTH
-    backend_fields = ("attention", "linear")
-    needs_mask = True  # the joint attention masks padded text tokens
-
-    @classmethod
-    def family(cls) -> str:
-        return "qwen_image"
+    spec = QWEN_IMAGE
 
     @classmethod
     def build_tokenizers(cls, arch: Dict[str, Any]) -> Dict[str, Any]:
@@ -81,44 +86,12 @@ class QwenImageEngine(PipelineEngine):
         ``max_sequence_length`` embeddings."""
         return min(QWEN_MAX_SEQUENCE_LENGTH, int(self.cfg.generation.max_sequence_length))
 
-    def size_need(self) -> int:
-        """VAE scale factor (2 ** len(temperal_downsample)) x 2 for the 2x2 latent packing (the pipeline resizes
-        other sizes with a warning)."""
-        vae = self.component_config("vae")
-        return 2 ** len(vae.get("temperal_downsample") or [False, True, True]) * 2
-
-    def ignored_fields(self, rows: Any) -> Dict[str, Tuple[str, ...]]:
-        """``guidance_scale`` unless the transformer is guidance-distilled (``guidance_embeds``); ``negative_prompt``
-        unless ``true_cfg_scale`` > 1; ``true_cfg_scale`` > 1 when no row has a negative prompt."""
-        out: Dict[str, Tuple[str, ...]] = {}
+    def ignored_fields(self, rows: Any) -> Dict[str, Tuple[Any, ...]]:
+        """The true-CFG rules (:func:`models.family.negative_prompt_ignored`), and ``guidance_scale`` unless the
+        transformer is guidance-distilled (``guidance_embeds``)."""
+        out: Dict[str, Tuple[Any, ...]] = {}
         if not self.component_config("transformer").get("guidance_embeds", False):
             out["guidance_scale"] = ("its transformer has no guidance embedding (guidance_embeds=false): "
                                      "QwenImagePipeline ignores guidance_scale (true_cfg_scale is its guidance)",
                                      "use model.generation.true_cfg_scale with a negative_prompt")
-        tc = float(self.cfg.generation.true_cfg_scale)
-        if tc <= 1:
-            out["negative_prompt"] = (f"model.generation.true_cfg_scale={tc} <= 1, and QwenImagePipeline uses a "
-                                      "negative prompt only under true CFG",
-                                      "model.generation.true_cfg_scale=4 (Qwen-Image's default)")
-        elif not any(r.negative_prompt is not None for r in rows):
-            out["true_cfg_scale"] = ("no row has a negative_prompt, and QwenImagePipeline runs true CFG only with one",
-                                     "add negative_prompt to the rows (an empty string works: ' ')")
-        return out
-
-    def applied_params(self, row: Any) -> Dict[str, Any]:
-        """``true_cfg_scale`` when the row's negative prompt is applied (true CFG), else null."""
-        return {"true_cfg_scale": float(self.cfg.generation.true_cfg_scale) if row.negative_prompt is not None
-                else None}
-
-    def family_kwargs(self, batch: List[Item]) -> Dict[str, Any]:
-        """``true_cfg_scale``: the configured value with negative prompts, else 1 (the pipeline's default is 4, which
-        with no negative prompt only warns)."""
-        r0 = batch[0].row
-        return {"true_cfg_scale": float(self.cfg.generation.true_cfg_scale) if r0.negative_prompt is not None
-                else 1.0}
-
-    def expected_forwards(self, batch: List[Item]) -> int:
-        """Steps, doubled under true CFG (a negative prompt and ``true_cfg_scale`` > 1)."""
-        r = batch[0].row
-        true_cfg = r.negative_prompt is not None and float(self.cfg.generation.true_cfg_scale) > 1
-        return r.num_inference_steps * (2 if true_cfg else 1)
+        return {**out, **super().ignored_fields(rows)}

@@ -9,17 +9,18 @@ diffusers 0.42's SD3 attention (``JointAttnProcessor2_0``) calls ``F.scaled_dot_
 diffusers' attention dispatcher; :class:`SD3DispatchAttnProcessor` is the same computation routed through
 ``dispatch_attention_fn``, installed on every attention module after loading, so SD3 takes the runner's attention
 backends and their per-call-site evidence like the dispatcher-era models.
+
+The family is the spec :data:`SD3` on the generic engine (no class of its own); role ``joint`` (every
+``Attention`` of the MMDiT).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 
-from models.flux import quiet_truncation_warnings
-from models.pipelines import PipelineEngine
-from runner.core.dataset import Item
+from models.family import FamilySpec, block_out_scale
 
 
 class SD3DispatchAttnProcessor:
@@ -72,55 +73,21 @@ class SD3DispatchAttnProcessor:
         return (out, enc) if encoder_hidden_states is not None else out
 
 
-class SD3Engine(PipelineEngine):
-    """The SD3 / SD3.5 family (engine ``sd3``): roles ``joint`` (every ``Attention`` of the MMDiT)."""
-
-    pipeline_class = "StableDiffusion3Pipeline"
-    components = {"transformer": ("diffusers", "SD3Transformer2DModel", None),
-                  "vae": ("diffusers", "AutoencoderKL", None),
-                  "text_encoder": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
-                  "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
-                  "text_encoder_3": ("transformers", "T5EncoderModel", "T5Config"),
-                  "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", None)}
-    tokenizers_spec = {"tokenizer": ("clip", "clip_l", "text_encoder"), "tokenizer_2": ("clip", "clip_g", "text_encoder_2"),
-                       "tokenizer_3": ("t5", "t5", "text_encoder_3")}
-    max_sequence_length_limit = 512  # StableDiffusion3Pipeline.check_inputs raises above 512
-    backend_fields = ("attention", "linear")
-    needs_mask = False
-
-    @classmethod
-    def family(cls) -> str:
-        return "sd3"
-
-    def dispatches(self) -> bool:
-        """True: :meth:`prepare_attention` routes every attention module through diffusers' dispatcher."""
-        return True
-
-    def prepare_attention(self) -> None:
-        """Install :class:`SD3DispatchAttnProcessor` on every attention module of the transformer."""
-        from models.pipelines import attention_modules
-
-        for _, mod in attention_modules(self.pipe.transformer):
-            mod.set_processor(SD3DispatchAttnProcessor())
-
-    def size_need(self) -> int:
-        """VAE scale factor x the transformer's ``patch_size`` (``check_inputs`` refuses other sizes)."""
-        blocks = self.component_config("vae").get("block_out_channels") or [0] * 4
-        return 2 ** (len(blocks) - 1) * int(self.component_config("transformer").get("patch_size", 2))
-
-    def ignored_fields(self, rows: Any) -> Dict[str, Tuple[str, ...]]:
-        """``negative_prompt`` in rows whose ``guidance_scale`` <= 1: classifier-free guidance is off there, and
-        StableDiffusion3Pipeline uses the negative prompt only with it."""
-        return {**super().ignored_fields(rows), "negative_prompt": ("guidance_scale <= 1 turns classifier-free guidance off, and "
-                                    "StableDiffusion3Pipeline uses the negative prompt only with it",
-                                    "guidance_scale > 1 in that row (SD3.5's default is 3.5 to 4.5)",
-                                    lambda r: r.guidance_scale is None or r.guidance_scale <= 1)}
-
-    def load_pipeline(self) -> None:
-        """The generic loading, with diffusers' per-call truncation warning filtered (records carry the counts)."""
-        quiet_truncation_warnings("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3")
-        super().load_pipeline()
-
-    def expected_forwards(self, batch: List[Item]) -> int:
-        """One transformer forward per step (CFG batches both branches into one forward)."""
-        return batch[0].row.num_inference_steps
+SD3 = FamilySpec(
+    name="sd3",
+    tasks={"text_to_image": "StableDiffusion3Pipeline"},
+    components={"transformer": ("diffusers", "SD3Transformer2DModel", None),
+                "vae": ("diffusers", "AutoencoderKL", None),
+                "text_encoder": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
+                "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
+                "text_encoder_3": ("transformers", "T5EncoderModel", "T5Config"),
+                "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", None)},
+    tokenizers={"tokenizer": ("clip", "clip_l", "text_encoder"), "tokenizer_2": ("clip", "clip_g", "text_encoder_2"),
+                "tokenizer_3": ("t5", "t5", "text_encoder_3")},
+    cfg="batched",  # CFG concatenates both branches into one forward per step
+    size_rule=block_out_scale, patch="transformer",  # VAE scale factor x patch_size (check_inputs refuses others)
+    quiet_loggers=("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",),
+    max_sequence_length=512,  # StableDiffusion3Pipeline.check_inputs raises above 512
+    attention_processor="models.sd3:SD3DispatchAttnProcessor",
+    guidance_hint="SD3.5's default is 3.5 to 4.5",
+)

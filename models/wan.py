@@ -3,49 +3,47 @@
 UMT5 text encoder, ``WanTransformer3DModel`` (self-attention over video tokens, cross-attention to the text: roles
 ``self`` and ``cross``), the causal video VAE ``AutoencoderKLWan``. Output: ``frames`` (batch, F, H, W, C).
 Rules the pipeline applies silently and the runner refuses instead: ``num_frames`` must be ``k * t + 1`` with ``t``
-the VAE's temporal factor (``2 ** sum(temperal_downsample)``, 4 for Wan) or the pipeline rounds it down with a
+the VAE's temporal factor (its config's ``scale_factor_temporal``, 4 for Wan 2.1) or the pipeline rounds it down with a
 warning; classifier-free guidance (``guidance_scale > 1``) makes a second transformer forward per step (unbatched:
 ``noise_uncond = current_model(...)``), and the negative prompt is used only then.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
-from models.flux import quiet_truncation_warnings
+from models.family import FamilySpec, signature_default, spatial_scale
 from models.pipelines import PipelineEngine
-from runner.core.dataset import DatasetError, Item, Row
+from runner.core.dataset import DatasetError, Row
 from runner.core.errors import ConfigValueError
+
+
+WAN = FamilySpec(
+    name="wan",
+    tasks={"text_to_video": "WanPipeline"},
+    components={"transformer": ("diffusers", "WanTransformer3DModel", None),
+                "vae": ("diffusers", "AutoencoderKLWan", None),
+                "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
+                "scheduler": ("diffusers", "UniPCMultistepScheduler", None)},
+    tokenizers={"tokenizer": ("t5", "umt5", "text_encoder")},
+    cfg="separate",  # guidance_scale > 1: a separate unconditional forward per step
+    size_rule=spatial_scale, patch="transformer",  # vae_scale_factor_spatial x the spatial patch (16 for Wan 2.1)
+    roles={"attn2": "cross"},  # the blocks' attn2: queries video tokens, keys/values text; the rest: self
+    quiet_loggers=("diffusers.pipelines.wan.pipeline_wan",),
+    # Wan 2.1's text length (``text_len`` 512; WanPipeline's default): UMT5 embeddings are zero-padded to
+    # max_sequence_length, so a larger value only costs memory (100000 tried to allocate 80 GB)
+    max_sequence_length=512,
+    fp8_prefixes=("blocks.",),  # WanTransformer3DModel names its blocks ``blocks.N``
+    needs_mask=False,  # WanAttnProcessor passes no mask: text embeddings are zero-padded to max_sequence_length
+    engine="models.wan:WanEngine",
+    guidance_hint="Wan 2.1: 5.0",
+)
 
 
 class WanEngine(PipelineEngine):
     """The Wan 2.1 text-to-video family (engine ``wan``)."""
 
-    pipeline_class = "WanPipeline"
-    components = {"transformer": ("diffusers", "WanTransformer3DModel", None),
-                  "vae": ("diffusers", "AutoencoderKLWan", None),
-                  "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
-                  "scheduler": ("diffusers", "UniPCMultistepScheduler", None)}
-    tokenizers_spec = {"tokenizer": ("t5", "umt5", "text_encoder")}
-    max_sequence_length_limit = 512  # Wan 2.1's text length (``text_len`` 512; WanPipeline's default): UMT5 embeddings
-    # are zero-padded to max_sequence_length, so a larger value only costs memory (100000 tried to allocate 80 GB)
-    video = True
-    output = "video"
-    unit = "video"
-    backend_fields = ("attention", "linear")
-    fp8_prefixes = ("blocks.",)  # WanTransformer3DModel names its blocks ``blocks.N``
-    needs_mask = False  # WanAttnProcessor passes no mask: text embeddings are zero-padded to max_sequence_length
-
-    @classmethod
-    def family(cls) -> str:
-        return "wan"
-
-    def attention_role(self, layer: str) -> str:
-        """``cross`` for the blocks' ``attn2`` (queries: video tokens; keys/values: text), else ``self``; a model
-        config listing one role uses it for both."""
-        roles = [str(r) for r in self.cfg.roles]
-        want = "cross" if layer.endswith("attn2") else "self"
-        return want if want in roles else roles[0]
+    spec = WAN
 
     def check_layout(self, path: Any) -> None:
         """The generic layout check, and no second transformer: a Wan 2.2 snapshot (``transformer_2``, the low-noise
@@ -65,9 +63,11 @@ class WanEngine(PipelineEngine):
                                  "snapshot (e.g. Wan-AI/Wan2.1-T2V-14B-Diffusers)")
 
     def temporal_factor(self) -> int:
-        """The VAE's temporal compression: ``2 ** sum(temperal_downsample)`` (Wan 2.1: 4)."""
-        return 2 ** sum(bool(x) for x in (self.component_config("vae").get("temperal_downsample")
-                                          or [False, True, True]))
+        """The VAE's temporal compression as WanPipeline reads it: ``vae.config.scale_factor_temporal``
+        (``AutoencoderKLWan``'s default 4 when the config lacks it)."""
+        vae = self.component_config("vae")
+        factor = vae.get("scale_factor_temporal") or signature_default("AutoencoderKLWan", "scale_factor_temporal", 4)
+        return int(factor)
 
     def context_tokens(self, row: Any) -> Dict[str, int]:
         """What ``WanTransformer3DModel._cp_plan`` splits: the video tokens (latent frames x (height / 16) x (width /
@@ -84,12 +84,6 @@ class WanEngine(PipelineEngine):
     def context_fix(self, sequence: str, degree: int) -> str:
         return (f"num_frames, width and height whose latent frames x {self.size_need()}-pixel tiles number a "
                 f"multiple of {degree}")
-
-    def size_need(self) -> int:
-        """VAE spatial factor (2 ** len(temperal_downsample)) x the transformer's spatial patch (2): 16 for Wan."""
-        vae = self.component_config("vae")
-        patch = self.component_config("transformer").get("patch_size") or [1, 2, 2]
-        return 2 ** len(vae.get("temperal_downsample") or [False, True, True]) * int(patch[-1])
 
     def check_config(self) -> None:
         """The base checks, and ``model.generation.num_frames``/``fps`` set and valid.
@@ -130,23 +124,3 @@ class WanEngine(PipelineEngine):
         raise DatasetError([f"{path}:{r.line}: num_frames={r.num_frames} is not {t}k+1, which model={self.cfg.name}'s "
                             f"VAE needs (temporal factor {t}; WanPipeline would round it down, writing fewer frames "
                             f"than recorded); fix: num_frames={fix(r.num_frames)}" for r in bad])
-
-    def ignored_fields(self, rows: Any) -> Dict[str, Tuple[str, ...]]:
-        """``negative_prompt`` in rows whose ``guidance_scale`` <= 1 (no classifier-free guidance there)."""
-        return {**super().ignored_fields(rows), "negative_prompt": ("guidance_scale <= 1 turns classifier-free guidance off, and WanPipeline uses the "
-                                    "negative prompt only with it", "guidance_scale > 1 in that row (Wan 2.1: 5.0)",
-                                    lambda r: r.guidance_scale is None or r.guidance_scale <= 1)}
-
-    def applied_params(self, row: Any) -> Dict[str, Any]:
-        """``num_frames`` and ``fps`` of the video."""
-        return {"num_frames": row.num_frames, "fps": row.fps}
-
-    def load_pipeline(self) -> None:
-        """The generic loading, with diffusers' per-call truncation warning filtered (records carry the counts)."""
-        quiet_truncation_warnings("diffusers.pipelines.wan.pipeline_wan")
-        super().load_pipeline()
-
-    def expected_forwards(self, batch: List[Item]) -> int:
-        """Steps, doubled under classifier-free guidance (``guidance_scale`` > 1: a separate unconditional forward)."""
-        r = batch[0].row
-        return r.num_inference_steps * (2 if r.guidance_scale is not None and r.guidance_scale > 1 else 1)

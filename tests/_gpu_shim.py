@@ -3,7 +3,7 @@ codes, ``job_status.json``), plus two test hooks set through the environment. Us
 runs it makes in a subprocess (torch.compile, torchrun, the negative control); the repository root must come first
 on ``PYTHONPATH`` (this file's folder is ``sys.path[0]``).
 
-* ``GPU_E2E_TRACES=<dir>``: every stage's profiled denoiser forward (``runner.core.evidence.DenoiserProbe.trace``) is
+* ``GPU_E2E_TRACES=<dir>``: every stage's profiled denoiser forward (``models.denoiser_evidence.DenoiserProbe.trace``) is
   written to ``<dir>/<pid>.json`` as ``{stage: {"kernels": {name: count}, "ops": {name: count}}}``: device kernels
   and CPU-side ops apart, which the manifest's matched-name lists do not keep (a name there may be a CPU-side
   ``aten::`` op or an Inductor ``record_function`` label as well as a device kernel).
@@ -44,7 +44,7 @@ def swap_attention(engine: Any, layer: str, backend: str) -> None:
 
 def install() -> None:
     """Apply the hooks the environment asks for (nothing when neither variable is set)."""
-    from runner.core import evidence
+    from models import denoiser_evidence as evidence
     from runner.app import execute
 
     out = os.environ.get("GPU_E2E_TRACES")

@@ -359,7 +359,7 @@ def _swap_first_attention_backend(stage):
 
 
 def test_evidence_mismatch_from_the_worker_exits_3(compose, rows_file, tmp_path):
-    from runner.core.evidence import EvidenceError
+    from runner.core.errors import EvidenceError
     from runner.app.execute import run
 
     ov = ["platform=cpu", "model=tiny_qwen3_moe", "dataset=jsonl", f"dataset.path={rows_file}",

@@ -12,7 +12,7 @@ import torch
 
 from kernels import registry as reg
 from kernels.registry import Backend, BackendUnavailableError, DiffusersWiring, UnknownBackendError
-from runner.core.evidence import EvidenceError
+from runner.core.errors import EvidenceError
 
 try:
     from _helpers import CPU, ctx, execute

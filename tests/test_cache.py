@@ -116,7 +116,7 @@ def test_pab_with_true_cfg_rows_is_refused(tmp_path):
 
 
 def test_cache_that_never_hits_is_an_evidence_mismatch(tmp_path):
-    from runner.core.evidence import EvidenceError
+    from runner.core.errors import EvidenceError
 
     r = _run(tmp_path / "run", ["cache.method=first_block", "cache.threshold=1e-9"], limit=1, catch=(EvidenceError,))
     assert isinstance(r.error, EvidenceError) and r.error.exit_code == 3

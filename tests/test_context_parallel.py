@@ -278,7 +278,7 @@ def test_layout_roles_and_mesh():
 
 def test_no_collective_fails_the_evidence(tmp_path):
     from models.context_parallel import COLLECTIVES, expected_collectives
-    from runner.core.evidence import KernelTrace, build
+    from models.denoiser_evidence import KernelTrace, build
 
     lay = Layout("ulysses", data=1, ring=1, ulysses=2)
     want = {k: (COLLECTIVES[k], n) for k, n in expected_collectives(lay, 3).items()}

@@ -121,7 +121,7 @@ def test_registered_toy_engine_writes_text_records_through_the_loop(echo_engine,
 
 
 def test_toy_engine_evidence_mismatch_is_exit_3(echo_engine, compose, tmp_path):
-    from runner.core.evidence import EvidenceError
+    from runner.core.errors import EvidenceError
 
     original = EchoEngine.generate
 

@@ -86,7 +86,7 @@ def _cls(path: str):
 CONTRACT = {
     "runner.core.dataset.DatasetError": ("invalid", 2, ValueError),
     "runner.core.errors.ConfigValueError": ("invalid", 2, ValueError),
-    "runner.core.evidence.EvidenceError": ("evidence_mismatch", 3, RuntimeError),
+    "runner.core.errors.EvidenceError": ("evidence_mismatch", 3, RuntimeError),
     "runner.core.resolve.MisplacedBackendKeyError": ("invalid", 2, ValueError),
     "runner.core.resolve.StageConflictError": ("invalid", 2, ValueError),
     "runner.core.platform.PlatformError": ("invalid", 2, RuntimeError),

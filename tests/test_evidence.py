@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 import pytest
 
 from kernels.registry import BackendUnavailableError
-from runner.core.evidence import EvidenceError
+from runner.core.errors import EvidenceError
 
 try:
     from _helpers import REPO_ROOT, compose, execute

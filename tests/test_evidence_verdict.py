@@ -1,7 +1,7 @@
-"""The evidence verdict (``runner.core.evidence.build``), branch by branch, on the CPU in a second.
+"""The evidence verdict (``models.denoiser_evidence.build``), branch by branch, on the CPU in a second.
 
 Each test runs a small denoiser-shaped module under the real forward counter and profiler
-(:class:`runner.core.evidence.DenoiserProbe`: a CPU profiler trace of aten ops), with the call-site records the engine
+(:class:`models.denoiser_evidence.DenoiserProbe`: a CPU profiler trace of aten ops), with the call-site records the engine
 fills (:class:`kernels.attention.AttentionSite`, the linear record of :func:`kernels.linear.install`,
 :class:`kernels.moe.MoESite`) set to what a probe would have observed, and checks what the manifest's ``evidence``
 section says: the verdict and the message naming the stage, layer and what ran instead. Every mismatch branch has a
@@ -27,7 +27,7 @@ from kernels import linear as L
 from kernels.attention import AttentionSite
 from kernels.moe import MoESite
 from models.context_parallel import COLLECTIVES
-from runner.core import evidence as ev
+from models import denoiser_evidence as ev
 
 pytestmark = pytest.mark.cpu
 

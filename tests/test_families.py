@@ -16,7 +16,10 @@ import pytest
 
 from test_report import _tail, run_module
 
-FAMILIES = ["tiny_sd3", "tiny_qwen_image", "tiny_wan", "tiny_hidream"]
+from models.registry import family_names
+
+#: the tiny model of every registered family but FLUX (the default model, covered everywhere else)
+FAMILIES = [f"tiny_{name}" for name in family_names() if name != "flux"]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +55,7 @@ def test_family_runs_with_verified_evidence(family_sweep, model):
     # CFG (row a has a negative prompt, true_cfg_scale defaults to 1 -> not applied), Wan's unbatched CFG (2) and
     # HiDream's batched CFG (1)
     assert st["denoiser_forwards"] == st["expected_forwards"] > 0
+    assert st["checks"] == {"forward_count": "verified"}
     per_step = {"tiny_sd3": 1, "tiny_qwen_image": 1, "tiny_wan": 2, "tiny_hidream": 1}[model]
     steps = man["items"]["ok"] if isinstance(man.get("items"), dict) else None
     assert st["expected_forwards"] == per_step * 4 * 2, (st, steps)
@@ -190,12 +194,14 @@ def test_generic_adapter_refuses_a_transformer_without_the_dispatcher(compose, t
 
 @pytest.mark.slow
 def test_generic_adapter_runs_a_flux_snapshot(run_job, tiny_snapshot):
-    """``model.adapter=diffusers``: the pipeline class comes from the snapshot; the run is verified (attention call
-    sites observed) without a forward-count rule."""
+    """``model.adapter=diffusers``: the pipeline class comes from the snapshot; attention call sites are observed,
+    and without a forward-count rule that check (and so the verdict) is ``limited``, never ``verified``; the run
+    still completes (exit 0)."""
     r = run_job(["model=tiny_flux", "model.adapter=diffusers", f"model.path={tiny_snapshot}", "dataset.limit=1"])
     assert r.code == 0
     st = r.manifest["evidence"]["stages"]["denoise"]
-    assert r.manifest["evidence"]["verdict"] == "verified"
+    assert r.manifest["evidence"]["verdict"] == "limited" and r.manifest["status"] == "completed"
+    assert st["checks"] == {"forward_count": "limited"}
     assert st["expected_forwards"] is None and st["denoiser_forwards"] == 4
 
 
@@ -371,7 +377,7 @@ def test_second_job_takes_weight_digests_from_the_cache(run_job, tiny_snapshot):
     assert a.manifest["model"]["source"]["files"] == b.manifest["model"]["source"]["files"]
 
 
-@pytest.mark.parametrize("model", ["tiny_flux", "tiny_sd3", "tiny_qwen_image", "tiny_wan", "tiny_hidream"])
+@pytest.mark.parametrize("model", [f"tiny_{name}" for name in family_names()])
 def test_meta_build_leaves_no_library_tensor_on_meta(model, tmp_path):
     """The memory check builds the architecture on the meta device; classes imported lazily inside that device
     context created their module-level tensors on meta (diffusers' ``mag_cache.FLUX_MAG_RATIOS``), which broke every

@@ -23,7 +23,7 @@ What runs (bf16 unless said):
 * ``python -m runner.repro`` of a GPU run (PSNR mode).
 
 Device kernel names are told apart from CPU-side op names by the profiled trace itself: in-process runs capture
-``DenoiserProbe.trace`` through a wrapper around ``runner.core.evidence.build`` (:func:`captured_traces`); subprocess runs
+``DenoiserProbe.trace`` through a wrapper around ``models.denoiser_evidence.build`` (:func:`captured_traces`); subprocess runs
 go through ``tests/_gpu_shim.py``, which writes it next to the run. ``GPU_E2E_SUMMARY=<file.jsonl>`` appends one line
 per verified run (test, backends, the device kernels matched), for benchmarks/results.
 
@@ -238,7 +238,7 @@ def _summary(manifest: Dict[str, Any], sel: Dict[str, str], linear: str, moe: Op
 def captured_traces() -> Iterator[Dict[str, Dict[str, Dict[str, int]]]]:
     """``{stage: {"kernels": {...}, "ops": {...}}}`` of every evidence build inside the block (the profiled
     denoiser forward, device kernels and CPU-side ops apart)."""
-    from runner.core import evidence
+    from models import denoiser_evidence as evidence
 
     traces: Dict[str, Dict[str, Dict[str, int]]] = {}
     real = evidence.build
@@ -776,7 +776,7 @@ NVJET_FP8 = "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_bias_TN
 def _synthetic(attention: str, kernels: Sequence[str], ops: Sequence[str], linear: str = "TORCH"):
     """A manifest as a verified GPU run writes it, with the attention/linear names the evidence would have matched
     from a trace of ``kernels`` (device) and ``ops`` (CPU side)."""
-    from runner.core.evidence import KernelTrace
+    from models.denoiser_evidence import KernelTrace
 
     t = KernelTrace(ops={o: 1 for o in ops}, kernels={k: 1 for k in kernels})
     st = {"denoiser_forwards": 1, "expected_forwards": 1,

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from kernels import moe
 from kernels import registry as reg
 from kernels.registry import Backend, BackendUnavailableError, DiffusersMoEWiring
-from runner.core.evidence import EvidenceError
+from runner.core.errors import EvidenceError
 from runner.core.resolve import LAYERS, BackendConflictWarning, StageConflictError
 
 try:

@@ -198,3 +198,25 @@ def test_no_import_cycles():
 def test_no_private_names_across_modules():
     _, private = analyse(project_modules())
     assert not private, "private names used across modules:\n" + "\n".join(private)
+
+
+def test_kernels_import_nothing_from_runner_but_its_errors():
+    """``kernels/`` is the backend layer under the engines: from ``runner`` it may import ``runner.core.errors``
+    only (every import statement counts, lazy ones too)."""
+    edges, _ = analyse(project_modules())
+    bad = sorted(f"{a}:{line}: imports {b}" for a, b, line in edges
+                 if a.split(".")[0] == "kernels" and b.split(".")[0] == "runner" and b != "runner.core.errors")
+    assert not bad, "kernels/ imports from runner/ beyond runner.core.errors:\n" + "\n".join(bad)
+
+
+def test_the_rule_above_sees_a_kernels_import_of_runner(tmp_path):
+    """The check can fail: a kernels module importing runner.core.paths is an edge it reports."""
+    for pkg, files in {"kernels": {"__init__.py": "", "x.py": "def f():\n    from runner.core import paths\n"},
+                       "runner": {"__init__.py": "", "core/__init__.py": "", "core/paths.py": "",
+                                  "core/errors.py": ""}, "models": {"__init__.py": ""}}.items():
+        for name, text in files.items():
+            f = tmp_path / pkg / name
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(text)
+    edges, _ = analyse(project_modules(tmp_path))
+    assert ("kernels.x", "runner.core.paths", 2) in edges

@@ -33,8 +33,8 @@ from runner.app import checks
 from runner.app.signals import Stop
 from runner.app.stages import StageSpec, Timing, build_engines, feed, link_records, run_stage, stage_graph, stop_check
 from runner.core import dataset as ds
-from runner.core import evidence, lossy, provenance, resume, rundir
-from runner.core.errors import StorageError
+from runner.core import lossy, provenance, resume, rundir
+from runner.core.errors import EvidenceError, StorageError
 from runner.core.manifest import Manifest, now_iso, package_versions
 from runner.core.platform import detect
 from runner.core.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, write_folder_metadata
@@ -115,7 +115,7 @@ class Run:
 
     def __call__(self) -> int:
         """The run's steps (module docstring). Raises what a step raises (``RunnerError`` subclasses before any
-        weight loads; ``evidence.EvidenceError`` after everything was written, under strict evidence)."""
+        weight loads; ``EvidenceError`` after everything was written, under strict evidence)."""
         self.t_start = time.perf_counter()
         self.build_stages()
         self.prepare_stages()
@@ -467,7 +467,7 @@ class Run:
         """0: every item written and verified; 1: some failed; 128+signal: interrupted.
 
         Raises:
-            evidence.EvidenceError: strict evidence found a mismatch (everything was written).
+            EvidenceError: strict evidence found a mismatch (everything was written).
         """
         from runner.app.console import summary_line
 
@@ -476,7 +476,7 @@ class Run:
         log.log(logging.INFO if w is None or w.world_size == 1 else logging.DEBUG, "%s",
                 summary_line(self.status, c, time.perf_counter() - self.t_start, self.out_dir))
         if self.status == "evidence_mismatch":
-            raise evidence.EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
+            raise EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
                                          + "\n  ".join(self.manifest.doc["evidence"]["mismatches"]))
         if self.status == "interrupted":
             return 128 + (self.stop.signum or signal.SIGINT)
@@ -486,7 +486,8 @@ class Run:
 def evidence_doc(cfg: DictConfig, plat: Any, engines: Sequence[Any], results: Dict[str, Any]) -> Dict[str, Any]:
     """The manifest's ``evidence``: each stage that generated gives its section and mismatches
     (``engine.evidence``); the verdict is ``mismatch`` when any stage contradicts its resolution, else
-    ``nonfinite_outputs`` when an output held NaN/inf, else ``verified``; ``not_collected`` when nothing was generated
+    ``nonfinite_outputs`` when an output held NaN/inf, else ``limited`` when a stage could not make a check (its
+    section's ``checks``), else ``verified``; ``not_collected`` when nothing was generated
     (every item reused) or ``evidence.enabled=false``."""
     ran = [e for e in engines if e.stage in results and results[e.stage].generated]
     nonfinite = sum(r.nonfinite for r in results.values())
@@ -501,9 +502,11 @@ def evidence_doc(cfg: DictConfig, plat: Any, engines: Sequence[Any], results: Di
     for e in ran:
         stages_doc[e.stage], mm = e.evidence(results[e.stage])
         mismatches += mm
+    limited = any("limited" in (st.get("checks") or {}).values() for st in stages_doc.values())
     return {"enabled": True, "pid": os.getpid(), "device": plat.device, "stages": stages_doc,
             "all_finite": nonfinite == 0,
-            "verdict": "mismatch" if mismatches else ("nonfinite_outputs" if nonfinite else "verified"),
+            "verdict": "mismatch" if mismatches else ("nonfinite_outputs" if nonfinite else
+                                                      "limited" if limited else "verified"),
             "mismatches": mismatches}
 
 

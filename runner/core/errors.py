@@ -66,6 +66,11 @@ class EvidenceMismatchError(RunnerError):
     exit 3."""
 
     exit_code = 3
+
+
+class EvidenceError(EvidenceMismatchError, RuntimeError):
+    """The run's evidence contradicts its resolution (strict mode); names the layer and what ran instead (built by
+    the engines' evidence, e.g. ``models.denoiser_evidence``, raised by the run loop)."""
     outcome = "evidence_mismatch"
 
 

@@ -633,7 +633,7 @@ class CacheConfig:
 
 @dataclass
 class EvidenceConfig:
-    """Evidence collection (see ``runner.core.evidence``)."""
+    """Evidence collection (see ``models.denoiser_evidence``)."""
 
     enabled: bool = True
     """Install probes that record which implementations ran."""

@@ -22,7 +22,8 @@ backend's signature matched a profiled kernel, and all outputs were finite. ``mi
 implementation differs from the resolved one (``evidence.strict=true``: the run ends with
 :class:`EvidenceError`, exit 3, naming the layer and what ran instead; ``strict=false``: status ``limited``).
 ``nonfinite_outputs`` when the backends matched but some outputs were NaN/inf: those rows are failed, the others
-written, and the run exits 1.
+written, and the run exits 1. ``limited`` when nothing mismatched but a check could not be made (``checks``: the
+forward count of an engine without a forward rule, ``model.adapter=diffusers``); the run's status is unchanged.
 """
 
 from __future__ import annotations
@@ -35,11 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from kernels import registry as reg
-from runner.core.errors import EvidenceMismatchError
-
-
-class EvidenceError(EvidenceMismatchError, RuntimeError):
-    """The run's evidence contradicts its resolution (strict mode); names the layer and what ran instead."""
+from runner.core.errors import EvidenceError  # noqa: F401  (re-exported: raised for this evidence's mismatches)
 
 
 @dataclass
@@ -110,7 +107,7 @@ class DenoiserProbe:
 def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_forwards: Optional[int],
           finite: bool,
           device: str, cache: Optional[Dict[str, Any]] = None,
-          collectives: Optional[Dict[str, Tuple[str, int]]] = None) -> Dict[str, Any]:
+          collectives: Optional[Dict[str, Tuple[str, int]]] = None, forward_rule: bool = True) -> Dict[str, Any]:
     """Assemble the manifest's ``evidence`` section and its verdict.
 
     Args:
@@ -123,6 +120,8 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
             change it: the cache methods skip blocks or attention inside the denoiser, never its call.
         finite: every generated output was finite.
         device: the worker's device string.
+        forward_rule: the engine predicts its forward count (False: the check is ``limited`` and so is the verdict
+            when nothing mismatches; :func:`forward_count_check`).
         cache: with a step cache (``models.cache.StepCache``): ``{"section": its evidence, "mismatches": [...],
             "attention_runs": {layer: forwards in which that attention module computed}, "forwards_computed": n}``.
             An attention site must then have run its backend once per forward in which its module computed (not
@@ -141,10 +140,45 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
     fwd = denoiser.forwards
     if expected_forwards is not None and fwd != expected_forwards:
         mismatches.append(f"stage {stage}: the denoiser ran {fwd} forwards, expected {expected_forwards}")
+    observing = probes.get("observed", True)
+    layers, by_backend = _attention_calls(stage, probes["attention"], observing, fwd, cache, mismatches)
+    lin = probes["linear"]
+    full = cache["forwards_computed"] if cache is not None else fwd  # forwards in which every module ran
+    lin_entry = _linear_calls(stage, lin, observing, fwd, full, cache is not None, mismatches)
+    moe = probes.get("moe")
+    moe_entry = _moe_calls(stage, moe, full, observing, mismatches) if moe is not None else None
+    kernels: Dict[str, Any] = {"profiled": trace is not None}
+    if trace is not None:
+        kernels.update(_kernel_calls(stage, trace, by_backend, lin.resolved, moe, mismatches))
+        if collectives:
+            kernels["collectives"] = _collective_calls(stage, trace, collectives, mismatches)
+    if cache is not None:
+        mismatches += list(cache.get("mismatches") or [])
+    checks = {"forward_count": forward_count_check(fwd, expected_forwards, forward_rule)}
+    verdict = "mismatch" if mismatches else ("nonfinite_outputs" if not finite else
+                                             "limited" if "limited" in checks.values() else "verified")
+    section = {"denoiser_forwards": fwd, "expected_forwards": expected_forwards, "checks": checks,
+               "attention": {"by_backend": by_backend, "layers": layers}, "linear": lin_entry, "kernels": kernels}
+    if cache is not None:
+        section["cache"] = cache["section"]
+    if moe_entry is not None:
+        section["moe"] = moe_entry
+    return {
+        "pid": os.getpid(), "device": device,
+        "stages": {stage: section},
+        "all_finite": finite,
+        "verdict": verdict,
+        "mismatches": mismatches,
+    }
+
+
+def _attention_calls(stage: str, sites: Any, observing: bool, fwd: int, cache: Optional[Dict[str, Any]],
+                     mismatches: List[str]) -> Tuple[List[Dict[str, Any]], Dict[str, int]]:
+    """Per attention call site: the backend calls observed against once per forward in which it computed
+    (mismatches appended); returns ``(layers, call sites per resolved backend)``."""
     layers = []
     by_backend: Dict[str, int] = {}
-    observing = probes.get("observed", True)
-    for site in probes["attention"]:
+    for site in sites:
         by_backend[site.resolved] = by_backend.get(site.resolved, 0) + 1
         if not observing:  # compiled: per-call counters do not run; kernel evidence below
             layers.append({"role": site.role, "layer": site.layer, "resolved": site.resolved, "calls": None,
@@ -163,81 +197,90 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
                               f"instead: {ran}")
         layers.append({"role": site.role, "layer": site.layer, "resolved": site.resolved, "calls": calls,
                        "observed": observed, "ok": ok})
-    lin = probes["linear"]
+    return layers, by_backend
+
+
+def _linear_calls(stage: str, lin: Any, observing: bool, fwd: int, full: int, cached: bool,
+                  mismatches: List[str]) -> Dict[str, Any]:
+    """The linear entry: calls of the resolved backend, at least one per module per fully computed forward
+    (mismatches appended)."""
     lin_entry = {"resolved": lin.resolved, "modules": lin.modules, "observed": dict(lin.observed),
                  "skipped_modules": len(lin.skipped)}
-    full = cache["forwards_computed"] if cache is not None else fwd  # forwards in which every module ran
     if getattr(lin, "excluded", None):
         lin_entry["moe_owned_modules"] = len(lin.excluded)
     if observing and lin.observed.get(lin.resolved, 0) < lin.modules * full:
         mismatches.append(f"stage {stage}, linear: resolved {lin.resolved} on {lin.modules} modules, observed "
                           f"{lin.observed.get(lin.resolved, 0)} calls in {fwd} forwards"
-                          + (f" ({full} fully computed)" if cache is not None else "") + f" ({lin.observed})")
+                          + (f" ({full} fully computed)" if cached else "") + f" ({lin.observed})")
     if lin.resolved == "TORCH" and any(k != "TORCH" for k in lin.observed):
         mismatches.append(f"stage {stage}, linear: resolved TORCH, observed {lin.observed}")
-    moe = probes.get("moe")
-    moe_entry = _moe_calls(stage, moe, full, observing, mismatches) if moe is not None else None
-    kernels: Dict[str, Any] = {"profiled": trace is not None}
-    if trace is not None:
-        matched = {}
-        launches = {}
-        for b, n_sites in by_backend.items():
-            sig = reg.signature("attention", b)
-            names = trace.match(sig or r"$^")
-            matched[b] = names
-            launches[b] = trace.calls(names)
-            if not names:
-                mismatches.append(f"stage {stage}, attention: no profiled kernel matches {b}'s signature "
-                                  f"/{sig}/")
-            elif len(by_backend) == 1 and launches[b] < n_sites:
-                mismatches.append(f"stage {stage}, attention: {b} kernels launched {launches[b]} times in the profiled "
-                                  f"forward, but {n_sites} call sites resolved to it")
-        attn_names = {n for names in matched.values() for n in names}  # an FP8 attention's kernels are not GEMMs
-        lin_names = [n for n in trace.match(reg.signature("linear", lin.resolved) or r"$^") if n not in attn_names]
-        if not lin_names:
-            mismatches.append(f"stage {stage}, linear: no profiled kernel matches {lin.resolved}")
-        fp8 = reg.signature("linear", "FP8")
-        fp8_ran = [n for n in trace.match(fp8) if n not in attn_names] if fp8 else []
-        if lin.resolved == "TORCH" and fp8_ran:
-            mismatches.append(f"stage {stage}, linear: resolved TORCH but FP8 GEMMs ran: {fp8_ran}")
-        if moe is not None and moe["sites"]:
-            kernels["moe"] = _moe_kernels(stage, moe["resolved"], trace, mismatches)
-        top = sorted(trace.kernels.items(), key=lambda kv: -kv[1])[:40]
-        by_ms = sorted(trace.kernel_ms.items(), key=lambda kv: -kv[1])[:25]
-        if by_ms:  # where the profiled step's device time went (a target missed says why from this)
-            kernels["device_ms_total"] = round(sum(trace.kernel_ms.values()), 3)
-            kernels["top_device_ms"] = {k[:160]: round(v, 3) for k, v in by_ms}
-        kernels.update(attention=matched, attention_launches=launches, linear={lin.resolved: lin_names},
-                       top_device_kernels=dict(top),
-                       device_kernels=len(trace.kernels), ops=len(trace.ops))
-        if collectives:
-            seen: Dict[str, Any] = {}
-            for kind, (regex, least) in collectives.items():
-                names = trace.match(regex)
-                calls = trace.calls(names)
-                seen[kind] = {"names": {n: trace.kernels.get(n, 0) or trace.ops.get(n, 0) for n in names},
-                              "calls": calls, "expected_at_least": least}
-                if calls < least:
-                    mismatches.append(f"stage {stage}, context parallelism: {calls} {kind} collective calls in the "
-                                      f"profiled forward, expected at least {least} (matching /{regex}/); the "
-                                      "sequence was not split and exchanged as configured")
-            kernels["collectives"] = seen
-    if cache is not None:
-        mismatches += list(cache.get("mismatches") or [])
-    verdict = "mismatch" if mismatches else ("nonfinite_outputs" if not finite else "verified")
-    section = {"denoiser_forwards": fwd, "expected_forwards": expected_forwards,
-               "attention": {"by_backend": by_backend, "layers": layers}, "linear": lin_entry, "kernels": kernels}
-    if cache is not None:
-        section["cache"] = cache["section"]
-    if moe_entry is not None:
-        section["moe"] = moe_entry
-    return {
-        "pid": os.getpid(), "device": device,
-        "stages": {stage: section},
-        "all_finite": finite,
-        "verdict": verdict,
-        "mismatches": mismatches,
-    }
+    return lin_entry
+
+
+def _kernel_calls(stage: str, trace: KernelTrace, by_backend: Dict[str, int], lin_resolved: str, moe: Any,
+                  mismatches: List[str]) -> Dict[str, Any]:
+    """The profiled forward's kernels against each selected backend's signature (mismatches appended)."""
+    kernels: Dict[str, Any] = {}
+    matched = {}
+    launches = {}
+    for b, n_sites in by_backend.items():
+        sig = reg.signature("attention", b)
+        names = trace.match(sig or r"$^")
+        matched[b] = names
+        launches[b] = trace.calls(names)
+        if not names:
+            mismatches.append(f"stage {stage}, attention: no profiled kernel matches {b}'s signature "
+                              f"/{sig}/")
+        elif len(by_backend) == 1 and launches[b] < n_sites:
+            mismatches.append(f"stage {stage}, attention: {b} kernels launched {launches[b]} times in the profiled "
+                              f"forward, but {n_sites} call sites resolved to it")
+    attn_names = {n for names in matched.values() for n in names}  # an FP8 attention's kernels are not GEMMs
+    lin_names = [n for n in trace.match(reg.signature("linear", lin_resolved) or r"$^") if n not in attn_names]
+    if not lin_names:
+        mismatches.append(f"stage {stage}, linear: no profiled kernel matches {lin_resolved}")
+    fp8 = reg.signature("linear", "FP8")
+    fp8_ran = [n for n in trace.match(fp8) if n not in attn_names] if fp8 else []
+    if lin_resolved == "TORCH" and fp8_ran:
+        mismatches.append(f"stage {stage}, linear: resolved TORCH but FP8 GEMMs ran: {fp8_ran}")
+    if moe is not None and moe["sites"]:
+        kernels["moe"] = _moe_kernels(stage, moe["resolved"], trace, mismatches)
+    top = sorted(trace.kernels.items(), key=lambda kv: -kv[1])[:40]
+    by_ms = sorted(trace.kernel_ms.items(), key=lambda kv: -kv[1])[:25]
+    if by_ms:  # where the profiled step's device time went (a target missed says why from this)
+        kernels["device_ms_total"] = round(sum(trace.kernel_ms.values()), 3)
+        kernels["top_device_ms"] = {k[:160]: round(v, 3) for k, v in by_ms}
+    kernels.update(attention=matched, attention_launches=launches, linear={lin_resolved: lin_names},
+                   top_device_kernels=dict(top),
+                   device_kernels=len(trace.kernels), ops=len(trace.ops))
+    return kernels
+
+
+def _collective_calls(stage: str, trace: KernelTrace, collectives: Dict[str, Tuple[str, int]],
+                      mismatches: List[str]) -> Dict[str, Any]:
+    """Context parallelism's collectives in the profiled forward: at least the expected calls of each kind
+    (mismatches appended)."""
+    seen: Dict[str, Any] = {}
+    for kind, (regex, least) in collectives.items():
+        names = trace.match(regex)
+        calls = trace.calls(names)
+        seen[kind] = {"names": {n: trace.kernels.get(n, 0) or trace.ops.get(n, 0) for n in names},
+                      "calls": calls, "expected_at_least": least}
+        if calls < least:
+            mismatches.append(f"stage {stage}, context parallelism: {calls} {kind} collective calls in the "
+                              f"profiled forward, expected at least {least} (matching /{regex}/); the "
+                              "sequence was not split and exchanged as configured")
+    return seen
+
+
+def forward_count_check(forwards: int, expected: Optional[int], rule: bool) -> str:
+    """The forward-count check's status: ``limited`` when the engine has no forward rule (``model.adapter=diffusers``
+    on a pipeline no family describes: the count cannot be checked, so it is never ``verified``); ``not_checked``
+    when a pipeline call raised part-way (the total is not predictable); else ``verified`` or ``mismatch``."""
+    if not rule:
+        return "limited"
+    if expected is None:
+        return "not_checked"
+    return "verified" if forwards == expected else "mismatch"
 
 
 def _moe_calls(stage: str, moe: Dict[str, Any], fwd: int, observing: bool, mismatches: List[str]) -> Dict[str, Any]:
