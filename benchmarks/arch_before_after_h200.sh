@@ -10,7 +10,7 @@
 #           torchmetrics==1.9.0 lightning-utilities==0.15.3; pip wheel --no-deps -w .whlbench antlr4-python3-runtime==4.9.3
 # Device: run(carry=[".before", ".whlbench"], command="bash benchmarks/arch_before_after_h200.sh")
 set -u
-: "${OUT:?set OUT (the device call's output folder)}"
+: "${OUT:?set OUT to the output folder of the device call}"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whlbench/*.whl 2>&1 | tail -2
 variants=${VARIANTS:-baseline,lossless,torchao_fp8}
 prompts=${PROMPTS:-4}
