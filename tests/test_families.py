@@ -203,6 +203,10 @@ def test_generic_adapter_runs_a_flux_snapshot(run_job, tiny_snapshot):
     assert r.manifest["evidence"]["verdict"] == "limited" and r.manifest["status"] == "completed"
     assert st["checks"] == {"forward_count": "limited"}
     assert st["expected_forwards"] is None and st["denoiser_forwards"] == 4
+    pytest.importorskip("jsonschema")
+    from runner.tools.validate import validate_run_dir
+
+    assert validate_run_dir(r.run_dir) == []  # the manifest schema knows the limited verdict (it did not)
 
 
 def test_row_field_the_pipeline_does_not_take_is_refused(tmp_path, write_jsonl):

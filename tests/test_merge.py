@@ -488,3 +488,14 @@ def test_torchrun_exit_line_only_on_rank_0_of_several(tmp_path, monkeypatch):
     assert line.endswith(f"the runner's exit code is 2, recorded in {tmp_path / 'job_status.json'}")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert dist.torchrun_exit_line(2, "refused", e, tmp_path) is None
+
+
+def test_a_limited_worker_verdict_merges_as_limited_not_mismatch(tmp_path):
+    """Regression (families merge): a worker whose forward-count check is ``limited`` (``model.adapter=diffusers``)
+    contradicted nothing; the merged verdict said ``mismatch`` because only verified/not_collected counted."""
+    _two_workers(tmp_path, verdict="limited")
+    m = dist.merge(tmp_path, 2, KEYS, "torchrun")
+    assert m["evidence"]["verdict"] == "limited" and m["evidence"]["mismatches"] == []
+    _two_workers(tmp_path, verdict="limited")
+    _worker(tmp_path, 0, [ok("a")], verdict="mismatch", mismatches=["stage denoise: x"])
+    assert dist.merge(tmp_path, 2, KEYS, "torchrun")["evidence"]["verdict"] == "mismatch"

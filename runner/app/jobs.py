@@ -28,7 +28,7 @@ import logging
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -64,6 +64,65 @@ def _refusal_manifest(out_dir: Path, cfg: DictConfig, overrides: List[str], stat
     m.flush()
 
 
+def _torchrun_worker(cfg: DictConfig) -> Optional[Any]:
+    """This process's ``runner.core.distributed.Worker`` when torchrun started it for a data or context-parallel
+    run (a context mode's layout, degrees x data = world size, is checked at startup by ``check_run_values``)."""
+    from runner.core import distributed as dp
+
+    if cfg.parallelism.mode not in ("data", *dp.CONTEXT_MODES) or dp.torchrun_worker() is None:
+        return None
+    try:
+        lay = dp.layout(cfg, dp.torchrun_worker().world_size)
+    except RunnerError:
+        lay = None  # refused by the run's own checks, with the same message
+    return dp.torchrun_worker(lay)
+
+
+def _hold_run_dir(cfg: DictConfig, out_dir: Path) -> Optional[Any]:
+    """Hold the run dir before anything else (re-entrant: the Hydra callback took it already in
+    ``python -m runner``); under torchrun the run holds it through rank 0, and every rank learns whether it was
+    refused (then None is returned: rank 0's lock holds it).
+
+    Raises:
+        runner.core.errors.UserInputError: a path no run can use (exit 2, named); RunDirLockError: another run's.
+    """
+    from runner.core import distributed as dp
+    from runner.core.environment import check_dir
+
+    check_dir(out_dir, _dir_key(cfg))  # a path no run can use is bad input (exit 2, named), not a lock matter
+    tw = dp.torchrun_worker()
+    if tw is not None and tw.world_size > 1:
+        dp.claim_run_dir(out_dir, tw, create=not cfg.run.resume, key=_dir_key(cfg))
+        return None
+    return rundir.acquire(out_dir, create=not cfg.run.resume, key=_dir_key(cfg))
+
+
+def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Optional[Any],
+            on_exit: Callable[[int], None]) -> Tuple[int, Optional[Dict[str, Any]]]:
+    """The run itself: on Ray workers (the driver merges), as a torchrun rank (rank 0 merges after the barrier)
+    or in this process. Returns the exit code and the merged manifest of a data-parallel run (else None)."""
+    from runner.app.console import merged_summary
+    from runner.app.execute import DatasetItems, run
+    from runner.core import distributed as dp
+
+    if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
+        from runner.app.ray_launcher import run_on_ray
+
+        data = DatasetItems.read(cfg)  # the driver runs no stage: its one read of the rows
+        merged = run_on_ray(cfg, out_dir, overrides, data.keys(), data.current())
+        return dp.merged_exit_code(merged), merged
+    if worker is None or worker.world_size <= 1:
+        return run(cfg, out_dir, overrides=overrides, on_exit=on_exit), None
+    data = DatasetItems()  # filled by the run's own read of the rows
+    code = run(cfg, out_dir, overrides=overrides, worker=worker, on_exit=on_exit, dataset=data)
+    dp.barrier()
+    if worker.rank != 0:
+        return code, None
+    merged = dp.merge(out_dir, worker.world_size, data.keys(), "torchrun", data.current(), lay=worker.layout)
+    log.info("%s", merged_summary(merged, out_dir))  # the run's one summary line (workers log theirs at DEBUG)
+    return dp.merged_exit_code(merged), merged
+
+
 def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool = True) -> int:
     """Run ``runner.app.execute.run`` and record the outcome in ``out_dir/job_status.json``.
 
@@ -73,10 +132,8 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     Returns:
         The exit code (see the module docstring).
     """
-    from runner.app.execute import DatasetItems, run
-
+    from runner.app.console import quiet_libraries, verbose
     from runner.core import distributed as dp
-    from runner.app.console import merged_summary, quiet_libraries, verbose
 
     quiet_libraries(verbose(sys.argv[1:]))  # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries')
 
@@ -85,15 +142,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     if job_dir == dp.shared_run_dir(job_dir):
         job_dir = out_dir
     status: Dict[str, Any] = {"error_type": None, "error": None}
-    context = dp.CONTEXT_MODES
-    worker = None
-    if cfg.parallelism.mode in ("data", *context) and dp.torchrun_worker() is not None:
-        # a context mode's layout (degrees x data = world size) is checked at startup (check_run_values)
-        try:
-            lay = dp.layout(cfg, dp.torchrun_worker().world_size)
-        except RunnerError:
-            lay = None  # refused by the run's own checks, with the same message
-        worker = dp.torchrun_worker(lay)
+    worker = _torchrun_worker(cfg)
     lock = None
     merged = None  # the merged manifest of a data-parallel run (Ray, or torchrun's rank 0)
 
@@ -102,33 +151,8 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
                                                      "error": "a second signal ended the run at once"})
 
     try:
-        # Hold the run dir first (re-entrant: the Hydra callback took it already in `python -m runner`); under
-        # torchrun the run holds it through rank 0, and every rank learns whether it was refused.
-        from runner.core.environment import check_dir
-
-        check_dir(out_dir, _dir_key(cfg))  # a path no run can use is bad input (exit 2, named), not a lock matter
-        tw = dp.torchrun_worker()
-        if tw is not None and tw.world_size > 1:
-            dp.claim_run_dir(out_dir, tw, create=not cfg.run.resume, key=_dir_key(cfg))
-        else:
-            lock = rundir.acquire(out_dir, create=not cfg.run.resume, key=_dir_key(cfg))
-        if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
-            from runner.app.ray_launcher import run_on_ray
-
-            data = DatasetItems.read(cfg)  # the driver runs no stage: its one read of the rows
-            merged = run_on_ray(cfg, out_dir, overrides, data.keys(), data.current())
-            code = dp.merged_exit_code(merged)
-        elif worker is not None and worker.world_size > 1:
-            data = DatasetItems()  # filled by the run's own read of the rows
-            code = run(cfg, out_dir, overrides=overrides, worker=worker, on_exit=on_exit, dataset=data)
-            dp.barrier()
-            if worker.rank == 0:
-                merged = dp.merge(out_dir, worker.world_size, data.keys(), "torchrun", data.current(),
-                                  lay=worker.layout)
-                log.info("%s", merged_summary(merged, out_dir))  # the run's one summary line (workers log theirs at DEBUG)
-                code = dp.merged_exit_code(merged)
-        else:
-            code = run(cfg, out_dir, overrides=overrides, on_exit=on_exit)
+        lock = _hold_run_dir(cfg, out_dir)
+        code, merged = _launch(cfg, out_dir, overrides, worker, on_exit)
         outcome = _outcome(code, merged, status)
     except RunDirLockError as e:  # the dir is another run's (or unusable): write nothing into it
         log.error("%s: %s", type(e).__name__, e)

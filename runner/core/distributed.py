@@ -446,6 +446,69 @@ def worker_failure(merged: Dict[str, Any]) -> Optional[Tuple[str, str]]:
     return outcome, error
 
 
+def _latest_records(out_dir: Path, docs: List[Optional[Dict[str, Any]]], keys_in_order: List[str],
+                    current: Optional[Callable[[List[str]], Dict[str, List[str]]]]) -> Dict[str, Dict[str, Any]]:
+    """Every journal of the dir merged into ``items.jsonl`` (dataset order): per key the ok record (of the
+    current config: ``current``), else the last one. Returns ``{key: record}``."""
+    valid = None
+    if current is not None:
+        valid = current([d["identity"]["sha256"] for d in docs if d and (d.get("identity") or {}).get("sha256")])
+    latest: Dict[str, Dict[str, Any]] = {}
+    for p in sorted(out_dir.glob("items*.jsonl")):
+        for rec in read_journal(p):
+            if "key" in rec:
+                if rec.get("status") == "ok" and valid is not None and rec.get("inputs_sha256") not in valid.get(
+                        rec["key"], ()):
+                    continue  # an earlier config's output
+                if rec.get("status") == "ok" or rec["key"] not in latest:
+                    latest[rec["key"]] = rec
+    lines = [json.dumps(latest[k]) + "\n" for k in keys_in_order if k in latest]
+    atomic_write_bytes(out_dir / "items.jsonl", "".join(lines).encode())
+    return latest
+
+
+def _parallelism_section(docs: List[Optional[Dict[str, Any]]], world_size: int, launcher: str,
+                         lay: Optional[Layout]) -> Dict[str, Any]:
+    """The merged manifest's ``parallelism``: data parallelism, or the context-parallel mesh and roles."""
+    if lay is None:
+        return {"mode": "data", "world_size": world_size, "launcher": launcher, "sharding": SHARDING}
+    return {
+        "mode": lay.mode, "world_size": world_size, "launcher": launcher, "data": lay.data,
+        "ulysses_degree": lay.ulysses, "ring_degree": lay.ring, "context_degree": lay.context,
+        "sharding": SHARDING.replace("rank", "data group") + "; every rank of a context group computes its "
+                    "group's items together, the group's first rank writes them",
+        "mesh": lay.section(), "roles": [lay.role(r) for r in range(world_size)],
+        "context_parallel": {str(r): (d or {}).get("context_parallel") for r, d in enumerate(docs)}}
+
+
+def _merged_timing(workers: List[Dict[str, Any]], lay: Optional[Layout]) -> Dict[str, Any]:
+    """Workers run side by side: the run's generation loop lasts as long as its slowest worker's; images per
+    hour are the writing ranks' ok images over it."""
+    loops = [w["timing"]["loop_s"] for w in workers if w.get("timing", {}).get("loop_s")]
+    walls = [w["timing"]["wall_s"] for w in workers if w.get("timing", {}).get("wall_s")]
+    return {"loop_s": max(loops) if loops else None, "wall_s": max(walls) if walls else None,
+            "images_per_hour": round(3600 * sum((w.get("counts") or {}).get("ok", 0) for w in workers
+                                                if lay is None or lay.role(w["rank"])["writes_artifacts"])
+                                     / max(loops), 1) if loops else None,
+            "per_worker": "workers[].timing"}
+
+
+#: Worker evidence verdicts that contradict nothing (``limited``: a check could not be made, recorded).
+_CONSISTENT = ("verified", "not_collected")
+
+
+def _merged_evidence(docs: List[Optional[Dict[str, Any]]]) -> Dict[str, Any]:
+    """The merged ``evidence``: every worker's section; ``verified`` when every worker verified (or collected
+    nothing), ``limited`` when the others are limited, else ``mismatch``; the mismatches named by rank."""
+    verdicts = [(d or {}).get("evidence", {}).get("verdict") for d in docs]
+    verdict = ("verified" if all(v in _CONSISTENT for v in verdicts) else
+               "limited" if all(v in (*_CONSISTENT, "limited") for v in verdicts) else "mismatch")
+    return {"workers": {str(r): (d or {}).get("evidence") for r, d in enumerate(docs)}, "verdict": verdict,
+            "mismatches": [f"rank {r}: {m}" for r, d in enumerate(docs)
+                           for m in ((d or {}).get("evidence") or {}).get("mismatches") or []]
+            + [f"rank {r}: no manifest" for r, d in enumerate(docs) if d is None]}
+
+
 def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str,
           current: Optional[Callable[[List[str]], Dict[str, List[str]]]] = None,
           lay: Optional[Layout] = None, reasons: Optional[Dict[int, str]] = None) -> Dict[str, Any]:
@@ -476,20 +539,7 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     for r in range(world_size):
         p = out_dir / f"manifest.rank{r}.json"
         docs.append(json.loads(p.read_text()) if p.exists() else None)
-    valid = None
-    if current is not None:
-        valid = current([d["identity"]["sha256"] for d in docs if d and (d.get("identity") or {}).get("sha256")])
-    latest: Dict[str, Dict[str, Any]] = {}
-    for p in sorted(out_dir.glob("items*.jsonl")):
-        for rec in read_journal(p):
-            if "key" in rec:
-                if rec.get("status") == "ok" and valid is not None and rec.get("inputs_sha256") not in valid.get(
-                        rec["key"], ()):
-                    continue  # an earlier config's output
-                if rec.get("status") == "ok" or rec["key"] not in latest:
-                    latest[rec["key"]] = rec
-    lines = [json.dumps(latest[k]) + "\n" for k in keys_in_order if k in latest]
-    atomic_write_bytes(out_dir / "items.jsonl", "".join(lines).encode())
+    latest = _latest_records(out_dir, docs, keys_in_order, current)
     workers = [worker_entry(r, doc, reasons) for r, doc in enumerate(docs)]
     close_dead_workers(out_dir, docs, workers)
     base = next((d for d in docs if d is not None), {})
@@ -509,32 +559,11 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
         from runner.core.dataset import prompts_summary
 
         merged["prompts"] = {**base["prompts"], **prompts_summary(ok)}
-    merged["parallelism"] = {"mode": "data", "world_size": world_size, "launcher": launcher,
-                             "sharding": SHARDING}
-    if lay is not None:
-        merged["parallelism"] = {
-            "mode": lay.mode, "world_size": world_size, "launcher": launcher, "data": lay.data,
-            "ulysses_degree": lay.ulysses, "ring_degree": lay.ring, "context_degree": lay.context,
-            "sharding": SHARDING.replace("rank", "data group") + "; every rank of a context group computes its "
-                        "group's items together, the group's first rank writes them",
-            "mesh": lay.section(), "roles": [lay.role(r) for r in range(world_size)],
-            "context_parallel": {str(r): (d or {}).get("context_parallel") for r, d in enumerate(docs)}}
+    merged["parallelism"] = _parallelism_section(docs, world_size, launcher, lay)
     merged.pop("context_parallel", None)
     merged["workers"] = workers
-    loops = [w["timing"]["loop_s"] for w in workers if w.get("timing", {}).get("loop_s")]
-    walls = [w["timing"]["wall_s"] for w in workers if w.get("timing", {}).get("wall_s")]
-    # Workers run side by side: the run's generation loop lasts as long as its slowest worker's.
-    merged["timing"] = {"loop_s": max(loops) if loops else None, "wall_s": max(walls) if walls else None,
-                        "images_per_hour": round(3600 * sum((w.get("counts") or {}).get("ok", 0) for w in workers
-                                                            if lay is None or lay.role(w["rank"])["writes_artifacts"])
-                                                 / max(loops), 1) if loops else None,
-                        "per_worker": "workers[].timing"}
-    merged["evidence"] = {"workers": {str(r): (d or {}).get("evidence") for r, d in enumerate(docs)},
-                          "verdict": "verified" if all((d or {}).get("evidence", {}).get("verdict") in
-                                                       ("verified", "not_collected") for d in docs) else "mismatch",
-                          "mismatches": [f"rank {r}: {m}" for r, d in enumerate(docs)
-                                         for m in ((d or {}).get("evidence") or {}).get("mismatches") or []]
-                          + [f"rank {r}: no manifest" for r, d in enumerate(docs) if d is None]}
+    merged["timing"] = _merged_timing(workers, lay)
+    merged["evidence"] = _merged_evidence(docs)
     statuses = {w["status"] for w in workers}
     merged["status"] = ("completed" if statuses == {"completed"} and not merged["counts"]["missing"] else
                         "completed_with_failures" if statuses <= {"completed", "completed_with_failures"}

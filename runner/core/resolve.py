@@ -404,62 +404,82 @@ def _resolve_stage(cfg: DictConfig, cli: Sequence[str], info: StageInfo) -> Tupl
                 res.warnings.append(msg)
                 warnings.warn(msg, BackendConflictWarning, stacklevel=2)
         if fld not in info.fields:
-            stage_sets = any(lay in ("cli_stage", "yaml_stage") for lay, _ in layers)
-            stage_val = next((v for lay, v in layers if lay in ("cli_stage", "yaml_stage")), None)
-            who = f"stage {info.name!r}" + (f" (model={info.model})" if info.model else "")
-            none = f"{who} has no {_LABELS.get(fld, fld)} layers"
-            if stage_sets:  # the stage's own value governs it: only an explicit non-auto value is an error
-                own = _canonical(fld, stage_val, info.roles, where_stage, info.names)
-                if _any_not_auto(own):
-                    raise StageConflictError(f"{where_stage}={_short(own)}: {none}, so no {fld} backend can run "
-                                             f"there; fix: remove {where_stage} (or set it to auto)")
-                res.selected, res.reason = None, f"not applicable: {none}"
-                out[fld] = res
-                continue
-            if _any_not_auto(canon) and layer in ("cli_run", "yaml_run"):
-                raise StageConflictError(
-                    f"backend.{fld}={_short(canon)} (from {layer}) cannot be honoured: {none}, so its engine runs "
-                    f"no {fld} backend; fix: drop backend.{fld}, or set {where_stage}=auto")
-            if _any_not_auto(canon):
-                raise StageConflictError(f"{where}={_short(canon)}: {none}, so no {fld} backend can run there; "
-                                         f"fix: remove {where} (or set it to auto)")
-            res.selected, res.reason = None, f"not applicable: {none}"
-            out[fld] = res
+            out[fld] = _not_applicable(fld, res, layers, canon, layer, where, where_stage, info)
             continue
-        if info.names is not None:  # the engine's own names (vLLM): it checks and chooses
-            if canon == reg.AUTO:
-                res.selected, res.reason = info.names.auto(fld)
-            else:
-                info.names.check(fld, canon, where)
-                res.selected = canon
-        elif fld == "attention":
-            sel: Dict[str, Dict[str, Any]] = {}
-            reasons = {}
-            for role, spec in canon.items():
-                w = where if len(canon) == 1 else f"{where} (role {role})"
-                name = spec["backend"]
-                if name == reg.AUTO:
-                    if spec.get("quant") or spec.get("skip_softmax"):
-                        raise reg.BackendSpecError(f"{w}: quant/skip_softmax need a named backend, not auto")
-                    name, reasons[role] = reg.auto_select("attention", info.ctx, (info.wired or {}).get("attention"))
-                else:
-                    wired = (info.wired or {}).get("attention")
-                    reg.check("attention", name, info.ctx, where=w, also=[] if wired is None or name in wired else [
-                        f"is not wired into the engine of stage {info.name!r} (it runs {', '.join(wired)})"])
-                reg.validate_spec(name, spec, w)
-                sel[role] = {**spec, "backend": name}
-            res.selected = sel
-            res.reason = "; ".join(f"{r}: {why}" for r, why in reasons.items()) or None
-        else:
-            if canon == reg.AUTO:
-                res.selected, res.reason = reg.auto_select(fld, info.ctx, (info.wired or {}).get(fld))
-            else:
-                wired = (info.wired or {}).get(fld)
-                reg.check(fld, canon, info.ctx, where=where, also=[] if wired is None or canon in wired else [
-                    f"is not wired into the engine of stage {info.name!r} (it runs {', '.join(wired)})"])
-                res.selected = canon
+        _select(fld, res, canon, where, info)
         out[fld] = res
     return out, extras
+
+
+def _not_applicable(fld: str, res: FieldResolution, layers: List[Tuple[str, Any]], canon: Any, layer: str,
+                    where: str, where_stage: str, info: StageInfo) -> FieldResolution:
+    """A field the stage's engine has no layers for: refused when a value other than auto was asked for it
+    (naming the key and the fix), else recorded as not applicable.
+
+    Raises:
+        StageConflictError: an explicit non-auto value for a field the stage cannot run.
+    """
+    stage_sets = any(lay in ("cli_stage", "yaml_stage") for lay, _ in layers)
+    stage_val = next((v for lay, v in layers if lay in ("cli_stage", "yaml_stage")), None)
+    who = f"stage {info.name!r}" + (f" (model={info.model})" if info.model else "")
+    none = f"{who} has no {_LABELS.get(fld, fld)} layers"
+    if stage_sets:  # the stage's own value governs it: only an explicit non-auto value is an error
+        own = _canonical(fld, stage_val, info.roles, where_stage, info.names)
+        if _any_not_auto(own):
+            raise StageConflictError(f"{where_stage}={_short(own)}: {none}, so no {fld} backend can run "
+                                     f"there; fix: remove {where_stage} (or set it to auto)")
+        res.selected, res.reason = None, f"not applicable: {none}"
+        return res
+    if _any_not_auto(canon) and layer in ("cli_run", "yaml_run"):
+        raise StageConflictError(
+            f"backend.{fld}={_short(canon)} (from {layer}) cannot be honoured: {none}, so its engine runs "
+            f"no {fld} backend; fix: drop backend.{fld}, or set {where_stage}=auto")
+    if _any_not_auto(canon):
+        raise StageConflictError(f"{where}={_short(canon)}: {none}, so no {fld} backend can run there; "
+                                 f"fix: remove {where} (or set it to auto)")
+    res.selected, res.reason = None, f"not applicable: {none}"
+    return res
+
+
+def _select(fld: str, res: FieldResolution, canon: Any, where: str, info: StageInfo) -> None:
+    """Fill ``res.selected`` (and ``res.reason``): the engine's own names choose (vLLM), else ``auto`` through the
+    registry's priority, else the named backend checked against the device and the engine's wiring.
+
+    Raises:
+        kernels.registry.BackendUnavailableError / BackendSpecError: a named backend that cannot run here.
+    """
+    if info.names is not None:  # the engine's own names (vLLM): it checks and chooses
+        if canon == reg.AUTO:
+            res.selected, res.reason = info.names.auto(fld)
+        else:
+            info.names.check(fld, canon, where)
+            res.selected = canon
+    elif fld == "attention":
+        sel: Dict[str, Dict[str, Any]] = {}
+        reasons = {}
+        for role, spec in canon.items():
+            w = where if len(canon) == 1 else f"{where} (role {role})"
+            name = spec["backend"]
+            if name == reg.AUTO:
+                if spec.get("quant") or spec.get("skip_softmax"):
+                    raise reg.BackendSpecError(f"{w}: quant/skip_softmax need a named backend, not auto")
+                name, reasons[role] = reg.auto_select("attention", info.ctx, (info.wired or {}).get("attention"))
+            else:
+                wired = (info.wired or {}).get("attention")
+                reg.check("attention", name, info.ctx, where=w, also=[] if wired is None or name in wired else [
+                    f"is not wired into the engine of stage {info.name!r} (it runs {', '.join(wired)})"])
+            reg.validate_spec(name, spec, w)
+            sel[role] = {**spec, "backend": name}
+        res.selected = sel
+        res.reason = "; ".join(f"{r}: {why}" for r, why in reasons.items()) or None
+    else:
+        if canon == reg.AUTO:
+            res.selected, res.reason = reg.auto_select(fld, info.ctx, (info.wired or {}).get(fld))
+        else:
+            wired = (info.wired or {}).get(fld)
+            reg.check(fld, canon, info.ctx, where=where, also=[] if wired is None or canon in wired else [
+                f"is not wired into the engine of stage {info.name!r} (it runs {', '.join(wired)})"])
+            res.selected = canon
 
 
 _LABELS = {"moe": "MoE"}  # how a field's layers are called in messages ("has no MoE layers")

@@ -400,6 +400,77 @@ def _check_named(named: Dict[str, str], digests: Dict[str, str]) -> List[str]:
     return sorted(named)
 
 
+def _lookup(items: List[Tuple[str, str, Dict[str, int]]], entries: Dict[str, List[Dict[str, Any]]],
+            digests: Dict[str, str], stats: Dict[str, Any]) -> List[Tuple[str, str, Dict[str, int]]]:
+    """Fill ``digests`` from the cache ``entries`` (recorded in ``stats["cached"]``); return the items still
+    missing (those not in ``digests`` already and without a matching cache entry)."""
+    todo = []
+    for rel, real, key in items:
+        if rel in digests:
+            continue
+        hit = _hit(entries, real, key)
+        if hit is not None:
+            digests[rel] = hit
+            stats["cached"].append(rel)
+        else:
+            todo.append((rel, real, key))
+    return todo
+
+
+def _compute(todo: List[Tuple[str, str, Dict[str, int]]], digests: Dict[str, str],
+             stats: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Read and hash ``todo`` into ``digests``; return the cache entries of the files whose stat did not change
+    while they were read."""
+    new = {}
+    for rel, real, key in todo:
+        digest = file_sha256(Path(real))
+        digests[rel] = digest
+        stats["computed"].append(rel)
+        stats["bytes_hashed"] += key["size"]
+        if _stat_key(os.stat(real)) == key:
+            new[real] = {**key, "sha256": digest, "stored": time.time()}
+        else:  # changed while read: the digest is this read's, but nothing durable may claim it
+            log.warning("weight file %s changed while it was hashed; its digest is not cached", real)
+    return new
+
+
+def _hash_missing(items: List[Tuple[str, str, Dict[str, int]]], cache_dir: Path, cache_file: Optional[Path],
+                  corrupt: bool, digests: Dict[str, str], stats: Dict[str, Any]) -> None:
+    """Under the digest cache's lock: read the cache again (a concurrent rank may have just hashed the same
+    files), hash what is still missing and merge the new digests into the cache file. A cache that cannot be
+    locked or written leaves the digests correct and uncached (``stats["cache_file"]`` None), with a warning."""
+    import filelock
+
+    lock = None
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(str(cache_file) + ".lock")
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            log.info("waiting for another process hashing weight files (lock %s.lock)", cache_file)
+            lock.acquire()
+    except OSError as e:
+        log.warning("weight digest cache %s cannot be used (%s): digests are computed and not cached",
+                    cache_file, e)
+        lock, cache_file = None, None
+        stats["cache_file"] = None
+    try:
+        # what a concurrent process stored while this one waited (a corrupt file was already reported)
+        entries = _read_cache(cache_file, warn=not corrupt)[0] if cache_file is not None else {}
+        new = _compute(_lookup(items, entries, digests, stats), digests, stats)
+        if new and cache_file is not None:
+            try:
+                _write_cache(cache_file, _merge(entries, new))
+            except OSError as e:
+                log.warning("weight digest cache %s cannot be written (%s): digests are not cached",
+                            cache_file, e)
+                stats["cache_file"] = None
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = None,
                verify: Optional[bool] = None) -> Tuple[Dict[str, str], Dict[str, Any]]:
     """sha256 of each file, reusing digests cached by an earlier call (this process, another job, another rank).
@@ -437,8 +508,6 @@ def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = No
         WeightDigestError: with ``verify``, a hub blob whose content does not match its name.
         ValueError: a file is not under ``root``.
     """
-    import filelock
-
     verify = os.environ.get(VERIFY_ENV, "").strip().lower() in ("1", "true", "yes", "on") if verify is None else verify
 
     t0 = time.perf_counter()
@@ -456,63 +525,9 @@ def hash_files(files: Iterable[Path], root: Path, cache_dir: Optional[Path] = No
                              "bytes_total": sum(k["size"] for _, _, k in items), "cache_file": str(cache_file)}
     named = _take_hub_names(items, digests, stats, verify)
 
-    def lookup(entries: Dict[str, List[Dict[str, Any]]]) -> List[Tuple[str, str, Dict[str, int]]]:
-        todo = []
-        for rel, real, key in items:
-            if rel in digests:
-                continue
-            hit = _hit(entries, real, key)
-            if hit is not None:
-                digests[rel] = hit
-                stats["cached"].append(rel)
-            else:
-                todo.append((rel, real, key))
-        return todo
-
-    def compute(todo: List[Tuple[str, str, Dict[str, int]]]) -> Dict[str, Dict[str, Any]]:
-        new = {}
-        for rel, real, key in todo:
-            digest = file_sha256(Path(real))
-            digests[rel] = digest
-            stats["computed"].append(rel)
-            stats["bytes_hashed"] += key["size"]
-            if _stat_key(os.stat(real)) == key:
-                new[real] = {**key, "sha256": digest, "stored": time.time()}
-            else:  # changed while read: the digest is this read's, but nothing durable may claim it
-                log.warning("weight file %s changed while it was hashed; its digest is not cached", real)
-        return new
-
     first, corrupt = _read_cache(cache_file)
-    todo = lookup(first)
-    if todo:
-        lock = None
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            lock = filelock.FileLock(str(cache_file) + ".lock")
-            try:
-                lock.acquire(timeout=0)
-            except filelock.Timeout:
-                log.info("waiting for another process hashing weight files (lock %s.lock)", cache_file)
-                lock.acquire()
-        except OSError as e:
-            log.warning("weight digest cache %s cannot be used (%s): digests are computed and not cached",
-                        cache_file, e)
-            lock, cache_file = None, None
-            stats["cache_file"] = None
-        try:
-            # what a concurrent process stored while this one waited (a corrupt file was already reported)
-            entries = _read_cache(cache_file, warn=not corrupt)[0] if cache_file is not None else {}
-            new = compute(lookup(entries))
-            if new and cache_file is not None:
-                try:
-                    _write_cache(cache_file, _merge(entries, new))
-                except OSError as e:
-                    log.warning("weight digest cache %s cannot be written (%s): digests are not cached",
-                                cache_file, e)
-                    stats["cache_file"] = None
-        finally:
-            if lock is not None:
-                lock.release()
+    if _lookup(items, first, digests, stats):
+        _hash_missing(items, cache_dir, cache_file, corrupt, digests, stats)
     stats["verified"] = _check_named(named, digests) if verify else []  # hashed like any file, then checked
     stats["hash_s"] = time.perf_counter() - t0
     return dict(sorted(digests.items())), stats

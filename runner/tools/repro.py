@@ -193,6 +193,76 @@ def _backend_diffs(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
     return diffs
 
 
+def _compare_item(orig_dir: Path, new_dir: Path, key: str, r: Dict[str, Any], n: Optional[Dict[str, Any]],
+                  exact: bool, tolerance_db: float) -> Tuple[Dict[str, Any], List[str], List[str]]:
+    """One ok item of the original against its re-run record ``n``: ``(row, notes, video_notes)``; ``notes``
+    empty means the item reproduced (bytes, decoded frames, or PSNR within ``tolerance_db``)."""
+    video_notes: List[str] = []
+    video = str(r["file"]).endswith(".mp4")
+    row: Dict[str, Any] = {"key": key, "original_sha256": _sha(orig_dir / r["file"]), "new_sha256": None,
+                           "psnr_db": None, "max_abs_diff": None, "ok": False,
+                           "compared": "frames" if video else "bytes"}
+    notes: List[str] = []
+    if row["original_sha256"] is None:
+        notes.append("original file missing")
+    elif r.get("file_sha256") and row["original_sha256"] != r["file_sha256"]:
+        notes.append("original file modified after the run (sha256 differs from items.jsonl)")
+    if n is None or n.get("status") != "ok" or not n.get("file"):
+        notes.append("missing in re-run" + (f" ({n.get('status')}: {n.get('reason')})" if n else ""))
+    else:
+        row["new_sha256"] = _sha(new_dir / n["file"])
+        if video and row["original_sha256"] is not None and row["new_sha256"] is not None:
+            row["original_sha256"], row["new_sha256"], note = _frames_shas(orig_dir, r, new_dir, n)
+            video_notes += [f"item {key!r}: {x}" for x in note]
+        undecodable = video and (row["original_sha256"] is None or row["new_sha256"] is None)
+        if undecodable:
+            notes.append("a video does not decode here (see notes)")
+        equal = row["original_sha256"] is not None and row["original_sha256"] == row["new_sha256"]
+        if row["original_sha256"] is not None and row["new_sha256"] is not None and not equal:
+            m = compare_files(orig_dir / r["file"], new_dir / n["file"])
+            row.update(psnr_db=m["psnr_db"], max_abs_diff=m["max_abs_diff"])
+            if video and m.get("error"):  # another frame count or size
+                notes.append(m["error"])
+        elif equal:
+            row.update(psnr_db=float("inf"), max_abs_diff=0)
+        if undecodable:
+            pass
+        elif exact and not equal:
+            notes.append("decoded frames differ (frames_sha256)" if video else "bytes differ")
+        elif not exact and not equal and (row["psnr_db"] is None or row["psnr_db"] < tolerance_db):
+            notes.append(f"PSNR {fmt_psnr(row['psnr_db'])} dB < {tolerance_db:g} dB")
+    return row, notes, video_notes
+
+
+def _run_problems(mo: Dict[str, Any], mn: Dict[str, Any], new_dir: Path) -> List[str]:
+    """What differs between the two runs as a whole: no re-run manifest, another refusal, other backends, another
+    dataset."""
+    problems: List[str] = []
+    if not mn:
+        problems.append(f"the re-run wrote no manifest.json in {new_dir}")
+    if mo.get("status") in ("refused", "invalid"):
+        eo, en = (mo.get("error") or {}).get("type"), (mn.get("error") or {}).get("type")
+        if (mn.get("status"), en) != (mo.get("status"), eo):
+            problems.append(f"original was {mo.get('status')} ({eo}); re-run is {mn.get('status')} ({en})")
+    problems += _backend_diffs(mo.get("backends") or {}, mn.get("backends") or {})
+    da, db = (mo.get("dataset") or {}).get("sha256"), (mn.get("dataset") or {}).get("sha256")
+    if da and db and da != db:
+        problems.append(f"dataset changed: sha256 {da[:12]} -> {db[:12]}")
+    return problems
+
+
+def _provenance_notes(mo: Dict[str, Any], mn: Dict[str, Any]) -> List[str]:
+    """Informational: a changed code or library version explains a mismatch but is not one."""
+    notes: List[str] = []
+    ga, gb = mo.get("git") or {}, mn.get("git") or {}
+    if ga.get("commit") != gb.get("commit") or gb.get("dirty"):
+        notes.append(f"git: original {str(ga.get('commit'))[:12]} (dirty={ga.get('dirty')}), re-run "
+                     f"{str(gb.get('commit'))[:12]} (dirty={gb.get('dirty')})")
+    pa, pb = mo.get("packages") or {}, mn.get("packages") or {}
+    notes += [f"package {k}: {pa.get(k)} -> {pb.get(k)}" for k in sorted(set(pa) | set(pb)) if pa.get(k) != pb.get(k)]
+    return notes
+
+
 def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANCE_DB,
             exact: Optional[bool] = None) -> Dict[str, Any]:
     """Compare a re-run with its original (see the module docstring).
@@ -208,57 +278,15 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
     mn = json.loads((new_dir / "manifest.json").read_text()) if (new_dir / "manifest.json").exists() else {}
     kind = (mo.get("platform") or {}).get("kind")
     exact = (kind == "cpu") if exact is None else exact
-    problems: List[str] = []
-    if not mn:
-        problems.append(f"the re-run wrote no manifest.json in {new_dir}")
-    if mo.get("status") in ("refused", "invalid"):
-        eo, en = (mo.get("error") or {}).get("type"), (mn.get("error") or {}).get("type")
-        if (mn.get("status"), en) != (mo.get("status"), eo):
-            problems.append(f"original was {mo.get('status')} ({eo}); re-run is {mn.get('status')} ({en})")
-    problems += _backend_diffs(mo.get("backends") or {}, mn.get("backends") or {})
-    da, db = (mo.get("dataset") or {}).get("sha256"), (mn.get("dataset") or {}).get("sha256")
-    if da and db and da != db:
-        problems.append(f"dataset changed: sha256 {da[:12]} -> {db[:12]}")
+    problems = _run_problems(mo, mn, new_dir)
     oi, ni = _items(orig_dir), _items(new_dir)
     rows = []
     video_notes: List[str] = []
     for key, r in oi.items():
         if r.get("status") != "ok" or not r.get("file"):
             continue
-        video = str(r["file"]).endswith(".mp4")
-        row: Dict[str, Any] = {"key": key, "original_sha256": _sha(orig_dir / r["file"]), "new_sha256": None,
-                               "psnr_db": None, "max_abs_diff": None, "ok": False,
-                               "compared": "frames" if video else "bytes"}
-        notes = []
-        if row["original_sha256"] is None:
-            notes.append("original file missing")
-        elif r.get("file_sha256") and row["original_sha256"] != r["file_sha256"]:
-            notes.append("original file modified after the run (sha256 differs from items.jsonl)")
-        n = ni.get(key)
-        if n is None or n.get("status") != "ok" or not n.get("file"):
-            notes.append("missing in re-run" + (f" ({n.get('status')}: {n.get('reason')})" if n else ""))
-        else:
-            row["new_sha256"] = _sha(new_dir / n["file"])
-            if video and row["original_sha256"] is not None and row["new_sha256"] is not None:
-                row["original_sha256"], row["new_sha256"], note = _frames_shas(orig_dir, r, new_dir, n)
-                video_notes += [f"item {key!r}: {x}" for x in note]
-            undecodable = video and (row["original_sha256"] is None or row["new_sha256"] is None)
-            if undecodable:
-                notes.append("a video does not decode here (see notes)")
-            equal = row["original_sha256"] is not None and row["original_sha256"] == row["new_sha256"]
-            if row["original_sha256"] is not None and row["new_sha256"] is not None and not equal:
-                m = compare_files(orig_dir / r["file"], new_dir / n["file"])
-                row.update(psnr_db=m["psnr_db"], max_abs_diff=m["max_abs_diff"])
-                if video and m.get("error"):  # another frame count or size
-                    notes.append(m["error"])
-            elif equal:
-                row.update(psnr_db=float("inf"), max_abs_diff=0)
-            if undecodable:
-                pass
-            elif exact and not equal:
-                notes.append("decoded frames differ (frames_sha256)" if video else "bytes differ")
-            elif not exact and not equal and (row["psnr_db"] is None or row["psnr_db"] < tolerance_db):
-                notes.append(f"PSNR {fmt_psnr(row['psnr_db'])} dB < {tolerance_db:g} dB")
+        row, notes, vn = _compare_item(orig_dir, new_dir, key, r, ni.get(key), exact, tolerance_db)
+        video_notes += vn
         row["ok"] = not notes
         row["verdict"] = "ok" if row["ok"] else "; ".join(notes)
         if notes:
@@ -271,13 +299,7 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
     if mo.get("status") not in ("refused", "invalid") and not rows:
         problems.append(f"{orig_dir} holds no ok item to compare (no image file, no AR output); nothing was "
                         "reproduced")
-    notes = list(video_notes)  # informational: a changed code or library version explains a mismatch but is not one
-    ga, gb = mo.get("git") or {}, mn.get("git") or {}
-    if ga.get("commit") != gb.get("commit") or gb.get("dirty"):
-        notes.append(f"git: original {str(ga.get('commit'))[:12]} (dirty={ga.get('dirty')}), re-run "
-                     f"{str(gb.get('commit'))[:12]} (dirty={gb.get('dirty')})")
-    pa, pb = mo.get("packages") or {}, mn.get("packages") or {}
-    notes += [f"package {k}: {pa.get(k)} -> {pb.get(k)}" for k in sorted(set(pa) | set(pb)) if pa.get(k) != pb.get(k)]
+    notes = video_notes + _provenance_notes(mo, mn)
     extra = [k for k, n in ni.items() if n.get("status") == "ok" and k not in oi and "output_token_ids" not in n]
     problems += [f"item {k!r}: only in the re-run" for k in extra]
     return {"ok": not problems, "mode": "bytes" if exact else "psnr", "tolerance_db": None if exact else tolerance_db,
