@@ -12,7 +12,7 @@ import pytest
 
 from _helpers import execute
 from models.cache import method_of, register_cache_method, unregister_cache_method
-from runner.core.evidence import EvidenceError
+from runner.core.errors import EvidenceError
 
 STEPS = 16
 
