@@ -199,6 +199,100 @@ def test_export_in_toto_statement_names_every_artifact_and_the_run(toy_run, tmp_
     assert deps["dataset"]["sha256"] == m["dataset"]["sha256"]
 
 
+def _flip(f: Path) -> None:
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
+def test_export_in_toto_refuses_a_modified_artifact_and_writes_no_statement(toy_run, tmp_path):
+    """The in-toto export checks every artifact against its record before it states its digest: a file modified
+    after the run is refused (exit 2, naming it) and no statement is written."""
+    import shutil
+
+    d = tmp_path / "copy"
+    shutil.copytree(toy_run, d)
+    f = d / _lines(d / "items.jsonl")[2]["file"]
+    _flip(f)
+    p = _export([d, "--format", "in-toto", "--out", tmp_path / "att"])
+    assert p.returncode == 2 and "modified after the run" in p.stderr and f.name in p.stderr, p.stderr
+    assert not (tmp_path / "att" / "statement.intoto.json").exists()
+
+
+def test_in_toto_statement_is_verified_by_rehashing_the_artifacts(toy_run, tmp_path, capsys):
+    """Issue 29: ``--verify`` re-hashes every subject of an exported statement (and the manifest byproduct)
+    against the run dir. It holds right after the export; one artifact modified afterwards is refused naming that
+    file and both digests (and no other file); a digest edited in the statement is refused naming that subject
+    and the statement's own sha256 against its export.json; a missing file and a subject outside the run dir are
+    refused too."""
+    import hashlib
+    import shutil
+
+    from runner.tools.export import main
+
+    d = tmp_path / "copy"
+    shutil.copytree(toy_run, d)
+    att = tmp_path / "att"
+    assert main([str(d), "--format", "in-toto", "--out", str(att)]) == 0
+    st = json.loads((att / "statement.intoto.json").read_text())
+    names = [s["name"] for s in st["subject"]]
+    capsys.readouterr()
+    assert main([str(d), "--verify", str(att)]) == 0
+    assert f"verified: {len(names) + 1} files" in capsys.readouterr().out  # the subjects and manifest.json
+
+    # one artifact modified after the export, through the real command line: refused, naming it and both digests
+    item = _lines(d / "items.jsonl")[1]
+    f = d / item["file"]
+    original = f.read_bytes()
+    _flip(f)
+    p = _export([d, "--verify", att / "statement.intoto.json"])
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "StatementMismatchError" in p.stderr and "fix:" in p.stderr
+    assert f"{item['file']}: sha256 {hashlib.sha256(f.read_bytes()).hexdigest()} differs from the statement's " \
+           f"{item['file_sha256']}" in p.stderr, p.stderr
+    assert not [n for n in names if n != item["file"] and f"{n}: " in p.stderr], p.stderr
+    f.write_bytes(original)
+    assert main([str(d), "--verify", str(att)]) == 0
+    manifest = (d / "manifest.json").read_bytes()  # the byproduct is re-hashed too
+    (d / "manifest.json").write_bytes(manifest + b"\n")
+    capsys.readouterr()
+    assert main([str(d), "--verify", str(att)]) == 2
+    assert "manifest.json: sha256" in capsys.readouterr().err
+    (d / "manifest.json").write_bytes(manifest)
+
+    # a digest edited in the statement: the subject and the statement's own record both disagree
+    other = _lines(d / "items.jsonl")[0]["file"]
+    forged = json.loads((att / "statement.intoto.json").read_text())
+    for s in forged["subject"]:
+        if s["name"] == other:
+            s["digest"]["sha256"] = hashlib.sha256(b"forged").hexdigest()
+    (att / "statement.intoto.json").write_text(json.dumps(forged))
+    capsys.readouterr()
+    assert main([str(d), "--verify", str(att)]) == 2
+    err = capsys.readouterr().err
+    assert "statement.intoto.json: sha256" in err and "modified after the export" in err
+    assert f"{other}: sha256 {hashlib.sha256((d / other).read_bytes()).hexdigest()} differs" in err, err
+    alone = tmp_path / "alone.intoto.json"  # without its export.json: the re-hash alone refuses it
+    alone.write_text(json.dumps(forged))
+    assert main([str(d), "--verify", str(alone)]) == 2
+    err = capsys.readouterr().err
+    assert f"{other}: sha256" in err and "modified after the export" not in err
+
+    # a missing artifact, and a subject that points outside the run dir
+    (d / item["file"]).unlink()
+    assert main([str(d), "--verify", str(att / "statement.intoto.json")]) == 2
+    assert f"{item['file']}: missing from {d}" in capsys.readouterr().err
+    shutil.copy(toy_run / item["file"], d / item["file"])
+    outside = json.loads((att / "statement.intoto.json").read_text())
+    outside["subject"] = [{"name": "../copy/manifest.json",
+                           "digest": {"sha256": hashlib.sha256((d / "manifest.json").read_bytes()).hexdigest()}}]
+    alone.write_text(json.dumps(outside))
+    assert main([str(d), "--verify", str(alone)]) == 2
+    assert "'../copy/manifest.json': not a file name inside the run dir" in capsys.readouterr().err
+    assert main([str(d), "--verify", str(tmp_path / "nope.json")]) == 2
+    assert "no in-toto statement there" in capsys.readouterr().err
+
+
 def test_png_whose_size_differs_from_its_record_fails_and_is_not_written(tmp_path):
     """Issue 29 (a record that disagrees with its artifact), the PNG sink: the size read back from the encoded PNG
     must equal the record's ``params.width``/``height``; a mismatch fails the item naming both values and writes

@@ -262,6 +262,74 @@ def test_a_video_whose_size_or_frame_count_differs_from_its_record_fails_and_lea
     assert m["counts"] == {"ok": 1, "failed": 2, "reused": 0}
 
 
+def test_a_mismatching_video_leaves_no_frame_dump_either(video_engine, compose, tmp_path):
+    """The check of the decoded file against the record comes before the frame dump as well as the rename: with
+    ``output.video_frames=true`` a mismatching item leaves neither its MP4 nor its ``.frames.npz``; the matching
+    item has both."""
+    rows = {"a": "a red square", "s": "a shrunk square", "t": "a short square"}
+    d = tmp_path / "run"
+    assert _run(compose, d, _rows(tmp_path, rows), ["output.video_frames=true"]) == 1
+    by = {r["key"]: r for r in _records(d)}
+    assert by["a"]["status"] == "ok" and by["a"]["frames_file"] == "videos/a.frames.npz"
+    assert all(by[k]["status"] == "failed" and "ArtifactMismatchError" in by[k]["reason"] for k in ("s", "t"))
+    assert "frames_file" not in by["s"] and "frames_file" not in by["t"]
+    assert set(_files(d)) == {"videos/a.mp4", "videos/a.frames.npz"} and _temps(d) == []
+
+
+# the sink driven alone in a child process; the record's num_frames compares like an int but SIGKILLs the process
+# the moment it is compared with the artifact's (check_artifact_dims): what is on disk then is what a kill at the
+# verification leaves, whatever the order of the steps around it
+KILLED_AT_VERIFY = """import os, signal, sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+from pathlib import Path
+from models.base import VideoOutput
+from runner.core.sinks import MP4Sink
+from test_video import moving_square, NUM_FRAMES, W, H, FPS
+
+
+class KillOnCompare(int):
+    def __ne__(self, other):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    __eq__ = __ne__
+
+
+sink = MP4Sink(Path({out!r}), workers=0, dump_frames={dump!r})
+sink.submit({{"key": "a", "seed": 1, "params": {{"width": W, "height": H, "num_frames": NUM_FRAMES, "fps": FPS}}}},
+            VideoOutput(moving_square(1)))
+sink.drain()
+sink.submit({{"key": "k", "seed": 2, "params": {{"width": W, "height": H, "num_frames": KillOnCompare(NUM_FRAMES),
+                                              "fps": FPS}}}}, VideoOutput(moving_square(2)))
+sys.exit(3)  # not reached: the compare kills
+"""
+
+
+@pytest.mark.parametrize("dump", [False, True], ids=["mp4", "mp4+frames"])
+def test_a_kill_at_verification_leaves_no_file_under_a_final_name(tmp_path, subprocess_env, dump):
+    """Issue 29: the MP4 sink verifies a video (its decoded width, height, frame count against the record) *before*
+    it is renamed into place, and before its frame dump is written. A SIGKILL at that verification leaves the
+    complete video under its temp name only: no ``k.mp4``, no ``k.frames.npz``, no journal line; the video
+    journaled before it is intact. (Renaming first, then verifying, leaves an unverified ``k.mp4``.)"""
+    from runner.core.sinks import artifact_intact, read_journal
+
+    out = tmp_path / "run"
+    script = tmp_path / "child.py"
+    script.write_text(KILLED_AT_VERIFY.format(repo=str(REPO), tests=str(REPO / "tests"), out=str(out), dump=dump))
+    p = subprocess.run([sys.executable, str(script)], env=subprocess_env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stdout[-2000:] + p.stderr[-3000:]
+
+    recs = read_journal(out / "items.jsonl")
+    assert [r["key"] for r in recs] == ["a"] and artifact_intact(out, recs[0])
+    want = {"videos/a.mp4", *(["videos/a.frames.npz"] if dump else [])}
+    assert set(_files(out)) == want, "a file under a final name was not verified (or has no record)"
+    temps = _temps(out)
+    assert len(temps) == 1 and temps[0].startswith(".k.mp4.tmp"), temps
+    # what the kill interrupted was the verification of a complete video: the temp file decodes to its frames
+    _, frames = _decode(out / "videos" / temps[0])
+    assert np.array_equal(frames, as_uint8(moving_square(2)))
+
+
 def test_videos_carry_their_prompt_and_fields_and_the_folder_index_lists_them(video_engine, compose, tmp_path):
     """MP4 tags: ``title`` = the prompt, ``comment`` = JSON of the embedded fields; ``videos/metadata.jsonl`` (the
     videofolder convention) names each ok video with its prompt, seed, parameters, frame count and fps."""

@@ -1,7 +1,8 @@
 """Export a run dir to the formats training and evaluation pipelines read: Parquet (Hugging Face ``datasets``
 layout) or WebDataset tar shards.
 
-``python -m runner.export <run dir> --format parquet|webdataset|in-toto --out DIR [--shard-items N]``
+``python -m runner.export <run dir> --format parquet|webdataset|in-toto --out DIR [--shard-items N]``, or
+``python -m runner.export <run dir> --verify <statement.intoto.json>`` (an in-toto statement checked back)
 
 One row (sample) per ok item of ``items.jsonl``, in journal order, holding the artifact's bytes and the fields of the
 run dir's folder index (``runner.core.sinks.folder_metadata_row``: ``file_name``, ``id``, ``key``, ``prompt``,
@@ -24,6 +25,10 @@ and ``fps``; ``meta``). Text runs (vLLM stages: no artifact file) export their r
 * ``in-toto``: ``statement.intoto.json``, an in-toto Statement v1 whose subjects are the artifacts (and the journal
   and folder indexes) with their sha256 and whose predicate is SLSA Provenance v1 built from the manifest
   (:func:`intoto_statement`); no artifact bytes are copied.
+  ``python -m runner.export <run dir> --verify <statement.intoto.json or its export dir>`` checks one back
+  (:func:`verify_statement`): every subject's file (and the ``manifest.json`` byproduct) is re-hashed and must have
+  the statement's sha256, and the statement itself the sha256 its ``export.json`` recorded; exit 0 verified, 2
+  refused, naming each file whose digest differs.
 
 Every artifact is checked against its recorded ``file_sha256`` before it is exported. The files are written under a
 temp name and renamed into ``DIR`` once complete, with ``export.json`` (format, source run id, rows, each file's
@@ -56,6 +61,12 @@ TEXT_FIELDS = ("id", "key", "index", "prompt", "prompt_token_ids", "output_token
 
 class ExportError(UserInputError, ValueError):
     """The run dir cannot be exported as asked (names the file or argument and the fix); exit 2."""
+
+
+class StatementMismatchError(ExportError):
+    """An in-toto statement does not hold for the run dir it is checked against: a subject's file is missing or
+    its sha256 differs from the statement's, or the statement differs from what its ``export.json`` recorded
+    (names each file and both digests); exit 2."""
 
 
 def rows(run_dir: Path) -> Iterator[Dict[str, Any]]:
@@ -210,6 +221,80 @@ def intoto_statement(run_dir: Path) -> Dict[str, Any]:
                        "byproducts": [{"name": "manifest.json", "digest": {"sha256": file_sha256(run_dir / "manifest.json")}}]}}}
 
 
+def _subject_path(run_dir: Path, name: Any) -> Optional[Path]:
+    """``run_dir / name`` for a subject name relative to the run dir and inside it; None otherwise."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        return None
+    return run_dir / name
+
+
+def verify_statement(statement: Path, run_dir: Path) -> Dict[str, Any]:
+    """Check an in-toto statement written by ``--format in-toto`` against ``run_dir``: each ``subject`` (and the
+    ``runDetails.byproducts``) names a file inside the run dir whose sha256, computed now from its bytes, is the
+    statement's ``digest.sha256``; with the statement's ``export.json`` beside it, the statement's own sha256 is
+    the one recorded there.
+
+    Args:
+        statement: ``statement.intoto.json``, or the export dir holding it.
+
+    Returns:
+        ``{"statement", "run_dir", "subjects": how many were re-hashed, "run_id"}``.
+
+    Raises:
+        ExportError: no statement there, not JSON, or not an in-toto Statement v1 with subjects.
+        StatementMismatchError: a file is missing or its digest differs (each such file named, with both
+            digests), or the statement was modified after the export.
+    """
+    statement, run_dir = Path(statement), Path(run_dir)
+    if statement.is_dir():
+        statement = statement / "statement.intoto.json"
+    if not statement.is_file():
+        raise ExportError(f"{statement}: no in-toto statement there; fix: pass the statement.intoto.json that "
+                          "--format in-toto wrote (or its --out dir)")
+    try:
+        doc = json.loads(statement.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ExportError(f"{statement} is not JSON ({e}); fix: pass the statement that --format in-toto "
+                          "wrote") from None
+    doc = doc if isinstance(doc, dict) else {}
+    subjects = doc.get("subject")
+    if doc.get("_type") != STATEMENT_TYPE or doc.get("predicateType") != PREDICATE_TYPE or not subjects \
+            or not isinstance(subjects, list):
+        raise ExportError(f"{statement} is not an in-toto Statement v1 ({STATEMENT_TYPE}) with a {PREDICATE_TYPE} "
+                          "predicate and subjects; fix: pass the statement that --format in-toto wrote")
+    bad: List[str] = []
+    record = statement.with_name("export.json")
+    if record.is_file():
+        want = ((json.loads(record.read_text()).get("files") or {}).get(statement.name) or {}).get("sha256")
+        got = file_sha256(statement)
+        if want and got != want:
+            bad.append(f"{statement.name}: sha256 {got} differs from {want} recorded in {record} (the statement was "
+                       "modified after the export)")
+    byproducts = ((doc.get("predicate") or {}).get("runDetails") or {}).get("byproducts") or []
+    checked = 0
+    for s in [*subjects, *byproducts]:
+        name, want = (s or {}).get("name"), ((s or {}).get("digest") or {}).get("sha256")
+        f = _subject_path(run_dir, name)
+        if f is None or not isinstance(want, str):
+            bad.append(f"{name!r}: not a file name inside the run dir with a sha256 digest")
+            continue
+        if not f.is_file():
+            bad.append(f"{name}: missing from {run_dir}")
+            continue
+        got = file_sha256(f)
+        checked += 1
+        if got != want:
+            bad.append(f"{name}: sha256 {got} differs from the statement's {want}")
+    if bad:
+        raise StatementMismatchError(
+            f"{statement} does not hold for {run_dir}: {'; '.join(bad)}; fix: the run dir's files changed after "
+            "the export (or this is another run's statement): re-run the same command into the run dir to "
+            "regenerate modified items, then export the statement again")
+    manifest = run_dir / "manifest.json"
+    run_id = json.loads(manifest.read_text()).get("run_id") if manifest.is_file() else None
+    return {"statement": str(statement), "run_dir": str(run_dir), "subjects": checked, "run_id": run_id}
+
+
 def export(run_dir: Path, fmt: str, out: Path, shard_items: int = 10_000) -> Dict[str, Any]:
     """Export ``run_dir`` into the new or empty dir ``out`` (see the module docstring).
 
@@ -292,13 +377,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runner.export",
                                  description="Export a run dir's ok items (artifact bytes + prompt, seed, parameters) "
                                              "to Parquet (Hugging Face datasets layout) or WebDataset tar shards, or "
-                                             "write an in-toto statement (SLSA provenance) about its artifacts.")
+                                             "write an in-toto statement (SLSA provenance) about its artifacts, or check one "
+                                             "back (--verify).")
     ap.add_argument("run_dir", type=Path, help="a run dir (outputs/runs/<date>/<time>)")
-    ap.add_argument("--format", required=True, choices=FORMATS, help="output format")
-    ap.add_argument("--out", required=True, type=Path, help="a new or empty output dir")
+    ap.add_argument("--format", choices=FORMATS, help="output format (required unless --verify)")
+    ap.add_argument("--out", type=Path, help="a new or empty output dir (required unless --verify)")
     ap.add_argument("--shard-items", type=int, default=10_000, help="rows per output file (default 10000)")
+    ap.add_argument("--verify", type=Path, default=None, metavar="STATEMENT",
+                    help="instead of exporting, check an in-toto statement (statement.intoto.json or its export "
+                         "dir) against the run dir: every subject's file re-hashed")
     a = ap.parse_args(argv)
+    if a.verify is None and (a.format is None or a.out is None):
+        ap.error("--format and --out are required (or --verify STATEMENT)")
+    if a.verify is not None and (a.format is not None or a.out is not None):
+        ap.error("--verify checks a statement: it takes no --format or --out")
     try:
+        if a.verify is not None:
+            res = verify_statement(a.verify, a.run_dir)
+            print(f"verified: {res['subjects']} files of {res['statement']} hold for {res['run_dir']}")
+            return 0
         doc = export(a.run_dir, a.format, a.out, a.shard_items)
     except RunnerError as e:
         print(f"export: {type(e).__name__}: {e}", file=sys.stderr)
