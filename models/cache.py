@@ -169,7 +169,8 @@ class CacheSettings:
 
 
 def settings(cfg: Any) -> Optional[CacheSettings]:
-    """Validate the run's ``cache`` section against its method; None when no cache is configured.
+    """Validate the run's ``cache`` section against its method; None when no cache is configured. ``cfg``: the
+    typed run config (``runner.core.schema.RunConfig``; its ``cache`` and ``compile``).
 
     Raises:
         CacheConfigError: an unknown method, a schedule the method does not have, a field the method does not read,
@@ -181,7 +182,8 @@ def settings(cfg: Any) -> Optional[CacheSettings]:
     if m is None:
         given = [f for f in ("schedule", *CACHE_FIELDS) if getattr(c, f) is not None]
         if given:  # a value nothing reads is refused, not ignored
-            raise CacheConfigError(f"cache.{given[0]}={getattr(c, given[0])!r} is set, but cache.method={c.method} (no cache) "
+            v = getattr(c, given[0])
+            raise CacheConfigError(f"cache.{given[0]}={v!r} is set, but cache.method={c.method} (no cache) "
                                    "reads no cache field; fix: remove it, or choose a method (a sweep over methods "
                                    "with their own fields: -m 'cache={method:none},{method:taylorseer,compute_every:2}')")
         return None

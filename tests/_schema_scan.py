@@ -4,8 +4,8 @@ YAML interpolations, used by ``test_schema.py``.
 A field counts as read only through its *parent key*: ``parallelism.world_size`` is read by ``cfg.parallelism.
 world_size``, ``par = cfg.parallelism; par.world_size``, ``OmegaConf.select(cfg, "parallelism.world_size")`` or
 ``${parallelism.world_size}``, never by an unrelated ``worker.world_size``. Access chains are built from
-attributes, ``.get("key")``, ``["key"]``, ``getattr(node, "key")`` and ``OmegaConf.select`` paths; local names assigned from a chain (or
-looping over one) stand for it; a name looping over a tuple of strings stands for each of them. ``CONFIG_NAMES``
+attributes, ``.get("key")``, ``["key"]``, ``getattr(node, "key")`` and ``OmegaConf.select`` paths; local names
+assigned from a chain (or looping over one) stand for it; a name looping over a tuple of strings stands for each of them. ``CONFIG_NAMES``
 lists the few objects that hold a config node under a name the scan cannot trace (a constructor argument).
 """
 

@@ -239,7 +239,8 @@ def omegaconf_imports(modules: Dict[str, Path], packages: Tuple[str, ...] = TYPE
             if isinstance(node, ast.Import):
                 out += [f"{mod}:{node.lineno}: import {a.name}" for a in node.names
                         if a.name.split(".")[0] == "omegaconf"]
-            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "omegaconf":
+            elif (isinstance(node, ast.ImportFrom) and not node.level
+                  and (node.module or "").split(".")[0] == "omegaconf"):
                 out.append(f"{mod}:{node.lineno}: from {node.module} import "
                            + ", ".join(a.name for a in node.names))
     return sorted(out)
@@ -259,7 +260,8 @@ def test_the_omegaconf_rule_sees_every_form_of_import(tmp_path):
     files = {"models/__init__.py": "", "models/a.py": "from omegaconf import DictConfig\n",
              "models/b.py": "def f():\n    from omegaconf import OmegaConf\n    return OmegaConf\n",
              "models/c.py": "import omegaconf.errors as oe\n",
-             "models/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from omegaconf import DictConfig\n",
+             "models/d.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                             "    from omegaconf import DictConfig\n"),
              "kernels/__init__.py": "", "kernels/k.py": "import json, omegaconf\n",
              "runner/__init__.py": "", "runner/r.py": "from omegaconf import DictConfig\n"}
     for name, text in files.items():

@@ -147,7 +147,8 @@ class Run:
         self.specs = stage_graph(self.cfg, run)
         from runner.core.environment import check_outside
 
-        check_outside(self.cfg, self.out_dir, embedded=any(bool(getattr(s.model, "embedded", False)) for s in self.specs))
+        embedded = any(bool(getattr(s.model, "embedded", False)) for s in self.specs)
+        check_outside(self.cfg, self.out_dir, embedded=embedded)
         self.engines = build_engines(self.cfg, self.overrides, specs=self.specs, run=run)
 
     def prepare_stages(self) -> None:
