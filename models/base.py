@@ -80,13 +80,17 @@ class StageContext:
             (which reads its layers together with ``overrides``). Engines read settings from ``run``.
         overrides: the CLI overrides (they decide the CLI precedence layers).
         stage: the stage name (``denoise``, ``generate``, ``expand``).
-        model_cfg: the stage's model config (``cfg.model``, or ``model.stages.<stage>.model`` in a pipeline).
+        model_cfg: the stage's node of the composed config (``cfg.model``, or ``model.stages.<stage>.model`` in a
+            pipeline); the diffusion engines still read it, the vLLM engine reads ``model``.
         plat: ``runner.core.platform.PlatformInfo`` of this process.
         dtype: ``torch.dtype`` of the stage's compute.
         parallel: the context-parallel ``runner.core.distributed.Layout`` of the run (``parallelism=ulysses|ring``),
             None otherwise; an engine that cannot split a sequence refuses it in ``prepare``.
         run: the run config as the schema's dataclasses (``runner.core.schema.to_typed``): typed run-level groups
             (``run.optimize.compile_cache``, ``run.dataset.format``); built from ``cfg`` when not given.
+        model: the stage's model config as its family's dataclass (``run.model``, or
+            ``run.model.stages[<stage>].model`` in a pipeline), built by ``runner.app.stages.stage_graph``;
+            ``run.model`` when not given.
     """
 
     cfg: Any
@@ -97,10 +101,13 @@ class StageContext:
     dtype: Any
     parallel: Any = None
     run: Optional[RunConfig] = None
+    model: Any = None
 
     def __post_init__(self) -> None:
         if self.run is None and self.cfg is not None:
             self.run = self.cfg if isinstance(self.cfg, RunConfig) else to_typed(self.cfg)
+        if self.model is None and self.run is not None:
+            self.model = self.run.model
 
 
 @dataclass
@@ -130,7 +137,8 @@ class Engine(Protocol):
         resumable: a re-run into the run dir reuses finished items (otherwise a dir holding a run is refused).
         default_stage: the stage name of a single-stage model (``denoise``, ``generate``).
 
-    ``stage_model_cfg(cfg, stage)`` is the model config of this engine's stage in a pipeline; ``items_from(rows)``
+    ``stage_model_cfg(run, stage)`` is the typed model config of this engine's stage in a pipeline, from the typed
+    run config (``runner.core.schema.RunConfig``); ``items_from(rows)``
     turns downstream dataset rows into this engine's items when it feeds another stage.
     """
 
@@ -142,7 +150,7 @@ class Engine(Protocol):
     source: Dict[str, Any]
 
     @classmethod
-    def stage_model_cfg(cls, cfg: Any, stage: str) -> Any: ...
+    def stage_model_cfg(cls, run: RunConfig, stage: str) -> Any: ...
 
     def items_from(self, rows: Sequence[Any]) -> List[Any]: ...
 
@@ -202,9 +210,9 @@ class EngineBase:
     stage: str = ""
 
     @classmethod
-    def stage_model_cfg(cls, cfg: Any, stage: str) -> Any:
-        """``model.stages.<stage>.model`` of a pipeline."""
-        return cfg.model.stages[stage].model
+    def stage_model_cfg(cls, run: RunConfig, stage: str) -> Any:
+        """``run.model.stages[<stage>].model`` of a pipeline (typed)."""
+        return run.model.stages[stage].model
 
     def items_from(self, rows: Sequence[Any]) -> List[Any]:
         """An engine that cannot feed another stage refuses to be placed before one.

@@ -169,21 +169,21 @@ class CacheSettings:
 
 
 def settings(cfg: Any) -> Optional[CacheSettings]:
-    """Validate the run's ``cache`` section against its method; None when no cache is configured.
+    """Validate the run's ``cache`` section against its method; None when no cache is configured. ``cfg``: the
+    typed run config (``runner.core.schema.RunConfig``; its ``cache`` and ``compile``).
 
     Raises:
         CacheConfigError: an unknown method, a schedule the method does not have, a field the method does not read,
             or a value out of range (each names ``cache.<field>``, the value and the fix).
         A cache with ``compile=regional`` is refused the same way (not supported yet).
     """
-    from omegaconf import OmegaConf
-
     c = cfg.cache
     m = method_of(c.method)
     if m is None:
-        given = [f for f in ("schedule", *CACHE_FIELDS) if c[f] is not None]
+        given = [f for f in ("schedule", *CACHE_FIELDS) if getattr(c, f) is not None]
         if given:  # a value nothing reads is refused, not ignored
-            raise CacheConfigError(f"cache.{given[0]}={c[given[0]]!r} is set, but cache.method={c.method} (no cache) "
+            v = getattr(c, given[0])
+            raise CacheConfigError(f"cache.{given[0]}={v!r} is set, but cache.method={c.method} (no cache) "
                                    "reads no cache field; fix: remove it, or choose a method (a sweep over methods "
                                    "with their own fields: -m 'cache={method:none},{method:taylorseer,compute_every:2}')")
         return None
@@ -196,9 +196,7 @@ def settings(cfg: Any) -> Optional[CacheSettings]:
                                f"{'|'.join(other) or '<a ' + str(c.schedule) + ' method>'}")
     params: Dict[str, Any] = {}
     for f in CACHE_FIELDS:
-        v = c[f]
-        if OmegaConf.is_config(v):
-            v = OmegaConf.to_container(v, resolve=True)
+        v = getattr(c, f)
         if v is None:
             if f in m.reads:
                 params[f] = m.defaults.get(f)

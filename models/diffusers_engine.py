@@ -246,11 +246,11 @@ class DiffusersEngine(EngineBase):
             ConfigValueError: naming the field, the value and the fix (``models.cache.CacheConfigError`` for
                 ``cache.*``, also a cache with ``compile=regional``).
         """
-        cfg = self.ctx.cfg
-        if cfg is not None and cfg.get("cache") is not None:
+        run = self.ctx.run
+        if run is not None:
             from models import cache as step_cache
 
-            self.cache_settings = step_cache.settings(cfg)
+            self.cache_settings = step_cache.settings(run)
         g = self.model_cfg.generation
         m = self.model_cfg.size_multiple
         for key in ("width", "height"):
@@ -258,9 +258,9 @@ class DiffusersEngine(EngineBase):
                 raise ConfigValueError(f"model.generation.{key}={g[key]} is not a positive multiple of {m} (model "
                                        f"{self.model_cfg.name}); fix: e.g. model.generation.{key}="
                                        f"{max(m, round(g[key] / m) * m)}")
-        if cfg.max_pixels >= 1 and g.width * g.height > cfg.max_pixels:
+        if run.max_pixels >= 1 and g.width * g.height > run.max_pixels:
             raise ConfigValueError(f"model.generation width x height = {g.width}x{g.height} exceeds max_pixels="
-                                   f"{cfg.max_pixels}; fix: smaller sizes, or raise max_pixels")
+                                   f"{run.max_pixels}; fix: smaller sizes, or raise max_pixels")
         if g.num_inference_steps < 1:
             raise ConfigValueError(f"model.generation.num_inference_steps={g.num_inference_steps} must be >= 1")
         if g.max_sequence_length < 1:

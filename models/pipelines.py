@@ -245,10 +245,10 @@ class PipelineEngine(DiffusersEngine):
 
     # ----------------------------------------------------------------------------------------------- loading
     def _arch(self) -> Dict[str, Any]:
-        from omegaconf import OmegaConf
+        """``model.architecture`` of the stage's typed model config, as a fresh copy (callers may change it)."""
+        import copy
 
-        arch = self.cfg.architecture
-        return arch if isinstance(arch, dict) else OmegaConf.to_container(arch, resolve=True)
+        return copy.deepcopy(dict(self.ctx.model.architecture or {}))
 
     def resolve_source(self) -> Dict[str, Any]:
         """Decide where weights come from and validate it, without loading anything: ``model.path`` (a local

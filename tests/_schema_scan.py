@@ -4,8 +4,8 @@ YAML interpolations, used by ``test_schema.py``.
 A field counts as read only through its *parent key*: ``parallelism.world_size`` is read by ``cfg.parallelism.
 world_size``, ``par = cfg.parallelism; par.world_size``, ``OmegaConf.select(cfg, "parallelism.world_size")`` or
 ``${parallelism.world_size}``, never by an unrelated ``worker.world_size``. Access chains are built from
-attributes, ``.get("key")``, ``["key"]`` and ``OmegaConf.select`` paths; local names assigned from a chain (or
-looping over one) stand for it; a name looping over a tuple of strings stands for each of them. ``CONFIG_NAMES``
+attributes, ``.get("key")``, ``["key"]``, ``getattr(node, "key")`` and ``OmegaConf.select`` paths; local names
+assigned from a chain (or looping over one) stand for it; a name looping over a tuple of strings stands for each of them. ``CONFIG_NAMES``
 lists the few objects that hold a config node under a name the scan cannot trace (a constructor argument).
 """
 
@@ -23,8 +23,9 @@ SCANNED = ("runner", "models", "kernels")
 ANY = "*"  # a key computed at run time (a stage name, a formatted path segment)
 
 # name (after dropping a leading ``self.``) -> the config node it holds, where an assignment does not say so:
-# the diffusers families (``models.pipelines.PipelineEngine``) keep the model as ``self.cfg``; ``DiffusersEngine`` and ``VLLMEngine`` keep it as ``model_cfg``;
-# ``PipelineEngine.optimize(opts)`` gets ``cfg.optimize``.
+# the diffusers families (``models.pipelines.PipelineEngine``) keep the model as ``self.cfg``; ``DiffusersEngine`` and ``VLLMEngine`` keep it as ``model_cfg``
+# (the vLLM engine: the typed stage model, ``ctx.model``); ``PipelineEngine.optimize(opts)`` gets ``cfg.optimize``;
+# the engines keep the typed run config (``ctx.run``) as ``run``.
 CONFIG_NAMES: Dict[Tuple[str, str], Tuple[str, ...]] = {
     **{(f"models/{m}.py", "cfg"): ("cfg", "model") for m in ("flux", "pipelines", "sd3", "qwen_image", "wan",
                                                                               "hidream")},
@@ -34,6 +35,8 @@ CONFIG_NAMES: Dict[Tuple[str, str], Tuple[str, ...]] = {
     # an engine's ``ctx`` (models.base.StageContext) holds the run config as ``ctx.cfg``
     ("models/diffusers_engine.py", "ctx"): (),
     ("models/vllm/engine.py", "ctx"): (),
+    ("models/vllm/engine.py", "run"): ("cfg",),
+    ("models/diffusers_engine.py", "run"): ("cfg",),
 }
 ROOTS = {"cfg"}  # names of the run config itself
 PASS_THROUGH = {"_plain", "list", "dict", "tuple", "sorted", "bool", "int", "float", "str", "to_container", "create"}
@@ -99,6 +102,8 @@ class _Chains:
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
             if name == "get" and isinstance(f, ast.Attribute) and node.args:
                 return [c + (k,) for c in self.chains(f.value, depth) for k in self._key(node.args[0])]
+            if name == "getattr" and isinstance(f, ast.Name) and len(node.args) >= 2:  # a dataclass's field
+                return [c + (k,) for c in self.chains(node.args[0], depth) for k in self._key(node.args[1])]
             if name == "select" and len(node.args) == 2:
                 return [c + p for c in self.chains(node.args[0], depth) for p in self.paths(node.args[1])]
             if name in PASS_THROUGH and node.args:

@@ -220,3 +220,88 @@ def test_the_rule_above_sees_a_kernels_import_of_runner(tmp_path):
             f.write_text(text)
     edges, _ = analyse(project_modules(tmp_path))
     assert ("kernels.x", "runner.core.paths", 2) in edges
+
+
+# ------------------------------------------------------------------------------------- the engines' config seam
+#: Packages whose modules read typed configs only (``runner.core.schema`` dataclasses, plain dicts): the composed
+#: ``DictConfig`` stays in ``runner/`` (the precedence resolution of ``runner.core.resolve`` reads its layers).
+TYPED_ONLY = ("models", "kernels")
+
+
+def omegaconf_imports(modules: Dict[str, Path], packages: Tuple[str, ...] = TYPED_ONLY) -> List[str]:
+    """``"module:line: import ..."`` for every import of ``omegaconf`` (any name, lazy imports and the body of
+    ``if TYPE_CHECKING:`` too) by a module of ``packages``."""
+    out = []
+    for mod, path in modules.items():
+        if mod.split(".")[0] not in packages:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                out += [f"{mod}:{node.lineno}: import {a.name}" for a in node.names
+                        if a.name.split(".")[0] == "omegaconf"]
+            elif (isinstance(node, ast.ImportFrom) and not node.level
+                  and (node.module or "").split(".")[0] == "omegaconf"):
+                out.append(f"{mod}:{node.lineno}: from {node.module} import "
+                           + ", ".join(a.name for a in node.names))
+    return sorted(out)
+
+
+def test_models_and_kernels_import_no_omegaconf():
+    """No engine module (nor a kernel) imports ``DictConfig``/``OmegaConf``: engines read ``ctx.run`` and
+    ``ctx.model`` (typed), the composed config reaches them only as the opaque handle ``ctx.cfg`` that
+    ``runner.core.resolve`` reads."""
+    bad = omegaconf_imports(project_modules())
+    assert not bad, "models/ or kernels/ import omegaconf (read ctx.run / ctx.model instead):\n" + "\n".join(bad)
+
+
+def test_the_omegaconf_rule_sees_every_form_of_import(tmp_path):
+    """The check can fail: module-level, lazy, ``import omegaconf``, ``from omegaconf.x import`` and a
+    ``TYPE_CHECKING`` import are all reported; ``runner/`` may import it."""
+    files = {"models/__init__.py": "", "models/a.py": "from omegaconf import DictConfig\n",
+             "models/b.py": "def f():\n    from omegaconf import OmegaConf\n    return OmegaConf\n",
+             "models/c.py": "import omegaconf.errors as oe\n",
+             "models/d.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                             "    from omegaconf import DictConfig\n"),
+             "kernels/__init__.py": "", "kernels/k.py": "import json, omegaconf\n",
+             "runner/__init__.py": "", "runner/r.py": "from omegaconf import DictConfig\n"}
+    for name, text in files.items():
+        f = tmp_path / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    assert omegaconf_imports(project_modules(tmp_path)) == [
+        "kernels.k:1: import omegaconf", "models.a:1: from omegaconf import DictConfig",
+        "models.b:2: from omegaconf import OmegaConf", "models.c:1: import omegaconf.errors",
+        "models.d:3: from omegaconf import DictConfig"]
+
+
+# ------------------------------------------------------------------------------------------- function length
+MAX_FUNCTION_LINES = 80
+#: Offline training scripts of the toy models (run by hand to rebuild their weights, never by the runner).
+LONG_FUNCTIONS_ALLOWED = {"models.toy_motion.train:main", "models.toy_shapes.train:main"}
+
+
+def long_functions(modules: Dict[str, Path], limit: int = MAX_FUNCTION_LINES) -> List[str]:
+    """``"module:name: N lines"`` of every function or method (nested ones too) longer than ``limit`` lines,
+    decorators excluded, docstring included."""
+    out = []
+    for mod, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit and f"{mod}:{node.name}" not in LONG_FUNCTIONS_ALLOWED:
+                    out.append(f"{mod}:{node.name}: {n} lines")
+    return sorted(out)
+
+
+def test_no_function_over_80_lines():
+    bad = long_functions(project_modules())
+    assert not bad, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n" + "\n".join(bad)
+
+
+def test_the_length_rule_counts_methods(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("")
+    body = "".join(f"        x{i} = {i}\n" for i in range(80))
+    (tmp_path / "models" / "m.py").write_text(f"class A:\n    def long(self):\n{body}\n    def short(self):\n"
+                                             "        pass\n")
+    assert long_functions(project_modules(tmp_path)) == ["models.m:long: 81 lines"]

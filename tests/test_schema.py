@@ -238,7 +238,8 @@ def test_the_read_scan_is_not_trivially_satisfied():
         "    extras.get('max_model_len')\n"
         "    OmegaConf.select(cfg, f'model.stages.{s}.backend.attention')\n"
         "    stage = cfg.model.stages[name]\n"
-        "    stage.template\n")})
+        "    stage.template\n"
+        "    getattr(cfg.cache, 'threshold')\n")})
     parallelism, generation, stage = {("parallelism",)}, {("generation",)}, {("stages", scan.ANY)}
     assert not scan.is_read(parallelism, "world_size", chains)
     assert not scan.is_read(parallelism, "degree", chains)
@@ -247,6 +248,7 @@ def test_the_read_scan_is_not_trivially_satisfied():
     assert scan.is_read({("backend",)}, "attention", chains) and not scan.is_read({("backend",)}, "moe", chains)
     assert scan.is_read(stage, "template", chains) and not scan.is_read(stage, "input", chains)
     assert not scan.is_read({("model",)}, "max_model_len", chains)
+    assert scan.is_read({("cache",)}, "threshold", chains) and not scan.is_read({("cache",)}, "order", chains)
 
     # The real code base: fields removed from the schema because nothing read them are found unread again.
     fake = type(sys)("fake_schema")

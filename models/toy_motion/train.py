@@ -43,11 +43,10 @@ MAX_LEN = 16  # model.generation.max_sequence_length: captions are 13 tokens wit
 
 def load_arch() -> dict:
     """The architecture of ``conf/model/toy_motion.yaml``."""
-    from omegaconf import OmegaConf
-
     from runner.core.paths import CONF_DIR
+    from runner.core.schema import yaml_section
 
-    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model/toy_motion.yaml").architecture, resolve=True)
+    return yaml_section(CONF_DIR / "model/toy_motion.yaml", "architecture")
 
 
 def clips_tensor(n: int, seed: int, num_frames: int, size: int, device: str):

@@ -29,11 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def load_arch() -> dict:
     """The architecture of ``conf/model/toy_shapes.yaml``."""
-    from omegaconf import OmegaConf
-
     from runner.core.paths import CONF_DIR
+    from runner.core.schema import yaml_section
 
-    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model/toy_shapes.yaml").architecture, resolve=True)
+    return yaml_section(CONF_DIR / "model/toy_shapes.yaml", "architecture")
 
 
 def images_tensor(n: int, seed: int, size: int, device: str):

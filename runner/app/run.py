@@ -141,11 +141,15 @@ class Run:
     def build_stages(self) -> None:
         """1. The run config checked against the schema; the stage graph; one engine per stage; the dirs checked."""
         checks.check_schema(self.cfg)
-        self.specs = stage_graph(self.cfg)
+        from runner.core.schema import to_typed
+
+        run = to_typed(self.cfg)  # once, after the schema check: the stages' typed model configs and ctx.run
+        self.specs = stage_graph(self.cfg, run)
         from runner.core.environment import check_outside
 
-        check_outside(self.cfg, self.out_dir, embedded=any(bool(s.model_cfg.get("embedded")) for s in self.specs))
-        self.engines = build_engines(self.cfg, self.overrides, specs=self.specs)
+        embedded = any(bool(getattr(s.model, "embedded", False)) for s in self.specs)
+        check_outside(self.cfg, self.out_dir, embedded=embedded)
+        self.engines = build_engines(self.cfg, self.overrides, specs=self.specs, run=run)
 
     def prepare_stages(self) -> None:
         """2. Every stage prepared before any stage loads: config checks, tracker, platform, dtype, backends."""

@@ -25,18 +25,23 @@ log = logging.getLogger("runner")
 
 @dataclass
 class StageSpec:
-    """One node of the run's stage graph: the stage name, its engine (``model.adapter`` value), its model config,
-    and, for a stage fed by another, the feeding stage and the prompt ``template`` (``{prompt}``, ``{text}``)."""
+    """One node of the run's stage graph: the stage name, its engine (``model.adapter`` value), its model config
+    (``model_cfg``: the node of the composed config; ``model``: the same as its family's dataclass, from the typed
+    run config), and, for a stage fed by another, the feeding stage and the prompt ``template`` (``{prompt}``,
+    ``{text}``)."""
 
     name: str
     adapter: str
     model_cfg: Any
     input: Optional[str] = None
     template: Optional[str] = None
+    model: Any = None
 
 
-def stage_graph(cfg: DictConfig) -> List[StageSpec]:
-    """The run's stages in execution order; the last one writes ``items.jsonl``.
+def stage_graph(cfg: DictConfig, run: Any = None) -> List[StageSpec]:
+    """The run's stages in execution order; the last one writes ``items.jsonl``. ``run``: ``cfg`` as the
+    schema's dataclasses (``runner.core.schema.to_typed``; built here when not given), where each stage's typed
+    model config comes from (an upstream stage's through its engine's ``stage_model_cfg``, which checks it).
 
     A single-stage model is one stage named by its engine (``default_stage``: ``denoise``, ``generate``).
     ``model.pipeline`` lists stages; supported shape: one stage with ``input: prompt`` feeding the model's own
@@ -46,8 +51,10 @@ def stage_graph(cfg: DictConfig) -> List[StageSpec]:
         runner.core.errors.UserInputError: naming the stage, the field and the fix.
     """
     from models.registry import engine_class
+    from runner.core.schema import to_typed
 
-    final = StageSpec(engine_class(cfg.model.adapter).default_stage, cfg.model.adapter, cfg.model)
+    run = run if run is not None else to_typed(cfg)
+    final = StageSpec(engine_class(cfg.model.adapter).default_stage, cfg.model.adapter, cfg.model, model=run.model)
     order = list(cfg.model.get("pipeline") or [])
     if not order:
         return [final]
@@ -82,23 +89,25 @@ def stage_graph(cfg: DictConfig) -> List[StageSpec]:
                              f"stage {s!r}, so every item would be rendered without it; fix: e.g. "
                              f"model.stages.{final.name}.template='{{prompt}}, {{text}}'")
     up_cls = engine_class(stages[s].adapter, where=f"model.stages.{s}.adapter")
-    up_model = up_cls.stage_model_cfg(cfg, s)
+    up_model = up_cls.stage_model_cfg(run, s)
     final.input, final.template = s, template
-    return [StageSpec(s, stages[s].adapter, up_model, input="prompt"), final]
+    return [StageSpec(s, stages[s].adapter, stages[s].model, input="prompt", model=up_model), final]
 
 
 def build_engines(cfg: DictConfig, overrides: Sequence[str], plat: Any = None, dtype: Any = None,
-                  specs: Optional[List[StageSpec]] = None) -> List[Any]:
+                  specs: Optional[List[StageSpec]] = None, run: Any = None) -> List[Any]:
     """One engine per stage of :func:`stage_graph` (constructors load and check nothing); ``plat``/``dtype`` may be
-    filled in later (``engine.ctx.plat``), before ``prepare``."""
+    filled in later (``engine.ctx.plat``), before ``prepare``. ``run``: ``cfg`` typed (the one ``specs`` were built
+    from; built here when not given)."""
     from models.base import StageContext
     from models.registry import engine_class
     from runner.core.schema import to_typed
 
-    run = to_typed(cfg)  # once: every stage's engine reads the same typed config
+    run = run if run is not None else to_typed(cfg)  # once: every stage's engine reads the same typed config
     return [engine_class(s.adapter)(StageContext(cfg=cfg, overrides=list(overrides), stage=s.name,
-                                                 model_cfg=s.model_cfg, plat=plat, dtype=dtype, run=run))
-            for s in (specs if specs is not None else stage_graph(cfg))]
+                                                 model_cfg=s.model_cfg, plat=plat, dtype=dtype, run=run,
+                                                 model=s.model))
+            for s in (specs if specs is not None else stage_graph(cfg, run))]
 
 
 def link_records(stage: str, records: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:

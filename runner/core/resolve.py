@@ -195,6 +195,24 @@ def _set_by(keys: Sequence[str], key: str) -> bool:
     return any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in keys)
 
 
+def drop_default_stages(cfg: DictConfig, keep: Sequence[str]) -> DictConfig:
+    """A copy of ``cfg`` without schema-default stages that are not the model's (the structured schema gives every
+    model a ``denoise`` stage); a stage the user configured is kept, so :func:`check_placement` names it. ``cfg``
+    itself when there is nothing to drop. (An AR model's engine hands its ``ctx.cfg`` through this to
+    :func:`check_placement` and :func:`resolve_stage`, reading nothing of it itself.)"""
+    from runner.core.schema import StageConfig
+
+    default = OmegaConf.to_container(OmegaConf.structured(StageConfig), resolve=True)
+    stages = _plain(cfg.model.stages) or {}
+    drop = [s for s, v in stages.items() if s not in keep and v == default]
+    if not drop:
+        return cfg
+    c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for s in drop:
+        del c.model.stages[s]
+    return c
+
+
 def check_placement(cfg: DictConfig, stages: Optional[Sequence[str]] = None) -> None:
     """Reject backend keys placed where nothing reads them.
 

@@ -820,6 +820,14 @@ def to_typed(cfg: Any) -> RunConfig:
     return OmegaConf.to_object(OmegaConf.merge(typed_skeleton(plain), plain))
 
 
+def yaml_section(path: Any, key: str) -> Any:
+    """Section ``key`` of the YAML file ``path`` as plain dicts and lists (OmegaConf's YAML loader, as Hydra
+    reads config files; interpolations resolved): e.g. a model file's ``architecture`` for a training script."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path)[key], resolve=True)
+
+
 # ------------------------------------------------------------------------------------------------ derived factors
 
 
