@@ -181,6 +181,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                    help="seconds for the training loop: at step 40 (timing steps 10-40) the step count (and its "
                         "schedule) is lowered once to fit; the report says so (steps_planned)")
     p.add_argument("--eval-steps", default="28,16,8", help="inference steps of the evaluations (first: the main)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the training forward (CUDA)")
     p.add_argument("--no-eval", action="store_true")
     p.add_argument("--eval-rows", type=int, default=None, help="evaluate only the first N rows of each set (smoke)")
     p.add_argument("--report", default=None, help="write training/eval figures as JSON here")
@@ -241,7 +242,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, f))))
 
     exp_mu = math.exp(mu)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+    # fp32 (TF32 matmuls) by default: bf16 autocast hit CUBLAS_STATUS_EXECUTION_FAILED in the backward on the H200
+    # (torch 2.11, batch 512), as toy_shapes' training keeps autocast off
+    amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda" and args.bf16)
     step, losses, marks = 0, [], {}
     ema_params, train_params = list(ema.parameters()), list(tr.parameters())
     while step < steps:
@@ -282,7 +285,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             print(f"flow step {step} loss {loss.item():.5f} lr {lr_at(step - 1):.2e} {time.time() - t0:.0f}s",
                   flush=True)
     tail = [x for x in losses if x is not None][-10:]
-    report.update(steps=steps, batch=args.batch, lr=args.lr, flow_loss_last10=float(np.mean(tail)),
+    report.update(steps=steps, batch=args.batch, lr=args.lr, bf16_autocast=bool(args.bf16 and device == "cuda"), flow_loss_last10=float(np.mean(tail)),
                   flow_s=time.time() - t0, ema_decay=0.999)
 
     # ---- save (fp16, the EMA weights) and evaluate through the pipeline with the oracle
