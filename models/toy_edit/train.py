@@ -82,6 +82,19 @@ def load_pipeline(path: Path = WEIGHTS, dtype=torch.float32, device: str = "cpu"
     return pipe
 
 
+COPIED = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
+
+
+def copy_components(out: Path, components: Path = TOY_SHAPES) -> None:
+    """Replace the saved non-transformer folders of ``out`` by toy_shapes' own files, byte for byte (their tensors
+    are toy_shapes' fp16 values already; this drops the configs' save-time noise such as ``_name_or_path``)."""
+    import shutil
+
+    for c in COPIED:
+        shutil.rmtree(out / c, ignore_errors=True)
+        shutil.copytree(components / c, out / c)
+
+
 def to_tensor(images: Sequence[np.ndarray], device: str) -> torch.Tensor:
     """uint8 ``(H, W, 3)`` images as ``(n, 3, H, W)`` floats in [-1, 1] (what ``VaeImageProcessor.preprocess``
     makes of them)."""
@@ -292,6 +305,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     pipe.register_modules(transformer=ema.eval())
     out = Path(args.out)
     pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)
+    copy_components(out)
     report["weights_bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     if not args.no_eval:
         t0 = time.time()
