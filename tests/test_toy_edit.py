@@ -19,7 +19,7 @@ from models.toy_edit import data, oracle
 
 REPO = Path(__file__).resolve().parent.parent
 WEIGHTS = REPO / "models/toy_edit/weights"
-STEPS = 16          # inference steps of the CPU checks (the H200 report has 28, 16 and 8)
+STEPS = 8           # inference steps of the CPU checks (the H200 report: 1.0 on the builtin rows at 28, 16 and 8)
 PER_ATTR = 4        # builtin rows per edited attribute in the CPU checks (12 rows)
 
 
@@ -116,9 +116,11 @@ def test_training_feeds_the_transformer_what_the_pipeline_feeds_it(pipe):
     assert torch.equal(seen["img_ids"], img_ids)
     assert torch.equal(img_ids[:64, 0], torch.zeros(64)) and torch.equal(img_ids[64:, 0], torch.ones(64))
     assert torch.equal(img_ids[:64, 1:], img_ids[64:, 1:])
-    pe, pooled, txt_ids = pipe.encode_prompt(prompt=[row["prompt"]], prompt_2=None, device="cpu",
-                                             max_sequence_length=MAX_LEN)
-    assert torch.equal(seen["encoder_hidden_states"], pe) and torch.equal(seen["pooled_projections"], pooled)
+    with torch.no_grad():
+        pe, pooled, txt_ids = pipe.encode_prompt(prompt=[row["prompt"]], prompt_2=None, device="cpu",
+                                                 max_sequence_length=MAX_LEN)
+    assert torch.allclose(seen["encoder_hidden_states"], pe, atol=1e-5)
+    assert torch.allclose(seen["pooled_projections"], pooled, atol=1e-5)
     assert torch.equal(seen["txt_ids"], txt_ids) and seen["guidance"] is None
     with torch.no_grad():
         v = kontext_forward(pipe.transformer, hs[:, :64], ref, seen["timestep"], pe, pooled, txt_ids, img_ids)

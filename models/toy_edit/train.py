@@ -65,7 +65,7 @@ def kontext_pipeline(transformer, components: Path = TOY_SHAPES):
     (fp32, frozen)."""
     from diffusers import FluxKontextPipeline, FluxPipeline
 
-    src = FluxPipeline.from_pretrained(components, torch_dtype=torch.float32, local_files_only=True)
+    src = FluxPipeline.from_pretrained(components, dtype=torch.float32, local_files_only=True)
     for m in (src.vae, src.text_encoder, src.text_encoder_2):
         m.requires_grad_(False).eval()
     return FluxKontextPipeline(scheduler=src.scheduler, vae=src.vae, text_encoder=src.text_encoder,
@@ -77,7 +77,7 @@ def load_pipeline(path: Path = WEIGHTS, dtype=torch.float32, device: str = "cpu"
     """The shipped (or a saved) toy_edit pipeline through ``FluxKontextPipeline.from_pretrained``."""
     from diffusers import FluxKontextPipeline
 
-    pipe = FluxKontextPipeline.from_pretrained(path, torch_dtype=dtype, local_files_only=True).to(device)
+    pipe = FluxKontextPipeline.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
