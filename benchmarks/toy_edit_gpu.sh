@@ -5,7 +5,11 @@
 # Here:   mkdir -p .cache/whl && cp /work/main/.whlbench/{antlr4,diffusers,hydra,omegaconf}* .cache/whl/   (cp312
 #         wheels the H200 image lacks: diffusers 0.42.1, omegaconf 2.3.0, antlr4 4.9.3, hydra-core 1.3.2; .cache/ is
 #         git-ignored)
-# Device: run(carry=[".cache/whl"], command="bash benchmarks/toy_edit_gpu.sh [TRAIN ARGS...]")
+# Device: run(carry=[".cache/whl"], command="bash benchmarks/toy_edit_gpu.sh [TRAIN ARGS...]"). The tool sends the
+#         session's own checkout, not a helper's worktree: from a worktree, copy it (git archive HEAD, plus .cache/whl)
+#         into a git-ignored folder of that checkout, carry the folder and cd into it first. The 2026-12-02 report:
+#         run(carry=[".cache/toyedit2_carry"], command="cd .cache/toyedit2_carry && TIME_LIMIT=210 bash
+#         benchmarks/toy_edit_gpu.sh --steps 20000 --batch 256"): 247 s wall, 4172 steps in 202 s (50 ms/step).
 # Writes $OUT/train.json (the report), $OUT/train.log, $OUT/toy_edit_weights.tar (the saved pipeline, fp16);
 # install: tar -C models/toy_edit/weights -xf toy_edit_weights.tar; cp train.json
 # benchmarks/results/toy_edit_train_h200_<date>.json. TIME_LIMIT (seconds, default 240) bounds the training loop.
