@@ -51,9 +51,10 @@ def _expected_files() -> set:
     for pkg in PACKAGES:
         want |= {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / pkg).rglob("*.py")}
     want |= {"runner/conf/" + p.relative_to(REPO_ROOT / "conf").as_posix() for p in (REPO_ROOT / "conf").rglob("*.yaml")}
-    for toy in ("toy_shapes", "toy_motion"):
+    for toy in ("toy_shapes", "toy_motion", "toy_edit"):
         weights = REPO_ROOT / "models" / toy / "weights"
         want |= {p.relative_to(REPO_ROOT).as_posix() for p in weights.rglob("*") if p.is_file()}
+    want |= {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "models/toy_edit/builtin").iterdir()}
     want |= {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "runner" / "data").iterdir() if p.is_file()}
     want |= {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "runner" / "schemas").glob("*.json")}
     return want
