@@ -10,7 +10,11 @@ so they work whatever tests/conftest.py provides).
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,3 +145,39 @@ SAMPLE_ROWS = [
     {"id": "koi", "prompt": "koi fish among lily pads"},
     {"id": "cabin", "prompt": "a wooden cabin beside a frozen lake"},
 ]
+
+
+#: A tqdm progress-bar line (``desc: 40%|...``) as the runner's console prints it.
+BAR = re.compile(r"^\s*(?P<desc>[^|\r\n]*?):\s+\d+%\|")
+
+
+def cli(args: Sequence[str], env: Dict[str, str], cwd: Path, timeout: int = 600) -> "subprocess.CompletedProcess":
+    """``python -m runner <args>`` in a subprocess with the console's defaults under test (``RUNNER_VERBOSE``,
+    ``KINETO_LOG_LEVEL``, ``VLLM_LOGGING_LEVEL`` unset), importing this checkout."""
+    env = dict(env, PYTHONPATH=str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    for k in ("RUNNER_VERBOSE", "KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL"):
+        env.pop(k, None)  # the defaults under test, not the caller's
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def console_lines(text: str) -> List[str]:
+    """The non-empty console lines of ``text`` (a bar's carriage-return updates are lines of their own)."""
+    return [x for x in re.split(r"[\r\n]+", text) if x.strip()]
+
+
+def summary_lines(lines: Sequence[str]) -> List[str]:
+    """The run-summary lines among ``lines`` (``run completed: ...``, ``run failed: ...``)."""
+    return [x for x in lines if re.search(r"\brun (completed|completed_with_failures|failed|incomplete)\b", x)]
+
+
+def assert_compile_warm_up_console(out: str, n_ok: int, desc: str = "tiny_flux") -> None:
+    """A cold ``compile=regional`` run's console: one line says what the warm-up does (before any bar moves, and
+    that the ETA starts after it), one bar named ``desc``, one summary line with ``n_ok`` items ok (issue #29)."""
+    lines = console_lines(out)
+    says = [i for i, x in enumerate(lines) if "compile=regional: compiling the denoiser's blocks" in x]
+    assert len(says) == 1 and "cold, tens of seconds" in lines[says[0]] and "ETA starts after it" in lines[says[0]]
+    moved = [i for i, x in enumerate(lines) if BAR.match(x) and not re.search(r":\s+0%\|", x)]
+    assert moved and says[0] < moved[0], lines
+    assert {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m} == {desc}
+    assert len(summary_lines(lines)) == 1 and f"run completed: {n_ok} ok" in summary_lines(lines)[0]

@@ -162,6 +162,25 @@ def subprocess_env(runner_cache) -> Dict[str, str]:
     return env
 
 
+#: The ``compile=regional`` run :func:`cold_compile` makes (tests/test_compile_cache.py reruns it warm).
+COLD_COMPILE_ARGS = ["model=tiny_flux", "dataset.limit=2", "batch_size=2", "compile=regional", "evidence.profile=false"]
+
+
+@pytest.fixture(scope="session")
+def cold_compile(runner_cache, tmp_path_factory):
+    """One cold ``compile=regional`` process (tiny_flux, 2 items), shared by the tests that read it (the compile
+    cache's miss in tests/test_compile_cache.py, the warm-up console in tests/test_console.py): a cold CPU compile
+    takes most of a minute. ``(output, run_dir, cache_dir)``; the run must exit 0."""
+    from _helpers import cli
+
+    tmp = tmp_path_factory.mktemp("cold_compile")
+    env = dict(os.environ, RUNNER_CACHE=str(runner_cache), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    cache, run_dir = tmp / "cache", tmp / "cold"
+    p = cli([*COLD_COMPILE_ARGS, f"cache_dir={cache}", f"hydra.run.dir={run_dir}"], env, tmp, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    return p.stdout + p.stderr, run_dir, cache
+
 
 # ------------------------------------------------------------------------------------- hardware markers
 # Tests state their hardware needs with markers; a CI job selects with -m (scripts/ci/). A test collected on the

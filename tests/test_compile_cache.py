@@ -5,33 +5,32 @@ them. Also ``optimize.compile_mode``'s validation. CPU, tiny_flux, real subproce
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _helpers import execute
+from _helpers import cli, execute
 
-REPO = Path(__file__).resolve().parent.parent
-BASE = ["model=tiny_flux", "dataset.limit=2", "batch_size=2", "compile=regional", "evidence.profile=false"]
+from conftest import COLD_COMPILE_ARGS as BASE  # the cold process is the session's cold_compile fixture
 
 
-def _run(tmp: Path, name: str, cache: Path, env, extra=()):
-    run_dir = tmp / name
-    p = subprocess.run([sys.executable, "-m", "runner", *BASE, f"cache_dir={cache}", f"hydra.run.dir={run_dir}",
-                        *extra], cwd=tmp, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
+def _read(run_dir: Path):
     m = json.loads((run_dir / "manifest.json").read_text())
     items = [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines() if x.strip()]
     return m, items
 
 
+def _run(tmp: Path, name: str, cache: Path, env, extra=()):
+    run_dir = tmp / name
+    p = cli([*BASE, f"cache_dir={cache}", f"hydra.run.dir={run_dir}", *extra], env, tmp, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return _read(run_dir)
+
+
 @pytest.mark.cpu
-def test_second_process_hits_the_compile_cache_and_another_key_does_not(tmp_path, subprocess_env):
-    cache = tmp_path / "cache"
-    m1, items1 = _run(tmp_path, "cold", cache, subprocess_env)
+def test_second_process_hits_the_compile_cache_and_another_key_does_not(tmp_path, subprocess_env, cold_compile):
+    _, cold_dir, cache = cold_compile  # a cold process into an empty cache (its console: tests/test_console.py)
+    m1, items1 = _read(cold_dir)
     m2, items2 = _run(tmp_path, "warm", cache, subprocess_env)
     c1, c2 = m1["compile"]["cache"], m2["compile"]["cache"]
     assert c1["enabled"] and c1["key"] == c2["key"] and c1["dir"] == c2["dir"]

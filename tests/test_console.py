@@ -13,20 +13,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BAR = re.compile(r"^\s*(?P<desc>[^|\r\n]*?):\s+\d+%\|")
-
-
-def _cli(args, env, cwd, timeout=600):
-    env = dict(env, PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    env.pop("RUNNER_VERBOSE", None)
-    for k in ("KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL"):
-        env.pop(k, None)  # the defaults under test, not the caller's
-    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def _lines(text: str):
-    return [x for x in re.split(r"[\r\n]+", text) if x.strip()]
+from _helpers import BAR, assert_compile_warm_up_console  # noqa: E402
+from _helpers import cli as _cli, console_lines as _lines, summary_lines as _summary  # noqa: E402
 
 
 def test_default_run_prints_one_progress_bar_and_no_warning_or_profiler_line(subprocess_env, tmp_path):
@@ -138,10 +126,6 @@ def test_torchao_import_noise_is_filtered_and_other_records_kept():
         assert seen == ["a warning the user must see"], (name, seen)
 
 
-def _summary(lines):
-    return [x for x in lines if re.search(r"\brun (completed|completed_with_failures|failed|incomplete)\b", x)]
-
-
 def test_progress_excludes_the_warm_up_from_rate_and_eta():
     """What comes before the first batch (loading, a compile warm-up) is left out of the bar's elapsed time, so its
     rate and ETA are the loop's."""
@@ -212,18 +196,10 @@ def test_other_ranks_show_no_bar():
     assert "m [rank 0 of 2]: 100%" in out0.getvalue() and out1.getvalue() == ""
 
 
-def test_compile_warm_up_says_what_it_does_before_the_bar_moves(subprocess_env, tmp_path):
-    p = _cli(["model=tiny_flux", "compile=regional", "dataset.limit=1", f"cache_dir={tmp_path / 'cache'}",
-              f"hydra.run.dir={tmp_path / 'run'}"], subprocess_env, tmp_path, timeout=900)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-3000:]
-    lines = _lines(out)
-    says = [i for i, x in enumerate(lines) if "compile=regional: compiling the denoiser's blocks" in x]
-    assert len(says) == 1 and "cold, tens of seconds" in lines[says[0]] and "ETA starts after it" in lines[says[0]]
-    moved = [i for i, x in enumerate(lines) if BAR.match(x) and not re.search(r":\s+0%\|", x)]
-    assert moved and says[0] < moved[0], lines
-    assert {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m} == {"tiny_flux"}
-    assert len(_summary(lines)) == 1 and "run completed: 1 ok" in _summary(lines)[0]
+def test_compile_warm_up_says_what_it_does_before_the_bar_moves(cold_compile):
+    """The cold ``compile=regional`` process (the session's, shared with tests/test_compile_cache.py)."""
+    out, _, _ = cold_compile
+    assert_compile_warm_up_console(out, n_ok=2)
 
 
 def test_vllm_run_prints_one_bar_one_summary_and_no_library_info_line(subprocess_env, tmp_path):

@@ -47,9 +47,9 @@ SIZE = 64
 
 def load_arch() -> dict:
     """The architecture of ``models/toy_edit/toy_edit.yaml`` (the transformer's config)."""
-    from omegaconf import OmegaConf
+    from runner.core.schema import yaml_section
 
-    return OmegaConf.to_container(OmegaConf.load(CONFIG).architecture, resolve=True)
+    return yaml_section(CONFIG, "architecture")
 
 
 def new_transformer(arch: dict):
