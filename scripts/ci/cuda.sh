@@ -24,4 +24,5 @@ else:
     import vllm
     print(f"cuda.sh: vLLM {vllm.__version__} ({vllm.__file__})")
 PY
-exec "$PY" -m pytest -q -m cuda -rs "$@"
+# -o addopts: one process (the pyproject's two xdist workers would share the one GPU; the device has no xdist)
+exec "$PY" -m pytest -q -o addopts=-ra -m cuda -rs "$@"
