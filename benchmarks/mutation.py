@@ -43,6 +43,11 @@ from typing import Any, Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "benchmarks" / "results" / "mutation.json"
 
+#: A group's scope names a file's functions, or ``"*"``: every function and method of the file (top level and
+#: one class deep, as mutmut mutates them).
+ALL = "*"
+
+
 #: Mutation groups: per group the functions (``Class.method`` for methods) whose mutants are run, by file, and the
 #: test files that may kill them (each mutant runs the tests of its group that call its function). The functions
 #: are the ones that implement the rules named in issue #23; the rest of each file (messages of other commands,
@@ -104,11 +109,19 @@ GROUPS: Dict[str, Dict[str, Any]] = {
         "scope": {"kernels/linear.py": ["LinearRecord.add", "_quantize_rows", "FP8Linear.__init__",
                                         "FP8Linear.forward", "_eligible", "install"]},
         "tests": ["tests/test_fp8_linear.py"]},
+    # ---- issue #29: the core added since the last audit (the run-dir lock, resume plan, sinks, gate, cache,
+    # context parallel, evidence, distributed, the Run's steps)
+    # the run-dir lock: holder records, takeover of a dead owner's lock, workers joining and leaving
+    "rundir": {
+        "scope": {"runner/core/rundir.py": ALL},
+        "tests": ["tests/test_rundir.py", "tests/test_rundir_workers.py"]},
 }
 
 #: Survivors that cannot change what a user sees (benchmarks/mutation_equivalent.json), matched on the file,
 #: function, original line and mutated line of the mutation (stripped), each with its one-line reason. An entry
 #: with ``"survives": true`` is no equivalent: it stays a survivor, with the reason no test kills it here.
+NICE = 19  # a shared developer machine: the mutants run at the lowest priority
+
 EQUIVALENT: List[Dict[str, str]] = json.loads((ROOT / "benchmarks" / "mutation_equivalent.json").read_text())
 
 
@@ -119,9 +132,9 @@ def _toml_list(xs: List[str]) -> str:
 def mutmut_table(group: Dict[str, Any]) -> str:
     return "\n".join([
         "", "[tool.mutmut]",
-        f"source_paths = {_toml_list(['runner/', 'kernels/'])}",
+        f"source_paths = {_toml_list(['runner/', 'kernels/', 'models/'])}",
         f"only_mutate = {_toml_list(sorted(group['scope']))}",
-        f"also_copy = {_toml_list(['conf/', 'models/'])}",
+        f"also_copy = {_toml_list(['conf/'])}",
         f"pytest_add_cli_args = {_toml_list(['-p', 'no:cacheprovider', '-W', 'ignore'])}",
         f"pytest_add_cli_args_test_selection = {_toml_list(group['tests'])}",
         "use_git_change_detection = false",
@@ -137,8 +150,33 @@ def mangled(path: str, func: str) -> str:
     return f"{mod}.x_{func}"
 
 
+def functions(path: str, names: Any) -> List[str]:
+    """The functions of ``path`` a scope entry names (``"*"``: all, in file order); an unknown name is an error, so a
+    renamed function cannot silently drop out of the scope."""
+    starts = _function_starts(ROOT / path)
+    if names == ALL:
+        return list(starts)
+    missing = [f for f in names if f not in starts]
+    if missing:
+        raise SystemExit(f"mutation: {path} has no function(s) {', '.join(missing)}; fix GROUPS")
+    return list(names)
+
+
+def expanded(group: Dict[str, Any]) -> Dict[str, List[str]]:
+    """``{file: [function, ...]}`` of a group, ``"*"`` expanded."""
+    return {p: functions(p, fs) for p, fs in group["scope"].items()}
+
+
 def scope_globs(group: Dict[str, Any]) -> List[str]:
-    return [f"{mangled(p, f)}__mutmut_*" for p, fs in group["scope"].items() for f in fs]
+    return [f"{mangled(p, f)}__mutmut_*" for p, fs in expanded(group).items() for f in fs]
+
+
+def git_commit() -> Dict[str, Any]:
+    """The commit the run tested, and whether the tree differed from it (tracked files)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def prepare(work: Path, group: Dict[str, Any]) -> None:
@@ -163,7 +201,7 @@ def mutmut_bin() -> str:
 def run_mutmut(work: Path, names: List[str], max_children: int) -> int:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the mutants/ copy, nothing else
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = ["nice", "-n", "10", mutmut_bin(), "run", "--max-children", str(max_children), *names]
+    cmd = ["nice", "-n", str(NICE), mutmut_bin(), "run", "--max-children", str(max_children), *names]
     print("mutation:", " ".join(cmd[:6]), f"<{len(names)} names> in {work}", flush=True)
     with open(work / "mutmut.log", "a", encoding="utf-8") as log:  # mutmut's progress spinner: kept out of the way
         return subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -224,7 +262,7 @@ def collect(work: Path, group: Dict[str, Any]) -> Dict[str, Any]:
     try:
         from mutmut.mutation.diff_apply import get_diff_for_mutant
 
-        wanted = {mangled(p, f): (p, f) for p, fs in group["scope"].items() for f in fs}
+        wanted = {mangled(p, f): (p, f) for p, fs in expanded(group).items() for f in fs}
         per: Dict[str, Dict[str, int]] = {}
         killed, survived, equivalent, other = 0, [], [], {}
         for path in group["scope"]:
@@ -264,6 +302,17 @@ def collect(work: Path, group: Dict[str, Any]) -> Dict[str, Any]:
                 "not_scored": other}
     finally:
         os.chdir(here)
+
+
+def scope_doc() -> Dict[str, Any]:
+    """What the score covers: per file its functions (``"*"`` expanded), the counts of files and functions."""
+    files: Dict[str, List[str]] = {}
+    for g in GROUPS.values():
+        for p, fs in expanded(g).items():
+            files.setdefault(p, [])
+            files[p] += [f for f in fs if f not in files[p]]
+    return {"files": dict(sorted(files.items())), "file_count": len(files),
+            "function_count": sum(len(fs) for fs in files.values())}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -330,16 +379,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not a.rerun_survivors:
         group_s.update(timings)
     doc = {
-        "issue": "#23",
+        "issue": "#23, #29",
         "tool": f"mutmut {mutmut.__version__}",
         "command": "python benchmarks/mutation.py",
         "last_command": " ".join(["python benchmarks/mutation.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": f"{os.cpu_count()} CPU cores (shared), --max-children {a.max_children}, nice 10",
+        "machine": f"{os.cpu_count()} CPU cores (shared), --max-children {a.max_children}, nice {NICE}",
+        **git_commit(),
         "wall_s_full_run": round(time.time() - t0, 1) if full else prev.get("wall_s_full_run"),
         "group_wall_s": group_s,
         "last_wall_s": round(time.time() - t0, 1),
         "groups": GROUPS,
+        "scope": scope_doc(),
         "counting": "killed includes timeouts; survived includes mutants no selected test reaches (mutmut 'no "
                     "tests'); equivalent survivors are listed with their reason and left out of the score",
         "score": round(killed / (killed + len(survived)), 4) if killed + len(survived) else None,
