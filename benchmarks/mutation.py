@@ -134,7 +134,7 @@ def mutmut_table(group: Dict[str, Any]) -> str:
         "", "[tool.mutmut]",
         f"source_paths = {_toml_list(['runner/', 'kernels/', 'models/'])}",
         f"only_mutate = {_toml_list(sorted(group['scope']))}",
-        f"also_copy = {_toml_list(['conf/'])}",
+        f"also_copy = {_toml_list(['conf/', 'sitecustomize.py'])}",
         f"pytest_add_cli_args = {_toml_list(['-p', 'no:cacheprovider', '-W', 'ignore'])}",
         f"pytest_add_cli_args_test_selection = {_toml_list(group['tests'])}",
         "use_git_change_detection = false",
@@ -179,6 +179,25 @@ def git_commit() -> Dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
+#: Copied to ``mutants/sitecustomize.py``: a Python a test starts (``python -m runner`` with ``PYTHONPATH`` on the
+#: mutated tree, its cwd a tmp dir) imports mutated modules, whose trampoline reads mutmut's config from the cwd
+#: during the stats run; this loads it from the work dir first, so such a subprocess runs (and, under a mutant,
+#: runs the mutant).
+SITECUSTOMIZE = """\
+import os as _os
+if _os.environ.get("MUTANT_UNDER_TEST"):
+    _cwd = _os.getcwd()
+    try:
+        _os.chdir(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+        from mutmut.configuration import config as _config
+        _config()
+    except Exception:
+        pass
+    finally:
+        _os.chdir(_cwd)
+"""
+
+
 def prepare(work: Path, group: Dict[str, Any]) -> None:
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
                            capture_output=True).stdout.decode().split("\0")
@@ -191,6 +210,7 @@ def prepare(work: Path, group: Dict[str, Any]) -> None:
         shutil.copy2(src, dst)
     with open(work / "pyproject.toml", "a", encoding="utf-8") as f:
         f.write(mutmut_table(group))
+    (work / "sitecustomize.py").write_text(SITECUSTOMIZE)
 
 
 def mutmut_bin() -> str:
