@@ -115,6 +115,44 @@ GROUPS: Dict[str, Dict[str, Any]] = {
     "rundir": {
         "scope": {"runner/core/rundir.py": ALL},
         "tests": ["tests/test_rundir.py", "tests/test_rundir_workers.py"]},
+    # the resume plan (ResumePlan: refusals, reuse, the compile mode, the identity's values)
+    "resume_plan": {
+        "scope": {"runner/core/resume.py": ["compile_mode_of", "_when_set_keys", "_canonical", "_source_fingerprint",
+                                       "_identity_value", "identity_sha256", "plan", "log_not_reused"]},
+        "tests": ["tests/test_resume_rules.py", "tests/test_resume_compile_mode.py"]},
+    # the Run's steps on one-step runs: the plan, the verdict, finalize, the exit code, evidence, compaction
+    "run": {
+        "scope": {"runner/app/run.py": ["Run.plan_resume", "Run.verdict", "Run.finalize", "Run.close_outputs",
+                                        "Run.final_sections", "Run.timing_section", "Run.exit_code",
+                                        "evidence_doc", "compact"]},
+        "tests": ["tests/test_mutation_kills_run.py"]},
+    # fixed cache schedules: which steps each method reuses, the counts and the evidence of planned reuse
+    "cache": {
+        "scope": {"models/cache.py": ["CacheCounts.minus", "StepCache.before_call", "StepCache.after_call",
+                                     "StepCache.record", "StepCache.evidence", "_first_block", "_mag_ratios",
+                                     "_magcache", "_taylorseer", "_taylorseer_reused", "_pab", "_pab_reused"]},
+        "tests": ["tests/test_cache_schedule.py"]},
+    # context parallelism: the refusals before loading, the mesh and config, the collectives the evidence expects
+    "context_parallel": {
+        "scope": {"models/context_parallel.py": ALL},
+        "tests": ["tests/test_ring_ulysses.py"] + [f"tests/test_context_parallel.py::{t}" for t in (
+            "test_heads_not_divisible_by_ulysses_degree",
+            "test_backend_without_context_parallel_support_is_refused_by_name", "test_layout_roles_and_mesh",
+            "test_no_collective_fails_the_evidence")]},
+    # the sinks: artifact dims against the record, PNG and video verify and rename, journals, unlisted files
+    "sinks": {
+        "scope": {"runner/core/sinks.py": ["embedded_fields", "folder_metadata_row", "check_artifact_dims",
+                                          "_Counting._recorded", "_FileSink.submit", "_FileSink.verify",
+                                          "_FileSink.close", "PNGSink._write", "MP4Sink.identity",
+                                          "MP4Sink._payload", "MP4Sink._write", "RecordSink.submit",
+                                          "RecordSink.verify", "ComputeOnlySink.submit", "keep_unlisted"]},
+        "tests": ["tests/test_atomic_writes.py", "tests/test_video.py::test_sink_frame_rate_and_shape_rules",
+                  "tests/test_outputs.py::test_png_whose_size_differs_from_its_record_fails_and_is_not_written"]},
+    # denoiser evidence: the whole module (call counts, kernels, collectives, MoE, the forward count)
+    "evidence_all": {
+        "scope": {"models/denoiser_evidence.py": ["DenoiserProbe.__init__", "_attention_calls", "_linear_calls",
+                                                  "_kernel_calls", "_collective_calls", "forward_count_check"]},
+        "tests": ["tests/test_evidence_verdict.py"]},
 }
 
 #: Survivors that cannot change what a user sees (benchmarks/mutation_equivalent.json), matched on the file,
@@ -134,8 +172,8 @@ def mutmut_table(group: Dict[str, Any]) -> str:
         "", "[tool.mutmut]",
         f"source_paths = {_toml_list(['runner/', 'kernels/', 'models/'])}",
         f"only_mutate = {_toml_list(sorted(group['scope']))}",
-        f"also_copy = {_toml_list(['conf/', 'sitecustomize.py'])}",
-        f"pytest_add_cli_args = {_toml_list(['-p', 'no:cacheprovider', '-W', 'ignore'])}",
+        f"also_copy = {_toml_list(['conf/', 'sitecustomize.py', 'mutmut_subprocess_hits.py'])}",
+        f"pytest_add_cli_args = {_toml_list(['-p', 'no:cacheprovider', '-p', 'mutmut_subprocess_hits', '-W', 'ignore'])}",
         f"pytest_add_cli_args_test_selection = {_toml_list(group['tests'])}",
         "use_git_change_detection = false",
         "",
@@ -179,22 +217,61 @@ def git_commit() -> Dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
-#: Copied to ``mutants/sitecustomize.py``: a Python a test starts (``python -m runner`` with ``PYTHONPATH`` on the
-#: mutated tree, its cwd a tmp dir) imports mutated modules, whose trampoline reads mutmut's config from the cwd
-#: during the stats run; this loads it from the work dir first, so such a subprocess runs (and, under a mutant,
-#: runs the mutant).
+#: Copied to ``mutants/sitecustomize.py``: a Python a test starts (``python -m runner``, torchrun ranks, gloo
+#: workers, with ``PYTHONPATH`` on the mutated tree and a tmp dir as cwd) imports mutated modules, whose trampoline
+#: reads mutmut's config from the cwd; this loads it from the work dir first, so such a subprocess runs (and, under
+#: a mutant, runs the mutant). During the stats run it also writes the functions the subprocess called to
+#: ``mutants/.subprocess_hits/<pid>``, which :data:`HITS_PLUGIN` credits to the test that started it (mutmut
+#: itself sees only the test process's calls, so a function that only a subprocess runs would get no tests).
 SITECUSTOMIZE = """\
 import os as _os
 if _os.environ.get("MUTANT_UNDER_TEST"):
     _cwd = _os.getcwd()
+    _mutants = _os.path.dirname(_os.path.abspath(__file__))
     try:
-        _os.chdir(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+        _os.chdir(_os.path.dirname(_mutants))
         from mutmut.configuration import config as _config
         _config()
     except Exception:
         pass
     finally:
         _os.chdir(_cwd)
+    if _os.environ.get("MUTANT_UNDER_TEST") == "stats":
+        import atexit as _atexit
+
+        def _dump_hits():
+            try:
+                from mutmut.state import state
+                names = sorted(state()._stats)
+                if names:
+                    d = _os.path.join(_mutants, ".subprocess_hits")
+                    _os.makedirs(d, exist_ok=True)
+                    with open(_os.path.join(d, str(_os.getpid())), "w") as f:
+                        f.write("\\n".join(names))
+            except Exception:
+                pass
+
+        _atexit.register(_dump_hits)
+"""
+
+#: Copied to ``mutants/mutmut_subprocess_hits.py`` and loaded with ``-p``: before mutmut's stats collector reads a
+#: test's hits (its ``pytest_runtest_teardown``), the functions the test's subprocesses called are added.
+HITS_PLUGIN = """\
+import os
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    d = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".subprocess_hits")
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats" or not os.path.isdir(d):
+        return
+    from mutmut.state import state
+    for name in os.listdir(d):
+        p = os.path.join(d, name)
+        with open(p) as f:
+            state()._stats.update(x for x in f.read().split("\\n") if x)
+        os.remove(p)
 """
 
 
@@ -211,6 +288,7 @@ def prepare(work: Path, group: Dict[str, Any]) -> None:
     with open(work / "pyproject.toml", "a", encoding="utf-8") as f:
         f.write(mutmut_table(group))
     (work / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (work / "mutmut_subprocess_hits.py").write_text(HITS_PLUGIN)
 
 
 def mutmut_bin() -> str:
