@@ -148,6 +148,10 @@ GROUPS: Dict[str, Dict[str, Any]] = {
                                           "RecordSink.verify", "ComputeOnlySink.submit", "keep_unlisted"]},
         "tests": ["tests/test_atomic_writes.py", "tests/test_video.py::test_sink_frame_rate_and_shape_rules",
                   "tests/test_outputs.py::test_png_whose_size_differs_from_its_record_fails_and_is_not_written"]},
+    # the quality gate: same rows, pairing among several lossless jobs, ratios, PSNR, verdicts, the CLI
+    "gate": {
+        "scope": {"runner/tools/gate.py": ALL},
+        "tests": ["tests/test_mutation_kills_gate.py"]},
     # denoiser evidence: the whole module (call counts, kernels, collectives, MoE, the forward count)
     "evidence_all": {
         "scope": {"models/denoiser_evidence.py": ["DenoiserProbe.__init__", "_attention_calls", "_linear_calls",
