@@ -114,7 +114,11 @@ GROUPS: Dict[str, Dict[str, Any]] = {
     # the run-dir lock: holder records, takeover of a dead owner's lock, workers joining and leaving
     "rundir": {
         "scope": {"runner/core/rundir.py": ALL},
-        "tests": ["tests/test_rundir.py", "tests/test_rundir_workers.py"]},
+        # test_rundir.py's tests that start whole ``python -m runner`` runs (20-40 s each here) are left out
+        "tests": ["tests/test_rundir_workers.py"] + [f"tests/test_rundir.py::{t}" for t in (
+            "test_readers_report_a_running_manifest_with_a_dead_owner_as_crashed",
+            "test_repro_refuses_a_live_run_and_notes_a_crashed_one", "test_merge_reports_a_worker_left_running_as_crashed",
+            "test_resume_of_a_run_left_running_records_crashed")] + ["tests/test_mutation_kills_rundir.py"]},
     # the resume plan (ResumePlan: refusals, reuse, the compile mode, the identity's values)
     "resume_plan": {
         "scope": {"runner/core/resume.py": ["compile_mode_of", "_when_set_keys", "_canonical", "_source_fingerprint",
@@ -248,6 +252,7 @@ if _os.environ.get("MUTANT_UNDER_TEST"):
         _os.chdir(_cwd)
     if _os.environ.get("MUTANT_UNDER_TEST") == "stats":
         import atexit as _atexit
+        import threading as _threading
 
         def _dump_hits():
             try:
@@ -256,12 +261,21 @@ if _os.environ.get("MUTANT_UNDER_TEST"):
                 if names:
                     d = _os.path.join(_mutants, ".subprocess_hits")
                     _os.makedirs(d, exist_ok=True)
-                    with open(_os.path.join(d, str(_os.getpid())), "w") as f:
+                    tmp = _os.path.join(d, "." + str(_os.getpid()))
+                    with open(tmp, "w") as f:
                         f.write("\\n".join(names))
+                    _os.replace(tmp, _os.path.join(d, str(_os.getpid())))
             except Exception:
                 pass
 
+        def _dump_often():  # a subprocess the test kills (SIGKILL) runs no atexit
+            import time
+            while True:
+                time.sleep(0.2)
+                _dump_hits()
+
         _atexit.register(_dump_hits)
+        _threading.Thread(target=_dump_often, daemon=True).start()
 """
 
 #: Copied to ``mutants/mutmut_subprocess_hits.py`` and loaded with ``-p``: before mutmut's stats collector reads a

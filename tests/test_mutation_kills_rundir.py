@@ -1,0 +1,297 @@
+"""The run-dir lock's rules in one process (runner/core/rundir.py), for the mutation run (benchmarks/mutation.py,
+group ``rundir``). ``flock`` locks belong to an open file description, so a second ``os.open`` of ``run.lock`` in
+this process stands for another process holding it: the holder record, re-entrant holds, the refusal naming the
+holder, a stale lock taken over, workers still writing after their owner ended, release and what it removes,
+liveness (``crashed``) and default dir names."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shlex
+import socket
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from runner.core import rundir
+from runner.core.errors import RunDirInUseError, RunDirLockError
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    rundir.release_all()
+
+
+def _other_holder(d: Path, holder=None, mode=fcntl.LOCK_EX, name=rundir.LOCK_NAME) -> int:
+    """Another 'process' holding ``d/<name>`` (an own open file description), with ``holder`` written in it."""
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / name, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    if holder is not None:
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+    return fd
+
+
+OTHER = {"pid": 4242, "host": "elsewhere", "started_at": "2026-01-01T00:00:00", "command": "python -m runner",
+         "token": "t" * 32}
+
+
+def test_holder_record_names_this_process():
+    rec = rundir.holder_record("tok")
+    argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
+    assert rec["pid"] == os.getpid() and rec["host"] == socket.gethostname() and rec["token"] == "tok"
+    assert rec["command"] == shlex.join(argv) and rec["cwd"] == os.getcwd()
+    assert datetime.fromisoformat(rec["started_at"]).utcoffset().total_seconds() == 0
+    assert list(rec) == ["pid", "host", "started_at", "command", "cwd", "token"]
+
+
+def test_describe():
+    assert rundir.describe(None) == "a process that has not recorded itself yet"
+    assert rundir.describe({}) == "a process that has not recorded itself yet"
+    assert rundir.describe(OTHER) == ("pid 4242 on host elsewhere, started 2026-01-01T00:00:00, command: "
+                                      "python -m runner")
+
+
+def test_lock_record():
+    lock = rundir.RunLock(dir=Path("/x"), holder={"token": "a"})
+    assert lock.record() == {"file": "run.lock", "holder": {"token": "a"}, "enforced": True}
+    assert lock.token == "a"
+    lock = rundir.RunLock(dir=Path("/x"), holder={"token": "a"}, took_over=OTHER, enforced=False, reason="nfs")
+    assert lock.record() == {"file": "run.lock", "holder": {"token": "a"}, "enforced": False, "reason": "nfs",
+                             "took_over": OTHER}
+
+
+def test_acquire_writes_the_holder_holds_reentrantly_and_the_last_release_removes_the_file(tmp_path):
+    d = tmp_path / "a" / "b"
+    lock = rundir.acquire(d)
+    assert d.is_dir() and lock.enforced and lock.took_over is None and lock.count == 1
+    text = (d / "run.lock").read_text()
+    assert text.endswith("\n") and json.loads(text) == lock.holder
+    assert lock.holder["pid"] == os.getpid() and len(lock.token) == 32
+    assert rundir.held(d) is lock and rundir.run_token(d) == lock.token
+    assert rundir.lock_state(d) == (lock.holder, True)
+    assert rundir.acquire(d) is lock and lock.count == 2
+    rundir.release(lock)
+    assert (d / "run.lock").exists() and rundir.held(d) is lock
+    rundir.release(lock)
+    assert not (d / "run.lock").exists() and rundir.held(d) is None and rundir.run_token(d) is None
+    rundir.release(None)
+    assert rundir.lock_state(d) == (None, False)
+    again = rundir.acquire(d)
+    assert again is not lock and again.took_over is None
+
+
+def test_acquire_without_create_holds_no_missing_dir(tmp_path):
+    assert rundir.acquire(tmp_path / "missing", create=False) is None
+    assert not (tmp_path / "missing").exists()
+    assert rundir.acquire(tmp_path, create=False) is not None
+
+
+def test_a_held_dir_is_refused_naming_the_holder_and_the_key(tmp_path):
+    d = tmp_path / "held"
+    fd = _other_holder(d, OTHER)
+    try:
+        with pytest.raises(RunDirInUseError) as e:
+            rundir.acquire(d, wait_s=0.1, key="hydra.run.dir")
+        msg = str(e.value)
+        assert msg == (f"run dir {d} (hydra.run.dir) is in use by another run: {rundir.describe(OTHER)} (lock file "
+                       f"{d / 'run.lock'}); two runs writing into one dir would mix their artifacts and records; "
+                       f"{rundir.FIX}")
+        assert json.loads((d / "run.lock").read_text()) == OTHER, "a refused run never touches the holder's file"
+        assert rundir.lock_state(d) == (OTHER, True)
+    finally:
+        os.close(fd)
+
+
+def test_a_dead_holder_on_this_host_with_a_live_child_is_named(tmp_path):
+    d = tmp_path / "held"
+    gone = {**OTHER, "host": socket.gethostname(), "pid": 2 ** 22 + 12345}
+    fd = _other_holder(d, gone)
+    try:
+        with pytest.raises(RunDirInUseError) as e:
+            rundir.acquire(d, wait_s=0)
+        assert "(that process is gone, but a child process it started still holds the lock)" in str(e.value)
+        assert f"run dir {d} is in use" in str(e.value)
+    finally:
+        os.close(fd)
+
+
+def test_a_stale_lock_is_taken_over_and_recorded(tmp_path):
+    d = tmp_path / "stale"
+    d.mkdir()
+    (d / "run.lock").write_text(json.dumps(OTHER))
+    lock = rundir.acquire(d)
+    assert lock.took_over == OTHER and lock.record()["took_over"] == OTHER
+    assert json.loads((d / "run.lock").read_text()) == lock.holder
+
+
+def test_workers_of_an_ended_run_still_writing_refuse_the_dir(tmp_path):
+    d = tmp_path / "w"
+    d.mkdir()
+    (d / "run.lock").write_text(json.dumps(OTHER))
+    fd = _other_holder(d, None, fcntl.LOCK_SH, rundir.WORKERS_NAME)
+    try:
+        with pytest.raises(RunDirInUseError) as e:
+            rundir.acquire(d)
+        assert str(e.value) == (f"run dir {d}: the run of {rundir.describe(OTHER)} ended, but its data-parallel "
+                                f"workers still write into it (they hold {d / 'workers.lock'}); {rundir.FIX}")
+        assert json.loads((d / "run.lock").read_text()) == OTHER, "the stale record stays for the next try"
+        (d / "run.lock").write_text("")
+        with pytest.raises(RunDirInUseError) as e:
+            rundir.acquire(d)
+        assert str(e.value).startswith(f"run dir {d}: an earlier run ended")
+    finally:
+        os.close(fd)
+    lock = rundir.acquire(d)
+    assert lock.took_over is None
+    rundir.release(lock)
+    assert not (d / "workers.lock").exists() and not (d / "run.lock").exists()
+
+
+def test_release_keeps_a_workers_lock_a_worker_holds(tmp_path):
+    d = tmp_path / "k"
+    lock = rundir.acquire(d)
+    fd = _other_holder(d, None, fcntl.LOCK_SH, rundir.WORKERS_NAME)
+    try:
+        rundir.release(lock)
+        assert (d / "workers.lock").exists() and not (d / "run.lock").exists()
+    finally:
+        os.close(fd)
+
+
+def test_an_unwritable_dir_is_a_lock_error(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(RunDirLockError) as e:
+        rundir.acquire(f / "run", key="output.dir")
+    assert str(e.value).startswith(f"cannot create or write the run dir {f / 'run'} (output.dir) (")
+    assert "fix: choose a dir whose parents are folders you can write" in str(e.value)
+
+
+def test_read_holder(tmp_path):
+    assert rundir.read_holder(tmp_path) is None
+    (tmp_path / "run.lock").write_text("")
+    assert rundir.read_holder(tmp_path) is None
+    (tmp_path / "run.lock").write_text("[1, 2]")
+    assert rundir.read_holder(tmp_path) is None
+    (tmp_path / "run.lock").write_text("{not json")
+    assert rundir.read_holder(tmp_path) == {"unreadable": "{not json"}
+    (tmp_path / "run.lock").write_text(json.dumps(OTHER))
+    assert rundir.read_holder(tmp_path) == OTHER
+
+
+def test_join_the_run_that_holds_the_dir_and_leave(tmp_path):
+    d = tmp_path / "j"
+    fd = _other_holder(d, OTHER)
+    try:
+        with pytest.raises(RunDirInUseError) as e:
+            rundir.join(d, "other-token")
+        assert str(e.value) == (f"data-parallel worker: run dir {d} is not held by its run (token other-token); "
+                                f"it is held by {rundir.describe(OTHER)}; {rundir.FIX}")
+        assert rundir.join(d, OTHER["token"]) == OTHER["token"]
+        assert rundir.run_token(d) == OTHER["token"]
+        assert rundir.join(d, None) == OTHER["token"] and rundir.join(d, OTHER["token"]) == OTHER["token"]
+        assert (d / "workers.lock").exists()
+        rundir.leave(d)
+        assert rundir.run_token(d) is None
+        assert (d / "workers.lock").exists(), "the owner still holds run.lock: workers.lock stays"
+    finally:
+        os.close(fd)
+
+
+def test_join_a_dir_no_run_holds_is_refused(tmp_path):
+    with pytest.raises(RunDirInUseError) as e:
+        rundir.join(tmp_path / "free", None)
+    assert "is not held by its run (token None); it is held by no run" in str(e.value)
+
+
+def test_the_last_worker_leaving_after_its_owner_removes_workers_lock(tmp_path):
+    d = tmp_path / "last"
+    fd = _other_holder(d, OTHER)
+    rundir.join(d, OTHER["token"])
+    os.close(fd)  # the owner is gone
+    rundir.leave(d)
+    assert not (d / "workers.lock").exists()
+    rundir.leave(d)  # twice: nothing
+
+
+def test_join_in_the_owner_process_returns_its_token(tmp_path):
+    lock = rundir.acquire(tmp_path / "own")
+    assert rundir.join(tmp_path / "own", "whatever") == lock.token
+    assert not (tmp_path / "own" / "workers.lock").exists()
+
+
+def test_release_all_drops_every_hold_and_join(tmp_path):
+    a = rundir.acquire(tmp_path / "a")
+    rundir.acquire(tmp_path / "a")
+    fd = _other_holder(tmp_path / "b", OTHER)
+    try:
+        rundir.join(tmp_path / "b", OTHER["token"])
+        rundir.release_all()
+        assert a.count == 0 and rundir.held(tmp_path / "a") is None and not (tmp_path / "a" / "run.lock").exists()
+        assert rundir.run_token(tmp_path / "b") is None
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------------------------------- liveness
+
+
+def test_effective_status(tmp_path):
+    own = {"pid": os.getpid(), "host": socket.gethostname(), "token": "t" * 32}
+    running = {"status": "running", "owner": own}
+    assert rundir.effective_status(tmp_path, running) == "crashed"
+    assert rundir.effective_status(tmp_path, {"status": "completed", "owner": own}) == "completed"
+    assert rundir.effective_status(tmp_path, {}) is None
+    fd = _other_holder(tmp_path, OTHER)
+    try:
+        assert rundir.effective_status(tmp_path, running) == "running", "the run of that token holds the dir"
+        assert rundir.owner_alive(tmp_path, {"status": "running", "owner": {"token": "other"}}) is False
+        assert rundir.owner_alive(tmp_path, {"status": "running", "owner": {}}) is True
+    finally:
+        os.close(fd)
+
+
+def test_a_dead_owner_with_live_workers_is_alive(tmp_path):
+    (tmp_path / "run.lock").write_text(json.dumps(OTHER))
+    doc = {"status": "running", "owner": {"token": OTHER["token"], "pid": 1, "host": "x"}}
+    assert rundir.owner_alive(tmp_path, doc) is False
+    fd = _other_holder(tmp_path, None, fcntl.LOCK_SH, rundir.WORKERS_NAME)
+    try:
+        assert rundir.owner_alive(tmp_path, doc) is True
+        assert rundir.owner_alive(tmp_path, {**doc, "owner": {**doc["owner"], "token": "other"}}) is False
+    finally:
+        os.close(fd)
+
+
+def test_without_enforced_locks_the_owner_pid_on_this_host_decides(tmp_path):
+    here = socket.gethostname()
+    doc = {"status": "running", "lock": {"enforced": False}, "owner": {"pid": os.getpid(), "host": here}}
+    assert rundir.owner_alive(tmp_path, doc) is True
+    assert rundir.owner_alive(tmp_path, {**doc, "owner": {"pid": os.getpid(), "host": "elsewhere"}}) is False
+    assert rundir.owner_alive(tmp_path, {**doc, "owner": {"pid": 2 ** 22 + 12345, "host": here}}) is False
+
+
+def test_pid_alive():
+    assert rundir._pid_alive(os.getpid()) is True and rundir._pid_alive(str(os.getpid())) is True
+    assert rundir._pid_alive(None) is False and rundir._pid_alive("x") is False
+    assert rundir._pid_alive(2 ** 22 + 12345) is False
+    assert rundir._pid_alive(1) is True  # init: alive, maybe not ours to signal
+
+
+# ------------------------------------------------------------------------------------------ default dirs
+
+
+def test_new_dir_takes_the_next_free_suffix(tmp_path):
+    parent = tmp_path / "p" / "q"
+    assert rundir.new_dir(parent, "run") == parent / "run"
+    assert rundir.new_dir(parent, "run") == parent / "run-1"
+    assert rundir.new_dir(parent, "run") == parent / "run-2"
+    d = rundir.new_dir(parent)
+    datetime.strptime(d.name, "%Y-%m-%d_%H-%M-%S-%f")
+    assert rundir.pid_resolver() == str(os.getpid())
