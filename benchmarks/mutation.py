@@ -155,8 +155,10 @@ GROUPS: Dict[str, Dict[str, Any]] = {
                                           "_Counting._recorded", "_FileSink.submit", "_FileSink.verify",
                                           "_FileSink.close", "PNGSink._write", "MP4Sink.identity",
                                           "MP4Sink._payload", "MP4Sink._write", "RecordSink.submit",
-                                          "RecordSink.verify", "ComputeOnlySink.submit", "keep_unlisted"]},
-        "tests": ["tests/test_atomic_writes.py", "tests/test_video.py::test_sink_frame_rate_and_shape_rules",
+                                          "RecordSink.verify", "ComputeOnlySink.submit", "keep_unlisted",
+                                          "PNGSink.options", "PNGSink.identity", "PNGSink._payload"]},
+        "tests": ["tests/test_mutation_kills_sinks.py", "tests/test_atomic_writes.py",
+                  "tests/test_video.py::test_sink_frame_rate_and_shape_rules",
                   "tests/test_outputs.py::test_png_whose_size_differs_from_its_record_fails_and_is_not_written"]},
     # the quality gate: same rows, pairing among several lossless jobs, ratios, PSNR, verdicts, the CLI
     "gate": {
