@@ -164,6 +164,15 @@ GROUPS: Dict[str, Dict[str, Any]] = {
     "gate": {
         "scope": {"runner/tools/gate.py": ALL},
         "tests": ["tests/test_mutation_kills_gate.py"]},
+    # the stage loop: upstream text feeding the next stage, a failed batch retried item by item, run_stage's records
+    "stages": {
+        "scope": {"runner/app/stages.py": ["link_records", "feed", "generate_isolated", "run_stage"]},
+        "tests": ["tests/test_mutation_kills_stages.py", "tests/test_batch_retry.py",
+                  "tests/test_mutation_kills_run.py"]},
+    # the startup checks: schema, run values, dtype, fresh dir, cpu threads, cache applicability
+    "checks": {
+        "scope": {"runner/app/checks.py": ALL},
+        "tests": ["tests/test_schema.py", "tests/test_validate.py"]},
     # denoiser evidence: the whole module (call counts, kernels, collectives, MoE, the forward count)
     "evidence_all": {
         "scope": {"models/denoiser_evidence.py": ["DenoiserProbe.__init__", "_attention_calls", "_linear_calls",
