@@ -307,6 +307,26 @@ def pytest_runtest_teardown(item, nextitem):
         with open(p) as f:
             state()._stats.update(x for x in f.read().split("\\n") if x)
         os.remove(p)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Child processes a test left behind (a subprocess of a failed test, never waited for) are killed and reaped
+    # here: the stats, clean and forced-fail sessions run inside mutmut's own process, whose os.wait() would
+    # otherwise reap one of them and fail on a pid that is no mutant's.
+    import signal
+    kids = set()
+    try:
+        for tid in os.listdir(f"/proc/{os.getpid()}/task"):
+            with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
+                kids.update(int(x) for x in f.read().split())
+    except OSError:
+        return
+    for pid in kids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
 """
 
 
