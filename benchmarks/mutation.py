@@ -494,8 +494,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if a.rerun_survivors:
             names = [s["mutant"] for s in prev.get("survived", []) + prev.get("equivalent", [])
                      if s.get("group") == name]
-            for t in group["tests"] + ["tests/conftest.py", "tests/_helpers.py"]:  # the new tests into the copy
-                if (ROOT / t).is_file():
+            for t in {t.split("::")[0] for t in group["tests"]} | {"tests/conftest.py", "tests/_helpers.py"}:
+                if (ROOT / t).is_file():  # the new tests into the copy
                     for dst in (work / t, work / "mutants" / t):
                         shutil.copy2(ROOT / t, dst)
         else:
