@@ -326,3 +326,33 @@ def test_line_shows_cache_hit_rate_and_notes():
     e = {"verdict": "pass", "lossy_job": "j", "lanes": ["cache"], "lossless_job": "r", "accuracy": None,
          "psnr_db": None, "cache_hit_rate": 0.5, "reasons": ["x"], "note": "n"}
     assert gate._line(e) == "PASS      j [cache] · vs r · cache hit rate 0.5\n          x\n          note: n"
+
+
+def test_psnr_and_ssim_values_are_those_of_rgb_in_0_1(tmp_path):
+    from runner.tools.report import load_rgb, ssim
+
+    j = jobs_of(job(tmp_path, "ref"), job(tmp_path, "lossy", lossy=True, lanes=["fp8"], noise=60))
+    e = gate.compare(j["lossy"], j["ref"])
+    for it in e["items"]:
+        x = load_rgb(j["lossy"].image_path(it["key"])).astype(np.float64) / 255
+        y = load_rgb(j["ref"].image_path(it["key"])).astype(np.float64) / 255
+        assert it["psnr_db"] == pytest.approx(10 * math.log10(1 / np.mean((x - y) ** 2)), abs=1e-3)
+        assert it["ssim"] == round(ssim(load_rgb(j["lossy"].image_path(it["key"])),
+                                        load_rgb(j["ref"].image_path(it["key"]))), 5)
+
+
+def test_help_names_every_option_and_its_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit) as e:
+        gate.main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: python -m runner.gate [-h] [--min-ratio MIN_RATIO] [--min-psnr-db MIN_PSNR_DB] "
+                          "[--out OUT] dirs [dirs ...]")
+    for text in ("Compare each lossy job with the lossless job of the same rows.",
+                 "dirs sweep dirs (holding job dirs) or run dirs",
+                 "--min-ratio MIN_RATIO lossy / lossless oracle accuracy floor per attribute (default 0.97)",
+                 "--min-psnr-db MIN_PSNR_DB also fail items below this PSNR (dB)",
+                 "--out OUT output path, overwritten if it exists (default: gate.json in the single dir given, else "
+                 "./gate.json; where that file exists already, e.g. the sweep's own, gate.cli.json beside it)"):
+        assert text in out, text
