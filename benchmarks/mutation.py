@@ -123,7 +123,8 @@ GROUPS: Dict[str, Dict[str, Any]] = {
     "resume_plan": {
         "scope": {"runner/core/resume.py": ["compile_mode_of", "_when_set_keys", "_canonical", "_source_fingerprint",
                                        "_identity_value", "identity_sha256", "plan", "log_not_reused"]},
-        "tests": ["tests/test_resume_rules.py", "tests/test_resume_compile_mode.py"]},
+        "tests": ["tests/test_mutation_kills_resume.py", "tests/test_resume_rules.py",
+                  "tests/test_resume_compile_mode.py"]},
     # the Run's steps on one-step runs: the plan, the verdict, finalize, the exit code, evidence, compaction
     "run": {
         "scope": {"runner/app/run.py": ["Run.plan_resume", "Run.verdict", "Run.finalize", "Run.close_outputs",
@@ -494,6 +495,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if a.rerun_survivors:
             names = [s["mutant"] for s in prev.get("survived", []) + prev.get("equivalent", [])
                      if s.get("group") == name]
+            # the group's table as it is now (a test file added to the group is selected), then the new tests
+            (work / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_table(group))
             for t in {t.split("::")[0] for t in group["tests"]} | {"tests/conftest.py", "tests/_helpers.py"}:
                 if (ROOT / t).is_file():  # the new tests into the copy
                     for dst in (work / t, work / "mutants" / t):
