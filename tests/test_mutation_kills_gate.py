@@ -352,7 +352,7 @@ def test_help_names_every_option_and_its_default(capsys, monkeypatch):
     out = " ".join(capsys.readouterr().out.split())
     assert out.startswith("usage: python -m runner.gate [-h] [--min-ratio MIN_RATIO] [--min-psnr-db MIN_PSNR_DB] "
                           "[--out OUT] dirs [dirs ...]")
-    for text in ("Compare each lossy job with the lossless job of the same rows.",
+    for text in ("[dirs ...] Compare each lossy job with the lossless job of the same rows. positional arguments:",
                  "dirs sweep dirs (holding job dirs) or run dirs",
                  "--min-ratio MIN_RATIO lossy / lossless oracle accuracy floor per attribute (default 0.97)",
                  "--min-psnr-db MIN_PSNR_DB also fail items below this PSNR (dB)",
@@ -453,3 +453,16 @@ def test_videos_are_compared_over_their_decoded_frames(tmp_path):
     # one MP4 of the pair: both are decoded as videos (an image is one frame)
     assert gate.item_metrics(a, c)["error"] == "shape (3, 16, 16, 3) vs (1, 16, 16, 3)"
     assert gate.item_metrics(c, a)["error"] == "shape (1, 16, 16, 3) vs (3, 16, 16, 3)"
+
+
+def test_psnr_and_ssim_means_over_items_of_different_quality(tmp_path):
+    ref = job(tmp_path, "ref")
+    lossy = job(tmp_path, "lossy", lossy=True, lanes=["fp8"], noise=60)
+    _png(lossy / "images" / "b.png", 80, noise=17)
+    j = jobs_of(ref, lossy)
+    e = gate.compare(j["lossy"], j["ref"])
+    psnr = [i["psnr_db"] for i in e["items"]]
+    ssim = [i["ssim"] for i in e["items"]]
+    assert psnr[0] != psnr[1] and ssim[0] != ssim[1]
+    assert e["psnr_db"] == {"min": min(psnr), "mean": round(float(np.mean(psnr)), 3)}
+    assert e["ssim"] == {"min": min(ssim), "mean": round(float(np.mean(ssim)), 5)}
