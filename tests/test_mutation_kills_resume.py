@@ -182,3 +182,30 @@ def test_refused_or_invalid_earlier_runs_are_no_runs(tmp_path, config):
         with pytest.raises(ResumeConflictError):
             _plan(tmp_path, config, resume_dir=str(tmp_path))
         assert _plan(tmp_path, config).prev is None
+
+
+def test_canonical_json_writes_paths_and_other_values_as_text():
+    assert resume._canonical({"b": Path("/x"), "a": 1}) == b'{"a":1,"b":"/x"}'
+
+
+def test_a_large_json_of_a_snapshot_is_fingerprinted_by_size(tmp_path):
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    small, big = snap / "small.json", snap / "big.json"
+    small.write_bytes(b" " * ((1 << 24) - 1))
+    big.write_bytes(b" " * (1 << 24))
+    (snap / "w.safetensors").write_bytes(b"123")
+    got = resume._source_fingerprint({"kind": "path", "path": str(snap), "files": {"stale": 1}})
+    assert got["files"] == {"big.json": 1 << 24, "small.json": hashlib.sha256(small.read_bytes()).hexdigest(),
+                            "w.safetensors": 3}
+    assert got["kind"] == "path" and got["path"] == str(snap)
+
+
+def test_a_when_set_key_without_its_rule_is_a_programming_error(monkeypatch):
+    keys = resume._when_set_keys(resume.RESUME)
+    assert keys, "the schema declares keys that enter the resume comparison only while set"
+    monkeypatch.setattr(resume, "WHEN_SET", {k: v for k, v in resume.WHEN_SET.items() if k != keys[0]})
+    with pytest.raises(KeyError) as e:
+        resume._when_set_keys(resume.RESUME)
+    assert e.value.args[0] == (f"['{keys[0]}'] enter only while set, but WHEN_SET does not say what set means for "
+                               "them")
