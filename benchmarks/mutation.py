@@ -97,8 +97,10 @@ GROUPS: Dict[str, Dict[str, Any]] = {
         "tests": ["tests/test_atomic_writes.py"]},
     # data-parallel sharding and merge
     "distributed": {
-        "scope": {"runner/core/distributed.py": ["shard", "_ended", "merge", "merged_exit_code"]},
-        "tests": ["tests/test_merge.py"]},
+        "scope": {"runner/core/distributed.py": ["shard", "_ended", "merge", "merged_exit_code", "torchrun_exit_line",
+                                                "Layout.role", "Layout.section"]},
+        "tests": ["tests/test_merge.py", "tests/test_ring_ulysses.py::test_layout_roles_of_a_ring_times_ulysses_mesh",
+                  "tests/test_context_parallel.py::test_layout_roles_and_mesh"]},
     # repro verdicts
     "repro": {
         "scope": {"runner/tools/repro.py": ["_sha", "_tokens_sha", "_compare_tokens", "_items", "rerun_command",
