@@ -167,3 +167,61 @@ def test_keep_unlisted_reads_other_journals_not_its_own(tmp_path):
     _jsonl(tmp_path / "items.jsonl", [])
     assert keep_unlisted(tmp_path, "items.jsonl") == 1
     assert keep_unlisted(tmp_path, "items.rank0.jsonl") == 0
+
+
+def test_mp4_sink_records_what_the_file_decodes_to_its_metadata_and_frame_dump(tmp_path, compose):
+    from models.base import VideoOutput
+    from runner.core import video
+    from runner.core.sinks import MP4Sink
+
+    frames = np.zeros((3, 16, 16, 3), np.float32)
+    frames[1, 4:8, 4:8] = 1.0
+    frames[2] = 0.5
+    sink = MP4Sink(tmp_path, workers=1, max_pending=8, dump_frames=True, model="vid", codec="h264_lossless")
+    assert sink.writer.max_pending == 2, "a pending video holds its frames: at most workers + 1"
+    rec = {"key": "v", "prompt": "a square", "seed": 5, "params": {"fps": 8, "width": 16, "height": 16,
+                                                                   "num_frames": 3}}
+    sink.submit(rec, VideoOutput(frames, fps=24))
+    sink.submit({"key": "f", "params": {}}, VideoOutput(frames, fps=12.5))
+    sink.submit({"key": "t", "params": {"fps": True}}, VideoOutput(frames, fps=8))
+    sink.submit({"key": "n", "params": {"fps": float("nan")}}, VideoOutput(frames))
+    sink.submit({"key": "s", "params": {"fps": "8"}}, VideoOutput(frames))
+    sink.submit({"key": "bad", "params": {"fps": 8, "num_frames": 4}}, VideoOutput(frames))
+    sink.close()
+    by = {r["key"]: r for r in read_journal(tmp_path / "items.jsonl")}
+    v = by["v"]
+    assert v["status"] == "ok" and v["fps"] == 8 and v["file"] == "videos/v.mp4" and v["file_name"] == "v.mp4"
+    assert (v["num_frames"], v["width"], v["height"]) == (3, 16, 16)
+    assert v["frames_file"] == "videos/v.frames.npz"
+    dumped = np.load(tmp_path / v["frames_file"])["frames"]
+    np.testing.assert_array_equal(dumped, video.to_uint8_frames(frames))
+    np.testing.assert_array_equal(video.decode_mp4(tmp_path / v["file"]), dumped)
+    assert v["frames_sha256"] == video.frames_sha256(dumped)
+    assert v["video"] == {k: video.encoder_info("h264_lossless")[k]
+                          for k in ("codec", "encoder", "pix_fmt", "lossless", "ffmpeg")}
+    meta = video.read_metadata(tmp_path / v["file"])
+    assert meta["title"] == "a square"
+    assert json.loads(meta["comment"]) == embedded_fields(rec, "vid")
+    assert by["f"]["status"] == "ok" and by["f"]["fps"] == 12.5 and "frames_file" in by["f"]
+    assert by["t"]["reason"] == "fps=True is not a number > 0"
+    assert by["n"]["reason"] == "fps=nan is not a number > 0"
+    assert by["s"]["reason"] == "fps='8' is not a number > 0"
+    assert by["bad"]["status"] == "failed" and "num_frames: record 4, artifact 3" in by["bad"]["reason"]
+    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == ["f.frames.npz", "f.mp4", "v.frames.npz",
+                                                                       "v.mp4"]
+    cfg = compose(["model=toy_shapes", "output.video_codec=h264_lossless", "output.video_frames=true"])
+    assert MP4Sink.options(cfg) == {"codec": "h264_lossless", "dump_frames": True, "model": "toy_shapes"}
+    assert MP4Sink.identity(cfg) == {"video": video.encoder_info("h264_lossless"), "frames_dump": True,
+                                     "metadata": list(sinks.EMBEDDED_FIELDS)}
+
+
+def test_mp4_sink_without_a_dump_writes_only_the_video(tmp_path):
+    from models.base import VideoOutput
+    from runner.core.sinks import MP4Sink
+
+    sink = MP4Sink(tmp_path, model=None)
+    sink.submit({"key": "v", "params": {"fps": 8}}, VideoOutput(np.zeros((2, 8, 8, 3), np.float32)))
+    sink.close()
+    (r,) = read_journal(tmp_path / "items.jsonl")
+    assert r["status"] == "ok" and "frames_file" not in r and "frames_file_sha256" not in r
+    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == ["v.mp4"]
