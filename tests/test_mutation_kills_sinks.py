@@ -40,6 +40,8 @@ def test_embedded_fields():
     assert list(embedded_fields({**rec, "negative_prompt": ""}, None)) == ["prompt", "negative_prompt", "seed",
                                                                           "parameters"]
     assert embedded_fields({}, None) == {"prompt": "", "seed": "None", "parameters": "{}"}
+    assert embedded_fields({"negative_prompt": 3, "params": {"p": Path("/x")}}, None) == {
+        "prompt": "", "negative_prompt": "3", "seed": "None", "parameters": '{"p": "/x"}'}
 
 
 def test_folder_metadata_row():
@@ -63,6 +65,7 @@ def test_png_sink_writes_named_hashed_files_with_their_text_and_fails_bad_output
     bad[0, 0, 0] = np.nan
     bad[1, 1, 1] = np.inf
     sink.submit({"key": "nan", "params": {}}, ImageOutput(bad))
+    sink.submit({"key": "nan2", "params": {}}, ImageOutput(bad))
     sink.submit({"key": "err", "params": {}}, RuntimeError("boom"))
     sink.drain()
     sink.close()
@@ -79,9 +82,9 @@ def test_png_sink_writes_named_hashed_files_with_their_text_and_fails_bad_output
                            "reason": "non-finite output (2 values)"}
     assert recs["err"]["status"] == "failed" and recs["err"]["file"] is None
     assert recs["err"]["reason"] == "RuntimeError: boom"
-    assert sink.counts == {"ok": 1, "failed": 2} and sink.nonfinite == 1
+    assert sink.counts == {"ok": 1, "failed": 3} and sink.nonfinite == 2
     assert [r["key"] for r in sink.ok_records] == ["a/b"]
-    assert sorted(r["key"] for r in seen) == ["a/b", "err", "nan"]
+    assert sorted(r["key"] for r in seen) == ["a/b", "err", "nan", "nan2"]
     assert sink.verify(ok) is True
     assert sink.verify({**ok, "file_sha256": "0" * 64}) is False
     assert sink.verify(recs["nan"]) is False
@@ -125,12 +128,15 @@ def test_compute_only_sink_counts_without_writing(tmp_path):
     sink.submit(recs[0], ImageOutput(img))
     sink.submit(recs[1], ImageOutput(bad))
     sink.submit(recs[2], KeyError("k"))
+    sink.submit({"key": "nan2"}, ImageOutput(bad))
     sink.drain()
     sink.close()
+    assert sink.nonfinite == 2 and sink.counts == {"ok": 1, "failed": 3}
+    seen.pop()
     assert recs == [{"key": "ok", "status": "ok", "file": None},
                     {"key": "nan", "status": "failed", "file": None, "reason": "non-finite output (1 values)"},
                     {"key": "err", "status": "failed", "file": None, "reason": "KeyError: 'k'"}]
-    assert sink.counts == {"ok": 1, "failed": 2} and sink.nonfinite == 1 and seen == recs
+    assert seen == recs
     assert sink.verify(recs[0]) is False and list(tmp_path.iterdir()) == []
     assert sink.journal_name is None and sink.write_s == 0.0 and sink.wait_s == 0.0
 
@@ -165,7 +171,7 @@ def test_keep_unlisted_reads_other_journals_not_its_own(tmp_path):
     a = _artifact(tmp_path, "a.png", b"a")
     _jsonl(tmp_path / "items.rank0.jsonl", [a])
     _jsonl(tmp_path / "items.jsonl", [])
-    assert keep_unlisted(tmp_path, "items.jsonl") == 1
+    assert keep_unlisted(tmp_path) == 1, "the run's journal is items.jsonl by default"
     assert keep_unlisted(tmp_path, "items.rank0.jsonl") == 0
 
 
@@ -187,6 +193,9 @@ def test_mp4_sink_records_what_the_file_decodes_to_its_metadata_and_frame_dump(t
     sink.submit({"key": "n", "params": {"fps": float("nan")}}, VideoOutput(frames))
     sink.submit({"key": "s", "params": {"fps": "8"}}, VideoOutput(frames))
     sink.submit({"key": "bad", "params": {"fps": 8, "num_frames": 4}}, VideoOutput(frames))
+    sink.submit({"key": "none", "params": {}}, VideoOutput(frames))
+    sink.submit({"key": "neg", "params": {"fps": -1}}, VideoOutput(frames))
+    sink.submit({"key": "half", "params": {"fps": 0.5}}, VideoOutput(frames))
     sink.close()
     by = {r["key"]: r for r in read_journal(tmp_path / "items.jsonl")}
     v = by["v"]
@@ -203,12 +212,18 @@ def test_mp4_sink_records_what_the_file_decodes_to_its_metadata_and_frame_dump(t
     assert meta["title"] == "a square"
     assert json.loads(meta["comment"]) == embedded_fields(rec, "vid")
     assert by["f"]["status"] == "ok" and by["f"]["fps"] == 12.5 and "frames_file" in by["f"]
+    for k in ("t", "n", "s", "neg"):
+        assert by[k]["status"] == "failed" and "file" in by[k] and by[k]["file"] is None, by[k]
+    assert by["none"]["reason"] == ("no frame rate: the engine set neither the record's params.fps nor "
+                                    "VideoOutput.fps")
+    assert by["neg"]["reason"] == "fps=-1 is not a number > 0"
+    assert by["half"]["status"] == "ok" and by["half"]["fps"] == 0.5
     assert by["t"]["reason"] == "fps=True is not a number > 0"
     assert by["n"]["reason"] == "fps=nan is not a number > 0"
     assert by["s"]["reason"] == "fps='8' is not a number > 0"
     assert by["bad"]["status"] == "failed" and "num_frames: record 4, artifact 3" in by["bad"]["reason"]
-    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == ["f.frames.npz", "f.mp4", "v.frames.npz",
-                                                                       "v.mp4"]
+    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == ["f.frames.npz", "f.mp4", "half.frames.npz",
+                                                                       "half.mp4", "v.frames.npz", "v.mp4"]
     cfg = compose(["model=toy_shapes", "output.video_codec=h264_lossless", "output.video_frames=true"])
     assert MP4Sink.options(cfg) == {"codec": "h264_lossless", "dump_frames": True, "model": "toy_shapes"}
     assert MP4Sink.identity(cfg) == {"video": video.encoder_info("h264_lossless"), "frames_dump": True,
