@@ -138,7 +138,7 @@ GROUPS: Dict[str, Dict[str, Any]] = {
         # the fixed schedules (PAB, TaylorSeer) and the planned-reuse evidence; each mutant runs toy_shapes pipelines
         "scope": {"models/cache.py": ["CacheCounts.minus", "StepCache.evidence", "_taylorseer", "_taylorseer_reused",
                                      "_pab", "_pab_reused"]},
-        "tests": ["tests/test_cache_schedule.py"]},
+        "tests": ["tests/test_mutation_kills_cache.py", "tests/test_cache_schedule.py"]},
     # context parallelism: the refusals before loading, the collectives the evidence expects. setup and enable run
     # only in other processes (torchrun ranks, gloo workers: tests/test_ring_ulysses.py and
     # test_mutation_kills_context_parallel.py's gloo test, ~2 min a run on 2 shared cores), too slow per mutant here
