@@ -1,10 +1,12 @@
-"""Mutation testing of the core rules (issue #23): mutmut over the functions that implement them, scored.
+"""Mutation testing of the core rules (issues #23, #29): mutmut over the functions that implement them, scored.
 
-    python benchmarks/mutation.py                      # full run (~7 min on 2 shared cores), writes the JSON below
+    python benchmarks/mutation.py                      # every group, one after the other, writes the JSON below
+    python benchmarks/mutation.py --groups gate sinks  # some groups (the others' results are kept from --work)
     python benchmarks/mutation.py --rerun-survivors    # re-test only the last run's survivors (after new tests)
 
-Not part of CI (about 7 minutes on a 2-core machine; mutmut forks per mutant and needs Linux or macOS). Needs the
-``mutation`` extra (``pip install -e .[mutation]``: mutmut 3).
+Not part of CI (each group is meant to stay within 20 minutes on 2 shared cores: its tests are the fast ones that
+call the code directly; ``group_wall_s`` in the result says what each took; mutmut forks per mutant and needs
+Linux or macOS). Needs the ``mutation`` extra (``pip install -e .[mutation]``: mutmut 3).
 
 What it does:
 
@@ -16,7 +18,10 @@ What it does:
    files once with every function instrumented, recording which tests call which function; each mutant is then
    run against exactly the tests of its group that called its function (forked from a process that has imported
    everything, so no interpreter start-up per mutant);
-3. writes ``benchmarks/results/mutation.json``: the scope, the command, the time taken, ``killed`` (count),
+   Tests that start Python subprocesses (gloo workers, lock holders) run the mutant there too, and the functions
+   such a subprocess called count as called by its test (:data:`SITECUSTOMIZE`, :data:`HITS_PLUGIN`);
+3. writes ``benchmarks/results/mutation.json``: the scope (files and functions, ``"*"`` expanded), the git commit,
+   the command, the time taken per group, ``killed`` (count),
    ``survived`` (each with ``file:line``, function and the mutated line), ``equivalent`` (survivors that cannot
    change behaviour, each matched by :data:`EQUIVALENT` with a one-line reason) and
    ``score = killed / (killed + survived)``. A mutant that no selected test reaches (mutmut: ``no tests``) counts
@@ -49,9 +54,10 @@ ALL = "*"
 
 
 #: Mutation groups: per group the functions (``Class.method`` for methods) whose mutants are run, by file, and the
-#: test files that may kill them (each mutant runs the tests of its group that call its function). The functions
-#: are the ones that implement the rules named in issue #23; the rest of each file (messages of other commands,
-#: I/O plumbing, GPU-only paths) is out of scope, to stay within the hour on 2 cores.
+#: test files (or test node ids) that may kill them (each mutant runs the tests of its group that call its function).
+#: The functions are the ones that implement the rules named in issues #23 and #29; ``"*"`` takes every function
+#: of the file. What a group leaves out is said beside it (GPU-only paths, code only whole pipeline runs reach at
+#: ~10 s a mutant).
 GROUPS: Dict[str, Dict[str, Any]] = {
     # precedence: which layer wins, per stage and field; the legacy extras and the overlay's extras
     "precedence": {
