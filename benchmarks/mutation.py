@@ -494,6 +494,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.time()
     run_groups = a.groups or list(GROUPS)
     timings: Dict[str, float] = {}
+    ran_at: Dict[str, Dict[str, Any]] = {}
     prev = json.loads(a.out.read_text()) if a.out.exists() else {}
     for name in run_groups:
         if a.report_only:
@@ -521,6 +522,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"mutation: mutmut exited {rc} in group {name} (log: {work / 'mutmut.log'})", file=sys.stderr)
                 return rc
         timings[name] = round(time.time() - t1, 1)
+        ran_at[name] = {**git_commit(), "mode": "rerun_survivors" if a.rerun_survivors else "full",
+                        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
         print(f"mutation: group {name} done in {timings[name]:.0f} s", flush=True)
 
     killed, survived, equivalent, per, other = 0, [], [], {}, {}
@@ -552,6 +555,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         **git_commit(),
         "wall_s_full_run": round(time.time() - t0, 1) if full else prev.get("wall_s_full_run"),
         "group_wall_s": group_s,
+        "group_runs": {**(prev.get("group_runs") or {}), **ran_at},  # per group: the commit its last run tested
         "last_wall_s": round(time.time() - t0, 1),
         "groups": GROUPS,
         "scope": scope_doc(),
