@@ -81,3 +81,21 @@ def test_hit_rates_of_a_schedule_with_repeating_decimals(tmp_path):
     assert blocks == 3 * sec["blocks_per_forward"] and sec["blocks_reused"] > 0
     assert sec["blocks_hit_rate"] == round(sec["blocks_reused"] / blocks, 4)
     assert sec["expected_forwards_reused"] == 1 and sec["verdict"] == "observed" and sec["calls"] == 1
+
+
+@pytest.mark.parametrize("overrides,fix", [
+    (["cache.method=pab", "cache.compute_every=2", "cache.warmup_steps=3"], "fewer cache.warmup_steps or more steps"),
+    (["cache.method=first_block", "cache.threshold=1e-9"], "a larger cache.threshold (its hit rate depends on the weights)"),
+], ids=["fixed", "adaptive"])
+def test_a_cache_that_never_hits_is_a_mismatch_naming_the_fix(tmp_path, overrides, fix):
+    from runner.core.errors import EvidenceError
+
+    r = execute(tmp_path / "run", ["model=toy_shapes", "dataset.limit=1", "model.generation.num_inference_steps=3",
+                                   *overrides], catch=(EvidenceError,))
+    assert isinstance(r.error, EvidenceError)
+    name = overrides[0].split("=")[1]
+    want = (f"stage denoise, cache: cache.method={name} is configured, but no block or forward was reused in 3 "
+            f"transformer forwards (the cache never hit); fix: {fix}, or cache.method=none")
+    sec = r.manifest["evidence"]["stages"]["denoise"]["cache"]
+    assert sec["verdict"] == "mismatch" and sec["forwards_reused"] == 0
+    assert want in r.manifest["evidence"]["mismatches"]
