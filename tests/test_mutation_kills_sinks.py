@@ -168,11 +168,13 @@ def test_keep_unlisted_keeps_intact_files_the_journal_dropped(tmp_path):
 
 
 def test_keep_unlisted_reads_other_journals_not_its_own(tmp_path):
-    a = _artifact(tmp_path, "a.png", b"a")
+    a, b = _artifact(tmp_path, "a.png", b"a"), _artifact(tmp_path, "b.png", b"b")
     _jsonl(tmp_path / "items.rank0.jsonl", [a])
-    _jsonl(tmp_path / "items.jsonl", [])
-    assert keep_unlisted(tmp_path) == 1, "the run's journal is items.jsonl by default"
-    assert keep_unlisted(tmp_path, "items.rank0.jsonl") == 0
+    _jsonl(tmp_path / "items.jsonl", [b])
+    assert keep_unlisted(tmp_path) == 1, "the run's journal is items.jsonl by default: b is listed"
+    assert read_journal(tmp_path / sinks.UNLISTED) == [a]
+    assert keep_unlisted(tmp_path, "items.rank0.jsonl") == 1  # now b, from items.jsonl
+    assert read_journal(tmp_path / sinks.UNLISTED) == [b]
 
 
 def test_mp4_sink_records_what_the_file_decodes_to_its_metadata_and_frame_dump(tmp_path, compose):
@@ -195,6 +197,7 @@ def test_mp4_sink_records_what_the_file_decodes_to_its_metadata_and_frame_dump(t
     sink.submit({"key": "bad", "params": {"fps": 8, "num_frames": 4}}, VideoOutput(frames))
     sink.submit({"key": "none", "params": {}}, VideoOutput(frames))
     sink.submit({"key": "neg", "params": {"fps": -1}}, VideoOutput(frames))
+    sink.submit({"key": "zero", "params": {"fps": 0}}, VideoOutput(frames, fps=8))
     sink.submit({"key": "half", "params": {"fps": 0.5}}, VideoOutput(frames))
     sink.close()
     by = {r["key"]: r for r in read_journal(tmp_path / "items.jsonl")}
@@ -217,6 +220,7 @@ def test_mp4_sink_records_what_the_file_decodes_to_its_metadata_and_frame_dump(t
     assert by["none"]["reason"] == ("no frame rate: the engine set neither the record's params.fps nor "
                                     "VideoOutput.fps")
     assert by["neg"]["reason"] == "fps=-1 is not a number > 0"
+    assert by["zero"]["reason"] == "fps=0 is not a number > 0", "the record's fps wins over the output's"
     assert by["half"]["status"] == "ok" and by["half"]["fps"] == 0.5
     assert by["t"]["reason"] == "fps=True is not a number > 0"
     assert by["n"]["reason"] == "fps=nan is not a number > 0"
