@@ -99,3 +99,18 @@ def test_a_cache_that_never_hits_is_a_mismatch_naming_the_fix(tmp_path, override
     sec = r.manifest["evidence"]["stages"]["denoise"]["cache"]
     assert sec["verdict"] == "mismatch" and sec["forwards_reused"] == 0
     assert want in r.manifest["evidence"]["mismatches"]
+
+
+def test_a_cached_stage_whose_items_all_failed_before_any_forward_has_no_hit_rates(tmp_path):
+    def on_loaded(adapter):
+        def hook(mod, args):
+            raise RuntimeError("injected text encoder failure")
+
+        adapter.pipe.text_encoder.register_forward_pre_hook(hook)
+
+    r = execute(tmp_path / "run", ["model=toy_shapes", "dataset.limit=1", "model.generation.num_inference_steps=3",
+                                   "cache.method=pab"], on_loaded=on_loaded)
+    assert r.error is None and r.code == 1
+    sec = r.manifest["evidence"]["stages"]["denoise"]["cache"]
+    assert sec["forwards_computed"] == sec["forwards_reused"] == 0
+    assert sec["forwards_hit_rate"] is None and sec["blocks_hit_rate"] is None
