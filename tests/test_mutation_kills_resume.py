@@ -209,3 +209,43 @@ def test_a_when_set_key_without_its_rule_is_a_programming_error(monkeypatch):
         resume._when_set_keys(resume.RESUME)
     assert e.value.args[0] == (f"['{keys[0]}'] enter only while set, but WHEN_SET does not say what set means for "
                                "them")
+
+
+def test_an_earlier_manifest_without_config_or_dataset_is_compared_as_empty(tmp_path, config):
+    _earlier_run(tmp_path, config)
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    del m["config"], m["dataset"]
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ResumeConflictError) as e:
+        _plan(tmp_path, config)
+    assert "Differing keys:\n  " in str(e.value) and "dataset.sha256" not in str(e.value)
+    p = _plan(tmp_path, config, force=True)
+    assert p.todo == [] and set(p.reuse) == {"a", "b", "c"}
+
+
+def _stale(n: int):
+    rows = [Row(id=f"r{i:02d}", prompt="p", negative_prompt=None, seed=None, width=64, height=64,
+                num_inference_steps=2, guidance_scale=None, num_images_per_prompt=1, line=i) for i in range(n)]
+    items = [Item(r, 0, 1) for r in rows]
+    return items, {it.key: {"key": it.key, "seed": 2} for it in items}
+
+
+@pytest.mark.parametrize("n,elided", [(10, False), (11, True)])
+def test_the_log_elides_after_ten_items_on_the_runner_logger(caplog, n, elided):
+    items, done = _stale(n)
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        resume.log_not_reused(done, {}, items, IDENTITY, IDENTITY)
+    (rec,) = caplog.records
+    assert rec.name == "runner" and rec.levelno == logging.WARNING
+    assert rec.getMessage().endswith(" ...") is elided
+    assert rec.getMessage().count("(seed)") == 10
+
+
+def test_the_log_names_at_most_eight_identity_differences(caplog):
+    items, done = _stale(1)
+    old = {"packages": {f"p{i}": "0" for i in range(9)}}
+    new = {"packages": {f"p{i}": "1" for i in range(9)}}
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        resume.log_not_reused(done, {}, items, old, new)
+    msg = caplog.records[0].getMessage()
+    assert msg.endswith("; run identity differs: " + "; ".join(f"packages.p{i}: '0' -> '1'" for i in range(8)))
