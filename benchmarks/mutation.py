@@ -187,7 +187,7 @@ GROUPS: Dict[str, Dict[str, Any]] = {
     "evidence_all": {
         "scope": {"models/denoiser_evidence.py": ["DenoiserProbe.__init__", "_attention_calls", "_linear_calls",
                                                   "_kernel_calls", "_collective_calls", "forward_count_check"]},
-        "tests": ["tests/test_evidence_verdict.py"]},
+        "tests": ["tests/test_mutation_kills_evidence.py", "tests/test_evidence_verdict.py"]},
 }
 
 #: Survivors that cannot change what a user sees (benchmarks/mutation_equivalent.json), matched on the file,
