@@ -115,8 +115,27 @@ def test_a_dead_holder_on_this_host_with_a_live_child_is_named(tmp_path):
     try:
         with pytest.raises(RunDirInUseError) as e:
             rundir.acquire(d, wait_s=0)
-        assert "(that process is gone, but a child process it started still holds the lock)" in str(e.value)
-        assert f"run dir {d} is in use" in str(e.value)
+        assert str(e.value) == (f"run dir {d} is in use by another run: {rundir.describe(gone)} (that process is "
+                                f"gone, but a child process it started still holds the lock) (lock file "
+                                f"{d / 'run.lock'}); two runs writing into one dir would mix their artifacts and "
+                                f"records; {rundir.FIX}")
+    finally:
+        os.close(fd)
+
+
+def test_a_live_holder_on_this_host_gets_no_note_and_a_late_record_is_waited_for(tmp_path):
+    import threading
+
+    d = tmp_path / "live"
+    live = {**OTHER, "host": socket.gethostname(), "pid": os.getpid()}
+    fd = _other_holder(d, None)
+    threading.Timer(0.3, lambda: os.pwrite(fd, json.dumps(live).encode(), 0)).start()
+    try:
+        with pytest.raises(RunDirInUseError) as e:
+            rundir.acquire(d, wait_s=0)
+        assert str(e.value) == (f"run dir {d} is in use by another run: {rundir.describe(live)} (lock file "
+                                f"{d / 'run.lock'}); two runs writing into one dir would mix their artifacts and "
+                                f"records; {rundir.FIX}"), "the holder's record, written late, is waited for"
     finally:
         os.close(fd)
 
@@ -170,6 +189,11 @@ def test_an_unwritable_dir_is_a_lock_error(tmp_path):
     with pytest.raises(RunDirLockError) as e:
         rundir.acquire(f / "run", key="output.dir")
     assert str(e.value).startswith(f"cannot create or write the run dir {f / 'run'} (output.dir) (")
+    with pytest.raises(RunDirLockError) as e:
+        rundir.acquire(f / "run")
+    assert str(e.value) == (f"cannot create or write the run dir {f / 'run'} (NotADirectoryError: Not a "
+                            "directory); fix: choose a dir whose parents are folders you can write (hydra.run.dir=<dir> or "
+                            "output.dir=<dir>)")
     assert "fix: choose a dir whose parents are folders you can write" in str(e.value)
 
 
@@ -281,7 +305,20 @@ def test_pid_alive():
     assert rundir._pid_alive(os.getpid()) is True and rundir._pid_alive(str(os.getpid())) is True
     assert rundir._pid_alive(None) is False and rundir._pid_alive("x") is False
     assert rundir._pid_alive(2 ** 22 + 12345) is False
-    assert rundir._pid_alive(1) is True  # init: alive, maybe not ours to signal
+    import signal
+    import subprocess
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    try:
+        time.sleep(0.2)
+        assert rundir._pid_alive(child.pid) is True
+        time.sleep(0.2)
+        assert child.poll() is None, "the liveness probe sends no signal (0), it never ends the process"
+    finally:
+        child.kill()
+        child.wait()
 
 
 # ------------------------------------------------------------------------------------------ default dirs
@@ -295,3 +332,38 @@ def test_new_dir_takes_the_next_free_suffix(tmp_path):
     d = rundir.new_dir(parent)
     datetime.strptime(d.name, "%Y-%m-%d_%H-%M-%S-%f")
     assert rundir.pid_resolver() == str(os.getpid())
+
+
+def test_new_dir_gives_up_after_ten_thousand_names(tmp_path):
+    (tmp_path / "run").mkdir()
+    for n in range(1, 10000):
+        (tmp_path / f"run-{n}").mkdir()
+    with pytest.raises(FileExistsError) as e:
+        rundir.new_dir(tmp_path, "run")
+    assert str(e.value) == f"no free name run-<n> under {tmp_path}"
+
+
+def test_a_filesystem_without_flock_is_held_unenforced_with_a_warning(tmp_path, monkeypatch, caplog):
+    import errno
+    import logging
+
+    real = fcntl.flock
+
+    def flock(fd, op):
+        if op & fcntl.LOCK_EX and os.readlink(f"/proc/self/fd/{fd}").endswith("run.lock"):
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    d = tmp_path / "nfs"
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        lock = rundir.acquire(d)
+    reason = f"OSError: No locks available (flock on {d / 'run.lock'})"
+    assert lock.enforced is False and lock.reason == reason and lock.fd is None and lock.dir == d
+    assert lock.holder["pid"] == os.getpid() and len(lock.token) == 32
+    assert rundir.held(d) is lock and rundir.acquire(d) is lock and lock.count == 2
+    assert lock.record() == {"file": "run.lock", "holder": lock.holder, "enforced": False, "reason": reason}
+    (rec,) = [r for r in caplog.records if "NOT protected" in r.getMessage()]
+    assert rec.name == "runner" and rec.getMessage() == (
+        f"run dir {d}: this filesystem has no file locks ({reason}); the run dir is NOT protected against a "
+        "second run writing into it")
