@@ -230,8 +230,69 @@ def test_join_the_run_that_holds_the_dir_and_leave(tmp_path):
 
 def test_join_a_dir_no_run_holds_is_refused(tmp_path):
     with pytest.raises(RunDirInUseError) as e:
-        rundir.join(tmp_path / "free", None)
+        rundir.join(tmp_path / "free" / "nested", None)
     assert "is not held by its run (token None); it is held by no run" in str(e.value)
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(RunDirLockError) as e:
+        rundir.join(f / "run", None)
+    assert str(e.value) == (f"cannot create or write the run dir {f / 'run'} (NotADirectoryError: Not a "
+                            "directory); fix: choose a dir whose parents are folders you can write (hydra.run.dir=<dir> or "
+                            "output.dir=<dir>)")
+
+
+def test_a_reused_worker_joins_the_next_run_of_the_same_dir(tmp_path):
+    d = tmp_path / "ray"
+    fd = _other_holder(d, OTHER)
+    old = os.umask(0o022)
+    try:
+        assert rundir.join(d, OTHER["token"]) == OTHER["token"]
+        assert os.stat(d / "workers.lock").st_mode & 0o777 == 0o644
+        nxt = {**OTHER, "token": "n" * 32}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(nxt).encode(), 0)
+        assert rundir.join(d, None) == OTHER["token"], "without a token: the run this worker joined"
+        assert rundir.join(d, nxt["token"]) == nxt["token"]
+        assert rundir.run_token(d) == nxt["token"]
+    finally:
+        os.umask(old)
+        os.close(fd)
+
+
+def test_a_holder_that_recorded_no_token_is_joined_with_none(tmp_path):
+    d = tmp_path / "old"
+    fd = _other_holder(d, {k: v for k, v in OTHER.items() if k != "token"})
+    try:
+        assert rundir.join(d, None) == ""
+        assert rundir.run_token(d) == ""
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("code,joins", [("ENOLCK", True), ("EIO", False)])
+def test_join_where_workers_lock_cannot_be_locked(tmp_path, monkeypatch, code, joins):
+    import errno
+
+    d = tmp_path / "w"
+    fd = _other_holder(d, OTHER)
+    real = fcntl.flock
+
+    def flock(f, op):
+        if op & fcntl.LOCK_SH and os.readlink(f"/proc/self/fd/{f}").endswith("workers.lock"):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        return real(f, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    try:
+        if joins:  # no flock on this filesystem: joined all the same
+            assert rundir.join(d, OTHER["token"]) == OTHER["token"]
+        else:
+            with pytest.raises(RunDirLockError) as e:
+                rundir.join(d, OTHER["token"])
+            assert str(e.value).startswith(f"cannot create or write the run dir {d} (OSError: ")
+            assert rundir.run_token(d) is None
+    finally:
+        os.close(fd)
 
 
 def test_the_last_worker_leaving_after_its_owner_removes_workers_lock(tmp_path):
@@ -363,6 +424,7 @@ def test_a_filesystem_without_flock_is_held_unenforced_with_a_warning(tmp_path, 
     assert lock.holder["pid"] == os.getpid() and len(lock.token) == 32
     assert rundir.held(d) is lock and rundir.acquire(d) is lock and lock.count == 2
     assert lock.record() == {"file": "run.lock", "holder": lock.holder, "enforced": False, "reason": reason}
+    assert rundir.lock_state(d) == (lock.holder, True)
     (rec,) = [r for r in caplog.records if "NOT protected" in r.getMessage()]
     assert rec.name == "runner" and rec.getMessage() == (
         f"run dir {d}: this filesystem has no file locks ({reason}); the run dir is NOT protected against a "
