@@ -43,9 +43,9 @@ OTHER = {"pid": 4242, "host": "elsewhere", "started_at": "2026-01-01T00:00:00", 
 
 def test_holder_record_names_this_process():
     rec = rundir.holder_record("tok")
-    argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
     assert rec["pid"] == os.getpid() and rec["host"] == socket.gethostname() and rec["token"] == "tok"
-    assert rec["command"] == shlex.join(argv) and rec["cwd"] == os.getcwd()
+    assert rec["command"] == shlex.join(sys.orig_argv), "the command line as typed (python -m ...)"
+    assert rec["cwd"] == os.getcwd()
     assert datetime.fromisoformat(rec["started_at"]).utcoffset().total_seconds() == 0
     assert list(rec) == ["pid", "host", "started_at", "command", "cwd", "token"]
 
@@ -309,6 +309,13 @@ def test_join_in_the_owner_process_returns_its_token(tmp_path):
     lock = rundir.acquire(tmp_path / "own")
     assert rundir.join(tmp_path / "own", "whatever") == lock.token
     assert not (tmp_path / "own" / "workers.lock").exists()
+
+
+def test_release_after_release_all_is_harmless(tmp_path):
+    lock = rundir.acquire(tmp_path / "a")
+    rundir.release_all()
+    rundir.release(lock)
+    assert rundir.held(tmp_path / "a") is None
 
 
 def test_release_all_drops_every_hold_and_join(tmp_path):
