@@ -467,10 +467,11 @@ def collect(work: Path, group: Dict[str, Any]) -> Dict[str, Any]:
         os.chdir(here)
 
 
-def scope_doc() -> Dict[str, Any]:
-    """What the score covers: per file its functions (``"*"`` expanded), the counts of files and functions."""
+def scope_doc(names: Optional[List[str]] = None) -> Dict[str, Any]:
+    """What the score covers (the groups ``names``, default all): per file its functions (``"*"`` expanded), the
+    counts of files and functions."""
     files: Dict[str, List[str]] = {}
-    for g in GROUPS.values():
+    for g in (GROUPS[n] for n in (names if names is not None else GROUPS)):
         for p, fs in expanded(g).items():
             files.setdefault(p, [])
             files[p] += [f for f in fs if f not in files[p]]
@@ -543,7 +544,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import mutmut
 
     full = not (a.rerun_survivors or a.report_only) and a.groups is None
-    group_s = dict(prev.get("group_wall_s") or {})
+    group_s = {k: v for k, v in (prev.get("group_wall_s") or {}).items() if (root / k / "mutants").is_dir()}
     if not a.rerun_survivors:
         group_s.update(timings)
     doc = {
@@ -556,10 +557,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         **git_commit(),
         "wall_s_full_run": round(time.time() - t0, 1) if full else prev.get("wall_s_full_run"),
         "group_wall_s": group_s,
-        "group_runs": {**(prev.get("group_runs") or {}), **ran_at},  # per group: the commit its last run tested
+        "group_runs": {k: v for k, v in {**(prev.get("group_runs") or {}), **ran_at}.items()
+                       if (root / k / "mutants").is_dir()},  # per group: the commit its last run tested
         "last_wall_s": round(time.time() - t0, 1),
         "groups": GROUPS,
-        "scope": scope_doc(),
+        "scope": scope_doc([n for n in GROUPS if (root / n / "mutants").is_dir()]),
         "counting": "killed includes timeouts; survived includes mutants no selected test reaches (mutmut 'no "
                     "tests'); equivalent survivors are listed with their reason and left out of the score",
         "score": round(killed / (killed + len(survived)), 4) if killed + len(survived) else None,
