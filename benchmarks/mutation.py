@@ -249,7 +249,9 @@ def git_commit() -> Dict[str, Any]:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    changed = [ln for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()
+               if not ln.endswith(str(RESULT.relative_to(ROOT)))]  # the result file itself aside
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
 
 
 #: Copied to ``mutants/sitecustomize.py``: a Python a test starts (``python -m runner``, torchrun ranks, gloo
