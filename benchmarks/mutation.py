@@ -1,10 +1,12 @@
-"""Mutation testing of the core rules (issue #23): mutmut over the functions that implement them, scored.
+"""Mutation testing of the core rules (issues #23, #29): mutmut over the functions that implement them, scored.
 
-    python benchmarks/mutation.py                      # full run (~7 min on 2 shared cores), writes the JSON below
+    python benchmarks/mutation.py                      # every group, one after the other, writes the JSON below
+    python benchmarks/mutation.py --groups gate sinks  # some groups (the others' results are kept from --work)
     python benchmarks/mutation.py --rerun-survivors    # re-test only the last run's survivors (after new tests)
 
-Not part of CI (about 7 minutes on a 2-core machine; mutmut forks per mutant and needs Linux or macOS). Needs the
-``mutation`` extra (``pip install -e .[mutation]``: mutmut 3).
+Not part of CI (each group is meant to stay within 20 minutes on 2 shared cores: its tests are the fast ones that
+call the code directly; ``group_wall_s`` in the result says what each took; mutmut forks per mutant and needs
+Linux or macOS). Needs the ``mutation`` extra (``pip install -e .[mutation]``: mutmut 3).
 
 What it does:
 
@@ -16,7 +18,10 @@ What it does:
    files once with every function instrumented, recording which tests call which function; each mutant is then
    run against exactly the tests of its group that called its function (forked from a process that has imported
    everything, so no interpreter start-up per mutant);
-3. writes ``benchmarks/results/mutation.json``: the scope, the command, the time taken, ``killed`` (count),
+   Tests that start Python subprocesses (gloo workers, lock holders) run the mutant there too, and the functions
+   such a subprocess called count as called by its test (:data:`SITECUSTOMIZE`, :data:`HITS_PLUGIN`);
+3. writes ``benchmarks/results/mutation.json``: the scope (files and functions, ``"*"`` expanded), the git commit,
+   the command, the time taken per group, ``killed`` (count),
    ``survived`` (each with ``file:line``, function and the mutated line), ``equivalent`` (survivors that cannot
    change behaviour, each matched by :data:`EQUIVALENT` with a one-line reason) and
    ``score = killed / (killed + survived)``. A mutant that no selected test reaches (mutmut: ``no tests``) counts
@@ -43,10 +48,16 @@ from typing import Any, Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "benchmarks" / "results" / "mutation.json"
 
+#: A group's scope names a file's functions, or ``"*"``: every function and method of the file (top level and
+#: one class deep, as mutmut mutates them).
+ALL = "*"
+
+
 #: Mutation groups: per group the functions (``Class.method`` for methods) whose mutants are run, by file, and the
-#: test files that may kill them (each mutant runs the tests of its group that call its function). The functions
-#: are the ones that implement the rules named in issue #23; the rest of each file (messages of other commands,
-#: I/O plumbing, GPU-only paths) is out of scope, to stay within the hour on 2 cores.
+#: test files (or test node ids) that may kill them (each mutant runs the tests of its group that call its function).
+#: The functions are the ones that implement the rules named in issues #23 and #29; ``"*"`` takes every function
+#: of the file. What a group leaves out is said beside it (GPU-only paths, code only whole pipeline runs reach at
+#: ~10 s a mutant).
 GROUPS: Dict[str, Dict[str, Any]] = {
     # precedence: which layer wins, per stage and field; the legacy extras and the overlay's extras
     "precedence": {
@@ -92,8 +103,10 @@ GROUPS: Dict[str, Dict[str, Any]] = {
         "tests": ["tests/test_atomic_writes.py"]},
     # data-parallel sharding and merge
     "distributed": {
-        "scope": {"runner/core/distributed.py": ["shard", "_ended", "merge", "merged_exit_code"]},
-        "tests": ["tests/test_merge.py"]},
+        "scope": {"runner/core/distributed.py": ["shard", "_ended", "merge", "merged_exit_code", "torchrun_exit_line",
+                                                "Layout.role", "Layout.section"]},
+        "tests": ["tests/test_merge.py", "tests/test_ring_ulysses.py::test_layout_roles_of_a_ring_times_ulysses_mesh",
+                  "tests/test_context_parallel.py::test_layout_roles_and_mesh"]},
     # repro verdicts
     "repro": {
         "scope": {"runner/tools/repro.py": ["_sha", "_tokens_sha", "_compare_tokens", "_items", "rerun_command",
@@ -104,11 +117,84 @@ GROUPS: Dict[str, Dict[str, Any]] = {
         "scope": {"kernels/linear.py": ["LinearRecord.add", "_quantize_rows", "FP8Linear.__init__",
                                         "FP8Linear.forward", "_eligible", "install"]},
         "tests": ["tests/test_fp8_linear.py"]},
+    # ---- issue #29: the core added since the last audit (the run-dir lock, resume plan, sinks, gate, cache,
+    # context parallel, evidence, distributed, the Run's steps)
+    # the run-dir lock: holder records, takeover of a dead owner's lock, workers joining and leaving
+    "rundir": {
+        "scope": {"runner/core/rundir.py": ALL},
+        # test_rundir.py's tests that start whole ``python -m runner`` runs (20-40 s each here) are left out
+        "tests": ["tests/test_rundir_workers.py"] + [f"tests/test_rundir.py::{t}" for t in (
+            "test_readers_report_a_running_manifest_with_a_dead_owner_as_crashed",
+            "test_repro_refuses_a_live_run_and_notes_a_crashed_one", "test_merge_reports_a_worker_left_running_as_crashed",
+            "test_resume_of_a_run_left_running_records_crashed")] + ["tests/test_mutation_kills_rundir.py"]},
+    # the resume plan (ResumePlan: refusals, reuse, the compile mode, the identity's values)
+    "resume_plan": {
+        "scope": {"runner/core/resume.py": ["compile_mode_of", "_when_set_keys", "_canonical", "_source_fingerprint",
+                                       "_identity_value", "identity_sha256", "plan", "log_not_reused"]},
+        "tests": ["tests/test_mutation_kills_resume.py", "tests/test_resume_rules.py",
+                  "tests/test_resume_compile_mode.py"]},
+    # the Run's steps on one-step runs: the plan, the verdict, finalize, the exit code, evidence, compaction
+    "run": {
+        # (each mutant runs one-step pipelines, ~10 s a run here: the verdict and the exit code only; plan_resume,
+        # finalize, close_outputs, timing_section, evidence_doc and compact are ~1100 more mutants; the resume
+        # decision itself is group resume_plan)
+        "scope": {"runner/app/run.py": ["Run.verdict", "Run.exit_code"]},
+        "tests": ["tests/test_mutation_kills_run.py"]},
+    # fixed cache schedules: which steps each method reuses, the counts and the evidence of planned reuse
+    "cache": {
+        # the fixed schedules (PAB, TaylorSeer) and the planned-reuse evidence; each mutant runs toy_shapes pipelines
+        "scope": {"models/cache.py": ["CacheCounts.minus", "StepCache.evidence", "_taylorseer", "_taylorseer_reused",
+                                     "_pab", "_pab_reused"]},
+        "tests": ["tests/test_mutation_kills_cache.py", "tests/test_cache_schedule.py"]},
+    # context parallelism: the refusals before loading, the collectives the evidence expects. setup and enable run
+    # only in other processes (torchrun ranks, gloo workers: tests/test_ring_ulysses.py and
+    # test_mutation_kills_context_parallel.py's gloo test, ~2 min a run on 2 shared cores), too slow per mutant here
+    "context_parallel": {
+        "scope": {"models/context_parallel.py": ["check_model", "expected_collectives"]},
+        "tests": ["tests/test_ring_ulysses.py::test_expected_collectives_of_each_layout"] + [
+            f"tests/test_mutation_kills_context_parallel.py::{t}" for t in (
+                "test_a_denoiser_class_without_a_plan_is_refused_naming_it",
+                "test_heads_not_a_multiple_of_the_ulysses_degree_are_refused_with_the_degrees_that_fit",
+                "test_what_diffusers_can_split_passes", "test_expected_collectives")] + [
+            f"tests/test_context_parallel.py::{t}" for t in (
+                "test_heads_not_divisible_by_ulysses_degree",
+                "test_backend_without_context_parallel_support_is_refused_by_name")]},
+    # the sinks: artifact dims against the record, PNG and video verify and rename, journals, unlisted files
+    "sinks": {
+        "scope": {"runner/core/sinks.py": ["embedded_fields", "folder_metadata_row", "check_artifact_dims",
+                                          "_Counting._recorded", "_FileSink.submit", "_FileSink.verify",
+                                          "_FileSink.close", "PNGSink._write", "MP4Sink.identity",
+                                          "MP4Sink._payload", "MP4Sink._write", "RecordSink.submit",
+                                          "RecordSink.verify", "ComputeOnlySink.submit", "keep_unlisted",
+                                          "PNGSink.options", "PNGSink.identity", "PNGSink._payload"]},
+        "tests": ["tests/test_mutation_kills_sinks.py", "tests/test_atomic_writes.py",
+                  "tests/test_video.py::test_sink_frame_rate_and_shape_rules",
+                  "tests/test_outputs.py::test_png_whose_size_differs_from_its_record_fails_and_is_not_written"]},
+    # the quality gate: same rows, pairing among several lossless jobs, ratios, PSNR, verdicts, the CLI
+    "gate": {
+        "scope": {"runner/tools/gate.py": ALL},
+        "tests": ["tests/test_mutation_kills_gate.py"]},
+    # the stage loop: upstream text feeding the next stage, a failed batch retried item by item, run_stage's records
+    "stages": {
+        "scope": {"runner/app/stages.py": ["link_records", "feed", "generate_isolated", "run_stage"]},
+        "tests": ["tests/test_mutation_kills_stages.py", "tests/test_batch_retry.py",
+                  "tests/test_mutation_kills_run.py"]},
+    # the startup checks: schema, run values, dtype, fresh dir, cpu threads, cache applicability
+    "checks": {
+        "scope": {"runner/app/checks.py": ALL},
+        "tests": ["tests/test_schema.py", "tests/test_validate.py"]},
+    # denoiser evidence: the whole module (call counts, kernels, collectives, MoE, the forward count)
+    "evidence_all": {
+        "scope": {"models/denoiser_evidence.py": ["DenoiserProbe.__init__", "_attention_calls", "_linear_calls",
+                                                  "_kernel_calls", "_collective_calls", "forward_count_check"]},
+        "tests": ["tests/test_mutation_kills_evidence.py", "tests/test_evidence_verdict.py"]},
 }
 
 #: Survivors that cannot change what a user sees (benchmarks/mutation_equivalent.json), matched on the file,
 #: function, original line and mutated line of the mutation (stripped), each with its one-line reason. An entry
 #: with ``"survives": true`` is no equivalent: it stays a survivor, with the reason no test kills it here.
+NICE = 19  # a shared developer machine: the mutants run at the lowest priority
+
 EQUIVALENT: List[Dict[str, str]] = json.loads((ROOT / "benchmarks" / "mutation_equivalent.json").read_text())
 
 
@@ -119,10 +205,10 @@ def _toml_list(xs: List[str]) -> str:
 def mutmut_table(group: Dict[str, Any]) -> str:
     return "\n".join([
         "", "[tool.mutmut]",
-        f"source_paths = {_toml_list(['runner/', 'kernels/'])}",
+        f"source_paths = {_toml_list(['runner/', 'kernels/', 'models/'])}",
         f"only_mutate = {_toml_list(sorted(group['scope']))}",
-        f"also_copy = {_toml_list(['conf/', 'models/'])}",
-        f"pytest_add_cli_args = {_toml_list(['-p', 'no:cacheprovider', '-W', 'ignore'])}",
+        f"also_copy = {_toml_list(['conf/', 'sitecustomize.py', 'mutmut_subprocess_hits.py'])}",
+        f"pytest_add_cli_args = {_toml_list(['-p', 'no:cacheprovider', '-p', 'mutmut_subprocess_hits', '-W', 'ignore'])}",
         f"pytest_add_cli_args_test_selection = {_toml_list(group['tests'])}",
         "use_git_change_detection = false",
         "",
@@ -137,8 +223,123 @@ def mangled(path: str, func: str) -> str:
     return f"{mod}.x_{func}"
 
 
+def functions(path: str, names: Any) -> List[str]:
+    """The functions of ``path`` a scope entry names (``"*"``: all, in file order); an unknown name is an error, so a
+    renamed function cannot silently drop out of the scope."""
+    starts = _function_starts(ROOT / path)
+    if names == ALL:
+        return list(starts)
+    missing = [f for f in names if f not in starts]
+    if missing:
+        raise SystemExit(f"mutation: {path} has no function(s) {', '.join(missing)}; fix GROUPS")
+    return list(names)
+
+
+def expanded(group: Dict[str, Any]) -> Dict[str, List[str]]:
+    """``{file: [function, ...]}`` of a group, ``"*"`` expanded."""
+    return {p: functions(p, fs) for p, fs in group["scope"].items()}
+
+
 def scope_globs(group: Dict[str, Any]) -> List[str]:
-    return [f"{mangled(p, f)}__mutmut_*" for p, fs in group["scope"].items() for f in fs]
+    return [f"{mangled(p, f)}__mutmut_*" for p, fs in expanded(group).items() for f in fs]
+
+
+def git_commit() -> Dict[str, Any]:
+    """The commit the run tested, and whether the tree differed from it (tracked files)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    changed = [ln for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()
+               if not ln.endswith(str(RESULT.relative_to(ROOT)))]  # the result file itself aside
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
+
+
+#: Copied to ``mutants/sitecustomize.py``: a Python a test starts (``python -m runner``, torchrun ranks, gloo
+#: workers, with ``PYTHONPATH`` on the mutated tree and a tmp dir as cwd) imports mutated modules, whose trampoline
+#: reads mutmut's config from the cwd; this loads it from the work dir first, so such a subprocess runs (and, under
+#: a mutant, runs the mutant). During the stats run it also writes the functions the subprocess called to
+#: ``mutants/.subprocess_hits/<pid>``, which :data:`HITS_PLUGIN` credits to the test that started it (mutmut
+#: itself sees only the test process's calls, so a function that only a subprocess runs would get no tests).
+SITECUSTOMIZE = """\
+import os as _os
+if _os.environ.get("MUTANT_UNDER_TEST"):
+    _cwd = _os.getcwd()
+    _mutants = _os.path.dirname(_os.path.abspath(__file__))
+    try:
+        _os.chdir(_os.path.dirname(_mutants))
+        from mutmut.configuration import config as _config
+        _config()
+    except Exception:
+        pass
+    finally:
+        _os.chdir(_cwd)
+    if _os.environ.get("MUTANT_UNDER_TEST") == "stats":
+        import atexit as _atexit
+        import threading as _threading
+
+        def _dump_hits():
+            try:
+                from mutmut.state import state
+                names = sorted(state()._stats)
+                if names:
+                    d = _os.path.join(_mutants, ".subprocess_hits")
+                    _os.makedirs(d, exist_ok=True)
+                    tmp = _os.path.join(d, "." + str(_os.getpid()))
+                    with open(tmp, "w") as f:
+                        f.write("\\n".join(names))
+                    _os.replace(tmp, _os.path.join(d, str(_os.getpid())))
+            except Exception:
+                pass
+
+        def _dump_often():  # a subprocess the test kills (SIGKILL) runs no atexit
+            import time
+            while True:
+                time.sleep(0.2)
+                _dump_hits()
+
+        _atexit.register(_dump_hits)
+        _threading.Thread(target=_dump_often, daemon=True).start()
+"""
+
+#: Copied to ``mutants/mutmut_subprocess_hits.py`` and loaded with ``-p``: before mutmut's stats collector reads a
+#: test's hits (its ``pytest_runtest_teardown``), the functions the test's subprocesses called are added.
+HITS_PLUGIN = """\
+import os
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    d = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".subprocess_hits")
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats" or not os.path.isdir(d):
+        return
+    from mutmut.state import state
+    for name in os.listdir(d):
+        p = os.path.join(d, name)
+        with open(p) as f:
+            state()._stats.update(x for x in f.read().split("\\n") if x)
+        os.remove(p)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Child processes a test left behind (a subprocess of a failed test, never waited for) are killed and reaped
+    # here: the stats, clean and forced-fail sessions run inside mutmut's own process, whose os.wait() would
+    # otherwise reap one of them and fail on a pid that is no mutant's.
+    import signal
+    kids = set()
+    try:
+        for tid in os.listdir(f"/proc/{os.getpid()}/task"):
+            with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
+                kids.update(int(x) for x in f.read().split())
+    except OSError:
+        return
+    for pid in kids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+"""
 
 
 def prepare(work: Path, group: Dict[str, Any]) -> None:
@@ -153,6 +354,8 @@ def prepare(work: Path, group: Dict[str, Any]) -> None:
         shutil.copy2(src, dst)
     with open(work / "pyproject.toml", "a", encoding="utf-8") as f:
         f.write(mutmut_table(group))
+    (work / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (work / "mutmut_subprocess_hits.py").write_text(HITS_PLUGIN)
 
 
 def mutmut_bin() -> str:
@@ -163,7 +366,7 @@ def mutmut_bin() -> str:
 def run_mutmut(work: Path, names: List[str], max_children: int) -> int:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the mutants/ copy, nothing else
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = ["nice", "-n", "10", mutmut_bin(), "run", "--max-children", str(max_children), *names]
+    cmd = ["nice", "-n", str(NICE), mutmut_bin(), "run", "--max-children", str(max_children), *names]
     print("mutation:", " ".join(cmd[:6]), f"<{len(names)} names> in {work}", flush=True)
     with open(work / "mutmut.log", "a", encoding="utf-8") as log:  # mutmut's progress spinner: kept out of the way
         return subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -224,7 +427,7 @@ def collect(work: Path, group: Dict[str, Any]) -> Dict[str, Any]:
     try:
         from mutmut.mutation.diff_apply import get_diff_for_mutant
 
-        wanted = {mangled(p, f): (p, f) for p, fs in group["scope"].items() for f in fs}
+        wanted = {mangled(p, f): (p, f) for p, fs in expanded(group).items() for f in fs}
         per: Dict[str, Dict[str, int]] = {}
         killed, survived, equivalent, other = 0, [], [], {}
         for path in group["scope"]:
@@ -266,6 +469,18 @@ def collect(work: Path, group: Dict[str, Any]) -> Dict[str, Any]:
         os.chdir(here)
 
 
+def scope_doc(names: Optional[List[str]] = None) -> Dict[str, Any]:
+    """What the score covers (the groups ``names``, default all): per file its functions (``"*"`` expanded), the
+    counts of files and functions."""
+    files: Dict[str, List[str]] = {}
+    for g in (GROUPS[n] for n in (names if names is not None else GROUPS)):
+        for p, fs in expanded(g).items():
+            files.setdefault(p, [])
+            files[p] += [f for f in fs if f not in files[p]]
+    return {"files": dict(sorted(files.items())), "file_count": len(files),
+            "function_count": sum(len(fs) for fs in files.values())}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "mutation",
@@ -283,6 +498,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.time()
     run_groups = a.groups or list(GROUPS)
     timings: Dict[str, float] = {}
+    ran_at: Dict[str, Dict[str, Any]] = {}
     prev = json.loads(a.out.read_text()) if a.out.exists() else {}
     for name in run_groups:
         if a.report_only:
@@ -292,8 +508,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if a.rerun_survivors:
             names = [s["mutant"] for s in prev.get("survived", []) + prev.get("equivalent", [])
                      if s.get("group") == name]
-            for t in group["tests"] + ["tests/conftest.py", "tests/_helpers.py"]:  # the new tests into the copy
-                if (ROOT / t).is_file():
+            # the group's table as it is now (a test file added to the group is selected), then the new tests
+            (work / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_table(group))
+            for t in {t.split("::")[0] for t in group["tests"]} | {"tests/conftest.py", "tests/_helpers.py"}:
+                if (ROOT / t).is_file():  # the new tests into the copy
                     for dst in (work / t, work / "mutants" / t):
                         shutil.copy2(ROOT / t, dst)
         else:
@@ -308,6 +526,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"mutation: mutmut exited {rc} in group {name} (log: {work / 'mutmut.log'})", file=sys.stderr)
                 return rc
         timings[name] = round(time.time() - t1, 1)
+        ran_at[name] = {**git_commit(), "mode": "rerun_survivors" if a.rerun_survivors else "full",
+                        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
         print(f"mutation: group {name} done in {timings[name]:.0f} s", flush=True)
 
     killed, survived, equivalent, per, other = 0, [], [], {}, {}
@@ -326,20 +546,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     import mutmut
 
     full = not (a.rerun_survivors or a.report_only) and a.groups is None
-    group_s = dict(prev.get("group_wall_s") or {})
+    group_s = {k: v for k, v in (prev.get("group_wall_s") or {}).items() if (root / k / "mutants").is_dir()}
     if not a.rerun_survivors:
         group_s.update(timings)
     doc = {
-        "issue": "#23",
+        "issue": "#23, #29",
         "tool": f"mutmut {mutmut.__version__}",
         "command": "python benchmarks/mutation.py",
         "last_command": " ".join(["python benchmarks/mutation.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": f"{os.cpu_count()} CPU cores (shared), --max-children {a.max_children}, nice 10",
+        "machine": f"{os.cpu_count()} CPU cores (shared), --max-children {a.max_children}, nice {NICE}",
+        **git_commit(),
         "wall_s_full_run": round(time.time() - t0, 1) if full else prev.get("wall_s_full_run"),
         "group_wall_s": group_s,
+        "group_runs": {k: v for k, v in {**(prev.get("group_runs") or {}), **ran_at}.items()
+                       if (root / k / "mutants").is_dir()},  # per group: the commit its last run tested
         "last_wall_s": round(time.time() - t0, 1),
         "groups": GROUPS,
+        "scope": scope_doc([n for n in GROUPS if (root / n / "mutants").is_dir()]),
         "counting": "killed includes timeouts; survived includes mutants no selected test reaches (mutmut 'no "
                     "tests'); equivalent survivors are listed with their reason and left out of the score",
         "score": round(killed / (killed + len(survived)), 4) if killed + len(survived) else None,
@@ -350,6 +574,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "equivalent": equivalent,
         "per_function": per,
         "not_scored": other,
+        "groups_without_results": [n for n in GROUPS if not (root / n / "mutants").is_dir()],
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
