@@ -208,7 +208,7 @@ def mutmut_table(group: Dict[str, Any]) -> str:
         f"source_paths = {_toml_list(['runner/', 'kernels/', 'models/'])}",
         f"only_mutate = {_toml_list(sorted(group['scope']))}",
         f"also_copy = {_toml_list(['conf/', 'sitecustomize.py', 'mutmut_subprocess_hits.py'])}",
-        f"pytest_add_cli_args = {_toml_list(['-p', 'no:cacheprovider', '-p', 'mutmut_subprocess_hits', '-W', 'ignore'])}",
+        f"pytest_add_cli_args = {_toml_list(['-o', 'addopts=-ra', '-p', 'no:cacheprovider', '-p', 'mutmut_subprocess_hits', '-W', 'ignore'])}",
         f"pytest_add_cli_args_test_selection = {_toml_list(group['tests'])}",
         "use_git_change_detection = false",
         "",
