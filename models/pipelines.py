@@ -267,7 +267,7 @@ class PipelineEngine(DiffusersEngine):
         from runner.core.dataset import BUILTIN_PROMPTS
 
         base = str(self.cfg.builtin_prompts)
-        if self.task in ("text_to_image", "text_to_video"):
+        if self.task in ("text_to_image", "text_to_video") or str(self.ctx.run.dataset.format) != "builtin":
             return base
         name = f"{Path(base).stem}.{self.task}.jsonl"
         if not (BUILTIN_PROMPTS.parent / name).is_file():

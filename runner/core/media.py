@@ -261,12 +261,13 @@ def size_problems(row: Any, inputs: Mapping[str, Any]) -> List[str]:
     w, h = row.width, row.height
     image = inputs.get("image")
     mask = inputs.get("mask_image")
-    if isinstance(image, InputFile) and isinstance(mask, InputFile) and (mask.width, mask.height) != (
-            image.width, image.height):
+    named = isinstance(image, InputFile) and isinstance(mask, InputFile) and (mask.width, mask.height) != (
+        image.width, image.height)
+    if named:
         out.append(f"field 'mask_image' = {mask.given!r} is {mask.width}x{mask.height}, its image {image.given!r} "
                    f"is {image.width}x{image.height}; fix: a mask of the image's size")
     for inp in [x for v in inputs.values() for x in (v if isinstance(v, list) else [v])]:
-        if (inp.width, inp.height) != (w, h):
+        if (inp.width, inp.height) != (w, h) and not (named and inp is mask):  # named once
             out.append(f"field {inp.field!r} = {inp.given!r} is {inp.width}x{inp.height}, and the row generates "
                        f"{w}x{h}; the runner never resizes an input (the pipeline would resize it and the output "
                        f"would not show the input as given); fix: resize the file to {w}x{h}, or set "
