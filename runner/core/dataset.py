@@ -17,24 +17,11 @@ from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from runner.core.errors import UserInputError
+from runner.core.errors import DatasetError, UserInputError  # noqa: F401  (DatasetError re-exported)
 from runner.core.paths import RUNNER_DIR
 from runner.core.schema import DatasetFormat, ExtraFields
 
 BUILTIN_PROMPTS = RUNNER_DIR / "data" / "prompts.jsonl"
-
-class DatasetError(UserInputError, ValueError):
-    """Raised for bad dataset input. ``problems`` lists one message per bad field, each naming file, line,
-    field, value and the fix."""
-
-    def __init__(self, problems: List[str]):
-        self.problems = problems
-        head = f"{len(problems)} problem(s) in the dataset:" if len(problems) > 1 else "dataset problem:"
-        super().__init__(head + "\n  " + "\n  ".join(problems))
-
-    def __reduce__(self):  # pickled by Ray: rebuild from the problems, not from the joined message
-        return type(self), (self.problems,), self.__dict__
-
 
 @dataclass(frozen=True)
 class Row:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from runner.core.errors import UserInputError
+from runner.core.errors import DatasetError, UserInputError
 
 #: Conditioning row fields that hold input files (diffusers' ``__call__`` argument names).
 MEDIA_FIELDS = ("image", "mask_image", "last_image")
@@ -306,13 +306,11 @@ def attach_inputs(rows: Sequence[Any], src: Path, media_root: Optional[str] = No
     rows without inputs are returned as they are.
 
     Raises:
-        runner.core.dataset.DatasetError: every problem of every row at once (``file:line: field 'image' = 'x.png'
+        runner.core.errors.DatasetError: every problem of every row at once (``file:line: field 'image' = 'x.png'
             <why>; fix: ...``): missing or unreadable file, URL, not an image, above ``bound`` pixels, corrupt, a
             mode no rule converts, a size other than the row's, a mask of another size than its image.
     """
     from dataclasses import replace
-
-    from runner.core.dataset import DatasetError
 
     out, problems = [], []
     for r in rows:
