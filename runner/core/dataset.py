@@ -537,8 +537,8 @@ VIDEO_ROW = IMAGE_ROW.extend("video", *VIDEO_FIELDS)
 #: The diffusion row of every diffusion engine: :data:`VIDEO_ROW` and the conditioning fields, each allowed only
 #: where ``model.task`` takes it (:func:`check_task_inputs`).
 DIFFUSION_ROW = VIDEO_ROW.extend("diffusion", *CONDITIONING_FIELDS, cross=(check_task_inputs,))
-#: ``{field: type}`` of the diffusion row (:data:`DIFFUSION_ROW`).
-ROW_FIELDS: Dict[str, type] = DIFFUSION_ROW.types()
+#: ``{field: type}`` of the text diffusion row (:data:`VIDEO_ROW`: what ``load_rows`` reads without a spec).
+ROW_FIELDS: Dict[str, type] = VIDEO_ROW.types()
 
 
 #: ``dataset.format`` values: where rows come from (spelled once, ``runner.core.schema.DatasetFormat``).
