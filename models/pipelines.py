@@ -680,7 +680,8 @@ class PipelineEngine(DiffusersEngine):
                                             use_safetensors=True)  # never fall back to pickle
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
-        self.seq_probe = conditioning.SequenceProbe(self.pipe.transformer) if self.task == "edit" else None
+        kontext = self.task == "edit" and self.pipeline_name() == "FluxKontextPipeline"  # its packing: edit_tokens
+        self.seq_probe = conditioning.SequenceProbe(self.pipe.transformer) if kontext else None
         self.seq_seen: List[Tuple[str, Optional[int], int]] = []
         self.prepare_attention()
         self._toks = None  # records count with the loaded tokenizers
@@ -1091,7 +1092,7 @@ class PipelineEngine(DiffusersEngine):
             self.seq_probe.arm()
         with torch.inference_mode():
             out = self.pipe(**kw, generator=gens, output_type="np")
-        if self.seq_probe is not None and self.task == "edit":
+        if self.seq_probe is not None:
             need = self.size_need() or 1
             self.seq_seen.append((batch[0].key, self.seq_probe.seen, sum(conditioning.edit_tokens(batch[0].row, need))))
         arrays = [np.asarray(a, dtype=np.float32) for a in (out.frames if self.video else out.images)]
@@ -1110,11 +1111,14 @@ class PipelineEngine(DiffusersEngine):
         if self.task in conditioning.STRENGTH_TASKS:
             cond["forward_rule"] = ("num_inference_steps - int(max(n - min(n * strength, n), 0)) per guidance pass "
                                     "(diffusers get_timesteps)")
-        if self.task == "edit":
+        if self.task == "edit" and self.seq_probe is None:  # an edit pipeline whose packing edit_tokens does not know
+            section.setdefault("checks", {})["reference_tokens"] = "limited"
+        elif self.task == "edit":
             bad = [(k, seen, want) for k, seen, want in self.seq_seen if seen != want]
             cond["sequence"] = {"calls": len(self.seq_seen), "observed_first": self.seq_seen[0][1] if self.seq_seen
                                 else None, "expected_first": self.seq_seen[0][2] if self.seq_seen else None,
                                 "verdict": "mismatch" if bad or not self.seq_seen else "verified"}
+            section.setdefault("checks", {})["reference_tokens"] = cond["sequence"]["verdict"]
             mismatches = mismatches + [
                 f"stage {self.stage}: item {k}: the denoiser's first input held {seen} tokens, expected {want} "
                 "(target + reference image tokens): the reference did not reach the transformer as configured"

@@ -332,3 +332,28 @@ def test_resume_regenerates_the_item_whose_input_changed_and_repro_refuses(tmp_p
         repro.reproduce(tmp_path / "run", tmp_path / "repro")
     assert str(d / "c.png") in str(e.value) and "image of item c" in str(e.value) and e.value.exit_code == 2
     assert not (tmp_path / "repro").exists()
+
+
+def test_a_parquet_image_column_is_read_through_dataset_columns(tmp_path):
+    """A Hugging Face ``Image`` cell (``{bytes, path}``) mapped to ``image``: hashed by its bytes, the same identity
+    of input as the file with those bytes."""
+    pa = pytest.importorskip("pyarrow")
+    import io
+
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    Image.fromarray(draw("red", "circle", "top left")).save(buf, format="PNG")
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"prompt": ["a blue square in the bottom right on a white background"],
+                             "picture": [{"bytes": buf.getvalue(), "path": "red.png"}], "strength": [0.25]}), path)
+    r = execute(tmp_path / "run", ["model=toy_shapes", "model.task=image_to_image", "dataset=parquet",
+                                   f"dataset.path={path}", "dataset.columns={image: picture}"])
+    assert r.code == 0, r.error
+    rec = r.items[0]
+    import hashlib
+
+    assert rec["inputs"]["image"]["sha256"] == hashlib.sha256(buf.getvalue()).hexdigest()
+    assert r.manifest["evidence"]["stages"]["denoise"]["denoiser_forwards"] == steps_run(16, 0.25) == 4
+    meta = json.loads((r.run_dir / "images" / "metadata.jsonl").read_text().splitlines()[0])
+    assert meta["input_file_name"] is None and meta["inputs"] == {"image": rec["inputs"]["image"]["sha256"]}

@@ -258,6 +258,8 @@ class RowSpec:
         if inputs:
             key += (tuple((f, tuple((x.width, x.height) for x in (v if isinstance(v, list) else [v])))
                           for f, v in sorted(inputs.items())),)
+            if any(isinstance(v, list) for v in inputs.values()):  # a list of references: a pipeline call per row
+                key += (row.id,)
         return key
 
 

@@ -105,7 +105,8 @@ def input_file_name(inputs: Optional[Dict[str, Any]]) -> Any:
     img = (inputs or {}).get("image")
     if img is None:
         return None
-    return [x["path"] for x in img] if isinstance(img, list) else img["path"]
+    paths = [None if str(x["path"]).startswith("<") else x["path"] for x in (img if isinstance(img, list) else [img])]
+    return paths if isinstance(img, list) else paths[0]  # None: an image cell's bytes (no file)
 
 
 def folder_metadata_row(record: Dict[str, Any], model: Optional[str], run_id: Optional[str]) -> Dict[str, Any]:
