@@ -332,6 +332,13 @@ def why_not_reused(rec: Dict[str, Any], item: Any, run_changed: bool) -> str:
         return "prompt"
     if rec.get("seed") is not None and rec.get("seed") != item.seed:
         return "seed"
+    inputs = getattr(r, "inputs", None) or {}
+    for f, inp in sorted(inputs.items()):  # a conditioning input whose bytes changed (runner.core.media)
+        now = [x.sha256 for x in inp] if isinstance(inp, list) else inp.sha256
+        was = (rec.get("inputs") or {}).get(f)
+        was = [x.get("sha256") for x in was] if isinstance(was, list) else (was or {}).get("sha256")
+        if was != now:
+            return f"input {f} changed"
     params = rec.get("params") or {}
     for k, v in item_inputs(item).items():
         if k in params and params[k] != v:

@@ -20,6 +20,10 @@ shell's ``HF_HOME``: :func:`rerun_environment`) and then compares:
 * the ``backends`` section: the selected (and resolved) value of every stage and field must be unchanged;
 * the dataset sha256 and, for runs refused at startup, the status and error type.
 
+Before anything re-runs, the input files of the original's items (``items.jsonl`` ``inputs``: images, masks of a
+conditioning task) must still hash to their recorded sha256: a changed or missing input is refused (exit 2) naming
+the file, the field and the item (:func:`check_inputs`), since the re-run would compute other outputs.
+
 It prints a per-item table (key, original sha, new sha, equal/PSNR, verdict), writes the comparison to
 ``NEW_DIR/repro_check.json`` and exits 0 when everything reproduces, 1 on any mismatch, missing item or changed
 backend resolution (each named), 2 when ``run_dir`` holds no manifest.
