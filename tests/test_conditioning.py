@@ -262,6 +262,15 @@ def test_inpaint_keeps_every_pixel_outside_the_mask(tmp_path):
         assert json.loads(text["inputs"]) == {"image": rec["inputs"]["image"]["sha256"],
                                               "mask_image": rec["inputs"]["mask_image"]["sha256"]}
         assert line["input_file_name"] == rec["inputs"]["image"]["path"]
+    from runner.tools.validate import problems, validate_run_dir
+
+    assert validate_run_dir(r.run_dir) == []  # items.jsonl's inputs by the published item schema
+    assert problems({**r.items[0], "inputs": {"image": {"path": "x"}}}, "item")  # sha256, size, modes required
+    from runner.tools import report
+
+    assert report.main([str(r.run_dir), "--out", str(tmp_path / "report.html")]) == 0
+    html = (tmp_path / "report.html").read_text()
+    assert html.count('class="inputs"') == 3 and html.count('alt="mask_image"') == 3  # inputs beside outputs
     # off: the outside went through the VAE, and the record says so
     off = execute(tmp_path / "off", ["model=toy_shapes", "model.task=inpaint", "batch_size=3", "dataset.limit=1",
                                      "output.inpaint_overlay=false"])
