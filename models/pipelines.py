@@ -254,8 +254,10 @@ class PipelineEngine(DiffusersEngine):
         _ = self.task
 
     def row_context(self) -> Dict[str, Any]:
-        """The row rule's context: the task and whether the family takes a list of reference images for it."""
-        return {"task": self.task, "multi_image": self.spec is not None and self.task in self.spec.multi_image}
+        """The row rule's context: the task, whether the family takes a list of reference images for it, and the
+        family's tasks (named first in a refusal's fix)."""
+        return {"task": self.task, "multi_image": self.spec is not None and self.task in self.spec.multi_image,
+                "tasks": tuple(self.spec.tasks) if self.spec is not None else ()}
 
     def builtin_rows(self) -> str:
         """``dataset=builtin`` of a conditioning task reads ``<builtin_prompts stem>.<task>.jsonl`` (its input images

@@ -474,8 +474,8 @@ def check_strength(v: Any, context: Mapping[str, Any]) -> Optional[str]:
 def check_task_inputs(where: str, vals: Mapping[str, Any], merged: Mapping[str, Any], context: Mapping[str, Any],
                       bad: bool) -> List[str]:
     """The conditioning fields of a row against ``context["task"]`` (``model.task``; default ``text_to_image``):
-    a field the task does not take is refused naming the tasks that take it (as an ignored field: it would not
-    reach the pipeline); a field the task requires must be set; a list of references only where
+    a field the task does not take is refused naming the tasks that take it, the family's (``context["tasks"]``)
+    first (as an ignored field: it would not reach the pipeline); a field the task requires must be set; a list of references only where
     ``context["multi_image"]`` (the family's multi-reference edit)."""
     from runner.core.media import TASK_INPUTS
 
@@ -484,7 +484,8 @@ def check_task_inputs(where: str, vals: Mapping[str, Any], merged: Mapping[str, 
     out = []
     for f in CONDITIONING_FIELD_NAMES:
         if f in vals and f not in takes:
-            users = [t for t, fs in TASK_INPUTS.items() if f in fs]
+            own = context.get("tasks") or TASK_INPUTS  # the family's tasks first: the fix names one it has
+            users = sorted((t for t, fs in TASK_INPUTS.items() if f in fs), key=lambda t: t not in own)
             out.append(f"{where}: field {f!r} = {vals[f]!r} is not taken by model.task={task} (the pipeline would "
                        f"never see it); fix: remove it from the row, or model.task={users[0]} (tasks that take "
                        f"{f}: {', '.join(users)})")
