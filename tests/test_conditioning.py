@@ -336,6 +336,8 @@ def test_resume_regenerates_the_item_whose_input_changed_and_repro_refuses(tmp_p
     assert after["b"]["inputs"]["image"]["sha256"] != before["b"]["inputs"]["image"]["sha256"]
     assert after["b"]["file_sha256"] != before["b"]["file_sha256"]
     assert all(after[k]["file_sha256"] == before[k]["file_sha256"] for k in ("a", "c"))
+    code, res = repro.reproduce(tmp_path / "run", tmp_path / "repro_ok")  # inputs as recorded: byte-identical
+    assert code == 0 and res["mode"] == "bytes" and len(res["items"]) == 3, res["problems"]
     _png(d / "c.png", draw("red", "triangle", "center"))
     with pytest.raises(repro.ReproInputError) as e:
         repro.reproduce(tmp_path / "run", tmp_path / "repro")
