@@ -213,6 +213,8 @@ class PipelineEngine(DiffusersEngine):
         self._call_params: Optional[set] = None
         self.seq_probe: Optional[conditioning.SequenceProbe] = None
         self.seq_seen: List[Tuple[str, Optional[int], int]] = []
+        self.latents_observed = False
+        self.first_latents: Optional[Dict[str, Any]] = None
 
     # ----------------------------------------------------------------------------------------------- family
     @classmethod
@@ -683,7 +685,11 @@ class PipelineEngine(DiffusersEngine):
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         kontext = self.task == "edit" and self.pipeline_name() == "FluxKontextPipeline"  # its packing: edit_tokens
-        self.seq_probe = conditioning.SequenceProbe(self.pipe.transformer) if kontext else None
+        self.latents_observed = (self.task in conditioning.STRENGTH_TASKS and self.family() == "flux"
+                                 and hasattr(self.pipe, "_pack_latents"))  # FLUX's packing: first_latents_check
+        self.seq_probe = (conditioning.SequenceProbe(self.pipe.transformer) if kontext or self.latents_observed
+                          else None)
+        self.first_latents: Optional[Dict[str, Any]] = None
         self.seq_seen: List[Tuple[str, Optional[int], int]] = []
         self.prepare_attention()
         self._toks = None  # records count with the loaded tokenizers
@@ -1090,11 +1096,17 @@ class PipelineEngine(DiffusersEngine):
         """
         gens = [torch.Generator(device="cpu").manual_seed(it.seed) for it in batch]
         kw = self.call_kwargs(batch)
+        keep = self.latents_observed and self.first_latents is None  # the first call's first latents, once
         if self.seq_probe is not None:
-            self.seq_probe.arm()
+            self.seq_probe.arm(keep=keep)
         with torch.inference_mode():
             out = self.pipe(**kw, generator=gens, output_type="np")
-        if self.seq_probe is not None:
+        if keep and self.seq_probe.hidden is not None:
+            self.first_latents = {"item": batch[0].key, **conditioning.first_latents_check(
+                self.pipe, kw["image"], self.seq_probe.hidden, self.seq_probe.timestep, batch[0].row.height,
+                batch[0].row.width)}
+            self.seq_probe.hidden = None
+        if self.task == "edit" and self.seq_probe is not None:
             need = self.size_need() or 1
             self.seq_seen.append((batch[0].key, self.seq_probe.seen, sum(conditioning.edit_tokens(batch[0].row, need))))
         arrays = [np.asarray(a, dtype=np.float32) for a in (out.frames if self.video else out.images)]
@@ -1113,6 +1125,15 @@ class PipelineEngine(DiffusersEngine):
         if self.task in conditioning.STRENGTH_TASKS:
             cond["forward_rule"] = ("num_inference_steps - int(max(n - min(n * strength, n), 0)) per guidance pass "
                                     "(diffusers get_timesteps)")
+            fl = self.first_latents
+            cond["first_latents"] = fl or {"verdict": "not_observed"}
+            if fl is not None:
+                section.setdefault("checks", {})["first_latents"] = fl["verdict"]
+                if fl["verdict"] != "verified":
+                    mismatches = mismatches + [
+                        f"stage {self.stage}: the first latents of {fl['item']}'s call are not its input noised at sigma "
+                        f"{fl['sigma']} (normalised residual {fl['statistic']}, expected within {fl['range']}): the "
+                        "input did not reach the denoiser as configured"]
         if self.task == "edit" and self.seq_probe is None:  # an edit pipeline whose packing edit_tokens does not know
             section.setdefault("checks", {})["reference_tokens"] = "limited"
         elif self.task == "edit":

@@ -368,3 +368,31 @@ def test_a_parquet_image_column_is_read_through_dataset_columns(tmp_path):
     assert r.manifest["evidence"]["stages"]["denoise"]["denoiser_forwards"] == steps_run(16, 0.25) == 4
     meta = json.loads((r.run_dir / "images" / "metadata.jsonl").read_text().splitlines()[0])
     assert meta["input_file_name"] is None and meta["inputs"] == {"image": rec["inputs"]["image"]["sha256"]}
+
+
+def test_first_latents_are_the_inputs_noised_and_a_swap_is_seen():
+    """The observation behind ``evidence...conditioning.first_latents``, on the real toy_shapes FluxImg2ImgPipeline:
+    the latents at the first forward of a batch of two are each item's own input noised (statistic ~1); checked
+    against the inputs swapped, both items fail."""
+    import torch
+    from diffusers import FluxImg2ImgPipeline
+
+    from models.conditioning import SequenceProbe, first_latents_check
+
+    pipe = FluxImg2ImgPipeline.from_pretrained(REPO / "models/toy_shapes/weights", local_files_only=True,
+                                               dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    probe = SequenceProbe(pipe.transformer)
+    probe.arm(keep=True)
+    imgs = [Image.open(DATA / f"{n}.png").convert("RGB") for n in ("shapes_input_red_circle_top_left",
+                                                                    "shapes_input_blue_square_top_right")]
+    with torch.inference_mode():
+        pipe(prompt=["a green triangle in the center on a white background"] * 2, image=imgs, strength=0.25,
+             num_inference_steps=16, height=64, width=64, max_sequence_length=16, output_type="np",
+             generator=[torch.Generator().manual_seed(s) for s in (1, 2)])
+    own = first_latents_check(pipe, imgs, probe.hidden, probe.timestep, 64, 64)
+    swapped = first_latents_check(pipe, imgs[::-1], probe.hidden, probe.timestep, 64, 64)
+    assert own["verdict"] == "verified", own
+    assert swapped["verdict"] == "mismatch" and all(s > 1.25 > o > 0.75 for s, o in zip(swapped["statistic"],
+                                                                                 own["statistic"])), swapped
+    assert 0 < own["sigma"] < 0.5  # strength 0.25: a quarter of the schedule left, after FLUX's shift
