@@ -247,13 +247,18 @@ class PipelineEngine(DiffusersEngine):
 
     def check_config(self) -> None:
         """The base checks (``model.generation``, ``max_pixels``, ``cache.*``), then ``model.task`` against the
-        family's tasks (:attr:`task`).
+        family's tasks (:attr:`task`) and a step cache against a task that runs part of the schedule.
 
         Raises:
             ConfigValueError: naming the key, the value and the fix.
         """
         super().check_config()
-        _ = self.task
+        task = self.task  # refused here when the family has no pipeline for it
+        if self.cache_settings is not None and task in conditioning.STRENGTH_TASKS:
+            raise ConfigValueError(
+                f"cache.method={self.cache_settings.method} with model.task={self.task}: a step cache's schedule counts "
+                "num_inference_steps, and the pipeline runs only the last strength x steps of it; not supported yet; "
+                "fix: cache.method=none")
 
     def row_context(self) -> Dict[str, Any]:
         """The row rule's context: the task, whether the family takes a list of reference images for it, and the
@@ -268,8 +273,6 @@ class PipelineEngine(DiffusersEngine):
         Raises:
             ConfigValueError: the model ships no builtin rows for the task, naming the fix.
         """
-        from runner.core.dataset import BUILTIN_PROMPTS
-
         base = str(self.cfg.builtin_prompts)
         if self.task in ("text_to_image", "text_to_video") or str(self.ctx.run.dataset.format) != "builtin":
             return base

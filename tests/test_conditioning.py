@@ -292,6 +292,9 @@ def test_image_to_image_departs_from_the_input_as_strength_rises(tmp_path):
     # to the pipeline (its default 0.6 instead) or a wrong rule would not add up
     want = sum(steps_run(16, s) for s in strengths)
     assert want == 42 and ev["stages"]["denoise"]["denoiser_forwards"] == 42 and ev["verdict"] == "verified"
+    first = ev["stages"]["denoise"]["conditioning"]["first_latents"]
+    assert ev["stages"]["denoise"]["checks"]["first_latents"] == first["verdict"] == "verified", first
+    assert first["without_input"][0] > 3 * first["statistic"][0]  # the statistic separates input from no input
     src = np.asarray(Image.open(DATA / "shapes_input_red_circle_top_left.png").convert("RGB"))
     psnr = [_psnr(np.asarray(Image.open(r.run_dir / rec["file"]).convert("RGB")), src) for rec in r.items]
     assert all(a > b for a, b in zip(psnr, psnr[1:])), psnr
