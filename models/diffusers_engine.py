@@ -292,7 +292,7 @@ class DiffusersEngine(EngineBase):
             step_cache.check_support(self.cache_settings, str(self.transformer_class()), self.model_cfg.name)
         self.check_parallel()
         if self.cache_settings is not None and self.ctx.parallel is not None:
-            raise ConfigValueError(f"cache.method={self.cache_settings.method} with parallelism="
+            raise ConfigValueError(f"cache.method={self.cache_settings.method.name} with parallelism="
                                    f"{self.ctx.parallel.mode}: a step cache under context parallelism is not supported yet (its reuse decisions "
                                    "would differ per rank); fix: cache.method=none, or parallelism=data/single")
         self.resolutions, _ = self.resolve_backends()

@@ -256,7 +256,7 @@ class PipelineEngine(DiffusersEngine):
         task = self.task  # refused here when the family has no pipeline for it
         if self.cache_settings is not None and task in conditioning.STRENGTH_TASKS:
             raise ConfigValueError(
-                f"cache.method={self.cache_settings.method} with model.task={self.task}: a step cache's schedule counts "
+                f"cache.method={self.cache_settings.method.name} with model.task={task}: a step cache's schedule counts "
                 "num_inference_steps, and the pipeline runs only the last strength x steps of it; not supported yet; "
                 "fix: cache.method=none")
 

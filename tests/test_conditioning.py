@@ -399,3 +399,13 @@ def test_first_latents_are_the_inputs_noised_and_a_swap_is_seen():
     assert swapped["verdict"] == "mismatch" and all(s > 1.25 > o > 0.75 for s, o in zip(swapped["statistic"],
                                                                                  own["statistic"])), swapped
     assert 0 < own["sigma"] < 0.5  # strength 0.25: a quarter of the schedule left, after FLUX's shift
+
+
+def test_a_video_familys_refusal_names_its_own_task_and_a_cache_with_strength_is_refused(tmp_path):
+    img = str(DATA / "shapes_input_red_circle_top_left.png")
+    rows = _rows(tmp_path / "rows.jsonl", [{"id": "a", "prompt": "a cat", "image": img}])
+    msg = str(_refused(tmp_path / "wan", ["model=tiny_wan", "dataset=jsonl", f"dataset.path={rows}"]))
+    assert "model.task=text_to_video" in msg and "or model.task=image_to_video (tasks that take image" in msg, msg
+    msg = str(_refused(tmp_path / "cache", ["model=toy_shapes", "model.task=image_to_image",
+                                            "cache.method=first_block"]))
+    assert "cache.method=first_block with model.task=image_to_image" in msg and "fix: cache.method=none" in msg
