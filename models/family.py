@@ -25,6 +25,8 @@ import logging
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from runner.core.media import TASK_INPUTS as _TASK_INPUTS
+
 #: Classifier-free guidance modes (how many transformer forwards one denoising step makes):
 #: ``true_cfg``: a second, unbatched forward when the row has a negative prompt and ``true_cfg_scale`` > 1
 #: (FluxPipeline, QwenImagePipeline: ``do_true_cfg``); ``batched``: guidance_scale > 1 concatenates the
@@ -32,8 +34,15 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 #: ``separate``: guidance_scale > 1 makes a second forward (WanPipeline, ChromaPipeline); ``none``: one forward.
 CFG_MODES = ("true_cfg", "batched", "separate", "none")
 
-#: Tasks a spec maps to a pipeline class (diffusers' ``AUTO_*_PIPELINES_MAPPING`` keys, in the runner's names).
-TASKS = ("text_to_image", "text_to_video")
+#: Tasks a spec maps to a pipeline class (diffusers' ``AUTO_*_PIPELINES_MAPPING`` keys, in the runner's names;
+#: ``runner.core.schema.Task`` lists the same).
+TASKS = ("text_to_image", "image_to_image", "inpaint", "edit", "text_to_video", "image_to_video")
+#: The generation tasks: what a family runs when ``model.task`` is null (the first of these it has).
+GENERATION_TASKS = ("text_to_image", "text_to_video")
+#: The tasks whose pipelines write video.
+VIDEO_TASKS = ("text_to_video", "image_to_video")
+#: Conditioning row fields each task takes (``{task: {field: required}}``, declared once in ``runner.core.media``).
+TASK_INPUTS = _TASK_INPUTS
 
 
 def block_out_scale(vae: Mapping[str, Any], transformer: Mapping[str, Any], patch: int) -> int:
@@ -91,6 +100,8 @@ class FamilySpec:
         backend_fields, needs_mask, fp8_prefixes: as :class:`models.diffusers_engine.DiffusersEngine`'s.
         engine: ``"module:Class"`` of the family's engine class (default: the generic engine).
         guidance_hint: the model's usual guidance value, quoted in the fixes of the guidance rules.
+        multi_image: tasks whose ``image`` may be a list of references (``QwenImageEditPlusPipeline``'s edit);
+            elsewhere a row's ``image`` is one path.
     """
 
     name: str
@@ -109,6 +120,7 @@ class FamilySpec:
     fp8_prefixes: Tuple[str, ...] = ("transformer_blocks.", "single_transformer_blocks.")
     engine: str = "models.pipelines:PipelineEngine"
     guidance_hint: str = ""
+    multi_image: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         """Freeze the mappings and check the declared names.
@@ -126,13 +138,37 @@ class FamilySpec:
 
     @property
     def video(self) -> bool:
-        """The family writes video (its task is ``text_to_video``)."""
+        """The family writes video (its generation task is ``text_to_video``)."""
         return "text_to_video" in self.tasks
 
     @property
+    def generation_task(self) -> str:
+        """The task ``model.task: null`` runs: the family's first of :data:`GENERATION_TASKS` (else its first
+        task)."""
+        return next((t for t in GENERATION_TASKS if t in self.tasks), next(iter(self.tasks)))
+
+    @property
     def pipeline_class(self) -> str:
-        """The pipeline class of the family's generation task (the only one the runner drives so far)."""
-        return self.tasks["text_to_video" if self.video else "text_to_image"]
+        """The pipeline class of the family's generation task (what its snapshots' ``model_index.json`` names and
+        what an embedded snapshot is saved as)."""
+        return self.tasks[self.generation_task]
+
+    def task(self, task: Optional[str]) -> str:
+        """``task`` (``model.task``), or the generation task for None.
+
+        Raises:
+            ValueError: the family has no pipeline for it; the message names the tasks it has (the engine turns it
+                into a startup refusal, exit 2).
+        """
+        task = self.generation_task if task in (None, "") else str(task)
+        if task not in self.tasks:
+            raise ValueError(f"model.task={task}: the {self.name} family has no pipeline for it; its tasks: "
+                             + ", ".join(f"{t} ({c})" for t, c in self.tasks.items()))
+        return task
+
+    def pipeline_for(self, task: Optional[str]) -> str:
+        """The diffusers pipeline class name of ``task`` (None: the generation task); raises as :meth:`task`."""
+        return self.tasks[self.task(task)]
 
     def size_need(self, vae: Mapping[str, Any], transformer: Mapping[str, Any]) -> int:
         """Pixels widths and heights must be multiples of, from the snapshot's VAE and transformer configs."""

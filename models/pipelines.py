@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
+from models import conditioning
 from models.diffusers_engine import DiffusersEngine
 from models.family import FamilySpec, forwards_per_step, negative_prompt_ignored, quiet_truncation_warnings
 from runner.core.dataset import BUILTIN_PROMPTS, Item, Row
@@ -210,6 +211,10 @@ class PipelineEngine(DiffusersEngine):
         self._toks: Optional[Dict[str, Any]] = None
         self._token_cache: Dict[str, Dict[str, Dict[str, int]]] = {}
         self._call_params: Optional[set] = None
+        self.seq_probe: Optional[conditioning.SequenceProbe] = None
+        self.seq_seen: List[Tuple[str, Optional[int], int]] = []
+        self.latents_observed = False
+        self.first_latents: Optional[Dict[str, Any]] = None
 
     # ----------------------------------------------------------------------------------------------- family
     @classmethod
@@ -217,8 +222,71 @@ class PipelineEngine(DiffusersEngine):
         """The family's name (the ``model.adapter`` it is registered under; ``diffusers`` without a spec)."""
         return cls.spec.name if cls.spec is not None else "diffusers"
 
+    @property
+    def task(self) -> str:
+        """``model.task`` resolved: null is the family's generation task (``text_to_image``; a video family's
+        ``text_to_video``); without a spec (``model.adapter=diffusers``) the generation task of the snapshot.
+
+        Raises:
+            ConfigValueError: the family has no pipeline for the task (exit 2), naming the tasks it has.
+        """
+        task = getattr(self.cfg, "task", None)
+        task = None if task is None else str(task)
+        if self.spec is None:
+            if task not in (None, "text_to_image", "text_to_video"):
+                raise ConfigValueError(
+                    f"model.task={task}: model.adapter=diffusers runs the snapshot's own pipeline (a generation "
+                    f"task); a conditioning task needs a family that maps it to a pipeline; fix: model.adapter="
+                    f"{'|'.join(family_names())} (its spec's tasks), or model.task=null")
+            return task or ("text_to_video" if self.video else "text_to_image")
+        try:
+            return self.spec.task(task)
+        except ValueError as e:
+            raise ConfigValueError(f"{e}; fix: model.task=<one of those>, or a model of a family that has the task "
+                                   f"(model={self.cfg.name}, model.adapter={self.family()})") from None
+
+    def check_config(self) -> None:
+        """The base checks (``model.generation``, ``max_pixels``, ``cache.*``), then ``model.task`` against the
+        family's tasks (:attr:`task`) and a step cache against a task that runs part of the schedule.
+
+        Raises:
+            ConfigValueError: naming the key, the value and the fix.
+        """
+        super().check_config()
+        task = self.task  # refused here when the family has no pipeline for it
+        if self.cache_settings is not None and task in conditioning.STRENGTH_TASKS:
+            raise ConfigValueError(
+                f"cache.method={self.cache_settings.method.name} with model.task={task}: a step cache's schedule counts "
+                "num_inference_steps, and the pipeline runs only the last strength x steps of it; not supported yet; "
+                "fix: cache.method=none")
+
+    def row_context(self) -> Dict[str, Any]:
+        """The row rule's context: the task, whether the family takes a list of reference images for it, and the
+        family's tasks (named first in a refusal's fix)."""
+        return {"task": self.task, "multi_image": self.spec is not None and self.task in self.spec.multi_image,
+                "tasks": tuple(self.spec.tasks) if self.spec is not None else ()}
+
+    def builtin_rows(self) -> str:
+        """``dataset=builtin`` of a conditioning task reads ``<builtin_prompts stem>.<task>.jsonl`` (its input images
+        beside it, under ``runner/data``); the generation task the model's ``builtin_prompts``.
+
+        Raises:
+            ConfigValueError: the model ships no builtin rows for the task, naming the fix.
+        """
+        base = str(self.cfg.builtin_prompts)
+        if self.task in ("text_to_image", "text_to_video") or str(self.ctx.run.dataset.format) != "builtin":
+            return base
+        name = f"{Path(base).stem}.{self.task}.jsonl"
+        if not (BUILTIN_PROMPTS.parent / name).is_file():
+            raise ConfigValueError(f"model={self.cfg.name} ships no builtin rows for model.task={self.task} (no "
+                                   f"runner/data/{name}); fix: dataset=jsonl dataset.path=<rows with image paths>")
+        return name
+
     def pipeline_name(self) -> str:
-        """The diffusers pipeline class this stage loads: the family's, else the snapshot's ``_class_name``."""
+        """The diffusers pipeline class this stage loads: the family's for ``model.task`` (:attr:`task`), else the
+        snapshot's ``_class_name``."""
+        if self.spec is not None:
+            return self.spec.pipeline_for(self.task)
         if self.pipeline_class:
             return self.pipeline_class
         if self.source.get("kind") == "path":
@@ -300,7 +368,8 @@ class PipelineEngine(DiffusersEngine):
         comps = {k: v[1] for k, v in index.items() if isinstance(v, list) and not k.startswith("_") and v[1]}
         have = ", ".join(f"{k}: {v}" for k, v in sorted(comps.items())) or "no components"
         problems = []
-        if self.pipeline_class and found != self.pipeline_class:
+        family_classes = list(self.spec.tasks.values()) if self.spec is not None else [self.pipeline_class]
+        if self.pipeline_class and found not in family_classes:  # a snapshot of any of the family's pipelines
             problems.append(f"pipeline {self.pipeline_class}, found {found}")
         for comp, (_lib, cls_name, _cfg) in self.components.items():
             if comp == "scheduler":
@@ -618,6 +687,13 @@ class PipelineEngine(DiffusersEngine):
                                             use_safetensors=True)  # never fall back to pickle
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
+        kontext = self.task == "edit" and self.pipeline_name() == "FluxKontextPipeline"  # its packing: edit_tokens
+        self.latents_observed = (self.task in conditioning.STRENGTH_TASKS and self.family() == "flux"
+                                 and hasattr(self.pipe, "_pack_latents"))  # FLUX's packing: first_latents_check
+        self.seq_probe = (conditioning.SequenceProbe(self.pipe.transformer) if kontext or self.latents_observed
+                          else None)
+        self.first_latents: Optional[Dict[str, Any]] = None
+        self.seq_seen: List[Tuple[str, Optional[int], int]] = []
         self.prepare_attention()
         self._toks = None  # records count with the loaded tokenizers
         self._token_cache = {}
@@ -964,6 +1040,7 @@ class PipelineEngine(DiffusersEngine):
         if "max_sequence_length" in self.call_params():
             kw["max_sequence_length"] = int(self.cfg.generation.max_sequence_length)
         kw.update(self.family_kwargs(batch))
+        kw.update(conditioning.call_inputs(self.task, batch, self.call_params(), self.pipeline_cls()))
         return kw
 
     def family_kwargs(self, batch: Sequence[Item]) -> Dict[str, Any]:
@@ -978,6 +1055,10 @@ class PipelineEngine(DiffusersEngine):
         """Generation values that determine the item's bytes beyond the row's: ``num_frames`` and ``fps`` of a
         video; under true CFG ``true_cfg_scale`` when the row's negative prompt is applied, else null."""
         out: Dict[str, Any] = {"num_frames": row.num_frames, "fps": row.fps} if self.video else {}
+        if self.task in conditioning.STRENGTH_TASKS:  # as applied: the row's, else the pipeline's default
+            out["strength"] = conditioning.applied_strength(row, conditioning.strength_default(self.pipeline_cls()))
+        if self.task == "inpaint":
+            out["inpaint_overlay"] = bool(self.ctx.run.output.inpaint_overlay)
         if self.spec is not None and self.spec.cfg == "true_cfg":
             out["true_cfg_scale"] = (float(self.cfg.generation.true_cfg_scale) if row.negative_prompt is not None
                                      else None)
@@ -1000,7 +1081,10 @@ class PipelineEngine(DiffusersEngine):
         if self.spec is None:
             return None
         r = batch[0].row
-        return r.num_inference_steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale))
+        steps = r.num_inference_steps
+        if self.task in conditioning.STRENGTH_TASKS:  # the pipeline's get_timesteps rule (conditioning.steps_run)
+            steps = conditioning.steps_run(steps, self.applied_params(r)["strength"])
+        return steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale))
 
     def has_forward_rule(self) -> bool:
         """A spec gives the forward rule; ``model.adapter=diffusers`` (no spec) has none."""
@@ -1014,10 +1098,59 @@ class PipelineEngine(DiffusersEngine):
             videos (F, H, W, C).
         """
         gens = [torch.Generator(device="cpu").manual_seed(it.seed) for it in batch]
+        kw = self.call_kwargs(batch)
+        keep = self.latents_observed and self.first_latents is None  # the first call's first latents, once
+        if self.seq_probe is not None:
+            self.seq_probe.arm(keep=keep)
         with torch.inference_mode():
-            out = self.pipe(**self.call_kwargs(batch), generator=gens, output_type="np")
-        arrays = out.frames if self.video else out.images
-        return [np.asarray(a, dtype=np.float32) for a in arrays]
+            out = self.pipe(**kw, generator=gens, output_type="np")
+        if keep and self.seq_probe.hidden is not None:
+            self.first_latents = {"item": batch[0].key, **conditioning.first_latents_check(
+                self.pipe, kw["image"], self.seq_probe.hidden, self.seq_probe.timestep, batch[0].row.height,
+                batch[0].row.width)}
+            self.seq_probe.hidden = None
+        if self.task == "edit" and self.seq_probe is not None:
+            need = self.size_need() or 1
+            self.seq_seen.append((batch[0].key, self.seq_probe.seen, sum(conditioning.edit_tokens(batch[0].row, need))))
+        arrays = [np.asarray(a, dtype=np.float32) for a in (out.frames if self.video else out.images)]
+        return conditioning.overlay_outside(self.task, arrays, kw, bool(self.ctx.run.output.inpaint_overlay))
+
+    def evidence(self, result: Any) -> Tuple[Dict[str, Any], List[str]]:
+        """The base evidence, and for a conditioning task a ``conditioning`` section, observed: the forward rule
+        (image_to_image / inpaint: the forwards follow ``strength``, :func:`models.conditioning.steps_run`, checked
+        by the forward count) and for ``edit`` the denoiser's input sequence at each call's first forward, which
+        must hold the reference image's tokens beside the target's (:func:`models.conditioning.edit_tokens`); a
+        call whose sequence does not is a mismatch (exit 3 under ``evidence.strict``)."""
+        section, mismatches = super().evidence(result)
+        if self.task in ("text_to_image", "text_to_video"):
+            return section, mismatches
+        cond: Dict[str, Any] = {"task": self.task, "pipeline": self.pipeline_name()}
+        if self.task in conditioning.STRENGTH_TASKS:
+            cond["forward_rule"] = ("num_inference_steps - int(max(n - min(n * strength, n), 0)) per guidance pass "
+                                    "(diffusers get_timesteps)")
+            fl = self.first_latents
+            cond["first_latents"] = fl or {"verdict": "not_observed"}
+            if fl is not None:
+                section.setdefault("checks", {})["first_latents"] = fl["verdict"]
+                if fl["verdict"] != "verified":
+                    mismatches = mismatches + [
+                        f"stage {self.stage}: the first latents of {fl['item']}'s call are not its input noised at sigma "
+                        f"{fl['sigma']} (normalised residual {fl['statistic']}, expected within {fl['range']}): the "
+                        "input did not reach the denoiser as configured"]
+        if self.task == "edit" and self.seq_probe is None:  # an edit pipeline whose packing edit_tokens does not know
+            section.setdefault("checks", {})["reference_tokens"] = "limited"
+        elif self.task == "edit":
+            bad = [(k, seen, want) for k, seen, want in self.seq_seen if seen != want]
+            cond["sequence"] = {"calls": len(self.seq_seen), "observed_first": self.seq_seen[0][1] if self.seq_seen
+                                else None, "expected_first": self.seq_seen[0][2] if self.seq_seen else None,
+                                "verdict": "mismatch" if bad or not self.seq_seen else "verified"}
+            section.setdefault("checks", {})["reference_tokens"] = cond["sequence"]["verdict"]
+            mismatches = mismatches + [
+                f"stage {self.stage}: item {k}: the denoiser's first input held {seen} tokens, expected {want} "
+                "(target + reference image tokens): the reference did not reach the transformer as configured"
+                for k, seen, want in bad]
+        section["conditioning"] = cond
+        return section, mismatches
 
     def accuracy(self, items: List[Item], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]:

@@ -26,7 +26,9 @@ QWEN_MAX_SEQUENCE_LENGTH = 1024
 
 QWEN_IMAGE = FamilySpec(
     name="qwen_image",
-    tasks={"text_to_image": "QwenImagePipeline"},
+    tasks={"text_to_image": "QwenImagePipeline", "image_to_image": "QwenImageImg2ImgPipeline",
+           "inpaint": "QwenImageInpaintPipeline", "edit": "QwenImageEditPlusPipeline"},
+    multi_image=("edit",),  # QwenImageEditPlusPipeline takes several reference images
     components={"transformer": ("diffusers", "QwenImageTransformer2DModel", None),
                 "vae": ("diffusers", "AutoencoderKLQwenImage", None),
                 "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig"),

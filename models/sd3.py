@@ -75,7 +75,8 @@ class SD3DispatchAttnProcessor:
 
 SD3 = FamilySpec(
     name="sd3",
-    tasks={"text_to_image": "StableDiffusion3Pipeline"},
+    tasks={"text_to_image": "StableDiffusion3Pipeline", "image_to_image": "StableDiffusion3Img2ImgPipeline",
+           "inpaint": "StableDiffusion3InpaintPipeline"},
     components={"transformer": ("diffusers", "SD3Transformer2DModel", None),
                 "vae": ("diffusers", "AutoencoderKL", None),
                 "text_encoder": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),

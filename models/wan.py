@@ -20,7 +20,7 @@ from runner.core.errors import ConfigValueError
 
 WAN = FamilySpec(
     name="wan",
-    tasks={"text_to_video": "WanPipeline"},
+    tasks={"text_to_video": "WanPipeline", "image_to_video": "WanImageToVideoPipeline"},
     components={"transformer": ("diffusers", "WanTransformer3DModel", None),
                 "vae": ("diffusers", "AutoencoderKLWan", None),
                 "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
