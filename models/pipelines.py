@@ -243,6 +243,18 @@ class PipelineEngine(DiffusersEngine):
                                  "or a diffusers version that has it")
         return cls
 
+    @property
+    def task(self) -> Optional[str]:
+        """``model.task`` (issue #30), or None where the model config has none (the family's base task)."""
+        get = getattr(self.cfg, "get", None)
+        task = get("task") if get is not None else None
+        return None if task is None else str(getattr(task, "value", task))
+
+    @classmethod
+    def task_components(cls, task: Optional[str]) -> Dict[str, Tuple[str, str, Optional[str]]]:
+        """The model components built for ``task`` (:meth:`models.family.FamilySpec.components_for`)."""
+        return cls.spec.components_for(task) if cls.spec is not None else dict(cls.components)
+
     # ----------------------------------------------------------------------------------------------- loading
     def _arch(self) -> Dict[str, Any]:
         from omegaconf import OmegaConf
@@ -340,7 +352,9 @@ class PipelineEngine(DiffusersEngine):
         if not self.components:
             raise ConfigValueError(f"model={self.cfg.name}: model.adapter={self.family()} builds no architecture; "
                                    f"fix: model.path=<snapshot>, or a family adapter ({', '.join(family_names())})")
-        known = [*self.components, *self.arch_other]
+        extras = self.spec.task_components.values() if self.spec is not None else ()
+        procs = self.spec.task_processors.values() if self.spec is not None else ()
+        known = [*self.components, *self.arch_other, *(c for m in extras for c in m), *(c for m in procs for c in m)]
         for key in arch:
             if key not in known and backend_field_of(key):
                 raise MisplacedBackendKeyError(misplaced_backend_message(f"{where}.{key}", arch[key]))
@@ -349,7 +363,7 @@ class PipelineEngine(DiffusersEngine):
                 raise ConfigValueError(f"{where}.{key} is not read by the {self.family()} builder" + (
                     f"; did you mean {where}.{close[0]}?" if close else f" (it reads {', '.join(known)})")
                     + " fix: remove or correct it")
-        for key, (lib, cls_name, cfg_name) in self.components.items():
+        for key, (lib, cls_name, cfg_name) in self.task_components(self.task).items():
             name = cfg_name or cls_name
             if not isinstance(arch.get(key), dict):
                 raise ConfigValueError(f"{where}.{key} is missing (a mapping of {lib}'s {name} arguments); fix: "
@@ -415,7 +429,7 @@ class PipelineEngine(DiffusersEngine):
         ``load_format=dummy`` by building the architecture on the meta device (no memory); None otherwise."""
         if self.source.get("kind") != "dummy":
             return None
-        comps = self.build_components(self._arch(), device="meta", dtype=self.dtype)
+        comps = self.build_components(self._arch(), device="meta", dtype=self.dtype, task=self.task)
         return sum(p.numel() * p.element_size() for v in comps.values() if isinstance(v, torch.nn.Module)
                    for p in v.parameters())
 
@@ -446,9 +460,10 @@ class PipelineEngine(DiffusersEngine):
         return corpus_from(BUILTIN_PROMPTS)
 
     @classmethod
-    def build_tokenizers(cls, arch: Dict[str, Any]) -> Dict[str, Any]:
+    def build_tokenizers(cls, arch: Dict[str, Any], task: Optional[str] = None) -> Dict[str, Any]:
         """``{tokenizer component: tokenizer}`` built locally from ``model.architecture.tokenizer`` (vocab size,
-        corpus, CLIP length), as :meth:`build_components` gives them to the pipeline; builds no model."""
+        corpus, CLIP length), as :meth:`build_components` gives them to the pipeline; builds no model. ``task``
+        (a family's conditioning task) lets a family build them for that task's pipeline (Qwen-Image's edit)."""
         from models import tokenizers as T
 
         tcfg = arch.get("tokenizer") or {}
@@ -483,14 +498,16 @@ class PipelineEngine(DiffusersEngine):
 
     @classmethod
     def build_components(cls, arch: Dict[str, Any], device: str | torch.device = "cpu",
-                         dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+                         dtype: torch.dtype = torch.float32, task: Optional[str] = None) -> Dict[str, Any]:
         """Every component of the family from ``arch`` with random weights seeded by ``arch['weights_seed']``
-        (models built in ``components`` order after one ``torch.manual_seed``), plus the tokenizers.
+        (models built in ``components`` order after one ``torch.manual_seed``), plus the tokenizers; for a
+        conditioning ``task`` also its task components (after the base ones, so the base weights are unchanged)
+        and processors (:meth:`models.family.FamilySpec.components_for` / ``processors_for``).
 
         Returns:
             ``{component: object}``, the keyword arguments of the pipeline class.
         """
-        toks = cls.build_tokenizers(arch)
+        toks = cls.build_tokenizers(arch, task) if task is not None else cls.build_tokenizers(arch)
         kinds = {enc: (kind, toks[comp]) for comp, (kind, _l, enc) in cls.tokenizers_spec.items()}
         # classes resolved (and diffusers' hooks imported) before the device context: a module imported lazily
         # inside ``torch.device("meta")`` would create its module-level tensors there (diffusers' mag_cache
@@ -499,7 +516,7 @@ class PipelineEngine(DiffusersEngine):
 
         classes = {comp: (getattr(importlib.import_module(lib), cls_name),
                           getattr(importlib.import_module(lib), cfg_name) if cfg_name else None)
-                   for comp, (lib, cls_name, cfg_name) in cls.components.items() if comp != "scheduler"}
+                   for comp, (lib, cls_name, cfg_name) in cls.task_components(task).items() if comp != "scheduler"}
         torch.manual_seed(int(arch.get("weights_seed", 0)))
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype if dtype.is_floating_point else torch.float32)
@@ -527,18 +544,34 @@ class PipelineEngine(DiffusersEngine):
         if "scheduler" in cls.components:
             lib, cls_name, _ = cls.components["scheduler"]
             built["scheduler"] = getattr(importlib.import_module(lib), cls_name)(**arch["scheduler"])
-        return {**built, **toks}
+        return {**built, **toks, **cls.build_processors(arch, toks, task)}
+
+    @classmethod
+    def build_processors(cls, arch: Dict[str, Any], toks: Dict[str, Any], task: Optional[str]) -> Dict[str, Any]:
+        """``{processor component: processor}`` of ``task`` (:attr:`models.family.FamilySpec.task_processors`),
+        built locally from ``model.architecture.<component>`` and the tokenizer it wraps."""
+        from models.processors import build_processor
+
+        procs = cls.spec.processors_for(task) if cls.spec is not None else {}
+        return {comp: build_processor(kind, arch.get(comp), toks.get(tok) if tok else None)
+                for comp, (kind, tok) in procs.items()}
+
+    def snapshot_task(self) -> Optional[str]:
+        """``model.task`` when it is a checkpoint of its own (:meth:`models.family.FamilySpec.own_snapshot`), else
+        None (the base snapshot serves it)."""
+        task = self.task
+        return task if self.spec is not None and self.spec.own_snapshot(task) else None
 
     def embedded_target(self, arch: Dict[str, Any]) -> Path:
         """Where :meth:`embedded_snapshot` keeps the embedded model of ``arch`` (it may not exist yet)."""
-        return embedded_target(self.cfg.name, arch, self.cache_dir)
+        return embedded_target(self.cfg.name, arch, self.cache_dir, task=self.snapshot_task())
 
     def embedded_snapshot(self, arch: Dict[str, Any]) -> Path:
         """The cache dir of the embedded model, created on first use (:meth:`embedded_snapshot_at`)."""
-        return self.embedded_snapshot_at(self.embedded_target(arch), arch)
+        return self.embedded_snapshot_at(self.embedded_target(arch), arch, task=self.snapshot_task())
 
     @classmethod
-    def embedded_snapshot_at(cls, target: Path, arch: Dict[str, Any]) -> Path:
+    def embedded_snapshot_at(cls, target: Path, arch: Dict[str, Any], task: Optional[str] = None) -> Path:
         """The family's embedded model of ``arch`` at ``target`` (:func:`embedded_target`), created
         (``save_pretrained``, safetensors) on first use.
 
@@ -547,7 +580,8 @@ class PipelineEngine(DiffusersEngine):
         only, so another rank's copy would lack the text encoders), or by whichever process holds the lock without
         one; the others wait until the snapshot is complete. Written to a temp dir, checked complete (every
         component with a ``config.json`` holds a ``*.safetensors``) and renamed into place, so a killed or partial
-        build never becomes the cache entry.
+        build never becomes the cache entry. ``task``: a conditioning task with a checkpoint of its own
+        (:meth:`build_snapshot`).
 
         Raises:
             RuntimeError: the build came out incomplete (naming the components without weights), or a rank waited
@@ -569,16 +603,19 @@ class PipelineEngine(DiffusersEngine):
                 if snapshot_complete(target):
                     return target
                 if rank == 0:
-                    return cls.build_snapshot(arch, target)
+                    return (cls.build_snapshot(arch, target, task=task) if task is not None else
+                            cls.build_snapshot(arch, target))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank {rank} waited {wait_s:.0f} s for rank 0 to build the embedded model at "
                                    f"{target}; set RUNNER_SNAPSHOT_WAIT_S to wait longer")
             time.sleep(0.5)
 
     @classmethod
-    def build_snapshot(cls, arch: Dict[str, Any], target: Path) -> Path:
+    def build_snapshot(cls, arch: Dict[str, Any], target: Path, task: Optional[str] = None) -> Path:
         """Build, save and commit the embedded snapshot (the caller holds the lock); see
-        :meth:`embedded_snapshot_at`.
+        :meth:`embedded_snapshot_at`. Saved as the pipeline class of ``task``'s checkpoint
+        (:meth:`models.family.FamilySpec.snapshot_pipeline`: QwenImageEditPlusPipeline for Qwen-Image's ``edit``,
+        WanImageToVideoPipeline for Wan's ``image_to_video``), else the family's base pipeline class.
 
         Raises:
             RuntimeError: ``save_pretrained`` left a model component without weights.
@@ -588,7 +625,9 @@ class PipelineEngine(DiffusersEngine):
 
         tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        pipe = getattr(diffusers, str(cls.pipeline_class))(**cls.build_components(arch))
+        name = cls.spec.snapshot_pipeline(task) if cls.spec is not None else cls.pipeline_class
+        comps = cls.build_components(arch, task=task) if task is not None else cls.build_components(arch)
+        pipe = getattr(diffusers, str(name))(**comps)
         pipe.save_pretrained(tmp, safe_serialization=True)
         missing = missing_weights(tmp)
         if missing:
@@ -609,7 +648,8 @@ class PipelineEngine(DiffusersEngine):
         kind = self.source["kind"]
         cls = self.pipeline_cls()
         if kind == "dummy":
-            self.pipe = cls(**self.build_components(self._arch(), device=self.device, dtype=self.dtype))
+            self.pipe = cls(**self.build_components(self._arch(), device=self.device, dtype=self.dtype,
+                                                    task=self.task))
         else:
             path = Path(self.source["path"]) if kind == "path" else self.embedded_snapshot(self._arch())
             self.source["path"] = str(path)
@@ -771,7 +811,9 @@ class PipelineEngine(DiffusersEngine):
                 target = self.embedded_target(self._arch()) if kind == "embedded" else None
                 root = (Path(self.source["path"]) if kind == "path" else
                         target if target is not None and (target / "model_index.json").is_file() else None)
-                by_comp = self.snapshot_tokenizers(root) if root is not None else self.build_tokenizers(self._arch())
+                by_comp = (self.snapshot_tokenizers(root) if root is not None else
+                           self.build_tokenizers(self._arch(), self.task) if self.task is not None else
+                           self.build_tokenizers(self._arch()))
                 self._toks = {label: by_comp[comp] for comp, (_k, label, _e) in self.tokenizers_spec.items()}
             self._token_cache = {}
         return self._toks
@@ -1069,12 +1111,15 @@ def snapshot_complete(snapshot: Path) -> bool:
     return (snapshot / "model_index.json").is_file() and not missing_weights(snapshot)
 
 
-def embedded_target(name: str, arch: Dict[str, Any], cache_dir: Optional[str]) -> Path:
+def embedded_target(name: str, arch: Dict[str, Any], cache_dir: Optional[str], task: Optional[str] = None) -> Path:
     """Where an embedded model of ``arch`` is kept in the cache (it may not exist yet): the name plus a hash of
-    the architecture, the recipe version and the diffusers version, so a change never reuses stale weights."""
+    the architecture, the recipe version and the diffusers version, so a change never reuses stale weights; a
+    ``task`` with a checkpoint of its own (an edit or image-to-video snapshot) is part of the hash."""
     import diffusers
 
     root = Path(cache_dir or os.environ.get("RUNNER_CACHE", "~/.cache/runner")).expanduser()
-    key = hashlib.sha256(json.dumps({"arch": arch, "recipe": EMBEDDED_RECIPE, "diffusers": diffusers.__version__},
-                                    sort_keys=True).encode()).hexdigest()[:12]
+    what = {"arch": arch, "recipe": EMBEDDED_RECIPE, "diffusers": diffusers.__version__}
+    if task is not None:
+        what["task"] = task
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
     return root / f"{name}-{key}"
