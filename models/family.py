@@ -135,13 +135,17 @@ class FamilySpec:
         """Freeze the mappings and check the declared names.
 
         Raises:
-            ValueError: an unknown ``cfg`` mode or task, or no task at all.
+            ValueError: an unknown ``cfg`` mode or task, no base task, or a task component, processor or input
+                sizing for a task the spec does not map.
         """
         if self.cfg not in CFG_MODES:
             raise ValueError(f"FamilySpec {self.name!r}: cfg={self.cfg!r} is not one of {', '.join(CFG_MODES)}")
         bad = sorted(set(self.tasks) - set(TASKS))
         if bad or not self.tasks:
             raise ValueError(f"FamilySpec {self.name!r}: tasks {bad or '{}'} not among {', '.join(TASKS)}")
+        if not {"text_to_image", "text_to_video"} & set(self.tasks):
+            raise ValueError(f"FamilySpec {self.name!r}: tasks {sorted(self.tasks)} lack a base task (text_to_image or "
+                             "text_to_video: the pipeline of the family's own checkpoint)")
         extra = sorted((set(self.task_components) | set(self.task_processors) | set(self.input_sizing))
                        - set(self.tasks))
         if extra:

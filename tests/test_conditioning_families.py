@@ -1,0 +1,260 @@
+"""Tiny conditioning pipelines of issue #30 built through the project's own component path (seeded random weights
+from ``conf/model/*.yaml``, tokenizers and processors built locally, ``save_pretrained`` with safetensors, reloaded
+with the task's pipeline class ``from_pretrained``) and run directly on CPU: Qwen-Image-Edit-Plus (several
+references), Wan 2.1 image-to-video (I2V and first-last-frame), SD3 and Qwen-Image img2img and inpaint.
+
+Each test observes what reached the transformer (forward pre-hooks) rather than trusting the config: the Edit-Plus
+transformer's sequence grows by each reference's latent tokens, the Wan transformer receives the CLIP image embeds,
+img2img runs ``int(steps * strength)`` forwards, and changing an input changes the output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+
+from models import family as fam
+from models.pipelines import embedded_target, missing_weights, read_index
+from models.registry import engine_class, family_spec
+
+pytestmark = pytest.mark.cpu
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _arch(model: str) -> Dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml").architecture,
+                                  resolve=True)
+
+
+def _snapshot(model: str, task: Optional[str]) -> Path:
+    """The embedded snapshot of conf/model/<model>.yaml for ``task``, built through the engine's real path into the
+    session cache (``RUNNER_CACHE``)."""
+    adapter = OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml").adapter
+    eng = engine_class(adapter)
+    own = task if eng.spec.own_snapshot(task) else None
+    arch = _arch(model)
+    return eng.embedded_snapshot_at(embedded_target(model, arch, None, task=own), arch, task=own)
+
+
+def _load(pipeline: str, path: Path) -> Any:
+    import diffusers
+
+    pipe = getattr(diffusers, pipeline).from_pretrained(path, local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _watch(module: torch.nn.Module) -> List[Dict[str, Any]]:
+    """Every forward's keyword tensors' shapes (and the hidden states), recorded by a forward pre-hook."""
+    seen: List[Dict[str, Any]] = []
+
+    def hook(_m, args, kwargs):
+        seen.append({k: (v.shape if torch.is_tensor(v) else v) for k, v in kwargs.items()})
+        seen[-1]["_hidden"] = (kwargs.get("hidden_states") if "hidden_states" in kwargs else args[0]).detach().clone()
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def _image(w: int, h: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+# ------------------------------------------------------------------------------------------------ specs
+def test_specs_map_the_conditioning_tasks_to_diffusers_pipelines():
+    import diffusers
+
+    want = {"sd3": {"image_to_image": "StableDiffusion3Img2ImgPipeline", "inpaint": "StableDiffusion3InpaintPipeline"},
+            "qwen_image": {"image_to_image": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline",
+                           "edit": "QwenImageEditPlusPipeline"},
+            "wan": {"image_to_video": "WanImageToVideoPipeline"}}
+    for name, tasks in want.items():
+        spec = family_spec(name)
+        for task, cls in tasks.items():
+            assert spec.tasks[task] == cls and hasattr(diffusers, cls)
+            assert spec.input_sizing[task] in fam.INPUT_SIZING
+    qwen, wan, sd3 = family_spec("qwen_image"), family_spec("wan"), family_spec("sd3")
+    # own checkpoints: saved as their task's class; img2img/inpaint reuse the text-to-image snapshot
+    assert qwen.snapshot_pipeline("edit") == "QwenImageEditPlusPipeline"
+    assert qwen.snapshot_pipeline("inpaint") == "QwenImagePipeline" and not qwen.own_snapshot("image_to_image")
+    assert wan.snapshot_pipeline("image_to_video") == "WanImageToVideoPipeline"
+    assert sd3.snapshot_pipeline("image_to_image") == "StableDiffusion3Pipeline"
+    # task components come after the base ones (same seeded base weights), the scheduler last
+    assert list(wan.components_for("image_to_video")) == ["transformer", "vae", "text_encoder", "image_encoder",
+                                                          "scheduler"]
+    assert list(wan.components_for(None)) == list(wan.components)
+    assert wan.processors_for("image_to_video") == {"image_processor": ("clip_image", None)}
+    assert qwen.processors_for("edit") == {"processor": ("qwen2_vl", "tokenizer")} and qwen.processors_for(None) == {}
+
+
+def test_a_spec_naming_task_parts_for_a_task_it_does_not_map_is_refused():
+    with pytest.raises(ValueError, match="not in its tasks"):
+        fam.FamilySpec(name="x", tasks={"text_to_image": "FluxPipeline"}, components={}, tokenizers={}, cfg="none",
+                       task_processors={"edit": {"processor": ("qwen2_vl", "tokenizer")}})
+    with pytest.raises(ValueError, match="input_sizing"):
+        fam.FamilySpec(name="x", tasks={"text_to_image": "FluxPipeline", "inpaint": "FluxInpaintPipeline"},
+                       components={}, tokenizers={}, cfg="none", input_sizing={"inpaint": "stretch"})
+    with pytest.raises(ValueError, match="base task"):
+        fam.FamilySpec(name="x", tasks={"edit": "FluxKontextPipeline"}, components={}, tokenizers={}, cfg="none")
+
+
+def test_an_own_checkpoint_task_gets_its_own_cache_entry():
+    arch = _arch("tiny_qwen_image")
+    base = embedded_target("m", arch, "/c")
+    assert embedded_target("m", arch, "/c", task=None) == base  # existing caches keep their key
+    assert embedded_target("m", arch, "/c", task="edit") != base
+
+
+# ------------------------------------------------------------------------------------- Qwen-Image-Edit-Plus
+@pytest.fixture(scope="module")
+def edit_pipe():
+    return _load("QwenImageEditPlusPipeline", _snapshot("tiny_qwen_image_edit", "edit"))
+
+
+def test_edit_plus_snapshot_is_saved_and_reloaded_as_qwen_image_edit_2509(edit_pipe):
+    from models.processors import Qwen2VLImageTextProcessor
+    from models.qwen_image import EDIT_TEMPLATE, EDIT_TEMPLATE_DROP, VISION_TOKEN_IDS
+
+    path = _snapshot("tiny_qwen_image_edit", "edit")
+    index = read_index(path)
+    assert index["_class_name"] == "QwenImageEditPlusPipeline" and missing_weights(path) == []
+    assert index["processor"] == ["models.processors", "Qwen2VLImageTextProcessor"]
+    assert sorted(p.suffix for p in (path / "text_encoder").glob("*.safetensors")) == [".safetensors"]
+    assert isinstance(edit_pipe.processor, Qwen2VLImageTextProcessor)
+    # the pipeline drops exactly the template's 64 tokens, and the encoder finds the image tokens by their ids
+    assert edit_pipe.prompt_template_encode == EDIT_TEMPLATE
+    assert edit_pipe.prompt_template_encode_start_idx == EDIT_TEMPLATE_DROP
+    tok = edit_pipe.tokenizer
+    assert len(tok(EDIT_TEMPLATE.split("{}")[0])["input_ids"]) == EDIT_TEMPLATE_DROP
+    for name, marker in VISION_TOKEN_IDS.items():
+        assert getattr(edit_pipe.text_encoder.config, f"{name}_token_id") == tok.convert_tokens_to_ids(marker)
+    vision, proc = edit_pipe.text_encoder.config.vision_config, edit_pipe.processor.image_processor
+    assert (proc.patch_size, proc.merge_size, proc.temporal_patch_size) == (
+        vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
+
+
+def test_edit_plus_references_reach_the_transformer_and_steer_the_output(edit_pipe, monkeypatch):
+    """Each reference adds its latent tokens to the transformer's sequence (sized by the pipeline's own
+    ``calculate_dimensions`` area rule, whatever the input's size) and vision tokens to the text; the output has the
+    requested size; another reference changes the output. The area constants are shrunk (1024x1024 -> 64x64 for the
+    VAE, 384x384 -> 56x56 for the text encoder) so a CPU runs it in seconds: the rule is the pipeline's."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as mod
+
+    monkeypatch.setattr(mod, "VAE_IMAGE_SIZE", 64 * 64)
+    monkeypatch.setattr(mod, "CONDITION_IMAGE_SIZE", 56 * 56)
+    seen = _watch(edit_pipe.transformer)
+    refs = [_image(64, 48, 1), _image(40, 80, 2)]
+
+    def run(images):
+        out = edit_pipe(image=images, prompt="make it blue", height=32, width=48, num_inference_steps=2,
+                        true_cfg_scale=1.0, generator=_gen(), output_type="np", max_sequence_length=64).images
+        return out, seen[-1]
+
+    def tokens(img):  # the VAE latent tokens of one reference: its area-rule size / 16 per side
+        w, h = mod.calculate_dimensions(64 * 64, img.width / img.height)
+        return (w // 16) * (h // 16)
+
+    one, kw1 = run(refs[:1])
+    two, kw2 = run(refs)
+    assert one.shape == two.shape == (1, 32, 48, 3) and np.isfinite(one).all()
+    target = (32 // 16) * (48 // 16)
+    assert kw1["_hidden"].shape[1] == target + tokens(refs[0])
+    assert kw2["_hidden"].shape[1] == target + tokens(refs[0]) + tokens(refs[1])
+    assert kw2["encoder_hidden_states"][1] > kw1["encoder_hidden_states"][1]  # the second picture's vision tokens
+    other, _ = run([_image(64, 48, 3)])
+    assert np.abs(other - one).max() > 1e-3
+
+
+# ------------------------------------------------------------------------------------------- Wan I2V
+@pytest.fixture(scope="module")
+def i2v_pipe():
+    pytest.importorskip("ftfy", reason="diffusers 0.42's WanImageToVideoPipeline calls ftfy.fix_text unconditionally")
+    return _load("WanImageToVideoPipeline", _snapshot("tiny_wan_i2v", "image_to_video"))
+
+
+def _video(pipe, **kw):
+    return pipe(prompt="a red fox", height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
+                generator=_gen(), output_type="np", max_sequence_length=32, **kw).frames
+
+
+def test_wan_i2v_snapshot_has_the_image_encoder_and_processor(i2v_pipe):
+    path = _snapshot("tiny_wan_i2v", "image_to_video")
+    index = read_index(path)
+    assert index["_class_name"] == "WanImageToVideoPipeline" and missing_weights(path) == []
+    assert index["image_encoder"] == ["transformers", "CLIPVisionModel"] and index["image_processor"][1].startswith(
+        "CLIPImageProcessor")
+    cfg = i2v_pipe.transformer.config
+    assert cfg.image_dim == i2v_pipe.image_encoder.config.hidden_size and cfg.in_channels == 36
+    assert i2v_pipe.image_processor.crop_size["height"] == i2v_pipe.image_encoder.config.image_size
+
+
+def test_wan_i2v_image_embeds_reach_the_transformer(i2v_pipe):
+    enc = i2v_pipe.image_encoder.config
+    seen = _watch(i2v_pipe.transformer)
+    video = _video(i2v_pipe, image=_image(48, 32, 1))
+    assert video.shape == (1, 5, 32, 32, 3) and np.isfinite(video).all()
+    tokens = (enc.image_size // enc.patch_size) ** 2 + 1
+    assert all(k["encoder_hidden_states_image"] == (1, tokens, enc.hidden_size) for k in seen) and len(seen) == 2
+    assert seen[0]["_hidden"].shape[1] == 36  # noise 16 + first-frame mask 4 + condition latents 16
+    other = _video(i2v_pipe, image=_image(48, 32, 2))
+    assert np.abs(other - video).max() > 1e-3
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):  # last_image needs the FLF2V variant
+        _video(i2v_pipe, image=_image(48, 32, 1), last_image=_image(48, 32, 2))
+
+
+def test_wan_flf2v_takes_first_and_last_frame():
+    pytest.importorskip("ftfy", reason="diffusers 0.42's WanImageToVideoPipeline calls ftfy.fix_text unconditionally")
+    pipe = _load("WanImageToVideoPipeline", _snapshot("tiny_wan_flf2v", "image_to_video"))
+    enc = pipe.image_encoder.config
+    seen = _watch(pipe.transformer)
+    first, last = _image(32, 32, 1), _image(32, 32, 2)
+    video = _video(pipe, image=first, last_image=last)
+    tokens = (enc.image_size // enc.patch_size) ** 2 + 1
+    assert video.shape == (1, 5, 32, 32, 3)
+    assert seen[-1]["encoder_hidden_states_image"] == (2, tokens, enc.hidden_size)  # both frames' embeds
+    other = _video(pipe, image=first, last_image=_image(32, 32, 3))
+    assert np.abs(other - video).max() > 1e-3
+
+
+# ------------------------------------------------------------------------------- img2img and inpaint
+CASES = [("tiny_sd3", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline", {"guidance_scale": 1.0}),
+         ("tiny_qwen_image", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", {"true_cfg_scale": 1.0})]
+
+
+@pytest.mark.parametrize("model,img2img,inpaint,kw", CASES, ids=[c[0] for c in CASES])
+def test_img2img_and_inpaint_load_the_text_to_image_snapshot(model, img2img, inpaint, kw):
+    """The base snapshot loads as both task pipelines; img2img runs ``int(steps * strength)`` forwards (the
+    pipeline's rule), an input of another size is resized to the requested size, and the input steers the output."""
+    path = _snapshot(model, "image_to_image")
+    spec = family_spec(OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml").adapter)
+    assert read_index(path)["_class_name"] == spec.pipeline_class
+    pipe = _load(img2img, path)
+    seen = _watch(pipe.transformer)
+    common = dict(prompt="a red circle", height=32, width=48, num_inference_steps=4, generator=None,
+                  output_type="np", max_sequence_length=32, **kw)
+
+    def call(p, **extra):
+        return p(**{**common, "generator": _gen(), **extra}).images
+
+    a = call(pipe, image=_image(80, 40, 1), strength=0.5)
+    assert a.shape == (1, 32, 48, 3) and len(seen) == 2  # int(4 * 0.5) steps
+    b = call(pipe, image=_image(80, 40, 2), strength=0.5)
+    assert np.abs(a - b).max() > 1e-3
+    ipipe = _load(inpaint, path)
+    mask = Image.new("L", (80, 40), 0)
+    mask.paste(255, (40, 0, 80, 40))  # the right half is regenerated
+    c = call(ipipe, image=_image(80, 40, 1), mask_image=mask, strength=1.0)
+    d = call(ipipe, image=_image(80, 40, 2), mask_image=mask, strength=1.0)
+    assert c.shape == (1, 32, 48, 3) and np.abs(c - d).max() > 1e-3
