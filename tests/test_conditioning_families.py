@@ -258,3 +258,52 @@ def test_img2img_and_inpaint_load_the_text_to_image_snapshot(model, img2img, inp
     c = call(ipipe, image=_image(80, 40, 1), mask_image=mask, strength=1.0)
     d = call(ipipe, image=_image(80, 40, 2), mask_image=mask, strength=1.0)
     assert c.shape == (1, 32, 48, 3) and np.abs(c - d).max() > 1e-3
+
+
+# ------------------------------------------------------------------------------------------ engine wiring
+def _engine(compose, model: str, task: Optional[str]):
+    """The family engine of ``model=<model>`` whose model config carries ``task`` (``model.task``, issue #30; set on
+    a copy of the composed model config until the schema has the field)."""
+    from models.base import StageContext
+    from runner.core.platform import detect
+
+    cfg = compose([f"model={model}", "platform=cpu"])
+    m = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
+    if task is not None:
+        m.task = task
+    return engine_class(m.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=m,
+                                                plat=detect("cpu", None), dtype=torch.float32))
+
+
+def test_engine_builds_the_task_snapshot_from_model_task(compose):
+    """``model.task`` picks the snapshot: the engine's own ``embedded_snapshot`` builds (or finds) the task's
+    checkpoint, and the architecture check requires the task's components and accepts them otherwise."""
+    from runner.core.errors import ConfigValueError
+
+    eng = _engine(compose, "tiny_wan_i2v", "image_to_video")
+    assert eng.task == "image_to_video" and eng.snapshot_task() == "image_to_video"
+    eng.check_architecture(eng._arch())
+    path = eng.embedded_snapshot(eng._arch())
+    assert path == _snapshot("tiny_wan_i2v", "image_to_video") and read_index(path)["_class_name"] == (
+        "WanImageToVideoPipeline")
+    arch = {k: v for k, v in eng._arch().items() if k != "image_encoder"}
+    with pytest.raises(ConfigValueError, match="image_encoder is missing"):
+        eng.check_architecture(arch)
+    base = _engine(compose, "tiny_wan_i2v", None)  # no task: the base components, the extra keys accepted
+    assert base.task is None and base.snapshot_task() is None
+    base.check_architecture(base._arch())
+    assert base.embedded_target(base._arch()) != eng.embedded_target(eng._arch())
+    sd3 = _engine(compose, "tiny_sd3", "inpaint")  # inpaint reuses the text-to-image snapshot
+    assert sd3.snapshot_task() is None and sd3.embedded_target(sd3._arch()) == _engine(
+        compose, "tiny_sd3", None).embedded_target(sd3._arch())
+
+
+def test_engine_dummy_weights_build_the_task_components(compose):
+    eng = _engine(compose, "tiny_wan_i2v", "image_to_video")
+    comps = eng.build_components(eng._arch(), device="meta", task=eng.task)
+    assert type(comps["image_encoder"]).__name__ == "CLIPVisionModel"
+    assert type(comps["image_processor"]).__name__.startswith("CLIPImageProcessor")
+    assert "image_encoder" not in eng.build_components(eng._arch(), device="meta")
+    edit = _engine(compose, "tiny_qwen_image_edit", "edit")
+    toks = edit.tokenizers()["qwen2_5_vl"]
+    assert "<|image_pad|>" in toks.get_vocab()  # the edit tokenizer (vision markers), as the snapshot's
