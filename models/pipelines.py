@@ -654,8 +654,10 @@ class PipelineEngine(DiffusersEngine):
             path = Path(self.source["path"]) if kind == "path" else self.embedded_snapshot(self._arch())
             self.source["path"] = str(path)
             self.source.update(self.hash_weights(path))
-            self.pipe = cls.from_pretrained(path, dtype=self.dtype, local_files_only=True,
-                                            use_safetensors=True)  # never fall back to pickle
+            from models.processors import processor_overrides
+
+            self.pipe = cls.from_pretrained(path, dtype=self.dtype, local_files_only=True, use_safetensors=True,
+                                            **processor_overrides(path))  # never fall back to pickle
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self.prepare_attention()

@@ -96,3 +96,25 @@ def processor_class(kind: str) -> type:
 
         return CLIPImageProcessorPil
     raise ValueError(f"unknown processor kind {kind!r}; known: {', '.join(PROCESSORS)}")
+
+
+#: ``model_index.json`` entries whose processor transformers cannot load here -> the local class that loads it
+LOCAL_PROCESSORS = {("transformers", "Qwen2VLProcessor"): "Qwen2VLImageTextProcessor"}
+
+
+def processor_overrides(snapshot: Any) -> Dict[str, Any]:
+    """``{component: processor}`` for a snapshot's processors that transformers' own class cannot load without
+    torchvision (a published Qwen-Image-Edit-2509 snapshot's ``processor``: ``transformers.Qwen2VLProcessor`` loads
+    its video processor too), loaded with the local class (:data:`LOCAL_PROCESSORS`) from the same folder; passed to
+    ``from_pretrained`` as component overrides. Empty for every other snapshot."""
+    import json
+    from pathlib import Path
+
+    root = Path(snapshot)
+    index = json.loads((root / "model_index.json").read_text())
+    out: Dict[str, Any] = {}
+    for comp, entry in index.items():
+        local = LOCAL_PROCESSORS.get(tuple(entry)) if isinstance(entry, list) and len(entry) == 2 else None
+        if local is not None and (root / comp).is_dir():
+            out[comp] = globals()[local].from_pretrained(str(root / comp), local_files_only=True)
+    return out

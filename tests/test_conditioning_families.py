@@ -307,3 +307,30 @@ def test_engine_dummy_weights_build_the_task_components(compose):
     edit = _engine(compose, "tiny_qwen_image_edit", "edit")
     toks = edit.tokenizers()["qwen2_5_vl"]
     assert "<|image_pad|>" in toks.get_vocab()  # the edit tokenizer (vision markers), as the snapshot's
+
+
+def test_a_published_edit_plus_layout_loads_its_processor_without_torchvision(tmp_path):
+    """Qwen-Image-Edit-2509 names ``transformers.Qwen2VLProcessor``, which transformers 5 loads only with a video
+    processor (torchvision); :func:`models.processors.processor_overrides` loads it with the local class instead."""
+    import json
+    import shutil
+
+    from models.processors import Qwen2VLImageTextProcessor, processor_overrides
+
+    snap = tmp_path / "edit-2509-layout"
+    shutil.copytree(_snapshot("tiny_qwen_image_edit", "edit"), snap)
+    index = json.loads((snap / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (snap / "model_index.json").write_text(json.dumps(index))
+    from diffusers import QwenImageEditPlusPipeline
+
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        with pytest.raises(OSError, match="video processor"):
+            QwenImageEditPlusPipeline.from_pretrained(snap, local_files_only=True, use_safetensors=True)
+    over = processor_overrides(snap)
+    assert isinstance(over["processor"], Qwen2VLImageTextProcessor)
+    pipe = QwenImageEditPlusPipeline.from_pretrained(snap, local_files_only=True, use_safetensors=True, **over)
+    assert pipe.processor is over["processor"]
+    assert processor_overrides(_snapshot("tiny_wan_i2v", "image_to_video")) == {}
