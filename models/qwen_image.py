@@ -27,7 +27,8 @@ edit           QwenImageEditPlusPipeline        each reference (PIL only: it rea
                                                 ``calculate_dimensions(384*384, w/h)`` then the Qwen2-VL processor's
                                                 ``smart_resize`` (multiples of 28 within ``min_pixels``/``max_pixels``);
                                                 the output is ``height`` x ``width`` when given (floored to 16), else
-                                                ~1 MP at the LAST reference's aspect ratio; batch size 1 only
+                                                ~1 MP at the LAST reference's aspect ratio; batch size 1 only;
+                                                ``max_sequence_length`` truncates nothing (only checked <= 1024)
 ============== ================================ ========================================================================
 """
 
@@ -123,13 +124,19 @@ class QwenImageEngine(PipelineEngine):
         return kw
 
     def count_tokens(self, label: str, tok: Any, prompts: List[str]) -> List[int]:
-        """Prompt tokens the encoder's output keeps: the templated prompt's tokens minus the 34 dropped."""
-        return [len(ids) - TEMPLATE_DROP for ids in tok([TEMPLATE.format(p) for p in prompts],
-                                                        truncation=False, verbose=False)["input_ids"]]
+        """Prompt tokens the encoder's output keeps: the templated prompt's tokens minus the 34 dropped (``edit``:
+        the Edit-Plus template's, minus 64; the references' ``Picture N:`` vision tokens come on top)."""
+        template, drop = (EDIT_TEMPLATE, EDIT_TEMPLATE_DROP) if self.task == "edit" else (TEMPLATE, TEMPLATE_DROP)
+        return [len(ids) - drop for ids in tok([template.format(p) for p in prompts],
+                                               truncation=False, verbose=False)["input_ids"]]
 
     def token_limit(self, label: str, tok: Any) -> int:
         """``min(1024, max_sequence_length)``: the pipeline tokenizes 1024 + 34 tokens and keeps the first
-        ``max_sequence_length`` embeddings."""
+        ``max_sequence_length`` embeddings. ``edit``: QwenImageEditPlusPipeline truncates nothing (its processor
+        call has no ``max_length`` and ``max_sequence_length`` only passes its ``<= 1024`` check), so the limit is
+        the tokenizer's ``model_max_length``."""
+        if self.task == "edit":
+            return int(tok.model_max_length)
         return min(QWEN_MAX_SEQUENCE_LENGTH, int(self.cfg.generation.max_sequence_length))
 
     def ignored_fields(self, rows: Any) -> Dict[str, Tuple[Any, ...]]:

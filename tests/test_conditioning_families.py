@@ -334,3 +334,15 @@ def test_a_published_edit_plus_layout_loads_its_processor_without_torchvision(tm
     pipe = QwenImageEditPlusPipeline.from_pretrained(snap, local_files_only=True, use_safetensors=True, **over)
     assert pipe.processor is over["processor"]
     assert processor_overrides(_snapshot("tiny_wan_i2v", "image_to_video")) == {}
+
+
+def test_edit_token_counts_follow_the_edit_template(compose):
+    """Under ``edit`` the records count the Edit-Plus template's tokens (64 dropped) and nothing is truncated."""
+    edit, t2i = _engine(compose, "tiny_qwen_image_edit", "edit"), _engine(compose, "tiny_qwen_image", None)
+    prompt = "make the circle blue " * 20  # longer than max_sequence_length (64)
+    rec = edit.prompt_tokens([prompt])[0]["qwen2_5_vl"]
+    tok = edit.tokenizers()["qwen2_5_vl"]
+    from models.qwen_image import EDIT_TEMPLATE
+
+    assert rec["count"] == len(tok(EDIT_TEMPLATE.format(prompt))["input_ids"]) - 64 and rec["dropped"] == 0
+    assert t2i.prompt_tokens([prompt])[0]["qwen2_5_vl"]["dropped"] > 0  # QwenImagePipeline keeps 64
