@@ -8,10 +8,10 @@ warning; classifier-free guidance (``guidance_scale > 1``) makes a second transf
 ``noise_uncond = current_model(...)``), and the negative prompt is used only then.
 
 Image-to-video (issue #30, ``WanImageToVideoPipeline``) is a checkpoint of its own (Wan2.1-I2V-14B-480P): the same
-classes plus a CLIP ``image_encoder`` (``CLIPVisionModel``: its penultimate hidden states are the image embeds) and
-its ``image_processor`` (``CLIPImageProcessor``), and a transformer that takes them (``image_dim`` = the CLIP hidden
-size, ``added_kv_proj_dim`` = its inner dim: every ``attn2`` attends to image tokens too, ``in_channels`` 36 = the
-noise latents 16 + the first-frame mask 4 + the condition latents 16). ``last_image`` (first-last-frame) needs the
+classes plus a CLIP ``image_encoder`` (``CLIPVisionModelWithProjection``: its penultimate hidden states are the
+image embeds) and its ``image_processor`` (``CLIPImageProcessor``), and a transformer that takes them (``image_dim`` =
+the CLIP hidden size, ``added_kv_proj_dim`` = its inner dim: every ``attn2`` attends to image tokens too,
+``in_channels`` 36 = the noise latents 16 + the first-frame mask 4 + the condition latents 16). ``last_image`` (first-last-frame) needs the
 FLF2V variant (Wan2.1-FLF2V-14B-720P: ``pos_embed_seq_len`` = 2 x the CLIP tokens, the two images' embeds are
 concatenated into one sequence); the I2V transformer fails on it (two image embeds for one video), and the FLF2V one
 without it. A Wan 2.2-style I2V (``image_dim`` null, no image encoder: the condition reaches the transformer only
@@ -59,8 +59,11 @@ WAN = FamilySpec(
     needs_mask=False,  # WanAttnProcessor passes no mask: text embeddings are zero-padded to max_sequence_length
     engine="models.wan:WanEngine",
     guidance_hint="Wan 2.1: 5.0",
-    # Wan 2.1 I2V / FLF2V: a CLIP vision encoder and its image processor beside the T2V components
-    task_components={"image_to_video": {"image_encoder": ("transformers", "CLIPVisionModel", "CLIPVisionConfig")}},
+    # Wan 2.1 I2V / FLF2V: a CLIP vision encoder and its image processor beside the T2V components; the class the
+    # diffusers conversion script saves (scripts/convert_wan_to_diffusers.py: CLIPVisionModelWithProjection of
+    # laion/CLIP-ViT-H-14; the pipeline reads its penultimate hidden states, not the projection)
+    task_components={"image_to_video": {"image_encoder": ("transformers", "CLIPVisionModelWithProjection",
+                                                          "CLIPVisionConfig")}},
     task_processors={"image_to_video": {"image_processor": ("clip_image", None)}},
     input_sizing={"image_to_video": "resize"},
 )

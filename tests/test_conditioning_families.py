@@ -193,7 +193,7 @@ def test_wan_i2v_snapshot_has_the_image_encoder_and_processor(i2v_pipe):
     path = _snapshot("tiny_wan_i2v", "image_to_video")
     index = read_index(path)
     assert index["_class_name"] == "WanImageToVideoPipeline" and missing_weights(path) == []
-    assert index["image_encoder"] == ["transformers", "CLIPVisionModel"] and index["image_processor"][1].startswith(
+    assert index["image_encoder"] == ["transformers", "CLIPVisionModelWithProjection"] and index["image_processor"][1].startswith(
         "CLIPImageProcessor")
     cfg = i2v_pipe.transformer.config
     assert cfg.image_dim == i2v_pipe.image_encoder.config.hidden_size and cfg.in_channels == 36
@@ -301,7 +301,7 @@ def test_engine_builds_the_task_snapshot_from_model_task(compose):
 def test_engine_dummy_weights_build_the_task_components(compose):
     eng = _engine(compose, "tiny_wan_i2v", "image_to_video")
     comps = eng.build_components(eng._arch(), device="meta", task=eng.task)
-    assert type(comps["image_encoder"]).__name__ == "CLIPVisionModel"
+    assert type(comps["image_encoder"]).__name__ == "CLIPVisionModelWithProjection"
     assert type(comps["image_processor"]).__name__.startswith("CLIPImageProcessor")
     assert "image_encoder" not in eng.build_components(eng._arch(), device="meta")
     edit = _engine(compose, "tiny_qwen_image_edit", "edit")
@@ -346,3 +346,24 @@ def test_edit_token_counts_follow_the_edit_template(compose):
 
     assert rec["count"] == len(tok(EDIT_TEMPLATE.format(prompt))["input_ids"]) - 64 and rec["dropped"] == 0
     assert t2i.prompt_tokens([prompt])[0]["qwen2_5_vl"]["dropped"] > 0  # QwenImagePipeline keeps 64
+
+
+@pytest.mark.parametrize("model,task,billions", [("wan_i2v", "image_to_video", (16.0, 17.5)),
+                                                 ("qwen_image_edit", "edit", (20.0, 21.0))])
+def test_full_size_task_configs_build_on_meta(compose, model, task, billions):
+    """The full-size configs' keys are checked against the component classes and the task's architecture builds on
+    the meta device (``load_format=dummy``, no memory): the transformer's size is the published model's."""
+    from models.base import StageContext
+    from runner.core.platform import detect
+
+    cfg = compose([f"model={model}", "platform=cpu", "model.load_format=dummy"])
+    m = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
+    m.task = task
+    eng = engine_class(m.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=m,
+                                               plat=detect("cpu", None), dtype=torch.bfloat16))
+    assert eng.resolve_source()["kind"] == "dummy"
+    comps = eng.build_components(eng._arch(), device="meta", dtype=torch.bfloat16, task=task)
+    n = sum(p.numel() for p in comps["transformer"].parameters()) / 1e9
+    assert billions[0] < n < billions[1], n
+    extra = "image_encoder" if task == "image_to_video" else "processor"
+    assert extra in comps
