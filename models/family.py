@@ -221,6 +221,17 @@ def forwards_per_step(cfg_mode: str, row: Any, true_cfg_scale: float) -> int:
     return 1
 
 
+def strength_forwards(steps: int, strength: float, order: int = 1) -> int:
+    """Denoising steps an image-to-image or inpaint pipeline runs for ``steps`` and ``strength``: its own
+    ``get_timesteps`` rule (FluxImg2ImgPipeline, StableDiffusion3Img2Img/InpaintPipeline, QwenImageImg2Img/
+    InpaintPipeline, diffusers 0.42): ``t_start = int(max(steps - min(steps * strength, steps), 0))``, the last
+    ``steps - t_start`` steps run (times the scheduler's ``order``): the ceiling of ``steps * strength``, not its
+    rounding or truncation (4 steps at strength 0.3 run 2, 28 at 0.3 run 9), and the float product decides (100 steps
+    at 0.55 run 56: ``100 * 0.55 = 55.00000000000001``)."""
+    t_start = int(max(steps - min(steps * strength, steps), 0))
+    return (steps - t_start) * order
+
+
 def negative_prompt_ignored(cfg_mode: str, pipeline: str, true_cfg_scale: float, rows: Any, hint: str = ""
                             ) -> Dict[str, Tuple[Any, ...]]:
     """The ignored-field rules of the guidance mode, as ``{field: (why, fix[, applies(row)])}`` (the form of

@@ -22,7 +22,8 @@ task           pipeline                           input size
 image_to_image StableDiffusion3Img2ImgPipeline    ``image`` resized to the call's ``height`` x ``width`` (aspect ratio
                                                   not kept; ``VaeImageProcessor.preprocess``; default 1024 x 1024 from
                                                   ``default_sample_size``, never the input's size); output: that size;
-                                                  ``strength`` keeps the last ``int(steps * strength)`` steps
+                                                  ``strength`` runs the last steps by the pipeline's rule
+                                                  (:func:`models.family.strength_forwards`)
 inpaint        StableDiffusion3InpaintPipeline    ``image`` and ``mask_image`` resized to ``height`` x ``width``; with
                                                   ``padding_mask_crop`` a region around the mask is cropped, resized
                                                   (``fill``) and the result pasted back (output = the input's size); a

@@ -5,7 +5,7 @@ references), Wan 2.1 image-to-video (I2V and first-last-frame), SD3 and Qwen-Ima
 
 Each test observes what reached the transformer (forward pre-hooks) rather than trusting the config: the Edit-Plus
 transformer's sequence grows by each reference's latent tokens, the Wan transformer receives the CLIP image embeds,
-img2img runs ``int(steps * strength)`` forwards, and changing an input changes the output.
+img2img runs the forwards of the pipeline's own strength rule, and changing an input changes the output.
 """
 
 from __future__ import annotations
@@ -235,8 +235,9 @@ CASES = [("tiny_sd3", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3Inpain
 
 @pytest.mark.parametrize("model,img2img,inpaint,kw", CASES, ids=[c[0] for c in CASES])
 def test_img2img_and_inpaint_load_the_text_to_image_snapshot(model, img2img, inpaint, kw):
-    """The base snapshot loads as both task pipelines; img2img runs ``int(steps * strength)`` forwards (the
-    pipeline's rule), an input of another size is resized to the requested size, and the input steers the output."""
+    """The base snapshot loads as both task pipelines; img2img runs the forwards of the pipeline's strength rule
+    (:func:`models.family.strength_forwards`), an input of another size is resized to the requested size, and the
+    input steers the output."""
     path = _snapshot(model, "image_to_image")
     spec = family_spec(OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml").adapter)
     assert read_index(path)["_class_name"] == spec.pipeline_class
@@ -249,7 +250,9 @@ def test_img2img_and_inpaint_load_the_text_to_image_snapshot(model, img2img, inp
         return p(**{**common, "generator": _gen(), **extra}).images
 
     a = call(pipe, image=_image(80, 40, 1), strength=0.5)
-    assert a.shape == (1, 32, 48, 3) and len(seen) == 2  # int(4 * 0.5) steps
+    assert a.shape == (1, 32, 48, 3) and len(seen) == 2 == fam.strength_forwards(4, 0.5)
+    call(pipe, image=_image(80, 40, 1), strength=0.3)
+    assert len(seen) - 2 == fam.strength_forwards(4, 0.3) == 2  # the ceiling of 4 * 0.3, not int(1.2)
     b = call(pipe, image=_image(80, 40, 2), strength=0.5)
     assert np.abs(a - b).max() > 1e-3
     ipipe = _load(inpaint, path)
@@ -367,3 +370,18 @@ def test_full_size_task_configs_build_on_meta(compose, model, task, billions):
     assert billions[0] < n < billions[1], n
     extra = "image_encoder" if task == "image_to_video" else "processor"
     assert extra in comps
+
+
+def test_strength_forwards_is_the_pipelines_get_timesteps():
+    """:func:`models.family.strength_forwards` against diffusers' own ``get_timesteps`` (on a scheduler whose
+    timesteps are set), over a grid of steps and strengths."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Img2ImgPipeline
+
+    pipe = StableDiffusion3Img2ImgPipeline.__new__(StableDiffusion3Img2ImgPipeline)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler()
+    for steps in (1, 2, 4, 8, 28, 50, 100):
+        pipe.scheduler.set_timesteps(steps)
+        for strength in (0.05, 0.1, 0.3, 0.45, 0.55, 0.6, 0.9, 1.0):
+            _, n = pipe.get_timesteps(steps, strength, "cpu")
+            assert fam.strength_forwards(steps, strength) == n, (steps, strength)
+    assert fam.strength_forwards(100, 0.55) == 56 and fam.strength_forwards(28, 0.3) == 9
