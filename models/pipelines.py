@@ -369,10 +369,36 @@ class PipelineEngine(DiffusersEngine):
                 raise ConfigValueError(f"{where}.{key} is missing (a mapping of {lib}'s {name} arguments); fix: "
                                        f"start from a tiny_* model config of this family")
             check_init_keys(getattr(importlib.import_module(lib), name), list(arch[key]), f"{where}.{key}")
+        self.check_processor_keys(arch, where)
         for key in arch.get("tokenizer") or {}:
             if key not in self.arch_other["tokenizer"]:
                 raise ConfigValueError(f"{where}.tokenizer.{key} is not read; it takes "
                                        f"{', '.join(self.arch_other['tokenizer'])}; fix: remove or correct it")
+
+    def check_processor_keys(self, arch: Dict[str, Any], where: str = "model.architecture") -> None:
+        """The keys of the task's processor configs (``model.architecture.<processor>``, optional) against the
+        arguments the processor takes (:func:`models.processors.processor_keys`).
+
+        Raises:
+            ConfigValueError: an unknown key, naming it, the closest argument and the fix.
+        """
+        import difflib
+
+        from models.processors import processor_keys
+
+        procs = self.spec.processors_for(self.task) if self.spec is not None else {}
+        for comp, (kind, _tok) in procs.items():
+            given = arch.get(comp) or {}
+            if not isinstance(given, dict):
+                raise ConfigValueError(f"{where}.{comp}={given!r} is not a mapping of {kind} processor arguments; "
+                                       f"fix: a mapping (or remove it for the defaults)")
+            takes = processor_keys(kind)
+            for key in given:
+                if key not in takes:
+                    close = difflib.get_close_matches(key, takes, n=1)
+                    raise ConfigValueError(f"{where}.{comp}.{key} is not an argument of the {kind} processor" + (
+                        f"; did you mean {where}.{comp}.{close[0]}?" if close else f" (it takes {', '.join(takes)})")
+                        + " fix: remove or correct it")
 
     def check_architecture_matches_snapshot(self, arch: Dict[str, Any], path: Path,
                                             where: str = "model.architecture") -> None:

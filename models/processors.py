@@ -19,7 +19,7 @@ transformers 5 without torchvision resolves both image processor classes to thei
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from transformers import Qwen2VLProcessor
 from transformers.processing_utils import ProcessorMixin
@@ -85,17 +85,16 @@ def build_processor(kind: str, cfg: Optional[Mapping[str, Any]], tokenizer: Any 
     return PROCESSORS[kind](cfg or {}, tokenizer)
 
 
-def processor_class(kind: str) -> type:
-    """The class a processor of ``kind`` is built as (for checking ``model.architecture`` keys against it)."""
+def processor_keys(kind: str) -> List[str]:
+    """The arguments a processor of ``kind`` takes from ``model.architecture.<component>`` (its image processor's
+    ``valid_kwargs``), for refusing a misspelt key before anything is built."""
     if kind == "qwen2_vl":
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        return Qwen2VLImageProcessorPil
-    if kind == "clip_image":
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-        return CLIPImageProcessorPil
-    raise ValueError(f"unknown processor kind {kind!r}; known: {', '.join(PROCESSORS)}")
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as cls
+    elif kind == "clip_image":
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil as cls
+    else:
+        raise ValueError(f"unknown processor kind {kind!r}; known: {', '.join(PROCESSORS)}")
+    return sorted(cls.valid_kwargs.__annotations__)
 
 
 #: ``model_index.json`` entries whose processor transformers cannot load here -> the local class that loads it

@@ -385,3 +385,15 @@ def test_strength_forwards_is_the_pipelines_get_timesteps():
             _, n = pipe.get_timesteps(steps, strength, "cpu")
             assert fam.strength_forwards(steps, strength) == n, (steps, strength)
     assert fam.strength_forwards(100, 0.55) == 56 and fam.strength_forwards(28, 0.3) == 9
+
+
+def test_a_misspelt_processor_key_is_refused(compose):
+    from runner.core.errors import ConfigValueError
+
+    eng = _engine(compose, "tiny_qwen_image_edit", "edit")
+    arch = eng._arch()
+    arch["processor"] = {**arch["processor"], "merge_sise": 2}
+    with pytest.raises(ConfigValueError, match=r"processor.merge_sise .*did you mean model.architecture.processor."
+                                               r"merge_size"):
+        eng.check_architecture(arch)
+    eng.check_architecture(eng._arch())
