@@ -28,7 +28,8 @@ edit           QwenImageEditPlusPipeline        each reference (PIL only: it rea
                                                 ``smart_resize`` (multiples of 28 within ``min_pixels``/``max_pixels``);
                                                 the output is ``height`` x ``width`` when given (floored to 16), else
                                                 ~1 MP at the LAST reference's aspect ratio; batch size 1 only;
-                                                ``max_sequence_length`` truncates nothing (only checked <= 1024)
+                                                ``max_sequence_length`` truncates nothing (only checked <= 1024);
+                                                :func:`edit_sizes` computes all of it from the pipeline's own rule
 ============== ================================ ========================================================================
 """
 
@@ -80,6 +81,33 @@ QWEN_IMAGE = FamilySpec(
     task_processors={"edit": {"processor": ("qwen2_vl", "tokenizer")}},
     input_sizing={"image_to_image": "resize", "inpaint": "resize", "edit": "area"},
 )
+
+
+def edit_sizes(references: List[Tuple[int, int]], width: Optional[int] = None, height: Optional[int] = None,
+               vae_scale: int = 8) -> Dict[str, Any]:
+    """What QwenImageEditPlusPipeline (diffusers 0.42) does to the sizes of ``references`` (``(width, height)`` each,
+    in call order) for an output of ``width`` x ``height`` (None: the pipeline's own choice), computed with the
+    pipeline module's own ``calculate_dimensions`` and area constants (read at call time), so the runner can record or
+    refuse them before anything loads.
+
+    Returns:
+        ``{"vae": [(w, h)...], "condition": [(w, h)...], "output": (w, h), "image_tokens": n}``: each reference's size
+        for the VAE (its latents join the transformer's sequence) and for the text encoder (before the Qwen2-VL
+        processor's own ``smart_resize``), the output size, and the transformer's image sequence length (target plus
+        references, ``vae_scale * 2`` pixels per token side).
+    """
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as mod
+
+    if not references:
+        raise ValueError("QwenImageEditPlusPipeline needs at least one reference image")
+    vae = [mod.calculate_dimensions(mod.VAE_IMAGE_SIZE, w / h) for w, h in references]
+    cond = [mod.calculate_dimensions(mod.CONDITION_IMAGE_SIZE, w / h) for w, h in references]
+    last_w, last_h = references[-1]
+    auto_w, auto_h = mod.calculate_dimensions(1024 * 1024, last_w / last_h)
+    mult = vae_scale * 2
+    out = ((width or auto_w) // mult * mult, (height or auto_h) // mult * mult)
+    tokens = sum((w // mult) * (h // mult) for w, h in [out, *vae])
+    return {"vae": vae, "condition": cond, "output": out, "image_tokens": tokens}
 
 
 class QwenImageEngine(PipelineEngine):

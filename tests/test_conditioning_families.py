@@ -162,16 +162,15 @@ def test_edit_plus_references_reach_the_transformer_and_steer_the_output(edit_pi
                         true_cfg_scale=1.0, generator=_gen(), output_type="np", max_sequence_length=64).images
         return out, seen[-1]
 
-    def tokens(img):  # the VAE latent tokens of one reference: its area-rule size / 16 per side
-        w, h = mod.calculate_dimensions(64 * 64, img.width / img.height)
-        return (w // 16) * (h // 16)
+    from models.qwen_image import edit_sizes
 
     one, kw1 = run(refs[:1])
     two, kw2 = run(refs)
     assert one.shape == two.shape == (1, 32, 48, 3) and np.isfinite(one).all()
-    target = (32 // 16) * (48 // 16)
-    assert kw1["_hidden"].shape[1] == target + tokens(refs[0])
-    assert kw2["_hidden"].shape[1] == target + tokens(refs[0]) + tokens(refs[1])
+    sizes1, sizes2 = edit_sizes([refs[0].size], 48, 32), edit_sizes([r.size for r in refs], 48, 32)
+    assert sizes2["output"] == (48, 32) and sizes2["vae"] == [(64, 64), (32, 96)]  # aspect kept, multiples of 32
+    assert kw1["_hidden"].shape[1] == sizes1["image_tokens"] == 6 + 16
+    assert kw2["_hidden"].shape[1] == sizes2["image_tokens"] == 6 + 16 + 12
     assert kw2["encoder_hidden_states"][1] > kw1["encoder_hidden_states"][1]  # the second picture's vision tokens
     other, _ = run([_image(64, 48, 3)])
     assert np.abs(other - one).max() > 1e-3
@@ -397,3 +396,14 @@ def test_a_misspelt_processor_key_is_refused(compose):
                                                r"merge_size"):
         eng.check_architecture(arch)
     eng.check_architecture(eng._arch())
+
+
+def test_edit_sizes_at_the_published_constants():
+    """At the pipeline's own constants (1024x1024 for the VAE, 384x384 for the text encoder): every reference is
+    ~1 MP whatever its size, and without a width/height the output follows the last reference's aspect ratio."""
+    from models.qwen_image import edit_sizes
+
+    got = edit_sizes([(64, 48), (1920, 1080)])
+    assert got["vae"] == [(1184, 896), (1376, 768)] and got["condition"] == [(448, 320), (512, 288)]
+    assert got["output"] == (1376, 768)
+    assert edit_sizes([(64, 48)], 512, 512)["output"] == (512, 512)
