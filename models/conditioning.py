@@ -30,18 +30,23 @@ def strength_default(pipeline_cls: type) -> Optional[float]:
     return None if p is None or p.default is inspect.Parameter.empty else float(p.default)
 
 
-def steps_run(num_inference_steps: int, strength: float) -> int:
-    """Denoising steps (transformer forwards per guidance pass) an img2img / inpaint call makes: diffusers'
-    ``get_timesteps`` (``pipeline_flux_img2img.py``, ``pipeline_flux_inpaint.py``, SD3's and Qwen-Image's alike)::
+def steps_run(num_inference_steps: int, strength: float, order: int = 1) -> int:
+    """Denoising steps (transformer forwards per guidance pass) an img2img / inpaint call makes: diffusers' own
+    ``get_timesteps`` (FluxImg2Img/InpaintPipeline, StableDiffusion3Img2Img/InpaintPipeline, QwenImageImg2Img/
+    InpaintPipeline, diffusers 0.42; the one rule of the runner, checked against diffusers in
+    tests/test_conditioning.py and tests/test_conditioning_families.py)::
 
         init_timestep = min(num_inference_steps * strength, num_inference_steps)
         t_start = int(max(num_inference_steps - init_timestep, 0))
         return num_inference_steps - t_start
 
-    (the same float arithmetic, so the count is the pipeline's exactly; 0 < strength <= 1 gives at least 1)."""
+    times the scheduler's ``order``. The same float arithmetic, so the count is the pipeline's exactly: the ceiling of
+    ``steps * strength``, not its rounding or truncation (4 steps at strength 0.3 run 2, 28 at 0.3 run 9), and the
+    float product decides (100 steps at 0.55 run 56: ``100 * 0.55 = 55.00000000000001``); 0 < strength <= 1 gives at
+    least 1."""
     init_timestep = min(num_inference_steps * strength, num_inference_steps)
     t_start = int(max(num_inference_steps - init_timestep, 0))
-    return num_inference_steps - t_start
+    return (num_inference_steps - t_start) * order
 
 
 def applied_strength(row: Any, default: Optional[float]) -> Optional[float]:

@@ -311,6 +311,11 @@ class PipelineEngine(DiffusersEngine):
                                  "or a diffusers version that has it")
         return cls
 
+    @classmethod
+    def task_components(cls, task: Optional[str]) -> Dict[str, Tuple[str, str, Optional[str]]]:
+        """The model components built for ``task`` (:meth:`models.family.FamilySpec.components_for`)."""
+        return cls.spec.components_for(task) if cls.spec is not None else dict(cls.components)
+
     # ----------------------------------------------------------------------------------------------- loading
     def _arch(self) -> Dict[str, Any]:
         """``model.architecture`` of the stage's typed model config, as a fresh copy (callers may change it)."""
@@ -357,21 +362,53 @@ class PipelineEngine(DiffusersEngine):
         return self.source
 
     def check_layout(self, path: Path) -> None:
-        """The snapshot's ``model_index.json`` must name the family's pipeline class, and each component the family
-        builds must be there with the class the family expects.
+        """The snapshot's ``model_index.json`` must name a pipeline class ``model.task`` can load from, and each
+        component and processor the task's pipeline takes must be there with the class the family expects
+        (:meth:`layout_problems`).
 
         Raises:
-            ModelPathError: naming what model=<name> expects and what the snapshot holds, and the fix.
+            ModelPathError: naming what model=<name> expects for its task and what the snapshot holds, and the fix.
         """
         index = read_index(path)
         found = str(index.get("_class_name"))
         comps = {k: v[1] for k, v in index.items() if isinstance(v, list) and not k.startswith("_") and v[1]}
         have = ", ".join(f"{k}: {v}" for k, v in sorted(comps.items())) or "no components"
+        problems = self.layout_problems(path, found, comps)
+        if problems:
+            from models.registry import family_for_pipeline
+
+            other = family_for_pipeline(found)
+            want = self.spec.snapshot_pipeline(self.task) if self.spec is not None else self.pipeline_class
+            raise ModelPathError(
+                f"model.path={str(path)!r} is not a {want or 'diffusers'} snapshot that model={self.cfg.name} "
+                f"(model.task={self.task}) can load: " + "; ".join(problems) + f" (the snapshot: {found} with "
+                f"{have}); fix: " + (
+                    f"use a model config with model.adapter={other} for this snapshot" if other and other !=
+                    self.family() else f"point model.path at a {want} snapshot (a checkpoint of model.task="
+                    f"{self.task}), or model.task=<the snapshot's task>" if other else
+                    "point model.path at a snapshot of this model, or use model.adapter=diffusers for "
+                    "another transformer-based pipeline"))
+        if "transformer" not in comps:
+            raise ModelPathError(f"model.path={str(path)!r}: {found} has no transformer ({have}); the runner serves "
+                                 "transformer-based pipelines (a UNet pipeline is not one); fix: a DiT snapshot "
+                                 "(FLUX.1, SD3.5, Qwen-Image, Wan...)")
+
+    def layout_problems(self, path: Path, found: str, comps: Dict[str, str]) -> List[str]:
+        """What a snapshot (``model_index.json``'s ``_class_name`` ``found``, its ``comps``) lacks for
+        ``model.task``: a task with a checkpoint of its own (:meth:`models.family.FamilySpec.own_snapshot`: Edit-Plus,
+        Wan I2V) needs a snapshot of exactly that pipeline; other tasks load any of the family's base-layout
+        snapshots. Every component of :meth:`task_components` and processor of the task must be present."""
         problems = []
-        family_classes = list(self.spec.tasks.values()) if self.spec is not None else [self.pipeline_class]
-        if self.pipeline_class and found not in family_classes:  # a snapshot of any of the family's pipelines
-            problems.append(f"pipeline {self.pipeline_class}, found {found}")
-        for comp, (_lib, cls_name, _cfg) in self.components.items():
+        task = self.task
+        if self.spec is not None and self.spec.own_snapshot(task):
+            classes = [self.spec.tasks[task]]
+        elif self.spec is not None:
+            classes = [c for t, c in self.spec.tasks.items() if not self.spec.own_snapshot(t)]
+        else:
+            classes = [self.pipeline_class]
+        if self.pipeline_class and found not in classes:
+            problems.append(f"pipeline {' or '.join(classes)}, found {found}")
+        for comp, (_lib, cls_name, _cfg) in self.task_components(task).items():
             if comp == "scheduler":
                 continue
             if comp not in comps:
@@ -380,20 +417,9 @@ class PipelineEngine(DiffusersEngine):
                 problems.append(f"{comp} is {comps[comp]}, expected {cls_name}")
             elif not (path / comp).is_dir():
                 problems.append(f"folder {comp}/ is missing")
-        if problems:
-            from models.registry import family_for_pipeline
-
-            other = family_for_pipeline(found)
-            raise ModelPathError(
-                f"model.path={str(path)!r} is not a {self.pipeline_class or 'diffusers'} snapshot that "
-                f"model={self.cfg.name} can load: " + "; ".join(problems) + f" (the snapshot: {found} with {have}); "
-                "fix: " + (f"use a model config with model.adapter={other} for this snapshot" if other else
-                           "point model.path at a snapshot of this model, or use model.adapter=diffusers for "
-                           "another transformer-based pipeline"))
-        if "transformer" not in comps:
-            raise ModelPathError(f"model.path={str(path)!r}: {found} has no transformer ({have}); the runner serves "
-                                 "transformer-based pipelines (a UNet pipeline is not one); fix: a DiT snapshot "
-                                 "(FLUX.1, SD3.5, Qwen-Image, Wan...)")
+        procs = self.spec.processors_for(task) if self.spec is not None else {}
+        problems += [f"processor {comp} is missing" for comp in procs if comp not in comps]
+        return problems
 
     def check_architecture(self, arch: Dict[str, Any], where: str = "model.architecture") -> None:
         """Every key of ``arch`` against the family's component classes, before anything is built.
@@ -409,7 +435,9 @@ class PipelineEngine(DiffusersEngine):
         if not self.components:
             raise ConfigValueError(f"model={self.cfg.name}: model.adapter={self.family()} builds no architecture; "
                                    f"fix: model.path=<snapshot>, or a family adapter ({', '.join(family_names())})")
-        known = [*self.components, *self.arch_other]
+        extras = self.spec.task_components.values() if self.spec is not None else ()
+        procs = self.spec.task_processors.values() if self.spec is not None else ()
+        known = [*self.components, *self.arch_other, *(c for m in extras for c in m), *(c for m in procs for c in m)]
         for key in arch:
             if key not in known and backend_field_of(key):
                 raise MisplacedBackendKeyError(misplaced_backend_message(f"{where}.{key}", arch[key]))
@@ -418,16 +446,42 @@ class PipelineEngine(DiffusersEngine):
                 raise ConfigValueError(f"{where}.{key} is not read by the {self.family()} builder" + (
                     f"; did you mean {where}.{close[0]}?" if close else f" (it reads {', '.join(known)})")
                     + " fix: remove or correct it")
-        for key, (lib, cls_name, cfg_name) in self.components.items():
+        for key, (lib, cls_name, cfg_name) in self.task_components(self.task).items():
             name = cfg_name or cls_name
             if not isinstance(arch.get(key), dict):
                 raise ConfigValueError(f"{where}.{key} is missing (a mapping of {lib}'s {name} arguments); fix: "
                                        f"start from a tiny_* model config of this family")
             check_init_keys(getattr(importlib.import_module(lib), name), list(arch[key]), f"{where}.{key}")
+        self.check_processor_keys(arch, where)
         for key in arch.get("tokenizer") or {}:
             if key not in self.arch_other["tokenizer"]:
                 raise ConfigValueError(f"{where}.tokenizer.{key} is not read; it takes "
                                        f"{', '.join(self.arch_other['tokenizer'])}; fix: remove or correct it")
+
+    def check_processor_keys(self, arch: Dict[str, Any], where: str = "model.architecture") -> None:
+        """The keys of the task's processor configs (``model.architecture.<processor>``, optional) against the
+        arguments the processor takes (:func:`models.processors.processor_keys`).
+
+        Raises:
+            ConfigValueError: an unknown key, naming it, the closest argument and the fix.
+        """
+        import difflib
+
+        from models.processors import processor_keys
+
+        procs = self.spec.processors_for(self.task) if self.spec is not None else {}
+        for comp, (kind, _tok) in procs.items():
+            given = arch.get(comp) or {}
+            if not isinstance(given, dict):
+                raise ConfigValueError(f"{where}.{comp}={given!r} is not a mapping of {kind} processor arguments; "
+                                       f"fix: a mapping (or remove it for the defaults)")
+            takes = processor_keys(kind)
+            for key in given:
+                if key not in takes:
+                    close = difflib.get_close_matches(key, takes, n=1)
+                    raise ConfigValueError(f"{where}.{comp}.{key} is not an argument of the {kind} processor" + (
+                        f"; did you mean {where}.{comp}.{close[0]}?" if close else f" (it takes {', '.join(takes)})")
+                        + " fix: remove or correct it")
 
     def check_architecture_matches_snapshot(self, arch: Dict[str, Any], path: Path,
                                             where: str = "model.architecture") -> None:
@@ -484,7 +538,7 @@ class PipelineEngine(DiffusersEngine):
         ``load_format=dummy`` by building the architecture on the meta device (no memory); None otherwise."""
         if self.source.get("kind") != "dummy":
             return None
-        comps = self.build_components(self._arch(), device="meta", dtype=self.dtype)
+        comps = self.build_components(self._arch(), device="meta", dtype=self.dtype, task=self.task)
         return sum(p.numel() * p.element_size() for v in comps.values() if isinstance(v, torch.nn.Module)
                    for p in v.parameters())
 
@@ -515,9 +569,10 @@ class PipelineEngine(DiffusersEngine):
         return corpus_from(BUILTIN_PROMPTS)
 
     @classmethod
-    def build_tokenizers(cls, arch: Dict[str, Any]) -> Dict[str, Any]:
+    def build_tokenizers(cls, arch: Dict[str, Any], task: Optional[str] = None) -> Dict[str, Any]:
         """``{tokenizer component: tokenizer}`` built locally from ``model.architecture.tokenizer`` (vocab size,
-        corpus, CLIP length), as :meth:`build_components` gives them to the pipeline; builds no model."""
+        corpus, CLIP length), as :meth:`build_components` gives them to the pipeline; builds no model. ``task``
+        (a family's conditioning task) lets a family build them for that task's pipeline (Qwen-Image's edit)."""
         from models import tokenizers as T
 
         tcfg = arch.get("tokenizer") or {}
@@ -552,14 +607,16 @@ class PipelineEngine(DiffusersEngine):
 
     @classmethod
     def build_components(cls, arch: Dict[str, Any], device: str | torch.device = "cpu",
-                         dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+                         dtype: torch.dtype = torch.float32, task: Optional[str] = None) -> Dict[str, Any]:
         """Every component of the family from ``arch`` with random weights seeded by ``arch['weights_seed']``
-        (models built in ``components`` order after one ``torch.manual_seed``), plus the tokenizers.
+        (models built in ``components`` order after one ``torch.manual_seed``), plus the tokenizers; for a
+        conditioning ``task`` also its task components (after the base ones, so the base weights are unchanged)
+        and processors (:meth:`models.family.FamilySpec.components_for` / ``processors_for``).
 
         Returns:
             ``{component: object}``, the keyword arguments of the pipeline class.
         """
-        toks = cls.build_tokenizers(arch)
+        toks = cls.build_tokenizers(arch, task) if task is not None else cls.build_tokenizers(arch)
         kinds = {enc: (kind, toks[comp]) for comp, (kind, _l, enc) in cls.tokenizers_spec.items()}
         # classes resolved (and diffusers' hooks imported) before the device context: a module imported lazily
         # inside ``torch.device("meta")`` would create its module-level tensors there (diffusers' mag_cache
@@ -568,7 +625,7 @@ class PipelineEngine(DiffusersEngine):
 
         classes = {comp: (getattr(importlib.import_module(lib), cls_name),
                           getattr(importlib.import_module(lib), cfg_name) if cfg_name else None)
-                   for comp, (lib, cls_name, cfg_name) in cls.components.items() if comp != "scheduler"}
+                   for comp, (lib, cls_name, cfg_name) in cls.task_components(task).items() if comp != "scheduler"}
         torch.manual_seed(int(arch.get("weights_seed", 0)))
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype if dtype.is_floating_point else torch.float32)
@@ -596,18 +653,34 @@ class PipelineEngine(DiffusersEngine):
         if "scheduler" in cls.components:
             lib, cls_name, _ = cls.components["scheduler"]
             built["scheduler"] = getattr(importlib.import_module(lib), cls_name)(**arch["scheduler"])
-        return {**built, **toks}
+        return {**built, **toks, **cls.build_processors(arch, toks, task)}
+
+    @classmethod
+    def build_processors(cls, arch: Dict[str, Any], toks: Dict[str, Any], task: Optional[str]) -> Dict[str, Any]:
+        """``{processor component: processor}`` of ``task`` (:attr:`models.family.FamilySpec.task_processors`),
+        built locally from ``model.architecture.<component>`` and the tokenizer it wraps."""
+        from models.processors import build_processor
+
+        procs = cls.spec.processors_for(task) if cls.spec is not None else {}
+        return {comp: build_processor(kind, arch.get(comp), toks.get(tok) if tok else None)
+                for comp, (kind, tok) in procs.items()}
+
+    def snapshot_task(self) -> Optional[str]:
+        """``model.task`` when it is a checkpoint of its own (:meth:`models.family.FamilySpec.own_snapshot`), else
+        None (the base snapshot serves it)."""
+        task = self.task
+        return task if self.spec is not None and self.spec.own_snapshot(task) else None
 
     def embedded_target(self, arch: Dict[str, Any]) -> Path:
         """Where :meth:`embedded_snapshot` keeps the embedded model of ``arch`` (it may not exist yet)."""
-        return embedded_target(self.cfg.name, arch, self.cache_dir)
+        return embedded_target(self.cfg.name, arch, self.cache_dir, task=self.snapshot_task())
 
     def embedded_snapshot(self, arch: Dict[str, Any]) -> Path:
         """The cache dir of the embedded model, created on first use (:meth:`embedded_snapshot_at`)."""
-        return self.embedded_snapshot_at(self.embedded_target(arch), arch)
+        return self.embedded_snapshot_at(self.embedded_target(arch), arch, task=self.snapshot_task())
 
     @classmethod
-    def embedded_snapshot_at(cls, target: Path, arch: Dict[str, Any]) -> Path:
+    def embedded_snapshot_at(cls, target: Path, arch: Dict[str, Any], task: Optional[str] = None) -> Path:
         """The family's embedded model of ``arch`` at ``target`` (:func:`embedded_target`), created
         (``save_pretrained``, safetensors) on first use.
 
@@ -616,7 +689,8 @@ class PipelineEngine(DiffusersEngine):
         only, so another rank's copy would lack the text encoders), or by whichever process holds the lock without
         one; the others wait until the snapshot is complete. Written to a temp dir, checked complete (every
         component with a ``config.json`` holds a ``*.safetensors``) and renamed into place, so a killed or partial
-        build never becomes the cache entry.
+        build never becomes the cache entry. ``task``: a conditioning task with a checkpoint of its own
+        (:meth:`build_snapshot`).
 
         Raises:
             RuntimeError: the build came out incomplete (naming the components without weights), or a rank waited
@@ -638,16 +712,19 @@ class PipelineEngine(DiffusersEngine):
                 if snapshot_complete(target):
                     return target
                 if rank == 0:
-                    return cls.build_snapshot(arch, target)
+                    return (cls.build_snapshot(arch, target, task=task) if task is not None else
+                            cls.build_snapshot(arch, target))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank {rank} waited {wait_s:.0f} s for rank 0 to build the embedded model at "
                                    f"{target}; set RUNNER_SNAPSHOT_WAIT_S to wait longer")
             time.sleep(0.5)
 
     @classmethod
-    def build_snapshot(cls, arch: Dict[str, Any], target: Path) -> Path:
+    def build_snapshot(cls, arch: Dict[str, Any], target: Path, task: Optional[str] = None) -> Path:
         """Build, save and commit the embedded snapshot (the caller holds the lock); see
-        :meth:`embedded_snapshot_at`.
+        :meth:`embedded_snapshot_at`. Saved as the pipeline class of ``task``'s checkpoint
+        (:meth:`models.family.FamilySpec.snapshot_pipeline`: QwenImageEditPlusPipeline for Qwen-Image's ``edit``,
+        WanImageToVideoPipeline for Wan's ``image_to_video``), else the family's base pipeline class.
 
         Raises:
             RuntimeError: ``save_pretrained`` left a model component without weights.
@@ -657,7 +734,9 @@ class PipelineEngine(DiffusersEngine):
 
         tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        pipe = getattr(diffusers, str(cls.pipeline_class))(**cls.build_components(arch))
+        name = cls.spec.snapshot_pipeline(task) if cls.spec is not None else cls.pipeline_class
+        comps = cls.build_components(arch, task=task) if task is not None else cls.build_components(arch)
+        pipe = getattr(diffusers, str(name))(**comps)
         pipe.save_pretrained(tmp, safe_serialization=True)
         missing = missing_weights(tmp)
         if missing:
@@ -678,13 +757,16 @@ class PipelineEngine(DiffusersEngine):
         kind = self.source["kind"]
         cls = self.pipeline_cls()
         if kind == "dummy":
-            self.pipe = cls(**self.build_components(self._arch(), device=self.device, dtype=self.dtype))
+            self.pipe = cls(**self.build_components(self._arch(), device=self.device, dtype=self.dtype,
+                                                    task=self.task))
         else:
             path = Path(self.source["path"]) if kind == "path" else self.embedded_snapshot(self._arch())
             self.source["path"] = str(path)
             self.source.update(self.hash_weights(path))
-            self.pipe = cls.from_pretrained(path, dtype=self.dtype, local_files_only=True,
-                                            use_safetensors=True)  # never fall back to pickle
+            from models.processors import processor_overrides
+
+            self.pipe = cls.from_pretrained(path, dtype=self.dtype, local_files_only=True, use_safetensors=True,
+                                            **processor_overrides(path))  # never fall back to pickle
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         kontext = self.task == "edit" and self.pipeline_name() == "FluxKontextPipeline"  # its packing: edit_tokens
@@ -847,7 +929,9 @@ class PipelineEngine(DiffusersEngine):
                 target = self.embedded_target(self._arch()) if kind == "embedded" else None
                 root = (Path(self.source["path"]) if kind == "path" else
                         target if target is not None and (target / "model_index.json").is_file() else None)
-                by_comp = self.snapshot_tokenizers(root) if root is not None else self.build_tokenizers(self._arch())
+                by_comp = (self.snapshot_tokenizers(root) if root is not None else
+                           self.build_tokenizers(self._arch(), self.task) if self.task is not None else
+                           self.build_tokenizers(self._arch()))
                 self._toks = {label: by_comp[comp] for comp, (_k, label, _e) in self.tokenizers_spec.items()}
             self._token_cache = {}
         return self._toks
@@ -1202,12 +1286,15 @@ def snapshot_complete(snapshot: Path) -> bool:
     return (snapshot / "model_index.json").is_file() and not missing_weights(snapshot)
 
 
-def embedded_target(name: str, arch: Dict[str, Any], cache_dir: Optional[str]) -> Path:
+def embedded_target(name: str, arch: Dict[str, Any], cache_dir: Optional[str], task: Optional[str] = None) -> Path:
     """Where an embedded model of ``arch`` is kept in the cache (it may not exist yet): the name plus a hash of
-    the architecture, the recipe version and the diffusers version, so a change never reuses stale weights."""
+    the architecture, the recipe version and the diffusers version, so a change never reuses stale weights; a
+    ``task`` with a checkpoint of its own (an edit or image-to-video snapshot) is part of the hash."""
     import diffusers
 
     root = Path(cache_dir or os.environ.get("RUNNER_CACHE", "~/.cache/runner")).expanduser()
-    key = hashlib.sha256(json.dumps({"arch": arch, "recipe": EMBEDDED_RECIPE, "diffusers": diffusers.__version__},
-                                    sort_keys=True).encode()).hexdigest()[:12]
+    what = {"arch": arch, "recipe": EMBEDDED_RECIPE, "diffusers": diffusers.__version__}
+    if task is not None:
+        what["task"] = task
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
     return root / f"{name}-{key}"
