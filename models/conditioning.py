@@ -22,6 +22,16 @@ from runner.core import media
 #: Tasks whose pipelines take ``strength`` and run only the last steps of the schedule (``get_timesteps``).
 STRENGTH_TASKS = ("image_to_image", "inpaint")
 
+#: Pipelines that condition one call on ONE input (not one per prompt), so the runner calls them one item at a time
+#: (:func:`unbatched_reason`; the batch size applied is recorded in the evidence and in every item's
+#: ``batch_size``), passing the item's input as they take it (:func:`call_inputs`): pipeline -> why (diffusers 0.42).
+UNBATCHED = {
+    "QwenImageEditPlusPipeline": "its image argument is the list of reference images of ONE prompt (several prompts "
+                                 "would share them; it checks batch size 1 only)",
+    "WanImageToVideoPipeline": "it encodes one image (and last_image) and repeats its CLIP embeds and condition "
+                               "latents over the prompts",
+}
+
 
 def strength_default(pipeline_cls: type) -> Optional[float]:
     """The ``strength`` default of ``pipeline_cls.__call__`` (FluxImg2ImgPipeline and FluxInpaintPipeline: 0.6);
@@ -75,10 +85,11 @@ def call_inputs(task: str, batch: Sequence[Any], params: set, pipeline_cls: type
     if not r0.inputs:
         return {}
     kw: Dict[str, Any] = {}
+    single = pipeline_cls.__name__ == "WanImageToVideoPipeline"  # one PIL image, not a list (VideoProcessor, CLIP)
     for field in media.MEDIA_FIELDS:
         if field in r0.inputs and field in params:
             loaded = [load_field(it.row, field) for it in batch]
-            kw[field] = loaded[0] if isinstance(loaded[0], list) else loaded
+            kw[field] = loaded[0] if isinstance(loaded[0], list) or single else loaded
     if task in STRENGTH_TASKS and "strength" in params:
         kw["strength"] = applied_strength(r0, strength_default(pipeline_cls))
     if "max_area" in params:  # FluxKontextPipeline: keep the row's size (its max_area rounding is then the identity)
@@ -86,6 +97,12 @@ def call_inputs(task: str, batch: Sequence[Any], params: set, pipeline_cls: type
     if "_auto_resize" in params:
         kw["_auto_resize"] = False
     return kw
+
+
+def unbatched_reason(pipeline: str, batch_size: int) -> Optional[str]:
+    """Why ``pipeline`` runs one item per call (:data:`UNBATCHED`) when ``batch_size`` > 1; None when it batches or
+    the batch size is 1."""
+    return UNBATCHED.get(pipeline) if batch_size > 1 else None
 
 
 def overlay_outside(task: str, outputs: List[Any], kw: Dict[str, Any], enabled: bool) -> List[Any]:
@@ -178,3 +195,56 @@ def first_latents_check(pipe: Any, images: Sequence[Any], hidden: Any, timestep:
     return {"sigma": round(sig, 6), "statistic": [round(x, 4) for x in stats],
             "without_input": [round(x, 4) for x in null], "range": [round(1 - tol, 4), round(1 + tol, 4)],
             "verdict": "verified" if ok else "mismatch"}
+
+
+class ImageConditionProbe:
+    """Observes what an image-to-video denoiser (``WanTransformer3DModel``) receives at the first forward after each
+    :meth:`arm`: the channels of its ``hidden_states`` (noise latents + first-frame mask + condition latents) and a
+    copy of ``encoder_hidden_states_image`` (the CLIP image embeds; None for a transformer without ``image_dim``)."""
+
+    def __init__(self, model: Any) -> None:
+        self.channels: Optional[int] = None
+        self.image_embeds: Any = None
+        self.armed = False
+        model.register_forward_pre_hook(self._pre, with_kwargs=True)
+
+    def arm(self) -> None:
+        """The next forward is the first of a call."""
+        self.channels, self.image_embeds, self.armed = None, None, True
+
+    def _pre(self, module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+        if not self.armed:
+            return
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        self.channels = int(hs.shape[1]) if hs is not None else None
+        emb = kwargs.get("encoder_hidden_states_image")
+        self.image_embeds = None if emb is None else emb.detach().float().clone()
+        self.armed = False
+
+
+def image_condition_check(pipe: Any, kw: Dict[str, Any], probe: ImageConditionProbe, key: str) -> Dict[str, Any]:
+    """Whether one image-to-video call's input reached its transformer: the first forward's ``hidden_states`` has the
+    transformer's ``in_channels`` (the condition latents and mask beside the noise), and where the transformer takes
+    image embeds (``image_dim``) they equal the pipeline's own ``encode_image`` of THIS call's ``image`` (and
+    ``last_image``), recomputed here (a swapped or dropped input differs).
+
+    Returns:
+        ``{"item", "channels", "expected_channels", "image_tokens", "embeds_match", "verdict"}``.
+    """
+    import torch
+
+    want_ch = int(pipe.transformer.config.in_channels)
+    out: Dict[str, Any] = {"item": key, "channels": probe.channels, "expected_channels": want_ch,
+                           "image_tokens": None, "embeds_match": None}
+    ok = probe.channels == want_ch
+    if pipe.transformer.config.get("image_dim") is not None:
+        imgs = kw["image"] if kw.get("last_image") is None else [kw["image"], kw["last_image"]]
+        with torch.inference_mode():
+            ref = pipe.encode_image(imgs, pipe.transformer.device).float()
+        got = probe.image_embeds
+        match = got is not None and tuple(got.shape) == tuple(ref.shape) and bool(
+            torch.allclose(got, ref, atol=1e-4, rtol=1e-3))
+        out.update(image_tokens=None if got is None else int(got.shape[1]), embeds_match=match)
+        ok = ok and match
+    out["verdict"] = "verified" if ok else "mismatch"
+    return out

@@ -555,7 +555,8 @@ class DiffusersEngine(EngineBase):
                                   extra_fields=str(cfg.dataset.extra_fields), spec=spec, context=self.row_context())
         from runner.core import media
 
-        rows = media.attach_inputs(rows, path, cfg.dataset.media_root)  # every input checked, none loaded
+        rows = media.attach_inputs(rows, path, cfg.dataset.media_root,  # every input checked, none loaded
+                                   any_size=self.inputs_any_size())
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
         self.check_context_rows(rows, path)
@@ -933,6 +934,10 @@ class DiffusersEngine(EngineBase):
                             collectives={k: (COLLECTIVES[k], n) for k, n in want.items()} if want else None,
                             forward_rule=self.has_forward_rule())
         return ev["stages"][self.stage], list(ev["mismatches"])
+
+    def inputs_any_size(self) -> bool:
+        """The task's pipeline sizes each input itself (``runner.core.media.size_problems``); False by default."""
+        return False
 
     def has_forward_rule(self) -> bool:
         """The engine predicts its denoiser forwards (:meth:`expected_forwards`); True unless a subclass says not."""

@@ -212,7 +212,11 @@ class PipelineEngine(DiffusersEngine):
         self._token_cache: Dict[str, Dict[str, Dict[str, int]]] = {}
         self._call_params: Optional[set] = None
         self.seq_probe: Optional[conditioning.SequenceProbe] = None
+        self.i2v_probe: Optional[conditioning.ImageConditionProbe] = None
         self.seq_seen: List[Tuple[str, Optional[int], int]] = []
+        self.i2v_seen: List[Dict[str, Any]] = []
+        self.batching: Optional[Dict[str, Any]] = None
+        self.first_sizes: Optional[Dict[str, Any]] = None
         self.latents_observed = False
         self.first_latents: Optional[Dict[str, Any]] = None
 
@@ -769,17 +773,62 @@ class PipelineEngine(DiffusersEngine):
                                             **processor_overrides(path))  # never fall back to pickle
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
-        kontext = self.task == "edit" and self.pipeline_name() == "FluxKontextPipeline"  # its packing: edit_tokens
-        self.latents_observed = (self.task in conditioning.STRENGTH_TASKS and self.family() == "flux"
-                                 and hasattr(self.pipe, "_pack_latents"))  # FLUX's packing: first_latents_check
-        self.seq_probe = (conditioning.SequenceProbe(self.pipe.transformer) if kontext or self.latents_observed
-                          else None)
-        self.first_latents: Optional[Dict[str, Any]] = None
-        self.seq_seen: List[Tuple[str, Optional[int], int]] = []
+        self.install_condition_probes()
         self.prepare_attention()
         self._toks = None  # records count with the loaded tokenizers
         self._token_cache = {}
         self._time_phases()
+
+    def install_condition_probes(self) -> None:
+        """The hooks that observe a conditioning task's input reaching the transformer: the sequence length of an
+        edit pipeline whose packing the engine predicts (:meth:`expected_sequence`: FluxKontextPipeline,
+        QwenImageEditPlusPipeline), FLUX img2img / inpaint first latents, and an image-to-video transformer's image
+        condition (:class:`models.conditioning.ImageConditionProbe`)."""
+        edit = self.task == "edit" and self.pipeline_name() in EDIT_SEQUENCE_PIPELINES
+        self.latents_observed = (self.task in conditioning.STRENGTH_TASKS and self.family() == "flux"
+                                 and hasattr(self.pipe, "_pack_latents"))  # FLUX's packing: first_latents_check
+        self.seq_probe = (conditioning.SequenceProbe(self.pipe.transformer) if edit or self.latents_observed
+                          else None)
+        self.i2v_probe = (conditioning.ImageConditionProbe(self.pipe.transformer)
+                          if self.task == "image_to_video" else None)
+        self.first_latents: Optional[Dict[str, Any]] = None
+        self.seq_seen: List[Tuple[str, Optional[int], int]] = []
+        self.i2v_seen: List[Dict[str, Any]] = []
+        self.first_sizes: Optional[Dict[str, Any]] = None
+
+    def expected_sequence(self, row: Any) -> int:
+        """Image tokens the edit transformer's sequence holds at a call's first forward for ``row``: FLUX Kontext's
+        target plus reference tokens (:func:`models.conditioning.edit_tokens`); families override it."""
+        return sum(conditioning.edit_tokens(row, self.size_need() or 1))
+
+    def input_sizes(self, row: Any) -> Dict[str, Any]:
+        """What the task's pipeline does to ``row``'s input sizes (the spec's ``input_sizing``), recorded in the
+        evidence: ``resize``: every input to the row's ``width`` x ``height``; else the inputs as given."""
+        refs = [x for f in ("image", "mask_image", "last_image") for x in (
+            lambda v: v if isinstance(v, list) else [v] if v is not None else [])((row.inputs or {}).get(f))]
+        rule = self.spec.input_sizing.get(self.task) if self.spec is not None else None
+        out: Dict[str, Any] = {"rule": rule, "inputs": [[x.width, x.height] for x in refs],
+                               "output": [row.width, row.height]}
+        if rule == "resize":
+            out["resized_to"] = [row.width, row.height]
+        return out
+
+    def inputs_any_size(self) -> bool:
+        """The spec's ``input_sizing`` for the task is ``area`` (Edit-Plus sizes each reference from a pixel area and
+        its aspect ratio; :meth:`input_sizes` records what it picks), so inputs of any size are taken."""
+        return self.spec is not None and self.spec.input_sizing.get(self.task) == "area"
+
+    def batches(self, items: Sequence[Item], batch_size: int) -> List[List[Item]]:
+        """Batches of equal shape; a pipeline that conditions one call on one input
+        (:data:`models.conditioning.UNBATCHED`: Edit-Plus, Wan I2V) gets one item per call, with a warning, and the
+        applied batch size is recorded in the evidence (``conditioning.batching``) and in every item's
+        ``batch_size``."""
+        why = conditioning.unbatched_reason(self.pipeline_name(), batch_size)
+        if why is not None:
+            log.warning("batch_size=%d -> 1 for %s: %s", batch_size, self.pipeline_name(), why)
+            self.batching = {"requested": batch_size, "applied": 1, "why": f"{self.pipeline_name()}: {why}"}
+            batch_size = 1
+        return super().batches(items, batch_size)
 
     def hash_weights(self, path: Path) -> Dict[str, Any]:
         """``{"files": {relative path: sha256}, "hashing": {computed, cached, hash_s, bytes_hashed}}`` of the weight
@@ -1186,6 +1235,8 @@ class PipelineEngine(DiffusersEngine):
         keep = self.latents_observed and self.first_latents is None  # the first call's first latents, once
         if self.seq_probe is not None:
             self.seq_probe.arm(keep=keep)
+        if self.i2v_probe is not None:
+            self.i2v_probe.arm()
         with torch.inference_mode():
             out = self.pipe(**kw, generator=gens, output_type="np")
         if keep and self.seq_probe.hidden is not None:
@@ -1194,47 +1245,82 @@ class PipelineEngine(DiffusersEngine):
                 batch[0].row.width)}
             self.seq_probe.hidden = None
         if self.task == "edit" and self.seq_probe is not None:
-            need = self.size_need() or 1
-            self.seq_seen.append((batch[0].key, self.seq_probe.seen, sum(conditioning.edit_tokens(batch[0].row, need))))
+            self.seq_seen.append((batch[0].key, self.seq_probe.seen, self.expected_sequence(batch[0].row)))
+        if self.first_sizes is None and batch[0].row.inputs:
+            self.first_sizes = {"item": batch[0].key, **self.input_sizes(batch[0].row)}
+        if self.i2v_probe is not None:
+            self.i2v_seen.append(conditioning.image_condition_check(self.pipe, kw, self.i2v_probe, batch[0].key))
         arrays = [np.asarray(a, dtype=np.float32) for a in (out.frames if self.video else out.images)]
         return conditioning.overlay_outside(self.task, arrays, kw, bool(self.ctx.run.output.inpaint_overlay))
 
     def evidence(self, result: Any) -> Tuple[Dict[str, Any], List[str]]:
         """The base evidence, and for a conditioning task a ``conditioning`` section, observed: the forward rule
         (image_to_image / inpaint: the forwards follow ``strength``, :func:`models.conditioning.steps_run`, checked
-        by the forward count) and for ``edit`` the denoiser's input sequence at each call's first forward, which
-        must hold the reference image's tokens beside the target's (:func:`models.conditioning.edit_tokens`); a
-        call whose sequence does not is a mismatch (exit 3 under ``evidence.strict``)."""
+        by the forward count; FLUX: the first latents), for ``edit`` the denoiser's input sequence at each call's
+        first forward, which must hold the reference images' tokens beside the target's (:meth:`expected_sequence`),
+        for ``image_to_video`` the image condition at each call's first forward
+        (:func:`models.conditioning.image_condition_check`); the input sizes as the pipeline treats them
+        (:meth:`input_sizes`) and the batch size applied. A call whose input did not arrive is a mismatch (exit 3
+        under ``evidence.strict``)."""
         section, mismatches = super().evidence(result)
         if self.task in ("text_to_image", "text_to_video"):
             return section, mismatches
         cond: Dict[str, Any] = {"task": self.task, "pipeline": self.pipeline_name()}
-        if self.task in conditioning.STRENGTH_TASKS:
-            cond["forward_rule"] = ("num_inference_steps - int(max(n - min(n * strength, n), 0)) per guidance pass "
-                                    "(diffusers get_timesteps)")
-            fl = self.first_latents
-            cond["first_latents"] = fl or {"verdict": "not_observed"}
-            if fl is not None:
-                section.setdefault("checks", {})["first_latents"] = fl["verdict"]
-                if fl["verdict"] != "verified":
-                    mismatches = mismatches + [
-                        f"stage {self.stage}: the first latents of {fl['item']}'s call are not its input noised at sigma "
-                        f"{fl['sigma']} (normalised residual {fl['statistic']}, expected within {fl['range']}): the "
-                        "input did not reach the denoiser as configured"]
-        if self.task == "edit" and self.seq_probe is None:  # an edit pipeline whose packing edit_tokens does not know
-            section.setdefault("checks", {})["reference_tokens"] = "limited"
-        elif self.task == "edit":
-            bad = [(k, seen, want) for k, seen, want in self.seq_seen if seen != want]
-            cond["sequence"] = {"calls": len(self.seq_seen), "observed_first": self.seq_seen[0][1] if self.seq_seen
-                                else None, "expected_first": self.seq_seen[0][2] if self.seq_seen else None,
-                                "verdict": "mismatch" if bad or not self.seq_seen else "verified"}
-            section.setdefault("checks", {})["reference_tokens"] = cond["sequence"]["verdict"]
-            mismatches = mismatches + [
-                f"stage {self.stage}: item {k}: the denoiser's first input held {seen} tokens, expected {want} "
-                "(target + reference image tokens): the reference did not reach the transformer as configured"
-                for k, seen, want in bad]
+        if self.first_sizes is not None:
+            cond["input_sizing"] = self.first_sizes
+        if self.batching is not None:
+            cond["batching"] = self.batching
+        checks = section.setdefault("checks", {})
+        mismatches = mismatches + self.strength_evidence(cond, checks) + self.edit_evidence(cond, checks)
+        mismatches = mismatches + self.i2v_evidence(cond, checks)
         section["conditioning"] = cond
         return section, mismatches
+
+    def strength_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
+        """img2img / inpaint: the forward rule named, and FLUX's first-latents check (:meth:`evidence`)."""
+        if self.task not in conditioning.STRENGTH_TASKS:
+            return []
+        cond["forward_rule"] = ("num_inference_steps - int(max(n - min(n * strength, n), 0)) per guidance pass "
+                                "(diffusers get_timesteps)")
+        fl = self.first_latents
+        cond["first_latents"] = fl or {"verdict": "not_observed"}
+        if fl is None:
+            return []
+        checks["first_latents"] = fl["verdict"]
+        if fl["verdict"] == "verified":
+            return []
+        return [f"stage {self.stage}: the first latents of {fl['item']}'s call are not its input noised at sigma "
+                f"{fl['sigma']} (normalised residual {fl['statistic']}, expected within {fl['range']}): the "
+                "input did not reach the denoiser as configured"]
+
+    def edit_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
+        """edit: the reference tokens in the denoiser's sequence at each call's first forward (:meth:`evidence`)."""
+        if self.task != "edit":
+            return []
+        if self.seq_probe is None:  # an edit pipeline whose packing the engine does not predict
+            checks["reference_tokens"] = "limited"
+            return []
+        bad = [(k, seen, want) for k, seen, want in self.seq_seen if seen != want]
+        cond["sequence"] = {"calls": len(self.seq_seen), "observed_first": self.seq_seen[0][1] if self.seq_seen
+                            else None, "expected_first": self.seq_seen[0][2] if self.seq_seen else None,
+                            "verdict": "mismatch" if bad or not self.seq_seen else "verified"}
+        checks["reference_tokens"] = cond["sequence"]["verdict"]
+        return [f"stage {self.stage}: item {k}: the denoiser's first input held {seen} tokens, expected {want} "
+                "(target + reference image tokens): the reference did not reach the transformer as configured"
+                for k, seen, want in bad]
+
+    def i2v_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
+        """image_to_video: the image condition at each call's first forward (:meth:`evidence`)."""
+        if self.task != "image_to_video":
+            return []
+        bad = [s for s in self.i2v_seen if s["verdict"] != "verified"]
+        verdict = "mismatch" if bad or not self.i2v_seen else "verified"
+        cond["image_condition"] = {"calls": len(self.i2v_seen), "first": self.i2v_seen[0] if self.i2v_seen else None,
+                                   "verdict": verdict}
+        checks["image_condition"] = verdict
+        return [f"stage {self.stage}: item {s['item']}: the transformer's first input had {s['channels']} channels "
+                f"(expected {s['expected_channels']}) and image embeds matching this item's input: "
+                f"{s['embeds_match']}: the input image did not reach the transformer as configured" for s in bad]
 
     def accuracy(self, items: List[Item], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]:
@@ -1244,6 +1330,9 @@ class PipelineEngine(DiffusersEngine):
             return None
         return oracle(self.cfg.oracle).accuracy_section(items, records, out_dir)
 
+
+#: Edit pipelines whose transformer sequence the engine predicts (:meth:`PipelineEngine.expected_sequence`).
+EDIT_SEQUENCE_PIPELINES = ("FluxKontextPipeline", "QwenImageEditPlusPipeline")
 
 #: ``model.oracle`` -> module with ``check_expectations(rows, path)`` and ``accuracy_section(items, records, dir)``
 ORACLES = {"toy_shapes": "models.toy_shapes.oracle", "toy_motion": "models.toy_motion.oracle"}

@@ -177,3 +177,28 @@ class QwenImageEngine(PipelineEngine):
                                      "QwenImagePipeline ignores guidance_scale (true_cfg_scale is its guidance)",
                                      "use model.generation.true_cfg_scale with a negative_prompt")
         return {**out, **super().ignored_fields(rows)}
+
+    def edit_plan(self, row: Any) -> Dict[str, Any]:
+        """:func:`edit_sizes` of ``row``'s references (their sizes as checked at startup) for its output size, with
+        the pipeline's VAE scale (``2 ** len(temperal_downsample)``: :meth:`size_need` / 2)."""
+        refs = row.inputs["image"]
+        refs = refs if isinstance(refs, list) else [refs]
+        return edit_sizes([(x.width, x.height) for x in refs], row.width, row.height,
+                          vae_scale=(self.size_need() or 16) // 2)
+
+    def expected_sequence(self, row: Any) -> int:
+        """``edit``: the Edit-Plus transformer's image sequence, target plus every reference's VAE latents at the size
+        the pipeline resizes it to (:func:`edit_sizes`' ``image_tokens``)."""
+        if self.task != "edit":
+            return super().expected_sequence(row)
+        return int(self.edit_plan(row)["image_tokens"])
+
+    def input_sizes(self, row: Any) -> Dict[str, Any]:
+        """``edit``: the ``area`` rule, each reference's VAE and text-encoder sizes and the output size as
+        QwenImageEditPlusPipeline computes them (:func:`edit_sizes`), recorded in the evidence."""
+        out = super().input_sizes(row)
+        if self.task == "edit":
+            plan = self.edit_plan(row)
+            out.update(vae=[list(v) for v in plan["vae"]], condition=[list(c) for c in plan["condition"]],
+                       output=list(plan["output"]), image_tokens=plan["image_tokens"])
+        return out

@@ -91,6 +91,18 @@ class WanEngine(PipelineEngine):
                                  "the runner serves Wan 2.1 text-to-video (one transformer) so far; fix: a Wan 2.1 "
                                  "snapshot (e.g. Wan-AI/Wan2.1-T2V-14B-Diffusers)")
 
+    def install_attention(self, sections: Dict[str, Any]) -> None:
+        """The attention backends and probes, then two dispatcher calls per forward expected at every cross-attention
+        with added image keys (Wan 2.1 I2V: ``add_k_proj``; ``WanAttnProcessor`` attends to the image tokens and the
+        text tokens separately)."""
+        from models.pipelines import attention_modules
+
+        super().install_attention(sections)
+        mods = dict(attention_modules(self.pipe.transformer))
+        for site in self.probes["attention"]:
+            if getattr(mods.get(site.layer), "add_k_proj", None) is not None:
+                site.per_forward = 2
+
     def temporal_factor(self) -> int:
         """The VAE's temporal compression as WanPipeline reads it: ``vae.config.scale_factor_temporal``
         (``AutoencoderKLWan``'s default 4 when the config lacks it)."""

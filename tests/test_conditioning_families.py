@@ -265,8 +265,7 @@ def test_img2img_and_inpaint_load_the_text_to_image_snapshot(model, img2img, inp
 
 # ------------------------------------------------------------------------------------------ engine wiring
 def _engine(compose, model: str, task: Optional[str]):
-    """The family engine of ``model=<model>`` whose model config carries ``task`` (``model.task``, issue #30; set on
-    a copy of the composed model config until the schema has the field)."""
+    """The family engine of ``model=<model>`` with ``model.task=<task>`` (None: the model config's own ``task``)."""
     from models.base import StageContext
     from runner.core.platform import detect
 
@@ -292,8 +291,8 @@ def test_engine_builds_the_task_snapshot_from_model_task(compose):
     arch = {k: v for k, v in eng._arch().items() if k != "image_encoder"}
     with pytest.raises(ConfigValueError, match="image_encoder is missing"):
         eng.check_architecture(arch)
-    base = _engine(compose, "tiny_wan_i2v", None)  # no task: the base components, the extra keys accepted
-    assert base.task is None and base.snapshot_task() is None
+    base = _engine(compose, "tiny_wan_i2v", "text_to_video")  # the base task: base components, extra keys accepted
+    assert base.task == "text_to_video" and base.snapshot_task() is None
     base.check_architecture(base._arch())
     assert base.embedded_target(base._arch()) != eng.embedded_target(eng._arch())
     sd3 = _engine(compose, "tiny_sd3", "inpaint")  # inpaint reuses the text-to-image snapshot

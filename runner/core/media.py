@@ -255,8 +255,10 @@ def check_input(field: str, value: Any, src: Path, media_root: Optional[str], bo
                      input_mode=TARGET_MODE[field.split("[")[0]], conversion=rule), None
 
 
-def size_problems(row: Any, inputs: Mapping[str, Any]) -> List[str]:
-    """Every input of ``row`` must be exactly the row's ``width`` x ``height``, and a mask its image's size."""
+def size_problems(row: Any, inputs: Mapping[str, Any], any_size: bool = False) -> List[str]:
+    """Every input of ``row`` must be exactly the row's ``width`` x ``height``, and a mask its image's size;
+    ``any_size``: the pipeline sizes each input itself from a pixel area (``input_sizing: area``: Edit-Plus), so only
+    the mask rule applies (the sizes it picks are recorded in the evidence)."""
     out = []
     w, h = row.width, row.height
     image = inputs.get("image")
@@ -266,7 +268,7 @@ def size_problems(row: Any, inputs: Mapping[str, Any]) -> List[str]:
     if named:
         out.append(f"field 'mask_image' = {mask.given!r} is {mask.width}x{mask.height}, its image {image.given!r} "
                    f"is {image.width}x{image.height}; fix: a mask of the image's size")
-    for inp in [x for v in inputs.values() for x in (v if isinstance(v, list) else [v])]:
+    for inp in [x for v in inputs.values() for x in (v if isinstance(v, list) else [v])] if not any_size else []:
         if (inp.width, inp.height) != (w, h) and not (named and inp is mask):  # named once
             out.append(f"field {inp.field!r} = {inp.given!r} is {inp.width}x{inp.height}, and the row generates "
                        f"{w}x{h}; the runner never resizes an input (the pipeline would resize it and the output "
@@ -275,10 +277,10 @@ def size_problems(row: Any, inputs: Mapping[str, Any]) -> List[str]:
     return out
 
 
-def row_inputs(row: Any, where: str, src: Path, media_root: Optional[str], bound: int
+def row_inputs(row: Any, where: str, src: Path, media_root: Optional[str], bound: int, any_size: bool = False
                ) -> Tuple[Dict[str, Any], List[str]]:
     """The checked inputs of one row, ``({field: InputFile | [InputFile]}, problems)`` (problems prefixed with
-    ``where``, ``file:line``)."""
+    ``where``, ``file:line``; ``any_size``: as :func:`size_problems`)."""
     inputs: Dict[str, Any] = {}
     problems: List[str] = []
     for field in MEDIA_FIELDS:
@@ -296,14 +298,15 @@ def row_inputs(row: Any, where: str, src: Path, media_root: Optional[str], bound
         if len(got) == (len(value) if many else 1):
             inputs[field] = got if many else got[0]
     if not problems:
-        problems = [f"{where}: {p}" for p in size_problems(row, inputs)]
+        problems = [f"{where}: {p}" for p in size_problems(row, inputs, any_size)]
     return inputs, problems
 
 
 def attach_inputs(rows: Sequence[Any], src: Path, media_root: Optional[str] = None,
-                  bound: int = MAX_INPUT_PIXELS) -> List[Any]:
+                  bound: int = MAX_INPUT_PIXELS, any_size: bool = False) -> List[Any]:
     """Every row's input files checked (:func:`row_inputs`) and attached as ``row.inputs``, before any weight loads;
-    rows without inputs are returned as they are.
+    rows without inputs are returned as they are. ``any_size``: the pipeline sizes inputs itself
+    (:func:`size_problems`).
 
     Raises:
         runner.core.errors.DatasetError: every problem of every row at once (``file:line: field 'image' = 'x.png'
@@ -317,7 +320,7 @@ def attach_inputs(rows: Sequence[Any], src: Path, media_root: Optional[str] = No
         if not any(getattr(r, f, None) is not None for f in MEDIA_FIELDS):
             out.append(r)
             continue
-        inputs, found = row_inputs(r, f"{src}:{r.line}", src, media_root, bound)
+        inputs, found = row_inputs(r, f"{src}:{r.line}", src, media_root, bound, any_size)
         problems += found
         out.append(replace(r, inputs=inputs))
     if problems:
