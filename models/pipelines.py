@@ -272,13 +272,20 @@ class PipelineEngine(DiffusersEngine):
 
     def builtin_rows(self) -> str:
         """``dataset=builtin`` of a conditioning task reads ``<builtin_prompts stem>.<task>.jsonl`` (its input images
-        beside it, under ``runner/data``); the generation task the model's ``builtin_prompts``.
+        beside it, under ``runner/data``), or ``builtin_prompts`` itself when it is an absolute path (a model's own
+        rows file, e.g. ``${repo_root:}/models/toy_edit/builtin/edits.jsonl``); the generation task the model's
+        ``builtin_prompts``.
 
         Raises:
             ConfigValueError: the model ships no builtin rows for the task, naming the fix.
         """
         base = str(self.cfg.builtin_prompts)
         if self.task in ("text_to_image", "text_to_video") or str(self.ctx.run.dataset.format) != "builtin":
+            return base
+        if Path(base).is_absolute():  # a model's own rows file (models/toy_edit/builtin/edits.jsonl), inputs beside it
+            if not Path(base).is_file():
+                raise ConfigValueError(f"model.builtin_prompts={base!r} (model={self.cfg.name}) is not a file; fix: "
+                                       "the path of the model's rows file, or a name under runner/data")
             return base
         name = f"{Path(base).stem}.{self.task}.jsonl"
         if not (BUILTIN_PROMPTS.parent / name).is_file():
@@ -1335,7 +1342,8 @@ class PipelineEngine(DiffusersEngine):
 EDIT_SEQUENCE_PIPELINES = ("FluxKontextPipeline", "QwenImageEditPlusPipeline")
 
 #: ``model.oracle`` -> module with ``check_expectations(rows, path)`` and ``accuracy_section(items, records, dir)``
-ORACLES = {"toy_shapes": "models.toy_shapes.oracle", "toy_motion": "models.toy_motion.oracle"}
+ORACLES = {"toy_shapes": "models.toy_shapes.oracle", "toy_motion": "models.toy_motion.oracle",
+           "toy_edit": "models.toy_edit.oracle"}
 
 
 def oracle(name: Any) -> Any:

@@ -284,6 +284,7 @@ class Oracle(Choice):
 
     toy_shapes = "toy_shapes"
     toy_motion = "toy_motion"
+    toy_edit = "toy_edit"
 
 
 
