@@ -5,12 +5,16 @@ observation that shows its input reached the transformer."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from models.conditioning import steps_run
 from models.qwen_image import edit_sizes
 
 pytestmark = pytest.mark.cpu
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _denoise(r):
@@ -57,3 +61,60 @@ def test_wan_i2v_image_condition_reaches_the_transformer(run_job):
     assert ic["first"]["channels"] == 36 and ic["first"]["image_tokens"] == 17 and ic["first"]["embeds_match"]
     cross = [x for x in d["attention"]["layers"] if x["role"] == "cross"]
     assert cross and all(x["calls"] == 2 * d["denoiser_forwards"] for x in cross)
+
+
+def _embedded(model: str, task):
+    """The embedded snapshot of conf/model/<model>.yaml (for ``task`` where it has a checkpoint of its own), built by
+    the engine's own path into the session cache."""
+    from omegaconf import OmegaConf
+
+    from models.pipelines import embedded_target
+    from models.registry import engine_class
+
+    cfg = OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml")
+    eng = engine_class(cfg.adapter)
+    arch = OmegaConf.to_container(cfg.architecture, resolve=True)
+    own = task if eng.spec.own_snapshot(task) else None
+    return eng.embedded_snapshot_at(embedded_target(model, arch, None, task=own), arch, task=own)
+
+
+def test_a_base_snapshot_for_an_own_checkpoint_task_is_refused_naming_what_it_lacks(tmp_path):
+    """``model.task=image_to_video`` on a Wan text-to-video snapshot: refused at startup (exit 2, nothing loaded),
+    naming the pipeline class the task needs, the missing image encoder and processor, and the fix."""
+    from _helpers import execute
+    from runner.core.errors import RunnerError
+
+    t2v = _embedded("tiny_wan", "text_to_video")
+    loaded = []
+    r = execute(tmp_path / "run", ["model=tiny_wan_i2v", f"model.path={t2v}"], on_loaded=loaded.append,
+                catch=(RunnerError,))
+    assert r.error is not None and r.error.exit_code == 2 and not loaded, r
+    msg = str(r.error)
+    assert "model.task=image_to_video" in msg and "pipeline WanImageToVideoPipeline, found WanPipeline" in msg, msg
+    assert "component image_encoder (CLIPVisionModelWithProjection) is missing" in msg, msg
+    assert "processor image_processor is missing" in msg and "fix:" in msg, msg
+
+
+def test_the_i2v_check_tells_the_items_own_input_from_another(tmp_path):
+    """:func:`models.conditioning.image_condition_check` on the real tiny Wan I2V pipeline: the embeds the hook saw
+    match the item's own input and not another image (what a swapped or dropped input would show)."""
+    import numpy as np
+    import torch
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from models.conditioning import ImageConditionProbe, image_condition_check
+
+    pipe = WanImageToVideoPipeline.from_pretrained(_embedded("tiny_wan_i2v", "image_to_video"),
+                                                   local_files_only=True, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    probe = ImageConditionProbe(pipe.transformer)
+    a = Image.open(REPO / "runner/data/shapes32_input_red_circle_top_left.png").convert("RGB")
+    b = Image.fromarray((np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8))
+    probe.arm()
+    pipe(prompt="a circle", image=a, height=32, width=32, num_frames=5, num_inference_steps=1, guidance_scale=1.0,
+         max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="np")
+    own = image_condition_check(pipe, {"image": a}, probe, "own")
+    other = image_condition_check(pipe, {"image": b}, probe, "swapped")
+    assert own["verdict"] == "verified" and own["embeds_match"] and own["channels"] == 36, own
+    assert other["verdict"] == "mismatch" and other["embeds_match"] is False, other
