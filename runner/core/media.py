@@ -247,7 +247,7 @@ def check_input(field: str, value: Any, src: Path, media_root: Optional[str], bo
         img, why = decode(data, bound)
     rule = None
     if img is not None:
-        converted, rule, why = convert_mode(img, TARGET_MODE[field.split("[")[0]])
+        _converted, rule, why = convert_mode(img, TARGET_MODE[field.split("[")[0]])
     if why is not None:
         return None, f"field {field!r} = {given!r} {why}; fix: {fix_of(why)}"
     return InputFile(field=field, given=given, path=path, sha256=hashlib.sha256(data).hexdigest(),
