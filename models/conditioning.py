@@ -229,13 +229,14 @@ def image_condition_check(pipe: Any, kw: Dict[str, Any], probe: ImageConditionPr
     ``last_image``), recomputed here (a swapped or dropped input differs).
 
     Returns:
-        ``{"item", "channels", "expected_channels", "image_tokens", "embeds_match", "verdict"}``.
+        ``{"item", "channels", "expected_channels", "image_embeds" (the embeds' shape: images x CLIP tokens x
+        width), "embeds_match", "verdict"}``.
     """
     import torch
 
     want_ch = int(pipe.transformer.config.in_channels)
     out: Dict[str, Any] = {"item": key, "channels": probe.channels, "expected_channels": want_ch,
-                           "image_tokens": None, "embeds_match": None}
+                           "image_embeds": None, "embeds_match": None}
     ok = probe.channels == want_ch
     if pipe.transformer.config.get("image_dim") is not None:
         imgs = kw["image"] if kw.get("last_image") is None else [kw["image"], kw["last_image"]]
@@ -244,7 +245,7 @@ def image_condition_check(pipe: Any, kw: Dict[str, Any], probe: ImageConditionPr
         got = probe.image_embeds
         match = got is not None and tuple(got.shape) == tuple(ref.shape) and bool(
             torch.allclose(got, ref, atol=1e-4, rtol=1e-3))
-        out.update(image_tokens=None if got is None else int(got.shape[1]), embeds_match=match)
+        out.update(image_embeds=None if got is None else list(got.shape), embeds_match=match)
         ok = ok and match
     out["verdict"] = "verified" if ok else "mismatch"
     return out

@@ -58,9 +58,37 @@ def test_wan_i2v_image_condition_reaches_the_transformer(run_job):
     d = _denoise(r)
     ic = d["conditioning"]["image_condition"]
     assert d["checks"]["image_condition"] == "verified" and ic["calls"] == 2
-    assert ic["first"]["channels"] == 36 and ic["first"]["image_tokens"] == 17 and ic["first"]["embeds_match"]
+    assert ic["first"]["channels"] == 36 and ic["first"]["image_embeds"] == [1, 17, 32] and ic["first"]["embeds_match"]
     cross = [x for x in d["attention"]["layers"] if x["role"] == "cross"]
     assert cross and all(x["calls"] == 2 * d["denoiser_forwards"] for x in cross)
+
+
+@pytest.mark.parametrize("model,task", [("tiny_sd3", "inpaint"), ("tiny_qwen_image", "image_to_image"),
+                                        ("tiny_qwen_image", "inpaint")])
+def test_sd3_and_qwen_image_strength_tasks_run_verified(run_job, model, task):
+    """SD3 inpaint and Qwen-Image img2img / inpaint load the text-to-image snapshot as the task's pipeline and run
+    their builtin rows (strengths 1.0 and 0.5 of 4 steps) to ``verified``: forwards 4 + 2."""
+    from models.registry import family_spec
+
+    r = run_job([f"model={model}", f"model.task={task}"])
+    d = _denoise(r)
+    assert d["conditioning"]["pipeline"] == family_spec(r.cfg.model.adapter).tasks[task]
+    assert d["denoiser_forwards"] == sum(steps_run(4, s) for s in (0.5, 1.0)) == 6  # the builtin rows' strengths
+
+
+def test_wan_first_last_frame_embeds_both_images(run_job, tmp_path):
+    """``model=tiny_wan_flf2v`` with ``last_image``: the FLF2V transformer gets the CLIP embeds of both frames
+    (2 x 17 tokens), equal to the pipeline's own encoding of this row's two inputs."""
+    import json
+
+    data = REPO / "runner" / "data"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "circle-to-triangle", "prompt": "the red circle turns into a green triangle",
+                                "image": str(data / "shapes32_input_red_circle_top_left.png"),
+                                "last_image": str(data / "shapes32_input_green_triangle_bottom_left.png")}) + "\n")
+    r = run_job(["model=tiny_wan_flf2v", "dataset=jsonl", f"dataset.path={rows}"])
+    ic = _denoise(r)["conditioning"]["image_condition"]
+    assert ic["verdict"] == "verified" and ic["first"]["image_embeds"] == [2, 17, 32] and ic["first"]["embeds_match"]
 
 
 def _embedded(model: str, task):
