@@ -37,10 +37,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runner.core.paths import CONF_DIR
+
 REPO = Path(__file__).resolve().parents[2]
 TOY_SHAPES = REPO / "models/toy_shapes/weights"
 WEIGHTS = REPO / "models/toy_edit/weights"
-CONFIG = REPO / "conf/model/toy_edit.yaml"
+CONFIG = CONF_DIR / "model" / "toy_edit.yaml"  # conf/ in a checkout, runner/conf in a wheel
 MAX_LEN = 16  # model.generation.max_sequence_length: instructions are at most 14 T5 tokens with the end token
 SIZE = 64
 
