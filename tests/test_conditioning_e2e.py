@@ -146,3 +146,21 @@ def test_the_i2v_check_tells_the_items_own_input_from_another(tmp_path):
     other = image_condition_check(pipe, {"image": b}, probe, "swapped")
     assert own["verdict"] == "verified" and own["embeds_match"] and own["channels"] == 36, own
     assert other["verdict"] == "mismatch" and other["embeds_match"] is False, other
+
+
+def test_area_sized_references_of_any_size_are_taken_resize_inputs_refused(tmp_path):
+    """``input_sizing: area`` (Edit-Plus sizes each reference itself; its sizes are recorded): a 80x48 reference for a
+    64x64 row is taken; under ``resize`` (every other task) the same row is refused naming the size and the fix."""
+    from PIL import Image
+
+    from runner.core import dataset as ds
+    from runner.core import media
+
+    Image.new("RGB", (80, 48), (200, 30, 30)).save(tmp_path / "wide.png")
+    row = ds.Row(id="wide", prompt="p", negative_prompt=None, seed=None, width=64, height=64, num_inference_steps=2,
+                 guidance_scale=None, num_images_per_prompt=1, line=1, values={"image": "wide.png"},
+                 spec=ds.DIFFUSION_ROW)
+    (got,) = media.attach_inputs([row], tmp_path / "rows.jsonl", any_size=True)
+    assert (got.inputs["image"].width, got.inputs["image"].height) == (80, 48)
+    with pytest.raises(ds.DatasetError, match="is 80x48, and the row generates 64x64.*fix: resize the file"):
+        media.attach_inputs([row], tmp_path / "rows.jsonl")
