@@ -55,6 +55,8 @@ class AttentionSite:
         custom: our kernel attached to this site (None: diffusers' implementation of the processor's backend).
         observing: the probe counts calls here.
         carrier: the diffusers dispatcher entry whose observing wrapper calls ``custom`` instead.
+        per_forward: dispatcher calls one denoiser forward makes here (2 for a Wan 2.1 image-to-video cross-attention:
+            its text keys and its image keys, ``WanAttnProcessor``'s two ``dispatch_attention_fn`` calls).
     """
 
     stage: str
@@ -65,6 +67,7 @@ class AttentionSite:
     custom: Optional[Callable[..., torch.Tensor]] = None
     observing: bool = True
     carrier: str = "native"
+    per_forward: int = 1
 
 
 def flashinfer_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

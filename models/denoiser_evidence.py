@@ -187,11 +187,13 @@ def _attention_calls(stage: str, sites: Any, observing: bool, fwd: int, cache: O
         observed = dict(site.observed)
         calls = sum(observed.values())
         runs = (cache or {}).get("attention_runs", {}).get(site.layer, fwd)  # forwards in which it computed
-        ok = set(observed) <= {site.resolved} and calls == runs
+        ok = set(observed) <= {site.resolved} and calls == runs * getattr(site, "per_forward", 1)
         if not ok:
             other = {k: v for k, v in observed.items() if k != site.resolved}
             ran = ", ".join(f"{k} x{v}" for k, v in other.items()) if other else "nothing else"
             where = f"{fwd} forwards" if runs == fwd else f"the {runs} of {fwd} forwards in which it computed"
+            if getattr(site, "per_forward", 1) != 1:
+                where += f" (expected {site.per_forward} per forward)"
             mismatches.append(f"stage {stage}, role {site.role}, layer {site.layer}: resolved {site.resolved}, "
                               f"observed {observed.get(site.resolved, 0)} calls of it in {where}; ran "
                               f"instead: {ran}")

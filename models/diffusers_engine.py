@@ -292,7 +292,7 @@ class DiffusersEngine(EngineBase):
             step_cache.check_support(self.cache_settings, str(self.transformer_class()), self.model_cfg.name)
         self.check_parallel()
         if self.cache_settings is not None and self.ctx.parallel is not None:
-            raise ConfigValueError(f"cache.method={self.cache_settings.method} with parallelism="
+            raise ConfigValueError(f"cache.method={self.cache_settings.method.name} with parallelism="
                                    f"{self.ctx.parallel.mode}: a step cache under context parallelism is not supported yet (its reuse decisions "
                                    "would differ per rank); fix: cache.method=none, or parallelism=data/single")
         self.resolutions, _ = self.resolve_backends()
@@ -522,9 +522,20 @@ class DiffusersEngine(EngineBase):
     def row_spec(self) -> ds.RowSpec:
         """The engine's dataset row (``runner.core.dataset.VIDEO_ROW``: the image fields and the video fields, which
         an image model's ``check_rows`` refuses by name); an engine with further row fields returns
-        ``ds.VIDEO_ROW.extend(...)`` (their values reach validation, the item identity, ``items.jsonl``'s
-        ``params`` and resume through the spec alone)."""
-        return ds.VIDEO_ROW
+        ``ds.DIFFUSION_ROW.extend(...)`` (their values reach validation, the item identity, ``items.jsonl``'s
+        ``params`` and resume through the spec alone). :data:`runner.core.dataset.DIFFUSION_ROW` adds the
+        conditioning fields (``image``, ``mask_image``, ``last_image``, ``strength``) to ``VIDEO_ROW``; each is
+        allowed only where ``model.task`` takes it (:meth:`row_context`)."""
+        return ds.DIFFUSION_ROW
+
+    def row_context(self) -> Dict[str, Any]:
+        """What the row spec's task rule reads (``runner.core.dataset.check_task_inputs``): ``task`` and
+        ``multi_image``; a text-to-image row by default."""
+        return {"task": "text_to_image", "multi_image": False}
+
+    def builtin_rows(self) -> str:
+        """The file under ``runner/data`` that ``dataset=builtin`` reads: the model's ``builtin_prompts``."""
+        return self.model_cfg.builtin_prompts
 
     def read_rows(self) -> Tuple[List[ds.Row], Path]:
         """The run's dataset rows, validated, with the run's and the model's defaults filled in.
@@ -539,9 +550,13 @@ class DiffusersEngine(EngineBase):
         defaults.update(negative_prompt=None, num_images_per_prompt=cfg.num_images_per_prompt)
         rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
                                   size_multiple=self.model_cfg.size_multiple, max_pixels=cfg.max_pixels,
-                                  limit=cfg.dataset.limit, builtin=self.model_cfg.builtin_prompts,
+                                  limit=cfg.dataset.limit, builtin=self.builtin_rows(),
                                   split=cfg.dataset.split, columns=ds.columns_option(cfg.dataset.columns),
-                                  extra_fields=str(cfg.dataset.extra_fields), spec=spec)
+                                  extra_fields=str(cfg.dataset.extra_fields), spec=spec, context=self.row_context())
+        from runner.core import media
+
+        rows = media.attach_inputs(rows, path, cfg.dataset.media_root,  # every input checked, none loaded
+                                   any_size=self.inputs_any_size())
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
         self.check_context_rows(rows, path)
@@ -864,7 +879,11 @@ class DiffusersEngine(EngineBase):
         the forwards and blocks computed and reused in the item's pipeline call."""
         import hashlib
 
+        from runner.core import media
+
         r = item.row
+        spec = r.row_spec.by_name
+        values = {k: v for k, v in r.values.items() if not (k in spec and spec[k].media)}  # files: under inputs
         rec: Dict[str, Any] = {
             "id": r.id, "index": item.index, "key": item.key,
             "prompt": r.prompt, "negative_prompt": r.negative_prompt,
@@ -872,10 +891,12 @@ class DiffusersEngine(EngineBase):
             "seed": item.seed,
             "params": {"width": r.width, "height": r.height, "num_inference_steps": r.num_inference_steps,
                        "guidance_scale": r.guidance_scale, "negative_prompt": r.negative_prompt,
-                       **r.values, **self.applied_params(r), "batch_size": batch_len},
+                       **values, **self.applied_params(r), "batch_size": batch_len},
             "tokens": self.prompt_tokens([r.prompt])[0],
             "timing": {"generate_s": round(generate_s, 4)},
         }
+        if r.inputs:
+            rec["inputs"] = media.records(r.inputs)
         if r.ignored:
             rec["ignored"] = r.ignored
         cache = self.cache_records.pop(item.key, None)
@@ -913,6 +934,10 @@ class DiffusersEngine(EngineBase):
                             collectives={k: (COLLECTIVES[k], n) for k, n in want.items()} if want else None,
                             forward_rule=self.has_forward_rule())
         return ev["stages"][self.stage], list(ev["mismatches"])
+
+    def inputs_any_size(self) -> bool:
+        """The task's pipeline sizes each input itself (``runner.core.media.size_problems``); False by default."""
+        return False
 
     def has_forward_rule(self) -> bool:
         """The engine predicts its denoiser forwards (:meth:`expected_forwards`); True unless a subclass says not."""

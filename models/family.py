@@ -25,6 +25,8 @@ import logging
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from runner.core.media import TASK_INPUTS as _TASK_INPUTS
+
 #: Classifier-free guidance modes (how many transformer forwards one denoising step makes):
 #: ``true_cfg``: a second, unbatched forward when the row has a negative prompt and ``true_cfg_scale`` > 1
 #: (FluxPipeline, QwenImagePipeline: ``do_true_cfg``); ``batched``: guidance_scale > 1 concatenates the
@@ -32,8 +34,22 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 #: ``separate``: guidance_scale > 1 makes a second forward (WanPipeline, ChromaPipeline); ``none``: one forward.
 CFG_MODES = ("true_cfg", "batched", "separate", "none")
 
-#: Tasks a spec maps to a pipeline class (diffusers' ``AUTO_*_PIPELINES_MAPPING`` keys, in the runner's names).
-TASKS = ("text_to_image", "text_to_video")
+#: Tasks a spec maps to a pipeline class (diffusers' ``AUTO_*_PIPELINES_MAPPING`` keys, in the runner's names;
+#: ``runner.core.schema.Task`` lists the same).
+TASKS = ("text_to_image", "image_to_image", "inpaint", "edit", "text_to_video", "image_to_video")
+#: The generation tasks: what a family runs when ``model.task`` is null (the first of these it has).
+GENERATION_TASKS = ("text_to_image", "text_to_video")
+#: The tasks whose pipelines write video.
+VIDEO_TASKS = ("text_to_video", "image_to_video")
+#: Conditioning row fields each task takes (``{task: {field: required}}``, declared once in ``runner.core.media``).
+TASK_INPUTS = _TASK_INPUTS
+
+#: What a task's pipeline does to the size of an input image (:attr:`FamilySpec.input_sizing`), so the runner can
+#: refuse or record it: ``resize``: every input is resized to the call's ``width`` x ``height`` (aspect ratio not
+#: kept: ``VaeImageProcessor.preprocess(image, height, width)``); ``area``: the pipeline picks each input's size itself
+#: from a pixel area and the input's aspect ratio (QwenImageEditPlusPipeline's ``calculate_dimensions``), the output
+#: size is the call's ``width`` x ``height``.
+INPUT_SIZING = ("resize", "area")
 
 
 def block_out_scale(vae: Mapping[str, Any], transformer: Mapping[str, Any], patch: int) -> int:
@@ -91,6 +107,17 @@ class FamilySpec:
         backend_fields, needs_mask, fp8_prefixes: as :class:`models.diffusers_engine.DiffusersEngine`'s.
         engine: ``"module:Class"`` of the family's engine class (default: the generic engine).
         guidance_hint: the model's usual guidance value, quoted in the fixes of the guidance rules.
+        multi_image: tasks whose ``image`` may be a list of references (``QwenImageEditPlusPipeline``'s edit);
+            elsewhere a row's ``image`` is one path.
+        task_components: task -> ``{component: (library, model class, config class or None)}`` its pipeline takes
+            beyond ``components`` (Wan 2.1 image-to-video's CLIP ``image_encoder``), built from
+            ``model.architecture.<component>`` like them. A task listed here or in ``task_processors`` is a
+            checkpoint of its own (Qwen-Image-Edit-2509, Wan2.1-I2V-14B): its embedded snapshot is saved as the
+            task's pipeline class (:meth:`snapshot_pipeline`); other tasks load the base snapshot.
+        task_processors: task -> ``{processor component: (kind, tokenizer component or None)}``, built locally
+            (kinds of :mod:`models.processors`) from ``model.architecture.<component>`` (``{}`` when absent).
+        input_sizing: task -> what its pipeline does to an input's size (:data:`INPUT_SIZING`); the family module's
+            docstring has the details.
     """
 
     name: str
@@ -109,30 +136,97 @@ class FamilySpec:
     fp8_prefixes: Tuple[str, ...] = ("transformer_blocks.", "single_transformer_blocks.")
     engine: str = "models.pipelines:PipelineEngine"
     guidance_hint: str = ""
+    multi_image: Tuple[str, ...] = ()
+    task_components: Mapping[str, Mapping[str, Tuple[str, str, Optional[str]]]] = dataclasses.field(
+        default_factory=dict)
+    task_processors: Mapping[str, Mapping[str, Tuple[str, Optional[str]]]] = dataclasses.field(default_factory=dict)
+    input_sizing: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Freeze the mappings and check the declared names.
 
         Raises:
-            ValueError: an unknown ``cfg`` mode or task, or no task at all.
+            ValueError: an unknown ``cfg`` mode or task, no base task, or a task component, processor or input
+                sizing for a task the spec does not map.
         """
         if self.cfg not in CFG_MODES:
             raise ValueError(f"FamilySpec {self.name!r}: cfg={self.cfg!r} is not one of {', '.join(CFG_MODES)}")
         bad = sorted(set(self.tasks) - set(TASKS))
         if bad or not self.tasks:
             raise ValueError(f"FamilySpec {self.name!r}: tasks {bad or '{}'} not among {', '.join(TASKS)}")
-        for f in ("tasks", "components", "tokenizers", "roles"):
+        if not {"text_to_image", "text_to_video"} & set(self.tasks):
+            raise ValueError(f"FamilySpec {self.name!r}: tasks {sorted(self.tasks)} lack a base task (text_to_image or "
+                             "text_to_video: the pipeline of the family's own checkpoint)")
+        extra = sorted((set(self.task_components) | set(self.task_processors) | set(self.input_sizing))
+                       - set(self.tasks))
+        if extra:
+            raise ValueError(f"FamilySpec {self.name!r}: task_components/task_processors/input_sizing name tasks "
+                             f"{extra} that are not in its tasks ({', '.join(self.tasks)})")
+        bad_sizing = sorted(set(self.input_sizing.values()) - set(INPUT_SIZING))
+        if bad_sizing:
+            raise ValueError(f"FamilySpec {self.name!r}: input_sizing {bad_sizing} not among {', '.join(INPUT_SIZING)}")
+        for f in ("tasks", "components", "tokenizers", "roles", "input_sizing"):
             object.__setattr__(self, f, MappingProxyType(dict(getattr(self, f))))
+        for f in ("task_components", "task_processors"):
+            object.__setattr__(self, f, MappingProxyType({t: MappingProxyType(dict(m))
+                                                          for t, m in getattr(self, f).items()}))
 
     @property
     def video(self) -> bool:
-        """The family writes video (its task is ``text_to_video``)."""
+        """The family writes video (its generation task is ``text_to_video``)."""
         return "text_to_video" in self.tasks
 
     @property
+    def generation_task(self) -> str:
+        """The task ``model.task: null`` runs: the family's first of :data:`GENERATION_TASKS` (else its first
+        task)."""
+        return next((t for t in GENERATION_TASKS if t in self.tasks), next(iter(self.tasks)))
+
+    @property
     def pipeline_class(self) -> str:
-        """The pipeline class of the family's generation task (the only one the runner drives so far)."""
-        return self.tasks["text_to_video" if self.video else "text_to_image"]
+        """The pipeline class of the family's generation task (what its snapshots' ``model_index.json`` names and
+        what an embedded snapshot is saved as)."""
+        return self.tasks[self.generation_task]
+
+    def task(self, task: Optional[str]) -> str:
+        """``task`` (``model.task``), or the generation task for None.
+
+        Raises:
+            ValueError: the family has no pipeline for it; the message names the tasks it has (the engine turns it
+                into a startup refusal, exit 2).
+        """
+        task = self.generation_task if task in (None, "") else str(task)
+        if task not in self.tasks:
+            raise ValueError(f"model.task={task}: the {self.name} family has no pipeline for it; its tasks: "
+                             + ", ".join(f"{t} ({c})" for t, c in self.tasks.items()))
+        return task
+
+    def pipeline_for(self, task: Optional[str]) -> str:
+        """The diffusers pipeline class name of ``task`` (None: the generation task); raises as :meth:`task`."""
+        return self.tasks[self.task(task)]
+
+    def own_snapshot(self, task: Optional[str]) -> bool:
+        """``task`` loads a checkpoint of its own (it has task components or processors), not the base one."""
+        return task is not None and (task in self.task_components or task in self.task_processors)
+
+    def components_for(self, task: Optional[str] = None) -> Dict[str, Tuple[str, str, Optional[str]]]:
+        """The model components ``task``'s pipeline is built from: ``components`` plus its ``task_components``
+        (the scheduler kept last, as diffusers lists it)."""
+        out = {k: v for k, v in self.components.items() if k != "scheduler"}
+        out.update(self.task_components.get(task or "", {}))
+        if "scheduler" in self.components:
+            out["scheduler"] = self.components["scheduler"]
+        return out
+
+    def processors_for(self, task: Optional[str] = None) -> Dict[str, Tuple[str, Optional[str]]]:
+        """The processors ``task``'s pipeline takes (``task_processors``; none for the base tasks)."""
+        return dict(self.task_processors.get(task or "", {}))
+
+    def snapshot_pipeline(self, task: Optional[str] = None) -> str:
+        """The pipeline class an embedded snapshot for ``task`` is saved as: the task's own when it is a checkpoint
+        of its own (:meth:`own_snapshot`), else the base :attr:`pipeline_class` (img2img and inpaint pipelines load
+        the text-to-image checkpoint, as diffusers' ``AutoPipelineForImage2Image.from_pipe`` does)."""
+        return self.tasks[task] if self.own_snapshot(task) else self.pipeline_class
 
     def size_need(self, vae: Mapping[str, Any], transformer: Mapping[str, Any]) -> int:
         """Pixels widths and heights must be multiples of, from the snapshot's VAE and transformer configs."""

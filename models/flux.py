@@ -23,7 +23,8 @@ FLUX_MAX_SEQUENCE_LENGTH = 512
 
 FLUX = FamilySpec(
     name="flux",
-    tasks={"text_to_image": "FluxPipeline"},
+    tasks={"text_to_image": "FluxPipeline", "image_to_image": "FluxImg2ImgPipeline",
+           "inpaint": "FluxInpaintPipeline", "edit": "FluxKontextPipeline"},
     components={"transformer": ("diffusers", "FluxTransformer2DModel", None),
                 "vae": ("diffusers", "AutoencoderKL", None),
                 "text_encoder": ("transformers", "CLIPTextModel", "CLIPTextConfig"),

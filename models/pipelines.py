@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
+from models import conditioning
 from models.diffusers_engine import DiffusersEngine
 from models.family import FamilySpec, forwards_per_step, negative_prompt_ignored, quiet_truncation_warnings
 from runner.core.dataset import BUILTIN_PROMPTS, Item, Row
@@ -210,6 +211,14 @@ class PipelineEngine(DiffusersEngine):
         self._toks: Optional[Dict[str, Any]] = None
         self._token_cache: Dict[str, Dict[str, Dict[str, int]]] = {}
         self._call_params: Optional[set] = None
+        self.seq_probe: Optional[conditioning.SequenceProbe] = None
+        self.i2v_probe: Optional[conditioning.ImageConditionProbe] = None
+        self.seq_seen: List[Tuple[str, Optional[int], int]] = []
+        self.i2v_seen: List[Dict[str, Any]] = []
+        self.batching: Optional[Dict[str, Any]] = None
+        self.first_sizes: Optional[Dict[str, Any]] = None
+        self.latents_observed = False
+        self.first_latents: Optional[Dict[str, Any]] = None
 
     # ----------------------------------------------------------------------------------------------- family
     @classmethod
@@ -217,8 +226,78 @@ class PipelineEngine(DiffusersEngine):
         """The family's name (the ``model.adapter`` it is registered under; ``diffusers`` without a spec)."""
         return cls.spec.name if cls.spec is not None else "diffusers"
 
+    @property
+    def task(self) -> str:
+        """``model.task`` resolved: null is the family's generation task (``text_to_image``; a video family's
+        ``text_to_video``); without a spec (``model.adapter=diffusers``) the generation task of the snapshot.
+
+        Raises:
+            ConfigValueError: the family has no pipeline for the task (exit 2), naming the tasks it has.
+        """
+        task = getattr(self.cfg, "task", None)
+        task = None if task is None else str(task)
+        if self.spec is None:
+            if task not in (None, "text_to_image", "text_to_video"):
+                raise ConfigValueError(
+                    f"model.task={task}: model.adapter=diffusers runs the snapshot's own pipeline (a generation "
+                    f"task); a conditioning task needs a family that maps it to a pipeline; fix: model.adapter="
+                    f"{'|'.join(family_names())} (its spec's tasks), or model.task=null")
+            return task or ("text_to_video" if self.video else "text_to_image")
+        try:
+            return self.spec.task(task)
+        except ValueError as e:
+            raise ConfigValueError(f"{e}; fix: model.task=<one of those>, or a model of a family that has the task "
+                                   f"(model={self.cfg.name}, model.adapter={self.family()})") from None
+
+    def check_config(self) -> None:
+        """The base checks (``model.generation``, ``max_pixels``, ``cache.*``), then ``model.task`` against the
+        family's tasks (:attr:`task`) and a step cache against a task that runs part of the schedule.
+
+        Raises:
+            ConfigValueError: naming the key, the value and the fix.
+        """
+        super().check_config()
+        task = self.task  # refused here when the family has no pipeline for it
+        if self.cache_settings is not None and task in conditioning.STRENGTH_TASKS:
+            raise ConfigValueError(
+                f"cache.method={self.cache_settings.method.name} with model.task={task}: a step cache's schedule counts "
+                "num_inference_steps, and the pipeline runs only the last strength x steps of it; not supported yet; "
+                "fix: cache.method=none")
+
+    def row_context(self) -> Dict[str, Any]:
+        """The row rule's context: the task, whether the family takes a list of reference images for it, and the
+        family's tasks (named first in a refusal's fix)."""
+        return {"task": self.task, "multi_image": self.spec is not None and self.task in self.spec.multi_image,
+                "tasks": tuple(self.spec.tasks) if self.spec is not None else ()}
+
+    def builtin_rows(self) -> str:
+        """``dataset=builtin`` of a conditioning task reads ``<builtin_prompts stem>.<task>.jsonl`` (its input images
+        beside it, under ``runner/data``), or ``builtin_prompts`` itself when it is an absolute path (a model's own
+        rows file, e.g. ``${repo_root:}/models/toy_edit/builtin/edits.jsonl``); the generation task the model's
+        ``builtin_prompts``.
+
+        Raises:
+            ConfigValueError: the model ships no builtin rows for the task, naming the fix.
+        """
+        base = str(self.cfg.builtin_prompts)
+        if self.task in ("text_to_image", "text_to_video") or str(self.ctx.run.dataset.format) != "builtin":
+            return base
+        if Path(base).is_absolute():  # a model's own rows file (models/toy_edit/builtin/edits.jsonl), inputs beside it
+            if not Path(base).is_file():
+                raise ConfigValueError(f"model.builtin_prompts={base!r} (model={self.cfg.name}) is not a file; fix: "
+                                       "the path of the model's rows file, or a name under runner/data")
+            return base
+        name = f"{Path(base).stem}.{self.task}.jsonl"
+        if not (BUILTIN_PROMPTS.parent / name).is_file():
+            raise ConfigValueError(f"model={self.cfg.name} ships no builtin rows for model.task={self.task} (no "
+                                   f"runner/data/{name}); fix: dataset=jsonl dataset.path=<rows with image paths>")
+        return name
+
     def pipeline_name(self) -> str:
-        """The diffusers pipeline class this stage loads: the family's, else the snapshot's ``_class_name``."""
+        """The diffusers pipeline class this stage loads: the family's for ``model.task`` (:attr:`task`), else the
+        snapshot's ``_class_name``."""
+        if self.spec is not None:
+            return self.spec.pipeline_for(self.task)
         if self.pipeline_class:
             return self.pipeline_class
         if self.source.get("kind") == "path":
@@ -242,6 +321,11 @@ class PipelineEngine(DiffusersEngine):
                                  f"{diffusers.__version__} does not have; fix: a snapshot of a diffusers pipeline, "
                                  "or a diffusers version that has it")
         return cls
+
+    @classmethod
+    def task_components(cls, task: Optional[str]) -> Dict[str, Tuple[str, str, Optional[str]]]:
+        """The model components built for ``task`` (:meth:`models.family.FamilySpec.components_for`)."""
+        return cls.spec.components_for(task) if cls.spec is not None else dict(cls.components)
 
     # ----------------------------------------------------------------------------------------------- loading
     def _arch(self) -> Dict[str, Any]:
@@ -289,20 +373,53 @@ class PipelineEngine(DiffusersEngine):
         return self.source
 
     def check_layout(self, path: Path) -> None:
-        """The snapshot's ``model_index.json`` must name the family's pipeline class, and each component the family
-        builds must be there with the class the family expects.
+        """The snapshot's ``model_index.json`` must name a pipeline class ``model.task`` can load from, and each
+        component and processor the task's pipeline takes must be there with the class the family expects
+        (:meth:`layout_problems`).
 
         Raises:
-            ModelPathError: naming what model=<name> expects and what the snapshot holds, and the fix.
+            ModelPathError: naming what model=<name> expects for its task and what the snapshot holds, and the fix.
         """
         index = read_index(path)
         found = str(index.get("_class_name"))
         comps = {k: v[1] for k, v in index.items() if isinstance(v, list) and not k.startswith("_") and v[1]}
         have = ", ".join(f"{k}: {v}" for k, v in sorted(comps.items())) or "no components"
+        problems = self.layout_problems(path, found, comps)
+        if problems:
+            from models.registry import family_for_pipeline
+
+            other = family_for_pipeline(found)
+            want = self.spec.snapshot_pipeline(self.task) if self.spec is not None else self.pipeline_class
+            raise ModelPathError(
+                f"model.path={str(path)!r} is not a {want or 'diffusers'} snapshot that model={self.cfg.name} "
+                f"(model.task={self.task}) can load: " + "; ".join(problems) + f" (the snapshot: {found} with "
+                f"{have}); fix: " + (
+                    f"use a model config with model.adapter={other} for this snapshot" if other and other !=
+                    self.family() else f"point model.path at a {want} snapshot (a checkpoint of model.task="
+                    f"{self.task}), or model.task=<the snapshot's task>" if other else
+                    "point model.path at a snapshot of this model, or use model.adapter=diffusers for "
+                    "another transformer-based pipeline"))
+        if "transformer" not in comps:
+            raise ModelPathError(f"model.path={str(path)!r}: {found} has no transformer ({have}); the runner serves "
+                                 "transformer-based pipelines (a UNet pipeline is not one); fix: a DiT snapshot "
+                                 "(FLUX.1, SD3.5, Qwen-Image, Wan...)")
+
+    def layout_problems(self, path: Path, found: str, comps: Dict[str, str]) -> List[str]:
+        """What a snapshot (``model_index.json``'s ``_class_name`` ``found``, its ``comps``) lacks for
+        ``model.task``: a task with a checkpoint of its own (:meth:`models.family.FamilySpec.own_snapshot`: Edit-Plus,
+        Wan I2V) needs a snapshot of exactly that pipeline; other tasks load any of the family's base-layout
+        snapshots. Every component of :meth:`task_components` and processor of the task must be present."""
         problems = []
-        if self.pipeline_class and found != self.pipeline_class:
-            problems.append(f"pipeline {self.pipeline_class}, found {found}")
-        for comp, (_lib, cls_name, _cfg) in self.components.items():
+        task = self.task
+        if self.spec is not None and self.spec.own_snapshot(task):
+            classes = [self.spec.tasks[task]]
+        elif self.spec is not None:
+            classes = [c for t, c in self.spec.tasks.items() if not self.spec.own_snapshot(t)]
+        else:
+            classes = [self.pipeline_class]
+        if self.pipeline_class and found not in classes:
+            problems.append(f"pipeline {' or '.join(classes)}, found {found}")
+        for comp, (_lib, cls_name, _cfg) in self.task_components(task).items():
             if comp == "scheduler":
                 continue
             if comp not in comps:
@@ -311,20 +428,9 @@ class PipelineEngine(DiffusersEngine):
                 problems.append(f"{comp} is {comps[comp]}, expected {cls_name}")
             elif not (path / comp).is_dir():
                 problems.append(f"folder {comp}/ is missing")
-        if problems:
-            from models.registry import family_for_pipeline
-
-            other = family_for_pipeline(found)
-            raise ModelPathError(
-                f"model.path={str(path)!r} is not a {self.pipeline_class or 'diffusers'} snapshot that "
-                f"model={self.cfg.name} can load: " + "; ".join(problems) + f" (the snapshot: {found} with {have}); "
-                "fix: " + (f"use a model config with model.adapter={other} for this snapshot" if other else
-                           "point model.path at a snapshot of this model, or use model.adapter=diffusers for "
-                           "another transformer-based pipeline"))
-        if "transformer" not in comps:
-            raise ModelPathError(f"model.path={str(path)!r}: {found} has no transformer ({have}); the runner serves "
-                                 "transformer-based pipelines (a UNet pipeline is not one); fix: a DiT snapshot "
-                                 "(FLUX.1, SD3.5, Qwen-Image, Wan...)")
+        procs = self.spec.processors_for(task) if self.spec is not None else {}
+        problems += [f"processor {comp} is missing" for comp in procs if comp not in comps]
+        return problems
 
     def check_architecture(self, arch: Dict[str, Any], where: str = "model.architecture") -> None:
         """Every key of ``arch`` against the family's component classes, before anything is built.
@@ -340,7 +446,9 @@ class PipelineEngine(DiffusersEngine):
         if not self.components:
             raise ConfigValueError(f"model={self.cfg.name}: model.adapter={self.family()} builds no architecture; "
                                    f"fix: model.path=<snapshot>, or a family adapter ({', '.join(family_names())})")
-        known = [*self.components, *self.arch_other]
+        extras = self.spec.task_components.values() if self.spec is not None else ()
+        procs = self.spec.task_processors.values() if self.spec is not None else ()
+        known = [*self.components, *self.arch_other, *(c for m in extras for c in m), *(c for m in procs for c in m)]
         for key in arch:
             if key not in known and backend_field_of(key):
                 raise MisplacedBackendKeyError(misplaced_backend_message(f"{where}.{key}", arch[key]))
@@ -349,16 +457,42 @@ class PipelineEngine(DiffusersEngine):
                 raise ConfigValueError(f"{where}.{key} is not read by the {self.family()} builder" + (
                     f"; did you mean {where}.{close[0]}?" if close else f" (it reads {', '.join(known)})")
                     + " fix: remove or correct it")
-        for key, (lib, cls_name, cfg_name) in self.components.items():
+        for key, (lib, cls_name, cfg_name) in self.task_components(self.task).items():
             name = cfg_name or cls_name
             if not isinstance(arch.get(key), dict):
                 raise ConfigValueError(f"{where}.{key} is missing (a mapping of {lib}'s {name} arguments); fix: "
                                        f"start from a tiny_* model config of this family")
             check_init_keys(getattr(importlib.import_module(lib), name), list(arch[key]), f"{where}.{key}")
+        self.check_processor_keys(arch, where)
         for key in arch.get("tokenizer") or {}:
             if key not in self.arch_other["tokenizer"]:
                 raise ConfigValueError(f"{where}.tokenizer.{key} is not read; it takes "
                                        f"{', '.join(self.arch_other['tokenizer'])}; fix: remove or correct it")
+
+    def check_processor_keys(self, arch: Dict[str, Any], where: str = "model.architecture") -> None:
+        """The keys of the task's processor configs (``model.architecture.<processor>``, optional) against the
+        arguments the processor takes (:func:`models.processors.processor_keys`).
+
+        Raises:
+            ConfigValueError: an unknown key, naming it, the closest argument and the fix.
+        """
+        import difflib
+
+        from models.processors import processor_keys
+
+        procs = self.spec.processors_for(self.task) if self.spec is not None else {}
+        for comp, (kind, _tok) in procs.items():
+            given = arch.get(comp) or {}
+            if not isinstance(given, dict):
+                raise ConfigValueError(f"{where}.{comp}={given!r} is not a mapping of {kind} processor arguments; "
+                                       f"fix: a mapping (or remove it for the defaults)")
+            takes = processor_keys(kind)
+            for key in given:
+                if key not in takes:
+                    close = difflib.get_close_matches(key, takes, n=1)
+                    raise ConfigValueError(f"{where}.{comp}.{key} is not an argument of the {kind} processor" + (
+                        f"; did you mean {where}.{comp}.{close[0]}?" if close else f" (it takes {', '.join(takes)})")
+                        + " fix: remove or correct it")
 
     def check_architecture_matches_snapshot(self, arch: Dict[str, Any], path: Path,
                                             where: str = "model.architecture") -> None:
@@ -415,7 +549,7 @@ class PipelineEngine(DiffusersEngine):
         ``load_format=dummy`` by building the architecture on the meta device (no memory); None otherwise."""
         if self.source.get("kind") != "dummy":
             return None
-        comps = self.build_components(self._arch(), device="meta", dtype=self.dtype)
+        comps = self.build_components(self._arch(), device="meta", dtype=self.dtype, task=self.task)
         return sum(p.numel() * p.element_size() for v in comps.values() if isinstance(v, torch.nn.Module)
                    for p in v.parameters())
 
@@ -446,9 +580,10 @@ class PipelineEngine(DiffusersEngine):
         return corpus_from(BUILTIN_PROMPTS)
 
     @classmethod
-    def build_tokenizers(cls, arch: Dict[str, Any]) -> Dict[str, Any]:
+    def build_tokenizers(cls, arch: Dict[str, Any], task: Optional[str] = None) -> Dict[str, Any]:
         """``{tokenizer component: tokenizer}`` built locally from ``model.architecture.tokenizer`` (vocab size,
-        corpus, CLIP length), as :meth:`build_components` gives them to the pipeline; builds no model."""
+        corpus, CLIP length), as :meth:`build_components` gives them to the pipeline; builds no model. ``task``
+        (a family's conditioning task) lets a family build them for that task's pipeline (Qwen-Image's edit)."""
         from models import tokenizers as T
 
         tcfg = arch.get("tokenizer") or {}
@@ -483,14 +618,16 @@ class PipelineEngine(DiffusersEngine):
 
     @classmethod
     def build_components(cls, arch: Dict[str, Any], device: str | torch.device = "cpu",
-                         dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+                         dtype: torch.dtype = torch.float32, task: Optional[str] = None) -> Dict[str, Any]:
         """Every component of the family from ``arch`` with random weights seeded by ``arch['weights_seed']``
-        (models built in ``components`` order after one ``torch.manual_seed``), plus the tokenizers.
+        (models built in ``components`` order after one ``torch.manual_seed``), plus the tokenizers; for a
+        conditioning ``task`` also its task components (after the base ones, so the base weights are unchanged)
+        and processors (:meth:`models.family.FamilySpec.components_for` / ``processors_for``).
 
         Returns:
             ``{component: object}``, the keyword arguments of the pipeline class.
         """
-        toks = cls.build_tokenizers(arch)
+        toks = cls.build_tokenizers(arch, task) if task is not None else cls.build_tokenizers(arch)
         kinds = {enc: (kind, toks[comp]) for comp, (kind, _l, enc) in cls.tokenizers_spec.items()}
         # classes resolved (and diffusers' hooks imported) before the device context: a module imported lazily
         # inside ``torch.device("meta")`` would create its module-level tensors there (diffusers' mag_cache
@@ -499,7 +636,7 @@ class PipelineEngine(DiffusersEngine):
 
         classes = {comp: (getattr(importlib.import_module(lib), cls_name),
                           getattr(importlib.import_module(lib), cfg_name) if cfg_name else None)
-                   for comp, (lib, cls_name, cfg_name) in cls.components.items() if comp != "scheduler"}
+                   for comp, (lib, cls_name, cfg_name) in cls.task_components(task).items() if comp != "scheduler"}
         torch.manual_seed(int(arch.get("weights_seed", 0)))
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype if dtype.is_floating_point else torch.float32)
@@ -527,18 +664,34 @@ class PipelineEngine(DiffusersEngine):
         if "scheduler" in cls.components:
             lib, cls_name, _ = cls.components["scheduler"]
             built["scheduler"] = getattr(importlib.import_module(lib), cls_name)(**arch["scheduler"])
-        return {**built, **toks}
+        return {**built, **toks, **cls.build_processors(arch, toks, task)}
+
+    @classmethod
+    def build_processors(cls, arch: Dict[str, Any], toks: Dict[str, Any], task: Optional[str]) -> Dict[str, Any]:
+        """``{processor component: processor}`` of ``task`` (:attr:`models.family.FamilySpec.task_processors`),
+        built locally from ``model.architecture.<component>`` and the tokenizer it wraps."""
+        from models.processors import build_processor
+
+        procs = cls.spec.processors_for(task) if cls.spec is not None else {}
+        return {comp: build_processor(kind, arch.get(comp), toks.get(tok) if tok else None)
+                for comp, (kind, tok) in procs.items()}
+
+    def snapshot_task(self) -> Optional[str]:
+        """``model.task`` when it is a checkpoint of its own (:meth:`models.family.FamilySpec.own_snapshot`), else
+        None (the base snapshot serves it)."""
+        task = self.task
+        return task if self.spec is not None and self.spec.own_snapshot(task) else None
 
     def embedded_target(self, arch: Dict[str, Any]) -> Path:
         """Where :meth:`embedded_snapshot` keeps the embedded model of ``arch`` (it may not exist yet)."""
-        return embedded_target(self.cfg.name, arch, self.cache_dir)
+        return embedded_target(self.cfg.name, arch, self.cache_dir, task=self.snapshot_task())
 
     def embedded_snapshot(self, arch: Dict[str, Any]) -> Path:
         """The cache dir of the embedded model, created on first use (:meth:`embedded_snapshot_at`)."""
-        return self.embedded_snapshot_at(self.embedded_target(arch), arch)
+        return self.embedded_snapshot_at(self.embedded_target(arch), arch, task=self.snapshot_task())
 
     @classmethod
-    def embedded_snapshot_at(cls, target: Path, arch: Dict[str, Any]) -> Path:
+    def embedded_snapshot_at(cls, target: Path, arch: Dict[str, Any], task: Optional[str] = None) -> Path:
         """The family's embedded model of ``arch`` at ``target`` (:func:`embedded_target`), created
         (``save_pretrained``, safetensors) on first use.
 
@@ -547,7 +700,8 @@ class PipelineEngine(DiffusersEngine):
         only, so another rank's copy would lack the text encoders), or by whichever process holds the lock without
         one; the others wait until the snapshot is complete. Written to a temp dir, checked complete (every
         component with a ``config.json`` holds a ``*.safetensors``) and renamed into place, so a killed or partial
-        build never becomes the cache entry.
+        build never becomes the cache entry. ``task``: a conditioning task with a checkpoint of its own
+        (:meth:`build_snapshot`).
 
         Raises:
             RuntimeError: the build came out incomplete (naming the components without weights), or a rank waited
@@ -569,16 +723,19 @@ class PipelineEngine(DiffusersEngine):
                 if snapshot_complete(target):
                     return target
                 if rank == 0:
-                    return cls.build_snapshot(arch, target)
+                    return (cls.build_snapshot(arch, target, task=task) if task is not None else
+                            cls.build_snapshot(arch, target))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank {rank} waited {wait_s:.0f} s for rank 0 to build the embedded model at "
                                    f"{target}; set RUNNER_SNAPSHOT_WAIT_S to wait longer")
             time.sleep(0.5)
 
     @classmethod
-    def build_snapshot(cls, arch: Dict[str, Any], target: Path) -> Path:
+    def build_snapshot(cls, arch: Dict[str, Any], target: Path, task: Optional[str] = None) -> Path:
         """Build, save and commit the embedded snapshot (the caller holds the lock); see
-        :meth:`embedded_snapshot_at`.
+        :meth:`embedded_snapshot_at`. Saved as the pipeline class of ``task``'s checkpoint
+        (:meth:`models.family.FamilySpec.snapshot_pipeline`: QwenImageEditPlusPipeline for Qwen-Image's ``edit``,
+        WanImageToVideoPipeline for Wan's ``image_to_video``), else the family's base pipeline class.
 
         Raises:
             RuntimeError: ``save_pretrained`` left a model component without weights.
@@ -588,7 +745,9 @@ class PipelineEngine(DiffusersEngine):
 
         tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        pipe = getattr(diffusers, str(cls.pipeline_class))(**cls.build_components(arch))
+        name = cls.spec.snapshot_pipeline(task) if cls.spec is not None else cls.pipeline_class
+        comps = cls.build_components(arch, task=task) if task is not None else cls.build_components(arch)
+        pipe = getattr(diffusers, str(name))(**comps)
         pipe.save_pretrained(tmp, safe_serialization=True)
         missing = missing_weights(tmp)
         if missing:
@@ -609,19 +768,74 @@ class PipelineEngine(DiffusersEngine):
         kind = self.source["kind"]
         cls = self.pipeline_cls()
         if kind == "dummy":
-            self.pipe = cls(**self.build_components(self._arch(), device=self.device, dtype=self.dtype))
+            self.pipe = cls(**self.build_components(self._arch(), device=self.device, dtype=self.dtype,
+                                                    task=self.task))
         else:
             path = Path(self.source["path"]) if kind == "path" else self.embedded_snapshot(self._arch())
             self.source["path"] = str(path)
             self.source.update(self.hash_weights(path))
-            self.pipe = cls.from_pretrained(path, dtype=self.dtype, local_files_only=True,
-                                            use_safetensors=True)  # never fall back to pickle
+            from models.processors import processor_overrides
+
+            self.pipe = cls.from_pretrained(path, dtype=self.dtype, local_files_only=True, use_safetensors=True,
+                                            **processor_overrides(path))  # never fall back to pickle
             self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
+        self.install_condition_probes()
         self.prepare_attention()
         self._toks = None  # records count with the loaded tokenizers
         self._token_cache = {}
         self._time_phases()
+
+    def install_condition_probes(self) -> None:
+        """The hooks that observe a conditioning task's input reaching the transformer: the sequence length of an
+        edit pipeline whose packing the engine predicts (:meth:`expected_sequence`: FluxKontextPipeline,
+        QwenImageEditPlusPipeline), FLUX img2img / inpaint first latents, and an image-to-video transformer's image
+        condition (:class:`models.conditioning.ImageConditionProbe`)."""
+        edit = self.task == "edit" and self.pipeline_name() in EDIT_SEQUENCE_PIPELINES
+        self.latents_observed = (self.task in conditioning.STRENGTH_TASKS and self.family() == "flux"
+                                 and hasattr(self.pipe, "_pack_latents"))  # FLUX's packing: first_latents_check
+        self.seq_probe = (conditioning.SequenceProbe(self.pipe.transformer) if edit or self.latents_observed
+                          else None)
+        self.i2v_probe = (conditioning.ImageConditionProbe(self.pipe.transformer)
+                          if self.task == "image_to_video" else None)
+        self.first_latents: Optional[Dict[str, Any]] = None
+        self.seq_seen: List[Tuple[str, Optional[int], int]] = []
+        self.i2v_seen: List[Dict[str, Any]] = []
+        self.first_sizes: Optional[Dict[str, Any]] = None
+
+    def expected_sequence(self, row: Any) -> int:
+        """Image tokens the edit transformer's sequence holds at a call's first forward for ``row``: FLUX Kontext's
+        target plus reference tokens (:func:`models.conditioning.edit_tokens`); families override it."""
+        return sum(conditioning.edit_tokens(row, self.size_need() or 1))
+
+    def input_sizes(self, row: Any) -> Dict[str, Any]:
+        """What the task's pipeline does to ``row``'s input sizes (the spec's ``input_sizing``), recorded in the
+        evidence: ``resize``: every input to the row's ``width`` x ``height``; else the inputs as given."""
+        refs = [x for f in ("image", "mask_image", "last_image") for x in (
+            lambda v: v if isinstance(v, list) else [v] if v is not None else [])((row.inputs or {}).get(f))]
+        rule = self.spec.input_sizing.get(self.task) if self.spec is not None else None
+        out: Dict[str, Any] = {"rule": rule, "inputs": [[x.width, x.height] for x in refs],
+                               "output": [row.width, row.height]}
+        if rule == "resize":
+            out["resized_to"] = [row.width, row.height]
+        return out
+
+    def inputs_any_size(self) -> bool:
+        """The spec's ``input_sizing`` for the task is ``area`` (Edit-Plus sizes each reference from a pixel area and
+        its aspect ratio; :meth:`input_sizes` records what it picks), so inputs of any size are taken."""
+        return self.spec is not None and self.spec.input_sizing.get(self.task) == "area"
+
+    def batches(self, items: Sequence[Item], batch_size: int) -> List[List[Item]]:
+        """Batches of equal shape; a pipeline that conditions one call on one input
+        (:data:`models.conditioning.UNBATCHED`: Edit-Plus, Wan I2V) gets one item per call, with a warning, and the
+        applied batch size is recorded in the evidence (``conditioning.batching``) and in every item's
+        ``batch_size``."""
+        why = conditioning.unbatched_reason(self.pipeline_name(), batch_size)
+        if why is not None:
+            log.warning("batch_size=%d -> 1 for %s: %s", batch_size, self.pipeline_name(), why)
+            self.batching = {"requested": batch_size, "applied": 1, "why": f"{self.pipeline_name()}: {why}"}
+            batch_size = 1
+        return super().batches(items, batch_size)
 
     def hash_weights(self, path: Path) -> Dict[str, Any]:
         """``{"files": {relative path: sha256}, "hashing": {computed, cached, hash_s, bytes_hashed}}`` of the weight
@@ -771,7 +985,9 @@ class PipelineEngine(DiffusersEngine):
                 target = self.embedded_target(self._arch()) if kind == "embedded" else None
                 root = (Path(self.source["path"]) if kind == "path" else
                         target if target is not None and (target / "model_index.json").is_file() else None)
-                by_comp = self.snapshot_tokenizers(root) if root is not None else self.build_tokenizers(self._arch())
+                by_comp = (self.snapshot_tokenizers(root) if root is not None else
+                           self.build_tokenizers(self._arch(), self.task) if self.task is not None else
+                           self.build_tokenizers(self._arch()))
                 self._toks = {label: by_comp[comp] for comp, (_k, label, _e) in self.tokenizers_spec.items()}
             self._token_cache = {}
         return self._toks
@@ -964,6 +1180,7 @@ class PipelineEngine(DiffusersEngine):
         if "max_sequence_length" in self.call_params():
             kw["max_sequence_length"] = int(self.cfg.generation.max_sequence_length)
         kw.update(self.family_kwargs(batch))
+        kw.update(conditioning.call_inputs(self.task, batch, self.call_params(), self.pipeline_cls()))
         return kw
 
     def family_kwargs(self, batch: Sequence[Item]) -> Dict[str, Any]:
@@ -978,6 +1195,10 @@ class PipelineEngine(DiffusersEngine):
         """Generation values that determine the item's bytes beyond the row's: ``num_frames`` and ``fps`` of a
         video; under true CFG ``true_cfg_scale`` when the row's negative prompt is applied, else null."""
         out: Dict[str, Any] = {"num_frames": row.num_frames, "fps": row.fps} if self.video else {}
+        if self.task in conditioning.STRENGTH_TASKS:  # as applied: the row's, else the pipeline's default
+            out["strength"] = conditioning.applied_strength(row, conditioning.strength_default(self.pipeline_cls()))
+        if self.task == "inpaint":
+            out["inpaint_overlay"] = bool(self.ctx.run.output.inpaint_overlay)
         if self.spec is not None and self.spec.cfg == "true_cfg":
             out["true_cfg_scale"] = (float(self.cfg.generation.true_cfg_scale) if row.negative_prompt is not None
                                      else None)
@@ -1000,7 +1221,10 @@ class PipelineEngine(DiffusersEngine):
         if self.spec is None:
             return None
         r = batch[0].row
-        return r.num_inference_steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale))
+        steps = r.num_inference_steps
+        if self.task in conditioning.STRENGTH_TASKS:  # the pipeline's get_timesteps rule (conditioning.steps_run)
+            steps = conditioning.steps_run(steps, self.applied_params(r)["strength"])
+        return steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale))
 
     def has_forward_rule(self) -> bool:
         """A spec gives the forward rule; ``model.adapter=diffusers`` (no spec) has none."""
@@ -1014,10 +1238,96 @@ class PipelineEngine(DiffusersEngine):
             videos (F, H, W, C).
         """
         gens = [torch.Generator(device="cpu").manual_seed(it.seed) for it in batch]
+        kw = self.call_kwargs(batch)
+        keep = self.latents_observed and self.first_latents is None  # the first call's first latents, once
+        if self.seq_probe is not None:
+            self.seq_probe.arm(keep=keep)
+        if self.i2v_probe is not None:
+            self.i2v_probe.arm()
         with torch.inference_mode():
-            out = self.pipe(**self.call_kwargs(batch), generator=gens, output_type="np")
-        arrays = out.frames if self.video else out.images
-        return [np.asarray(a, dtype=np.float32) for a in arrays]
+            out = self.pipe(**kw, generator=gens, output_type="np")
+        if keep and self.seq_probe.hidden is not None:
+            self.first_latents = {"item": batch[0].key, **conditioning.first_latents_check(
+                self.pipe, kw["image"], self.seq_probe.hidden, self.seq_probe.timestep, batch[0].row.height,
+                batch[0].row.width)}
+            self.seq_probe.hidden = None
+        if self.task == "edit" and self.seq_probe is not None:
+            self.seq_seen.append((batch[0].key, self.seq_probe.seen, self.expected_sequence(batch[0].row)))
+        if self.first_sizes is None and batch[0].row.inputs:
+            self.first_sizes = {"item": batch[0].key, **self.input_sizes(batch[0].row)}
+        if self.i2v_probe is not None:
+            self.i2v_seen.append(conditioning.image_condition_check(self.pipe, kw, self.i2v_probe, batch[0].key))
+        arrays = [np.asarray(a, dtype=np.float32) for a in (out.frames if self.video else out.images)]
+        return conditioning.overlay_outside(self.task, arrays, kw, bool(self.ctx.run.output.inpaint_overlay))
+
+    def evidence(self, result: Any) -> Tuple[Dict[str, Any], List[str]]:
+        """The base evidence, and for a conditioning task a ``conditioning`` section, observed: the forward rule
+        (image_to_image / inpaint: the forwards follow ``strength``, :func:`models.conditioning.steps_run`, checked
+        by the forward count; FLUX: the first latents), for ``edit`` the denoiser's input sequence at each call's
+        first forward, which must hold the reference images' tokens beside the target's (:meth:`expected_sequence`),
+        for ``image_to_video`` the image condition at each call's first forward
+        (:func:`models.conditioning.image_condition_check`); the input sizes as the pipeline treats them
+        (:meth:`input_sizes`) and the batch size applied. A call whose input did not arrive is a mismatch (exit 3
+        under ``evidence.strict``)."""
+        section, mismatches = super().evidence(result)
+        if self.task in ("text_to_image", "text_to_video"):
+            return section, mismatches
+        cond: Dict[str, Any] = {"task": self.task, "pipeline": self.pipeline_name()}
+        if self.first_sizes is not None:
+            cond["input_sizing"] = self.first_sizes
+        if self.batching is not None:
+            cond["batching"] = self.batching
+        checks = section.setdefault("checks", {})
+        mismatches = mismatches + self.strength_evidence(cond, checks) + self.edit_evidence(cond, checks)
+        mismatches = mismatches + self.i2v_evidence(cond, checks)
+        section["conditioning"] = cond
+        return section, mismatches
+
+    def strength_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
+        """img2img / inpaint: the forward rule named, and FLUX's first-latents check (:meth:`evidence`)."""
+        if self.task not in conditioning.STRENGTH_TASKS:
+            return []
+        cond["forward_rule"] = ("num_inference_steps - int(max(n - min(n * strength, n), 0)) per guidance pass "
+                                "(diffusers get_timesteps)")
+        fl = self.first_latents
+        cond["first_latents"] = fl or {"verdict": "not_observed"}
+        if fl is None:
+            return []
+        checks["first_latents"] = fl["verdict"]
+        if fl["verdict"] == "verified":
+            return []
+        return [f"stage {self.stage}: the first latents of {fl['item']}'s call are not its input noised at sigma "
+                f"{fl['sigma']} (normalised residual {fl['statistic']}, expected within {fl['range']}): the "
+                "input did not reach the denoiser as configured"]
+
+    def edit_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
+        """edit: the reference tokens in the denoiser's sequence at each call's first forward (:meth:`evidence`)."""
+        if self.task != "edit":
+            return []
+        if self.seq_probe is None:  # an edit pipeline whose packing the engine does not predict
+            checks["reference_tokens"] = "limited"
+            return []
+        bad = [(k, seen, want) for k, seen, want in self.seq_seen if seen != want]
+        cond["sequence"] = {"calls": len(self.seq_seen), "observed_first": self.seq_seen[0][1] if self.seq_seen
+                            else None, "expected_first": self.seq_seen[0][2] if self.seq_seen else None,
+                            "verdict": "mismatch" if bad or not self.seq_seen else "verified"}
+        checks["reference_tokens"] = cond["sequence"]["verdict"]
+        return [f"stage {self.stage}: item {k}: the denoiser's first input held {seen} tokens, expected {want} "
+                "(target + reference image tokens): the reference did not reach the transformer as configured"
+                for k, seen, want in bad]
+
+    def i2v_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
+        """image_to_video: the image condition at each call's first forward (:meth:`evidence`)."""
+        if self.task != "image_to_video":
+            return []
+        bad = [s for s in self.i2v_seen if s["verdict"] != "verified"]
+        verdict = "mismatch" if bad or not self.i2v_seen else "verified"
+        cond["image_condition"] = {"calls": len(self.i2v_seen), "first": self.i2v_seen[0] if self.i2v_seen else None,
+                                   "verdict": verdict}
+        checks["image_condition"] = verdict
+        return [f"stage {self.stage}: item {s['item']}: the transformer's first input had {s['channels']} channels "
+                f"(expected {s['expected_channels']}) and image embeds matching this item's input: "
+                f"{s['embeds_match']}: the input image did not reach the transformer as configured" for s in bad]
 
     def accuracy(self, items: List[Item], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]:
@@ -1028,8 +1338,12 @@ class PipelineEngine(DiffusersEngine):
         return oracle(self.cfg.oracle).accuracy_section(items, records, out_dir)
 
 
+#: Edit pipelines whose transformer sequence the engine predicts (:meth:`PipelineEngine.expected_sequence`).
+EDIT_SEQUENCE_PIPELINES = ("FluxKontextPipeline", "QwenImageEditPlusPipeline")
+
 #: ``model.oracle`` -> module with ``check_expectations(rows, path)`` and ``accuracy_section(items, records, dir)``
-ORACLES = {"toy_shapes": "models.toy_shapes.oracle", "toy_motion": "models.toy_motion.oracle"}
+ORACLES = {"toy_shapes": "models.toy_shapes.oracle", "toy_motion": "models.toy_motion.oracle",
+           "toy_edit": "models.toy_edit.oracle"}
 
 
 def oracle(name: Any) -> Any:
@@ -1069,12 +1383,15 @@ def snapshot_complete(snapshot: Path) -> bool:
     return (snapshot / "model_index.json").is_file() and not missing_weights(snapshot)
 
 
-def embedded_target(name: str, arch: Dict[str, Any], cache_dir: Optional[str]) -> Path:
+def embedded_target(name: str, arch: Dict[str, Any], cache_dir: Optional[str], task: Optional[str] = None) -> Path:
     """Where an embedded model of ``arch`` is kept in the cache (it may not exist yet): the name plus a hash of
-    the architecture, the recipe version and the diffusers version, so a change never reuses stale weights."""
+    the architecture, the recipe version and the diffusers version, so a change never reuses stale weights; a
+    ``task`` with a checkpoint of its own (an edit or image-to-video snapshot) is part of the hash."""
     import diffusers
 
     root = Path(cache_dir or os.environ.get("RUNNER_CACHE", "~/.cache/runner")).expanduser()
-    key = hashlib.sha256(json.dumps({"arch": arch, "recipe": EMBEDDED_RECIPE, "diffusers": diffusers.__version__},
-                                    sort_keys=True).encode()).hexdigest()[:12]
+    what = {"arch": arch, "recipe": EMBEDDED_RECIPE, "diffusers": diffusers.__version__}
+    if task is not None:
+        what["task"] = task
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
     return root / f"{name}-{key}"

@@ -12,6 +12,24 @@ backends and their per-call-site evidence like the dispatcher-era models.
 
 The family is the spec :data:`SD3` on the generic engine (no class of its own); role ``joint`` (every
 ``Attention`` of the MMDiT).
+
+Conditioning tasks (issue #30) load the text-to-image checkpoint (the same components; no checkpoint of their own).
+What each pipeline does to an input's size (diffusers 0.42; the runner must refuse or record it):
+
+============== ================================== ======================================================================
+task           pipeline                           input size
+============== ================================== ======================================================================
+image_to_image StableDiffusion3Img2ImgPipeline    ``image`` resized to the call's ``height`` x ``width`` (aspect ratio
+                                                  not kept; ``VaeImageProcessor.preprocess``; default 1024 x 1024 from
+                                                  ``default_sample_size``, never the input's size); output: that size;
+                                                  ``strength`` runs the last steps by the pipeline's rule
+                                                  (:func:`models.conditioning.steps_run`)
+inpaint        StableDiffusion3InpaintPipeline    ``image`` and ``mask_image`` resized to ``height`` x ``width``; with
+                                                  ``padding_mask_crop`` a region around the mask is cropped, resized
+                                                  (``fill``) and the result pasted back (output = the input's size); a
+                                                  16-channel transformer blends the noised input latents outside the
+                                                  mask each step (a 33-channel one takes mask and masked latents)
+============== ================================== ======================================================================
 """
 
 from __future__ import annotations
@@ -75,7 +93,8 @@ class SD3DispatchAttnProcessor:
 
 SD3 = FamilySpec(
     name="sd3",
-    tasks={"text_to_image": "StableDiffusion3Pipeline"},
+    tasks={"text_to_image": "StableDiffusion3Pipeline", "image_to_image": "StableDiffusion3Img2ImgPipeline",
+           "inpaint": "StableDiffusion3InpaintPipeline"},
     components={"transformer": ("diffusers", "SD3Transformer2DModel", None),
                 "vae": ("diffusers", "AutoencoderKL", None),
                 "text_encoder": ("transformers", "CLIPTextModelWithProjection", "CLIPTextConfig"),
@@ -90,4 +109,5 @@ SD3 = FamilySpec(
     max_sequence_length=512,  # StableDiffusion3Pipeline.check_inputs raises above 512
     attention_processor="models.sd3:SD3DispatchAttnProcessor",
     guidance_hint="SD3.5's default is 3.5 to 4.5",
+    input_sizing={"image_to_image": "resize", "inpaint": "resize"},
 )

@@ -68,26 +68,32 @@ def corpus_from(path: Path) -> list[str]:
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+#: Qwen2-VL's vision markers (special tokens of the Qwen2.5-VL tokenizer; ``Qwen2VLProcessor`` expands
+#: ``<|image_pad|>`` into one token per merged image patch, the text encoder's config names their ids)
+QWEN2_VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
 def build_qwen2_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int = 32768,
-                          template_text: Iterable[str] = ()) -> PreTrainedTokenizerFast:
+                          template_text: Iterable[str] = (), vision: bool = False) -> PreTrainedTokenizerFast:
     """Qwen2-style tokenizer: Qwen2's split pattern then byte-level BPE, no BOS/EOS added, ``<|endoftext|>`` as pad
     (Qwen2.5-VL's), chat markers ``<|im_start|>``/``<|im_end|>`` as special tokens. ``template_text`` (a prompt
     template's fixed text) is weighted in training so that each of its words is one token, as in Qwen's vocabulary:
     pipelines that drop a template's first N tokens (QwenImagePipeline drops 34) then drop exactly the template.
+    ``vision`` adds Qwen2-VL's vision markers (:data:`QWEN2_VISION_SPECIALS`) as special tokens after the chat
+    markers (for ``Qwen2VLProcessor``: image inputs of QwenImageEditPlusPipeline).
     """
+    specials = QWEN2_SPECIALS + (QWEN2_VISION_SPECIALS if vision else [])
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(pattern=__import__("tokenizers").Regex(QWEN2_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=QWEN2_SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(corpus) + [t for t in template_text for _ in range(50)], trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    unk_token=None, model_max_length=max_length,
-                                   additional_special_tokens=QWEN2_SPECIALS[1:])
+                                   additional_special_tokens=specials[1:])
 
 
 #: Llama 3's pre-tokenizer split pattern (``tokenizer.json`` of Meta-Llama-3.x: numbers in groups of up to 3 digits).

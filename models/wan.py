@@ -6,6 +6,28 @@ Rules the pipeline applies silently and the runner refuses instead: ``num_frames
 the VAE's temporal factor (its config's ``scale_factor_temporal``, 4 for Wan 2.1) or the pipeline rounds it down with a
 warning; classifier-free guidance (``guidance_scale > 1``) makes a second transformer forward per step (unbatched:
 ``noise_uncond = current_model(...)``), and the negative prompt is used only then.
+
+Image-to-video (issue #30, ``WanImageToVideoPipeline``) is a checkpoint of its own (Wan2.1-I2V-14B-480P): the same
+classes plus a CLIP ``image_encoder`` (``CLIPVisionModelWithProjection``: its penultimate hidden states are the
+image embeds) and its ``image_processor`` (``CLIPImageProcessor``), and a transformer that takes them (``image_dim`` =
+the CLIP hidden size, ``added_kv_proj_dim`` = its inner dim: every ``attn2`` attends to image tokens too,
+``in_channels`` 36 = the noise latents 16 + the first-frame mask 4 + the condition latents 16). ``last_image`` (first-last-frame) needs the
+FLF2V variant (Wan2.1-FLF2V-14B-720P: ``pos_embed_seq_len`` = 2 x the CLIP tokens, the two images' embeds are
+concatenated into one sequence); the I2V transformer fails on it (two image embeds for one video), and the FLF2V one
+without it. A Wan 2.2-style I2V (``image_dim`` null, no image encoder: the condition reaches the transformer only
+through its input channels) runs on the same pipeline class; its A14B variant has two experts (refused by
+:meth:`WanEngine.check_layout`). What the pipeline does to an input's size (diffusers 0.42):
+
+============== ========================== ===================================================================
+task           pipeline                   input size
+============== ========================== ===================================================================
+image_to_video WanImageToVideoPipeline    ``image`` and ``last_image`` resized to the call's ``height`` x ``width``
+                                          for the VAE (``VideoProcessor.preprocess``, aspect ratio not kept; height
+                                          and width floored to multiples of 16 with a warning); for the CLIP image
+                                          encoder its processor resizes the shortest edge to ``size.shortest_edge``
+                                          and center-crops to ``crop_size`` (224 for Wan 2.1: the encoder never sees
+                                          the borders of a non-square input); the video is ``height`` x ``width``
+============== ========================== ===================================================================
 """
 
 from __future__ import annotations
@@ -20,7 +42,7 @@ from runner.core.errors import ConfigValueError
 
 WAN = FamilySpec(
     name="wan",
-    tasks={"text_to_video": "WanPipeline"},
+    tasks={"text_to_video": "WanPipeline", "image_to_video": "WanImageToVideoPipeline"},
     components={"transformer": ("diffusers", "WanTransformer3DModel", None),
                 "vae": ("diffusers", "AutoencoderKLWan", None),
                 "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
@@ -37,6 +59,13 @@ WAN = FamilySpec(
     needs_mask=False,  # WanAttnProcessor passes no mask: text embeddings are zero-padded to max_sequence_length
     engine="models.wan:WanEngine",
     guidance_hint="Wan 2.1: 5.0",
+    # Wan 2.1 I2V / FLF2V: a CLIP vision encoder and its image processor beside the T2V components; the class the
+    # diffusers conversion script saves (scripts/convert_wan_to_diffusers.py: CLIPVisionModelWithProjection of
+    # laion/CLIP-ViT-H-14; the pipeline reads its penultimate hidden states, not the projection)
+    task_components={"image_to_video": {"image_encoder": ("transformers", "CLIPVisionModelWithProjection",
+                                                          "CLIPVisionConfig")}},
+    task_processors={"image_to_video": {"image_processor": ("clip_image", None)}},
+    input_sizing={"image_to_video": "resize"},
 )
 
 
@@ -61,6 +90,18 @@ class WanEngine(PipelineEngine):
             raise ModelPathError(f"model.path={str(path)!r} is a Wan 2.2 two-expert snapshot (transformer_2: {entry[1]}); "
                                  "the runner serves Wan 2.1 text-to-video (one transformer) so far; fix: a Wan 2.1 "
                                  "snapshot (e.g. Wan-AI/Wan2.1-T2V-14B-Diffusers)")
+
+    def install_attention(self, sections: Dict[str, Any]) -> None:
+        """The attention backends and probes, then two dispatcher calls per forward expected at every cross-attention
+        with added image keys (Wan 2.1 I2V: ``add_k_proj``; ``WanAttnProcessor`` attends to the image tokens and the
+        text tokens separately)."""
+        from models.pipelines import attention_modules
+
+        super().install_attention(sections)
+        mods = dict(attention_modules(self.pipe.transformer))
+        for site in self.probes["attention"]:
+            if getattr(mods.get(site.layer), "add_k_proj", None) is not None:
+                site.per_forward = 2
 
     def temporal_factor(self) -> int:
         """The VAE's temporal compression as WanPipeline reads it: ``vae.config.scale_factor_temporal``

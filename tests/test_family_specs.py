@@ -53,7 +53,7 @@ def test_a_spec_with_an_unknown_cfg_mode_is_refused():
     with pytest.raises(ValueError, match="cfg='sometimes' is not one of true_cfg, batched, separate, none"):
         fam.FamilySpec(name="x", tasks={"text_to_image": "FluxPipeline"}, components={}, tokenizers={}, cfg="sometimes")
     with pytest.raises(ValueError, match="tasks"):
-        fam.FamilySpec(name="x", tasks={"inpaint": "FluxPipeline"}, components={}, tokenizers={}, cfg="none")
+        fam.FamilySpec(name="x", tasks={"paint": "FluxPipeline"}, components={}, tokenizers={}, cfg="none")
 
 
 def test_wan_size_rule_reads_the_vae_scale_factor_spatial():

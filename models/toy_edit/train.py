@@ -3,7 +3,7 @@ from a seed.
 
 Components: the VAE, both text encoders, both tokenizers and the scheduler are toy_shapes' trained/seeded ones
 (``models/toy_shapes/weights``), loaded and frozen; only a new ``FluxTransformer2DModel`` (architecture in
-``models/toy_edit/toy_edit.yaml``) is trained, with rectified flow as FLUX uses it:
+``conf/model/toy_edit.yaml``) is trained, with rectified flow as FLUX uses it:
 ``x_t = (1 - s) x_0 + s e``, target ``e - x_0``, ``s`` logit-normal then shifted by ``exp(mu)`` with ``mu`` from the
 target's token count (as the pipeline's dynamic shifting computes it), the transformer given ``s``
 (``FluxKontextPipeline`` passes ``timestep / 1000``).
@@ -37,19 +37,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runner.core.paths import CONF_DIR
+
 REPO = Path(__file__).resolve().parents[2]
 TOY_SHAPES = REPO / "models/toy_shapes/weights"
 WEIGHTS = REPO / "models/toy_edit/weights"
-CONFIG = REPO / "models/toy_edit/toy_edit.yaml"
+CONFIG = CONF_DIR / "model" / "toy_edit.yaml"  # conf/ in a checkout, runner/conf in a wheel
 MAX_LEN = 16  # model.generation.max_sequence_length: instructions are at most 14 T5 tokens with the end token
 SIZE = 64
 
 
 def load_arch() -> dict:
-    """The architecture of ``models/toy_edit/toy_edit.yaml`` (the transformer's config)."""
-    from runner.core.schema import yaml_section
+    """The architecture of ``conf/model/toy_edit.yaml`` (the transformer's config; plain YAML, no interpolation in
+    it, so no config library is needed)."""
+    import yaml
 
-    return yaml_section(CONFIG, "architecture")
+    return yaml.safe_load(CONFIG.read_text())["architecture"]
 
 
 def new_transformer(arch: dict):
@@ -182,7 +185,8 @@ def all_rows() -> List[dict]:
              "image": data.image_name(src)} for n, (src, a, v) in enumerate(data.edits())]
 
 
-def main(argv: Optional[List[str]] = None) -> dict:
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The training command line (``python -m models.toy_edit.train --help``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(WEIGHTS))
     p.add_argument("--seed", type=int, default=0)
@@ -198,24 +202,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--no-eval", action="store_true")
     p.add_argument("--eval-rows", type=int, default=None, help="evaluate only the first N rows of each set (smoke)")
     p.add_argument("--report", default=None, help="write training/eval figures as JSON here")
-    args = p.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
+    return p.parse_args(argv)
 
+
+def encode_pairs(pipe, args: argparse.Namespace, device: str, report: dict) -> dict:
+    """The edit pairs, encoded once with the pipeline's own encoders: ``{"ref", "x0", "ins", "pe", "pooled",
+    "txt_ids", "img_ids", "mu"}`` (figures added to ``report``)."""
     from models.toy_edit import data
 
-    arch = load_arch()
-    tr = new_transformer(arch)
-    pipe = kontext_pipeline(tr).to(device)
-    pipe.set_progress_bar_config(disable=True)
-    report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "seed": args.seed,
-                    "architecture": arch["transformer"], "components_from": "models/toy_shapes/weights",
-                    "params": {"transformer": sum(x.numel() for x in tr.parameters())}}
-
-    # ---- data: edit pairs, encoded once with the pipeline's own encoders
     t0 = time.time()
     srcs, tgts, ins = [], [], []
     index = {s: i for i, s in enumerate(data.instructions())}
@@ -229,32 +223,54 @@ def main(argv: Optional[List[str]] = None) -> dict:
         refs.append(ref)
         x0s.append(encode_target(pipe, to_tensor(tgts[i:i + 1024], device)))
     ref_all, x0_all = torch.cat(refs), torch.cat(x0s)
-    ins_ids = torch.tensor(ins, device=device)
     with torch.no_grad():
         pe, pooled, txt_ids = pipe.encode_prompt(prompt=data.instructions(), prompt_2=None, device=device,
                                                  max_sequence_length=MAX_LEN)
-    pe, pooled = pe.float(), pooled.float()
     n_tok = x0_all.shape[1]
     mu = mu_of(pipe, n_tok)
     report.update(pairs=len(srcs), data_s=time.time() - t0, tokens={"target": n_tok, "reference": ref_all.shape[1],
                                                                     "text": MAX_LEN}, mu=mu)
     print(f"data: {len(srcs)} pairs, {n_tok}+{ref_all.shape[1]} image tokens, mu {mu:.4f}, "
           f"{time.time() - t0:.1f}s", flush=True)
+    return {"ref": ref_all, "x0": x0_all, "ins": torch.tensor(ins, device=device), "pe": pe.float(),
+            "pooled": pooled.float(), "txt_ids": txt_ids, "img_ids": img_ids, "mu": mu}
 
-    # ---- transformer: rectified flow on (noisy target | reference) tokens
+
+def lr_schedule(lr: float, steps: int, warm: int, step: int) -> float:
+    """Linear warm-up over ``warm`` steps, then cosine decay to 5 % of ``lr`` at ``steps``."""
+    if step < warm:
+        return lr * (step + 1) / warm
+    f = (step - warm) / max(1, steps - warm)
+    return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, f))))
+
+
+def flow_step(tr, opt, enc: dict, args: argparse.Namespace, amp, device: str) -> torch.Tensor:
+    """One rectified-flow step on a random batch of ``enc`` (noisy target | reference tokens); returns the loss."""
+    idx = torch.randint(0, enc["ref"].shape[0], (args.batch,), device=device)
+    x0, ref, ii = enc["x0"][idx], enc["ref"][idx], enc["ins"][idx]
+    exp_mu = math.exp(enc["mu"])
+    s = torch.sigmoid(torch.randn(args.batch, device=device))
+    s = exp_mu / (exp_mu + (1 / s - 1))  # FLUX's time shift of a logit-normal sigma
+    e = torch.randn_like(x0)
+    xt = (1 - s[:, None, None]) * x0 + s[:, None, None] * e
+    with amp:
+        v = kontext_forward(tr, xt, ref, s, enc["pe"][ii], enc["pooled"][ii], enc["txt_ids"], enc["img_ids"])
+    loss = F.mse_loss(v.float(), e - x0)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
+def train(tr, enc: dict, args: argparse.Namespace, device: str, report: dict):
+    """The transformer trained by rectified flow (AdamW, warm-up + cosine, EMA 0.999); ``--time-limit`` lowers the
+    step count once at step 40. Returns the EMA copy (figures added to ``report``)."""
     t0 = time.time()
     tr.train()
     ema = copy.deepcopy(tr).requires_grad_(False)
     opt = torch.optim.AdamW(tr.parameters(), lr=args.lr, weight_decay=0.01)
     steps, warm = args.steps, max(1, int(0.03 * args.steps))
-
-    def lr_at(step: int) -> float:  # linear warm-up, cosine decay to 5 %
-        if step < warm:
-            return args.lr * (step + 1) / warm
-        f = (step - warm) / max(1, steps - warm)
-        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, f))))
-
-    exp_mu = math.exp(mu)
     # fp32 (TF32 matmuls) by default: bf16 autocast hit CUBLAS_STATUS_EXECUTION_FAILED in the backward on the H200
     # (torch 2.11, batch 512), as toy_shapes' training keeps autocast off
     amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda" and args.bf16)
@@ -262,20 +278,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ema_params, train_params = list(ema.parameters()), list(tr.parameters())
     while step < steps:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        idx = torch.randint(0, ref_all.shape[0], (args.batch,), device=device)
-        x0, ref, ii = x0_all[idx], ref_all[idx], ins_ids[idx]
-        s = torch.sigmoid(torch.randn(args.batch, device=device))
-        s = exp_mu / (exp_mu + (1 / s - 1))  # FLUX's time shift of a logit-normal sigma
-        e = torch.randn_like(x0)
-        xt = (1 - s[:, None, None]) * x0 + s[:, None, None] * e
-        with amp:
-            v = kontext_forward(tr, xt, ref, s, pe[ii], pooled[ii], txt_ids, img_ids)
-        loss = F.mse_loss(v.float(), e - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0)
-        opt.step()
+            g["lr"] = lr_schedule(args.lr, steps, warm, step)
+        loss = flow_step(tr, opt, enc, args, amp, device)
         with torch.no_grad():
             d = min(0.999, (1 + step) / (10 + step))
             torch._foreach_lerp_(ema_params, train_params, 1 - d)
@@ -295,13 +299,53 @@ def main(argv: Optional[List[str]] = None) -> dict:
             report["ms_per_step"] = per * 1000
             print(f"calibrated: {per * 1000:.1f} ms/step -> {steps} steps", flush=True)
         if step % 500 == 0 or step == steps:
-            print(f"flow step {step} loss {loss.item():.5f} lr {lr_at(step - 1):.2e} {time.time() - t0:.0f}s",
-                  flush=True)
+            print(f"flow step {step} loss {loss.item():.5f} lr {lr_schedule(args.lr, steps, warm, step - 1):.2e} "
+                  f"{time.time() - t0:.0f}s", flush=True)
     tail = [x for x in losses if x is not None][-10:]
-    report.update(steps=steps, batch=args.batch, lr=args.lr, bf16_autocast=bool(args.bf16 and device == "cuda"), flow_loss_last10=float(np.mean(tail)),
-                  flow_s=time.time() - t0, ema_decay=0.999)
+    report.update(steps=steps, batch=args.batch, lr=args.lr, bf16_autocast=bool(args.bf16 and device == "cuda"),
+                  flow_loss_last10=float(np.mean(tail)), flow_s=time.time() - t0, ema_decay=0.999)
+    return ema
 
-    # ---- save (fp16, the EMA weights) and evaluate through the pipeline with the oracle
+
+def evaluate_saved(out: Path, args: argparse.Namespace, device: str) -> dict:
+    """The saved weights through FluxKontextPipeline with the oracle: the builtin rows and their swapped-input
+    control at each ``--eval-steps``, all 540 edits at the first."""
+    from models.toy_edit import data
+
+    ev = load_pipeline(out, torch.float32, device)
+    rows = data.builtin_rows()
+    shipped = {r["image"]: data.load_image(r["image"]) for r in rows}
+    full = all_rows()
+    sw_rows, sw_full = data.swapped_rows(rows), data.swapped_rows(full)
+    if args.eval_rows:
+        rows, sw_rows, full, sw_full = (x[:args.eval_rows] for x in (rows, sw_rows, full, sw_full))
+    ev_steps = [int(x) for x in args.eval_steps.split(",")]
+    res: dict = {}
+    for n_steps in ev_steps:
+        res[f"builtin_{n_steps}_steps"] = evaluate(ev, rows, n_steps, shipped)
+        res[f"builtin_swapped_{n_steps}_steps"] = evaluate(ev, sw_rows, n_steps, shipped)
+    res[f"all540_{ev_steps[0]}_steps"] = evaluate(ev, full, ev_steps[0])
+    res[f"all540_swapped_{ev_steps[0]}_steps"] = evaluate(ev, sw_full, ev_steps[0])
+    return res
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    """Train, save (fp16, the EMA weights, toy_shapes' other components copied) and evaluate; returns the report."""
+    args = parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    arch = load_arch()
+    tr = new_transformer(arch)
+    pipe = kontext_pipeline(tr).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "seed": args.seed,
+                    "architecture": arch["transformer"], "components_from": "models/toy_shapes/weights",
+                    "params": {"transformer": sum(x.numel() for x in tr.parameters())}}
+    enc = encode_pairs(pipe, args, device, report)
+    ema = train(tr, enc, args, device, report)
     pipe.register_modules(transformer=ema.eval())
     out = Path(args.out)
     pipe.to(torch.float16).save_pretrained(out, safe_serialization=True)
@@ -309,21 +353,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     report["weights_bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     if not args.no_eval:
         t0 = time.time()
-        ev = load_pipeline(out, torch.float32, device)
-        rows = data.builtin_rows()
-        shipped = {r["image"]: data.load_image(r["image"]) for r in rows}
-        full = all_rows()
-        sw_rows, sw_full = data.swapped_rows(rows), data.swapped_rows(full)
-        if args.eval_rows:
-            rows, sw_rows, full, sw_full = (x[:args.eval_rows] for x in (rows, sw_rows, full, sw_full))
-        ev_steps = [int(x) for x in args.eval_steps.split(",")]
-        res: dict = {}
-        for n_steps in ev_steps:
-            res[f"builtin_{n_steps}_steps"] = evaluate(ev, rows, n_steps, shipped)
-            res[f"builtin_swapped_{n_steps}_steps"] = evaluate(ev, sw_rows, n_steps, shipped)
-        res[f"all540_{ev_steps[0]}_steps"] = evaluate(ev, full, ev_steps[0])
-        res[f"all540_swapped_{ev_steps[0]}_steps"] = evaluate(ev, sw_full, ev_steps[0])
-        report["eval_fp32"] = res
+        report["eval_fp32"] = evaluate_saved(out, args, device)
         report["eval_s"] = time.time() - t0
     print(json.dumps(report, indent=1), flush=True)
     if args.report:

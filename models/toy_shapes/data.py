@@ -66,3 +66,38 @@ def samples(n: int, seed: int = 0, size: int = 64) -> Iterator[Tuple[np.ndarray,
         c, s, p = all_c[rng.randrange(len(all_c))]
         yield draw(c, s, p, size, scale=0.36 * rng.uniform(0.8, 1.2)), caption(c, s, p), {
             "color": c, "shape": s, "position": p}
+
+
+#: The input images and masks of the builtin image_to_image / inpaint rows (``runner/data/shapes.<task>.jsonl``),
+#: shipped as PNGs beside them (``runner/data/<name>.png``) and reproduced by :func:`conditioning_inputs`.
+INPUT_SHAPES = {"shapes_input_red_circle_top_left": ("red", "circle", "top left"),
+                "shapes_input_green_triangle_bottom_left": ("green", "triangle", "bottom left"),
+                "shapes_input_blue_square_top_right": ("blue", "square", "top right")}
+#: Mask quadrants of the builtin inpaint rows: name -> (x0, y0) of the 32x32 quadrant of a 64x64 image.
+MASK_QUADRANTS = {"shapes_mask_bottom_right": (32, 32), "shapes_mask_top_right": (32, 0),
+                  "shapes_mask_bottom_left": (0, 32)}
+
+
+def quadrant_mask(x0: int, y0: int, size: int = 64) -> np.ndarray:
+    """A ``(size, size)`` uint8 mask (mode ``L``): 255 (repaint) over the quadrant at ``(x0, y0)``, 0 elsewhere."""
+    m = np.zeros((size, size), np.uint8)
+    m[y0:y0 + size // 2, x0:x0 + size // 2] = 255
+    return m
+
+
+def conditioning_inputs(size: int = 64) -> Dict[str, np.ndarray]:
+    """``{file stem: array}`` of the builtin conditioning inputs: the drawn shapes (RGB) and the quadrant masks
+    (L); ``tests/test_conditioning.py`` checks the shipped PNGs are exactly these."""
+    out = {name: draw(*attrs, size=size) for name, attrs in INPUT_SHAPES.items()}
+    out.update({name: quadrant_mask(x, y, size) for name, (x, y) in MASK_QUADRANTS.items()})
+    return out
+
+
+def write_conditioning_inputs(folder: str) -> None:
+    """Write :func:`conditioning_inputs` as ``<folder>/<stem>.png`` (how ``runner/data``'s were made)."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    for name, a in conditioning_inputs().items():
+        Image.fromarray(a).save(Path(folder) / f"{name}.png")

@@ -95,9 +95,23 @@ def check_vocabulary(rows: Iterable, path: object, valid: Dict[str, list], oracl
         raise DatasetError(problems)
 
 
+def inside_mask(image: np.ndarray, row: object) -> np.ndarray:
+    """An inpainted item's image with everything outside its mask made white (``runner.core.media.mask_inside``: the
+    pipeline's binarisation), so the oracle reads what the prompt asked for inside the mask, not the kept input; other
+    items unchanged."""
+    inputs = getattr(row, "inputs", None) or {}
+    if "mask_image" not in inputs:
+        return image
+    from runner.core import media
+
+    inside = media.mask_inside(media.load_input(inputs["mask_image"], getattr(row, "mask_image", None)))
+    return np.where(inside[..., None], image, np.uint8(255)).astype(np.uint8)
+
+
 def accuracy_section(items: Iterable, records: Dict[str, dict], out_dir: object) -> Dict[str, object]:
     """The manifest's ``accuracy``: every item with ``expect`` read back from its file on disk (``records``: the
-    run's journal records by item key); failed or missing items count as misses."""
+    run's journal records by item key; an inpainted item inside its mask, :func:`inside_mask`); failed or missing
+    items count as misses."""
     from pathlib import Path
 
     from PIL import Image
@@ -108,7 +122,7 @@ def accuracy_section(items: Iterable, records: Dict[str, dict], out_dir: object)
             continue
         rec = records.get(it.key)
         got = ({"color": None, "shape": None, "position": None} if not rec or rec.get("status") != "ok"
-               else read(np.asarray(Image.open(Path(out_dir) / rec["file"]).convert("RGB"))))
+               else read(inside_mask(np.asarray(Image.open(Path(out_dir) / rec["file"]).convert("RGB")), it.row)))
         pairs.append((got, it.row.expect))
         per_item[it.key] = got
     return {"oracle": "toy_shapes", **accuracy(pairs), "read": per_item}

@@ -17,24 +17,11 @@ from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from runner.core.errors import UserInputError
+from runner.core.errors import DatasetError, UserInputError  # noqa: F401  (DatasetError re-exported)
 from runner.core.paths import RUNNER_DIR
 from runner.core.schema import DatasetFormat, ExtraFields
 
 BUILTIN_PROMPTS = RUNNER_DIR / "data" / "prompts.jsonl"
-
-class DatasetError(UserInputError, ValueError):
-    """Raised for bad dataset input. ``problems`` lists one message per bad field, each naming file, line,
-    field, value and the fix."""
-
-    def __init__(self, problems: List[str]):
-        self.problems = problems
-        head = f"{len(problems)} problem(s) in the dataset:" if len(problems) > 1 else "dataset problem:"
-        super().__init__(head + "\n  " + "\n  ".join(problems))
-
-    def __reduce__(self):  # pickled by Ray: rebuild from the problems, not from the joined message
-        return type(self), (self.problems,), self.__dict__
-
 
 @dataclass(frozen=True)
 class Row:
@@ -65,6 +52,9 @@ class Row:
     read as attributes (``row.num_frames``; None when the row's spec has the field and the row has no value)."""
     spec: Optional["RowSpec"] = dc_field(default=None, compare=False, repr=False)
     """The row spec the row was validated by (None: :data:`VIDEO_ROW`, the diffusion row)."""
+    inputs: Optional[Dict[str, Any]] = None
+    """The row's checked input files (``runner.core.media.attach_inputs``): ``{field: InputFile | [InputFile]}``
+    for ``image``/``mask_image``/``last_image``; None for a text row."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("values", "spec"):
@@ -163,6 +153,9 @@ class Field:
         kind: the words for the type in messages (default :data:`TYPE_WORDS`).
         extra: False for the fields every row of the spec's row class has as attributes; True for an engine's
             further fields, kept in ``Row.values`` (and so in the item's record ``params`` when set).
+        media: the value names an input file (``runner.core.media``): its identity is the file's sha256 (and what
+            the pipeline gets from it), not the path; its batching key the input's size; recorded under the item's
+            ``inputs``, not its ``params``.
     """
 
     name: str
@@ -174,6 +167,7 @@ class Field:
     parse: Optional[Callable[[Any, bool], Any]] = None
     kind: Optional[str] = None
     extra: bool = True
+    media: bool = False
 
     def words(self) -> str:
         """The type in words (``an integer``)."""
@@ -246,16 +240,38 @@ class RowSpec:
     def identity(self, row: Any) -> Dict[str, Any]:
         """The row's values that are part of its items' inputs (:attr:`Field.identity`)."""
         out = {}
+        inputs = getattr(row, "inputs", None) or {}
         for f in self.fields:
             v = getattr(row, f.name, None)
+            if f.media and v is not None:
+                v = media_identity(inputs.get(f.name), v)
             if f.identity == "always" or (f.identity == "set" and v is not None):
                 out[f.name] = v
         return out
 
     def shape_key(self, row: Any) -> tuple:
-        """The batching key of a row: its :attr:`Field.batch_key` fields' values (or their mapped parts)."""
-        return tuple(f.batch_key(getattr(row, f.name, None)) if callable(f.batch_key) else getattr(row, f.name, None)
-                     for f in self.fields if f.batch_key)
+        """The batching key of a row: its :attr:`Field.batch_key` fields' values (or their mapped parts), and for a
+        row with inputs their sizes per media field (rows whose inputs have one shape share a pipeline call)."""
+        key = tuple(f.batch_key(getattr(row, f.name, None)) if callable(f.batch_key) else getattr(row, f.name, None)
+                    for f in self.fields if f.batch_key)
+        inputs = getattr(row, "inputs", None)
+        if inputs:
+            key += (tuple((f, tuple((x.width, x.height) for x in (v if isinstance(v, list) else [v])))
+                          for f, v in sorted(inputs.items())),)
+            if any(isinstance(v, list) for v in inputs.values()):  # a list of references: a pipeline call per row
+                key += (row.id,)
+        return key
+
+
+def media_identity(inp: Any, value: Any) -> Any:
+    """The identity of a media field's value: each checked input's ``digest()`` (sha256 of its bytes and what the
+    pipeline gets), a list for a list of references; an unchecked value (no ``inputs``) as given, an image cell by
+    the sha256 of its bytes."""
+    if inp is not None:
+        return [x.digest() for x in inp] if isinstance(inp, list) else inp.digest()
+    if isinstance(value, dict):
+        return {"sha256": hashlib.sha256(bytes(value.get("bytes") or b"")).hexdigest(), "path": value.get("path")}
+    return value
 
 
 def parse_fields(rec: Mapping[str, Any], spec: RowSpec, where: str, from_text: bool, extra_mode: str
@@ -446,6 +462,73 @@ IMAGE_ROW = RowSpec("image", (
 ), (check_prompt, check_max_pixels), build_diffusion_row,
     order=(check_prompt, UNIQUE_ID, "width", "height", check_max_pixels, "num_inference_steps", "seed",
            "guidance_scale", "num_frames", "fps", "num_images_per_prompt"))
+def check_strength(v: Any, context: Mapping[str, Any]) -> Optional[str]:
+    """``strength``: 0 < s <= 1 (diffusers' img2img/inpaint ``check_inputs`` accept [0, 1]; 0 runs no step)."""
+    import math
+
+    if v is not None and not (math.isfinite(v) and 0 < v <= 1):
+        return "must be in (0, 1]; fix: e.g. 0.6 (diffusers' default for FLUX img2img), 1.0 repaints fully"
+    return None
+
+
+def check_task_inputs(where: str, vals: Mapping[str, Any], merged: Mapping[str, Any], context: Mapping[str, Any],
+                      bad: bool) -> List[str]:
+    """The conditioning fields of a row against ``context["task"]`` (``model.task``; default ``text_to_image``):
+    a field the task does not take is refused naming the tasks that take it, the family's (``context["tasks"]``)
+    first (as an ignored field: it would not reach the pipeline); a field the task requires must be set; a list of references only where
+    ``context["multi_image"]`` (the family's multi-reference edit)."""
+    from runner.core.media import TASK_INPUTS
+
+    task = str(context.get("task") or "text_to_image")
+    takes = TASK_INPUTS.get(task, {})
+    out = []
+    for f in CONDITIONING_FIELD_NAMES:
+        if f in vals and f not in takes:
+            own = context.get("tasks") or TASK_INPUTS  # the family's tasks first: the fix names one it has
+            users = sorted((t for t, fs in TASK_INPUTS.items() if f in fs), key=lambda t: t not in own)
+            out.append(f"{where}: field {f!r} = {vals[f]!r} is not taken by model.task={task} (the pipeline would "
+                       f"never see it); fix: remove it from the row, or model.task={users[0]} (tasks that take "
+                       f"{f}: {', '.join(users)})")
+        elif f not in vals and takes.get(f):
+            out.append(f"{where}: field {f!r} is missing, and model.task={task} needs it; fix: give every row "
+                       f"{f!r} (a path relative to the dataset file's folder or dataset.media_root)")
+    if isinstance(vals.get("image"), list) and "image" in takes and not context.get("multi_image"):
+        out.append(f"{where}: field 'image' is a list of {len(vals['image'])} paths, and model.task={task} of this "
+                   "family takes one image; fix: one path per row (a family with multi-reference edit: "
+                   "model.adapter=qwen_image)")
+    return out
+
+
+def parse_images(value: Any, from_text: bool) -> Any:
+    """``Field.parse`` of ``image``: a path, a list of paths or an image cell (``runner.core.media.parse_media``)."""
+    from runner.core import media
+
+    return media.parse_media(value, from_text)
+
+
+def parse_image(value: Any, from_text: bool) -> Any:
+    """``Field.parse`` of ``mask_image``/``last_image``: one path or image cell (``media.parse_one_media``)."""
+    from runner.core import media
+
+    return media.parse_one_media(value, from_text)
+
+
+#: The conditioning fields (``runner.core.media``): an input image (a list of references for a multi-reference
+#: edit), a mask, a last frame, and the img2img/inpaint strength. Identity only when set (text rows keep theirs).
+CONDITIONING_FIELDS = (
+    Field("image", list, identity="set", parse=parse_images, media=True,
+          kind="a path or a list of paths"),
+    Field("mask_image", str, identity="set", parse=parse_image, media=True,
+          kind="a path"),
+    Field("last_image", str, identity="set", parse=parse_image, media=True,
+          kind="a path"),
+    Field("strength", float, check=check_strength, identity="set", batch_key=True),
+)
+CONDITIONING_FIELD_NAMES = tuple(f.name for f in CONDITIONING_FIELDS)
+
+
+
+
 #: The video fields: identity only when set, so the items of rows without them keep their identities.
 VIDEO_FIELDS = (
     Field("num_frames", int, check=check_video_count, default="num_frames", identity="set", batch_key=True),
@@ -454,7 +537,10 @@ VIDEO_FIELDS = (
 #: The diffusion video row (and every diffusion engine's: an image model refuses the video fields by name in its
 #: ``check_rows``, which needs them read).
 VIDEO_ROW = IMAGE_ROW.extend("video", *VIDEO_FIELDS)
-#: ``{field: type}`` of the diffusion row (:data:`VIDEO_ROW`).
+#: The diffusion row of every diffusion engine: :data:`VIDEO_ROW` and the conditioning fields, each allowed only
+#: where ``model.task`` takes it (:func:`check_task_inputs`).
+DIFFUSION_ROW = VIDEO_ROW.extend("diffusion", *CONDITIONING_FIELDS, cross=(check_task_inputs,))
+#: ``{field: type}`` of the text diffusion row (:data:`VIDEO_ROW`: what ``load_rows`` reads without a spec).
 ROW_FIELDS: Dict[str, type] = VIDEO_ROW.types()
 
 
@@ -772,7 +858,7 @@ def source_path(fmt: str, path: Optional[str], builtin: str) -> Path:
 def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_multiple: int, max_pixels: int,
               limit: Optional[int] = None, builtin: str = "prompts.jsonl", split: Optional[str] = None,
               columns: Optional[Dict[str, str]] = None, extra_fields: str = "error",
-              spec: Optional[RowSpec] = None) -> tuple[List[Row], Path]:
+              spec: Optional[RowSpec] = None, context: Optional[Mapping[str, Any]] = None) -> tuple[List[Row], Path]:
     """Read and validate every diffusion row, before any model loads (:func:`validate_rows` over ``spec``).
 
     Args:
@@ -789,6 +875,7 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
         limit: keep the first ``limit`` rows.
         builtin: file name under ``runner/data`` that ``builtin`` reads (the model's builtin prompts).
         spec: the engine's row spec (None: :data:`VIDEO_ROW`, the diffusion row).
+        context: further context of the spec's checks (``task``, ``multi_image``: :func:`check_task_inputs`).
 
     Returns:
         ``(rows, resolved_path)``.
@@ -802,7 +889,7 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
     if limit is not None:
         raw = raw[:limit]
     rows = validate_rows(raw, spec, src, from_text=fmt == "csv", extra_fields=extra_fields, defaults=defaults,
-                         context={"size_multiple": size_multiple, "max_pixels": max_pixels})
+                         context={"size_multiple": size_multiple, "max_pixels": max_pixels, **(context or {})})
     return rows, src
 
 

@@ -16,7 +16,7 @@ This module imports nothing from the project (every module may import it).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 
 class RunnerError(Exception):
@@ -102,3 +102,16 @@ class RunDirInUseError(RunDirLockError):
     holder's pid, host, start time and command, and the fix)."""
 
     outcome = "in_use"
+
+
+class DatasetError(UserInputError, ValueError):
+    """Raised for bad dataset input (``runner.core.dataset``, ``runner.core.media``). ``problems`` lists one message
+    per bad field, each naming file, line, field, value and the fix."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = problems
+        head = f"{len(problems)} problem(s) in the dataset:" if len(problems) > 1 else "dataset problem:"
+        super().__init__(head + "\n  " + "\n  ".join(problems))
+
+    def __reduce__(self):  # pickled by Ray: rebuild from the problems, not from the joined message
+        return type(self), (self.problems,), self.__dict__

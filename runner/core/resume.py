@@ -79,8 +79,25 @@ def cache_config(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return c
 
 
+#: ``model.task`` values that generate from text alone: the task of every run made before tasks existed.
+TEXT_TASKS = (None, "text_to_image", "text_to_video")
+
+
+def task_of(cfg: Dict[str, Any]) -> Optional[str]:
+    """``model.task`` when it is a conditioning task (inputs from the rows), else None: a text run's identity and
+    semantic config stay what they were before ``model.task`` existed."""
+    task = _get(cfg, "model.task")
+    return None if task in TEXT_TASKS else str(task)
+
+
+def inpaint_overlay_of(cfg: Dict[str, Any]) -> Optional[bool]:
+    """``output.inpaint_overlay`` of an inpaint run (it changes the pixels outside the mask), else None."""
+    return bool(_get(cfg, "output.inpaint_overlay")) if task_of(cfg) == "inpaint" else None
+
+
 #: The keys that enter only while set (``Factors.when_set``), each with what reads its set value (None: unset).
-WHEN_SET = {"cache": cache_config, "optimize.compile_mode": compile_mode_of}
+WHEN_SET = {"cache": cache_config, "optimize.compile_mode": compile_mode_of, "model.task": task_of,
+            "output.inpaint_overlay": inpaint_overlay_of}
 
 
 def _when_set_keys(kind: str) -> tuple:
@@ -315,6 +332,13 @@ def why_not_reused(rec: Dict[str, Any], item: Any, run_changed: bool) -> str:
         return "prompt"
     if rec.get("seed") is not None and rec.get("seed") != item.seed:
         return "seed"
+    inputs = getattr(r, "inputs", None) or {}
+    for f, inp in sorted(inputs.items()):  # a conditioning input whose bytes changed (runner.core.media)
+        now = [x.sha256 for x in inp] if isinstance(inp, list) else inp.sha256
+        was = (rec.get("inputs") or {}).get(f)
+        was = [x.get("sha256") for x in was] if isinstance(was, list) else (was or {}).get("sha256")
+        if was != now:
+            return f"input {f} changed"
     params = rec.get("params") or {}
     for k, v in item_inputs(item).items():
         if k in params and params[k] != v:

@@ -167,6 +167,20 @@ class DatasetFormat(Choice):
     hf = "hf"
 
 
+class Task(Choice):
+    """What a diffusion model config generates from a row (``model.task``; the family's ``FamilySpec.tasks`` maps
+    each to a diffusers pipeline class): ``text_to_image``, ``image_to_image`` (``image`` + ``strength``),
+    ``inpaint`` (``image`` + ``mask_image`` + ``strength``), ``edit`` (``image``: one reference, or a list for
+    multi-reference editing), ``text_to_video``, ``image_to_video`` (``image``, optional ``last_image``)."""
+
+    text_to_image = "text_to_image"
+    image_to_image = "image_to_image"
+    inpaint = "inpaint"
+    edit = "edit"
+    text_to_video = "text_to_video"
+    image_to_video = "image_to_video"
+
+
 class ExtraFields(Choice):
     """What a dataset field that is no row field does: ``error`` refuses it (with a did-you-mean); ``keep`` records
     it under the item's ``meta`` unless it is close to a row field (a typo such as ``promt`` is refused either
@@ -270,6 +284,7 @@ class Oracle(Choice):
 
     toy_shapes = "toy_shapes"
     toy_motion = "toy_motion"
+    toy_edit = "toy_edit"
 
 
 
@@ -397,6 +412,12 @@ class DiffusionModelConfig(ModelConfig):
     """Per-row generation defaults."""
     size_multiple: int = 16
     """Widths and heights must be multiples of this (VAE factor x patch size)."""
+    task: Optional[Task] = declared(None, enters=(RESUME, IDENTITY), when_set=True)
+    """What the model generates from a row (:class:`Task`); null: the family's generation task (``text_to_image``,
+    ``text_to_video`` for a video family). A task the family has no pipeline for is refused at startup, naming those
+    it has; the conditioning tasks read their inputs from the rows (``image``, ``mask_image``, ``last_image``,
+    ``strength``: ``runner.core.media``). Enters the resume comparison and the run identity while it is a
+    conditioning task (``runner.core.resume.WHEN_SET``), so text runs keep their identities."""
     oracle: Optional[Oracle] = None
     """Reads generated images back (``models.toy_shapes.oracle``) for the manifest's ``accuracy``; null: none."""
 
@@ -544,6 +565,9 @@ class DatasetConfig:
     on_ignored: OnIgnored = OnIgnored.error
     """A row field or ``model.generation`` default that the model ignores: ``error`` (refused at startup) or
     ``record`` (run without it; the item records the value under ``ignored``)."""
+    media_root: Optional[str] = None
+    """The folder that relative input paths of the rows (``image``, ``mask_image``, ``last_image``) are resolved
+    against; null: the dataset file's folder (``runner.core.media.resolve_path``)."""
     on_truncation: OnTruncation = OnTruncation.record
     """A prompt longer than a text encoder takes: ``record`` (run; the item records per encoder its token count and
     the tokens dropped) or ``error`` (refused at startup)."""
@@ -560,6 +584,11 @@ class OutputConfig:
     video_codec: VideoCodec = VideoCodec.h264_lossless
     """Video models: the MP4 encoding (``h264_lossless``: decoded frames equal the generated ones; ``h264``:
     browser-playable, lossy). Records carry the sha256 of the decoded frames either way."""
+    inpaint_overlay: bool = declared(True, enters=(RESUME, IDENTITY), when_set=True)
+    """``model.task=inpaint``: composite the input image back outside the mask (diffusers' ``apply_overlay`` idea,
+    with the pipeline's own mask binarisation: mask value >= 128 is inside), so every pixel outside the mask equals
+    the input's exactly; recorded per item (``inputs.overlay``). ``false``: the outside is the VAE's reconstruction
+    of the input (recorded as such). Enters the identity only for inpaint runs."""
     video_frames: bool = False
     """Video models: also write each video's generated ``uint8`` frames losslessly to ``videos/<id>.frames.npz``
     (``numpy.load(f)["frames"]``, layout (F, H, W, 3)) for parity checks."""

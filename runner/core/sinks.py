@@ -89,14 +89,32 @@ def embedded_fields(record: Dict[str, Any], model: Optional[str]) -> Dict[str, s
     out["parameters"] = json.dumps(record.get("params") or {}, sort_keys=True, default=str)
     if model is not None:
         out["model"] = str(model)
+    if record.get("inputs"):  # a conditioned item: its input files by sha256 (their paths are not embedded)
+        out["inputs"] = json.dumps(input_digests(record["inputs"]), sort_keys=True)
     return out
+
+
+def input_digests(inputs: Dict[str, Any]) -> Dict[str, Any]:
+    """``{field: sha256 | [sha256]}`` of a record's ``inputs`` (``runner.core.media.InputFile.record``)."""
+    return {f: ([x["sha256"] for x in v] if isinstance(v, list) else v["sha256"]) for f, v in inputs.items()}
+
+
+def input_file_name(inputs: Optional[Dict[str, Any]]) -> Any:
+    """``metadata.jsonl``'s ``input_file_name`` of a conditioned record: the path of its ``image`` input (a list for
+    a list of references); None without one."""
+    img = (inputs or {}).get("image")
+    if img is None:
+        return None
+    paths = [None if str(x["path"]).startswith("<") else x["path"] for x in (img if isinstance(img, list) else [img])]
+    return paths if isinstance(img, list) else paths[0]  # None: an image cell's bytes (no file)
 
 
 def folder_metadata_row(record: Dict[str, Any], model: Optional[str], run_id: Optional[str]) -> Dict[str, Any]:
     """One ``metadata.jsonl`` line of an ok record: ``file_name`` (relative to the artifact's folder), ``id``,
     ``key``, ``prompt``, ``negative_prompt``, ``seed``, ``parameters`` (an object: the params as applied), ``model``,
     ``run_id`` (the manifest's ``run_id`` of the run whose ``items.jsonl`` lists it), ``file_sha256``; a video's
-    ``num_frames`` and ``fps``; the record's ``meta`` when it has one."""
+    ``num_frames`` and ``fps``; the record's ``meta`` when it has one; a conditioned item's ``input_file_name`` (the
+    path of its ``image`` input) and ``inputs`` (``{field: sha256}``)."""
     row: Dict[str, Any] = {"file_name": record.get("file_name") or Path(record["file"]).name,
                            "id": record.get("id"), "key": record.get("key"), "prompt": record.get("prompt"),
                            "negative_prompt": record.get("negative_prompt"), "seed": record.get("seed"),
@@ -105,6 +123,9 @@ def folder_metadata_row(record: Dict[str, Any], model: Optional[str], run_id: Op
     for k in ("num_frames", "fps", "meta"):
         if record.get(k) is not None:
             row[k] = record[k]
+    if record.get("inputs"):
+        row["input_file_name"] = input_file_name(record["inputs"])
+        row["inputs"] = input_digests(record["inputs"])
     return row
 
 

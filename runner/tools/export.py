@@ -7,7 +7,7 @@ layout) or WebDataset tar shards.
 One row (sample) per ok item of ``items.jsonl``, in journal order, holding the artifact's bytes and the fields of the
 run dir's folder index (``runner.core.sinks.folder_metadata_row``: ``file_name``, ``id``, ``key``, ``prompt``,
 ``negative_prompt``, ``seed``, ``parameters``, ``model``, ``run_id``, ``file_sha256``; a video's ``num_frames``
-and ``fps``; ``meta``). Text runs (vLLM stages: no artifact file) export their records' fields alone (``prompt``,
+and ``fps``; ``meta``; a conditioned item's ``input_file_name`` and ``inputs``, its input files' sha256). Text runs (vLLM stages: no artifact file) export their records' fields alone (``prompt``,
 ``text``, ``output_token_ids``, ...).
 
 * ``parquet``: ``data-<i>-of-<n>.parquet`` written by ``datasets`` (``Dataset.to_parquet``), so the image column

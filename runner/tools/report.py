@@ -476,6 +476,24 @@ def _thumb(path: Path, px: int = THUMB_PX, num_frames: Optional[int] = None) -> 
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _input_thumbs(rec: Dict[str, Any]) -> str:
+    """A conditioned item's input files (``inputs``: image, mask, references) as small previews before its output,
+    each titled with its field, path and sha256; an input that is gone or no file (an image cell's bytes) is named,
+    not shown."""
+    out = []
+    for field, v in (rec.get("inputs") or {}).items():
+        for inp in v if isinstance(v, list) else [v]:
+            p = Path(str(inp.get("path") or ""))
+            title = _e(f"input {field}: {inp.get('path')} (sha256 {str(inp.get('sha256'))[:12]}...)")
+            if p.is_file():
+                out.append(f'<img class="input" style="width:48%" alt="{_e(field)}" title="{title}" '
+                           f'src="{_thumb(p, THUMB_PX // 2)}">')
+            else:
+                out.append(f'<span class="sub" title="{title}">{_e(field)}: not a file here</span>')
+    return (f'<div class="inputs">{"".join(out)}<span class="sub">input{"s" if len(out) > 1 else ""} → output'
+            '</span></div>') if out else ""
+
+
 def throughput(m: Dict[str, Any]) -> Tuple[Optional[float], str]:
     """``(value, unit)`` of a manifest's generation throughput: ``images/s``, ``videos/s`` or ``items/s``
     (``timing.<unit>_per_s``); ``(None, "images/s")`` when none was recorded."""
@@ -761,8 +779,9 @@ def _image_grid(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List[Dic
                              f'src="{_thumb(j.image_path(k), num_frames=n)}"></a>'
                              f'<span class="sub">video · {_e(pos)}{_e(fps)}</span>{_e(cap)}{what}</div>')
                 continue
-            cells.append(f'<div class="cell"><a href="{href}"><img alt="{_e(k)} / job {_e(j.label)}" '
-                         f'title="{_e(rec.get("file"))}" src="{_thumb(j.image_path(k))}"></a>{_e(cap)}{what}</div>')
+            cells.append(f'<div class="cell">{_input_thumbs(rec)}<a href="{href}"><img alt="{_e(k)} / job '
+                         f'{_e(j.label)}" title="{_e(rec.get("file"))}" src="{_thumb(j.image_path(k))}"></a>'
+                         f'{_e(cap)}{what}</div>')
     return f'{note}<div class="grid" style="grid-template-columns:{cols}">{"".join(cells)}</div>'
 
 

@@ -20,6 +20,10 @@ shell's ``HF_HOME``: :func:`rerun_environment`) and then compares:
 * the ``backends`` section: the selected (and resolved) value of every stage and field must be unchanged;
 * the dataset sha256 and, for runs refused at startup, the status and error type.
 
+Before anything re-runs, the input files of the original's items (``items.jsonl`` ``inputs``: images, masks of a
+conditioning task) must still hash to their recorded sha256: a changed or missing input is refused (exit 2) naming
+the file, the field and the item (:func:`check_inputs`), since the re-run would compute other outputs.
+
 It prints a per-item table (key, original sha, new sha, equal/PSNR, verdict), writes the comparison to
 ``NEW_DIR/repro_check.json`` and exits 0 when everything reproduces, 1 on any mismatch, missing item or changed
 backend resolution (each named), 2 when ``run_dir`` holds no manifest.
@@ -320,12 +324,49 @@ def format_table(result: Dict[str, Any]) -> str:
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*l) for l in lines)])
 
 
+def changed_inputs(run_dir: Path) -> List[str]:
+    """The input files of ``run_dir``'s ok items (``items.jsonl`` ``inputs``: ``runner.core.media``) that are gone or
+    no longer hash to their recorded sha256, one line each naming the file, the item and the field. An input read
+    from an image cell's bytes (``<bytes ...>``) is covered by the dataset's sha256 instead."""
+    out, seen = [], set()
+    for key, rec in _items(run_dir).items():
+        if rec.get("status") != "ok":
+            continue
+        for field, v in (rec.get("inputs") or {}).items():
+            for i, inp in enumerate(v if isinstance(v, list) else [v]):
+                path = str(inp.get("path") or "")
+                if not path or path.startswith("<") or (path, inp.get("sha256")) in seen:
+                    continue
+                seen.add((path, inp.get("sha256")))
+                now = _sha(Path(path))
+                if now != inp.get("sha256"):
+                    name = f"{field}[{i}]" if isinstance(v, list) else field
+                    out.append(f"{path} ({name} of item {key}): " + ("is gone" if now is None else
+                               f"sha256 {now[:12]}..., the run recorded {str(inp.get('sha256'))[:12]}..."))
+    return out
+
+
+def check_inputs(run_dir: Path) -> None:
+    """Refuse to reproduce a run whose input files changed since it ran (the re-run would compute other outputs, and
+    comparing them would blame the runner).
+
+    Raises:
+        ReproInputError: naming every changed or missing input and the fix (exit 2).
+    """
+    changed = changed_inputs(run_dir)
+    if changed:
+        raise ReproInputError(f"{len(changed)} input file(s) of {run_dir} changed since it ran, so a re-run cannot "
+                              "reproduce it:\n  " + "\n  ".join(changed) + "\nfix: restore those files (their "
+                              "recorded sha256 is in items.jsonl's inputs), or start a new run")
+
+
 def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float = PARITY_TOLERANCE_DB,
               exact: Optional[bool] = None, timeout_s: Optional[float] = None) -> Tuple[int, Dict[str, Any]]:
     """Re-run ``run_dir`` into ``new_dir`` and compare. Returns ``(exit code, comparison)``.
 
     Raises:
-        ReproInputError: ``run_dir`` holds no (readable) manifest.json, or ``new_dir`` already holds a run.
+        ReproInputError: ``run_dir`` holds no (readable) manifest.json, ``new_dir`` already holds a run, or an input
+            file of the run changed since it ran (:func:`check_inputs`).
     """
     run_dir = Path(run_dir).resolve()
     if not (run_dir / "manifest.json").exists():
@@ -345,6 +386,7 @@ def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float
     new_dir = Path(new_dir).resolve()
     if (new_dir / "manifest.json").exists():
         raise ReproInputError(f"{new_dir} already holds a run; fix: choose a new --out")
+    check_inputs(run_dir)
     cmd = rerun_command(manifest, new_dir)
     env = {**os.environ, **rerun_environment(manifest)}
     import shlex
