@@ -155,7 +155,7 @@ GROUPS: Dict[str, Dict[str, Any]] = {
             f"tests/test_mutation_kills_context_parallel.py::{t}" for t in (
                 "test_a_denoiser_class_without_a_plan_is_refused_naming_it",
                 "test_heads_not_a_multiple_of_the_ulysses_degree_are_refused_with_the_degrees_that_fit",
-                "test_what_diffusers_can_split_passes", "test_expected_collectives")] + [
+                "test_what_diffusers_can_split_passes")] + [
             f"tests/test_context_parallel.py::{t}" for t in (
                 "test_heads_not_divisible_by_ulysses_degree",
                 "test_backend_without_context_parallel_support_is_refused_by_name")]},

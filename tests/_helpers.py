@@ -181,3 +181,28 @@ def assert_compile_warm_up_console(out: str, n_ok: int, desc: str = "tiny_flux")
     assert moved and says[0] < moved[0], lines
     assert {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m} == {desc}
     assert len(summary_lines(lines)) == 1 and f"run completed: {n_ok} ok" in summary_lines(lines)[0]
+
+
+def stale_output_hook(stateful: bool = True) -> Any:
+    """A diffusers ``ModelHook`` class whose module returns the output of its first call for every later call (a
+    deliberately broken step cache for tests). ``stateful``: diffusers resets it per pipeline call
+    (``reset_state``); else its state outlives the call."""
+    from diffusers.hooks import ModelHook
+
+    class Stale(ModelHook):
+        _is_stateful = stateful
+
+        def __init__(self):
+            super().__init__()
+            self.out = None
+
+        def new_forward(self, module, *args, **kwargs):
+            if self.out is None:
+                self.out = self.fn_ref.original_forward(*args, **kwargs)
+            return self.out
+
+        def reset_state(self, module):
+            self.out = None
+            return module
+
+    return Stale

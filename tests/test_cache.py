@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import execute
+from _helpers import execute, stale_output_hook
 from runner.core.errors import RunnerError
 
 ROWS = 6  # toy_shapes builtin rows for the gate (lossless accuracy 1.0 on these)
@@ -132,25 +132,11 @@ def _stale_method(name, forever):
     step. ``forever``: its state is never reset (not a stateful diffusers hook), so every later pipeline call, of any
     row, gets the first row's step-0 outputs too; else it is reset per call (each image is then its own one-step
     Euler sample: blurred, but its shapes right, so the oracle still reads it)."""
-    from diffusers.hooks import HookRegistry, ModelHook
+    from diffusers.hooks import HookRegistry
 
     from models.cache import CacheMethod
 
-    class Stale(ModelHook):
-        _is_stateful = not forever
-
-        def __init__(self):
-            super().__init__()
-            self.out = None
-
-        def new_forward(self, module, *args, **kwargs):
-            if self.out is None:
-                self.out = self.fn_ref.original_forward(*args, **kwargs)
-            return self.out
-
-        def reset_state(self, module):
-            self.out = None
-            return module
+    Stale = stale_output_hook(stateful=not forever)
 
     def blocks(t):
         return [b for _, c in t.named_children() if isinstance(c, torch.nn.ModuleList) for b in c]

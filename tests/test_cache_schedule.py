@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from _helpers import execute
+from _helpers import execute, stale_output_hook
 from models.cache import method_of, register_cache_method, unregister_cache_method
 from runner.core.errors import EvidenceError
 
@@ -82,25 +82,11 @@ def _one_block_method(name: str):
     """A cache on the last transformer block only: from the 2nd step of a call on, that block returns its step-0
     output (its state reset per call); every other block computes. One block reused per forward."""
     import torch
-    from diffusers.hooks import HookRegistry, ModelHook
+    from diffusers.hooks import HookRegistry
 
     from models.cache import CacheMethod
 
-    class Stale(ModelHook):
-        _is_stateful = True
-
-        def __init__(self):
-            super().__init__()
-            self.out = None
-
-        def new_forward(self, module, *args, **kwargs):
-            if self.out is None:
-                self.out = self.fn_ref.original_forward(*args, **kwargs)
-            return self.out
-
-        def reset_state(self, module):
-            self.out = None
-            return module
+    Stale = stale_output_hook(stateful=True)
 
     def last(t):
         return [b for _, c in t.named_children() if isinstance(c, torch.nn.ModuleList) for b in c][-1]

@@ -54,12 +54,7 @@ def test_what_diffusers_can_split_passes(config, lay):
     check_model("m", "FluxTransformer2DModel", config, lay)
 
 
-def test_expected_collectives():
-    assert expected_collectives(None, 5) == {}
-    assert expected_collectives(Layout("ulysses", data=2, ring=1, ulysses=2), 5) == {"all_to_all": 20}
-    assert expected_collectives(Layout("ring", data=1, ring=3, ulysses=1), 5) == {"all_gather": 5}
-    assert expected_collectives(Layout("ring", data=1, ring=3, ulysses=2), 7) == {"all_to_all": 28, "all_gather": 7}
-    assert expected_collectives(Layout("ulysses", data=1, ring=1, ulysses=1), 7) == {}
+# expected_collectives over each layout (ring 2 and 3, Ulysses, both, none): tests/test_ring_ulysses.py
 
 
 @pytest.mark.parametrize("name,kind", [("c10d::alltoall_", "all_to_all"), ("_c10d_functional::all_to_all_single",

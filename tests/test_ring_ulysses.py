@@ -109,6 +109,9 @@ def test_expected_collectives_of_each_layout():
     assert expected_collectives(Layout("ring", data=1, ring=2, ulysses=1), 5) == {"all_gather": 5}
     assert expected_collectives(Layout("ring", data=1, ring=2, ulysses=2), 3) == {"all_to_all": 12, "all_gather": 3}
     assert expected_collectives(Layout("ring", data=2, ring=1, ulysses=1), 3) == {}
+    assert expected_collectives(Layout("ring", data=1, ring=3, ulysses=1), 5) == {"all_gather": 5}
+    assert expected_collectives(Layout("ring", data=1, ring=3, ulysses=2), 7) == {"all_to_all": 28, "all_gather": 7}
+    assert expected_collectives(Layout("ulysses", data=1, ring=1, ulysses=1), 7) == {}
 
 
 def test_layout_roles_of_a_ring_times_ulysses_mesh():
