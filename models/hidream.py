@@ -30,8 +30,8 @@ to ``HiDreamAttention`` (not an ``AttentionModuleMixin``): ``optimize.fuse_qkv``
 modules).
 
 MoE (``backend.moe``, :class:`HiDreamExperts`): ``TORCH`` keeps diffusers' own expert loop (``moe_infer``: the
-reference), ``TRITON`` computes the routed experts with ``kernels.moe.moe_triton`` (router and shared expert stay
-diffusers'). Routing: softmax over the routed experts, top-k, no renormalization (``MoEGate.norm_topk_prob`` is
+reference), ``TRITON`` computes the routed experts with ``kernels.moe.moe_triton``, ``GROUPED_MM`` with
+``kernels.moe.moe_grouped_mm`` (router and shared expert stay diffusers'). Routing: softmax over the routed experts, top-k, no renormalization (``MoEGate.norm_topk_prob`` is
 False); diffusers takes the softmax in the activations' dtype, ``kernels.moe.route`` in fp32 (the same in fp32
 runs; in bf16 the routing weights differ by bf16 rounding).
 """
@@ -128,13 +128,17 @@ class HiDreamExperts(ExpertsLayout):
         return ("experts.",)
 
     def stack(self, block: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gate ``w1`` and up ``w3`` packed fused, as the halves of one ``(E, 2I, H)`` tensor (one grouped GEMM
+        for both under GROUPED_MM, ``kernels.moe.fused_gate_up``); down ``w2`` as ``(E, H, I)``."""
         with torch.no_grad():
-            packed = tuple(torch.stack([getattr(e, w).weight.detach() for e in block.experts])
-                           for w in ("w1", "w3", "w2"))
+            gate_up = torch.stack([torch.cat([e.w1.weight.detach(), e.w3.weight.detach()]) for e in block.experts])
+            inter = block.experts[0].w1.weight.shape[0]
+            packed = (gate_up[:, :inter], gate_up[:, inter:],
+                      torch.stack([e.w2.weight.detach() for e in block.experts]))
             for i, e in enumerate(block.experts):
                 for w, t in zip(("w1", "w3", "w2"), packed):
                     getattr(e, w).weight = nn.Parameter(t[i], requires_grad=False)
-        return packed  # type: ignore[return-value]
+        return packed
 
     def router_logits(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, block.gate.weight)
