@@ -823,3 +823,32 @@ def time_block(block: nn.Module, layout: ExpertsLayout, x: torch.Tensor, backend
     if "forward" in vars(block):
         del block.forward
     return out
+
+
+def auto_candidates(ctx: Any) -> List[str]:
+    """The MoE backends ``auto`` may choose on a diffusers stage in ``ctx`` (a ``kernels.registry.SelectionContext``),
+    in auto order: ranked for its platform class (``kernels.registry.auto_order``), wired into diffusers models, and
+    every requirement met. ``models.diffusers_engine.DiffusersEngine.choose_moe_by_measurement`` times them when
+    there are two or more."""
+    from kernels import registry as reg
+
+    wired = reg.wired("moe", "diffusers")
+    return [n for n, _ in reg.auto_order("moe", ctx) if n in wired and not reg.get("moe", n).unmet(ctx)]
+
+
+def time_candidates(block: nn.Module, layout: ExpertsLayout, x: torch.Tensor, names: Sequence[str],
+                    iters: int = 5, warmup: int = 2) -> Tuple[Dict[str, float], Dict[str, str]]:
+    """``auto``'s measurement: :func:`time_block` of each backend in ``names`` on ``block`` and ``x (..., H)``.
+
+    Returns:
+        ``(times, failed)``: milliseconds per call of each backend that ran, and ``"<exception type>: <message>"``
+        of each that raised (a candidate that cannot run here is not chosen; the caller records why).
+    """
+    times: Dict[str, float] = {}
+    failed: Dict[str, str] = {}
+    for name in names:
+        try:
+            times.update(time_block(block, layout, x, [name], iters=iters, warmup=warmup))
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is not chosen
+            failed[name] = f"{type(e).__name__}: {e}"
+    return times, failed

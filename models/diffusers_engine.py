@@ -442,8 +442,7 @@ class DiffusersEngine(EngineBase):
         from kernels import moe
         from kernels import registry as reg
 
-        wired_moe = reg.wired("moe", "diffusers")
-        cands = [n for n, _ in reg.auto_order("moe", sel) if n in wired_moe and not reg.get("moe", n).unmet(sel)]
+        cands = moe.auto_candidates(sel)
         if len(cands) < 2:
             res.reason = f"the only MoE backend that can run here: {res.reason}"
             return
@@ -455,13 +454,7 @@ class DiffusersEngine(EngineBase):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
             block, x, shape = self.moe_probe()
-            times: Dict[str, float] = {}
-            failed: Dict[str, str] = {}
-            for name in cands:
-                try:
-                    times.update(moe.time_block(block, self.moe_layout(), x, [name]))
-                except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is not chosen
-                    failed[name] = f"{type(e).__name__}: {e}"
+            times, failed = moe.time_candidates(block, self.moe_layout(), x, cands)
             del block, x
         if not times:
             raise reg.BackendUnavailableError(f"auto found no MoE backend that runs the model's MoE block here: "
