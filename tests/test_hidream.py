@@ -239,6 +239,25 @@ def test_moe_auto_times_the_candidates_when_more_than_one_can_run():
     assert r.selected == min(times, key=times.get) and r.reason.endswith(f"; {r.selected} is the fastest")
 
 
+def test_auto_candidates_and_their_measurement(monkeypatch):
+    """auto's MoE candidates (ranked, wired, runnable): all three on an sm90 bf16 GPU, only TORCH on the CPU (in bf16
+    GROUPED_MM could run, but auto does not consider torch's per-expert fallback); a candidate that raises while
+    timed is reported with its error and not timed (TRITON on this CPU)."""
+    real = reg.has_symbol
+    monkeypatch.setattr(reg, "has_symbol", lambda path: path.startswith("triton") or real(path))  # triton installed
+    assert moe.auto_candidates(ctx()) == ["TRITON", "GROUPED_MM", "TORCH"]
+    monkeypatch.setattr(reg, "has_symbol", real)
+    assert moe.auto_candidates(ctx(platform_kind="cpu", sm=None)) == ["TORCH"]
+    assert moe.auto_candidates(ctx(platform_kind="cpu", sm=None, dtype=torch.float32)) == ["TORCH"]
+    from models.hidream import HiDreamExperts
+
+    block = _moe_block(dtype=torch.bfloat16)
+    times, failed = moe.time_candidates(block, HiDreamExperts(), torch.randn(1, 64, 32, dtype=torch.bfloat16),
+                                        ["TRITON", "GROUPED_MM", "TORCH"], iters=1, warmup=0)
+    assert set(times) == {"GROUPED_MM", "TORCH"} and all(v > 0 for v in times.values())
+    assert list(failed) == ["TRITON"] and failed["TRITON"].startswith("RuntimeError: MoE backend TRITON")
+
+
 def test_moe_auto_is_not_timed_under_data_parallelism():
     """Timings differ between processes; data-parallel workers must agree, so the ranked choice stays."""
     rec = Backend("moe", "MY_MOE", diffusers=DiffusersMoEWiring(kernel=f"{__name__}:reference_kernel"),
