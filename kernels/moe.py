@@ -424,7 +424,10 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, t
 def fused_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[torch.Tensor]:
     """The ``(E, 2I, H)`` tensor whose rows ``[:I]`` are ``w_gate`` and ``[I:]`` ``w_up``, when the two ``(E, I, H)``
     operands are the halves of one such tensor in memory (``models.hidream.HiDreamExperts.stack`` packs them so);
-    None otherwise. A view, no copy: it lets one grouped GEMM compute both projections."""
+    None otherwise. A view, no copy: it lets one grouped GEMM compute both projections. None while torch.compile
+    traces (storage offsets are not traceable: the two projections are then two grouped GEMMs)."""
+    if torch.compiler.is_compiling():
+        return None
     if (w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride() or w_gate.dtype != w_up.dtype
             or w_gate.device != w_up.device or w_gate.dim() != 3):
         return None
