@@ -93,6 +93,8 @@ class SelectionContext:
             (:func:`context_parallel_unmet`).
         ring_attention: the context parallelism includes ring attention (``ring_degree > 1``), which needs the
             backend's log-sum-exp.
+        moe_dims: ``(H, I)`` of the stage's routed experts (hidden size, expert intermediate size, elements); None
+            when unknown or the model has no MoE layers.
     """
 
     platform_kind: str
@@ -102,6 +104,7 @@ class SelectionContext:
     needs_mask: bool = False
     sequence_parallel: bool = False
     ring_attention: bool = False
+    moe_dims: Optional[Tuple[int, int]] = None
 
 
 def has_symbol(path: str) -> bool:
@@ -215,6 +218,17 @@ def head_dim_multiple_of(n: int) -> Requirement:
     """The attention head_dim is a multiple of ``n``; unknown head_dim passes."""
     return Requirement(f"head_dim % {n} == 0", lambda ctx: [] if ctx.head_dim is None or not ctx.head_dim % n else [
         f"needs head_dim a multiple of {n}, the model has {ctx.head_dim}"])
+
+
+def moe_dims_multiple_of(n: int) -> Requirement:
+    """The routed experts' hidden size and intermediate size are multiples of ``n``; unknown dims pass."""
+    def test(ctx: SelectionContext) -> List[str]:
+        if ctx.moe_dims is None or not (ctx.moe_dims[0] % n or ctx.moe_dims[1] % n):
+            return []
+        return [f"needs the experts' hidden and intermediate sizes multiples of {n}, the model has H={ctx.moe_dims[0]}, "
+                f"I={ctx.moe_dims[1]}"]
+
+    return Requirement(f"MoE dims % {n} == 0", test)
 
 
 def no_mask() -> Requirement:
@@ -640,7 +654,8 @@ def _grouped_mm_device(ctx: SelectionContext) -> List[str]:
 
 register_backend(Backend("moe", "GROUPED_MM", aliases=("grouped_mm", "grouped_gemm", "torch_grouped_mm"),
                          requires=(on_platform("cpu", "cuda"), Requirement("sm 9.x/10.x on CUDA", _grouped_mm_device),
-                                   Requirement("torch grouped_mm", _grouped_mm_symbol), dtype_in(torch.bfloat16)),
+                                   Requirement("torch grouped_mm", _grouped_mm_symbol), dtype_in(torch.bfloat16),
+                                   moe_dims_multiple_of(8)),  # 16-byte rows in bf16 (GroupedMMUtils.h)
                          # CUDA only: on the CPU torch's grouped GEMM is a per-expert mm loop (explicit choice only)
                          auto={"cuda": (15, "torch's grouped GEMM, one per projection (CUTLASS, bf16)"),
                                "sm100": (15, "torch's grouped GEMM, one per projection (CUTLASS, bf16)")},

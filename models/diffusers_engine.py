@@ -410,7 +410,8 @@ class DiffusersEngine(EngineBase):
         lay = self.ctx.parallel
         sel = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=self.head_dim(),
                                needs_mask=self.needs_mask, sequence_parallel=lay is not None,
-                               ring_attention=lay is not None and lay.ring > 1)
+                               ring_attention=lay is not None and lay.ring > 1,
+                               moe_dims=self.moe_dims() if "moe" in self.backend_fields else None)
         info = StageInfo(name=self.stage, roles=list(cfg.model.roles), fields=self.backend_fields, ctx=sel,
                          wired={"attention": wired("attention", "diffusers"), "moe": wired("moe", "diffusers")},
                          model=str(self.model_cfg.name))
@@ -480,6 +481,11 @@ class DiffusersEngine(EngineBase):
             NotImplementedError: the family declares no MoE layers.
         """
         raise NotImplementedError(f"{type(self).__name__} has no MoE layers")
+
+    def moe_dims(self) -> Optional[Tuple[int, int]]:
+        """``(H, I)`` of the denoiser's routed experts from the model's configs (no weights), for the MoE backends'
+        shape requirements; None (unknown) by default."""
+        return None
 
     def moe_probe(self) -> Tuple[torch.nn.Module, torch.Tensor, str]:
         """One randomly initialised MoE block of the model's shape on the stage's device and dtype, an input of the

@@ -213,6 +213,17 @@ class HiDreamEngine(PipelineEngine):
         """:class:`HiDreamExperts`: router, routed experts and shared expert of ``MOEFeedForwardSwiGLU``."""
         return HiDreamExperts()
 
+    def moe_dims(self) -> Tuple[int, int]:
+        """``(dim, expert width)``: ``dim = heads x head_dim``; the width as diffusers builds an expert from
+        ``hidden_dim = 4 x dim`` (``HiDreamImageFeedForwardSwiGLU``: 2/3 of it, rounded up to a multiple of 256),
+        read from one built on the meta device."""
+        from diffusers.models.transformers.transformer_hidream_image import HiDreamImageFeedForwardSwiGLU
+
+        conf = self.component_config("transformer")
+        dim = int(conf.get("num_attention_heads", 20)) * int(conf.get("attention_head_dim", 128))
+        with torch.device("meta"):
+            return dim, HiDreamImageFeedForwardSwiGLU(dim, 4 * dim).w1.out_features
+
     def moe_probe(self) -> Tuple[nn.Module, torch.Tensor, str]:
         """One ``MOEFeedForwardSwiGLU`` of the transformer's shape (``dim = heads x head_dim``, ``hidden_dim = 4 x
         dim`` as the blocks build it) with random weights, and an input ``(1, T, dim)`` with ``T`` the image tokens

@@ -330,6 +330,19 @@ def test_grouped_mm_on_cpu_in_fp32_is_refused_naming_the_dtype():
         _engine(["backend.moe=grouped_mm"]).prepare()
 
 
+def test_grouped_mm_refuses_expert_dims_torch_cannot_group_at_startup():
+    """A hidden size that is not a multiple of 8 (torch's grouped GEMM needs 16-byte rows in bf16) is refused before
+    loading, with the dtype reason too (every unmet requirement at once); the tiny model's own dims pass."""
+    assert _engine().moe_dims() == (32, 256)
+    odd = ["model.architecture.transformer.num_attention_heads=1", "model.architecture.transformer.attention_head_dim=12",
+           "model.architecture.transformer.axes_dims_rope=[4,4,4]"]
+    with pytest.raises(BackendUnavailableError) as e:
+        _engine([*odd, "backend.moe=GROUPED_MM"]).prepare()
+    msg = str(e.value)
+    assert "needs dtype bfloat16, the model runs in float32" in msg, msg
+    assert "needs the experts' hidden and intermediate sizes multiples of 8, the model has H=12, I=256" in msg, msg
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_grouped_mm_kernel_matches_diffusers_loop_on_gpu():

@@ -250,6 +250,9 @@ def test_grouped_mm_moe_requirements(monkeypatch):
     assert rec.unmet(ctx(platform_kind="cpu", sm=None, dtype=torch.float32)) == [
         "needs dtype bfloat16, the model runs in float32"]
     assert rec.unmet(ctx(platform_kind="rocm", sm=None)) == ["needs platform cpu/cuda, this is rocm"]
+    assert rec.unmet(ctx(moe_dims=(2560, 6912))) == []
+    assert rec.unmet(ctx(moe_dims=(2560, 6900))) == [
+        "needs the experts' hidden and intermediate sizes multiples of 8, the model has H=2560, I=6900"]
     installed(monkeypatch, ["torch:_grouped_mm"])
     assert rec.unmet(ctx()) == []
     installed(monkeypatch, [])
