@@ -653,7 +653,8 @@ def _grouped_mm_device(ctx: SelectionContext) -> List[str]:
 
 
 register_backend(Backend("moe", "GROUPED_MM", aliases=("grouped_mm", "grouped_gemm", "torch_grouped_mm"),
-                         requires=(on_platform("cpu", "cuda"), Requirement("sm 9.x/10.x on CUDA", _grouped_mm_device),
+                         requires=(on_platform("cpu", "cuda"),
+                                   Requirement("CUDA compute capability 9.x/10.x", _grouped_mm_device),
                                    Requirement("torch grouped_mm", _grouped_mm_symbol), dtype_in(torch.bfloat16),
                                    moe_dims_multiple_of(8)),  # 16-byte rows in bf16 (GroupedMMUtils.h)
                          # CUDA only: on the CPU torch's grouped GEMM is a per-expert mm loop (explicit choice only)
