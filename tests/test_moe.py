@@ -315,8 +315,17 @@ def test_grouped_mm_bf16_parity_and_its_negative_controls(T, H, I, E, k, dead):
 
 
 def _grouped_mm_ops(fn) -> int:
+    """``aten::_grouped_mm`` calls in a CPU profile of ``fn``, which must hold no other MoE backend's signature (the
+    runner's evidence would report them as having run)."""
+    import re
+
+    from kernels import registry as reg
+
     with torch.profiler.profile() as prof:
         fn()
+    names = [e.key for e in prof.key_averages()]
+    assert not [n for n in names for other in ("TORCH", "TRITON") if re.search(reg.signature("moe", other), n, re.I)]
+    assert any(re.search(reg.signature("moe", "GROUPED_MM"), n, re.I) for n in names)
     return sum(e.count for e in prof.key_averages() if e.key == "aten::_grouped_mm")
 
 
@@ -406,7 +415,8 @@ def test_moe_grouped_mm_matches_fp32_reference_on_gpu(T, H, I, E, k, dead):
     assert rel(moe_grouped_mm(x, logits, wu, wg, wd, k, True), ref) > 2e-2
     import re
 
-    names = {e.name for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU}
+    kernels = {e.name for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU}
     sig = re.compile(reg.signature("moe", "GROUPED_MM"), re.I)
-    assert any(sig.search(n) for n in names), sorted(names)
-    assert not any(re.search(reg.signature("moe", "TORCH"), n, re.I) for n in names)
+    assert any(sig.search(n) for n in kernels), sorted(kernels)  # a device kernel, not only the op
+    everything = {e.name for e in prof.events()}
+    assert not any(re.search(reg.signature("moe", other), n, re.I) for other in ("TORCH", "TRITON") for n in everything)
