@@ -78,8 +78,9 @@ def build(shape: Dict[str, int], device: str, dtype: torch.dtype) -> torch.nn.Mo
     from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 
     torch.manual_seed(0)
-    block = MOEFeedForwardSwiGLU(shape["dim"], shape["hidden_dim"], shape["experts"], shape["top_k"])
-    return block.to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # initialised where it runs: the same seed gives the same fp32 weights each call
+        block = MOEFeedForwardSwiGLU(shape["dim"], shape["hidden_dim"], shape["experts"], shape["top_k"])
+    return block.to(dtype=dtype).eval()
 
 
 @torch.no_grad()
@@ -134,7 +135,7 @@ def auto_choice(block: torch.nn.Module, x: torch.Tensor, sel: Any, ms: Dict[str,
     fastest = min(timed, key=ms.__getitem__) if timed else None
     ok = pick is not None and fastest is not None and ms[pick] <= AUTO_SLACK * ms[fastest]
     return {"candidates": cands, "startup_ms": times, "failed": failed, "choice": pick,
-            "fastest_side_by_side": fastest, "verified": ok}
+            "fastest_side_by_side": fastest, "fastest_runnable": min(ms, key=ms.__getitem__), "verified": ok}
 
 
 def block_case(name: str, shape: Dict[str, int], device: str, rounds: int, iters: int) -> Dict[str, Any]:
