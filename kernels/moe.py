@@ -477,7 +477,9 @@ def moe_grouped_mm(x: torch.Tensor, router_logits: torch.Tensor, w_gate: torch.T
 
     Returns:
         ``(T, H)`` in ``x.dtype``. The projections and the SwiGLU activation are rounded to ``x.dtype`` (torch's
-        grouped GEMM outputs its input dtype), the weighting and the top-k combine run in fp32.
+        grouped GEMM outputs its input dtype), the weighting and the top-k combine run in fp32 (on CUDA the
+        ``index_add_`` adds a token's k rows with atomics, in a varying order: differences at fp32 rounding, as in
+        diffusers' own ``scatter_reduce_`` combine).
 
     Raises:
         TypeError: ``x`` not bf16/fp16/fp32, or the weights not in ``x.dtype``.
