@@ -556,6 +556,8 @@ class SwiGLUMoE(nn.Module):
         kernels.registry.UnknownBackendError: an unknown backend name (at construction).
         RuntimeError: backend ``TRITON`` called on a CPU tensor or without ``triton`` (at forward; the runner's
             registry check refuses it earlier, at startup).
+        TypeError / ValueError: backend ``GROUPED_MM`` on a dtype or sizes it does not take (at forward; see
+            :func:`moe_grouped_mm`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
