@@ -6,7 +6,9 @@ choice; optionally the runner's own runs of the full-size model.
    expert) is built twice from the same seed, fp32 (the oracle: diffusers' loop in fp32, TF32 off) and bf16:
      * ``hidream``: H=2560, 4 routed experts top-2, expert width 6912 (diffusers' rule from hidden_dim 4 x H), 8192
        tokens (one 1024^2 image under guidance): HiDream-I1-Full's block, the shape of issue #31;
-     * ``small_experts``: H=2560, 64 routed experts top-8, expert width 1024 (hidden_dim 1536), 8192 tokens.
+     * ``small_experts``: H=2560, 64 routed experts top-8, expert width 1024 (hidden_dim 1536), 8192 tokens, and
+       ``small_experts_1k`` the same at 1024 tokens (16 rows per expert on average: where TRITON's earlier wins
+       were measured, benchmarks/results/h200_moe_parity_2026-11-29.json).
    Parity: each kernel backend that can run here (registry requirements) in bf16 through the runner's wiring
    (``kernels.moe.routed_forward``) against the oracle must be no further from it than diffusers' own bf16 loop
    (``TORCH``) x 1.25, and its NEGATIVE CONTROL (gate and up projections swapped) more than 10x further (a fixed
@@ -48,9 +50,11 @@ import torch  # noqa: E402
 
 BACKENDS = ("GROUPED_MM", "TRITON", "TORCH")
 SHAPES = {"hidream": {"dim": 2560, "hidden_dim": 4 * 2560, "experts": 4, "top_k": 2, "tokens": 8192},
-          "small_experts": {"dim": 2560, "hidden_dim": 1536, "experts": 64, "top_k": 8, "tokens": 8192}}
+          "small_experts": {"dim": 2560, "hidden_dim": 1536, "experts": 64, "top_k": 8, "tokens": 8192},
+          "small_experts_1k": {"dim": 2560, "hidden_dim": 1536, "experts": 64, "top_k": 8, "tokens": 1024}}
 SMOKE = {"hidream": {"dim": 32, "hidden_dim": 128, "experts": 4, "top_k": 2, "tokens": 512},
-         "small_experts": {"dim": 32, "hidden_dim": 48, "experts": 16, "top_k": 4, "tokens": 256}}
+         "small_experts": {"dim": 32, "hidden_dim": 48, "experts": 16, "top_k": 4, "tokens": 256},
+         "small_experts_1k": {"dim": 32, "hidden_dim": 48, "experts": 16, "top_k": 4, "tokens": 32}}
 AUTO_SLACK = 1.05
 
 
@@ -204,7 +208,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens per block call at every shape (default 8192)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per block call at every shape (default: each "
+                                                              "shape's own)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--runner", type=Path, default=None, help="also run the runner on the full model, runs in DIR")
