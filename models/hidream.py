@@ -31,9 +31,10 @@ modules).
 
 MoE (``backend.moe``, :class:`HiDreamExperts`): ``TORCH`` keeps diffusers' own expert loop (``moe_infer``: the
 reference), ``TRITON`` computes the routed experts with ``kernels.moe.moe_triton``, ``GROUPED_MM`` with
-``kernels.moe.moe_grouped_mm`` (router and shared expert stay diffusers'). Routing: softmax over the routed experts, top-k, no renormalization (``MoEGate.norm_topk_prob`` is
-False); diffusers takes the softmax in the activations' dtype, ``kernels.moe.route`` in fp32 (the same in fp32
-runs; in bf16 the routing weights differ by bf16 rounding).
+``kernels.moe.moe_grouped_mm`` (router and shared expert stay diffusers'). Routing: softmax over the routed
+experts, top-k, no renormalization (``MoEGate.norm_topk_prob`` is False); diffusers takes the softmax in the
+activations' dtype, ``kernels.moe.route`` in fp32 (the same in fp32 runs; in bf16 the routing weights differ by
+bf16 rounding).
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ class HiDreamEngine(PipelineEngine):
         from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 
         conf = self.component_config("transformer")
-        dim = int(conf.get("num_attention_heads", 20)) * int(conf.get("attention_head_dim", 128))
+        dim = self.moe_dims()[0]
         e, k = int(conf.get("num_routed_experts", 4)), int(conf.get("num_activated_experts", 2))
         g = self.cfg.generation
         w, h = self.pipeline_size(int(g.width), int(g.height))
