@@ -37,7 +37,8 @@ Sources of the numeric rules:
     qk_int_sv_f8_cuda_sm90.cu) after its Triton "quant_query/key_per_thread_int8_kernel" and CUDA
     "TransposePadPermuteKernel"/"MeanScaleKernel" (csrc/fused/fused.cu) quantization kernels; torch's grouped GEMM
     "aten::_grouped_mm" (the op) and "prepare_grouped_gemm_data" (GroupMMCommon.cuh, its CUTLASS path's setup);
-    cuBLASLt/CUTLASS FP8 GEMMs carry "e4m3" in their names, and torch 2.11's cuBLASLt picks "nvjet_sm90_qqtst_..._ovscale_..." for row-wise scaled FP8 on the H200, seen there 2026-11-29).
+    cuBLASLt/CUTLASS FP8 GEMMs carry "e4m3" in their names, and torch 2.11's cuBLASLt picks
+    "nvjet_sm90_qqtst_..._ovscale_..." for row-wise scaled FP8 on the H200, seen there 2026-11-29).
   * vLLM names: members of ``vllm.v1.attention.backends.registry.AttentionBackendEnum`` and the ``Literal`` types
     ``vllm.config.kernel.LinearBackend`` / ``MoEBackend`` (read from the installed vLLM: 0.32 CPU, 0.24 CUDA).
   * vLLM kernel names (``vllm_signature``): vLLM 0.24.0's ``vllm_flash_attn/_vllm_fa3_C.abi3.so`` symbols
@@ -225,8 +226,8 @@ def moe_dims_multiple_of(n: int) -> Requirement:
     def test(ctx: SelectionContext) -> List[str]:
         if ctx.moe_dims is None or not (ctx.moe_dims[0] % n or ctx.moe_dims[1] % n):
             return []
-        return [f"needs the experts' hidden and intermediate sizes multiples of {n}, the model has H={ctx.moe_dims[0]}, "
-                f"I={ctx.moe_dims[1]}"]
+        h, i = ctx.moe_dims
+        return [f"needs the experts' hidden and intermediate sizes multiples of {n}, the model has H={h}, I={i}"]
 
     return Requirement(f"MoE dims % {n} == 0", test)
 

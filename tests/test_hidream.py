@@ -334,8 +334,8 @@ def test_grouped_mm_refuses_expert_dims_torch_cannot_group_at_startup():
     """A hidden size that is not a multiple of 8 (torch's grouped GEMM needs 16-byte rows in bf16) is refused before
     loading, with the dtype reason too (every unmet requirement at once); the tiny model's own dims pass."""
     assert _engine().moe_dims() == (32, 256)
-    odd = ["model.architecture.transformer.num_attention_heads=1", "model.architecture.transformer.attention_head_dim=12",
-           "model.architecture.transformer.axes_dims_rope=[4,4,4]"]
+    tr = "model.architecture.transformer"
+    odd = [f"{tr}.num_attention_heads=1", f"{tr}.attention_head_dim=12", f"{tr}.axes_dims_rope=[4,4,4]"]
     with pytest.raises(BackendUnavailableError) as e:
         _engine([*odd, "backend.moe=GROUPED_MM"]).prepare()
     msg = str(e.value)
