@@ -621,14 +621,13 @@ register_backend(Backend("moe", "TORCH", aliases=("torch", "reference", "loop"),
 register_backend(Backend("moe", "TRITON", aliases=("triton", "fused", "grouped"),
                          requires=(on_platform("cuda", "rocm"), sm_at_least(80), symbol("triton:jit"),
                                    dtype_in(*_HALF)),
-                         # where it wins, measured: many small experts (Qwen3-MoE, 64 experts of width 768, top-8);
-                         # where it loses, measured: HiDream-I1's 4 experts of width 6912, top-2, 8192 tokens
-                         # (6.41 ms per block call vs 4.37 ms for diffusers' loop, H200, issue #31)
-                         auto={"*": (10, "fused grouped-expert Triton kernels, fastest measured at many small experts "
-                                         "(7-16x the bf16 expert loop at 7-1024 tokens, Qwen3-MoE shape: 64 experts "
-                                         "of width 768, top-8, H200: benchmarks/results/"
-                                         "h200_moe_parity_2026-11-29.json); slower than diffusers' loop at "
-                                         "HiDream-I1's 4 experts of width 6912 (0.68x, H200, issue #31)")},
+                         # where it wins and loses, measured side by side with GROUPED_MM and the loop on the H200:
+                         # benchmarks/results/hidream_moe_h200_2026-12-02.json (and h200_moe_parity_2026-11-29.json)
+                         auto={"*": (10, "fused grouped-expert Triton kernels: fastest measured at many small experts "
+                                         "with many tokens (64 experts of width 1024, top-8, 8192 tokens; Qwen3-MoE "
+                                         "shape at 7-1024 tokens), slower than diffusers' loop at HiDream-I1's 4 "
+                                         "experts of width 6912 (H200: benchmarks/results/hidream_moe_h200_2026-12-02"
+                                         ".json)")},
                          diffusers=DiffusersMoEWiring(kernel="kernels.moe:moe_triton"), vllm="triton",
                          signature=r"_moe_gate_up_silu_kernel|_moe_down_kernel",
                          # vLLM's TritonExperts (fused_moe/fused_moe.py): two launches per MoE layer and step
@@ -653,14 +652,16 @@ def _grouped_mm_device(ctx: SelectionContext) -> List[str]:
             f"mm per expert), this device is {_device(ctx)}"]
 
 
+_GROUPED_MM_WHY = ("torch's grouped GEMM, one per projection (CUTLASS, bf16): fastest measured at many small experts "
+                   "with few tokens (64 experts of width 1024, top-8, 1024 tokens), at the loop's speed at HiDream-I1's "
+                   "shape (H200: benchmarks/results/hidream_moe_h200_2026-12-02.json)")
 register_backend(Backend("moe", "GROUPED_MM", aliases=("grouped_mm", "grouped_gemm", "torch_grouped_mm"),
                          requires=(on_platform("cpu", "cuda"),
                                    Requirement("CUDA compute capability 9.x/10.x", _grouped_mm_device),
                                    Requirement("torch grouped_mm", _grouped_mm_symbol), dtype_in(torch.bfloat16),
                                    moe_dims_multiple_of(8)),  # 16-byte rows in bf16 (GroupedMMUtils.h)
                          # CUDA only: on the CPU torch's grouped GEMM is a per-expert mm loop (explicit choice only)
-                         auto={"cuda": (15, "torch's grouped GEMM, one per projection (CUTLASS, bf16)"),
-                               "sm100": (15, "torch's grouped GEMM, one per projection (CUTLASS, bf16)")},
+                         auto={"cuda": (15, _GROUPED_MM_WHY), "sm100": (15, _GROUPED_MM_WHY)},
                          diffusers=DiffusersMoEWiring(kernel="kernels.moe:moe_grouped_mm"),
                          # the op on every device; on CUDA 9.x/10.x also the CUTLASS path's setup kernel
                          # (aten/src/ATen/native/cuda/GroupMMCommon.cuh)
