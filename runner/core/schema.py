@@ -697,6 +697,23 @@ class TrackerConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Per-item quality metrics of the written artifacts (``runner.core.metrics``), scored after generation on the
+    run's device and written into ``items.jsonl``, ``metadata.jsonl`` and the manifest's ``metrics`` summary. Not
+    part of the run identity: scores never change an artifact (a resume rescores only what lacks a score of the
+    same metric model)."""
+
+    names: List[str] = field(default_factory=list)
+    """Metrics to score: ``clip_score``, ``pick_score`` (images), ``temporal_consistency`` (videos),
+    ``image_reward``, ``hpsv2`` (with their packages); empty: none."""
+    models: Dict[str, Optional[str]] = field(default_factory=dict)
+    """Metric name -> its model: a local dir (a transformers CLIPModel saved with its CLIPProcessor) or a Hub id in
+    the local cache; ``image_reward``/``hpsv2``: a checkpoint file."""
+    batch_size: int = 32
+    """Artifacts scored per metric-model call."""
+
+
+@dataclass
 class RunControl:
     """Resume control."""
 
@@ -736,6 +753,8 @@ class RunConfig:
     """Sweep report settings."""
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     """Where the finished run is logged besides its run dir (group ``tracker``: ``none``, ``mlflow``)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Per-item quality metrics scored after generation (``metrics.names``, ``metrics.models.<name>``)."""
     seed: int = declared(0, enters=(RESUME,))
     """Base seed; each item's seed derives from it and the item key."""
     dtype: DType = declared(DType.auto, enters=(RESUME, IDENTITY))

@@ -1,0 +1,450 @@
+"""Per-item quality metrics of written artifacts (issue #33): a registry of :class:`Metric` records, their
+requirements checked before anything loads, and the scoring of a run dir's ``items.jsonl`` from the decoded
+artifacts (PNG / MP4), so a run's own scoring and ``python -m runner.score`` give the same numbers.
+
+Metrics (``metrics.names``; each higher is better):
+
+* ``clip_score`` (image, video): torchmetrics' CLIPScore, ``max(100 * cos(E_I, E_C), 0)`` of the image and
+  prompt embeddings of a CLIP model (Hessel et al. 2021, "CLIPScore", EMNLP; torchmetrics
+  ``functional.multimodal.clip_score``), per item (torchmetrics clamps the batch mean; here each item, as in the
+  paper). A video scores the mean over its frames.
+* ``pick_score`` (image): PickScore (Kirstain et al. 2023, "Pick-a-Pic"): ``logit_scale.exp() * cos(E_I, E_C)`` of
+  a CLIP model fine-tuned on human preferences (yuvalkirstain/PickScore_v1's README formula).
+* ``temporal_consistency`` (video): VBench's background consistency (Huang et al. 2024, "VBench", CVPR;
+  ``vbench/background_consistency.py``): for each frame ``i >= 1``, ``(cos(E_i, E_0) + cos(E_i, E_{i-1})) / 2`` of
+  CLIP image embeddings, averaged over the frames; 1.0 for a still video.
+* ``image_reward`` (image; the ``image-reward`` package), ``hpsv2`` (image; the ``hpsv2`` package): their own
+  scoring APIs with local checkpoints; refused at startup where the package is not installed.
+
+Each metric reads a model from ``metrics.models.<name>`` (a local dir of a transformers ``CLIPModel`` saved with its
+``CLIPProcessor``, or a Hub id held in the local cache; ``image_reward`` / ``hpsv2``: a checkpoint file). Its files'
+sha256 enter the manifest (``metrics.models``) and every scored record (``metrics_models``: name -> digest), so a
+resumed item keeps its score only when the metric model is the same.
+
+transformers 5 returns a ``BaseModelOutputWithPooling`` from ``CLIPModel.get_image_features`` /
+``get_text_features`` where torchmetrics 1.9 expects the projected embeddings: :class:`ClipFeatures` hands
+torchmetrics the projected ``pooler_output``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from runner.core.errors import UserInputError
+
+#: Quantiles of the manifest's summary (``p10`` ... ``p90``).
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+#: Decimals a per-item score is stored with (keeps run-time and ``runner.score`` values equal across batchings).
+DECIMALS = 5
+
+
+class MetricError(UserInputError):
+    """A metric cannot run as configured (unknown name, wrong output kind, package or model missing): exit 2 at
+    startup, before any weight loads."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One registry record.
+
+    Attributes:
+        name: ``metrics.names`` entry.
+        kinds: artifact kinds it scores (``image``, ``video``).
+        packages: import names it needs, with the ``pip install`` fix in ``install``.
+        model: what ``metrics.models.<name>`` must hold (``clip_dir`` or ``file``).
+        load: ``load(model path, torch device) -> scorer``; ``scorer(arrays, prompts) -> list of floats``, arrays
+            ``uint8`` (H, W, 3) per image or (F, H, W, 3) per video.
+        source: where the formula comes from.
+    """
+
+    name: str
+    kinds: Tuple[str, ...]
+    packages: Tuple[str, ...]
+    install: str
+    model: str
+    load: Callable[[Path, Any], Callable[[List[np.ndarray], List[str]], List[float]]]
+    source: str
+
+
+REGISTRY: Dict[str, Metric] = {}
+
+
+def register(metric: Metric) -> Metric:
+    """Add ``metric`` to :data:`REGISTRY` (a name registered twice is a programming error: ValueError)."""
+    if metric.name in REGISTRY:
+        raise ValueError(f"metric {metric.name!r} is registered already")
+    REGISTRY[metric.name] = metric
+    return metric
+
+
+# ---------------------------------------------------------------------------------------------- CLIP models
+
+
+def _clip_module() -> Any:
+    import torch
+
+    class ClipFeatures(torch.nn.Module):
+        """A transformers ``CLIPModel`` as torchmetrics' CLIPScore calls it: ``get_image_features(pixel_values)``
+        -> (N, D) and ``get_text_features(input_ids, attention_mask)`` -> (N, D), the projected embeddings."""
+
+        def __init__(self, model: Any) -> None:
+            super().__init__()
+            self.model = model
+            self.config = model.config
+
+        def get_image_features(self, pixel_values: Any) -> Any:
+            out = self.model.get_image_features(pixel_values=pixel_values)
+            return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+        def get_text_features(self, input_ids: Any, attention_mask: Any = None) -> Any:
+            out = self.model.get_text_features(input_ids=input_ids, attention_mask=attention_mask)
+            return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+    return ClipFeatures
+
+
+class ClipScorer:
+    """A CLIP model and processor loaded once from a local dir (``from_pretrained``, safetensors only), in eval
+    mode on ``device``."""
+
+    def __init__(self, path: Path, device: Any) -> None:
+        import torch
+        from transformers import CLIPModel, CLIPProcessor
+
+        self.device = torch.device(device)
+        model = CLIPModel.from_pretrained(str(path), use_safetensors=True).eval().to(self.device)
+        self.model = _clip_module()(model).eval()
+        self.processor = CLIPProcessor.from_pretrained(str(path))
+
+    def _tensors(self, arrays: Sequence[np.ndarray]) -> List[Any]:
+        import torch
+
+        return [torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1).to(self.device) for a in arrays]
+
+    def clip_scores(self, images: Sequence[np.ndarray], prompts: Sequence[str]) -> np.ndarray:
+        """``100 * cos`` per (image, prompt) pair via torchmetrics' ``_clip_score_update``; (N,) float64."""
+        import torch
+        from torchmetrics.functional.multimodal.clip_score import _clip_score_update
+
+        with torch.inference_mode():
+            s, _ = _clip_score_update(self._tensors(images), list(prompts), self.model, self.processor)
+        return s.double().cpu().numpy()
+
+    def image_embeddings(self, images: Sequence[np.ndarray]) -> np.ndarray:
+        """L2-normalised projected image embeddings, (N, D) float64."""
+        import torch
+
+        with torch.inference_mode():
+            px = self.processor(images=[t.cpu() for t in self._tensors(images)], return_tensors="pt")
+            e = self.model.get_image_features(px["pixel_values"].to(self.device)).double()
+        return (e / e.norm(dim=-1, keepdim=True)).cpu().numpy()
+
+    def logit_scale(self) -> float:
+        return float(self.model.model.logit_scale.exp())
+
+
+def _frames_of(arrays: Sequence[np.ndarray]) -> Tuple[List[np.ndarray], List[int]]:
+    """Every frame of every artifact (an image is one frame), and each artifact's frame count."""
+    frames: List[np.ndarray] = []
+    counts: List[int] = []
+    for a in arrays:
+        fs = [a] if a.ndim == 3 else list(a)
+        frames.extend(fs)
+        counts.append(len(fs))
+    return frames, counts
+
+
+def _load_clip_score(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+    clip = ClipScorer(path, device)
+
+    def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
+        frames, counts = _frames_of(arrays)
+        texts = [p for p, n in zip(prompts, counts) for _ in range(n)]
+        per = np.maximum(clip.clip_scores(frames, texts), 0.0)
+        bounds = np.cumsum([0, *counts])
+        return [float(per[a:b].mean()) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    return score
+
+
+def _load_pick_score(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+    clip = ClipScorer(path, device)
+
+    def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
+        cos = clip.clip_scores(arrays, prompts) / 100.0
+        return [float(x) for x in clip.logit_scale() * cos]
+
+    return score
+
+
+def temporal_consistency(emb: np.ndarray) -> float:
+    """VBench's background consistency of one video's L2-normalised frame embeddings ``emb`` (F, D): the mean
+    over frames ``i >= 1`` of ``(cos(e_i, e_0) + cos(e_i, e_{i-1})) / 2``; 1.0 for a single frame."""
+    if len(emb) < 2:
+        return 1.0
+    first = emb[1:] @ emb[0]
+    prev = np.sum(emb[1:] * emb[:-1], axis=-1)
+    return float(np.mean((first + prev) / 2.0))
+
+
+def _load_temporal(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+    clip = ClipScorer(path, device)
+
+    def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
+        return [temporal_consistency(clip.image_embeddings(list(a))) for a in arrays]
+
+    return score
+
+
+def _load_image_reward(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+    import ImageReward  # noqa: N813 - the package's name
+    from PIL import Image
+
+    model = ImageReward.load(str(path), device=str(device))
+
+    def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
+        out = [model.score(p, [Image.fromarray(a)]) for a, p in zip(arrays, prompts)]
+        return [float(x[0] if isinstance(x, list) else x) for x in out]
+
+    return score
+
+
+def _load_hpsv2(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+    import hpsv2
+    from PIL import Image
+
+    def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
+        return [float(hpsv2.score([Image.fromarray(a)], p, cp=str(path), hps_version="v2.1")[0])
+                for a, p in zip(arrays, prompts)]
+
+    return score
+
+
+register(Metric("clip_score", ("image", "video"), ("torchmetrics", "transformers"), "pip install torchmetrics "
+                "transformers", "clip_dir", _load_clip_score, "Hessel et al. 2021; torchmetrics CLIPScore"))
+register(Metric("pick_score", ("image",), ("torchmetrics", "transformers"), "pip install torchmetrics transformers",
+                "clip_dir", _load_pick_score, "Kirstain et al. 2023 (PickScore_v1 README)"))
+register(Metric("temporal_consistency", ("video",), ("torchmetrics", "transformers"),
+                "pip install torchmetrics transformers", "clip_dir", _load_temporal,
+                "VBench background_consistency (Huang et al. 2024)"))
+register(Metric("image_reward", ("image",), ("ImageReward",), "pip install image-reward", "file",
+                _load_image_reward, "Xu et al. 2023, ImageReward"))
+register(Metric("hpsv2", ("image",), ("hpsv2",), "pip install hpsv2", "file", _load_hpsv2,
+                "Wu et al. 2023, Human Preference Score v2"))
+
+
+# ---------------------------------------------------------------------------------------------- requirements
+
+
+@dataclass
+class MetricSet:
+    """The checked ``metrics`` config of a run: names in order, each one's model path and its provenance."""
+
+    names: List[str]
+    paths: Dict[str, Path]
+    sources: Dict[str, Dict[str, Any]]
+    batch_size: int
+    digests: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+
+def _model_problems(m: Metric, value: Optional[str]) -> Tuple[List[str], Optional[Path], Dict[str, Any]]:
+    """The model location of ``m``: problems (naming the key, the value and the fix), the path, its provenance."""
+    key = f"metrics.models.{m.name}"
+    want = ("a dir holding a transformers CLIPModel (config.json, *.safetensors) saved with its CLIPProcessor "
+            "(preprocessor_config.json or processor_config.json, tokenizer files), or a Hub id in the local cache"
+            if m.model == "clip_dir" else "the metric's checkpoint file")
+    if not value:
+        return [f"{key} is not set; metric {m.name} needs {want}; fix: {key}=<path>"], None, {}
+    from runner.core.weights import looks_like_repo_id, resolve_model_path
+
+    local = Path(str(value)).expanduser()
+    if not local.exists() and not looks_like_repo_id(str(value)):
+        return [f"{key}={value!r} does not exist; fix: {want}"], None, {}
+    try:
+        path, source = resolve_model_path(str(value))
+    except UserInputError as e:  # a Hub id not in the local cache: the message names the cache and the download
+        return [f"{key}={value!r}: {e}"], None, {}
+    if m.model == "file":
+        return ([] if path.is_file() else [f"{key}={value!r} is not a file; fix: {want}"]), path, source
+    names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    missing = [n for n, ok in (("config.json", "config.json" in names),
+                               ("*.safetensors", any(n.endswith(".safetensors") for n in names)),
+                               ("preprocessor_config.json or processor_config.json",
+                                bool({"preprocessor_config.json", "processor_config.json"} & names)),
+                               ("tokenizer.json or vocab.json", bool({"tokenizer.json", "vocab.json"} & names)))
+               if not ok]
+    if missing:
+        return [f"{key}={value!r} lacks {', '.join(missing)}; fix: {want} (e.g. CLIPModel.save_pretrained and "
+                "CLIPProcessor.save_pretrained into one dir)"], None, {}
+    return [], path, source
+
+
+def problems(names: Sequence[str], models: Mapping[str, Any], output: str) -> List[str]:
+    """Every reason the configured metrics cannot run for a run whose artifacts are ``output`` (``image``,
+    ``video``, ``text``): unknown names (with the closest), a kind the metric does not score, a missing package
+    (the ``pip install`` fix), a model location unset or unusable, a ``metrics.models`` key no name uses."""
+    import difflib
+
+    out: List[str] = []
+    for n in names:
+        m = REGISTRY.get(n)
+        if m is None:
+            close = difflib.get_close_matches(n, list(REGISTRY), n=1)
+            out.append(f"metrics.names: unknown metric {n!r}; fix: "
+                       + (f"did you mean {close[0]}? " if close else "") + f"one of {', '.join(REGISTRY)}")
+            continue
+        if output not in m.kinds:
+            out.append(f"metrics.names: {n} scores {'/'.join(m.kinds)} artifacts, this run writes {output}; fix: "
+                       f"drop {n} or use one of {', '.join(k for k, r in REGISTRY.items() if output in r.kinds)}")
+            continue
+        lacking = [p for p in m.packages if importlib.util.find_spec(p) is None]
+        if lacking:
+            out.append(f"metrics.names: {n} needs the package(s) {', '.join(lacking)}, not installed; fix: "
+                       f"{m.install}")
+            continue
+        out += _model_problems(m, models.get(n))[0]
+    out += [f"metrics.models.{k} is set but {k} is not in metrics.names; fix: metrics.names=[...,{k}] or drop it"
+            for k, v in models.items() if v is not None and k not in names]
+    return out
+
+
+def check(cfg_metrics: Any, output: str, data_parallel: bool = False) -> Optional[MetricSet]:
+    """The run's ``metrics`` group checked before anything loads; None when no metric is configured.
+
+    Raises:
+        MetricError: every problem at once (:func:`problems`); also ``parallelism`` with several workers (the
+            workers' journals are merged after the run: score the merged dir with ``python -m runner.score``).
+    """
+    names = [str(n) for n in (cfg_metrics.names or [])] if cfg_metrics is not None else []
+    models = {str(k): (None if v is None else str(v)) for k, v in dict(cfg_metrics.models or {}).items()} \
+        if cfg_metrics is not None else {}
+    if not names and not any(v is not None for v in models.values()):
+        return None
+    found = problems(names, models, output)
+    if len(set(names)) != len(names):
+        found.append(f"metrics.names lists a metric twice ({names}); fix: each once")
+    if int(cfg_metrics.batch_size) < 1:
+        found.append(f"metrics.batch_size={cfg_metrics.batch_size} must be >= 1; fix: metrics.batch_size=32")
+    if data_parallel and names:
+        found.append("metrics with several workers are not scored during the run; fix: drop metrics.names and "
+                     "score the merged run dir afterwards: python -m runner.score <run dir> --metrics ...")
+    if found:
+        raise MetricError("metrics cannot run:\n  " + "\n  ".join(found))
+    paths, sources = {}, {}
+    for n in names:
+        _, paths[n], sources[n] = _model_problems(REGISTRY[n], models.get(n))
+    return MetricSet(names=names, paths=paths, sources=sources, batch_size=int(cfg_metrics.batch_size))
+
+
+def model_digests(ms: MetricSet, cache_dir: Optional[Path] = None) -> Dict[str, Dict[str, Any]]:
+    """Per metric: ``{source, files: {relative path: sha256}, sha256}`` of its model (every file of a model dir, or
+    the checkpoint file); ``sha256`` covers the metric's name and the files' digests, so it changes when either
+    does (``runner.core.weights.hash_files``)."""
+    from runner.core.weights import hash_files
+
+    out: Dict[str, Dict[str, Any]] = {}
+    for n in ms.names:
+        p = ms.paths[n]
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        digests, _ = hash_files(files, p if p.is_dir() else p.parent, cache_dir)
+        whole = hashlib.sha256(json.dumps({"metric": n, "files": digests}, sort_keys=True).encode()).hexdigest()
+        out[n] = {"source": ms.sources[n], "files": digests, "sha256": whole}
+    ms.digests = out
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+
+
+def load_artifact(path: Path) -> np.ndarray:
+    """A written artifact decoded: a PNG as ``uint8`` (H, W, 3), an MP4 as its frames (F, H, W, 3)."""
+    if str(path).endswith(".mp4"):
+        from runner.core.video import decode_mp4
+
+        return decode_mp4(path)
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.uint8)
+
+
+def needs_scoring(rec: Mapping[str, Any], name: str, digest: str) -> bool:
+    """An ok record with a file lacks ``name``'s score, or has one from another metric model."""
+    if rec.get("status") != "ok" or not rec.get("file"):
+        return False
+    return (rec.get("metrics") or {}).get(name) is None or (rec.get("metrics_models") or {}).get(name) != digest
+
+
+def score_records(run_dir: Path, records: List[Dict[str, Any]], ms: MetricSet, device: Any) -> Dict[str, int]:
+    """Score in place every record of ``records`` that :func:`needs_scoring`, metric by metric, in batches of
+    ``ms.batch_size`` in record order, from the artifacts under ``run_dir``: ``rec["metrics"][name]`` (rounded to
+    :data:`DECIMALS`) and ``rec["metrics_models"][name]`` (the model digest). :func:`model_digests` first.
+
+    Returns:
+        ``{name: items scored}`` (the others kept their scores).
+    """
+    done: Dict[str, int] = {}
+    for n in ms.names:
+        digest = ms.digests[n]["sha256"]
+        todo = [r for r in records if needs_scoring(r, n, digest)]
+        done[n] = len(todo)
+        if not todo:
+            continue
+        scorer = REGISTRY[n].load(ms.paths[n], device)
+        for i in range(0, len(todo), ms.batch_size):
+            chunk = todo[i:i + ms.batch_size]
+            vals = scorer([load_artifact(Path(run_dir) / r["file"]) for r in chunk],
+                          [str(r.get("prompt") or "") for r in chunk])
+            for r, v in zip(chunk, vals):
+                r.setdefault("metrics", {})[n] = round(float(v), DECIMALS)
+                r.setdefault("metrics_models", {})[n] = digest
+        del scorer
+    return done
+
+
+def summary(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """Per metric over the ok records holding its score: ``{n, mean, std, min, p10, p25, p50, p75, p90, max}``
+    (numpy's linear-interpolation quantiles); ``{n: 0}`` when none."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for n in names:
+        v = np.array([r["metrics"][n] for r in records if r.get("status") == "ok"
+                      and (r.get("metrics") or {}).get(n) is not None], dtype=np.float64)
+        if not len(v):
+            out[n] = {"n": 0}
+            continue
+        q = {f"p{int(round(x * 100))}": round(float(np.quantile(v, x)), DECIMALS) for x in QUANTILES}
+        out[n] = {"n": int(len(v)), "mean": round(float(v.mean()), DECIMALS), "std": round(float(v.std()), DECIMALS),
+                  "min": round(float(v.min()), DECIMALS), **q, "max": round(float(v.max()), DECIMALS)}
+    return out
+
+
+def score_journal(run_dir: Path, journal: str, ms: MetricSet, device: Any,
+                  cache_dir: Optional[Path] = None) -> Dict[str, Any]:
+    """Score ``run_dir/journal`` (``items.jsonl``) in place (atomic rewrite, same order) and return the
+    manifest's ``metrics`` section: ``{names, device, batch_size, models (:func:`model_digests`), summary
+    (:func:`summary`), scored, kept, score_s}``.
+
+    Raises:
+        runner.core.errors.StorageError: the journal could not be rewritten.
+    """
+    from runner.core.artifacts import atomic_write_bytes
+    from runner.core.sinks import read_journal
+
+    t0 = time.perf_counter()
+    path = Path(run_dir) / journal
+    records = read_journal(path)
+    models = model_digests(ms, cache_dir)
+    scored = score_records(Path(run_dir), records, ms, device)
+    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in records).encode())
+    ok = sum(1 for r in records if r.get("status") == "ok" and r.get("file"))
+    return {"names": list(ms.names), "device": str(device), "batch_size": ms.batch_size,
+            "models": models, "summary": summary(records, ms.names), "scored": scored,
+            "kept": {n: ok - scored[n] for n in ms.names}, "score_s": round(time.perf_counter() - t0, 3)}
