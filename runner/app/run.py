@@ -164,7 +164,8 @@ class Run:
         check_tracker(cfg)  # tracker=mlflow without mlflow: exit 2 now, not after the run
         from runner.core.metrics import check as check_metrics
 
-        self.metric_set = check_metrics(cfg.get("metrics"), self.final.output, data_parallel=self.worker is not None)
+        self.metric_set = check_metrics(cfg.get("metrics"), self.final.output, data_parallel=self.worker is not None,
+                                        floors=cfg.report.get("min_metric_ratio"))
         checks.check_fresh_dir(self.out_dir, self.final.resumable, self.specs[-1].adapter)
         checks.apply_cpu_threads(cfg)
         self.plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))

@@ -316,8 +316,26 @@ def problems(names: Sequence[str], models: Mapping[str, Any], output: str) -> Li
     return out
 
 
-def check(cfg_metrics: Any, output: str, data_parallel: bool = False) -> Optional[MetricSet]:
-    """The run's ``metrics`` group checked before anything loads; None when no metric is configured.
+def floor_problems(floors: Mapping[str, Any], key: str = "report.min_metric_ratio") -> List[str]:
+    """Every entry of a gate's metric floors (name -> ratio) that is no registered metric or no finite ratio > 0."""
+    import math
+
+    out = []
+    for k, v in floors.items():
+        try:
+            ok = float(v) > 0 and math.isfinite(float(v))
+        except (TypeError, ValueError):
+            ok = False
+        if k not in REGISTRY or not ok:
+            out.append(f"{key}: {k}={v!r} must name a metric ({', '.join(REGISTRY)}) with a ratio > 0; fix: "
+                       f"{key}={{clip_score: 0.99}}")
+    return out
+
+
+def check(cfg_metrics: Any, output: str, data_parallel: bool = False,
+          floors: Optional[Mapping[str, Any]] = None) -> Optional[MetricSet]:
+    """The run's ``metrics`` group (and the sweep gate's metric ``floors``, ``report.min_metric_ratio``) checked
+    before anything loads; None when no metric is configured.
 
     Raises:
         MetricError: every problem at once (:func:`problems`); also ``parallelism`` with several workers (the
@@ -326,9 +344,12 @@ def check(cfg_metrics: Any, output: str, data_parallel: bool = False) -> Optiona
     names = [str(n) for n in (cfg_metrics.names or [])] if cfg_metrics is not None else []
     models = {str(k): (None if v is None else str(v)) for k, v in dict(cfg_metrics.models or {}).items()} \
         if cfg_metrics is not None else {}
+    bad_floors = floor_problems(dict(floors or {}))
     if not names and not any(v is not None for v in models.values()):
+        if bad_floors:
+            raise MetricError("metrics cannot run:\n  " + "\n  ".join(bad_floors))
         return None
-    found = problems(names, models, output)
+    found = bad_floors + problems(names, models, output)
     if len(set(names)) != len(names):
         found.append(f"metrics.names lists a metric twice ({names}); fix: each once")
     if int(cfg_metrics.batch_size) < 1:

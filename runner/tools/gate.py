@@ -237,8 +237,8 @@ def evaluate(jobs: Sequence[Job], min_ratio: float = MIN_RATIO, min_psnr_db: Opt
 
     Returns:
         The ``gate.json`` document: ``{min_ratio, min_psnr_db, min_metric_ratio, jobs: [one entry per lossy job],
-        verdict, exit_code, lossless_jobs}``; ``verdict`` is ``fail`` when any entry fails, ``pass`` otherwise (``none`` when no job is
-        lossy). A compared entry carries ``batch_size`` (``{lossy, lossless}``) and, when they differ, ``note``.
+        verdict, exit_code, lossless_jobs}``; ``verdict`` is ``fail`` when any entry fails, ``pass`` otherwise
+        (``none`` when no job is lossy). A compared entry carries ``batch_size`` (``{lossy, lossless}``) and, when they differ, ``note``.
     """
     labels = {j.label: lossy.of_manifest(j.manifest) for j in jobs if j.manifest}
     lossless = [j for j in jobs if j.manifest and not labels[j.label]["lossy"] and j.outcome == "ok"]
@@ -316,22 +316,18 @@ def parse_metric_ratios(text: Optional[str]) -> Dict[str, float]:
 
     Raises:
         GateInputError: an entry that is not ``NAME=R``, an unknown metric (``runner.core.metrics.REGISTRY``) or a
-            ratio that is not a positive number.
+            ratio that is not a positive number (``runner.core.metrics.floor_problems``).
     """
-    from runner.core.metrics import REGISTRY
+    from runner.core.metrics import floor_problems
 
-    out: Dict[str, float] = {}
+    out: Dict[str, Any] = {}
     for part in [p.strip() for p in (text or "").split(",") if p.strip()]:
-        name, sep, val = part.partition("=")
-        try:
-            r = float(val) if sep else float("nan")
-        except ValueError:
-            r = float("nan")
-        if name not in REGISTRY or not r > 0 or not math.isfinite(r):
-            raise GateInputError(f"--min-metric-ratio {part!r}: expected NAME=R with NAME one of {', '.join(REGISTRY)} "
-                                 "and R > 0; fix: --min-metric-ratio clip_score=0.99")
-        out[name] = r
-    return out
+        name, _, val = part.partition("=")
+        out[name.strip()] = val.strip()
+    bad = floor_problems(out, "--min-metric-ratio")
+    if bad:
+        raise GateInputError("; ".join(bad).replace("{clip_score: 0.99}", "clip_score=0.99"))
+    return {k: float(v) for k, v in out.items()}
 
 
 def default_out(dirs: Sequence[Path]) -> Path:
