@@ -101,7 +101,7 @@ def _clip_module() -> Any:
             self.config = model.config
 
         def get_image_features(self, pixel_values: Any) -> Any:
-            out = self.model.get_image_features(pixel_values=pixel_values)
+            out = self.model.get_image_features(pixel_values=pixel_values.to(self.model.dtype))
             return out if isinstance(out, torch.Tensor) else out.pooler_output
 
         def get_text_features(self, input_ids: Any, attention_mask: Any = None) -> Any:
@@ -113,21 +113,24 @@ def _clip_module() -> Any:
 
 class ClipScorer:
     """A CLIP model and processor loaded once from a local dir (``from_pretrained``, safetensors only), in eval
-    mode on ``device``."""
+    mode on ``device``: float64 on CPU (a score then does not depend on the batch it was computed in, nor on the
+    thread count, to far below :data:`DECIMALS`), float32 on accelerators (the batch composition may move the last
+    float32 digits)."""
 
     def __init__(self, path: Path, device: Any) -> None:
         import torch
         from transformers import CLIPModel, CLIPProcessor
 
         self.device = torch.device(device)
-        model = CLIPModel.from_pretrained(str(path), use_safetensors=True).eval().to(self.device)
+        dtype = torch.float64 if self.device.type == "cpu" else torch.float32
+        model = CLIPModel.from_pretrained(str(path), use_safetensors=True, dtype=dtype).eval().to(self.device)
         self.model = _clip_module()(model).eval()
         self.processor = CLIPProcessor.from_pretrained(str(path))
 
     def _tensors(self, arrays: Sequence[np.ndarray]) -> List[Any]:
         import torch
 
-        return [torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1).to(self.device) for a in arrays]
+        return [torch.from_numpy(np.array(a, dtype=np.uint8)).permute(2, 0, 1).to(self.device) for a in arrays]
 
     def clip_scores(self, images: Sequence[np.ndarray], prompts: Sequence[str]) -> np.ndarray:
         """``100 * cos`` per (image, prompt) pair via torchmetrics' ``_clip_score_update``; (N,) float64."""
@@ -317,18 +320,21 @@ def problems(names: Sequence[str], models: Mapping[str, Any], output: str) -> Li
 
 
 def floor_problems(floors: Mapping[str, Any], key: str = "report.min_metric_ratio") -> List[str]:
-    """Every entry of a gate's metric floors (name -> ratio) that is no registered metric or no finite ratio > 0."""
+    """Every entry of a gate's metric floors (name -> ratio; None: not gated) that is no registered metric or no
+    finite ratio > 0."""
     import math
 
     out = []
     for k, v in floors.items():
+        if v is None:  # not gated
+            continue
         try:
             ok = float(v) > 0 and math.isfinite(float(v))
         except (TypeError, ValueError):
             ok = False
         if k not in REGISTRY or not ok:
             out.append(f"{key}: {k}={v!r} must name a metric ({', '.join(REGISTRY)}) with a ratio > 0; fix: "
-                       f"{key}={{clip_score: 0.99}}")
+                       f"{key}.clip_score=0.99")
     return out
 
 

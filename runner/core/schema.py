@@ -679,9 +679,9 @@ class ReportConfig:
 
     reference: Optional[str] = None
     """The job (number or dir name) the others are compared with (null: the first job)."""
-    min_metric_ratio: Dict[str, float] = field(default_factory=dict)
+    min_metric_ratio: Dict[str, Optional[float]] = field(default_factory=dict)
     """The sweep's quality gate on per-item metrics (``runner.tools.gate``): metric name -> floor of the lossy job's
-    mean score over its lossless twin's (e.g. ``{clip_score: 0.99}``); empty: metrics are not gated."""
+    mean score over its lossless twin's (``report.min_metric_ratio.clip_score=0.99``); null: not gated."""
 
 
 @dataclass

@@ -326,7 +326,8 @@ def parse_metric_ratios(text: Optional[str]) -> Dict[str, float]:
         out[name.strip()] = val.strip()
     bad = floor_problems(out, "--min-metric-ratio")
     if bad:
-        raise GateInputError("; ".join(bad).replace("{clip_score: 0.99}", "clip_score=0.99"))
+        raise GateInputError("; ".join(bad).replace("--min-metric-ratio.clip_score=0.99", "--min-metric-ratio "
+                                                                                  "clip_score=0.99"))
     return {k: float(v) for k, v in out.items()}
 
 

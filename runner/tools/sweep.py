@@ -154,7 +154,7 @@ class SweepCallback(Callback):
 
     def __init__(self, reference: Any = None, min_metric_ratio: Any = None) -> None:
         self.reference = reference
-        self.min_metric_ratio = {str(k): float(v) for k, v in dict(min_metric_ratio or {}).items()}
+        self.min_metric_ratio = {str(k): float(v) for k, v in dict(min_metric_ratio or {}).items() if v is not None}
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
