@@ -338,7 +338,7 @@ def floor_problems(floors: Mapping[str, Any], key: str = "report.min_metric_rati
     return out
 
 
-def check(cfg_metrics: Any, output: str, data_parallel: bool = False,
+def check(metrics: Any, output: str, data_parallel: bool = False,
           floors: Optional[Mapping[str, Any]] = None) -> Optional[MetricSet]:
     """The run's ``metrics`` group (and the sweep gate's metric ``floors``, ``report.min_metric_ratio``) checked
     before anything loads; None when no metric is configured.
@@ -347,9 +347,9 @@ def check(cfg_metrics: Any, output: str, data_parallel: bool = False,
         MetricError: every problem at once (:func:`problems`); also ``parallelism`` with several workers (the
             workers' journals are merged after the run: score the merged dir with ``python -m runner.score``).
     """
-    names = [str(n) for n in (cfg_metrics.names or [])] if cfg_metrics is not None else []
-    models = {str(k): (None if v is None else str(v)) for k, v in dict(cfg_metrics.models or {}).items()} \
-        if cfg_metrics is not None else {}
+    names = [str(n) for n in (metrics.names or [])] if metrics is not None else []
+    models = {str(k): (None if v is None else str(v)) for k, v in dict(metrics.models or {}).items()} \
+        if metrics is not None else {}
     bad_floors = floor_problems(dict(floors or {}))
     if not names and not any(v is not None for v in models.values()):
         if bad_floors:
@@ -358,8 +358,8 @@ def check(cfg_metrics: Any, output: str, data_parallel: bool = False,
     found = bad_floors + problems(names, models, output)
     if len(set(names)) != len(names):
         found.append(f"metrics.names lists a metric twice ({names}); fix: each once")
-    if int(cfg_metrics.batch_size) < 1:
-        found.append(f"metrics.batch_size={cfg_metrics.batch_size} must be >= 1; fix: metrics.batch_size=32")
+    if int(metrics.batch_size) < 1:
+        found.append(f"metrics.batch_size={metrics.batch_size} must be >= 1; fix: metrics.batch_size=32")
     if data_parallel and names:
         found.append("metrics with several workers are not scored during the run; fix: drop metrics.names and "
                      "score the merged run dir afterwards: python -m runner.score <run dir> --metrics ...")
@@ -368,7 +368,7 @@ def check(cfg_metrics: Any, output: str, data_parallel: bool = False,
     paths, sources = {}, {}
     for n in names:
         _, paths[n], sources[n] = _model_problems(REGISTRY[n], models.get(n))
-    return MetricSet(names=names, paths=paths, sources=sources, batch_size=int(cfg_metrics.batch_size))
+    return MetricSet(names=names, paths=paths, sources=sources, batch_size=int(metrics.batch_size))
 
 
 def model_digests(ms: MetricSet, cache_dir: Optional[Path] = None) -> Dict[str, Dict[str, Any]]:
