@@ -250,3 +250,40 @@ def test_video_clip_score_is_the_mean_over_frames_and_a_still_video_is_consisten
     assert tc([frames], [""])[0] < 1.0
     e = np.eye(3)  # VBench's rule on unit vectors: frame 1 is orthogonal to frame 0, frame 2 equals frame 1
     assert temporal_consistency(e[[0, 1, 1]]) == pytest.approx(((0 + 0) / 2 + (0 + 1) / 2) / 2)
+
+
+# ------------------------------------------------------------------------------------------------ the recipe
+
+
+def test_the_geneval_style_recipe_keeps_tags_beside_the_scores(tmp_path, clip):
+    """README's recipe: the project's GenEval-style prompt file (``tag``, ``include`` kept as ``meta``), scored."""
+    from runner.core.paths import PROJECT_ROOT
+
+    rows = PROJECT_ROOT / "runner" / "data" / "geneval_shapes.jsonl"
+    r = execute(tmp_path / "run", ["model=toy_shapes", "dataset=jsonl", f"dataset.path={rows}",
+                                   "dataset.extra_fields=keep", "metrics.names=[clip_score]",
+                                   f"metrics.models.clip_score={clip}"])
+    assert r.code == 0
+    meta = _lines(tmp_path / "run" / "images" / "metadata.jsonl")
+    src = {x["id"]: x for x in _lines(rows)}
+    assert [m["id"] for m in meta] == list(src)
+    for m in meta:
+        assert m["meta"] == {"tag": src[m["id"]]["tag"], "include": src[m["id"]]["include"]}
+        assert m["metrics"]["clip_score"] > 0
+    man = r.manifest
+    assert man["metrics"]["summary"]["clip_score"]["n"] == len(src) and man["accuracy"]["n"] == len(src)
+
+
+def test_a_resumed_run_keeps_the_scores_and_scores_only_new_items(tmp_path, clip):
+    run = tmp_path / "run"
+    common = ["model=toy_shapes", "metrics.names=[clip_score]", f"metrics.models.clip_score={clip}"]
+    first = execute(run, [*common, "dataset.limit=2"])
+    assert first.code == 0 and first.manifest["metrics"]["scored"] == {"clip_score": 2}
+    scores = {r["key"]: r["metrics"] for r in first.items}
+    again = execute(run, [*common, "dataset.limit=3", f"run.resume={run}"])
+    assert again.code == 0
+    sec = again.manifest["metrics"]
+    assert sec["scored"] == {"clip_score": 1} and sec["kept"] == {"clip_score": 2}
+    recs = {r["key"]: r["metrics"] for r in again.items}
+    assert len(recs) == 3 and all(recs[k] == v for k, v in scores.items())
+    assert sec["summary"]["clip_score"]["n"] == 3

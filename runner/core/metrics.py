@@ -23,7 +23,9 @@ resumed item keeps its score only when the metric model is the same.
 
 transformers 5 returns a ``BaseModelOutputWithPooling`` from ``CLIPModel.get_image_features`` /
 ``get_text_features`` where torchmetrics 1.9 expects the projected embeddings: :class:`ClipFeatures` hands
-torchmetrics the projected ``pooler_output``.
+torchmetrics the projected ``pooler_output``. Per-item scores come from torchmetrics' ``_clip_score_update`` (its
+public ``CLIPScore``/``clip_score`` return only the batch mean); ``tests/test_metrics.py`` recomputes them with
+transformers alone, so a change of that private function shows.
 """
 
 from __future__ import annotations
