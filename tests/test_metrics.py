@@ -287,3 +287,30 @@ def test_a_resumed_run_keeps_the_scores_and_scores_only_new_items(tmp_path, clip
     recs = {r["key"]: r["metrics"] for r in again.items}
     assert len(recs) == 3 and all(recs[k] == v for k, v in scores.items())
     assert sec["summary"]["clip_score"]["n"] == 3
+
+
+# ------------------------------------------------------------------------------------------------ gate arithmetic
+
+
+def _scored_job(tmp_path: Path, name: str, scores: Dict[str, float]) -> Any:
+    from runner.tools.report import Job
+
+    items = [{"key": k, "status": "ok", "file": f"images/{k}.png", "metrics": {"clip_score": v}}
+             for k, v in scores.items()]
+    return Job(name=name, label=name, path=tmp_path / name, group=tmp_path, items=items)
+
+
+def test_metric_ratio_is_the_ratio_of_the_means_over_shared_items(tmp_path):
+    from runner.tools.gate import metric_ratios
+
+    ref = _scored_job(tmp_path, "ref", {"a": 30.0, "b": 10.0, "c": 50.0})
+    lossy = _scored_job(tmp_path, "lossy", {"a": 27.0, "b": 11.0})  # c missing: not in the means
+    m = metric_ratios(lossy, ref, {"clip_score": 0.95})["clip_score"]
+    assert m["lossy"] == 19.0 and m["lossless"] == 20.0 and m["ratio"] == 0.95 and m["items"] == 2
+    assert m["pass"] and m["min_item_ratio"] == 0.9 and m["items_below"] == ["a"]
+    assert not metric_ratios(lossy, ref, {"clip_score": 0.951})["clip_score"]["pass"]
+    zero = _scored_job(tmp_path, "zero", {"a": 0.0, "b": 0.0})  # a lossless mean of 0: lossy must not be lower
+    assert metric_ratios(lossy, zero, {"clip_score": 2.0})["clip_score"]["pass"]
+    assert not metric_ratios(_scored_job(tmp_path, "neg", {"a": -1.0, "b": 0.0}), zero,
+                             {"clip_score": 0.5})["clip_score"]["pass"]
+    assert metric_ratios(lossy, ref, {}) is None
