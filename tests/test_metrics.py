@@ -314,3 +314,58 @@ def test_metric_ratio_is_the_ratio_of_the_means_over_shared_items(tmp_path):
     assert not metric_ratios(_scored_job(tmp_path, "neg", {"a": -1.0, "b": 0.0}), zero,
                              {"clip_score": 0.5})["clip_score"]["pass"]
     assert metric_ratios(lossy, ref, {}) is None
+
+
+def test_a_video_run_scores_its_mp4s(tmp_path, clip):
+    """toy_motion end to end: the decoded MP4 frames scored with clip_score (mean over frames) and
+    temporal_consistency, equal to the scorers applied here to the decoded frames."""
+    from runner.core.metrics import REGISTRY
+    from runner.core.video import decode_mp4
+
+    r = execute(tmp_path / "run", ["model=toy_motion", "dataset.limit=2", "model.generation.num_inference_steps=4",
+                                   "metrics.names=[clip_score,temporal_consistency]",
+                                   f"metrics.models.clip_score={clip}", f"metrics.models.temporal_consistency={clip}"])
+    assert r.code == 0
+    recs = [x for x in r.items if x["status"] == "ok"]
+    frames = [decode_mp4(tmp_path / "run" / x["file"]) for x in recs]
+    assert all(f.shape[0] > 1 for f in frames)
+    for name in ("clip_score", "temporal_consistency"):
+        want = REGISTRY[name].load(clip, "cpu")(frames, [x["prompt"] for x in recs])
+        assert [x["metrics"][name] for x in recs] == pytest.approx(want, abs=1e-5)
+    assert all(0 < x["metrics"]["temporal_consistency"] <= 1 for x in recs)
+    meta = _lines(tmp_path / "run" / "videos" / "metadata.jsonl")
+    assert [m["metrics"] for m in meta] == [x["metrics"] for x in recs]
+
+
+def test_several_workers_are_refused_and_point_at_runner_score():
+    from types import SimpleNamespace
+
+    from runner.core.metrics import MetricError, check
+
+    with pytest.raises(MetricError, match="python -m runner.score"):
+        check(SimpleNamespace(names=["clip_score"], models={"clip_score": "/x"}, batch_size=0), "image",
+              data_parallel=True)
+    assert check(SimpleNamespace(names=[], models={"clip_score": None}, batch_size=32), "image") is None
+
+
+def test_validate_refuses_a_score_that_is_no_number(sweep, tmp_path):
+    from runner.tools.validate import main as validate
+
+    run = tmp_path / "run"
+    shutil.copytree(_job(sweep, lossy=False), run)
+    recs = _lines(run / "items.jsonl")
+    recs[0]["metrics"]["clip_score"] = "high"
+    (run / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert validate([str(run)]) == 1
+
+
+@pytest.mark.cuda
+def test_scores_on_cuda_match_the_cpu_scores(clip):
+    from runner.core.metrics import REGISTRY
+
+    rng = np.random.default_rng(1)
+    images = list(rng.integers(0, 256, size=(6, 64, 64, 3), dtype=np.uint8))
+    prompts = ["a red circle", "a blue square", "a green triangle"] * 2
+    cpu = REGISTRY["clip_score"].load(clip, "cpu")(images, prompts)
+    cuda = REGISTRY["clip_score"].load(clip, "cuda")(images, prompts)
+    assert cuda == pytest.approx(cpu, abs=1e-3)
