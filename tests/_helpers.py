@@ -208,8 +208,10 @@ def stale_output_hook(stateful: bool = True) -> Any:
     return Stale
 
 
-def tiny_clip(path: Path, seed: int = 0, offset: float = 1.0, corpus: Sequence[str] = ("a red circle in the top left on a white background",
-                                                                   "a blue square", "a green triangle")) -> Path:
+CLIP_CORPUS = ("a red circle in the top left on a white background", "a blue square", "a green triangle")
+
+
+def tiny_clip(path: Path, seed: int = 0, offset: float = 1.0, corpus: Sequence[str] = CLIP_CORPUS) -> Path:
     """A tiny random CLIP (2 layers, width 32, 32 px vision input) saved at ``path`` as a metric model dir:
     ``CLIPModel.save_pretrained`` (safetensors) and a ``CLIPProcessor`` of the local CLIP tokenizer
     (``models.tokenizers.build_clip_tokenizer``) and a ``CLIPImageProcessor``. ``seed`` picks the weights; both

@@ -10,9 +10,13 @@ scored during the run with ``clip_score``:
   projected embeddings), so a wrong image, prompt or formula fails;
 * ``python -m runner.score`` on the run dir with the scores removed (an old run dir) gives the same scores, at
   another batch size;
-* the sweep's own gate applies ``report.min_metric_ratio``; ``runner.gate --min-metric-ratio`` passes at the measured ratio and fails just above it (exit 1, the reason names
-  the metric); a metric not scored fails naming ``runner.score``;
+* the sweep's own gate applies ``report.min_metric_ratio``; ``runner.gate --min-metric-ratio`` passes at the
+  measured ratio and fails just above it (exit 1, the reason names the metric); a metric not scored fails naming
+  ``runner.score``;
 * ``report.html`` shows the metric column, the histograms and the speed/quality plot.
+
+Beside it: refusals at startup, a resumed run (scores kept, new items scored), the GenEval-style recipe file, a
+toy_motion run (MP4 frames scored), the gate's ratio arithmetic on synthetic records.
 """
 
 from __future__ import annotations
