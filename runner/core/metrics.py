@@ -153,6 +153,7 @@ class ClipScorer:
         return (e / e.norm(dim=-1, keepdim=True)).cpu().numpy()
 
     def logit_scale(self) -> float:
+        """The model's learned temperature ``exp(logit_scale)`` (CLIP's, PickScore's score scale)."""
         return float(self.model.model.logit_scale.exp())
 
 
