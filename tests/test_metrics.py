@@ -373,3 +373,33 @@ def test_scores_on_cuda_match_the_cpu_scores(clip):
     cpu = REGISTRY["clip_score"].load(clip, "cpu")(images, prompts)
     cuda = REGISTRY["clip_score"].load(clip, "cuda")(images, prompts)
     assert cuda == pytest.approx(cpu, abs=1e-3)
+
+
+def test_aesthetic_is_the_laion_head_on_the_normalised_image_embedding(tmp_path, clip):
+    import torch
+    from safetensors.torch import save_file
+    from transformers import CLIPModel, CLIPProcessor
+
+    from runner.core.metrics import AESTHETIC_HEAD, REGISTRY, problems
+
+    model_dir = tmp_path / "aesthetic"
+    shutil.copytree(clip, model_dir)
+    assert any(AESTHETIC_HEAD in p for p in problems(["aesthetic"], {"aesthetic": str(model_dir)}, "image"))
+    torch.manual_seed(0)
+    dims = [16, 1024, 128, 64, 16, 1]
+    state = {}
+    for i, (a, b) in zip((0, 2, 4, 6, 7), zip(dims[:-1], dims[1:])):
+        state[f"layers.{i}.weight"], state[f"layers.{i}.bias"] = torch.randn(b, a) / a ** 0.5, torch.randn(b)
+    save_file(state, str(model_dir / AESTHETIC_HEAD))
+    assert problems(["aesthetic"], {"aesthetic": str(model_dir)}, "image") == []
+    rng = np.random.default_rng(2)
+    images = list(rng.integers(0, 256, size=(3, 48, 48, 3), dtype=np.uint8))
+    got = REGISTRY["aesthetic"].load(model_dir, "cpu")(images, [""] * 3)
+    m, proc = CLIPModel.from_pretrained(model_dir).double().eval(), CLIPProcessor.from_pretrained(model_dir)
+    with torch.no_grad():
+        px = proc(images=[torch.from_numpy(a).permute(2, 0, 1) for a in images], return_tensors="pt")["pixel_values"]
+        x = m.visual_projection(m.vision_model(pixel_values=px.double()).pooler_output)
+        x = x / x.norm(dim=-1, keepdim=True)
+        for i in (0, 2, 4, 6, 7):
+            x = x @ state[f"layers.{i}.weight"].double().T + state[f"layers.{i}.bias"].double()
+    assert got == pytest.approx(x.squeeze(-1).tolist(), abs=1e-9) and len(set(got)) == 3

@@ -13,6 +13,8 @@ Metrics (``metrics.names``; each higher is better):
 * ``temporal_consistency`` (video): VBench's background consistency (Huang et al. 2024, "VBench", CVPR;
   ``vbench/background_consistency.py``): for each frame ``i >= 1``, ``(cos(E_i, E_0) + cos(E_i, E_{i-1})) / 2`` of
   CLIP image embeddings, averaged over the frames; 1.0 for a still video.
+* ``aesthetic`` (image): the LAION improved aesthetic predictor, an MLP (:data:`AESTHETIC_WIDTHS`) on the
+  L2-normalised CLIP ViT-L/14 image embedding; its head as ``aesthetic_head.safetensors`` beside the CLIP files.
 * ``image_reward`` (image; the ``image-reward`` package), ``hpsv2`` (image; the ``hpsv2`` package): their own
   scoring APIs with local checkpoints; refused at startup where the package is not installed.
 
@@ -210,6 +212,48 @@ def _load_temporal(path: Path, device: Any) -> Callable[[List[np.ndarray], List[
     return score
 
 
+#: The LAION improved aesthetic predictor's head (christophschuhmann/improved-aesthetic-predictor, ``MLP``): layer
+#: widths after the CLIP image embedding; its ``nn.Sequential`` indices of the Linear layers (dropout between).
+AESTHETIC_WIDTHS = (1024, 128, 64, 16, 1)
+AESTHETIC_LINEARS = (0, 2, 4, 6, 7)
+AESTHETIC_HEAD = "aesthetic_head.safetensors"
+
+
+def aesthetic_head(state: Mapping[str, Any]) -> Any:
+    """The predictor's MLP from its state dict (``layers.<i>.weight`` / ``.bias`` for i in
+    :data:`AESTHETIC_LINEARS`; the input width is the CLIP projection's), in eval mode (dropout off).
+
+    Raises:
+        KeyError: a layer's weights are missing.
+    """
+    import torch
+
+    dims = [int(state["layers.0.weight"].shape[1]), *AESTHETIC_WIDTHS]
+    mods: List[Any] = []
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        mods.append(torch.nn.Linear(a, b))
+        if i < 3:
+            mods.append(torch.nn.Dropout(0.0))
+    layers = torch.nn.Sequential(*mods)
+    layers.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()}, strict=True)
+    return layers.eval()
+
+
+def _load_aesthetic(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+    import torch
+    from safetensors.torch import load_file
+
+    clip = ClipScorer(path, device)
+    head = aesthetic_head(load_file(str(Path(path) / AESTHETIC_HEAD))).to(clip.device, clip.model.model.dtype)
+
+    def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
+        emb = torch.from_numpy(clip.image_embeddings(arrays)).to(clip.device, clip.model.model.dtype)
+        with torch.inference_mode():
+            return [float(x) for x in head(emb).squeeze(-1).double().cpu()]
+
+    return score
+
+
 def _load_image_reward(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
     import ImageReward  # noqa: N813 - the package's name
     from PIL import Image
@@ -241,6 +285,9 @@ register(Metric("pick_score", ("image",), ("torchmetrics", "transformers"), "pip
 register(Metric("temporal_consistency", ("video",), ("torchmetrics", "transformers"),
                 "pip install torchmetrics transformers", "clip_dir", _load_temporal,
                 "VBench background_consistency (Huang et al. 2024)"))
+register(Metric("aesthetic", ("image",), ("transformers", "safetensors"), "pip install transformers safetensors",
+                "clip_dir+head", _load_aesthetic, "LAION improved aesthetic predictor (MLP on L2-normalised CLIP "
+                "ViT-L/14 image embeddings)"))
 register(Metric("image_reward", ("image",), ("ImageReward",), "pip install image-reward", "file",
                 _load_image_reward, "Xu et al. 2023, ImageReward"))
 register(Metric("hpsv2", ("image",), ("hpsv2",), "pip install hpsv2", "file", _load_hpsv2,
@@ -266,7 +313,7 @@ def _model_problems(m: Metric, value: Optional[str]) -> Tuple[List[str], Optiona
     key = f"metrics.models.{m.name}"
     want = ("a dir holding a transformers CLIPModel (config.json, *.safetensors) saved with its CLIPProcessor "
             "(preprocessor_config.json or processor_config.json, tokenizer files), or a Hub id in the local cache"
-            if m.model == "clip_dir" else "the metric's checkpoint file")
+            if m.model != "file" else "the metric's checkpoint file")
     if not value:
         return [f"{key} is not set; metric {m.name} needs {want}; fix: {key}=<path>"], None, {}
     from runner.core.weights import looks_like_repo_id, resolve_model_path
@@ -281,6 +328,10 @@ def _model_problems(m: Metric, value: Optional[str]) -> Tuple[List[str], Optiona
     if m.model == "file":
         return ([] if path.is_file() else [f"{key}={value!r} is not a file; fix: {want}"]), path, source
     names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    if m.model == "clip_dir+head" and AESTHETIC_HEAD not in names:
+        return [f"{key}={value!r} lacks {AESTHETIC_HEAD} (the predictor's MLP: layers.{{0,2,4,6,7}}.weight/bias); "
+                f"fix: save the head's state dict there with safetensors (a .pth is pickle, never loaded) beside "
+                "the CLIP ViT-L/14 it was trained on"], None, {}
     missing = [n for n, ok in (("config.json", "config.json" in names),
                                ("*.safetensors", any(n.endswith(".safetensors") for n in names)),
                                ("preprocessor_config.json or processor_config.json",

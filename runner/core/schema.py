@@ -707,8 +707,8 @@ class MetricsConfig:
     same metric model)."""
 
     names: List[str] = field(default_factory=list)
-    """Metrics to score: ``clip_score``, ``pick_score`` (images), ``temporal_consistency`` (videos),
-    ``image_reward``, ``hpsv2`` (with their packages); empty: none."""
+    """Metrics to score: ``clip_score`` (images, videos), ``pick_score``, ``aesthetic`` (images),
+    ``temporal_consistency`` (videos), ``image_reward``, ``hpsv2`` (images, with their packages); empty: none."""
     models: Dict[str, Optional[str]] = field(default_factory=dict)
     """Metric name -> its model: a local dir (a transformers CLIPModel saved with its CLIPProcessor) or a Hub id in
     the local cache; ``image_reward``/``hpsv2``: a checkpoint file."""
