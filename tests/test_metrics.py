@@ -403,3 +403,17 @@ def test_aesthetic_is_the_laion_head_on_the_normalised_image_embedding(tmp_path,
         for i in (0, 2, 4, 6, 7):
             x = x @ state[f"layers.{i}.weight"].double().T + state[f"layers.{i}.bias"].double()
     assert got == pytest.approx(x.squeeze(-1).tolist(), abs=1e-9) and len(set(got)) == 3
+
+
+def test_runner_score_refuses_a_changed_or_missing_artifact(sweep, clip, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(_job(sweep, lossy=False), run)
+    recs = _lines(run / "items.jsonl")
+    (run / recs[0]["file"]).write_bytes((run / recs[1]["file"]).read_bytes())
+    (run / recs[2]["file"]).unlink()
+    before = (run / "items.jsonl").read_bytes()
+    p = _module("runner.score", [run, "--metrics", "clip_score", "--model", f"clip_score={clip}", "--rescore"],
+                cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert f"{recs[0]['file']}: sha256 differs" in p.stderr and f"{recs[2]['file']}: missing" in p.stderr
+    assert (run / "items.jsonl").read_bytes() == before  # nothing rewritten

@@ -457,6 +457,27 @@ def load_artifact(path: Path) -> np.ndarray:
         return np.asarray(im.convert("RGB"), dtype=np.uint8)
 
 
+def check_artifacts(run_dir: Path, records: Sequence[Mapping[str, Any]]) -> None:
+    """Every record's artifact exists and still has its recorded ``file_sha256``, so a score is that of the
+    item's own output.
+
+    Raises:
+        MetricError: naming every missing or changed file (exit 2).
+    """
+    from runner.core.dataset import file_sha256
+
+    bad = []
+    for r in records:
+        p = Path(run_dir) / r["file"]
+        if not p.is_file():
+            bad.append(f"{r['file']}: missing")
+        elif r.get("file_sha256") and file_sha256(p) != r["file_sha256"]:
+            bad.append(f"{r['file']}: sha256 differs from its record's file_sha256 (changed after the run)")
+    if bad:
+        raise MetricError(f"{run_dir}: artifacts to score do not match items.jsonl:\n  " + "\n  ".join(bad)
+                          + "\nfix: restore them, or re-run (python -m runner.repro) before scoring")
+
+
 def needs_scoring(rec: Mapping[str, Any], name: str, digest: str) -> bool:
     """An ok record with a file lacks ``name``'s score, or has one from another metric model."""
     if rec.get("status") != "ok" or not rec.get("file"):
@@ -471,8 +492,13 @@ def score_records(run_dir: Path, records: List[Dict[str, Any]], ms: MetricSet, d
 
     Returns:
         ``{name: items scored}`` (the others kept their scores).
+
+    Raises:
+        MetricError: an artifact to score is missing or changed (:func:`check_artifacts`).
     """
     done: Dict[str, int] = {}
+    check_artifacts(run_dir, [r for r in records if any(needs_scoring(r, n, ms.digests[n]["sha256"])
+                                                        for n in ms.names)])
     for n in ms.names:
         digest = ms.digests[n]["sha256"]
         todo = [r for r in records if needs_scoring(r, n, digest)]
@@ -508,12 +534,14 @@ def summary(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> Dict[
 
 
 def score_journal(run_dir: Path, journal: str, ms: MetricSet, device: Any,
-                  cache_dir: Optional[Path] = None) -> Dict[str, Any]:
-    """Score ``run_dir/journal`` (``items.jsonl``) in place (atomic rewrite, same order) and return the
-    manifest's ``metrics`` section: ``{names, device, batch_size, models (:func:`model_digests`), summary
-    (:func:`summary`), scored, kept, score_s}``.
+                  cache_dir: Optional[Path] = None, rescore: bool = False) -> Dict[str, Any]:
+    """Score ``run_dir/journal`` (``items.jsonl``) in place (atomic rewrite, same order, only once every score is
+    computed) and return the manifest's ``metrics`` section: ``{names, device, batch_size, models
+    (:func:`model_digests`), summary (:func:`summary`), scored, kept, score_s}``. ``rescore``: every ok item is
+    scored again, also those holding a score of the same model.
 
     Raises:
+        MetricError: an artifact to score is missing or changed (the journal is left as it was).
         runner.core.errors.StorageError: the journal could not be rewritten.
     """
     from runner.core.artifacts import atomic_write_bytes
@@ -522,6 +550,9 @@ def score_journal(run_dir: Path, journal: str, ms: MetricSet, device: Any,
     t0 = time.perf_counter()
     path = Path(run_dir) / journal
     records = read_journal(path)
+    for r in records if rescore else []:
+        for n in ms.names:
+            (r.get("metrics") or {}).pop(n, None)
     models = model_digests(ms, cache_dir)
     scored = score_records(Path(run_dir), records, ms, device)
     atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in records).encode())

@@ -65,8 +65,9 @@ def score_dir(run_dir: Path, names: Sequence[str], models: Dict[str, str], devic
     """Score ``run_dir`` (module docstring); returns the manifest's new ``metrics`` section.
 
     Raises:
-        ScoreInputError: not a run dir, a running run, no ok item; runner.core.metrics.MetricError: a metric that
-            cannot run; runner.core.rundir.RunDirInUseError: another process holds the dir.
+        ScoreInputError: not a run dir, a running run, no metric; runner.core.metrics.MetricError: a metric that
+            cannot run, an artifact missing or changed (nothing is rewritten); runner.core.rundir.RunDirInUseError:
+            another process holds the dir.
     """
     from types import SimpleNamespace
 
@@ -92,15 +93,8 @@ def score_dir(run_dir: Path, names: Sequence[str], models: Dict[str, str], devic
         ms = check(SimpleNamespace(names=list(names), models=dict(models), batch_size=batch_size), kind)
         if ms is None or not ms.names:
             raise ScoreInputError("no metric given; fix: --metrics clip_score --model clip_score=<dir>")
-        if rescore:
-            for r in records:
-                for n in ms.names:
-                    (r.get("metrics") or {}).pop(n, None)
-            from runner.core.artifacts import atomic_write_bytes
-
-            atomic_write_bytes(jpath, "".join(json.dumps(r) + "\n" for r in records).encode())
         dev = device or ("cuda" if _cuda() else "cpu")
-        new = score_journal(run_dir, "items.jsonl", ms, dev)
+        new = score_journal(run_dir, "items.jsonl", ms, dev, rescore=rescore)
         records = read_journal(jpath)
         section = merged_section(manifest.get("metrics"), new, records)
         section["scored_by"] = {"tool": "runner.score", "at": now_iso(), "device": dev}
