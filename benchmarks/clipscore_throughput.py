@@ -136,7 +136,7 @@ def main(argv: List[str] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         build_s = build(Path(tmp) / "clip", arch)
         t0 = time.perf_counter()
-        scorer = ClipScorer(Path(tmp) / "clip", device)
+        scorer = ClipScorer(Path(tmp) / "clip", device, batch_size=max(batches))
         _sync(device)
         load_s = time.perf_counter() - t0
         rng = np.random.default_rng(0)

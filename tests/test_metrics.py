@@ -417,3 +417,16 @@ def test_runner_score_refuses_a_changed_or_missing_artifact(sweep, clip, tmp_pat
     assert p.returncode == 2, p.stderr
     assert f"{recs[0]['file']}: sha256 differs" in p.stderr and f"{recs[2]['file']}: missing" in p.stderr
     assert (run / "items.jsonl").read_bytes() == before  # nothing rewritten
+
+
+def test_scores_do_not_depend_on_the_model_batch(clip):
+    from runner.core.metrics import REGISTRY
+
+    rng = np.random.default_rng(3)
+    images = list(rng.integers(0, 256, size=(5, 40, 40, 3), dtype=np.uint8))
+    prompts = ["a red circle", "a blue square", "a green triangle", "x", "y"]
+    whole = REGISTRY["clip_score"].load(clip, "cpu", 8)(images, prompts)
+    assert REGISTRY["clip_score"].load(clip, "cpu", 2)(images, prompts) == pytest.approx(whole, abs=1e-9)
+    video = np.stack(images)
+    tc = [REGISTRY["temporal_consistency"].load(clip, "cpu", b)([video], [""])[0] for b in (2, 8)]
+    assert tc[0] == pytest.approx(tc[1], abs=1e-9)

@@ -64,8 +64,9 @@ class Metric:
         kinds: artifact kinds it scores (``image``, ``video``).
         packages: import names it needs, with the ``pip install`` fix in ``install``.
         model: what ``metrics.models.<name>`` must hold (``clip_dir`` or ``file``).
-        load: ``load(model path, torch device) -> scorer``; ``scorer(arrays, prompts) -> list of floats``, arrays
-            ``uint8`` (H, W, 3) per image or (F, H, W, 3) per video.
+        load: ``load(model path, torch device, batch_size) -> scorer``; ``scorer(arrays, prompts) -> list of
+            floats``, arrays ``uint8`` (H, W, 3) per image or (F, H, W, 3) per video; at most ``batch_size``
+            images (or frames) per model call.
         source: where the formula comes from.
     """
 
@@ -74,7 +75,7 @@ class Metric:
     packages: Tuple[str, ...]
     install: str
     model: str
-    load: Callable[[Path, Any], Callable[[List[np.ndarray], List[str]], List[float]]]
+    load: Callable[..., Callable[[List[np.ndarray], List[str]], List[float]]]
     source: str
 
 
@@ -121,11 +122,11 @@ class ClipScorer:
     thread count, to far below :data:`DECIMALS`), float32 on accelerators (the batch composition may move the last
     float32 digits)."""
 
-    def __init__(self, path: Path, device: Any) -> None:
+    def __init__(self, path: Path, device: Any, batch_size: int = 32) -> None:
         import torch
         from transformers import CLIPModel, CLIPProcessor
 
-        self.device = torch.device(device)
+        self.device, self.batch_size = torch.device(device), int(batch_size)
         dtype = torch.float64 if self.device.type == "cpu" else torch.float32
         model = CLIPModel.from_pretrained(str(path), use_safetensors=True, dtype=dtype).eval().to(self.device)
         self.model = _clip_module()(model).eval()
@@ -137,22 +138,32 @@ class ClipScorer:
         return [torch.from_numpy(np.array(a, dtype=np.uint8)).permute(2, 0, 1).to(self.device) for a in arrays]
 
     def clip_scores(self, images: Sequence[np.ndarray], prompts: Sequence[str]) -> np.ndarray:
-        """``100 * cos`` per (image, prompt) pair via torchmetrics' ``_clip_score_update``; (N,) float64."""
+        """``100 * cos`` per (image, prompt) pair via torchmetrics' ``_clip_score_update``, ``batch_size`` images
+        per call (a video's frames count one each); (N,) float64."""
         import torch
         from torchmetrics.functional.multimodal.clip_score import _clip_score_update
 
+        out = []
         with torch.inference_mode():
-            s, _ = _clip_score_update(self._tensors(images), list(prompts), self.model, self.processor)
-        return s.double().cpu().numpy()
+            for i in range(0, len(images), self.batch_size):
+                s, _ = _clip_score_update(self._tensors(images[i:i + self.batch_size]),
+                                          list(prompts[i:i + self.batch_size]), self.model, self.processor)
+                out.append(s.double().cpu().numpy())
+        return np.concatenate(out) if out else np.zeros(0)
 
     def image_embeddings(self, images: Sequence[np.ndarray]) -> np.ndarray:
-        """L2-normalised projected image embeddings, (N, D) float64."""
+        """L2-normalised projected image embeddings, ``batch_size`` images per call; (N, D) float64."""
         import torch
 
+        out = []
         with torch.inference_mode():
-            px = self.processor(images=[t.cpu() for t in self._tensors(images)], return_tensors="pt")
-            e = self.model.get_image_features(px["pixel_values"].to(self.device)).double()
-        return (e / e.norm(dim=-1, keepdim=True)).cpu().numpy()
+            for i in range(0, len(images), self.batch_size):
+                chunk = [torch.from_numpy(np.array(a, dtype=np.uint8)).permute(2, 0, 1)
+                         for a in images[i:i + self.batch_size]]
+                px = self.processor(images=chunk, return_tensors="pt")
+                e = self.model.get_image_features(px["pixel_values"].to(self.device)).double()
+                out.append((e / e.norm(dim=-1, keepdim=True)).cpu().numpy())
+        return np.concatenate(out)
 
     def logit_scale(self) -> float:
         """The model's learned temperature ``exp(logit_scale)`` (CLIP's, PickScore's score scale)."""
@@ -170,8 +181,8 @@ def _frames_of(arrays: Sequence[np.ndarray]) -> Tuple[List[np.ndarray], List[int
     return frames, counts
 
 
-def _load_clip_score(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
-    clip = ClipScorer(path, device)
+def _load_clip_score(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+    clip = ClipScorer(path, device, batch_size)
 
     def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
         frames, counts = _frames_of(arrays)
@@ -183,8 +194,8 @@ def _load_clip_score(path: Path, device: Any) -> Callable[[List[np.ndarray], Lis
     return score
 
 
-def _load_pick_score(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
-    clip = ClipScorer(path, device)
+def _load_pick_score(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+    clip = ClipScorer(path, device, batch_size)
 
     def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
         cos = clip.clip_scores(arrays, prompts) / 100.0
@@ -203,8 +214,8 @@ def temporal_consistency(emb: np.ndarray) -> float:
     return float(np.mean((first + prev) / 2.0))
 
 
-def _load_temporal(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
-    clip = ClipScorer(path, device)
+def _load_temporal(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+    clip = ClipScorer(path, device, batch_size)
 
     def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
         return [temporal_consistency(clip.image_embeddings(list(a))) for a in arrays]
@@ -239,11 +250,11 @@ def aesthetic_head(state: Mapping[str, Any]) -> Any:
     return layers.eval()
 
 
-def _load_aesthetic(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+def _load_aesthetic(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
     import torch
     from safetensors.torch import load_file
 
-    clip = ClipScorer(path, device)
+    clip = ClipScorer(path, device, batch_size)
     head = aesthetic_head(load_file(str(Path(path) / AESTHETIC_HEAD))).to(clip.device, clip.model.model.dtype)
 
     def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
@@ -254,7 +265,7 @@ def _load_aesthetic(path: Path, device: Any) -> Callable[[List[np.ndarray], List
     return score
 
 
-def _load_image_reward(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+def _load_image_reward(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
     import ImageReward  # noqa: N813 - the package's name
     from PIL import Image
 
@@ -267,7 +278,7 @@ def _load_image_reward(path: Path, device: Any) -> Callable[[List[np.ndarray], L
     return score
 
 
-def _load_hpsv2(path: Path, device: Any) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+def _load_hpsv2(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
     import hpsv2
     from PIL import Image
 
@@ -505,7 +516,7 @@ def score_records(run_dir: Path, records: List[Dict[str, Any]], ms: MetricSet, d
         done[n] = len(todo)
         if not todo:
             continue
-        scorer = REGISTRY[n].load(ms.paths[n], device)
+        scorer = REGISTRY[n].load(ms.paths[n], device, ms.batch_size)
         for i in range(0, len(todo), ms.batch_size):
             chunk = todo[i:i + ms.batch_size]
             vals = scorer([load_artifact(Path(run_dir) / r["file"]) for r in chunk],
