@@ -75,11 +75,14 @@ class Metric:
     packages: Tuple[str, ...]
     install: str
     model: str
-    load: Callable[..., Callable[[List[np.ndarray], List[str]], List[float]]]
+    load: Callable[..., Any]
     source: str
 
 
 REGISTRY: Dict[str, Metric] = {}
+
+#: ``scorer(arrays, prompts) -> per-item scores`` (see :attr:`Metric.load`).
+Scorer = Callable[[List[np.ndarray], List[str]], List[float]]
 
 
 def register(metric: Metric) -> Metric:
@@ -181,7 +184,7 @@ def _frames_of(arrays: Sequence[np.ndarray]) -> Tuple[List[np.ndarray], List[int
     return frames, counts
 
 
-def _load_clip_score(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+def _load_clip_score(path: Path, device: Any, batch_size: int = 32) -> Scorer:
     clip = ClipScorer(path, device, batch_size)
 
     def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
@@ -194,7 +197,7 @@ def _load_clip_score(path: Path, device: Any, batch_size: int = 32) -> Callable[
     return score
 
 
-def _load_pick_score(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+def _load_pick_score(path: Path, device: Any, batch_size: int = 32) -> Scorer:
     clip = ClipScorer(path, device, batch_size)
 
     def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
@@ -214,7 +217,7 @@ def temporal_consistency(emb: np.ndarray) -> float:
     return float(np.mean((first + prev) / 2.0))
 
 
-def _load_temporal(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+def _load_temporal(path: Path, device: Any, batch_size: int = 32) -> Scorer:
     clip = ClipScorer(path, device, batch_size)
 
     def score(arrays: List[np.ndarray], prompts: List[str]) -> List[float]:
@@ -250,7 +253,7 @@ def aesthetic_head(state: Mapping[str, Any]) -> Any:
     return layers.eval()
 
 
-def _load_aesthetic(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+def _load_aesthetic(path: Path, device: Any, batch_size: int = 32) -> Scorer:
     import torch
     from safetensors.torch import load_file
 
@@ -265,7 +268,7 @@ def _load_aesthetic(path: Path, device: Any, batch_size: int = 32) -> Callable[[
     return score
 
 
-def _load_image_reward(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+def _load_image_reward(path: Path, device: Any, batch_size: int = 32) -> Scorer:
     import ImageReward  # noqa: N813 - the package's name
     from PIL import Image
 
@@ -278,7 +281,7 @@ def _load_image_reward(path: Path, device: Any, batch_size: int = 32) -> Callabl
     return score
 
 
-def _load_hpsv2(path: Path, device: Any, batch_size: int = 32) -> Callable[[List[np.ndarray], List[str]], List[float]]:
+def _load_hpsv2(path: Path, device: Any, batch_size: int = 32) -> Scorer:
     import hpsv2
     from PIL import Image
 
