@@ -679,6 +679,9 @@ class ReportConfig:
 
     reference: Optional[str] = None
     """The job (number or dir name) the others are compared with (null: the first job)."""
+    min_metric_ratio: Dict[str, Optional[float]] = field(default_factory=dict)
+    """The sweep's quality gate on per-item metrics (``runner.tools.gate``): metric name -> floor of the lossy job's
+    mean score over its lossless twin's (``report.min_metric_ratio.clip_score=0.99``); null: not gated."""
 
 
 @dataclass
@@ -694,6 +697,23 @@ class TrackerConfig:
     """The MLflow experiment (created when missing)."""
     run_name: Optional[str] = None
     """The tracker run's name; null: the run dir's name."""
+
+
+@dataclass
+class MetricsConfig:
+    """Per-item quality metrics of the written artifacts (``runner.core.metrics``), scored after generation on the
+    run's device and written into ``items.jsonl``, ``metadata.jsonl`` and the manifest's ``metrics`` summary. Not
+    part of the run identity: scores never change an artifact (a resume rescores only what lacks a score of the
+    same metric model)."""
+
+    names: List[str] = field(default_factory=list)
+    """Metrics to score: ``clip_score`` (images, videos), ``pick_score``, ``aesthetic`` (images),
+    ``temporal_consistency`` (videos), ``image_reward``, ``hpsv2`` (images, with their packages); empty: none."""
+    models: Dict[str, Optional[str]] = field(default_factory=dict)
+    """Metric name -> its model: a local dir (a transformers CLIPModel saved with its CLIPProcessor) or a Hub id in
+    the local cache; ``image_reward``/``hpsv2``: a checkpoint file."""
+    batch_size: int = 32
+    """Artifacts scored per metric-model call."""
 
 
 @dataclass
@@ -736,6 +756,8 @@ class RunConfig:
     """Sweep report settings."""
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     """Where the finished run is logged besides its run dir (group ``tracker``: ``none``, ``mlflow``)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Per-item quality metrics scored after generation (``metrics.names``, ``metrics.models.<name>``)."""
     seed: int = declared(0, enters=(RESUME,))
     """Base seed; each item's seed derives from it and the item key."""
     dtype: DType = declared(DType.auto, enters=(RESUME, IDENTITY))
