@@ -338,45 +338,62 @@ class OffloadProbe:
 
 @dataclass
 class QuantProbe:
-    """Calls of the quantized components' Linears, by the class their weight had when they ran."""
+    """Calls of the quantized components' Linears, by the class their weight had when they ran.
+
+    Attributes:
+        method: component -> method; calls: component -> weight class name -> calls; linears: Linears per
+        component; quantized: component -> Linears whose weight had the method's class at load; changed: Linears
+        quantized at load that later ran with another weight class.
+    """
 
     method: Dict[str, str]
     calls: Dict[str, Dict[str, int]] = field(default_factory=dict)
     linears: Dict[str, int] = field(default_factory=dict)
+    quantized: Dict[str, int] = field(default_factory=dict)
+    changed: Dict[str, List[str]] = field(default_factory=dict)
 
     def attach(self, components: Mapping[str, torch.nn.Module]) -> None:
         """A forward pre-hook on every ``nn.Linear`` of each quantized component (read-only)."""
-        for comp in self.method:
+        for comp, method in self.method.items():
             mod = components.get(comp)
             if not isinstance(mod, torch.nn.Module):
                 continue
-            counts = self.calls.setdefault(comp, {})
-            n = 0
-            for lin in mod.modules():
-                if isinstance(lin, torch.nn.Linear) or type(lin).__name__.startswith("Linear4bit"):
-                    n += 1
+            want = quant.get(method).tensor_classes
+            counts, changed = self.calls.setdefault(comp, {}), self.changed.setdefault(comp, [])
+            lins = [(n, m) for n, m in mod.named_modules() if isinstance(m, torch.nn.Linear)]
+            self.linears[comp] = len(lins)
+            self.quantized[comp] = 0
+            for name, lin in lins:
+                was = bool(set(quant.weight_class_names(lin)) & set(want))
+                self.quantized[comp] += was
 
-                    def pre(m: torch.nn.Module, args: Any, _c: Dict[str, int] = counts) -> None:
-                        name = type(getattr(m, "weight", None)).__name__
-                        _c[name] = _c.get(name, 0) + 1
+                def pre(m: torch.nn.Module, args: Any, _c: Dict[str, int] = counts, _was: bool = was,
+                        _n: str = name, _w: Tuple[str, ...] = want) -> None:
+                    names = quant.weight_class_names(m)
+                    _c[names[0] if names else "None"] = _c.get(names[0] if names else "None", 0) + 1
+                    if _was and not set(names) & set(_w) and _n not in changed:
+                        changed.append(_n)
 
-                    lin.register_forward_pre_hook(pre)
-            self.linears[comp] = n
+                lin.register_forward_pre_hook(pre)
 
     def section(self) -> Tuple[Dict[str, Any], List[str]]:
-        """``{component: {method, linears, calls_by_weight_class, quantized_calls}}`` and the mismatches: a
-        quantized component that ran none of its Linears with the method's weight class."""
+        """``{component: {method, linears, quantized_linears, calls_by_weight_class, quantized_calls}}`` and the
+        mismatches: a quantized component none of whose Linears holds the method's weight class, or a Linear
+        quantized at load that ran with another weight."""
         out: Dict[str, Any] = {}
         bad: List[str] = []
         for comp, method in self.method.items():
             want = quant.get(method).tensor_classes
             calls = self.calls.get(comp, {})
-            q = sum(n for k, n in calls.items() if k in want)
-            out[comp] = {"method": method, "linears": self.linears.get(comp, 0), "calls_by_weight_class": calls,
-                         "quantized_calls": q}
-            if sum(calls.values()) and not q:
-                bad.append(f"model.quantization.{comp}={method}: none of its Linear calls ran with a "
-                           f"{'/'.join(want)} weight (observed: {calls})")
+            out[comp] = {"method": method, "linears": self.linears.get(comp, 0),
+                         "quantized_linears": self.quantized.get(comp, 0), "calls_by_weight_class": calls,
+                         "quantized_calls": sum(n for k, n in calls.items() if k in want)}
+            if comp in self.linears and not self.quantized.get(comp):
+                bad.append(f"model.quantization.{comp}={method}: none of its {self.linears[comp]} Linears holds a "
+                           f"{'/'.join(want)} weight after loading")
+            if self.changed.get(comp):
+                bad.append(f"model.quantization.{comp}={method}: Linears quantized at load ran with another weight: "
+                           + ", ".join(self.changed[comp][:5]))
         return out, bad
 
 
