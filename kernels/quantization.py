@@ -12,9 +12,11 @@ Every method is lossy by design (weights rounded to fewer bits): a run that sets
 * the storage cost the memory planner uses (:attr:`WeightQuant.bits`: bits per ``nn.Linear`` weight element, scales
   included);
 * what evidence observes: :attr:`WeightQuant.tensor_classes`, the class names a quantized Linear's weight has when
-  it executes (a forward pre-hook reads ``type(module.weight)`` at call time, ``models.memory_evidence``), and
-  :attr:`WeightQuant.signature`, a regex over the profiled kernel names of the quantized matmul / dequantization
-  on a GPU (None where it leaves no name of its own).
+  it executes (a forward pre-hook reads ``type(module.weight)`` at call time, ``models.memory.QuantProbe``), and
+  :attr:`WeightQuant.signature`, a regex over the profiled device kernel names of the quantized matmul /
+  dequantization (None where the method leaves no kernel name of its own: torchao's weight-only int8/float8 and
+  diffusers' torch GGUF dequantization run as generic elementwise kernels and a dense GEMM, so there the weight
+  class at call time is the evidence).
 
 Sources:
   * torchao 0.18 ``Int8WeightOnlyConfig``: int8 weights with one scale per output row (``Int8Tensor``; weight-only
@@ -139,7 +141,7 @@ register(WeightQuant(
 register(WeightQuant(
     "float8wo", aliases=("fp8wo", "float8_weight_only", "torchao_float8"),
     requires=(on_platform("cuda"), sm_at_least(89), symbol("torchao.quantization:Float8WeightOnlyConfig")),
-    bits=8.0, tensor_classes=("Float8Tensor",), signature=r"e4m3|fp8|f8",
+    bits=8.0, tensor_classes=("Float8Tensor",),
     describe="torchao float8 (e4m3) weight-only, per-row scale"))
 register(WeightQuant(
     "nf4", aliases=("bnb_nf4", "bnb4", "4bit"),
@@ -149,7 +151,7 @@ register(WeightQuant(
 register(WeightQuant(
     "gguf", aliases=("gguf_file",),
     requires=(symbol("gguf:GGMLQuantizationType"),), libraries=("diffusers",), tensor_classes=("GGUFParameter",),
-    signature=r"ggml_dequantize|dequantize_gguf|dequant", needs_file=True,
+    needs_file=True,
     describe="a GGUF file's block-quantized weights (e.g. Q4_K), dequantized per call"))
 
 
