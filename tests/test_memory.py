@@ -320,3 +320,19 @@ def test_offload_probe_counts_the_bytes_diffusers_group_offload_onloads():
     assert sec["bytes_onloaded_per_forward"] == total and not bad
     _, bad = offload_evidence(OffloadProbe(), "group_block", 3)
     assert bad and "no onload was observed" in bad[0]
+
+
+def test_an_int8_toy_shapes_run_is_gated_against_the_lossless_one(tmp_path):
+    """The quantized lane is found lossy and compared by ``runner.tools.gate`` with the lossless run of the same
+    rows: toy_shapes' oracle accuracy per attribute within the gate's ratio, PSNR/SSIM reported."""
+    pytest.importorskip("torchao.quantization")
+    from runner.tools.gate import write_gate
+
+    base = ["model=toy_shapes", "dataset.limit=6", "batch_size=3"]
+    assert execute(tmp_path / "lossless", base).code == 0
+    assert execute(tmp_path / "int8", [*base, "model.quantization.transformer=int8wo"]).code == 0
+    doc = write_gate([tmp_path / "lossless", tmp_path / "int8"], tmp_path / "gate.json")
+    (entry,) = doc["jobs"]
+    assert entry["lanes"] == ["model.quantization.transformer=int8wo"] and entry["lossy_path"].endswith("int8")
+    assert entry["verdict"] == "pass" and entry["accuracy"], entry  # gated on the oracle, not only reported
+    assert doc["lossless_jobs"] and doc["verdict"] == "pass"
