@@ -463,15 +463,17 @@ class Fitting:
     ``models.pipelines.PipelineEngine`` as ``fit``).
 
     Args:
-        mem: the run's ``memory`` config; qcfg: the model's ``quantization`` config.
+        mem: the run's ``memory`` config; qcfg: the model's ``quantization`` config (None: a model schema without
+            one, nothing quantized).
         libraries: component -> library (``diffusers`` | ``transformers``) of the stage's pipeline.
     """
 
     def __init__(self, mem: Any, qcfg: Any, libraries: Mapping[str, str], platform_kind: str,
                  parallel: Any) -> None:
         self.settings = settings(mem, platform_kind, parallel)
-        self.choices = quant_choices(qcfg)
-        self.gguf_file: Optional[str] = None if qcfg.gguf_file is None else str(qcfg.gguf_file)
+        self.choices = quant_choices(qcfg) if qcfg is not None else {}
+        gguf = qcfg.gguf_file if qcfg is not None else None
+        self.gguf_file: Optional[str] = None if gguf is None else str(gguf)
         self.libraries = dict(libraries)
         self.plan: Optional[planner.Plan] = None
         self.why = ""

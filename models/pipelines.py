@@ -801,7 +801,8 @@ class PipelineEngine(DiffusersEngine):
 
         run, plat = self.ctx.run, self.ctx.plat
         libs = {c: lib for c, (lib, _m, _k) in self.task_components(self.task).items() if c != "scheduler"}
-        self.fit = memory.Fitting(run.memory, self.cfg.quantization, libs, plat.kind, self.ctx.parallel)
+        self.fit = memory.Fitting(run.memory, getattr(self.cfg, "quantization", None), libs, plat.kind,
+                                  self.ctx.parallel)
         lin = self.resolutions.get("linear")
         self.fit.check(SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype),
                        self.source.get("kind") == "dummy", bool(run.optimize.fuse_qkv),
