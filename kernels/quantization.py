@@ -229,18 +229,6 @@ def check(choices: Dict[str, str], libraries: Dict[str, str], ctx: SelectionCont
                                            "<component>=int8wo runs everywhere torchao is installed) or none.")
 
 
-def linear_bytes(module: torch.nn.Module, bits: float) -> Tuple[int, int]:
-    """``(dense_bytes, quantized_bytes)`` of every ``nn.Linear`` weight in ``module`` (meta tensors count):
-    dense in the weight's own dtype, quantized at ``bits`` per element (rounded up to bytes)."""
-    dense = quant = 0
-    for m in module.modules():
-        if isinstance(m, torch.nn.Linear):
-            n = m.weight.numel()
-            dense += n * m.weight.element_size()
-            quant += int(-(-n * bits // 8))
-    return dense, quant
-
-
 def weight_class_names(module: torch.nn.Module) -> Sequence[str]:
     """The class names in ``type(module.weight).__mro__`` (what a quantized Linear's weight is at call time)."""
     w = getattr(module, "weight", None)

@@ -982,5 +982,8 @@ class DiffusersEngine(EngineBase):
         return None
 
     def close(self) -> None:
-        """Leave the compile scope (deterministic mode restored)."""
+        """Leave the compile scope (deterministic mode restored); lift the memory budget's allocator cap."""
         self._scope.close()
+        fit = getattr(self, "fit", None)
+        if fit is not None:
+            fit.close()

@@ -550,6 +550,11 @@ class Fitting:
         self.applied.update(apply_offload(pipe, plan, device))
         self.applied.update(apply_vae(pipe, s.vae_tiling, s.vae_slicing))
 
+    def close(self) -> None:
+        """Lift the allocator cap this stage set (a later run in the same process starts unbudgeted)."""
+        if self.applied.get("budget") and torch.cuda.is_available():
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
     def attach(self, pipe: Any, device: str, observe: bool) -> None:
         """The probes: offload transfers, quantized Linear calls, per-phase peaks on a CUDA device."""
         comps = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}

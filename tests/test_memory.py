@@ -139,7 +139,7 @@ def test_a_linear_dequantized_behind_the_runner_is_a_mismatch(tmp_path):
     (["model.quantization.text_encoder_3=int8wo"], ["no component 'text_encoder_3'"]),
     (["model.quantization.transformer=int8wo", "optimize.fuse_qkv=true"], ["optimize.fuse_qkv=true"]),
     (["model.quantization.transformer=gguf", "model.quantization.gguf_file=/nonexistent.gguf"],
-     ["gguf"]),
+     ["model.quantization.transformer=gguf cannot run here", "package `gguf` is not installed"]),
     (["memory.offload=group_block"], ["memory.offload=group_block moves weights", "platform is cpu"]),
     (["memory.max_gpu_gb=8", "memory.blocks_per_group=0"], ["memory.max_gpu_gb=8.0 budgets GPU memory",
                                                             "memory.blocks_per_group=0 must be >= 1"]),
