@@ -336,3 +336,78 @@ def test_an_int8_toy_shapes_run_is_gated_against_the_lossless_one(tmp_path):
     assert entry["lanes"] == ["model.quantization.transformer=int8wo"] and entry["lossy_path"].endswith("int8")
     assert entry["verdict"] == "pass" and entry["accuracy"], entry  # gated on the oracle, not only reported
     assert doc["lossless_jobs"] and doc["verdict"] == "pass"
+
+
+# ------------------------------------------------------------------------------------------------ engine planning
+
+
+class _Mem:
+    """A ``memory`` node as a CUDA run would give it (the engine's own check refuses offload on this CPU)."""
+
+    def __init__(self, offload="auto", max_gpu_gb=None, slicing=False):
+        self.offload, self.use_stream, self.blocks_per_group = offload, True, 1
+        self.vae_tiling, self.vae_slicing, self.max_gpu_gb = False, slicing, max_gpu_gb
+
+
+def _prepared(overrides):
+    from _helpers import compose
+    from models.base import StageContext
+    from models.registry import engine_class
+    from runner.core.platform import detect
+
+    cfg = compose(["platform=cpu", *overrides])
+    eng = engine_class(cfg.model.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=cfg.model,
+                                                       plat=detect("cpu"), dtype=torch.float32))
+    eng.prepare()
+    rows, _ = eng.read_rows()
+    return eng, rows
+
+
+def _plan(eng, rows, mem):
+    from models.memory import Fitting
+
+    libs = {c: lib for c, (lib, _m, _k) in eng.task_components(eng.task).items() if c != "scheduler"}
+    eng.fit = Fitting(mem, eng.cfg.quantization, libs, "cuda", None)
+    eng.plan_memory(rows)
+    return eng.fit
+
+
+@pytest.mark.parametrize("model", ["tiny_flux", "tiny_sd3", "tiny_wan"])
+def test_the_engine_plans_from_meta_sizes_and_its_rows(model):
+    eng, rows = _prepared([f"model={model}", "dataset.limit=2", "batch_size=2"])
+    fit = _plan(eng, rows, _Mem("auto", max_gpu_gb=64))
+    real = eng.build_components(eng._arch(), device="cpu", dtype=torch.float32, task=eng.task)
+    want = {c: sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
+            for c, m in real.items() if isinstance(m, torch.nn.Module)}
+    sizes = component_sizes_of(eng)
+    assert {c: s.weights for c, s in sizes.items()} == want  # the meta device sizes what loads
+    none = fit.candidates[0]
+    assert fit.plan.offload == "none" and fit.why.startswith("auto: none is the fastest plan that fits 64.0 GiB")
+    assert set(none.stages) == {"text_encode", "denoise", "vae_decode"}
+    assert none.stages["denoise"] > sum(want.values())  # resident weights plus the activations
+    one = _plan(eng, rows[:1], _Mem("none", max_gpu_gb=64)).candidates[0]  # one row: a batch of one
+    act2, act1 = none.stages["denoise"] - sum(want.values()), one.stages["denoise"] - sum(want.values())
+    assert act2 == 2 * act1  # the largest batch's activations scale with its size
+    budget = planner.gb(none.peak) - 0.001
+    fits = next(p for p in fit.candidates if p.peak <= budget * planner.GIB)
+    with pytest.raises(planner.MemoryBudgetError) as e:
+        _plan(eng, rows, _Mem("none", max_gpu_gb=budget))
+    assert f"memory.offload=none plans a peak of {planner.gb(none.peak)} GiB" in str(e.value)
+    assert f"fix: memory.offload={fits.offload} (the cheapest plan that fits" in str(e.value)
+
+
+def component_sizes_of(eng):
+    from models.memory import component_sizes
+
+    return component_sizes(eng.meta_modules(), {})
+
+
+def test_a_snapshot_is_sized_from_its_own_configs_as_the_architecture_is():
+    from models.memory import meta_components
+
+    eng, _ = _prepared(["model=tiny_flux", "dataset.limit=1"])
+    snap = eng.embedded_snapshot(eng._arch())
+    from_snapshot = meta_components(eng.task_components(eng.task),
+                                    lambda c: json.loads((snap / c / "config.json").read_text()), torch.float32)
+    got = {c: planner.size_module(c, m).weights for c, m in from_snapshot.items()}
+    assert got == {c: s.weights for c, s in component_sizes_of(eng).items()}
