@@ -82,6 +82,13 @@ def test_quantization_enters_identity_only_while_set():
     assert quantization_of({"model": {"quantization": {"transformer": "nf4"}}}) == {"transformer": "nf4"}
     assert vae_tiling_of({"memory": {"vae_tiling": False}}) is None
     assert vae_tiling_of({"memory": {"vae_tiling": True}}) is True
+    from runner.core.resume import identity_sha256, run_identity
+
+    plain = {"model": {"name": "m", "quantization": {"transformer": None}}, "memory": {"vae_tiling": False}}
+    q = {"model": {"name": "m", "quantization": {"transformer": "int8wo"}}, "memory": {"vae_tiling": False}}
+    ids = [identity_sha256(run_identity(c, "float32", {"kind": "cpu"}, {}, {}, {})) for c in (plain, q)]
+    assert ids[0] != ids[1]
+    assert "model.quantization" not in run_identity(plain, "float32", {"kind": "cpu"}, {}, {}, {})["config"]
 
 
 # ------------------------------------------------------------------------------------------------ runs on CPU
@@ -411,3 +418,22 @@ def test_a_snapshot_is_sized_from_its_own_configs_as_the_architecture_is():
                                     lambda c: json.loads((snap / c / "config.json").read_text()), torch.float32)
     got = {c: planner.size_module(c, m).weights for c, m in from_snapshot.items()}
     assert got == {c: s.weights for c, s in component_sizes_of(eng).items()}
+
+
+def test_vae_slicing_and_tiling_reach_the_vae_and_tiling_the_identity(tmp_path):
+    seen = {}
+
+    def look(engine):
+        seen["slicing"], seen["tiling"] = engine.pipe.vae.use_slicing, engine.pipe.vae.use_tiling
+
+    r = execute(tmp_path / "s", [*SMALL, "batch_size=2", "memory.vae_slicing=true", "memory.vae_tiling=true"],
+                on_loaded=look)
+    assert r.code == 0 and seen == {"slicing": True, "tiling": True}
+    m = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert m["memory_plan"]["applied"] == {"offload": "none", "use_stream": True, "blocks_per_group": 1,
+                                           "vae_tiling": True, "vae_slicing": True}
+    base = execute(tmp_path / "b", [*SMALL, "batch_size=2"])
+    assert base.code == 0
+    ident = {d: json.loads((tmp_path / d / "manifest.json").read_text())["identity"] for d in ("s", "b")}
+    assert ident["s"]["config"]["memory.vae_tiling"] is True and "memory.vae_tiling" not in ident["b"]["config"]
+    assert ident["s"]["sha256"] != ident["b"]["sha256"]  # tiled decoding blends tiles: another run identity
