@@ -540,6 +540,15 @@ class Fitting:
                 "candidates": [p.to_dict() for p in self.candidates], "reserve_gb": planner.gb(planner.RESERVE_BYTES),
                 "quantization": dict(self.choices), "applied": self.applied}
 
+    def build_device(self, device: str) -> str:
+        """Where random (``load_format=dummy``) weights are built: on the host when they will be offloaded (the
+        offload hooks onload them; building them on the GPU first would need all of them there), else ``device``.
+        float8 weight-only quantizes on a GPU only (torchao's hardware check), so it builds there."""
+        off = self.plan.offload if self.plan is not None else self.settings.offload
+        if off in ("none", "auto") or "float8wo" in self.choices.values():
+            return device
+        return "cpu"
+
     def place(self, pipe: Any, device: str) -> None:
         """The budget on the device, then the pipeline placed under the plan, then the VAE settings."""
         s = self.settings
@@ -548,6 +557,8 @@ class Fitting:
         plan = self.plan or planner.Plan(s.offload if s.offload != "auto" else "none", s.use_stream,
                                          s.blocks_per_group)
         self.applied.update(apply_offload(pipe, plan, device))
+        if str(device).startswith("cuda"):
+            torch.cuda.empty_cache()  # blocks freed by offloading leave the allocator's cache, under the cap
         self.applied.update(apply_vae(pipe, s.vae_tiling, s.vae_slicing))
 
     def close(self) -> None:

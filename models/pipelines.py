@@ -768,7 +768,8 @@ class PipelineEngine(DiffusersEngine):
         kind = self.source["kind"]
         cls = self.pipeline_cls()
         if kind == "dummy":
-            comps = self.build_components(self._arch(), device=self.device, dtype=self.dtype, task=self.task)
+            comps = self.build_components(self._arch(), device=self.fit.build_device(self.device), dtype=self.dtype,
+                                          task=self.task)
             for comp, method in self.fit.choices.items():  # torchao's quantize_, as diffusers applies it
                 memory.quantize_built(comps[comp], method, self.fit.libraries[comp], self.dtype)
             self.pipe = cls(**comps)

@@ -437,3 +437,16 @@ def test_vae_slicing_and_tiling_reach_the_vae_and_tiling_the_identity(tmp_path):
     ident = {d: json.loads((tmp_path / d / "manifest.json").read_text())["identity"] for d in ("s", "b")}
     assert ident["s"]["config"]["memory.vae_tiling"] is True and "memory.vae_tiling" not in ident["b"]["config"]
     assert ident["s"]["sha256"] != ident["b"]["sha256"]  # tiled decoding blends tiles: another run identity
+
+
+def test_offloaded_random_weights_are_built_on_the_host():
+    from models.memory import Fitting
+
+    class Q:
+        transformer, transformer_2, text_encoder, text_encoder_2, text_encoder_3, gguf_file = (None,) * 6
+
+    for mode, want in (("none", "cuda"), ("model", "cpu"), ("group_block", "cpu"), ("group_leaf", "cpu")):
+        fit = Fitting(_Mem(mode), Q, FLUX_LIBS, "cuda", None)
+        assert fit.build_device("cuda") == want, mode
+    Q.transformer = "float8wo"  # torchao float8 quantizes on the GPU only
+    assert Fitting(_Mem("group_block"), Q, FLUX_LIBS, "cuda", None).build_device("cuda") == "cuda"

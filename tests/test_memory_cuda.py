@@ -141,3 +141,15 @@ def test_quantized_and_group_offloaded_together(tmp_path):
     assert m["_code"] == 0, m
     ev = m["evidence"]["stages"]["denoise"]["memory"]
     assert ev["offload"]["bytes_onloaded"] > 0 and ev["quantization"]["transformer"]["quantized_calls"] > 0
+
+
+def test_random_weights_offloaded_are_built_on_the_host(tmp_path):
+    seen: Dict[str, str] = {}
+
+    def where(engine):
+        seen["device"] = str(next(engine.pipe.transformer.parameters()).device)
+
+    m = run(tmp_path / "d", ["model.load_format=dummy", "memory.offload=group_leaf"], on_loaded=where)
+    assert m["_code"] == 0, m
+    assert seen["device"] == "cpu"  # between onloads the weights live on the host
+    assert m["evidence"]["stages"]["denoise"]["memory"]["offload"]["bytes_onloaded"] > 0
