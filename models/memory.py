@@ -214,18 +214,23 @@ def denoiser_activations(conf: Mapping[str, Any], batch: int, tokens: int, elem:
 def decoder_activations(conf: Mapping[str, Any], batch: int, frames: int, height: int, width: int, elem: int,
                         tiling: bool, slicing: bool) -> int:
     """Activation bytes of the VAE decoder (``runner.core.memory.decoder_activation``); the channels at full
-    resolution from ``block_out_channels[1]`` (``AutoencoderKL``) or ``base_dim * dim_mult[1]`` (Wan's VAE)."""
+    resolution from ``block_out_channels[1]`` (``AutoencoderKL``) or ``base_dim * dim_mult[1]`` (Wan's VAE).
+
+    Wan's causal VAE decodes one latent frame at a time (``AutoencoderKLWan._decode``, diffusers 0.42), so its
+    decoder holds ``2 ** sum(temperal_downsample)`` frames at full resolution, plus the decoded video growing by
+    ``torch.cat`` (two copies of ``B x 3 x F x H x W``)."""
     boc = conf.get("block_out_channels")
-    if boc:
-        ch = int(boc[1] if len(boc) > 1 else boc[0])
-    else:
-        mult = conf.get("dim_mult") or [1, 2]
-        ch = int(_get(conf, "base_dim", default=96)) * int(mult[1] if len(mult) > 1 else mult[0])
+    b = 1 if slicing else batch
     if tiling:
         tile = int(_get(conf, "sample_size", default=512) if not isinstance(conf.get("sample_size"), list)
                    else conf["sample_size"][0])
         height, width = min(height, tile), min(width, tile)
-    return planner.decoder_activation(1 if slicing else batch, frames, height, width, ch, elem)
+    if boc:
+        return planner.decoder_activation(b, frames, height, width, int(boc[1] if len(boc) > 1 else boc[0]), elem)
+    mult = conf.get("dim_mult") or [1, 2]
+    ch = int(_get(conf, "base_dim", default=96)) * int(mult[1] if len(mult) > 1 else mult[0])
+    chunk = min(frames, 2 ** sum(bool(t) for t in (conf.get("temperal_downsample") or [False, True, True])))
+    return planner.decoder_activation(b, chunk, height, width, ch, elem) + 2 * b * 3 * frames * height * width * elem
 
 
 # ------------------------------------------------------------------------------------------------ applying

@@ -34,7 +34,9 @@ that fits): by bytes moved host-to-device per pipeline call, none (0) < model (e
   eager attention's fp32 scores and probabilities (T5 adds its position bias to materialised scores).
 * the VAE decoder: ``B' * F * Hpx * Wpx * C * e * 3``: the full-resolution upsampler's input and output and one
   temporary, ``C`` the channels there (``block_out_channels[1]``), ``B'`` = 1 with ``memory.vae_slicing`` (one
-  image at a time), ``Hpx x Wpx`` = the tile (``AutoencoderKL.tile_sample_min_size``) with ``memory.vae_tiling``.
+  image at a time), ``Hpx x Wpx`` = the tile (``AutoencoderKL.tile_sample_min_size``) with ``memory.vae_tiling``;
+  a causal video VAE (Wan's) decodes one latent frame at a time: ``F`` is then the frames of one chunk, plus the
+  decoded video (``models.memory.decoder_activations``).
 
 These are estimates (the manifest records the observed peak per stage beside them).
 """
