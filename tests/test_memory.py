@@ -450,3 +450,13 @@ def test_offloaded_random_weights_are_built_on_the_host():
         assert fit.build_device("cuda") == want, mode
     Q.transformer = "float8wo"  # torchao float8 quantizes on the GPU only
     assert Fitting(_Mem("group_block"), Q, FLUX_LIBS, "cuda", None).build_device("cuda") == "cuda"
+
+
+def test_a_causal_video_vae_is_sized_per_decoded_chunk():
+    from models.memory import decoder_activations
+
+    wan = {"base_dim": 96, "dim_mult": [1, 2, 4, 4], "temperal_downsample": [False, True, True]}
+    h, w = 480, 832
+    long, short = (decoder_activations(wan, 1, f, h, w, 2, False, False) for f in (81, 5))
+    assert long - short == 2 * 3 * (81 - 5) * h * w * 2  # only the decoded video grows with the frames
+    assert short == planner.decoder_activation(1, 4, h, w, 192, 2) + 2 * 3 * 5 * h * w * 2  # 4-frame chunks
