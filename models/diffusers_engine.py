@@ -568,7 +568,12 @@ class DiffusersEngine(EngineBase):
                 want = self.expected_forwards([ds.Item(row=r, index=0, seed=0)])
                 per_step.append(None if want is None else want / r.num_inference_steps)
             step_cache.check_rows_forwards(self.cache_settings, per_step, self.model_cfg.name)
+        self.plan_memory(rows)
         return rows, path
+
+    def plan_memory(self, rows: Sequence[ds.Row]) -> None:
+        """The memory plan of the rows' largest batch shape, before loading; none by default (a subclass that
+        sizes its components plans, ``models.pipelines.PipelineEngine.plan_memory``)."""
 
     # ------------------------------------------------------------------------ what the model honours
     def ignored_fields(self, rows: Sequence[ds.Row]) -> Dict[str, Tuple[str, str]]:
@@ -710,6 +715,10 @@ class DiffusersEngine(EngineBase):
                                     "optimize": self.optimize(cfg.optimize)}
         self.observe = bool(cfg.evidence.enabled) and compile_mode == "none"
         self.probes = {"observed": self.observe}
+        fit = getattr(self, "fit", None)  # models.memory.Fitting (quantization, offload, budget) of a pipeline stage
+        if fit is not None:
+            fit.attach(self.pipe, self.device, self.observe)
+            sections["memory_plan"] = fit.section()
         for name in self.INSTALL_PASSES:
             getattr(self, f"install_{name}")(sections)
         self._on_loaded = on_loaded
@@ -932,7 +941,13 @@ class DiffusersEngine(EngineBase):
                             finite=result.nonfinite == 0, device=self.device, cache=cache,
                             collectives={k: (COLLECTIVES[k], n) for k, n in want.items()} if want else None,
                             forward_rule=self.has_forward_rule())
-        return ev["stages"][self.stage], list(ev["mismatches"])
+        section, mismatches = ev["stages"][self.stage], list(ev["mismatches"])
+        fit = getattr(self, "fit", None)
+        if fit is not None and (fit.choices or fit.applied.get("offload", "none") != "none" or fit.peaks is not None):
+            trace = getattr(self.probe, "trace", None) if self.probe is not None else None
+            section["memory"], bad = fit.evidence(self.want_forwards or 0, trace)
+            mismatches += bad
+        return section, mismatches
 
     def inputs_any_size(self) -> bool:
         """The task's pipeline sizes each input itself (``runner.core.media.size_problems``); False by default."""
@@ -966,5 +981,8 @@ class DiffusersEngine(EngineBase):
         return None
 
     def close(self) -> None:
-        """Leave the compile scope (deterministic mode restored)."""
+        """Leave the compile scope (deterministic mode restored); lift the memory budget's allocator cap."""
         self._scope.close()
+        fit = getattr(self, "fit", None)
+        if fit is not None:
+            fit.close()

@@ -48,7 +48,9 @@ def peak_memory(kind: str) -> Dict[str, Any]:
 
     out: Dict[str, Any] = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if kind in ("cuda", "rocm") and torch.cuda.is_available():
-        out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        from models.memory import PhasePeaks  # per-phase peaks reset the allocator's statistic: keep the maximum
+
+        out["device_peak_allocated_bytes"] = max(torch.cuda.max_memory_allocated(), PhasePeaks.overall)
         out["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     return out
 
