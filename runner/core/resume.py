@@ -95,9 +95,15 @@ def inpaint_overlay_of(cfg: Dict[str, Any]) -> Optional[bool]:
     return bool(_get(cfg, "output.inpaint_overlay")) if task_of(cfg) == "inpaint" else None
 
 
+def audio_of(cfg: Dict[str, Any]) -> Optional[bool]:
+    """``output.audio`` when it is off (the videos of an audio family lose their audio stream), else None, so the
+    identities of runs that never turned it off are unchanged."""
+    return False if _get(cfg, "output.audio") is False else None
+
+
 #: The keys that enter only while set (``Factors.when_set``), each with what reads its set value (None: unset).
 WHEN_SET = {"cache": cache_config, "optimize.compile_mode": compile_mode_of, "model.task": task_of,
-            "output.inpaint_overlay": inpaint_overlay_of}
+            "output.inpaint_overlay": inpaint_overlay_of, "output.audio": audio_of}
 
 
 def _when_set_keys(kind: str) -> tuple:
