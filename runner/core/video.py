@@ -350,8 +350,9 @@ def audio_sha256(pcm: np.ndarray) -> str:
 
 
 def audio_stream(path: Path) -> Optional[Dict[str, Any]]:
-    """The first audio stream of a media file as ffmpeg reports it: ``{"codec", "sample_rate", "channels"}``
-    (``channels``: ffmpeg's layout name, ``mono``/``stereo``/``N channels``); None when it has none.
+    """The first audio stream of a media file as ffmpeg reports it: ``{"codec", "sample_rate", "layout",
+    "channels"}`` (``layout``: ffmpeg's name, ``mono``/``stereo``/``N channels``; ``channels``: their number); None
+    when it has none.
 
     Raises:
         VideoEncoderError: no usable ffmpeg.
@@ -366,7 +367,23 @@ def audio_stream(path: Path) -> Optional[Dict[str, Any]]:
     m = re.search(r"Stream #\S+.*?: Audio: (\w+)[^,]*, (\d+) Hz, ([^,]+)", err)
     if m is None:
         return None
-    return {"codec": m.group(1), "sample_rate": int(m.group(2)), "channels": m.group(3).strip()}
+    layout = m.group(3).strip()
+    channels = {"mono": 1, "stereo": 2}.get(layout) or int(re.match(r"\d+", layout).group(0))
+    return {"codec": m.group(1), "sample_rate": int(m.group(2)), "layout": layout, "channels": channels}
+
+
+def read_audio(path: Path) -> Optional[Tuple[np.ndarray, int]]:
+    """``(int16 PCM (samples, channels), sample rate in Hz)`` of a media file's first audio stream as ffmpeg decodes
+    it (:func:`decode_audio`), or None when it has no audio stream.
+
+    Raises:
+        OSError: ffmpeg cannot read or decode the file.
+        VideoEncoderError: no usable ffmpeg.
+    """
+    stream = audio_stream(path)
+    if stream is None:
+        return None
+    return decode_audio(path, stream["channels"]), stream["sample_rate"]
 
 
 def decode_audio(path: Path, channels: int) -> np.ndarray:
