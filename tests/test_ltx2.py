@@ -37,6 +37,7 @@ def _items(d: Path):
     return [json.loads(x) for x in (d / "items.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_tiny_ltx2_runs_verified_with_audio(ltx2_run):
     """Verified evidence (one forward per step: CFG batched; every attention site of both streams once per
     forward, self and cross roles), and each record's dims and audio as the file decodes them."""
@@ -72,6 +73,7 @@ def test_tiny_ltx2_runs_verified_with_audio(ltx2_run):
     assert a["audio_sha256"] != b["audio_sha256"]  # each item's own audio, not one track for all
 
 
+@pytest.mark.slow
 def test_tiny_ltx2_resume_and_repro(ltx2_run, tmp_path):
     """A resume into a copy reuses both items (files unchanged); ``runner.repro`` reruns and finds the decoded
     frames and the decoded audio equal."""
@@ -94,6 +96,7 @@ def test_tiny_ltx2_resume_and_repro(ltx2_run, tmp_path):
     assert {f.name: f.read_bytes() for f in (copy / "videos").glob("*.mp4")} == before
 
 
+@pytest.mark.slow
 def test_audio_false_drops_the_stream_and_is_recorded(ltx2_run, tmp_path):
     """``output.audio=false``: same frames, no audio stream, ``params.audio: false``, no audio fields; the run
     identity changes, so resuming the audio run with it is refused (exit 2)."""
