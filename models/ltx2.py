@@ -22,6 +22,8 @@ Rules the pipeline applies silently (diffusers 0.42) and the runner refuses or r
   that would not run once per forward, which the attention evidence cannot count. The runner runs the LTX-2.0 recipe
   (:data:`LTX2_0_GUIDANCE`: STG and modality guidance off, one guidance scale for video and audio, no rescale, the
   legacy timestep of the cross-modal attention) and records it per item;
+* ``optimize.fuse_qkv`` is refused: the attention processor never reads fused projections
+  (:meth:`LTX2Engine.check_config`);
 * ``frame_rate`` (the row's ``fps``) conditions the positional embedding and the audio length
   (``num_frames / frame_rate`` seconds): it is passed, and recorded, as the video's frame rate.
 """
@@ -37,6 +39,7 @@ from models.base import VideoOutput
 from models.family import FamilySpec, signature_default
 from models.pipelines import PipelineEngine
 from runner.core.dataset import Item, Row
+from runner.core.errors import ConfigValueError
 
 #: The LTX-2.0 sampling recipe the runner passes to ``LTX2Pipeline.__call__`` (the pipeline's docstring defaults of
 #: LTX-2.0: STG ``stg_scale`` 0 and modality guidance ``modality_scale`` 1 off, ``guidance_rescale`` 0,
@@ -100,6 +103,21 @@ class LTX2Engine(PipelineEngine):
     def temporal_factor(self) -> int:
         """The video VAE's temporal compression (:func:`vae_ratios`; 8 for LTX-2)."""
         return vae_ratios(self.component_config("vae"))[1]
+
+    def check_config(self) -> None:
+        """The base checks, and no ``optimize.fuse_qkv``: ``LTX2AudioVideoAttnProcessor`` reads ``to_q``/``to_k``/
+        ``to_v`` and never a fused projection, and the audio-video cross-attention's queries and keys have other
+        widths (diffusers' ``fuse_projections`` fails on them), so fusing would break the call.
+
+        Raises:
+            ConfigValueError: naming the key and the fix.
+        """
+        super().check_config()
+        if self.ctx.run.optimize.fuse_qkv:
+            raise ConfigValueError(
+                f"optimize.fuse_qkv=true: model={self.cfg.name}'s attention processor (LTX2AudioVideoAttnProcessor) "
+                "reads to_q/to_k/to_v and never a fused projection, and its audio-video cross-attention has queries "
+                "and keys of other widths, so the projections cannot be fused; fix: optimize.fuse_qkv=false")
 
     def check_family_rows(self, rows: List[Row], path: Any) -> None:
         """``num_frames`` of every row must be ``k * t + 1`` (:meth:`PipelineEngine.check_frame_counts`)."""

@@ -232,6 +232,15 @@ def test_ltx2_sizes_are_multiples_of_32(compose):
         eng.check_source()
 
 
+def test_fuse_qkv_is_refused_before_loading(compose):
+    """LTX2AudioVideoAttnProcessor never reads a fused projection: optimize.fuse_qkv=true is refused at startup."""
+    from runner.core.errors import ConfigValueError
+
+    with pytest.raises(ConfigValueError, match="optimize.fuse_qkv=true.*fix: optimize.fuse_qkv=false"):
+        _engine(compose(["model=tiny_ltx2", "platform=cpu", "optimize.fuse_qkv=true"])).check_config()
+    _engine(compose(["model=tiny_ltx2", "platform=cpu"])).check_config()
+
+
 def test_ltx2_scale_and_ratios_follow_the_vae_config():
     from models.ltx2 import ltx2_scale, vae_ratios
 
