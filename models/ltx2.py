@@ -22,6 +22,7 @@ Rules the pipeline applies silently (diffusers 0.42) and the runner refuses or r
   that would not run once per forward, which the attention evidence cannot count. The runner runs the LTX-2.0 recipe
   (:data:`LTX2_0_GUIDANCE`: STG and modality guidance off, one guidance scale for video and audio, no rescale, the
   legacy timestep of the cross-modal attention) and records it per item;
+* every selected attention backend must take the audio stream's head size too (:meth:`LTX2Engine.resolve_backends`);
 * ``optimize.fuse_qkv`` is refused: the attention processor never reads fused projections
   (:meth:`LTX2Engine.check_config`);
 * ``frame_rate`` (the row's ``fps``) conditions the positional embedding and the audio length
@@ -31,7 +32,7 @@ Rules the pipeline applies silently (diffusers 0.42) and the runner refuses or r
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -118,6 +119,33 @@ class LTX2Engine(PipelineEngine):
                 f"optimize.fuse_qkv=true: model={self.cfg.name}'s attention processor (LTX2AudioVideoAttnProcessor) "
                 "reads to_q/to_k/to_v and never a fused projection, and its audio-video cross-attention has queries "
                 "and keys of other widths, so the projections cannot be fused; fix: optimize.fuse_qkv=false")
+
+    def resolve_backends(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """The generic resolution (checked against the video stream's ``attention_head_dim``), then every selected
+        attention backend against the audio stream's ``audio_attention_head_dim`` too: the audio self- and
+        cross-attention run at that head size (64 for LTX-2, 128 for its video), and a backend compiled for one
+        head size would fail there after loading.
+
+        Raises:
+            kernels.registry.BackendUnavailableError: naming the backend, the audio head size and why.
+        """
+        from kernels import registry as reg
+
+        resolutions, extras = super().resolve_backends()
+        audio = self.component_config("transformer").get("audio_attention_head_dim")
+        if audio is None or "attention" not in resolutions:
+            return resolutions, extras
+        plat = self.ctx.plat
+        ctx = reg.SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=int(audio),
+                                   needs_mask=self.needs_mask)
+        for role, spec in resolutions["attention"].selected.items():
+            why = reg.get("attention", spec["backend"]).unmet(ctx)
+            if why:
+                raise reg.BackendUnavailableError(
+                    f"backend.attention={spec['backend']} (role {role}) cannot run model={self.cfg.name}'s audio "
+                    f"attention (audio_attention_head_dim {audio}): {'; '.join(why)}; fix: an attention backend "
+                    "that takes both head sizes (e.g. backend.attention=TORCH_SDPA)")
+        return resolutions, extras
 
     def check_family_rows(self, rows: List[Row], path: Any) -> None:
         """``num_frames`` of every row must be ``k * t + 1`` (:meth:`PipelineEngine.check_frame_counts`)."""
