@@ -242,7 +242,7 @@ def test_fuse_qkv_is_refused_before_loading(compose):
 
 
 def test_a_backend_the_audio_head_size_cannot_take_is_refused(compose):
-    """The audio stream attends at ``audio_attention_head_dim`` (tiny: 4), the video at ``attention_head_dim`` (8):
+    """The audio stream attends at ``audio_attention_head_dim``, the video at ``attention_head_dim`` (tiny: 8 both):
     a backend that takes only the video's head size is refused before loading, naming the audio head size."""
     from kernels import registry as reg
     from kernels.registry import Backend, DiffusersWiring, head_dim_multiple_of
@@ -250,12 +250,12 @@ def test_a_backend_the_audio_head_size_cannot_take_is_refused(compose):
     rec = Backend("attention", "HEAD8_ATTN", requires=(head_dim_multiple_of(8),),
                   diffusers=DiffusersWiring("_native_math", observed=("_native_math",)), signature=r"head8")
     with reg.registered(rec):
-        eng = _engine(compose(["model=tiny_ltx2", "platform=cpu", "backend.attention=HEAD8_ATTN"]))
+        eng = _engine(compose(["model=tiny_ltx2", "platform=cpu", "backend.attention=HEAD8_ATTN",
+                               "model.architecture.transformer.audio_attention_head_dim=4"]))
         eng.resolve_source()
         with pytest.raises(reg.BackendUnavailableError, match=r"HEAD8_ATTN.*audio_attention_head_dim 4.*multiple of 8"):
             eng.resolve_backends()
-        eng = _engine(compose(["model=tiny_ltx2", "platform=cpu", "backend.attention=HEAD8_ATTN",
-                               "model.architecture.transformer.audio_attention_head_dim=8"]))
+        eng = _engine(compose(["model=tiny_ltx2", "platform=cpu", "backend.attention=HEAD8_ATTN"]))
         eng.resolve_source()
         assert eng.resolve_backends()[0]["attention"].selected
 
