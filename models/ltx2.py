@@ -32,7 +32,7 @@ Rules the pipeline applies silently (diffusers 0.42) and the runner refuses or r
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -100,6 +100,8 @@ class LTX2Engine(PipelineEngine):
     """The LTX-2 family (engine ``ltx2``): video with its audio."""
 
     spec = LTX2
+    #: The last call's audio per item, float32 (channels, samples) (:meth:`output_arrays`); None without audio.
+    last_audio: Optional[List[np.ndarray]] = None
 
     def temporal_factor(self) -> int:
         """The video VAE's temporal compression (:func:`vae_ratios`; 8 for LTX-2)."""
@@ -174,7 +176,7 @@ class LTX2Engine(PipelineEngine):
         """The base values (``num_frames``, ``fps``), the guidance recipe as applied, and the audio: ``audio``
         (``output.audio``) and ``audio_sample_rate`` (Hz; null without audio), which the sink checks against the
         written file."""
-        out = {**super().applied_params(row), **{k: v for k, v in LTX2_0_GUIDANCE.items()}}
+        out = {**super().applied_params(row), **LTX2_0_GUIDANCE}
         out["audio_guidance_scale"] = row.guidance_scale
         out.update(audio=self.audio_on(), audio_sample_rate=self.sample_rate() if self.audio_on() else None)
         return out
@@ -188,6 +190,6 @@ class LTX2Engine(PipelineEngine):
 
     def video_outputs(self, videos: List[Any], batch: Sequence[Item]) -> List[VideoOutput]:
         """The videos with their audio at :meth:`sample_rate` (none when ``output.audio=false``)."""
-        audio = getattr(self, "last_audio", None) or [None] * len(videos)
+        audio = self.last_audio or [None] * len(videos)
         rate = self.sample_rate() if self.audio_on() else None
         return [VideoOutput(f, fps=it.row.fps, audio=a, sample_rate=rate) for f, a, it in zip(videos, audio, batch)]
