@@ -263,7 +263,7 @@ class PipelineEngine(DiffusersEngine):
         if self.video and (g.get("num_frames") is None or g.get("fps") is None):
             raise ConfigValueError(f"model={self.cfg.name} generates video: model.generation.num_frames and "
                                    "model.generation.fps must be set; fix: e.g. model.generation.num_frames=81 "
-                                   "model.generation.fps=16 (Wan 2.1's defaults)")
+                                   "model.generation.fps=16 (Wan 2.1's defaults; LTX-2's: 121 at 24)")
         if self.cache_settings is not None and task in conditioning.STRENGTH_TASKS:
             raise ConfigValueError(
                 f"cache.method={self.cache_settings.method.name} with model.task={task}: a step cache's schedule counts "
