@@ -150,8 +150,20 @@ class LTX2Engine(PipelineEngine):
         return resolutions, extras
 
     def check_family_rows(self, rows: List[Row], path: Any) -> None:
-        """``num_frames`` of every row must be ``k * t + 1`` (:meth:`PipelineEngine.check_frame_counts`)."""
+        """``num_frames`` of every row must be ``k * t + 1`` (:meth:`PipelineEngine.check_frame_counts`), and every
+        row needs a ``guidance_scale``: without one ``LTX2Pipeline`` applies its own defaults (3.0 for the video,
+        7.0 for the audio: the LTX-2.3 recipe), which the record would show as not applied.
+
+        Raises:
+            DatasetError / ConfigValueError: as ``check_frame_counts``; a row (or the default) without guidance.
+        """
         self.check_frame_counts(rows, path, self.temporal_factor())
+        unset = [r for r in rows if r.guidance_scale is None]
+        if unset:
+            raise ConfigValueError(
+                f"guidance_scale=null ({len(unset)} row(s), first {path}:{unset[0].line}): model={self.cfg.name}'s "
+                "LTX2Pipeline would apply its own defaults (3.0 video, 7.0 audio), unrecorded; fix: "
+                "model.generation.guidance_scale=4.0 (LTX-2's; <= 1 turns classifier-free guidance off)")
 
     def audio_on(self) -> bool:
         """``output.audio``: the audio is written as the MP4's sound track (else generated and dropped)."""

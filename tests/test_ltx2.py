@@ -221,6 +221,15 @@ def test_ltx2_frames_must_be_2k_plus_1_for_the_tiny_vae(compose, write_jsonl, fr
             eng.read_rows()
 
 
+def test_guidance_scale_null_is_refused(compose):
+    """Without a guidance_scale the pipeline would apply its own (LTX-2.3) defaults while the record says null."""
+    from runner.core.errors import ConfigValueError
+
+    eng = _engine(compose(["model=tiny_ltx2", "platform=cpu", "model.generation.guidance_scale=null"]))
+    with pytest.raises(ConfigValueError, match="guidance_scale=null.*fix: model.generation.guidance_scale=4.0"):
+        eng.read_rows()
+
+
 def test_ltx2_sizes_are_multiples_of_32(compose):
     """LTX2Pipeline.check_inputs refuses sizes off 32 whatever the VAE's factor: the size need is lcm(32, ...)."""
     from runner.core.errors import ConfigValueError
