@@ -320,3 +320,22 @@ def test_full_size_config_is_the_published_one():
     comps = LTX2Engine.build_components(arch, device="meta", dtype=torch.bfloat16)
     n = {k: sum(p.numel() for p in v.parameters()) for k, v in comps.items() if isinstance(v, torch.nn.Module)}
     assert 18.8e9 < n["transformer"] < 19.0e9 and 12.1e9 < n["text_encoder"] < 12.3e9, n
+
+
+def test_audio_enters_the_identity_only_while_off():
+    """``output.audio`` keeps every earlier run's identity (absent or true: no key), and ``false`` changes it."""
+    import copy
+
+    from test_typed_config import BACKENDS, CFG, PACKAGES, PLAT
+
+    from runner.core import resume as rs
+
+    def ident(cfg):
+        return rs.run_identity(cfg, "float32", PLAT, BACKENDS, PACKAGES)
+
+    on, off = copy.deepcopy(CFG), copy.deepcopy(CFG)
+    on["output"], off["output"] = {"audio": True}, {"audio": False}
+    assert ident(on) == ident(CFG)
+    assert ident(off) != ident(CFG) and ident(off)["config"]["output.audio"] is False
+    # the refusal names the value (a False once showed as 'default' -> 'default')
+    assert rs.semantic_diff(on, off, None, "x") == ["output.audio: 'default' -> False"]

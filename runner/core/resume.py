@@ -138,7 +138,7 @@ def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_
     for key in _when_set_keys(RESUME):
         a, b = WHEN_SET[key](old_cfg), WHEN_SET[key](new_cfg)
         if a != b:
-            shown = (a, b) if key == "cache" else (a or "default", b or "default")
+            shown = (a, b) if key == "cache" else tuple("default" if v is None else v for v in (a, b))
             diffs.append(f"{key}: {shown[0]!r} -> {shown[1]!r}")
     if old_dataset_sha is not None and old_dataset_sha != new_dataset_sha:
         diffs.append(f"dataset.sha256: {old_dataset_sha[:12]}… -> {new_dataset_sha[:12]}…")
