@@ -410,7 +410,8 @@ class DiffusersEngine(EngineBase):
         lay = self.ctx.parallel
         sel = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=self.head_dim(),
                                needs_mask=self.needs_mask, sequence_parallel=lay is not None,
-                               ring_attention=lay is not None and lay.ring > 1)
+                               ring_attention=lay is not None and lay.ring > 1,
+                               moe_dims=self.moe_dims() if "moe" in self.backend_fields else None)
         info = StageInfo(name=self.stage, roles=list(cfg.model.roles), fields=self.backend_fields, ctx=sel,
                          wired={"attention": wired("attention", "diffusers"), "moe": wired("moe", "diffusers")},
                          model=str(self.model_cfg.name))
@@ -442,8 +443,7 @@ class DiffusersEngine(EngineBase):
         from kernels import moe
         from kernels import registry as reg
 
-        wired_moe = reg.wired("moe", "diffusers")
-        cands = [n for n, _ in reg.auto_order("moe", sel) if n in wired_moe and not reg.get("moe", n).unmet(sel)]
+        cands = moe.auto_candidates(sel)
         if len(cands) < 2:
             res.reason = f"the only MoE backend that can run here: {res.reason}"
             return
@@ -455,13 +455,7 @@ class DiffusersEngine(EngineBase):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
             block, x, shape = self.moe_probe()
-            times: Dict[str, float] = {}
-            failed: Dict[str, str] = {}
-            for name in cands:
-                try:
-                    times.update(moe.time_block(block, self.moe_layout(), x, [name]))
-                except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is not chosen
-                    failed[name] = f"{type(e).__name__}: {e}"
+            times, failed = moe.time_candidates(block, self.moe_layout(), x, cands)
             del block, x
         if not times:
             raise reg.BackendUnavailableError(f"auto found no MoE backend that runs the model's MoE block here: "
@@ -487,6 +481,11 @@ class DiffusersEngine(EngineBase):
             NotImplementedError: the family declares no MoE layers.
         """
         raise NotImplementedError(f"{type(self).__name__} has no MoE layers")
+
+    def moe_dims(self) -> Optional[Tuple[int, int]]:
+        """``(H, I)`` of the denoiser's routed experts from the model's configs (no weights), for the MoE backends'
+        shape requirements; None (unknown) by default."""
+        return None
 
     def moe_probe(self) -> Tuple[torch.nn.Module, torch.Tensor, str]:
         """One randomly initialised MoE block of the model's shape on the stage's device and dtype, an input of the
