@@ -1,24 +1,26 @@
-"""SD3.5 Large, Qwen-Image and Wan 2.1 14B at their published workloads, random full-size weights: plain diffusers vs
+"""SD3.5 Large, Qwen-Image, Wan 2.1 14B and LTX-2 (19B, video with audio) at their published workloads, random full-size weights: plain diffusers vs
 the runner's lossless settings vs FP8 linear, transformer forward by forward, side by side in one process; then a
 short run through the runner per family whose evidence must be verified for ``CUDNN_ATTN`` and ``FP8`` linear.
 
-Per family (``--family sd3|qwen_image|wan``, repeatable):
+Per family (``--family sd3|qwen_image|wan|ltx2``, repeatable):
 
 1. One pipeline is built with the family's own builder (``load_format=dummy``: ``PipelineEngine.build_components``,
    seeded, bf16, on the GPU). A 2-step pipeline call at the workload shape captures the transformer's inputs.
 2. ``baseline``: the transformer as diffusers builds it (default attention: torch SDPA; eager) — ms per forward.
 3. ``lossless``: the same module after the runner's lossless preset applied in place through the engine's own code
-   (``optimize`` with ``fuse_qkv``, ``kernels.attention.install`` of ``CUDNN_ATTN`` on every call site, regional
-   ``torch.compile``) — ms per forward, and the max/mean abs difference of its output from the baseline's.
+   (``optimize`` with ``fuse_qkv`` (not LTX-2's: refused there), ``kernels.attention.install`` of ``CUDNN_ATTN`` on
+   every call site, regional ``torch.compile``) — ms per forward, and the max/mean abs difference of its output from the baseline's.
 4. ``fp8``: (3) plus ``kernels.linear.install`` of ``FP8`` (row-wise dynamic e4m3) — ms per forward, difference.
-   ms per denoising step = ms per forward x forwards per step (2 under the family's CFG rule when it is on).
+   ms per denoising step = ms per forward x forwards per step (2 under the family's CFG rule when it is on; LTX-2
+   batches its CFG into the one forward, whose inputs carry batch 2).
 5. MFU = model FLOPs of one forward (``torch.utils.flop_counter.FlopCounterMode``) / time, as a fraction of the bf16
    matmul rate measured in this process.
 6. Evidence: ``python -m runner``'s own loop (``runner.app.execute.run``) with ``backend.attention=CUDNN_ATTN
    backend.linear=FP8``, 2 steps, 1 row, eager (the call-site probes observe every call) — the verdict and the
    kernels profiled.
 
-Usage: ``python benchmarks/families_h200.py --family sd3 --family wan --out DIR`` (one H200: ~4 min per family);
+Usage: ``python benchmarks/families_h200.py --family sd3 --family wan --out DIR`` (one H200: ~4 min per family, LTX-2
+~8 min: run it alone);
 ``--smoke`` runs the tiny variants on the CPU to check the script. Results: ``DIR/families_<family>.json``.
 """
 
@@ -47,8 +49,11 @@ WORKLOADS = {  # the issue's workloads (#17): published defaults of each model
                        scale=0.05, iters=5),
     "wan": dict(model="wan", prompt="a lighthouse on a cliff at dusk, waves crashing", negative="blurry",
                 scale=0.05, iters=3),
+    # LTX-2.0: 768x512, 121 frames at 24 fps, guidance 4.0 (batched CFG: one forward of batch 2 per step), with audio
+    "ltx2": dict(model="ltx2", prompt="a lighthouse on a cliff at dusk, waves crashing, seagulls calling",
+                 negative="worst quality, inconsistent motion, blurry, jittery, distorted", scale=0.05, iters=3),
 }
-SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan"}
+SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan", "ltx2": "tiny_ltx2"}
 
 
 def compose(overrides):
@@ -119,6 +124,11 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
         call["num_frames"] = g.num_frames
     if "max_sequence_length" in eng.call_params():
         call["max_sequence_length"] = int(g.max_sequence_length)
+    if family == "ltx2":  # the runner's call: frame rate, the LTX-2.0 guidance recipe, CFG on (batch 2 per forward)
+        from models.ltx2 import LTX2_0_GUIDANCE
+
+        call.update(frame_rate=float(g.fps), guidance_scale=g.guidance_scale, audio_guidance_scale=g.guidance_scale,
+                    negative_prompt=w["negative"], **LTX2_0_GUIDANCE)
     with torch.inference_mode():
         pipe(**call)
     h.remove()
@@ -127,8 +137,9 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
         ref = tr(**captured)[0]
     flops = float(fc.get_total_flops())
     rec["forward_tflop"] = round(flops / 1e12, 3)
-    a = torch.randn(8192, 8192, device=device, dtype=dtype)
-    peak = 2 * 8192 ** 3 / (time_ms(lambda: a @ a, device, warmup=5, iters=20) / 1e3) / 1e12
+    mm = 1024 if smoke else 8192  # the smoke run checks the script, not the CPU's matmul rate
+    a = torch.randn(mm, mm, device=device, dtype=dtype)
+    peak = 2 * mm ** 3 / (time_ms(lambda: a @ a, device, warmup=5, iters=20) / 1e3) / 1e12
     del a
     rec["matmul_tflops"] = round(peak, 1)
     iters = 2 if smoke else w["iters"]
@@ -145,7 +156,8 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     # the runner's lossless preset, applied in place by the runner's own code
     eng.pipe = pipe
     eng.prepare_attention()  # SD3: diffusers' processors replaced by the dispatching one (same math)
-    rec["optimize"] = eng.optimize(OmegaConf.create({"fuse_qkv": True, "vae_channels_last": False}))
+    fuse = family != "ltx2"  # LTX-2's processor reads no fused projection (refused: LTX2Engine.check_config)
+    rec["optimize"] = eng.optimize(OmegaConf.create({"fuse_qkv": fuse, "vae_channels_last": False}))
     att = "TORCH_SDPA" if smoke else "CUDNN_ATTN"
     roles = [str(r) for r in cfg.model.roles]
     attention.install("denoise", eng.attention_sites(), {r: {"backend": att} for r in roles},
@@ -200,6 +212,9 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
                        "attention_by_backend": st["attention"]["by_backend"], "linear": st.get("linear"),
                        "kernels": {k: st.get("kernels", {}).get(k) for k in ("attention", "linear")},
                        "run_s": round(time.perf_counter() - t0, 1)}
+    first = json.loads((run_dir / "items.jsonl").read_text().splitlines()[0])
+    if any(k.startswith("audio_") for k in first):  # LTX-2: the audio stream as written and decoded back
+        rec["evidence"]["audio"] = {k: v for k, v in first.items() if k.startswith("audio_")}
     print(family, "evidence", rec["evidence"]["verdict"], rec["evidence"]["kernels"], flush=True)
     return rec
 

@@ -53,14 +53,19 @@ class VideoOutput:
     """One generated video: ``frames`` float32, layout (F, H, W, C) with C = 3 (RGB), frames in time order, values
     in [0, 1] (what ``diffusers.WanPipeline(..., output_type="np").frames[i]`` holds); NaN/inf are kept so that the
     sink can refuse a non-finite output instead of writing it. ``fps``: the frame rate (frames per second) the
-    engine generated for, used when the record's ``params`` carry no ``fps`` (``runner.core.sinks.MP4Sink``)."""
+    engine generated for, used when the record's ``params`` carry no ``fps`` (``runner.core.sinks.MP4Sink``).
+    ``audio``: the video's sound track, float32 (channels, samples) in [-1, 1] (``LTX2Pipeline``'s ``audio[i]``),
+    at ``sample_rate`` Hz; None: a silent video (no audio stream is written)."""
 
     frames: np.ndarray
     fps: Optional[float] = None
+    audio: Optional[np.ndarray] = None
+    sample_rate: Optional[int] = None
 
     def nonfinite(self) -> int:
-        """Number of non-finite values (0: the video can be written)."""
-        return int((~np.isfinite(self.frames)).sum())
+        """Number of non-finite values of the frames and the audio (0: the video can be written)."""
+        bad = int((~np.isfinite(self.frames)).sum())
+        return bad + (int((~np.isfinite(self.audio)).sum()) if self.audio is not None else 0)
 
 
 @dataclass

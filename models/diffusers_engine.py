@@ -876,8 +876,13 @@ class DiffusersEngine(EngineBase):
             for it in batch:
                 self.cache_records[it.key] = self.step_cache.record(counts, len(batch))
         if self.output == "video":
-            return [VideoOutput(frames, fps=it.row.fps) for frames, it in zip(images, batch)]
+            return self.video_outputs(images, batch)
         return [ImageOutput(img) for img in images]
+
+    def video_outputs(self, videos: List[Any], batch: Sequence[ds.Item]) -> List[VideoOutput]:
+        """One :class:`models.base.VideoOutput` per item of a call's float32 videos (F, H, W, 3), at the row's
+        ``fps``; a family that generates audio adds it (LTX-2)."""
+        return [VideoOutput(frames, fps=it.row.fps) for frames, it in zip(videos, batch)]
 
     def record(self, item: ds.Item, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:
         """The journal record of one image or video (without ``status``/``file``/``file_name``: the sink adds them):

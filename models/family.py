@@ -92,7 +92,7 @@ class FamilySpec:
         components: ``{component: (library, model class, config class or None)}``, built in this order from
             ``model.architecture.<component>`` for embedded and dummy weights.
         tokenizers: ``{tokenizer component: (kind, encoder label, text encoder component)}``; kinds of
-            :mod:`models.tokenizers` (``clip``, ``t5``, ``qwen2``, ``llama3``).
+            :mod:`models.tokenizers` (``clip``, ``t5``, ``qwen2``, ``llama3``, ``gemma``).
         cfg: the pipeline's guidance mode (:data:`CFG_MODES`).
         size_rule: ``(vae config, transformer config, patch) -> pixels`` widths and heights must be multiples of.
         patch: the latent packing / patch size the rule multiplies by; ``"transformer"`` reads the transformer

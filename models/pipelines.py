@@ -176,7 +176,7 @@ class PipelineEngine(DiffusersEngine):
       ``model.architecture.<component>`` for embedded and dummy weights (a ``transformers`` model is built as
       ``Model(Config(**kw))``, a diffusers one as ``Model(**kw)``);
     * ``tokenizers_spec``: ``{tokenizer component: (kind, encoder label, text encoder component)}``; kinds
-      ``clip``, ``t5``, ``qwen2``, ``llama3`` (``models.tokenizers``); the label names the encoder in records'
+      ``clip``, ``t5``, ``qwen2``, ``llama3``, ``gemma`` (``models.tokenizers``); the label names the encoder in records'
       ``tokens``;
     * ``max_sequence_length_limit``: the most ``max_sequence_length`` the pipeline accepts (its ``check_inputs``);
     * ``video``: the pipeline returns ``frames`` (batch, frames, H, W, C) instead of ``images``.
@@ -251,13 +251,19 @@ class PipelineEngine(DiffusersEngine):
 
     def check_config(self) -> None:
         """The base checks (``model.generation``, ``max_pixels``, ``cache.*``), then ``model.task`` against the
-        family's tasks (:attr:`task`) and a step cache against a task that runs part of the schedule.
+        family's tasks (:attr:`task`), a video family's ``model.generation.num_frames``/``fps`` set, and a step cache
+        against a task that runs part of the schedule.
 
         Raises:
             ConfigValueError: naming the key, the value and the fix.
         """
         super().check_config()
         task = self.task  # refused here when the family has no pipeline for it
+        g = self.cfg.generation
+        if self.video and (g.get("num_frames") is None or g.get("fps") is None):
+            raise ConfigValueError(f"model={self.cfg.name} generates video: model.generation.num_frames and "
+                                   "model.generation.fps must be set; fix: e.g. model.generation.num_frames=81 "
+                                   "model.generation.fps=16 (Wan 2.1's defaults; LTX-2's: 121 at 24)")
         if self.cache_settings is not None and task in conditioning.STRENGTH_TASKS:
             raise ConfigValueError(
                 f"cache.method={self.cache_settings.method.name} with model.task={task}: a step cache's schedule counts "
@@ -598,14 +604,22 @@ class PipelineEngine(DiffusersEngine):
                 out[comp] = T.build_qwen2_tokenizer(corpus, vocab)
             elif kind == "llama3":
                 out[comp] = T.build_llama3_tokenizer(corpus, vocab)
+            elif kind == "gemma":
+                out[comp] = T.build_gemma_tokenizer(corpus, vocab)
             else:
                 raise ValueError(f"unknown tokenizer kind {kind!r}")
         return out
 
     @classmethod
     def encoder_config(cls, kind: str, tok: Any, kw: Dict[str, Any]) -> Dict[str, Any]:
-        """A text encoder's config arguments made consistent with its tokenizer (vocabulary and special ids)."""
+        """A text encoder's config arguments made consistent with its tokenizer (vocabulary and special ids); a
+        ``gemma`` encoder (``Gemma3Config``, a multimodal config) takes them in its ``text_config``."""
         kw = dict(kw)
+        if kind == "gemma":
+            text = dict(kw.get("text_config") or {})
+            text.update(vocab_size=max(len(tok), int(text.get("vocab_size", 0))), pad_token_id=tok.pad_token_id,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+            return {**kw, "text_config": text}
         kw["vocab_size"] = max(len(tok), int(kw.get("vocab_size", 0)))
         if kind == "clip":
             kw.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -1248,6 +1262,34 @@ class PipelineEngine(DiffusersEngine):
     def check_family_rows(self, rows: List[Row], path: Any) -> None:
         """Family rules on row values the pipeline would otherwise change silently; none by default."""
 
+    def check_frame_counts(self, rows: List[Row], path: Any, t: int) -> None:
+        """A video family's frame rule: ``num_frames`` of every row must be ``k * t + 1`` (``t``: the VAE's temporal
+        factor), the counts a causal video VAE decodes back (WanPipeline and LTX2Pipeline turn others into
+        ``(n - 1) // t * t + 1`` frames: the video would have fewer frames than its record says).
+
+        Raises:
+            DatasetError: every bad row (file:line), with the nearest valid counts.
+            ConfigValueError: the bad value is ``model.generation.num_frames`` (every bad row took the default).
+        """
+        from runner.core.dataset import DatasetError
+
+        bad = [r for r in rows if r.num_frames is None or r.num_frames < 1 or (r.num_frames - 1) % t]
+        if not bad:
+            return
+
+        def fix(n: Optional[int]) -> str:
+            lo = max(1, ((n or 1) - 1) // t * t + 1)
+            return f"{lo} or {lo + t}"
+
+        why = f"which model={self.cfg.name}'s VAE needs (temporal factor {t}; {self.pipeline_name()} would round it down"
+        defaults = [r for r in bad if "num_frames" not in r.set_fields]
+        if defaults and len(defaults) == len(bad):
+            n = defaults[0].num_frames
+            raise ConfigValueError(f"model.generation.num_frames={n} is not {t}k+1, {why}); fix: "
+                                   f"model.generation.num_frames={fix(n).split(' or ')[0]}")
+        raise DatasetError([f"{path}:{r.line}: num_frames={r.num_frames} is not {t}k+1, {why}, writing fewer frames "
+                            f"than recorded); fix: num_frames={fix(r.num_frames)}" for r in bad])
+
     def call_kwargs(self, batch: Sequence[Item]) -> Dict[str, Any]:
         """The pipeline ``__call__`` arguments for ``batch`` (all items share ``shape_key``), without
         ``generator`` and ``output_type``."""
@@ -1340,8 +1382,13 @@ class PipelineEngine(DiffusersEngine):
             self.first_sizes = {"item": batch[0].key, **self.input_sizes(batch[0].row)}
         if self.i2v_probe is not None:
             self.i2v_seen.append(conditioning.image_condition_check(self.pipe, kw, self.i2v_probe, batch[0].key))
-        arrays = [np.asarray(a, dtype=np.float32) for a in (out.frames if self.video else out.images)]
+        arrays = self.output_arrays(out)
         return conditioning.overlay_outside(self.task, arrays, kw, bool(self.ctx.run.output.inpaint_overlay))
+
+    def output_arrays(self, out: Any) -> List[np.ndarray]:
+        """One float32 array per item of a pipeline output ``out``: its ``frames`` (video) or ``images``; a family
+        whose pipeline returns more (LTX-2's audio) keeps that here too."""
+        return [np.asarray(a, dtype=np.float32) for a in (out.frames if self.video else out.images)]
 
     def evidence(self, result: Any) -> Tuple[Dict[str, Any], List[str]]:
         """The base evidence, and for a conditioning task a ``conditioning`` section, observed: the forward rule

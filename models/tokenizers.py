@@ -8,8 +8,9 @@ tokenizer it stands in for:
   at the first end-of-text token), ``model_max_length`` 77.
 * T5-style: ``... </s>``, padded with ``<pad>`` (id 0), ``model_max_length`` 512.
 
-Other families' stand-ins: Qwen2-style (:func:`build_qwen2_tokenizer`, Qwen-Image) and Llama-3-style
-(:func:`build_llama3_tokenizer`, HiDream-I1's fourth encoder).
+Other families' stand-ins: Qwen2-style (:func:`build_qwen2_tokenizer`, Qwen-Image), Llama-3-style
+(:func:`build_llama3_tokenizer`, HiDream-I1's fourth encoder) and Gemma-style (:func:`build_gemma_tokenizer`, LTX-2's
+Gemma 3 encoder).
 
 Byte-level BPE covers any UTF-8 text, so unseen words never map to an unknown token.
 """
@@ -125,3 +126,23 @@ def build_llama3_tokenizer(corpus: Iterable[str], vocab_size: int,
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token="<|eot_id|>",
                                    pad_token="<|eot_id|>", unk_token=None, model_max_length=max_length,
                                    additional_special_tokens=LLAMA3_SPECIALS[1:])
+
+
+#: Gemma's special tokens in its id order (``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, ``<unk>`` 3: the Gemma 3
+#: tokenizer's ``special_tokens_map.json`` and ``Gemma3TextConfig``'s pad/eos/bos defaults).
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+
+
+def build_gemma_tokenizer(corpus: Iterable[str], vocab_size: int,
+                          max_length: int = 131072) -> PreTrainedTokenizerFast:
+    """Gemma-3-style tokenizer: byte-level BPE with Gemma's special ids (:data:`GEMMA_SPECIALS`), ``<bos>``
+    prepended to every sequence (Gemma's post-processor; nothing appended), ``<pad>`` as pad token,
+    ``model_max_length`` 131072 (Gemma 3's context). No chat template: ``LTX2Pipeline`` tokenizes the raw prompt
+    (left-padded to ``max_sequence_length``); only its prompt enhancement, which the runner does not run, applies one.
+    """
+    tok = train_bpe(corpus, vocab_size, GEMMA_SPECIALS)
+    bos = GEMMA_SPECIALS[2]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token=bos,
+                                   unk_token="<unk>", model_max_length=max_length)

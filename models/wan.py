@@ -32,12 +32,11 @@ image_to_video WanImageToVideoPipeline    ``image`` and ``last_image`` resized t
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from models.family import FamilySpec, signature_default, spatial_scale
 from models.pipelines import PipelineEngine
-from runner.core.dataset import DatasetError, Row
-from runner.core.errors import ConfigValueError
+from runner.core.dataset import Row
 
 
 WAN = FamilySpec(
@@ -126,42 +125,8 @@ class WanEngine(PipelineEngine):
         return (f"num_frames, width and height whose latent frames x {self.size_need()}-pixel tiles number a "
                 f"multiple of {degree}")
 
-    def check_config(self) -> None:
-        """The base checks, and ``model.generation.num_frames``/``fps`` set and valid.
-
-        Raises:
-            ConfigValueError: naming the key, the value and the fix.
-        """
-        super().check_config()
-        g = self.cfg.generation
-        if g.get("num_frames") is None or g.get("fps") is None:
-            raise ConfigValueError(f"model={self.cfg.name} generates video: model.generation.num_frames and "
-                                   "model.generation.fps must be set; fix: e.g. model.generation.num_frames=81 "
-                                   "model.generation.fps=16 (Wan 2.1's defaults)")
-
     def check_family_rows(self, rows: List[Row], path: Any) -> None:
-        """``num_frames`` of every row must be ``k * t + 1`` (t = the VAE's temporal factor): WanPipeline rounds other
-        counts down with a warning, and the video would have fewer frames than its record says.
-
-        Raises:
-            DatasetError / ConfigValueError: every bad row (file:line) or the bad default, with the nearest valid
-            counts.
-        """
-        t = self.temporal_factor()
-        bad = [r for r in rows if r.num_frames is None or r.num_frames < 1 or (r.num_frames - 1) % t]
-        if not bad:
-            return
-
-        def fix(n: Optional[int]) -> str:
-            lo = max(1, ((n or 1) - 1) // t * t + 1)
-            return f"{lo} or {lo + t}"
-
-        defaults = [r for r in bad if "num_frames" not in r.set_fields]
-        if defaults and len(defaults) == len(bad):
-            n = defaults[0].num_frames
-            raise ConfigValueError(f"model.generation.num_frames={n} is not {t}k+1, which model={self.cfg.name}'s VAE "
-                                   f"needs (temporal factor {t}; WanPipeline would round it down); fix: "
-                                   f"model.generation.num_frames={fix(n).split(' or ')[0]}")
-        raise DatasetError([f"{path}:{r.line}: num_frames={r.num_frames} is not {t}k+1, which model={self.cfg.name}'s "
-                            f"VAE needs (temporal factor {t}; WanPipeline would round it down, writing fewer frames "
-                            f"than recorded); fix: num_frames={fix(r.num_frames)}" for r in bad])
+        """``num_frames`` of every row must be ``k * t + 1`` (t = the VAE's temporal factor,
+        :meth:`models.pipelines.PipelineEngine.check_frame_counts`): WanPipeline rounds other counts down with a
+        warning, and the video would have fewer frames than its record says."""
+        self.check_frame_counts(rows, path, self.temporal_factor())

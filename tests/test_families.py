@@ -53,15 +53,15 @@ def test_family_runs_with_verified_evidence(family_sweep, model):
     st = man["evidence"]["stages"]["denoise"]
     # the family's forward rule was checked against what ran: SD3 batches CFG (1 forward/step), Qwen-Image's true
     # CFG (row a has a negative prompt, true_cfg_scale defaults to 1 -> not applied), Wan's unbatched CFG (2) and
-    # HiDream's batched CFG (1)
+    # HiDream's and LTX-2's batched CFG (1)
     assert st["denoiser_forwards"] == st["expected_forwards"] > 0
     assert st["checks"] == {"forward_count": "verified"}
-    per_step = {"tiny_sd3": 1, "tiny_qwen_image": 1, "tiny_wan": 2, "tiny_hidream": 1}[model]
+    per_step = {"tiny_sd3": 1, "tiny_qwen_image": 1, "tiny_wan": 2, "tiny_hidream": 1, "tiny_ltx2": 1}[model]
     steps = man["items"]["ok"] if isinstance(man.get("items"), dict) else None
     assert st["expected_forwards"] == per_step * 4 * 2, (st, steps)
     layers = st["attention"]["layers"]
     assert layers and all(l["ok"] and l["observed"] == {"TORCH_SDPA": l["calls"]} and l["calls"] > 0 for l in layers)
-    if model == "tiny_wan":  # self- and cross-attention are separate roles
+    if model in ("tiny_wan", "tiny_ltx2"):  # self- and cross-attention are separate roles
         assert {l["role"] for l in layers} == {"self", "cross"}
     if model == "tiny_hidream":  # dual- and single-stream attention; MoE blocks observed (backend.moe auto: TORCH)
         assert {l["role"] for l in layers} == {"joint", "single"}
@@ -70,7 +70,7 @@ def test_family_runs_with_verified_evidence(family_sweep, model):
     assert [i["status"] for i in items] == ["ok", "ok"]
     for it in items:
         assert (d / it["file"]).is_file()
-        assert it["file"].endswith(".mp4" if model == "tiny_wan" else ".png")
+        assert it["file"].endswith(".mp4" if model in ("tiny_wan", "tiny_ltx2") else ".png")
 
 
 @pytest.mark.slow

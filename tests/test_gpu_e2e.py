@@ -531,6 +531,7 @@ FAMILIES = {  # model -> (overrides, writes video)
     "tiny_sd3": (["model=tiny_sd3", "dataset.limit=1"], False),
     "tiny_qwen_image": (["model=tiny_qwen_image", "dataset.limit=1"], False),
     "tiny_wan": (["model=tiny_wan", "dataset.limit=1"], True),
+    "tiny_ltx2": (["model=tiny_ltx2", "dataset.limit=1"], True),  # video with its FLAC audio stream
     "toy_motion": (["model=toy_motion", "dataset.limit=1", "model.generation.num_inference_steps=8"], True),
 }
 
@@ -540,7 +541,8 @@ FAMILIES = {  # model -> (overrides, writes video)
 @pytest.mark.parametrize("model", list(FAMILIES))
 def test_family_on_gpu_verified_with_device_kernels(gpu, model, attention, linear):
     """SD3.5, Qwen-Image (its joint attention passes a mask), Wan (self- and cross-attention roles, unbatched CFG:
-    2 forwards per step) and the trained toy_motion, tiny, bf16: verified, forwards as the family's rule says, and
+    2 forwards per step), LTX-2 (video and audio streams, batched CFG; its audio decodes to the recorded samples) and
+    the trained toy_motion, tiny, bf16: verified, forwards as the family's rule says, and
     the device kernels of the selected attention and linear backends in the profiled forward."""
     overrides, video = FAMILIES[model]
     if video:
@@ -552,9 +554,14 @@ def test_family_on_gpu_verified_with_device_kernels(gpu, model, attention, linea
     st = check_evidence(r.manifest, r.trace, attention, linear)["stage"]
     fwd = _forwards(st)
     assert all(lay["observed"] == {attention: fwd} for lay in st["attention"]["layers"])
-    if model in ("tiny_wan", "toy_motion"):
+    if model in ("tiny_wan", "toy_motion", "tiny_ltx2"):
         assert {lay["role"] for lay in st["attention"]["layers"]} == {"self", "cross"}
     assert r.items[0]["status"] == "ok" and r.items[0]["file"].endswith(".mp4" if video else ".png")
+    if model == "tiny_ltx2":  # the audio written on the GPU decodes to its recorded samples
+        from runner.core.video import audio_sha256, read_audio
+
+        pcm, rate = read_audio(r.run_dir / r.items[0]["file"])
+        assert audio_sha256(pcm) == r.items[0]["audio_sha256"] and rate == r.items[0]["params"]["audio_sample_rate"]
 
 
 HIDREAM = ["model=tiny_hidream", "dataset.limit=1", "backend.attention=CUDNN_ATTN"]

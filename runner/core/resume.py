@@ -108,10 +108,16 @@ def vae_tiling_of(cfg: Dict[str, Any]) -> Optional[bool]:
     return True if _get(cfg, "memory.vae_tiling") else None
 
 
+def audio_of(cfg: Dict[str, Any]) -> Optional[bool]:
+    """``output.audio`` when it is off (the videos of an audio family lose their audio stream), else None, so the
+    identities of runs that never turned it off are unchanged."""
+    return False if _get(cfg, "output.audio") is False else None
+
+
 #: The keys that enter only while set (``Factors.when_set``), each with what reads its set value (None: unset).
 WHEN_SET = {"cache": cache_config, "optimize.compile_mode": compile_mode_of, "model.task": task_of,
             "output.inpaint_overlay": inpaint_overlay_of, "model.quantization": quantization_of,
-            "memory.vae_tiling": vae_tiling_of}
+            "memory.vae_tiling": vae_tiling_of, "output.audio": audio_of}
 
 
 def _when_set_keys(kind: str) -> tuple:
@@ -146,7 +152,7 @@ def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_
     for key in _when_set_keys(RESUME):
         a, b = WHEN_SET[key](old_cfg), WHEN_SET[key](new_cfg)
         if a != b:
-            shown = (a, b) if key == "cache" else (a or "default", b or "default")
+            shown = (a, b) if key == "cache" else tuple("default" if v is None else v for v in (a, b))
             diffs.append(f"{key}: {shown[0]!r} -> {shown[1]!r}")
     if old_dataset_sha is not None and old_dataset_sha != new_dataset_sha:
         diffs.append(f"dataset.sha256: {old_dataset_sha[:12]}… -> {new_dataset_sha[:12]}…")

@@ -433,7 +433,7 @@ class DiffusionModelConfig(ModelConfig):
     """A diffusion model run through diffusers (``conf/model/flux.yaml``: ``defaults: [base_diffusion, _self_]``)."""
 
     adapter: str = declared("flux", enters=(RESUME, IDENTITY))
-    """The engine (``models.registry``): a family, ``flux``, ``sd3``, ``qwen_image``, ``wan``, ``hidream``, or
+    """The engine (``models.registry``): a family, ``flux``, ``sd3``, ``qwen_image``, ``wan``, ``hidream``, ``ltx2``, or
     ``diffusers`` (any transformer-based pipeline, from its snapshot's ``model_index.json``;
     ``models.pipelines.PipelineEngine``)."""
     revision: Optional[str] = declared(None, enters=(RESUME, IDENTITY))
@@ -628,6 +628,11 @@ class OutputConfig:
     with the pipeline's own mask binarisation: mask value >= 128 is inside), so every pixel outside the mask equals
     the input's exactly; recorded per item (``inputs.overlay``). ``false``: the outside is the VAE's reconstruction
     of the input (recorded as such). Enters the identity only for inpaint runs."""
+    audio: bool = declared(True, enters=(RESUME, IDENTITY), when_set=True)
+    """Video models that generate sound (LTX-2): write it as the MP4's audio stream (FLAC, lossless; each record
+    carries the decoded samples' sha256, sample rate and length). ``false``: the audio is dropped, the MP4 has no
+    audio stream and every record says ``params.audio: false``. Enters the resume comparison and the identity only
+    while ``false``."""
     video_frames: bool = False
     """Video models: also write each video's generated ``uint8`` frames losslessly to ``videos/<id>.frames.npz``
     (``numpy.load(f)["frames"]``, layout (F, H, W, 3)) for parity checks."""

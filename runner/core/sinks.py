@@ -171,8 +171,9 @@ class ArtifactMismatchError(RunnerError, ValueError):
     alone with this as its ``reason`` (``status: failed``) and no file is left under the artifact's name."""
 
 
-#: artifact dimension -> the record ``params`` key it must equal (every sink, every engine).
-ARTIFACT_DIMS = ("width", "height", "num_frames")
+#: artifact dimension -> the record ``params`` key it must equal (every sink, every engine; ``audio_sample_rate``:
+#: a video's audio stream, as decoded).
+ARTIFACT_DIMS = ("width", "height", "num_frames", "audio_sample_rate")
 
 
 def check_artifact_dims(record: Dict[str, Any], dims: Dict[str, int], path: Path) -> None:
@@ -401,6 +402,11 @@ class MP4Sink(_FileSink):
     Each file's container metadata holds ``title`` (the prompt) and ``comment`` (JSON of :func:`embedded_fields`:
     prompt, negative prompt, seed, parameters, model), all functions of the item's inputs.
 
+    A video with ``output.audio`` (LTX-2) gets its audio as the file's second stream (``runner.core.video``: FLAC,
+    lossless, decoded back and compared sample for sample before the rename) and the record ``audio_sha256`` (of the
+    decoded 16-bit PCM: repro compares it), ``audio_sample_rate`` (Hz; checked against ``params.audio_sample_rate``),
+    ``audio_samples`` (per channel), ``audio_channels`` and ``audio_codec``; a video without has no audio stream.
+
     The record gets ``status``, ``file`` (``videos/<stem>.mp4``), ``file_name`` (relative to ``videos/``),
     ``file_sha256`` (the container's bytes: resume
     reuses only that exact file), ``frames_sha256`` (``runner.core.video.frames_sha256`` of the frames the file decodes
@@ -478,16 +484,22 @@ class MP4Sink(_FileSink):
         except ValueError as e:
             return None, str(e)
         dump = path.with_name(f"{path.stem}.frames.npz") if self.dump_frames else None
-        return (frames, fps, dump, video.container_metadata(embedded_fields(record, self.model)), record), None
+        try:
+            audio = None if output.audio is None else video.to_pcm16(output.audio)
+        except ValueError as e:
+            return None, str(e)
+        meta = video.container_metadata(embedded_fields(record, self.model))
+        return (frames, fps, dump, meta, record, audio, output.sample_rate), None
 
     def _write(self, path: Path, payload: Any) -> Dict[str, Any]:
         """Write the video (``runner.core.video.write_video``), checking the size and frame count the file decodes
         to against the record's params (:func:`check_artifact_dims`) before it is renamed into place."""
         from runner.core import video
 
-        frames, fps, dump, meta, record = payload
+        frames, fps, dump, meta, record, audio, rate = payload
         res = video.write_video(path, frames, fps, self.codec, dump, metadata=meta,
-                                check=lambda fields: check_artifact_dims(record, fields, path))
+                                check=lambda fields: check_artifact_dims(record, fields, path), audio=audio,
+                                sample_rate=rate)
         res["fields"]["video"] = dict(self.video_doc)
         if dump is not None:
             res["fields"] = {"frames_file": str(dump.relative_to(self.out_dir)), **res["fields"]}

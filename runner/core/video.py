@@ -15,6 +15,12 @@ encoder build gives the same bytes for the same frames on any machine. Decoding 
 converts to ``rgb24`` with the same bit-exact BT.709 conversion; H.264 decoding itself is bit-exact by the
 standard. :func:`frames_sha256` is what records and repro compare: the sha256 of the decoded frames, which stays
 the same when an encoder or muxer version changes only the container bytes.
+
+Audio (a family that generates it: LTX-2) is the MP4's second stream, FLAC (:data:`AUDIO_CODEC`, lossless; ffmpeg
+muxes FLAC into MP4 natively): float samples in [-1, 1], layout (channels, samples), are quantised once to 16-bit
+PCM (:func:`to_pcm16`), encoded, decoded back with ffmpeg to raw PCM and compared sample for sample before the file
+is renamed into place. :func:`audio_sha256` of the decoded PCM is what records and repro compare: a lossless codec
+decodes to the same samples on every machine.
 """
 
 from __future__ import annotations
@@ -71,6 +77,13 @@ CODECS: Dict[str, Codec] = {
         "-colorspace", "bt709", "-color_primaries", "bt709", "-color_trc", "bt709", "-color_range", "tv"),
         lossless=False, even_size=True),
 }
+
+
+#: The audio track's codec: FLAC in MP4 (lossless; ``-c:a flac``), over 16-bit PCM (:data:`AUDIO_SAMPLE_FORMAT`).
+AUDIO_CODEC = "flac"
+#: The PCM the samples are quantised to and decoded back to (ffmpeg's ``s16le``: signed 16-bit little endian,
+#: channels interleaved).
+AUDIO_SAMPLE_FORMAT = "s16le"
 
 
 class VideoEncoderError(UserInputError, RuntimeError):
@@ -250,14 +263,17 @@ def _unescape(s: str) -> str:
 
 
 def encode_mp4(path: Path, frames: np.ndarray, fps: float, codec: str = "h264_lossless",
-               metadata: Optional[Dict[str, str]] = None) -> None:
+               metadata: Optional[Dict[str, str]] = None, audio: Optional[np.ndarray] = None,
+               sample_rate: Optional[int] = None) -> None:
     """Encode ``uint8`` frames (F, H, W, 3) at ``fps`` frames per second into the MP4 file ``path`` (written in
     place: callers write a temp name and rename it). The container is MP4 whatever the name's suffix.
     ``metadata``: global container tags (``{"title": ..., "comment": ...}``, ffmpeg's ``-metadata key=value``);
-    the bytes stay a function of the frames, the codec and these tags.
+    the bytes stay a function of the frames, the codec and these tags. ``audio``: ``int16`` PCM (samples, channels)
+    (:func:`to_pcm16`) at ``sample_rate`` Hz, muxed as a second stream in :data:`AUDIO_CODEC` (read from a temp file
+    beside ``path``, removed after); None: no audio stream.
 
     Raises:
-        ValueError: bad frames, fps not > 0, an odd size for a codec that needs even sizes.
+        ValueError: bad frames, fps not > 0, an odd size for a codec that needs even sizes, bad audio or sample rate.
         OSError: the storage refused the write (``ENOSPC``, ``EACCES``, ... as ffmpeg reported it).
         VideoEncodeError: ffmpeg failed otherwise (its stderr's tail in the message).
         VideoEncoderError: no usable ffmpeg.
@@ -270,20 +286,120 @@ def encode_mp4(path: Path, frames: np.ndarray, fps: float, codec: str = "h264_lo
     if spec.even_size and (w % 2 or h % 2):
         raise ValueError(f"output.video_codec={codec} stores 4:2:0 chroma and needs an even width and height, got "
                          f"{w}x{h}; fix: even sizes, or output.video_codec=h264_lossless")
+    pcm = path.with_name(f"{path.name}.pcm") if audio is not None else None
     cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-nostdin", "-y",
-           "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{w}x{h}", "-framerate", fps_arg(fps), "-i", "-", "-an",
+           "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{w}x{h}", "-framerate", fps_arg(fps), "-i", "-",
+           *(_audio_input(pcm, audio, sample_rate) if pcm is not None else ("-an",)),
            "-c:v", spec.encoder, *spec.args, "-pix_fmt", spec.pix_fmt, *COMMON_ARGS,
            *(a for k, v in (metadata or {}).items() for a in ("-metadata", f"{k}={v}")), "-f", "mp4", str(path)]
     try:
-        p = subprocess.run(cmd, input=a.data, capture_output=True)
-    except OSError as e:
-        raise VideoEncodeError(f"ffmpeg did not start: {e}") from e
+        if pcm is not None:  # an OSError here is the storage's (propagated as such)
+            pcm.write_bytes(np.ascontiguousarray(audio, dtype="<i2").data)
+        try:
+            p = subprocess.run(cmd, input=a.data, capture_output=True)
+        except OSError as e:
+            raise VideoEncodeError(f"ffmpeg did not start: {e}") from e
+    finally:
+        if pcm is not None:
+            pcm.unlink(missing_ok=True)
     if p.returncode != 0:
         err = p.stderr.decode("utf-8", "replace")
         no = _storage_errno(err)
         if no is not None:
             raise OSError(no, f"{os.strerror(no)} (ffmpeg writing {path})")
         raise VideoEncodeError(f"ffmpeg {spec.encoder} exited {p.returncode}: {err.strip()[-800:]}")
+
+
+def _audio_input(pcm: Path, audio: np.ndarray, sample_rate: Optional[int]) -> Tuple[str, ...]:
+    """ffmpeg's arguments for the audio input ``pcm`` (``int16`` (samples, channels) at ``sample_rate`` Hz) and its
+    FLAC encoding, both streams mapped.
+
+    Raises:
+        ValueError: not ``int16`` (samples, channels), no sample, or a sample rate that is not an int > 0.
+    """
+    if audio.dtype != np.int16 or audio.ndim != 2 or audio.shape[0] < 1 or audio.shape[1] < 1:
+        raise ValueError(f"audio must be int16 PCM of layout (samples, channels), got {audio.dtype} {audio.shape}")
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate <= 0:
+        raise ValueError(f"audio sample_rate={sample_rate!r} must be an int > 0 (Hz)")
+    return ("-f", AUDIO_SAMPLE_FORMAT, "-ar", str(sample_rate), "-ac", str(audio.shape[1]), "-i", str(pcm),
+            "-map", "0:v:0", "-map", "1:a:0", "-c:a", AUDIO_CODEC)
+
+
+def to_pcm16(samples: np.ndarray) -> np.ndarray:
+    """Float audio in [-1, 1], layout (channels, samples) (what ``LTX2Pipeline``'s vocoder returns per item), as
+    ``int16`` PCM of layout (samples, channels): clipped to [-1, 1], times 32767, rounded half to even.
+
+    Raises:
+        ValueError: not 2-D, no sample, or non-finite values.
+    """
+    a = np.asarray(samples, dtype=np.float64)
+    if a.ndim != 2 or min(a.shape) < 1:
+        raise ValueError(f"audio samples must have layout (channels, samples), got shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError("audio samples hold NaN/inf")
+    return np.ascontiguousarray(np.round(np.clip(a, -1.0, 1.0) * 32767.0).astype(np.int16).T)
+
+
+def audio_sha256(pcm: np.ndarray) -> str:
+    """sha256 of ``int16`` PCM (samples, channels): its little-endian bytes, channels interleaved (ffmpeg's
+    ``s16le``)."""
+    a = np.asarray(pcm)
+    if a.dtype != np.int16 or a.ndim != 2:
+        raise ValueError(f"audio_sha256 takes int16 PCM (samples, channels), got {a.dtype} {a.shape}")
+    return hashlib.sha256(np.ascontiguousarray(a, dtype="<i2").data).hexdigest()
+
+
+def audio_stream(path: Path) -> Optional[Dict[str, Any]]:
+    """The first audio stream of a media file as ffmpeg reports it: ``{"codec", "sample_rate", "layout",
+    "channels"}`` (``layout``: ffmpeg's name, ``mono``/``stereo``/``N channels``; ``channels``: their number); None
+    when it has none.
+
+    Raises:
+        VideoEncoderError: no usable ffmpeg.
+        OSError: ffmpeg cannot read the file.
+    """
+    import re
+
+    p = subprocess.run([ffmpeg_exe(), "-hide_banner", "-nostdin", "-i", str(path)], capture_output=True)
+    err = p.stderr.decode("utf-8", "replace")
+    if "Stream #" not in err:
+        raise OSError(errno.EIO, f"ffmpeg cannot read {path}: {err[-300:]}")
+    m = re.search(r"Stream #\S+.*?: Audio: (\w+)[^,]*, (\d+) Hz, ([^,]+)", err)
+    if m is None:
+        return None
+    layout = m.group(3).strip()
+    channels = {"mono": 1, "stereo": 2}.get(layout) or int(re.match(r"\d+", layout).group(0))
+    return {"codec": m.group(1), "sample_rate": int(m.group(2)), "layout": layout, "channels": channels}
+
+
+def read_audio(path: Path) -> Optional[Tuple[np.ndarray, int]]:
+    """``(int16 PCM (samples, channels), sample rate in Hz)`` of a media file's first audio stream as ffmpeg decodes
+    it (:func:`decode_audio`), or None when it has no audio stream.
+
+    Raises:
+        OSError: ffmpeg cannot read or decode the file.
+        VideoEncoderError: no usable ffmpeg.
+    """
+    stream = audio_stream(path)
+    if stream is None:
+        return None
+    return decode_audio(path, stream["channels"]), stream["sample_rate"]
+
+
+def decode_audio(path: Path, channels: int) -> np.ndarray:
+    """The first audio stream of ``path`` decoded by ffmpeg to ``int16`` PCM (samples, ``channels``), no resampling.
+
+    Raises:
+        OSError: ffmpeg cannot decode it (no audio stream included).
+        VideoEncoderError: no usable ffmpeg.
+    """
+    p = subprocess.run([ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-nostdin", "-i", str(path),
+                        "-map", "0:a:0", "-f", AUDIO_SAMPLE_FORMAT, "-acodec", "pcm_s16le", "-ac", str(channels),
+                        "-"], capture_output=True)
+    if p.returncode != 0:
+        raise OSError(errno.EIO, f"ffmpeg cannot decode the audio of {path}: "
+                                 f"{p.stderr.decode('utf-8', 'replace')[-300:]}")
+    return np.frombuffer(p.stdout, dtype="<i2").astype(np.int16).reshape(-1, channels)
 
 
 def decode_mp4(path: Path, frame: Optional[int] = None) -> np.ndarray:
@@ -336,7 +452,8 @@ def _fsync_file(path: Path) -> None:
 
 def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
                 dump: Optional[Path] = None, metadata: Optional[Dict[str, str]] = None,
-                check: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+                check: Optional[Callable[[Dict[str, Any]], None]] = None, audio: Optional[np.ndarray] = None,
+                sample_rate: Optional[int] = None) -> Dict[str, Any]:
     """Write one video durably: encode to a temp name beside ``path`` (``.<name>.tmp<pid>``), fsync it, decode it
     back and check it (frame count and size; for a lossless codec every pixel), write the frame dump ``dump``
     when given (atomically), then rename the video into place and fsync the dir. A kill at any point leaves no
@@ -351,10 +468,13 @@ def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
         check: called with the fields of the file as decoded (``num_frames``, ``width``, ``height``, ...) before
             the dump and the rename; what it raises fails the write like an encode error (the temp file is
             removed, nothing is left under ``path``). The MP4 sink checks them against the record's params.
+        audio: ``int16`` PCM (samples, channels) (:func:`to_pcm16`) muxed as the audio stream, decoded back and
+            compared sample for sample; None: the file has no audio stream.
+        sample_rate: the audio's sample rate in Hz (with ``audio``).
 
     Returns:
         ``{"sha256": container bytes' sha256, "fields": {frames_sha256, num_frames, fps, width, height[,
-        frames_file_sha256]}}``.
+        audio_sha256, audio_sample_rate, audio_samples, audio_channels, audio_codec][, frames_file_sha256]}}``.
 
     Raises:
         runner.core.errors.StorageError: the storage refused a write (the temp file is removed).
@@ -368,7 +488,7 @@ def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         try:
-            encode_mp4(tmp, a, fps, codec, metadata)
+            encode_mp4(tmp, a, fps, codec, metadata, audio=audio, sample_rate=sample_rate)
             _fsync_file(tmp)
             sha = file_sha256(tmp)
         except OSError as e:
@@ -382,6 +502,7 @@ def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
                                    "encoded (an ffmpeg build that converts colours?); fix: unset IMAGEIO_FFMPEG_EXE")
         fields: Dict[str, Any] = {"frames_sha256": frames_sha256(back), "num_frames": int(back.shape[0]),
                                   "fps": fps, "width": int(back.shape[2]), "height": int(back.shape[1])}
+        fields.update(_audio_fields(tmp, audio))
         if check is not None:
             check(fields)
         if dump is not None:
@@ -400,6 +521,28 @@ def write_video(path: Path, frames: np.ndarray, fps: float, codec: str,
         raise
     fsync_dir(path.parent)
     return {"sha256": sha, "fields": fields}
+
+
+def _audio_fields(path: Path, audio: Optional[np.ndarray]) -> Dict[str, Any]:
+    """The audio fields of an encoded file, as decoded (:func:`write_video`): none when ``audio`` is None and the
+    file has no audio stream.
+
+    Raises:
+        VideoEncodeError: the file's audio stream is missing, unexpected, or does not decode to ``audio`` exactly.
+    """
+    stream = audio_stream(path)
+    if audio is None:
+        if stream is not None:
+            raise VideoEncodeError(f"the encoded video has an audio stream ({stream}) though none was given")
+        return {}
+    if stream is None:
+        raise VideoEncodeError("the encoded video has no audio stream though audio was given")
+    back = decode_audio(path, int(audio.shape[1]))
+    if back.shape != audio.shape or not np.array_equal(back, audio):
+        raise VideoEncodeError(f"{AUDIO_CODEC} is lossless but the audio decodes to {back.shape} samples that differ "
+                               f"from the {audio.shape} encoded; fix: unset IMAGEIO_FFMPEG_EXE")
+    return {"audio_sha256": audio_sha256(back), "audio_sample_rate": stream["sample_rate"],
+            "audio_samples": int(back.shape[0]), "audio_channels": int(back.shape[1]), "audio_codec": stream["codec"]}
 
 
 def poster(path: Path, num_frames: Optional[int] = None) -> np.ndarray:

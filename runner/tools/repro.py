@@ -14,6 +14,9 @@ shell's ``HF_HOME``: :func:`rerun_environment`) and then compares:
   elsewhere every frame's PSNR >= ``--tolerance-db`` (the worst frame is reported). The table's sha256 columns
   then hold the frames' sha256 (``compared: frames``); a recorded ``frames_sha256`` that the original no longer
   decodes to here is a note (another decoder), not a failure;
+* a video's audio stream (LTX-2) by its decoded samples: both files' audio is decoded here to 16-bit PCM and its
+  sha256 (``audio_sha256``) must be equal on CPU; elsewhere its PSNR (peak 32767) >= ``--tolerance-db``; a video
+  with audio on one side only is a mismatch;
 * AR records (vLLM stages: ``items.jsonl`` of ``model=tiny_qwen3_moe``, ``expand.jsonl`` of a pipeline), per
   record key: the ``output_token_ids`` must be identical (on every platform; ``--tolerance-db`` applies to images
   only), shown as the sha256 of the token-id list;
@@ -131,6 +134,37 @@ def _frames_shas(orig_dir: Path, r: Dict[str, Any], new_dir: Path, n: Dict[str, 
     return out[0], out[1], notes
 
 
+def _compare_audio(orig: Path, new: Path, exact: bool, tolerance_db: float) -> Tuple[Dict[str, Any], List[str]]:
+    """The audio streams of two videos, both decoded here (``runner.core.video.read_audio``): ``(row fields, notes)``;
+    ``notes`` empty means the audio reproduced (equal samples; off CPU, PSNR >= ``tolerance_db``) or neither file
+    has audio."""
+    import numpy as np
+
+    from runner.core.video import audio_sha256, read_audio
+
+    try:
+        a, b = read_audio(orig), read_audio(new)
+    except (OSError, RuntimeError, ValueError) as e:
+        return {}, [f"an audio stream does not decode here ({type(e).__name__}: {e})"]
+    if a is None and b is None:
+        return {}, []
+    row = {"original_audio_sha256": audio_sha256(a[0]) if a else None,
+           "new_audio_sha256": audio_sha256(b[0]) if b else None, "audio_psnr_db": None}
+    if a is None or b is None:
+        return row, [f"audio stream only in the {'re-run' if a is None else 'original'}"]
+    if row["original_audio_sha256"] == row["new_audio_sha256"] and a[1] == b[1]:
+        row["audio_psnr_db"] = float("inf")
+        return row, []
+    if a[0].shape != b[0].shape or a[1] != b[1]:
+        return row, [f"audio differs in length or rate ({a[0].shape} at {a[1]} Hz vs {b[0].shape} at {b[1]} Hz)"]
+    mse = float(np.mean((a[0].astype(np.float64) - b[0].astype(np.float64)) ** 2))
+    row["audio_psnr_db"] = float("inf") if mse == 0 else 10 * np.log10(32767.0 ** 2 / mse)
+    if exact:
+        return row, ["decoded audio differs (audio_sha256)"]
+    ok = row["audio_psnr_db"] >= tolerance_db
+    return row, [] if ok else [f"audio PSNR {fmt_psnr(row['audio_psnr_db'])} dB < {tolerance_db:g} dB"]
+
+
 def _items(run_dir: Path, name: str = "items.jsonl") -> Dict[str, Dict[str, Any]]:
     from runner.core.sinks import read_journal
 
@@ -229,6 +263,10 @@ def _compare_item(orig_dir: Path, new_dir: Path, key: str, r: Dict[str, Any], n:
                 notes.append(m["error"])
         elif equal:
             row.update(psnr_db=float("inf"), max_abs_diff=0)
+        if video and not undecodable:
+            audio_row, audio_notes = _compare_audio(orig_dir / r["file"], new_dir / n["file"], exact, tolerance_db)
+            row.update(audio_row)
+            notes += audio_notes
         if undecodable:
             pass
         elif exact and not equal:
