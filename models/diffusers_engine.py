@@ -825,12 +825,13 @@ class DiffusersEngine(EngineBase):
         self.moe_owned = tuple(f"{name}.{p}" for name, b in blocks for p in layout.expert_linears(b))
 
     def install_linear(self, sections: Dict[str, Any]) -> None:
-        """The linear backend on the denoiser's blocks, except the MoE backend's Linears (``kernels.linear``)."""
+        """The linear backend on the denoiser's blocks, except the MoE backend's Linears and unfused LoRA branches
+        (``kernels.linear``; the LoRA branches run only for their adapter's batches, observed by ``models.lora``)."""
         from kernels import linear
 
         self.probes["linear"] = linear.install(self.denoiser, self.resolutions["linear"].selected,
                                                prefixes=self.fp8_prefixes, observe=self.observe,
-                                               exclude=self.moe_owned)
+                                               exclude=self.moe_owned + (self.lora.owned() if self.lora else ()))
 
     def install_context_parallel(self, sections: Dict[str, Any]) -> None:
         """Diffusers' context parallelism on the denoiser under ``parallelism=ulysses|ring``."""

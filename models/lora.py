@@ -327,6 +327,11 @@ class Runtime:
         return {"mode": "fused" if self.fuse else "per_batch", "why": self.why,
                 "adapters": [a.name for a in self.library], "layers": len(layers)}
 
+    def owned(self) -> Tuple[str, ...]:
+        """Module-name prefixes of the unfused LoRA branches (``<layer>.lora_A``, ``<layer>.lora_B``): the linear
+        backend leaves them alone (they run only for their adapter's batches; this runtime observes them)."""
+        return tuple(f"{n}.{part}" for n in self.layers for part in ("lora_A", "lora_B"))
+
     def _counter(self, layer: str, adapter: str) -> Any:
         def hook(mod: Any, args: Any, out: Any) -> None:
             self.counts[(layer, adapter)] = self.counts.get((layer, adapter), 0) + 1
