@@ -236,23 +236,23 @@ def adapter_sets(rows: Iterable[Any]) -> List[tuple]:
 
 
 def decide_fuse(mode: str, sets: Sequence[tuple]) -> Tuple[bool, str]:
-    """``(fuse, why)`` for ``model.lora_fuse`` (``auto``/``true``/``false``) over the run's adapter sets.
+    """``(fuse, why)`` for ``model.lora_fuse`` (``auto``/``fused``/``unfused``) over the run's adapter sets.
 
     Raises:
-        ConfigValueError: ``model.lora_fuse=true`` while rows need several sets (a fused set cannot switch).
+        ConfigValueError: ``model.lora_fuse=fused`` while rows need several sets (a fused set cannot switch).
     """
     active = [s for s in sets if s]
     if not active:
         return False, "no row runs an adapter"
-    if mode == "false":
-        return False, "model.lora_fuse=false: the LoRA branches run unfused"
+    if mode == "unfused":
+        return False, "model.lora_fuse=unfused: the LoRA branches run unfused"
     if len(sets) == 1 and active and not any(s for _, s in active[0]):
         return False, "every adapter at scale 0: nothing to fuse (the LoRA branches run unfused, scaled by 0)"
     if len(sets) == 1 and active:
         return True, (f"{'auto: ' if mode == 'auto' else ''}every row runs the same adapter set "
                       f"({', '.join(f'{n}@{s:g}' for n, s in active[0])}): fused at load")
-    if mode == "true":
-        raise ConfigValueError(f"model.lora_fuse=true, but the rows run {len(sets)} adapter sets "
+    if mode == "fused":
+        raise ConfigValueError(f"model.lora_fuse=fused, but the rows run {len(sets)} adapter sets "
                                f"({'; '.join(', '.join(n for n, _ in s) or 'none' for s in sets)}), and fused weights "
                                "cannot switch between batches; fix: model.lora_fuse=auto (switches unfused), or one "
                                "adapter set for every row")
@@ -406,9 +406,11 @@ class Runtime:
         if self.fuse:
             sec["fused"] = self.fused
             if self.fused.get("verdict") != "verified":
-                mm.append(f"stage {stage}: fused LoRA set {self.fused.get('set')}: layers whose weights did not change "
-                          f"{self.fused.get('changed_nothing')[:5]}, whose change is not the adapter's delta "
-                          f"{self.fused.get('delta_mismatch')[:5]}")
+                nil, bad = self.fused.get("changed_nothing") or [], self.fused.get("delta_mismatch") or []
+                mm.append(f"stage {stage}: fused LoRA set {self.fused.get('set')}: "
+                          + "; ".join(([f"{len(nil)} adapted layer(s) whose weights did not change {nil[:5]}"]
+                                       if nil else []) + ([f"{len(bad)} whose change is not the adapter's delta "
+                                                           f"{bad[:5]}"] if bad else []) or ["no adapted layer"]))
         elif not self.observe:
             sec["verdict"] = "limited"
         else:

@@ -69,6 +69,9 @@ SEMANTIC_CHANGES = [
     ("optimize.vae_channels_last", "optimize.vae_channels_last", True, "optimize.vae_channels_last: False -> True"),
     ("optimize.deterministic_compile", "optimize.deterministic_compile", False,
      "optimize.deterministic_compile: True -> False"),
+    ("model.lora", "model.lora", [{"path": "/a.safetensors", "scale": 1.0, "name": None}],
+     "model.lora: [] -> [{'path': '/a.safetensors', 'scale': 1.0, 'name': None}]"),
+    ("model.lora_fuse", "model.lora_fuse", "unfused", "model.lora_fuse: 'auto' -> 'unfused'"),
 ]
 
 

@@ -183,12 +183,12 @@ class Task(Choice):
 
 class LoraFuse(Choice):
     """Whether run-level LoRA adapters are fused into the base weights at load (``model.lora_fuse``): ``auto`` fuses
-    when every row runs the same adapter set (recording why), ``true`` fuses or refuses a run whose rows need several
-    sets, ``false`` keeps the LoRA branches unfused (switched per batch with ``set_adapters``)."""
+    when every row runs the same adapter set (recording why), ``fused`` fuses or refuses a run whose rows need several
+    sets, ``unfused`` keeps the LoRA branches unfused (switched per batch with ``set_adapters``)."""
 
     auto = "auto"
-    true = "true"
-    false = "false"
+    fused = "fused"
+    unfused = "unfused"
 
 
 class ExtraFields(Choice):
