@@ -427,11 +427,12 @@ class DiffusersEngine(EngineBase):
 
     def resolve_lora(self, rows: List[ds.Row], path: Any) -> List[ds.Row]:
         """Each row's adapter set (``models.lora.resolve_rows``) and whether the run fuses (``model.lora_fuse``,
-        ``models.lora.decide_fuse``), recorded in ``source.lora`` (so in the run identity).
+        ``models.lora.decide_fuse``): ``source.lora.fused`` (so in the run identity; the sets and why are in the
+        manifest's ``model.lora``, written at load).
 
         Raises:
             dataset.DatasetError: a row naming an adapter the library lacks.
-            ConfigValueError: ``lora_fuse=true`` with several sets; unfused adapters under a linear backend that
+            ConfigValueError: ``lora_fuse=fused`` with several sets; unfused adapters under a linear backend that
                 replaces the adapted Linears.
         """
         from models import lora
@@ -444,7 +445,8 @@ class DiffusersEngine(EngineBase):
         sets = lora.adapter_sets(rows)
         fuse, why = lora.decide_fuse(str(self.model_cfg.lora_fuse), sets)
         self.lora_plan = (fuse, why, sets)
-        self.source["lora"].update(fused=fuse, why=why, sets=[[list(p) for p in s] for s in sets])
+        if self.lora_library:
+            self.source["lora"]["fused"] = fuse  # changes the bytes (W + BA rounds unlike Wx + B(Ax)): in the identity
         linear = self.resolutions.get("linear")
         if not fuse and linear is not None and str(linear.selected).upper() != "TORCH":
             raise ConfigValueError(f"model.lora runs unfused ({why}), and backend.linear={linear.selected} replaces "

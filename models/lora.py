@@ -325,7 +325,8 @@ class Runtime:
                 for aname, mod in layer.lora_A.items():
                     self.handles.append(mod.register_forward_hook(self._counter(lname, aname)))
         return {"mode": "fused" if self.fuse else "per_batch", "why": self.why,
-                "adapters": [a.name for a in self.library], "layers": len(layers)}
+                "adapters": [a.name for a in self.library], "layers": len(layers),
+                "sets": [[list(p) for p in key] for key in self.sets]}
 
     def owned(self) -> Tuple[str, ...]:
         """Module-name prefixes of the unfused LoRA branches (``<layer>.lora_A``, ``<layer>.lora_B``): the linear
