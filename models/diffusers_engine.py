@@ -21,52 +21,7 @@ from models import denoiser_evidence as evidence
 from runner.core.errors import ConfigValueError, UserInputError
 
 
-class WeightFileError(UserInputError, ValueError):
-    """A weight file of the model is damaged (truncated, bad header); names the file and the fix."""
-
-
-def check_safetensors(root: Path) -> int:
-    """Check every ``*.safetensors`` under ``root`` (or the file ``root``) without loading a tensor: the 8-byte little-endian header size,
-    a JSON header, and a file exactly as long as the header says (``8 + header + max(data_offsets end)``; format:
-    https://github.com/huggingface/safetensors#format). A file cut short by a full disk or a killed copy would
-    otherwise fail inside ``from_pretrained`` after the run started.
-
-    Returns:
-        The number of files checked.
-
-    Raises:
-        WeightFileError: naming the file, what is wrong, and the fix.
-    """
-    import json
-    import struct
-
-    n = 0
-    for f in [Path(root)] if Path(root).is_file() else sorted(Path(root).rglob("*.safetensors")):
-        size = f.stat().st_size
-        why = None
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                why = f"{size} bytes, shorter than the 8-byte header size"
-            else:
-                (hlen,) = struct.unpack("<Q", head)
-                if 8 + hlen > size:
-                    why = f"header of {hlen} bytes announced, file has {size} bytes"
-                else:
-                    try:
-                        header = json.loads(fh.read(hlen))
-                        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
-                                  default=0)
-                    except (ValueError, KeyError, TypeError, IndexError) as e:
-                        why = f"unreadable header ({type(e).__name__}: {e})"
-                    else:
-                        if size != 8 + hlen + end:
-                            why = f"{size} bytes, the header describes {8 + hlen + end} (truncated or padded)"
-        if why:
-            raise WeightFileError(f"weight file {f} is damaged: {why}; fix: download or copy it again (or delete "
-                                  "the embedded model's cache dir so it is rebuilt)")
-        n += 1
-    return n
+from runner.core.weights import WeightFileError, check_safetensors  # noqa: E402,F401  (re-exported)
 
 log = logging.getLogger("runner")
 
@@ -417,7 +372,7 @@ class DiffusersEngine(EngineBase):
         """
         from models import lora
 
-        entries = list(getattr(self.model_cfg, "lora", None) or [])
+        entries = [{"path": e.path, "scale": e.scale, "name": e.name} for e in self.model_cfg.lora]
         self.lora_library = []
         if not entries:
             return

@@ -87,7 +87,7 @@ def file_problem(where: str, path: Path) -> Optional[str]:
                 "safetensors (safetensors.torch.save_file) and point at the .safetensors file")
     if path.suffix.lower() != ".safetensors":
         return f"{where}: {path} is not a .safetensors file; fix: a LoRA saved as safetensors"
-    from models.diffusers_engine import WeightFileError, check_safetensors
+    from runner.core.weights import WeightFileError, check_safetensors
 
     try:
         check_safetensors(path)
@@ -152,21 +152,22 @@ def target_problems(where: str, sd: Mapping[str, torch.Tensor], linears: Mapping
     return problems, tuple(sorted(a_keys))
 
 
-def check_library(entries: Sequence[Any], pipeline_cls: type, linears: Mapping[str, Tuple[int, int]],
+def check_library(entries: Sequence[Mapping[str, Any]], pipeline_cls: type, linears: Mapping[str, Tuple[int, int]],
                   model: str) -> List[Adapter]:
-    """Every ``model.lora`` entry checked (:func:`file_problem`, :func:`target_problems`), names unique.
+    """Every ``model.lora`` entry (``{path, scale, name}``) checked (:func:`file_problem`, :func:`target_problems`),
+    names unique.
 
     Raises:
         LoraError: every problem of every entry, each naming ``model.lora[i]``, the file and the fix.
     """
     problems, out, seen = [], [], {}
     for i, e in enumerate(entries):
-        path = Path(str(e.path)).expanduser()
-        name = str(e.name) if e.name else path.stem
+        path = Path(str(e["path"])).expanduser()
+        name = str(e["name"]) if e.get("name") else path.stem
         where = f"model.lora[{i}] ({name})"
-        scale = float(e.scale)
+        scale = float(e.get("scale", 1.0))
         if not math.isfinite(scale):
-            problems.append(f"{where}: scale={e.scale} is not a finite number; fix: e.g. scale=1.0")
+            problems.append(f"{where}: scale={scale} is not a finite number; fix: e.g. scale=1.0")
         if name in seen:
             problems.append(f"{where}: the name {name!r} is also model.lora[{seen[name]}]'s; fix: a unique name")
         seen.setdefault(name, i)

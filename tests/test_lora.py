@@ -278,7 +278,7 @@ def test_the_training_script_writes_an_adapter_the_runner_accepts(tmp_path, monk
     assert out.stat().st_size <= 1 << 20 and report["bytes"] == out.stat().st_size
     from diffusers import FluxPipeline
 
-    (adapter,) = lora.check_library([type("E", (), {"path": str(out), "scale": 1.0, "name": None})()], FluxPipeline,
+    (adapter,) = lora.check_library([{"path": str(out), "scale": 1.0, "name": None}], FluxPipeline,
                                     toy_linears(), "toy_shapes")
     assert adapter.effect == {"color": "blue"} and len(adapter.layers) > len(MODULES)
     assert set(report["eval"]) == {"scale_1", "scale_0"}
