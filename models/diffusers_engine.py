@@ -369,6 +369,7 @@ class DiffusersEngine(EngineBase):
         Raises:
             models.lora.LoraError: every problem of every adapter (missing or pickle file, modules the model lacks,
                 another shape, a pipeline without a LoRA loader).
+            runner.core.requirements.DependencyVersionError: peft missing or outside its tested range.
         """
         from models import lora
 
@@ -376,6 +377,9 @@ class DiffusersEngine(EngineBase):
         self.lora_library = []
         if not entries:
             return
+        from runner.core.requirements import check_feature
+
+        check_feature("peft", "model.lora")
         pipe_cls, linears = self.lora_loader()
         self.lora_library = lora.check_library(entries, pipe_cls, linears, str(self.model_cfg.name))
         self.source["lora"] = {"adapters": [a.record() for a in self.lora_library]}

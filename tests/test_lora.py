@@ -282,3 +282,13 @@ def test_the_training_script_writes_an_adapter_the_runner_accepts(tmp_path, monk
                                     toy_linears(), "toy_shapes")
     assert adapter.effect == {"color": "blue"} and len(adapter.layers) > len(MODULES)
     assert set(report["eval"]) == {"scale_1", "scale_0"}
+
+
+def test_peft_outside_its_tested_range_is_refused_naming_the_fix():
+    from runner.core.requirements import DependencyVersionError, check_feature
+
+    check_feature("peft", "model.lora", {"peft": "0.21.2"})
+    for have, words in (("0.20.0", "peft==0.20.0 is outside the tested range"), (None, "peft is not installed")):
+        with pytest.raises(DependencyVersionError) as e:
+            check_feature("peft", "model.lora", {"peft": have})
+        assert e.value.exit_code == 2 and words in str(e.value) and "pip install 'peft>=0.21,<0.22'" in str(e.value)
