@@ -182,12 +182,18 @@ def test_unfused_evidence_sees_a_layer_whose_lora_branch_did_not_run(tmp_path, a
     assert ev["verdict"] == "mismatch" and ev["first_bad"]["missing"] == [[MODULES[0], "a"]]
 
 
-def test_a_changed_adapter_file_is_regenerated_on_resume_and_an_unchanged_one_reused(tmp_path):
+def test_a_changed_adapter_file_is_regenerated_on_resume_refused_by_repro_and_an_unchanged_one_reused(tmp_path):
     path = write_adapter(tmp_path / "a.safetensors", 1)
     first = run(tmp_path, "res", ROWS, library({"path": path}))
     again = run(tmp_path, "res", ROWS, library({"path": path}))
     assert first.code == again.code == 0 and again.manifest["counts"]["reused"] == 2
+    from runner.tools.repro import ReproInputError, check_inputs
+
+    check_inputs(first.run_dir)  # unchanged: runner.repro may re-run it
     write_adapter(path, 7)  # same path, other weights
+    with pytest.raises(ReproInputError) as e:
+        check_inputs(first.run_dir)
+    assert e.value.exit_code == 2 and f"{path.resolve()} (model.lora adapter 'a')" in str(e.value)
     changed = run(tmp_path, "res", ROWS, library({"path": path}))
     assert changed.code == 0 and changed.manifest["counts"]["reused"] == 0
     assert all(r["params"]["lora"][0]["sha256"] == sha(path) for r in changed.items)
