@@ -298,3 +298,21 @@ def test_peft_outside_its_tested_range_is_refused_naming_the_fix():
         with pytest.raises(DependencyVersionError) as e:
             check_feature("peft", "model.lora", {"peft": have})
         assert e.value.exit_code == 2 and words in str(e.value) and "pip install 'peft>=0.21,<0.22'" in str(e.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fuse", ["auto", "unfused"])
+def test_on_cuda_in_bf16_fused_and_switched_adapters_are_verified(tmp_path, adapters, fuse):
+    """bf16 on the GPU: the fused checksum's tolerance (bf16 rounding of W + BA) and the per-batch hooks hold; the
+    fused and unfused images of one adapter agree to bf16 rounding, and each differs from the base."""
+    lib = library({"name": "a", "path": adapters["a"]}, {"name": "b", "path": adapters["b"]})
+    rows = [{**ROWS[0], "lora": "a"}, {**ROWS[1], "lora": "a"}]
+    common = ["platform=cuda", "dtype=bfloat16", lib, f"model.lora_fuse={fuse}"]
+    r = run(tmp_path, "gpu", rows, *common)
+    assert r.code == 0
+    ev = r.manifest["evidence"]["stages"]["denoise"]["lora"]
+    assert ev["mode"] == ("fused" if fuse == "auto" else "per_batch")
+    assert (ev["fused"]["verdict"] if fuse == "auto" else ev["verdict"]) == "verified"
+    base = pixels(run(tmp_path, "gpu-base", ROWS, "platform=cuda", "dtype=bfloat16"))
+    for rec in r.items:
+        assert np.abs(pixels(r)[rec["key"]] - base[rec["id"]]).max() > 8
