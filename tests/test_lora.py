@@ -128,6 +128,20 @@ def test_a_scale_enters_the_images_and_identity_and_scale_0_is_the_base(tmp_path
     assert {r["inputs_sha256"] for r in half.items}.isdisjoint(r["inputs_sha256"] for r in full.items)
 
 
+def test_two_adapters_fused_at_their_scales_match_them_unfused(tmp_path, adapters):
+    lib = library({"name": "a", "path": adapters["a"]}, {"name": "b", "path": adapters["b"], "scale": 0.5})
+    fused = run(tmp_path, "two-fused", ROWS, lib)
+    unfused = run(tmp_path, "two-unfused", ROWS, lib, "model.lora_fuse=unfused")
+    only_a = pixels(run(tmp_path, "only-a", ROWS, library({"name": "a", "path": adapters["a"]})))
+    f, u = pixels(fused), pixels(unfused)
+    assert fused.manifest["model"]["lora"]["mode"] == "fused" and unfused.manifest["model"]["lora"]["mode"] == "per_batch"
+    assert fused.manifest["evidence"]["stages"]["denoise"]["lora"]["fused"]["set"] == [["a", 1.0], ["b", 0.5]]
+    for k in f:
+        assert np.abs(f[k] - u[k]).max() <= 2, "fusing a@1 + b@0.5 is not the sum of their branches"
+        assert np.abs(f[k] - only_a[k]).max() > 4, "b at 0.5 was not fused"
+    assert fused.items[0]["params"]["lora"][1] == {"name": "b", "sha256": sha(adapters["b"]), "scale": 0.5}
+
+
 def test_a_fused_adapter_that_changes_nothing_is_an_evidence_mismatch(tmp_path):
     shapes = toy_linears()
     path = write_adapter(tmp_path / "zero.safetensors", 3, std=0.5, shapes=shapes)
