@@ -18,7 +18,7 @@ import torch
 from models.base import EngineBase, ImageOutput, StageContext, StageResult, VideoOutput
 from runner.core import dataset as ds
 from models import denoiser_evidence as evidence
-from runner.core.errors import ConfigValueError, UserInputError
+from runner.core.errors import ConfigValueError
 
 
 from runner.core.weights import WeightFileError, check_safetensors  # noqa: E402,F401  (re-exported)

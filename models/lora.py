@@ -28,7 +28,6 @@ backend); and the evidence that each adapter acted.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from pathlib import Path

@@ -9,7 +9,6 @@ Adapters here are written with seeded random ``lora_A``/``lora_B`` in diffusers'
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
