@@ -18,8 +18,9 @@ Figures: per variant the median seconds per image over the items after the first
 * ``lora_per_row_overhead = per_row / one_unfused - 1`` (target <= 0.05: switching against a one-adapter run on the
   same unfused path).
 
-Usage: ``python benchmarks/lora_lanes.py --out DIR`` (one H200: about 3 minutes, 4 runs of 6 images at 28 steps
-plus building the dummy weights); ``--smoke`` runs toy_shapes on the CPU (seconds) to check the script. Results:
+Usage: ``python benchmarks/lora_lanes.py --out DIR`` (one H200: about 3 minutes, 4 runs of 5 images at 20 steps
+plus building the dummy weights each time; the overheads are per-step ratios, so fewer steps than FLUX's 28 change
+no figure); ``--smoke`` runs toy_shapes on the CPU (seconds) to check the script. Results:
 ``DIR/lora_lanes.json``, and the two keys merged into ``--results`` (default
 ``benchmarks/results/memory_lanes_h200.json``; not with ``--smoke``).
 """
@@ -94,9 +95,9 @@ def run_variant(name: str, overrides: List[str], out: Path, batch: int) -> Dict[
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=5)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=28)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--smoke", action="store_true", help="toy_shapes on the CPU, 2 steps: checks the script")
     p.add_argument("--results", default=str(ROOT / "benchmarks/results/memory_lanes_h200.json"))

@@ -10,8 +10,9 @@ adapter metadata and the oracle effect ``runner.expect = {"color": "blue"}`` (``
 evaluated through the normal ``FluxPipeline`` call with ``load_lora_weights``: the oracle's ``color`` read as blue at
 scale 1, the captions' attributes at scale 0.
 
-Usage (H200, about 2 minutes): ``python -m models.toy_shapes.train_lora --out models/toy_shapes/lora/all_blue.safetensors
---report all_blue.json``; CPU smoke (seconds): ``--steps 2 --images 16 --batch 4 --eval 4``.
+Usage (H200, about 2 minutes): ``python -m models.toy_shapes.train_lora`` writes
+``models/toy_shapes/lora/all_blue.safetensors`` and its report ``all_blue.json`` beside it (``--out``, ``--report``);
+CPU smoke (seconds): ``--steps 2 --images 16 --batch 4 --eval 4``.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--eval", type=int, default=60, help="combos evaluated (60: every colour, shape, position)")
-    p.add_argument("--report", default=None, help="write training/eval figures as JSON here")
+    p.add_argument("--report", default=None, help="training/eval figures as JSON (default: beside --out, .json)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -196,8 +197,7 @@ def main() -> None:
     report["bytes"] = save(pipe, cfg, out)
     report["eval"] = evaluate(Path(args.weights), out, args.eval, args.size, device)
     print(json.dumps(report, indent=1), flush=True)
-    if args.report:
-        Path(args.report).write_text(json.dumps(report, indent=1))
+    Path(args.report or out.with_suffix(".json")).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
