@@ -125,7 +125,7 @@ def target_problems(where: str, sd: Mapping[str, torch.Tensor], linears: Mapping
                     model: str) -> Tuple[List[str], Tuple[str, ...]]:
     """``(problems, adapted layers)`` of a diffusers-named LoRA state dict against the transformer's Linears: keys
     of another component, modules the model lacks (named), in/out features of another model."""
-    comps = sorted({k.split(".", 1)[0] for k in sd} - set(ADAPTED_COMPONENTS))
+    comps = sorted({k.split(".", 1)[0] for k in sd if ".lora_" in k} - set(ADAPTED_COMPONENTS))
     problems = [f"{where}: has LoRA layers for {', '.join(comps)}, which the runner does not adapt (only the "
                 f"transformer); fix: an adapter with transformer layers only"] if comps else []
     a_keys = {k[len("transformer."):-len(".lora_A.weight")]: v for k, v in sd.items()

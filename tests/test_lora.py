@@ -221,8 +221,11 @@ def test_every_bad_adapter_is_refused_before_loading_in_one_error(tmp_path, adap
     wide = write_adapter(tmp_path / "wide.safetensors", 5, shapes={m: (3072, 3072) for m in shapes})
     te = write_adapter(tmp_path / "te.safetensors", 6, modules=("text_model.encoder.layers.0.self_attn.q_proj",),
                        prefix="text_encoder")
+    from safetensors.torch import save_file
+
+    save_file({"model.diffusion_model.input_blocks.0.weight": torch.zeros(2, 2)}, str(tmp_path / "junk.safetensors"))
     lib = library({"path": tmp_path / "missing.safetensors"}, {"path": pickle}, {"path": lacking}, {"path": wide},
-                  {"path": te})
+                  {"path": te}, {"path": tmp_path / "junk.safetensors"})
     r = run(tmp_path, "bad", ROWS, lib, catch=(UserInputError,))
     err = r.error
     assert isinstance(err, lora.LoraError) and err.exit_code == 2
@@ -232,6 +235,7 @@ def test_every_bad_adapter_is_refused_before_loading_in_one_error(tmp_path, adap
     assert "model.lora[2] (lacking)" in msg and "transformer_blocks.7.attn.to_q" in msg
     assert "model.lora[3] (wide)" in msg and "another shape" in msg and "(3072, 3072)" in msg
     assert "model.lora[4] (te)" in msg and "text_encoder" in msg
+    assert "model.lora[5] (junk)" in msg and "holds no LoRA layers" in msg
     assert not (r.run_dir / "manifest.json").exists(), "refused after the run started"
 
 
