@@ -224,8 +224,9 @@ def test_every_bad_adapter_is_refused_before_loading_in_one_error(tmp_path, adap
     from safetensors.torch import save_file
 
     save_file({"model.diffusion_model.input_blocks.0.weight": torch.zeros(2, 2)}, str(tmp_path / "junk.safetensors"))
+    (tmp_path / "cut.safetensors").write_bytes(adapters["a"].read_bytes()[:-64])  # a copy cut short
     lib = library({"path": tmp_path / "missing.safetensors"}, {"path": pickle}, {"path": lacking}, {"path": wide},
-                  {"path": te}, {"path": tmp_path / "junk.safetensors"})
+                  {"path": te}, {"path": tmp_path / "junk.safetensors"}, {"path": tmp_path / "cut.safetensors"})
     r = run(tmp_path, "bad", ROWS, lib, catch=(UserInputError,))
     err = r.error
     assert isinstance(err, lora.LoraError) and err.exit_code == 2
@@ -236,6 +237,7 @@ def test_every_bad_adapter_is_refused_before_loading_in_one_error(tmp_path, adap
     assert "model.lora[3] (wide)" in msg and "another shape" in msg and "(3072, 3072)" in msg
     assert "model.lora[4] (te)" in msg and "text_encoder" in msg
     assert "model.lora[5] (junk)" in msg and "holds no LoRA layers" in msg
+    assert "model.lora[6] (cut)" in msg and "damaged" in msg and "truncated" in msg
     assert not (r.run_dir / "manifest.json").exists(), "refused after the run started"
 
 
