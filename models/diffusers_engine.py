@@ -18,55 +18,10 @@ import torch
 from models.base import EngineBase, ImageOutput, StageContext, StageResult, VideoOutput
 from runner.core import dataset as ds
 from models import denoiser_evidence as evidence
-from runner.core.errors import ConfigValueError, UserInputError
+from runner.core.errors import ConfigValueError
 
 
-class WeightFileError(UserInputError, ValueError):
-    """A weight file of the model is damaged (truncated, bad header); names the file and the fix."""
-
-
-def check_safetensors(root: Path) -> int:
-    """Check every ``*.safetensors`` under ``root`` without loading a tensor: the 8-byte little-endian header size,
-    a JSON header, and a file exactly as long as the header says (``8 + header + max(data_offsets end)``; format:
-    https://github.com/huggingface/safetensors#format). A file cut short by a full disk or a killed copy would
-    otherwise fail inside ``from_pretrained`` after the run started.
-
-    Returns:
-        The number of files checked.
-
-    Raises:
-        WeightFileError: naming the file, what is wrong, and the fix.
-    """
-    import json
-    import struct
-
-    n = 0
-    for f in sorted(Path(root).rglob("*.safetensors")):
-        size = f.stat().st_size
-        why = None
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                why = f"{size} bytes, shorter than the 8-byte header size"
-            else:
-                (hlen,) = struct.unpack("<Q", head)
-                if 8 + hlen > size:
-                    why = f"header of {hlen} bytes announced, file has {size} bytes"
-                else:
-                    try:
-                        header = json.loads(fh.read(hlen))
-                        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
-                                  default=0)
-                    except (ValueError, KeyError, TypeError, IndexError) as e:
-                        why = f"unreadable header ({type(e).__name__}: {e})"
-                    else:
-                        if size != 8 + hlen + end:
-                            why = f"{size} bytes, the header describes {8 + hlen + end} (truncated or padded)"
-        if why:
-            raise WeightFileError(f"weight file {f} is damaged: {why}; fix: download or copy it again (or delete "
-                                  "the embedded model's cache dir so it is rebuilt)")
-        n += 1
-    return n
+from runner.core.weights import WeightFileError, check_safetensors  # noqa: E402,F401  (re-exported)
 
 log = logging.getLogger("runner")
 
@@ -223,6 +178,9 @@ class DiffusersEngine(EngineBase):
         self.cache_records: Dict[str, Dict[str, Any]] = {}  # item key -> its record's ``cache`` field
         self.parallel_config: Any = None  # diffusers' ParallelConfig under context parallelism (start_parallel)
         self.compile_cache: Any = None  # models.compile_cache.CompileCache with compile on and optimize.compile_cache
+        self.lora_library: Optional[List[Any]] = None  # models.lora.Adapter of model.lora, once checked (prepare_lora)
+        self.lora_plan: Optional[Tuple[bool, str, List[tuple]]] = None  # (fuse, why, adapter sets) once rows resolved
+        self.lora: Any = None  # models.lora.Runtime once loaded with adapters
         self._scope = contextlib.ExitStack()
 
     @property
@@ -286,6 +244,7 @@ class DiffusersEngine(EngineBase):
         if self.source.get("kind") == "path":
             check_safetensors(Path(self.source["path"]))
         self.check_source()
+        self.prepare_lora()
         if self.cache_settings is not None:
             from models import cache as step_cache
 
@@ -389,6 +348,86 @@ class DiffusersEngine(EngineBase):
     def check_source(self) -> None:
         """Config checks that need the model's own configs or tokenizers (read from the weight source, no weights
         load); none by default."""
+
+    # ---------------------------------------------------------------------------------------------- LoRA
+    def lora_loader(self) -> Tuple[type, Dict[str, Tuple[int, int]]]:
+        """``(pipeline class, {transformer Linear: (out, in)})`` that ``model.lora`` adapters are checked against
+        (``models.lora.check_library``); a family that takes adapters provides it.
+
+        Raises:
+            models.lora.LoraError: the engine takes no LoRA adapters.
+        """
+        from models.lora import LoraError
+
+        raise LoraError(f"model.lora: model={self.model_cfg.name} ({type(self).__name__}) takes no LoRA adapters; "
+                        "fix: model.lora=[]")
+
+    def prepare_lora(self) -> None:
+        """``model.lora`` checked before any weight loads (``models.lora.check_library``), recorded in the model
+        source (``source.lora``: each adapter's name, path, sha256, scale).
+
+        Raises:
+            models.lora.LoraError: every problem of every adapter (missing or pickle file, modules the model lacks,
+                another shape, a pipeline without a LoRA loader).
+            runner.core.requirements.DependencyVersionError: peft missing or outside its tested range.
+        """
+        from models import lora
+
+        entries = [{"path": e.path, "scale": e.scale, "name": e.name} for e in self.model_cfg.lora]
+        self.lora_library = []
+        if not entries:
+            return
+        from runner.core.requirements import check_feature
+
+        check_feature("peft", "model.lora")
+        pipe_cls, linears = self.lora_loader()
+        self.lora_library = lora.check_library(entries, pipe_cls, linears, str(self.model_cfg.name))
+        self.source["lora"] = {"adapters": [a.record() for a in self.lora_library]}
+
+    def resolve_lora(self, rows: List[ds.Row], path: Any) -> List[ds.Row]:
+        """Each row's adapter set (``models.lora.resolve_rows``) and whether the run fuses (``model.lora_fuse``,
+        ``models.lora.decide_fuse``): ``source.lora.fused`` (so in the run identity; the sets and why are in the
+        manifest's ``model.lora``, written at load).
+
+        Raises:
+            dataset.DatasetError: a row naming an adapter the library lacks.
+            ConfigValueError: ``lora_fuse=fused`` with several sets; unfused adapters under a linear backend that
+                replaces the adapted Linears.
+        """
+        from models import lora
+
+        if self.lora_library is None:  # read without prepare (runner.app.execute.DatasetItems.read, benchmarks)
+            self.prepare_lora()
+        if not self.lora_library and not any("lora" in r.values or "lora_scale" in r.values for r in rows):
+            return rows
+        rows = lora.resolve_rows(rows, self.lora_library, path)
+        sets = lora.adapter_sets(rows)
+        fuse, why = lora.decide_fuse(str(self.model_cfg.lora_fuse), sets)
+        self.lora_plan = (fuse, why, sets)
+        if self.lora_library:
+            self.source["lora"]["fused"] = fuse  # changes the bytes (W + BA rounds unlike Wx + B(Ax)): in the identity
+        linear = self.resolutions.get("linear")
+        if not fuse and linear is not None and str(linear.selected).upper() != "TORCH":
+            raise ConfigValueError(f"model.lora runs unfused ({why}), and backend.linear={linear.selected} replaces "
+                                   "the Linears the LoRA branches wrap; fix: backend.linear=torch, or one adapter set "
+                                   "for every row (fused)")
+        return rows
+
+    def install_lora(self, sections: Dict[str, Any]) -> None:
+        """The run's adapters on the loaded pipeline (``models.lora.Runtime``): fused, or hooked per adapter."""
+        if not self.lora_library or self.lora_plan is None:
+            return
+        from models import lora
+
+        fuse, why, sets = self.lora_plan
+        self.lora = lora.Runtime(self.lora_library, fuse, why, sets, observe=self.observe)
+        sections["model"]["lora"] = self.lora.load(self.pipe)
+
+    def activate_lora(self, batch: Sequence[ds.Item]) -> None:
+        """The batch's adapter set made active before its pipeline call (every item of a batch shares it)."""
+        if self.lora is not None:
+            self.lora.activate(self.pipe, ds.lora_set_key(batch[0].row.values.get("lora")))
+            self.lora.before_call()
 
     def resolve_backends(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """Resolve the stage's backends under the precedence contract and check they can run here; ``moe=auto``
@@ -558,6 +597,7 @@ class DiffusersEngine(EngineBase):
                                    any_size=self.inputs_any_size())
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
+        rows = self.resolve_lora(rows, path)
         self.check_context_rows(rows, path)
         self.check_truncation(rows, path)
         if self.cache_settings is not None:
@@ -724,11 +764,12 @@ class DiffusersEngine(EngineBase):
         self._on_loaded = on_loaded
         return sections
 
-    #: The install passes of :meth:`load`, in order (each ``install_<name>(sections)``): backends before context
+    #: The install passes of :meth:`load`, in order (each ``install_<name>(sections)``): LoRA adapters first (fused
+    #: weights are what the backends then wrap), backends before context
     #: parallelism (diffusers checks each processor's), the MoE backend before linear (the routed experts' Linears
     #: belong to it), compile beneath the step cache's hooks when both are on (the hooks stay eager), the cache after
     #: the backends (its hooks wrap the modules as they will run), regional compile last otherwise.
-    INSTALL_PASSES: ClassVar[Tuple[str, ...]] = ("attention", "moe", "linear", "context_parallel",
+    INSTALL_PASSES: ClassVar[Tuple[str, ...]] = ("lora", "attention", "moe", "linear", "context_parallel",
                                                  "compile_under_cache", "cache", "compile")
 
     def install_attention(self, sections: Dict[str, Any]) -> None:
@@ -753,12 +794,13 @@ class DiffusersEngine(EngineBase):
         self.moe_owned = tuple(f"{name}.{p}" for name, b in blocks for p in layout.expert_linears(b))
 
     def install_linear(self, sections: Dict[str, Any]) -> None:
-        """The linear backend on the denoiser's blocks, except the MoE backend's Linears (``kernels.linear``)."""
+        """The linear backend on the denoiser's blocks, except the MoE backend's Linears and unfused LoRA branches
+        (``kernels.linear``; the LoRA branches run only for their adapter's batches, observed by ``models.lora``)."""
         from kernels import linear
 
         self.probes["linear"] = linear.install(self.denoiser, self.resolutions["linear"].selected,
                                                prefixes=self.fp8_prefixes, observe=self.observe,
-                                               exclude=self.moe_owned)
+                                               exclude=self.moe_owned + (self.lora.owned() if self.lora else ()))
 
     def install_context_parallel(self, sections: Dict[str, Any]) -> None:
         """Diffusers' context parallelism on the denoiser under ``parallelism=ulysses|ring``."""
@@ -830,6 +872,7 @@ class DiffusersEngine(EngineBase):
             t0 = time.perf_counter()
             if self.compile_cache is not None:
                 self.compile_cache.start()
+            self.activate_lora(batch)
             self.warmup_call(batch)
             self.warmup_s = time.perf_counter() - t0
             if self.compile_cache is not None:
@@ -862,6 +905,7 @@ class DiffusersEngine(EngineBase):
         steps = batch[0].row.num_inference_steps
         if self.step_cache is not None:
             self.step_cache.before_call(steps)
+        self.activate_lora(batch)
         try:
             images = self.call(batch)
         except Exception:
@@ -869,6 +913,8 @@ class DiffusersEngine(EngineBase):
             if self.step_cache is not None:
                 self.step_cache.call_failed()
             raise
+        if self.lora is not None:
+            self.lora.after_call([it.key for it in batch])
         want = self.expected_forwards(batch)  # None: the pipeline's forward count is not known (not checked)
         self.want_forwards = None if want is None or self.want_forwards is None else self.want_forwards + want
         if self.step_cache is not None:  # what the cache did in this call, observed; shared by the call's items
@@ -952,6 +998,9 @@ class DiffusersEngine(EngineBase):
             trace = getattr(self.probe, "trace", None) if self.probe is not None else None
             section["memory"], bad = fit.evidence(self.want_forwards or 0, trace)
             mismatches += bad
+        if self.lora is not None:
+            section["lora"], mm = self.lora.evidence(self.stage)
+            mismatches += mm
         return section, mismatches
 
     def inputs_any_size(self) -> bool:

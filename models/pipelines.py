@@ -18,6 +18,7 @@ its ``model_index.json``; forward counts are then not predicted: the evidence re
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import inspect
@@ -1203,6 +1204,23 @@ class PipelineEngine(DiffusersEngine):
             super().check_parallel()  # not declared: refused
 
     # -------------------------------------------------------------------------------------- call arguments
+    def lora_loader(self) -> Tuple[type, Dict[str, Tuple[int, int]]]:
+        """The task's pipeline class, when it has diffusers' LoRA loader (``load_lora_weights``), and the
+        transformer's Linears built on the meta device from its config (``models.lora.base_linears``).
+
+        Raises:
+            models.lora.LoraError: the pipeline class has no LoRA loader.
+        """
+        cls = self.pipeline_cls()
+        if not hasattr(cls, "load_lora_weights"):
+            from models.lora import LoraError
+
+            raise LoraError(f"model.lora: {cls.__name__} (model={self.cfg.name}) has no diffusers LoRA loader; fix: "
+                            "model.lora=[], or a family whose pipeline loads LoRA (FLUX, SD3, Qwen-Image, Wan)")
+        from models import lora
+
+        return cls, lora.base_linears(self.component_class("transformer"), self.component_config("transformer"))
+
     def call_params(self) -> set:
         """The argument names of the pipeline class's ``__call__``."""
         if self._call_params is None:
@@ -1463,6 +1481,11 @@ class PipelineEngine(DiffusersEngine):
                  ) -> Optional[Dict[str, Any]]:
         """Share of items whose output matches the row's ``expect``, read back by the model's oracle
         (``model.oracle``); None when the model has no oracle or no row carries expectations."""
+        if self.lora_library:  # what an adapter declares it does to the oracle's attributes (models.lora)
+            from models.lora import effective_expect
+
+            items = [dataclasses.replace(it, row=dataclasses.replace(it.row, expect=effective_expect(
+                it.row, self.lora_library))) for it in items]
         if not self.cfg.oracle or not any(it.row.expect for it in items):
             return None
         return oracle(self.cfg.oracle).accuracy_section(items, records, out_dir)

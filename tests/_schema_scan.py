@@ -75,7 +75,7 @@ class _Chains:
         for c in self.chains(base, depth=1):
             if isinstance(target, ast.Tuple) and len(target.elts) == 2 and isinstance(target.elts[1], ast.Name):
                 self.aliases.setdefault(target.elts[1].id, []).append(c + (ANY,))
-            elif isinstance(target, ast.Name) and call == "values":
+            elif isinstance(target, ast.Name) and call in ("values", None):  # for e in cfg.model.lora: an element
                 self.aliases.setdefault(target.id, []).append(c + (ANY,))
 
     def _key(self, node: ast.AST) -> List[str]:
@@ -178,10 +178,17 @@ def chains_of(sources: Dict[str, str]) -> Set[Tuple[str, ...]]:
     return out
 
 
+def _optional_inner(t: object) -> object:
+    """``Optional[X]`` -> ``X``; any other type as it is."""
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t
+
+
 def schema_fields(module) -> Dict[Tuple[str, str], Set[Tuple[str, ...]]]:
     """``(class, field) -> {parent key paths}`` for every field a schema dataclass declares (inherited fields count
     for the class that declares them): ``("ParallelismConfig", "mode") -> {("parallelism",)}``; a stage's fields have
-    the parent ``("stages", "*")``; the run config's own fields the parent ``()``."""
+    the parent ``("stages", "*")``, an element's of a list of dataclasses ``(<list field>, "*")`` (``model.lora``'s
+    entries: ``("lora", "*")``); the run config's own fields the parent ``()``."""
     parents: Dict[type, Set[Tuple[str, ...]]] = {module.RunConfig: {()}}
     todo = [module.RunConfig]
     families = [c for c in vars(module).values() if dataclasses.is_dataclass(c) and isinstance(c, type)]
@@ -190,7 +197,8 @@ def schema_fields(module) -> Dict[Tuple[str, str], Set[Tuple[str, ...]]]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             for t in _dataclasses_in(hints[f.name]) | _default_dataclasses(f):
-                key = ("stages", ANY) if f.name == "stages" else (f.name,)
+                listed = typing.get_origin(_optional_inner(hints[f.name])) in (list, List)  # List[dataclass]: elements
+                key = ("stages", ANY) if f.name == "stages" else (f.name, ANY) if listed else (f.name,)
                 for sub in [c for c in families if issubclass(c, t)]:
                     if key not in parents.setdefault(sub, set()):
                         parents[sub].add(key)

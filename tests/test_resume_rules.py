@@ -69,6 +69,9 @@ SEMANTIC_CHANGES = [
     ("optimize.vae_channels_last", "optimize.vae_channels_last", True, "optimize.vae_channels_last: False -> True"),
     ("optimize.deterministic_compile", "optimize.deterministic_compile", False,
      "optimize.deterministic_compile: True -> False"),
+    ("model.lora", "model.lora", [{"path": "/a.safetensors", "scale": 1.0, "name": None}],
+     "model.lora: [] -> [{'path': '/a.safetensors', 'scale': 1.0, 'name': None}]"),
+    ("model.lora_fuse", "model.lora_fuse", "unfused", "model.lora_fuse: 'auto' -> 'unfused'"),
 ]
 
 
@@ -308,10 +311,12 @@ def test_run_identity(cfg):
     assert doc["source"] == {}
     conf = doc["config"]
     assert sorted(conf) == sorted([k for k in rs.SEMANTIC_KEYS
-                                   if k not in ("seed", "num_images_per_prompt", "backend", "model.backend")]
+                                   if k not in ("seed", "num_images_per_prompt", "backend", "model.backend",
+                                                "model.lora", "model.lora_fuse")]
                                   + ["cpu_threads"])
     assert conf["model.name"] == "tiny_flux" and conf["cpu_threads"] == 1 and conf["dtype"] == "auto"
-    # row defaults reach the bytes through the rows; backends through ``backends``
+    # row defaults reach the bytes through the rows; backends through ``backends``; LoRA adapters through each
+    # item's ``lora`` (sha256, scale) and the source (``source.lora``: the library, fused or not)
     assert conf["model.generation"] == {"max_sequence_length": 64, "true_cfg_scale": 1.0, "num_frames": None,
                                         "fps": None}
     assert conf["model.stages"] == {"denoise": {"engine_extras": {}, "attention": None, "linear": None, "moe": None}}

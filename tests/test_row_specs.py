@@ -103,9 +103,9 @@ def test_engines_declare_their_row_spec():
     from models.vllm.rows import AR_ROW
 
     assert VLLMEngine.row_spec(None) is AR_ROW
-    assert FluxEngine.row_spec(None) is ds.DIFFUSION_ROW  # the video row and the conditioning fields (issue 30)
+    assert FluxEngine.row_spec(None) is ds.DIFFUSION_ROW  # the video row, conditioning (issue 30) and LoRA (32)
     assert set(ds.DIFFUSION_ROW.by_name) - set(ds.VIDEO_ROW.by_name) == {"image", "mask_image", "last_image",
-                                                                          "strength"}
+                                                                          "strength", "lora", "lora_scale"}
 
 
 # ------------------------------------------------------------------------------------------------ a whole run

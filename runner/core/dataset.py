@@ -529,6 +529,45 @@ CONDITIONING_FIELD_NAMES = tuple(f.name for f in CONDITIONING_FIELDS)
 
 
 
+# ------------------------------------------------------------------------------------------------ LoRA rows
+def parse_lora_names(value: Any, from_text: bool) -> List[str]:
+    """``Field.parse`` of the row field ``lora``: a name, or a list of names (a CSV cell: JSON list or a name).
+
+    Raises:
+        ValueError: not a string or a list of strings.
+    """
+    if from_text and isinstance(value, str) and value.strip().startswith("["):
+        value = json.loads(value)
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ValueError(value)
+
+
+def check_lora_scale(v: Any, context: Mapping[str, Any]) -> Optional[str]:
+    """``lora_scale``: a finite number (0 turns the adapters off; negative scales are LoRA's inverse)."""
+    import math
+
+    return "must be a finite number; fix: e.g. 1.0" if v is not None and not math.isfinite(v) else None
+
+
+def lora_set_key(value: Any) -> Any:
+    """Batching key part of a row's ``lora``: the resolved set's ``(name, scale)`` pairs (rows batch by set)."""
+    if value is None:
+        return None
+    return tuple((d["name"], d["scale"]) if isinstance(d, dict) else (d, None) for d in value)
+
+
+#: The LoRA fields (``models.lora``): adapters of the run's library (``model.lora``) by name, and a scale replacing
+#: theirs. The engine resolves ``lora`` to the row's adapter set ``[{name, sha256, scale}]`` (every library adapter
+#: for a row without it): that enters the identity and the batching key (rows batch by adapter set).
+LORA_FIELDS = (
+    Field("lora", list, identity="set", parse=parse_lora_names, batch_key=lora_set_key, kind="a name or a list of names"),
+    Field("lora_scale", float, check=check_lora_scale, identity="set"),
+)
+
+
 #: The video fields: identity only when set, so the items of rows without them keep their identities.
 VIDEO_FIELDS = (
     Field("num_frames", int, check=check_video_count, default="num_frames", identity="set", batch_key=True),
@@ -539,7 +578,7 @@ VIDEO_FIELDS = (
 VIDEO_ROW = IMAGE_ROW.extend("video", *VIDEO_FIELDS)
 #: The diffusion row of every diffusion engine: :data:`VIDEO_ROW` and the conditioning fields, each allowed only
 #: where ``model.task`` takes it (:func:`check_task_inputs`).
-DIFFUSION_ROW = VIDEO_ROW.extend("diffusion", *CONDITIONING_FIELDS, cross=(check_task_inputs,))
+DIFFUSION_ROW = VIDEO_ROW.extend("diffusion", *CONDITIONING_FIELDS, *LORA_FIELDS, cross=(check_task_inputs,))
 #: ``{field: type}`` of the text diffusion row (:data:`VIDEO_ROW`: what ``load_rows`` reads without a spec).
 ROW_FIELDS: Dict[str, type] = VIDEO_ROW.types()
 

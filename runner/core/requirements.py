@@ -20,24 +20,30 @@ from runner.core.errors import UserInputError
 #: ``{distribution: specifier}``: the tested range of each dependency whose API the runner relies on beyond its
 #: stable surface (PEP 440 specifiers, as in ``pyproject.toml``).
 TESTED: Dict[str, str] = {"diffusers": ">=0.37,<0.43"}
+#: ``{distribution: specifier}`` of dependencies a feature needs, checked only when a run uses it
+#: (:func:`check_feature`): ``peft``, diffusers' LoRA backend (``model.lora``: ``load_lora_weights``,
+#: ``set_adapters``, ``fuse_lora``; tested with 0.21).
+FEATURES: Dict[str, str] = {"peft": ">=0.21,<0.22"}
 
 
 class DependencyVersionError(UserInputError):
     """An installed dependency is outside the tested range (exit 2)."""
 
 
-def version_problems(installed: Optional[Dict[str, Optional[str]]] = None) -> List[str]:
+def version_problems(installed: Optional[Dict[str, Optional[str]]] = None,
+                     tested: Optional[Dict[str, str]] = None) -> List[str]:
     """One message per dependency of :data:`TESTED` whose installed version is outside its range, naming the
     package, the version, the range and the fix.
 
     Args:
         installed: ``{distribution: version or None (not installed)}``; default: the environment's.
+        tested: ``{distribution: specifier}`` to check (default :data:`TESTED`).
     """
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
     out = []
-    for dist, spec in TESTED.items():
+    for dist, spec in (TESTED if tested is None else tested).items():
         if installed is not None:
             have = installed.get(dist)
         else:
@@ -57,3 +63,14 @@ def check_versions(installed: Optional[Dict[str, Optional[str]]] = None) -> None
     problems = version_problems(installed)
     if problems:
         raise DependencyVersionError("; ".join(problems))
+
+
+def check_feature(dist: str, feature: str, installed: Optional[Dict[str, Optional[str]]] = None) -> None:
+    """The feature's dependency ``dist`` (:data:`FEATURES`) is installed in its tested range.
+
+    Raises:
+        DependencyVersionError: naming the feature, the package, the version, the range and the fix (exit 2).
+    """
+    problems = version_problems(installed, {dist: FEATURES[dist]})
+    if problems:
+        raise DependencyVersionError(f"{feature}: " + "; ".join(problems))

@@ -181,6 +181,16 @@ class Task(Choice):
     image_to_video = "image_to_video"
 
 
+class LoraFuse(Choice):
+    """Whether run-level LoRA adapters are fused into the base weights at load (``model.lora_fuse``): ``auto`` fuses
+    when every row runs the same adapter set (recording why), ``fused`` fuses or refuses a run whose rows need several
+    sets, ``unfused`` keeps the LoRA branches unfused (switched per batch with ``set_adapters``)."""
+
+    auto = "auto"
+    fused = "fused"
+    unfused = "unfused"
+
+
 class ExtraFields(Choice):
     """What a dataset field that is no row field does: ``error`` refuses it (with a did-you-mean); ``keep`` records
     it under the item's ``meta`` unless it is close to a row field (a typo such as ``promt`` is refused either
@@ -372,6 +382,20 @@ class GenerationDefaults:
 
 
 @dataclass
+class LoraAdapterConfig:
+    """One LoRA adapter of a diffusion run's library (``model.lora`` entries; ``models.lora``)."""
+
+    path: str = MISSING
+    """A ``.safetensors`` LoRA file: diffusers/peft naming or a community format diffusers' converters read (kohya,
+    xlabs...). Pickle files are refused."""
+    scale: float = 1.0
+    """The adapter's weight (``set_adapters`` weight, ``fuse_lora(lora_scale=...)``); a row's ``lora_scale`` beats
+    it."""
+    name: Optional[str] = None
+    """The name rows use in their ``lora`` field (null: the file's stem)."""
+
+
+@dataclass
 class ModelConfig:
     """What every model has, whatever its family. Model YAMLs extend a family schema (``base_diffusion``,
     ``base_ar``, ``base_pipeline``), never this one directly."""
@@ -459,6 +483,12 @@ class DiffusionModelConfig(ModelConfig):
                                                 when_set=True)
     """Weight quantization per component (:class:`QuantizationConfig`, lossy). Enters the resume comparison and the
     run identity while any component is quantized (``runner.core.resume.WHEN_SET``)."""
+    lora: List[LoraAdapterConfig] = declared(default_factory=list, enters=(RESUME,))
+    """The run's LoRA adapters (``models.lora``): every row runs all of them unless it names its own (``lora``,
+    ``lora_scale`` row fields). Each adapter's sha256 and scale enter the identity of the items that run it."""
+    lora_fuse: LoraFuse = declared(LoraFuse.auto, enters=(RESUME,))
+    """Fuse the adapters into the base weights at load (:class:`LoraFuse`); the decision is recorded in
+    ``model.source.lora`` and enters the run identity."""
 
 
 @dataclass

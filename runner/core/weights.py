@@ -45,6 +45,54 @@ class ModelPathError(UserInputError, ValueError):
     not have. Outcome ``invalid``, exit 2; the message names what was searched and the fix."""
 
 
+class WeightFileError(UserInputError, ValueError):
+    """A weight file of the model is damaged (truncated, bad header); names the file and the fix."""
+
+
+def check_safetensors(root: Path) -> int:
+    """Check every ``*.safetensors`` under ``root`` (or the file ``root``) without loading a tensor: the 8-byte little-endian header size,
+    a JSON header, and a file exactly as long as the header says (``8 + header + max(data_offsets end)``; format:
+    https://github.com/huggingface/safetensors#format). A file cut short by a full disk or a killed copy would
+    otherwise fail inside ``from_pretrained`` after the run started.
+
+    Returns:
+        The number of files checked.
+
+    Raises:
+        WeightFileError: naming the file, what is wrong, and the fix.
+    """
+    import json
+    import struct
+
+    n = 0
+    for f in [Path(root)] if Path(root).is_file() else sorted(Path(root).rglob("*.safetensors")):
+        size = f.stat().st_size
+        why = None
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                why = f"{size} bytes, shorter than the 8-byte header size"
+            else:
+                (hlen,) = struct.unpack("<Q", head)
+                if 8 + hlen > size:
+                    why = f"header of {hlen} bytes announced, file has {size} bytes"
+                else:
+                    try:
+                        header = json.loads(fh.read(hlen))
+                        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                                  default=0)
+                    except (ValueError, KeyError, TypeError, IndexError) as e:
+                        why = f"unreadable header ({type(e).__name__}: {e})"
+                    else:
+                        if size != 8 + hlen + end:
+                            why = f"{size} bytes, the header describes {8 + hlen + end} (truncated or padded)"
+        if why:
+            raise WeightFileError(f"weight file {f} is damaged: {why}; fix: download or copy it again (or delete "
+                                  "the embedded model's cache dir so it is rebuilt)")
+        n += 1
+    return n
+
+
 class HubCacheMissError(ModelPathError):
     """A repo id (``model.path=org/name``) the local Hugging Face cache does not hold, or not at
     ``model.revision`` (names the repo, the cache searched, what it does hold, and the download command)."""

@@ -24,8 +24,9 @@ shell's ``HF_HOME``: :func:`rerun_environment`) and then compares:
 * the dataset sha256 and, for runs refused at startup, the status and error type.
 
 Before anything re-runs, the input files of the original's items (``items.jsonl`` ``inputs``: images, masks of a
-conditioning task) must still hash to their recorded sha256: a changed or missing input is refused (exit 2) naming
-the file, the field and the item (:func:`check_inputs`), since the re-run would compute other outputs.
+conditioning task) and the run's LoRA adapter files (``manifest.json`` ``model.source.lora``) must still hash to their
+recorded sha256: a changed or missing input is refused (exit 2) naming the file, the field and the item, or the
+adapter (:func:`check_inputs`), since the re-run would compute other outputs.
 
 It prints a per-item table (key, original sha, new sha, equal/PSNR, verdict), writes the comparison to
 ``NEW_DIR/repro_check.json`` and exits 0 when everything reproduces, 1 on any mismatch, missing item or changed
@@ -384,18 +385,36 @@ def changed_inputs(run_dir: Path) -> List[str]:
     return out
 
 
+def changed_adapters(run_dir: Path) -> List[str]:
+    """The LoRA adapter files of ``run_dir`` (``manifest.json`` ``model.source.lora.adapters``: ``models.lora``) that
+    are gone or no longer hash to their recorded sha256, one line each naming the file and the adapter."""
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return []
+    out = []
+    for a in (((manifest.get("model") or {}).get("source") or {}).get("lora") or {}).get("adapters") or []:
+        now = _sha(Path(str(a.get("path"))))
+        if now != a.get("sha256"):
+            out.append(f"{a.get('path')} (model.lora adapter {a.get('name')!r}): " + (
+                "is gone" if now is None else f"sha256 {now[:12]}..., the run recorded {str(a.get('sha256'))[:12]}..."))
+    return out
+
+
 def check_inputs(run_dir: Path) -> None:
     """Refuse to reproduce a run whose input files changed since it ran (the re-run would compute other outputs, and
     comparing them would blame the runner).
 
     Raises:
-        ReproInputError: naming every changed or missing input and the fix (exit 2).
+        ReproInputError: naming every changed or missing input (row inputs, LoRA adapter files) and the fix
+            (exit 2).
     """
-    changed = changed_inputs(run_dir)
+    changed = changed_inputs(run_dir) + changed_adapters(run_dir)
     if changed:
         raise ReproInputError(f"{len(changed)} input file(s) of {run_dir} changed since it ran, so a re-run cannot "
                               "reproduce it:\n  " + "\n  ".join(changed) + "\nfix: restore those files (their "
-                              "recorded sha256 is in items.jsonl's inputs), or start a new run")
+                              "recorded sha256 is in items.jsonl's inputs, an adapter's in manifest.json's model.source.lora), or start a new "
+                              "run")
 
 
 def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float = PARITY_TOLERANCE_DB,
