@@ -92,7 +92,17 @@ def text_layer_problems(pipeline_cls: type, encoder: Dict[str, Any], transformer
 
 
 class Flux2TextMixin:
-    """What FLUX.2-dev and klein share: the text-layer check before loading (:func:`text_layer_problems`)."""
+    """What FLUX.2-dev and klein share: the text-layer check before loading (:func:`text_layer_problems`) and the
+    negative prompt their ``__call__`` does not take."""
+
+    def negative_prompt_rule(self) -> Tuple[str, str]:
+        """``(why, fix)`` of a row's ``negative_prompt`` (an ignored field: refused by default, stripped and recorded
+        under ``dataset.on_ignored=record``): neither pipeline takes one."""
+        why = {"flux2": "Flux2Pipeline takes no negative prompt (guidance-distilled: guidance_scale feeds its guidance "
+                        "embedding, there is no unconditional branch)",
+               "flux2_klein": "Flux2KleinPipeline takes no negative prompt (its CFG's unconditional branch is the empty "
+                              "prompt)"}[self.family()]
+        return why, "remove negative_prompt from the rows"
 
     def check_text_layers(self) -> None:
         """Raises:
@@ -118,6 +128,11 @@ class Flux2Engine(Flux2TextMixin, FluxEngine):
         """The base checks, then the text layers (:func:`text_layer_problems`)."""
         super().check_source()
         self.check_text_layers()
+
+    def ignored_fields(self, rows: Any) -> Dict[str, Tuple[Any, ...]]:
+        """FLUX.1's guidance rules (:meth:`models.flux.FluxEngine.ignored_fields`) and the negative prompt
+        (:meth:`Flux2TextMixin.negative_prompt_rule`)."""
+        return {**super().ignored_fields(rows), "negative_prompt": self.negative_prompt_rule()}
 
     def count_tokens(self, label: str, tok: Any, prompts: List[str]) -> List[int]:
         """Tokens the pipeline's conversation becomes per prompt (diffusers' ``format_input`` with Flux2Pipeline's
@@ -182,10 +197,10 @@ class Flux2KleinEngine(Flux2TextMixin, PipelineEngine):
         return super().expected_forwards(batch)
 
     def ignored_fields(self, rows: Any) -> Dict[str, Tuple[Any, ...]]:
-        """The base rules; on a distilled checkpoint ``guidance_scale`` (the pipeline runs no CFG and only warns)."""
-        out = dict(super().ignored_fields(rows))
+        """The base rules with the negative prompt always ignored (:meth:`Flux2TextMixin.negative_prompt_rule`); on a
+        distilled checkpoint also ``guidance_scale`` (the pipeline runs no CFG and only warns)."""
+        out = {**super().ignored_fields(rows), "negative_prompt": self.negative_prompt_rule()}
         if self.is_distilled:
-            out.pop("negative_prompt", None)
             out["guidance_scale"] = ("its pipeline config says is_distilled=true: Flux2KleinPipeline runs no "
                                      "classifier-free guidance, whatever guidance_scale", "guidance_scale: null")
         return out
