@@ -212,3 +212,21 @@ def test_full_size_configs_build_the_published_architecture(compose, model):
     want = {"flux2": (32, 24), "flux2_klein": (4, 4), "zimage": (6, 4), "zimage_turbo": (6, 4)}[model]
     for (comp, got), n in zip(billions.items(), want):
         assert abs(got - n) / n < 0.1, (comp, got, n)
+
+
+@pytest.mark.parametrize("pipeline,family", [("Flux2Pipeline", "flux2"), ("Flux2KleinPipeline", "flux2_klein"),
+                                             ("ZImagePipeline", "zimage")])
+def test_a_snapshot_of_the_new_pipelines_names_its_adapter(compose, tmp_path, pipeline, family):
+    """A FLUX.2 / Z-Image snapshot given to another family's model config is refused before loading, and the fix
+    names the family that serves it (``model.adapter=...``), from the registry."""
+    import json
+
+    from runner.core.weights import ModelPathError
+
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / "model_index.json").write_text(json.dumps({"_class_name": pipeline, "transformer": ["diffusers", "X"]}))
+    (snap / "transformer").mkdir()
+    eng = _engine(compose(["model=tiny_sd3", "platform=cpu", f"model.path={snap}"]))
+    with pytest.raises(ModelPathError, match=f"found {pipeline}.*model.adapter={family} for this snapshot"):
+        eng.resolve_source()
