@@ -1,8 +1,9 @@
-"""SD3.5 Large, Qwen-Image, Wan 2.1 14B and LTX-2 (19B, video with audio) at their published workloads, random full-size weights: plain diffusers vs
+"""SD3.5 Large, Qwen-Image, Wan 2.1 14B, LTX-2 (19B, video with audio), FLUX.2-dev, FLUX.2 klein 4B and Z-Image at
+their published workloads, random full-size weights: plain diffusers vs
 the runner's lossless settings vs FP8 linear, transformer forward by forward, side by side in one process; then a
 short run through the runner per family whose evidence must be verified for ``CUDNN_ATTN`` and ``FP8`` linear.
 
-Per family (``--family sd3|qwen_image|wan|ltx2``, repeatable):
+Per family (``--family sd3|qwen_image|wan|ltx2|flux2|flux2_klein|zimage``, repeatable):
 
 1. One pipeline is built with the family's own builder (``load_format=dummy``: ``PipelineEngine.build_components``,
    seeded, bf16, on the GPU). A 2-step pipeline call at the workload shape captures the transformer's inputs.
@@ -11,17 +12,23 @@ Per family (``--family sd3|qwen_image|wan|ltx2``, repeatable):
    (``optimize`` with ``fuse_qkv`` (not LTX-2's: refused there), ``kernels.attention.install`` of ``CUDNN_ATTN`` on
    every call site, regional ``torch.compile``) — ms per forward, and the max/mean abs difference of its output from the baseline's.
 4. ``fp8``: (3) plus ``kernels.linear.install`` of ``FP8`` (row-wise dynamic e4m3) — ms per forward, difference.
-   ms per denoising step = ms per forward x forwards per step (2 under the family's CFG rule when it is on; LTX-2
-   batches its CFG into the one forward, whose inputs carry batch 2).
+   ms per denoising step = ms per forward x forwards per step (the engine's own forward rule,
+   ``expected_forwards``, for the workload's row: 2 under a family's unbatched CFG; FLUX.2-dev's guidance embedding,
+   klein 4B's distillation and Z-Image's and LTX-2's batched CFG make 1; batched CFG's inputs carry batch 2).
 5. MFU = model FLOPs of one forward (``torch.utils.flop_counter.FlopCounterMode``) / time, as a fraction of the bf16
    matmul rate measured in this process.
 6. Evidence: ``python -m runner``'s own loop (``runner.app.execute.run``) with ``backend.attention=CUDNN_ATTN
    backend.linear=FP8``, 2 steps, 1 row, eager (the call-site probes observe every call) — the verdict and the
    kernels profiled.
 
-Usage: ``python benchmarks/families_h200.py --family sd3 --family wan --out DIR`` (one H200: ~4 min per family, LTX-2
-~8 min: run it alone);
-``--smoke`` runs the tiny variants on the CPU to check the script. Results: ``DIR/families_<family>.json``.
+Also per family: ``speedup_<family>`` (baseline / lossless ms per step) and ``mfu_<family>`` (the lossless MFU).
+The text encoder is freed once the transformer's inputs are captured (the timed part runs the transformer alone; for
+FLUX.2-dev it frees Mistral's 48 GB before compiling the 32B transformer). ``iters`` timed forwards per setting (FLUX.2-dev:
+one step at 1024^2).
+
+Usage: ``python benchmarks/families_h200.py --family sd3 --family wan --out DIR`` (one H200: ~4 min per family; run
+FLUX.2-dev alone, ~6 min, and LTX-2 alone, ~8 min); ``--smoke`` runs the tiny variants on the CPU to check the script. Results:
+``DIR/families_<family>.json``.
 """
 
 from __future__ import annotations
@@ -52,8 +59,17 @@ WORKLOADS = {  # the issue's workloads (#17): published defaults of each model
     # LTX-2.0: 768x512, 121 frames at 24 fps, guidance 4.0 (batched CFG: one forward of batch 2 per step), with audio
     "ltx2": dict(model="ltx2", prompt="a lighthouse on a cliff at dusk, waves crashing, seagulls calling",
                  negative="worst quality, inconsistent motion, blurry, jittery, distorted", scale=0.05, iters=3),
+    # issue #31: FLUX.2-dev (32B, guidance-distilled, 1024^2, 50 steps; no negative prompt), klein 4B (4 steps),
+    # Z-Image (1024^2, 50 steps, guidance 4 with a negative prompt, batched CFG)
+    "flux2": dict(model="flux2", prompt="a photo of a lighthouse on a cliff at dusk", negative=None, scale=0.05,
+                  iters=1, free_text_encoder=True),
+    "flux2_klein": dict(model="flux2_klein", prompt="a photo of a lighthouse on a cliff at dusk", negative=None,
+                        scale=0.05, iters=5, free_text_encoder=True),
+    "zimage": dict(model="zimage", prompt="a photo of a lighthouse on a cliff at dusk", negative="blurry", scale=0.05,
+                   iters=5, free_text_encoder=True),
 }
-SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan", "ltx2": "tiny_ltx2"}
+SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan", "ltx2": "tiny_ltx2",
+         "flux2": "tiny_flux2", "flux2_klein": "tiny_flux2_klein", "zimage": "tiny_zimage"}
 
 
 def compose(overrides):
@@ -75,6 +91,21 @@ def engine_for(cfg: Any, device: str, dtype: torch.dtype) -> Any:
     plat = detect(str(cfg.platform.name), str(cfg.platform.device))
     return engine_class(str(cfg.model.adapter))(StageContext(cfg=cfg, overrides=[], stage="denoise",
                                                              model_cfg=cfg.model, plat=plat, dtype=dtype))
+
+
+def first_output(out: Any) -> torch.Tensor:
+    """The transformer's sample from ``return_dict=False`` output: ``out[0]``, a tensor, or (Z-Image) a list of
+    per-item tensors, flattened and joined."""
+    x = out[0]
+    return torch.cat([t.flatten() for t in x]) if isinstance(x, (list, tuple)) else x
+
+
+def forwards_per_step(eng: Any, w: Dict[str, Any], g: Any) -> int:
+    """Transformer forwards per denoising step for the workload's row, by the engine's own forward rule."""
+    from types import SimpleNamespace
+
+    row = SimpleNamespace(negative_prompt=w["negative"], guidance_scale=g.guidance_scale, num_inference_steps=1)
+    return int(eng.expected_forwards([SimpleNamespace(row=row)]))
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> Dict[str, float]:
@@ -113,15 +144,19 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
 
     # the inputs of one transformer forward at the workload shape, prepared by the pipeline itself
     captured: Dict[str, Any] = {}
+    args: list = []  # ZImagePipeline calls its transformer with positional inputs
 
-    def grab(mod, args, kwargs):
+    def grab(mod, a, kwargs):
         if not captured:
             captured.update(kwargs)
+            args.extend(a)
 
     h = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
     call = dict(prompt=w["prompt"], height=g.height, width=g.width, num_inference_steps=2, output_type="latent")
     if g.get("num_frames"):
         call["num_frames"] = g.num_frames
+    if g.guidance_scale is not None:  # the workload's guidance (Z-Image: CFG batched into the captured forward)
+        call["guidance_scale"] = g.guidance_scale
     if "max_sequence_length" in eng.call_params():
         call["max_sequence_length"] = int(g.max_sequence_length)
     if family == "ltx2":  # the runner's call: frame rate, the LTX-2.0 guidance recipe, CFG on (batch 2 per forward)
@@ -132,9 +167,15 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     with torch.inference_mode():
         pipe(**call)
     h.remove()
+    rec["forwards_per_step"] = forwards_per_step(eng, w, g)
+    if w.get("free_text_encoder"):  # the timed part is the transformer alone
+        pipe.text_encoder = None
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     tr = pipe.transformer
     with torch.inference_mode(), FlopCounterMode(display=False) as fc:
-        ref = tr(**captured)[0]
+        ref = first_output(tr(*args, **captured))
     flops = float(fc.get_total_flops())
     rec["forward_tflop"] = round(flops / 1e12, 3)
     mm = 1024 if smoke else 8192  # the smoke run checks the script, not the CPU's matmul rate
@@ -146,8 +187,8 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
 
     def timed(name: str) -> None:
         with torch.inference_mode():
-            ms = time_ms(lambda: tr(**captured), device, warmup=2, iters=iters)
-            outp = tr(**captured)[0]
+            ms = time_ms(lambda: tr(*args, **captured), device, warmup=2, iters=iters)
+            outp = first_output(tr(*args, **captured))
         rec[name] = {"ms_per_forward": round(ms, 2), "mfu": round(flops / (ms / 1e3) / 1e12 / peak, 3),
                      "vs_baseline": diff(outp, ref)}
         print(family, name, rec[name], flush=True)
@@ -166,7 +207,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
         compile_regional(tr)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        tr(**captured)
+        tr(*args, **captured)
     rec["compile_s"] = round(time.perf_counter() - t0, 1)
     timed("lossless")
     fp8 = linear.install(tr, "FP8", prefixes=type(engine_for(cfg, device, dtype)).fp8_prefixes, observe=False)
@@ -175,19 +216,15 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     if not smoke:
         compile_regional(tr)
     with torch.inference_mode():
-        tr(**captured)
+        tr(*args, **captured)
     timed("fp8")
-    per_step = 1
-    if family == "wan" and (g.guidance_scale or 0) > 1:
-        per_step = 2
-    if family == "qwen_image" and float(g.true_cfg_scale) > 1:
-        per_step = 2  # the workload's rows carry a negative prompt (the model card's ' ')
-    rec["forwards_per_step"] = per_step
+    per_step = rec["forwards_per_step"]
     for k in ("baseline", "lossless", "fp8"):
         rec[k]["ms_per_step"] = round(rec[k]["ms_per_forward"] * per_step, 2)
     rec["speedup_lossless"] = round(rec["baseline"]["ms_per_forward"] / rec["lossless"]["ms_per_forward"], 3)
     rec["speedup_fp8"] = round(rec["baseline"]["ms_per_forward"] / rec["fp8"]["ms_per_forward"], 3)
-    del pipe, tr, captured, ref, eng
+    rec[f"speedup_{family}"], rec[f"mfu_{family}"] = rec["speedup_lossless"], rec["lossless"]["mfu"]
+    del pipe, tr, captured, args, ref, eng
     gc.collect()
     torch._dynamo.reset()
     if device == "cuda":
@@ -197,7 +234,8 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     from runner.app.execute import run
 
     rows = out / f"{family}_rows.jsonl"
-    rows.write_text(json.dumps({"id": "e0", "prompt": w["prompt"], "negative_prompt": w["negative"]}) + "\n")
+    row = {"id": "e0", "prompt": w["prompt"], **({"negative_prompt": w["negative"]} if w["negative"] else {})}
+    rows.write_text(json.dumps(row) + "\n")
     ev_ov = [*ov, "dataset=jsonl", f"dataset.path={rows}", "model.generation.num_inference_steps=2",
              "dataset.on_ignored=record",
              f"backend.attention={att}", f"backend.linear={'TORCH' if smoke else 'FP8'}", "compile=none"]

@@ -92,7 +92,7 @@ class FamilySpec:
         components: ``{component: (library, model class, config class or None)}``, built in this order from
             ``model.architecture.<component>`` for embedded and dummy weights.
         tokenizers: ``{tokenizer component: (kind, encoder label, text encoder component)}``; kinds of
-            :mod:`models.tokenizers` (``clip``, ``t5``, ``qwen2``, ``llama3``, ``gemma``).
+            :mod:`models.tokenizers` (``clip``, ``t5``, ``qwen2``, ``llama3``, ``gemma``, ``qwen3``, ``mistral3``).
         cfg: the pipeline's guidance mode (:data:`CFG_MODES`).
         size_rule: ``(vae config, transformer config, patch) -> pixels`` widths and heights must be multiples of.
         patch: the latent packing / patch size the rule multiplies by; ``"transformer"`` reads the transformer
@@ -118,6 +118,9 @@ class FamilySpec:
             (kinds of :mod:`models.processors`) from ``model.architecture.<component>`` (``{}`` when absent).
         input_sizing: task -> what its pipeline does to an input's size (:data:`INPUT_SIZING`); the family module's
             docstring has the details.
+        cfg_threshold: under ``batched``/``separate``, the ``guidance_scale`` above which the pipeline runs CFG (and
+            uses the negative prompt): 1 for most (``do_classifier_free_guidance = guidance_scale > 1``), 0 for
+            ZImagePipeline (``guidance_scale > 0``).
     """
 
     name: str
@@ -141,6 +144,7 @@ class FamilySpec:
         default_factory=dict)
     task_processors: Mapping[str, Mapping[str, Tuple[str, Optional[str]]]] = dataclasses.field(default_factory=dict)
     input_sizing: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cfg_threshold: float = 1.0
 
     def __post_init__(self) -> None:
         """Freeze the mappings and check the declared names.
@@ -247,21 +251,23 @@ class FamilySpec:
         return roles[0]
 
 
-def forwards_per_step(cfg_mode: str, row: Any, true_cfg_scale: float) -> int:
-    """Transformer forwards one denoising step makes for ``row`` under ``cfg_mode`` (:data:`CFG_MODES`)."""
+def forwards_per_step(cfg_mode: str, row: Any, true_cfg_scale: float, threshold: float = 1.0) -> int:
+    """Transformer forwards one denoising step makes for ``row`` under ``cfg_mode`` (:data:`CFG_MODES`);
+    ``threshold``: the ``guidance_scale`` above which the pipeline runs CFG (:attr:`FamilySpec.cfg_threshold`)."""
     if cfg_mode == "true_cfg":
         return 2 if row.negative_prompt is not None and true_cfg_scale > 1 else 1
     if cfg_mode == "separate":
-        return 2 if row.guidance_scale is not None and row.guidance_scale > 1 else 1
+        return 2 if row.guidance_scale is not None and row.guidance_scale > threshold else 1
     return 1
 
 
-def negative_prompt_ignored(cfg_mode: str, pipeline: str, true_cfg_scale: float, rows: Any, hint: str = ""
-                            ) -> Dict[str, Tuple[Any, ...]]:
+def negative_prompt_ignored(cfg_mode: str, pipeline: str, true_cfg_scale: float, rows: Any, hint: str = "",
+                            threshold: float = 1.0) -> Dict[str, Tuple[Any, ...]]:
     """The ignored-field rules of the guidance mode, as ``{field: (why, fix[, applies(row)])}`` (the form of
     ``DiffusersEngine.ignored_fields``): under ``true_cfg`` a negative prompt needs ``true_cfg_scale`` > 1 and
     ``true_cfg_scale`` > 1 a negative prompt; under ``batched``/``separate`` a negative prompt needs
-    ``guidance_scale`` > 1 in its row. ``hint`` (the model's usual value) is quoted in the fix."""
+    ``guidance_scale`` > ``threshold`` (:attr:`FamilySpec.cfg_threshold`) in its row. ``hint`` (the model's usual
+    value) is quoted in the fix."""
     hint = f" ({hint})" if hint else ""
     if cfg_mode == "true_cfg":
         if true_cfg_scale <= 1:
@@ -274,9 +280,10 @@ def negative_prompt_ignored(cfg_mode: str, pipeline: str, true_cfg_scale: float,
                                        "add negative_prompt to the rows (an empty string works: ' ')")}
         return {}
     if cfg_mode in ("batched", "separate"):
-        return {"negative_prompt": (f"guidance_scale <= 1 turns classifier-free guidance off, and {pipeline} uses "
-                                    "the negative prompt only with it", f"guidance_scale > 1 in that row{hint}",
-                                    lambda r: r.guidance_scale is None or r.guidance_scale <= 1)}
+        t = f"{threshold:g}"
+        return {"negative_prompt": (f"guidance_scale <= {t} turns classifier-free guidance off, and {pipeline} uses "
+                                    "the negative prompt only with it", f"guidance_scale > {t} in that row{hint}",
+                                    lambda r: r.guidance_scale is None or r.guidance_scale <= threshold)}
     return {}
 
 

@@ -9,7 +9,7 @@ snapshot or a Hub id in the local cache), embedded (``tiny_flux``: seeded random
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from models.family import FamilySpec, block_out_scale
 from models.pipelines import (EMBEDDED_RECIPE, ModelPathError, PipelineEngine, check_snapshot,  # noqa: F401
@@ -51,17 +51,17 @@ class FluxEngine(PipelineEngine):
     """
 
     spec = FLUX
+    #: the value a refusal of ``guidance_scale: null`` proposes
+    guidance_default: ClassVar[str] = "3.5 (FLUX.1-dev's default)"
 
     @property
     def guidance_embeds(self) -> bool:
-        """The transformer takes a guidance value (FLUX.1-dev's distilled guidance embedding): its config's
-        ``guidance_embeds`` (diffusers' ``FluxTransformer2DModel`` default when absent). FluxPipeline passes
-        ``guidance_scale`` to the transformer only then."""
-        import inspect
+        """The transformer takes a guidance value (FLUX.1-dev's and FLUX.2-dev's distilled guidance embedding): its
+        config's ``guidance_embeds`` (the default of the spec's transformer class, ``FluxTransformer2DModel`` /
+        ``Flux2Transformer2DModel``, when absent). The pipeline's guidance reaches the transformer only then."""
+        from models.family import signature_default
 
-        from diffusers import FluxTransformer2DModel
-
-        default = inspect.signature(FluxTransformer2DModel.__init__).parameters["guidance_embeds"].default
+        default = signature_default(self.spec.components["transformer"][1], "guidance_embeds", True)
         return bool(self.component_config("transformer").get("guidance_embeds", default))
 
     def ignored_fields(self, rows: Any) -> Dict[str, Tuple[Any, ...]]:
@@ -85,8 +85,8 @@ class FluxEngine(PipelineEngine):
         if any(r.guidance_scale is None for r in rows) and self.guidance_embeds:
             raise ConfigValueError(
                 f"model.generation.guidance_scale=null, but model={self.cfg.name}'s transformer takes a guidance value "
-                "(transformer config guidance_embeds=true); fix: model.generation.guidance_scale=3.5 (FLUX.1-dev's "
-                "default), or a guidance_scale in every row")
+                "(transformer config guidance_embeds=true); fix: model.generation.guidance_scale="
+                f"{self.guidance_default}, or a guidance_scale in every row")
 
     def context_tokens(self, row: Any) -> Dict[str, int]:
         """What ``FluxTransformer2DModel._cp_plan`` splits: the packed image tokens ((height / 16) x (width / 16) for

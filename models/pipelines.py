@@ -177,8 +177,8 @@ class PipelineEngine(DiffusersEngine):
       ``model.architecture.<component>`` for embedded and dummy weights (a ``transformers`` model is built as
       ``Model(Config(**kw))``, a diffusers one as ``Model(**kw)``);
     * ``tokenizers_spec``: ``{tokenizer component: (kind, encoder label, text encoder component)}``; kinds
-      ``clip``, ``t5``, ``qwen2``, ``llama3``, ``gemma`` (``models.tokenizers``); the label names the encoder in records'
-      ``tokens``;
+      ``clip``, ``t5``, ``qwen2``, ``llama3``, ``gemma``, ``qwen3``, ``mistral3`` (``models.tokenizers``); the label
+      names the encoder in records' ``tokens``;
     * ``max_sequence_length_limit``: the most ``max_sequence_length`` the pipeline accepts (its ``check_inputs``);
     * ``video``: the pipeline returns ``frames`` (batch, frames, H, W, C) instead of ``images``.
     """
@@ -607,6 +607,10 @@ class PipelineEngine(DiffusersEngine):
                 out[comp] = T.build_llama3_tokenizer(corpus, vocab)
             elif kind == "gemma":
                 out[comp] = T.build_gemma_tokenizer(corpus, vocab)
+            elif kind == "qwen3":
+                out[comp] = T.build_qwen3_tokenizer(corpus, vocab)
+            elif kind == "mistral3":
+                out[comp] = T.build_mistral3_tokenizer(corpus, vocab)
             else:
                 raise ValueError(f"unknown tokenizer kind {kind!r}")
         return out
@@ -627,8 +631,14 @@ class PipelineEngine(DiffusersEngine):
         elif kind == "t5":
             kw.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                       decoder_start_token_id=tok.pad_token_id)
-        elif kind == "llama3":
+        elif kind in ("llama3", "qwen3"):
             kw.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        elif kind == "mistral3":  # Mistral3Config: the ids live in its text config; [IMG] is its image token
+            text = {**dict(kw.get("text_config") or {}), "vocab_size": max(len(tok), int(kw.get("vocab_size", 0))),
+                    "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                    "pad_token_id": tok.pad_token_id}
+            kw = {k: v for k, v in kw.items() if k != "vocab_size"}
+            kw.update(text_config=text, image_token_index=tok.convert_tokens_to_ids("[IMG]"))
         return kw
 
     @classmethod
@@ -1109,6 +1119,10 @@ class PipelineEngine(DiffusersEngine):
             cls = getattr(transformers, str(entry[1]), None) or transformers.AutoTokenizer
             try:
                 out[sub] = cls.from_pretrained(str(path / sub), local_files_only=True)
+            except ImportError as e:  # a processor transformers declares unusable here (PixtralProcessor: torchvision)
+                raise ModelPathError(f"model.path={str(path)!r}: {sub}/ is a {entry[1]}, which transformers cannot "
+                                     f"load in this environment ({str(e).strip().splitlines()[0]}); fix: install the "
+                                     "library it names (torchvision for PixtralProcessor)") from None
             except (OSError, ValueError) as e:
                 raise ModelPathError(f"model.path={str(path)!r}: {sub}/ cannot be read as a {entry[1]} ({e}); fix: "
                                      "re-download the snapshot's tokenizer files") from None
@@ -1274,7 +1288,8 @@ class PipelineEngine(DiffusersEngine):
             out["true_cfg_scale"] = (f"{self.pipeline_name()} takes no true_cfg_scale (its classifier-free "
                                      "guidance is guidance_scale)", "set guidance_scale instead")
         if self.spec is not None:
-            out.update(negative_prompt_ignored(self.spec.cfg, self.pipeline_name(), tc, rows, self.spec.guidance_hint))
+            out.update(negative_prompt_ignored(self.spec.cfg, self.pipeline_name(), tc, rows, self.spec.guidance_hint,
+                                               self.spec.cfg_threshold))
         return out
 
     def check_family_rows(self, rows: List[Row], path: Any) -> None:
@@ -1367,7 +1382,8 @@ class PipelineEngine(DiffusersEngine):
         steps = r.num_inference_steps
         if self.task in conditioning.STRENGTH_TASKS:  # the pipeline's get_timesteps rule (conditioning.steps_run)
             steps = conditioning.steps_run(steps, self.applied_params(r)["strength"])
-        return steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale))
+        return steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale),
+                                         self.spec.cfg_threshold)
 
     def has_forward_rule(self) -> bool:
         """A spec gives the forward rule; ``model.adapter=diffusers`` (no spec) has none."""

@@ -15,11 +15,14 @@ from typing import Any, Dict, List, Union
 #: spec itself (registered at run time); the one list of families: messages and tests derive theirs from it.
 FAMILIES: Dict[str, Any] = {
     "flux": "models.flux:FLUX",
+    "flux2": "models.flux2:FLUX2",
+    "flux2_klein": "models.flux2:FLUX2_KLEIN",
     "sd3": "models.sd3:SD3",
     "qwen_image": "models.qwen_image:QWEN_IMAGE",
     "wan": "models.wan:WAN",
     "hidream": "models.hidream:HIDREAM",
     "ltx2": "models.ltx2:LTX2",
+    "zimage": "models.zimage:ZIMAGE",
 }
 
 #: engine name (``model.adapter``) -> ``"module:Class"`` or the class itself (registered at run time); every family

@@ -9,8 +9,10 @@ tokenizer it stands in for:
 * T5-style: ``... </s>``, padded with ``<pad>`` (id 0), ``model_max_length`` 512.
 
 Other families' stand-ins: Qwen2-style (:func:`build_qwen2_tokenizer`, Qwen-Image), Llama-3-style
-(:func:`build_llama3_tokenizer`, HiDream-I1's fourth encoder) and Gemma-style (:func:`build_gemma_tokenizer`, LTX-2's
-Gemma 3 encoder).
+(:func:`build_llama3_tokenizer`, HiDream-I1's fourth encoder), Gemma-style (:func:`build_gemma_tokenizer`, LTX-2's
+Gemma 3 encoder), Qwen3-style with its chat template
+(:func:`build_qwen3_tokenizer`, FLUX.2 klein and Z-Image) and Mistral-Small-3.1-style with its chat template
+(:func:`build_mistral3_tokenizer`, FLUX.2-dev).
 
 Byte-level BPE covers any UTF-8 text, so unseen words never map to an unknown token.
 """
@@ -75,15 +77,17 @@ QWEN2_VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", 
 
 
 def build_qwen2_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int = 32768,
-                          template_text: Iterable[str] = (), vision: bool = False) -> PreTrainedTokenizerFast:
+                          template_text: Iterable[str] = (), vision: bool = False,
+                          extra_specials: Iterable[str] = ()) -> PreTrainedTokenizerFast:
     """Qwen2-style tokenizer: Qwen2's split pattern then byte-level BPE, no BOS/EOS added, ``<|endoftext|>`` as pad
     (Qwen2.5-VL's), chat markers ``<|im_start|>``/``<|im_end|>`` as special tokens. ``template_text`` (a prompt
     template's fixed text) is weighted in training so that each of its words is one token, as in Qwen's vocabulary:
     pipelines that drop a template's first N tokens (QwenImagePipeline drops 34) then drop exactly the template.
     ``vision`` adds Qwen2-VL's vision markers (:data:`QWEN2_VISION_SPECIALS`) as special tokens after the chat
-    markers (for ``Qwen2VLProcessor``: image inputs of QwenImageEditPlusPipeline).
+    markers (for ``Qwen2VLProcessor``: image inputs of QwenImageEditPlusPipeline); ``extra_specials`` come after
+    those (Qwen3's thinking markers).
     """
-    specials = QWEN2_SPECIALS + (QWEN2_VISION_SPECIALS if vision else [])
+    specials = QWEN2_SPECIALS + (QWEN2_VISION_SPECIALS if vision else []) + list(extra_specials)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(pattern=__import__("tokenizers").Regex(QWEN2_PATTERN), behavior="isolated"),
@@ -146,3 +150,73 @@ def build_gemma_tokenizer(corpus: Iterable[str], vocab_size: int,
                                                        special_tokens=[(bos, tok.token_to_id(bos))])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token=bos,
                                    unk_token="<unk>", model_max_length=max_length)
+#: Qwen3's chat template reduced to the messages diffusers' Qwen3-encoding pipelines send (one user message, a
+#: generation prompt; ``Flux2KleinPipeline`` passes ``enable_thinking=False``, ``ZImagePipeline`` ``True``): the same
+#: text as Qwen3's own template (``tokenizer_config.json`` of Qwen/Qwen3-4B) for those messages, without its tool and
+#: reasoning branches.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}")
+#: Qwen3's thinking markers (added special tokens of the Qwen3 tokenizer, after the ChatML markers)
+QWEN3_THINK_SPECIALS = ["<think>", "</think>"]
+
+
+def build_qwen3_tokenizer(corpus: Iterable[str], vocab_size: int,
+                          max_length: int = 131072) -> PreTrainedTokenizerFast:
+    """Qwen3-style tokenizer: the Qwen2 one (:func:`build_qwen2_tokenizer`: same split pattern, byte-level BPE, no
+    BOS/EOS added, ``<|endoftext|>`` pad, ``<|im_end|>`` end) plus Qwen3's ``<think>``/``</think>`` and its chat template
+    (:data:`QWEN3_CHAT_TEMPLATE`); ``model_max_length`` 131072 (Z-Image's ``tokenizer_config.json``). What
+    ``Flux2KleinPipeline`` and ``ZImagePipeline`` call: ``apply_chat_template(messages, tokenize=False,
+    add_generation_prompt=True, enable_thinking=...)``, then the tokenizer on that text."""
+    tok = build_qwen2_tokenizer(corpus, vocab_size, max_length=max_length, extra_specials=QWEN3_THINK_SPECIALS)
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    return tok
+
+
+#: Mistral-Small-3.1's special tokens the text path of ``Flux2Pipeline`` meets, in the order of their ids in the
+#: Tekken vocabulary (``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, ``[INST]`` 3, ``[/INST]`` 4, ...; ``[IMG]`` 10, ``<pad>`` 11,
+#: ``[SYSTEM_PROMPT]`` 17); here they take the first ids in this order.
+MISTRAL3_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+                     "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
+#: Mistral-Small-3.1's chat template reduced to the conversations ``Flux2Pipeline`` builds (diffusers'
+#: ``flux2.pipeline_flux2.format_input``: a system message and a user message, each content a list of
+#: ``{"type": "text"|"image"}`` blocks): ``<s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]prompt[/INST]``, an image
+#: block as ``[IMG]`` (the processor expands it), an assistant message closed by ``</s>``.
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}{%- if message['content'] is string %}"
+    "{%- set blocks = [{'type': 'text', 'text': message['content']}] %}{%- else %}"
+    "{%- set blocks = message['content'] %}{%- endif %}{%- if message['role'] == 'system' %}"
+    "{{- '[SYSTEM_PROMPT]' }}{%- elif message['role'] == 'user' %}{{- '[INST]' }}{%- endif %}"
+    "{%- for block in blocks %}{%- if block['type'] == 'text' %}{{- block['text'] }}{%- else %}{{- '[IMG]' }}"
+    "{%- endif %}{%- endfor %}{%- if message['role'] == 'system' %}{{- '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[/INST]' }}{%- else %}{{- eos_token }}{%- endif %}{%- endfor %}")
+
+
+def build_mistral3_tokenizer(corpus: Iterable[str], vocab_size: int,
+                             max_length: int = 131072) -> PreTrainedTokenizerFast:
+    """Mistral-Small-3.1-style tokenizer for ``Flux2Pipeline``'s ``tokenizer``: byte-level BPE, the special tokens of
+    :data:`MISTRAL3_SPECIALS` first, ``<pad>`` pad, nothing added outside the chat template
+    (:data:`MISTRAL3_CHAT_TEMPLATE`, which writes ``<s>``), ``model_max_length`` 131072 (Mistral-Small-3.1's
+    context).
+
+    The published FLUX.2-dev snapshot's ``tokenizer`` is a ``PixtralProcessor`` (this tokenizer plus Pixtral's image
+    processor); transformers declares that class unusable without torchvision (not installed here), so the tiny
+    variant saves the tokenizer alone: ``Flux2Pipeline``'s text path calls only ``apply_chat_template(...,
+    tokenize=True, return_dict=True, padding="max_length", truncation=True, max_length=...)``, which the tokenizer
+    implements with the same arguments."""
+    tok = train_bpe(corpus, vocab_size, MISTRAL3_SPECIALS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", model_max_length=max_length,
+                                   additional_special_tokens=MISTRAL3_SPECIALS[3:], chat_template=MISTRAL3_CHAT_TEMPLATE)
+
+
+def chat_prompt_lengths(tok, prompts: Iterable[str], **template_kwargs) -> list[int]:
+    """Tokens each prompt becomes in the pipelines that wrap it in the tokenizer's chat template as one user message
+    with a generation prompt (``Flux2KleinPipeline``, ``ZImagePipeline``: ``apply_chat_template([{"role": "user",
+    "content": prompt}], tokenize=False, add_generation_prompt=True, **template_kwargs)``, then the tokenizer on that
+    text), untruncated: what their ``max_length=max_sequence_length`` truncation is applied to."""
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                                     **template_kwargs) for p in prompts]
+    return [len(ids) for ids in tok(texts, truncation=False, verbose=False)["input_ids"]]

@@ -533,6 +533,10 @@ FAMILIES = {  # model -> (overrides, writes video)
     "tiny_wan": (["model=tiny_wan", "dataset.limit=1"], True),
     "tiny_ltx2": (["model=tiny_ltx2", "dataset.limit=1"], True),  # video with its FLAC audio stream
     "toy_motion": (["model=toy_motion", "dataset.limit=1", "model.generation.num_inference_steps=8"], True),
+    # issue #31: FLUX.2-dev (guidance embedding), klein base (CFG: 2 forwards per step), Z-Image (batched CFG)
+    "tiny_flux2": (["model=tiny_flux2", "dataset.limit=1"], False),
+    "tiny_flux2_klein": (["model=tiny_flux2_klein", "dataset.limit=1"], False),
+    "tiny_zimage": (["model=tiny_zimage", "dataset.limit=1"], False),
 }
 
 
