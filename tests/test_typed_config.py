@@ -46,7 +46,8 @@ PACKAGES = {"torch": "2.13", "python": "3.11"}
 
 
 def test_declared_keys_are_the_former_hand_kept_lists():
-    assert sorted(rs.SEMANTIC_KEYS) == sorted(FORMER_SEMANTIC_KEYS)
+    # + issue 32's LoRA library and fuse choice (the adapters' sha256 enter the identity as model.source.lora)
+    assert sorted(rs.SEMANTIC_KEYS) == sorted(FORMER_SEMANTIC_KEYS + ("model.lora", "model.lora_fuse"))
     assert sorted(rs.IDENTITY_KEYS) == sorted(FORMER_IDENTITY_KEYS)
     when_set = ("model.task", "model.quantization", "output.inpaint_overlay", "output.audio",
                 "optimize.compile_mode", "cache", "memory.vae_tiling")  # + issue 30's two, 31's one, 32's two
