@@ -161,6 +161,14 @@ def cli(args: Sequence[str], env: Dict[str, str], cwd: Path, timeout: int = 600)
                           timeout=timeout)
 
 
+def run_module(module: str, args: Iterable[Any], cwd: Path, timeout: int = 600) -> "subprocess.CompletedProcess":
+    """``python -m <module> <args>`` in a subprocess offline (``HF_HUB_OFFLINE``), with this process's environment
+    (conftest's session fixture put ``RUNNER_CACHE`` and the repo root on ``PYTHONPATH``)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def console_lines(text: str) -> List[str]:
     """The non-empty console lines of ``text`` (a bar's carriage-return updates are lines of their own)."""
     return [x for x in re.split(r"[\r\n]+", text) if x.strip()]

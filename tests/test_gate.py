@@ -17,33 +17,23 @@ other seed), which come first in job order. The sweep runs the gate itself at it
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict
 
 import pytest
 
+from _helpers import run_module
+
 SWEEP = ["model=toy_shapes", "platform=cpu", "dataset.limit=4", "seed=1,0", "batch_size=1,2",
          "cache={method:none},{method:taylorseer,compute_every:2,warmup_steps:3}"]
 
 
-def _env() -> Dict[str, str]:
-    env = dict(os.environ)  # conftest's session fixture put RUNNER_CACHE and the repo root on PYTHONPATH
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    return env
-
-
-def _module(module: str, args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("gate_sweep")
-    p = _module("runner", ["-m", *SWEEP, f"hydra.sweep.dir={root / 'sweep'}"], cwd=root)
+    p = run_module("runner", ["-m", *SWEEP, f"hydra.sweep.dir={root / 'sweep'}"], cwd=root)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return root / "sweep"
 
@@ -129,7 +119,7 @@ def test_min_ratio_from_the_command_line_decides_the_verdict(sweep, tmp_path):
 
     # just above the highest ratio: every lossy job fails, through the real command line
     floor = round(top + 0.001, 4)
-    p = _module("runner.gate", [sweep, "--min-ratio", floor, "--out", tmp_path / "above.json"], cwd=tmp_path)
+    p = run_module("runner.gate", [sweep, "--min-ratio", floor, "--out", tmp_path / "above.json"], cwd=tmp_path)
     assert p.returncode == 1, p.stdout + p.stderr
     above = json.loads((tmp_path / "above.json").read_text())
     assert above["min_ratio"] == floor and above["verdict"] == "fail" and above["exit_code"] == 1

@@ -23,31 +23,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
 import numpy as np
 import pytest
 
-from _helpers import execute, tiny_clip
+from _helpers import execute, run_module, tiny_clip
 
 SWEEP = ["model=toy_shapes", "platform=cpu", "dataset.limit=4",
          "cache={method:none},{method:taylorseer,compute_every:2,warmup_steps:3}"]
 
 
-def _env() -> Dict[str, str]:
-    env = dict(os.environ)  # conftest's session fixture put RUNNER_CACHE and the repo root on PYTHONPATH
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    return env
-
-
-def _module(module: str, args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=600)
 
 
 def _lines(path: Path) -> List[Dict[str, Any]]:
@@ -62,7 +50,7 @@ def clip(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, clip) -> Path:
     root = tmp_path_factory.mktemp("metrics_sweep")
-    p = _module("runner", ["-m", *SWEEP, "metrics.names=[clip_score]", f"metrics.models.clip_score={clip}",
+    p = run_module("runner", ["-m", *SWEEP, "metrics.names=[clip_score]", f"metrics.models.clip_score={clip}",
                            "report.min_metric_ratio.clip_score=0.5", f"hydra.sweep.dir={root / 'sweep'}"], cwd=root)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return root / "sweep"
@@ -133,7 +121,7 @@ def test_runner_score_on_an_old_run_dir_gives_the_run_time_scores(sweep, clip, t
     man = json.loads((old / "manifest.json").read_text())
     man.pop("metrics")
     (old / "manifest.json").write_text(json.dumps(man))
-    p = _module("runner.score", [old, "--metrics", "clip_score", "--model", f"clip_score={clip}", "--batch-size", "3",
+    p = run_module("runner.score", [old, "--metrics", "clip_score", "--model", f"clip_score={clip}", "--batch-size", "3",
                                  "--device", "cpu"], cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     after = {r["key"]: r["metrics"]["clip_score"] for r in _lines(old / "items.jsonl") if r["status"] == "ok"}
@@ -143,7 +131,7 @@ def test_runner_score_on_an_old_run_dir_gives_the_run_time_scores(sweep, clip, t
     assert sec["models"] == json.loads((run / "manifest.json").read_text())["metrics"]["models"]
     assert {m["key"]: m["metrics"]["clip_score"] for m in _lines(old / "images" / "metadata.jsonl")} == during
     # scored again: nothing to do, every item keeps its score (same model digest)
-    p = _module("runner.score", [old, "--metrics", "clip_score", "--model", f"clip_score={clip}"], cwd=tmp_path)
+    p = run_module("runner.score", [old, "--metrics", "clip_score", "--model", f"clip_score={clip}"], cwd=tmp_path)
     assert p.returncode == 0 and json.loads(p.stdout)["kept"] == {"clip_score": 4}
 
 
@@ -178,7 +166,7 @@ def test_gate_passes_and_fails_on_the_metric_ratio(sweep, tmp_path):
     at = f"clip_score={m['ratio'] - 1e-5:.6f}"
     assert gate.main([str(sweep), "--min-metric-ratio", at, "--out", str(tmp_path / "b.json")]) == 0
     above = f"clip_score={m['ratio'] + 1e-3:.6f}"
-    p = _module("runner.gate", [sweep, "--min-metric-ratio", above, "--out", tmp_path / "c.json"], cwd=tmp_path)
+    p = run_module("runner.gate", [sweep, "--min-metric-ratio", above, "--out", tmp_path / "c.json"], cwd=tmp_path)
     assert p.returncode == 1, p.stdout + p.stderr
     doc = json.loads((tmp_path / "c.json").read_text())
     assert doc["verdict"] == "fail" and doc["min_metric_ratio"] == {"clip_score": pytest.approx(m["ratio"] + 1e-3)}
@@ -412,7 +400,7 @@ def test_runner_score_refuses_a_changed_or_missing_artifact(sweep, clip, tmp_pat
     (run / recs[0]["file"]).write_bytes((run / recs[1]["file"]).read_bytes())
     (run / recs[2]["file"]).unlink()
     before = (run / "items.jsonl").read_bytes()
-    p = _module("runner.score", [run, "--metrics", "clip_score", "--model", f"clip_score={clip}", "--rescore"],
+    p = run_module("runner.score", [run, "--metrics", "clip_score", "--model", f"clip_score={clip}", "--rescore"],
                 cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     assert f"{recs[0]['file']}: sha256 differs" in p.stderr and f"{recs[2]['file']}: missing" in p.stderr
