@@ -19,6 +19,7 @@ FAMILIES: Dict[str, Any] = {
     "qwen_image": "models.qwen_image:QWEN_IMAGE",
     "wan": "models.wan:WAN",
     "hidream": "models.hidream:HIDREAM",
+    "hunyuanvideo15": "models.hunyuanvideo15:HUNYUANVIDEO15",
 }
 
 #: engine name (``model.adapter``) -> ``"module:Class"`` or the class itself (registered at run time); every family
