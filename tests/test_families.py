@@ -56,7 +56,8 @@ def test_family_runs_with_verified_evidence(family_sweep, model):
     # HiDream's batched CFG (1)
     assert st["denoiser_forwards"] == st["expected_forwards"] > 0
     assert st["checks"] == {"forward_count": "verified"}
-    per_step = {"tiny_sd3": 1, "tiny_qwen_image": 1, "tiny_wan": 2, "tiny_hidream": 1}[model]
+    per_step = {"tiny_sd3": 1, "tiny_qwen_image": 1, "tiny_wan": 2, "tiny_hidream": 1,
+                "tiny_hunyuanvideo15": 2}[model]  # HunyuanVideo-1.5: the guider's separate forward
     steps = man["items"]["ok"] if isinstance(man.get("items"), dict) else None
     assert st["expected_forwards"] == per_step * 4 * 2, (st, steps)
     layers = st["attention"]["layers"]
@@ -70,7 +71,7 @@ def test_family_runs_with_verified_evidence(family_sweep, model):
     assert [i["status"] for i in items] == ["ok", "ok"]
     for it in items:
         assert (d / it["file"]).is_file()
-        assert it["file"].endswith(".mp4" if model == "tiny_wan" else ".png")
+        assert it["file"].endswith(".mp4" if model in ("tiny_wan", "tiny_hunyuanvideo15") else ".png")
 
 
 @pytest.mark.slow
