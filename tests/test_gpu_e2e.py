@@ -531,6 +531,7 @@ FAMILIES = {  # model -> (overrides, writes video)
     "tiny_sd3": (["model=tiny_sd3", "dataset.limit=1"], False),
     "tiny_qwen_image": (["model=tiny_qwen_image", "dataset.limit=1"], False),
     "tiny_wan": (["model=tiny_wan", "dataset.limit=1"], True),
+    "tiny_hunyuanvideo15": (["model=tiny_hunyuanvideo15", "dataset.limit=1"], True),
     "toy_motion": (["model=toy_motion", "dataset.limit=1", "model.generation.num_inference_steps=8"], True),
 }
 

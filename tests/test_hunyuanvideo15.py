@@ -155,3 +155,26 @@ def test_step_skipping_guider_is_refused(hy_run, compose, tmp_path):
     f.write_text(json.dumps({**json.loads(f.read_text()), "stop": 0.5}))
     with pytest.raises(ModelPathError, match="'stop': 0.5"):
         eng.check_layout(copy)
+
+
+def test_full_size_config_is_the_published_one():
+    """conf/model/hunyuanvideo15.yaml carries models/reference/families_configs.json's entry (every component with
+    a source) and builds, on the meta device, the 8.3B transformer (tencent/HunyuanVideo-1.5's published size) and
+    Qwen2.5-VL-7B's language model; its size rule and frame rule are the pipeline's (16 px, 4k+1)."""
+    from omegaconf import OmegaConf
+
+    from models.hunyuanvideo15 import HunyuanVideo15Engine
+
+    root = Path(__file__).resolve().parent.parent
+    ref = json.loads((root / "models" / "reference" / "families_configs.json").read_text())["hunyuanvideo15"]
+    conf = OmegaConf.to_container(OmegaConf.load(root / "conf" / "model" / "hunyuanvideo15.yaml"))
+    arch = conf["architecture"]
+    for comp in HunyuanVideo15Engine.components:
+        assert arch[comp] == ref[comp], comp
+        assert comp in ref["sources"]
+    comps = HunyuanVideo15Engine.build_components(arch, device="meta", dtype=torch.bfloat16)
+    n = {k: sum(p.numel() for p in v.parameters()) for k, v in comps.items() if isinstance(v, torch.nn.Module)}
+    assert 8.2e9 < n["transformer"] < 8.4e9, n
+    assert 6.9e9 < n["text_encoder"] < 7.2e9, n
+    assert HunyuanVideo15Engine.spec.size_need(arch["vae"], arch["transformer"]) == 16
+    assert (conf["generation"]["num_frames"] - 1) % arch["vae"]["temporal_compression_ratio"] == 0
