@@ -132,9 +132,9 @@ def build_llama3_tokenizer(corpus: Iterable[str], vocab_size: int,
 #: ``<|im_start|>assistant\n`` with ``add_generation_prompt``), what the Qwen2.5-VL tokenizer renders for string
 #: contents with an explicit system message (HunyuanVideo15Pipeline's ``apply_chat_template`` call); image/video
 #: content parts and the default system message of Qwen's full template are not needed there.
-QWEN2_CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-                       "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-                       "{% endif %}")
+QWEN2_CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+                       "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+                       "{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def build_qwen2_chat_tokenizer(corpus: Iterable[str], vocab_size: int, template_text: Iterable[str] = ()
