@@ -1,6 +1,7 @@
 """SD3.5 Large, Qwen-Image, Wan 2.1 14B, HunyuanVideo-1.5 480p at their published workloads, random full-size
 weights: plain diffusers vs the runner's lossless settings vs FP8 linear, transformer forward by forward, side by
-side in one process; then a short run through the runner per family whose evidence must be verified for ``CUDNN_ATTN`` and ``FP8`` linear.
+side in one process; then a short run through the runner per family whose evidence must be verified for
+``CUDNN_ATTN`` and ``FP8`` linear.
 
 Per family (``--family sd3|qwen_image|wan|hunyuanvideo15``, repeatable):
 
