@@ -508,7 +508,7 @@ class PipelineEngine(DiffusersEngine):
         problems = []
         norm = (lambda v: list(v) if isinstance(v, (list, tuple)) else v)
         for comp, given in arch.items():
-            fname = "scheduler_config.json" if comp == "scheduler" else "config.json"
+            fname = {"scheduler": "scheduler_config.json", "guider": "guider_config.json"}.get(comp, "config.json")
             f = path / comp / fname
             if not isinstance(given, dict) or not f.is_file() or comp not in self.components:
                 continue

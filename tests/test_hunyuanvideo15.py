@@ -178,3 +178,15 @@ def test_full_size_config_is_the_published_one():
     assert 6.9e9 < n["text_encoder"] < 7.2e9, n
     assert HunyuanVideo15Engine.spec.size_need(arch["vae"], arch["transformer"]) == 16
     assert (conf["generation"]["num_frames"] - 1) % arch["vae"]["temporal_compression_ratio"] == 0
+
+
+def test_guider_override_that_the_snapshot_contradicts_is_refused(hy_run, compose):
+    """With ``model.path`` the snapshot's ``guider/guider_config.json`` decides (it is not ``config.json``, which the
+    check read before): an architecture value it contradicts is refused, the value it holds passes."""
+    from runner.core.errors import ConfigValueError
+
+    snap = Path(json.loads((hy_run / "manifest.json").read_text())["model"]["source"]["path"])
+    eng = _engine(compose(["model=tiny_hunyuanvideo15", "platform=cpu"]))
+    eng.check_architecture_matches_snapshot({"guider": {"guidance_scale": 6.0}}, snap)
+    with pytest.raises(ConfigValueError, match=r"guider.guidance_scale=3.0: the snapshot's guider/guider_config.json"):
+        eng.check_architecture_matches_snapshot({"guider": {"guidance_scale": 3.0}}, snap)
