@@ -149,8 +149,9 @@ class HunyuanVideo15Engine(WanEngine):
             "AutoencoderKLHunyuanVideo15", "temporal_compression_ratio", 4))
 
     def check_layout(self, path: Any) -> None:
-        """The generic layout check, then the snapshot's guider: a disabled one, or one that skips guidance on
-        some steps (``start``/``stop`` other than 0/1), makes forward counts the runner cannot predict.
+        """The generic layout check, then the snapshot's guider: a disabled one, one that skips guidance on some
+        steps (``start``/``stop`` other than 0/1), or one with ``use_original_formulation`` (guidance off only at
+        ``guidance_scale`` 0, not 1) makes forward counts the runner does not predict.
 
         Raises:
             ModelPathError: naming the guider setting and the fix.
@@ -160,12 +161,13 @@ class HunyuanVideo15Engine(WanEngine):
         PipelineEngine.check_layout(self, path)
         f = Path(path) / "guider" / "guider_config.json"
         conf = json.loads(f.read_text()) if f.is_file() else {}
-        bad = {k: conf[k] for k, ok in (("start", 0.0), ("stop", 1.0), ("enabled", True)) if k in conf
-               and conf[k] != ok}
+        want = (("start", 0.0), ("stop", 1.0), ("enabled", True), ("use_original_formulation", False))
+        bad = {k: conf[k] for k, ok in want if k in conf and conf[k] != ok}
         if bad:
             raise ModelPathError(f"model.path={str(path)!r}: its guider ({f}) sets {bad}: guidance on only some steps "
-                                 "(or none) makes forward counts the runner does not predict; fix: a snapshot whose "
-                                 "guider has start 0, stop 1, enabled true (the published ones)")
+                                 "(or none, or off at 0 instead of 1) makes forward counts the runner does not predict; "
+                                 "fix: a snapshot whose guider has start 0, stop 1, enabled true, "
+                                 "use_original_formulation false (the published ones)")
 
     # ------------------------------------------------------------------------------------------- attention
     def prepare_attention(self) -> None:

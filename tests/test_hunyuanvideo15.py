@@ -141,9 +141,10 @@ def test_max_sequence_length_other_than_the_fixed_length_is_refused(compose):
         eng.check_config()
 
 
-def test_step_skipping_guider_is_refused(hy_run, compose, tmp_path):
-    """A snapshot whose guider guides only part of the steps (``stop`` 0.5) is refused before loading; the same
-    snapshot with the published guider passes the layout check."""
+@pytest.mark.parametrize("key,value", [("stop", 0.5), ("use_original_formulation", True)])
+def test_guider_the_forward_rule_does_not_fit_is_refused(hy_run, compose, tmp_path, key, value):
+    """A snapshot whose guider guides only part of the steps (``stop`` 0.5), or turns guidance off at 0 instead of 1
+    (``use_original_formulation``), is refused before loading; the published guider passes the layout check."""
     from models.pipelines import ModelPathError
 
     snap = Path(json.loads((hy_run / "manifest.json").read_text())["model"]["source"]["path"])
@@ -152,8 +153,8 @@ def test_step_skipping_guider_is_refused(hy_run, compose, tmp_path):
     copy = tmp_path / "snap"
     shutil.copytree(snap, copy)
     f = copy / "guider" / "guider_config.json"
-    f.write_text(json.dumps({**json.loads(f.read_text()), "stop": 0.5}))
-    with pytest.raises(ModelPathError, match="'stop': 0.5"):
+    f.write_text(json.dumps({**json.loads(f.read_text()), key: value}))
+    with pytest.raises(ModelPathError, match=f"'{key}': {value}"):
         eng.check_layout(copy)
 
 
