@@ -165,8 +165,8 @@ class HunyuanVideo15Engine(WanEngine):
         bad = {k: conf[k] for k, ok in want if k in conf and conf[k] != ok}
         if bad:
             raise ModelPathError(f"model.path={str(path)!r}: its guider ({f}) sets {bad}: guidance on only some steps "
-                                 "(or none, or off at 0 instead of 1) makes forward counts the runner does not predict; "
-                                 "fix: a snapshot whose guider has start 0, stop 1, enabled true, "
+                                 "(or none, or off at 0 instead of 1) makes forward counts the runner does not "
+                                 "predict; fix: a snapshot whose guider has start 0, stop 1, enabled true, "
                                  "use_original_formulation false (the published ones)")
 
     # ------------------------------------------------------------------------------------------- attention
