@@ -1,9 +1,9 @@
-"""SD3.5 Large, Qwen-Image, Wan 2.1 14B, LTX-2 (19B, video with audio), FLUX.2-dev, FLUX.2 klein 4B and Z-Image at
-their published workloads, random full-size weights: plain diffusers vs
-the runner's lossless settings vs FP8 linear, transformer forward by forward, side by side in one process; then a
-short run through the runner per family whose evidence must be verified for ``CUDNN_ATTN`` and ``FP8`` linear.
+"""SD3.5 Large, Qwen-Image, Wan 2.1 14B, LTX-2 (19B, video with audio), HunyuanVideo-1.5 480p, FLUX.2-dev, FLUX.2
+klein 4B and Z-Image at their published workloads, random full-size weights: plain diffusers vs the runner's lossless
+settings vs FP8 linear, transformer forward by forward, side by side in one process; then a short run through the
+runner per family whose evidence must be verified for ``CUDNN_ATTN`` and ``FP8`` linear.
 
-Per family (``--family sd3|qwen_image|wan|ltx2|flux2|flux2_klein|zimage``, repeatable):
+Per family (``--family sd3|qwen_image|wan|ltx2|hunyuanvideo15|flux2|flux2_klein|zimage``, repeatable):
 
 1. One pipeline is built with the family's own builder (``load_format=dummy``: ``PipelineEngine.build_components``,
    seeded, bf16, on the GPU). A 2-step pipeline call at the workload shape captures the transformer's inputs.
@@ -19,7 +19,8 @@ Per family (``--family sd3|qwen_image|wan|ltx2|flux2|flux2_klein|zimage``, repea
    matmul rate measured in this process.
 6. Evidence: ``python -m runner``'s own loop (``runner.app.execute.run``) with ``backend.attention=CUDNN_ATTN
    backend.linear=FP8``, 2 steps, 1 row, eager (the call-site probes observe every call) — the verdict and the
-   kernels profiled.
+   kernels profiled. A workload's ``evidence`` overrides shorten that run where the published one is long to decode
+   (HunyuanVideo-1.5: 33 frames instead of 121; the timed forwards above stay at the published shape).
 
 Also per family: ``speedup_<family>`` (baseline / lossless ms per step) and ``mfu_<family>`` (the lossless MFU).
 The text encoder is freed once the transformer's inputs are captured (the timed part runs the transformer alone; for
@@ -67,9 +68,13 @@ WORKLOADS = {  # the issue's workloads (#17): published defaults of each model
                         scale=0.05, iters=5, free_text_encoder=True),
     "zimage": dict(model="zimage", prompt="a photo of a lighthouse on a cliff at dusk", negative="blurry", scale=0.05,
                    iters=5, free_text_encoder=True),
+    # 848x480, 121 frames: 31 x 30 x 53 = 49290 video tokens + 1000 + 256 text tokens per forward
+    "hunyuanvideo15": dict(model="hunyuanvideo15", prompt='a lighthouse on a cliff at dusk with a sign "OPEN"',
+                           negative="blurry", scale=0.05, iters=3, evidence=["model.generation.num_frames=33"]),
 }
 SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan", "ltx2": "tiny_ltx2",
-         "flux2": "tiny_flux2", "flux2_klein": "tiny_flux2_klein", "zimage": "tiny_zimage"}
+         "hunyuanvideo15": "tiny_hunyuanvideo15", "flux2": "tiny_flux2", "flux2_klein": "tiny_flux2_klein",
+         "zimage": "tiny_zimage"}
 
 
 def compose(overrides):
@@ -238,7 +243,8 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     rows.write_text(json.dumps(row) + "\n")
     ev_ov = [*ov, "dataset=jsonl", f"dataset.path={rows}", "model.generation.num_inference_steps=2",
              "dataset.on_ignored=record",
-             f"backend.attention={att}", f"backend.linear={'TORCH' if smoke else 'FP8'}", "compile=none"]
+             f"backend.attention={att}", f"backend.linear={'TORCH' if smoke else 'FP8'}", "compile=none",
+             *w.get("evidence", [])]
     run_dir = out / f"{family}_evidence_run"
     t0 = time.perf_counter()
     code = run(compose(ev_ov), run_dir, ev_ov)

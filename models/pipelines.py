@@ -515,7 +515,7 @@ class PipelineEngine(DiffusersEngine):
         problems = []
         norm = (lambda v: list(v) if isinstance(v, (list, tuple)) else v)
         for comp, given in arch.items():
-            fname = "scheduler_config.json" if comp == "scheduler" else "config.json"
+            fname = {"scheduler": "scheduler_config.json", "guider": "guider_config.json"}.get(comp, "config.json")
             f = path / comp / fname
             if not isinstance(given, dict) or not f.is_file() or comp not in self.components:
                 continue
@@ -679,7 +679,8 @@ class PipelineEngine(DiffusersEngine):
         finally:
             torch.set_default_dtype(prev)
         for m in built.values():
-            m.eval()  # constructed modules start in train mode: dropout would be live (from_pretrained sets eval)
+            if isinstance(m, torch.nn.Module):  # a guider (HunyuanVideo-1.5's ClassifierFreeGuidance) is not one
+                m.eval()  # constructed modules start in train mode: dropout would be live (from_pretrained sets eval)
         scale = float(arch.get("dummy_weight_scale", 1.0))
         if scale != 1.0 and str(device) != "meta":  # keeps activations of deep random transformers finite in bf16
             with torch.no_grad():

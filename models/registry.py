@@ -23,6 +23,7 @@ FAMILIES: Dict[str, Any] = {
     "hidream": "models.hidream:HIDREAM",
     "ltx2": "models.ltx2:LTX2",
     "zimage": "models.zimage:ZIMAGE",
+    "hunyuanvideo15": "models.hunyuanvideo15:HUNYUANVIDEO15",
 }
 
 #: engine name (``model.adapter``) -> ``"module:Class"`` or the class itself (registered at run time); every family

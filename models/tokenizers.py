@@ -8,11 +8,12 @@ tokenizer it stands in for:
   at the first end-of-text token), ``model_max_length`` 77.
 * T5-style: ``... </s>``, padded with ``<pad>`` (id 0), ``model_max_length`` 512.
 
-Other families' stand-ins: Qwen2-style (:func:`build_qwen2_tokenizer`, Qwen-Image), Llama-3-style
-(:func:`build_llama3_tokenizer`, HiDream-I1's fourth encoder), Gemma-style (:func:`build_gemma_tokenizer`, LTX-2's
-Gemma 3 encoder), Qwen3-style with its chat template
-(:func:`build_qwen3_tokenizer`, FLUX.2 klein and Z-Image) and Mistral-Small-3.1-style with its chat template
-(:func:`build_mistral3_tokenizer`, FLUX.2-dev).
+Other families' stand-ins: Qwen2-style (:func:`build_qwen2_tokenizer`, Qwen-Image; with Qwen2's chat template for
+HunyuanVideo-1.5), Llama-3-style (:func:`build_llama3_tokenizer`, HiDream-I1's fourth encoder), Gemma-style
+(:func:`build_gemma_tokenizer`, LTX-2's Gemma 3 encoder), Qwen3-style with its chat template
+(:func:`build_qwen3_tokenizer`, FLUX.2 klein and Z-Image), Mistral-Small-3.1-style with its chat template
+(:func:`build_mistral3_tokenizer`, FLUX.2-dev) and ByT5 (:func:`build_byt5_tokenizer`, HunyuanVideo-1.5's glyph
+encoder: byte-level, no vocabulary file).
 
 Byte-level BPE covers any UTF-8 text, so unseen words never map to an unknown token.
 """
@@ -20,7 +21,7 @@ Byte-level BPE covers any UTF-8 text, so unseen words never map to an unknown to
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -220,3 +221,30 @@ def chat_prompt_lengths(tok, prompts: Iterable[str], **template_kwargs) -> list[
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
                                      **template_kwargs) for p in prompts]
     return [len(ids) for ids in tok(texts, truncation=False, verbose=False)["input_ids"]]
+#: Qwen2's chat template for text-only messages (``<|im_start|>{role}\n{content}<|im_end|>\n`` per message, then
+#: ``<|im_start|>assistant\n`` with ``add_generation_prompt``), what the Qwen2.5-VL tokenizer renders for string
+#: contents with an explicit system message (HunyuanVideo15Pipeline's ``apply_chat_template`` call); image/video
+#: content parts and the default system message of Qwen's full template are not needed there.
+QWEN2_CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+                       "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+                       "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def build_qwen2_chat_tokenizer(corpus: Iterable[str], vocab_size: int, template_text: Iterable[str] = ()
+                               ) -> PreTrainedTokenizerFast:
+    """:func:`build_qwen2_tokenizer` with :data:`QWEN2_CHAT_TEMPLATE` as its ``chat_template`` (saved with the
+    tokenizer as ``chat_template.jinja``). ``template_text``: the rendered template's fixed prefix, so that the
+    pipeline's fixed crop (HunyuanVideo15Pipeline drops the first 108 tokens) drops exactly it."""
+    tok = build_qwen2_tokenizer(corpus, vocab_size, template_text=template_text)
+    tok.chat_template = QWEN2_CHAT_TEMPLATE
+    return tok
+
+
+def build_byt5_tokenizer(max_length: int = 256) -> Any:
+    """``transformers.ByT5Tokenizer`` (bytes + 3 specials ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2 + 125 extra ids: 384
+    tokens, ``</s>`` appended), built without files as google/byt5-small's is. The Glyph-SDXL-v2 colour and font
+    tokens HunyuanVideo-1.5 adds (scripts/convert_hunyuan_video1_5_to_diffusers.py ``add_special_token``) are not
+    added: their names come from annotation files that are not here."""
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer(model_max_length=max_length)

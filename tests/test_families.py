@@ -56,9 +56,10 @@ def test_family_runs_with_verified_evidence(family_sweep, model):
     # HiDream's and LTX-2's batched CFG (1)
     assert st["denoiser_forwards"] == st["expected_forwards"] > 0
     assert st["checks"] == {"forward_count": "verified"}
-    # FLUX.2-dev's guidance embedding (1), klein's CFG at the default guidance 4 (2), Z-Image's batched CFG (1)
+    # FLUX.2-dev's guidance embedding (1), klein's CFG at the default guidance 4 (2), Z-Image's batched CFG (1),
+    # HunyuanVideo-1.5: the guider's separate forward (2)
     per_step = {"tiny_sd3": 1, "tiny_qwen_image": 1, "tiny_wan": 2, "tiny_hidream": 1, "tiny_ltx2": 1,
-                "tiny_flux2": 1, "tiny_flux2_klein": 2, "tiny_zimage": 1}[model]
+                "tiny_flux2": 1, "tiny_flux2_klein": 2, "tiny_zimage": 1, "tiny_hunyuanvideo15": 2}[model]
     steps = man["items"]["ok"] if isinstance(man.get("items"), dict) else None
     assert st["expected_forwards"] == per_step * 4 * 2, (st, steps)
     layers = st["attention"]["layers"]
@@ -72,7 +73,7 @@ def test_family_runs_with_verified_evidence(family_sweep, model):
     assert [i["status"] for i in items] == ["ok", "ok"]
     for it in items:
         assert (d / it["file"]).is_file()
-        assert it["file"].endswith(".mp4" if model in ("tiny_wan", "tiny_ltx2") else ".png")
+        assert it["file"].endswith(".mp4" if model in ("tiny_wan", "tiny_ltx2", "tiny_hunyuanvideo15") else ".png")
 
 
 @pytest.mark.slow

@@ -532,6 +532,7 @@ FAMILIES = {  # model -> (overrides, writes video)
     "tiny_qwen_image": (["model=tiny_qwen_image", "dataset.limit=1"], False),
     "tiny_wan": (["model=tiny_wan", "dataset.limit=1"], True),
     "tiny_ltx2": (["model=tiny_ltx2", "dataset.limit=1"], True),  # video with its FLAC audio stream
+    "tiny_hunyuanvideo15": (["model=tiny_hunyuanvideo15", "dataset.limit=1"], True),
     "toy_motion": (["model=toy_motion", "dataset.limit=1", "model.generation.num_inference_steps=8"], True),
     # issue #31: FLUX.2-dev (guidance embedding), klein base (CFG: 2 forwards per step), Z-Image (batched CFG)
     "tiny_flux2": (["model=tiny_flux2", "dataset.limit=1"], False),
