@@ -38,7 +38,9 @@ without ``lite``, ``pab``) are refused with compile: their hooks would be traced
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import io
 import math
 import sys
 from dataclasses import dataclass
@@ -51,7 +53,7 @@ from runner.core.errors import ConfigValueError, RefusedError
 
 #: ``cache.*`` fields a method may read (``cache.method`` and ``cache.schedule`` aside).
 CACHE_FIELDS = ("threshold", "compute_every", "warmup_steps", "max_skip_steps", "retention_ratio", "mag_ratios",
-                "order", "lite")
+                "order", "lite", "calibrate", "fn_compute_blocks", "bn_compute_blocks")
 SCHEDULES = ("fixed", "adaptive")
 
 
@@ -89,6 +91,12 @@ class CacheMethod:
         compiles: ``params -> bool``: its hooks sit on whole transformer blocks (or outside them), never inside,
             so it runs with ``compile=regional``: each block's forward is compiled and the hooks, left eager,
             decide around it whether it runs (``models.diffusers_engine.compile_blocks_under_hooks``).
+        on_pipeline: ``apply``/``remove`` take the pipeline, not the transformer (cache-dit wraps the pipeline's
+            call to reset its contexts per call).
+        supports: ``(transformer_class, pipeline_class) -> why not`` (None: it can run), checked before loading
+            instead of the CacheMixin / block-registry check.
+        reported_reused: ``target -> forwards`` the library itself reports reused in the last pipeline call (its
+            own statistics), cross-checked against what the probe observed; None: nothing to cross-check.
     """
 
     name: str
@@ -104,6 +112,9 @@ class CacheMethod:
     remove: Optional[Callable[[torch.nn.Module], None]] = None
     aliases: Tuple[str, ...] = ()
     compiles: Callable[[Dict[str, Any]], bool] = lambda p: False
+    on_pipeline: bool = False
+    supports: Optional[Callable[[str, Optional[str]], Optional[str]]] = None
+    reported_reused: Optional[Callable[[Any], Optional[int]]] = None
 
 
 CACHE_METHODS: Dict[str, CacheMethod] = {}
@@ -242,24 +253,37 @@ def _check_common(p: Dict[str, Any]) -> List[Tuple[str, str, str]]:
     if "order" in p and (not _is_int(p["order"]) or not 0 <= p["order"] <= 3):
         out.append(("order", "must be an integer in 0..3 (Taylor expansion order; 0 reuses the last output)",
                     "cache.order=1"))
-    if "lite" in p and not isinstance(p["lite"], bool):
-        out.append(("lite", "must be true or false", "cache.lite=false"))
+    for f in ("lite", "calibrate"):
+        if f in p and not isinstance(p[f], bool):
+            out.append((f, "must be true or false", f"cache.{f}=false"))
+    if "fn_compute_blocks" in p and (not _is_int(p["fn_compute_blocks"]) or p["fn_compute_blocks"] < 1):
+        out.append(("fn_compute_blocks", "must be an integer >= 1 (the first blocks decide whether to reuse)",
+                    "cache.fn_compute_blocks=1"))
+    if "bn_compute_blocks" in p and (not _is_int(p["bn_compute_blocks"]) or p["bn_compute_blocks"] < 0):
+        out.append(("bn_compute_blocks", "must be an integer >= 0", "cache.bn_compute_blocks=0"))
     return out
 
 
-def check_support(s: CacheSettings, transformer_class: str, model: str) -> None:
+def check_support(s: CacheSettings, transformer_class: str, model: str,
+                  pipeline_class: Optional[str] = None) -> None:
     """Refuse, before loading, a model whose transformer cannot run method ``s.method``: not a diffusers
     ``CacheMixin`` (no ``enable_cache``), or, for block methods, without a transformer block class that diffusers'
-    ``TransformerBlockRegistry`` describes.
+    ``TransformerBlockRegistry`` describes; a method with its own ``supports`` check (cache-dit's) asks it.
 
     Raises:
-        CacheUnsupportedError: naming the model, the transformer class, the method and the fix.
+        CacheUnsupportedError: naming the model, the transformer (or pipeline) class, the method and the fix.
     """
     import diffusers
     from diffusers.models.cache_utils import CacheMixin
 
     cls = getattr(diffusers, str(transformer_class), None)
     fix = "cache.method=none for this model (or a family whose transformer has enable_cache: flux, qwen_image, wan)"
+    if s.method.supports is not None:
+        why = s.method.supports(str(transformer_class), pipeline_class)
+        if why:
+            raise CacheUnsupportedError(f"cache.method={s.method.name}: model={model} ({pipeline_class}, "
+                                        f"{transformer_class}): {why}")
+        return
     if s.method.apply is not None:  # a registered method that installs itself decides for itself
         return
     if cls is None or not issubclass(cls, CacheMixin):
@@ -383,6 +407,7 @@ class CacheProbe:
         self.attention_runs: Dict[str, int] = {n: 0 for n in self.attention}
         self.counts = CacheCounts()
         self.step = 0
+        self.per_step = 1  # transformer forwards per denoising step of the current call (StepCache.before_call)
         self._ran_blocks: set = set()
         self._called_attn: set = set()
         self._ran_attn: set = set()
@@ -446,40 +471,115 @@ class StepCache:
     """
 
     def __init__(self, transformer: torch.nn.Module, s: CacheSettings,
-                 attention: Sequence[Tuple[str, torch.nn.Module]], compiled: bool = False) -> None:
+                 attention: Sequence[Tuple[str, torch.nn.Module]], compiled: bool = False,
+                 pipeline: Any = None, ratios: Any = None) -> None:
         """Install the probe on ``transformer`` (``attention``: ``(name, module)`` of its attention modules, names
         relative to the transformer; ``compiled``: the blocks' forwards are compiled, so nothing is hooked inside
-        them); the method itself is installed by the first :meth:`before_call`."""
+        them); the method itself is installed by the first :meth:`before_call`. ``pipeline``: the loaded pipeline
+        (for methods ``on_pipeline``); ``ratios``: the :class:`models.cache_calibration.RatioStore` of the model
+        (``cache.calibrate=true``)."""
         self.transformer = transformer
+        self.pipeline = pipeline
         self.settings = s
         self.probe = CacheProbe(transformer, attention, observe_attention=not compiled)
         self.calls = 0
         self.expected_reused: Optional[int] = 0 if s.method.reused_steps is not None else None
-        self._steps: Optional[int] = None
+        self.ratios = ratios
+        self.calibrations: Dict[str, Dict[str, Any]] = {}  # str(steps) -> the calibration record
+        self.reported: Optional[int] = 0 if s.method.reported_reused is not None else None
+        self.disagreements: List[str] = []
+        self._installed: Optional[Tuple[int, int, bool]] = None
         self._before = self.probe.snapshot()
+
+    @property
+    def _target(self) -> Any:
+        return self.pipeline if self.settings.method.on_pipeline else self.transformer
 
     def _remove(self) -> None:
         m = self.settings.method
         if m.remove is not None:
-            m.remove(self.transformer)
+            m.remove(self._target)
         else:
             self.transformer.disable_cache()
+        self._installed = None
 
-    def before_call(self, steps: int) -> None:
-        """Before a pipeline call of ``steps`` denoising steps: (re)install the method for that step count, reset
-        the cache state (a call never sees another call's cached outputs) and mark the counts."""
+    def _install(self, steps: int, per_step: int, calibrating: bool = False) -> None:
+        """The method's hooks for calls of ``steps`` steps and ``per_step`` forwards per step (the calibration
+        pass: ``calibrating``, with the method's parameters as configured)."""
+        key = (steps, per_step, calibrating)
+        if key == self._installed:
+            return
+        if self._installed is not None:
+            self._remove()
         m = self.settings.method
-        if steps != self._steps:
-            if self._steps is not None:
-                self._remove()
-            config = m.build(self.settings.params, steps, self.probe)
-            (m.apply or (lambda t, c: t.enable_cache(c)))(self.transformer, config)
-            self._steps = steps
+        params = dict(self.settings.params)
+        if params.get("calibrate") and not calibrating:
+            params["mag_ratios"] = self.calibrations[str(steps)]["ratios"]
+        self.probe.per_step = per_step
+        config = m.build(params, steps, self.probe)
+        (m.apply or (lambda t, c: t.enable_cache(c)))(self._target, config)
+        self._installed = key
+
+    def _reset_state(self) -> None:
         reset = getattr(self.transformer, "_reset_stateful_cache", None)
         if callable(reset):
             reset()
         self.probe.start_call()
+
+    def before_call(self, steps: int, per_step: int = 1) -> None:
+        """Before a pipeline call of ``steps`` denoising steps of ``per_step`` transformer forwards each:
+        (re)install the method for them, reset the cache state (a call never sees another call's cached outputs)
+        and mark the counts.
+
+        Raises:
+            RuntimeError: ``cache.calibrate=true`` and :meth:`calibrate` did not run for ``steps``.
+        """
+        if self.settings.params.get("calibrate") and str(steps) not in self.calibrations:
+            raise RuntimeError(f"cache.calibrate=true: no calibration for {steps} steps (calibrate() runs first)")
+        self._install(steps, per_step)
+        self._reset_state()
         self._before = self.probe.snapshot()
+
+    def needs_calibration(self, steps: int) -> bool:
+        """``cache.calibrate=true`` and no ratios for ``steps`` yet in this run."""
+        return bool(self.settings.params.get("calibrate")) and str(steps) not in self.calibrations
+
+    def calibrate(self, steps: int, per_step: int, run_call: Callable[[], None], items: Sequence[str]) -> None:
+        """The ratios for ``steps``: loaded from the store, else measured by diffusers' calibration pass
+        (``run_call()``: one pipeline call over ``items`` with the calibrating hooks installed) and stored
+        (:func:`models.cache_calibration.calibrate`). The pass's counts, as the probe observed them, go into its
+        record (every forward computed) and no further: the probe is reset after it.
+
+        Raises:
+            models.cache_calibration.CalibrationError: an invalid stored file, or a pass without usable ratios.
+        """
+        from models import cache_calibration as cal
+
+        def run_pass() -> Dict[str, List[float]]:
+            self._install(steps, per_step, calibrating=True)
+            self._reset_state()
+            capture = cal.RatioCapture(self.transformer, [b for _, b in self.probe.blocks])
+            printed = io.StringIO()  # diffusers prints the ratios "to copy into MagCacheConfig": they are stored
+            try:
+                with contextlib.redirect_stdout(printed):
+                    run_call()
+            finally:
+                lists = capture.close()
+                self._remove()
+            return lists
+
+        rec = cal.calibrate(self.ratios, steps, run_pass, {"items": list(items), "seed": 0,
+                                                           "forwards_per_step": per_step})
+        if rec["source"] == "calibrated":
+            rec["observed"] = self.probe.counts.to_dict()  # the pass computed every step: not a cached run
+        self.calibrations[str(steps)] = rec
+        self.probe.reset()
+        self._before = self.probe.snapshot()
+
+    def close(self) -> None:
+        """Remove the method's hooks (cache-dit patches the pipeline's class: undone when the engine closes)."""
+        if self._installed is not None:
+            self._remove()
 
     def warmed_up(self) -> None:
         """A compile warm-up call ran through the probe (before any method was installed): its counts are dropped."""
@@ -499,6 +599,12 @@ class StepCache:
         self.calls += 1
         got = self.probe.counts.minus(self._before)
         m = self.settings.method
+        if m.reported_reused is not None:  # the library's own statistics, against what executed
+            rep = m.reported_reused(self._target)
+            self.reported = None if rep is None or self.reported is None else self.reported + rep
+            if rep is not None and rep != got.forwards_reused:
+                self.disagreements.append(f"call {self.calls}: {m.name} reports {rep} forwards reused, the probe "
+                                          f"observed {got.forwards_reused}")
         if self.expected_reused is not None:
             if forwards is None or forwards % steps:
                 self.expected_reused = None
@@ -508,8 +614,14 @@ class StepCache:
 
     def record(self, counts: CacheCounts, items: int) -> Dict[str, Any]:
         """The ``cache`` field of an item record: method, schedule, params, and the counts of the pipeline call the
-        item ran in (``call_items``: items in that call, which share the counts)."""
-        return {**self.settings.to_dict(), **counts.to_dict(), "call_items": items}
+        item ran in (``call_items``: items in that call, which share the counts); with ``cache.calibrate``, the
+        sha256 and source of the ratios its call used (``calibration``)."""
+        rec = {**self.settings.to_dict(), **counts.to_dict(), "call_items": items}
+        if self.calibrations and self._installed is not None:
+            cal = self.calibrations.get(str(self._installed[0]))
+            if cal is not None:
+                rec["calibration"] = {"sha256": cal["sha256"], "source": cal["source"]}
+        return rec
 
     def evidence(self, stage: str) -> Tuple[Dict[str, Any], List[str]]:
         """``evidence.stages.<stage>.cache`` (totals, hit rates, what the schedule predicts) and its mismatches: the
@@ -522,8 +634,16 @@ class StepCache:
                "blocks_hit_rate": round(c.blocks_reused / bl, 4) if bl else None,
                "blocks_per_forward": len(self.probe.blocks), "calls": self.calls,
                "expected_forwards_reused": self.expected_reused}
-        mm: List[str] = []
+        if self.calibrations:
+            doc["calibration"] = dict(self.calibrations)
+        if self.reported is not None or self.disagreements:
+            doc["library_reported_reused"] = self.reported
+        mm: List[str] = [f"stage {stage}, cache: {d}" for d in self.disagreements]
         name = self.settings.method.name
+        for steps, cal in self.calibrations.items():
+            if (cal.get("observed") or {}).get("forwards_reused"):
+                mm.append(f"stage {stage}, cache: the magcache calibration pass of {steps} steps reused "
+                          f"{cal['observed']['forwards_reused']} transformer forwards; it must compute every step")
         if fw and c.forwards_reused == 0:
             mm.append(f"stage {stage}, cache: cache.method={name} is configured, but no block or forward was reused "
                       f"in {fw} transformer forwards (the cache never hit); fix: "
@@ -546,10 +666,14 @@ def _first_block(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
 
 def _mag_ratios(p: Dict[str, Any]) -> List[Tuple[str, str, str]]:
     r = p.get("mag_ratios")
+    if p.get("calibrate") is True:
+        return [] if r is None else [
+            ("mag_ratios", "is set together with cache.calibrate=true (the ratios would come from two places)",
+             "cache.mag_ratios=null to use the ratios calibrated for this model, or cache.calibrate=false")]
     if r is None:
         return [("mag_ratios", "is required: MagCache's per-step magnitude ratios are calibrated per checkpoint",
-                 "cache.mag_ratios=flux (diffusers' FLUX.1 ratios) or a list of ratios, one per step, calibrated "
-                 "for this model")]
+                 "cache.calibrate=true (calibrated for this model by diffusers' calibration pass, stored under "
+                 "cache_dir), cache.mag_ratios=flux (diffusers' FLUX.1 ratios) or a list of ratios, one per step")]
     if isinstance(r, str):
         return [] if r.lower() == "flux" else [("mag_ratios", "names no shipped ratios (known: flux)",
                                                 "cache.mag_ratios=flux or a list of floats")]
@@ -563,6 +687,8 @@ def _magcache(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
     from diffusers.hooks import MagCacheConfig
 
     r = p["mag_ratios"]
+    if r is None and p.get("calibrate"):  # the calibration pass: every step computed, the ratios measured
+        return MagCacheConfig(num_inference_steps=int(steps), calibrate=True)
     if isinstance(r, str):
         from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 
@@ -613,8 +739,9 @@ register_cache_method(CacheMethod(
     "first_block", "adaptive", ("threshold",), {"threshold": 0.05}, _first_block, needs="blocks",
     aliases=("fbc", "first_block_cache", "firstblock"), compiles=lambda p: True))
 register_cache_method(CacheMethod(
-    "magcache", "adaptive", ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios"),
-    {"threshold": 0.06, "max_skip_steps": 3, "retention_ratio": 0.2, "mag_ratios": None}, _magcache,
+    "magcache", "adaptive", ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios", "calibrate"),
+    {"threshold": 0.06, "max_skip_steps": 3, "retention_ratio": 0.2, "mag_ratios": None, "calibrate": False},
+    _magcache,
     check=_mag_ratios, needs="blocks", aliases=("mag_cache", "mag"), compiles=lambda p: True))
 register_cache_method(CacheMethod(
     "taylorseer", "fixed", ("compute_every", "warmup_steps", "order", "lite"),
