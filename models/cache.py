@@ -751,3 +751,78 @@ register_cache_method(CacheMethod(
 register_cache_method(CacheMethod(
     "pab", "fixed", ("compute_every", "warmup_steps"), {"compute_every": 2, "warmup_steps": 1}, _pab,
     per_context=False, reused_steps=_pab_reused, aliases=("pyramid_attention_broadcast",)))
+
+
+# ---------------------------------------------------------------------------------------------- cache-dit
+def _cache_dit_supports(transformer_class: str, pipeline_class: Optional[str]) -> Optional[str]:
+    """Why cache-dit cannot run on this pipeline (None: it can): not installed, or no block adapter of its own
+    for the pipeline class (``cache_dit.supported_pipelines()``: class-name prefixes)."""
+    try:
+        import cache_dit
+    except ImportError:
+        return ("cache-dit is not installed; fix: pip install 'runner[cache-dit]' (cache-dit 1.5.3), or a diffusers "
+                "method (cache.method=first_block|magcache|taylorseer|pab)")
+    _, names = cache_dit.supported_pipelines()
+    if pipeline_class is None or not any(str(pipeline_class).startswith(n) for n in names):
+        return (f"cache-dit has no block adapter for {pipeline_class}; fix: a diffusers method "
+                "(cache.method=first_block|magcache|taylorseer|pab), or cache.method=none")
+    return None
+
+
+def _dbcache(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
+    from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
+
+    # one cache context per branch when a step makes several forwards (CFG): cache-dit's enable_separate_cfg
+    config = DBCacheConfig(Fn_compute_blocks=int(p["fn_compute_blocks"]), Bn_compute_blocks=int(p["bn_compute_blocks"]),
+                           residual_diff_threshold=float(p["threshold"]), max_warmup_steps=int(p["warmup_steps"]),
+                           num_inference_steps=int(steps), enable_separate_cfg=probe.per_step > 1)
+    calibrator = TaylorSeerCalibratorConfig(taylorseer_order=int(p["order"])) if "order" in p else None
+    return config, calibrator
+
+
+def _quiet_cache_dit() -> None:
+    """cache-dit logs its configuration at INFO on loggers of its own (not propagated): warnings only."""
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("cache_dit"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _cache_dit_apply(pipe: Any, config: Any) -> None:
+    import cache_dit
+
+    _quiet_cache_dit()
+    cache_dit.enable_cache(pipe, cache_config=config[0], calibrator_config=config[1])
+    _quiet_cache_dit()
+
+
+def _cache_dit_remove(pipe: Any) -> None:
+    import cache_dit
+
+    _quiet_cache_dit()
+    cache_dit.disable_cache(pipe)
+
+
+def _cache_dit_reported(pipe: Any) -> Optional[int]:
+    """Forwards cache-dit's own statistics say were cached in the last call: its cached steps (and, with separate
+    CFG, its CFG-branch cached steps), one per forward, over every cache context of the transformer."""
+    import cache_dit
+
+    steps: set = set()
+    cfg: set = set()
+    for st in cache_dit.summary(pipe, logging=False):
+        steps |= set(st.cached_steps or ())
+        cfg |= set(st.cfg_cached_steps or ())
+    return len(steps) + len(cfg)
+
+
+_DBCACHE = dict(schedule="adaptive", build=_dbcache, needs="blocks", apply=_cache_dit_apply, remove=_cache_dit_remove,
+                on_pipeline=True, supports=_cache_dit_supports, reported_reused=_cache_dit_reported)
+_DBCACHE_DEFAULTS = {"threshold": 0.08, "warmup_steps": 8, "fn_compute_blocks": 8, "bn_compute_blocks": 0}
+register_cache_method(CacheMethod(
+    "dbcache", reads=tuple(_DBCACHE_DEFAULTS), defaults=dict(_DBCACHE_DEFAULTS),
+    aliases=("db_cache", "cache_dit", "cache_dit_dbcache"), **_DBCACHE))
+register_cache_method(CacheMethod(
+    "dbcache_taylorseer", reads=(*_DBCACHE_DEFAULTS, "order"), defaults={**_DBCACHE_DEFAULTS, "order": 1},
+    aliases=("dbcache+taylorseer", "taylorseer_dbcache", "cache_dit_taylorseer"), **_DBCACHE))
