@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import io
 import math
 import sys
@@ -97,6 +98,7 @@ class CacheMethod:
             instead of the CacheMixin / block-registry check.
         reported_reused: ``target -> forwards`` the library itself reports reused in the last pipeline call (its
             own statistics), cross-checked against what the probe observed; None: nothing to cross-check.
+        after_apply: ``transformer -> None`` run after diffusers' ``enable_cache`` (the default ``apply``).
     """
 
     name: str
@@ -115,6 +117,7 @@ class CacheMethod:
     on_pipeline: bool = False
     supports: Optional[Callable[[str, Optional[str]], Optional[str]]] = None
     reported_reused: Optional[Callable[[Any], Optional[int]]] = None
+    after_apply: Optional[Callable[[torch.nn.Module], None]] = None
 
 
 CACHE_METHODS: Dict[str, CacheMethod] = {}
@@ -519,6 +522,12 @@ class StepCache:
         config = m.build(params, steps, self.probe)
         (m.apply or (lambda t, c: t.enable_cache(c)))(self._target, config)
         self._installed = key
+        if m.after_apply is not None:
+            try:
+                m.after_apply(self.transformer)
+            except BaseException:
+                self._remove()
+                raise
 
     def _reset_state(self) -> None:
         reset = getattr(self.transformer, "_reset_stateful_cache", None)
@@ -721,12 +730,67 @@ def _taylorseer_reused(p: Dict[str, Any], steps: int) -> int:
 def _pab(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
     from diffusers.hooks import PyramidAttentionBroadcastConfig
 
-    # the "timestep" PAB compares is the step index (probe.step), so the schedule is in steps, not in the
-    # scheduler's timestep units: steps 0..warmup-1 lie outside the skip range and compute
+    # the "timestep" PAB compares is the step index (forwards so far // forwards per step), so the schedule is in
+    # steps, not in the scheduler's timestep units: steps 0..warmup-1 lie outside the skip range and compute
     return PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=int(p["compute_every"]),
                                            spatial_attention_timestep_skip_range=(int(p["warmup_steps"]) - 1,
                                                                                   sys.maxsize),
-                                           current_timestep_callback=lambda: probe.step)
+                                           current_timestep_callback=lambda: probe.step // probe.per_step)
+
+
+def _pab_per_context(transformer: torch.nn.Module) -> None:
+    """Give each of diffusers' PAB hooks one state per cache context (``cond``/``uncond``): diffusers keeps one
+    cached attention output per module, so with CFG the uncond forward would reuse the cond forward's attention. The
+    hooks are replaced, same name and place (outside the probe's), by :class:`_PerContextPAB` with their settings."""
+    from diffusers.hooks.pyramid_attention_broadcast import PyramidAttentionBroadcastHook
+
+    for mod in transformer.modules():
+        registry = getattr(mod, "_diffusers_hook", None)
+        for name, hook in list((registry.hooks if registry is not None else {}).items()):
+            if type(hook) is PyramidAttentionBroadcastHook:
+                registry.remove_hook(name, recurse=False)
+                registry.register_hook(_PerContextPAB(hook.timestep_skip_range, hook.block_skip_range,
+                                                      hook.current_timestep_callback), name)
+
+
+@functools.lru_cache(maxsize=None)
+def _per_context_pab_class() -> type:
+    from diffusers.hooks.hooks import CacheContext, StateManager
+    from diffusers.hooks.pyramid_attention_broadcast import (PyramidAttentionBroadcastHook,
+                                                             PyramidAttentionBroadcastState)
+
+    class PerContextPAB(PyramidAttentionBroadcastHook):
+        """diffusers' ``PyramidAttentionBroadcastHook`` (its rule, unchanged) whose ``state`` is the current cache
+        context's (a ``StateManager``, which ``cache_context`` points at the branch; a forward outside any
+        context uses ``inference``)."""
+
+        _is_stateful = True
+
+        def __init__(self, *args: Any) -> None:
+            self.state_manager = StateManager(PyramidAttentionBroadcastState)
+            super().__init__(*args)
+
+        @property
+        def state(self) -> Any:
+            try:
+                return self.state_manager.get_state()
+            except ValueError:  # no cache context set around this forward
+                self.state_manager.set_context(CacheContext(name="inference"))
+                return self.state_manager.get_state()
+
+        @state.setter
+        def state(self, value: Any) -> None:  # initialize_hook's single state: the per-context ones replace it
+            pass
+
+        def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+            self.state_manager.reset()
+            return module
+
+    return PerContextPAB
+
+
+def _PerContextPAB(*args: Any) -> Any:
+    return _per_context_pab_class()(*args)
 
 
 def _pab_reused(p: Dict[str, Any], steps: int) -> int:
@@ -750,7 +814,7 @@ register_cache_method(CacheMethod(
     compiles=lambda p: bool(p["lite"])))
 register_cache_method(CacheMethod(
     "pab", "fixed", ("compute_every", "warmup_steps"), {"compute_every": 2, "warmup_steps": 1}, _pab,
-    per_context=False, reused_steps=_pab_reused, aliases=("pyramid_attention_broadcast",)))
+    reused_steps=_pab_reused, aliases=("pyramid_attention_broadcast",), after_apply=_pab_per_context))
 
 
 # ---------------------------------------------------------------------------------------------- cache-dit
