@@ -5,11 +5,17 @@ Methods (``cache.method``; a method is one :class:`CacheMethod` record, :func:`r
 
 * ``first_block``: ``FirstBlockCacheConfig`` on every transformer block; adaptive; reads ``threshold``.
 * ``magcache``: ``MagCacheConfig`` on every transformer block; adaptive; reads ``threshold``, ``max_skip_steps``,
-  ``retention_ratio``, ``mag_ratios``.
+  ``retention_ratio``, ``mag_ratios`` or ``calibrate`` (ratios calibrated for the model by diffusers' calibration
+  pass, stored under the cache dir: ``models.cache_calibration``).
 * ``taylorseer``: ``TaylorSeerCacheConfig`` on the attention modules (``lite``: blocks and ``proj_out``); fixed;
   reads ``compute_every``, ``warmup_steps``, ``order``, ``lite``.
-* ``pab``: ``PyramidAttentionBroadcastConfig`` on the self-attention modules; fixed; reads ``compute_every``,
-  ``warmup_steps``.
+* ``pab``: ``PyramidAttentionBroadcastConfig`` on the self-attention modules, one state per cache context (CFG
+  branch); fixed; reads ``compute_every``, ``warmup_steps``.
+* ``dbcache`` / ``dbcache_taylorseer``: cache-dit's DBCache (``cache_dit.enable_cache`` on the pipeline, with
+  ``DBCacheConfig`` and, for the second, ``TaylorSeerCalibratorConfig``); adaptive; read ``threshold``,
+  ``warmup_steps``, ``fn_compute_blocks``, ``bn_compute_blocks`` (and ``order``). cache-dit runs the blocks
+  through their own ``__call__``, so the probe's block hooks observe which ran; its own statistics (cached steps
+  per call) are cross-checked against the probe, never used as the count.
 
 *Adaptive* methods decide each step from the model's activations (first_block: the relative change of the first
 block's residual against ``threshold``; magcache: the accumulated error of the per-step magnitude ratios
