@@ -827,8 +827,9 @@ class DiffusersEngine(EngineBase):
 
     def warmup(self, batch: Sequence[ds.Item]) -> float:
         """With ``compile`` on and ``optimize.warmup``: one short call at ``batch``'s shape so that compilation
-        happens before the timed loop. Then the denoiser probe is attached (profiling the 2nd forward when
-        compiled without warm-up, since the 1st compiles) and ``on_loaded`` runs. Returns the warm-up seconds."""
+        happens before the timed loop; then, with ``cache.calibrate``, the step cache's calibration pass
+        (:meth:`calibrate_cache`). Then the denoiser probe is attached (profiling the 2nd forward when compiled
+        without warm-up, since the 1st compiles) and ``on_loaded`` runs. Returns the seconds of both."""
         cfg = self.ctx.run
         if cfg.compile != "none" and cfg.optimize.warmup and batch:
             cc = self.compile_cache  # the bar sits still meanwhile: say why (its ETA starts after it, runner.app.console)
@@ -850,13 +851,13 @@ class DiffusersEngine(EngineBase):
 
             # still set after every block compiled (dynamo re-applies the global per frame)
             self.inductor_deterministic = getattr(inductor_config, "deterministic", None)
-        self.warmup_s += self.calibrate_cache()
+        calibration_s = self.calibrate_cache()  # not compile warm-up: compile.warmup_s stays the compile's
         self.probe = evidence.DenoiserProbe(self.denoiser, profile=cfg.evidence.enabled and cfg.evidence.profile,
                                             device_kind=self.ctx.plat.kind,
                                             profile_forward=2 if cfg.compile != "none" and not self.warmup_s else 1)
         if self._on_loaded is not None:
             self._on_loaded(self)
-        return self.warmup_s
+        return self.warmup_s + calibration_s
 
     def warmup_call(self, batch: Sequence[ds.Item], steps: int = 2) -> None:
         """One pipeline call of ``steps`` steps whose output is discarded; a subclass that compiles provides it."""
