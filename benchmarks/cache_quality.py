@@ -17,7 +17,7 @@ accuracy ratio lossy/lossless over the attributes, PSNR/SSIM, the hit rate and t
 
 Usage:
     python benchmarks/cache_quality.py --out DIR                # one CUDA GPU (~5 min on an H200, builds included)
-    python benchmarks/cache_quality.py --smoke --out DIR        # tiny_flux + toys on the CPU: checks the script
+    python benchmarks/cache_quality.py --smoke --out DIR        # tiny_flux + 2 rows of each toy on the CPU
 Results: ``DIR/cache_quality.json`` (committed figures: ``benchmarks/results/cache_quality_h200.json``).
 """
 
@@ -103,14 +103,17 @@ def flux_speed(out: Path, data: List[str], base: List[str], methods: Dict[str, A
     return res
 
 
-def gate_toy(out: Path, model: str, lanes: Dict[str, List[str]], platform: str) -> Dict[str, Any]:
-    """The quality gate on ``model``'s 24 builtin rows: a lossless job and one per lane, then the gate."""
+def gate_toy(out: Path, model: str, lanes: Dict[str, List[str]], platform: str,
+             limit: int = 0) -> Dict[str, Any]:
+    """The quality gate on ``model``'s 24 builtin rows (``limit``: the first ones only): a lossless job and one per
+    lane, then the gate."""
     from runner.app import execute
     from runner.tools.gate import evaluate
     from runner.tools.report import load_jobs
 
     root = out / "gate" / model
     base = [f"model={model}", f"platform={platform}", f"cache_dir={out / 'cache'}"]
+    base += [f"dataset.limit={limit}"] if limit else []
     res: Dict[str, Any] = {"jobs": {}}
     dirs = []
     for name, ov in [("lossless", [])] + list(lanes.items()):
@@ -178,7 +181,8 @@ def main() -> int:
     doc["evidence"] = {k: (v.get("evidence") or {}).get("verdict", v.get("error")) for k, v in speed.items()}
     doc["flux"] = speed
     if not args.skip_gate:
-        doc["gate"] = {model: gate_toy(out, model, lanes, platform) for model, lanes in LANES.items()}
+        limit = 2 if args.smoke else 0
+        doc["gate"] = {model: gate_toy(out, model, lanes, platform, limit) for model, lanes in LANES.items()}
         doc["gate_accuracy_ratio"] = {model: {k: j.get("accuracy_ratio") for k, j in g["jobs"].items()
                                               if k != "lossless"} for model, g in doc["gate"].items()}
     doc["total_s"] = round(time.perf_counter() - t0, 1)
