@@ -198,3 +198,18 @@ def test_pab_keeps_one_state_per_cfg_branch(tmp_path):
     finally:
         unregister_cache_method("pab_shared")
     assert isinstance(r.error, EvidenceError) and r.items[0]["cache"]["forwards_reused"] == 15
+
+
+def test_calibration_under_regional_compile(tmp_path):
+    """With compile=regional the calibration pass runs after the compile warm-up, around the compiled blocks: it
+    compiles nothing more, is kept out of compile.warmup_s and of the counts, and computed every step."""
+    r = _run(tmp_path / "c", [*MAG, "compile=regional", f"cache_dir={tmp_path / 'cache'}"], limit=1)
+    m = r.manifest
+    assert r.code == 0 and m["evidence"]["verdict"] == "verified", m["evidence"]["mismatches"]
+    assert m["compile"]["graphs_compiled_after_warmup"] == 0
+    cal = m["evidence"]["stages"]["denoise"]["cache"]["calibration"][str(STEPS)]
+    assert cal["source"] == "calibrated" and cal["observed"]["forwards_reused"] == 0
+    assert cal["observed"]["forwards_computed"] == STEPS
+    sec = m["evidence"]["stages"]["denoise"]["cache"]
+    assert sec["forwards_computed"] + sec["forwards_reused"] == STEPS
+    assert m["timing"]["warmup_s"] >= m["compile"]["warmup_s"] + cal["seconds"] - 0.01
