@@ -11,6 +11,8 @@ Per shape x token count, on the same inputs:
     (``silu(up) * gate`` is a different function); if it passed, the check could not tell the two apart.
   * timing: ``moe_triton`` vs the bf16 reference loop (the TORCH backend), CUDA events, median of ``--iters``
     after ``--warmup`` calls; both include routing (and the Triton path its align step with one host sync).
+  * GROUPED_MM (CUDA, bf16): ``moe_grouped_mm`` on the same case, its parity, negative control and time
+    (``grouped_mm_*``, ``t_grouped_mm_ms``, ``speedup_grouped_mm`` over the bf16 reference loop).
 
 Metrics: ``rel_err = ||out - ref||_2 / ||ref||_2`` over the whole (T, H) output; ``max_abs_err = max |out - ref|``
 (reported with ``max|ref|`` for scale; not thresholded).
@@ -148,6 +150,20 @@ def debug_triton(c: Dict[str, Any], top_k: int, swap: bool = False) -> Dict[str,
     }
 
 
+def grouped_mm_row(c: Dict[str, Any], k: int, ref: torch.Tensor, args, device: str) -> Dict[str, Any]:
+    """GROUPED_MM (``moe.moe_grouped_mm``, torch's grouped GEMM) on the same case: parity against the fp32 oracle,
+    its negative control (gate/up swapped), and its time beside the Triton path's."""
+    lo, logits = c["lo"], c["logits"]
+    run = lambda wg, wu: moe.moe_grouped_mm(lo["x"], logits, wg, wu, lo["wd"], k, True)  # noqa: E731
+    out = run(lo["wg"], lo["wu"])
+    err, neg = errors(out, ref)["rel_err"], errors(run(lo["wu"], lo["wg"]), ref)["rel_err"]
+    row = {"grouped_mm_rel_err": err, "grouped_mm_ok": err < args.tol and not bool(torch.isnan(out).any()),
+           "grouped_mm_neg_rel_err": neg, "grouped_mm_neg_failed_as_expected": not neg < args.tol}
+    if not args.no_timing:
+        row["t_grouped_mm_ms"] = time_ms(lambda: run(lo["wg"], lo["wu"]), device, args.warmup, args.iters)
+    return row
+
+
 def run_case(name: str, shape: Dict[str, int], tokens: int, args, device: str, use_triton: bool) -> Dict[str, Any]:
     dtype = DTYPES[args.dtype]
     k = shape["top_k"]
@@ -195,6 +211,10 @@ def run_case(name: str, shape: Dict[str, int], tokens: int, args, device: str, u
         row["t_ref_lowp_ms"] = time_ms(lambda: moe.moe_reference(lo["x"], logits, lo["wg"], lo["wu"], lo["wd"], k,
                                                                  True), device, args.warmup, args.iters)
         row["speedup"] = row["t_ref_lowp_ms"] / row["t_triton_ms"]
+    if device == "cuda" and args.dtype == "bf16":
+        row.update(grouped_mm_row(c, k, ref, args, device))
+        if "t_grouped_mm_ms" in row and "t_ref_lowp_ms" in row:
+            row["speedup_grouped_mm"] = row["t_ref_lowp_ms"] / row["t_grouped_mm_ms"]
     return row
 
 
@@ -208,6 +228,11 @@ def fmt(row: Dict[str, Any]) -> str:
     s += f" | oracle {row['oracle_rel_err']:.1e}{'' if row['oracle_ok'] else ' (BAD)'}"
     if "t_triton_ms" in row:
         s += f" | triton {row['t_triton_ms']:.3f} ms vs ref loop {row['t_ref_lowp_ms']:.3f} ms ({row['speedup']:.1f}x)"
+    if "grouped_mm_rel_err" in row:
+        s += (f" | grouped_mm rel_err={row['grouped_mm_rel_err']:.3e} {'PASS' if row['grouped_mm_ok'] else 'FAIL'}, "
+              f"neg {'failed as expected' if row['grouped_mm_neg_failed_as_expected'] else 'PASSED (BAD)'}")
+    if "t_grouped_mm_ms" in row:
+        s += f", {row['t_grouped_mm_ms']:.3f} ms"
     if "error" in row:
         s += f"\n    ERROR {row['error']}\n{row['traceback']}"
     if "debug" in row:
@@ -257,8 +282,9 @@ def main(argv=None) -> int:
             rows.append(row)
             print(fmt(row), flush=True)
 
-    pos_ok = all(r.get("ok") for r in rows) and all(r["oracle_ok"] for r in rows)
-    neg_ok = all(r.get("neg_failed_as_expected") for r in rows)
+    pos_ok = (all(r.get("ok") for r in rows) and all(r["oracle_ok"] for r in rows)
+              and all(r.get("grouped_mm_ok", True) for r in rows))
+    neg_ok = all(r.get("neg_failed_as_expected") and r.get("grouped_mm_neg_failed_as_expected", True) for r in rows)
     result = {**info, "mode": "triton" if use_triton else "degraded_reference_only",
               "triton_skipped": not use_triton, "positive_ok": pos_ok, "negative_control_ok": neg_ok,
               "ok": pos_ok and neg_ok, "cases": rows}

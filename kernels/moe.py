@@ -1,4 +1,5 @@
-"""MoE backends: ``TORCH`` (reference expert loop) and ``TRITON`` (grouped-expert Triton kernels).
+"""MoE backends: ``TORCH`` (reference expert loop), ``TRITON`` (grouped-expert Triton kernels) and ``GROUPED_MM``
+(torch's grouped GEMM, one per projection: :func:`moe_grouped_mm`).
 
 Block: a standard top-k routed SwiGLU mixture of experts, as in Qwen3-MoE and Mixtral::
 
@@ -34,7 +35,11 @@ TRITON implementation (:func:`moe_triton`), in the style of vLLM's ``fused_moe``
     ``H`` and ``I`` are compile-time constants of both kernels (one compile per model shape and block config;
     runtime loop bounds also break ``range`` in Triton 3.6's CPU interpreter); block sizes are all >= 16 (tl.dot).
 
-Both implementations count nothing themselves; :class:`SwiGLUMoE` counts which one its ``forward`` ran.
+GROUPED_MM implementation (:func:`moe_grouped_mm`): one sort of the assignments by expert, then one
+``torch.nn.functional.grouped_mm`` per projection (gate and up fused into one when they are stored fused) and an
+``index_add_`` combine; see the GROUPED_MM section below for what torch runs on each device.
+
+The implementations count nothing themselves; :class:`SwiGLUMoE` counts which one its ``forward`` ran.
 
 Diffusion models' MoE blocks (HiDream-I1) are wired by :func:`install` (bottom of this module): the stage's MoE
 backend decides what computes the routed experts of every block, each block's forward records what actually did
@@ -63,7 +68,7 @@ except Exception as _e:  # noqa: BLE001 - a broken install is not an install
     HAS_TRITON = False
     _TRITON_IMPORT_ERROR = _e
 
-IMPLS = ("TORCH", "TRITON")
+IMPLS = ("TORCH", "TRITON", "GROUPED_MM")
 
 
 # ------------------------------------------------------------------------------------------------ routing
@@ -377,9 +382,153 @@ def moe_triton_stages(x: torch.Tensor, router_logits: torch.Tensor, w_gate: torc
             "num_blocks": num_blocks, "inter": inter_buf, "out_k": out_k, "cfg": cfg}
 
 
+# ------------------------------------------------------------------------------------------------ GROUPED_MM
+#
+# GROUPED_MM (:func:`moe_grouped_mm`): torch's own grouped GEMM, no kernel of ours. The T*k token-expert
+# assignments are sorted by expert once; each projection is then ONE grouped GEMM over all experts (2-D sorted
+# tokens x 3-D stacked weights, groups delimited by ``offs``), and the routing-weighted outputs are scattered back
+# onto their tokens with ``index_add_``. What torch runs (ATen ``_grouped_mm_cuda``, GroupedBlas.cpp): on a CUDA
+# GPU of compute capability 9.x or 10.x with bf16 operands, its CUTLASS grouped GEMM (``bf16bf16_grouped_mm``, a
+# ``prepare_grouped_gemm_data`` kernel then the GEMM, no host sync); in every other case (fp16/fp32, other GPUs,
+# the CPU) its fallback, one ``mm`` per expert after copying ``offs`` to the host (``_grouped_mm_fallback``,
+# GroupedMMUtils.h): correct, not grouped. Row strides must be multiples of 16 bytes (``H`` and ``I`` multiples of
+# 8 in bf16; ``check_valid_strides_and_return_transposed``, GroupedMMUtils.h).
+
+
+def grouped_mm_entry() -> Optional[Callable[..., torch.Tensor]]:
+    """torch's grouped GEMM: ``torch.nn.functional.grouped_mm`` (the public name), else ``torch._grouped_mm`` (the
+    op it calls, present in torch releases before the public name); None when this torch has neither."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sort the token-expert assignments by expert (one stable sort) and delimit each expert's rows.
+
+    Args:
+        ids: ``(T, k)`` int64 expert ids; assignment ``a = t*k + j`` is ``ids.flatten()[a]``.
+        num_experts: E.
+
+    Returns:
+        ``(order, offs)``: ``order`` ``(T*k,)`` int64, the assignment at each sorted position (ascending expert;
+        ascending ``a`` within one expert); ``offs`` ``(E,)`` int32, ``offs[e]`` = the number of assignments to
+        experts ``0..e`` (cumulative token counts: expert ``e``'s rows of the sorted list are ``offs[e-1]:offs[e]``,
+        none for an expert no token chose; ``offs[-1] = T*k``), the ``offs`` of torch's grouped GEMM. The counts
+        come from ``searchsorted`` on the sorted ids, not ``bincount``, which reads its maximum back to the host on
+        CUDA: nothing here synchronizes.
+    """
+    sorted_ids, order = torch.sort(ids.flatten(), stable=True)
+    bounds = torch.arange(num_experts, device=ids.device, dtype=sorted_ids.dtype)
+    return order, torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
+
+
+def fused_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[torch.Tensor]:
+    """The ``(E, 2I, H)`` tensor whose rows ``[:I]`` are ``w_gate`` and ``[I:]`` ``w_up``, when the two ``(E, I, H)``
+    operands are the halves of one such tensor in memory (``models.hidream.HiDreamExperts.stack`` packs them so);
+    None otherwise. A view, no copy: it lets one grouped GEMM compute both projections. None while torch.compile
+    traces (storage offsets are not traceable: the two projections are then two grouped GEMMs)."""
+    if torch.compiler.is_compiling():
+        return None
+    if (w_gate.shape != w_up.shape or w_gate.stride() != w_up.stride() or w_gate.dtype != w_up.dtype
+            or w_gate.device != w_up.device or w_gate.dim() != 3):
+        return None
+    if w_gate.untyped_storage().data_ptr() != w_up.untyped_storage().data_ptr():
+        return None
+    n_exp, inter, hidden = w_gate.shape
+    s_e, s_i, s_h = w_gate.stride()
+    if s_h != 1 or s_i < hidden or s_e < 2 * inter * s_i:
+        return None
+    if w_up.storage_offset() - w_gate.storage_offset() != inter * s_i:
+        return None
+    return w_gate.as_strided((n_exp, 2 * inter, hidden), (s_e, s_i, s_h))
+
+
+def _check_grouped_operands(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                            hidden: int, inter: int) -> None:
+    """dtype and alignment checks of :func:`moe_grouped_mm` (TypeError / ValueError / RuntimeError, see there)."""
+    if grouped_mm_entry() is None:
+        raise RuntimeError(f"moe_grouped_mm needs torch.nn.functional.grouped_mm or torch._grouped_mm; torch "
+                           f"{torch.__version__} has neither. Fix: backend.moe=TORCH (or a newer torch)")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"moe_grouped_mm takes bf16/fp16/fp32 activations, got {x.dtype}")
+    if any(w.dtype != x.dtype for w in (w_gate, w_up, w_down)):
+        raise TypeError(f"expert weights must be {x.dtype}, got {w_gate.dtype}/{w_up.dtype}/{w_down.dtype}")
+    align = 16 // x.element_size()
+    if hidden % align or inter % align:
+        raise ValueError(f"torch's grouped GEMM needs 16-byte row strides: H={hidden} and I={inter} must be "
+                         f"multiples of {align} in {str(x.dtype).replace('torch.', '')}")
+
+
+def moe_grouped_mm(x: torch.Tensor, router_logits: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
+    """Routed experts as grouped GEMMs (the ``GROUPED_MM`` backend); same contract as :func:`moe_reference`.
+
+    Steps: routing (:func:`route`, fp32); :func:`sort_by_expert` (one sort, ``offs``); gather the tokens in sorted
+    order; gate and up projections: one grouped GEMM when :func:`fused_gate_up` finds them fused, else two;
+    ``silu(gate) * up`` in ``x.dtype``; down projection: one grouped GEMM; each row times its routing weight in fp32
+    and ``index_add_`` onto its token in fp32; cast to ``x.dtype``. See the section comment above for what torch
+    runs on each device and dtype.
+
+    Args:
+        x: ``(T, H)`` bf16 (the fast path on CUDA 9.x/10.x), fp16 or fp32 (torch's per-expert fallback).
+        router_logits: ``(T, E)`` any float dtype, same device.
+        w_gate: ``(E, I, H)``; w_up: ``(E, I, H)``; w_down: ``(E, H, I)`` -- ``x.dtype``, same device, last dim
+            contiguous.
+        top_k: experts per token; renormalize: as :func:`route`.
+
+    Returns:
+        ``(T, H)`` in ``x.dtype``. The projections and the SwiGLU activation are rounded to ``x.dtype`` (torch's
+        grouped GEMM outputs its input dtype), the weighting and the top-k combine run in fp32 (on CUDA the
+        ``index_add_`` adds a token's k rows with atomics, in a varying order: differences at fp32 rounding, as in
+        diffusers' own ``scatter_reduce_`` combine).
+
+    Raises:
+        TypeError: ``x`` not bf16/fp16/fp32, or the weights not in ``x.dtype``.
+        ValueError: inconsistent shapes, ``top_k`` outside ``[1, E]``, or ``H``/``I`` not multiples of 16 bytes.
+        RuntimeError: this torch has no grouped GEMM.
+    """
+    n_tok, hidden, inter, n_exp = _check_shapes(x, router_logits, w_gate, w_up, w_down)
+    _check_grouped_operands(x, w_gate, w_up, w_down, hidden, inter)
+    weights, ids = route(router_logits, top_k, renormalize)
+    if n_tok == 0:
+        return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
+    order, offs = sort_by_expert(ids, n_exp)
+    return grouped_experts(x, weights, order, offs, (w_gate, w_up, w_down), top_k)
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, offs: torch.Tensor,
+                    experts: Tuple[torch.Tensor, torch.Tensor, torch.Tensor], top_k: int) -> torch.Tensor:
+    """:func:`moe_grouped_mm` after routing: the SwiGLU experts on the assignments in ``order``, combined.
+
+    Args:
+        x: ``(T, H)``; weights: ``(T, k)`` fp32 routing weights; order / offs: :func:`sort_by_expert` of the ids;
+        experts: ``(w_gate (E, I, H), w_up (E, I, H), w_down (E, H, I))``; top_k: k.
+
+    Returns:
+        ``(T, H)`` in ``x.dtype``: ``out[t] = sum_j weights[t, j] * expert(x[t])`` over the assignments ``t*k + j``,
+        each computed by the expert whose ``offs`` range holds its sorted position (so a wrong ``order`` gives
+        another function: the parity tests' negative control).
+    """
+    w_gate, w_up, w_down = experts
+    gmm = grouped_mm_entry()
+    tok = order // top_k                                                  # token of each sorted row
+    xs = x.index_select(0, tok)                                           # (T*k, H), grouped by expert
+    fused = fused_gate_up(w_gate, w_up)
+    if fused is not None:
+        gu = gmm(xs, fused.transpose(-2, -1), offs=offs)                  # (T*k, 2I)
+        gate, up = gu[:, :w_gate.shape[1]], gu[:, w_gate.shape[1]:]
+    else:
+        gate = gmm(xs, w_gate.transpose(-2, -1), offs=offs)               # (T*k, I)
+        up = gmm(xs, w_up.transpose(-2, -1), offs=offs)
+    y = gmm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)      # (T*k, H)
+    w = weights.flatten().index_select(0, order)                          # (T*k,) fp32
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, y * w[:, None])                                # fp32 (type promotion)
+    return out.to(x.dtype)
+
+
 # ------------------------------------------------------------------------------------------------ module
 
-_IMPL_FN = {"TORCH": moe_reference, "TRITON": moe_triton}
+_IMPL_FN = {"TORCH": moe_reference, "TRITON": moe_triton, "GROUPED_MM": moe_grouped_mm}
 
 
 class SwiGLUMoE(nn.Module):
@@ -387,8 +536,9 @@ class SwiGLUMoE(nn.Module):
 
     Args:
         hidden_size: H; intermediate_size: I (per expert); num_experts: E; top_k: experts per token.
-        backend: ``"TORCH"`` (:func:`moe_reference`) or ``"TRITON"`` (:func:`moe_triton`); registry aliases
-            (``torch``, ``fused``, ...) are accepted through :func:`kernels.registry.normalize`.
+        backend: ``"TORCH"`` (:func:`moe_reference`), ``"TRITON"`` (:func:`moe_triton`) or ``"GROUPED_MM"``
+            (:func:`moe_grouped_mm`); registry aliases (``torch``, ``fused``, ``grouped_mm``, ...) are accepted
+            through :func:`kernels.registry.normalize`.
         renormalize: renormalize the top-k routing weights (Qwen3-MoE ``norm_topk_prob``; Mixtral: always).
         dtype / device: of the parameters.
 
@@ -397,7 +547,8 @@ class SwiGLUMoE(nn.Module):
         w_gate: ``(E, I, H)``; w_up: ``(E, I, H)``; w_down: ``(E, H, I)`` (see the module docstring).
 
     Attributes:
-        calls: ``{"TORCH": n, "TRITON": m}``, forward calls per implementation that actually ran.
+        calls: ``{"TORCH": n, "TRITON": m, "GROUPED_MM": g}``, forward calls per implementation that actually
+            ran.
 
     Forward: ``x`` ``(..., H)`` -> ``(..., H)`` in ``x.dtype``; the router runs in the parameters' dtype.
 
@@ -405,6 +556,8 @@ class SwiGLUMoE(nn.Module):
         kernels.registry.UnknownBackendError: an unknown backend name (at construction).
         RuntimeError: backend ``TRITON`` called on a CPU tensor or without ``triton`` (at forward; the runner's
             registry check refuses it earlier, at startup).
+        TypeError / ValueError: backend ``GROUPED_MM`` on a dtype or sizes it does not take (at forward; see
+            :func:`moe_grouped_mm`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -457,7 +610,8 @@ class SwiGLUMoE(nn.Module):
 #     y = routed(x) + shared(x)
 # where ``routed`` is this module's routed SwiGLU mixture (router logits, top-k, a SwiGLU per expert) and ``shared``
 # an optional dense expert every token runs. The MoE backend of the stage decides what computes ``routed``: the
-# model's own expert loop (``TORCH``, the reference) or a kernel with :func:`moe_reference`'s contract (``TRITON``).
+# model's own expert loop (``TORCH``, the reference) or a kernel with :func:`moe_reference`'s contract (``TRITON``,
+# ``GROUPED_MM``).
 # Which one each block actually ran is observed per call (:class:`MoESite`), never assumed from the configuration.
 
 
@@ -479,8 +633,10 @@ class ExpertsLayout:
         raise NotImplementedError
 
     def stack(self, block: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(w_gate (E, I, H), w_up (E, I, H), w_down (E, H, I))`` of the routed experts, packed once into three
-        contiguous tensors; the experts' own Linears are re-pointed at views of them (no second copy in memory)."""
+        """``(w_gate (E, I, H), w_up (E, I, H), w_down (E, H, I))`` of the routed experts, packed once; the experts'
+        own Linears are re-pointed at views of them (no second copy in memory). ``w_gate`` and ``w_up`` may be the
+        two halves ``[:, :I]`` / ``[:, I:]`` of one ``(E, 2I, H)`` tensor (:func:`fused_gate_up`), which lets
+        GROUPED_MM compute both with one grouped GEMM."""
         raise NotImplementedError
 
     def router_logits(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -583,8 +739,8 @@ def install(blocks: Iterable[Tuple[str, nn.Module]], layout: ExpertsLayout, back
     Args:
         blocks: ``(layer name, block)`` of every MoE call site.
         layout: the family's :class:`ExpertsLayout`.
-        backend: canonical MoE backend (``TORCH``: the model's own loop; ``TRITON``: :func:`moe_triton`; or any
-            registered backend with ``DiffusersMoEWiring``).
+        backend: canonical MoE backend (``TORCH``: the model's own loop; ``TRITON``: :func:`moe_triton`;
+            ``GROUPED_MM``: :func:`moe_grouped_mm`; or any registered backend with ``DiffusersMoEWiring``).
         observe: attach the per-call observers (off under ``torch.compile``).
 
     Returns:
@@ -674,3 +830,32 @@ def time_block(block: nn.Module, layout: ExpertsLayout, x: torch.Tensor, backend
     if "forward" in vars(block):
         del block.forward
     return out
+
+
+def auto_candidates(ctx: Any) -> List[str]:
+    """The MoE backends ``auto`` may choose on a diffusers stage in ``ctx`` (a ``kernels.registry.SelectionContext``),
+    in auto order: ranked for its platform class (``kernels.registry.auto_order``), wired into diffusers models, and
+    every requirement met. ``models.diffusers_engine.DiffusersEngine.choose_moe_by_measurement`` times them when
+    there are two or more."""
+    from kernels import registry as reg
+
+    wired = reg.wired("moe", "diffusers")
+    return [n for n, _ in reg.auto_order("moe", ctx) if n in wired and not reg.get("moe", n).unmet(ctx)]
+
+
+def time_candidates(block: nn.Module, layout: ExpertsLayout, x: torch.Tensor, names: Sequence[str],
+                    iters: int = 5, warmup: int = 2) -> Tuple[Dict[str, float], Dict[str, str]]:
+    """``auto``'s measurement: :func:`time_block` of each backend in ``names`` on ``block`` and ``x (..., H)``.
+
+    Returns:
+        ``(times, failed)``: milliseconds per call of each backend that ran, and ``"<exception type>: <message>"``
+        of each that raised (a candidate that cannot run here is not chosen; the caller records why).
+    """
+    times: Dict[str, float] = {}
+    failed: Dict[str, str] = {}
+    for name in names:
+        try:
+            times.update(time_block(block, layout, x, [name], iters=iters, warmup=warmup))
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is not chosen
+            failed[name] = f"{type(e).__name__}: {e}"
+    return times, failed

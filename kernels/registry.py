@@ -26,14 +26,19 @@ Sources of the numeric rules:
     sm100+. An FA2/FA3 wheel is not FA4 on Blackwell.
   * SageAttention 1.x (Triton): head_dim in {64, 96, 128}, fp16/bf16, sm80+; INT8 Q/K in blocks of 128/64.
   * FP8 GEMM (``torch._scaled_mm``): sm89+ (Ada/Hopper FP8 tensor cores), K and N multiples of 16.
+  * Grouped GEMM (``torch._grouped_mm``, ATen ``_grouped_mm_cuda`` in GroupedBlas.cpp): the CUTLASS kernel only for
+    bf16 on compute capability major 9 or 10, else a per-group mm fallback (GroupedMMUtils.h); row strides multiples
+    of 16 bytes.
   * ``auto`` order, measured on the H200 at the FLUX 1024 shape: cuDNN SDPA 654 TFLOP/s vs FA2 331
     (shared/reference/h200_measured.json).
   * Profiler signatures: kernel names seen in torch.profiler traces (cuDNN frontend SDPA
     "cudnn_generated_fort_native_sdpa_*"; flash-attn "flash_fwd_kernel"; SageAttention's Triton "_attn_fwd" and
     "quant_per_block_int8_kernel"; SageAttention 2's sm90 CUDA kernel "qk_int8_sv_f8_attn_kernel" (csrc/qattn/
     qk_int_sv_f8_cuda_sm90.cu) after its Triton "quant_query/key_per_thread_int8_kernel" and CUDA
-    "TransposePadPermuteKernel"/"MeanScaleKernel" (csrc/fused/fused.cu) quantization kernels; cuBLASLt/CUTLASS FP8 GEMMs carry "e4m3" in their names, and torch 2.11's
-    cuBLASLt picks "nvjet_sm90_qqtst_..._ovscale_..." for row-wise scaled FP8 on the H200, seen there 2026-11-29).
+    "TransposePadPermuteKernel"/"MeanScaleKernel" (csrc/fused/fused.cu) quantization kernels; torch's grouped GEMM
+    "aten::_grouped_mm" (the op) and "prepare_grouped_gemm_data" (GroupMMCommon.cuh, its CUTLASS path's setup);
+    cuBLASLt/CUTLASS FP8 GEMMs carry "e4m3" in their names, and torch 2.11's cuBLASLt picks
+    "nvjet_sm90_qqtst_..._ovscale_..." for row-wise scaled FP8 on the H200, seen there 2026-11-29).
   * vLLM names: members of ``vllm.v1.attention.backends.registry.AttentionBackendEnum`` and the ``Literal`` types
     ``vllm.config.kernel.LinearBackend`` / ``MoEBackend`` (read from the installed vLLM: 0.32 CPU, 0.24 CUDA).
   * vLLM kernel names (``vllm_signature``): vLLM 0.24.0's ``vllm_flash_attn/_vllm_fa3_C.abi3.so`` symbols
@@ -89,6 +94,8 @@ class SelectionContext:
             (:func:`context_parallel_unmet`).
         ring_attention: the context parallelism includes ring attention (``ring_degree > 1``), which needs the
             backend's log-sum-exp.
+        moe_dims: ``(H, I)`` of the stage's routed experts (hidden size, expert intermediate size, elements); None
+            when unknown or the model has no MoE layers.
     """
 
     platform_kind: str
@@ -98,6 +105,7 @@ class SelectionContext:
     needs_mask: bool = False
     sequence_parallel: bool = False
     ring_attention: bool = False
+    moe_dims: Optional[Tuple[int, int]] = None
 
 
 def has_symbol(path: str) -> bool:
@@ -211,6 +219,17 @@ def head_dim_multiple_of(n: int) -> Requirement:
     """The attention head_dim is a multiple of ``n``; unknown head_dim passes."""
     return Requirement(f"head_dim % {n} == 0", lambda ctx: [] if ctx.head_dim is None or not ctx.head_dim % n else [
         f"needs head_dim a multiple of {n}, the model has {ctx.head_dim}"])
+
+
+def moe_dims_multiple_of(n: int) -> Requirement:
+    """The routed experts' hidden size and intermediate size are multiples of ``n``; unknown dims pass."""
+    def test(ctx: SelectionContext) -> List[str]:
+        if ctx.moe_dims is None or not (ctx.moe_dims[0] % n or ctx.moe_dims[1] % n):
+            return []
+        h, i = ctx.moe_dims
+        return [f"needs the experts' hidden and intermediate sizes multiples of {n}, the model has H={h}, I={i}"]
+
+    return Requirement(f"MoE dims % {n} == 0", test)
 
 
 def no_mask() -> Requirement:
@@ -590,23 +609,63 @@ register_backend(Backend(
     signature=r"torchao::|aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq", lossy=True))
 # MoE. On diffusers stages TORCH is the model's own expert loop (diffusers' forward of each MoE block: per expert a
 # gather, its SwiGLU, and one scatter_reduce_ combine: its profiler signature), TRITON our grouped kernels
-# (kernels.moe.moe_triton: bf16/fp16 on a CUDA GPU; its two Triton kernels are its signature). ``auto`` ranks
-# TRITON first where it can run; a diffusers stage with more than one runnable candidate times them at startup at
-# the model's MoE shape (models.diffusers_engine.DiffusersEngine.choose_moe_by_measurement), and the timings are
-# the recorded reason. AR stages use vLLM's own MoE names (``vllm``), not these wirings.
+# (kernels.moe.moe_triton: bf16/fp16 on a CUDA GPU; its two Triton kernels are its signature), GROUPED_MM torch's
+# grouped GEMM (kernels.moe.moe_grouped_mm). ``auto`` ranks TRITON, then GROUPED_MM, then TORCH; a diffusers stage
+# with more than one runnable candidate times them at startup at the model's MoE shape
+# (models.diffusers_engine.DiffusersEngine.choose_moe_by_measurement), and the timings are the recorded reason: the
+# rank decides only where nothing is timed (one candidate, or parallelism=data). AR stages use vLLM's own MoE names
+# (``vllm``), not these wirings.
 register_backend(Backend("moe", "TORCH", aliases=("torch", "reference", "loop"),
                          auto={"*": (20, "reference expert loop")}, diffusers=DiffusersMoEWiring(kernel=None),
                          signature=r"aten::scatter_reduce"))
 register_backend(Backend("moe", "TRITON", aliases=("triton", "fused", "grouped"),
                          requires=(on_platform("cuda", "rocm"), sm_at_least(80), symbol("triton:jit"),
                                    dtype_in(*_HALF)),
-                         auto={"*": (10, "fused grouped-expert kernel on GPU (7-16x the bf16 expert loop at 7-1024 "
-                                         "tokens, Qwen3-MoE shape, H200: benchmarks/results/"
-                                         "h200_moe_parity_2026-11-29.json)")},
+                         # where it wins and loses, measured side by side with GROUPED_MM and the loop on the H200:
+                         # benchmarks/results/hidream_moe_h200_2026-12-02.json (and h200_moe_parity_2026-11-29.json)
+                         auto={"*": (10, "fused grouped-expert Triton kernels: fastest measured at many small experts "
+                                         "with many tokens (64 experts of width 1024, top-8, 8192 tokens; Qwen3-MoE "
+                                         "shape at 7-1024 tokens), slower than diffusers' loop at HiDream-I1's 4 "
+                                         "experts of width 6912 (H200: benchmarks/results/hidream_moe_h200_2026-12-02"
+                                         ".json)")},
                          diffusers=DiffusersMoEWiring(kernel="kernels.moe:moe_triton"), vllm="triton",
                          signature=r"_moe_gate_up_silu_kernel|_moe_down_kernel",
                          # vLLM's TritonExperts (fused_moe/fused_moe.py): two launches per MoE layer and step
                          vllm_signature=r"\bfused_moe_kernel\b"))
+
+
+def _grouped_mm_symbol(ctx: SelectionContext) -> List[str]:
+    """torch has a grouped GEMM: ``torch.nn.functional.grouped_mm`` or the op it calls, ``torch._grouped_mm``."""
+    if has_symbol("torch.nn.functional:grouped_mm") or has_symbol("torch:_grouped_mm"):
+        return []
+    return [f"needs `torch.nn.functional.grouped_mm` or `torch._grouped_mm` (torch {torch.__version__} has neither)"]
+
+
+def _grouped_mm_device(ctx: SelectionContext) -> List[str]:
+    """On CUDA, compute capability 9.x or 10.x: where ATen's ``_grouped_mm_cuda`` (GroupedBlas.cpp) runs its CUTLASS
+    grouped GEMM (``_scaled_mm_allowed_device(sm90_only, sm100_only)``: major 9 or 10); elsewhere it falls back to
+    one mm per expert after a host sync, which is the reference loop's work, so it is refused. CPU passes (torch's
+    fallback there: correct, not grouped; for tests and CPU runs)."""
+    if ctx.platform_kind != "cuda" or (ctx.sm is not None and ctx.sm // 10 in (9, 10)):
+        return []
+    return [f"needs compute capability 9.x or 10.x on CUDA (torch's CUTLASS grouped GEMM; elsewhere torch runs one "
+            f"mm per expert), this device is {_device(ctx)}"]
+
+
+_GROUPED_MM_WHY = ("torch's grouped GEMM, one per projection (CUTLASS, bf16): fastest measured at many small experts "
+                   "with few tokens (64 experts of width 1024, top-8, 1024 tokens), at the loop's speed at HiDream-I1's "
+                   "shape (H200: benchmarks/results/hidream_moe_h200_2026-12-02.json)")
+register_backend(Backend("moe", "GROUPED_MM", aliases=("grouped_mm", "grouped_gemm", "torch_grouped_mm"),
+                         requires=(on_platform("cpu", "cuda"),
+                                   Requirement("CUDA compute capability 9.x/10.x", _grouped_mm_device),
+                                   Requirement("torch grouped_mm", _grouped_mm_symbol), dtype_in(torch.bfloat16),
+                                   moe_dims_multiple_of(8)),  # 16-byte rows in bf16 (GroupedMMUtils.h)
+                         # CUDA only: on the CPU torch's grouped GEMM is a per-expert mm loop (explicit choice only)
+                         auto={"cuda": (15, _GROUPED_MM_WHY), "sm100": (15, _GROUPED_MM_WHY)},
+                         diffusers=DiffusersMoEWiring(kernel="kernels.moe:moe_grouped_mm"),
+                         # the op on every device; on CUDA 9.x/10.x also the CUTLASS path's setup kernel
+                         # (aten/src/ATen/native/cuda/GroupMMCommon.cuh)
+                         signature=r"aten::_grouped_mm\b|prepare_grouped_gemm_data"))
 
 
 def normalize(field_name: str, value: Any, where: Optional[str] = None) -> str:

@@ -411,7 +411,8 @@ class DiffusersEngine(EngineBase):
         lay = self.ctx.parallel
         sel = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=self.head_dim(),
                                needs_mask=self.needs_mask, sequence_parallel=lay is not None,
-                               ring_attention=lay is not None and lay.ring > 1)
+                               ring_attention=lay is not None and lay.ring > 1,
+                               moe_dims=self.moe_dims() if "moe" in self.backend_fields else None)
         info = StageInfo(name=self.stage, roles=list(cfg.model.roles), fields=self.backend_fields, ctx=sel,
                          wired={"attention": wired("attention", "diffusers"), "moe": wired("moe", "diffusers")},
                          model=str(self.model_cfg.name))
@@ -443,8 +444,7 @@ class DiffusersEngine(EngineBase):
         from kernels import moe
         from kernels import registry as reg
 
-        wired_moe = reg.wired("moe", "diffusers")
-        cands = [n for n, _ in reg.auto_order("moe", sel) if n in wired_moe and not reg.get("moe", n).unmet(sel)]
+        cands = moe.auto_candidates(sel)
         if len(cands) < 2:
             res.reason = f"the only MoE backend that can run here: {res.reason}"
             return
@@ -456,13 +456,7 @@ class DiffusersEngine(EngineBase):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
             block, x, shape = self.moe_probe()
-            times: Dict[str, float] = {}
-            failed: Dict[str, str] = {}
-            for name in cands:
-                try:
-                    times.update(moe.time_block(block, self.moe_layout(), x, [name]))
-                except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is not chosen
-                    failed[name] = f"{type(e).__name__}: {e}"
+            times, failed = moe.time_candidates(block, self.moe_layout(), x, cands)
             del block, x
         if not times:
             raise reg.BackendUnavailableError(f"auto found no MoE backend that runs the model's MoE block here: "
@@ -488,6 +482,11 @@ class DiffusersEngine(EngineBase):
             NotImplementedError: the family declares no MoE layers.
         """
         raise NotImplementedError(f"{type(self).__name__} has no MoE layers")
+
+    def moe_dims(self) -> Optional[Tuple[int, int]]:
+        """``(H, I)`` of the denoiser's routed experts from the model's configs (no weights), for the MoE backends'
+        shape requirements; None (unknown) by default."""
+        return None
 
     def moe_probe(self) -> Tuple[torch.nn.Module, torch.Tensor, str]:
         """One randomly initialised MoE block of the model's shape on the stage's device and dtype, an input of the
@@ -570,7 +569,12 @@ class DiffusersEngine(EngineBase):
                 want = self.expected_forwards([ds.Item(row=r, index=0, seed=0)])
                 per_step.append(None if want is None else want / r.num_inference_steps)
             step_cache.check_rows_forwards(self.cache_settings, per_step, self.model_cfg.name)
+        self.plan_memory(rows)
         return rows, path
+
+    def plan_memory(self, rows: Sequence[ds.Row]) -> None:
+        """The memory plan of the rows' largest batch shape, before loading; none by default (a subclass that
+        sizes its components plans, ``models.pipelines.PipelineEngine.plan_memory``)."""
 
     # ------------------------------------------------------------------------ what the model honours
     def ignored_fields(self, rows: Sequence[ds.Row]) -> Dict[str, Tuple[str, str]]:
@@ -717,6 +721,10 @@ class DiffusersEngine(EngineBase):
                                     "optimize": self.optimize(cfg.optimize)}
         self.observe = bool(cfg.evidence.enabled) and compile_mode == "none"
         self.probes = {"observed": self.observe}
+        fit = getattr(self, "fit", None)  # models.memory.Fitting (quantization, offload, budget) of a pipeline stage
+        if fit is not None:
+            fit.attach(self.pipe, self.device, self.observe)
+            sections["memory_plan"] = fit.section()
         for name in self.INSTALL_PASSES:
             getattr(self, f"install_{name}")(sections)
         self._on_loaded = on_loaded
@@ -986,7 +994,13 @@ class DiffusersEngine(EngineBase):
                             finite=result.nonfinite == 0, device=self.device, cache=cache,
                             collectives={k: (COLLECTIVES[k], n) for k, n in want.items()} if want else None,
                             forward_rule=self.has_forward_rule())
-        return ev["stages"][self.stage], list(ev["mismatches"])
+        section, mismatches = ev["stages"][self.stage], list(ev["mismatches"])
+        fit = getattr(self, "fit", None)
+        if fit is not None and (fit.choices or fit.applied.get("offload", "none") != "none" or fit.peaks is not None):
+            trace = getattr(self.probe, "trace", None) if self.probe is not None else None
+            section["memory"], bad = fit.evidence(self.want_forwards or 0, trace)
+            mismatches += bad
+        return section, mismatches
 
     def inputs_any_size(self) -> bool:
         """The task's pipeline sizes each input itself (``runner.core.media.size_problems``); False by default."""
@@ -1020,5 +1034,8 @@ class DiffusersEngine(EngineBase):
         return None
 
     def close(self) -> None:
-        """Leave the compile scope (deterministic mode restored)."""
+        """Leave the compile scope (deterministic mode restored); lift the memory budget's allocator cap."""
         self._scope.close()
+        fit = getattr(self, "fit", None)
+        if fit is not None:
+            fit.close()

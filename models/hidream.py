@@ -30,10 +30,11 @@ to ``HiDreamAttention`` (not an ``AttentionModuleMixin``): ``optimize.fuse_qkv``
 modules).
 
 MoE (``backend.moe``, :class:`HiDreamExperts`): ``TORCH`` keeps diffusers' own expert loop (``moe_infer``: the
-reference), ``TRITON`` computes the routed experts with ``kernels.moe.moe_triton`` (router and shared expert stay
-diffusers'). Routing: softmax over the routed experts, top-k, no renormalization (``MoEGate.norm_topk_prob`` is
-False); diffusers takes the softmax in the activations' dtype, ``kernels.moe.route`` in fp32 (the same in fp32
-runs; in bf16 the routing weights differ by bf16 rounding).
+reference), ``TRITON`` computes the routed experts with ``kernels.moe.moe_triton``, ``GROUPED_MM`` with
+``kernels.moe.moe_grouped_mm`` (router and shared expert stay diffusers'). Routing: softmax over the routed
+experts, top-k, no renormalization (``MoEGate.norm_topk_prob`` is False); diffusers takes the softmax in the
+activations' dtype, ``kernels.moe.route`` in fp32 (the same in fp32 runs; in bf16 the routing weights differ by
+bf16 rounding).
 """
 
 from __future__ import annotations
@@ -128,13 +129,17 @@ class HiDreamExperts(ExpertsLayout):
         return ("experts.",)
 
     def stack(self, block: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gate ``w1`` and up ``w3`` packed fused, as the halves of one ``(E, 2I, H)`` tensor (one grouped GEMM
+        for both under GROUPED_MM, ``kernels.moe.fused_gate_up``); down ``w2`` as ``(E, H, I)``."""
         with torch.no_grad():
-            packed = tuple(torch.stack([getattr(e, w).weight.detach() for e in block.experts])
-                           for w in ("w1", "w3", "w2"))
+            gate_up = torch.stack([torch.cat([e.w1.weight.detach(), e.w3.weight.detach()]) for e in block.experts])
+            inter = block.experts[0].w1.weight.shape[0]
+            packed = (gate_up[:, :inter], gate_up[:, inter:],
+                      torch.stack([e.w2.weight.detach() for e in block.experts]))
             for i, e in enumerate(block.experts):
                 for w, t in zip(("w1", "w3", "w2"), packed):
                     getattr(e, w).weight = nn.Parameter(t[i], requires_grad=False)
-        return packed  # type: ignore[return-value]
+        return packed
 
     def router_logits(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, block.gate.weight)
@@ -209,6 +214,17 @@ class HiDreamEngine(PipelineEngine):
         """:class:`HiDreamExperts`: router, routed experts and shared expert of ``MOEFeedForwardSwiGLU``."""
         return HiDreamExperts()
 
+    def moe_dims(self) -> Tuple[int, int]:
+        """``(dim, expert width)``: ``dim = heads x head_dim``; the width as diffusers builds an expert from
+        ``hidden_dim = 4 x dim`` (``HiDreamImageFeedForwardSwiGLU``: 2/3 of it, rounded up to a multiple of 256),
+        read from one built on the meta device."""
+        from diffusers.models.transformers.transformer_hidream_image import HiDreamImageFeedForwardSwiGLU
+
+        conf = self.component_config("transformer")
+        dim = int(conf.get("num_attention_heads", 20)) * int(conf.get("attention_head_dim", 128))
+        with torch.device("meta"):
+            return dim, HiDreamImageFeedForwardSwiGLU(dim, 4 * dim).w1.out_features
+
     def moe_probe(self) -> Tuple[nn.Module, torch.Tensor, str]:
         """One ``MOEFeedForwardSwiGLU`` of the transformer's shape (``dim = heads x head_dim``, ``hidden_dim = 4 x
         dim`` as the blocks build it) with random weights, and an input ``(1, T, dim)`` with ``T`` the image tokens
@@ -216,7 +232,7 @@ class HiDreamEngine(PipelineEngine):
         from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 
         conf = self.component_config("transformer")
-        dim = int(conf.get("num_attention_heads", 20)) * int(conf.get("attention_head_dim", 128))
+        dim = self.moe_dims()[0]
         e, k = int(conf.get("num_routed_experts", 4)), int(conf.get("num_activated_experts", 2))
         g = self.cfg.generation
         w, h = self.pipeline_size(int(g.width), int(g.height))

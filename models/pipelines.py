@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from models import conditioning
+from models import conditioning, memory
 from models.diffusers_engine import DiffusersEngine
 from models.family import FamilySpec, forwards_per_step, negative_prompt_ignored, quiet_truncation_warnings
 from runner.core.dataset import BUILTIN_PROMPTS, Item, Row
@@ -768,8 +768,11 @@ class PipelineEngine(DiffusersEngine):
         kind = self.source["kind"]
         cls = self.pipeline_cls()
         if kind == "dummy":
-            self.pipe = cls(**self.build_components(self._arch(), device=self.device, dtype=self.dtype,
-                                                    task=self.task))
+            comps = self.build_components(self._arch(), device=self.fit.build_device(self.device), dtype=self.dtype,
+                                          task=self.task)
+            for comp, method in self.fit.choices.items():  # torchao's quantize_, as diffusers applies it
+                memory.quantize_built(comps[comp], method, self.fit.libraries[comp], self.dtype)
+            self.pipe = cls(**comps)
         else:
             path = Path(self.source["path"]) if kind == "path" else self.embedded_snapshot(self._arch())
             self.source["path"] = str(path)
@@ -777,14 +780,94 @@ class PipelineEngine(DiffusersEngine):
             from models.processors import processor_overrides
 
             self.pipe = cls.from_pretrained(path, dtype=self.dtype, local_files_only=True, use_safetensors=True,
-                                            **processor_overrides(path))  # never fall back to pickle
-            self.pipe.to(self.device)
+                                            **processor_overrides(path), **self.quantized_kwargs(path))
+        self.fit.place(self.pipe, self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self.install_condition_probes()
         self.prepare_attention()
         self._toks = None  # records count with the loaded tokenizers
         self._token_cache = {}
         self._time_phases()
+
+    # ------------------------------------------------------------------------------------- memory, quantization
+    def check_memory(self) -> None:
+        """``model.quantization`` and ``memory.*`` checked before any weight loads (:class:`models.memory.Fitting`:
+        unknown methods or components, unmet requirements, a plan over the budget), then, with every weight on the
+        device and no budget, the base check (the weights against the free memory).
+
+        Raises:
+            kernels.quantization.QuantizationError subclasses; ConfigValueError; the base check's error.
+        """
+        from kernels.registry import SelectionContext
+
+        run, plat = self.ctx.run, self.ctx.plat
+        libs = {c: lib for c, (lib, _m, _k) in self.task_components(self.task).items() if c != "scheduler"}
+        self.fit = memory.Fitting(run.memory, getattr(self.cfg, "quantization", None), libs, plat.kind,
+                                  self.ctx.parallel)
+        lin = self.resolutions.get("linear")
+        self.fit.check(SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype),
+                       self.source.get("kind") == "dummy", bool(run.optimize.fuse_qkv),
+                       None if lin is None else str(lin.selected))
+        if self.fit.settings.offload == "none" and self.fit.settings.max_gpu_gb is None:
+            super().check_memory()
+
+    def plan_memory(self, rows: Sequence[Row]) -> None:
+        """With an offload plan or a budget: size every component on the meta device, estimate the activations of
+        the largest batch shape and choose the plan (``runner.core.memory``; refused when it cannot fit)."""
+        fit = getattr(self, "fit", None)
+        if fit is None or (fit.settings.offload == "none" and fit.settings.max_gpu_gb is None) or not rows:
+            return
+        gguf = os.path.getsize(fit.gguf_file) if fit.gguf_file else None
+        sizes = memory.component_sizes(self.meta_modules(), fit.choices, gguf)
+        forwards = max(self.expected_forwards([Item(row=r, index=0, seed=0)]) or 1 for r in rows)
+        total = None
+        if str(self.device).startswith("cuda") and torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
+        fit.choose(sizes, self.memory_stages(rows), forwards, total)
+
+    def meta_modules(self) -> Dict[str, Any]:
+        """Every model component on the meta device (no memory), from the architecture or the snapshot's configs."""
+        if self.source.get("kind") in ("dummy", "embedded"):
+            return self.build_components(self._arch(), device="meta", dtype=self.dtype, task=self.task)
+        return memory.meta_components(self.task_components(self.task), self.component_config, self.dtype)
+
+    def memory_stages(self, rows: Sequence[Row]) -> List[Any]:
+        """The phases of the largest batch shape with each component's activation bytes (``models.memory``)."""
+        from runner.core.memory import Stage
+
+        run = self.ctx.run
+        big = max(rows, key=lambda r: r.width * r.height * (getattr(r, "num_frames", None) or 1))
+        batch = max(1, min(int(run.batch_size), len(rows) * int(run.num_images_per_prompt)))
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        need = self.size_need() or 16
+        frames = getattr(big, "num_frames", None) or 1
+        latent_frames = (frames - 1) // 4 + 1 if self.video else 1  # Wan's VAE: 4x temporal (first frame alone)
+        seq = int(self.cfg.generation.max_sequence_length)
+        tokens = (big.width // need) * (big.height // need) * latent_frames + seq
+        guided = self.spec is not None and self.spec.cfg == "batched" and (big.guidance_scale or 0) > 1
+        encoders = {n: self.component_config(n) for n in self.task_components(self.task) if n.startswith("text_enc")}
+        den = {n: memory.denoiser_activations(self.component_config(n), batch * (2 if guided else 1), tokens, elem)
+               for n in self.task_components(self.task) if n.startswith("transformer")}
+        s = self.fit.settings
+        vae = memory.decoder_activations(self.component_config("vae"), batch, frames, big.height, big.width, elem,
+                                         s.vae_tiling, s.vae_slicing)
+        return [Stage("text_encode", memory.text_activations(encoders, batch, seq, elem)),
+                Stage("denoise", den), Stage("vae_decode", {"vae": vae})]
+
+    def quantized_kwargs(self, path: Path) -> Dict[str, Any]:
+        """``from_pretrained`` keywords of ``model.quantization``: diffusers' ``PipelineQuantizationConfig`` and a
+        GGUF component loaded from its file (its config from the snapshot's component dir)."""
+        fit = self.fit
+        out: Dict[str, Any] = {}
+        q = memory.pipeline_quantization(fit.choices, fit.libraries, self.dtype)
+        if q is not None:
+            out["quantization_config"] = q
+        for comp, method in fit.choices.items():
+            if method == "gguf":
+                lib, cls_name, _ = self.task_components(self.task)[comp]
+                model_cls = getattr(importlib.import_module(lib), cls_name)
+                out[comp] = memory.load_gguf(model_cls, str(fit.gguf_file), str(path / comp), self.dtype)
+        return out
 
     def install_condition_probes(self) -> None:
         """The hooks that observe a conditioning task's input reaching the transformer: the sequence length of an

@@ -206,3 +206,32 @@ def stale_output_hook(stateful: bool = True) -> Any:
             return module
 
     return Stale
+
+
+CLIP_CORPUS = ("a red circle in the top left on a white background", "a blue square", "a green triangle")
+
+
+def tiny_clip(path: Path, seed: int = 0, offset: float = 1.0, corpus: Sequence[str] = CLIP_CORPUS) -> Path:
+    """A tiny random CLIP (2 layers, width 32, 32 px vision input) saved at ``path`` as a metric model dir:
+    ``CLIPModel.save_pretrained`` (safetensors) and a ``CLIPProcessor`` of the local CLIP tokenizer
+    (``models.tokenizers.build_clip_tokenizer``) and a ``CLIPImageProcessor``. ``seed`` picks the weights; both
+    towers' pooled outputs get the bias ``offset`` through one tied projection (cosines positive for offset > 0)."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from models.tokenizers import build_clip_tokenizer
+
+    torch.manual_seed(seed)
+    layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    cfg = CLIPConfig(text_config=dict(vocab_size=300, max_position_embeddings=77, **layers),
+                     vision_config=dict(image_size=32, patch_size=8, **layers), projection_dim=16)
+    model = CLIPModel(cfg)
+    with torch.no_grad():  # a shared offset of both towers' pooled outputs, so cosines are positive (CLIPScore clamps
+        # negatives to 0) and still differ per item
+        model.visual_projection.weight.copy_(model.text_projection.weight)
+        model.vision_model.post_layernorm.bias.fill_(offset)
+        model.text_model.final_layer_norm.bias.fill_(offset)
+    model.save_pretrained(path, safe_serialization=True)
+    CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                     crop_size={"height": 32, "width": 32}),
+                  tokenizer=build_clip_tokenizer(list(corpus), 300)).save_pretrained(path)
+    return Path(path)

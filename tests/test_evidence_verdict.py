@@ -493,7 +493,23 @@ def test_moe_kernels_resolved_signature_found():
     moe = {"resolved": "TORCH", "sites": [moe_site(TORCH=2)]}
     out = build(two_sites(), linear_record(TORCH=8), probe(profile=True, model=Toy(scatter=True)), moe=moe)
     assert out["verdict"] == "verified", out["mismatches"]
-    assert out["stages"]["denoise"]["kernels"]["moe"] == {"TORCH": ["aten::scatter_reduce"], "TRITON": []}
+    assert out["stages"]["denoise"]["kernels"]["moe"] == {"TORCH": ["aten::scatter_reduce"], "TRITON": [],
+                                                          "GROUPED_MM": []}
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_moe_kernels_grouped_mm(scatter):
+    """GROUPED_MM resolved: its op in the profile verifies it; diffusers' loop's scatter_reduce in the same profile
+    (its experts ran the TORCH loop somewhere) is a mismatch naming TORCH."""
+    moe = {"resolved": "GROUPED_MM", "sites": [moe_site(resolved="GROUPED_MM", GROUPED_MM=2)]}
+    model = Toy(marks={"aten::_grouped_mm": 2}, scatter=scatter)
+    out = build(two_sites(), linear_record(TORCH=8), probe(profile=True, model=model), moe=moe)
+    assert out["stages"]["denoise"]["kernels"]["moe"]["GROUPED_MM"] == ["aten::_grouped_mm"]
+    if scatter:
+        assert out["mismatches"] == ["stage denoise, MoE: resolved GROUPED_MM, but TORCH's kernels ran: "
+                                     "['aten::scatter_reduce']"]
+    else:
+        assert out["verdict"] == "verified", out["mismatches"]
 
 
 def test_moe_kernels_resolved_signature_missing():
@@ -608,7 +624,7 @@ def test_moe_kernels_of_every_backend_with_a_signature():
         moe = {"resolved": "TORCH", "sites": [moe_site(TORCH=2)]}
         out = build(two_sites(), linear_record(TORCH=8), probe(profile=True, model=Toy(scatter=True)), moe=moe)
     assert out["stages"]["denoise"]["kernels"]["moe"] == {"TORCH": ["aten::scatter_reduce"], "TRITON": [],
-                                                          "SIG_MOE": ["aten::zeros"]}
+                                                          "GROUPED_MM": [], "SIG_MOE": ["aten::zeros"]}
     assert out["mismatches"] == ["stage denoise, MoE: resolved TORCH, but SIG_MOE's kernels ran: ['aten::zeros']"]
 
 

@@ -17,7 +17,7 @@ What runs (bf16 unless said):
 * ``compile=regional`` (a subprocess per run: verified from the kernels alone, no recompilation after the warm-up);
 * the negative control: a layer switched to another backend after resolution ends in exit 3 (``evidence_mismatch``);
 * the other families in tiny form (tiny_sd3, tiny_qwen_image, tiny_wan, toy_motion; tiny_hidream with
-  ``backend.moe`` TRITON, TORCH and auto);
+  ``backend.moe`` TRITON, GROUPED_MM, TORCH and auto);
 * every step-cache method on toy_shapes, with its reuse counted per item;
 * data parallelism: torchrun with 2 ranks sharing one GPU (or one each on a multi-GPU host);
 * ``python -m runner.repro`` of a GPU run (PSNR mode).
@@ -561,12 +561,13 @@ HIDREAM = ["model=tiny_hidream", "dataset.limit=1", "backend.attention=CUDNN_ATT
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("moe", ["TRITON", "TORCH"])
+@pytest.mark.parametrize("moe", ["TRITON", "GROUPED_MM", "TORCH"])
 def test_hidream_moe_backend_on_gpu(gpu, moe):
     """tiny_hidream (routed SwiGLU experts in every block) with each MoE backend: every MoE block computed its routed
     experts with the selected implementation once per forward, and the profiled forward holds its kernels (TRITON:
-    ``_moe_gate_up_silu_kernel``/``_moe_down_kernel``; TORCH: diffusers' loop, whose signature is the
-    ``aten::scatter_reduce_`` op) and none of the other's."""
+    ``_moe_gate_up_silu_kernel``/``_moe_down_kernel``; GROUPED_MM: torch's CUTLASS grouped GEMM, its
+    ``prepare_grouped_gemm_data`` setup kernel; TORCH: diffusers' loop, whose signature is the
+    ``aten::scatter_reduce_`` op) and none of the others'."""
     ov = [*HIDREAM, f"backend.moe={moe}"]
     require(ov, attention="CUDNN_ATTN", moe=moe)
     r = gpu.run(f"tiny_hidream-{moe}", ov)
@@ -581,17 +582,18 @@ def test_hidream_moe_backend_on_gpu(gpu, moe):
 
 @pytest.mark.cuda
 def test_hidream_moe_auto_measures_on_gpu(gpu):
-    """``backend.moe=auto`` where TRITON and TORCH can both run: both are timed at startup on the model's MoE block
-    shape on this GPU, the fastest is selected, the timings are the recorded reason, and the run verifies with the
-    selected backend's kernels."""
+    """``backend.moe=auto`` where TRITON, GROUPED_MM and TORCH can all run: each is timed at startup on the model's
+    MoE block shape on this GPU, the fastest is selected, the timings are the recorded reason, and the run verifies
+    with the selected backend's kernels."""
     require(HIDREAM, attention="CUDNN_ATTN", moe="TRITON")
+    require(HIDREAM, moe="GROUPED_MM")
     r = gpu.run("tiny_hidream-auto", HIDREAM)
     assert r.code == 0, r.manifest.get("evidence", {}).get("mismatches")
     b = r.manifest["backends"][STAGE]["moe"]
-    assert (b["layer"], b["resolved"]) == ("auto", "auto") and b["selected"] in ("TRITON", "TORCH"), b
+    assert (b["layer"], b["resolved"]) == ("auto", "auto") and b["selected"] in ("TRITON", "GROUPED_MM", "TORCH"), b
     reason = b["reason"]
     assert reason.startswith("measured at startup on cuda"), reason
-    times = {n: float(re.search(rf"\b{n} ([0-9.]+) ms", reason).group(1)) for n in ("TRITON", "TORCH")}
+    times = {n: float(re.search(rf"\b{n} ([0-9.]+) ms", reason).group(1)) for n in ("TRITON", "GROUPED_MM", "TORCH")}
     assert b["selected"] == min(times, key=times.get) and reason.endswith(f"; {b['selected']} is the fastest")
     check_evidence(r.manifest, r.trace, "CUDNN_ATTN", "TORCH", moe=b["selected"])
 
@@ -722,7 +724,7 @@ def test_sm90_runs_every_backend_it_must():
     sm = _sm()
     ctx = reg.SelectionContext(platform_kind="cuda", sm=sm, dtype=torch.bfloat16, head_dim=64)
     must = [("attention", "TORCH_SDPA"), ("attention", "CUDNN_ATTN"), ("linear", "TORCH"), ("linear", "FP8"),
-            ("moe", "TORCH")]
+            ("moe", "TORCH"), ("moe", "GROUPED_MM")]
     optional = {("attention", "SAGE_ATTN"): "sageattention", ("attention", "FLASHINFER_ATTN"): "flashinfer",
                 ("moe", "TRITON"): "triton"}
     must += [k for k, pkg in optional.items() if importlib.util.find_spec(pkg) is not None]

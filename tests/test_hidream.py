@@ -4,7 +4,8 @@ What is checked: the family's registration and published configs; the pipeline's
 (sizes rescaled to a fixed area, sequence lengths per encoder, negative prompt only under guidance); the MoE
 backends: ``TORCH`` (diffusers' expert loop) end to end with its call counts in the manifest, ``TRITON`` refused on
 CPU naming the platform, any MoE backend refused on a model without MoE layers naming the model; a kernel-wired MoE
-backend (registered from this file, standing in for TRITON on CPU) observed per block; experts that ran another
+backend (registered from this file, standing in for TRITON on CPU) observed per block; GROUPED_MM (torch's grouped
+GEMM) against diffusers' loop in bf16, refused in fp32, and end to end in bf16 on the CPU; experts that ran another
 implementation than the resolved one fail strict evidence (exit 3); the parity check of a kernel against
 diffusers' loop, and its negative control (gate and up projections swapped) failing it; ``moe=auto`` recording
 why, and timing the candidates when more than one can run; the precedence contract for the diffusion stage's
@@ -238,6 +239,25 @@ def test_moe_auto_times_the_candidates_when_more_than_one_can_run():
     assert r.selected == min(times, key=times.get) and r.reason.endswith(f"; {r.selected} is the fastest")
 
 
+def test_auto_candidates_and_their_measurement(monkeypatch):
+    """auto's MoE candidates (ranked, wired, runnable): all three on an sm90 bf16 GPU, only TORCH on the CPU (in bf16
+    GROUPED_MM could run, but auto does not consider torch's per-expert fallback); a candidate that raises while
+    timed is reported with its error and not timed (TRITON on this CPU)."""
+    real = reg.has_symbol
+    monkeypatch.setattr(reg, "has_symbol", lambda path: path.startswith("triton") or real(path))  # triton installed
+    assert moe.auto_candidates(ctx()) == ["TRITON", "GROUPED_MM", "TORCH"]
+    monkeypatch.setattr(reg, "has_symbol", real)
+    assert moe.auto_candidates(ctx(platform_kind="cpu", sm=None)) == ["TORCH"]
+    assert moe.auto_candidates(ctx(platform_kind="cpu", sm=None, dtype=torch.float32)) == ["TORCH"]
+    from models.hidream import HiDreamExperts
+
+    block = _moe_block(dtype=torch.bfloat16)
+    times, failed = moe.time_candidates(block, HiDreamExperts(), torch.randn(1, 64, 32, dtype=torch.bfloat16),
+                                        ["TRITON", "GROUPED_MM", "TORCH"], iters=1, warmup=0)
+    assert set(times) == {"GROUPED_MM", "TORCH"} and all(v > 0 for v in times.values())
+    assert list(failed) == ["TRITON"] and failed["TRITON"].startswith("RuntimeError: MoE backend TRITON")
+
+
 def test_moe_auto_is_not_timed_under_data_parallelism():
     """Timings differ between processes; data-parallel workers must agree, so the ranked choice stays."""
     rec = Backend("moe", "MY_MOE", diffusers=DiffusersMoEWiring(kernel=f"{__name__}:reference_kernel"),
@@ -269,6 +289,67 @@ def test_kernel_matches_diffusers_loop_and_the_swap_is_caught():
     assert (wg.shape, wu.shape, wd.shape) == ((4, 256, 32), (4, 256, 32), (4, 32, 256))
     assert block.experts[1].w1.weight.data_ptr() == wg[1].data_ptr()
     assert moe.block_parity(block, layout, x, moe.moe_reference) == ok
+
+
+def _bf16_parity(kernel, dim: int, tokens: int, device: str = "cpu") -> Tuple[float, float, float]:
+    """``kernel`` in bf16 through the runner's wiring on a HiDream MoE block against diffusers' loop in fp32 (TF32
+    off) on the same seeded weights: ``(kernel error, diffusers' own bf16 loop error, negative control error)``,
+    the negative control being the kernel with gate and up projections swapped."""
+    from models.hidream import HiDreamExperts
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    layout = HiDreamExperts()
+    ref_block = _moe_block(dim, device=device)
+    lo_block = _moe_block(dim, dtype=torch.bfloat16, device=device)
+    x = torch.randn(1, tokens, dim, device=device, generator=torch.Generator(device).manual_seed(1))
+    with torch.no_grad():
+        ref = ref_block(x)
+        w = layout.stack(lo_block)
+        assert moe.fused_gate_up(w[0], w[1]) is not None  # HiDream's gate/up are packed fused
+        out = moe.routed_forward(lo_block, layout, kernel, w, x.bfloat16())
+        swapped = moe.routed_forward(lo_block, layout, kernel, (w[1], w[0], w[2]), x.bfloat16())
+        loop_bf16 = lo_block(x.bfloat16())
+    return moe.rel_err(out, ref), moe.rel_err(loop_bf16, ref), moe.rel_err(swapped, ref)
+
+
+def test_grouped_mm_matches_diffusers_loop_in_bf16():
+    """GROUPED_MM (torch's grouped GEMM; on the CPU its per-expert fallback, the same arithmetic) in bf16 on a HiDream
+    MoE block: no further from diffusers' fp32 loop than diffusers' own bf16 loop (x 1.25), and the negative control
+    far off; in fp32 it equals diffusers' loop to float rounding (block_parity)."""
+    from models.hidream import HiDreamExperts
+
+    err, floor, bad = _bf16_parity(moe.moe_grouped_mm, 32, 300)
+    assert err <= 1.25 * floor and bad > 10 * floor, (err, floor, bad)
+    block = _moe_block()
+    assert moe.block_parity(block, HiDreamExperts(), torch.randn(2, 300, 32), moe.moe_grouped_mm) < 1e-5
+
+
+def test_grouped_mm_on_cpu_in_fp32_is_refused_naming_the_dtype():
+    with pytest.raises(BackendUnavailableError, match=r"backend\.moe=GROUPED_MM cannot run here: needs dtype "
+                                                      r"bfloat16, the model runs in float32"):
+        _engine(["backend.moe=grouped_mm"]).prepare()
+
+
+def test_grouped_mm_refuses_expert_dims_torch_cannot_group_at_startup():
+    """A hidden size that is not a multiple of 8 (torch's grouped GEMM needs 16-byte rows in bf16) is refused before
+    loading, with the dtype reason too (every unmet requirement at once); the tiny model's own dims pass."""
+    assert _engine().moe_dims() == (32, 256)
+    tr = "model.architecture.transformer"
+    odd = [f"{tr}.num_attention_heads=1", f"{tr}.attention_head_dim=12", f"{tr}.axes_dims_rope=[4,4,4]"]
+    with pytest.raises(BackendUnavailableError) as e:
+        _engine([*odd, "backend.moe=GROUPED_MM"]).prepare()
+    msg = str(e.value)
+    assert "needs dtype bfloat16, the model runs in float32" in msg, msg
+    assert "needs the experts' hidden and intermediate sizes multiples of 8, the model has H=12, I=256" in msg, msg
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_mm_kernel_matches_diffusers_loop_on_gpu():
+    """GROUPED_MM (bf16, torch's CUTLASS grouped GEMM on 9.x/10.x) on a HiDream-I1-shaped block (H=2560, 4 experts
+    top-2): no further from diffusers' fp32 loop than diffusers' own bf16 loop (x 1.25), negative control far off."""
+    err, floor, bad = _bf16_parity(moe.moe_grouped_mm, 2560, 1024, "cuda")
+    assert err <= 1.25 * floor and bad > 10 * floor, (err, floor, bad)
 
 
 @pytest.mark.cuda
@@ -453,6 +534,24 @@ def test_kernel_wired_backend_is_observed_and_matches(tmp_path):
     a = np.asarray(Image.open(run.run_dir / run.items[0]["file"]), dtype=np.int16)
     r = np.asarray(Image.open(ref.run_dir / ref.items[0]["file"]), dtype=np.int16)
     assert np.abs(a - r).max() <= 1
+
+
+@pytest.mark.slow
+def test_tiny_hidream_grouped_mm_end_to_end_verified(tmp_path):
+    """``backend.moe=GROUPED_MM`` in bf16 on the CPU: every MoE block computed its routed experts with it once per
+    denoiser forward, the profiled step holds torch's grouped GEMM op and none of diffusers' loop's scatter_reduce_,
+    and the run verifies."""
+    run = execute(tmp_path / "g", [TINY, "dtype=bfloat16", "backend.moe=GROUPED_MM", "dataset.limit=1",
+                                   "model.generation.num_inference_steps=2"])
+    assert run.code == 0, run.manifest["evidence"]["mismatches"]
+    assert run.manifest["evidence"]["verdict"] == "verified", run.manifest["evidence"]["mismatches"]
+    st = run.manifest["evidence"]["stages"]["denoise"]
+    fwd = st["denoiser_forwards"]
+    sec = _moe_section(run)
+    assert sec["resolved"] == "GROUPED_MM" and sec["calls"] == {"GROUPED_MM": 4 * fwd} and fwd == 2
+    assert all(l["ok"] and l["observed"] == {"GROUPED_MM": fwd} for l in sec["layers"])
+    km = st["kernels"]["moe"]
+    assert km["GROUPED_MM"] == ["aten::_grouped_mm"] and km["TORCH"] == [] and km["TRITON"] == []
 
 
 def _rewire_first_block(engine) -> None:

@@ -351,11 +351,13 @@ def test_help_names_every_option_and_its_default(capsys, monkeypatch):
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert out.startswith("usage: python -m runner.gate [-h] [--min-ratio MIN_RATIO] [--min-psnr-db MIN_PSNR_DB] "
-                          "[--out OUT] dirs [dirs ...]")
+                          "[--min-metric-ratio NAME=R[,NAME=R]] [--out OUT] dirs [dirs ...]")
     for text in ("[dirs ...] Compare each lossy job with the lossless job of the same rows. positional arguments:",
                  "dirs sweep dirs (holding job dirs) or run dirs",
                  "--min-ratio MIN_RATIO lossy / lossless oracle accuracy floor per attribute (default 0.97)",
                  "--min-psnr-db MIN_PSNR_DB also fail items below this PSNR (dB)",
+                 "--min-metric-ratio NAME=R[,NAME=R] lossy / lossless mean per-item metric floor, e.g. "
+                 "clip_score=0.99 (runner.score first)",
                  "--out OUT output path, overwritten if it exists (default: gate.json in the single dir given, else "
                  "./gate.json; where that file exists already, e.g. the sweep's own, gate.cli.json beside it)"):
         assert text in out, text

@@ -234,6 +234,40 @@ def test_triton_moe_needs_a_gpu(monkeypatch):
         "needs compute capability >= sm79".replace("79", "80") + ", this device is sm79"]
 
 
+def test_grouped_mm_moe_requirements(monkeypatch):
+    """GROUPED_MM: bf16 on the CPU (torch's per-expert fallback, for tests) or on CUDA 9.x/10.x (the CUTLASS grouped
+    GEMM); other GPUs, other dtypes and platforms are refused naming what is unmet, every reason at once; either
+    torch entry point (the public F.grouped_mm or the op torch._grouped_mm) satisfies the symbol check."""
+    rec = reg.get("moe", "GROUPED_MM")
+    for sm in (90, 100, 103):
+        assert rec.unmet(ctx(sm=sm)) == [], sm
+    assert rec.unmet(ctx(platform_kind="cpu", sm=None)) == []
+    cap = ("needs compute capability 9.x or 10.x on CUDA (torch's CUTLASS grouped GEMM; elsewhere torch runs one mm "
+           "per expert), this device is sm{}")
+    assert rec.unmet(ctx(sm=80)) == [cap.format(80)] and rec.unmet(ctx(sm=120)) == [cap.format(120)]
+    assert rec.unmet(ctx(sm=89, dtype=torch.float16)) == [cap.format(89),
+                                                           "needs dtype bfloat16, the model runs in float16"]
+    assert rec.unmet(ctx(platform_kind="cpu", sm=None, dtype=torch.float32)) == [
+        "needs dtype bfloat16, the model runs in float32"]
+    assert rec.unmet(ctx(platform_kind="rocm", sm=None)) == ["needs platform cpu/cuda, this is rocm"]
+    assert rec.unmet(ctx(moe_dims=(2560, 6912))) == []
+    assert rec.unmet(ctx(moe_dims=(2560, 6900))) == [
+        "needs the experts' hidden and intermediate sizes multiples of 8, the model has H=2560, I=6900"]
+    installed(monkeypatch, ["torch:_grouped_mm"])
+    assert rec.unmet(ctx()) == []
+    installed(monkeypatch, [])
+    assert rec.unmet(ctx()) == [f"needs `torch.nn.functional.grouped_mm` or `torch._grouped_mm` (torch "
+                                f"{torch.__version__} has neither)"]
+
+
+def test_moe_auto_order_per_platform():
+    """auto's MoE candidates: on CUDA TRITON, GROUPED_MM, TORCH (the startup timing then picks among those that can
+    run); on the CPU only TORCH (GROUPED_MM is torch's per-expert fallback there: an explicit choice only)."""
+    assert [n for n, _ in reg.auto_order("moe", ctx())] == ["TRITON", "GROUPED_MM", "TORCH"]
+    assert [n for n, _ in reg.auto_order("moe", ctx(sm=100))] == ["TRITON", "GROUPED_MM", "TORCH"]
+    assert [n for n, _ in reg.auto_order("moe", ctx(platform_kind="cpu", sm=None))] == ["TRITON", "TORCH"]
+
+
 # ------------------------------------------------------------------------------------ context parallelism
 
 
@@ -451,8 +485,9 @@ def test_normalize_unknown_name_with_a_distant_closest_match():
 def test_normalize_unknown_name_without_a_close_match():
     with pytest.raises(UnknownBackendError) as e:
         reg.normalize("moe", "zzqq", "model.stages.denoise.backend.moe")
-    assert str(e.value) == ("model.stages.denoise.backend.moe='zzqq' is not a known backend; valid names: TORCH, "
-                            "TRITON, auto (aliases: fused, grouped, loop, reference, torch, triton)")
+    assert str(e.value) == ("model.stages.denoise.backend.moe='zzqq' is not a known backend; valid names: "
+                            "GROUPED_MM, TORCH, TRITON, auto (aliases: fused, grouped, grouped_gemm, grouped_mm, loop, "
+                            "reference, torch, torch_grouped_mm, triton)")
 
 
 # ---------------------------------------------------------------------------------------- validate_spec

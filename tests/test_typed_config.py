@@ -48,7 +48,8 @@ PACKAGES = {"torch": "2.13", "python": "3.11"}
 def test_declared_keys_are_the_former_hand_kept_lists():
     assert sorted(rs.SEMANTIC_KEYS) == sorted(FORMER_SEMANTIC_KEYS)
     assert sorted(rs.IDENTITY_KEYS) == sorted(FORMER_IDENTITY_KEYS)
-    when_set = ("model.task", "output.inpaint_overlay", "optimize.compile_mode", "cache")  # + issue 30's two
+    when_set = ("model.task", "model.quantization", "output.inpaint_overlay", "optimize.compile_mode", "cache",
+                "memory.vae_tiling")  # + issue 30's two, issue 32's two
     assert schema.factor_keys(schema.RESUME, when_set=True) == when_set
     assert schema.factor_keys(schema.IDENTITY, when_set=True) == when_set
     assert rs.ROW_DEFAULTS == ("width", "height", "num_inference_steps", "guidance_scale")

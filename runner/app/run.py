@@ -48,7 +48,9 @@ def peak_memory(kind: str) -> Dict[str, Any]:
 
     out: Dict[str, Any] = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if kind in ("cuda", "rocm") and torch.cuda.is_available():
-        out["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        from models.memory import PhasePeaks  # per-phase peaks reset the allocator's statistic: keep the maximum
+
+        out["device_peak_allocated_bytes"] = max(torch.cuda.max_memory_allocated(), PhasePeaks.overall)
         out["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     return out
 
@@ -97,6 +99,7 @@ class Run:
     links: Dict[str, Any]  # row id -> the upstream record its prompt was rendered from
     sink: Any
     bar: Any
+    metric_set: Optional[Any]  # runner.core.metrics.MetricSet of the checked metrics config (None: no metric)
     raising: bool  # the loop ended with an exception (it goes on after finalize)
 
     def __init__(self, cfg: DictConfig, out_dir: Path, overrides: Sequence[str] = (),
@@ -107,6 +110,7 @@ class Run:
         self.worker, self.on_exit, self.token, self.dataset = worker, on_exit, token, dataset
         self.counts, self.timing, self.status = {"ok": 0, "failed": 0, "reused": 0}, Timing(), "running"
         self.results, self.links, self.sink, self.bar, self.raising = {}, {}, None, None, False
+        self.metric_set = None
 
     @property
     def final(self) -> Any:
@@ -160,6 +164,10 @@ class Run:
         from runner.app.tracking import check as check_tracker
 
         check_tracker(cfg)  # tracker=mlflow without mlflow: exit 2 now, not after the run
+        from runner.core.metrics import check as check_metrics
+
+        self.metric_set = check_metrics(cfg.get("metrics"), self.final.output, data_parallel=self.worker is not None,
+                                        floors=cfg.report.get("min_metric_ratio"))
         checks.check_fresh_dir(self.out_dir, self.final.resumable, self.specs[-1].adapter)
         checks.apply_cpu_threads(cfg)
         self.plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
@@ -417,6 +425,7 @@ class Run:
         out_dir, name = self.out_dir, self.journal_name
         before = read_journal(out_dir / name) if self.worker is None else []  # compaction drops some
         compact(out_dir, self.items, name, self.final, self.plan.expected)
+        self.score_metrics()
         if self.worker is None:  # the folder indexes follow the compacted journal (a merge writes them for workers)
             self.manifest.section("folder_metadata", write_folder_metadata(
                 out_dir, read_journal(out_dir / name), self.cfg.model.name, self.manifest.doc["run_id"]))
@@ -425,6 +434,19 @@ class Run:
                 log.warning("%d file(s) in %s are not items of this run (an earlier run's, e.g. a larger "
                             "dataset.limit); their records are kept in %s", unlisted, out_dir, UNLISTED)
             self.manifest.section("unlisted_files", {"count": unlisted, "journal": UNLISTED})
+
+    def score_metrics(self) -> None:
+        """The configured metrics scored into the compacted journal from the written artifacts, on the run's
+        device (``runner.core.metrics.score_journal``: reused items keep the scores of the same metric model); the
+        manifest's ``metrics`` section. Not after an interruption or an error of the loop."""
+        if self.metric_set is None or self.raising or self.status == "interrupted" or not self.metric_set.names:
+            return
+        from runner.core.metrics import score_journal
+
+        log.info("scoring %s of %s", ", ".join(self.metric_set.names), self.out_dir / self.journal_name)
+        self.manifest.section("metrics", score_journal(self.out_dir, self.journal_name, self.metric_set,
+                                                       self.plat.device))
+        self.manifest.flush()
 
     def final_sections(self) -> None:
         """The manifest's counts, timing, compile and memory sections."""

@@ -7,7 +7,8 @@ any MLflow tracking URI works, e.g. ``http://host:5000`` or ``sqlite:///mlflow.d
 * params: the model, the dataset (format, path, rows), seed, batch_size, dtype, compile, the backend selected per
   stage and field, the command-line overrides (each value cut to MLflow's 6000 characters);
 * metrics: ``counts.*`` (ok, failed, reused), the numeric ``timing.*`` (seconds, items per s/hour, output tokens
-  per s), the numeric ``accuracy.*`` of a model with an oracle;
+  per s), the numeric ``accuracy.*`` of a model with an oracle, ``metrics.<name>.<statistic>`` of per-item quality
+  metrics (``runner.core.metrics``);
 * tags: ``runner.run_id``, ``runner.status``, ``runner.run_dir``, ``runner.exit_code``, ``mlflow.runName``
   (``tracker.run_name``, null: the run dir's name);
 * artifacts: ``manifest.json``, ``items.jsonl`` and the folder indexes ``images/metadata.jsonl`` /
@@ -92,10 +93,13 @@ def params_of(manifest: Dict[str, Any]) -> Dict[str, str]:
 
 
 def metrics_of(manifest: Dict[str, Any]) -> Dict[str, float]:
-    """The MLflow metrics of a manifest: numeric ``counts.*``, ``timing.*`` and ``accuracy.*`` leaves."""
+    """The MLflow metrics of a manifest: numeric ``counts.*``, ``timing.*`` and ``accuracy.*`` leaves, and the
+    per-item quality metrics' summary as ``metrics.<name>.<statistic>`` (``mean``, ``p50``... of
+    ``metrics.summary``)."""
     out: Dict[str, float] = {}
     for section in ("counts", "timing", "accuracy"):
         _flat(section, manifest.get(section) or {}, out)
+    _flat("metrics", (manifest.get("metrics") or {}).get("summary") or {}, out)
     return out
 
 

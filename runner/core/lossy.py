@@ -1,5 +1,6 @@
 """Which lanes of a run are lossy by design: a step cache (``cache.method``), a lossy linear backend (``FP8``), a
-lossy attention backend (``SAGE_ATTN``: INT8 Q/K) or an attention spec with ``quant``/``skip_softmax``.
+lossy attention backend (``SAGE_ATTN``: INT8 Q/K), an attention spec with ``quant``/``skip_softmax``, or weight
+quantization (``model.quantization.<component>``).
 
 The manifest's ``lossy`` section (``{"lossy": bool, "lanes": [...], "batch_dependent": [...]}``) is written from here
 at startup; the report labels such jobs and ``runner.tools.gate`` compares each with the lossless job of the same rows
@@ -12,7 +13,7 @@ from the activations of the whole batch whether to reuse, so an item's image cha
 with (first_block on toy_shapes: up to 46 intensity levels between batch 1 and batch 4, where lossless pairs differ
 by at most 1). A fixed schedule (``taylorseer``, ``pab``) and the lossy kernels act per item.
 
-Lanes are strings: ``cache=<method>``, ``<stage>.linear=<backend>``, ``<stage>.attention.<role>=<backend>`` (with
+Lanes are strings: ``cache=<method>``, ``model.quantization.<component>=<method>``, ``<stage>.linear=<backend>``, ``<stage>.attention.<role>=<backend>`` (with
 ``+quant``/``+skip_softmax`` when the spec sets them).
 """
 
@@ -40,6 +41,7 @@ def lanes(backends: Mapping[str, Mapping[str, Any]], config: Optional[Mapping[st
     method = _cache_method(config)
     if method is not None:
         out.append(f"cache={method}")
+    out.extend(quantization_lanes(config))
     for stage, fields in (backends or {}).items():
         for fname, res in (fields or {}).items():
             sel = (res or {}).get("selected") if isinstance(res, Mapping) else None
@@ -56,6 +58,14 @@ def lanes(backends: Mapping[str, Mapping[str, Any]], config: Optional[Mapping[st
                     key = f"{stage}.{fname}" + (f".{role}" if role is not None else "")
                     out.append(f"{key}={name}" + "".join(f"+{k}" for k in extra))
     return out
+
+
+def quantization_lanes(config: Optional[Mapping[str, Any]]) -> List[str]:
+    """``model.quantization.<component>=<method>`` for every quantized component of the config (each method of
+    ``kernels.quantization`` is lossy: weights rounded to fewer bits), spelled as the config gives it."""
+    q = (((config or {}).get("model") or {}).get("quantization")) or {}
+    return [f"model.quantization.{k}={v}" for k, v in q.items()
+            if k != "gguf_file" and v is not None and str(v).strip().lower() not in ("none", "", "null", "off")]
 
 
 #: Step-cache schedules whose reuse decision is taken per pipeline call from the whole batch's activations.

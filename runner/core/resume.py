@@ -95,9 +95,23 @@ def inpaint_overlay_of(cfg: Dict[str, Any]) -> Optional[bool]:
     return bool(_get(cfg, "output.inpaint_overlay")) if task_of(cfg) == "inpaint" else None
 
 
+def quantization_of(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """``model.quantization``'s set entries (component -> method, and ``gguf_file``) while any component is
+    quantized, else None: an unquantized run keeps the identity it had before the field existed."""
+    q = _get(cfg, "model.quantization") or {}
+    set_ = {k: v for k, v in dict(q).items() if v not in (None, "none")}
+    return set_ if any(k != "gguf_file" for k in set_) else None
+
+
+def vae_tiling_of(cfg: Dict[str, Any]) -> Optional[bool]:
+    """``memory.vae_tiling`` while true (tiled decoding changes the pixels), else None."""
+    return True if _get(cfg, "memory.vae_tiling") else None
+
+
 #: The keys that enter only while set (``Factors.when_set``), each with what reads its set value (None: unset).
 WHEN_SET = {"cache": cache_config, "optimize.compile_mode": compile_mode_of, "model.task": task_of,
-            "output.inpaint_overlay": inpaint_overlay_of}
+            "output.inpaint_overlay": inpaint_overlay_of, "model.quantization": quantization_of,
+            "memory.vae_tiling": vae_tiling_of}
 
 
 def _when_set_keys(kind: str) -> tuple:

@@ -274,6 +274,19 @@ class LoadFormat(Choice):
     dummy = "dummy"
 
 
+
+class OffloadMode(Choice):
+    """Where weights live between uses (``memory.offload``, ``models.memory``): ``none`` (all on the device),
+    ``model`` (diffusers' ``enable_model_cpu_offload``: one component on the device at a time), ``group_block`` /
+    ``group_leaf`` (diffusers' group offloading by blocks / by leaf modules), ``auto`` (the fastest plan that fits
+    ``memory.max_gpu_gb``, recorded with why)."""
+
+    auto = "auto"
+    none = "none"
+    model = "model"
+    group_block = "group_block"
+    group_leaf = "group_leaf"
+
 #: ``model.adapter`` values whose models take the AR schema; the engine name itself is an open choice checked
 #: against ``models.registry`` (an engine registered out of tree is one ``register_engine`` call).
 AR_ENGINES = ("vllm",)
@@ -394,6 +407,28 @@ class ModelConfig:
 
 
 @dataclass
+class QuantizationConfig:
+    """Weight quantization per pipeline component (``kernels.quantization``: ``int8wo``, ``float8wo``, ``nf4``,
+    ``gguf``; null/``none``: the component's weights as stored). Lossy: a run that sets one is labelled lossy and gated
+    against the lossless run. A method whose requirements (platform, compute capability, package) are unmet, or a
+    component the model does not have, is refused at startup, every entry at once."""
+
+    transformer: Optional[str] = None
+    """The denoiser (``gguf``: from ``gguf_file``)."""
+    transformer_2: Optional[str] = None
+    """The second denoiser of two-stage families (Wan 2.2)."""
+    text_encoder: Optional[str] = None
+    """The first text encoder (FLUX, SD3: CLIP-L; Wan: UMT5; Qwen-Image: Qwen2.5-VL)."""
+    text_encoder_2: Optional[str] = None
+    """The second text encoder (FLUX: T5-XXL; SD3: CLIP-G)."""
+    text_encoder_3: Optional[str] = None
+    """The third text encoder (SD3: T5-XXL)."""
+    gguf_file: Optional[str] = None
+    """The ``.gguf`` file of the component set to ``gguf`` (e.g. a FLUX.1-dev Q4_K_S transformer), loaded with
+    diffusers' ``from_single_file``; its config comes from the snapshot."""
+
+
+@dataclass
 class DiffusionModelConfig(ModelConfig):
     """A diffusion model run through diffusers (``conf/model/flux.yaml``: ``defaults: [base_diffusion, _self_]``)."""
 
@@ -420,6 +455,10 @@ class DiffusionModelConfig(ModelConfig):
     conditioning task (``runner.core.resume.WHEN_SET``), so text runs keep their identities."""
     oracle: Optional[Oracle] = None
     """Reads generated images back (``models.toy_shapes.oracle``) for the manifest's ``accuracy``; null: none."""
+    quantization: QuantizationConfig = declared(default_factory=QuantizationConfig, enters=(RESUME, IDENTITY),
+                                                when_set=True)
+    """Weight quantization per component (:class:`QuantizationConfig`, lossy). Enters the resume comparison and the
+    run identity while any component is quantized (``runner.core.resume.WHEN_SET``)."""
 
 
 @dataclass
@@ -677,6 +716,31 @@ class CacheConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Fitting the model to the device (``runner.core.memory`` plans, ``models.memory`` applies): offload, VAE
+    tiling/slicing and a memory budget checked at startup and enforced on the device."""
+
+    offload: OffloadMode = OffloadMode.none
+    """:class:`OffloadMode`. Offload keeps the math (the same weights, moved); ``auto`` chooses the fastest plan
+    whose planned peak fits ``max_gpu_gb`` and records why."""
+    use_stream: bool = True
+    """Group offload: copy the next group on a side CUDA stream while the current one computes (diffusers
+    ``use_stream``; forces one block per group)."""
+    blocks_per_group: int = 1
+    """``group_block`` without a stream: blocks onloaded together (>= 1)."""
+    vae_tiling: bool = declared(False, enters=(RESUME, IDENTITY), when_set=True)
+    """Decode in overlapping tiles (``vae.enable_tiling()``): less decoder memory; the tiles are blended, so the
+    pixels change (enters the identity while true)."""
+    vae_slicing: bool = False
+    """Decode the batch one image at a time (``vae.enable_slicing()``): the decoder's activations of one image."""
+    max_gpu_gb: Optional[float] = None
+    """Budget in GiB: a plan whose planned peak exceeds it is refused at startup (exit 2, naming the estimate, the
+    budget and the cheapest plan that fits), and the process's CUDA allocator is capped at it
+    (``torch.cuda.set_per_process_memory_fraction``), so an overrun fails loudly instead of spilling. null: no
+    budget (``auto`` plans against the device's total memory)."""
+
+
+@dataclass
 class EvidenceConfig:
     """Evidence collection (see ``models.denoiser_evidence``)."""
 
@@ -695,6 +759,9 @@ class ReportConfig:
 
     reference: Optional[str] = None
     """The job (number or dir name) the others are compared with (null: the first job)."""
+    min_metric_ratio: Dict[str, Optional[float]] = field(default_factory=dict)
+    """The sweep's quality gate on per-item metrics (``runner.tools.gate``): metric name -> floor of the lossy job's
+    mean score over its lossless twin's (``report.min_metric_ratio.clip_score=0.99``); null: not gated."""
 
 
 @dataclass
@@ -710,6 +777,23 @@ class TrackerConfig:
     """The MLflow experiment (created when missing)."""
     run_name: Optional[str] = None
     """The tracker run's name; null: the run dir's name."""
+
+
+@dataclass
+class MetricsConfig:
+    """Per-item quality metrics of the written artifacts (``runner.core.metrics``), scored after generation on the
+    run's device and written into ``items.jsonl``, ``metadata.jsonl`` and the manifest's ``metrics`` summary. Not
+    part of the run identity: scores never change an artifact (a resume rescores only what lacks a score of the
+    same metric model)."""
+
+    names: List[str] = field(default_factory=list)
+    """Metrics to score: ``clip_score`` (images, videos), ``pick_score``, ``aesthetic`` (images),
+    ``temporal_consistency`` (videos), ``image_reward``, ``hpsv2`` (images, with their packages); empty: none."""
+    models: Dict[str, Optional[str]] = field(default_factory=dict)
+    """Metric name -> its model: a local dir (a transformers CLIPModel saved with its CLIPProcessor) or a Hub id in
+    the local cache; ``image_reward``/``hpsv2``: a checkpoint file."""
+    batch_size: int = 32
+    """Artifacts scored per metric-model call."""
 
 
 @dataclass
@@ -744,6 +828,8 @@ class RunConfig:
     """Speed settings of diffusion stages that keep the math."""
     cache: CacheConfig = declared(default_factory=CacheConfig, enters=(RESUME, IDENTITY), when_set=True)
     """Step caching of diffusion stages (lossy, off by default)."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Offload, VAE tiling/slicing and the memory budget of diffusion stages."""
     evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
     """Evidence collection."""
     run: RunControl = field(default_factory=RunControl)
@@ -752,6 +838,8 @@ class RunConfig:
     """Sweep report settings."""
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     """Where the finished run is logged besides its run dir (group ``tracker``: ``none``, ``mlflow``)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Per-item quality metrics scored after generation (``metrics.names``, ``metrics.models.<name>``)."""
     seed: int = declared(0, enters=(RESUME,))
     """Base seed; each item's seed derives from it and the item key."""
     dtype: DType = declared(DType.auto, enters=(RESUME, IDENTITY))

@@ -113,14 +113,14 @@ def folder_metadata_row(record: Dict[str, Any], model: Optional[str], run_id: Op
     """One ``metadata.jsonl`` line of an ok record: ``file_name`` (relative to the artifact's folder), ``id``,
     ``key``, ``prompt``, ``negative_prompt``, ``seed``, ``parameters`` (an object: the params as applied), ``model``,
     ``run_id`` (the manifest's ``run_id`` of the run whose ``items.jsonl`` lists it), ``file_sha256``; a video's
-    ``num_frames`` and ``fps``; the record's ``meta`` when it has one; a conditioned item's ``input_file_name`` (the
-    path of its ``image`` input) and ``inputs`` (``{field: sha256}``)."""
+    ``num_frames`` and ``fps``; the record's ``meta`` and ``metrics`` (per-item scores) when it has them; a
+    conditioned item's ``input_file_name`` (the path of its ``image`` input) and ``inputs`` (``{field: sha256}``)."""
     row: Dict[str, Any] = {"file_name": record.get("file_name") or Path(record["file"]).name,
                            "id": record.get("id"), "key": record.get("key"), "prompt": record.get("prompt"),
                            "negative_prompt": record.get("negative_prompt"), "seed": record.get("seed"),
                            "parameters": record.get("params") or {}, "model": model, "run_id": run_id,
                            "file_sha256": record.get("file_sha256")}
-    for k in ("num_frames", "fps", "meta"):
+    for k in ("num_frames", "fps", "meta", "metrics"):
         if record.get(k) is not None:
             row[k] = record[k]
     if record.get("inputs"):

@@ -12,16 +12,23 @@ compared with the lossless job of the same rows.
 * **Accuracy.** With an oracle (toy_shapes, toy_motion: the manifest's ``accuracy``), the lossy job's accuracy
   per attribute (colour, shape, position or direction) must be at least ``min_ratio`` (default
   :data:`MIN_RATIO`, 0.97) times the lossless job's (an attribute the lossless job gets 0 on passes).
+* **Metrics.** With ``min_metric_ratio`` (``{metric: floor}``, e.g. ``clip_score=0.99``), the lossy job's mean
+  per-item score of each metric (``runner.core.metrics``: the records' ``metrics``, from the run or
+  ``runner.score``) over the items both jobs scored must be at least ``floor`` times the lossless job's (a
+  lossless mean <= 0: at least that mean). Item by item, each ratio is reported (``min_item_ratio``, the items
+  below the floor); the mean decides. A metric either job did not score fails, naming the ``runner.score`` fix.
 * **Fidelity.** PSNR (dB; ``inf``: identical) and SSIM (Gaussian window 11, sigma 1.5) of every item against the
   lossless job's, computed with ``torchmetrics`` (images as RGB in [0, 1]; a video as its decoded frames,
   PSNR over all its pixels, SSIM the mean over frames); reported, and gated only with ``min_psnr_db``.
 
-Verdicts per lossy job: ``pass``; ``fail`` (an attribute below the ratio, or PSNR below ``min_psnr_db``);
+Verdicts per lossy job: ``pass``; ``fail`` (an attribute below the ratio, a metric mean below its floor, or PSNR
+below ``min_psnr_db``);
 ``unmatched`` (no lossless job of the same rows: fails, add one, e.g. ``cache.method=none``); ``not_run`` (the lossy
 job did not finish ``ok``: fails, except a documented refusal, ``skipped``); ``unchecked`` (no oracle and no PSNR
 floor: reported, does not fail).
 
-CLI: ``python -m runner.gate <sweep or run dirs...> [--min-ratio 0.97] [--min-psnr-db X] [--out gate.json]``;
+CLI: ``python -m runner.gate <sweep or run dirs...> [--min-ratio 0.97] [--min-psnr-db X]
+[--min-metric-ratio clip_score=0.99,...] [--out gate.json]``;
 writes ``gate.json`` (default: into the single dir given, else ``./gate.json``; ``gate.cli.json`` where a
 ``gate.json`` exists already, so the sweep's is never replaced), prints one line per lossy job (each oracle
 attribute as ``lossy/lossless (ratio r)``),
@@ -37,12 +44,12 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from runner.core import lossy
-from runner.core.errors import RunnerError
+from runner.core.errors import RunnerError, UserInputError
 from runner.tools.report import Job, is_video, load_frames, load_jobs, load_rgb, not_comparable, ssim
 
 MIN_RATIO = 0.97
@@ -148,10 +155,42 @@ def accuracy_ratios(lossy_acc: Optional[Dict[str, Any]], ref_acc: Optional[Dict[
     return out
 
 
-def compare(job: Job, ref: Job, min_ratio: float = MIN_RATIO, min_psnr_db: Optional[float] = None
-            ) -> Dict[str, Any]:
-    """The gate of lossy ``job`` against lossless ``ref`` (same rows): per-attribute accuracy ratios, per-item PSNR
-    and SSIM, the verdict and its reasons."""
+def _scores(rec: Dict[str, Any], name: str) -> Optional[float]:
+    v = (rec.get("metrics") or {}).get(name)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def metric_ratios(job: Job, ref: Job, floors: Mapping[str, float]) -> Optional[Dict[str, Dict[str, Any]]]:
+    """Per metric of ``floors``: ``{lossy, lossless (means over the items both jobs scored), ratio, floor,
+    min_item_ratio, items, items_below (keys whose own ratio is below the floor), pass}``, or ``{error, pass:
+    False}`` when the jobs share no scored item; None without floors (module docstring)."""
+    if not floors:
+        return None
+    out: Dict[str, Dict[str, Any]] = {}
+    mine = job.ok_items
+    for name, floor in floors.items():
+        pairs = [(k, _scores(mine[k], name), _scores(r, name)) for k, r in ref.ok_items.items() if k in mine]
+        pairs = [(k, a, b) for k, a, b in pairs if a is not None and b is not None]
+        if not pairs:
+            out[name] = {"floor": floor, "pass": False, "error": (
+                f"{name} is not scored in both jobs; fix: python -m runner.score <run dir> --metrics {name} "
+                f"--model {name}=<dir> on {job.path} and {ref.path}")}
+            continue
+        a, b = float(np.mean([p[1] for p in pairs])), float(np.mean([p[2] for p in pairs]))
+        item = {k: x / y for k, x, y in pairs if y > 0}
+        ratio = a / b if b > 0 else None
+        out[name] = {"lossy": round(a, 5), "lossless": round(b, 5), "ratio": None if ratio is None else round(ratio, 5),
+                     "floor": floor, "items": len(pairs),
+                     "min_item_ratio": round(min(item.values()), 5) if item else None,
+                     "items_below": sorted(k for k, r in item.items() if r < floor),
+                     "pass": a >= b if ratio is None else ratio >= floor}
+    return out
+
+
+def compare(job: Job, ref: Job, min_ratio: float = MIN_RATIO, min_psnr_db: Optional[float] = None,
+            min_metric_ratio: Optional[Mapping[str, float]] = None) -> Dict[str, Any]:
+    """The gate of lossy ``job`` against lossless ``ref`` (same rows): per-attribute accuracy ratios, per-metric
+    ratios (:func:`metric_ratios`), per-item PSNR and SSIM, the verdict and its reasons."""
     items: List[Dict[str, Any]] = []
     mine = job.ok_items
     for key, r in ref.ok_items.items():
@@ -164,6 +203,7 @@ def compare(job: Job, ref: Job, min_ratio: float = MIN_RATIO, min_psnr_db: Optio
             row.update(item_metrics(job.image_path(key), ref.image_path(key)))
         items.append(row)
     acc = accuracy_ratios(job.manifest.get("accuracy"), ref.manifest.get("accuracy"), min_ratio)
+    mets = metric_ratios(job, ref, min_metric_ratio or {})
     vals = [i for i in items if i.get("psnr_db") is not None]
     psnr = [i["psnr_db"] for i in vals]
     ssim = [i["ssim"] for i in vals]
@@ -175,27 +215,30 @@ def compare(job: Job, ref: Job, min_ratio: float = MIN_RATIO, min_psnr_db: Optio
         low = [i for i in vals if i["psnr_db"] < min_psnr_db]
         reasons += [f"{i['key']}: PSNR {i['psnr_db']:.2f} dB < {min_psnr_db:g}" for i in low]
         reasons += [f"{i['key']}: {i['note']}" for i in items if i.get("note")]
-    checked = acc is not None or min_psnr_db is not None
+    reasons += [f"{k}: {m['error']}" if "error" in m else
+                f"{k}: mean {m['lossy']:.5g} vs lossless {m['lossless']:.5g} (ratio {m['ratio']}, needs >= "
+                f"{m['floor']:g})" for k, m in (mets or {}).items() if not m["pass"]]
+    checked = acc is not None or min_psnr_db is not None or bool(mets)
     verdict = "fail" if reasons else ("pass" if checked else "unchecked")
     lanes = lossy.of_manifest(job.manifest)["lanes"]
     cache = (((job.manifest.get("evidence") or {}).get("stages") or {}).get("denoise") or {}).get("cache")
     return {"lossy_job": job.label, "lossless_job": ref.label, "lossy_path": str(job.path),
             "lossless_path": str(ref.path), "lanes": lanes, "verdict": verdict, "reasons": reasons,
-            "accuracy": acc, "min_ratio": min_ratio,
+            "accuracy": acc, "min_ratio": min_ratio, "metrics": mets,
             "psnr_db": {"min": min(psnr), "mean": round(float(np.mean(psnr)), 3) if all(map(math.isfinite, psnr))
                         else math.inf} if psnr else None,
             "ssim": {"min": min(ssim), "mean": round(float(np.mean(ssim)), 5)} if ssim else None,
             "cache_hit_rate": (cache or {}).get("forwards_hit_rate"), "items": items}
 
 
-def evaluate(jobs: Sequence[Job], min_ratio: float = MIN_RATIO, min_psnr_db: Optional[float] = None
-             ) -> Dict[str, Any]:
+def evaluate(jobs: Sequence[Job], min_ratio: float = MIN_RATIO, min_psnr_db: Optional[float] = None,
+             min_metric_ratio: Optional[Mapping[str, float]] = None) -> Dict[str, Any]:
     """The gate of every lossy job among ``jobs`` (see the module docstring).
 
     Returns:
-        The ``gate.json`` document: ``{min_ratio, min_psnr_db, jobs: [one entry per lossy job], verdict, exit_code,
-        lossless_jobs}``; ``verdict`` is ``fail`` when any entry fails, ``pass`` otherwise (``none`` when no job is
-        lossy). A compared entry carries ``batch_size`` (``{lossy, lossless}``) and, when they differ, ``note``.
+        The ``gate.json`` document: ``{min_ratio, min_psnr_db, min_metric_ratio, jobs: [one entry per lossy job],
+        verdict, exit_code, lossless_jobs}``; ``verdict`` is ``fail`` when any entry fails, ``pass`` otherwise
+        (``none`` when no job is lossy). A compared entry carries ``batch_size`` (``{lossy, lossless}``) and, when they differ, ``note``.
     """
     labels = {j.label: lossy.of_manifest(j.manifest) for j in jobs if j.manifest}
     lossless = [j for j in jobs if j.manifest and not labels[j.label]["lossy"] and j.outcome == "ok"]
@@ -219,18 +262,20 @@ def evaluate(jobs: Sequence[Job], min_ratio: float = MIN_RATIO, min_psnr_db: Opt
         if ref is None:
             entries.append({**base, "verdict": "unmatched", "reasons": [why]})
             continue
-        entry = compare(j, ref, min_ratio, min_psnr_db)
+        entry = compare(j, ref, min_ratio, min_psnr_db, min_metric_ratio)
         entries.append({**entry, "batch_size": {"lossy": batch_size(j), "lossless": batch_size(ref)},
                         **({"note": why} if why else {})})
     failed = [e for e in entries if e["verdict"] in FAILING]
     verdict = "none" if not entries else ("fail" if failed else "pass")
-    return {"min_ratio": min_ratio, "min_psnr_db": min_psnr_db, "verdict": verdict, "exit_code": 1 if failed else 0,
+    return {"min_ratio": min_ratio, "min_psnr_db": min_psnr_db, "min_metric_ratio": dict(min_metric_ratio or {}),
+            "verdict": verdict, "exit_code": 1 if failed else 0,
             "lossless_jobs": [j.label for j in lossless], "jobs": entries,
             "metrics": "torchmetrics peak_signal_noise_ratio / structural_similarity_index_measure (data_range 1)"}
 
 
 def write_gate(dirs: Sequence[Path], out: Path, min_ratio: float = MIN_RATIO,
-               min_psnr_db: Optional[float] = None) -> Dict[str, Any]:
+               min_psnr_db: Optional[float] = None, min_metric_ratio: Optional[Mapping[str, float]] = None
+               ) -> Dict[str, Any]:
     """Evaluate the jobs of ``dirs`` (sweep or run dirs) and write ``out`` (JSON, atomically).
 
     Raises:
@@ -238,7 +283,7 @@ def write_gate(dirs: Sequence[Path], out: Path, min_ratio: float = MIN_RATIO,
     """
     from runner.core.artifacts import atomic_write_json
 
-    doc = evaluate(load_jobs(dirs), min_ratio, min_psnr_db)
+    doc = evaluate(load_jobs(dirs), min_ratio, min_psnr_db, min_metric_ratio)
     atomic_write_json(Path(out), doc)
     return doc
 
@@ -251,12 +296,39 @@ def _line(e: Dict[str, Any]) -> str:
     if acc:
         parts.append(" ".join(f"{k} {a['lossy']:.3g}/{a['lossless']:.3g} (ratio {a['ratio']})"
                               for k, a in acc.items()))
+    for k, m in (e.get("metrics") or {}).items():
+        parts.append(f"{k} {m['error']}" if "error" in m else
+                     f"{k} {m['lossy']:.4g}/{m['lossless']:.4g} (ratio {m['ratio']}, min item {m['min_item_ratio']})")
     if e.get("psnr_db"):
         parts.append(f"PSNR min {e['psnr_db']['min']} dB, SSIM min {e['ssim']['min']}")
     if e.get("cache_hit_rate") is not None:
         parts.append(f"cache hit rate {e['cache_hit_rate']}")
     notes = [*(e.get("reasons") or []), *([f"note: {e['note']}"] if e.get("note") else [])]
     return " · ".join(parts) + "".join(f"\n          {r}" for r in notes)
+
+
+class GateInputError(UserInputError):
+    """A gate option that cannot be read (exit 2)."""
+
+
+def parse_metric_ratios(text: Optional[str]) -> Dict[str, float]:
+    """``"clip_score=0.99,pick_score=0.98"`` -> ``{"clip_score": 0.99, "pick_score": 0.98}``.
+
+    Raises:
+        GateInputError: an entry that is not ``NAME=R``, an unknown metric (``runner.core.metrics.REGISTRY``) or a
+            ratio that is not a positive number (``runner.core.metrics.floor_problems``).
+    """
+    from runner.core.metrics import floor_problems
+
+    out: Dict[str, Any] = {}
+    for part in [p.strip() for p in (text or "").split(",") if p.strip()]:
+        name, _, val = part.partition("=")
+        out[name.strip()] = val.strip()
+    bad = floor_problems(out, "--min-metric-ratio")
+    if bad:
+        raise GateInputError("; ".join(bad).replace("--min-metric-ratio.clip_score=0.99", "--min-metric-ratio "
+                                                                                  "clip_score=0.99"))
+    return {k: float(v) for k, v in out.items()}
 
 
 def default_out(dirs: Sequence[Path]) -> Path:
@@ -274,13 +346,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--min-ratio", type=float, default=MIN_RATIO,
                     help=f"lossy / lossless oracle accuracy floor per attribute (default {MIN_RATIO})")
     ap.add_argument("--min-psnr-db", type=float, default=None, help="also fail items below this PSNR (dB)")
+    ap.add_argument("--min-metric-ratio", default=None, metavar="NAME=R[,NAME=R]",
+                    help="lossy / lossless mean per-item metric floor, e.g. clip_score=0.99 (runner.score first)")
     ap.add_argument("--out", type=Path, default=None,
                     help="output path, overwritten if it exists (default: gate.json in the single dir given, else "
                          "./gate.json; where that file exists already, e.g. the sweep's own, gate.cli.json beside it)")
     a = ap.parse_args(argv)
     out = a.out or default_out(a.dirs)
     try:
-        doc = write_gate(a.dirs, out, a.min_ratio, a.min_psnr_db)
+        floors = parse_metric_ratios(a.min_metric_ratio)
+        doc = write_gate(a.dirs, out, a.min_ratio, a.min_psnr_db, floors)
     except RunnerError as e:
         print(f"gate: {type(e).__name__}: {e}", file=sys.stderr)
         return e.exit_code

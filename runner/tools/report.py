@@ -14,6 +14,8 @@ can be attached to a ticket. It shows:
   (dB, ``inf`` when identical), SSIM (Wang et al. 2004) and the maximum absolute pixel difference (0..255); for a
   video, the PSNR of its worst frame, the SSIM of that frame and the maximum difference over all frames;
 * an image grid of the same items across jobs, and a bar chart of images/s per job;
+* per-item quality metrics (``runner.core.metrics``): their mean and quantiles per job, a histogram per job and
+  metric, and speed against quality (images/s against the mean score, lossy jobs marked) over the jobs;
 * the quality gate of lossy jobs (``runner.tools.gate``, its ``gate.json``): each lossy job (labelled ``lossy`` with its
   lanes in the jobs table: a step cache, FP8 linear, lossy attention) against the lossless job of the same rows;
 * per-job details: the backend resolution table, evidence mismatches, failed items.
@@ -553,7 +555,7 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
             + "".join(f"<th>{f}</th>" for f in FIELDS)
             + "<th>evidence</th><th>wall s</th>"
             + "".join(f"<th>{lbl} s</th>" for _, lbl in PHASES)
-            + "<th>images/s</th><th>peak memory</th><th>oracle accuracy</th></tr>")
+            + "<th>images/s</th><th>peak memory</th><th>oracle accuracy</th><th>metrics (mean)</th></tr>")
     rows = []
     for n_job, j in enumerate(jobs):
         m = j.manifest
@@ -566,7 +568,7 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         cells.append(f"<td>{oc}{st}</td>")
         bf = backend_fields(m)
         if not any(bf.values()) and not m.get("timing"):  # stopped before resolution: the error fills the row
-            span = len(FIELDS) + len(PHASES) + 6
+            span = len(FIELDS) + len(PHASES) + 7
             cells.append(f'<td colspan="{span}"><span class="err">{_e(j.error or "no record")}</span></td>')
             rows.append("<tr>" + "".join(cells) + "</tr>")
             continue
@@ -601,6 +603,7 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         cells.append(f'<td class="num">{_e(mem[0])}<span class="sub">{_e(mem[1])}</span></td>' if mem
                      else '<td class="num">—</td>')
         cells.append(f"<td>{_e(accuracy_summary(m) or '—')}</td>")
+        cells.append(f"<td>{_e(metrics_summary(m) or '—')}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f'<div class="scroll"><table class="jobs sortable">{head}{"".join(rows)}</table></div>'
 
@@ -615,6 +618,97 @@ def accuracy_summary(m: Dict[str, Any]) -> Optional[str]:
     vals.sort(key=lambda kv: kv[0] != "all")  # all first
     n = f" (n {acc['n']})" if isinstance(acc.get("n"), int) else ""
     return " · ".join(f"{k} {v:.3g}" for k, v in vals) + n
+
+
+def metric_stats(m: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The manifest's per-item metric summary (``metrics.summary``: name -> {n, mean, p10...}) of scored names."""
+    return {k: v for k, v in ((m.get("metrics") or {}).get("summary") or {}).items()
+            if isinstance(v, dict) and v.get("n")}
+
+
+def metrics_summary(m: Dict[str, Any]) -> Optional[str]:
+    """The job's per-item metrics (``runner.core.metrics``): ``clip_score 31.2 (p10 28.1 · p90 33.9, n 24)``; None
+    when nothing was scored."""
+    stats = metric_stats(m)
+    if not stats:
+        return None
+    return " · ".join(f"{k} {v['mean']:.4g} (p10 {v.get('p10', v['mean']):.4g} · p90 {v.get('p90', v['mean']):.4g}, "
+                      f"n {v['n']})" for k, v in stats.items())
+
+
+def _histogram(name: str, values: Sequence[float], bins: int = 10) -> str:
+    """Inline SVG: the histogram of one metric's per-item scores of a job (``bins`` equal-width bins)."""
+    w, h, top, left = 320, 110, 16, 30
+    counts, edges = np.histogram(np.asarray(values, dtype=np.float64), bins=bins)
+    cmax = max(int(counts.max()), 1)
+    bw = w / bins
+    parts = [f'<svg width="{left + w + 10}" height="{top + h + 30}" role="img" aria-label="histogram of {_e(name)}">',
+             f'<text x="{left}" y="12" font-size="12" fill="#5b6475">{_e(name)}: {len(values)} items</text>']
+    for i, c in enumerate(counts):
+        bh = h * int(c) / cmax
+        parts.append(f'<rect x="{left + i * bw:.1f}" y="{top + h - bh:.1f}" width="{bw - 1:.1f}" height="{bh:.1f}" '
+                     f'fill="#4a78c2"><title>{edges[i]:.4g} .. {edges[i + 1]:.4g}: {int(c)}</title></rect>')
+    parts.append(f'<line x1="{left}" y1="{top + h}" x2="{left + w}" y2="{top + h}" stroke="#5b6475"/>')
+    for x, v in ((left, edges[0]), (left + w, edges[-1])):
+        parts.append(f'<text x="{x}" y="{top + h + 14}" font-size="11" text-anchor="middle" fill="#5b6475">'
+                     f'{v:.4g}</text>')
+    parts.append(f'<text x="{left - 4}" y="{top + 10}" font-size="11" text-anchor="end" fill="#5b6475">{cmax}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _metric_histograms(j: "Job") -> str:
+    """Per metric the job scored: the histogram of its items' scores (the records' ``metrics``)."""
+    names = list(metric_stats(j.manifest))
+    out = []
+    for n in names:
+        vals = [float(r["metrics"][n]) for r in j.ok_items.values() if (r.get("metrics") or {}).get(n) is not None]
+        if vals:
+            out.append(_histogram(n, vals))
+    return "<p><b>per-item metrics</b></p>" + "".join(out) if out else ""
+
+
+def _speed_quality(jobs: Sequence["Job"]) -> str:
+    """Inline SVG per metric: each job as a point at (throughput, mean score), lossy jobs in orange, labelled; the
+    lanes of a sweep side by side (a lossless reference among them)."""
+    names = list(dict.fromkeys(n for j in jobs for n in metric_stats(j.manifest)))
+    if not names:
+        return "<p>No job was scored with a per-item metric (<code>metrics.names=[clip_score]</code> or " \
+               "<code>python -m runner.score</code>).</p>"
+    out = []
+    for n in names:
+        pts = [(j, throughput(j.manifest)[0], metric_stats(j.manifest).get(n, {}).get("mean")) for j in jobs]
+        pts = [(j, x, y) for j, x, y in pts if x is not None and y is not None]
+        if pts:
+            out.append(_scatter(n, pts))
+    return "".join(out) or "<p>No scored job recorded a throughput.</p>"
+
+
+def _scatter(name: str, pts: Sequence[Tuple["Job", float, float]]) -> str:
+    w, h, left, top = 460, 220, 60, 20
+    xs, ys = [p[1] for p in pts], [p[2] for p in pts]
+    x0, x1 = min(xs + [0.0]), max(xs) or 1.0
+    y0, y1 = min(ys), max(ys)
+    y0, y1 = (y0 - 1, y1 + 1) if y0 == y1 else (y0 - 0.05 * (y1 - y0), y1 + 0.05 * (y1 - y0))
+    parts = [f'<svg width="{left + w + 140}" height="{top + h + 40}" role="img" aria-label="speed against {_e(name)}">',
+             f'<text x="{left}" y="12" font-size="12" fill="#5b6475">{_e(name)} (mean) against images/s</text>',
+             f'<line x1="{left}" y1="{top + h}" x2="{left + w}" y2="{top + h}" stroke="#5b6475"/>',
+             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + h}" stroke="#5b6475"/>']
+    for v, frac in ((x0, 0), (x1, 1)):
+        parts.append(f'<text x="{left + w * frac:.1f}" y="{top + h + 14}" font-size="11" text-anchor="middle" '
+                     f'fill="#5b6475">{v:.3g}</text>')
+    for v, frac in ((y0, 0), (y1, 1)):
+        parts.append(f'<text x="{left - 4}" y="{top + h - h * frac:.1f}" font-size="11" text-anchor="end" '
+                     f'fill="#5b6475">{v:.4g}</text>')
+    for j, x, y in pts:
+        cx = left + w * (x - x0) / ((x1 - x0) or 1.0)
+        cy = top + h - h * (y - y0) / (y1 - y0)
+        colour = "#d9822b" if lossy.of_manifest(j.manifest)["lossy"] else "#4a78c2"
+        parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" fill="{colour}"><title>{_e(j.label)}: {x:.4g} '
+                     f'images/s, {name} {y:.5g}</title></circle>'
+                     f'<text x="{cx + 8:.1f}" y="{cy + 4:.1f}" font-size="11">{_e(j.label[:22])}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
 
 
 def warmup_note(m: Dict[str, Any], first: bool) -> str:
@@ -652,13 +746,18 @@ def _gate_section(jobs: Sequence[Job], gate: Optional[Dict[str, Any]]) -> str:
               " (reported)") + f". Verdict: {_badge(gate.get('verdict'), _GATE_CLASS.get(gate.get('verdict'), 'warn'))}"
            "</p>",
            "<table><tr><th>lossy job</th><th>lanes</th><th>lossless job</th><th>accuracy lossy / lossless (ratio)"
-           "</th><th>min PSNR dB</th><th>min SSIM</th><th>cache hit rate</th><th>verdict</th></tr>"]
+           "</th><th>metrics lossy / lossless (ratio)</th><th>min PSNR dB</th><th>min SSIM</th><th>cache hit rate</th>"
+           "<th>verdict</th></tr>"]
     for e in gate.get("jobs") or []:
         acc = e.get("accuracy") or {}
         acc_txt = "<br>".join(f"{_e(k)}: {a['lossy']:.3g} / {a['lossless']:.3g} ({a['ratio']})" for k, a in acc.items())
+        met_txt = "<br>".join(_e(f"{k}: not scored") if "error" in mt else _e(
+            f"{k}: {mt['lossy']:.4g} / {mt['lossless']:.4g} ({mt['ratio']}; floor {mt['floor']:g}, min item "
+            f"{mt['min_item_ratio']})") for k, mt in (e.get("metrics") or {}).items())
         why = "".join(f'<span class="sub">{_e(r)}</span>' for r in e.get("reasons") or [])
         out.append(f"<tr><td><b>{_e(e.get('lossy_job'))}</b></td><td class=mono>{_e(', '.join(e.get('lanes') or []))}"
                    f"</td><td>{_e(e.get('lossless_job') or '—')}</td><td>{acc_txt or '—'}</td>"
+                   f"<td>{met_txt or '—'}</td>"
                    f"<td class=num>{fmt_psnr((e.get('psnr_db') or {}).get('min'))}</td>"
                    f"<td class=num>{_num((e.get('ssim') or {}).get('min'), '{:.4f}')}</td>"
                    f"<td class=num>{_num(e.get('cache_hit_rate'), '{:.3f}')}</td>"
@@ -811,6 +910,7 @@ def _details(j: Job) -> str:
     if ev.get("mismatches"):
         parts.append("<p><b>evidence mismatches</b></p><ul>"
                      + "".join(f"<li>{_e(x)}</li>" for x in ev["mismatches"]) + "</ul>")
+    parts.append(_metric_histograms(j))
     failed = [r for r in j.items if r.get("status") == "failed"]
     if failed:
         parts.append("<p><b>failed items</b></p><ul>"
@@ -847,6 +947,7 @@ def render(jobs: Sequence[Job], reference: Any = None, tolerance_db: float = PAR
         "it.</p>",
         "<h2>Jobs</h2>", _jobs_table(jobs, common),
         "<h2>Throughput</h2>", _bar_chart(jobs),
+        "<h2>Speed and quality</h2>", _speed_quality(jobs),
         "<h2>Quality gate of lossy jobs</h2>", _gate_section(jobs, gate),
         "<h2>Parity</h2>", _parity_section(jobs, ref, par, tolerance_db),
         "<h2>Images and videos (poster frames)</h2>" if any(is_video(r) for j in jobs for r in j.ok_items.values())

@@ -130,14 +130,15 @@ def summarize(sweep_dir: Path) -> Dict[str, Any]:
                     "gate of the lossy jobs, if any, passes"}
 
 
-def gate(sweep_dir: Path, doc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def gate(sweep_dir: Path, doc: Dict[str, Any], min_metric_ratio: Optional[Dict[str, float]] = None
+         ) -> Optional[Dict[str, Any]]:
     """Run the quality gate (``runner.tools.gate``) when a job of the sweep is lossy: writes ``gate.json``, records its
     verdict in ``doc`` (the ``sweep.json`` document) and raises its exit code on failure; None when no job is
-    lossy."""
+    lossy. ``min_metric_ratio``: the floors of per-item metrics (``report.min_metric_ratio``)."""
     from runner.tools.gate import evaluate
     from runner.tools.report import load_jobs
 
-    out = evaluate(load_jobs([sweep_dir]))
+    out = evaluate(load_jobs([sweep_dir]), min_metric_ratio=min_metric_ratio)
     if out["verdict"] == "none":
         return None
     atomic_write_json(sweep_dir / "gate.json", out)
@@ -151,8 +152,9 @@ class SweepCallback(Callback):
     """Writes ``sweep.json`` and ``report.html`` into the sweep dir at the end of a multirun, then exits with the
     sweep's exit code (see the module docstring)."""
 
-    def __init__(self, reference: Any = None) -> None:
+    def __init__(self, reference: Any = None, min_metric_ratio: Any = None) -> None:
         self.reference = reference
+        self.min_metric_ratio = {str(k): float(v) for k, v in dict(min_metric_ratio or {}).items() if v is not None}
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -161,7 +163,7 @@ class SweepCallback(Callback):
         doc = summarize(sweep_dir)
         gated = None
         try:
-            gated = gate(sweep_dir, doc)
+            gated = gate(sweep_dir, doc, self.min_metric_ratio)
         except Exception as e:  # noqa: BLE001 - recorded; a gate that cannot run fails the sweep
             log.error("the quality gate could not run: %s: %s", type(e).__name__, e)
             doc["gate"], doc["exit_code"] = {"verdict": "error", "error": f"{type(e).__name__}: {e}"}, 1

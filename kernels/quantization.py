@@ -1,0 +1,235 @@
+"""Weight quantization methods (``model.quantization.<component>``): one record per method, applied through
+diffusers' and transformers' own quantizer configs at ``from_pretrained`` (``PipelineQuantizationConfig(
+quant_mapping={component: config})``; a GGUF file through ``from_single_file``).
+
+Every method is lossy by design (weights rounded to fewer bits): a run that sets one is labelled lossy
+(``runner.core.lossy``: lane ``model.quantization.<component>=<method>``) and gated against the lossless run
+(``runner.tools.gate``). Each record holds
+
+* its requirements (``kernels.registry`` requirement checks: platform, compute capability, the package's entry
+  point), evaluated before any weight loads; every unmet one is named;
+* how to build the library config (:meth:`WeightQuant.config`, per library: ``diffusers`` or ``transformers``);
+* the storage cost the memory planner uses (:attr:`WeightQuant.bits`: bits per ``nn.Linear`` weight element, scales
+  included);
+* what evidence observes: :attr:`WeightQuant.tensor_classes`, the class names a quantized Linear's weight has when
+  it executes (a forward pre-hook reads ``type(module.weight)`` at call time, ``models.memory.QuantProbe``), and
+  :attr:`WeightQuant.signature`, a regex over the profiled device kernel names of the quantized matmul /
+  dequantization (None where the method leaves no kernel name of its own: torchao's weight-only int8/float8 and
+  diffusers' torch GGUF dequantization run as generic elementwise kernels and a dense GEMM, so there the weight
+  class at call time is the evidence).
+
+Sources:
+  * torchao 0.18 ``Int8WeightOnlyConfig``: int8 weights with one scale per output row (``Int8Tensor``; weight-only
+    linear = ``mm(x, int8.to(dtype)) * scale``, ``torchao/quantization/quantize_/workflows/int8/int8_tensor.py``:
+    runs on CPU too); ``Float8WeightOnlyConfig``: e4m3 weights, per-row scale (``Float8Tensor``), sm89+.
+  * diffusers 0.42 ``TorchAoConfig`` takes an ``AOBaseConfig`` instance only (``quantization_config.py``
+    ``post_init``: a string raises ``TypeError``).
+  * bitsandbytes NF4: 4-bit NormalFloat with one absmax per 64 weights, the absmax double-quantized to 8 bits in
+    blocks of 256 (Dettmers et al. 2023, QLoRA, sec. 3: 4 + 32/64 bits without, 4 + 8/64 + 32/(64*256) = 4.127 with
+    double quantization); CUDA only in the planner's records (bitsandbytes' CPU backend is partial). Kernels:
+    ``kgemm_4bit_inference`` (batch-1 GEMV), ``kDequantizeBlockwise`` before a dense GEMM (bitsandbytes
+    ``csrc/kernels.cu``).
+  * GGUF: diffusers' ``GGUFQuantizationConfig`` + ``from_single_file``; the weights stay in the file's block formats
+    (Q4_K: 4.5 bits per weight, ggml ``ggml-quants.h`` block_q4_K = 144 bytes per 256 weights) and are dequantized
+    per call by diffusers' torch code (``diffusers/quantizers/gguf/utils.py``: ``dequantize_gguf_tensor``) or, with
+    the ``kernels`` package on CUDA, by its ``ggml_dequantize`` kernels. The planner sizes a GGUF component from its
+    file's bytes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from kernels.registry import SelectionContext, on_platform, sm_at_least, symbol
+from runner.core.errors import RefusedError, UserInputError
+
+NONE = "none"
+
+
+class QuantizationError(UserInputError, ValueError):
+    """``model.quantization``: an unknown method, a component the model does not have, a GGUF file missing."""
+
+
+class QuantizationUnavailableError(RefusedError, QuantizationError):
+    """A quantization method that cannot run here; names every unmet requirement of every component at once."""
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """One weight quantization method.
+
+    Attributes:
+        name: canonical spelling (``int8wo``).
+        aliases: other accepted spellings (case-insensitive, ``-`` == ``_``).
+        requires: ``kernels.registry`` requirements (``ctx -> reasons``), all evaluated.
+        bits: storage bits per quantized ``nn.Linear`` weight element, scales included (None: from the file).
+        libraries: component libraries it has a config for (``diffusers``, ``transformers``).
+        tensor_classes: class names of a quantized weight as seen at call time (evidence).
+        signature: regex over profiled GPU kernel names of its matmul / dequantization; None: none of its own.
+        needs_file: the weights come from a file (``model.quantization.gguf_file``), not from the snapshot.
+        describe: one line for listings and the manifest.
+    """
+
+    name: str
+    aliases: Tuple[str, ...] = ()
+    requires: Tuple[Callable[[SelectionContext], List[str]], ...] = ()
+    bits: Optional[float] = None
+    libraries: Tuple[str, ...] = ("diffusers", "transformers")
+    tensor_classes: Tuple[str, ...] = ()
+    signature: Optional[str] = None
+    needs_file: bool = False
+    describe: str = ""
+
+    def unmet(self, ctx: SelectionContext) -> List[str]:
+        """Every requirement not met in ``ctx`` (empty: it can run)."""
+        out: List[str] = []
+        for req in self.requires:
+            out.extend(req(ctx))
+        return out
+
+    def config(self, library: str, dtype: torch.dtype) -> Any:
+        """The library's quantization config for a component of ``library`` computing in ``dtype``.
+
+        Raises:
+            QuantizationError: the method has no config for that library (GGUF: transformers components).
+        """
+        if library not in self.libraries:
+            raise QuantizationError(f"quantization method {self.name} has no {library} config (it quantizes "
+                                    f"{'/'.join(self.libraries)} components)")
+        return _BUILDERS[self.name](importlib.import_module(library), dtype)
+
+
+def _torchao(cls_name: str) -> Callable[[Any, torch.dtype], Any]:
+    def build(lib: Any, dtype: torch.dtype) -> Any:
+        import torchao.quantization as tq
+
+        return lib.TorchAoConfig(getattr(tq, cls_name)())
+    return build
+
+
+def _nf4(lib: Any, dtype: torch.dtype) -> Any:
+    return lib.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=dtype)
+
+
+def _gguf(lib: Any, dtype: torch.dtype) -> Any:
+    return lib.GGUFQuantizationConfig(compute_dtype=dtype)
+
+
+_BUILDERS: Dict[str, Callable[[Any, torch.dtype], Any]] = {
+    "int8wo": _torchao("Int8WeightOnlyConfig"), "float8wo": _torchao("Float8WeightOnlyConfig"),
+    "nf4": _nf4, "gguf": _gguf}
+
+METHODS: Dict[str, WeightQuant] = {}
+
+
+def register(q: WeightQuant) -> WeightQuant:
+    """Add a method record (its config builder must be in ``_BUILDERS`` under the same name)."""
+    METHODS[q.name] = q
+    return q
+
+
+register(WeightQuant(
+    "int8wo", aliases=("int8", "int8_weight_only", "torchao_int8"),
+    requires=(symbol("torchao.quantization:Int8WeightOnlyConfig"),), bits=8.0, tensor_classes=("Int8Tensor",),
+    describe="torchao int8 weight-only (per-row scale), dequantized into the GEMM"))
+register(WeightQuant(
+    "float8wo", aliases=("fp8wo", "float8_weight_only", "torchao_float8"),
+    requires=(on_platform("cuda"), sm_at_least(89), symbol("torchao.quantization:Float8WeightOnlyConfig")),
+    bits=8.0, tensor_classes=("Float8Tensor",),
+    describe="torchao float8 (e4m3) weight-only, per-row scale"))
+register(WeightQuant(
+    "nf4", aliases=("bnb_nf4", "bnb4", "4bit"),
+    requires=(on_platform("cuda"), symbol("bitsandbytes:matmul_4bit")), bits=4.127,
+    tensor_classes=("Params4bit",), signature=r"kgemm_4bit|kDequantizeBlockwise|dequantize_blockwise|gemv_4bit",
+    describe="bitsandbytes 4-bit NormalFloat, double-quantized absmax (block 64)"))
+register(WeightQuant(
+    "gguf", aliases=("gguf_file",),
+    requires=(symbol("gguf:GGMLQuantizationType"),), libraries=("diffusers",), tensor_classes=("GGUFParameter",),
+    needs_file=True,
+    describe="a GGUF file's block-quantized weights (e.g. Q4_K), dequantized per call"))
+
+
+def _key(s: str) -> str:
+    return str(s).strip().lower().replace("-", "_")
+
+
+def normalize(value: Any, where: str) -> str:
+    """Canonical method name (or ``none``) of ``value`` set at config key ``where``.
+
+    Raises:
+        QuantizationError: an unknown name, listing the valid ones and the closest.
+    """
+    if value is None or _key(value) in ("none", "", "null", "off"):
+        return NONE
+    table = {_key(a): q.name for q in METHODS.values() for a in (q.name, *q.aliases)}
+    k = _key(value)
+    if k in table:
+        return table[k]
+    close = difflib.get_close_matches(k, list(table), n=1, cutoff=0.4)
+    raise QuantizationError(f"{where}={value!r} is not a quantization method"
+                            + (f"; closest: {table[close[0]]}" if close else "")
+                            + f"; valid: {', '.join([NONE, *METHODS])}; fix: e.g. {where}=int8wo")
+
+
+def get(name: str) -> WeightQuant:
+    """The record of canonical method ``name``."""
+    return METHODS[name]
+
+
+def check(choices: Dict[str, str], libraries: Dict[str, str], ctx: SelectionContext,
+          gguf_file: Optional[str]) -> None:
+    """Fail closed on every component's method at once.
+
+    Args:
+        choices: component -> canonical method (``none`` entries ignored).
+        libraries: component -> its library (``diffusers`` | ``transformers``), the family's components.
+        ctx: where it would run.
+        gguf_file: ``model.quantization.gguf_file``.
+
+    Raises:
+        QuantizationError: a component the model does not have, a library the method has no config for, a GGUF
+            method without its file (or a file without a GGUF method), two GGUF components.
+        QuantizationUnavailableError: unmet requirements, each named with its component.
+    """
+    bad: List[str] = []
+    unmet: List[str] = []
+    ggufs = [c for c, m in choices.items() if m == "gguf"]
+    for comp, method in choices.items():
+        if method == NONE:
+            continue
+        where = f"model.quantization.{comp}={method}"
+        if comp not in libraries:
+            bad.append(f"{where}: the model has no component {comp!r} (its components: "
+                       f"{', '.join(sorted(libraries))})")
+            continue
+        q = get(method)
+        if libraries[comp] not in q.libraries:
+            bad.append(f"{where}: {method} quantizes only {'/'.join(q.libraries)} components, {comp} is a "
+                       f"{libraries[comp]} model")
+        why = q.unmet(ctx)
+        if why:
+            unmet.append(f"{where} cannot run here: " + "; ".join(why))
+    if len(ggufs) > 1:
+        bad.append(f"model.quantization: gguf on {', '.join(ggufs)}; one gguf_file holds one component")
+    if ggufs and not gguf_file:
+        bad.append(f"model.quantization.{ggufs[0]}=gguf needs model.quantization.gguf_file=/path/to/file.gguf")
+    if gguf_file and not ggufs:
+        bad.append(f"model.quantization.gguf_file={gguf_file!r} is set but no component is gguf; fix: "
+                   "model.quantization.transformer=gguf, or remove gguf_file")
+    if bad:
+        raise QuantizationError("; ".join(bad + unmet))
+    if unmet:
+        raise QuantizationUnavailableError("; ".join(unmet) + ". Fix: choose another method (model.quantization."
+                                           "<component>=int8wo runs everywhere torchao is installed) or none.")
+
+
+def weight_class_names(module: torch.nn.Module) -> Sequence[str]:
+    """The class names in ``type(module.weight).__mro__`` (what a quantized Linear's weight is at call time)."""
+    w = getattr(module, "weight", None)
+    return [c.__name__ for c in type(w).__mro__] if w is not None else []

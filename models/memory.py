@@ -1,0 +1,613 @@
+"""Fitting a diffusers pipeline to the device: weight quantization configs, the memory plan's inputs (component
+sizes on the meta device, activations of the largest batch), the offload plan applied through diffusers, the
+budget enforced on the device, and what evidence observes of them.
+
+* **Quantization** (``model.quantization``): ``quant_mapping`` builds diffusers' ``PipelineQuantizationConfig``
+  from the ``kernels.quantization`` records (a diffusers config for diffusers components, a transformers config for
+  the text encoders); :class:`QuantProbe` counts, per quantized component, the Linear calls whose weight was of the
+  method's tensor class when it executed.
+* **Offload** (``memory.offload``): :func:`apply_offload` calls diffusers' ``enable_model_cpu_offload`` or
+  ``enable_group_offload``; :class:`OffloadProbe` wraps every group-offload ``ModuleGroup.onload_`` (and, under
+  model offload, a pre-hook per component that sees its weights off the device) and counts the bytes onloaded.
+* **Budget** (``memory.max_gpu_gb``): :func:`set_budget` caps the process's CUDA caching allocator with
+  ``torch.cuda.set_per_process_memory_fraction``; :class:`PhasePeaks` records the allocator's peak per stage.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from kernels import quantization as quant
+from runner.core import memory as planner
+from runner.core.errors import ConfigValueError
+
+#: ``model.quantization`` fields that name a component (``gguf_file`` is the GGUF method's file).
+QUANT_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """``memory.*`` as validated (:func:`settings`)."""
+
+    offload: str
+    use_stream: bool
+    blocks_per_group: int
+    vae_tiling: bool
+    vae_slicing: bool
+    max_gpu_gb: Optional[float]
+
+    @property
+    def active(self) -> bool:
+        """Anything beyond the default (all weights on the device, no budget, no VAE change) is asked for."""
+        return (self.offload != "none" or self.max_gpu_gb is not None or self.vae_tiling or self.vae_slicing)
+
+
+def settings(mem: Any, platform_kind: str, parallel: Any) -> MemorySettings:
+    """Validate ``memory.*`` for a stage on ``platform_kind``; every bad field at once.
+
+    Raises:
+        ConfigValueError: offload or a budget off a CUDA device, offload under context parallelism,
+            ``blocks_per_group`` < 1, a budget <= 0.
+    """
+    s = MemorySettings(str(mem.offload), bool(mem.use_stream), int(mem.blocks_per_group), bool(mem.vae_tiling),
+                       bool(mem.vae_slicing), None if mem.max_gpu_gb is None else float(mem.max_gpu_gb))
+    bad: List[str] = []
+    if s.offload != "none" and platform_kind not in ("cuda", "rocm"):
+        bad.append(f"memory.offload={s.offload} moves weights between the host and a GPU, and this platform is "
+                   f"{platform_kind}; fix: memory.offload=none (or platform=cuda)")
+    if s.max_gpu_gb is not None and platform_kind not in ("cuda", "rocm"):
+        bad.append(f"memory.max_gpu_gb={s.max_gpu_gb} budgets GPU memory, and this platform is {platform_kind}; "
+                   "fix: memory.max_gpu_gb=null")
+    if s.max_gpu_gb is not None and s.max_gpu_gb <= 0:
+        bad.append(f"memory.max_gpu_gb={s.max_gpu_gb} must be > 0 (GiB), or null")
+    if s.blocks_per_group < 1:
+        bad.append(f"memory.blocks_per_group={s.blocks_per_group} must be >= 1")
+    if s.offload != "none" and parallel is not None:
+        bad.append(f"memory.offload={s.offload} under context parallelism ({parallel.mode}) is not supported; fix: "
+                   "memory.offload=none, or parallelism=data")
+    if bad:
+        raise ConfigValueError("; ".join(bad))
+    return s
+
+
+def quant_choices(qcfg: Any) -> Dict[str, str]:
+    """``model.quantization``'s component -> canonical method (``none`` left out).
+
+    Raises:
+        kernels.quantization.QuantizationError: an unknown method name.
+    """
+    out: Dict[str, str] = {}
+    for comp in QUANT_COMPONENTS:
+        m = quant.normalize(getattr(qcfg, comp), f"model.quantization.{comp}")
+        if m != quant.NONE:
+            out[comp] = m
+    return out
+
+
+def quant_mapping(choices: Mapping[str, str], libraries: Mapping[str, str], dtype: torch.dtype) -> Dict[str, Any]:
+    """``{component: library quantization config}`` for diffusers' ``PipelineQuantizationConfig(quant_mapping=)``
+    (GGUF components are loaded apart, :func:`load_gguf`)."""
+    return {c: quant.get(m).config(libraries[c], dtype) for c, m in choices.items() if m != "gguf"}
+
+
+def pipeline_quantization(choices: Mapping[str, str], libraries: Mapping[str, str], dtype: torch.dtype) -> Any:
+    """diffusers' ``PipelineQuantizationConfig`` for ``from_pretrained`` (None: nothing to quantize there)."""
+    mapping = quant_mapping(choices, libraries, dtype)
+    if not mapping:
+        return None
+    from diffusers.quantizers import PipelineQuantizationConfig
+
+    return PipelineQuantizationConfig(quant_mapping=mapping)
+
+
+def load_gguf(model_cls: type, gguf_file: str, config_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A component from a GGUF file, its config from the snapshot's component dir (diffusers ``from_single_file``
+    with ``GGUFQuantizationConfig(compute_dtype=dtype)``)."""
+    q = quant.get("gguf").config("diffusers", dtype)
+    return model_cls.from_single_file(gguf_file, quantization_config=q, config=config_dir, torch_dtype=dtype,
+                                      local_files_only=True)
+
+
+def quantize_built(module: torch.nn.Module, method: str, library: str, dtype: torch.dtype) -> None:
+    """Quantize a built (``load_format=dummy``) module's Linears in place with the same torchao config diffusers'
+    ``TorchAoHfQuantizer`` applies while loading (``torchao.quantization.quantize_``, Linears only).
+
+    Raises:
+        ConfigValueError: a method that quantizes only while loading a checkpoint (bitsandbytes, GGUF).
+    """
+    cfg = quant.get(method).config(library, dtype)
+    ao = getattr(cfg, "quant_type", None)
+    if ao is None or isinstance(ao, (str, dict)):
+        raise ConfigValueError(f"model.quantization={method} with model.load_format=dummy: {method} quantizes while "
+                               "a checkpoint loads (from_pretrained); fix: an embedded model or model.path, or a "
+                               "torchao method (int8wo, float8wo)")
+    from torchao.quantization import quantize_
+
+    quantize_(module, ao)
+
+
+def check_dummy_methods(choices: Mapping[str, str]) -> None:
+    """``load_format=dummy`` builds modules without a checkpoint: only torchao methods quantize those.
+
+    Raises:
+        ConfigValueError: naming each component whose method needs a checkpoint.
+    """
+    bad = [f"model.quantization.{c}={m}" for c, m in choices.items() if m in ("nf4", "gguf")]
+    if bad:
+        raise ConfigValueError(f"{', '.join(bad)} with model.load_format=dummy: bitsandbytes and GGUF quantize while "
+                               "a checkpoint loads; fix: an embedded model or model.path (a snapshot), or int8wo / "
+                               "float8wo (torchao) for random weights")
+
+
+# ------------------------------------------------------------------------------------------------ sizing
+
+
+def meta_components(classes: Mapping[str, Tuple[str, str, Optional[str]]], config: Callable[[str], Dict[str, Any]],
+                    dtype: torch.dtype) -> Dict[str, torch.nn.Module]:
+    """Every model component built on the meta device from its config (no memory): a diffusers class with
+    ``from_config``, a transformers class as ``Model(Config(**config))``."""
+    out: Dict[str, torch.nn.Module] = {}
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else torch.float32)
+    try:
+        for comp, (lib, cls_name, cfg_name) in classes.items():
+            if comp == "scheduler":
+                continue
+            mod = importlib.import_module(lib)
+            model_cls, conf = getattr(mod, cls_name), dict(config(comp))
+            with torch.device("meta"):
+                if cfg_name:
+                    out[comp] = model_cls(getattr(mod, cfg_name)(**conf))
+                else:
+                    out[comp] = model_cls.from_config({k: v for k, v in conf.items()})
+    finally:
+        torch.set_default_dtype(prev)
+    return out
+
+
+def component_sizes(modules: Mapping[str, torch.nn.Module], choices: Mapping[str, str],
+                    gguf_bytes: Optional[int] = None) -> Dict[str, planner.ComponentSize]:
+    """:class:`runner.core.memory.ComponentSize` of every model component, quantized ones at their method's bits
+    (a GGUF one at its file's bytes)."""
+    out = {}
+    for name, m in modules.items():
+        if not isinstance(m, torch.nn.Module):
+            continue
+        method = choices.get(name)
+        bits = quant.get(method).bits if method else None
+        out[name] = planner.size_module(name, m, linear_bits=bits,
+                                        file_bytes=gguf_bytes if method == "gguf" else None)
+    return out
+
+
+def _get(conf: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if conf.get(k) is not None:
+            return conf[k]
+    return default
+
+
+def text_activations(encoders: Mapping[str, Mapping[str, Any]], batch: int, seq: int, elem: int) -> Dict[str, int]:
+    """Activation bytes of each text encoder (``runner.core.memory.encoder_activation``) from its config."""
+    out = {}
+    for name, c in encoders.items():
+        hidden = int(_get(c, "d_model", "hidden_size", default=0))
+        ff = int(_get(c, "d_ff", "intermediate_size", default=4 * hidden))
+        heads = int(_get(c, "num_heads", "num_attention_heads", default=1))
+        n = min(seq, int(_get(c, "max_position_embeddings", default=seq)))
+        out[name] = planner.encoder_activation(batch, n, hidden, ff, heads, elem)
+    return out
+
+
+def denoiser_activations(conf: Mapping[str, Any], batch: int, tokens: int, elem: int) -> int:
+    """Activation bytes of the denoiser (``runner.core.memory.denoiser_activation``): inner width ``heads x
+    head_dim``, MLP ratio from ``ffn_dim`` / ``mlp_ratio`` (diffusers' FLUX default 4)."""
+    inner = int(_get(conf, "num_attention_heads", default=1)) * int(_get(conf, "attention_head_dim", default=64))
+    ratio = float(conf["ffn_dim"]) / inner if conf.get("ffn_dim") else float(_get(conf, "mlp_ratio", default=4.0))
+    return planner.denoiser_activation(batch, tokens, inner, ratio, elem)
+
+
+def decoder_activations(conf: Mapping[str, Any], batch: int, frames: int, height: int, width: int, elem: int,
+                        tiling: bool, slicing: bool) -> int:
+    """Activation bytes of the VAE decoder (``runner.core.memory.decoder_activation``); the channels at full
+    resolution from ``block_out_channels[1]`` (``AutoencoderKL``) or ``base_dim * dim_mult[1]`` (Wan's VAE).
+
+    Wan's causal VAE decodes one latent frame at a time (``AutoencoderKLWan._decode``, diffusers 0.42), so its
+    decoder holds ``2 ** sum(temperal_downsample)`` frames at full resolution, plus the decoded video growing by
+    ``torch.cat`` (two copies of ``B x 3 x F x H x W``)."""
+    boc = conf.get("block_out_channels")
+    b = 1 if slicing else batch
+    if tiling:
+        tile = int(_get(conf, "sample_size", default=512) if not isinstance(conf.get("sample_size"), list)
+                   else conf["sample_size"][0])
+        height, width = min(height, tile), min(width, tile)
+    if boc:
+        return planner.decoder_activation(b, frames, height, width, int(boc[1] if len(boc) > 1 else boc[0]), elem)
+    mult = conf.get("dim_mult") or [1, 2]
+    ch = int(_get(conf, "base_dim", default=96)) * int(mult[1] if len(mult) > 1 else mult[0])
+    chunk = min(frames, 2 ** sum(bool(t) for t in (conf.get("temperal_downsample") or [False, True, True])))
+    return planner.decoder_activation(b, chunk, height, width, ch, elem) + 2 * b * 3 * frames * height * width * elem
+
+
+# ------------------------------------------------------------------------------------------------ applying
+
+
+def apply_offload(pipe: Any, plan: planner.Plan, device: str) -> Dict[str, Any]:
+    """Put the pipeline on ``device`` under ``plan`` (diffusers' offload APIs; ``none``: ``pipe.to(device)``).
+
+    Returns:
+        What was applied, for the manifest.
+    """
+    mode = plan.offload
+    if mode == "none":
+        pipe.to(device)
+    elif mode == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    else:
+        kind = "block_level" if mode == "group_block" else "leaf_level"
+        kw: Dict[str, Any] = {"use_stream": plan.use_stream}
+        if kind == "block_level":
+            kw["num_blocks_per_group"] = plan.blocks_per_group
+        pipe.enable_group_offload(onload_device=torch.device(device), offload_device=torch.device("cpu"),
+                                  offload_type=kind, **kw)
+    return {"offload": mode, "use_stream": plan.use_stream, "blocks_per_group": plan.blocks_per_group}
+
+
+def apply_vae(pipe: Any, tiling: bool, slicing: bool) -> Dict[str, bool]:
+    """``vae.enable_tiling()`` / ``vae.enable_slicing()`` as asked (diffusers' VAE methods)."""
+    vae = getattr(pipe, "vae", None)
+    if tiling:
+        vae.enable_tiling()
+    if slicing:
+        vae.enable_slicing()
+    return {"vae_tiling": tiling, "vae_slicing": slicing}
+
+
+def set_budget(max_gpu_gb: Optional[float], device: str) -> Optional[Dict[str, Any]]:
+    """Cap this process's CUDA caching allocator at ``max_gpu_gb`` GiB on ``device`` (an allocation past it raises
+    ``torch.OutOfMemoryError`` instead of growing); None without a budget."""
+    if max_gpu_gb is None:
+        return None
+    dev = torch.device(device)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    frac = min(1.0, max_gpu_gb * planner.GIB / total)
+    torch.cuda.set_per_process_memory_fraction(frac, dev)
+    return {"max_gpu_gb": max_gpu_gb, "fraction": round(frac, 6), "device_total_gb": planner.gb(total)}
+
+
+# ------------------------------------------------------------------------------------------------ evidence
+
+
+@dataclass
+class OffloadProbe:
+    """Bytes onloaded to the device, observed at diffusers' offload hooks.
+
+    Attributes:
+        onloads: onload calls seen; bytes: their bytes (each group's parameters and buffers, storage bytes).
+    """
+
+    onloads: int = 0
+    bytes: int = 0
+    groups: int = 0
+    _undo: List[Callable[[], None]] = field(default_factory=list)
+
+    def watch_groups(self, modules: Sequence[torch.nn.Module]) -> None:
+        """Wrap ``onload_`` of every group-offload ``ModuleGroup`` hooked into ``modules`` (each group once)."""
+        from diffusers.hooks.group_offloading import ModuleGroup
+
+        seen = set()
+        for root in modules:
+            for m in root.modules():
+                reg = getattr(m, "_diffusers_hook", None)
+                for hook in (getattr(reg, "hooks", None) or {}).values():
+                    g = getattr(hook, "group", None)
+                    if isinstance(g, ModuleGroup) and id(g) not in seen:
+                        seen.add(id(g))
+                        self._wrap(g)
+        self.groups = len(seen)
+
+    def _wrap(self, g: Any) -> None:
+        tensors = {id(t): t for mod in g.modules for t in (*mod.parameters(), *mod.buffers())}
+        tensors.update({id(t): t for t in (*g.parameters, *g.buffers)})
+        size = sum(planner.tensor_bytes(t) for t in tensors.values())
+        orig = g.onload_
+
+        def onload_(*a: Any, **k: Any) -> Any:
+            self.onloads += 1
+            self.bytes += size
+            return orig(*a, **k)
+
+        g.onload_ = onload_
+        self._undo.append(lambda: delattr(g, "onload_"))
+
+    def watch_models(self, components: Mapping[str, torch.nn.Module], device: str) -> None:
+        """Under model offload: a pre-hook per component that counts its bytes when its weights are not on
+        ``device`` as it starts (accelerate's hook moves them after this one, ``add_hook_to_module``)."""
+        want = torch.device(device).type
+        for m in components.values():
+            size = sum(planner.tensor_bytes(t) for t in (*m.parameters(), *m.buffers()))
+
+            def pre(mod: torch.nn.Module, args: Any, _n: int = size) -> None:
+                p = next(mod.parameters(), None)
+                if p is not None and p.device.type != want:
+                    self.onloads += 1
+                    self.bytes += _n
+
+            self._undo.append(m.register_forward_pre_hook(pre).remove)
+        self.groups = len(components)
+
+
+@dataclass
+class QuantProbe:
+    """Calls of the quantized components' Linears, by the class their weight had when they ran.
+
+    Attributes:
+        method: component -> method; calls: component -> weight class name -> calls; linears: Linears per
+        component; quantized: component -> Linears whose weight had the method's class at load; changed: Linears
+        quantized at load that later ran with another weight class.
+    """
+
+    method: Dict[str, str]
+    calls: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    linears: Dict[str, int] = field(default_factory=dict)
+    quantized: Dict[str, int] = field(default_factory=dict)
+    changed: Dict[str, List[str]] = field(default_factory=dict)
+
+    def attach(self, components: Mapping[str, torch.nn.Module]) -> None:
+        """A forward pre-hook on every ``nn.Linear`` of each quantized component (read-only)."""
+        for comp, method in self.method.items():
+            mod = components.get(comp)
+            if not isinstance(mod, torch.nn.Module):
+                continue
+            want = quant.get(method).tensor_classes
+            counts, changed = self.calls.setdefault(comp, {}), self.changed.setdefault(comp, [])
+            lins = [(n, m) for n, m in mod.named_modules() if isinstance(m, torch.nn.Linear)]
+            self.linears[comp] = len(lins)
+            self.quantized[comp] = 0
+            for name, lin in lins:
+                was = bool(set(quant.weight_class_names(lin)) & set(want))
+                self.quantized[comp] += was
+
+                def pre(m: torch.nn.Module, args: Any, _c: Dict[str, int] = counts, _was: bool = was,
+                        _n: str = name, _w: Tuple[str, ...] = want) -> None:
+                    names = quant.weight_class_names(m)
+                    _c[names[0] if names else "None"] = _c.get(names[0] if names else "None", 0) + 1
+                    if _was and not set(names) & set(_w) and _n not in changed:
+                        changed.append(_n)
+
+                lin.register_forward_pre_hook(pre)
+
+    def section(self) -> Tuple[Dict[str, Any], List[str]]:
+        """``{component: {method, linears, quantized_linears, calls_by_weight_class, quantized_calls}}`` and the
+        mismatches: a quantized component none of whose Linears holds the method's weight class, or a Linear
+        quantized at load that ran with another weight."""
+        out: Dict[str, Any] = {}
+        bad: List[str] = []
+        for comp, method in self.method.items():
+            want = quant.get(method).tensor_classes
+            calls = self.calls.get(comp, {})
+            out[comp] = {"method": method, "linears": self.linears.get(comp, 0),
+                         "quantized_linears": self.quantized.get(comp, 0), "calls_by_weight_class": calls,
+                         "quantized_calls": sum(n for k, n in calls.items() if k in want)}
+            if comp in self.linears and not self.quantized.get(comp):
+                bad.append(f"model.quantization.{comp}={method}: none of its {self.linears[comp]} Linears holds a "
+                           f"{'/'.join(want)} weight after loading")
+            if self.changed.get(comp):
+                bad.append(f"model.quantization.{comp}={method}: Linears quantized at load ran with another weight: "
+                           + ", ".join(self.changed[comp][:5]))
+        return out, bad
+
+
+class PhasePeaks:
+    """The CUDA allocator's peak bytes per pipeline phase (``text_encode``, ``denoise``, ``vae_decode``): the peak
+    statistic is reset as a phase's module starts and read as it ends; :attr:`overall` keeps the maximum across
+    resets (the run's own peak reads it, ``runner.app.run.peak_memory``)."""
+
+    overall: int = 0
+
+    def __init__(self) -> None:
+        self.peaks: Dict[str, int] = {}
+
+    def attach(self, phases: Mapping[str, Sequence[torch.nn.Module]]) -> None:
+        """Hooks on each phase's modules (no device synchronisation: the allocator's counters are host-side)."""
+        for phase, mods in phases.items():
+            for mod in mods:
+                if isinstance(mod, torch.nn.Module):
+                    mod.register_forward_pre_hook(lambda m, a: self._start())
+                    mod.register_forward_hook(lambda m, a, o, _p=phase: self._end(_p))
+
+    def _start(self) -> None:
+        PhasePeaks.overall = max(PhasePeaks.overall, torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+
+    def _end(self, phase: str) -> None:
+        peak = torch.cuda.max_memory_allocated()
+        PhasePeaks.overall = max(PhasePeaks.overall, peak)
+        self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
+
+
+def quant_kernels(record: Optional[Dict[str, Any]], trace: Any) -> List[str]:
+    """Match the quantized transformer's profiled device kernels against its method's signature (recorded in
+    ``record["kernels"]``); a GPU trace with none of them is a mismatch. Nothing to match on CPU (no device
+    kernels) or for a method without a signature of its own."""
+    import re
+
+    if record is None or trace is None or not getattr(trace, "kernels", None):
+        return []
+    sig = quant.get(record["method"]).signature
+    if sig is None:
+        return []
+    found = sorted(k for k in trace.kernels if re.search(sig, k, re.I))
+    record["kernels"] = found[:20]
+    return [] if found else [f"model.quantization.transformer={record['method']}: the profiled denoiser forward "
+                             f"ran no kernel matching {sig!r}"]
+
+
+def offload_evidence(probe: Optional[OffloadProbe], mode: str, forwards: int) -> Tuple[Dict[str, Any], List[str]]:
+    """``{offload, groups, onloads, bytes_onloaded, bytes_onloaded_per_forward}`` and the mismatches: an offload
+    plan under which nothing was onloaded."""
+    if probe is None:
+        return {"offload": mode, "observed": False}, []
+    sec = {"offload": mode, "observed": True, "groups": probe.groups, "onloads": probe.onloads,
+           "bytes_onloaded": probe.bytes,
+           "bytes_onloaded_per_forward": round(probe.bytes / forwards) if forwards else None}
+    bad = [] if probe.onloads or mode == "none" else [
+        f"memory.offload={mode}: no onload was observed at diffusers' offload hooks"]
+    return sec, bad
+
+
+# ------------------------------------------------------------------------------------------------ one stage
+
+
+class Fitting:
+    """A diffusion stage's quantization and memory plan, from startup checks to evidence (held by
+    ``models.pipelines.PipelineEngine`` as ``fit``).
+
+    Args:
+        mem: the run's ``memory`` config; qcfg: the model's ``quantization`` config (None: a model schema without
+            one, nothing quantized).
+        libraries: component -> library (``diffusers`` | ``transformers``) of the stage's pipeline.
+    """
+
+    def __init__(self, mem: Any, qcfg: Any, libraries: Mapping[str, str], platform_kind: str,
+                 parallel: Any) -> None:
+        self.settings = settings(mem, platform_kind, parallel)
+        self.choices = quant_choices(qcfg) if qcfg is not None else {}
+        gguf = qcfg.gguf_file if qcfg is not None else None
+        self.gguf_file: Optional[str] = None if gguf is None else str(gguf)
+        self.libraries = dict(libraries)
+        self.plan: Optional[planner.Plan] = None
+        self.why = ""
+        self.candidates: List[planner.Plan] = []
+        self.budget: Optional[int] = None
+        self.offload_probe: Optional[OffloadProbe] = None
+        self.quant_probe: Optional[QuantProbe] = None
+        self.peaks: Optional[PhasePeaks] = None
+        self.applied: Dict[str, Any] = {}
+
+    def check(self, ctx: Any, dummy: bool, fuse_qkv: bool, linear_backend: Optional[str]) -> None:
+        """Startup refusals of ``model.quantization`` (``kernels.quantization.check``), dummy weights with a
+        checkpoint-only method, a GGUF file that is not there, and what cannot combine with a quantized denoiser.
+
+        Raises:
+            kernels.quantization.QuantizationError / QuantizationUnavailableError; ConfigValueError.
+        """
+        import os
+
+        quant.check(self.choices, self.libraries, ctx, self.gguf_file)
+        if dummy:
+            check_dummy_methods(self.choices)
+        if self.gguf_file and not os.path.isfile(self.gguf_file):
+            raise ConfigValueError(f"model.quantization.gguf_file={self.gguf_file!r} is not a file; fix: the path "
+                                   "of the .gguf file")
+        if "transformer" in self.choices and fuse_qkv:
+            raise ConfigValueError(f"optimize.fuse_qkv=true with model.quantization.transformer="
+                                   f"{self.choices['transformer']}: fusing concatenates the projection weights, "
+                                   "which are quantized tensors; fix: optimize.fuse_qkv=false")
+        if "transformer" in self.choices and linear_backend not in (None, "TORCH"):
+            raise ConfigValueError(f"linear backend {linear_backend} with model.quantization.transformer="
+                                   f"{self.choices['transformer']}: both replace the transformer's Linear weights; "
+                                   "fix: backend.linear=TORCH (or auto), or model.quantization.transformer=none")
+
+    def lanes(self) -> List[str]:
+        """The lossy lanes of the quantized components (``model.quantization.<component>=<method>``)."""
+        return [f"model.quantization.{c}={m}" for c, m in self.choices.items()]
+
+    def choose(self, sizes: Mapping[str, planner.ComponentSize], stages: Sequence[planner.Stage], forwards: int,
+               device_total: Optional[int]) -> None:
+        """Plan every offload mode and take the requested one (or ``auto``'s), against ``memory.max_gpu_gb`` or
+        else the device's total memory.
+
+        Raises:
+            runner.core.memory.MemoryBudgetError: the plan cannot fit (names estimate, budget, cheapest fit).
+        """
+        s = self.settings
+        self.budget = int(s.max_gpu_gb * planner.GIB) if s.max_gpu_gb is not None else device_total
+        self.candidates = planner.plans(sizes, stages, "transformer", forwards, s.use_stream, s.blocks_per_group)
+        where = "memory.offload"
+        if s.max_gpu_gb is None and s.offload != "auto":  # no budget asked: the device's memory bounds nothing
+            self.plan = {p.offload: p for p in self.candidates}[s.offload]
+            self.why = f"{where}={s.offload} (explicit; no memory.max_gpu_gb)"
+            return
+        self.plan, self.why = planner.choose(s.offload, self.candidates, self.budget, where)
+
+    def section(self) -> Dict[str, Any]:
+        """The manifest's ``memory_plan``: the plan taken and why, the budget, every candidate's estimate, the
+        quantized components, what was applied."""
+        return {"offload": self.plan.offload if self.plan else self.settings.offload, "why": self.why,
+                "budget_gb": planner.gb(self.budget) if self.budget else None,
+                "max_gpu_gb": self.settings.max_gpu_gb,
+                "planned": self.plan.to_dict() if self.plan else None,
+                "candidates": [p.to_dict() for p in self.candidates], "reserve_gb": planner.gb(planner.RESERVE_BYTES),
+                "quantization": dict(self.choices), "applied": self.applied}
+
+    def build_device(self, device: str) -> str:
+        """Where random (``load_format=dummy``) weights are built: on the host when they will be offloaded (the
+        offload hooks onload them; building them on the GPU first would need all of them there), else ``device``.
+        float8 weight-only quantizes on a GPU only (torchao's hardware check), so it builds there."""
+        off = self.plan.offload if self.plan is not None else self.settings.offload
+        if off in ("none", "auto") or "float8wo" in self.choices.values():
+            return device
+        return "cpu"
+
+    def place(self, pipe: Any, device: str) -> None:
+        """The budget on the device, then the pipeline placed under the plan, then the VAE settings."""
+        s = self.settings
+        if s.max_gpu_gb is not None:
+            self.applied["budget"] = set_budget(s.max_gpu_gb, device)
+        plan = self.plan or planner.Plan(s.offload if s.offload != "auto" else "none", s.use_stream,
+                                         s.blocks_per_group)
+        self.applied.update(apply_offload(pipe, plan, device))
+        if str(device).startswith("cuda"):
+            torch.cuda.empty_cache()  # blocks freed by offloading leave the allocator's cache, under the cap
+        self.applied.update(apply_vae(pipe, s.vae_tiling, s.vae_slicing))
+
+    def close(self) -> None:
+        """Lift the allocator cap this stage set (a later run in the same process starts unbudgeted)."""
+        if self.applied.get("budget") and torch.cuda.is_available():
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+    def attach(self, pipe: Any, device: str, observe: bool) -> None:
+        """The probes: offload transfers, quantized Linear calls, per-phase peaks on a CUDA device."""
+        comps = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+        mode = self.applied.get("offload", "none")
+        if observe and mode in ("group_block", "group_leaf"):
+            self.offload_probe = OffloadProbe()
+            self.offload_probe.watch_groups(list(comps.values()))
+        elif observe and mode == "model":
+            self.offload_probe = OffloadProbe()
+            self.offload_probe.watch_models(comps, device)
+        if observe and self.choices:
+            self.quant_probe = QuantProbe(dict(self.choices))
+            self.quant_probe.attach(comps)
+        if str(device).startswith("cuda"):
+            self.peaks = PhasePeaks()
+            vae = comps.get("vae")
+            self.peaks.attach({"text_encode": [m for n, m in comps.items() if n.startswith("text_encoder")],
+                               "denoise": [m for n, m in comps.items() if n.startswith("transformer")],
+                               "vae_decode": [getattr(vae, "decoder", None)]})
+
+    def evidence(self, forwards: int, trace: Any = None) -> Tuple[Dict[str, Any], List[str]]:
+        """``evidence.stages.<stage>.memory``: offload transfers, quantized calls, peaks per phase beside the plan;
+        with the mismatches.
+
+        Args:
+            forwards: denoiser forwards of the run; trace: the profiled denoiser forward
+                (``models.denoiser_evidence.KernelTrace``: device kernel names on a GPU).
+        """
+        off, bad = offload_evidence(self.offload_probe, self.applied.get("offload", "none"), forwards)
+        sec: Dict[str, Any] = {"offload": off}
+        if self.quant_probe is not None:
+            q, qbad = self.quant_probe.section()
+            sec["quantization"], bad = q, bad + qbad
+            kbad = quant_kernels(q.get("transformer"), trace)
+            bad += kbad
+        if self.peaks is not None:
+            sec["observed_peak_gb"] = {k: planner.gb(v) for k, v in self.peaks.peaks.items()}
+            if self.plan is not None:
+                sec["planned_peak_gb"] = self.plan.to_dict()["stages_gb"]
+        return sec, bad

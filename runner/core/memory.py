@@ -1,0 +1,281 @@
+"""The memory planner (``memory.*``): how much accelerator memory each stage of a pipeline call needs under each
+offload plan, which plans fit ``memory.max_gpu_gb``, and which one ``memory.offload=auto`` takes.
+
+Pure: it reads module sizes (modules built on the meta device take no memory) and activation estimates, and
+never touches a device. ``models.memory`` feeds it from the pipeline's component configs and applies the plan.
+
+**Weights.** Each component is sized from its modules the way diffusers groups them
+(``diffusers/hooks/group_offloading.py``, 0.42): *block level* makes one group of every ``num_blocks_per_group``
+entries of each top-level ``nn.ModuleList``/``nn.Sequential`` child and keeps everything else (the "unmatched"
+modules and the top-level parameters) as one group onloaded while the component runs; with ``use_stream`` the next
+group is prefetched (two groups resident) and ``num_blocks_per_group`` is forced to 1. *Leaf level* makes every
+leaf module its own group (two resident with a stream). Quantized ``nn.Linear`` weights count at the method's bits
+(``kernels.quantization.WeightQuant.bits``).
+
+**Plans, resident bytes while component ``c`` runs** (``W_c`` its weights, ``A_c`` its activations):
+
+* ``none``: every component on the device: ``sum(W) + A_c``.
+* ``model`` (``enable_model_cpu_offload``: one component on the device at a time): ``W_c + A_c``.
+* ``group_block``: ``unmatched_c + k * n * max_block_c + A_c`` (``k`` = 2 with a stream, else 1).
+* ``group_leaf``: ``k * max_leaf_c + other_c + A_c`` (``other_c``: parameters outside any leaf module).
+
+The planned peak is the largest stage's, plus :data:`RESERVE_BYTES`. **Speed order** (``auto`` takes the first
+that fits): by bytes moved host-to-device per pipeline call, none (0) < model (every component once) < group_block
+= group_leaf (the denoiser's weights once per denoiser forward), block before leaf (fewer, larger copies).
+
+**Activations** (bytes; ``B`` batch of the largest batch shape, ``e`` bytes per element of the compute dtype):
+
+* denoiser, per transformer block: ``B * S * D * e * (4 + 3 r)``: the residual, the normed input, the attention
+  output, the MLP hidden before and after its activation (``2 r``) and a concatenation of attention and MLP output
+  (``1 + r``; FLUX's single blocks, ``diffusers/models/transformers/transformer_flux.py``), an upper bound for the
+  other blocks; ``S`` image + text tokens, ``D`` the inner width, ``r`` the MLP ratio. Attention itself adds no
+  ``S x S`` term (SDPA's fused kernels).
+* a text encoder: ``B * S * e * (2 H + 3 F) + 2 * B * heads * S^2 * 4``: hidden and gated-MLP tensors, and the
+  eager attention's fp32 scores and probabilities (T5 adds its position bias to materialised scores).
+* the VAE decoder: ``B' * F * Hpx * Wpx * C * e * 3``: the full-resolution upsampler's input and output and one
+  temporary, ``C`` the channels there (``block_out_channels[1]``), ``B'`` = 1 with ``memory.vae_slicing`` (one
+  image at a time), ``Hpx x Wpx`` = the tile (``AutoencoderKL.tile_sample_min_size``) with ``memory.vae_tiling``;
+  a causal video VAE (Wan's) decodes one latent frame at a time: ``F`` is then the frames of one chunk, plus the
+  decoded video (``models.memory.decoder_activations``).
+
+These are estimates (the manifest records the observed peak per stage beside them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from runner.core.errors import RefusedError
+
+GIB = 2 ** 30
+#: Headroom over the estimate for the allocator's rounding and fragmentation and the GEMM workspaces (a margin
+#: chosen, not measured).
+RESERVE_BYTES = 512 * 2 ** 20
+OFFLOAD_MODES = ("none", "model", "group_block", "group_leaf")
+#: Leaf modules diffusers' leaf-level offloading makes groups of (``_GO_LC_SUPPORTED_PYTORCH_LAYERS``).
+LEAF_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d,
+              torch.nn.ConvTranspose3d, torch.nn.Linear, torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.Embedding)
+
+
+class MemoryBudgetError(RefusedError):
+    """The requested plan cannot fit ``memory.max_gpu_gb`` (names the estimate, the budget and the cheapest plan
+    that fits, or that none does)."""
+
+
+@dataclass(frozen=True)
+class ComponentSize:
+    """One pipeline component's bytes as the offload plans see them.
+
+    Attributes:
+        name: the pipeline component (``transformer``, ``text_encoder_2``, ``vae``).
+        weights: all parameter and buffer bytes (quantized Linears at their bits).
+        unmatched: bytes outside the top-level block lists (block level keeps them resident while it runs).
+        blocks: bytes of each entry of the top-level block lists, in order.
+        max_leaf: the largest leaf module's bytes (leaf level).
+        other: bytes outside every leaf module (leaf level keeps them resident).
+    """
+
+    name: str
+    weights: int
+    unmatched: int
+    blocks: Tuple[int, ...] = ()
+    max_leaf: int = 0
+    other: int = 0
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Storage bytes of ``t``: its inner tensors' for a tensor subclass that flattens (torchao's), else
+    ``numel * element_size`` (meta tensors included)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and type(t) is not torch.nn.Parameter and type(t) is not torch.Tensor:
+        names, _ = flatten()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def _bytes(tensors: Iterable[torch.Tensor], linear_bits: Optional[float], linear_weights: set) -> int:
+    total = 0
+    for t in tensors:
+        if linear_bits is not None and id(t) in linear_weights:
+            total += int(-(-t.numel() * linear_bits // 8))
+        else:
+            total += tensor_bytes(t)
+    return total
+
+
+def size_module(name: str, module: torch.nn.Module, linear_bits: Optional[float] = None,
+                file_bytes: Optional[int] = None) -> ComponentSize:
+    """A component's :class:`ComponentSize` from its module (meta device: no memory).
+
+    Args:
+        linear_bits: bits per ``nn.Linear`` weight element when the component is quantized (None: as stored).
+        file_bytes: a GGUF component's file size, which replaces the weights' total (blocks scaled to it).
+    """
+    lw = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Linear)}
+
+    def own(m: torch.nn.Module) -> int:
+        return _bytes(list(m.parameters()) + list(m.buffers()), linear_bits, lw)
+
+    total = own(module)
+    blocks: List[int] = []
+    for child in module.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+            blocks.extend(own(b) for b in child)
+    leaves = [m for m in module.modules() if isinstance(m, LEAF_TYPES)]
+    in_leaf = sum(own(m) for m in leaves)
+    max_leaf = max((own(m) for m in leaves), default=0)
+    if file_bytes is not None and total:
+        f = file_bytes / total
+        return ComponentSize(name, int(file_bytes), int((total - sum(blocks)) * f), tuple(int(b * f) for b in blocks),
+                             int(max_leaf * f), int((total - in_leaf) * f))
+    return ComponentSize(name, total, total - sum(blocks), tuple(blocks), max_leaf, total - in_leaf)
+
+
+# ------------------------------------------------------------------------------------------------ activations
+
+
+def denoiser_activation(batch: int, tokens: int, inner: int, mlp_ratio: float, elem: int) -> int:
+    """Peak activation bytes of one transformer block: ``B * S * D * e * (4 + 3 r)`` (module docstring)."""
+    return int(batch * tokens * inner * elem * (4 + 3 * mlp_ratio))
+
+
+def encoder_activation(batch: int, seq: int, hidden: int, ff: int, heads: int, elem: int) -> int:
+    """Peak activation bytes of a text encoder layer: ``B S e (2 H + 3 F) + 2 B heads S^2 4`` (module docstring)."""
+    return int(batch * seq * elem * (2 * hidden + 3 * ff) + 2 * batch * heads * seq * seq * 4)
+
+
+def decoder_activation(batch: int, frames: int, height: int, width: int, channels: int, elem: int) -> int:
+    """Peak activation bytes of the VAE decoder: ``B * F * H * W * C * e * 3`` (module docstring)."""
+    return int(batch * frames * height * width * channels * elem * 3)
+
+
+# ------------------------------------------------------------------------------------------------ plans
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One phase of a pipeline call: the components it runs (``text``: the encoders, one after the other) and
+    each one's activation bytes."""
+
+    name: str
+    activations: Mapping[str, int]
+
+
+@dataclass
+class Plan:
+    """One offload plan's estimate.
+
+    Attributes:
+        offload: one of :data:`OFFLOAD_MODES`.
+        use_stream, blocks_per_group: its group-offload settings.
+        stages: stage -> planned peak bytes (weights resident + activations), :data:`RESERVE_BYTES` excluded.
+        peak: the largest stage's bytes plus :data:`RESERVE_BYTES`.
+        moved: bytes copied host-to-device per pipeline call (the speed order).
+    """
+
+    offload: str
+    use_stream: bool
+    blocks_per_group: int
+    stages: Dict[str, int] = field(default_factory=dict)
+    peak: int = 0
+    moved: int = 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"offload": self.offload, "use_stream": self.use_stream, "blocks_per_group": self.blocks_per_group,
+                "peak_gb": gb(self.peak), "stages_gb": {k: gb(v) for k, v in self.stages.items()},
+                "moved_per_call_gb": gb(self.moved)}
+
+
+def gb(n: float) -> float:
+    """Bytes as GiB, 3 decimals."""
+    return round(n / GIB, 3)
+
+
+def _resident(c: ComponentSize, mode: str, stream: bool, n: int, total: int) -> int:
+    k = 2 if stream else 1
+    if mode == "none":
+        return total
+    if mode == "model":
+        return c.weights
+    if mode == "group_block":
+        n = 1 if stream else n
+        top = max((sum(c.blocks[i:i + n]) for i in range(0, len(c.blocks), n)), default=0)
+        return c.unmatched + k * top
+    return c.other + k * c.max_leaf
+
+
+def plan(mode: str, sizes: Mapping[str, ComponentSize], stages: Sequence[Stage], denoiser: str, forwards: int,
+         use_stream: bool = True, blocks_per_group: int = 1) -> Plan:
+    """The estimate of offload plan ``mode`` (module docstring).
+
+    Args:
+        sizes: component -> its size; stages: the call's phases in order; denoiser: the component run ``forwards``
+            times per call (its weights move once per forward under group offload).
+    """
+    total = sum(c.weights for c in sizes.values())
+    p = Plan(mode, use_stream, 1 if use_stream else blocks_per_group)
+    for st in stages:
+        p.stages[st.name] = max((_resident(sizes[c], mode, use_stream, blocks_per_group, total) + a
+                                 for c, a in st.activations.items() if c in sizes), default=0)
+    p.peak = max(p.stages.values(), default=0) + RESERVE_BYTES
+    others = total - (sizes[denoiser].weights if denoiser in sizes else 0)
+    den = sizes[denoiser].weights if denoiser in sizes else 0
+    p.moved = {"none": 0, "model": total}.get(mode, others + den * max(1, forwards))
+    return p
+
+
+def plans(sizes: Mapping[str, ComponentSize], stages: Sequence[Stage], denoiser: str, forwards: int,
+          use_stream: bool = True, blocks_per_group: int = 1) -> List[Plan]:
+    """Every offload plan, fastest first (:data:`OFFLOAD_MODES` is that order)."""
+    return [plan(m, sizes, stages, denoiser, forwards, use_stream, blocks_per_group) for m in OFFLOAD_MODES]
+
+
+def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
+           where: str = "memory.offload") -> Tuple[Plan, str]:
+    """The plan to run and why.
+
+    Args:
+        requested: ``auto`` or one of :data:`OFFLOAD_MODES`.
+        candidates: :func:`plans`, fastest first.
+        budget: bytes the plan must fit (``memory.max_gpu_gb``, else the device's total memory, as the caller
+            decides); None: no limit (``auto`` takes ``none``).
+
+    Raises:
+        MemoryBudgetError: the requested plan, or (``auto``) every plan, exceeds the budget; the message names the
+            estimate, the budget and the cheapest plan that fits.
+    """
+    by = {p.offload: p for p in candidates}
+    fits = [p for p in candidates if budget is None or p.peak <= budget]
+    if requested != "auto":
+        p = by[requested]
+        if budget is None or p.peak <= budget:
+            return p, f"{where}={requested} (explicit)"
+        raise MemoryBudgetError(_refusal(p, budget, fits, where))
+    if not fits:
+        raise MemoryBudgetError(_refusal(None, budget, [], where, candidates))
+    skipped = [f"{p.offload} needs {gb(p.peak)} GiB" for p in candidates[:candidates.index(fits[0])]]
+    why = (f"auto: {fits[0].offload} is the fastest plan that fits {gb(budget)} GiB (planned peak "
+           f"{gb(fits[0].peak)} GiB, {gb(fits[0].moved)} GiB moved per call)" if budget is not None
+           else "auto: no budget, nothing offloaded")
+    return fits[0], why + (f"; skipped: {', '.join(skipped)}" if skipped else "")
+
+
+def _refusal(p: Optional[Plan], budget: int, fits: Sequence[Plan], where: str,
+             candidates: Sequence[Plan] = ()) -> str:
+    if p is not None:
+        head = (f"{where}={p.offload} plans a peak of {gb(p.peak)} GiB (stages: "
+                + ", ".join(f"{k} {gb(v)}" for k, v in p.stages.items())
+                + f" GiB, plus {gb(RESERVE_BYTES)} reserve), over memory.max_gpu_gb={gb(budget)}")
+    else:
+        head = (f"{where}=auto: no plan fits memory.max_gpu_gb={gb(budget)} ("
+                + ", ".join(f"{c.offload} {gb(c.peak)} GiB" for c in candidates) + ")")
+    if fits:
+        best = fits[0]
+        fix = f"fix: {where}={best.offload} (the cheapest plan that fits: {gb(best.peak)} GiB)"
+    else:
+        fix = ("fix: quantize the largest component (model.quantization.transformer=nf4 or int8wo), lower "
+               "batch_size, set memory.vae_slicing=true / memory.vae_tiling=true, or raise memory.max_gpu_gb")
+    return f"{head}; {fix}"
