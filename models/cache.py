@@ -5,11 +5,17 @@ Methods (``cache.method``; a method is one :class:`CacheMethod` record, :func:`r
 
 * ``first_block``: ``FirstBlockCacheConfig`` on every transformer block; adaptive; reads ``threshold``.
 * ``magcache``: ``MagCacheConfig`` on every transformer block; adaptive; reads ``threshold``, ``max_skip_steps``,
-  ``retention_ratio``, ``mag_ratios``.
+  ``retention_ratio``, ``mag_ratios`` or ``calibrate`` (ratios calibrated for the model by diffusers' calibration
+  pass, stored under the cache dir: ``models.cache_calibration``).
 * ``taylorseer``: ``TaylorSeerCacheConfig`` on the attention modules (``lite``: blocks and ``proj_out``); fixed;
   reads ``compute_every``, ``warmup_steps``, ``order``, ``lite``.
-* ``pab``: ``PyramidAttentionBroadcastConfig`` on the self-attention modules; fixed; reads ``compute_every``,
-  ``warmup_steps``.
+* ``pab``: ``PyramidAttentionBroadcastConfig`` on the self-attention modules, one state per cache context (CFG
+  branch); fixed; reads ``compute_every``, ``warmup_steps``.
+* ``dbcache`` / ``dbcache_taylorseer``: cache-dit's DBCache (``cache_dit.enable_cache`` on the pipeline, with
+  ``DBCacheConfig`` and, for the second, ``TaylorSeerCalibratorConfig``); adaptive; read ``threshold``,
+  ``warmup_steps``, ``fn_compute_blocks``, ``bn_compute_blocks`` (and ``order``). cache-dit runs the blocks
+  through their own ``__call__``, so the probe's block hooks observe which ran; its own statistics (cached steps
+  per call) are cross-checked against the probe, never used as the count.
 
 *Adaptive* methods decide each step from the model's activations (first_block: the relative change of the first
 block's residual against ``threshold``; magcache: the accumulated error of the per-step magnitude ratios
@@ -38,7 +44,10 @@ without ``lite``, ``pab``) are refused with compile: their hooks would be traced
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import functools
+import io
 import math
 import sys
 from dataclasses import dataclass
@@ -51,7 +60,7 @@ from runner.core.errors import ConfigValueError, RefusedError
 
 #: ``cache.*`` fields a method may read (``cache.method`` and ``cache.schedule`` aside).
 CACHE_FIELDS = ("threshold", "compute_every", "warmup_steps", "max_skip_steps", "retention_ratio", "mag_ratios",
-                "order", "lite")
+                "order", "lite", "calibrate", "fn_compute_blocks", "bn_compute_blocks")
 SCHEDULES = ("fixed", "adaptive")
 
 
@@ -89,6 +98,13 @@ class CacheMethod:
         compiles: ``params -> bool``: its hooks sit on whole transformer blocks (or outside them), never inside,
             so it runs with ``compile=regional``: each block's forward is compiled and the hooks, left eager,
             decide around it whether it runs (``models.diffusers_engine.compile_blocks_under_hooks``).
+        on_pipeline: ``apply``/``remove`` take the pipeline, not the transformer (cache-dit wraps the pipeline's
+            call to reset its contexts per call).
+        supports: ``(transformer_class, pipeline_class) -> why not`` (None: it can run), checked before loading
+            instead of the CacheMixin / block-registry check.
+        reported_reused: ``target -> forwards`` the library itself reports reused in the last pipeline call (its
+            own statistics), cross-checked against what the probe observed; None: nothing to cross-check.
+        after_apply: ``transformer -> None`` run after diffusers' ``enable_cache`` (the default ``apply``).
     """
 
     name: str
@@ -104,6 +120,10 @@ class CacheMethod:
     remove: Optional[Callable[[torch.nn.Module], None]] = None
     aliases: Tuple[str, ...] = ()
     compiles: Callable[[Dict[str, Any]], bool] = lambda p: False
+    on_pipeline: bool = False
+    supports: Optional[Callable[[str, Optional[str]], Optional[str]]] = None
+    reported_reused: Optional[Callable[[Any], Optional[int]]] = None
+    after_apply: Optional[Callable[[torch.nn.Module], None]] = None
 
 
 CACHE_METHODS: Dict[str, CacheMethod] = {}
@@ -242,24 +262,37 @@ def _check_common(p: Dict[str, Any]) -> List[Tuple[str, str, str]]:
     if "order" in p and (not _is_int(p["order"]) or not 0 <= p["order"] <= 3):
         out.append(("order", "must be an integer in 0..3 (Taylor expansion order; 0 reuses the last output)",
                     "cache.order=1"))
-    if "lite" in p and not isinstance(p["lite"], bool):
-        out.append(("lite", "must be true or false", "cache.lite=false"))
+    for f in ("lite", "calibrate"):
+        if f in p and not isinstance(p[f], bool):
+            out.append((f, "must be true or false", f"cache.{f}=false"))
+    if "fn_compute_blocks" in p and (not _is_int(p["fn_compute_blocks"]) or p["fn_compute_blocks"] < 1):
+        out.append(("fn_compute_blocks", "must be an integer >= 1 (the first blocks decide whether to reuse)",
+                    "cache.fn_compute_blocks=1"))
+    if "bn_compute_blocks" in p and (not _is_int(p["bn_compute_blocks"]) or p["bn_compute_blocks"] < 0):
+        out.append(("bn_compute_blocks", "must be an integer >= 0", "cache.bn_compute_blocks=0"))
     return out
 
 
-def check_support(s: CacheSettings, transformer_class: str, model: str) -> None:
+def check_support(s: CacheSettings, transformer_class: str, model: str,
+                  pipeline_class: Optional[str] = None) -> None:
     """Refuse, before loading, a model whose transformer cannot run method ``s.method``: not a diffusers
     ``CacheMixin`` (no ``enable_cache``), or, for block methods, without a transformer block class that diffusers'
-    ``TransformerBlockRegistry`` describes.
+    ``TransformerBlockRegistry`` describes; a method with its own ``supports`` check (cache-dit's) asks it.
 
     Raises:
-        CacheUnsupportedError: naming the model, the transformer class, the method and the fix.
+        CacheUnsupportedError: naming the model, the transformer (or pipeline) class, the method and the fix.
     """
     import diffusers
     from diffusers.models.cache_utils import CacheMixin
 
     cls = getattr(diffusers, str(transformer_class), None)
     fix = "cache.method=none for this model (or a family whose transformer has enable_cache: flux, qwen_image, wan)"
+    if s.method.supports is not None:
+        why = s.method.supports(str(transformer_class), pipeline_class)
+        if why:
+            raise CacheUnsupportedError(f"cache.method={s.method.name}: model={model} ({pipeline_class}, "
+                                        f"{transformer_class}): {why}")
+        return
     if s.method.apply is not None:  # a registered method that installs itself decides for itself
         return
     if cls is None or not issubclass(cls, CacheMixin):
@@ -383,6 +416,7 @@ class CacheProbe:
         self.attention_runs: Dict[str, int] = {n: 0 for n in self.attention}
         self.counts = CacheCounts()
         self.step = 0
+        self.per_step = 1  # transformer forwards per denoising step of the current call (StepCache.before_call)
         self._ran_blocks: set = set()
         self._called_attn: set = set()
         self._ran_attn: set = set()
@@ -446,40 +480,121 @@ class StepCache:
     """
 
     def __init__(self, transformer: torch.nn.Module, s: CacheSettings,
-                 attention: Sequence[Tuple[str, torch.nn.Module]], compiled: bool = False) -> None:
+                 attention: Sequence[Tuple[str, torch.nn.Module]], compiled: bool = False,
+                 pipeline: Any = None, ratios: Any = None) -> None:
         """Install the probe on ``transformer`` (``attention``: ``(name, module)`` of its attention modules, names
         relative to the transformer; ``compiled``: the blocks' forwards are compiled, so nothing is hooked inside
-        them); the method itself is installed by the first :meth:`before_call`."""
+        them); the method itself is installed by the first :meth:`before_call`. ``pipeline``: the loaded pipeline
+        (for methods ``on_pipeline``); ``ratios``: the :class:`models.cache_calibration.RatioStore` of the model
+        (``cache.calibrate=true``)."""
         self.transformer = transformer
+        self.pipeline = pipeline
         self.settings = s
         self.probe = CacheProbe(transformer, attention, observe_attention=not compiled)
         self.calls = 0
         self.expected_reused: Optional[int] = 0 if s.method.reused_steps is not None else None
-        self._steps: Optional[int] = None
+        self.ratios = ratios
+        self.calibrations: Dict[str, Dict[str, Any]] = {}  # str(steps) -> the calibration record
+        self.reported: Optional[int] = 0 if s.method.reported_reused is not None else None
+        self.disagreements: List[str] = []
+        self._installed: Optional[Tuple[int, int, bool]] = None
         self._before = self.probe.snapshot()
+
+    @property
+    def _target(self) -> Any:
+        return self.pipeline if self.settings.method.on_pipeline else self.transformer
 
     def _remove(self) -> None:
         m = self.settings.method
         if m.remove is not None:
-            m.remove(self.transformer)
+            m.remove(self._target)
         else:
             self.transformer.disable_cache()
+        self._installed = None
 
-    def before_call(self, steps: int) -> None:
-        """Before a pipeline call of ``steps`` denoising steps: (re)install the method for that step count, reset
-        the cache state (a call never sees another call's cached outputs) and mark the counts."""
+    def _install(self, steps: int, per_step: int, calibrating: bool = False) -> None:
+        """The method's hooks for calls of ``steps`` steps and ``per_step`` forwards per step (the calibration
+        pass: ``calibrating``, with the method's parameters as configured)."""
+        key = (steps, per_step, calibrating)
+        if key == self._installed:
+            return
+        if self._installed is not None:
+            self._remove()
         m = self.settings.method
-        if steps != self._steps:
-            if self._steps is not None:
+        params = dict(self.settings.params)
+        if params.get("calibrate") and not calibrating:
+            params["mag_ratios"] = self.calibrations[str(steps)]["ratios"]
+        self.probe.per_step = per_step
+        config = m.build(params, steps, self.probe)
+        (m.apply or (lambda t, c: t.enable_cache(c)))(self._target, config)
+        self._installed = key
+        if m.after_apply is not None:
+            try:
+                m.after_apply(self.transformer)
+            except BaseException:
                 self._remove()
-            config = m.build(self.settings.params, steps, self.probe)
-            (m.apply or (lambda t, c: t.enable_cache(c)))(self.transformer, config)
-            self._steps = steps
+                raise
+
+    def _reset_state(self) -> None:
         reset = getattr(self.transformer, "_reset_stateful_cache", None)
         if callable(reset):
             reset()
         self.probe.start_call()
+
+    def before_call(self, steps: int, per_step: int = 1) -> None:
+        """Before a pipeline call of ``steps`` denoising steps of ``per_step`` transformer forwards each:
+        (re)install the method for them, reset the cache state (a call never sees another call's cached outputs)
+        and mark the counts.
+
+        Raises:
+            RuntimeError: ``cache.calibrate=true`` and :meth:`calibrate` did not run for ``steps``.
+        """
+        if self.settings.params.get("calibrate") and str(steps) not in self.calibrations:
+            raise RuntimeError(f"cache.calibrate=true: no calibration for {steps} steps (calibrate() runs first)")
+        self._install(steps, per_step)
+        self._reset_state()
         self._before = self.probe.snapshot()
+
+    def needs_calibration(self, steps: int) -> bool:
+        """``cache.calibrate=true`` and no ratios for ``steps`` yet in this run."""
+        return bool(self.settings.params.get("calibrate")) and str(steps) not in self.calibrations
+
+    def calibrate(self, steps: int, per_step: int, run_call: Callable[[], None], items: Sequence[str]) -> None:
+        """The ratios for ``steps``: loaded from the store, else measured by diffusers' calibration pass
+        (``run_call()``: one pipeline call over ``items`` with the calibrating hooks installed) and stored
+        (:func:`models.cache_calibration.calibrate`). The pass's counts, as the probe observed them, go into its
+        record (every forward computed) and no further: the probe is reset after it.
+
+        Raises:
+            models.cache_calibration.CalibrationError: an invalid stored file, or a pass without usable ratios.
+        """
+        from models import cache_calibration as cal
+
+        def run_pass() -> Dict[str, List[float]]:
+            self._install(steps, per_step, calibrating=True)
+            self._reset_state()
+            capture = cal.RatioCapture(self.transformer, [b for _, b in self.probe.blocks])
+            printed = io.StringIO()  # diffusers prints the ratios "to copy into MagCacheConfig": they are stored
+            try:
+                with contextlib.redirect_stdout(printed):
+                    run_call()
+            finally:
+                lists = capture.close()
+                self._remove()
+            return lists
+
+        rec = cal.calibrate(self.ratios, steps, run_pass, {"items": list(items), "seed": 0,
+                                                           "forwards_per_step": per_step})
+        if rec["source"] == "calibrated":
+            rec["observed"] = self.probe.counts.to_dict()  # the pass computed every step: not a cached run
+        self.calibrations[str(steps)] = rec
+        self.probe.reset()
+        self._before = self.probe.snapshot()
+
+    def close(self) -> None:
+        """Remove the method's hooks (cache-dit patches the pipeline's class: undone when the engine closes)."""
+        if self._installed is not None:
+            self._remove()
 
     def warmed_up(self) -> None:
         """A compile warm-up call ran through the probe (before any method was installed): its counts are dropped."""
@@ -499,6 +614,12 @@ class StepCache:
         self.calls += 1
         got = self.probe.counts.minus(self._before)
         m = self.settings.method
+        if m.reported_reused is not None:  # the library's own statistics, against what executed
+            rep = m.reported_reused(self._target)
+            self.reported = None if rep is None or self.reported is None else self.reported + rep
+            if rep is not None and rep != got.forwards_reused:
+                self.disagreements.append(f"call {self.calls}: {m.name} reports {rep} forwards reused, the probe "
+                                          f"observed {got.forwards_reused}")
         if self.expected_reused is not None:
             if forwards is None or forwards % steps:
                 self.expected_reused = None
@@ -508,8 +629,14 @@ class StepCache:
 
     def record(self, counts: CacheCounts, items: int) -> Dict[str, Any]:
         """The ``cache`` field of an item record: method, schedule, params, and the counts of the pipeline call the
-        item ran in (``call_items``: items in that call, which share the counts)."""
-        return {**self.settings.to_dict(), **counts.to_dict(), "call_items": items}
+        item ran in (``call_items``: items in that call, which share the counts); with ``cache.calibrate``, the
+        sha256 and source of the ratios its call used (``calibration``)."""
+        rec = {**self.settings.to_dict(), **counts.to_dict(), "call_items": items}
+        if self.calibrations and self._installed is not None:
+            cal = self.calibrations.get(str(self._installed[0]))
+            if cal is not None:
+                rec["calibration"] = {"sha256": cal["sha256"], "source": cal["source"]}
+        return rec
 
     def evidence(self, stage: str) -> Tuple[Dict[str, Any], List[str]]:
         """``evidence.stages.<stage>.cache`` (totals, hit rates, what the schedule predicts) and its mismatches: the
@@ -522,8 +649,16 @@ class StepCache:
                "blocks_hit_rate": round(c.blocks_reused / bl, 4) if bl else None,
                "blocks_per_forward": len(self.probe.blocks), "calls": self.calls,
                "expected_forwards_reused": self.expected_reused}
-        mm: List[str] = []
+        if self.calibrations:
+            doc["calibration"] = dict(self.calibrations)
+        if self.reported is not None or self.disagreements:
+            doc["library_reported_reused"] = self.reported
+        mm: List[str] = [f"stage {stage}, cache: {d}" for d in self.disagreements]
         name = self.settings.method.name
+        for steps, cal in self.calibrations.items():
+            if (cal.get("observed") or {}).get("forwards_reused"):
+                mm.append(f"stage {stage}, cache: the magcache calibration pass of {steps} steps reused "
+                          f"{cal['observed']['forwards_reused']} transformer forwards; it must compute every step")
         if fw and c.forwards_reused == 0:
             mm.append(f"stage {stage}, cache: cache.method={name} is configured, but no block or forward was reused "
                       f"in {fw} transformer forwards (the cache never hit); fix: "
@@ -546,10 +681,14 @@ def _first_block(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
 
 def _mag_ratios(p: Dict[str, Any]) -> List[Tuple[str, str, str]]:
     r = p.get("mag_ratios")
+    if p.get("calibrate") is True:
+        return [] if r is None else [
+            ("mag_ratios", "is set together with cache.calibrate=true (the ratios would come from two places)",
+             "cache.mag_ratios=null to use the ratios calibrated for this model, or cache.calibrate=false")]
     if r is None:
         return [("mag_ratios", "is required: MagCache's per-step magnitude ratios are calibrated per checkpoint",
-                 "cache.mag_ratios=flux (diffusers' FLUX.1 ratios) or a list of ratios, one per step, calibrated "
-                 "for this model")]
+                 "cache.calibrate=true (calibrated for this model by diffusers' calibration pass, stored under "
+                 "cache_dir), cache.mag_ratios=flux (diffusers' FLUX.1 ratios) or a list of ratios, one per step")]
     if isinstance(r, str):
         return [] if r.lower() == "flux" else [("mag_ratios", "names no shipped ratios (known: flux)",
                                                 "cache.mag_ratios=flux or a list of floats")]
@@ -563,6 +702,8 @@ def _magcache(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
     from diffusers.hooks import MagCacheConfig
 
     r = p["mag_ratios"]
+    if r is None and p.get("calibrate"):  # the calibration pass: every step computed, the ratios measured
+        return MagCacheConfig(num_inference_steps=int(steps), calibrate=True)
     if isinstance(r, str):
         from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 
@@ -595,12 +736,67 @@ def _taylorseer_reused(p: Dict[str, Any], steps: int) -> int:
 def _pab(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
     from diffusers.hooks import PyramidAttentionBroadcastConfig
 
-    # the "timestep" PAB compares is the step index (probe.step), so the schedule is in steps, not in the
-    # scheduler's timestep units: steps 0..warmup-1 lie outside the skip range and compute
+    # the "timestep" PAB compares is the step index (forwards so far // forwards per step), so the schedule is in
+    # steps, not in the scheduler's timestep units: steps 0..warmup-1 lie outside the skip range and compute
     return PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=int(p["compute_every"]),
                                            spatial_attention_timestep_skip_range=(int(p["warmup_steps"]) - 1,
                                                                                   sys.maxsize),
-                                           current_timestep_callback=lambda: probe.step)
+                                           current_timestep_callback=lambda: probe.step // probe.per_step)
+
+
+def _pab_per_context(transformer: torch.nn.Module) -> None:
+    """Give each of diffusers' PAB hooks one state per cache context (``cond``/``uncond``): diffusers keeps one
+    cached attention output per module, so with CFG the uncond forward would reuse the cond forward's attention. The
+    hooks are replaced, same name and place (outside the probe's), by :class:`_PerContextPAB` with their settings."""
+    from diffusers.hooks.pyramid_attention_broadcast import PyramidAttentionBroadcastHook
+
+    for mod in transformer.modules():
+        registry = getattr(mod, "_diffusers_hook", None)
+        for name, hook in list((registry.hooks if registry is not None else {}).items()):
+            if type(hook) is PyramidAttentionBroadcastHook:
+                registry.remove_hook(name, recurse=False)
+                registry.register_hook(_PerContextPAB(hook.timestep_skip_range, hook.block_skip_range,
+                                                      hook.current_timestep_callback), name)
+
+
+@functools.lru_cache(maxsize=None)
+def _per_context_pab_class() -> type:
+    from diffusers.hooks.hooks import CacheContext, StateManager
+    from diffusers.hooks.pyramid_attention_broadcast import (PyramidAttentionBroadcastHook,
+                                                             PyramidAttentionBroadcastState)
+
+    class PerContextPAB(PyramidAttentionBroadcastHook):
+        """diffusers' ``PyramidAttentionBroadcastHook`` (its rule, unchanged) whose ``state`` is the current cache
+        context's (a ``StateManager``, which ``cache_context`` points at the branch; a forward outside any
+        context uses ``inference``)."""
+
+        _is_stateful = True
+
+        def __init__(self, *args: Any) -> None:
+            self.state_manager = StateManager(PyramidAttentionBroadcastState)
+            super().__init__(*args)
+
+        @property
+        def state(self) -> Any:
+            try:
+                return self.state_manager.get_state()
+            except ValueError:  # no cache context set around this forward
+                self.state_manager.set_context(CacheContext(name="inference"))
+                return self.state_manager.get_state()
+
+        @state.setter
+        def state(self, value: Any) -> None:  # initialize_hook's single state: the per-context ones replace it
+            pass
+
+        def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+            self.state_manager.reset()
+            return module
+
+    return PerContextPAB
+
+
+def _PerContextPAB(*args: Any) -> Any:
+    return _per_context_pab_class()(*args)
 
 
 def _pab_reused(p: Dict[str, Any], steps: int) -> int:
@@ -613,8 +809,9 @@ register_cache_method(CacheMethod(
     "first_block", "adaptive", ("threshold",), {"threshold": 0.05}, _first_block, needs="blocks",
     aliases=("fbc", "first_block_cache", "firstblock"), compiles=lambda p: True))
 register_cache_method(CacheMethod(
-    "magcache", "adaptive", ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios"),
-    {"threshold": 0.06, "max_skip_steps": 3, "retention_ratio": 0.2, "mag_ratios": None}, _magcache,
+    "magcache", "adaptive", ("threshold", "max_skip_steps", "retention_ratio", "mag_ratios", "calibrate"),
+    {"threshold": 0.06, "max_skip_steps": 3, "retention_ratio": 0.2, "mag_ratios": None, "calibrate": False},
+    _magcache,
     check=_mag_ratios, needs="blocks", aliases=("mag_cache", "mag"), compiles=lambda p: True))
 register_cache_method(CacheMethod(
     "taylorseer", "fixed", ("compute_every", "warmup_steps", "order", "lite"),
@@ -623,4 +820,79 @@ register_cache_method(CacheMethod(
     compiles=lambda p: bool(p["lite"])))
 register_cache_method(CacheMethod(
     "pab", "fixed", ("compute_every", "warmup_steps"), {"compute_every": 2, "warmup_steps": 1}, _pab,
-    per_context=False, reused_steps=_pab_reused, aliases=("pyramid_attention_broadcast",)))
+    reused_steps=_pab_reused, aliases=("pyramid_attention_broadcast",), after_apply=_pab_per_context))
+
+
+# ---------------------------------------------------------------------------------------------- cache-dit
+def _cache_dit_supports(transformer_class: str, pipeline_class: Optional[str]) -> Optional[str]:
+    """Why cache-dit cannot run on this pipeline (None: it can): not installed, or no block adapter of its own
+    for the pipeline class (``cache_dit.supported_pipelines()``: class-name prefixes)."""
+    try:
+        import cache_dit
+    except ImportError:
+        return ("cache-dit is not installed; fix: pip install 'runner[cache-dit]' (cache-dit 1.5.3), or a diffusers "
+                "method (cache.method=first_block|magcache|taylorseer|pab)")
+    _, names = cache_dit.supported_pipelines()
+    if pipeline_class is None or not any(str(pipeline_class).startswith(n) for n in names):
+        return (f"cache-dit has no block adapter for {pipeline_class}; fix: a diffusers method "
+                "(cache.method=first_block|magcache|taylorseer|pab), or cache.method=none")
+    return None
+
+
+def _dbcache(p: Dict[str, Any], steps: int, probe: CacheProbe) -> Any:
+    from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
+
+    # one cache context per branch when a step makes several forwards (CFG): cache-dit's enable_separate_cfg
+    config = DBCacheConfig(Fn_compute_blocks=int(p["fn_compute_blocks"]), Bn_compute_blocks=int(p["bn_compute_blocks"]),
+                           residual_diff_threshold=float(p["threshold"]), max_warmup_steps=int(p["warmup_steps"]),
+                           num_inference_steps=int(steps), enable_separate_cfg=probe.per_step > 1)
+    calibrator = TaylorSeerCalibratorConfig(taylorseer_order=int(p["order"])) if "order" in p else None
+    return config, calibrator
+
+
+def _quiet_cache_dit() -> None:
+    """cache-dit logs its configuration at INFO on loggers of its own (not propagated): warnings only."""
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("cache_dit"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _cache_dit_apply(pipe: Any, config: Any) -> None:
+    import cache_dit
+
+    _quiet_cache_dit()
+    cache_dit.enable_cache(pipe, cache_config=config[0], calibrator_config=config[1])
+    _quiet_cache_dit()
+
+
+def _cache_dit_remove(pipe: Any) -> None:
+    import cache_dit
+
+    _quiet_cache_dit()
+    cache_dit.disable_cache(pipe)
+
+
+def _cache_dit_reported(pipe: Any) -> Optional[int]:
+    """Forwards cache-dit's own statistics say were cached in the last call: its cached steps (and, with separate
+    CFG, its CFG-branch cached steps), one per forward, over every cache context of the transformer."""
+    import cache_dit
+
+    steps: set = set()
+    cfg: set = set()
+    for st in cache_dit.summary(pipe, logging=False):
+        steps |= set(st.cached_steps or ())
+        cfg |= set(st.cfg_cached_steps or ())
+    return len(steps) + len(cfg)
+
+
+_DBCACHE = dict(schedule="adaptive", build=_dbcache, needs="blocks", apply=_cache_dit_apply, remove=_cache_dit_remove,
+                on_pipeline=True, supports=_cache_dit_supports, reported_reused=_cache_dit_reported)
+_DBCACHE_DEFAULTS = {"threshold": 0.08, "warmup_steps": 8, "fn_compute_blocks": 8, "bn_compute_blocks": 0}
+register_cache_method(CacheMethod(
+    "dbcache", reads=tuple(_DBCACHE_DEFAULTS), defaults=dict(_DBCACHE_DEFAULTS),
+    aliases=("db_cache", "cache_dit", "cache_dit_dbcache"), **_DBCACHE))
+register_cache_method(CacheMethod(
+    "dbcache_taylorseer", reads=(*_DBCACHE_DEFAULTS, "order"), defaults={**_DBCACHE_DEFAULTS, "order": 1},
+    aliases=("dbcache+taylorseer", "taylorseer_dbcache", "cache_dit_taylorseer"), **_DBCACHE))

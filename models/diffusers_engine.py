@@ -248,7 +248,8 @@ class DiffusersEngine(EngineBase):
         if self.cache_settings is not None:
             from models import cache as step_cache
 
-            step_cache.check_support(self.cache_settings, str(self.transformer_class()), self.model_cfg.name)
+            step_cache.check_support(self.cache_settings, str(self.transformer_class()), self.model_cfg.name,
+                                     getattr(self, "pipeline_name", lambda: None)())
         self.check_parallel()
         if self.cache_settings is not None and self.ctx.parallel is not None:
             raise ConfigValueError(f"cache.method={self.cache_settings.method.name} with parallelism="
@@ -728,8 +729,13 @@ class DiffusersEngine(EngineBase):
         return ds.expand_items(rows, run_seed)
 
     def batches(self, items: Sequence[ds.Item], batch_size: int) -> List[List[ds.Item]]:
-        """Batches of equal shape (``runner.core.dataset.batches``)."""
-        return ds.batches(list(items), batch_size)
+        """Batches of equal shape (``runner.core.dataset.batches``); the first batch of each step count is kept for
+        the step cache's calibration pass (``cache.calibrate``, run by :meth:`warmup`)."""
+        out = ds.batches(list(items), batch_size)
+        self.calibration_batches = {}
+        for b in out:
+            self.calibration_batches.setdefault(b[0].row.num_inference_steps, b)
+        return out
 
     def check_inputs(self, rows: Sequence[Any], path: Any) -> None:
         """A diffusion stage takes any prompt (the text encoders truncate at ``max_sequence_length``)."""
@@ -826,12 +832,23 @@ class DiffusersEngine(EngineBase):
             return
         from models import cache as step_cache
 
+        ratios = None
+        if self.cache_settings.params.get("calibrate"):
+            from models import cache_calibration as cal
+
+            ratios = cal.RatioStore(cal.calibration_root(self.cache_dir), cal.key_fields(
+                source=self.source, transformer=self.denoiser, dtype=self.dtype,
+                scheduler=getattr(getattr(self, "pipe", None), "scheduler", None)))
         self.step_cache = step_cache.StepCache(self.denoiser, self.cache_settings,
                                                [(layer, mod) for _, layer, mod in self.attention_sites()],
-                                               compiled=self.compiles_under_cache())
+                                               compiled=self.compiles_under_cache(),
+                                               pipeline=getattr(self, "pipe", None), ratios=ratios)
+        self._scope.callback(self.step_cache.close)
         sections["cache"] = {**self.cache_settings.to_dict(), "lossy": True,
                              "blocks": len(self.step_cache.probe.blocks),
                              "attention_modules": len(self.step_cache.probe.attention)}
+        if ratios is not None:  # filled by the calibration in warm-up, before the manifest gets this section
+            sections["cache"]["calibration"] = self.step_cache.calibrations
 
     def install_compile(self, sections: Dict[str, Any]) -> None:
         """Regional compile of the denoiser's repeated blocks (without a step cache)."""
@@ -860,8 +877,9 @@ class DiffusersEngine(EngineBase):
 
     def warmup(self, batch: Sequence[ds.Item]) -> float:
         """With ``compile`` on and ``optimize.warmup``: one short call at ``batch``'s shape so that compilation
-        happens before the timed loop. Then the denoiser probe is attached (profiling the 2nd forward when
-        compiled without warm-up, since the 1st compiles) and ``on_loaded`` runs. Returns the warm-up seconds."""
+        happens before the timed loop; then, with ``cache.calibrate``, the step cache's calibration pass
+        (:meth:`calibrate_cache`). Then the denoiser probe is attached (profiling the 2nd forward when compiled
+        without warm-up, since the 1st compiles) and ``on_loaded`` runs. Returns the seconds of both."""
         cfg = self.ctx.run
         if cfg.compile != "none" and cfg.optimize.warmup and batch:
             cc = self.compile_cache  # the bar sits still meanwhile: say why (its ETA starts after it, runner.app.console)
@@ -884,15 +902,50 @@ class DiffusersEngine(EngineBase):
 
             # still set after every block compiled (dynamo re-applies the global per frame)
             self.inductor_deterministic = getattr(inductor_config, "deterministic", None)
+        calibration_s = self.calibrate_cache()  # not compile warm-up: compile.warmup_s stays the compile's
         self.probe = evidence.DenoiserProbe(self.denoiser, profile=cfg.evidence.enabled and cfg.evidence.profile,
                                             device_kind=self.ctx.plat.kind,
                                             profile_forward=2 if cfg.compile != "none" and not self.warmup_s else 1)
         if self._on_loaded is not None:
             self._on_loaded(self)
-        return self.warmup_s
+        return self.warmup_s + calibration_s
 
-    def warmup_call(self, batch: Sequence[ds.Item]) -> None:
-        """One short pipeline call whose output is discarded; a subclass that compiles provides it."""
+    def warmup_call(self, batch: Sequence[ds.Item], steps: int = 2) -> None:
+        """One pipeline call of ``steps`` steps whose output is discarded; a subclass that compiles provides it."""
+
+    def cache_forwards_per_step(self, batch: Sequence[ds.Item]) -> int:
+        """Transformer forwards per denoising step of ``batch``'s pipeline call (2 with CFG), for the step cache;
+        1 by default."""
+        return 1
+
+    def calibrate_cache(self) -> float:
+        """``cache.calibrate=true``: the step cache's ratios for each step count of the run
+        (:meth:`models.cache.StepCache.calibrate`), measured where none are stored by a :meth:`warmup_call` of all
+        the steps on the first batch of that count, with every evidence counter restored after it (the pass is no
+        part of the run). Returns the seconds it took."""
+        sc = self.step_cache
+        if sc is None or not sc.settings.params.get("calibrate"):
+            return 0.0
+        t0 = time.perf_counter()
+        for steps, batch in sorted(getattr(self, "calibration_batches", {}).items()):
+            if sc.needs_calibration(steps):
+                with self.uncounted():
+                    sc.calibrate(steps, self.cache_forwards_per_step(batch),
+                                 lambda b=batch, n=steps: self.warmup_call(b, steps=n), [it.key for it in batch])
+        return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Restore the attention, linear and MoE call counters of the evidence after the block (a pipeline call
+        that is no part of the run)."""
+        sites = list(self.probes.get("attention") or []) + list((self.probes.get("moe") or {}).get("sites") or [])
+        lin = self.probes.get("linear")
+        saved = [(x, type(x.observed)(x.observed)) for x in sites] + ([(lin, dict(lin.observed))] if lin else [])
+        try:
+            yield
+        finally:
+            for x, observed in saved:
+                x.observed = observed
 
     # -------------------------------------------------------------------------------------------- 5. generate
     def generate(self, batch: Sequence[ds.Item]) -> List[ImageOutput]:
@@ -904,7 +957,7 @@ class DiffusersEngine(EngineBase):
         self.check_batch_truncation(batch)
         steps = batch[0].row.num_inference_steps
         if self.step_cache is not None:
-            self.step_cache.before_call(steps)
+            self.step_cache.before_call(steps, self.cache_forwards_per_step(batch))
         self.activate_lora(batch)
         try:
             images = self.call(batch)

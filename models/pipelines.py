@@ -1386,6 +1386,13 @@ class PipelineEngine(DiffusersEngine):
         return steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale),
                                          self.spec.cfg_threshold)
 
+    def cache_forwards_per_step(self, batch: List[Item]) -> int:
+        """Transformer forwards per step of the spec's guidance mode (:func:`models.family.forwards_per_step`);
+        1 without a spec."""
+        if self.spec is None:
+            return 1
+        return forwards_per_step(self.spec.cfg, batch[0].row, float(self.cfg.generation.true_cfg_scale))
+
     def has_forward_rule(self) -> bool:
         """A spec gives the forward rule; ``model.adapter=diffusers`` (no spec) has none."""
         return self.spec is not None

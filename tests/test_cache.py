@@ -105,14 +105,18 @@ def test_model_without_cache_support_is_refused_before_loading(tmp_path):
     assert r.error.outcome == "refused" and not (tmp_path / "sd3" / "manifest.json").exists()
 
 
-def test_pab_with_true_cfg_rows_is_refused(tmp_path):
+def test_pab_with_true_cfg_rows_runs_per_branch(tmp_path):
+    """True CFG (two forwards per step): pab keeps one state per branch (issue #33; it was refused before), each
+    branch following the schedule: compute_every=2, warmup 1, 16 steps: 8 reused per branch."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"id": "a", "prompt": "a red circle in the center on a white background",
                                 "negative_prompt": "blue"}) + "\n")
     r = execute(tmp_path / "run", ["model=toy_shapes", "dataset=jsonl", f"dataset.path={rows}",
-                                   "model.generation.true_cfg_scale=4", "cache.method=pab"], catch=(RunnerError,))
-    assert type(r.error).__name__ == "CacheUnsupportedError", r.error
-    assert "true CFG" in str(r.error) and "2 transformer forwards per step" in str(r.error)
+                                   "model.generation.true_cfg_scale=4", "cache.method=pab"])
+    assert r.code == 0, r.manifest.get("evidence")
+    c = r.items[0]["cache"]
+    assert (c["forwards_reused"], c["forwards_computed"]) == (16, 16), c
+    assert r.manifest["evidence"]["stages"]["denoise"]["cache"]["expected_forwards_reused"] == 16
 
 
 def test_cache_that_never_hits_is_an_evidence_mismatch(tmp_path):

@@ -614,9 +614,11 @@ def test_hidream_moe_auto_measures_on_gpu(gpu):
 
 CACHE_METHODS = {  # method -> overrides (fixed: their schedule; adaptive: a threshold that hits on toy_shapes)
     "first_block": ["cache.method=first_block", "cache.threshold=0.2"],
-    "magcache": ["cache.method=magcache", "cache.mag_ratios=flux"],
+    "magcache": ["cache.method=magcache", "cache.calibrate=true"],  # ratios calibrated for toy_shapes (issue #33)
     "taylorseer": ["cache.method=taylorseer", "cache.compute_every=2", "cache.warmup_steps=3"],
     "pab": ["cache.method=pab", "cache.compute_every=2"],
+    "dbcache": ["cache.method=dbcache", "cache.fn_compute_blocks=1", "cache.warmup_steps=4"],  # cache-dit
+    "dbcache_taylorseer": ["cache.method=dbcache_taylorseer", "cache.fn_compute_blocks=1", "cache.warmup_steps=4"],
 }
 
 

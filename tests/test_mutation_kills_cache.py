@@ -67,6 +67,9 @@ def test_pab_config_counts_in_steps(probe):
     assert cfg.spatial_attention_timestep_skip_range == (1, sys.maxsize)
     probe.step = 7
     assert cfg.current_timestep_callback() == 7
+    probe.per_step = 2  # CFG: forward 7 is the uncond forward of step 3
+    assert cfg.current_timestep_callback() == 3
+    probe.per_step = 1
 
 
 def test_hit_rates_of_a_schedule_with_repeating_decimals(tmp_path):

@@ -710,17 +710,22 @@ class CacheConfig:
 
     method: str = "none"
     """``none``, ``first_block`` (diffusers' First Block Cache), ``magcache``, ``taylorseer``, ``pab`` (Pyramid
-    Attention Broadcast), or a method added with ``models.cache.register_cache_method``."""
+    Attention Broadcast), ``dbcache`` and ``dbcache_taylorseer`` (cache-dit's DBCache, without and with its TaylorSeer
+    calibrator; ``pip install 'runner[cache-dit]'``), or a method added with
+    ``models.cache.register_cache_method``."""
     schedule: Optional[CacheSchedule] = None
     """``fixed`` or ``adaptive``: refuses a method of the other kind; null: the method's own."""
     threshold: Optional[float] = None
     """Adaptive methods: first_block, the relative change of the first block's residual under which the other
-    blocks are skipped (default 0.05); magcache, the accumulated magnitude-ratio error allowed (default 0.06)."""
+    blocks are skipped (default 0.05); magcache, the accumulated magnitude-ratio error allowed (default 0.06);
+    dbcache, the relative L1 change of the first blocks' residual under which the middle blocks are reused
+    (cache-dit's ``residual_diff_threshold``, default 0.08)."""
     compute_every: Optional[int] = None
     """Fixed methods: after the warm-up, one step in this many is computed, the others reuse (>= 2; taylorseer
     default 5, pab 2)."""
     warmup_steps: Optional[int] = None
-    """Fixed methods: the first steps, always computed (>= 1; taylorseer default 3, pab 1)."""
+    """Fixed methods: the first steps, always computed (>= 1; taylorseer default 3, pab 1); dbcache: cache-dit's
+    ``max_warmup_steps`` (default 8)."""
     max_skip_steps: Optional[int] = None
     """magcache: most consecutive steps skipped (default 3)."""
     retention_ratio: Optional[float] = None
@@ -729,9 +734,20 @@ class CacheConfig:
     """magcache (required): per-step magnitude ratios calibrated for the checkpoint, a list of floats (interpolated
     to the step count), or ``flux`` (diffusers' FLUX.1 ratios)."""
     order: Optional[int] = None
-    """taylorseer: order of the Taylor extrapolation of the cached outputs, 0..3 (default 1; 0 reuses them)."""
+    """taylorseer, dbcache_taylorseer: order of the Taylor extrapolation of the cached outputs, 0..3 (default 1;
+    0 reuses them)."""
     lite: Optional[bool] = None
     """taylorseer: diffusers' lite mode (blocks skipped, the output projection extrapolated; default false)."""
+    calibrate: Optional[bool] = None
+    """magcache: ``true`` uses the magnitude ratios calibrated for this model, steps and scheduler, stored under
+    ``<cache_dir>/magcache`` (``models.cache_calibration``); when none are stored, diffusers' calibration pass
+    (``MagCacheConfig(calibrate=True)``, every step computed) runs before the first batch and stores them. Excludes
+    ``mag_ratios`` (default false)."""
+    fn_compute_blocks: Optional[int] = None
+    """dbcache (cache-dit's DBCache ``Fn_compute_blocks``): the first blocks, always computed; their residual's
+    change decides whether the middle blocks are reused (>= 1, default 8)."""
+    bn_compute_blocks: Optional[int] = None
+    """dbcache (cache-dit's ``Bn_compute_blocks``): the last blocks, always computed (>= 0, default 0)."""
 
 
 @dataclass
