@@ -102,6 +102,7 @@ def flux_speed(out: Path, data: List[str], base: List[str], methods: Dict[str, A
                    speedup_vs_lossless_compiled=(round(res["lossless"]["ms_per_step"] / rec["ms_per_step"], 3)
                                                  if rec["ms_per_step"] else None))
         res[name] = rec
+        save({"flux_partial": res}, out, None)  # what finished, should the device's time limit stop the rest
     return res
 
 
@@ -144,6 +145,15 @@ def gate_toy(out: Path, model: str, lanes: Dict[str, List[str]], platform: str,
     return res
 
 
+def save(doc: Dict[str, Any], out: Path, results: Any) -> None:
+    """Write ``doc`` to ``out/cache_quality.json`` (and ``results`` when given), whole, replacing what was there."""
+    text = json.dumps(doc, indent=2, default=str) + "\n"
+    for path in [out / "cache_quality.json"] + ([Path(results)] if results else []):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -182,16 +192,17 @@ def main() -> int:
                                 if "cache" in v}
     doc["evidence"] = {k: (v.get("evidence") or {}).get("verdict", v.get("error")) for k, v in speed.items()}
     doc["flux"] = speed
+    save(doc, out, args.results)  # partial results survive a time limit on a metered device
     if not args.skip_gate:
         limit = 2 if args.smoke else 0
-        doc["gate"] = {model: gate_toy(out, model, lanes, platform, limit) for model, lanes in LANES.items()}
+        doc["gate"] = {}
+        for model, lanes in LANES.items():
+            doc["gate"][model] = gate_toy(out, model, lanes, platform, limit)
+            save(doc, out, args.results)
         doc["gate_accuracy_ratio"] = {model: {k: j.get("accuracy_ratio") for k, j in g["jobs"].items()
                                               if k != "lossless"} for model, g in doc["gate"].items()}
     doc["total_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(doc, indent=2, default=str) + "\n"
-    (out / "cache_quality.json").write_text(text)
-    if args.results:
-        Path(args.results).write_text(text)
+    save(doc, out, args.results)
     print(json.dumps({k: doc[k] for k in ("ms_per_step", "speedup", "forwards_hit_rate", "evidence")}, indent=1))
     if "gate_accuracy_ratio" in doc:
         print(json.dumps(doc["gate_accuracy_ratio"], indent=1))
