@@ -200,3 +200,33 @@ def test_repro_and_resume(tmp_path, model):
     assert p.returncode == 0, _tail(p)
     assert json.loads((copy / "manifest.json").read_text())["resumed_from"]["reused_items"] == 2
     assert {f.name: f.read_bytes() for f in copy.rglob("*.mp4")} == before and len(before) == 2
+
+
+@pytest.mark.parametrize("model, experts, params", [("wan22", ("transformer", "transformer_2"), (14.2e9, 14.4e9)),
+                                                    ("wan22_ti2v", ("transformer",), (4.9e9, 5.1e9))])
+def test_full_size_configs_are_the_published_ones(compose, model, experts, params):
+    """conf/model/wan22.yaml and wan22_ti2v.yaml carry models/reference/families_configs.json's entries (each with
+    a source), and build on the meta device: two 14B experts (A14B), one 5B transformer (TI2V-5B) whose VAE needs
+    multiples of 32; the pipeline settings are the published ones."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from test_families import _engine
+
+    root = Path(__file__).resolve().parents[1]
+    ref = json.loads((root / "models" / "reference" / "families_configs.json").read_text())[model]
+    arch = OmegaConf.to_container(OmegaConf.load(root / "conf" / "model" / f"{model}.yaml"))["architecture"]
+    for comp in (*experts, "vae", "pipeline"):
+        assert arch[comp] == ref[comp] and comp in ref["sources"], comp
+    assert {k: v for k, v in arch["text_encoder"].items() if k != "relative_attention_num_buckets"} == \
+        ref["text_encoder"]
+    eng = _engine(compose([f"model={model}", "platform=cpu", "model.load_format=dummy"]))
+    eng.resolve_source()
+    assert eng.declared_experts() == list(experts)
+    comps = eng.build_components(eng._arch(), device="meta", dtype=torch.bfloat16)
+    for e in experts:
+        assert params[0] < sum(p.numel() for p in comps[e].parameters()) < params[1], e
+    assert "transformer_2" in comps if len(experts) > 1 else "transformer_2" not in comps
+    want = {"wan22": (16, {"boundary_ratio": 0.875, "expand_timesteps": False}),
+            "wan22_ti2v": (32, {"boundary_ratio": None, "expand_timesteps": True})}[model]
+    assert (eng.size_need(), eng.pipeline_settings()) == want
