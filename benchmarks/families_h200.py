@@ -2,7 +2,9 @@
 the runner's lossless settings vs FP8 linear, transformer forward by forward, side by side in one process; then a
 short run through the runner per family whose evidence must be verified for ``CUDNN_ATTN`` and ``FP8`` linear.
 
-Per family (``--family sd3|qwen_image|wan``, repeatable):
+Per family (``--family sd3|qwen_image|wan|wan22|wan22_ti2v``, repeatable; Wan 2.2 A14B: steps 2-5 per expert,
+``transformer`` and ``transformer_2`` each on the inputs of its own first forward, as ``experts.<name>``; the
+first expert's figures also at the top level):
 
 1. One pipeline is built with the family's own builder (``load_format=dummy``: ``PipelineEngine.build_components``,
    seeded, bf16, on the GPU). A 2-step pipeline call at the workload shape captures the transformer's inputs.
@@ -47,8 +49,16 @@ WORKLOADS = {  # the issue's workloads (#17): published defaults of each model
                        scale=0.05, iters=5),
     "wan": dict(model="wan", prompt="a lighthouse on a cliff at dusk, waves crashing", negative="blurry",
                 scale=0.05, iters=3),
+    # Wan 2.2 T2V-A14B at 480p: each expert (transformer, transformer_2) timed on its own inputs
+    "wan22": dict(model="wan22", prompt="a lighthouse on a cliff at dusk, waves crashing", negative="blurry",
+                  scale=0.05, iters=2),
+    "wan22_ti2v": dict(model="wan22_ti2v", prompt="a lighthouse on a cliff at dusk, waves crashing",
+                       negative="blurry", scale=0.05, iters=3),
 }
-SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan"}
+SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan", "wan22": "tiny_wan22",
+         "wan22_ti2v": "tiny_wan22_ti2v"}
+#: the families whose pipeline makes a second (unconditional) forward per step under CFG
+SEPARATE_CFG = ("wan", "wan22", "wan22_ti2v")
 
 
 def compose(overrides):
@@ -106,14 +116,19 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     pipe.set_progress_bar_config(disable=True)
     rec["build_s"] = round(time.perf_counter() - t0, 1)
 
-    # the inputs of one transformer forward at the workload shape, prepared by the pipeline itself
-    captured: Dict[str, Any] = {}
+    # the inputs of each expert's first forward at the workload shape, prepared by the pipeline itself (Wan 2.2 A14B:
+    # 2 steps at flow_shift 3 are timesteps 999 and 750, one per expert around the boundary 875)
+    experts = [(n, getattr(pipe, n)) for n in ("transformer", "transformer_2")
+               if isinstance(getattr(pipe, n, None), torch.nn.Module)]
+    captured: Dict[str, Dict[str, Any]] = {n: {} for n, _ in experts}
 
-    def grab(mod, args, kwargs):
-        if not captured:
-            captured.update(kwargs)
+    def grab(name):
+        def hook(mod, args, kwargs):
+            if not captured[name]:
+                captured[name].update(kwargs)
+        return hook
 
-    h = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    hooks = [m.register_forward_pre_hook(grab(n), with_kwargs=True) for n, m in experts]
     call = dict(prompt=w["prompt"], height=g.height, width=g.width, num_inference_steps=2, output_type="latent")
     if g.get("num_frames"):
         call["num_frames"] = g.num_frames
@@ -121,28 +136,37 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
         call["max_sequence_length"] = int(g.max_sequence_length)
     with torch.inference_mode():
         pipe(**call)
-    h.remove()
-    tr = pipe.transformer
-    with torch.inference_mode(), FlopCounterMode(display=False) as fc:
-        ref = tr(**captured)[0]
-    flops = float(fc.get_total_flops())
-    rec["forward_tflop"] = round(flops / 1e12, 3)
-    a = torch.randn(8192, 8192, device=device, dtype=dtype)
-    peak = 2 * 8192 ** 3 / (time_ms(lambda: a @ a, device, warmup=5, iters=20) / 1e3) / 1e12
+    for h in hooks:
+        h.remove()
+    missing = [n for n, c in captured.items() if not c]
+    if missing:
+        raise RuntimeError(f"the 2-step call ran no forward of {missing}")
+    refs, flops = {}, {}
+    for n, tr in experts:
+        with torch.inference_mode(), FlopCounterMode(display=False) as fc:
+            refs[n] = tr(**captured[n])[0]
+        flops[n] = float(fc.get_total_flops())
+    rec["forward_tflop"] = round(flops["transformer"] / 1e12, 3)
+    n = 1024 if smoke else 8192  # the CPU smoke run only checks the script
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    peak = 2 * n ** 3 / (time_ms(lambda: a @ a, device, warmup=5, iters=20) / 1e3) / 1e12
     del a
     rec["matmul_tflops"] = round(peak, 1)
     iters = 2 if smoke else w["iters"]
+    per_expert: Dict[str, Dict[str, Any]] = {n: {} for n, _ in experts}
 
     def timed(name: str) -> None:
-        with torch.inference_mode():
-            ms = time_ms(lambda: tr(**captured), device, warmup=2, iters=iters)
-            outp = tr(**captured)[0]
-        rec[name] = {"ms_per_forward": round(ms, 2), "mfu": round(flops / (ms / 1e3) / 1e12 / peak, 3),
-                     "vs_baseline": diff(outp, ref)}
-        print(family, name, rec[name], flush=True)
+        for n, tr in experts:
+            with torch.inference_mode():
+                ms = time_ms(lambda: tr(**captured[n]), device, warmup=2, iters=iters)
+                outp = tr(**captured[n])[0]
+            per_expert[n][name] = {"ms_per_forward": round(ms, 2), "mfu": round(flops[n] / (ms / 1e3) / 1e12 / peak, 3),
+                                   "vs_baseline": diff(outp, refs[n])}
+            print(family, n, name, per_expert[n][name], flush=True)
+        rec[name] = per_expert["transformer"][name]
 
     timed("baseline")
-    # the runner's lossless preset, applied in place by the runner's own code
+    # the runner's lossless preset, applied in place by the runner's own code (every install on each expert)
     eng.pipe = pipe
     eng.prepare_attention()  # SD3: diffusers' processors replaced by the dispatching one (same math)
     rec["optimize"] = eng.optimize(OmegaConf.create({"fuse_qkv": True, "vae_channels_last": False}))
@@ -151,31 +175,43 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     attention.install("denoise", eng.attention_sites(), {r: {"backend": att} for r in roles},
                       None if smoke else torch.cuda.get_device_capability()[0] * 10, observe=False)
     if not smoke:
-        compile_regional(tr)
+        for _, tr in experts:
+            compile_regional(tr)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        tr(**captured)
+        for n, tr in experts:
+            tr(**captured[n])
     rec["compile_s"] = round(time.perf_counter() - t0, 1)
     timed("lossless")
-    fp8 = linear.install(tr, "FP8", prefixes=type(engine_for(cfg, device, dtype)).fp8_prefixes, observe=False)
+    fp8 = None
+    for _, tr in experts:
+        fp8 = linear.install(tr, "FP8", prefixes=type(engine_for(cfg, device, dtype)).fp8_prefixes, observe=False,
+                             record=fp8)
     rec["fp8_modules"] = fp8.modules
     torch._dynamo.reset()
     if not smoke:
-        compile_regional(tr)
+        for _, tr in experts:
+            compile_regional(tr)
     with torch.inference_mode():
-        tr(**captured)
+        for n, tr in experts:
+            tr(**captured[n])
     timed("fp8")
     per_step = 1
-    if family == "wan" and (g.guidance_scale or 0) > 1:
+    if family in SEPARATE_CFG and (g.guidance_scale or 0) > 1:
         per_step = 2
     if family == "qwen_image" and float(g.true_cfg_scale) > 1:
         per_step = 2  # the workload's rows carry a negative prompt (the model card's ' ')
     rec["forwards_per_step"] = per_step
-    for k in ("baseline", "lossless", "fp8"):
-        rec[k]["ms_per_step"] = round(rec[k]["ms_per_forward"] * per_step, 2)
-    rec["speedup_lossless"] = round(rec["baseline"]["ms_per_forward"] / rec["lossless"]["ms_per_forward"], 3)
-    rec["speedup_fp8"] = round(rec["baseline"]["ms_per_forward"] / rec["fp8"]["ms_per_forward"], 3)
-    del pipe, tr, captured, ref, eng
+    for pe in per_expert.values():
+        for k in ("baseline", "lossless", "fp8"):
+            pe[k]["ms_per_step"] = round(pe[k]["ms_per_forward"] * per_step, 2)
+        pe["speedup_lossless"] = round(pe["baseline"]["ms_per_forward"] / pe["lossless"]["ms_per_forward"], 3)
+        pe["speedup_fp8"] = round(pe["baseline"]["ms_per_forward"] / pe["fp8"]["ms_per_forward"], 3)
+    rec["speedup_lossless"] = per_expert["transformer"]["speedup_lossless"]
+    rec["speedup_fp8"] = per_expert["transformer"]["speedup_fp8"]
+    if len(experts) > 1:
+        rec["experts"] = per_expert
+    del pipe, experts, captured, refs, eng
     gc.collect()
     torch._dynamo.reset()
     if device == "cuda":
@@ -196,7 +232,9 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     st = man["evidence"]["stages"]["denoise"]
     rec["evidence"] = {"exit_code": code, "overrides": ev_ov, "verdict": man["evidence"]["verdict"],
                        "mismatches": man["evidence"]["mismatches"], "denoiser_forwards": st["denoiser_forwards"],
-                       "expected_forwards": st["expected_forwards"],
+                       "expected_forwards": st["expected_forwards"], "checks": st.get("checks"),
+                       "expert_forwards": st.get("expert_forwards"),
+                       "expert_switch": (st.get("experts") or {}).get("first", {}).get("switch_step"),
                        "attention_by_backend": st["attention"]["by_backend"], "linear": st.get("linear"),
                        "kernels": {k: st.get("kernels", {}).get(k) for k in ("attention", "linear")},
                        "run_s": round(time.perf_counter() - t0, 1)}
