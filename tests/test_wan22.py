@@ -230,3 +230,31 @@ def test_full_size_configs_are_the_published_ones(compose, model, experts, param
     want = {"wan22": (16, {"boundary_ratio": 0.875, "expand_timesteps": False}),
             "wan22_ti2v": (32, {"boundary_ratio": None, "expand_timesteps": True})}[model]
     assert (eng.size_need(), eng.pipeline_settings()) == want
+
+
+GPU_LANES = [("TORCH_SDPA", "TORCH"), ("CUDNN_ATTN", "FP8")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("attention,linear", GPU_LANES, ids=[f"{a}-{b}" for a, b in GPU_LANES])
+@pytest.mark.parametrize("model", ["tiny_wan22", "tiny_wan22_ti2v"])
+def test_wan22_on_gpu_verified_with_device_kernels(tmp_path_factory, model, attention, linear):
+    """tiny_wan22 and tiny_wan22_ti2v in bf16 on the GPU with each lane: verified, the device kernels of the selected
+    backends in the profiled forwards (A14B: both experts' first forwards), every attention site of an expert run
+    once per forward of that expert, and the switch at the step ``boundary_ratio`` gives."""
+    from test_gpu_e2e import GpuRuns, check_evidence, need_video, require
+
+    need_video()
+    ov = [f"model={model}", "dataset.limit=1", f"backend.attention={attention}", f"backend.linear={linear}"]
+    require(ov, attention=attention, linear=linear)
+    r = GpuRuns(tmp_path_factory.mktemp("wan22_gpu")).run(f"{model}-{attention}-{linear}", ov)
+    assert r.code == 0, r.manifest.get("evidence", {}).get("mismatches")
+    st = check_evidence(r.manifest, r.trace, attention, linear)["stage"]
+    per = st.get("expert_forwards") or {"transformer": st["denoiser_forwards"]}
+    for lay in st["attention"]["layers"]:
+        own = "transformer_2" if lay["layer"].startswith("transformer_2.") else "transformer"
+        assert lay["observed"] == {attention: per[own]}, lay
+    if model == "tiny_wan22":
+        assert per == {"transformer": 4, "transformer_2": 4} and st["checks"]["expert_schedule"] == "verified"
+        assert st["experts"]["first"]["switch_step"] == {"expected": 2, "observed": 2}
+        assert st["kernels"]["profiled_experts"] == ["transformer", "transformer_2"]
