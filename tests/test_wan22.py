@@ -258,3 +258,29 @@ def test_wan22_on_gpu_verified_with_device_kernels(tmp_path_factory, model, atte
         assert per == {"transformer": 4, "transformer_2": 4} and st["checks"]["expert_schedule"] == "verified"
         assert st["experts"]["first"]["switch_step"] == {"expected": 2, "observed": 2}
         assert st["kernels"]["profiled_experts"] == ["transformer", "transformer_2"]
+
+
+def test_ulysses_splits_both_experts(tmp_path):
+    """``parallelism=ulysses`` on 2 CPU ranks (gloo): context parallelism is enabled on both experts; each rank's
+    profiled forwards (one per expert) hold 4 all-to-alls per self-attention site of both experts, and each rank's
+    evidence, expert schedule included, is verified."""
+    import subprocess
+    import sys
+
+    from test_report import subprocess_env
+
+    d = tmp_path / "u2"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner",
+                        "platform=cpu", "model=tiny_wan22", "dataset.limit=1", "parallelism=ulysses",
+                        f"hydra.run.dir={d}"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                       timeout=500)
+    assert p.returncode == 0, _tail(p)
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["status"] == "completed" and len(m["evidence"]["workers"]) == 2
+    for ev in m["evidence"]["workers"].values():
+        st = ev["stages"]["denoise"]
+        self_sites = [l for l in st["attention"]["layers"] if l["layer"].endswith("attn1")]
+        assert len(self_sites) == 4 and any(l["layer"].startswith("transformer_2.") for l in self_sites)
+        coll = st["kernels"]["collectives"]["all_to_all"]
+        assert coll["expected_at_least"] == 4 * 4 and coll["calls"] >= 16, coll
+        assert ev["verdict"] == "verified" and st["checks"]["expert_schedule"] == "verified", ev["mismatches"]
