@@ -219,7 +219,7 @@ class PipelineEngine(DiffusersEngine):
         self.first_sizes: Optional[Dict[str, Any]] = None
         self.latents_observed = False
         self.first_latents: Optional[Dict[str, Any]] = None
-        self.expert_calls: List[Tuple[Item, int, int]] = []  # (first item, log start, log end) per call
+        self.expert_calls: List[Tuple[Item, List[Tuple[str, Optional[float]]]]] = []  # (first item, (expert, t)s)
 
     # ----------------------------------------------------------------------------------------------- family
     @classmethod
@@ -505,11 +505,14 @@ class PipelineEngine(DiffusersEngine):
             return {}
         if not self.source:
             self.resolve_source()
-        given = (read_index(Path(self.source["path"])) if self.source.get("kind") == "path"
-                 else self._arch().get("pipeline") or {})
-        params = inspect.signature(self.pipeline_cls().__init__).parameters
-        return {k: given[k] if k in given else (params[k].default if k in params else None)
-                for k in self.spec.pipeline_config}
+        key = json.dumps(self.source, sort_keys=True, default=str)
+        if getattr(self, "_settings", (None,))[0] != key:  # read once per weight source (records ask per item)
+            given = (read_index(Path(self.source["path"])) if self.source.get("kind") == "path"
+                     else self._arch().get("pipeline") or {})
+            params = inspect.signature(self.pipeline_cls().__init__).parameters
+            self._settings = (key, {k: given[k] if k in given else (params[k].default if k in params else None)
+                                    for k in self.spec.pipeline_config})
+        return dict(self._settings[1])
 
     def declared_experts(self) -> List[str]:
         """The spec's experts the model has, known before loading: those the snapshot's ``model_index.json`` names
@@ -551,8 +554,9 @@ class PipelineEngine(DiffusersEngine):
     def check_architecture_matches_snapshot(self, arch: Dict[str, Any], path: Path,
                                             where: str = "model.architecture") -> None:
         """With ``model.path`` the snapshot's component configs decide the architecture; every component value in
-        ``arch`` (the keys given on the command line) must be what the snapshot's config says, so a manifest never
-        records an architecture override that did not run.
+        ``arch`` (the keys given on the command line) must be what the snapshot's config says, and every pipeline
+        setting (``arch["pipeline"]``) what its ``model_index.json`` says, so a manifest never records an
+        architecture override that did not run.
 
         Raises:
             ConfigValueError: listing each key the snapshot's config lacks or holds another value for, and the fix.
@@ -561,6 +565,13 @@ class PipelineEngine(DiffusersEngine):
 
         problems = []
         norm = (lambda v: list(v) if isinstance(v, (list, tuple)) else v)
+        index = read_index(path)
+        for key, value in (arch.get("pipeline") or {}).items():  # pipeline settings: model_index.json decides
+            if key in index and norm(index[key]) != norm(value):
+                problems.append(f"{where}.pipeline.{key}={value!r}: the snapshot's model_index.json says {index[key]!r}")
+            elif key not in index:
+                problems.append(f"{where}.pipeline.{key}={value!r}: the snapshot's model_index.json does not set it "
+                                "(the pipeline's default runs)")
         for comp, given in arch.items():
             fname = "scheduler_config.json" if comp == "scheduler" else "config.json"
             f = path / comp / fname
@@ -1325,8 +1336,9 @@ class PipelineEngine(DiffusersEngine):
         start = len(self.probe.log) if self.probe is not None else 0
         with torch.inference_mode():
             out = self.pipe(**kw, generator=gens, output_type="np")
-        if self.probe is not None and len(self.experts()) > 1:  # the experts' forwards of this call
-            self.expert_calls.append((batch[0], start, len(self.probe.log)))
+        if self.probe is not None and len(self.experts()) > 1:  # the experts' forwards of this call, as floats
+            self.expert_calls.append((batch[0], self.probe.timesteps(start)))
+            del self.probe.log[start:]
         if keep and self.seq_probe.hidden is not None:
             self.first_latents = {"item": batch[0].key, **conditioning.first_latents_check(
                 self.pipe, kw["image"], self.seq_probe.hidden, self.seq_probe.timestep, batch[0].row.height,
@@ -1367,8 +1379,9 @@ class PipelineEngine(DiffusersEngine):
         return section, mismatches
 
     def expected_experts(self, row: Any) -> List[Tuple[float, str]]:
-        """``(timestep, expert)`` of each denoising step of ``row``'s call: the first expert throughout by default; a
-        family with several experts says how its pipeline switches (``models.wan.WanEngine``)."""
+        """``(timestep, expert)`` of each denoising step of ``row``'s call, for a pipeline with several experts; none
+        by default: a family whose snapshots hold several says how its pipeline switches (``models.wan.WanEngine``),
+        else every call's forwards are a mismatch (nothing predicted them)."""
         return []
 
     def expert_rule(self) -> str:
@@ -1381,9 +1394,9 @@ class PipelineEngine(DiffusersEngine):
         ``expert_schedule``; a step run by another expert is a mismatch (exit 3 under ``evidence.strict``)."""
         from models.denoiser_evidence import expert_schedule
 
-        calls = [{"item": it.key, "expected": self.expected_experts(it.row), "observed": self.probe.timesteps(a, b),
+        calls = [{"item": it.key, "expected": self.expected_experts(it.row), "observed": seen,
                   "per_step": self.expected_forwards([it]) // max(1, it.row.num_inference_steps)}
-                 for it, a, b in self.expert_calls]
+                 for it, seen in self.expert_calls]
         sec, mismatches = expert_schedule(self.stage, calls, self.expert_rule())
         section["experts"] = {"experts": [e for e, _ in self.experts()], **self.pipeline_settings(), **sec}
         section.setdefault("checks", {})["expert_schedule"] = sec["verdict"]

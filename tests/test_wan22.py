@@ -284,3 +284,18 @@ def test_ulysses_splits_both_experts(tmp_path):
         coll = st["kernels"]["collectives"]["all_to_all"]
         assert coll["expected_at_least"] == 4 * 4 and coll["calls"] >= 16, coll
         assert ev["verdict"] == "verified" and st["checks"]["expert_schedule"] == "verified", ev["mismatches"]
+
+
+def test_a_pipeline_setting_the_snapshot_contradicts_is_refused(tmp_path):
+    """With ``model.path`` the snapshot's ``model_index.json`` decides ``boundary_ratio``: an override saying
+    otherwise is refused before loading (exit 2), naming both values (else the manifest would record a switch that
+    did not run)."""
+    from _helpers import execute
+    from runner.core.errors import RunnerError
+
+    loaded = []
+    r = execute(tmp_path / "run", ["model=tiny_wan22", f"model.path={_snapshot('tiny_wan22')}",
+                                   "model.architecture.pipeline.boundary_ratio=0.5"], on_loaded=loaded.append,
+                catch=(RunnerError,))
+    assert r.error is not None and r.error.exit_code == 2 and not loaded, r
+    assert "model.architecture.pipeline.boundary_ratio=0.5: the snapshot's model_index.json says 0.875" in str(r.error)
