@@ -170,7 +170,8 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
     if expected_forwards is not None and fwd != expected_forwards:
         mismatches.append(f"stage {stage}: the denoiser ran {fwd} forwards, expected {expected_forwards}")
     observing = probes.get("observed", True)
-    per_expert = denoiser.by_expert if len(denoiser.by_expert) > 1 else None
+    by_expert = getattr(denoiser, "by_expert", None) or {}  # a stand-in probe may not count per expert
+    per_expert = by_expert if len(by_expert) > 1 else None
     layers, by_backend = _attention_calls(stage, probes["attention"], observing, fwd, cache, mismatches, per_expert)
     lin = probes["linear"]
     full = cache["forwards_computed"] if cache is not None else fwd  # forwards in which every module ran
