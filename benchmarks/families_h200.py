@@ -3,7 +3,9 @@ klein 4B and Z-Image at their published workloads, random full-size weights: pla
 settings vs FP8 linear, transformer forward by forward, side by side in one process; then a short run through the
 runner per family whose evidence must be verified for ``CUDNN_ATTN`` and ``FP8`` linear.
 
-Per family (``--family sd3|qwen_image|wan|ltx2|hunyuanvideo15|flux2|flux2_klein|zimage``, repeatable):
+Per family (``--family sd3|qwen_image|wan|wan22|wan22_ti2v|ltx2|hunyuanvideo15|flux2|flux2_klein|zimage``,
+repeatable; Wan 2.2 A14B: steps 2-5 per expert, ``transformer`` and ``transformer_2`` each on the inputs of its own
+first forward, as ``experts.<name>``; the first expert's figures also at the top level):
 
 1. One pipeline is built with the family's own builder (``load_format=dummy``: ``PipelineEngine.build_components``,
    seeded, bf16, on the GPU). A 2-step pipeline call at the workload shape captures the transformer's inputs.
@@ -71,10 +73,15 @@ WORKLOADS = {  # the issue's workloads (#17): published defaults of each model
     # 848x480, 121 frames: 31 x 30 x 53 = 49290 video tokens + 1000 + 256 text tokens per forward
     "hunyuanvideo15": dict(model="hunyuanvideo15", prompt='a lighthouse on a cliff at dusk with a sign "OPEN"',
                            negative="blurry", scale=0.05, iters=3, evidence=["model.generation.num_frames=33"]),
+    # Wan 2.2 T2V-A14B at 480p: each expert (transformer, transformer_2) timed on its own inputs
+    "wan22": dict(model="wan22", prompt="a lighthouse on a cliff at dusk, waves crashing", negative="blurry",
+                  scale=0.05, iters=2),
+    "wan22_ti2v": dict(model="wan22_ti2v", prompt="a lighthouse on a cliff at dusk, waves crashing",
+                       negative="blurry", scale=0.05, iters=3),
 }
-SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan", "ltx2": "tiny_ltx2",
-         "hunyuanvideo15": "tiny_hunyuanvideo15", "flux2": "tiny_flux2", "flux2_klein": "tiny_flux2_klein",
-         "zimage": "tiny_zimage"}
+SMOKE = {"sd3": "tiny_sd3", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan", "wan22": "tiny_wan22",
+         "wan22_ti2v": "tiny_wan22_ti2v", "ltx2": "tiny_ltx2", "hunyuanvideo15": "tiny_hunyuanvideo15",
+         "flux2": "tiny_flux2", "flux2_klein": "tiny_flux2_klein", "zimage": "tiny_zimage"}
 
 
 def compose(overrides):
@@ -147,16 +154,23 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     pipe.set_progress_bar_config(disable=True)
     rec["build_s"] = round(time.perf_counter() - t0, 1)
 
-    # the inputs of one transformer forward at the workload shape, prepared by the pipeline itself
-    captured: Dict[str, Any] = {}
-    args: list = []  # ZImagePipeline calls its transformer with positional inputs
+    # the inputs of each expert's first forward at the workload shape, prepared by the pipeline itself (Wan 2.2 A14B:
+    # 2 steps at flow_shift 3 are timesteps 999 and 750, one per expert around the boundary 875)
+    experts = [(n, getattr(pipe, n)) for n in ("transformer", "transformer_2")
+               if isinstance(getattr(pipe, n, None), torch.nn.Module)]
+    captured: Dict[str, Dict[str, Any]] = {n: {} for n, _ in experts}
+    args: Dict[str, list] = {n: [] for n, _ in experts}  # ZImagePipeline calls its transformer with positional inputs
+    seen: set = set()
 
-    def grab(mod, a, kwargs):
-        if not captured:
-            captured.update(kwargs)
-            args.extend(a)
+    def grab(name):
+        def hook(mod, a, kwargs):
+            if name not in seen:
+                seen.add(name)
+                captured[name].update(kwargs)
+                args[name].extend(a)
+        return hook
 
-    h = pipe.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    hooks = [m.register_forward_pre_hook(grab(n), with_kwargs=True) for n, m in experts]
     call = dict(prompt=w["prompt"], height=g.height, width=g.width, num_inference_steps=2, output_type="latent")
     if g.get("num_frames"):
         call["num_frames"] = g.num_frames
@@ -171,35 +185,43 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
                     negative_prompt=w["negative"], **LTX2_0_GUIDANCE)
     with torch.inference_mode():
         pipe(**call)
-    h.remove()
+    for h in hooks:
+        h.remove()
+    missing = [n for n, _ in experts if n not in seen]
+    if missing:
+        raise RuntimeError(f"the 2-step call ran no forward of {missing}")
     rec["forwards_per_step"] = forwards_per_step(eng, w, g)
     if w.get("free_text_encoder"):  # the timed part is the transformer alone
         pipe.text_encoder = None
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    tr = pipe.transformer
-    with torch.inference_mode(), FlopCounterMode(display=False) as fc:
-        ref = first_output(tr(*args, **captured))
-    flops = float(fc.get_total_flops())
-    rec["forward_tflop"] = round(flops / 1e12, 3)
+    refs, flops = {}, {}
+    for n, tr in experts:
+        with torch.inference_mode(), FlopCounterMode(display=False) as fc:
+            refs[n] = first_output(tr(*args[n], **captured[n]))
+        flops[n] = float(fc.get_total_flops())
+    rec["forward_tflop"] = round(flops["transformer"] / 1e12, 3)
     mm = 1024 if smoke else 8192  # the smoke run checks the script, not the CPU's matmul rate
     a = torch.randn(mm, mm, device=device, dtype=dtype)
     peak = 2 * mm ** 3 / (time_ms(lambda: a @ a, device, warmup=5, iters=20) / 1e3) / 1e12
     del a
     rec["matmul_tflops"] = round(peak, 1)
     iters = 2 if smoke else w["iters"]
+    per_expert: Dict[str, Dict[str, Any]] = {n: {} for n, _ in experts}
 
     def timed(name: str) -> None:
-        with torch.inference_mode():
-            ms = time_ms(lambda: tr(*args, **captured), device, warmup=2, iters=iters)
-            outp = first_output(tr(*args, **captured))
-        rec[name] = {"ms_per_forward": round(ms, 2), "mfu": round(flops / (ms / 1e3) / 1e12 / peak, 3),
-                     "vs_baseline": diff(outp, ref)}
-        print(family, name, rec[name], flush=True)
+        for n, tr in experts:
+            with torch.inference_mode():
+                ms = time_ms(lambda: tr(*args[n], **captured[n]), device, warmup=2, iters=iters)
+                outp = first_output(tr(*args[n], **captured[n]))
+            per_expert[n][name] = {"ms_per_forward": round(ms, 2), "mfu": round(flops[n] / (ms / 1e3) / 1e12 / peak, 3),
+                                   "vs_baseline": diff(outp, refs[n])}
+            print(family, n, name, per_expert[n][name], flush=True)
+        rec[name] = per_expert["transformer"][name]
 
     timed("baseline")
-    # the runner's lossless preset, applied in place by the runner's own code
+    # the runner's lossless preset, applied in place by the runner's own code (every install on each expert)
     eng.pipe = pipe
     eng.prepare_attention()  # SD3: diffusers' processors replaced by the dispatching one (same math)
     fuse = family != "ltx2"  # LTX-2's processor reads no fused projection (refused: LTX2Engine.check_config)
@@ -209,27 +231,39 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     attention.install("denoise", eng.attention_sites(), {r: {"backend": att} for r in roles},
                       None if smoke else torch.cuda.get_device_capability()[0] * 10, observe=False)
     if not smoke:
-        compile_regional(tr)
+        for _, tr in experts:
+            compile_regional(tr)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        tr(*args, **captured)
+        for n, tr in experts:
+            tr(*args[n], **captured[n])
     rec["compile_s"] = round(time.perf_counter() - t0, 1)
     timed("lossless")
-    fp8 = linear.install(tr, "FP8", prefixes=type(engine_for(cfg, device, dtype)).fp8_prefixes, observe=False)
+    fp8 = None
+    for _, tr in experts:
+        fp8 = linear.install(tr, "FP8", prefixes=type(engine_for(cfg, device, dtype)).fp8_prefixes, observe=False,
+                             record=fp8)
     rec["fp8_modules"] = fp8.modules
     torch._dynamo.reset()
     if not smoke:
-        compile_regional(tr)
+        for _, tr in experts:
+            compile_regional(tr)
     with torch.inference_mode():
-        tr(*args, **captured)
+        for n, tr in experts:
+            tr(*args[n], **captured[n])
     timed("fp8")
     per_step = rec["forwards_per_step"]
-    for k in ("baseline", "lossless", "fp8"):
-        rec[k]["ms_per_step"] = round(rec[k]["ms_per_forward"] * per_step, 2)
-    rec["speedup_lossless"] = round(rec["baseline"]["ms_per_forward"] / rec["lossless"]["ms_per_forward"], 3)
-    rec["speedup_fp8"] = round(rec["baseline"]["ms_per_forward"] / rec["fp8"]["ms_per_forward"], 3)
+    for pe in per_expert.values():
+        for k in ("baseline", "lossless", "fp8"):
+            pe[k]["ms_per_step"] = round(pe[k]["ms_per_forward"] * per_step, 2)
+        pe["speedup_lossless"] = round(pe["baseline"]["ms_per_forward"] / pe["lossless"]["ms_per_forward"], 3)
+        pe["speedup_fp8"] = round(pe["baseline"]["ms_per_forward"] / pe["fp8"]["ms_per_forward"], 3)
+    rec["speedup_lossless"] = per_expert["transformer"]["speedup_lossless"]
+    rec["speedup_fp8"] = per_expert["transformer"]["speedup_fp8"]
     rec[f"speedup_{family}"], rec[f"mfu_{family}"] = rec["speedup_lossless"], rec["lossless"]["mfu"]
-    del pipe, tr, captured, args, ref, eng
+    if len(experts) > 1:
+        rec["experts"] = per_expert
+    del pipe, experts, captured, args, refs, eng
     gc.collect()
     torch._dynamo.reset()
     if device == "cuda":
@@ -252,7 +286,9 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     st = man["evidence"]["stages"]["denoise"]
     rec["evidence"] = {"exit_code": code, "overrides": ev_ov, "verdict": man["evidence"]["verdict"],
                        "mismatches": man["evidence"]["mismatches"], "denoiser_forwards": st["denoiser_forwards"],
-                       "expected_forwards": st["expected_forwards"],
+                       "expected_forwards": st["expected_forwards"], "checks": st.get("checks"),
+                       "expert_forwards": st.get("expert_forwards"),
+                       "expert_switch": (st.get("experts") or {}).get("first", {}).get("switch_step"),
                        "attention_by_backend": st["attention"]["by_backend"], "linear": st.get("linear"),
                        "kernels": {k: st.get("kernels", {}).get(k) for k in ("attention", "linear")},
                        "run_s": round(time.perf_counter() - t0, 1)}

@@ -57,6 +57,8 @@ class AttentionSite:
         carrier: the diffusers dispatcher entry whose observing wrapper calls ``custom`` instead.
         per_forward: dispatcher calls one denoiser forward makes here (2 for a Wan 2.1 image-to-video cross-attention:
             its text keys and its image keys, ``WanAttnProcessor``'s two ``dispatch_attention_fn`` calls).
+        expert: the denoiser component the site belongs to, for a stage with several (Wan 2.2 A14B's
+            ``transformer`` and ``transformer_2``): it runs once per forward of that expert; empty: the only one.
     """
 
     stage: str
@@ -68,6 +70,7 @@ class AttentionSite:
     observing: bool = True
     carrier: str = "native"
     per_forward: int = 1
+    expert: str = ""
 
 
 def flashinfer_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -23,7 +23,7 @@ dense and is listed in ``skipped``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -94,7 +94,8 @@ def _eligible(name: str, mod: nn.Linear, prefixes: Tuple[str, ...]) -> bool:
 
 def install(model: nn.Module, backend: str,
             prefixes: Tuple[str, ...] = ("transformer_blocks.", "single_transformer_blocks."),
-            observe: bool = True, exclude: Tuple[str, ...] = ()) -> LinearRecord:
+            observe: bool = True, exclude: Tuple[str, ...] = (), record: Optional[LinearRecord] = None
+            ) -> LinearRecord:
     """Apply linear backend ``backend`` to ``model`` and return the record its calls are counted into.
 
     Args:
@@ -105,17 +106,19 @@ def install(model: nn.Module, backend: str,
         observe: count calls (off under ``torch.compile``, where counters would be traced, not run per call).
         exclude: module-name prefixes of Linears another backend field owns (MoE experts): left as they are,
             uncounted, listed in ``excluded``.
+        record: a record of the same backend to count into (a second denoiser of the stage: Wan 2.2's
+            ``transformer_2``); its modules add to the record's.
     """
-    rec = LinearRecord(resolved=backend, counting=observe)
+    rec = record if record is not None else LinearRecord(resolved=backend, counting=observe)
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     if exclude:
-        rec.excluded = [n for n, _ in linears if n.startswith(exclude)]
+        rec.excluded += [n for n, _ in linears if n.startswith(exclude)]
         linears = [(n, m) for n, m in linears if not n.startswith(exclude)]
     if backend == "TORCH":
         for _, m in linears:
             if observe:
                 m.register_forward_pre_hook(lambda mod, args, _r=rec: _r.add("TORCH"))
-        rec.modules = len(linears)
+        rec.modules += len(linears)
         return rec
     if backend == "FP8_TORCHAO":
         return _install_torchao(model, rec, linears, prefixes, observe)

@@ -64,37 +64,56 @@ class KernelTrace:
 
 
 class DenoiserProbe:
-    """Counts denoiser forwards and profiles the first one (one denoising step) with ``torch.profiler``."""
+    """Counts denoiser forwards and profiles the first one (one denoising step) with ``torch.profiler``.
 
-    def __init__(self, model: torch.nn.Module, profile: bool, device_kind: str, profile_forward: int = 1):
+    ``model`` is the denoiser, or ``{component: module}`` of a stage's several denoisers (Wan 2.2 A14B's two
+    experts): forwards are then also counted per expert (:attr:`by_expert`), each forward's expert and timestep is
+    logged (:attr:`log`: ``(expert, timestep)``, the timestep a one-element tensor of the ``timestep`` argument,
+    read at evidence time so no device sync happens in the loop), and the first forward of each expert is profiled
+    into one trace (:attr:`profiled`: the experts it holds).
+    """
+
+    def __init__(self, model: Any, profile: bool, device_kind: str, profile_forward: int = 1):
+        experts = dict(model) if isinstance(model, dict) else {"transformer": model}
         self.forwards = 0
+        self.by_expert: Dict[str, int] = {e: 0 for e in experts}
+        self.log: List[Tuple[str, Any]] = []
+        self.profiled: List[str] = []
         self.profile_forward = profile_forward
         self.trace: Optional[KernelTrace] = None
         self._prof = None
+        self._prof_expert: Optional[str] = None
         self._profile = profile
         self._device_kind = device_kind
-        model.register_forward_pre_hook(self._pre)
-        model.register_forward_hook(self._post)
+        self._several = len(experts) > 1
+        for name, mod in experts.items():
+            mod.register_forward_pre_hook(lambda m, a, k, _e=name: self._pre(_e, k), with_kwargs=True)
+            mod.register_forward_hook(lambda m, a, o, _e=name: self._post(_e))
 
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+    def _pre(self, expert: str, kwargs: Dict[str, Any]) -> None:
         self.forwards += 1
-        if self._profile and self.trace is None and self._prof is None and self.forwards >= self.profile_forward:
+        self.by_expert[expert] += 1
+        if self._several:
+            t = kwargs.get("timestep")
+            self.log.append((expert, t.detach().reshape(-1)[:1].clone() if isinstance(t, torch.Tensor) else t))
+        if (self._profile and expert not in self.profiled and self._prof is None
+                and self.by_expert[expert] >= self.profile_forward):
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU]
             if self._device_kind in ("cuda", "rocm"):
                 acts.append(ProfilerActivity.CUDA)
-            self._prof = profile(activities=acts)
+            self._prof, self._prof_expert = profile(activities=acts), expert
             self._prof.__enter__()
 
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._prof is None:
+    def _post(self, expert: str) -> None:
+        if self._prof is None or self._prof_expert != expert:
             return
         if self._device_kind in ("cuda", "rocm"):
             torch.cuda.synchronize()
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
-        trace = KernelTrace()
+        trace = self.trace or KernelTrace()
         for ev in prof.events():
             device = ev.device_type != torch.autograd.DeviceType.CPU
             bucket = trace.kernels if device else trace.ops
@@ -102,6 +121,12 @@ class DenoiserProbe:
             if device:
                 trace.kernel_ms[ev.name] = trace.kernel_ms.get(ev.name, 0.0) + ev.device_time_total / 1e3
         self.trace = trace
+        self.profiled.append(expert)
+
+    def timesteps(self, start: int = 0, end: Optional[int] = None) -> List[Tuple[str, Optional[float]]]:
+        """``(expert, timestep)`` of the logged forwards ``start:end``, the timesteps as floats (None: not a
+        tensor)."""
+        return [(e, float(t.float().item()) if isinstance(t, torch.Tensor) else None) for e, t in self.log[start:end]]
 
 
 def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_forwards: Optional[int],
@@ -122,6 +147,10 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         device: the worker's device string.
         forward_rule: the engine predicts its forward count (False: the check is ``limited`` and so is the verdict
             when nothing mismatches; :func:`forward_count_check`).
+        With several denoisers (``denoiser.by_expert``: Wan 2.2's two experts) each attention site must have run
+        once per forward of its own expert (``AttentionSite.expert``), the linear layers at least
+        ``probes["expert_linears"][expert]`` calls per forward of each expert, and the kernel signatures are matched
+        against the sites of the experts the trace profiled.
         cache: with a step cache (``models.cache.StepCache``): ``{"section": its evidence, "mismatches": [...],
             "attention_runs": {layer: forwards in which that attention module computed}, "forwards_computed": n}``.
             An attention site must then have run its backend once per forward in which its module computed (not
@@ -141,15 +170,21 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
     if expected_forwards is not None and fwd != expected_forwards:
         mismatches.append(f"stage {stage}: the denoiser ran {fwd} forwards, expected {expected_forwards}")
     observing = probes.get("observed", True)
-    layers, by_backend = _attention_calls(stage, probes["attention"], observing, fwd, cache, mismatches)
+    by_expert = getattr(denoiser, "by_expert", None) or {}  # a stand-in probe may not count per expert
+    per_expert = by_expert if len(by_expert) > 1 else None
+    layers, by_backend = _attention_calls(stage, probes["attention"], observing, fwd, cache, mismatches, per_expert)
     lin = probes["linear"]
     full = cache["forwards_computed"] if cache is not None else fwd  # forwards in which every module ran
-    lin_entry = _linear_calls(stage, lin, observing, fwd, full, cache is not None, mismatches)
+    need = (sum(n * per_expert.get(e, 0) for e, n in probes.get("expert_linears", {}).items()) if per_expert
+            else lin.modules * full)
+    lin_entry = _linear_calls(stage, lin, observing, fwd, full, cache is not None, mismatches, need)
     moe = probes.get("moe")
     moe_entry = _moe_calls(stage, moe, full, observing, mismatches) if moe is not None else None
     kernels: Dict[str, Any] = {"profiled": trace is not None}
     if trace is not None:
-        kernels.update(_kernel_calls(stage, trace, by_backend, lin.resolved, moe, mismatches))
+        profiled = by_backend if per_expert is None else _sites_by_backend(
+            s for s in probes["attention"] if s.expert in denoiser.profiled)
+        kernels.update(_kernel_calls(stage, trace, profiled, lin.resolved, moe, mismatches))
         if collectives:
             kernels["collectives"] = _collective_calls(stage, trace, collectives, mismatches)
     if cache is not None:
@@ -163,6 +198,9 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
         section["cache"] = cache["section"]
     if moe_entry is not None:
         section["moe"] = moe_entry
+    if per_expert is not None:
+        section["expert_forwards"] = dict(per_expert)
+        kernels["profiled_experts"] = list(denoiser.profiled)
     return {
         "pid": os.getpid(), "device": device,
         "stages": {stage: section},
@@ -172,26 +210,38 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
     }
 
 
-def _attention_calls(stage: str, sites: Any, observing: bool, fwd: int, cache: Optional[Dict[str, Any]],
-                     mismatches: List[str]) -> Tuple[List[Dict[str, Any]], Dict[str, int]]:
-    """Per attention call site: the backend calls observed against once per forward in which it computed
-    (mismatches appended); returns ``(layers, call sites per resolved backend)``."""
-    layers = []
-    by_backend: Dict[str, int] = {}
+def _sites_by_backend(sites: Any) -> Dict[str, int]:
+    """Call sites per resolved backend."""
+    out: Dict[str, int] = {}
     for site in sites:
-        by_backend[site.resolved] = by_backend.get(site.resolved, 0) + 1
+        out[site.resolved] = out.get(site.resolved, 0) + 1
+    return out
+
+
+def _attention_calls(stage: str, sites: Any, observing: bool, fwd: int, cache: Optional[Dict[str, Any]],
+                     mismatches: List[str], per_expert: Optional[Dict[str, int]] = None
+                     ) -> Tuple[List[Dict[str, Any]], Dict[str, int]]:
+    """Per attention call site: the backend calls observed against once per forward in which it computed (with
+    several experts: per forward of the site's expert; mismatches appended); returns ``(layers, call sites per
+    resolved backend)``."""
+    layers = []
+    sites = list(sites)
+    by_backend = _sites_by_backend(sites)
+    for site in sites:
         if not observing:  # compiled: per-call counters do not run; kernel evidence below
             layers.append({"role": site.role, "layer": site.layer, "resolved": site.resolved, "calls": None,
                            "observed": None, "ok": None})
             continue
         observed = dict(site.observed)
         calls = sum(observed.values())
-        runs = (cache or {}).get("attention_runs", {}).get(site.layer, fwd)  # forwards in which it computed
+        own = per_expert.get(site.expert, 0) if per_expert else fwd  # forwards of the site's own expert
+        runs = (cache or {}).get("attention_runs", {}).get(site.layer, own)  # forwards in which it computed
         ok = set(observed) <= {site.resolved} and calls == runs * getattr(site, "per_forward", 1)
         if not ok:
             other = {k: v for k, v in observed.items() if k != site.resolved}
             ran = ", ".join(f"{k} x{v}" for k, v in other.items()) if other else "nothing else"
-            where = f"{fwd} forwards" if runs == fwd else f"the {runs} of {fwd} forwards in which it computed"
+            where = (f"{fwd} forwards" if runs == fwd else f"the {runs} forwards of its expert {site.expert}"
+                     if per_expert else f"the {runs} of {fwd} forwards in which it computed")
             if getattr(site, "per_forward", 1) != 1:
                 where += f" (expected {site.per_forward} per forward)"
             mismatches.append(f"stage {stage}, role {site.role}, layer {site.layer}: resolved {site.resolved}, "
@@ -203,14 +253,15 @@ def _attention_calls(stage: str, sites: Any, observing: bool, fwd: int, cache: O
 
 
 def _linear_calls(stage: str, lin: Any, observing: bool, fwd: int, full: int, cached: bool,
-                  mismatches: List[str]) -> Dict[str, Any]:
-    """The linear entry: calls of the resolved backend, at least one per module per fully computed forward
-    (mismatches appended)."""
+                  mismatches: List[str], need: Optional[int] = None) -> Dict[str, Any]:
+    """The linear entry: calls of the resolved backend, at least ``need`` (default one per module per fully
+    computed forward; several experts: each expert's modules per forward of it; mismatches appended)."""
+    need = lin.modules * full if need is None else need
     lin_entry = {"resolved": lin.resolved, "modules": lin.modules, "observed": dict(lin.observed),
                  "skipped_modules": len(lin.skipped)}
     if getattr(lin, "excluded", None):
         lin_entry["moe_owned_modules"] = len(lin.excluded)
-    if observing and lin.observed.get(lin.resolved, 0) < lin.modules * full:
+    if observing and lin.observed.get(lin.resolved, 0) < need:
         mismatches.append(f"stage {stage}, linear: resolved {lin.resolved} on {lin.modules} modules, observed "
                           f"{lin.observed.get(lin.resolved, 0)} calls in {fwd} forwards"
                           + (f" ({full} fully computed)" if cached else "") + f" ({lin.observed})")
@@ -324,3 +375,49 @@ def _moe_kernels(stage: str, resolved: str, trace: KernelTrace, mismatches: List
         elif name != resolved and names:
             mismatches.append(f"stage {stage}, MoE: resolved {resolved}, but {name}'s kernels ran: {names}")
     return out
+
+
+def expert_schedule(stage: str, calls: List[Dict[str, Any]], rule: str) -> Tuple[Dict[str, Any], List[str]]:
+    """Which expert ran at which step of each pipeline call, against the step's expected expert (Wan 2.2 A14B:
+    ``transformer`` at timesteps >= ``boundary_ratio * num_train_timesteps``, ``transformer_2`` below; diffusers'
+    ``WanPipeline.__call__``).
+
+    Args:
+        calls: per pipeline call ``{"item": key, "expected": [(timestep, expert)] per step, "observed":
+            [(expert, timestep)] per denoiser forward (:meth:`DenoiserProbe.timesteps`), "per_step": forwards per
+            step}``.
+        rule: the switch rule in words, for the section and the messages.
+
+    Returns:
+        ``(section, mismatches)``: the section holds the rule, the calls checked, per expert the forwards expected,
+        the first call's steps (``timestep``, ``expected``, ``observed`` experts) with its ``switch_step`` expected and
+        observed (the first step on a later expert; None: none), and the verdict. A call whose forwards do not make
+        its steps, or a step run (wholly or partly) by another expert than expected, or at another timestep (more
+        than 0.5 apart), is a mismatch.
+    """
+    mismatches: List[str] = []
+    expected_forwards: Dict[str, int] = {}
+    first: Optional[Dict[str, Any]] = None
+    for call in calls:
+        steps, k, seen = call["expected"], int(call["per_step"]), call["observed"]
+        for _t, e in steps:
+            expected_forwards[e] = expected_forwards.get(e, 0) + k
+        ran = [seen[i * k:(i + 1) * k] for i in range(len(steps))]
+        rows = [{"timestep": t, "expected": e, "observed": sorted({x for x, _ in r}),
+                 "observed_timestep": r[0][1] if r else None} for (t, e), r in zip(steps, ran)]
+        if len(seen) != k * len(steps):
+            mismatches.append(f"stage {stage}: item {call['item']}: the experts ran {len(seen)} forwards, expected "
+                              f"{len(steps)} steps x {k}")
+        for i, r in enumerate(rows):
+            bad_t = r["observed_timestep"] is not None and abs(r["observed_timestep"] - r["timestep"]) > 0.5
+            if r["observed"] != [r["expected"]] or bad_t:
+                mismatches.append(f"stage {stage}: item {call['item']}: step {i} (timestep {r['timestep']:g}) ran "
+                                  f"{'+'.join(r['observed']) or 'nothing'} at timestep {r['observed_timestep']}, "
+                                  f"expected {r['expected']} ({rule})")
+        if first is None:
+            first = {"item": call["item"], "steps": rows, "switch_step": {
+                "expected": next((i for i, (_t, e) in enumerate(steps) if e != steps[0][1]), None),
+                "observed": next((i for i, r in enumerate(rows) if r["observed"] != rows[0]["observed"]), None)}}
+    verdict = "mismatch" if mismatches else "not_observed" if not calls else "verified"
+    return {"rule": rule, "calls": len(calls), "expected_forwards": expected_forwards, "first": first,
+            "verdict": verdict}, mismatches

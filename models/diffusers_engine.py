@@ -785,6 +785,16 @@ class DiffusersEngine(EngineBase):
         self.probes["attention"] = attention.install(self.stage, self.attention_sites(),
                                                      self.resolutions["attention"].selected, self.ctx.plat.sm,
                                                      observe=self.observe)
+        names = [e for e, _ in self.experts()]
+        if len(names) > 1:  # each site runs once per forward of its own expert
+            for site in self.probes["attention"]:
+                site.expert = next((e for e in names[1:] if site.layer.startswith(f"{e}.")), names[0])
+
+    def experts(self) -> List[Tuple[str, torch.nn.Module]]:
+        """``(component, module)`` of the stage's denoisers in schedule order; the :attr:`denoiser` alone by default
+        (a pipeline with two experts lists both: ``models.pipelines.PipelineEngine.experts``). Every install pass
+        applies to each."""
+        return [("transformer", self.denoiser)]
 
     def install_moe(self, sections: Dict[str, Any]) -> None:
         """The MoE backend on every MoE block when the family has them (``kernels.moe.install``)."""
@@ -800,20 +810,30 @@ class DiffusersEngine(EngineBase):
         self.moe_owned = tuple(f"{name}.{p}" for name, b in blocks for p in layout.expert_linears(b))
 
     def install_linear(self, sections: Dict[str, Any]) -> None:
-        """The linear backend on the denoiser's blocks, except the MoE backend's Linears and unfused LoRA branches
-        (``kernels.linear``; the LoRA branches run only for their adapter's batches, observed by ``models.lora``)."""
+        """The linear backend on the blocks of each denoiser (:meth:`experts`), except the MoE backend's Linears
+        and unfused LoRA branches (``kernels.linear``; the LoRA branches run only for their adapter's batches,
+        observed by ``models.lora``), counted into one record; with several experts ``probes["expert_linears"]``
+        holds each one's module count (the evidence expects them per forward of that expert)."""
         from kernels import linear
 
-        self.probes["linear"] = linear.install(self.denoiser, self.resolutions["linear"].selected,
-                                               prefixes=self.fp8_prefixes, observe=self.observe,
-                                               exclude=self.moe_owned + (self.lora.owned() if self.lora else ()))
+        excluded = self.moe_owned + (self.lora.owned() if self.lora else ())
+        rec, per = None, {}
+        for name, mod in self.experts():
+            before = rec.modules if rec is not None else 0
+            rec = linear.install(mod, self.resolutions["linear"].selected, prefixes=self.fp8_prefixes,
+                                 observe=self.observe, exclude=excluded, record=rec)
+            per[name] = rec.modules - before
+        self.probes["linear"] = rec
+        if len(per) > 1:
+            self.probes["expert_linears"] = per
 
     def install_context_parallel(self, sections: Dict[str, Any]) -> None:
         """Diffusers' context parallelism on the denoiser under ``parallelism=ulysses|ring``."""
         if self.parallel_config is not None:
             from models.context_parallel import enable
 
-            sections["context_parallel"] = enable(self.denoiser, self.parallel_config)
+            for _, mod in self.experts():
+                sections["context_parallel"] = enable(mod, self.parallel_config)
 
     def compiles_under_cache(self) -> bool:
         """``compile=regional`` with a step cache: blocks compiled beneath the cache's hooks."""
@@ -824,7 +844,8 @@ class DiffusersEngine(EngineBase):
         if self.compiles_under_cache():
             if self.ctx.cfg.optimize.compile_cache:
                 self.open_compile_cache()
-            self.regions = compile_blocks_under_hooks(self.denoiser, str(self.ctx.cfg.optimize.compile_mode))
+            for _, mod in self.experts():
+                self.regions = compile_blocks_under_hooks(mod, str(self.ctx.cfg.optimize.compile_mode))
 
     def install_cache(self, sections: Dict[str, Any]) -> None:
         """The step cache (``cache.*``, :class:`models.cache.StepCache`) on the denoiser."""
@@ -851,11 +872,16 @@ class DiffusersEngine(EngineBase):
             sections["cache"]["calibration"] = self.step_cache.calibrations
 
     def install_compile(self, sections: Dict[str, Any]) -> None:
-        """Regional compile of the denoiser's repeated blocks (without a step cache)."""
+        """Regional compile of each denoiser's repeated blocks (without a step cache); ``regions.experts`` names
+        them when there are several."""
         if self.ctx.cfg.compile == "regional" and not self.compiles_under_cache():
             if self.ctx.cfg.optimize.compile_cache:
                 self.open_compile_cache()
-            self.regions = compile_regional(self.denoiser, str(self.ctx.cfg.optimize.compile_mode))
+            experts = self.experts()
+            for _, mod in experts:
+                self.regions = compile_regional(mod, str(self.ctx.cfg.optimize.compile_mode))
+            if len(experts) > 1:
+                self.regions["experts"] = [e for e, _ in experts]
 
     def open_compile_cache(self) -> None:
         """Point torch's compile caches at ``<cache_dir>/compile/<key>`` for this stage (``models.compile_cache``),
@@ -903,7 +929,9 @@ class DiffusersEngine(EngineBase):
             # still set after every block compiled (dynamo re-applies the global per frame)
             self.inductor_deterministic = getattr(inductor_config, "deterministic", None)
         calibration_s = self.calibrate_cache()  # not compile warm-up: compile.warmup_s stays the compile's
-        self.probe = evidence.DenoiserProbe(self.denoiser, profile=cfg.evidence.enabled and cfg.evidence.profile,
+        experts = self.experts()
+        self.probe = evidence.DenoiserProbe(dict(experts) if len(experts) > 1 else self.denoiser,
+                                            profile=cfg.evidence.enabled and cfg.evidence.profile,
                                             device_kind=self.ctx.plat.kind,
                                             profile_forward=2 if cfg.compile != "none" and not self.warmup_s else 1)
         if self._on_loaded is not None:

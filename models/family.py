@@ -121,6 +121,13 @@ class FamilySpec:
         cfg_threshold: under ``batched``/``separate``, the ``guidance_scale`` above which the pipeline runs CFG (and
             uses the negative prompt): 1 for most (``do_classifier_free_guidance = guidance_scale > 1``), 0 for
             ZImagePipeline (``guidance_scale > 0``).
+        experts: the pipeline's denoiser components in the order its schedule uses them (Wan 2.2 A14B:
+            ``transformer`` for the high-noise steps, then ``transformer_2``); every one after the first is optional
+            (in ``components``, built only when ``model.architecture`` has it, checked only where a snapshot names
+            it): a snapshot without it runs the first expert alone (Wan 2.1, Wan 2.2 TI2V-5B).
+        pipeline_config: arguments of the pipeline class's ``__init__`` that are settings, not components
+            (WanPipeline's ``boundary_ratio``, ``expand_timesteps``): ``model.architecture.pipeline`` for embedded
+            and dummy weights, the snapshot's ``model_index.json`` for ``model.path``.
     """
 
     name: str
@@ -145,6 +152,8 @@ class FamilySpec:
     task_processors: Mapping[str, Mapping[str, Tuple[str, Optional[str]]]] = dataclasses.field(default_factory=dict)
     input_sizing: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cfg_threshold: float = 1.0
+    experts: Tuple[str, ...] = ("transformer",)
+    pipeline_config: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         """Freeze the mappings and check the declared names.
@@ -166,6 +175,9 @@ class FamilySpec:
         if extra:
             raise ValueError(f"FamilySpec {self.name!r}: task_components/task_processors/input_sizing name tasks "
                              f"{extra} that are not in its tasks ({', '.join(self.tasks)})")
+        missing = [e for e in self.experts if e not in self.components]
+        if self.components and missing:
+            raise ValueError(f"FamilySpec {self.name!r}: experts {missing} are not among its components")
         bad_sizing = sorted(set(self.input_sizing.values()) - set(INPUT_SIZING))
         if bad_sizing:
             raise ValueError(f"FamilySpec {self.name!r}: input_sizing {bad_sizing} not among {', '.join(INPUT_SIZING)}")
@@ -221,6 +233,10 @@ class FamilySpec:
         if "scheduler" in self.components:
             out["scheduler"] = self.components["scheduler"]
         return out
+
+    def optional(self, component: str) -> bool:
+        """``component`` may be absent: an expert after the first (:attr:`experts`)."""
+        return component in self.experts[1:]
 
     def processors_for(self, task: Optional[str] = None) -> Dict[str, Tuple[str, Optional[str]]]:
         """The processors ``task``'s pipeline takes (``task_processors``; none for the base tasks)."""

@@ -220,6 +220,7 @@ class PipelineEngine(DiffusersEngine):
         self.first_sizes: Optional[Dict[str, Any]] = None
         self.latents_observed = False
         self.first_latents: Optional[Dict[str, Any]] = None
+        self.expert_calls: List[Tuple[Item, List[Tuple[str, Optional[float]]]]] = []  # (first item, (expert, t)s)
 
     # ----------------------------------------------------------------------------------------------- family
     @classmethod
@@ -251,14 +252,19 @@ class PipelineEngine(DiffusersEngine):
                                    f"(model={self.cfg.name}, model.adapter={self.family()})") from None
 
     def check_config(self) -> None:
-        """The base checks (``model.generation``, ``max_pixels``, ``cache.*``), then ``model.task`` against the
-        family's tasks (:attr:`task`), a video family's ``model.generation.num_frames``/``fps`` set, and a step cache
-        against a task that runs part of the schedule.
+        """The base checks (``model.generation``, ``max_pixels``, ``cache.*``), then ``guidance_scale_2`` only where the
+        row takes it, ``model.task`` against the family's tasks (:attr:`task`), a video family's
+        ``model.generation.num_frames``/``fps`` set, and a step cache against a task that runs part of the schedule.
 
         Raises:
             ConfigValueError: naming the key, the value and the fix.
         """
         super().check_config()
+        g2 = self.cfg.generation.get("guidance_scale_2")
+        if g2 is not None and "guidance_scale_2" not in self.row_spec().by_name:
+            raise ConfigValueError(f"model.generation.guidance_scale_2={g2}: model={self.cfg.name} "
+                                   f"({self.pipeline_name()}) has no second expert to apply it to; fix: "
+                                   "model.generation.guidance_scale_2=null (Wan 2.2 A14B models take it)")
         task = self.task  # refused here when the family has no pipeline for it
         g = self.cfg.generation
         if self.video and (g.get("num_frames") is None or g.get("fps") is None):
@@ -427,7 +433,7 @@ class PipelineEngine(DiffusersEngine):
         if self.pipeline_class and found not in classes:
             problems.append(f"pipeline {' or '.join(classes)}, found {found}")
         for comp, (_lib, cls_name, _cfg) in self.task_components(task).items():
-            if comp == "scheduler":
+            if comp == "scheduler" or (comp not in comps and self.spec is not None and self.spec.optional(comp)):
                 continue
             if comp not in comps:
                 problems.append(f"component {comp} ({cls_name}) is missing")
@@ -456,6 +462,8 @@ class PipelineEngine(DiffusersEngine):
         extras = self.spec.task_components.values() if self.spec is not None else ()
         procs = self.spec.task_processors.values() if self.spec is not None else ()
         known = [*self.components, *self.arch_other, *(c for m in extras for c in m), *(c for m in procs for c in m)]
+        if self.spec is not None and self.spec.pipeline_config:
+            known.append("pipeline")
         for key in arch:
             if key not in known and backend_field_of(key):
                 raise MisplacedBackendKeyError(misplaced_backend_message(f"{where}.{key}", arch[key]))
@@ -466,15 +474,63 @@ class PipelineEngine(DiffusersEngine):
                     + " fix: remove or correct it")
         for key, (lib, cls_name, cfg_name) in self.task_components(self.task).items():
             name = cfg_name or cls_name
+            if arch.get(key) is None and self.spec is not None and self.spec.optional(key):
+                continue  # an expert the model does not have (Wan 2.1: no transformer_2)
             if not isinstance(arch.get(key), dict):
                 raise ConfigValueError(f"{where}.{key} is missing (a mapping of {lib}'s {name} arguments); fix: "
                                        f"start from a tiny_* model config of this family")
             check_init_keys(getattr(importlib.import_module(lib), name), list(arch[key]), f"{where}.{key}")
         self.check_processor_keys(arch, where)
+        self.check_pipeline_keys(arch.get("pipeline") or {}, where)
         for key in arch.get("tokenizer") or {}:
             if key not in self.arch_other["tokenizer"]:
                 raise ConfigValueError(f"{where}.tokenizer.{key} is not read; it takes "
                                        f"{', '.join(self.arch_other['tokenizer'])}; fix: remove or correct it")
+
+    def check_pipeline_keys(self, given: Any, where: str = "model.architecture") -> None:
+        """``model.architecture.pipeline``: a mapping of the spec's ``pipeline_config`` arguments (the pipeline
+        class's settings: WanPipeline's ``boundary_ratio``, ``expand_timesteps``).
+
+        Raises:
+            ConfigValueError: not a mapping, or a key the spec does not declare, naming it and the fix.
+        """
+        takes = tuple(self.spec.pipeline_config) if self.spec is not None else ()
+        if not isinstance(given, dict):
+            raise ConfigValueError(f"{where}.pipeline={given!r} is not a mapping of {', '.join(takes)}; fix: a "
+                                   "mapping (or remove it for the pipeline's defaults)")
+        bad = sorted(k for k in given if k not in takes)
+        if bad:
+            raise ConfigValueError(f"{where}.pipeline.{bad[0]} is not a setting of {self.pipeline_name()} the runner "
+                                   f"builds (it takes {', '.join(takes) or 'none'}); fix: remove or correct it")
+
+    def pipeline_settings(self) -> Dict[str, Any]:
+        """The spec's ``pipeline_config`` values the pipeline will run with, known before loading: the snapshot's
+        ``model_index.json`` for ``model.path``, else ``model.architecture.pipeline``; a value neither gives is the
+        pipeline class's ``__init__`` default (what diffusers uses). ``{}`` without a spec."""
+        if self.spec is None or not self.spec.pipeline_config:
+            return {}
+        if not self.source:
+            self.resolve_source()
+        key = json.dumps(self.source, sort_keys=True, default=str)
+        if getattr(self, "_settings", (None,))[0] != key:  # read once per weight source (records ask per item)
+            given = (read_index(Path(self.source["path"])) if self.source.get("kind") == "path"
+                     else self._arch().get("pipeline") or {})
+            params = inspect.signature(self.pipeline_cls().__init__).parameters
+            self._settings = (key, {k: given[k] if k in given else (params[k].default if k in params else None)
+                                    for k in self.spec.pipeline_config})
+        return dict(self._settings[1])
+
+    def declared_experts(self) -> List[str]:
+        """The spec's experts the model has, known before loading: those the snapshot's ``model_index.json`` names
+        (a null entry is absent) for ``model.path``, else those ``model.architecture`` builds."""
+        names = self.spec.experts if self.spec is not None else ("transformer",)
+        if not self.source:
+            self.resolve_source()
+        if self.source.get("kind") == "path":
+            index = read_index(Path(self.source["path"]))
+            return [n for n in names if n == names[0] or any(index.get(n) or [])]
+        arch = self._arch()
+        return [n for n in names if n == names[0] or arch.get(n) is not None]
 
     def check_processor_keys(self, arch: Dict[str, Any], where: str = "model.architecture") -> None:
         """The keys of the task's processor configs (``model.architecture.<processor>``, optional) against the
@@ -504,8 +560,9 @@ class PipelineEngine(DiffusersEngine):
     def check_architecture_matches_snapshot(self, arch: Dict[str, Any], path: Path,
                                             where: str = "model.architecture") -> None:
         """With ``model.path`` the snapshot's component configs decide the architecture; every component value in
-        ``arch`` (the keys given on the command line) must be what the snapshot's config says, so a manifest never
-        records an architecture override that did not run.
+        ``arch`` (the keys given on the command line) must be what the snapshot's config says, and every pipeline
+        setting (``arch["pipeline"]``) what its ``model_index.json`` says, so a manifest never records an
+        architecture override that did not run.
 
         Raises:
             ConfigValueError: listing each key the snapshot's config lacks or holds another value for, and the fix.
@@ -514,6 +571,13 @@ class PipelineEngine(DiffusersEngine):
 
         problems = []
         norm = (lambda v: list(v) if isinstance(v, (list, tuple)) else v)
+        index = read_index(path)
+        for key, value in (arch.get("pipeline") or {}).items():  # pipeline settings: model_index.json decides
+            if key in index and norm(index[key]) != norm(value):
+                problems.append(f"{where}.pipeline.{key}={value!r}: the snapshot's model_index.json says {index[key]!r}")
+            elif key not in index:
+                problems.append(f"{where}.pipeline.{key}={value!r}: the snapshot's model_index.json does not set it "
+                                "(the pipeline's default runs)")
         for comp, given in arch.items():
             fname = {"scheduler": "scheduler_config.json", "guider": "guider_config.json"}.get(comp, "config.json")
             f = path / comp / fname
@@ -661,7 +725,8 @@ class PipelineEngine(DiffusersEngine):
 
         classes = {comp: (getattr(importlib.import_module(lib), cls_name),
                           getattr(importlib.import_module(lib), cfg_name) if cfg_name else None)
-                   for comp, (lib, cls_name, cfg_name) in cls.task_components(task).items() if comp != "scheduler"}
+                   for comp, (lib, cls_name, cfg_name) in cls.task_components(task).items() if comp != "scheduler"
+                   and not (arch.get(comp) is None and cls.spec is not None and cls.spec.optional(comp))}
         torch.manual_seed(int(arch.get("weights_seed", 0)))
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype if dtype.is_floating_point else torch.float32)
@@ -683,14 +748,15 @@ class PipelineEngine(DiffusersEngine):
                 m.eval()  # constructed modules start in train mode: dropout would be live (from_pretrained sets eval)
         scale = float(arch.get("dummy_weight_scale", 1.0))
         if scale != 1.0 and str(device) != "meta":  # keeps activations of deep random transformers finite in bf16
+            experts = cls.spec.experts if cls.spec is not None else ("transformer",)
             with torch.no_grad():
-                for p in built["transformer"].parameters():
+                for p in (p for e in experts if e in built for p in built[e].parameters()):
                     if p.dim() >= 2:
                         p.mul_(scale)
         if "scheduler" in cls.components:
             lib, cls_name, _ = cls.components["scheduler"]
             built["scheduler"] = getattr(importlib.import_module(lib), cls_name)(**arch["scheduler"])
-        return {**built, **toks, **cls.build_processors(arch, toks, task)}
+        return {**built, **toks, **cls.build_processors(arch, toks, task), **dict(arch.get("pipeline") or {})}
 
     @classmethod
     def build_processors(cls, arch: Dict[str, Any], toks: Dict[str, Any], task: Optional[str]) -> Dict[str, Any]:
@@ -809,6 +875,8 @@ class PipelineEngine(DiffusersEngine):
                                             **processor_overrides(path), **self.quantized_kwargs(path))
         self.fit.place(self.pipe, self.device)
         self.pipe.set_progress_bar_config(disable=True)
+        self._experts = None
+        self.experts()  # taken now: the modules the probes will watch
         self.install_condition_probes()
         self.prepare_attention()
         self._toks = None  # records count with the loaded tokenizers
@@ -963,8 +1031,9 @@ class PipelineEngine(DiffusersEngine):
             return
         mod_name, _, attr = self.spec.attention_processor.partition(":")
         proc_cls = getattr(importlib.import_module(mod_name), attr)
-        for _, mod in attention_modules(self.pipe.transformer):
-            mod.set_processor(proc_cls())
+        for _, expert in self.experts():
+            for _, mod in attention_modules(expert):
+                mod.set_processor(proc_cls())
 
     def _time_phases(self) -> None:
         """Accumulate wall seconds of text encoding and VAE decoding via forward hooks on those modules (with a
@@ -995,8 +1064,18 @@ class PipelineEngine(DiffusersEngine):
 
     @property
     def denoiser(self) -> torch.nn.Module:
-        """The stage's denoising model (the pipeline's ``transformer``)."""
+        """The stage's denoising model (the pipeline's ``transformer``; the first expert of two)."""
         return self.pipe.transformer
+
+    def experts(self) -> List[Tuple[str, torch.nn.Module]]:
+        """``(component, module)`` of the loaded pipeline's denoisers in schedule order: the spec's experts the
+        pipeline holds (Wan 2.2 A14B: ``transformer``, ``transformer_2``); taken once after loading, so a module
+        swapped in later is not mistaken for the one the probes watch."""
+        if getattr(self, "_experts", None) is None:
+            names = self.spec.experts if self.spec is not None else ("transformer",)
+            self._experts = [(n, getattr(self.pipe, n)) for n in names
+                             if isinstance(getattr(self.pipe, n, None), torch.nn.Module)]
+        return self._experts
 
     # ------------------------------------------------------------------------------------------- attention
     def attention_role(self, layer: str) -> str:
@@ -1006,19 +1085,22 @@ class PipelineEngine(DiffusersEngine):
         return self.spec.role(layer, roles) if self.spec is not None else roles[0]
 
     def attention_sites(self) -> Iterator[Tuple[str, str, Any]]:
-        """Yield ``(role, layer_name, attention_module)`` for every attention call site of the transformer.
+        """Yield ``(role, layer_name, attention_module)`` for every attention call site of the transformer (of every
+        expert: a later expert's layer names start with its component, ``transformer_2.blocks.0.attn1``).
 
         Raises:
             ConfigValueError: a site whose processor does not call diffusers' dispatcher (its backend can be
                 neither chosen nor observed), naming the model and the module.
         """
-        for name, mod in attention_modules(self.pipe.transformer):
-            if not uses_dispatcher(mod):
-                raise ConfigValueError(
-                    f"model={self.cfg.name}: attention module {name} ({type(mod.processor).__name__}) does not call "
-                    "diffusers' attention dispatcher, so its backend can be neither selected nor observed; fix: a "
-                    f"model family whose transformer uses the dispatcher ({', '.join(family_names())})")
-            yield self.attention_role(name), name, mod
+        for i, (expert, model) in enumerate(self.experts()):
+            for name, mod in attention_modules(model):
+                name = name if i == 0 else f"{expert}.{name}"  # the first expert's names as a one-expert model's
+                if not uses_dispatcher(mod):
+                    raise ConfigValueError(
+                        f"model={self.cfg.name}: attention module {name} ({type(mod.processor).__name__}) does not "
+                        "call diffusers' attention dispatcher, so its backend can be neither selected nor observed; "
+                        f"fix: a model family whose transformer uses the dispatcher ({', '.join(family_names())})")
+                yield self.attention_role(name), name, mod
 
     def dispatches(self) -> bool:
         """The transformer's attention goes through diffusers' dispatcher, decided before loading: the spec installs
@@ -1073,7 +1155,7 @@ class PipelineEngine(DiffusersEngine):
         """
         applied: Dict[str, Any] = {"fuse_qkv": False, "vae_channels_last": False}
         if opts.fuse_qkv:
-            applied["fuse_qkv"] = {"modules": fuse_qkv(self.pipe.transformer)}
+            applied["fuse_qkv"] = {"modules": sum(fuse_qkv(m) for _, m in self.experts())}
         if opts.vae_channels_last:
             self.pipe.vae.to(memory_format=torch.channels_last)
             applied["vae_channels_last"] = True
@@ -1174,7 +1256,7 @@ class PipelineEngine(DiffusersEngine):
     def check_source(self) -> None:
         """What the model's configs and tokenizers decide, checked before anything loads:
         ``max_sequence_length`` at most :meth:`sequence_limit`; ``model.size_multiple`` a multiple of
-        :meth:`size_need`.
+        :meth:`size_need`; no step cache on a model with several experts (:meth:`declared_experts`).
 
         Raises:
             ConfigValueError: naming the key, the value, the model's limit and the fix.
@@ -1187,6 +1269,12 @@ class PipelineEngine(DiffusersEngine):
                 f"model={self.cfg.name} encodes ({self.pipeline_name()}'s ceiling: "
                 f"{self.max_sequence_length_limit}; or its tokenizer's model_max_length is lower); fix: "
                 f"model.generation.max_sequence_length={limit}")
+        experts = self.declared_experts()
+        if len(experts) > 1 and self.cache_settings is not None:
+            raise ConfigValueError(
+                f"cache.method={self.cache_settings.method.name} with model={self.cfg.name}, whose pipeline switches "
+                f"between {len(experts)} denoisers ({', '.join(experts)}): a step cache's reuse spans steps that "
+                "different experts compute; not supported yet; fix: cache.method=none")
         need = self.size_need()
         if need and self.cfg.size_multiple % need:
             raise ConfigValueError(
@@ -1411,8 +1499,12 @@ class PipelineEngine(DiffusersEngine):
             self.seq_probe.arm(keep=keep)
         if self.i2v_probe is not None:
             self.i2v_probe.arm()
+        start = len(self.probe.log) if self.probe is not None else 0
         with torch.inference_mode():
             out = self.pipe(**kw, generator=gens, output_type="np")
+        if self.probe is not None and len(self.experts()) > 1:  # the experts' forwards of this call, as floats
+            self.expert_calls.append((batch[0], self.probe.timesteps(start)))
+            del self.probe.log[start:]
         if keep and self.seq_probe.hidden is not None:
             self.first_latents = {"item": batch[0].key, **conditioning.first_latents_check(
                 self.pipe, kw["image"], self.seq_probe.hidden, self.seq_probe.timestep, batch[0].row.height,
@@ -1442,6 +1534,8 @@ class PipelineEngine(DiffusersEngine):
         (:meth:`input_sizes`) and the batch size applied. A call whose input did not arrive is a mismatch (exit 3
         under ``evidence.strict``)."""
         section, mismatches = super().evidence(result)
+        if len(self.experts()) > 1:
+            mismatches = mismatches + self.expert_evidence(section)
         if self.task in ("text_to_image", "text_to_video"):
             return section, mismatches
         cond: Dict[str, Any] = {"task": self.task, "pipeline": self.pipeline_name()}
@@ -1454,6 +1548,30 @@ class PipelineEngine(DiffusersEngine):
         mismatches = mismatches + self.i2v_evidence(cond, checks)
         section["conditioning"] = cond
         return section, mismatches
+
+    def expected_experts(self, row: Any) -> List[Tuple[float, str]]:
+        """``(timestep, expert)`` of each denoising step of ``row``'s call, for a pipeline with several experts; none
+        by default: a family whose snapshots hold several says how its pipeline switches (``models.wan.WanEngine``),
+        else every call's forwards are a mismatch (nothing predicted them)."""
+        return []
+
+    def expert_rule(self) -> str:
+        """The family's expert switch rule in words (for the evidence); none by default."""
+        return "one expert"
+
+    def expert_evidence(self, section: Dict[str, Any]) -> List[str]:
+        """Several experts: which expert ran at which step of each call, against :meth:`expected_experts`
+        (:func:`models.denoiser_evidence.expert_schedule`), as ``section["experts"]`` and the check
+        ``expert_schedule``; a step run by another expert is a mismatch (exit 3 under ``evidence.strict``)."""
+        from models.denoiser_evidence import expert_schedule
+
+        calls = [{"item": it.key, "expected": self.expected_experts(it.row), "observed": seen,
+                  "per_step": self.expected_forwards([it]) // max(1, it.row.num_inference_steps)}
+                 for it, seen in self.expert_calls]
+        sec, mismatches = expert_schedule(self.stage, calls, self.expert_rule())
+        section["experts"] = {"experts": [e for e, _ in self.experts()], **self.pipeline_settings(), **sec}
+        section.setdefault("checks", {})["expert_schedule"] = sec["verdict"]
+        return mismatches
 
     def strength_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
         """img2img / inpaint: the forward rule named, and FLUX's first-latents check (:meth:`evidence`)."""

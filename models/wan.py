@@ -1,4 +1,4 @@
-"""Wan 2.1 text-to-video family (diffusers ``WanPipeline``) on the generic pipeline engine.
+"""Wan 2.1 / 2.2 text-to-video family (diffusers ``WanPipeline``) on the generic pipeline engine.
 
 UMT5 text encoder, ``WanTransformer3DModel`` (self-attention over video tokens, cross-attention to the text: roles
 ``self`` and ``cross``), the causal video VAE ``AutoencoderKLWan``. Output: ``frames`` (batch, F, H, W, C).
@@ -6,6 +6,15 @@ Rules the pipeline applies silently and the runner refuses instead: ``num_frames
 the VAE's temporal factor (its config's ``scale_factor_temporal``, 4 for Wan 2.1) or the pipeline rounds it down with a
 warning; classifier-free guidance (``guidance_scale > 1``) makes a second transformer forward per step (unbatched:
 ``noise_uncond = current_model(...)``), and the negative prompt is used only then.
+
+Wan 2.2 (issue #31): the A14B checkpoints hold two experts of Wan 2.1-14B's shape, ``transformer`` (high noise) and
+``transformer_2`` (low noise); WanPipeline runs ``transformer`` at the steps whose timestep is >= ``boundary_ratio``
+x ``num_train_timesteps`` (``model_index.json``: 0.875 for T2V-A14B) and ``transformer_2`` below, each with its own
+guidance scale (``guidance_scale``, ``guidance_scale_2``). Both experts are probed and every install pass applies
+to both; the evidence records which expert ran at which step against that rule (:meth:`WanEngine.expected_experts`).
+TI2V-5B has one transformer, per-token timesteps (``expand_timesteps``) and a VAE of spatial factor 16 with a
+2x2 patch (``scale_factor_spatial`` 16; with the transformer's patch 2 widths and heights are multiples of 32,
+:func:`models.family.spatial_scale`).
 
 Image-to-video (issue #30, ``WanImageToVideoPipeline``) is a checkpoint of its own (Wan2.1-I2V-14B-480P): the same
 classes plus a CLIP ``image_encoder`` (``CLIPVisionModelWithProjection``: its penultimate hidden states are the
@@ -15,8 +24,8 @@ the CLIP hidden size, ``added_kv_proj_dim`` = its inner dim: every ``attn2`` att
 FLF2V variant (Wan2.1-FLF2V-14B-720P: ``pos_embed_seq_len`` = 2 x the CLIP tokens, the two images' embeds are
 concatenated into one sequence); the I2V transformer fails on it (two image embeds for one video), and the FLF2V one
 without it. A Wan 2.2-style I2V (``image_dim`` null, no image encoder: the condition reaches the transformer only
-through its input channels) runs on the same pipeline class; its A14B variant has two experts (refused by
-:meth:`WanEngine.check_layout`). What the pipeline does to an input's size (diffusers 0.42):
+through its input channels) runs on the same pipeline class; its A14B variant has two experts (refused for
+image-to-video by :meth:`WanEngine.check_source`). What the pipeline does to an input's size (diffusers 0.42):
 
 ============== ========================== ===================================================================
 task           pipeline                   input size
@@ -32,17 +41,20 @@ image_to_video WanImageToVideoPipeline    ``image`` and ``last_image`` resized t
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from models.family import FamilySpec, signature_default, spatial_scale
 from models.pipelines import PipelineEngine
-from runner.core.dataset import Row
+from runner.core import dataset as ds
+from runner.core.dataset import Item, Row
+from runner.core.errors import ConfigValueError
 
 
 WAN = FamilySpec(
     name="wan",
     tasks={"text_to_video": "WanPipeline", "image_to_video": "WanImageToVideoPipeline"},
     components={"transformer": ("diffusers", "WanTransformer3DModel", None),
+                "transformer_2": ("diffusers", "WanTransformer3DModel", None),  # Wan 2.2 A14B's low-noise expert
                 "vae": ("diffusers", "AutoencoderKLWan", None),
                 "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
                 "scheduler": ("diffusers", "UniPCMultistepScheduler", None)},
@@ -65,6 +77,10 @@ WAN = FamilySpec(
                                                           "CLIPVisionConfig")}},
     task_processors={"image_to_video": {"image_processor": ("clip_image", None)}},
     input_sizing={"image_to_video": "resize"},
+    # Wan 2.2 A14B: ``transformer`` runs the steps at timesteps >= boundary_ratio x num_train_timesteps,
+    # ``transformer_2`` the others (WanPipeline.__call__); TI2V-5B: one transformer, per-token timesteps
+    experts=("transformer", "transformer_2"),
+    pipeline_config=("boundary_ratio", "expand_timesteps"),
 )
 
 
@@ -73,31 +89,25 @@ class WanEngine(PipelineEngine):
 
     spec = WAN
 
-    def check_layout(self, path: Any) -> None:
-        """The generic layout check, and no second transformer: a Wan 2.2 snapshot (``transformer_2``, the low-noise
-        expert, switched at ``boundary_ratio``) runs steps on a module the probes do not watch, so it is refused
-        until the engine observes both.
+    def check_source(self) -> None:
+        """The base checks, then: image-to-video on a two-expert model is refused (not observed yet).
 
         Raises:
-            ModelPathError: naming the component and the fix.
+            ConfigValueError: naming the task, the experts and the fix.
         """
-        from models.pipelines import ModelPathError, read_index
-
-        super().check_layout(path)
-        entry = read_index(path).get("transformer_2") or [None, None]
-        if entry[1]:
-            raise ModelPathError(f"model.path={str(path)!r} is a Wan 2.2 two-expert snapshot (transformer_2: {entry[1]}); "
-                                 "the runner serves Wan 2.1 text-to-video (one transformer) so far; fix: a Wan 2.1 "
-                                 "snapshot (e.g. Wan-AI/Wan2.1-T2V-14B-Diffusers)")
+        super().check_source()
+        experts = self.declared_experts()
+        if self.task == "image_to_video" and len(experts) > 1:
+            raise ConfigValueError(f"model.task=image_to_video with model={self.cfg.name}'s two experts "
+                                   f"({', '.join(experts)}): the image condition is observed on one transformer "
+                                   "only so far; fix: model.task=text_to_video, or a one-transformer I2V model")
 
     def install_attention(self, sections: Dict[str, Any]) -> None:
         """The attention backends and probes, then two dispatcher calls per forward expected at every cross-attention
         with added image keys (Wan 2.1 I2V: ``add_k_proj``; ``WanAttnProcessor`` attends to the image tokens and the
         text tokens separately)."""
-        from models.pipelines import attention_modules
-
         super().install_attention(sections)
-        mods = dict(attention_modules(self.pipe.transformer))
+        mods = {layer: mod for _, layer, mod in self.attention_sites()}
         for site in self.probes["attention"]:
             if getattr(mods.get(site.layer), "add_k_proj", None) is not None:
                 site.per_forward = 2
@@ -130,3 +140,79 @@ class WanEngine(PipelineEngine):
         :meth:`models.pipelines.PipelineEngine.check_frame_counts`): WanPipeline rounds other counts down with a
         warning, and the video would have fewer frames than its record says."""
         self.check_frame_counts(rows, path, self.temporal_factor())
+
+    # ------------------------------------------------------------------------------------ Wan 2.2: two experts
+    def boundary_timestep(self) -> Optional[float]:
+        """``boundary_ratio * num_train_timesteps`` as WanPipeline computes it (None: no boundary, one expert), from
+        the snapshot's recorded ``boundary_ratio`` (:meth:`pipeline_settings`), not the loaded pipeline's."""
+        ratio = self.pipeline_settings().get("boundary_ratio")
+        if ratio is None:
+            return None
+        return float(ratio) * int(self.component_config("scheduler").get("num_train_timesteps", 1000))
+
+    def expected_experts(self, row: Any) -> List[Tuple[float, str]]:
+        """``(timestep, expert)`` per step of ``row``'s call: a fresh scheduler of the loaded one's config gives the
+        timesteps (``set_timesteps(num_inference_steps)``, as WanPipeline's step 4); ``transformer`` runs a step
+        whose timestep is >= :meth:`boundary_timestep`, ``transformer_2`` the others (WanPipeline.__call__)."""
+        sched = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        sched.set_timesteps(int(row.num_inference_steps), device="cpu")
+        boundary = self.boundary_timestep()
+        return [(float(t), "transformer" if boundary is None or t >= boundary else "transformer_2")
+                for t in sched.timesteps]
+
+    def expert_rule(self) -> str:
+        """WanPipeline's switch rule with this model's numbers."""
+        b = self.boundary_timestep()
+        return ("no boundary_ratio: transformer at every step" if b is None else
+                f"transformer at timesteps >= boundary_ratio x num_train_timesteps = {b:g}, transformer_2 below")
+
+    def row_spec(self) -> Any:
+        """The diffusion row and ``guidance_scale_2`` (the low-noise expert's guidance scale; WanPipeline's
+        ``guidance_scale_2``, default: ``guidance_scale``)."""
+        return WAN_ROW
+
+    def family_kwargs(self, batch: Sequence[Item]) -> Dict[str, Any]:
+        """``guidance_scale_2`` when the row sets it (the pipeline uses ``guidance_scale`` otherwise)."""
+        kw = super().family_kwargs(batch)
+        g2 = batch[0].row.guidance_scale_2
+        if g2 is not None:
+            kw["guidance_scale_2"] = float(g2)
+        return kw
+
+    def applied_params(self, row: Any) -> Dict[str, Any]:
+        """The base values, and with two experts ``guidance_scale_2`` as applied: the row's, else its
+        ``guidance_scale`` (WanPipeline's default), null without classifier-free guidance."""
+        out = super().applied_params(row)
+        if self.boundary_timestep() is not None:
+            cfg_on = row.guidance_scale is not None and row.guidance_scale > 1
+            g2 = row.guidance_scale_2 if row.guidance_scale_2 is not None else row.guidance_scale
+            out["guidance_scale_2"] = g2 if cfg_on else None
+        return out
+
+    def ignored_fields(self, rows: Sequence[Row]) -> Dict[str, Tuple[Any, ...]]:
+        """The base rules, and ``guidance_scale_2``: a snapshot without ``boundary_ratio`` (one expert) has no
+        low-noise expert to apply it to (WanPipeline's ``check_inputs`` raises); with one, it applies only under
+        classifier-free guidance (``guidance_scale`` > 1: ``do_classifier_free_guidance`` reads
+        ``guidance_scale`` alone)."""
+        out = super().ignored_fields(rows)
+        if self.boundary_timestep() is None:
+            out["guidance_scale_2"] = (f"model={self.cfg.name} has one expert (no boundary_ratio), and "
+                                       "guidance_scale_2 is the low-noise expert's", "use guidance_scale")
+        else:
+            out["guidance_scale_2"] = ("guidance_scale <= 1 turns classifier-free guidance off for both experts",
+                                       "guidance_scale > 1 in that row",
+                                       lambda r: r.guidance_scale is None or r.guidance_scale <= 1)
+        return out
+
+
+def check_guidance_2(v: Any, context: Any) -> Optional[str]:
+    """``guidance_scale_2``: None or a finite number >= 0."""
+    import math
+
+    return "must be a finite number >= 0" if v is not None and not (math.isfinite(v) and v >= 0) else None
+
+
+#: Wan's row: the diffusion row and the low-noise expert's ``guidance_scale_2`` (identity only when set, so
+#: Wan 2.1 rows keep theirs; rows of different values never share a call).
+WAN_ROW = ds.DIFFUSION_ROW.extend("wan", ds.Field("guidance_scale_2", float, check=check_guidance_2,
+                                                  default="guidance_scale_2", identity="set", batch_key=True))

@@ -53,7 +53,7 @@ def test_declared_keys_are_the_former_hand_kept_lists():
                 "optimize.compile_mode", "cache", "memory.vae_tiling")  # + issue 30's two, 31's one, 32's two
     assert schema.factor_keys(schema.RESUME, when_set=True) == when_set
     assert schema.factor_keys(schema.IDENTITY, when_set=True) == when_set
-    assert rs.ROW_DEFAULTS == ("width", "height", "num_inference_steps", "guidance_scale")
+    assert rs.ROW_DEFAULTS == ("width", "height", "num_inference_steps", "guidance_scale", "guidance_scale_2")
     assert schema.omitted_fields("model.stages", schema.IDENTITY) == ("backend",)
     assert schema.holds_entries("model.stages") and not schema.holds_entries("model.generation")
     assert sorted(schema.factor_keys(schema.COMPILE, when_set=None)) == [

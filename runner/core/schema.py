@@ -366,6 +366,9 @@ class GenerationDefaults:
     """Guidance scale (FLUX.1-dev: distilled guidance embedding). null for a model whose transformer has no
     guidance embedding (FLUX.1-schnell, toy_shapes): any value there is ignored, so setting one is refused
     (``dataset.on_ignored``)."""
+    guidance_scale_2: Optional[float] = declared(None, omitted_from=(IDENTITY,))
+    """Wan 2.2 A14B: the guidance scale of the low-noise expert (``transformer_2``; WanPipeline's
+    ``guidance_scale_2``); null: ``guidance_scale``. A model with one expert ignores it (``dataset.on_ignored``)."""
     max_sequence_length: int = 512
     """Token limit of the sequence text encoder (T5, UMT5, Qwen2.5-VL; longer prompts are truncated and recorded;
     at most what the tokenizer and the pipeline take: FLUX and SD3 512, Qwen-Image 1024)."""
