@@ -504,14 +504,17 @@ class Fitting:
         if self.gguf_file and not os.path.isfile(self.gguf_file):
             raise ConfigValueError(f"model.quantization.gguf_file={self.gguf_file!r} is not a file; fix: the path "
                                    "of the .gguf file")
-        if "transformer" in self.choices and fuse_qkv:
-            raise ConfigValueError(f"optimize.fuse_qkv=true with model.quantization.transformer="
-                                   f"{self.choices['transformer']}: fusing concatenates the projection weights, "
+        denoisers = [c for c in ("transformer", "transformer_2") if c in self.choices]  # Wan 2.2: both experts
+        if denoisers and fuse_qkv:
+            c = denoisers[0]
+            raise ConfigValueError(f"optimize.fuse_qkv=true with model.quantization.{c}="
+                                   f"{self.choices[c]}: fusing concatenates the projection weights, "
                                    "which are quantized tensors; fix: optimize.fuse_qkv=false")
-        if "transformer" in self.choices and linear_backend not in (None, "TORCH"):
-            raise ConfigValueError(f"linear backend {linear_backend} with model.quantization.transformer="
-                                   f"{self.choices['transformer']}: both replace the transformer's Linear weights; "
-                                   "fix: backend.linear=TORCH (or auto), or model.quantization.transformer=none")
+        if denoisers and linear_backend not in (None, "TORCH"):
+            c = denoisers[0]
+            raise ConfigValueError(f"linear backend {linear_backend} with model.quantization.{c}="
+                                   f"{self.choices[c]}: both replace the transformer's Linear weights; "
+                                   f"fix: backend.linear=TORCH (or auto), or model.quantization.{c}=none")
 
     def lanes(self) -> List[str]:
         """The lossy lanes of the quantized components (``model.quantization.<component>=<method>``)."""

@@ -1312,12 +1312,20 @@ class PipelineEngine(DiffusersEngine):
         transformer's Linears built on the meta device from its config (``models.lora.base_linears``).
 
         Raises:
-            models.lora.LoraError: the pipeline class has no LoRA loader.
+            models.lora.LoraError: the pipeline class has no LoRA loader, or the model has several experts
+                (:meth:`declared_experts`; ``models.lora`` adapts and observes ``transformer`` alone, so Wan 2.2
+                A14B's low-noise ``transformer_2`` would run unadapted).
         """
+        from models.lora import LoraError
+
+        experts = self.declared_experts()
+        if len(experts) > 1:
+            raise LoraError(f"model.lora with model={self.cfg.name}, whose pipeline switches between {len(experts)} "
+                            f"denoisers ({', '.join(experts)}): adapters are loaded and observed on transformer "
+                            "alone, so the other experts' steps would run without them; not supported yet; fix: "
+                            "model.lora=[], or a one-transformer model")
         cls = self.pipeline_cls()
         if not hasattr(cls, "load_lora_weights"):
-            from models.lora import LoraError
-
             raise LoraError(f"model.lora: {cls.__name__} (model={self.cfg.name}) has no diffusers LoRA loader; fix: "
                             "model.lora=[], or a family whose pipeline loads LoRA (FLUX, SD3, Qwen-Image, Wan)")
         from models import lora
