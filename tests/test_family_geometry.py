@@ -28,9 +28,13 @@ TINY = {
     "hidream": ("tiny_hidream", (98, 164)),
     "zimage": ("tiny_zimage", None),
     "ltx2": ("tiny_ltx2", None),
+    "hunyuanvideo15": ("tiny_hunyuanvideo15", None),
 }
+#: further tiny configs of a registered family whose geometry differs from the family's entry in TINY: model ->
+#: family (Wan 2.2: two experts; TI2V-5B's VAE of spatial factor 16 with 2x2 patches, size multiple 32)
+VARIANTS = {"tiny_wan22": "wan", "tiny_wan22_ti2v": "wan"}
 #: frames asked of a video family: 4k+1 for Wan's temporal factor 4, and not the tiny config's default
-VIDEO_FRAMES = {"wan": 5, "ltx2": 7}  # LTX-2: 2k+1 for the tiny VAE's temporal factor 2
+VIDEO_FRAMES = {"wan": 5, "ltx2": 7, "hunyuanvideo15": 5}  # LTX-2: 2k+1 for the tiny VAE's temporal factor 2
 
 
 def _png_size(path: Path):
@@ -63,6 +67,19 @@ def test_every_registered_family_has_a_tiny_config():
 def test_artifact_geometry_is_what_the_record_says(family, run_job, write_jsonl, compose):
     assert family in TINY, f"family {family!r} has no tiny config in TINY (tests/test_family_geometry.py)"
     model, size = TINY[family]
+    _check_geometry(family, model, size, run_job, write_jsonl, compose)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(VARIANTS))
+def test_artifact_geometry_of_family_variants(model, run_job, write_jsonl, compose):
+    """The same read-back for :data:`VARIANTS` (Wan 2.2 A14B's two experts, TI2V-5B's 32-pixel geometry)."""
+    _check_geometry(VARIANTS[model], model, None, run_job, write_jsonl, compose)
+
+
+def _check_geometry(family, model, size, run_job, write_jsonl, compose):
+    """One row of a non-square size (3 x / 5 x ``size_multiple`` unless given) run to ``verified``; the PNG's or
+    MP4's width, height (and frames) read back equal the record's params and the row's."""
     m = int(compose([f"model={model}", "platform=cpu"]).model.size_multiple)
     width, height = size or (3 * m, 5 * m)
     row = {"id": "g", "prompt": "a red cube on a blue table", "seed": 3, "width": width, "height": height}
