@@ -69,6 +69,7 @@ FLUX2_KLEIN = FamilySpec(
     needs_mask=False,
     engine="models.flux2:Flux2KleinEngine",
     guidance_hint="FLUX.2 klein base: 4.0",
+    pipeline_config=("is_distilled",),  # Flux2KleinPipeline.__init__'s setting (model.architecture.pipeline)
 )
 
 
