@@ -920,10 +920,19 @@ class PipelineEngine(DiffusersEngine):
         fit.choose(sizes, self.memory_stages(rows), forwards, total)
 
     def meta_modules(self) -> Dict[str, Any]:
-        """Every model component on the meta device (no memory), from the architecture or the snapshot's configs."""
+        """Every model component on the meta device (no memory), from the architecture or the snapshot's configs;
+        an optional expert the snapshot lacks (:meth:`declared_experts`: Wan 2.1 has no ``transformer_2``) is
+        left out."""
         if self.source.get("kind") in ("dummy", "embedded"):
             return self.build_components(self._arch(), device="meta", dtype=self.dtype, task=self.task)
-        return memory.meta_components(self.task_components(self.task), self.component_config, self.dtype)
+        return memory.meta_components(self.present_components(), self.component_config, self.dtype)
+
+    def present_components(self) -> Dict[str, Tuple[str, str, Optional[str]]]:
+        """:meth:`task_components` without an optional expert the model lacks (:meth:`declared_experts`: Wan 2.1
+        and TI2V-5B have no ``transformer_2``), known before loading."""
+        has = set(self.declared_experts())
+        return {k: v for k, v in self.task_components(self.task).items()
+                if k in has or self.spec is None or not self.spec.optional(k)}
 
     def memory_stages(self, rows: Sequence[Row]) -> List[Any]:
         """The phases of the largest batch shape with each component's activation bytes (``models.memory``)."""
@@ -939,9 +948,10 @@ class PipelineEngine(DiffusersEngine):
         seq = int(self.cfg.generation.max_sequence_length)
         tokens = (big.width // need) * (big.height // need) * latent_frames + seq
         guided = self.spec is not None and self.spec.cfg == "batched" and (big.guidance_scale or 0) > 1
-        encoders = {n: self.component_config(n) for n in self.task_components(self.task) if n.startswith("text_enc")}
+        present = self.present_components()
+        encoders = {n: self.component_config(n) for n in present if n.startswith("text_enc")}
         den = {n: memory.denoiser_activations(self.component_config(n), batch * (2 if guided else 1), tokens, elem)
-               for n in self.task_components(self.task) if n.startswith("transformer")}
+               for n in present if n.startswith("transformer")}
         s = self.fit.settings
         vae = memory.decoder_activations(self.component_config("vae"), batch, frames, big.height, big.width, elem,
                                          s.vae_tiling, s.vae_slicing)

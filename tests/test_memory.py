@@ -379,7 +379,7 @@ def _plan(eng, rows, mem):
     return eng.fit
 
 
-@pytest.mark.parametrize("model", ["tiny_flux", "tiny_sd3", "tiny_wan"])
+@pytest.mark.parametrize("model", ["tiny_flux", "tiny_sd3", "tiny_wan", "tiny_wan22"])
 def test_the_engine_plans_from_meta_sizes_and_its_rows(model):
     eng, rows = _prepared([f"model={model}", "dataset.limit=2", "batch_size=2"])
     fit = _plan(eng, rows, _Mem("auto", max_gpu_gb=64))
