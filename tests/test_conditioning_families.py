@@ -92,9 +92,10 @@ def test_specs_map_the_conditioning_tasks_to_diffusers_pipelines():
     assert qwen.snapshot_pipeline("inpaint") == "QwenImagePipeline" and not qwen.own_snapshot("image_to_image")
     assert wan.snapshot_pipeline("image_to_video") == "WanImageToVideoPipeline"
     assert sd3.snapshot_pipeline("image_to_image") == "StableDiffusion3Pipeline"
-    # task components come after the base ones (same seeded base weights), the scheduler last
-    assert list(wan.components_for("image_to_video")) == ["transformer", "vae", "text_encoder", "image_encoder",
-                                                          "scheduler"]
+    # task components come after the base ones (same seeded base weights; Wan 2.2's optional second expert
+    # transformer_2 among them), the scheduler last
+    assert list(wan.components_for("image_to_video")) == ["transformer", "transformer_2", "vae", "text_encoder",
+                                                          "image_encoder", "scheduler"]
     assert list(wan.components_for(None)) == list(wan.components)
     assert wan.processors_for("image_to_video") == {"image_processor": ("clip_image", None)}
     assert qwen.processors_for("edit") == {"processor": ("qwen2_vl", "tokenizer")} and qwen.processors_for(None) == {}
