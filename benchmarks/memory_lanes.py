@@ -100,13 +100,20 @@ def run_lane(name: str, overrides: List[str], out: Path) -> Tuple[Dict[str, Any]
            "batch_size": m["config"]["batch_size"], "weights_bytes": weights,
            "peak_memory_gb": round(m["memory"].get("device_peak_allocated_bytes", 0) / 2 ** 30, 3),
            "memory_plan": {k: v for k, v in (m.get("memory_plan") or {}).items() if k != "candidates"},
+           "planned_gb": ((m.get("memory_plan") or {}).get("planned") or {}).get("peak_gb"),
+           "observed_gb": max((st.get("memory") or {}).get("observed_peak_gb", {}).values(), default=None),
            "memory_evidence": st.get("memory"), "lossy": m["lossy"],
            "evidence": {"verdict": m["evidence"]["verdict"], "mismatches": m["evidence"]["mismatches"]}}
+    rec["observed_le_planned"] = (None if rec["planned_gb"] is None or rec["observed_gb"] is None
+                                  else rec["observed_gb"] <= rec["planned_gb"])
+    rec["items_ok"] = sum(r.get("status") == "ok" for r in items)
     return rec, {r["key"]: run_dir / r["file"] for r in items if r.get("status") == "ok"}
 
 
-def flux_lanes(args: argparse.Namespace, out: Path, base: List[str], want: List[str]) -> Dict[str, Any]:
-    """The FLUX lanes of ``want`` (lossless first: the others are compared with it)."""
+def flux_lanes(args: argparse.Namespace, out: Path, base: List[str], want: List[str],
+               save: Any = lambda lanes: None) -> Dict[str, Any]:
+    """The FLUX lanes of ``want`` (lossless first: the others are compared with it); ``save(lanes)`` after
+    each lane (a device time limit keeps what finished)."""
     from flux_dev_1024 import fidelity_vs
 
     res: Dict[str, Any] = {}
@@ -130,7 +137,9 @@ def flux_lanes(args: argparse.Namespace, out: Path, base: List[str], want: List[
             ref_files = files
         elif files and ref_files:
             rec["fidelity_vs_lossless"] = fidelity_vs(ref_files, files)
-        print(json.dumps({name: {k: rec.get(k) for k in ("exit_code", "generate_s", "peak_memory_gb", "batch_size")}}))
+        print(json.dumps({name: {k: rec.get(k) for k in ("exit_code", "generate_s", "peak_memory_gb", "batch_size",
+                                                         "items_ok", "planned_gb", "observed_gb")}}), flush=True)
+        save(res)
     ref = res.get("lossless", {})
     for name in ("budget24", "budget12", "budget8", "int8wo", "float8wo"):
         g = res.get(name, {}).get("generate_s")
@@ -148,7 +157,9 @@ def q4_lane(args: argparse.Namespace, out: Path) -> Dict[str, Any]:
     random-weight bf16 snapshot; its weight GiB and a 1024^2 forward beside the bf16 one."""
     from diffusers import BitsAndBytesConfig, FluxTransformer2DModel
 
-    ref = json.loads((Path(args.flux_configs)).read_text())["transformer"]["dev"]
+    import yaml
+
+    ref = yaml.safe_load((ROOT / "conf" / "model" / "flux.yaml").read_text())["architecture"]["transformer"]
     snap = Path(args.scratch) / "flux_dev_transformer_bf16"
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -217,7 +228,6 @@ def main() -> int:
     p.add_argument("--compile", default="none", choices=["none", "regional"])
     p.add_argument("--wan-steps", type=int, default=2)
     p.add_argument("--scratch", default="/tmp/memory_lanes")
-    p.add_argument("--flux-configs", default=str(ROOT.parent / "shared" / "reference" / "flux1_configs.json"))
     p.add_argument("--smoke", action="store_true", help="tiny_flux on the CPU (int8wo lane only): checks the script")
     args = p.parse_args()
     out = Path(args.out)
@@ -235,7 +245,20 @@ def main() -> int:
                            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                            "workload": {"prompts": args.prompts, "steps": args.steps, "batch_size": args.batch_size,
                                         "compile": args.compile, "full_run": args.prompts >= 16 and args.steps >= 28}}
-    lanes = flux_lanes(args, out, base, want)
+    def save(lanes: Dict[str, Any]) -> None:
+        doc["lanes"] = lanes
+        for b in ("24", "12", "8"):
+            doc[f"budget{b}_ratio"] = lanes.get(f"budget{b}", {}).get("ratio_vs_lossless")
+        doc["q4_transformer_gb"] = lanes.get("q4", {}).get("q4_transformer_gb")
+        doc["observed_le_planned"] = {k: v.get("observed_le_planned") for k, v in lanes.items()
+                                      if isinstance(v, dict) and "observed_le_planned" in v}
+        text = json.dumps(doc, indent=1, default=str)
+        for path in [out / "memory_lanes.json", *([Path(args.results)] if args.results else [])]:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+
+    lanes = flux_lanes(args, out, base, want, save)
     for name, fn in (("q4", q4_lane), ("wan48", wan_lane)):
         if name in want and not args.smoke:
             try:
@@ -243,15 +266,10 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - a lane that cannot run here is recorded, the others go on
                 lanes[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
             free()
-    doc["lanes"] = lanes
-    for b in ("24", "12", "8"):
-        doc[f"budget{b}_ratio"] = lanes.get(f"budget{b}", {}).get("ratio_vs_lossless")
-    doc["q4_transformer_gb"] = lanes.get("q4", {}).get("q4_transformer_gb")
-    text = json.dumps(doc, indent=1, default=str)
-    (out / "memory_lanes.json").write_text(text)
-    if args.results:
-        Path(args.results).write_text(text)
-    print(json.dumps({k: doc[k] for k in ("budget24_ratio", "budget12_ratio", "budget8_ratio", "q4_transformer_gb")}))
+            save(lanes)
+    save(lanes)
+    print(json.dumps({k: doc[k] for k in ("budget24_ratio", "budget12_ratio", "budget8_ratio", "q4_transformer_gb",
+                                          "observed_le_planned")}))
     return 0
 
 

@@ -761,10 +761,6 @@ class DiffusersEngine(EngineBase):
                                     "optimize": self.optimize(cfg.optimize)}
         self.observe = bool(cfg.evidence.enabled) and compile_mode == "none"
         self.probes = {"observed": self.observe}
-        fit = getattr(self, "fit", None)  # models.memory.Fitting (quantization, offload, budget) of a pipeline stage
-        if fit is not None:
-            fit.attach(self.pipe, self.device, self.observe)
-            sections["memory_plan"] = fit.section()
         for name in self.INSTALL_PASSES:
             getattr(self, f"install_{name}")(sections)
         self._on_loaded = on_loaded
@@ -774,9 +770,24 @@ class DiffusersEngine(EngineBase):
     #: weights are what the backends then wrap), backends before context
     #: parallelism (diffusers checks each processor's), the MoE backend before linear (the routed experts' Linears
     #: belong to it), compile beneath the step cache's hooks when both are on (the hooks stay eager), the cache after
-    #: the backends (its hooks wrap the modules as they will run), regional compile last otherwise.
+    #: the backends (its hooks wrap the modules as they will run), regional compile last otherwise. The memory
+    #: plan's placement comes after every pass that replaces or rewrites parameters (fused LoRA, MoE, linear
+    #: backends; ``optimize`` ran before all passes) and before the hooks and compile that wrap the modules as
+    #: they will run (``models.memory.Fitting.defers``).
     INSTALL_PASSES: ClassVar[Tuple[str, ...]] = ("lora", "attention", "moe", "linear", "context_parallel",
-                                                 "compile_under_cache", "cache", "compile")
+                                                 "placement", "compile_under_cache", "cache", "compile")
+
+    def install_placement(self, sections: Dict[str, Any]) -> None:
+        """The stage's memory plan (``models.memory.Fitting``, a pipeline stage's ``fit``): an offload plan applied
+        now (the pipeline stayed on the host through the passes before), then the offload, quantization and
+        per-phase memory probes on the modules as they will run."""
+        fit = getattr(self, "fit", None)
+        if fit is None:
+            return
+        if not fit.placed:
+            fit.place(self.pipe, self.device)
+        fit.attach(self.pipe, self.device, self.observe)
+        sections["memory_plan"] = fit.section()
 
     def install_attention(self, sections: Dict[str, Any]) -> None:
         """The attention backend on every call site, with its probes (``kernels.attention.install``)."""

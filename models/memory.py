@@ -236,6 +236,53 @@ def decoder_activations(conf: Mapping[str, Any], batch: int, frames: int, height
 # ------------------------------------------------------------------------------------------------ applying
 
 
+def torchao_device_copies() -> int:
+    """Make torchao tensor subclasses movable between devices by diffusers' offload hooks; returns how many
+    subclasses were patched (0 when torchao is not imported, or all are patched already).
+
+    torchao 0.18 implements ``aten.to.dtype_layout`` for every ``TorchAOBaseTensor`` subclass
+    (``torchao/utils.py``, ``_implements_common_tensor_ops``) by moving the inner tensors and then calling
+    ``return_and_correct_aliasing``, which aliases the output's storage to the input's because the op's schema
+    says the result may alias ``self`` (as it does when nothing changes). With torch 2.11 on a GPU, a move to
+    another device then fails with ``RuntimeError: Attempted to set the storage of a tensor on device "cuda:0" to
+    a storage on different device "cpu"`` (``_functionalize_unsafe_set``): every group-offload onload of an
+    ``Int8Tensor`` / ``Float8Tensor`` weight, streamed or not, failed on the H200 (issue #37,
+    ``benchmarks/results/memory_diag_h200_2026-12-03.json``: plain diffusers + torchao, no runner code).
+    A move to another device is a copy, never an alias, so for a device change the wrapped implementation
+    returns the moved tensor as it is; anything else (no device change, other keywords) goes to torchao's own.
+    """
+    import sys
+
+    ao = sys.modules.get("torchao.utils")
+    base = getattr(ao, "TorchAOBaseTensor", None) if ao is not None else None
+    if base is None:
+        return 0
+    op = torch.ops.aten.to.dtype_layout
+    patched = 0
+    classes, todo = [], [base]
+    while todo:  # every subclass defined so far (each keeps its own op table)
+        c = todo.pop()
+        classes.append(c)
+        todo.extend(c.__subclasses__())
+    for cls in classes:
+        table = cls.__dict__.get("_ATEN_OP_TABLE", {}).get(cls)
+        orig = table.get(op) if table is not None else None
+        if orig is None or getattr(orig, "_runner_device_copy", False):
+            continue
+
+        def to(func: Any, types: Any, args: Any, kwargs: Any, _orig: Callable[..., Any] = orig) -> Any:
+            self, dev = args[0], kwargs.get("device")
+            if (len(args) != 1 or set(kwargs) - {"device"} or dev is None
+                    or torch.device(dev) == self.device):
+                return _orig(func, types, args, kwargs)
+            return self._apply_fn_to_data(lambda x: func(x, device=dev))
+
+        to._runner_device_copy = True  # type: ignore[attr-defined]
+        table[op] = to
+        patched += 1
+    return patched
+
+
 def apply_offload(pipe: Any, plan: planner.Plan, device: str) -> Dict[str, Any]:
     """Put the pipeline on ``device`` under ``plan`` (diffusers' offload APIs; ``none``: ``pipe.to(device)``).
 
@@ -488,6 +535,7 @@ class Fitting:
         self.quant_probe: Optional[QuantProbe] = None
         self.peaks: Optional[PhasePeaks] = None
         self.applied: Dict[str, Any] = {}
+        self.placed = False
 
     def check(self, ctx: Any, dummy: bool, fuse_qkv: bool, linear_backend: Optional[str]) -> None:
         """Startup refusals of ``model.quantization`` (``kernels.quantization.check``), dummy weights with a
@@ -557,8 +605,23 @@ class Fitting:
             return device
         return "cpu"
 
+    def defers(self) -> bool:
+        """Whether the pipeline is placed only after the engine's install passes (``place`` called from the
+        ``placement`` pass) rather than as it loads: under an offload plan.
+
+        diffusers' group offload keys its host copies by the ``Parameter`` objects it saw when applied
+        (``ModuleGroup.cpu_param_dict``, pinned copies with ``use_stream``; diffusers 0.42
+        ``hooks/group_offloading.py``): a pass that replaces a parameter afterwards (``optimize.fuse_qkv``, FP8
+        linear, ``FP8_TORCHAO``) fails every forward with ``KeyError: Parameter containing...``, and one that
+        rewrites a parameter's data (LoRA fusion) is undone at the next onload from the stale copy. So every such
+        pass runs first, on the host, and the plan is applied to the parameters that will run."""
+        plan = self.plan.offload if self.plan is not None else self.settings.offload
+        return plan not in ("none", "auto")
+
     def place(self, pipe: Any, device: str) -> None:
         """The budget on the device, then the pipeline placed under the plan, then the VAE settings."""
+        self.placed = True
+        torchao_device_copies()  # quantized weights (torchao) move under the offload hooks and pipe.to alike
         s = self.settings
         if s.max_gpu_gb is not None:
             self.applied["budget"] = set_budget(s.max_gpu_gb, device)
@@ -612,5 +675,21 @@ class Fitting:
         if self.peaks is not None:
             sec["observed_peak_gb"] = {k: planner.gb(v) for k, v in self.peaks.peaks.items()}
             if self.plan is not None:
-                sec["planned_peak_gb"] = self.plan.to_dict()["stages_gb"]
+                planned = self.plan.to_dict()
+                sec["planned_peak_gb"] = planned["stages_gb"]
+                over = estimate_exceeded(sec["observed_peak_gb"], planned["peak_gb"])
+                sec["estimate_exceeded"] = over
+                if over:
+                    import logging
+
+                    logging.getLogger(__name__).warning(
+                        "the memory planner's estimate (%s GiB with its reserve) is below the observed peak of %s; "
+                        "a budget this close would be exceeded", planned["peak_gb"],
+                        ", ".join(f"{k} {v} GiB" for k, v in over.items()))
         return sec, bad
+
+
+def estimate_exceeded(observed: Mapping[str, float], planned_peak: float) -> Dict[str, float]:
+    """The phases whose observed allocator peak (GiB) is above the plan's peak (GiB, the largest stage's
+    estimate plus ``runner.core.memory.RESERVE_BYTES``): where a budget set at the estimate would be exceeded."""
+    return {k: v for k, v in observed.items() if v > planned_peak}

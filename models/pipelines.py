@@ -873,7 +873,8 @@ class PipelineEngine(DiffusersEngine):
 
             self.pipe = cls.from_pretrained(path, dtype=self.dtype, local_files_only=True, use_safetensors=True,
                                             **processor_overrides(path), **self.quantized_kwargs(path))
-        self.fit.place(self.pipe, self.device)
+        if not self.fit.defers():  # an offload plan is applied after the install passes (Fitting.defers)
+            self.fit.place(self.pipe, self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self._experts = None
         self.experts()  # taken now: the modules the probes will watch
@@ -906,11 +907,15 @@ class PipelineEngine(DiffusersEngine):
             super().check_memory()
 
     def plan_memory(self, rows: Sequence[Row]) -> None:
-        """With an offload plan or a budget: size every component on the meta device, estimate the activations of
-        the largest batch shape and choose the plan (``runner.core.memory``; refused when it cannot fit)."""
+        """With an offload plan or a budget, and on a CUDA device always: size every component on the meta device,
+        estimate the activations of the largest batch shape and choose the plan (``runner.core.memory``; refused
+        when it cannot fit). Without a budget the plan is the one asked for (``none``: everything on the device),
+        recorded so that the evidence sets the estimate beside the observed peak per phase."""
         fit = getattr(self, "fit", None)
-        if fit is None or (fit.settings.offload == "none" and fit.settings.max_gpu_gb is None) or not rows:
-            return
+        on_gpu = str(self.device).startswith("cuda") and torch.cuda.is_available()
+        if fit is None or not rows or (not on_gpu and fit.settings.offload == "none"
+                                       and fit.settings.max_gpu_gb is None):
+            return  # on a GPU every run is planned: its evidence holds the estimate beside the observed peaks
         gguf = os.path.getsize(fit.gguf_file) if fit.gguf_file else None
         sizes = memory.component_sizes(self.meta_modules(), fit.choices, gguf)
         forwards = max(self.expected_forwards([Item(row=r, index=0, seed=0)]) or 1 for r in rows)

@@ -460,3 +460,33 @@ def test_a_causal_video_vae_is_sized_per_decoded_chunk():
     long, short = (decoder_activations(wan, 1, f, h, w, 2, False, False) for f in (81, 5))
     assert long - short == 2 * 3 * (81 - 5) * h * w * 2  # only the decoded video grows with the frames
     assert short == planner.decoder_activation(1, 4, h, w, 192, 2) + 2 * 3 * 5 * h * w * 2  # 4-frame chunks
+
+
+def test_torchao_tensors_move_to_another_device_as_copies():
+    """``models.memory.torchao_device_copies`` wraps ``aten.to.dtype_layout`` of every torchao tensor subclass
+    (each keeps its own op table), once; a move to another device gives a tensor of the same class whose inner
+    tensors are all there, the source untouched; a move to the same device is torchao's own (``self``)."""
+    pytest.importorskip("torchao", reason="needs torchao: pip install -e '.[torchao]'")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.utils import TorchAOBaseTensor
+
+    from models.memory import torchao_device_copies
+
+    lin = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    quantize_(lin, Int8WeightOnlyConfig())
+    torchao_device_copies()
+    assert torchao_device_copies() == 0  # idempotent
+    todo, tables = [TorchAOBaseTensor], []
+    while todo:
+        c = todo.pop()
+        todo.extend(c.__subclasses__())
+        t = c.__dict__.get("_ATEN_OP_TABLE", {}).get(c, {})
+        if torch.ops.aten.to.dtype_layout in t:
+            tables.append((c.__name__, t[torch.ops.aten.to.dtype_layout]))
+    assert tables and all(getattr(fn, "_runner_device_copy", False) for _, fn in tables), tables
+    w = lin.weight
+    moved = w.to("meta")
+    names = type(w).tensor_data_names
+    assert type(moved) is type(w) and all(getattr(moved, n).device.type == "meta" for n in names)
+    assert all(getattr(w, n).device.type == "cpu" for n in names)
+    assert w.to(torch.device("cpu")) is w
