@@ -68,10 +68,15 @@ class FP8Linear(nn.Module):
     Input ``(..., in_features)`` in bf16/fp16, output ``(..., out_features)`` in the input dtype.
     """
 
-    def __init__(self, linear: nn.Linear, record: LinearRecord):
+    def __init__(self, linear: nn.Linear, record: LinearRecord, device: Optional[str] = None):
+        """``device``: where the weight is quantized (the stage's compute device), the result stored where the
+        weight is: a weight kept on the host for an offload plan quantizes to the same bytes as one on the device
+        (the host's float division and e4m3 rounding are not guaranteed to match the GPU's)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w_fp8, w_scale = _quantize_rows(linear.weight.detach())
+        w = linear.weight.detach()
+        w_fp8, w_scale = _quantize_rows(w.to(device) if device is not None else w)
+        w_fp8, w_scale = w_fp8.to(w.device), w_scale.to(w.device)
         self.register_buffer("weight_fp8", w_fp8)           # (out, in), e4m3
         self.register_buffer("weight_scale", w_scale.t().contiguous())  # (1, out), fp32
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
@@ -94,8 +99,8 @@ def _eligible(name: str, mod: nn.Linear, prefixes: Tuple[str, ...]) -> bool:
 
 def install(model: nn.Module, backend: str,
             prefixes: Tuple[str, ...] = ("transformer_blocks.", "single_transformer_blocks."),
-            observe: bool = True, exclude: Tuple[str, ...] = (), record: Optional[LinearRecord] = None
-            ) -> LinearRecord:
+            observe: bool = True, exclude: Tuple[str, ...] = (), record: Optional[LinearRecord] = None,
+            device: Optional[str] = None) -> LinearRecord:
     """Apply linear backend ``backend`` to ``model`` and return the record its calls are counted into.
 
     Args:
@@ -108,6 +113,7 @@ def install(model: nn.Module, backend: str,
             uncounted, listed in ``excluded``.
         record: a record of the same backend to count into (a second denoiser of the stage: Wan 2.2's
             ``transformer_2``); its modules add to the record's.
+        device: the stage's compute device, where FP8 quantizes each weight (:class:`FP8Linear`).
     """
     rec = record if record is not None else LinearRecord(resolved=backend, counting=observe)
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
@@ -128,7 +134,7 @@ def install(model: nn.Module, backend: str,
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if _eligible(name, m, prefixes):
-            setattr(parent, child, FP8Linear(m, rec))
+            setattr(parent, child, FP8Linear(m, rec, device))
             rec.modules += 1
         else:
             if observe:

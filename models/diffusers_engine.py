@@ -832,7 +832,7 @@ class DiffusersEngine(EngineBase):
         for name, mod in self.experts():
             before = rec.modules if rec is not None else 0
             rec = linear.install(mod, self.resolutions["linear"].selected, prefixes=self.fp8_prefixes,
-                                 observe=self.observe, exclude=excluded, record=rec)
+                                 observe=self.observe, exclude=excluded, record=rec, device=self.device)
             per[name] = rec.modules - before
         self.probes["linear"] = rec
         if len(per) > 1:

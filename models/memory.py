@@ -272,9 +272,10 @@ def torchao_device_copies() -> int:
 
         def to(func: Any, types: Any, args: Any, kwargs: Any, _orig: Callable[..., Any] = orig) -> Any:
             self, dev = args[0], kwargs.get("device")
-            if (len(args) != 1 or set(kwargs) - {"device"} or dev is None
-                    or torch.device(dev) == self.device):
-                return _orig(func, types, args, kwargs)
+            same = (kwargs.get("dtype") in (None, self.dtype) and kwargs.get("layout") in (None, self.layout)
+                    and not set(kwargs) - {"device", "dtype", "layout"})
+            if len(args) != 1 or not same or dev is None or torch.device(dev) == self.device:
+                return _orig(func, types, args, kwargs)  # torchao's own (it asserts what it does not support)
             return self._apply_fn_to_data(lambda x: func(x, device=dev))
 
         to._runner_device_copy = True  # type: ignore[attr-defined]
@@ -596,14 +597,27 @@ class Fitting:
                 "candidates": [p.to_dict() for p in self.candidates], "reserve_gb": planner.gb(planner.RESERVE_BYTES),
                 "quantization": dict(self.choices), "applied": self.applied}
 
-    def build_device(self, device: str) -> str:
-        """Where random (``load_format=dummy``) weights are built: on the host when they will be offloaded (the
-        offload hooks onload them; building them on the GPU first would need all of them there), else ``device``.
-        float8 weight-only quantizes on a GPU only (torchao's hardware check), so it builds there."""
+    def build_device(self, device: str, weight_bytes: Optional[int] = None) -> Tuple[str, Optional[str]]:
+        """Where random (``load_format=dummy``) weights are built, and where they are moved once built and
+        quantized (``None``: they stay): ``(build, park)``.
+
+        Without an offload plan: on ``device``. Under one, on ``device`` too when ``weight_bytes`` (every
+        component in the compute dtype, before quantization) fit its free memory now, then moved to the host
+        (``park="cpu"``) before the plan is applied: the same weights as a run without offload (the device's random
+        generator, seeded alike) in seconds, where building on the host draws other numbers from the CPU's
+        generator and took 397 s for FLUX.1-dev on the H200 (issue #37, ``memory_lanes_h200.json`` budget24
+        ``load_s``). Otherwise on the host (float8 weight-only excepted: torchao quantizes it on a GPU only).
+        A budget (``memory.max_gpu_gb``) applies from placement on; the build may use more of the device."""
         off = self.plan.offload if self.plan is not None else self.settings.offload
-        if off in ("none", "auto") or "float8wo" in self.choices.values():
-            return device
-        return "cpu"
+        if off in ("none", "auto"):
+            return device, None
+        free = 0
+        if str(device).startswith("cuda") and torch.cuda.is_available():
+            free = torch.cuda.mem_get_info(torch.device(device))[0]
+        if (weight_bytes is not None and weight_bytes + planner.RESERVE_BYTES <= free) or \
+                "float8wo" in self.choices.values():
+            return device, "cpu"
+        return "cpu", None
 
     def defers(self) -> bool:
         """Whether the pipeline is placed only after the engine's install passes (``place`` called from the

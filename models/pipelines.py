@@ -860,10 +860,18 @@ class PipelineEngine(DiffusersEngine):
         kind = self.source["kind"]
         cls = self.pipeline_cls()
         if kind == "dummy":
-            comps = self.build_components(self._arch(), device=self.fit.build_device(self.device), dtype=self.dtype,
-                                          task=self.task)
+            build, park = self.fit.build_device(self.device, self.weight_bytes())
+            if build == "cpu" and str(self.device) != "cpu":
+                self.source["weights_built_on"] = "cpu"  # the CPU generator's numbers: other weights than on the GPU
+            comps = self.build_components(self._arch(), device=build, dtype=self.dtype, task=self.task)
             for comp, method in self.fit.choices.items():  # torchao's quantize_, as diffusers applies it
                 memory.quantize_built(comps[comp], method, self.fit.libraries[comp], self.dtype)
+            if park is not None:  # built where they compute, kept on the host until the offload plan onloads them
+                memory.torchao_device_copies()
+                for m in comps.values():
+                    if isinstance(m, torch.nn.Module):
+                        m.to(park)
+                torch.cuda.empty_cache()
             self.pipe = cls(**comps)
         else:
             path = Path(self.source["path"]) if kind == "path" else self.embedded_snapshot(self._arch())
