@@ -249,7 +249,10 @@ def torchao_device_copies() -> int:
     ``Int8Tensor`` / ``Float8Tensor`` weight, streamed or not, failed on the H200 (issue #37,
     ``benchmarks/results/memory_diag_h200_2026-12-03.json``: plain diffusers + torchao, no runner code).
     A move to another device is a copy, never an alias, so for a device change the wrapped implementation
-    returns the moved tensor as it is; anything else (no device change, other keywords) goes to torchao's own.
+    returns the moved tensor as it is, ``non_blocking`` passed on to the inner tensors (torchao's own asserts on
+    that keyword, which the streamed offload hooks pass: every item failed with an empty ``AssertionError`` on the
+    H200, ``benchmarks/results/cuda_memory_h200_2026-12-03.log``); anything else (no device change, another dtype
+    or layout) goes to torchao's own.
     """
     import sys
 
@@ -271,12 +274,13 @@ def torchao_device_copies() -> int:
             continue
 
         def to(func: Any, types: Any, args: Any, kwargs: Any, _orig: Callable[..., Any] = orig) -> Any:
-            self, dev = args[0], kwargs.get("device")
+            self, dev, nb = args[0], kwargs.get("device"), bool(kwargs.get("non_blocking", False))
             same = (kwargs.get("dtype") in (None, self.dtype) and kwargs.get("layout") in (None, self.layout)
-                    and not set(kwargs) - {"device", "dtype", "layout"})
+                    and kwargs.get("copy") in (None, False) and kwargs.get("memory_format") is None
+                    and not set(kwargs) - {"device", "dtype", "layout", "non_blocking", "copy", "memory_format"})
             if len(args) != 1 or not same or dev is None or torch.device(dev) == self.device:
                 return _orig(func, types, args, kwargs)  # torchao's own (it asserts what it does not support)
-            return self._apply_fn_to_data(lambda x: func(x, device=dev))
+            return self._apply_fn_to_data(lambda x: func(x, device=dev, non_blocking=nb))
 
         to._runner_device_copy = True  # type: ignore[attr-defined]
         table[op] = to

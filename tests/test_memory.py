@@ -510,9 +510,12 @@ def test_torchao_tensors_move_to_another_device_as_copies():
     orig, ao_utils.return_and_correct_aliasing = ao_utils.return_and_correct_aliasing, strict
     try:
         moved = impl(op, (type(w),), (w,), {**kw, "device": torch.device("meta")})
+        # the streamed offload hooks' onload: .to(device, non_blocking=True) (torchao asserted on the keyword)
+        streamed = impl(op, (type(w),), (w,), {**kw, "device": torch.device("meta"), "non_blocking": True})
         same = impl(op, (type(w),), (w,), {**kw, "device": torch.device("cpu")})
     finally:
         ao_utils.return_and_correct_aliasing = orig
-    assert type(moved) is type(w) and all(getattr(moved, n).device.type == "meta" for n in names)
+    for t in (moved, streamed):
+        assert type(t) is type(w) and all(getattr(t, n).device.type == "meta" for n in names)
     assert all(getattr(w, n).device.type == "cpu" for n in names)  # the source is untouched
     assert same is w  # no device change: torchao's own implementation
