@@ -30,10 +30,17 @@ that fits): by bytes moved host-to-device per pipeline call, none (0) < model (e
   (``1 + r``; FLUX's single blocks, ``diffusers/models/transformers/transformer_flux.py``), an upper bound for the
   other blocks; ``S`` image + text tokens, ``D`` the inner width, ``r`` the MLP ratio. Attention itself adds no
   ``S x S`` term (SDPA's fused kernels).
-* a text encoder: ``B * S * e * (2 H + 3 F) + 2 * B * heads * S^2 * 4``: hidden and gated-MLP tensors, and the
-  eager attention's fp32 scores and probabilities (T5 adds its position bias to materialised scores).
-* the VAE decoder: ``B' * F * Hpx * Wpx * C * e * 3``: the full-resolution upsampler's input and output and one
-  temporary, ``C`` the channels there (``block_out_channels[1]``), ``B'`` = 1 with ``memory.vae_slicing`` (one
+* a text encoder: ``B * S * e * (2 H + 3 F) + B * heads * S^2 * (2 * 4 + 2 e)``: hidden and gated-MLP tensors,
+  the eager attention's fp32 scores and probabilities, and the scores and the position bias in the compute dtype
+  (T5 adds its bias to materialised scores, then takes the softmax in fp32). Measured on the H200 (FLUX.1-dev's
+  T5-XXL, batch 16, 512 tokens, bf16, ``benchmarks/results/memory_lanes_h200_2026-12-03_partial.json``): 12.06 GiB
+  observed where ``2 * 4`` alone planned 11.46.
+* the VAE decoder: ``3.5 u + min(u, 1 GiB)`` with ``u = B' * F * Hpx * Wpx * C * e``: the first ResNet at full
+  resolution holds its input (kept for the shortcut), the GroupNorm and SiLU outputs at ``C`` channels and its
+  conv's output at ``C / 2`` (3.5 ``u``), plus cuDNN's convolution workspace; ``C`` the channels of the
+  full-resolution upsampler (``block_out_channels[1]``). Measured on the H200 (FLUX's VAE, 1024^2, bf16): 28.0 GiB
+  of activations at batch 16 (3.5 ``u``; ``3 u`` planned 24) and 2.45 GiB sliced (4.9 ``u``: the workspace does
+  not shrink with the batch). ``B'`` = 1 with ``memory.vae_slicing`` (one
   image at a time), ``Hpx x Wpx`` = the tile (``AutoencoderKL.tile_sample_min_size``) with ``memory.vae_tiling``;
   a causal video VAE (Wan's) decodes one latent frame at a time: ``F`` is then the frames of one chunk, plus the
   decoded video (``models.memory.decoder_activations``).
@@ -143,13 +150,16 @@ def denoiser_activation(batch: int, tokens: int, inner: int, mlp_ratio: float, e
 
 
 def encoder_activation(batch: int, seq: int, hidden: int, ff: int, heads: int, elem: int) -> int:
-    """Peak activation bytes of a text encoder layer: ``B S e (2 H + 3 F) + 2 B heads S^2 4`` (module docstring)."""
-    return int(batch * seq * elem * (2 * hidden + 3 * ff) + 2 * batch * heads * seq * seq * 4)
+    """Peak activation bytes of a text encoder layer: ``B S e (2 H + 3 F) + B heads S^2 (2 * 4 + 2 e)`` (module
+    docstring)."""
+    return int(batch * seq * elem * (2 * hidden + 3 * ff) + batch * heads * seq * seq * (2 * 4 + 2 * elem))
 
 
 def decoder_activation(batch: int, frames: int, height: int, width: int, channels: int, elem: int) -> int:
-    """Peak activation bytes of the VAE decoder: ``B * F * H * W * C * e * 3`` (module docstring)."""
-    return int(batch * frames * height * width * channels * elem * 3)
+    """Peak activation bytes of the VAE decoder: ``3.5 u + min(u, 1 GiB)``, ``u = B * F * H * W * C * e`` (module
+    docstring)."""
+    unit = batch * frames * height * width * channels * elem
+    return int(3.5 * unit + min(unit, GIB))
 
 
 # ------------------------------------------------------------------------------------------------ plans
