@@ -6,6 +6,7 @@ Lanes (each ``runner.app.execute.run`` on the same random weights, ``experiment=
 
 * ``lossless``: no budget, everything on the GPU (the reference);
 * ``budget24`` / ``budget12`` / ``budget8``: ``memory.offload=auto memory.max_gpu_gb=<N> memory.vae_slicing=true``
+  (``budget24_rs``: the same with ``memory.record_stream=true``, measured beside ``budget24``)
   (the planner picks the fastest plan that fits; the manifest records it, the estimate and the observed peaks);
   a plan the planner refuses at this batch is retried at half the batch (recorded);
 * ``int8wo`` / ``float8wo``: ``model.quantization.transformer=<method>`` (torchao, through diffusers' quantizer);
@@ -47,7 +48,7 @@ import torch  # noqa: E402
 
 from common import prompt_rows, write_jsonl  # noqa: E402
 
-LANES = ("lossless", "budget24", "budget12", "budget8", "int8wo", "float8wo", "q4", "wan48")
+LANES = ("lossless", "budget24", "budget12", "budget8", "budget24_rs", "int8wo", "float8wo", "q4", "wan48")
 
 
 def compose(overrides: List[str]) -> Any:
@@ -121,6 +122,7 @@ def flux_lanes(args: argparse.Namespace, out: Path, base: List[str], want: List[
     budget = ["memory.offload=auto", "memory.vae_slicing=true"]
     spec = {"lossless": [], "budget24": [*budget, "memory.max_gpu_gb=24"],
             "budget12": [*budget, "memory.max_gpu_gb=12"], "budget8": [*budget, "memory.max_gpu_gb=8"],
+            "budget24_rs": [*budget, "memory.max_gpu_gb=24", "memory.record_stream=true"],
             "int8wo": ["model.quantization.transformer=int8wo", "optimize.fuse_qkv=false"],
             "float8wo": ["model.quantization.transformer=float8wo", "optimize.fuse_qkv=false"]}
     for name in [n for n in spec if n in want]:
@@ -141,7 +143,7 @@ def flux_lanes(args: argparse.Namespace, out: Path, base: List[str], want: List[
                                                          "items_ok", "planned_gb", "observed_gb")}}), flush=True)
         save(res)
     ref = res.get("lossless", {})
-    for name in ("budget24", "budget12", "budget8", "int8wo", "float8wo"):
+    for name in ("budget24", "budget12", "budget8", "budget24_rs", "int8wo", "float8wo"):
         g = res.get(name, {}).get("generate_s")
         if g and ref.get("generate_s"):
             res[name]["ratio_vs_lossless"] = round(g / ref["generate_s"], 4)

@@ -36,6 +36,7 @@ class MemorySettings:
     offload: str
     use_stream: bool
     blocks_per_group: int
+    record_stream: bool
     vae_tiling: bool
     vae_slicing: bool
     max_gpu_gb: Optional[float]
@@ -53,8 +54,9 @@ def settings(mem: Any, platform_kind: str, parallel: Any) -> MemorySettings:
         ConfigValueError: offload or a budget off a CUDA device, offload under context parallelism,
             ``blocks_per_group`` < 1, a budget <= 0.
     """
-    s = MemorySettings(str(mem.offload), bool(mem.use_stream), int(mem.blocks_per_group), bool(mem.vae_tiling),
-                       bool(mem.vae_slicing), None if mem.max_gpu_gb is None else float(mem.max_gpu_gb))
+    s = MemorySettings(str(mem.offload), bool(mem.use_stream), int(mem.blocks_per_group),
+                       bool(getattr(mem, "record_stream", False)), bool(mem.vae_tiling), bool(mem.vae_slicing),
+                       None if mem.max_gpu_gb is None else float(mem.max_gpu_gb))
     bad: List[str] = []
     if s.offload != "none" and platform_kind not in ("cuda", "rocm"):
         bad.append(f"memory.offload={s.offload} moves weights between the host and a GPU, and this platform is "
@@ -301,12 +303,14 @@ def apply_offload(pipe: Any, plan: planner.Plan, device: str) -> Dict[str, Any]:
         pipe.enable_model_cpu_offload(device=device)
     else:
         kind = "block_level" if mode == "group_block" else "leaf_level"
-        kw: Dict[str, Any] = {"use_stream": plan.use_stream}
+        kw: Dict[str, Any] = {"use_stream": plan.use_stream,
+                              "record_stream": plan.use_stream and plan.record_stream}
         if kind == "block_level":
             kw["num_blocks_per_group"] = plan.blocks_per_group
         pipe.enable_group_offload(onload_device=torch.device(device), offload_device=torch.device("cpu"),
                                   offload_type=kind, **kw)
-    return {"offload": mode, "use_stream": plan.use_stream, "blocks_per_group": plan.blocks_per_group}
+    return {"offload": mode, "use_stream": plan.use_stream, "blocks_per_group": plan.blocks_per_group,
+            "record_stream": plan.use_stream and plan.record_stream}
 
 
 def apply_vae(pipe: Any, tiling: bool, slicing: bool) -> Dict[str, bool]:
@@ -583,7 +587,8 @@ class Fitting:
         """
         s = self.settings
         self.budget = int(s.max_gpu_gb * planner.GIB) if s.max_gpu_gb is not None else device_total
-        self.candidates = planner.plans(sizes, stages, "transformer", forwards, s.use_stream, s.blocks_per_group)
+        self.candidates = planner.plans(sizes, stages, "transformer", forwards, s.use_stream, s.blocks_per_group,
+                                        s.record_stream)
         where = "memory.offload"
         if s.max_gpu_gb is None and s.offload != "auto":  # no budget asked: the device's memory bounds nothing
             self.plan = {p.offload: p for p in self.candidates}[s.offload]
@@ -644,7 +649,7 @@ class Fitting:
         if s.max_gpu_gb is not None:
             self.applied["budget"] = set_budget(s.max_gpu_gb, device)
         plan = self.plan or planner.Plan(s.offload if s.offload != "auto" else "none", s.use_stream,
-                                         s.blocks_per_group)
+                                         s.blocks_per_group, record_stream=s.use_stream and s.record_stream)
         self.applied.update(apply_offload(pipe, plan, device))
         if str(device).startswith("cuda"):
             torch.cuda.empty_cache()  # blocks freed by offloading leave the allocator's cache, under the cap

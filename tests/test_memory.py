@@ -434,7 +434,7 @@ def test_vae_slicing_and_tiling_reach_the_vae_and_tiling_the_identity(tmp_path):
     assert r.code == 0 and seen == {"slicing": True, "tiling": True}
     m = json.loads((tmp_path / "s" / "manifest.json").read_text())
     assert m["memory_plan"]["applied"] == {"offload": "none", "use_stream": True, "blocks_per_group": 1,
-                                           "vae_tiling": True, "vae_slicing": True}
+                                           "record_stream": False, "vae_tiling": True, "vae_slicing": True}
     base = execute(tmp_path / "b", [*SMALL, "batch_size=2"])
     assert base.code == 0
     ident = {d: json.loads((tmp_path / d / "manifest.json").read_text())["identity"] for d in ("s", "b")}
@@ -542,3 +542,21 @@ def test_the_plans_cover_the_peaks_observed_on_the_h200(flux_dev):
         assert res[lane]["batch_size"] == 16 and res[lane]["items"] == 16
         p = planner.plan(mode, sizes, _stages(confs, batch=16, slicing=slicing), "transformer", 28)
         assert observed <= planner.gb(p.peak) <= 1.15 * observed, (lane, observed, planner.gb(p.peak))
+
+
+def test_record_stream_plans_a_third_resident_group(flux_dev):
+    """``memory.record_stream=true``: a group freed by the offload hook waits for the compute stream before its
+    memory is reused, so the plan counts three groups of the largest block resident where a stream alone counts
+    two (the denoise stage differs by exactly one FLUX.1-dev block); without a stream it changes nothing."""
+    from models.memory import component_sizes
+
+    mods, confs = flux_dev
+    sizes = component_sizes(mods, {})
+    st = _stages(confs)
+    two = planner.plan("group_block", sizes, st, "transformer", 28, use_stream=True)
+    three = planner.plan("group_block", sizes, st, "transformer", 28, use_stream=True, record_stream=True)
+    block = max(sizes["transformer"].blocks)
+    assert three.stages["denoise"] - two.stages["denoise"] == block and three.record_stream
+    off = planner.plan("group_block", sizes, st, "transformer", 28, use_stream=False, record_stream=True)
+    assert off.stages == planner.plan("group_block", sizes, st, "transformer", 28, use_stream=False).stages
+    assert not off.record_stream

@@ -8,7 +8,8 @@ never touches a device. ``models.memory`` feeds it from the pipeline's component
 (``diffusers/hooks/group_offloading.py``, 0.42): *block level* makes one group of every ``num_blocks_per_group``
 entries of each top-level ``nn.ModuleList``/``nn.Sequential`` child and keeps everything else (the "unmatched"
 modules and the top-level parameters) as one group onloaded while the component runs; with ``use_stream`` the next
-group is prefetched (two groups resident) and ``num_blocks_per_group`` is forced to 1. *Leaf level* makes every
+group is prefetched (two groups resident; three with ``record_stream``, whose freed group waits for the compute
+stream) and ``num_blocks_per_group`` is forced to 1. *Leaf level* makes every
 leaf module its own group (two resident with a stream). Quantized ``nn.Linear`` weights count at the method's bits
 (``kernels.quantization.WeightQuant.bits``).
 
@@ -180,7 +181,7 @@ class Plan:
 
     Attributes:
         offload: one of :data:`OFFLOAD_MODES`.
-        use_stream, blocks_per_group: its group-offload settings.
+        use_stream, blocks_per_group, record_stream: its group-offload settings.
         stages: stage -> planned peak bytes (weights resident + activations), :data:`RESERVE_BYTES` excluded.
         peak: the largest stage's bytes plus :data:`RESERVE_BYTES`.
         moved: bytes copied host-to-device per pipeline call (the speed order).
@@ -192,10 +193,11 @@ class Plan:
     stages: Dict[str, int] = field(default_factory=dict)
     peak: int = 0
     moved: int = 0
+    record_stream: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         return {"offload": self.offload, "use_stream": self.use_stream, "blocks_per_group": self.blocks_per_group,
-                "peak_gb": gb(self.peak), "stages_gb": {k: gb(v) for k, v in self.stages.items()},
+                "record_stream": self.record_stream, "peak_gb": gb(self.peak), "stages_gb": {k: gb(v) for k, v in self.stages.items()},
                 "moved_per_call_gb": gb(self.moved)}
 
 
@@ -204,8 +206,8 @@ def gb(n: float) -> float:
     return round(n / GIB, 3)
 
 
-def _resident(c: ComponentSize, mode: str, stream: bool, n: int, total: int) -> int:
-    k = 2 if stream else 1
+def _resident(c: ComponentSize, mode: str, stream: bool, n: int, total: int, record: bool = False) -> int:
+    k = (3 if record else 2) if stream else 1
     if mode == "none":
         return total
     if mode == "model":
@@ -218,7 +220,7 @@ def _resident(c: ComponentSize, mode: str, stream: bool, n: int, total: int) -> 
 
 
 def plan(mode: str, sizes: Mapping[str, ComponentSize], stages: Sequence[Stage], denoiser: str, forwards: int,
-         use_stream: bool = True, blocks_per_group: int = 1) -> Plan:
+         use_stream: bool = True, blocks_per_group: int = 1, record_stream: bool = False) -> Plan:
     """The estimate of offload plan ``mode`` (module docstring).
 
     Args:
@@ -226,9 +228,10 @@ def plan(mode: str, sizes: Mapping[str, ComponentSize], stages: Sequence[Stage],
             times per call (its weights move once per forward under group offload).
     """
     total = sum(c.weights for c in sizes.values())
-    p = Plan(mode, use_stream, 1 if use_stream else blocks_per_group)
+    record = use_stream and record_stream
+    p = Plan(mode, use_stream, 1 if use_stream else blocks_per_group, record_stream=record)
     for st in stages:
-        p.stages[st.name] = max((_resident(sizes[c], mode, use_stream, blocks_per_group, total) + a
+        p.stages[st.name] = max((_resident(sizes[c], mode, use_stream, blocks_per_group, total, record) + a
                                  for c, a in st.activations.items() if c in sizes), default=0)
     p.peak = max(p.stages.values(), default=0) + RESERVE_BYTES
     others = total - (sizes[denoiser].weights if denoiser in sizes else 0)
@@ -238,9 +241,10 @@ def plan(mode: str, sizes: Mapping[str, ComponentSize], stages: Sequence[Stage],
 
 
 def plans(sizes: Mapping[str, ComponentSize], stages: Sequence[Stage], denoiser: str, forwards: int,
-          use_stream: bool = True, blocks_per_group: int = 1) -> List[Plan]:
+          use_stream: bool = True, blocks_per_group: int = 1, record_stream: bool = False) -> List[Plan]:
     """Every offload plan, fastest first (:data:`OFFLOAD_MODES` is that order)."""
-    return [plan(m, sizes, stages, denoiser, forwards, use_stream, blocks_per_group) for m in OFFLOAD_MODES]
+    return [plan(m, sizes, stages, denoiser, forwards, use_stream, blocks_per_group, record_stream)
+            for m in OFFLOAD_MODES]
 
 
 def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],

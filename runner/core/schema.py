@@ -764,6 +764,11 @@ class MemoryConfig:
     use_stream: bool = True
     """Group offload: copy the next group on a side CUDA stream while the current one computes (diffusers
     ``use_stream``; forces one block per group)."""
+    record_stream: bool = False
+    """Group offload with ``use_stream``: mark each onloaded tensor as used by the compute stream (diffusers
+    ``record_stream``) instead of synchronising that stream before each group is offloaded: more overlap of copies
+    and compute, and up to one more group resident (the planner counts three). Off by default until measured
+    against ``false`` side by side (``benchmarks/memory_lanes.py`` lane ``budget24_rs``)."""
     blocks_per_group: int = 1
     """``group_block`` without a stream: blocks onloaded together (>= 1)."""
     vae_tiling: bool = declared(False, enters=(RESUME, IDENTITY), when_set=True)
