@@ -196,3 +196,359 @@ def test_a_changed_mask_changes_the_item_identity_and_resume_regenerates_it(tmp_
     out = np.asarray(Image.open(again.run_dir / after["b"]["file"]).convert("RGB"))
     keep = quadrant_mask(0, 32) < 128  # the overlay keeps the input outside the NEW mask
     assert np.array_equal(out[keep], draw("green", "square", "center")[keep])
+
+
+# ------------------------------------------------------------------------------------------- run identity
+@pytest.mark.parametrize("model, component", [("tiny_flux", "text_encoder"), ("tiny_flux", "text_encoder_2"),
+                                              ("tiny_wan22", "transformer_2")])
+def test_quantizing_a_text_encoder_or_the_second_expert_changes_the_run_identity(compose, model, component):
+    """Kills: a run identity that reads the quantization of ``transformer`` only. The composed config of a run that
+    quantizes only ``component`` has another identity than the plain run's and than the run that quantizes only
+    the transformer, and the identity diff names the component's key."""
+    from omegaconf import OmegaConf
+
+    from runner.core.resume import identity_diff, identity_sha256, run_identity
+
+    def ident(*over):
+        cfg = OmegaConf.to_container(compose([f"model={model}", "platform=cpu", *over]), resolve=True)
+        return run_identity(cfg, "float32", {"kind": "cpu"}, {}, {}, {})
+
+    plain, comp, tr = (ident(), ident(f"model.quantization.{component}=int8wo"),
+                       ident("model.quantization.transformer=int8wo"))
+    both = ident("model.quantization.transformer=int8wo", f"model.quantization.{component}=int8wo")
+    shas = [identity_sha256(x) for x in (plain, comp, tr, both)]
+    assert len(set(shas)) == 4, shas
+    assert comp["config"]["model.quantization"] == {component: "int8wo"}
+    assert any(k.startswith(f"config.model.quantization") for k in identity_diff(tr, both)), identity_diff(tr, both)
+
+
+# ------------------------------------------------------------------------------------------- LoRA
+@pytest.fixture(scope="module")
+def toy_adapter(tmp_path_factory) -> Path:
+    from test_lora import write_adapter
+
+    return write_adapter(tmp_path_factory.mktemp("lora42") / "a.safetensors", 7)
+
+
+def _fused(adapter: Path, wrong_scale: float = None) -> Dict[str, Any]:
+    """The fused-set evidence of ``adapter`` at scale 1 on a fresh toy_shapes pipeline; ``wrong_scale``: diffusers'
+    ``fuse_lora`` made to fuse at that scale instead (a fuse that changes the weights by another delta)."""
+    from diffusers import FluxPipeline
+
+    from models import lora
+
+    pipe = FluxPipeline.from_pretrained(TOY, local_files_only=True, dtype=torch.float32)
+    if wrong_scale is not None:
+        real = pipe.fuse_lora
+
+        def fuse_lora(*a, **k):
+            return real(*a, **{**k, "lora_scale": wrong_scale})
+
+        pipe.fuse_lora = fuse_lora
+    lib = [lora.Adapter(name="a", path=str(adapter), scale=1.0, sha256=lora.file_sha256(adapter), layers=())]
+    rt = lora.Runtime(lib, True, "test", [(("a", 1.0),)], observe=True)
+    rt.load(pipe)
+    return rt.evidence("denoise")
+
+
+def test_a_fused_change_that_is_not_the_adapters_delta_is_a_mismatch(toy_adapter):
+    """Kills: a fused-LoRA check that asks only whether the weights changed. Fused at twice its scale, every adapted
+    layer's weight changes, by twice the adapter's ``scaling * B @ A``: each layer is a delta mismatch (not
+    'changed nothing'), the verdict mismatch; fused as asked, verified."""
+    from test_lora import MODULES
+
+    sec, mm = _fused(toy_adapter)
+    assert sec["fused"]["verdict"] == "verified" and not mm, (sec, mm)
+    sec, mm = _fused(toy_adapter, wrong_scale=2.0)
+    f = sec["fused"]
+    assert f["verdict"] == "mismatch" and f["changed_nothing"] == [], f
+    assert sorted(f["delta_mismatch"]) == sorted(MODULES), f
+    assert len(mm) == 1 and f"{len(MODULES)} whose change is not the adapter's delta" in mm[0], mm
+
+
+# ------------------------------------------------------------------------------------------- memory
+class _Net(torch.nn.Module):
+    """An input Linear, three blocks of different sizes in a ModuleList, an output Linear (float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)  # 144 parameters
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 32),  # 272, 544
+                                           torch.nn.Linear(32, 16)])  # 528
+        self.out = torch.nn.Linear(16, 4)  # 68
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _resident_peak(m: torch.nn.Module, prefetch: bool) -> int:
+    """The most bytes diffusers' block-level group offload holds onloaded at once during one forward on CPU
+    (onload = offload device = CPU; each group's ``onload_``/``offload_`` tracked). ``prefetch``: the groups
+    chained as diffusers chains them for a stream (``LazyPrefetchGroupOffloadingHook.post_forward``: each group's
+    hook onloads the next one; the stream itself needs an accelerator)."""
+    from diffusers.hooks import apply_group_offloading
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    from runner.core.memory import tensor_bytes
+
+    apply_group_offloading(m, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1)
+    hooks = [m._diffusers_hook.get_hook(_GROUP_OFFLOADING)] + [b._diffusers_hook.get_hook(_GROUP_OFFLOADING)
+                                                                 for b in m.blocks]
+    on: Dict[int, int] = {}
+    peak = [0]
+    for h in hooks:
+        g = h.group
+        tensors = {id(t): t for mod in g.modules for t in (*mod.parameters(), *mod.buffers())}
+        tensors.update({id(t): t for t in (*g.parameters, *g.buffers)})
+        size = sum(tensor_bytes(t) for t in tensors.values())
+
+        def wrap(g=g, size=size, up=g.onload_, down=g.offload_):
+            def onload_():
+                on[id(g)] = size
+                peak[0] = max(peak[0], sum(on.values()))
+                return up()
+
+            def offload_():
+                on.pop(id(g), None)
+                return down()
+
+            g.onload_, g.offload_ = onload_, offload_
+
+        wrap()
+    if prefetch:
+        for a, b in zip(hooks, hooks[1:]):
+            a.next_group, b.group.onload_self = b.group, False
+    with torch.no_grad():
+        m(torch.ones(2, 8))
+    return peak[0]
+
+
+def test_group_offload_plans_count_the_prefetched_group_a_cpu_run_holds():
+    """Kills: a planner that counts one group resident under ``use_stream`` (the prefetched next group left out).
+    Sizes by hand (float32): unmatched = inp + out = (144 + 68) * 4 = 848 bytes; blocks 1088, 2176, 2112. Without
+    a stream the peak is unmatched + the largest block = 3024, with prefetch unmatched + two blocks; a CPU run of
+    diffusers' own hooks holds exactly the first and at most the second; ``auto`` under a budget between the one-
+    and the two-group counts does not take group_block."""
+    from runner.core import memory as planner
+
+    size = planner.size_module("t", _Net())
+    assert (size.unmatched, size.blocks, size.max_leaf, size.other) == (848, (1088, 2176, 2112), 2176, 0)
+    stage = [planner.Stage("denoise", {"t": 1000})]
+    no_stream = planner.plan("group_block", {"t": size}, stage, "t", 4, use_stream=False, blocks_per_group=1)
+    stream = planner.plan("group_block", {"t": size}, stage, "t", 4, use_stream=True)
+    leaf = planner.plan("group_leaf", {"t": size}, stage, "t", 4, use_stream=True)
+    assert no_stream.stages["denoise"] == 848 + 2176 + 1000
+    assert stream.stages["denoise"] == 848 + 2 * 2176 + 1000
+    assert leaf.stages["denoise"] == 0 + 2 * 2176 + 1000
+    assert _resident_peak(_Net(), prefetch=False) == 848 + 2176
+    held = _resident_peak(_Net(), prefetch=True)
+    assert held == 848 + 2176 + 2112 and 848 + 2176 < held <= stream.stages["denoise"] - 1000
+    cands = planner.plans({"t": size}, stage, "t", 4, use_stream=True)
+    budget = planner.RESERVE_BYTES + 848 + 2176 + 2112 + 1000  # what the prefetching run holds, plus the reserve
+    p, why = planner.choose("auto", cands, budget)
+    assert p.offload != "group_block" and p.peak <= budget, (p.offload, why)
+    assert "group_block needs" in why
+
+
+def test_a_component_claiming_quantization_with_no_quantized_linear_is_a_mismatch():
+    """Kills: quantization evidence that reports the method without checking any Linear holds its weight class.
+    A component declared int8wo whose Linears are plain float: 0 quantized Linears and a mismatch naming it;
+    quantized for real (torchao, as the runner's loader does): every Linear counted, no mismatch."""
+    from models.memory import QuantProbe
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+
+    probe = QuantProbe({"transformer": "int8wo"})
+    plain = net()
+    probe.attach({"transformer": plain})
+    plain(torch.ones(1, 16))
+    sec, bad = probe.section()
+    assert sec["transformer"]["linears"] == 2 and sec["transformer"]["quantized_linears"] == 0
+    assert sec["transformer"]["quantized_calls"] == 0
+    assert bad == ["model.quantization.transformer=int8wo: none of its 2 Linears holds a "
+                   f"{'/'.join(__import__('kernels.quantization', fromlist=['get']).get('int8wo').tensor_classes)}"
+                   " weight after loading"], bad
+    pytest.importorskip("torchao.quantization")
+    from models.memory import quantize_built
+
+    q = net()
+    quantize_built(q, "int8wo", "diffusers", torch.float32)
+    probe = QuantProbe({"transformer": "int8wo"})
+    probe.attach({"transformer": q})
+    q(torch.ones(1, 16))
+    sec, bad = probe.section()
+    assert sec["transformer"]["quantized_linears"] == 2 and sec["transformer"]["quantized_calls"] == 2 and not bad
+
+
+# ------------------------------------------------------------------------------------------- metrics
+@pytest.fixture(scope="module")
+def clip_models(tmp_path_factory) -> Dict[str, Path]:
+    d = tmp_path_factory.mktemp("clip42")
+    return {"pos": tiny_clip(d / "pos"), "mixed": tiny_clip(d / "mixed", offset=0.5)}
+
+
+def _clip_reference(clip: Path, images: List[np.ndarray], prompts: List[str]) -> List[float]:
+    """``100 * cos`` of each (image, prompt) pair with transformers alone (float64), unclamped."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    model = CLIPModel.from_pretrained(clip).double().eval()
+    proc = CLIPProcessor.from_pretrained(clip)
+    out = []
+    with torch.no_grad():
+        for img, p in zip(images, prompts):
+            px = proc(images=[torch.from_numpy(img).permute(2, 0, 1)], return_tensors="pt")["pixel_values"]
+            tx = proc(text=[p], return_tensors="pt", padding=True)
+            ei = model.visual_projection(model.vision_model(pixel_values=px.double()).pooler_output)
+            et = model.text_projection(model.text_model(**tx).pooler_output)
+            out.append(100.0 * float(torch.nn.functional.cosine_similarity(ei, et, dim=-1)))
+    return out
+
+
+def test_the_tiny_clip_scores_depend_on_the_prompt(clip_models):
+    """The metric tests below need a CLIP whose text embedding depends on the prompt (pooled at the end-of-text
+    token): else a score paired with another prompt is the same number."""
+    from runner.core.metrics import REGISTRY
+
+    img = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    s = REGISTRY["clip_score"].load(clip_models["pos"], "cpu")([img] * 3, ["a red circle", "a blue square", "x"])
+    assert len({round(x, 3) for x in s}) == 3, s
+
+
+def test_resumed_scoring_pairs_each_artifact_with_its_own_prompt(tmp_path, clip_models):
+    """Kills: scoring that pairs a chunk's artifacts with the prompts of other records (e.g. the run's records
+    where only some need scoring after a resume). Five records, two keep their scores, three are scored in chunks
+    of two: each score is CLIPScore of its own image and prompt, recomputed pair by pair."""
+    from runner.core.dataset import file_sha256
+    from runner.core.metrics import MetricSet, model_digests, score_records
+
+    clip = clip_models["pos"]
+    (tmp_path / "images").mkdir()
+    rng = np.random.default_rng(5)
+    prompts = ["a red circle", "a blue square", "a green triangle", "a red circle in the top left", "x"]
+    images, records = [], []
+    for i, p in enumerate(prompts):
+        a = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+        images.append(a)
+        _png(tmp_path / "images" / f"{i}.png", a)
+        records.append({"key": str(i), "status": "ok", "file": f"images/{i}.png", "prompt": p,
+                        "file_sha256": file_sha256(tmp_path / "images" / f"{i}.png")})
+    ms = MetricSet(names=["clip_score"], paths={"clip_score": clip}, sources={"clip_score": {}}, batch_size=2)
+    digest = model_digests(ms)["clip_score"]["sha256"]
+    for i in (0, 2):  # scored before the resume
+        records[i].update(metrics={"clip_score": -1.0}, metrics_models={"clip_score": digest})
+    assert score_records(tmp_path, records, ms, "cpu") == {"clip_score": 3}
+    want = [max(x, 0.0) for x in _clip_reference(clip, images, prompts)]
+    got = [r["metrics"]["clip_score"] for r in records]
+    assert got[0] == got[2] == -1.0  # kept
+    assert [got[i] for i in (1, 3, 4)] == pytest.approx([want[i] for i in (1, 3, 4)], abs=1e-4)
+
+
+def test_summary_quantiles_are_numpys_on_asymmetric_scores():
+    """Kills: quantiles of another rule (nearest rank, reversed, percentiles of 0-1 fractions). Scores 1, 2, 3, 4,
+    100 (and a failed item and an unscored one, left out): numpy's linear rule by hand, position q * (n - 1):
+    p10 = 1.4, p25 = 2, p50 = 3, p75 = 4, p90 = 4 + 0.6 * 96 = 61.6; mean 22, population std."""
+    from runner.core.metrics import summary
+
+    vals = [4.0, 100.0, 1.0, 3.0, 2.0]
+    recs = [{"status": "ok", "metrics": {"m": v}} for v in vals]
+    recs += [{"status": "failed", "metrics": {"m": 1000.0}}, {"status": "ok", "metrics": {}}]
+    s = summary(recs, ["m", "other"])
+    assert s["other"] == {"n": 0}
+    want = {"n": 5, "mean": 22.0, "min": 1.0, "p10": 1.4, "p25": 2.0, "p50": 3.0, "p75": 4.0, "p90": 61.6,
+            "max": 100.0}
+    assert {k: s["m"][k] for k in want} == pytest.approx(want, abs=1e-9)
+    assert s["m"]["std"] == pytest.approx(float(np.std(vals)), abs=1e-5)
+    assert {f"p{int(q * 100)}": s["m"][f"p{int(q * 100)}"] for q in (0.1, 0.25, 0.5, 0.75, 0.9)} == pytest.approx(
+        {f"p{int(q * 100)}": float(np.quantile(vals, q)) for q in (0.1, 0.25, 0.5, 0.75, 0.9)}, abs=1e-9)
+
+
+def test_clip_score_clamps_each_image_and_each_frame_at_zero(clip_models):
+    """Kills: CLIPScore without its clamp, or clamping a video's mean instead of each frame. With a CLIP whose
+    cosines take both signs: each image's score is ``max(100 * cos, 0)`` (recomputed with transformers), and a
+    video of one negative and one positive frame scores the mean of the clamped frames."""
+    from runner.core.metrics import REGISTRY
+
+    clip = clip_models["mixed"]
+    rng = np.random.default_rng(0)
+    images = list(rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)) + [np.zeros((32, 32, 3), np.uint8)]
+    prompts = ["a red circle"] * 5
+    raw = _clip_reference(clip, images, prompts)
+    assert min(raw) < -1 and max(raw) > 1, raw  # both signs: the clamp decides
+    score = REGISTRY["clip_score"].load(clip, "cpu")
+    assert score(images, prompts) == pytest.approx([max(x, 0.0) for x in raw], abs=1e-4)
+    neg, pos = int(np.argmin(raw)), int(np.argmax(raw))
+    video = np.stack([images[neg], images[pos]])
+    assert score([video], ["a red circle"]) == pytest.approx([(0.0 + raw[pos]) / 2], abs=1e-4)
+
+
+# ------------------------------------------------------------------------------------------- two experts
+def test_a_step_partly_run_by_the_wrong_expert_is_a_mismatch():
+    """Kills: an expert check that accepts a step when the expected expert is among those that ran it (or looks
+    at its first forward only). Two steps of two forwards (CFG): step 1's second forward ran on the high-noise
+    expert: one mismatch naming step 1 and both experts; the same call run right is verified."""
+    from models.denoiser_evidence import expert_schedule
+
+    expected = [(1000.0, "transformer"), (500.0, "transformer_2")]
+    right = [("transformer", 1000.0), ("transformer", 1000.0), ("transformer_2", 500.0), ("transformer_2", 500.0)]
+    sec, mm = expert_schedule("denoise", [{"item": "a", "expected": expected, "observed": right, "per_step": 2}],
+                              "rule")
+    assert sec["verdict"] == "verified" and mm == [] and sec["expected_forwards"] == {"transformer": 2,
+                                                                                       "transformer_2": 2}
+    for partly in ([right[0], right[1], right[2], ("transformer", 500.0)],
+                   [right[0], right[1], ("transformer", 500.0), right[3]]):
+        sec, mm = expert_schedule("denoise", [{"item": "a", "expected": expected, "observed": partly,
+                                               "per_step": 2}], "rule")
+        assert sec["verdict"] == "mismatch" and len(mm) == 1, mm
+        assert "step 1 (timestep 500) ran transformer+transformer_2" in mm[0] and "expected transformer_2" in mm[0]
+        assert sec["first"]["steps"][1]["observed"] == ["transformer", "transformer_2"]
+
+
+# ------------------------------------------------------------------------------------------- audio
+def test_the_same_samples_at_another_sample_rate_are_not_reproduced(tmp_path):
+    """Kills: an audio comparison by samples alone. The same int16 samples muxed at 8 kHz and at 16 kHz (another
+    sound: twice as fast) are a mismatch, exact (CPU) and by PSNR; at the same rate they reproduce."""
+    from runner.core import video
+    from runner.tools import repro
+
+    rng = np.random.default_rng(3)
+    frames = rng.integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    pcm = video.to_pcm16(rng.uniform(-0.5, 0.5, (1, 400)))
+    video.write_video(tmp_path / "a.mp4", frames, 8, "h264_lossless", audio=pcm, sample_rate=8000)
+    video.write_video(tmp_path / "b.mp4", frames, 8, "h264_lossless", audio=pcm, sample_rate=16000)
+    video.write_video(tmp_path / "c.mp4", frames, 8, "h264_lossless", audio=pcm, sample_rate=8000)
+    assert np.array_equal(video.read_audio(tmp_path / "b.mp4")[0], pcm)  # the samples are the same
+    for exact in (True, False):
+        row, notes = repro._compare_audio(tmp_path / "a.mp4", tmp_path / "b.mp4", exact, 40)
+        assert notes and "rate" in notes[0] and "8000 Hz" in notes[0] and "16000 Hz" in notes[0], notes
+        assert row["audio_psnr_db"] is None
+        assert repro._compare_audio(tmp_path / "a.mp4", tmp_path / "c.mp4", exact, 40)[1] == []
+
+
+# ------------------------------------------------------------------------------------------- gate
+def test_min_metric_ratio_with_a_negative_lossless_mean_needs_the_lossy_mean_at_least_as_high(tmp_path):
+    """Kills: a ratio taken against a negative mean (a worse, more negative lossy mean then reads as a ratio > 1).
+    Lossless scores -2, -4 (mean -3): lossy -4, -5 (mean -4.5, ratio 1.5) fails; lossy -1, -2 (mean -1.5, ratio
+    0.5) passes; the gate's verdict follows."""
+    from runner.tools.gate import compare, metric_ratios
+    from test_metrics import _scored_job
+
+    ref = _scored_job(tmp_path, "ref", {"a": -2.0, "b": -4.0})
+    worse = _scored_job(tmp_path, "worse", {"a": -4.0, "b": -5.0})
+    better = _scored_job(tmp_path, "better", {"a": -1.0, "b": -2.0})
+    w = metric_ratios(worse, ref, {"clip_score": 0.99})["clip_score"]
+    assert (w["lossy"], w["lossless"], w["pass"]) == (-4.5, -3.0, False), w
+    b = metric_ratios(better, ref, {"clip_score": 0.99})["clip_score"]
+    assert (b["lossy"], b["lossless"], b["pass"]) == (-1.5, -3.0, True), b
+    for job, verdict in ((worse, "fail"), (better, "pass")):
+        for j in (job, ref):
+            (j.path / "images").mkdir(parents=True, exist_ok=True)
+            for r in j.items:  # equal images: the metric alone decides
+                _png(j.path / r["file"], np.full((8, 8, 3), 128, np.uint8))
+        doc = compare(job, ref, min_metric_ratio={"clip_score": 0.99})
+        assert doc["verdict"] == verdict, doc
