@@ -490,8 +490,8 @@ def test_clip_score_clamps_each_image_and_each_frame_at_zero(clip_models):
 # ------------------------------------------------------------------------------------------- two experts
 def test_a_step_partly_run_by_the_wrong_expert_is_a_mismatch():
     """Kills: an expert check that accepts a step when the expected expert is among those that ran it (or looks
-    at its first forward only). Two steps of two forwards (CFG): step 1's second forward ran on the high-noise
-    expert: one mismatch naming step 1 and both experts; the same call run right is verified."""
+    at its first forward only). Two steps of two forwards (CFG), one forward of one step on the other expert (either
+    step, either forward): one mismatch naming that step and both experts; the same call run right is verified."""
     from models.denoiser_evidence import expert_schedule
 
     expected = [(1000.0, "transformer"), (500.0, "transformer_2")]
@@ -500,13 +500,17 @@ def test_a_step_partly_run_by_the_wrong_expert_is_a_mismatch():
                               "rule")
     assert sec["verdict"] == "verified" and mm == [] and sec["expected_forwards"] == {"transformer": 2,
                                                                                        "transformer_2": 2}
-    for partly in ([right[0], right[1], right[2], ("transformer", 500.0)],
-                   [right[0], right[1], ("transformer", 500.0), right[3]]):
+    for step, partly in ((1, [right[0], right[1], right[2], ("transformer", 500.0)]),
+                         (1, [right[0], right[1], ("transformer", 500.0), right[3]]),
+                         (0, [right[0], ("transformer_2", 1000.0), right[2], right[3]]),
+                         (0, [("transformer_2", 1000.0), right[1], right[2], right[3]])):
         sec, mm = expert_schedule("denoise", [{"item": "a", "expected": expected, "observed": partly,
                                                "per_step": 2}], "rule")
+        t, e = expected[step]
         assert sec["verdict"] == "mismatch" and len(mm) == 1, mm
-        assert "step 1 (timestep 500) ran transformer+transformer_2" in mm[0] and "expected transformer_2" in mm[0]
-        assert sec["first"]["steps"][1]["observed"] == ["transformer", "transformer_2"]
+        assert f"step {step} (timestep {t:g}) ran transformer+transformer_2" in mm[0], mm
+        assert f"expected {e} (rule)" in mm[0], mm
+        assert sec["first"]["steps"][step]["observed"] == ["transformer", "transformer_2"]
 
 
 # ------------------------------------------------------------------------------------------- audio
