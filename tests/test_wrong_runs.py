@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
@@ -219,7 +219,7 @@ def test_quantizing_a_text_encoder_or_the_second_expert_changes_the_run_identity
     shas = [identity_sha256(x) for x in (plain, comp, tr, both)]
     assert len(set(shas)) == 4, shas
     assert comp["config"]["model.quantization"] == {component: "int8wo"}
-    assert any(k.startswith(f"config.model.quantization") for k in identity_diff(tr, both)), identity_diff(tr, both)
+    assert any(k.startswith("config.model.quantization") for k in identity_diff(tr, both)), identity_diff(tr, both)
 
 
 # ------------------------------------------------------------------------------------------- LoRA
@@ -230,7 +230,7 @@ def toy_adapter(tmp_path_factory) -> Path:
     return write_adapter(tmp_path_factory.mktemp("lora42") / "a.safetensors", 7)
 
 
-def _fused(adapter: Path, wrong_scale: float = None) -> Dict[str, Any]:
+def _fused(adapter: Path, wrong_scale: Optional[float] = None) -> Dict[str, Any]:
     """The fused-set evidence of ``adapter`` at scale 1 on a fresh toy_shapes pipeline; ``wrong_scale``: diffusers'
     ``fuse_lora`` made to fuse at that scale instead (a fuse that changes the weights by another delta)."""
     from diffusers import FluxPipeline
