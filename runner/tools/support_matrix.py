@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import functools
 import json
 import re
 import subprocess
@@ -677,6 +678,7 @@ def _arch(root: Path, family: str) -> Dict[str, Any]:
     return (yaml.safe_load(f.read_text()) or {}).get("architecture") or {} if f.is_file() else {}
 
 
+@functools.lru_cache(maxsize=None)
 def family_facts(root: Path, column: str, dtype: Any) -> Dict[str, Any]:
     """``backend_fields``, ``head_dim``, ``needs_mask`` and ``moe_dims`` of family ``column``'s full-size config
     (``conf/model/<family>.yaml``), computed by its engine class's own methods on that config (no weights); a value
@@ -787,7 +789,7 @@ def _backend_refusal(root: Path, axis: str, value: str, column: Optional[str], s
         if b.vllm is None:
             return f"no vLLM equivalent of {value}"
     elif column is not None and axis != "linear" and b.diffusers is None:
-        return f"not wired into diffusers stages (vLLM only)"
+        return "not wired into diffusers stages (vLLM only)"
     why = b.unmet(selection_context(root, column, platform))
     return "; ".join(why) or None
 
@@ -903,10 +905,32 @@ class Page:
         return c.state
 
 
+def cells(root: Path, ev: Evidence) -> Dict[Tuple[str, str, str], Cell]:
+    """Every cell: ``(axis, value, column) -> Cell`` for the H200 (column: a family, or an engine in the backend
+    axes; the family axis has its own family as the column) and ``(axis, value, "CPU") -> Cell`` (``accepted`` or
+    ``refused``, the registries' verdict for a CPU)."""
+    cols = columns(root)
+    fams = [c for c in cols if c in _families()]
+    gpu_runs = [r for r in ev.runs if r.platform == GPU]
+    out: Dict[Tuple[str, str, str], Cell] = {}
+    for ax in axes():
+        for v in ax.values:
+            if ax.key == "family":
+                out[(ax.key, v, "CPU")] = Cell("accepted")
+                out[(ax.key, v, v)] = decide([r for r in gpu_runs if v in r.features.get("family", [])], None, None)
+                continue
+            cpu_why = refusal(root, ax.key, v, None, "CPU")
+            out[(ax.key, v, "CPU")] = Cell("refused", [], cpu_why) if cpu_why else Cell("accepted")
+            for col in (cols if ax.key in BACKEND_AXES else fams):
+                runs = [r for r in gpu_runs if r.column == col and v in r.features.get(ax.key, [])]
+                out[(ax.key, v, col)] = decide(runs, refusal(root, ax.key, v, col, GPU), cpu_why)
+    return out
+
+
 def render(root: Path, ev: Evidence) -> str:
     """The page (Markdown) from the evidence and the registries."""
     cols = columns(root)
-    fams = [c for c in cols if c != "vllm" and c in _families()]
+    fams = [c for c in cols if c in _families()]
     page = Page()
     out = [
         "# Support matrix",
@@ -933,33 +957,21 @@ def render(root: Path, ev: Evidence) -> str:
         "summary line's backends, a test id's parameters) counts as exercised.",
         "",
     ]
-    cpu_cache: Dict[Tuple[str, str], Optional[str]] = {}
-
-    def cpu(axis: str, value: str) -> Optional[str]:
-        if (axis, value) not in cpu_cache:
-            cpu_cache[(axis, value)] = refusal(root, axis, value, None, "CPU")
-        return cpu_cache[(axis, value)]
-
-    gpu_runs = [r for r in ev.runs if r.platform == GPU]
+    table = cells(root, ev)
     for ax in axes():
         table_cols = cols if ax.key in BACKEND_AXES else fams
         out += [f"## {ax.title} (`{ax.setting}`)", "", f"Rows: `{ax.source}`.", ""]
         if ax.key == "family":
             out += ["| family | CPU | H200 |", "|---|---|---|"]
             for v in ax.values:
-                c = decide([r for r in gpu_runs if v in r.features.get("family", [])], None, None)
-                out.append(f"| `{v}` | accepted | {page.cell(c)} |")
+                out.append(f"| `{v}` | {page.cell(table[(ax.key, v, 'CPU')])} | {page.cell(table[(ax.key, v, v)])} |")
             out.append("")
             continue
         out += ["| " + " | ".join([ax.key, "CPU", *table_cols]) + " |",
                 "|" + "---|" * (len(table_cols) + 2)]
         for v in ax.values:
-            cpu_why = cpu(ax.key, v)
-            cpu_cell = page.cell(Cell("refused", [], cpu_why)) if cpu_why else "accepted"
-            row = [f"`{v}`", cpu_cell]
-            for col in table_cols:
-                runs = [r for r in gpu_runs if r.column == col and v in r.features.get(ax.key, [])]
-                row.append(page.cell(decide(runs, refusal(root, ax.key, v, col, GPU), cpu_why)))
+            row = [f"`{v}`", page.cell(table[(ax.key, v, "CPU")])]
+            row += [page.cell(table[(ax.key, v, col)]) for col in table_cols]
             out.append("| " + " | ".join(row) + " |")
         out.append("")
     others = sorted({r.platform for r in ev.runs if r.platform not in (GPU, None, "CPU")})
@@ -970,7 +982,8 @@ def render(root: Path, ev: Evidence) -> str:
             "|---|---|---|---|---|---|---|---|"]
     for rel, s in sorted(ev.logs.items(), key=lambda kv: (ev.files[kv[0]][1], kv[0])):
         t = s["totals"]
-        out.append(f"| `{rel}` | `{ev.files[rel][0]}` | {ev.files[rel][1]} | {_esc(s['device'] or s['platform'] or '?')} | "
+        device = _esc(s["device"] or s["platform"] or "?")
+        out.append(f"| `{rel}` | `{ev.files[rel][0]}` | {ev.files[rel][1]} | {device} | "
                    f"{t.get('passed', 0)} | {t.get('failed', 0) + t.get('error', 0)} | {t.get('skipped', 0)} | "
                    + (", ".join(f"`{_esc(x)}`" for x in s["failed"]) or "—") + " |")
     out += ["", "## Result files read", "",
