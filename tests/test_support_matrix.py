@@ -91,6 +91,9 @@ def _results(tmp_path: Path) -> Path:
                         "exit_code": 2, "refused": "MemoryBudgetError: memory.offload=auto: no plan fits 8 GB"},
             "int8wo": {"overrides": ["model=sd3", "model.quantization.transformer=int8wo"], "exit_code": 3,
                        "status": "evidence_mismatch", "evidence": {"verdict": "mismatch", "mismatches": ["x"]}},
+            "budget24": {"overrides": ["experiment=flux_dev_h200", "memory.offload=auto", "memory.max_gpu_gb=24"],
+                         "exit_code": 0, "status": "completed", "evidence": {"verdict": "verified"},
+                         "memory_plan": {"offload": "group_leaf", "quantization": {"transformer": "float8wo"}}},
             "group_block": {"overrides": ["model=sd3", "memory.offload=group_block"], "exit_code": 0,
                             "status": "completed", "evidence": {"verdict": "verified"}},
             "negative_control": {"overrides": ["model=sd3", "memory.offload=model"], "exit_code": 3},
@@ -114,14 +117,17 @@ def test_passed_failed_skipped_refused_and_absent_lanes(synthetic):
     assert cells[("linear", "FP8", "sd3")].state == "failed"
     c = cells[("attention", "FLASH_ATTN", "flux")]
     assert c.state == "skipped" and "flash-attn" in c.reason
-    c = cells[("offload", "auto", "flux")]  # exit 2: a refusal the run itself met, with its message
-    assert c.state == "refused" and "no plan fits" in c.reason and c.runs[0].commit == "abcdef1"
-    assert c.runs[0].date == "2030-01-03"
+    c = cells[("offload", "auto", "flux")]  # budget24 passed, budget8 met a refusal (exit 2) in the same file
+    assert c.state == "verified+refused" and "no plan fits" in c.reason
+    assert {(r.commit, r.date) for r in c.runs} == {("abcdef1", "2030-01-03")}  # the file's own commit and date
     assert "family" not in ev.runs[[r.detail for r in ev.runs].index("lanes/budget8")].features  # not the family's
     c = cells[("quantization", "int8wo", "sd3")]
     assert c.state == "failed" and "mismatch" in c.reason
     assert cells[("offload", "group_block", "sd3")].state == "verified"
-    assert cells[("offload", "group_leaf", "flux")].state == "verified"  # PASSED line, parameters of the test id
+    c = cells[("offload", "group_leaf", "flux")]  # the plan auto took (JSON) and a PASSED line's test id
+    assert c.state == "verified" and {r.file.rsplit("/", 1)[-1] for r in c.runs} == {"memory_lanes_h200.json"}
+    assert cells[("quantization", "float8wo", "flux")].state == "verified"
+    assert any(r.status == sm.PASSED and r.detail.endswith("test_lane[tiny_flux-group_leaf]") for r in ev.runs)
     assert cells[("offload", "model", "sd3")].state == "not run"  # only a negative control ran it
     assert cells[("attention", "CUDNN_ATTN", "zimage")].state == "not run"  # no result; the CPU refuses it
     assert cells[("attention", "TORCH_SDPA", "zimage")].state == "CPU only"

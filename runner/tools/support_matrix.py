@@ -24,7 +24,8 @@ Evidence (:func:`collect`), every file under the results dir:
 
 What a run exercised is read from what it names: its overrides (``model=``, ``experiment=`` expanded from
 ``conf/experiment``, ``backend.<field>=``, ``model.quantization.<c>=``, ``cache.method=``, ``memory.offload=``,
-``model.lora_fuse=``, ``model.task=``, ``parallelism=``, ``metrics.names=``), the summary line's resolved backends,
+``model.lora_fuse=``, ``model.task=``, ``parallelism=``, ``metrics.names=``), a record's ``memory_plan`` (the
+offload plan ``auto`` took, the quantization methods), the summary line's resolved backends,
 and a test id's parameters (``[tiny_flux_hd64-SAGE_ATTN-FP8]``: a model config, or its name plus ``_suffix``, and
 canonical names that belong to exactly one axis). Nothing is inferred from a registry entry or an import.
 
@@ -543,6 +544,12 @@ def parse_json(path: Path, rel: str, feats: Features) -> List[Run]:
         if out is not None and "negative_control" not in detail:
             f: Dict[str, List[str]] = {}
             seen = feats.from_overrides(node["overrides"], f)
+            plan = node.get("memory_plan")
+            if isinstance(plan, dict):  # the plan memory.offload=auto took, and the methods it quantized with
+                if plan.get("offload"):
+                    feats._add(f, "offload", str(plan["offload"]))
+                for method in (plan.get("quantization") or {}).values():
+                    feats._add(f, "quantization", str(method))
             model = seen["model"] or seen["adapter"]
             if model is None:  # nearest enclosing record, then the key path (gate_toy_shapes/jobs/fp8)
                 model = ctx.get("model") or ctx.get("family")
@@ -944,8 +951,9 @@ def render(root: Path, ev: Evidence) -> str:
         "",
         "* **verified** — a result file shows it ran and passed on the H200 (test passed, exit 0, evidence verdict "
         "`verified`); the note names the file, its commit and date.",
-        "* **failed** — the newest result shows it failed (the note has the reason); **verified+failed**: the newest "
-        "result file(s) of one date and commit hold both.",
+        "* **failed** — the newest result shows it failed (the note has the reason); **refused** with a note `E…`: "
+        "the run itself was refused at startup (exit 2). States joined by `+` (`verified+failed`): the newest "
+        "results, of one date and commit, hold both.",
         "* **skipped** — only skips on the H200, with their reason (a missing package, typically).",
         "* **refused** — the registries' own checks refuse it on an H200 (sm90, bf16, the family's shapes; packages "
         "assumed installed) or for the family (no such stage field, task or output kind).",
