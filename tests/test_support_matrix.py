@@ -81,6 +81,8 @@ def _results(tmp_path: Path) -> Path:
         "E       AssertionError: cuDNN kernels missing\n"
         "=========================== short test summary info ============================\n"
         "PASSED tests/test_memory_cuda.py::test_lane[tiny_flux-group_leaf]\n"
+        "FAILED tests/test_gpu_e2e.py::test_e[cache.method=pab backend.linear=FP8_TORCHAO-tiny_qwen_image]"
+        " - RuntimeError: boom\n"
         "SKIPPED [1] tests/test_gpu_e2e.py:376: backend.attention=FLASH_ATTN cannot run on NVIDIA H200 sm90 for "
         "model=tiny_flux (head_dim 64): needs `flash_attn.flash_attn_func` (package `flash-attn` is not installed)\n"
         "1 failed, 3 passed, 1 skipped in 1.0s\n")
@@ -134,6 +136,8 @@ def test_passed_failed_skipped_refused_and_absent_lanes(synthetic):
     assert cells[("family", "zimage", "zimage")].state == "CPU only"
     assert cells[("family", "sd3", "sd3")].state == "verified+failed"  # one log's failure, one JSON's pass
     assert ev.logs[next(iter(ev.logs))]["totals"] == {"failed": 1, "passed": 3, "skipped": 1}
+    c = cells[("linear", "FP8_TORCHAO", "qwen_image")]  # a FAILED line whose test id holds a space
+    assert c.state == "failed" and c.reason == "RuntimeError: boom"
 
 
 def test_refusals_come_from_the_registries_checks(synthetic):

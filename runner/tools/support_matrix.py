@@ -386,7 +386,7 @@ def parse_log(path: Path, rel: str, feats: Features) -> Tuple[List[Run], Dict[st
     platform = platform_of(dev.group(1) if dev else None, rel)
     outcomes: Dict[str, Tuple[str, str]] = {}
     for i, line in enumerate(lines):
-        m = re.match(r"^(PASSED|FAILED|ERROR)\s+(\S+::\S+?)(?:\s+-\s+(.*))?$", line) or \
+        m = re.match(r"^(PASSED|FAILED|ERROR)\s+(\S+::.+?)(?:\s+-\s+(.*))?$", line) or \
             re.match(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED)\b(?:\s*\(?(.*?)\)?)?$", line)
         if m:
             a, b, why = m.group(1), m.group(2), m.group(3) or ""
