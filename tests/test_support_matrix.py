@@ -213,3 +213,5 @@ def test_check_mode_reports_a_stale_page(tmp_path, capsys):
     assert "is stale" in capsys.readouterr().err
     (d / "broken.jsonl").write_text("not json\n")
     assert sm.main(["--results", str(d), "--out", str(out), "--print"]) == 2
+    err = capsys.readouterr().err
+    assert "SupportMatrixError: " in err and "broken.jsonl:1: not JSON" in err and "fix:" in err

@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from runner.core.errors import UserInputError
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path("benchmarks/results")
 PAGE = Path("docs/support_matrix.md")
@@ -66,11 +68,12 @@ COMMAND = "python -m runner.support_matrix"
 GPU = "H200"
 PASSED, FAILED, SKIPPED, REFUSED = "passed", "failed", "skipped", "refused"
 _DATE = re.compile(r"(20\d\d)[-_](\d\d)[-_](\d\d)")
+_FIX = "; fix: repair or remove the file (a results file is JSON, JSON lines or a cuda.sh log)"
 _MISSING = re.compile(r"\bis not installed\b|\bNo module named\b")
 
 
-class SupportMatrixError(ValueError):
-    """A result file that cannot be read (names the file and the problem)."""
+class SupportMatrixError(UserInputError, ValueError):
+    """A result file that cannot be read (names the file, the problem and the fix)."""
 
 
 # ---------------------------------------------------------------------------------------------------- axes
@@ -380,7 +383,7 @@ def parse_log(path: Path, rel: str, feats: Features) -> Tuple[List[Run], Dict[st
     try:
         text = path.read_text(errors="replace")
     except OSError as e:
-        raise SupportMatrixError(f"{rel}: {e}") from None
+        raise SupportMatrixError(f"{rel}: {e}" + _FIX) from None
     lines = text.splitlines()
     dev = re.search(r"device 0: ([^;\n]+)", text)
     platform = platform_of(dev.group(1) if dev else None, rel)
@@ -454,9 +457,9 @@ def parse_jsonl(path: Path, rel: str, feats: Features) -> List[Run]:
         try:
             d = json.loads(line)
         except ValueError as e:
-            raise SupportMatrixError(f"{rel}:{i}: not JSON ({e})") from None
+            raise SupportMatrixError(f"{rel}:{i}: not JSON ({e})" + _FIX) from None
         if not isinstance(d, dict):
-            raise SupportMatrixError(f"{rel}:{i}: not a JSON object")
+            raise SupportMatrixError(f"{rel}:{i}: not a JSON object" + _FIX)
         test = str(d.get("test") or f"line {i}")
         if "negative_control" in test:
             continue
@@ -520,7 +523,7 @@ def parse_json(path: Path, rel: str, feats: Features) -> List[Run]:
     try:
         doc = json.loads(path.read_text())
     except ValueError as e:
-        raise SupportMatrixError(f"{rel}: not JSON ({e})") from None
+        raise SupportMatrixError(f"{rel}: not JSON ({e})" + _FIX) from None
     runs: List[Run] = []
 
     def walk(node: Any, keys: List[str], ctx: Dict[str, Any]) -> None:
@@ -1039,8 +1042,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         text = generate(a.root, a.results, out)
     except SupportMatrixError as e:
-        print(f"support_matrix: {e}", file=sys.stderr)
-        return 2
+        print(f"support_matrix: {type(e).__name__}: {e}", file=sys.stderr)
+        return e.exit_code
     if a.print:
         sys.stdout.write(text)
         return 0
