@@ -86,7 +86,8 @@ def run_variant(name: str, overrides: List[str], out: Path, batch: int) -> Dict[
     per = [it["timing"]["generate_s"] for it in items[batch:] if it.get("status") == "ok"]
     man = json.loads((run_dir / "manifest.json").read_text())
     ev = (man.get("evidence") or {}).get("stages", {}).get("denoise", {})
-    rec = {"code": code, "s_per_image": statistics.median(per) if per else None, "images_timed": len(per),
+    rec = {"overrides": overrides, "exit_code": code,  # both read by runner.tools.support_matrix
+           "code": code, "s_per_image": statistics.median(per) if per else None, "images_timed": len(per),
            "lora": ev.get("lora"), "verdict": (man.get("evidence") or {}).get("verdict")}
     print(name, json.dumps({k: rec[k] for k in ("code", "s_per_image", "images_timed", "verdict")}), flush=True)
     return rec

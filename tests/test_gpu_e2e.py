@@ -226,7 +226,10 @@ def _summary(manifest: Dict[str, Any], sel: Dict[str, str], linear: str, moe: Op
             "device_name": ((manifest.get("platform") or {}).get("probes") or {}).get("device_name"),
             "attention": sel, "linear": linear, "moe": moe, "verdict": manifest["evidence"]["verdict"],
             "denoiser_forwards": st.get("denoiser_forwards"), "device_kernels_matched": dev,
-            "compile": manifest.get("compile"), "wall_s": (manifest.get("timing") or {}).get("wall_s")}
+            "compile": manifest.get("compile"), "wall_s": (manifest.get("timing") or {}).get("wall_s"),
+            # what ran and at which commit, for the support matrix (runner.tools.support_matrix)
+            "overrides": manifest.get("overrides"), "commit": (manifest.get("git") or {}).get("commit"),
+            "date": manifest.get("started_at")}
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
 

@@ -25,4 +25,4 @@ else:
     print(f"cuda.sh: vLLM {vllm.__version__} ({vllm.__file__})")
 PY
 # -o addopts: one process (the pyproject's two xdist workers would share the one GPU; the device has no xdist)
-exec "$PY" -m pytest -q -o addopts=-ra -m cuda -rs "$@"
+exec "$PY" -m pytest -q -o addopts=-ra -m cuda -rfEsp "$@"  # -rp: a PASSED line per test (docs/support_matrix.md)
