@@ -1,0 +1,106 @@
+"""Records that say what ran (issue 38, "Records that claim what did not run"; ../shared/cases C27-C31): a value that
+does not act is recorded as ignored, never as applied; what ran is recorded per item; an artifact's bytes hold what
+determines them and not the batch it ran in.
+
+Real runs on CPU (toy_shapes, tiny_wan22, the toy LoRA library of tests/test_lora.py), with hand-computed
+expectations: diffusers' ``get_timesteps`` (16 steps at strength 0.05 run 1, at 0.5 run 8), Wan 2.2's expert switch
+(tiny_wan22: ``boundary_ratio`` 0.875 x 1000; its UniPC schedule's first timestep is 999, so 1 step runs only the
+high-noise ``transformer``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from _helpers import execute
+
+pytestmark = pytest.mark.cpu
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "runner" / "data"
+
+
+def _rows(path: Path, rows: List[Dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------- C28: steps actually run
+def test_image_to_image_records_the_steps_each_item_ran_beside_the_requested(tmp_path):
+    """C28: two rows differing only in strength, 16 steps requested: 0.05 runs 1 denoising step, 0.5 runs 8
+    (``16 - int(16 - 16 * s)``). Each record and each PNG's ``parameters`` say so per item (a run-level total, or
+    ``num_inference_steps`` alone, cannot tell the two apart), and the evidence's forward count agrees (1 + 8)."""
+    src = DATA / "shapes_input_red_circle_top_left.png"
+    rows = _rows(tmp_path / "rows.jsonl", [
+        {"id": "s005", "prompt": "a blue square in the bottom right on a white background", "image": str(src),
+         "strength": 0.05, "seed": 7},
+        {"id": "s05", "prompt": "a blue square in the bottom right on a white background", "image": str(src),
+         "strength": 0.5, "seed": 7}])
+    r = execute(tmp_path / "run", ["model=toy_shapes", "model.task=image_to_image", "dataset=jsonl",
+                                   f"dataset.path={rows}", "model.generation.num_inference_steps=16"])
+    assert r.code == 0, r.error
+    recs = {rec["id"]: rec for rec in r.items}
+    assert {k: (v["params"]["num_inference_steps"], v["params"]["steps_run"]) for k, v in recs.items()} == {
+        "s005": (16, 1), "s05": (16, 8)}
+    for rec in recs.values():
+        text = json.loads(Image.open(r.run_dir / rec["file"]).text["parameters"])
+        assert text["steps_run"] == rec["params"]["steps_run"] and text["num_inference_steps"] == 16
+    assert r.manifest["evidence"]["stages"]["denoise"]["denoiser_forwards"] == 9
+
+
+# ------------------------------------------------------------------------------------- batch composition
+def test_png_bytes_do_not_depend_on_the_batch_but_the_record_keeps_it(tmp_path):
+    """The same PNG payload (pixels, prompt, seed, params) written from records that differ only in ``batch_size``
+    gives identical bytes; ``batch_size`` stays in the record (and metadata.jsonl), and LoRA names stay out of the
+    bytes (the adapter is its sha256 and scale)."""
+    from models.base import ImageOutput
+    from runner.core.sinks import PNGSink, embedded_fields
+
+    img = np.random.default_rng(0).random((8, 8, 3)).astype(np.float32)
+    lora = [{"name": "x", "sha256": "a" * 64, "scale": 1.0}]
+    shas = []
+    for i, (bs, name) in enumerate([(1, "x"), (4, "x"), (4, "y")]):
+        out = tmp_path / f"d{i}"
+        sink = PNGSink(out, model="toy")
+        params = {"width": 8, "height": 8, "batch_size": bs, "lora": [{**lora[0], "name": name}]}
+        sink.submit({"id": "a", "key": "a", "prompt": "p", "seed": 1, "params": params}, ImageOutput(img))
+        sink.close()
+        rec = json.loads((out / "items.jsonl").read_text().splitlines()[0])
+        assert rec["params"]["batch_size"] == bs and rec["params"]["lora"][0]["name"] == name  # kept in the record
+        text = Image.open(out / rec["file"]).text
+        assert "batch_size" not in json.loads(text["parameters"])
+        assert json.loads(text["parameters"])["lora"] == [{"sha256": "a" * 64, "scale": 1.0}]
+        shas.append(rec["file_sha256"])
+    assert len(set(shas)) == 1, shas
+    assert "batch_size" not in embedded_fields({"params": {"batch_size": 2}}, None)["parameters"]
+
+
+def test_the_same_item_at_batch_1_and_4_has_equal_bytes_where_its_pixels_are_equal(tmp_path):
+    """End to end (toy_shapes, 4 rows): where an item's decoded pixels at batch 4 equal those at batch 1, the files
+    are byte-identical; the records keep their ``batch_size`` (1 and 4) and ``batch``."""
+    one = execute(tmp_path / "b1", ["model=toy_shapes", "dataset.limit=4", "model.generation.num_inference_steps=2",
+                                    "batch_size=1"])
+    four = execute(tmp_path / "b4", ["model=toy_shapes", "dataset.limit=4", "model.generation.num_inference_steps=2",
+                                     "batch_size=4"])
+    assert one.code == four.code == 0
+    a, b = {r["key"]: r for r in one.items}, {r["key"]: r for r in four.items}
+    same = 0
+    for k in a:
+        assert a[k]["params"]["batch_size"] == 1 and b[k]["params"]["batch_size"] == 4
+        pa = np.asarray(Image.open(one.run_dir / a[k]["file"]).convert("RGB"))
+        pb = np.asarray(Image.open(four.run_dir / b[k]["file"]).convert("RGB"))
+        if np.array_equal(pa, pb):
+            same += 1
+            assert a[k]["file_sha256"] == b[k]["file_sha256"], k
+    assert same, "no item had equal pixels at both batch sizes: the case does not test the bytes"
