@@ -104,3 +104,47 @@ def test_the_same_item_at_batch_1_and_4_has_equal_bytes_where_its_pixels_are_equ
             same += 1
             assert a[k]["file_sha256"] == b[k]["file_sha256"], k
     assert same, "no item had equal pixels at both batch sizes: the case does not test the bytes"
+
+
+# ------------------------------------------------------------------------------------- C29: a no-op mask
+def test_inpaint_records_the_pixels_each_mask_repaints_and_warns_of_a_mask_that_selects_none(tmp_path, caplog):
+    """C29: two rows differing only in the mask: all black (0 of 64x64 pixels >= 128) and all white (4096). Each
+    record says how many pixels its mask repaints; the all-black row is warned about at startup (naming its line),
+    and its output is its input byte for byte (the overlay keeps everything outside an empty mask)."""
+    src = DATA / "shapes_input_red_circle_top_left.png"
+    Image.new("L", (64, 64), 0).save(tmp_path / "black.png")
+    Image.new("L", (64, 64), 255).save(tmp_path / "white.png")
+    rows = _rows(tmp_path / "rows.jsonl", [
+        {"id": "black", "prompt": "a blue square in the bottom right on a white background", "image": str(src),
+         "mask_image": "black.png", "seed": 3},
+        {"id": "white", "prompt": "a blue square in the bottom right on a white background", "image": str(src),
+         "mask_image": "white.png", "seed": 3}])
+    with caplog.at_level("WARNING", logger="runner"):
+        r = execute(tmp_path / "run", ["model=toy_shapes", "model.task=inpaint", "dataset=jsonl",
+                                       f"dataset.path={rows}", "model.generation.num_inference_steps=2"])
+    assert r.code == 0, r.error
+    recs = {rec["id"]: rec for rec in r.items}
+    assert recs["black"]["inputs"]["mask_image"]["repaint_pixels"] == 0
+    assert recs["white"]["inputs"]["mask_image"]["repaint_pixels"] == 64 * 64
+    assert "repaint_pixels" not in recs["black"]["inputs"]["image"]
+    warned = [m for m in caplog.messages if "selects no pixel to repaint" in m]
+    assert len(warned) == 1 and f"{rows}:1 (black)" in warned[0] and ":2 (white)" not in warned[0], caplog.messages
+    out = np.asarray(Image.open(r.run_dir / recs["black"]["file"]).convert("RGB"))
+    assert np.array_equal(out, np.asarray(Image.open(src).convert("RGB")))
+    out = np.asarray(Image.open(r.run_dir / recs["white"]["file"]).convert("RGB"))
+    assert not np.array_equal(out, np.asarray(Image.open(src).convert("RGB")))
+
+
+def test_a_mask_given_as_grey_rgb_counts_pixels_by_the_pipelines_binarisation(tmp_path):
+    """The count follows the pipeline's threshold (>= 128 of the mask as L), whatever mode the file has: 127 is
+    kept, 128 is repainted."""
+    from runner.core import media
+
+    a = np.zeros((8, 8, 3), np.uint8)
+    a[0, :3] = 128  # 3 pixels at the threshold: repainted
+    a[1, :5] = 127  # 5 just below: kept
+    Image.fromarray(a).save(tmp_path / "m.png")
+    inp, why = media.check_input("mask_image", "m.png", tmp_path / "rows.jsonl", None, media.MAX_INPUT_PIXELS)
+    assert why is None and inp.repaint_pixels == 3 and inp.record()["repaint_pixels"] == 3
+    img, _ = media.check_input("image", "m.png", tmp_path / "rows.jsonl", None, media.MAX_INPUT_PIXELS)
+    assert img.repaint_pixels is None and "repaint_pixels" not in img.record()
