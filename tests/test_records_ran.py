@@ -148,3 +148,80 @@ def test_a_mask_given_as_grey_rgb_counts_pixels_by_the_pipelines_binarisation(tm
     assert why is None and inp.repaint_pixels == 3 and inp.record()["repaint_pixels"] == 3
     img, _ = media.check_input("image", "m.png", tmp_path / "rows.jsonl", None, media.MAX_INPUT_PIXELS)
     assert img.repaint_pixels is None and "repaint_pixels" not in img.record()
+
+
+# ------------------------------------------------------------------------------------- C27: an expert that never runs
+def _wan_rows(tmp_path: Path, field: str, values: List[float], **more: Any) -> Path:
+    return _rows(tmp_path / f"{field}.jsonl", [{"id": f"v{i}", "prompt": "a red cube", "seed": 5, field: v, **more}
+                                               for i, v in enumerate(values)])
+
+
+@pytest.mark.parametrize("schedule, steps", [([], 1), (["model.architecture.pipeline.boundary_ratio=0.5"], 4)],
+                         ids=["1-step", "boundary-0.5"])
+def test_guidance_scale_2_on_a_low_noise_expert_that_runs_no_step_is_recorded_ignored(tmp_path, schedule, steps):
+    """C27: tiny_wan22, two rows differing only in ``guidance_scale_2`` (9.0, 1.5). At 1 step (timestep 999 >= 875)
+    or at 4 steps with ``boundary_ratio`` 0.5 (999, 900, 750, 500 >= 500) only ``transformer`` runs: the videos are
+    equal, and each record says ``guidance_scale_2: null`` with its value under ``ignored``, the steps per expert
+    agreeing with the evidence's own schedule. The default mode refuses the rows (file:line, why, fix)."""
+    from runner.core.errors import RunnerError
+
+    rows = _wan_rows(tmp_path, "guidance_scale_2", [9.0, 1.5])
+    base = ["model=tiny_wan22", "dataset=jsonl", f"dataset.path={rows}",
+            f"model.generation.num_inference_steps={steps}", *schedule]
+    r = execute(tmp_path / "refused", base, catch=(RunnerError,))
+    assert r.error is not None and r.error.exit_code == 2, r
+    msg = str(r.error)
+    assert f"{rows}:1: field 'guidance_scale_2' = 9.0" in msg and f"{rows}:2: field 'guidance_scale_2' = 1.5" in msg
+    assert "transformer_2 (the low-noise expert whose scale it is) runs no step" in msg and "fix:" in msg
+    r = execute(tmp_path / "run", [*base, "dataset.on_ignored=record"])
+    assert r.code == 0, r.error
+    assert r.manifest["evidence"]["verdict"] == "verified"
+    ex = r.manifest["evidence"]["stages"]["denoise"]["experts"]
+    assert ex["expected_forwards"] == {"transformer": 2 * 2 * steps}  # 2 items, CFG; transformer_2: none
+    recs = {rec["id"]: rec for rec in r.items}
+    assert recs["v0"]["frames_sha256"] == recs["v1"]["frames_sha256"]
+    for rec, v in ((recs["v0"], 9.0), (recs["v1"], 1.5)):
+        assert rec["params"]["guidance_scale_2"] is None and rec["params"]["guidance_scale"] == 4.0
+        assert rec["params"]["expert_steps"] == {"transformer": steps, "transformer_2": 0}
+        assert rec["ignored"]["guidance_scale_2"]["value"] == v
+        assert "runs no step" in rec["ignored"]["guidance_scale_2"]["why"]
+
+
+def test_a_model_default_guidance_scale_2_is_recorded_ignored_where_its_expert_runs_no_step(tmp_path):
+    """tiny_wan22's own ``model.generation.guidance_scale_2`` (3.0) is not refused (it applies to rows whose
+    low-noise expert runs), but a row at 1 step records it as ignored, from the config key; at 4 steps it applies."""
+    r = execute(tmp_path / "run", ["model=tiny_wan22", "dataset=jsonl",
+                                   f"dataset.path={_wan_rows(tmp_path, 'num_inference_steps', [1, 4])}"])
+    assert r.code == 0, r.error
+    recs = {rec["id"]: rec for rec in r.items}
+    assert recs["v0"]["params"]["guidance_scale_2"] is None
+    assert recs["v0"]["ignored"]["guidance_scale_2"] == {
+        "value": 3.0, "from": "model.generation.guidance_scale_2",
+        "why": recs["v0"]["ignored"]["guidance_scale_2"]["why"]}
+    assert recs["v1"]["params"]["guidance_scale_2"] == 3.0 and "ignored" not in recs["v1"]
+    assert recs["v1"]["params"]["expert_steps"] == {"transformer": 2, "transformer_2": 2}
+
+
+def test_guidance_scale_on_a_high_noise_expert_that_runs_no_step_is_recorded_ignored(tmp_path):
+    """The same kind for ``guidance_scale``: with ``boundary_ratio`` 1.0 (boundary 1000 > every timestep) only
+    ``transformer_2`` runs, at ``guidance_scale_2`` (2.0); rows differing only in ``guidance_scale`` (5.0, 7.0)
+    give equal videos, so each records ``guidance_scale: null`` and the value under ``ignored`` (it reached the
+    pipeline only as guidance's switch: two forwards per step); the default mode refuses them."""
+    from runner.core.errors import RunnerError
+
+    rows = _wan_rows(tmp_path, "guidance_scale", [5.0, 7.0], guidance_scale_2=2.0)
+    base = ["model=tiny_wan22", "dataset=jsonl", f"dataset.path={rows}", "model.generation.num_inference_steps=2",
+            "model.architecture.pipeline.boundary_ratio=1.0"]
+    r = execute(tmp_path / "refused", base, catch=(RunnerError,))
+    assert r.error is not None and r.error.exit_code == 2, r
+    assert f"{rows}:1: field 'guidance_scale' = 5.0" in str(r.error) and f"{rows}:2:" in str(r.error)
+    r = execute(tmp_path / "run", [*base, "dataset.on_ignored=record"])
+    assert r.code == 0, r.error
+    ex = r.manifest["evidence"]["stages"]["denoise"]["experts"]
+    assert ex["expected_forwards"] == {"transformer_2": 2 * 2 * 2}  # 2 items, 2 steps, CFG; transformer: none
+    recs = {rec["id"]: rec for rec in r.items}
+    assert recs["v0"]["frames_sha256"] == recs["v1"]["frames_sha256"]
+    for rec, v in ((recs["v0"], 5.0), (recs["v1"], 7.0)):
+        assert rec["params"]["guidance_scale"] is None and rec["params"]["guidance_scale_2"] == 2.0
+        assert rec["params"]["expert_steps"] == {"transformer": 0, "transformer_2": 2}
+        assert rec["ignored"]["guidance_scale"]["value"] == v and "guidance_scale_2" not in rec["ignored"]

@@ -939,12 +939,14 @@ def apply_ignored(rows: List[Row], path: Any, ignored: Dict[str, tuple], mode: s
     Args:
         ignored: ``{field: (why, fix)}`` or ``{field: (why, fix, applies)}``: the generation fields the model ignores
             under this run's config; ``applies(row)`` limits it to the rows it is true for (e.g. a negative prompt is
-            ignored only in rows whose guidance turns guidance off).
+            ignored only in rows whose guidance turns guidance off); ``why`` may be ``why(row)``, the reason for
+            that row.
         mode: ``error``: a row that sets one is refused; ``record``: the value is removed from the row (not applied)
             and kept under ``row.ignored`` with the reason, for the item's record.
         model: the model name, for the messages.
         config_values: ``{field: (config key, value)}`` of config defaults the model ignores and that the run
-            accepted (the caller refuses them in ``error`` mode); rows that take the default record it as ignored.
+            accepted (the caller refuses those of unconditional rules in ``error`` mode); rows that take the default
+            (and that the rule applies to) record it as ignored.
 
     Raises:
         DatasetError: ``mode == "error"``, one problem per row and field (file:line, field, value, why, fix).
@@ -958,6 +960,7 @@ def apply_ignored(rows: List[Row], path: Any, ignored: Dict[str, tuple], mode: s
         for f, (why, fix, *applies) in ignored.items():
             if applies and not applies[0](r):
                 continue
+            why = why(r) if callable(why) else why
             if f in r.set_fields:
                 if mode == "error":
                     problems.append(f"{path}:{r.line}: field {f!r} = {getattr(r, f)!r} is ignored by model={model}: "
