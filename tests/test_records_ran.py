@@ -225,3 +225,33 @@ def test_guidance_scale_on_a_high_noise_expert_that_runs_no_step_is_recorded_ign
         assert rec["params"]["guidance_scale"] is None and rec["params"]["guidance_scale_2"] == 2.0
         assert rec["params"]["expert_steps"] == {"transformer": 0, "transformer_2": 2}
         assert rec["ignored"]["guidance_scale"]["value"] == v and "guidance_scale_2" not in rec["ignored"]
+
+
+# ------------------------------------------------------------------------------------- C30: an adapter that changes nothing
+@pytest.mark.parametrize("how", ["fused", "unfused", "per_row"])
+def test_an_adapter_whose_lora_b_are_zero_fails_the_evidence_on_every_path(tmp_path, how):
+    """C30: one input, one verdict. The toy adapter of tests/test_lora.py with every ``lora_B`` zero changes no
+    output; fused it was already exit 3 ("did not change"), and unfused or switched per row it must be too (the hook
+    sees its branch run, which is not the same as changing anything). The same adapter with its ``lora_B`` kept
+    passes every path (its control: test_lora.py)."""
+    from safetensors.torch import load_file, save_file
+    from test_lora import MODULES, ROWS, library, run, write_adapter
+
+    from runner.core.errors import EvidenceError
+
+    path = write_adapter(tmp_path / "zero.safetensors", 3)
+    save_file({k: (v * 0 if "lora_B" in k else v) for k, v in load_file(str(path)).items()}, str(path),
+              metadata={"format": "pt"})
+    rows = ROWS[:1]
+    extra = {"fused": ["model.lora_fuse=fused"], "unfused": ["model.lora_fuse=unfused"], "per_row": []}[how]
+    if how == "per_row":  # two adapter sets (the zero adapter, none): switched between batches
+        rows = [{**ROWS[0], "lora": "zero"}, {**ROWS[1], "lora": []}]
+    r = run(tmp_path, how, rows, library({"name": "zero", "path": path}), *extra, catch=(EvidenceError,))
+    assert r.error is not None and r.error.exit_code == 3, (how, r.code)
+    ev = r.manifest["evidence"]["stages"]["denoise"]["lora"]
+    assert ev["mode"] == ("fused" if how == "fused" else "per_batch")
+    if how == "fused":
+        assert sorted(ev["fused"]["changed_nothing"]) == sorted(MODULES)
+    else:
+        assert ev["verdict"] == "mismatch" and "changes nothing" in str(r.error)
+        assert ev["changed_nothing"] == [{"set": [["zero", 1.0]], "layers": sorted(MODULES)}]
