@@ -255,3 +255,33 @@ def test_an_adapter_whose_lora_b_are_zero_fails_the_evidence_on_every_path(tmp_p
     else:
         assert ev["verdict"] == "mismatch" and "changes nothing" in str(r.error)
         assert ev["changed_nothing"] == [{"set": [["zero", 1.0]], "layers": sorted(MODULES)}]
+
+
+# ------------------------------------------------------------------------------------- C31: identity by content
+@pytest.mark.parametrize("named", [True, False], ids=["name-kept", "default-name"])
+def test_a_renamed_adapter_file_is_a_recorded_rename_not_a_conflict_nor_a_regeneration(tmp_path, named):
+    """C31: the same adapter file renamed (x.safetensors -> y.safetensors), resumed into the same run dir: no
+    refusal, nothing regenerated (the identity holds its sha256 and scale), the manifest records the rename (from ->
+    to); with the default name (the file stem: x -> y) as well. A different adapter under the old name regenerates
+    every item (and is no conflict either: its sha256 is a new identity)."""
+    from test_lora import ROWS, library, run, write_adapter
+
+    x = write_adapter(tmp_path / "x.safetensors", 1)
+    entry = {"name": "x"} if named else {}
+    first = run(tmp_path, "res", ROWS, library({**entry, "path": x}))
+    assert first.code == 0
+    files = {r["key"]: (r["file_sha256"], (first.run_dir / r["file"]).stat().st_mtime_ns) for r in first.items}
+    y = x.rename(tmp_path / "y.safetensors")
+    again = run(tmp_path, "res", ROWS, library({**entry, "path": y}))
+    assert again.code == 0 and again.manifest["counts"]["reused"] == 2
+    assert {r["key"]: (r["file_sha256"], (again.run_dir / r["file"]).stat().st_mtime_ns) for r in again.items} == files
+    sha = _sha(y)
+    assert again.manifest["resumed_from"]["lora_renamed"] == [{
+        "sha256": sha, "from": {"name": "x", "path": str(x.resolve())},
+        "to": {"name": "x" if named else "y", "path": str(y.resolve())}}]
+    assert again.manifest["identity"]["sha256"] == first.manifest["identity"]["sha256"]
+    write_adapter(y, 7)  # another adapter under the same path and name
+    other = run(tmp_path, "res", ROWS, library({**entry, "path": y}))
+    assert other.code == 0 and other.manifest["counts"]["reused"] == 0
+    assert "lora_renamed" not in other.manifest["resumed_from"]
+    assert all(r["params"]["lora"][0]["sha256"] == _sha(y) != sha for r in other.items)
