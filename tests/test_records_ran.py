@@ -227,7 +227,7 @@ def test_guidance_scale_on_a_high_noise_expert_that_runs_no_step_is_recorded_ign
         assert rec["ignored"]["guidance_scale"]["value"] == v and "guidance_scale_2" not in rec["ignored"]
 
 
-# ------------------------------------------------------------------------------------- C30: an adapter that changes nothing
+# ------------------------------------------------------------------------------- C30: an adapter that changes nothing
 @pytest.mark.parametrize("how", ["fused", "unfused", "per_row"])
 def test_an_adapter_whose_lora_b_are_zero_fails_the_evidence_on_every_path(tmp_path, how):
     """C30: one input, one verdict. The toy adapter of tests/test_lora.py with every ``lora_B`` zero changes no

@@ -574,8 +574,8 @@ def lora_identity(value: Any) -> Any:
 #: theirs. The engine resolves ``lora`` to the row's adapter set ``[{name, sha256, scale}]`` (every library adapter
 #: for a row without it): that enters the identity and the batching key (rows batch by adapter set).
 LORA_FIELDS = (
-    Field("lora", list, identity="set", parse=parse_lora_names, batch_key=lora_set_key, kind="a name or a list of names",
-          ident=lora_identity),
+    Field("lora", list, identity="set", parse=parse_lora_names, batch_key=lora_set_key,
+          kind="a name or a list of names", ident=lora_identity),
     Field("lora_scale", float, check=check_lora_scale, identity="set"),
 )
 

@@ -165,7 +165,9 @@ def _entries_without_omitted(key: str, value: Any) -> Any:
     if not isinstance(value, list) or key not in SEMANTIC_KEYS:
         return value
     drop = omitted_fields(key, RESUME)
-    return [{k: v for k, v in e.items() if k not in drop} if isinstance(e, dict) else e for e in value] if drop else value
+    if not drop:
+        return value
+    return [{k: v for k, v in e.items() if k not in drop} if isinstance(e, dict) else e for e in value]
 
 
 def lora_renames(prev: Optional[Dict[str, Any]], source: Dict[str, Any]) -> List[Dict[str, Any]]:
