@@ -625,7 +625,9 @@ class DiffusersEngine(EngineBase):
     def check_ignored(self, rows: List[ds.Row], path: Any) -> List[ds.Row]:
         """Refuse (``dataset.on_ignored=error``) or strip and note (``record``) the values that the model ignores,
         set by a row or by a ``model.generation`` default. A default left null (``guidance_scale: null`` on a
-        model without guidance embedding) is not set: the item records it as null (not applicable).
+        model without guidance embedding) is not set: the item records it as null (not applicable). A default that a
+        rule ignores in some rows only (``applies(row)``: ``guidance_scale_2`` where the low-noise expert runs no
+        step) is not refused: the rows that take it record it under ``ignored``, in either mode.
 
         Raises:
             ConfigValueError: a ``model.generation.<field>`` the model ignores (error mode), naming key, why, fix.
@@ -637,8 +639,11 @@ class DiffusersEngine(EngineBase):
         mode, name, g = str(self.ctx.run.dataset.on_ignored), self.model_cfg.name, self.model_cfg.generation
         from_config: Dict[str, Tuple[str, Any]] = {}
         for f, (why, fix, *applies) in ignored.items():
-            if f in g and g[f] is not None and not applies:
+            if f in g and g[f] is not None:
                 key = f"model.generation.{f}"
+                if applies:  # ignored in some rows only: those that take the default record it, none is refused
+                    from_config[f] = (key, g[f])
+                    continue
                 if mode == "error":
                     raise ConfigValueError(f"{key}={g[f]} is ignored by model={name}: {why}; fix: {key}=null, {fix}, or "
                                            "dataset.on_ignored=record to run it and record the value as ignored")

@@ -19,7 +19,9 @@ backend); and the evidence that each adapter acted.
 * **Evidence** (:class:`Runtime`): unfused, a forward hook on each active adapter's ``lora_A`` module of every
   adapted layer must see it execute in each pipeline call, and no other adapter; fused, for every adapted layer a
   random-projection checksum ``W @ x`` (x: a seeded ``(in,)`` vector) taken before and after fusing must differ by the
-  adapter's own delta ``scaling * B @ (A @ x)``; a fused adapter that changed nothing is a mismatch.
+  adapter's own delta ``scaling * B @ (A @ x)``. An adapter set whose delta is zero in an adapted layer
+  (:func:`set_deltas`: every ``lora_B`` zero) changes nothing there: a mismatch fused, unfused and per row alike (one
+  input, one verdict); adapters at scale 0 run as asked and are not counted.
 * **Oracle effect.** An adapter file may declare what it does to a toy oracle's attributes in its safetensors
   metadata (``runner.expect``: JSON, e.g. ``{"color": "blue"}``); items that run it at scale 1 are scored against
   that, at scale 0 against the row's own ``expect``, in between not on those attributes (:func:`effective_expect`).
@@ -279,6 +281,31 @@ def sketch(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return weight.detach().float() @ x
 
 
+def set_deltas(layers: Mapping[str, Any], key: tuple) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """``{layer: (x, delta)}``: for every adapted layer that an adapter of the set ``key`` (``(name, scale)`` pairs)
+    at a non-zero scale adapts, a seeded ``(in,)`` vector ``x`` and the set's change of its output
+    ``sum_n scaling_n * B_n @ (A_n @ x)`` (float32 ``(out,)``; ``scaling`` as peft holds it after ``set_adapters``:
+    the set's scale x alpha / r). The one rule of what an adapter set changes, for fused and unfused runs alike; a
+    layer whose delta is zero (every ``lora_B`` zero) changes nothing. Adapters at scale 0 are left out: they run
+    as asked, scaled by 0."""
+    names = [n for n, sc in key if sc]
+    gen = torch.Generator().manual_seed(0)
+    out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+    for lname, layer in layers.items():
+        w = layer.get_base_layer().weight
+        x = torch.randn(w.shape[1], generator=gen).to(w.device)  # drawn for every layer: x does not depend on the set
+        if not any(n in layer.lora_A for n in names):
+            continue
+        out[lname] = (x, sum(layer.scaling[n] * (layer.lora_B[n].weight.float() @ (layer.lora_A[n].weight.float() @ x))
+                             for n in names if n in layer.lora_A))
+    return out
+
+
+def changes_nothing(deltas: Mapping[str, Tuple[torch.Tensor, torch.Tensor]]) -> List[str]:
+    """The layers of :func:`set_deltas` whose delta is exactly zero."""
+    return sorted(n for n, (_, d) in deltas.items() if float(torch.as_tensor(d).norm()) == 0.0)
+
+
 class Runtime:
     """The run's adapters on the loaded pipeline: loads them, fuses or switches them, and observes them."""
 
@@ -294,6 +321,7 @@ class Runtime:
         self.counts: Dict[Tuple[str, str], int] = {}
         self.handles: List[Any] = []
         self.layers: Dict[str, Any] = {}
+        self.nil: Dict[tuple, List[str]] = {}  # unfused: per adapter set run, the adapted layers it changes nothing in
 
     def adapted_layers(self, transformer: torch.nn.Module) -> Dict[str, Any]:
         """``{module name: peft LoraLayer}`` of the transformer."""
@@ -343,30 +371,26 @@ class Runtime:
         and after (module docstring); the result in :attr:`fused`."""
         names, weights = [n for n, _ in key], [s for _, s in key]
         pipe.set_adapters(names, weights)
-        gen = torch.Generator().manual_seed(0)
-        before, delta = {}, {}
-        for lname, layer in layers.items():
-            w = layer.get_base_layer().weight
-            x = torch.randn(w.shape[1], generator=gen).to(w.device)
-            d = sum(layer.scaling[n] * (layer.lora_B[n].weight.float() @ (layer.lora_A[n].weight.float() @ x))
-                    for n in names if n in layer.lora_A)
-            before[lname], delta[lname] = (x, sketch(w, x)), d
+        deltas = set_deltas(layers, key)
+        before = {n: (x, sketch(layers[n].get_base_layer().weight, x)) for n, (x, _) in deltas.items()}
         pipe.fuse_lora(components=list(ADAPTED_COMPONENTS), lora_scale=1.0, adapter_names=names)
-        after = {n: sketch(l.get_base_layer().weight, before[n][0]) for n, l in layers.items()}
+        after = {n: sketch(layers[n].get_base_layer().weight, x) for n, (x, _) in before.items()}
         pipe.unload_lora_weights()  # fused weights stay; the LoRA modules go (no per-forward cost)
         mods = dict(pipe.transformer.named_modules())
-        kept = {n: sketch(mods[n].weight, before[n][0]) for n in layers}
+        kept = {n: sketch(mods[n].weight, before[n][0]) for n in before}
         eps = torch.finfo(pipe.transformer.dtype).eps
-        bad, nil = [], []
-        for n in layers:
-            y0, y1, d = before[n][1], after[n], delta[n]
+        bad, nil = [], changes_nothing(deltas)
+        for n in before:
+            y0, y1, d = before[n][1], after[n], deltas[n][1]
             dn = float(torch.as_tensor(d).norm())
-            if dn == 0.0 or torch.equal(y0, y1):
+            if n in nil:
+                continue
+            if torch.equal(y0, y1):
                 nil.append(n)
             elif float((y1 - y0 - d).norm()) > 0.05 * dn + 2 * eps * float(y0.norm()) or not torch.equal(y1, kept[n]):
                 bad.append(n)
-        self.fused = {"set": [list(p) for p in key], "layers": len(layers), "changed_nothing": nil,
-                      "delta_mismatch": bad, "verdict": "verified" if layers and not bad and not nil else "mismatch"}
+        self.fused = {"set": [list(p) for p in key], "layers": len(before), "changed_nothing": sorted(nil),
+                      "delta_mismatch": bad, "verdict": "verified" if before and not bad and not nil else "mismatch"}
         self.current = key
 
     def activate(self, pipe: Any, key: Optional[tuple]) -> None:
@@ -379,6 +403,8 @@ class Runtime:
             if self.current == ():
                 pipe.enable_lora()
             pipe.set_adapters([n for n, _ in key], [s for _, s in key])
+            if key not in self.nil:  # what this set changes, once per set (the fused rule: set_deltas)
+                self.nil[key] = changes_nothing(set_deltas(self.layers, key))
         else:
             pipe.disable_lora()
         self.current = key
@@ -412,11 +438,17 @@ class Runtime:
                           + "; ".join(([f"{len(nil)} adapted layer(s) whose weights did not change {nil[:5]}"]
                                        if nil else []) + ([f"{len(bad)} whose change is not the adapter's delta "
                                                            f"{bad[:5]}"] if bad else []) or ["no adapted layer"]))
-        elif not self.observe:
-            sec["verdict"] = "limited"
+            return sec, mm
+        nil = {k: v for k, v in self.nil.items() if v}
+        sec["changed_nothing"] = [{"set": [list(p) for p in k], "layers": v} for k, v in nil.items()]
+        mm += [f"stage {stage}: unfused LoRA set {[list(p) for p in k]}: {len(v)} adapted layer(s) whose LoRA branch "
+               f"changes nothing (scaling * B @ A = 0: an adapter whose lora_B are zero) {v[:5]}"
+               for k, v in nil.items()]
+        if not self.observe:
+            sec["verdict"] = "mismatch" if nil else "limited"
         else:
             bad = [c for c in self.calls if c["missing"] or c["foreign"]]
-            sec.update(calls=len(self.calls), verdict="mismatch" if bad else "verified",
+            sec.update(calls=len(self.calls), verdict="mismatch" if bad or nil else "verified",
                        first_bad=bad[0] if bad else None)
             mm += [f"stage {stage}: items {c['items'][:3]}: adapter set {c['set']}: {len(c['missing'])} adapted "
                    f"layer(s) did not run their LoRA branch ({[tuple(x) for x in c['missing'][:3]]}), "

@@ -1471,10 +1471,15 @@ class PipelineEngine(DiffusersEngine):
 
     def applied_params(self, row: Any) -> Dict[str, Any]:
         """Generation values that determine the item's bytes beyond the row's: ``num_frames`` and ``fps`` of a
-        video; under true CFG ``true_cfg_scale`` when the row's negative prompt is applied, else null."""
+        video; for image_to_image / inpaint the ``strength`` applied and ``steps_run``, the denoising steps the
+        item's call ran (:func:`models.conditioning.steps_run`: 1 of 16 at strength 0.05, 8 at 0.5), beside the
+        requested ``num_inference_steps``; under true CFG ``true_cfg_scale`` when the row's negative prompt is
+        applied, else null."""
         out: Dict[str, Any] = {"num_frames": row.num_frames, "fps": row.fps} if self.video else {}
         if self.task in conditioning.STRENGTH_TASKS:  # as applied: the row's, else the pipeline's default
             out["strength"] = conditioning.applied_strength(row, conditioning.strength_default(self.pipeline_cls()))
+            if out["strength"] is not None:
+                out["steps_run"] = conditioning.steps_run(int(row.num_inference_steps), out["strength"])
         if self.task == "inpaint":
             out["inpaint_overlay"] = bool(self.ctx.run.output.inpaint_overlay)
         if self.spec is not None and self.spec.cfg == "true_cfg":

@@ -160,6 +160,27 @@ class WanEngine(PipelineEngine):
         return [(float(t), "transformer" if boundary is None or t >= boundary else "transformer_2")
                 for t in sched.timesteps]
 
+    def planned_expert_steps(self, steps: int) -> Dict[str, int]:
+        """``{expert: steps it runs}`` of a call of ``steps`` denoising steps, known before loading: the timesteps of
+        a scheduler built from the weight source's scheduler config (``set_timesteps(steps)``, as WanPipeline), split
+        at :meth:`boundary_timestep` as :meth:`expected_experts` splits them (tiny_wan22, boundary 875: 1 step is
+        ``{transformer: 1, transformer_2: 0}``; 4 steps at ``boundary_ratio`` 0.5 are ``{4, 0}``). One expert: all
+        steps on ``transformer``."""
+        cache = self.__dict__.setdefault("_planned_steps", {})
+        boundary = self.boundary_timestep()
+        if boundary is None:
+            return {"transformer": int(steps)}
+        if (steps, boundary) not in cache:
+            import diffusers
+
+            conf = self.component_config("scheduler")
+            cls = getattr(diffusers, str(conf.get("_class_name") or self.component_class("scheduler")))
+            sched = cls.from_config({k: v for k, v in conf.items() if not k.startswith("_")})
+            sched.set_timesteps(int(steps), device="cpu")
+            high = sum(1 for t in sched.timesteps if float(t) >= boundary)
+            cache[(steps, boundary)] = {"transformer": high, "transformer_2": len(sched.timesteps) - high}
+        return dict(cache[(steps, boundary)])
+
     def expert_rule(self) -> str:
         """WanPipeline's switch rule with this model's numbers."""
         b = self.boundary_timestep()
@@ -180,13 +201,74 @@ class WanEngine(PipelineEngine):
         return kw
 
     def applied_params(self, row: Any) -> Dict[str, Any]:
-        """The base values, and with two experts ``guidance_scale_2`` as applied: the row's, else its
-        ``guidance_scale`` (WanPipeline's default), null without classifier-free guidance."""
+        """The base values, and with two experts ``expert_steps`` (the steps each expert ran in the item's call,
+        :meth:`planned_expert_steps`; the evidence checks them) and ``guidance_scale_2`` as applied: the row's, else
+        its ``guidance_scale`` (WanPipeline's default), null without classifier-free guidance or when
+        ``transformer_2`` runs no step; ``guidance_scale`` is null when ``transformer`` runs no step and
+        ``guidance_scale_2`` is the scale applied (it then only turns guidance on: :meth:`check_ignored`)."""
         out = super().applied_params(row)
         if self.boundary_timestep() is not None:
+            steps = self.planned_expert_steps(int(row.num_inference_steps))
+            out["expert_steps"] = steps
             cfg_on = row.guidance_scale is not None and row.guidance_scale > 1
             g2 = row.guidance_scale_2 if row.guidance_scale_2 is not None else row.guidance_scale
-            out["guidance_scale_2"] = g2 if cfg_on else None
+            out["guidance_scale_2"] = g2 if cfg_on and steps["transformer_2"] else None
+            if self.switch_only(row):
+                out["guidance_scale"] = None
+        return out
+
+    def switch_only(self, row: Any) -> bool:
+        """Whether ``row``'s ``guidance_scale`` acts only as classifier-free guidance's switch: ``transformer`` (whose
+        scale it is) runs no step of the row's call, guidance is on (> 1), and ``guidance_scale_2`` is set (so it is
+        the only scale applied; unset, ``guidance_scale`` is the default of ``guidance_scale_2`` and acts)."""
+        return (self.boundary_timestep() is not None and row.guidance_scale is not None and row.guidance_scale > 1
+                and row.guidance_scale_2 is not None
+                and self.planned_expert_steps(int(row.num_inference_steps))["transformer"] == 0)
+
+    def check_ignored(self, rows: List[Row], path: Any) -> List[Row]:
+        """The base handling, then ``guidance_scale`` in rows where it acts only as a switch (:meth:`switch_only`):
+        its value changes no output (5 and 7 give the same bytes), so ``dataset.on_ignored=error`` refuses the rows
+        that set it (file:line) or, when it is ``model.generation.guidance_scale``, the key; ``record`` runs it
+        (the pipeline still gets it: it turns guidance on for ``transformer_2``), records ``guidance_scale: null``
+        in the item's params and the value under ``ignored`` with why.
+
+        Raises:
+            DatasetError: error mode, every row that sets such a ``guidance_scale``.
+            ConfigValueError: error mode, ``model.generation.guidance_scale`` reaches such a row.
+        """
+        from dataclasses import replace
+
+        from runner.core.dataset import DatasetError
+
+        rows = super().check_ignored(rows, path)
+        hit = [r for r in rows if self.switch_only(r)]
+        if not hit:
+            return rows
+        mode, name = str(self.ctx.run.dataset.on_ignored), self.cfg.name
+
+        def why(r: Row) -> str:
+            return (f"transformer (the high-noise expert whose scale it is) runs no step of the row's "
+                    f"{r.num_inference_steps} ({self.expert_rule()}), so only its > 1 acts, turning guidance on for "
+                    f"transformer_2 at guidance_scale_2={r.guidance_scale_2}")
+        fix = "set guidance_scale to the value transformer_2 should apply and drop guidance_scale_2, or more steps"
+        if mode == "error":
+            own = [r for r in hit if "guidance_scale" in r.set_fields]
+            if own:
+                raise DatasetError([f"{path}:{r.line}: field 'guidance_scale' = {r.guidance_scale!r} is ignored by "
+                                    f"model={name}: {why(r)}; fix: {fix}, or dataset.on_ignored=record to run it and "
+                                    "record the value as ignored" for r in own])
+            r = hit[0]
+            raise ConfigValueError(f"model.generation.guidance_scale={r.guidance_scale} is ignored by model={name} "
+                                   f"in {len(hit)} row(s) (first: {path}:{r.line}): {why(r)}; fix: {fix}, or "
+                                   "dataset.on_ignored=record to run it and record the value as ignored")
+        out, hit_ids = [], {id(r) for r in hit}
+        for r in rows:
+            if id(r) in hit_ids:
+                src = f"{path}:{r.line}" if "guidance_scale" in r.set_fields else "model.generation.guidance_scale"
+                r = replace(r, ignored={**(r.ignored or {}), "guidance_scale": {
+                    "value": r.guidance_scale, "why": why(r), "from": src,
+                    "passed": "as the switch of classifier-free guidance (> 1) only"}})
+            out.append(r)
         return out
 
     def ignored_fields(self, rows: Sequence[Row]) -> Dict[str, Tuple[Any, ...]]:
@@ -199,10 +281,24 @@ class WanEngine(PipelineEngine):
             out["guidance_scale_2"] = (f"model={self.cfg.name} has one expert (no boundary_ratio), and "
                                        "guidance_scale_2 is the low-noise expert's", "use guidance_scale")
         else:
-            out["guidance_scale_2"] = ("guidance_scale <= 1 turns classifier-free guidance off for both experts",
-                                       "guidance_scale > 1 in that row",
-                                       lambda r: r.guidance_scale is None or r.guidance_scale <= 1)
+            out["guidance_scale_2"] = (self.guidance_2_ignored_why, "guidance_scale > 1 in that row, or steps "
+                                       "and model.architecture.pipeline.boundary_ratio under which transformer_2 runs",
+                                       self.guidance_2_ignored)
         return out
+
+    def guidance_2_ignored(self, row: Row) -> bool:
+        """``guidance_scale_2`` acts on no step of ``row``'s call: guidance is off (``guidance_scale`` <= 1:
+        ``do_classifier_free_guidance`` reads ``guidance_scale`` alone) or ``transformer_2`` runs no step
+        (:meth:`planned_expert_steps`: 1 step on tiny_wan22, or ``boundary_ratio`` 0.5 at 4 steps)."""
+        return (row.guidance_scale is None or row.guidance_scale <= 1
+                or self.planned_expert_steps(int(row.num_inference_steps))["transformer_2"] == 0)
+
+    def guidance_2_ignored_why(self, row: Row) -> str:
+        """Why :meth:`guidance_2_ignored` holds for ``row``."""
+        if row.guidance_scale is None or row.guidance_scale <= 1:
+            return "guidance_scale <= 1 turns classifier-free guidance off for both experts"
+        return (f"transformer_2 (the low-noise expert whose scale it is) runs no step of the row's "
+                f"{row.num_inference_steps} ({self.expert_rule()})")
 
 
 def check_guidance_2(v: Any, context: Any) -> Optional[str]:

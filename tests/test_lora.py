@@ -106,7 +106,8 @@ def test_a_fused_adapter_changes_the_images_deterministically_and_enters_the_ide
     for rec in one.items:
         assert rec["params"]["lora"] == want
         text = Image.open(one.run_dir / rec["file"]).text  # the PNG's own metadata
-        assert json.loads(text["parameters"])["lora"] == want
+        # the artifact embeds the adapter by content (sha256, scale); its name is the record's (issue 38)
+        assert json.loads(text["parameters"])["lora"] == [{"sha256": sha(adapters["a"]), "scale": 1.0}]
     meta = [json.loads(x) for x in (one.run_dir / "images/metadata.jsonl").read_text().splitlines()]
     assert all(x["parameters"]["lora"] == want for x in meta)
     ids = {r["key"]: r["inputs_sha256"] for r in base.items}

@@ -95,7 +95,8 @@ def test_png_sink_writes_named_hashed_files_with_their_text_and_fails_bad_output
 def test_png_sink_options_and_identity(compose):
     cfg = compose(["model=toy_shapes"])
     assert PNGSink.options(cfg) == {"model": "toy_shapes"}
-    assert PNGSink.identity(cfg) == {"png_text": list(sinks.EMBEDDED_FIELDS)}
+    assert PNGSink.identity(cfg) == {"png_text": list(sinks.EMBEDDED_FIELDS),
+                                     "not_embedded": ["batch_size", "lora.name"]}
     assert PNGSink.threaded is True and RecordSink.threaded is False
     assert RecordSink.identity(cfg) is None and RecordSink.options(cfg) == {}
 
@@ -231,7 +232,8 @@ def test_mp4_sink_records_what_the_file_decodes_to_its_metadata_and_frame_dump(t
     cfg = compose(["model=toy_shapes", "output.video_codec=h264_lossless", "output.video_frames=true"])
     assert MP4Sink.options(cfg) == {"codec": "h264_lossless", "dump_frames": True, "model": "toy_shapes"}
     assert MP4Sink.identity(cfg) == {"video": video.encoder_info("h264_lossless"), "frames_dump": True,
-                                     "metadata": list(sinks.EMBEDDED_FIELDS)}
+                                     "metadata": list(sinks.EMBEDDED_FIELDS),
+                                     "not_embedded": ["batch_size", "lora.name"]}
 
 
 def test_mp4_sink_without_a_dump_writes_only_the_video(tmp_path):

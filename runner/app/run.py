@@ -247,8 +247,15 @@ class Run:
             m.section("worker", worker_record(self.worker, len(self.items)))
         prev = self.plan.prev
         if prev is not None:
+            renamed = resume.lora_renames(prev, self.sources[self.final.stage])
+            if renamed:
+                log.info("LoRA adapter(s) renamed since the earlier run, same content (sha256): %s; recorded in "
+                         "resumed_from.lora_renamed, their items kept", "; ".join(
+                             f"{r['from']['name']} ({r['from']['path']}) -> {r['to']['name']} ({r['to']['path']})"
+                             for r in renamed))
             m.section("resumed_from", {"run_id": prev.get("run_id"), "status": prev.get("status"),
-                                       "reused_items": self.counts["reused"], "forced": bool(self.cfg.run.force)})
+                                       "reused_items": self.counts["reused"], "forced": bool(self.cfg.run.force),
+                                       **({"lora_renamed": renamed} if renamed else {})})
         for name, value in provenance.header_sections(
                 resolved_cfg=self.resolved_cfg, overrides=self.overrides, packages=self.packages,
                 identity=self.identity, run_sha=self.plan.run_sha, platform=self.plat.to_dict(),

@@ -156,6 +156,8 @@ class Field:
         media: the value names an input file (``runner.core.media``): its identity is the file's sha256 (and what
             the pipeline gets from it), not the path; its batching key the input's size; recorded under the item's
             ``inputs``, not its ``params``.
+        ident: ``ident(value) -> identity``: what of a set value enters the item's inputs (None: the value itself);
+            ``lora``: each adapter's sha256 and scale, not its name (:func:`lora_identity`).
     """
 
     name: str
@@ -168,6 +170,7 @@ class Field:
     kind: Optional[str] = None
     extra: bool = True
     media: bool = False
+    ident: Optional[Callable[[Any], Any]] = None
 
     def words(self) -> str:
         """The type in words (``an integer``)."""
@@ -245,6 +248,8 @@ class RowSpec:
             v = getattr(row, f.name, None)
             if f.media and v is not None:
                 v = media_identity(inputs.get(f.name), v)
+            elif f.ident is not None and v is not None:
+                v = f.ident(v)
             if f.identity == "always" or (f.identity == "set" and v is not None):
                 out[f.name] = v
         return out
@@ -559,11 +564,18 @@ def lora_set_key(value: Any) -> Any:
     return tuple((d["name"], d["scale"]) if isinstance(d, dict) else (d, None) for d in value)
 
 
+def lora_identity(value: Any) -> Any:
+    """The identity of a row's resolved ``lora`` set: ``[{sha256, scale}]`` in order (an adapter's name is a label:
+    renaming it, or its file, changes no byte); names as given before the set is resolved."""
+    return [{k: v for k, v in d.items() if k != "name"} if isinstance(d, dict) else d for d in value]
+
+
 #: The LoRA fields (``models.lora``): adapters of the run's library (``model.lora``) by name, and a scale replacing
 #: theirs. The engine resolves ``lora`` to the row's adapter set ``[{name, sha256, scale}]`` (every library adapter
 #: for a row without it): that enters the identity and the batching key (rows batch by adapter set).
 LORA_FIELDS = (
-    Field("lora", list, identity="set", parse=parse_lora_names, batch_key=lora_set_key, kind="a name or a list of names"),
+    Field("lora", list, identity="set", parse=parse_lora_names, batch_key=lora_set_key,
+          kind="a name or a list of names", ident=lora_identity),
     Field("lora_scale", float, check=check_lora_scale, identity="set"),
 )
 
@@ -939,12 +951,14 @@ def apply_ignored(rows: List[Row], path: Any, ignored: Dict[str, tuple], mode: s
     Args:
         ignored: ``{field: (why, fix)}`` or ``{field: (why, fix, applies)}``: the generation fields the model ignores
             under this run's config; ``applies(row)`` limits it to the rows it is true for (e.g. a negative prompt is
-            ignored only in rows whose guidance turns guidance off).
+            ignored only in rows whose guidance turns guidance off); ``why`` may be ``why(row)``, the reason for
+            that row.
         mode: ``error``: a row that sets one is refused; ``record``: the value is removed from the row (not applied)
             and kept under ``row.ignored`` with the reason, for the item's record.
         model: the model name, for the messages.
         config_values: ``{field: (config key, value)}`` of config defaults the model ignores and that the run
-            accepted (the caller refuses them in ``error`` mode); rows that take the default record it as ignored.
+            accepted (the caller refuses those of unconditional rules in ``error`` mode); rows that take the default
+            (and that the rule applies to) record it as ignored.
 
     Raises:
         DatasetError: ``mode == "error"``, one problem per row and field (file:line, field, value, why, fix).
@@ -958,6 +972,7 @@ def apply_ignored(rows: List[Row], path: Any, ignored: Dict[str, tuple], mode: s
         for f, (why, fix, *applies) in ignored.items():
             if applies and not applies[0](r):
                 continue
+            why = why(r) if callable(why) else why
             if f in r.set_fields:
                 if mode == "error":
                     problems.append(f"{path}:{r.line}: field {f!r} = {getattr(r, f)!r} is ignored by model={model}: "

@@ -77,6 +77,8 @@ class InputFile:
         width, height: pixels, from the file.
         mode: the file's PIL mode; ``input_mode``: what the pipeline gets (:data:`TARGET_MODE`).
         conversion: the :data:`MODE_RULES` rule applied, None when the mode was the target's.
+        repaint_pixels: a ``mask_image``'s pixels the pipeline repaints (grey value >= 128, its binarisation:
+            :func:`mask_inside`), 0 to ``width * height``; None for other fields.
     """
 
     field: str
@@ -88,11 +90,16 @@ class InputFile:
     mode: str
     input_mode: str
     conversion: Optional[str] = None
+    repaint_pixels: Optional[int] = None
 
     def record(self) -> Dict[str, Any]:
-        """The input as ``items.jsonl`` records it: ``{path, sha256, width, height, mode, input_mode, conversion}``."""
-        return {"path": self.path or self.given, "sha256": self.sha256, "width": self.width, "height": self.height,
-                "mode": self.mode, "input_mode": self.input_mode, "conversion": self.conversion}
+        """The input as ``items.jsonl`` records it: ``{path, sha256, width, height, mode, input_mode, conversion}``,
+        and a mask's ``repaint_pixels``."""
+        out = {"path": self.path or self.given, "sha256": self.sha256, "width": self.width, "height": self.height,
+               "mode": self.mode, "input_mode": self.input_mode, "conversion": self.conversion}
+        if self.repaint_pixels is not None:
+            out["repaint_pixels"] = self.repaint_pixels
+        return out
 
     def digest(self) -> Dict[str, Any]:
         """What of the input enters the item identity: its bytes' sha256 and what the pipeline gets from them (the
@@ -245,14 +252,15 @@ def check_input(field: str, value: Any, src: Path, media_root: Optional[str], bo
     img = None
     if data is not None:
         img, why = decode(data, bound)
-    rule = None
+    rule, converted = None, None
     if img is not None:
-        _converted, rule, why = convert_mode(img, TARGET_MODE[field.split("[")[0]])
+        converted, rule, why = convert_mode(img, TARGET_MODE[field.split("[")[0]])
     if why is not None:
         return None, f"field {field!r} = {given!r} {why}; fix: {fix_of(why)}"
+    repaint = int(mask_inside(converted).sum()) if field == "mask_image" else None
     return InputFile(field=field, given=given, path=path, sha256=hashlib.sha256(data).hexdigest(),
                      width=img.width, height=img.height, mode=img.mode,
-                     input_mode=TARGET_MODE[field.split("[")[0]], conversion=rule), None
+                     input_mode=TARGET_MODE[field.split("[")[0]], conversion=rule, repaint_pixels=repaint), None
 
 
 def size_problems(row: Any, inputs: Mapping[str, Any], any_size: bool = False) -> List[str]:
@@ -325,7 +333,26 @@ def attach_inputs(rows: Sequence[Any], src: Path, media_root: Optional[str] = No
         out.append(replace(r, inputs=inputs))
     if problems:
         raise DatasetError(problems)
+    warn_empty_masks(out, src)
     return out
+
+
+def warn_empty_masks(rows: Sequence[Any], src: Path) -> List[str]:
+    """Log one warning naming every row whose ``mask_image`` selects no pixel (none >= 128): the pipeline runs every
+    step and repaints nothing (with ``output.inpaint_overlay`` the output is the input; without, its VAE
+    reconstruction). The item runs, and its record says ``inputs.mask_image.repaint_pixels: 0``. Returns the
+    ``file:line`` of each such row."""
+    empty = [f"{src}:{r.line} ({r.id})" for r in rows
+             if getattr((getattr(r, "inputs", None) or {}).get("mask_image"), "repaint_pixels", None) == 0]
+    if empty:
+        import logging
+
+        logging.getLogger("runner").warning(
+            "%d row(s) have a mask_image that selects no pixel to repaint (no grey value >= 128): %s%s; their items "
+            "repaint nothing (the output is the input, or its VAE reconstruction with output.inpaint_overlay=false) "
+            "and record inputs.mask_image.repaint_pixels: 0; fix: white (>= 128) where the image should change, or "
+            "drop the row", len(empty), ", ".join(empty[:5]), " ..." if len(empty) > 5 else "")
+    return empty
 
 
 def load_input(inp: InputFile, value: Any = None) -> Any:

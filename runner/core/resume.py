@@ -145,7 +145,7 @@ def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_
     """
     diffs = []
     for key in (*SEMANTIC_KEYS, *keys):
-        a, b = _flat(_get(old_cfg, key), key), _flat(_get(new_cfg, key), key)
+        a, b = (_flat(_entries_without_omitted(key, _get(c, key)), key) for c in (old_cfg, new_cfg))
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
                 diffs.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
@@ -157,6 +157,33 @@ def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_
     if old_dataset_sha is not None and old_dataset_sha != new_dataset_sha:
         diffs.append(f"dataset.sha256: {old_dataset_sha[:12]}… -> {new_dataset_sha[:12]}…")
     return diffs
+
+
+def _entries_without_omitted(key: str, value: Any) -> Any:
+    """A list-of-entries value (``model.lora``) without the fields its schema leaves out of the resume comparison
+    (``runner.core.schema.omitted_fields``: an adapter's ``path`` and ``name``); other values as they are."""
+    if not isinstance(value, list) or key not in SEMANTIC_KEYS:
+        return value
+    drop = omitted_fields(key, RESUME)
+    if not drop:
+        return value
+    return [{k: v for k, v in e.items() if k not in drop} if isinstance(e, dict) else e for e in value]
+
+
+def lora_renames(prev: Optional[Dict[str, Any]], source: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Adapters of this run whose content (sha256) the earlier run (``prev``, its manifest) held under another path
+    or name: ``[{"sha256", "from": {"name", "path"}, "to": {"name", "path"}}]``. A rename is recorded metadata, not a
+    conflict and not a new identity (the identity holds the adapter's sha256 and scale: :func:`_source_fingerprint`);
+    items reused from the earlier run keep the name they were generated under."""
+    old = {a.get("sha256"): a for a in ((((prev or {}).get("model") or {}).get("source") or {}).get("lora") or {})
+           .get("adapters") or []}
+    out = []
+    for a in (source.get("lora") or {}).get("adapters") or []:
+        o = old.get(a.get("sha256"))
+        if o is not None and (o.get("name"), o.get("path")) != (a.get("name"), a.get("path")):
+            out.append({"sha256": a["sha256"], "from": {"name": o.get("name"), "path": o.get("path")},
+                        "to": {"name": a.get("name"), "path": a.get("path")}})
+    return out
 
 
 def previous_run(out_dir: Path, names: tuple = ("manifest.json",)) -> Optional[Dict[str, Any]]:
@@ -238,8 +265,12 @@ def item_inputs(item: Any) -> Dict[str, Any]:
 
 def _source_fingerprint(source: Dict[str, Any]) -> Dict[str, Any]:
     """The weight source, with a cheap fingerprint of a local snapshot: every config/index JSON's sha256 and every
-    weight file's name and size (hashing the weights would read gigabytes before anything starts)."""
+    weight file's name and size (hashing the weights would read gigabytes before anything starts); LoRA adapters by
+    their sha256, scale and layers (not their path or name: renaming a file changes no byte)."""
     out = {k: v for k, v in source.items() if k != "files"}
+    if isinstance(out.get("lora"), dict):  # an adapter is its content and scale; its path and name are labels
+        out["lora"] = {**out["lora"], "adapters": [{k: v for k, v in a.items() if k not in ("name", "path")}
+                                                   for a in out["lora"].get("adapters") or []]}
     path = source.get("path")
     if source.get("kind") == "path" and path and Path(path).is_dir():
         root = Path(path)

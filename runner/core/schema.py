@@ -388,14 +388,16 @@ class GenerationDefaults:
 class LoraAdapterConfig:
     """One LoRA adapter of a diffusion run's library (``model.lora`` entries; ``models.lora``)."""
 
-    path: str = MISSING
+    path: str = declared(MISSING, omitted_from=(RESUME,))
     """A ``.safetensors`` LoRA file: diffusers/peft naming or a community format diffusers' converters read (kohya,
-    xlabs...). Pickle files are refused."""
+    xlabs...). Pickle files are refused. Recorded, not compared on resume: the adapter is its content (sha256, in
+    the identity), so a renamed file is a metadata change (``resumed_from.lora_renamed``), not a conflict."""
     scale: float = 1.0
     """The adapter's weight (``set_adapters`` weight, ``fuse_lora(lora_scale=...)``); a row's ``lora_scale`` beats
     it."""
-    name: Optional[str] = None
-    """The name rows use in their ``lora`` field (null: the file's stem)."""
+    name: Optional[str] = declared(None, omitted_from=(RESUME,))
+    """The name rows use in their ``lora`` field (null: the file's stem); a label, recorded, not compared on resume
+    (rows that name an adapter are part of the dataset, compared by its sha256)."""
 
 
 @dataclass
@@ -1059,10 +1061,16 @@ def factor_keys(kind: str, *, when_set: Optional[bool] = False) -> tuple:
 
 def omitted_fields(key: str, kind: str) -> tuple:
     """Names of the fields inside ``key``'s value (inside each entry of a mapping of dataclasses, such as
-    ``model.stages``) that declare they are left out of ``kind`` (:attr:`Factors.omitted_from`)."""
+    ``model.stages``, or of a list of them, such as ``model.lora``) that declare they are left out of ``kind``
+    (:attr:`Factors.omitted_from`)."""
+    import typing
+
     for k, f, owner in _declared_fields():
         if k == key:
             sub = _field_class(owner, f.name)
+            held = typing.get_type_hints(owner)[f.name]
+            if sub is None and typing.get_origin(held) is list:
+                sub = typing.get_args(held)[0] if dataclasses.is_dataclass(typing.get_args(held)[0]) else None
             return tuple(g.name for g in dataclasses.fields(sub) if kind in factors_of(g).omitted_from) if sub else ()
     raise KeyError(f"{key} declares no factors")
 

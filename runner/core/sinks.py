@@ -71,12 +71,27 @@ FOLDER_METADATA = "metadata.jsonl"
 
 #: The text fields embedded in every artifact (PNG text chunks, the MP4 ``comment`` as JSON), in this order.
 EMBEDDED_FIELDS = ("prompt", "negative_prompt", "seed", "parameters", "model")
+#: Record ``params`` kept out of the embedded ``parameters`` (:func:`embedded_params`): the batch composition
+#: (``batch_size``) and each LoRA adapter's ``name`` (a label; the adapter is its ``sha256`` and ``scale``). They
+#: stay in ``items.jsonl`` and ``metadata.jsonl``; an item at batch 1 and at batch 4 whose pixels are equal has
+#: equal file bytes. Part of the sinks' identity, so files that embedded them are regenerated, not reused.
+NOT_EMBEDDED = ("batch_size", "lora.name")
+
+
+def embedded_params(params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """A record's ``params`` as an artifact embeds them: without :data:`NOT_EMBEDDED` (``batch_size``; ``lora``
+    entries as ``{sha256, scale}``). Other values unchanged."""
+    out = {k: v for k, v in (params or {}).items() if k != "batch_size"}
+    if isinstance(out.get("lora"), list):
+        out["lora"] = [{k: v for k, v in d.items() if k != "name"} if isinstance(d, dict) else d
+                       for d in out["lora"]]
+    return out
 
 
 def embedded_fields(record: Dict[str, Any], model: Optional[str]) -> Dict[str, str]:
     """What an artifact carries about itself, as text: ``prompt``, ``negative_prompt`` (left out when none was
-    applied), ``seed``, ``parameters`` (the record's ``params`` as applied, JSON with sorted keys) and ``model`` (the
-    model name; left out when None).
+    applied), ``seed``, ``parameters`` (the record's ``params`` as applied, JSON with sorted keys, without the batch
+    composition and LoRA names: :func:`embedded_params`) and ``model`` (the model name; left out when None).
 
     Every value is a function of the item's inputs as ``runner.core.resume.item_inputs`` counts them, so equal inputs
     still give equal bytes: neither the row id (it names the file) nor the run's id (a new uuid per process) is
@@ -86,7 +101,7 @@ def embedded_fields(record: Dict[str, Any], model: Optional[str]) -> Dict[str, s
     if record.get("negative_prompt") is not None:
         out["negative_prompt"] = str(record["negative_prompt"])
     out["seed"] = str(record.get("seed"))
-    out["parameters"] = json.dumps(record.get("params") or {}, sort_keys=True, default=str)
+    out["parameters"] = json.dumps(embedded_params(record.get("params")), sort_keys=True, default=str)
     if model is not None:
         out["model"] = str(model)
     if record.get("inputs"):  # a conditioned item: its input files by sha256 (their paths are not embedded)
@@ -363,7 +378,7 @@ class PNGSink(_FileSink):
     @classmethod
     def identity(cls, cfg: Any) -> Dict[str, Any]:
         """The text chunks each PNG embeds (a file written before they were embedded is not reused)."""
-        return {"png_text": list(EMBEDDED_FIELDS)}
+        return {"png_text": list(EMBEDDED_FIELDS), "not_embedded": list(NOT_EMBEDDED)}
 
     def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:
         return (output.image, embedded_fields(record, self.model), record), None
@@ -464,7 +479,8 @@ class MP4Sink(_FileSink):
         from runner.core import video
 
         return {"video": video.encoder_info(str(cfg.output.video_codec)),
-                "frames_dump": bool(cfg.output.video_frames), "metadata": list(EMBEDDED_FIELDS)}
+                "frames_dump": bool(cfg.output.video_frames), "metadata": list(EMBEDDED_FIELDS),
+                "not_embedded": list(NOT_EMBEDDED)}
 
     def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:
         """``(uint8 frames, fps, dump path)``: the frames converted here, so a pending video holds a quarter of
