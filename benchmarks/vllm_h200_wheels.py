@@ -1,4 +1,6 @@
-"""vLLM 0.24.0 (CUDA 13, torch 2.11) and what it needs, carried to the H200 in pieces of at most 44 MiB.
+"""vLLM 0.24.0 (CUDA 13, torch 2.11) and what it needs, with every optional package of the runner that installs there
+(torchao, cache-dit, imageio-ffmpeg, bitsandbytes, sageattention 1.x, jsonschema), carried to the H200 in pieces of
+at most 44 MiB.
 
 The H200 image has torch 2.11.0+cu130, transformers, triton and most of vLLM's requirements, but no vLLM, no
 pydantic, no hydra; it cannot reach a package index, and one device call carries at most ~45 MB beside the
@@ -74,7 +76,11 @@ WHEELS = [
     "fastapi==0.136.3", "starlette==1.10.0", "partial-json-parser==0.2.1.1.post7",
     "llguidance==1.7.6", "xgrammar==0.2.8", "apache-tvm-ffi==0.1.15.post2",
     # the runner's own (pyproject dependencies) that the image lacks
-    "hydra-core==1.3.2", "omegaconf==2.3.0", "diffusers==0.42.1",
+    "hydra-core==1.3.2", "omegaconf==2.3.0", "diffusers==0.42.1", "ftfy==6.3.1", "wcwidth==0.9.4",
+    # issue #37: every optional package the registries know that installs on the H200, so scripts/ci/cuda.sh
+    # skips only for absent hardware (imageio-ffmpeg 0.6.0: 29 MB, where 0.8.1's 68 MB would not fit a part)
+    "torchao==0.18.0", "cache-dit==1.5.3", "imageio-ffmpeg==0.6.0", "bitsandbytes==0.50.2", "sageattention==1.0.6",
+    "jsonschema==4.26.0", "referencing==0.37.0", "rpds-py==2026.9.1", "jsonschema-specifications==2025.9.1",
 ]
 #: Published only as an sdist: built here into a pure-Python wheel.
 SDIST_WHEELS = ["antlr4-python3-runtime==4.9.3"]
