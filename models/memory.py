@@ -302,15 +302,37 @@ def apply_offload(pipe: Any, plan: planner.Plan, device: str) -> Dict[str, Any]:
     elif mode == "model":
         pipe.enable_model_cpu_offload(device=device)
     else:
-        kind = "block_level" if mode == "group_block" else "leaf_level"
-        kw: Dict[str, Any] = {"use_stream": plan.use_stream,
-                              "record_stream": plan.use_stream and plan.record_stream}
-        if kind == "block_level":
-            kw["num_blocks_per_group"] = plan.blocks_per_group
-        pipe.enable_group_offload(onload_device=torch.device(device), offload_device=torch.device("cpu"),
-                                  offload_type=kind, **kw)
+        levels = group_levels(pipe.components, mode)
+        from diffusers.hooks import apply_group_offloading
+
+        kw: Dict[str, Any] = {"onload_device": torch.device(device), "offload_device": torch.device("cpu"),
+                              "use_stream": plan.use_stream, "record_stream": plan.use_stream and plan.record_stream}
+        for name, level in levels.items():  # as diffusers' pipeline.enable_group_offload, one level per component
+            extra = {"num_blocks_per_group": plan.blocks_per_group} if level == "block_level" else {}
+            comp = pipe.components[name]
+            apply = getattr(comp, "enable_group_offload", None)  # a diffusers model's own checks first
+            if apply is not None:
+                apply(offload_type=level, **kw, **extra)
+            else:
+                apply_group_offloading(comp, offload_type=level, **kw, **extra)
+        return {"offload": mode, "use_stream": plan.use_stream, "blocks_per_group": plan.blocks_per_group,
+                "record_stream": plan.use_stream and plan.record_stream, "levels": levels}
     return {"offload": mode, "use_stream": plan.use_stream, "blocks_per_group": plan.blocks_per_group,
             "record_stream": plan.use_stream and plan.record_stream}
+
+
+def group_levels(components: Mapping[str, Any], mode: str) -> Dict[str, str]:
+    """diffusers' group-offload level for each module component under ``mode``: ``group_leaf`` leaf level for all;
+    ``group_block`` block level for a component with top-level ``nn.ModuleList``/``nn.Sequential`` children (the
+    blocks diffusers groups) and leaf level for one without (block level would make all of it one group: T5's
+    blocks are one level down), as ``runner.core.memory`` plans it."""
+    out: Dict[str, str] = {}
+    for name, m in components.items():
+        if not isinstance(m, torch.nn.Module):
+            continue
+        lists = any(isinstance(ch, (torch.nn.ModuleList, torch.nn.Sequential)) for ch in m.children())
+        out[name] = "block_level" if mode == "group_block" and lists else "leaf_level"
+    return out
 
 
 def apply_vae(pipe: Any, tiling: bool, slicing: bool) -> Dict[str, bool]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import execute
+from _helpers import compose, execute
 from kernels import quantization as quant
 from kernels.registry import SelectionContext
 from runner.core import memory as planner
@@ -560,3 +560,56 @@ def test_record_stream_plans_a_third_resident_group(flux_dev):
     off = planner.plan("group_block", sizes, st, "transformer", 28, use_stream=False, record_stream=True)
     assert off.stages == planner.plan("group_block", sizes, st, "transformer", 28, use_stream=False).stages
     assert not off.record_stream
+
+
+def test_group_block_offloads_a_component_without_block_lists_leaf_by_leaf(tmp_path):
+    """``memory.offload=group_block``: diffusers' block level groups the entries of a component's top-level
+    ``ModuleList``s; T5 (``encoder.block``, a level down), CLIP and the VAE have none, so block level would onload
+    each of them whole (FLUX.1-dev's T5-XXL: 8.9 GiB resident while it runs, issue #37's budget12). Those go leaf by
+    leaf, the transformer by blocks; planned alike; the images of a CPU run under the hooks are unchanged."""
+    from diffusers import FluxPipeline
+
+    from models.flux import build_components
+    from models.memory import apply_offload, group_levels
+
+    arch = compose(["model=tiny_flux"]).model.architecture
+    from omegaconf import OmegaConf
+
+    arch = OmegaConf.to_container(arch, resolve=True)
+    pipe = FluxPipeline(**build_components(arch))
+    kw = dict(prompt=["a red fox"], num_inference_steps=2, height=64, width=64, guidance_scale=3.5,
+              max_sequence_length=32, output_type="np")
+    want = pipe(**kw, generator=torch.Generator().manual_seed(0)).images
+    levels = group_levels(pipe.components, "group_block")
+    assert levels == {"transformer": "block_level", "text_encoder": "leaf_level", "text_encoder_2": "leaf_level",
+                      "vae": "leaf_level"}
+    applied = apply_offload(pipe, planner.Plan("group_block", False, 1), "cpu")
+    assert applied["levels"] == levels
+    t5 = pipe.text_encoder_2
+    hooked = [m for m in t5.modules() if getattr(m, "_diffusers_hook", None) is not None
+              and m._diffusers_hook.get_hook("group_offloading") is not None]
+    leaves = [m for m in t5.modules() if isinstance(m, planner.LEAF_TYPES)]
+    assert len(hooked) >= len(leaves) > 4  # a group per leaf, not one for the whole encoder
+    got = pipe(**kw, generator=torch.Generator().manual_seed(0)).images
+    assert np.array_equal(got, want)
+
+
+def test_group_block_plans_t5_leaf_by_leaf(flux_dev):
+    """The planner's side of the rule above: under ``group_block`` T5-XXL (no top-level block list) is resident a
+    leaf at a time (two with a stream) plus what lies outside its leaves, like ``group_leaf``; the transformer
+    keeps its block-level residency."""
+    from models.memory import component_sizes
+
+    mods, confs = flux_dev
+    sizes = component_sizes(mods, {})
+    t5 = sizes["text_encoder_2"]
+    assert not t5.blocks and sizes["transformer"].blocks
+    st = _stages(confs)
+    block = planner.plan("group_block", sizes, st, "transformer", 28)
+    leaf = planner.plan("group_leaf", sizes, st, "transformer", 28)
+    acts = dict(st[0].activations)
+    assert block.stages["text_encode"] == leaf.stages["text_encode"] == max(
+        s.other + 2 * s.max_leaf + acts[n] for n, s in sizes.items() if n in acts)
+    tr = sizes["transformer"]
+    assert block.stages["denoise"] == tr.unmatched + 2 * max(tr.blocks) + dict(st[1].activations)["transformer"]
+    assert planner.gb(block.stages["text_encode"]) < 5  # was 8.9 GiB of T5 + its activations

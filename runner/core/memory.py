@@ -17,7 +17,10 @@ leaf module its own group (two resident with a stream). Quantized ``nn.Linear`` 
 
 * ``none``: every component on the device: ``sum(W) + A_c``.
 * ``model`` (``enable_model_cpu_offload``: one component on the device at a time): ``W_c + A_c``.
-* ``group_block``: ``unmatched_c + k * n * max_block_c + A_c`` (``k`` = 2 with a stream, else 1).
+* ``group_block``: ``unmatched_c + k * n * max_block_c + A_c`` (``k`` = 2 with a stream, else 1); a component
+  without top-level block lists (T5's blocks sit in ``encoder.block``, one level down) is offloaded leaf by leaf,
+  as under ``group_leaf``: block level would make all of it one group, resident whole while it runs (FLUX.1-dev's
+  T5-XXL: 8.9 GiB, which decided budget12's plan).
 * ``group_leaf``: ``k * max_leaf_c + other_c + A_c`` (``other_c``: parameters outside any leaf module).
 
 The planned peak is the largest stage's, plus :data:`RESERVE_BYTES`. **Speed order** (``auto`` takes the first
@@ -212,7 +215,7 @@ def _resident(c: ComponentSize, mode: str, stream: bool, n: int, total: int, rec
         return total
     if mode == "model":
         return c.weights
-    if mode == "group_block":
+    if mode == "group_block" and c.blocks:
         n = 1 if stream else n
         top = max((sum(c.blocks[i:i + n]) for i in range(0, len(c.blocks), n)), default=0)
         return c.unmatched + k * top
