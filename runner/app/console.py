@@ -36,12 +36,29 @@ LIBRARY_ENV_DEFAULTS: Dict[str, str] = {"KINETO_LOG_LEVEL": "6", "VLLM_LOGGING_L
 #: extensions that do not load for this torch build (FP8_TORCHAO uses torchao's Python path and
 #: ``torch._scaled_mm``, not them), torch's pytree deprecates torchao's enum registrations, and diffusers' torchao
 #: quantizer (unused by the runner) says it cannot import its tensor classes.
-LIBRARY_NOISE: Dict[str, Tuple[str, ...]] = {
+LIBRARY_NOISE: Dict[str, Tuple[Any, ...]] = {
     "transformers": ("requires torchvision (not installed)",),
     "transformers.utils.import_utils": ("requires torchvision (not installed)",),
     "torchao": ("Failed to load ",),
+    # torchao.kernel.intmm at import, on a machine without triton (the CPU wheel): its Triton int-mm kernels are
+    # not what the runner uses (FP8_TORCHAO: torch._scaled_mm; int8wo/float8wo: torchao's Python path)
+    "torchao.kernel.intmm": ("Detected no triton",),
     "torch.utils._pytree": ("Calling register_constant() on Enum subclasses is deprecated",),
-    "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
+    "diffusers.quantizers.torchao.torchao_quantizer": (
+        "Unable to import `torchao` Tensor objects",
+        # int8wo at the run's dtype (float32 on CPU): diffusers asks for bfloat16 "for integer quantization", but the
+        # weight-only int8 layers run at the activation dtype (tests/test_memory.py runs them in float32); the
+        # run's dtype is the user's choice (dtype=bfloat16), recorded in the manifest
+        "for integer quantization, but only bfloat16 is supported right now",
+    ),
+    # Wan 2.1 I2V/FLF2V: the checkpoint's image_encoder is a CLIPVisionModelWithProjection (the class diffusers'
+    # conversion script saves, models/wan.py) where WanImageToVideoPipeline annotates CLIPVisionModel; only that
+    # pair is dropped (all substrings of a tuple must match)
+    "diffusers.pipelines.pipeline_utils": (("Expected types for image_encoder", "CLIPVisionModel",
+                                            "CLIPVisionModelWithProjection"),),
+    # HunyuanVideo 1.5's ClassifierFreeGuidance is a pipeline component (models/hunyuanvideo15.py): every load
+    # builds one, and the runner pins its behaviour (guidance_scale checked, start/stop refused)
+    "diffusers.guiders.guider_utils": ("Guiders are currently an experimental feature",),
     # once per tokenizer, so twice for a two-encoder pipeline; the runner says it once for the run (how many items a
     # text encoder truncated) and each record carries its counts (``models.diffusers_engine``)
     "transformers.tokenization_utils_base": ("Token indices sequence length is longer than",),
@@ -79,7 +96,7 @@ def library_env_defaults(argv: Sequence[str], environ: Optional[MutableMapping[s
 class _DropNoise(logging.Filter):
     """Drops records whose message holds one of its logger's :data:`LIBRARY_NOISE` substrings."""
 
-    def __init__(self, noise: Tuple[str, ...]) -> None:
+    def __init__(self, noise: Tuple[Any, ...]) -> None:
         super().__init__()
         self.noise = noise
 
@@ -88,7 +105,7 @@ class _DropNoise(logging.Filter):
             msg = record.getMessage()
         except Exception:  # noqa: BLE001 - a record that cannot be formatted is not ours to judge
             return True
-        return not any(n in msg for n in self.noise)
+        return not any((n in msg) if isinstance(n, str) else all(p in msg for p in n) for n in self.noise)
 
 
 _FILTERS = {name: _DropNoise(noise) for name, noise in LIBRARY_NOISE.items()}
@@ -122,6 +139,29 @@ def quiet_libraries(is_verbose: bool = False) -> None:
         tlog.disable_progress_bar()
     except ImportError:
         pass
+
+
+def quiet_tool(argv: Sequence[str], loading_bars: bool = False) -> bool:
+    """The console defaults of ``python -m runner`` for a tool's command line (``runner.score``, ``gate``,
+    ``report``, ``repro``, ``export``): :func:`library_env_defaults` (call it before torch is imported) and the
+    :data:`LIBRARY_NOISE` filters; with ``loading_bars`` (a tool that loads a model: ``runner.score``) also
+    diffusers' and transformers' loading bars off (:func:`quiet_libraries`, which imports them). Nothing when
+    :func:`verbose`.
+
+    Returns:
+        Whether the console was quietened.
+    """
+    if verbose(argv):
+        return False
+    library_env_defaults(argv)
+    if loading_bars:
+        quiet_libraries(False)
+    else:
+        for name, flt in _FILTERS.items():
+            lg = logging.getLogger(name)
+            if flt not in lg.filters:
+                lg.addFilter(flt)
+    return True
 
 
 def override_key_problem(argv: Sequence[str]) -> Optional[str]:
