@@ -127,6 +127,33 @@ def test_torchao_import_noise_is_filtered_and_other_records_kept():
         assert seen == ["a warning the user must see"], (name, seen)
 
 
+def test_wan_image_encoder_type_note_is_dropped_and_other_type_notes_kept():
+    """Wan 2.1 I2V/FLF2V (issue #38): the checkpoint's CLIPVisionModelWithProjection where the pipeline annotates
+    CLIPVisionModel is dropped; a type note about another component (or another class) still shows."""
+    from runner.app.console import quiet_libraries
+
+    quiet_libraries()
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    lg = logging.getLogger("diffusers.pipelines.pipeline_utils")
+    h = Keep(level=logging.WARNING)
+    lg.addHandler(h)
+    clip = "transformers.models.clip.modeling_clip"
+    try:
+        lg.warning(f"Expected types for image_encoder: (<class '{clip}.CLIPVisionModel'>,), got "
+                   f"<class '{clip}.CLIPVisionModelWithProjection'>.")
+        lg.warning(f"Expected types for image_encoder: (<class '{clip}.CLIPVisionModel'>,), got <class 'MyEncoder'>.")
+        lg.warning("Expected types for transformer: (<class 'WanTransformer3DModel'>,), got <class 'Other'>.")
+    finally:
+        lg.removeHandler(h)
+    assert [m.split(": ")[0] for m in seen] == ["Expected types for image_encoder", "Expected types for transformer"]
+    assert "MyEncoder" in seen[0]
+
+
 def test_progress_excludes_the_warm_up_from_rate_and_eta():
     """What comes before the first batch (loading, a compile warm-up) is left out of the bar's elapsed time, so its
     rate and ETA are the loop's."""
