@@ -205,10 +205,17 @@ _BEFORE_RUN = {"__main__.log", ".hydra", rundir.LOCK_NAME, "job_status.json"}
 
 
 def _default_dir(cfg: DictConfig) -> bool:
-    """The run dir is Hydra's default one (``outputs/runs/<date>/<time>-<pid>``, named by this process), not one
-    the user named (``hydra.run.dir=``, ``output.dir``, ``run.resume``)."""
-    named = any(a.lstrip("+").split("=", 1)[0] == "hydra.run.dir" for a in sys.argv[1:])
-    return not named and not cfg.output.dir and not cfg.run.resume
+    """The run dir is Hydra's default one (``outputs/runs/<date>/<time>-<pid>``, named by this process) of a single
+    ``python -m runner`` run, not one the user named (``hydra.run.dir=``, ``output.dir``, ``run.resume``) or one an
+    in-process caller of :func:`run_job` passed."""
+    if cfg.output.dir or cfg.run.resume:
+        return False
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
+        return False
+    return not any(str(o).lstrip("+").split("=", 1)[0] == "hydra.run.dir" for o in HydraConfig.get().overrides.hydra)
 
 
 def _remove_refused_dir(out_dir: Path) -> None:
