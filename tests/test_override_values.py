@@ -84,6 +84,14 @@ def test_adapter_path_as_a_string_is_refused_before_hydra_with_exit_2(subprocess
     assert not run.exists()
 
 
+def test_a_forced_override_of_an_existing_key_is_checked_too():
+    """``++model.lora=<path>`` (Hydra's force-set) reached OmegaConf's "str is not a ListConfig"; a key ``++`` adds
+    is left to the schema check."""
+    msg = override_key_problem(["model=toy_shapes", f"++model.lora={ADAPTER}"])
+    assert msg is not None and msg.endswith(f"fix: 'model.lora=[{{path:{ADAPTER}}}]'"), msg
+    assert override_key_problem(["model=toy_shapes", "++model.architecture.new_key=1", "++foo.bar=2"]) is None
+
+
 def test_sweep_choice_is_checked_and_the_fix_keeps_the_other_choices():
     msg = override_key_problem(["-m", "model=toy_shapes", "model.lora_fuse=fused,unfsed"])
     assert msg is not None and msg.endswith("did you mean unfused? fix: 'model.lora_fuse=fused,unfused'"), msg

@@ -176,7 +176,10 @@ def override_key_problem(argv: Sequence[str]) -> Optional[str]:
     """
     import difflib
 
-    plain = [a for a in argv if "=" in a and not a.startswith(("-", "+", "~", "hydra.", "hydra/"))
+    # ``++key=value`` sets an existing key (or adds one): its value is checked as a plain override's when the key
+    # exists; a key it adds is the schema check's (runner.app.checks.check_schema)
+    plain = [a for a in argv if "=" in a and not a.startswith(("-", "~", "hydra.", "hydra/", "++hydra."))
+             and not (a.startswith("+") and not a.startswith("++"))
              and "/" not in a.split("=", 1)[0]]  # group paths (hydra/launcher=..., model/x=...) are Hydra's
     if not plain:
         return None
@@ -209,6 +212,8 @@ def override_key_problem(argv: Sequence[str]) -> Optional[str]:
             if part in list(node.keys()):  # keys(), not `in`: a mandatory (???) value is a key too
                 node = node._get_node(part)  # noqa: SLF001 - omegaconf's accessor, resolves nothing
                 continue
+            if arg.startswith("++"):
+                break  # ++ adds a key the config lacks: the schema check judges it
             full = ".".join(parts[:i + 1])
             parent = ".".join(parts[:i])
             try:
