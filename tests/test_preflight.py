@@ -83,3 +83,14 @@ def test_rows_whose_files_exist_or_tasks_without_inputs_pass_the_early_check(tmp
     assert len(missing_inputs(compose(["model=toy_shapes", "model.task=inpaint", "dataset=jsonl",
                                        f"dataset.path={rows}", "dataset.limit=1"]))) == 1  # the limit's rows only
     assert os.path.isfile(REPO / "benchmarks" / "refusal_time.py")
+
+
+def test_an_engine_refusal_in_the_default_dir_leaves_no_dir_either(subprocess_env, tmp_path):
+    """Not only the early row check: any startup refusal (here the model's task check, after the engine loaded its
+    modules) of a run in its default dir leaves nothing under outputs/runs."""
+    p = subprocess.run([sys.executable, "-m", "runner", "model.task=image_to_video"], cwd=tmp_path, env=subprocess_env,
+                       capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "the flux family has no pipeline for it" in out, out[-3000:]
+    assert "its run dir" in out and "is removed" in out
+    assert not list((tmp_path / "outputs" / "runs").rglob("*")), list((tmp_path / "outputs").rglob("*"))

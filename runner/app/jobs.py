@@ -171,11 +171,12 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         status.update(error_type=type(e).__name__, error=str(e))
         if outcome in STARTUP_OUTCOMES and reraise and worker is None and _default_dir(cfg):
             # a refused single run in a dir it named itself: nothing to keep (the console said why); the dir goes
-            log.info("nothing was run; the run dir %s is removed (refused runs leave no dir unless named with "
-                     "hydra.run.dir or output.dir)", out_dir)
             rundir.release(lock)
-            _remove_refused_dir(out_dir)
-            return code
+            if _remove_refused_dir(out_dir):
+                log.info("nothing was run; its run dir %s is removed (a refused run keeps a dir only when named with "
+                         "hydra.run.dir or output.dir)", out_dir)
+                return code
+            lock = None  # released; the dir holds more than the refusal wrote: record the refusal there as usual
         if outcome in STARTUP_OUTCOMES:
             try:
                 out_dir.mkdir(parents=True, exist_ok=True)
@@ -218,19 +219,21 @@ def _default_dir(cfg: DictConfig) -> bool:
     return not any(str(o).lstrip("+").split("=", 1)[0] == "hydra.run.dir" for o in HydraConfig.get().overrides.hydra)
 
 
-def _remove_refused_dir(out_dir: Path) -> None:
+def _remove_refused_dir(out_dir: Path) -> bool:
     """Remove ``out_dir`` when it holds only what a run writes before it starts (:data:`_BEFORE_RUN`), and its date
-    folder when that is left empty; anything else in it is kept."""
+    folder when that is left empty; anything else in it is kept. Returns whether ``out_dir`` was removed."""
     import shutil
 
     try:
         if not out_dir.is_dir() or any(p.name not in _BEFORE_RUN for p in out_dir.iterdir()):
-            return
+            return False
         shutil.rmtree(out_dir)
         if out_dir.parent.is_dir() and not any(out_dir.parent.iterdir()):
             out_dir.parent.rmdir()
+        return True
     except OSError as e:  # the refusal stands; the dir stays
         log.debug("refused run dir %s not removed: %s", out_dir, e)
+        return False
 
 
 def _outcome(code: int, merged: Optional[Dict[str, Any]], status: Dict[str, Any]) -> str:
