@@ -27,7 +27,7 @@ def main() -> int:
     ap.add_argument("--checkout", type=Path, default=REPO, help="the checkout to time (default: this one)")
     a = ap.parse_args()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(a.checkout), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    times, codes, left = [], set(), []
+    times, codes = [], set()
     with tempfile.TemporaryDirectory() as tmp:
         rows = Path(tmp) / "rows.jsonl"
         rows.write_text(json.dumps({"id": "a", "prompt": "a red circle", "image": "missing.png"}) + "\n")
@@ -38,7 +38,7 @@ def main() -> int:
             times.append(time.perf_counter() - t0)
             codes.add(p.returncode)
             assert "does not exist" in p.stderr + p.stdout, (p.stdout + p.stderr)[-2000:]
-            left += [str(d) for d in (Path(tmp) / "outputs" / "runs").glob("*/*")]
+        left = [str(d) for d in (Path(tmp) / "outputs" / "runs").glob("*/*")]  # after the timed runs
         p = subprocess.run([sys.executable, "-X", "importtime", *args[1:]], cwd=tmp, env=env, capture_output=True,
                            text=True)
         names = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
