@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import compose, execute
+from _helpers import compose, execute, import_extra, requires_extra, skip_without_extra
 from kernels import quantization as quant
 from kernels.registry import SelectionContext
 from runner.core import memory as planner
@@ -101,7 +101,7 @@ def _images(run_dir):
 
 
 def test_torchao_int8_weight_only_runs_on_cpu_observed_and_lossy(tmp_path):
-    pytest.importorskip("torchao.quantization")
+    import_extra("torchao", "torchao.quantization")
     r = execute(tmp_path / "q", [*SMALL, "model.quantization.transformer=int8wo",
                                  "model.quantization.text_encoder_2=int8"])
     assert r.code == 0, r.error
@@ -128,7 +128,7 @@ def test_torchao_int8_weight_only_runs_on_cpu_observed_and_lossy(tmp_path):
 
 
 def test_a_linear_dequantized_behind_the_runner_is_a_mismatch(tmp_path):
-    pytest.importorskip("torchao.quantization")
+    import_extra("torchao", "torchao.quantization")
 
     def tamper(engine):
         lin = engine.pipe.transformer.proj_out
@@ -145,7 +145,8 @@ def test_a_linear_dequantized_behind_the_runner_is_a_mismatch(tmp_path):
     (["model.quantization.transformer=nf4"], ["model.quantization.transformer=nf4 cannot run here",
                                               "needs platform cuda"]),
     (["model.quantization.text_encoder_3=int8wo"], ["no component 'text_encoder_3'"]),
-    (["model.quantization.transformer=int8wo", "optimize.fuse_qkv=true"], ["optimize.fuse_qkv=true"]),
+    pytest.param(["model.quantization.transformer=int8wo", "optimize.fuse_qkv=true"], ["optimize.fuse_qkv=true"],
+                 marks=requires_extra("torchao")),  # without torchao int8wo is refused first, for that
     (["model.quantization.transformer=gguf", "model.quantization.gguf_file=/nonexistent.gguf"],
      ["model.quantization.transformer=gguf cannot run here", "package `gguf` is not installed"]),
     (["memory.offload=group_block"], ["memory.offload=group_block moves weights", "platform is cpu"]),
@@ -337,7 +338,7 @@ def test_offload_probe_counts_the_bytes_diffusers_group_offload_onloads():
 def test_an_int8_toy_shapes_run_is_gated_against_the_lossless_one(tmp_path):
     """The quantized lane is found lossy and compared by ``runner.tools.gate`` with the lossless run of the same
     rows: toy_shapes' oracle accuracy per attribute within the gate's ratio, PSNR/SSIM reported."""
-    pytest.importorskip("torchao.quantization")
+    import_extra("torchao", "torchao.quantization")
     from runner.tools.gate import write_gate
 
     base = ["model=toy_shapes", "dataset.limit=6", "batch_size=3"]
@@ -475,7 +476,7 @@ def test_torchao_tensors_move_to_another_device_as_copies():
     """``models.memory.torchao_device_copies`` wraps ``aten.to.dtype_layout`` of every torchao tensor subclass
     (each keeps its own op table), once; a move to another device gives a tensor of the same class whose inner
     tensors are all there, the source untouched; a move to the same device is torchao's own (``self``)."""
-    pytest.importorskip("torchao", reason="needs torchao: pip install -e '.[torchao]'")
+    skip_without_extra("torchao")
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
     from torchao.utils import TorchAOBaseTensor
 
