@@ -243,14 +243,10 @@ def tiny_clip(path: Path, seed: int = 0, offset: float = 1.0, corpus: Sequence[s
 
     torch.manual_seed(seed)
     layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
-<<<<<<< HEAD
     # the tokenizer's own special ids (<|startoftext|> 0, <|endoftext|> 1): CLIPTextTransformer pools at the first
     # eos_token_id; with CLIPTextConfig's default (49407, outside this vocabulary) it pooled at position 0, the
     # start token, so every prompt had one text embedding and a score paired with another prompt read the same
-=======
-    # the special ids are the tokenizer's (0/1), so transformers does not warn that CLIP's 49406/49407 lie outside
-    # the 300-token vocabulary, and the text tower pools at the real end-of-text token
->>>>>>> newcomer
+    # (and transformers warned that the ids lie outside the 300-token vocabulary)
     cfg = CLIPConfig(text_config=dict(vocab_size=300, max_position_embeddings=77, bos_token_id=0, eos_token_id=1,
                                       pad_token_id=1, **layers),
                      vision_config=dict(image_size=32, patch_size=8, **layers), projection_dim=16)
