@@ -948,16 +948,15 @@ class PipelineEngine(DiffusersEngine):
         when it cannot fit). Without a budget the plan is the one asked for (``none``: everything on the device),
         recorded so that the evidence sets the estimate beside the observed peak per phase."""
         fit = getattr(self, "fit", None)
-        on_gpu = str(self.device).startswith("cuda") and torch.cuda.is_available()
+        plat = self.ctx.plat  # None where rows are read without a platform (a Ray driver splitting the items)
+        on_gpu = plat is not None and str(plat.device).startswith("cuda") and torch.cuda.is_available()
         if fit is None or not rows or (not on_gpu and fit.settings.offload == "none"
                                        and fit.settings.max_gpu_gb is None):
             return  # on a GPU every run is planned: its evidence holds the estimate beside the observed peaks
         gguf = os.path.getsize(fit.gguf_file) if fit.gguf_file else None
         sizes = memory.component_sizes(self.meta_modules(), fit.choices, gguf)
         forwards = max(self.expected_forwards([Item(row=r, index=0, seed=0)]) or 1 for r in rows)
-        total = None
-        if str(self.device).startswith("cuda") and torch.cuda.is_available():
-            total = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
+        total = torch.cuda.get_device_properties(torch.device(plat.device)).total_memory if on_gpu else None
         fit.choose(sizes, self.memory_stages(rows), forwards, total)
 
     def meta_modules(self) -> Dict[str, Any]:
