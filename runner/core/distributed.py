@@ -684,4 +684,7 @@ def finish_claims(out_dir: Path, worker: Worker, keys_in_order: List[str],
                      c.lease_s)
             waited = time.monotonic()
         time.sleep(c.poll_s)
+    from runner.core.resume import remove_temp_files
+
+    remove_temp_files(out_dir)  # every worker ended: what a dead one was writing goes
     return merge(out_dir, len(ws), keys_in_order, worker.launcher, current, assign="claims")
