@@ -244,7 +244,7 @@ class Claims:
         store: the run's claims namespace.
         lease_s: seconds a claim or a worker record lives without renewal (``parallelism.lease_s``).
         poll_s: seconds between looks at the batches other workers hold, when none is free (default
-            ``lease_s / 8``, at most 1).
+            ``lease_s / 8``, at most 0.25: the run's last batches are seen done within it).
 
     Thread safety: the renewal thread (:class:`Renewer`) and the generating thread share the held claims under a
     lock; everything else runs in the generating thread.
@@ -254,7 +254,7 @@ class Claims:
         if not lease_s > 0:
             raise ConfigValueError(f"parallelism.lease_s={lease_s} must be > 0 seconds; fix: parallelism.lease_s=60")
         self.store, self.lease_s = store, float(lease_s)
-        self.poll_s = poll_s if poll_s is not None else min(1.0, self.lease_s / 8)
+        self.poll_s = poll_s if poll_s is not None else min(0.25, self.lease_s / 8)
         self.rank: Optional[int] = None
         self.me: Dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname()}
         self.held: Dict[str, Claim] = {}

@@ -522,9 +522,10 @@ def _merged_evidence(docs: List[Optional[Dict[str, Any]]], claims: bool = False)
                           for m in ((d or {}).get("evidence") or {}).get("mismatches") or []]
            + [f"rank {r}: no manifest" for r, d in enumerate(docs) if d is None and r not in dead]}
     if dead:
-        doc["limits"] = [f"rank {r} died before its evidence verdict: the {((d or {}).get('counts') or {}).get('ok', 0)}"
-                         " item(s) it journaled carry no verified evidence (its batches still running were taken "
-                         "over by other workers)" for r, d in enumerate(docs) if r in dead]
+        doc["limits"] = [f"rank {r} died before its evidence verdict: the "
+                         f"{((d or {}).get('counts') or {}).get('ok', 0)} item(s) it journaled carry no verified "
+                         "evidence (its batches still running were taken over by other workers)"
+                         for r, d in enumerate(docs) if r in dead]
     return doc
 
 

@@ -390,7 +390,8 @@ def join_fleet(run_dir: Path, key: Optional[str] = None) -> str:
             if not info or not info.get("fleet"):
                 os.close(wfd)
                 raise RunDirInUseError(f"run dir {d}: workers of {describe(info) if info else 'an earlier run'} still "
-                                       f"write into it (they hold {d / WORKERS_NAME}) and it is not a claims run; {FIX}")
+                                       f"write into it (they hold {d / WORKERS_NAME}) and it is not a claims run; "
+                                       f"{FIX}")
             token = str(info["token"])
         else:
             token = uuid.uuid4().hex
