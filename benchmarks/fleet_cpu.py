@@ -138,10 +138,12 @@ def main() -> int:
     same = all(r["images_sha256"] == trials["static"][0]["images_sha256"] for rs in trials.values() for r in rs)
     rate = claims_rate(tmp, args.claims, args.racers)
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
     res = {
         "what": "issue 40: a straggler under the static deal vs claims (torchrun ranks on the CPU, toy_shapes), and "
                 "claims per second of the POSIX claims store",
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "git_commit": git,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "git_commit": git, "git_dirty": dirty,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "workers": args.workers, "slow_rank": args.workers - 1, "slow_factor": args.factor,
         "straggler_ratio": runs["claims"]["ratio"], "straggler_ratio_static": runs["static"]["ratio"],
