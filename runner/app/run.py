@@ -284,7 +284,8 @@ class Run:
         if self.worker is not None:
             from runner.core.distributed import worker_record
 
-            m.section("worker", worker_record(self.worker, len(self.items)))
+            # a claims worker's share is known when it ends (final_sections); None until then, also if it dies
+            m.section("worker", worker_record(self.worker, len(self.items) if self.claims is None else None))
         prev = self.plan.prev
         if prev is not None:
             renamed = resume.lora_renames(prev, self.sources[self.final.stage])

@@ -7,6 +7,10 @@ merges the journals into one ``items.jsonl`` in dataset order and the manifests 
 lists every worker (host, device, rank, shard size, status, evidence). Seeds belong to rows, so the artifacts are
 the same whatever the world size.
 
+``parallelism.assign=claims``: no deal; every worker (a torchrun rank, or a process started by hand:
+:func:`finish_claims` then lets the last one merge) pulls batches through ``runner.core.claims`` and journals what it
+generated; :func:`merge` (``assign="claims"``) adds the ``claims`` section (who took over what, who died).
+
 torchrun: ranks agree on the run dir before Hydra starts (rank 0 picks it and broadcasts it over a gloo process
 group, used for control messages only), so only rank 0 owns the Hydra run dir; rank r > 0 keeps its Hydra logs
 in ``<run dir>/workers/rank<r>``.
@@ -650,7 +654,7 @@ def merged_exit_code(merged: Dict[str, Any]) -> int:
     return 1
 
 
-def worker_record(w: Worker, shard_items: int) -> Dict[str, Any]:
+def worker_record(w: Worker, shard_items: Optional[int]) -> Dict[str, Any]:
     """The ``worker`` section of a worker's manifest (under context parallelism with its ``role``)."""
     doc = {f.name: getattr(w, f.name) for f in fields(w) if f.name not in ("layout", "claims")}
     if w.layout is not None:
