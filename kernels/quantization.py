@@ -225,8 +225,18 @@ def check(choices: Dict[str, str], libraries: Dict[str, str], ctx: SelectionCont
     if bad:
         raise QuantizationError("; ".join(bad + unmet))
     if unmet:
-        raise QuantizationUnavailableError("; ".join(unmet) + ". Fix: choose another method (model.quantization."
-                                           "<component>=int8wo runs everywhere torchao is installed) or none.")
+        import re
+
+        missing = sorted(set(re.findall(r"package `([\w.-]+)` is not installed", " ".join(unmet))))
+        # a missing package gets its install line, as the other extras' refusals do (torchao: the runner's extra)
+        install = [f"pip install {_INSTALL.get(p, p)}" for p in missing]
+        raise QuantizationUnavailableError("; ".join(unmet) + ". Fix: " + "".join(f"{i}, or " for i in install)
+                                           + "choose another method (model.quantization.<component>=int8wo runs "
+                                           "everywhere torchao is installed) or none.")
+
+
+#: How a quantization package missing here is installed (the runner's extra where it has one: pyproject.toml).
+_INSTALL = {"torchao": "'runner[torchao]'"}
 
 
 def weight_class_names(module: torch.nn.Module) -> Sequence[str]:

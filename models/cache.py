@@ -51,7 +51,7 @@ import io
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -317,6 +317,37 @@ def check_support(s: CacheSettings, transformer_class: str, model: str,
                 f"cache.method={s.method.name} hooks transformer blocks, and diffusers describes none of "
                 f"{transformer_class}'s block classes (TransformerBlockRegistry); fix: cache.method=taylorseer or "
                 f"pab (attention-level), or {fix}")
+
+
+def check_block_counts(s: CacheSettings, blocks: Optional[int], model: str) -> None:
+    """Refuse, before loading, a block split the transformer cannot make: cache-dit's DBCache computes the first
+    ``fn_compute_blocks`` and the last ``bn_compute_blocks`` of the transformer's blocks (all its block lists in
+    order) and asserts each is at most their number (``cache_dit/caching/cache_blocks/pattern_base.py``), which
+    failed every item of ``model=toy_shapes cache.method=dbcache`` (5 blocks, the default 8) mid-run.
+
+    Args:
+        blocks: the transformer's blocks from its config (``num_layers`` + ``num_single_layers``); None: unknown.
+
+    Raises:
+        CacheConfigError: naming the field, the value, the model's blocks and the fix.
+    """
+    if blocks is None:
+        return
+    bad = [(k, s.params[k]) for k in ("fn_compute_blocks", "bn_compute_blocks")
+           if _is_int(s.params.get(k)) and s.params[k] > blocks]
+    if bad:
+        raise CacheConfigError("; ".join(
+            f"cache.{k}={v} with model={model}: its transformer has {blocks} blocks, and cache.method="
+            f"{s.method.name} computes the {'first' if k.startswith('fn') else 'last'} {v} of them; fix: "
+            f"cache.{k}={max(1, blocks // 2) if k.startswith('fn') else 0}" for k, v in bad))
+
+
+def transformer_blocks(conf: Mapping[str, Any]) -> Optional[int]:
+    """The transformer's blocks from its config: ``num_layers`` plus ``num_single_layers`` where present (FLUX,
+    HiDream); None without ``num_layers``."""
+    if not _is_int(conf.get("num_layers")):
+        return None
+    return int(conf["num_layers"]) + (int(conf["num_single_layers"]) if _is_int(conf.get("num_single_layers")) else 0)
 
 
 def check_rows_forwards(s: CacheSettings, forwards_per_step: Sequence[Optional[float]], model: str) -> None:

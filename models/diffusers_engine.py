@@ -250,6 +250,10 @@ class DiffusersEngine(EngineBase):
 
             step_cache.check_support(self.cache_settings, str(self.transformer_class()), self.model_cfg.name,
                                      getattr(self, "pipeline_name", lambda: None)())
+            conf = getattr(self, "component_config", None)
+            if conf is not None:
+                step_cache.check_block_counts(self.cache_settings, step_cache.transformer_blocks(conf("transformer")),
+                                              self.model_cfg.name)
         self.check_parallel()
         if self.cache_settings is not None and self.ctx.parallel is not None:
             raise ConfigValueError(f"cache.method={self.cache_settings.method.name} with parallelism="

@@ -135,10 +135,15 @@ class HunyuanVideo15Engine(WanEngine):
 
     @classmethod
     def encoder_config(cls, kind: str, tok: Any, kw: Dict[str, Any]) -> Dict[str, Any]:
-        """The generic consistency (vocabulary, T5 special ids), and the Qwen encoder's pad id."""
+        """The generic consistency (vocabulary, T5 special ids), and the Qwen encoder's pad, bos and eos ids: the
+        tokenizer's (as models/qwen_image.py does), not Qwen's 151643/151645 outside a tiny vocabulary, which
+        transformers warns about on every load."""
         kw = super().encoder_config(kind, tok, kw)
         if kind == "qwen2":
             kw.setdefault("pad_token_id", tok.pad_token_id)
+            # Qwen2.5-VL's bos is <|endoftext|> (its pad), its eos <|im_end|>; neither enters the encoder's forward
+            kw.setdefault("bos_token_id", tok.pad_token_id)
+            kw.setdefault("eos_token_id", tok.convert_tokens_to_ids("<|im_end|>"))
         return kw
 
     def temporal_factor(self) -> int:

@@ -165,6 +165,24 @@ def attention_modules(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Mo
             yield name, mod
 
 
+def models_with_task(task: str) -> List[str]:
+    """The model options (``conf/model/*.yaml``) whose config sets ``task: <task>`` (``image_to_video``:
+    tiny_wan_flf2v, tiny_wan_i2v, wan_i2v), for a refusal's fix; read as YAML text, nothing composed."""
+    import yaml
+
+    from runner.core.paths import CONF_DIR
+
+    out = []
+    for p in sorted((CONF_DIR / "model").glob("*.yaml")):
+        try:
+            doc = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(doc, dict) and str(doc.get("task")) == task:
+            out.append(p.stem)
+    return out
+
+
 class PipelineEngine(DiffusersEngine):
     """A diffusion stage on a diffusers pipeline (engine ``diffusers``); one engine drives every family spec.
 
@@ -248,8 +266,9 @@ class PipelineEngine(DiffusersEngine):
         try:
             return self.spec.task(task)
         except ValueError as e:
-            raise ConfigValueError(f"{e}; fix: model.task=<one of those>, or a model of a family that has the task "
-                                   f"(model={self.cfg.name}, model.adapter={self.family()})") from None
+            others = models_with_task(str(task))
+            raise ConfigValueError(f"{e}; fix: model.task=<one of those>, or a model that has the task" + (
+                f" (model={'|'.join(others)})" if others else " (a model config of a family that lists it)")) from None
 
     def check_config(self) -> None:
         """The base checks (``model.generation``, ``max_pixels``, ``cache.*``), then ``guidance_scale_2`` only where the
@@ -476,6 +495,15 @@ class PipelineEngine(DiffusersEngine):
             name = cfg_name or cls_name
             if arch.get(key) is None and self.spec is not None and self.spec.optional(key):
                 continue  # an expert the model does not have (Wan 2.1: no transformer_2)
+            own = list((self.spec.task_components.get(self.task) or {}) if self.spec is not None else ())
+            if key in own and not any(isinstance(arch.get(k), dict) for k in own):
+                # the config has none of the task's own components: a model of another task, asked for this one
+                others = models_with_task(self.task)
+                raise ConfigValueError(
+                    f"model.task={self.task}: model={self.cfg.name} does not support it (its architecture has no "
+                    f"{', '.join(own)}: a {self.family()} checkpoint of another task); "
+                    f"fix: model.task=null (the model's own task)" + (
+                        f", or a model that has the task: model={'|'.join(others)}" if others else ""))
             if not isinstance(arch.get(key), dict):
                 raise ConfigValueError(f"{where}.{key} is missing (a mapping of {lib}'s {name} arguments); fix: "
                                        f"start from a tiny_* model config of this family")

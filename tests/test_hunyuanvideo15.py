@@ -30,7 +30,18 @@ def hy_run(tmp_path_factory) -> Path:
     p = run_module("runner", ["model=tiny_hunyuanvideo15", "platform=cpu", "dataset=jsonl", f"dataset.path={rows}",
                               f"hydra.run.dir={root / 'run'}"], cwd=root)
     assert p.returncode == 0, _tail(p)
+    (root / "console.txt").write_text(p.stdout + p.stderr)
     return root / "run"
+
+
+def test_console_has_no_library_line(hy_run):
+    """Issue #38: no transformers warning that the tiny Qwen encoder's bos/eos ids (Qwen's 151643/151645) lie
+    outside its vocabulary, no diffusers "Guiders are currently an experimental feature" on the guider's load."""
+    from _helpers import library_noise
+
+    console = (hy_run.parent / "console.txt").read_text()
+    assert "run completed: 2 ok" in console, console[-2000:]
+    assert not library_noise(console), library_noise(console)
 
 
 def test_tiny_runs_verified_with_the_guiders_forwards(hy_run):

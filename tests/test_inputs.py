@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from runner.core.dataset import DatasetError, load_rows
+from _helpers import import_extra  # noqa: E402
 
 TOY = ["model=toy_shapes"]
 DEFAULTS = dict(width=64, height=64, num_inference_steps=2, guidance_scale=None, num_images_per_prompt=1)
@@ -81,8 +82,8 @@ def test_bad_mappings_are_named(tmp_path, write_jsonl):
 
 
 def test_parquet_rows(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    pa = import_extra("export", "pyarrow")
+    pq = import_extra("export", "pyarrow.parquet")
     p = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "caption": ["a cat", "a dog"], "seed": [7, None],
                              "source": ["coco", "coco"]}), p)
@@ -96,7 +97,7 @@ def test_parquet_rows(tmp_path):
 
 
 def test_hf_save_to_disk_dir_split_and_data_file(tmp_path, write_jsonl):
-    datasets = pytest.importorskip("datasets")
+    datasets = import_extra("export", "datasets")
     datasets.disable_progress_bars()
     d = datasets.DatasetDict({
         "train": datasets.Dataset.from_list([{"caption": "a cat", "tag": "animal"}]),
@@ -125,7 +126,7 @@ def test_geneval_run_records_meta_in_items_index_and_datasets(execute, write_jso
     assert [it["meta"] for it in r.items] == [{k: v for k, v in g.items() if k != "prompt"} for g in GENEVAL]
     index = [json.loads(x) for x in (r.run_dir / "images" / "metadata.jsonl").read_text().splitlines()]
     assert [m["meta"]["tag"] for m in index] == ["single_object", "two_object"]
-    datasets = pytest.importorskip("datasets")
+    datasets = import_extra("export", "datasets")
     datasets.disable_progress_bars()
     ds = datasets.load_dataset("imagefolder", data_dir=str(r.run_dir / "images"), cache_dir=str(tmp_path / "hf"))
     assert sorted(row["meta"]["tag"] for row in ds["train"]) == ["single_object", "two_object"]
@@ -137,7 +138,7 @@ def test_geneval_run_records_meta_in_items_index_and_datasets(execute, write_jso
 
 
 def test_csv_and_hf_runs_from_the_command_line_mapping(execute, tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = import_extra("export", "datasets")
     datasets.disable_progress_bars()
     p = tmp_path / "parti.csv"
     p.write_text("Prompt,Category\na red circle,Shapes\n")

@@ -25,6 +25,7 @@ except ImportError:  # tests/ imported as a package
 
 from models import lora
 from runner.core.errors import EvidenceError, UserInputError
+from _helpers import requires_extra  # noqa: E402
 
 pytestmark = pytest.mark.cpu
 
@@ -86,6 +87,7 @@ def adapters(tmp_path_factory) -> Dict[str, Path]:
 
 
 # ------------------------------------------------------------------------------------------------ fused
+@requires_extra("lora")
 def test_a_fused_adapter_changes_the_images_deterministically_and_enters_the_identity(tmp_path, adapters):
     base = run(tmp_path, "base", ROWS)
     one = run(tmp_path, "fused", ROWS, library({"path": adapters["a"]}))
@@ -115,6 +117,7 @@ def test_a_fused_adapter_changes_the_images_deterministically_and_enters_the_ide
     assert [r["inputs_sha256"] for r in one.items] == [r["inputs_sha256"] for r in again.items]
 
 
+@requires_extra("lora")
 def test_a_scale_enters_the_images_and_identity_and_scale_0_is_the_base(tmp_path, adapters):
     base = run(tmp_path, "base", ROWS)
     half = run(tmp_path, "half", ROWS, library({"path": adapters["a"], "scale": 0.5}))
@@ -128,6 +131,7 @@ def test_a_scale_enters_the_images_and_identity_and_scale_0_is_the_base(tmp_path
     assert {r["inputs_sha256"] for r in half.items}.isdisjoint(r["inputs_sha256"] for r in full.items)
 
 
+@requires_extra("lora")
 def test_two_adapters_fused_at_their_scales_match_them_unfused(tmp_path, adapters):
     lib = library({"name": "a", "path": adapters["a"]}, {"name": "b", "path": adapters["b"], "scale": 0.5})
     fused = run(tmp_path, "two-fused", ROWS, lib)
@@ -142,6 +146,7 @@ def test_two_adapters_fused_at_their_scales_match_them_unfused(tmp_path, adapter
     assert fused.items[0]["params"]["lora"][1] == {"name": "b", "sha256": sha(adapters["b"]), "scale": 0.5}
 
 
+@requires_extra("lora")
 def test_a_fused_adapter_that_changes_nothing_is_an_evidence_mismatch(tmp_path):
     shapes = toy_linears()
     path = write_adapter(tmp_path / "zero.safetensors", 3, std=0.5, shapes=shapes)
@@ -163,6 +168,7 @@ PER_ROW = [{"id": "r-a1", "prompt": ROWS[0]["prompt"], "lora": "a"},
            {"id": "r-a2", "prompt": ROWS[1]["prompt"], "lora": "a"}]
 
 
+@requires_extra("lora")
 def test_per_row_adapters_batch_by_set_and_each_item_matches_its_row_run_alone(tmp_path, adapters):
     lib = library({"name": "a", "path": adapters["a"]}, {"name": "b", "path": adapters["b"]})
     mixed = run(tmp_path, "mixed", PER_ROW, lib, "batch_size=2")
@@ -184,6 +190,7 @@ def test_per_row_adapters_batch_by_set_and_each_item_matches_its_row_run_alone(t
     assert np.array_equal(base["r-none"], got["r-none"]), "lora: [] must run the base model"
 
 
+@requires_extra("lora")
 def test_unfused_evidence_sees_a_layer_whose_lora_branch_did_not_run(tmp_path, adapters):
     def skip_one_layer(engine: Any) -> None:
         layer = engine.lora.layers[MODULES[0]]
@@ -196,6 +203,7 @@ def test_unfused_evidence_sees_a_layer_whose_lora_branch_did_not_run(tmp_path, a
     assert ev["verdict"] == "mismatch" and ev["first_bad"]["missing"] == [[MODULES[0], "a"]]
 
 
+@requires_extra("lora")
 def test_a_changed_adapter_file_is_regenerated_on_resume_refused_by_repro_and_an_unchanged_one_reused(tmp_path):
     path = write_adapter(tmp_path / "a.safetensors", 1)
     first = run(tmp_path, "res", ROWS, library({"path": path}))
@@ -214,6 +222,7 @@ def test_a_changed_adapter_file_is_regenerated_on_resume_refused_by_repro_and_an
 
 
 # ------------------------------------------------------------------------------------------------ refusals
+@requires_extra("lora")
 def test_every_bad_adapter_is_refused_before_loading_in_one_error(tmp_path, adapters):
     shapes = toy_linears()
     pickle = tmp_path / "old.bin"
@@ -242,6 +251,7 @@ def test_every_bad_adapter_is_refused_before_loading_in_one_error(tmp_path, adap
     assert not (r.run_dir / "manifest.json").exists(), "refused after the run started"
 
 
+@requires_extra("lora")
 def test_rows_naming_unknown_adapters_are_refused_every_row_at_once(tmp_path, adapters):
     rows = [{**ROWS[0], "lora": "c"}, {**ROWS[1], "lora": ["a", "d"]}, {"id": "s", "prompt": "x", "lora": [],
                                                                          "lora_scale": 0.5}]
@@ -252,12 +262,14 @@ def test_rows_naming_unknown_adapters_are_refused_every_row_at_once(tmp_path, ad
     assert not (r.run_dir / "manifest.json").exists()
 
 
+@requires_extra("lora")
 def test_fuse_true_with_several_adapter_sets_is_refused(tmp_path, adapters):
     lib = library({"name": "a", "path": adapters["a"]}, {"name": "b", "path": adapters["b"]})
     r = run(tmp_path, "fuse", PER_ROW[:2], lib, "model.lora_fuse=fused", catch=(UserInputError,))
     assert r.error.exit_code == 2 and "model.lora_fuse=fused" in str(r.error) and "2 adapter sets" in str(r.error)
 
 
+@requires_extra("lora")
 def test_a_community_format_goes_through_diffusers_converters(tmp_path):
     """A kohya-format FLUX LoRA (``lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight``) is read through the
     pipeline's own ``lora_state_dict``: its targets are checked against the model (toy_shapes has 2 double blocks:
@@ -278,6 +290,7 @@ needs_adapter = pytest.mark.skipif(not ALL_BLUE.is_file(), reason=f"{ALL_BLUE.re
                                    "(python -m models.toy_shapes.train_lora on the H200)")
 
 
+@requires_extra("lora")
 @needs_adapter
 @pytest.mark.parametrize("scale", [1.0, 0.0, 0.5])
 def test_the_toy_adapter_draws_every_shape_blue_at_scale_1_and_nothing_at_scale_0(tmp_path, scale):
@@ -293,6 +306,7 @@ def test_the_toy_adapter_draws_every_shape_blue_at_scale_1_and_nothing_at_scale_
         assert acc["color"] is None and acc["position"] >= 0.95
 
 
+@requires_extra("lora")
 def test_the_training_script_writes_an_adapter_the_runner_accepts(tmp_path, monkeypatch):
     import sys
 
@@ -322,6 +336,7 @@ def test_peft_outside_its_tested_range_is_refused_naming_the_fix():
         assert e.value.exit_code == 2 and words in str(e.value) and "pip install 'peft>=0.21,<0.22'" in str(e.value)
 
 
+@requires_extra("lora")
 @pytest.mark.cuda
 @pytest.mark.parametrize("fuse", ["auto", "unfused"])
 def test_on_cuda_in_bf16_fused_and_switched_adapters_are_verified(tmp_path, adapters, fuse):

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 try:
-    from _helpers import compose
+    from _helpers import compose, skip_without_extra
 except ImportError:  # tests/ imported as a package
-    from tests._helpers import compose
+    from tests._helpers import compose, skip_without_extra
 
 from runner.core.errors import RunnerError
 
@@ -136,7 +136,7 @@ def test_quantized_transformer_runs_with_quantized_weights(tmp_path, baseline, m
 
 
 def test_quantized_and_group_offloaded_together(tmp_path):
-    pytest.importorskip("torchao")
+    skip_without_extra("torchao")
     m = run(tmp_path / "qo", ["model.quantization.transformer=int8wo", "memory.offload=group_block"])
     assert m["_code"] == 0, m
     ev = m["evidence"]["stages"]["denoise"]["memory"]
@@ -157,7 +157,7 @@ def test_random_weights_offloaded_are_built_on_the_host(tmp_path):
 
 @pytest.fixture(scope="module")
 def quantized_baseline(tmp_path_factory):
-    pytest.importorskip("torchao", reason="needs torchao: pip install -e '.[torchao]'")
+    skip_without_extra("torchao")
     d = tmp_path_factory.mktemp("memq") / "int8"
     m = run(d, ["model.quantization.transformer=int8wo"])
     assert m["_code"] == 0, m
@@ -183,7 +183,7 @@ def test_quantized_weights_offloaded_keep_the_images(tmp_path, quantized_baselin
 def test_torchao_weights_move_between_host_and_device():
     """The moves the offload hooks make (host -> device -> host, non-blocking from pinned memory) keep an
     Int8Tensor / Float8Tensor weight's values and put every inner tensor on the target device."""
-    pytest.importorskip("torchao", reason="needs torchao: pip install -e '.[torchao]'")
+    skip_without_extra("torchao")
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
     from models.memory import torchao_device_copies
@@ -212,7 +212,7 @@ REPLACING = {"fuse_qkv": ["optimize.fuse_qkv=true"], "fp8": ["backend.linear=FP8
 @pytest.mark.parametrize("name", sorted(REPLACING))
 def test_offload_plans_apply_after_parameter_replacing_passes(tmp_path, name):
     if name == "fp8_torchao":
-        pytest.importorskip("torchao", reason="needs torchao: pip install -e '.[torchao]'")
+        skip_without_extra("torchao")
     if name.startswith("fp8") and torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip(f"{name} needs sm89+")
     ref = run(tmp_path / "ref", REPLACING[name])
@@ -227,7 +227,7 @@ def test_offload_plans_apply_after_parameter_replacing_passes(tmp_path, name):
 def test_a_fused_lora_survives_group_offload(tmp_path):
     """A LoRA fused into the weights stays fused under group offload (the plan's host copies are taken after
     fusion): the offloaded images equal the fused images on the device, and differ from the base model's."""
-    pytest.importorskip("peft", reason="needs peft: pip install -e '.[lora]'")
+    skip_without_extra("lora")
     ada = Path(__file__).resolve().parents[1] / "models" / "toy_shapes" / "lora" / "all_blue.safetensors"
     base = ["platform=cuda", "model=toy_shapes", "dataset.limit=4", "batch_size=2"]
     lora_ov = [f"model.lora=[{{path: {ada}}}]", "model.lora_fuse=fused"]

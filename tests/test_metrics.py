@@ -30,7 +30,7 @@ from typing import Any, Dict, List
 import numpy as np
 import pytest
 
-from _helpers import execute, run_module, tiny_clip
+from _helpers import execute, requires_extra, run_module, skip_without_extra, tiny_clip
 
 SWEEP = ["model=toy_shapes", "platform=cpu", "dataset.limit=4",
          "cache={method:none},{method:taylorseer,compute_every:2,warmup_steps:3}"]
@@ -106,6 +106,7 @@ def test_scores_are_written_per_item_and_summarised(sweep, clip):
     assert metrics_of(man)["metrics.clip_score.mean"] == summ["mean"]
     from runner.tools.validate import main as validate
 
+    skip_without_extra("validate")  # the checks above ran; the schema validation needs jsonschema
     assert validate([str(run)]) == 0
 
 
@@ -340,6 +341,7 @@ def test_several_workers_are_refused_and_point_at_runner_score():
     assert check(SimpleNamespace(names=[], models={"clip_score": None}, batch_size=32), "image") is None
 
 
+@requires_extra("validate")
 def test_validate_refuses_a_score_that_is_no_number(sweep, tmp_path):
     from runner.tools.validate import main as validate
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import import_extra  # noqa: E402
 
 TOY = ["model=toy_shapes"]
 
@@ -20,7 +21,7 @@ def _lines(p: Path):
 
 
 def _load_imagefolder(run_dir: Path, cache: Path):
-    datasets = pytest.importorskip("datasets")
+    datasets = import_extra("export", "datasets")
     datasets.disable_progress_bars()
     return datasets.load_dataset("imagefolder", data_dir=str(run_dir / "images"), cache_dir=str(cache))["train"]
 
@@ -121,7 +122,7 @@ def _export(args):
 def test_export_parquet_reads_back_with_pyarrow_and_datasets(toy_run, tmp_path):
     import io
 
-    pq = pytest.importorskip("pyarrow.parquet")
+    pq = import_extra("export", "pyarrow.parquet")
     from PIL import Image
 
     p = _export([toy_run, "--format", "parquet", "--out", tmp_path / "pq", "--shard-items", "2"])
@@ -138,7 +139,7 @@ def test_export_parquet_reads_back_with_pyarrow_and_datasets(toy_run, tmp_path):
         assert (row["prompt"], row["seed"], row["model"]) == (it["prompt"], it["seed"], "toy_shapes")
         assert row["parameters"]["num_inference_steps"] == it["params"]["num_inference_steps"]
         Image.open(io.BytesIO(row["image"]["bytes"])).verify()
-    datasets = pytest.importorskip("datasets")
+    datasets = import_extra("export", "datasets")
     datasets.disable_progress_bars()
     ds = datasets.load_dataset("parquet", data_files=sorted(str(tmp_path / "pq" / f) for f in doc["files"]),
                                cache_dir=str(tmp_path / "hf"))["train"]
@@ -146,7 +147,7 @@ def test_export_parquet_reads_back_with_pyarrow_and_datasets(toy_run, tmp_path):
 
 
 def test_export_webdataset_reads_back_with_webdataset(toy_run, tmp_path):
-    wds = pytest.importorskip("webdataset")
+    wds = import_extra("export", "webdataset")
 
     p = _export([toy_run, "--format", "webdataset", "--out", tmp_path / "wds"])
     assert p.returncode == 0, p.stderr
@@ -164,7 +165,7 @@ def test_export_webdataset_reads_back_with_webdataset(toy_run, tmp_path):
 def test_export_refuses_a_modified_artifact_and_a_non_empty_out(toy_run, tmp_path):
     import shutil
 
-    pytest.importorskip("datasets")  # the parquet export needs it (the "export" extra)
+    import_extra("export", "datasets")  # the parquet export needs it (the "export" extra)
 
     d = tmp_path / "copy"
     shutil.copytree(toy_run, d)
@@ -326,7 +327,7 @@ def test_png_whose_size_differs_from_its_record_fails_and_is_not_written(tmp_pat
 def test_video_export_is_typed_with_datasets_video_feature(compose, tmp_path):
     """A video run's parquet export carries ``datasets.Video`` (not an untyped struct); its bytes read back
     without torchcodec through ``Video(decode=False)`` and equal the run's MP4."""
-    datasets = pytest.importorskip("datasets")
+    datasets = import_extra("export", "datasets")
     from runner.app.execute import run
 
     d = tmp_path / "run"

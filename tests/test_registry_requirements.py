@@ -380,13 +380,21 @@ def test_auto_with_every_package(monkeypatch, sm, choice, reason):
     assert reg.auto_select("attention", ctx(sm=sm)) == (choice, reason)
 
 
-def test_auto_on_cpu():
+def test_auto_on_cpu(monkeypatch):
+    # the installed packages are faked (whether triton is installed is the environment's business: the quick start
+    # installs no triton, a CUDA torch wheel brings it); the reasons name what the platform lacks either way
+    installed(monkeypatch, EVERYTHING)
     assert reg.auto_select("attention", ctx(**CPU)) == ("TORCH_SDPA", "the only attention backend on this platform")
     assert reg.auto_select("linear", ctx(**CPU))[0] == "TORCH"
     assert reg.auto_select("moe", ctx(**CPU)) == (
         "TORCH", "reference expert loop (skipped: TRITON: needs platform cuda/rocm, this is cpu, needs compute "
                  "capability >= sm80, this device is not a CUDA GPU, needs dtype float16/bfloat16, the model runs in "
                  "float32)")
+    installed(monkeypatch, [s for s in EVERYTHING if not s.startswith("triton")])
+    assert reg.auto_select("moe", ctx(**CPU)) == (
+        "TORCH", "reference expert loop (skipped: TRITON: needs platform cuda/rocm, this is cpu, needs compute "
+                 "capability >= sm80, this device is not a CUDA GPU, needs `triton.jit` (package `triton` is not "
+                 "installed), needs dtype float16/bfloat16, the model runs in float32)")
 
 
 def test_auto_names_what_it_skipped(monkeypatch):

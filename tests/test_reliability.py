@@ -746,7 +746,8 @@ CLI_CASES = {
                 (2, "field 'prompt' is empty"), (3, "field 'num_inference_steps' = 0"), (4, "field 'width' = 1000"),
                 (5, "unknown field 'guidence_scale'; fix: did you mean 'guidance_scale'"))]),
     "batch_size=0": (["batch_size=0"], 2, [r"ConfigValueError: batch_size=0 must be >= 1"]),
-    "dtype=float64": (["dtype=float64"], 2, [r"Invalid value 'float64', expected one of \[auto, float32"]),
+    # the runner's own message before Hydra composes (issue #38), not OmegaConf's
+    "dtype=float64": (["dtype=float64"], 2, [r"dtype=float64 is not a value of dtype, which takes: auto, float32"]),
     "jsonl-without-path": (["dataset=jsonl"], 2, [r"dataset\.path: required for dataset=jsonl"]),
     "attention-typo": (["backend.attention=cudnnx"], 2, [r"closest match: CUDNN_ATTN"]),
     "model=fluxx": (["model=fluxx"], None, [r"Could not find 'model/fluxx'", r"\bflux\b", r"flux_schnell",

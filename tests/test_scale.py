@@ -14,21 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from runner.core.distributed import SHARDING
+from _helpers import requires_extra  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 6
 
 
-def _installed(module: str) -> bool:
-    """``module`` importable; a missing parent package (``hydra_plugins``) counts as not installed."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def _env():
@@ -123,7 +115,7 @@ def test_torchrun_killed_worker_then_resume(tmp_path, single):
     assert not [p for p in d.rglob("*") if ".tmp" in p.name]
 
 
-@pytest.mark.skipif(not _installed("ray"), reason="ray not installed (extra: scale)")
+@requires_extra("scale")
 def test_ray_two_workers_equal_single(tmp_path, single):
     d = tmp_path / "ray"
     r = _runner(["parallelism=data", "launcher=ray", "launcher.num_workers=2", f"dataset.limit={ROWS}",
@@ -132,8 +124,7 @@ def test_ray_two_workers_equal_single(tmp_path, single):
     _check_merged(d, single, 2, "ray")
 
 
-@pytest.mark.skipif(not _installed("hydra_plugins.hydra_submitit_launcher"),
-                    reason="hydra-submitit-launcher not installed (extra: scale)")
+@requires_extra("scale")
 def test_submitit_local_two_job_sweep(tmp_path):
     sw = tmp_path / "sweep"
     r = _runner(["-m", "hydra/launcher=submitit_local", "seed=1,2", "dataset.limit=1", f"hydra.sweep.dir={sw}",
@@ -177,7 +168,7 @@ def test_data_parallel_without_workers_refuses(tmp_path):
     assert "torchrun" in (r.stdout + r.stderr)
 
 
-@pytest.mark.skipif(not _installed("ray"), reason="ray not installed (extra: scale)")
+@requires_extra("scale")
 def test_ray_killed_worker_then_resume(tmp_path):
     d = tmp_path / "rk"
     # 6x the default steps: rank 1 is still busy when it is killed (with 12, rank 1 once finished its 8 items on

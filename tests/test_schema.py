@@ -73,7 +73,9 @@ def test_cli_bad_choice_exits_2_without_traceback(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 2, out
     assert "Traceback" not in out, out
-    assert "Invalid value 'foo', expected one of [none, regional]" in out and "full_key: compile" in out, out
+    # the runner's message, before Hydra composes (issue #38): key, value, the choices and the fix
+    assert ("compile=foo is not a value of compile, which takes: none, regional; fix: compile=<none/regional>"
+            in out and "full_key" not in out), out
     assert not (tmp_path / "run" / "manifest.json").exists() and not (tmp_path / "run" / "images").exists(), "a refused config started a run"
 
 

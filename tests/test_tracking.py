@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from _helpers import import_extra  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _client(uri: str):
-    pytest.importorskip("mlflow")
+    import_extra("mlflow", "mlflow")
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     from mlflow.tracking import MlflowClient
 
@@ -24,7 +25,7 @@ def _client(uri: str):
 
 
 def test_mlflow_logs_params_metrics_tags_and_artifacts(compose, tmp_path):
-    pytest.importorskip("mlflow")
+    import_extra("mlflow", "mlflow")
     from runner.app.jobs import run_job
 
     store = (tmp_path / "store").as_uri()
@@ -52,7 +53,7 @@ def test_mlflow_logs_params_metrics_tags_and_artifacts(compose, tmp_path):
 
 
 def test_default_store_is_mlruns_in_the_working_directory(subprocess_env, tmp_path):
-    pytest.importorskip("mlflow")
+    import_extra("mlflow", "mlflow")
     env = dict(subprocess_env, PYTHONPATH=str(REPO))
     env.pop("MLFLOW_ALLOW_FILE_STORE", None)
     p = subprocess.run([sys.executable, "-m", "runner", "tracker=mlflow", "dataset.limit=1",

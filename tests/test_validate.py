@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("jsonschema")
+from _helpers import import_extra  # noqa: E402
+
+import_extra("validate", "jsonschema")
 
 from runner.tools.validate import problems, schema, validate_run_dir  # noqa: E402
 

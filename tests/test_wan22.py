@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import requires_extra  # noqa: E402
 from test_report import _tail, run_module
 
 
@@ -104,10 +105,10 @@ def test_guidance_scale_2_reaches_the_low_noise_expert(tmp_path):
     ("tiny_flux", ["model.generation.guidance_scale_2=3"], "has no second expert to apply it to"),
     ("tiny_wan22", ["dataset=jsonl", "dataset.path={rows}"], "guidance_scale <= 1 turns classifier-free guidance off"),
     ("tiny_wan22", ["cache.method=first_block", "cache.threshold=0.2"], "switches between 2 denoisers"),
-    ("tiny_wan22", ["model.lora=[{{path: /nonexistent/a.safetensors, scale: 1.0}}]"],
-     "adapters are loaded and observed on transformer alone"),
-    ("tiny_wan22", ["model.quantization.transformer_2=int8wo", "optimize.fuse_qkv=true"],
-     "optimize.fuse_qkv=true with model.quantization.transformer_2=int8wo"),
+    pytest.param("tiny_wan22", ["model.lora=[{{path: /nonexistent/a.safetensors, scale: 1.0}}]"],
+                 "adapters are loaded and observed on transformer alone", marks=requires_extra("lora")),
+    pytest.param("tiny_wan22", ["model.quantization.transformer_2=int8wo", "optimize.fuse_qkv=true"],
+                 "optimize.fuse_qkv=true with model.quantization.transformer_2=int8wo", marks=requires_extra("torchao")),
 ])
 def test_what_cannot_apply_to_two_experts_is_refused_at_startup(tmp_path, write_jsonl, model, overrides, why):
     """Refused before loading (exit 2), naming the field and why: ``guidance_scale_2`` on a one-expert model or in a

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, MutableMapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, MutableMapping, Optional, Sequence, Tuple
 
 #: Environment defaults that keep library chatter off the console (set only where unset, and not when verbose).
 LIBRARY_ENV_DEFAULTS: Dict[str, str] = {"KINETO_LOG_LEVEL": "6", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -36,12 +36,29 @@ LIBRARY_ENV_DEFAULTS: Dict[str, str] = {"KINETO_LOG_LEVEL": "6", "VLLM_LOGGING_L
 #: extensions that do not load for this torch build (FP8_TORCHAO uses torchao's Python path and
 #: ``torch._scaled_mm``, not them), torch's pytree deprecates torchao's enum registrations, and diffusers' torchao
 #: quantizer (unused by the runner) says it cannot import its tensor classes.
-LIBRARY_NOISE: Dict[str, Tuple[str, ...]] = {
+LIBRARY_NOISE: Dict[str, Tuple[Any, ...]] = {
     "transformers": ("requires torchvision (not installed)",),
     "transformers.utils.import_utils": ("requires torchvision (not installed)",),
     "torchao": ("Failed to load ",),
+    # torchao.kernel.intmm at import, on a machine without triton (the CPU wheel): its Triton int-mm kernels are
+    # not what the runner uses (FP8_TORCHAO: torch._scaled_mm; int8wo/float8wo: torchao's Python path)
+    "torchao.kernel.intmm": ("Detected no triton",),
     "torch.utils._pytree": ("Calling register_constant() on Enum subclasses is deprecated",),
-    "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
+    "diffusers.quantizers.torchao.torchao_quantizer": (
+        "Unable to import `torchao` Tensor objects",
+        # int8wo at the run's dtype (float32 on CPU): diffusers asks for bfloat16 "for integer quantization", but the
+        # weight-only int8 layers run at the activation dtype (tests/test_memory.py runs them in float32); the
+        # run's dtype is the user's choice (dtype=bfloat16), recorded in the manifest
+        "for integer quantization, but only bfloat16 is supported right now",
+    ),
+    # Wan 2.1 I2V/FLF2V: the checkpoint's image_encoder is a CLIPVisionModelWithProjection (the class diffusers'
+    # conversion script saves, models/wan.py) where WanImageToVideoPipeline annotates CLIPVisionModel; only that
+    # pair is dropped (all substrings of a tuple must match)
+    "diffusers.pipelines.pipeline_utils": (("Expected types for image_encoder", "CLIPVisionModel",
+                                            "CLIPVisionModelWithProjection"),),
+    # HunyuanVideo 1.5's ClassifierFreeGuidance is a pipeline component (models/hunyuanvideo15.py): every load
+    # builds one, and the runner pins its behaviour (guidance_scale checked, start/stop refused)
+    "diffusers.guiders.guider_utils": ("Guiders are currently an experimental feature",),
     # once per tokenizer, so twice for a two-encoder pipeline; the runner says it once for the run (how many items a
     # text encoder truncated) and each record carries its counts (``models.diffusers_engine``)
     "transformers.tokenization_utils_base": ("Token indices sequence length is longer than",),
@@ -79,7 +96,7 @@ def library_env_defaults(argv: Sequence[str], environ: Optional[MutableMapping[s
 class _DropNoise(logging.Filter):
     """Drops records whose message holds one of its logger's :data:`LIBRARY_NOISE` substrings."""
 
-    def __init__(self, noise: Tuple[str, ...]) -> None:
+    def __init__(self, noise: Tuple[Any, ...]) -> None:
         super().__init__()
         self.noise = noise
 
@@ -88,7 +105,7 @@ class _DropNoise(logging.Filter):
             msg = record.getMessage()
         except Exception:  # noqa: BLE001 - a record that cannot be formatted is not ours to judge
             return True
-        return not any(n in msg for n in self.noise)
+        return not any((n in msg) if isinstance(n, str) else all(p in msg for p in n) for n in self.noise)
 
 
 _FILTERS = {name: _DropNoise(noise) for name, noise in LIBRARY_NOISE.items()}
@@ -124,6 +141,29 @@ def quiet_libraries(is_verbose: bool = False) -> None:
         pass
 
 
+def quiet_tool(argv: Sequence[str], loading_bars: bool = False) -> bool:
+    """The console defaults of ``python -m runner`` for a tool's command line (``runner.score``, ``gate``,
+    ``report``, ``repro``, ``export``): :func:`library_env_defaults` (call it before torch is imported) and the
+    :data:`LIBRARY_NOISE` filters; with ``loading_bars`` (a tool that loads a model: ``runner.score``) also
+    diffusers' and transformers' loading bars off (:func:`quiet_libraries`, which imports them). Nothing when
+    :func:`verbose`.
+
+    Returns:
+        Whether the console was quietened.
+    """
+    if verbose(argv):
+        return False
+    library_env_defaults(argv)
+    if loading_bars:
+        quiet_libraries(False)
+    else:
+        for name, flt in _FILTERS.items():
+            lg = logging.getLogger(name)
+            if flt not in lg.filters:
+                lg.addFilter(flt)
+    return True
+
+
 def override_key_problem(argv: Sequence[str]) -> Optional[str]:
     """The first plain ``key=value`` override of ``argv`` whose key the composed config does not have, with the
     closest key of its parent (``batchsize=4``: ``did you mean batch_size?``) or, for a backend-like key, where it
@@ -136,7 +176,10 @@ def override_key_problem(argv: Sequence[str]) -> Optional[str]:
     """
     import difflib
 
-    plain = [a for a in argv if "=" in a and not a.startswith(("-", "+", "~", "hydra.", "hydra/"))
+    # ``++key=value`` sets an existing key (or adds one): its value is checked as a plain override's when the key
+    # exists; a key it adds is the schema check's (runner.app.checks.check_schema)
+    plain = [a for a in argv if "=" in a and not a.startswith(("-", "~", "hydra.", "hydra/", "++hydra."))
+             and not (a.startswith("+") and not a.startswith("++"))
              and "/" not in a.split("=", 1)[0]]  # group paths (hydra/launcher=..., model/x=...) are Hydra's
     if not plain:
         return None
@@ -169,6 +212,8 @@ def override_key_problem(argv: Sequence[str]) -> Optional[str]:
             if part in list(node.keys()):  # keys(), not `in`: a mandatory (???) value is a key too
                 node = node._get_node(part)  # noqa: SLF001 - omegaconf's accessor, resolves nothing
                 continue
+            if arg.startswith("++"):
+                break  # ++ adds a key the config lacks: the schema check judges it
             full = ".".join(parts[:i + 1])
             parent = ".".join(parts[:i])
             try:
@@ -188,6 +233,176 @@ def override_key_problem(argv: Sequence[str]) -> Optional[str]:
                 return f"{full} is not a config key; did you mean {right}? fix: {right}{rest}={arg.split('=', 1)[1]}"
             return (f"{full} is not a config key; {parent or 'the run config'} takes: {', '.join(known)}; fix: "
                     "correct or remove it")
+        else:  # every part of the key is in the config: is the value one its node takes?
+            problem = override_value_problem(key, node, o)
+            if problem:
+                return problem
+    return None
+
+
+def hydra_literal(value: Any) -> str:
+    """``value`` as Hydra's override grammar writes it (``[{path:/x.safetensors}]``), for the fix of a message."""
+    import re
+
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{hydra_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_literal(v) for v in value) + "]"
+    text = str(value)
+    if re.fullmatch(r"[\w./~+\-<>]+", text) and text not in ("null", "true", "false"):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _shell_arg(arg: str) -> str:
+    """One command-line argument as a user types it into a shell (quoted where brackets or spaces need it)."""
+    return arg if not any(c in arg for c in " []{}'\"*?$,") else "'" + arg.replace("'", "'\\''") + "'"
+
+
+#: How a message names the values a typed leaf takes (OmegaConf node class name -> words).
+_NODE_KINDS = {"IntegerNode": ("an integer", "<integer>"), "FloatNode": ("a number", "<number>"),
+               "BooleanNode": ("true or false", "<true/false>"), "StringNode": ("a string", "<string>"),
+               "PathNode": ("a path", "<path>"), "BytesNode": ("bytes", "<bytes>")}
+
+
+def _value_problem(where: str, node: Any, value: Any) -> Optional[Tuple[str, Any]]:
+    """The first thing wrong with ``value`` as the value of config node ``node`` (at dotted key ``where``), and
+    the corrected value (``_NO_FIX`` where none can be derived): a closed choice (enum) outside its values, a list
+    of structured entries (``model.lora``) given a single value or entries with unknown keys, plain values, or
+    missing required keys, a typed leaf given a value of another type. None: the value is fine (or not ours to
+    judge: null, an interpolation, an open ``Any`` node)."""
+    import dataclasses
+    import difflib
+
+    from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+    from omegaconf.nodes import AnyNode, EnumNode, ValueNode
+
+    if value is None or (isinstance(value, str) and value.startswith("${")):
+        return None
+    if isinstance(node, EnumNode):
+        allowed = [m.name for m in node.enum_type]
+        if isinstance(value, str) and (value in allowed or value in [m.value for m in node.enum_type]):
+            return None
+        close = difflib.get_close_matches(str(value).lower(), allowed, n=1, cutoff=0.5)
+        return (f"{where}={hydra_literal(value)} is not a value of {where}, which takes: {', '.join(allowed)}"
+                + (f"; did you mean {close[0]}?" if close else ""), close[0] if close else f"<{'/'.join(allowed)}>")
+    if isinstance(node, ListConfig):
+        elem = node._metadata.element_type  # noqa: SLF001 - omegaconf's node metadata, read only
+        if not isinstance(value, (list, tuple)):
+            if dataclasses.is_dataclass(elem):
+                lead = _required_fields(elem)
+                fixed = [{lead[0]: value}] if lead and not isinstance(value, dict) else (
+                    [value] if isinstance(value, dict) else _NO_FIX)
+                return (f"{where}={hydra_literal(value)}: {where} is a list of entries "
+                        f"{_entry_shape(elem)}, not a single value", fixed)
+            return f"{where}={hydra_literal(value)}: {where} is a list, not a single value", [value]
+        if not dataclasses.is_dataclass(elem):
+            return None
+        lead = _required_fields(elem)
+        if lead and any(not isinstance(v, dict) for v in value):
+            i = next(i for i, v in enumerate(value) if not isinstance(v, dict))
+            return (f"{where}[{i}]={hydra_literal(value[i])}: each entry of {where} is {_entry_shape(elem)}, not a plain "
+                    "value", [v if isinstance(v, dict) else {lead[0]: v} for v in value])
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                return f"{where}[{i}]={hydra_literal(item)}: each entry of {where} is {_entry_shape(elem)}", _NO_FIX
+            sub = _value_problem(f"{where}[{i}]", OmegaConf.structured(elem), item)
+            if sub is None:
+                missing = [k for k in lead if k not in item]
+                if missing:
+                    fixed_item = {**{k: f"<{k}>" for k in missing}, **item}
+                    sub = (f"{where}[{i}] has no {', '.join(missing)} (each entry is {_entry_shape(elem)})",
+                           fixed_item)
+            if sub is not None:
+                return sub[0], (_NO_FIX if sub[1] is _NO_FIX else [*value[:i], sub[1], *value[i + 1:]])
+        return None
+    if isinstance(node, DictConfig):
+        if not isinstance(value, dict):
+            return None  # a structured node given a scalar: Hydra's message names the type
+        struct = node._metadata.object_type  # noqa: SLF001
+        elem = node._metadata.element_type  # noqa: SLF001
+        for k, v in value.items():
+            if dataclasses.is_dataclass(struct):
+                known = [str(n) for n in node.keys()]
+                if k not in known:
+                    close = difflib.get_close_matches(str(k), known, n=1)
+                    fixed = {(close[0] if kk == k else kk): vv for kk, vv in value.items()} if close else _NO_FIX
+                    return (f"{where}.{k} is not a key of {where}, which takes: {', '.join(known)}"
+                            + (f"; did you mean {where}.{close[0]}?" if close else ""), fixed)
+                child = node._get_node(k)  # noqa: SLF001
+            elif dataclasses.is_dataclass(elem):
+                child = OmegaConf.structured(elem)
+            else:
+                return None  # an open mapping (model.architecture): its own checks judge it
+            sub = _value_problem(f"{where}.{k}", child, v)
+            if sub is not None:
+                return sub[0], (_NO_FIX if sub[1] is _NO_FIX else {**value, k: sub[1]})
+        return None
+    if isinstance(node, ValueNode) and not isinstance(node, AnyNode):
+        if isinstance(value, str) and value == MISSING:
+            return None
+        try:
+            node.validate_and_convert(value)
+        except Exception:  # noqa: BLE001 - omegaconf's ValidationError: the value does not convert
+            kind, placeholder = _NODE_KINDS.get(type(node).__name__, ("of the key's type", _NO_FIX))
+            return f"{where}={hydra_literal(value)} is not {kind}", placeholder
+    return None
+
+
+#: ``_value_problem``'s corrected value where none can be derived.
+_NO_FIX: Any = object()
+
+
+def _required_fields(cls: Any) -> List[str]:
+    """The fields of dataclass ``cls`` without a default (OmegaConf's ``???``)."""
+    import dataclasses
+
+    from omegaconf import MISSING
+
+    return [f.name for f in dataclasses.fields(cls) if f.default == MISSING]
+
+
+def _entry_shape(cls: Any) -> str:
+    """``{path, scale, name}``: the keys of one entry of a list of ``cls``."""
+    import dataclasses
+
+    return "{" + ", ".join(f.name for f in dataclasses.fields(cls)) + "}"
+
+
+def override_value_problem(key: str, node: Any, override: Any) -> Optional[str]:
+    """What is wrong with the value of the override ``override`` (a parsed ``key=value``) for the composed config's
+    node ``node`` at ``key`` (:func:`_value_problem`; each choice of a ``-m`` sweep ``a,b`` is checked), with the
+    fix: the corrected override where one follows from the value (a close choice, a key spelt differently, a
+    single value wrapped as a list entry), else the values the key takes.
+
+    Returns:
+        The message, or None.
+    """
+    try:
+        value = override.value()
+    except Exception:  # noqa: BLE001 - Hydra reports an override it cannot parse
+        return None
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    values = value.list if isinstance(value, ChoiceSweep) else [value]
+    if not all(isinstance(v, (str, int, float, bool, list, dict, type(None))) for v in values):
+        return None  # range/interval sweeps, functions: Hydra's
+    for i, v in enumerate(values):
+        found = _value_problem(key, node, v)
+        if found is None:
+            continue
+        msg, fixed = found
+        sep = " " if msg.endswith("?") else "; "  # "did you mean X? fix: ...", as for a misspelt key
+        if fixed is _NO_FIX:
+            return f"{msg}{sep}fix: correct the value of {key}"
+        text = ",".join(hydra_literal(fixed if j == i else w) for j, w in enumerate(values))  # a sweep keeps its others
+        return f"{msg}{sep}fix: {_shell_arg(f'{key}={text}')}"
     return None
 
 

@@ -184,8 +184,6 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     from runner.app.console import quiet_libraries, verbose
     from runner.core import distributed as dp
 
-    quiet_libraries(verbose(sys.argv[1:]))  # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries')
-
     job_dir = hydra_dir = Path(out_dir)  # where this process's job_status.json goes (rank > 0: its own Hydra dir)
     out_dir = Path(cfg.run.resume or cfg.output.dir or dp.shared_run_dir(Path(out_dir)))
     if job_dir == dp.shared_run_dir(job_dir):
@@ -201,6 +199,10 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
 
     try:
         lock = _hold_run_dir(cfg, out_dir)
+        from runner.app.preflight import check_rows_before_engines
+
+        check_rows_before_engines(cfg)  # a missing input file: refused before diffusers/vLLM/torch are imported
+        quiet_libraries(verbose(sys.argv[1:]))  # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries')
         worker = _with_claims(cfg, out_dir, worker)
         code, merged = _launch(cfg, out_dir, overrides, worker, on_exit)
         outcome = _outcome(code, merged, status)
@@ -219,6 +221,14 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         outcome, code = e.outcome, e.exit_code
         _torchrun_note(code, outcome, e, job_dir)  # torchrun's own exit 1 hides this code: one line names it
         status.update(error_type=type(e).__name__, error=str(e))
+        if outcome in STARTUP_OUTCOMES and reraise and worker is None and _default_dir(cfg):
+            # a refused single run in a dir it named itself: nothing to keep (the console said why); the dir goes
+            rundir.release(lock)
+            if _remove_refused_dir(out_dir):
+                log.info("nothing was run; its run dir %s is removed (a refused run keeps a dir only when named with "
+                         "hydra.run.dir or output.dir)", out_dir)
+                return code
+            lock = None  # released; the dir holds more than the refusal wrote: record the refusal there as usual
         if outcome in STARTUP_OUTCOMES:
             try:
                 out_dir.mkdir(parents=True, exist_ok=True)
@@ -242,6 +252,41 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         _track(cfg, out_dir, code)
     rundir.release(lock)
     return code
+
+
+#: What a run dir holds before its run starts: Hydra's job log and ``.hydra``, the run's lock, its status file.
+_BEFORE_RUN = {"__main__.log", ".hydra", rundir.LOCK_NAME, "job_status.json"}
+
+
+def _default_dir(cfg: DictConfig) -> bool:
+    """The run dir is Hydra's default one (``outputs/runs/<date>/<time>-<pid>``, named by this process) of a single
+    ``python -m runner`` run, not one the user named (``hydra.run.dir=``, ``output.dir``, ``run.resume``) or one an
+    in-process caller of :func:`run_job` passed."""
+    if cfg.output.dir or cfg.run.resume:
+        return False
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
+        return False
+    return not any(str(o).lstrip("+").split("=", 1)[0] == "hydra.run.dir" for o in HydraConfig.get().overrides.hydra)
+
+
+def _remove_refused_dir(out_dir: Path) -> bool:
+    """Remove ``out_dir`` when it holds only what a run writes before it starts (:data:`_BEFORE_RUN`), and its date
+    folder when that is left empty; anything else in it is kept. Returns whether ``out_dir`` was removed."""
+    import shutil
+
+    try:
+        if not out_dir.is_dir() or any(p.name not in _BEFORE_RUN for p in out_dir.iterdir()):
+            return False
+        shutil.rmtree(out_dir)
+        if out_dir.parent.is_dir() and not any(out_dir.parent.iterdir()):
+            out_dir.parent.rmdir()
+        return True
+    except OSError as e:  # the refusal stands; the dir stays
+        log.debug("refused run dir %s not removed: %s", out_dir, e)
+        return False
 
 
 def _outcome(code: int, merged: Optional[Dict[str, Any]], status: Dict[str, Any]) -> str:

@@ -29,11 +29,14 @@ that fits): by bytes moved host-to-device per pipeline call, none (0) < model (e
 
 **Activations** (bytes; ``B`` batch of the largest batch shape, ``e`` bytes per element of the compute dtype):
 
-* denoiser, per transformer block: ``B * S * D * e * (4 + 3 r)``: the residual, the normed input, the attention
-  output, the MLP hidden before and after its activation (``2 r``) and a concatenation of attention and MLP output
-  (``1 + r``; FLUX's single blocks, ``diffusers/models/transformers/transformer_flux.py``), an upper bound for the
-  other blocks; ``S`` image + text tokens, ``D`` the inner width, ``r`` the MLP ratio. Attention itself adds no
-  ``S x S`` term (SDPA's fused kernels).
+* denoiser, per transformer block: ``B * S * D * e * (7 + 3 r)``: the residual, the normed input, the query, key
+  and value with their rotary copies in flight, the attention output, the MLP hidden before and after its
+  activation (``2 r``) and a concatenation of attention and MLP output (``1 + r``; FLUX's single blocks,
+  ``diffusers/models/transformers/transformer_flux.py``), an upper bound for the other blocks; ``S`` image + text
+  tokens, ``D`` the inner width, ``r`` the MLP ratio. Attention itself adds no ``S x S`` term (SDPA's fused
+  kernels). Measured on the H200 (FLUX.1-dev, batch 16, 1024^2, bf16,
+  ``benchmarks/results/memory_lanes_h200_2026-12-03_partial.json``): 8.1 GiB above the weights while denoising,
+  19.2 ``B S D e`` (``4 + 3 r`` planned 16, 1 GiB low).
 * a text encoder: ``B * S * e * (2 H + 3 F) + B * heads * S^2 * (2 * 4 + 2 e)``: hidden and gated-MLP tensors,
   the eager attention's fp32 scores and probabilities, and the scores and the position bias in the compute dtype
   (T5 adds its bias to materialised scores, then takes the softmax in fp32). Measured on the H200 (FLUX.1-dev's
@@ -149,8 +152,8 @@ def size_module(name: str, module: torch.nn.Module, linear_bits: Optional[float]
 
 
 def denoiser_activation(batch: int, tokens: int, inner: int, mlp_ratio: float, elem: int) -> int:
-    """Peak activation bytes of one transformer block: ``B * S * D * e * (4 + 3 r)`` (module docstring)."""
-    return int(batch * tokens * inner * elem * (4 + 3 * mlp_ratio))
+    """Peak activation bytes of one transformer block: ``B * S * D * e * (7 + 3 r)`` (module docstring)."""
+    return int(batch * tokens * inner * elem * (7 + 3 * mlp_ratio))
 
 
 def encoder_activation(batch: int, seq: int, hidden: int, ff: int, heads: int, elem: int) -> int:

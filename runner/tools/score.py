@@ -40,6 +40,20 @@ def parse_models(values: Sequence[str]) -> Dict[str, str]:
     return out
 
 
+def as_flags(message: str) -> str:
+    """A metrics message of ``runner.core.metrics`` (written for the run config's ``metrics.*`` keys) in this
+    command line's terms: ``metrics.models.<name>=<v>`` -> ``--model <name>=<v>``, ``metrics.names`` ->
+    ``--metrics``, ``metrics.batch_size`` -> ``--batch-size``."""
+    import re
+
+    message = re.sub(r"metrics\.models\.(\w+) is not set", r"no --model \1=<dir> was given", message)
+    message = re.sub(r"metrics\.models\.(\w+)=", r"--model \1=", message)
+    message = re.sub(r"metrics\.models\.(\w+)", r"--model \1=<dir>", message)
+    message = re.sub(r"metrics\.names=\[\.\.\.,(\w+)\]", r"--metrics ...,\1", message)
+    message = re.sub(r"\bmetrics\.names\b", "--metrics", message)
+    return re.sub(r"\bmetrics\.batch_size=", "--batch-size ", message)
+
+
 def output_kind(records: Sequence[Dict[str, Any]]) -> str:
     """``video`` when the ok records' files are MP4s, ``image`` for other files, ``text`` without any file."""
     files = [str(r.get("file")) for r in records if r.get("status") == "ok" and r.get("file")]
@@ -74,7 +88,7 @@ def score_dir(run_dir: Path, names: Sequence[str], models: Dict[str, str], devic
     from runner.core import rundir
     from runner.core.artifacts import atomic_write_json
     from runner.core.manifest import now_iso
-    from runner.core.metrics import check, score_journal
+    from runner.core.metrics import MetricError, check, score_journal
     from runner.core.sinks import read_journal, write_folder_metadata
 
     run_dir = Path(run_dir)
@@ -90,7 +104,10 @@ def score_dir(run_dir: Path, names: Sequence[str], models: Dict[str, str], devic
                                   "(run.resume=<dir>) or score a finished run")
         records = read_journal(jpath)
         kind = output_kind(records)
-        ms = check(SimpleNamespace(names=list(names), models=dict(models), batch_size=batch_size), kind)
+        try:
+            ms = check(SimpleNamespace(names=list(names), models=dict(models), batch_size=batch_size), kind)
+        except MetricError as e:  # the run config's keys, spelt as this command line's flags
+            raise MetricError(as_flags(str(e))) from None
         if ms is None or not ms.names:
             raise ScoreInputError("no metric given; fix: --metrics clip_score --model clip_score=<dir>")
         dev = device or ("cuda" if _cuda() else "cpu")

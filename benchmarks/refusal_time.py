@@ -1,0 +1,54 @@
+"""How long a row-level refusal takes (issue #38: target <= 3 s on a 2-core CPU machine): ``python -m runner
+model.task=image_to_image dataset=jsonl`` with a row whose ``image`` does not exist, from a fresh process in an empty
+folder (the default run dir, as a newcomer runs it), ``--repeat`` times; prints each wall time, the median, the exit
+code, whether torch/diffusers were imported (``-X importtime``) and whether a run dir was left behind.
+
+    python benchmarks/refusal_time.py [--repeat 5] [--checkout /path/to/another/checkout]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--checkout", type=Path, default=REPO, help="the checkout to time (default: this one)")
+    a = ap.parse_args()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(a.checkout), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    times, codes = [], set()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = Path(tmp) / "rows.jsonl"
+        rows.write_text(json.dumps({"id": "a", "prompt": "a red circle", "image": "missing.png"}) + "\n")
+        args = [sys.executable, "-m", "runner", "model.task=image_to_image", "dataset=jsonl", f"dataset.path={rows}"]
+        for _ in range(a.repeat):
+            t0 = time.perf_counter()
+            p = subprocess.run(args, cwd=tmp, env=env, capture_output=True, text=True)
+            times.append(time.perf_counter() - t0)
+            codes.add(p.returncode)
+            assert "does not exist" in p.stderr + p.stdout, (p.stdout + p.stderr)[-2000:]
+        left = [str(d) for d in (Path(tmp) / "outputs" / "runs").glob("*/*")]  # after the timed runs
+        p = subprocess.run([sys.executable, "-X", "importtime", *args[1:]], cwd=tmp, env=env, capture_output=True,
+                           text=True)
+        names = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+        imported = sorted(names & {"torch", "diffusers", "transformers", "vllm"})
+    print("wall s:", " ".join(f"{t:.2f}" for t in times))
+    print(f"median {statistics.median(times):.2f} s over {len(times)} runs; exit codes {sorted(codes)}; "
+          f"imported: {imported or 'none of torch/diffusers/transformers/vllm'}; "
+          f"run dirs left: {len(left)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
