@@ -289,7 +289,8 @@ def test_manifest_config_holds_plain_strings_and_resume_sees_no_change(execute, 
     assert "<" not in json.dumps(cfg) and "Compile." not in text and "DType." not in text
     assert (cfg["compile"], cfg["dtype"], cfg["parallelism"], cfg["dataset"]["format"], cfg["platform"]["name"],
             cfg["platform"]["device"], cfg["launcher"]["name"], cfg["model"]["adapter"], cfg["model"]["load_format"]) == (
-        "none", "auto", {"mode": "single", "ulysses_degree": 1, "ring_degree": 1, "data": None}, "builtin", "cpu",
+        "none", "auto", {"mode": "single", "ulysses_degree": 1, "ring_degree": 1, "data": None, "assign": "static",
+                         "lease_s": 60.0}, "builtin", "cpu",
         "cpu", "local", "flux", "auto")
     assert cfg["platform"]["probes"] == ["device_name"]
     assert '"compile": "none"' in text and '"adapter": "flux"' in text

@@ -152,9 +152,21 @@ def check_run_values(cfg: DictConfig) -> None:
     if tw is not None and tw.world_size > 1 and mode not in ("data", *CONTEXT_MODES):
         raise ConfigValueError(f"started by torchrun with WORLD_SIZE={tw.world_size} but parallelism={mode}: every "
                                "rank would generate the whole dataset; fix: parallelism=data (or ulysses/ring)")
-    if mode == "data" and tw is None and cfg.launcher.name != "ray":
+    assign = str(cfg.parallelism.get("assign", "static"))
+    if assign == "claims" and mode != "data":
+        raise ConfigValueError(f"parallelism.assign=claims with parallelism={mode}: claims hand out the batches of "
+                               "parallelism=data only; fix: parallelism=data, or parallelism.assign=static")
+    if assign == "claims" and cfg.launcher.name != "local":
+        raise ConfigValueError(f"parallelism.assign=claims with launcher={cfg.launcher.name}: claims run under "
+                               "torchrun or in processes started by hand so far; fix: launcher=local, or "
+                               "parallelism.assign=static")
+    if assign == "claims" and not float(cfg.parallelism.lease_s) > 0:
+        raise ConfigValueError(f"parallelism.lease_s={cfg.parallelism.lease_s} must be > 0 seconds (how long a claim "
+                               "lives without renewal); fix: parallelism.lease_s=60")
+    if mode == "data" and tw is None and cfg.launcher.name != "ray" and assign != "claims":
         raise ConfigValueError("parallelism=data needs workers: launch with `torchrun --nproc-per-node N -m runner "
-                               "parallelism=data` or add launcher=ray")
+                               "parallelism=data`, add launcher=ray, or start any number of `python -m runner "
+                               "parallelism=data parallelism.assign=claims hydra.run.dir=<shared dir>` workers")
     lay = layout(cfg, tw.world_size if tw is not None else None)  # context modes: degrees x data = world size
     if lay is not None and cfg.evidence.enabled and not cfg.evidence.profile:
         raise ConfigValueError(f"parallelism={mode} with evidence.profile=false: only the profiler sees the collectives "

@@ -90,11 +90,47 @@ def _hold_run_dir(cfg: DictConfig, out_dir: Path) -> Optional[Any]:
     from runner.core.environment import check_dir
 
     check_dir(out_dir, _dir_key(cfg))  # a path no run can use is bad input (exit 2, named), not a lock matter
+    if claims_worker(cfg):  # a peer of the claims run in the dir (or its first worker)
+        rundir.join_fleet(out_dir, key=_dir_key(cfg))
+        return None
     tw = dp.torchrun_worker()
     if tw is not None and tw.world_size > 1:
         dp.claim_run_dir(out_dir, tw, create=not cfg.run.resume, key=_dir_key(cfg))
         return None
     return rundir.acquire(out_dir, create=not cfg.run.resume, key=_dir_key(cfg))
+
+
+def claims_worker(cfg: Any) -> bool:
+    """Whether this process is a claims worker started by hand (``parallelism=data parallelism.assign=claims``,
+    ``launcher=local``, not under torchrun): it joins the run dir's claims run instead of holding the dir."""
+    from runner.core import distributed as dp
+
+    sel = OmegaConf.select
+    return (str(sel(cfg, "parallelism.mode")) == "data" and str(sel(cfg, "parallelism.assign")) == "claims"
+            and str(sel(cfg, "launcher.name")) == "local" and dp.torchrun_worker() is None)
+
+
+def _with_claims(cfg: DictConfig, out_dir: Path, worker: Optional[Any]) -> Optional[Any]:
+    """The worker with its claims (``runner.core.claims.Claims`` in the run's namespace, registered): a torchrun
+    rank keeps its rank; a worker started by hand gets the first free one. Unchanged without ``assign=claims``."""
+    if (str(cfg.parallelism.mode) != "data" or str(cfg.parallelism.get("assign", "static")) != "claims"
+            or str(cfg.launcher.name) != "local"):
+        return worker
+    from dataclasses import replace
+
+    from runner.core.claims import Claims, posix_store
+    from runner.core.distributed import Worker
+
+    token = rundir.run_token(out_dir)
+    if token is None:  # not held nor joined: nothing else may write here
+        raise RunDirLockError(f"claims worker: the run dir {out_dir} is not held by this run; fix: start the worker "
+                              "with `python -m runner parallelism=data parallelism.assign=claims hydra.run.dir=<dir>`")
+    claims = Claims(posix_store(out_dir, token), float(cfg.parallelism.lease_s))
+    if worker is None:
+        rank = claims.register()
+        return Worker(rank=rank, world_size=0, launcher="local", assign="claims", claims=claims)
+    claims.register(worker.rank)
+    return replace(worker, assign="claims", claims=claims)
 
 
 def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Optional[Any],
@@ -111,6 +147,18 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
         data = DatasetItems.read(cfg)  # the driver runs no stage: its one read of the rows
         merged = run_on_ray(cfg, out_dir, overrides, data.keys(), data.current())
         return dp.merged_exit_code(merged), merged
+    if worker is not None and worker.world_size == 0:  # a claims worker started by hand: the last one merges
+        data = DatasetItems()
+        code = run(cfg, out_dir, overrides=overrides, worker=worker, on_exit=on_exit, dataset=data)
+        merged = dp.finish_claims(out_dir, worker, data.keys(), data.current())
+        if merged is None:
+            c = worker.claims
+            log.info("claims worker rank %d: %d batch(es) generated, %d taken over; %s", worker.rank, len(c.completed),
+                     len(c.reclaimed), "another worker merges the run" if c.finished else
+                     "stopped before the run's batches were done")
+            return code, None
+        log.info("%s", merged_summary(merged, out_dir))
+        return dp.merged_exit_code(merged), merged
     if worker is None or worker.world_size <= 1:
         return run(cfg, out_dir, overrides=overrides, on_exit=on_exit), None
     data = DatasetItems()  # filled by the run's own read of the rows
@@ -118,7 +166,8 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
     dp.barrier()
     if worker.rank != 0:
         return code, None
-    merged = dp.merge(out_dir, worker.world_size, data.keys(), "torchrun", data.current(), lay=worker.layout)
+    merged = dp.merge(out_dir, worker.world_size, data.keys(), "torchrun", data.current(), lay=worker.layout,
+                      assign=worker.assign)
     log.info("%s", merged_summary(merged, out_dir))  # the run's one summary line (workers log theirs at DEBUG)
     return dp.merged_exit_code(merged), merged
 
@@ -154,8 +203,11 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
 
         check_rows_before_engines(cfg)  # a missing input file: refused before diffusers/vLLM/torch are imported
         quiet_libraries(verbose(sys.argv[1:]))  # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries')
+        worker = _with_claims(cfg, out_dir, worker)
         code, merged = _launch(cfg, out_dir, overrides, worker, on_exit)
         outcome = _outcome(code, merged, status)
+        if worker is not None and worker.world_size == 0 and merged is None:  # a claims worker that did not merge
+            job_dir = out_dir / dp.WORKER_SUBDIR / f"rank{worker.rank}"  # the run's job_status.json is the merger's
     except RunDirLockError as e:  # the dir is another run's (or unusable): write nothing into it
         log.error("%s: %s", type(e).__name__, e)
         rundir.release(lock)
@@ -195,7 +247,8 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
             rundir.release(lock)
             raise
     _write_status(job_dir, code, outcome, status)
-    if outcome not in STARTUP_OUTCOMES and (worker is None or worker.rank == 0):
+    if outcome not in STARTUP_OUTCOMES and (worker is None or (merged is not None if worker.assign == "claims"
+                                                               else worker.rank == 0)):
         _track(cfg, out_dir, code)
     rundir.release(lock)
     return code
@@ -322,7 +375,10 @@ class RunDirLockCallback(_HydraCallback):
         except OutputPathError:  # not a dir this run could use: the run's startup checks refuse it (exit 2, with
             return  # job_status.json in Hydra's dir), nothing to hold
         try:
-            dp.claim_run_dir(target, dp.torchrun_worker(), create=not resume, key=key)
+            if claims_worker(config):  # a peer of the dir's claims run: no worker owns the dir
+                rundir.join_fleet(target, key=key)
+            else:
+                dp.claim_run_dir(target, dp.torchrun_worker(), create=not resume, key=key)
         except RunDirLockError as e:
             _refuse(e)
 

@@ -111,6 +111,10 @@ class Run:
         self.counts, self.timing, self.status = {"ok": 0, "failed": 0, "reused": 0}, Timing(), "running"
         self.results, self.links, self.sink, self.bar, self.raising = {}, {}, None, None, False
         self.metric_set = None
+        self.claims = worker.claims if worker is not None and worker.assign == "claims" else None
+        self.batch_of: Dict[str, str] = {}  # claims: item key -> its batch id
+        self.in_flight: Dict[str, set] = {}  # claims: batch id -> keys not journaled yet
+        self.renewer: Optional[Any] = None
 
     @property
     def final(self) -> Any:
@@ -189,7 +193,9 @@ class Run:
         if self.dataset is not None:
             self.dataset.fill(items)
         self.journal_name, self.manifest_name = "items.jsonl", "manifest.json"
-        if worker is not None and worker.world_size > 1:
+        if self.claims is not None:  # every worker may generate any batch: it pulls them (runner.core.claims)
+            self.journal_name, self.manifest_name = worker.journal, worker.manifest
+        elif worker is not None and worker.world_size > 1:
             from runner.core.distributed import shard
 
             # data-parallel groups (every worker, or every context group) share the batches out
@@ -221,12 +227,46 @@ class Run:
         if self.plan.prev is not None and worker is None:  # a data-parallel run's owner cleans (claim_run_dir, ray)
             resume.remove_temp_files(self.out_dir)
         self.counts["reused"] = len(self.items) - len(self.plan.todo)
+        if self.claims is not None:
+            self.open_claims()
         if worker is not None:
             from runner.core.distributed import init_context_groups
 
             init_context_groups(worker)
         for e in self.engines:
             e.start_parallel()
+
+    def open_claims(self) -> None:
+        """3c. ``parallelism.assign=claims``: name the run's batches (``b<i>``, in the order a one-worker run forms
+        them), and join the workers' claims run (``runner.core.claims.Claims.open_fleet``: the same identity,
+        batches and lease, or refused). A worker's share is what it generates: ``reused`` stays the merge's."""
+        from runner.core.claims import batch_id, batches_sha256
+
+        batches = self.final.batches(self.items, self.cfg.batch_size)
+        self.batch_of = {it.key: batch_id(i) for i, b in enumerate(batches) for it in b}
+        self.claims.open_fleet({"run_sha": self.plan.run_sha, "batches": len(batches),
+                                "batches_sha256": batches_sha256(batches), "lease_s": self.claims.lease_s})
+        self.claims.reusable_at_start = len(self.items) - len(self.plan.todo)
+        self.counts["reused"] = 0
+
+    def pull(self, batches: List[List[Any]]) -> Any:
+        """``parallelism.assign=claims``: the batches of ``batches`` this worker claims, as it claims them
+        (``runner.core.claims.Claims.pull``); each batch is completed once its records are journaled
+        (:meth:`on_record`)."""
+        ids = [self.batch_of[b[0].key] for b in batches]
+
+        def flush() -> None:  # before waiting on others: this worker's own batches journaled and completed
+            self.sink.drain()
+
+        for b in self.claims.pull(batches, ids, stop=lambda: self.stop.signum is not None, flush=flush):
+            self.in_flight[self.batch_of[b[0].key]] = {it.key for it in b}
+            yield b
+
+    def after_batch(self, batch: List[Any], seconds: float) -> None:
+        """At every batch boundary: the test-only straggler hook (``runner.core.testing``; a no-op in real runs)."""
+        from runner.core.testing import slow_worker_delay
+
+        slow_worker_delay(self.worker.rank if self.worker is not None else None, seconds)
 
     # ----------------------------------------------------------------------------------- 4: the header
     def open_manifest(self) -> None:
@@ -244,7 +284,8 @@ class Run:
         if self.worker is not None:
             from runner.core.distributed import worker_record
 
-            m.section("worker", worker_record(self.worker, len(self.items)))
+            # a claims worker's share is known when it ends (final_sections); None until then, also if it dies
+            m.section("worker", worker_record(self.worker, len(self.items) if self.claims is None else None))
         prev = self.plan.prev
         if prev is not None:
             renamed = resume.lora_renames(prev, self.sources[self.final.stage])
@@ -309,11 +350,18 @@ class Run:
         todo = self.run_upstream(todo)
         originals = {it.key: it for it in self.items}  # before an upstream stage rewrote the prompts
         run_sha = self.plan.run_sha
+        if self.claims is not None:
+            from runner.core.claims import Renewer
+
+            self.renewer = Renewer(self.claims).__enter__()
         self.results[self.final.stage] = run_stage(
             self.final, todo, self.sink, self.cfg, self.stop, self.timing, on_loaded=self.on_loaded,
             links=self.links, after_load=self.after_load, checkpoint=self.checkpoint,
             identity=(lambda it: resume.inputs_sha256(run_sha, originals[it.key])) if self.final.resumable else None,
-            should_stop=stop_check(self.stop, self.worker))
+            should_stop=stop_check(self.stop, self.worker), pull=self.pull if self.claims is not None else None,
+            after_batch=self.after_batch if self.worker is not None else None)
+        if self.claims is not None:  # every batch done (by some worker), unless a signal stopped the pull
+            self.claims.finished = self.stop.signum is None
 
     def open_sink(self) -> Any:
         """The final stage's sink (``runner.core.sinks.SINKS`` by output kind; a rank that only computes gets a
@@ -352,9 +400,16 @@ class Run:
         return todo
 
     def on_record(self, rec: Dict[str, Any]) -> None:
-        """A record the sink wrote (ok or failed): counted, and the bar moves."""
+        """A record the sink wrote (ok or failed): counted, and the bar moves; under claims, the batch whose last
+        record this is gets completed (``runner.core.claims.Claims.complete``: journaled, so done)."""
         self.counts["ok" if rec["status"] == "ok" else "failed"] += 1
         self.bar.update(1)
+        bid = self.batch_of.get(rec.get("key", ""))
+        if bid is not None and bid in self.in_flight:
+            self.in_flight[bid].discard(rec["key"])
+            if not self.in_flight[bid]:
+                del self.in_flight[bid]
+                self.claims.complete(bid)
 
     def checkpoint(self) -> None:
         """After every batch: the counts, in the manifest on disk."""
@@ -382,7 +437,8 @@ class Run:
         m.section("evidence", ev)
         self.sink.drain()
         journal = {r["key"]: r for r in read_journal(self.out_dir / self.journal_name) if "key" in r}
-        acc = final.accuracy(self.items, journal, self.out_dir) if self.writes else None
+        mine = self.items if self.claims is None else [it for it in self.items if it.key in journal]
+        acc = final.accuracy(mine, journal, self.out_dir) if self.writes else None
         if acc is not None:
             m.section("accuracy", acc)
         prompts = final.prompts_section(list(journal.values()))
@@ -413,8 +469,23 @@ class Run:
                 self.manifest.flush()
         finally:
             self.stop.__exit__(None, None, None)
+            self.end_claims()
         if closing_error is not None and not self.raising:  # else the error that ended the loop goes on
             raise closing_error
+
+    def end_claims(self) -> None:
+        """Under claims: stop renewing, let go of every batch held but not journaled (a stop signal, an error:
+        another worker takes it at once), and mark this worker ended (its manifest is final)."""
+        if self.claims is None:
+            return
+        if self.renewer is not None:
+            self.renewer.stop()
+        try:
+            self.claims.release_all()
+            self.claims.end()
+        except OSError as e:
+            log.warning("claims: could not record this worker's end (%s: %s); the others see it after its lease",
+                        type(e).__name__, e)
 
     def close_outputs(self) -> None:
         """Close the sink, the bar and every engine; compact the journal; the folder indexes and the files of
@@ -431,7 +502,7 @@ class Run:
             return
         out_dir, name = self.out_dir, self.journal_name
         before = read_journal(out_dir / name) if self.worker is None else []  # compaction drops some
-        compact(out_dir, self.items, name, self.final, self.plan.expected)
+        compact(out_dir, self.items, name, self.final, self.plan.expected, others=self.claims is None)
         self.score_metrics()
         if self.worker is None:  # the folder indexes follow the compacted journal (a merge writes them for workers)
             self.manifest.section("folder_metadata", write_folder_metadata(
@@ -456,8 +527,13 @@ class Run:
         self.manifest.flush()
 
     def final_sections(self) -> None:
-        """The manifest's counts, timing, compile and memory sections."""
+        """The manifest's counts, timing, compile and memory sections (and ``claims``: this worker's share)."""
         self.manifest.section("counts", self.counts)
+        if self.claims is not None:
+            self.manifest.section("worker", {**self.manifest.doc["worker"], "shard_items": self.counts["ok"]
+                                             + self.counts["failed"]})
+            self.manifest.section("claims", {**self.claims.section(),
+                                             "reusable_at_start": getattr(self.claims, "reusable_at_start", None)})
         self.manifest.section("timing", self.timing_section())
         comp = self.final.compile_section()
         if comp is not None:
@@ -543,12 +619,15 @@ def evidence_doc(cfg: DictConfig, plat: Any, engines: Sequence[Any], results: Di
             "mismatches": mismatches}
 
 
-def compact(out_dir: Path, items: List[Any], name: str, final: Any, expected: Dict[str, Dict[str, Any]]) -> None:
+def compact(out_dir: Path, items: List[Any], name: str, final: Any, expected: Dict[str, Dict[str, Any]],
+            others: bool = True) -> None:
     """Rewrite the journal with the latest record per item, in dataset order (after a resume the file then reads
     exactly like an uninterrupted run's). For a resumable stage, ok records of items reused from another journal
     of the dir (an earlier merged run, other workers) are copied in, so the journal covers all of ``items``; an ok
     record whose ``inputs_sha256`` is not the current run's (an earlier config's output that this run did not get
-    to regenerate) is left out, so no journal line claims an artifact the current config did not produce."""
+    to regenerate) is left out, so no journal line claims an artifact the current config did not produce.
+    ``others=False`` (a claims worker: its journal holds what it generated, the merge gathers the rest) copies
+    nothing in."""
     extra: Dict[str, Dict[str, Any]] = {}
     current = None
     if final.resumable:
@@ -556,7 +635,7 @@ def compact(out_dir: Path, items: List[Any], name: str, final: Any, expected: Di
             return r.get("status") != "ok" or r.get("inputs_sha256") == (expected.get(r.get("key")) or {}).get(
                 "inputs_sha256")
 
-        for p in sorted(out_dir.glob("items*.jsonl")):
+        for p in sorted(out_dir.glob("items*.jsonl")) if others else ():
             if p.name != name:
                 extra.update({r["key"]: r for r in read_journal(p) if r.get("status") == "ok" and current(r)})
     compact_journal(out_dir / name, order=[it.key for it in items], extra=extra, keep=current)

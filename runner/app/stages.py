@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig
 
@@ -185,7 +185,9 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
               after_load: Optional[Callable[[Dict[str, Any]], None]] = None,
               checkpoint: Optional[Callable[[], None]] = None,
               identity: Optional[Callable[[Any], str]] = None,
-              should_stop: Optional[Callable[[], bool]] = None) -> "StageResult":
+              should_stop: Optional[Callable[[], bool]] = None,
+              pull: Optional[Callable[[List[List[Any]]], Iterable[List[Any]]]] = None,
+              after_batch: Optional[Callable[[List[Any], float], None]] = None) -> "StageResult":
     """Load ``engine`` and generate ``items`` into ``sink``: batch -> generate -> submit -> checkpoint, until done
     or a stop signal. The same body runs every stage of every run.
 
@@ -196,6 +198,9 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
         identity: ``item -> inputs_sha256``, recorded in each record with the batch (size, position) it ran in
             (resumable stages: a resume compares both, ``runner.core.resume.reusable``).
         should_stop: asked before each batch (default: a stop signal was received).
+        pull: given the batches, yields those this process generates, as it gets them (``parallelism.assign=claims``:
+            ``runner.app.run.Run.pull``); default every batch, in order.
+        after_batch: called with each batch and the seconds its generation took, once it is submitted.
 
     Returns:
         What was observed, for the engine's evidence.
@@ -214,7 +219,7 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
     if after_load is not None:
         after_load(sections)
     t_loop = time.perf_counter()
-    for batch in batches:
+    for batch in (pull(batches) if pull is not None else batches):
         if (should_stop() if should_stop is not None else stop.signum is not None):
             break
         t0 = time.perf_counter()
@@ -233,6 +238,8 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
             if isinstance(out, BaseException):
                 log.error("item %r failed: %s: %s", it.key, type(out).__name__, out)
             sink.submit(rec, out)
+        if after_batch is not None:
+            after_batch(batch, dt)
         if checkpoint is not None:
             checkpoint()
     sink.drain()

@@ -7,6 +7,10 @@ merges the journals into one ``items.jsonl`` in dataset order and the manifests 
 lists every worker (host, device, rank, shard size, status, evidence). Seeds belong to rows, so the artifacts are
 the same whatever the world size.
 
+``parallelism.assign=claims``: no deal; every worker (a torchrun rank, or a process started by hand:
+:func:`finish_claims` then lets the last one merge) pulls batches through ``runner.core.claims`` and journals what it
+generated; :func:`merge` (``assign="claims"``) adds the ``claims`` section (who took over what, who died).
+
 torchrun: ranks agree on the run dir before Hydra starts (rank 0 picks it and broadcasts it over a gloo process
 group, used for control messages only), so only rank 0 owns the Hydra run dir; rank r > 0 keeps its Hydra logs
 in ``<run dir>/workers/rank<r>``.
@@ -24,7 +28,7 @@ import json
 import logging
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -145,6 +149,8 @@ class Worker:
     launcher: str
     host: str = socket.gethostname()
     layout: Optional[Layout] = None
+    assign: str = "static"
+    claims: Any = field(default=None, compare=False, repr=False)  # runner.core.claims.Claims under assign=claims
 
     @property
     def journal(self) -> str:
@@ -422,7 +428,8 @@ def worker_entry(rank: int, doc: Optional[Dict[str, Any]], reasons: Optional[Dic
             "resumed_from": _ended((doc.get("resumed_from") or {}).get("status")),
             "timing": {k: doc.get("timing", {}).get(k) for k in ("wall_s", "load_s", "warmup_s", "loop_s",
                                                                  "images_per_hour")},
-            "memory": doc.get("memory"), **({"reason": why} if why else {})}
+            "memory": doc.get("memory"), **({"claims": doc["claims"]} if doc.get("claims") else {}),
+            **({"reason": why} if why else {})}
 
 
 def worker_failure(merged: Dict[str, Any]) -> Optional[Tuple[str, str]]:
@@ -432,8 +439,9 @@ def worker_failure(merged: Dict[str, Any]) -> Optional[Tuple[str, str]]:
     ``crashed`` when a worker died or wrote no manifest, ``interrupted`` when one was stopped by a signal, else
     ``failed_items``."""
     bad = [w for w in merged.get("workers") or [] if w.get("status") not in ("completed", "completed_with_failures")]
-    if not bad:
-        return None
+    if not bad or (merged.get("parallelism") or {}).get("assign") == "claims" and not (merged.get("counts") or {}).get(
+            "missing"):
+        return None  # (claims: the others took over what a dead worker held; its death is in claims.deaths)
     names = "; ".join(f"rank {w['rank']} (pid {w.get('pid')}, host {w.get('host')}) {w.get('status')}: "
                       f"{w.get('reason')}" for w in bad)
     c = merged.get("counts") or {}
@@ -468,8 +476,14 @@ def _latest_records(out_dir: Path, docs: List[Optional[Dict[str, Any]]], keys_in
 
 
 def _parallelism_section(docs: List[Optional[Dict[str, Any]]], world_size: int, launcher: str,
-                         lay: Optional[Layout]) -> Dict[str, Any]:
-    """The merged manifest's ``parallelism``: data parallelism, or the context-parallel mesh and roles."""
+                         lay: Optional[Layout], assign: str = "static") -> Dict[str, Any]:
+    """The merged manifest's ``parallelism``: data parallelism (dealt, or pulled through claims), or the
+    context-parallel mesh and roles."""
+    if assign == "claims":
+        from runner.core.claims import CLAIMING
+
+        return {"mode": "data", "world_size": world_size, "launcher": launcher, "assign": "claims",
+                "sharding": CLAIMING}
     if lay is None:
         return {"mode": "data", "world_size": world_size, "launcher": launcher, "sharding": SHARDING}
     return {
@@ -497,21 +511,62 @@ def _merged_timing(workers: List[Dict[str, Any]], lay: Optional[Layout]) -> Dict
 _CONSISTENT = ("verified", "not_collected")
 
 
-def _merged_evidence(docs: List[Optional[Dict[str, Any]]]) -> Dict[str, Any]:
+def _merged_evidence(docs: List[Optional[Dict[str, Any]]], claims: bool = False) -> Dict[str, Any]:
     """The merged ``evidence``: every worker's section; ``verified`` when every worker verified (or collected
-    nothing), ``limited`` when the others are limited, else ``mismatch``; the mismatches named by rank."""
-    verdicts = [(d or {}).get("evidence", {}).get("verdict") for d in docs]
-    verdict = ("verified" if all(v in _CONSISTENT for v in verdicts) else
+    nothing), ``limited`` when the others are limited, else ``mismatch``; the mismatches named by rank.
+
+    ``claims``: a worker that died (no evidence: its process ended before its verdict) is a limit, not a mismatch,
+    when the others took its batches over: ``limits`` names it and how many items it journaled unverified."""
+    dead = {r for r, d in enumerate(docs) if claims and (d is None or not (d.get("evidence") or {}).get("verdict"))}
+    verdicts = [(d or {}).get("evidence", {}).get("verdict") for r, d in enumerate(docs) if r not in dead]
+    verdict = ("verified" if all(v in _CONSISTENT for v in verdicts) and not dead else
                "limited" if all(v in (*_CONSISTENT, "limited") for v in verdicts) else "mismatch")
-    return {"workers": {str(r): (d or {}).get("evidence") for r, d in enumerate(docs)}, "verdict": verdict,
-            "mismatches": [f"rank {r}: {m}" for r, d in enumerate(docs)
-                           for m in ((d or {}).get("evidence") or {}).get("mismatches") or []]
-            + [f"rank {r}: no manifest" for r, d in enumerate(docs) if d is None]}
+    doc = {"workers": {str(r): (d or {}).get("evidence") for r, d in enumerate(docs)}, "verdict": verdict,
+           "mismatches": [f"rank {r}: {m}" for r, d in enumerate(docs)
+                          for m in ((d or {}).get("evidence") or {}).get("mismatches") or []]
+           + [f"rank {r}: no manifest" for r, d in enumerate(docs) if d is None and r not in dead]}
+    if dead:
+        doc["limits"] = [f"rank {r} died before its evidence verdict: the "
+                         f"{((d or {}).get('counts') or {}).get('ok', 0)} item(s) it journaled carry no verified "
+                         "evidence (its batches still running were taken over by other workers)"
+                         for r, d in enumerate(docs) if r in dead]
+    return doc
+
+
+def _claims_section(docs: List[Optional[Dict[str, Any]]], workers: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The merged manifest's ``claims``: the store and lease, batches claimed and completed per worker, every
+    batch taken over (from which worker, by which), and each worker that did not complete with its pid and the
+    batches it lost (taken over from it by the others)."""
+    secs = {r: (d or {}).get("claims") or {} for r, d in enumerate(docs)}
+    taken = [{"batch": t["batch"], "from_rank": t["from"].get("rank"), "from_pid": t["from"].get("pid"),
+              "released": t["from"].get("released", False), "by_rank": r}
+             for r, sec in secs.items() for t in sec.get("reclaimed") or []]
+    deaths = []
+    for w in workers:
+        if w.get("status") in ("completed", "completed_with_failures"):
+            continue
+        lost = sorted(t["batch"] for t in taken if t["from_rank"] == w["rank"])
+        pid = w.get("pid") or next((t["from_pid"] for t in taken if t["from_rank"] == w["rank"]), None)
+        deaths.append({"rank": w["rank"], "pid": pid, "host": w.get("host"), "status": w.get("status"),
+                       "lost_batches": lost, "taken_over_by": {t["batch"]: t["by_rank"] for t in taken
+                                                               if t["from_rank"] == w["rank"]}})
+        w["lost_batches"] = lost
+    first = [s["first_claim_at"] for s in secs.values() if s.get("first_claim_at")]
+    last = [s["last_done_at"] for s in secs.values() if s.get("last_done_at")]
+    any_sec = next((s for s in secs.values() if s), {})
+    return {"store": any_sec.get("store"), "where": any_sec.get("where"), "lease_s": any_sec.get("lease_s"),
+            "claimed": sum(s.get("claimed", 0) for s in secs.values()),
+            "completed": sum(s.get("completed", 0) for s in secs.values()),
+            "per_worker": {str(r): {k: s.get(k) for k in ("claimed", "completed", "busy_s", "idle_s")}
+                           for r, s in secs.items()},
+            "taken_over": taken, "deaths": deaths,
+            "span_s": round(max(last) - min(first), 3) if first and last else None}
 
 
 def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str,
           current: Optional[Callable[[List[str]], Dict[str, List[str]]]] = None,
-          lay: Optional[Layout] = None, reasons: Optional[Dict[int, str]] = None) -> Dict[str, Any]:
+          lay: Optional[Layout] = None, reasons: Optional[Dict[int, str]] = None,
+          assign: str = "static") -> Dict[str, Any]:
     """Merge the workers' journals and manifests of ``out_dir`` into ``items.jsonl`` and ``manifest.json``.
 
     Args:
@@ -523,6 +578,10 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
             ranks; ``parallelism`` gets the mesh, the degrees and every rank's role.
         reasons: what the launcher saw of each worker that died, by rank (Ray's exception text), added to its
             ``reason``.
+        assign: ``claims``: the workers pulled batches (``runner.core.claims``): the merged manifest gets a
+            ``claims`` section (:func:`_claims_section`), the status follows the items alone (a worker that died
+            while the others took its batches over is recorded in ``claims.deaths``, and does not fail the run),
+            and ``reused`` is what no worker of this attempt generated.
 
     Returns:
         The merged manifest. Its ``status`` is ``completed`` only when every worker completed; ``workers`` lists
@@ -551,20 +610,25 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     wc = [(d or {}).get("counts") or {} for d in writers]
     # Same meaning as a one-worker run's counts: ok = written by this attempt, reused = kept from an earlier one;
     # plus the run's size and what no worker produced.
-    merged["counts"] = {"ok": len(ok) - sum(c.get("reused", 0) for c in wc), "failed": len(failed),
-                        "reused": sum(c.get("reused", 0) for c in wc), "items": len(keys_in_order),
-                        "missing": len([k for k in keys_in_order if k not in latest])}
+    reused = (len(ok) - min(len(ok), sum(c.get("ok", 0) for c in wc)) if assign == "claims"
+              else sum(c.get("reused", 0) for c in wc))  # claims: a worker's share is what it generated
+    merged["counts"] = {"ok": len(ok) - reused, "failed": len(failed), "reused": reused,
+                        "items": len(keys_in_order), "missing": len([k for k in keys_in_order if k not in latest])}
     merged["dataset"] = {**(base.get("dataset") or {}), "items": len(keys_in_order)}  # the run's, not rank 0's shard
     if "prompts" in base:  # truncated prompts and ignored fields of the whole run, not of rank 0's shard
         from runner.core.dataset import prompts_summary
 
         merged["prompts"] = {**base["prompts"], **prompts_summary(ok)}
-    merged["parallelism"] = _parallelism_section(docs, world_size, launcher, lay)
+    merged["parallelism"] = _parallelism_section(docs, world_size, launcher, lay, assign)
     merged.pop("context_parallel", None)
+    merged.pop("claims", None)
     merged["workers"] = workers
     merged["timing"] = _merged_timing(workers, lay)
-    merged["evidence"] = _merged_evidence(docs)
+    merged["evidence"] = _merged_evidence(docs, claims=assign == "claims")
     statuses = {w["status"] for w in workers}
+    if assign == "claims":  # whoever wrote them: the items decide
+        merged["claims"] = _claims_section(docs, workers)
+        statuses = {"completed_with_failures" if failed else "completed"}
     merged["status"] = ("completed" if statuses == {"completed"} and not merged["counts"]["missing"] else
                         "completed_with_failures" if statuses <= {"completed", "completed_with_failures"}
                         and not merged["counts"]["missing"] else "incomplete")
@@ -590,9 +654,42 @@ def merged_exit_code(merged: Dict[str, Any]) -> int:
     return 1
 
 
-def worker_record(w: Worker, shard_items: int) -> Dict[str, Any]:
+def worker_record(w: Worker, shard_items: Optional[int]) -> Dict[str, Any]:
     """The ``worker`` section of a worker's manifest (under context parallelism with its ``role``)."""
-    doc = {k: v for k, v in asdict(w).items() if k != "layout"}
+    doc = {f.name: getattr(w, f.name) for f in fields(w) if f.name not in ("layout", "claims")}
     if w.layout is not None:
         doc["role"] = w.layout.role(w.rank)
     return {**doc, "shard_items": shard_items, "pid": os.getpid()}
+
+
+def finish_claims(out_dir: Path, worker: Worker, keys_in_order: List[str],
+                  current: Optional[Callable[[List[str]], Dict[str, List[str]]]] = None) -> Optional[Dict[str, Any]]:
+    """After a claims worker's run (``parallelism.assign=claims`` without torchrun): when the run's batches are
+    all done, the first worker to get here (an exclusive create of ``merge.json`` in the claims store) waits until
+    every registered worker has ended or died (its record not renewed for ``lease_s``) and merges (:func:`merge`).
+    Returns the merged manifest, or None for every other worker (and when batches are left: this worker stopped).
+    """
+    c = worker.claims
+    if not getattr(c, "finished", False):
+        return None
+    from runner.core.manifest import now_iso
+
+    if not c.store.create("merge.json", {**c.me, "at": now_iso()}):
+        return None
+    import time
+
+    waited = time.monotonic()
+    while True:
+        ws = c.workers()
+        waiting = [w.get("rank") for w in ws if not w.get("ended") and c.worker_alive(int(w.get("rank", 0)))]
+        if not waiting:
+            break
+        if time.monotonic() - waited > c.lease_s:
+            log.info("claims: merging once worker(s) %s end (or their records go %g s without renewal)", waiting,
+                     c.lease_s)
+            waited = time.monotonic()
+        time.sleep(c.poll_s)
+    from runner.core.resume import remove_temp_files
+
+    remove_temp_files(out_dir)  # every worker ended: what a dead one was writing goes
+    return merge(out_dir, len(ws), keys_in_order, worker.launcher, current, assign="claims")

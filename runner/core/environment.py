@@ -158,6 +158,16 @@ def _executable(v: str) -> Optional[str]:
             "it to use the ffmpeg imageio-ffmpeg ships")
 
 
+def _slow_worker(v: str) -> Optional[str]:
+    from runner.core.testing import parse_slow_worker
+
+    try:
+        parse_slow_worker(v)
+    except ValueError as e:
+        return str(e).split(": ", 1)[-1]
+    return None
+
+
 CHECKS: Dict[str, Callable[[str], Optional[str]]] = {
     "DIFFUSERS_ATTN_BACKEND": _diffusers_attn_backend,
     "DIFFUSERS_ATTN_CHECKS": _bool,
@@ -171,6 +181,7 @@ CHECKS: Dict[str, Callable[[str], Optional[str]]] = {
     "TRITON_INTERPRET": _zero_one,
     "RUNNER_CACHE": _dir_var,
     "IMAGEIO_FFMPEG_EXE": _executable,
+    "RUNNER_TEST_SLOW_WORKER": _slow_worker,  # test-only (runner.core.testing)
 }
 
 

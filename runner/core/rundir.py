@@ -338,6 +338,77 @@ def join(run_dir: Path, token: Optional[str]) -> str:
                            f"held by {describe(info) if busy else 'no run'}; {FIX}")
 
 
+FLEET_NAME = "fleet.lock"
+
+
+def join_fleet(run_dir: Path, key: Optional[str] = None) -> str:
+    """Join (or start) the claims run of ``run_dir``: workers started by hand (``parallelism.assign=claims`` without
+    torchrun) are peers, none owns the dir. Under a short exclusive ``flock`` on ``fleet.lock`` (so two workers
+    starting together agree): when workers of a run already hold ``workers.lock``, this process joins that run
+    (its token is the one ``run.lock`` names); otherwise it starts a new run (a new token written into ``run.lock``,
+    which nobody holds: a plain run that tries the dir later is refused because ``workers.lock`` is held). Then a
+    shared lock on ``workers.lock`` for the rest of the process (:func:`leave` at exit). Returns the run's token.
+
+    Raises:
+        RunDirInUseError: a run that is not a claims run holds the dir (a single run, a torchrun or Ray owner), or
+            workers of such a run still write into it.
+        RunDirLockError: the dir cannot be created or written.
+    """
+    d = Path(run_dir)
+    reg = _key(d)
+    if reg in _JOINED:
+        return _JOINED[reg][1]
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        mfd = os.open(d / FLEET_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise _unwritable(d, e, key) from None
+    try:
+        try:
+            fcntl.flock(mfd, fcntl.LOCK_EX)  # held for milliseconds by each joining worker
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                raise _unwritable(d, e, key) from None
+        try:
+            wfd = os.open(d / WORKERS_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise _unwritable(d, e, key) from None
+        others = _probe(d / WORKERS_NAME, fcntl.LOCK_EX)  # before ours: does a live worker hold it?
+        try:
+            fcntl.flock(wfd, fcntl.LOCK_SH)
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                os.close(wfd)
+                raise _unwritable(d, e, key) from None
+        info, busy = lock_state(d)
+        if busy:  # a single run, or the owner of a torchrun / Ray run
+            os.close(wfd)
+            raise RunDirInUseError(f"run dir {d}{f' ({key})' if key else ''} is in use by another run: "
+                                   f"{describe(info)} (lock file {d / LOCK_NAME}); a claims worker joins only a claims "
+                                   f"run; {FIX}")
+        if others:
+            if not info or not info.get("fleet"):
+                os.close(wfd)
+                raise RunDirInUseError(f"run dir {d}: workers of {describe(info) if info else 'an earlier run'} still "
+                                       f"write into it (they hold {d / WORKERS_NAME}) and it is not a claims run; "
+                                       f"{FIX}")
+            token = str(info["token"])
+        else:
+            token = uuid.uuid4().hex
+            doc = {**holder_record(token), "fleet": True}
+            try:
+                from runner.core.artifacts import atomic_write_bytes
+
+                atomic_write_bytes(d / LOCK_NAME, (json.dumps(doc) + "\n").encode())
+            except OSError as e:
+                os.close(wfd)
+                raise _unwritable(d, e, key) from None
+        _JOINED[reg] = (wfd, token)
+        return token
+    finally:
+        os.close(mfd)
+
+
 def leave(run_dir: Path) -> None:
     """Undo :func:`join` (at the end of a worker's part, and at exit). The last process of the run to leave
     (no other worker, and the owner gone) removes ``workers.lock``."""
@@ -345,15 +416,27 @@ def leave(run_dir: Path) -> None:
     if fd_token is None:
         return
     fd = fd_token[0]
+    mfd = None
+    if (Path(run_dir) / FLEET_NAME).exists():  # a claims run: no worker joins while the last one leaves
+        try:
+            mfd = os.open(Path(run_dir) / FLEET_NAME, os.O_RDWR | os.O_CLOEXEC)
+            fcntl.flock(mfd, fcntl.LOCK_EX)
+        except OSError:
+            pass
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other worker holds it
         path = Path(run_dir) / WORKERS_NAME
         if _same_file(fd, path) and not lock_state(run_dir)[1]:
+            info = read_holder(run_dir)
+            if info and info.get("fleet") and info.get("token") == fd_token[1]:
+                os.unlink(Path(run_dir) / LOCK_NAME)  # the last claims worker: its run's record goes
             os.unlink(path)
     except OSError:
         pass
     finally:
         os.close(fd)
+        if mfd is not None:
+            os.close(mfd)
 
 
 def _same_file(fd: int, path: Path) -> bool:

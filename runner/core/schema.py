@@ -156,6 +156,14 @@ class LauncherName(Choice):
     ray = "ray"
 
 
+class Assignment(Choice):
+    """How ``parallelism=data`` hands batches to workers: ``static`` deals them out up front; ``claims``: each
+    worker pulls the next batch by claiming it with a lease (``runner.core.claims``)."""
+
+    static = "static"
+    claims = "claims"
+
+
 class DatasetFormat(Choice):
     """Where and how dataset rows are read (``runner.core.dataset.read_raw``)."""
 
@@ -598,6 +606,16 @@ class ParallelismConfig:
     data: Optional[int] = None
     """Context modes: data-parallel groups (each shards the dataset like ``parallelism=data``); ``data x
     ulysses_degree x ring_degree`` must equal torchrun's world size. null: world size / context degree."""
+    assign: Assignment = Assignment.static
+    """``parallelism=data``: ``static`` deals the batches over the torchrun ranks (or Ray actors) up front;
+    ``claims``: every worker (a torchrun rank, or a ``python -m runner`` process started by hand, any number, on
+    any host sharing the run dir) pulls the next batch by claiming it with a lease, so a slow worker takes fewer
+    batches and a dead worker's batch is taken over once its lease expires (``runner.core.claims``)."""
+    lease_s: float = 60.0
+    """``assign=claims``: seconds a claim stays valid without its worker renewing it (renewed every
+    ``lease_s / 4``); a batch whose claim was not renewed for this long (its worker died or hung) is claimed again
+    by another worker. Longer than the worker's longest stall (a GC pause, a slow disk), shorter than a batch is
+    worth waiting for."""
 
 
 @dataclass

@@ -1,0 +1,251 @@
+"""Claims (``parallelism=data parallelism.assign=claims``): workers pull batches by exclusive-create claims with
+leases. Real processes and real signals: a worker SIGKILLed mid-batch is taken over by another once its lease
+expires and the run completes by itself, byte-identical to a one-worker run, the death recorded with its pid and the
+batches it lost. The protocol over the POSIX store with racing processes (each batch claimed once), lease expiry
+and take-over, the fleet's agreement check, and the run dir's rules between claims workers and other runs.
+Speed (stragglers, claims per second) is measured by ``benchmarks/fleet_cpu.py``, not here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.core import rundir
+from runner.core.claims import Claims, FleetMismatchError, Lease, PosixClaimStore, batch_id
+from runner.core.errors import RunDirInUseError
+
+ROWS = 10
+LEASE_S = 3
+# 3x toy_shapes' steps: a batch lasts about a second on a loaded 2-core machine, long enough to be killed inside
+ARGS = ["platform=cpu", "cpu_threads=1", f"dataset.limit={ROWS}", "model.generation.num_inference_steps=48"]
+CLAIMS = ["parallelism=data", "parallelism.assign=claims", f"parallelism.lease_s={LEASE_S}"]
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "RUNNER_TEST_SLOW_WORKER"):
+        env.pop(k, None)
+    return env
+
+
+def _hashes(run_dir: Path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((run_dir / "images").glob("*.png"))}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single") / "run"
+    r = subprocess.run([sys.executable, "-m", "runner", *ARGS, f"hydra.run.dir={d}"], cwd=d.parent, env=_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    h = _hashes(d)
+    assert len(h) == ROWS
+    return h
+
+
+def _held_not_done(ns: Path, pid: int):
+    """Batches whose newest claim is held by ``pid`` and not done."""
+    out = []
+    for p in ns.glob("b*.g*"):
+        if p.name.startswith("."):
+            continue
+        b, g = p.name.split(".g")
+        if (ns / f"{b}.done").exists() or (ns / f"{b}.g{int(g) + 1}").exists():
+            continue
+        try:
+            doc = json.loads(p.read_text())
+        except ValueError:
+            continue
+        if doc.get("pid") == pid:
+            out.append(b)
+    return out
+
+
+def test_sigkilled_worker_is_taken_over_and_the_run_completes(tmp_path, single):
+    d = tmp_path / "run"
+    cmd = [sys.executable, "-m", "runner", *ARGS, *CLAIMS, f"hydra.run.dir={d}"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    victim, lost = None, []
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and victim is None:
+            for ns in (d / "claims").glob("*"):
+                for p in procs:
+                    # mid-run: it journaled a batch already and holds one it has not finished
+                    if not list(d.glob("items.rank*.jsonl")) or p.poll() is not None:
+                        continue
+                    held = _held_not_done(ns, p.pid)
+                    if held:
+                        os.kill(p.pid, signal.SIGSTOP)  # frozen where the poll saw it
+                        lost = _held_not_done(ns, p.pid)
+                        if lost:
+                            victim = p
+                            break
+                        os.kill(p.pid, signal.SIGCONT)
+                if victim:
+                    break
+            time.sleep(0.02)
+        assert victim is not None, "no worker was seen holding a batch"
+        os.kill(victim.pid, signal.SIGKILL)
+        assert victim.wait(timeout=60) == -signal.SIGKILL
+        survivor = next(p for p in procs if p is not victim)
+        _, err = survivor.communicate(timeout=300)  # no restart: the survivor finishes the run alone
+        assert survivor.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert _hashes(d) == single  # byte-identical to the one-worker run
+    items = [json.loads(line) for line in (d / "items.jsonl").read_text().splitlines()]
+    assert len(items) == ROWS and all(i["status"] == "ok" for i in items)
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["status"] == "completed" and m["counts"]["missing"] == 0
+    assert m["counts"]["ok"] + m["counts"]["reused"] == ROWS
+    assert m["parallelism"]["assign"] == "claims" and m["parallelism"]["world_size"] == 2
+    deaths = m["claims"]["deaths"]
+    assert [x["pid"] for x in deaths] == [victim.pid]  # the death, with its pid
+    assert set(lost) <= set(deaths[0]["lost_batches"])  # the batches it held when it died were taken over
+    dead = next(w for w in m["workers"] if w["pid"] == victim.pid)
+    assert dead["status"] == "crashed" and dead["lost_batches"] == deaths[0]["lost_batches"]
+    taken = {t["batch"]: t for t in m["claims"]["taken_over"]}
+    for b in lost:
+        assert taken[b]["from_pid"] == victim.pid and taken[b]["by_rank"] != dead["rank"]
+        assert not taken[b]["released"]  # taken over because its lease expired, not handed back
+    assert json.loads((d / f"manifest.rank{dead['rank']}.json").read_text())["status"] == "crashed"
+    assert m["evidence"]["verdict"] == "limited" and str(dead["rank"]) in m["evidence"]["limits"][0]
+    status = json.loads((d / "job_status.json").read_text())
+    assert status["outcome"] == "ok" and status["exit_code"] == 0
+    assert not [p for p in d.rglob("*") if ".tmp" in p.name and "claims" not in p.parts]
+    assert not (d / "workers.lock").exists() and not (d / "run.lock").exists()  # the last worker left the dir
+
+
+def test_a_resume_claims_only_what_is_not_journaled(tmp_path, single):
+    """A finished claims run re-run into its dir: nothing is claimed (the journal is the checkpoint), everything
+    reused, the same bytes."""
+    d = tmp_path / "run"
+    cmd = [sys.executable, "-m", "runner", *ARGS, *CLAIMS, f"hydra.run.dir={d}"]
+    for _ in range(2):
+        r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["counts"] == {"ok": 0, "failed": 0, "reused": ROWS, "items": ROWS, "missing": 0}
+    assert m["claims"]["claimed"] == 0
+    assert _hashes(d) == single
+
+
+# ------------------------------------------------------------------------------------- the protocol itself
+def _race(root: str, n: int, out: "mp.Queue") -> None:
+    c = Claims(PosixClaimStore(Path(root)), lease_s=60)
+    out.put([batch_id(i) for i in range(n) if c.try_claim(batch_id(i)) is not None])
+
+
+def test_each_batch_is_claimed_by_exactly_one_of_racing_processes(tmp_path):
+    n, procs = 300, 4
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_race, args=(str(tmp_path), n, q)) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    got = [q.get(timeout=120) for _ in ps]
+    for p in ps:
+        p.join(timeout=60)
+    flat = [b for g in got for b in g]
+    assert sorted(flat) == [batch_id(i) for i in range(n)]  # every batch once, none twice
+
+
+def test_an_expired_lease_is_taken_over_once_and_the_holder_learns_it_lost(tmp_path):
+    now = [0.0]
+    store = PosixClaimStore(tmp_path)
+    holder, a, b = (Claims(store, lease_s=10) for _ in range(3))
+    for c in (a, b):
+        c.lease = Lease(10, clock=lambda: now[0])
+    assert holder.try_claim("b0000000") is not None
+    assert a.try_claim("b0000000") is None  # claimed
+    assert a.try_reclaim("b0000000") is None  # first look: the lease clock starts
+    now[0] = 9.0
+    assert a.try_reclaim("b0000000") is None  # not expired yet
+    holder.renew()  # a beat: observers start over
+    now[0] = 15.0
+    assert a.try_reclaim("b0000000") is None and b.try_reclaim("b0000000") is None
+    now[0] = 26.0  # no beat for more than 10 s of the observers' clocks
+    got = [a.try_reclaim("b0000000"), b.try_reclaim("b0000000")]
+    assert sum(g is not None for g in got) == 1  # exactly one takes it over
+    winner = a if got[0] is not None else b
+    assert winner.reclaimed[0]["from"]["pid"] == os.getpid() and winner.held["b0000000"].gen == 1
+    holder.renew()
+    assert holder.held["b0000000"].lost and holder.lost == ["b0000000"]
+    winner.complete("b0000000")
+    assert a.done("b0000000") and b.done("b0000000")
+    assert a.try_reclaim("b0000000") is None  # done: never claimed again
+
+
+def test_a_released_claim_is_taken_over_at_once(tmp_path):
+    store = PosixClaimStore(tmp_path)
+    stopping, other = Claims(store, lease_s=60), Claims(store, lease_s=60)
+    stopping.try_claim("b0000003")
+    stopping.release_all()  # a worker stopped by a signal hands its batch back
+    c = other.try_reclaim("b0000003")
+    assert c is not None and other.reclaimed[0]["from"]["released"]
+
+
+def test_a_worker_forming_other_batches_is_refused(tmp_path):
+    store = PosixClaimStore(tmp_path)
+    desc = {"run_sha": "a" * 64, "batches": 6, "batches_sha256": "b" * 64, "lease_s": 60.0}
+    Claims(store, 60).open_fleet(desc)
+    Claims(store, 60).open_fleet(desc)  # the same: joins
+    with pytest.raises(FleetMismatchError) as e:
+        Claims(store, 60).open_fleet({**desc, "batches": 3, "batches_sha256": "c" * 64})
+    msg = str(e.value)
+    assert "batches: 6 (running workers) vs 3 (this worker)" in msg and "fix:" in msg
+
+
+def test_workers_register_with_dense_ranks(tmp_path):
+    store = PosixClaimStore(tmp_path)
+    assert [Claims(store, 60).register() for _ in range(3)] == [0, 1, 2]
+
+
+def test_bad_lease_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"parallelism.lease_s=0 must be > 0 seconds; fix"):
+        Claims(PosixClaimStore(tmp_path), lease_s=0)
+
+
+# ---------------------------------------------------------------------------------------- the run dir
+def _acquire(d: str) -> str:
+    try:
+        rundir.acquire(Path(d))
+    except RunDirInUseError as e:
+        return str(e)
+    return "acquired"
+
+
+def _join(d: str) -> str:
+    try:
+        return rundir.join_fleet(Path(d))
+    except RunDirInUseError as e:
+        return "refused: " + str(e)
+
+
+def test_claims_workers_share_the_dir_and_other_runs_are_kept_out(tmp_path):
+    ctx = mp.get_context("spawn")
+    token = rundir.join_fleet(tmp_path)
+    with ctx.Pool(1) as pool:
+        assert pool.apply(_join, (str(tmp_path),)) == token  # a second worker joins the same run
+        assert "still write into it" in pool.apply(_acquire, (str(tmp_path),))  # a plain run is refused
+    rundir.leave(tmp_path)
+    assert not (tmp_path / "workers.lock").exists() and not (tmp_path / "run.lock").exists()
+    lock = rundir.acquire(tmp_path)  # a plain run holds the dir: a claims worker is refused
+    try:
+        with ctx.Pool(1) as pool:
+            assert pool.apply(_join, (str(tmp_path),)).startswith("refused: ")
+    finally:
+        rundir.release(lock)
