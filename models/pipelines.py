@@ -496,9 +496,9 @@ class PipelineEngine(DiffusersEngine):
             if arch.get(key) is None and self.spec is not None and self.spec.optional(key):
                 continue  # an expert the model does not have (Wan 2.1: no transformer_2)
             own = list((self.spec.task_components.get(self.task) or {}) if self.spec is not None else ())
-            if key in own and not any(isinstance(arch.get(k), dict) for k in own):
-                # the config has none of the task's own components: a model of another task, asked for this one
-                others = models_with_task(self.task)
+            others = models_with_task(self.task) if key in own else []
+            if key in own and not any(isinstance(arch.get(k), dict) for k in own) and self.cfg.name not in others:
+                # the model's config has none of the task's own components: a model of another task, asked for it
                 raise ConfigValueError(
                     f"model.task={self.task}: model={self.cfg.name} does not support it (its architecture has no "
                     f"{', '.join(own)}: a {self.family()} checkpoint of another task); "

@@ -59,6 +59,9 @@ LIBRARY_NOISE: Dict[str, Tuple[Any, ...]] = {
     # HunyuanVideo 1.5's ClassifierFreeGuidance is a pipeline component (models/hunyuanvideo15.py): every load
     # builds one, and the runner pins its behaviour (guidance_scale checked, start/stop refused)
     "diffusers.guiders.guider_utils": ("Guiders are currently an experimental feature",),
+    # cache-dit says so when the runner itself releases its DBCache hooks as the stage closes (models/cache.py
+    # _cache_dit_remove -> cache_dit.disable_cache): the end of the run, not news
+    "cache_dit.caching.cache_interface": ("Acceleration hooks is disabled for",),
     # once per tokenizer, so twice for a two-encoder pipeline; the runner says it once for the run (how many items a
     # text encoder truncated) and each record carries its counts (``models.diffusers_engine``)
     "transformers.tokenization_utils_base": ("Token indices sequence length is longer than",),
@@ -277,10 +280,9 @@ def _value_problem(where: str, node: Any, value: Any) -> Optional[Tuple[str, Any
     of structured entries (``model.lora``) given a single value or entries with unknown keys, plain values, or
     missing required keys, a typed leaf given a value of another type. None: the value is fine (or not ours to
     judge: null, an interpolation, an open ``Any`` node)."""
-    import dataclasses
     import difflib
 
-    from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+    from omegaconf import MISSING, DictConfig, ListConfig
     from omegaconf.nodes import AnyNode, EnumNode, ValueNode
 
     if value is None or (isinstance(value, str) and value.startswith("${")):
@@ -293,57 +295,9 @@ def _value_problem(where: str, node: Any, value: Any) -> Optional[Tuple[str, Any
         return (f"{where}={hydra_literal(value)} is not a value of {where}, which takes: {', '.join(allowed)}"
                 + (f"; did you mean {close[0]}?" if close else ""), close[0] if close else f"<{'/'.join(allowed)}>")
     if isinstance(node, ListConfig):
-        elem = node._metadata.element_type  # noqa: SLF001 - omegaconf's node metadata, read only
-        if not isinstance(value, (list, tuple)):
-            if dataclasses.is_dataclass(elem):
-                lead = _required_fields(elem)
-                fixed = [{lead[0]: value}] if lead and not isinstance(value, dict) else (
-                    [value] if isinstance(value, dict) else _NO_FIX)
-                return (f"{where}={hydra_literal(value)}: {where} is a list of entries "
-                        f"{_entry_shape(elem)}, not a single value", fixed)
-            return f"{where}={hydra_literal(value)}: {where} is a list, not a single value", [value]
-        if not dataclasses.is_dataclass(elem):
-            return None
-        lead = _required_fields(elem)
-        if lead and any(not isinstance(v, dict) for v in value):
-            i = next(i for i, v in enumerate(value) if not isinstance(v, dict))
-            return (f"{where}[{i}]={hydra_literal(value[i])}: each entry of {where} is {_entry_shape(elem)}, not a plain "
-                    "value", [v if isinstance(v, dict) else {lead[0]: v} for v in value])
-        for i, item in enumerate(value):
-            if not isinstance(item, dict):
-                return f"{where}[{i}]={hydra_literal(item)}: each entry of {where} is {_entry_shape(elem)}", _NO_FIX
-            sub = _value_problem(f"{where}[{i}]", OmegaConf.structured(elem), item)
-            if sub is None:
-                missing = [k for k in lead if k not in item]
-                if missing:
-                    fixed_item = {**{k: f"<{k}>" for k in missing}, **item}
-                    sub = (f"{where}[{i}] has no {', '.join(missing)} (each entry is {_entry_shape(elem)})",
-                           fixed_item)
-            if sub is not None:
-                return sub[0], (_NO_FIX if sub[1] is _NO_FIX else [*value[:i], sub[1], *value[i + 1:]])
-        return None
+        return _list_value_problem(where, node, value)
     if isinstance(node, DictConfig):
-        if not isinstance(value, dict):
-            return None  # a structured node given a scalar: Hydra's message names the type
-        struct = node._metadata.object_type  # noqa: SLF001
-        elem = node._metadata.element_type  # noqa: SLF001
-        for k, v in value.items():
-            if dataclasses.is_dataclass(struct):
-                known = [str(n) for n in node.keys()]
-                if k not in known:
-                    close = difflib.get_close_matches(str(k), known, n=1)
-                    fixed = {(close[0] if kk == k else kk): vv for kk, vv in value.items()} if close else _NO_FIX
-                    return (f"{where}.{k} is not a key of {where}, which takes: {', '.join(known)}"
-                            + (f"; did you mean {where}.{close[0]}?" if close else ""), fixed)
-                child = node._get_node(k)  # noqa: SLF001
-            elif dataclasses.is_dataclass(elem):
-                child = OmegaConf.structured(elem)
-            else:
-                return None  # an open mapping (model.architecture): its own checks judge it
-            sub = _value_problem(f"{where}.{k}", child, v)
-            if sub is not None:
-                return sub[0], (_NO_FIX if sub[1] is _NO_FIX else {**value, k: sub[1]})
-        return None
+        return _dict_value_problem(where, node, value)
     if isinstance(node, ValueNode) and not isinstance(node, AnyNode):
         if isinstance(value, str) and value == MISSING:
             return None
@@ -352,6 +306,75 @@ def _value_problem(where: str, node: Any, value: Any) -> Optional[Tuple[str, Any
         except Exception:  # noqa: BLE001 - omegaconf's ValidationError: the value does not convert
             kind, placeholder = _NODE_KINDS.get(type(node).__name__, ("of the key's type", _NO_FIX))
             return f"{where}={hydra_literal(value)} is not {kind}", placeholder
+    return None
+
+
+def _list_value_problem(where: str, node: Any, value: Any) -> Optional[Tuple[str, Any]]:
+    """:func:`_value_problem` of a list node: a single value where a list goes, plain values or entries with
+    unknown or missing keys where the entries are structured (``model.lora``)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    elem = node._metadata.element_type  # noqa: SLF001 - omegaconf's node metadata, read only
+    if not isinstance(value, (list, tuple)):
+        if dataclasses.is_dataclass(elem):
+            lead = _required_fields(elem)
+            fixed = [{lead[0]: value}] if lead and not isinstance(value, dict) else (
+                [value] if isinstance(value, dict) else _NO_FIX)
+            return (f"{where}={hydra_literal(value)}: {where} is a list of entries "
+                    f"{_entry_shape(elem)}, not a single value", fixed)
+        return f"{where}={hydra_literal(value)}: {where} is a list, not a single value", [value]
+    if not dataclasses.is_dataclass(elem):
+        return None
+    lead = _required_fields(elem)
+    if lead and any(not isinstance(v, dict) for v in value):
+        i = next(i for i, v in enumerate(value) if not isinstance(v, dict))
+        return (f"{where}[{i}]={hydra_literal(value[i])}: each entry of {where} is {_entry_shape(elem)}, not a plain "
+                "value", [v if isinstance(v, dict) else {lead[0]: v} for v in value])
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            return f"{where}[{i}]={hydra_literal(item)}: each entry of {where} is {_entry_shape(elem)}", _NO_FIX
+        sub = _value_problem(f"{where}[{i}]", OmegaConf.structured(elem), item)
+        if sub is None:
+            missing = [k for k in lead if k not in item]
+            if missing:
+                fixed_item = {**{k: f"<{k}>" for k in missing}, **item}
+                sub = (f"{where}[{i}] has no {', '.join(missing)} (each entry is {_entry_shape(elem)})",
+                       fixed_item)
+        if sub is not None:
+            return sub[0], (_NO_FIX if sub[1] is _NO_FIX else [*value[:i], sub[1], *value[i + 1:]])
+    return None
+
+
+def _dict_value_problem(where: str, node: Any, value: Any) -> Optional[Tuple[str, Any]]:
+    """:func:`_value_problem` of a mapping node: an unknown key of a structured mapping (with the closest), or
+    the first problem of a known key's value; an open mapping is left to its own checks."""
+    import dataclasses
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    if not isinstance(value, dict):
+        return None  # a structured node given a scalar: Hydra's message names the type
+    struct = node._metadata.object_type  # noqa: SLF001
+    elem = node._metadata.element_type  # noqa: SLF001
+    for k, v in value.items():
+        if dataclasses.is_dataclass(struct):
+            known = [str(n) for n in node.keys()]
+            if k not in known:
+                close = difflib.get_close_matches(str(k), known, n=1)
+                fixed = {(close[0] if kk == k else kk): vv for kk, vv in value.items()} if close else _NO_FIX
+                return (f"{where}.{k} is not a key of {where}, which takes: {', '.join(known)}"
+                        + (f"; did you mean {where}.{close[0]}?" if close else ""), fixed)
+            child = node._get_node(k)  # noqa: SLF001
+        elif dataclasses.is_dataclass(elem):
+            child = OmegaConf.structured(elem)
+        else:
+            return None  # an open mapping (model.architecture): its own checks judge it
+        sub = _value_problem(f"{where}.{k}", child, v)
+        if sub is not None:
+            return sub[0], (_NO_FIX if sub[1] is _NO_FIX else {**value, k: sub[1]})
     return None
 
 
