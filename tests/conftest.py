@@ -229,3 +229,24 @@ def pytest_collection_modifyitems(config, items):
         else:
             continue
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# ------------------------------------------------------------------------------------- unmarked extras
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed because an optional extra is missing here, without ``requires_extra`` /
+    ``skip_without_extra`` (tests/_helpers.py): its report says so and how to mark it. The quick start's
+    environment (README) has no extra, and CI runs these files there (.ci/run); the failure stays a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.failed or call.excinfo is None:
+        return
+    from _helpers import EXTRA_MODULES, missing_extra
+
+    text = str(call.excinfo.value)
+    for extra, modules in EXTRA_MODULES.items():
+        if missing_extra(extra) and any(m.split(".")[0] in text or m.upper() in text for m in modules):
+            report.sections.append(("unmarked optional extra", (
+                f"{item.nodeid} failed where the {extra} extra is not installed ({text[:200]!r}); a test of an "
+                f"extra skips naming it: decorate it with @requires_extra({extra!r}) or call "
+                f"skip_without_extra({extra!r}) in the helper it runs through (tests/_helpers.py)")))

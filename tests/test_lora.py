@@ -25,7 +25,7 @@ except ImportError:  # tests/ imported as a package
 
 from models import lora
 from runner.core.errors import EvidenceError, UserInputError
-from _helpers import requires_extra  # noqa: E402
+from _helpers import requires_extra, skip_without_extra  # noqa: E402
 
 pytestmark = pytest.mark.cpu
 
@@ -65,6 +65,9 @@ def library(*entries: Dict[str, Any]) -> str:
 
 
 def run(tmp: Path, name: str, rows: List[Dict[str, Any]], *extra: str, catch: tuple = (), **kw: Any):
+    """A toy_shapes run of ``rows`` with ``extra`` overrides (LoRA runs: skipped without the lora extra, for the
+    other test files that reuse this helper too)."""
+    skip_without_extra("lora")
     path = tmp / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return execute(tmp / name, ["model=toy_shapes", "dataset=jsonl", f"dataset.path={path}",

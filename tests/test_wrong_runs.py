@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from _helpers import execute, tiny_clip
+from _helpers import execute, skip_without_extra, tiny_clip
 from models.toy_shapes.data import draw, quadrant_mask
 from runner.core import dataset as ds
 from runner.core import media
@@ -237,6 +237,7 @@ def _fused(adapter: Path, wrong_scale: Optional[float] = None) -> Dict[str, Any]
 
     from models import lora
 
+    skip_without_extra("lora")
     pipe = FluxPipeline.from_pretrained(TOY, local_files_only=True, dtype=torch.float32)
     if wrong_scale is not None:
         real = pipe.fuse_lora
