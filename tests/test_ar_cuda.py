@@ -19,7 +19,7 @@ pytestmark = pytest.mark.cuda
 if os.environ.get("RUNNER_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401
 else:
-    pytest.importorskip("vllm", reason="vllm is not installed (CUDA: benchmarks/vllm_h200_wheels.py; see README)")
+    pytest.importorskip("vllm", reason="vllm is not installed (CUDA: benchmarks/vllm_h200_wheels.py; see docs/vllm.md)")
 
 
 def _vllm_on_cuda() -> bool:

@@ -134,7 +134,7 @@ def test_defaults(compose):
 
 
 def test_override_examples_compose(compose):
-    """The override examples of the README compose to what they say."""
+    """The override examples of docs/configuration.md compose to what they say."""
     cfg = compose(["dataset=jsonl", "dataset.path=my.jsonl", "batch_size=4", "seed=7"])
     assert (cfg.dataset.format, cfg.dataset.path, cfg.batch_size, cfg.seed) == ("jsonl", "my.jsonl", 4, 7)
     cfg = compose(["model=flux", "model.path=/snap"])

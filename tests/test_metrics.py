@@ -249,7 +249,7 @@ def test_video_clip_score_is_the_mean_over_frames_and_a_still_video_is_consisten
 
 
 def test_the_geneval_style_recipe_keeps_tags_beside_the_scores(tmp_path, clip):
-    """README's recipe: the project's GenEval-style prompt file (``tag``, ``include`` kept as ``meta``), scored."""
+    """docs/metrics.md's recipe: the project's GenEval-style prompt file (``tag``, ``include`` kept as ``meta``), scored."""
     from runner.core.paths import PROJECT_ROOT
 
     rows = PROJECT_ROOT / "runner" / "data" / "geneval_shapes.jsonl"

@@ -78,7 +78,7 @@ def test_missing_mlflow_is_refused_at_startup(compose, tmp_path, monkeypatch):
 
 def test_the_documented_mlflow_ui_path_names_the_server_extra_and_the_file_store_switch():
     """``mlflow ui`` needs the full ``mlflow`` (``mlflow-skinny`` has no server) and, on MLflow 3, the file store
-    switch: the README's command carries both, and the extra it names installs the full package."""
+    switch: the command docs/outputs.md gives carries both, and the extra it names installs the full package."""
     import re
     import tomllib
     from pathlib import Path
@@ -88,6 +88,6 @@ def test_the_documented_mlflow_ui_path_names_the_server_extra_and_the_file_store
     repo = Path(__file__).resolve().parent.parent
     extras = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert [Requirement(r).name for r in extras["mlflow-ui"]] == ["mlflow"]
-    readme = re.sub(r"\s+", " ", (repo / "README.md").read_text())
-    assert "`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri mlruns`" in readme
-    assert 'pip install "runner[mlflow-ui]"' in readme
+    page = re.sub(r"\s+", " ", (repo / "docs" / "outputs.md").read_text())
+    assert "`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri mlruns`" in page
+    assert 'pip install "runner[mlflow-ui]"' in page

