@@ -16,8 +16,9 @@
 * Every relative link (inline or reference definition, outside code) reaches an existing file and, with
   ``#anchor``, a heading of that page (GitHub's slug rule); every repository path in backticks exists
   (``path.attr`` names an attribute of ``path.py``); ``python <script>.py`` names an existing script.
-* The README is a front page: at most :data:`README_MAX_LINES` lines. The configuration page names every option of
-  every config group under ``conf/``, and the backends page every backend ``kernels.registry`` registers.
+* The README is a front page: at most :data:`README_MAX_LINES` lines, linking every page. The configuration page
+  names every option of every config group under ``conf/``, the backends page every backend ``kernels.registry``
+  registers, the console page every optional extra of ``pyproject.toml``.
 
 The checks are functions (:func:`runner_problem`, :func:`tool_problem`, :func:`link_problems`) so that
 :func:`test_the_checks_catch_what_they_are_for` can feed them broken commands and links: a misspelt override key
@@ -376,6 +377,18 @@ def test_the_backends_page_names_every_registered_backend():
     text = (REPO_ROOT / "docs" / "backends.md").read_text(encoding="utf-8")
     missing = [f"{field}={name}" for field, named in BACKENDS.items() for name in named if f"`{name}`" not in text]
     assert not missing, f"backends missing from docs/backends.md: {missing}"
+
+
+
+def test_the_console_page_names_every_extra():
+    """docs/console.md's table of extras lists each optional extra of ``pyproject.toml``."""
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    rows = [line for line in (REPO_ROOT / "docs" / "console.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| `")]
+    missing = [e for e in extras if not any(f"`{e}`" in row.split("|")[1] for row in rows)]
+    assert not missing, f"extras missing from docs/console.md's table: {missing}"
 
 
 BROKEN = {  # a documented line -> a word the problem must name
