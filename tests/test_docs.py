@@ -74,21 +74,24 @@ class Command:
         return f"{self.page.relative_to(REPO_ROOT).as_posix()}:{self.line}"
 
 
-def _fences(text: str) -> Iterator[Tuple[str, int, List[str]]]:
-    """``(info string, 1-based line of the first body line, body lines)`` of every fenced block."""
-    lines = text.splitlines()
-    i = 0
+def _blocks(text: str) -> Iterator[Tuple[Optional[str], int, List[str]]]:
+    """The page cut at its fences: ``(info string, 1-based line of the first line, lines)`` of every fenced block
+    (its body) and, with info ``None``, of the prose between them."""
+    lines, i, prose_start = text.splitlines(), 0, 0
     while i < len(lines):
         m = re.match(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)", lines[i])
         if not m:
             i += 1
             continue
+        yield None, prose_start + 1, lines[prose_start:i]
         fence, info, start = m.group(1), m.group(2).lower(), i + 1
         i += 1
         while i < len(lines) and not lines[i].strip().startswith(fence):
             i += 1
         yield info, start + 1, lines[start:i]
         i += 1
+        prose_start = i
+    yield None, prose_start + 1, lines[prose_start:]
 
 
 def _split_commands(words: List[str]) -> Iterator[List[str]]:
@@ -106,7 +109,7 @@ def _split_commands(words: List[str]) -> Iterator[List[str]]:
 def shell_commands(page: Path, text: Optional[str] = None) -> Iterator[Command]:
     """Every simple command of the page's shell fences, and every ``command:`` list of its YAML fences."""
     text = page.read_text(encoding="utf-8") if text is None else text
-    for info, first, body in _fences(text):
+    for info, first, body in _blocks(text):
         if info in SHELL_FENCES:
             logical, start = "", None
             for n, raw in enumerate(body, first):
@@ -268,16 +271,8 @@ def anchors(text: str) -> set:
 
 def _prose_lines(text: str, blank_code: bool = True) -> List[str]:
     """The page's lines outside fenced blocks, inline code spans blanked (``blank_code``)."""
-    out, fence = [], None
-    for line in text.splitlines():
-        m = re.match(r"^\s*(`{3,}|~{3,})", line)
-        if fence is None and m:
-            fence = m.group(1)
-        elif fence is not None and line.strip().startswith(fence):
-            fence = None
-        elif fence is None:
-            out.append(re.sub(r"`[^`]*`", "``", line) if blank_code else line)
-    return out
+    prose = [line for info, _, lines in _blocks(text) if info is None for line in lines]
+    return [re.sub(r"`[^`]*`", "``", line) for line in prose] if blank_code else prose
 
 
 def link_problems(page: Path, text: Optional[str] = None) -> List[str]:
