@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 from runner.core.artifacts import ArtifactWriter, Journal, atomic_write_bytes, encode_png
 from runner.core.dataset import file_sha256
 from runner.core.errors import RunnerError
+from runner.core.storage import publishing
 
 
 def read_journal(path: Path) -> List[Dict[str, Any]]:
@@ -286,6 +287,8 @@ class _FileSink(_Counting):
         self.dir = self.out_dir / self.subdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.out_dir / journal_name)
+        # a run dir at an object-storage URL: each artifact is published there before its record is journaled
+        write = publishing(self.out_dir, write or ArtifactWriter.write_png)
         self.writer = ArtifactWriter(self.journal, workers, self._recorded, max_pending=max_pending, write=write)
 
     def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:

@@ -4,6 +4,10 @@ never sets them (``runner.core.environment`` checks their values when they are s
 ``RUNNER_TEST_SLOW_WORKER=<rank>:<factor>``: the data-parallel worker of that rank sleeps ``(factor - 1) x`` the
 seconds each batch took, at the batch boundary, so it runs ``factor`` times slower than its peers (the straggler of
 ``benchmarks/fleet_cpu.py``). Any other process, and every rank when unset, is untouched.
+
+``RUNNER_TEST_PUBLISH_PAUSE=<file>``: object storage (``runner.core.storage.RunMirror.publish``) stops after the
+first artifact's temp object is uploaded and before it is verified and moved to its final key: it writes the
+artifact's run-dir-relative name into ``<file>`` and sleeps (``tests/test_storage.py`` kills the process there).
 """
 
 from __future__ import annotations
@@ -44,3 +48,21 @@ def slow_worker_delay(rank: Optional[int], batch_s: float) -> float:
     delay = (factor - 1.0) * batch_s
     time.sleep(delay)
     return delay
+
+
+PUBLISH_PAUSE = "RUNNER_TEST_PUBLISH_PAUSE"
+_paused = False
+
+
+def publish_pause(rel: str, seconds: float = 600.0) -> None:
+    """Object storage, between a temp object's upload and its publication: when ``RUNNER_TEST_PUBLISH_PAUSE``
+    names a file, the first call of the process writes ``rel`` there and sleeps ``seconds`` (the test kills the
+    process meanwhile); later calls and unset runs return at once."""
+    global _paused
+    path = os.environ.get(PUBLISH_PAUSE)
+    if not path or _paused:
+        return
+    _paused = True
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(rel)
+    time.sleep(seconds)
