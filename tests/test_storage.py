@@ -191,7 +191,7 @@ def _claim_all(url: str, n: int, env: Dict[str, str], out: "mp.Queue") -> None:
 def test_claims_on_s3_from_two_processes_never_claim_a_batch_twice(s3):
     from runner.core.claims import ObjectClaimStore, batch_id
 
-    n, url = 24, f"s3://{BUCKET}/claims/race"
+    n, url = 12, f"s3://{BUCKET}/claims/race"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ps = [ctx.Process(target=_claim_all, args=(url, n, s3, q)) for _ in range(2)]

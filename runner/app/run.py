@@ -37,7 +37,8 @@ from runner.core import lossy, provenance, resume, rundir, storage
 from runner.core.errors import EvidenceError, StorageError
 from runner.core.manifest import Manifest, now_iso, package_versions
 from runner.core.platform import detect
-from runner.core.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, write_folder_metadata
+from runner.core.sinks import (SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, recorded_files,
+                               write_folder_metadata)
 
 log = logging.getLogger("runner")
 
@@ -216,7 +217,7 @@ class Run:
         self.backends_doc = {e.stage: e.backends_section() for e in self.engines}
         self.sink_cls = SINKS[final.output]
         if self.mirror is not None:  # the run at the URL, staged here before the resume plan reads the dir
-            self.pulled = self.mirror.pull()
+            self.pulled = self.mirror.pull(recorded_files)
         self.identity = resume.run_identity(
             self.resolved_cfg, str(self.dtype).replace("torch.", ""), self.plat.to_dict(), self.backends_doc,
             self.packages, self.sources[final.stage], output=self.sink_cls.identity(cfg),

@@ -181,6 +181,19 @@ def write_folder_metadata(out_dir: Path, records: Sequence[Dict[str, Any]], mode
     return written
 
 
+def recorded_files(out_dir: Path) -> Dict[str, str]:
+    """``{run-dir-relative file: sha256}`` of every artifact (``file``) and frame dump (``frames_file``) that an ok
+    record of a journal of ``out_dir`` (``*.jsonl``) names; a later record of a file wins."""
+    out: Dict[str, str] = {}
+    for p in sorted(Path(out_dir).glob("*.jsonl")):
+        for r in read_journal(p):
+            if r.get("status") == "ok":
+                for name, sha in (("file", "file_sha256"), ("frames_file", "frames_file_sha256")):
+                    if r.get(name) and r.get(sha):
+                        out[r[name]] = r[sha]
+    return out
+
+
 class ArtifactMismatchError(RunnerError, ValueError):
     """The written artifact disagrees with its record: its width, height or frame count is not the record's
     ``params`` value (an engine whose pipeline changed the size it was asked for). Never ends a run: the item fails

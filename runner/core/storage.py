@@ -262,16 +262,18 @@ class RunMirror:
                     gone.append(p[len(self.root) + 1:])
         return gone
 
-    def pull(self) -> Dict[str, int]:
+    def pull(self, recorded: Callable[[Path], Dict[str, str]]) -> Dict[str, int]:
         """Make the staging dir the URL's run (module docstring): temp keys removed, control files downloaded
         (local ones the URL lacks removed), every object an ok record names downloaded and checked against the
         record's sha256 (a missing or different one leaves no local file: its item is regenerated).
 
+        Args:
+            recorded: ``{run-dir-relative file: sha256}`` of what the journals of a run dir record
+                (``runner.core.sinks.recorded_files``), read once the control files are here.
+
         Returns:
             ``{"temp_removed", "control_files", "objects", "objects_missing"}`` counts.
         """
-        from runner.core.sinks import read_journal
-
         self.local.mkdir(parents=True, exist_ok=True)
         try:
             gone = self.remove_temp()
@@ -285,33 +287,30 @@ class RunMirror:
         for p in list(self.local.glob("*.jsonl")) + list(self.local.glob("manifest*.json")):
             if p.name not in names:  # the remote is the record: a staging dir's own leftovers go
                 p.unlink()
-        wanted: Dict[str, str] = {}
-        for p in sorted(self.local.glob("*.jsonl")):
-            for r in read_journal(p):
-                if r.get("status") == "ok":
-                    for name, sha in (("file", "file_sha256"), ("frames_file", "frames_file_sha256")):
-                        if r.get(name) and r.get(sha):
-                            wanted[r[name]] = r[sha]
+        wanted = recorded(self.local)
         missing = self._download_verified(wanted)
         if gone:
             log.info("object storage: removed %d temp object(s) a killed writer left at %s", len(gone), self.url)
         return {"temp_removed": len(gone), "control_files": len(names), "objects": len(wanted) - missing,
                 "objects_missing": missing}
 
-    def _download(self, rel: str) -> str:
-        """Download ``rel`` into the staging dir (temp name, then rename); returns the copy's sha256."""
-        from runner.core.dataset import file_sha256
-
+    def _download(self, rel: str, chunk_bytes: int = 8 << 20) -> str:
+        """Download ``rel`` into the staging dir (temp name, then rename), hashing the bytes as they come; returns
+        their sha256."""
         dest = self.local / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+        tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        h = hashlib.sha256()
         try:
-            self.fs.get_file(self.remote(rel), str(tmp))
-            sha = file_sha256(tmp)
+            with self.fs.open(self.remote(rel), "rb", block_size=chunk_bytes, cache_type="none") as src, \
+                    open(tmp, "wb") as f:
+                while chunk := src.read(chunk_bytes):
+                    h.update(chunk)
+                    f.write(chunk)
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
-        return sha
+        return h.hexdigest()
 
     def _download_verified(self, wanted: Dict[str, str]) -> int:
         """Download each ``{rel: sha256}``; a missing object, or one whose bytes differ, leaves no local file.

@@ -452,7 +452,9 @@ def _reproduce_url(run_dir: str, new_dir: Any, tolerance_db: float, exact: Optio
     try:
         if storage.is_url(run_dir):
             pulled = Path(tempfile.mkdtemp(prefix="runner-repro-"))
-            counts = storage.RunMirror(pulled, run_dir, "run_dir").pull()
+            from runner.core.sinks import recorded_files
+
+            counts = storage.RunMirror(pulled, run_dir, "run_dir").pull(recorded_files)
             print(f"repro: pulled {run_dir} into {pulled} ({counts['objects']} object(s) verified, "
                   f"{counts['objects_missing']} missing or different)", flush=True)
         return _reproduce(pulled or Path(run_dir), new_dir, tolerance_db, exact, timeout_s, output, run_dir)
