@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -36,34 +35,13 @@ ARGS = ["platform=cpu", "cpu_threads=1", "model.generation.num_inference_steps=4
 
 @pytest.fixture(scope="module")
 def s3():
-    """moto's S3 server on a free loopback port, in a thread of the test process, every request served under one
-    lock: moto checks ``If-None-Match``/``If-Match`` and then stores the object in two steps, where S3 makes a
-    conditional write atomic; serialized, moto's server keeps S3's guarantee. Yields the clients' environment."""
-    import logging
+    """moto's S3 server on a free loopback port (``runner.core.testing.s3_server``: real HTTP, requests serialized as
+    S3 serializes conditional writes), with the clients' environment set. Yields that environment."""
+    from runner.core.testing import s3_server
 
-    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-    from werkzeug.serving import make_server
-
-    class SerializedMotoServer(ThreadedMotoServer):
-        def _server_entry(self) -> None:
-            app, lock = DomainDispatcherApplication(create_backend_app), threading.Lock()
-
-            def serialized(environ, start_response):
-                with lock:
-                    return list(app(environ, start_response))
-
-            self._server = make_server(self._ip_address, self._port, serialized, True,
-                                       request_handler=MotoRequestHandler)
-            self._server_ready_event.set()
-            self._server.serve_forever()
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = SerializedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    server = s3_server()
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}"}
+           "AWS_ENDPOINT_URL_S3": server.endpoint}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 SLOW_WORKER = "RUNNER_TEST_SLOW_WORKER"
 
@@ -66,3 +66,37 @@ def publish_pause(rel: str, seconds: float = 600.0) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(rel)
     time.sleep(seconds)
+
+
+def s3_server() -> Any:
+    """Test-only: moto's S3 server (``moto[server]``, the ``s3-server`` extra) on a free loopback port, in a thread
+    of this process, started; ``.endpoint`` is its URL, ``.stop()`` ends it. Every request is served under one lock:
+    moto checks ``If-None-Match``/``If-Match`` and then stores the object in two steps, where S3 makes a conditional
+    write atomic; serialized, moto's server keeps S3's guarantee (``tests/test_storage.py``,
+    ``benchmarks/object_storage_cpu.py``)."""
+    import logging
+    import threading
+
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    class SerializedMotoServer(ThreadedMotoServer):
+        def _server_entry(self) -> None:
+            app, lock = DomainDispatcherApplication(create_backend_app), threading.Lock()
+
+            def serialized(environ: Any, start_response: Any) -> Any:
+                with lock:
+                    return list(app(environ, start_response))
+
+            self._server = make_server(self._ip_address, self._port, serialized, True,
+                                       request_handler=MotoRequestHandler)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = SerializedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    server.endpoint = f"http://{host}:{port}"
+    return server
