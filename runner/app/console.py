@@ -43,6 +43,11 @@ LIBRARY_NOISE: Dict[str, Tuple[Any, ...]] = {
     # torchao.kernel.intmm at import, on a machine without triton (the CPU wheel): its Triton int-mm kernels are
     # not what the runner uses (FP8_TORCHAO: torch._scaled_mm; int8wo/float8wo: torchao's Python path)
     "torchao.kernel.intmm": ("Detected no triton",),
+    # object storage through s3fs (runner.core.storage): where botocore found the credentials and the endpoint, at
+    # every filesystem it builds (the manifest's storage section names the URL)
+    "aiobotocore.credentials": ("Found credentials in",),
+    "botocore.credentials": ("Found credentials in",),
+    "botocore.configprovider": ("Found endpoint for",),
     "torch.utils._pytree": ("Calling register_constant() on Enum subclasses is deprecated",),
     "diffusers.quantizers.torchao.torchao_quantizer": (
         "Unable to import `torchao` Tensor objects",

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from runner.app.run import Run
 from runner.app.stages import build_engines
-from runner.core import resume, rundir
+from runner.core import resume, rundir, storage
 
 
 def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
@@ -22,7 +22,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
 
     Args:
         cfg: the composed run config.
-        run_dir: output directory (the Hydra run dir); ``run.resume`` or ``output.dir`` take precedence.
+        run_dir: output directory (the Hydra run dir); ``run.resume`` or ``output.dir`` take precedence; when that
+            is an object-storage URL (``s3://bucket/prefix``) the run is staged in ``run_dir`` and published to the
+            URL (``runner.core.storage``).
         overrides: the CLI overrides (Hydra's task overrides); they decide the CLI precedence layers.
         on_loaded: called with the last stage's engine once its model is loaded and backends are installed
             (tests use it to tamper with the model and check that the evidence notices).
@@ -42,7 +44,21 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = (),
             ``RunDirInUseError`` when another run holds the dir;
         evidence.EvidenceError: strict evidence found a mismatch (after everything was written).
     """
-    out_dir = Path(cfg.run.resume or cfg.output.dir or run_dir)
+    out_dir = storage.run_dir(cfg, run_dir)  # a URL's run is staged in the Hydra run dir (runner.core.storage)
+    remote = storage.target(cfg)
+    if remote is not None:
+        storage.check_target(cfg, *remote)
+        storage.attach(out_dir, *remote)
+    try:
+        return _run_in(cfg, out_dir, overrides, on_loaded, worker, on_exit, dataset)
+    finally:
+        if remote is not None:
+            storage.detach(out_dir)
+
+
+def _run_in(cfg: DictConfig, out_dir: Path, overrides: Sequence[str], on_loaded: Optional[Callable[[Any], None]],
+            worker: Optional[Any], on_exit: Optional[Callable[[int], None]], dataset: Optional["DatasetItems"]) -> int:
+    """:func:`run` into the local run dir ``out_dir``: held (or joined) for the whole call."""
     joined = rundir.run_token(out_dir) if rundir.held(out_dir) is None else None  # a torchrun rank > 0
     if worker is not None or joined:
         token = rundir.run_token(out_dir) or (rundir.join(out_dir, None) if out_dir.is_dir() else None)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.core import rundir
+from runner.core import rundir, storage
 from runner.core.artifacts import atomic_write_json
 from runner.core.errors import RunDirLockError, RunnerError
 from runner.core.manifest import Manifest, git_state, now_iso, package_versions
@@ -185,7 +185,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     from runner.core import distributed as dp
 
     job_dir = hydra_dir = Path(out_dir)  # where this process's job_status.json goes (rank > 0: its own Hydra dir)
-    out_dir = Path(cfg.run.resume or cfg.output.dir or dp.shared_run_dir(Path(out_dir)))
+    out_dir = storage.run_dir(cfg, dp.shared_run_dir(Path(out_dir)))  # a URL's run is staged locally
     if job_dir == dp.shared_run_dir(job_dir):
         job_dir = out_dir
     status: Dict[str, Any] = {"error_type": None, "error": None}
@@ -364,6 +364,8 @@ class RunDirLockCallback(_HydraCallback):
         resume = OmegaConf.select(config, "run.resume")
         hydra_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
         given = resume or OmegaConf.select(config, "output.dir")
+        if storage.is_url(given):  # an object-storage run is staged in the Hydra run dir (runner.core.storage)
+            given = resume = None
         # relative to where the run will be: Hydra's run dir when hydra.job.chdir moves the process there
         base = hydra_dir if OmegaConf.select(config, "hydra.job.chdir") else Path.cwd()
         target = base / str(given) if given else dp.shared_run_dir(hydra_dir)

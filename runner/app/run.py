@@ -33,11 +33,12 @@ from runner.app import checks
 from runner.app.signals import Stop
 from runner.app.stages import StageSpec, Timing, build_engines, feed, link_records, run_stage, stage_graph, stop_check
 from runner.core import dataset as ds
-from runner.core import lossy, provenance, resume, rundir
+from runner.core import lossy, provenance, resume, rundir, storage
 from runner.core.errors import EvidenceError, StorageError
 from runner.core.manifest import Manifest, now_iso, package_versions
 from runner.core.platform import detect
-from runner.core.sinks import SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, write_folder_metadata
+from runner.core.sinks import (SINKS, UNLISTED, compact_journal, keep_unlisted, read_journal, recorded_files,
+                               write_folder_metadata)
 
 log = logging.getLogger("runner")
 
@@ -115,6 +116,7 @@ class Run:
         self.batch_of: Dict[str, str] = {}  # claims: item key -> its batch id
         self.in_flight: Dict[str, set] = {}  # claims: batch id -> keys not journaled yet
         self.renewer: Optional[Any] = None
+        self.mirror = storage.mirror_of(self.out_dir)  # output.dir=<URL>: the run's remote copy (runner.core.storage)
 
     @property
     def final(self) -> Any:
@@ -214,6 +216,8 @@ class Run:
         self.packages = package_versions()
         self.backends_doc = {e.stage: e.backends_section() for e in self.engines}
         self.sink_cls = SINKS[final.output]
+        if self.mirror is not None:  # the run at the URL, staged here before the resume plan reads the dir
+            self.pulled = self.mirror.pull(recorded_files)
         self.identity = resume.run_identity(
             self.resolved_cfg, str(self.dtype).replace("torch.", ""), self.plat.to_dict(), self.backends_doc,
             self.packages, self.sources[final.stage], output=self.sink_cls.identity(cfg),
@@ -281,6 +285,8 @@ class Run:
             if lock.took_over is not None:
                 log.warning("run dir %s: took over the stale lock of %s (that process is gone)", self.out_dir,
                             rundir.describe(lock.took_over))
+        if self.mirror is not None:  # the run's URL, and what its start found there
+            m.section("storage", {**self.mirror.section(), "pulled": self.pulled})
         if self.worker is not None:
             from runner.core.distributed import worker_record
 
@@ -309,6 +315,8 @@ class Run:
         """The manifest's ``dataset``: format, path, sha256, rows (and items, for artifact outputs)."""
         doc = {"format": self.cfg.dataset.format, "path": str(Path(self.data_path).resolve()),
                "sha256": self.data_sha, "rows": len(self.rows)}
+        if storage.is_url(self.cfg.dataset.path):  # read from object storage: the URL, and the copy that was hashed
+            doc.update(path=str(self.cfg.dataset.path), local_copy=str(Path(self.data_path).resolve()))
         if self.final.output != "text":
             doc["items"] = len(self.items)
         return doc
@@ -412,9 +420,12 @@ class Run:
                 self.claims.complete(bid)
 
     def checkpoint(self) -> None:
-        """After every batch: the counts, in the manifest on disk."""
+        """After every batch: the counts, in the manifest on disk (and at the run's URL, every
+        ``runner.core.storage.PUSH_EVERY_S`` seconds)."""
         self.manifest.section("counts", self.counts)
         self.manifest.flush()
+        if self.mirror is not None:
+            self.mirror.push()
 
     def after_load(self, sections: Dict[str, Any]) -> None:
         """The final stage loaded: its load sections (``model`` merged) and resolved backends into the manifest."""
@@ -467,11 +478,26 @@ class Run:
                 self.manifest.doc["status"] = self.status
                 self.manifest.doc["ended_at"] = now_iso()
                 self.manifest.flush()
+                self.push_final()
         finally:
             self.stop.__exit__(None, None, None)
             self.end_claims()
         if closing_error is not None and not self.raising:  # else the error that ended the loop goes on
             raise closing_error
+
+    def push_final(self) -> None:
+        """Object storage: the final journal, manifest and folder indexes uploaded to the run's URL (a failure is
+        logged: the staging dir has everything, and the next run's pull starts from what the URL holds)."""
+        if self.mirror is None:
+            return
+        try:
+            self.mirror.push(force=True)
+        except StorageError as e:
+            log.error("object storage: the final journal and manifest were not uploaded to %s (%s); the staging dir "
+                      "%s holds them", self.mirror.url, e, self.out_dir)
+            if self.status in ("completed", "completed_with_failures"):  # the run at the URL is not complete
+                self.status = self.manifest.doc["status"] = "storage_error"
+                self.manifest.flush()
 
     def end_claims(self) -> None:
         """Under claims: stop renewing, let go of every batch held but not journaled (a stop signal, an error:
@@ -583,13 +609,14 @@ class Run:
         c, w = self.counts, self.worker
         # a worker's share is not the run's total: the merge logs that (runner.app.jobs, runner.app.ray_launcher)
         log.log(logging.INFO if w is None or w.world_size == 1 else logging.DEBUG, "%s",
-                summary_line(self.status, c, time.perf_counter() - self.t_start, self.out_dir))
+                summary_line(self.status, c, time.perf_counter() - self.t_start,
+                             self.out_dir if self.mirror is None else self.mirror.url))
         if self.status == "evidence_mismatch":
             raise EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
                                          + "\n  ".join(self.manifest.doc["evidence"]["mismatches"]))
         if self.status == "interrupted":
             return 128 + (self.stop.signum or signal.SIGINT)
-        return 0 if c["failed"] == 0 else 1
+        return 0 if c["failed"] == 0 and self.status != "storage_error" else 1
 
 
 def evidence_doc(cfg: DictConfig, plat: Any, engines: Sequence[Any], results: Dict[str, Any]) -> Dict[str, Any]:

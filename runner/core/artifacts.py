@@ -45,25 +45,39 @@ def storage_error(path: Path, e: OSError) -> Exception:
     return err
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see either the old file or the complete new one.
+def replace_file(path: Path, data: bytes, tmp: Optional[Path] = None) -> None:
+    """Write ``data`` to the temp file ``tmp`` (default ``.<name>.tmp<pid>`` beside ``path``), fsync it and rename it
+    over ``path``: readers see the old file or the complete new one. The caller words the error.
 
     Raises:
-        runner.core.errors.StorageError: the storage refused the write (disk full, read-only, permission); the temp
-            file is removed, ``path`` is left as it was.
+        OSError: the write or the rename failed (the temp file is removed, ``path`` is left as it was).
     """
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = tmp or path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except OSError:
         try:
             tmp.unlink()
         except OSError:
             pass
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old file or the complete new one
+    (:func:`replace_file`), then fsync the directory.
+
+    Raises:
+        runner.core.errors.StorageError: the storage refused the write (disk full, read-only, permission); the temp
+            file is removed, ``path`` is left as it was.
+    """
+    try:
+        replace_file(path, data)
+    except OSError as e:
         raise storage_error(path, e) from e
     fsync_dir(path.parent)
 
@@ -166,10 +180,10 @@ class ArtifactWriter:
         self._pending: Any = deque()
         self.thread_s = 0.0  # summed encode + write seconds in the worker threads
         self.wait_s = 0.0  # seconds the caller spent waiting for writes
-        self._write_artifact = write or self._write_png
+        self._write_artifact = write or self.write_png
 
     @staticmethod
-    def _write_png(path: Path, image: Any) -> Dict[str, Any]:
+    def write_png(path: Path, image: Any) -> Dict[str, Any]:
         """``image``: an HWC float image, or ``(image, text chunks)`` (:func:`encode_png`)."""
         import hashlib
 

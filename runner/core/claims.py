@@ -26,8 +26,8 @@ is alive is judged the same way. ``fleet.json`` (created by the first worker) ho
 on (run identity, batch composition, lease); a worker whose batches differ is refused (:class:`FleetMismatchError`).
 
 **The store** (:class:`ClaimStore`): the protocol needs four primitives of shared storage, implemented for a POSIX
-directory by :class:`PosixClaimStore`. Everything above is written against them, so an object store is one class
-more (see :class:`ClaimStore`'s docstring for what it needs).
+directory by :class:`PosixClaimStore` and for object storage (S3, GCS through fsspec: conditional PUTs) by
+:class:`ObjectClaimStore`. Everything above is written against them.
 """
 
 from __future__ import annotations
@@ -74,13 +74,11 @@ class ClaimStore(abc.ABC):
     POSIX (:class:`PosixClaimStore`): ``O_CREAT | O_EXCL`` for ``create`` (atomic on local filesystems and on NFSv3+),
     write-temp-then-``rename`` for ``put``.
 
-    An object store (``s3://``, ``gs://`` through fsspec) needs: ``create`` as a conditional PUT that fails when the
-    object exists (S3 ``If-None-Match: *``, answered 412 Precondition Failed, supported since 2024; GCS
-    ``x-goog-if-generation-match: 0``; with s3fs/gcsfs the conditional write has to be reachable through the
-    filesystem's ``pipe_file``/``open`` or the client underneath), a plain PUT for ``put`` (only a claim's holder
-    rewrites it), GET and HEAD with read-after-write consistency (S3 and GCS give it). No listing and no locks are
-    needed; the documents stay well below a kilobyte. A ``create`` that ran but whose answer was lost (a timeout)
-    must be settled by reading the object back and comparing the writer's ``nonce``.
+    Object storage (:class:`ObjectClaimStore`, ``s3://``/``gs://`` through fsspec): ``create`` is a conditional PUT
+    that fails when the object exists (S3 ``If-None-Match: *``, answered 412 Precondition Failed), ``put`` a PUT
+    conditional on the holder's last ETag (``If-Match``), GET and HEAD with read-after-write consistency. No listing
+    and no locks are needed; the documents stay well below a kilobyte. A ``create`` that ran but whose answer was
+    lost is settled by reading the object back and comparing the writer's ``nonce``.
     """
 
     name = "abstract"
@@ -149,19 +147,13 @@ class PosixClaimStore(ClaimStore):
 
     def put(self, key: str, doc: Dict[str, Any]) -> None:
         """Write a temp file beside ``root/key`` and rename it over (atomic for readers)."""
+        from runner.core.artifacts import replace_file
+
         path = self._path(key)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write((json.dumps(doc) + "\n").encode())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+        try:  # the renewer thread and the generating thread may both write: a temp name per thread
+            replace_file(path, (json.dumps(doc) + "\n").encode(),
+                         path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}"))
         except OSError as e:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
             raise StorageError(f"cannot write claim file {path} ({type(e).__name__}: {e})") from None
 
     def get(self, key: str) -> Optional[Dict[str, Any]]:
@@ -184,6 +176,107 @@ class PosixClaimStore(ClaimStore):
 
     def where(self) -> str:
         return str(self.root)
+
+
+class ObjectClaimStore(ClaimStore):
+    """A :class:`ClaimStore` on object storage (``s3://``, ``gs://`` through fsspec, ``runner.core.storage``): keys
+    under ``url``.
+
+    * :meth:`create`: a conditional PUT, ``If-None-Match: *`` (s3fs ``pipe_file(mode="create")``): the store answers
+      412 to every creator but the first. A create whose answer was lost (a timeout, a reset) is settled by reading
+      the object back: the document carries a ``nonce`` of this call.
+    * :meth:`put`: a PUT conditional on the ETag this store last wrote at the key (``If-Match``), when it wrote one:
+      a renewal that finds its claim overwritten by another writer raises instead of clobbering it; an unconditional
+      PUT otherwise (a torchrun rank's first record).
+    * :meth:`get`/:meth:`exists`: GET and HEAD (S3 and GCS are read-after-write consistent).
+
+    Raises (every method): :class:`runner.core.errors.StorageError` when a request fails (not: the key exists).
+    """
+
+    name = "object"
+
+    def __init__(self, url: str) -> None:
+        from runner.core.storage import filesystem
+
+        self.url = str(url).rstrip("/")
+        self.fs, self.root = filesystem(self.url, "claims store")
+        self.etags: Dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def _failed(self, what: str, key: str, e: BaseException) -> StorageError:
+        from runner.core.storage import storage_failure
+
+        return storage_failure(what, f"claim object {self.url}/{key}", e)
+
+    def create(self, key: str, doc: Dict[str, Any]) -> bool:
+        data = (json.dumps({**doc, "nonce": os.urandom(8).hex()}) + "\n").encode()
+        path = self._path(key)
+        try:
+            out = self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        except OSError as e:
+            try:  # did our create go through and only its answer get lost?
+                if self.fs.cat_file(path) != data:
+                    return False
+                out = {"ETag": self.fs.info(path).get("ETag")}
+            except FileNotFoundError:
+                raise self._failed("creating", key, e) from None
+            except OSError as e2:
+                raise self._failed("creating", key, e2) from None
+        self._remember(key, out)
+        return True
+
+    def _remember(self, key: str, out: Any) -> None:
+        etag = out.get("ETag") if isinstance(out, dict) else None
+        with self._lock:
+            if etag:
+                self.etags[key] = etag
+            else:
+                self.etags.pop(key, None)
+
+    def put(self, key: str, doc: Dict[str, Any]) -> None:
+        with self._lock:
+            etag = self.etags.get(key)
+        try:
+            out = self.fs.pipe_file(self._path(key), (json.dumps(doc) + "\n").encode(),
+                                    **({"IfMatch": etag} if etag else {}))
+        except OSError as e:
+            if etag and (e.errno == errno.EINVAL or "PreconditionFailed" in str(e) or "412" in str(e)):
+                raise StorageError(f"claim object {self.url}/{key} was overwritten by another writer since this "
+                                   "worker wrote it (If-Match failed); it is not overwritten back") from None
+            raise self._failed("writing", key, e) from None
+        self._remember(key, out)
+
+    def get(self, key: str) -> Optional[Dict[str, Any]]:
+        try:
+            data = self.fs.cat_file(self._path(key))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise self._failed("reading", key, e) from None
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def exists(self, key: str) -> bool:
+        try:
+            return self.fs.exists(self._path(key))
+        except OSError as e:
+            raise self._failed("looking up", key, e) from None
+
+    def where(self) -> str:
+        return self.url
+
+
+def object_store(run_url: str, token: str) -> ObjectClaimStore:
+    """The claims namespace of the run (token ``token``) at ``run_url``: ``<url>/claims/<token>/``."""
+    return ObjectClaimStore(f"{str(run_url).rstrip('/')}/{CLAIMS_DIR}/{token}")
 
 
 def posix_store(run_dir: Path, token: str) -> PosixClaimStore:

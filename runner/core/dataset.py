@@ -885,11 +885,13 @@ def coerce(value: Any, typ: type, from_text: bool) -> Any:
 
 
 def source_path(fmt: str, path: Optional[str], builtin: str) -> Path:
-    """The file (or, for ``hf``, the file or ``save_to_disk`` dir) rows are read from.
+    """The file (or, for ``hf``, the file or ``save_to_disk`` dir) rows are read from; for an object-storage URL
+    (``s3://bucket/rows.jsonl``) a local copy of the object (``runner.core.storage.fetch``).
 
     Raises:
-        DatasetError: an unknown format, no ``dataset.path`` for a format that needs one, or a path that is not
-            there (naming the fix).
+        DatasetError: an unknown format, no ``dataset.path`` for a format that needs one, or a path (or object)
+            that is not there (naming the fix).
+        runner.core.storage.StorageURLError: a URL whose filesystem is not installed.
     """
     if fmt not in FORMATS:
         raise DatasetError([f"dataset.format={fmt!r} is not known; fix: one of {', '.join(FORMATS)}"])
@@ -898,6 +900,21 @@ def source_path(fmt: str, path: Optional[str], builtin: str) -> Path:
     example = {"hf": "/path/to/saved_dataset"}.get(fmt, f"/path/to/prompts.{fmt}")
     if not path:
         raise DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path={example}"])
+    from runner.core import storage
+
+    if storage.is_url(path):  # object storage: a local copy of the object, hashed and read like a file
+        try:
+            return storage.fetch(str(path))
+        except FileNotFoundError:
+            raise DatasetError([f"dataset.path: {path!r}: there is no such object; fix: pass the URL of an "
+                                f"existing {fmt} object"]) from None
+        except IsADirectoryError:
+            raise DatasetError([f"dataset.path: {path!r} is a prefix, not an object; fix: the URL of one {fmt} "
+                                "file (a save_to_disk dir is read from a local path only)"]) from None
+        except OSError as e:
+            raise DatasetError([f"dataset.path: {path!r} cannot be read ({type(e).__name__}: {e}); fix: check "
+                                "the bucket, the credentials and the endpoint (AWS_ENDPOINT_URL_S3 for an "
+                                "S3-compatible server)"]) from None
     src = Path(path).expanduser()
     if not (src.is_file() or (fmt == "hf" and src.is_dir())):
         what = "a dir written by save_to_disk or a data file" if fmt == "hf" else f"an existing .{fmt} file"

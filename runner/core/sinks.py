@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 from runner.core.artifacts import ArtifactWriter, Journal, atomic_write_bytes, encode_png
 from runner.core.dataset import file_sha256
 from runner.core.errors import RunnerError
+from runner.core.storage import publishing
 
 
 def read_journal(path: Path) -> List[Dict[str, Any]]:
@@ -180,6 +181,19 @@ def write_folder_metadata(out_dir: Path, records: Sequence[Dict[str, Any]], mode
     return written
 
 
+def recorded_files(out_dir: Path) -> Dict[str, str]:
+    """``{run-dir-relative file: sha256}`` of every artifact (``file``) and frame dump (``frames_file``) that an ok
+    record of a journal of ``out_dir`` (``*.jsonl``) names; a later record of a file wins."""
+    out: Dict[str, str] = {}
+    for p in sorted(Path(out_dir).glob("*.jsonl")):
+        for r in read_journal(p):
+            if r.get("status") == "ok":
+                for name, sha in (("file", "file_sha256"), ("frames_file", "frames_file_sha256")):
+                    if r.get(name) and r.get(sha):
+                        out[r[name]] = r[sha]
+    return out
+
+
 class ArtifactMismatchError(RunnerError, ValueError):
     """The written artifact disagrees with its record: its width, height or frame count is not the record's
     ``params`` value (an engine whose pipeline changed the size it was asked for). Never ends a run: the item fails
@@ -286,6 +300,8 @@ class _FileSink(_Counting):
         self.dir = self.out_dir / self.subdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(self.out_dir / journal_name)
+        # a run dir at an object-storage URL: each artifact is published there before its record is journaled
+        write = publishing(self.out_dir, write or ArtifactWriter.write_png)
         self.writer = ArtifactWriter(self.journal, workers, self._recorded, max_pending=max_pending, write=write)
 
     def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:

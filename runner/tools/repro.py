@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from runner.core import rundir
+from runner.core import rundir, storage
 from runner.core.errors import RunnerError, UserInputError
 from runner.core.paths import hydra_quote
 from runner.tools.report import PARITY_TOLERANCE_DB, compare_files, fmt_psnr
@@ -182,11 +182,12 @@ def _override_value(override: str) -> Optional[Any]:
         return None
 
 
-def rerun_command(manifest: Dict[str, Any], new_dir: Path) -> List[str]:
+def rerun_command(manifest: Dict[str, Any], new_dir: Path, output: Optional[str] = None) -> List[str]:
     """``python -m runner`` argv of the re-run: the original overrides exactly as the original process received
     them (the manifest's ``overrides`` are Hydra's input lines, the raw argv form), minus those naming the output
     or resume dir; a relative ``dataset.path`` is replaced by the absolute path the manifest recorded, and every
-    path the re-run adds is quoted for Hydra's grammar (:func:`hydra_quote`), into ``new_dir``."""
+    path the re-run adds is quoted for Hydra's grammar (:func:`hydra_quote`), into ``new_dir``; with ``output`` (an
+    object-storage URL) the re-run writes there (``output.dir``), staged in ``new_dir``."""
     args = []
     ds_path = (manifest.get("dataset") or {}).get("path")
     for o in manifest.get("overrides") or []:
@@ -195,12 +196,12 @@ def rerun_command(manifest: Dict[str, Any], new_dir: Path) -> List[str]:
             continue
         if key == "dataset.path" and ds_path:
             val = _override_value(o)
-            if isinstance(val, str) and not Path(val).is_absolute():
+            if isinstance(val, str) and not Path(val).is_absolute() and not storage.is_url(val):
                 o = f"{o.split('=', 1)[0]}={hydra_quote(ds_path)}"
         args.append(o)
     cfg = manifest.get("config") or {}
-    if (cfg.get("output") or {}).get("dir"):
-        args.append(f"output.dir={hydra_quote(str(new_dir))}")
+    if output is not None or (cfg.get("output") or {}).get("dir"):
+        args.append(f"output.dir={hydra_quote(str(output or new_dir))}")
     if (cfg.get("run") or {}).get("resume"):
         args.append("run.resume=null")
     return [sys.executable, "-m", "runner", *args, f"hydra.run.dir={hydra_quote(str(new_dir))}"]
@@ -417,14 +418,56 @@ def check_inputs(run_dir: Path) -> None:
                               "run")
 
 
-def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float = PARITY_TOLERANCE_DB,
+def reproduce(run_dir: Any, new_dir: Any = None, tolerance_db: float = PARITY_TOLERANCE_DB,
               exact: Optional[bool] = None, timeout_s: Optional[float] = None) -> Tuple[int, Dict[str, Any]]:
     """Re-run ``run_dir`` into ``new_dir`` and compare. Returns ``(exit code, comparison)``.
+
+    Either may be an object-storage URL (``s3://bucket/prefix``, ``runner.core.storage``): a URL original is pulled
+    into a temporary dir first (its manifest, journals and every object an ok record names, each checked against its
+    record's sha256: a missing or different object shows as ``original file missing``) and compared from there; a
+    URL ``new_dir`` gets the re-run (``output.dir=<URL>``), staged in a new local dir the comparison reads.
 
     Raises:
         ReproInputError: ``run_dir`` holds no (readable) manifest.json, ``new_dir`` already holds a run, or an input
             file of the run changed since it ran (:func:`check_inputs`).
     """
+    if storage.is_url(run_dir) or storage.is_url(new_dir):
+        return _reproduce_url(str(run_dir), new_dir, tolerance_db, exact, timeout_s)
+    return _reproduce(Path(run_dir), new_dir, tolerance_db, exact, timeout_s)
+
+
+def _reproduce_url(run_dir: str, new_dir: Any, tolerance_db: float, exact: Optional[bool],
+                   timeout_s: Optional[float]) -> Tuple[int, Dict[str, Any]]:
+    """:func:`reproduce` where the original or the re-run is at a URL (its docstring)."""
+    import shutil
+    import tempfile
+
+    pulled = None
+    output = str(new_dir) if storage.is_url(new_dir) else None
+    if output is not None:
+        fs, root = storage.filesystem(output, "--out")
+        if fs.exists(f"{root}/manifest.json"):
+            raise ReproInputError(f"{output} already holds a run; fix: choose a new --out")
+        new_dir = rundir.new_dir(Path("outputs/repro"))  # the re-run's staging dir
+    try:
+        if storage.is_url(run_dir):
+            pulled = Path(tempfile.mkdtemp(prefix="runner-repro-"))
+            from runner.core.sinks import recorded_files
+
+            counts = storage.RunMirror(pulled, run_dir, "run_dir").pull(recorded_files)
+            print(f"repro: pulled {run_dir} into {pulled} ({counts['objects']} object(s) verified, "
+                  f"{counts['objects_missing']} missing or different)", flush=True)
+        return _reproduce(pulled or Path(run_dir), new_dir, tolerance_db, exact, timeout_s, output, run_dir)
+    finally:
+        if pulled is not None:
+            shutil.rmtree(pulled, ignore_errors=True)
+
+
+def _reproduce(run_dir: Path, new_dir: Optional[Path], tolerance_db: float, exact: Optional[bool],
+               timeout_s: Optional[float], output: Optional[str] = None,
+               original: Optional[str] = None) -> Tuple[int, Dict[str, Any]]:
+    """:func:`reproduce` of a local run dir (``output``: the re-run's URL, staged in ``new_dir``; ``original``: the
+    URL ``run_dir`` was pulled from), named by their URLs in the result."""
     run_dir = Path(run_dir).resolve()
     if not (run_dir / "manifest.json").exists():
         raise ReproInputError(f"{run_dir} holds no manifest.json; fix: pass the dir of a run (it holds "
@@ -444,7 +487,7 @@ def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float
     if (new_dir / "manifest.json").exists():
         raise ReproInputError(f"{new_dir} already holds a run; fix: choose a new --out")
     check_inputs(run_dir)
-    cmd = rerun_command(manifest, new_dir)
+    cmd = rerun_command(manifest, new_dir, output)
     env = {**os.environ, **rerun_environment(manifest)}
     import shlex
 
@@ -453,6 +496,7 @@ def reproduce(run_dir: Path, new_dir: Optional[Path] = None, tolerance_db: float
     print("repro:", " ".join(shlex.quote(c) for c in cmd), flush=True)
     p = subprocess.run(cmd, env=env, timeout=timeout_s, cwd=cwd)
     result = compare(run_dir, new_dir, tolerance_db, exact)
+    result["original"], result["rerun"] = original or result["original"], output or result["rerun"]
     if status == "crashed":
         result["notes"].insert(0, f"original status: crashed (its manifest says running but {run_dir} is held by "
                                   "no process: it ended without a final status); its finished items are compared")
@@ -490,11 +534,18 @@ def _print_result(res: Dict[str, Any]) -> None:
         print(f"\nREPRO OK: {len(res['items'])} item(s) reproduced, backend resolution unchanged")
 
 
+def _path_or_url(value: str) -> Any:
+    """A command-line dir: an object-storage URL as given, else a local path."""
+    return value if storage.is_url(value) else storage.local_path(value)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runner.repro",
                                  description="Re-run a run from its manifest and compare the artifacts item by item.")
-    ap.add_argument("run_dir", type=Path, help="a run dir, or a sweep dir (each of its jobs is reproduced)")
-    ap.add_argument("--out", type=Path, default=None, help="new run dir (default: outputs/repro/<date>_<time>, as repro.sh)")
+    ap.add_argument("run_dir", type=_path_or_url, help="a run dir, or a sweep dir (each of its jobs is reproduced), or "
+                                                        "the URL of a run on object storage (s3://bucket/prefix)")
+    ap.add_argument("--out", type=_path_or_url, default=None,
+                    help="new run dir or object-storage URL (default: outputs/repro/<date>_<time>, as repro.sh)")
     ap.add_argument("--tolerance-db", type=float, default=PARITY_TOLERANCE_DB,
                     help="PSNR tolerance in dB for runs not on CPU (default %(default)g)")
     mode = ap.add_mutually_exclusive_group()
@@ -502,7 +553,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="require byte-identical files (default on CPU)")
     mode.add_argument("--psnr", dest="exact", action="store_false", help="use the PSNR tolerance even on CPU")
     a = ap.parse_args(argv)
-    jobs = sweep_jobs(a.run_dir)  # a sweep dir: each job into <out>/<job>, one verdict per job, the worst exit code
+    jobs = [] if storage.is_url(a.run_dir) else sweep_jobs(a.run_dir)  # a sweep dir: each job into <out>/<job>, one verdict per job, the worst exit code
     out = a.out if a.out is not None or not jobs else rundir.new_dir(Path("outputs/repro"))
     codes = []
     for run_dir, new_dir in ([(j, Path(out) / j.name) for j in jobs] if jobs else [(a.run_dir, out)]):
