@@ -1,0 +1,115 @@
+"""``launcher=slurm``: a submitit job array whose tasks claim the run's batches (``runner.app.slurm_launcher``), run
+by submitit's LocalExecutor: real task processes under submitit's controller, real signals. A task sent USR2 (what
+SLURM sends before the time limit) and a task whose controller gets SIGTERM (what SLURM sends a preempted job,
+forwarded to the task as SLURM does) each finish their batch, are requeued through submitit's checkpoint (the
+controller starts the task again: exit 144) and resume from the journal: every item ok, byte-identical to a
+one-worker run, no item generated twice."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _helpers import requires_extra
+
+pytestmark = [pytest.mark.cpu, requires_extra("scale")]
+
+ROWS = 8
+SLOW = "model.generation.num_inference_steps=48"  # about 3 s a batch here: signals land mid-run
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "RUNNER_TEST_SLOW_WORKER"):
+        env.pop(k, None)
+    return env
+
+
+def _cmd(args):
+    return [sys.executable, "-m", "runner", "model=toy_shapes", f"dataset.limit={ROWS}", SLOW, *args]
+
+
+def _hashes(run_dir: Path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((run_dir / "images").glob("*.png"))}
+
+
+def _holder_mid_batch(d: Path, exclude=(), deadline_s: float = 300):
+    """The pid of a task process holding a batch not journaled yet (a claim without its done marker)."""
+    deadline = time.time() + deadline_s
+    while time.time() < deadline:
+        for c in sorted((d / "claims").glob("*/")) if (d / "claims").is_dir() else ():
+            for g in sorted(c.glob("b*.g*")):
+                if (c / f"{g.name.split('.')[0]}.done").exists():
+                    continue
+                try:
+                    pid = json.loads(g.read_text())["pid"]
+                except (ValueError, KeyError):
+                    continue
+                if pid not in exclude:
+                    return pid
+        time.sleep(0.05)
+    raise AssertionError("no task held an undone batch")
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single") / "run"
+    r = subprocess.run(_cmd([f"hydra.run.dir={d}"]), cwd=d.parent, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _hashes(d)
+
+
+def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
+    d = tmp_path / "slurm"
+    p = subprocess.Popen(_cmd(["parallelism=data", "launcher=slurm", "launcher.executor=local",
+                               "launcher.num_workers=2", "launcher.num_gpus_per_worker=0", "launcher.timeout_min=30",
+                               "parallelism.lease_s=20", f"hydra.run.dir={d}"]),
+                         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    usr2 = _holder_mid_batch(d)
+    os.kill(usr2, signal.SIGUSR2)  # to the task, as SLURM's --signal=USR2@<delay> does
+    term = _holder_mid_batch(d, exclude={usr2})
+    controller = _ppid(term)
+    os.kill(controller, signal.SIGTERM)  # to the job: submitit's controller forwards it to its task, as SLURM does
+    out = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, out[-5000:]
+
+    assert _hashes(d) == single  # byte-identical to the one-worker run
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["status"] == "completed" and m["counts"]["missing"] == 0 and m["counts"]["failed"] == 0
+    assert m["counts"]["ok"] + m["counts"]["reused"] == ROWS
+    assert m["parallelism"]["launcher"] == "slurm" and m["parallelism"]["assign"] == "claims"
+    # nothing journaled was generated again: every item has exactly one ok record over all the workers' journals
+    oks = {}
+    for j in d.glob("items.rank*.jsonl"):
+        for line in j.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("status") == "ok":
+                oks[rec["key"]] = oks.get(rec["key"], 0) + 1
+    assert len(oks) == ROWS and set(oks.values()) == {1}, oks
+    # each signalled task: its run ended interrupted after its batch, and it was requeued by its own job
+    tasks = m["slurm"]["tasks"]
+    by_pid = {t["pid"]: t for t in tasks if t["event"] == "requeued"}
+    assert set(by_pid) == {usr2, term}, tasks
+    assert by_pid[usr2]["signal"] == "SIGUSR2" and by_pid[term]["signal"] == "SIGTERM"
+    assert not any(t["batch_unfinished"] for t in by_pid.values())
+    for pid, ev in by_pid.items():
+        again = [t for t in tasks if t["event"] == "started" and t["job_id"] == ev["job_id"]
+                 and t["attempt"] == ev["attempt"] + 1]
+        assert len(again) == 1 and again[0]["pid"] != pid, tasks  # the same job, a new process: requeued
+    interrupted = {w["pid"]: w for w in m["workers"] if w["pid"] in by_pid}
+    assert {w["status"] for w in interrupted.values()} == {"interrupted"}, m["workers"]
+    assert [r["exit_code"] for r in m["slurm"]["results"]] == [0, 0] and m["slurm"]["errors"] == []
+    assert not [q for q in d.rglob("*") if ".tmp" in q.name]
