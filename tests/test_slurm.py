@@ -41,22 +41,47 @@ def _hashes(run_dir: Path):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((run_dir / "images").glob("*.png"))}
 
 
-def _holder_mid_batch(d: Path, exclude=(), deadline_s: float = 300):
-    """The pid of a task process holding a batch not journaled yet (a claim without its done marker)."""
+def _namespace(d: Path):
+    if not (d / "claims").is_dir():
+        return None
+    dirs = sorted((d / "claims").glob("*/fleet.json"), key=lambda p: p.stat().st_mtime)
+    return dirs[-1].parent if dirs else None
+
+
+def _worker_pids(d: Path):
+    """The pids of the workers registered in the run's claims namespace."""
+    c = _namespace(d)
+    out = set()
+    for w in sorted(c.glob("workers/*.json")) if c else ():
+        try:
+            out.add(json.loads(w.read_text())["pid"])
+        except (ValueError, KeyError):
+            pass  # still being written
+    return out
+
+
+def _wait_for(cond, what: str, deadline_s: float = 300):
     deadline = time.time() + deadline_s
     while time.time() < deadline:
-        for c in sorted((d / "claims").glob("*/")) if (d / "claims").is_dir() else ():
-            for g in sorted(c.glob("b*.g*")):
-                if (c / f"{g.name.split('.')[0]}.done").exists():
-                    continue
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _holder_mid_batch(d: Path):
+    """The pid of a task process holding a batch not journaled yet (a claim without its done marker)."""
+    def find():
+        c = _namespace(d)
+        for g in sorted(c.glob("b*.g*")) if c else ():
+            if not (c / f"{g.name.split('.')[0]}.done").exists():
                 try:
-                    pid = json.loads(g.read_text())["pid"]
+                    return json.loads(g.read_text())["pid"]
                 except (ValueError, KeyError):
                     continue
-                if pid not in exclude:
-                    return pid
-        time.sleep(0.05)
-    raise AssertionError("no task held an undone batch")
+        return None
+    return _wait_for(find, "a task holding an undone batch")
 
 
 def _ppid(pid: int) -> int:
@@ -76,13 +101,22 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
     d = tmp_path / "slurm"
     p = subprocess.Popen(_cmd(["parallelism=data", "launcher=slurm", "launcher.executor=local",
                                "launcher.num_workers=2", "launcher.num_gpus_per_worker=0", "launcher.timeout_min=30",
-                               "parallelism.lease_s=20", f"hydra.run.dir={d}"]),
+                               "parallelism.lease_s=300", f"hydra.run.dir={d}"]),
                          cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A gets USR2 mid-batch while B is frozen, so that A's requeued process (A2) joins the same run; then A2 is
+    # frozen while B's job gets SIGTERM, so that B's requeued process (B2) joins it too (a task requeued after every
+    # other task has left starts a new attempt of the run, planned from the journals: tested by the claims tests)
     usr2 = _holder_mid_batch(d)
+    _wait_for(lambda: len(_worker_pids(d)) >= 2, "both tasks registered")
+    term = next(pid for pid in _worker_pids(d) if pid != usr2)
     os.kill(usr2, signal.SIGUSR2)  # to the task, as SLURM's --signal=USR2@<delay> does
-    term = _holder_mid_batch(d, exclude={usr2})
-    controller = _ppid(term)
-    os.kill(controller, signal.SIGTERM)  # to the job: submitit's controller forwards it to its task, as SLURM does
+    os.kill(term, signal.SIGSTOP)
+    a2 = _wait_for(lambda: next(iter(_worker_pids(d) - {usr2, term}), None), "the USR2 task's requeued process")
+    os.kill(a2, signal.SIGSTOP)
+    os.kill(term, signal.SIGCONT)
+    os.kill(_ppid(term), signal.SIGTERM)  # to the job: submitit's controller forwards it to its task, as SLURM does
+    _wait_for(lambda: _worker_pids(d) - {usr2, term, a2}, "the SIGTERM task's requeued process")
+    os.kill(a2, signal.SIGCONT)
     out = p.communicate(timeout=600)[0]
     assert p.returncode == 0, out[-5000:]
 
@@ -109,7 +143,8 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
         again = [t for t in tasks if t["event"] == "started" and t["job_id"] == ev["job_id"]
                  and t["attempt"] == ev["attempt"] + 1]
         assert len(again) == 1 and again[0]["pid"] != pid, tasks  # the same job, a new process: requeued
-    interrupted = {w["pid"]: w for w in m["workers"] if w["pid"] in by_pid}
-    assert {w["status"] for w in interrupted.values()} == {"interrupted"}, m["workers"]
+    status = {w["pid"]: w["status"] for w in m["workers"]}
+    assert status[usr2] == status[term] == "interrupted" and len(status) == 4, m["workers"]
+    assert sorted(status.values()) == ["completed", "completed", "interrupted", "interrupted"]
     assert [r["exit_code"] for r in m["slurm"]["results"]] == [0, 0] and m["slurm"]["errors"] == []
     assert not [q for q in d.rglob("*") if ".tmp" in q.name]

@@ -155,7 +155,7 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
     if worker is None and slurm_submitter(cfg):
         from runner.app.slurm_launcher import run_on_slurm
 
-        merged = run_on_slurm(cfg, out_dir, overrides)
+        merged = run_on_slurm(cfg, out_dir, overrides, job=run_job)
         if merged is None:
             return 1, None
         log.info("%s", merged_summary(merged, out_dir))
@@ -197,11 +197,9 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
 
     Args:
         reraise: re-raise unexpected exceptions (single runs); in a multirun they are recorded and the sweep goes on.
-        task: this process is a ``launcher=slurm`` array task (``runner.app.slurm_launcher.ClaimsTask``): a claims
-            worker of the run in ``out_dir``, not its submitter.
+        task: a ``launcher=slurm`` array task (``runner.app.slurm_launcher``): a claims worker, not the submitter.
 
-    Returns:
-        The exit code (see the module docstring).
+    Returns: the exit code (see the module docstring).
     """
     from runner.app.console import quiet_libraries, verbose
     from runner.core import distributed as dp

@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 from submitit.helpers import Checkpointable
@@ -75,10 +75,13 @@ class ClaimsTask(Checkpointable):
         cfg: the resolved run config (a plain dict; ``parallelism.assign`` is set to ``claims``).
         out_dir: the shared run dir; folder: submitit's folder (``tasks.jsonl`` is written there).
         overrides: the CLI overrides; grace_s: at most this long the checkpoint waits for the current batch.
+        job: ``runner.app.jobs.run_job`` (given, not imported: jobs imports this module).
     """
 
-    def __init__(self, cfg: Dict[str, Any], out_dir: str, overrides: List[str], folder: str, grace_s: float) -> None:
+    def __init__(self, cfg: Dict[str, Any], out_dir: str, overrides: List[str], folder: str, grace_s: float,
+                 job: Callable[..., int]) -> None:
         self.cfg, self.out_dir, self.overrides, self.folder, self.grace_s = cfg, out_dir, overrides, folder, grace_s
+        self.job = job
         self.attempt = 0
         self.requeues: List[Dict[str, Any]] = []
         self._thread: Optional[threading.Thread] = None
@@ -121,8 +124,6 @@ class ClaimsTask(Checkpointable):
 
     def __call__(self, index: int) -> Dict[str, Any]:
         """Run the task: returns its exit code, outcome and error (its ``job_status.json``)."""
-        from runner.app.jobs import run_job
-
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self._bind_signals()
@@ -130,7 +131,7 @@ class ClaimsTask(Checkpointable):
         cfg = OmegaConf.create(self.cfg)
 
         def body() -> None:
-            self._result["code"] = run_job(cfg, Path(self.out_dir), list(self.overrides), reraise=False, task=True)
+            self._result["code"] = self.job(cfg, Path(self.out_dir), list(self.overrides), reraise=False, task=True)
 
         self._thread = threading.Thread(target=body, name="runner-slurm-run", daemon=True)
         self._thread.start()
@@ -184,8 +185,8 @@ def _executor(cfg: DictConfig, folder: Path) -> Any:
         return ex
     ex = submitit.SlurmExecutor(folder=str(folder / "%j"), max_num_timeout=int(la.max_num_timeout))
     params: Dict[str, Any] = dict(time=int(la.timeout_min), signal_delay_s=int(la.signal_delay_s), ntasks_per_node=1,
-                                  cpus_per_task=max(1, int(la.num_cpus_per_worker)), array_parallelism=int(la.num_workers),
-                                  job_name="runner")
+                                  cpus_per_task=max(1, int(la.num_cpus_per_worker)),
+                                  array_parallelism=int(la.num_workers), job_name="runner")
     if int(la.num_gpus_per_worker):
         params["gpus_per_node"] = int(la.num_gpus_per_worker)
     if la.partition:
@@ -217,9 +218,11 @@ def _wait(jobs: List[Any]) -> Tuple[List[Dict[str, Any]], List[str]]:
     return results, errors
 
 
-def run_on_slurm(cfg: DictConfig, out_dir: Path, overrides: List[str]) -> Optional[Dict[str, Any]]:
+def run_on_slurm(cfg: DictConfig, out_dir: Path, overrides: List[str], job: Callable[..., int]
+                 ) -> Optional[Dict[str, Any]]:
     """Submit the array, wait for it and return the merged manifest (written by the last task), with the ``slurm``
-    section added; None when no task merged (batches left: every task stopped first).
+    section added; None when no task merged (batches left: every task stopped first). ``job``: what each task runs
+    (``runner.app.jobs.run_job``).
 
     Raises:
         ImportError: submitit is not installed (``pip install -e ".[scale]"``).
@@ -235,7 +238,7 @@ def run_on_slurm(cfg: DictConfig, out_dir: Path, overrides: List[str]) -> Option
     task_cfg = OmegaConf.to_container(cfg, resolve=True)
     task_cfg["parallelism"]["assign"] = "claims"  # the tasks pull the batches (recorded so in their config)
     task = ClaimsTask(task_cfg, str(out_dir), list(overrides), str(folder),
-                      grace_s=max(1.0, float(cfg.launcher.signal_delay_s) - 10.0))
+                      grace_s=max(1.0, float(cfg.launcher.signal_delay_s) - 10.0), job=job)
     jobs = submit(cfg, folder, task)
     log.info("slurm: submitted %d task(s) (%s executor): job(s) %s; logs in %s", len(jobs), cfg.launcher.executor,
              ", ".join(str(j.job_id) for j in jobs), folder)
