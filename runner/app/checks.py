@@ -164,8 +164,9 @@ def check_run_values(cfg: DictConfig) -> None:
                                "lives without renewal); fix: parallelism.lease_s=60")
     if mode == "data" and tw is None and cfg.launcher.name not in ("ray", "slurm") and assign != "claims":
         raise ConfigValueError("parallelism=data needs workers: launch with `torchrun --nproc-per-node N -m runner "
-                               "parallelism=data`, add launcher=ray, or start any number of `python -m runner "
-                               "parallelism=data parallelism.assign=claims hydra.run.dir=<shared dir>` workers")
+                               "parallelism=data`, add launcher=ray (or launcher=slurm), or start any number of "
+                               "`python -m runner parallelism=data parallelism.assign=claims hydra.run.dir=<shared "
+                               "dir>` workers")
     lay = layout(cfg, tw.world_size if tw is not None else None)  # context modes: degrees x data = world size
     if lay is not None and cfg.evidence.enabled and not cfg.evidence.profile:
         raise ConfigValueError(f"parallelism={mode} with evidence.profile=false: only the profiler sees the collectives "

@@ -623,9 +623,9 @@ class ParallelismConfig:
     ``launcher=ray`` (Ray Data's actor pool) and ``launcher=slurm`` (array tasks claiming) always pull, whatever
     this says; the merged manifest's ``parallelism`` records how."""
     lease_s: float = 60.0
-    """``assign=claims``, ``launcher=ray|slurm``: seconds a claim stays valid without its worker renewing it (renewed every
-    ``lease_s / 4``); a batch whose claim was not renewed for this long (its worker died or hung) is claimed again
-    by another worker. Longer than the worker's longest stall (a GC pause, a slow disk), shorter than a batch is
+    """``assign=claims``, ``launcher=ray|slurm``: seconds a claim stays valid without its worker renewing it
+    (renewed every ``lease_s / 4``); a batch whose claim was not renewed for this long (its worker died or hung) is
+    claimed again by another worker. Longer than the worker's longest stall (a GC pause, a slow disk), shorter than a batch is
     worth waiting for."""
 
 
