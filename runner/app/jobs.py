@@ -153,6 +153,9 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
     from runner.core import distributed as dp
 
     if worker is None and slurm_submitter(cfg):
+        from runner.core.requirements import check_feature
+
+        check_feature("submitit", "launcher=slurm (pip install -e \".[scale]\")")
         from runner.app.slurm_launcher import run_on_slurm
 
         merged = run_on_slurm(cfg, out_dir, overrides, job=run_job)
@@ -162,6 +165,9 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
         return dp.merged_exit_code(merged), merged
 
     if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
+        from runner.core.requirements import check_feature
+
+        check_feature("ray", "launcher=ray (pip install -e \".[scale]\")")
         from runner.app.ray_launcher import run_on_ray
 
         data = DatasetItems.read(cfg)  # the driver runs no stage: its one read of the rows
