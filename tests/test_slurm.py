@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,3 +149,35 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
     assert sorted(status.values()) == ["completed", "completed", "interrupted", "interrupted"]
     assert [r["exit_code"] for r in m["slurm"]["results"]] == [0, 0] and m["slurm"]["errors"] == []
     assert not [q for q in d.rglob("*") if ".tmp" in q.name]
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["launcher=slurm"], "launcher=slurm with parallelism=single"),
+    (["parallelism=data"], "add launcher=ray (or launcher=slurm)"),
+])
+def test_launcher_slurm_needs_data_parallelism(compose, overrides, says):
+    from runner.app import checks
+    from runner.core.errors import ConfigValueError
+
+    with pytest.raises(ConfigValueError) as e:
+        checks.check_run_values(compose(overrides))
+    assert says in str(e.value) and "fix:" in str(e.value)
+
+
+def test_launcher_slurm_config_reaches_submitit(compose, tmp_path):
+    """The launcher's resources become the executors' parameters; sbatch where there is no SLURM is refused."""
+    from runner.app.slurm_launcher import SlurmUnavailableError, _executor, slurm_parameters
+
+    cfg = compose(["parallelism=data", "launcher=slurm", "launcher.executor=local", "launcher.timeout_min=7",
+                   "launcher.signal_delay_s=5", "launcher.num_gpus_per_worker=0"])
+    ex = _executor(cfg, tmp_path)
+    assert (ex.parameters["timeout_min"], ex.parameters["signal_delay_s"]) == (7, 5)
+    cfg = compose(["parallelism=data", "launcher=slurm", "launcher.partition=gpu", "launcher.mem_gb=64",
+                   "launcher.num_workers=16"])
+    p = slurm_parameters(cfg)
+    assert (p["partition"], p["mem"], p["gpus_per_node"], p["cpus_per_task"], p["array_parallelism"], p["time"],
+            p["signal_delay_s"], p["ntasks_per_node"]) == ("gpu", "64GB", 1, 8, 16, 240, 120, 1)
+    if shutil.which("srun") is None:
+        with pytest.raises(SlurmUnavailableError, match="fix: run the command on a SLURM login node, or "
+                                                        "launcher.executor=local"):
+            _executor(cfg, tmp_path)

@@ -163,7 +163,7 @@ def check_run_values(cfg: DictConfig) -> None:
         raise ConfigValueError(f"parallelism.lease_s={cfg.parallelism.lease_s} must be > 0 seconds (how long a claim "
                                "lives without renewal); fix: parallelism.lease_s=60")
     if mode == "data" and tw is None and cfg.launcher.name not in ("ray", "slurm") and assign != "claims":
-        raise ConfigValueError("parallelism=data needs workers: launch with `torchrun --nproc-per-node N -m runner "
+        raise ConfigValueError("parallelism=data needs workers; fix: launch with `torchrun --nproc-per-node N -m runner "
                                "parallelism=data`, add launcher=ray (or launcher=slurm), or start any number of "
                                "`python -m runner parallelism=data parallelism.assign=claims hydra.run.dir=<shared "
                                "dir>` workers")

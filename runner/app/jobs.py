@@ -273,8 +273,8 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
             rundir.release(lock)
             raise
     _write_status(job_dir, code, outcome, status)
-    if outcome not in STARTUP_OUTCOMES and (worker is None or (merged is not None if worker.assign == "claims"
-                                                               else worker.rank == 0)):
+    if outcome not in STARTUP_OUTCOMES and (worker is None and not slurm_submitter(cfg) or worker is not None and (
+            merged is not None if worker.assign == "claims" else worker.rank == 0)):  # SLURM: the merging task's
         _track(cfg, out_dir, code)
     rundir.release(lock)
     return code

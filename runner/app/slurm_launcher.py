@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 from submitit.helpers import Checkpointable
 
-from runner.core.errors import RunnerError
+from runner.core.errors import RefusedError, RunnerError
 
 log = logging.getLogger("runner.slurm")
 
@@ -48,6 +48,10 @@ class TaskRefusedError(RunnerError):
     def __init__(self, message: str, exit_code: int, outcome: str) -> None:
         super().__init__(message)
         self.exit_code, self.outcome = exit_code, outcome
+
+
+class SlurmUnavailableError(RefusedError):
+    """``launcher.executor=slurm`` where SLURM is not (no ``srun``/``sbatch``): refused naming the fix."""
 
 
 def folder_of(cfg: DictConfig, out_dir: Path) -> Path:
@@ -183,7 +187,21 @@ def _executor(cfg: DictConfig, folder: Path) -> Any:
         ex.update_parameters(timeout_min=int(la.timeout_min), signal_delay_s=int(la.signal_delay_s),
                              gpus_per_node=int(la.num_gpus_per_worker))
         return ex
-    ex = submitit.SlurmExecutor(folder=str(folder / "%j"), max_num_timeout=int(la.max_num_timeout))
+    try:
+        ex = submitit.SlurmExecutor(folder=str(folder / "%j"), max_num_timeout=int(la.max_num_timeout))
+    except RuntimeError as e:  # submitit: 'Could not detect "srun"'
+        raise SlurmUnavailableError(f"launcher=slurm with launcher.executor=slurm: {e} (submitit submits with sbatch "
+                                    "from a machine of the cluster); fix: run the command on a SLURM login node, or "
+                                    "launcher.executor=local to run the array on this machine") from None
+    ex.update_parameters(**slurm_parameters(cfg))
+    return ex
+
+
+def slurm_parameters(cfg: DictConfig) -> Dict[str, Any]:
+    """``submitit.SlurmExecutor.update_parameters`` of the launcher: ``--time``, ``--signal=USR2@signal_delay_s``,
+    one task per job, ``--cpus-per-task``, ``--gpus-per-node``, ``--partition``, ``--mem``, the array's
+    parallelism (every task at once)."""
+    la = cfg.launcher
     params: Dict[str, Any] = dict(time=int(la.timeout_min), signal_delay_s=int(la.signal_delay_s), ntasks_per_node=1,
                                   cpus_per_task=max(1, int(la.num_cpus_per_worker)),
                                   array_parallelism=int(la.num_workers), job_name="runner")
@@ -193,8 +211,7 @@ def _executor(cfg: DictConfig, folder: Path) -> Any:
         params["partition"] = str(la.partition)
     if la.mem_gb:
         params["mem"] = f"{int(la.mem_gb)}GB"
-    ex.update_parameters(**params)
-    return ex
+    return params
 
 
 def read_tasks(folder: Path) -> List[Dict[str, Any]]:
