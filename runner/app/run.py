@@ -134,6 +134,8 @@ class Run:
         # From the manifest's first write to its last, every way this run ends records its final status.
         self.stop = Stop(on_force=self.force_exit)
         self.stop.__enter__()
+        if self.claims is not None:
+            self.claims.attach_stop(self.stop)  # a halt from another thread stops the run as a signal does
         try:
             self.run_stages()
             self.verdict()

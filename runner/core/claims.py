@@ -50,6 +50,8 @@ from runner.core.errors import ConfigValueError, RunDirInUseError, StorageError
 log = logging.getLogger("runner")
 
 CLAIMS_DIR = "claims"
+#: The key a scheduler's driver creates once every batch is answered (:class:`FedClaims`: idle workers end their run).
+POOL_DONE = "pool_done.json"
 #: What the merged manifest's ``parallelism.sharding`` says of a claims run.
 CLAIMING = ("the run's batches (formed as a one-worker run forms them) pulled by the workers: each claims the next "
             "unclaimed batch with a lease it renews, an expired lease is claimed again (runner.core.claims)")
@@ -366,6 +368,25 @@ class Claims:
         self.last_done_at: Optional[float] = None
         self.reusable_at_start: Optional[int] = None  # items the worker's resume plan found journaled
         self.finished = False  # the worker's pull ended with every batch done (set by the run)
+        self.halted: Optional[int] = None  # halt(): the signal this worker was stopped for from another thread
+        self._stop: Any = None  # the run's runner.app.signals.Stop (attach_stop)
+        LIVE.append(self)
+
+    def attach_stop(self, stop: Any) -> None:
+        """The run's stop flag (``runner.app.signals.Stop``, whose ``signum`` the run checks before each batch):
+        :meth:`halt` sets it as a received signal would. Called by the run once it has one."""
+        self._stop = stop
+        if self.halted is not None and stop.signum is None:
+            stop.signum = self.halted
+
+    def halt(self, signum: int) -> None:
+        """Stop this worker after its current batch, as if ``signum`` had reached its run: used from another thread
+        than the run's (a signal handler of the main thread while the run generates in a worker thread: a
+        scheduler's preemption notice, ``runner.app.slurm_launcher``). The run then ends ``interrupted``, releasing
+        the batches it holds."""
+        self.halted = signum
+        if self._stop is not None and self._stop.signum is None:
+            self._stop.signum = signum
 
     # ---------------------------------------------------------------------------------- fleet and workers
     def open_fleet(self, descriptor: Dict[str, Any]) -> Dict[str, Any]:
@@ -408,6 +429,20 @@ class Claims:
         self.rank = n
         self.me["rank"] = n
         return n
+
+    def wait_workers(self, say: Callable[[List[Any]], None] = lambda waiting: None) -> List[Dict[str, Any]]:
+        """Wait until every registered worker has ended or died (its record not renewed for ``lease_s``); ``say``
+        is called with the ranks still awaited every ``lease_s``. Returns the workers' records."""
+        waited = time.monotonic()
+        while True:
+            ws = self.workers()
+            waiting = [w.get("rank") for w in ws if not w.get("ended") and self.worker_alive(int(w.get("rank", 0)))]
+            if not waiting:
+                return ws
+            if time.monotonic() - waited > self.lease_s:
+                say(waiting)
+                waited = time.monotonic()
+            time.sleep(self.poll_s)
 
     def workers(self) -> List[Dict[str, Any]]:
         """Every registered worker's record, by rank (ranks are dense from 0)."""
@@ -478,17 +513,20 @@ class Claims:
             return None
         if self.done(batch):  # it may have finished while we watched
             return None
+        self.lease.forget(batch)
+        return self._take(batch, gen, doc, f"was not renewed for {self.lease_s:g} s")
+
+    def _take(self, batch: str, gen: int, doc: Dict[str, Any], why: str) -> Optional[Claim]:
+        """Take ``batch`` over from its claim of generation ``gen`` (``doc``): an exclusive create of generation
+        ``gen + 1`` naming whom it was taken from. None: another worker took it over first."""
         prev = {k: doc.get(k) for k in ("rank", "pid", "host")} | {"gen": gen, "released": bool(doc.get("released"))}
         new = self._doc(batch, gen + 1, reclaimed_from=prev)
         if not self.store.create(f"{batch}.g{gen + 1}", new):
-            self.lease.forget(batch)
             return None
-        self.lease.forget(batch)
         self.reclaimed.append({"batch": batch, "from": prev})
         (log.info if prev["released"] else log.warning)(
             "claims: took over batch %s from worker rank %s (pid %s on %s), whose claim %s",
-            batch, prev.get("rank"), prev.get("pid"), prev.get("host"),
-            "it released" if prev["released"] else f"was not renewed for {self.lease_s:g} s")
+            batch, prev.get("rank"), prev.get("pid"), prev.get("host"), "it released" if prev["released"] else why)
         return self._hold(Claim(batch, gen + 1, new))
 
     def _hold(self, c: Claim) -> Claim:
@@ -591,6 +629,113 @@ class Claims:
                 "claimed": len(self.claimed), "completed": len(self.completed), "reclaimed": self.reclaimed,
                 "lost": self.lost, "busy_s": round(self.busy_s, 3), "idle_s": round(self.idle_s, 3),
                 "first_claim_at": self.first_claim_at, "last_done_at": self.last_done_at}
+
+
+#: Every :class:`Claims` of this process, in creation order (:func:`halt_all`; a few per process at most).
+LIVE: List[Claims] = []
+
+
+def halt_all(signum: int) -> int:
+    """:meth:`Claims.halt` every claims worker of this process (a signal handler's way to stop a run generating in
+    another thread after its current batch). Returns how many were running (not ended)."""
+    n = 0
+    for c in LIVE:
+        if c._stop is None or c._stop.signum is None:
+            n += 1
+        c.halt(signum)
+    return n
+
+
+class FedClaims(Claims):
+    """A worker's claims when a scheduler hands out the batches (Ray Data's actor pool, ``runner.app.ray_launcher``)
+    instead of the worker walking them: :meth:`offer` (the scheduler's call, in its thread) queues a batch id and
+    waits until the batch is journaled; :meth:`pull` (the run's thread) yields the offered batches. The claim files,
+    ``done`` markers and the merge are those of :class:`Claims`, so a batch is done only once journaled, and the
+    merge names who took what over from whom.
+
+    A batch offered again after its holder died (the scheduler retries a task only when its actor died or the task
+    failed) is taken over at once (:meth:`take_over`), without waiting for the lease. Each offer is answered with an
+    outcome: ``generated`` (journaled by this worker now), ``journaled`` (an earlier attempt, or another worker,
+    journaled it: nothing generated), or ``not_generated`` (the run ended first: stopped, or failed).
+    """
+
+    def __init__(self, store: ClaimStore, lease_s: float, poll_s: Optional[float] = None) -> None:
+        super().__init__(store, lease_s, poll_s)
+        import queue
+
+        self.queue: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.answers: Dict[str, Tuple[threading.Event, List[str]]] = {}
+        self.pending: Optional[Dict[str, Any]] = None  # batch id -> batch still to generate, once the run pulls
+        self.pulling = threading.Event()  # set when the run's pull starts: the model is loaded and warmed up
+        self.closing = False
+
+    def offer(self, batch: str, running: Callable[[], bool]) -> str:
+        """Hand ``batch`` to the run and wait until it is journaled; returns the outcome (class docstring).
+        ``running()`` says whether the run's thread is still alive (an ended run answers at once)."""
+        ev, box = self.answers.setdefault(batch, (threading.Event(), []))
+        self.queue.put(batch)
+        while not ev.wait(0.05):
+            if not running():  # the run ended (or never pulled: it had nothing to generate)
+                if batch in self.completed:
+                    return "generated"
+                return ("journaled" if self.pending is None or batch not in self.pending or self.done(batch)
+                        else "not_generated")
+        self.answers.pop(batch, None)
+        return box[0]
+
+    def _answer(self, batch: str, outcome: str) -> None:
+        ev, box = self.answers.setdefault(batch, (threading.Event(), []))
+        box.append(outcome)
+        ev.set()
+
+    def close(self) -> None:
+        """No more batches will be offered: the run's pull ends (its run finishes) once it has none in hand."""
+        self.closing = True
+        self.queue.put(None)
+
+    def take_over(self, batch: str) -> Optional[Claim]:
+        """Claim ``batch`` (generation 0), or take it over from whoever held it, at once (the scheduler handed it
+        here again: its holder died). None: it is done meanwhile, or another worker took it first."""
+        c = self.try_claim(batch)
+        if c is not None or self.done(batch):
+            return c
+        gen, doc = self.head(batch)
+        return self._take(batch, gen, doc or {}, "was handed to this worker again by the scheduler (its worker died "
+                                                 "or its task failed)")
+
+    def pull(self, batches: Sequence[Any], ids: Sequence[str], stop: Callable[[], bool],
+             flush: Callable[[], None] = lambda: None) -> Iterator[Any]:
+        """Yield each offered batch this worker still has to generate (the run's ``batches``, named ``ids``), until
+        :meth:`close` or ``stop()``; an offered batch that is not among them (journaled before) or is done is
+        answered ``journaled`` at once."""
+        import queue
+
+        self.pending = dict(zip(ids, batches))
+        self.pulling.set()
+        while True:
+            try:
+                bid = self.queue.get(timeout=self.poll_s)
+            except queue.Empty:
+                flush()
+                if stop() or self.store.exists(POOL_DONE):
+                    return
+                continue
+            if bid is None or stop():
+                flush()
+                if bid is not None:
+                    self._answer(bid, "not_generated")
+                return
+            if bid not in self.pending or self.done(bid) or self.take_over(bid) is None:
+                self._answer(bid, "journaled")
+                continue
+            t0 = time.perf_counter()
+            yield self.pending[bid]
+            self.busy_s += time.perf_counter() - t0
+            flush()  # journaled now: the scheduler's task returns once it is (complete() answers it)
+
+    def complete(self, batch: str) -> None:
+        super().complete(batch)
+        self._answer(batch, "generated")
 
 
 class Renewer:

@@ -676,19 +676,8 @@ def finish_claims(out_dir: Path, worker: Worker, keys_in_order: List[str],
 
     if not c.store.create("merge.json", {**c.me, "at": now_iso()}):
         return None
-    import time
-
-    waited = time.monotonic()
-    while True:
-        ws = c.workers()
-        waiting = [w.get("rank") for w in ws if not w.get("ended") and c.worker_alive(int(w.get("rank", 0)))]
-        if not waiting:
-            break
-        if time.monotonic() - waited > c.lease_s:
-            log.info("claims: merging once worker(s) %s end (or their records go %g s without renewal)", waiting,
-                     c.lease_s)
-            waited = time.monotonic()
-        time.sleep(c.poll_s)
+    ws = c.wait_workers(lambda waiting: log.info("claims: merging once worker(s) %s end (or their records go %g s "
+                                                 "without renewal)", waiting, c.lease_s))
     from runner.core.resume import remove_temp_files
 
     remove_temp_files(out_dir)  # every worker ended: what a dead one was writing goes

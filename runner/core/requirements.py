@@ -22,8 +22,11 @@ from runner.core.errors import UserInputError
 TESTED: Dict[str, str] = {"diffusers": ">=0.37,<0.43"}
 #: ``{distribution: specifier}`` of dependencies a feature needs, checked only when a run uses it
 #: (:func:`check_feature`): ``peft``, diffusers' LoRA backend (``model.lora``: ``load_lora_weights``,
-#: ``set_adapters``, ``fuse_lora``; tested with 0.21).
-FEATURES: Dict[str, str] = {"peft": ">=0.21,<0.22"}
+#: ``set_adapters``, ``fuse_lora``; tested with 0.21); ``ray``, ``launcher=ray`` (Ray Data's ``ActorPoolStrategy``
+#: with ``max_tasks_in_flight_per_actor``, ``map_batches(compute=...)``; tested with 2.60); ``submitit``,
+#: ``launcher=slurm`` (``helpers.Checkpointable``, ``LocalExecutor``'s requeue on exit 144; tested with 1.5.4). The
+#: same ranges as ``pyproject.toml``'s extras (``lora``, ``scale``).
+FEATURES: Dict[str, str] = {"peft": ">=0.21,<0.22", "ray": ">=2.40", "submitit": ">=1.5"}
 
 
 class DependencyVersionError(UserInputError):

@@ -154,6 +154,15 @@ class LauncherName(Choice):
 
     local = "local"
     ray = "ray"
+    slurm = "slurm"
+
+
+class SubmititExecutor(Choice):
+    """``launcher=slurm``: where submitit runs the job array: ``slurm`` (sbatch) or ``local`` (submitit's
+    LocalExecutor: real processes and signals on this machine, one controller per task; for trying it out)."""
+
+    slurm = "slurm"
+    local = "local"
 
 
 class Assignment(Choice):
@@ -607,14 +616,16 @@ class ParallelismConfig:
     """Context modes: data-parallel groups (each shards the dataset like ``parallelism=data``); ``data x
     ulysses_degree x ring_degree`` must equal torchrun's world size. null: world size / context degree."""
     assign: Assignment = Assignment.static
-    """``parallelism=data``: ``static`` deals the batches over the torchrun ranks (or Ray actors) up front;
+    """``parallelism=data`` with ``launcher=local``: ``static`` deals the batches over the torchrun ranks up front;
     ``claims``: every worker (a torchrun rank, or a ``python -m runner`` process started by hand, any number, on
     any host sharing the run dir) pulls the next batch by claiming it with a lease, so a slow worker takes fewer
-    batches and a dead worker's batch is taken over once its lease expires (``runner.core.claims``)."""
+    batches and a dead worker's batch is taken over once its lease expires (``runner.core.claims``).
+    ``launcher=ray`` (Ray Data's actor pool) and ``launcher=slurm`` (array tasks claiming) always pull, whatever
+    this says; the merged manifest's ``parallelism`` records how."""
     lease_s: float = 60.0
-    """``assign=claims``: seconds a claim stays valid without its worker renewing it (renewed every
-    ``lease_s / 4``); a batch whose claim was not renewed for this long (its worker died or hung) is claimed again
-    by another worker. Longer than the worker's longest stall (a GC pause, a slow disk), shorter than a batch is
+    """``assign=claims``, ``launcher=ray|slurm``: seconds a claim stays valid without its worker renewing it
+    (renewed every ``lease_s / 4``); a batch whose claim was not renewed for this long (its worker died or hung) is
+    claimed again by another worker. Longer than the worker's longest stall (a GC pause, a slow disk), shorter than a batch is
     worth waiting for."""
 
 
@@ -623,15 +634,33 @@ class LauncherConfig:
     """Who starts the workers of ``parallelism=data``."""
 
     name: LauncherName = LauncherName.local
-    """``local``: this process, or the ranks torchrun started; ``ray``: Ray actors."""
+    """``local``: this process, or the ranks torchrun started; ``ray``: a Ray Data actor pool pulling the batches
+    (``runner.app.ray_launcher``); ``slurm``: a submitit job array whose tasks claim the batches
+    (``runner.app.slurm_launcher``)."""
     num_workers: int = 2
-    """Ray: number of worker actors."""
+    """Ray: actors in the pool (Ray Data's ``ActorPoolStrategy(size=...)``); SLURM: tasks of the job array."""
     num_gpus_per_worker: float = 0.0
-    """Ray: GPUs reserved per worker."""
+    """GPUs per worker: Ray's ``num_gpus`` per actor; SLURM's ``--gpus-per-node`` per task (a whole number)."""
     num_cpus_per_worker: float = 1.0
-    """Ray: CPUs reserved per worker."""
+    """CPUs per worker: Ray's ``num_cpus`` per actor; SLURM's ``--cpus-per-task`` (a whole number)."""
     address: Optional[str] = None
     """Ray: the cluster to join (``auto``: the one this machine belongs to); null starts a local Ray."""
+    executor: SubmititExecutor = SubmititExecutor.slurm
+    """SLURM: ``slurm`` submits with sbatch; ``local`` runs the array on this machine (submitit's LocalExecutor)."""
+    folder: Optional[str] = None
+    """SLURM: submitit's folder (job scripts, pickles, each task's stdout/stderr); null: ``<run dir>/slurm``."""
+    partition: Optional[str] = None
+    """SLURM: ``--partition`` (null: the cluster's default)."""
+    timeout_min: int = 240
+    """SLURM: each task's time limit in minutes (``--time``); a task that reaches it is requeued (submitit's
+    checkpoint) and resumes from the journal."""
+    mem_gb: Optional[float] = None
+    """SLURM: memory per task in GB (``--mem``; null: the partition's default)."""
+    max_num_timeout: int = 3
+    """SLURM: how many times a task that timed out is requeued (preemptions are not counted)."""
+    signal_delay_s: int = 120
+    """SLURM: seconds before the time limit that SLURM sends USR2 (``--signal``): the task's current batch must
+    be journaled within it."""
 
 
 @dataclass

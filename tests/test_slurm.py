@@ -1,0 +1,183 @@
+"""``launcher=slurm``: a submitit job array whose tasks claim the run's batches (``runner.app.slurm_launcher``), run
+by submitit's LocalExecutor: real task processes under submitit's controller, real signals. A task sent USR2 (what
+SLURM sends before the time limit) and a task whose controller gets SIGTERM (what SLURM sends a preempted job,
+forwarded to the task as SLURM does) each finish their batch, are requeued through submitit's checkpoint (the
+controller starts the task again: exit 144) and resume from the journal: every item ok, byte-identical to a
+one-worker run, no item generated twice."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _helpers import requires_extra
+
+pytestmark = [pytest.mark.cpu, requires_extra("scale")]
+
+ROWS = 8
+SLOW = "model.generation.num_inference_steps=48"  # about 3 s a batch here: signals land mid-run
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "RUNNER_TEST_SLOW_WORKER"):
+        env.pop(k, None)
+    return env
+
+
+def _cmd(args):
+    return [sys.executable, "-m", "runner", "model=toy_shapes", f"dataset.limit={ROWS}", SLOW, *args]
+
+
+def _hashes(run_dir: Path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((run_dir / "images").glob("*.png"))}
+
+
+def _namespace(d: Path):
+    if not (d / "claims").is_dir():
+        return None
+    dirs = sorted((d / "claims").glob("*/fleet.json"), key=lambda p: p.stat().st_mtime)
+    return dirs[-1].parent if dirs else None
+
+
+def _worker_pids(d: Path):
+    """The pids of the workers registered in the run's claims namespace."""
+    c = _namespace(d)
+    out = set()
+    for w in sorted(c.glob("workers/*.json")) if c else ():
+        try:
+            out.add(json.loads(w.read_text())["pid"])
+        except (ValueError, KeyError):
+            pass  # still being written
+    return out
+
+
+def _wait_for(cond, what: str, deadline_s: float = 300):
+    deadline = time.time() + deadline_s
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _holder_mid_batch(d: Path):
+    """The pid of a task process holding a batch not journaled yet (a claim without its done marker)."""
+    def find():
+        c = _namespace(d)
+        for g in sorted(c.glob("b*.g*")) if c else ():
+            if not (c / f"{g.name.split('.')[0]}.done").exists():
+                try:
+                    return json.loads(g.read_text())["pid"]
+                except (ValueError, KeyError):
+                    continue
+        return None
+    return _wait_for(find, "a task holding an undone batch")
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single") / "run"
+    r = subprocess.run(_cmd([f"hydra.run.dir={d}"]), cwd=d.parent, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _hashes(d)
+
+
+def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
+    d = tmp_path / "slurm"
+    p = subprocess.Popen(_cmd(["parallelism=data", "launcher=slurm", "launcher.executor=local",
+                               "launcher.num_workers=2", "launcher.num_gpus_per_worker=0", "launcher.timeout_min=30",
+                               "parallelism.lease_s=300", f"hydra.run.dir={d}"]),
+                         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A gets USR2 mid-batch while B is frozen, so that A's requeued process (A2) joins the same run; then A2 is
+    # frozen while B's job gets SIGTERM, so that B's requeued process (B2) joins it too (a task requeued after every
+    # other task has left starts a new attempt of the run, planned from the journals: tested by the claims tests)
+    usr2 = _holder_mid_batch(d)
+    _wait_for(lambda: len(_worker_pids(d)) >= 2, "both tasks registered")
+    term = next(pid for pid in _worker_pids(d) if pid != usr2)
+    os.kill(usr2, signal.SIGUSR2)  # to the task, as SLURM's --signal=USR2@<delay> does
+    os.kill(term, signal.SIGSTOP)
+    a2 = _wait_for(lambda: next(iter(_worker_pids(d) - {usr2, term}), None), "the USR2 task's requeued process")
+    os.kill(a2, signal.SIGSTOP)
+    os.kill(term, signal.SIGCONT)
+    os.kill(_ppid(term), signal.SIGTERM)  # to the job: submitit's controller forwards it to its task, as SLURM does
+    _wait_for(lambda: _worker_pids(d) - {usr2, term, a2}, "the SIGTERM task's requeued process")
+    os.kill(a2, signal.SIGCONT)
+    out = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, out[-5000:]
+
+    assert _hashes(d) == single  # byte-identical to the one-worker run
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["status"] == "completed" and m["counts"]["missing"] == 0 and m["counts"]["failed"] == 0
+    assert m["counts"]["ok"] + m["counts"]["reused"] == ROWS
+    assert m["parallelism"]["launcher"] == "slurm" and m["parallelism"]["assign"] == "claims"
+    # nothing journaled was generated again: every item has exactly one ok record over all the workers' journals
+    oks = {}
+    for j in d.glob("items.rank*.jsonl"):
+        for line in j.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("status") == "ok":
+                oks[rec["key"]] = oks.get(rec["key"], 0) + 1
+    assert len(oks) == ROWS and set(oks.values()) == {1}, oks
+    # each signalled task: its run ended interrupted after its batch, and it was requeued by its own job
+    tasks = m["slurm"]["tasks"]
+    by_pid = {t["pid"]: t for t in tasks if t["event"] == "requeued"}
+    assert set(by_pid) == {usr2, term}, tasks
+    assert by_pid[usr2]["signal"] == "SIGUSR2" and by_pid[term]["signal"] == "SIGTERM"
+    assert not any(t["batch_unfinished"] for t in by_pid.values())
+    for pid, ev in by_pid.items():
+        again = [t for t in tasks if t["event"] == "started" and t["job_id"] == ev["job_id"]
+                 and t["attempt"] == ev["attempt"] + 1]
+        assert len(again) == 1 and again[0]["pid"] != pid, tasks  # the same job, a new process: requeued
+    status = {w["pid"]: w["status"] for w in m["workers"]}
+    assert status[usr2] == status[term] == "interrupted" and len(status) == 4, m["workers"]
+    assert sorted(status.values()) == ["completed", "completed", "interrupted", "interrupted"]
+    assert [r["exit_code"] for r in m["slurm"]["results"]] == [0, 0] and m["slurm"]["errors"] == []
+    assert not [q for q in d.rglob("*") if ".tmp" in q.name]
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["launcher=slurm"], "launcher=slurm with parallelism=single"),
+    (["parallelism=data"], "add launcher=ray (or launcher=slurm)"),
+])
+def test_launcher_slurm_needs_data_parallelism(compose, overrides, says):
+    from runner.app import checks
+    from runner.core.errors import ConfigValueError
+
+    with pytest.raises(ConfigValueError) as e:
+        checks.check_run_values(compose(overrides))
+    assert says in str(e.value) and "fix:" in str(e.value)
+
+
+def test_launcher_slurm_config_reaches_submitit(compose, tmp_path):
+    """The launcher's resources become the executors' parameters; sbatch where there is no SLURM is refused."""
+    from runner.app.slurm_launcher import SlurmUnavailableError, _executor, slurm_parameters
+
+    cfg = compose(["parallelism=data", "launcher=slurm", "launcher.executor=local", "launcher.timeout_min=7",
+                   "launcher.signal_delay_s=5", "launcher.num_gpus_per_worker=0"])
+    ex = _executor(cfg, tmp_path)
+    assert (ex.parameters["timeout_min"], ex.parameters["signal_delay_s"]) == (7, 5)
+    cfg = compose(["parallelism=data", "launcher=slurm", "launcher.partition=gpu", "launcher.mem_gb=64",
+                   "launcher.num_workers=16"])
+    p = slurm_parameters(cfg)
+    assert (p["partition"], p["mem"], p["gpus_per_node"], p["cpus_per_task"], p["array_parallelism"], p["time"],
+            p["signal_delay_s"], p["ntasks_per_node"]) == ("gpu", "64GB", 1, 8, 16, 240, 120, 1)
+    if shutil.which("srun") is None:
+        with pytest.raises(SlurmUnavailableError, match="fix: run the command on a SLURM login node, or "
+                                                        "launcher.executor=local"):
+            _executor(cfg, tmp_path)
