@@ -609,15 +609,11 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
 
 
 def accuracy_summary(m: Dict[str, Any]) -> Optional[str]:
-    """The oracle's accuracy of a job (the manifest's ``accuracy``: share of items whose attribute the oracle read
-    back as requested, 0..1): ``all 0.958 · color 1 · shape 0.958 (n 24)``; None without an oracle."""
-    acc = m.get("accuracy") or {}
-    vals = [(k, v) for k, v in acc.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "n"]
-    if not vals:
-        return None
-    vals.sort(key=lambda kv: kv[0] != "all")  # all first
-    n = f" (n {acc['n']})" if isinstance(acc.get("n"), int) else ""
-    return " · ".join(f"{k} {v:.3g}" for k, v in vals) + n
+    """The oracle's accuracy of a job (``runner.app.console.accuracy_summary`` of the manifest's ``accuracy``: the
+    phrase the run's last console line carries too); None without an oracle."""
+    from runner.app.console import accuracy_summary as phrase
+
+    return phrase(m.get("accuracy") or {})
 
 
 def metric_stats(m: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
