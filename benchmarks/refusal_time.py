@@ -3,7 +3,9 @@ model.task=image_to_image dataset=jsonl`` with a row whose ``image`` does not ex
 folder (the default run dir, as a newcomer runs it), ``--repeat`` times; prints each wall time, the median, the exit
 code, whether torch/diffusers were imported (``-X importtime``) and whether a run dir was left behind.
 
-    python benchmarks/refusal_time.py [--repeat 5] [--checkout /path/to/another/checkout]
+    python benchmarks/refusal_time.py [--repeat 5] [--checkout /path/to/another/checkout] [--results out.json]
+
+``--results`` also writes the figures as JSON (``benchmarks/results/refusal_time_cpu_<date>.json``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--checkout", type=Path, default=REPO, help="the checkout to time (default: this one)")
+    ap.add_argument("--results", type=Path, default=None, help="also write the figures to this JSON file")
     a = ap.parse_args()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(a.checkout), *filter(None, [os.environ.get("PYTHONPATH")])]))
     times, codes = [], set()
@@ -43,10 +46,19 @@ def main() -> int:
                            text=True)
         names = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
         imported = sorted(names & {"torch", "diffusers", "transformers", "vllm"})
+    load = os.getloadavg()[0]
     print("wall s:", " ".join(f"{t:.2f}" for t in times))
     print(f"median {statistics.median(times):.2f} s over {len(times)} runs; exit codes {sorted(codes)}; "
           f"imported: {imported or 'none of torch/diffusers/transformers/vllm'}; "
-          f"run dirs left: {len(left)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+          f"run dirs left: {len(left)}; load average {load:.1f} on {os.cpu_count()} cores")
+    if a.results is not None:
+        doc = {"benchmark": "refusal_time", "command": " ".join(["python -m runner", *args[3:]]),
+               "target_s": 3.0, "wall_s": [round(t, 3) for t in times], "median_s": round(statistics.median(times), 3),
+               "min_s": round(min(times), 3), "exit_codes": sorted(codes), "heavy_imports": imported,
+               "run_dirs_left": len(left), "load_average_1m": round(load, 2), "cpu_count": os.cpu_count(),
+               "python": sys.version.split()[0], "checkout": str(a.checkout)}
+        a.results.parent.mkdir(parents=True, exist_ok=True)
+        a.results.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 
 
