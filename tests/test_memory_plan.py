@@ -7,6 +7,7 @@ tests/test_memory_cuda.py."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,17 @@ def test_a_cpu_run_refuses_a_budget_pointing_at_plan_mode(tmp_path):
     r = execute(tmp_path / "r", ["model=toy_shapes", "dataset.limit=1", "memory.max_gpu_gb=8"], catch=(RunnerError,))
     assert r.error is not None and r.error.exit_code == 2
     assert "memory.max_gpu_gb=8.0 budgets GPU memory" in str(r.error) and "--plan" in str(r.error)
+
+
+def test_the_docs_page_shows_what_its_command_prints(flux_plans):
+    """docs/memory_plan.md's example: its command is the FLUX.1-dev 24 GiB plan, and the table it shows is what
+    that command prints (the first line, naming this machine's capacity, aside)."""
+    from runner.tools.plan import parse, render
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "memory_plan.md").read_text()
+    blocks = re.findall(r"```\n(.*?)```", page, re.S)
+    command = blocks[0].replace("\\\n", " ").split()
+    assert command[:3] == ["python", "-m", "runner"]
+    overrides, device_gb, as_json = parse(command[3:])
+    assert sorted(overrides) == sorted([*FLUX_DEV, "memory.max_gpu_gb=24"]) and device_gb is None and not as_json
+    assert blocks[1].strip().splitlines()[1:] == render(flux_plans["24"]).splitlines()[1:]
