@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 from _helpers import import_extra, requires_extra  # noqa: E402
 from _helpers import BAR, assert_compile_warm_up_console  # noqa: E402
-from _helpers import cli as _cli, console_lines as _lines, summary_lines as _summary  # noqa: E402
+from _helpers import cli as _cli, console_lines as _lines, library_noise, summary_lines as _summary  # noqa: E402
 
 
 def test_default_run_prints_one_progress_bar_and_no_warning_or_profiler_line(subprocess_env, tmp_path):
@@ -270,6 +270,7 @@ def test_vllm_run_prints_one_bar_one_summary_and_no_library_info_line(subprocess
     glued = [x for x in lines if BAR.match(x) and re.search(r"WARNING|INFO", x)]
     assert not glued, glued
     assert len(_summary(lines)) == 1 and "run completed: 1 ok" in _summary(lines)[0]
+    assert not library_noise(out), library_noise(out)
 
 
 def _dp_run(args, env, cwd, torchrun):
@@ -290,6 +291,7 @@ def test_torchrun_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_
     assert {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m} == {"toy_shapes [rank 0 of 2]"}
     s = _summary(lines)
     assert len(s) == 1 and "run completed: 4 ok, 0 failed, 0 reused over 2 workers" in s[0], s
+    assert not library_noise(out), library_noise(out)
 
 
 def test_ray_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_path):
@@ -304,3 +306,4 @@ def test_ray_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_path)
     s = _summary(lines)
     assert len(s) == 1 and "run completed: 4 ok, 0 failed, 0 reused over 2 workers" in s[0], s
     assert not [x for x in lines if re.search(r"Loading|\[INFO\]", x) and "[runner" not in x]
+    assert not library_noise(out), library_noise(out)

@@ -174,7 +174,7 @@ def render(doc: Dict[str, Any]) -> str:
     frames = f" x {b['num_frames']} frames" if b.get("num_frames") else ""
     mem = f"{doc['device_total_gb']} GiB ({doc['capacity_from']})" if doc["device_total_gb"] else doc["capacity_from"]
     lines = [f"memory plan for platform {doc['platform']} ({doc['dtype']}), device memory {mem}; largest "
-             f"batch {b['batch_size']} x {b['width']}x{b['height']}{frames} ({b['rows']} rows)"]
+             f"batch {b['batch_size']} x {b['width']}x{b['height']}{frames} ({b['rows']} row{'s' * (b['rows'] != 1)})"]
     for stage, sec in doc["stages"].items():
         if sec is None:
             lines.append(f"stage {stage}: no memory plan (its engine plans none)")
