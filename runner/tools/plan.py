@@ -139,15 +139,15 @@ def plans(cfg: Any, overrides: Sequence[str], device_gb: Optional[float] = None)
         e.ctx.dtype = dtype
         e.check_config()
     checks.check_run_values(cfg)
+    out: Dict[str, Any] = {"platform": kind, "dtype": str(dtype).replace("torch.", ""),
+                           "device_total_gb": planner.gb(total) if total else None, "capacity_from": source,
+                           "stages": {e.stage: None for e in engines}, "batch": None}
     planning = [e for e in engines if hasattr(e, "prepare_plan")]
+    if not planning:  # a vLLM model: nothing here plans its memory (vLLM sizes its own KV cache)
+        return out
     for e in planning:
         e.prepare_plan(kind)
     rows, _ = engines[-1].read_rows()  # ctx.plat is None: the read itself plans nothing (plan_memory)
-    for e in engines[:-1]:
-        e.check_inputs(rows, _)
-    out: Dict[str, Any] = {"platform": kind, "dtype": str(dtype).replace("torch.", ""),
-                           "device_total_gb": planner.gb(total) if total else None, "capacity_from": source,
-                           "stages": {e.stage: None for e in engines}}
     for e in planning:
         try:
             out["stages"][e.stage] = e.memory_plan(rows, total if gpu else None)
@@ -171,13 +171,16 @@ def render(doc: Dict[str, Any]) -> str:
     """The plan as the console prints it: per stage a table of every plan's estimate (GiB), then the plan taken and
     why, or the refusal."""
     b = doc["batch"]
-    frames = f" x {b['num_frames']} frames" if b.get("num_frames") else ""
     mem = f"{doc['device_total_gb']} GiB ({doc['capacity_from']})" if doc["device_total_gb"] else doc["capacity_from"]
-    lines = [f"memory plan for platform {doc['platform']} ({doc['dtype']}), device memory {mem}; largest "
-             f"batch {b['batch_size']} x {b['width']}x{b['height']}{frames} ({b['rows']} row{'s' * (b['rows'] != 1)})"]
+    head = f"memory plan for platform {doc['platform']} ({doc['dtype']}), device memory {mem}"
+    if b is not None:
+        frames = f" x {b['num_frames']} frames" if b.get("num_frames") else ""
+        head += (f"; largest batch {b['batch_size']} x {b['width']}x{b['height']}{frames} ({b['rows']} "
+                 f"row{'s' * (b['rows'] != 1)})")
+    lines = [head]
     for stage, sec in doc["stages"].items():
         if sec is None:
-            lines.append(f"stage {stage}: no memory plan (its engine plans none)")
+            lines.append(f"stage {stage}: no memory plan (its engine plans none: vLLM sizes its own KV cache)")
             continue
         lines.append(f"stage {stage}:")
         lines.extend(_table(sec["candidates"], (sec.get("planned") or {}).get("offload")))
