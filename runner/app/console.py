@@ -65,6 +65,9 @@ LIBRARY_NOISE: Dict[str, Tuple[Any, ...]] = {
     # once per tokenizer, so twice for a two-encoder pipeline; the runner says it once for the run (how many items a
     # text encoder truncated) and each record carries its counts (``models.diffusers_engine``)
     "transformers.tokenization_utils_base": ("Token indices sequence length is longer than",),
+    # launcher=ray starting its local cluster: Ray turned its secure default on (token authentication), nothing to
+    # act on; the opposite notice (authentication disabled: anyone on the network can run code) stays on the console
+    "ray._private.authentication.authentication_token_setup": ("Token authentication is enabled for this Ray",),
 }
 #: Loggers whose own console handler (not the root's) prints library records: redirected through ``tqdm.write``
 #: while the bar is shown, as the root's is (:class:`Progress`).
