@@ -97,31 +97,11 @@ def test_flux_dev_plans_under_24_12_and_8_gib(flux_plans):
 def test_flux_dev_plan_is_the_planners_estimate_from_the_published_configs(flux_plans):
     """The plan mode's figures (the engine: flux.yaml's architecture, the builtin rows, bf16) equal the planner's
     own computation from FLUX.1-dev's published component configs at 1024^2, batch 16, 512 T5 tokens, 28 steps."""
-    ref_path = Path("/work/shared/reference/flux1_configs.json")
-    if not ref_path.exists():
-        pytest.skip("FLUX.1 reference configs not present (shared/reference/flux1_configs.json)")
-    import torch
-
+    from _helpers import flux_dev_reference, flux_dev_stages
     from models import memory
 
-    ref = json.loads(ref_path.read_text())
-    confs = {"transformer": ref["transformer"]["dev"],
-             # the reference file omits the VAE's block types (diffusers' default is one block of each);
-             # FLUX.1-dev's vae/config.json lists four of each
-             "vae": {**{k: v for k, v in ref["vae"].items() if k != "class"},
-                     "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4},
-             "text_encoder": {k: v for k, v in ref["text_encoder_clip_l"].items() if k != "class"},
-             "text_encoder_2": {k: v for k, v in ref["text_encoder_2_t5_xxl"].items() if k != "class"}}
-    classes = {"transformer": ("diffusers", "FluxTransformer2DModel", None), "vae": ("diffusers", "AutoencoderKL", None),
-               "text_encoder": ("transformers", "CLIPTextModel", "CLIPTextConfig"),
-               "text_encoder_2": ("transformers", "T5EncoderModel", "T5Config")}
-    sizes = memory.component_sizes(memory.meta_components(classes, lambda c: confs[c], torch.bfloat16), {})
-    tokens = (1024 // 16) ** 2 + 512
-    stages = [planner.Stage("text_encode", memory.text_activations(
-                  {"text_encoder": confs["text_encoder"], "text_encoder_2": confs["text_encoder_2"]}, 16, 512, 2)),
-              planner.Stage("denoise", {"transformer": memory.denoiser_activations(confs["transformer"], 16, tokens, 2)}),
-              planner.Stage("vae_decode", {"vae": memory.decoder_activations(confs["vae"], 16, 1, 1024, 1024, 2,
-                                                                            False, True)})]
+    modules, confs = flux_dev_reference()
+    sizes, stages = memory.component_sizes(modules, {}), flux_dev_stages(confs, batch=16, slicing=True)
     want = [p.to_dict() for p in planner.plans(sizes, stages, "transformer", 28)]
     assert flux_plans["24"]["stages"]["denoise"]["candidates"] == want
 
