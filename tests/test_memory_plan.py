@@ -162,3 +162,12 @@ def test_the_docs_page_shows_what_its_command_prints(flux_plans):
     overrides, device_gb, as_json = parse(command[3:])
     assert sorted(overrides) == sorted([*FLUX_DEV, "memory.max_gpu_gb=24"]) and device_gb is None and not as_json
     assert blocks[1].strip().splitlines()[1:] == render(flux_plans["24"]).splitlines()[1:]
+
+
+def test_plan_help_says_what_it_prints_and_how_capacity_is_given(capsys):
+    from runner.tools.plan import main
+
+    assert main(["model=flux", "--plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("``python -m runner <overrides> --plan [--device-gb GiB] [--json]``")
+    assert "--device-gb=<GiB>" in out and "memory.max_gpu_gb" in out

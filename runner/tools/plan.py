@@ -212,6 +212,9 @@ def main(argv: Sequence[str]) -> int:
     input (what the run would exit with)."""
     from runner.app.console import quiet_tool
 
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
     quiet_tool(argv, loading_bars=True)
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
