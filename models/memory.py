@@ -25,6 +25,8 @@ from kernels import quantization as quant
 from runner.core import memory as planner
 from runner.core.errors import ConfigValueError
 
+#: Platform kinds whose device memory the planner fits (``runner.core.platform.PlatformInfo.kind``).
+GPU_KINDS = ("cuda", "rocm")
 #: ``model.quantization`` fields that name a component (``gguf_file`` is the GGUF method's file).
 QUANT_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -50,25 +52,30 @@ class MemorySettings:
 def settings(mem: Any, platform_kind: str, parallel: Any) -> MemorySettings:
     """Validate ``memory.*`` for a stage on ``platform_kind``; every bad field at once.
 
+    ``memory.offload=auto`` is taken anywhere: off a GPU it means no offload (:meth:`Fitting.choose` records why).
+
     Raises:
-        ConfigValueError: offload or a budget off a CUDA device, offload under context parallelism,
-            ``blocks_per_group`` < 1, a budget <= 0.
+        ConfigValueError: an offload plan (``model``, ``group_*``) or a budget off a CUDA device, offload under
+            context parallelism, ``blocks_per_group`` < 1, a budget <= 0.
     """
     s = MemorySettings(str(mem.offload), bool(mem.use_stream), int(mem.blocks_per_group),
                        bool(getattr(mem, "record_stream", False)), bool(mem.vae_tiling), bool(mem.vae_slicing),
                        None if mem.max_gpu_gb is None else float(mem.max_gpu_gb))
     bad: List[str] = []
-    if s.offload != "none" and platform_kind not in ("cuda", "rocm"):
+    if s.offload not in ("none", "auto") and platform_kind not in GPU_KINDS:
         bad.append(f"memory.offload={s.offload} moves weights between the host and a GPU, and this platform is "
-                   f"{platform_kind}; fix: memory.offload=none (or platform=cuda)")
-    if s.max_gpu_gb is not None and platform_kind not in ("cuda", "rocm"):
+                   f"{platform_kind}; fix: memory.offload=none or auto (or platform=cuda); to see the plan a GPU "
+                   "would get: python -m runner <the same overrides> --plan")
+    if s.max_gpu_gb is not None and platform_kind not in GPU_KINDS:
         bad.append(f"memory.max_gpu_gb={s.max_gpu_gb} budgets GPU memory, and this platform is {platform_kind}; "
-                   "fix: memory.max_gpu_gb=null")
+                   "fix: memory.max_gpu_gb=null; to see the plan a GPU would get under it: python -m runner "
+                   "<the same overrides> --plan")
     if s.max_gpu_gb is not None and s.max_gpu_gb <= 0:
         bad.append(f"memory.max_gpu_gb={s.max_gpu_gb} must be > 0 (GiB), or null")
     if s.blocks_per_group < 1:
         bad.append(f"memory.blocks_per_group={s.blocks_per_group} must be >= 1")
-    if s.offload != "none" and parallel is not None:
+    offloads = s.offload not in ("none", "auto") or (s.offload == "auto" and platform_kind in GPU_KINDS)
+    if offloads and parallel is not None:
         bad.append(f"memory.offload={s.offload} under context parallelism ({parallel.mode}) is not supported; fix: "
                    "memory.offload=none, or parallelism=data")
     if bad:
@@ -345,13 +352,18 @@ def apply_vae(pipe: Any, tiling: bool, slicing: bool) -> Dict[str, bool]:
     return {"vae_tiling": tiling, "vae_slicing": slicing}
 
 
+def device_total(device: str) -> int:
+    """The total memory of CUDA device ``device`` (``cuda:0``), in bytes (``torch.cuda.get_device_properties``)."""
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+
+
 def set_budget(max_gpu_gb: Optional[float], device: str) -> Optional[Dict[str, Any]]:
     """Cap this process's CUDA caching allocator at ``max_gpu_gb`` GiB on ``device`` (an allocation past it raises
     ``torch.OutOfMemoryError`` instead of growing); None without a budget."""
     if max_gpu_gb is None:
         return None
     dev = torch.device(device)
-    total = torch.cuda.get_device_properties(dev).total_memory
+    total = device_total(device)
     frac = min(1.0, max_gpu_gb * planner.GIB / total)
     torch.cuda.set_per_process_memory_fraction(frac, dev)
     return {"max_gpu_gb": max_gpu_gb, "fraction": round(frac, 6), "device_total_gb": planner.gb(total)}
@@ -554,6 +566,7 @@ class Fitting:
     def __init__(self, mem: Any, qcfg: Any, libraries: Mapping[str, str], platform_kind: str,
                  parallel: Any) -> None:
         self.settings = settings(mem, platform_kind, parallel)
+        self.platform_kind = platform_kind
         self.choices = quant_choices(qcfg) if qcfg is not None else {}
         gguf = qcfg.gguf_file if qcfg is not None else None
         self.gguf_file: Optional[str] = None if gguf is None else str(gguf)
@@ -602,7 +615,8 @@ class Fitting:
     def choose(self, sizes: Mapping[str, planner.ComponentSize], stages: Sequence[planner.Stage], forwards: int,
                device_total: Optional[int]) -> None:
         """Plan every offload mode and take the requested one (or ``auto``'s), against ``memory.max_gpu_gb`` or
-        else the device's total memory.
+        else ``device_total`` (bytes: the GPU's total memory; None: unknown). Off a GPU (``platform_kind`` not in
+        :data:`GPU_KINDS`) ``auto`` takes ``none``: there is no device memory to fit, and the record says so.
 
         Raises:
             runner.core.memory.MemoryBudgetError: the plan cannot fit (names estimate, budget, cheapest fit).
@@ -612,6 +626,11 @@ class Fitting:
         self.candidates = planner.plans(sizes, stages, "transformer", forwards, s.use_stream, s.blocks_per_group,
                                         s.record_stream)
         where = "memory.offload"
+        if s.offload == "auto" and self.platform_kind not in GPU_KINDS:
+            self.plan = {p.offload: p for p in self.candidates}["none"]  # the weights stay on this platform's device
+            self.why = (f"{where}=auto on platform {self.platform_kind}: no GPU memory to fit, nothing offloaded "
+                        "(none)")
+            return
         if s.max_gpu_gb is None and s.offload != "auto":  # no budget asked: the device's memory bounds nothing
             self.plan = {p.offload: p for p in self.candidates}[s.offload]
             self.why = f"{where}={s.offload} (explicit; no memory.max_gpu_gb)"

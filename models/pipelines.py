@@ -932,32 +932,73 @@ class PipelineEngine(DiffusersEngine):
         from kernels.registry import SelectionContext
 
         run, plat = self.ctx.run, self.ctx.plat
-        libs = {c: lib for c, (lib, _m, _k) in self.task_components(self.task).items() if c != "scheduler"}
-        self.fit = memory.Fitting(run.memory, getattr(self.cfg, "quantization", None), libs, plat.kind,
-                                  self.ctx.parallel)
+        self.fit = self.fitting(plat.kind)
         lin = self.resolutions.get("linear")
         self.fit.check(SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype),
                        self.source.get("kind") == "dummy", bool(run.optimize.fuse_qkv),
                        None if lin is None else str(lin.selected))
-        if self.fit.settings.offload == "none" and self.fit.settings.max_gpu_gb is None:
+        s = self.fit.settings
+        if s.max_gpu_gb is None and (s.offload == "none" or (s.offload == "auto" and plat.kind not in
+                                                               memory.GPU_KINDS)):  # every weight on the device
             super().check_memory()
 
+    def fitting(self, platform_kind: str) -> Any:
+        """A fresh :class:`models.memory.Fitting` of the stage's ``memory.*`` and ``model.quantization`` for a run on
+        ``platform_kind`` (``memory.*`` validated for it; nothing planned yet).
+
+        Raises:
+            ConfigValueError: ``memory.*`` that this platform kind cannot take (``models.memory.settings``).
+        """
+        libs = {c: lib for c, (lib, _m, _k) in self.task_components(self.task).items() if c != "scheduler"}
+        return memory.Fitting(self.ctx.run.memory, getattr(self.cfg, "quantization", None), libs, platform_kind,
+                              self.ctx.parallel)
+
+    def prepare_plan(self, platform_kind: str) -> None:
+        """What :meth:`memory_plan` reads, checked as :meth:`prepare` checks it, for a run on ``platform_kind``
+        that need not be this machine's (``python -m runner ... --plan``, ``runner.tools.plan``): the weight source
+        (architecture or snapshot configs; nothing loads), the model's limits, ``model.lora`` and ``fit``. Backends
+        and the quantization methods' packages are not resolved: they are the target machine's.
+
+        Raises:
+            runner.core.errors.RunnerError subclasses, as :meth:`prepare` raises them for these checks.
+        """
+        self.check_compile_mode()
+        self.resolve_source()
+        self.check_source()
+        self.prepare_lora()
+        self.fit = self.fitting(platform_kind)
+
     def plan_memory(self, rows: Sequence[Row]) -> None:
-        """With an offload plan or a budget, and on a CUDA device always: size every component on the meta device,
-        estimate the activations of the largest batch shape and choose the plan (``runner.core.memory``; refused
-        when it cannot fit). Without a budget the plan is the one asked for (``none``: everything on the device),
-        recorded so that the evidence sets the estimate beside the observed peak per phase."""
+        """With an offload plan, ``auto`` or a budget, and on a CUDA device always: :meth:`memory_plan` against the
+        device's total memory (refused when it cannot fit). Without a budget the plan is the one asked for
+        (``none``: everything on the device), recorded so that the evidence sets the estimate beside the observed
+        peak per phase; ``auto`` off a GPU is ``none``, recorded with why."""
         fit = getattr(self, "fit", None)
         plat = self.ctx.plat  # None where rows are read without a platform (a Ray driver splitting the items)
         on_gpu = plat is not None and str(plat.device).startswith("cuda") and torch.cuda.is_available()
-        if fit is None or not rows or (not on_gpu and fit.settings.offload == "none"
-                                       and fit.settings.max_gpu_gb is None):
+        if fit is None or not rows or plat is None or (not on_gpu and fit.settings.offload == "none"
+                                                       and fit.settings.max_gpu_gb is None):
             return  # on a GPU every run is planned: its evidence holds the estimate beside the observed peaks
+        self.memory_plan(rows, memory.device_total(plat.device) if on_gpu else None)
+
+    def memory_plan(self, rows: Sequence[Row], total: Optional[int]) -> Dict[str, Any]:
+        """The one planning step of a run (:meth:`plan_memory`) and of ``--plan`` (``runner.tools.plan``): size every
+        component on the meta device, estimate the activations of the rows' largest batch shape (:meth:`memory_stages`),
+        plan every offload mode and choose (``models.memory.Fitting.choose``) against ``memory.max_gpu_gb`` or else
+        ``total`` (the GPU's bytes; None: unknown).
+
+        Returns:
+            ``fit.section()``: the manifest's ``memory_plan`` as it stands before placement (``applied`` empty).
+
+        Raises:
+            runner.core.memory.MemoryBudgetError: no plan asked for fits (``fit.candidates`` hold the estimates).
+        """
+        fit = self.fit
         gguf = os.path.getsize(fit.gguf_file) if fit.gguf_file else None
         sizes = memory.component_sizes(self.meta_modules(), fit.choices, gguf)
         forwards = max(self.expected_forwards([Item(row=r, index=0, seed=0)]) or 1 for r in rows)
-        total = torch.cuda.get_device_properties(torch.device(plat.device)).total_memory if on_gpu else None
         fit.choose(sizes, self.memory_stages(rows), forwards, total)
+        return fit.section()
 
     def meta_modules(self) -> Dict[str, Any]:
         """Every model component on the meta device (no memory), from the architecture or the snapshot's configs;

@@ -82,6 +82,12 @@ if __name__ == "__main__":
     if problem:
         print(f"runner: {problem}", file=sys.stderr)
         sys.exit(2)
+    from runner.tools.plan import wants_plan
+
+    if wants_plan(sys.argv[1:]):  # `... --plan`: the memory plan of the composed run, nothing loaded, no run dir
+        from runner.tools.plan import main as plan_main
+
+        sys.exit(plan_main(sys.argv[1:]))
     try:
         main()
     except KeyboardInterrupt:  # a signal after the run recorded its final status (or before it started)

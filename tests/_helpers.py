@@ -349,3 +349,46 @@ def import_extra(extra: str, module: str) -> Any:
 
     skip_without_extra(extra)
     return importlib.import_module(module)
+
+
+#: FLUX.1's published component configs (``shared/reference``, beside the checkout); tests that need them skip without.
+FLUX1_REFERENCE = REPO_ROOT.parent / "shared" / "reference" / "flux1_configs.json"
+
+
+def flux_dev_reference() -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """FLUX.1-dev's components on the meta device from the published configs (no memory), and those configs:
+    ``(modules, confs)``; the test is skipped when :data:`FLUX1_REFERENCE` is absent."""
+    import pytest
+
+    from models.memory import meta_components
+
+    if not FLUX1_REFERENCE.exists():
+        pytest.skip(f"FLUX.1 reference configs not present ({FLUX1_REFERENCE})")
+    ref = json.loads(FLUX1_REFERENCE.read_text())
+    confs = {"transformer": ref["transformer"]["dev"],
+             # the reference file omits the VAE's block types (diffusers' default: one block of each, 77 MB where
+             # FLUX.1-dev's VAE has 168 MB); its vae/config.json, like conf/model/flux.yaml, lists four of each
+             "vae": {**{k: v for k, v in ref["vae"].items() if k != "class"},
+                     "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4},
+             "text_encoder": {k: v for k, v in ref["text_encoder_clip_l"].items() if k != "class"},
+             "text_encoder_2": {k: v for k, v in ref["text_encoder_2_t5_xxl"].items() if k != "class"}}
+    classes = {"transformer": ("diffusers", "FluxTransformer2DModel", None),
+               "vae": ("diffusers", "AutoencoderKL", None),
+               "text_encoder": ("transformers", "CLIPTextModel", "CLIPTextConfig"),
+               "text_encoder_2": ("transformers", "T5EncoderModel", "T5Config")}
+    return meta_components(classes, lambda c: confs[c], torch.bfloat16), confs
+
+
+def flux_dev_stages(confs: Dict[str, Dict[str, Any]], batch: int = 16, slicing: bool = True,
+                    tiling: bool = False) -> List[Any]:
+    """The planner's stages of one FLUX.1-dev call at 1024^2 in bf16 (``runner.core.memory.Stage``): ``batch``
+    images, (1024 / 16)^2 image tokens + 512 T5 tokens."""
+    from models import memory
+    from runner.core.memory import Stage
+
+    tokens = 64 * 64 + 512
+    return [Stage("text_encode", memory.text_activations(
+                {"text_encoder": confs["text_encoder"], "text_encoder_2": confs["text_encoder_2"]}, batch, 512, 2)),
+            Stage("denoise", {"transformer": memory.denoiser_activations(confs["transformer"], batch, tokens, 2)}),
+            Stage("vae_decode", {"vae": memory.decoder_activations(confs["vae"], batch, 1, 1024, 1024, 2, tiling,
+                                                                  slicing)})]

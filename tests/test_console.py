@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 from _helpers import import_extra, requires_extra  # noqa: E402
 from _helpers import BAR, assert_compile_warm_up_console  # noqa: E402
-from _helpers import cli as _cli, console_lines as _lines, summary_lines as _summary  # noqa: E402
+from _helpers import cli as _cli, console_lines as _lines, library_noise, summary_lines as _summary  # noqa: E402
 
 
 def test_default_run_prints_one_progress_bar_and_no_warning_or_profiler_line(subprocess_env, tmp_path):
@@ -29,6 +29,31 @@ def test_default_run_prints_one_progress_bar_and_no_warning_or_profiler_line(sub
     assert not noisy, noisy
     others = [x for x in lines if not BAR.match(x)]
     assert len(others) == 1 and "run completed: 2 ok" in others[0], others
+    # the last line carries what a user looks for first: the evidence verdict and the oracle's accuracy (issue #38)
+    import json
+
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    last = next(_lines(stream)[-1] for stream in (p.stdout, p.stderr) if others[0] in stream)  # its stream's last
+    assert last == others[0] and m["evidence"]["verdict"] == "verified", (last, m["evidence"]["verdict"])
+    acc = m["accuracy"]
+    assert f"; evidence verified; oracle accuracy all {acc['all']:.3g} · " in last, last
+    assert f"position {acc['position']:.3g} (n 2) -> {tmp_path / 'run'}" in last, last
+
+
+def test_summary_line_names_verdict_and_accuracy_only_where_the_run_has_them():
+    from runner.app.console import merged_summary, summary_line
+
+    c = {"ok": 3, "failed": 1, "reused": 0}
+    assert summary_line("completed_with_failures", c, 2.0, "d") == "run completed_with_failures: 3 ok, 1 failed, " \
+        "0 reused, 2.0 s -> d"
+    line = summary_line("evidence_mismatch", c, None, "d", verdict="mismatch",
+                        accuracy={"oracle": "toy_shapes", "n": 4, "color": 0.75, "all": 0.5, "read": {}})
+    assert line == "run evidence_mismatch: 3 ok, 1 failed, 0 reused; evidence mismatch; oracle accuracy all 0.5 · " \
+        "color 0.75 (n 4) -> d"
+    merged = {"status": "completed", "counts": c, "workers": [{}, {}], "timing": {"wall_s": 1.0},
+              "evidence": {"verdict": "limited"}}
+    assert merged_summary(merged, "d") == "run completed: 3 ok, 1 failed, 0 reused over 2 workers, 1.0 s; " \
+        "evidence limited -> d"
 
 
 def test_help_says_what_the_tool_is_without_schema_bases(subprocess_env, tmp_path):
@@ -245,6 +270,7 @@ def test_vllm_run_prints_one_bar_one_summary_and_no_library_info_line(subprocess
     glued = [x for x in lines if BAR.match(x) and re.search(r"WARNING|INFO", x)]
     assert not glued, glued
     assert len(_summary(lines)) == 1 and "run completed: 1 ok" in _summary(lines)[0]
+    assert not library_noise(out), library_noise(out)
 
 
 def _dp_run(args, env, cwd, torchrun):
@@ -265,6 +291,7 @@ def test_torchrun_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_
     assert {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m} == {"toy_shapes [rank 0 of 2]"}
     s = _summary(lines)
     assert len(s) == 1 and "run completed: 4 ok, 0 failed, 0 reused over 2 workers" in s[0], s
+    assert not library_noise(out), library_noise(out)
 
 
 def test_ray_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_path):
@@ -280,3 +307,4 @@ def test_ray_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_path)
     s = _summary(lines)
     assert len(s) == 1 and "run completed: 4 ok, 0 failed, 0 reused over 2 workers" in s[0], s
     assert not [x for x in lines if re.search(r"Loading|\[INFO\]", x) and "[runner" not in x]
+    assert not library_noise(out), library_noise(out)

@@ -1,6 +1,8 @@
 """Every entry point's console is the runner's own (issue #38): ``python -m runner`` on toy_shapes (plain, and with
-each installed extra doing its work: torchao's int8 weight-only, a LoRA adapter through peft, cache-dit's DBCache),
-``runner.score``, ``runner.gate``, ``runner.report``, ``runner.repro`` and ``runner.export``, each in a fresh
+each installed extra doing its work: torchao's int8 weight-only, a LoRA adapter through peft, cache-dit's DBCache,
+the MLflow tracker; the Ray launcher, torchrun and vLLM runs are tests/test_console.py's, which check the same),
+``runner.score``, ``runner.gate``, ``runner.report``, ``runner.repro``, ``runner.export`` (parquet and
+webdataset), ``runner.validate``, ``runner.matrix`` and ``python -m runner ... --plan``, each in a fresh
 subprocess with the console's defaults, print no library warning and no traceback line. An extra that is not
 installed drops its run (the quick start's environment); ``.ci/run`` installs them all."""
 
@@ -25,6 +27,8 @@ RUNS: Dict[str, tuple] = {
     # toy_shapes has 5 double-stream blocks: DBCache's default Fn_compute_blocks=8 fails every item (not refused at
     # startup: see the report of issue #38), so the first 2 blocks decide
     "cache_dit": ("cache-dit", ["cache.method=dbcache", "cache.fn_compute_blocks=2"]),
+    # the tracker logs the finished run into mlruns/ of the working dir (the test's tmp_path)
+    "mlflow": ("mlflow", ["tracker=mlflow"]),
 }
 
 
@@ -84,9 +88,19 @@ def test_tool_consoles_have_no_library_line(run_dir, tmp_path):
     outs["repro"] = _tool("runner.repro", [run_dir, "--out", tmp_path / "repro"], tmp_path)
     fmt = "parquet" if missing_extra("export") is None else "in-toto"
     outs["export"] = _tool("runner.export", [run_dir, "--format", fmt, "--out", tmp_path / "export"], tmp_path)
+    if missing_extra("export") is None:
+        outs["export webdataset"] = _tool("runner.export", [run_dir, "--format", "webdataset", "--out",
+                                                            tmp_path / "wds"], tmp_path)
+    if missing_extra("validate") is None:
+        outs["validate"] = _tool("runner.validate", [run_dir], tmp_path)
+    outs["matrix"] = _tool("runner.matrix", [run_dir], tmp_path)
+    # plan mode (`--plan`): the memory plan of the composed run, nothing loaded
+    outs["plan"] = _tool("runner", ["dataset.limit=2", "memory.offload=auto", "platform=cpu", "--plan"], tmp_path)
     for name, p in outs.items():
         out = p.stdout + p.stderr
         if name != "score refusal":
             assert p.returncode == 0, f"{name}: {out[-3000:]}"
         assert not _noise(out), (name, _noise(out))
     assert "clip_score" in json.loads(outs["score"].stdout)["summary"]
+    assert "plan: none" in outs["plan"].stdout and "validated" in outs["matrix"].stdout  # each did its work
+    assert "validate" not in outs or f"{run_dir}: valid" in outs["validate"].stdout

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import compose, execute, import_extra, requires_extra, skip_without_extra
+from _helpers import compose, execute, flux_dev_reference, import_extra, requires_extra, skip_without_extra
+from _helpers import flux_dev_stages as _stages
 from kernels import quantization as quant
 from kernels.registry import SelectionContext
 from runner.core import memory as planner
@@ -178,33 +179,7 @@ def test_dummy_weights_refuse_checkpoint_only_methods():
 @pytest.fixture(scope="module")
 def flux_dev():
     """FLUX.1-dev's components on the meta device, from the published configs (no memory)."""
-    from models.memory import meta_components
-
-    ref = json.loads(open("/work/shared/reference/flux1_configs.json").read()) if __import__("os").path.exists(
-        "/work/shared/reference/flux1_configs.json") else None
-    if ref is None:
-        pytest.skip("FLUX.1 reference configs not present")
-    confs = {"transformer": ref["transformer"]["dev"],
-             "vae": {k: v for k, v in ref["vae"].items() if k != "class"},
-             "text_encoder": {k: v for k, v in ref["text_encoder_clip_l"].items() if k != "class"},
-             "text_encoder_2": {k: v for k, v in ref["text_encoder_2_t5_xxl"].items() if k != "class"}}
-    classes = {"transformer": ("diffusers", "FluxTransformer2DModel", None),
-               "vae": ("diffusers", "AutoencoderKL", None),
-               "text_encoder": ("transformers", "CLIPTextModel", "CLIPTextConfig"),
-               "text_encoder_2": ("transformers", "T5EncoderModel", "T5Config")}
-    return meta_components(classes, lambda c: confs[c], torch.bfloat16), confs
-
-
-def _stages(confs, batch=16, slicing=True, tiling=False):
-    from models import memory
-
-    tokens = 64 * 64 + 512  # 1024^2: (1024 / 16)^2 image tokens + 512 T5 tokens
-    return [planner.Stage("text_encode", memory.text_activations(
-                {"text_encoder": confs["text_encoder"], "text_encoder_2": confs["text_encoder_2"]}, batch, 512, 2)),
-            planner.Stage("denoise", {"transformer": memory.denoiser_activations(confs["transformer"], batch,
-                                                                                 tokens, 2)}),
-            planner.Stage("vae_decode", {"vae": memory.decoder_activations(confs["vae"], batch, 1, 1024, 1024, 2,
-                                                                          tiling, slicing)})]
+    return flux_dev_reference()
 
 
 def test_flux_dev_sizes_from_the_meta_device(flux_dev):

@@ -104,6 +104,31 @@ def test_auto_records_why_and_the_budget_caps_the_allocator(tmp_path):
     assert set(peaks) == {"text_encode", "denoise", "vae_decode"} and all(v > 0 for v in peaks.values())
 
 
+@pytest.mark.parametrize("overrides", [["memory.offload=auto", "memory.max_gpu_gb=8"], ["memory.offload=group_block"],
+                                       ["memory.offload=none"]])
+def test_plan_mode_prints_what_the_gpu_run_records(tmp_path, overrides):
+    """``python -m runner ... --plan --json`` (a subprocess: nothing loaded, no run dir) prints the section that the
+    run on this GPU records as its manifest's ``memory_plan`` (issue #38), ``applied`` aside (filled at placement):
+    with a budget, with an explicit plan and no budget (against the device's total memory), and with none."""
+    import os
+    import subprocess
+    import sys
+
+    m = run(tmp_path / "run", overrides)
+    assert m["_code"] == 0, m
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "runner", *GPU, *overrides, "--plan", "--json"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(p.stdout)
+    printed = doc["stages"]["denoise"]
+    assert doc["device_total_gb"] == round(torch.cuda.get_device_properties(0).total_memory / 2 ** 30, 3)
+    assert printed["applied"] == {} and m["memory_plan"]["applied"]
+    assert printed == {**m["memory_plan"], "applied": {}}
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_the_budget_is_enforced_on_the_device():
     from models.memory import set_budget
 

@@ -262,3 +262,16 @@ def test_kernel_config_read_back_from_the_worker(model_dir):
         assert a.mismatches() == []
     finally:
         a.close()
+
+
+def test_plan_mode_names_the_stages_vllm_sizes_itself_without_vllm_installed():
+    """``--plan`` on a vLLM model plans nothing (vLLM sizes its own KV cache) and says so; in a two-stage model the
+    diffusion stage is planned beside it (issue #38)."""
+    from _helpers import compose
+    from runner.tools.plan import plans, render
+
+    doc = plans(compose(["model=tiny_qwen3_moe"]), [])
+    assert doc["stages"] == {"generate": None} and doc["batch"] is None
+    assert "stage generate: no memory plan" in render(doc)
+    doc = plans(compose(["model=prompt_expand_flux"]), [])
+    assert doc["stages"]["expand"] is None and doc["stages"]["denoise"]["planned"]["offload"] == "none"

@@ -70,6 +70,9 @@ LIBRARY_NOISE: Dict[str, Tuple[Any, ...]] = {
     # once per tokenizer, so twice for a two-encoder pipeline; the runner says it once for the run (how many items a
     # text encoder truncated) and each record carries its counts (``models.diffusers_engine``)
     "transformers.tokenization_utils_base": ("Token indices sequence length is longer than",),
+    # launcher=ray starting its local cluster: Ray turned its secure default on (token authentication), nothing to
+    # act on; the opposite notice (authentication disabled: anyone on the network can run code) stays on the console
+    "ray._private.authentication.authentication_token_setup": ("Token authentication is enabled for this Ray",),
 }
 #: Loggers whose own console handler (not the root's) prints library records: redirected through ``tqdm.write``
 #: while the bar is shown, as the root's is (:class:`Progress`).
@@ -493,23 +496,44 @@ class Progress:
 
 
 def summary_line(status: str, counts: Dict[str, int], seconds: Optional[float], out_dir: object,
-                 workers: Optional[int] = None) -> str:
-    """The line a run ends with: ``run completed: 4 ok, 0 failed, 0 reused, 3.2 s -> <dir>``; with ``workers``
-    (a data-parallel run's merge) the merged total of every worker, ``... over 2 workers``, and the items no worker
-    produced (``missing``) when there are any."""
+                 workers: Optional[int] = None, verdict: Optional[str] = None,
+                 accuracy: Optional[Dict[str, Any]] = None) -> str:
+    """The line a run ends with: ``run completed: 4 ok, 0 failed, 0 reused, 3.2 s; evidence verified; oracle
+    accuracy all 1 · color 1 · shape 1 · position 1 (n 4) -> <dir>``: the counts, the wall time, the evidence
+    verdict (the manifest's ``evidence.verdict``) and the oracle's accuracy (:func:`accuracy_summary`), each left
+    out when the run has none; with ``workers`` (a data-parallel run's merge) the merged total of every worker,
+    ``... over 2 workers``, and the items no worker produced (``missing``) when there are any."""
     parts = [f"{counts.get('ok', 0)} ok", f"{counts.get('failed', 0)} failed", f"{counts.get('reused', 0)} reused"]
     if counts.get("missing"):
         parts.append(f"{counts['missing']} missing")
     tail = f" over {workers} workers" if workers else ""
     took = f", {seconds:.1f} s" if seconds is not None else ""
-    return f"run {status}: {', '.join(parts)}{tail}{took} -> {out_dir}"
+    found = [f"evidence {verdict}"] if verdict else []
+    acc = accuracy_summary(accuracy or {})
+    if acc:
+        found.append(f"oracle accuracy {acc}")
+    return f"run {status}: {', '.join(parts)}{tail}{took}{''.join('; ' + f for f in found)} -> {out_dir}"
+
+
+def accuracy_summary(acc: Dict[str, Any]) -> Optional[str]:
+    """The oracle's accuracy (a manifest's ``accuracy``: share of items whose attribute the oracle read back as
+    requested, 0..1) in one phrase: ``all 0.958 · color 1 · shape 0.958 (n 24)``; None without an oracle."""
+    vals = [(k, v) for k, v in acc.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "n"]
+    if not vals:
+        return None
+    vals.sort(key=lambda kv: kv[0] != "all")  # all first
+    n = f" (n {acc['n']})" if isinstance(acc.get("n"), int) else ""
+    return " · ".join(f"{k} {v:.3g}" for k, v in vals) + n
 
 
 def merged_summary(merged: Dict[str, object], out_dir: object) -> str:
     """:func:`summary_line` of a data-parallel run's merged manifest (``runner.core.distributed.merge``): every
-    worker's items, the slowest worker's wall time."""
+    worker's items, the slowest worker's wall time, the merged evidence verdict and accuracy where it has them."""
     workers = merged.get("workers") or []
     timing = merged.get("timing") or {}
+    evidence = merged.get("evidence") or {}
     return summary_line(str(merged.get("status")), dict(merged.get("counts") or {}),  # type: ignore[arg-type]
                         timing.get("wall_s") if isinstance(timing, dict) else None, out_dir,
-                        workers=len(workers))  # type: ignore[arg-type]
+                        workers=len(workers),  # type: ignore[arg-type]
+                        verdict=evidence.get("verdict") if isinstance(evidence, dict) else None,
+                        accuracy=merged.get("accuracy") if isinstance(merged.get("accuracy"), dict) else None)

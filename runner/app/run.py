@@ -612,7 +612,9 @@ class Run:
         # a worker's share is not the run's total: the merge logs that (runner.app.jobs, runner.app.ray_launcher)
         log.log(logging.INFO if w is None or w.world_size == 1 else logging.DEBUG, "%s",
                 summary_line(self.status, c, time.perf_counter() - self.t_start,
-                             self.out_dir if self.mirror is None else self.mirror.url))
+                             self.out_dir if self.mirror is None else self.mirror.url,
+                             verdict=(self.manifest.doc.get("evidence") or {}).get("verdict"),
+                             accuracy=self.manifest.doc.get("accuracy")))
         if self.status == "evidence_mismatch":
             raise EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
                                          + "\n  ".join(self.manifest.doc["evidence"]["mismatches"]))

@@ -306,7 +306,8 @@ class OffloadMode(Choice):
     """Where weights live between uses (``memory.offload``, ``models.memory``): ``none`` (all on the device),
     ``model`` (diffusers' ``enable_model_cpu_offload``: one component on the device at a time), ``group_block`` /
     ``group_leaf`` (diffusers' group offloading by blocks / by leaf modules), ``auto`` (the fastest plan that fits
-    ``memory.max_gpu_gb``, recorded with why)."""
+    ``memory.max_gpu_gb``, recorded with why; off a GPU: ``none``, recorded so). ``python -m runner ... --plan``
+    prints the plan a run would get, on any machine (``runner.tools.plan``)."""
 
     auto = "auto"
     none = "none"

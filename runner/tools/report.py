@@ -416,7 +416,10 @@ th,td{border:1px solid #d8dce3;padding:4px 7px;text-align:left;vertical-align:to
 th{background:#f2f4f7;font-weight:600;white-space:nowrap}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 table.jobs{width:100%;table-layout:auto}
-table.jobs td.ovr{min-width:210px;max-width:320px;overflow-wrap:anywhere}
+table.jobs td.ovr{min-width:160px;max-width:300px;overflow-wrap:anywhere}
+table.jobs td.acc{min-width:120px;max-width:220px}
+table.jobs th{white-space:normal}
+table.jobs .badge{white-space:normal}table.jobs td.num .badge{display:block;margin-top:2px;text-align:left}
 .scroll{overflow-x:auto;max-width:100%}
 code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px}
 .sub{display:block;color:#5b6475;font-size:11.5px}
@@ -550,12 +553,16 @@ def _bar_chart(jobs: Sequence[Job]) -> str:
     return "".join(parts)
 
 
+#: The jobs table's columns after job, overrides and outcome: what a user looks for first (the evidence verdict, the
+#: oracle's accuracy) comes before the backends, times and memory, so that it is on screen at 1400 px whatever the
+#: other columns hold.
+JOB_COLUMNS = ("evidence", "oracle accuracy", *FIELDS, "wall s", *(f"{lbl} s" for _, lbl in PHASES), "images/s",
+               "peak memory", "metrics (mean)")
+
+
 def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
-    head = ("<tr><th>job</th><th>overrides</th><th>outcome / status</th>"
-            + "".join(f"<th>{f}</th>" for f in FIELDS)
-            + "<th>evidence</th><th>wall s</th>"
-            + "".join(f"<th>{lbl} s</th>" for _, lbl in PHASES)
-            + "<th>images/s</th><th>peak memory</th><th>oracle accuracy</th><th>metrics (mean)</th></tr>")
+    head = "<tr><th>job</th><th>overrides</th><th>outcome / status</th>" + "".join(
+        f"<th>{c}</th>" for c in JOB_COLUMNS) + "</tr>"
     rows = []
     for n_job, j in enumerate(jobs):
         m = j.manifest
@@ -568,23 +575,11 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         cells.append(f"<td>{oc}{st}</td>")
         bf = backend_fields(m)
         if not any(bf.values()) and not m.get("timing"):  # stopped before resolution: the error fills the row
-            span = len(FIELDS) + len(PHASES) + 7
-            cells.append(f'<td colspan="{span}"><span class="err">{_e(j.error or "no record")}</span></td>')
+            cells.append(f'<td colspan="{len(JOB_COLUMNS)}"><span class="err">{_e(j.error or "no record")}</span></td>')
             rows.append("<tr>" + "".join(cells) + "</tr>")
             continue
         if j.error:
             cells[-1] = f'<td>{oc}{st}<span class="err">{_e(j.error)}</span></td>'
-        for f in FIELDS:
-            entries = bf.get(f) or []
-            if not entries:
-                cells.append("<td>—</td>")
-                continue
-            txt = []
-            for en in entries:
-                stage = f"{en['stage']}: " if len(entries) > 1 else ""
-                txt.append(f"{_e(stage)}<b>{_e(en['selected'] or 'n/a')}</b>"
-                           f'<span class="sub">requested {_e(en["requested"])} · {_e(en["layer"])}</span>')
-            cells.append("<td>" + "".join(txt) + "</td>")
         ev = m.get("evidence") or {}
         if ev:
             v = ev.get("verdict", "—")
@@ -592,6 +587,8 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
             cells.append(f"<td>{_badge(v, _VERDICT_CLASS.get(v, 'warn'))}{fin}</td>")
         else:
             cells.append("<td>—</td>")
+        cells.append(f'<td class="acc">{_e(accuracy_summary(m) or "—")}</td>')
+        cells.extend(_backend_cells(bf))
         t = m.get("timing") or {}
         ph = t.get("phases_s") or {}
         cells.append(f'<td class="num">{_num(t.get("wall_s"), "{:.2f}")}{warmup_note(m, first=n_job == 0)}</td>')
@@ -602,22 +599,35 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         mem = memory_summary(m)
         cells.append(f'<td class="num">{_e(mem[0])}<span class="sub">{_e(mem[1])}</span></td>' if mem
                      else '<td class="num">—</td>')
-        cells.append(f"<td>{_e(accuracy_summary(m) or '—')}</td>")
         cells.append(f"<td>{_e(metrics_summary(m) or '—')}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f'<div class="scroll"><table class="jobs sortable">{head}{"".join(rows)}</table></div>'
 
 
+def _backend_cells(bf: Dict[str, List[Dict[str, Any]]]) -> List[str]:
+    """One cell per backend field (:data:`FIELDS`): the selected implementation per stage, what was requested and
+    the precedence layer that set it."""
+    cells = []
+    for f in FIELDS:
+        entries = bf.get(f) or []
+        if not entries:
+            cells.append("<td>—</td>")
+            continue
+        txt = []
+        for en in entries:
+            stage = f"{en['stage']}: " if len(entries) > 1 else ""
+            txt.append(f"{_e(stage)}<b>{_e(en['selected'] or 'n/a')}</b>"
+                       f'<span class="sub">requested {_e(en["requested"])} · {_e(en["layer"])}</span>')
+        cells.append("<td>" + "".join(txt) + "</td>")
+    return cells
+
+
 def accuracy_summary(m: Dict[str, Any]) -> Optional[str]:
-    """The oracle's accuracy of a job (the manifest's ``accuracy``: share of items whose attribute the oracle read
-    back as requested, 0..1): ``all 0.958 · color 1 · shape 0.958 (n 24)``; None without an oracle."""
-    acc = m.get("accuracy") or {}
-    vals = [(k, v) for k, v in acc.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "n"]
-    if not vals:
-        return None
-    vals.sort(key=lambda kv: kv[0] != "all")  # all first
-    n = f" (n {acc['n']})" if isinstance(acc.get("n"), int) else ""
-    return " · ".join(f"{k} {v:.3g}" for k, v in vals) + n
+    """The oracle's accuracy of a job (``runner.app.console.accuracy_summary`` of the manifest's ``accuracy``: the
+    phrase the run's last console line carries too); None without an oracle."""
+    from runner.app.console import accuracy_summary as phrase
+
+    return phrase(m.get("accuracy") or {})
 
 
 def metric_stats(m: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
@@ -684,24 +694,49 @@ def _speed_quality(jobs: Sequence["Job"]) -> str:
     return "".join(out) or "<p>No scored job recorded a throughput.</p>"
 
 
+def axis_range(values: Sequence[float], from_zero: bool = False) -> Tuple[float, float]:
+    """``(lo, hi)`` of a plot axis over ``values``: never empty, whatever they are. Distinct values get 5 % of their
+    span either side (``from_zero``: the axis starts at 0, as a rate's does); values that are all equal (or equal
+    but for rounding, a span below 1e-9 of their magnitude) get 5 % of their magnitude either side, 1 when they are
+    0 (a rate's axis then stays at 0 .. 1)."""
+    lo, hi = min(values), max(values)
+    if from_zero:
+        lo = min(lo, 0.0)
+    scale = max(abs(lo), abs(hi))
+    if hi - lo <= 1e-9 * scale or hi == lo:
+        pad = 0.05 * scale if scale > 0 else 1.0
+        return (0.0, max(hi, 0.0) + pad) if from_zero and lo >= 0 else (lo - pad, hi + pad)
+    margin = 0.05 * (hi - lo)
+    return (lo if from_zero and lo == 0 else lo - margin), hi + margin
+
+
+def tick_labels(lo: float, hi: float) -> Tuple[str, str]:
+    """The two end labels of an axis, with as many significant digits (3 to 12) as it takes to tell them apart."""
+    for digits in range(3, 13):
+        a, b = f"{lo:.{digits}g}", f"{hi:.{digits}g}"
+        if a != b:
+            return a, b
+    return f"{lo!r}", f"{hi!r}"
+
+
 def _scatter(name: str, pts: Sequence[Tuple["Job", float, float]]) -> str:
     w, h, left, top = 460, 220, 60, 20
     xs, ys = [p[1] for p in pts], [p[2] for p in pts]
-    x0, x1 = min(xs + [0.0]), max(xs) or 1.0
-    y0, y1 = min(ys), max(ys)
-    y0, y1 = (y0 - 1, y1 + 1) if y0 == y1 else (y0 - 0.05 * (y1 - y0), y1 + 0.05 * (y1 - y0))
+    x0, x1 = axis_range(xs, from_zero=True)
+    y0, y1 = axis_range(ys)
+    same = f" (every job: {ys[0]:.5g})" if len(ys) > 1 and max(ys) - min(ys) <= 1e-9 * max(map(abs, ys)) else ""
     parts = [f'<svg width="{left + w + 140}" height="{top + h + 40}" role="img" aria-label="speed against {_e(name)}">',
-             f'<text x="{left}" y="12" font-size="12" fill="#5b6475">{_e(name)} (mean) against images/s</text>',
+             f'<text x="{left}" y="12" font-size="12" fill="#5b6475">{_e(name)} (mean) against images/s{same}</text>',
              f'<line x1="{left}" y1="{top + h}" x2="{left + w}" y2="{top + h}" stroke="#5b6475"/>',
              f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + h}" stroke="#5b6475"/>']
-    for v, frac in ((x0, 0), (x1, 1)):
-        parts.append(f'<text x="{left + w * frac:.1f}" y="{top + h + 14}" font-size="11" text-anchor="middle" '
-                     f'fill="#5b6475">{v:.3g}</text>')
-    for v, frac in ((y0, 0), (y1, 1)):
-        parts.append(f'<text x="{left - 4}" y="{top + h - h * frac:.1f}" font-size="11" text-anchor="end" '
-                     f'fill="#5b6475">{v:.4g}</text>')
+    for v, frac in zip(tick_labels(x0, x1), (0, 1)):
+        parts.append(f'<text class="xtick" x="{left + w * frac:.1f}" y="{top + h + 14}" font-size="11" '
+                     f'text-anchor="middle" fill="#5b6475">{v}</text>')
+    for v, frac in zip(tick_labels(y0, y1), (0, 1)):
+        parts.append(f'<text class="ytick" x="{left - 4}" y="{top + h - h * frac:.1f}" font-size="11" '
+                     f'text-anchor="end" fill="#5b6475">{v}</text>')
     for j, x, y in pts:
-        cx = left + w * (x - x0) / ((x1 - x0) or 1.0)
+        cx = left + w * (x - x0) / (x1 - x0)
         cy = top + h - h * (y - y0) / (y1 - y0)
         colour = "#d9822b" if lossy.of_manifest(j.manifest)["lossy"] else "#4a78c2"
         parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" fill="{colour}"><title>{_e(j.label)}: {x:.4g} '
@@ -770,7 +805,13 @@ def _parity_section(jobs: Sequence[Job], ref: Optional[Job], par: Dict[str, List
                     tolerance_db: float) -> str:
     if ref is None:
         return "<p>No job wrote images, so there is no parity reference.</p>"
-    out = [f"<p>Reference: job <b>{_e(ref.label)}</b> ({_e(' '.join(ref.manifest.get('overrides') or []))}). "
+    others = [j for j in jobs if j is not ref]
+    if not others:  # a single run: nothing to compare, and no empty table saying so
+        return (f"<p>One job (<b>{_e(ref.label)}</b>): parity compares the items of several jobs with a reference "
+                "job's. Give more run dirs or a sweep dir (<code>python -m runner.report &lt;run dir&gt; "
+                "&lt;other run dir&gt;</code>, <code>--reference</code> picks the reference).</p>")
+    ovr = " ".join(ref.manifest.get("overrides") or [])
+    out = [f"<p>Reference: job <b>{_e(ref.label)}</b>{f' ({_e(ovr)})' if ovr else ''}. "
            f"PSNR in dB (<code>inf</code>: identical pixels), SSIM of Wang et al. 2004 (11x11 Gaussian window, "
            f"σ 1.5, per RGB channel, 1.0: identical), max |Δ| in pixel levels (0..255). Within tolerance: "
            f"PSNR ≥ {tolerance_db:g} dB. Only items with the same seed, prompt and parameters are compared.</p>"]

@@ -1,0 +1,173 @@
+"""Plan mode (issue #38): ``python -m runner <overrides> --plan`` prints the memory plan the composed run would get,
+on any machine, with nothing loaded and no run dir; the plan is what a run records as its manifest's
+``memory_plan`` (one function computes both: ``PipelineEngine.memory_plan``). ``memory.offload=auto`` off a GPU is
+``none``, recorded so. The GPU side (a CUDA run's record against ``--plan`` on the same machine) is in
+tests/test_memory_cuda.py."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from _helpers import cli, execute, library_noise
+from runner.core import memory as planner
+
+FLUX_DEV = ["model=flux", "model.load_format=dummy", "batch_size=16", "memory.vae_slicing=true",
+            "memory.offload=auto"]
+
+
+def _plan_cli(args, tmp_path, subprocess_env):
+    p = cli([*args, "--plan"], subprocess_env, tmp_path)
+    assert not library_noise(p.stdout + p.stderr), library_noise(p.stdout + p.stderr)
+    assert not (tmp_path / "outputs").exists(), "plan mode made a run dir"
+    return p
+
+
+def test_plan_mode_prints_what_a_cpu_run_records(tmp_path, subprocess_env):
+    """A real CPU run with ``memory.offload=auto`` records a plan (``none``, and why); ``--plan --json`` with the same
+    overrides prints the same section, ``applied`` (filled at placement) aside."""
+    overrides = ["model=toy_shapes", "dataset.limit=2", "batch_size=2", "memory.offload=auto"]
+    r = execute(tmp_path / "run", overrides)
+    assert r.code == 0, r.error
+    recorded = json.loads((tmp_path / "run" / "manifest.json").read_text())["memory_plan"]
+    p = _plan_cli(["platform=cpu", *overrides, "--json"], tmp_path, subprocess_env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(p.stdout)
+    printed = doc["stages"]["denoise"]
+    assert printed["applied"] == {} and recorded["applied"]["offload"] == "none"
+    assert printed == {k: v for k, v in recorded.items() if k != "applied"} | {"applied": {}}
+    assert recorded["offload"] == "none" and recorded["planned"]["offload"] == "none"
+    assert "auto on platform cpu" in recorded["why"] and recorded["budget_gb"] is None
+    assert [c["offload"] for c in recorded["candidates"]] == list(planner.OFFLOAD_MODES)
+    assert doc["platform"] == "cpu" and doc["dtype"] == "float32" and doc["batch"]["batch_size"] == 2
+    # another batch is another plan: the comparison can fail
+    other = ["platform=cpu", "model=toy_shapes", "dataset.limit=2", "batch_size=1", "memory.offload=auto"]
+    assert _plans(other)["stages"]["denoise"]["planned"] != printed["planned"]
+
+
+def _plans(overrides, device_gb=None):
+    from _helpers import compose
+    from runner.tools.plan import plans
+
+    return plans(compose(overrides), overrides, device_gb)
+
+
+@pytest.fixture(scope="module")
+def flux_plans():
+    """FLUX.1-dev (conf/model/flux.yaml, random weights: only its architecture is read) at 1024^2 under 24 / 12 / 8
+    GiB at batch 16, and 8 GiB at batch 8, planned for a CUDA GPU from this CPU machine."""
+    return {name: _plans([*FLUX_DEV, *extra])
+            for name, extra in {"24": ["memory.max_gpu_gb=24"], "12": ["memory.max_gpu_gb=12"],
+                                "8": ["memory.max_gpu_gb=8"], "8@8": ["memory.max_gpu_gb=8", "batch_size=8"]}.items()}
+
+
+def _fits(sec, budget_gb):
+    """The chosen plan fits the budget and every faster candidate does not (auto's rule)."""
+    cands = sec["candidates"]
+    chosen = [c["offload"] for c in cands].index(sec["planned"]["offload"])
+    assert cands[chosen]["peak_gb"] <= budget_gb, sec
+    assert all(c["peak_gb"] > budget_gb for c in cands[:chosen]), sec
+
+
+def test_flux_dev_plans_under_24_12_and_8_gib(flux_plans):
+    for name in ("24", "12", "8@8"):
+        doc = flux_plans[name]
+        assert doc["platform"] == "cuda" and doc["dtype"] == "bfloat16", doc
+        sec = doc["stages"]["denoise"]
+        budget = float(name.split("@")[0])
+        assert sec["budget_gb"] == budget and sec["max_gpu_gb"] == budget
+        _fits(sec, budget)
+        assert sec["why"].startswith(f"auto: {sec['offload']} is the fastest plan that fits {budget} GiB")
+    assert flux_plans["24"]["batch"]["batch_size"] == 16 and flux_plans["8@8"]["batch"]["batch_size"] == 8
+    assert flux_plans["24"]["batch"]["width"] == 1024
+    # batch 16 does not fit 8 GiB under any plan (the denoiser's activations alone are ~8 GiB): refused, naming
+    # batch_size among the fixes; at batch 8 the same plan modes are cheaper
+    refused = flux_plans["8"]["stages"]["denoise"]
+    assert "no plan fits memory.max_gpu_gb=8.0" in refused["refused"] and "lower batch_size" in refused["refused"]
+    assert all(c["peak_gb"] > 8 for c in refused["candidates"])
+    half = {c["offload"]: c["peak_gb"] for c in flux_plans["8@8"]["stages"]["denoise"]["candidates"]}
+    assert all(half[c["offload"]] < c["peak_gb"] for c in refused["candidates"])
+    # the estimates do not depend on the budget: 24 and 12 plan the same candidates
+    assert flux_plans["24"]["stages"]["denoise"]["candidates"] == flux_plans["12"]["stages"]["denoise"]["candidates"]
+
+
+def test_flux_dev_plan_is_the_planners_estimate_from_the_published_configs(flux_plans):
+    """The plan mode's figures (the engine: flux.yaml's architecture, the builtin rows, bf16) equal the planner's
+    own computation from FLUX.1-dev's published component configs at 1024^2, batch 16, 512 T5 tokens, 28 steps."""
+    from _helpers import flux_dev_reference, flux_dev_stages
+    from models import memory
+
+    modules, confs = flux_dev_reference()
+    sizes, stages = memory.component_sizes(modules, {}), flux_dev_stages(confs, batch=16, slicing=True)
+    want = [p.to_dict() for p in planner.plans(sizes, stages, "transformer", 28)]
+    assert flux_plans["24"]["stages"]["denoise"]["candidates"] == want
+
+
+def test_the_printed_plan_marks_the_choice_and_a_refusal_exits_2(flux_plans, tmp_path, subprocess_env):
+    from runner.tools.plan import render
+
+    lines = render(flux_plans["24"]).splitlines()
+    chosen = [x for x in lines if x.lstrip().startswith("->")]
+    assert len(chosen) == 1 and chosen[0].split()[0] == "->group_block", lines
+    peak = flux_plans["24"]["stages"]["denoise"]["planned"]["peak_gb"]
+    assert f"{peak:.3f}" in chosen[0].split()
+    assert any(x.strip().startswith(f"plan: group_block (peak {peak} GiB; against memory.max_gpu_gb=24)")
+               for x in lines), lines
+    assert "largest batch 16 x 1024x1024" in lines[0] and "platform cuda (bfloat16)" in lines[0]
+    no = _plan_cli([*FLUX_DEV, "memory.max_gpu_gb=8"], tmp_path, subprocess_env)  # the command line, end to end
+    assert no.returncode == 2, no.stdout + no.stderr
+    assert "refused: memory.offload=auto: no plan fits memory.max_gpu_gb=8.0" in no.stdout
+    assert "->" not in no.stdout and "Traceback" not in no.stdout + no.stderr
+
+
+def test_capacity_comes_from_the_budget_or_device_gb(flux_plans):
+    """Without a budget, ``auto`` needs the GPU's memory: refused naming ``--device-gb`` on a machine without the
+    GPU; with ``--device-gb`` it plans against it (a 24 GiB card takes what a 24 GiB budget takes); a bad value is
+    named."""
+    from runner.core.errors import ConfigValueError
+    from runner.tools.plan import parse
+
+    with pytest.raises(ConfigValueError, match="--device-gb=<GiB>"):
+        _plans(FLUX_DEV)
+    doc = _plans(FLUX_DEV, device_gb=24)
+    sec = doc["stages"]["denoise"]
+    assert doc["device_total_gb"] == 24.0 and sec["budget_gb"] == 24.0 and sec["max_gpu_gb"] is None
+    assert sec["planned"] == flux_plans["24"]["stages"]["denoise"]["planned"]
+    assert parse(["model=flux", "--plan", "--device-gb", "80", "--json"]) == (["model=flux"], 80.0, True)
+    for bad in (["--device-gb", "lots"], ["--device-gb=0"], ["-m"], ["--plot"]):
+        with pytest.raises(ConfigValueError):
+            parse(["--plan", *bad])
+
+
+def test_a_cpu_run_refuses_a_budget_pointing_at_plan_mode(tmp_path):
+    from runner.core.errors import RunnerError
+
+    r = execute(tmp_path / "r", ["model=toy_shapes", "dataset.limit=1", "memory.max_gpu_gb=8"], catch=(RunnerError,))
+    assert r.error is not None and r.error.exit_code == 2
+    assert "memory.max_gpu_gb=8.0 budgets GPU memory" in str(r.error) and "--plan" in str(r.error)
+
+
+def test_the_docs_page_shows_what_its_command_prints(flux_plans):
+    """docs/memory_plan.md's example: its command is the FLUX.1-dev 24 GiB plan, and the table it shows is what
+    that command prints (the first line, naming this machine's capacity, aside)."""
+    from runner.tools.plan import parse, render
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "memory_plan.md").read_text()
+    blocks = re.findall(r"```\n(.*?)```", page, re.S)
+    command = blocks[0].replace("\\\n", " ").split()
+    assert command[:3] == ["python", "-m", "runner"]
+    overrides, device_gb, as_json = parse(command[3:])
+    assert sorted(overrides) == sorted([*FLUX_DEV, "memory.max_gpu_gb=24"]) and device_gb is None and not as_json
+    assert blocks[1].strip().splitlines()[1:] == render(flux_plans["24"]).splitlines()[1:]
+
+
+def test_plan_help_says_what_it_prints_and_how_capacity_is_given(capsys):
+    from runner.tools.plan import main
+
+    assert main(["model=flux", "--plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("``python -m runner <overrides> --plan [--device-gb GiB] [--json]``")
+    assert "--device-gb=<GiB>" in out and "memory.max_gpu_gb" in out
