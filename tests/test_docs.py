@@ -166,8 +166,9 @@ def documented(kind: str) -> List[Command]:
 # ------------------------------------------------------------------------------------------------ the checks
 #: Hydra's flags the pages may show (``--cfg job``); another flag (``--config-name``: another primary config) is
 #: reported, since the composition here is of conf/config.yaml
-_RUNNER_FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p")
-_RUNNER_FLAGS = ("-m", "--multirun", "--help", "-h", "--hydra-help", "--resolve", "--info", "--version")
+_RUNNER_FLAGS_WITH_VALUE = ("--cfg", "-c", "--package", "-p", "--device-gb")
+_RUNNER_FLAGS = ("-m", "--multirun", "--help", "-h", "--hydra-help", "--resolve", "--info", "--version",
+                 "--plan", "--json")  # the last two: the runner's plan mode (runner/tools/plan.py)
 
 
 def _jobs(overrides: List[str], multirun: bool) -> List[List[str]]:
@@ -199,6 +200,8 @@ def runner_problem(args: Sequence[str], compose) -> Optional[str]:
         a = args.pop(0)
         if a in _RUNNER_FLAGS_WITH_VALUE:
             args.pop(0)
+        elif a.split("=", 1)[0] in _RUNNER_FLAGS_WITH_VALUE and a.startswith("--"):
+            continue  # --device-gb=80
         elif a in ("-m", "--multirun"):
             multirun = True
         elif a in _RUNNER_FLAGS:
