@@ -91,8 +91,9 @@ class FamilySpec:
         tasks: task (:data:`TASKS`) -> diffusers pipeline class name.
         components: ``{component: (library, model class, config class or None)}``, built in this order from
             ``model.architecture.<component>`` for embedded and dummy weights.
-        tokenizers: ``{tokenizer component: (kind, encoder label, text encoder component)}``; kinds of
-            :mod:`models.tokenizers` (``clip``, ``t5``, ``qwen2``, ``llama3``, ``gemma``, ``qwen3``, ``mistral3``).
+        tokenizers: ``{tokenizer component: (kind, encoder label, text encoder component)}``; kinds registered in
+            :mod:`models.tokenizer_kinds` (``clip``, ``t5``, ``qwen2``, ``llama3``, ``gemma``, ``qwen3``,
+            ``mistral3``; a new kind is one record there).
         cfg: the pipeline's guidance mode (:data:`CFG_MODES`).
         size_rule: ``(vae config, transformer config, patch) -> pixels`` widths and heights must be multiples of.
         patch: the latent packing / patch size the rule multiplies by; ``"transformer"`` reads the transformer
@@ -159,8 +160,8 @@ class FamilySpec:
         """Freeze the mappings and check the declared names.
 
         Raises:
-            ValueError: an unknown ``cfg`` mode or task, no base task, or a task component, processor or input
-                sizing for a task the spec does not map.
+            ValueError: an unknown ``cfg`` mode or task, no base task, a tokenizer kind not registered, or a task
+                component, processor or input sizing for a task the spec does not map.
         """
         if self.cfg not in CFG_MODES:
             raise ValueError(f"FamilySpec {self.name!r}: cfg={self.cfg!r} is not one of {', '.join(CFG_MODES)}")
@@ -178,6 +179,13 @@ class FamilySpec:
         missing = [e for e in self.experts if e not in self.components]
         if self.components and missing:
             raise ValueError(f"FamilySpec {self.name!r}: experts {missing} are not among its components")
+        from models import tokenizer_kinds
+
+        unknown = sorted({kind for kind, _l, _e in self.tokenizers.values()} - set(tokenizer_kinds.KINDS))
+        if unknown:
+            raise ValueError(f"FamilySpec {self.name!r}: tokenizer kinds {unknown} are not registered "
+                             f"({', '.join(sorted(tokenizer_kinds.KINDS))}); fix: register a "
+                             "models.tokenizer_kinds.TokenizerKind for each")
         bad_sizing = sorted(set(self.input_sizing.values()) - set(INPUT_SIZING))
         if bad_sizing:
             raise ValueError(f"FamilySpec {self.name!r}: input_sizing {bad_sizing} not among {', '.join(INPUT_SIZING)}")

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from models import conditioning, memory
+from models import conditioning, memory, tokenizer_kinds
 from models.diffusers_engine import DiffusersEngine
 from models.family import FamilySpec, forwards_per_step, negative_prompt_ignored, quiet_truncation_warnings
 from runner.core.dataset import BUILTIN_PROMPTS, Item, Row
@@ -683,55 +683,16 @@ class PipelineEngine(DiffusersEngine):
         """``{tokenizer component: tokenizer}`` built locally from ``model.architecture.tokenizer`` (vocab size,
         corpus, CLIP length), as :meth:`build_components` gives them to the pipeline; builds no model. ``task``
         (a family's conditioning task) lets a family build them for that task's pipeline (Qwen-Image's edit)."""
-        from models import tokenizers as T
-
         tcfg = arch.get("tokenizer") or {}
         corpus, vocab = cls.corpus(arch), int(tcfg.get("vocab_size", 512))
-        out = {}
-        for comp, (kind, _label, _enc) in cls.tokenizers_spec.items():
-            if kind == "clip":
-                out[comp] = T.build_clip_tokenizer(corpus, vocab, int(tcfg.get("clip_max_length", 77)))
-            elif kind == "t5":
-                out[comp] = T.build_t5_tokenizer(corpus, vocab)
-            elif kind == "qwen2":
-                out[comp] = T.build_qwen2_tokenizer(corpus, vocab)
-            elif kind == "llama3":
-                out[comp] = T.build_llama3_tokenizer(corpus, vocab)
-            elif kind == "gemma":
-                out[comp] = T.build_gemma_tokenizer(corpus, vocab)
-            elif kind == "qwen3":
-                out[comp] = T.build_qwen3_tokenizer(corpus, vocab)
-            elif kind == "mistral3":
-                out[comp] = T.build_mistral3_tokenizer(corpus, vocab)
-            else:
-                raise ValueError(f"unknown tokenizer kind {kind!r}")
-        return out
+        return {comp: tokenizer_kinds.get(kind).build(corpus, vocab, tcfg)
+                for comp, (kind, _label, _enc) in cls.tokenizers_spec.items()}
 
     @classmethod
     def encoder_config(cls, kind: str, tok: Any, kw: Dict[str, Any]) -> Dict[str, Any]:
-        """A text encoder's config arguments made consistent with its tokenizer (vocabulary and special ids); a
-        ``gemma`` encoder (``Gemma3Config``, a multimodal config) takes them in its ``text_config``."""
-        kw = dict(kw)
-        if kind == "gemma":
-            text = dict(kw.get("text_config") or {})
-            text.update(vocab_size=max(len(tok), int(text.get("vocab_size", 0))), pad_token_id=tok.pad_token_id,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-            return {**kw, "text_config": text}
-        kw["vocab_size"] = max(len(tok), int(kw.get("vocab_size", 0)))
-        if kind == "clip":
-            kw.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        elif kind == "t5":
-            kw.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      decoder_start_token_id=tok.pad_token_id)
-        elif kind in ("llama3", "qwen3"):
-            kw.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        elif kind == "mistral3":  # Mistral3Config: the ids live in its text config; [IMG] is its image token
-            text = {**dict(kw.get("text_config") or {}), "vocab_size": max(len(tok), int(kw.get("vocab_size", 0))),
-                    "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-                    "pad_token_id": tok.pad_token_id}
-            kw = {k: v for k, v in kw.items() if k != "vocab_size"}
-            kw.update(text_config=text, image_token_index=tok.convert_tokens_to_ids("[IMG]"))
-        return kw
+        """A text encoder's config arguments made consistent with its tokenizer (vocabulary and special ids): the
+        kind's record (:attr:`models.tokenizer_kinds.TokenizerKind.encoder`)."""
+        return tokenizer_kinds.get(kind).encoder(tok, dict(kw))
 
     @classmethod
     def build_components(cls, arch: Dict[str, Any], device: str | torch.device = "cpu",
@@ -1265,7 +1226,8 @@ class PipelineEngine(DiffusersEngine):
         """The most tokens encoder ``label`` sees: CLIP-style encoders their tokenizer's ``model_max_length``, the
         others ``model.generation.max_sequence_length``."""
         kind = next(k for k, lab, _ in self.tokenizers_spec.values() if lab == label)
-        return int(tok.model_max_length) if kind == "clip" else int(self.cfg.generation.max_sequence_length)
+        return (int(tok.model_max_length) if tokenizer_kinds.get(kind).fixed_length else
+                int(self.cfg.generation.max_sequence_length))
 
     def count_tokens(self, label: str, tok: Any, prompts: List[str]) -> List[int]:
         """Tokens encoder ``label`` would be given for each prompt, untruncated, with special tokens."""
@@ -1289,7 +1251,7 @@ class PipelineEngine(DiffusersEngine):
         tokenizer's ``model_max_length`` if lower (None: no ceiling known)."""
         limit = self.max_sequence_length_limit
         for kind, label, _ in self.tokenizers_spec.values():
-            if kind != "clip":
+            if not tokenizer_kinds.get(kind).fixed_length:
                 m = getattr(self.tokenizers()[label], "model_max_length", None)
                 if m and m < 10 ** 9:
                     limit = int(m) if limit is None else min(limit, int(m))
@@ -1334,7 +1296,7 @@ class PipelineEngine(DiffusersEngine):
 
     def _truncation_fix(self, counts: Dict[str, Dict[str, int]]) -> str:
         limit, msl = self.sequence_limit(), int(self.cfg.generation.max_sequence_length)
-        seq = [lab for k, lab, _ in self.tokenizers_spec.values() if k != "clip"]
+        seq = [lab for k, lab, _ in self.tokenizers_spec.values() if not tokenizer_kinds.get(k).fixed_length]
         if limit and any(counts.get(lab, {}).get("dropped") for lab in seq) and msl < limit:
             return f", raise model.generation.max_sequence_length (now {msl}, at most {limit})"
         return ""
