@@ -59,3 +59,56 @@ def test_an_unregistered_tokenizer_kind_is_refused_at_declaration():
     with pytest.raises(ValueError, match=r"tokenizer kinds \['sentencepiece_x'\] are not registered.*fix: register"):
         fam.FamilySpec(name="x", tasks={"text_to_image": "FluxPipeline"}, components={},
                        tokenizers={"tokenizer": ("sentencepiece_x", "sp", "text_encoder")}, cfg="none")
+
+
+# ------------------------------------------------------------------------------------------ image formats
+def _bmp(image, text):
+    """BMP bytes of an HWC float image (PIL; lossless, no text fields)."""
+    import io
+
+    from PIL import Image
+
+    from runner.core.artifacts import to_uint8
+
+    buf = io.BytesIO()
+    Image.fromarray(to_uint8(image)).save(buf, format="BMP")
+    return buf.getvalue()
+
+
+def test_a_new_image_format_is_one_record(run_job):
+    """One ``ImageFormat`` record (suffix, encoder) and ``output.image_format`` naming it: the run writes
+    ``images/<id>.bmp`` with the same pixels as the PNG run, records its sha256, and the format enters the identity."""
+    import hashlib
+
+    import numpy as np
+    from PIL import Image
+
+    from runner.core import sinks
+
+    sinks.IMAGE_FORMATS["bmp_test"] = sinks.ImageFormat("bmp_test", ".bmp", _bmp)
+    try:
+        args = ["dataset.limit=2", "model.generation.num_inference_steps=2", "evidence.profile=false"]
+        png = run_job(args, name="png")
+        bmp = run_job([*args, "output.image_format=bmp_test"], name="bmp")
+    finally:
+        sinks.IMAGE_FORMATS.pop("bmp_test", None)
+    assert png.code == 0 and bmp.code == 0, bmp.manifest.get("error")
+    by_key = {it["key"]: it for it in png.items}
+    assert len(bmp.items) == len(by_key) == 2
+    for it in bmp.items:
+        f = bmp.run_dir / it["file"]
+        assert it["file"] == f"images/{it['key']}.bmp" and f.read_bytes()[:2] == b"BM"
+        assert it["file_sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+        want = np.asarray(Image.open(png.run_dir / by_key[it["key"]]["file"]).convert("RGB"))
+        assert np.array_equal(np.asarray(Image.open(f).convert("RGB")), want)
+        assert it["inputs_sha256"] != by_key[it["key"]]["inputs_sha256"]  # the format is part of the identity
+    assert not list((bmp.run_dir / "images").glob("*.png"))
+
+
+def test_an_unknown_image_format_is_refused_at_startup(run_job, tmp_path):
+    from runner.core.errors import ConfigValueError
+
+    with pytest.raises(ConfigValueError, match=r"output.image_format='jpeg2000' is not a registered image format; "
+                                               r"fix: one of png"):
+        run_job(["dataset.limit=1", "output.image_format=jpeg2000"], name="bad")
+    assert not list(tmp_path.glob("bad/images/*"))  # refused before anything was generated

@@ -673,6 +673,10 @@ class OutputConfig:
     """Run directory (null: the Hydra run dir)."""
     write_workers: int = 2
     """Threads that encode and write artifacts while the next batch generates; 0: inline."""
+    image_format: str = "png"
+    """Image models: the file format of ``images/<id>.<suffix>`` (a key of ``runner.core.sinks.IMAGE_FORMATS``;
+    ``png``: lossless, with the text fields as PNG text chunks). Checked at startup; a format other than ``png`` enters
+    the run identity (through the sink's identity)."""
     video_codec: VideoCodec = VideoCodec.h264_lossless
     """Video models: the MP4 encoding (``h264_lossless``: decoded frames equal the generated ones; ``h264``:
     browser-playable, lossy). Records carry the sha256 of the decoded frames either way."""
