@@ -112,3 +112,49 @@ def test_an_unknown_image_format_is_refused_at_startup(run_job, tmp_path):
                                                r"fix: one of png"):
         run_job(["dataset.limit=1", "output.image_format=jpeg2000"], name="bad")
     assert not list(tmp_path.glob("bad/images/*"))  # refused before anything was generated
+
+
+# ------------------------------------------------------------------------------------------ dataset sources
+def _read_tsv(path, split=None, columns=None):
+    """Tab-separated rows under a header line (a source the project does not ship)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    head = lines[0].split("\t")
+    return [(n, {k: v for k, v in zip(head, line.split("\t")) if v}) for n, line in enumerate(lines[1:], 2)]
+
+
+def test_a_new_dataset_source_is_one_record(tmp_path):
+    """One ``Reader`` record (its function, text cells, a file path): ``load_rows`` reads through it, its text cells
+    are typed by the row spec, ``dataset.columns`` maps its columns, and a bad cell is named with file:line."""
+    from runner.core import dataset as ds
+    from runner.core import readers
+    from runner.core.errors import DatasetError
+
+    defaults = dict(width=64, height=64, num_inference_steps=4, guidance_scale=3.5, num_images_per_prompt=1,
+                    negative_prompt=None)
+    path = tmp_path / "rows.tsv"
+    path.write_text("id\tcaption\tseed\twidth\na\ta red fox, asleep\t7\t32\nb\ta lighthouse\t\t\n", encoding="utf-8")
+    readers.READERS["tsv_test"] = readers.Reader("tsv_test", _read_tsv, from_text=True)
+    try:
+        rows, src = ds.load_rows("tsv_test", str(path), defaults=defaults, size_multiple=16, max_pixels=1 << 20,
+                                 columns={"prompt": "caption"})
+        assert src == path
+        assert [(r.id, r.prompt, r.seed, r.width, r.line) for r in rows] == [
+            ("a", "a red fox, asleep", 7, 32, 2), ("b", "a lighthouse", None, 64, 3)]
+        path.write_text("id\tcaption\tseed\na\ta cat\tseven\n", encoding="utf-8")
+        with pytest.raises(DatasetError, match=r"rows.tsv:2: field 'seed' = 'seven' is not an integer"):
+            ds.load_rows("tsv_test", str(path), defaults=defaults, size_multiple=16, max_pixels=1 << 20,
+                         columns={"prompt": "caption"})
+        with pytest.raises(DatasetError, match=r"dataset.path: required for dataset=tsv_test; fix: "
+                                               r"dataset.path=/path/to/prompts.tsv_test"):
+            ds.source_path("tsv_test", None, "prompts.jsonl")
+    finally:
+        readers.READERS.pop("tsv_test", None)
+    with pytest.raises(DatasetError, match=r"dataset.format='tsv_test' is not known; fix: one of builtin, jsonl"):
+        ds.read_raw("tsv_test", path)
+
+
+def test_the_schema_choices_are_the_registered_sources():
+    """``dataset.format``'s compose-time choices are the registry's names (a shipped source is one record)."""
+    from runner.core import readers, schema
+
+    assert [f.value for f in schema.DatasetFormat] == list(readers.READERS)

@@ -47,7 +47,7 @@ def missing_inputs(cfg: Any) -> List[str]:
             if value is None:
                 continue
             try:
-                value = media.parse_media(value, from_text=fmt == "csv")
+                value = media.parse_media(value, from_text=ds.reader(fmt).from_text)
             except (RunnerError, ValueError, TypeError):
                 continue  # a malformed value: the engine's message
             many = isinstance(value, list)

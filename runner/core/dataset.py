@@ -1,4 +1,5 @@
-"""Dataset rows: loading (builtin, JSONL, CSV, TXT), validation before any model loads, and expansion into items.
+"""Dataset rows: loading (the sources of ``runner.core.readers.READERS``: builtin, JSONL, CSV, TXT, parquet, a
+Hugging Face dataset), validation before any model loads, and expansion into items.
 
 A *row* is one line of the dataset; an *item* is one image to generate (a row with ``num_images_per_prompt: 2``
 gives two items). Seeds belong to items, never to batches or ranks, so the images do not depend on
@@ -18,8 +19,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from runner.core.errors import DatasetError, UserInputError  # noqa: F401  (DatasetError re-exported)
+from runner.core import readers
 from runner.core.paths import RUNNER_DIR
-from runner.core.schema import DatasetFormat, ExtraFields
+from runner.core.schema import ExtraFields
 
 BUILTIN_PROMPTS = RUNNER_DIR / "data" / "prompts.jsonl"
 
@@ -595,8 +597,9 @@ DIFFUSION_ROW = VIDEO_ROW.extend("diffusion", *CONDITIONING_FIELDS, *LORA_FIELDS
 ROW_FIELDS: Dict[str, type] = VIDEO_ROW.types()
 
 
-#: ``dataset.format`` values: where rows come from (spelled once, ``runner.core.schema.DatasetFormat``).
-FORMATS = tuple(f.value for f in DatasetFormat)
+#: ``dataset.format`` values: where rows come from (the sources of ``runner.core.readers.READERS``, which
+#: ``runner.core.schema.DatasetFormat`` lists too).
+FORMATS = tuple(readers.READERS)
 #: ``dataset.extra_fields`` values: what a field that is no row field does (``runner.core.schema.ExtraFields``).
 EXTRA_FIELDS = tuple(f.value for f in ExtraFields)
 
@@ -606,7 +609,13 @@ def _arrow_rows(table: Any, src: Path) -> List[tuple[int, Dict[str, Any]]]:
     return [(n, {k: v for k, v in rec.items() if v is not None}) for n, rec in enumerate(table.to_pylist(), 1)]
 
 
-def _read_parquet(path: Path) -> List[tuple[int, Dict[str, Any]]]:
+def read_parquet(path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None
+                 ) -> List[tuple[int, Dict[str, Any]]]:
+    """``dataset=parquet``: a parquet file's rows (``pyarrow``), numbered from 1.
+
+    Raises:
+        DatasetError: pyarrow is missing, or the file is not parquet.
+    """
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -623,7 +632,8 @@ def _read_parquet(path: Path) -> List[tuple[int, Dict[str, Any]]]:
 HF_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
-def _read_hf(path: Path, split: Optional[str]) -> List[tuple[int, Dict[str, Any]]]:
+def read_hf(path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None
+            ) -> List[tuple[int, Dict[str, Any]]]:
     """Rows of a local Hugging Face dataset: a dir written by ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict``
     whose ``split`` is read: default ``train``, or its only split) or a data file read by ``datasets``' builder of
     its extension (:data:`HF_FILE_BUILDERS`), with a temporary cache (nothing is written outside the run dir).
@@ -777,19 +787,36 @@ def csv_extra_cells(path: Path, line: int, columns: int, extra: Sequence[str]) -
     return f"{head}); fix: quote prompts that contain commas"
 
 
-def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None,
-             fields: Iterable[str] = tuple(ROW_FIELDS)) -> List[tuple[int, Dict[str, Any]]]:
-    """Return ``(line_number, raw_row)`` pairs (for ``parquet`` and ``hf``: the row number from 1), source columns
-    renamed by ``columns`` (:func:`apply_columns` over the engine's row ``fields``; CSV and TXT cells are text, the
-    other formats' cells typed).
+def reader(fmt: Any) -> readers.Reader:
+    """The :class:`runner.core.readers.Reader` record of ``dataset.format`` = ``fmt``.
 
     Raises:
-        DatasetError: unreadable or malformed input (file, line, what, fix).
+        DatasetError: no such source (naming the registered ones).
     """
-    if fmt == "parquet":
-        return apply_columns(_read_parquet(path), columns, path, fields)
-    if fmt == "hf":
-        return apply_columns(_read_hf(path, split), columns, path, fields)
+    rec = readers.READERS.get(str(fmt))
+    if rec is None:
+        raise DatasetError([f"dataset.format={str(fmt)!r} is not known; fix: one of {', '.join(FORMATS)}"])
+    return rec
+
+
+def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None,
+             fields: Iterable[str] = tuple(ROW_FIELDS)) -> List[tuple[int, Dict[str, Any]]]:
+    """Return ``(line_number, raw_row)`` pairs (for ``parquet`` and ``hf``: the row number from 1) read by the
+    source's record (:func:`reader`), source columns renamed by ``columns`` (:func:`apply_columns` over the
+    engine's row ``fields``; CSV and TXT cells are text, the other formats' cells typed).
+
+    Raises:
+        DatasetError: an unknown source, unreadable or malformed input (file, line, what, fix).
+    """
+    return apply_columns(reader(fmt).reader()(path, split, columns), columns, path, fields)
+
+
+def read_text(path: Path) -> str:
+    """The UTF-8 text of a dataset file (a leading BOM dropped).
+
+    Raises:
+        DatasetError: the file does not exist, or is not UTF-8 (naming the line and byte).
+    """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -800,51 +827,71 @@ def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optiona
         line = data[: e.start].count(b"\n") + 1
         raise DatasetError([f"{path}:{line}: text is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
                             "fix: re-encode the file as UTF-8"])
-    text = text.lstrip("\ufeff")
+    return text.lstrip("\ufeff")
+
+
+def read_jsonl(path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None
+               ) -> List[tuple[int, Dict[str, Any]]]:
+    """``dataset=jsonl`` (and ``builtin``): one JSON object per line, blank lines skipped.
+
+    Raises:
+        DatasetError: every malformed line at once.
+    """
     rows: List[tuple[int, Dict[str, Any]]] = []
-    if fmt in ("jsonl", "builtin"):
-        problems = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                problems.append(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno}); fix: one JSON object per line")
-                continue
-            if not isinstance(obj, dict):
-                problems.append(f"{path}:{n}: expected a JSON object with a 'prompt' field, got {type(obj).__name__}")
-                continue
-            rows.append((n, obj))
-        if problems:
-            raise DatasetError(problems)
-    elif fmt == "csv":
-        reader = csv.DictReader(io.StringIO(text))
-        source = (columns or {}).get("prompt", "prompt")
-        if not reader.fieldnames or source not in reader.fieldnames:
-            close = difflib.get_close_matches(source, reader.fieldnames or [], n=1) or [
-                f for f in reader.fieldnames or [] if f.lower() == source.lower()]
-            raise DatasetError([f"{path}:1: CSV header {reader.fieldnames!r} has no {source!r} column; fix: "
-                                + (f"dataset.columns={{prompt: {close[0]}}} to read the prompt from {close[0]!r}"
-                                   if close and source == "prompt" else
-                                   f"name the prompt column (dataset.columns={{prompt: <column>}})"
-                                   if reader.fieldnames else "add a header line naming the columns, e.g. id,prompt")])
-        problems = []
-        for rec in reader:
-            n = reader.line_num
-            if None in rec:
-                problems.append(csv_extra_cells(path, n, len(reader.fieldnames), rec[None]))
-                continue
-            rows.append((n, {k: v for k, v in rec.items() if v not in (None, "")} | {source: rec.get(source) or ""}))
-        if problems:
-            raise DatasetError(problems)
-    elif fmt == "txt":
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                rows.append((n, {"id": f"line{n:06d}", "prompt": line.strip()}))
-    else:
-        raise DatasetError([f"dataset.format: unknown format {fmt!r}; fix: one of {', '.join(FORMATS)}"])
-    return apply_columns(rows, columns, path, fields)
+    problems = []
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno}); fix: one JSON object per line")
+            continue
+        if not isinstance(obj, dict):
+            problems.append(f"{path}:{n}: expected a JSON object with a 'prompt' field, got {type(obj).__name__}")
+            continue
+        rows.append((n, obj))
+    if problems:
+        raise DatasetError(problems)
+    return rows
+
+
+def read_csv(path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None
+             ) -> List[tuple[int, Dict[str, Any]]]:
+    """``dataset=csv``: a header line naming the columns; empty cells left out, the prompt column kept.
+
+    Raises:
+        DatasetError: no prompt column (naming the mapping that would read one), rows with more cells than the
+            header.
+    """
+    reader = csv.DictReader(io.StringIO(read_text(path)))
+    source = (columns or {}).get("prompt", "prompt")
+    if not reader.fieldnames or source not in reader.fieldnames:
+        close = difflib.get_close_matches(source, reader.fieldnames or [], n=1) or [
+            f for f in reader.fieldnames or [] if f.lower() == source.lower()]
+        raise DatasetError([f"{path}:1: CSV header {reader.fieldnames!r} has no {source!r} column; fix: "
+                            + (f"dataset.columns={{prompt: {close[0]}}} to read the prompt from {close[0]!r}"
+                               if close and source == "prompt" else
+                               f"name the prompt column (dataset.columns={{prompt: <column>}})"
+                               if reader.fieldnames else "add a header line naming the columns, e.g. id,prompt")])
+    rows: List[tuple[int, Dict[str, Any]]] = []
+    problems = []
+    for rec in reader:
+        n = reader.line_num
+        if None in rec:
+            problems.append(csv_extra_cells(path, n, len(reader.fieldnames), rec[None]))
+            continue
+        rows.append((n, {k: v for k, v in rec.items() if v not in (None, "")} | {source: rec.get(source) or ""}))
+    if problems:
+        raise DatasetError(problems)
+    return rows
+
+
+def read_txt(path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None
+             ) -> List[tuple[int, Dict[str, Any]]]:
+    """``dataset=txt``: one prompt per non-blank line, ids ``line<number>``."""
+    return [(n, {"id": f"line{n:06d}", "prompt": line.strip()})
+            for n, line in enumerate(read_text(path).splitlines(), 1) if line.strip()]
 
 
 def coerce(value: Any, typ: type, from_text: bool) -> Any:
@@ -891,17 +938,16 @@ def source_path(fmt: str, path: Optional[str], builtin: str) -> Path:
         DatasetError: an unknown format, no ``dataset.path`` for a format that needs one, or a path that is not
             there (naming the fix).
     """
-    if fmt not in FORMATS:
-        raise DatasetError([f"dataset.format={fmt!r} is not known; fix: one of {', '.join(FORMATS)}"])
-    if fmt == "builtin":
+    rec = reader(fmt)
+    if rec.path == "builtin":
         return BUILTIN_PROMPTS.parent / builtin
-    example = {"hf": "/path/to/saved_dataset"}.get(fmt, f"/path/to/prompts.{fmt}")
     if not path:
-        raise DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path={example}"])
+        raise DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path={rec.example_path()}"])
     src = Path(path).expanduser()
-    if not (src.is_file() or (fmt == "hf" and src.is_dir())):
-        what = "a dir written by save_to_disk or a data file" if fmt == "hf" else f"an existing .{fmt} file"
-        raise DatasetError([f"dataset.path: {path!r} is not {'a file or dir' if fmt == 'hf' else 'a file'}; fix: "
+    dirs = rec.path == "file_or_dir"
+    if not (src.is_file() or (dirs and src.is_dir())):
+        what = "a dir written by save_to_disk or a data file" if dirs else f"an existing .{fmt} file"
+        raise DatasetError([f"dataset.path: {path!r} is not {'a file or dir' if dirs else 'a file'}; fix: "
                             f"pass the path of {what}"])
     return src
 
@@ -939,7 +985,7 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
     raw = read_raw(fmt, src, split, columns, spec.by_name)
     if limit is not None:
         raw = raw[:limit]
-    rows = validate_rows(raw, spec, src, from_text=fmt == "csv", extra_fields=extra_fields, defaults=defaults,
+    rows = validate_rows(raw, spec, src, from_text=reader(fmt).from_text, extra_fields=extra_fields, defaults=defaults,
                          context={"size_multiple": size_multiple, "max_pixels": max_pixels, **(context or {})})
     return rows, src
 

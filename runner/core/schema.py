@@ -41,6 +41,8 @@ from typing import Any, Dict, List, Mapping, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from runner.core.readers import READERS
+
 # ------------------------------------------------------------------------------------------------ factors
 
 #: What a field's value may enter (vLLM's ``compute_hash``/``compile_factors`` idea, declared per field):
@@ -164,15 +166,11 @@ class Assignment(Choice):
     claims = "claims"
 
 
-class DatasetFormat(Choice):
-    """Where and how dataset rows are read (``runner.core.dataset.read_raw``)."""
-
-    builtin = "builtin"
-    jsonl = "jsonl"
-    csv = "csv"
-    txt = "txt"
-    parquet = "parquet"
-    hf = "hf"
+#: Where and how dataset rows are read: the sources of ``runner.core.readers.READERS`` (a new source is one record
+#: there, and a choice here), read by ``runner.core.dataset.read_raw``.
+DatasetFormat = Choice("DatasetFormat", [(name, name) for name in READERS], module=__name__,
+                       qualname="DatasetFormat")
+DatasetFormat.__doc__ = "Where and how dataset rows are read (``runner.core.readers.READERS``)."
 
 
 class Task(Choice):
