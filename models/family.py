@@ -25,8 +25,6 @@ import logging
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from runner.core.media import TASK_INPUTS as _TASK_INPUTS
-
 #: Classifier-free guidance modes (how many transformer forwards one denoising step makes):
 #: ``true_cfg``: a second, unbatched forward when the row has a negative prompt and ``true_cfg_scale`` > 1
 #: (FluxPipeline, QwenImagePipeline: ``do_true_cfg``); ``batched``: guidance_scale > 1 concatenates the
@@ -41,8 +39,6 @@ TASKS = ("text_to_image", "image_to_image", "inpaint", "edit", "text_to_video", 
 GENERATION_TASKS = ("text_to_image", "text_to_video")
 #: The tasks whose pipelines write video.
 VIDEO_TASKS = ("text_to_video", "image_to_video")
-#: Conditioning row fields each task takes (``{task: {field: required}}``, declared once in ``runner.core.media``).
-TASK_INPUTS = _TASK_INPUTS
 
 #: What a task's pipeline does to the size of an input image (:attr:`FamilySpec.input_sizing`), so the runner can
 #: refuse or record it: ``resize``: every input is resized to the call's ``width`` x ``height`` (aspect ratio not
@@ -129,6 +125,10 @@ class FamilySpec:
         pipeline_config: arguments of the pipeline class's ``__init__`` that are settings, not components
             (WanPipeline's ``boundary_ratio``, ``expand_timesteps``): ``model.architecture.pipeline`` for embedded
             and dummy weights, the snapshot's ``model_index.json`` for ``model.path``.
+        row_fields: further dataset row fields of the family (``runner.core.dataset.Field``), after the diffusion
+            row's (``runner.core.dataset.DIFFUSION_ROW``): validated, in the item identity, recorded; a field with
+            ``media`` (``runner.core.media.Media``) is an input file, checked, hashed, attached and recorded as the
+            conditioning images are, and passed to the pipeline when its ``__call__`` takes it.
     """
 
     name: str
@@ -155,6 +155,7 @@ class FamilySpec:
     cfg_threshold: float = 1.0
     experts: Tuple[str, ...] = ("transformer",)
     pipeline_config: Tuple[str, ...] = ()
+    row_fields: Tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         """Freeze the mappings and check the declared names.

@@ -296,6 +296,13 @@ class PipelineEngine(DiffusersEngine):
                 "num_inference_steps, and the pipeline runs only the last strength x steps of it; not supported yet; "
                 "fix: cache.method=none")
 
+    def row_spec(self) -> Any:
+        """The diffusion row (:meth:`DiffusersEngine.row_spec`) with the family's own row fields
+        (:attr:`models.family.FamilySpec.row_fields`) after its fields, under the family's name."""
+        base = super().row_spec()
+        extra = self.spec.row_fields if self.spec is not None else ()
+        return base.extend(f"{base.name}+{self.spec.name}", *extra) if extra else base
+
     def row_context(self) -> Dict[str, Any]:
         """The row rule's context: the task, whether the family takes a list of reference images for it, and the
         family's tasks (named first in a refusal's fix)."""

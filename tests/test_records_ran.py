@@ -144,7 +144,10 @@ def test_a_mask_given_as_grey_rgb_counts_pixels_by_the_pipelines_binarisation(tm
     a[0, :3] = 128  # 3 pixels at the threshold: repainted
     a[1, :5] = 127  # 5 just below: kept
     Image.fromarray(a).save(tmp_path / "m.png")
-    inp, why = media.check_input("mask_image", "m.png", tmp_path / "rows.jsonl", None, media.MAX_INPUT_PIXELS)
+    from runner.core.dataset import DIFFUSION_ROW
+
+    mask = DIFFUSION_ROW.by_name["mask_image"].media  # the field's declared kind: a mask, mode L
+    inp, why = media.check_input("mask_image", "m.png", tmp_path / "rows.jsonl", None, media.MAX_INPUT_PIXELS, mask)
     assert why is None and inp.repaint_pixels == 3 and inp.record()["repaint_pixels"] == 3
     img, _ = media.check_input("image", "m.png", tmp_path / "rows.jsonl", None, media.MAX_INPUT_PIXELS)
     assert img.repaint_pixels is None and "repaint_pixels" not in img.record()

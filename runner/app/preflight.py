@@ -42,7 +42,7 @@ def missing_inputs(cfg: Any) -> List[str]:
     limit = data.get("limit")
     problems: List[str] = []
     for line, row in raw[:int(limit)] if limit else raw:
-        for field in media.MEDIA_FIELDS:
+        for field in media.media_fields(ds.DIFFUSION_ROW):
             value = row.get(field)
             if value is None:
                 continue

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from runner.core.errors import DatasetError, UserInputError  # noqa: F401  (DatasetError re-exported)
 from runner.core import readers
+from runner.core.media import Media
 from runner.core.paths import RUNNER_DIR
 from runner.core.schema import ExtraFields
 
@@ -155,9 +156,14 @@ class Field:
         kind: the words for the type in messages (default :data:`TYPE_WORDS`).
         extra: False for the fields every row of the spec's row class has as attributes; True for an engine's
             further fields, kept in ``Row.values`` (and so in the item's record ``params`` when set).
-        media: the value names an input file (``runner.core.media``): its identity is the file's sha256 (and what
-            the pipeline gets from it), not the path; its batching key the input's size; recorded under the item's
-            ``inputs``, not its ``params``.
+        media: the value names an input file, of this kind (:class:`runner.core.media.Media`: the mode the pipeline
+            gets, whether it is a mask); None: not a file. A media field is checked before any weight loads
+            (``runner.core.media.attach_inputs``: missing, unreadable, not an image, mode, size), its identity is the
+            file's sha256 (and what the pipeline gets from it), not the path; its batching key the input's size;
+            recorded under the item's ``inputs``, not its ``params``; ``runner.repro`` refuses a run whose file
+            changed since.
+        tasks: ``{task: required}``: the ``model.task`` values that take the field (a row setting it under another
+            task is refused: :func:`check_task_inputs`), and whether each requires it; None: every task takes it.
         ident: ``ident(value) -> identity``: what of a set value enters the item's inputs (None: the value itself);
             ``lora``: each adapter's sha256 and scale, not its name (:func:`lora_identity`).
     """
@@ -171,8 +177,9 @@ class Field:
     parse: Optional[Callable[[Any, bool], Any]] = None
     kind: Optional[str] = None
     extra: bool = True
-    media: bool = False
+    media: Optional[Media] = None
     ident: Optional[Callable[[Any], Any]] = None
+    tasks: Optional[Mapping[str, bool]] = None
 
     def words(self) -> str:
         """The type in words (``an integer``)."""
@@ -478,21 +485,32 @@ def check_strength(v: Any, context: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+def task_inputs(spec: "RowSpec") -> Dict[str, Dict[str, bool]]:
+    """``{task: {field: required}}`` of the fields of ``spec`` that declare :attr:`Field.tasks` (the conditioning
+    fields), tasks in the order the fields name them; a task absent takes none of them."""
+    out: Dict[str, Dict[str, bool]] = {}
+    for f in spec.fields:
+        for task, required in (f.tasks or {}).items():
+            out.setdefault(task, {})[f.name] = bool(required)
+    return out
+
+
 def check_task_inputs(where: str, vals: Mapping[str, Any], merged: Mapping[str, Any], context: Mapping[str, Any],
                       bad: bool) -> List[str]:
-    """The conditioning fields of a row against ``context["task"]`` (``model.task``; default ``text_to_image``):
-    a field the task does not take is refused naming the tasks that take it, the family's (``context["tasks"]``)
-    first (as an ignored field: it would not reach the pipeline); a field the task requires must be set; a list of references only where
-    ``context["multi_image"]`` (the family's multi-reference edit)."""
-    from runner.core.media import TASK_INPUTS
-
+    """The task-bound fields of a row (:attr:`Field.tasks`, of ``context["spec"]``) against ``context["task"]``
+    (``model.task``; default ``text_to_image``): a field the task does not take is refused naming the tasks that take
+    it, the family's (``context["tasks"]``) first (as an ignored field: it would not reach the pipeline); a field the
+    task requires must be set; a list of references only where ``context["multi_image"]`` (the family's
+    multi-reference edit)."""
+    spec = context.get("spec") or DIFFUSION_ROW
+    table = task_inputs(spec)
     task = str(context.get("task") or "text_to_image")
-    takes = TASK_INPUTS.get(task, {})
+    takes = table.get(task, {})
     out = []
-    for f in CONDITIONING_FIELD_NAMES:
+    for f in (f.name for f in spec.fields if f.tasks is not None):
         if f in vals and f not in takes:
-            own = context.get("tasks") or TASK_INPUTS  # the family's tasks first: the fix names one it has
-            users = sorted((t for t, fs in TASK_INPUTS.items() if f in fs), key=lambda t: t not in own)
+            own = context.get("tasks") or table  # the family's tasks first: the fix names one it has
+            users = sorted((t for t, fs in table.items() if f in fs), key=lambda t: t not in own)
             out.append(f"{where}: field {f!r} = {vals[f]!r} is not taken by model.task={task} (the pipeline would "
                        f"never see it); fix: remove it from the row, or model.task={users[0]} (tasks that take "
                        f"{f}: {', '.join(users)})")
@@ -520,18 +538,19 @@ def parse_image(value: Any, from_text: bool) -> Any:
     return media.parse_one_media(value, from_text)
 
 
-#: The conditioning fields (``runner.core.media``): an input image (a list of references for a multi-reference
-#: edit), a mask, a last frame, and the img2img/inpaint strength. Identity only when set (text rows keep theirs).
+#: The conditioning fields (``runner.core.media``), each declaring its media kind and the tasks that take it: an
+#: input image (a list of references for a multi-reference edit), a mask (mode L), a last frame, and the
+#: img2img/inpaint strength. Identity only when set (text rows keep theirs).
 CONDITIONING_FIELDS = (
-    Field("image", list, identity="set", parse=parse_images, media=True,
-          kind="a path or a list of paths"),
-    Field("mask_image", str, identity="set", parse=parse_image, media=True,
-          kind="a path"),
-    Field("last_image", str, identity="set", parse=parse_image, media=True,
-          kind="a path"),
-    Field("strength", float, check=check_strength, identity="set", batch_key=True),
+    Field("image", list, identity="set", parse=parse_images, media=Media("RGB"), kind="a path or a list of paths",
+          tasks={"image_to_image": True, "inpaint": True, "edit": True, "image_to_video": True}),
+    Field("mask_image", str, identity="set", parse=parse_image, media=Media("L", mask=True), kind="a path",
+          tasks={"inpaint": True}),
+    Field("last_image", str, identity="set", parse=parse_image, media=Media("RGB"), kind="a path",
+          tasks={"image_to_video": False}),
+    Field("strength", float, check=check_strength, identity="set", batch_key=True,
+          tasks={"image_to_image": False, "inpaint": False}),
 )
-CONDITIONING_FIELD_NAMES = tuple(f.name for f in CONDITIONING_FIELDS)
 
 
 
@@ -593,6 +612,8 @@ VIDEO_ROW = IMAGE_ROW.extend("video", *VIDEO_FIELDS)
 #: The diffusion row of every diffusion engine: :data:`VIDEO_ROW` and the conditioning fields, each allowed only
 #: where ``model.task`` takes it (:func:`check_task_inputs`).
 DIFFUSION_ROW = VIDEO_ROW.extend("diffusion", *CONDITIONING_FIELDS, *LORA_FIELDS, cross=(check_task_inputs,))
+#: ``{task: {field: required}}`` of the diffusion row (:func:`task_inputs`; a family's own row spec has its own).
+TASK_INPUTS = task_inputs(DIFFUSION_ROW)
 #: ``{field: type}`` of the text diffusion row (:data:`VIDEO_ROW`: what ``load_rows`` reads without a spec).
 ROW_FIELDS: Dict[str, type] = VIDEO_ROW.types()
 
