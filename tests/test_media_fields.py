@@ -102,3 +102,23 @@ def test_the_media_tables_are_the_fields_declarations():
         "image_to_image": {"image": True, "strength": False}, "inpaint": {"image": True, "mask_image": True,
                                                                           "strength": False},
         "edit": {"image": True}, "image_to_video": {"image": True, "last_image": False}}
+
+
+def test_one_digest_function_reads_inputs_and_records(tmp_path):
+    """``media.digests`` gives the same ``{field: sha256}`` from a row's checked inputs and from their records, and
+    resume names a media input whose recorded sha256 is not the file's now (the first reason it does not reuse)."""
+    from runner.core import media
+    from runner.core import resume as rs
+
+    _png(tmp_path / "c.png", 40)
+    row = ds.Row(id="a", prompt="p", negative_prompt=None, seed=1, width=64, height=64, num_inference_steps=2,
+                 guidance_scale=None, num_images_per_prompt=1, line=1, values={"control_image": "c.png"},
+                 spec=ds.DIFFUSION_ROW.extend("x", CONTROL))
+    (row,) = media.attach_inputs([row], tmp_path / "rows.jsonl")
+    recorded = media.records(row.inputs)
+    sha = hashlib.sha256((tmp_path / "c.png").read_bytes()).hexdigest()
+    assert media.digests(row.inputs) == media.digests(recorded) == {"control_image": sha}
+    item = ds.Item(row=row, index=0, seed=1)
+    stale = {"control_image": {**recorded["control_image"], "sha256": "0" * 64}}
+    assert rs.why_not_reused({"seed": 1, "inputs": stale}, item, False) == "input control_image changed"
+    assert rs.why_not_reused({"seed": 1, "inputs": recorded}, item, False) == "no inputs_sha256 recorded"

@@ -424,3 +424,13 @@ def records(inputs: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
     if not inputs:
         return None
     return {f: ([x.record() for x in v] if isinstance(v, list) else v.record()) for f, v in inputs.items()}
+
+
+def digests(inputs: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """``{field: sha256 | [sha256]}`` of a row's checked inputs (:class:`InputFile`) or of a record's ``inputs``
+    (their :meth:`InputFile.record` dicts; a missing sha256 reads None): what an artifact embeds (``inputs``),
+    ``metadata.jsonl`` lists, and resume compares (``runner.core.resume.why_not_reused``); ``{}`` without any."""
+    def sha(x: Any) -> Optional[str]:
+        return x.sha256 if isinstance(x, InputFile) else (x or {}).get("sha256")
+
+    return {f: ([sha(x) for x in v] if isinstance(v, list) else sha(v)) for f, v in (inputs or {}).items()}

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 from runner.core.artifacts import ArtifactWriter, Journal, atomic_write_bytes, encode_png
 from runner.core.dataset import file_sha256
 from runner.core.errors import ConfigValueError, RunnerError
+from runner.core.media import digests
 
 
 def read_journal(path: Path) -> List[Dict[str, Any]]:
@@ -107,13 +108,8 @@ def embedded_fields(record: Dict[str, Any], model: Optional[str]) -> Dict[str, s
     if model is not None:
         out["model"] = str(model)
     if record.get("inputs"):  # a conditioned item: its input files by sha256 (their paths are not embedded)
-        out["inputs"] = json.dumps(input_digests(record["inputs"]), sort_keys=True)
+        out["inputs"] = json.dumps(digests(record["inputs"]), sort_keys=True)
     return out
-
-
-def input_digests(inputs: Dict[str, Any]) -> Dict[str, Any]:
-    """``{field: sha256 | [sha256]}`` of a record's ``inputs`` (``runner.core.media.InputFile.record``)."""
-    return {f: ([x["sha256"] for x in v] if isinstance(v, list) else v["sha256"]) for f, v in inputs.items()}
 
 
 def input_file_name(inputs: Optional[Dict[str, Any]]) -> Any:
@@ -142,7 +138,7 @@ def folder_metadata_row(record: Dict[str, Any], model: Optional[str], run_id: Op
             row[k] = record[k]
     if record.get("inputs"):
         row["input_file_name"] = input_file_name(record["inputs"])
-        row["inputs"] = input_digests(record["inputs"])
+        row["inputs"] = digests(record["inputs"])
     return row
 
 
