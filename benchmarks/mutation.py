@@ -163,10 +163,10 @@ GROUPS: Dict[str, Dict[str, Any]] = {
     "sinks": {
         "scope": {"runner/core/sinks.py": ["embedded_fields", "folder_metadata_row", "check_artifact_dims",
                                           "_Counting._recorded", "_FileSink.submit", "_FileSink.verify",
-                                          "_FileSink.close", "PNGSink._write", "MP4Sink.identity",
+                                          "_FileSink.close", "ImageSink._write", "MP4Sink.identity",
                                           "MP4Sink._payload", "MP4Sink._write", "RecordSink.submit",
                                           "RecordSink.verify", "ComputeOnlySink.submit", "keep_unlisted",
-                                          "PNGSink.options", "PNGSink.identity", "PNGSink._payload"]},
+                                          "ImageSink.options", "ImageSink.identity", "ImageSink._payload"]},
         "tests": ["tests/test_mutation_kills_sinks.py", "tests/test_atomic_writes.py",
                   "tests/test_video.py::test_sink_frame_rate_and_shape_rules",
                   "tests/test_outputs.py::test_png_whose_size_differs_from_its_record_fails_and_is_not_written"]},

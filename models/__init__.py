@@ -1,6 +1,12 @@
-"""Engines: each runs one stage of a run (a model family's loading, call arguments and model knowledge) behind the
-protocol of :mod:`models.base`, looked up by ``model.adapter`` in :mod:`models.registry`.
+"""Engines: each runs one stage of a run (loading, call arguments and model knowledge) behind the protocol of
+:mod:`models.base`, looked up by ``model.adapter`` in :mod:`models.registry`.
 
-``flux``: diffusers ``FluxPipeline`` (:class:`models.flux.FluxEngine`, on :class:`models.diffusers_engine.DiffusersEngine`);
-``vllm``: autoregressive models through vLLM (:class:`models.vllm.engine.VLLMEngine`).
+* diffusion: :class:`models.pipelines.PipelineEngine` (on :class:`models.diffusers_engine.DiffusersEngine`) drives
+  every diffusers family declared by a :class:`models.family.FamilySpec` (``models/flux.py``, ``sd3``, ``qwen_image``,
+  ``wan``, ``hidream``, ``ltx2``, ``flux2``, ``zimage``, ``hunyuanvideo15``; registered in
+  :data:`models.registry.FAMILIES`); :mod:`models.snapshot` builds a family's components and embedded snapshot,
+  :mod:`models.tokenizer_kinds` its tokenizers; the features it installs have modules of their own (``lora``,
+  ``cache``, ``memory``, ``context_parallel``, ``conditioning``, ``compile_cache``);
+* autoregressive: :mod:`models.vllm` (``model.adapter=vllm``, :class:`models.vllm.engine.VLLMEngine`);
+* the trained toys (``toy_shapes``, ``toy_motion``, ``toy_edit``): their weights, data and oracles.
 """

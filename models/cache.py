@@ -50,6 +50,7 @@ import functools
 import io
 import math
 import sys
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -57,10 +58,11 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
 from runner.core.errors import ConfigValueError, RefusedError
+from runner.core.schema import CacheConfig
 
-#: ``cache.*`` fields a method may read (``cache.method`` and ``cache.schedule`` aside).
-CACHE_FIELDS = ("threshold", "compute_every", "warmup_steps", "max_skip_steps", "retention_ratio", "mag_ratios",
-                "order", "lite", "calibrate", "fn_compute_blocks", "bn_compute_blocks")
+#: ``cache.*`` fields a method may read: every field of ``runner.core.schema.CacheConfig`` but ``method`` and
+#: ``schedule`` (read off the schema, so a field added there is known here).
+CACHE_FIELDS = tuple(f.name for f in dataclasses.fields(CacheConfig) if f.name not in ("method", "schedule"))
 SCHEDULES = ("fixed", "adaptive")
 
 

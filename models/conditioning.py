@@ -75,8 +75,9 @@ def load_field(row: Any, field: str) -> Any:
 
 def call_inputs(task: str, batch: Sequence[Any], params: set, pipeline_cls: type) -> Dict[str, Any]:
     """The conditioning arguments of one pipeline call over ``batch`` (items of one shape key, so one strength
-    and one input size): ``image``, ``mask_image``, ``last_image`` as lists (one entry per item; a row with a list
-    of references runs alone and passes its list), ``strength``, and Kontext's size arguments.
+    and one input size): each media input the pipeline's ``__call__`` takes (``image``, ``mask_image``,
+    ``last_image``, a family's own media field) as a list (one entry per item; a row with a list of references runs
+    alone and passes its list), ``strength``, and Kontext's size arguments.
 
     Raises:
         runner.core.media.InputChangedError: an input changed since the startup check.
@@ -86,8 +87,8 @@ def call_inputs(task: str, batch: Sequence[Any], params: set, pipeline_cls: type
         return {}
     kw: Dict[str, Any] = {}
     single = pipeline_cls.__name__ == "WanImageToVideoPipeline"  # one PIL image, not a list (VideoProcessor, CLIP)
-    for field in media.MEDIA_FIELDS:
-        if field in r0.inputs and field in params:
+    for field in r0.inputs:  # every media field of the row's spec the row set, in the spec's order
+        if field in params:
             loaded = [load_field(it.row, field) for it in batch]
             kw[field] = loaded[0] if isinstance(loaded[0], list) or single else loaded
     if task in STRENGTH_TASKS and "strength" in params:

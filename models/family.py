@@ -25,8 +25,6 @@ import logging
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from runner.core.media import TASK_INPUTS as _TASK_INPUTS
-
 #: Classifier-free guidance modes (how many transformer forwards one denoising step makes):
 #: ``true_cfg``: a second, unbatched forward when the row has a negative prompt and ``true_cfg_scale`` > 1
 #: (FluxPipeline, QwenImagePipeline: ``do_true_cfg``); ``batched``: guidance_scale > 1 concatenates the
@@ -41,8 +39,6 @@ TASKS = ("text_to_image", "image_to_image", "inpaint", "edit", "text_to_video", 
 GENERATION_TASKS = ("text_to_image", "text_to_video")
 #: The tasks whose pipelines write video.
 VIDEO_TASKS = ("text_to_video", "image_to_video")
-#: Conditioning row fields each task takes (``{task: {field: required}}``, declared once in ``runner.core.media``).
-TASK_INPUTS = _TASK_INPUTS
 
 #: What a task's pipeline does to the size of an input image (:attr:`FamilySpec.input_sizing`), so the runner can
 #: refuse or record it: ``resize``: every input is resized to the call's ``width`` x ``height`` (aspect ratio not
@@ -91,8 +87,9 @@ class FamilySpec:
         tasks: task (:data:`TASKS`) -> diffusers pipeline class name.
         components: ``{component: (library, model class, config class or None)}``, built in this order from
             ``model.architecture.<component>`` for embedded and dummy weights.
-        tokenizers: ``{tokenizer component: (kind, encoder label, text encoder component)}``; kinds of
-            :mod:`models.tokenizers` (``clip``, ``t5``, ``qwen2``, ``llama3``, ``gemma``, ``qwen3``, ``mistral3``).
+        tokenizers: ``{tokenizer component: (kind, encoder label, text encoder component)}``; kinds registered in
+            :mod:`models.tokenizer_kinds` (``clip``, ``t5``, ``qwen2``, ``llama3``, ``gemma``, ``qwen3``,
+            ``mistral3``; a new kind is one record there).
         cfg: the pipeline's guidance mode (:data:`CFG_MODES`).
         size_rule: ``(vae config, transformer config, patch) -> pixels`` widths and heights must be multiples of.
         patch: the latent packing / patch size the rule multiplies by; ``"transformer"`` reads the transformer
@@ -128,6 +125,10 @@ class FamilySpec:
         pipeline_config: arguments of the pipeline class's ``__init__`` that are settings, not components
             (WanPipeline's ``boundary_ratio``, ``expand_timesteps``): ``model.architecture.pipeline`` for embedded
             and dummy weights, the snapshot's ``model_index.json`` for ``model.path``.
+        row_fields: further dataset row fields of the family (``runner.core.dataset.Field``), after the diffusion
+            row's (``runner.core.dataset.DIFFUSION_ROW``): validated, in the item identity, recorded; a field with
+            ``media`` (``runner.core.media.Media``) is an input file, checked, hashed, attached and recorded as the
+            conditioning images are, and passed to the pipeline when its ``__call__`` takes it.
     """
 
     name: str
@@ -154,13 +155,14 @@ class FamilySpec:
     cfg_threshold: float = 1.0
     experts: Tuple[str, ...] = ("transformer",)
     pipeline_config: Tuple[str, ...] = ()
+    row_fields: Tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         """Freeze the mappings and check the declared names.
 
         Raises:
-            ValueError: an unknown ``cfg`` mode or task, no base task, or a task component, processor or input
-                sizing for a task the spec does not map.
+            ValueError: an unknown ``cfg`` mode or task, no base task, a tokenizer kind not registered, or a task
+                component, processor or input sizing for a task the spec does not map.
         """
         if self.cfg not in CFG_MODES:
             raise ValueError(f"FamilySpec {self.name!r}: cfg={self.cfg!r} is not one of {', '.join(CFG_MODES)}")
@@ -178,6 +180,13 @@ class FamilySpec:
         missing = [e for e in self.experts if e not in self.components]
         if self.components and missing:
             raise ValueError(f"FamilySpec {self.name!r}: experts {missing} are not among its components")
+        from models import tokenizer_kinds
+
+        unknown = sorted({kind for kind, _l, _e in self.tokenizers.values()} - set(tokenizer_kinds.KINDS))
+        if unknown:
+            raise ValueError(f"FamilySpec {self.name!r}: tokenizer kinds {unknown} are not registered "
+                             f"({', '.join(sorted(tokenizer_kinds.KINDS))}); fix: register a "
+                             "models.tokenizer_kinds.TokenizerKind for each")
         bad_sizing = sorted(set(self.input_sizing.values()) - set(INPUT_SIZING))
         if bad_sizing:
             raise ValueError(f"FamilySpec {self.name!r}: input_sizing {bad_sizing} not among {', '.join(INPUT_SIZING)}")

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from kernels.moe import ExpertsLayout
+from models import tokenizer_kinds
 from models.family import FamilySpec, block_out_scale
 from models.pipelines import ModelPathError, PipelineEngine
 from runner.core.dataset import DatasetError, Row
@@ -293,7 +294,8 @@ class HiDreamEngine(PipelineEngine):
         """The most ``max_sequence_length`` the pipeline applies as given: the T5 and Llama tokenizers'
         ``model_max_length`` (it silently encodes ``min(max_sequence_length, model_max_length)``)."""
         toks = self.tokenizers()
-        lims = [int(toks[lab].model_max_length) for k, lab, _ in self.tokenizers_spec.values() if k != "clip"
+        lims = [int(toks[lab].model_max_length) for k, lab, _ in self.tokenizers_spec.values()
+                if not tokenizer_kinds.get(k).fixed_length
                 and getattr(toks[lab], "model_max_length", None) and toks[lab].model_max_length < 10 ** 9]
         return min(lims) if lims else None
 
@@ -302,7 +304,7 @@ class HiDreamEngine(PipelineEngine):
         tokenizer's model_max_length)`` (tokens with the special tokens)."""
         msl = int(self.cfg.generation.max_sequence_length)
         kind = next(k for k, lab, _ in self.tokenizers_spec.values() if lab == label)
-        if kind == "clip":
+        if tokenizer_kinds.get(kind).fixed_length:  # CLIP-L, CLIP-G
             return min(msl, CLIP_MAX_TOKENS)
         m = getattr(tok, "model_max_length", None)
         return min(msl, int(m)) if m and m < 10 ** 9 else msl

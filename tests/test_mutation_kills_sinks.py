@@ -16,7 +16,7 @@ from PIL import Image
 
 from models.base import ImageOutput, TextOutput
 from runner.core import sinks
-from runner.core.sinks import (ArtifactMismatchError, ComputeOnlySink, PNGSink, RecordSink, check_artifact_dims,
+from runner.core.sinks import (ArtifactMismatchError, ComputeOnlySink, ImageSink, RecordSink, check_artifact_dims,
                                embedded_fields, folder_metadata_row, keep_unlisted, read_journal)
 
 
@@ -58,7 +58,7 @@ def test_folder_metadata_row():
 @pytest.mark.parametrize("workers", [0, 2])
 def test_png_sink_writes_named_hashed_files_with_their_text_and_fails_bad_outputs(tmp_path, workers):
     seen = []
-    sink = PNGSink(tmp_path, "items.rank1.jsonl", workers=workers, on_record=seen.append, model="toy")
+    sink = ImageSink(tmp_path, "items.rank1.jsonl", workers=workers, on_record=seen.append, model="toy")
     img = np.full((4, 6, 3), 0.25, np.float32)
     sink.submit({"key": "a/b", "prompt": "p", "seed": 1, "params": {"width": 6, "height": 4}}, ImageOutput(img))
     bad = img.copy()
@@ -94,10 +94,10 @@ def test_png_sink_writes_named_hashed_files_with_their_text_and_fails_bad_output
 
 def test_png_sink_options_and_identity(compose):
     cfg = compose(["model=toy_shapes"])
-    assert PNGSink.options(cfg) == {"model": "toy_shapes"}
-    assert PNGSink.identity(cfg) == {"png_text": list(sinks.EMBEDDED_FIELDS),
-                                     "not_embedded": ["batch_size", "lora.name"]}
-    assert PNGSink.threaded is True and RecordSink.threaded is False
+    assert ImageSink.options(cfg) == {"model": "toy_shapes", "image_format": "png"}
+    assert ImageSink.identity(cfg) == {"png_text": list(sinks.EMBEDDED_FIELDS),
+                                       "not_embedded": ["batch_size", "lora.name"]}
+    assert ImageSink.threaded is True and RecordSink.threaded is False
     assert RecordSink.identity(cfg) is None and RecordSink.options(cfg) == {}
 
 

@@ -301,12 +301,12 @@ def test_png_whose_size_differs_from_its_record_fails_and_is_not_written(tmp_pat
     must equal the record's ``params.width``/``height``; a mismatch fails the item naming both values and writes
     no file, on the writer threads as inline; a matching image and a record without a size are written."""
     from models.base import ImageOutput
-    from runner.core.sinks import PNGSink, read_journal
+    from runner.core.sinks import ImageSink, read_journal
 
     img = np.full((32, 48, 3), 0.5, np.float32)  # height 32, width 48
     for workers in (0, 2):
         d = tmp_path / f"w{workers}"
-        sink = PNGSink(d, workers=workers)
+        sink = ImageSink(d, workers=workers)
         sink.submit({"key": "ok", "params": {"width": 48, "height": 32}}, ImageOutput(img))
         sink.submit({"key": "tall", "params": {"width": 48, "height": 64}}, ImageOutput(img))
         sink.submit({"key": "both", "params": {"width": 32, "height": 48}}, ImageOutput(img))

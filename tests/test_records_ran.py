@@ -65,14 +65,14 @@ def test_png_bytes_do_not_depend_on_the_batch_but_the_record_keeps_it(tmp_path):
     gives identical bytes; ``batch_size`` stays in the record (and metadata.jsonl), and LoRA names stay out of the
     bytes (the adapter is its sha256 and scale)."""
     from models.base import ImageOutput
-    from runner.core.sinks import PNGSink, embedded_fields
+    from runner.core.sinks import ImageSink, embedded_fields
 
     img = np.random.default_rng(0).random((8, 8, 3)).astype(np.float32)
     lora = [{"name": "x", "sha256": "a" * 64, "scale": 1.0}]
     shas = []
     for i, (bs, name) in enumerate([(1, "x"), (4, "x"), (4, "y")]):
         out = tmp_path / f"d{i}"
-        sink = PNGSink(out, model="toy")
+        sink = ImageSink(out, model="toy")
         params = {"width": 8, "height": 8, "batch_size": bs, "lora": [{**lora[0], "name": name}]}
         sink.submit({"id": "a", "key": "a", "prompt": "p", "seed": 1, "params": params}, ImageOutput(img))
         sink.close()
@@ -144,7 +144,10 @@ def test_a_mask_given_as_grey_rgb_counts_pixels_by_the_pipelines_binarisation(tm
     a[0, :3] = 128  # 3 pixels at the threshold: repainted
     a[1, :5] = 127  # 5 just below: kept
     Image.fromarray(a).save(tmp_path / "m.png")
-    inp, why = media.check_input("mask_image", "m.png", tmp_path / "rows.jsonl", None, media.MAX_INPUT_PIXELS)
+    from runner.core.dataset import DIFFUSION_ROW
+
+    mask = DIFFUSION_ROW.by_name["mask_image"].media  # the field's declared kind: a mask, mode L
+    inp, why = media.check_input("mask_image", "m.png", tmp_path / "rows.jsonl", None, media.MAX_INPUT_PIXELS, mask)
     assert why is None and inp.repaint_pixels == 3 and inp.record()["repaint_pixels"] == 3
     img, _ = media.check_input("image", "m.png", tmp_path / "rows.jsonl", None, media.MAX_INPUT_PIXELS)
     assert img.repaint_pixels is None and "repaint_pixels" not in img.record()

@@ -103,7 +103,8 @@ def test_engines_declare_their_row_spec():
     from models.vllm.rows import AR_ROW
 
     assert VLLMEngine.row_spec(None) is AR_ROW
-    assert FluxEngine.row_spec(None) is ds.DIFFUSION_ROW  # the video row, conditioning (issue 30) and LoRA (32)
+    # the video row, conditioning (issue 30) and LoRA (32); FLUX declares no row fields of its own (FamilySpec.row_fields)
+    assert FluxEngine.row_spec(object.__new__(FluxEngine)) is ds.DIFFUSION_ROW
     assert set(ds.DIFFUSION_ROW.by_name) - set(ds.VIDEO_ROW.by_name) == {"image", "mask_image", "last_image",
                                                                           "strength", "lora", "lora_scale"}
 

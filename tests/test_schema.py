@@ -256,7 +256,7 @@ def test_the_read_scan_is_not_trivially_satisfied():
     fake = type(sys)("fake_schema")
     vars(fake).update({k: v for k, v in vars(schema).items()})
     vars(fake).update(RunConfig=_RunWithUnread, ParallelismConfig=_ParallelismWithDegree, OutputConfig=_OutputWithFormat)
-    assert scan.unread_fields(fake) == ["_OutputWithFormat.image_format", "_ParallelismWithDegree.degree"]
+    assert scan.unread_fields(fake) == ["_OutputWithFormat.jpeg_quality", "_ParallelismWithDegree.degree"]
 
 
 @dataclasses.dataclass
@@ -266,7 +266,7 @@ class _ParallelismWithDegree(schema.ParallelismConfig):
 
 @dataclasses.dataclass
 class _OutputWithFormat(schema.OutputConfig):
-    image_format: str = "png"
+    jpeg_quality: int = 95  # (``image_format`` was the example here until #39 made it a read field)
 
 
 @dataclasses.dataclass

@@ -309,6 +309,7 @@ def load_rows(cfg: Any, sampling: Mapping[str, Any], vocab_size: Optional[int], 
     context = {"sampling": dict(sampling), "vocab_size": vocab_size, "max_model_len": max_model_len,
                "count_tokens": count_tokens, "on_ignored": str(getattr(d, "on_ignored", None) or "error"), "src": src,
                "run_seed": cfg.seed}
-    rows = ds.validate_rows(raw, AR_ROW, src, from_text=d.format == "csv", extra_fields=str(d.extra_fields),
+    rows = ds.validate_rows(raw, AR_ROW, src, from_text=ds.reader(d.format).from_text,
+                            extra_fields=str(d.extra_fields),
                             context=context)
     return rows, src

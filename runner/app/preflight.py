@@ -42,12 +42,12 @@ def missing_inputs(cfg: Any) -> List[str]:
     limit = data.get("limit")
     problems: List[str] = []
     for line, row in raw[:int(limit)] if limit else raw:
-        for field in media.MEDIA_FIELDS:
+        for field in media.media_fields(ds.DIFFUSION_ROW):
             value = row.get(field)
             if value is None:
                 continue
             try:
-                value = media.parse_media(value, from_text=fmt == "csv")
+                value = media.parse_media(value, from_text=ds.reader(fmt).from_text)
             except (RunnerError, ValueError, TypeError):
                 continue  # a malformed value: the engine's message
             many = isinstance(value, list)

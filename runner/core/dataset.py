@@ -1,4 +1,5 @@
-"""Dataset rows: loading (builtin, JSONL, CSV, TXT), validation before any model loads, and expansion into items.
+"""Dataset rows: loading (the sources of ``runner.core.readers.READERS``: builtin, JSONL, CSV, TXT, parquet, a
+Hugging Face dataset), validation before any model loads, and expansion into items.
 
 A *row* is one line of the dataset; an *item* is one image to generate (a row with ``num_images_per_prompt: 2``
 gives two items). Seeds belong to items, never to batches or ranks, so the images do not depend on
@@ -18,8 +19,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from runner.core.errors import DatasetError, UserInputError  # noqa: F401  (DatasetError re-exported)
+from runner.core import readers
+from runner.core.media import Media
 from runner.core.paths import RUNNER_DIR
-from runner.core.schema import DatasetFormat, ExtraFields
+from runner.core.schema import ExtraFields
 
 BUILTIN_PROMPTS = RUNNER_DIR / "data" / "prompts.jsonl"
 
@@ -153,9 +156,14 @@ class Field:
         kind: the words for the type in messages (default :data:`TYPE_WORDS`).
         extra: False for the fields every row of the spec's row class has as attributes; True for an engine's
             further fields, kept in ``Row.values`` (and so in the item's record ``params`` when set).
-        media: the value names an input file (``runner.core.media``): its identity is the file's sha256 (and what
-            the pipeline gets from it), not the path; its batching key the input's size; recorded under the item's
-            ``inputs``, not its ``params``.
+        media: the value names an input file, of this kind (:class:`runner.core.media.Media`: the mode the pipeline
+            gets, whether it is a mask); None: not a file. A media field is checked before any weight loads
+            (``runner.core.media.attach_inputs``: missing, unreadable, not an image, mode, size), its identity is the
+            file's sha256 (and what the pipeline gets from it), not the path; its batching key the input's size;
+            recorded under the item's ``inputs``, not its ``params``; ``runner.repro`` refuses a run whose file
+            changed since.
+        tasks: ``{task: required}``: the ``model.task`` values that take the field (a row setting it under another
+            task is refused: :func:`check_task_inputs`), and whether each requires it; None: every task takes it.
         ident: ``ident(value) -> identity``: what of a set value enters the item's inputs (None: the value itself);
             ``lora``: each adapter's sha256 and scale, not its name (:func:`lora_identity`).
     """
@@ -169,8 +177,9 @@ class Field:
     parse: Optional[Callable[[Any, bool], Any]] = None
     kind: Optional[str] = None
     extra: bool = True
-    media: bool = False
+    media: Optional[Media] = None
     ident: Optional[Callable[[Any], Any]] = None
+    tasks: Optional[Mapping[str, bool]] = None
 
     def words(self) -> str:
         """The type in words (``an integer``)."""
@@ -476,21 +485,32 @@ def check_strength(v: Any, context: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+def task_inputs(spec: "RowSpec") -> Dict[str, Dict[str, bool]]:
+    """``{task: {field: required}}`` of the fields of ``spec`` that declare :attr:`Field.tasks` (the conditioning
+    fields), tasks in the order the fields name them; a task absent takes none of them."""
+    out: Dict[str, Dict[str, bool]] = {}
+    for f in spec.fields:
+        for task, required in (f.tasks or {}).items():
+            out.setdefault(task, {})[f.name] = bool(required)
+    return out
+
+
 def check_task_inputs(where: str, vals: Mapping[str, Any], merged: Mapping[str, Any], context: Mapping[str, Any],
                       bad: bool) -> List[str]:
-    """The conditioning fields of a row against ``context["task"]`` (``model.task``; default ``text_to_image``):
-    a field the task does not take is refused naming the tasks that take it, the family's (``context["tasks"]``)
-    first (as an ignored field: it would not reach the pipeline); a field the task requires must be set; a list of references only where
-    ``context["multi_image"]`` (the family's multi-reference edit)."""
-    from runner.core.media import TASK_INPUTS
-
+    """The task-bound fields of a row (:attr:`Field.tasks`, of ``context["spec"]``) against ``context["task"]``
+    (``model.task``; default ``text_to_image``): a field the task does not take is refused naming the tasks that take
+    it, the family's (``context["tasks"]``) first (as an ignored field: it would not reach the pipeline); a field the
+    task requires must be set; a list of references only where ``context["multi_image"]`` (the family's
+    multi-reference edit)."""
+    spec = context.get("spec") or DIFFUSION_ROW
+    table = task_inputs(spec)
     task = str(context.get("task") or "text_to_image")
-    takes = TASK_INPUTS.get(task, {})
+    takes = table.get(task, {})
     out = []
-    for f in CONDITIONING_FIELD_NAMES:
+    for f in (f.name for f in spec.fields if f.tasks is not None):
         if f in vals and f not in takes:
-            own = context.get("tasks") or TASK_INPUTS  # the family's tasks first: the fix names one it has
-            users = sorted((t for t, fs in TASK_INPUTS.items() if f in fs), key=lambda t: t not in own)
+            own = context.get("tasks") or table  # the family's tasks first: the fix names one it has
+            users = sorted((t for t, fs in table.items() if f in fs), key=lambda t: t not in own)
             out.append(f"{where}: field {f!r} = {vals[f]!r} is not taken by model.task={task} (the pipeline would "
                        f"never see it); fix: remove it from the row, or model.task={users[0]} (tasks that take "
                        f"{f}: {', '.join(users)})")
@@ -518,18 +538,19 @@ def parse_image(value: Any, from_text: bool) -> Any:
     return media.parse_one_media(value, from_text)
 
 
-#: The conditioning fields (``runner.core.media``): an input image (a list of references for a multi-reference
-#: edit), a mask, a last frame, and the img2img/inpaint strength. Identity only when set (text rows keep theirs).
+#: The conditioning fields (``runner.core.media``), each declaring its media kind and the tasks that take it: an
+#: input image (a list of references for a multi-reference edit), a mask (mode L), a last frame, and the
+#: img2img/inpaint strength. Identity only when set (text rows keep theirs).
 CONDITIONING_FIELDS = (
-    Field("image", list, identity="set", parse=parse_images, media=True,
-          kind="a path or a list of paths"),
-    Field("mask_image", str, identity="set", parse=parse_image, media=True,
-          kind="a path"),
-    Field("last_image", str, identity="set", parse=parse_image, media=True,
-          kind="a path"),
-    Field("strength", float, check=check_strength, identity="set", batch_key=True),
+    Field("image", list, identity="set", parse=parse_images, media=Media("RGB"), kind="a path or a list of paths",
+          tasks={"image_to_image": True, "inpaint": True, "edit": True, "image_to_video": True}),
+    Field("mask_image", str, identity="set", parse=parse_image, media=Media("L", mask=True), kind="a path",
+          tasks={"inpaint": True}),
+    Field("last_image", str, identity="set", parse=parse_image, media=Media("RGB"), kind="a path",
+          tasks={"image_to_video": False}),
+    Field("strength", float, check=check_strength, identity="set", batch_key=True,
+          tasks={"image_to_image": False, "inpaint": False}),
 )
-CONDITIONING_FIELD_NAMES = tuple(f.name for f in CONDITIONING_FIELDS)
 
 
 
@@ -591,12 +612,15 @@ VIDEO_ROW = IMAGE_ROW.extend("video", *VIDEO_FIELDS)
 #: The diffusion row of every diffusion engine: :data:`VIDEO_ROW` and the conditioning fields, each allowed only
 #: where ``model.task`` takes it (:func:`check_task_inputs`).
 DIFFUSION_ROW = VIDEO_ROW.extend("diffusion", *CONDITIONING_FIELDS, *LORA_FIELDS, cross=(check_task_inputs,))
+#: ``{task: {field: required}}`` of the diffusion row (:func:`task_inputs`; a family's own row spec has its own).
+TASK_INPUTS = task_inputs(DIFFUSION_ROW)
 #: ``{field: type}`` of the text diffusion row (:data:`VIDEO_ROW`: what ``load_rows`` reads without a spec).
 ROW_FIELDS: Dict[str, type] = VIDEO_ROW.types()
 
 
-#: ``dataset.format`` values: where rows come from (spelled once, ``runner.core.schema.DatasetFormat``).
-FORMATS = tuple(f.value for f in DatasetFormat)
+#: ``dataset.format`` values: where rows come from (the sources of ``runner.core.readers.READERS``, which
+#: ``runner.core.schema.DatasetFormat`` lists too).
+FORMATS = tuple(readers.READERS)
 #: ``dataset.extra_fields`` values: what a field that is no row field does (``runner.core.schema.ExtraFields``).
 EXTRA_FIELDS = tuple(f.value for f in ExtraFields)
 
@@ -606,7 +630,13 @@ def _arrow_rows(table: Any, src: Path) -> List[tuple[int, Dict[str, Any]]]:
     return [(n, {k: v for k, v in rec.items() if v is not None}) for n, rec in enumerate(table.to_pylist(), 1)]
 
 
-def _read_parquet(path: Path) -> List[tuple[int, Dict[str, Any]]]:
+def read_parquet(path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None
+                 ) -> List[tuple[int, Dict[str, Any]]]:
+    """``dataset=parquet``: a parquet file's rows (``pyarrow``), numbered from 1.
+
+    Raises:
+        DatasetError: pyarrow is missing, or the file is not parquet.
+    """
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -623,7 +653,8 @@ def _read_parquet(path: Path) -> List[tuple[int, Dict[str, Any]]]:
 HF_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
-def _read_hf(path: Path, split: Optional[str]) -> List[tuple[int, Dict[str, Any]]]:
+def read_hf(path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None
+            ) -> List[tuple[int, Dict[str, Any]]]:
     """Rows of a local Hugging Face dataset: a dir written by ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict``
     whose ``split`` is read: default ``train``, or its only split) or a data file read by ``datasets``' builder of
     its extension (:data:`HF_FILE_BUILDERS`), with a temporary cache (nothing is written outside the run dir).
@@ -777,19 +808,36 @@ def csv_extra_cells(path: Path, line: int, columns: int, extra: Sequence[str]) -
     return f"{head}); fix: quote prompts that contain commas"
 
 
-def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None,
-             fields: Iterable[str] = tuple(ROW_FIELDS)) -> List[tuple[int, Dict[str, Any]]]:
-    """Return ``(line_number, raw_row)`` pairs (for ``parquet`` and ``hf``: the row number from 1), source columns
-    renamed by ``columns`` (:func:`apply_columns` over the engine's row ``fields``; CSV and TXT cells are text, the
-    other formats' cells typed).
+def reader(fmt: Any) -> readers.Reader:
+    """The :class:`runner.core.readers.Reader` record of ``dataset.format`` = ``fmt``.
 
     Raises:
-        DatasetError: unreadable or malformed input (file, line, what, fix).
+        DatasetError: no such source (naming the registered ones).
     """
-    if fmt == "parquet":
-        return apply_columns(_read_parquet(path), columns, path, fields)
-    if fmt == "hf":
-        return apply_columns(_read_hf(path, split), columns, path, fields)
+    rec = readers.READERS.get(str(fmt))
+    if rec is None:
+        raise DatasetError([f"dataset.format={str(fmt)!r} is not known; fix: one of {', '.join(FORMATS)}"])
+    return rec
+
+
+def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None,
+             fields: Iterable[str] = tuple(ROW_FIELDS)) -> List[tuple[int, Dict[str, Any]]]:
+    """Return ``(line_number, raw_row)`` pairs (for ``parquet`` and ``hf``: the row number from 1) read by the
+    source's record (:func:`reader`), source columns renamed by ``columns`` (:func:`apply_columns` over the
+    engine's row ``fields``; CSV and TXT cells are text, the other formats' cells typed).
+
+    Raises:
+        DatasetError: an unknown source, unreadable or malformed input (file, line, what, fix).
+    """
+    return apply_columns(reader(fmt).reader()(path, split, columns), columns, path, fields)
+
+
+def read_text(path: Path) -> str:
+    """The UTF-8 text of a dataset file (a leading BOM dropped).
+
+    Raises:
+        DatasetError: the file does not exist, or is not UTF-8 (naming the line and byte).
+    """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -800,51 +848,71 @@ def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optiona
         line = data[: e.start].count(b"\n") + 1
         raise DatasetError([f"{path}:{line}: text is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
                             "fix: re-encode the file as UTF-8"])
-    text = text.lstrip("\ufeff")
+    return text.lstrip("\ufeff")
+
+
+def read_jsonl(path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None
+               ) -> List[tuple[int, Dict[str, Any]]]:
+    """``dataset=jsonl`` (and ``builtin``): one JSON object per line, blank lines skipped.
+
+    Raises:
+        DatasetError: every malformed line at once.
+    """
     rows: List[tuple[int, Dict[str, Any]]] = []
-    if fmt in ("jsonl", "builtin"):
-        problems = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                problems.append(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno}); fix: one JSON object per line")
-                continue
-            if not isinstance(obj, dict):
-                problems.append(f"{path}:{n}: expected a JSON object with a 'prompt' field, got {type(obj).__name__}")
-                continue
-            rows.append((n, obj))
-        if problems:
-            raise DatasetError(problems)
-    elif fmt == "csv":
-        reader = csv.DictReader(io.StringIO(text))
-        source = (columns or {}).get("prompt", "prompt")
-        if not reader.fieldnames or source not in reader.fieldnames:
-            close = difflib.get_close_matches(source, reader.fieldnames or [], n=1) or [
-                f for f in reader.fieldnames or [] if f.lower() == source.lower()]
-            raise DatasetError([f"{path}:1: CSV header {reader.fieldnames!r} has no {source!r} column; fix: "
-                                + (f"dataset.columns={{prompt: {close[0]}}} to read the prompt from {close[0]!r}"
-                                   if close and source == "prompt" else
-                                   f"name the prompt column (dataset.columns={{prompt: <column>}})"
-                                   if reader.fieldnames else "add a header line naming the columns, e.g. id,prompt")])
-        problems = []
-        for rec in reader:
-            n = reader.line_num
-            if None in rec:
-                problems.append(csv_extra_cells(path, n, len(reader.fieldnames), rec[None]))
-                continue
-            rows.append((n, {k: v for k, v in rec.items() if v not in (None, "")} | {source: rec.get(source) or ""}))
-        if problems:
-            raise DatasetError(problems)
-    elif fmt == "txt":
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                rows.append((n, {"id": f"line{n:06d}", "prompt": line.strip()}))
-    else:
-        raise DatasetError([f"dataset.format: unknown format {fmt!r}; fix: one of {', '.join(FORMATS)}"])
-    return apply_columns(rows, columns, path, fields)
+    problems = []
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno}); fix: one JSON object per line")
+            continue
+        if not isinstance(obj, dict):
+            problems.append(f"{path}:{n}: expected a JSON object with a 'prompt' field, got {type(obj).__name__}")
+            continue
+        rows.append((n, obj))
+    if problems:
+        raise DatasetError(problems)
+    return rows
+
+
+def read_csv(path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None
+             ) -> List[tuple[int, Dict[str, Any]]]:
+    """``dataset=csv``: a header line naming the columns; empty cells left out, the prompt column kept.
+
+    Raises:
+        DatasetError: no prompt column (naming the mapping that would read one), rows with more cells than the
+            header.
+    """
+    reader = csv.DictReader(io.StringIO(read_text(path)))
+    source = (columns or {}).get("prompt", "prompt")
+    if not reader.fieldnames or source not in reader.fieldnames:
+        close = difflib.get_close_matches(source, reader.fieldnames or [], n=1) or [
+            f for f in reader.fieldnames or [] if f.lower() == source.lower()]
+        raise DatasetError([f"{path}:1: CSV header {reader.fieldnames!r} has no {source!r} column; fix: "
+                            + (f"dataset.columns={{prompt: {close[0]}}} to read the prompt from {close[0]!r}"
+                               if close and source == "prompt" else
+                               f"name the prompt column (dataset.columns={{prompt: <column>}})"
+                               if reader.fieldnames else "add a header line naming the columns, e.g. id,prompt")])
+    rows: List[tuple[int, Dict[str, Any]]] = []
+    problems = []
+    for rec in reader:
+        n = reader.line_num
+        if None in rec:
+            problems.append(csv_extra_cells(path, n, len(reader.fieldnames), rec[None]))
+            continue
+        rows.append((n, {k: v for k, v in rec.items() if v not in (None, "")} | {source: rec.get(source) or ""}))
+    if problems:
+        raise DatasetError(problems)
+    return rows
+
+
+def read_txt(path: Path, split: Optional[str] = None, columns: Optional[Dict[str, str]] = None
+             ) -> List[tuple[int, Dict[str, Any]]]:
+    """``dataset=txt``: one prompt per non-blank line, ids ``line<number>``."""
+    return [(n, {"id": f"line{n:06d}", "prompt": line.strip()})
+            for n, line in enumerate(read_text(path).splitlines(), 1) if line.strip()]
 
 
 def coerce(value: Any, typ: type, from_text: bool) -> Any:
@@ -893,13 +961,11 @@ def source_path(fmt: str, path: Optional[str], builtin: str) -> Path:
             that is not there (naming the fix).
         runner.core.storage.StorageURLError: a URL whose filesystem is not installed.
     """
-    if fmt not in FORMATS:
-        raise DatasetError([f"dataset.format={fmt!r} is not known; fix: one of {', '.join(FORMATS)}"])
-    if fmt == "builtin":
+    rec = reader(fmt)
+    if rec.path == "builtin":
         return BUILTIN_PROMPTS.parent / builtin
-    example = {"hf": "/path/to/saved_dataset"}.get(fmt, f"/path/to/prompts.{fmt}")
     if not path:
-        raise DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path={example}"])
+        raise DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path={rec.example_path()}"])
     from runner.core import storage
 
     if storage.is_url(path):  # object storage: a local copy of the object, hashed and read like a file
@@ -916,9 +982,10 @@ def source_path(fmt: str, path: Optional[str], builtin: str) -> Path:
                                 "the bucket, the credentials and the endpoint (AWS_ENDPOINT_URL_S3 for an "
                                 "S3-compatible server)"]) from None
     src = Path(path).expanduser()
-    if not (src.is_file() or (fmt == "hf" and src.is_dir())):
-        what = "a dir written by save_to_disk or a data file" if fmt == "hf" else f"an existing .{fmt} file"
-        raise DatasetError([f"dataset.path: {path!r} is not {'a file or dir' if fmt == 'hf' else 'a file'}; fix: "
+    dirs = rec.path == "file_or_dir"
+    if not (src.is_file() or (dirs and src.is_dir())):
+        what = "a dir written by save_to_disk or a data file" if dirs else f"an existing .{fmt} file"
+        raise DatasetError([f"dataset.path: {path!r} is not {'a file or dir' if dirs else 'a file'}; fix: "
                             f"pass the path of {what}"])
     return src
 
@@ -956,7 +1023,7 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
     raw = read_raw(fmt, src, split, columns, spec.by_name)
     if limit is not None:
         raw = raw[:limit]
-    rows = validate_rows(raw, spec, src, from_text=fmt == "csv", extra_fields=extra_fields, defaults=defaults,
+    rows = validate_rows(raw, spec, src, from_text=reader(fmt).from_text, extra_fields=extra_fields, defaults=defaults,
                          context={"size_multiple": size_multiple, "max_pixels": max_pixels, **(context or {})})
     return rows, src
 

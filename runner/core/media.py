@@ -1,5 +1,10 @@
-"""Conditioning inputs of dataset rows (``image``, ``mask_image``, ``last_image``): the one place input files are
-resolved, opened, checked and loaded.
+"""Media row fields (input files: ``image``, ``mask_image``, ``last_image``, and any field a row spec declares with
+``Field(..., media=Media(...))``): the one place input files are resolved, opened, checked, hashed and loaded.
+
+A row field is a media field by its own declaration (``runner.core.dataset.Field.media``, a :class:`Media`: the mode
+the pipeline gets, whether it is a mask); which tasks take it is the field's ``tasks``. Everything below reads the
+row's spec (:func:`media_fields`), so a field added to a family's row spec gets every check, its sha256 in the item
+identity, its record under the item's ``inputs`` and the repro check of its file, with no other edit.
 
 Every input is checked before any weight loads (:func:`attach_inputs`), every bad row listed at once, each problem
 naming ``file:line``, the field, the value and the fix:
@@ -30,23 +35,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from runner.core.errors import DatasetError, UserInputError
 
-#: Conditioning row fields that hold input files (diffusers' ``__call__`` argument names).
-MEDIA_FIELDS = ("image", "mask_image", "last_image")
-#: Conditioning row fields each task takes: ``{task: {field: required}}``. A row field outside its task's entry is
-#: refused (``runner.core.dataset.check_task_inputs``), as is a required one a row lacks.
-TASK_INPUTS: Dict[str, Dict[str, bool]] = {
-    "text_to_image": {}, "text_to_video": {},
-    "image_to_image": {"image": True, "strength": False},
-    "inpaint": {"image": True, "mask_image": True, "strength": False},
-    "edit": {"image": True},
-    "image_to_video": {"image": True, "last_image": False},
-}
 #: The most pixels an input may declare in its header, checked before it is decoded: PIL's own decompression-bomb
 #: bound (``PIL.Image.MAX_IMAGE_PIXELS``, 89,478,485 = 1024 * 1024 * 1024 // 4 // 3 since Pillow 5), so a small file
 #: that would decode to gigabytes is refused, not opened.
 MAX_INPUT_PIXELS = 1024 * 1024 * 1024 // 4 // 3
-#: What the pipeline gets per field kind: images RGB, masks L (diffusers' mask processor reads one channel).
-TARGET_MODE = {"image": "RGB", "mask_image": "L", "last_image": "RGB"}
 #: The documented mode conversions (all lossless): ``(file mode, target mode) -> rule``. RGBA / LA / PA and P with
 #: a transparency key convert only when every pixel's alpha is 255 (nothing is composited); a mask given as RGB
 #: only when its channels are equal. Every other mode (CMYK, I;16, I, F, a transparent RGBA...) is refused.
@@ -60,6 +52,31 @@ MODE_RULES = {
 URL_SCHEMES = ("http://", "https://", "s3://", "gs://", "ftp://", "hf://", "file://", "data:")
 
 
+@dataclass(frozen=True)
+class Media:
+    """What a media row field holds (``runner.core.dataset.Field.media``).
+
+    Attributes:
+        mode: the PIL mode the pipeline gets (``RGB`` for images, ``L`` for masks: diffusers' mask processor reads
+            one channel); a file of another mode is converted only by :data:`MODE_RULES`.
+        mask: the field is a mask: its repaint pixels are recorded (:func:`mask_inside`) and its size must be its
+            ``image``'s.
+    """
+
+    mode: str = "RGB"
+    mask: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in {b for _a, b in MODE_RULES}:
+            raise ValueError(f"Media mode {self.mode!r} is not one of {sorted({b for _a, b in MODE_RULES})}")
+
+
+def media_fields(spec: Any) -> Dict[str, Media]:
+    """``{field: Media}`` of the media fields a row spec declares (``runner.core.dataset.RowSpec``), in its order;
+    ``{}`` for None."""
+    return {f.name: f.media for f in (spec.fields if spec is not None else ()) if f.media}
+
+
 class InputChangedError(UserInputError, OSError):
     """An input file changed (or vanished) between the startup check and its item's generation: the item fails
     alone with this reason (its recorded sha256 would not be what ran)."""
@@ -70,15 +87,16 @@ class InputFile:
     """One checked input of one row.
 
     Attributes:
-        field: ``image``, ``mask_image`` or ``last_image`` (``image[1]`` for the second reference of a list).
+        field: the media field (``image``, ``mask_image``, ``last_image``...; ``image[1]`` for the second reference
+            of a list).
         given: the value as the row wrote it (a path; ``<bytes>`` for an image cell).
         path: the resolved absolute path (None for an image cell read from its bytes).
         sha256: of the file's bytes (an image cell's bytes).
         width, height: pixels, from the file.
-        mode: the file's PIL mode; ``input_mode``: what the pipeline gets (:data:`TARGET_MODE`).
+        mode: the file's PIL mode; ``input_mode``: what the pipeline gets (:attr:`Media.mode`).
         conversion: the :data:`MODE_RULES` rule applied, None when the mode was the target's.
-        repaint_pixels: a ``mask_image``'s pixels the pipeline repaints (grey value >= 128, its binarisation:
-            :func:`mask_inside`), 0 to ``width * height``; None for other fields.
+        repaint_pixels: a mask's pixels the pipeline repaints (grey value >= 128, its binarisation:
+            :func:`mask_inside`), 0 to ``width * height``; None for other fields (:attr:`Media.mask`).
     """
 
     field: str
@@ -245,36 +263,37 @@ def fix_of(why: str) -> str:
     return next((f for k, f in FIXES.items() if why.startswith(k)), "give a valid image file")
 
 
-def check_input(field: str, value: Any, src: Path, media_root: Optional[str], bound: int
+def check_input(field: str, value: Any, src: Path, media_root: Optional[str], bound: int, kind: Media = Media()
                 ) -> Tuple[Optional[InputFile], Optional[str]]:
-    """One input value checked: ``(InputFile, None)``, or ``(None, "field 'x' = 'v' <why>; fix: ...")``."""
+    """One input value of a field of ``kind`` checked: ``(InputFile, None)``, or ``(None, "field 'x' = 'v' <why>;
+    fix: ...")``."""
     data, given, path, why = read_input(field, value, src, media_root)
     img = None
     if data is not None:
         img, why = decode(data, bound)
     rule, converted = None, None
     if img is not None:
-        converted, rule, why = convert_mode(img, TARGET_MODE[field.split("[")[0]])
+        converted, rule, why = convert_mode(img, kind.mode)
     if why is not None:
         return None, f"field {field!r} = {given!r} {why}; fix: {fix_of(why)}"
-    repaint = int(mask_inside(converted).sum()) if field == "mask_image" else None
+    repaint = int(mask_inside(converted).sum()) if kind.mask else None
     return InputFile(field=field, given=given, path=path, sha256=hashlib.sha256(data).hexdigest(),
                      width=img.width, height=img.height, mode=img.mode,
-                     input_mode=TARGET_MODE[field.split("[")[0]], conversion=rule, repaint_pixels=repaint), None
+                     input_mode=kind.mode, conversion=rule, repaint_pixels=repaint), None
 
 
 def size_problems(row: Any, inputs: Mapping[str, Any], any_size: bool = False) -> List[str]:
-    """Every input of ``row`` must be exactly the row's ``width`` x ``height``, and a mask its image's size;
-    ``any_size``: the pipeline sizes each input itself from a pixel area (``input_sizing: area``: Edit-Plus), so only
-    the mask rule applies (the sizes it picks are recorded in the evidence)."""
+    """Every input of ``row`` must be exactly the row's ``width`` x ``height``, and a mask (:attr:`Media.mask`) its
+    image's size; ``any_size``: the pipeline sizes each input itself from a pixel area (``input_sizing: area``:
+    Edit-Plus), so only the mask rule applies (the sizes it picks are recorded in the evidence)."""
     out = []
     w, h = row.width, row.height
     image = inputs.get("image")
-    mask = inputs.get("mask_image")
+    mask = next((v for v in inputs.values() if isinstance(v, InputFile) and v.repaint_pixels is not None), None)
     named = isinstance(image, InputFile) and isinstance(mask, InputFile) and (mask.width, mask.height) != (
         image.width, image.height)
     if named:
-        out.append(f"field 'mask_image' = {mask.given!r} is {mask.width}x{mask.height}, its image {image.given!r} "
+        out.append(f"field {mask.field!r} = {mask.given!r} is {mask.width}x{mask.height}, its image {image.given!r} "
                    f"is {image.width}x{image.height}; fix: a mask of the image's size")
     for inp in [x for v in inputs.values() for x in (v if isinstance(v, list) else [v])] if not any_size else []:
         if (inp.width, inp.height) != (w, h) and not (named and inp is mask):  # named once
@@ -287,18 +306,19 @@ def size_problems(row: Any, inputs: Mapping[str, Any], any_size: bool = False) -
 
 def row_inputs(row: Any, where: str, src: Path, media_root: Optional[str], bound: int, any_size: bool = False
                ) -> Tuple[Dict[str, Any], List[str]]:
-    """The checked inputs of one row, ``({field: InputFile | [InputFile]}, problems)`` (problems prefixed with
-    ``where``, ``file:line``; ``any_size``: as :func:`size_problems`)."""
+    """The checked inputs of one row, ``({field: InputFile | [InputFile]}, problems)``: every media field of its row
+    spec (:func:`media_fields`) that the row sets (problems prefixed with ``where``, ``file:line``; ``any_size``: as
+    :func:`size_problems`)."""
     inputs: Dict[str, Any] = {}
     problems: List[str] = []
-    for field in MEDIA_FIELDS:
+    for field, kind in media_fields(row.row_spec).items():
         value = getattr(row, field, None)
         if value is None:
             continue
         many = isinstance(value, list)
         got = []
         for i, v in enumerate(value if many else [value]):
-            inp, why = check_input(f"{field}[{i}]" if many else field, v, src, media_root, bound)
+            inp, why = check_input(f"{field}[{i}]" if many else field, v, src, media_root, bound, kind)
             if why:
                 problems.append(f"{where}: {why}")
             else:
@@ -325,7 +345,7 @@ def attach_inputs(rows: Sequence[Any], src: Path, media_root: Optional[str] = No
 
     out, problems = [], []
     for r in rows:
-        if not any(getattr(r, f, None) is not None for f in MEDIA_FIELDS):
+        if not any(getattr(r, f, None) is not None for f in media_fields(r.row_spec)):
             out.append(r)
             continue
         inputs, found = row_inputs(r, f"{src}:{r.line}", src, media_root, bound, any_size)
@@ -338,12 +358,12 @@ def attach_inputs(rows: Sequence[Any], src: Path, media_root: Optional[str] = No
 
 
 def warn_empty_masks(rows: Sequence[Any], src: Path) -> List[str]:
-    """Log one warning naming every row whose ``mask_image`` selects no pixel (none >= 128): the pipeline runs every
-    step and repaints nothing (with ``output.inpaint_overlay`` the output is the input; without, its VAE
-    reconstruction). The item runs, and its record says ``inputs.mask_image.repaint_pixels: 0``. Returns the
-    ``file:line`` of each such row."""
+    """Log one warning naming every row whose mask (``mask_image``: :attr:`Media.mask`) selects no pixel (none >=
+    128): the pipeline runs every step and repaints nothing (with ``output.inpaint_overlay`` the output is the input;
+    without, its VAE reconstruction). The item runs, and its record says ``inputs.mask_image.repaint_pixels: 0``.
+    Returns the ``file:line`` of each such row."""
     empty = [f"{src}:{r.line} ({r.id})" for r in rows
-             if getattr((getattr(r, "inputs", None) or {}).get("mask_image"), "repaint_pixels", None) == 0]
+             if any(getattr(v, "repaint_pixels", None) == 0 for v in (getattr(r, "inputs", None) or {}).values())]
     if empty:
         import logging
 
@@ -406,8 +426,11 @@ def records(inputs: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
     return {f: ([x.record() for x in v] if isinstance(v, list) else v.record()) for f, v in inputs.items()}
 
 
-def digests(inputs: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
-    """``{field: sha256 | [sha256]}`` of a row's inputs (None without any): the PNG text chunk ``inputs``."""
-    if not inputs:
-        return None
-    return {f: ([x.sha256 for x in v] if isinstance(v, list) else v.sha256) for f, v in inputs.items()}
+def digests(inputs: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """``{field: sha256 | [sha256]}`` of a row's checked inputs (:class:`InputFile`) or of a record's ``inputs``
+    (their :meth:`InputFile.record` dicts; a missing sha256 reads None): what an artifact embeds (``inputs``),
+    ``metadata.jsonl`` lists, and resume compares (``runner.core.resume.why_not_reused``); ``{}`` without any."""
+    def sha(x: Any) -> Optional[str]:
+        return x.sha256 if isinstance(x, InputFile) else (x or {}).get("sha256")
+
+    return {f: ([sha(x) for x in v] if isinstance(v, list) else sha(v)) for f, v in (inputs or {}).items()}

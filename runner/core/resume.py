@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from runner.core import media
 from runner.core.errors import UserInputError
 from runner.core.schema import IDENTITY, RESUME, factor_keys, holds_entries, omitted_fields
 
@@ -383,12 +384,9 @@ def why_not_reused(rec: Dict[str, Any], item: Any, run_changed: bool) -> str:
         return "prompt"
     if rec.get("seed") is not None and rec.get("seed") != item.seed:
         return "seed"
-    inputs = getattr(r, "inputs", None) or {}
-    for f, inp in sorted(inputs.items()):  # a conditioning input whose bytes changed (runner.core.media)
-        now = [x.sha256 for x in inp] if isinstance(inp, list) else inp.sha256
-        was = (rec.get("inputs") or {}).get(f)
-        was = [x.get("sha256") for x in was] if isinstance(was, list) else (was or {}).get("sha256")
-        if was != now:
+    now, was = media.digests(getattr(r, "inputs", None)), media.digests(rec.get("inputs"))
+    for f in sorted(now):  # a media input whose bytes changed (runner.core.media)
+        if was.get(f) != now[f]:
             return f"input {f} changed"
     params = rec.get("params") or {}
     for k, v in item_inputs(item).items():

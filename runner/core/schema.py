@@ -41,6 +41,8 @@ from typing import Any, Dict, List, Mapping, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from runner.core.readers import READERS
+
 # ------------------------------------------------------------------------------------------------ factors
 
 #: What a field's value may enter (vLLM's ``compute_hash``/``compile_factors`` idea, declared per field):
@@ -173,15 +175,11 @@ class Assignment(Choice):
     claims = "claims"
 
 
-class DatasetFormat(Choice):
-    """Where and how dataset rows are read (``runner.core.dataset.read_raw``)."""
-
-    builtin = "builtin"
-    jsonl = "jsonl"
-    csv = "csv"
-    txt = "txt"
-    parquet = "parquet"
-    hf = "hf"
+#: Where and how dataset rows are read: the sources of ``runner.core.readers.READERS`` (a new source is one record
+#: there, and a choice here), read by ``runner.core.dataset.read_raw``.
+DatasetFormat = Choice("DatasetFormat", [(name, name) for name in READERS], module=__name__,
+                       qualname="DatasetFormat")
+DatasetFormat.__doc__ = "Where and how dataset rows are read (``runner.core.readers.READERS``)."
 
 
 class Task(Choice):
@@ -703,6 +701,10 @@ class OutputConfig:
     """Run directory (null: the Hydra run dir)."""
     write_workers: int = 2
     """Threads that encode and write artifacts while the next batch generates; 0: inline."""
+    image_format: str = "png"
+    """Image models: the file format of ``images/<id>.<suffix>`` (a key of ``runner.core.sinks.IMAGE_FORMATS``;
+    ``png``: lossless, with the text fields as PNG text chunks). Checked at startup; a format other than ``png`` enters
+    the run identity (through the sink's identity)."""
     video_codec: VideoCodec = VideoCodec.h264_lossless
     """Video models: the MP4 encoding (``h264_lossless``: decoded frames equal the generated ones; ``h264``:
     browser-playable, lossy). Records carry the sha256 of the decoded frames either way."""

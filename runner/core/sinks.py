@@ -3,9 +3,10 @@
 A sink turns a stage's outputs into durable files plus journal lines, in that order: ``submit(record, output)``
 writes the artifact (temp name, fsync, rename) and only then appends the record (flushed, fsynced), so a journal
 line never names a file that is not complete. ``verify(record)`` says whether a journaled artifact is still the one
-recorded (resume: :func:`artifact_intact`); ``close()`` finishes every queued write. A new output format (parquet,
-webdataset) is a new sink class and an entry in :data:`SINKS` (engine ``output`` kind -> sink): ``image`` (PNG),
-``video`` (MP4), ``text`` (journal records). Every file sink checks the artifact it wrote against its record
+recorded (resume: :func:`artifact_intact`); ``close()`` finishes every queued write. A new output kind (parquet,
+webdataset) is a new sink class and an entry in :data:`SINKS` (engine ``output`` kind -> sink): ``image``
+(:class:`ImageSink`), ``video`` (MP4), ``text`` (journal records). A new image file format is one
+:class:`ImageFormat` record in :data:`IMAGE_FORMATS` (``output.image_format`` picks it; ``png`` by default). Every file sink checks the artifact it wrote against its record
 (:func:`check_artifact_dims`: width, height, frame count equal the record's ``params``) before it is renamed into
 place, so no engine can journal a record that disagrees with its file.
 
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from runner.core.artifacts import ArtifactWriter, Journal, atomic_write_bytes, encode_png
 from runner.core.dataset import file_sha256
-from runner.core.errors import RunnerError
+from runner.core.errors import ConfigValueError, RunnerError
+from runner.core.media import digests
 from runner.core.storage import publishing
 
 
@@ -106,13 +109,8 @@ def embedded_fields(record: Dict[str, Any], model: Optional[str]) -> Dict[str, s
     if model is not None:
         out["model"] = str(model)
     if record.get("inputs"):  # a conditioned item: its input files by sha256 (their paths are not embedded)
-        out["inputs"] = json.dumps(input_digests(record["inputs"]), sort_keys=True)
+        out["inputs"] = json.dumps(digests(record["inputs"]), sort_keys=True)
     return out
-
-
-def input_digests(inputs: Dict[str, Any]) -> Dict[str, Any]:
-    """``{field: sha256 | [sha256]}`` of a record's ``inputs`` (``runner.core.media.InputFile.record``)."""
-    return {f: ([x["sha256"] for x in v] if isinstance(v, list) else v["sha256"]) for f, v in inputs.items()}
 
 
 def input_file_name(inputs: Optional[Dict[str, Any]]) -> Any:
@@ -141,7 +139,7 @@ def folder_metadata_row(record: Dict[str, Any], model: Optional[str], run_id: Op
             row[k] = record[k]
     if record.get("inputs"):
         row["input_file_name"] = input_file_name(record["inputs"])
-        row["inputs"] = input_digests(record["inputs"])
+        row["inputs"] = digests(record["inputs"])
     return row
 
 
@@ -283,7 +281,7 @@ class _Counting:
 
 class _FileSink(_Counting):
     """A sink of one file per item under ``out_dir/<subdir>``, encoded and written on ``workers`` threads while the
-    next batch generates (:class:`runner.core.artifacts.ArtifactWriter`): the shared part of :class:`PNGSink` and
+    next batch generates (:class:`runner.core.artifacts.ArtifactWriter`): the shared part of :class:`ImageSink` and
     :class:`MP4Sink`. Subclasses set ``subdir``/``suffix`` and give ``_payload(record, output)``: the writer's
     payload, or a failure reason."""
 
@@ -357,16 +355,56 @@ class _FileSink(_Counting):
             self.journal.close()
 
 
-class PNGSink(_FileSink):
-    """Images as lossless PNG files ``images/<stem>.png``, encoded and written on ``workers`` threads while the next
-    batch generates (:class:`runner.core.artifacts.ArtifactWriter`). Each PNG carries text chunks
-    (:func:`embedded_fields`: prompt, negative prompt, seed, parameters as JSON, model), all functions of the
-    item's inputs, so equal pixels and inputs still give equal bytes (``PIL.Image.open(f).text`` reads them).
+@dataclass(frozen=True)
+class ImageFormat:
+    """One image file format of :class:`ImageSink` (``output.image_format``).
+
+    Attributes:
+        name: the ``output.image_format`` value.
+        suffix: the file suffix (``.png``).
+        encode: ``encode(image, text) -> bytes``: an HWC float image in [0, 1] and the text fields to embed
+            (:func:`embedded_fields`) as the file's bytes, a function of the pixels and the text only (equal inputs,
+            equal bytes: resume and repro compare sha256s). PIL must read the bytes back (the written size is checked
+            against the record, :func:`check_artifact_dims`).
+        lossless: the file decodes to exactly ``runner.core.artifacts.to_uint8`` of the image.
+    """
+
+    name: str
+    suffix: str
+    encode: Callable[[Any, Dict[str, str]], bytes]
+    lossless: bool = True
+
+
+#: ``output.image_format`` -> record; a new image format is one entry (:class:`ImageFormat`).
+IMAGE_FORMATS: Dict[str, ImageFormat] = {"png": ImageFormat("png", ".png", encode_png)}
+
+
+def image_format_record(name: Any) -> ImageFormat:
+    """The record of ``output.image_format`` = ``name``.
+
+    Raises:
+        runner.core.errors.ConfigValueError: no such format (at startup: the sink's identity is computed before any
+            weight loads); the message lists the registered ones.
+    """
+    fmt = IMAGE_FORMATS.get(str(name))
+    if fmt is None:
+        raise ConfigValueError(f"output.image_format={name!r} is not a registered image format; fix: one of "
+                               f"{', '.join(sorted(IMAGE_FORMATS))} (a new one is an ImageFormat record in "
+                               "runner.core.sinks.IMAGE_FORMATS)")
+    return fmt
+
+
+class ImageSink(_FileSink):
+    """Images as files ``images/<stem><suffix>`` of an :class:`ImageFormat` (lossless PNG by default), encoded and
+    written on ``workers`` threads while the next batch generates (:class:`runner.core.artifacts.ArtifactWriter`).
+    Each file carries text fields (:func:`embedded_fields`: prompt, negative prompt, seed, parameters as JSON, model;
+    PNG text chunks, ``PIL.Image.open(f).text`` reads them), all functions of the item's inputs, so equal pixels and
+    inputs still give equal bytes.
 
     ``submit(record, output)``: ``output`` is a :class:`models.base.ImageOutput`, or the exception that failed the
     item; a non-finite image is refused (``status: failed``, the count of bad values as reason) and never written.
     The record gets ``status``, ``file`` (relative to the run dir), ``file_name`` (relative to ``images/``) and
-    ``file_sha256`` once the file is in place. A PNG whose size is not the record's ``params.width``/``height``
+    ``file_sha256`` once the file is in place. An image whose size is not the record's ``params.width``/``height``
     is not written: the item fails with an :class:`ArtifactMismatchError` naming both (:func:`check_artifact_dims`).
 
     Args:
@@ -376,40 +414,55 @@ class PNGSink(_FileSink):
         max_pending: outputs held before ``submit`` waits (bounds host memory: a 1024x1024 float32 image is 12 MiB).
         on_record: called in the caller's thread with each record once it is journaled.
         model: the model name embedded in each file (None: not embedded).
+        image_format: a key of :data:`IMAGE_FORMATS`.
+
+    Raises:
+        runner.core.errors.ConfigValueError: an unknown ``image_format``.
     """
 
     subdir = "images"
-    suffix = ".png"
 
     def __init__(self, out_dir: Path, journal_name: str = "items.jsonl", workers: int = 0, max_pending: int = 16,
-                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None, model: Optional[str] = None) -> None:
+                 on_record: Optional[Callable[[Dict[str, Any]], None]] = None, model: Optional[str] = None,
+                 image_format: str = "png") -> None:
         self.model = model
+        self.format = image_format_record(image_format)
+        self.suffix = self.format.suffix
         super().__init__(out_dir, journal_name, workers, max_pending, on_record, write=self._write)
 
     @classmethod
     def options(cls, cfg: Any) -> Dict[str, Any]:
-        """``model`` from ``model.name``."""
-        return {"model": str(cfg.model.name)}
+        """``model`` from ``model.name``, ``image_format`` from ``output.image_format``."""
+        return {"model": str(cfg.model.name), "image_format": str(cfg.output.image_format)}
 
     @classmethod
     def identity(cls, cfg: Any) -> Dict[str, Any]:
-        """The text chunks each PNG embeds (a file written before they were embedded is not reused)."""
-        return {"png_text": list(EMBEDDED_FIELDS), "not_embedded": list(NOT_EMBEDDED)}
+        """The text fields each file embeds (a file written before they were embedded is not reused), and the image
+        format when it is not ``png`` (so a PNG run's identities are those of runs before formats were a choice).
+
+        Raises:
+            runner.core.errors.ConfigValueError: an unknown ``output.image_format``.
+        """
+        fmt = image_format_record(cfg.output.image_format)
+        out: Dict[str, Any] = {"png_text": list(EMBEDDED_FIELDS), "not_embedded": list(NOT_EMBEDDED)}
+        if fmt.name != "png":
+            out["image_format"] = fmt.name
+        return out
 
     def _payload(self, record: Dict[str, Any], output: Any, path: Path) -> Tuple[Any, Optional[str]]:
         return (output.image, embedded_fields(record, self.model), record), None
 
-    @staticmethod
-    def _write(path: Path, payload: Any) -> Dict[str, Any]:
-        """Encode the PNG, read its size back from the encoded bytes and check it against the record's params
-        (:func:`check_artifact_dims`) before the file is written (temp name, fsync, rename)."""
+    def _write(self, path: Path, payload: Any) -> Dict[str, Any]:
+        """Encode the image (:attr:`ImageFormat.encode`), read its size back from the encoded bytes and check it
+        against the record's params (:func:`check_artifact_dims`) before the file is written (temp name, fsync,
+        rename)."""
         import hashlib
         import io
 
         from PIL import Image
 
         image, text, record = payload
-        data = encode_png(image, text)
+        data = self.format.encode(image, text)
         with Image.open(io.BytesIO(data)) as im:
             width, height = im.size
         check_artifact_dims(record, {"width": width, "height": height}, path)
@@ -419,7 +472,7 @@ class PNGSink(_FileSink):
 
 class MP4Sink(_FileSink):
     """Videos as MP4 files ``videos/<stem>.mp4`` (``runner.core.video``: H.264, ``output.video_codec``), encoded on writer
-    threads like :class:`PNGSink`'s images, with the same crash-safety order (temp name, fsync, rename, then the
+    threads like :class:`ImageSink`'s images, with the same crash-safety order (temp name, fsync, rename, then the
     journal line). Every written file is decoded back and checked before it is renamed into place: every pixel
     for a lossless codec, and its width, height and frame count against the record's ``params``
     (:func:`check_artifact_dims`; a mismatch fails the item with an :class:`ArtifactMismatchError` naming both,
@@ -611,7 +664,7 @@ class ComputeOnlySink(_Counting):
 
 
 #: engine output kind -> sink class
-SINKS: Dict[str, Any] = {"image": PNGSink, "video": MP4Sink, "text": RecordSink}
+SINKS: Dict[str, Any] = {"image": ImageSink, "video": MP4Sink, "text": RecordSink}
 
 
 UNLISTED = "items.unlisted.jsonl"
