@@ -115,6 +115,8 @@ class Run:
         self.batch_of: Dict[str, str] = {}  # claims: item key -> its batch id
         self.in_flight: Dict[str, set] = {}  # claims: batch id -> keys not journaled yet
         self.renewer: Optional[Any] = None
+        self.live: Optional[Any] = None  # runner.app.pool.LiveMerger of a data-parallel worker
+        self.loop_t0: Optional[float] = None  # epoch seconds of the first batch (the worker's rate)
 
     @property
     def final(self) -> Any:
@@ -287,6 +289,8 @@ class Run:
             # a claims worker's share is known when it ends (final_sections); None until then, also if it dies
             m.section("worker", worker_record(self.worker, len(self.items) if self.claims is None else None))
         prev = self.plan.prev
+        if prev is not None and prev.get("merge") and (prev.get("owner") or {}).get("token") == self.token:
+            prev = None  # the live manifest of this very run (a worker joining late): nothing was resumed
         if prev is not None:
             renamed = resume.lora_renames(prev, self.sources[self.final.stage])
             if renamed:
@@ -412,13 +416,35 @@ class Run:
                 self.claims.complete(bid)
 
     def checkpoint(self) -> None:
-        """After every batch: the counts, in the manifest on disk."""
+        """After every batch: the counts, in the manifest on disk; a data-parallel worker's ``progress`` (items
+        done since its first batch: its rate in the pool) and ``claims`` share so far, then a live merge step
+        (:meth:`pool_step`)."""
         self.manifest.section("counts", self.counts)
+        if self.worker is not None:
+            self.manifest.section("progress", {"done": self.counts["ok"] + self.counts["failed"],
+                                               "since": self.loop_t0, "at": time.time()})
+            if self.claims is not None:
+                self.manifest.section("claims", self.claims.section())
         self.manifest.flush()
+        self.pool_step()
+
+    def pool_step(self, force: bool = False) -> None:
+        """A live merge step of a data-parallel worker (``runner.app.pool.LiveMerger``: the run's manifest.json
+        current, the pool's totals on the bar)."""
+        if self.live is None and self.worker is not None and self.worker.layout is None and self.writes \
+                and self.worker.launcher in ("torchrun", "local") and self.token and self.dataset is not None \
+                and self.dataset.filled:
+            from runner.app.pool import LiveMerger
+
+            self.live = LiveMerger(self.out_dir, self.dataset.keys(), self.token, self.worker, self.dataset.current())
+        merged = self.live.step(force) if self.live is not None else None
+        if merged is not None and self.bar is not None:
+            self.bar.pool(merged["pool"])
 
     def after_load(self, sections: Dict[str, Any]) -> None:
         """The final stage loaded: its load sections (``model`` merged) and resolved backends into the manifest."""
         self.bar.warmed_up()  # loading and the compile warm-up are not in the bar's rate and ETA
+        self.loop_t0 = time.time()
         self.manifest.section("model", {**self.model_doc, "source": self.final.source, **sections.pop("model", {})})
         for k, v in sections.items():
             self.manifest.section(k, v)
@@ -502,7 +528,10 @@ class Run:
             return
         out_dir, name = self.out_dir, self.journal_name
         before = read_journal(out_dir / name) if self.worker is None else []  # compaction drops some
-        compact(out_dir, self.items, name, self.final, self.plan.expected, others=self.claims is None)
+        if self.claims is None or self.metric_set is not None and self.metric_set.names:
+            # a claims worker's journal is not rewritten (the merge already read it; the merged items.jsonl is the
+            # compact one), unless metrics score into it
+            compact(out_dir, self.items, name, self.final, self.plan.expected, others=self.claims is None)
         self.score_metrics()
         if self.worker is None:  # the folder indexes follow the compacted journal (a merge writes them for workers)
             self.manifest.section("folder_metadata", write_folder_metadata(
