@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.core.claims import Claims, PosixClaimStore, batch_id  # noqa: E402
+from runner.core.testing import run_processes  # noqa: E402
 
 
 def _env(slow: str) -> Dict[str, str]:
@@ -97,17 +98,10 @@ def _racer(root: str, n: int, q: "mp.Queue") -> None:
 
 def claims_rate(tmp: Path, n: int, racers: int) -> Dict[str, Any]:
     """Claims per second: one process, then ``racers`` processes over the same ``n`` batches."""
-    ctx = mp.get_context("spawn")
     out: Dict[str, Any] = {"batches": n, "store": "posix", "dir": str(tmp)}
     for k in (1, racers):
         root = Path(tempfile.mkdtemp(prefix=f"claims{k}-", dir=tmp))
-        q = ctx.Queue()
-        ps = [ctx.Process(target=_racer, args=(str(root), n, q)) for _ in range(k)]
-        for p in ps:
-            p.start()
-        res = [q.get(timeout=600) for _ in ps]
-        for p in ps:
-            p.join()
+        res = run_processes(_racer, (str(root), n), k)
         got = sum(r[0] for r in res)
         assert got == n, f"{got} claims for {n} batches"  # each batch claimed exactly once
         slowest = max(r[1] for r in res)

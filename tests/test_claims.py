@@ -22,6 +22,7 @@ import pytest
 from runner.core import rundir
 from runner.core.claims import Claims, FleetMismatchError, Lease, PosixClaimStore, batch_id
 from runner.core.errors import RunDirInUseError
+from runner.core.testing import run_processes
 
 ROWS = 10
 LEASE_S = 3
@@ -151,14 +152,7 @@ def _race(root: str, n: int, out: "mp.Queue") -> None:
 
 def test_each_batch_is_claimed_by_exactly_one_of_racing_processes(tmp_path):
     n, procs = 300, 4
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=_race, args=(str(tmp_path), n, q)) for _ in range(procs)]
-    for p in ps:
-        p.start()
-    got = [q.get(timeout=120) for _ in ps]
-    for p in ps:
-        p.join(timeout=60)
+    got = run_processes(_race, (str(tmp_path), n), procs, timeout_s=120)
     flat = [b for g in got for b in g]
     assert sorted(flat) == [batch_id(i) for i in range(n)]  # every batch once, none twice
 

@@ -608,7 +608,7 @@ def pool_section(docs: List[Optional[Dict[str, Any]]], counts: Dict[str, int], c
     for r, d in enumerate(docs):
         prog = (d or {}).get("progress") or {}
         done = prog.get("done", 0)
-        span = (prog.get("at") or now) - prog["since"] if prog.get("since") else None
+        span = (prog.get("at") or now) - prog["since"] if prog.get("since") is not None else None
         per.append({"rank": r, "pid": ((d or {}).get("worker") or {}).get("pid"), "done": done,
                     "rate_items_per_s": round(done / span, 4) if span and span > 0 else None,
                     "status": "dead" if r in dead else (d or {}).get("status", "missing")})
@@ -645,7 +645,7 @@ def _merged_doc(docs: List[Optional[Dict[str, Any]]], st: Dict[str, Any], worker
     merged = dict(base)
     merged.pop("worker", None)
     merged.pop("progress", None)
-    merged["run_id"] = st.get("run_id") or base.get("run_id")  # the run_id the folder-index rows carry
+    merged["run_id"] = st["run_id"] if st.get("run_id") else base.get("run_id")  # what the folder-index rows carry
     merged["counts"] = _merged_counts(st, docs, n, lay, assign)
     merged["dataset"] = {**(base.get("dataset") or {}), "items": n}  # the run's, not rank 0's shard
     if "prompts" in base:  # truncated prompts and ignored fields of the whole run, not of rank 0's shard

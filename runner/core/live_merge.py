@@ -149,7 +149,8 @@ class JournalMerge:
                 one runs (a worker between batches).
             valid: item key -> the ``inputs_sha256`` values an ok record of the current config carries (None: every
                 ok record counts); looked up only for the keys of new records.
-            base: a worker manifest, for a new state's ``run_id`` and ``model``.
+            base: a worker manifest, for a new state's ``run_id`` and ``model`` (fixed when the state is created:
+                every folder-index row carries them).
 
         Returns:
             The state after the step (``counts``, ``prompts``, ``journals``...), or None (``block=False``, busy).
@@ -166,9 +167,6 @@ class JournalMerge:
             return None
         try:
             st = self._load(base)
-            if st.get("run_id") is None and base:
-                st["run_id"] = base.get("run_id")
-                st["model"] = ((base.get("config") or {}).get("model") or {}).get("name")
             self._fold(st, valid)
             st["steps"] += 1
             st["updated_at"] = time.time()

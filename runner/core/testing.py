@@ -4,13 +4,15 @@ never sets them (``runner.core.environment`` checks their values when they are s
 ``RUNNER_TEST_SLOW_WORKER=<rank>:<factor>``: the data-parallel worker of that rank sleeps ``(factor - 1) x`` the
 seconds each batch took, at the batch boundary, so it runs ``factor`` times slower than its peers (the straggler of
 ``benchmarks/fleet_cpu.py``). Any other process, and every rank when unset, is untouched.
+
+:func:`run_processes`: processes racing over the same shared storage (claims), for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 SLOW_WORKER = "RUNNER_TEST_SLOW_WORKER"
 
@@ -44,3 +46,25 @@ def slow_worker_delay(rank: Optional[int], batch_s: float) -> float:
     delay = (factor - 1.0) * batch_s
     time.sleep(delay)
     return delay
+
+
+def run_processes(target: Callable[..., None], args: Tuple[Any, ...], n: int, timeout_s: float = 600.0) -> List[Any]:
+    """Start ``n`` processes (``spawn``: no state inherited) each running ``target(*args, queue)``, which puts one
+    result on ``queue``; wait for every result and every process. Returns the results in arrival order. The racing
+    claimers of ``tests/test_claims.py`` and ``benchmarks/fleet_cpu.py``.
+
+    Raises:
+        queue.Empty: a process gave no result within ``timeout_s``.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=target, args=(*args, q)) for _ in range(n)]
+    for p in ps:
+        p.start()
+    try:
+        return [q.get(timeout=timeout_s) for _ in ps]
+    finally:
+        for p in ps:
+            p.join(timeout=60)
