@@ -556,8 +556,12 @@ class Run:
         self.manifest.flush()
 
     def final_sections(self) -> None:
-        """The manifest's counts, timing, compile and memory sections (and ``claims``: this worker's share)."""
+        """The manifest's counts, timing, compile and memory sections (and ``claims``: this worker's share; a
+        worker's ``progress`` as it ended)."""
         self.manifest.section("counts", self.counts)
+        if self.worker is not None and self.loop_t0 is not None:
+            self.manifest.section("progress", {"done": self.counts["ok"] + self.counts["failed"],
+                                               "since": self.loop_t0, "at": time.time()})
         if self.claims is not None:
             self.manifest.section("worker", {**self.manifest.doc["worker"], "shard_items": self.counts["ok"]
                                              + self.counts["failed"]})

@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from runner.core import rundir
 from runner.core.artifacts import atomic_write_json
-from runner.core.errors import ConfigValueError, RefusedError, RunDirInUseError, RunDirLockError
+from runner.core.errors import ConfigValueError, RefusedError, RunDirInUseError, RunDirLockError, RunnerError
 
 log = logging.getLogger("runner")
 
@@ -283,8 +283,7 @@ def agree_argv(argv: List[str]) -> List[str]:
         given = hydra_quote(text)
     elif given:
         given = given.split("=", 1)[1]  # an interpolation: passed on as written
-    now = datetime.now()
-    box = [given or f"outputs/runs/{now:%Y-%m-%d}/{now:%H-%M-%S-%f}-{os.getpid()}-dp{w.world_size}"]
+    box = [given or (_default_dir(w) if w.rank == 0 else None)]
     dist.broadcast_object_list(box, src=0)
     run_dir = box[0]
     argv = [a for a in argv if not a.startswith("hydra.run.dir=")]
@@ -293,6 +292,28 @@ def agree_argv(argv: List[str]) -> List[str]:
     if isinstance(text, str) and "${" not in text:
         return argv + [f"hydra.run.dir={hydra_quote(f'{text}/{WORKER_SUBDIR}/rank{w.rank}')}"]
     return argv + [f"hydra.run.dir={run_dir}/{WORKER_SUBDIR}/rank{w.rank}"]
+
+
+#: Where rank 0 notes the default run dir it picked, per torchrun run id (``TORCHELASTIC_RUN_ID``).
+RESTART_NOTES = Path("outputs/runs/.torchrun")
+
+
+def _default_dir(w: Worker) -> str:
+    """Rank 0's default run dir (no ``hydra.run.dir``): a new one per torchrun launch, the same one when torchrun's
+    agent restarts the group (``--max-restarts``: ``TORCHELASTIC_RESTART_COUNT`` > 0 with the same
+    ``TORCHELASTIC_RUN_ID``), so the restarted ranks resume the run instead of starting another (noted in
+    ``outputs/runs/.torchrun/<run id>``)."""
+    now = datetime.now()
+    note = RESTART_NOTES / "".join(c if c.isalnum() or c in "-_." else "_" for c in os.environ["TORCHELASTIC_RUN_ID"])
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and note.is_file():
+        return note.read_text().strip()
+    run_dir = f"outputs/runs/{now:%Y-%m-%d}/{now:%H-%M-%S-%f}-{os.getpid()}-dp{w.world_size}"
+    try:
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text(run_dir + "\n")
+    except OSError:
+        pass  # no note: a restart picks a new dir (the run starts over there)
+    return run_dir
 
 
 def shared_run_dir(hydra_run_dir: Path) -> Path:
@@ -351,12 +372,33 @@ def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True,
     return value
 
 
+class PeerLostError(RunnerError):
+    """Another rank of the torchrun group died before the merge (the process group's connection to it closed);
+    torchrun's agent stops the group. Names what happens next: with ``--max-restarts`` the group restarts and
+    resumes from the journals, else re-running the same command does."""
+
+    exit_code = 1
+    outcome = "crashed"
+
+
 def barrier() -> None:
-    """Wait for every torchrun rank (no-op outside a process group)."""
+    """Wait for every torchrun rank (no-op outside a process group).
+
+    Raises:
+        PeerLostError: a rank died (gloo: ``Connection closed by peer``), instead of the library's traceback.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerLostError(
+                f"another rank of the torchrun group died before the merge ({first[:200]}); torchrun stops the group: "
+                "started with `torchrun --max-restarts=N` it restarts every rank, which resume from the journals "
+                "(a fixed hydra.run.dir, or the default one, kept across restarts); otherwise re-run the same command "
+                "(it resumes)") from None
 
 
 def _ended(status: Optional[str]) -> Optional[str]:
@@ -592,6 +634,49 @@ def _claims_section(docs: List[Optional[Dict[str, Any]]], workers: List[Dict[str
             "span_s": round(max(last) - min(first), 3) if first and last else None}
 
 
+def earlier_deaths(out_dir: Path, token: Optional[str]) -> List[Dict[str, Any]]:
+    """The workers of earlier attempts of a claims run dir that died: a torchrun group restarted by its agent
+    (``--max-restarts``) after a rank was killed, or claims workers killed before a re-run. Per earlier claims
+    namespace (``claims/<token>/``, not ``token``'s), each registered worker whose record never said ``ended``
+    (a worker stopped by a signal or an error ends it; a killed one cannot), with its pid, host and the batches
+    whose newest claim it held and that nobody completed in that attempt (``lost_batches``: this attempt
+    generated them again). Reads the namespace's file names once, and only the claims not done."""
+    from runner.core.claims import CLAIMS_DIR
+
+    out: List[Dict[str, Any]] = []
+    root = Path(out_dir) / CLAIMS_DIR
+    for ns in sorted(p for p in root.iterdir() if p.is_dir() and p.name != token) if root.is_dir() else ():
+        dead = {}
+        for w in sorted((ns / "workers").glob("*.json")):
+            try:
+                doc = json.loads(w.read_text())
+            except (OSError, ValueError):
+                continue
+            if not doc.get("ended"):
+                dead[doc.get("pid")] = doc
+        if not dead:
+            continue
+        names = os.listdir(ns)
+        done = {n[:-len(".done")] for n in names if n.endswith(".done")}
+        newest: Dict[str, int] = {}
+        for n in names:
+            b, sep, g = n.partition(".g")
+            if sep and not n.startswith(".") and g.isdigit() and b not in done:
+                newest[b] = max(newest.get(b, -1), int(g))
+        lost: Dict[Any, List[str]] = {}
+        for b, g in sorted(newest.items()):
+            try:
+                holder = json.loads((ns / f"{b}.g{g}").read_text()).get("pid")
+            except (OSError, ValueError):
+                continue
+            if holder in dead:
+                lost.setdefault(holder, []).append(b)
+        out += [{"attempt": ns.name, "rank": d.get("rank"), "pid": pid, "host": d.get("host"), "status": "crashed",
+                 "lost_batches": lost.get(pid, []), "taken_over_by": "the next attempt (restart or re-run)"}
+                for pid, d in dead.items()]
+    return out
+
+
 #: A worker whose rate is below this fraction of the pool's median rate is named slow (``pool.slow``).
 SLOW_FRACTION = 0.5
 
@@ -728,6 +813,10 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     workers = [worker_entry(r, doc, reasons) for r, doc in enumerate(docs)]
     close_dead_workers(out_dir, docs, workers)
     merged = _merged_doc(docs, st, workers, len(keys_in_order), launcher, lay, assign)
+    if assign == "claims":  # the workers of earlier attempts that died (a torchrun group restarted, a re-run)
+        merged["claims"]["deaths"] += earlier_deaths(out_dir, rundir.run_token(out_dir))
+        merged["pool"]["dead"] += [{"rank": d["rank"], "pid": d["pid"], "lost_batches": d["lost_batches"],
+                                    "attempt": d["attempt"]} for d in merged["claims"]["deaths"] if "attempt" in d]
     merged["merge"]["final"] = {k: v - before[k] for k, v in vars(jm.counters).items() if k != "busy"}
     lock = rundir.held(out_dir)  # the merge runs in the process that holds the run dir (rank 0, the Ray driver)
     if lock is not None:

@@ -5,13 +5,17 @@ never sets them (``runner.core.environment`` checks their values when they are s
 seconds each batch took, at the batch boundary, so it runs ``factor`` times slower than its peers (the straggler of
 ``benchmarks/fleet_cpu.py``). Any other process, and every rank when unset, is untouched.
 
-:func:`run_processes`: processes racing over the same shared storage (claims), for tests and benchmarks.
+:func:`run_processes`: processes racing over the same shared storage (claims); :func:`kill_mid_batch`: a claims
+worker SIGKILLed while it holds a batch (the kill verdicts of ``tests/test_claims.py`` and the benchmark).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
+from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
 SLOW_WORKER = "RUNNER_TEST_SLOW_WORKER"
@@ -68,3 +72,45 @@ def run_processes(target: Callable[..., None], args: Tuple[Any, ...], n: int, ti
     finally:
         for p in ps:
             p.join(timeout=60)
+
+
+def held_not_done(ns: Path, pid: int) -> List[str]:
+    """The batches of the claims namespace ``ns`` (``<run dir>/claims/<token>``) whose newest claim process ``pid``
+    holds and that are not done."""
+    out = []
+    for p in ns.glob("b*.g*"):
+        if p.name.startswith("."):
+            continue
+        b, g = p.name.split(".g")
+        if (ns / f"{b}.done").exists() or (ns / f"{b}.g{int(g) + 1}").exists():
+            continue
+        try:
+            doc = json.loads(p.read_text())
+        except ValueError:
+            continue
+        if doc.get("pid") == pid:
+            out.append(b)
+    return sorted(out)
+
+
+def kill_mid_batch(run_dir: Path, candidates: Callable[[], List[int]], timeout_s: float = 300.0
+                   ) -> Tuple[Optional[int], List[str]]:
+    """SIGKILL one claims worker of ``run_dir`` mid-batch: once some worker journaled a batch, the first of
+    ``candidates()`` (pids, asked again at every look) seen holding a batch it has not finished is frozen
+    (SIGSTOP, so the batches it holds cannot change), checked again and killed. Returns its pid and the batches it
+    held when it died (None, []: no candidate was seen holding one within ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if list(Path(run_dir).glob("items.rank*.jsonl")):
+            for ns in (Path(run_dir) / "claims").glob("*"):
+                for pid in candidates():
+                    if not held_not_done(ns, pid):
+                        continue
+                    os.kill(pid, signal.SIGSTOP)  # frozen where the look saw it
+                    lost = held_not_done(ns, pid)
+                    if lost:
+                        os.kill(pid, signal.SIGKILL)
+                        return pid, lost
+                    os.kill(pid, signal.SIGCONT)
+        time.sleep(0.02)
+    return None, []
