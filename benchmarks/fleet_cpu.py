@@ -264,7 +264,8 @@ def scale(tmp: Path, workers: int, sizes: List[int], procs: int, batch_size: int
         print(f"merge {n} items / {workers} workers: final {out['merge'][str(n)]['final']['seconds']} s, one-shot "
               f"{out['merge'][str(n)]['oneshot']['seconds']} s", flush=True)
         out["claims"][str(n)] = {"items": n, **claims_scale(tmp, n // batch_size, workers, procs)}
-        print(f"claims {n} batches / {workers} workers: {out['claims'][str(n)]['claims_per_s']}/s", flush=True)
+        print(f"claims {n // batch_size} batches ({n} items) / {workers} workers: "
+              f"{out['claims'][str(n)]['claims_per_s']}/s", flush=True)
     a, b = (str(x) for x in sizes[:2])
     out["growth"] = {f"{k}_{b}_over_{a}": round(v(b) / v(a), 2) for k, v in {
         "merge_final_s": lambda n: out["merge"][n]["final"]["seconds"],

@@ -86,7 +86,7 @@ def _prompts_add(p: Dict[str, Any], rec: Dict[str, Any], sign: int) -> None:
 
 def _folder(rec: Dict[str, Any]) -> int:
     f = rec.get("file")
-    parts = Path(f).parts if f else ()
+    parts = f.split("/") if isinstance(f, str) else ()  # a run-dir relative POSIX path (sinks write them so)
     return 1 + FOLDERS.index(parts[0]) if len(parts) > 1 and parts[0] in FOLDERS else 0
 
 
@@ -209,6 +209,7 @@ class JournalMerge:
         """Read every journal's new lines and accept the records that change an item's entry."""
         rec_add: List[bytes] = []
         meta_add: List[bytes] = []
+        sizes = [st["log_bytes"], st["meta_bytes"]]  # where the next accepted record and row go
         updates: Dict[int, bytes] = {}
         with open(self.dir / "index.bin", "r+b") as idx, open(self.dir / "records.jsonl", "rb") as old:
             for path in self._journals():
@@ -232,10 +233,12 @@ class JournalMerge:
                     self._account(st, prev, rec, ok, old, rec_add)
                     row = self._row(st, rec) if ok else b""
                     folder = _folder(rec) if row else 0
-                    off, moff = st["log_bytes"] + sum(map(len, rec_add)), st["meta_bytes"] + sum(map(len, meta_add))
                     rec_add.append(line + b"\n")
                     meta_add.append(row)
-                    updates[i] = ENTRY.pack(off, len(line) + 1, moff, len(row), OK if ok else FAILED, folder, source)
+                    updates[i] = ENTRY.pack(sizes[0], len(line) + 1, sizes[1], len(row), OK if ok else FAILED, folder,
+                                            source)
+                    sizes[0] += len(line) + 1
+                    sizes[1] += len(row)
                     self.counters.accepted += 1
             self._append(st, rec_add, meta_add)
             for i, e in sorted(updates.items()):
@@ -292,6 +295,7 @@ class JournalMerge:
 
     @staticmethod
     def _row(st: Dict[str, Any], rec: Dict[str, Any]) -> bytes:
+        """The record's folder-index row (``runner.core.sinks.folder_metadata_row``), b"" when it has none."""
         from runner.core.sinks import folder_metadata_row
 
         if not _folder(rec):
