@@ -46,14 +46,13 @@ class LiveMerger:
                 if not w.get("ended") and not c.worker_alive(int(w.get("rank", r)))]
         return max(len(ws), self.worker.world_size), dead
 
-    def step(self, force: bool = False) -> Optional[Dict[str, Any]]:
-        """A live merge step unless one ran less than ``interval_s`` ago (``force``: regardless) or another
-        process's is running. Returns the live manifest, or None. A storage error is logged once, never raised: the
+    def step(self) -> Optional[Dict[str, Any]]:
+        """A live merge step unless one ran less than ``interval_s`` ago or another process's is running. Returns the live manifest, or None. A storage error is logged once, never raised: the
         final merge reads whatever a live step could not."""
         from runner.core.distributed import live_merge
 
         now = time.monotonic()
-        if not force and now - self.last < self.interval_s:
+        if now - self.last < self.interval_s:
             return None
         self.last = now
         try:

@@ -421,14 +421,19 @@ class Run:
         (:meth:`pool_step`)."""
         self.manifest.section("counts", self.counts)
         if self.worker is not None:
-            self.manifest.section("progress", {"done": self.counts["ok"] + self.counts["failed"],
-                                               "since": self.loop_t0, "at": time.time()})
+            self.progress()
             if self.claims is not None:
                 self.manifest.section("claims", self.claims.section())
         self.manifest.flush()
         self.pool_step()
 
-    def pool_step(self, force: bool = False) -> None:
+    def progress(self) -> None:
+        """A data-parallel worker's ``progress``: items it ended (ok or failed) since its first batch (epoch
+        seconds ``since``) as of ``at`` (its rate in the pool: ``runner.core.distributed.pool_section``)."""
+        self.manifest.section("progress", {"done": self.counts["ok"] + self.counts["failed"], "since": self.loop_t0,
+                                           "at": time.time()})
+
+    def pool_step(self) -> None:
         """A live merge step of a data-parallel worker (``runner.app.pool.LiveMerger``: the run's manifest.json
         current, the pool's totals on the bar)."""
         if self.live is None and self.worker is not None and self.worker.layout is None and self.writes \
@@ -437,7 +442,7 @@ class Run:
             from runner.app.pool import LiveMerger
 
             self.live = LiveMerger(self.out_dir, self.dataset.keys(), self.token, self.worker, self.dataset.current())
-        merged = self.live.step(force) if self.live is not None else None
+        merged = self.live.step() if self.live is not None else None
         if merged is not None and self.bar is not None:
             self.bar.pool(merged["pool"])
 
@@ -560,8 +565,7 @@ class Run:
         worker's ``progress`` as it ended)."""
         self.manifest.section("counts", self.counts)
         if self.worker is not None and self.loop_t0 is not None:
-            self.manifest.section("progress", {"done": self.counts["ok"] + self.counts["failed"],
-                                               "since": self.loop_t0, "at": time.time()})
+            self.progress()
         if self.claims is not None:
             self.manifest.section("worker", {**self.manifest.doc["worker"], "shard_items": self.counts["ok"]
                                              + self.counts["failed"]})

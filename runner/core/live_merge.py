@@ -45,6 +45,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import filelock
 
 from runner.core.artifacts import atomic_write_chunks, atomic_write_json
+from runner.core.dataset import prompts_add, prompts_summary
 
 MERGE_DIR = "merge"
 #: One item's entry of ``index.bin``: record offset and length in ``records.jsonl``, row offset and length in
@@ -66,22 +67,6 @@ class Counters:
     rereads: int = 0  # journals read again from their start (rewritten or replaced)
     steps: int = 0  # steps this process ran
     busy: int = 0  # steps skipped because another process held the lock (block=False)
-
-
-def _empty_prompts() -> Dict[str, Any]:
-    return {"items": 0, "truncated_items": 0, "truncated_by_encoder": {}, "items_with_ignored_fields": 0}
-
-
-def _prompts_add(p: Dict[str, Any], rec: Dict[str, Any], sign: int) -> None:
-    """Add (``sign=1``) or remove (``-1``) an ok record's share of ``runner.core.dataset.prompts_summary``."""
-    p["items"] += sign
-    tok = rec.get("tokens") or {}
-    if any(c.get("dropped") for c in tok.values()):
-        p["truncated_items"] += sign
-    for enc, c in tok.items():
-        p["truncated_by_encoder"][enc] = p["truncated_by_encoder"].get(enc, 0) + (sign if c.get("dropped") else 0)
-    if rec.get("ignored"):
-        p["items_with_ignored_fields"] += sign
 
 
 def _folder(rec: Dict[str, Any]) -> int:
@@ -119,7 +104,7 @@ class JournalMerge:
             f.truncate(ENTRY.size * len(self.keys))  # zeros: every item NONE
         base = base or {}
         return {"version": VERSION, "items": len(self.keys), "log_bytes": 0, "meta_bytes": 0, "journals": {},
-                "sources": [], "counts": {"ok": 0, "failed": 0}, "prompts": _empty_prompts(),
+                "sources": [], "counts": {"ok": 0, "failed": 0}, "prompts": prompts_summary(()),
                 "run_id": base.get("run_id"), "model": ((base.get("config") or {}).get("model") or {}).get("name"),
                 "steps": 0, "recoveries": 0, "created_at": time.time(), "updated_at": None}
 
@@ -276,12 +261,12 @@ class JournalMerge:
         c = st["counts"]
         if prev[4] == OK:  # an ok record superseded by its own journal's rewrite: its prompt counts go
             c["ok"] -= 1
-            _prompts_add(st["prompts"], self._read_record(st, prev, old, pending), -1)
+            prompts_add(st["prompts"], self._read_record(st, prev, old, pending), -1)
         elif prev[4] == FAILED:
             c["failed"] -= 1
         c["ok" if ok else "failed"] += 1
         if ok:
-            _prompts_add(st["prompts"], rec, 1)
+            prompts_add(st["prompts"], rec, 1)
 
     @staticmethod
     def _read_record(st: Dict[str, Any], entry: Tuple[Any, ...], old: Any, pending: List[bytes]) -> Dict[str, Any]:
