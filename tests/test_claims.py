@@ -273,3 +273,40 @@ def test_claims_workers_share_the_dir_and_other_runs_are_kept_out(tmp_path):
             assert pool.apply(_join, (str(tmp_path),)).startswith("refused: ")
     finally:
         rundir.release(lock)
+
+
+def _rank(rank: int, port: int, q: "mp.Queue") -> None:
+    import torch.distributed as tdist
+
+    from runner.core import distributed as dp
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 1:
+        os._exit(9)  # dies before the merge's barrier
+    try:
+        dp.barrier()
+        q.put("no error")
+    except dp.PeerLostError as e:
+        q.put(f"{e.exit_code} {e.outcome} {e}")
+
+
+def test_a_rank_waiting_for_the_merge_names_the_dead_peer_in_one_line():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_rank, args=(r, port, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    try:
+        got = q.get(timeout=120)
+    finally:
+        for p in ps:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got.startswith("1 crashed another rank of the torchrun group died before the merge"), got
+    assert "--max-restarts" in got and "Traceback" not in got
