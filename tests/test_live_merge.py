@@ -195,7 +195,7 @@ def test_a_worker_does_not_wait_for_a_step_another_process_runs(tmp_path):
 
 
 def test_the_live_manifest_is_running_with_the_totals_and_the_report_shows_it(tmp_path):
-    from runner.tools.report import _details, load_jobs
+    from runner.tools.report import _details, load_jobs, main
 
     d = tmp_path / "run"
     lock = rundir.acquire(d)  # the run is alive: its owner holds the dir
@@ -219,6 +219,9 @@ def test_the_live_manifest_is_running_with_the_totals_and_the_report_shows_it(tm
         assert job.outcome == "running" and job.manifest["counts"]["ok"] == 9
         html = _details(job)
         assert "pool: 9 of 12 items done" in html and "slow: rank 1" in html
+        assert main([str(d), "--out", str(tmp_path / "report.html")]) == 0  # the CLI on the live run
+        page = (tmp_path / "report.html").read_text()
+        assert "running" in page and "pool: 9 of 12 items done" in page
         assert not (d / "items.jsonl").exists()  # written once, by the final merge
     finally:
         rundir.release(lock)
