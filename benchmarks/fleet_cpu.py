@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,10 +49,13 @@ from runner.core.claims import Claims, PosixClaimStore, batch_id  # noqa: E402
 from runner.core.testing import run_processes  # noqa: E402
 
 
-def _env(slow: str) -> Dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), RUNNER_TEST_SLOW_WORKER=slow)
-    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+def _env(slow: Optional[str] = None) -> Dict[str, str]:
+    """The runs' environment: offline, this checkout first, ``RUNNER_TEST_SLOW_WORKER=<slow>`` when given."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "RUNNER_TEST_SLOW_WORKER"):
         env.pop(k, None)
+    if slow:
+        env["RUNNER_TEST_SLOW_WORKER"] = slow
     return env
 
 
@@ -200,7 +203,7 @@ def _merge_subprocess(tmp: Path, items: int, workers: int) -> Dict[str, Any]:
         shutil.rmtree(d)
         shutil.rmtree(d.parent / f"{d.name}-oneshot", ignore_errors=True)
     r = subprocess.run([sys.executable, __file__, "--merge-case", str(items), str(workers), str(d)],
-                       capture_output=True, text=True, env=_env(""), timeout=3600)
+                       capture_output=True, text=True, env=_env(), timeout=3600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -304,7 +307,7 @@ def _verdict(d: Path, pid: Any, lost: List[str], code: int, ref: Dict[str, str],
 def kill_runs(tmp: Path) -> Dict[str, Any]:
     """A claims worker started by hand and a torchrun rank (``--max-restarts=1``), each SIGKILLed mid-batch
     (``runner.core.testing.kill_mid_batch``); the run's verdict against a one-worker run of the same rows."""
-    env = _env("")
+    env = _env()
     ref_dir = tmp / "kill-single"
     subprocess.run([sys.executable, "-m", "runner", *KILL_ARGS, f"hydra.run.dir={ref_dir}"], cwd=tmp, env=env,
                    capture_output=True, timeout=900, check=True)
@@ -409,12 +412,18 @@ def main() -> int:
                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                             "python": platform.python_version()}})
     res.setdefault("parts_run", {}).update({x: res["git_commit"] for x in parts})
+    def save() -> None:  # after each part: a later part that fails keeps the figures of the earlier ones
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
     if "straggler" in parts:
         res.update(stragglers(tmp, args))
+        save()
     if "rate" in parts:
         rate = claims_rate(tmp, args.claims, args.racers)
         res.update(claims_rate=rate, claims_per_s=rate[f"processes_{args.racers}"]["claims_per_s"],
                    claims_per_s_one_process=rate["processes_1"]["claims_per_s"])
+        save()
     if "scale" in parts:
         sizes = [int(x) for x in args.scale_items.split(",")]
         sc = scale(tmp, args.scale_workers, sizes, args.scale_processes, args.scale_batch_size)
@@ -424,12 +433,12 @@ def main() -> int:
             res[f"merge_oneshot_s_{name}"] = sc["merge"][str(n)]["oneshot"]["seconds"]
             res[f"merge_peak_rss_growth_mb_{name}"] = sc["merge"][str(n)]["final"]["peak_rss_growth_mb"]
             res[f"claims_per_s_{name}_{args.scale_workers}_workers"] = sc["claims"][str(n)]["claims_per_s"]
+        save()
     if "kill" in parts:
         res["kill"] = kill_runs(tmp)
         res["kill_verdict"] = {k: v["verdict"] for k, v in res["kill"].items()}
         print(f"kill verdicts: {res['kill_verdict']}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    save()
     print(f"straggler_ratio {res.get('straggler_ratio')} (claims) vs {res.get('straggler_ratio_static')} (static); "
           f"claims_per_s {res.get('claims_per_s')}; merge_s_10k {res.get('merge_s_10k')}, merge_s_100k "
           f"{res.get('merge_s_100k')}; kill {res.get('kill_verdict')}")
