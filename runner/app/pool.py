@@ -47,8 +47,9 @@ class LiveMerger:
         return max(len(ws), self.worker.world_size), dead
 
     def step(self) -> Optional[Dict[str, Any]]:
-        """A live merge step unless one ran less than ``interval_s`` ago or another process's is running. Returns the live manifest, or None. A storage error is logged once, never raised: the
-        final merge reads whatever a live step could not."""
+        """A live merge step unless one ran less than ``interval_s`` ago or another process's is running.
+        Returns the live manifest, or None. A storage error is logged once, never raised: the final merge reads
+        whatever a live step could not."""
         from runner.core.distributed import live_merge
 
         now = time.monotonic()

@@ -740,7 +740,7 @@ def _merged_doc(docs: List[Optional[Dict[str, Any]]], st: Dict[str, Any], worker
     merged.pop("claims", None)
     merged["workers"] = workers
     merged["timing"] = _merged_timing(workers, lay)
-    running = [w["rank"] for w in workers if w.get("status") == "running"] if dead is not None else []
+    running = [w["rank"] for w in workers if w.get("status") in ("running", "starting")] if dead is not None else []
     merged["evidence"] = _merged_evidence(docs, claims=assign == "claims", running=running)
     statuses = {w["status"] for w in workers}
     if assign == "claims":  # whoever wrote them: the items decide
@@ -756,7 +756,7 @@ def _merged_doc(docs: List[Optional[Dict[str, Any]]], st: Dict[str, Any], worker
                         and not missing else "incomplete")
     merged["failed_workers"] = [w["rank"] for w in workers if w["status"] not in ("completed",
                                                                                    "completed_with_failures",
-                                                                                   "running")]
+                                                                                   "running", "starting")]
     merged["merge"] = {"steps": st.get("steps"), "recoveries": st.get("recoveries", 0),
                        "journal_bytes": sum(j["offset"] for j in st["journals"].values()),
                        "updated_at": st.get("updated_at")}
@@ -849,8 +849,8 @@ def live_merge(out_dir: Path, jm: Any, world_size: int, launcher: str,
     workers = []
     for r, doc in enumerate(docs):
         w = worker_entry(r, doc)
-        if doc is not None and doc.get("status") == "running" and r not in dead:
-            w.update(status="running")
+        if r not in dead and (doc is None or doc.get("status") == "running"):
+            w.update(status="running" if doc is not None else "starting")  # no manifest yet: not started yet
             w.pop("reason", None)
         workers.append(w)
     merged = _merged_doc(docs, st, workers, len(jm.keys), launcher, None, assign, dead=list(dead))
