@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.core.claims import Claims, PosixClaimStore, batch_id  # noqa: E402
-from runner.core.testing import run_processes  # noqa: E402
+from runner.core.testing import kill_mid_batch, run_processes  # noqa: E402
 
 
 def _env(slow: Optional[str] = None) -> Dict[str, str]:
