@@ -222,12 +222,27 @@ def torchrun_exit_line(code: int, outcome: str, error: BaseException, job_dir: P
 def _control_group() -> None:
     """The default process group: gloo for CPU tensors (control messages, CPU context parallelism) and, where CUDA
     is available, NCCL for CUDA tensors (the all-to-all / all-gather of context parallelism on GPUs; NCCL only
-    creates a communicator at its first CUDA collective, so data-parallel runs never do)."""
+    creates a communicator at its first CUDA collective, so data-parallel runs never do). In a group torchrun
+    restarted (``TORCHELASTIC_RESTART_COUNT`` > 0) the store's keys are prefixed with the attempt."""
     import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not restart or not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"} <= set(os.environ):
+        dist.init_process_group(backend)
+        return
+    # A group torchrun's agent restarted (--max-restarts): the agent's store (same MASTER_PORT) still holds the
+    # addresses the dead attempt's ranks published, and gloo's connectFullMesh may read those (connection refused,
+    # or a hang); each attempt's keys go under their own prefix.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, multi_tenant=not agent)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"runner/attempt{restart}", store), rank=rank,
+                            world_size=world)
 
 
 def init_context_groups(worker: Optional[Worker]) -> None:
