@@ -33,7 +33,6 @@ the state over from the journals (``recoveries``).
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import struct
@@ -308,27 +307,33 @@ class JournalMerge:
     def write_outputs(self) -> Dict[str, int]:
         """Write ``items.jsonl`` (every item's record, dataset order) and each artifact folder's
         ``metadata.jsonl`` (its ok items' rows; a folder with none loses a stale one) from the state, copying the
-        logs' bytes. Returns ``{"<folder>/metadata.jsonl": rows}`` (``runner.core.sinks.write_folder_metadata``'s
-        result)."""
-        entries = list(self.entries())
-        with open(self.dir / "records.jsonl", "rb") as rf, open(self.dir / "metadata.jsonl", "rb") as mf:
-            rmap = mmap.mmap(rf.fileno(), 0, access=mmap.ACCESS_READ) if self.state.get("log_bytes") else b""
-            mmap_ = mmap.mmap(mf.fileno(), 0, access=mmap.ACCESS_READ) if self.state.get("meta_bytes") else b""
-            atomic_write_chunks(self.out_dir / "items.jsonl", (rmap[e[0]:e[0] + e[1]] for _, e in entries))
+        logs' bytes (``os.pread`` of each entry: memory stays the index's, whatever the run's size). Returns
+        ``{"<folder>/metadata.jsonl": rows}`` (``runner.core.sinks.write_folder_metadata``'s result)."""
+        rfd = os.open(self.dir / "records.jsonl", os.O_RDONLY)
+        mfd = os.open(self.dir / "metadata.jsonl", os.O_RDONLY)
+        try:
+            atomic_write_chunks(self.out_dir / "items.jsonl", (os.pread(rfd, e[1], e[0]) for _, e in self.entries()))
             written: Dict[str, int] = {}
             for n, folder in enumerate(FOLDERS, start=1):
                 path = self.out_dir / folder / "metadata.jsonl"
-                rows = [e for _, e in entries if e[4] == OK and e[5] == n and e[3]]
                 if not path.parent.is_dir():
                     continue
-                if rows:
-                    atomic_write_chunks(path, (mmap_[e[2]:e[2] + e[3]] for e in rows))
-                    written[f"{folder}/metadata.jsonl"] = len(rows)
-                elif path.exists():
-                    path.unlink()
-            for m in (rmap, mmap_):
-                if isinstance(m, mmap.mmap):
-                    m.close()
+                count = [0]
+
+                def rows(n: int = n, count: List[int] = count) -> Iterator[bytes]:
+                    for _, e in self.entries():
+                        if e[4] == OK and e[5] == n and e[3]:
+                            count[0] += 1
+                            yield os.pread(mfd, e[3], e[2])
+
+                atomic_write_chunks(path, rows())
+                if count[0]:
+                    written[f"{folder}/metadata.jsonl"] = count[0]
+                else:
+                    path.unlink()  # no row: no index (a stale one goes too)
+        finally:
+            os.close(rfd)
+            os.close(mfd)
         return written
 
     def ok_records(self) -> Iterator[Dict[str, Any]]:
