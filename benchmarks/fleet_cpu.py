@@ -142,7 +142,6 @@ def merge_case(d: Path, items: int, workers: int) -> Dict[str, Any]:
     import shutil
     import statistics
 
-    from runner.core.distributed import merge
     from runner.core.live_merge import JournalMerge
 
     (d / "images").mkdir(parents=True)
