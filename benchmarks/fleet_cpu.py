@@ -23,8 +23,21 @@ slowest loop), not in the ratios.
 creates and the held-claim bookkeeping) in a fresh claims dir under ``--tmp``: by one process, and by ``--racers``
 processes racing over the same batches (each batch claimed once; the rate is batches over the slowest racer).
 
-Usage: ``python benchmarks/fleet_cpu.py [--workers 4] [--factor 4] [--images 2] [--claims 5000] [--racers 4]
-[--out benchmarks/results/fleet_cpu.json]``. About 5 minutes on 2 CPU cores.
+**Scale** (``--parts scale``): the control plane at ``--scale-workers`` (256) simulated workers and each of
+``--scale-items`` (10k, 100k items): the incremental merge (every worker appends a toy record per round, a live merge
+step per round, the last round left to the final merge; the final merge timed 3 times on copies, its Python peak
+memory apart; the one-shot merge of the same journals beside it), and claims per second of the workers pulling the
+items' batches (``--scale-batch-size`` 8) through ``Claims.pull`` from ``--scale-processes`` processes; each figure's
+growth from the first size to the second (``scale.growth``).
+
+**Kill** (``--parts kill``): a claims worker started by hand and a torchrun rank (``--max-restarts=1``), each
+SIGKILLed while it holds a batch (``runner.core.testing.kill_mid_batch``): the verdict (exit 0 without a manual
+restart, every item ok, images byte-identical to a one-worker run, the death recorded with its pid and the batches
+it lost).
+
+Usage: ``python benchmarks/fleet_cpu.py [--parts straggler,rate,scale,kill] [--workers 4] [--factor 4] [--images 2]
+[--claims 5000] [--racers 4] [--out benchmarks/results/fleet_cpu.json]``; the parts not run keep their figures in
+``--out``. Straggler and rate about 5 minutes on 2 CPU cores, scale about 10, kill about 5.
 """
 
 from __future__ import annotations
