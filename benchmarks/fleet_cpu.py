@@ -23,8 +23,21 @@ slowest loop), not in the ratios.
 creates and the held-claim bookkeeping) in a fresh claims dir under ``--tmp``: by one process, and by ``--racers``
 processes racing over the same batches (each batch claimed once; the rate is batches over the slowest racer).
 
-Usage: ``python benchmarks/fleet_cpu.py [--workers 4] [--factor 4] [--images 2] [--claims 5000] [--racers 4]
-[--out benchmarks/results/fleet_cpu.json]``. About 5 minutes on 2 CPU cores.
+**Scale** (``--parts scale``): the control plane at ``--scale-workers`` (256) simulated workers and each of
+``--scale-items`` (10k, 100k items): the incremental merge (every worker appends a toy record per round, a live merge
+step per round, the last round left to the final merge; the final merge timed 3 times on copies, its Python peak
+memory apart; the one-shot merge of the same journals beside it), and claims per second of the workers pulling the
+items' batches (``--scale-batch-size`` 8) through ``Claims.pull`` from ``--scale-processes`` processes; each figure's
+growth from the first size to the second (``scale.growth``).
+
+**Kill** (``--parts kill``): a claims worker started by hand and a torchrun rank (``--max-restarts=1``), each
+SIGKILLed while it holds a batch (``runner.core.testing.kill_mid_batch``): the verdict (exit 0 without a manual
+restart, every item ok, images byte-identical to a one-worker run, the death recorded with its pid and the batches
+it lost).
+
+Usage: ``python benchmarks/fleet_cpu.py [--parts straggler,rate,scale,kill] [--workers 4] [--factor 4] [--images 2]
+[--claims 5000] [--racers 4] [--out benchmarks/results/fleet_cpu.json]``; the parts not run keep their figures in
+``--out``. Straggler and rate about 5 minutes on 2 CPU cores, scale about 10, kill about 5.
 """
 
 from __future__ import annotations
@@ -40,18 +53,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.core.claims import Claims, PosixClaimStore, batch_id  # noqa: E402
+from runner.core.testing import kill_mid_batch, run_processes  # noqa: E402
 
 
-def _env(slow: str) -> Dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), RUNNER_TEST_SLOW_WORKER=slow)
-    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+def _env(slow: Optional[str] = None) -> Dict[str, str]:
+    """The runs' environment: offline, this checkout first, ``RUNNER_TEST_SLOW_WORKER=<slow>`` when given."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "RUNNER_TEST_SLOW_WORKER"):
         env.pop(k, None)
+    if slow:
+        env["RUNNER_TEST_SLOW_WORKER"] = slow
     return env
 
 
@@ -97,17 +114,10 @@ def _racer(root: str, n: int, q: "mp.Queue") -> None:
 
 def claims_rate(tmp: Path, n: int, racers: int) -> Dict[str, Any]:
     """Claims per second: one process, then ``racers`` processes over the same ``n`` batches."""
-    ctx = mp.get_context("spawn")
     out: Dict[str, Any] = {"batches": n, "store": "posix", "dir": str(tmp)}
     for k in (1, racers):
         root = Path(tempfile.mkdtemp(prefix=f"claims{k}-", dir=tmp))
-        q = ctx.Queue()
-        ps = [ctx.Process(target=_racer, args=(str(root), n, q)) for _ in range(k)]
-        for p in ps:
-            p.start()
-        res = [q.get(timeout=600) for _ in ps]
-        for p in ps:
-            p.join()
+        res = run_processes(_racer, (str(root), n), k)
         got = sum(r[0] for r in res)
         assert got == n, f"{got} claims for {n} batches"  # each batch claimed exactly once
         slowest = max(r[1] for r in res)
@@ -116,57 +126,368 @@ def claims_rate(tmp: Path, n: int, racers: int) -> Dict[str, Any]:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--factor", type=float, default=4.0)
-    p.add_argument("--images", type=int, default=2, help="images per builtin caption (24 captions)")
-    p.add_argument("--repeats", type=int, default=3, help="trials of each mode, alternated; the median is reported")
-    p.add_argument("--claims", type=int, default=5000)
-    p.add_argument("--racers", type=int, default=4)
-    p.add_argument("--tmp", default=None, help="where the runs and the claims dirs go (default: a temp dir)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet_cpu.json"))
-    args = p.parse_args()
-    tmp = Path(args.tmp or tempfile.mkdtemp(prefix="fleet_cpu-")).resolve()
-    tmp.mkdir(parents=True, exist_ok=True)
+# --------------------------------------------------------------------------- the control plane at scale
+_RECORD = {"id": "", "index": 0, "key": "", "prompt": "a green square in the top left on a white background",
+           "negative_prompt": None, "prompt_sha256": "f" * 64, "seed": 3430186994888434292,
+           "params": {"width": 64, "height": 64, "num_inference_steps": 16, "guidance_scale": None,
+                      "negative_prompt": None, "true_cfg_scale": None, "batch_size": 1},
+           "tokens": {"clip": {"count": 13, "limit": 77, "dropped": 0}, "t5": {"count": 12, "limit": 16, "dropped": 0}},
+           "timing": {"generate_s": 0.5286, "write_s": 0.0245}, "inputs_sha256": "a" * 64,
+           "batch": {"size": 1, "position": 0}, "status": "ok", "file": "", "file_name": "", "file_sha256": "4" * 64}
 
+
+def _fake_worker(d: Path, rank: int) -> None:
+    """A worker manifest of a toy run's size (about 20 kB: provenance, packages), as the merge reads it."""
+    doc = {"run_id": "bench", "status": "completed", "owner": {"token": "bench"},
+           "config": {"model": {"name": "toy_shapes"}}, "identity": {"sha256": "i" * 64},
+           "worker": {"rank": rank, "host": "h", "pid": 1000 + rank}, "counts": {"ok": 0, "failed": 0, "reused": 0},
+           "evidence": {"verdict": "verified", "pid": 1000 + rank, "mismatches": []},
+           "timing": {"loop_s": 10.0, "wall_s": 12.0}, "progress": {"done": 0, "since": 0.0, "at": 10.0},
+           "packages": {f"package-{i}": "1.0.0" for i in range(400)}, "prompts": {"items": 0},
+           "claims": {"store": "posix", "claimed": 0, "completed": 0, "reclaimed": [], "busy_s": 1.0, "idle_s": 0.0}}
+    (d / f"manifest.rank{rank}.json").write_text(json.dumps(doc, indent=2))
+
+
+def merge_case(d: Path, items: int, workers: int) -> Dict[str, Any]:
+    """The merge of ``items`` records from ``workers`` journals, as a run makes them: every worker appends one
+    record per round (a toy record, about 900 bytes) and a live merge step follows each round; the last round is
+    left to the final merge. Then the one-shot merge (no state: every journal read whole, as before) of a copy."""
+    import shutil
+    import statistics
+
+    from runner.core.live_merge import JournalMerge
+
+    (d / "images").mkdir(parents=True)
+    for r in range(workers):
+        _fake_worker(d, r)
+    keys = [f"item-{i:07d}" for i in range(items)]
+    jm = JournalMerge(d, keys, "bench")
+    step_s, rounds = [], (items + workers - 1) // workers
+    for rnd in range(rounds):
+        for r in range(workers):
+            i = rnd * workers + r
+            if i < items:
+                with open(d / f"items.rank{r}.jsonl", "a") as f:
+                    f.write(json.dumps({**_RECORD, "id": keys[i], "key": keys[i], "file": f"images/{keys[i]}.png",
+                                        "file_name": f"{keys[i]}.png"}) + "\n")
+        if rnd < rounds - 1:
+            t0 = time.perf_counter()
+            jm.step(base={"run_id": "bench", "config": {"model": {"name": "toy_shapes"}}})
+            step_s.append(time.perf_counter() - t0)
+    one = d.parent / f"{d.name}-oneshot"
+    shutil.copytree(d, one, ignore=shutil.ignore_patterns("merge"))
+    out = {"items": items, "workers": workers, "rounds": rounds, "journal_bytes": sum(
+        p.stat().st_size for p in d.glob("items.rank*.jsonl")),
+        "live_step_s": {"median": round(statistics.median(step_s), 5), "max": round(max(step_s), 5),
+                        "records_per_step": workers, "steps": len(step_s)}}
+    for name, run_dir, token in (("final", d, "bench"), ("oneshot", one, None)):
+        trials = []
+        for t in range(TRIALS):  # each on a copy of the dir as the run left it (a merge removes its state)
+            copy = d.parent / f"{d.name}-{name}-{t}"
+            _copy_run(run_dir, copy)
+            trials.append(_timed_merge(copy, keys, workers, JournalMerge(copy, keys, token)))
+            shutil.rmtree(copy)
+        copy = d.parent / f"{d.name}-{name}-mem"
+        _copy_run(run_dir, copy)
+        out[name] = {**sorted(trials, key=lambda x: x["seconds"])[len(trials) // 2],
+                     "seconds_all_trials": [x["seconds"] for x in trials],
+                     "python_peak_mb": _merge_memory(copy, keys, workers, JournalMerge(copy, keys, token))}
+        shutil.rmtree(copy)
+    return out
+
+
+def _copy_run(src: Path, dst: Path) -> None:
+    """A copy of a run dir for one more merge: the journals hard-linked (the merge only reads them, and its state
+    knows them by inode), everything else copied (the merge writes its state in place)."""
+    import shutil
+
+    def copy(a: str, b: str) -> None:
+        (os.link if Path(a).name.startswith("items.rank") else shutil.copy2)(a, b)
+
+    shutil.copytree(src, dst, copy_function=copy)
+
+
+def _merge_memory(d: Path, keys: List[str], workers: int, live: Any) -> float:
+    """The Python memory one final merge allocates at its peak (``tracemalloc``; a run apart from the timed ones)."""
+    import tracemalloc
+
+    from runner.core.distributed import merge
+
+    tracemalloc.start()
+    merge(d, workers, keys, "torchrun", live=live, assign="claims")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return round(peak / 2**20, 2)
+
+
+#: Trials of each final merge (the median is reported: the cores are shared).
+TRIALS = 3
+
+
+def _timed_merge(d: Path, keys: List[str], workers: int, live: Any) -> Dict[str, Any]:
+    """One final merge, timed, with what it read and the process's peak memory growth over it (run each case in a
+    fresh process: ``ru_maxrss`` is the process's peak)."""
+    from runner.core.distributed import merge
+
+    t0 = time.perf_counter()
+    m = merge(d, workers, keys, "torchrun", live=live, assign="claims")
+    took = time.perf_counter() - t0
+    assert m["counts"]["ok"] + m["counts"]["reused"] == len(keys) and not m["counts"]["missing"], m["counts"]
+    return {"seconds": round(took, 4), "read": m["merge"]["final"],
+            "items_jsonl_bytes": (d / "items.jsonl").stat().st_size}
+
+
+def _merge_subprocess(tmp: Path, items: int, workers: int) -> Dict[str, Any]:
+    d = tmp / f"merge-{items}-{workers}"
+    if d.exists():
+        import shutil
+
+        shutil.rmtree(d)
+        shutil.rmtree(d.parent / f"{d.name}-oneshot", ignore_errors=True)
+    r = subprocess.run([sys.executable, __file__, "--merge-case", str(items), str(workers), str(d)],
+                       capture_output=True, text=True, env=_env(), timeout=3600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _sim_workers(root: str, n: int, workers: int, q: "mp.Queue") -> None:
+    """``workers`` simulated claims workers in this process (one ``Claims`` each, their ``pull`` stepped in turn),
+    each completing a batch as soon as it gets it."""
+    store = PosixClaimStore(Path(root))
+    cs = [Claims(store, lease_s=60, poll_s=0.001) for _ in range(workers)]
+    ids = [batch_id(i) for i in range(n)]
+    gens = [(c, c.pull(range(n), ids, stop=lambda: False)) for c in cs]
+    t0 = time.perf_counter()
+    got = 0
+    while gens:
+        for c, g in list(gens):
+            b = next(g, None)
+            if b is None:
+                gens.remove((c, g))
+                continue
+            c.complete(ids[b])
+            got += 1
+    q.put((got, time.perf_counter() - t0))
+
+
+def _one_worker_walk(root: Path, n: int) -> Dict[str, Any]:
+    """What one worker pays to walk a run's ``n`` batches once they are all done (a late worker, or any worker's
+    last pass): seconds and Python memory (``tracemalloc`` peak: its done set)."""
+    import tracemalloc
+
+    ids = [batch_id(i) for i in range(n)]
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    c = Claims(PosixClaimStore(root), lease_s=60, poll_s=0.001)
+    assert next(c.pull(range(n), ids, stop=lambda: False), None) is None  # every batch done: nothing to claim
+    took = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {"seconds": round(took, 3), "memory_mb": round(peak / 2**20, 3)}
+
+
+def claims_scale(tmp: Path, n: int, workers: int, procs: int) -> Dict[str, Any]:
+    """Claims per second of ``workers`` simulated workers (``procs`` processes of ``workers / procs`` each) pulling
+    ``n`` batches through the real protocol (``Claims.pull``: every worker walks every batch; done, claim,
+    complete); each batch must be claimed exactly once. On 2 shared cores every worker's walk runs here; in a fleet
+    each worker walks on its own host, and the store serves ``workers x batches`` look-ups."""
+    root = Path(tempfile.mkdtemp(prefix=f"claims-scale-{n}-", dir=tmp))
+    res = run_processes(_sim_workers, (str(root), n, workers // procs), procs, timeout_s=3600)
+    got = sum(r[0] for r in res)
+    assert got == n, f"{got} batches generated for {n}: a batch claimed twice or never"
+    slowest = max(r[1] for r in res)
+    return {"batches": n, "workers": workers, "processes": procs, "claims_per_s": round(n / slowest, 1),
+            "seconds": round(slowest, 2), "store_lookups": workers * n, "one_worker_walk": _one_worker_walk(root, n)}
+
+
+def scale(tmp: Path, workers: int, sizes: List[int], procs: int, batch_size: int) -> Dict[str, Any]:
+    """Merge time and memory, and claims per second, at each of ``sizes`` items (``batch_size`` items a batch),
+    ``workers`` workers."""
+    out: Dict[str, Any] = {"workers": workers, "batch_size": batch_size, "merge": {}, "claims": {}}
+    for n in sizes:
+        out["merge"][str(n)] = _merge_subprocess(tmp, n, workers)
+        print(f"merge {n} items / {workers} workers: final {out['merge'][str(n)]['final']['seconds']} s, one-shot "
+              f"{out['merge'][str(n)]['oneshot']['seconds']} s", flush=True)
+        out["claims"][str(n)] = {"items": n, **claims_scale(tmp, n // batch_size, workers, procs)}
+        print(f"claims {n // batch_size} batches ({n} items) / {workers} workers: "
+              f"{out['claims'][str(n)]['claims_per_s']}/s", flush=True)
+    a, b = (str(x) for x in sizes[:2])
+    out["growth"] = {f"{k}_{b}_over_{a}": round(v(b) / v(a), 2) for k, v in {
+        "merge_final_s": lambda n: out["merge"][n]["final"]["seconds"],
+        "merge_oneshot_s": lambda n: out["merge"][n]["oneshot"]["seconds"],
+        "merge_final_memory": lambda n: out["merge"][n]["final"]["python_peak_mb"],
+        "live_step_s": lambda n: out["merge"][n]["live_step_s"]["median"],
+        "claims_s": lambda n: out["claims"][n]["seconds"]}.items()}
+    out["growth"]["items"] = round(int(b) / int(a), 2)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- kill verdicts
+KILL_ARGS = ["platform=cpu", "cpu_threads=1", "dataset.limit=10", "model.generation.num_inference_steps=48"]
+KILL_CLAIMS = ["parallelism=data", "parallelism.assign=claims", "parallelism.lease_s=3"]
+
+
+def _hashes(d: Path) -> Dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((d / "images").glob("*.png"))}
+
+
+def _verdict(d: Path, pid: Any, lost: List[str], code: int, ref: Dict[str, str], t0: float) -> Dict[str, Any]:
+    m = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").exists() else {}
+    items = [json.loads(x) for x in (d / "items.jsonl").read_text().splitlines()] if (d / "items.jsonl").exists() \
+        else []
+    death = next((x for x in (m.get("claims") or {}).get("deaths") or [] if x.get("pid") == pid), None)
+    v = {"killed_pid": pid, "held_when_killed": lost, "exit_code": code, "status": m.get("status"),
+         "all_ok": len(items) == len(ref) and all(i.get("status") == "ok" for i in items),
+         "byte_identical_to_one_worker": _hashes(d) == ref, "death_recorded": death,
+         "lost_batches_recorded": bool(death) and set(lost) <= set(death.get("lost_batches") or []),
+         "seconds": round(time.perf_counter() - t0, 1)}
+    v["verdict"] = "pass" if (code == 0 and v["all_ok"] and v["byte_identical_to_one_worker"]
+                              and v["lost_batches_recorded"]) else "fail"
+    return v
+
+
+def kill_runs(tmp: Path) -> Dict[str, Any]:
+    """A claims worker started by hand and a torchrun rank (``--max-restarts=1``), each SIGKILLed mid-batch
+    (``runner.core.testing.kill_mid_batch``); the run's verdict against a one-worker run of the same rows."""
+    env = _env()
+    ref_dir = tmp / "kill-single"
+    subprocess.run([sys.executable, "-m", "runner", *KILL_ARGS, f"hydra.run.dir={ref_dir}"], cwd=tmp, env=env,
+                   capture_output=True, timeout=900, check=True)
+    ref = _hashes(ref_dir)
+    out: Dict[str, Any] = {}
+    d = tmp / "kill-claims"
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "runner", *KILL_ARGS, *KILL_CLAIMS, f"hydra.run.dir={d}"],
+                              cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for _ in range(2)]
+    pid, lost = kill_mid_batch(d, lambda: [p.pid for p in procs if p.poll() is None])
+    codes = [p.wait(timeout=900) for p in procs]
+    out["claims_process"] = _verdict(d, pid, lost, max(c for c in codes if c != -9) if pid else 1, ref, t0)
+    cwd = tmp / "kill-torchrun"
+    cwd.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "--max-restarts=1", "-m", "runner", *KILL_ARGS, *KILL_CLAIMS], cwd=cwd, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def run_dir() -> Any:
+        found = [x for x in (cwd / "outputs" / "runs").glob("*/*") if x.is_dir()]
+        return found[0] if found else None
+
+    def rank1() -> List[int]:
+        d = run_dir()
+        recs = [json.loads(w.read_text() or "{}") for w in d.glob("claims/*/workers/1.json")] if d else []
+        return [r["pid"] for r in recs if r.get("pid")]
+
+    while run_dir() is None and p.poll() is None:
+        time.sleep(0.1)
+    pid, lost = kill_mid_batch(run_dir(), rank1)
+    try:
+        code = p.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        code = -9
+    out["torchrun_rank"] = _verdict(run_dir(), pid, lost, code, ref, t0)
+    return out
+
+
+def _git() -> Dict[str, Any]:
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 ":!benchmarks/results"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
+    return {"git_commit": git, "git_dirty": dirty}  # (the results this benchmark writes do not make the tree dirty)
+
+
+def stragglers(tmp: Path, args: argparse.Namespace) -> Dict[str, Any]:
+    """The straggler trials (static vs claims, alternated) and the claims rate of ``--racers`` processes."""
     trials: Dict[str, List[Dict[str, Any]]] = {"static": [], "claims": []}
     for t in range(args.repeats):  # alternated, so that a noisy neighbour on shared cores hits both alike
         for a in ("static", "claims"):
             trials[a].append(straggler(a, tmp / f"trial{t}", args.workers, args.factor, args.images))
     runs = {a: sorted(r, key=lambda x: x["ratio"])[len(r) // 2] for a, r in trials.items()}  # the median trial
     same = all(r["images_sha256"] == trials["static"][0]["images_sha256"] for rs in trials.values() for r in rs)
-    rate = claims_rate(tmp, args.claims, args.racers)
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
-    res = {
-        "what": "issue 40: a straggler under the static deal vs claims (torchrun ranks on the CPU, toy_shapes), and "
-                "claims per second of the POSIX claims store",
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "git_commit": git, "git_dirty": dirty,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "workers": args.workers, "slow_rank": args.workers - 1, "slow_factor": args.factor,
-        "straggler_ratio": runs["claims"]["ratio"], "straggler_ratio_static": runs["static"]["ratio"],
-        "claims_per_s": rate[f"processes_{args.racers}"]["claims_per_s"],
-        "claims_per_s_one_process": rate["processes_1"]["claims_per_s"],
-        "makespan_s": runs["claims"]["makespan_s"], "makespan_s_static": runs["static"]["makespan_s"],
-        "ratios_all_trials": {a: [r["ratio"] for r in rs] for a, rs in trials.items()},
-        "images_identical_static_vs_claims": same,
-        "runs": {a: {k: v for k, v in r.items() if k != "images_sha256"} for a, r in runs.items()},
-        "claims_rate": rate,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     for a in ("static", "claims"):
         r = runs[a]
         print(f"{a:>6}: makespan {r['makespan_s']:.1f} s, ideal {r['ideal_s']:.1f} s, ratio {r['ratio']:.2f}, "
               f"batches per rank {[w['batches'] for w in r['workers']]}, start-up {r['startup_s']:.1f} s, "
               f"exit {r['exit_code']}")
-    print(f"straggler_ratio {res['straggler_ratio']} (claims) vs {res['straggler_ratio_static']} (static), medians "
-          f"of {res['ratios_all_trials']}; images identical: {same}")
-    print(f"claims_per_s {res['claims_per_s']} ({args.racers} processes), {res['claims_per_s_one_process']} (one)")
+    return {"workers": args.workers, "slow_rank": args.workers - 1, "slow_factor": args.factor,
+            "straggler_ratio": runs["claims"]["ratio"], "straggler_ratio_static": runs["static"]["ratio"],
+            "makespan_s": runs["claims"]["makespan_s"], "makespan_s_static": runs["static"]["makespan_s"],
+            "ratios_all_trials": {a: [r["ratio"] for r in rs] for a, rs in trials.items()},
+            "images_identical_static_vs_claims": same,
+            "runs": {a: {k: v for k, v in r.items() if k != "images_sha256"} for a, r in runs.items()}}
+
+
+PARTS = ("straggler", "rate", "scale", "kill")
+
+
+def main() -> int:
+    if len(sys.argv) == 5 and sys.argv[1] == "--merge-case":  # one merge case, in its own process (its memory)
+        print(json.dumps(merge_case(Path(sys.argv[4]), int(sys.argv[2]), int(sys.argv[3]))))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default=",".join(PARTS), help=f"which to run, of {','.join(PARTS)}; the figures of "
+                   "the others are kept from --out")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--factor", type=float, default=4.0)
+    p.add_argument("--images", type=int, default=2, help="images per builtin caption (24 captions)")
+    p.add_argument("--repeats", type=int, default=3, help="trials of each mode, alternated; the median is reported")
+    p.add_argument("--claims", type=int, default=5000)
+    p.add_argument("--racers", type=int, default=4)
+    p.add_argument("--scale-workers", type=int, default=256)
+    p.add_argument("--scale-items", default="10000,100000", help="item counts of the scale part (growth: 2nd/1st)")
+    p.add_argument("--scale-processes", type=int, default=8, help="processes hosting the simulated claims workers")
+    p.add_argument("--scale-batch-size", type=int, default=8, help="items per batch of the scale part's claims")
+    p.add_argument("--tmp", default=None, help="where the runs and the claims dirs go (default: a temp dir)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet_cpu.json"))
+    args = p.parse_args()
+    parts = [x for x in args.parts.split(",") if x]
+    tmp = Path(args.tmp or tempfile.mkdtemp(prefix="fleet_cpu-")).resolve()
+    tmp.mkdir(parents=True, exist_ok=True)
+    res: Dict[str, Any] = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    res.update({"what": "issue 40: a straggler under the static deal vs claims (torchrun ranks on the CPU, "
+                        "toy_shapes); claims per second of the POSIX claims store; the control plane at scale (merge "
+                        "time and memory, claims per second, 256 simulated workers, 10k and 100k items); SIGKILL "
+                        "verdicts (a claims worker, a torchrun rank)",
+                "command": " ".join([os.path.basename(sys.executable), *sys.argv]), **_git(),
+                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version()}})
+    res.setdefault("parts_run", {}).update({x: res["git_commit"] for x in parts})
+    def save() -> None:  # after each part: a later part that fails keeps the figures of the earlier ones
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
+    if "straggler" in parts:
+        res.update(stragglers(tmp, args))
+        save()
+    if "rate" in parts:
+        rate = claims_rate(tmp, args.claims, args.racers)
+        res.update(claims_rate=rate, claims_per_s=rate[f"processes_{args.racers}"]["claims_per_s"],
+                   claims_per_s_one_process=rate["processes_1"]["claims_per_s"])
+        save()
+    if "scale" in parts:
+        sizes = [int(x) for x in args.scale_items.split(",")]
+        sc = scale(tmp, args.scale_workers, sizes, args.scale_processes, args.scale_batch_size)
+        res["scale"] = sc
+        for n, name in ((sizes[0], "10k"), (sizes[-1], "100k")):
+            res[f"merge_s_{name}"] = sc["merge"][str(n)]["final"]["seconds"]
+            res[f"merge_oneshot_s_{name}"] = sc["merge"][str(n)]["oneshot"]["seconds"]
+            res[f"merge_python_peak_mb_{name}"] = sc["merge"][str(n)]["final"]["python_peak_mb"]
+            res[f"merge_oneshot_python_peak_mb_{name}"] = sc["merge"][str(n)]["oneshot"]["python_peak_mb"]
+            res[f"claims_per_s_{name}_{args.scale_workers}_workers"] = sc["claims"][str(n)]["claims_per_s"]
+        save()
+    if "kill" in parts:
+        res["kill"] = kill_runs(tmp)
+        res["kill_verdict"] = {k: v["verdict"] for k, v in res["kill"].items()}
+        print(f"kill verdicts: {res['kill_verdict']}", flush=True)
+    save()
+    print(f"straggler_ratio {res.get('straggler_ratio')} (claims) vs {res.get('straggler_ratio_static')} (static); "
+          f"claims_per_s {res.get('claims_per_s')}; merge_s_10k {res.get('merge_s_10k')}, merge_s_100k "
+          f"{res.get('merge_s_100k')}; kill {res.get('kill_verdict')}")
     print(f"-> {args.out}")
-    return 0 if all(r["exit_code"] == 0 for r in runs.values()) and same else 1
+    ok = all(v == "pass" for v in (res.get("kill_verdict") or {}).values()) if "kill" in parts else True
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

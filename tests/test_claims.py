@@ -23,6 +23,7 @@ from runner.core import rundir
 from runner.core.claims import (POOL_DONE, Claims, FedClaims, FleetMismatchError, Lease, PosixClaimStore, batch_id,
                                 halt_all)
 from runner.core.errors import RunDirInUseError
+from runner.core.testing import kill_mid_batch, run_processes
 
 ROWS = 10
 LEASE_S = 3
@@ -53,54 +54,29 @@ def single(tmp_path_factory):
     return h
 
 
-def _held_not_done(ns: Path, pid: int):
-    """Batches whose newest claim is held by ``pid`` and not done."""
-    out = []
-    for p in ns.glob("b*.g*"):
-        if p.name.startswith("."):
-            continue
-        b, g = p.name.split(".g")
-        if (ns / f"{b}.done").exists() or (ns / f"{b}.g{int(g) + 1}").exists():
-            continue
-        try:
-            doc = json.loads(p.read_text())
-        except ValueError:
-            continue
-        if doc.get("pid") == pid:
-            out.append(b)
-    return out
-
-
 def test_sigkilled_worker_is_taken_over_and_the_run_completes(tmp_path, single):
     d = tmp_path / "run"
     cmd = [sys.executable, "-m", "runner", *ARGS, *CLAIMS, f"hydra.run.dir={d}"]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
-    victim, lost = None, []
-    deadline = time.time() + 300
+    live = []  # the run's manifest.json seen while both workers ran (the live merge)
     try:
-        while time.time() < deadline and victim is None:
-            for ns in (d / "claims").glob("*"):
-                for p in procs:
-                    # mid-run: it journaled a batch already and holds one it has not finished
-                    if not list(d.glob("items.rank*.jsonl")) or p.poll() is not None:
-                        continue
-                    held = _held_not_done(ns, p.pid)
-                    if held:
-                        os.kill(p.pid, signal.SIGSTOP)  # frozen where the poll saw it
-                        lost = _held_not_done(ns, p.pid)
-                        if lost:
-                            victim = p
-                            break
-                        os.kill(p.pid, signal.SIGCONT)
-                if victim:
-                    break
-            time.sleep(0.02)
-        assert victim is not None, "no worker was seen holding a batch"
-        os.kill(victim.pid, signal.SIGKILL)
+        def alive():
+            doc = _live(d)
+            if doc is not None:
+                live.append(doc)
+            return [p.pid for p in procs if p.poll() is None]
+
+        pid, lost = kill_mid_batch(d, alive)  # mid-run: it journaled a batch already, holds one unfinished
+        assert pid is not None, "no worker was seen holding a batch"
+        victim = next(p for p in procs if p.pid == pid)
         assert victim.wait(timeout=60) == -signal.SIGKILL
         survivor = next(p for p in procs if p is not victim)
-        _, err = survivor.communicate(timeout=300)  # no restart: the survivor finishes the run alone
+        deadline = time.monotonic() + 300
+        while survivor.poll() is None and time.monotonic() < deadline:  # no restart: the survivor finishes alone
+            alive()  # the live manifest, as the report reads it, while the survivor goes on
+            time.sleep(0.2)
+        _, err = survivor.communicate(timeout=60)
         assert survivor.returncode == 0, err[-3000:]
     finally:
         for p in procs:
@@ -128,6 +104,66 @@ def test_sigkilled_worker_is_taken_over_and_the_run_completes(tmp_path, single):
     assert status["outcome"] == "ok" and status["exit_code"] == 0
     assert not [p for p in d.rglob("*") if ".tmp" in p.name and "claims" not in p.parts]
     assert not (d / "workers.lock").exists() and not (d / "run.lock").exists()  # the last worker left the dir
+    # the live merge: while the workers ran, manifest.json said running with the items so far (runner.report
+    # showed it), and the final merge read only what no live step had read
+    assert live and all(x["status"] == "running" and x["pool"]["items"] == ROWS for x in live)
+    assert any(1 <= x["counts"]["ok"] < ROWS for x in live)  # progress before the end
+    assert [x["counts"]["ok"] for x in live] == sorted(x["counts"]["ok"] for x in live)  # it only grows
+    final = m["merge"]["final"]
+    assert m["merge"]["steps"] > 1 and final["rereads"] == 0
+    assert final["bytes_read"] < m["merge"]["journal_bytes"] and final["records_parsed"] < ROWS
+    assert m["pool"]["dead"][0]["pid"] == victim.pid and m["pool"]["done"] == ROWS
+
+
+def _live(d: Path):
+    """The run's manifest.json as ``runner.report`` reads it while the run is alive (None: none yet)."""
+    from runner.tools.report import load_jobs
+
+    if not (d / "manifest.json").exists():
+        return None
+    job = load_jobs([d])[0]
+    return job.manifest if job.outcome == "running" else None
+
+
+def test_a_sigkilled_torchrun_rank_is_restarted_by_torchrun_and_the_run_completes(tmp_path, single):
+    """torchrun's agent stops the whole group when a rank dies; with ``--max-restarts`` it starts every rank again,
+    and the ranks resume from the journals into the same (default) run dir: no manual restart. The death is in
+    ``claims.deaths`` with its pid and the batches it held, from the earlier attempt's claims."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "runner", *ARGS, *CLAIMS]  # no hydra.run.dir: the default dir is kept across the restart
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def rank1():
+            d = _run_dir(tmp_path)
+            recs = [json.loads(w.read_text() or "{}") for w in d.glob("claims/*/workers/1.json")] if d else []
+            return [r["pid"] for r in recs if r.get("pid")]
+
+        d = None
+        while d is None and p.poll() is None:
+            d = _run_dir(tmp_path)
+            time.sleep(0.1)
+        pid, lost = kill_mid_batch(d, rank1)
+        assert pid is not None, "rank 1 was not seen holding a batch"
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert [x.name for x in (tmp_path / "outputs" / "runs").glob("*/*") if x.is_dir()] == [d.name]  # one run dir
+    assert _hashes(d) == single
+    items = [json.loads(line) for line in (d / "items.jsonl").read_text().splitlines()]
+    assert len(items) == ROWS and all(i["status"] == "ok" for i in items)
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["status"] == "completed" and m["counts"]["ok"] + m["counts"]["reused"] == ROWS
+    death = next(x for x in m["claims"]["deaths"] if x["pid"] == pid)
+    assert death["rank"] == 1 and "attempt" in death and set(lost) <= set(death["lost_batches"])
+    assert {w["resumed_from"] for w in m["workers"]} <= {"crashed", "interrupted"}  # the first attempt's ends
+    assert f"(pid: {pid})" in err  # torchrun named the rank it lost (its own log line)
+
+
+def _run_dir(cwd: Path):
+    found = [x for x in (cwd / "outputs" / "runs").glob("*/*") if x.is_dir()]
+    return found[0] if found else None
 
 
 def test_a_resume_claims_only_what_is_not_journaled(tmp_path, single):
@@ -152,14 +188,7 @@ def _race(root: str, n: int, out: "mp.Queue") -> None:
 
 def test_each_batch_is_claimed_by_exactly_one_of_racing_processes(tmp_path):
     n, procs = 300, 4
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=_race, args=(str(tmp_path), n, q)) for _ in range(procs)]
-    for p in ps:
-        p.start()
-    got = [q.get(timeout=120) for _ in ps]
-    for p in ps:
-        p.join(timeout=60)
+    got = run_processes(_race, (str(tmp_path), n), procs, timeout_s=120)
     flat = [b for g in got for b in g]
     assert sorted(flat) == [batch_id(i) for i in range(n)]  # every batch once, none twice
 
@@ -310,3 +339,40 @@ def test_claims_workers_share_the_dir_and_other_runs_are_kept_out(tmp_path):
             assert pool.apply(_join, (str(tmp_path),)).startswith("refused: ")
     finally:
         rundir.release(lock)
+
+
+def _rank(rank: int, port: int, q: "mp.Queue") -> None:
+    import torch.distributed as tdist
+
+    from runner.core import distributed as dp
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 1:
+        os._exit(9)  # dies before the merge's barrier
+    try:
+        dp.barrier()
+        q.put("no error")
+    except dp.PeerLostError as e:
+        q.put(f"{e.exit_code} {e.outcome} {e}")
+
+
+def test_a_rank_waiting_for_the_merge_names_the_dead_peer_in_one_line():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_rank, args=(r, port, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    try:
+        got = q.get(timeout=120)
+    finally:
+        for p in ps:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got.startswith("1 crashed another rank of the torchrun group died before the merge"), got
+    assert "--max-restarts" in got and "Traceback" not in got

@@ -288,10 +288,12 @@ def test_torchrun_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
     lines = _lines(out)
-    assert {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m} == {"toy_shapes [rank 0 of 2]"}
+    assert {m.group("desc").strip() for x in lines for m in [BAR.match(x)] if m} == {"toy_shapes [pool of 2]"}
     s = _summary(lines)
     assert len(s) == 1 and "run completed: 4 ok, 0 failed, 0 reused over 2 workers" in s[0], s
     assert not library_noise(out), library_noise(out)
+    pool = [x for x in lines if "pool: " in x and "items done" in x]  # one line for the pool
+    assert len(pool) == 1 and "pool: 4 of 4 items done (4 ok, 0 failed, 0 reused)" in pool[0], pool
 
 
 def test_ray_run_prints_one_bar_and_one_merged_summary(subprocess_env, tmp_path):

@@ -445,9 +445,12 @@ def _console_handler(lg: logging.Logger) -> bool:
 
 
 class Progress:
-    """The run's one progress bar (tqdm), shown by the first rank only: under torchrun or Ray every worker makes
-    one, ranks other than 0 keep theirs disabled, and rank 0's says ``[rank 0 of N]`` (its shard; the merged total
-    is :func:`summary_line`'s, after the merge).
+    """The run's one progress bar (tqdm), shown by the first rank only: under torchrun, Ray or claims every worker
+    makes one, ranks other than 0 keep theirs disabled. Under torchrun and claims rank 0's is the pool's bar
+    (``[pool of N]``): from the first live merge step on it counts every worker's items out of the run's, with the
+    pool's workers, claims, retries, dead and slow as its postfix (:meth:`pool`); under Ray (whose driver merges at
+    the end) it says ``[rank 0 of N]`` and counts its shard. The merged total is :func:`summary_line`'s, after the
+    merge, with :func:`pool_summary`'s line.
 
     While open, the console handlers of :data:`CONSOLE_LOGGERS` (the root's: Hydra's, so the runner's own lines;
     the libraries' that print through their own handler) write through ``tqdm.write`` (tqdm's
@@ -471,7 +474,11 @@ class Progress:
 
         world = int(getattr(worker, "world_size", 1) or 1)
         self.shown = worker is None or int(getattr(worker, "rank", 0)) == 0
-        label = f"{desc} [rank 0 of {world}]" if world > 1 else desc
+        pooled = getattr(worker, "launcher", None) == "torchrun" or getattr(worker, "assign", None) == "claims"
+        # a torchrun or claims run's bar counts the whole pool from the first live merge step on (pool); Ray's
+        # driver merges at the end, so rank 0's bar counts its shard
+        label = (f"{desc} [pool of {world}]" if pooled else f"{desc} [rank 0 of {world}]") if world > 1 else desc
+        self.desc = desc
         self.bar = tqdm(total=total, initial=initial, unit=unit, desc=label, dynamic_ncols=True, file=file,
                         disable=not self.shown)
         self._stack = ExitStack()
@@ -488,6 +495,17 @@ class Progress:
     def warmed_up(self) -> None:
         """The first batch starts now: what came before is left out of the rate and the ETA."""
         self.bar.unpause()
+
+    def pool(self, pool: Dict[str, Any]) -> None:
+        """A live merge step's ``pool`` (``runner.core.distributed.pool_section``): from now on the bar counts the
+        whole pool's items (every worker's, and those reused), out of the run's items, with the pool's state as
+        its postfix (:func:`pool_postfix`)."""
+        if pool.get("items") and self.bar.total != pool["items"]:
+            self.bar.total = pool["items"]
+            self.bar.set_description_str(f"{self.desc} [pool of {len(pool.get('workers') or [])}]", refresh=False)
+        if pool.get("done", 0) > self.bar.n:
+            self.bar.update(pool["done"] - self.bar.n)
+        self.bar.set_postfix_str(pool_postfix(pool), refresh=True)
 
     def close(self) -> None:
         """Close the bar and give the console handlers and warnings back. Idempotent."""
@@ -537,3 +555,48 @@ def merged_summary(merged: Dict[str, object], out_dir: object) -> str:
                         workers=len(workers),  # type: ignore[arg-type]
                         verdict=evidence.get("verdict") if isinstance(evidence, dict) else None,
                         accuracy=merged.get("accuracy") if isinstance(merged.get("accuracy"), dict) else None)
+
+
+def _rate(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def pool_postfix(pool: Dict[str, Any]) -> str:
+    """The pool bar's postfix: ``4 workers, 12 claimed, 1 retried, dead: 2, slow: 3`` (claims and retries only
+    for a claims run)."""
+    parts = [f"{len(pool.get('workers') or [])} workers"]
+    if pool.get("claimed") is not None:
+        parts += [f"{pool['claimed']} claimed", f"{pool.get('retried', 0)} retried"]
+    if pool.get("dead"):
+        parts.append("dead: " + " ".join(str(d["rank"]) for d in pool["dead"]))
+    if pool.get("slow"):
+        parts.append("slow: " + " ".join(str(r) for r in pool["slow"]))
+    return ", ".join(parts)
+
+
+def pool_summary(pool: Dict[str, Any]) -> str:
+    """The pool's one summary line (after :func:`merged_summary`): items done of the run, batches claimed and
+    retried (taken over from a dead or lapsed worker), each worker's items and rate, the dead (pid, batches lost)
+    and the slow (rate against the pool's median) named::
+
+        pool: 48 of 48 items done (46 ok, 0 failed, 2 reused); 48 batches claimed, 1 retried; per worker items
+        (items/s): rank 0 16 (1.21), rank 1 2 (0.4, dead), ...; dead: rank 1 (pid 4242, lost b0000005); slow: rank 3
+        (0.21 items/s, median 1.12)
+    """
+    ws = pool.get("workers") or []
+    head = (f"pool: {pool.get('done', 0)} of {pool.get('items')} items done ({pool.get('ok', 0)} ok, "
+            f"{pool.get('failed', 0)} failed, {pool.get('reused', 0)} reused)")
+    if pool.get("claimed") is not None:
+        head += f"; {pool['claimed']} batches claimed, {pool.get('retried', 0)} retried"
+    per = ", ".join(f"rank {w['rank']} {w.get('done', 0)} ({_rate(w.get('rate_items_per_s'))}"
+                    + (", dead" if w.get("status") == "dead" else "") + ")" for w in ws)
+    parts = [head, f"per worker items (items/s): {per}" if ws else "no worker"]
+    if pool.get("dead"):
+        parts.append("dead: " + ", ".join(f"rank {d['rank']} (pid {d.get('pid')}, lost "
+                                          f"{', '.join(d.get('lost_batches') or []) or 'no batch'})"
+                                          for d in pool["dead"]))
+    if pool.get("slow"):
+        rates = {w["rank"]: w.get("rate_items_per_s") for w in ws}
+        parts.append("slow: " + ", ".join(f"rank {r} ({_rate(rates.get(r))} items/s, median "
+                                          f"{_rate(pool.get('median_rate_items_per_s'))})" for r in pool["slow"]))
+    return "; ".join(parts)

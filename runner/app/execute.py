@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig
 
@@ -100,15 +100,35 @@ class DatasetItems:
         """Every item key, in dataset order (the merged journal's order)."""
         return [it.key for it in self.items]
 
-    def current(self) -> Callable[[List[str]], Dict[str, List[str]]]:
+    def current(self) -> Callable[[List[str]], Mapping[str, List[str]]]:
         """Given the workers' run identity hashes (their manifests' ``identity.sha256``), the ``inputs_sha256``
-        values each item's record may carry to be an output of the current run."""
-        items = list(self.items)
+        values each item's record may carry to be an output of the current run: a mapping that hashes an item's
+        inputs when its key is looked up (a merge step looks up the keys of the records it reads, not all)."""
+        by_key = {it.key: it for it in self.items}
 
-        def current(run_shas: List[str]) -> Dict[str, List[str]]:
-            return {it.key: [resume.inputs_sha256(s, it) for s in dict.fromkeys(run_shas)] for it in items}
+        def current(run_shas: List[str]) -> Mapping[str, List[str]]:
+            return _InputsOf(by_key, list(dict.fromkeys(run_shas)))
 
         return current
+
+
+class _InputsOf(Mapping):
+    """Item key -> the ``inputs_sha256`` of the item under each of ``run_shas``, computed on first look-up."""
+
+    def __init__(self, by_key: Dict[str, Any], run_shas: List[str]) -> None:
+        self.by_key, self.run_shas, self.done = by_key, run_shas, {}
+
+    def __getitem__(self, key: str) -> List[str]:
+        if key not in self.done:
+            it = self.by_key[key]  # KeyError: not an item of the dataset
+            self.done[key] = [resume.inputs_sha256(s, it) for s in self.run_shas]
+        return self.done[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.by_key)
+
+    def __len__(self) -> int:
+        return len(self.by_key)
 
 
 def dataset_keys(cfg: DictConfig) -> List[str]:

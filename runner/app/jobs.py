@@ -148,7 +148,7 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
     """The run itself: on Ray workers (the driver merges), on SLURM array tasks (the last task merges), as a
     torchrun rank (rank 0 merges after the barrier) or in this process. Returns the exit code and the merged
     manifest of a data-parallel run (else None)."""
-    from runner.app.console import merged_summary
+    from runner.app.console import merged_summary, pool_summary
     from runner.app.execute import DatasetItems, run
     from runner.core import distributed as dp
 
@@ -184,6 +184,7 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
                      "stopped before the run's batches were done")
             return code, None
         log.info("%s", merged_summary(merged, out_dir))
+        log.info("%s", pool_summary(merged["pool"]))
         return dp.merged_exit_code(merged), merged
     if worker is None or worker.world_size <= 1:
         return run(cfg, out_dir, overrides=overrides, on_exit=on_exit), None
@@ -195,6 +196,7 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
     merged = dp.merge(out_dir, worker.world_size, data.keys(), "torchrun", data.current(), lay=worker.layout,
                       assign=worker.assign)
     log.info("%s", merged_summary(merged, out_dir))  # the run's one summary line (workers log theirs at DEBUG)
+    log.info("%s", pool_summary(merged["pool"]))  # and the pool's: items, claims, rates, the dead and the slow
     return dp.merged_exit_code(merged), merged
 
 

@@ -117,6 +117,8 @@ class Run:
         self.in_flight: Dict[str, set] = {}  # claims: batch id -> keys not journaled yet
         self.renewer: Optional[Any] = None
         self.mirror = storage.mirror_of(self.out_dir)  # output.dir=<URL>: the run's remote copy (runner.core.storage)
+        self.live: Optional[Any] = None  # runner.app.pool.LiveMerger of a data-parallel worker
+        self.loop_t0: Optional[float] = None  # epoch seconds of the first batch (the worker's rate)
 
     @property
     def final(self) -> Any:
@@ -295,6 +297,8 @@ class Run:
             # a claims worker's share is known when it ends (final_sections); None until then, also if it dies
             m.section("worker", worker_record(self.worker, len(self.items) if self.claims is None else None))
         prev = self.plan.prev
+        if prev is not None and prev.get("merge") and (prev.get("owner") or {}).get("token") == self.token:
+            prev = None  # the live manifest of this very run (a worker joining late): nothing was resumed
         if prev is not None:
             renamed = resume.lora_renames(prev, self.sources[self.final.stage])
             if renamed:
@@ -423,15 +427,41 @@ class Run:
 
     def checkpoint(self) -> None:
         """After every batch: the counts, in the manifest on disk (and at the run's URL, every
-        ``runner.core.storage.PUSH_EVERY_S`` seconds)."""
+        ``runner.core.storage.PUSH_EVERY_S`` seconds); a data-parallel worker's ``progress`` (items done since its
+        first batch: its rate in the pool) and ``claims`` share so far, then a live merge step (:meth:`pool_step`)."""
         self.manifest.section("counts", self.counts)
+        if self.worker is not None:
+            self.progress()
+            if self.claims is not None:
+                self.manifest.section("claims", self.claims.section())
         self.manifest.flush()
         if self.mirror is not None:
             self.mirror.push()
+        self.pool_step()
+
+    def progress(self) -> None:
+        """A data-parallel worker's ``progress``: items it ended (ok or failed) since its first batch (epoch
+        seconds ``since``) as of ``at`` (its rate in the pool: ``runner.core.distributed.pool_section``)."""
+        self.manifest.section("progress", {"done": self.counts["ok"] + self.counts["failed"], "since": self.loop_t0,
+                                           "at": time.time()})
+
+    def pool_step(self) -> None:
+        """A live merge step of a data-parallel worker (``runner.app.pool.LiveMerger``: the run's manifest.json
+        current, the pool's totals on the bar)."""
+        if self.live is None and self.worker is not None and self.worker.layout is None and self.writes \
+                and self.worker.launcher in ("torchrun", "local") and self.token and self.dataset is not None \
+                and self.dataset.filled:
+            from runner.app.pool import LiveMerger
+
+            self.live = LiveMerger(self.out_dir, self.dataset.keys(), self.token, self.worker, self.dataset.current())
+        merged = self.live.step() if self.live is not None else None
+        if merged is not None and self.bar is not None:
+            self.bar.pool(merged["pool"])
 
     def after_load(self, sections: Dict[str, Any]) -> None:
         """The final stage loaded: its load sections (``model`` merged) and resolved backends into the manifest."""
         self.bar.warmed_up()  # loading and the compile warm-up are not in the bar's rate and ETA
+        self.loop_t0 = time.time()
         self.manifest.section("model", {**self.model_doc, "source": self.final.source, **sections.pop("model", {})})
         for k, v in sections.items():
             self.manifest.section(k, v)
@@ -530,7 +560,10 @@ class Run:
             return
         out_dir, name = self.out_dir, self.journal_name
         before = read_journal(out_dir / name) if self.worker is None else []  # compaction drops some
-        compact(out_dir, self.items, name, self.final, self.plan.expected, others=self.claims is None)
+        if self.claims is None or self.metric_set is not None and self.metric_set.names:
+            # a claims worker's journal is not rewritten (the merge already read it; the merged items.jsonl is the
+            # compact one), unless metrics score into it
+            compact(out_dir, self.items, name, self.final, self.plan.expected, others=self.claims is None)
         self.score_metrics()
         if self.worker is None:  # the folder indexes follow the compacted journal (a merge writes them for workers)
             self.manifest.section("folder_metadata", write_folder_metadata(
@@ -555,8 +588,11 @@ class Run:
         self.manifest.flush()
 
     def final_sections(self) -> None:
-        """The manifest's counts, timing, compile and memory sections (and ``claims``: this worker's share)."""
+        """The manifest's counts, timing, compile and memory sections (and ``claims``: this worker's share; a
+        worker's ``progress`` as it ended)."""
         self.manifest.section("counts", self.counts)
+        if self.worker is not None and self.loop_t0 is not None:
+            self.progress()
         if self.claims is not None:
             self.manifest.section("worker", {**self.manifest.doc["worker"], "shard_items": self.counts["ok"]
                                              + self.counts["failed"]})

@@ -7,7 +7,7 @@ import errno
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import numpy as np
 
@@ -52,10 +52,21 @@ def replace_file(path: Path, data: bytes, tmp: Optional[Path] = None) -> None:
     Raises:
         OSError: the write or the rename failed (the temp file is removed, ``path`` is left as it was).
     """
+    replace_file_chunks(path, (data,), tmp)
+
+
+def replace_file_chunks(path: Path, chunks: Iterable[bytes], tmp: Optional[Path] = None) -> None:
+    """:func:`replace_file` of the concatenation of ``chunks``, written as they come (a file larger than what one
+    wants in memory: the merged journal of a large run).
+
+    Raises:
+        OSError: as :func:`replace_file`.
+    """
     tmp = tmp or path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for data in chunks:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -75,8 +86,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         runner.core.errors.StorageError: the storage refused the write (disk full, read-only, permission); the temp
             file is removed, ``path`` is left as it was.
     """
+    atomic_write_chunks(path, (data,))
+
+
+def atomic_write_chunks(path: Path, chunks: Iterable[bytes]) -> None:
+    """:func:`atomic_write_bytes` of the concatenation of ``chunks`` (:func:`replace_file_chunks`).
+
+    Raises:
+        runner.core.errors.StorageError: as :func:`atomic_write_bytes`.
+    """
     try:
-        replace_file(path, data)
+        replace_file_chunks(path, chunks)
     except OSError as e:
         raise storage_error(path, e) from e
     fsync_dir(path.parent)

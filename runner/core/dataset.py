@@ -1079,14 +1079,25 @@ def apply_ignored(rows: List[Row], path: Any, ignored: Dict[str, tuple], mode: s
 def prompts_summary(records: Iterable[Dict[str, Any]]) -> Dict[str, Any]:
     """Counts over the ok image records of a journal: items, items whose prompt a text encoder truncated (in total
     and per encoder, from each record's ``tokens``), items that carry ``ignored`` fields."""
-    recs = [r for r in records if r.get("status") == "ok"]
-    tok = [r["tokens"] for r in recs if r.get("tokens")]
-    per: Dict[str, int] = {}
-    for t in tok:
-        for enc, c in t.items():
-            per[enc] = per.get(enc, 0) + (1 if c.get("dropped") else 0)
-    return {"items": len(recs), "truncated_items": sum(1 for t in tok if any(c.get("dropped") for c in t.values())),
-            "truncated_by_encoder": per, "items_with_ignored_fields": sum(1 for r in recs if r.get("ignored"))}
+    out: Dict[str, Any] = {"items": 0, "truncated_items": 0, "truncated_by_encoder": {}, "items_with_ignored_fields": 0}
+    for r in records:
+        if r.get("status") == "ok":
+            prompts_add(out, r, 1)
+    return out
+
+
+def prompts_add(summary: Dict[str, Any], record: Dict[str, Any], sign: int = 1) -> None:
+    """Add (``sign=1``) or take away (``-1``) one ok record's share of a :func:`prompts_summary` ``summary`` (the
+    incremental merge keeps the run's summary so: ``runner.core.live_merge``)."""
+    summary["items"] += sign
+    tok = record.get("tokens") or {}
+    if any(c.get("dropped") for c in tok.values()):
+        summary["truncated_items"] += sign
+    per = summary["truncated_by_encoder"]
+    for enc, c in tok.items():
+        per[enc] = per.get(enc, 0) + (sign if c.get("dropped") else 0)
+    if record.get("ignored"):
+        summary["items_with_ignored_fields"] += sign
 
 
 def expand_items(rows: Iterable[Row], run_seed: int) -> List[Item]:

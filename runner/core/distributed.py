@@ -31,12 +31,11 @@ import socket
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from runner.core import rundir
-from runner.core.artifacts import atomic_write_bytes, atomic_write_json
-from runner.core.errors import ConfigValueError, RefusedError, RunDirInUseError, RunDirLockError
-from runner.core.sinks import read_journal, write_folder_metadata
+from runner.core.artifacts import atomic_write_json
+from runner.core.errors import ConfigValueError, RefusedError, RunDirInUseError, RunDirLockError, RunnerError
 
 log = logging.getLogger("runner")
 
@@ -223,12 +222,27 @@ def torchrun_exit_line(code: int, outcome: str, error: BaseException, job_dir: P
 def _control_group() -> None:
     """The default process group: gloo for CPU tensors (control messages, CPU context parallelism) and, where CUDA
     is available, NCCL for CUDA tensors (the all-to-all / all-gather of context parallelism on GPUs; NCCL only
-    creates a communicator at its first CUDA collective, so data-parallel runs never do)."""
+    creates a communicator at its first CUDA collective, so data-parallel runs never do). In a group torchrun
+    restarted (``TORCHELASTIC_RESTART_COUNT`` > 0) the store's keys are prefixed with the attempt."""
     import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not restart or not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"} <= set(os.environ):
+        dist.init_process_group(backend)
+        return
+    # A group torchrun's agent restarted (--max-restarts): the agent's store (same MASTER_PORT) still holds the
+    # addresses the dead attempt's ranks published, and gloo's connectFullMesh may read those (connection refused,
+    # or a hang); each attempt's keys go under their own prefix.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, multi_tenant=not agent)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"runner/attempt{restart}", store), rank=rank,
+                            world_size=world)
 
 
 def init_context_groups(worker: Optional[Worker]) -> None:
@@ -284,8 +298,7 @@ def agree_argv(argv: List[str]) -> List[str]:
         given = hydra_quote(text)
     elif given:
         given = given.split("=", 1)[1]  # an interpolation: passed on as written
-    now = datetime.now()
-    box = [given or f"outputs/runs/{now:%Y-%m-%d}/{now:%H-%M-%S-%f}-{os.getpid()}-dp{w.world_size}"]
+    box = [given or (_default_dir(w) if w.rank == 0 else None)]
     dist.broadcast_object_list(box, src=0)
     run_dir = box[0]
     argv = [a for a in argv if not a.startswith("hydra.run.dir=")]
@@ -294,6 +307,28 @@ def agree_argv(argv: List[str]) -> List[str]:
     if isinstance(text, str) and "${" not in text:
         return argv + [f"hydra.run.dir={hydra_quote(f'{text}/{WORKER_SUBDIR}/rank{w.rank}')}"]
     return argv + [f"hydra.run.dir={run_dir}/{WORKER_SUBDIR}/rank{w.rank}"]
+
+
+#: Where rank 0 notes the default run dir it picked, per torchrun run id (``TORCHELASTIC_RUN_ID``).
+RESTART_NOTES = Path("outputs/runs/.torchrun")
+
+
+def _default_dir(w: Worker) -> str:
+    """Rank 0's default run dir (no ``hydra.run.dir``): a new one per torchrun launch, the same one when torchrun's
+    agent restarts the group (``--max-restarts``: ``TORCHELASTIC_RESTART_COUNT`` > 0 with the same
+    ``TORCHELASTIC_RUN_ID``), so the restarted ranks resume the run instead of starting another (noted in
+    ``outputs/runs/.torchrun/<run id>``)."""
+    now = datetime.now()
+    note = RESTART_NOTES / "".join(c if c.isalnum() or c in "-_." else "_" for c in os.environ["TORCHELASTIC_RUN_ID"])
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and note.is_file():
+        return note.read_text().strip()
+    run_dir = f"outputs/runs/{now:%Y-%m-%d}/{now:%H-%M-%S-%f}-{os.getpid()}-dp{w.world_size}"
+    try:
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text(run_dir + "\n")
+    except OSError:
+        pass  # no note: a restart picks a new dir (the run starts over there)
+    return run_dir
 
 
 def shared_run_dir(hydra_run_dir: Path) -> Path:
@@ -352,12 +387,33 @@ def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True,
     return value
 
 
+class PeerLostError(RunnerError):
+    """Another rank of the torchrun group died before the merge (the process group's connection to it closed);
+    torchrun's agent stops the group. Names what happens next: with ``--max-restarts`` the group restarts and
+    resumes from the journals, else re-running the same command does."""
+
+    exit_code = 1
+    outcome = "crashed"
+
+
 def barrier() -> None:
-    """Wait for every torchrun rank (no-op outside a process group)."""
+    """Wait for every torchrun rank (no-op outside a process group).
+
+    Raises:
+        PeerLostError: a rank died (gloo: ``Connection closed by peer``), instead of the library's traceback.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerLostError(
+                f"another rank of the torchrun group died before the merge ({first[:200]}); torchrun stops the group: "
+                "started with `torchrun --max-restarts=N` it restarts every rank, which resume from the journals "
+                "(a fixed hydra.run.dir, or the default one, kept across restarts); otherwise re-run the same command "
+                "(it resumes)") from None
 
 
 def _ended(status: Optional[str]) -> Optional[str]:
@@ -454,25 +510,43 @@ def worker_failure(merged: Dict[str, Any]) -> Optional[Tuple[str, str]]:
     return outcome, error
 
 
-def _latest_records(out_dir: Path, docs: List[Optional[Dict[str, Any]]], keys_in_order: List[str],
-                    current: Optional[Callable[[List[str]], Dict[str, List[str]]]]) -> Dict[str, Dict[str, Any]]:
-    """Every journal of the dir merged into ``items.jsonl`` (dataset order): per key the ok record (of the
-    current config: ``current``), else the last one. Returns ``{key: record}``."""
-    valid = None
-    if current is not None:
-        valid = current([d["identity"]["sha256"] for d in docs if d and (d.get("identity") or {}).get("sha256")])
-    latest: Dict[str, Dict[str, Any]] = {}
-    for p in sorted(out_dir.glob("items*.jsonl")):
-        for rec in read_journal(p):
-            if "key" in rec:
-                if rec.get("status") == "ok" and valid is not None and rec.get("inputs_sha256") not in valid.get(
-                        rec["key"], ()):
-                    continue  # an earlier config's output
-                if rec.get("status") == "ok" or rec["key"] not in latest:
-                    latest[rec["key"]] = rec
-    lines = [json.dumps(latest[k]) + "\n" for k in keys_in_order if k in latest]
-    atomic_write_bytes(out_dir / "items.jsonl", "".join(lines).encode())
-    return latest
+def rank_docs(out_dir: Path, world_size: int, cache: Optional[Dict[int, Tuple[Any, Any]]] = None
+              ) -> List[Optional[Dict[str, Any]]]:
+    """The workers' manifests (``manifest.rank<r>.json``), by rank (None: none written). ``cache`` (rank ->
+    ``((mtime_ns, size), doc)``, kept by the caller between live merge steps): only the manifests that changed since
+    are read again (a worker rewrites its own after every batch)."""
+    docs: List[Optional[Dict[str, Any]]] = []
+    for r in range(world_size):
+        p = out_dir / f"manifest.rank{r}.json"
+        try:
+            s = p.stat()
+        except FileNotFoundError:
+            docs.append(None)
+            continue
+        sig = (s.st_mtime_ns, s.st_size)
+        if cache is not None and r in cache and cache[r][0] == sig:
+            docs.append(cache[r][1])
+            continue
+        try:
+            doc = json.loads(p.read_text())
+        except ValueError:  # replaced while read (an atomic rename): the next step reads it
+            doc = cache[r][1] if cache is not None and r in cache else None
+        if cache is not None and doc is not None:
+            cache[r] = (sig, doc)
+        docs.append(doc)
+    return docs
+
+
+def _valid_inputs(docs: List[Optional[Dict[str, Any]]],
+                  current: Optional[Callable[[List[str]], Any]]) -> Optional[Any]:
+    """The ``inputs_sha256`` values each item's ok record may carry (``current`` of the workers' identities)."""
+    if current is None:
+        return None
+    return current([d["identity"]["sha256"] for d in docs if d and (d.get("identity") or {}).get("sha256")])
+
+
+def _base_doc(docs: List[Optional[Dict[str, Any]]]) -> Dict[str, Any]:
+    return next((d for d in docs if d is not None), {})
 
 
 def _parallelism_section(docs: List[Optional[Dict[str, Any]]], world_size: int, launcher: str,
@@ -511,12 +585,21 @@ def _merged_timing(workers: List[Dict[str, Any]], lay: Optional[Layout]) -> Dict
 _CONSISTENT = ("verified", "not_collected")
 
 
-def _merged_evidence(docs: List[Optional[Dict[str, Any]]], claims: bool = False) -> Dict[str, Any]:
+def _merged_evidence(docs: List[Optional[Dict[str, Any]]], claims: bool = False,
+                     running: Sequence[int] = ()) -> Dict[str, Any]:
     """The merged ``evidence``: every worker's section; ``verified`` when every worker verified (or collected
     nothing), ``limited`` when the others are limited, else ``mismatch``; the mismatches named by rank.
 
     ``claims``: a worker that died (no evidence: its process ended before its verdict) is a limit, not a mismatch,
-    when the others took its batches over: ``limits`` names it and how many items it journaled unverified."""
+    when the others took its batches over: ``limits`` names it and how many items it journaled unverified.
+    ``running`` (a live merge): these ranks have no verdict yet; while any runs the verdict is ``pending`` (the
+    verdicts so far and the mismatches already found are listed)."""
+    if running:
+        done = [d if r not in running else None for r, d in enumerate(docs)]
+        so_far = _merged_evidence([d for d in done if d is not None], claims) if any(done) else {}
+        return {"workers": {str(r): (d or {}).get("evidence") for r, d in enumerate(docs)}, "verdict": "pending",
+                "pending": sorted(running), "verdict_so_far": so_far.get("verdict"),
+                "mismatches": so_far.get("mismatches", [])}
     dead = {r for r, d in enumerate(docs) if claims and (d is None or not (d.get("evidence") or {}).get("verdict"))}
     verdicts = [(d or {}).get("evidence", {}).get("verdict") for r, d in enumerate(docs) if r not in dead]
     verdict = ("verified" if all(v in _CONSISTENT for v in verdicts) and not dead else
@@ -533,17 +616,20 @@ def _merged_evidence(docs: List[Optional[Dict[str, Any]]], claims: bool = False)
     return doc
 
 
-def _claims_section(docs: List[Optional[Dict[str, Any]]], workers: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _claims_section(docs: List[Optional[Dict[str, Any]]], workers: List[Dict[str, Any]],
+                    dead: Optional[Sequence[int]] = None) -> Dict[str, Any]:
     """The merged manifest's ``claims``: the store and lease, batches claimed and completed per worker, every
     batch taken over (from which worker, by which), and each worker that did not complete with its pid and the
-    batches it lost (taken over from it by the others)."""
+    batches it lost (taken over from it by the others). ``dead`` (a live merge): the ranks whose record went
+    ``lease_s`` without renewal (the others still run); None (the final merge): every worker that did not
+    complete."""
     secs = {r: (d or {}).get("claims") or {} for r, d in enumerate(docs)}
     taken = [{"batch": t["batch"], "from_rank": t["from"].get("rank"), "from_pid": t["from"].get("pid"),
               "released": t["from"].get("released", False), "by_rank": r}
              for r, sec in secs.items() for t in sec.get("reclaimed") or []]
     deaths = []
     for w in workers:
-        if w.get("status") in ("completed", "completed_with_failures"):
+        if (w.get("status") in ("completed", "completed_with_failures") if dead is None else w["rank"] not in dead):
             continue
         lost = sorted(t["batch"] for t in taken if t["from_rank"] == w["rank"])
         pid = w.get("pid") or next((t["from_pid"] for t in taken if t["from_rank"] == w["rank"]), None)
@@ -563,11 +649,150 @@ def _claims_section(docs: List[Optional[Dict[str, Any]]], workers: List[Dict[str
             "span_s": round(max(last) - min(first), 3) if first and last else None}
 
 
+def earlier_deaths(out_dir: Path, token: Optional[str]) -> List[Dict[str, Any]]:
+    """The workers of earlier attempts of a claims run dir that died: a torchrun group restarted by its agent
+    (``--max-restarts``) after a rank was killed, or claims workers killed before a re-run. Per earlier claims
+    namespace (``claims/<token>/``, not ``token``'s), each registered worker whose record never said ``ended``
+    (a worker stopped by a signal or an error ends it; a killed one cannot), with its pid, host and the batches
+    whose newest claim it held and that nobody completed in that attempt (``lost_batches``: this attempt
+    generated them again). Reads the namespace's file names once, and only the claims not done."""
+    from runner.core.claims import CLAIMS_DIR
+
+    out: List[Dict[str, Any]] = []
+    root = Path(out_dir) / CLAIMS_DIR
+    for ns in sorted(p for p in root.iterdir() if p.is_dir() and p.name != token) if root.is_dir() else ():
+        dead = {}
+        for w in sorted((ns / "workers").glob("*.json")):
+            try:
+                doc = json.loads(w.read_text())
+            except (OSError, ValueError):
+                continue
+            if not doc.get("ended"):
+                dead[doc.get("pid")] = doc
+        if not dead:
+            continue
+        names = os.listdir(ns)
+        done = {n[:-len(".done")] for n in names if n.endswith(".done")}
+        newest: Dict[str, int] = {}
+        for n in names:
+            b, sep, g = n.partition(".g")
+            if sep and not n.startswith(".") and g.isdigit() and b not in done:
+                newest[b] = max(newest.get(b, -1), int(g))
+        lost: Dict[Any, List[str]] = {}
+        for b, g in sorted(newest.items()):
+            try:
+                holder = json.loads((ns / f"{b}.g{g}").read_text()).get("pid")
+            except (OSError, ValueError):
+                continue
+            if holder in dead:
+                lost.setdefault(holder, []).append(b)
+        out += [{"attempt": ns.name, "rank": d.get("rank"), "pid": pid, "host": d.get("host"), "status": "crashed",
+                 "lost_batches": lost.get(pid, []), "taken_over_by": "the next attempt (restart or re-run)"}
+                for pid, d in dead.items()]
+    return out
+
+
+#: A worker whose rate is below this fraction of the pool's median rate is named slow (``pool.slow``).
+SLOW_FRACTION = 0.5
+
+
+def pool_section(docs: List[Optional[Dict[str, Any]]], counts: Dict[str, int], claims: Optional[Dict[str, Any]],
+                 now: float) -> Dict[str, Any]:
+    """The pool at a glance (the merged manifest's ``pool``; the console's bar and summary, ``runner.report``):
+    items done of the run, batches claimed and retried (taken over from another worker), and per worker its items
+    done and its rate (items per second since its first batch, from its manifest's ``progress``: written after
+    every batch); ``dead``: the workers that died (``claims.deaths``); ``slow``: the live workers below
+    :data:`SLOW_FRACTION` of the median rate (of two or more workers)."""
+    dead = {d["rank"]: d for d in (claims or {}).get("deaths") or []}
+    per = []
+    for r, d in enumerate(docs):
+        prog = (d or {}).get("progress") or {}
+        done = prog.get("done", 0)
+        span = (prog.get("at") or now) - prog["since"] if prog.get("since") is not None else None
+        per.append({"rank": r, "pid": ((d or {}).get("worker") or {}).get("pid"), "done": done,
+                    "rate_items_per_s": round(done / span, 4) if span and span > 0 else None,
+                    "status": "dead" if r in dead else (d or {}).get("status", "missing")})
+    rates = sorted(p["rate_items_per_s"] for p in per if p["rate_items_per_s"] and p["rank"] not in dead)
+    median = rates[len(rates) // 2] if rates else None
+    slow = [p["rank"] for p in per if median and len(rates) > 1 and p["rank"] not in dead
+            and (p["rate_items_per_s"] or 0.0) < SLOW_FRACTION * median]
+    return {"items": counts.get("items"), "done": counts.get("ok", 0) + counts.get("failed", 0)
+            + counts.get("reused", 0), "ok": counts.get("ok", 0), "failed": counts.get("failed", 0),
+            "reused": counts.get("reused", 0),
+            "claimed": (claims or {}).get("claimed"), "retried": len((claims or {}).get("taken_over") or []),
+            "workers": per, "median_rate_items_per_s": median,
+            "dead": [{"rank": r, "pid": d.get("pid"), "lost_batches": d.get("lost_batches")} for r, d in dead.items()],
+            "slow": slow}
+
+
+def _merged_counts(st: Dict[str, Any], docs: List[Optional[Dict[str, Any]]], n: int, lay: Optional[Layout],
+                   assign: str) -> Dict[str, int]:
+    """Same meaning as a one-worker run's counts: ok = written by this attempt, reused = kept from an earlier one;
+    plus the run's size and what no worker produced (from the merge state's totals, ``runner.core.live_merge``)."""
+    ok, failed = st["counts"]["ok"], st["counts"]["failed"]
+    wc = [(d or {}).get("counts") or {} for r, d in enumerate(docs) if lay is None or lay.role(r)["writes_artifacts"]]
+    reused = (ok - min(ok, sum(c.get("ok", 0) for c in wc)) if assign == "claims"
+              else sum(c.get("reused", 0) for c in wc))  # claims: a worker's share is what it generated
+    return {"ok": ok - reused, "failed": failed, "reused": reused, "items": n, "missing": n - ok - failed}
+
+
+def _merged_doc(docs: List[Optional[Dict[str, Any]]], st: Dict[str, Any], workers: List[Dict[str, Any]], n: int,
+                launcher: str, lay: Optional[Layout], assign: str, dead: Optional[Sequence[int]] = None
+                ) -> Dict[str, Any]:
+    """The merged manifest of the workers' manifests ``docs`` and the merge state ``st``: the final one, or
+    (``dead`` given: the ranks seen dead so far) a live one (``status: running``)."""
+    base = _base_doc(docs)
+    merged = dict(base)
+    merged.pop("worker", None)
+    merged.pop("progress", None)
+    merged["run_id"] = st["run_id"] if st.get("run_id") else base.get("run_id")  # what the folder-index rows carry
+    merged["counts"] = _merged_counts(st, docs, n, lay, assign)
+    merged["dataset"] = {**(base.get("dataset") or {}), "items": n}  # the run's, not rank 0's shard
+    if "prompts" in base:  # truncated prompts and ignored fields of the whole run, not of rank 0's shard
+        merged["prompts"] = {**base["prompts"], **st["prompts"]}
+    merged["parallelism"] = _parallelism_section(docs, len(docs), launcher, lay, assign)
+    merged.pop("context_parallel", None)
+    merged.pop("claims", None)
+    merged["workers"] = workers
+    merged["timing"] = _merged_timing(workers, lay)
+    running = [w["rank"] for w in workers if w.get("status") in ("running", "starting")] if dead is not None else []
+    merged["evidence"] = _merged_evidence(docs, claims=assign == "claims", running=running)
+    statuses = {w["status"] for w in workers}
+    if assign == "claims":  # whoever wrote them: the items decide
+        merged["claims"] = _claims_section(docs, workers, dead)
+        statuses = {"completed_with_failures" if merged["counts"]["failed"] else "completed"}
+    import time
+
+    merged["pool"] = pool_section(docs, merged["counts"], merged.get("claims"), time.time())
+    missing = merged["counts"]["missing"]
+    merged["status"] = ("running" if dead is not None else
+                        "completed" if statuses == {"completed"} and not missing else
+                        "completed_with_failures" if statuses <= {"completed", "completed_with_failures"}
+                        and not missing else "incomplete")
+    merged["failed_workers"] = [w["rank"] for w in workers if w["status"] not in ("completed",
+                                                                                   "completed_with_failures",
+                                                                                   "running", "starting")]
+    merged["merge"] = {"steps": st.get("steps"), "recoveries": st.get("recoveries", 0),
+                       "journal_bytes": sum(j["offset"] for j in st["journals"].values()),
+                       "updated_at": st.get("updated_at")}
+    return merged
+
+
+def _merge_state(out_dir: Path, keys_in_order: List[str], live: Optional[Any]) -> Any:
+    from runner.core.live_merge import JournalMerge
+
+    return live if live is not None else JournalMerge(out_dir, keys_in_order, rundir.run_token(out_dir))
+
+
 def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: str,
           current: Optional[Callable[[List[str]], Dict[str, List[str]]]] = None,
           lay: Optional[Layout] = None, reasons: Optional[Dict[int, str]] = None,
-          assign: str = "static") -> Dict[str, Any]:
+          assign: str = "static", live: Optional[Any] = None) -> Dict[str, Any]:
     """Merge the workers' journals and manifests of ``out_dir`` into ``items.jsonl`` and ``manifest.json``.
+
+    The journals go through the run's merge state (``runner.core.live_merge.JournalMerge``): what the workers'
+    live merge steps (:func:`live_merge`) folded in already is not read again; this reads what they appended since,
+    then writes ``items.jsonl`` and ``images/metadata.jsonl`` from the state and removes it.
 
     Args:
         keys_in_order: every item key of the dataset, in dataset order (the merged journal follows it).
@@ -582,6 +807,7 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
             ``claims`` section (:func:`_claims_section`), the status follows the items alone (a worker that died
             while the others took its batches over is recorded in ``claims.deaths``, and does not fail the run),
             and ``reused`` is what no worker of this attempt generated.
+        live: this process's merge state (its live steps' counters), or None: the run dir's, by its run token.
 
     Returns:
         The merged manifest. Its ``status`` is ``completed`` only when every worker completed; ``workers`` lists
@@ -589,58 +815,61 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
         its previous attempt ended with (``resumed_from``: a worker that died shows ``crashed`` there; a worker
         manifest still at ``running`` when the merge runs, after every worker ended, is ``crashed`` too, and is
         rewritten so: :func:`close_dead_workers`) and, for a worker that did not complete, ``reason``
-        (:func:`worker_reason`).
+        (:func:`worker_reason`). ``pool``: :func:`pool_section`; ``merge``: the state's steps and, under
+        ``final``, what this last step read (``bytes_read``, ``records_parsed``, ``rereads``).
         ``timing.images_per_hour`` is every worker's ok images over the slowest worker's generation loop.
     """
     # merged after every worker ended: a worker manifest still at ``running`` is one whose process died
     # without a final status (``crashed``)
-    docs: List[Optional[Dict[str, Any]]] = []
-    for r in range(world_size):
-        p = out_dir / f"manifest.rank{r}.json"
-        docs.append(json.loads(p.read_text()) if p.exists() else None)
-    latest = _latest_records(out_dir, docs, keys_in_order, current)
+    docs = rank_docs(out_dir, world_size)
+    jm = _merge_state(out_dir, keys_in_order, live)
+    before = dict(vars(jm.counters))
+    st = jm.step(block=True, valid=_valid_inputs(docs, current), base=_base_doc(docs))
     workers = [worker_entry(r, doc, reasons) for r, doc in enumerate(docs)]
     close_dead_workers(out_dir, docs, workers)
-    base = next((d for d in docs if d is not None), {})
-    merged = dict(base)
-    merged.pop("worker", None)
-    ok = [r for r in latest.values() if r.get("status") == "ok"]
-    failed = [r for r in latest.values() if r.get("status") == "failed"]
-    writers = [d for r, d in enumerate(docs) if lay is None or lay.role(r)["writes_artifacts"]]
-    wc = [(d or {}).get("counts") or {} for d in writers]
-    # Same meaning as a one-worker run's counts: ok = written by this attempt, reused = kept from an earlier one;
-    # plus the run's size and what no worker produced.
-    reused = (len(ok) - min(len(ok), sum(c.get("ok", 0) for c in wc)) if assign == "claims"
-              else sum(c.get("reused", 0) for c in wc))  # claims: a worker's share is what it generated
-    merged["counts"] = {"ok": len(ok) - reused, "failed": len(failed), "reused": reused,
-                        "items": len(keys_in_order), "missing": len([k for k in keys_in_order if k not in latest])}
-    merged["dataset"] = {**(base.get("dataset") or {}), "items": len(keys_in_order)}  # the run's, not rank 0's shard
-    if "prompts" in base:  # truncated prompts and ignored fields of the whole run, not of rank 0's shard
-        from runner.core.dataset import prompts_summary
-
-        merged["prompts"] = {**base["prompts"], **prompts_summary(ok)}
-    merged["parallelism"] = _parallelism_section(docs, world_size, launcher, lay, assign)
-    merged.pop("context_parallel", None)
-    merged.pop("claims", None)
-    merged["workers"] = workers
-    merged["timing"] = _merged_timing(workers, lay)
-    merged["evidence"] = _merged_evidence(docs, claims=assign == "claims")
-    statuses = {w["status"] for w in workers}
-    if assign == "claims":  # whoever wrote them: the items decide
-        merged["claims"] = _claims_section(docs, workers)
-        statuses = {"completed_with_failures" if failed else "completed"}
-    merged["status"] = ("completed" if statuses == {"completed"} and not merged["counts"]["missing"] else
-                        "completed_with_failures" if statuses <= {"completed", "completed_with_failures"}
-                        and not merged["counts"]["missing"] else "incomplete")
-    merged["failed_workers"] = [w["rank"] for w in workers if w["status"] not in ("completed",
-                                                                                   "completed_with_failures")]
+    merged = _merged_doc(docs, st, workers, len(keys_in_order), launcher, lay, assign)
+    if assign == "claims":  # the workers of earlier attempts that died (a torchrun group restarted, a re-run)
+        merged["claims"]["deaths"] += earlier_deaths(out_dir, rundir.run_token(out_dir))
+        merged["pool"]["dead"] += [{"rank": d["rank"], "pid": d["pid"], "lost_batches": d["lost_batches"],
+                                    "attempt": d["attempt"]} for d in merged["claims"]["deaths"] if "attempt" in d]
+    merged["merge"]["final"] = {k: v - before[k] for k, v in vars(jm.counters).items() if k != "busy"}
     lock = rundir.held(out_dir)  # the merge runs in the process that holds the run dir (rank 0, the Ray driver)
     if lock is not None:
         merged["lock"] = lock.record()
         merged["owner"] = lock.holder
-    merged["folder_metadata"] = write_folder_metadata(  # images/metadata.jsonl follows the merged journal
-        out_dir, [latest[k] for k in keys_in_order if k in latest],
-        ((base.get("config") or {}).get("model") or {}).get("name"), merged.get("run_id"))
+    merged["folder_metadata"] = jm.write_outputs()  # images/metadata.jsonl follows the merged journal
+    atomic_write_json(out_dir / "manifest.json", merged)
+    jm.remove()
+    return merged
+
+
+def live_merge(out_dir: Path, jm: Any, world_size: int, launcher: str,
+               current: Optional[Callable[[List[str]], Any]] = None, assign: str = "static",
+               dead: Sequence[int] = (), cache: Optional[Dict[int, Tuple[Any, Any]]] = None
+               ) -> Optional[Dict[str, Any]]:
+    """One live merge step, between a worker's batches: fold what the journals appended into the merge state
+    ``jm`` (``runner.core.live_merge.JournalMerge``), and write ``manifest.json`` at ``status: running`` with the
+    run's totals, every worker's entry, the evidence so far (verdict ``pending``), ``claims`` and ``pool`` as they
+    stand (``runner.report`` on the live run shows them). Returns that manifest, or None when another process's
+    step is running (nothing waits).
+
+    Args:
+        dead: the ranks seen dead so far (a claims worker's record not renewed for ``lease_s``).
+        cache: the worker manifests read by earlier steps of this process (:func:`rank_docs`).
+    """
+    docs = rank_docs(out_dir, world_size, cache)
+    st = jm.step(block=False, valid=_valid_inputs(docs, current), base=_base_doc(docs))
+    if st is None:
+        return None
+    workers = []
+    for r, doc in enumerate(docs):
+        w = worker_entry(r, doc)
+        if r not in dead and (doc is None or doc.get("status") == "running"):
+            w.update(status="running" if doc is not None else "starting")  # no manifest yet: not started yet
+            w.pop("reason", None)
+        workers.append(w)
+    merged = _merged_doc(docs, st, workers, len(jm.keys), launcher, None, assign, dead=list(dead))
+    merged["owner"] = _base_doc(docs).get("owner")
     atomic_write_json(out_dir / "manifest.json", merged)
     return merged
 

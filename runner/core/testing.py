@@ -8,13 +8,19 @@ seconds each batch took, at the batch boundary, so it runs ``factor`` times slow
 ``RUNNER_TEST_PUBLISH_PAUSE=<file>``: object storage (``runner.core.storage.RunMirror.publish``) stops after the
 first artifact's temp object is uploaded and before it is verified and moved to its final key: it writes the
 artifact's run-dir-relative name into ``<file>`` and sleeps (``tests/test_storage.py`` kills the process there).
+
+:func:`run_processes`: processes racing over the same shared storage (claims); :func:`kill_mid_batch`: a claims
+worker SIGKILLed while it holds a batch (the kill verdicts of ``tests/test_claims.py`` and the benchmark).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
-from typing import Any, Optional, Tuple
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Tuple
 
 SLOW_WORKER = "RUNNER_TEST_SLOW_WORKER"
 
@@ -100,3 +106,67 @@ def s3_server() -> Any:
     host, port = server.get_host_and_port()
     server.endpoint = f"http://{host}:{port}"
     return server
+
+
+def run_processes(target: Callable[..., None], args: Tuple[Any, ...], n: int, timeout_s: float = 600.0) -> List[Any]:
+    """Start ``n`` processes (``spawn``: no state inherited) each running ``target(*args, queue)``, which puts one
+    result on ``queue``; wait for every result and every process. Returns the results in arrival order. The racing
+    claimers of ``tests/test_claims.py`` and ``benchmarks/fleet_cpu.py``.
+
+    Raises:
+        queue.Empty: a process gave no result within ``timeout_s``.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=target, args=(*args, q)) for _ in range(n)]
+    for p in ps:
+        p.start()
+    try:
+        return [q.get(timeout=timeout_s) for _ in ps]
+    finally:
+        for p in ps:
+            p.join(timeout=60)
+
+
+def held_not_done(ns: Path, pid: int) -> List[str]:
+    """The batches of the claims namespace ``ns`` (``<run dir>/claims/<token>``) whose newest claim process ``pid``
+    holds and that are not done."""
+    out = []
+    for p in ns.glob("b*.g*"):
+        if p.name.startswith("."):
+            continue
+        b, g = p.name.split(".g")
+        if (ns / f"{b}.done").exists() or (ns / f"{b}.g{int(g) + 1}").exists():
+            continue
+        try:
+            doc = json.loads(p.read_text())
+        except ValueError:
+            continue
+        if doc.get("pid") == pid:
+            out.append(b)
+    return sorted(out)
+
+
+def kill_mid_batch(run_dir: Path, candidates: Callable[[], List[int]], timeout_s: float = 300.0
+                   ) -> Tuple[Optional[int], List[str]]:
+    """SIGKILL one claims worker of ``run_dir`` mid-batch: once some worker journaled a batch, the first of
+    ``candidates()`` (pids, asked again at every look) seen holding a batch it has not finished is frozen
+    (SIGSTOP, so the batches it holds cannot change), checked again and killed. Returns its pid and the batches it
+    held when it died (None, []: no candidate was seen holding one within ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if list(Path(run_dir).glob("items.rank*.jsonl")):
+            for ns in (Path(run_dir) / "claims").glob("*"):
+                for pid in candidates():
+                    if not held_not_done(ns, pid):
+                        continue
+                    os.kill(pid, signal.SIGSTOP)  # frozen where the look saw it
+                    lost = held_not_done(ns, pid)
+                    if lost:
+                        os.kill(pid, signal.SIGKILL)
+                        return pid, lost
+                    os.kill(pid, signal.SIGCONT)
+        time.sleep(0.02)
+    return None, []

@@ -936,6 +936,10 @@ def _details(j: Job) -> str:
              f' · counts: {_e(json.dumps(m.get("counts")) if m.get("counts") else "—")}</p>']
     if j.error:
         parts.append(f'<p class="err">{_e(j.error)}</p>')
+    if m.get("pool"):  # a data-parallel run's pool (live while it runs: runner.core.distributed.live_merge)
+        from runner.app.console import pool_summary
+
+        parts.append(f'<p class="mono">{_e(pool_summary(m["pool"]))}</p>')
     rows = []
     for f, entries in backend_fields(m).items():
         for en in entries:
