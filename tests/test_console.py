@@ -240,13 +240,15 @@ def test_other_ranks_show_no_bar():
     from runner.app.console import Progress
     from runner.core.distributed import Worker
 
-    out0, out1 = io.StringIO(), io.StringIO()
-    p0 = Progress(3, 0, "img", "m", Worker(rank=0, world_size=2, launcher="torchrun"), file=out0)
-    p1 = Progress(3, 0, "img", "m", Worker(rank=1, world_size=2, launcher="torchrun"), file=out1)
-    for p in (p0, p1):
-        p.update(3)
-        p.close()
-    assert "m [rank 0 of 2]: 100%" in out0.getvalue() and out1.getvalue() == ""
+    for launcher, label in (("torchrun", "m [pool of 2]"), ("ray", "m [rank 0 of 2]")):
+        # torchrun: rank 0's bar counts the pool (live merge steps); Ray's driver merges at the end: its shard
+        out0, out1 = io.StringIO(), io.StringIO()
+        p0 = Progress(3, 0, "img", "m", Worker(rank=0, world_size=2, launcher=launcher), file=out0)
+        p1 = Progress(3, 0, "img", "m", Worker(rank=1, world_size=2, launcher=launcher), file=out1)
+        for p in (p0, p1):
+            p.update(3)
+            p.close()
+        assert f"{label}: 100%" in out0.getvalue() and out1.getvalue() == "", (launcher, out0.getvalue())
 
 
 def test_compile_warm_up_says_what_it_does_before_the_bar_moves(cold_compile):
