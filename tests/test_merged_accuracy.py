@@ -15,6 +15,7 @@ import pytest
 from _helpers import console_lines, summary_lines
 from models.oracles import merged_section, union_entries
 from models.toy_edit import oracle as edit
+from models.toy_motion import oracle as motion
 from models.toy_shapes import oracle as shapes
 
 pytestmark = pytest.mark.cpu
@@ -45,6 +46,15 @@ def test_union_keeps_toy_edit_prompts_and_by_instruction():
     whole = edit.section(got, {k: e for k, (_, e) in rows.items()}, {k: p for k, (p, _) in rows.items()})
     assert merged_section(parts, ["a", "b"]) == whole
     assert whole["by_instruction"]["shape"] == {"n": 1, "instructed": 0.0, "kept": 1.0} and whole["n"] == 2
+
+
+def test_union_of_toy_motion_sections_reads_direction():
+    exp = {"a": {"color": "red", "direction": "left"}, "b": {"shape": "circle"}}
+    got = {"a": {"color": "red", "shape": "square", "direction": "left"}, "b": dict(motion.NONE)}
+    whole = motion.section(got, exp)
+    assert merged_section([motion.section({k: got[k]}, {k: exp[k]}) for k in ("b", "a")], ["a", "b"]) == whole
+    assert (whole["oracle"], whole["n"], whole["direction"], whole["shape"], whole["all"]) == ("toy_motion", 2, 1.0,
+                                                                                               0.0, 0.5)
 
 
 def test_a_missing_worker_manifest_is_said_not_hidden():
