@@ -101,3 +101,17 @@ def test_two_worker_merged_accuracy_equals_a_one_worker_run(subprocess_env, tmp_
     assert merged == single, (merged, single)
     summary = summary_lines(console_lines(p.stdout + p.stderr))
     assert len(summary) == 1 and f"(n 6) -> {two}" in summary[0], summary
+
+
+def test_the_merge_says_which_worker_is_missing_and_skips_workers_without_expectations():
+    from runner.core.distributed import merged_accuracy
+
+    w0 = {"status": "completed", "accuracy": shapes.section({"a": RED}, {"a": RED})}
+    assert merged_accuracy([w0, None], ["a", "b"], None, 0, "static") == {
+        "oracle": "toy_shapes", "incomplete": "worker 1's manifest is missing"}
+    crashed = {"status": "crashed"}
+    assert "worker 1 ended 'crashed'" in merged_accuracy([w0, crashed], ["a", "b"], None, 0, "static")["incomplete"]
+    no_rows = {"status": "completed"}  # its items carried no expect: nothing of its to score
+    assert merged_accuracy([w0, no_rows], ["a", "b"], None, 0, "static")["n"] == 1
+    assert "1 items no worker journaled" in merged_accuracy([w0, no_rows], ["a", "b"], None, 1, "claims")["incomplete"]
+    assert merged_accuracy([no_rows, no_rows], ["a"], None, 0, "static") is None
