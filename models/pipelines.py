@@ -33,6 +33,7 @@ import torch
 from models import conditioning, memory, snapshot, tokenizer_kinds
 from models.diffusers_engine import DiffusersEngine
 from models.family import forwards_per_step, negative_prompt_ignored, quiet_truncation_warnings
+from models.oracles import ORACLES, oracle  # noqa: F401 - the oracles by name (re-exported)
 # snapshot building and reading live in models.snapshot; these names stay importable from here
 from models.snapshot import (EMBEDDED_RECIPE, ComponentBuilder, check_snapshot, embedded_target,  # noqa: F401
                              missing_weights, read_index, snapshot_complete)
@@ -1471,25 +1472,3 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
 
 #: Edit pipelines whose transformer sequence the engine predicts (:meth:`PipelineEngine.expected_sequence`).
 EDIT_SEQUENCE_PIPELINES = ("FluxKontextPipeline", "QwenImageEditPlusPipeline")
-
-#: ``model.oracle`` -> module with ``check_expectations(rows, path)`` and ``accuracy_section(items, records, dir)``
-ORACLES = {"toy_shapes": "models.toy_shapes.oracle", "toy_motion": "models.toy_motion.oracle",
-           "toy_edit": "models.toy_edit.oracle"}
-
-
-def oracle(name: Any) -> Any:
-    """The oracle module of ``model.oracle``.
-
-    Raises:
-        ConfigValueError: an unknown oracle, naming the known ones.
-    """
-    key = str(getattr(name, "value", name))
-    if key not in ORACLES:
-        raise ConfigValueError(f"model.oracle={key!r} is not known; fix: one of {', '.join(ORACLES)}, or null")
-    return importlib.import_module(ORACLES[key])
-
-
-
-
-
-

@@ -20,7 +20,7 @@ from models.toy_edit.data import ATTRS, VALUES, apply, parse
 from models.toy_shapes.oracle import check_vocabulary
 from models.toy_shapes.oracle import read as read_shape
 
-__all__ = ["read", "score", "accuracy", "check_rows", "check_expectations", "accuracy_section"]
+__all__ = ["read", "score", "accuracy", "check_rows", "check_expectations", "accuracy_section", "section"]
 
 
 def read(image: np.ndarray) -> Dict[str, Optional[str]]:
@@ -121,18 +121,34 @@ def check_expectations(rows: Iterable, path: object) -> None:
 
 def accuracy_section(items: Iterable, records: Dict[str, dict], out_dir: object) -> Dict[str, object]:
     """The manifest's ``accuracy``: every item with ``expect`` read back from its file on disk; failed or missing
-    items count as misses (as ``models.toy_shapes.oracle.accuracy_section``)."""
+    items count as misses (as ``models.toy_shapes.oracle.accuracy_section``; figures: :func:`section`)."""
     from pathlib import Path
 
     from PIL import Image
 
-    rows, per_item = [], {}
+    got, prompt, expect = {}, {}, {}
     for it in items:
         if not it.row.expect:
             continue
         rec = records.get(it.key)
-        got = ({"color": None, "shape": None, "position": None} if not rec or rec.get("status") != "ok"
-               else read(np.asarray(Image.open(Path(out_dir) / rec["file"]).convert("RGB"))))
-        rows.append((got, it.row.prompt, it.row.expect))
-        per_item[it.key] = got
-    return {"oracle": "toy_edit", **accuracy(rows), "read": per_item}
+        got[it.key] = ({"color": None, "shape": None, "position": None} if not rec or rec.get("status") != "ok"
+                       else read(np.asarray(Image.open(Path(out_dir) / rec["file"]).convert("RGB"))))
+        prompt[it.key], expect[it.key] = it.row.prompt, dict(it.row.expect)
+    return section(got, expect, prompt)
+
+
+def section(got: Dict[str, dict], expect: Dict[str, dict], prompt: Optional[Dict[str, str]]) -> Dict[str, object]:
+    """The ``accuracy`` section from its per-item entries (item key -> what the oracle read, the expectation and the
+    prompt): :func:`accuracy` over them plus the entries under ``read``, ``expect`` and ``prompt`` (what a
+    data-parallel merge recomputes it from, ``models.oracles.merged_section``).
+
+    Raises:
+        ValueError: ``prompt`` lacks an item's prompt (the instruction is part of the score).
+    """
+    keys = list(expect)
+    missing = [k for k in keys if k not in (prompt or {})]
+    if missing:
+        raise ValueError(f"toy_edit accuracy: no prompt for items {missing[:3]}; the score needs each instruction")
+    return {"oracle": "toy_edit", **accuracy((got[k], prompt[k], expect[k]) for k in keys),
+            "read": {k: got[k] for k in keys}, "expect": {k: expect[k] for k in keys},
+            "prompt": {k: prompt[k] for k in keys}}

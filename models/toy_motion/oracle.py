@@ -103,16 +103,23 @@ def read_video(path: object) -> np.ndarray:
 
 def accuracy_section(items: Iterable, records: Dict[str, dict], out_dir: object) -> Dict[str, object]:
     """The manifest's ``accuracy``: every item with ``expect`` read back from its video file on disk (``records``:
-    the run's journal records by item key); failed or missing items count as misses."""
+    the run's journal records by item key); failed or missing items count as misses (figures: :func:`section`)."""
     from pathlib import Path
 
-    pairs, per_item = [], {}
+    got, expect = {}, {}
     for it in items:
         if not it.row.expect:
             continue
         rec = records.get(it.key)
-        got = (dict(NONE) if not rec or rec.get("status") != "ok"
-               else read(read_video(Path(out_dir) / rec["file"])))
-        pairs.append((got, it.row.expect))
-        per_item[it.key] = got
-    return {"oracle": "toy_motion", **accuracy(pairs), "read": per_item}
+        got[it.key] = (dict(NONE) if not rec or rec.get("status") != "ok"
+                       else read(read_video(Path(out_dir) / rec["file"])))
+        expect[it.key] = dict(it.row.expect)
+    return section(got, expect)
+
+
+def section(got: Dict[str, dict], expect: Dict[str, dict], prompt: Optional[Dict[str, str]] = None
+            ) -> Dict[str, object]:
+    """The ``accuracy`` section from its per-item entries (``models.toy_shapes.oracle.section`` over :data:`ATTRS`)."""
+    from models.toy_shapes.oracle import section as shared
+
+    return shared(got, expect, oracle="toy_motion", attrs=ATTRS)

@@ -8,7 +8,7 @@ pi/4 = 0.785, triangle 0.5): thresholds halfway between, 0.64 and 0.89.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -111,18 +111,29 @@ def inside_mask(image: np.ndarray, row: object) -> np.ndarray:
 def accuracy_section(items: Iterable, records: Dict[str, dict], out_dir: object) -> Dict[str, object]:
     """The manifest's ``accuracy``: every item with ``expect`` read back from its file on disk (``records``: the
     run's journal records by item key; an inpainted item inside its mask, :func:`inside_mask`); failed or missing
-    items count as misses."""
+    items count as misses. The figures come from :func:`section` of the per-item entries, as a merge's do."""
     from pathlib import Path
 
     from PIL import Image
 
-    pairs, per_item = [], {}
+    got, expect = {}, {}
     for it in items:
         if not it.row.expect:
             continue
         rec = records.get(it.key)
-        got = ({"color": None, "shape": None, "position": None} if not rec or rec.get("status") != "ok"
-               else read(inside_mask(np.asarray(Image.open(Path(out_dir) / rec["file"]).convert("RGB")), it.row)))
-        pairs.append((got, it.row.expect))
-        per_item[it.key] = got
-    return {"oracle": "toy_shapes", **accuracy(pairs), "read": per_item}
+        got[it.key] = ({"color": None, "shape": None, "position": None} if not rec or rec.get("status") != "ok"
+                       else read(inside_mask(np.asarray(Image.open(Path(out_dir) / rec["file"]).convert("RGB")),
+                                             it.row)))
+        expect[it.key] = dict(it.row.expect)
+    return section(got, expect)
+
+
+def section(got: Dict[str, Dict[str, Any]], expect: Dict[str, Dict[str, Any]], prompt: Optional[Dict[str, str]] = None,
+            oracle: str = "toy_shapes", attrs: Sequence[str] = ("color", "shape", "position")) -> Dict[str, Any]:
+    """The ``accuracy`` section from its per-item entries (item key -> what the oracle read, ``got``, and the
+    expectation it is scored against, ``expect``; same keys): :func:`accuracy` over them, plus the entries under
+    ``read`` and ``expect``, so that a data-parallel merge recomputes the run's section from the workers' sections
+    (``models.oracles.merged_section``). ``prompt`` is unused (the toy_edit oracle's ``section`` reads it)."""
+    keys = list(expect)
+    return {"oracle": oracle, **accuracy(((got[k], expect[k]) for k in keys), attrs),
+            "read": {k: got[k] for k in keys}, "expect": {k: expect[k] for k in keys}}

@@ -736,6 +736,33 @@ def _merged_counts(st: Dict[str, Any], docs: List[Optional[Dict[str, Any]]], n: 
     return {"ok": ok - reused, "failed": failed, "reused": reused, "items": n, "missing": n - ok - failed}
 
 
+#: A worker's statuses after its verdict step (which writes its ``accuracy`` where its items carry ``expect``).
+VERDICT_STATUSES = ("completed", "completed_with_failures", "interrupted", "evidence_mismatch", "limited")
+
+
+def merged_accuracy(docs: List[Optional[Dict[str, Any]]], keys_in_order: List[str], lay: Optional[Layout],
+                    missing: int, assign: str) -> Optional[Dict[str, Any]]:
+    """The run's ``accuracy``: the oracle's section recomputed over the union of the writing workers' per-item
+    entries (``models.oracles.merged_section``; an item two workers scored counts once); None without an oracle.
+    Says ``incomplete`` instead of figures when a writing worker's manifest is missing, a worker ended before its
+    verdict step, or (``claims``: a worker scores only what it journaled) items no worker journaled."""
+    from models.oracles import merged_section
+
+    sections, gaps = [], []
+    for r, d in enumerate(docs):
+        if lay is not None and not lay.role(r)["writes_artifacts"]:
+            continue
+        if d is None:
+            gaps.append(f"worker {r}'s manifest is missing")
+        elif isinstance(d.get("accuracy"), dict):
+            sections.append(d["accuracy"])
+        elif d.get("status") not in VERDICT_STATUSES:
+            gaps.append(f"worker {r} ended {d.get('status')!r} before scoring its items")
+    if assign == "claims" and missing:
+        gaps.append(f"{missing} items no worker journaled are not scored")
+    return merged_section(sections, keys_in_order, gaps)
+
+
 def _merged_doc(docs: List[Optional[Dict[str, Any]]], st: Dict[str, Any], workers: List[Dict[str, Any]], n: int,
                 launcher: str, lay: Optional[Layout], assign: str, dead: Optional[Sequence[int]] = None
                 ) -> Dict[str, Any]:
@@ -745,6 +772,7 @@ def _merged_doc(docs: List[Optional[Dict[str, Any]]], st: Dict[str, Any], worker
     merged = dict(base)
     merged.pop("worker", None)
     merged.pop("progress", None)
+    merged.pop("accuracy", None)  # rank 0's items only: the final merge recomputes it (:func:`merged_accuracy`)
     merged["run_id"] = st["run_id"] if st.get("run_id") else base.get("run_id")  # what the folder-index rows carry
     merged["counts"] = _merged_counts(st, docs, n, lay, assign)
     merged["dataset"] = {**(base.get("dataset") or {}), "items": n}  # the run's, not rank 0's shard
@@ -828,6 +856,9 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
     workers = [worker_entry(r, doc, reasons) for r, doc in enumerate(docs)]
     close_dead_workers(out_dir, docs, workers)
     merged = _merged_doc(docs, st, workers, len(keys_in_order), launcher, lay, assign)
+    acc = merged_accuracy(docs, keys_in_order, lay, merged["counts"]["missing"], assign)
+    if acc is not None:
+        merged["accuracy"] = acc
     if assign == "claims":  # the workers of earlier attempts that died (a torchrun group restarted, a re-run)
         merged["claims"]["deaths"] += earlier_deaths(out_dir, rundir.run_token(out_dir))
         merged["pool"]["dead"] += [{"rank": d["rank"], "pid": d["pid"], "lost_batches": d["lost_batches"],
