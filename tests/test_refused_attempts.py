@@ -2,7 +2,7 @@
 ``.hydra/``, job log, ``job_status.json`` and ``manifest.json`` stay that run's), and any refusal (exit 2) of a run
 in the default dir it named itself removes that dir and says so, even when something created an empty folder there
 first (submitit's ``slurm/``) or the run's ``output.dir`` is a URL staged in it. Real ``python -m runner``
-processes."""
+processes. A fleet launcher given a single run is refused, not run in this process."""
 
 from __future__ import annotations
 
@@ -66,3 +66,17 @@ def test_a_refused_slurm_submission_leaves_no_dir(subprocess_env, tmp_path):
     env = {**subprocess_env, "PATH": "/usr/bin:/bin:" + str(Path(sys.executable).parent)}  # no srun/sbatch
     _assert_removed(_runner(["launcher=slurm", "parallelism=data"], tmp_path, env), tmp_path,
                     "SlurmUnavailableError")
+
+
+@pytest.mark.parametrize("launcher", ["ray", "slurm"])
+def test_a_fleet_launcher_with_a_single_run_is_refused_not_run_here(compose, launcher):
+    """``launcher=ray`` (or ``slurm``) with ``parallelism=single`` would run in this process while recording the
+    launcher: refused at startup, naming the fix (no Ray or submitit needed to be refused)."""
+    from runner.app import checks
+    from runner.core.errors import ConfigValueError
+
+    with pytest.raises(ConfigValueError) as e:
+        checks.check_run_values(compose([f"launcher={launcher}"]))
+    assert f"launcher={launcher} with parallelism=single" in str(e.value)
+    assert "fix: add parallelism=data (or launcher=local)" in str(e.value)
+    checks.check_run_values(compose([f"launcher={launcher}", "parallelism=data"]))  # the fleet's own mode passes
