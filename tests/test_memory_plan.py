@@ -171,3 +171,20 @@ def test_plan_help_says_what_it_prints_and_how_capacity_is_given(capsys):
     out = capsys.readouterr().out
     assert out.startswith("``python -m runner <overrides> --plan [--device-gb GiB] [--json]``")
     assert "--device-gb=<GiB>" in out and "memory.max_gpu_gb" in out
+
+
+def test_platform_auto_says_it_is_planned_as_a_gpu_and_what_runs_here():
+    """``platform=auto`` (the default) on this CPU machine is planned for a CUDA GPU: the first line says so and
+    names what the same run here would use (cpu, float32); ``platform=cuda`` names no such thing; a configured
+    ``memory.offload=none`` (the default) is not called explicit."""
+    from runner.tools.plan import render
+
+    auto = _plans(["dataset.limit=2"])
+    assert auto["platform"] == "cuda" and auto["platform_here"] == {"platform": "cpu", "dtype": "float32"}
+    head = render(auto).splitlines()[0]
+    assert head.startswith("memory plan for platform=auto planned as a CUDA GPU (bfloat16); this machine has none, "
+                           "and the same run here would use platform cpu (float32)"), head
+    cuda = _plans(["dataset.limit=2", "platform=cuda"])
+    assert cuda["platform_here"] is None and render(cuda).startswith("memory plan for platform cuda (bfloat16)")
+    why = auto["stages"]["denoise"]["why"]
+    assert why.startswith("memory.offload=none as configured") and "explicit" not in why
