@@ -71,7 +71,8 @@ def test_missing_mlflow_is_refused_at_startup(compose, tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow -> ImportError
     ov = ["platform=cpu", "model=toy_shapes", "dataset.limit=1", "tracker=mlflow"]
-    with pytest.raises(TrackerError, match=r"pip install \"runner\[mlflow\]\""):
+    with pytest.raises(TrackerError, match=r'fix: pip install -e "\.\[mlflow\]"  \(mlflow-skinny>=2\.10; the skinny '
+                       r"client is enough\), or tracker=none"):
         run(compose(ov), tmp_path / "run", ov)
     assert not (tmp_path / "run" / "manifest.json").exists()
 

@@ -156,7 +156,7 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
     if worker is None and slurm_submitter(cfg):
         from runner.core.requirements import check_feature
 
-        check_feature("submitit", "launcher=slurm (pip install -e \".[scale]\")")
+        check_feature("submitit", "launcher=slurm")
         from runner.app.slurm_launcher import run_on_slurm
 
         merged = run_on_slurm(cfg, out_dir, overrides, job=run_job)
@@ -168,7 +168,7 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
     if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
         from runner.core.requirements import check_feature
 
-        check_feature("ray", "launcher=ray (pip install -e \".[scale]\")")
+        check_feature("ray", "launcher=ray")
         from runner.app.ray_launcher import run_on_ray
 
         data = DatasetItems.read(cfg)  # the driver runs no stage: its one read of the rows

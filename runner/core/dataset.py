@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from runner.core.errors import DatasetError, UserInputError  # noqa: F401  (DatasetError re-exported)
+from runner.core.errors import install_fix
 from runner.core.paths import RUNNER_DIR
 from runner.core.schema import DatasetFormat, ExtraFields
 
@@ -610,8 +611,8 @@ def _read_parquet(path: Path) -> List[tuple[int, Dict[str, Any]]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DatasetError(["dataset.format=parquet needs pyarrow, which is not installed; fix: pip install pyarrow "
-                            "(or pip install \"runner[export]\")"]) from None
+        raise DatasetError(["dataset.format=parquet needs pyarrow, which is not installed; fix: "
+                            f"{install_fix('export', 'or pip install pyarrow')}"]) from None
     try:
         table = pq.read_table(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not parquet
@@ -631,8 +632,8 @@ def _read_hf(path: Path, split: Optional[str]) -> List[tuple[int, Dict[str, Any]
     try:
         import datasets
     except ImportError:
-        raise DatasetError(["dataset.format=hf needs the datasets package, which is not installed; fix: pip install "
-                            "datasets (or pip install \"runner[export]\")"]) from None
+        raise DatasetError(["dataset.format=hf needs the datasets package, which is not installed; fix: "
+                            f"{install_fix('export', 'or pip install datasets')}"]) from None
     import tempfile
 
     datasets.disable_progress_bars()
