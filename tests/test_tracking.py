@@ -91,4 +91,4 @@ def test_the_documented_mlflow_ui_path_names_the_server_extra_and_the_file_store
     assert [Requirement(r).name for r in extras["mlflow-ui"]] == ["mlflow"]
     page = re.sub(r"\s+", " ", (repo / "docs" / "outputs.md").read_text())
     assert "`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri mlruns`" in page
-    assert 'pip install "runner[mlflow-ui]"' in page
+    assert 'pip install -e ".[mlflow-ui]"' in page
