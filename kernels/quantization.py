@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from kernels.registry import SelectionContext, on_platform, sm_at_least, symbol
-from runner.core.errors import RefusedError, UserInputError
+from runner.core.errors import RefusedError, UserInputError, install_fix
 
 NONE = "none"
 
@@ -229,14 +229,14 @@ def check(choices: Dict[str, str], libraries: Dict[str, str], ctx: SelectionCont
 
         missing = sorted(set(re.findall(r"package `([\w.-]+)` is not installed", " ".join(unmet))))
         # a missing package gets its install line, as the other extras' refusals do (torchao: the runner's extra)
-        install = [f"pip install {_INSTALL.get(p, p)}" for p in missing]
+        install = [install_fix(_INSTALL[p]) if p in _INSTALL else f"pip install {p}" for p in missing]
         raise QuantizationUnavailableError("; ".join(unmet) + ". Fix: " + "".join(f"{i}, or " for i in install)
                                            + "choose another method (model.quantization.<component>=int8wo runs "
                                            "everywhere torchao is installed) or none.")
 
 
-#: How a quantization package missing here is installed (the runner's extra where it has one: pyproject.toml).
-_INSTALL = {"torchao": "'runner[torchao]'"}
+#: The project's extra that installs a quantization package missing here (``runner.core.requirements.install_fix``).
+_INSTALL = {"torchao": "torchao"}
 
 
 def weight_class_names(module: torch.nn.Module) -> Sequence[str]:

@@ -59,6 +59,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from runner.core.errors import ConfigValueError, RefusedError
 from runner.core.schema import CacheConfig
+from runner.core.errors import install_fix
 
 #: ``cache.*`` fields a method may read: every field of ``runner.core.schema.CacheConfig`` but ``method`` and
 #: ``schedule`` (read off the schema, so a field added there is known here).
@@ -863,7 +864,7 @@ def _cache_dit_supports(transformer_class: str, pipeline_class: Optional[str]) -
     try:
         import cache_dit
     except ImportError:
-        return ("cache-dit is not installed; fix: pip install 'runner[cache-dit]' (cache-dit 1.5.3), or a diffusers "
+        return (f"cache-dit is not installed; fix: {install_fix('cache-dit')}, or a diffusers "
                 "method (cache.method=first_block|magcache|taylorseer|pab)")
     _, names = cache_dit.supported_pipelines()
     if pipeline_class is None or not any(str(pipeline_class).startswith(n) for n in names):

@@ -633,9 +633,12 @@ class Fitting:
             return
         if s.max_gpu_gb is None and s.offload != "auto":  # no budget asked: the device's memory bounds nothing
             self.plan = {p.offload: p for p in self.candidates}[s.offload]
-            self.why = f"{where}={s.offload} (explicit; no memory.max_gpu_gb)"
+            self.why = (f"{where}={s.offload} as configured (no memory.max_gpu_gb: nothing to fit against; "
+                        f"{where}=auto with a budget chooses)")
             return
-        self.plan, self.why = planner.choose(s.offload, self.candidates, self.budget, where)
+        already = [f"memory.{k}=true" for k in ("vae_slicing", "vae_tiling") if getattr(s, k)] + [
+            f"model.quantization.{c}={m}" for c, m in self.choices.items()]
+        self.plan, self.why = planner.choose(s.offload, self.candidates, self.budget, where, already)
 
     def section(self) -> Dict[str, Any]:
         """The manifest's ``memory_plan``: the plan taken and why, the budget, every candidate's estimate, the

@@ -141,6 +141,31 @@ def test_tested_diffusers_range_is_pyprojects_pin():
         assert SpecifierSet(pins[dist]) == SpecifierSet(spec), (dist, pins[dist], spec)
 
 
+def test_refusals_name_the_projects_extras_as_pyproject_defines_them():
+    """Every missing-extra refusal's fix is ``install_fix``: ``pip install -e ".[<extra>]"`` with the extra's
+    requirements, which must be pyproject's (a changed pin shows up here); the launchers' refusal reads so."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    import pytest
+
+    from runner.core.errors import EXTRAS, install_fix
+    from runner.core.requirements import DependencyVersionError, check_feature
+
+    repo = Path(__file__).resolve().parent.parent
+    extras = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, reqs in EXTRAS.items():
+        ours = {Requirement(r).name: Requirement(r) for r in reqs.split(", ")}
+        theirs = {Requirement(r).name: Requirement(r) for r in extras[extra]}
+        assert all(str(ours[n]) == str(theirs[n]) for n in ours), (extra, reqs, extras[extra])
+    assert install_fix("lora") == 'pip install -e ".[lora]"  (peft>=0.21,<0.22)'
+    with pytest.raises(DependencyVersionError) as e:
+        check_feature("ray", "launcher=ray", {"ray": None})
+    assert str(e.value) == ('launcher=ray: ray is not installed; the runner needs ray>=2.40; fix: pip install -e '
+                            '".[scale]"  (ray[data]>=2.40, submitit>=1.5)')
+
+
 def test_version_problems_name_the_package_version_range_and_fix():
     import pytest
 

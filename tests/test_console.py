@@ -86,6 +86,28 @@ def test_top_level_typo_gets_the_closest_key_not_hydras_plus_tip(subprocess_env,
     assert override_key_problem(["hydra/launcher=submitit_local", "seed=1,2", "+foo=1", "model=toy_shapes"]) is None
 
 
+def test_an_unknown_group_option_gets_the_runners_message_not_hydras(subprocess_env, tmp_path):
+    """``model=fluxx``: the closest option, the public ones (no schema base), the fix; no Hydra search path, no
+    HYDRA_FULL_ERROR line, exit 2, no run dir. Every config group alike (checked in-process)."""
+    p = _cli(["model=fluxx"], subprocess_env, tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert "runner: model=fluxx: no such model; did you mean flux? choose one of flux, flux2," in p.stderr, out
+    assert "fix: model=flux\n" in p.stderr and "toy_shapes" in p.stderr
+    assert "base_" not in out and "HYDRA_FULL_ERROR" not in out and "Could not find" not in out
+    assert not (tmp_path / "outputs").exists()
+    from runner.app.console import group_choice_problem
+
+    for arg, fix in [("dataset=jsnol", "dataset=jsonl"), ("platform=cdua", "platform=cuda"),
+                     ("launcher=rey", "launcher=ray"), ("parallelism=dta", "parallelism=data")]:
+        problem = group_choice_problem(["seed=1", arg])
+        assert problem is not None and problem.startswith(f"{arg}: no such {arg.split('=')[0]};"), problem
+        assert problem.endswith(f"fix: {fix}"), problem
+    assert "fix: model=flux" in group_choice_problem(["-m", "model=toy_shapes,fluxx"])  # each value of a sweep
+    assert group_choice_problem(["model=qqqq"]).endswith("fix: model=<one of those>")
+    assert group_choice_problem(["model=toy_shapes", "dataset=jsonl", "platform=cpu", "launcher=local"]) is None
+
+
 def test_sweep_prints_where_its_report_is(subprocess_env, tmp_path):
     sweep = tmp_path / "sweep"
     p = _cli(["-m", "seed=1,2", "dataset.limit=1", f"hydra.sweep.dir={sweep}"], subprocess_env, tmp_path)

@@ -336,7 +336,7 @@ def test_peft_outside_its_tested_range_is_refused_naming_the_fix():
     for have, words in (("0.20.0", "peft==0.20.0 is outside the tested range"), (None, "peft is not installed")):
         with pytest.raises(DependencyVersionError) as e:
             check_feature("peft", "model.lora", {"peft": have})
-        assert e.value.exit_code == 2 and words in str(e.value) and "pip install 'peft>=0.21,<0.22'" in str(e.value)
+        assert e.value.exit_code == 2 and words in str(e.value) and "fix: pip install -e \".[lora]\"  (peft>=0.21,<0.22)" in str(e.value)
 
 
 @requires_extra("lora")

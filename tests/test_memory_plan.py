@@ -116,7 +116,8 @@ def test_the_printed_plan_marks_the_choice_and_a_refusal_exits_2(flux_plans, tmp
     assert f"{peak:.3f}" in chosen[0].split()
     assert any(x.strip().startswith(f"plan: group_block (peak {peak} GiB; against memory.max_gpu_gb=24)")
                for x in lines), lines
-    assert "largest batch 16 x 1024x1024" in lines[0] and "platform cuda (bfloat16)" in lines[0]
+    assert "largest batch 16 x 1024x1024" in lines[0]  # platform=auto: this machine's CUDA GPU, or planned as one
+    assert re.search(r"platform(=auto planned as a CUDA GPU| cuda) \(bfloat16\)", lines[0]), lines[0]
     no = _plan_cli([*FLUX_DEV, "memory.max_gpu_gb=8"], tmp_path, subprocess_env)  # the command line, end to end
     assert no.returncode == 2, no.stdout + no.stderr
     assert "refused: memory.offload=auto: no plan fits memory.max_gpu_gb=8.0" in no.stdout
@@ -171,3 +172,39 @@ def test_plan_help_says_what_it_prints_and_how_capacity_is_given(capsys):
     out = capsys.readouterr().out
     assert out.startswith("``python -m runner <overrides> --plan [--device-gb GiB] [--json]``")
     assert "--device-gb=<GiB>" in out and "memory.max_gpu_gb" in out
+
+
+def test_platform_auto_says_it_is_planned_as_a_gpu_and_what_runs_here():
+    """``platform=auto`` (the default) on this CPU machine is planned for a CUDA GPU: the first line says so and
+    names what the same run here would use (cpu, float32); ``platform=cuda`` names no such thing; a configured
+    ``memory.offload=none`` (the default) is not called explicit."""
+    from runner.tools.plan import render
+
+    auto = _plans(["dataset.limit=2"])
+    assert auto["platform"] == "cuda" and auto["platform_here"] == {"platform": "cpu", "dtype": "float32"}
+    head = render(auto).splitlines()[0]
+    assert head.startswith("memory plan for platform=auto planned as a CUDA GPU (bfloat16); this machine has none, "
+                           "and the same run here would use platform cpu (float32)"), head
+    cuda = _plans(["dataset.limit=2", "platform=cuda"])
+    assert cuda["platform_here"] is None and render(cuda).startswith("memory plan for platform cuda (bfloat16)")
+    why = auto["stages"]["denoise"]["why"]
+    assert why.startswith("memory.offload=none as configured") and "explicit" not in why
+
+
+def test_a_refusals_fix_never_suggests_what_is_already_set(flux_plans):
+    """FLUX.1-dev under 8 GiB at batch 16 with ``memory.vae_slicing=true`` (set): the fix names what lowers the peak
+    that is not set yet (tiling, quantizing, the batch, the budget), not vae_slicing; the planner's rule on its own:
+    every setting in effect is left out, none is when nothing is."""
+    refused = flux_plans["8"]["stages"]["denoise"]["refused"]
+    fix = refused.split("fix: ", 1)[1]
+    assert "vae_slicing" not in fix and "memory.vae_tiling=true" in fix and "lower batch_size" in fix, refused
+    cands = [planner.Plan(m, True, 1, stages={"denoise": 9 * planner.GIB}, peak=9 * planner.GIB)
+             for m in planner.OFFLOAD_MODES]
+    with pytest.raises(planner.MemoryBudgetError) as e:
+        planner.choose("auto", cands, planner.GIB)
+    assert ("fix: quantize the largest component (model.quantization.transformer=nf4 or int8wo), lower batch_size, "
+            "set memory.vae_slicing=true / memory.vae_tiling=true, or raise memory.max_gpu_gb") in str(e.value)
+    with pytest.raises(planner.MemoryBudgetError) as e:
+        planner.choose("auto", cands, planner.GIB, already=["memory.vae_slicing=true", "memory.vae_tiling=true",
+                                                            "model.quantization.transformer=nf4"])
+    assert str(e.value).endswith("fix: lower batch_size, or raise memory.max_gpu_gb"), str(e.value)

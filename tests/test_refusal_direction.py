@@ -49,6 +49,6 @@ def test_a_quantization_package_that_is_missing_gets_its_pip_install_line(monkey
         quant.check({"transformer": "int8wo"}, {"transformer": "diffusers"}, ctx(**CPU), None)
     msg = str(e.value)
     assert "(package `torchao` is not installed)" in msg, msg
-    assert "Fix: pip install 'runner[torchao]', or choose another method" in msg, msg
+    assert 'Fix: pip install -e ".[torchao]"  (torchao>=0.18), or choose another method' in msg, msg
     monkeypatch.setattr(reg, "has_symbol", lambda path: True)
     quant.check({"transformer": "int8wo"}, {"transformer": "diffusers"}, ctx(**CPU), None)  # installed: no refusal

@@ -71,7 +71,8 @@ def test_missing_mlflow_is_refused_at_startup(compose, tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow -> ImportError
     ov = ["platform=cpu", "model=toy_shapes", "dataset.limit=1", "tracker=mlflow"]
-    with pytest.raises(TrackerError, match=r"pip install \"runner\[mlflow\]\""):
+    with pytest.raises(TrackerError, match=r'fix: pip install -e "\.\[mlflow\]"  \(mlflow-skinny>=2\.10; the skinny '
+                       r"client is enough\), or tracker=none"):
         run(compose(ov), tmp_path / "run", ov)
     assert not (tmp_path / "run" / "manifest.json").exists()
 
@@ -90,4 +91,4 @@ def test_the_documented_mlflow_ui_path_names_the_server_extra_and_the_file_store
     assert [Requirement(r).name for r in extras["mlflow-ui"]] == ["mlflow"]
     page = re.sub(r"\s+", " ", (repo / "docs" / "outputs.md").read_text())
     assert "`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri mlruns`" in page
-    assert 'pip install "runner[mlflow-ui]"' in page
+    assert 'pip install -e ".[mlflow-ui]"' in page

@@ -159,6 +159,10 @@ def check_run_values(cfg: DictConfig) -> None:
     if cfg.launcher.name == "slurm" and mode != "data":
         raise ConfigValueError(f"launcher=slurm with parallelism={mode}: the SLURM launcher submits an array of "
                                "data-parallel workers; fix: add parallelism=data (or launcher=local)")
+    if cfg.launcher.name == "ray" and mode == "single":  # context modes: layout() says torchrun runs those
+        raise ConfigValueError("launcher=ray with parallelism=single: the Ray launcher runs an actor pool of "
+                               "data-parallel workers, and a single run would run in this process, not on Ray; fix: "
+                               "add parallelism=data (or launcher=local)")
     if assign == "claims" and not float(cfg.parallelism.lease_s) > 0:
         raise ConfigValueError(f"parallelism.lease_s={cfg.parallelism.lease_s} must be > 0 seconds (how long a claim "
                                "lives without renewal); fix: parallelism.lease_s=60")

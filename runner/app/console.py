@@ -175,6 +175,56 @@ def quiet_tool(argv: Sequence[str], loading_bars: bool = False) -> bool:
     return True
 
 
+def group_options(group: str) -> List[str]:
+    """The options of the config group ``group`` a user chooses from: ``conf/<group>/*.yaml`` and the group's
+    structured configs (``runner.core.schema.register_configs``), less the schema bases (``base_*``: a model's
+    schema, not a model)."""
+    from hydra.core.config_store import ConfigStore
+
+    from runner.core.paths import CONF_DIR
+    from runner.core.schema import register_configs
+
+    register_configs()
+    stored = ConfigStore.instance().repo.get(group, {})
+    names = {p.stem for p in (CONF_DIR / group).glob("*.yaml")} | {
+        n[:-len(".yaml")] for n in (stored if isinstance(stored, dict) else {}) if n.endswith(".yaml")}
+    return sorted(n for n in names if not n.startswith("base_"))
+
+
+def group_choice_problem(argv: Sequence[str]) -> Optional[str]:
+    """The first ``<group>=<option>`` override of ``argv`` (``model=fluxx``, ``+experiment=x``, each value of a
+    ``-m`` sweep ``model=flux,fluxx``) naming no option of that config group, as the runner words it: ``model=fluxx:
+    no such model; did you mean flux? choose one of ...; fix: model=flux`` (Hydra's own "Could not find
+    'model/fluxx'" lists the schema bases and its search path). None when every choice exists (or the line is
+    Hydra's to parse)."""
+    import difflib
+
+    from runner.core.paths import CONF_DIR
+
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parser = OverridesParser.create()
+        for arg in argv:
+            if arg.startswith(("-", "~", "++")) or "=" not in arg or arg.lstrip("+").split("=", 1)[0] not in groups:
+                continue
+            o = parser.parse_override(arg)
+            values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+            options = group_options(o.key_or_group)
+            for value in values:
+                if value in options or value in ("null", ""):
+                    continue
+                group = o.key_or_group
+                close = difflib.get_close_matches(value, options, n=1)
+                mean = f" did you mean {close[0]}?" if close else ""
+                return (f"{group}={value}: no such {group};{mean} choose one of {', '.join(options)}; fix: "
+                        f"{group}={close[0] if close else '<one of those>'}")
+    except Exception:  # noqa: BLE001 - a line Hydra's parser refuses: Hydra says why
+        return None
+    return None
+
+
 def override_key_problem(argv: Sequence[str]) -> Optional[str]:
     """The first plain ``key=value`` override of ``argv`` whose key the composed config does not have, with the
     closest key of its parent (``batchsize=4``: ``did you mean batch_size?``) or, for a backend-like key, where it
@@ -187,6 +237,9 @@ def override_key_problem(argv: Sequence[str]) -> Optional[str]:
     """
     import difflib
 
+    problem = group_choice_problem(argv)  # `model=fluxx`: Hydra's composition would fail on it first
+    if problem:
+        return problem
     # ``++key=value`` sets an existing key (or adds one): its value is checked as a plain override's when the key
     # exists; a key it adds is the schema check's (runner.app.checks.check_schema)
     plain = [a for a in argv if "=" in a and not a.startswith(("-", "~", "hydra.", "hydra/", "++hydra."))

@@ -25,6 +25,7 @@ written; ``RunDirLockCallback`` takes it even earlier, before Hydra writes into 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -155,7 +156,7 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
     if worker is None and slurm_submitter(cfg):
         from runner.core.requirements import check_feature
 
-        check_feature("submitit", "launcher=slurm (pip install -e \".[scale]\")")
+        check_feature("submitit", "launcher=slurm")
         from runner.app.slurm_launcher import run_on_slurm
 
         merged = run_on_slurm(cfg, out_dir, overrides, job=run_job)
@@ -167,7 +168,7 @@ def _launch(cfg: DictConfig, out_dir: Path, overrides: List[str], worker: Option
     if cfg.parallelism.mode == "data" and cfg.launcher.name == "ray":
         from runner.core.requirements import check_feature
 
-        check_feature("ray", "launcher=ray (pip install -e \".[scale]\")")
+        check_feature("ray", "launcher=ray")
         from runner.app.ray_launcher import run_on_ray
 
         data = DatasetItems.read(cfg)  # the driver runs no stage: its one read of the rows
@@ -249,13 +250,10 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         outcome, code = e.outcome, e.exit_code
         _torchrun_note(code, outcome, e, job_dir)  # torchrun's own exit 1 hides this code: one line names it
         status.update(error_type=type(e).__name__, error=str(e))
+        if outcome in STARTUP_OUTCOMES and _leave_refused_dirs(cfg, out_dir, hydra_dir, lock,
+                                                               reraise and worker is None):
+            return code  # nothing of the refused attempt is left (the console said why)
         if outcome in STARTUP_OUTCOMES and reraise and worker is None and _default_dir(cfg):
-            # a refused single run in a dir it named itself: nothing to keep (the console said why); the dir goes
-            rundir.release(lock)
-            if _remove_refused_dir(out_dir):
-                log.info("nothing was run; its run dir %s is removed (a refused run keeps a dir only when named with "
-                         "hydra.run.dir or output.dir)", out_dir)
-                return code
             lock = None  # released; the dir holds more than the refusal wrote: record the refusal there as usual
         if outcome in STARTUP_OUTCOMES:
             try:
@@ -286,11 +284,96 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
 _BEFORE_RUN = {"__main__.log", ".hydra", rundir.LOCK_NAME, "job_status.json"}
 
 
-def _default_dir(cfg: DictConfig) -> bool:
+def _leave_refused_dirs(cfg: DictConfig, out_dir: Path, hydra_dir: Path, lock: Optional[Any], single: bool) -> bool:
+    """For a run refused at startup (exit 2): leave no trace where no record belongs, and say so. Returns True when
+    nothing of it is to be recorded (the lock is then released), False when the refusal is recorded in ``out_dir``
+    as usual (the lock too is released when ``single`` and the dir is this process's default one).
+
+    * ``out_dir`` holds another run (its ``manifest.json``, not a refusal's): nothing is written there, and Hydra's
+      files of this attempt (``.hydra/``, the job log) are put back as they were (:func:`keep_hydra_files`), so the
+      dir's records still describe that run alone (a refused resume with another ``seed``...);
+    * ``single`` (a single ``python -m runner`` run) in a dir this process named itself (:func:`_default_dir`),
+      which holds nothing but what a run writes before it starts (:func:`_remove_refused_dir`): the dir goes.
+    """
+    if _holds_other_run(out_dir):
+        log.info("nothing was run; %s holds another run, left as it was (no job_status.json written, its .hydra/ and "
+                 "log restored)", out_dir)
+        rundir.release(lock)
+        restore_hydra_files(hydra_dir)
+        if hydra_dir != out_dir and single and _default_dir(cfg, hydra_only=True):
+            _remove_refused_dir(hydra_dir)  # the default dir Hydra made for a run.resume=<dir> run
+        return True
+    if not (single and _default_dir(cfg)):
+        return False
+    rundir.release(lock)
+    if _remove_refused_dir(out_dir):
+        log.info("nothing was run; its run dir %s is removed (a refused run keeps a dir only when named with "
+                 "hydra.run.dir or output.dir)", out_dir)
+        return True
+    return False
+
+
+def _holds_other_run(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds another run's ``manifest.json`` (a run refused at startup writes its manifest only
+    after this is asked; a refusal's own ``status: refused/invalid`` manifest is not a run to protect)."""
+    import json
+
+    path = out_dir / "manifest.json"
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("status") not in STARTUP_OUTCOMES
+    except (OSError, ValueError, AttributeError):
+        return True  # unreadable: not this attempt's to overwrite
+
+
+#: Hydra's files of run dirs that held a run before this process started (``RunDirLockCallback`` keeps them before
+#: Hydra's job start rewrites ``.hydra/`` and appends to the job log): path -> bytes (``.hydra/*``) or size (logs).
+_KEPT: Dict[Path, Dict[Path, Any]] = {}
+
+
+def _hydra_files(hydra_dir: Path) -> List[Path]:
+    """The files Hydra writes into a run dir at job start: ``.hydra/*`` and the job log (``<job name>.log``)."""
+    return [p for p in [*(hydra_dir / ".hydra").glob("*"), *hydra_dir.glob("*.log")] if p.is_file()]
+
+
+def keep_hydra_files(hydra_dir: Path) -> None:
+    """Remember ``hydra_dir``'s Hydra files when it holds a run (:func:`_holds_other_run`), before Hydra's job start
+    overwrites them, so that a refused attempt can put them back (:func:`restore_hydra_files`). Keeping bytes and
+    putting them back was chosen over moving Hydra's ``output_subdir``: ``.hydra/`` stays where Hydra, resume and the
+    docs expect it for every accepted run."""
+    hydra_dir = Path(os.path.abspath(hydra_dir))
+    if _holds_other_run(hydra_dir):
+        _KEPT[hydra_dir] = {p: p.stat().st_size if p.suffix == ".log" else p.read_bytes()
+                            for p in _hydra_files(hydra_dir)}
+
+
+def restore_hydra_files(hydra_dir: Path) -> None:
+    """Put back the files :func:`keep_hydra_files` kept (a log is cut back to its former length; a file this
+    attempt added is removed). Nothing when none were kept; an OSError is logged (the refusal stands)."""
+    kept = _KEPT.pop(Path(os.path.abspath(hydra_dir)), None)
+    if kept is None:
+        return
+    try:
+        for p in _hydra_files(Path(os.path.abspath(hydra_dir))):
+            if p not in kept:
+                p.unlink()
+        for p, was in kept.items():
+            if isinstance(was, int):
+                os.truncate(p, was)
+            else:
+                p.write_bytes(was)
+    except OSError as e:
+        log.error("the Hydra files of %s could not be restored (%s: %s)", hydra_dir, type(e).__name__, e)
+
+
+def _default_dir(cfg: DictConfig, hydra_only: bool = False) -> bool:
     """The run dir is Hydra's default one (``outputs/runs/<date>/<time>-<pid>``, named by this process) of a single
     ``python -m runner`` run, not one the user named (``hydra.run.dir=``, ``output.dir``, ``run.resume``) or one an
-    in-process caller of :func:`run_job` passed."""
-    if cfg.output.dir or cfg.run.resume:
+    in-process caller of :func:`run_job` passed. A run whose ``output.dir`` is a URL is staged in that default dir
+    (``runner.core.storage``); ``hydra_only`` asks about Hydra's dir whatever else names the run's dir (that of a
+    ``run.resume=<dir>`` run holds only Hydra's files)."""
+    if (cfg.output.dir or cfg.run.resume) and not (hydra_only or storage.is_url(cfg.output.dir)):
         return False
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -301,12 +384,13 @@ def _default_dir(cfg: DictConfig) -> bool:
 
 
 def _remove_refused_dir(out_dir: Path) -> bool:
-    """Remove ``out_dir`` when it holds only what a run writes before it starts (:data:`_BEFORE_RUN`), and its date
+    """Remove ``out_dir`` when it holds only what a run writes before it starts (:data:`_BEFORE_RUN`, and folders
+    with no file in them), and its date
     folder when that is left empty; anything else in it is kept. Returns whether ``out_dir`` was removed."""
     import shutil
 
     try:
-        if not out_dir.is_dir() or any(p.name not in _BEFORE_RUN for p in out_dir.iterdir()):
+        if not out_dir.is_dir() or any(p.name not in _BEFORE_RUN and not _empty_tree(p) for p in out_dir.iterdir()):
             return False
         shutil.rmtree(out_dir)
         if out_dir.parent.is_dir() and not any(out_dir.parent.iterdir()):
@@ -315,6 +399,12 @@ def _remove_refused_dir(out_dir: Path) -> bool:
     except OSError as e:  # the refusal stands; the dir stays
         log.debug("refused run dir %s not removed: %s", out_dir, e)
         return False
+
+
+def _empty_tree(path: Path) -> bool:
+    """Whether ``path`` is a folder holding no file at any depth (e.g. submitit's ``slurm/`` folder, made before
+    ``launcher.executor=slurm`` was refused): nothing was written there."""
+    return path.is_dir() and not path.is_symlink() and all(_empty_tree(p) for p in path.iterdir())
 
 
 def _outcome(code: int, merged: Optional[Dict[str, Any]], status: Dict[str, Any]) -> str:
@@ -391,6 +481,7 @@ class RunDirLockCallback(_HydraCallback):
 
         resume = OmegaConf.select(config, "run.resume")
         hydra_dir = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
+        keep_hydra_files(hydra_dir)  # a refused attempt in a dir that holds a run puts them back (run_job)
         given = resume or OmegaConf.select(config, "output.dir")
         if storage.is_url(given):  # an object-storage run is staged in the Hydra run dir (runner.core.storage)
             given = resume = None

@@ -1,6 +1,6 @@
 """Experiment trackers (config group ``tracker``): after a run ends, its manifest is logged as one tracker run.
 
-``tracker=mlflow`` logs through the real ``mlflow`` library (``pip install "runner[mlflow]"``: ``mlflow-skinny`` is
+``tracker=mlflow`` logs through the real ``mlflow`` library (``pip install -e ".[mlflow]"``: ``mlflow-skinny`` is
 enough) into ``tracker.uri`` (null: the file store ``mlruns/`` in the working directory the run was started from;
 any MLflow tracking URI works, e.g. ``http://host:5000`` or ``sqlite:///mlflow.db`` with the full ``mlflow``):
 
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from runner.core.errors import UserInputError
+from runner.core.errors import install_fix
 
 log = logging.getLogger("runner")
 
@@ -60,8 +61,8 @@ def check(cfg: Any) -> None:
     try:
         import mlflow  # noqa: F401
     except ImportError:
-        raise TrackerError("tracker=mlflow needs the mlflow library, which is not installed; fix: pip install "
-                           "\"runner[mlflow]\" (mlflow-skinny is enough), or tracker=none") from None
+        raise TrackerError("tracker=mlflow needs the mlflow library, which is not installed; fix: "
+                           f"{install_fix('mlflow', 'the skinny client is enough')}, or tracker=none") from None
 
 
 def _flat(prefix: str, x: Any, out: Dict[str, float]) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from runner.core.errors import DatasetError, UserInputError  # noqa: F401  (DatasetError re-exported)
 from runner.core import readers
 from runner.core.media import Media
+from runner.core.errors import install_fix
 from runner.core.paths import RUNNER_DIR
 from runner.core.schema import ExtraFields
 
@@ -640,8 +641,8 @@ def read_parquet(path: Path, split: Optional[str] = None, columns: Optional[Dict
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DatasetError(["dataset.format=parquet needs pyarrow, which is not installed; fix: pip install pyarrow "
-                            "(or pip install \"runner[export]\")"]) from None
+        raise DatasetError(["dataset.format=parquet needs pyarrow, which is not installed; fix: "
+                            f"{install_fix('export', 'or pip install pyarrow')}"]) from None
     try:
         table = pq.read_table(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not parquet
@@ -662,8 +663,8 @@ def read_hf(path: Path, split: Optional[str] = None, columns: Optional[Dict[str,
     try:
         import datasets
     except ImportError:
-        raise DatasetError(["dataset.format=hf needs the datasets package, which is not installed; fix: pip install "
-                            "datasets (or pip install \"runner[export]\")"]) from None
+        raise DatasetError(["dataset.format=hf needs the datasets package, which is not installed; fix: "
+                            f"{install_fix('export', 'or pip install datasets')}"]) from None
     import tempfile
 
     datasets.disable_progress_bars()

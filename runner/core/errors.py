@@ -16,7 +16,7 @@ This module imports nothing from the project (every module may import it).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 class RunnerError(Exception):
@@ -115,3 +115,19 @@ class DatasetError(UserInputError, ValueError):
 
     def __reduce__(self):  # pickled by Ray: rebuild from the problems, not from the joined message
         return type(self), (self.problems,), self.__dict__
+
+
+#: ``{extra: its requirements}``: the optional extras of ``pyproject.toml`` a refusal names (``tests/test_cli.py``
+#: checks they are pyproject's), shown beside the extra so that the range stays visible.
+EXTRAS: Dict[str, str] = {
+    "scale": "ray[data]>=2.40, submitit>=1.5", "export": "datasets>=4.0, pyarrow>=15, webdataset>=0.2.86",
+    "validate": "jsonschema>=4.18", "mlflow": "mlflow-skinny>=2.10", "torchao": "torchao>=0.18",
+    "lora": "peft>=0.21,<0.22", "cache-dit": "cache-dit>=1.5.3", "storage": "s3fs>=2025.3.0"}
+
+
+def install_fix(extra: str, note: str = "") -> str:
+    """The fix of a missing optional dependency, worded one way by every refusal: the project's extra as the README
+    installs the project (``pip install -e ".[lora]"``: the checkout's extra; ``runner[...]`` would name an unrelated
+    ``runner`` on PyPI), then its requirements from :data:`EXTRAS` and ``note``: ``pip install -e ".[lora]"
+    (peft>=0.21,<0.22)``."""
+    return f'pip install -e ".[{extra}]"  (' + "; ".join(x for x in (EXTRAS[extra], note) if x) + ")"

@@ -254,7 +254,7 @@ def plans(sizes: Mapping[str, ComponentSize], stages: Sequence[Stage], denoiser:
 
 
 def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
-           where: str = "memory.offload") -> Tuple[Plan, str]:
+           where: str = "memory.offload", already: Sequence[str] = ()) -> Tuple[Plan, str]:
     """The plan to run and why.
 
     Args:
@@ -262,6 +262,8 @@ def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
         candidates: :func:`plans`, fastest first.
         budget: bytes the plan must fit (``memory.max_gpu_gb``, else the device's total memory, as the caller
             decides); None: no limit (``auto`` takes ``none``).
+        already: the settings in effect that a fix could otherwise suggest (``memory.vae_slicing=true``,
+            ``memory.vae_tiling=true``, ``model.quantization.transformer=<method>``): a fix never suggests them.
 
     Raises:
         MemoryBudgetError: the requested plan, or (``auto``) every plan, exceeds the budget; the message names the
@@ -272,10 +274,10 @@ def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
     if requested != "auto":
         p = by[requested]
         if budget is None or p.peak <= budget:
-            return p, f"{where}={requested} (explicit)"
-        raise MemoryBudgetError(_refusal(p, budget, fits, where))
+            return p, f"{where}={requested} (as configured)"
+        raise MemoryBudgetError(_refusal(p, budget, fits, where, already=already))
     if not fits:
-        raise MemoryBudgetError(_refusal(None, budget, [], where, candidates))
+        raise MemoryBudgetError(_refusal(None, budget, [], where, candidates, already))
     skipped = [f"{p.offload} needs {gb(p.peak)} GiB" for p in candidates[:candidates.index(fits[0])]]
     why = (f"auto: {fits[0].offload} is the fastest plan that fits {gb(budget)} GiB (planned peak "
            f"{gb(fits[0].peak)} GiB, {gb(fits[0].moved)} GiB moved per call)" if budget is not None
@@ -284,7 +286,7 @@ def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
 
 
 def _refusal(p: Optional[Plan], budget: int, fits: Sequence[Plan], where: str,
-             candidates: Sequence[Plan] = ()) -> str:
+             candidates: Sequence[Plan] = (), already: Sequence[str] = ()) -> str:
     if p is not None:
         head = (f"{where}={p.offload} plans a peak of {gb(p.peak)} GiB (stages: "
                 + ", ".join(f"{k} {gb(v)}" for k, v in p.stages.items())
@@ -295,7 +297,10 @@ def _refusal(p: Optional[Plan], budget: int, fits: Sequence[Plan], where: str,
     if fits:
         best = fits[0]
         fix = f"fix: {where}={best.offload} (the cheapest plan that fits: {gb(best.peak)} GiB)"
-    else:
-        fix = ("fix: quantize the largest component (model.quantization.transformer=nf4 or int8wo), lower "
-               "batch_size, set memory.vae_slicing=true / memory.vae_tiling=true, or raise memory.max_gpu_gb")
+    else:  # what lowers the peak, less what is set already (``already``)
+        steps = [] if any(a.startswith("model.quantization.transformer=") for a in already) else [
+            "quantize the largest component (model.quantization.transformer=nf4 or int8wo)"]
+        vae = [k for k in ("memory.vae_slicing=true", "memory.vae_tiling=true") if k not in already]
+        steps += ["lower batch_size"] + (["set " + " / ".join(vae)] if vae else [])
+        fix = "fix: " + ", ".join(steps) + ", or raise memory.max_gpu_gb"
     return f"{head}; {fix}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Dict, List, Optional
 
-from runner.core.errors import UserInputError
+from runner.core.errors import EXTRAS, UserInputError, install_fix  # noqa: F401  (re-exported)
 
 #: ``{distribution: specifier}``: the tested range of each dependency whose API the runner relies on beyond its
 #: stable surface (PEP 440 specifiers, as in ``pyproject.toml``).
@@ -27,8 +27,8 @@ TESTED: Dict[str, str] = {"diffusers": ">=0.37,<0.43"}
 #: ``launcher=slurm`` (``helpers.Checkpointable``, ``LocalExecutor``'s requeue on exit 144; tested with 1.5.4). The
 #: same ranges as ``pyproject.toml``'s extras (``lora``, ``scale``).
 FEATURES: Dict[str, str] = {"peft": ">=0.21,<0.22", "ray": ">=2.40", "submitit": ">=1.5"}
-
-
+#: The project's extra that installs each of :data:`FEATURES` (``pyproject.toml``).
+FEATURE_EXTRAS: Dict[str, str] = {"peft": "lora", "ray": "scale", "submitit": "scale"}
 class DependencyVersionError(UserInputError):
     """An installed dependency is outside the tested range (exit 2)."""
 
@@ -54,10 +54,12 @@ def version_problems(installed: Optional[Dict[str, Optional[str]]] = None,
                 have = metadata.version(dist)
             except metadata.PackageNotFoundError:
                 have = None
+        extra = FEATURE_EXTRAS.get(dist) if tested is not None else None
+        fix = install_fix(extra) if extra else f"pip install '{dist}{spec}'"
         if have is None:
-            out.append(f"{dist} is not installed; the runner needs {dist}{spec}; fix: pip install '{dist}{spec}'")
+            out.append(f"{dist} is not installed; the runner needs {dist}{spec}; fix: {fix}")
         elif Version(have) not in SpecifierSet(spec):
-            out.append(f"{dist}=={have} is outside the tested range {dist}{spec}; fix: pip install '{dist}{spec}'")
+            out.append(f"{dist}=={have} is outside the tested range {dist}{spec}; fix: {fix}")
     return out
 
 

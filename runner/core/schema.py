@@ -766,7 +766,7 @@ class CacheConfig:
     method: str = "none"
     """``none``, ``first_block`` (diffusers' First Block Cache), ``magcache``, ``taylorseer``, ``pab`` (Pyramid
     Attention Broadcast), ``dbcache`` and ``dbcache_taylorseer`` (cache-dit's DBCache, without and with its TaylorSeer
-    calibrator; ``pip install 'runner[cache-dit]'``), or a method added with
+    calibrator; ``pip install -e ".[cache-dit]"``), or a method added with
     ``models.cache.register_cache_method``."""
     schedule: Optional[CacheSchedule] = None
     """``fixed`` or ``adaptive``: refuses a method of the other kind; null: the method's own."""

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from runner.core.errors import StorageError, UserInputError
+from runner.core.errors import install_fix
 
 log = logging.getLogger("runner")
 
@@ -56,7 +57,6 @@ PUSH_EVERY_S = 5.0
 #: Objects downloaded (or verified) at once by :meth:`RunMirror.pull`.
 PULL_THREADS = 8
 #: The install line of the filesystems for object storage.
-EXTRA_FIX = 'pip install -e ".[storage]"'
 #: A temp key's name (``.<name>.tmp<pid>-<hex>``): what :meth:`RunMirror.remove_temp` deletes, nothing else.
 TEMP_NAME = re.compile(r"\..+\.tmp\d+-[0-9a-f]+")
 #: The artifact folders of a run dir (``runner.core.sinks``).
@@ -95,7 +95,7 @@ def filesystem(url: str, key: str = "output.dir") -> Tuple[Any, str]:
         import fsspec
         from fsspec.registry import known_implementations
     except ImportError:  # pragma: no cover - a dependency of the runner's dependencies
-        raise StorageURLError(f"{key}={url!r}: fsspec is not installed; fix: {EXTRA_FIX}") from None
+        raise StorageURLError(f"{key}={url!r}: fsspec is not installed; fix: {install_fix('storage')}") from None
     scheme = _URL.match(url).group(1).lower()
     if scheme not in known_implementations and scheme not in fsspec.available_protocols():
         raise StorageURLError(f"{key}={url!r}: no filesystem is known for {scheme}://; fix: an s3:// or gs:// URL "
@@ -104,7 +104,7 @@ def filesystem(url: str, key: str = "output.dir") -> Tuple[Any, str]:
         fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, use_listings_cache=False)
     except ImportError as e:
         raise StorageURLError(f"{key}={url!r}: the filesystem of {scheme}:// is not installed ({e}); fix: "
-                              f"{EXTRA_FIX} (s3fs; for gs:// also pip install gcsfs)") from None
+                              f"{install_fix('storage', 'for gs:// also pip install gcsfs')}") from None
     return fs, root.rstrip("/")
 
 

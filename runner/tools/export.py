@@ -33,7 +33,7 @@ and ``fps``; ``meta``; a conditioned item's ``input_file_name`` and ``inputs``, 
 Every artifact is checked against its recorded ``file_sha256`` before it is exported. The files are written under a
 temp name and renamed into ``DIR`` once complete, with ``export.json`` (format, source run id, rows, each file's
 sha256) last. Exit codes: 0 exported; 2 bad input (no run dir, no items, a modified or missing artifact, ``DIR`` not
-empty, the format's package not installed: ``pip install "runner[export]"``).
+empty, the format's package not installed: ``pip install -e ".[export]"``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from runner.core.dataset import file_sha256
 from runner.core.errors import RunnerError, UserInputError
+from runner.core.errors import install_fix
 
 FORMATS = ("parquet", "webdataset", "in-toto")
 #: in-toto Statement v1 and its predicate (SLSA Provenance v1), for ``--format in-toto``.
@@ -122,8 +123,8 @@ def _need(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ExportError(f"the export needs the {module!r} package, which is not installed; fix: pip install "
-                          f"\"runner[export]\" (or pip install {module})") from None
+        raise ExportError(f"the export needs the {module!r} package, which is not installed; fix: "
+                          f"{install_fix('export', f'or pip install {module}')}") from None
 
 
 def _parquet(samples: Iterator[Dict[str, Any]], tmp: Path, shard_items: int) -> List[Path]:

@@ -4,13 +4,16 @@ on any machine, with nothing loaded and no run dir made (issue #38).
 For each stage whose engine plans memory (the diffusers pipelines), it prints every offload plan's estimate per
 phase (``text_encode``, ``denoise``, ``vae_decode``), each plan's peak with the reserve and the bytes it copies to
 the device per pipeline call, then the plan taken and why, or the refusal the run would end with (exit 2).
-``--json`` prints ``{"platform", "dtype", "device_total_gb", "stages": {stage: plan}}`` instead, where ``plan`` is
+``--json`` prints ``{"platform", "dtype", "device_total_gb", "capacity_from", "batch", "platform_here", "stages":
+{stage: plan}}`` instead (``platform_here``: ``{"platform", "dtype"}`` a run on this machine would use where
+``platform=auto`` is planned as a GPU it lacks, else null), where ``plan`` is
 ``models.memory.Fitting.section()`` as the engine's ``memory_plan`` returns it: the one function a run calls while
 it reads its rows (``models.pipelines.PipelineEngine.plan_memory``), whose result the run records as the manifest's
 ``memory_plan`` (``applied`` is filled at placement; a refusal gives ``{"refused": message, "candidates": [...]}``).
 
 **Which device it plans for.** ``platform=<kind>`` of the composed config; ``platform=auto`` plans for this
-machine's GPU when it has one, else for a CUDA GPU (memory plans are for GPUs). ``platform=cpu`` plans a CPU run:
+machine's GPU when it has one, else for a CUDA GPU (memory plans are for GPUs; the header then says so, and which
+platform the same run on this machine would use). ``platform=cpu`` plans a CPU run:
 ``memory.offload=auto`` is then ``none``, recorded so.
 
 **Its capacity.** ``memory.max_gpu_gb=<GiB>`` when set: the budget bounds the plan, as in the run. Otherwise the
@@ -141,7 +144,14 @@ def plans(cfg: Any, overrides: Sequence[str], device_gb: Optional[float] = None)
     checks.check_run_values(cfg)
     out: Dict[str, Any] = {"platform": kind, "dtype": str(dtype).replace("torch.", ""),
                            "device_total_gb": planner.gb(total) if total else None, "capacity_from": source,
-                           "stages": {e.stage: None for e in engines}, "batch": None}
+                           "stages": {e.stage: None for e in engines}, "batch": None, "platform_here": None}
+    if str(cfg.platform.name) == "auto":
+        from runner.core.platform import detect
+
+        here = detect("auto", "auto", ()).kind
+        if here != kind:  # platform=auto planned as a GPU this machine lacks: what a run here would use instead
+            out["platform_here"] = {"platform": here,
+                                    "dtype": str(checks.resolve_dtype(cfg.dtype, here)).replace("torch.", "")}
     planning = [e for e in engines if hasattr(e, "prepare_plan")]
     if not planning:  # a vLLM model: nothing here plans its memory (vLLM sizes its own KV cache)
         return out
@@ -173,6 +183,11 @@ def render(doc: Dict[str, Any]) -> str:
     b = doc["batch"]
     mem = f"{doc['device_total_gb']} GiB ({doc['capacity_from']})" if doc["device_total_gb"] else doc["capacity_from"]
     head = f"memory plan for platform {doc['platform']} ({doc['dtype']}), device memory {mem}"
+    here = doc.get("platform_here")
+    if here:  # platform=auto on a machine without the GPU: say so first (module docstring)
+        head = (f"memory plan for platform=auto planned as a {doc['platform'].upper()} GPU ({doc['dtype']}); this "
+                f"machine has none, and the same run here would use platform {here['platform']} ({here['dtype']}); "
+                f"device memory {mem}")
     if b is not None:
         frames = f" x {b['num_frames']} frames" if b.get("num_frames") else ""
         head += (f"; largest batch {b['batch_size']} x {b['width']}x{b['height']}{frames} ({b['rows']} "

@@ -3,7 +3,7 @@
 
 ``python -m runner.validate <run dir> [...]``: exit 0 when every manifest and every record of ``items.jsonl`` (and
 ``items.unlisted.jsonl``) is valid, 1 when one is not (each problem printed: file, line, JSON path, message), 2 for
-bad input (no such run dir, ``jsonschema`` not installed: ``pip install "runner[validate]"``).
+bad input (no such run dir, ``jsonschema`` not installed: ``pip install -e ".[validate]"``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from runner.core.errors import UserInputError
+from runner.core.errors import install_fix
 from runner.core.paths import RUNNER_DIR
 
 SCHEMA_DIR = RUNNER_DIR / "schemas"
@@ -50,8 +51,8 @@ def _validator(name: str) -> Any:
     try:
         import jsonschema
     except ImportError:
-        raise SchemaValidationSetupError("validating needs jsonschema, which is not installed; fix: pip install "
-                                         "\"runner[validate]\" (or pip install jsonschema)") from None
+        raise SchemaValidationSetupError("validating needs jsonschema, which is not installed; fix: "
+                                         f"{install_fix('validate')}") from None
     cls = jsonschema.validators.validator_for(schema(name))
     cls.check_schema(schema(name))
     return cls(schema(name), format_checker=cls.FORMAT_CHECKER)
