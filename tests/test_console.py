@@ -106,6 +106,9 @@ def test_an_unknown_group_option_gets_the_runners_message_not_hydras(subprocess_
     assert "fix: model=flux" in group_choice_problem(["-m", "model=toy_shapes,fluxx"])  # each value of a sweep
     assert group_choice_problem(["model=qqqq"]).endswith("fix: model=<one of those>")
     assert group_choice_problem(["model=toy_shapes", "dataset=jsonl", "platform=cpu", "launcher=local"]) is None
+    # options from the user's own config dirs: Hydra's search path decides (tests/test_cli.py runs one end to end)
+    assert group_choice_problem(["experiment=mine", "hydra.searchpath=[file:///tmp/conf]"]) is None
+    assert group_choice_problem(["experiment=mine"]).startswith("experiment=mine: no such experiment")
 
 
 def test_sweep_prints_where_its_report_is(subprocess_env, tmp_path):

@@ -201,6 +201,9 @@ def group_choice_problem(argv: Sequence[str]) -> Optional[str]:
 
     from runner.core.paths import CONF_DIR
 
+    if any(a.lstrip("+").startswith("hydra.searchpath") or a in ("--config-dir", "-cd") or
+           a.startswith("--config-dir=") for a in argv):
+        return None  # the user's own config dirs add options: Hydra's search path decides (and says what it found)
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
