@@ -73,7 +73,7 @@ def main() -> int:
         return run
 
     def sage2(q, k, v):
-        from kernels.attention import sage2_attention
+        from runner.kernels.attention import sage2_attention
 
         return sage2_attention(q, k, v)
 

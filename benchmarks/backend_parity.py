@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import attention as attn_impl  # noqa: E402
-from kernels import linear as lin_impl  # noqa: E402
-from kernels import registry as reg  # noqa: E402
+from runner.kernels import attention as attn_impl  # noqa: E402
+from runner.kernels import linear as lin_impl  # noqa: E402
+from runner.kernels import registry as reg  # noqa: E402
 
 
 def build_transformer(double: int, single: int, seed: int = 0):

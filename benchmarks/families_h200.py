@@ -11,9 +11,9 @@ first forward, as ``experts.<name>``; the first expert's figures also at the top
    seeded, bf16, on the GPU). A 2-step pipeline call at the workload shape captures the transformer's inputs.
 2. ``baseline``: the transformer as diffusers builds it (default attention: torch SDPA; eager) — ms per forward.
 3. ``lossless``: the same module after the runner's lossless preset applied in place through the engine's own code
-   (``optimize`` with ``fuse_qkv`` (not LTX-2's: refused there), ``kernels.attention.install`` of ``CUDNN_ATTN`` on
+   (``optimize`` with ``fuse_qkv`` (not LTX-2's: refused there), ``runner.kernels.attention.install`` of ``CUDNN_ATTN`` on
    every call site, regional ``torch.compile``) — ms per forward, and the max/mean abs difference of its output from the baseline's.
-4. ``fp8``: (3) plus ``kernels.linear.install`` of ``FP8`` (row-wise dynamic e4m3) — ms per forward, difference.
+4. ``fp8``: (3) plus ``runner.kernels.linear.install`` of ``FP8`` (row-wise dynamic e4m3) — ms per forward, difference.
    ms per denoising step = ms per forward x forwards per step (the engine's own forward rule,
    ``expected_forwards``, for the workload's row: 2 under a family's unbatched CFG; FLUX.2-dev's guidance embedding,
    klein 4B's distillation and Z-Image's and LTX-2's batched CFG make 1; batched CFG's inputs carry batch 2).
@@ -130,7 +130,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     from omegaconf import OmegaConf
     from torch.utils.flop_counter import FlopCounterMode
 
-    from kernels import attention, linear
+    from runner.kernels import attention, linear
     from models.diffusers_engine import compile_regional
 
     w = WORKLOADS[family]

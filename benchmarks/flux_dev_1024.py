@@ -459,7 +459,7 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
     from diffusers import FluxPipeline
     from omegaconf import OmegaConf
 
-    from kernels import attention as attn_mod
+    from runner.kernels import attention as attn_mod
     from models.flux import build_components
     from models.pipelines import fuse_qkv
     from runner.core.platform import detect
@@ -576,7 +576,7 @@ def ablation(cfg: Any, device: str, dtype: torch.dtype, matmul: float, forwards:
     record("compiled_fused_cudnn", time_fn(fwd()))
     res["profile_compiled_fused_cudnn"] = top_kernels()
     record("compiled_fused_cudnn_batch4", time_fn(fwd(batched(kw1, 4))), images=4)
-    from kernels import linear as lin_mod
+    from runner.kernels import linear as lin_mod
 
     torch._dynamo.reset()
     lin_mod.install(pipe.transformer, "FP8", observe=False)

@@ -10,13 +10,13 @@ choice; optionally the runner's own runs of the full-size model.
        ``small_experts_1k`` the same at 1024 tokens (16 rows per expert on average: where TRITON's earlier wins
        were measured, benchmarks/results/h200_moe_parity_2026-11-29.json).
    Parity: each kernel backend that can run here (registry requirements) in bf16 through the runner's wiring
-   (``kernels.moe.routed_forward``) against the oracle must be no further from it than diffusers' own bf16 loop
+   (``runner.kernels.moe.routed_forward``) against the oracle must be no further from it than diffusers' own bf16 loop
    (``TORCH``) x 1.25, and its NEGATIVE CONTROL (gate and up projections swapped) more than 10x further (a fixed
    2e-2 failed on the H200 at 0.0206 for TRITON: bf16 rounding of H=2560 sums alone comes near it, see
-   tests/test_hidream.py). Timing: milliseconds per block call (``kernels.moe.time_block``, router and shared expert
+   tests/test_hidream.py). Timing: milliseconds per block call (``runner.kernels.moe.time_block``, router and shared expert
    included, as in the model), all backends in this one process, ``--rounds`` rounds of ``--iters`` calls each, the
    median of the round medians; ``speedup_<backend> = ms[TORCH] / ms[backend]``. ``auto``: the runner's own
-   candidates and measurement (``kernels.moe.auto_candidates`` / ``time_candidates``, what
+   candidates and measurement (``runner.kernels.moe.auto_candidates`` / ``time_candidates``, what
    ``DiffusersEngine.choose_moe_by_measurement`` runs at startup); verified when its pick is within 5% of the
    fastest of its candidates in the longer side-by-side timing.
 2. Runner (``--runner DIR``): ``runner.app.execute.run`` with ``model=hidream model.load_format=dummy`` (full size,
@@ -70,7 +70,7 @@ def compose(overrides: List[str]) -> Any:
 
 def selection(device: str) -> Any:
     """The registry's view of this device in bf16 (what a bf16 diffusion stage here would be checked against)."""
-    from kernels.registry import SelectionContext
+    from runner.kernels.registry import SelectionContext
 
     if device == "cpu":
         return SelectionContext(platform_kind="cpu", dtype=torch.bfloat16)
@@ -90,8 +90,8 @@ def build(shape: Dict[str, int], device: str, dtype: torch.dtype) -> torch.nn.Mo
 @torch.no_grad()
 def parity(ref_block: torch.nn.Module, lo_block: torch.nn.Module, x: torch.Tensor, kernels: List[str]) -> Dict:
     """Relative L2 errors against diffusers' fp32 loop: TORCH in bf16 (the floor), each kernel and its swap."""
-    from kernels import moe
-    from kernels import registry as reg
+    from runner.kernels import moe
+    from runner.kernels import registry as reg
     from models.hidream import HiDreamExperts
 
     layout = HiDreamExperts()
@@ -112,8 +112,8 @@ def parity(ref_block: torch.nn.Module, lo_block: torch.nn.Module, x: torch.Tenso
 
 
 def timing(block: torch.nn.Module, x: torch.Tensor, names: List[str], rounds: int, iters: int) -> Dict[str, float]:
-    """Median over ``rounds`` of ``kernels.moe.time_block``'s per-round medians, backends interleaved per round."""
-    from kernels import moe
+    """Median over ``rounds`` of ``runner.kernels.moe.time_block``'s per-round medians, backends interleaved per round."""
+    from runner.kernels import moe
     from models.hidream import HiDreamExperts
 
     per: Dict[str, List[float]] = {n: [] for n in names}
@@ -126,7 +126,7 @@ def timing(block: torch.nn.Module, x: torch.Tensor, names: List[str], rounds: in
 def auto_choice(block: torch.nn.Module, x: torch.Tensor, sel: Any, ms: Dict[str, float]) -> Dict[str, Any]:
     """What ``auto`` would select here (the runner's candidates and startup measurement) and whether it is within
     :data:`AUTO_SLACK` of the fastest of its candidates in the side-by-side timing ``ms``."""
-    from kernels import moe
+    from runner.kernels import moe
     from models.hidream import HiDreamExperts
 
     cands = moe.auto_candidates(sel)
@@ -144,7 +144,7 @@ def auto_choice(block: torch.nn.Module, x: torch.Tensor, sel: Any, ms: Dict[str,
 
 def block_case(name: str, shape: Dict[str, int], device: str, rounds: int, iters: int) -> Dict[str, Any]:
     """Part 1 for one shape: parity and negative controls, side-by-side timing, speedups, auto's choice."""
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     sel = selection(device)
     runnable = [b for b in BACKENDS if not reg.get("moe", b).unmet(sel)]
@@ -217,7 +217,7 @@ def main() -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    from kernels import moe
+    from runner.kernels import moe
 
     device = "cpu" if args.smoke else "cuda"
     res: Dict[str, Any] = {"started": datetime.now(timezone.utc).isoformat(), "smoke": args.smoke,

@@ -6,7 +6,7 @@ Per shape x token count, on the same inputs:
     router logits, so both route identically.
   * context: ``moe_reference`` in bf16 vs the same fp32 oracle (what the TORCH backend itself loses in bf16).
   * oracle check: ``moe_reference`` fp32 vs a dense einsum oracle (every expert on every token, masked by the
-    routing weights; written independently of ``kernels.moe.route``).
+    routing weights; written independently of ``runner.kernels.moe.route``).
   * NEGATIVE CONTROL: ``moe_triton`` with ``w_gate`` and ``w_up`` swapped must FAIL the tolerance
     (``silu(up) * gate`` is a different function); if it passed, the check could not tell the two apart.
   * timing: ``moe_triton`` vs the bf16 reference loop (the TORCH backend), CUDA events, median of ``--iters``
@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import time_ms  # noqa: E402
-from kernels import moe  # noqa: E402
+from runner.kernels import moe  # noqa: E402
 
 SHAPES = {
     "qwen3moe": dict(H=2048, I=768, E=64, top_k=8),
@@ -71,7 +71,7 @@ ORACLE_TOL = 1e-5
 def dense_oracle(x: torch.Tensor, logits: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                  w_down: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
     """Every expert on every token (einsum), combined with a dense (T, E) routing matrix that is zero off the
-    top-k. fp32; independent of ``kernels.moe.route``."""
+    top-k. fp32; independent of ``runner.kernels.moe.route``."""
     x, w_gate, w_up, w_down = x.float(), w_gate.float(), w_up.float(), w_down.float()
     probs = torch.softmax(logits.float(), dim=-1)
     vals, idx = probs.topk(top_k, dim=-1)

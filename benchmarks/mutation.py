@@ -68,7 +68,7 @@ GROUPS: Dict[str, Dict[str, Any]] = {
         "tests": ["tests/test_precedence_layers.py"]},
     # backend registry: every requirement, the platform class, auto order and selection, names, checks
     "registry": {
-        "scope": {"kernels/registry.py": [
+        "scope": {"runner/kernels/registry.py": [
             "has_symbol", "on_platform", "sm_at_least", "sm_in", "symbol", "dtype_in", "head_dim_in",
             "head_dim_at_most", "head_dim_multiple_of", "no_mask", "no_sequence_parallel", "Backend.unmet",
             "context_parallel_unmet", "_flash_check", "normalize", "check", "platform_class", "auto_order",
@@ -114,7 +114,7 @@ GROUPS: Dict[str, Dict[str, Any]] = {
         "tests": ["tests/test_repro_verdicts.py"]},
     # the FP8 linear path (runs on CPU)
     "fp8_linear": {
-        "scope": {"kernels/linear.py": ["LinearRecord.add", "_quantize_rows", "FP8Linear.__init__",
+        "scope": {"runner/kernels/linear.py": ["LinearRecord.add", "_quantize_rows", "FP8Linear.__init__",
                                         "FP8Linear.forward", "_eligible", "install"]},
         "tests": ["tests/test_fp8_linear.py"]},
     # ---- issue #29: the core added since the last audit (the run-dir lock, resume plan, sinks, gate, cache,
@@ -205,7 +205,7 @@ def _toml_list(xs: List[str]) -> str:
 def mutmut_table(group: Dict[str, Any]) -> str:
     return "\n".join([
         "", "[tool.mutmut]",
-        f"source_paths = {_toml_list(['runner/', 'kernels/', 'models/'])}",
+        f"source_paths = {_toml_list(['runner/', 'models/'])}",
         f"only_mutate = {_toml_list(sorted(group['scope']))}",
         f"also_copy = {_toml_list(['conf/', 'sitecustomize.py', 'mutmut_subprocess_hits.py'])}",
         f"pytest_add_cli_args = {_toml_list(['-o', 'addopts=-ra', '-p', 'no:cacheprovider', '-p', 'mutmut_subprocess_hits', '-W', 'ignore'])}",

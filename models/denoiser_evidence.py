@@ -3,13 +3,13 @@
 Two independent observations:
 
 * **Calls** (Python level, every forward): each attention call site records which backend the diffusers
-  dispatcher actually ran (``kernels.attention``); each linear implementation counts its calls
-  (``kernels.linear``); each MoE block records which implementation computed its routed experts
-  (``kernels.moe.install``: the model's own expert modules ran, or our kernel did); a hook on the denoiser counts
+  dispatcher actually ran (``runner.kernels.attention``); each linear implementation counts its calls
+  (``runner.kernels.linear``); each MoE block records which implementation computed its routed experts
+  (``runner.kernels.moe.install``: the model's own expert modules ran, or our kernel did); a hook on the denoiser counts
   its forwards.
 * **Kernels** (profiler): one denoiser forward (one denoising step) of the first batch runs under
   ``torch.profiler``; the names of the device kernels (CPU: the ``aten::`` ops) are matched against per-backend
-  signatures (``Backend.signature`` of each record in ``kernels.registry``). This also works under
+  signatures (``Backend.signature`` of each record in ``runner.kernels.registry``). This also works under
   ``torch.compile``, where Python counters do not run per call.
 
 With a step cache (``cache.method``, ``models.cache``) an attention module or a block may be answered from the
@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from kernels import registry as reg
+from runner.kernels import registry as reg
 from runner.core.errors import EvidenceError  # noqa: F401  (re-exported: raised for this evidence's mismatches)
 
 
@@ -138,7 +138,7 @@ def build(stage: str, probes: Dict[str, Any], denoiser: DenoiserProbe, expected_
     Args:
         stage: stage name.
         probes: ``{"attention": [AttentionSite], "linear": LinearRecord}`` from ``models.diffusers_engine.DiffusersEngine.load``,
-            and ``"moe": {"resolved": name, "sites": [kernels.moe.MoESite]}`` for a stage with MoE layers.
+            and ``"moe": {"resolved": name, "sites": [runner.kernels.moe.MoESite]}`` for a stage with MoE layers.
         denoiser: the forward counter/profiler.
         expected_forwards: denoiser forwards the run should have made (sum over batches of steps x CFG passes);
             None when a pipeline call raised part-way, so the total cannot be predicted. A step cache does not
@@ -337,7 +337,7 @@ def forward_count_check(forwards: int, expected: Optional[int], rule: bool) -> s
 
 
 def _moe_calls(stage: str, moe: Dict[str, Any], fwd: int, observing: bool, mismatches: List[str]) -> Dict[str, Any]:
-    """``evidence.stages.<stage>.moe`` from the MoE call sites (``kernels.moe.MoESite``): per layer the forwards
+    """``evidence.stages.<stage>.moe`` from the MoE call sites (``runner.kernels.moe.MoESite``): per layer the forwards
     in which each implementation computed its routed experts; every site must have run only the resolved backend,
     once per denoiser forward (mismatches appended)."""
     resolved, sites = moe["resolved"], moe["sites"]

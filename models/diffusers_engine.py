@@ -132,7 +132,7 @@ class DiffusersEngine(EngineBase):
       module)`` of every attention call site), ``expected_forwards(batch)`` (denoiser forwards one pipeline call
       makes), ``call(batch)`` (one pipeline call: float32 (H, W, C) arrays in [0, 1]);
     * for MoE layers (``"moe"`` in ``backend_fields``): ``moe_blocks()`` (``(layer, block)`` of every MoE block),
-      ``moe_layout()`` (a ``kernels.moe.ExpertsLayout``) and ``moe_probe()`` (one block of the model's shape, for
+      ``moe_layout()`` (a ``runner.kernels.moe.ExpertsLayout``) and ``moe_probe()`` (one block of the model's shape, for
       ``moe=auto``'s measurement);
     * optionally ``optimize(opts)`` and ``warmup_call(batch)``, ``check_rows(rows, path)`` and ``accuracy(...)``;
     * what the model honours: ``check_source()`` (config checks that need the model's configs, no weights),
@@ -442,11 +442,11 @@ class DiffusersEngine(EngineBase):
             ``({field: FieldResolution}, engine_extras)`` of the stage.
 
         Raises:
-            kernels.registry.BackendError subclasses, naming the field, the value, the reason and the fix (a
+            runner.kernels.registry.BackendError subclasses, naming the field, the value, the reason and the fix (a
             field outside ``backend_fields`` set to a backend: ``StageConflictError`` naming the model).
         """
-        from kernels.attention import plan
-        from kernels.registry import SelectionContext, wired
+        from runner.kernels.attention import plan
+        from runner.kernels.registry import SelectionContext, wired
         from runner.core.resolve import LEGACY_KEYS, MisplacedBackendKeyError, StageInfo, check_placement, cli_keys, resolve_stage
 
         cfg, plat = self.ctx.cfg, self.ctx.plat
@@ -477,15 +477,15 @@ class DiffusersEngine(EngineBase):
 
     def choose_moe_by_measurement(self, res: Any, sel: Any) -> None:
         """``moe=auto`` on a stage with MoE layers: where more than one wired MoE backend can run here, time each
-        on one MoE block of the model's shape (:meth:`moe_probe`; ``kernels.moe.time_block``: the router and the
+        on one MoE block of the model's shape (:meth:`moe_probe`; ``runner.kernels.moe.time_block``: the router and the
         shared expert included, median of 5 calls after 2 warm-up calls) and select the fastest; the reason records
         the device, the shape and every timing. With one candidate (CPU: only ``TORCH``) nothing is timed and the
         reason says why the others cannot run. A candidate that raises while timed is skipped, with its error in
         the reason. Under ``parallelism=data`` nothing is timed (every worker must select the same backend, and
         timings differ between processes): the ranked choice stays, and the reason says so. Mutates ``res``
         (``selected``, ``reason``)."""
-        from kernels import moe
-        from kernels import registry as reg
+        from runner.kernels import moe
+        from runner.kernels import registry as reg
 
         cands = moe.auto_candidates(sel)
         if len(cands) < 2:
@@ -519,7 +519,7 @@ class DiffusersEngine(EngineBase):
         return iter(())
 
     def moe_layout(self) -> Any:
-        """The family's ``kernels.moe.ExpertsLayout`` (where its MoE blocks keep router, experts, shared expert).
+        """The family's ``runner.kernels.moe.ExpertsLayout`` (where its MoE blocks keep router, experts, shared expert).
 
         Raises:
             NotImplementedError: the family declares no MoE layers.
@@ -799,8 +799,8 @@ class DiffusersEngine(EngineBase):
         sections["memory_plan"] = fit.section()
 
     def install_attention(self, sections: Dict[str, Any]) -> None:
-        """The attention backend on every call site, with its probes (``kernels.attention.install``)."""
-        from kernels import attention
+        """The attention backend on every call site, with its probes (``runner.kernels.attention.install``)."""
+        from runner.kernels import attention
 
         self.probes["attention"] = attention.install(self.stage, self.attention_sites(),
                                                      self.resolutions["attention"].selected, self.ctx.plat.sm,
@@ -817,11 +817,11 @@ class DiffusersEngine(EngineBase):
         return [("transformer", self.denoiser)]
 
     def install_moe(self, sections: Dict[str, Any]) -> None:
-        """The MoE backend on every MoE block when the family has them (``kernels.moe.install``)."""
+        """The MoE backend on every MoE block when the family has them (``runner.kernels.moe.install``)."""
         self.moe_owned: Tuple[str, ...] = ()
         if "moe" not in self.backend_fields:
             return
-        from kernels import moe
+        from runner.kernels import moe
 
         blocks, layout = list(self.moe_blocks()), self.moe_layout()
         self.probes["moe"] = {"resolved": self.resolutions["moe"].selected,
@@ -831,10 +831,10 @@ class DiffusersEngine(EngineBase):
 
     def install_linear(self, sections: Dict[str, Any]) -> None:
         """The linear backend on the blocks of each denoiser (:meth:`experts`), except the MoE backend's Linears
-        and unfused LoRA branches (``kernels.linear``; the LoRA branches run only for their adapter's batches,
+        and unfused LoRA branches (``runner.kernels.linear``; the LoRA branches run only for their adapter's batches,
         observed by ``models.lora``), counted into one record; with several experts ``probes["expert_linears"]``
         holds each one's module count (the evidence expects them per forward of that expert)."""
-        from kernels import linear
+        from runner.kernels import linear
 
         excluded = self.moe_owned + (self.lora.owned() if self.lora else ())
         rec, per = None, {}

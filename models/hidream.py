@@ -30,10 +30,10 @@ to ``HiDreamAttention`` (not an ``AttentionModuleMixin``): ``optimize.fuse_qkv``
 modules).
 
 MoE (``backend.moe``, :class:`HiDreamExperts`): ``TORCH`` keeps diffusers' own expert loop (``moe_infer``: the
-reference), ``TRITON`` computes the routed experts with ``kernels.moe.moe_triton``, ``GROUPED_MM`` with
-``kernels.moe.moe_grouped_mm`` (router and shared expert stay diffusers'). Routing: softmax over the routed
+reference), ``TRITON`` computes the routed experts with ``runner.kernels.moe.moe_triton``, ``GROUPED_MM`` with
+``runner.kernels.moe.moe_grouped_mm`` (router and shared expert stay diffusers'). Routing: softmax over the routed
 experts, top-k, no renormalization (``MoEGate.norm_topk_prob`` is False); diffusers takes the softmax in the
-activations' dtype, ``kernels.moe.route`` in fp32 (the same in fp32 runs; in bf16 the routing weights differ by
+activations' dtype, ``runner.kernels.moe.route`` in fp32 (the same in fp32 runs; in bf16 the routing weights differ by
 bf16 rounding).
 """
 
@@ -47,7 +47,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from kernels.moe import ExpertsLayout
+from runner.kernels.moe import ExpertsLayout
 from models import tokenizer_kinds
 from models.family import FamilySpec, block_out_scale
 from models.pipelines import ModelPathError, PipelineEngine
@@ -118,7 +118,7 @@ class HiDreamDispatchAttnProcessor:
 
 
 class HiDreamExperts(ExpertsLayout):
-    """``kernels.moe.ExpertsLayout`` of diffusers' ``MOEFeedForwardSwiGLU``: router ``gate`` (``MoEGate``: weight
+    """``runner.kernels.moe.ExpertsLayout`` of diffusers' ``MOEFeedForwardSwiGLU``: router ``gate`` (``MoEGate``: weight
     ``(E, H)``, ``top_k``, ``norm_topk_prob``), routed ``experts`` (``HiDreamImageFeedForwardSwiGLU``: ``w1`` gate
     ``(I, H)``, ``w3`` up ``(I, H)``, ``w2`` down ``(H, I)``, ``silu(w1 x) * w3 x``), ``shared_experts`` (a dense
     SwiGLU of half the width, added to every token's output)."""
@@ -131,7 +131,7 @@ class HiDreamExperts(ExpertsLayout):
 
     def stack(self, block: nn.Module) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gate ``w1`` and up ``w3`` packed fused, as the halves of one ``(E, 2I, H)`` tensor (one grouped GEMM
-        for both under GROUPED_MM, ``kernels.moe.fused_gate_up``); down ``w2`` as ``(E, H, I)``."""
+        for both under GROUPED_MM, ``runner.kernels.moe.fused_gate_up``); down ``w2`` as ``(E, H, I)``."""
         with torch.no_grad():
             gate_up = torch.stack([torch.cat([e.w1.weight.detach(), e.w3.weight.detach()]) for e in block.experts])
             inter = block.experts[0].w1.weight.shape[0]

@@ -129,9 +129,9 @@ class LTX2Engine(PipelineEngine):
         head size would fail there after loading.
 
         Raises:
-            kernels.registry.BackendUnavailableError: naming the backend, the audio head size and why.
+            runner.kernels.registry.BackendUnavailableError: naming the backend, the audio head size and why.
         """
-        from kernels import registry as reg
+        from runner.kernels import registry as reg
 
         resolutions, extras = super().resolve_backends()
         audio = self.component_config("transformer").get("audio_attention_head_dim")

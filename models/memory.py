@@ -3,7 +3,7 @@ sizes on the meta device, activations of the largest batch), the offload plan ap
 budget enforced on the device, and what evidence observes of them.
 
 * **Quantization** (``model.quantization``): ``quant_mapping`` builds diffusers' ``PipelineQuantizationConfig``
-  from the ``kernels.quantization`` records (a diffusers config for diffusers components, a transformers config for
+  from the ``runner.kernels.quantization`` records (a diffusers config for diffusers components, a transformers config for
   the text encoders); :class:`QuantProbe` counts, per quantized component, the Linear calls whose weight was of the
   method's tensor class when it executed.
 * **Offload** (``memory.offload``): :func:`apply_offload` calls diffusers' ``enable_model_cpu_offload`` or
@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from kernels import quantization as quant
+from runner.kernels import quantization as quant
 from runner.core import memory as planner
 from runner.core.errors import ConfigValueError
 
@@ -87,7 +87,7 @@ def quant_choices(qcfg: Any) -> Dict[str, str]:
     """``model.quantization``'s component -> canonical method (``none`` left out).
 
     Raises:
-        kernels.quantization.QuantizationError: an unknown method name.
+        runner.kernels.quantization.QuantizationError: an unknown method name.
     """
     out: Dict[str, str] = {}
     for comp in QUANT_COMPONENTS:
@@ -582,11 +582,11 @@ class Fitting:
         self.placed = False
 
     def check(self, ctx: Any, dummy: bool, fuse_qkv: bool, linear_backend: Optional[str]) -> None:
-        """Startup refusals of ``model.quantization`` (``kernels.quantization.check``), dummy weights with a
+        """Startup refusals of ``model.quantization`` (``runner.kernels.quantization.check``), dummy weights with a
         checkpoint-only method, a GGUF file that is not there, and what cannot combine with a quantized denoiser.
 
         Raises:
-            kernels.quantization.QuantizationError / QuantizationUnavailableError; ConfigValueError.
+            runner.kernels.quantization.QuantizationError / QuantizationUnavailableError; ConfigValueError.
         """
         import os
 

@@ -678,9 +678,9 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
         device and no budget, the base check (the weights against the free memory).
 
         Raises:
-            kernels.quantization.QuantizationError subclasses; ConfigValueError; the base check's error.
+            runner.kernels.quantization.QuantizationError subclasses; ConfigValueError; the base check's error.
         """
-        from kernels.registry import SelectionContext
+        from runner.kernels.registry import SelectionContext
 
         run, plat = self.ctx.run, self.ctx.plat
         self.fit = self.fitting(plat.kind)
@@ -970,7 +970,7 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
         attention backend (refused, naming the model).
 
         Raises:
-            kernels.registry.BackendError subclasses; ConfigValueError for a non-dispatching transformer.
+            runner.kernels.registry.BackendError subclasses; ConfigValueError for a non-dispatching transformer.
         """
         if "attention" in self.backend_fields and not self.dispatches():
             raise ConfigValueError(

@@ -5,7 +5,7 @@ sources, media inputs, sinks and atomic artifacts, resume, run dirs, platform, w
 errors), :mod:`runner.app` (the run: ``run.Run``'s steps, the stage graph, preflight, the console, launchers,
 trackers) and :mod:`runner.tools` (what reads run dirs: report, matrix, repro, gate, export, validate, score, support
 matrix; ``runner.report``, ``runner.repro``... are their ``python -m`` entry points). The engines are in the
-top-level :mod:`models` package, the backends in :mod:`kernels`. Entry point: ``python -m runner``
+top-level :mod:`models` package, the backends in :mod:`runner.kernels`. Entry point: ``python -m runner``
 (``runner.__main__``).
 """
 

@@ -29,7 +29,7 @@ CONF_DIR = REPO_ROOT / "conf"
 def ctx(platform_kind: str = "cuda", sm: Optional[int] = 90, dtype: torch.dtype = torch.bfloat16,
         head_dim: Optional[int] = 128, **kw: Any):
     """A faked ``SelectionContext`` (default: an sm90 GPU running bf16 with head_dim 128)."""
-    from kernels.registry import SelectionContext
+    from runner.kernels.registry import SelectionContext
 
     return SelectionContext(platform_kind=platform_kind, sm=sm, dtype=dtype, head_dim=head_dim, **kw)
 

@@ -1,4 +1,4 @@
-"""One record per backend (``kernels.registry.Backend``): every unmet requirement is listed, and an out-of-tree
+"""One record per backend (``runner.kernels.registry.Backend``): every unmet requirement is listed, and an out-of-tree
 attention backend registered from this file alone (no edit elsewhere in the repository) is resolved, wired into
 diffusers, observed executing and matched by its own profiler signature in a real ``runner.app.execute.run``; a record
 whose wiring does not reach its kernel is reported as a mismatch."""
@@ -10,8 +10,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from kernels import registry as reg
-from kernels.registry import Backend, BackendUnavailableError, DiffusersWiring, UnknownBackendError
+from runner.kernels import registry as reg
+from runner.kernels.registry import Backend, BackendUnavailableError, DiffusersWiring, UnknownBackendError
 from runner.core.errors import EvidenceError
 
 try:
@@ -136,7 +136,7 @@ def my_sdpa():
 
 
 def test_plan_loads_the_lazy_kernel(my_sdpa):
-    from kernels.attention import plan
+    from runner.kernels.attention import plan
 
     assert plan("MY_SDPA") == ("native", my_sdpa_attention)
 
@@ -189,7 +189,7 @@ def test_cudnn_attention_signature_excludes_cudnn_convolutions():
     in the evidence. Its SDPA kernels match; the convolutions match no attention backend."""
     import re
 
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     conv = ("void cutlass__5x_cudnn::Kernel<cutlass_tensorop_bf16_s16816fprop_optimized_bf16_64x64_32x10_nhwc_align8>"
             "(cutlass_tensorop_bf16_s16816fprop_optimized_bf16_64x64_32x10_nhwc_align8::Params)")

@@ -1,5 +1,5 @@
 """Backend registry: names and aliases, capability checks against faked hardware, ``auto`` selection, and
-per-role attention spec validation (``kernels.registry``). No model is built here."""
+per-role attention spec validation (``runner.kernels.registry``). No model is built here."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from kernels import registry as reg
-from kernels.registry import BackendSpecError, BackendUnavailableError, UnknownBackendError
+from runner.kernels import registry as reg
+from runner.kernels.registry import BackendSpecError, BackendUnavailableError, UnknownBackendError
 
 try:
     from _helpers import CPU, ctx, compose, resolve, stage_info
@@ -353,7 +353,7 @@ def test_default_run_on_blackwell_with_every_package_starts(monkeypatch, sm):
 def test_explicit_unwired_backend_refused_at_startup(monkeypatch):
     """TRTLLM_ATTN passes its capability checks on sm100 with flashinfer installed but has no wiring: the refusal
     must come from the startup checks (before weights load), naming the backend."""
-    from kernels.attention import AttentionWiringError
+    from runner.kernels.attention import AttentionWiringError
 
     monkeypatch.setattr(reg, "has_symbol", lambda path: True)
     ov = ["backend.attention=trtllm"]

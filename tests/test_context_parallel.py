@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kernels import registry as reg
+from runner.kernels import registry as reg
 from runner.core.distributed import Layout, ParallelismConfigError, ParallelismUnsupportedError, Worker, layout
 from runner.core.errors import ConfigValueError
 

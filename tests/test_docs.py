@@ -17,7 +17,7 @@
   ``#anchor``, a heading of that page (GitHub's slug rule); every repository path in backticks exists
   (``path.attr`` names an attribute of ``path.py``); ``python <script>.py`` names an existing script.
 * The README is a front page: at most :data:`README_MAX_LINES` lines, linking every page. The configuration page
-  names every option of every config group under ``conf/``, the backends page every backend ``kernels.registry``
+  names every option of every config group under ``conf/``, the backends page every backend ``runner.kernels.registry``
   registers, the console page every optional extra of ``pyproject.toml``.
 
 The checks are functions (:func:`runner_problem`, :func:`tool_problem`, :func:`link_problems`) so that
@@ -372,7 +372,7 @@ def test_the_configuration_page_names_every_group_option():
 
 
 def test_the_backends_page_names_every_registered_backend():
-    from kernels.registry import BACKENDS
+    from runner.kernels.registry import BACKENDS
 
     text = (REPO_ROOT / "docs" / "backends.md").read_text(encoding="utf-8")
     missing = [f"{field}={name}" for field, named in BACKENDS.items() for name in named if f"`{name}`" not in text]

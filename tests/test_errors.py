@@ -26,7 +26,7 @@ pytestmark = pytest.mark.cpu
 
 def _defined_classes():
     """``(module name, class name, base names as written, nested)`` of every class under runner/, models/,
-    kernels/ (read from the source, so a class nobody imports is found too)."""
+    runner/kernels/ (read from the source, so a class nobody imports is found too)."""
     out = []
     for pkg in PACKAGES:
         for path in sorted((REPO_ROOT / pkg).rglob("*.py")):
@@ -93,11 +93,11 @@ CONTRACT = {
     "models.vllm.rows.ARConfigError": ("invalid", 2, ValueError),
     "models.flux.ModelPathError": ("invalid", 2, ValueError),
     "models.vllm.names.VLLMConfigError": ("invalid", 2, ValueError),
-    "kernels.registry.BackendError": ("invalid", 2, ValueError),
-    "kernels.registry.UnknownBackendError": ("invalid", 2, ValueError),
-    "kernels.registry.BackendUnavailableError": ("refused", 2, ValueError),
-    "kernels.registry.BackendSpecError": ("invalid", 2, ValueError),
-    "kernels.attention.AttentionWiringError": ("refused", 2, RuntimeError),
+    "runner.kernels.registry.BackendError": ("invalid", 2, ValueError),
+    "runner.kernels.registry.UnknownBackendError": ("invalid", 2, ValueError),
+    "runner.kernels.registry.BackendUnavailableError": ("refused", 2, ValueError),
+    "runner.kernels.registry.BackendSpecError": ("invalid", 2, ValueError),
+    "runner.kernels.attention.AttentionWiringError": ("refused", 2, RuntimeError),
     "runner.tools.report.RunDirError": ("invalid", 2, FileNotFoundError),
     "runner.tools.report.UnknownReferenceError": ("invalid", 2, KeyError),
     "runner.tools.matrix.GridError": ("invalid", 2, ValueError),
@@ -121,8 +121,8 @@ def test_each_class_carries_its_outcome_and_exit_code(path):
 
 
 def test_wiring_refusal_is_a_refusal_like_an_unavailable_backend():
-    from kernels.attention import AttentionWiringError
-    from kernels.registry import BackendUnavailableError
+    from runner.kernels.attention import AttentionWiringError
+    from runner.kernels.registry import BackendUnavailableError
 
     assert issubclass(AttentionWiringError, BackendUnavailableError)
     assert AttentionWiringError.outcome == BackendUnavailableError.outcome == "refused"
@@ -160,7 +160,7 @@ def test_errors_survive_pickling():
 def _fake_gpu(monkeypatch, sm: int) -> None:
     """A CUDA GPU of compute capability ``sm`` with every optional kernel package installed (nothing loads)."""
     import models.flux as flux
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
     from runner.app import run as run_module
     from runner.core.platform import PlatformInfo
 

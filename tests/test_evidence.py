@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from kernels.registry import BackendUnavailableError
+from runner.kernels.registry import BackendUnavailableError
 from runner.core.errors import EvidenceError
 
 try:

@@ -2,8 +2,8 @@
 
 Each test runs a small denoiser-shaped module under the real forward counter and profiler
 (:class:`models.denoiser_evidence.DenoiserProbe`: a CPU profiler trace of aten ops), with the call-site records the engine
-fills (:class:`kernels.attention.AttentionSite`, the linear record of :func:`kernels.linear.install`,
-:class:`kernels.moe.MoESite`) set to what a probe would have observed, and checks what the manifest's ``evidence``
+fills (:class:`runner.kernels.attention.AttentionSite`, the linear record of :func:`runner.kernels.linear.install`,
+:class:`runner.kernels.moe.MoESite`) set to what a probe would have observed, and checks what the manifest's ``evidence``
 section says: the verdict and the message naming the stage, layer and what ran instead. Every mismatch branch has a
 test that takes it and one at its boundary that does not.
 
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from kernels import linear as L
-from kernels.attention import AttentionSite
-from kernels.moe import MoESite
+from runner.kernels import linear as L
+from runner.kernels.attention import AttentionSite
+from runner.kernels.moe import MoESite
 from models.context_parallel import COLLECTIVES
 from models import denoiser_evidence as ev
 

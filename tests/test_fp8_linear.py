@@ -1,4 +1,4 @@
-"""The FP8 linear path (``kernels.linear``), on the CPU: ``torch._scaled_mm`` runs there too, so the quantization,
+"""The FP8 linear path (``runner.kernels.linear``), on the CPU: ``torch._scaled_mm`` runs there too, so the quantization,
 the replacement of the transformer blocks' linears and the call counting are tested without a GPU.
 
 What a user of ``backend.linear=FP8`` sees: the outputs of the replaced layers are close to the dense ones (the
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import linear as L
+from runner.kernels import linear as L
 
 pytestmark = pytest.mark.cpu
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _helpers import ctx, execute
-from kernels import registry as reg
+from runner.kernels import registry as reg
 from _helpers import import_extra  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def test_install_quantizes_the_block_linears_and_counts_calls(monkeypatch):
     import_extra("torchao", "torchao.quantization")
     import torchao.quantization.quant_api as qa
 
-    from kernels import linear
+    from runner.kernels import linear
 
     monkeypatch.setattr(qa, "_check_hardware_support", lambda g: None)  # CPU: torchao asserts a GPU
 

@@ -1,6 +1,6 @@
 """GPU end to end (issue #23): real runs of the runner on a CUDA GPU, each asserting that the evidence verdict is
 ``verified`` and that the profiled **device kernel names** match the selected backends' registry signatures
-(``kernels.registry.signature``), not only the CPU-side ``aten::`` op names.
+(``runner.kernels.registry.signature``), not only the CPU-side ``aten::`` op names.
 
 Every GPU test is marked ``cuda`` (``sm90`` where the rule asserted is Hopper's), so ``scripts/ci/cuda.sh`` runs them
 and ``scripts/ci/cpu.sh`` deselects them; on a machine without a GPU they are skipped with the reason
@@ -50,7 +50,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set
 import pytest
 import torch
 
-from kernels import registry as reg
+from runner.kernels import registry as reg
 
 try:
     from _helpers import compose
@@ -734,7 +734,7 @@ def test_sm90_runs_every_backend_it_must():
     this environment has (flash-attn, flashinfer, sageattention, triton where installed), and wires each attention
     backend into diffusers; TRTLLM_ATTN is refused naming sm100. So the matrix's skips (registry reasons) are only
     the packages that are absent."""
-    from kernels.attention import plan
+    from runner.kernels.attention import plan
 
     sm = _sm()
     ctx = reg.SelectionContext(platform_kind="cuda", sm=sm, dtype=torch.bfloat16, head_dim=64)

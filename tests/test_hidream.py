@@ -23,9 +23,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kernels import moe
-from kernels import registry as reg
-from kernels.registry import Backend, BackendUnavailableError, DiffusersMoEWiring
+from runner.kernels import moe
+from runner.kernels import registry as reg
+from runner.kernels.registry import Backend, BackendUnavailableError, DiffusersMoEWiring
 from runner.core.errors import EvidenceError
 from runner.core.resolve import LAYERS, BackendConflictWarning, StageConflictError
 
@@ -58,9 +58,9 @@ def _moe_block(dim: int = 32, experts: int = 4, top_k: int = 2, dtype=torch.floa
     return MOEFeedForwardSwiGLU(dim, 4 * dim, experts, top_k).to(device=device, dtype=dtype).eval()
 
 
-# A kernel-wired MoE backend registered from this file: the routed experts computed by kernels.moe.moe_reference
+# A kernel-wired MoE backend registered from this file: the routed experts computed by runner.kernels.moe.moe_reference
 # (index_add_ combine) instead of diffusers' loop (scatter_reduce_ combine). It goes through exactly the wiring
-# TRITON uses on a GPU (DiffusersMoEWiring(kernel=...) -> kernels.moe.use_kernel), which CPU cannot run.
+# TRITON uses on a GPU (DiffusersMoEWiring(kernel=...) -> runner.kernels.moe.use_kernel), which CPU cannot run.
 def reference_kernel(x, router_logits, w_gate, w_up, w_down, top_k, renormalize=True):
     return moe.moe_reference(x, router_logits, w_gate, w_up, w_down, top_k, renormalize)
 
@@ -274,7 +274,7 @@ def test_moe_auto_is_not_timed_under_data_parallelism():
 
 def test_kernel_matches_diffusers_loop_and_the_swap_is_caught():
     """The parity check of a routed-expert kernel against diffusers' own loop on a HiDream MoE block (fp32, CPU):
-    kernels.moe.moe_reference through the runner's wiring agrees to float rounding; the negative control (gate and up
+    runner.kernels.moe.moe_reference through the runner's wiring agrees to float rounding; the negative control (gate and up
     projections swapped) fails the same check by orders of magnitude."""
     from models.hidream import HiDreamExperts
 

@@ -253,8 +253,8 @@ def test_fuse_qkv_is_refused_before_loading(compose):
 def test_a_backend_the_audio_head_size_cannot_take_is_refused(compose):
     """The audio stream attends at ``audio_attention_head_dim``, the video at ``attention_head_dim`` (tiny: 8 both):
     a backend that takes only the video's head size is refused before loading, naming the audio head size."""
-    from kernels import registry as reg
-    from kernels.registry import Backend, DiffusersWiring, head_dim_multiple_of
+    from runner.kernels import registry as reg
+    from runner.kernels.registry import Backend, DiffusersWiring, head_dim_multiple_of
 
     rec = Backend("attention", "HEAD8_ATTN", requires=(head_dim_multiple_of(8),),
                   diffusers=DiffusersWiring("_native_math", observed=("_native_math",)), signature=r"head8")

@@ -1,4 +1,4 @@
-"""Issue #32 part B: weight quantization (``model.quantization``, ``kernels.quantization``), the memory planner
+"""Issue #32 part B: weight quantization (``model.quantization``, ``runner.kernels.quantization``), the memory planner
 (``runner.core.memory``) and offload evidence (``models.memory``).
 
 CPU: torchao int8 weight-only end to end through the runner (diffusers' ``PipelineQuantizationConfig`` at
@@ -17,8 +17,8 @@ import torch
 
 from _helpers import compose, execute, flux_dev_reference, import_extra, requires_extra, skip_without_extra
 from _helpers import flux_dev_stages as _stages
-from kernels import quantization as quant
-from kernels.registry import SelectionContext
+from runner.kernels import quantization as quant
+from runner.kernels.registry import SelectionContext
 from runner.core import memory as planner
 from runner.core.errors import RunnerError
 
@@ -53,7 +53,7 @@ def test_every_bad_entry_is_named_at_once():
 
 
 def test_unmet_requirements_are_a_refusal_naming_platform_and_package(monkeypatch):
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     monkeypatch.setattr(reg, "has_symbol", lambda path: not path.startswith("bitsandbytes"))
     with pytest.raises(quant.QuantizationUnavailableError) as e:

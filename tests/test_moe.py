@@ -1,4 +1,4 @@
-"""MoE block (``kernels.moe``): the TORCH reference loop against an independent dense oracle, routing conventions,
+"""MoE block (``runner.kernels.moe``): the TORCH reference loop against an independent dense oracle, routing conventions,
 the gate/up layout (a swap must show), the module's call counter, the TRITON backend's refusal off GPU, the
 align step of the Triton path (pure torch), the Triton kernels themselves where they can run (CUDA, or
 Triton's CPU interpreter in a subprocess when triton is installed), and GROUPED_MM (torch's grouped GEMM: its
@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import moe
-from kernels.moe import (SwiGLUMoE, align_block_size, fused_gate_up, grouped_experts, moe_grouped_mm, moe_reference,
+from runner.kernels import moe
+from runner.kernels.moe import (SwiGLUMoE, align_block_size, fused_gate_up, grouped_experts, moe_grouped_mm, moe_reference,
                          moe_triton, route, sort_by_expert)
-from kernels.registry import UnknownBackendError
+from runner.kernels.registry import UnknownBackendError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HAS_CUDA_TRITON = torch.cuda.is_available() and moe.HAS_TRITON
@@ -222,7 +222,7 @@ def test_moe_triton_matches_fp32_reference(dtype, T, H, I, E, k):
 _INTERP_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, sys.argv[1])
-    from kernels import moe
+    from runner.kernels import moe
     g = torch.Generator().manual_seed(0)
     for T, H, I, E, k in [(1, 48, 40, 4, 2), (21, 80, 48, 4, 2), (40, 64, 32, 8, 3)]:
         x = torch.randn(T, H, generator=g).half()
@@ -319,7 +319,7 @@ def _grouped_mm_ops(fn) -> int:
     runner's evidence would report them as having run)."""
     import re
 
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     with torch.profiler.profile() as prof:
         fn()
@@ -397,7 +397,7 @@ def test_moe_grouped_mm_matches_fp32_reference_on_gpu(T, H, I, E, k, dead):
     (TF32 off) on the same bf16 operands, incl. experts no token chose; the negative controls (unsorted rows,
     gate/up swapped) fail; the profiled step carries GROUPED_MM's signature in its device kernels (the registry's
     evidence regex, checked where the kernels run) and none of TORCH's."""
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     x, logits, wg, wu, wd = [t.cuda() for t in gmm_inputs(T, H, I, E, k, dead, torch.bfloat16)]
     torch.backends.cuda.matmul.allow_tf32 = False

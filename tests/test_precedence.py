@@ -16,8 +16,8 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from kernels import registry as reg
-from kernels.registry import BackendSpecError
+from runner.kernels import registry as reg
+from runner.kernels.registry import BackendSpecError
 from runner.core.resolve import (LAYERS, BackendConflictWarning, MisplacedBackendKeyError, StageConflictError,
                             check_placement)
 

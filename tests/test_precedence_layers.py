@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import registry as reg
+from runner.kernels import registry as reg
 from runner.core.resolve import cli_keys, _set_by
 
 try:

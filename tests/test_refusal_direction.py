@@ -37,8 +37,8 @@ def test_a_task_the_family_lacks_suggests_models_that_have_it_not_the_current_on
 
 
 def test_a_quantization_package_that_is_missing_gets_its_pip_install_line(monkeypatch):
-    from kernels import quantization as quant
-    from kernels import registry as reg
+    from runner.kernels import quantization as quant
+    from runner.kernels import registry as reg
 
     import importlib.util
 

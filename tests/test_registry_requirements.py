@@ -1,12 +1,12 @@
 """Every requirement of the backend registry at its boundary, and what ``auto`` picks on each platform class.
 
 The requirement factories (``sm_at_least``, ``symbol``, ``head_dim_in``...) are what a backend record (built-in or
-out of tree, :func:`kernels.registry.register_backend`) is made of; each is tested at the value where it flips
+out of tree, :func:`runner.kernels.registry.register_backend`) is made of; each is tested at the value where it flips
 from met to unmet, with the reason a user reads in the refusal. The built-in records are then checked at their
 documented limits (FP8 from sm89, cuDNN from sm80 and up to head_dim 256, trtllm-gen on sm100/sm103 only...), and
 ``auto`` on every platform class (Hopper, datacenter Blackwell sm100/sm103, sm120, other CUDA, CPU).
 
-Installed packages are faked by replacing ``kernels.registry.has_symbol`` (the one place the requirements ask);
+Installed packages are faked by replacing ``runner.kernels.registry.has_symbol`` (the one place the requirements ask);
 ``has_symbol`` itself is tested against real modules, including one that is installed but lacks the symbol and one
 whose import raises.
 """
@@ -19,8 +19,8 @@ from typing import Iterable
 import pytest
 import torch
 
-from kernels import registry as reg
-from kernels.registry import BackendSpecError, BackendUnavailableError, UnknownBackendError
+from runner.kernels import registry as reg
+from runner.kernels.registry import BackendSpecError, BackendUnavailableError, UnknownBackendError
 
 try:
     from _helpers import CPU, ctx
@@ -290,7 +290,7 @@ def test_context_parallel_refuses_our_own_kernels(monkeypatch):
     installed(monkeypatch, ["flashinfer.prefill:single_prefill_with_kv_cache"])
     why = reg.get("attention", "FLASHINFER_ATTN").unmet(ctx(sm=120, sequence_parallel=True))
     assert why == ["does not support sequence parallelism (context parallelism): it runs our kernel "
-                   "'kernels.attention:flashinfer_attention', not one of diffusers' context-parallel attention "
+                   "'runner.kernels.attention:flashinfer_attention', not one of diffusers' context-parallel attention "
                    "backends"]
 
 

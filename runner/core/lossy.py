@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional
 
-from kernels.registry import is_lossy
+from runner.kernels.registry import is_lossy
 
 
 def _cache_method(config: Optional[Mapping[str, Any]]) -> Optional[str]:
@@ -62,7 +62,7 @@ def lanes(backends: Mapping[str, Mapping[str, Any]], config: Optional[Mapping[st
 
 def quantization_lanes(config: Optional[Mapping[str, Any]]) -> List[str]:
     """``model.quantization.<component>=<method>`` for every quantized component of the config (each method of
-    ``kernels.quantization`` is lossy: weights rounded to fewer bits), spelled as the config gives it."""
+    ``runner.kernels.quantization`` is lossy: weights rounded to fewer bits), spelled as the config gives it."""
     q = (((config or {}).get("model") or {}).get("quantization")) or {}
     return [f"model.quantization.{k}={v}" for k, v in q.items()
             if k != "gguf_file" and v is not None and str(v).strip().lower() not in ("none", "", "null", "off")]

@@ -11,7 +11,7 @@ modules and the top-level parameters) as one group onloaded while the component 
 group is prefetched (two groups resident; three with ``record_stream``, whose freed group waits for the compute
 stream) and ``num_blocks_per_group`` is forced to 1. *Leaf level* makes every
 leaf module its own group (two resident with a stream). Quantized ``nn.Linear`` weights count at the method's bits
-(``kernels.quantization.WeightQuant.bits``).
+(``runner.kernels.quantization.WeightQuant.bits``).
 
 **Plans, resident bytes while component ``c`` runs** (``W_c`` its weights, ``A_c`` its activations):
 

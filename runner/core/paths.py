@@ -1,6 +1,6 @@
 """Where the runner's files are, whether it runs from a checkout or from an installed package.
 
-In a checkout, ``conf/`` is the repository's top-level folder, beside ``runner/``, ``models/`` and ``kernels/``.
+In a checkout, ``conf/`` is the repository's top-level folder, beside ``runner/`` and ``models/``.
 An installed package (``pip install .``, not editable) has no checkout: the wheel ships ``conf/`` inside the
 package as ``runner/conf`` (package data, see ``pyproject.toml``). The toy weights live inside their package
 (``models/toy_shapes/weights``) in both cases, under :data:`PROJECT_ROOT`.
@@ -18,7 +18,7 @@ RUNNER_DIR = Path(__file__).resolve().parent.parent
 """The ``runner`` package folder (its ``data/`` and ``schemas/`` sit here)."""
 
 PROJECT_ROOT = RUNNER_DIR.parent
-"""The folder holding the ``runner``, ``models`` and ``kernels`` packages: the checkout's root, or the
+"""The folder holding the ``runner`` and ``models`` packages: the checkout's root, or the
 site-packages (or ``--target``) folder of an installed package."""
 
 _SHIPPED_CONF = RUNNER_DIR / "conf"  # only in an installed package

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from kernels import registry as reg
+from runner.kernels import registry as reg
 
 log = logging.getLogger("runner.core.resolve")
 
@@ -129,7 +129,7 @@ class EngineNames:
 
     When a :class:`StageInfo` carries one, the precedence layers and provenance are resolved exactly as for the
     runner's own backends, but names are normalized, checked and auto-selected by the engine instead of
-    ``kernels.registry``.
+    ``runner.kernels.registry``.
     """
 
     engine = "engine"
@@ -464,7 +464,7 @@ def _select(fld: str, res: FieldResolution, canon: Any, where: str, info: StageI
     registry's priority, else the named backend checked against the device and the engine's wiring.
 
     Raises:
-        kernels.registry.BackendUnavailableError / BackendSpecError: a named backend that cannot run here.
+        runner.kernels.registry.BackendUnavailableError / BackendSpecError: a named backend that cannot run here.
     """
     if info.names is not None:  # the engine's own names (vLLM): it checks and chooses
         if canon == reg.AUTO:

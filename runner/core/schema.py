@@ -338,7 +338,7 @@ JSON_SCHEMA_ENUMS = {"manifest": {"/properties/dataset/properties/format": Datas
 @dataclass
 class BackendConfig:
     """Backend choices of one scope (run level, a model's defaults, or one stage). ``None``: not set at this layer.
-    Names are open (the registry in ``kernels.registry`` knows them, with aliases), so they stay strings."""
+    Names are open (the registry in ``runner.kernels.registry`` knows them, with aliases), so they stay strings."""
 
     attention: Any = None
     """A backend name (``TORCH_SDPA``, alias ``sdpa``, ..., or ``auto``) or a spec
@@ -453,7 +453,7 @@ class ModelConfig:
 
 @dataclass
 class QuantizationConfig:
-    """Weight quantization per pipeline component (``kernels.quantization``: ``int8wo``, ``float8wo``, ``nf4``,
+    """Weight quantization per pipeline component (``runner.kernels.quantization``: ``int8wo``, ``float8wo``, ``nf4``,
     ``gguf``; null/``none``: the component's weights as stored). Lossy: a run that sets one is labelled lossy and gated
     against the lossless run. A method whose requirements (platform, compute capability, package) are unmet, or a
     component the model does not have, is refused at startup, every entry at once."""

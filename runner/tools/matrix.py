@@ -59,7 +59,7 @@ def _norm_backend(field: str, value: Any) -> str:
     if not isinstance(value, str):
         return backend_summary(value) or "auto"
     try:
-        from kernels.registry import normalize
+        from runner.kernels.registry import normalize
 
         return normalize(field, value)
     except Exception:  # noqa: BLE001 - an unknown name is shown as written

@@ -5,8 +5,8 @@
 they differ (CI: ``tests/test_support_matrix.py``); ``--print`` writes the page to stdout.
 
 Rows come from the registries, never from a list kept here (:func:`axes`): the model families
-(``models.registry.FAMILIES``), the attention/linear/MoE backends (``kernels.registry.BACKENDS``), the weight
-quantization methods (``kernels.quantization.METHODS``), the step-cache methods (``models.cache.CACHE_METHODS``),
+(``models.registry.FAMILIES``), the attention/linear/MoE backends (``runner.kernels.registry.BACKENDS``), the weight
+quantization methods (``runner.kernels.quantization.METHODS``), the step-cache methods (``models.cache.CACHE_METHODS``),
 the offload plans (``memory.offload``: ``runner.core.schema.OffloadMode``), LoRA fusing (``model.lora_fuse``:
 ``LoraFuse``), the conditioning tasks (``models.family.TASKS``), the metrics (``runner.core.metrics.REGISTRY``) and
 the parallelism modes (``ParallelismMode``). Columns: the families, plus the non-family engines a model config
@@ -101,8 +101,8 @@ class Axis:
 def axes() -> List[Axis]:
     """Every feature axis with its values, read from the registries at call time (a value registered later, e.g. a
     new cache method, is a new row)."""
-    from kernels import quantization
-    from kernels.registry import BACKENDS
+    from runner.kernels import quantization
+    from runner.kernels.registry import BACKENDS
     from models import cache, family, registry
     from runner.core import metrics, schema
 
@@ -112,11 +112,11 @@ def axes() -> List[Axis]:
     return [
         Axis("family", "Model families", "model.adapter", tuple(registry.family_names()), "models.registry.FAMILIES"),
         Axis("attention", "Attention backends", "backend.attention", tuple(BACKENDS["attention"]),
-             "kernels.registry.BACKENDS"),
-        Axis("linear", "Linear backends", "backend.linear", tuple(BACKENDS["linear"]), "kernels.registry.BACKENDS"),
-        Axis("moe", "MoE backends", "backend.moe", tuple(BACKENDS["moe"]), "kernels.registry.BACKENDS"),
+             "runner.kernels.registry.BACKENDS"),
+        Axis("linear", "Linear backends", "backend.linear", tuple(BACKENDS["linear"]), "runner.kernels.registry.BACKENDS"),
+        Axis("moe", "MoE backends", "backend.moe", tuple(BACKENDS["moe"]), "runner.kernels.registry.BACKENDS"),
         Axis("quantization", "Weight quantization", "model.quantization.<component>", tuple(quantization.METHODS),
-             "kernels.quantization.METHODS"),
+             "runner.kernels.quantization.METHODS"),
         Axis("cache", "Step caches", "cache.method", tuple(cache.CACHE_METHODS), "models.cache.CACHE_METHODS"),
         Axis("offload", "Offload plans", "memory.offload", enum(schema.OffloadMode), "runner.core.schema.OffloadMode"),
         Axis("lora", "LoRA", "model.lora_fuse (with model.lora set)", enum(schema.LoraFuse),
@@ -258,8 +258,8 @@ class Features:
         return (self.configs[best].adapter, self.configs[best].task) if best else (None, None)
 
     def _norm(self, axis: str, value: str) -> Optional[str]:
-        from kernels import quantization
-        from kernels import registry as reg
+        from runner.kernels import quantization
+        from runner.kernels import registry as reg
         from models import cache
 
         value = value.strip().strip("'\"")
@@ -669,9 +669,9 @@ def collect(root: Path, results: Optional[Path] = None, previous: Optional[str] 
 
 @contextlib.contextmanager
 def packages_assumed() -> Iterator[None]:
-    """Inside the block every package entry point counts as installed (``kernels.registry.has_symbol`` is True),
+    """Inside the block every package entry point counts as installed (``runner.kernels.registry.has_symbol`` is True),
     so a refusal names the hardware or the model, not what this machine happens to have installed."""
-    from kernels import registry
+    from runner.kernels import registry
 
     real = registry.has_symbol
     registry.has_symbol = lambda path: True
@@ -720,7 +720,7 @@ def selection_context(root: Path, column: Optional[str], platform: str) -> Any:
     ``CPU`` (float32); head_dim, mask and MoE shape from :func:`family_facts` (a non-family column: none)."""
     import torch
 
-    from kernels.registry import SelectionContext
+    from runner.kernels.registry import SelectionContext
     from models import registry
 
     if platform == "CPU":
@@ -745,7 +745,7 @@ def refusal(root: Path, axis: str, value: str, column: Optional[str], platform: 
         if column is not None and spec is None:
             return None
         if axis == "quantization":
-            from kernels import quantization
+            from runner.kernels import quantization
 
             why = quantization.get(value).unmet(selection_context(root, column, platform))
             return "; ".join(why) or None
@@ -787,7 +787,7 @@ def _message(fn: Callable[[], Any]) -> Optional[str]:
 
 def _backend_refusal(root: Path, axis: str, value: str, column: Optional[str], spec: Any,
                      platform: str) -> Optional[str]:
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     import torch
 

@@ -249,7 +249,7 @@ def no_sequence_parallel() -> Requirement:
 
 @dataclass(frozen=True)
 class DiffusersWiring:
-    """How an attention backend is wired into diffusers models (applied by ``kernels.attention.install``).
+    """How an attention backend is wired into diffusers models (applied by ``runner.kernels.attention.install``).
 
     Attributes:
         backend: the diffusers ``AttentionBackendName`` value set on every attention module's processor
@@ -283,12 +283,12 @@ class DiffusersWiring:
 @dataclass(frozen=True)
 class DiffusersMoEWiring:
     """How an MoE backend is wired into the MoE blocks of a diffusers denoiser (applied by
-    ``kernels.moe.install`` through the model family's :class:`kernels.moe.ExpertsLayout`).
+    ``runner.kernels.moe.install`` through the model family's :class:`runner.kernels.moe.ExpertsLayout`).
 
     Attributes:
         kernel: None: the model's own expert loop runs (diffusers' forward of the block, the reference), observed
             by hooks on its expert modules. Otherwise our routed-expert implementation, a callable or a lazy
-            ``"module:attr"`` path with :func:`kernels.moe.moe_reference`'s contract (``x (T, H), router_logits
+            ``"module:attr"`` path with :func:`runner.kernels.moe.moe_reference`'s contract (``x (T, H), router_logits
             (T, E), w_gate (E, I, H), w_up (E, I, H), w_down (E, H, I), top_k, renormalize -> (T, H)``); it
             replaces the routed-expert computation of every MoE block (the router and any shared expert stay the
             model's), and each of its calls is reported as this backend.
@@ -554,7 +554,7 @@ register_backend(Backend(
               no_mask(), Requirement("flash-attn generation matches the GPU", _flash_check)),
     auto={"cuda": (20, "flash-attn installed and cuDNN does not fit")},
     diffusers=DiffusersWiring("flash", observed=("flash", "_flash_3", "flash_4_hub"),
-                              choose="kernels.attention:choose_flash"),
+                              choose="runner.kernels.attention:choose_flash"),
     vllm="FLASH_ATTN", signature=r"flash_fwd|flash_attn|FlashAttn",
     # vLLM 0.24 vllm_flash_attn: FA3 on sm90 (FlashAttnFwdSm90 main kernel, FlashAttnFwdCombine for split-KV),
     # FA2 elsewhere (flash_fwd_kernel / flash_fwd_splitkv_kernel); names read from _vllm_fa3_C.abi3.so's symbols
@@ -564,7 +564,7 @@ register_backend(Backend(
     requires=(on_platform("cuda"), sm_at_least(80), symbol("sageattention:sageattn"), dtype_in(*_HALF),
               head_dim_in(64, 96, 128), no_mask()),
     diffusers=DiffusersWiring("sage", observed=("sage", "_sage_qk_int8_pv_fp16_triton"),
-                              choose="kernels.attention:choose_sage"),
+                              choose="runner.kernels.attention:choose_sage"),
     signature=r"_attn_fwd|quant_per_block|sageattn|qk_int8",
     quant_keys={"dtype_qk": ("int8",), "q_block_size": (128,), "k_block_size": (64,)},
     lossy=True))  # SageAttention quantizes Q and K to INT8 (per block) whatever the spec says
@@ -573,7 +573,7 @@ register_backend(Backend(
     requires=(on_platform("cuda"), sm_in(90), symbol("sageattention:sageattn_qk_int8_pv_fp8_cuda_sm90"),
               Requirement("SageAttention 2's sm90 extension", _sage2_check), dtype_in(*_HALF),
               head_dim_in(64, 128), no_mask(), no_sequence_parallel()),
-    diffusers=DiffusersWiring("_sage_qk_int8_pv_fp8_cuda_sm90", kernel="kernels.attention:sage2_attention",
+    diffusers=DiffusersWiring("_sage_qk_int8_pv_fp8_cuda_sm90", kernel="runner.kernels.attention:sage2_attention",
                               observed=("_sage_qk_int8_pv_fp8_cuda_sm90",)),
     signature=r"qk_int8_sv_f8_attn_kernel|quant_(query|key)_per_thread_int8_kernel|TransposePadPermuteKernel|"
               r"MeanScaleKernel|sageattention_sm90::",
@@ -585,7 +585,7 @@ register_backend(Backend(
     requires=(on_platform("cuda"), sm_at_least(80), symbol("flashinfer.prefill:single_prefill_with_kv_cache"),
               dtype_in(*_HALF), head_dim_in(64, 128, 256), no_mask()),
     auto={"sm120": (20, "FlashInfer prefill installed")},
-    diffusers=DiffusersWiring("native", kernel="kernels.attention:flashinfer_attention"), vllm="FLASHINFER",
+    diffusers=DiffusersWiring("native", kernel="runner.kernels.attention:flashinfer_attention"), vllm="FLASHINFER",
     signature=r"flashinfer|SinglePrefill|BatchPrefill|PrefillWithKVCache"))
 register_backend(Backend(
     "attention", "TRTLLM_ATTN", aliases=("trtllm", "trtllm_gen", "trtllm_attention"),
@@ -609,8 +609,8 @@ register_backend(Backend(
     signature=r"torchao::|aten::_scaled_mm|e4m3|fp8|f8f8|nvjet_sm\d+_qq", lossy=True))
 # MoE. On diffusers stages TORCH is the model's own expert loop (diffusers' forward of each MoE block: per expert a
 # gather, its SwiGLU, and one scatter_reduce_ combine: its profiler signature), TRITON our grouped kernels
-# (kernels.moe.moe_triton: bf16/fp16 on a CUDA GPU; its two Triton kernels are its signature), GROUPED_MM torch's
-# grouped GEMM (kernels.moe.moe_grouped_mm). ``auto`` ranks TRITON, then GROUPED_MM, then TORCH; a diffusers stage
+# (runner.kernels.moe.moe_triton: bf16/fp16 on a CUDA GPU; its two Triton kernels are its signature), GROUPED_MM torch's
+# grouped GEMM (runner.kernels.moe.moe_grouped_mm). ``auto`` ranks TRITON, then GROUPED_MM, then TORCH; a diffusers stage
 # with more than one runnable candidate times them at startup at the model's MoE shape
 # (models.diffusers_engine.DiffusersEngine.choose_moe_by_measurement), and the timings are the recorded reason: the
 # rank decides only where nothing is timed (one candidate, or parallelism=data). AR stages use vLLM's own MoE names
@@ -628,7 +628,7 @@ register_backend(Backend("moe", "TRITON", aliases=("triton", "fused", "grouped")
                                          "shape at 7-1024 tokens), slower than diffusers' loop at HiDream-I1's 4 "
                                          "experts of width 6912 (H200: benchmarks/results/hidream_moe_h200_2026-12-02"
                                          ".json)")},
-                         diffusers=DiffusersMoEWiring(kernel="kernels.moe:moe_triton"), vllm="triton",
+                         diffusers=DiffusersMoEWiring(kernel="runner.kernels.moe:moe_triton"), vllm="triton",
                          signature=r"_moe_gate_up_silu_kernel|_moe_down_kernel",
                          # vLLM's TritonExperts (fused_moe/fused_moe.py): two launches per MoE layer and step
                          vllm_signature=r"\bfused_moe_kernel\b"))
@@ -662,7 +662,7 @@ register_backend(Backend("moe", "GROUPED_MM", aliases=("grouped_mm", "grouped_ge
                                    moe_dims_multiple_of(8)),  # 16-byte rows in bf16 (GroupedMMUtils.h)
                          # CUDA only: on the CPU torch's grouped GEMM is a per-expert mm loop (explicit choice only)
                          auto={"cuda": (15, _GROUPED_MM_WHY), "sm100": (15, _GROUPED_MM_WHY)},
-                         diffusers=DiffusersMoEWiring(kernel="kernels.moe:moe_grouped_mm"),
+                         diffusers=DiffusersMoEWiring(kernel="runner.kernels.moe:moe_grouped_mm"),
                          # the op on every device; on CUDA 9.x/10.x also the CUTLASS path's setup kernel
                          # (aten/src/ATen/native/cuda/GroupMMCommon.cuh)
                          signature=r"aten::_grouped_mm\b|prepare_grouped_gemm_data"))

@@ -5,7 +5,7 @@ of a diffusers transformer owns a processor whose ``_attention_backend`` names t
 ``dispatch_attention_fn`` calls. We set it per module (so roles can differ), exactly as
 ``ModelMixin.set_attention_backend`` does for a whole model.
 
-What each backend is wired to comes from its record in ``kernels.registry`` (``Backend.diffusers``, a
+What each backend is wired to comes from its record in ``runner.kernels.registry`` (``Backend.diffusers``, a
 ``DiffusersWiring``): a diffusers backend value, or a kernel of ours. Kernels diffusers does not ship (FlashInfer
 prefill, SageAttention 1.x, FA4 on Blackwell, out-of-tree kernels) ride on the ``native`` entry: the observing
 wrapper we put around each registered diffusers backend calls our kernel instead when the current call site
@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from kernels.registry import BackendUnavailableError, DiffusersWiring, observed_name
+from runner.kernels.registry import BackendUnavailableError, DiffusersWiring, observed_name
 
 _CURRENT: contextvars.ContextVar[Optional["AttentionSite"]] = contextvars.ContextVar("runner_attention_site",
                                                                                     default=None)
@@ -37,7 +37,7 @@ _CURRENT: contextvars.ContextVar[Optional["AttentionSite"]] = contextvars.Contex
 class AttentionWiringError(BackendUnavailableError, RuntimeError):
     """A selected attention backend cannot be wired into this model here (raised at startup, before weights load).
 
-    A refusal exactly like :class:`~kernels.registry.BackendUnavailableError` (outcome ``refused``, exit 2): the
+    A refusal exactly like :class:`~runner.kernels.registry.BackendUnavailableError` (outcome ``refused``, exit 2): the
     backend passed the registry's capability checks but has no wiring into diffusers models (``TRTLLM_ATTN``), or
     diffusers' own requirement check refuses the installed package. ``RuntimeError`` stays a base for callers that
     caught it before.
@@ -223,7 +223,7 @@ def choose_flash(platform_sm: Optional[int]) -> Optional[DiffusersWiring]:
     """FLASH_ATTN's per-device wiring (``DiffusersWiring.choose``): FA4 (:func:`flash4_attention`) on sm100+, where
     FA2/FA3 wheels do not run and the registry demanded FA4; diffusers' ``_flash_3`` on sm90 when
     ``flash_attn_interface`` (FA3) imports; else None (diffusers' ``flash``, FA2)."""
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     if platform_sm is not None and platform_sm >= 100:
         return DiffusersWiring("native", kernel=flash4_attention)
@@ -254,7 +254,7 @@ def plan(name: str, platform_sm: Optional[int] = None) -> Tuple[str, Optional[Ca
         AttentionWiringError: the record has no diffusers wiring (TRTLLM_ATTN), its kernel does not import, or
         diffusers' own requirement check refuses the installed package for its backend.
     """
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     record = reg.get("attention", name)
     if record.diffusers is None:

@@ -6,7 +6,7 @@ Every method is lossy by design (weights rounded to fewer bits): a run that sets
 (``runner.core.lossy``: lane ``model.quantization.<component>=<method>``) and gated against the lossless run
 (``runner.tools.gate``). Each record holds
 
-* its requirements (``kernels.registry`` requirement checks: platform, compute capability, the package's entry
+* its requirements (``runner.kernels.registry`` requirement checks: platform, compute capability, the package's entry
   point), evaluated before any weight loads; every unmet one is named;
 * how to build the library config (:meth:`WeightQuant.config`, per library: ``diffusers`` or ``transformers``);
 * the storage cost the memory planner uses (:attr:`WeightQuant.bits`: bits per ``nn.Linear`` weight element, scales
@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from kernels.registry import SelectionContext, on_platform, sm_at_least, symbol
+from runner.kernels.registry import SelectionContext, on_platform, sm_at_least, symbol
 from runner.core.errors import RefusedError, UserInputError, install_fix
 
 NONE = "none"
@@ -66,7 +66,7 @@ class WeightQuant:
     Attributes:
         name: canonical spelling (``int8wo``).
         aliases: other accepted spellings (case-insensitive, ``-`` == ``_``).
-        requires: ``kernels.registry`` requirements (``ctx -> reasons``), all evaluated.
+        requires: ``runner.kernels.registry`` requirements (``ctx -> reasons``), all evaluated.
         bits: storage bits per quantized ``nn.Linear`` weight element, scales included (None: from the file).
         libraries: component libraries it has a config for (``diffusers``, ``transformers``).
         tensor_classes: class names of a quantized weight as seen at call time (evidence).

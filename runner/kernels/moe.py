@@ -538,7 +538,7 @@ class SwiGLUMoE(nn.Module):
         hidden_size: H; intermediate_size: I (per expert); num_experts: E; top_k: experts per token.
         backend: ``"TORCH"`` (:func:`moe_reference`), ``"TRITON"`` (:func:`moe_triton`) or ``"GROUPED_MM"``
             (:func:`moe_grouped_mm`); registry aliases (``torch``, ``fused``, ``grouped_mm``, ...) are accepted
-            through :func:`kernels.registry.normalize`.
+            through :func:`runner.kernels.registry.normalize`.
         renormalize: renormalize the top-k routing weights (Qwen3-MoE ``norm_topk_prob``; Mixtral: always).
         dtype / device: of the parameters.
 
@@ -553,7 +553,7 @@ class SwiGLUMoE(nn.Module):
     Forward: ``x`` ``(..., H)`` -> ``(..., H)`` in ``x.dtype``; the router runs in the parameters' dtype.
 
     Raises:
-        kernels.registry.UnknownBackendError: an unknown backend name (at construction).
+        runner.kernels.registry.UnknownBackendError: an unknown backend name (at construction).
         RuntimeError: backend ``TRITON`` called on a CPU tensor or without ``triton`` (at forward; the runner's
             registry check refuses it earlier, at startup).
         TypeError / ValueError: backend ``GROUPED_MM`` on a dtype or sizes it does not take (at forward; see
@@ -564,7 +564,7 @@ class SwiGLUMoE(nn.Module):
                  backend: str = "TORCH", renormalize: bool = True, dtype: Optional[torch.dtype] = None,
                  device: Optional[torch.device] = None):
         super().__init__()
-        from kernels import registry as reg
+        from runner.kernels import registry as reg
 
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -573,7 +573,7 @@ class SwiGLUMoE(nn.Module):
         self.backend = reg.normalize("moe", backend)
         if self.backend not in _IMPL_FN:
             raise ValueError(f"SwiGLUMoE needs a concrete backend ({', '.join(IMPLS)}), got {backend!r}; resolve "
-                             f"`auto` with kernels.registry.auto_select first")
+                             f"`auto` with runner.kernels.registry.auto_select first")
         kw = {"dtype": dtype, "device": device}
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, **kw)
         self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, **kw))
@@ -703,7 +703,7 @@ def _moe_kernel(name: str) -> Optional[Callable[..., torch.Tensor]]:
     Raises:
         ValueError: the backend has no diffusers wiring (``DiffusersMoEWiring``).
     """
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     wiring = reg.get("moe", name).diffusers
     if wiring is None:
@@ -752,7 +752,7 @@ def install(blocks: Iterable[Tuple[str, nn.Module]], layout: ExpertsLayout, back
     Raises:
         ValueError: ``backend`` is not wired into diffusers models.
     """
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     own = next((b.name for b in reg.BACKENDS["moe"].values()
                 if b.diffusers is not None and b.diffusers.kernel is None), "TORCH")
@@ -833,11 +833,11 @@ def time_block(block: nn.Module, layout: ExpertsLayout, x: torch.Tensor, backend
 
 
 def auto_candidates(ctx: Any) -> List[str]:
-    """The MoE backends ``auto`` may choose on a diffusers stage in ``ctx`` (a ``kernels.registry.SelectionContext``),
-    in auto order: ranked for its platform class (``kernels.registry.auto_order``), wired into diffusers models, and
+    """The MoE backends ``auto`` may choose on a diffusers stage in ``ctx`` (a ``runner.kernels.registry.SelectionContext``),
+    in auto order: ranked for its platform class (``runner.kernels.registry.auto_order``), wired into diffusers models, and
     every requirement met. ``models.diffusers_engine.DiffusersEngine.choose_moe_by_measurement`` times them when
     there are two or more."""
-    from kernels import registry as reg
+    from runner.kernels import registry as reg
 
     wired = reg.wired("moe", "diffusers")
     return [n for n, _ in reg.auto_order("moe", ctx) if n in wired and not reg.get("moe", n).unmet(ctx)]
