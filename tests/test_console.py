@@ -129,6 +129,37 @@ def test_library_env_defaults_respect_the_user_and_verbose():
     assert library_env_defaults([], {"RUNNER_VERBOSE": "1"}) == {}
 
 
+_THREAD_PROFILE = """
+import sys, threading
+import torch
+if sys.argv[1] == "warm":
+    from runner.app.console import profiler_in_this_thread
+    profiler_in_this_thread()
+def run():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        torch.ones(3) @ torch.ones(3)
+t = threading.Thread(target=run)
+t.start()
+t.join()
+print("done")
+"""
+
+
+def test_a_run_thread_profiles_without_kineto_s_thread_line(subprocess_env):
+    """launcher=ray/slurm run in a thread of their own: kineto's "External init callback must run in same thread"
+    line (an fprintf, under no log level) is what a profile started there prints unless the thread that loaded torch
+    initialised the profiler first (``profiler_in_this_thread``, which both launchers call). The cold process is the
+    negative control: the line is real, so the warm one's silence is the helper's doing."""
+    out = {}
+    for mode in ("cold", "warm"):
+        p = subprocess.run([sys.executable, "-c", _THREAD_PROFILE, mode], env=subprocess_env, capture_output=True,
+                           text=True, timeout=300, cwd=REPO)
+        assert p.returncode == 0 and "done" in p.stdout, p.stderr[-2000:]
+        out[mode] = p.stderr
+    assert "External init callback must run in same thread" in out["cold"]
+    assert "External init callback" not in out["warm"] and "ERROR" not in out["warm"], out["warm"]
+
+
 def test_transformers_torchvision_fallback_warning_is_filtered():
     from runner.app.console import quiet_libraries
 

@@ -73,6 +73,9 @@ LIBRARY_NOISE: Dict[str, Tuple[Any, ...]] = {
     # launcher=ray starting its local cluster: Ray turned its secure default on (token authentication), nothing to
     # act on; the opposite notice (authentication disabled: anyone on the network can run code) stays on the console
     "ray._private.authentication.authentication_token_setup": ("Token authentication is enabled for this Ray",),
+    # launcher=ray turns Ray Data's progress bars off on purpose (the run's own bar is the one shown); Ray Data says
+    # so once per process when its executor starts (ray/data/_internal/progress/__init__.py)
+    "ray.data._internal.progress": ("Progress bars disabled. To enable",),
 }
 #: Loggers whose own console handler (not the root's) prints library records: redirected through ``tqdm.write``
 #: while the bar is shown, as the root's is (:class:`Progress`).
@@ -149,6 +152,20 @@ def quiet_libraries(is_verbose: bool = False) -> None:
 
         tlog.disable_progress_bar()
     except ImportError:
+        pass
+
+
+def profiler_in_this_thread() -> None:
+    """Initialise ``torch.profiler`` (kineto) in the calling thread, before a run that profiles (the evidence) is
+    started in another thread: ``launcher=ray``'s actors and ``launcher=slurm``'s tasks run it in a thread of
+    their own. kineto registers its client in the thread that loaded torch and, when the profiler is first
+    initialised in another thread, prints ``ERROR: External init callback must run in same thread as
+    registerClient`` to stderr with ``fprintf``, under no log level (libkineto ``LibkinetoApi::
+    initClientIfRegistered``). Call it in the thread that imported torch; costs one empty CPU profile (ms).
+    ``tests/test_console.py::test_a_run_thread_profiles_without_kineto_s_thread_line``."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         pass
 
 

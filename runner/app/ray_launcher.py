@@ -58,7 +58,7 @@ class BatchWorker:
     def __init__(self, cfg: Dict[str, Any], out_dir: str, overrides: List[str], token: str, lease_s: float) -> None:
         t0 = time.perf_counter()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from runner.app.console import library_env_defaults, quiet_libraries, verbose
+        from runner.app.console import library_env_defaults, profiler_in_this_thread, quiet_libraries, verbose
 
         library_env_defaults(list(overrides))  # before the run imports torch, as the CLI's entry does
         from runner.core.claims import FedClaims, posix_store
@@ -67,6 +67,7 @@ class BatchWorker:
         self.out_dir, self.cfg, self.overrides = Path(out_dir), OmegaConf.create(cfg), list(overrides)
         rundir.join(self.out_dir, token)
         quiet_libraries(verbose(self.overrides))  # a Ray worker is a fresh process: no loader bars there either
+        profiler_in_this_thread()  # the run (and its profiled step) goes in a thread below
         self.claims = FedClaims(posix_store(self.out_dir, token), lease_s)
         rank = self.claims.register(extra={"launcher": "ray"})
         self.worker = Worker(rank=rank, world_size=0, launcher="ray", assign="claims", claims=self.claims)

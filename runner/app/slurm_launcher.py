@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 from submitit.helpers import Checkpointable
 
+from runner.app.console import profiler_in_this_thread
 from runner.core.errors import RefusedError, RunnerError
 
 log = logging.getLogger("runner.slurm")
@@ -132,6 +133,7 @@ class ClaimsTask(Checkpointable):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self._bind_signals()
         self._event("started", index)
+        profiler_in_this_thread()  # the run (and its profiled step) goes in a thread below
         cfg = OmegaConf.create(self.cfg)
 
         def body() -> None:
