@@ -10,6 +10,7 @@ so they work whatever tests/conftest.py provides).
 from __future__ import annotations
 
 import json
+import hashlib
 import os
 import re
 import shutil
@@ -159,6 +160,21 @@ def cli(args: Sequence[str], env: Dict[str, str], cwd: Path, timeout: int = 600)
         env.pop(k, None)  # the defaults under test, not the caller's
     return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def worker_env() -> Dict[str, str]:
+    """This process's environment for a top-level ``python -m runner`` of a fleet test (claims, torchrun, Ray,
+    SLURM): offline, unbuffered, and none of the variables that would make it a worker of another run (``RANK``,
+    ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``) or slow it down (``RUNNER_TEST_SLOW_WORKER``)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "RUNNER_TEST_SLOW_WORKER"):
+        env.pop(k, None)
+    return env
+
+
+def image_hashes(run_dir: Path) -> Dict[str, str]:
+    """File name -> sha256 of every PNG under ``run_dir/images``."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((run_dir / "images").glob("*.png"))}
 
 
 def run_module(module: str, args: Iterable[Any], cwd: Path, timeout: int = 600) -> "subprocess.CompletedProcess":

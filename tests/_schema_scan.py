@@ -16,7 +16,7 @@ import dataclasses
 import re
 import typing
 from pathlib import Path
-from typing import Dict, Iterable, List, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 SCANNED = ("runner", "models")  # runner/kernels/ is under runner/
@@ -241,7 +241,18 @@ def is_read(parents: Set[Tuple[str, ...]], name: str, chains: Set[Tuple[str, ...
     return False
 
 
-def unread_fields(module, chains: Set[Tuple[str, ...]] = None) -> List[str]:
+def registry_reads() -> Dict[str, Set[str]]:
+    """Schema class -> the fields its registry's records read by name, which no access chain shows:
+    ``CacheConfig``'s method parameters are read as ``getattr(cfg.cache, f)`` for ``f`` in the chosen method's
+    ``reads`` (``models.cache.CacheMethod``), so a field counts as read when a registered method reads it."""
+    from models.cache import CACHE_METHODS
+
+    return {"CacheConfig": {f for m in CACHE_METHODS.values() for f in m.reads}}
+
+
+def unread_fields(module, chains: Set[Tuple[str, ...]] = None,
+                  by_registry: Optional[Dict[str, Set[str]]] = None) -> List[str]:
     chains = read_chains() if chains is None else chains
+    by_registry = registry_reads() if by_registry is None else by_registry
     return sorted(f"{cls}.{name}" for (cls, name), ps in schema_fields(module).items()
-                  if not is_read(ps, name, chains))
+                  if not is_read(ps, name, chains) and name not in by_registry.get(cls, ()))

@@ -7,7 +7,6 @@ Speed (stragglers, claims per second) is measured by ``benchmarks/fleet_cpu.py``
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -18,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from _helpers import image_hashes, worker_env
 
 from runner.core import rundir
 from runner.core.claims import (POOL_DONE, Claims, FedClaims, FleetMismatchError, Lease, PosixClaimStore, batch_id,
@@ -32,24 +33,13 @@ ARGS = ["platform=cpu", "cpu_threads=1", f"dataset.limit={ROWS}", "model.generat
 CLAIMS = ["parallelism=data", "parallelism.assign=claims", f"parallelism.lease_s={LEASE_S}"]
 
 
-def _env():
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "RUNNER_TEST_SLOW_WORKER"):
-        env.pop(k, None)
-    return env
-
-
-def _hashes(run_dir: Path):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((run_dir / "images").glob("*.png"))}
-
-
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     d = tmp_path_factory.mktemp("single") / "run"
-    r = subprocess.run([sys.executable, "-m", "runner", *ARGS, f"hydra.run.dir={d}"], cwd=d.parent, env=_env(),
+    r = subprocess.run([sys.executable, "-m", "runner", *ARGS, f"hydra.run.dir={d}"], cwd=d.parent, env=worker_env(),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    h = _hashes(d)
+    h = image_hashes(d)
     assert len(h) == ROWS
     return h
 
@@ -57,7 +47,7 @@ def single(tmp_path_factory):
 def test_sigkilled_worker_is_taken_over_and_the_run_completes(tmp_path, single):
     d = tmp_path / "run"
     cmd = [sys.executable, "-m", "runner", *ARGS, *CLAIMS, f"hydra.run.dir={d}"]
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     live = []  # the run's manifest.json seen while both workers ran (the live merge)
     try:
@@ -82,7 +72,7 @@ def test_sigkilled_worker_is_taken_over_and_the_run_completes(tmp_path, single):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert _hashes(d) == single  # byte-identical to the one-worker run
+    assert image_hashes(d) == single  # byte-identical to the one-worker run
     items = [json.loads(line) for line in (d / "items.jsonl").read_text().splitlines()]
     assert len(items) == ROWS and all(i["status"] == "ok" for i in items)
     m = json.loads((d / "manifest.json").read_text())
@@ -131,7 +121,7 @@ def test_a_sigkilled_torchrun_rank_is_restarted_by_torchrun_and_the_run_complete
     ``claims.deaths`` with its pid and the batches it held, from the earlier attempt's claims."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
            "-m", "runner", *ARGS, *CLAIMS]  # no hydra.run.dir: the default dir is kept across the restart
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         def rank1():
             d = _run_dir(tmp_path)
@@ -150,7 +140,7 @@ def test_a_sigkilled_torchrun_rank_is_restarted_by_torchrun_and_the_run_complete
         if p.poll() is None:
             p.kill()
     assert [x.name for x in (tmp_path / "outputs" / "runs").glob("*/*") if x.is_dir()] == [d.name]  # one run dir
-    assert _hashes(d) == single
+    assert image_hashes(d) == single
     items = [json.loads(line) for line in (d / "items.jsonl").read_text().splitlines()]
     assert len(items) == ROWS and all(i["status"] == "ok" for i in items)
     m = json.loads((d / "manifest.json").read_text())
@@ -172,12 +162,12 @@ def test_a_resume_claims_only_what_is_not_journaled(tmp_path, single):
     d = tmp_path / "run"
     cmd = [sys.executable, "-m", "runner", *ARGS, *CLAIMS, f"hydra.run.dir={d}"]
     for _ in range(2):
-        r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+        r = subprocess.run(cmd, cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads((d / "manifest.json").read_text())
     assert m["counts"] == {"ok": 0, "failed": 0, "reused": ROWS, "items": ROWS, "missing": 0}
     assert m["claims"]["claimed"] == 0
-    assert _hashes(d) == single
+    assert image_hashes(d) == single
 
 
 # ------------------------------------------------------------------------------------- the protocol itself

@@ -75,7 +75,7 @@ def test_subprocesses_import_the_checkout_under_test(tmp_path, subprocess_env):
     import os
 
     repo = Path(__file__).resolve().parent.parent
-    code = "import json, runner, models, kernels; print(json.dumps([m.__file__ for m in (runner, models, kernels)]))"
+    code = ("import json, runner, models, runner.kernels as k; print(json.dumps([m.__file__ for m in (runner, models, k)]))")
     for env in (subprocess_env, None):
         p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=120)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "README.md", "conf", "runner", "models", "kernels")
-PACKAGES = ("runner", "models", "kernels")
+SOURCES = ("pyproject.toml", "README.md", "conf", "runner", "models")
+PACKAGES = ("runner", "models")  # runner.kernels ships inside runner
 
 
 def _build_wheel(tmp: Path) -> Path:
@@ -86,8 +86,8 @@ def test_installed_wheel_runs_the_main_job_from_an_empty_directory(tmp_path, sub
     empty.mkdir()
     env = dict(subprocess_env, PYTHONPATH=str(site))  # not the checkout: the test env's PYTHONPATH is replaced
 
-    where = _run([sys.executable, "-c", "import json, runner, models, kernels; print(json.dumps("
-                  "[m.__file__ for m in (runner, models, kernels)]))"], empty, env)
+    where = _run([sys.executable, "-c", "import json, runner, models, runner.kernels as k; print(json.dumps("
+                  "[m.__file__ for m in (runner, models, k)]))"], empty, env)
     assert where.returncode == 0, where.stderr
     for f in json.loads(where.stdout):
         assert Path(f).resolve().is_relative_to(site.resolve()), f"{f} is not from the installed wheel"

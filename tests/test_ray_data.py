@@ -5,7 +5,6 @@ byte-identical to a one-worker run, the death named with its pid and the batch i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -16,19 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import requires_extra
+from _helpers import image_hashes, requires_extra, worker_env
 
 pytestmark = [pytest.mark.cpu, requires_extra("scale")]
 
 ROWS = 6
 SLOW = "model.generation.num_inference_steps=32"  # about 2 s a batch here: the kill lands mid-batch
-
-
-def _env():
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "RUNNER_TEST_SLOW_WORKER"):
-        env.pop(k, None)
-    return env
 
 
 def _cmd(args):
@@ -48,10 +40,6 @@ def ray_address():
     info = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield info.address_info["gcs_address"]
     ray.shutdown()
-
-
-def _hashes(run_dir: Path):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((run_dir / "images").glob("*.png"))}
 
 
 def _claims_dir(d: Path):
@@ -86,10 +74,10 @@ def _kill_mid_batch(d: Path, p: subprocess.Popen, deadline_s: float = 400):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     d = tmp_path_factory.mktemp("single") / "run"
-    r = subprocess.run(_cmd([f"hydra.run.dir={d}"]), cwd=d.parent, env=_env(), capture_output=True, text=True,
+    r = subprocess.run(_cmd([f"hydra.run.dir={d}"]), cwd=d.parent, env=worker_env(), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    h = _hashes(d)
+    h = image_hashes(d)
     assert len(h) == ROWS
     return h
 
@@ -97,12 +85,12 @@ def single(tmp_path_factory):
 def test_actor_killed_mid_batch_run_completes_byte_identical_then_rerun_generates_nothing(tmp_path, single,
                                                                                         ray_address):
     d = tmp_path / "ray"
-    p = subprocess.Popen(_cmd(_ray_args(d, ray_address)), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+    p = subprocess.Popen(_cmd(_ray_args(d, ray_address)), cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     victim, lost = _kill_mid_batch(d, p)
     out = p.communicate(timeout=500)[0]
     assert p.returncode == 0, out[-4000:]  # no manual restart: Ray retried the task on a restarted actor
-    assert _hashes(d) == single  # byte-identical to the one-worker run
+    assert image_hashes(d) == single  # byte-identical to the one-worker run
     m = json.loads((d / "manifest.json").read_text())
     assert m["status"] == "completed" and m["counts"] == {"ok": ROWS, "failed": 0, "reused": 0, "items": ROWS,
                                                           "missing": 0}
@@ -127,19 +115,19 @@ def test_actor_killed_mid_batch_run_completes_byte_identical_then_rerun_generate
 
     # a re-run: every batch is journaled, so no actor generates (nor loads a model) and nothing is rewritten
     mtimes = {q.name: q.stat().st_mtime_ns for q in (d / "images").glob("*.png")}
-    r = subprocess.run(_cmd(_ray_args(d, ray_address)), cwd=tmp_path, env=_env(), capture_output=True, text=True,
+    r = subprocess.run(_cmd(_ray_args(d, ray_address)), cwd=tmp_path, env=worker_env(), capture_output=True, text=True,
                        timeout=400)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     again = json.loads((d / "manifest.json").read_text())
     assert again["counts"] == {"ok": 0, "failed": 0, "reused": ROWS, "items": ROWS, "missing": 0}
     assert again["ray"]["journaled"] == ROWS and again["ray"]["generated"] == 0
     assert {q.name: q.stat().st_mtime_ns for q in (d / "images").glob("*.png")} == mtimes
-    assert _hashes(d) == single
+    assert image_hashes(d) == single
 
 
 def test_refusal_in_the_actors_ends_the_run_with_its_exit_code(tmp_path, ray_address):
     d = tmp_path / "refused"
-    r = subprocess.run(_cmd(_ray_args(d, ray_address) + ["backend.attention=FLASH_ATTN"]), cwd=tmp_path, env=_env(),
+    r = subprocess.run(_cmd(_ray_args(d, ray_address) + ["backend.attention=FLASH_ATTN"]), cwd=tmp_path, env=worker_env(),
                        capture_output=True, text=True, timeout=400)
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-4000:]

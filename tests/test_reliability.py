@@ -635,7 +635,8 @@ BAD_INPUTS = [
     ("parallelism-ulysses", None, ["parallelism.mode=ulysses", "parallelism.ulysses_degree=2"], ConfigValueError,
      [r"parallelism=ulysses needs 2 ranks per context group", r"torchrun --nproc-per-node 2"]),
     ("parallelism-cfg", None, ["parallelism=cfg"], ConfigValueError, [r"diffusers 0\.42 has no CFG parallelism"]),
-    ("image-format-webp", None, ["output.image_format=webp"], HydraException, [r"output.image_format"]),  # no such key
+    ("image-format-webp", None, ["output.image_format=webp"], ConfigValueError,
+     [r"output\.image_format='webp' is not a registered image format", r"fix: one of png"]),
     ("load-format-bogus", None, ["model.load_format=bogus"], HydraException,
      [r"Invalid value 'bogus', expected one of \[auto, dummy\]", r"full_key: model.load_format"]),
     ("pipeline-data-parallel", None, ["model=prompt_expand_flux", "parallelism=data"], ConfigValueError,
@@ -750,8 +751,9 @@ CLI_CASES = {
     "dtype=float64": (["dtype=float64"], 2, [r"dtype=float64 is not a value of dtype, which takes: auto, float32"]),
     "jsonl-without-path": (["dataset=jsonl"], 2, [r"dataset\.path: required for dataset=jsonl"]),
     "attention-typo": (["backend.attention=cudnnx"], 2, [r"closest match: CUDNN_ATTN"]),
-    "model=fluxx": (["model=fluxx"], None, [r"Could not find 'model/fluxx'", r"\bflux\b", r"flux_schnell",
-                                            r"tiny_flux"]),
+    # the runner's own message before Hydra composes (issue #38), not Hydra's "Could not find 'model/fluxx'"
+    "model=fluxx": (["model=fluxx"], 2, [r"model=fluxx: no such model; did you mean flux\?", r"flux_schnell",
+                                        r"tiny_flux", r"fix: model=flux\b"]),
     "model=flux-no-path": (["model=flux"], 2, [r"model=flux needs weights"]),
 }
 

@@ -5,7 +5,6 @@ and context parallelism without torchrun refuse (context parallelism itself: ``t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from runner.core.distributed import SHARDING
-from _helpers import requires_extra  # noqa: E402
+from _helpers import image_hashes, requires_extra, worker_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 6
@@ -24,21 +23,10 @@ ROWS = 6
 
 
 
-def _env():
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
 def _runner(args, cwd, timeout=300, torchrun=0):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "-m", "runner"]
            if torchrun else [sys.executable, "-m", "runner"]) + list(args) + ["model=tiny_flux"]
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def _hashes(run_dir: Path):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((run_dir / "images").glob("*.png"))}
+    return subprocess.run(cmd, cwd=cwd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +34,13 @@ def single(tmp_path_factory):
     d = tmp_path_factory.mktemp("single") / "run"
     r = _runner([f"dataset.limit={ROWS}", f"hydra.run.dir={d}"], cwd=d.parent)
     assert r.returncode == 0, r.stderr[-3000:]
-    h = _hashes(d)
+    h = image_hashes(d)
     assert len(h) == ROWS
     return h
 
 
 def _check_merged(d: Path, single, world_size: int, launcher: str):
-    assert _hashes(d) == single  # byte-identical to the 1-worker run
+    assert image_hashes(d) == single  # byte-identical to the 1-worker run
     m = json.loads((d / "manifest.json").read_text())
     assert m["status"] == "completed"
     assert m["parallelism"] == {"mode": "data", "world_size": world_size, "launcher": launcher,
@@ -87,7 +75,7 @@ def test_torchrun_killed_worker_then_resume(tmp_path, single):
     args = ["parallelism=data", "dataset.limit=16", slow, f"hydra.run.dir={d}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner", "model=tiny_flux",
            *args]
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     victim = None
     deadline = time.time() + 240
     while time.time() < deadline and victim is None:
@@ -112,7 +100,7 @@ def test_torchrun_killed_worker_then_resume(tmp_path, single):
     ref = tmp_path / "ref"
     r = _runner(["dataset.limit=16", slow, f"hydra.run.dir={ref}"], cwd=tmp_path)
     assert r.returncode == 0
-    assert _hashes(d) == _hashes(ref)
+    assert image_hashes(d) == image_hashes(ref)
     assert not [p for p in d.rglob("*") if ".tmp" in p.name]
 
 

@@ -257,6 +257,10 @@ def test_the_read_scan_is_not_trivially_satisfied():
     vars(fake).update({k: v for k, v in vars(schema).items()})
     vars(fake).update(RunConfig=_RunWithUnread, ParallelismConfig=_ParallelismWithDegree, OutputConfig=_OutputWithFormat)
     assert scan.unread_fields(fake) == ["_OutputWithFormat.jpeg_quality", "_ParallelismWithDegree.degree"]
+    # cache-method parameters count as read only through a registered method's ``reads``: with none, they are unread
+    no_methods = scan.unread_fields(schema, by_registry={})
+    assert "CacheConfig.threshold" in no_methods and "CacheConfig.order" in no_methods
+    assert "CacheConfig.method" not in no_methods  # read by name (cfg.cache.method)
 
 
 @dataclasses.dataclass

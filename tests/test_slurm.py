@@ -7,7 +7,6 @@ one-worker run, no item generated twice."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import requires_extra
+from _helpers import image_hashes, requires_extra, worker_env
 
 pytestmark = [pytest.mark.cpu, requires_extra("scale")]
 
@@ -27,19 +26,8 @@ ROWS = 8
 SLOW = "model.generation.num_inference_steps=48"  # about 3 s a batch here: signals land mid-run
 
 
-def _env():
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "RUNNER_TEST_SLOW_WORKER"):
-        env.pop(k, None)
-    return env
-
-
 def _cmd(args):
     return [sys.executable, "-m", "runner", "model=toy_shapes", f"dataset.limit={ROWS}", SLOW, *args]
-
-
-def _hashes(run_dir: Path):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((run_dir / "images").glob("*.png"))}
 
 
 def _namespace(d: Path):
@@ -92,10 +80,10 @@ def _ppid(pid: int) -> int:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     d = tmp_path_factory.mktemp("single") / "run"
-    r = subprocess.run(_cmd([f"hydra.run.dir={d}"]), cwd=d.parent, env=_env(), capture_output=True, text=True,
+    r = subprocess.run(_cmd([f"hydra.run.dir={d}"]), cwd=d.parent, env=worker_env(), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    return _hashes(d)
+    return image_hashes(d)
 
 
 def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
@@ -103,7 +91,7 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
     p = subprocess.Popen(_cmd(["parallelism=data", "launcher=slurm", "launcher.executor=local",
                                "launcher.num_workers=2", "launcher.num_gpus_per_worker=0", "launcher.timeout_min=30",
                                "parallelism.lease_s=300", f"hydra.run.dir={d}"]),
-                         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # A gets USR2 mid-batch while B is frozen, so that A's requeued process (A2) joins the same run; then A2 is
     # frozen while B's job gets SIGTERM, so that B's requeued process (B2) joins it too (a task requeued after every
     # other task has left starts a new attempt of the run, planned from the journals: tested by the claims tests)
@@ -121,7 +109,7 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
     out = p.communicate(timeout=600)[0]
     assert p.returncode == 0, out[-5000:]
 
-    assert _hashes(d) == single  # byte-identical to the one-worker run
+    assert image_hashes(d) == single  # byte-identical to the one-worker run
     m = json.loads((d / "manifest.json").read_text())
     assert m["status"] == "completed" and m["counts"]["missing"] == 0 and m["counts"]["failed"] == 0
     assert m["counts"]["ok"] + m["counts"]["reused"] == ROWS

@@ -216,7 +216,7 @@ def group_choice_problem(argv: Sequence[str]) -> Optional[str]:
     Hydra's to parse)."""
     import difflib
 
-    from runner.core.paths import CONF_DIR
+    from runner.core.paths import CONF_DIR, SCHEMA_BASES
 
     if any(a.lstrip("+").startswith("hydra.searchpath") or a in ("--config-dir", "-cd") or
            a.startswith("--config-dir=") for a in argv):
@@ -233,8 +233,8 @@ def group_choice_problem(argv: Sequence[str]) -> Optional[str]:
             values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
             options = group_options(o.key_or_group)
             for value in values:
-                if value in options or value in ("null", ""):
-                    continue
+                if value in options or value in ("null", "") or value in SCHEMA_BASES:
+                    continue  # a schema base (model=base_diffusion): the config check names it as one
                 group = o.key_or_group
                 close = difflib.get_close_matches(value, options, n=1)
                 mean = f" did you mean {close[0]}?" if close else ""
