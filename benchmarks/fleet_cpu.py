@@ -1,5 +1,5 @@
 """Claims on the CPU (issue 40): a straggler under the static deal and under claims, side by side; claims per
-second of the POSIX claims store.
+second of the POSIX claims store; the control plane at scale; kill and preemption verdicts of every launcher.
 
 **Straggler.** ``toy_shapes`` (platform=cpu, cpu_threads=1), the 24 builtin captions x ``--images`` per prompt at
 ``batch_size=1``, on ``--workers`` torchrun ranks, once with ``parallelism.assign=static`` (today's deal) and once
@@ -574,7 +574,13 @@ def main() -> int:
                 "command": " ".join([os.path.basename(sys.executable), *sys.argv]), **_git(),
                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                             "python": platform.python_version()}})
-    res.setdefault("parts_run", {}).update({x: res["git_commit"] for x in parts})
+    kill_cases = [c for c in args.kill_cases.split(",") if c]
+    bad = [c for c in kill_cases if c not in KILL_CASES]
+    if bad:
+        p.error(f"--kill-cases {','.join(bad)}: unknown; fix: some of {','.join(KILL_CASES)}")
+    res.setdefault("parts_run", {}).update({x: res["git_commit"] for x in parts if x != "kill"})
+    if "kill" in parts:  # each case's commit: the cases may be run apart
+        res["parts_run"].update({f"kill.{c}": res["git_commit"] for c in kill_cases})
     def save() -> None:  # after each part: a later part that fails keeps the figures of the earlier ones
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
@@ -601,7 +607,7 @@ def main() -> int:
     if "kill" in parts or "preempt" in parts:
         ref = one_worker(tmp)
     if "kill" in parts:
-        res.setdefault("kill", {}).update(kill_runs(tmp, [c for c in args.kill_cases.split(",") if c], ref))
+        res.setdefault("kill", {}).update(kill_runs(tmp, kill_cases, ref))
         res["kill_verdict"] = {k: v["verdict"] for k, v in res["kill"].items()}
         print(f"kill verdicts: {res['kill_verdict']}", flush=True)
         save()
