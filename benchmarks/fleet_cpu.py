@@ -40,10 +40,11 @@ a one-worker run of the same rows, the death recorded with its pid and the batch
 
 **Preemption** (``--parts preempt``): the same rows as a ``launcher=slurm`` job array of two tasks under submitit's
 LocalExecutor; one task gets SIGUSR2 mid-batch (what SLURM's ``--signal`` sends before the time limit), the other's
-job SIGTERM (what SLURM sends a preempted job), each requeued through submitit's checkpoint
+job SIGTERM mid-batch (what SLURM sends a preempted job), each requeued through submitit's checkpoint
 (``runner.core.testing.preempt_two_tasks``, as ``tests/test_slurm.py`` does). The verdict
-(``preemption.slurm_array_task``): both tasks requeued (their signal recorded, a new process of the same job), the
-requeued processes joined the run and resumed from the journal, nothing journaled generated again
+(``preemption.slurm_array_task``): both tasks requeued (their signal recorded, a new process of the same job), each
+journaled the batch it held before leaving (``journaled_before_requeue``), the requeued processes joined the run,
+completed and resumed from the journal, nothing journaled generated again
 (``regenerated_journaled``: ``ok`` records beyond one per item over all the journals, 0), every item ok, images
 byte-identical to the one-worker run, exit 0, the seconds it took.
 
@@ -474,9 +475,9 @@ def preempt_slurm_task(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
     """A ``launcher=slurm`` run of two array tasks (submitit's LocalExecutor); one task sent SIGUSR2 mid-batch (the
     time limit), the other's job SIGTERM (preemption), as SLURM sends them (``runner.core.testing.
     preempt_two_tasks``); each requeued through submitit's checkpoint. The verdict: both requeued (a new process of
-    the same job), the requeued processes joined the run and resumed from the journal (nothing journaled generated
-    again: every item has one ``ok`` record over all the journals), every item ok, images byte-identical to a
-    one-worker run."""
+    the same job), each signalled task journaled its batch before leaving, the requeued processes completed the run
+    from the journal (nothing journaled generated again: every item has one ``ok`` record over all the journals),
+    every item ok, images byte-identical to a one-worker run."""
     d = tmp / "preempt-slurm"
     t0 = time.perf_counter()
     with open(tmp / "preempt-slurm.log", "w") as log:
@@ -495,8 +496,8 @@ def preempt_slurm_task(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
     v = {"exit_code": code, "status": m.get("status"), "counts": m.get("counts"),
          "requeued": all(t["requeued"] and t["signal"] == s and t["requeued_pid"] not in (None, t["pid"])
                          for s, t in tasks.items()),
-         "resumed_from_journal": all(t["requeued_status"] == "completed" and all(oks.get(k) == 1 for k in t["_keys"])
-                                     for t in tasks.values()),
+         "resumed_from_journal": all(t["requeued_status"] == "completed" and t["journaled_before_requeue"] > 0
+                                     and all(oks.get(k) == 1 for k in t["_keys"]) for t in tasks.values()),
          "regenerated_journaled": sum(n - 1 for n in oks.values()),
          "all_ok": len(items) == len(ref) == len(oks) and all(i.get("status") == "ok" for i in items),
          "byte_identical_to_one_worker": _hashes(d) == ref,

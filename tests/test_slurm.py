@@ -42,8 +42,8 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
                                "launcher.num_workers=2", "launcher.num_gpus_per_worker=0", "launcher.timeout_min=30",
                                "parallelism.lease_s=300", f"hydra.run.dir={d}"]),
                          cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # SIGUSR2 to one task mid-batch, SIGTERM to the other's job, each while the other task's process is frozen so
-    # that every requeued process joins the same run (runner.core.testing.preempt_two_tasks says how)
+    # SIGUSR2 to one task mid-batch, SIGTERM to the other's job mid-batch, each while the other task's process is
+    # frozen so that every requeued process joins the same run (runner.core.testing.preempt_two_tasks says how)
     usr2, term = preempt_two_tasks(d)
     out = p.communicate(timeout=600)[0]
     assert p.returncode == 0, out[-5000:]
@@ -67,6 +67,11 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
     assert set(by_pid) == {usr2, term}, tasks
     assert by_pid[usr2]["signal"] == "SIGUSR2" and by_pid[term]["signal"] == "SIGTERM"
     assert not any(t["batch_unfinished"] for t in by_pid.values())
+    # each was signalled holding a batch: it journaled that batch before leaving (generated once: above)
+    rank = {w["pid"]: w["rank"] for w in m["workers"]}
+    for pid in (usr2, term):
+        mine = [json.loads(x) for x in (d / f"items.rank{rank[pid]}.jsonl").read_text().splitlines()]
+        assert [r for r in mine if r["status"] == "ok"], (pid, mine)
     for pid, ev in by_pid.items():
         again = [t for t in tasks if t["event"] == "started" and t["job_id"] == ev["job_id"]
                  and t["attempt"] == ev["attempt"] + 1]

@@ -22,7 +22,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, List, Optional, Set, Tuple, TypeVar
 
 SLOW_WORKER = "RUNNER_TEST_SLOW_WORKER"
 
@@ -210,30 +210,42 @@ def _parent_pid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def _freeze_holding(run_dir: Path, exclude: Set[int]) -> Optional[int]:
+    """Freeze (SIGSTOP) a registered claims worker of ``run_dir`` not in ``exclude`` that holds a batch not
+    journaled yet, checked again once frozen (so it is frozen mid-batch). Returns its pid; None when none holds one
+    now (a worker seen holding one that finished it before the stop is let go on, SIGCONT)."""
+    for pid in worker_pids(run_dir):
+        if pid in exclude or not any(held_not_done(ns, pid) for ns in Path(run_dir).glob("claims/*")):
+            continue
+        os.kill(pid, signal.SIGSTOP)
+        if any(held_not_done(ns, pid) for ns in Path(run_dir).glob("claims/*")):
+            return pid
+        os.kill(pid, signal.SIGCONT)
+    return None
+
+
 def preempt_two_tasks(run_dir: Path, timeout_s: float = 300.0) -> Tuple[int, int]:
-    """SLURM's two signals, each sent mid-run to one of two tasks of a ``launcher=slurm`` run under submitit's
+    """SLURM's two signals, each sent mid-batch to one of two tasks of a ``launcher=slurm`` run under submitit's
     LocalExecutor (each task process a child of its job's controller):
 
-    1. task A, seen holding a batch not journaled yet, gets SIGUSR2 (what SLURM's ``--signal=USR2@<delay>`` sends
-       before the time limit) while task B is frozen (SIGSTOP), so that A's requeued process (A2) joins the same run;
-    2. A2 is frozen while B's controller gets SIGTERM (what SLURM sends a preempted job; the controller forwards it
-       to its task, as SLURM does), so that B's requeued process joins the run too; then A2 resumes.
+    1. task B is frozen (SIGSTOP) holding a batch not journaled yet; task A, frozen the same way, gets SIGUSR2 (what
+       SLURM's ``--signal=USR2@<delay>`` sends before the time limit) and goes on, while B stays frozen so that A's
+       requeued process (A2) joins the same run;
+    2. A2 is frozen, B goes on and its controller gets SIGTERM (what SLURM sends a preempted job; the controller
+       forwards it to its task, as SLURM does), so that B's requeued process joins the run too; then A2 goes on.
 
-    (A task requeued after every other task has left starts a new attempt of the run instead, planned from the
-    journals.) Returns ``(A's pid, B's pid)``: the SIGUSR2 task's and the SIGTERM task's first processes.
+    Each signalled task thus holds a batch when signalled: it finishes and journals it before it is requeued. (A task
+    requeued after every other task has left starts a new attempt of the run instead, planned from the journals.)
+    Returns ``(A's pid, B's pid)``: the SIGUSR2 task's and the SIGTERM task's first processes.
 
     Raises:
         TimeoutError: a step not reached within ``timeout_s`` seconds.
     """
-    def holder() -> Optional[int]:  # a registered task holding a batch it has not finished
-        return next((pid for ns in Path(run_dir).glob("claims/*") for pid in worker_pids(run_dir)
-                     if held_not_done(ns, pid)), None)
-
-    usr2 = wait_for(holder, "a task holding an undone batch", timeout_s)
     wait_for(lambda: len(worker_pids(run_dir)) >= 2, "both tasks registered", timeout_s)
-    term = next(pid for pid in worker_pids(run_dir) if pid != usr2)
-    os.kill(usr2, signal.SIGUSR2)  # to the task, as SLURM's --signal=USR2@<delay> does
-    os.kill(term, signal.SIGSTOP)
+    term = wait_for(lambda: _freeze_holding(run_dir, set()), "a task holding an undone batch", timeout_s)
+    usr2 = wait_for(lambda: _freeze_holding(run_dir, {term}), "the other task holding an undone batch", timeout_s)
+    os.kill(usr2, signal.SIGUSR2)  # to the task, as SLURM's --signal=USR2@<delay> does (handled once it goes on)
+    os.kill(usr2, signal.SIGCONT)
     a2 = wait_for(lambda: next(iter(set(worker_pids(run_dir)) - {usr2, term}), None),
                   "the SIGUSR2 task's requeued process", timeout_s)
     os.kill(a2, signal.SIGSTOP)
