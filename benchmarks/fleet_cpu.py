@@ -370,6 +370,14 @@ def one_worker(tmp: Path) -> Dict[str, str]:
     return _hashes(d)
 
 
+def _fresh(d: Path) -> Path:
+    """``d``, emptied: a run dir left by an earlier benchmark under the same ``--tmp`` would make the run resume."""
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+    return d
+
+
 def _wait(p: subprocess.Popen, timeout_s: float = 900) -> int:
     """``p``'s exit code; killed (-9) when it runs past ``timeout_s``."""
     try:
@@ -381,7 +389,7 @@ def _wait(p: subprocess.Popen, timeout_s: float = 900) -> int:
 
 def kill_claims_process(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
     """Two claims workers started by hand on one run dir; one SIGKILLed mid-batch."""
-    d = tmp / "kill-claims"
+    d = _fresh(tmp / "kill-claims")
     t0 = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-m", "runner", *KILL_ARGS, *KILL_CLAIMS, f"hydra.run.dir={d}"],
                               cwd=tmp, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -393,7 +401,7 @@ def kill_claims_process(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
 
 def kill_torchrun_rank(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
     """Two torchrun ranks (``--max-restarts=1``, claims); rank 1 SIGKILLed mid-batch (torchrun restarts the group)."""
-    cwd = tmp / "kill-torchrun"
+    cwd = _fresh(tmp / "kill-torchrun")
     cwd.mkdir(exist_ok=True)
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -417,7 +425,7 @@ KILL_RAY = ["parallelism=data", "launcher=ray", "launcher.num_workers=2", "paral
 def kill_ray_actor(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
     """A ``launcher=ray`` run (Ray Data actor pool of two, a local Ray); one actor process SIGKILLed mid-batch (Ray
     restarts it and retries its task; the actor that gets the batch takes the dead one's claim over)."""
-    d = tmp / "kill-ray"
+    d = _fresh(tmp / "kill-ray")
     t0 = time.perf_counter()
     with open(tmp / "kill-ray.log", "w") as log:
         p = subprocess.Popen([sys.executable, "-m", "runner", *KILL_ARGS, *KILL_RAY, f"hydra.run.dir={d}"], cwd=tmp,
@@ -478,7 +486,7 @@ def preempt_slurm_task(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
     the same job), each signalled task journaled its batch before leaving, the requeued processes completed the run
     from the journal (nothing journaled generated again: every item has one ``ok`` record over all the journals),
     every item ok, images byte-identical to a one-worker run."""
-    d = tmp / "preempt-slurm"
+    d = _fresh(tmp / "preempt-slurm")
     t0 = time.perf_counter()
     with open(tmp / "preempt-slurm.log", "w") as log:
         p = subprocess.Popen([sys.executable, "-m", "runner", *KILL_ARGS, *PREEMPT_SLURM, f"hydra.run.dir={d}"],
