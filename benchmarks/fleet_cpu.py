@@ -1,5 +1,5 @@
 """Claims on the CPU (issue 40): a straggler under the static deal and under claims, side by side; claims per
-second of the POSIX claims store.
+second of the POSIX claims store; the control plane at scale; kill and preemption verdicts of every launcher.
 
 **Straggler.** ``toy_shapes`` (platform=cpu, cpu_threads=1), the 24 builtin captions x ``--images`` per prompt at
 ``batch_size=1``, on ``--workers`` torchrun ranks, once with ``parallelism.assign=static`` (today's deal) and once
@@ -30,14 +30,28 @@ memory apart; the one-shot merge of the same journals beside it), and claims per
 items' batches (``--scale-batch-size`` 8) through ``Claims.pull`` from ``--scale-processes`` processes; each figure's
 growth from the first size to the second (``scale.growth``).
 
-**Kill** (``--parts kill``): a claims worker started by hand and a torchrun rank (``--max-restarts=1``), each
-SIGKILLed while it holds a batch (``runner.core.testing.kill_mid_batch``): the verdict (exit 0 without a manual
-restart, every item ok, images byte-identical to a one-worker run, the death recorded with its pid and the batches
-it lost).
+**Kill** (``--parts kill``, ``--kill-cases claims_process,torchrun_rank,ray_actor``): the same 10 rows
+(``KILL_ARGS``, 48 steps a batch so that a kill lands mid-batch) run by two workers of each launcher, one of them
+SIGKILLed while it holds a batch (``runner.core.testing.kill_mid_batch``): ``claims_process``, a claims worker
+started by hand; ``torchrun_rank``, rank 1 of a torchrun group (``--max-restarts=1``); ``ray_actor``, an actor
+process of a ``launcher=ray`` run (Ray Data actor pool of two on a local Ray; Ray restarts the actor and retries its
+task). The verdict of each (``kill.<case>``): exit 0 without a manual restart, every item ok, images byte-identical to
+a one-worker run of the same rows, the death recorded with its pid and the batches it lost.
 
-Usage: ``python benchmarks/fleet_cpu.py [--parts straggler,rate,scale,kill] [--workers 4] [--factor 4] [--images 2]
-[--claims 5000] [--racers 4] [--out benchmarks/results/fleet_cpu.json]``; the parts not run keep their figures in
-``--out``. Straggler and rate about 5 minutes on 2 CPU cores, scale about 10, kill about 5.
+**Preemption** (``--parts preempt``): the same rows as a ``launcher=slurm`` job array of two tasks under submitit's
+LocalExecutor; one task gets SIGUSR2 mid-batch (what SLURM's ``--signal`` sends before the time limit), the other's
+job SIGTERM mid-batch (what SLURM sends a preempted job), each requeued through submitit's checkpoint
+(``runner.core.testing.preempt_two_tasks``, as ``tests/test_slurm.py`` does). The verdict
+(``preemption.slurm_array_task``): both tasks requeued (their signal recorded, a new process of the same job), each
+journaled the batch it held before leaving (``journaled_before_requeue``), the requeued processes joined the run,
+completed and resumed from the journal, nothing journaled generated again
+(``regenerated_journaled``: ``ok`` records beyond one per item over all the journals, 0), every item ok, images
+byte-identical to the one-worker run, exit 0, the seconds it took.
+
+Usage: ``python benchmarks/fleet_cpu.py [--parts straggler,rate,scale,kill,preempt] [--workers 4] [--factor 4]
+[--images 2] [--claims 5000] [--racers 4] [--kill-cases ...] [--out benchmarks/results/fleet_cpu.json]``; the parts
+(and kill cases) not run keep their figures in ``--out``. Straggler and rate about 5 minutes on 2 CPU cores, scale
+about 10, kill about 8, preempt about 3.
 """
 
 from __future__ import annotations
@@ -59,7 +73,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runner.core.claims import Claims, PosixClaimStore, batch_id  # noqa: E402
-from runner.core.testing import kill_mid_batch, run_processes  # noqa: E402
+from runner.core.testing import kill_mid_batch, preempt_two_tasks, run_processes, worker_pids  # noqa: E402
 
 
 def _env(slow: Optional[str] = None) -> Dict[str, str]:
@@ -346,49 +360,162 @@ def _verdict(d: Path, pid: Any, lost: List[str], code: int, ref: Dict[str, str],
     return v
 
 
-def kill_runs(tmp: Path) -> Dict[str, Any]:
-    """A claims worker started by hand and a torchrun rank (``--max-restarts=1``), each SIGKILLed mid-batch
-    (``runner.core.testing.kill_mid_batch``); the run's verdict against a one-worker run of the same rows."""
-    env = _env()
-    ref_dir = tmp / "kill-single"
-    subprocess.run([sys.executable, "-m", "runner", *KILL_ARGS, f"hydra.run.dir={ref_dir}"], cwd=tmp, env=env,
-                   capture_output=True, timeout=900, check=True)
-    ref = _hashes(ref_dir)
-    out: Dict[str, Any] = {}
-    d = tmp / "kill-claims"
+def one_worker(tmp: Path) -> Dict[str, str]:
+    """The reference of the kill and preemption verdicts: a one-process run of the same rows (``KILL_ARGS``); file
+    name -> sha256 of its images."""
+    d = tmp / "kill-single"
+    if not (d / "manifest.json").exists():
+        subprocess.run([sys.executable, "-m", "runner", *KILL_ARGS, f"hydra.run.dir={d}"], cwd=tmp, env=_env(),
+                       capture_output=True, timeout=900, check=True)
+    return _hashes(d)
+
+
+def _fresh(d: Path) -> Path:
+    """``d``, emptied: a run dir left by an earlier benchmark under the same ``--tmp`` would make the run resume."""
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+    return d
+
+
+def _wait(p: subprocess.Popen, timeout_s: float = 900) -> int:
+    """``p``'s exit code; killed (-9) when it runs past ``timeout_s``."""
+    try:
+        return p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return -9
+
+
+def kill_claims_process(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
+    """Two claims workers started by hand on one run dir; one SIGKILLed mid-batch."""
+    d = _fresh(tmp / "kill-claims")
     t0 = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-m", "runner", *KILL_ARGS, *KILL_CLAIMS, f"hydra.run.dir={d}"],
-                              cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              cwd=tmp, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for _ in range(2)]
     pid, lost = kill_mid_batch(d, lambda: [p.pid for p in procs if p.poll() is None])
-    codes = [p.wait(timeout=900) for p in procs]
-    out["claims_process"] = _verdict(d, pid, lost, max(c for c in codes if c != -9) if pid else 1, ref, t0)
-    cwd = tmp / "kill-torchrun"
+    codes = [_wait(p) for p in procs]
+    return _verdict(d, pid, lost, max(c for c in codes if c != -9) if pid else 1, ref, t0)
+
+
+def kill_torchrun_rank(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
+    """Two torchrun ranks (``--max-restarts=1``, claims); rank 1 SIGKILLed mid-batch (torchrun restarts the group)."""
+    cwd = _fresh(tmp / "kill-torchrun")
     cwd.mkdir(exist_ok=True)
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "--max-restarts=1", "-m", "runner", *KILL_ARGS, *KILL_CLAIMS], cwd=cwd, env=env,
+                          "--max-restarts=1", "-m", "runner", *KILL_ARGS, *KILL_CLAIMS], cwd=cwd, env=_env(),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def run_dir() -> Any:
         found = [x for x in (cwd / "outputs" / "runs").glob("*/*") if x.is_dir()]
         return found[0] if found else None
 
-    def rank1() -> List[int]:
-        d = run_dir()
-        recs = [json.loads(w.read_text() or "{}") for w in d.glob("claims/*/workers/1.json")] if d else []
-        return [r["pid"] for r in recs if r.get("pid")]
-
     while run_dir() is None and p.poll() is None:
         time.sleep(0.1)
-    pid, lost = kill_mid_batch(run_dir(), rank1)
-    try:
-        code = p.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        code = -9
-    out["torchrun_rank"] = _verdict(run_dir(), pid, lost, code, ref, t0)
+    pid, lost = kill_mid_batch(run_dir(), lambda: worker_pids(run_dir(), rank=1))
+    return _verdict(run_dir(), pid, lost, _wait(p), ref, t0)
+
+
+#: ``launcher=ray`` as ``tests/test_ray_data.py`` runs it: two actors on a local Ray the driver starts.
+KILL_RAY = ["parallelism=data", "launcher=ray", "launcher.num_workers=2", "parallelism.lease_s=3"]
+
+
+def kill_ray_actor(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
+    """A ``launcher=ray`` run (Ray Data actor pool of two, a local Ray); one actor process SIGKILLed mid-batch (Ray
+    restarts it and retries its task; the actor that gets the batch takes the dead one's claim over)."""
+    d = _fresh(tmp / "kill-ray")
+    t0 = time.perf_counter()
+    with open(tmp / "kill-ray.log", "w") as log:
+        p = subprocess.Popen([sys.executable, "-m", "runner", *KILL_ARGS, *KILL_RAY, f"hydra.run.dir={d}"], cwd=tmp,
+                             env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        pid, lost = kill_mid_batch(d, lambda: worker_pids(d))
+        code = _wait(p)
+    v = _verdict(d, pid, lost, code, ref, t0)
+    m = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").exists() else {}
+    v["ray"] = {k: (m.get("ray") or {}).get(k) for k in ("batches", "answered", "generated", "journaled")}
+    v["scheduler"] = (m.get("parallelism") or {}).get("scheduler")
+    return v
+
+
+KILL_CASES = {"claims_process": kill_claims_process, "torchrun_rank": kill_torchrun_rank,
+              "ray_actor": kill_ray_actor}
+
+
+def kill_runs(tmp: Path, cases: List[str], ref: Dict[str, str]) -> Dict[str, Any]:
+    """Each of ``cases`` (``KILL_CASES``): a worker SIGKILLed mid-batch (``runner.core.testing.kill_mid_batch``);
+    the run's verdict against a one-worker run of the same rows."""
+    out = {}
+    for c in cases:
+        out[c] = KILL_CASES[c](tmp, ref)
+        print(f"kill {c}: {out[c]['verdict']} ({out[c]['seconds']} s)", flush=True)
     return out
+
+
+# ---------------------------------------------------------------------------------------- preemption verdict
+#: ``launcher=slurm`` as ``tests/test_slurm.py`` runs it: a job array of two tasks under submitit's LocalExecutor.
+PREEMPT_SLURM = ["parallelism=data", "launcher=slurm", "launcher.executor=local", "launcher.num_workers=2",
+                 "launcher.num_gpus_per_worker=0", "launcher.timeout_min=30", "parallelism.lease_s=300"]
+
+
+def _ok_keys(journal: Path) -> List[str]:
+    return [r["key"] for r in (json.loads(x) for x in journal.read_text().splitlines()) if r.get("status") == "ok"] \
+        if journal.exists() else []
+
+
+def _requeue(m: Dict[str, Any], d: Path, pid: int) -> Dict[str, Any]:
+    """What became of task process ``pid`` after its signal: its requeue event, the process its job started next
+    (same job, next attempt) and how that process's worker ended, the items ``pid`` journaled before it left."""
+    tasks = (m.get("slurm") or {}).get("tasks") or []
+    workers = {w.get("pid"): w for w in m.get("workers") or []}
+    ev = next((t for t in tasks if t["event"] == "requeued" and t["pid"] == pid), None) or {}
+    again = next((t for t in tasks if ev and t["event"] == "started" and t["job_id"] == ev["job_id"]
+                  and t["attempt"] == ev["attempt"] + 1), None) or {}
+    before = _ok_keys(d / f"items.rank{(workers.get(pid) or {}).get('rank')}.jsonl")
+    return {"pid": pid, "job_id": ev.get("job_id"), "signal": ev.get("signal"), "requeued": bool(ev),
+            "batch_unfinished": ev.get("batch_unfinished"), "status": (workers.get(pid) or {}).get("status"),
+            "journaled_before_requeue": len(before), "requeued_pid": again.get("pid"),
+            "requeued_status": (workers.get(again.get("pid")) or {}).get("status"), "_keys": before}
+
+
+def preempt_slurm_task(tmp: Path, ref: Dict[str, str]) -> Dict[str, Any]:
+    """A ``launcher=slurm`` run of two array tasks (submitit's LocalExecutor); one task sent SIGUSR2 mid-batch (the
+    time limit), the other's job SIGTERM (preemption), as SLURM sends them (``runner.core.testing.
+    preempt_two_tasks``); each requeued through submitit's checkpoint. The verdict: both requeued (a new process of
+    the same job), each signalled task journaled its batch before leaving, the requeued processes completed the run
+    from the journal (nothing journaled generated again: every item has one ``ok`` record over all the journals),
+    every item ok, images byte-identical to a one-worker run."""
+    d = _fresh(tmp / "preempt-slurm")
+    t0 = time.perf_counter()
+    with open(tmp / "preempt-slurm.log", "w") as log:
+        p = subprocess.Popen([sys.executable, "-m", "runner", *KILL_ARGS, *PREEMPT_SLURM, f"hydra.run.dir={d}"],
+                             cwd=tmp, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        usr2, term = preempt_two_tasks(d)
+        code = _wait(p)
+    m = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").exists() else {}
+    items = [json.loads(x) for x in (d / "items.jsonl").read_text().splitlines()] if (d / "items.jsonl").exists() \
+        else []
+    oks: Dict[str, int] = {}
+    for j in d.glob("items.rank*.jsonl"):
+        for k in _ok_keys(j):
+            oks[k] = oks.get(k, 0) + 1
+    tasks = {s: _requeue(m, d, pid) for s, pid in (("SIGUSR2", usr2), ("SIGTERM", term))}
+    v = {"exit_code": code, "status": m.get("status"), "counts": m.get("counts"),
+         "requeued": all(t["requeued"] and t["signal"] == s and t["requeued_pid"] not in (None, t["pid"])
+                         for s, t in tasks.items()),
+         "resumed_from_journal": all(t["requeued_status"] == "completed" and t["journaled_before_requeue"] > 0
+                                     and all(oks.get(k) == 1 for k in t["_keys"]) for t in tasks.values()),
+         "regenerated_journaled": sum(n - 1 for n in oks.values()),
+         "all_ok": len(items) == len(ref) == len(oks) and all(i.get("status") == "ok" for i in items),
+         "byte_identical_to_one_worker": _hashes(d) == ref,
+         "tasks": {s: {k: x for k, x in t.items() if k != "_keys"} for s, t in tasks.items()},
+         "slurm_results_exit_codes": [r.get("exit_code") for r in (m.get("slurm") or {}).get("results") or []],
+         "seconds": round(time.perf_counter() - t0, 1)}
+    v["verdict"] = "pass" if (code == 0 and v["requeued"] and v["resumed_from_journal"]
+                              and v["regenerated_journaled"] == 0 and v["all_ok"]
+                              and v["byte_identical_to_one_worker"]) else "fail"
+    return v
 
 
 def _git() -> Dict[str, Any]:
@@ -419,7 +546,7 @@ def stragglers(tmp: Path, args: argparse.Namespace) -> Dict[str, Any]:
             "runs": {a: {k: v for k, v in r.items() if k != "images_sha256"} for a, r in runs.items()}}
 
 
-PARTS = ("straggler", "rate", "scale", "kill")
+PARTS = ("straggler", "rate", "scale", "kill", "preempt")
 
 
 def main() -> int:
@@ -439,6 +566,8 @@ def main() -> int:
     p.add_argument("--scale-items", default="10000,100000", help="item counts of the scale part (growth: 2nd/1st)")
     p.add_argument("--scale-processes", type=int, default=8, help="processes hosting the simulated claims workers")
     p.add_argument("--scale-batch-size", type=int, default=8, help="items per batch of the scale part's claims")
+    p.add_argument("--kill-cases", default=",".join(KILL_CASES), help=f"the kill part's cases, of "
+                   f"{','.join(KILL_CASES)}; the others keep their verdicts from --out")
     p.add_argument("--tmp", default=None, help="where the runs and the claims dirs go (default: a temp dir)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet_cpu.json"))
     args = p.parse_args()
@@ -449,11 +578,18 @@ def main() -> int:
     res.update({"what": "issue 40: a straggler under the static deal vs claims (torchrun ranks on the CPU, "
                         "toy_shapes); claims per second of the POSIX claims store; the control plane at scale (merge "
                         "time and memory, claims per second, 256 simulated workers, 10k and 100k items); SIGKILL "
-                        "verdicts (a claims worker, a torchrun rank)",
+                        "verdicts (a claims worker, a torchrun rank, a Ray actor); the preemption verdict (a SLURM "
+                        "array task under submitit's LocalExecutor: SIGUSR2 and SIGTERM, requeue, resume)",
                 "command": " ".join([os.path.basename(sys.executable), *sys.argv]), **_git(),
                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                             "python": platform.python_version()}})
-    res.setdefault("parts_run", {}).update({x: res["git_commit"] for x in parts})
+    kill_cases = [c for c in args.kill_cases.split(",") if c]
+    bad = [c for c in kill_cases if c not in KILL_CASES]
+    if bad:
+        p.error(f"--kill-cases {','.join(bad)}: unknown; fix: some of {','.join(KILL_CASES)}")
+    res.setdefault("parts_run", {}).update({x: res["git_commit"] for x in parts if x != "kill"})
+    if "kill" in parts:  # each case's commit: the cases may be run apart
+        res["parts_run"].update({f"kill.{c}": res["git_commit"] for c in kill_cases})
     def save() -> None:  # after each part: a later part that fails keeps the figures of the earlier ones
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
@@ -477,16 +613,24 @@ def main() -> int:
             res[f"merge_oneshot_python_peak_mb_{name}"] = sc["merge"][str(n)]["oneshot"]["python_peak_mb"]
             res[f"claims_per_s_{name}_{args.scale_workers}_workers"] = sc["claims"][str(n)]["claims_per_s"]
         save()
+    if "kill" in parts or "preempt" in parts:
+        ref = one_worker(tmp)
     if "kill" in parts:
-        res["kill"] = kill_runs(tmp)
+        res.setdefault("kill", {}).update(kill_runs(tmp, kill_cases, ref))
         res["kill_verdict"] = {k: v["verdict"] for k, v in res["kill"].items()}
         print(f"kill verdicts: {res['kill_verdict']}", flush=True)
+        save()
+    if "preempt" in parts:
+        res.setdefault("preemption", {})["slurm_array_task"] = preempt_slurm_task(tmp, ref)
+        res["preemption_verdict"] = {k: v["verdict"] for k, v in res["preemption"].items()}
+        print(f"preemption verdicts: {res['preemption_verdict']}", flush=True)
     save()
     print(f"straggler_ratio {res.get('straggler_ratio')} (claims) vs {res.get('straggler_ratio_static')} (static); "
           f"claims_per_s {res.get('claims_per_s')}; merge_s_10k {res.get('merge_s_10k')}, merge_s_100k "
-          f"{res.get('merge_s_100k')}; kill {res.get('kill_verdict')}")
+          f"{res.get('merge_s_100k')}; kill {res.get('kill_verdict')}; preemption {res.get('preemption_verdict')}")
     print(f"-> {args.out}")
-    ok = all(v == "pass" for v in (res.get("kill_verdict") or {}).values()) if "kill" in parts else True
+    ok = all(v == "pass" for part, key in (("kill", "kill_verdict"), ("preempt", "preemption_verdict")) if part in parts
+             for v in (res.get(key) or {}).values())
     return 0 if ok else 1
 
 

@@ -8,17 +8,14 @@ one-worker run, no item generated twice."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from _helpers import image_hashes, requires_extra, worker_env
+from runner.core.testing import preempt_two_tasks
 
 pytestmark = [pytest.mark.cpu, requires_extra("scale")]
 
@@ -28,53 +25,6 @@ SLOW = "model.generation.num_inference_steps=48"  # about 3 s a batch here: sign
 
 def _cmd(args):
     return [sys.executable, "-m", "runner", "model=toy_shapes", f"dataset.limit={ROWS}", SLOW, *args]
-
-
-def _namespace(d: Path):
-    if not (d / "claims").is_dir():
-        return None
-    dirs = sorted((d / "claims").glob("*/fleet.json"), key=lambda p: p.stat().st_mtime)
-    return dirs[-1].parent if dirs else None
-
-
-def _worker_pids(d: Path):
-    """The pids of the workers registered in the run's claims namespace."""
-    c = _namespace(d)
-    out = set()
-    for w in sorted(c.glob("workers/*.json")) if c else ():
-        try:
-            out.add(json.loads(w.read_text())["pid"])
-        except (ValueError, KeyError):
-            pass  # still being written
-    return out
-
-
-def _wait_for(cond, what: str, deadline_s: float = 300):
-    deadline = time.time() + deadline_s
-    while time.time() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _holder_mid_batch(d: Path):
-    """The pid of a task process holding a batch not journaled yet (a claim without its done marker)."""
-    def find():
-        c = _namespace(d)
-        for g in sorted(c.glob("b*.g*")) if c else ():
-            if not (c / f"{g.name.split('.')[0]}.done").exists():
-                try:
-                    return json.loads(g.read_text())["pid"]
-                except (ValueError, KeyError):
-                    continue
-        return None
-    return _wait_for(find, "a task holding an undone batch")
-
-
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 @pytest.fixture(scope="module")
@@ -92,20 +42,9 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
                                "launcher.num_workers=2", "launcher.num_gpus_per_worker=0", "launcher.timeout_min=30",
                                "parallelism.lease_s=300", f"hydra.run.dir={d}"]),
                          cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # A gets USR2 mid-batch while B is frozen, so that A's requeued process (A2) joins the same run; then A2 is
-    # frozen while B's job gets SIGTERM, so that B's requeued process (B2) joins it too (a task requeued after every
-    # other task has left starts a new attempt of the run, planned from the journals: tested by the claims tests)
-    usr2 = _holder_mid_batch(d)
-    _wait_for(lambda: len(_worker_pids(d)) >= 2, "both tasks registered")
-    term = next(pid for pid in _worker_pids(d) if pid != usr2)
-    os.kill(usr2, signal.SIGUSR2)  # to the task, as SLURM's --signal=USR2@<delay> does
-    os.kill(term, signal.SIGSTOP)
-    a2 = _wait_for(lambda: next(iter(_worker_pids(d) - {usr2, term}), None), "the USR2 task's requeued process")
-    os.kill(a2, signal.SIGSTOP)
-    os.kill(term, signal.SIGCONT)
-    os.kill(_ppid(term), signal.SIGTERM)  # to the job: submitit's controller forwards it to its task, as SLURM does
-    _wait_for(lambda: _worker_pids(d) - {usr2, term, a2}, "the SIGTERM task's requeued process")
-    os.kill(a2, signal.SIGCONT)
+    # SIGUSR2 to one task mid-batch, SIGTERM to the other's job mid-batch, each while the other task's process is
+    # frozen so that every requeued process joins the same run (runner.core.testing.preempt_two_tasks says how)
+    usr2, term = preempt_two_tasks(d)
     out = p.communicate(timeout=600)[0]
     assert p.returncode == 0, out[-5000:]
 
@@ -128,6 +67,11 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
     assert set(by_pid) == {usr2, term}, tasks
     assert by_pid[usr2]["signal"] == "SIGUSR2" and by_pid[term]["signal"] == "SIGTERM"
     assert not any(t["batch_unfinished"] for t in by_pid.values())
+    # each was signalled holding a batch: it journaled that batch before leaving (generated once: above)
+    rank = {w["pid"]: w["rank"] for w in m["workers"]}
+    for pid in (usr2, term):
+        mine = [json.loads(x) for x in (d / f"items.rank{rank[pid]}.jsonl").read_text().splitlines()]
+        assert [r for r in mine if r["status"] == "ok"], (pid, mine)
     for pid, ev in by_pid.items():
         again = [t for t in tasks if t["event"] == "started" and t["job_id"] == ev["job_id"]
                  and t["attempt"] == ev["attempt"] + 1]

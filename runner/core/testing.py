@@ -10,7 +10,9 @@ first artifact's temp object is uploaded and before it is verified and moved to 
 artifact's run-dir-relative name into ``<file>`` and sleeps (``tests/test_storage.py`` kills the process there).
 
 :func:`run_processes`: processes racing over the same shared storage (claims); :func:`kill_mid_batch`: a claims
-worker SIGKILLed while it holds a batch (the kill verdicts of ``tests/test_claims.py`` and the benchmark).
+worker SIGKILLed while it holds a batch (the kill verdicts of ``tests/test_claims.py`` and the benchmark);
+:func:`preempt_two_tasks`: SLURM's time-limit and preemption signals sent to two tasks of a ``launcher=slurm`` run
+(``tests/test_slurm.py`` and the benchmark's preemption verdict).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple, TypeVar
 
 SLOW_WORKER = "RUNNER_TEST_SLOW_WORKER"
 
@@ -170,3 +172,85 @@ def kill_mid_batch(run_dir: Path, candidates: Callable[[], List[int]], timeout_s
                     os.kill(pid, signal.SIGCONT)
         time.sleep(0.02)
     return None, []
+
+
+def worker_pids(run_dir: Path, rank: Optional[int] = None) -> List[int]:
+    """The pids of the claims workers registered in ``run_dir`` (``claims/<token>/workers/<n>.json``, every
+    namespace: every attempt of the run), only those of ``rank`` when given; a record still being written is
+    skipped. Sorted, each once."""
+    out = set()
+    for w in Path(run_dir).glob(f"claims/*/workers/{'*' if rank is None else rank}.json"):
+        try:
+            out.add(json.loads(w.read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            continue  # still being written
+    return sorted(out)
+
+
+T = TypeVar("T")
+
+
+def wait_for(cond: Callable[[], T], what: str, timeout_s: float = 300.0) -> T:
+    """Poll ``cond()`` every 50 ms until it returns something truthy; returns it.
+
+    Raises:
+        TimeoutError: nothing truthy within ``timeout_s`` seconds (the message names ``what``).
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _parent_pid(pid: int) -> int:
+    """The parent of process ``pid`` (Linux ``/proc/<pid>/stat``, field 4)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _freeze_holding(run_dir: Path, exclude: Set[int]) -> Optional[int]:
+    """Freeze (SIGSTOP) a registered claims worker of ``run_dir`` not in ``exclude`` that holds a batch not
+    journaled yet, checked again once frozen (so it is frozen mid-batch). Returns its pid; None when none holds one
+    now (a worker seen holding one that finished it before the stop is let go on, SIGCONT)."""
+    for pid in worker_pids(run_dir):
+        if pid in exclude or not any(held_not_done(ns, pid) for ns in Path(run_dir).glob("claims/*")):
+            continue
+        os.kill(pid, signal.SIGSTOP)
+        if any(held_not_done(ns, pid) for ns in Path(run_dir).glob("claims/*")):
+            return pid
+        os.kill(pid, signal.SIGCONT)
+    return None
+
+
+def preempt_two_tasks(run_dir: Path, timeout_s: float = 300.0) -> Tuple[int, int]:
+    """SLURM's two signals, each sent mid-batch to one of two tasks of a ``launcher=slurm`` run under submitit's
+    LocalExecutor (each task process a child of its job's controller):
+
+    1. task B is frozen (SIGSTOP) holding a batch not journaled yet; task A, frozen the same way, gets SIGUSR2 (what
+       SLURM's ``--signal=USR2@<delay>`` sends before the time limit) and goes on, while B stays frozen so that A's
+       requeued process (A2) joins the same run;
+    2. A2 is frozen, B goes on and its controller gets SIGTERM (what SLURM sends a preempted job; the controller
+       forwards it to its task, as SLURM does), so that B's requeued process joins the run too; then A2 goes on.
+
+    Each signalled task thus holds a batch when signalled: it finishes and journals it before it is requeued. (A task
+    requeued after every other task has left starts a new attempt of the run instead, planned from the journals.)
+    Returns ``(A's pid, B's pid)``: the SIGUSR2 task's and the SIGTERM task's first processes.
+
+    Raises:
+        TimeoutError: a step not reached within ``timeout_s`` seconds.
+    """
+    wait_for(lambda: len(worker_pids(run_dir)) >= 2, "both tasks registered", timeout_s)
+    term = wait_for(lambda: _freeze_holding(run_dir, set()), "a task holding an undone batch", timeout_s)
+    usr2 = wait_for(lambda: _freeze_holding(run_dir, {term}), "the other task holding an undone batch", timeout_s)
+    os.kill(usr2, signal.SIGUSR2)  # to the task, as SLURM's --signal=USR2@<delay> does (handled once it goes on)
+    os.kill(usr2, signal.SIGCONT)
+    a2 = wait_for(lambda: next(iter(set(worker_pids(run_dir)) - {usr2, term}), None),
+                  "the SIGUSR2 task's requeued process", timeout_s)
+    os.kill(a2, signal.SIGSTOP)
+    os.kill(term, signal.SIGCONT)
+    os.kill(_parent_pid(term), signal.SIGTERM)  # to the job: its controller forwards it to the task
+    wait_for(lambda: set(worker_pids(run_dir)) - {usr2, term, a2}, "the SIGTERM task's requeued process", timeout_s)
+    os.kill(a2, signal.SIGCONT)
+    return usr2, term
