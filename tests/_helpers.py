@@ -156,7 +156,8 @@ def cli(args: Sequence[str], env: Dict[str, str], cwd: Path, timeout: int = 600)
     """``python -m runner <args>`` in a subprocess with the console's defaults under test (``RUNNER_VERBOSE``,
     ``KINETO_LOG_LEVEL``, ``VLLM_LOGGING_LEVEL`` unset), importing this checkout."""
     env = dict(env, PYTHONPATH=str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    for k in ("RUNNER_VERBOSE", "KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL"):
+    for k in ("RUNNER_VERBOSE", "KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL",
+              "VLLM_CONFIGURE_LOGGING"):
         env.pop(k, None)  # the defaults under test, not the caller's
     return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -123,8 +123,9 @@ def test_library_env_defaults_respect_the_user_and_verbose():
     from runner.app.console import library_env_defaults
 
     env = {"VLLM_LOGGING_LEVEL": "DEBUG"}
-    assert library_env_defaults([], env) == {"KINETO_LOG_LEVEL": "6"}
-    assert env == {"VLLM_LOGGING_LEVEL": "DEBUG", "KINETO_LOG_LEVEL": "6"}
+    set_here = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR", "VLLM_CONFIGURE_LOGGING": "0"}
+    assert library_env_defaults([], env) == set_here
+    assert env == {"VLLM_LOGGING_LEVEL": "DEBUG", **set_here}
     assert library_env_defaults(["hydra.verbose=true"], {}) == {}
     assert library_env_defaults([], {"RUNNER_VERBOSE": "1"}) == {}
 
@@ -333,7 +334,8 @@ def test_vllm_run_prints_one_bar_one_summary_and_no_library_info_line(subprocess
 
 def _dp_run(args, env, cwd, torchrun):
     env = dict(env, PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
-    for k in ("RUNNER_VERBOSE", "KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "RANK", "WORLD_SIZE"):
+    for k in ("RUNNER_VERBOSE", "KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL",
+              "VLLM_CONFIGURE_LOGGING", "RANK", "WORLD_SIZE"):
         env.pop(k, None)
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner"] if torchrun
            else [sys.executable, "-m", "runner"])

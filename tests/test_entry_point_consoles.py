@@ -66,7 +66,8 @@ def _tool(module: str, args: List[str], cwd: Path):
     import sys
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    for k in ("RUNNER_VERBOSE", "KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL"):
+    for k in ("RUNNER_VERBOSE", "KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL",
+              "VLLM_CONFIGURE_LOGGING"):
         env.pop(k, None)  # the defaults under test
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -29,7 +29,13 @@ import os
 from typing import Any, Dict, List, MutableMapping, Optional, Sequence, Tuple
 
 #: Environment defaults that keep library chatter off the console (set only where unset, and not when verbose).
-LIBRARY_ENV_DEFAULTS: Dict[str, str] = {"KINETO_LOG_LEVEL": "6", "VLLM_LOGGING_LEVEL": "WARNING"}
+LIBRARY_ENV_DEFAULTS: Dict[str, str] = {"KINETO_LOG_LEVEL": "6", "VLLM_LOGGING_LEVEL": "WARNING",
+                                         # c10's C++ warnings ([W... utils.cpp] NUMA binding of vLLM's CPU worker)
+                                         "TORCH_CPP_LOG_LEVEL": "ERROR",
+                                         # vLLM's records reach the runner's handler (one console format, and the
+                                         # filter of models.vllm.adapter.VLLM_NOISE), not a handler vLLM rebuilds
+                                         # with dictConfig while its engine starts
+                                         "VLLM_CONFIGURE_LOGGING": "0"}
 #: Messages that say nothing to a runner user (substrings), per logger that emits them (a logger's filters see only
 #: its own records). transformers: the torchvision fallback. With torchao installed (the ``torchao`` extra, for
 #: ``backend.linear=FP8_TORCHAO``) diffusers imports it while loading any pipeline, and torchao logs its C++
