@@ -197,13 +197,20 @@ def test_model_sampling_and_engine_arguments_are_checked_before_the_engine(compo
 def test_rerun_into_a_dir_holding_an_ar_run_is_refused(compose, ar_run, rows_file, tmp_path):
     before = (ar_run.run_dir / "items.jsonl").read_bytes()
     manifest = (ar_run.run_dir / "manifest.json").read_bytes()
-    code, status = _job(compose, ["model=tiny_qwen3_moe", "dataset=jsonl", f"dataset.path={rows_file}", "seed=7"],
-                        ar_run.run_dir)
-    assert code == 2 and status["error_type"] == "ResumeConflictError"
-    assert str(ar_run.run_dir) in status["error"] and "fix: run into a new dir" in status["error"]
+    from runner.app.execute import run
+    from runner.app.jobs import run_job
+    from runner.core.resume import ResumeConflictError
+
+    overrides = ["platform=cpu", "model=tiny_qwen3_moe", "dataset=jsonl", f"dataset.path={rows_file}", "seed=7"]
+    with pytest.raises(ResumeConflictError) as e:
+        run(compose(overrides), ar_run.run_dir, overrides=overrides)
+    assert str(ar_run.run_dir) in str(e.value) and "fix: run into a new dir" in str(e.value)
+    # through the job (as the CLI runs it): exit 2, and the dir holding the other run is left as it was (issue #38:
+    # no job_status.json of the refused attempt written into it; tests/test_refused_attempts.py for diffusion)
+    assert run_job(compose(overrides), ar_run.run_dir, overrides, reraise=False) == 2
+    assert not (ar_run.run_dir / "job_status.json").exists()
     assert (ar_run.run_dir / "items.jsonl").read_bytes() == before  # nothing appended, manifest untouched
     assert (ar_run.run_dir / "manifest.json").read_bytes() == manifest
-    (ar_run.run_dir / "job_status.json").unlink()
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
