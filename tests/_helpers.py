@@ -159,6 +159,9 @@ def cli(args: Sequence[str], env: Dict[str, str], cwd: Path, timeout: int = 600)
     for k in ("RUNNER_VERBOSE", "KINETO_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL",
               "VLLM_CONFIGURE_LOGGING"):
         env.pop(k, None)  # the defaults under test, not the caller's
+    # set in this process by an in-process vLLM CPU engine of an earlier test (vllm/v1/worker/cpu_worker.py), never
+    # in a user's shell: a subprocess inheriting it gets vLLM's "Unknown vLLM environment variable" warning
+    env.pop("VLLM_DIST_IDENT", None)
     return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -161,12 +161,18 @@ def test_a_run_thread_profiles_without_kineto_s_thread_line(subprocess_env):
     assert "External init callback" not in out["warm"] and "ERROR" not in out["warm"], out["warm"]
 
 
-def test_vllm_family_notices_are_dropped_at_the_console_handlers_bar_or_not(capsys):
+def test_vllm_family_notices_are_dropped_at_the_console_handlers_bar_or_not(capsys, monkeypatch):
     """vLLM's environment notices come from many ``vllm.*`` loggers (a logger's own filter never sees its children's
     records): the family filter on the console handlers drops them, before and while the bar is open (the bar's
     redirect handlers replace the filtered ones), and keeps vLLM's other warnings and other loggers' lines."""
     from runner.app.console import Progress, quiet_libraries
 
+    # vLLM's logger as VLLM_CONFIGURE_LOGGING=0 leaves it (an in-process vLLM run of an earlier test may have
+    # configured its own handler in this process)
+    vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "handlers", [])
+    monkeypatch.setattr(vllm_logger, "propagate", True)
+    monkeypatch.setattr(vllm_logger, "level", logging.WARNING)
     root = logging.getLogger()
     handler = logging.StreamHandler(sys.stderr)  # a console handler (capsys's stderr): the bar redirects it
     root.addHandler(handler)

@@ -239,13 +239,15 @@ def test_adapter_kwargs_carry_backends(model_dir):
 
 
 @needs_vllm_cpu
-def test_weightless_dir_needs_dummy(tmp_path):
+def test_weightless_dir_needs_dummy(tmp_path, adapter):
     d = build(str(tmp_path), weights="none")
     assert not list(d.glob("*.safetensors")) and (d / "config.json").is_file()
     with pytest.raises(VLLMConfigError, match="load_format='dummy'"):
         VLLMAdapter(d, load_format="auto").load()
     assert VLLMAdapter(d, load_format="dummy").check_model_dir() == d
-    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # set by the module's engine (in-process)
+    # set by the module's engine (in-process); the fixture is named so the test does not depend on the order (it
+    # failed alone, and on an xdist worker that had not built the engine)
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
 @needs_vllm_cpu
