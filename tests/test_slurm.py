@@ -113,3 +113,19 @@ def test_launcher_slurm_config_reaches_submitit(compose, tmp_path):
         with pytest.raises(SlurmUnavailableError, match="fix: run the command on a SLURM login node, or "
                                                         "launcher.executor=local"):
             _executor(cfg, tmp_path)
+
+
+def test_requeue_record_names_the_batches_held_and_not_journaled(tmp_path, monkeypatch):
+    """What a requeued task's event says of its batches: a claim it still holds without a ``done`` marker is
+    unfinished (another worker takes it over), a completed one is not, whatever its run thread is doing then."""
+    from runner.app import slurm_launcher
+    from runner.core import claims
+
+    monkeypatch.setattr(claims, "LIVE", [])
+    c = claims.Claims(claims.PosixClaimStore(tmp_path), lease_s=60)
+    assert c.try_claim("b0000000") and c.try_claim("b0000001")
+    assert slurm_launcher._held_not_journaled() == ["b0000000", "b0000001"]
+    c.complete("b0000001")
+    assert slurm_launcher._held_not_journaled() == ["b0000000"]
+    c.complete("b0000000")
+    assert slurm_launcher._held_not_journaled() == []

@@ -92,7 +92,10 @@ FAMILY_NOISE: Dict[str, Tuple[str, ...]] = {
     "vllm": ("Triton is installed, but doesn't include CPU backend", "Enforce eager set, disabling torch.compile",
              "Inductor compilation was disabled by user settings", "triton-cpu is expected on x86 CPUs",
              "Model Runner V2 requires Triton", "VLLM_ENABLE_V1_MULTIPROCESSING is set to False",
-             "is not found in LD_PRELOAD", "CPU backend doesn't allow to use `torch.set_num_threads`"),
+             "is not found in LD_PRELOAD", "CPU backend doesn't allow to use `torch.set_num_threads`",
+             # on a host CPU with AVX-512 BF16 only (vllm/platforms/cpu.py check_and_update_config): vLLM resets the
+             # mamba SSM cache dtype of every model, one without a mamba layer too (backend 'none': the runner's MoE)
+             "Reset SSM cache type to float32 for accelerated GDN mamba backend"),
 }
 #: Loggers whose own console handler (not the root's) prints library records: redirected through ``tqdm.write``
 #: while the bar is shown, as the root's is (:class:`Progress`).

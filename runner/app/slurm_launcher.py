@@ -158,11 +158,28 @@ class ClaimsTask(Checkpointable):
         if self._thread is not None:
             self._thread.join(self.grace_s)
         still = self._thread is not None and self._thread.is_alive()
+        unfinished = _held_not_journaled()
+        # batch_unfinished: a batch this task claimed is not journaled when it leaves (its claim lapses, another
+        # worker takes it over); run_ended: the run's thread returned (it may still be at its end, after the batch:
+        # a live merge step or the fleet lock waiting on another worker)
         self._event("requeued", index, signal=signal.Signals(signum).name, halted_workers=halted,
-                    waited_s=round(time.monotonic() - t0, 3), batch_unfinished=still)
+                    waited_s=round(time.monotonic() - t0, 3), batch_unfinished=bool(unfinished),
+                    batches_unfinished=unfinished, run_ended=not still)
         self.requeues.append({"signal": signal.Signals(signum).name, "pid": os.getpid(), "at": time.time()})
         self.attempt += 1
         return super().checkpoint(index)
+
+
+def _held_not_journaled() -> List[str]:
+    """The batches this process's claims workers hold whose records are not journaled (no ``done`` marker)."""
+    from runner.core.claims import LIVE
+
+    out = []
+    for c in LIVE:
+        with c.lock:
+            held = list(c.held)
+        out += [b for b in held if not c.done(b)]
+    return sorted(out)
 
 
 def _task_status(out_dir: Path) -> Dict[str, Any]:
