@@ -355,9 +355,9 @@ class DiffusersEngine(EngineBase):
         load); none by default."""
 
     # ---------------------------------------------------------------------------------------------- LoRA
-    def lora_loader(self) -> Tuple[type, Dict[str, Tuple[int, int]]]:
-        """``(pipeline class, {transformer Linear: (out, in)})`` that ``model.lora`` adapters are checked against
-        (``models.lora.check_library``); a family that takes adapters provides it.
+    def lora_loader(self) -> Tuple[type, Dict[str, Dict[str, Tuple[int, int]]]]:
+        """``(pipeline class, {denoiser: {Linear: (out, in)}})`` that ``model.lora`` adapters are checked against
+        (``models.lora.check_library``; ``transformer`` first); a family that takes adapters provides it.
 
         Raises:
             models.lora.LoraError: the engine takes no LoRA adapters.
@@ -378,7 +378,7 @@ class DiffusersEngine(EngineBase):
         """
         from models import lora
 
-        entries = [{"path": e.path, "scale": e.scale, "name": e.name} for e in self.model_cfg.lora]
+        entries = [{"path": e.path, "scale": e.scale, "name": e.name, "expert": e.expert} for e in self.model_cfg.lora]
         self.lora_library = []
         if not entries:
             return
@@ -388,6 +388,11 @@ class DiffusersEngine(EngineBase):
         pipe_cls, linears = self.lora_loader()
         self.lora_library = lora.check_library(entries, pipe_cls, linears, str(self.model_cfg.name))
         self.source["lora"] = {"adapters": [a.record() for a in self.lora_library]}
+
+    def row_expert_steps(self, row: ds.Row) -> Optional[Dict[str, int]]:
+        """``{expert: steps it runs}`` in ``row``'s call on a model of several denoisers; None (one denoiser: it runs
+        every step) by default."""
+        return None
 
     def resolve_lora(self, rows: List[ds.Row], path: Any) -> List[ds.Row]:
         """Each row's adapter set (``models.lora.resolve_rows``) and whether the run fuses (``model.lora_fuse``,
@@ -406,6 +411,7 @@ class DiffusersEngine(EngineBase):
         if not self.lora_library and not any("lora" in r.values or "lora_scale" in r.values for r in rows):
             return rows
         rows = lora.resolve_rows(rows, self.lora_library, path)
+        rows = lora.drop_idle(rows, self.row_expert_steps, str(self.ctx.run.dataset.on_ignored), path)
         sets = lora.adapter_sets(rows)
         fuse, why = lora.decide_fuse(str(self.model_cfg.lora_fuse), sets)
         self.lora_plan = (fuse, why, sets)

@@ -22,6 +22,11 @@ backend); and the evidence that each adapter acted.
   adapter's own delta ``scaling * B @ (A @ x)``. An adapter set whose delta is zero in an adapted layer
   (:func:`set_deltas`: every ``lora_B`` zero) changes nothing there: a mismatch fused, unfused and per row alike (one
   input, one verdict); adapters at scale 0 run as asked and are not counted.
+* **Experts.** On a model of several denoisers (Wan 2.2 A14B) each entry names the expert(s) it loads into
+  (``model.lora[i].expert``, :func:`entry_experts`); its layers are checked against that expert's Linears, its record
+  and each row's set carry ``experts``, the evidence expects its branches in the calls where its expert ran and
+  nowhere else; an adapter whose experts run no step of a row is left out of the row's set, recorded under the item's
+  ``ignored.lora`` (:func:`drop_idle`).
 * **Oracle effect.** An adapter file may declare what it does to a toy oracle's attributes in its safetensors
   metadata (``runner.expect``: JSON, e.g. ``{"color": "blue"}``); items that run it at scale 1 are scored against
   that, at scale 0 against the row's own ``expect``, in between not on those attributes (:func:`effective_expect`).
@@ -44,8 +49,16 @@ from runner.core.errors import ConfigValueError, DatasetError, UserInputError
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 #: The safetensors metadata key of an adapter's declared oracle effect (:func:`effective_expect`).
 EFFECT_KEY = "runner.expect"
-#: Pipeline components whose LoRA layers the runner loads and checks (the denoiser).
+#: Pipeline components whose LoRA layers the runner loads and checks (the denoiser). A model with several denoisers
+#: (Wan 2.2 A14B: ``transformer`` for the high-noise steps, ``transformer_2`` for the low-noise ones) loads an adapter
+#: into the expert(s) its ``model.lora`` entry names (:data:`EXPERT_LOAD_KWARGS`); the file's keys say
+#: ``transformer`` either way (diffusers' naming).
 ADAPTED_COMPONENTS = ("transformer",)
+#: ``load_lora_weights`` keyword arguments that load into each expert (diffusers' ``WanLoraLoaderMixin``:
+#: ``load_into_transformer_2``, diffusers PR #12074).
+EXPERT_LOAD_KWARGS: Dict[str, Dict[str, Any]] = {"transformer": {}, "transformer_2": {"load_into_transformer_2": True}}
+#: ``model.lora[i].expert`` value that loads the adapter into every expert.
+ALL_EXPERTS = "all"
 
 
 class LoraError(UserInputError, ValueError):
@@ -63,6 +76,8 @@ class Adapter:
         sha256: of the file's bytes.
         layers: the transformer modules it adapts (names relative to the transformer).
         effect: the declared oracle effect (:data:`EFFECT_KEY`), or None.
+        experts: the denoisers it loads into on a model with several (``model.lora[i].expert``); None on a
+            one-denoiser model (``transformer``).
     """
 
     name: str
@@ -71,11 +86,34 @@ class Adapter:
     sha256: str
     layers: Tuple[str, ...]
     effect: Optional[Dict[str, Any]] = None
+    experts: Optional[Tuple[str, ...]] = None
 
     def record(self) -> Dict[str, Any]:
         """The manifest's entry (``model.source.lora.adapters``)."""
         return {"name": self.name, "path": self.path, "scale": self.scale, "sha256": self.sha256,
-                "layers": len(self.layers), **({"effect": self.effect} if self.effect else {})}
+                "layers": len(self.layers), **({"effect": self.effect} if self.effect else {}),
+                **({"experts": list(self.experts)} if self.experts else {})}
+
+    def loads_into(self) -> Tuple[str, ...]:
+        """The denoisers it loads into."""
+        return self.experts or ADAPTED_COMPONENTS
+
+    def keys(self) -> List[str]:
+        """The adapted layers as :class:`Runtime` names them: ``<module>`` in ``transformer``, ``<expert>.<module>``
+        in another expert."""
+        return [layer_key(e, m) for e in self.loads_into() for m in self.layers]
+
+
+def layer_key(expert: str, module: str) -> str:
+    """A LoRA layer's name in :class:`Runtime`: the module name, prefixed by its expert unless ``transformer``."""
+    return module if expert == ADAPTED_COMPONENTS[0] else f"{expert}.{module}"
+
+
+def split_key(key: str) -> Tuple[str, str]:
+    """``(expert, module)`` of a :func:`layer_key`."""
+    head, _, rest = key.partition(".")
+    first = ADAPTED_COMPONENTS[0]
+    return (head, rest) if head in EXPERT_LOAD_KWARGS and head != first else (first, key)
 
 
 # ------------------------------------------------------------------------------------------------ the library
@@ -153,10 +191,33 @@ def target_problems(where: str, sd: Mapping[str, torch.Tensor], linears: Mapping
     return problems, tuple(sorted(a_keys))
 
 
-def check_library(entries: Sequence[Mapping[str, Any]], pipeline_cls: type, linears: Mapping[str, Tuple[int, int]],
-                  model: str) -> List[Adapter]:
-    """Every ``model.lora`` entry (``{path, scale, name}``) checked (:func:`file_problem`, :func:`target_problems`),
-    names unique.
+def entry_experts(where: str, value: Optional[str], experts: Sequence[str], model: str
+                  ) -> Tuple[Tuple[str, ...], Optional[str]]:
+    """``(experts, problem)``: the denoisers a ``model.lora`` entry's ``expert`` names among the model's
+    ``experts``: null is the only one (required where there are several: an adapter loaded into one expert alone
+    would leave the other's steps unadapted, diffusers' default), :data:`ALL_EXPERTS` is each of them."""
+    names = " | ".join([*experts, ALL_EXPERTS])
+    if value is None:
+        if len(experts) > 1:
+            return (), (f"{where}: model={model} has {len(experts)} denoisers ({', '.join(experts)}; each runs its "
+                        f"own steps), and the entry names none to load into; fix: {where.split(' ')[0]}.expert="
+                        f"<{names}> (one entry per expert for a scale per expert: the same path, two names)")
+        return tuple(experts[:1]), None
+    if value == ALL_EXPERTS:
+        return tuple(experts), None
+    if value in experts and value in EXPERT_LOAD_KWARGS:
+        return (value,), None
+    return (), (f"{where}: expert={value!r} is not a denoiser of model={model}; fix: "
+                f"{where.split(' ')[0]}.expert=<{names}>")
+
+
+def check_library(entries: Sequence[Mapping[str, Any]], pipeline_cls: type,
+                  linears: Mapping[str, Mapping[str, Tuple[int, int]]], model: str) -> List[Adapter]:
+    """Every ``model.lora`` entry (``{path, scale, name, expert}``) checked (:func:`file_problem`,
+    :func:`entry_experts`, :func:`target_problems` against each expert it loads into), names unique.
+
+    Args:
+        linears: per denoiser of the model (``transformer`` first), its Linears (:func:`base_linears`).
 
     Raises:
         LoraError: every problem of every entry, each naming ``model.lora[i]``, the file and the fix.
@@ -172,6 +233,9 @@ def check_library(entries: Sequence[Mapping[str, Any]], pipeline_cls: type, line
         if name in seen:
             problems.append(f"{where}: the name {name!r} is also model.lora[{seen[name]}]'s; fix: a unique name")
         seen.setdefault(name, i)
+        experts, wrong = entry_experts(where, e.get("expert"), list(linears), model)
+        if wrong:
+            problems.append(wrong)
         why = file_problem(where, path)
         if why:
             problems.append(why)
@@ -182,9 +246,13 @@ def check_library(entries: Sequence[Mapping[str, Any]], pipeline_cls: type, line
             problems.append(f"{where}: {path} is not a LoRA {pipeline_cls.__name__} can read ({type(err).__name__}: "
                             f"{err}); fix: a LoRA file for model={model}'s family")
             continue
-        found, layers = target_problems(where, sd, linears, model)
-        problems += found
-        out.append(Adapter(name, str(path.resolve()), scale, file_sha256(path), layers, effect))
+        layers: Tuple[str, ...] = ()
+        for ex in experts or tuple(linears)[:1]:
+            found, layers = target_problems(where if len(linears) == 1 else f"{where} in {ex}", sd, linears[ex],
+                                            model)
+            problems += [p for p in found if p not in problems]
+        out.append(Adapter(name, str(path.resolve()), scale, file_sha256(path), layers, effect,
+                           (experts or None) if len(linears) > 1 else None))
     if problems:
         raise LoraError("model.lora cannot run on model=" + model + ":\n  " + "\n  ".join(problems))
     return out
@@ -221,11 +289,50 @@ def resolve_rows(rows: Sequence[Any], library: Sequence[Adapter], path: Any) -> 
                        "adapter; fix: remove lora_scale, or give model.lora / the row's lora")
             continue
         scale = r.values.get("lora_scale")
-        chosen = [{"name": n, "sha256": by_name[n].sha256, "scale": float(by_name[n].scale if scale is None else scale)}
+        chosen = [{"name": n, "sha256": by_name[n].sha256, "scale": float(by_name[n].scale if scale is None else scale),
+                   **({"experts": list(by_name[n].experts)} if by_name[n].experts else {})}
                   for n in names]
         out.append(dataclasses.replace(r, values={**r.values, "lora": chosen}) if library else r)
     if bad:
         raise DatasetError(bad)
+    return out
+
+
+def drop_idle(rows: Sequence[Any], expert_steps: Any, mode: str, path: Any) -> List[Any]:
+    """Adapters that act on no step of a row's call: each loads only into experts that run none of its steps
+    (``expert_steps(row)``: ``{expert: steps}``, None on a one-denoiser model; tiny_wan22 at 1 step runs
+    ``transformer_2`` on none). They change no byte of the item, so they are not recorded as applied: a row that names
+    one (its ``lora`` field) is refused under ``dataset.on_ignored=error`` (file:line, why, fix); otherwise (the
+    library's default set, or ``record``) it leaves the row's set and is kept under the item's ``ignored.lora``
+    (``value``: the adapters, ``why``, ``from``) beside the set that applied.
+
+    Raises:
+        DatasetError: error mode, every row naming such an adapter.
+    """
+    problems, out = [], []
+    for r in rows:
+        steps = expert_steps(r)
+        chosen = r.values.get("lora") or []
+        idle = [d for d in chosen if steps is not None and d.get("experts") and d["scale"]
+                and not any(steps.get(e) for e in d["experts"])]
+        if not idle:
+            out.append(r)
+            continue
+        experts = ", ".join(sorted({e for d in idle for e in d["experts"]}))
+        why = (f"{', '.join(d['name'] for d in idle)} load(s) into {experts}, which run(s) no step of the row's "
+               f"{r.num_inference_steps} (steps per expert: {steps})")
+        named = "lora" in r.set_fields
+        if mode == "error" and named:
+            problems.append(f"{path}:{r.line}: field 'lora' names adapter(s) that act on no step of row {r.id!r}: "
+                            f"{why}; fix: drop them from the row's lora, more steps, or dataset.on_ignored=record to "
+                            "run it and record them as ignored")
+            continue
+        values = {**r.values, "lora": [d for d in chosen if d not in idle]}
+        ignored = {**(r.ignored or {}), "lora": {"value": [dict(d) for d in idle], "why": why,
+                                                 "from": f"{path}:{r.line}" if named else "model.lora"}}
+        out.append(dataclasses.replace(r, values=values, ignored=ignored))
+    if problems:
+        raise DatasetError(problems)
     return out
 
 
@@ -281,6 +388,7 @@ def sketch(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return weight.detach().float() @ x
 
 
+@torch.no_grad()
 def set_deltas(layers: Mapping[str, Any], key: tuple) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
     """``{layer: (x, delta)}``: for every adapted layer that an adapter of the set ``key`` (``(name, scale)`` pairs)
     at a non-zero scale adapts, a seeded ``(in,)`` vector ``x`` and the set's change of its output
@@ -322,12 +430,23 @@ class Runtime:
         self.handles: List[Any] = []
         self.layers: Dict[str, Any] = {}
         self.nil: Dict[tuple, List[str]] = {}  # unfused: per adapter set run, the adapted layers it changes nothing in
+        self.experts: List[str] = sorted({e for a in self.library for e in a.loads_into()},
+                                         key=lambda e: (e != ADAPTED_COMPONENTS[0], e))
+        self.multi = any(a.experts for a in self.library)  # a model of several denoisers: each may skip a call
+        self.forwards: Dict[str, int] = {}  # per expert, its forwards in the current call (unfused, observed)
+        self.missing_layers: List[str] = []  # layers an adapter declares that hold no LoRA branch after loading
 
-    def adapted_layers(self, transformer: torch.nn.Module) -> Dict[str, Any]:
-        """``{module name: peft LoraLayer}`` of the transformer."""
+    def adapted_layers(self, pipe: Any) -> Dict[str, Any]:
+        """``{layer key: peft LoraLayer}`` of the experts the adapters load into (:func:`layer_key`)."""
         from peft.tuners.lora import LoraLayer
 
-        return {n: m for n, m in transformer.named_modules() if isinstance(m, LoraLayer)}
+        return {layer_key(e, n): m for e in self.experts for n, m in getattr(pipe, e).named_modules()
+                if isinstance(m, LoraLayer)}
+
+    def declared(self, names: Iterable[str]) -> set:
+        """``{(layer key, adapter)}`` that adapters ``names`` declare (their files' layers in their experts)."""
+        names = set(names)
+        return {(k, a.name) for a in self.library if a.name in names for k in a.keys()}
 
     @torch.no_grad()
     def load(self, pipe: Any) -> Dict[str, Any]:
@@ -342,24 +461,38 @@ class Runtime:
         quiet.setLevel(logging.ERROR)
         try:
             for a in self.library:
-                pipe.load_lora_weights(a.path, adapter_name=a.name, use_safetensors=True)
+                for e in a.loads_into():
+                    pipe.load_lora_weights(a.path, adapter_name=a.name, use_safetensors=True, **EXPERT_LOAD_KWARGS[e])
         finally:
             quiet.setLevel(level)
-        layers = self.layers = self.adapted_layers(pipe.transformer)
+        layers = self.layers = self.adapted_layers(pipe)
+        found = {(k, n) for k, layer in layers.items() for n in layer.lora_A}
+        self.missing_layers = sorted(f"{k} ({n})" for k, n in self.declared(a.name for a in self.library) - found)
         if self.fuse:
             self.fuse_set(pipe, layers, self.sets[0])
         elif self.observe:
             for lname, layer in layers.items():
                 for aname, mod in layer.lora_A.items():
                     self.handles.append(mod.register_forward_hook(self._counter(lname, aname)))
+            for e in self.experts if self.multi else ():  # one denoiser: it runs in every call
+                self.handles.append(getattr(pipe, e).register_forward_pre_hook(self._forward_counter(e)))
         return {"mode": "fused" if self.fuse else "per_batch", "why": self.why,
                 "adapters": [a.name for a in self.library], "layers": len(layers),
-                "sets": [[list(p) for p in key] for key in self.sets]}
+                "sets": [[list(p) for p in key] for key in self.sets],
+                **({"experts": {e: [a.name for a in self.library if e in a.loads_into()] for e in self.experts}}
+                   if self.multi else {})}
 
     def owned(self) -> Tuple[str, ...]:
-        """Module-name prefixes of the unfused LoRA branches (``<layer>.lora_A``, ``<layer>.lora_B``): the linear
-        backend leaves them alone (they run only for their adapter's batches; this runtime observes them)."""
-        return tuple(f"{n}.{part}" for n in self.layers for part in ("lora_A", "lora_B"))
+        """Module-name prefixes of the unfused LoRA branches (``<layer>.lora_A``, ``<layer>.lora_B``), relative to
+        their expert: the linear backend, installed on each expert, leaves them alone (they run only for their
+        adapter's batches; this runtime observes them)."""
+        rel = sorted({split_key(k)[1] for k in self.layers})
+        return tuple(f"{n}.{part}" for n in rel for part in ("lora_A", "lora_B"))
+
+    def _forward_counter(self, expert: str) -> Any:
+        def hook(mod: Any, args: Any) -> None:
+            self.forwards[expert] = self.forwards.get(expert, 0) + 1
+        return hook
 
     def _counter(self, layer: str, adapter: str) -> Any:
         def hook(mod: Any, args: Any, out: Any) -> None:
@@ -373,10 +506,10 @@ class Runtime:
         pipe.set_adapters(names, weights)
         deltas = set_deltas(layers, key)
         before = {n: (x, sketch(layers[n].get_base_layer().weight, x)) for n, (x, _) in deltas.items()}
-        pipe.fuse_lora(components=list(ADAPTED_COMPONENTS), lora_scale=1.0, adapter_names=names)
+        pipe.fuse_lora(components=list(self.experts), lora_scale=1.0, adapter_names=names)
         after = {n: sketch(layers[n].get_base_layer().weight, x) for n, (x, _) in before.items()}
         pipe.unload_lora_weights()  # fused weights stay; the LoRA modules go (no per-forward cost)
-        mods = dict(pipe.transformer.named_modules())
+        mods = {layer_key(e, n): m for e in self.experts for n, m in getattr(pipe, e).named_modules()}
         kept = {n: sketch(mods[n].weight, before[n][0]) for n in before}
         eps = torch.finfo(pipe.transformer.dtype).eps
         bad, nil = [], changes_nothing(deltas)
@@ -390,7 +523,9 @@ class Runtime:
             elif float((y1 - y0 - d).norm()) > 0.05 * dn + 2 * eps * float(y0.norm()) or not torch.equal(y1, kept[n]):
                 bad.append(n)
         self.fused = {"set": [list(p) for p in key], "layers": len(before), "changed_nothing": sorted(nil),
-                      "delta_mismatch": bad, "verdict": "verified" if before and not bad and not nil else "mismatch"}
+                      "delta_mismatch": bad, "not_loaded": self.missing_layers,
+                      "verdict": "verified" if before and not bad and not nil and not self.missing_layers
+                      else "mismatch"}
         self.current = key
 
     def activate(self, pipe: Any, key: Optional[tuple]) -> None:
@@ -413,17 +548,26 @@ class Runtime:
     def before_call(self) -> None:
         """Reset the per-call execution counts."""
         self.counts.clear()
+        self.forwards.clear()
 
     def after_call(self, batch_keys: Sequence[str]) -> None:
-        """Record what the call's adapters did: per active adapter, the adapted layers that executed it, and any
-        other adapter that executed (unfused, observed)."""
+        """Record what the call's adapters did (unfused, observed): per active adapter, the layers it declares in
+        each expert that ran in the call (:meth:`declared`: from its file, not from what loaded) that did not
+        execute it (``missing``), and any adapter that executed where none was declared active (``foreign``: another
+        adapter, or one loaded into another expert than its entry names). With several experts, each one's forwards
+        in the call (``forwards``): an expert's adapted layers are expected in the calls where it ran."""
         if self.fuse or not self.observe:
             return
         active = {n for n, _ in (self.current or ())}
-        want = {(ln, a) for ln, layer in self.layers.items() for a in layer.lora_A if a in active}
+        ran_experts = {e for e, v in self.forwards.items() if v} if self.multi else set(self.experts)
+        declared = self.declared(active)
+        want = {(k, a) for k, a in declared if split_key(k)[0] in ran_experts}
         ran = {k for k, v in self.counts.items() if v}
-        self.calls.append({"items": list(batch_keys), "set": sorted(active), "missing": sorted(want - ran),
-                           "foreign": sorted(ran - want)})
+        call = {"items": list(batch_keys), "set": sorted(active), "missing": sorted(want - ran),
+                "foreign": sorted(ran - declared)}
+        if self.multi:
+            call["forwards"] = {e: self.forwards.get(e, 0) for e in self.experts}
+        self.calls.append(call)
 
     def evidence(self, stage: str) -> Tuple[Dict[str, Any], List[str]]:
         """``(evidence.stages.<stage>.lora, mismatches)``."""
@@ -441,14 +585,18 @@ class Runtime:
             return sec, mm
         nil = {k: v for k, v in self.nil.items() if v}
         sec["changed_nothing"] = [{"set": [list(p) for p in k], "layers": v} for k, v in nil.items()]
+        if self.missing_layers:
+            sec["not_loaded"] = self.missing_layers
+            mm.append(f"stage {stage}: {len(self.missing_layers)} layer(s) an adapter declares hold no LoRA branch "
+                      f"after loading {self.missing_layers[:5]}")
         mm += [f"stage {stage}: unfused LoRA set {[list(p) for p in k]}: {len(v)} adapted layer(s) whose LoRA branch "
                f"changes nothing (scaling * B @ A = 0: an adapter whose lora_B are zero) {v[:5]}"
                for k, v in nil.items()]
         if not self.observe:
-            sec["verdict"] = "mismatch" if nil else "limited"
+            sec["verdict"] = "mismatch" if nil or self.missing_layers else "limited"
         else:
             bad = [c for c in self.calls if c["missing"] or c["foreign"]]
-            sec.update(calls=len(self.calls), verdict="mismatch" if bad or nil else "verified",
+            sec.update(calls=len(self.calls), verdict="mismatch" if bad or nil or self.missing_layers else "verified",
                        first_bad=bad[0] if bad else None)
             mm += [f"stage {stage}: items {c['items'][:3]}: adapter set {c['set']}: {len(c['missing'])} adapted "
                    f"layer(s) did not run their LoRA branch ({[tuple(x) for x in c['missing'][:3]]}), "

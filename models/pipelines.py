@@ -1131,30 +1131,24 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
             super().check_parallel()  # not declared: refused
 
     # -------------------------------------------------------------------------------------- call arguments
-    def lora_loader(self) -> Tuple[type, Dict[str, Tuple[int, int]]]:
-        """The task's pipeline class, when it has diffusers' LoRA loader (``load_lora_weights``), and the
-        transformer's Linears built on the meta device from its config (``models.lora.base_linears``).
+    def lora_loader(self) -> Tuple[type, Dict[str, Dict[str, Tuple[int, int]]]]:
+        """The task's pipeline class, when it has diffusers' LoRA loader (``load_lora_weights``), and each
+        denoiser's Linears (:meth:`declared_experts`: Wan 2.2 A14B's ``transformer`` and ``transformer_2``), built on
+        the meta device from its config (``models.lora.base_linears``).
 
         Raises:
-            models.lora.LoraError: the pipeline class has no LoRA loader, or the model has several experts
-                (:meth:`declared_experts`; ``models.lora`` adapts and observes ``transformer`` alone, so Wan 2.2
-                A14B's low-noise ``transformer_2`` would run unadapted).
+            models.lora.LoraError: the pipeline class has no LoRA loader.
         """
         from models.lora import LoraError
 
-        experts = self.declared_experts()
-        if len(experts) > 1:
-            raise LoraError(f"model.lora with model={self.cfg.name}, whose pipeline switches between {len(experts)} "
-                            f"denoisers ({', '.join(experts)}): adapters are loaded and observed on transformer "
-                            "alone, so the other experts' steps would run without them; not supported yet; fix: "
-                            "model.lora=[], or a one-transformer model")
         cls = self.pipeline_cls()
         if not hasattr(cls, "load_lora_weights"):
             raise LoraError(f"model.lora: {cls.__name__} (model={self.cfg.name}) has no diffusers LoRA loader; fix: "
                             "model.lora=[], or a family whose pipeline loads LoRA (FLUX, SD3, Qwen-Image, Wan)")
         from models import lora
 
-        return cls, lora.base_linears(self.component_class("transformer"), self.component_config("transformer"))
+        return cls, {e: lora.base_linears(self.component_class(e), self.component_config(e))
+                     for e in self.declared_experts()}
 
     def call_params(self) -> set:
         """The argument names of the pipeline class's ``__call__``."""

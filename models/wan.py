@@ -217,6 +217,10 @@ class WanEngine(PipelineEngine):
                 out["guidance_scale"] = None
         return out
 
+    def row_expert_steps(self, row: Any) -> Optional[Dict[str, int]]:
+        """:meth:`planned_expert_steps` of the row's steps with two experts (``boundary_ratio`` set), else None."""
+        return self.planned_expert_steps(int(row.num_inference_steps)) if self.boundary_timestep() is not None else None
+
     def switch_only(self, row: Any) -> bool:
         """Whether ``row``'s ``guidance_scale`` acts only as classifier-free guidance's switch: ``transformer`` (whose
         scale it is) runs no step of the row's call, guidance is on (> 1), and ``guidance_scale_2`` is set (so it is

@@ -324,7 +324,7 @@ def test_the_training_script_writes_an_adapter_the_runner_accepts(tmp_path, monk
     from diffusers import FluxPipeline
 
     (adapter,) = lora.check_library([{"path": str(out), "scale": 1.0, "name": None}], FluxPipeline,
-                                    toy_linears(), "toy_shapes")
+                                    {"transformer": toy_linears()}, "toy_shapes")
     assert adapter.effect == {"color": "blue"} and len(adapter.layers) > len(MODULES)
     assert set(report["eval"]) == {"scale_1", "scale_0"}
 

@@ -414,6 +414,12 @@ class LoraAdapterConfig:
     name: Optional[str] = declared(None, omitted_from=(RESUME,))
     """The name rows use in their ``lora`` field (null: the file's stem); a label, recorded, not compared on resume
     (rows that name an adapter are part of the dataset, compared by its sha256)."""
+    expert: Optional[str] = None
+    """The denoiser the adapter loads into on a model with several (Wan 2.2 A14B: ``transformer`` runs the
+    high-noise steps, ``transformer_2`` the low-noise ones), or ``all`` (each of them, at the one scale); required
+    there (diffusers loads into ``transformer`` alone by default: the other expert's steps would run unadapted),
+    null on a one-denoiser model. A scale per expert: one entry per expert (the same path, two names). Few-step
+    distilled pairs (Wan 2.2 Lightning) ship one file per expert."""
 
 
 @dataclass

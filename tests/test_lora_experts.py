@@ -1,0 +1,205 @@
+"""LoRA on both Wan 2.2 experts (issue #41): ``model.lora`` entries name the denoiser they load into
+(``expert: transformer | transformer_2 | all``; diffusers' ``load_into_transformer_2``), a scale per expert is one entry
+per expert; required on a two-expert model (diffusers' default loads into ``transformer`` alone). Real tiny_wan22 runs
+on CPU: 4 steps, ``boundary_ratio`` 0.875 (steps 0-1 run ``transformer``, 2-3 ``transformer_2``); at 1 step only
+``transformer`` runs (timestep 999 >= 875). Adapters are seeded random LoRA files for tiny_wan22's transformer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import yaml
+
+from _helpers import execute, requires_extra
+from runner.core.errors import UserInputError
+
+pytestmark = [pytest.mark.cpu, requires_extra("lora")]
+
+REPO = Path(__file__).resolve().parents[1]
+MODULES = ("blocks.0.attn1.to_q", "blocks.1.attn2.to_v", "blocks.1.ffn.net.0.proj")
+ROWS = [{"id": "cat", "prompt": "a cat on a sofa"}, {"id": "dog", "prompt": "a dog in the snow"}]
+
+
+def wan_linears() -> Dict[str, tuple]:
+    from models import lora
+
+    arch = yaml.safe_load((REPO / "conf/model/tiny_wan22.yaml").read_text())["architecture"]
+    return lora.base_linears("WanTransformer3DModel", arch["transformer"])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Dict[str, Path]:
+    from test_lora import write_adapter
+
+    d = tmp_path_factory.mktemp("wan_adapters")
+    lin = wan_linears()
+    return {"hi": write_adapter(d / "hi.safetensors", 1, MODULES, shapes=lin),
+            "lo": write_adapter(d / "lo.safetensors", 2, MODULES, shapes=lin)}
+
+
+def lib(*entries: Dict[str, Any]) -> str:
+    return "model.lora=[" + ",".join("{" + ", ".join(f"{k}: {v}" for k, v in e.items()) + "}" for e in entries) + "]"
+
+
+def run(tmp: Path, name: str, *extra: str, rows: List[Dict[str, Any]] = ROWS, steps: int = 4, catch: tuple = ()):
+    path = tmp / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return execute(tmp / name, ["model=tiny_wan22", "dataset=jsonl", f"dataset.path={path}",
+                                f"model.generation.num_inference_steps={steps}", *extra], catch=catch)
+
+
+def frames(r: Any) -> Dict[str, str]:
+    return {it["id"]: it["frames_sha256"] for it in r.items if it["status"] == "ok"}
+
+
+def lora_evidence(r: Any) -> Dict[str, Any]:
+    return r.manifest["evidence"]["stages"]["denoise"]["lora"]
+
+
+def test_an_adapter_per_expert_acts_in_that_expert_s_steps_alone(tmp_path, files):
+    """hi in transformer, lo in transformer_2 at another scale, switched per row (unfused, observed): each item
+    verified with its set; lo alone changes the 4-step videos but not the 1-step ones (its expert runs no step
+    there), hi alone changes both; every call counts each expert's forwards."""
+    both = lib({"name": "hi", "path": files["hi"], "expert": "transformer"},
+               {"name": "lo", "path": files["lo"], "expert": "transformer_2", "scale": 0.5})
+    cat = {"prompt": "a cat", "seed": 7}  # one seed: the rows differ in their adapters alone
+    rows = [{"id": "none", **cat, "lora": []}, {"id": "hi", **cat, "lora": ["hi"]}, {"id": "lo", **cat, "lora": ["lo"]},
+            {"id": "both", **cat}]
+    for steps in (4, 1):
+        base = run(tmp_path, f"base{steps}", rows=[{"id": "none", **cat}], steps=steps)
+        r = run(tmp_path, f"per_row{steps}", both, "dataset.on_ignored=record", rows=rows, steps=steps)
+        assert r.code == 0, r.error
+        ev = lora_evidence(r)
+        assert ev["verdict"] == "verified" and ev["mode"] == "per_batch" and ev["calls"] == 4, ev
+        got = frames(r)
+        assert got["none"] == frames(base)["none"]
+        assert got["hi"] != got["none"] and got["both"] != got["lo"]
+        if steps == 4:
+            assert len({got["none"], got["hi"], got["lo"], got["both"]}) == 4
+        else:  # transformer_2 runs no step: lo changes nothing, and is recorded ignored, not applied
+            assert got["lo"] == got["none"] and got["both"] == got["hi"]
+        recs = {it["id"]: it for it in r.items}
+        sha = {a["name"]: a["sha256"] for a in r.manifest["model"]["source"]["lora"]["adapters"]}
+        if steps == 1:
+            lo = {"name": "lo", "sha256": sha["lo"], "scale": 0.5, "experts": ["transformer_2"]}
+            assert recs["lo"]["params"]["lora"] == [] and recs["lo"]["ignored"]["lora"]["value"] == [lo]
+            assert recs["lo"]["ignored"]["lora"]["from"].endswith(":3")  # the row named it
+            assert recs["both"]["params"]["lora"] == [{"name": "hi", "sha256": sha["hi"], "scale": 1.0,
+                                                       "experts": ["transformer"]}]
+            assert recs["both"]["ignored"]["lora"] == {**recs["both"]["ignored"]["lora"], "value": [lo],
+                                                       "from": "model.lora"}
+            assert "runs no step" in recs["both"]["ignored"]["lora"]["why"] or "run(s) no step" in \
+                recs["both"]["ignored"]["lora"]["why"]
+            assert "ignored" not in recs["hi"] or "lora" not in recs["hi"]["ignored"]
+            continue
+        assert not any("lora" in (it.get("ignored") or {}) for it in r.items)
+        assert recs["both"]["params"]["lora"] == [
+            {"name": "hi", "sha256": r.manifest["model"]["source"]["lora"]["adapters"][0]["sha256"], "scale": 1.0,
+             "experts": ["transformer"]},
+            {"name": "lo", "sha256": r.manifest["model"]["source"]["lora"]["adapters"][1]["sha256"], "scale": 0.5,
+             "experts": ["transformer_2"]}]
+        assert r.manifest["model"]["lora"]["experts"] == {"transformer": ["hi"], "transformer_2": ["lo"]}
+
+
+def test_each_expert_s_adapter_fused_at_its_scale_matches_it_unfused(tmp_path, files):
+    """The same two entries fused at load (one set for every row): verified by each expert's weight checksums, and
+    the videos within the fused-vs-unfused rounding of the unfused run's; a scale per expert changes the video."""
+    import numpy as np
+
+    entries = lib({"name": "hi", "path": files["hi"], "expert": "transformer", "scale": 0.7},
+                  {"name": "lo", "path": files["lo"], "expert": "transformer_2", "scale": 0.4})
+    fused = run(tmp_path, "fused", entries)
+    unfused = run(tmp_path, "unfused", entries, "model.lora_fuse=unfused")
+    assert fused.code == 0 and unfused.code == 0, (fused.error, unfused.error)
+    ev = lora_evidence(fused)
+    assert ev["mode"] == "fused" and ev["fused"]["verdict"] == "verified" and ev["fused"]["layers"] == 6, ev
+    assert lora_evidence(unfused)["verdict"] == "verified"
+    other = run(tmp_path, "other_scale", entries.replace("scale: 0.4", "scale: 0.9"))
+    assert frames(other) != frames(fused)
+    import imageio_ffmpeg
+
+    def video(r: Any, it: Dict[str, Any]) -> np.ndarray:
+        gen = imageio_ffmpeg.read_frames(str(r.run_dir / it["file"]))
+        meta = next(gen)
+        w, h = meta["size"]
+        return np.stack([np.frombuffer(f, np.uint8).reshape(h, w, 3) for f in gen]).astype(np.int16)
+
+    for a, b in zip(sorted(fused.items, key=lambda i: i["id"]), sorted(unfused.items, key=lambda i: i["id"])):
+        assert np.abs(video(fused, a) - video(unfused, b)).mean() < 2.0
+
+
+def test_all_loads_one_file_into_both_experts(tmp_path, files):
+    r = run(tmp_path, "all", lib({"name": "hi", "path": files["hi"], "expert": "all"}), "model.lora_fuse=unfused")
+    assert r.code == 0, r.error
+    assert r.manifest["model"]["lora"]["layers"] == 6 and lora_evidence(r)["verdict"] == "verified"
+    assert r.manifest["model"]["lora"]["experts"] == {"transformer": ["hi"], "transformer_2": ["hi"]}
+    one = run(tmp_path, "one", lib({"name": "hi", "path": files["hi"], "expert": "transformer"}),
+              "model.lora_fuse=unfused")
+    assert frames(one) != frames(r)
+
+
+def test_the_expert_enters_the_identity(tmp_path, files):
+    """The same file loaded into the other expert is another output: resuming the dir with it is refused naming the
+    key, and rows that name the adapter carry the expert in their inputs (another inputs_sha256)."""
+    from runner.core.resume import ResumeConflictError
+
+    named = [{"id": "cat", "prompt": "a cat", "lora": ["x"]}]
+    a = run(tmp_path, "same", lib({"name": "x", "path": files["hi"], "expert": "transformer"}), rows=named)
+    assert a.code == 0, a.error
+    b = run(tmp_path, "same", lib({"name": "x", "path": files["hi"], "expert": "transformer_2"}), rows=named,
+            catch=(ResumeConflictError,))
+    assert b.error is not None and "expert" in str(b.error), b
+    c = run(tmp_path, "other", lib({"name": "x", "path": files["hi"], "expert": "transformer_2"}), rows=named)
+    assert c.code == 0, c.error
+    assert a.items[0]["inputs_sha256"] != c.items[0]["inputs_sha256"]
+    assert a.items[0]["frames_sha256"] != c.items[0]["frames_sha256"]
+
+
+@pytest.mark.parametrize("entry, says", [
+    ({}, "model.lora[0].expert=<transformer | transformer_2 | all>"),
+    ({"expert": "transformer_3"}, "expert='transformer_3' is not a denoiser of model=tiny_wan22"),
+])
+def test_an_entry_without_its_expert_on_a_two_expert_model_is_refused_before_loading(tmp_path, files, entry, says):
+    r = run(tmp_path, "refused", lib({"name": "hi", "path": files["hi"], **entry}), catch=(UserInputError,))
+    assert r.error is not None and r.error.exit_code == 2, r
+    assert says in str(r.error) and "fix:" in str(r.error)
+    assert not (tmp_path / "refused" / "items.jsonl").exists()
+
+
+def test_an_expert_on_a_one_denoiser_model_is_refused(tmp_path, files):
+    r = execute(tmp_path / "wan21", ["model=tiny_wan", "dataset.limit=1",
+                                     lib({"name": "hi", "path": files["hi"], "expert": "transformer_2"})],
+                catch=(UserInputError,))
+    assert r.error is not None and "expert='transformer_2' is not a denoiser of model=tiny_wan" in str(r.error)
+
+
+@pytest.mark.parametrize("fuse", ["fused", "unfused"])
+def test_an_adapter_loaded_into_the_wrong_expert_fails_the_evidence(tmp_path, files, monkeypatch, fuse):
+    """The planted fault: diffusers loads lo (entry: transformer_2) into transformer. Fused, its layers in
+    transformer_2 hold no LoRA; unfused, transformer runs lo's branches where no entry put them: exit 3 either way."""
+    from models import lora
+    from runner.core.errors import EvidenceError
+
+    monkeypatch.setitem(lora.EXPERT_LOAD_KWARGS, "transformer_2", {})
+    r = run(tmp_path, f"wrong_{fuse}", lib({"name": "lo", "path": files["lo"], "expert": "transformer_2"}),
+            f"model.lora_fuse={fuse}", catch=(EvidenceError,))
+    assert r.error is not None and r.error.exit_code == 3, r
+    assert "hold no LoRA branch" in str(r.error) or "not_loaded" in json.dumps(r.manifest["evidence"])
+
+
+def test_a_row_naming_an_adapter_whose_expert_runs_no_step_is_refused(tmp_path, files):
+    """The default ``dataset.on_ignored=error``: at 1 step transformer_2 runs no step, so a row naming lo (loaded into
+    transformer_2 alone) is refused before loading, naming file:line, the adapter and the fix."""
+    from runner.core.dataset import DatasetError
+
+    rows = [{"id": "hi", "prompt": "a cat", "lora": ["hi"]}, {"id": "lo", "prompt": "a cat", "lora": ["lo"]}]
+    r = run(tmp_path, "idle", lib({"name": "hi", "path": files["hi"], "expert": "transformer"},
+                                  {"name": "lo", "path": files["lo"], "expert": "transformer_2"}),
+            rows=rows, steps=1, catch=(DatasetError,))
+    assert r.error is not None and r.error.exit_code == 2, r
+    msg = str(r.error)
+    assert f"{tmp_path / 'idle.jsonl'}:2: field 'lora' names adapter(s) that act on no step" in msg
+    assert "lo load(s) into transformer_2" in msg and "fix:" in msg and ":1:" not in msg
