@@ -106,14 +106,15 @@ def test_guidance_scale_2_reaches_the_low_noise_expert(tmp_path):
     ("tiny_wan22", ["dataset=jsonl", "dataset.path={rows}"], "guidance_scale <= 1 turns classifier-free guidance off"),
     ("tiny_wan22", ["cache.method=first_block", "cache.threshold=0.2"], "switches between 2 denoisers"),
     pytest.param("tiny_wan22", ["model.lora=[{{path: /nonexistent/a.safetensors, scale: 1.0}}]"],
-                 "adapters are loaded and observed on transformer alone", marks=requires_extra("lora")),
+                 "has 2 denoisers (transformer, transformer_2; each runs its own steps), and the entry names none",
+                 marks=requires_extra("lora")),
     pytest.param("tiny_wan22", ["model.quantization.transformer_2=int8wo", "optimize.fuse_qkv=true"],
                  "optimize.fuse_qkv=true with model.quantization.transformer_2=int8wo", marks=requires_extra("torchao")),
 ])
 def test_what_cannot_apply_to_two_experts_is_refused_at_startup(tmp_path, write_jsonl, model, overrides, why):
     """Refused before loading (exit 2), naming the field and why: ``guidance_scale_2`` on a one-expert model or in a
-    row without CFG, a step cache or LoRA adapters (loaded on ``transformer`` alone) on a model that switches
-    experts, and QKV fusion with the second expert quantized."""
+    row without CFG, a step cache on a model that switches experts, a LoRA entry that names no expert there
+    (diffusers would load it into ``transformer`` alone), and QKV fusion with the second expert quantized."""
     from _helpers import execute
     from runner.core.errors import RunnerError
 
