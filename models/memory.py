@@ -581,7 +581,8 @@ class Fitting:
         self.applied: Dict[str, Any] = {}
         self.placed = False
 
-    def check(self, ctx: Any, dummy: bool, fuse_qkv: bool, linear_backend: Optional[str]) -> None:
+    def check(self, ctx: Any, dummy: bool, fuse_qkv: bool, linear_backend: Optional[str],
+              batch_size: Optional[int] = None) -> None:
         """Startup refusals of ``model.quantization`` (``runner.kernels.quantization.check``), dummy weights with a
         checkpoint-only method, a GGUF file that is not there, and what cannot combine with a quantized denoiser.
 
@@ -590,7 +591,7 @@ class Fitting:
         """
         import os
 
-        quant.check(self.choices, self.libraries, ctx, self.gguf_file)
+        quant.check(self.choices, self.libraries, ctx, self.gguf_file, batch_size)
         if dummy:
             check_dummy_methods(self.choices)
         if self.gguf_file and not os.path.isfile(self.gguf_file):

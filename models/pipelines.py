@@ -687,7 +687,7 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
         lin = self.resolutions.get("linear")
         self.fit.check(SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype),
                        self.source.get("kind") == "dummy", bool(run.optimize.fuse_qkv),
-                       None if lin is None else str(lin.selected))
+                       None if lin is None else str(lin.selected), int(run.batch_size))
         s = self.fit.settings
         if s.max_gpu_gb is None and (s.offload == "none" or (s.offload == "auto" and plat.kind not in
                                                                memory.GPU_KINDS)):  # every weight on the device

@@ -22,6 +22,16 @@ Sources:
   * torchao 0.18 ``Int8WeightOnlyConfig``: int8 weights with one scale per output row (``Int8Tensor``; weight-only
     linear = ``mm(x, int8.to(dtype)) * scale``, ``torchao/quantization/quantize_/workflows/int8/int8_tensor.py``:
     runs on CPU too); ``Float8WeightOnlyConfig``: e4m3 weights, per-row scale (``Float8Tensor``), sm89+.
+    ``Int8DynamicActivationInt8WeightConfig`` (W8A8): the same ``Int8Tensor`` weights carrying
+    ``act_quant_kwargs`` (each call quantizes the activations to int8 per row and runs an int8 GEMM,
+    ``torch._int_mm``: int8 tensor cores, twice bf16's rate on Hopper): :func:`weight_class_names` names it
+    ``Int8Tensor+dynamic_act`` so the evidence tells it from weight-only int8. ``Int4WeightOnlyConfig(group_size=128,
+    int4_packing_format="tile_packed_to_4d")``: int4 weights with a bf16 scale and zero point per 128
+    (``Int4TilePackedTo4dTensor``, tinygemm's ``aten._weight_int4pack_mm``, CUDA sm80+; 4 + 2*16/128 = 4.25 bits).
+  * torchao 0.18 ``torchao.prototype.mx_formats.NVFP4DynamicActivationNVFP4WeightConfig``: NVFP4 weights and
+    activations (e2m1 with an e4m3 scale per 16, 4 + 8/16 = 4.5 bits; ``NVFP4Tensor``), Blackwell (sm100) only; it
+    fails on FLUX at a batch of 32 and more (pytorch/ao issue #4023): refused at startup there
+    (:attr:`WeightQuant.max_batch`).
   * diffusers 0.42 ``TorchAoConfig`` takes an ``AOBaseConfig`` instance only (``quantization_config.py``
     ``post_init``: a string raises ``TypeError``).
   * bitsandbytes NF4: 4-bit NormalFloat with one absmax per 64 weights, the absmax double-quantized to 8 bits in
@@ -73,6 +83,8 @@ class WeightQuant:
         signature: regex over profiled GPU kernel names of its matmul / dequantization; None: none of its own.
         needs_file: the weights come from a file (``model.quantization.gguf_file``), not from the snapshot.
         describe: one line for listings and the manifest.
+        max_batch: the largest ``batch_size`` it is known to run at (None: no known limit), with
+            ``max_batch_source`` (where the failure is reported).
     """
 
     name: str
@@ -84,6 +96,8 @@ class WeightQuant:
     signature: Optional[str] = None
     needs_file: bool = False
     describe: str = ""
+    max_batch: Optional[int] = None
+    max_batch_source: str = ""
 
     def unmet(self, ctx: SelectionContext) -> List[str]:
         """Every requirement not met in ``ctx`` (empty: it can run)."""
@@ -104,11 +118,9 @@ class WeightQuant:
         return _BUILDERS[self.name](importlib.import_module(library), dtype)
 
 
-def _torchao(cls_name: str) -> Callable[[Any, torch.dtype], Any]:
+def _torchao(cls_name: str, module: str = "torchao.quantization", **kwargs: Any) -> Callable[[Any, torch.dtype], Any]:
     def build(lib: Any, dtype: torch.dtype) -> Any:
-        import torchao.quantization as tq
-
-        return lib.TorchAoConfig(getattr(tq, cls_name)())
+        return lib.TorchAoConfig(getattr(importlib.import_module(module), cls_name)(**kwargs))
     return build
 
 
@@ -123,6 +135,9 @@ def _gguf(lib: Any, dtype: torch.dtype) -> Any:
 
 _BUILDERS: Dict[str, Callable[[Any, torch.dtype], Any]] = {
     "int8wo": _torchao("Int8WeightOnlyConfig"), "float8wo": _torchao("Float8WeightOnlyConfig"),
+    "int8dq": _torchao("Int8DynamicActivationInt8WeightConfig"),
+    "int4wo": _torchao("Int4WeightOnlyConfig", group_size=128, int4_packing_format="tile_packed_to_4d"),
+    "nvfp4": _torchao("NVFP4DynamicActivationNVFP4WeightConfig", "torchao.prototype.mx_formats"),
     "nf4": _nf4, "gguf": _gguf}
 
 METHODS: Dict[str, WeightQuant] = {}
@@ -143,6 +158,23 @@ register(WeightQuant(
     requires=(on_platform("cuda"), sm_at_least(89), symbol("torchao.quantization:Float8WeightOnlyConfig")),
     bits=8.0, tensor_classes=("Float8Tensor",),
     describe="torchao float8 (e4m3) weight-only, per-row scale"))
+register(WeightQuant(
+    "int8dq", aliases=("w8a8", "int8_dynamic", "int8_dynamic_activation_int8_weight"),
+    requires=(symbol("torchao.quantization:Int8DynamicActivationInt8WeightConfig"),), bits=8.0,
+    tensor_classes=("Int8Tensor+dynamic_act",),
+    describe="torchao W8A8: int8 weights (per-row scale), activations quantized to int8 per call, int8 GEMM"))
+register(WeightQuant(
+    "int4wo", aliases=("int4", "int4_weight_only", "torchao_int4"),
+    requires=(on_platform("cuda"), sm_at_least(80), symbol("torchao.quantization:Int4WeightOnlyConfig")),
+    bits=4.25, tensor_classes=("Int4TilePackedTo4dTensor",), signature=r"int4pack|tinygemm",
+    describe="torchao int4 weight-only, group 128 (bf16 scale and zero point), tinygemm tile packing"))
+register(WeightQuant(
+    "nvfp4", aliases=("fp4", "nvfp4_dynamic"),
+    requires=(on_platform("cuda"), sm_at_least(100),
+              symbol("torchao.prototype.mx_formats:NVFP4DynamicActivationNVFP4WeightConfig")),
+    bits=4.5, tensor_classes=("NVFP4Tensor",), max_batch=31,
+    max_batch_source="pytorch/ao issue #4023: NVFP4 on FLUX fails at a batch of 32 and more",
+    describe="torchao NVFP4 weights and activations (e2m1, e4m3 scale per 16), Blackwell only"))
 register(WeightQuant(
     "nf4", aliases=("bnb_nf4", "bnb4", "4bit"),
     requires=(on_platform("cuda"), symbol("bitsandbytes:matmul_4bit")), bits=4.127,
@@ -183,7 +215,7 @@ def get(name: str) -> WeightQuant:
 
 
 def check(choices: Dict[str, str], libraries: Dict[str, str], ctx: SelectionContext,
-          gguf_file: Optional[str]) -> None:
+          gguf_file: Optional[str], batch_size: Optional[int] = None) -> None:
     """Fail closed on every component's method at once.
 
     Args:
@@ -191,10 +223,12 @@ def check(choices: Dict[str, str], libraries: Dict[str, str], ctx: SelectionCont
         libraries: component -> its library (``diffusers`` | ``transformers``), the family's components.
         ctx: where it would run.
         gguf_file: ``model.quantization.gguf_file``.
+        batch_size: the run's ``batch_size`` (None: not checked), against each method's :attr:`WeightQuant.max_batch`.
 
     Raises:
         QuantizationError: a component the model does not have, a library the method has no config for, a GGUF
-            method without its file (or a file without a GGUF method), two GGUF components.
+            method without its file (or a file without a GGUF method), two GGUF components, a batch the method is
+            known to fail at.
         QuantizationUnavailableError: unmet requirements, each named with its component.
     """
     bad: List[str] = []
@@ -215,6 +249,10 @@ def check(choices: Dict[str, str], libraries: Dict[str, str], ctx: SelectionCont
         why = q.unmet(ctx)
         if why:
             unmet.append(f"{where} cannot run here: " + "; ".join(why))
+        if q.max_batch is not None and batch_size is not None and batch_size > q.max_batch:
+            bad.append(f"{where} with batch_size={batch_size}: {method} is known to fail above a batch of "
+                       f"{q.max_batch} ({q.max_batch_source}); fix: batch_size={q.max_batch} or less, or another "
+                       "method")
     if len(ggufs) > 1:
         bad.append(f"model.quantization: gguf on {', '.join(ggufs)}; one gguf_file holds one component")
     if ggufs and not gguf_file:
@@ -242,4 +280,9 @@ _INSTALL = {"torchao": "torchao"}
 def weight_class_names(module: torch.nn.Module) -> Sequence[str]:
     """The class names in ``type(module.weight).__mro__`` (what a quantized Linear's weight is at call time)."""
     w = getattr(module, "weight", None)
-    return [c.__name__ for c in type(w).__mro__] if w is not None else []
+    if w is None:
+        return []
+    names = [c.__name__ for c in type(w).__mro__]
+    if getattr(w, "act_quant_kwargs", None) is not None:  # torchao W8A8: activations quantized per call
+        names.insert(0, f"{names[0]}+dynamic_act")
+    return names

@@ -598,7 +598,8 @@ register_backend(Backend(
 register_backend(Backend(
     "linear", "TORCH", aliases=("torch", "dense", "bf16"),
     auto={"*": (10, "dense GEMM in the model dtype; FP8 is lossy and never chosen by auto")}, vllm="torch",
-    signature=r"aten::(addmm|mm|bmm|linear)\b|gemm|cutlass|nvjet|xmma"))
+    # aten::_int_mm: torch's int8 GEMM, what a W8A8-quantized Linear (model.quantization.<c>=int8dq) runs under it
+    signature=r"aten::(addmm|mm|bmm|linear|_int_mm)\b|gemm|cutlass|nvjet|xmma"))
 register_backend(Backend(
     "linear", "FP8", aliases=("fp8", "fp8_dynamic", "fp8_rowwise"),
     requires=(on_platform("cuda"), sm_at_least(89), symbol("torch:_scaled_mm"), dtype_in(*_HALF)),
