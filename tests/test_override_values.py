@@ -20,15 +20,15 @@ ADAPTER = "/data/adapters/blue.safetensors"
 # (override, the message's text before "fix:", the fix): inputs C27-C32 of issue #38 and the same kind elsewhere
 CASES: List[Tuple[str, str, str]] = [
     (f"model.lora={ADAPTER}",
-     f"model.lora={ADAPTER}: model.lora is a list of entries {{path, scale, name}}, not a single value",
+     f"model.lora={ADAPTER}: model.lora is a list of entries {{path, scale, name, expert}}, not a single value",
      f"model.lora=[{{path:{ADAPTER}}}]"),
     (f"model.lora=[{{pth:{ADAPTER}}}]",
-     "model.lora[0].pth is not a key of model.lora[0], which takes: path, scale, name; did you mean "
+     "model.lora[0].pth is not a key of model.lora[0], which takes: path, scale, name, expert; did you mean "
      "model.lora[0].path?", f"model.lora=[{{path:{ADAPTER}}}]"),
     (f"model.lora=[{ADAPTER},/data/b.safetensors]",
-     f"model.lora[0]={ADAPTER}: each entry of model.lora is {{path, scale, name}}, not a plain value",
+     f"model.lora[0]={ADAPTER}: each entry of model.lora is {{path, scale, name, expert}}, not a plain value",
      f"model.lora=[{{path:{ADAPTER}}},{{path:/data/b.safetensors}}]"),
-    ("model.lora=[{scale:0.5}]", "model.lora[0] has no path (each entry is {path, scale, name})",
+    ("model.lora=[{scale:0.5}]", "model.lora[0] has no path (each entry is {path, scale, name, expert})",
      "model.lora=[{path:<path>,scale:0.5}]"),
     (f"model.lora=[{{path:{ADAPTER},scale:strong}}]", "model.lora[0].scale=strong is not a number",
      f"model.lora=[{{path:{ADAPTER},scale:<number>}}]"),
@@ -67,7 +67,7 @@ def test_nested_override_value_gets_field_value_and_a_fix_that_composes(arg, say
         got = OmegaConf.to_container(got) if OmegaConf.is_config(got) else got
         want = o.value()
         if isinstance(want, list) and want and isinstance(want[0], dict):  # the schema fills the entries' defaults
-            want = [{"scale": 1.0, "name": None, **w} for w in want]
+            want = [{"scale": 1.0, "name": None, "expert": None, **w} for w in want]
         assert got == want, (fixed, got)
 
 
