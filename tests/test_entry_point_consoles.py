@@ -95,6 +95,8 @@ def test_tool_consoles_have_no_library_line(run_dir, tmp_path):
     if missing_extra("validate") is None:
         outs["validate"] = _tool("runner.validate", [run_dir], tmp_path)
     outs["matrix"] = _tool("runner.matrix", [run_dir], tmp_path)
+    # the support matrix's check of the committed page (it imports every registry: torchao's where installed)
+    outs["support_matrix"] = _tool("runner.support_matrix", ["--check", "--root", REPO], tmp_path)
     # plan mode (`--plan`): the memory plan of the composed run, nothing loaded
     outs["plan"] = _tool("runner", ["dataset.limit=2", "memory.offload=auto", "platform=cpu", "--plan"], tmp_path)
     for name, p in outs.items():
