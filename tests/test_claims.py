@@ -147,7 +147,11 @@ def test_a_sigkilled_torchrun_rank_is_restarted_by_torchrun_and_the_run_complete
     assert m["status"] == "completed" and m["counts"]["ok"] + m["counts"]["reused"] == ROWS
     death = next(x for x in m["claims"]["deaths"] if x["pid"] == pid)
     assert death["rank"] == 1 and "attempt" in death and set(lost) <= set(death["lost_batches"])
-    assert {w["resumed_from"] for w in m["workers"]} <= {"crashed", "interrupted"}  # the first attempt's ends
+    ended = {w["rank"]: w["resumed_from"] for w in m["workers"]}  # how each rank's first attempt ended
+    assert ended[1] == "crashed", m["workers"]  # the SIGKILLed rank
+    # the other: torchrun's SIGTERM ended it interrupted (or crashed), or it had written no record of its first
+    # attempt yet when the group was torn down (still loading: CI's loaded machine), so it resumes from none
+    assert set(ended.values()) <= {"crashed", "interrupted", None}, m["workers"]
     assert f"(pid: {pid})" in err  # torchrun named the rank it lost (its own log line)
 
 
