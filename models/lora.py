@@ -574,10 +574,13 @@ class Runtime:
         mm: List[str] = []
         sec: Dict[str, Any] = {"mode": "fused" if self.fuse else "per_batch", "why": self.why,
                                "switches": self.switches}
+        if self.missing_layers:  # fused or not: an adapter's declared layers that did not load (another expert)
+            mm.append(f"stage {stage}: {len(self.missing_layers)} layer(s) an adapter declares hold no LoRA branch "
+                      f"after loading {self.missing_layers[:5]}")
         if self.fuse:
             sec["fused"] = self.fused
-            if self.fused.get("verdict") != "verified":
-                nil, bad = self.fused.get("changed_nothing") or [], self.fused.get("delta_mismatch") or []
+            nil, bad = self.fused.get("changed_nothing") or [], self.fused.get("delta_mismatch") or []
+            if nil or bad or not self.fused.get("layers"):
                 mm.append(f"stage {stage}: fused LoRA set {self.fused.get('set')}: "
                           + "; ".join(([f"{len(nil)} adapted layer(s) whose weights did not change {nil[:5]}"]
                                        if nil else []) + ([f"{len(bad)} whose change is not the adapter's delta "
@@ -587,8 +590,6 @@ class Runtime:
         sec["changed_nothing"] = [{"set": [list(p) for p in k], "layers": v} for k, v in nil.items()]
         if self.missing_layers:
             sec["not_loaded"] = self.missing_layers
-            mm.append(f"stage {stage}: {len(self.missing_layers)} layer(s) an adapter declares hold no LoRA branch "
-                      f"after loading {self.missing_layers[:5]}")
         mm += [f"stage {stage}: unfused LoRA set {[list(p) for p in k]}: {len(v)} adapted layer(s) whose LoRA branch "
                f"changes nothing (scaling * B @ A = 0: an adapter whose lora_B are zero) {v[:5]}"
                for k, v in nil.items()]
