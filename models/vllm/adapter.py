@@ -23,6 +23,7 @@ the environment this adapter sets must be in place before the first engine of th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -56,6 +57,44 @@ def prepare_environment() -> Dict[str, str]:
             and not importable("flashinfer"):
         os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = out["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return out
+
+
+def _hasattr_or_false(obj: Any, name: str) -> bool:
+    """``hasattr`` that answers False for any exception of the attribute access, not only ``AttributeError``."""
+    try:
+        getattr(obj, name)
+    except Exception:  # noqa: BLE001 - the point: a proxy's RuntimeError means "no usable attribute" here
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def tolerant_kernel_rebind():
+    """Let vLLM's kernel-override scan pass over module globals whose attribute access raises.
+
+    vLLM 0.32's CPU platform without Triton (``vllm.platforms.cpu.register_triton_kernel_overrides``, called as the
+    worker starts) rebinds kernel references by scanning every module in ``sys.modules`` with
+    ``hasattr(value, "__dict__")`` (``vllm/triton_utils/dispatcher.py`` ``_rebind_kernels``). ``hasattr`` only
+    swallows ``AttributeError``, so one global whose attribute access raises anything else fails the engine start:
+    werkzeug's ``LocalProxy`` globals (``flask.current_app``, ``flask.request``, ...) raise ``RuntimeError: Working
+    outside of application context`` once flask is imported anywhere in the process (a moto S3 server, an app that
+    embeds the runner). Inside this context the dispatcher module's ``hasattr`` treats such an object as having no
+    ``__dict__`` (it holds no kernel, so it is left alone, as the scan would leave it). Nothing else changes: the
+    name is set on that module only and removed on exit; a vLLM without the dispatcher is untouched.
+    """
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        yield
+        return
+    if "hasattr" in vars(dispatcher):  # already patched (nested) or vLLM defines its own
+        yield
+        return
+    dispatcher.hasattr = _hasattr_or_false
+    try:
+        yield
+    finally:
+        del dispatcher.hasattr
 
 
 class VLLMAdapter:
@@ -175,7 +214,8 @@ class VLLMAdapter:
         kw = self.llm_kwargs()
         env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
         t0 = time.perf_counter()
-        self.llm = vllm.LLM(**kw)
+        with tolerant_kernel_rebind():
+            self.llm = vllm.LLM(**kw)
         start_s = time.perf_counter() - t0
         self.info = {"vllm_version": vllm.__version__, "llm_kwargs": kw, "start_s": round(start_s, 3), "env": env,
                      "env_set_by_adapter": set_by_adapter,
