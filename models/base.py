@@ -219,6 +219,11 @@ class EngineBase:
         """``run.model.stages[<stage>].model`` of a pipeline (typed)."""
         return run.model.stages[stage].model
 
+    def lossy_traits(self) -> Dict[str, Any]:
+        """What the engine's configured features say about the run's lossy lanes (``runner.core.lossy.section``'s
+        keyword arguments: ``cache_schedule``, a step cache's validated schedule); none by default."""
+        return {}
+
     def items_from(self, rows: Sequence[Any]) -> List[Any]:
         """An engine that cannot feed another stage refuses to be placed before one.
 

@@ -930,3 +930,179 @@ register_cache_method(CacheMethod(
 register_cache_method(CacheMethod(
     "dbcache_taylorseer", reads=(*_DBCACHE_DEFAULTS, "order"), defaults={**_DBCACHE_DEFAULTS, "order": 1},
     aliases=("dbcache+taylorseer", "taylorseer_dbcache", "cache_dit_taylorseer"), **_DBCACHE))
+
+
+# ------------------------------------------------------------------------------------------------- the pass
+from models.passes import Pass  # noqa: E402
+
+
+class StepCachePass(Pass):
+    """``cache.*`` on a diffusion stage (:mod:`models.passes`): the settings checked at config time, the model and
+    the rows checked before loading, :class:`StepCache` installed on the denoiser (after the backends: its hooks
+    wrap the modules as they will run), each call's counts in its items' records, the evidence, and the hooks
+    removed at close. The engine provides ``transformer_class()``, ``pipeline_name()``, ``component_config()``,
+    ``declared_experts()``, ``task``, ``expected_forwards(batch)``, ``cache_forwards_per_step(batch)``,
+    ``warmup_call(batch, steps)`` and ``uncounted()``.
+
+    Attributes:
+        settings: the validated :class:`CacheSettings` (None: no cache).
+        step_cache: the installed :class:`StepCache` once loaded with a cache.
+    """
+
+    name = "cache"
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.settings: Optional[CacheSettings] = None
+        self.step_cache: Optional[StepCache] = None
+        self.records: Dict[str, Dict[str, Any]] = {}  # item key -> its record's ``cache`` field
+        self.first_batches: Dict[int, Any] = {}  # steps -> the first batch of that step count (calibration)
+
+    def check_config(self) -> None:
+        """``cache.*`` against its method (:func:`settings`); a cache under context parallelism, or with a task
+        whose pipeline runs part of the schedule (``strength``), is refused.
+
+        Raises:
+            CacheConfigError / ConfigValueError: naming the field, the value and the fix.
+        """
+        from models import conditioning
+
+        e = self.engine
+        self.settings = settings(e.ctx.run) if e.ctx.run is not None else None
+        s = self.settings
+        if s is None:
+            return
+        if e.ctx.parallel is not None:
+            raise ConfigValueError(f"cache.method={s.method.name} with parallelism={e.ctx.parallel.mode}: a step cache "
+                                   "under context parallelism is not supported yet (its reuse decisions would differ "
+                                   "per rank); fix: cache.method=none, or parallelism=data/single")
+        if e.task in conditioning.STRENGTH_TASKS:
+            raise ConfigValueError(
+                f"cache.method={s.method.name} with model.task={e.task}: a step cache's schedule counts "
+                "num_inference_steps, and the pipeline runs only the last strength x steps of it; not supported yet; "
+                "fix: cache.method=none")
+
+    def prepare(self) -> None:
+        """The method against the denoiser class and its block counts (:func:`check_support`,
+        :func:`check_block_counts`); a model with several denoisers is refused.
+
+        Raises:
+            CacheUnsupportedError / ConfigValueError: naming the model and the fix.
+        """
+        s, e = self.settings, self.engine
+        if s is None:
+            return
+        check_support(s, str(e.transformer_class()), e.model_cfg.name, e.pipeline_name())
+        conf = e.component_config("transformer")
+        if conf is not None:
+            check_block_counts(s, transformer_blocks(conf), e.model_cfg.name)
+        experts = e.declared_experts()
+        if len(experts) > 1:
+            raise ConfigValueError(
+                f"cache.method={s.method.name} with model={e.model_cfg.name}, whose pipeline switches between "
+                f"{len(experts)} denoisers ({', '.join(experts)}): a step cache's reuse spans steps that different "
+                "experts compute; not supported yet; fix: cache.method=none")
+
+    def prepare_rows(self, rows: List[Any], path: Any) -> List[Any]:
+        """Every row's transformer forwards per step must be what the method's schedule takes
+        (:func:`check_rows_forwards`)."""
+        if self.settings is None:
+            return rows
+        from runner.core import dataset as ds
+
+        per_step = []
+        for r in rows:
+            want = self.engine.expected_forwards([ds.Item(row=r, index=0, seed=0)])
+            per_step.append(None if want is None else want / r.num_inference_steps)
+        check_rows_forwards(self.settings, per_step, self.engine.model_cfg.name)
+        return rows
+
+    def batches_planned(self, batches: Sequence[Sequence[Any]]) -> None:
+        """The first batch of each step count, for the calibration pass (``cache.calibrate``, :meth:`prime`)."""
+        self.first_batches = {}
+        for b in batches:
+            self.first_batches.setdefault(b[0].row.num_inference_steps, b)
+
+    def install(self, sections: Dict[str, Any]) -> None:
+        """:class:`StepCache` on the denoiser (its probe; the method itself at the first call), and the manifest's
+        ``cache`` section."""
+        if self.settings is None:
+            return
+        e = self.engine
+        ratios = None
+        if self.settings.params.get("calibrate"):
+            from models import cache_calibration as cal
+
+            ratios = cal.RatioStore(cal.calibration_root(e.cache_dir), cal.key_fields(
+                source=e.source, transformer=e.denoiser, dtype=e.dtype,
+                scheduler=getattr(e.pipe, "scheduler", None)))
+        self.step_cache = StepCache(e.denoiser, self.settings, [(layer, mod) for _, layer, mod in e.attention_sites()],
+                                    compiled=str(e.ctx.run.compile) == "regional", pipeline=e.pipe, ratios=ratios)
+        sections["cache"] = {**self.settings.to_dict(), "lossy": True, "blocks": len(self.step_cache.probe.blocks),
+                             "attention_modules": len(self.step_cache.probe.attention)}
+        if ratios is not None:  # filled by the calibration in prime, before the manifest gets this section
+            sections["cache"]["calibration"] = self.step_cache.calibrations
+
+    def hooks_blocks(self) -> bool:
+        return self.settings is not None
+
+    def lossy_traits(self) -> Dict[str, Any]:
+        """``cache_schedule``: an adaptive cache makes each item depend on its batch peers."""
+        return {"cache_schedule": self.settings.schedule} if self.settings is not None else {}
+
+    def after_warmup(self) -> None:
+        """The warm-up call's counts are dropped (it ran before any method was installed)."""
+        if self.step_cache is not None:
+            self.step_cache.warmed_up()
+
+    def prime(self) -> float:
+        """``cache.calibrate=true``: the ratios for each step count of the run (:meth:`StepCache.calibrate`),
+        measured where none are stored by a warm-up call of all the steps on the first batch of that count, with
+        every evidence counter restored after it (the pass is no part of the run). Returns its seconds."""
+        sc = self.step_cache
+        if sc is None or not sc.settings.params.get("calibrate"):
+            return 0.0
+        import time
+
+        e = self.engine
+        t0 = time.perf_counter()
+        for steps, batch in sorted(self.first_batches.items()):
+            if sc.needs_calibration(steps):
+                with e.uncounted():
+                    sc.calibrate(steps, e.cache_forwards_per_step(batch),
+                                 lambda b=batch, n=steps: e.warmup_call(b, steps=n), [it.key for it in batch])
+        return time.perf_counter() - t0
+
+    def before_call(self, batch: Sequence[Any]) -> None:
+        if self.step_cache is not None:
+            self.step_cache.before_call(batch[0].row.num_inference_steps, self.engine.cache_forwards_per_step(batch))
+
+    def call_failed(self) -> None:
+        if self.step_cache is not None:
+            self.step_cache.call_failed()
+
+    def after_call(self, batch: Sequence[Any], want: Optional[int]) -> None:
+        """What the cache did in this call, observed; shared by the call's items."""
+        if self.step_cache is not None:
+            counts = self.step_cache.after_call(batch[0].row.num_inference_steps, want)
+            for it in batch:
+                self.records[it.key] = self.step_cache.record(counts, len(batch))
+
+    def record(self, item: Any) -> Dict[str, Any]:
+        """``cache``: method, schedule, params and the forwards and blocks computed and reused in the item's call."""
+        rec = self.records.pop(item.key, None)
+        return {"cache": rec} if rec is not None else {}
+
+    def evidence_inputs(self) -> Dict[str, Any]:
+        """``cache``: the cache's evidence section and mismatches, and what its probe observed, for
+        ``models.denoiser_evidence.build``."""
+        if self.step_cache is None:
+            return {}
+        section, mm = self.step_cache.evidence(self.engine.stage)
+        probe = self.step_cache.probe
+        return {"cache": {"section": section, "mismatches": mm, "attention_runs": dict(probe.attention_runs),
+                          "forwards_computed": probe.counts.forwards_computed}}
+
+    def close(self) -> None:
+        if self.step_cache is not None:
+            self.step_cache.close()

@@ -18,6 +18,7 @@ import torch
 from models.base import EngineBase, ImageOutput, StageContext, StageResult, VideoOutput
 from runner.core import dataset as ds
 from models import denoiser_evidence as evidence
+from models.passes import Passes
 from runner.core.errors import ConfigValueError
 
 
@@ -156,6 +157,10 @@ class DiffusersEngine(EngineBase):
     reads_engine_extras: ClassVar[bool] = False
     applies_cache: ClassVar[bool] = True  # cache.* (models.cache): the step cache of the denoiser
 
+    PASSES: ClassVar[Tuple[str, ...]] = ("models.cache:StepCachePass",)
+    """The engine's features as passes (:mod:`models.passes`), as ``"module:Class"`` paths; their install order is
+    :attr:`INSTALL_PASSES`'s."""
+
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.stage = ctx.stage
@@ -173,15 +178,13 @@ class DiffusersEngine(EngineBase):
         self.load_s = self.warmup_s = 0.0
         self.graphs_before: Optional[int] = None
         self.inductor_deterministic: Optional[bool] = None
-        self.cache_settings: Any = None  # models.cache.CacheSettings once check_config validated cache.*
-        self.step_cache: Any = None  # models.cache.StepCache once loaded with a cache
-        self.cache_records: Dict[str, Dict[str, Any]] = {}  # item key -> its record's ``cache`` field
         self.parallel_config: Any = None  # diffusers' ParallelConfig under context parallelism (start_parallel)
         self.compile_cache: Any = None  # models.compile_cache.CompileCache with compile on and optimize.compile_cache
         self.lora_library: Optional[List[Any]] = None  # models.lora.Adapter of model.lora, once checked (prepare_lora)
         self.lora_plan: Optional[Tuple[bool, str, List[tuple]]] = None  # (fuse, why, adapter sets) once rows resolved
         self.lora: Any = None  # models.lora.Runtime once loaded with adapters
         self._scope = contextlib.ExitStack()
+        self.passes = Passes(self, self.PASSES)
 
     @property
     def device(self) -> str:
@@ -198,17 +201,14 @@ class DiffusersEngine(EngineBase):
         """Generation defaults of ``model.generation`` and the run's ``max_pixels`` (errors name the config key,
         not a data file).
 
-        Also the step cache (``cache.*``, :func:`models.cache.settings`), validated against its method.
+        Then every pass's own config checks (:meth:`models.passes.Pass.check_config`).
 
         Raises:
-            ConfigValueError: naming the field, the value and the fix (``models.cache.CacheConfigError`` for
-                ``cache.*``, also a cache with ``compile=regional``).
+            ConfigValueError: naming the field, the value and the fix (a pass's subclass of it for its fields).
         """
         run = self.ctx.run
-        if run is not None:
-            from models import cache as step_cache
-
-            self.cache_settings = step_cache.settings(run)
+        for p in self.passes:
+            p.check_config()
         g = self.model_cfg.generation
         m = self.model_cfg.size_multiple
         for key in ("width", "height"):
@@ -245,20 +245,9 @@ class DiffusersEngine(EngineBase):
             check_safetensors(Path(self.source["path"]))
         self.check_source()
         self.prepare_lora()
-        if self.cache_settings is not None:
-            from models import cache as step_cache
-
-            step_cache.check_support(self.cache_settings, str(self.transformer_class()), self.model_cfg.name,
-                                     getattr(self, "pipeline_name", lambda: None)())
-            conf = getattr(self, "component_config", None)
-            if conf is not None:
-                step_cache.check_block_counts(self.cache_settings, step_cache.transformer_blocks(conf("transformer")),
-                                              self.model_cfg.name)
+        for p in self.passes:
+            p.prepare()
         self.check_parallel()
-        if self.cache_settings is not None and self.ctx.parallel is not None:
-            raise ConfigValueError(f"cache.method={self.cache_settings.method.name} with parallelism="
-                                   f"{self.ctx.parallel.mode}: a step cache under context parallelism is not supported yet (its reuse decisions "
-                                   "would differ per rank); fix: cache.method=none, or parallelism=data/single")
         self.resolutions, _ = self.resolve_backends()
         self.check_memory()
         return self.source
@@ -284,6 +273,27 @@ class DiffusersEngine(EngineBase):
                 "(torch: 'accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run', seen "
                 "on the H200 with FLUX.1-dev, 2026-12-01); fix: optimize.compile_mode=max_autotune_no_cudagraphs or "
                 "default")
+
+    def lossy_traits(self) -> Dict[str, Any]:
+        """What the passes' configs say about the lossy lanes (:meth:`models.passes.Pass.lossy_traits`)."""
+        return self.passes.lossy_traits()
+
+    @property
+    def task(self) -> str:
+        """``model.task`` as the engine runs it; a text-to-image stage by default."""
+        return "text_to_image"
+
+    def pipeline_name(self) -> Optional[str]:
+        """The diffusers pipeline class name the stage loads; None (not known) by default."""
+        return None
+
+    def component_config(self, name: str) -> Optional[Dict[str, Any]]:
+        """The config of pipeline component ``name``, read without weights; None (not known) by default."""
+        return None
+
+    def declared_experts(self) -> List[str]:
+        """The denoisers the model has, known before loading; the ``transformer`` alone by default."""
+        return ["transformer"]
 
     def transformer_class(self) -> Optional[str]:
         """The diffusers class name of the denoiser, known before loading (step caches are checked against it);
@@ -611,14 +621,7 @@ class DiffusersEngine(EngineBase):
         rows = self.resolve_lora(rows, path)
         self.check_context_rows(rows, path)
         self.check_truncation(rows, path)
-        if self.cache_settings is not None:
-            from models import cache as step_cache
-
-            per_step = []
-            for r in rows:
-                want = self.expected_forwards([ds.Item(row=r, index=0, seed=0)])
-                per_step.append(None if want is None else want / r.num_inference_steps)
-            step_cache.check_rows_forwards(self.cache_settings, per_step, self.model_cfg.name)
+        rows = self.passes.prepare_rows(rows, path)
         self.plan_memory(rows)
         return rows, path
 
@@ -744,12 +747,11 @@ class DiffusersEngine(EngineBase):
         return ds.expand_items(rows, run_seed)
 
     def batches(self, items: Sequence[ds.Item], batch_size: int) -> List[List[ds.Item]]:
-        """Batches of equal shape (``runner.core.dataset.batches``); the first batch of each step count is kept for
-        the step cache's calibration pass (``cache.calibrate``, run by :meth:`warmup`)."""
+        """Batches of equal shape (``runner.core.dataset.batches``), shown to every pass
+        (:meth:`models.passes.Pass.batches_planned`)."""
         out = ds.batches(list(items), batch_size)
-        self.calibration_batches = {}
-        for b in out:
-            self.calibration_batches.setdefault(b[0].row.num_inference_steps, b)
+        for p in self.passes:
+            p.batches_planned(out)
         return out
 
     def check_inputs(self, rows: Sequence[Any], path: Any) -> None:
@@ -777,7 +779,8 @@ class DiffusersEngine(EngineBase):
         self.observe = bool(cfg.evidence.enabled) and compile_mode == "none"
         self.probes = {"observed": self.observe}
         for name in self.INSTALL_PASSES:
-            getattr(self, f"install_{name}")(sections)
+            p = self.passes.get(name)
+            p.install(sections) if p is not None else getattr(self, f"install_{name}")(sections)
         self._on_loaded = on_loaded
         return sections
 
@@ -863,7 +866,7 @@ class DiffusersEngine(EngineBase):
 
     def compiles_under_cache(self) -> bool:
         """``compile=regional`` with a step cache: blocks compiled beneath the cache's hooks."""
-        return self.ctx.cfg.compile == "regional" and self.cache_settings is not None
+        return self.ctx.cfg.compile == "regional" and any(p.hooks_blocks() for p in self.passes)
 
     def install_compile_under_cache(self, sections: Dict[str, Any]) -> None:
         """Regional compile beneath the step cache's hooks, which stay eager (``models.cache``: block-level)."""
@@ -872,30 +875,6 @@ class DiffusersEngine(EngineBase):
                 self.open_compile_cache()
             for _, mod in self.experts():
                 self.regions = compile_blocks_under_hooks(mod, str(self.ctx.cfg.optimize.compile_mode))
-
-    def install_cache(self, sections: Dict[str, Any]) -> None:
-        """The step cache (``cache.*``, :class:`models.cache.StepCache`) on the denoiser."""
-        if self.cache_settings is None:
-            return
-        from models import cache as step_cache
-
-        ratios = None
-        if self.cache_settings.params.get("calibrate"):
-            from models import cache_calibration as cal
-
-            ratios = cal.RatioStore(cal.calibration_root(self.cache_dir), cal.key_fields(
-                source=self.source, transformer=self.denoiser, dtype=self.dtype,
-                scheduler=getattr(getattr(self, "pipe", None), "scheduler", None)))
-        self.step_cache = step_cache.StepCache(self.denoiser, self.cache_settings,
-                                               [(layer, mod) for _, layer, mod in self.attention_sites()],
-                                               compiled=self.compiles_under_cache(),
-                                               pipeline=getattr(self, "pipe", None), ratios=ratios)
-        self._scope.callback(self.step_cache.close)
-        sections["cache"] = {**self.cache_settings.to_dict(), "lossy": True,
-                             "blocks": len(self.step_cache.probe.blocks),
-                             "attention_modules": len(self.step_cache.probe.attention)}
-        if ratios is not None:  # filled by the calibration in warm-up, before the manifest gets this section
-            sections["cache"]["calibration"] = self.step_cache.calibrations
 
     def install_compile(self, sections: Dict[str, Any]) -> None:
         """Regional compile of each denoiser's repeated blocks (without a step cache); ``regions.experts`` names
@@ -947,14 +926,14 @@ class DiffusersEngine(EngineBase):
             self.warmup_s = time.perf_counter() - t0
             if self.compile_cache is not None:
                 self.compile_cache.stop()
-            if self.step_cache is not None:
-                self.step_cache.warmed_up()
+            for p in self.passes:
+                p.after_warmup()
             self.graphs_before = compiled_graphs()
             import torch._inductor.config as inductor_config
 
             # still set after every block compiled (dynamo re-applies the global per frame)
             self.inductor_deterministic = getattr(inductor_config, "deterministic", None)
-        calibration_s = self.calibrate_cache()  # not compile warm-up: compile.warmup_s stays the compile's
+        prime_s = sum(p.prime() for p in self.passes)  # not compile warm-up: compile.warmup_s stays the compile's
         experts = self.experts()
         self.probe = evidence.DenoiserProbe(dict(experts) if len(experts) > 1 else self.denoiser,
                                             profile=cfg.evidence.enabled and cfg.evidence.profile,
@@ -962,7 +941,7 @@ class DiffusersEngine(EngineBase):
                                             profile_forward=2 if cfg.compile != "none" and not self.warmup_s else 1)
         if self._on_loaded is not None:
             self._on_loaded(self)
-        return self.warmup_s + calibration_s
+        return self.warmup_s + prime_s
 
     def warmup_call(self, batch: Sequence[ds.Item], steps: int = 2) -> None:
         """One pipeline call of ``steps`` steps whose output is discarded; a subclass that compiles provides it."""
@@ -971,22 +950,6 @@ class DiffusersEngine(EngineBase):
         """Transformer forwards per denoising step of ``batch``'s pipeline call (2 with CFG), for the step cache;
         1 by default."""
         return 1
-
-    def calibrate_cache(self) -> float:
-        """``cache.calibrate=true``: the step cache's ratios for each step count of the run
-        (:meth:`models.cache.StepCache.calibrate`), measured where none are stored by a :meth:`warmup_call` of all
-        the steps on the first batch of that count, with every evidence counter restored after it (the pass is no
-        part of the run). Returns the seconds it took."""
-        sc = self.step_cache
-        if sc is None or not sc.settings.params.get("calibrate"):
-            return 0.0
-        t0 = time.perf_counter()
-        for steps, batch in sorted(getattr(self, "calibration_batches", {}).items()):
-            if sc.needs_calibration(steps):
-                with self.uncounted():
-                    sc.calibrate(steps, self.cache_forwards_per_step(batch),
-                                 lambda b=batch, n=steps: self.warmup_call(b, steps=n), [it.key for it in batch])
-        return time.perf_counter() - t0
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -1009,25 +972,22 @@ class DiffusersEngine(EngineBase):
             Whatever the pipeline raises; the loop then retries the batch's items one by one.
         """
         self.check_batch_truncation(batch)
-        steps = batch[0].row.num_inference_steps
-        if self.step_cache is not None:
-            self.step_cache.before_call(steps, self.cache_forwards_per_step(batch))
+        for p in self.passes:
+            p.before_call(batch)
         self.activate_lora(batch)
         try:
             images = self.call(batch)
         except Exception:
             self.raised = True  # a call raised part-way: forward totals are no longer predictable
-            if self.step_cache is not None:
-                self.step_cache.call_failed()
+            for p in self.passes:
+                p.call_failed()
             raise
         if self.lora is not None:
             self.lora.after_call([it.key for it in batch])
         want = self.expected_forwards(batch)  # None: the pipeline's forward count is not known (not checked)
         self.want_forwards = None if want is None or self.want_forwards is None else self.want_forwards + want
-        if self.step_cache is not None:  # what the cache did in this call, observed; shared by the call's items
-            counts = self.step_cache.after_call(steps, want)
-            for it in batch:
-                self.cache_records[it.key] = self.step_cache.record(counts, len(batch))
+        for p in self.passes:
+            p.after_call(batch, want)
         if self.output == "video":
             return self.video_outputs(images, batch)
         return [ImageOutput(img) for img in images]
@@ -1065,9 +1025,7 @@ class DiffusersEngine(EngineBase):
             rec["inputs"] = media.records(r.inputs)
         if r.ignored:
             rec["ignored"] = r.ignored
-        cache = self.cache_records.pop(item.key, None)
-        if cache is not None:  # with a step cache: forwards and blocks computed and reused in the item's call
-            rec["cache"] = cache
+        rec.update(self.passes.record(item))  # each pass's fields (a step cache: what it did in the item's call)
         if r.meta:
             rec["meta"] = r.meta
         return rec
@@ -1085,18 +1043,12 @@ class DiffusersEngine(EngineBase):
         Returns:
             ``(evidence.stages.<stage>, mismatches)``.
         """
-        cache = None
-        if self.step_cache is not None:
-            section, mm = self.step_cache.evidence(self.stage)
-            probe = self.step_cache.probe
-            cache = {"section": section, "mismatches": mm, "attention_runs": dict(probe.attention_runs),
-                     "forwards_computed": probe.counts.forwards_computed}
         from models.context_parallel import COLLECTIVES, expected_collectives
 
         want = expected_collectives(self.ctx.parallel,
                                     sum(1 for site in self.probes["attention"] if self.splits_attention(site.layer)))
         ev = evidence.build(self.stage, self.probes, self.probe, None if self.raised else self.want_forwards,
-                            finite=result.nonfinite == 0, device=self.device, cache=cache,
+                            finite=result.nonfinite == 0, device=self.device, **self.passes.evidence_inputs(),
                             collectives={k: (COLLECTIVES[k], n) for k, n in want.items()} if want else None,
                             forward_rule=self.has_forward_rule())
         section, mismatches = ev["stages"][self.stage], list(ev["mismatches"])
@@ -1142,8 +1094,12 @@ class DiffusersEngine(EngineBase):
         return None
 
     def close(self) -> None:
-        """Leave the compile scope (deterministic mode restored); lift the memory budget's allocator cap."""
-        self._scope.close()
+        """Close every pass; leave the compile scope (deterministic mode restored); lift the memory budget's
+        allocator cap."""
+        try:
+            self.passes.close()
+        finally:
+            self._scope.close()
         fit = getattr(self, "fit", None)
         if fit is not None:
             fit.close()

@@ -224,7 +224,7 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
     def check_config(self) -> None:
         """The base checks (``model.generation``, ``max_pixels``, ``cache.*``), then ``guidance_scale_2`` only where the
         row takes it, ``model.task`` against the family's tasks (:attr:`task`), a video family's
-        ``model.generation.num_frames``/``fps`` set, and a step cache against a task that runs part of the schedule.
+        ``model.generation.num_frames``/``fps`` set.
 
         Raises:
             ConfigValueError: naming the key, the value and the fix.
@@ -241,11 +241,6 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
             raise ConfigValueError(f"model={self.cfg.name} generates video: model.generation.num_frames and "
                                    "model.generation.fps must be set; fix: e.g. model.generation.num_frames=81 "
                                    "model.generation.fps=16 (Wan 2.1's defaults; LTX-2's: 121 at 24)")
-        if self.cache_settings is not None and task in conditioning.STRENGTH_TASKS:
-            raise ConfigValueError(
-                f"cache.method={self.cache_settings.method.name} with model.task={task}: a step cache's schedule counts "
-                "num_inference_steps, and the pipeline runs only the last strength x steps of it; not supported yet; "
-                "fix: cache.method=none")
 
     def row_spec(self) -> Any:
         """The diffusion row (:meth:`DiffusersEngine.row_spec`) with the family's own row fields
@@ -1080,7 +1075,7 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
     def check_source(self) -> None:
         """What the model's configs and tokenizers decide, checked before anything loads:
         ``max_sequence_length`` at most :meth:`sequence_limit`; ``model.size_multiple`` a multiple of
-        :meth:`size_need`; no step cache on a model with several experts (:meth:`declared_experts`).
+        :meth:`size_need`.
 
         Raises:
             ConfigValueError: naming the key, the value, the model's limit and the fix.
@@ -1093,12 +1088,6 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
                 f"model={self.cfg.name} encodes ({self.pipeline_name()}'s ceiling: "
                 f"{self.max_sequence_length_limit}; or its tokenizer's model_max_length is lower); fix: "
                 f"model.generation.max_sequence_length={limit}")
-        experts = self.declared_experts()
-        if len(experts) > 1 and self.cache_settings is not None:
-            raise ConfigValueError(
-                f"cache.method={self.cache_settings.method.name} with model={self.cfg.name}, whose pipeline switches "
-                f"between {len(experts)} denoisers ({', '.join(experts)}): a step cache's reuse spans steps that "
-                "different experts compute; not supported yet; fix: cache.method=none")
         need = self.size_need()
         if need and self.cfg.size_multiple % need:
             raise ConfigValueError(

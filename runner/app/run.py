@@ -335,8 +335,8 @@ class Run:
 
     def lossy_section(self) -> Dict[str, Any]:
         """The manifest's ``lossy``: the lanes that change results by design (``runner.core.lossy.section``)."""
-        cache = getattr(self.final, "cache_settings", None)  # models.cache.CacheSettings (diffusion engines)
-        return lossy.section(self.backends_doc, self.resolved_cfg, cache.schedule if cache is not None else None)
+        traits = self.final.lossy_traits()  # e.g. a step cache's schedule (diffusion engines' passes)
+        return lossy.section(self.backends_doc, self.resolved_cfg, traits.get("cache_schedule"))
 
     def pipeline_section(self) -> Optional[Dict[str, Any]]:
         """The manifest's ``pipeline`` of a multi-stage model (stages and what feeds what), else None."""
