@@ -157,7 +157,7 @@ class DiffusersEngine(EngineBase):
     reads_engine_extras: ClassVar[bool] = False
     applies_cache: ClassVar[bool] = True  # cache.* (models.cache): the step cache of the denoiser
 
-    PASSES: ClassVar[Tuple[str, ...]] = ("models.cache:StepCachePass",)
+    PASSES: ClassVar[Tuple[str, ...]] = ("models.lora:LoraPass", "models.cache:StepCachePass")
     """The engine's features as passes (:mod:`models.passes`), as ``"module:Class"`` paths; their install order is
     :attr:`INSTALL_PASSES`'s."""
 
@@ -180,9 +180,6 @@ class DiffusersEngine(EngineBase):
         self.inductor_deterministic: Optional[bool] = None
         self.parallel_config: Any = None  # diffusers' ParallelConfig under context parallelism (start_parallel)
         self.compile_cache: Any = None  # models.compile_cache.CompileCache with compile on and optimize.compile_cache
-        self.lora_library: Optional[List[Any]] = None  # models.lora.Adapter of model.lora, once checked (prepare_lora)
-        self.lora_plan: Optional[Tuple[bool, str, List[tuple]]] = None  # (fuse, why, adapter sets) once rows resolved
-        self.lora: Any = None  # models.lora.Runtime once loaded with adapters
         self._scope = contextlib.ExitStack()
         self.passes = Passes(self, self.PASSES)
 
@@ -244,7 +241,6 @@ class DiffusersEngine(EngineBase):
         if self.source.get("kind") == "path":
             check_safetensors(Path(self.source["path"]))
         self.check_source()
-        self.prepare_lora()
         for p in self.passes:
             p.prepare()
         self.check_parallel()
@@ -364,91 +360,10 @@ class DiffusersEngine(EngineBase):
         """Config checks that need the model's own configs or tokenizers (read from the weight source, no weights
         load); none by default."""
 
-    # ---------------------------------------------------------------------------------------------- LoRA
-    def lora_loader(self) -> Tuple[type, Dict[str, Dict[str, Tuple[int, int]]]]:
-        """``(pipeline class, {denoiser: {Linear: (out, in)}})`` that ``model.lora`` adapters are checked against
-        (``models.lora.check_library``; ``transformer`` first); a family that takes adapters provides it.
-
-        Raises:
-            models.lora.LoraError: the engine takes no LoRA adapters.
-        """
-        from models.lora import LoraError
-
-        raise LoraError(f"model.lora: model={self.model_cfg.name} ({type(self).__name__}) takes no LoRA adapters; "
-                        "fix: model.lora=[]")
-
-    def prepare_lora(self) -> None:
-        """``model.lora`` checked before any weight loads (``models.lora.check_library``), recorded in the model
-        source (``source.lora``: each adapter's name, path, sha256, scale).
-
-        Raises:
-            models.lora.LoraError: every problem of every adapter (missing or pickle file, modules the model lacks,
-                another shape, a pipeline without a LoRA loader).
-            runner.core.requirements.DependencyVersionError: peft missing or outside its tested range.
-        """
-        from models import lora
-
-        entries = [{"path": e.path, "scale": e.scale, "name": e.name, "expert": e.expert} for e in self.model_cfg.lora]
-        self.lora_library = []
-        if not entries:
-            return
-        from runner.core.requirements import check_feature
-
-        check_feature("peft", "model.lora")
-        pipe_cls, linears = self.lora_loader()
-        self.lora_library = lora.check_library(entries, pipe_cls, linears, str(self.model_cfg.name))
-        self.source["lora"] = {"adapters": [a.record() for a in self.lora_library]}
-
     def row_expert_steps(self, row: ds.Row) -> Optional[Dict[str, int]]:
         """``{expert: steps it runs}`` in ``row``'s call on a model of several denoisers; None (one denoiser: it runs
         every step) by default."""
         return None
-
-    def resolve_lora(self, rows: List[ds.Row], path: Any) -> List[ds.Row]:
-        """Each row's adapter set (``models.lora.resolve_rows``) and whether the run fuses (``model.lora_fuse``,
-        ``models.lora.decide_fuse``): ``source.lora.fused`` (so in the run identity; the sets and why are in the
-        manifest's ``model.lora``, written at load).
-
-        Raises:
-            dataset.DatasetError: a row naming an adapter the library lacks.
-            ConfigValueError: ``lora_fuse=fused`` with several sets; unfused adapters under a linear backend that
-                replaces the adapted Linears.
-        """
-        from models import lora
-
-        if self.lora_library is None:  # read without prepare (runner.app.execute.DatasetItems.read, benchmarks)
-            self.prepare_lora()
-        if not self.lora_library and not any("lora" in r.values or "lora_scale" in r.values for r in rows):
-            return rows
-        rows = lora.resolve_rows(rows, self.lora_library, path)
-        rows = lora.drop_idle(rows, self.row_expert_steps, str(self.ctx.run.dataset.on_ignored), path)
-        sets = lora.adapter_sets(rows)
-        fuse, why = lora.decide_fuse(str(self.model_cfg.lora_fuse), sets)
-        self.lora_plan = (fuse, why, sets)
-        if self.lora_library:
-            self.source["lora"]["fused"] = fuse  # changes the bytes (W + BA rounds unlike Wx + B(Ax)): in the identity
-        linear = self.resolutions.get("linear")
-        if not fuse and linear is not None and str(linear.selected).upper() != "TORCH":
-            raise ConfigValueError(f"model.lora runs unfused ({why}), and backend.linear={linear.selected} replaces "
-                                   "the Linears the LoRA branches wrap; fix: backend.linear=torch, or one adapter set "
-                                   "for every row (fused)")
-        return rows
-
-    def install_lora(self, sections: Dict[str, Any]) -> None:
-        """The run's adapters on the loaded pipeline (``models.lora.Runtime``): fused, or hooked per adapter."""
-        if not self.lora_library or self.lora_plan is None:
-            return
-        from models import lora
-
-        fuse, why, sets = self.lora_plan
-        self.lora = lora.Runtime(self.lora_library, fuse, why, sets, observe=self.observe)
-        sections["model"]["lora"] = self.lora.load(self.pipe)
-
-    def activate_lora(self, batch: Sequence[ds.Item]) -> None:
-        """The batch's adapter set made active before its pipeline call (every item of a batch shares it)."""
-        if self.lora is not None:
-            self.lora.activate(self.pipe, ds.lora_set_key(batch[0].row.values.get("lora")))
-            self.lora.before_call()
 
     def resolve_backends(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """Resolve the stage's backends under the precedence contract and check they can run here; ``moe=auto``
@@ -618,7 +533,6 @@ class DiffusersEngine(EngineBase):
                                    any_size=self.inputs_any_size())
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
-        rows = self.resolve_lora(rows, path)
         self.check_context_rows(rows, path)
         self.check_truncation(rows, path)
         rows = self.passes.prepare_rows(rows, path)
@@ -845,7 +759,7 @@ class DiffusersEngine(EngineBase):
         holds each one's module count (the evidence expects them per forward of that expert)."""
         from runner.kernels import linear
 
-        excluded = self.moe_owned + (self.lora.owned() if self.lora else ())
+        excluded = self.moe_owned + tuple(x for p in self.passes for x in p.owned_linears())
         rec, per = None, {}
         for name, mod in self.experts():
             before = rec.modules if rec is not None else 0
@@ -921,7 +835,8 @@ class DiffusersEngine(EngineBase):
             t0 = time.perf_counter()
             if self.compile_cache is not None:
                 self.compile_cache.start()
-            self.activate_lora(batch)
+            for p in self.passes:
+                p.before_warmup(batch)
             self.warmup_call(batch)
             self.warmup_s = time.perf_counter() - t0
             if self.compile_cache is not None:
@@ -974,7 +889,6 @@ class DiffusersEngine(EngineBase):
         self.check_batch_truncation(batch)
         for p in self.passes:
             p.before_call(batch)
-        self.activate_lora(batch)
         try:
             images = self.call(batch)
         except Exception:
@@ -982,8 +896,6 @@ class DiffusersEngine(EngineBase):
             for p in self.passes:
                 p.call_failed()
             raise
-        if self.lora is not None:
-            self.lora.after_call([it.key for it in batch])
         want = self.expected_forwards(batch)  # None: the pipeline's forward count is not known (not checked)
         self.want_forwards = None if want is None or self.want_forwards is None else self.want_forwards + want
         for p in self.passes:
@@ -1057,9 +969,7 @@ class DiffusersEngine(EngineBase):
             trace = getattr(self.probe, "trace", None) if self.probe is not None else None
             section["memory"], bad = fit.evidence(self.want_forwards or 0, trace)
             mismatches += bad
-        if self.lora is not None:
-            section["lora"], mm = self.lora.evidence(self.stage)
-            mismatches += mm
+        mismatches += self.passes.evidence(section)
         return section, mismatches
 
     def inputs_any_size(self) -> bool:

@@ -604,3 +604,141 @@ class Runtime:
                    f"{len(c['foreign'])} ran another adapter's ({[tuple(x) for x in c['foreign'][:3]]})"
                    for c in bad]
         return sec, mm
+
+
+# ------------------------------------------------------------------------------------------------- the pass
+from models.passes import Pass  # noqa: E402
+
+
+class LoraPass(Pass):
+    """``model.lora`` on a diffusion stage (:mod:`models.passes`): the library checked before any weight loads
+    (:func:`check_library`, recorded in ``source.lora``), each row's adapter set and the fuse decision, the adapters
+    loaded first among the installs (fused weights are what the backends then wrap), the batch's set made active
+    before each call, the evidence, and the oracle's expectations of the items that ran an adapter.
+
+    The engine provides ``pipeline_cls()``, ``component_class(name)``, ``component_config(name)``,
+    ``declared_experts()`` and ``row_expert_steps(row)``.
+
+    Attributes:
+        library: the checked :class:`Adapter` s (None before :meth:`prepare`).
+        plan: ``(fuse, why, adapter sets)`` once the rows are resolved.
+        runtime: the :class:`Runtime` once loaded with adapters.
+    """
+
+    name = "lora"
+    in_plan = True
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.library: Optional[List[Adapter]] = None
+        self.plan: Optional[Tuple[bool, str, List[tuple]]] = None
+        self.runtime: Optional[Runtime] = None
+
+    def loader(self) -> Tuple[type, Dict[str, Dict[str, Tuple[int, int]]]]:
+        """``(pipeline class, {denoiser: {Linear: (out, in)}})`` the adapters are checked against: the task's
+        pipeline class, when it has diffusers' LoRA loader (``load_lora_weights``), and each denoiser's Linears
+        (``declared_experts``: Wan 2.2 A14B's ``transformer`` and ``transformer_2``) built on the meta device from
+        its config (:func:`base_linears`).
+
+        Raises:
+            LoraError: the pipeline class has no LoRA loader.
+        """
+        e = self.engine
+        cls = e.pipeline_cls()
+        if not hasattr(cls, "load_lora_weights"):
+            raise LoraError(f"model.lora: {cls.__name__} (model={e.model_cfg.name}) has no diffusers LoRA loader; "
+                            "fix: model.lora=[], or a family whose pipeline loads LoRA (FLUX, SD3, Qwen-Image, Wan)")
+        return cls, {x: base_linears(e.component_class(x), e.component_config(x)) for x in e.declared_experts()}
+
+    def prepare(self) -> None:
+        """``model.lora`` checked before any weight loads (:func:`check_library`), recorded in the model source
+        (``source.lora``: each adapter's name, path, sha256, scale).
+
+        Raises:
+            LoraError: every problem of every adapter (missing or pickle file, modules the model lacks, another
+                shape, a pipeline without a LoRA loader).
+            runner.core.requirements.DependencyVersionError: peft missing or outside its tested range.
+        """
+        e = self.engine
+        entries = [{"path": x.path, "scale": x.scale, "name": x.name, "expert": x.expert} for x in e.model_cfg.lora]
+        self.library = []
+        if not entries:
+            return
+        from runner.core.requirements import check_feature
+
+        check_feature("peft", "model.lora")
+        pipe_cls, linears = self.loader()
+        self.library = check_library(entries, pipe_cls, linears, str(e.model_cfg.name))
+        e.source["lora"] = {"adapters": [a.record() for a in self.library]}
+
+    def prepare_rows(self, rows: List[Any], path: Any) -> List[Any]:
+        """Each row's adapter set (:func:`resolve_rows`, :func:`drop_idle`) and whether the run fuses
+        (``model.lora_fuse``, :func:`decide_fuse`): ``source.lora.fused`` (so in the run identity; the sets and why
+        are in the manifest's ``model.lora``, written at load).
+
+        Raises:
+            DatasetError: a row naming an adapter the library lacks.
+            ConfigValueError: ``lora_fuse=fused`` with several sets; unfused adapters under a linear backend that
+                replaces the adapted Linears.
+        """
+        e = self.engine
+        if self.library is None:  # read without prepare (runner.app.execute.DatasetItems.read, benchmarks)
+            self.prepare()
+        if not self.library and not any("lora" in r.values or "lora_scale" in r.values for r in rows):
+            return rows
+        rows = resolve_rows(rows, self.library, path)
+        rows = drop_idle(rows, e.row_expert_steps, str(e.ctx.run.dataset.on_ignored), path)
+        sets = adapter_sets(rows)
+        fuse, why = decide_fuse(str(e.model_cfg.lora_fuse), sets)
+        self.plan = (fuse, why, sets)
+        if self.library:
+            e.source["lora"]["fused"] = fuse  # changes the bytes (W + BA rounds unlike Wx + B(Ax)): in the identity
+        linear = e.resolutions.get("linear")
+        if not fuse and linear is not None and str(linear.selected).upper() != "TORCH":
+            raise ConfigValueError(f"model.lora runs unfused ({why}), and backend.linear={linear.selected} replaces "
+                                   "the Linears the LoRA branches wrap; fix: backend.linear=torch, or one adapter set "
+                                   "for every row (fused)")
+        return rows
+
+    def install(self, sections: Dict[str, Any]) -> None:
+        """The run's adapters on the loaded pipeline (:class:`Runtime`): fused, or hooked per adapter; the
+        manifest's ``model.lora``."""
+        if not self.library or self.plan is None:
+            return
+        fuse, why, sets = self.plan
+        self.runtime = Runtime(self.library, fuse, why, sets, observe=self.engine.observe)
+        sections["model"]["lora"] = self.runtime.load(self.engine.pipe)
+
+    def owned_linears(self) -> Tuple[str, ...]:
+        """The unfused LoRA branches' Linears (they run only for their adapter's batches)."""
+        return self.runtime.owned() if self.runtime is not None else ()
+
+    def activate(self, batch: Sequence[Any]) -> None:
+        """The batch's adapter set made active (every item of a batch shares it)."""
+        if self.runtime is not None:
+            self.runtime.activate(self.engine.pipe, ds.lora_set_key(batch[0].row.values.get("lora")))
+            self.runtime.before_call()
+
+    def before_warmup(self, batch: Sequence[Any]) -> None:
+        self.activate(batch)
+
+    def before_call(self, batch: Sequence[Any]) -> None:
+        self.activate(batch)
+
+    def after_call(self, batch: Sequence[Any], want: Optional[int]) -> None:
+        if self.runtime is not None:
+            self.runtime.after_call([it.key for it in batch])
+
+    def evidence(self, section: Dict[str, Any]) -> List[str]:
+        """``lora``: each adapter observed in the calls of its batches (:meth:`Runtime.evidence`)."""
+        if self.runtime is None:
+            return []
+        section["lora"], mm = self.runtime.evidence(self.engine.stage)
+        return mm
+
+    def expect(self, items: List[Any]) -> List[Any]:
+        """The items with the oracle expectations their adapters declare (:func:`effective_expect`)."""
+        if not self.library:
+            return items
+        return [dataclasses.replace(it, row=dataclasses.replace(it.row, expect=effective_expect(it.row, self.library)))
+                for it in items]

@@ -41,6 +41,9 @@ class Pass:
     (``engine.pipe``) from it, and keeps its own state on itself."""
 
     name: ClassVar[str] = ""
+    in_plan: ClassVar[bool] = False
+    """:meth:`prepare` also runs for ``--plan`` (``runner.tools.plan``: no backends resolved, maybe another
+    platform's plan): the pass's checks shape what is planned."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -60,6 +63,14 @@ class Pass:
 
     def install(self, sections: Dict[str, Any]) -> None:
         """Install on the loaded pipeline; add the pass's manifest sections to ``sections``."""
+
+    def owned_linears(self) -> Tuple[str, ...]:
+        """Names (relative to the denoiser) of the Linears the pass owns, which the linear backend leaves alone."""
+        return ()
+
+    def expect(self, items: List[Any]) -> List[Any]:
+        """The items as the model's oracle should score them (what the pass changes about their expectations)."""
+        return items
 
     def hooks_blocks(self) -> bool:
         """The pass hooks the denoiser's blocks after it is installed (a step cache): a regional compile must then

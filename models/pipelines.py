@@ -18,7 +18,6 @@ its ``model_index.json``; forward counts are then not predicted: the evidence re
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import json
@@ -235,7 +234,7 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
             raise ConfigValueError(f"model.generation.guidance_scale_2={g2}: model={self.cfg.name} "
                                    f"({self.pipeline_name()}) has no second expert to apply it to; fix: "
                                    "model.generation.guidance_scale_2=null (Wan 2.2 A14B models take it)")
-        task = self.task  # refused here when the family has no pipeline for it
+        self.task  # noqa: B018 - refused here when the family has no pipeline for it
         g = self.cfg.generation
         if self.video and (g.get("num_frames") is None or g.get("fps") is None):
             raise ConfigValueError(f"model={self.cfg.name} generates video: model.generation.num_frames and "
@@ -711,7 +710,9 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
         self.check_compile_mode()
         self.resolve_source()
         self.check_source()
-        self.prepare_lora()
+        for p in self.passes:
+            if p.in_plan:
+                p.prepare()
         self.fit = self.fitting(platform_kind)
 
     def plan_memory(self, rows: Sequence[Row]) -> None:
@@ -1120,25 +1121,6 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
             super().check_parallel()  # not declared: refused
 
     # -------------------------------------------------------------------------------------- call arguments
-    def lora_loader(self) -> Tuple[type, Dict[str, Dict[str, Tuple[int, int]]]]:
-        """The task's pipeline class, when it has diffusers' LoRA loader (``load_lora_weights``), and each
-        denoiser's Linears (:meth:`declared_experts`: Wan 2.2 A14B's ``transformer`` and ``transformer_2``), built on
-        the meta device from its config (``models.lora.base_linears``).
-
-        Raises:
-            models.lora.LoraError: the pipeline class has no LoRA loader.
-        """
-        from models.lora import LoraError
-
-        cls = self.pipeline_cls()
-        if not hasattr(cls, "load_lora_weights"):
-            raise LoraError(f"model.lora: {cls.__name__} (model={self.cfg.name}) has no diffusers LoRA loader; fix: "
-                            "model.lora=[], or a family whose pipeline loads LoRA (FLUX, SD3, Qwen-Image, Wan)")
-        from models import lora
-
-        return cls, {e: lora.base_linears(self.component_class(e), self.component_config(e))
-                     for e in self.declared_experts()}
-
     def call_params(self) -> set:
         """The argument names of the pipeline class's ``__call__``."""
         if self._call_params is None:
@@ -1443,11 +1425,8 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
                  ) -> Optional[Dict[str, Any]]:
         """Share of items whose output matches the row's ``expect``, read back by the model's oracle
         (``model.oracle``); None when the model has no oracle or no row carries expectations."""
-        if self.lora_library:  # what an adapter declares it does to the oracle's attributes (models.lora)
-            from models.lora import effective_expect
-
-            items = [dataclasses.replace(it, row=dataclasses.replace(it.row, expect=effective_expect(
-                it.row, self.lora_library))) for it in items]
+        for p in self.passes:  # what a pass changes about the oracle's expectations (a LoRA adapter's declared effect)
+            items = p.expect(items)
         if not self.cfg.oracle or not any(it.row.expect for it in items):
             return None
         return oracle(self.cfg.oracle).accuracy_section(items, records, out_dir)

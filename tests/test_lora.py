@@ -196,7 +196,7 @@ def test_per_row_adapters_batch_by_set_and_each_item_matches_its_row_run_alone(t
 @requires_extra("lora")
 def test_unfused_evidence_sees_a_layer_whose_lora_branch_did_not_run(tmp_path, adapters):
     def skip_one_layer(engine: Any) -> None:
-        layer = engine.lora.layers[MODULES[0]]
+        layer = engine.passes["lora"].runtime.layers[MODULES[0]]
         layer._disable_adapters = True  # peft then runs only its base layer: this layer's LoRA branch is skipped
 
     r = run(tmp_path, "tampered", ROWS[:1], library({"name": "a", "path": adapters["a"]}), "model.lora_fuse=unfused",
