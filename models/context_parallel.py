@@ -20,7 +20,7 @@ CFG parallelism: diffusers 0.42 has none (``ParallelConfig`` holds context and t
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -135,3 +135,85 @@ def expected_collectives(lay: Optional[Layout], sites: int) -> Dict[str, int]:
     if lay.ring > 1:
         out["all_gather"] = sites
     return out
+
+
+# ------------------------------------------------------------------------------------------------- the pass
+from models.passes import Pass  # noqa: E402
+
+
+class ContextParallelPass(Pass):
+    """``parallelism=ulysses|ring`` on a diffusion stage (:mod:`models.passes`): the denoiser and every row checked
+    before loading, the device mesh and diffusers' config built collectively (:meth:`start`), the config applied to
+    each denoiser after the attention backends, and the collectives the evidence expects.
+
+    The family declares what is split: the engine's ``context_tokens(row)`` (``{sequence: tokens}`` per row; the
+    base method, marked ``undeclared``, means the family has not declared it, and the run is refused),
+    ``context_fix(sequence, degree)`` and ``splits_attention(layer)``.
+    """
+
+    name = "context_parallel"
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.config: Any = None  # diffusers' ParallelConfig (start)
+
+    def prepare(self) -> None:
+        """The denoiser class has a diffusers context-parallel plan and (Ulysses) its head count divides
+        (:func:`check_model`); the family declares its split sequences.
+
+        Raises:
+            ParallelismUnsupportedError: naming the model and the fix.
+        """
+        e, lay = self.engine, self.engine.ctx.parallel
+        if lay is None:
+            return
+        check_model(e.model_cfg.name, e.component_class("transformer"), e.component_config("transformer"), lay)
+        if getattr(type(e).context_tokens, "undeclared", False):
+            raise ParallelismUnsupportedError(
+                f"parallelism={lay.mode}: model={e.model_cfg.name} ({type(e).__name__}) does not support context "
+                "parallelism yet (its sequence lengths per row are not declared to the runner); fix: "
+                "parallelism=data or single")
+
+    def prepare_rows(self, rows: List[Any], path: Any) -> List[Any]:
+        """Every split sequence of every row must divide evenly over the context group (diffusers'
+        ``EquipartitionSharder`` asserts it mid-run).
+
+        Raises:
+            runner.core.dataset.DatasetError: every such row (file:line, sequence, tokens, degree, fix).
+        """
+        e, lay = self.engine, self.engine.ctx.parallel
+        if lay is None:
+            return rows
+        from runner.core.dataset import DatasetError
+
+        bad = []
+        for r in rows:
+            for name, n in (e.context_tokens(r) or {}).items():
+                if n % lay.context:
+                    bad.append(f"{path}:{r.line}: row {r.id!r}: its {name} sequence has {n} tokens, not a multiple of "
+                               f"the context degree {lay.context} (ulysses_degree {lay.ulysses} x ring_degree "
+                               f"{lay.ring}), which diffusers splits it over; fix: " + e.context_fix(name, lay.context))
+        if bad:
+            raise DatasetError(bad)
+        return rows
+
+    def start(self) -> None:
+        """The device mesh and diffusers' ``ContextParallelConfig`` over it (:func:`setup`; collective over every
+        rank)."""
+        if self.engine.ctx.parallel is not None:
+            self.config = setup(self.engine.ctx.parallel, self.engine.ctx.plat.device)
+
+    def install(self, sections: Dict[str, Any]) -> None:
+        """Diffusers' context parallelism on each denoiser (after the attention backends: diffusers checks each
+        processor's); the manifest's ``context_parallel``."""
+        if self.config is not None:
+            for _, mod in self.engine.experts():
+                sections["context_parallel"] = enable(mod, self.config)
+
+    def evidence_inputs(self) -> Dict[str, Any]:
+        """``collectives``: the least number of each collective the run's forwards must show
+        (:func:`expected_collectives` over the attention sites diffusers splits)."""
+        e = self.engine
+        want = expected_collectives(e.ctx.parallel,
+                                    sum(1 for site in e.probes["attention"] if e.splits_attention(site.layer)))
+        return {"collectives": {k: (COLLECTIVES[k], n) for k, n in want.items()}} if want else {}

@@ -157,7 +157,8 @@ class DiffusersEngine(EngineBase):
     reads_engine_extras: ClassVar[bool] = False
     applies_cache: ClassVar[bool] = True  # cache.* (models.cache): the step cache of the denoiser
 
-    PASSES: ClassVar[Tuple[str, ...]] = ("models.lora:LoraPass", "models.cache:StepCachePass")
+    PASSES: ClassVar[Tuple[str, ...]] = ("models.lora:LoraPass", "models.context_parallel:ContextParallelPass",
+                                         "models.cache:StepCachePass")
     """The engine's features as passes (:mod:`models.passes`), as ``"module:Class"`` paths; their install order is
     :attr:`INSTALL_PASSES`'s."""
 
@@ -178,7 +179,6 @@ class DiffusersEngine(EngineBase):
         self.load_s = self.warmup_s = 0.0
         self.graphs_before: Optional[int] = None
         self.inductor_deterministic: Optional[bool] = None
-        self.parallel_config: Any = None  # diffusers' ParallelConfig under context parallelism (start_parallel)
         self.compile_cache: Any = None  # models.compile_cache.CompileCache with compile on and optimize.compile_cache
         self._scope = contextlib.ExitStack()
         self.passes = Passes(self, self.PASSES)
@@ -243,7 +243,6 @@ class DiffusersEngine(EngineBase):
         self.check_source()
         for p in self.passes:
             p.prepare()
-        self.check_parallel()
         self.resolutions, _ = self.resolve_backends()
         self.check_memory()
         return self.source
@@ -297,28 +296,9 @@ class DiffusersEngine(EngineBase):
         return None
 
     def start_parallel(self) -> None:
-        """Context parallelism: the device mesh and diffusers' ``ContextParallelConfig`` over it
-        (``models.context_parallel.setup``; collective over every rank), applied to the denoiser in ``load``."""
-        if self.ctx.parallel is not None:
-            from models.context_parallel import setup
-
-            self.parallel_config = setup(self.ctx.parallel, self.ctx.plat.device)
-
-    def check_parallel(self) -> None:
-        """Context parallelism (``ctx.parallel``): refuse what the model cannot split, before loading. A model
-        family supports it by overriding this (and :meth:`context_tokens`); by default it is refused.
-
-        Raises:
-            runner.core.distributed.ParallelismUnsupportedError: naming the model and the fix.
-        """
-        if self.ctx.parallel is None:
-            return
-        from runner.core.distributed import ParallelismUnsupportedError
-
-        raise ParallelismUnsupportedError(
-            f"parallelism={self.ctx.parallel.mode}: model={self.model_cfg.name} ({type(self).__name__}) does not "
-            "support context parallelism yet (its sequence lengths per row are not declared to the runner); fix: "
-            "parallelism=data or single")
+        """Every pass's collective set-up (:meth:`models.passes.Pass.start`; a context-parallel mesh)."""
+        for p in self.passes:
+            p.start()
 
     def splits_attention(self, layer: str) -> bool:
         """Whether diffusers runs the attention call site ``layer`` context-parallel (Ulysses/ring collectives), for
@@ -327,33 +307,14 @@ class DiffusersEngine(EngineBase):
 
     def context_tokens(self, row: ds.Row) -> Optional[Dict[str, int]]:
         """The lengths of the sequences diffusers' context-parallel plan splits for ``row`` (``{name: tokens}``),
-        each of which must be a multiple of the context degree; None: not declared (refused by
-        :meth:`check_parallel`)."""
+        each of which must be a multiple of the context degree; not declared here (``undeclared``: a run with
+        context parallelism is refused, ``models.context_parallel.ContextParallelPass``)."""
         return None
 
-    def check_context_rows(self, rows: Sequence[ds.Row], path: Any) -> None:
-        """Under context parallelism every split sequence of every row must divide evenly over the context group
-        (diffusers' ``EquipartitionSharder`` asserts it mid-run).
-
-        Raises:
-            dataset.DatasetError: every such row (file:line, sequence, tokens, degree, fix).
-        """
-        lay = self.ctx.parallel
-        if lay is None:
-            return
-        bad = []
-        for r in rows:
-            for name, n in (self.context_tokens(r) or {}).items():
-                if n % lay.context:
-                    bad.append(f"{path}:{r.line}: row {r.id!r}: its {name} sequence has {n} tokens, not a multiple of "
-                               f"the context degree {lay.context} (ulysses_degree {lay.ulysses} x ring_degree "
-                               f"{lay.ring}), which diffusers splits it over; fix: "
-                               + self.context_fix(name, lay.context))
-        if bad:
-            raise ds.DatasetError(bad)
+    context_tokens.undeclared = True  # type: ignore[attr-defined]
 
     def context_fix(self, sequence: str, degree: int) -> str:
-        """How to make ``sequence`` divisible by ``degree`` (for :meth:`check_context_rows`'s message)."""
+        """How to make ``sequence`` divisible by ``degree`` (for the context-parallel pass's refusal, ``models.context_parallel.ContextParallelPass.prepare_rows``)."""
         return "another size (or parallelism degree)"
 
     def check_source(self) -> None:
@@ -533,7 +494,6 @@ class DiffusersEngine(EngineBase):
                                    any_size=self.inputs_any_size())
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
-        self.check_context_rows(rows, path)
         self.check_truncation(rows, path)
         rows = self.passes.prepare_rows(rows, path)
         self.plan_memory(rows)
@@ -770,14 +730,6 @@ class DiffusersEngine(EngineBase):
         if len(per) > 1:
             self.probes["expert_linears"] = per
 
-    def install_context_parallel(self, sections: Dict[str, Any]) -> None:
-        """Diffusers' context parallelism on the denoiser under ``parallelism=ulysses|ring``."""
-        if self.parallel_config is not None:
-            from models.context_parallel import enable
-
-            for _, mod in self.experts():
-                sections["context_parallel"] = enable(mod, self.parallel_config)
-
     def compiles_under_cache(self) -> bool:
         """``compile=regional`` with a step cache: blocks compiled beneath the cache's hooks."""
         return self.ctx.cfg.compile == "regional" and any(p.hooks_blocks() for p in self.passes)
@@ -955,13 +907,8 @@ class DiffusersEngine(EngineBase):
         Returns:
             ``(evidence.stages.<stage>, mismatches)``.
         """
-        from models.context_parallel import COLLECTIVES, expected_collectives
-
-        want = expected_collectives(self.ctx.parallel,
-                                    sum(1 for site in self.probes["attention"] if self.splits_attention(site.layer)))
         ev = evidence.build(self.stage, self.probes, self.probe, None if self.raised else self.want_forwards,
                             finite=result.nonfinite == 0, device=self.device, **self.passes.evidence_inputs(),
-                            collectives={k: (COLLECTIVES[k], n) for k, n in want.items()} if want else None,
                             forward_rule=self.has_forward_rule())
         section, mismatches = ev["stages"][self.stage], list(ev["mismatches"])
         fit = getattr(self, "fit", None)

@@ -13,6 +13,7 @@ Phases, in the loop's order (:mod:`models.base`), each a method with a no-op def
 1. ``check_config()``: the pass's config checks (no I/O, no model configs).
 2. ``prepare()``: startup checks that read the model's configs (the weight source is resolved, the backends are
    resolved: ``engine.resolutions``); no weight loads. A family refuses a pass by raising here.
+   ``start()``: collective set-up over every rank (the loop's ``start_parallel``).
 3. ``prepare_rows(rows, path) -> rows``: the validated rows, checked or extended by the pass (its row fields);
    ``batches_planned(batches)``: the batches the engine cut from them.
 4. ``install(sections)``: on the loaded pipeline, in ``PASSES`` order (the order is the install contract:
@@ -53,6 +54,10 @@ class Pass:
 
     def prepare(self) -> None:
         """Startup checks that read the model's configs; no weight loads."""
+
+    def start(self) -> None:
+        """Collective set-up over every rank of the run (after ``prepare``, before the rows; the loop's
+        ``start_parallel``)."""
 
     def prepare_rows(self, rows: List[Any], path: Any) -> List[Any]:
         """The run's rows, checked (``DatasetError`` naming file:line) or extended; returned (a new list or the same)."""

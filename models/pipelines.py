@@ -1103,23 +1103,6 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
             return f", raise model.generation.max_sequence_length (now {msl}, at most {limit})"
         return ""
 
-    def check_parallel(self) -> None:
-        """Context parallelism: a family that declares its split sequences (:meth:`context_tokens`) runs it when
-        its denoiser class has a diffusers context-parallel plan and (Ulysses) its head count divides
-        (``models.context_parallel.check_model``); else refused, naming why.
-
-        Raises:
-            runner.core.distributed.ParallelismUnsupportedError: naming the model and the fix.
-        """
-        lay = self.ctx.parallel
-        if lay is None:
-            return
-        from models.context_parallel import check_model
-
-        check_model(self.cfg.name, self.component_class("transformer"), self.component_config("transformer"), lay)
-        if type(self).context_tokens is DiffusersEngine.context_tokens:
-            super().check_parallel()  # not declared: refused
-
     # -------------------------------------------------------------------------------------- call arguments
     def call_params(self) -> set:
         """The argument names of the pipeline class's ``__call__``."""
