@@ -191,7 +191,7 @@ class Engine(Protocol):
 
     def timing_extra(self, result: StageResult, generate_s: float) -> Dict[str, Any]: ...
 
-    def compile_section(self) -> Optional[Dict[str, Any]]: ...
+    def final_sections(self) -> Dict[str, Any]: ...
 
     def accuracy(self, items: Sequence[Any], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]: ...
@@ -265,9 +265,10 @@ class EngineBase:
         """No engine-specific timing figures."""
         return {}
 
-    def compile_section(self) -> Optional[Dict[str, Any]]:
-        """Nothing compiled by the runner."""
-        return None
+    def final_sections(self) -> Dict[str, Any]:
+        """Manifest sections the engine's features own at the end of the run (``{name: section}``: ``compile``);
+        none by default."""
+        return {}
 
     def accuracy(self, items: Sequence[Any], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]:

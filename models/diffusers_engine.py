@@ -40,90 +40,6 @@ def available_bytes(plat: Any) -> Optional[int]:
     return None
 
 
-@contextlib.contextmanager
-def deterministic_compile(enabled: bool) -> Iterator[None]:
-    """Inductor's deterministic mode (``torch._inductor.config.deterministic``: no on-device benchmarking of kernel
-    configurations that change numerics) for everything compiled inside, restored on exit.
-
-    The flag is set through ``torch.use_deterministic_algorithms(True, warn_only=True)``: dynamo re-applies that
-    global after converting each frame (``torch/_dynamo/convert_frame.py``), which resets an Inductor flag set on
-    its own after the first compiled block. ``warn_only`` keeps eager ops without a deterministic kernel running
-    (they warn instead of raising).
-    """
-    if not enabled:
-        yield
-        return
-    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
-
-
-#: ``optimize.compile_mode`` -> ``torch.compile(mode=...)``
-TORCH_COMPILE_MODES = {"default": "default", "max_autotune_no_cudagraphs": "max-autotune-no-cudagraphs",
-                       "max_autotune": "max-autotune", "reduce_overhead": "reduce-overhead"}
-CUDAGRAPH_MODES = ("max_autotune", "reduce_overhead")
-
-
-def compile_regional(model: torch.nn.Module, mode: str = "default") -> Dict[str, Any]:
-    """Regional ``torch.compile``: each repeated transformer block compiled on its own (one graph reused by every
-    block of a class), the rest eager. diffusers' ``compile_repeated_blocks`` where the model class declares its
-    ``_repeated_blocks``; otherwise (SD3's ``SD3Transformer2DModel`` declares none) the class of the blocks in the
-    model's top-level ``nn.ModuleList`` children, compiled the same way (``module.compile``).
-
-    Args:
-        mode: ``optimize.compile_mode`` (:data:`TORCH_COMPILE_MODES` maps it to torch's ``mode``).
-
-    Returns:
-        ``{"blocks": [class names], "via": "compile_repeated_blocks" | "module_lists", "mode"}`` for the manifest.
-    """
-    kw: Dict[str, Any] = {"fullgraph": False, "dynamic": False}
-    if mode != "default":
-        kw["mode"] = TORCH_COMPILE_MODES[mode]
-    if getattr(model, "_repeated_blocks", None):
-        model.compile_repeated_blocks(**kw)
-        return {"blocks": list(model._repeated_blocks), "via": "compile_repeated_blocks", "mode": mode}
-    names = set()
-    for child in model.children():
-        if isinstance(child, torch.nn.ModuleList):
-            for block in child:
-                block.compile(**kw)
-                names.add(type(block).__name__)
-    return {"blocks": sorted(names), "via": "module_lists", "mode": mode}
-
-
-def compile_blocks_under_hooks(model: torch.nn.Module, mode: str = "default") -> Dict[str, Any]:
-    """Regional compile for a step cache: each block of the model's top-level ``nn.ModuleList`` s gets its
-    ``forward`` compiled (an instance attribute, ``torch.compile(block.forward)``), so hooks registered on the block
-    afterwards (diffusers' ``HookRegistry``, which wraps ``module.forward``) run eagerly around the compiled code
-    and can skip it; ``module.compile()`` would compile ``_call_impl`` with the hooks inside. Blocks of a class
-    share one compiled graph (dynamo keys on the class's ``forward`` code; parameters are graph inputs).
-
-    Returns:
-        ``{"blocks": [class names], "via": "block_forward", "mode"}`` for the manifest.
-    """
-    kw: Dict[str, Any] = {"fullgraph": False, "dynamic": False}
-    if mode != "default":
-        kw["mode"] = TORCH_COMPILE_MODES[mode]
-    names = set()
-    for child in model.children():
-        if isinstance(child, torch.nn.ModuleList):
-            for block in child:
-                block.forward = torch.compile(block.forward, **kw)
-                names.add(type(block).__name__)
-    return {"blocks": sorted(names), "via": "block_forward", "mode": mode}
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile (dynamo) has produced in this process so far; a rise during the generation loop
-    means a recompile (a new shape or a guard failure)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 class DiffusersEngine(EngineBase):
     """Base of diffusion stages run through a diffusers pipeline; subclasses provide the model knowledge:
 
@@ -158,7 +74,8 @@ class DiffusersEngine(EngineBase):
     applies_cache: ClassVar[bool] = True  # cache.* (models.cache): the step cache of the denoiser
 
     PASSES: ClassVar[Tuple[str, ...]] = ("models.lora:LoraPass", "models.context_parallel:ContextParallelPass",
-                                         "models.cache:StepCachePass")
+                                         "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
+                                         "models.compile:CompilePass")
     """The engine's features as passes (:mod:`models.passes`), as ``"module:Class"`` paths; their install order is
     :attr:`INSTALL_PASSES`'s."""
 
@@ -177,9 +94,6 @@ class DiffusersEngine(EngineBase):
         self.want_forwards: Optional[int] = 0
         self.raised = False
         self.load_s = self.warmup_s = 0.0
-        self.graphs_before: Optional[int] = None
-        self.inductor_deterministic: Optional[bool] = None
-        self.compile_cache: Any = None  # models.compile_cache.CompileCache with compile on and optimize.compile_cache
         self._scope = contextlib.ExitStack()
         self.passes = Passes(self, self.PASSES)
 
@@ -236,7 +150,6 @@ class DiffusersEngine(EngineBase):
         Raises:
             runner.core.errors.RunnerError subclasses (model path, backend selection, memory), naming the fix.
         """
-        self.check_compile_mode()
         self.resolve_source()
         if self.source.get("kind") == "path":
             check_safetensors(Path(self.source["path"]))
@@ -246,28 +159,6 @@ class DiffusersEngine(EngineBase):
         self.resolutions, _ = self.resolve_backends()
         self.check_memory()
         return self.source
-
-    def check_compile_mode(self) -> None:
-        """``optimize.compile_mode``: only with ``compile`` on (a mode nothing reads is refused); the CUDA-graph
-        modes are refused (regional compile replays one graph for every block of a class).
-
-        Raises:
-            ConfigValueError: naming the field, the value and the fix.
-        """
-        cfg = self.ctx.run
-        mode = str(cfg.optimize.compile_mode)
-        if mode == "default":
-            return
-        if str(cfg.compile) == "none":
-            raise ConfigValueError(f"optimize.compile_mode={mode} is set, but compile=none compiles nothing; fix: "
-                                   "compile=regional, or optimize.compile_mode=default")
-        if mode in CUDAGRAPH_MODES:
-            raise ConfigValueError(
-                f"optimize.compile_mode={mode} uses CUDA graphs, which compile={cfg.compile} cannot: one graph per "
-                "block class is replayed for every block, so each block's output is overwritten by the next replay "
-                "(torch: 'accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run', seen "
-                "on the H200 with FLUX.1-dev, 2026-12-01); fix: optimize.compile_mode=max_autotune_no_cudagraphs or "
-                "default")
 
     def lossy_traits(self) -> Dict[str, Any]:
         """What the passes' configs say about the lossy lanes (:meth:`models.passes.Pass.lossy_traits`)."""
@@ -642,15 +533,14 @@ class DiffusersEngine(EngineBase):
             Manifest sections to add: ``model`` (source and ``load_s``) and ``optimize`` (what was applied).
         """
         cfg = self.ctx.run
-        compile_mode = cfg.compile
-        det = compile_mode != "none" and bool(cfg.optimize.deterministic_compile)
-        self._scope.enter_context(deterministic_compile(det))
+        for p in self.passes:
+            p.before_load()
         t0 = time.perf_counter()
         self.load_pipeline()
         self.load_s = time.perf_counter() - t0
         sections: Dict[str, Any] = {"model": {"load_s": round(self.load_s, 3)},
                                     "optimize": self.optimize(cfg.optimize)}
-        self.observe = bool(cfg.evidence.enabled) and compile_mode == "none"
+        self.observe = bool(cfg.evidence.enabled) and not any(p.hides_calls() for p in self.passes)
         self.probes = {"observed": self.observe}
         for name in self.INSTALL_PASSES:
             p = self.passes.get(name)
@@ -730,82 +620,32 @@ class DiffusersEngine(EngineBase):
         if len(per) > 1:
             self.probes["expert_linears"] = per
 
-    def compiles_under_cache(self) -> bool:
-        """``compile=regional`` with a step cache: blocks compiled beneath the cache's hooks."""
-        return self.ctx.cfg.compile == "regional" and any(p.hooks_blocks() for p in self.passes)
-
-    def install_compile_under_cache(self, sections: Dict[str, Any]) -> None:
-        """Regional compile beneath the step cache's hooks, which stay eager (``models.cache``: block-level)."""
-        if self.compiles_under_cache():
-            if self.ctx.cfg.optimize.compile_cache:
-                self.open_compile_cache()
-            for _, mod in self.experts():
-                self.regions = compile_blocks_under_hooks(mod, str(self.ctx.cfg.optimize.compile_mode))
-
-    def install_compile(self, sections: Dict[str, Any]) -> None:
-        """Regional compile of each denoiser's repeated blocks (without a step cache); ``regions.experts`` names
-        them when there are several."""
-        if self.ctx.cfg.compile == "regional" and not self.compiles_under_cache():
-            if self.ctx.cfg.optimize.compile_cache:
-                self.open_compile_cache()
-            experts = self.experts()
-            for _, mod in experts:
-                self.regions = compile_regional(mod, str(self.ctx.cfg.optimize.compile_mode))
-            if len(experts) > 1:
-                self.regions["experts"] = [e for e, _ in experts]
-
-    def open_compile_cache(self) -> None:
-        """Point torch's compile caches at ``<cache_dir>/compile/<key>`` for this stage (``models.compile_cache``),
-        restored when the engine closes."""
-        from models import compile_cache as cc
-        from runner.core.schema import compile_factors
-
-        cfg = self.ctx.run
-        fields = cc.key_fields(
-            device=self.device, denoiser=self.denoiser, dtype=self.dtype,
-            backends={f: r.selected for f, r in self.resolutions.items()},
-            compile_cfg={**compile_factors(cfg), "engine": type(self).__name__})
-        self.compile_cache = cc.CompileCache(cc.cache_root(self.cache_dir), fields).open()
-        self._scope.callback(self.compile_cache.close)
-
     def optimize(self, opts: Any) -> Dict[str, Any]:
         """Math-preserving speed settings; none by default."""
         return {}
 
     def warmup(self, batch: Sequence[ds.Item]) -> float:
-        """With ``compile`` on and ``optimize.warmup``: one short call at ``batch``'s shape so that compilation
-        happens before the timed loop; then, with ``cache.calibrate``, the step cache's calibration pass
-        (:meth:`calibrate_cache`). Then the denoiser probe is attached (profiling the 2nd forward when compiled
-        without warm-up, since the 1st compiles) and ``on_loaded`` runs. Returns the seconds of both."""
+        """A warm-up call at ``batch``'s shape when a pass asks for one (:meth:`models.passes.Pass.wants_warmup`:
+        compile, so that compilation happens before the timed loop), between the passes' ``before_warmup`` and
+        ``after_warmup``; then each pass's own runs (``prime``: a step cache's calibration). Then the denoiser probe
+        is attached (profiling the 2nd forward when calls are hidden without a warm-up, since the 1st compiles) and
+        ``on_loaded`` runs. Returns the seconds of both."""
         cfg = self.ctx.run
-        if cfg.compile != "none" and cfg.optimize.warmup and batch:
-            cc = self.compile_cache  # the bar sits still meanwhile: say why (its ETA starts after it, runner.app.console)
-            log.info("compile=%s: compiling the denoiser's blocks in a warm-up call before the first batch (%s); the "
-                     "progress bar's ETA starts after it", cfg.compile,
-                     f"compile cache {cc.dir}: {'warm, seconds' if cc.existed else 'cold, tens of seconds'}" if cc
-                     else "optimize.compile_cache=false: tens of seconds")
-            t0 = time.perf_counter()
-            if self.compile_cache is not None:
-                self.compile_cache.start()
+        if batch and any(p.wants_warmup() for p in self.passes):
             for p in self.passes:
                 p.before_warmup(batch)
+            t0 = time.perf_counter()
             self.warmup_call(batch)
             self.warmup_s = time.perf_counter() - t0
-            if self.compile_cache is not None:
-                self.compile_cache.stop()
             for p in self.passes:
                 p.after_warmup()
-            self.graphs_before = compiled_graphs()
-            import torch._inductor.config as inductor_config
-
-            # still set after every block compiled (dynamo re-applies the global per frame)
-            self.inductor_deterministic = getattr(inductor_config, "deterministic", None)
-        prime_s = sum(p.prime() for p in self.passes)  # not compile warm-up: compile.warmup_s stays the compile's
+        prime_s = sum(p.prime() for p in self.passes)  # not the warm-up: compile.warmup_s stays the compile's
         experts = self.experts()
+        hidden = any(p.hides_calls() for p in self.passes)
         self.probe = evidence.DenoiserProbe(dict(experts) if len(experts) > 1 else self.denoiser,
                                             profile=cfg.evidence.enabled and cfg.evidence.profile,
                                             device_kind=self.ctx.plat.kind,
-                                            profile_forward=2 if cfg.compile != "none" and not self.warmup_s else 1)
+                                            profile_forward=2 if hidden and not self.warmup_s else 1)
         if self._on_loaded is not None:
             self._on_loaded(self)
         return self.warmup_s + prime_s
@@ -934,16 +774,9 @@ class DiffusersEngine(EngineBase):
             phases["denoise"] = max(0.0, generate_s - sum(phases.values()))
         return phases
 
-    def compile_section(self) -> Optional[Dict[str, Any]]:
-        """``compile``: warm-up seconds, Inductor's deterministic flag, graphs compiled after the warm-up, and the
-        compile cache (``cache``: key, directory, hit/miss as torch counted them over the warm-up)."""
-        if self.graphs_before is None:
-            return None
-        return {"mode": self.ctx.run.compile, "compile_mode": str(self.ctx.run.optimize.compile_mode),
-                "regions": getattr(self, "regions", None),
-                "warmup_s": round(self.warmup_s, 3), "inductor_deterministic": self.inductor_deterministic,
-                "graphs_compiled_after_warmup": compiled_graphs() - self.graphs_before,
-                "cache": self.compile_cache.section() if self.compile_cache is not None else {"enabled": False}}
+    def final_sections(self) -> Dict[str, Any]:
+        """The passes' manifest sections at the end of the run (:meth:`models.passes.Pass.final_sections`)."""
+        return self.passes.final_sections()
 
     def accuracy(self, items: Sequence[ds.Item], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]:

@@ -16,7 +16,7 @@ Phases, in the loop's order (:mod:`models.base`), each a method with a no-op def
    ``start()``: collective set-up over every rank (the loop's ``start_parallel``).
 3. ``prepare_rows(rows, path) -> rows``: the validated rows, checked or extended by the pass (its row fields);
    ``batches_planned(batches)``: the batches the engine cut from them.
-4. ``install(sections)``: on the loaded pipeline, in ``PASSES`` order (the order is the install contract:
+4. ``before_load()`` before the pipeline loads; ``install(sections)``: on the loaded pipeline, in ``PASSES`` order (the order is the install contract:
    ``models.diffusers_engine.DiffusersEngine.PASSES`` says why); ``sections`` are the manifest sections of the load.
 5. ``before_warmup(batch)`` / ``after_warmup()`` around the engine's warm-up call (made when a pass asks for it,
    :meth:`Pass.wants_warmup`); ``prime() -> seconds``: a pass's own runs after the warm-up (a step cache's
@@ -65,6 +65,13 @@ class Pass:
 
     def batches_planned(self, batches: Sequence[Sequence[Any]]) -> None:
         """The run's batches, as the engine cut them (before loading)."""
+
+    def before_load(self) -> None:
+        """Before the pipeline loads (a scope for everything built or compiled in the stage)."""
+
+    def hides_calls(self) -> bool:
+        """Under the pass the per-call observers cannot run (compiled code runs no Python hooks)."""
+        return False
 
     def install(self, sections: Dict[str, Any]) -> None:
         """Install on the loaded pipeline; add the pass's manifest sections to ``sections``."""

@@ -707,7 +707,6 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
         Raises:
             runner.core.errors.RunnerError subclasses, as :meth:`prepare` raises them for these checks.
         """
-        self.check_compile_mode()
         self.resolve_source()
         self.check_source()
         for p in self.passes:

@@ -92,7 +92,7 @@ def test_compile_mode_is_validated(tmp_path, extra, words):
 
 @pytest.mark.cpu
 def test_compile_mode_reaches_torch_compile(monkeypatch):
-    from models.diffusers_engine import compile_regional
+    from models.compile import compile_regional
 
     seen = []
 

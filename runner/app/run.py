@@ -599,9 +599,8 @@ class Run:
             self.manifest.section("claims", {**self.claims.section(),
                                              "reusable_at_start": getattr(self.claims, "reusable_at_start", None)})
         self.manifest.section("timing", self.timing_section())
-        comp = self.final.compile_section()
-        if comp is not None:
-            self.manifest.section("compile", comp)
+        for name, sec in self.final.final_sections().items():  # the engine's features' (compile)
+            self.manifest.section(name, sec)
         self.manifest.section("memory", peak_memory(self.plat.kind))
 
     def timing_section(self) -> Dict[str, Any]:
