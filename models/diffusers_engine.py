@@ -73,11 +73,19 @@ class DiffusersEngine(EngineBase):
     reads_engine_extras: ClassVar[bool] = False
     applies_cache: ClassVar[bool] = True  # cache.* (models.cache): the step cache of the denoiser
 
-    PASSES: ClassVar[Tuple[str, ...]] = ("models.lora:LoraPass", "models.context_parallel:ContextParallelPass",
-                                         "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
-                                         "models.compile:CompilePass")
-    """The engine's features as passes (:mod:`models.passes`), as ``"module:Class"`` paths; their install order is
-    :attr:`INSTALL_PASSES`'s."""
+    PASSES: ClassVar[Tuple[str, ...]] = (
+        "models.lora:LoraPass", "models.backend_passes:AttentionPass", "models.backend_passes:MoePass",
+        "models.backend_passes:LinearPass", "models.context_parallel:ContextParallelPass",
+        "models.memory:PlacementPass", "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
+        "models.compile:CompilePass")
+    """The engine's features as passes (:mod:`models.passes`), as ``"module:Class"`` paths, in install order (every
+    phase runs them in this order, ``close`` in reverse): LoRA adapters first (fused weights are what the backends
+    then wrap); the attention backends before context parallelism (diffusers checks each processor's); the MoE
+    backend before linear (the routed experts' Linears belong to it); the memory plan's placement after every pass
+    that replaces or rewrites parameters (fused LoRA, MoE, linear backends; ``optimize`` ran before all passes) and
+    before the hooks and compile that wrap the modules as they will run (``models.memory.Fitting.defers``); compile
+    beneath a step cache's hooks when both are on (the hooks stay eager), the cache after the backends (its hooks wrap
+    the modules as they will run), regional compile last otherwise. A family engine may extend the tuple."""
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -94,7 +102,7 @@ class DiffusersEngine(EngineBase):
         self.want_forwards: Optional[int] = 0
         self.raised = False
         self.load_s = self.warmup_s = 0.0
-        self._scope = contextlib.ExitStack()
+        self.fit: Any = None  # models.memory.Fitting once the memory check planned (a pipeline stage's)
         self.passes = Passes(self, self.PASSES)
 
     @property
@@ -542,83 +550,16 @@ class DiffusersEngine(EngineBase):
                                     "optimize": self.optimize(cfg.optimize)}
         self.observe = bool(cfg.evidence.enabled) and not any(p.hides_calls() for p in self.passes)
         self.probes = {"observed": self.observe}
-        for name in self.INSTALL_PASSES:
-            p = self.passes.get(name)
-            p.install(sections) if p is not None else getattr(self, f"install_{name}")(sections)
+        for p in self.passes:
+            p.install(sections)
         self._on_loaded = on_loaded
         return sections
-
-    #: The install passes of :meth:`load`, in order (each ``install_<name>(sections)``): LoRA adapters first (fused
-    #: weights are what the backends then wrap), backends before context
-    #: parallelism (diffusers checks each processor's), the MoE backend before linear (the routed experts' Linears
-    #: belong to it), compile beneath the step cache's hooks when both are on (the hooks stay eager), the cache after
-    #: the backends (its hooks wrap the modules as they will run), regional compile last otherwise. The memory
-    #: plan's placement comes after every pass that replaces or rewrites parameters (fused LoRA, MoE, linear
-    #: backends; ``optimize`` ran before all passes) and before the hooks and compile that wrap the modules as
-    #: they will run (``models.memory.Fitting.defers``).
-    INSTALL_PASSES: ClassVar[Tuple[str, ...]] = ("lora", "attention", "moe", "linear", "context_parallel",
-                                                 "placement", "compile_under_cache", "cache", "compile")
-
-    def install_placement(self, sections: Dict[str, Any]) -> None:
-        """The stage's memory plan (``models.memory.Fitting``, a pipeline stage's ``fit``): an offload plan applied
-        now (the pipeline stayed on the host through the passes before), then the offload, quantization and
-        per-phase memory probes on the modules as they will run."""
-        fit = getattr(self, "fit", None)
-        if fit is None:
-            return
-        if not fit.placed:
-            fit.place(self.pipe, self.device)
-        fit.attach(self.pipe, self.device, self.observe)
-        sections["memory_plan"] = fit.section()
-
-    def install_attention(self, sections: Dict[str, Any]) -> None:
-        """The attention backend on every call site, with its probes (``runner.kernels.attention.install``)."""
-        from runner.kernels import attention
-
-        self.probes["attention"] = attention.install(self.stage, self.attention_sites(),
-                                                     self.resolutions["attention"].selected, self.ctx.plat.sm,
-                                                     observe=self.observe)
-        names = [e for e, _ in self.experts()]
-        if len(names) > 1:  # each site runs once per forward of its own expert
-            for site in self.probes["attention"]:
-                site.expert = next((e for e in names[1:] if site.layer.startswith(f"{e}.")), names[0])
 
     def experts(self) -> List[Tuple[str, torch.nn.Module]]:
         """``(component, module)`` of the stage's denoisers in schedule order; the :attr:`denoiser` alone by default
         (a pipeline with two experts lists both: ``models.pipelines.PipelineEngine.experts``). Every install pass
         applies to each."""
         return [("transformer", self.denoiser)]
-
-    def install_moe(self, sections: Dict[str, Any]) -> None:
-        """The MoE backend on every MoE block when the family has them (``runner.kernels.moe.install``)."""
-        self.moe_owned: Tuple[str, ...] = ()
-        if "moe" not in self.backend_fields:
-            return
-        from runner.kernels import moe
-
-        blocks, layout = list(self.moe_blocks()), self.moe_layout()
-        self.probes["moe"] = {"resolved": self.resolutions["moe"].selected,
-                              "sites": moe.install(blocks, layout, self.resolutions["moe"].selected,
-                                                   observe=self.observe)}
-        self.moe_owned = tuple(f"{name}.{p}" for name, b in blocks for p in layout.expert_linears(b))
-
-    def install_linear(self, sections: Dict[str, Any]) -> None:
-        """The linear backend on the blocks of each denoiser (:meth:`experts`), except the MoE backend's Linears
-        and unfused LoRA branches (``runner.kernels.linear``; the LoRA branches run only for their adapter's batches,
-        observed by ``models.lora``), counted into one record; with several experts ``probes["expert_linears"]``
-        holds each one's module count (the evidence expects them per forward of that expert)."""
-        from runner.kernels import linear
-
-        excluded = self.moe_owned + tuple(x for p in self.passes for x in p.owned_linears())
-        rec, per = None, {}
-        for name, mod in self.experts():
-            before = rec.modules if rec is not None else 0
-            rec = linear.install(mod, self.resolutions["linear"].selected, prefixes=self.fp8_prefixes,
-                                 observe=self.observe, exclude=excluded, record=rec, device=self.device)
-            per[name] = rec.modules - before
-        self.probes["linear"] = rec
-        if len(per) > 1:
-            self.probes["expert_linears"] = per
 
     def optimize(self, opts: Any) -> Dict[str, Any]:
         """Math-preserving speed settings; none by default."""
@@ -751,11 +692,6 @@ class DiffusersEngine(EngineBase):
                             finite=result.nonfinite == 0, device=self.device, **self.passes.evidence_inputs(),
                             forward_rule=self.has_forward_rule())
         section, mismatches = ev["stages"][self.stage], list(ev["mismatches"])
-        fit = getattr(self, "fit", None)
-        if fit is not None and (fit.choices or fit.applied.get("offload", "none") != "none" or fit.peaks is not None):
-            trace = getattr(self.probe, "trace", None) if self.probe is not None else None
-            section["memory"], bad = fit.evidence(self.want_forwards or 0, trace)
-            mismatches += bad
         mismatches += self.passes.evidence(section)
         return section, mismatches
 
@@ -786,10 +722,4 @@ class DiffusersEngine(EngineBase):
     def close(self) -> None:
         """Close every pass; leave the compile scope (deterministic mode restored); lift the memory budget's
         allocator cap."""
-        try:
-            self.passes.close()
-        finally:
-            self._scope.close()
-        fit = getattr(self, "fit", None)
-        if fit is not None:
-            fit.close()
+        self.passes.close()

@@ -761,3 +761,43 @@ def estimate_exceeded(observed: Mapping[str, float], planned_peak: float) -> Dic
     """The phases whose observed allocator peak (GiB) is above the plan's peak (GiB, the largest stage's
     estimate plus ``runner.core.memory.RESERVE_BYTES``): where a budget set at the estimate would be exceeded."""
     return {k: v for k, v in observed.items() if v > planned_peak}
+
+
+# ------------------------------------------------------------------------------------------------- the pass
+from models.passes import Pass  # noqa: E402
+
+
+class PlacementPass(Pass):
+    """The stage's memory plan on the loaded pipeline (:mod:`models.passes`), from the engine's :class:`Fitting`
+    (``engine.fit``, made by the engine's memory check before loading; None: nothing planned): an offload plan
+    applied now (the pipeline stayed on the host through the passes before, which replace or rewrite parameters:
+    fused LoRA, MoE and linear backends), then the offload, quantization and per-phase memory probes on the modules
+    as they will run, before the hooks and compile that wrap them (:meth:`Fitting.defers`); the evidence of the
+    plan against the observed peaks; the budget's allocator cap lifted at close."""
+
+    name = "placement"
+
+    def install(self, sections: Dict[str, Any]) -> None:
+        e = self.engine
+        fit = e.fit
+        if fit is None:
+            return
+        if not fit.placed:
+            fit.place(e.pipe, e.device)
+        fit.attach(e.pipe, e.device, e.observe)
+        sections["memory_plan"] = fit.section()
+
+    def evidence(self, section: Dict[str, Any]) -> List[str]:
+        """``memory``: the plan's estimate beside the observed peak per phase, and the offload and quantization
+        observed (:meth:`Fitting.evidence`), when anything was planned, applied or measured."""
+        e = self.engine
+        fit = e.fit
+        if fit is None or not (fit.choices or fit.applied.get("offload", "none") != "none" or fit.peaks is not None):
+            return []
+        trace = getattr(e.probe, "trace", None) if e.probe is not None else None
+        section["memory"], bad = fit.evidence(e.want_forwards or 0, trace)
+        return list(bad)
+
+    def close(self) -> None:
+        if self.engine.fit is not None:
+            self.engine.fit.close()

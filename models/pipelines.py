@@ -180,6 +180,8 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
         self._toks: Optional[Dict[str, Any]] = None
         self._token_cache: Dict[str, Dict[str, Dict[str, int]]] = {}
         self._call_params: Optional[set] = None
+        self._settings: Tuple[Optional[str], Dict[str, Any]] = (None, {})  # (weight source key, pipeline settings)
+        self._experts: Optional[List[Tuple[str, torch.nn.Module]]] = None  # taken once after loading (experts)
         self.seq_probe: Optional[conditioning.SequenceProbe] = None
         self.i2v_probe: Optional[conditioning.ImageConditionProbe] = None
         self.seq_seen: List[Tuple[str, Optional[int], int]] = []
@@ -488,7 +490,7 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
         if not self.source:
             self.resolve_source()
         key = json.dumps(self.source, sort_keys=True, default=str)
-        if getattr(self, "_settings", (None,))[0] != key:  # read once per weight source (records ask per item)
+        if self._settings[0] != key:  # read once per weight source (records ask per item)
             given = (read_index(Path(self.source["path"])) if self.source.get("kind") == "path"
                      else self._arch().get("pipeline") or {})
             params = inspect.signature(self.pipeline_cls().__init__).parameters
@@ -719,7 +721,7 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
         device's total memory (refused when it cannot fit). Without a budget the plan is the one asked for
         (``none``: everything on the device), recorded so that the evidence sets the estimate beside the observed
         peak per phase; ``auto`` off a GPU is ``none``, recorded with why."""
-        fit = getattr(self, "fit", None)
+        fit = self.fit
         plat = self.ctx.plat  # None where rows are read without a platform (a Ray driver splitting the items)
         on_gpu = plat is not None and str(plat.device).startswith("cuda") and torch.cuda.is_available()
         if fit is None or not rows or plat is None or (not on_gpu and fit.settings.offload == "none"
@@ -908,7 +910,7 @@ class PipelineEngine(DiffusersEngine, ComponentBuilder):
         """``(component, module)`` of the loaded pipeline's denoisers in schedule order: the spec's experts the
         pipeline holds (Wan 2.2 A14B: ``transformer``, ``transformer_2``); taken once after loading, so a module
         swapped in later is not mistaken for the one the probes watch."""
-        if getattr(self, "_experts", None) is None:
+        if self._experts is None:
             names = self.spec.experts if self.spec is not None else ("transformer",)
             self._experts = [(n, getattr(self.pipe, n)) for n in names
                              if isinstance(getattr(self.pipe, n, None), torch.nn.Module)]
