@@ -14,7 +14,8 @@ from models.passes import Pass
 
 class AttentionPass(Pass):
     """The attention backend on every call site of each denoiser, with its probes
-    (``runner.kernels.attention.install``); with several experts each site knows its expert (it runs once per
+    (``runner.kernels.attention.install``); each site expects the family's dispatcher calls per forward
+    (``engine.site_calls_per_forward``); with several experts each site knows its expert (it runs once per
     forward of that expert)."""
 
     name = "attention"
@@ -26,8 +27,12 @@ class AttentionPass(Pass):
         e.probes["attention"] = attention.install(e.stage, e.attention_sites(), e.resolutions["attention"].selected,
                                                   e.ctx.plat.sm, observe=e.observe)
         names = [x for x, _ in e.experts()]
-        if len(names) > 1:
-            for site in e.probes["attention"]:
+        mods = {layer: mod for _, layer, mod in e.attention_sites()}
+        for site in e.probes["attention"]:
+            n = e.site_calls_per_forward(site.layer, mods.get(site.layer))
+            if n != 1:  # the family's rule (Wan 2.1 I2V: image and text cross-attention, two calls)
+                site.per_forward = n
+            if len(names) > 1:
                 site.expert = next((x for x in names[1:] if site.layer.startswith(f"{x}.")), names[0])
 
 

@@ -199,6 +199,11 @@ class DiffusersEngine(EngineBase):
         for p in self.passes:
             p.start()
 
+    def site_calls_per_forward(self, layer: str, module: Any) -> int:
+        """Dispatcher calls the attention call site ``layer`` (``module``) makes per forward of its denoiser; 1 by
+        default."""
+        return 1
+
     def splits_attention(self, layer: str) -> bool:
         """Whether diffusers runs the attention call site ``layer`` context-parallel (Ulysses/ring collectives), for
         the evidence's count of collectives; every site by default."""

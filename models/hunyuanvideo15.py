@@ -256,7 +256,7 @@ class HunyuanVideo15Engine(WanEngine):
 
     # Wan's that do not hold here: every dual-stream attention makes ONE dispatcher call although it has
     # ``add_k_proj`` (Wan I2V's makes two), and no context-parallel plan is declared (refused by the base rule)
-    install_attention = PipelineEngine.install_attention
+    site_calls_per_forward = PipelineEngine.site_calls_per_forward
     context_tokens = DiffusersEngine.context_tokens
 
 

@@ -102,15 +102,10 @@ class WanEngine(PipelineEngine):
                                    f"({', '.join(experts)}): the image condition is observed on one transformer "
                                    "only so far; fix: model.task=text_to_video, or a one-transformer I2V model")
 
-    def install_attention(self, sections: Dict[str, Any]) -> None:
-        """The attention backends and probes, then two dispatcher calls per forward expected at every cross-attention
-        with added image keys (Wan 2.1 I2V: ``add_k_proj``; ``WanAttnProcessor`` attends to the image tokens and the
-        text tokens separately)."""
-        super().install_attention(sections)
-        mods = {layer: mod for _, layer, mod in self.attention_sites()}
-        for site in self.probes["attention"]:
-            if getattr(mods.get(site.layer), "add_k_proj", None) is not None:
-                site.per_forward = 2
+    def site_calls_per_forward(self, layer: str, module: Any) -> int:
+        """Two dispatcher calls per forward at every cross-attention with added image keys (Wan 2.1 I2V:
+        ``add_k_proj``; ``WanAttnProcessor`` attends to the image tokens and the text tokens separately)."""
+        return 2 if getattr(module, "add_k_proj", None) is not None else 1
 
     def temporal_factor(self) -> int:
         """The VAE's temporal compression as WanPipeline reads it: ``vae.config.scale_factor_temporal``
