@@ -74,7 +74,7 @@ class DiffusersEngine(EngineBase):
     applies_cache: ClassVar[bool] = True  # cache.* (models.cache): the step cache of the denoiser
 
     PASSES: ClassVar[Tuple[str, ...]] = (
-        "models.lora:LoraPass", "models.backend_passes:AttentionPass", "models.backend_passes:MoePass",
+        "models.prompt_tokens:TruncationPass", "models.lora:LoraPass", "models.backend_passes:AttentionPass", "models.backend_passes:MoePass",
         "models.backend_passes:LinearPass", "models.context_parallel:ContextParallelPass",
         "models.memory:PlacementPass", "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
         "models.compile:CompilePass")
@@ -398,7 +398,6 @@ class DiffusersEngine(EngineBase):
                                    any_size=self.inputs_any_size())
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
-        self.check_truncation(rows, path)
         rows = self.passes.prepare_rows(rows, path)
         self.plan_memory(rows)
         return rows, path
@@ -451,60 +450,6 @@ class DiffusersEngine(EngineBase):
         """Per prompt, per text encoder: ``{"count", "limit", "dropped"}`` (tokens with the special tokens, the most
         the encoder takes, how many it drops). Empty dicts by default (a model without text encoders)."""
         return [{} for _ in prompts]
-
-    def fed(self) -> bool:
-        """The stage's prompts are built from an upstream stage's output (known only after that stage ran)."""
-        pipeline = list(self.ctx.cfg.model.get("pipeline") or []) if self.ctx.cfg is not None else []
-        return bool(pipeline) and pipeline[-1] == self.stage and len(pipeline) > 1
-
-    def check_truncation(self, rows: Sequence[ds.Row], path: Any) -> None:
-        """Dataset prompts longer than a text encoder takes: logged with their counts; refused with
-        ``dataset.on_truncation=error`` (file:line, encoder, count, limit, fix). A stage whose prompts are fed by
-        an upstream stage is checked per batch instead (:meth:`check_batch_truncation`).
-
-        Raises:
-            dataset.DatasetError: ``on_truncation=error``, every truncated row.
-        """
-        if self.fed():
-            return
-        counts = self.prompt_tokens([r.prompt for r in rows])
-        over = [(r, c) for r, c in zip(rows, counts) if any(e["dropped"] for e in c.values())]
-        if not over:
-            return
-        if str(self.ctx.run.dataset.on_truncation) == "error":
-            raise ds.DatasetError([f"{path}:{r.line}: prompt of row {r.id!r} is truncated: {self._describe(c)}; the "
-                                   "image would be that of its first tokens only; fix: shorten the prompt"
-                                   + self._truncation_fix(c) + ", or dataset.on_truncation=record to run it and "
-                                   "record the tokens dropped" for r, c in over])
-        per = {enc: sum(1 for _, c in over if c.get(enc, {}).get("dropped")) for enc in counts[0]}
-        log.warning("%d of %d rows have prompts longer than a text encoder takes (%s); the encoder sees their first "
-                    "tokens, and each item records its token counts and the tokens dropped (dataset.on_truncation="
-                    "error refuses them)", len(over), len(rows),
-                    ", ".join(f"{enc}: {n} over {counts[0][enc]['limit']}" for enc, n in per.items() if n))
-
-    @staticmethod
-    def _describe(counts: Dict[str, Dict[str, int]]) -> str:
-        return ", ".join(f"{enc} {c['count']} tokens, {c['dropped']} over its limit of {c['limit']}"
-                         for enc, c in counts.items() if c["dropped"])
-
-    def _truncation_fix(self, counts: Dict[str, Dict[str, int]]) -> str:
-        """A model-specific remedy to add to a truncation refusal; none by default."""
-        return ""
-
-    def check_batch_truncation(self, batch: Sequence[ds.Item]) -> None:
-        """``dataset.on_truncation=error`` for prompts fed by an upstream stage (not known at startup): a batch
-        holding a truncated prompt raises, and the loop fails that item alone with the reason.
-
-        Raises:
-            dataset.DatasetError: naming the row, the encoder and the counts.
-        """
-        if not self.fed() or str(self.ctx.run.dataset.on_truncation) != "error":
-            return
-        bad = [(it, c) for it, c in zip(batch, self.prompt_tokens([it.row.prompt for it in batch]))
-               if any(e["dropped"] for e in c.values())]
-        if bad:
-            raise ds.DatasetError([f"row {it.row.id!r} (line {it.row.line}): the prompt fed by the upstream stage is "
-                                   f"truncated: {self._describe(c)} (dataset.on_truncation=error)" for it, c in bad])
 
     def prompts_section(self, records: Sequence[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         """The manifest's ``prompts``: items whose prompt a text encoder truncated, in total and per encoder, from
@@ -624,7 +569,6 @@ class DiffusersEngine(EngineBase):
         Raises:
             Whatever the pipeline raises; the loop then retries the batch's items one by one.
         """
-        self.check_batch_truncation(batch)
         for p in self.passes:
             p.before_call(batch)
         try:

@@ -31,6 +31,7 @@ import torch
 
 from models import conditioning, memory, snapshot, tokenizer_kinds
 from models.diffusers_engine import DiffusersEngine
+from models.prompt_tokens import PromptTokens
 from models.source import WeightSource, family_names, models_with_task  # noqa: F401 (re-exported)
 from models.family import forwards_per_step, negative_prompt_ignored, quiet_truncation_warnings
 from models.oracles import ORACLES, oracle  # noqa: F401 - the oracles by name (re-exported)
@@ -112,7 +113,7 @@ def attention_modules(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Mo
             yield name, mod
 
 
-class PipelineEngine(WeightSource, ComponentBuilder, DiffusersEngine):
+class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngine):
     """A diffusion stage on a diffusers pipeline (engine ``diffusers``); one engine drives every family spec.
 
     A family is a :class:`models.family.FamilySpec` (``spec``, registered in :data:`models.registry.FAMILIES`);
@@ -616,71 +617,6 @@ class PipelineEngine(WeightSource, ComponentBuilder, DiffusersEngine):
         return applied
 
     # --------------------------------------------------------------------------------------- tokens, limits
-    def tokenizers(self) -> Dict[str, Any]:
-        """``{encoder label: tokenizer}`` as the pipeline uses them, without loading weights: the snapshot's
-        tokenizer folders (``model.path``, or an embedded model already in the cache), else built from the
-        architecture exactly as :meth:`build_components` builds them; the loaded pipeline's own once loaded."""
-        if self._toks is None:
-            if self.pipe is not None:
-                self._toks = {label: getattr(self.pipe, comp) for comp, (_k, label, _e) in self.tokenizers_spec.items()}
-            else:
-                if not self.source:
-                    self.resolve_source()
-                kind = self.source.get("kind")
-                target = self.embedded_target(self._arch()) if kind == "embedded" else None
-                root = (Path(self.source["path"]) if kind == "path" else
-                        target if target is not None and (target / "model_index.json").is_file() else None)
-                by_comp = (self.snapshot_tokenizers(root) if root is not None else
-                           self.build_tokenizers(self._arch(), self.task) if self.task is not None else
-                           self.build_tokenizers(self._arch()))
-                self._toks = {label: by_comp[comp] for comp, (_k, label, _e) in self.tokenizers_spec.items()}
-            self._token_cache = {}
-        return self._toks
-
-    def snapshot_tokenizers(self, path: Path) -> Dict[str, Any]:
-        """``{tokenizer component: tokenizer}`` of a snapshot (:func:`models.snapshot.snapshot_tokenizers`); no
-        weights load.
-
-        Raises:
-            ModelPathError: a tokenizer the pipeline needs is missing or cannot be read.
-        """
-        return snapshot.snapshot_tokenizers(path, self.tokenizers_spec, self.pipeline_name())
-
-    def token_limit(self, label: str, tok: Any) -> int:
-        """The most tokens encoder ``label`` sees: CLIP-style encoders their tokenizer's ``model_max_length``, the
-        others ``model.generation.max_sequence_length``."""
-        kind = next(k for k, lab, _ in self.tokenizers_spec.values() if lab == label)
-        return (int(tok.model_max_length) if tokenizer_kinds.get(kind).fixed_length else
-                int(self.cfg.generation.max_sequence_length))
-
-    def count_tokens(self, label: str, tok: Any, prompts: List[str]) -> List[int]:
-        """Tokens encoder ``label`` would be given for each prompt, untruncated, with special tokens."""
-        return [len(ids) for ids in tok(prompts, truncation=False, verbose=False)["input_ids"]]
-
-    def prompt_tokens(self, prompts: Sequence[str]) -> List[Dict[str, Dict[str, int]]]:
-        """Per prompt, per text encoder: ``{"count", "limit", "dropped"}`` (tokens with the special tokens,
-        untruncated; the most the encoder sees; tokens past the limit, never seen)."""
-        toks = self.tokenizers()
-        todo = sorted({p for p in prompts if p not in self._token_cache})
-        if todo:
-            limits = {lab: self.token_limit(lab, t) for lab, t in toks.items()}
-            counts = {lab: self.count_tokens(lab, t, todo) for lab, t in toks.items()}
-            for i, p in enumerate(todo):
-                self._token_cache[p] = {lab: {"count": counts[lab][i], "limit": limits[lab],
-                                              "dropped": max(0, counts[lab][i] - limits[lab])} for lab in limits}
-        return [self._token_cache[p] for p in prompts]
-
-    def sequence_limit(self) -> Optional[int]:
-        """The most ``model.generation.max_sequence_length`` may ask for: the pipeline's ceiling, or the sequence
-        tokenizer's ``model_max_length`` if lower (None: no ceiling known)."""
-        limit = self.max_sequence_length_limit
-        for kind, label, _ in self.tokenizers_spec.values():
-            if not tokenizer_kinds.get(kind).fixed_length:
-                m = getattr(self.tokenizers()[label], "model_max_length", None)
-                if m and m < 10 ** 9:
-                    limit = int(m) if limit is None else min(limit, int(m))
-        return limit
-
     def size_need(self) -> Optional[int]:
         """The multiple widths and heights must be for the pipeline to keep them (it rounds or refuses others):
         the VAE's spatial scale factor times the transformer's patch size, by the spec's ``size_rule`` on the
@@ -711,13 +647,6 @@ class PipelineEngine(WeightSource, ComponentBuilder, DiffusersEngine):
                 f"model.size_multiple={self.cfg.size_multiple}, but model={self.cfg.name}'s VAE and patch size need "
                 f"widths and heights in multiples of {need}: {self.pipeline_name()} would round or refuse the "
                 f"others; fix: model.size_multiple={need}")
-
-    def _truncation_fix(self, counts: Dict[str, Dict[str, int]]) -> str:
-        limit, msl = self.sequence_limit(), int(self.cfg.generation.max_sequence_length)
-        seq = [lab for k, lab, _ in self.tokenizers_spec.values() if not tokenizer_kinds.get(k).fixed_length]
-        if limit and any(counts.get(lab, {}).get("dropped") for lab in seq) and msl < limit:
-            return f", raise model.generation.max_sequence_length (now {msl}, at most {limit})"
-        return ""
 
     # -------------------------------------------------------------------------------------- call arguments
     def call_params(self) -> set:
