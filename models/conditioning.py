@@ -250,3 +250,168 @@ def image_condition_check(pipe: Any, kw: Dict[str, Any], probe: ImageConditionPr
         ok = ok and match
     out["verdict"] = "verified" if ok else "mismatch"
     return out
+
+
+# ------------------------------------------------------------------------------------------------- the pass
+from models.passes import Pass  # noqa: E402
+
+#: Edit pipelines whose transformer sequence the engine predicts (the engine's ``expected_sequence``).
+EDIT_SEQUENCE_PIPELINES = ("FluxKontextPipeline", "QwenImageEditPlusPipeline")
+
+
+class ConditioningPass(Pass):
+    """``model.task`` image_to_image, inpaint, edit, image_to_video on a diffusion stage (:mod:`models.passes`):
+    the rows' inputs as call arguments (:func:`call_inputs`), one item per call for a pipeline that conditions a
+    call on one input (:data:`UNBATCHED`), the strength and steps applied in each item's ``params``, the inpaint
+    overlay, and the evidence that each call's input reached the denoiser: the sequence of an edit pipeline whose
+    packing is predicted (the engine's ``expected_sequence(row)``), FLUX img2img / inpaint first latents
+    (:func:`first_latents_check`), an image-to-video transformer's image condition (:func:`image_condition_check`),
+    and the input sizes as the pipeline treats them (the engine's ``input_sizes(row)``). Nothing for the generation
+    tasks. The engine provides ``task``, ``pipeline_name()``, ``pipeline_cls()``, ``call_params()``, ``family()``."""
+
+    name = "conditioning"
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.seq_probe: Optional[SequenceProbe] = None
+        self.i2v_probe: Optional[ImageConditionProbe] = None
+        self.seq_seen: List[Tuple[str, Optional[int], int]] = []
+        self.i2v_seen: List[Dict[str, Any]] = []
+        self.batching: Optional[Dict[str, Any]] = None
+        self.first_sizes: Optional[Dict[str, Any]] = None
+        self.latents_observed = False
+        self.first_latents: Optional[Dict[str, Any]] = None
+        self._keep = False
+
+    @property
+    def conditioned(self) -> bool:
+        return self.engine.task not in ("text_to_image", "text_to_video")
+
+    def batch_size(self, requested: int) -> int:
+        """1 for a pipeline of :data:`UNBATCHED`, with a warning; recorded in the evidence (``batching``)."""
+        e = self.engine
+        why = unbatched_reason(e.pipeline_name(), requested)
+        if why is None:
+            return requested
+        import logging
+
+        logging.getLogger("runner").warning("batch_size=%d -> 1 for %s: %s", requested, e.pipeline_name(), why)
+        self.batching = {"requested": requested, "applied": 1, "why": f"{e.pipeline_name()}: {why}"}
+        return 1
+
+    def install(self, sections: Dict[str, Any]) -> None:
+        """The hooks that observe the task's input reaching the transformer."""
+        e = self.engine
+        task, pipe = e.task, e.pipe
+        edit = task == "edit" and e.pipeline_name() in EDIT_SEQUENCE_PIPELINES
+        self.latents_observed = (task in STRENGTH_TASKS and e.family() == "flux"
+                                 and hasattr(pipe, "_pack_latents"))  # FLUX's packing: first_latents_check
+        self.seq_probe = SequenceProbe(pipe.transformer) if edit or self.latents_observed else None
+        self.i2v_probe = ImageConditionProbe(pipe.transformer) if task == "image_to_video" else None
+
+    def call_args(self, batch: Sequence[Any]) -> Dict[str, Any]:
+        e = self.engine
+        return call_inputs(e.task, batch, e.call_params(), e.pipeline_cls())
+
+    def applied_params(self, row: Any) -> Dict[str, Any]:
+        """For image_to_image / inpaint the ``strength`` applied (the row's, else the pipeline's default) and
+        ``steps_run``, the denoising steps the item's call runs (:func:`steps_run`: 1 of 16 at strength 0.05, 8 at
+        0.5); for inpaint ``inpaint_overlay``."""
+        e = self.engine
+        out: Dict[str, Any] = {}
+        if e.task in STRENGTH_TASKS:
+            out["strength"] = applied_strength(row, strength_default(e.pipeline_cls()))
+            if out["strength"] is not None:
+                out["steps_run"] = steps_run(int(row.num_inference_steps), out["strength"])
+        if e.task == "inpaint":
+            out["inpaint_overlay"] = bool(e.ctx.run.output.inpaint_overlay)
+        return out
+
+    def before_pipe(self, batch: Sequence[Any], kwargs: Dict[str, Any]) -> None:
+        self._keep = self.latents_observed and self.first_latents is None  # the first call's first latents, once
+        if self.seq_probe is not None:
+            self.seq_probe.arm(keep=self._keep)
+        if self.i2v_probe is not None:
+            self.i2v_probe.arm()
+
+    def after_pipe(self, batch: Sequence[Any], kwargs: Dict[str, Any], outputs: List[Any]) -> List[Any]:
+        e = self.engine
+        row = batch[0].row
+        if self._keep and self.seq_probe.hidden is not None:
+            self.first_latents = {"item": batch[0].key, **first_latents_check(
+                e.pipe, kwargs["image"], self.seq_probe.hidden, self.seq_probe.timestep, row.height, row.width)}
+            self.seq_probe.hidden = None
+        if e.task == "edit" and self.seq_probe is not None:
+            self.seq_seen.append((batch[0].key, self.seq_probe.seen, e.expected_sequence(row)))
+        if self.first_sizes is None and row.inputs:
+            self.first_sizes = {"item": batch[0].key, **e.input_sizes(row)}
+        if self.i2v_probe is not None:
+            self.i2v_seen.append(image_condition_check(e.pipe, kwargs, self.i2v_probe, batch[0].key))
+        return overlay_outside(e.task, outputs, kwargs, bool(e.ctx.run.output.inpaint_overlay))
+
+    def evidence(self, section: Dict[str, Any]) -> List[str]:
+        """``conditioning``, observed: the forward rule (image_to_image / inpaint: the forwards follow ``strength``,
+        checked by the forward count; FLUX: the first latents), for ``edit`` the denoiser's input sequence at each
+        call's first forward, which must hold the reference images' tokens beside the target's, for
+        ``image_to_video`` the image condition at each call's first forward; the input sizes as the pipeline treats
+        them and the batch size applied. A call whose input did not arrive is a mismatch (exit 3 under
+        ``evidence.strict``)."""
+        if not self.conditioned:
+            return []
+        e = self.engine
+        cond: Dict[str, Any] = {"task": e.task, "pipeline": e.pipeline_name()}
+        if self.first_sizes is not None:
+            cond["input_sizing"] = self.first_sizes
+        if self.batching is not None:
+            cond["batching"] = self.batching
+        checks = section.setdefault("checks", {})
+        mismatches = self.strength_evidence(cond, checks) + self.edit_evidence(cond, checks)
+        mismatches += self.i2v_evidence(cond, checks)
+        section["conditioning"] = cond
+        return mismatches
+
+    def strength_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
+        """img2img / inpaint: the forward rule named, and FLUX's first-latents check."""
+        if self.engine.task not in STRENGTH_TASKS:
+            return []
+        cond["forward_rule"] = ("num_inference_steps - int(max(n - min(n * strength, n), 0)) per guidance pass "
+                                "(diffusers get_timesteps)")
+        fl = self.first_latents
+        cond["first_latents"] = fl or {"verdict": "not_observed"}
+        if fl is None:
+            return []
+        checks["first_latents"] = fl["verdict"]
+        if fl["verdict"] == "verified":
+            return []
+        return [f"stage {self.engine.stage}: the first latents of {fl['item']}'s call are not its input noised at "
+                f"sigma {fl['sigma']} (normalised residual {fl['statistic']}, expected within {fl['range']}): the "
+                "input did not reach the denoiser as configured"]
+
+    def edit_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
+        """edit: the reference tokens in the denoiser's sequence at each call's first forward."""
+        if self.engine.task != "edit":
+            return []
+        if self.seq_probe is None:  # an edit pipeline whose packing the engine does not predict
+            checks["reference_tokens"] = "limited"
+            return []
+        bad = [(k, seen, want) for k, seen, want in self.seq_seen if seen != want]
+        cond["sequence"] = {"calls": len(self.seq_seen), "observed_first": self.seq_seen[0][1] if self.seq_seen
+                            else None, "expected_first": self.seq_seen[0][2] if self.seq_seen else None,
+                            "verdict": "mismatch" if bad or not self.seq_seen else "verified"}
+        checks["reference_tokens"] = cond["sequence"]["verdict"]
+        return [f"stage {self.engine.stage}: item {k}: the denoiser's first input held {seen} tokens, expected {want} "
+                "(target + reference image tokens): the reference did not reach the transformer as configured"
+                for k, seen, want in bad]
+
+    def i2v_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
+        """image_to_video: the image condition at each call's first forward."""
+        if self.engine.task != "image_to_video":
+            return []
+        bad = [s for s in self.i2v_seen if s["verdict"] != "verified"]
+        verdict = "mismatch" if bad or not self.i2v_seen else "verified"
+        cond["image_condition"] = {"calls": len(self.i2v_seen), "first": self.i2v_seen[0] if self.i2v_seen else None,
+                                   "verdict": verdict}
+        checks["image_condition"] = verdict
+        return [f"stage {self.engine.stage}: item {s['item']}: the transformer's first input had {s['channels']} "
+                f"channels (expected {s['expected_channels']}) and image embeds matching this item's input: "
+                f"{s['embeds_match']}: the input image did not reach the transformer as configured" for s in bad]

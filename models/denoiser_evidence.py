@@ -421,3 +421,45 @@ def expert_schedule(stage: str, calls: List[Dict[str, Any]], rule: str) -> Tuple
     verdict = "mismatch" if mismatches else "not_observed" if not calls else "verified"
     return {"rule": rule, "calls": len(calls), "expected_forwards": expected_forwards, "first": first,
             "verdict": verdict}, mismatches
+
+
+# ------------------------------------------------------------------------------------------------- the pass
+from models.passes import Pass  # noqa: E402
+
+
+class ExpertsPass(Pass):
+    """Several denoisers in one pipeline (Wan 2.2 A14B, :mod:`models.passes`): which expert ran at which step of
+    each call, read from the denoiser probe's log around every pipeline call, against the family's rule (the
+    engine's ``expected_experts(row)`` and ``expert_rule()``, :func:`expert_schedule`): ``experts`` and the check
+    ``expert_schedule`` in the stage's evidence; a step run by another expert is a mismatch (exit 3 under
+    ``evidence.strict``). Nothing with one denoiser."""
+
+    name = "experts"
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.calls: List[Tuple[Any, List[Tuple[str, Optional[float]]]]] = []  # (first item, (expert, t)s)
+        self._start = 0
+
+    def before_pipe(self, batch: Any, kwargs: Dict[str, Any]) -> None:
+        probe = self.engine.probe
+        self._start = len(probe.log) if probe is not None else 0
+
+    def after_pipe(self, batch: Any, kwargs: Dict[str, Any], outputs: List[Any]) -> List[Any]:
+        e = self.engine
+        if e.probe is not None and len(e.experts()) > 1:  # the experts' forwards of this call, as floats
+            self.calls.append((batch[0], e.probe.timesteps(self._start)))
+            del e.probe.log[self._start:]
+        return outputs
+
+    def evidence(self, section: Dict[str, Any]) -> List[str]:
+        e = self.engine
+        if len(e.experts()) <= 1:
+            return []
+        calls = [{"item": it.key, "expected": e.expected_experts(it.row), "observed": seen,
+                  "per_step": e.expected_forwards([it]) // max(1, it.row.num_inference_steps)}
+                 for it, seen in self.calls]
+        sec, mismatches = expert_schedule(e.stage, calls, e.expert_rule())
+        section["experts"] = {"experts": [x for x, _ in e.experts()], **e.pipeline_settings(), **sec}
+        section.setdefault("checks", {})["expert_schedule"] = sec["verdict"]
+        return mismatches

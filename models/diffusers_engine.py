@@ -74,7 +74,8 @@ class DiffusersEngine(EngineBase):
     applies_cache: ClassVar[bool] = True  # cache.* (models.cache): the step cache of the denoiser
 
     PASSES: ClassVar[Tuple[str, ...]] = (
-        "models.prompt_tokens:TruncationPass", "models.lora:LoraPass", "models.backend_passes:AttentionPass", "models.backend_passes:MoePass",
+        "models.prompt_tokens:TruncationPass", "models.conditioning:ConditioningPass",
+        "models.denoiser_evidence:ExpertsPass", "models.lora:LoraPass", "models.backend_passes:AttentionPass", "models.backend_passes:MoePass",
         "models.backend_passes:LinearPass", "models.context_parallel:ContextParallelPass",
         "models.memory:PlacementPass", "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
         "models.compile:CompilePass")
@@ -472,6 +473,8 @@ class DiffusersEngine(EngineBase):
     def batches(self, items: Sequence[ds.Item], batch_size: int) -> List[List[ds.Item]]:
         """Batches of equal shape (``runner.core.dataset.batches``), shown to every pass
         (:meth:`models.passes.Pass.batches_planned`)."""
+        for p in self.passes:
+            batch_size = p.batch_size(batch_size)
         out = ds.batches(list(items), batch_size)
         for p in self.passes:
             p.batches_planned(out)

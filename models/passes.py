@@ -14,7 +14,7 @@ Phases, in the loop's order (:mod:`models.base`), each a method with a no-op def
 2. ``prepare()``: startup checks that read the model's configs (the weight source is resolved, the backends are
    resolved: ``engine.resolutions``); no weight loads. A family refuses a pass by raising here.
    ``start()``: collective set-up over every rank (the loop's ``start_parallel``).
-3. ``prepare_rows(rows, path) -> rows``: the validated rows, checked or extended by the pass (its row fields);
+3. ``batch_size(requested)``: the batch size the pass allows; ``prepare_rows(rows, path) -> rows``: the validated rows, checked or extended by the pass (its row fields);
    ``batches_planned(batches)``: the batches the engine cut from them.
 4. ``before_load()`` before the pipeline loads; ``install(sections)``: on the loaded pipeline, in ``PASSES`` order (the order is the install contract:
    ``models.diffusers_engine.DiffusersEngine.PASSES`` says why); ``sections`` are the manifest sections of the load.
@@ -22,7 +22,9 @@ Phases, in the loop's order (:mod:`models.base`), each a method with a no-op def
    :meth:`Pass.wants_warmup`); ``prime() -> seconds``: a pass's own runs after the warm-up (a step cache's
    calibration), no part of the run's counts.
 6. ``before_call(batch)`` / ``after_call(batch, want)`` around each pipeline call (``want``: the denoiser forwards
-   the call should make, None where unknown); ``call_failed()`` when it raised.
+   the call should make, None where unknown); ``call_failed()`` when it raised; ``call_args(batch)``: arguments
+   the pass adds to the call; ``before_pipe(batch, kwargs)`` / ``after_pipe(batch, kwargs, outputs)`` right
+   around the pipeline itself; ``applied_params(row)``: what the pass applied, in the item's ``params``.
 7. ``record(item) -> dict``: fields the pass adds to the item's journal record.
 8. ``evidence_inputs() -> dict``: keyword arguments of ``models.denoiser_evidence.build`` the pass supplies;
    ``evidence(section) -> mismatches``: the pass's part of the stage's evidence, added to ``section``.
@@ -62,6 +64,10 @@ class Pass:
     def prepare_rows(self, rows: List[Any], path: Any) -> List[Any]:
         """The run's rows, checked (``DatasetError`` naming file:line) or extended; returned (a new list or the same)."""
         return rows
+
+    def batch_size(self, requested: int) -> int:
+        """The batch size the pass lets the engine cut (a pipeline that conditions one call on one input: 1)."""
+        return requested
 
     def batches_planned(self, batches: Sequence[Sequence[Any]]) -> None:
         """The run's batches, as the engine cut them (before loading)."""
@@ -105,6 +111,23 @@ class Pass:
 
     def before_call(self, batch: Sequence[Any]) -> None:
         """Before one pipeline call over ``batch``."""
+
+    def call_args(self, batch: Sequence[Any]) -> Dict[str, Any]:
+        """Pipeline ``__call__`` arguments the pass adds for ``batch`` (its row fields as the pipeline takes them)."""
+        return {}
+
+    def applied_params(self, row: Any) -> Dict[str, Any]:
+        """Values the pass applies to ``row``'s generation, recorded in the item's ``params`` (``steps_run``: the
+        denoising steps the call runs, where fewer than ``num_inference_steps``)."""
+        return {}
+
+    def before_pipe(self, batch: Sequence[Any], kwargs: Dict[str, Any]) -> None:
+        """Right before the pipeline runs with ``kwargs`` (probes armed)."""
+
+    def after_pipe(self, batch: Sequence[Any], kwargs: Dict[str, Any], outputs: List[Any]) -> List[Any]:
+        """Right after the pipeline returned ``outputs`` (one float32 array per item): what the probes saw; the
+        outputs as the pass leaves them (an inpaint overlay)."""
+        return outputs
 
     def after_call(self, batch: Sequence[Any], want: Optional[int]) -> None:
         """After one pipeline call over ``batch`` that returned (``want``: its expected denoiser forwards)."""

@@ -159,15 +159,6 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         self._call_params: Optional[set] = None
         self._settings: Tuple[Optional[str], Dict[str, Any]] = (None, {})  # (weight source key, pipeline settings)
         self._experts: Optional[List[Tuple[str, torch.nn.Module]]] = None  # taken once after loading (experts)
-        self.seq_probe: Optional[conditioning.SequenceProbe] = None
-        self.i2v_probe: Optional[conditioning.ImageConditionProbe] = None
-        self.seq_seen: List[Tuple[str, Optional[int], int]] = []
-        self.i2v_seen: List[Dict[str, Any]] = []
-        self.batching: Optional[Dict[str, Any]] = None
-        self.first_sizes: Optional[Dict[str, Any]] = None
-        self.latents_observed = False
-        self.first_latents: Optional[Dict[str, Any]] = None
-        self.expert_calls: List[Tuple[Item, List[Tuple[str, Optional[float]]]]] = []  # (first item, (expert, t)s)
 
     # ----------------------------------------------------------------------------------------------- family
     @classmethod
@@ -298,7 +289,6 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         self.pipe.set_progress_bar_config(disable=True)
         self._experts = None
         self.experts()  # taken now: the modules the probes will watch
-        self.install_condition_probes()
         self.prepare_attention()
         self._toks = None  # records count with the loaded tokenizers
         self._token_cache = {}
@@ -439,23 +429,6 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
                 out[comp] = memory.load_gguf(model_cls, str(fit.gguf_file), str(path / comp), self.dtype)
         return out
 
-    def install_condition_probes(self) -> None:
-        """The hooks that observe a conditioning task's input reaching the transformer: the sequence length of an
-        edit pipeline whose packing the engine predicts (:meth:`expected_sequence`: FluxKontextPipeline,
-        QwenImageEditPlusPipeline), FLUX img2img / inpaint first latents, and an image-to-video transformer's image
-        condition (:class:`models.conditioning.ImageConditionProbe`)."""
-        edit = self.task == "edit" and self.pipeline_name() in EDIT_SEQUENCE_PIPELINES
-        self.latents_observed = (self.task in conditioning.STRENGTH_TASKS and self.family() == "flux"
-                                 and hasattr(self.pipe, "_pack_latents"))  # FLUX's packing: first_latents_check
-        self.seq_probe = (conditioning.SequenceProbe(self.pipe.transformer) if edit or self.latents_observed
-                          else None)
-        self.i2v_probe = (conditioning.ImageConditionProbe(self.pipe.transformer)
-                          if self.task == "image_to_video" else None)
-        self.first_latents: Optional[Dict[str, Any]] = None
-        self.seq_seen: List[Tuple[str, Optional[int], int]] = []
-        self.i2v_seen: List[Dict[str, Any]] = []
-        self.first_sizes: Optional[Dict[str, Any]] = None
-
     def expected_sequence(self, row: Any) -> int:
         """Image tokens the edit transformer's sequence holds at a call's first forward for ``row``: FLUX Kontext's
         target plus reference tokens (:func:`models.conditioning.edit_tokens`); families override it."""
@@ -477,18 +450,6 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         """The spec's ``input_sizing`` for the task is ``area`` (Edit-Plus sizes each reference from a pixel area and
         its aspect ratio; :meth:`input_sizes` records what it picks), so inputs of any size are taken."""
         return self.spec is not None and self.spec.input_sizing.get(self.task) == "area"
-
-    def batches(self, items: Sequence[Item], batch_size: int) -> List[List[Item]]:
-        """Batches of equal shape; a pipeline that conditions one call on one input
-        (:data:`models.conditioning.UNBATCHED`: Edit-Plus, Wan I2V) gets one item per call, with a warning, and the
-        applied batch size is recorded in the evidence (``conditioning.batching``) and in every item's
-        ``batch_size``."""
-        why = conditioning.unbatched_reason(self.pipeline_name(), batch_size)
-        if why is not None:
-            log.warning("batch_size=%d -> 1 for %s: %s", batch_size, self.pipeline_name(), why)
-            self.batching = {"requested": batch_size, "applied": 1, "why": f"{self.pipeline_name()}: {why}"}
-            batch_size = 1
-        return super().batches(items, batch_size)
 
     def prepare_attention(self) -> None:
         """After loading, before backends are installed: the spec's ``attention_processor`` (a processor that routes
@@ -752,7 +713,8 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         if "max_sequence_length" in self.call_params():
             kw["max_sequence_length"] = int(self.cfg.generation.max_sequence_length)
         kw.update(self.family_kwargs(batch))
-        kw.update(conditioning.call_inputs(self.task, batch, self.call_params(), self.pipeline_cls()))
+        for p in self.passes:  # the passes' row fields as the pipeline takes them (a conditioning task's inputs)
+            kw.update(p.call_args(batch))
         return kw
 
     def family_kwargs(self, batch: Sequence[Item]) -> Dict[str, Any]:
@@ -770,12 +732,8 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         requested ``num_inference_steps``; under true CFG ``true_cfg_scale`` when the row's negative prompt is
         applied, else null."""
         out: Dict[str, Any] = {"num_frames": row.num_frames, "fps": row.fps} if self.video else {}
-        if self.task in conditioning.STRENGTH_TASKS:  # as applied: the row's, else the pipeline's default
-            out["strength"] = conditioning.applied_strength(row, conditioning.strength_default(self.pipeline_cls()))
-            if out["strength"] is not None:
-                out["steps_run"] = conditioning.steps_run(int(row.num_inference_steps), out["strength"])
-        if self.task == "inpaint":
-            out["inpaint_overlay"] = bool(self.ctx.run.output.inpaint_overlay)
+        for p in self.passes:  # what each pass applied (conditioning: strength, steps_run, inpaint_overlay)
+            out.update(p.applied_params(row))
         if self.spec is not None and self.spec.cfg == "true_cfg":
             out["true_cfg_scale"] = (float(self.cfg.generation.true_cfg_scale) if row.negative_prompt is not None
                                      else None)
@@ -799,8 +757,7 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
             return None
         r = batch[0].row
         steps = r.num_inference_steps
-        if self.task in conditioning.STRENGTH_TASKS:  # the pipeline's get_timesteps rule (conditioning.steps_run)
-            steps = conditioning.steps_run(steps, self.applied_params(r)["strength"])
+        steps = self.applied_params(r).get("steps_run", steps)  # fewer where a pass runs part of the schedule
         return steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale),
                                          self.spec.cfg_threshold)
 
@@ -816,7 +773,8 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         return self.spec is not None
 
     def call(self, batch: List[Item]) -> List[np.ndarray]:
-        """One pipeline call over ``batch`` (all items share ``shape_key``), one seeded generator per item.
+        """One pipeline call over ``batch`` (all items share ``shape_key``), one seeded generator per item, between
+        the passes' ``before_pipe`` and ``after_pipe`` (probes armed, what they saw; an inpaint overlay).
 
         Returns:
             One float32 array per item in [0, 1] (NaN/inf preserved for the finite check): images (H, W, C),
@@ -824,60 +782,19 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         """
         gens = [torch.Generator(device="cpu").manual_seed(it.seed) for it in batch]
         kw = self.call_kwargs(batch)
-        keep = self.latents_observed and self.first_latents is None  # the first call's first latents, once
-        if self.seq_probe is not None:
-            self.seq_probe.arm(keep=keep)
-        if self.i2v_probe is not None:
-            self.i2v_probe.arm()
-        start = len(self.probe.log) if self.probe is not None else 0
+        for p in self.passes:
+            p.before_pipe(batch, kw)
         with torch.inference_mode():
             out = self.pipe(**kw, generator=gens, output_type="np")
-        if self.probe is not None and len(self.experts()) > 1:  # the experts' forwards of this call, as floats
-            self.expert_calls.append((batch[0], self.probe.timesteps(start)))
-            del self.probe.log[start:]
-        if keep and self.seq_probe.hidden is not None:
-            self.first_latents = {"item": batch[0].key, **conditioning.first_latents_check(
-                self.pipe, kw["image"], self.seq_probe.hidden, self.seq_probe.timestep, batch[0].row.height,
-                batch[0].row.width)}
-            self.seq_probe.hidden = None
-        if self.task == "edit" and self.seq_probe is not None:
-            self.seq_seen.append((batch[0].key, self.seq_probe.seen, self.expected_sequence(batch[0].row)))
-        if self.first_sizes is None and batch[0].row.inputs:
-            self.first_sizes = {"item": batch[0].key, **self.input_sizes(batch[0].row)}
-        if self.i2v_probe is not None:
-            self.i2v_seen.append(conditioning.image_condition_check(self.pipe, kw, self.i2v_probe, batch[0].key))
         arrays = self.output_arrays(out)
-        return conditioning.overlay_outside(self.task, arrays, kw, bool(self.ctx.run.output.inpaint_overlay))
+        for p in self.passes:
+            arrays = p.after_pipe(batch, kw, arrays)
+        return arrays
 
     def output_arrays(self, out: Any) -> List[np.ndarray]:
         """One float32 array per item of a pipeline output ``out``: its ``frames`` (video) or ``images``; a family
         whose pipeline returns more (LTX-2's audio) keeps that here too."""
         return [np.asarray(a, dtype=np.float32) for a in (out.frames if self.video else out.images)]
-
-    def evidence(self, result: Any) -> Tuple[Dict[str, Any], List[str]]:
-        """The base evidence, and for a conditioning task a ``conditioning`` section, observed: the forward rule
-        (image_to_image / inpaint: the forwards follow ``strength``, :func:`models.conditioning.steps_run`, checked
-        by the forward count; FLUX: the first latents), for ``edit`` the denoiser's input sequence at each call's
-        first forward, which must hold the reference images' tokens beside the target's (:meth:`expected_sequence`),
-        for ``image_to_video`` the image condition at each call's first forward
-        (:func:`models.conditioning.image_condition_check`); the input sizes as the pipeline treats them
-        (:meth:`input_sizes`) and the batch size applied. A call whose input did not arrive is a mismatch (exit 3
-        under ``evidence.strict``)."""
-        section, mismatches = super().evidence(result)
-        if len(self.experts()) > 1:
-            mismatches = mismatches + self.expert_evidence(section)
-        if self.task in ("text_to_image", "text_to_video"):
-            return section, mismatches
-        cond: Dict[str, Any] = {"task": self.task, "pipeline": self.pipeline_name()}
-        if self.first_sizes is not None:
-            cond["input_sizing"] = self.first_sizes
-        if self.batching is not None:
-            cond["batching"] = self.batching
-        checks = section.setdefault("checks", {})
-        mismatches = mismatches + self.strength_evidence(cond, checks) + self.edit_evidence(cond, checks)
-        mismatches = mismatches + self.i2v_evidence(cond, checks)
-        section["conditioning"] = cond
-        return section, mismatches
 
     def expected_experts(self, row: Any) -> List[Tuple[float, str]]:
         """``(timestep, expert)`` of each denoising step of ``row``'s call, for a pipeline with several experts; none
@@ -889,66 +806,6 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         """The family's expert switch rule in words (for the evidence); none by default."""
         return "one expert"
 
-    def expert_evidence(self, section: Dict[str, Any]) -> List[str]:
-        """Several experts: which expert ran at which step of each call, against :meth:`expected_experts`
-        (:func:`models.denoiser_evidence.expert_schedule`), as ``section["experts"]`` and the check
-        ``expert_schedule``; a step run by another expert is a mismatch (exit 3 under ``evidence.strict``)."""
-        from models.denoiser_evidence import expert_schedule
-
-        calls = [{"item": it.key, "expected": self.expected_experts(it.row), "observed": seen,
-                  "per_step": self.expected_forwards([it]) // max(1, it.row.num_inference_steps)}
-                 for it, seen in self.expert_calls]
-        sec, mismatches = expert_schedule(self.stage, calls, self.expert_rule())
-        section["experts"] = {"experts": [e for e, _ in self.experts()], **self.pipeline_settings(), **sec}
-        section.setdefault("checks", {})["expert_schedule"] = sec["verdict"]
-        return mismatches
-
-    def strength_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
-        """img2img / inpaint: the forward rule named, and FLUX's first-latents check (:meth:`evidence`)."""
-        if self.task not in conditioning.STRENGTH_TASKS:
-            return []
-        cond["forward_rule"] = ("num_inference_steps - int(max(n - min(n * strength, n), 0)) per guidance pass "
-                                "(diffusers get_timesteps)")
-        fl = self.first_latents
-        cond["first_latents"] = fl or {"verdict": "not_observed"}
-        if fl is None:
-            return []
-        checks["first_latents"] = fl["verdict"]
-        if fl["verdict"] == "verified":
-            return []
-        return [f"stage {self.stage}: the first latents of {fl['item']}'s call are not its input noised at sigma "
-                f"{fl['sigma']} (normalised residual {fl['statistic']}, expected within {fl['range']}): the "
-                "input did not reach the denoiser as configured"]
-
-    def edit_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
-        """edit: the reference tokens in the denoiser's sequence at each call's first forward (:meth:`evidence`)."""
-        if self.task != "edit":
-            return []
-        if self.seq_probe is None:  # an edit pipeline whose packing the engine does not predict
-            checks["reference_tokens"] = "limited"
-            return []
-        bad = [(k, seen, want) for k, seen, want in self.seq_seen if seen != want]
-        cond["sequence"] = {"calls": len(self.seq_seen), "observed_first": self.seq_seen[0][1] if self.seq_seen
-                            else None, "expected_first": self.seq_seen[0][2] if self.seq_seen else None,
-                            "verdict": "mismatch" if bad or not self.seq_seen else "verified"}
-        checks["reference_tokens"] = cond["sequence"]["verdict"]
-        return [f"stage {self.stage}: item {k}: the denoiser's first input held {seen} tokens, expected {want} "
-                "(target + reference image tokens): the reference did not reach the transformer as configured"
-                for k, seen, want in bad]
-
-    def i2v_evidence(self, cond: Dict[str, Any], checks: Dict[str, Any]) -> List[str]:
-        """image_to_video: the image condition at each call's first forward (:meth:`evidence`)."""
-        if self.task != "image_to_video":
-            return []
-        bad = [s for s in self.i2v_seen if s["verdict"] != "verified"]
-        verdict = "mismatch" if bad or not self.i2v_seen else "verified"
-        cond["image_condition"] = {"calls": len(self.i2v_seen), "first": self.i2v_seen[0] if self.i2v_seen else None,
-                                   "verdict": verdict}
-        checks["image_condition"] = verdict
-        return [f"stage {self.stage}: item {s['item']}: the transformer's first input had {s['channels']} channels "
-                f"(expected {s['expected_channels']}) and image embeds matching this item's input: "
-                f"{s['embeds_match']}: the input image did not reach the transformer as configured" for s in bad]
-
     def accuracy(self, items: List[Item], records: Dict[str, Dict[str, Any]], out_dir: Path
                  ) -> Optional[Dict[str, Any]]:
         """Share of items whose output matches the row's ``expect``, read back by the model's oracle
@@ -959,6 +816,3 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
             return None
         return oracle(self.cfg.oracle).accuracy_section(items, records, out_dir)
 
-
-#: Edit pipelines whose transformer sequence the engine predicts (:meth:`PipelineEngine.expected_sequence`).
-EDIT_SEQUENCE_PIPELINES = ("FluxKontextPipeline", "QwenImageEditPlusPipeline")
