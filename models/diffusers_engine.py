@@ -27,19 +27,6 @@ from runner.core.weights import WeightFileError, check_safetensors  # noqa: E402
 log = logging.getLogger("runner")
 
 
-def available_bytes(plat: Any) -> Optional[int]:
-    """Free bytes where the weights will live: the GPU's free bytes, or the host's ``MemAvailable`` (Linux)."""
-    if plat.kind in ("cuda", "rocm"):
-        return torch.cuda.mem_get_info(torch.cuda.current_device())[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class DiffusersEngine(EngineBase):
     """Base of diffusion stages run through a diffusers pipeline; subclasses provide the model knowledge:
 
@@ -77,7 +64,7 @@ class DiffusersEngine(EngineBase):
         "models.prompt_tokens:TruncationPass", "models.conditioning:ConditioningPass",
         "models.denoiser_evidence:ExpertsPass", "models.lora:LoraPass", "models.backend_passes:AttentionPass", "models.backend_passes:MoePass",
         "models.backend_passes:LinearPass", "models.context_parallel:ContextParallelPass",
-        "models.memory:PlacementPass", "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
+        "models.memory:FittingPass", "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
         "models.compile:CompilePass")
     """The engine's features as passes (:mod:`models.passes`), as ``"module:Class"`` paths, in install order (every
     phase runs them in this order, ``close`` in reverse): LoRA adapters first (fused weights are what the backends
@@ -166,7 +153,8 @@ class DiffusersEngine(EngineBase):
         for p in self.passes:
             p.prepare()
         self.resolutions, _ = self.resolve_backends()
-        self.check_memory()
+        for p in self.passes:
+            p.after_resolve()
         return self.source
 
     def lossy_traits(self) -> Dict[str, Any]:
@@ -338,22 +326,6 @@ class DiffusersEngine(EngineBase):
         """
         raise NotImplementedError(f"{type(self).__name__} has no MoE layers")
 
-    def check_memory(self) -> None:
-        """Refuse before loading when the weights alone cannot fit (``load_format=dummy`` sizes are exact).
-
-        Raises:
-            ConfigValueError: naming the model, the bytes needed and available, and the fix.
-        """
-        need = self.weight_bytes()
-        have = available_bytes(self.ctx.plat)
-        if need is None or have is None or need <= have:
-            return
-        raise ConfigValueError(
-            f"model={self.model_cfg.name} needs {need / 2**30:.1f} GiB for its weights in "
-            f"{str(self.dtype).replace('torch.', '')} on {self.ctx.plat.device}, but only {have / 2**30:.1f} GiB "
-            "is free; fix: run it on a GPU (platform=cuda dtype=bfloat16), or use model=tiny_flux / "
-            "model=toy_shapes on this machine")
-
     def backends_section(self) -> Dict[str, Any]:
         """``backends.<stage>``: per field, what was requested, its layer, the canonical and selected names."""
         return {f: r.to_dict() for f, r in self.resolutions.items()}
@@ -400,12 +372,7 @@ class DiffusersEngine(EngineBase):
         rows = self.check_ignored(rows, path)
         self.check_rows(rows, path)
         rows = self.passes.prepare_rows(rows, path)
-        self.plan_memory(rows)
         return rows, path
-
-    def plan_memory(self, rows: Sequence[ds.Row]) -> None:
-        """The memory plan of the rows' largest batch shape, before loading; none by default (a subclass that
-        sizes its components plans, ``models.pipelines.PipelineEngine.plan_memory``)."""
 
     # ------------------------------------------------------------------------ what the model honours
     def ignored_fields(self, rows: Sequence[ds.Row]) -> Dict[str, Tuple[str, str]]:

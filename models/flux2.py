@@ -176,7 +176,7 @@ class Flux2KleinEngine(Flux2TextMixin, PipelineEngine):
             self.resolve_source()
         if self.source.get("kind") == "path":
             return bool(read_index(Path(self.source["path"])).get("is_distilled", False))
-        return bool((self._arch().get("pipeline") or {}).get("is_distilled", False))
+        return bool((self.arch_copy().get("pipeline") or {}).get("is_distilled", False))
 
     def check_source(self) -> None:
         """The base checks, then the text layers (:func:`text_layer_problems`)."""

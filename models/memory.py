@@ -767,15 +767,187 @@ def estimate_exceeded(observed: Mapping[str, float], planned_peak: float) -> Dic
 from models.passes import Pass  # noqa: E402
 
 
-class PlacementPass(Pass):
-    """The stage's memory plan on the loaded pipeline (:mod:`models.passes`), from the engine's :class:`Fitting`
-    (``engine.fit``, made by the engine's memory check before loading; None: nothing planned): an offload plan
-    applied now (the pipeline stayed on the host through the passes before, which replace or rewrite parameters:
-    fused LoRA, MoE and linear backends), then the offload, quantization and per-phase memory probes on the modules
-    as they will run, before the hooks and compile that wrap them (:meth:`Fitting.defers`); the evidence of the
-    plan against the observed peaks; the budget's allocator cap lifted at close."""
+def available_bytes(plat: Any) -> Optional[int]:
+    """Free bytes where the weights will live: the GPU's free bytes, or the host's ``MemAvailable`` (Linux)."""
+    if plat.kind in ("cuda", "rocm"):
+        return torch.cuda.mem_get_info(torch.cuda.current_device())[0]
+    from pathlib import Path
 
-    name = "placement"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class FittingPass(Pass):
+    """``model.quantization`` and ``memory.*`` on a diffusion stage (:mod:`models.passes`), from the engine's
+    :class:`Fitting` (``engine.fit``, which loading reads: where components are built, what is quantized, whether
+    placement waits for the installs):
+
+    * after the backends are resolved (:meth:`after_resolve`): the fitting made and checked (unknown methods or
+      components, unmet requirements), and with every weight on the device and no budget, the weights against the
+      free memory; for ``--plan`` (:meth:`prepare_plan`) the fitting of the target platform;
+    * with the rows (:meth:`prepare_rows`): the plan of the rows' largest batch shape (:meth:`plan`), refused when
+      it cannot fit;
+    * at install: an offload plan applied now (the pipeline stayed on the host through the passes before, which
+      replace or rewrite parameters: fused LoRA, MoE and linear backends), then the offload, quantization and
+      per-phase memory probes on the modules as they will run, before the hooks and compile that wrap them
+      (:meth:`Fitting.defers`); ``from_pretrained`` keywords of the quantization (:meth:`load_kwargs`);
+    * the evidence of the plan against the observed peaks; the budget's allocator cap lifted at close.
+
+    The engine provides ``task_components(task)``, ``declared_experts()``, ``component_config(name)``,
+    ``build_components(...)``, ``size_need()``, ``expected_forwards(batch)``, ``weight_bytes()``.
+    """
+
+    name = "memory"
+
+    def fitting(self, platform_kind: str) -> Fitting:
+        """A fresh :class:`Fitting` of the stage's ``memory.*`` and ``model.quantization`` for a run on
+        ``platform_kind`` (``memory.*`` validated for it; nothing planned yet).
+
+        Raises:
+            ConfigValueError: ``memory.*`` that this platform kind cannot take (:func:`settings`).
+        """
+        e = self.engine
+        libs = {c: lib for c, (lib, _m, _k) in e.task_components(e.task).items() if c != "scheduler"}
+        return Fitting(e.ctx.run.memory, getattr(e.cfg, "quantization", None), libs, platform_kind, e.ctx.parallel)
+
+    def prepare_plan(self, platform_kind: str) -> None:
+        self.engine.fit = self.fitting(platform_kind)
+
+    def after_resolve(self) -> None:
+        """Raises:
+            runner.kernels.quantization.QuantizationError subclasses; ConfigValueError (also: the weights alone
+            cannot fit the free memory, naming the model, the bytes needed and available, and the fix)."""
+        from runner.kernels.registry import SelectionContext
+
+        e = self.engine
+        run, plat = e.ctx.run, e.ctx.plat
+        e.fit = self.fitting(plat.kind)
+        lin = e.resolutions.get("linear")
+        e.fit.check(SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=e.dtype),
+                    e.source.get("kind") == "dummy", bool(run.optimize.fuse_qkv),
+                    None if lin is None else str(lin.selected), int(run.batch_size))
+        s = e.fit.settings
+        if s.max_gpu_gb is None and (s.offload == "none" or (s.offload == "auto" and plat.kind not in GPU_KINDS)):
+            self.check_free_memory()  # every weight on the device
+
+    def check_free_memory(self) -> None:
+        """Refuse before loading when the weights alone cannot fit (``load_format=dummy`` sizes are exact).
+
+        Raises:
+            ConfigValueError: naming the model, the bytes needed and available, and the fix.
+        """
+        e = self.engine
+        need = e.weight_bytes()
+        have = available_bytes(e.ctx.plat)
+        if need is None or have is None or need <= have:
+            return
+        raise ConfigValueError(
+            f"model={e.model_cfg.name} needs {need / 2**30:.1f} GiB for its weights in "
+            f"{str(e.dtype).replace('torch.', '')} on {e.ctx.plat.device}, but only {have / 2**30:.1f} GiB "
+            "is free; fix: run it on a GPU (platform=cuda dtype=bfloat16), or use model=tiny_flux / "
+            "model=toy_shapes on this machine")
+
+    def prepare_rows(self, rows: List[Any], path: Any) -> List[Any]:
+        """With an offload plan, ``auto`` or a budget, and on a CUDA device always: :meth:`plan` against the
+        device's total memory (refused when it cannot fit). Without a budget the plan is the one asked for
+        (``none``: everything on the device), recorded so that the evidence sets the estimate beside the observed
+        peak per phase; ``auto`` off a GPU is ``none``, recorded with why."""
+        e = self.engine
+        fit, plat = e.fit, e.ctx.plat  # plat None: rows read without a platform (a Ray driver splitting the items)
+        on_gpu = plat is not None and str(plat.device).startswith("cuda") and torch.cuda.is_available()
+        if fit is None or not rows or plat is None or (not on_gpu and fit.settings.offload == "none"
+                                                       and fit.settings.max_gpu_gb is None):
+            return rows  # on a GPU every run is planned: its evidence holds the estimate beside the observed peaks
+        self.plan(rows, device_total(plat.device) if on_gpu else None)
+        return rows
+
+    def plan(self, rows: Sequence[Any], total: Optional[int]) -> Dict[str, Any]:
+        """The one planning step of a run (:meth:`prepare_rows`) and of ``--plan`` (``runner.tools.plan``): size every
+        component on the meta device, estimate the activations of the rows' largest batch shape
+        (:meth:`stages`), plan every offload mode and choose (:meth:`Fitting.choose`) against ``memory.max_gpu_gb``
+        or else ``total`` (the GPU's bytes; None: unknown).
+
+        Returns:
+            ``fit.section()``: the manifest's ``memory_plan`` as it stands before placement (``applied`` empty).
+
+        Raises:
+            runner.core.memory.MemoryBudgetError: no plan asked for fits (``fit.candidates`` hold the estimates).
+        """
+        import os
+
+        from runner.core.dataset import Item
+
+        e = self.engine
+        fit = e.fit
+        gguf = os.path.getsize(fit.gguf_file) if fit.gguf_file else None
+        sizes = component_sizes(self.meta_modules(), fit.choices, gguf)
+        forwards = max(e.expected_forwards([Item(row=r, index=0, seed=0)]) or 1 for r in rows)
+        fit.choose(sizes, self.stages(rows), forwards, total)
+        return fit.section()
+
+    def meta_modules(self) -> Dict[str, Any]:
+        """Every model component on the meta device (no memory), from the architecture or the snapshot's configs;
+        an optional expert the snapshot lacks (``declared_experts``: Wan 2.1 has no ``transformer_2``) is left
+        out."""
+        e = self.engine
+        if e.source.get("kind") in ("dummy", "embedded"):
+            return e.build_components(e.arch_copy(), device="meta", dtype=e.dtype, task=e.task)
+        return meta_components(self.present_components(), e.component_config, e.dtype)
+
+    def present_components(self) -> Dict[str, Tuple[str, str, Optional[str]]]:
+        """The task's components without an optional expert the model lacks (``declared_experts``: Wan 2.1 and
+        TI2V-5B have no ``transformer_2``), known before loading."""
+        e = self.engine
+        has = set(e.declared_experts())
+        return {k: v for k, v in e.task_components(e.task).items()
+                if k in has or e.spec is None or not e.spec.optional(k)}
+
+    def stages(self, rows: Sequence[Any]) -> List[Any]:
+        """The phases of the largest batch shape with each component's activation bytes."""
+        from runner.core.memory import Stage
+
+        e = self.engine
+        run = e.ctx.run
+        big = max(rows, key=lambda r: r.width * r.height * (getattr(r, "num_frames", None) or 1))
+        batch = max(1, min(int(run.batch_size), len(rows) * int(run.num_images_per_prompt)))
+        elem = torch.empty((), dtype=e.dtype).element_size()
+        need = e.size_need() or 16
+        frames = getattr(big, "num_frames", None) or 1
+        latent_frames = (frames - 1) // 4 + 1 if e.video else 1  # Wan's VAE: 4x temporal (first frame alone)
+        seq = int(e.cfg.generation.max_sequence_length)
+        tokens = (big.width // need) * (big.height // need) * latent_frames + seq
+        guided = e.spec is not None and e.spec.cfg == "batched" and (big.guidance_scale or 0) > 1
+        present = self.present_components()
+        encoders = {n: e.component_config(n) for n in present if n.startswith("text_enc")}
+        den = {n: denoiser_activations(e.component_config(n), batch * (2 if guided else 1), tokens, elem)
+               for n in present if n.startswith("transformer")}
+        s = e.fit.settings
+        vae = decoder_activations(e.component_config("vae"), batch, frames, big.height, big.width, elem,
+                                  s.vae_tiling, s.vae_slicing)
+        return [Stage("text_encode", text_activations(encoders, batch, seq, elem)),
+                Stage("denoise", den), Stage("vae_decode", {"vae": vae})]
+
+    def load_kwargs(self, path: Any) -> Dict[str, Any]:
+        """``from_pretrained`` keywords of ``model.quantization``: diffusers' ``PipelineQuantizationConfig`` and a
+        GGUF component loaded from its file (its config from the snapshot's component dir)."""
+        e = self.engine
+        fit = e.fit
+        out: Dict[str, Any] = {}
+        q = pipeline_quantization(fit.choices, fit.libraries, e.dtype)
+        if q is not None:
+            out["quantization_config"] = q
+        for comp, method in fit.choices.items():
+            if method == "gguf":
+                lib, cls_name, _ = e.task_components(e.task)[comp]
+                model_cls = getattr(importlib.import_module(lib), cls_name)
+                out[comp] = load_gguf(model_cls, str(fit.gguf_file), str(path / comp), e.dtype)
+        return out
+
 
     def install(self, sections: Dict[str, Any]) -> None:
         e = self.engine

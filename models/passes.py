@@ -13,6 +13,7 @@ Phases, in the loop's order (:mod:`models.base`), each a method with a no-op def
 1. ``check_config()``: the pass's config checks (no I/O, no model configs).
 2. ``prepare()``: startup checks that read the model's configs (the weight source is resolved, the backends are
    resolved: ``engine.resolutions``); no weight loads. A family refuses a pass by raising here.
+   ``after_resolve()``: checks that need the resolved backends; ``prepare_plan(platform_kind)``: ``--plan``'s.
    ``start()``: collective set-up over every rank (the loop's ``start_parallel``).
 3. ``batch_size(requested)``: the batch size the pass allows; ``prepare_rows(rows, path) -> rows``: the validated rows, checked or extended by the pass (its row fields);
    ``batches_planned(batches)``: the batches the engine cut from them.
@@ -57,6 +58,15 @@ class Pass:
     def prepare(self) -> None:
         """Startup checks that read the model's configs; no weight loads."""
 
+    def after_resolve(self) -> None:
+        """Startup checks that need the resolved backends (``engine.resolutions``): the memory plan's fitting."""
+
+    def prepare_plan(self, platform_kind: str) -> None:
+        """What ``--plan`` needs of the pass for a run on ``platform_kind`` (maybe not this machine's; no backends
+        resolved): :meth:`prepare` where :attr:`in_plan`."""
+        if self.in_plan:
+            self.prepare()
+
     def start(self) -> None:
         """Collective set-up over every rank of the run (after ``prepare``, before the rows; the loop's
         ``start_parallel``)."""
@@ -71,6 +81,10 @@ class Pass:
 
     def batches_planned(self, batches: Sequence[Sequence[Any]]) -> None:
         """The run's batches, as the engine cut them (before loading)."""
+
+    def load_kwargs(self, path: Any) -> Dict[str, Any]:
+        """``from_pretrained`` keywords the pass adds when the pipeline loads from the snapshot at ``path``."""
+        return {}
 
     def before_load(self) -> None:
         """Before the pipeline loads (a scope for everything built or compiled in the stage)."""

@@ -266,7 +266,7 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
             build, park = self.fit.build_device(self.device, self.weight_bytes())
             if build == "cpu" and str(self.device) != "cpu":
                 self.source["weights_built_on"] = "cpu"  # the CPU generator's numbers: other weights than on the GPU
-            comps = self.build_components(self._arch(), device=build, dtype=self.dtype, task=self.task)
+            comps = self.build_components(self.arch_copy(), device=build, dtype=self.dtype, task=self.task)
             for comp, method in self.fit.choices.items():  # torchao's quantize_, as diffusers applies it
                 memory.quantize_built(comps[comp], method, self.fit.libraries[comp], self.dtype)
             if park is not None:  # built where they compute, kept on the host until the offload plan onloads them
@@ -277,13 +277,17 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
                 torch.cuda.empty_cache()
             self.pipe = cls(**comps)
         else:
-            path = Path(self.source["path"]) if kind == "path" else self.embedded_snapshot(self._arch())
+            path = Path(self.source["path"]) if kind == "path" else self.embedded_snapshot(self.arch_copy())
             self.source["path"] = str(path)
             self.source.update(self.hash_weights(path))
             from models.processors import processor_overrides
 
+            load_kw: Dict[str, Any] = {}
+            for p in self.passes:  # the quantization's keywords (models.memory.FittingPass)
+                load_kw.update(p.load_kwargs(path))
+
             self.pipe = cls.from_pretrained(path, dtype=self.dtype, local_files_only=True, use_safetensors=True,
-                                            **processor_overrides(path), **self.quantized_kwargs(path))
+                                            **processor_overrides(path), **load_kw)
         if not self.fit.defers():  # an offload plan is applied after the install passes (Fitting.defers)
             self.fit.place(self.pipe, self.device)
         self.pipe.set_progress_bar_config(disable=True)
@@ -294,44 +298,12 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         self._token_cache = {}
         self._time_phases()
 
-    # ------------------------------------------------------------------------------------- memory, quantization
-    def check_memory(self) -> None:
-        """``model.quantization`` and ``memory.*`` checked before any weight loads (:class:`models.memory.Fitting`:
-        unknown methods or components, unmet requirements, a plan over the budget), then, with every weight on the
-        device and no budget, the base check (the weights against the free memory).
-
-        Raises:
-            runner.kernels.quantization.QuantizationError subclasses; ConfigValueError; the base check's error.
-        """
-        from runner.kernels.registry import SelectionContext
-
-        run, plat = self.ctx.run, self.ctx.plat
-        self.fit = self.fitting(plat.kind)
-        lin = self.resolutions.get("linear")
-        self.fit.check(SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype),
-                       self.source.get("kind") == "dummy", bool(run.optimize.fuse_qkv),
-                       None if lin is None else str(lin.selected), int(run.batch_size))
-        s = self.fit.settings
-        if s.max_gpu_gb is None and (s.offload == "none" or (s.offload == "auto" and plat.kind not in
-                                                               memory.GPU_KINDS)):  # every weight on the device
-            super().check_memory()
-
-    def fitting(self, platform_kind: str) -> Any:
-        """A fresh :class:`models.memory.Fitting` of the stage's ``memory.*`` and ``model.quantization`` for a run on
-        ``platform_kind`` (``memory.*`` validated for it; nothing planned yet).
-
-        Raises:
-            ConfigValueError: ``memory.*`` that this platform kind cannot take (``models.memory.settings``).
-        """
-        libs = {c: lib for c, (lib, _m, _k) in self.task_components(self.task).items() if c != "scheduler"}
-        return memory.Fitting(self.ctx.run.memory, getattr(self.cfg, "quantization", None), libs, platform_kind,
-                              self.ctx.parallel)
-
     def prepare_plan(self, platform_kind: str) -> None:
-        """What :meth:`memory_plan` reads, checked as :meth:`prepare` checks it, for a run on ``platform_kind``
-        that need not be this machine's (``python -m runner ... --plan``, ``runner.tools.plan``): the weight source
-        (architecture or snapshot configs; nothing loads), the model's limits, ``model.lora`` and ``fit``. Backends
-        and the quantization methods' packages are not resolved: they are the target machine's.
+        """What ``--plan`` reads (``runner.tools.plan``), checked as :meth:`prepare` checks it, for a run on
+        ``platform_kind`` that need not be this machine's: the weight source (architecture or snapshot configs;
+        nothing loads), the model's limits, and each pass's part (:meth:`models.passes.Pass.prepare_plan`:
+        ``model.lora``, the memory fitting). Backends and the quantization methods' packages are not resolved: they
+        are the target machine's.
 
         Raises:
             runner.core.errors.RunnerError subclasses, as :meth:`prepare` raises them for these checks.
@@ -339,95 +311,7 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         self.resolve_source()
         self.check_source()
         for p in self.passes:
-            if p.in_plan:
-                p.prepare()
-        self.fit = self.fitting(platform_kind)
-
-    def plan_memory(self, rows: Sequence[Row]) -> None:
-        """With an offload plan, ``auto`` or a budget, and on a CUDA device always: :meth:`memory_plan` against the
-        device's total memory (refused when it cannot fit). Without a budget the plan is the one asked for
-        (``none``: everything on the device), recorded so that the evidence sets the estimate beside the observed
-        peak per phase; ``auto`` off a GPU is ``none``, recorded with why."""
-        fit = self.fit
-        plat = self.ctx.plat  # None where rows are read without a platform (a Ray driver splitting the items)
-        on_gpu = plat is not None and str(plat.device).startswith("cuda") and torch.cuda.is_available()
-        if fit is None or not rows or plat is None or (not on_gpu and fit.settings.offload == "none"
-                                                       and fit.settings.max_gpu_gb is None):
-            return  # on a GPU every run is planned: its evidence holds the estimate beside the observed peaks
-        self.memory_plan(rows, memory.device_total(plat.device) if on_gpu else None)
-
-    def memory_plan(self, rows: Sequence[Row], total: Optional[int]) -> Dict[str, Any]:
-        """The one planning step of a run (:meth:`plan_memory`) and of ``--plan`` (``runner.tools.plan``): size every
-        component on the meta device, estimate the activations of the rows' largest batch shape (:meth:`memory_stages`),
-        plan every offload mode and choose (``models.memory.Fitting.choose``) against ``memory.max_gpu_gb`` or else
-        ``total`` (the GPU's bytes; None: unknown).
-
-        Returns:
-            ``fit.section()``: the manifest's ``memory_plan`` as it stands before placement (``applied`` empty).
-
-        Raises:
-            runner.core.memory.MemoryBudgetError: no plan asked for fits (``fit.candidates`` hold the estimates).
-        """
-        fit = self.fit
-        gguf = os.path.getsize(fit.gguf_file) if fit.gguf_file else None
-        sizes = memory.component_sizes(self.meta_modules(), fit.choices, gguf)
-        forwards = max(self.expected_forwards([Item(row=r, index=0, seed=0)]) or 1 for r in rows)
-        fit.choose(sizes, self.memory_stages(rows), forwards, total)
-        return fit.section()
-
-    def meta_modules(self) -> Dict[str, Any]:
-        """Every model component on the meta device (no memory), from the architecture or the snapshot's configs;
-        an optional expert the snapshot lacks (:meth:`declared_experts`: Wan 2.1 has no ``transformer_2``) is
-        left out."""
-        if self.source.get("kind") in ("dummy", "embedded"):
-            return self.build_components(self._arch(), device="meta", dtype=self.dtype, task=self.task)
-        return memory.meta_components(self.present_components(), self.component_config, self.dtype)
-
-    def present_components(self) -> Dict[str, Tuple[str, str, Optional[str]]]:
-        """:meth:`task_components` without an optional expert the model lacks (:meth:`declared_experts`: Wan 2.1
-        and TI2V-5B have no ``transformer_2``), known before loading."""
-        has = set(self.declared_experts())
-        return {k: v for k, v in self.task_components(self.task).items()
-                if k in has or self.spec is None or not self.spec.optional(k)}
-
-    def memory_stages(self, rows: Sequence[Row]) -> List[Any]:
-        """The phases of the largest batch shape with each component's activation bytes (``models.memory``)."""
-        from runner.core.memory import Stage
-
-        run = self.ctx.run
-        big = max(rows, key=lambda r: r.width * r.height * (getattr(r, "num_frames", None) or 1))
-        batch = max(1, min(int(run.batch_size), len(rows) * int(run.num_images_per_prompt)))
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        need = self.size_need() or 16
-        frames = getattr(big, "num_frames", None) or 1
-        latent_frames = (frames - 1) // 4 + 1 if self.video else 1  # Wan's VAE: 4x temporal (first frame alone)
-        seq = int(self.cfg.generation.max_sequence_length)
-        tokens = (big.width // need) * (big.height // need) * latent_frames + seq
-        guided = self.spec is not None and self.spec.cfg == "batched" and (big.guidance_scale or 0) > 1
-        present = self.present_components()
-        encoders = {n: self.component_config(n) for n in present if n.startswith("text_enc")}
-        den = {n: memory.denoiser_activations(self.component_config(n), batch * (2 if guided else 1), tokens, elem)
-               for n in present if n.startswith("transformer")}
-        s = self.fit.settings
-        vae = memory.decoder_activations(self.component_config("vae"), batch, frames, big.height, big.width, elem,
-                                         s.vae_tiling, s.vae_slicing)
-        return [Stage("text_encode", memory.text_activations(encoders, batch, seq, elem)),
-                Stage("denoise", den), Stage("vae_decode", {"vae": vae})]
-
-    def quantized_kwargs(self, path: Path) -> Dict[str, Any]:
-        """``from_pretrained`` keywords of ``model.quantization``: diffusers' ``PipelineQuantizationConfig`` and a
-        GGUF component loaded from its file (its config from the snapshot's component dir)."""
-        fit = self.fit
-        out: Dict[str, Any] = {}
-        q = memory.pipeline_quantization(fit.choices, fit.libraries, self.dtype)
-        if q is not None:
-            out["quantization_config"] = q
-        for comp, method in fit.choices.items():
-            if method == "gguf":
-                lib, cls_name, _ = self.task_components(self.task)[comp]
-                model_cls = getattr(importlib.import_module(lib), cls_name)
-                out[comp] = memory.load_gguf(model_cls, str(fit.gguf_file), str(path / comp), self.dtype)
-        return out
+            p.prepare_plan(platform_kind)
 
     def expected_sequence(self, row: Any) -> int:
         """Image tokens the edit transformer's sequence holds at a call's first forward for ``row``: FLUX Kontext's

@@ -37,12 +37,12 @@ class PromptTokens:
                 if not self.source:
                     self.resolve_source()
                 kind = self.source.get("kind")
-                target = self.embedded_target(self._arch()) if kind == "embedded" else None
+                target = self.embedded_target(self.arch_copy()) if kind == "embedded" else None
                 root = (Path(self.source["path"]) if kind == "path" else
                         target if target is not None and (target / "model_index.json").is_file() else None)
                 by_comp = (self.snapshot_tokenizers(root) if root is not None else
-                           self.build_tokenizers(self._arch(), self.task) if self.task is not None else
-                           self.build_tokenizers(self._arch()))
+                           self.build_tokenizers(self.arch_copy(), self.task) if self.task is not None else
+                           self.build_tokenizers(self.arch_copy()))
                 self._toks = {label: by_comp[comp] for comp, (_k, label, _e) in self.tokenizers_spec.items()}
             self._token_cache = {}
         return self._toks

@@ -81,7 +81,7 @@ class WeightSource:
                                  "or a diffusers version that has it")
         return cls
 
-    def _arch(self) -> Dict[str, Any]:
+    def arch_copy(self) -> Dict[str, Any]:
         """``model.architecture`` of the stage's typed model config, as a fresh copy (callers may change it)."""
         import copy
 
@@ -99,9 +99,9 @@ class WeightSource:
         """
         cfg = self.cfg
         if cfg.load_format == "dummy" or (cfg.embedded and not cfg.path):
-            self.check_architecture(self._arch())
+            self.check_architecture(self.arch_copy())
         if cfg.load_format == "dummy":
-            self.source = {"kind": "dummy", "weights_seed": self._arch().get("weights_seed", 0)}
+            self.source = {"kind": "dummy", "weights_seed": self.arch_copy().get("weights_seed", 0)}
         elif cfg.path:
             from runner.core.weights import resolve_model_path
 
@@ -112,7 +112,7 @@ class WeightSource:
                                       if k in prov}
             self.check_layout(Path(self.source["path"]))
             given = [o.lstrip("+~").split("=", 1)[0] for o in self.ctx.overrides]
-            arch, cli = self._arch(), {}
+            arch, cli = self.arch_copy(), {}
             for key in given:
                 parts = key.split(".")
                 if parts[:2] == ["model", "architecture"] and len(parts) == 4 and isinstance(arch.get(parts[2]), dict):
@@ -263,7 +263,7 @@ class WeightSource:
         key = json.dumps(self.source, sort_keys=True, default=str)
         if self._settings[0] != key:  # read once per weight source (records ask per item)
             given = (read_index(Path(self.source["path"])) if self.source.get("kind") == "path"
-                     else self._arch().get("pipeline") or {})
+                     else self.arch_copy().get("pipeline") or {})
             params = inspect.signature(self.pipeline_cls().__init__).parameters
             self._settings = (key, {k: given[k] if k in given else (params[k].default if k in params else None)
                                     for k in self.spec.pipeline_config})
@@ -278,7 +278,7 @@ class WeightSource:
         if self.source.get("kind") == "path":
             index = read_index(Path(self.source["path"]))
             return [n for n in names if n == names[0] or any(index.get(n) or [])]
-        arch = self._arch()
+        arch = self.arch_copy()
         return [n for n in names if n == names[0] or arch.get(n) is not None]
 
     def check_processor_keys(self, arch: Dict[str, Any], where: str = "model.architecture") -> None:
@@ -355,7 +355,7 @@ class WeightSource:
         """
         if not self.source:  # read_rows without prepare (runner.app.execute.DatasetItems.read, benchmarks)
             self.resolve_source()
-        return snapshot.component_config(self.source, self._arch() if self.source.get("kind") != "path" else {},
+        return snapshot.component_config(self.source, self.arch_copy() if self.source.get("kind") != "path" else {},
                                          name)
 
     def weight_bytes(self) -> Optional[int]:
@@ -363,7 +363,7 @@ class WeightSource:
         ``load_format=dummy`` by building the architecture on the meta device (no memory); None otherwise."""
         if self.source.get("kind") != "dummy":
             return None
-        comps = self.build_components(self._arch(), device="meta", dtype=self.dtype, task=self.task)
+        comps = self.build_components(self.arch_copy(), device="meta", dtype=self.dtype, task=self.task)
         return sum(p.numel() * p.element_size() for v in comps.values() if isinstance(v, torch.nn.Module)
                    for p in v.parameters())
 

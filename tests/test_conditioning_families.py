@@ -285,28 +285,28 @@ def test_engine_builds_the_task_snapshot_from_model_task(compose):
 
     eng = _engine(compose, "tiny_wan_i2v", "image_to_video")
     assert eng.task == "image_to_video" and eng.snapshot_task() == "image_to_video"
-    eng.check_architecture(eng._arch())
-    path = eng.embedded_snapshot(eng._arch())
+    eng.check_architecture(eng.arch_copy())
+    path = eng.embedded_snapshot(eng.arch_copy())
     assert path == _snapshot("tiny_wan_i2v", "image_to_video") and read_index(path)["_class_name"] == (
         "WanImageToVideoPipeline")
-    arch = {k: v for k, v in eng._arch().items() if k != "image_encoder"}
+    arch = {k: v for k, v in eng.arch_copy().items() if k != "image_encoder"}
     with pytest.raises(ConfigValueError, match="image_encoder is missing"):
         eng.check_architecture(arch)
     base = _engine(compose, "tiny_wan_i2v", "text_to_video")  # the base task: base components, extra keys accepted
     assert base.task == "text_to_video" and base.snapshot_task() is None
-    base.check_architecture(base._arch())
-    assert base.embedded_target(base._arch()) != eng.embedded_target(eng._arch())
+    base.check_architecture(base.arch_copy())
+    assert base.embedded_target(base.arch_copy()) != eng.embedded_target(eng.arch_copy())
     sd3 = _engine(compose, "tiny_sd3", "inpaint")  # inpaint reuses the text-to-image snapshot
-    assert sd3.snapshot_task() is None and sd3.embedded_target(sd3._arch()) == _engine(
-        compose, "tiny_sd3", None).embedded_target(sd3._arch())
+    assert sd3.snapshot_task() is None and sd3.embedded_target(sd3.arch_copy()) == _engine(
+        compose, "tiny_sd3", None).embedded_target(sd3.arch_copy())
 
 
 def test_engine_dummy_weights_build_the_task_components(compose):
     eng = _engine(compose, "tiny_wan_i2v", "image_to_video")
-    comps = eng.build_components(eng._arch(), device="meta", task=eng.task)
+    comps = eng.build_components(eng.arch_copy(), device="meta", task=eng.task)
     assert type(comps["image_encoder"]).__name__ == "CLIPVisionModelWithProjection"
     assert type(comps["image_processor"]).__name__.startswith("CLIPImageProcessor")
-    assert "image_encoder" not in eng.build_components(eng._arch(), device="meta")
+    assert "image_encoder" not in eng.build_components(eng.arch_copy(), device="meta")
     edit = _engine(compose, "tiny_qwen_image_edit", "edit")
     toks = edit.tokenizers()["qwen2_5_vl"]
     assert "<|image_pad|>" in toks.get_vocab()  # the edit tokenizer (vision markers), as the snapshot's
@@ -365,7 +365,7 @@ def test_full_size_task_configs_build_on_meta(compose, model, task, billions):
     eng = engine_class(m.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=m,
                                                plat=detect("cpu", None), dtype=torch.bfloat16))
     assert eng.resolve_source()["kind"] == "dummy"
-    comps = eng.build_components(eng._arch(), device="meta", dtype=torch.bfloat16, task=task)
+    comps = eng.build_components(eng.arch_copy(), device="meta", dtype=torch.bfloat16, task=task)
     n = sum(p.numel() for p in comps["transformer"].parameters()) / 1e9
     assert billions[0] < n < billions[1], n
     extra = "image_encoder" if task == "image_to_video" else "processor"
@@ -391,12 +391,12 @@ def test_a_misspelt_processor_key_is_refused(compose):
     from runner.core.errors import ConfigValueError
 
     eng = _engine(compose, "tiny_qwen_image_edit", "edit")
-    arch = eng._arch()
+    arch = eng.arch_copy()
     arch["processor"] = {**arch["processor"], "merge_sise": 2}
     with pytest.raises(ConfigValueError, match=r"processor.merge_sise .*did you mean model.architecture.processor."
                                                r"merge_size"):
         eng.check_architecture(arch)
-    eng.check_architecture(eng._arch())
+    eng.check_architecture(eng.arch_copy())
 
 
 def test_edit_sizes_at_the_published_constants():

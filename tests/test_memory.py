@@ -356,7 +356,7 @@ def _plan(eng, rows, mem):
 
     libs = {c: lib for c, (lib, _m, _k) in eng.task_components(eng.task).items() if c != "scheduler"}
     eng.fit = Fitting(mem, eng.cfg.quantization, libs, "cuda", None)
-    eng.plan_memory(rows)
+    eng.passes["memory"].prepare_rows(rows, None)
     return eng.fit
 
 
@@ -364,7 +364,7 @@ def _plan(eng, rows, mem):
 def test_the_engine_plans_from_meta_sizes_and_its_rows(model):
     eng, rows = _prepared([f"model={model}", "dataset.limit=2", "batch_size=2"])
     fit = _plan(eng, rows, _Mem("auto", max_gpu_gb=64))
-    real = eng.build_components(eng._arch(), device="cpu", dtype=torch.float32, task=eng.task)
+    real = eng.build_components(eng.arch_copy(), device="cpu", dtype=torch.float32, task=eng.task)
     want = {c: sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
             for c, m in real.items() if isinstance(m, torch.nn.Module)}
     sizes = component_sizes_of(eng)
@@ -387,14 +387,14 @@ def test_the_engine_plans_from_meta_sizes_and_its_rows(model):
 def component_sizes_of(eng):
     from models.memory import component_sizes
 
-    return component_sizes(eng.meta_modules(), {})
+    return component_sizes(eng.passes["memory"].meta_modules(), {})
 
 
 def test_a_snapshot_is_sized_from_its_own_configs_as_the_architecture_is():
     from models.memory import meta_components
 
     eng, _ = _prepared(["model=tiny_flux", "dataset.limit=1"])
-    snap = eng.embedded_snapshot(eng._arch())
+    snap = eng.embedded_snapshot(eng.arch_copy())
     from_snapshot = meta_components(eng.task_components(eng.task),
                                     lambda c: json.loads((snap / c / "config.json").read_text()), torch.float32)
     got = {c: planner.size_module(c, m).weights for c, m in from_snapshot.items()}

@@ -1,6 +1,6 @@
 """Plan mode (issue #38): ``python -m runner <overrides> --plan`` prints the memory plan the composed run would get,
 on any machine, with nothing loaded and no run dir; the plan is what a run records as its manifest's
-``memory_plan`` (one function computes both: ``PipelineEngine.memory_plan``). ``memory.offload=auto`` off a GPU is
+``memory_plan`` (one function computes both: ``models.memory.FittingPass.plan``). ``memory.offload=auto`` off a GPU is
 ``none``, recorded so. The GPU side (a CUDA run's record against ``--plan`` on the same machine) is in
 tests/test_memory_cuda.py."""
 

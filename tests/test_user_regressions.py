@@ -70,7 +70,7 @@ def test_misspelt_engine_extras_key_is_refused(execute, tmp_path):
 
 
 def test_model_too_large_for_this_host_is_refused_before_loading(execute, tmp_path, monkeypatch):
-    import models.diffusers_engine as de
+    import models.memory as de
     from runner.core.errors import ConfigValueError
 
     monkeypatch.setattr(de, "available_bytes", lambda plat: 8 * 2**30)  # a host with 8 GiB free

@@ -230,7 +230,7 @@ def test_full_size_configs_are_the_published_ones(compose, model, experts, param
     eng = _engine(compose([f"model={model}", "platform=cpu", "model.load_format=dummy"]))
     eng.resolve_source()
     assert eng.declared_experts() == list(experts)
-    comps = eng.build_components(eng._arch(), device="meta", dtype=torch.bfloat16)
+    comps = eng.build_components(eng.arch_copy(), device="meta", dtype=torch.bfloat16)
     for e in experts:
         assert params[0] < sum(p.numel() for p in comps[e].parameters()) < params[1], e
     assert "transformer_2" in comps if len(experts) > 1 else "transformer_2" not in comps

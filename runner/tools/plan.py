@@ -8,7 +8,7 @@ the device per pipeline call, then the plan taken and why, or the refusal the ru
 {stage: plan}}`` instead (``platform_here``: ``{"platform", "dtype"}`` a run on this machine would use where
 ``platform=auto`` is planned as a GPU it lacks, else null), where ``plan`` is
 ``models.memory.Fitting.section()`` as the engine's ``memory_plan`` returns it: the one function a run calls while
-it reads its rows (``models.pipelines.PipelineEngine.plan_memory``), whose result the run records as the manifest's
+it reads its rows (``models.memory.FittingPass.prepare_rows``), whose result the run records as the manifest's
 ``memory_plan`` (``applied`` is filled at placement; a refusal gives ``{"refused": message, "candidates": [...]}``).
 
 **Which device it plans for.** ``platform=<kind>`` of the composed config; ``platform=auto`` plans for this
@@ -160,7 +160,7 @@ def plans(cfg: Any, overrides: Sequence[str], device_gb: Optional[float] = None)
     rows, _ = engines[-1].read_rows()  # ctx.plat is None: the read itself plans nothing (plan_memory)
     for e in planning:
         try:
-            out["stages"][e.stage] = e.memory_plan(rows, total if gpu else None)
+            out["stages"][e.stage] = e.passes["memory"].plan(rows, total if gpu else None)
         except planner.MemoryBudgetError as err:
             out["stages"][e.stage] = {"refused": str(err), "candidates": [p.to_dict() for p in e.fit.candidates],
                                       "max_gpu_gb": e.fit.settings.max_gpu_gb}
@@ -170,7 +170,7 @@ def plans(cfg: Any, overrides: Sequence[str], device_gb: Optional[float] = None)
 
 def batch_shape(cfg: Any, rows: Sequence[Any]) -> Dict[str, Any]:
     """The largest batch shape the plan is for: ``{batch_size, width, height, num_frames}`` (as
-    ``models.pipelines.PipelineEngine.memory_stages`` takes it)."""
+    ``models.memory.FittingPass.stages`` takes it)."""
     big = max(rows, key=lambda r: r.width * r.height * (getattr(r, "num_frames", None) or 1))
     return {"batch_size": max(1, min(int(cfg.batch_size), len(rows) * int(cfg.num_images_per_prompt))),
             "width": big.width, "height": big.height, "num_frames": getattr(big, "num_frames", None),
