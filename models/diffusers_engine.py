@@ -18,6 +18,7 @@ import torch
 from models.base import EngineBase, ImageOutput, StageContext, StageResult, VideoOutput
 from runner.core import dataset as ds
 from models import denoiser_evidence as evidence
+from models.diffusion_rows import DiffusionRows
 from models.passes import Passes
 from runner.core.errors import ConfigValueError
 
@@ -27,7 +28,7 @@ from runner.core.weights import WeightFileError, check_safetensors  # noqa: E402
 log = logging.getLogger("runner")
 
 
-class DiffusersEngine(EngineBase):
+class DiffusersEngine(DiffusionRows, EngineBase):
     """Base of diffusion stages run through a diffusers pipeline; subclasses provide the model knowledge:
 
     * ``resolve_source()``, ``head_dim()``, ``weight_bytes()``, ``load_pipeline()``: where weights come from and
@@ -331,124 +332,11 @@ class DiffusersEngine(EngineBase):
         return {f: r.to_dict() for f, r in self.resolutions.items()}
 
     # ------------------------------------------------------------------------------------------------ 3. rows
-    def row_spec(self) -> ds.RowSpec:
-        """The engine's dataset row (``runner.core.dataset.VIDEO_ROW``: the image fields and the video fields, which
-        an image model's ``check_rows`` refuses by name); an engine with further row fields returns
-        ``ds.DIFFUSION_ROW.extend(...)`` (their values reach validation, the item identity, ``items.jsonl``'s
-        ``params`` and resume through the spec alone). :data:`runner.core.dataset.DIFFUSION_ROW` adds the
-        conditioning fields (``image``, ``mask_image``, ``last_image``, ``strength``) to ``VIDEO_ROW``; each is
-        allowed only where ``model.task`` takes it (:meth:`row_context`)."""
-        return ds.DIFFUSION_ROW
-
-    def row_context(self) -> Dict[str, Any]:
-        """What the row spec's task rule reads (``runner.core.dataset.check_task_inputs``): ``task`` and
-        ``multi_image``; a text-to-image row by default."""
-        return {"task": "text_to_image", "multi_image": False}
-
-    def builtin_rows(self) -> str:
-        """The file under ``runner/data`` that ``dataset=builtin`` reads: the model's ``builtin_prompts``."""
-        return self.model_cfg.builtin_prompts
-
-    def read_rows(self) -> Tuple[List[ds.Row], Path]:
-        """The run's dataset rows, validated, with the run's and the model's defaults filled in.
-
-        Raises:
-            dataset.DatasetError: every problem found (file, line, field, value, fix).
-        """
-        cfg = self.ctx.run
-        g = self.model_cfg.generation
-        spec = self.row_spec()
-        defaults = {f.default: g.get(f.default) for f in spec.fields if f.default}  # model.generation.<field>
-        defaults.update(negative_prompt=None, num_images_per_prompt=cfg.num_images_per_prompt)
-        rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
-                                  size_multiple=self.model_cfg.size_multiple, max_pixels=cfg.max_pixels,
-                                  limit=cfg.dataset.limit, builtin=self.builtin_rows(),
-                                  split=cfg.dataset.split, columns=ds.columns_option(cfg.dataset.columns),
-                                  extra_fields=str(cfg.dataset.extra_fields), spec=spec, context=self.row_context())
-        from runner.core import media
-
-        rows = media.attach_inputs(rows, path, cfg.dataset.media_root,  # every input checked, none loaded
-                                   any_size=self.inputs_any_size())
-        rows = self.check_ignored(rows, path)
-        self.check_rows(rows, path)
-        rows = self.passes.prepare_rows(rows, path)
-        return rows, path
-
     # ------------------------------------------------------------------------ what the model honours
-    def ignored_fields(self, rows: Sequence[ds.Row]) -> Dict[str, Tuple[str, str]]:
-        """Generation fields the model ignores under the run's config: ``{field: (why, fix)}``; none by default.
-        A field listed here that a row or ``model.generation`` sets is handled by ``dataset.on_ignored``."""
-        return {}
-
-    def check_ignored(self, rows: List[ds.Row], path: Any) -> List[ds.Row]:
-        """Refuse (``dataset.on_ignored=error``) or strip and note (``record``) the values that the model ignores,
-        set by a row or by a ``model.generation`` default. A default left null (``guidance_scale: null`` on a
-        model without guidance embedding) is not set: the item records it as null (not applicable). A default that a
-        rule ignores in some rows only (``applies(row)``: ``guidance_scale_2`` where the low-noise expert runs no
-        step) is not refused: the rows that take it record it under ``ignored``, in either mode.
-
-        Raises:
-            ConfigValueError: a ``model.generation.<field>`` the model ignores (error mode), naming key, why, fix.
-            dataset.DatasetError: every row that sets one (error mode), with file:line, field, why and fix.
-        """
-        ignored = self.ignored_fields(rows)
-        if not ignored:
-            return rows
-        mode, name, g = str(self.ctx.run.dataset.on_ignored), self.model_cfg.name, self.model_cfg.generation
-        from_config: Dict[str, Tuple[str, Any]] = {}
-        for f, (why, fix, *applies) in ignored.items():
-            if f in g and g[f] is not None:
-                key = f"model.generation.{f}"
-                if applies:  # ignored in some rows only: those that take the default record it, none is refused
-                    from_config[f] = (key, g[f])
-                    continue
-                if mode == "error":
-                    raise ConfigValueError(f"{key}={g[f]} is ignored by model={name}: {why}; fix: {key}=null, {fix}, or "
-                                           "dataset.on_ignored=record to run it and record the value as ignored")
-                from_config[f] = (key, g[f])
-        rows = ds.apply_ignored(rows, path, ignored, mode, name, from_config)
-        n = sum(1 for r in rows if r.ignored)
-        if n:
-            log.warning("%d of %d rows set a value that model=%s ignores (%s); it is not applied, and their records "
-                        "list it under 'ignored' (dataset.on_ignored=record)", n, len(rows), name,
-                        ", ".join(sorted({f for r in rows for f in (r.ignored or {})})))
-        return rows
-
     def prompt_tokens(self, prompts: Sequence[str]) -> List[Dict[str, Dict[str, int]]]:
         """Per prompt, per text encoder: ``{"count", "limit", "dropped"}`` (tokens with the special tokens, the most
         the encoder takes, how many it drops). Empty dicts by default (a model without text encoders)."""
         return [{} for _ in prompts]
-
-    def prompts_section(self, records: Sequence[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        """The manifest's ``prompts``: items whose prompt a text encoder truncated, in total and per encoder, from
-        the items' records (``tokens``); logged when any was."""
-        out = ds.prompts_summary(records)
-        if out["truncated_items"]:
-            log.warning("%d of %d items had prompts truncated by a text encoder (%s); their records say how many "
-                        "tokens were dropped", out["truncated_items"], out["items"],
-                        ", ".join(f"{k}: {v}" for k, v in out["truncated_by_encoder"].items() if v))
-        return {**out, "on_truncation": str(self.ctx.run.dataset.on_truncation),
-                "on_ignored": str(self.ctx.run.dataset.on_ignored)}
-
-    def check_rows(self, rows: Sequence[ds.Row], path: Any) -> None:
-        """Model-specific row checks (e.g. an oracle's ``expect`` vocabulary); none by default."""
-
-    def items(self, rows: Sequence[ds.Row], run_seed: int) -> List[ds.Item]:
-        """One item per image (``runner.core.dataset.expand_items``: seeds belong to rows, not batches)."""
-        return ds.expand_items(rows, run_seed)
-
-    def batches(self, items: Sequence[ds.Item], batch_size: int) -> List[List[ds.Item]]:
-        """Batches of equal shape (``runner.core.dataset.batches``), shown to every pass
-        (:meth:`models.passes.Pass.batches_planned`)."""
-        for p in self.passes:
-            batch_size = p.batch_size(batch_size)
-        out = ds.batches(list(items), batch_size)
-        for p in self.passes:
-            p.batches_planned(out)
-        return out
-
-    def check_inputs(self, rows: Sequence[Any], path: Any) -> None:
-        """A diffusion stage takes any prompt (the text encoders truncate at ``max_sequence_length``)."""
 
     # ------------------------------------------------------------------------------------------------ 4. load
     def load(self, on_loaded: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
@@ -560,44 +448,6 @@ class DiffusersEngine(EngineBase):
         """One :class:`models.base.VideoOutput` per item of a call's float32 videos (F, H, W, 3), at the row's
         ``fps``; a family that generates audio adds it (LTX-2)."""
         return [VideoOutput(frames, fps=it.row.fps) for frames, it in zip(videos, batch)]
-
-    def record(self, item: ds.Item, output: Any, batch_len: int, generate_s: float) -> Dict[str, Any]:
-        """The journal record of one image or video (without ``status``/``file``/``file_name``: the sink adds them):
-        ``prompt`` and ``negative_prompt`` as given to the pipeline (the negative prompt is null when not applied),
-        the seed, the parameters as applied (the engine's further row fields, ``Row.values``, among them), token counts, timing, and ``meta`` (the row's extra fields kept by
-        ``dataset.extra_fields=keep``) when it has any; with a step cache, ``cache``: method, schedule, params and
-        the forwards and blocks computed and reused in the item's pipeline call."""
-        import hashlib
-
-        from runner.core import media
-
-        r = item.row
-        spec = r.row_spec.by_name
-        values = {k: v for k, v in r.values.items() if not (k in spec and spec[k].media)}  # files: under inputs
-        rec: Dict[str, Any] = {
-            "id": r.id, "index": item.index, "key": item.key,
-            "prompt": r.prompt, "negative_prompt": r.negative_prompt,
-            "prompt_sha256": hashlib.sha256(r.prompt.encode()).hexdigest(),
-            "seed": item.seed,
-            "params": {"width": r.width, "height": r.height, "num_inference_steps": r.num_inference_steps,
-                       "guidance_scale": r.guidance_scale, "negative_prompt": r.negative_prompt,
-                       **values, **self.applied_params(r), "batch_size": batch_len},
-            "tokens": self.prompt_tokens([r.prompt])[0],
-            "timing": {"generate_s": round(generate_s, 4)},
-        }
-        if r.inputs:
-            rec["inputs"] = media.records(r.inputs)
-        if r.ignored:
-            rec["ignored"] = r.ignored
-        rec.update(self.passes.record(item))  # each pass's fields (a step cache: what it did in the item's call)
-        if r.meta:
-            rec["meta"] = r.meta
-        return rec
-
-    def applied_params(self, row: ds.Row) -> Dict[str, Any]:
-        """Further generation values that determine the item's bytes, as applied (null: not applied); none by
-        default."""
-        return {}
 
     # -------------------------------------------------------------------------------------------- 6. evidence
     def evidence(self, result: StageResult) -> Tuple[Dict[str, Any], List[str]]:

@@ -20,33 +20,28 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from models import conditioning, memory, snapshot, tokenizer_kinds
+from models import conditioning, memory
 from models.diffusers_engine import DiffusersEngine
+from models.diffusion_rows import FamilyRows
 from models.prompt_tokens import PromptTokens
 from models.source import WeightSource, family_names, models_with_task  # noqa: F401 (re-exported)
-from models.family import forwards_per_step, negative_prompt_ignored, quiet_truncation_warnings
+from models.family import forwards_per_step, quiet_truncation_warnings
 from models.oracles import ORACLES, oracle  # noqa: F401 - the oracles by name (re-exported)
 # snapshot building and reading live in models.snapshot; these names stay importable from here
 from models.snapshot import (EMBEDDED_RECIPE, ComponentBuilder, check_snapshot, embedded_target,  # noqa: F401
                              missing_weights, read_index, snapshot_complete)
-from runner.core.dataset import BUILTIN_PROMPTS, Item, Row
+from runner.core.dataset import Item
 from runner.core.errors import ConfigValueError
 from runner.core.weights import ModelPathError  # the one class for a model.path that cannot be used (re-exported)
 
 log = logging.getLogger("runner")
-
-#: row field -> the pipeline ``__call__`` argument it feeds (``fps`` feeds the video sink, not the pipeline)
-CALL_ARGS = {"negative_prompt": "negative_prompt", "guidance_scale": "guidance_scale", "num_frames": "num_frames",
-             "width": "width", "height": "height", "num_inference_steps": "num_inference_steps"}
 
 
 def uses_dispatcher(module: torch.nn.Module) -> bool:
@@ -113,7 +108,7 @@ def attention_modules(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Mo
             yield name, mod
 
 
-class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngine):
+class PipelineEngine(WeightSource, PromptTokens, FamilyRows, ComponentBuilder, DiffusersEngine):
     """A diffusion stage on a diffusers pipeline (engine ``diffusers``); one engine drives every family spec.
 
     A family is a :class:`models.family.FamilySpec` (``spec``, registered in :data:`models.registry.FAMILIES`);
@@ -210,42 +205,6 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
             raise ConfigValueError(f"model={self.cfg.name} generates video: model.generation.num_frames and "
                                    "model.generation.fps must be set; fix: e.g. model.generation.num_frames=81 "
                                    "model.generation.fps=16 (Wan 2.1's defaults; LTX-2's: 121 at 24)")
-
-    def row_spec(self) -> Any:
-        """The diffusion row (:meth:`DiffusersEngine.row_spec`) with the family's own row fields
-        (:attr:`models.family.FamilySpec.row_fields`) after its fields, under the family's name."""
-        base = super().row_spec()
-        extra = self.spec.row_fields if self.spec is not None else ()
-        return base.extend(f"{base.name}+{self.spec.name}", *extra) if extra else base
-
-    def row_context(self) -> Dict[str, Any]:
-        """The row rule's context: the task, whether the family takes a list of reference images for it, and the
-        family's tasks (named first in a refusal's fix)."""
-        return {"task": self.task, "multi_image": self.spec is not None and self.task in self.spec.multi_image,
-                "tasks": tuple(self.spec.tasks) if self.spec is not None else ()}
-
-    def builtin_rows(self) -> str:
-        """``dataset=builtin`` of a conditioning task reads ``<builtin_prompts stem>.<task>.jsonl`` (its input images
-        beside it, under ``runner/data``), or ``builtin_prompts`` itself when it is an absolute path (a model's own
-        rows file, e.g. ``${repo_root:}/models/toy_edit/builtin/edits.jsonl``); the generation task the model's
-        ``builtin_prompts``.
-
-        Raises:
-            ConfigValueError: the model ships no builtin rows for the task, naming the fix.
-        """
-        base = str(self.cfg.builtin_prompts)
-        if self.task in ("text_to_image", "text_to_video") or str(self.ctx.run.dataset.format) != "builtin":
-            return base
-        if Path(base).is_absolute():  # a model's own rows file (models/toy_edit/builtin/edits.jsonl), inputs beside it
-            if not Path(base).is_file():
-                raise ConfigValueError(f"model.builtin_prompts={base!r} (model={self.cfg.name}) is not a file; fix: "
-                                       "the path of the model's rows file, or a name under runner/data")
-            return base
-        name = f"{Path(base).stem}.{self.task}.jsonl"
-        if not (BUILTIN_PROMPTS.parent / name).is_file():
-            raise ConfigValueError(f"model={self.cfg.name} ships no builtin rows for model.task={self.task} (no "
-                                   f"runner/data/{name}); fix: dataset=jsonl dataset.path=<rows with image paths>")
-        return name
 
     # ----------------------------------------------------------------------------------------------- loading
     # ------------------------------------------------------------------------------------------- building
@@ -499,88 +458,6 @@ class PipelineEngine(WeightSource, PromptTokens, ComponentBuilder, DiffusersEngi
         if self._call_params is None:
             self._call_params = set(inspect.signature(self.pipeline_cls().__call__).parameters)
         return self._call_params
-
-    def check_rows(self, rows: List[Row], path: Any) -> None:
-        """Every generation field set by a row or a default must be an argument of the pipeline's ``__call__``
-        (else the pipeline could not apply it); then the family's rules and the oracle's vocabulary.
-
-        Raises:
-            ConfigValueError: a field the pipeline does not take, naming it, the pipeline and the fix.
-        """
-        params = self.call_params()
-        if not self.video and "num_frames" in params:
-            raise ConfigValueError(
-                f"model={self.cfg.name}: {self.pipeline_name()} generates video, and model.adapter={self.family()} "
-                "writes images; fix: the video family's adapter (model.adapter=wan for WanPipeline snapshots)")
-        if not self.video:
-            setters = [r for r in rows if getattr(r, "fps", None) is not None]  # an image row spec has no fps
-            if setters:
-                r = setters[0]
-                where = f"{path}:{r.line} (row {r.id!r})" if "fps" in r.set_fields else "model.generation.fps"
-                raise ConfigValueError(f"fps={r.fps!r} ({where}, {len(setters)} row(s)): model={self.cfg.name} writes "
-                                       "images, and fps applies to video output only; fix: remove fps from the rows "
-                                       "(and model.generation)")
-        for field_name, arg in CALL_ARGS.items():
-            if arg in params:
-                continue
-            setters = [r for r in rows if getattr(r, field_name, None) is not None]
-            if setters:
-                r = setters[0]
-                where = (f"{path}:{r.line} (row {r.id!r})" if field_name in r.set_fields else
-                         f"model.generation.{field_name}")
-                raise ConfigValueError(
-                    f"{field_name}={getattr(r, field_name)!r} ({where}, {len(setters)} row(s)): "
-                    f"{self.pipeline_name()} (model={self.cfg.name}) takes no {arg} argument, so it cannot be "
-                    f"applied; fix: remove {field_name} from the rows (and model.generation), or use a model "
-                    "that takes it")
-        self.check_family_rows(rows, path)
-        if self.cfg.oracle:
-            oracle(self.cfg.oracle).check_expectations(rows, path)
-
-    def ignored_fields(self, rows: Sequence[Row]) -> Dict[str, Tuple[str, ...]]:
-        """``true_cfg_scale`` > 1 on a pipeline whose ``__call__`` takes no ``true_cfg_scale`` (SD3, Wan: their
-        guidance is ``guidance_scale``), then the rules of the spec's guidance mode
-        (:func:`models.family.negative_prompt_ignored`). Families add their own rules to these."""
-        tc = float(self.cfg.generation.true_cfg_scale)
-        out: Dict[str, Tuple[Any, ...]] = {}
-        if tc > 1 and "true_cfg_scale" not in self.call_params():
-            out["true_cfg_scale"] = (f"{self.pipeline_name()} takes no true_cfg_scale (its classifier-free "
-                                     "guidance is guidance_scale)", "set guidance_scale instead")
-        if self.spec is not None:
-            out.update(negative_prompt_ignored(self.spec.cfg, self.pipeline_name(), tc, rows, self.spec.guidance_hint,
-                                               self.spec.cfg_threshold))
-        return out
-
-    def check_family_rows(self, rows: List[Row], path: Any) -> None:
-        """Family rules on row values the pipeline would otherwise change silently; none by default."""
-
-    def check_frame_counts(self, rows: List[Row], path: Any, t: int) -> None:
-        """A video family's frame rule: ``num_frames`` of every row must be ``k * t + 1`` (``t``: the VAE's temporal
-        factor), the counts a causal video VAE decodes back (WanPipeline and LTX2Pipeline turn others into
-        ``(n - 1) // t * t + 1`` frames: the video would have fewer frames than its record says).
-
-        Raises:
-            DatasetError: every bad row (file:line), with the nearest valid counts.
-            ConfigValueError: the bad value is ``model.generation.num_frames`` (every bad row took the default).
-        """
-        from runner.core.dataset import DatasetError
-
-        bad = [r for r in rows if r.num_frames is None or r.num_frames < 1 or (r.num_frames - 1) % t]
-        if not bad:
-            return
-
-        def fix(n: Optional[int]) -> str:
-            lo = max(1, ((n or 1) - 1) // t * t + 1)
-            return f"{lo} or {lo + t}"
-
-        why = f"which model={self.cfg.name}'s VAE needs (temporal factor {t}; {self.pipeline_name()} would round it down"
-        defaults = [r for r in bad if "num_frames" not in r.set_fields]
-        if defaults and len(defaults) == len(bad):
-            n = defaults[0].num_frames
-            raise ConfigValueError(f"model.generation.num_frames={n} is not {t}k+1, {why}); fix: "
-                                   f"model.generation.num_frames={fix(n).split(' or ')[0]}")
-        raise DatasetError([f"{path}:{r.line}: num_frames={r.num_frames} is not {t}k+1, {why}, writing fewer frames "
-                            f"than recorded); fix: num_frames={fix(r.num_frames)}" for r in bad])
 
     def call_kwargs(self, batch: Sequence[Item]) -> Dict[str, Any]:
         """The pipeline ``__call__`` arguments for ``batch`` (all items share ``shape_key``), without
