@@ -941,7 +941,7 @@ class StepCachePass(Pass):
     the rows checked before loading, :class:`StepCache` installed on the denoiser (after the backends: its hooks
     wrap the modules as they will run), each call's counts in its items' records, the evidence, and the hooks
     removed at close. The engine provides ``transformer_class()``, ``pipeline_name()``, ``component_config()``,
-    ``declared_experts()``, ``task``, ``expected_forwards(batch)``, ``cache_forwards_per_step(batch)``,
+    ``declared_experts()``, ``task``, ``expected_forwards(batch)``, ``step_forwards(batch)``,
     ``warmup_call(batch, steps)`` and ``uncounted()``.
 
     Attributes:
@@ -1069,13 +1069,13 @@ class StepCachePass(Pass):
         for steps, batch in sorted(self.first_batches.items()):
             if sc.needs_calibration(steps):
                 with e.uncounted():
-                    sc.calibrate(steps, e.cache_forwards_per_step(batch),
+                    sc.calibrate(steps, e.step_forwards(batch),
                                  lambda b=batch, n=steps: e.warmup_call(b, steps=n), [it.key for it in batch])
         return time.perf_counter() - t0
 
     def before_call(self, batch: Sequence[Any]) -> None:
         if self.step_cache is not None:
-            self.step_cache.before_call(batch[0].row.num_inference_steps, self.engine.cache_forwards_per_step(batch))
+            self.step_cache.before_call(batch[0].row.num_inference_steps, self.engine.step_forwards(batch))
 
     def call_failed(self) -> None:
         if self.step_cache is not None:

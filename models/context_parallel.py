@@ -141,6 +141,30 @@ def expected_collectives(lay: Optional[Layout], sites: int) -> Dict[str, int]:
 from models.passes import Pass  # noqa: E402
 
 
+class ContextSplit:
+    """What a family declares to the context-parallel pass (defaults: nothing declared), a part of
+    :class:`models.pipelines.PipelineEngine`; a family that splits its sequences overrides these."""
+
+    def splits_attention(self, layer: str) -> bool:
+        """Whether diffusers runs the attention call site ``layer`` context-parallel (Ulysses/ring collectives), for
+        the evidence's count of collectives; every site by default."""
+        return True
+
+    def context_tokens(self, row: Any) -> Optional[Dict[str, int]]:
+        """The lengths of the sequences diffusers' context-parallel plan splits for ``row`` (``{name: tokens}``),
+        each of which must be a multiple of the context degree; not declared here (``undeclared``: a run with
+        context parallelism is refused, ``models.context_parallel.ContextParallelPass``)."""
+        return None
+
+    context_tokens.undeclared = True  # type: ignore[attr-defined]
+
+    def context_fix(self, sequence: str, degree: int) -> str:
+        """How to make ``sequence`` divisible by ``degree`` (for :meth:`ContextParallelPass.prepare_rows`'s
+        refusal)."""
+        return "another size (or parallelism degree)"
+
+
+
 class ContextParallelPass(Pass):
     """``parallelism=ulysses|ring`` on a diffusion stage (:mod:`models.passes`): the denoiser and every row checked
     before loading, the device mesh and diffusers' config built collectively (:meth:`start`), the config applied to

@@ -18,6 +18,7 @@ import torch
 from models.base import EngineBase, ImageOutput, StageContext, StageResult, VideoOutput
 from runner.core import dataset as ds
 from models import denoiser_evidence as evidence
+from models.backend_passes import BackendSelection
 from models.diffusion_rows import DiffusionRows
 from models.passes import Passes
 from runner.core.errors import ConfigValueError
@@ -28,7 +29,7 @@ from runner.core.weights import WeightFileError, check_safetensors  # noqa: E402
 log = logging.getLogger("runner")
 
 
-class DiffusersEngine(DiffusionRows, EngineBase):
+class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
     """Base of diffusion stages run through a diffusers pipeline; subclasses provide the model knowledge:
 
     * ``resolve_source()``, ``head_dim()``, ``weight_bytes()``, ``load_pipeline()``: where weights come from and
@@ -194,23 +195,6 @@ class DiffusersEngine(DiffusionRows, EngineBase):
         default."""
         return 1
 
-    def splits_attention(self, layer: str) -> bool:
-        """Whether diffusers runs the attention call site ``layer`` context-parallel (Ulysses/ring collectives), for
-        the evidence's count of collectives; every site by default."""
-        return True
-
-    def context_tokens(self, row: ds.Row) -> Optional[Dict[str, int]]:
-        """The lengths of the sequences diffusers' context-parallel plan splits for ``row`` (``{name: tokens}``),
-        each of which must be a multiple of the context degree; not declared here (``undeclared``: a run with
-        context parallelism is refused, ``models.context_parallel.ContextParallelPass``)."""
-        return None
-
-    context_tokens.undeclared = True  # type: ignore[attr-defined]
-
-    def context_fix(self, sequence: str, degree: int) -> str:
-        """How to make ``sequence`` divisible by ``degree`` (for the context-parallel pass's refusal, ``models.context_parallel.ContextParallelPass.prepare_rows``)."""
-        return "another size (or parallelism degree)"
-
     def check_source(self) -> None:
         """Config checks that need the model's own configs or tokenizers (read from the weight source, no weights
         load); none by default."""
@@ -220,117 +204,7 @@ class DiffusersEngine(DiffusionRows, EngineBase):
         every step) by default."""
         return None
 
-    def resolve_backends(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        """Resolve the stage's backends under the precedence contract and check they can run here; ``moe=auto``
-        on a stage with MoE layers then chooses by measurement (:meth:`choose_moe_by_measurement`).
-
-        Returns:
-            ``({field: FieldResolution}, engine_extras)`` of the stage.
-
-        Raises:
-            runner.kernels.registry.BackendError subclasses, naming the field, the value, the reason and the fix (a
-            field outside ``backend_fields`` set to a backend: ``StageConflictError`` naming the model).
-        """
-        from runner.kernels.attention import plan
-        from runner.kernels.registry import SelectionContext, wired
-        from runner.core.resolve import LEGACY_KEYS, MisplacedBackendKeyError, StageInfo, check_placement, cli_keys, resolve_stage
-
-        cfg, plat = self.ctx.cfg, self.ctx.plat
-        check_placement(cfg, stages=[self.stage, *[s for s in (cfg.model.get("pipeline") or []) if s != self.stage]])
-        lay = self.ctx.parallel
-        sel = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=self.head_dim(),
-                               needs_mask=self.needs_mask, sequence_parallel=lay is not None,
-                               ring_attention=lay is not None and lay.ring > 1,
-                               moe_dims=self.moe_dims() if "moe" in self.backend_fields else None)
-        info = StageInfo(name=self.stage, roles=list(cfg.model.roles), fields=self.backend_fields, ctx=sel,
-                         wired={"attention": wired("attention", "diffusers"), "moe": wired("moe", "diffusers")},
-                         model=str(self.model_cfg.name))
-        resolutions, extras = resolve_stage(cfg, cli_keys(self.ctx.overrides), info)
-        if "moe" in self.backend_fields and resolutions["moe"].resolved == "auto":
-            self.choose_moe_by_measurement(resolutions["moe"], sel)
-        for spec in resolutions["attention"].selected.values():  # wiring problems surface now, not after loading
-            plan(spec["backend"], plat.sm)
-        if extras and not self.reads_engine_extras:
-            import difflib
-
-            key = sorted(extras)[0]
-            close = difflib.get_close_matches(key, list(LEGACY_KEYS.values()), n=1)
-            raise MisplacedBackendKeyError(
-                f"model.stages.{self.stage}.engine_extras.{key} is not read: the {self.stage!r} stage's engine "
-                f"(diffusers) takes no engine_extras" + (f"; did you mean the legacy key {close[0]!r}?" if close else
-                                                          "; fix: remove it"))
-        return resolutions, extras
-
-    def choose_moe_by_measurement(self, res: Any, sel: Any) -> None:
-        """``moe=auto`` on a stage with MoE layers: where more than one wired MoE backend can run here, time each
-        on one MoE block of the model's shape (:meth:`moe_probe`; ``runner.kernels.moe.time_block``: the router and the
-        shared expert included, median of 5 calls after 2 warm-up calls) and select the fastest; the reason records
-        the device, the shape and every timing. With one candidate (CPU: only ``TORCH``) nothing is timed and the
-        reason says why the others cannot run. A candidate that raises while timed is skipped, with its error in
-        the reason. Under ``parallelism=data`` nothing is timed (every worker must select the same backend, and
-        timings differ between processes): the ranked choice stays, and the reason says so. Mutates ``res``
-        (``selected``, ``reason``)."""
-        from runner.kernels import moe
-        from runner.kernels import registry as reg
-
-        cands = moe.auto_candidates(sel)
-        if len(cands) < 2:
-            res.reason = f"the only MoE backend that can run here: {res.reason}"
-            return
-        if str(self.ctx.run.parallelism.mode) == "data":
-            res.reason = (f"ranked first of {', '.join(cands)} (not timed: under parallelism=data every worker must "
-                          f"select the same backend): {res.reason}")
-            return
-        devices = [torch.device(self.device).index or 0] if str(self.device).startswith("cuda") else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(0)
-            block, x, shape = self.moe_probe()
-            times, failed = moe.time_candidates(block, self.moe_layout(), x, cands)
-            del block, x
-        if not times:
-            raise reg.BackendUnavailableError(f"auto found no MoE backend that runs the model's MoE block here: "
-                                              + "; ".join(f"{k}: {v}" for k, v in failed.items()))
-        best = min(times, key=times.__getitem__)
-        res.selected = best
-        res.reason = (f"measured at startup on {self.device} ({shape}, {str(self.dtype).replace('torch.', '')}, "
-                      "median of 5 calls after 2 warm-up calls, router and shared expert included): "
-                      + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(times.items(), key=lambda kv: kv[1]))
-                      + "".join(f", {k} failed ({v})" for k, v in failed.items())
-                      + f"; {best} is the fastest")
-
     # MoE layers of the denoiser: a family with ``moe`` in ``backend_fields`` provides these.
-    def moe_blocks(self) -> Iterator[Tuple[str, torch.nn.Module]]:
-        """``(layer name, block)`` of every MoE block of the loaded denoiser (names relative to it); none by
-        default."""
-        return iter(())
-
-    def moe_layout(self) -> Any:
-        """The family's ``runner.kernels.moe.ExpertsLayout`` (where its MoE blocks keep router, experts, shared expert).
-
-        Raises:
-            NotImplementedError: the family declares no MoE layers.
-        """
-        raise NotImplementedError(f"{type(self).__name__} has no MoE layers")
-
-    def moe_dims(self) -> Optional[Tuple[int, int]]:
-        """``(H, I)`` of the denoiser's routed experts from the model's configs (no weights), for the MoE backends'
-        shape requirements; None (unknown) by default."""
-        return None
-
-    def moe_probe(self) -> Tuple[torch.nn.Module, torch.Tensor, str]:
-        """One randomly initialised MoE block of the model's shape on the stage's device and dtype, an input of the
-        tokens one MoE call sees at the configured generation size, and a description of the shape (for
-        :meth:`choose_moe_by_measurement`); reads the model's configs only, no weights.
-
-        Raises:
-            NotImplementedError: the family declares no MoE layers.
-        """
-        raise NotImplementedError(f"{type(self).__name__} has no MoE layers")
-
-    def backends_section(self) -> Dict[str, Any]:
-        """``backends.<stage>``: per field, what was requested, its layer, the canonical and selected names."""
-        return {f: r.to_dict() for f, r in self.resolutions.items()}
-
     # ------------------------------------------------------------------------------------------------ 3. rows
     # ------------------------------------------------------------------------ what the model honours
     def prompt_tokens(self, prompts: Sequence[str]) -> List[Dict[str, Dict[str, int]]]:
@@ -402,8 +276,8 @@ class DiffusersEngine(DiffusionRows, EngineBase):
     def warmup_call(self, batch: Sequence[ds.Item], steps: int = 2) -> None:
         """One pipeline call of ``steps`` steps whose output is discarded; a subclass that compiles provides it."""
 
-    def cache_forwards_per_step(self, batch: Sequence[ds.Item]) -> int:
-        """Transformer forwards per denoising step of ``batch``'s pipeline call (2 with CFG), for the step cache;
+    def step_forwards(self, batch: Sequence[ds.Item]) -> int:
+        """Transformer forwards per denoising step of ``batch``'s pipeline call (2 with CFG);
         1 by default."""
         return 1
 

@@ -39,7 +39,7 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from models.diffusers_engine import DiffusersEngine
+from models.context_parallel import ContextSplit
 from models.family import FamilySpec, signature_default
 from models.pipelines import PipelineEngine
 from models.wan import WanEngine
@@ -257,7 +257,7 @@ class HunyuanVideo15Engine(WanEngine):
     # Wan's that do not hold here: every dual-stream attention makes ONE dispatcher call although it has
     # ``add_k_proj`` (Wan I2V's makes two), and no context-parallel plan is declared (refused by the base rule)
     site_calls_per_forward = PipelineEngine.site_calls_per_forward
-    context_tokens = DiffusersEngine.context_tokens
+    context_tokens = ContextSplit.context_tokens
 
 
 def system_message() -> str:

@@ -28,6 +28,9 @@ import numpy as np
 import torch
 
 from models import conditioning, memory
+from models.backend_passes import (AttentionSites, attention_modules, fuse_qkv, module_dispatches,  # noqa: F401
+                                   uses_dispatcher)  # (re-exported)
+from models.context_parallel import ContextSplit
 from models.diffusers_engine import DiffusersEngine
 from models.diffusion_rows import FamilyRows
 from models.prompt_tokens import PromptTokens
@@ -44,71 +47,8 @@ from runner.core.weights import ModelPathError  # the one class for a model.path
 log = logging.getLogger("runner")
 
 
-def uses_dispatcher(module: torch.nn.Module) -> bool:
-    """The attention module's processor calls diffusers' ``dispatch_attention_fn`` (so backends can be chosen and
-    observed per call site); read from the processor class's source."""
-    proc = getattr(module, "processor", None)
-    if proc is None:
-        return False
-    try:
-        return "dispatch_attention_fn" in inspect.getsource(type(proc))
-    except (OSError, TypeError):
-        return False
-
-
-def module_dispatches(cls: type) -> bool:
-    """Diffusers model class ``cls`` calls diffusers' ``dispatch_attention_fn``: its module's source does, or that of
-    a diffusers module it imports an attention class from (Chroma's ``FluxAttention`` from ``transformer_flux``)."""
-    import sys
-
-    from diffusers.models.attention import AttentionModuleMixin
-
-    mod = sys.modules[cls.__module__]
-    sources = {mod} | {sys.modules[v.__module__] for v in vars(mod).values() if isinstance(v, type)
-                       and issubclass(v, AttentionModuleMixin) and v.__module__.startswith("diffusers.")}
-    for m in sources:
-        try:
-            if "dispatch_attention_fn" in inspect.getsource(m):
-                return True
-        except (OSError, TypeError):
-            continue
-    return False
-
-
-def fuse_qkv(transformer: torch.nn.Module) -> int:
-    """diffusers' ``fuse_projections`` on every attention module of ``transformer`` that supports it, deleting the
-    unfused Linears each fused one replaces (their weights freed, linear evidence exact); returns the modules fused."""
-    from diffusers.models.attention import AttentionModuleMixin
-
-    covers = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
-              "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_kv": ("add_k_proj", "add_v_proj")}
-    n = 0
-    for _, mod in attention_modules(transformer):
-        if not (isinstance(mod, AttentionModuleMixin) and getattr(mod, "_supports_qkv_fusion", False)
-                and not getattr(mod, "fused_projections", False)):
-            continue
-        mod.fuse_projections()
-        for fused, names in covers.items():
-            if getattr(mod, fused, None) is not None:
-                for name in names:
-                    if getattr(mod, name, None) is not None:
-                        delattr(mod, name)
-        n += 1
-    return n
-
-
-def attention_modules(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]]:
-    """``(name, module)`` of every attention module of a diffusers model: ``AttentionModuleMixin`` (the dispatcher
-    era) and the older ``attention_processor.Attention`` (SD3, PixArt...)."""
-    from diffusers.models.attention import AttentionModuleMixin
-    from diffusers.models.attention_processor import Attention
-
-    for name, mod in model.named_modules():
-        if isinstance(mod, (AttentionModuleMixin, Attention)):
-            yield name, mod
-
-
-class PipelineEngine(WeightSource, PromptTokens, FamilyRows, ComponentBuilder, DiffusersEngine):
+class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, ContextSplit, ComponentBuilder,
+                     DiffusersEngine):
     """A diffusion stage on a diffusers pipeline (engine ``diffusers``); one engine drives every family spec.
 
     A family is a :class:`models.family.FamilySpec` (``spec``, registered in :data:`models.registry.FAMILIES`);
@@ -294,17 +234,6 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, ComponentBuilder, D
         its aspect ratio; :meth:`input_sizes` records what it picks), so inputs of any size are taken."""
         return self.spec is not None and self.spec.input_sizing.get(self.task) == "area"
 
-    def prepare_attention(self) -> None:
-        """After loading, before backends are installed: the spec's ``attention_processor`` (a processor that routes
-        the attention through diffusers' dispatcher, e.g. SD3's) on every attention module; nothing without one."""
-        if self.spec is None or not self.spec.attention_processor:
-            return
-        mod_name, _, attr = self.spec.attention_processor.partition(":")
-        proc_cls = getattr(importlib.import_module(mod_name), attr)
-        for _, expert in self.experts():
-            for _, mod in attention_modules(expert):
-                mod.set_processor(proc_cls())
-
     def _time_phases(self) -> None:
         """Accumulate wall seconds of text encoding and VAE decoding via forward hooks on those modules (with a
         device sync at their boundaries only, never inside the denoising loop). Denoising time is the pipeline
@@ -348,55 +277,6 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, ComponentBuilder, D
         return self._experts
 
     # ------------------------------------------------------------------------------------------- attention
-    def attention_role(self, layer: str) -> str:
-        """The role (``model.roles``) of the attention module at ``layer``: by the spec's layer-name suffixes
-        (:meth:`models.family.FamilySpec.role`), else the model's first role."""
-        roles = tuple(str(r) for r in self.cfg.roles)
-        return self.spec.role(layer, roles) if self.spec is not None else roles[0]
-
-    def attention_sites(self) -> Iterator[Tuple[str, str, Any]]:
-        """Yield ``(role, layer_name, attention_module)`` for every attention call site of the transformer (of every
-        expert: a later expert's layer names start with its component, ``transformer_2.blocks.0.attn1``).
-
-        Raises:
-            ConfigValueError: a site whose processor does not call diffusers' dispatcher (its backend can be
-                neither chosen nor observed), naming the model and the module.
-        """
-        for i, (expert, model) in enumerate(self.experts()):
-            for name, mod in attention_modules(model):
-                name = name if i == 0 else f"{expert}.{name}"  # the first expert's names as a one-expert model's
-                if not uses_dispatcher(mod):
-                    raise ConfigValueError(
-                        f"model={self.cfg.name}: attention module {name} ({type(mod.processor).__name__}) does not "
-                        "call diffusers' attention dispatcher, so its backend can be neither selected nor observed; "
-                        f"fix: a model family whose transformer uses the dispatcher ({', '.join(family_names())})")
-                yield self.attention_role(name), name, mod
-
-    def dispatches(self) -> bool:
-        """The transformer's attention goes through diffusers' dispatcher, decided before loading: the spec installs
-        a dispatching processor (SD3, HiDream), else :func:`module_dispatches` on the transformer class."""
-        if self.spec is not None and self.spec.attention_processor:
-            return True
-        import diffusers
-
-        cls = getattr(diffusers, self.component_class("transformer"), None)
-        return cls is not None and module_dispatches(cls)
-
-    def resolve_backends(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        """The base resolution, then: a transformer that does not use diffusers' dispatcher takes no explicit
-        attention backend (refused, naming the model).
-
-        Raises:
-            runner.kernels.registry.BackendError subclasses; ConfigValueError for a non-dispatching transformer.
-        """
-        if "attention" in self.backend_fields and not self.dispatches():
-            raise ConfigValueError(
-                f"model={self.cfg.name}: its transformer ({self.component_class('transformer')}) does not call "
-                "diffusers' attention dispatcher, so no attention backend can be selected or observed in it; fix: "
-                f"a model family whose transformer uses the dispatcher ({', '.join(family_names())})")
-        resolutions, extras = super().resolve_backends()
-        return resolutions, extras
-
     # ------------------------------------------------------------------------------------------------ speed
     def optimize(self, opts: Any) -> Dict[str, Any]:
         """Apply the math-preserving speed settings of ``optimize`` (``runner.core.schema.OptimizeConfig``) to the
@@ -518,11 +398,12 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, ComponentBuilder, D
             return None
         r = batch[0].row
         steps = r.num_inference_steps
-        steps = self.applied_params(r).get("steps_run", steps)  # fewer where a pass runs part of the schedule
+        for p in self.passes:  # fewer where a pass runs part of the schedule (conditioning's strength)
+            steps = p.applied_params(r).get("steps_run", steps)
         return steps * forwards_per_step(self.spec.cfg, r, float(self.cfg.generation.true_cfg_scale),
                                          self.spec.cfg_threshold)
 
-    def cache_forwards_per_step(self, batch: List[Item]) -> int:
+    def step_forwards(self, batch: List[Item]) -> int:
         """Transformer forwards per step of the spec's guidance mode (:func:`models.family.forwards_per_step`);
         1 without a spec."""
         if self.spec is None:
