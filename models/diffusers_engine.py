@@ -92,7 +92,6 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
         self.want_forwards: Optional[int] = 0
         self.raised = False
         self.load_s = self.warmup_s = 0.0
-        self.fit: Any = None  # models.memory.Fitting once the memory check planned (a pipeline stage's)
         self.passes = Passes(self, self.PASSES)
 
     @property

@@ -38,8 +38,13 @@ class DiffusionRows:
         ``ds.DIFFUSION_ROW.extend(...)`` (their values reach validation, the item identity, ``items.jsonl``'s
         ``params`` and resume through the spec alone). :data:`runner.core.dataset.DIFFUSION_ROW` adds the
         conditioning fields (``image``, ``mask_image``, ``last_image``, ``strength``) to ``VIDEO_ROW``; each is
-        allowed only where ``model.task`` takes it (:meth:`row_context`)."""
-        return ds.DIFFUSION_ROW
+        allowed only where ``model.task`` takes it (:meth:`row_context`). The engine's passes add their own fields
+        after those (:attr:`models.passes.Pass.row_fields`)."""
+        extra = tuple(f for p in self.passes for f in p.row_fields)
+        if not extra:
+            return ds.DIFFUSION_ROW
+        return ds.DIFFUSION_ROW.extend("+".join([ds.DIFFUSION_ROW.name, *(p.name for p in self.passes
+                                                                          if p.row_fields)]), *extra)
 
     def row_context(self) -> Dict[str, Any]:
         """What the row spec's task rule reads (``runner.core.dataset.check_task_inputs``): ``task`` and

@@ -45,6 +45,9 @@ class Pass:
     (``engine.pipe``) from it, and keeps its own state on itself."""
 
     name: ClassVar[str] = ""
+    row_fields: ClassVar[Tuple[Any, ...]] = ()
+    """The row fields the pass adds (``runner.core.dataset.Field``): validated, in the item's identity (per the
+    field's ``identity``), batching key, ``params`` and resume through the engine's row spec alone."""
     in_plan: ClassVar[bool] = False
     """:meth:`prepare` also runs for ``--plan`` (``runner.tools.plan``: no backends resolved, maybe another
     platform's plan): the pass's checks shape what is planned."""

@@ -92,6 +92,7 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
         self._toks: Optional[Dict[str, Any]] = None
         self._token_cache: Dict[str, Dict[str, Dict[str, int]]] = {}
         self._call_params: Optional[set] = None
+        self.fit: Any = None  # models.memory.Fitting, made by models.memory.FittingPass; loading builds by its plan
         self._settings: Tuple[Optional[str], Dict[str, Any]] = (None, {})  # (weight source key, pipeline settings)
         self._experts: Optional[List[Tuple[str, torch.nn.Module]]] = None  # taken once after loading (experts)
 
