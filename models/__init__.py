@@ -5,8 +5,9 @@
   every diffusers family declared by a :class:`models.family.FamilySpec` (``models/flux.py``, ``sd3``, ``qwen_image``,
   ``wan``, ``hidream``, ``ltx2``, ``flux2``, ``zimage``, ``hunyuanvideo15``; registered in
   :data:`models.registry.FAMILIES`); :mod:`models.snapshot` builds a family's components and embedded snapshot,
-  :mod:`models.tokenizer_kinds` its tokenizers; the features it installs have modules of their own (``lora``,
-  ``cache``, ``memory``, ``context_parallel``, ``conditioning``, ``compile_cache``);
+  :mod:`models.tokenizer_kinds` its tokenizers; its features are passes (:mod:`models.passes`), each in its own
+  module (``lora``, ``cache``, ``memory``, ``context_parallel``, ``conditioning``, ``compile``, ``backend_passes``,
+  ``prompt_tokens``, ``denoiser_evidence``), listed in ``DiffusersEngine.PASSES``;
 * autoregressive: :mod:`models.vllm` (``model.adapter=vllm``, :class:`models.vllm.engine.VLLMEngine`);
 * the trained toys (``toy_shapes``, ``toy_motion``, ``toy_edit``): their weights, data and oracles.
 """

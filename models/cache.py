@@ -100,7 +100,7 @@ class CacheMethod:
         aliases: other accepted spellings (compared case-insensitively, ``-`` equals ``_``).
         compiles: ``params -> bool``: its hooks sit on whole transformer blocks (or outside them), never inside,
             so it runs with ``compile=regional``: each block's forward is compiled and the hooks, left eager,
-            decide around it whether it runs (``models.diffusers_engine.compile_blocks_under_hooks``).
+            decide around it whether it runs (``models.compile.compile_blocks_under_hooks``).
         on_pipeline: ``apply``/``remove`` take the pipeline, not the transformer (cache-dit wraps the pipeline's
             call to reset its contexts per call).
         supports: ``(transformer_class, pipeline_class) -> why not`` (None: it can run), checked before loading

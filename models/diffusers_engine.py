@@ -1,7 +1,9 @@
-"""What every diffusers-served stage shares: backend resolution and installation through diffusers' attention
-dispatcher, the denoiser probe and its evidence, the memory check, compile warm-up, dataset rows of diffusion
-fields. A model family subclasses :class:`DiffusersEngine` with its own loading, call arguments, forward count
-and oracle (``models.flux.FluxEngine``).
+"""What every diffusers-served stage shares: the loop's protocol (:class:`models.base.Engine`) implemented once,
+each phase a loop over the engine's passes (:mod:`models.passes`: LoRA, the backends, context parallelism, the
+memory plan, compile, the step cache, conditioning, ...), which it names only in :attr:`DiffusersEngine.PASSES`;
+the denoiser probe and the stage's evidence; its parts :class:`models.diffusion_rows.DiffusionRows` (rows and
+records) and :class:`models.backend_passes.BackendSelection` (backends under the precedence contract).
+:class:`models.pipelines.PipelineEngine` is the one subclass; a model family declares itself there.
 """
 
 from __future__ import annotations

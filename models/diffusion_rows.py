@@ -194,7 +194,7 @@ class FamilyRows:
     ``video``, ``call_params()``, ``pipeline_name()``, ``family()``)."""
 
     def row_spec(self) -> Any:
-        """The diffusion row (:meth:`DiffusersEngine.row_spec`) with the family's own row fields
+        """The diffusion row (:meth:`DiffusionRows.row_spec`) with the family's own row fields
         (:attr:`models.family.FamilySpec.row_fields`) after its fields, under the family's name."""
         base = super().row_spec()
         extra = self.spec.row_fields if self.spec is not None else ()

@@ -1,10 +1,12 @@
 """The diffusers engine for any transformer-based ``DiffusionPipeline``; model families are small subclasses.
 
-:class:`PipelineEngine` holds what does not depend on the model: where weights come from (a local snapshot, a Hub
-id in the local cache, an embedded model built into the cache on first use, or ``load_format=dummy``), the
-snapshot layout check, building random-weight components from ``model.architecture``, loading with the pipeline
-class the snapshot's ``model_index.json`` names, mapping row fields onto that pipeline's ``__call__`` arguments
-(a field it does not take is refused at startup), attention call sites, QKV fusion, phase timers and the call.
+:class:`PipelineEngine` holds what does not depend on the model: loading with the pipeline class the snapshot's
+``model_index.json`` names (its parts: :class:`models.source.WeightSource`, where weights come from and the layout
+check; :class:`models.snapshot.ComponentBuilder`, random-weight components from ``model.architecture``;
+:class:`models.prompt_tokens.PromptTokens`; :class:`models.diffusion_rows.FamilyRows`, row fields onto the
+pipeline's ``__call__`` arguments, a field it does not take refused at startup;
+:class:`models.backend_passes.AttentionSites`), QKV fusion, phase timers, the forward rule and the call, between
+the passes' ``before_pipe`` / ``after_pipe``.
 
 A family (``models/flux.py``, ``models/sd3.py``, ``models/qwen_image.py``, ``models/wan.py``,
 ``models/hidream.py``; torchtitan's "same files for every model, a small spec per model") declares its pipeline class, its components and tokenizers, and
