@@ -214,32 +214,27 @@ class Passes:
             rows = p.prepare_rows(rows, path)
         return rows
 
-    def record(self, item: Any) -> Dict[str, Any]:
+    def merged(self, phase: str, *args: Any) -> Dict[str, Any]:
+        """The dicts every pass's ``phase`` returns, merged in pass order (a later key wins)."""
         out: Dict[str, Any] = {}
         for p in self.items:
-            out.update(p.record(item))
+            out.update(getattr(p, phase)(*args))
         return out
 
+    def record(self, item: Any) -> Dict[str, Any]:
+        return self.merged("record", item)
+
     def evidence_inputs(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        for p in self.items:
-            out.update(p.evidence_inputs())
-        return out
+        return self.merged("evidence_inputs")
 
     def evidence(self, section: Dict[str, Any]) -> List[str]:
         return [m for p in self.items for m in p.evidence(section)]
 
     def final_sections(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        for p in self.items:
-            out.update(p.final_sections())
-        return out
+        return self.merged("final_sections")
 
     def lossy_traits(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        for p in self.items:
-            out.update(p.lossy_traits())
-        return out
+        return self.merged("lossy_traits")
 
     def close(self) -> None:
         """Every pass's ``close``, in reverse order; the first error is raised after all ran."""
