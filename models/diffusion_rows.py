@@ -40,11 +40,13 @@ class DiffusionRows:
         conditioning fields (``image``, ``mask_image``, ``last_image``, ``strength``) to ``VIDEO_ROW``; each is
         allowed only where ``model.task`` takes it (:meth:`row_context`). The engine's passes add their own fields
         after those (:attr:`models.passes.Pass.row_fields`)."""
-        extra = tuple(f for p in self.passes for f in p.row_fields)
+        from models.passes import pass_names_with_rows, row_fields_of
+
+        extra = row_fields_of(type(self).PASSES)
         if not extra:
             return ds.DIFFUSION_ROW
-        return ds.DIFFUSION_ROW.extend("+".join([ds.DIFFUSION_ROW.name, *(p.name for p in self.passes
-                                                                          if p.row_fields)]), *extra)
+        return ds.DIFFUSION_ROW.extend("+".join([ds.DIFFUSION_ROW.name, *pass_names_with_rows(type(self).PASSES)]),
+                                       *extra)
 
     def row_context(self) -> Dict[str, Any]:
         """What the row spec's task rule reads (``runner.core.dataset.check_task_inputs``): ``task`` and

@@ -176,6 +176,17 @@ class Pass:
         """Free what the pass holds; always called."""
 
 
+def row_fields_of(classes: Sequence[Any]) -> Tuple[Any, ...]:
+    """The row fields the passes ``classes`` (classes or ``"module:Class"`` paths) add, in pass order; read from the
+    classes (a class attribute), so an engine's row spec needs no pass instance."""
+    return tuple(f for c in classes for f in (pass_class(c) if isinstance(c, str) else c).row_fields)
+
+
+def pass_names_with_rows(classes: Sequence[Any]) -> List[str]:
+    """The names of the passes ``classes`` that add row fields, in pass order."""
+    return [k.name for k in (pass_class(c) if isinstance(c, str) else c for c in classes) if k.row_fields]
+
+
 def pass_class(path: str) -> type:
     """The pass class at ``"module:Class"`` (imported now: a feature's module may import its library at the top)."""
     import importlib

@@ -28,7 +28,12 @@ ANY = "*"  # a key computed at run time (a stage name, a formatted path segment)
 # the engines keep the typed run config (``ctx.run``) as ``run``.
 CONFIG_NAMES: Dict[Tuple[str, str], Tuple[str, ...]] = {
     **{(f"models/{m}.py", "cfg"): ("cfg", "model") for m in ("flux", "pipelines", "sd3", "qwen_image", "wan",
-                                                                              "hidream")},
+                                                                              "hidream", "source", "prompt_tokens",
+                                                                              "diffusion_rows")},
+    # the engines' parts (mixins of DiffusersEngine / PipelineEngine) hold the same names as the engine
+    **{(f"models/{m}.py", "model_cfg"): ("cfg", "model") for m in ("diffusion_rows", "backend_passes")},
+    **{(f"models/{m}.py", "ctx"): () for m in ("diffusion_rows", "backend_passes")},
+    **{(f"models/{m}.py", "run"): ("cfg",) for m in ("diffusion_rows", "backend_passes")},
     ("models/pipelines.py", "opts"): ("cfg", "optimize"),
     ("models/vllm/engine.py", "model_cfg"): ("cfg", "model"),
     ("models/diffusers_engine.py", "model_cfg"): ("cfg", "model"),

@@ -60,11 +60,17 @@ def prepare_environment() -> Dict[str, str]:
 
 
 def _hasattr_or_false(obj: Any, name: str) -> bool:
-    """``hasattr`` that answers False for any exception of the attribute access, not only ``AttributeError``."""
-    try:
-        getattr(obj, name)
-    except Exception:  # noqa: BLE001 - the point: a proxy's RuntimeError means "no usable attribute" here
-        return False
+    """``hasattr`` that answers False for any exception of the attribute access, not only ``AttributeError``;
+    warnings the access raises are dropped (the scan touches every module global: ``torch.distributed.reduce_op``
+    warns that it is deprecated, which would otherwise be attributed to this file and reach the console)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            getattr(obj, name)
+        except Exception:  # noqa: BLE001 - the point: a proxy's RuntimeError means "no usable attribute" here
+            return False
     return True
 
 
