@@ -203,6 +203,23 @@ def test_remove_temp_files_only_touches_temp_names(tmp_path):
     assert (tmp_path / "images" / ".dir.tmp5").is_dir()
 
 
+def test_remove_temp_files_sweeps_what_a_killed_claims_worker_was_renewing(tmp_path):
+    # CI at c0fff1f: a Ray actor SIGKILLed while its lease renewer rewrote its claim left
+    # claims/<token>/.b0000000.g0.tmp<pid>.<thread> behind after the merge
+    ns = tmp_path / "claims" / "d0958c24"
+    (ns / "workers").mkdir(parents=True)
+    temps = [ns / ".b0000000.g0.tmp28857.140358912566976", ns / "workers" / ".1.json.tmp77.123",
+             tmp_path / "claims" / "old" / ".b0000003.g1.tmp5.6"]
+    kept = [ns / "b0000000.g0", ns / "b0000000.done", ns / "workers" / "1.json", ns / "fleet.json",
+            ns / ".b0000000.g0.tmpx.1", ns / ".b0000000.g0.tmp1.2.3", tmp_path / ".x.tmp1.2"]
+    for p in temps + kept:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("{}")
+    gone = rs.remove_temp_files(tmp_path)
+    assert sorted(gone) == sorted(p.name for p in temps)
+    assert not any(p.exists() for p in temps) and all(p.exists() for p in kept)
+
+
 def test_remove_temp_files_of_a_dir_without_artifact_folders(tmp_path):
     (tmp_path / ".items.jsonl.tmp1").write_text("x")
     assert rs.remove_temp_files(tmp_path) == [".items.jsonl.tmp1"]

@@ -200,15 +200,25 @@ def previous_run(out_dir: Path, names: tuple = ("manifest.json",)) -> Optional[D
 
 
 def remove_temp_files(out_dir: Path) -> List[str]:
-    """Delete temp files (``.<name>.tmp<pid>``) that a killed run left in ``out_dir``, ``out_dir/images`` and
-    ``out_dir/videos``; returns their names. Only names of that pattern are touched."""
+    """Delete temp files that a killed run or worker left: ``.<name>.tmp<pid>`` in ``out_dir``, ``out_dir/images``
+    and ``out_dir/videos``, and the claim store's ``.<key>.tmp<pid>.<thread id>`` anywhere under ``out_dir/claims``
+    (a worker SIGKILLed while its lease renewer rewrote its claim or worker record: ``runner.core.claims``).
+    Returns their names. Only names of those patterns are touched.
+
+    Call it only while no writer is live in ``out_dir``: before the run's workers start, or once every worker
+    ended (the claims merge, the Ray driver), since a live writer's temp file would go before its rename."""
     import re
 
     gone = []
-    for d in (out_dir, out_dir / "images", out_dir / "videos"):
+    dirs = [out_dir, out_dir / "images", out_dir / "videos"]
+    claims = out_dir / "claims"
+    if claims.is_dir():
+        dirs += [p for p in sorted(claims.rglob("*")) if p.is_dir()]
+    for d in dirs:
         if d.is_dir():
             for p in d.iterdir():
-                if p.is_file() and re.fullmatch(r"\..+\.tmp\d+", p.name):
+                if p.is_file() and re.fullmatch(r"\..+\.tmp\d+(\.\d+)?" if claims in d.parents else r"\..+\.tmp\d+",
+                                                p.name):
                     p.unlink()
                     gone.append(p.name)
     return gone
