@@ -135,6 +135,36 @@ class WanEngine(PipelineEngine):
         :meth:`models.pipelines.PipelineEngine.check_frame_counts`): WanPipeline rounds other counts down with a
         warning, and the video would have fewer frames than its record says."""
         self.check_frame_counts(rows, path, self.temporal_factor())
+        if self.task == "image_to_video":
+            self.check_last_images(rows, path)
+
+    def check_last_images(self, rows: List[Row], path: Any) -> None:
+        """Whether the transformer's image embedder takes what the rows give it (diffusers 0.42
+        ``WanImageEmbedding``): with ``pos_embed_seq_len`` set (Wan2.1-FLF2V) it reshapes the CLIP embeds to
+        ``2 x tokens`` per video, so every row needs ``last_image`` (one image: a reshape error in every item); with
+        ``image_dim`` set and no ``pos_embed_seq_len`` (Wan2.1-I2V) the two images' embeds become two videos' worth
+        for one video, so ``last_image`` is refused. A transformer without ``image_dim`` (Wan 2.2-style I2V) takes
+        either: the last frame reaches it through the condition latents.
+
+        Raises:
+            dataset.DatasetError: every row that breaks the rule (file:line, the field, why and the fix).
+        """
+        conf = self.component_config("transformer") or {}
+        if conf.get("image_dim") is None:
+            return
+        flf2v = conf.get("pos_embed_seq_len") is not None
+        bad = [r for r in rows if (r.last_image is None) == flf2v]
+        if not bad:
+            return
+        if flf2v:
+            why = (f"model={self.cfg.name}'s transformer is first-last-frame (pos_embed_seq_len="
+                   f"{conf['pos_embed_seq_len']}: the embeds of two images per video)")
+            fix = "a last_image in every row (the video's last frame), or a one-image I2V model (e.g. model=wan_i2v)"
+        else:
+            why = (f"model={self.cfg.name}'s transformer embeds one image per video (image_dim set, no "
+                   "pos_embed_seq_len)")
+            fix = "drop last_image, or a first-last-frame model (Wan2.1-FLF2V, e.g. model=tiny_wan_flf2v)"
+        raise ds.DatasetError([f"{path}:{r.line}: last_image={r.last_image!r}: {why}; fix: {fix}" for r in bad])
 
     # ------------------------------------------------------------------------------------ Wan 2.2: two experts
     def boundary_timestep(self) -> Optional[float]:

@@ -91,6 +91,44 @@ def test_wan_first_last_frame_embeds_both_images(run_job, tmp_path):
     assert ic["verdict"] == "verified" and ic["first"]["image_embeds"] == [2, 17, 32] and ic["first"]["embeds_match"]
 
 
+def test_wan_flf2v_default_run_gives_both_frames(run_job):
+    """``python -m runner model=tiny_wan_flf2v`` on its builtin rows (each with a ``last_image``) runs verified; it
+    used to read the one-image rows, and every item failed inside the transformer (a reshape of 17 CLIP tokens into
+    34)."""
+    r = run_job(["model=tiny_wan_flf2v"])
+    ic = _denoise(r)["conditioning"]["image_condition"]
+    assert ic["first"]["image_embeds"] == [2, 17, 32] and ic["first"]["embeds_match"]
+    assert [it["status"] for it in r.items] == ["ok", "ok"]
+
+
+TRIANGLE = "shapes32_input_green_triangle_bottom_left.png"
+
+
+@pytest.mark.parametrize("model,last,bad", [("tiny_wan_flf2v", [None, TRIANGLE], (1, None)),
+                                            ("tiny_wan_i2v", [None, TRIANGLE], (2, TRIANGLE))])
+def test_wan_rows_the_image_embedder_cannot_take_are_refused_at_startup(run_job, tmp_path, model, last, bad):
+    """A first-last-frame transformer (``pos_embed_seq_len``) needs ``last_image`` in every row, a one-image I2V
+    transformer (``image_dim``, no ``pos_embed_seq_len``) takes none: the row that breaks it (and only it) is refused
+    at startup, by line, with the fix, and nothing is generated (either would fail in every item it reached)."""
+    import json
+
+    from runner.core.errors import DatasetError
+
+    data = REPO / "runner" / "data"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "a shape moves",
+                                        "image": str(data / "shapes32_input_red_circle_top_left.png"),
+                                        **({"last_image": str(data / x)} if x else {})}) + "\n"
+                            for i, x in enumerate(last)))
+    with pytest.raises(DatasetError) as e:
+        run_job([f"model={model}", "dataset=jsonl", f"dataset.path={rows}"], name="refused")
+    line, value = bad
+    assert [p.split(": ", 2)[:2] for p in e.value.problems] == [
+        [f"{rows}:{line}", f"last_image={str(data / value) if value else None!r}"]]
+    assert "fix: " in e.value.problems[0]
+    assert not list((tmp_path / "refused").rglob("*.mp4"))  # nothing generated
+
+
 def _embedded(model: str, task):
     """The embedded snapshot of conf/model/<model>.yaml (for ``task`` where it has a checkpoint of its own), built by
     the engine's own path into the session cache."""
