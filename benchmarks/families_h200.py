@@ -102,7 +102,7 @@ def engine_for(cfg: Any, device: str, dtype: torch.dtype) -> Any:
 
     plat = detect(str(cfg.platform.name), str(cfg.platform.device))
     return engine_class(str(cfg.model.adapter))(StageContext(cfg=cfg, overrides=[], stage="denoise",
-                                                             model_cfg=cfg.model, plat=plat, dtype=dtype))
+                                                             plat=plat, dtype=dtype))
 
 
 def first_output(out: Any) -> torch.Tensor:

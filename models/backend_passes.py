@@ -178,17 +178,18 @@ class BackendSelection:
         from runner.kernels.registry import SelectionContext, wired
         from runner.core.resolve import LEGACY_KEYS, MisplacedBackendKeyError, StageInfo, check_placement, cli_keys, resolve_stage
 
-        cfg, plat = self.ctx.cfg, self.ctx.plat
-        check_placement(cfg, stages=[self.stage, *[s for s in (cfg.model.get("pipeline") or []) if s != self.stage]])
+        plat = self.ctx.plat
+        pipeline = getattr(self.ctx.run.model, "pipeline", None) or []
+        check_placement(self.ctx.cfg, stages=[self.stage, *[s for s in pipeline if s != self.stage]])
         lay = self.ctx.parallel
         sel = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=self.dtype, head_dim=self.head_dim(),
                                needs_mask=self.needs_mask, sequence_parallel=lay is not None,
                                ring_attention=lay is not None and lay.ring > 1,
                                moe_dims=self.moe_dims() if "moe" in self.backend_fields else None)
-        info = StageInfo(name=self.stage, roles=list(cfg.model.roles), fields=self.backend_fields, ctx=sel,
+        info = StageInfo(name=self.stage, roles=list(self.model_cfg.roles), fields=self.backend_fields, ctx=sel,
                          wired={"attention": wired("attention", "diffusers"), "moe": wired("moe", "diffusers")},
                          model=str(self.model_cfg.name))
-        resolutions, extras = resolve_stage(cfg, cli_keys(self.ctx.overrides), info)
+        resolutions, extras = resolve_stage(self.ctx.cfg, cli_keys(self.ctx.overrides), info)
         if "moe" in self.backend_fields and resolutions["moe"].resolved == "auto":
             self.choose_moe_by_measurement(resolutions["moe"], sel)
         for spec in resolutions["attention"].selected.values():  # wiring problems surface now, not after loading

@@ -85,8 +85,6 @@ class StageContext:
             (which reads its layers together with ``overrides``). Engines read settings from ``run``.
         overrides: the CLI overrides (they decide the CLI precedence layers).
         stage: the stage name (``denoise``, ``generate``, ``expand``).
-        model_cfg: the stage's node of the composed config (``cfg.model``, or ``model.stages.<stage>.model`` in a
-            pipeline); the diffusion engines still read it, the vLLM engine reads ``model``.
         plat: ``runner.core.platform.PlatformInfo`` of this process.
         dtype: ``torch.dtype`` of the stage's compute.
         parallel: the context-parallel ``runner.core.distributed.Layout`` of the run (``parallelism=ulysses|ring``),
@@ -101,7 +99,6 @@ class StageContext:
     cfg: Any
     overrides: Sequence[str]
     stage: str
-    model_cfg: Any
     plat: Any
     dtype: Any
     parallel: Any = None

@@ -82,9 +82,8 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.stage = ctx.stage
-        self.cfg = self.model_cfg = ctx.model_cfg  # the stage's model config (``cfg`` in model subclasses)
-        cfg = ctx.cfg
-        self.cache_dir = cfg.cache_dir if cfg is not None else None
+        self.cfg = self.model_cfg = ctx.model  # the stage's typed model config (``cfg`` in model subclasses)
+        self.cache_dir = ctx.run.cache_dir if ctx.run is not None else None
         self.pipe: Any = None
         self.source: Dict[str, Any] = {}
         self.resolutions: Dict[str, Any] = {}
@@ -121,11 +120,11 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
             p.check_config()
         g = self.model_cfg.generation
         m = self.model_cfg.size_multiple
-        for key in ("width", "height"):
-            if g[key] <= 0 or g[key] % m:
-                raise ConfigValueError(f"model.generation.{key}={g[key]} is not a positive multiple of {m} (model "
+        for key, v in (("width", g.width), ("height", g.height)):
+            if v <= 0 or v % m:
+                raise ConfigValueError(f"model.generation.{key}={v} is not a positive multiple of {m} (model "
                                        f"{self.model_cfg.name}); fix: e.g. model.generation.{key}="
-                                       f"{max(m, round(g[key] / m) * m)}")
+                                       f"{max(m, round(v / m) * m)}")
         if run.max_pixels >= 1 and g.width * g.height > run.max_pixels:
             raise ConfigValueError(f"model.generation width x height = {g.width}x{g.height} exceeds max_pixels="
                                    f"{run.max_pixels}; fix: smaller sizes, or raise max_pixels")
@@ -133,11 +132,11 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
             raise ConfigValueError(f"model.generation.num_inference_steps={g.num_inference_steps} must be >= 1")
         if g.max_sequence_length < 1:
             raise ConfigValueError(f"model.generation.max_sequence_length={g.max_sequence_length} must be >= 1")
-        for key in ("guidance_scale", "true_cfg_scale"):
-            if g[key] is None and key == "guidance_scale":  # null: the model takes no guidance (check_ignored)
+        for key, v in (("guidance_scale", g.guidance_scale), ("true_cfg_scale", g.true_cfg_scale)):
+            if v is None and key == "guidance_scale":  # null: the model takes no guidance (check_ignored)
                 continue
-            if g[key] is None or not math.isfinite(g[key]) or g[key] < 0:
-                raise ConfigValueError(f"model.generation.{key}={g[key]} must be a finite number >= 0")
+            if v is None or not math.isfinite(v) or v < 0:
+                raise ConfigValueError(f"model.generation.{key}={v} must be a finite number >= 0")
 
     # --------------------------------------------------------------------------------------------- 2. prepare
     def prepare(self) -> Dict[str, Any]:

@@ -66,7 +66,7 @@ class DiffusionRows:
         cfg = self.ctx.run
         g = self.model_cfg.generation
         spec = self.row_spec()
-        defaults = {f.default: g.get(f.default) for f in spec.fields if f.default}  # model.generation.<field>
+        defaults = {f.default: getattr(g, f.default, None) for f in spec.fields if f.default}  # model.generation.<field>
         defaults.update(negative_prompt=None, num_images_per_prompt=cfg.num_images_per_prompt)
         rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
                                   size_multiple=self.model_cfg.size_multiple, max_pixels=cfg.max_pixels,
@@ -104,15 +104,16 @@ class DiffusionRows:
         mode, name, g = str(self.ctx.run.dataset.on_ignored), self.model_cfg.name, self.model_cfg.generation
         from_config: Dict[str, Tuple[str, Any]] = {}
         for f, (why, fix, *applies) in ignored.items():
-            if f in g and g[f] is not None:
+            value = getattr(g, f, None)  # a field model.generation does not have is set by rows only
+            if value is not None:
                 key = f"model.generation.{f}"
                 if applies:  # ignored in some rows only: those that take the default record it, none is refused
-                    from_config[f] = (key, g[f])
+                    from_config[f] = (key, value)
                     continue
                 if mode == "error":
-                    raise ConfigValueError(f"{key}={g[f]} is ignored by model={name}: {why}; fix: {key}=null, {fix}, or "
-                                           "dataset.on_ignored=record to run it and record the value as ignored")
-                from_config[f] = (key, g[f])
+                    raise ConfigValueError(f"{key}={value} is ignored by model={name}: {why}; fix: {key}=null, {fix}, "
+                                           "or dataset.on_ignored=record to run it and record the value as ignored")
+                from_config[f] = (key, value)
         rows = ds.apply_ignored(rows, path, ignored, mode, name, from_config)
         n = sum(1 for r in rows if r.ignored)
         if n:

@@ -193,7 +193,7 @@ class HunyuanVideo15Engine(WanEngine):
             ConfigValueError: naming the key, the value and the fix.
         """
         super().check_config()
-        msl = self.cfg.generation.get("max_sequence_length")
+        msl = self.cfg.generation.max_sequence_length
         if msl is not None and int(msl) != QWEN_TOKENS:
             raise ConfigValueError(f"model.generation.max_sequence_length={msl}: HunyuanVideo15Pipeline takes no "
                                    f"max_sequence_length and always encodes {QWEN_TOKENS} prompt tokens; fix: "

@@ -137,14 +137,14 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
             ConfigValueError: naming the key, the value and the fix.
         """
         super().check_config()
-        g2 = self.cfg.generation.get("guidance_scale_2")
+        g2 = self.cfg.generation.guidance_scale_2
         if g2 is not None and "guidance_scale_2" not in self.row_spec().by_name:
             raise ConfigValueError(f"model.generation.guidance_scale_2={g2}: model={self.cfg.name} "
                                    f"({self.pipeline_name()}) has no second expert to apply it to; fix: "
                                    "model.generation.guidance_scale_2=null (Wan 2.2 A14B models take it)")
         self.task  # noqa: B018 - refused here when the family has no pipeline for it
         g = self.cfg.generation
-        if self.video and (g.get("num_frames") is None or g.get("fps") is None):
+        if self.video and (g.num_frames is None or g.fps is None):
             raise ConfigValueError(f"model={self.cfg.name} generates video: model.generation.num_frames and "
                                    "model.generation.fps must be set; fix: e.g. model.generation.num_frames=81 "
                                    "model.generation.fps=16 (Wan 2.1's defaults; LTX-2's: 121 at 24)")

@@ -119,7 +119,7 @@ class TruncationPass(Pass):
     def fed(self) -> bool:
         """The stage's prompts are built from an upstream stage's output (known only after that stage ran)."""
         e = self.engine
-        pipeline = list(e.ctx.cfg.model.get("pipeline") or []) if e.ctx.cfg is not None else []
+        pipeline = list(getattr(e.ctx.run.model, "pipeline", None) or []) if e.ctx.run is not None else []
         return bool(pipeline) and pipeline[-1] == e.stage and len(pipeline) > 1
 
     def prepare_rows(self, rows: List[Any], path: Any) -> List[Any]:

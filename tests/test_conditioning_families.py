@@ -270,12 +270,8 @@ def _engine(compose, model: str, task: Optional[str]):
     from models.base import StageContext
     from runner.core.platform import detect
 
-    cfg = compose([f"model={model}", "platform=cpu"])
-    m = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
-    if task is not None:
-        m.task = task
-    return engine_class(m.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=m,
-                                                plat=detect("cpu", None), dtype=torch.float32))
+    cfg = compose([f"model={model}", "platform=cpu"] + ([f"model.task={task}"] if task is not None else []))
+    return engine_class(cfg.model.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect("cpu", None), dtype=torch.float32))
 
 
 def test_engine_builds_the_task_snapshot_from_model_task(compose):
@@ -359,11 +355,9 @@ def test_full_size_task_configs_build_on_meta(compose, model, task, billions):
     from models.base import StageContext
     from runner.core.platform import detect
 
-    cfg = compose([f"model={model}", "platform=cpu", "model.load_format=dummy"])
-    m = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
-    m.task = task
-    eng = engine_class(m.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=m,
-                                               plat=detect("cpu", None), dtype=torch.bfloat16))
+    cfg = compose([f"model={model}", "platform=cpu", "model.load_format=dummy", f"model.task={task}"])
+    eng = engine_class(cfg.model.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise",
+                                                       plat=detect("cpu", None), dtype=torch.bfloat16))
     assert eng.resolve_source()["kind"] == "dummy"
     comps = eng.build_components(eng.arch_copy(), device="meta", dtype=torch.bfloat16, task=task)
     n = sum(p.numel() for p in comps["transformer"].parameters()) / 1e9

@@ -188,8 +188,7 @@ def test_generic_adapter_refuses_a_transformer_without_the_dispatcher(compose, t
     cfg = compose(["model=tiny_flux", "model.adapter=diffusers", f"model.path={snap}", "platform=cpu"])
     import torch
 
-    eng = PipelineEngine(StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=cfg.model,
-                                      plat=detect(cfg.platform.name, cfg.platform.device), dtype=torch.float32))
+    eng = PipelineEngine(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect(cfg.platform.name, cfg.platform.device), dtype=torch.float32))
     eng.resolve_source()
     assert eng.pipeline_name() == "StableDiffusion3Pipeline"
     with pytest.raises(ConfigValueError, match="SD3Transformer2DModel.*does not call diffusers' attention dispatcher"):
@@ -277,7 +276,7 @@ def _engine(cfg):
     from runner.core.platform import detect
 
     cls = engine_class(cfg.model.adapter)
-    return cls(StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=cfg.model, plat=detect(cfg.platform.name, cfg.platform.device),
+    return cls(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect(cfg.platform.name, cfg.platform.device),
                             dtype=torch.float32))
 
 

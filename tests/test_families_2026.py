@@ -22,8 +22,7 @@ def _engine(cfg):
     from runner.core.platform import detect
 
     return engine_class(cfg.model.adapter)(StageContext(
-        cfg=cfg, overrides=[], stage="denoise", model_cfg=cfg.model,
-        plat=detect(cfg.platform.name, cfg.platform.device), dtype=torch.float32))
+        cfg=cfg, overrides=[], stage="denoise", plat=detect(cfg.platform.name, cfg.platform.device), dtype=torch.float32))
 
 
 def _item(**row):

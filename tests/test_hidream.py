@@ -46,8 +46,7 @@ def _engine(overrides: Sequence[str] = (), config_dir=None):
     ov = ov if any(o.startswith("model=") for o in ov) else [TINY, *ov]
     cfg = compose(ov, config_dir)
     cls = engine_class(cfg.model.adapter)
-    return cls(StageContext(cfg=cfg, overrides=list(ov), stage="denoise", model_cfg=cfg.model,
-                            plat=detect(cfg.platform.name, cfg.platform.device), dtype=torch.float32))
+    return cls(StageContext(cfg=cfg, overrides=list(ov), stage="denoise", plat=detect(cfg.platform.name, cfg.platform.device), dtype=torch.float32))
 
 
 def _moe_block(dim: int = 32, experts: int = 4, top_k: int = 2, dtype=torch.float32, device="cpu"):

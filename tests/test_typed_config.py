@@ -131,11 +131,95 @@ def test_stage_context_holds_the_typed_run_config():
     from models.base import StageContext
 
     cfg = compose(["model=tiny_flux", "batch_size=3"])
-    ctx = StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=cfg.model, plat=None, dtype=None)
+    ctx = StageContext(cfg=cfg, overrides=[], stage="denoise", plat=None, dtype=None)
     assert type(ctx.run) is schema.RunConfig and ctx.run.batch_size == 3
     given = schema.to_typed(cfg)
-    assert StageContext(cfg=cfg, overrides=[], stage="denoise", model_cfg=cfg.model, plat=None, dtype=None,
+    assert StageContext(cfg=cfg, overrides=[], stage="denoise", plat=None, dtype=None,
                         run=given).run is given
+
+
+#: The functions of runner.core.resolve an engine hands the composed config to (the precedence layers: which layer
+#: set a key is known only there); ``config_layers`` is the vLLM engine's name for that opaque handle.
+RESOLVER_HANDOFF = {"check_placement", "resolve_stage", "drop_default_stages"}
+
+
+def _raw_config_reads(path) -> list:
+    """``file:line`` of every place in ``path`` that reads the composed (raw ``DictConfig``) config: an omegaconf
+    import, or ``ctx.cfg`` / ``self.config_layers`` anywhere but as the first argument of a resolver hand-off (or
+    ``ctx.cfg`` bound to ``self.config_layers``)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    parent = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+
+    def handed_off(node) -> bool:
+        up = parent.get(node)
+        while isinstance(up, ast.IfExp):  # ``drop_default_stages(ctx.cfg, ...) if ... else ctx.cfg``
+            node, up = up, parent.get(up)
+        if isinstance(up, ast.Call) and up.args and up.args[0] is node:
+            f = up.func
+            return (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) in RESOLVER_HANDOFF
+        return (isinstance(up, ast.Assign) and len(up.targets) == 1 and isinstance(up.targets[0], ast.Attribute)
+                and up.targets[0].attr == "config_layers")
+
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            if any(n.split(".")[0] == "omegaconf" for n in names):
+                bad.append(f"{path.name}:{node.lineno}: imports omegaconf")
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            raw = node.attr == "cfg" and (isinstance(node.value, ast.Name) and node.value.id == "ctx"
+                                          or isinstance(node.value, ast.Attribute) and node.value.attr == "ctx")
+            layers = node.attr == "config_layers" and isinstance(node.value, ast.Name) and node.value.id == "self"
+            if (raw or layers) and not handed_off(node):
+                bad.append(f"{path.name}:{node.lineno}: reads {ast.unparse(node)}")
+    return bad
+
+
+def test_models_read_no_raw_config_outside_the_resolver_handoff():
+    """Issue #39: engines read their stage's typed model config (``ctx.model``) and the typed run (``ctx.run``);
+    the composed ``DictConfig`` (``ctx.cfg``) only reaches ``runner.core.resolve``, which needs to know which layer set
+    a key. A read such as ``ctx.cfg.model.get("pipeline")`` anywhere in models/ fails here."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "models"
+    bad = [x for p in sorted(root.rglob("*.py")) for x in _raw_config_reads(p)]
+    assert not bad, bad
+
+
+def test_the_raw_config_scan_sees_each_kind_of_read(tmp_path):
+    """The scan above on code that reads the composed config each way it could (and hands it off as allowed)."""
+    src = tmp_path / "m.py"
+    src.write_text("from omegaconf import OmegaConf\n"
+                   "def f(self, e, ctx):\n"
+                   "    a = e.ctx.cfg.model.get('pipeline')\n"
+                   "    b = ctx.cfg\n"
+                   "    c = self.config_layers.model\n"
+                   "    resolve_stage(self.ctx.cfg, keys, info)\n"
+                   "    check_placement(x, ctx.cfg)\n"
+                   "    self.config_layers = drop_default_stages(ctx.cfg, ['g']) if s else ctx.cfg\n"
+                   "    check_placement(self.config_layers, stages=[])\n")
+    assert sorted(int(x.split(":")[1]) for x in _raw_config_reads(src)) == [1, 3, 4, 5, 7]
+
+
+@pytest.mark.parametrize("model", ["tiny_flux", "tiny_wan22", "prompt_expand_flux", "tiny_qwen3_moe"])
+def test_every_engine_holds_its_stage_model_as_the_family_dataclass(model):
+    """What an engine reads its model settings from (``cfg`` / ``model_cfg``) is the stage's dataclass, never a
+    ``DictConfig``: the runner's own stage graph and engine builder, every stage of a pipeline."""
+    from omegaconf import OmegaConf
+
+    from runner.app.stages import build_engines
+
+    cfg = compose([f"model={model}"])
+    engines = build_engines(cfg, [])
+    for e in engines:
+        held = e.model_cfg
+        assert dataclasses.is_dataclass(held) and not OmegaConf.is_config(held), (e.stage, type(held))
+        assert held is e.ctx.model and getattr(e, "cfg", held) is held
+    assert [type(e.model_cfg).__name__ for e in engines] == (
+        ["ARModelConfig", "PipelineModelConfig"] if model == "prompt_expand_flux" else
+        ["ARModelConfig"] if model == "tiny_qwen3_moe" else ["DiffusionModelConfig"])
 
 
 def test_the_published_json_schemas_list_the_schema_enums():

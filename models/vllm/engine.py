@@ -81,7 +81,7 @@ class VLLMEngine(EngineBase):
         self.run = ctx.run
         # the precedence layers (an opaque handle only runner.core.resolve reads); an AR model without the
         # schema-default stages that are not its own
-        self.layers = drop_default_stages(ctx.cfg, [DEFAULT_STAGE]) if ctx.stage == DEFAULT_STAGE else ctx.cfg
+        self.config_layers = drop_default_stages(ctx.cfg, [DEFAULT_STAGE]) if ctx.stage == DEFAULT_STAGE else ctx.cfg
         self.name = self.stage = ctx.stage
         self.model_cfg = ctx.model
         self.overrides = list(ctx.overrides)
@@ -124,7 +124,7 @@ class VLLMEngine(EngineBase):
         if self.stage == DEFAULT_STAGE:
             from runner.core.resolve import check_placement
 
-            check_placement(self.layers, stages=[DEFAULT_STAGE])
+            check_placement(self.config_layers, stages=[DEFAULT_STAGE])
 
     def prepare(self) -> Dict[str, Any]:
         """Resolve the model directory and the backends, and build the engine arguments; nothing starts.
@@ -157,7 +157,7 @@ class VLLMEngine(EngineBase):
         info = StageInfo(name=self.name, roles=list(m.roles or ["decoder"]), fields=("attention", "linear", "moe"),
                          ctx=SelectionContext(platform_kind=self.plat.kind, sm=self.plat.sm),
                          names=VLLMNames(on_cpu=self.plat.kind == "cpu", sm=self.plat.sm))
-        self.resolutions, extras = resolve_stage(self.layers, cli_keys(self.overrides), info)
+        self.resolutions, extras = resolve_stage(self.config_layers, cli_keys(self.overrides), info)
         extras = self._engine_extras(extras)
         import dataclasses
         import difflib

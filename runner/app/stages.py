@@ -26,13 +26,11 @@ log = logging.getLogger("runner")
 @dataclass
 class StageSpec:
     """One node of the run's stage graph: the stage name, its engine (``model.adapter`` value), its model config
-    (``model_cfg``: the node of the composed config; ``model``: the same as its family's dataclass, from the typed
-    run config), and, for a stage fed by another, the feeding stage and the prompt ``template`` (``{prompt}``,
-    ``{text}``)."""
+    (``model``: its family's dataclass, from the typed run config), and, for a stage fed by another, the feeding
+    stage and the prompt ``template`` (``{prompt}``, ``{text}``)."""
 
     name: str
     adapter: str
-    model_cfg: Any
     input: Optional[str] = None
     template: Optional[str] = None
     model: Any = None
@@ -54,7 +52,7 @@ def stage_graph(cfg: DictConfig, run: Any = None) -> List[StageSpec]:
     from runner.core.schema import to_typed
 
     run = run if run is not None else to_typed(cfg)
-    final = StageSpec(engine_class(cfg.model.adapter).default_stage, cfg.model.adapter, cfg.model, model=run.model)
+    final = StageSpec(engine_class(cfg.model.adapter).default_stage, cfg.model.adapter, model=run.model)
     order = list(cfg.model.get("pipeline") or [])
     if not order:
         return [final]
@@ -91,7 +89,7 @@ def stage_graph(cfg: DictConfig, run: Any = None) -> List[StageSpec]:
     up_cls = engine_class(stages[s].adapter, where=f"model.stages.{s}.adapter")
     up_model = up_cls.stage_model_cfg(run, s)
     final.input, final.template = s, template
-    return [StageSpec(s, stages[s].adapter, stages[s].model, input="prompt", model=up_model), final]
+    return [StageSpec(s, stages[s].adapter, input="prompt", model=up_model), final]
 
 
 def build_engines(cfg: DictConfig, overrides: Sequence[str], plat: Any = None, dtype: Any = None,
@@ -105,7 +103,7 @@ def build_engines(cfg: DictConfig, overrides: Sequence[str], plat: Any = None, d
 
     run = run if run is not None else to_typed(cfg)  # once: every stage's engine reads the same typed config
     return [engine_class(s.adapter)(StageContext(cfg=cfg, overrides=list(overrides), stage=s.name,
-                                                 model_cfg=s.model_cfg, plat=plat, dtype=dtype, run=run,
+                                                 plat=plat, dtype=dtype, run=run,
                                                  model=s.model))
             for s in (specs if specs is not None else stage_graph(cfg, run))]
 
