@@ -101,7 +101,7 @@ def engine_for(cfg: Any, device: str, dtype: torch.dtype) -> Any:
     from runner.core.platform import detect
 
     plat = detect(str(cfg.platform.name), str(cfg.platform.device))
-    return engine_class(str(cfg.model.adapter))(StageContext(cfg=cfg, overrides=[], stage="denoise",
+    return engine_class(str(cfg.model.engine))(StageContext(cfg=cfg, overrides=[], stage="denoise",
                                                              plat=plat, dtype=dtype))
 
 

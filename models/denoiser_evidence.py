@@ -23,7 +23,7 @@ implementation differs from the resolved one (``evidence.strict=true``: the run 
 :class:`EvidenceError`, exit 3, naming the layer and what ran instead; ``strict=false``: status ``limited``).
 ``nonfinite_outputs`` when the backends matched but some outputs were NaN/inf: those rows are failed, the others
 written, and the run exits 1. ``limited`` when nothing mismatched but a check could not be made (``checks``: the
-forward count of an engine without a forward rule, ``model.adapter=diffusers``); the run's status is unchanged.
+forward count of an engine without a forward rule, ``model.engine=diffusers``); the run's status is unchanged.
 """
 
 from __future__ import annotations
@@ -326,7 +326,7 @@ def _collective_calls(stage: str, trace: KernelTrace, collectives: Dict[str, Tup
 
 
 def forward_count_check(forwards: int, expected: Optional[int], rule: bool) -> str:
-    """The forward-count check's status: ``limited`` when the engine has no forward rule (``model.adapter=diffusers``
+    """The forward-count check's status: ``limited`` when the engine has no forward rule (``model.engine=diffusers``
     on a pipeline no family describes: the count cannot be checked, so it is never ``verified``); ``not_checked``
     when a pipeline call raised part-way (the total is not predictable); else ``verified`` or ``mismatch``."""
     if not rule:

@@ -242,8 +242,8 @@ class FamilyRows:
         params = self.call_params()
         if not self.video and "num_frames" in params:
             raise ConfigValueError(
-                f"model={self.cfg.name}: {self.pipeline_name()} generates video, and model.adapter={self.family()} "
-                "writes images; fix: the video family's adapter (model.adapter=wan for WanPipeline snapshots)")
+                f"model={self.cfg.name}: {self.pipeline_name()} generates video, and model.engine={self.family()} "
+                "writes images; fix: the video family's engine (model.engine=wan for WanPipeline snapshots)")
         if not self.video:
             setters = [r for r in rows if getattr(r, "fps", None) is not None]  # an image row spec has no fps
             if setters:

@@ -83,7 +83,7 @@ class FamilySpec:
     """One diffusion family, declared.
 
     Attributes:
-        name: the ``model.adapter`` it is registered under.
+        name: the ``model.engine`` it is registered under.
         tasks: task (:data:`TASKS`) -> diffusers pipeline class name.
         components: ``{component: (library, model class, config class or None)}``, built in this order from
             ``model.architecture.<component>`` for embedded and dummy weights.

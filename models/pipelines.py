@@ -13,7 +13,7 @@ A family (``models/flux.py``, ``models/sd3.py``, ``models/qwen_image.py``, ``mod
 the rules the pipeline applies silently (forwards per step under guidance, sequence-length ceilings, size
 multiples, frame counts), so the runner refuses what the pipeline would change and counts what it must run.
 
-``model.adapter=diffusers`` serves a snapshot of a pipeline no family describes: the pipeline class comes from
+``model.engine=diffusers`` serves a snapshot of a pipeline no family describes: the pipeline class comes from
 its ``model_index.json``; forward counts are then not predicted: the evidence records the forward-count check as
 ``limited`` (never ``verified``) and still requires every attention call site to have run.
 """
@@ -101,13 +101,13 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
     # ----------------------------------------------------------------------------------------------- family
     @classmethod
     def family(cls) -> str:
-        """The family's name (the ``model.adapter`` it is registered under; ``diffusers`` without a spec)."""
+        """The family's name (the ``model.engine`` it is registered under; ``diffusers`` without a spec)."""
         return cls.spec.name if cls.spec is not None else "diffusers"
 
     @property
     def task(self) -> str:
         """``model.task`` resolved: null is the family's generation task (``text_to_image``; a video family's
-        ``text_to_video``); without a spec (``model.adapter=diffusers``) the generation task of the snapshot.
+        ``text_to_video``); without a spec (``model.engine=diffusers``) the generation task of the snapshot.
 
         Raises:
             ConfigValueError: the family has no pipeline for the task (exit 2), naming the tasks it has.
@@ -117,8 +117,8 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
         if self.spec is None:
             if task not in (None, "text_to_image", "text_to_video"):
                 raise ConfigValueError(
-                    f"model.task={task}: model.adapter=diffusers runs the snapshot's own pipeline (a generation "
-                    f"task); a conditioning task needs a family that maps it to a pipeline; fix: model.adapter="
+                    f"model.task={task}: model.engine=diffusers runs the snapshot's own pipeline (a generation "
+                    f"task); a conditioning task needs a family that maps it to a pipeline; fix: model.engine="
                     f"{'|'.join(family_names())} (its spec's tasks), or model.task=null")
             return task or ("text_to_video" if self.video else "text_to_image")
         try:
@@ -395,7 +395,7 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
 
     def expected_forwards(self, batch: List[Item]) -> Optional[int]:
         """Transformer forwards one pipeline call makes for ``batch``: steps x the forwards per step of the spec's
-        guidance mode (:func:`models.family.forwards_per_step`); None without a spec (``model.adapter=diffusers``:
+        guidance mode (:func:`models.family.forwards_per_step`); None without a spec (``model.engine=diffusers``:
         the evidence then records the forward-count check as ``limited``)."""
         if self.spec is None:
             return None
@@ -414,7 +414,7 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
         return forwards_per_step(self.spec.cfg, batch[0].row, float(self.cfg.generation.true_cfg_scale))
 
     def has_forward_rule(self) -> bool:
-        """A spec gives the forward rule; ``model.adapter=diffusers`` (no spec) has none."""
+        """A spec gives the forward rule; ``model.engine=diffusers`` (no spec) has none."""
         return self.spec is not None
 
     def call(self, batch: List[Item]) -> List[np.ndarray]:

@@ -1,4 +1,4 @@
-"""Engine registry: ``model.adapter`` names mapped to lazy import paths, so that vLLM and diffusers are imported
+"""Engine registry: ``model.engine`` names mapped to lazy import paths, so that vLLM and diffusers are imported
 only by a run that uses them (``import vllm`` alone costs 13-30 s on 2 cores).
 
 Imitates vLLM's ``vllm/v1/attention/backends/registry.py`` (values are lazy class paths) and its out-of-tree
@@ -11,7 +11,7 @@ import difflib
 import importlib
 from typing import Any, Dict, List, Union
 
-#: diffusion family name (``model.adapter``) -> ``"module:SPEC"`` of its :class:`models.family.FamilySpec` or the
+#: diffusion family name (``model.engine``) -> ``"module:SPEC"`` of its :class:`models.family.FamilySpec` or the
 #: spec itself (registered at run time); the one list of families: messages and tests derive theirs from it.
 FAMILIES: Dict[str, Any] = {
     "flux": "models.flux:FLUX",
@@ -26,7 +26,7 @@ FAMILIES: Dict[str, Any] = {
     "hunyuanvideo15": "models.hunyuanvideo15:HUNYUANVIDEO15",
 }
 
-#: engine name (``model.adapter``) -> ``"module:Class"`` or the class itself (registered at run time); every family
+#: engine name (``model.engine``) -> ``"module:Class"`` or the class itself (registered at run time); every family
 #: of :data:`FAMILIES` is an engine too (:func:`engine_class` builds it from its spec).
 ENGINES: Dict[str, Union[str, type]] = {
     "diffusers": "models.pipelines:PipelineEngine",
@@ -54,7 +54,7 @@ def family_spec(name: str) -> Any:
 
 
 def register_family(spec: Any, *, replace: bool = False) -> None:
-    """Register a :class:`models.family.FamilySpec` under its ``name`` (the ``model.adapter`` value).
+    """Register a :class:`models.family.FamilySpec` under its ``name`` (the ``model.engine`` value).
 
     Raises:
         ValueError: the name is already an engine or family and ``replace`` is False.
@@ -89,7 +89,7 @@ def spec_engine(spec: Any) -> type:
 
 
 def register_engine(name: str, engine: Union[str, type], *, replace: bool = False) -> None:
-    """Register an engine class (or its ``"module:Class"`` path) under ``name`` (the ``model.adapter`` value).
+    """Register an engine class (or its ``"module:Class"`` path) under ``name`` (the ``model.engine`` value).
 
     The class must implement :class:`models.base.Engine` and take a :class:`models.base.StageContext`.
 
@@ -107,7 +107,7 @@ def unregister_engine(name: str) -> None:
     ENGINES.pop(name, None)
 
 
-def engine_class(name: str, where: str = "model.adapter") -> Any:
+def engine_class(name: str, where: str = "model.engine") -> Any:
     """The engine class registered under ``name``, imported on first use.
 
     Raises:

@@ -169,7 +169,7 @@ class ComponentBuilder:
     """A family's pipeline components built locally, as classmethods over the class attributes below (the engine
     class, :class:`models.pipelines.PipelineEngine`, takes them from its :class:`models.family.FamilySpec`):
 
-    * ``spec``: the family spec (None: ``model.adapter=diffusers``, which builds nothing);
+    * ``spec``: the family spec (None: ``model.engine=diffusers``, which builds nothing);
     * ``pipeline_class``: the diffusers pipeline class name of the generation task;
     * ``components``: ``{component: (library, model class, config class or None)}`` built in this order from
       ``model.architecture.<component>`` (a ``transformers`` model as ``Model(Config(**kw))``, a diffusers one as

@@ -61,9 +61,9 @@ class WeightSource:
             return self.pipeline_class
         if self.source.get("kind") == "path":
             return str(read_index(Path(self.source["path"])).get("_class_name"))
-        raise ModelPathError(f"model={self.cfg.name} (model.adapter=diffusers) learns its pipeline from a snapshot; "
+        raise ModelPathError(f"model={self.cfg.name} (model.engine=diffusers) learns its pipeline from a snapshot; "
                              "fix: set model.path to a diffusers snapshot (embedded and dummy weights need a family: "
-                             f"model.adapter={'|'.join(family_names())})")
+                             f"model.engine={'|'.join(family_names())})")
 
     def pipeline_cls(self) -> type:
         """The diffusers pipeline class object.
@@ -147,10 +147,10 @@ class WeightSource:
                 f"model.path={str(path)!r} is not a {want or 'diffusers'} snapshot that model={self.cfg.name} "
                 f"(model.task={self.task}) can load: " + "; ".join(problems) + f" (the snapshot: {found} with "
                 f"{have}); fix: " + (
-                    f"use a model config with model.adapter={other} for this snapshot" if other and other !=
+                    f"use a model config with model.engine={other} for this snapshot" if other and other !=
                     self.family() else f"point model.path at a {want} snapshot (a checkpoint of model.task="
                     f"{self.task}), or model.task=<the snapshot's task>" if other else
-                    "point model.path at a snapshot of this model, or use model.adapter=diffusers for "
+                    "point model.path at a snapshot of this model, or use model.engine=diffusers for "
                     "another transformer-based pipeline"))
         if "transformer" not in comps:
             raise ModelPathError(f"model.path={str(path)!r}: {found} has no transformer ({have}); the runner serves "
@@ -197,8 +197,8 @@ class WeightSource:
         from runner.core.resolve import MisplacedBackendKeyError, backend_field_of, misplaced_backend_message
 
         if not self.components:
-            raise ConfigValueError(f"model={self.cfg.name}: model.adapter={self.family()} builds no architecture; "
-                                   f"fix: model.path=<snapshot>, or a family adapter ({', '.join(family_names())})")
+            raise ConfigValueError(f"model={self.cfg.name}: model.engine={self.family()} builds no architecture; "
+                                   f"fix: model.path=<snapshot>, or a family engine ({', '.join(family_names())})")
         extras = self.spec.task_components.values() if self.spec is not None else ()
         procs = self.spec.task_processors.values() if self.spec is not None else ()
         known = [*self.components, *self.arch_other, *(c for m in extras for c in m), *(c for m in procs for c in m)]

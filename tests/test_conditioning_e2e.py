@@ -72,7 +72,7 @@ def test_sd3_and_qwen_image_strength_tasks_run_verified(run_job, model, task):
 
     r = run_job([f"model={model}", f"model.task={task}"])
     d = _denoise(r)
-    assert d["conditioning"]["pipeline"] == family_spec(r.cfg.model.adapter).tasks[task]
+    assert d["conditioning"]["pipeline"] == family_spec(r.cfg.model.engine).tasks[task]
     assert d["denoiser_forwards"] == sum(steps_run(4, s) for s in (0.5, 1.0)) == 6  # the builtin rows' strengths
 
 
@@ -138,7 +138,7 @@ def _embedded(model: str, task):
     from models.registry import engine_class
 
     cfg = OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml")
-    eng = engine_class(cfg.adapter)
+    eng = engine_class(cfg.engine)
     arch = OmegaConf.to_container(cfg.architecture, resolve=True)
     own = task if eng.spec.own_snapshot(task) else None
     return eng.embedded_snapshot_at(embedded_target(model, arch, None, task=own), arch, task=own)

@@ -37,8 +37,7 @@ def _arch(model: str) -> Dict[str, Any]:
 def _snapshot(model: str, task: Optional[str]) -> Path:
     """The embedded snapshot of conf/model/<model>.yaml for ``task``, built through the engine's real path into the
     session cache (``RUNNER_CACHE``)."""
-    adapter = OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml").adapter
-    eng = engine_class(adapter)
+    eng = engine_class(OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml").engine)
     own = task if eng.spec.own_snapshot(task) else None
     arch = _arch(model)
     return eng.embedded_snapshot_at(embedded_target(model, arch, None, task=own), arch, task=own)
@@ -240,7 +239,7 @@ def test_img2img_and_inpaint_load_the_text_to_image_snapshot(model, img2img, inp
     (:func:`models.conditioning.steps_run`), an input of another size is resized to the requested size, and the
     input steers the output."""
     path = _snapshot(model, "image_to_image")
-    spec = family_spec(OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml").adapter)
+    spec = family_spec(OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml").engine)
     assert read_index(path)["_class_name"] == spec.pipeline_class
     pipe = _load(img2img, path)
     seen = _watch(pipe.transformer)
@@ -271,7 +270,7 @@ def _engine(compose, model: str, task: Optional[str]):
     from runner.core.platform import detect
 
     cfg = compose([f"model={model}", "platform=cpu"] + ([f"model.task={task}"] if task is not None else []))
-    return engine_class(cfg.model.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect("cpu", None), dtype=torch.float32))
+    return engine_class(cfg.model.engine)(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect("cpu", None), dtype=torch.float32))
 
 
 def test_engine_builds_the_task_snapshot_from_model_task(compose):
@@ -356,7 +355,7 @@ def test_full_size_task_configs_build_on_meta(compose, model, task, billions):
     from runner.core.platform import detect
 
     cfg = compose([f"model={model}", "platform=cpu", "model.load_format=dummy", f"model.task={task}"])
-    eng = engine_class(cfg.model.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise",
+    eng = engine_class(cfg.model.engine)(StageContext(cfg=cfg, overrides=[], stage="denoise",
                                                        plat=detect("cpu", None), dtype=torch.bfloat16))
     assert eng.resolve_source()["kind"] == "dummy"
     comps = eng.build_components(eng.arch_copy(), device="meta", dtype=torch.bfloat16, task=task)

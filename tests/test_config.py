@@ -94,7 +94,7 @@ def test_every_group_option_composes(compose, group, option):
 def test_model_options(compose, option):
     m = compose([f"model={option}"]).model
     assert m.name == option
-    assert m.adapter == "flux"
+    assert m.engine == "flux"
     assert m.size_multiple == 16
     assert "joint" in m.roles
     if option == "tiny_flux":

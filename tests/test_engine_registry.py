@@ -93,7 +93,7 @@ def _rows(tmp_path: Path, prompts: Dict[str, str]) -> Path:
 def _run(compose, run_dir: Path, data: Path, extra: Sequence[str] = ()) -> int:
     from runner.app.execute import run
 
-    ov = ["platform=cpu", "model.adapter=echo", "dataset=jsonl", f"dataset.path={data}", "batch_size=2", *extra]
+    ov = ["platform=cpu", "model.engine=echo", "dataset=jsonl", f"dataset.path={data}", "batch_size=2", *extra]
     return run(compose(ov), run_dir, ov)
 
 
@@ -114,7 +114,7 @@ def test_registered_toy_engine_writes_text_records_through_the_loop(echo_engine,
     m = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert m["status"] == "completed_with_failures"
     assert m["counts"] == {"ok": 4, "failed": 1, "reused": 0}
-    assert m["model"]["adapter"] == "echo"
+    assert m["model"]["engine"] == "echo"
     st = m["evidence"]["stages"]["echo"]
     assert m["evidence"]["verdict"] == "verified"
     assert st == {"engine_calls": 3 + 2, "records": 4}  # 3 batches, the failing one retried as 2 single calls
@@ -153,7 +153,7 @@ def test_non_resumable_engine_refuses_a_dir_holding_a_run(echo_engine, compose, 
 
 
 def test_unknown_engine_name_is_a_user_error_naming_the_closest():
-    with pytest.raises(UserInputError, match=r"model.adapter='flx' is not a registered engine.*did you mean 'flux'"):
+    with pytest.raises(UserInputError, match=r"model.engine='flx' is not a registered engine.*did you mean 'flux'"):
         engine_class("flx")
 
 

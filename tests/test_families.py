@@ -168,15 +168,15 @@ def test_snapshot_of_another_pipeline_is_refused_naming_both(model, tmp_path):
 
 
 def test_snapshot_of_a_known_family_names_the_adapter(tmp_path, tiny_snapshot):
-    """A FLUX snapshot given to the SD3 model config: refused, and the fix names model.adapter=flux."""
+    """A FLUX snapshot given to the SD3 model config: refused, and the fix names model.engine=flux."""
     p = _run_cli(["model=tiny_sd3", f"model.path={tiny_snapshot}"], tmp_path)
     out = p.stdout + p.stderr
     assert p.returncode == 2, out[-2000:]
-    assert "found FluxPipeline" in out and "model.adapter=flux" in out
+    assert "found FluxPipeline" in out and "model.engine=flux" in out
 
 
 def test_generic_adapter_refuses_a_transformer_without_the_dispatcher(compose, tmp_path):
-    """``model.adapter=diffusers`` on an SD3 snapshot: diffusers' SD3 attention does not call the dispatcher (the sd3
+    """``model.engine=diffusers`` on an SD3 snapshot: diffusers' SD3 attention does not call the dispatcher (the sd3
     family routes it), so the generic engine refuses any attention backend, naming the model and the class."""
     from models.base import StageContext
     from models.pipelines import PipelineEngine
@@ -185,7 +185,7 @@ def test_generic_adapter_refuses_a_transformer_without_the_dispatcher(compose, t
 
     snap = _fake_snapshot(tmp_path / "sd3", "StableDiffusion3Pipeline", {
         "transformer": ("diffusers", "SD3Transformer2DModel"), "vae": ("diffusers", "AutoencoderKL")})
-    cfg = compose(["model=tiny_flux", "model.adapter=diffusers", f"model.path={snap}", "platform=cpu"])
+    cfg = compose(["model=tiny_flux", "model.engine=diffusers", f"model.path={snap}", "platform=cpu"])
     import torch
 
     eng = PipelineEngine(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect(cfg.platform.name, cfg.platform.device), dtype=torch.float32))
@@ -197,10 +197,10 @@ def test_generic_adapter_refuses_a_transformer_without_the_dispatcher(compose, t
 
 @pytest.mark.slow
 def test_generic_adapter_runs_a_flux_snapshot(run_job, tiny_snapshot):
-    """``model.adapter=diffusers``: the pipeline class comes from the snapshot; attention call sites are observed,
+    """``model.engine=diffusers``: the pipeline class comes from the snapshot; attention call sites are observed,
     and without a forward-count rule that check (and so the verdict) is ``limited``, never ``verified``; the run
     still completes (exit 0)."""
-    r = run_job(["model=tiny_flux", "model.adapter=diffusers", f"model.path={tiny_snapshot}", "dataset.limit=1"])
+    r = run_job(["model=tiny_flux", "model.engine=diffusers", f"model.path={tiny_snapshot}", "dataset.limit=1"])
     assert r.code == 0
     st = r.manifest["evidence"]["stages"]["denoise"]
     assert r.manifest["evidence"]["verdict"] == "limited" and r.manifest["status"] == "completed"
@@ -236,17 +236,17 @@ def test_fps_on_an_image_model_is_refused(compose, write_jsonl, where):
 
 
 def test_generic_adapter_refuses_a_video_pipeline(compose, tmp_path):
-    """model.adapter=diffusers on a Wan snapshot loaded and then failed every item (the pipeline returns frames):
+    """model.engine=diffusers on a Wan snapshot loaded and then failed every item (the pipeline returns frames):
     refused at startup, naming the video family's adapter."""
     from runner.core.errors import ConfigValueError
 
     snap = _fake_snapshot(tmp_path / "wan", "WanPipeline", {
         "transformer": ("diffusers", "WanTransformer3DModel"), "vae": ("diffusers", "AutoencoderKLWan")})
-    cfg = compose(["model=tiny_wan", "model.adapter=diffusers", f"model.path={snap}", "platform=cpu",
+    cfg = compose(["model=tiny_wan", "model.engine=diffusers", f"model.path={snap}", "platform=cpu",
                    "model.generation.num_frames=null", "model.generation.fps=null"])
     eng = _engine(cfg)
     eng.resolve_source()
-    with pytest.raises(ConfigValueError, match="WanPipeline generates video.*model.adapter=wan"):
+    with pytest.raises(ConfigValueError, match="WanPipeline generates video.*model.engine=wan"):
         eng.check_rows([], "rows")
 
 
@@ -275,7 +275,7 @@ def _engine(cfg):
     from models.registry import engine_class
     from runner.core.platform import detect
 
-    cls = engine_class(cfg.model.adapter)
+    cls = engine_class(cfg.model.engine)
     return cls(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect(cfg.platform.name, cfg.platform.device),
                             dtype=torch.float32))
 
@@ -395,7 +395,7 @@ import sys, torch
 from omegaconf import OmegaConf
 from models.registry import engine_class
 cfg = OmegaConf.load("conf/model/{model}.yaml")
-eng = engine_class(str(cfg.adapter))
+eng = engine_class(str(cfg.engine))
 eng.build_components(OmegaConf.to_container(cfg.architecture, resolve=True), device="meta", dtype=torch.bfloat16)
 bad = [f"{{n}}.{{k}}" for n, m in list(sys.modules.items()) if n.split(".")[0] in ("diffusers", "transformers")
        for k, v in list(vars(m).items()) if isinstance(v, torch.Tensor) and v.device.type == "meta"]

@@ -21,7 +21,7 @@ def _engine(cfg):
     from models.registry import engine_class
     from runner.core.platform import detect
 
-    return engine_class(cfg.model.adapter)(StageContext(
+    return engine_class(cfg.model.engine)(StageContext(
         cfg=cfg, overrides=[], stage="denoise", plat=detect(cfg.platform.name, cfg.platform.device), dtype=torch.float32))
 
 
@@ -217,7 +217,7 @@ def test_full_size_configs_build_the_published_architecture(compose, model):
                                              ("ZImagePipeline", "zimage")])
 def test_a_snapshot_of_the_new_pipelines_names_its_adapter(compose, tmp_path, pipeline, family):
     """A FLUX.2 / Z-Image snapshot given to another family's model config is refused before loading, and the fix
-    names the family that serves it (``model.adapter=...``), from the registry."""
+    names the family that serves it (``model.engine=...``), from the registry."""
     import json
 
     from runner.core.weights import ModelPathError
@@ -227,5 +227,5 @@ def test_a_snapshot_of_the_new_pipelines_names_its_adapter(compose, tmp_path, pi
     (snap / "model_index.json").write_text(json.dumps({"_class_name": pipeline, "transformer": ["diffusers", "X"]}))
     (snap / "transformer").mkdir()
     eng = _engine(compose(["model=tiny_sd3", "platform=cpu", f"model.path={snap}"]))
-    with pytest.raises(ModelPathError, match=f"found {pipeline}.*model.adapter={family} for this snapshot"):
+    with pytest.raises(ModelPathError, match=f"found {pipeline}.*model.engine={family} for this snapshot"):
         eng.resolve_source()

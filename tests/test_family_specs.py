@@ -24,7 +24,7 @@ def _engine(cfg):
     from models.base import StageContext
     from runner.core.platform import detect
 
-    return engine_class(cfg.model.adapter)(StageContext(
+    return engine_class(cfg.model.engine)(StageContext(
         cfg=cfg, overrides=[], stage="denoise", plat=detect(cfg.platform.name, cfg.platform.device), dtype=torch.float32))
 
 
@@ -135,7 +135,7 @@ def test_a_registered_spec_of_an_unshipped_pipeline_runs_to_verified(compose, tm
 
     register_family(CHROMA)
     try:
-        cfg = compose(["model=tiny_flux", "platform=cpu", "model.adapter=chroma_test", "dataset.limit=1",
+        cfg = compose(["model=tiny_flux", "platform=cpu", "model.engine=chroma_test", "dataset.limit=1",
                        "backend.attention=TORCH_SDPA", f"cache_dir={tmp_path / 'cache'}"])
         with open_dict(cfg):
             arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)

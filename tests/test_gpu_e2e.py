@@ -372,7 +372,7 @@ def require(overrides: Sequence[str], **backends: str) -> None:
     head_dim = tr.get("attention_head_dim")
     ctx = reg.SelectionContext(platform_kind="cuda", sm=_sm(), dtype=torch.bfloat16,
                                head_dim=int(head_dim) if head_dim is not None else None,
-                               needs_mask=bool(engine_class(str(cfg.model.adapter)).needs_mask))
+                               needs_mask=bool(engine_class(str(cfg.model.engine)).needs_mask))
     for fld, name in backends.items():
         why = reg.get(fld, name).unmet(ctx)
         if why:
@@ -443,7 +443,7 @@ def test_auto_records_the_choice_and_the_reason(gpu, tmp_path, device):
     cfg = compose([*base, *ov])
     ctx = reg.SelectionContext(platform_kind=device, sm=_sm() if device == "cuda" else None,
                                dtype=torch.bfloat16 if device == "cuda" else torch.float32, head_dim=64,
-                               needs_mask=engine_class(str(cfg.model.adapter)).needs_mask)
+                               needs_mask=engine_class(str(cfg.model.engine)).needs_mask)
     want, why = reg.auto_select("attention", ctx, reg.wired("attention", "diffusers"))
     assert want == ("CUDNN_ATTN" if device == "cuda" else "TORCH_SDPA")
     a = m["backends"][STAGE]["attention"]

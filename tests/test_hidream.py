@@ -45,7 +45,7 @@ def _engine(overrides: Sequence[str] = (), config_dir=None):
     ov = ["platform=cpu", *overrides]
     ov = ov if any(o.startswith("model=") for o in ov) else [TINY, *ov]
     cfg = compose(ov, config_dir)
-    cls = engine_class(cfg.model.adapter)
+    cls = engine_class(cfg.model.engine)
     return cls(StageContext(cfg=cfg, overrides=list(ov), stage="denoise", plat=detect(cfg.platform.name, cfg.platform.device), dtype=torch.float32))
 
 

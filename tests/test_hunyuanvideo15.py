@@ -1,4 +1,4 @@
-"""HunyuanVideo-1.5 (``model.adapter=hunyuanvideo15``, diffusers ``HunyuanVideo15Pipeline``) on CPU: the tiny model
+"""HunyuanVideo-1.5 (``model.engine=hunyuanvideo15``, diffusers ``HunyuanVideo15Pipeline``) on CPU: the tiny model
 end to end to ``verified`` (the guider's forwards per row, glyph tokens, the video's geometry against its record),
 repro and resume; the refiner's dispatching processor against diffusers' own; the local tokenizer's template crop;
 the refusals of what the pipeline would change silently (frames, guidance below 1, text length, a step-skipping

@@ -200,7 +200,7 @@ def _engine(cfg):
     from models.registry import engine_class
     from runner.core.platform import detect
 
-    return engine_class(cfg.model.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect("cpu", None), dtype=torch.float32))
+    return engine_class(cfg.model.engine)(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect("cpu", None), dtype=torch.float32))
 
 
 @pytest.mark.parametrize("frames,ok", [(9, True), (1, True), (11, True), (10, False), (4, False)])

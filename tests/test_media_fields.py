@@ -22,7 +22,7 @@ pytestmark = pytest.mark.cpu
 
 #: The one declaration the family adds.
 CONTROL = ds.Field("control_image", str, identity="set", parse=ds.parse_image, media=Media("RGB"), kind="a path")
-ARGS = ["dataset=jsonl", "model.adapter=flux_control_test", "model.name=tiny_flux_control", "evidence.profile=false",
+ARGS = ["dataset=jsonl", "model.engine=flux_control_test", "model.name=tiny_flux_control", "evidence.profile=false",
         "model.generation.num_inference_steps=2"]
 
 

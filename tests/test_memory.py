@@ -344,7 +344,7 @@ def _prepared(overrides):
     from runner.core.platform import detect
 
     cfg = compose(["platform=cpu", *overrides])
-    eng = engine_class(cfg.model.adapter)(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect("cpu"), dtype=torch.float32))
+    eng = engine_class(cfg.model.engine)(StageContext(cfg=cfg, overrides=[], stage="denoise", plat=detect("cpu"), dtype=torch.float32))
     eng.prepare()
     rows, _ = eng.read_rows()
     return eng, rows

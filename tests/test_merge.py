@@ -491,7 +491,7 @@ def test_torchrun_exit_line_only_on_rank_0_of_several(tmp_path, monkeypatch):
 
 
 def test_a_limited_worker_verdict_merges_as_limited_not_mismatch(tmp_path):
-    """Regression (families merge): a worker whose forward-count check is ``limited`` (``model.adapter=diffusers``)
+    """Regression (families merge): a worker whose forward-count check is ``limited`` (``model.engine=diffusers``)
     contradicted nothing; the merged verdict said ``mismatch`` because only verified/not_collected counted."""
     _two_workers(tmp_path, verdict="limited")
     m = dist.merge(tmp_path, 2, KEYS, "torchrun")

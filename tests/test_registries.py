@@ -39,7 +39,7 @@ def test_a_family_with_a_new_tokenizer_kind_is_one_record(run_job):
                                tokenizers={**FLUX.tokenizers, "tokenizer_2": ("short_t5_test", "t5", "text_encoder_2")})
     register_family(spec)
     try:
-        res = run_job(["model.adapter=flux_short_t5_test", "model.name=tiny_flux_short_t5", "dataset.limit=2",
+        res = run_job(["model.engine=flux_short_t5_test", "model.name=tiny_flux_short_t5", "dataset.limit=2",
                        "model.generation.num_inference_steps=2", "evidence.profile=false"])
         assert res.code == 0, res.manifest.get("error")
         assert seen, "the record's encoder rule was not used to size text_encoder_2"

@@ -50,7 +50,7 @@ def _set(d: Dict[str, Any], dotted: str, value: Any) -> Dict[str, Any]:
 #: one change per semantic key: (key of SEMANTIC_KEYS, dotted path changed, new value, the line the refusal shows)
 SEMANTIC_CHANGES = [
     ("model.name", "model.name", "tiny_flux_b", "model.name: 'tiny_flux' -> 'tiny_flux_b'"),
-    ("model.adapter", "model.adapter", "sd3", "model.adapter: 'flux' -> 'sd3'"),
+    ("model.engine", "model.engine", "sd3", "model.engine: 'flux' -> 'sd3'"),
     ("model.path", "model.path", "/w/snapshot", "model.path: None -> '/w/snapshot'"),
     ("model.revision", "model.revision", "abc123", "model.revision: None -> 'abc123'"),
     ("model.load_format", "model.load_format", "safetensors", "model.load_format: 'auto' -> 'safetensors'"),
@@ -327,11 +327,12 @@ def test_run_identity(cfg):
     assert doc["packages"] == {"torch": "2.13", "diffusers": "0.42", "pillow": "11"}
     assert doc["source"] == {}
     conf = doc["config"]
-    assert sorted(conf) == sorted([k for k in rs.SEMANTIC_KEYS
+    assert sorted(conf) == sorted([k if k != "model.engine" else "model.adapter" for k in rs.SEMANTIC_KEYS
                                    if k not in ("seed", "num_images_per_prompt", "backend", "model.backend",
                                                 "model.lora", "model.lora_fuse")]
                                   + ["cpu_threads"])
     assert conf["model.name"] == "tiny_flux" and conf["cpu_threads"] == 1 and conf["dtype"] == "auto"
+    assert conf["model.adapter"] == "flux"  # model.engine under its former name: identities survive the rename
     # row defaults reach the bytes through the rows; backends through ``backends``; LoRA adapters through each
     # item's ``lora`` (sha256, scale) and the source (``source.lora``: the library, fused or not)
     assert conf["model.generation"] == {"max_sequence_length": 64, "true_cfg_scale": 1.0, "num_frames": None,

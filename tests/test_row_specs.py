@@ -127,7 +127,7 @@ def strength_engine():
 def test_an_added_field_reaches_items_jsonl_and_resume(strength_engine, execute, tmp_path):
     rows = [{"id": "a", "prompt": "a red fox", "strength": 0.25}, {"id": "b", "prompt": "a blue bird", "strength": 0.5}]
     data = _jsonl(tmp_path, rows)
-    ov = ["model.adapter=flux_strength", "dataset=jsonl", f"dataset.path={data}",
+    ov = ["model.engine=flux_strength", "dataset=jsonl", f"dataset.path={data}",
           "model.generation.num_inference_steps=1", "batch_size=1"]
     d = tmp_path / "run"
     first = execute(ov, d)

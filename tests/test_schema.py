@@ -60,7 +60,7 @@ def test_ar_model_handed_to_a_diffusion_engine_is_refused_at_startup(compose, tm
     from runner.core.errors import ConfigValueError
     from runner.app.execute import run
 
-    ov = ["platform=cpu", "model=tiny_qwen3_moe", "model.adapter=flux"]
+    ov = ["platform=cpu", "model=tiny_qwen3_moe", "model.engine=flux"]
     with pytest.raises(ConfigValueError, match="does not match the schema"):
         run(compose(ov), tmp_path / "run", ov)
     assert not (tmp_path / "run" / "manifest.json").exists() and not (tmp_path / "run" / "images").exists()
@@ -182,7 +182,7 @@ def test_pipeline_composes_its_diffusion_model_and_typed_stage_model(compose):
     assert m.name == "prompt_expand_flux" and list(m.pipeline) == ["expand", "denoise"]
     assert OmegaConf.get_type(m.stages.expand) is schema.PipelineStageConfig
     assert OmegaConf.get_type(m.stages.denoise) is schema.PipelineStageConfig
-    assert (m.stages.expand.adapter, m.stages.expand.input) == ("vllm", "prompt")
+    assert (m.stages.expand.engine, m.stages.expand.input) == ("vllm", "prompt")
     assert (m.stages.denoise.input, m.stages.denoise.template) == ("expand", "{prompt}, {text}")
     sm = m.stages.expand.model
     assert OmegaConf.get_type(sm) is schema.ARModelConfig
@@ -292,12 +292,12 @@ def test_manifest_config_holds_plain_strings_and_resume_sees_no_change(execute, 
     cfg = json.loads(text)["config"]
     assert "<" not in json.dumps(cfg) and "Compile." not in text and "DType." not in text
     assert (cfg["compile"], cfg["dtype"], cfg["parallelism"], cfg["dataset"]["format"], cfg["platform"]["name"],
-            cfg["platform"]["device"], cfg["launcher"]["name"], cfg["model"]["adapter"], cfg["model"]["load_format"]) == (
+            cfg["platform"]["device"], cfg["launcher"]["name"], cfg["model"]["engine"], cfg["model"]["load_format"]) == (
         "none", "auto", {"mode": "single", "ulysses_degree": 1, "ring_degree": 1, "data": None, "assign": "static",
                          "lease_s": 60.0}, "builtin", "cpu",
         "cpu", "local", "flux", "auto")
     assert cfg["platform"]["probes"] == ["device_name"]
-    assert '"compile": "none"' in text and '"adapter": "flux"' in text
+    assert '"compile": "none"' in text and '"engine": "flux"' in text
     # the config as the next run composes it (enum members) compares equal to the manifest's plain strings
     again = OmegaConf.to_container(compose(["platform=cpu", *ov]), resolve=True)
     assert json.dumps(again, sort_keys=True) == json.dumps(cfg, sort_keys=True)
@@ -310,12 +310,12 @@ def test_manifest_config_holds_plain_strings_and_resume_sees_no_change(execute, 
 
 
 def test_an_ar_engine_on_a_diffusion_model_is_refused_before_anything_loads(compose, tmp_path):
-    """``model.adapter`` is an open name (engines register at run time), so the family check happens at startup:
+    """``model.engine`` is an open name (engines register at run time), so the family check happens at startup:
     a diffusion model handed to the AR engine no longer matches the AR schema (exit 2, naming a key)."""
     from runner.core.errors import ConfigValueError
     from runner.app.execute import run
 
-    ov = ["platform=cpu", "model.adapter=vllm"]
+    ov = ["platform=cpu", "model.engine=vllm"]
     with pytest.raises(ConfigValueError, match="does not match the schema"):
         run(compose(ov), tmp_path / "run", ov)
     assert not (tmp_path / "run" / "manifest.json").exists() and not (tmp_path / "run" / "images").exists()
@@ -335,3 +335,61 @@ def test_a_schema_base_chosen_as_model_is_refused_naming_it(subprocess_env, tmp_
     out = p.stdout + p.stderr
     assert p.returncode == 2, out[-2000:]
     assert "Traceback" not in out and "model.name" in out and "no value" in out and "schema base" in out and "fix" in out
+
+
+# Issue #39: the engine key was called ``adapter`` (a word that means LoRA to this field's users); it is ``engine``.
+# The former name is refused naming the new one, run dirs written under the former name keep their identity and
+# resume (``runner.core.resume._former_names`` / ``current_names``), and older manifests still read.
+def test_the_former_engine_key_is_refused_naming_engine(subprocess_env, tmp_path):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-m", "runner", "model.adapter=flux", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, env=dict(subprocess_env, PYTHONPATH=str(repo)), capture_output=True, text=True,
+                       timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-2000:]
+    assert "Traceback" not in out and "model.adapter=flux" in out and "fix: model.engine=flux" in out
+    assert not (tmp_path / "run" / "images").exists()
+
+
+@pytest.mark.parametrize("override,fix", [
+    ("model.stages.expand.adapter=vllm", "model.stages.expand.engine=vllm"),
+    ("model.stages.expand.model.adapter=vllm", "model.stages.expand.model.engine=vllm")])
+def test_a_pipeline_stage_s_former_engine_key_is_refused(compose, override, fix):
+    from runner.app.checks import check_schema
+    from runner.core.errors import ConfigValueError
+
+    check_schema(compose(["model=prompt_expand_flux"]))  # the shipped pipeline passes
+    with pytest.raises(ConfigValueError) as e:
+        check_schema(compose(["model=prompt_expand_flux", override]))
+    assert str(e.value).startswith(override + ":") and f"fix: {fix} " in str(e.value)
+
+
+def _former(node):
+    """A config or identity node as a version before issue #39 wrote it (``engine`` -> ``adapter``), spelled here
+    independently of the code under test."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k == "adapter" and v is None:  # the guard did not exist then
+                continue
+            out["adapter" if k == "engine" else "model.adapter" if k == "model.engine" else k] = _former(v)
+        return out
+    return node
+
+
+def test_a_config_recorded_under_the_former_name_resumes_and_keeps_its_identity(compose):
+    from runner.core import resume as rs
+
+    new = OmegaConf.to_container(compose(["model=prompt_expand_flux"]), resolve=True)
+    old = _former(new)
+    assert old["model"]["adapter"] == "flux" and old["model"]["stages"]["expand"]["adapter"] == "vllm"
+    assert old["model"]["stages"]["expand"]["model"]["adapter"] == "vllm" and '"engine":' not in json.dumps(old)
+    assert rs.semantic_diff(old, new, None, "x") == []  # the earlier run's config compares equal: it resumes
+    changed = json.loads(json.dumps(old).replace('"adapter": "vllm"', '"adapter": "echo"', 1))
+    assert rs.semantic_diff(changed, new, None, "x") == [
+        "model.stages.expand.engine: 'echo' -> 'vllm'"]  # a real change of a stage's engine still refuses
+    ident = rs.run_identity(new, "float32", {"kind": "cpu"}, {}, {})["config"]
+    assert ident == _former({k: rs._identity_value(new, k) for k in rs.IDENTITY_KEYS})  # the identity, as then

@@ -21,15 +21,16 @@ except ImportError:  # tests/ imported as a package
 
 pytestmark = pytest.mark.cpu
 
-#: The hand-kept lists of runner/core/resume.py and models/diffusers_engine.py before the declarations (d6c0ce0).
-FORMER_SEMANTIC_KEYS = ("model.name", "model.adapter", "model.path", "model.revision", "model.load_format",
+#: The hand-kept lists of runner/core/resume.py and models/diffusers_engine.py before the declarations (d6c0ce0),
+#: with model.adapter under its name since issue #39 (model.engine; the identity keeps the former name).
+FORMER_SEMANTIC_KEYS = ("model.name", "model.engine", "model.path", "model.revision", "model.load_format",
                         "model.architecture", "model.generation", "model.backend", "model.stages", "backend", "dtype",
                         "seed", "num_images_per_prompt", "compile", "optimize.fuse_qkv",
                         "optimize.vae_channels_last", "optimize.deterministic_compile")
 FORMER_IDENTITY_KEYS = tuple(k for k in FORMER_SEMANTIC_KEYS + ("cpu_threads",)
                              if k not in ("seed", "num_images_per_prompt", "backend", "model.backend"))
 
-CFG = {"model": {"name": "m", "adapter": "flux", "path": None, "revision": "r1", "load_format": "auto",
+CFG = {"model": {"name": "m", "engine": "flux", "path": None, "revision": "r1", "load_format": "auto",
                  "architecture": {"transformer": {"num_layers": 1}},
                  "generation": {"width": 64, "height": 32, "num_inference_steps": 4, "guidance_scale": None,
                                 "max_sequence_length": 77, "true_cfg_scale": 1.0, "num_frames": None, "fps": None},

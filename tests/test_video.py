@@ -152,7 +152,7 @@ def _rows(tmp_path: Path, rows: Dict[str, str] = ROWS) -> Path:
 
 
 def _ov(data: Path, extra: Sequence[str] = ()) -> List[str]:
-    return ["platform=cpu", "model.adapter=moving_square", "dataset=jsonl", f"dataset.path={data}", "batch_size=1",
+    return ["platform=cpu", "model.engine=moving_square", "dataset=jsonl", f"dataset.path={data}", "batch_size=1",
             *extra]
 
 

@@ -28,7 +28,7 @@ def _snapshot(model: str) -> Path:
 
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / f"{model}.yaml")
     arch = OmegaConf.to_container(cfg.architecture, resolve=True)
-    return engine_class(cfg.adapter).embedded_snapshot_at(embedded_target(model, arch, None), arch)
+    return engine_class(cfg.engine).embedded_snapshot_at(embedded_target(model, arch, None), arch)
 
 
 def test_both_experts_are_probed_and_run_at_the_steps_boundary_ratio_gives(run_job):

@@ -1,4 +1,4 @@
-"""The vLLM side of the runner (``model.adapter=vllm``): autoregressive models and AR stages of pipelines.
+"""The vLLM side of the runner (``model.engine=vllm``): autoregressive models and AR stages of pipelines.
 
 Modules (imported on use: ``vllm`` itself loads only when an engine is prepared):
 

@@ -1,4 +1,4 @@
-"""The vLLM engine (``model.adapter=vllm``): a whole run of an AR model (``model=tiny_qwen3_moe``) and the AR stage
+"""The vLLM engine (``model.engine=vllm``): a whole run of an AR model (``model=tiny_qwen3_moe``) and the AR stage
 of a multi-stage pipeline (``model=prompt_expand_flux``: ``expand`` feeds ``denoise``), both driven by the one run
 loop (``runner.app.execute.run``) through the engine protocol (:mod:`models.base`).
 

@@ -1,4 +1,4 @@
-"""The AR dataset row (``model.adapter=vllm``): a prompt (text or token ids) and per-row ``vllm.SamplingParams``
+"""The AR dataset row (``model.engine=vllm``): a prompt (text or token ids) and per-row ``vllm.SamplingParams``
 fields, validated by the one row driver (``runner.core.dataset.validate_rows``) over :data:`AR_ROW`, before the
 engine starts.
 

@@ -96,6 +96,7 @@ def check_schema(cfg: DictConfig) -> None:
     from runner.core.resolve import MisplacedBackendKeyError
     from runner.core.schema import typed_skeleton
 
+    check_renamed_keys(cfg)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # e.g. model=base_diffusion: a family's schema, which --help lists beside the models
         base = ("; the model option chosen is a schema base (base_diffusion, base_ar, base_pipeline), not a model"
@@ -118,6 +119,30 @@ def check_schema(cfg: DictConfig) -> None:
         msg = str(e).splitlines()[0]
         raise ConfigValueError(f"config does not match the schema: {msg}; fix: remove or correct that key "
                                "(a `+key=...` override adds keys the schema does not know)") from None
+
+
+def check_renamed_keys(cfg: DictConfig) -> None:
+    """Refuse a key the schema renamed, naming its new name: ``model.adapter`` (and a pipeline stage's ``adapter``,
+    and its stage model's) is ``engine`` since issue #39 (``adapter`` means a LoRA to this field's users). The schema
+    keeps the old name as a guard that must stay null, so this message comes instead of Hydra's "key not in struct".
+
+    Raises:
+        ConfigValueError: every renamed key set, with its value and the fix (the command line and the model YAML).
+    """
+    model = cfg.model
+    bad = [f"model.adapter={model.adapter}"] if model.get("adapter") is not None else []
+    for sname, stage in (model.get("stages") or {}).items():
+        if stage.get("adapter") is not None:
+            bad.append(f"model.stages.{sname}.adapter={stage.adapter}")
+        sub = stage.get("model")
+        if sub is not None and sub.get("adapter") is not None:
+            bad.append(f"model.stages.{sname}.model.adapter={sub.adapter}")
+    if bad:
+        fixes = [b.replace("adapter=", "engine=") for b in bad]
+        raise ConfigValueError(
+            f"{', '.join(bad)}: the model's engine is called engine since issue #39 (adapter means a LoRA adapter); "
+            f"fix: {' '.join(fixes)} on the command line, or 'engine: <name>' instead of 'adapter: <name>' in the "
+            "model YAML")
 
 
 def check_run_values(cfg: DictConfig) -> None:
@@ -178,7 +203,7 @@ def check_run_values(cfg: DictConfig) -> None:
                                "evidence.enabled=false to run without evidence)")
 
 
-def check_fresh_dir(out_dir: Path, resumable: bool, adapter: str) -> None:
+def check_fresh_dir(out_dir: Path, resumable: bool, engine: str) -> None:
     """A stage that does not resume refuses a dir that already holds a run (its records would mix with this run's).
 
     Raises:
@@ -191,7 +216,7 @@ def check_fresh_dir(out_dir: Path, resumable: bool, adapter: str) -> None:
     held = [n for n in ("manifest.json", "items.jsonl") if (out_dir / n).exists()]
     if held:
         raise ResumeConflictError(
-            f"{out_dir} already holds a run ({', '.join(held)}); {adapter} runs do not resume and "
+            f"{out_dir} already holds a run ({', '.join(held)}); {engine} runs do not resume and "
             "would mix two runs' records; fix: run into a new dir (hydra.run.dir=<new dir> or "
             "output.dir=<new dir>)")
 

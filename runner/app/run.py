@@ -178,7 +178,7 @@ class Run:
 
         self.metric_set = check_metrics(cfg.get("metrics"), self.final.output, data_parallel=self.worker is not None,
                                         floors=cfg.report.get("min_metric_ratio"))
-        checks.check_fresh_dir(self.out_dir, self.final.resumable, self.specs[-1].adapter)
+        checks.check_fresh_dir(self.out_dir, self.final.resumable, self.specs[-1].engine)
         checks.apply_cpu_threads(cfg)
         self.plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
         self.dtype = checks.resolve_dtype(cfg.dtype, self.plat.kind)
@@ -328,8 +328,8 @@ class Run:
         return doc
 
     def model_section(self) -> Dict[str, Any]:
-        """The manifest's ``model`` before loading (name, adapter, the final stage's weights source)."""
-        self.model_doc = {"name": self.cfg.model.name, "adapter": self.cfg.model.adapter,
+        """The manifest's ``model`` before loading (name, engine, the final stage's weights source)."""
+        self.model_doc = {"name": self.cfg.model.name, "engine": self.cfg.model.engine,
                           "source": self.sources[self.final.stage]}
         return self.model_doc
 

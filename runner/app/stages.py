@@ -25,12 +25,12 @@ log = logging.getLogger("runner")
 
 @dataclass
 class StageSpec:
-    """One node of the run's stage graph: the stage name, its engine (``model.adapter`` value), its model config
+    """One node of the run's stage graph: the stage name, its engine (``model.engine`` value), its model config
     (``model``: its family's dataclass, from the typed run config), and, for a stage fed by another, the feeding
     stage and the prompt ``template`` (``{prompt}``, ``{text}``)."""
 
     name: str
-    adapter: str
+    engine: str
     input: Optional[str] = None
     template: Optional[str] = None
     model: Any = None
@@ -52,7 +52,7 @@ def stage_graph(cfg: DictConfig, run: Any = None) -> List[StageSpec]:
     from runner.core.schema import to_typed
 
     run = run if run is not None else to_typed(cfg)
-    final = StageSpec(engine_class(cfg.model.adapter).default_stage, cfg.model.adapter, model=run.model)
+    final = StageSpec(engine_class(cfg.model.engine).default_stage, cfg.model.engine, model=run.model)
     order = list(cfg.model.get("pipeline") or [])
     if not order:
         return [final]
@@ -86,10 +86,10 @@ def stage_graph(cfg: DictConfig, run: Any = None) -> List[StageSpec]:
         raise UserInputError(f"model.stages.{final.name}.template={template!r} does not use {{text}}, the output of "
                              f"stage {s!r}, so every item would be rendered without it; fix: e.g. "
                              f"model.stages.{final.name}.template='{{prompt}}, {{text}}'")
-    up_cls = engine_class(stages[s].adapter, where=f"model.stages.{s}.adapter")
+    up_cls = engine_class(stages[s].engine, where=f"model.stages.{s}.engine")
     up_model = up_cls.stage_model_cfg(run, s)
     final.input, final.template = s, template
-    return [StageSpec(s, stages[s].adapter, input="prompt", model=up_model), final]
+    return [StageSpec(s, stages[s].engine, input="prompt", model=up_model), final]
 
 
 def build_engines(cfg: DictConfig, overrides: Sequence[str], plat: Any = None, dtype: Any = None,
@@ -102,7 +102,7 @@ def build_engines(cfg: DictConfig, overrides: Sequence[str], plat: Any = None, d
     from runner.core.schema import to_typed
 
     run = run if run is not None else to_typed(cfg)  # once: every stage's engine reads the same typed config
-    return [engine_class(s.adapter)(StageContext(cfg=cfg, overrides=list(overrides), stage=s.name,
+    return [engine_class(s.engine)(StageContext(cfg=cfg, overrides=list(overrides), stage=s.name,
                                                  plat=plat, dtype=dtype, run=run,
                                                  model=s.model))
             for s in (specs if specs is not None else stage_graph(cfg, run))]

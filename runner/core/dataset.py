@@ -521,7 +521,7 @@ def check_task_inputs(where: str, vals: Mapping[str, Any], merged: Mapping[str, 
     if isinstance(vals.get("image"), list) and "image" in takes and not context.get("multi_image"):
         out.append(f"{where}: field 'image' is a list of {len(vals['image'])} paths, and model.task={task} of this "
                    "family takes one image; fix: one path per row (a family with multi-reference edit: "
-                   "model.adapter=qwen_image)")
+                   "model.engine=qwen_image)")
     return out
 
 

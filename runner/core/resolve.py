@@ -217,7 +217,7 @@ def check_placement(cfg: DictConfig, stages: Optional[Sequence[str]] = None) -> 
     """Reject backend keys placed where nothing reads them.
 
     Args:
-        stages: the stage names the model's adapter has; settings under any other stage name are never read.
+        stages: the stage names the model's engine has; settings under any other stage name are never read.
 
     Raises:
         MisplacedBackendKeyError: e.g. ``model.architecture.attention`` (belongs under ``model.backend`` or

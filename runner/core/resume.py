@@ -135,6 +135,28 @@ def _when_set_keys(kind: str) -> tuple:
     return tuple(k for k in WHEN_SET if k in keys)
 
 
+def current_names(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """A resolved config recorded by an earlier version, under today's key names: ``model.adapter`` (before issue
+    #39) is ``model.engine``, in the model, each pipeline stage and its stage model. Returns a new dict; ``cfg`` as it
+    is when it has nothing to rename."""
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    if not isinstance(model, dict):
+        return cfg
+
+    def node(m: Dict[str, Any]) -> Dict[str, Any]:
+        if m.get("adapter") is None or "engine" in m:
+            return m
+        return {**{k: v for k, v in m.items() if k != "adapter"}, "engine": m["adapter"]}
+
+    new = node(model)
+    stages = new.get("stages")
+    if isinstance(stages, dict):
+        new = {**new, "stages": {n: {**node(st), **({"model": node(st["model"])} if isinstance(st.get("model"), dict)
+                                                   else {})} if isinstance(st, dict) else st
+                                 for n, st in stages.items()}}
+    return cfg if new == model else {**cfg, "model": new}
+
+
 def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_sha: Optional[str],
                   new_dataset_sha: str, keys: Sequence[str] = ()) -> List[str]:
     """Dotted keys whose values differ between two resolved configs (plus ``dataset.sha256``), as
@@ -145,6 +167,7 @@ def semantic_diff(old_cfg: Dict[str, Any], new_cfg: Dict[str, Any], old_dataset_
             of a video run), so that they count only for the runs whose artifacts they change.
     """
     diffs = []
+    old_cfg = current_names(old_cfg)
     for key in (*SEMANTIC_KEYS, *keys):
         a, b = (_flat(_entries_without_omitted(key, _get(c, key)), key) for c in (old_cfg, new_cfg))
         for k in sorted(set(a) | set(b)):
@@ -308,6 +331,31 @@ def _identity_value(cfg: Dict[str, Any], key: str) -> Any:
     return val
 
 
+def _former_names(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The identity's config under the key names it had when the identity was first recorded, so a rename of a
+    config key leaves every run's identity (and so its resume) unchanged: ``model.engine`` was ``model.adapter``
+    before issue #39, in the model and in each pipeline stage and its stage model (whose former guard of that name,
+    always null, did not exist then)."""
+    out = dict(config)
+    if "model.engine" in out:
+        out["model.adapter"] = out.pop("model.engine")
+    stages = out.get("model.stages")
+    if isinstance(stages, dict):
+        out["model.stages"] = {n: _former_stage(e) for n, e in stages.items()}
+    return out
+
+
+def _former_stage(entry: Any) -> Any:
+    if not isinstance(entry, dict) or "engine" not in entry:  # a one-stage model's StageConfig has neither
+        return entry
+    e = {k: v for k, v in entry.items() if k not in ("engine", "adapter")}
+    e["adapter"] = entry["engine"]
+    if isinstance(e.get("model"), dict) and "engine" in e["model"]:
+        e["model"] = {**{k: v for k, v in e["model"].items() if k not in ("engine", "adapter")},
+                      "adapter": e["model"]["engine"]}
+    return e
+
+
 def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], backends: Dict[str, Any],
                  packages: Dict[str, Any], source: Optional[Dict[str, Any]] = None,
                  output: Optional[Dict[str, Any]] = None, context: Any = None) -> Dict[str, Any]:
@@ -328,7 +376,7 @@ def run_identity(cfg: Dict[str, Any], dtype: str, platform: Dict[str, Any], back
             its images are close to, not equal to, a one-device run's); None: no such key (data parallelism
             computes the same bytes as one device).
     """
-    config: Dict[str, Any] = {key: _identity_value(cfg, key) for key in IDENTITY_KEYS}
+    config = _former_names({key: _identity_value(cfg, key) for key in IDENTITY_KEYS})
     for key in _when_set_keys(IDENTITY):  # absent while unset, so identities of runs that never set it are unchanged
         val = WHEN_SET[key](cfg)
         if val is not None:

@@ -313,7 +313,7 @@ class OffloadMode(Choice):
     group_block = "group_block"
     group_leaf = "group_leaf"
 
-#: ``model.adapter`` values whose models take the AR schema; the engine name itself is an open choice checked
+#: ``model.engine`` values whose models take the AR schema; the engine name itself is an open choice checked
 #: against ``models.registry`` (an engine registered out of tree is one ``register_engine`` call).
 AR_ENGINES = ("vllm",)
 
@@ -429,8 +429,10 @@ class ModelConfig:
 
     name: str = declared(MISSING, enters=(RESUME, IDENTITY))
     """Model name: the manifest's ``model.name``, and the key of ``platform.overlays``."""
-    adapter: Any = declared(MISSING, enters=(RESUME, IDENTITY))
-    """The engine that runs the model (each family narrows it to its own engines)."""
+    engine: Any = declared(MISSING, enters=(RESUME, IDENTITY))
+    """The engine that runs the model (``models.registry``; each family narrows it to its own engines). Called
+    ``adapter`` before issue #39 (a word that means LoRA to this field's users): ``adapter`` is refused, naming
+    this key."""
     path: Optional[str] = declared(None, enters=(RESUME, IDENTITY))
     """A local checkpoint directory (diffusers snapshot, or Hugging Face model directory for vLLM)."""
     load_format: LoadFormat = declared(LoadFormat.auto, enters=(RESUME, IDENTITY))
@@ -455,6 +457,9 @@ class ModelConfig:
     """Guard: refused when set; the model's default is ``model.backend.linear``."""
     moe: Any = None
     """Guard: refused when set; the model's default is ``model.backend.moe``."""
+    adapter: Any = None
+    """Guard: the former name of ``engine``; refused when set, naming ``model.engine`` (and ``engine:`` in a model
+    YAML)."""
 
 
 @dataclass
@@ -483,7 +488,7 @@ class QuantizationConfig:
 class DiffusionModelConfig(ModelConfig):
     """A diffusion model run through diffusers (``conf/model/flux.yaml``: ``defaults: [base_diffusion, _self_]``)."""
 
-    adapter: str = declared("flux", enters=(RESUME, IDENTITY))
+    engine: str = declared("flux", enters=(RESUME, IDENTITY))
     """The engine (``models.registry``): a family, ``flux``, ``sd3``, ``qwen_image``, ``wan``, ``hidream``, ``ltx2``, or
     ``diffusers`` (any transformer-based pipeline, from its snapshot's ``model_index.json``;
     ``models.pipelines.PipelineEngine``)."""
@@ -523,7 +528,7 @@ class ARModelConfig(ModelConfig):
     """An autoregressive model run through vLLM (``conf/model/tiny_qwen3_moe.yaml``:
     ``defaults: [base_ar, _self_]``)."""
 
-    adapter: str = declared("vllm", enters=(RESUME, IDENTITY))
+    engine: str = declared("vllm", enters=(RESUME, IDENTITY))
     """The engine (``models.registry``): ``vllm`` (``models.vllm.engine.VLLMEngine``)."""
     roles: List[str] = field(default_factory=lambda: ["decoder"])
     """Attention roles (``decoder``)."""
@@ -541,11 +546,13 @@ class ARModelConfig(ModelConfig):
 
 @dataclass
 class PipelineStageConfig(StageConfig):
-    """A stage of a multi-stage model: its own backends, and for a stage the model's adapter does not run, the
+    """A stage of a multi-stage model: its own backends, and for a stage the model's engine does not run, the
     engine and model that run it and what feeds it."""
 
-    adapter: Optional[str] = None
+    engine: Optional[str] = None
     """The engine of a stage that is not the model's own (``vllm``); null for the model's own stage."""
+    adapter: Any = None
+    """Guard: the former name of ``engine``; refused when set, naming ``model.stages.<stage>.engine``."""
     model: Optional[ModelConfig] = None
     """That stage's model config, composed from a model file: ``defaults: [tiny_qwen3_moe@stages.<stage>.model]``."""
     input: Optional[str] = None
@@ -576,10 +583,10 @@ MODEL_FAMILIES = {"base_diffusion": DiffusionModelConfig, "base_ar": ARModelConf
 
 def model_schema(model: Mapping[str, Any]) -> type:
     """The family schema of a model config as a plain mapping (a run config rebuilt from a dict has lost its
-    types): a pipeline when it lists ``pipeline``, AR when its adapter is an AR engine, else diffusion."""
+    types): a pipeline when it lists ``pipeline``, AR when its engine is an AR engine, else diffusion."""
     if "pipeline" in model:
         return PipelineModelConfig
-    if model.get("adapter") in AR_ENGINES:
+    if model.get("engine") in AR_ENGINES:
         return ARModelConfig
     return DiffusionModelConfig
 

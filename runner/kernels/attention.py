@@ -329,7 +329,7 @@ def install(stage: str, sites: Iterable[Tuple[str, str, torch.nn.Module]],
 
     Args:
         stage: stage name for the records.
-        sites: ``(role, layer_name, module)`` from the model adapter.
+        sites: ``(role, layer_name, module)`` from the model engine.
         selected: ``{role: {backend, quant, skip_softmax}}`` from resolution.
         platform_sm: compute capability (picks FA3 over FA2 on sm90 when ``flash_attn_interface`` exists).
         observe: attach the call-site probes. Off under ``torch.compile`` (Python counters would be traced into

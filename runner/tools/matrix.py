@@ -5,7 +5,7 @@ actually run, and with what result.
 prints a Markdown table (:func:`matrix_table` returns the same string). Only manifests count: a state is never
 inferred from an import succeeding, from a registry entry, or from a run on another device.
 
-Row key: ``model``, ``task`` (``text-to-image`` for the flux adapter), one column per backend field
+Row key: ``model``, ``task`` (``text-to-image`` for the flux engine), one column per backend field
 (``attention``, ``linear``, ``moe``: the requested value, normalised to its canonical name, and the selected
 implementation: ``TORCH_SDPA`` when requested and selected agree, ``auto→TORCH`` when ``auto`` chose, ``n/a``
 when the stage has no such layers; prefixed ``<stage>:`` when a model has several stages), ``dtype`` (the
@@ -168,12 +168,13 @@ def row_key(job: Job) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
     m = job.manifest
     cfg = m.get("config") or {}
     model = (m.get("model") or {}).get("name") or (cfg.get("model") or {}).get("name") or "?"
-    adapter = (m.get("model") or {}).get("adapter") or (cfg.get("model") or {}).get("adapter")
+    mm, cm = m.get("model") or {}, cfg.get("model") or {}
+    engine = mm.get("engine") or cm.get("engine") or mm.get("adapter") or cm.get("adapter")  # adapter: before #39
     par = m.get("parallelism") or cfg.get("parallelism") or {}  # the merged data-parallel section wins
     par_txt = f"{par.get('mode', 'single')} x{par.get('world_size', 1)}" + (
         f" ({par['launcher']})" if par.get("launcher") else "")
     cells, eff = _backend_cells(m)
-    key = {"model": model, "task": TASKS.get(adapter, adapter or "?"), **cells, "dtype": _dtype(m),
+    key = {"model": model, "task": TASKS.get(engine, engine or "?"), **cells, "dtype": _dtype(m),
            "parallelism": par_txt, "device": _device(m)}
     return key, eff
 

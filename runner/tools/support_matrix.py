@@ -10,7 +10,7 @@ quantization methods (``runner.kernels.quantization.METHODS``), the step-cache m
 the offload plans (``memory.offload``: ``runner.core.schema.OffloadMode``), LoRA fusing (``model.lora_fuse``:
 ``LoraFuse``), the conditioning tasks (``models.family.TASKS``), the metrics (``runner.core.metrics.REGISTRY``) and
 the parallelism modes (``ParallelismMode``). Columns: the families, plus the non-family engines a model config
-names as its adapter (``vllm``) in the backend tables.
+names as its engine (``vllm``) in the backend tables.
 
 Evidence (:func:`collect`), every file under the results dir:
 
@@ -110,7 +110,7 @@ def axes() -> List[Axis]:
         return tuple(str(m.value) for m in e)
 
     return [
-        Axis("family", "Model families", "model.adapter", tuple(registry.family_names()), "models.registry.FAMILIES"),
+        Axis("family", "Model families", "model.engine", tuple(registry.family_names()), "models.registry.FAMILIES"),
         Axis("attention", "Attention backends", "backend.attention", tuple(BACKENDS["attention"]),
              "runner.kernels.registry.BACKENDS"),
         Axis("linear", "Linear backends", "backend.linear", tuple(BACKENDS["linear"]), "runner.kernels.registry.BACKENDS"),
@@ -136,37 +136,38 @@ BACKEND_AXES = ("attention", "linear", "moe")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A ``conf/model`` config: its adapter (a family or an engine) and the task it sets (None: the family's)."""
+    """A ``conf/model`` config: its engine (a family or another engine) and the task it sets (None: the
+    family's)."""
 
     name: str
-    adapter: str
+    engine: str
     task: Optional[str]
 
 
 def model_configs(root: Path) -> Dict[str, ModelConfig]:
-    """``{config name: ModelConfig}`` of ``conf/model/*.yaml`` under ``root`` (a config without an adapter, such as
+    """``{config name: ModelConfig}`` of ``conf/model/*.yaml`` under ``root`` (a config without an engine, such as
     a multi-stage pipeline, takes its first stage's)."""
     import yaml
 
     out = {}
     for f in sorted((root / "conf" / "model").glob("*.yaml")):
         d = yaml.safe_load(f.read_text()) or {}
-        adapter = d.get("adapter")
-        if adapter is None:
+        engine = d.get("engine")
+        if engine is None:
             stages = d.get("stages") or {}
             first = next(iter(stages.values()), {}) if isinstance(stages, dict) else {}
-            adapter = (first or {}).get("adapter")
-        if adapter:
-            out[f.stem] = ModelConfig(f.stem, str(adapter), d.get("task"))
+            engine = (first or {}).get("engine")
+        if engine:
+            out[f.stem] = ModelConfig(f.stem, str(engine), d.get("task"))
     return out
 
 
 def columns(root: Path) -> List[str]:
-    """The families, then the engines other model configs name as their adapter (``vllm``)."""
+    """The families, then the engines other model configs name (``vllm``)."""
     from models import registry
 
     fams = registry.family_names()
-    engines = sorted({c.adapter for c in model_configs(root).values()} - set(fams) - {"diffusers"})
+    engines = sorted({c.engine for c in model_configs(root).values()} - set(fams) - {"diffusers"})
     return [*fams, *[e for e in engines if e in registry.ENGINES]]
 
 
@@ -251,11 +252,11 @@ class Features:
             return None, None
         if model in self.configs:
             c = self.configs[model]
-            return c.adapter, c.task
+            return c.engine, c.task
         if model in self.families:
             return model, None
         best = max((n for n in self.configs if model.startswith(n + "_")), key=len, default=None)
-        return (self.configs[best].adapter, self.configs[best].task) if best else (None, None)
+        return (self.configs[best].engine, self.configs[best].task) if best else (None, None)
 
     def _norm(self, axis: str, value: str) -> Optional[str]:
         from runner.kernels import quantization
@@ -279,7 +280,7 @@ class Features:
 
     def from_overrides(self, overrides: Sequence[str], into: Dict[str, List[str]]) -> Dict[str, Optional[str]]:
         """Add the features ``overrides`` set to ``into``; returns ``{"model": config, "task": task}`` seen."""
-        seen: Dict[str, Optional[str]] = {"model": None, "task": None, "adapter": None}
+        seen: Dict[str, Optional[str]] = {"model": None, "task": None, "engine": None}
         expanded: List[str] = []
         for o in overrides:
             o = str(o).lstrip("+~")
@@ -296,8 +297,8 @@ class Features:
                 self._add(into, m.group(1), value)
             elif key == "model":
                 seen["model"] = value
-            elif key == "model.adapter":
-                seen["adapter"] = value
+            elif key in ("model.engine", "model.adapter"):  # adapter: results recorded before issue #39
+                seen["engine"] = value
             elif key == "model.task":
                 seen["task"] = value
             elif key.startswith("model.quantization.") and key != "model.quantization.gguf_file":
@@ -553,7 +554,7 @@ def parse_json(path: Path, rel: str, feats: Features) -> List[Run]:
                     feats._add(f, "offload", str(plan["offload"]))
                 for method in (plan.get("quantization") or {}).values():
                     feats._add(f, "quantization", str(method))
-            model = seen["model"] or seen["adapter"]
+            model = seen["model"] or seen["engine"]
             if model is None:  # nearest enclosing record, then the key path (gate_toy_shapes/jobs/fp8)
                 model = ctx.get("model") or ctx.get("family")
             if feats.column_of(model)[0] is None:
