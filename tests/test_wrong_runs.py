@@ -557,3 +557,52 @@ def test_min_metric_ratio_with_a_negative_lossless_mean_needs_the_lossy_mean_at_
                 _png(j.path / r["file"], np.full((8, 8, 3), 128, np.uint8))
         doc = compare(job, ref, min_metric_ratio={"clip_score": 0.99})
         assert doc["verdict"] == verdict, doc
+
+
+# ------------------------------------------------------------------------------- the oracle's accuracy (field)
+def _accuracy(d: Path) -> Dict[str, Any]:
+    return json.loads((d / "manifest.json").read_text())["accuracy"]
+
+
+def test_items_restored_from_the_unlisted_journal_are_read_not_counted_as_misses(execute, tmp_path):
+    """A new user's session: ``dataset.limit=4``, then ``2`` (items 3-4 move to items.unlisted.jsonl), then ``4``
+    again: the third run reuses all four (the same bytes), so its accuracy is the first run's. It recorded 0.5: the
+    two restored items had no record in items.jsonl when the oracle read them (``read`` null, scored as misses)."""
+    d = tmp_path / "run"
+    first = execute(["model=toy_shapes", "dataset.limit=4"], d)
+    assert first.code == 0 and _accuracy(d)["all"] == 1.0
+    assert execute(["model=toy_shapes", "dataset.limit=2"], d).code == 0 and (d / "items.unlisted.jsonl").is_file()
+    third = execute(["model=toy_shapes", "dataset.limit=4"], d)
+    assert third.code == 0 and third.manifest["counts"]["reused"] == 4
+    acc = _accuracy(d)
+    assert acc["n"] == 4 and acc["all"] == 1.0, acc
+    assert all(v["color"] is not None for v in acc["read"].values())
+
+
+def test_an_interrupted_run_scores_the_items_it_got_to(compose, tmp_path):
+    """SIGINT during item 2 of 4 (batch 1): items 1-2 finish, 3-4 are never attempted. The accuracy is over the two
+    items it has (both read right), not over four with two never-attempted ones counted wrong (it recorded
+    ``all 0.5 (n 4)``); the resume then scores all four."""
+    import os
+    import signal
+
+    from runner.app.execute import run
+
+    steps = {"n": 0}
+
+    def on_loaded(engine):
+        def hook(mod, args):
+            steps["n"] += 1
+            if steps["n"] == engine.cfg.generation.num_inference_steps + 1:  # item 2's first forward
+                os.kill(os.getpid(), signal.SIGINT)
+
+        engine.denoiser.register_forward_pre_hook(hook)
+
+    d = tmp_path / "run"
+    ov = ["platform=cpu", "model=toy_shapes", "dataset.limit=4", "batch_size=1"]
+    assert run(compose(ov), d, ov, on_loaded=on_loaded) == 128 + signal.SIGINT
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["status"] == "interrupted" and m["counts"]["ok"] == 2
+    assert m["accuracy"]["n"] == 2 and m["accuracy"]["all"] == 1.0, m["accuracy"]
+    assert run(compose(ov), d, ov) == 0
+    assert _accuracy(d)["n"] == 4 and _accuracy(d)["all"] == 1.0

@@ -112,6 +112,7 @@ class Run:
         self.counts, self.timing, self.status = {"ok": 0, "failed": 0, "reused": 0}, Timing(), "running"
         self.results, self.links, self.sink, self.bar, self.raising = {}, {}, None, None, False
         self.metric_set = None
+        self.plan: Optional[resume.ResumePlan] = None  # plan_items
         self.claims = worker.claims if worker is not None and worker.assign == "claims" else None
         self.batch_of: Dict[str, str] = {}  # claims: item key -> its batch id
         self.in_flight: Dict[str, set] = {}  # claims: batch id -> keys not journaled yet
@@ -480,8 +481,14 @@ class Run:
         m.section("evidence", ev)
         self.sink.drain()
         journal = {r["key"]: r for r in read_journal(self.out_dir / self.journal_name) if "key" in r}
-        mine = self.items if self.claims is None else [it for it in self.items if it.key in journal]
-        acc = final.accuracy(mine, journal, self.out_dir) if self.writes else None
+        # the items reused from another journal of the dir (an earlier run's items.unlisted.jsonl, a merged run's
+        # items.jsonl read by a worker) have their record there until close_outputs compacts it in
+        records = {**self.plan.reuse, **journal} if self.plan is not None and self.claims is None else journal
+        # a worker scores what it ran; an interrupted run the items it got to (the rest were never attempted, not
+        # missed); a finished run every item, a failed or missing one counting as a miss
+        partial = self.claims is not None or self.status == "interrupted"
+        mine = [it for it in self.items if it.key in records] if partial else self.items
+        acc = final.accuracy(mine, records, self.out_dir) if self.writes else None
         if acc is not None:
             m.section("accuracy", acc)
         prompts = final.prompts_section(list(journal.values()))
