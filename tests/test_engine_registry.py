@@ -152,6 +152,23 @@ def test_non_resumable_engine_refuses_a_dir_holding_a_run(echo_engine, compose, 
     assert (tmp_path / "run" / "items.jsonl").read_bytes() == before
 
 
+def test_non_resumable_engine_takes_the_dir_of_a_run_refused_at_startup(echo_engine, compose, tmp_path):
+    """A run refused at startup (its manifest says ``invalid``: nothing was produced) is not a run: the corrected
+    command into the same dir proceeds (a new user's vLLM run with a missing dataset file, then the fixed command,
+    was refused with 'already holds a run ... do not resume'); a dir whose run produced records is still refused."""
+    from runner.app.jobs import run_job
+    from runner.core.resume import ResumeConflictError
+
+    d = tmp_path / "run"
+    ov = ["platform=cpu", "model.engine=echo", "dataset=jsonl", f"dataset.path={tmp_path / 'missing.jsonl'}"]
+    assert run_job(compose(ov), d, ov, reraise=False) == 2  # what `python -m runner` runs: the refusal recorded
+    assert json.loads((d / "manifest.json").read_text())["status"] in ("refused", "invalid")
+    assert _run(compose, d, _rows(tmp_path, {"a": "one"})) == 0
+    assert json.loads((d / "items.jsonl").read_text())["text"] == "eno"
+    with pytest.raises(ResumeConflictError, match="already holds a run"):  # now it holds one
+        _run(compose, d, _rows(tmp_path, {"a": "one"}))
+
+
 def test_unknown_engine_name_is_a_user_error_naming_the_closest():
     with pytest.raises(UserInputError, match=r"model.engine='flx' is not a registered engine.*did you mean 'flux'"):
         engine_class("flx")

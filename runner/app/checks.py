@@ -213,7 +213,12 @@ def check_fresh_dir(out_dir: Path, resumable: bool, engine: str) -> None:
 
     if resumable:
         return
-    held = [n for n in ("manifest.json", "items.jsonl") if (out_dir / n).exists()]
+    from runner.core.resume import previous_run
+
+    # a manifest of a run refused at startup (status refused/invalid: nothing produced) is not a run: the corrected
+    # command goes into the same dir, as a resumable stage's does (resume.previous_run)
+    held = [n for n in ("manifest.json", "items.jsonl") if (out_dir / n).exists()
+            and (n != "manifest.json" or previous_run(out_dir) is not None)]
     if held:
         raise ResumeConflictError(
             f"{out_dir} already holds a run ({', '.join(held)}); {engine} runs do not resume and "
