@@ -129,14 +129,18 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
             raise ConfigValueError(f"model.generation width x height = {g.width}x{g.height} exceeds max_pixels="
                                    f"{run.max_pixels}; fix: smaller sizes, or raise max_pixels")
         if g.num_inference_steps < 1:
-            raise ConfigValueError(f"model.generation.num_inference_steps={g.num_inference_steps} must be >= 1")
+            raise ConfigValueError(f"model.generation.num_inference_steps={g.num_inference_steps} must be >= 1; fix: "
+                                   "e.g. model.generation.num_inference_steps=28")
         if g.max_sequence_length < 1:
-            raise ConfigValueError(f"model.generation.max_sequence_length={g.max_sequence_length} must be >= 1")
+            raise ConfigValueError(f"model.generation.max_sequence_length={g.max_sequence_length} must be >= 1; fix: "
+                                   "e.g. model.generation.max_sequence_length=512")
         for key, v in (("guidance_scale", g.guidance_scale), ("true_cfg_scale", g.true_cfg_scale)):
             if v is None and key == "guidance_scale":  # null: the model takes no guidance (check_ignored)
                 continue
             if v is None or not math.isfinite(v) or v < 0:
-                raise ConfigValueError(f"model.generation.{key}={v} must be a finite number >= 0")
+                raise ConfigValueError(f"model.generation.{key}={v} must be a finite number >= 0; fix: e.g. "
+                                       f"model.generation.{key}={1.0 if key == 'true_cfg_scale' else 3.5}"
+                                       + (", or null for a model without guidance" if key == "guidance_scale" else ""))
 
     # --------------------------------------------------------------------------------------------- 2. prepare
     def prepare(self) -> Dict[str, Any]:

@@ -184,3 +184,26 @@ def test_appended_unknown_key_is_refused(compose, tmp_path, override):
     assert key in str(exc.value), f"the error does not name {key!r}: {exc.value}"
     assert not (run_dir / "manifest.json").exists(), "refused only after the run had started"
     assert not cache.exists(), "refused only after the model was created/loaded"
+
+
+@pytest.mark.parametrize("override", [
+    "dataset.limit=-1", "num_images_per_prompt=0", "max_pixels=0", "cpu_threads=0", "batch_size=0",
+    "model.generation.num_inference_steps=0", "model.generation.max_sequence_length=0",
+    "model.generation.guidance_scale=-3", "model.generation.true_cfg_scale=-1"])
+def test_each_value_refusal_names_the_key_the_value_and_a_fix(compose, override):
+    """The README's promise for bad input: the field, the value and the fix (a new user met five of these without a
+    fix). Run-level values are checked by ``check_run_values``, a model's by its engine's ``check_config``."""
+    from runner.app.checks import apply_cpu_threads, check_run_values
+    from runner.app.stages import build_engines
+    from runner.core.errors import ConfigValueError
+
+    cfg = compose(["model=tiny_flux", override])
+    with pytest.raises(ConfigValueError) as e:
+        check_run_values(cfg)
+        apply_cpu_threads(cfg)
+        for eng in build_engines(cfg, [override]):
+            eng.check_config()
+    msg = str(e.value)
+    key, value = override.split("=")
+    assert msg.startswith(f"{key}={value}") or msg.startswith(f"{key}={float(value)}"), msg
+    assert "; fix: " in msg and msg.split("; fix: ")[1].strip(), msg

@@ -155,11 +155,13 @@ def check_run_values(cfg: DictConfig) -> None:
     if cfg.batch_size < 1:
         raise ConfigValueError(f"batch_size={cfg.batch_size} must be >= 1; fix: batch_size=1")
     if cfg.dataset.limit is not None and cfg.dataset.limit < 1:
-        raise ConfigValueError(f"dataset.limit={cfg.dataset.limit} must be >= 1 (or null for every row)")
+        raise ConfigValueError(f"dataset.limit={cfg.dataset.limit} must be >= 1; fix: dataset.limit=<a row count>, or dataset.limit=null for every row")
     if cfg.num_images_per_prompt < 1:
-        raise ConfigValueError(f"num_images_per_prompt={cfg.num_images_per_prompt} must be >= 1")
+        raise ConfigValueError(f"num_images_per_prompt={cfg.num_images_per_prompt} must be >= 1; fix: "
+                               "num_images_per_prompt=1")
     if cfg.max_pixels < 1:
-        raise ConfigValueError(f"max_pixels={cfg.max_pixels} must be >= 1")
+        raise ConfigValueError(f"max_pixels={cfg.max_pixels} must be >= 1; fix: max_pixels=<width x height at most>, "
+                               "e.g. max_pixels=4194304")
     if cfg.output.write_workers < 0:
         raise ConfigValueError(f"output.write_workers={cfg.output.write_workers} must be >= 0 (0 writes artifacts in the "
                                "generating thread); fix: output.write_workers=2")
@@ -234,7 +236,8 @@ def apply_cpu_threads(cfg: DictConfig) -> None:
     """
     if cfg.cpu_threads is not None:
         if cfg.cpu_threads < 1:
-            raise ConfigValueError(f"cpu_threads={cfg.cpu_threads} must be >= 1 (or null for torch's default)")
+            raise ConfigValueError(f"cpu_threads={cfg.cpu_threads} must be >= 1; fix: cpu_threads=<threads>, or cpu_threads=null for torch's "
+                                   "default")
         torch.set_num_threads(int(cfg.cpu_threads))
 
 
