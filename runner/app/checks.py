@@ -155,7 +155,8 @@ def check_run_values(cfg: DictConfig) -> None:
     if cfg.batch_size < 1:
         raise ConfigValueError(f"batch_size={cfg.batch_size} must be >= 1; fix: batch_size=1")
     if cfg.dataset.limit is not None and cfg.dataset.limit < 1:
-        raise ConfigValueError(f"dataset.limit={cfg.dataset.limit} must be >= 1; fix: dataset.limit=<a row count>, or dataset.limit=null for every row")
+        raise ConfigValueError(f"dataset.limit={cfg.dataset.limit} must be >= 1; fix: dataset.limit=<a row count>, "
+                               "or dataset.limit=null for every row")
     if cfg.num_images_per_prompt < 1:
         raise ConfigValueError(f"num_images_per_prompt={cfg.num_images_per_prompt} must be >= 1; fix: "
                                "num_images_per_prompt=1")
@@ -236,8 +237,8 @@ def apply_cpu_threads(cfg: DictConfig) -> None:
     """
     if cfg.cpu_threads is not None:
         if cfg.cpu_threads < 1:
-            raise ConfigValueError(f"cpu_threads={cfg.cpu_threads} must be >= 1; fix: cpu_threads=<threads>, or cpu_threads=null for torch's "
-                                   "default")
+            raise ConfigValueError(f"cpu_threads={cfg.cpu_threads} must be >= 1; fix: cpu_threads=<threads>, or "
+                                   "cpu_threads=null for torch's default")
         torch.set_num_threads(int(cfg.cpu_threads))
 
 
