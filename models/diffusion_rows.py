@@ -68,6 +68,8 @@ class DiffusionRows:
         spec = self.row_spec()
         defaults = {f.default: getattr(g, f.default, None) for f in spec.fields if f.default}  # model.generation.<field>
         defaults.update(negative_prompt=None, num_images_per_prompt=cfg.num_images_per_prompt)
+        self.check_generation_defaults(spec, {"size_multiple": self.model_cfg.size_multiple,
+                                              "max_pixels": cfg.max_pixels, **self.row_context()})
         rows, path = ds.load_rows(cfg.dataset.format, cfg.dataset.path, defaults=defaults,
                                   size_multiple=self.model_cfg.size_multiple, max_pixels=cfg.max_pixels,
                                   limit=cfg.dataset.limit, builtin=self.builtin_rows(),
@@ -81,6 +83,32 @@ class DiffusionRows:
         self.check_rows(rows, path)
         rows = self.passes.prepare_rows(rows, path)
         return rows, path
+
+    def check_generation_defaults(self, spec: ds.RowSpec, context: Dict[str, Any]) -> None:
+        """Each row field's default from ``model.generation.<key>`` (``Field.default``), checked by the field's own
+        rule (``Field.check``, with the context the rows are checked in) before any row is read. A row that leaves the
+        field out takes that value, so a bad one is the config key's: reported as it, once, not as a row of whichever
+        rows file is read (``model.generation.fps=0`` was ``runner/data/motion.jsonl:1: field 'fps' = 0 ...`` for a
+        row that sets no fps). A rule's ``fix: use e.g. <v>`` becomes ``fix: model.generation.<key>=<v>``; a rule without
+        a fix (``must be <x>``) gives ``fix: model.generation.<key>=<x>``.
+
+        Raises:
+            ConfigValueError: naming the key, the value, the rule and the fix.
+        """
+        g = self.model_cfg.generation
+        for f in spec.fields:
+            if not f.default or f.check is None or not hasattr(g, f.default):
+                continue  # no rule, or a default that is not model.generation's (num_images_per_prompt: the run's)
+            value = getattr(g, f.default)
+            why = f.check(value, context)
+            if not why:
+                continue
+            key = f"model.generation.{f.default}"
+            why, _, fix = why.partition("; fix: ")
+            rule = why[len("must be "):] if why.startswith("must be ") else "a valid value"
+            fix = f"{key}={fix[len('use e.g. '):]}" if fix.startswith("use e.g. ") else fix or f"{key}=<{rule}>"
+            raise ConfigValueError(f"{key}={value!r} {why} (the value of {f.name!r} in every row that does not set "
+                                   f"it); fix: {fix}")
 
     def ignored_fields(self, rows: Sequence[ds.Row]) -> Dict[str, Tuple[str, str]]:
         """Generation fields the model ignores under the run's config: ``{field: (why, fix)}``; none by default.

@@ -90,10 +90,11 @@ class WanEngine(PipelineEngine):
     spec = WAN
 
     def check_source(self) -> None:
-        """The base checks, then: image-to-video on a two-expert model is refused (not observed yet).
+        """The base checks, then: image-to-video on a two-expert model is refused (not observed yet), and a
+        denoiser whose input channels are not what the task's pipeline feeds it (:meth:`check_input_channels`).
 
         Raises:
-            ConfigValueError: naming the task, the experts and the fix.
+            ConfigValueError: naming the task, the experts (or the channels) and the fix.
         """
         super().check_source()
         experts = self.declared_experts()
@@ -101,6 +102,42 @@ class WanEngine(PipelineEngine):
             raise ConfigValueError(f"model.task=image_to_video with model={self.cfg.name}'s two experts "
                                    f"({', '.join(experts)}): the image condition is observed on one transformer "
                                    "only so far; fix: model.task=text_to_video, or a one-transformer I2V model")
+        self.check_input_channels(experts)
+
+    def task_input_channels(self, task: str) -> Tuple[int, str]:
+        """``(channels, what they are)`` the pipeline of ``task`` feeds each denoiser per latent pixel (diffusers 0.42,
+        read from the weight source's configs, no weights): ``text_to_video`` (WanPipeline) and image-to-video with
+        ``expand_timesteps`` (Wan 2.2 TI2V: the condition replaces the first latent frame) the noise latents alone,
+        the VAE's ``z_dim``; image-to-video otherwise (WanImageToVideoPipeline: ``torch.cat([latents, condition])``,
+        the condition being the first-frame mask of ``vae_scale_factor_temporal`` channels and the condition latents)
+        ``z_dim + t + z_dim`` (36 for Wan2.1-I2V-14B: 16 + 4 + 16)."""
+        z = int(self.component_config("vae").get("z_dim") or signature_default("AutoencoderKLWan", "z_dim", 16))
+        if task != "image_to_video" or self.pipeline_settings().get("expand_timesteps"):
+            return z, f"the VAE's z_dim={z} noise latent channels"
+        t = self.temporal_factor()
+        return 2 * z + t, (f"the noise latents {z} + the first-frame mask {t} (the VAE's temporal factor) + the "
+                           f"condition latents {z}")
+
+    def check_input_channels(self, experts: Sequence[str]) -> None:
+        """Every expert's ``in_channels`` (its config, read without weights) must be what ``model.task``'s pipeline
+        feeds it (:meth:`task_input_channels`): a checkpoint of the other task gets latents of the wrong width and
+        every item fails mid-call (an I2V transformer of 36 channels run as text-to-video: "The size of tensor a (36)
+        must match the size of tensor b (16)"), so it is refused here, naming the task that fits.
+
+        Raises:
+            ConfigValueError: naming the expert, its ``in_channels``, what the task feeds and the fix.
+        """
+        want, what = self.task_input_channels(self.task)
+        for name in experts:
+            have = self.component_config(name).get("in_channels")
+            if have is None or int(have) == want:
+                continue
+            fits = [t for t in self.spec.tasks if t != self.task and self.task_input_channels(t)[0] == int(have)]
+            fix = " or ".join([f"model.task={t} (the checkpoint's task)" for t in fits]
+                              + [f"a checkpoint of model.task={self.task} (transformer in_channels={want})"])
+            raise ConfigValueError(
+                f"model.task={self.task}: model={self.cfg.name}'s {name} takes in_channels={have}, but "
+                f"{self.spec.tasks[self.task]} feeds it {want} ({what}); every item would fail; fix: {fix}")
 
     def site_calls_per_forward(self, layer: str, module: Any) -> int:
         """Two dispatcher calls per forward at every cross-attention with added image keys (Wan 2.1 I2V:

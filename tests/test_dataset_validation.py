@@ -180,7 +180,8 @@ def test_video_fields_range(tmp_path, key, value, ok):
     if ok:
         assert getattr(load(p)[0][0], key) == value
     else:
-        assert problems(p) == [f"{p}:1: field {key!r} = {value} must be a positive integer"]
+        assert problems(p) == [f"{p}:1: field {key!r} = {value} must be an integer from 1 to 100000; fix: use e.g. "
+                               f"{1 if value < 1 else 100_000}"]
 
 
 @pytest.mark.parametrize("n,ok", [(1, True), (3, True), (0, False), (-1, False)])

@@ -52,3 +52,91 @@ def test_a_quantization_package_that_is_missing_gets_its_pip_install_line(monkey
     assert 'Fix: pip install -e ".[torchao]"  (torchao>=0.18), or choose another method' in msg, msg
     monkeypatch.setattr(reg, "has_symbol", lambda path: True)
     quant.check({"transformer": "int8wo"}, {"transformer": "diffusers"}, ctx(**CPU), None)  # installed: no refusal
+
+
+@pytest.mark.parametrize("overrides, task, have, want, fix", [
+    # an I2V checkpoint (36 = noise 16 + mask 4 + condition 16) run as text-to-video: WanPipeline feeds z_dim=16
+    (["model=tiny_wan_i2v", "model.task=text_to_video"], "text_to_video", 36, 16,
+     "fix: model.task=image_to_video (the checkpoint's task) or a checkpoint of model.task=text_to_video "
+     "(transformer in_channels=16)"),
+    (["model=tiny_wan_flf2v", "model.task=text_to_video"], "text_to_video", 36, 16, "model.task=image_to_video"),
+    # the other direction: a 16-channel (text-to-video) transformer under WanImageToVideoPipeline
+    (["model=tiny_wan_i2v", "model.architecture.transformer.in_channels=16"], "image_to_video", 16, 36,
+     "fix: model.task=text_to_video (the checkpoint's task) or a checkpoint of model.task=image_to_video "
+     "(transformer in_channels=36)"),
+])
+def test_a_denoiser_of_another_tasks_input_channels_is_refused_before_loading(tmp_path, overrides, task, have,
+                                                                               want, fix):
+    """A Wan transformer whose ``in_channels`` is not what the task's pipeline feeds it (text-to-video: the VAE's
+    ``z_dim``; image-to-video: ``z_dim`` + the mask's temporal factor + ``z_dim``) failed every item mid-call
+    ("The size of tensor a (36) must match the size of tensor b (16)") and exited 3; it is refused at startup
+    (exit 2, nothing loaded), naming the channels and the task that fits."""
+    loaded = []
+    r = execute(tmp_path / "run", [*overrides, "dataset.limit=1"], on_loaded=loaded.append, catch=(RunnerError,))
+    assert isinstance(r.error, ConfigValueError) and r.error.exit_code == 2 and not loaded, r
+    msg = str(r.error)
+    assert msg.startswith(f"model.task={task}: model={overrides[0][6:]}'s transformer takes in_channels={have}, "
+                          f"but "), msg
+    assert f"feeds it {want} (" in msg and fix in msg, msg
+    assert not list(tmp_path.rglob("*.mp4"))
+
+
+def test_an_i2v_checkpoint_as_text_to_video_exits_2_on_the_command_line(tmp_path):
+    """The report's command: ``model=tiny_wan_i2v model.task=text_to_video`` exits 2 with the refusal, no
+    traceback, no video (it exited 3 after every item failed)."""
+    from _helpers import run_module
+
+    p = run_module("runner", ["platform=cpu", "model=tiny_wan_i2v", "model.task=text_to_video", "dataset.limit=2",
+                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-3000:]
+    assert "in_channels=36" in out and "fix: model.task=image_to_video" in out, out[-3000:]
+    assert "Traceback" not in out and not list(tmp_path.rglob("*.mp4"))
+
+
+@pytest.mark.parametrize("overrides, key, fix", [
+    (["model=toy_motion", "model.generation.fps=0"], "model.generation.fps=0 ", "fix: model.generation.fps=1"),
+    (["model=toy_motion", "model.generation.num_frames=-3"], "model.generation.num_frames=-3 ",
+     "fix: model.generation.num_frames=1"),
+    (["model=toy_motion", "model.generation.fps=100001"], "model.generation.fps=100001 ",
+     "fix: model.generation.fps=100000"),
+    (["model=tiny_wan22", "model.generation.guidance_scale_2=-1"], "model.generation.guidance_scale_2=-1.0 ",
+     "fix: model.generation.guidance_scale_2=<a finite number >= 0>"),
+])
+def test_a_bad_generation_default_is_blamed_on_its_config_key_not_a_row(tmp_path, overrides, key, fix):
+    """A ``model.generation.<field>`` value that breaks the row field's rule was reported as a row of the packaged
+    rows file (``runner/data/motion.jsonl:1: field 'fps' = 0 must be a positive integer``, for a row that sets no
+    fps, and no fix); it is the config key's: refused before anything loads (exit 2), naming the key and a fix."""
+    loaded = []
+    r = execute(tmp_path / "run", [*overrides, "dataset.limit=1"], on_loaded=loaded.append, catch=(RunnerError,))
+    assert isinstance(r.error, ConfigValueError) and r.error.exit_code == 2 and not loaded, r
+    msg = str(r.error)
+    assert msg.startswith(key) and msg.endswith(fix), msg
+    assert ".jsonl" not in msg and "field '" not in msg, msg
+
+
+def test_a_rows_own_bad_value_is_still_blamed_on_its_row(tmp_path, write_jsonl):
+    """The other side of the rule: a row that sets ``fps=0`` itself is named by file:line (with a fix), and a valid
+    ``model.generation.fps`` default is not blamed for it."""
+    from runner.core.dataset import DatasetError
+
+    rows = write_jsonl([{"id": "a", "prompt": "a red ball moving right"},
+                        {"id": "b", "prompt": "a red ball moving left", "fps": 0}])
+    r = execute(tmp_path / "run", ["model=toy_motion", "dataset=jsonl", f"dataset.path={rows}"],
+                catch=(RunnerError,))
+    assert isinstance(r.error, DatasetError) and r.error.exit_code == 2, r
+    assert str(r.error).strip().endswith(f"{rows}:2: field 'fps' = 0 must be an integer from 1 to 100000; fix: "
+                                         "use e.g. 1"), str(r.error)
+    assert "model.generation" not in str(r.error)
+
+
+def test_a_bad_fps_default_exits_2_naming_the_key_on_the_command_line(tmp_path):
+    """The report's command: ``model=toy_motion model.generation.fps=0`` names the key and the fix, exit 2."""
+    from _helpers import run_module
+
+    p = run_module("runner", ["platform=cpu", "model=toy_motion", "model.generation.fps=0", "dataset.limit=1",
+                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-3000:]
+    assert "model.generation.fps=0 must be" in out and "fix: model.generation.fps=1" in out, out[-3000:]
+    assert "motion.jsonl" not in out and "Traceback" not in out

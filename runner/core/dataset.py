@@ -413,8 +413,10 @@ def check_guidance(v: Any, context: Mapping[str, Any]) -> Optional[str]:
 
 def check_video_count(v: Any, context: Mapping[str, Any]) -> Optional[str]:
     """``num_frames``/``fps``: None (not a video) or in [1, 100000] (model rules, e.g. Wan's 4k+1, are the
-    engine's)."""
-    return "must be a positive integer" if v is not None and not 1 <= v <= 100_000 else None
+    engine's); the fix names the nearest value in range."""
+    if v is None or 1 <= v <= 100_000:
+        return None
+    return f"must be an integer from 1 to 100000; fix: use e.g. {1 if v < 1 else 100_000}"
 
 
 def is_set(v: Any) -> bool:
