@@ -446,6 +446,7 @@ def _reproduce_url(run_dir: str, new_dir: Any, tolerance_db: float, exact: Optio
     output = str(new_dir) if storage.is_url(new_dir) else None
     if output is not None:
         fs, root = storage.filesystem(output, "--out")
+        storage.check_access(fs, root, output, "--out")
         if fs.exists(f"{root}/manifest.json"):
             raise ReproInputError(f"{output} already holds a run; fix: choose a new --out")
         new_dir = rundir.new_dir(Path("outputs/repro"))  # the re-run's staging dir
