@@ -164,3 +164,43 @@ def test_ar_rows_take_the_same_mapping_and_extra_fields(compose, write_jsonl):
     cfg = compose(["model=tiny_qwen3_moe", "dataset=jsonl", f"dataset.path={q}", "dataset.extra_fields=keep"])
     with pytest.raises(DatasetError, match="unknown field 'max_token'; fix: did you mean 'max_tokens'"):
         ar_rows(cfg, {}, None, 256, cfg.model)
+
+
+def test_a_value_shown_in_a_problem_is_abbreviated():
+    """``runner.core.media.shown``, the one formatter of row values echoed in dataset problems: bytes by kind and
+    size, long strings cut and counted, containers item by item, anything short as its repr."""
+    from runner.core.media import SHOWN_CHARS, shown
+
+    assert shown(b"\x89PNG\r\n\x1a\n" + bytes(5313)) == "<PNG bytes, 5,321 B>"
+    assert shown(b"\xff\xd8\xff\xe0" + bytes(100)) == "<JPEG bytes, 104 B>"
+    assert shown(bytearray(3)) == "<bytes, 3 B>"
+    assert shown({"bytes": b"\x89PNG\r\n\x1a\n", "path": "a.png"}) == "{'bytes': <PNG bytes, 8 B>, 'path': 'a.png'}"
+    assert shown(["a.png", None, 7]) == "['a.png', None, 7]" and shown("a cat") == "'a cat'" and shown(1.5) == "1.5"
+    long = "x" * 10_000
+    assert shown(long) == repr(long)[:SHOWN_CHARS] + "... (10,000 characters)"
+    assert len(shown(list(range(1000)))) < SHOWN_CHARS
+
+
+def test_image_cells_of_a_parquet_export_are_not_dumped_in_problems(tmp_path):
+    """A Parquet file in the runner's export layout (an ``image`` struct of PNG bytes and a path, as
+    ``runner.export --format parquet`` writes it): every problem naming a row value shows ``<PNG bytes, N B>``, not
+    the escaped bytes (was ~5.5 KB per image problem)."""
+    import numpy as np
+
+    from runner.core.artifacts import encode_png
+    from runner.core.dataset import DIFFUSION_ROW
+
+    pa = import_extra("export", "pyarrow")
+    pq = import_extra("export", "pyarrow.parquet")
+    png = encode_png(np.random.default_rng(0).random((64, 64, 3)))
+    p = tmp_path / "export.parquet"
+    pq.write_table(pa.table({"prompt": ["a cat", "a dog"],
+                             "image": [{"bytes": png, "path": "a.png"}, {"bytes": png, "path": None}],
+                             "seed": [png, None]}), p)
+    with pytest.raises(DatasetError) as e:
+        _load("parquet", p, spec=DIFFUSION_ROW, context={"task": "text_to_image"})
+    msg = str(e.value)
+    size = f"<PNG bytes, {len(png):,} B>"
+    assert f"field 'image' = {{'bytes': {size}, 'path': 'a.png'}} is not taken by model.task=text_to_image" in msg
+    assert f"field 'seed' = {size} is not an integer" in msg
+    assert "\\x" not in msg and len(msg) < 2000, msg[:3000]

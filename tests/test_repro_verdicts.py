@@ -256,18 +256,42 @@ def test_an_unrecorded_dataset_hash_is_not_compared(tmp_path):
     assert repro.compare(o, n)["ok"]
 
 
-def test_a_run_refused_at_startup_reproduces_as_the_same_refusal(tmp_path):
+def test_a_run_refused_at_startup_reproduces_nothing_and_is_not_ok(tmp_path):
+    """A refused original holds no ok item: the same refusal again is named, but it is no reproduction (was: ``ok``
+    and ``REPRO OK: 0 item(s) reproduced``, exit 0); another refusal is named as such."""
     err = {"error": {"type": "BackendUnavailableError"}}
     o, n = pair(tmp_path, {}, {}, status="refused", **err)
     res = repro.compare(o, n)
-    assert res["ok"] and res["items"] == []
+    assert not res["ok"] and res["items"] == []
+    assert res["problems"] == [f"{o} holds no ok item: the run was refused at startup (BackendUnavailableError), and "
+                               "so was the re-run; nothing was reproduced; fix: reproduce a run that generated items"]
     o2, n2 = pair(tmp_path / "2", {}, {"a": {"status": "failed"}}, status="refused", **err,
                   new={"status": "invalid", "error": {"type": "DatasetError"}})
     assert repro.compare(o2, n2)["problems"] == [
-        "original was refused (BackendUnavailableError); re-run is invalid (DatasetError)"]
+        "original was refused (BackendUnavailableError); re-run is invalid (DatasetError)",
+        f"{o2} holds no ok item: the run was refused at startup (BackendUnavailableError); nothing was reproduced; "
+        "fix: reproduce a run that generated items"]
     o3, n3 = pair(tmp_path / "3", {}, {}, status="invalid", **err, new={"error": {"type": "DatasetError"}})
-    assert repro.compare(o3, n3)["problems"] == [
-        "original was invalid (BackendUnavailableError); re-run is invalid (DatasetError)"]
+    assert repro.compare(o3, n3)["problems"][0] == (
+        "original was invalid (BackendUnavailableError); re-run is invalid (DatasetError)")
+
+
+def test_cli_repro_of_a_run_refused_at_startup_fails_saying_so(tmp_path, subprocess_env):
+    """A real refusal (memory.offload=model on the CPU), then ``python -m runner.repro`` of it: exit 1, REPRO FAILED
+    naming the refusal, ``ok: false`` in repro_check.json (was REPRO OK, exit 0)."""
+    import subprocess
+
+    run, out = tmp_path / "refused", tmp_path / "again"
+    p = subprocess.run([sys.executable, "-m", "runner", "memory.offload=model", "dataset.limit=1", "platform=cpu",
+                        f"output.dir={run}"], cwd=tmp_path, env=subprocess_env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 2, (p.stdout + p.stderr)[-3000:]
+    r = subprocess.run([sys.executable, "-m", "runner.repro", str(run), "--out", str(out)], cwd=tmp_path,
+                       env=subprocess_env, capture_output=True, text=True, timeout=600)
+    text = r.stdout + r.stderr
+    assert r.returncode == 1 and "REPRO OK" not in text, text[-3000:]
+    assert "REPRO FAILED" in text and "holds no ok item: the run was invalid at startup (ConfigValueError)" in text
+    assert json.loads((out / "repro_check.json").read_text())["ok"] is False
 
 
 def test_a_completed_run_is_not_compared_by_status(tmp_path):

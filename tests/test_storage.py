@@ -201,3 +201,54 @@ def test_object_claim_store_creates_exclusively_and_renews_only_its_own_claim(s3
     with pytest.raises(StorageError, match="overwritten by another writer"):
         holder.put("b0000000.g0", {"beat": 2})
     assert holder.get("b0000000.g0")["beat"] == 7  # not clobbered back
+
+
+def _no_credentials(monkeypatch) -> None:
+    """The test server's endpoint, but none of the AWS_* credential variables (and no credentials file)."""
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.mark.parametrize("where", ["output.dir", "dataset.path"])
+def test_object_storage_without_credentials_is_refused_at_startup_naming_the_url(s3, tmp_path, monkeypatch, where):
+    """No credentials for an s3:// dataset.path or output.dir: exit 2 at startup naming the key, the URL and the
+    AWS_* variables of the fix; no traceback (was botocore's NoCredentialsError, 165 lines, exit 1)."""
+    rows = _rows_url("nocreds")
+    _no_credentials(monkeypatch)
+    out = f"s3://{BUCKET}/nocreds-run" if where == "output.dir" else tmp_path / "run"
+    url = rows if where == "dataset.path" else out
+    p = run_module("runner", [*ARGS, "dataset.limit=1", f"dataset.path={rows}", f"output.dir={out}",
+                              f"hydra.run.dir={tmp_path / 'stage'}"], cwd=tmp_path)
+    err = p.stdout + p.stderr
+    assert p.returncode == 2, err[-3000:]
+    assert "Traceback" not in err and "NoCredentialsError" in err, err[-3000:]
+    line = next(x for x in err.splitlines() if "StorageAccessError" in x)
+    assert f"{where}={str(url)!r}" in line and "AWS_ACCESS_KEY_ID" in line and "fix:" in line, line
+
+
+def test_an_output_dir_in_a_missing_bucket_is_refused_at_startup(s3, tmp_path):
+    """A bucket the endpoint does not have: refused before anything runs (was: the first upload failed, exit 1)."""
+    p = run_module("runner", [*ARGS, "dataset.limit=1", f"dataset.path={_rows_url('nobucket')}",
+                              "output.dir=s3://no-such-bucket/run", f"hydra.run.dir={tmp_path / 'stage'}"], cwd=tmp_path)
+    err = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert "output.dir='s3://no-such-bucket/run'" in err and "'no-such-bucket' does not exist" in err, err[-3000:]
+    assert not (tmp_path / "stage" / "items.jsonl").exists()
+
+
+def test_a_claims_store_without_credentials_is_refused_when_opened(s3, monkeypatch):
+    """The claims store is an entry point too: opening it without credentials, or on a missing bucket, refuses
+    naming the URL and the fix (a StorageAccessError, exit 2) instead of failing the first claim."""
+    from runner.core.claims import ObjectClaimStore
+    from runner.core.storage import StorageAccessError
+
+    with pytest.raises(StorageAccessError, match="no-such-bucket' does not exist"):
+        ObjectClaimStore("s3://no-such-bucket/claims/t")
+    _no_credentials(monkeypatch)
+    with pytest.raises(StorageAccessError) as e:
+        ObjectClaimStore(f"s3://{BUCKET}/claims/nocreds")
+    assert e.value.exit_code == 2 and f"claims store='s3://{BUCKET}/claims/nocreds'" in str(e.value)
+    assert "no usable credentials" in str(e.value) and "AWS_SECRET_ACCESS_KEY" in str(e.value)

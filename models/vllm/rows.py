@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from runner.core import dataset as ds
 from runner.core.dataset import Field, RowSpec
+from runner.core.media import shown
 from runner.core.errors import UserInputError
 
 #: vLLM's greedy threshold (``vllm.sampling_params._SAMPLING_EPS``): a temperature below it is greedy sampling, where
@@ -212,7 +213,7 @@ def check_greedy(where: str, vals: Mapping[str, Any], merged: Mapping[str, Any],
     """With ``dataset.on_ignored=error`` (``context["on_ignored"]``), a field greedy sampling ignores is refused."""
     if bad or context.get("on_ignored", "error") != "error":
         return []
-    return [f"{where}: field {k!r} = {vals[k]!r} is ignored: {GREEDY_WHY}; fix: remove {k!r} from the row, a "
+    return [f"{where}: field {k!r} = {shown(vals[k])} is ignored: {GREEDY_WHY}; fix: remove {k!r} from the row, a "
             "temperature > 0, or dataset.on_ignored=record to run it and record the value as ignored"
             for k in greedy_ignored(vals, context)]
 

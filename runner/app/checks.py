@@ -152,6 +152,7 @@ def check_run_values(cfg: DictConfig) -> None:
     Raises:
         ConfigValueError: naming the field, the value and the fix.
     """
+    check_run_dir_keys(cfg)
     if cfg.batch_size < 1:
         raise ConfigValueError(f"batch_size={cfg.batch_size} must be >= 1; fix: batch_size=1")
     if cfg.dataset.limit is not None and cfg.dataset.limit < 1:
@@ -204,6 +205,28 @@ def check_run_values(cfg: DictConfig) -> None:
         raise ConfigValueError(f"parallelism={mode} with evidence.profile=false: only the profiler sees the collectives "
                                "that prove each sequence was split and exchanged; fix: evidence.profile=true (or "
                                "evidence.enabled=false to run without evidence)")
+
+
+def check_run_dir_keys(cfg: DictConfig) -> None:
+    """``run.resume`` and ``output.dir`` both given must name the same run dir: the run goes where ``run.resume``
+    points, so a different ``output.dir`` would be ignored without a word (its dir never created).
+
+    Raises:
+        ConfigValueError: naming both values and the fix.
+    """
+    from runner.core import storage
+
+    resume, out = cfg.run.get("resume"), cfg.output.get("dir")
+    if not resume or not out:
+        return
+
+    def where(v: Any) -> str:
+        return str(v).rstrip("/") if storage.is_url(v) else str(storage.local_path(str(v)).resolve())
+
+    if where(resume) != where(out):
+        raise ConfigValueError(f"run.resume={str(resume)!r} and output.dir={str(out)!r} name two different run dirs: "
+                               f"run.resume continues the run in {resume} and output.dir would be ignored; fix: "
+                               f"drop output.dir to resume {resume}, or drop run.resume for a run in {out}")
 
 
 def check_fresh_dir(out_dir: Path, resumable: bool, engine: str) -> None:

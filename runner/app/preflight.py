@@ -57,7 +57,8 @@ def missing_inputs(cfg: Any) -> List[str]:
                 _, given, _, why = media.read_input(field, v, path, data.get("media_root"))
                 if why is not None and why.startswith(FILE_PROBLEMS):
                     name = f"{field}[{i}]" if many else field
-                    problems.append(f"{path}:{line}: field {name!r} = {given!r} {why}; fix: {media.fix_of(why)}")
+                    problems.append(f"{path}:{line}: field {name!r} = {media.shown(given)} {why}; fix: "
+                                    f"{media.fix_of(why)}")
     return problems
 
 

@@ -192,16 +192,19 @@ class ObjectClaimStore(ClaimStore):
       PUT otherwise (a torchrun rank's first record).
     * :meth:`get`/:meth:`exists`: GET and HEAD (S3 and GCS are read-after-write consistent).
 
-    Raises (every method): :class:`runner.core.errors.StorageError` when a request fails (not: the key exists).
+    Raises (every method): :class:`runner.core.errors.StorageError` when a request fails (not: the key exists);
+    the constructor :class:`runner.core.storage.StorageAccessError` (exit 2) when the store cannot be used at all
+    (no credentials, permission, endpoint or bucket: ``runner.core.storage.check_access``).
     """
 
     name = "object"
 
     def __init__(self, url: str) -> None:
-        from runner.core.storage import filesystem
+        from runner.core.storage import check_access, filesystem
 
         self.url = str(url).rstrip("/")
         self.fs, self.root = filesystem(self.url, "claims store")
+        check_access(self.fs, self.root, self.url, "claims store")  # credentials, endpoint, bucket: refused now
         self.etags: Dict[str, str] = {}
         self._lock = threading.Lock()
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from runner.core.errors import DatasetError, UserInputError  # noqa: F401  (DatasetError re-exported)
 from runner.core import readers
-from runner.core.media import Media
+from runner.core.media import Media, shown
 from runner.core.errors import install_fix
 from runner.core.paths import RUNNER_DIR
 from runner.core.schema import ExtraFields
@@ -312,7 +312,7 @@ def parse_fields(rec: Mapping[str, Any], spec: RowSpec, where: str, from_text: b
         except (ValueError, TypeError):
             kind = f.words()
             hint = spec.quote_hint and isinstance(value, str) and f.type is not str
-            problems.append(f"{where}: field {key!r} = {value!r} is not {kind}; fix: write it as {kind}"
+            problems.append(f"{where}: field {key!r} = {shown(value)} is not {kind}; fix: write it as {kind}"
                             + (" (no quotes)" if hint else ""))
             continue
     return vals, meta, problems
@@ -330,7 +330,7 @@ def field_problem(f: Field, where: str, vals: Mapping[str, Any], merged: Mapping
         return []
     v = merged[f.name] if f.default else vals[f.name]
     why = f.check(v, context)
-    return [f"{where}: field {f.name!r} = {v!r} {why}"] if why else []
+    return [f"{where}: field {f.name!r} = {shown(v)} {why}"] if why else []
 
 
 def validate_rows(raw: Sequence[Tuple[int, Mapping[str, Any]]], spec: RowSpec, src: Any, *,
@@ -514,7 +514,7 @@ def check_task_inputs(where: str, vals: Mapping[str, Any], merged: Mapping[str, 
         if f in vals and f not in takes:
             own = context.get("tasks") or table  # the family's tasks first: the fix names one it has
             users = sorted((t for t, fs in table.items() if f in fs), key=lambda t: t not in own)
-            out.append(f"{where}: field {f!r} = {vals[f]!r} is not taken by model.task={task} (the pipeline would "
+            out.append(f"{where}: field {f!r} = {shown(vals[f])} is not taken by model.task={task} (the pipeline would "
                        f"never see it); fix: remove it from the row, or model.task={users[0]} (tasks that take "
                        f"{f}: {', '.join(users)})")
         elif f not in vals and takes.get(f):
@@ -1062,8 +1062,8 @@ def apply_ignored(rows: List[Row], path: Any, ignored: Dict[str, tuple], mode: s
             why = why(r) if callable(why) else why
             if f in r.set_fields:
                 if mode == "error":
-                    problems.append(f"{path}:{r.line}: field {f!r} = {getattr(r, f)!r} is ignored by model={model}: "
-                                    f"{why}; fix: remove {f!r} from the row, {fix}, or dataset.on_ignored=record to run "
+                    problems.append(f"{path}:{r.line}: field {f!r} = {shown(getattr(r, f))} is ignored by "
+                                    f"model={model}: {why}; fix: remove {f!r} from the row, {fix}, or dataset.on_ignored=record to run "
                                     "it and record the value as ignored")
                 else:
                     hits[f] = {"value": getattr(r, f), "why": why, "from": f"{path}:{r.line}"}

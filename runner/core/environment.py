@@ -203,21 +203,57 @@ def check_environment(environ: Optional[Dict[str, str]] = None) -> None:
 
 
 def _dir_problem(path: Path) -> Optional[str]:
-    """Why ``path`` cannot be used as a directory to write into (None: it can)."""
-    if path.exists():
-        if not path.is_dir():
-            return f"{path} is a file, not a directory"
-        if not os.access(path, os.W_OK | os.X_OK):
-            return f"{path} is not writable"
+    """Why ``path`` cannot be used as a directory to write into (None: it can), found by doing it: the missing
+    dirs are created, a file is created in the dir and removed, then the dirs this check created are removed again
+    (the run creates them when it writes; a ``--plan`` or a refused run leaves nothing). ``os.access`` alone passes
+    for root where nothing can be created (``/proc``, a read-only mount, a full disk)."""
+    for _ in range(3):  # a concurrent checker (a torchrun rank) may remove a dir it created between our steps
+        why = _try_dir(Path(path))
+        if why != _VANISHED:
+            return why
+    return f"{path} vanished while it was being checked (another process removes it)"
+
+
+_VANISHED = "vanished"
+
+
+def _try_dir(path: Path) -> Optional[str]:
+    """One attempt of :func:`_dir_problem`; :data:`_VANISHED` when a dir it found was removed meanwhile."""
+    if path.exists() and not path.is_dir():
+        return f"{path} is a file, not a directory"
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        return f"{p} is a file, so no directory can be created under it"
+    created: List[Path] = []
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+                created.append(d)
+            except FileExistsError:
+                pass  # a concurrent run created it
+            except OSError as e:
+                return f"{d} cannot be created ({e.strerror or e})"
+        probe = path / f".runner-write-check-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            os.unlink(probe)
+        except FileNotFoundError:
+            return _VANISHED
+        except OSError as e:
+            return f"{path} is not writable ({e.strerror or e})" if not created else \
+                f"{path} cannot be written ({e.strerror or e})"
         return None
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is a file, so no directory can be created under it"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{parent} is not writable, so {path} cannot be created"
-    return None
+    finally:
+        for d in reversed(created):  # what this check created, deepest first; a dir someone wrote into stays
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
 
 
 def check_dir(path: Path, key: str) -> None:

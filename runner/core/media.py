@@ -35,6 +35,32 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from runner.core.errors import DatasetError, UserInputError
 
+#: Characters of a row value an error message shows (:func:`shown`); the rest is cut and counted.
+SHOWN_CHARS = 200
+#: Leading bytes of the image formats :func:`shown` names.
+_MAGIC = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"), (b"BM", "BMP"))
+
+
+def shown(value: Any) -> str:
+    """A row value as every dataset message shows it (the one formatter of values echoed in problems): its repr,
+    but bytes as ``<PNG bytes, 5,321 B>`` (an image cell of a Parquet or Hugging Face dataset), a long string or
+    repr cut after :data:`SHOWN_CHARS` characters with the total counted, dicts and lists shown item by item."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        b = bytes(value)
+        kind = next((k for m, k in _MAGIC if b.startswith(m)), "WebP" if b[:4] == b"RIFF" and b[8:12] == b"WEBP"
+                    else None)
+        return f"<{kind + ' ' if kind else ''}bytes, {len(b):,} B>"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{shown(k)}: {shown(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(shown(v) for v in value[:10]) + (f", ... ({len(value):,} items)" if len(value) > 10 else "")
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(value) if isinstance(value, str) else len(text):,} characters)"
+
+
 #: The most pixels an input may declare in its header, checked before it is decoded: PIL's own decompression-bomb
 #: bound (``PIL.Image.MAX_IMAGE_PIXELS``, 89,478,485 = 1024 * 1024 * 1024 // 4 // 3 since Pillow 5), so a small file
 #: that would decode to gigabytes is refused, not opened.
@@ -275,7 +301,7 @@ def check_input(field: str, value: Any, src: Path, media_root: Optional[str], bo
     if img is not None:
         converted, rule, why = convert_mode(img, kind.mode)
     if why is not None:
-        return None, f"field {field!r} = {given!r} {why}; fix: {fix_of(why)}"
+        return None, f"field {field!r} = {shown(given)} {why}; fix: {fix_of(why)}"
     repaint = int(mask_inside(converted).sum()) if kind.mask else None
     return InputFile(field=field, given=given, path=path, sha256=hashlib.sha256(data).hexdigest(),
                      width=img.width, height=img.height, mode=img.mode,
@@ -293,11 +319,12 @@ def size_problems(row: Any, inputs: Mapping[str, Any], any_size: bool = False) -
     named = isinstance(image, InputFile) and isinstance(mask, InputFile) and (mask.width, mask.height) != (
         image.width, image.height)
     if named:
-        out.append(f"field {mask.field!r} = {mask.given!r} is {mask.width}x{mask.height}, its image {image.given!r} "
+        out.append(f"field {mask.field!r} = {shown(mask.given)} is {mask.width}x{mask.height}, its image "
+                   f"{shown(image.given)} "
                    f"is {image.width}x{image.height}; fix: a mask of the image's size")
     for inp in [x for v in inputs.values() for x in (v if isinstance(v, list) else [v])] if not any_size else []:
         if (inp.width, inp.height) != (w, h) and not (named and inp is mask):  # named once
-            out.append(f"field {inp.field!r} = {inp.given!r} is {inp.width}x{inp.height}, and the row generates "
+            out.append(f"field {inp.field!r} = {shown(inp.given)} is {inp.width}x{inp.height}, and the row generates "
                        f"{w}x{h}; the runner never resizes an input (the pipeline would resize it and the output "
                        f"would not show the input as given); fix: resize the file to {w}x{h}, or set "
                        f"width={inp.width} and height={inp.height} in the row")

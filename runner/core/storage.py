@@ -108,6 +108,86 @@ def filesystem(url: str, key: str = "output.dir") -> Tuple[Any, str]:
     return fs, root.rstrip("/")
 
 
+class StorageAccessError(UserInputError):
+    """The store refuses this run at startup: no or wrong credentials, no permission, an endpoint that does not
+    answer, a bucket that does not exist (names the key, the URL, what failed and the fix: the variables the
+    filesystem reads its credentials and endpoint from). Exit 2, like every other bad input."""
+
+
+#: Exception class names (anywhere in an error's MRO, or of an error it wraps) that mean the store could not be
+#: reached or refused who asked: ``{name: kind}`` (botocore, aiohttp, google-auth, the builtins s3fs maps to).
+ACCESS_ERRORS = {
+    "NoCredentialsError": "credentials", "PartialCredentialsError": "credentials",
+    "CredentialRetrievalError": "credentials", "NoAuthTokenError": "credentials", "TokenRetrievalError": "credentials",
+    "UnauthorizedSSOTokenError": "credentials", "SSOTokenLoadError": "credentials", "ProfileNotFound": "credentials",
+    "DefaultCredentialsError": "credentials", "RefreshError": "credentials",
+    "PermissionError": "permission",
+    "EndpointConnectionError": "endpoint", "ConnectTimeoutError": "endpoint", "ConnectionClosedError": "endpoint",
+    "InvalidEndpointConfigurationError": "endpoint", "NoRegionError": "endpoint", "SSLError": "endpoint",
+    "ClientConnectorError": "endpoint", "ServerDisconnectedError": "endpoint", "ConnectionRefusedError": "endpoint",
+}
+_ACCESS_WORDS = {"credentials": "no usable credentials", "permission": "permission denied",
+                 "endpoint": "the endpoint cannot be reached"}
+
+
+def access_kind(e: Optional[BaseException]) -> Optional[str]:
+    """``credentials``, ``permission`` or ``endpoint`` when ``e`` (or an exception it wraps) says the store could
+    not be reached or refused who asked (:data:`ACCESS_ERRORS`); None for any other error (a missing object)."""
+    for _ in range(5):
+        if e is None:
+            return None
+        for cls in type(e).__mro__:
+            if cls.__name__ in ACCESS_ERRORS:
+                return ACCESS_ERRORS[cls.__name__]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def access_fix(url: str) -> str:
+    """Where the filesystem of ``url`` reads its credentials and endpoint from (docs/object_storage.md)."""
+    m = _URL.match(url)
+    scheme = m.group(1).lower() if m else ""
+    if scheme in ("s3", "s3a"):
+        return ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to credentials that may read and "
+                "write the bucket, and AWS_ENDPOINT_URL_S3 (or AWS_ENDPOINT_URL) for an S3-compatible server "
+                "(docs/object_storage.md)")
+    if scheme in ("gs", "gcs"):
+        return ("set GOOGLE_APPLICATION_CREDENTIALS to a key file with access to the bucket, or run gcloud auth "
+                "application-default login (docs/object_storage.md)")
+    return (f"give the {scheme}:// filesystem its credentials and endpoint (fsspec's FSSPEC_{scheme.upper()}_<KEYWORD> "
+            "variables or config files; docs/object_storage.md)")
+
+
+def access_refusal(key: str, url: str, e: BaseException) -> Optional[StorageAccessError]:
+    """The refusal of a request to ``url`` (config key ``key``) made at startup that failed for want of
+    credentials, permission or an endpoint (:func:`access_kind`); None when ``e`` is another failure."""
+    kind = access_kind(e)
+    if kind is None:
+        return None
+    return StorageAccessError(f"{key}={url!r}: object storage refused the request: {_ACCESS_WORDS[kind]} "
+                              f"({type(e).__name__}: {e})", fix=access_fix(url))
+
+
+def check_access(fs: Any, root: str, url: str, key: str) -> None:
+    """One request at startup, before anything of the run is built (the metadata of the URL's bucket): missing
+    credentials, permission or endpoint are refused here naming ``key``, ``url`` and the fix, instead of failing
+    the run's first upload.
+
+    Raises:
+        StorageAccessError: the request failed for want of credentials, permission or an endpoint, or the bucket
+            (the URL's first path segment) does not exist; StorageError: any other failure of the request.
+    """
+    bucket = root.split("/", 1)[0]
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        raise StorageAccessError(f"{key}={url!r}: the bucket {bucket!r} does not exist at the store's endpoint",
+                                 fix="create the bucket or name an existing one; for an S3-compatible server check "
+                                     "AWS_ENDPOINT_URL_S3 (docs/object_storage.md)") from None
+    except Exception as e:  # noqa: BLE001 - classified: a refusal, or the store's failure
+        raise (access_refusal(key, url, e) or storage_failure("reaching", url, e)) from None
+
+
 def storage_failure(what: str, where: str, e: BaseException) -> StorageError:
     """A :class:`runner.core.errors.StorageError` for an object-storage request that failed (not an item's fault:
     the run stops, what was published is kept)."""
@@ -138,7 +218,8 @@ def fetch(url: str, cache_dir: Optional[Path] = None, key: str = "dataset.path")
             URL>/<name>``.
 
     Raises:
-        StorageURLError: the scheme cannot be read here; FileNotFoundError: there is no such object.
+        StorageURLError: the scheme cannot be read here; StorageAccessError: no credentials, permission or
+            endpoint (:func:`access_refusal`); FileNotFoundError: there is no such object.
     """
     fs, path = filesystem(url, key)
     base = cache_dir or Path(os.environ.get("RUNNER_CACHE") or "~/.cache/runner").expanduser()
@@ -148,6 +229,11 @@ def fetch(url: str, cache_dir: Optional[Path] = None, key: str = "dataset.path")
     try:
         fs.get_file(path, str(tmp))
         os.replace(tmp, dest)
+    except Exception as e:  # noqa: BLE001 - credentials, permission, endpoint: a refusal; anything else as is
+        refusal = access_refusal(key, url, e)
+        if refusal is not None:
+            raise refusal from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     return dest
@@ -282,8 +368,8 @@ class RunMirror:
                 self._download(rel)
         except StorageError:
             raise
-        except Exception as e:  # noqa: BLE001
-            raise storage_failure("reading the run at", self.url, e) from e
+        except Exception as e:  # noqa: BLE001 - the run's start: credentials, permission, endpoint are refusals
+            raise (access_refusal(self.key, self.url, e) or storage_failure("reading the run at", self.url, e)) from e
         for p in list(self.local.glob("*.jsonl")) + list(self.local.glob("manifest*.json")):
             if p.name not in names:  # the remote is the record: a staging dir's own leftovers go
                 p.unlink()
@@ -420,7 +506,9 @@ def check_target(cfg: Any, url: str, key: str) -> None:
     Raises:
         StorageURLError: ``run.resume`` given a URL (a run at a URL resumes by running the same command again with
             ``output.dir=<URL>``), a parallelism mode other than ``single`` (the data-parallel merge and the claims
-            run read their workers' journals in a shared POSIX dir), or the URL's filesystem is missing.
+            run read their workers' journals in a shared POSIX dir), or the URL's filesystem is missing;
+        StorageAccessError: the store cannot be used: no credentials, permission, endpoint or bucket
+            (:func:`check_access`).
     """
     from omegaconf import OmegaConf
 
@@ -432,4 +520,4 @@ def check_target(cfg: Any, url: str, key: str) -> None:
         raise StorageURLError(f"{key}={url!r} with parallelism.mode={mode}: an object-storage run dir takes "
                               "parallelism=single (the data-parallel merge and the claims run read their workers' "
                               "journals in a shared POSIX dir); fix: parallelism=single, or a shared POSIX run dir")
-    filesystem(url, key)
+    check_access(*filesystem(url, key), url, key)

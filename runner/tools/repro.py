@@ -21,7 +21,9 @@ shell's ``HF_HOME``: :func:`rerun_environment`) and then compares:
   record key: the ``output_token_ids`` must be identical (on every platform; ``--tolerance-db`` applies to images
   only), shown as the sha256 of the token-id list;
 * the ``backends`` section: the selected (and resolved) value of every stage and field must be unchanged;
-* the dataset sha256 and, for runs refused at startup, the status and error type.
+* the dataset sha256 and, for runs refused at startup, the status and error type. A run that holds no ok item (every
+  item failed, or the run was refused at startup) reproduces nothing: that is a failure (exit 1) naming it, even
+  when the re-run is refused the same way.
 
 Before anything re-runs, the input files of the original's items (``items.jsonl`` ``inputs``: images, masks of a
 conditioning task) and the run's LoRA adapter files (``manifest.json`` ``model.source.lora``) must still hash to their
@@ -295,6 +297,19 @@ def _run_problems(mo: Dict[str, Any], mn: Dict[str, Any], new_dir: Path) -> List
     return problems
 
 
+def _nothing_reproduced(orig_dir: Path, mo: Dict[str, Any], mn: Dict[str, Any]) -> str:
+    """The problem of an original with no ok item: nothing was compared, so nothing reproduced (a run refused at
+    startup included: its refusal reproducing is named, but is no reproduction)."""
+    status = mo.get("status")
+    if status in ("refused", "invalid"):
+        eo = (mo.get("error") or {}).get("type")
+        same = (mn.get("status"), (mn.get("error") or {}).get("type")) == (status, eo)
+        also = ", and so was the re-run" if same else ""
+        return (f"{orig_dir} holds no ok item: the run was {status} at startup ({eo}){also}; nothing was "
+                "reproduced; fix: reproduce a run that generated items")
+    return f"{orig_dir} holds no ok item to compare (no image file, no AR output); nothing was reproduced"
+
+
 def _provenance_notes(mo: Dict[str, Any], mn: Dict[str, Any]) -> List[str]:
     """Informational: a changed code or library version explains a mismatch but is not one."""
     notes: List[str] = []
@@ -340,9 +355,8 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
         tok_rows, tok_problems = _compare_tokens(orig_dir, new_dir, name)
         rows += tok_rows
         problems += tok_problems
-    if mo.get("status") not in ("refused", "invalid") and not rows:
-        problems.append(f"{orig_dir} holds no ok item to compare (no image file, no AR output); nothing was "
-                        "reproduced")
+    if not rows:
+        problems.append(_nothing_reproduced(orig_dir, mo, mn))
     notes = video_notes + _provenance_notes(mo, mn)
     extra = [k for k, n in ni.items() if n.get("status") == "ok" and k not in oi and "output_token_ids" not in n]
     problems += [f"item {k!r}: only in the re-run" for k in extra]
@@ -446,6 +460,7 @@ def _reproduce_url(run_dir: str, new_dir: Any, tolerance_db: float, exact: Optio
     output = str(new_dir) if storage.is_url(new_dir) else None
     if output is not None:
         fs, root = storage.filesystem(output, "--out")
+        storage.check_access(fs, root, output, "--out")
         if fs.exists(f"{root}/manifest.json"):
             raise ReproInputError(f"{output} already holds a run; fix: choose a new --out")
         new_dir = rundir.new_dir(Path("outputs/repro"))  # the re-run's staging dir

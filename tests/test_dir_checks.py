@@ -1,0 +1,54 @@
+"""The startup check of the dirs a run writes (``runner.core.environment.check_dir``: ``output.dir``, ``run.resume``,
+``hydra.run.dir``, ``cache_dir``, ``RUNNER_CACHE``) creates them and writes into them for real, then removes what it
+created: ``os.access`` passes for root where nothing can be created (``/proc``, ``/sys``), which let a run go on
+to a ``FileNotFoundError`` traceback (exit 1) when it first wrote its cache."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.core.environment import EnvironmentVariableError, OutputPathError, check_dir, check_environment
+
+UNCREATABLE = "/proc/runner-nope/cache"  # no process, root or not, can create a dir under /proc
+
+
+@pytest.mark.parametrize("key", ["cache_dir", "output.dir", "run.resume", "hydra.run.dir"])
+def test_a_dir_that_cannot_be_created_is_refused_naming_the_key(key):
+    with pytest.raises(OutputPathError) as e:
+        check_dir(Path(UNCREATABLE), key)
+    msg = str(e.value)
+    assert msg.startswith(f"{key}={UNCREATABLE!r}: /proc/runner-nope cannot be created") and f"fix: {key}=" in msg
+    assert e.value.exit_code == 2
+
+
+def test_runner_cache_that_cannot_be_created_is_refused_naming_the_variable():
+    with pytest.raises(EnvironmentVariableError, match=r"RUNNER_CACHE='/proc/runner-nope/cache': .*cannot be "
+                                                       r"created.*fix: point it at a directory you can write"):
+        check_environment({"RUNNER_CACHE": UNCREATABLE})
+
+
+def test_the_check_leaves_no_dir_or_file_behind(tmp_path):
+    check_dir(tmp_path / "a" / "b" / "c", "output.dir")  # created, written, removed: the run creates it itself
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    check_dir(tmp_path / "kept", "output.dir")
+    assert (tmp_path / "kept").is_dir() and list((tmp_path / "kept").iterdir()) == []
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputPathError, match="is a file"):
+        check_dir(tmp_path / "f" / "sub", "cache_dir")
+
+
+@pytest.mark.parametrize("how", ["RUNNER_CACHE", "cache_dir"])
+def test_cli_uncreatable_cache_exits_2_naming_it_without_traceback(tmp_path, subprocess_env, how):
+    env = dict(subprocess_env, **({"RUNNER_CACHE": UNCREATABLE} if how == "RUNNER_CACHE" else {}))
+    extra = [f"cache_dir={UNCREATABLE}"] if how == "cache_dir" else []
+    p = subprocess.run([sys.executable, "-m", "runner", "model=tiny_flux", "dataset.limit=1", *extra,
+                        f"output.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=600)
+    text = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in text, text[-3000:]
+    assert f"{how}={UNCREATABLE!r}: /proc/runner-nope cannot be created" in text and "fix:" in text, text[-3000:]
