@@ -70,6 +70,9 @@ LIBRARY_NOISE: Dict[str, Tuple[Any, ...]] = {
     # HunyuanVideo 1.5's ClassifierFreeGuidance is a pipeline component (models/hunyuanvideo15.py): every load
     # builds one, and the runner pins its behaviour (guidance_scale checked, start/stop refused)
     "diffusers.guiders.guider_utils": ("Guiders are currently an experimental feature",),
+    # parallelism=ulysses|ring: the runner's context-parallel pass calls enable_parallelism on every rank, as chosen
+    # and recorded (models/context_parallel.py); diffusers says it is experimental once per rank and load
+    "diffusers.models.modeling_utils": ("`enable_parallelism` is an experimental feature",),
     # cache-dit says so when the runner itself releases its DBCache hooks as the stage closes (models/cache.py
     # _cache_dit_remove -> cache_dit.disable_cache): the end of the run, not news
     "cache_dit.caching.cache_interface": ("Acceleration hooks is disabled for",),
@@ -179,6 +182,10 @@ def quiet_libraries(is_verbose: bool = False) -> None:
 
     # vLLM's own modules touch deprecated torch names at import (torch.distributed.reduce_op): not the user's code
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
+    # diffusers 0.42's context-parallel hooks and ring attention call funcol.all_gather_tensor, which torch 2.13
+    # deprecates (attributed to diffusers, stacklevel 2): once per rank under parallelism=ulysses|ring
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"diffusers(\.|$)",
+                            message=r"`torch\.distributed\._functional_collectives\.all_gather_tensor` is deprecated")
     # vLLM configures its logger (VLLM_LOGGING_LEVEL) on first use; records logged while it is imported (its Triton
     # probe's INFO lines) reach the root's handler at the runner's INFO level
     logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "WARNING").upper())
