@@ -121,6 +121,13 @@ class HunyuanVideo15Engine(WanEngine):
 
     spec = HUNYUANVIDEO15
 
+    def check_input_channels(self, experts: Sequence[str]) -> None:
+        """Not Wan's channel rule: HunyuanVideo15Pipeline feeds its transformer the noise latents, the condition
+        latents and a mask for text-to-video too (``torch.cat([latents, cond_latents_concat, mask_concat])``:
+        ``in_channels`` = 2 x the VAE's ``latent_channels`` + 1, 65 in the 480p checkpoint, 17 in the tiny one), and
+        the family has one task, so no checkpoint of another task can meet it (``check_layout`` checks the
+        snapshot's classes)."""
+
     # ------------------------------------------------------------------------------------------- building
     @classmethod
     def build_tokenizers(cls, arch: Dict[str, Any], task: Optional[str] = None) -> Dict[str, Any]:

@@ -81,6 +81,39 @@ def test_a_denoiser_of_another_tasks_input_channels_is_refused_before_loading(tm
     assert not list(tmp_path.rglob("*.mp4"))
 
 
+def _video_configs():
+    from pathlib import Path
+
+    import yaml
+
+    from models.registry import engine_class
+    from models.wan import WanEngine
+
+    root = Path(__file__).resolve().parent.parent / "conf" / "model"
+    out = []
+    for f in sorted(root.glob("*.yaml")):
+        engine = (yaml.safe_load(f.read_text()) or {}).get("engine")
+        if engine and engine != "vllm" and issubclass(engine_class(engine), WanEngine):
+            out.append(f.stem)
+    return out
+
+
+@pytest.mark.parametrize("model", _video_configs())
+def test_every_shipped_config_of_a_wan_engine_passes_the_channel_rule(compose, model):
+    """The channel rule must not refuse a checkpoint in its own task: every shipped config whose engine is Wan's or a
+    subclass of it (HunyuanVideo-1.5's pipeline feeds latents + condition + mask for text-to-video: the rule
+    refused tiny_hunyuanvideo15 once it was written for Wan alone; CI's family sweep caught it)."""
+    from models.base import StageContext
+    from models.registry import engine_class
+    from runner.core.platform import detect
+
+    cfg = compose([f"model={model}", "platform=cpu", "model.load_format=dummy"])
+    eng = engine_class(cfg.model.engine)(StageContext(cfg=cfg, overrides=[], stage="denoise",
+                                                      plat=detect("cpu", None), dtype=None))
+    eng.resolve_source()
+    eng.check_source()
+
+
 def test_an_i2v_checkpoint_as_text_to_video_exits_2_on_the_command_line(tmp_path):
     """The report's command: ``model=tiny_wan_i2v model.task=text_to_video`` exits 2 with the refusal, no
     traceback, no video (it exited 3 after every item failed)."""
