@@ -216,7 +216,7 @@ def check_run_dir_keys(cfg: DictConfig) -> None:
     """
     from runner.core import storage
 
-    resume, out = cfg.run.get("resume"), cfg.output.get("dir")
+    resume, out = OmegaConf.select(cfg, "run.resume"), OmegaConf.select(cfg, "output.dir")  # a partial config too
     if not resume or not out:
         return
 

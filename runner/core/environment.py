@@ -207,10 +207,14 @@ def _dir_problem(path: Path) -> Optional[str]:
     dirs are created, a file is created in the dir and removed, then the dirs this check created are removed again
     (the run creates them when it writes; a ``--plan`` or a refused run leaves nothing). ``os.access`` alone passes
     for root where nothing can be created (``/proc``, a read-only mount, a full disk)."""
-    for _ in range(3):  # a concurrent checker (a torchrun rank) may remove a dir it created between our steps
+    import random
+    import time
+
+    for _ in range(20):  # concurrent checkers (torchrun ranks) may remove a dir one of them created between our steps
         why = _try_dir(Path(path))
         if why != _VANISHED:
             return why
+        time.sleep(random.uniform(0.005, 0.05))  # let the other checker finish its step
     return f"{path} vanished while it was being checked (another process removes it)"
 
 
@@ -236,6 +240,10 @@ def _try_dir(path: Path) -> Optional[str]:
                 created.append(d)
             except FileExistsError:
                 pass  # a concurrent run created it
+            except FileNotFoundError as e:
+                if not d.parent.is_dir():  # its parent, a concurrent checker's, was removed by that checker meanwhile
+                    return _VANISHED
+                return f"{d} cannot be created ({e.strerror or e})"  # /proc answers ENOENT under an existing parent
             except OSError as e:
                 return f"{d} cannot be created ({e.strerror or e})"
         probe = path / f".runner-write-check-{os.getpid()}-{os.urandom(4).hex()}"
