@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import sys
 import time
@@ -131,7 +132,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from runner.kernels import attention, linear
-    from models.diffusers_engine import compile_regional
+    from models.compile import compile_regional
 
     w = WORKLOADS[family]
     device = "cpu" if smoke else "cuda"
@@ -174,8 +175,9 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     call = dict(prompt=w["prompt"], height=g.height, width=g.width, num_inference_steps=2, output_type="latent")
     if g.get("num_frames"):
         call["num_frames"] = g.num_frames
-    if g.guidance_scale is not None:  # the workload's guidance (Z-Image: CFG batched into the captured forward)
-        call["guidance_scale"] = g.guidance_scale
+    takes = set(inspect.signature(type(pipe).__call__).parameters)  # the pipeline's own arguments
+    if g.guidance_scale is not None and "guidance_scale" in takes:  # the workload's guidance (Z-Image: CFG batched
+        call["guidance_scale"] = g.guidance_scale  # into the captured forward; HunyuanVideo-1.5's is its guider's)
     if "max_sequence_length" in eng.call_params():
         call["max_sequence_length"] = int(g.max_sequence_length)
     if family == "ltx2":  # the runner's call: frame rate, the LTX-2.0 guidance recipe, CFG on (batch 2 per forward)

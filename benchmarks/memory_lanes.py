@@ -212,7 +212,7 @@ def forward_ms(model: torch.nn.Module, batch: int = 1) -> float:
 def wan_lane(args: argparse.Namespace, out: Path) -> Dict[str, Any]:
     """Wan 2.1 14B (random weights) at 832x480, 81 frames, under a 48 GB budget."""
     rows = write_jsonl(out / "wan_prompts.jsonl", prompt_rows(1))
-    ov = ["model=wan", "model.load_format=dummy", "model.architecture.dummy_weight_scale=0.05", "platform=cuda",
+    ov = ["model=wan", "model.load_format=dummy", "+model.architecture.dummy_weight_scale=0.05", "platform=cuda",
           "dtype=bfloat16", "dataset=jsonl", f"dataset.path={rows}", f"model.generation.num_inference_steps="
           f"{args.wan_steps}", "memory.offload=auto", "memory.max_gpu_gb=48", "memory.vae_slicing=true"]
     rec, _ = run_lane("wan48", ov, out)
