@@ -29,7 +29,8 @@ The text encoder is freed once the transformer's inputs are captured (the timed 
 FLUX.2-dev it frees Mistral's 48 GB before compiling the 32B transformer). ``iters`` timed forwards per setting (FLUX.2-dev:
 one step at 1024^2).
 
-Usage: ``python benchmarks/families_h200.py --family sd3 --family wan --out DIR`` (one H200: ~4 min per family; run
+Usage: ``python benchmarks/families_h200.py --family sd3 --family wan --out DIR``, then ``--merge DIR/families_*.json
+--into benchmarks/results/families_2026_h200.json`` (one H200: ~4 min per family; run
 FLUX.2-dev alone, ~6 min, and LTX-2 alone, ~8 min); ``--smoke`` runs the tiny variants on the CPU to check the script. Results:
 ``DIR/families_<family>.json``.
 """
@@ -44,7 +45,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -221,6 +222,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
                                    "vs_baseline": diff(outp, refs[n])}
             print(family, n, name, per_expert[n][name], flush=True)
         rec[name] = per_expert["transformer"][name]
+        save(out, family, {**rec, "partial": f"ended after {name}", "experts": per_expert})  # kept if killed later
 
     timed("baseline")
     # the runner's lossless preset, applied in place by the runner's own code (every install on each expert)
@@ -301,12 +303,52 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     return rec
 
 
+def save(out: Path, family: str, rec: Dict[str, Any]) -> None:
+    """Write ``out/families_<family>.json`` (written after each timed setting, so a call stopped at its time limit
+    keeps the figures it measured, marked ``partial``)."""
+    (out / f"families_{family}.json").write_text(json.dumps(rec, indent=1, default=str))
+
+
+def merge(files: List[Path], into: Path) -> Dict[str, Any]:
+    """Merge per-family records (``families_<family>.json``) into ``into`` (created or updated in place): the records
+    under ``families``, and per family at the top level ``speedup_<family>``, ``mfu_<family>``, ``speedup_fp8_<family>``
+    and ``device_<family>`` (the card that measured it). A partial record (a call stopped before its last setting) or a
+    failed one is kept under ``families`` with its ``partial`` / ``error`` and gives no top-level figure; a family
+    measured again replaces its earlier record."""
+    doc = json.loads(into.read_text()) if into.is_file() else {}
+    doc.setdefault("about", "benchmarks/families_h200.py per family (module docstring); merged with --merge")
+    fams = doc.setdefault("families", {})
+    for f in files:
+        rec = json.loads(Path(f).read_text())
+        fam = rec["family"]
+        fams[fam] = rec
+        for k in ("speedup", "mfu", "speedup_fp8", "device"):
+            doc.pop(f"{k}_{fam}", None)
+        if "error" in rec or "partial" in rec:
+            continue
+        doc[f"speedup_{fam}"] = rec.get(f"speedup_{fam}")
+        doc[f"mfu_{fam}"] = rec.get(f"mfu_{fam}")
+        doc[f"speedup_fp8_{fam}"] = rec.get("speedup_fp8")
+        doc[f"device_{fam}"] = rec.get("device")
+    into.write_text(json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n")
+    return doc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--family", action="append", choices=list(WORKLOADS), required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--family", action="append", choices=list(WORKLOADS))
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--merge", type=Path, nargs="+", help="families_<family>.json files to merge into --into")
+    ap.add_argument("--into", type=Path, help="the merged result (benchmarks/results/families_2026_h200.json)")
     a = ap.parse_args()
+    if a.merge:
+        if not a.into:
+            ap.error("--merge needs --into PATH")
+        merge(a.merge, a.into)
+        return 0
+    if not a.family or not a.out:
+        ap.error("--family and --out are required (or --merge FILES --into PATH)")
     a.out.mkdir(parents=True, exist_ok=True)
     for fam in a.family:
         try:
@@ -316,7 +358,7 @@ def main() -> int:
 
             traceback.print_exc()
             rec = {"family": fam, "error": f"{type(e).__name__}: {e}"}
-        (a.out / f"families_{fam}.json").write_text(json.dumps(rec, indent=1, default=str))
+        save(a.out, fam, rec)
     return 0
 
 

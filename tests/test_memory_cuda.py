@@ -25,6 +25,12 @@ GPU = ["platform=cuda", "dtype=bfloat16", "model=tiny_flux", "dataset.limit=4", 
        "model.generation.width=64", "model.generation.height=64", "model.generation.num_inference_steps=3"]
 
 
+def ran(*overrides: str) -> str:
+    """A test id naming the model and the overrides a case runs (``tiny_flux-memory.offload=group_block``): the
+    support matrix reads what a cuda.sh log's test exercised from its id (``runner/tools/support_matrix.py``)."""
+    return "-".join(["tiny_flux", *overrides])
+
+
 def run(run_dir: Path, overrides: Sequence[str] = (), on_loaded: Any = None) -> Dict[str, Any]:
     """One in-process run on the GPU; returns its manifest (the error kept under ``"_error"``)."""
     from runner.app.execute import run as execute
@@ -58,7 +64,7 @@ def baseline(tmp_path_factory):
 @pytest.mark.parametrize("overrides", [["memory.offload=group_block"], ["memory.offload=group_leaf"],
                                        ["memory.offload=group_block", "memory.use_stream=false",
                                         "memory.blocks_per_group=2"],
-                                       ["memory.offload=model"]])
+                                       ["memory.offload=model"]], ids=lambda ov: ran(*ov))
 def test_offload_keeps_the_images_and_moves_the_weights(tmp_path, baseline, overrides):
     base_dir, _ = baseline
     seen: Dict[str, int] = {}
@@ -105,7 +111,7 @@ def test_auto_records_why_and_the_budget_caps_the_allocator(tmp_path):
 
 
 @pytest.mark.parametrize("overrides", [["memory.offload=auto", "memory.max_gpu_gb=8"], ["memory.offload=group_block"],
-                                       ["memory.offload=none"]])
+                                       ["memory.offload=none"]], ids=lambda ov: ran(*ov))
 def test_plan_mode_prints_what_the_gpu_run_records(tmp_path, overrides):
     """``python -m runner ... --plan --json`` (a subprocess: nothing loaded, no run dir) prints the section that the
     run on this GPU records as its manifest's ``memory_plan`` (issue #38), ``applied`` aside (filled at placement):
@@ -147,7 +153,9 @@ def test_the_budget_is_enforced_on_the_device():
 
 @pytest.mark.parametrize("method, cls, package", [("int8wo", "Int8Tensor", "torchao"),
                                                   ("float8wo", "Float8Tensor", "torchao"),
-                                                  ("nf4", "Params4bit", "bitsandbytes")])
+                                                  ("nf4", "Params4bit", "bitsandbytes")],
+                         ids=lambda v: ran(f"model.quantization.transformer={v}") if v in ("int8wo", "float8wo", "nf4")
+                         else v)
 def test_quantized_transformer_runs_with_quantized_weights(tmp_path, baseline, method, cls, package):
     pytest.importorskip(package)
     if method == "float8wo" and torch.cuda.get_device_capability(0) < (8, 9):
@@ -191,7 +199,8 @@ def quantized_baseline(tmp_path_factory):
 
 @pytest.mark.parametrize("offload", [["memory.offload=group_block"], ["memory.offload=group_leaf"],
                                      ["memory.offload=group_block", "memory.use_stream=false"],
-                                     ["memory.offload=model"]])
+                                     ["memory.offload=model"]],
+                         ids=lambda ov: ran("model.quantization.transformer=int8wo", *ov))
 def test_quantized_weights_offloaded_keep_the_images(tmp_path, quantized_baseline, offload):
     """Issue #37 (H200, 09bc7a0): every item of int8wo under group offload failed with ``Attempted to set the
     storage of a tensor on device "cuda:0" to a storage on different device "cpu"`` (torchao's move of an
@@ -234,7 +243,7 @@ REPLACING = {"fuse_qkv": ["optimize.fuse_qkv=true"], "fp8": ["backend.linear=FP8
              "fp8_torchao": ["backend.linear=FP8_TORCHAO"]}
 
 
-@pytest.mark.parametrize("name", sorted(REPLACING))
+@pytest.mark.parametrize("name", sorted(REPLACING), ids=lambda n: ran(*REPLACING[n], "memory.offload=group_block"))
 def test_offload_plans_apply_after_parameter_replacing_passes(tmp_path, name):
     if name == "fp8_torchao":
         skip_without_extra("torchao")
@@ -268,3 +277,16 @@ def test_a_fused_lora_survives_group_offload(tmp_path):
     off = go(tmp_path / "off", [*lora_ov, "memory.offload=group_block"])
     assert off.keys() == fused.keys() and all(np.array_equal(off[k], fused[k]) for k in off)
     assert any(not np.array_equal(plain[k], fused[k]) for k in plain)
+
+
+def test_a_second_run_in_one_process_records_its_own_peak(tmp_path):
+    """Issue #37 (H100, memory_lanes.py): every lane of one process recorded the first lane's device peak
+    (59.55 GB for budget lanes that held 8.8 GB), because the allocator's peak and ``PhasePeaks.overall`` are per
+    process. A small run after a large one records its own, smaller peak, which still covers its phases' peaks."""
+    big = run(tmp_path / "big", ["model.generation.width=512", "model.generation.height=512", "batch_size=4"])
+    small = run(tmp_path / "small", ["dataset.limit=1", "batch_size=1"])
+    assert big["_code"] == 0 and small["_code"] == 0, (big, small)
+    b, s = big["memory"]["device_peak_allocated_bytes"], small["memory"]["device_peak_allocated_bytes"]
+    phases = small["evidence"]["stages"]["denoise"]["memory"]["observed_peak_gb"]
+    assert s < b, (s, b)
+    assert s / 2 ** 30 >= max(phases.values()) - 1e-3, (s, phases)

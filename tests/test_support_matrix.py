@@ -140,6 +140,35 @@ def test_passed_failed_skipped_refused_and_absent_lanes(synthetic):
     assert c.state == "failed" and c.reason == "RuntimeError: boom"
 
 
+def test_h100_results_fill_the_sm90_cells_and_other_cards_do_not(tmp_path):
+    """H100 and H200 are one column (sm90: the same kernels and refusals); each note names its card. An A100 log
+    (sm80) is listed under other GPUs, never in those cells. The test ids are cuda.sh's (tests/test_memory_cuda.py
+    names the model and the overrides it ran)."""
+    d = tmp_path / "benchmarks" / "results"
+    d.mkdir(parents=True)
+    (d / "cuda_tests_h100_2030-01-04.log").write_text(
+        "cuda.sh: 1 device(s); device 0: NVIDIA H100 80GB HBM3 sm90; torch 2.11.0+cu130, CUDA 13.0\n"
+        "PASSED tests/test_memory_cuda.py::test_quantized_transformer_runs_with_quantized_weights"
+        "[tiny_flux-model.quantization.transformer=nf4-Params4bit-bitsandbytes]\n"
+        "PASSED tests/test_memory_cuda.py::test_quantized_weights_offloaded_keep_the_images"
+        "[tiny_flux-model.quantization.transformer=int8wo-memory.offload=group_leaf]\n"
+        "2 passed in 1.0s\n")
+    (d / "cuda_tests_a100_2030-01-05.log").write_text(
+        "cuda.sh: 1 device(s); device 0: NVIDIA A100-SXM4-80GB sm80; torch 2.11.0+cu130, CUDA 13.0\n"
+        "FAILED tests/test_memory_cuda.py::test_quantized_transformer_runs_with_quantized_weights"
+        "[tiny_flux-model.quantization.transformer=nf4-Params4bit-bitsandbytes] - RuntimeError: sm80\n"
+        "1 failed in 1.0s\n")
+    ev = sm.collect(ROOT, d)
+    cells = sm.cells(ROOT, ev)
+    c = cells[("quantization", "nf4", "flux")]
+    assert c.state == "verified" and [r.platform for r in c.runs] == ["H100"]  # the newer A100 failure is not read
+    assert cells[("quantization", "int8wo", "flux")].state == "verified"
+    assert cells[("offload", "group_leaf", "flux")].state == "verified"
+    page = sm.render(ROOT, ev)
+    assert "verified on the H100 at commit" in page and "| family | CPU | sm90 (H100/H200) |" in page
+    assert re.search(r"Results from other GPUs \(A100-SXM4-80GB[^)]*\) are listed", page)
+
+
 def test_refusals_come_from_the_registries_checks(synthetic):
     _, cells = synthetic
     c = cells[("attention", "TRTLLM_ATTN", "flux")]  # sm100-only cubins; no diffusers wiring

@@ -44,7 +44,8 @@ log = logging.getLogger("runner")
 
 
 def peak_memory(kind: str) -> Dict[str, Any]:
-    """Peak memory of this process: device bytes allocated by torch (CUDA) and host peak RSS bytes."""
+    """Peak memory: device bytes allocated by torch (CUDA) since this run started (:func:`reset_peak_memory`) and the
+    process's host peak RSS bytes."""
     import resource
 
     out: Dict[str, Any] = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -54,6 +55,19 @@ def peak_memory(kind: str) -> Dict[str, Any]:
         out["device_peak_allocated_bytes"] = max(torch.cuda.max_memory_allocated(), PhasePeaks.overall)
         out["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     return out
+
+
+def reset_peak_memory(kind: str) -> None:
+    """Start this run's device peak at the run's start: the allocator's peak statistic and
+    ``models.memory.PhasePeaks.overall`` are per process, so a second run in one process (a sweep's lanes, an
+    in-process benchmark, a test) recorded the first one's peak as its own (issue #37: every memory lane of one
+    ``benchmarks/memory_lanes.py`` process showed the lossless lane's 59.55 GB). The host peak RSS cannot be reset
+    (``getrusage``): it stays the process's."""
+    if kind in ("cuda", "rocm") and torch.cuda.is_available():
+        from models.memory import PhasePeaks
+
+        PhasePeaks.overall = 0
+        torch.cuda.reset_peak_memory_stats()
 
 
 class Run:
@@ -183,6 +197,7 @@ class Run:
         checks.apply_cpu_threads(cfg)
         self.plat = detect(cfg.platform.name, cfg.platform.device, tuple(cfg.platform.probes))
         self.dtype = checks.resolve_dtype(cfg.dtype, self.plat.kind)
+        reset_peak_memory(self.plat.kind)
         for e in self.engines:
             e.ctx.plat, e.ctx.dtype = self.plat, self.dtype
             e.ctx.parallel = self.worker.layout if self.worker is not None else None

@@ -34,9 +34,10 @@ its status (if recorded) is ``completed``; a test passed on a ``PASSED`` line or
 ``verified``. Exit code 2 with an error is a refusal; a skip is a skip with its reason. Runs named as negative controls
 (``negative_control`` in their key or test id) are deliberate failures and are not evidence.
 
-Cell of (feature, column) on the H200 (:func:`decide`): the evidence from the newest result (date, then the time of
+Cell of (feature, column) on an sm90 GPU, an H100 or H200 (:func:`decide`; the two are one column: the same compute
+capability, so the same kernels, backends and refusals; only their memory differs, and each note names the card): the evidence from the newest result (date, then the time of
 the commit that added the file) among passes and failures — ``verified``, ``failed`` or both when one result holds
-both — else the newest skip; else ``refused`` when the registries' own checks refuse it on an H200 (sm90, bf16, the
+both — else the newest skip; else ``refused`` when the registries' own checks refuse it on sm90 (bf16, the
 family's head_dim, mask and MoE shape; packages assumed installed, so a refusal is the hardware's or the model's);
 else ``CPU only`` when the CPU accepts it, else ``not run``. The CPU column is the registries' verdict for a CPU.
 Each result file's commit and date are its own (``commit``/``git.commit``, ``date``/``started``) where it records
@@ -65,7 +66,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path("benchmarks/results")
 PAGE = Path("docs/support_matrix.md")
 COMMAND = "python -m runner.support_matrix"
-GPU = "H200"
+GPU = "H200"  # the refusal context of the sm90 column (sm90, bf16)
+#: The cards of the sm90 column (Hopper): a result from either decides its cells, its note names which.
+SM90 = ("H200", "H100")
+SM90_TITLE = "sm90 (H100/H200)"
 PASSED, FAILED, SKIPPED, REFUSED = "passed", "failed", "skipped", "refused"
 _DATE = re.compile(r"(20\d\d)[-_](\d\d)[-_](\d\d)")
 _FIX = "; fix: repair or remove the file (a results file is JSON, JSON lines or a cuda.sh log)"
@@ -209,7 +213,7 @@ class Run:
         detail: the test id or the key path of the record in the file.
         column: family or engine (None: unknown).
         features: axis -> values it set.
-        platform: ``H200``, ``CPU``, another device name, or None (unknown).
+        platform: ``H200``, ``H100``, ``CPU``, another device name, or None (unknown).
         status: ``passed`` | ``failed`` | ``skipped`` | ``refused``.
         reason: why it failed, was skipped or refused ('' for a pass).
         date, commit: the file's (or the record's) own, else from git (:class:`Provenance`).
@@ -348,20 +352,22 @@ class Features:
 
 
 def platform_of(text: Any, file: str) -> Optional[str]:
-    """``H200`` for an H200, ``CPU`` for a CPU, another GPU's name without ``NVIDIA ``; from the file's name
-    (``_h200``, ``_cpu``) when ``text`` says nothing."""
+    """``H200`` / ``H100`` for those cards, ``CPU`` for a CPU, another GPU's name without ``NVIDIA ``; from the
+    file's name (``_h200``, ``_h100``, ``_cpu``) when ``text`` says nothing."""
     if isinstance(text, dict):
         text = text.get("name") or text.get("device_name") or ""
     s = str(text or "")
-    if re.search(r"h200", s, re.I):
-        return GPU
+    for card in SM90:
+        if re.search(card, s, re.I):
+            return card
     if re.fullmatch(r"\s*cpu\b.*", s, re.I):
         return "CPU"
     if s and "cuda" not in s.lower():
         return s.replace("NVIDIA ", "").strip()
     name = Path(file).name.lower()
-    if "_h200" in name:
-        return GPU
+    for card in SM90:
+        if f"_{card.lower()}" in name:
+            return card
     if "_cpu" in name:
         return "CPU"
     return None
@@ -852,11 +858,11 @@ class Cell:
 
 
 def decide(runs: Sequence[Run], refused: Optional[str], cpu_refused: Optional[str]) -> Cell:
-    """The H200 cell from the runs of one (feature, column) on the H200 and the registries' verdicts.
+    """The sm90 cell from the runs of one (feature, column) on an H100 or H200 and the registries' verdicts.
 
     Args:
-        runs: the runs that exercised the feature in that column on the H200.
-        refused: the registries' refusal on the H200 (None: accepted).
+        runs: the runs that exercised the feature in that column on an H100 or H200.
+        refused: the registries' refusal on sm90 (None: accepted).
         cpu_refused: the registries' refusal on a CPU (None: accepted).
 
     Returns:
@@ -917,12 +923,12 @@ class Page:
 
 
 def cells(root: Path, ev: Evidence) -> Dict[Tuple[str, str, str], Cell]:
-    """Every cell: ``(axis, value, column) -> Cell`` for the H200 (column: a family, or an engine in the backend
+    """Every cell: ``(axis, value, column) -> Cell`` for sm90 (column: a family, or an engine in the backend
     axes; the family axis has its own family as the column) and ``(axis, value, "CPU") -> Cell`` (``accepted`` or
     ``refused``, the registries' verdict for a CPU)."""
     cols = columns(root)
     fams = [c for c in cols if c in _families()]
-    gpu_runs = [r for r in ev.runs if r.platform == GPU]
+    gpu_runs = [r for r in ev.runs if r.platform in SM90]
     out: Dict[Tuple[str, str, str], Cell] = {}
     for ax in axes():
         for v in ax.values:
@@ -951,15 +957,17 @@ def render(root: Path, ev: Evidence) -> str:
         f"After committing new results, regenerate with `{COMMAND}` and commit the page; CI checks it is current "
         f"(`{COMMAND} --check`, `tests/test_support_matrix.py`).",
         "",
-        "States of an H200 cell (per family column):",
+        f"States of an {SM90_TITLE} cell (per family column; H100 and H200 share the compute capability, so the "
+        "same kernels, backends and refusals: a result from either card decides the cell, and its note names the "
+        "card):",
         "",
-        "* **verified** — a result file shows it ran and passed on the H200 (test passed, exit 0, evidence verdict "
+        "* **verified** — a result file shows it ran and passed on an H100 or H200 (test passed, exit 0, evidence verdict "
         "`verified`); the note names the file, its commit and date.",
         "* **failed** — the newest result shows it failed (the note has the reason); **refused** with a note `E…`: "
         "the run itself was refused at startup (exit 2). States joined by `+` (`verified+failed`): the newest "
         "results, of one date and commit, hold both.",
-        "* **skipped** — only skips on the H200, with their reason (a missing package, typically).",
-        "* **refused** — the registries' own checks refuse it on an H200 (sm90, bf16, the family's shapes; packages "
+        "* **skipped** — only skips on an H100 or H200, with their reason (a missing package, typically).",
+        "* **refused** — the registries' own checks refuse it on sm90 (bf16, the family's shapes; packages "
         "assumed installed) or for the family (no such stage field, task or output kind).",
         "* **CPU only** — no GPU result; the CPU accepts it (exercised by CPU tests with tiny models).",
         "* **not run** — no GPU result, and the CPU refuses it too.",
@@ -974,7 +982,7 @@ def render(root: Path, ev: Evidence) -> str:
         table_cols = cols if ax.key in BACKEND_AXES else fams
         out += [f"## {ax.title} (`{ax.setting}`)", "", f"Rows: `{ax.source}`.", ""]
         if ax.key == "family":
-            out += ["| family | CPU | H200 |", "|---|---|---|"]
+            out += [f"| family | CPU | {SM90_TITLE} |", "|---|---|---|"]
             for v in ax.values:
                 out.append(f"| `{v}` | {page.cell(table[(ax.key, v, 'CPU')])} | {page.cell(table[(ax.key, v, v)])} |")
             out.append("")
@@ -986,10 +994,10 @@ def render(root: Path, ev: Evidence) -> str:
             row += [page.cell(table[(ax.key, v, col)]) for col in table_cols]
             out.append("| " + " | ".join(row) + " |")
         out.append("")
-    others = sorted({r.platform for r in ev.runs if r.platform not in (GPU, None, "CPU")})
+    others = sorted({r.platform for r in ev.runs if r.platform not in (*SM90, None, "CPU")})
     if others:
         out += [f"Results from other GPUs ({', '.join(others)}) are listed under the result files below and not "
-                "placed in the H200 cells.", ""]
+                f"placed in the {SM90_TITLE} cells.", ""]
     out += ["## cuda.sh runs", "", "| log | commit | date | device | passed | failed | skipped | failed tests |",
             "|---|---|---|---|---|---|---|---|"]
     for rel, s in sorted(ev.logs.items(), key=lambda kv: (ev.files[kv[0]][1], kv[0])):
