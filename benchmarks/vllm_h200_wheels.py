@@ -1,6 +1,6 @@
 """vLLM 0.24.0 (CUDA 13, torch 2.11) and what it needs, with every optional package of the runner that installs there
 (torchao, cache-dit, imageio-ffmpeg, bitsandbytes, sageattention 1.x, jsonschema), carried to the H200 in pieces of
-at most 44 MiB.
+at most what a device call leaves beside the working tree (:func:`part_limit`).
 
 The H200 image has torch 2.11.0+cu130, transformers, triton and most of vLLM's requirements, but no vLLM, no
 pydantic, no hydra; it cannot reach a package index, and one device call carries at most ~45 MB beside the
@@ -62,8 +62,25 @@ REPO = Path(__file__).resolve().parents[1]
 KEEP = Path(os.environ.get("VPART_KEEP", "/tmp/keep"))
 SITE = Path(os.environ.get("VPART_SITE", "/tmp/site"))
 MANIFEST = "vparts.json"
-PART_LIMIT = 44 * 2**20  # a folder (chunk + manifest) must stay at or below this
-CHUNK = PART_LIMIT - 256 * 1024
+#: A device call carries at most 64 MiB: the working tree (tracked files) plus one part. The tree grows with the
+#: project (27.5 MiB on 2026-12-06, when 44 MiB parts no longer fitted), so a part's size is what the tree leaves,
+#: less 2 MiB of headroom for files added between ``prepare`` and the stage calls (:func:`part_limit`).
+CARRY_LIMIT = 64 * 2**20
+HEADROOM = 2 * 2**20
+
+
+def part_limit() -> int:
+    """Bytes a part folder (chunk + manifest) may hold: :data:`CARRY_LIMIT` - the tracked tree - :data:`HEADROOM`.
+
+    Raises:
+        SystemExit: the tree leaves less than 8 MiB (too many calls to stage)."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout.split(b"\0")
+    tree = sum((REPO / f.decode()).stat().st_size for f in files if f and (REPO / f.decode()).is_file())
+    limit = CARRY_LIMIT - tree - HEADROOM
+    if limit < 8 * 2**20:
+        sys.exit(f"prepare: the tracked tree is {tree / 2**20:.1f} MiB, leaving {limit / 2**20:.1f} MiB per part; "
+                 "fix: move large tracked files out of the tree")
+    return limit
 VLLM_WHEEL = "/work/vllmwhl/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl"
 
 #: Pinned wheels the H200 lacks (versions satisfy vLLM 0.24.0's pins; apache-tvm-ffi is 0.1.15.post2, not vLLM's
@@ -175,10 +192,11 @@ def prepare(a: argparse.Namespace) -> int:
     for old in REPO.glob(".vpart*"):
         shutil.rmtree(old)
     chunks = []
+    limit = part_limit()
     with open(tar, "rb") as f:
         k = 0
         while True:
-            data = f.read(CHUNK)
+            data = f.read(limit - 256 * 1024)  # the manifest beside the chunk
             if not data:
                 break
             k += 1
@@ -198,7 +216,7 @@ def prepare(a: argparse.Namespace) -> int:
         d = REPO / f".vpart{c['part']}"
         (d / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
         size = sum(p.stat().st_size for p in d.iterdir())
-        assert size <= PART_LIMIT, (d, size)
+        assert size <= limit, (d, size)
     shutil.rmtree(work)
     total = sum(w["bytes"] for w in doc["wheels"])
     print(json.dumps({"parts": [f".vpart{c['part']}" for c in chunks], "wheels_bytes": total,
