@@ -67,7 +67,14 @@ def test_help_says_what_the_tool_is_without_schema_bases(subprocess_env, tmp_pat
     assert "dataset: builtin, csv, hf, jsonl, parquet, txt" in out
     assert "python -m runner --cfg job" in out and "runner.export <run dir>" in out  # the entry module
     assert "runner.gate" in out and "runner.validate" in out
-    assert "cache.* (lossy step caching: cache.method=none|first_block|magcache|taylorseer|pab" in out
+    # closed settings list every value their registries hold (a new cache method shows up without a help edit)
+    from models.cache import CACHE_METHODS
+    from runner.core.memory import OFFLOAD_MODES
+    from runner.kernels.quantization import METHODS
+
+    assert f"cache.method={'|'.join(['none', *CACHE_METHODS])}," in out and "dbcache_taylorseer" in out  # (typed)
+    assert f"memory.offload={'|'.join([*OFFLOAD_MODES, 'auto'])}," in out
+    assert f"model.quantization.<component>={'|'.join(METHODS)} (lossy)" in out and "int8dq" in out
     assert not (tmp_path / "outputs").exists()
 
 

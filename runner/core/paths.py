@@ -83,6 +83,29 @@ def hydra_quote(value: str) -> str:
 SCHEMA_BASES = ("base_diffusion", "base_ar", "base_pipeline", "base_pipeline_stage")
 
 
+def help_choices(axis: str) -> str:
+    """The ``--help`` values of a closed setting, read from its registry (the OmegaConf resolver
+    ``${runner_help_choices:<axis>}``): ``offload`` (``memory.offload``: ``runner.core.memory.OFFLOAD_MODES`` and
+    auto), ``quantization`` (``model.quantization.<component>``: ``runner.kernels.quantization.METHODS``), joined by
+    ``|``. (``cache.method``'s registry, ``models.cache``, imports diffusers: 4.7 s and torchao's console noise for
+    ``--help``; its list is written in ``conf/config.yaml`` and ``tests/test_console.py`` checks it against the
+    registry.)
+
+    Raises:
+        KeyError: another axis."""
+    if axis == "offload":
+        from runner.core.memory import OFFLOAD_MODES
+
+        values = [*OFFLOAD_MODES, "auto"]
+    elif axis == "quantization":
+        from runner.kernels.quantization import METHODS
+
+        values = list(METHODS)
+    else:
+        raise KeyError(f"runner_help_choices: no axis {axis!r} (offload, quantization)")
+    return "|".join(values)
+
+
 def help_groups() -> str:
     """The ``--help`` list of config groups: ``  group: option, option`` per group of :data:`CONF_DIR`, one line each,
     the model schema bases (:data:`SCHEMA_BASES`) left out (the OmegaConf resolver ``${runner_help_groups:}``)."""

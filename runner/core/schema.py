@@ -1007,6 +1007,10 @@ def register_configs() -> None:
         from runner.core.paths import help_groups
 
         OmegaConf.register_new_resolver("runner_help_groups", help_groups)  # --help: groups without schema bases
+    if not OmegaConf.has_resolver("runner_help_choices"):
+        from runner.core.paths import help_choices
+
+        OmegaConf.register_new_resolver("runner_help_choices", help_choices)  # --help: a setting's registry values
     if not OmegaConf.has_resolver("runner_pid"):
         from runner.core.rundir import pid_resolver
 
