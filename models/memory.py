@@ -322,10 +322,44 @@ def apply_offload(pipe: Any, plan: planner.Plan, device: str) -> Dict[str, Any]:
                 apply(offload_type=level, **kw, **extra)
             else:
                 apply_group_offloading(comp, offload_type=level, **kw, **extra)
+        resident = (keep_blocks(pipe.components["transformer"], plan.resident_blocks, device)
+                    if plan.resident_blocks and levels.get("transformer") == "block_level" else [])
         return {"offload": mode, "use_stream": plan.use_stream, "blocks_per_group": plan.blocks_per_group,
-                "record_stream": plan.use_stream and plan.record_stream, "levels": levels}
+                "record_stream": plan.use_stream and plan.record_stream, "levels": levels,
+                "resident_blocks": len(resident), "resident": resident}
     return {"offload": mode, "use_stream": plan.use_stream, "blocks_per_group": plan.blocks_per_group,
             "record_stream": plan.use_stream and plan.record_stream}
+
+
+def blocks_in_order(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """``(name, block)`` of every entry of ``module``'s top-level block lists, in the order diffusers' block-level
+    offloading groups them and ``runner.core.memory.size_module`` sizes them."""
+    return [(f"{n}.{i}", b) for n, ch in module.named_children()
+            if isinstance(ch, (torch.nn.ModuleList, torch.nn.Sequential)) for i, b in enumerate(ch)]
+
+
+def keep_blocks(module: torch.nn.Module, n: int, device: str) -> List[str]:
+    """Keep the first ``n`` blocks of a block-level offloaded ``module`` on ``device``: each one's group-offload
+    hook (one block per group) is removed before the first forward, so diffusers' lazy prefetching, which orders the
+    groups it finds hooked at that forward (``LazyPrefetchGroupOffloadingHook``, diffusers 0.42), streams the others
+    only; then the block is moved to ``device``. Returns the blocks' names.
+
+    Raises:
+        RuntimeError: a block to keep is not its own group (its hook's group holds other modules)."""
+    from diffusers.hooks import HookRegistry
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    kept = []
+    for name, block in blocks_in_order(module)[:n]:
+        reg = HookRegistry.check_if_exists_or_initialize(block)
+        hook = reg.get_hook(_GROUP_OFFLOADING)
+        if hook is not None and list(hook.group.modules) != [block]:
+            raise RuntimeError(f"memory.offload=group_block: block {name} shares its offload group; a resident "
+                               "block must be its own group (blocks_per_group=1)")
+        reg.remove_hook(_GROUP_OFFLOADING, recurse=False)
+        block.to(device)
+        kept.append(name)
+    return kept
 
 
 def group_levels(components: Mapping[str, Any], mode: str) -> Dict[str, str]:
@@ -580,6 +614,8 @@ class Fitting:
         self.peaks: Optional[PhasePeaks] = None
         self.applied: Dict[str, Any] = {}
         self.placed = False
+        self.resident: List[torch.nn.Module] = []  # the denoiser blocks a budgeted group_block plan keeps on device
+        self.device = ""
 
     def check(self, ctx: Any, dummy: bool, fuse_qkv: bool, linear_backend: Optional[str],
               batch_size: Optional[int] = None) -> None:
@@ -624,8 +660,11 @@ class Fitting:
         """
         s = self.settings
         self.budget = int(s.max_gpu_gb * planner.GIB) if s.max_gpu_gb is not None else device_total
+        # group_block keeps blocks resident up to a bound the run was given: memory.max_gpu_gb, or the device's
+        # memory that auto fits against; a configured group_block without a budget streams every block
+        fill = self.budget if s.max_gpu_gb is not None or s.offload == "auto" else None
         self.candidates = planner.plans(sizes, stages, "transformer", forwards, s.use_stream, s.blocks_per_group,
-                                        s.record_stream)
+                                        s.record_stream, fill)
         where = "memory.offload"
         if s.offload == "auto" and self.platform_kind not in GPU_KINDS:
             self.plan = {p.offload: p for p in self.candidates}["none"]  # the weights stay on this platform's device
@@ -709,6 +748,9 @@ class Fitting:
         """The probes: offload transfers, quantized Linear calls, per-phase peaks on a CUDA device."""
         comps = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
         mode = self.applied.get("offload", "none")
+        self.device = str(device)
+        kept = set(self.applied.get("resident") or ())
+        self.resident = [b for n, b in blocks_in_order(comps["transformer"]) if n in kept] if kept else []
         if observe and mode in ("group_block", "group_leaf"):
             self.offload_probe = OffloadProbe()
             self.offload_probe.watch_groups(list(comps.values()))
@@ -734,6 +776,14 @@ class Fitting:
                 (``models.denoiser_evidence.KernelTrace``: device kernel names on a GPU).
         """
         off, bad = offload_evidence(self.offload_probe, self.applied.get("offload", "none"), forwards)
+        if self.resident:  # where the kept blocks' weights are after the run (a later hook or move would show)
+            want = torch.device(self.device)
+            devs = {t.device for b in self.resident for t in (*b.parameters(), *b.buffers())}
+            off["resident_blocks"], off["resident_on"] = len(self.resident), sorted(map(str, devs))
+            if any(d.type != want.type or want.index not in (None, d.index) for d in devs):
+                on = off["resident_on"]
+                bad.append(f"memory.offload={off['offload']}: the {len(self.resident)} resident denoiser blocks "
+                           f"were on {', '.join(on)} after the run, not {self.device}")
         sec: Dict[str, Any] = {"offload": off}
         if self.quant_probe is not None:
             q, qbad = self.quant_probe.section()

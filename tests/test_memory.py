@@ -598,3 +598,89 @@ def test_group_block_plans_t5_leaf_by_leaf(flux_dev):
     tr = sizes["transformer"]
     assert block.stages["denoise"] == tr.unmatched + 2 * max(tr.blocks) + dict(st[1].activations)["transformer"]
     assert planner.gb(block.stages["text_encode"]) < 5  # was 8.9 GiB of T5 + its activations
+
+
+class _Blocks(torch.nn.Module):
+    """An input Linear, four 16x16 blocks in a ModuleList (272 parameters, 1088 float32 bytes each), an output
+    Linear."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(4)])
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def test_group_block_keeps_what_the_budget_leaves_resident():
+    """Issue #37 (budget24 at 1.058x lossless on the H100 while its plan used 9.9 of 24 GiB): under a budget,
+    group_block keeps the denoiser's leading blocks resident within budget - peak - margin, in block order; each
+    stage grows by their bytes, the bytes moved shrink by them once per forward; no budget, another mode, or groups
+    of several blocks: unchanged. Kills: blocks counted past the spare bytes, resident bytes left out of a stage,
+    moved bytes not reduced per forward, residency without a budget."""
+    size = planner.size_module("transformer", _Blocks())
+    blk = size.blocks[0]
+    assert size.blocks == (blk,) * 4 and blk == (16 * 16 + 16) * 4
+    stage = [planner.Stage("denoise", {"transformer": 1000}), planner.Stage("vae_decode", {"transformer": 0})]
+    base = planner.plan("group_block", {"transformer": size}, stage, "transformer", 7)
+    for n in range(5):
+        budget = base.peak + planner.GIB + n * blk + blk // 2  # the margin (1 GiB at these sizes) and n.5 blocks
+        p = planner.keep_resident(base, {"transformer": size}, "transformer", 7, budget)
+        assert (p.resident_blocks, p.resident_bytes) == (min(n, 4), min(n, 4) * blk), (n, p)
+        assert p.stages == {k: v + p.resident_bytes for k, v in base.stages.items()}
+        assert p.peak == base.peak + p.resident_bytes <= budget - planner.resident_margin(budget)
+        assert p.moved == base.moved - 7 * p.resident_bytes
+    full = planner.keep_resident(base, {"transformer": size}, "transformer", 7, 10 * planner.GIB)
+    assert full.resident_blocks == 4
+    assert planner.plans({"transformer": size}, stage, "transformer", 7)[2] == base  # no budget: all streamed
+    leaf = planner.plan("group_leaf", {"transformer": size}, stage, "transformer", 7)
+    assert planner.keep_resident(leaf, {"transformer": size}, "transformer", 7, 10 * planner.GIB) is leaf
+    pairs = planner.plan("group_block", {"transformer": size}, stage, "transformer", 7, use_stream=False,
+                         blocks_per_group=2)
+    assert planner.keep_resident(pairs, {"transformer": size}, "transformer", 7, 10 * planner.GIB) is pairs
+    cands = planner.plans({"transformer": size}, stage, "transformer", 7, budget=base.peak + planner.GIB + blk)
+    p, why = planner.choose("group_block", cands, base.peak + planner.GIB + blk)
+    assert p.resident_blocks == 1 and p.peak <= base.peak + planner.GIB + blk
+    cands = planner.plans({"transformer": size}, stage, "transformer", 7, budget=base.peak + planner.GIB + 2 * blk)
+    _, why = planner.choose("auto", [c for c in cands if c.offload == "group_block"],
+                            base.peak + planner.GIB + 2 * blk)
+    assert "2 denoiser blocks" in why and "kept resident" in why
+
+
+def test_resident_blocks_lose_their_offload_hook_and_keep_the_math():
+    """``keep_blocks`` on diffusers' own block-level group offload (CPU: onload = offload device): the first n
+    blocks lose their group-offload hook and are never onloaded again, the others still are; every output equals
+    the plain module's; a block that shares its group with another is refused (Kills: the wrong blocks kept, the
+    hooks left in place, a resident block still onloaded)."""
+    from diffusers.hooks import apply_group_offloading
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    from models.memory import OffloadProbe, blocks_in_order, keep_blocks
+
+    m = _Blocks()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    ref = m(x).detach()
+    apply_group_offloading(m, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1)
+    assert [n for n, _ in blocks_in_order(m)] == [f"blocks.{i}" for i in range(4)]
+    assert keep_blocks(m, 2, "cpu") == ["blocks.0", "blocks.1"]
+    hooked = [getattr(b, "_diffusers_hook", None) is not None and b._diffusers_hook.get_hook(_GROUP_OFFLOADING)
+              is not None for b in m.blocks]
+    assert hooked == [False, False, True, True]
+    probe = OffloadProbe()
+    probe.watch_groups([m])
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m(x), ref)
+    assert probe.groups == 3 and probe.onloads == 3 * 2  # two streamed blocks and the unmatched modules, per forward
+    pairs = _Blocks()
+    apply_group_offloading(pairs, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=2)
+    with pytest.raises(RuntimeError, match="shares its offload group"):
+        keep_blocks(pairs, 1, "cpu")

@@ -290,3 +290,19 @@ def test_a_second_run_in_one_process_records_its_own_peak(tmp_path):
     phases = small["evidence"]["stages"]["denoise"]["memory"]["observed_peak_gb"]
     assert s < b, (s, b)
     assert s / 2 ** 30 >= max(phases.values()) - 1e-3, (s, phases)
+
+
+def test_a_budgeted_group_block_keeps_blocks_resident_and_the_images(tmp_path, baseline):
+    """Under memory.max_gpu_gb, group_block keeps the denoiser's leading blocks on the GPU (tiny_flux: all of
+    them fit 2 GiB less the 1 GiB margin): the manifest names them, the evidence finds them on the GPU after the
+    run, the streamed groups are still onloaded, and the images equal the unoffloaded run's."""
+    base_dir, _ = baseline
+    m = run(tmp_path / "r", ["memory.offload=group_block", "memory.max_gpu_gb=2"])
+    assert m["_code"] == 0 and m["evidence"]["verdict"] == "verified", m
+    applied = m["memory_plan"]["applied"]
+    assert applied["resident_blocks"] == m["memory_plan"]["planned"]["resident_blocks"] > 0, applied
+    off = m["evidence"]["stages"]["denoise"]["memory"]["offload"]
+    assert off["resident_blocks"] == applied["resident_blocks"] and off["resident_on"] == ["cuda:0"], off
+    assert off["bytes_onloaded"] > 0
+    got, want = images(tmp_path / "r"), images(base_dir)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)

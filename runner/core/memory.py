@@ -22,6 +22,9 @@ leaf module its own group (two resident with a stream). Quantized ``nn.Linear`` 
   as under ``group_leaf``: block level would make all of it one group, resident whole while it runs (FLUX.1-dev's
   T5-XXL: 8.9 GiB, which decided budget12's plan).
 * ``group_leaf``: ``k * max_leaf_c + other_c + A_c`` (``other_c``: parameters outside any leaf module).
+* under ``memory.max_gpu_gb``, ``group_block`` keeps the denoiser's leading blocks on the device while the budget,
+  less :func:`resident_margin`, allows (:func:`keep_resident`): their bytes ``R`` join every stage and leave the
+  bytes moved per forward.
 
 The planned peak is the largest stage's, plus :data:`RESERVE_BYTES`. **Speed order** (``auto`` takes the first
 that fits): by bytes moved host-to-device per pipeline call, none (0) < model (every component once) < group_block
@@ -191,6 +194,8 @@ class Plan:
         stages: stage -> planned peak bytes (weights resident + activations), :data:`RESERVE_BYTES` excluded.
         peak: the largest stage's bytes plus :data:`RESERVE_BYTES`.
         moved: bytes copied host-to-device per pipeline call (the speed order).
+        resident_blocks, resident_bytes: the denoiser's leading blocks kept on the device under ``group_block``
+            (:func:`keep_resident`: what a budget leaves beside the streamed plan) and their bytes.
     """
 
     offload: str
@@ -200,11 +205,14 @@ class Plan:
     peak: int = 0
     moved: int = 0
     record_stream: bool = False
+    resident_blocks: int = 0
+    resident_bytes: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
         return {"offload": self.offload, "use_stream": self.use_stream, "blocks_per_group": self.blocks_per_group,
                 "record_stream": self.record_stream, "peak_gb": gb(self.peak), "stages_gb": {k: gb(v) for k, v in self.stages.items()},
-                "moved_per_call_gb": gb(self.moved)}
+                "moved_per_call_gb": gb(self.moved), "resident_blocks": self.resident_blocks,
+                "resident_gb": gb(self.resident_bytes)}
 
 
 def gb(n: float) -> float:
@@ -246,11 +254,48 @@ def plan(mode: str, sizes: Mapping[str, ComponentSize], stages: Sequence[Stage],
     return p
 
 
+def resident_margin(budget: int) -> int:
+    """Bytes of a budget that :func:`keep_resident` leaves unfilled beyond :data:`RESERVE_BYTES`: 5 % of it, at
+    least 1 GiB (the estimates have been up to 1.6 GiB low per stage before a correction: Wan's VAE decoder on the
+    H100, ``benchmarks/results/memory_lanes_h100_2026-12-06_wan48.json``; a chosen margin, not a measured one)."""
+    return max(GIB, budget // 20)
+
+
+def keep_resident(p: Plan, sizes: Mapping[str, ComponentSize], denoiser: str, forwards: int, budget: int) -> Plan:
+    """``p`` with the denoiser's leading blocks kept on the device while the budget allows (a ``group_block`` plan
+    with one block per group: streams, or ``blocks_per_group=1``); otherwise ``p`` unchanged.
+
+    The blocks are taken in order (diffusers' block order: each top-level block list's entries, lists in module
+    order) while their bytes stay within ``budget - p.peak - resident_margin(budget)``; they are resident through
+    every stage (each stage's estimate grows by their bytes), and no longer move: ``moved`` shrinks by their bytes
+    once per denoiser forward. Streaming every block leaves most of a large budget unused (FLUX.1-dev under 24 GiB:
+    a 9.9 GiB plan, 22.2 GiB of transformer weights copied per step, 1.058x lossless on the H100,
+    ``benchmarks/results/memory_lanes_h100_2026-12-06_b.json``; the issue's target is 1.05).
+    """
+    c = sizes.get(denoiser)
+    if p.offload != "group_block" or c is None or not c.blocks or p.blocks_per_group != 1:
+        return p
+    spare = budget - p.peak - resident_margin(budget)
+    n = kept = 0
+    for b in c.blocks:
+        if kept + b > spare:
+            break
+        n, kept = n + 1, kept + b
+    if n == 0:
+        return p
+    return Plan(p.offload, p.use_stream, p.blocks_per_group, {k: v + kept for k, v in p.stages.items()},
+                p.peak + kept, p.moved - kept * max(1, forwards), p.record_stream, n, kept)
+
+
 def plans(sizes: Mapping[str, ComponentSize], stages: Sequence[Stage], denoiser: str, forwards: int,
-          use_stream: bool = True, blocks_per_group: int = 1, record_stream: bool = False) -> List[Plan]:
-    """Every offload plan, fastest first (:data:`OFFLOAD_MODES` is that order)."""
-    return [plan(m, sizes, stages, denoiser, forwards, use_stream, blocks_per_group, record_stream)
-            for m in OFFLOAD_MODES]
+          use_stream: bool = True, blocks_per_group: int = 1, record_stream: bool = False,
+          budget: Optional[int] = None) -> List[Plan]:
+    """Every offload plan, fastest first (:data:`OFFLOAD_MODES` is that order); with ``budget`` (bytes:
+    ``memory.max_gpu_gb``) ``group_block`` keeps what the budget allows of the denoiser resident
+    (:func:`keep_resident`)."""
+    out = [plan(m, sizes, stages, denoiser, forwards, use_stream, blocks_per_group, record_stream)
+           for m in OFFLOAD_MODES]
+    return out if budget is None else [keep_resident(p, sizes, denoiser, forwards, budget) for p in out]
 
 
 def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
@@ -279,8 +324,10 @@ def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
     if not fits:
         raise MemoryBudgetError(_refusal(None, budget, [], where, candidates, already))
     skipped = [f"{p.offload} needs {gb(p.peak)} GiB" for p in candidates[:candidates.index(fits[0])]]
+    kept = (f", {fits[0].resident_blocks} denoiser blocks ({gb(fits[0].resident_bytes)} GiB) kept resident"
+            if fits[0].resident_blocks else "")
     why = (f"auto: {fits[0].offload} is the fastest plan that fits {gb(budget)} GiB (planned peak "
-           f"{gb(fits[0].peak)} GiB, {gb(fits[0].moved)} GiB moved per call)" if budget is not None
+           f"{gb(fits[0].peak)} GiB, {gb(fits[0].moved)} GiB moved per call{kept})" if budget is not None
            else "auto: no budget, nothing offloaded")
     return fits[0], why + (f"; skipped: {', '.join(skipped)}" if skipped else "")
 

@@ -213,12 +213,15 @@ def render(doc: Dict[str, Any]) -> str:
 
 def _table(candidates: Sequence[Dict[str, Any]], chosen: Optional[str]) -> List[str]:
     phases = list(candidates[0]["stages_gb"]) if candidates else []
-    head = f"    {'plan':<12}" + "".join(f"{p:>13}" for p in phases) + f"{'peak+reserve':>14}{'moved/call':>12}"
+    head = (f"    {'plan':<12}" + "".join(f"{p:>13}" for p in phases) + f"{'peak+reserve':>14}{'moved/call':>12}"
+            + "  resident blocks")
     rows = [head]
     for c in candidates:
         mark = "->" if c["offload"] == chosen else "  "
+        n = c.get("resident_blocks", 0)
         rows.append(f"  {mark}{c['offload']:<12}" + "".join(f"{c['stages_gb'][p]:>13.3f}" for p in phases)
-                    + f"{c['peak_gb']:>14.3f}{c['moved_per_call_gb']:>12.3f}")
+                    + f"{c['peak_gb']:>14.3f}{c['moved_per_call_gb']:>12.3f}"
+                    + (f"  {n} ({c['resident_gb']:.3f})" if n else ""))
     return rows
 
 
