@@ -371,7 +371,7 @@ def check_guidance_2(v: Any, context: Any) -> Optional[str]:
     """``guidance_scale_2``: None or a finite number >= 0."""
     import math
 
-    return "must be a finite number >= 0" if v is not None and not (math.isfinite(v) and v >= 0) else None
+    return ("must be a finite number >= 0; fix: use e.g. 3.0" if v is not None and not (math.isfinite(v) and v >= 0) else None)
 
 
 #: Wan's row: the diffusion row and the low-noise expert's ``guidance_scale_2`` (identity only when set, so

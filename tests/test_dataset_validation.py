@@ -81,7 +81,7 @@ def test_every_problem_of_every_row_in_one_error(tmp_path):
                    f"{p}:2: field 'width' = 30 is not a positive multiple of 16; fix: use e.g. 32",
                    f"{p}:3: field 'prompt' is missing; fix: give every row a non-empty prompt",
                    f"{p}:3: duplicate id 'a' (first on line 2); fix: ids must be unique",
-                   f"{p}:3: field 'seed' = -1 must be in [0, 2**63 - 64)"]
+                   f"{p}:3: field 'seed' = -1 must be in [0, 2**63 - 64); fix: use e.g. 0"]
 
 
 def test_a_single_problem_message_head(tmp_path):
@@ -138,13 +138,13 @@ def test_steps_at_least_one(tmp_path, steps, ok):
     if ok:
         assert load(p)[0][0].num_inference_steps == steps
     else:
-        assert problems(p) == [f"{p}:1: field 'num_inference_steps' = {steps} must be >= 1"]
+        assert problems(p) == [f"{p}:1: field 'num_inference_steps' = {steps} must be >= 1; fix: use e.g. 1"]
 
 
 def test_steps_without_a_default(tmp_path):
     p = jsonl(tmp_path, [{"prompt": "p"}])
     assert problems(p, defaults=dict(DEFAULTS, num_inference_steps=None)) == [
-        f"{p}:1: field 'num_inference_steps' = None must be >= 1"]
+        f"{p}:1: field 'num_inference_steps' = None must be >= 1; fix: use e.g. 1"]
 
 
 @pytest.mark.parametrize("seed,ok", [(0, True), (2 ** 63 - 65, True), (2 ** 63 - 64, False), (2 ** 63, False),
@@ -154,7 +154,7 @@ def test_seed_range(tmp_path, seed, ok):
     if ok:
         assert load(p)[0][0].seed == seed
     else:
-        assert problems(p) == [f"{p}:1: field 'seed' = {seed} must be in [0, 2**63 - 64)"]
+        assert problems(p) == [f"{p}:1: field 'seed' = {seed} must be in [0, 2**63 - 64); fix: use e.g. 0"]
 
 
 @pytest.mark.parametrize("g,ok", [(0, True), (0.0, True), (-0.5, False), (float("inf"), False), (float("nan"), False),
@@ -165,7 +165,7 @@ def test_guidance_finite_and_not_negative(tmp_path, g, ok):
     if ok:
         assert load(p)[0][0].guidance_scale == g
     else:
-        assert problems(p) == [f"{p}:1: field 'guidance_scale' = {float(g)!r} must be a finite number >= 0"]
+        assert problems(p) == [f"{p}:1: field 'guidance_scale' = {float(g)!r} must be a finite number >= 0; fix: use e.g. 3.5"]
 
 
 def test_no_guidance_model(tmp_path):
@@ -190,13 +190,13 @@ def test_images_per_prompt_at_least_one(tmp_path, n, ok):
     if ok:
         assert load(p)[0][0].num_images_per_prompt == n
     else:
-        assert problems(p) == [f"{p}:1: field 'num_images_per_prompt' = {n} must be >= 1"]
+        assert problems(p) == [f"{p}:1: field 'num_images_per_prompt' = {n} must be >= 1; fix: use e.g. 1"]
 
 
 def test_images_per_prompt_without_a_default(tmp_path):
     p = jsonl(tmp_path, [{"prompt": "p"}])
     assert problems(p, defaults=dict(DEFAULTS, num_images_per_prompt=None)) == [
-        f"{p}:1: field 'num_images_per_prompt' = None must be >= 1"]
+        f"{p}:1: field 'num_images_per_prompt' = None must be >= 1; fix: use e.g. 1"]
 
 
 def test_a_bad_row_is_not_kept_but_later_rows_are_still_checked(tmp_path):

@@ -61,7 +61,7 @@ def test_an_added_field_is_typed_checked_defaulted_and_spelled(tmp_path):
     bad = _jsonl(tmp_path, [{"prompt": "p", "strength": 2}, {"prompt": "q", "strength": "lots"},
                             {"prompt": "r", "strenght": 0.1}], "bad.jsonl")
     assert _problems(bad) == [
-        f"{bad}:1: field 'strength' = 2.0 must be in [0, 1]",
+        f"{bad}:1: field 'strength' = 2.0 must be in [0, 1]; fix: set strength to a value in [0, 1]",
         f"{bad}:2: field 'strength' = 'lots' is not a number; fix: write it as a number (no quotes)",
         f"{bad}:3: unknown field 'strenght'; fix: did you mean 'strength'? (a column of that name under another "
         "spelling: dataset.columns={strength: strenght})"]
@@ -92,7 +92,7 @@ def test_the_three_rows_are_specs_of_one_driver():
     raw = [(1, {"id": "x", "prompt": "hi", "max_tokens": 0}), (2, {"id": "x", "prompt_token_ids": [1, 2]})]
     with pytest.raises(DatasetError) as e:
         ds.validate_rows(raw, AR_ROW, "rows.jsonl", context={"sampling": {}, "max_model_len": 64, "run_seed": 0})
-    assert e.value.problems == ["rows.jsonl:1: field 'max_tokens' = 0 must be >= 1",
+    assert e.value.problems == ["rows.jsonl:1: field 'max_tokens' = 0 must be >= 1; fix: set max_tokens to a value >= 1",
                                 "rows.jsonl:2: duplicate id 'x' (first on line 1); fix: ids must be unique"]
     with pytest.raises(ValueError, match="declares a field twice"):
         ds.IMAGE_ROW.extend("twice", Field("width", int))

@@ -330,6 +330,8 @@ def field_problem(f: Field, where: str, vals: Mapping[str, Any], merged: Mapping
         return []
     v = merged[f.name] if f.default else vals[f.name]
     why = f.check(v, context)
+    if why and "fix:" not in why:  # every problem names its fix (a check that gave none: its rule as the fix)
+        why += f"; fix: set {f.name} to a value {why[len('must be '):] if why.startswith('must be ') else 'that is valid'}"
     return [f"{where}: field {f.name!r} = {shown(v)} {why}"] if why else []
 
 
@@ -396,19 +398,19 @@ def check_size(v: Any, context: Mapping[str, Any]) -> Optional[str]:
 
 def check_at_least_one(v: Any, context: Mapping[str, Any]) -> Optional[str]:
     """A count that must be >= 1 (a missing default counts as bad)."""
-    return "must be >= 1" if v is None or v < 1 else None
+    return "must be >= 1; fix: use e.g. 1" if v is None or v < 1 else None
 
 
 def check_seed(v: Any, context: Mapping[str, Any]) -> Optional[str]:
     """A row seed: the items' seeds ``seed + k`` stay below 2**63."""
-    return "must be in [0, 2**63 - 64)" if not 0 <= v < (1 << 63) - 64 else None
+    return "must be in [0, 2**63 - 64); fix: use e.g. 0" if not 0 <= v < (1 << 63) - 64 else None
 
 
 def check_guidance(v: Any, context: Mapping[str, Any]) -> Optional[str]:
     """``guidance_scale``: finite and >= 0, or None (the model takes no guidance)."""
     import math
 
-    return "must be a finite number >= 0" if v is not None and (not math.isfinite(v) or v < 0) else None
+    return ("must be a finite number >= 0; fix: use e.g. 3.5" if v is not None and (not math.isfinite(v) or v < 0) else None)
 
 
 def check_video_count(v: Any, context: Mapping[str, Any]) -> Optional[str]:
