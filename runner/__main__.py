@@ -10,7 +10,20 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _interrupted_at_start(signum: int, frame: object) -> None:
+    """Ctrl-C before the run started (imports, Hydra's composition, the startup checks): one line and exit 130,
+    not a traceback from wherever the import machinery was; the run installs its own handling as it starts
+    (``runner.app.signals.Stop``; :func:`main` restores Python's default first)."""
+    print("runner: interrupted before the run started (nothing was written)", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":  # before anything imports torch: its CUDA library aborts on a malformed allocator setting
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (nohup, &)
+        signal.signal(signal.SIGINT, _interrupted_at_start)
     from runner.core.environment import EnvironmentVariableError, check_before_torch
 
     from runner.core.requirements import DependencyVersionError, check_versions
@@ -54,6 +67,10 @@ def main(cfg: DictConfig) -> int:
 
     global _TASK_STARTED
     _TASK_STARTED = True
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_start:  # the run's own handling from here on
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     code = run_job(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task), reraise=not multirun)

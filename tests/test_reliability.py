@@ -1030,3 +1030,25 @@ def test_c08_batch_size_1_and_4_identical_bytes(ref, bs4):
     p4, _ = _state(bs4.run_dir)
     diff = [k for k in p1 if p1[k] != p4.get(k)]
     assert not diff, f"batch_size=4 differs from batch_size=1 for {diff}"
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.5])
+def test_ctrl_c_before_the_run_starts_is_one_line_and_exit_130(subprocess_env, tmp_path, after_s):
+    """Ctrl-C while ``python -m runner`` still imports or composes (new-user report: a 40-line traceback from the
+    import machinery, exit -2): one line saying nothing was written, exit 130, no run dir. SIGINT is delivered as a
+    terminal's Ctrl-C is (the child's SIGINT at its default, not ignored as for a background job)."""
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "runner", f"output.dir={out}"], env=subprocess_env,
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(after_s)
+    p.send_signal(signal.SIGINT)
+    text, _ = p.communicate(timeout=120)
+    if p.returncode == 0:
+        pytest.skip(f"the run finished within {after_s} s on this machine: nothing to interrupt")
+    assert "Traceback" not in text, text[-2000:]
+    assert p.returncode == 130, (p.returncode, text[-2000:])
+    if "runner: interrupted before the run started (nothing was written)" in text:
+        assert not (out / "manifest.json").exists() and not (out / "items.jsonl").exists()
+    else:  # the signal met the run itself: its own handling wrote the interrupted status
+        assert json.loads((out / "job_status.json").read_text())["status"] == "interrupted", text[-2000:]
