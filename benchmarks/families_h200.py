@@ -10,6 +10,10 @@ first forward, as ``experts.<name>``; the first expert's figures also at the top
 1. One pipeline is built with the family's own builder (``load_format=dummy``: ``PipelineEngine.build_components``,
    seeded, bf16, on the GPU). A 2-step pipeline call at the workload shape captures the transformer's inputs.
 2. ``baseline``: the transformer as diffusers builds it (default attention: torch SDPA; eager) — ms per forward.
+   Then ``blocks_off`` (:func:`blocks_off`): the output of one more forward with every Linear of the FP8 lane
+   returning zeros, against the baseline's; ``output_depends_on_blocks: false`` (bit-identical: the random weights at
+   this ``dummy_weight_scale`` make the blocks' updates vanish below bf16 resolution) means the ``vs_baseline``
+   figures below cannot show an error in the blocks, and a WARNING is printed.
 3. ``lossless``: the same module after the runner's lossless preset applied in place through the engine's own code
    (``optimize`` with ``fuse_qkv`` (not LTX-2's: refused there), ``runner.kernels.attention.install`` of ``CUDNN_ATTN`` on
    every call site, regional ``torch.compile``) — ms per forward, and the max/mean abs difference of its output from the baseline's.
@@ -68,8 +72,11 @@ WORKLOADS = {  # the issue's workloads (#17): published defaults of each model
     # Z-Image (1024^2, 50 steps, guidance 4 with a negative prompt, batched CFG)
     "flux2": dict(model="flux2", prompt="a photo of a lighthouse on a cliff at dusk", negative=None, scale=0.05,
                   iters=1, free_text_encoder=True),
+    # klein: weights unscaled (1.0). FLUX.2's transformer has no biases, so at 0.05 its modulation gates are ~3.5e-6
+    # and the output is bit-identical with the blocks off (blocks_off): every vs_baseline read 0.0, FP8's included.
+    # At 1.0 (1024^2, bf16, CPU) the output is finite and the blocks make 3.2% of it (mean abs 0.0149 of 0.461)
     "flux2_klein": dict(model="flux2_klein", prompt="a photo of a lighthouse on a cliff at dusk", negative=None,
-                        scale=0.05, iters=5, free_text_encoder=True),
+                        scale=1.0, iters=5, free_text_encoder=True),
     "zimage": dict(model="zimage", prompt="a photo of a lighthouse on a cliff at dusk", negative="blurry", scale=0.05,
                    iters=5, free_text_encoder=True),
     # 848x480, 121 frames: 31 x 30 x 53 = 49290 video tokens + 1000 + 256 text tokens per forward
@@ -126,6 +133,31 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> Dict[str, float]:
     a, b = a.float(), b.float()
     return {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean()),
             "mean_abs_ref": float(b.abs().mean())}
+
+
+def blocks_off(tr: torch.nn.Module, prefixes: Any, fwd: Any, ref: torch.Tensor) -> Dict[str, Any]:
+    """How much the output depends on the lane FP8 replaces: one eager forward with every ``nn.Linear`` that
+    ``runner.kernels.linear.install`` would make FP8 (``prefixes``, in and out features multiples of 16) returning
+    zeros (a forward hook: no weight is copied or changed), compared with the baseline output ``ref``.
+
+    ``output_depends_on_blocks`` false (the output bit-identical with the blocks switched off) means no setting's
+    ``vs_baseline`` can show an error inside the blocks: its 0.0 is no evidence. Random weights scaled by
+    ``dummy_weight_scale`` can do that: FLUX.2's transformer has no biases, so its timestep embedding scales as s^2 and
+    its modulation (shift/scale/gate) as s^3; at s=0.05 (klein 4B) every gate is ~3.5e-6, each block's residual update
+    rounds away in bf16, and the output is proj_out(norm_out(x_embedder(latents))) alone. ``block_share``:
+    ``mean_abs`` of the difference / ``mean_abs_ref`` (the share of the output the blocks make; an FP8 difference
+    should be read against it)."""
+    hooks = [m.register_forward_hook(lambda mod, a, o: torch.zeros_like(o)) for n, m in tr.named_modules()
+             if type(m) is torch.nn.Linear and n.startswith(tuple(prefixes)) and m.in_features % 16 == 0
+             and m.out_features % 16 == 0]
+    try:
+        with torch.inference_mode():
+            d = diff(fwd(), ref)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {**d, "linears": len(hooks), "block_share": d["mean_abs"] / d["mean_abs_ref"] if d["mean_abs_ref"] else None,
+            "output_depends_on_blocks": d["max_abs"] != 0.0}
 
 
 def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
@@ -225,6 +257,18 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
         save(out, family, {**rec, "partial": f"ended after {name}", "experts": per_expert})  # kept if killed later
 
     timed("baseline")
+    # can the comparisons below see the blocks at all? (a bit-identical output with the blocks off: they cannot)
+    prefixes = type(eng).fp8_prefixes
+    for n, tr in experts:
+        off = blocks_off(tr, prefixes, lambda: first_output(tr(*args[n], **captured[n])), refs[n])
+        per_expert[n]["blocks_off"] = off
+        print(family, n, "blocks_off", off, flush=True)
+        if not off["output_depends_on_blocks"]:
+            print(f"WARNING {family} {n}: the output is bit-identical with every FP8-lane Linear returning zeros "
+                  f"(dummy_weight_scale {w['scale'] if not smoke else 'none'}): vs_baseline cannot show an error in "
+                  "the blocks", flush=True)
+    rec["blocks_off"] = per_expert["transformer"]["blocks_off"]
+    rec["output_depends_on_blocks"] = all(pe["blocks_off"]["output_depends_on_blocks"] for pe in per_expert.values())
     # the runner's lossless preset, applied in place by the runner's own code (every install on each expert)
     eng.pipe = pipe
     eng.prepare_attention()  # SD3: diffusers' processors replaced by the dispatching one (same math)
