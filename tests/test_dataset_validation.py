@@ -298,7 +298,13 @@ def test_coerce_rules():
 
 def test_source_path_rules(tmp_path):
     assert ds.source_path("builtin", None, "prompts.jsonl") == ds.BUILTIN_PROMPTS
-    assert ds.source_path("builtin", "/ignored", "other.jsonl") == ds.BUILTIN_PROMPTS.parent / "other.jsonl"
+    assert ds.source_path("builtin", None, "other.jsonl") == ds.BUILTIN_PROMPTS.parent / "other.jsonl"
+    # a path beside builtin (the default dataset) was silently not read: 24 builtin prompts ran instead of the file
+    for path, fmt in (("/data/rows.csv", "csv"), ("/data/rows.parquet", "parquet"), ("/data/rows", "jsonl")):
+        with pytest.raises(DatasetError) as e:
+            ds.source_path("builtin", path, "prompts.jsonl")
+        assert e.value.problems == [f"dataset.path={path!r} is not read by dataset=builtin (the model's builtin "
+                                    f"prompts); fix: dataset={fmt} dataset.path={path}"]
     f = tmp_path / "rows.csv"
     f.write_text("prompt\nx\n")
     assert ds.source_path("csv", str(f), "x") == f

@@ -962,12 +962,19 @@ def source_path(fmt: str, path: Optional[str], builtin: str) -> Path:
     (``s3://bucket/rows.jsonl``) a local copy of the object (``runner.core.storage.fetch``).
 
     Raises:
-        DatasetError: an unknown format, no ``dataset.path`` for a format that needs one, or a path (or object)
-            that is not there (naming the fix).
+        DatasetError: an unknown format, no ``dataset.path`` for a format that needs one, a ``dataset.path``
+            beside ``builtin`` (which reads none), or a path (or object) that is not there (naming the fix).
         runner.core.storage.StorageURLError: a URL whose filesystem is not installed.
     """
     rec = reader(fmt)
     if rec.path == "builtin":
+        if path:  # a path the builtin prompts would silently not read (the default dataset is builtin)
+            from runner.core.readers import READERS
+
+            ext = Path(str(path)).suffix.lstrip(".").lower()
+            guess = ext if ext in READERS and reader(ext).path != "builtin" else "jsonl"
+            raise DatasetError([f"dataset.path={path!r} is not read by dataset={fmt} (the model's builtin "
+                                f"prompts); fix: dataset={guess} dataset.path={path}"])
         return BUILTIN_PROMPTS.parent / builtin
     if not path:
         raise DatasetError([f"dataset.path: required for dataset={fmt}; fix: dataset.path={rec.example_path()}"])
