@@ -72,8 +72,9 @@ that fits): by bytes moved host-to-device per pipeline call, none (0) < model (e
   measurement's rule (the 0.60 GiB between taken to be cuDNN's workspace: not measured on a GPU); Wan 2.2 TI2V-5B at
   1280x704x121 (``benchmarks/results/families_h100_2026-12-06_flux2_klein_wan22_ti2v.log``) 10.90 observed (the
   peak less the planned weights; that run shared its process with the families benchmark, so what else was
-  resident is not recorded), 11.52 planned, 9.62 from the CPU measurement. The rule before (``3.5 u + min(u, 1 GiB)`` with ``u`` at ``base_dim * dim_mult[1]``
-  channels over the full pixels, no caches) planned 2.93 and 9.74. With ``memory.vae_slicing`` ``B'`` = 1 (the
+  resident is not recorded), 11.52 planned, 9.62 from the CPU measurement. The rule before
+  (``3.5 u + min(u, 1 GiB)`` with ``u`` at ``base_dim * dim_mult[1]`` channels over the full pixels, no caches)
+  planned 2.93 and 9.74. With ``memory.vae_slicing`` ``B'`` = 1 (the
   video term keeps ``B``: the slices and their ``torch.cat``); with ``memory.vae_tiling`` ``Hd x Wd`` is one
   256^2 tile (``AutoencoderKLWan.tile_sample_min_height``) and the video is held five times (the tiles with their
   overlaps, the blended rows, their ``torch.cat``, the clamped result).
