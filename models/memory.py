@@ -220,26 +220,73 @@ def denoiser_activations(conf: Mapping[str, Any], batch: int, tokens: int, elem:
     return planner.denoiser_activation(batch, tokens, inner, ratio, elem)
 
 
+def wan_decoder_geometry(conf: Mapping[str, Any]) -> Dict[str, Any]:
+    """What :func:`runner.core.memory.causal_decoder_activation` reads of ``AutoencoderKLWan``'s decoder, from its
+    config, built as ``WanDecoder3d.__init__`` builds it (diffusers 0.42.1, ``autoencoder_kl_wan.py``): channels
+    ``dims = d * [m[-1]] + d * m[::-1]`` (``d`` = ``decoder_base_dim`` or ``base_dim``, ``m`` = ``dim_mult``); up
+    block ``i`` runs at ``1 / 4 ** (L - i)`` of the output area (``L = len(m) - 1`` spatial 2x upsamplers), its
+    input ``dims[i]``, halved for ``i > 0`` unless ``is_residual`` (Wan 2.1's ``WanUpBlock`` upsamplers halve the
+    channels, Wan 2.2's ``WanResidualUpBlock`` ones keep them), ``num_res_blocks + 1`` ResNets of two causal convs.
+
+    Returns ``{"cache": K, "last_in": C_in, "upsampled": C_up, "chunk": T, "patch": p}``: ``K`` the input channels
+    of every causal conv that keeps a feature cache (``conv_in``, the mid block's 2 ResNets, the up blocks'
+    ResNets, each temporal upsampler's ``time_conv``, ``conv_out``), each divided by its resolution's area ratio;
+    ``T = 2 ** sum(temperal_downsample)``; ``p`` the ``patch_size`` (the decoder runs at ``H / p x W / p``)."""
+    d = int(_get(conf, "decoder_base_dim", "base_dim", default=96))
+    mult = [int(m) for m in (conf.get("dim_mult") or [1, 2, 4, 4])]
+    nres = int(_get(conf, "num_res_blocks", default=2))
+    residual = bool(conf.get("is_residual", False))
+    tup = [bool(t) for t in (conf.get("temperal_downsample") or [False, True, True])][::-1]
+    dims = [d * m for m in [mult[-1]] + mult[::-1]]
+    n = len(mult) - 1
+    cache = int(_get(conf, "z_dim", default=16)) / 4 ** n + 4 * dims[0] / 4 ** n  # conv_in, the mid block
+    last_in = dims[0]
+    for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:])):
+        cin = cin if i == 0 or residual else cin // 2
+        convs = cin + (2 * (nres + 1) - 1) * cout + (cout if i < n and tup[i] else 0)  # + time_conv
+        cache += convs / 4 ** (n - i)
+        last_in = cin
+    cache += dims[-1]  # conv_out
+    return {"cache": cache, "last_in": last_in, "upsampled": dims[n], "chunk": 2 ** sum(tup),
+            "patch": int(conf.get("patch_size") or 1)}
+
+
+#: ``AutoencoderKLWan.tile_sample_min_height`` / ``_width`` (diffusers 0.42.1): the tile ``vae.enable_tiling()``
+#: decodes, in output pixels.
+WAN_TILE = 256
+
+
 def decoder_activations(conf: Mapping[str, Any], batch: int, frames: int, height: int, width: int, elem: int,
                         tiling: bool, slicing: bool) -> int:
-    """Activation bytes of the VAE decoder (``runner.core.memory.decoder_activation``); the channels at full
-    resolution from ``block_out_channels[1]`` (``AutoencoderKL``) or ``base_dim * dim_mult[1]`` (Wan's VAE).
+    """Activation bytes of the VAE decoder: ``AutoencoderKL`` (``block_out_channels``):
+    ``runner.core.memory.decoder_activation`` with the channels of the full-resolution upsampler
+    (``block_out_channels[1]``); Wan's causal VAE (``AutoencoderKLWan``): ``runner.core.memory
+    .causal_decoder_activation`` with :func:`wan_decoder_geometry`, plus the decoded video ``B x 3 x F x H x W``
+    (module docstring of ``runner.core.memory``).
 
-    Wan's causal VAE decodes one latent frame at a time (``AutoencoderKLWan._decode``, diffusers 0.42), so its
-    decoder holds ``2 ** sum(temperal_downsample)`` frames at full resolution, plus the decoded video growing by
-    ``torch.cat`` (two copies of ``B x 3 x F x H x W``)."""
+    Wan's VAE decodes one latent frame at a time (``AutoencoderKLWan._decode``), each causal conv keeping the last
+    frames of its input across calls (``feat_cache``); the decoded video grows by ``torch.cat`` and is unpatchified
+    and clamped after the last call: two copies of it (``decode`` with ``memory.vae_slicing``: the slices and their
+    ``torch.cat``, also two). Tiled (``memory.vae_tiling``, ``AutoencoderKLWan.tiled_decode``): each 256^2 tile is
+    decoded through all frames with fresh caches, and every tile's output (up to ``(256 / 192) ** 2`` of the video
+    with the overlaps), the blended rows, their ``torch.cat`` and the clamped result are held at once: five
+    copies."""
     boc = conf.get("block_out_channels")
     b = 1 if slicing else batch
-    if tiling:
-        tile = int(_get(conf, "sample_size", default=512) if not isinstance(conf.get("sample_size"), list)
-                   else conf["sample_size"][0])
-        height, width = min(height, tile), min(width, tile)
     if boc:
+        if tiling:
+            tile = int(_get(conf, "sample_size", default=512) if not isinstance(conf.get("sample_size"), list)
+                       else conf["sample_size"][0])
+            height, width = min(height, tile), min(width, tile)
         return planner.decoder_activation(b, frames, height, width, int(boc[1] if len(boc) > 1 else boc[0]), elem)
-    mult = conf.get("dim_mult") or [1, 2]
-    ch = int(_get(conf, "base_dim", default=96)) * int(mult[1] if len(mult) > 1 else mult[0])
-    chunk = min(frames, 2 ** sum(bool(t) for t in (conf.get("temperal_downsample") or [False, True, True])))
-    return planner.decoder_activation(b, chunk, height, width, ch, elem) + 2 * b * 3 * frames * height * width * elem
+    g = wan_decoder_geometry(conf)
+    video = batch * 3 * frames * height * width * elem
+    if tiling:
+        tile = int(conf.get("tile_sample_min_height") or WAN_TILE)  # not a config key: tests pass a smaller tile
+        height, width = min(height, tile), min(width, tile)
+    p = g["patch"]
+    return planner.causal_decoder_activation(b, min(frames, g["chunk"]), height // p, width // p, g["cache"],
+                                             g["last_in"], g["upsampled"], elem) + (5 if tiling else 2) * video
 
 
 # ------------------------------------------------------------------------------------------------ applying

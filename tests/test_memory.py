@@ -437,13 +437,22 @@ def test_offloaded_random_weights_are_built_where_they_fit():
 
 
 def test_a_causal_video_vae_is_sized_per_decoded_chunk():
-    from models.memory import decoder_activations
+    from models.memory import decoder_activations, wan_decoder_geometry
 
     wan = {"base_dim": 96, "dim_mult": [1, 2, 4, 4], "temperal_downsample": [False, True, True]}
     h, w = 480, 832
     long, short = (decoder_activations(wan, 1, f, h, w, 2, False, False) for f in (81, 5))
     assert long - short == 2 * 3 * (81 - 5) * h * w * 2  # only the decoded video grows with the frames
-    assert short == planner.decoder_activation(1, 4, h, w, 192, 2) + 2 * 3 * 5 * h * w * 2  # 4-frame chunks
+    g = wan_decoder_geometry(wan)  # Wan 2.1: the caches' inputs, the last up block's input, the last upsampler's
+    assert (g["cache"], g["last_in"], g["upsampled"], g["chunk"], g["patch"]) == (1182.25, 96, 192, 4, 1)
+    assert short == planner.causal_decoder_activation(1, 4, h, w, 1182.25, 96, 192, 2) + 2 * 3 * 5 * h * w * 2
+    ti2v = {**wan, "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "is_residual": True, "patch_size": 2}
+    g = wan_decoder_geometry(ti2v)  # Wan 2.2: decoder_base_dim, no halving, the decoder at H/2 x W/2
+    assert (g["cache"], g["last_in"], g["upsampled"], g["patch"]) == (3568.75, 512, 512, 2)
+    assert decoder_activations(ti2v, 2, 5, h, w, 2, False, True) == (
+        planner.causal_decoder_activation(1, 4, h // 2, w // 2, 3568.75, 512, 512, 2) + 2 * 2 * 3 * 5 * h * w * 2)
+    tiled = decoder_activations(wan, 1, 5, h, w, 2, True, False)  # 256^2 tiles, five copies of the video
+    assert tiled == planner.causal_decoder_activation(1, 4, 256, 256, 1182.25, 96, 192, 2) + 5 * 3 * 5 * h * w * 2
 
 
 def test_torchao_tensors_move_to_another_device_as_copies():

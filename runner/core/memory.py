@@ -51,9 +51,36 @@ that fits): by bytes moved host-to-device per pipeline call, none (0) < model (e
   full-resolution upsampler (``block_out_channels[1]``). Measured on the H200 (FLUX's VAE, 1024^2, bf16): 28.0 GiB
   of activations at batch 16 (3.5 ``u``; ``3 u`` planned 24) and 2.45 GiB sliced (4.9 ``u``: the workspace does
   not shrink with the batch). ``B'`` = 1 with ``memory.vae_slicing`` (one
-  image at a time), ``Hpx x Wpx`` = the tile (``AutoencoderKL.tile_sample_min_size``) with ``memory.vae_tiling``;
-  a causal video VAE (Wan's) decodes one latent frame at a time: ``F`` is then the frames of one chunk, plus the
-  decoded video (``models.memory.decoder_activations``).
+  image at a time), ``Hpx x Wpx`` = the tile (``AutoencoderKL.tile_sample_min_size``) with ``memory.vae_tiling``.
+* Wan's causal video VAE decoder (``AutoencoderKLWan``): ``B' Hd Wd e (2 K + 7.5 T C_in) + min(B' T Hd Wd C_up e,
+  1 GiB)`` plus two copies of the decoded video ``B x 3 x F x H x W`` (five tiled), bytes
+  (:func:`causal_decoder_activation`, ``models.memory.decoder_activations``). From diffusers 0.42.1
+  ``models/autoencoders/autoencoder_kl_wan.py``: ``AutoencoderKLWan._decode`` runs ``WanDecoder3d`` once per latent
+  frame, each call decoding a chunk of ``T = 2 ** sum(temperal_downsample)`` frames (4) at ``Hd x Wd`` = the pixels
+  over ``patch_size`` (Wan 2.2 decodes at H/2 x W/2 and ``unpatchify``-s 12 channels to 3); every
+  ``WanCausalConv3d`` that is called with a cache keeps the last ``CACHE_T`` = 2 frames of its input across calls
+  (``feat_cache``), so ``K`` sums those inputs' channels, each scaled by its resolution's area over ``Hd x Wd``
+  (``models.memory.wan_decoder_geometry``: Wan 2.1 1182.25, Wan 2.2 3568.75). On top of the caches, the chunk's
+  transient at full resolution: the last upsampler's float32 ``nearest-exact`` output and its bf16 copy
+  (``WanUpsample``), the ResNets' float32 RMS norms (``WanRMS_norm``), the causal conv's ``torch.cat`` with its cache
+  and ``F.pad`` copy, Wan 2.2's ``x_copy`` shortcut (``WanResidualUpBlock``): 7.0 to 7.5 ``B T Hd Wd C_in e``,
+  ``C_in`` the last up block's input channels (Wan 2.1 96, Wan 2.2 512), measured on the CPU with diffusers'
+  modules (random weights, bf16, live tensor storages counted after every aten op,
+  ``benchmarks/vae_decode_peak.py``, ``benchmarks/results/vae_decode_peak_cpu_2026-12-06.json``): exactly linear
+  in ``H W`` and in the batch, the caches matching ``K`` to the byte; 7.5 is the largest seen (Wan 2.1 at batch
+  2). The workspace allowance is the AutoencoderKL rule's: cuDNN's, at most the full-resolution upsampler conv's
+  input (``C_up`` = ``(decoder_base_dim or base_dim) * dim_mult[1]``), capped at 1 GiB. Against the H100
+  observations: Wan 2.1 14B at 832x480x81 (``benchmarks/results/memory_lanes_h100_2026-12-06_wan48.json``) 4.55 GiB
+  of decode activations observed (the peak less the recorded weights), 4.83 planned, 3.95 from the CPU
+  measurement's rule (the 0.60 GiB between taken to be cuDNN's workspace: not measured on a GPU); Wan 2.2 TI2V-5B at
+  1280x704x121 (``benchmarks/results/families_h100_2026-12-06_flux2_klein_wan22_ti2v.log``) 10.90 observed (the
+  peak less the planned weights; that run shared its process with the families benchmark, so what else was
+  resident is not recorded), 11.52 planned, 9.62 from the CPU measurement. The rule before
+  (``3.5 u + min(u, 1 GiB)`` with ``u`` at ``base_dim * dim_mult[1]`` channels over the full pixels, no caches)
+  planned 2.93 and 9.74. With ``memory.vae_slicing`` ``B'`` = 1 (the
+  video term keeps ``B``: the slices and their ``torch.cat``); with ``memory.vae_tiling`` ``Hd x Wd`` is one
+  256^2 tile (``AutoencoderKLWan.tile_sample_min_height``) and the video is held five times (the tiles with their
+  overlaps, the blended rows, their ``torch.cat``, the clamped result).
 
 These are estimates (the manifest records the observed peak per stage beside them).
 """
@@ -166,10 +193,35 @@ def encoder_activation(batch: int, seq: int, hidden: int, ff: int, heads: int, e
 
 
 def decoder_activation(batch: int, frames: int, height: int, width: int, channels: int, elem: int) -> int:
-    """Peak activation bytes of the VAE decoder: ``3.5 u + min(u, 1 GiB)``, ``u = B * F * H * W * C * e`` (module
-    docstring)."""
+    """Peak activation bytes of an image VAE decoder (``AutoencoderKL``): ``3.5 u + min(u, 1 GiB)``,
+    ``u = B * F * H * W * C * e`` (module docstring)."""
     unit = batch * frames * height * width * channels * elem
     return int(3.5 * unit + min(unit, GIB))
+
+
+#: Frames each causal conv of Wan's decoder caches from its input (``CACHE_T``, diffusers 0.42.1
+#: ``models/autoencoders/autoencoder_kl_wan.py``).
+CAUSAL_CACHE_FRAMES = 2
+#: The transient of one decoded chunk at full decoder resolution, in ``B * T * Hd * Wd * C_in * e`` (measured on the
+#: CPU with both Wan VAEs: 7.0 to 7.5; module docstring).
+CAUSAL_TRANSIENT = 7.5
+
+
+def causal_decoder_activation(batch: int, chunk: int, height: int, width: int, cache_channels: float, last_in: int,
+                              upsampled: int, elem: int) -> int:
+    """Peak activation bytes of a causal video VAE decoder (Wan's) decoding one latent frame at a time, the decoded
+    video excluded: ``B Hd Wd e (2 K + 7.5 T C_in) + min(B T Hd Wd C_up e, 1 GiB)`` (module docstring).
+
+    Args:
+        batch: ``B``, the videos decoded at once; chunk: ``T``, the frames one latent frame decodes to;
+        height, width: ``Hd x Wd``, the decoder's output resolution (pixels / the patch size);
+        cache_channels: ``K``, the channels of every causal conv's input, each divided by its resolution's area
+            ratio to ``Hd x Wd`` (``models.memory.wan_decoder_geometry``); last_in: ``C_in``, the last up block's
+            input channels; upsampled: ``C_up``, the channels the last upsampler brings to ``Hd x Wd``.
+    """
+    px = batch * height * width * elem
+    workspace = min(batch * chunk * height * width * upsampled * elem, GIB)
+    return int(px * (CAUSAL_CACHE_FRAMES * cache_channels + CAUSAL_TRANSIENT * chunk * last_in) + workspace)
 
 
 # ------------------------------------------------------------------------------------------------ plans
