@@ -79,10 +79,34 @@ def main(cfg: DictConfig) -> int:
     return code
 
 
+def hydra_dir_at_run_dir(argv: list) -> list:
+    """``output.dir=X`` or ``run.resume=X`` (a local path, no interpolation) without ``hydra.run.dir``, in a single
+    process (not a sweep, not torchrun): Hydra's run dir is X too, so its ``.hydra/`` and job log go with the run,
+    not into a stray ``outputs/runs/<date>/<time>/`` beside the working dir (new-user report). Returns the argv."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from runner.core import storage
+    from runner.core.distributed import torchrun_worker
+    from runner.core.paths import hydra_quote
+
+    if any(a in ("-m", "--multirun") or a.startswith("hydra.run.dir=") for a in argv) or torchrun_worker() is not None:
+        return argv
+    given = {a.split("=", 1)[0]: a for a in argv if a.split("=", 1)[0] in ("output.dir", "run.resume")}
+    arg = given.get("run.resume") or given.get("output.dir")
+    try:
+        value = OverridesParser.create().parse_override(arg).value() if arg else None
+    except Exception:  # noqa: BLE001 - Hydra reports a value it cannot parse
+        return argv
+    if not isinstance(value, str) or not value or "${" in value or storage.is_url(value):
+        return argv
+    return [*argv, f"hydra.run.dir={hydra_quote(value)}"]
+
+
 if __name__ == "__main__":
     from runner.core.distributed import agree_argv
 
     sys.argv = sys.argv[:1] + agree_argv(sys.argv[1:])  # torchrun: every rank uses rank 0's run dir
+    sys.argv = sys.argv[:1] + hydra_dir_at_run_dir(sys.argv[1:])
     from runner.core.environment import OutputPathError, check_launch_dirs
 
     try:

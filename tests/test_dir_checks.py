@@ -52,3 +52,20 @@ def test_cli_uncreatable_cache_exits_2_naming_it_without_traceback(tmp_path, sub
     text = p.stdout + p.stderr
     assert p.returncode == 2 and "Traceback" not in text, text[-3000:]
     assert f"{how}={UNCREATABLE!r}: /proc/runner-nope cannot be created" in text and "fix:" in text, text[-3000:]
+
+
+def test_a_run_into_output_dir_leaves_no_stray_default_dir(subprocess_env, tmp_path):
+    """New-user report: ``python -m runner output.dir=myout`` also left Hydra's ``outputs/runs/<date>/<time>/``
+    (its ``.hydra/`` and job log) in the working dir. Hydra's run dir is the run's own dir now: ``.hydra/`` and the
+    log sit beside the manifest, nothing else is created; a resume of that dir (``run.resume=``) likewise."""
+    from _helpers import cli
+
+    p = cli(["output.dir=myout", "dataset.limit=1"], subprocess_env, tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["myout"], list(tmp_path.iterdir())
+    run = tmp_path / "myout"
+    assert (run / "manifest.json").is_file() and (run / ".hydra" / "config.yaml").is_file()
+    assert (run / "__main__.log").is_file()
+    p = cli(["run.resume=myout", "dataset.limit=1"], subprocess_env, tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["myout"], list(tmp_path.iterdir())
