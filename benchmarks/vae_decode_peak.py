@@ -19,11 +19,8 @@ import json
 import os
 import sys
 import time
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 #: ``architecture.vae`` of conf/model/wan.yaml and conf/model/wan22_ti2v.yaml (latents_mean/std left out).
 CONFS = {
@@ -33,45 +30,6 @@ CONFS = {
                        attn_scales=[], temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
                        out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4),
 }
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages of tensors made inside the mode, sampled after every aten op (a storage counts
-    while any tensor viewing it lives; storages in ``exclude`` never count)."""
-
-    def __init__(self, exclude=()):
-        super().__init__()
-        self.live, self.exclude, self.peak = {}, set(exclude), 0
-
-    def _add(self, t):
-        s = t.untyped_storage()
-        p, n = s.data_ptr(), s.nbytes()
-        if n == 0 or p in self.exclude:
-            return
-        e = self.live.get(p)
-        if e is not None and any(r() is not None for r in e[1]):
-            e[1].append(weakref.ref(t))
-        else:
-            self.live[p] = [n, [weakref.ref(t)]]
-
-    def now(self):
-        tot = 0
-        for p in list(self.live):
-            n, refs = self.live[p]
-            refs[:] = [r for r in refs if r() is not None]
-            if refs:
-                tot += n
-            else:
-                del self.live[p]
-        return tot
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-        self.peak = max(self.peak, self.now())
-        return out
 
 
 def build(name, device, dtype=torch.bfloat16):
@@ -117,6 +75,8 @@ def decode_peak(vae, z, slicing=False, tiling=False, tensors=False, tile=None):
     if tensors or not cuda:
         ex = {p.untyped_storage().data_ptr() for p in list(vae.parameters()) + list(vae.buffers())}
         ex.add(z.untyped_storage().data_ptr())
+        from runner.core.memory import LiveBytes
+
         m = LiveBytes(ex)
         with torch.no_grad(), m:
             y = vae.decode(z, return_dict=False)[0]

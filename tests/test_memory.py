@@ -279,20 +279,7 @@ def test_offload_probe_counts_the_bytes_diffusers_group_offload_onloads():
 
     from models.memory import OffloadProbe, offload_evidence
 
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp = torch.nn.Linear(8, 16)
-            self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
-            self.out = torch.nn.Linear(16, 4)
-
-        def forward(self, x):
-            x = self.inp(x)
-            for b in self.blocks:
-                x = b(x)
-            return self.out(x)
-
-    m = M()
+    m = _Blocks(3)
     ref = m(torch.ones(2, 8)).detach()
     total = sum(p.numel() * p.element_size() for p in m.parameters())
     apply_group_offloading(m, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
@@ -610,14 +597,14 @@ def test_group_block_plans_t5_leaf_by_leaf(flux_dev):
 
 
 class _Blocks(torch.nn.Module):
-    """An input Linear, four 16x16 blocks in a ModuleList (272 parameters, 1088 float32 bytes each), an output
+    """An input Linear, ``n`` 16x16 blocks in a ModuleList (272 parameters, 1088 float32 bytes each), an output
     Linear."""
 
-    def __init__(self):
+    def __init__(self, n: int = 4):
         super().__init__()
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(8, 16)
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(4)])
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(n)])
         self.out = torch.nn.Linear(16, 4)
 
     def forward(self, x):

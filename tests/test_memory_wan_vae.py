@@ -9,7 +9,6 @@ that the CPU comparison takes off again."""
 from __future__ import annotations
 
 import json
-import weakref
 from pathlib import Path
 
 import pytest
@@ -62,38 +61,6 @@ def test_the_wan_decode_plan_covers_the_h100_observations(case):
     assert act <= 1.25 * (observed - weights), (case, planner.gb(act), planner.gb(observed - weights))
 
 
-class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Peak bytes of the storages of tensors made inside the mode, sampled after every aten op (a storage counts
-    while any tensor viewing it lives; the weights and the latents, made before, never count)."""
-
-    def __init__(self, exclude):
-        super().__init__()
-        self.live, self.exclude, self.peak = {}, set(exclude), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                p, n = s.data_ptr(), s.nbytes()
-                if n and p not in self.exclude:
-                    e = self.live.get(p)
-                    if e is not None and any(r() is not None for r in e[1]):
-                        e[1].append(weakref.ref(t))
-                    else:
-                        self.live[p] = [n, [weakref.ref(t)]]
-        now = 0
-        for p in list(self.live):
-            n, refs = self.live[p]
-            refs[:] = [r for r in refs if r() is not None]
-            if refs:
-                now += n
-            else:
-                del self.live[p]
-        self.peak = max(self.peak, now)
-        return out
-
-
 @pytest.mark.parametrize("model,batch", [("wan", 2), ("wan22_ti2v", 1)])
 def test_the_wan_decoder_estimate_covers_the_real_decoders_peak(model, batch):
     """diffusers' ``AutoencoderKLWan`` built from the model's VAE config (random weights, bf16, CPU) decodes 3
@@ -113,6 +80,8 @@ def test_the_wan_decoder_estimate_covers_the_real_decoders_peak(model, batch):
     sf = 8 * patch
     frames, height, width = 9, 64, 64
     z = torch.randn(batch, conf["z_dim"], (frames - 1) // 4 + 1, height // sf, width // sf, dtype=torch.bfloat16)
+    from runner.core.memory import LiveBytes
+
     mode = LiveBytes({t.untyped_storage().data_ptr() for t in [*vae.parameters(), *vae.buffers(), z]})
     with torch.no_grad(), mode:
         out = vae.decode(z, return_dict=False)[0]

@@ -87,10 +87,13 @@ These are estimates (the manifest records the observed peak per stage beside the
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from runner.core.errors import RefusedError
 
@@ -403,3 +406,48 @@ def _refusal(p: Optional[Plan], budget: int, fits: Sequence[Plan], where: str,
         steps += ["lower batch_size"] + (["set " + " / ".join(vae)] if vae else [])
         fix = "fix: " + ", ".join(steps) + ", or raise memory.max_gpu_gb"
     return f"{head}; {fix}"
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages of tensors made inside the mode, on any device (the CPU included: how the
+    estimates above are checked without a GPU), sampled after every aten op; a storage counts while any tensor
+    viewing it lives; storages whose ``data_ptr`` is in ``exclude`` (weights, inputs made before) never count.
+    Used by ``benchmarks/vae_decode_peak.py`` and ``tests/test_memory_wan_vae.py``; what the CUDA allocator holds
+    beyond it (cuDNN's workspace, rounding) is not seen."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.live, self.exclude, self.peak = {}, set(exclude), 0
+
+    def _add(self, t):
+        s = t.untyped_storage()
+        p, n = s.data_ptr(), s.nbytes()
+        if n == 0 or p in self.exclude:
+            return
+        e = self.live.get(p)
+        if e is not None and any(r() is not None for r in e[1]):
+            e[1].append(weakref.ref(t))
+        else:
+            self.live[p] = [n, [weakref.ref(t)]]
+
+    def now(self):
+        tot = 0
+        for p in list(self.live):
+            n, refs = self.live[p]
+            refs[:] = [r for r in refs if r() is not None]
+            if refs:
+                tot += n
+            else:
+                del self.live[p]
+        return tot
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self.now())
+        return out
