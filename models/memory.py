@@ -16,6 +16,7 @@ budget enforced on the device, and what evidence observes of them.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -49,6 +50,10 @@ class MemorySettings:
         return (self.offload != "none" or self.max_gpu_gb is not None or self.vae_tiling or self.vae_slicing)
 
 
+#: The largest budget taken (GiB): far above any GPU, and small enough that its bytes stay an exact integer.
+MAX_GPU_GB = 1 << 20
+
+
 def settings(mem: Any, platform_kind: str, parallel: Any) -> MemorySettings:
     """Validate ``memory.*`` for a stage on ``platform_kind``; every bad field at once.
 
@@ -70,8 +75,9 @@ def settings(mem: Any, platform_kind: str, parallel: Any) -> MemorySettings:
         bad.append(f"memory.max_gpu_gb={s.max_gpu_gb} budgets GPU memory, and this platform is {platform_kind}; "
                    "fix: memory.max_gpu_gb=null; to see the plan a GPU would get under it: python -m runner "
                    "<the same overrides> --plan")
-    if s.max_gpu_gb is not None and s.max_gpu_gb <= 0:
-        bad.append(f"memory.max_gpu_gb={s.max_gpu_gb} must be > 0 (GiB), or null")
+    if s.max_gpu_gb is not None and not (math.isfinite(s.max_gpu_gb) and 0 < s.max_gpu_gb <= MAX_GPU_GB):
+        bad.append(f"memory.max_gpu_gb={s.max_gpu_gb} must be a finite number of GiB in (0, {MAX_GPU_GB}], or null "
+                   "(no budget); fix: e.g. memory.max_gpu_gb=24")
     if s.blocks_per_group < 1:
         bad.append(f"memory.blocks_per_group={s.blocks_per_group} must be >= 1")
     offloads = s.offload not in ("none", "auto") or (s.offload == "auto" and platform_kind in GPU_KINDS)

@@ -123,7 +123,12 @@ if __name__ == "__main__":
     if problem:
         print(f"runner: {problem}", file=sys.stderr)
         sys.exit(2)
-    from runner.tools.plan import wants_plan
+    from runner.tools.plan import stray_plan_flag, wants_plan
+
+    problem = stray_plan_flag(sys.argv[1:])
+    if problem:
+        print(f"runner: {problem}", file=sys.stderr)
+        sys.exit(2)
 
     if wants_plan(sys.argv[1:]):  # `... --plan`: the memory plan of the composed run, nothing loaded, no run dir
         from runner.tools.plan import main as plan_main

@@ -152,9 +152,20 @@ def test_capacity_comes_from_the_budget_or_device_gb(flux_plans):
     assert doc["device_total_gb"] == 24.0 and sec["budget_gb"] == 24.0 and sec["max_gpu_gb"] is None
     assert sec["planned"] == flux_plans["24"]["stages"]["denoise"]["planned"]
     assert parse(["model=flux", "--plan", "--device-gb", "80", "--json"]) == (["model=flux"], 80.0, True)
-    for bad in (["--device-gb", "lots"], ["--device-gb=0"], ["-m"], ["--plot"]):
+    for bad in (["--device-gb", "lots"], ["--device-gb=0"], ["--device-gb=inf"], ["--device-gb=nan"], ["-m"],
+                ["--plot"]):
         with pytest.raises(ConfigValueError):
             parse(["--plan", *bad])
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e308", "-1", "0"])
+def test_a_budget_that_is_no_finite_positive_number_is_refused_naming_the_fix(value):
+    """New-user report: ``memory.max_gpu_gb=inf`` (or nan, 1e308) ended in an OverflowError traceback, exit 1, when
+    the budget became bytes. Refused at the settings, exit 2, naming key, value and fix."""
+    from runner.core.errors import ConfigValueError
+
+    with pytest.raises(ConfigValueError, match=r"memory\.max_gpu_gb=.* must be a finite number of GiB .*; fix: "):
+        _plans([*FLUX_DEV, f"memory.max_gpu_gb={value}"])
 
 
 def test_a_cpu_run_refuses_a_budget_pointing_at_plan_mode(tmp_path):
@@ -222,3 +233,17 @@ def test_a_refusals_fix_never_suggests_what_is_already_set(flux_plans):
         planner.choose("auto", cands, planner.GIB, already=["memory.vae_slicing=true", "memory.vae_tiling=true",
                                                             "model.quantization.transformer=nf4"])
     assert str(e.value).endswith("fix: lower batch_size, or raise memory.max_gpu_gb"), str(e.value)
+
+
+def test_a_plan_flag_without_plan_is_named_not_hydras_usage_dump(subprocess_env, tmp_path):
+    """New-user report: ``python -m runner model=flux --device-gb=80`` (``--plan`` forgotten) printed Hydra's argument
+    usage and 'unrecognized arguments'. One line naming the flag and the fix, exit 2, nothing run."""
+    from _helpers import cli
+    from runner.tools.plan import stray_plan_flag
+
+    assert stray_plan_flag(["model=flux", "--plan", "--json"]) is None and stray_plan_flag(["model=flux"]) is None
+    p = cli(["model=flux", "--device-gb=80"], subprocess_env, tmp_path)
+    assert p.returncode == 2 and "usage:" not in p.stderr, p.stderr
+    assert p.stderr.strip() == ("runner: --device-gb is a flag of --plan (the memory plan, nothing run); fix: add "
+                                "--plan, or drop --device-gb=80")
+    assert not (tmp_path / "outputs").exists()

@@ -40,6 +40,16 @@ from runner.core.errors import ConfigValueError, RunnerError
 FLAG = "--plan"
 
 
+def stray_plan_flag(argv: Sequence[str]) -> Optional[str]:
+    """Why a command line without ``--plan`` holds one of its flags (``--device-gb``, ``--json``), which Hydra's
+    argument parser would answer with its usage dump; None when there is none or ``--plan`` is given."""
+    if wants_plan(argv):
+        return None
+    flag = next((a for a in argv if a == "--json" or a == "--device-gb" or a.startswith("--device-gb=")), None)
+    return (f"{flag.split('=', 1)[0]} is a flag of --plan (the memory plan, nothing run); fix: add --plan, or drop "
+            f"{flag}" if flag else None)
+
+
 def wants_plan(argv: Sequence[str]) -> bool:
     """Whether ``python -m runner``'s arguments ask for plan mode."""
     return FLAG in argv
@@ -67,7 +77,7 @@ def parse(argv: Sequence[str]) -> Tuple[List[str], Optional[float], bool]:
                 device_gb = float(raw)
             except ValueError:
                 device_gb = None
-            if device_gb is None or not device_gb > 0:
+            if device_gb is None or not 0 < device_gb <= 1 << 20:  # inf and nan too (an OverflowError later)
                 raise ConfigValueError(f"--device-gb {raw!r} must be the GPU's memory in GiB (> 0); fix: e.g. "
                                        "--device-gb=79.2 for an H100 80GB")
         elif a in ("-m", "--multirun"):
