@@ -183,6 +183,10 @@ def test_refusals_come_from_the_registries_checks(synthetic):
     c = cells[("metric", "temporal_consistency", "flux")]
     assert c.state == "refused" and "video" in c.reason
     assert cells[("parallelism", "cfg", "CPU")].state == "refused"
+    # the default mode runs everywhere (it read as refused in every column: its check ran under launcher=ray)
+    assert cells[("parallelism", "single", "CPU")].state == "accepted"
+    assert cells[("parallelism", "single", "flux")].state != "refused"
+    assert cells[("parallelism", "data", "CPU")].state == "accepted"
     assert cells[("offload", "group_leaf", "CPU")].state == "refused"
     assert cells[("quantization", "int8wo", "CPU")].state == "accepted"
 

@@ -838,7 +838,10 @@ def _parallel_refusal(root: Path, value: str, column: Optional[str], spec: Any) 
         return why.replace(f" {diffusers.__version__}", "") if why else None
     cfg = OmegaConf.create({"batch_size": 1, "dataset": {"limit": None}, "num_images_per_prompt": 1, "max_pixels": 1,
                             "output": {"write_workers": 0}, "parallelism": {"mode": value},
-                            "launcher": {"name": "ray"}, "evidence": {"enabled": False, "profile": False}})
+                            # data runs need a launcher (ray, slurm or torchrun); the other modes run under the
+                            # default one (launcher=ray refuses parallelism=single: every single cell said refused)
+                            "launcher": {"name": "ray" if value == "data" else "local"},
+                            "evidence": {"enabled": False, "profile": False}})
     try:
         return _message(lambda: checks.check_run_values(cfg))
     except Exception:  # noqa: BLE001 - a mode whose check needs more than this config refuses nothing here
