@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from models.family import negative_prompt_ignored
 from models.oracles import oracle
 from runner.core import dataset as ds
-from runner.core.dataset import BUILTIN_PROMPTS, Row
+from runner.core.dataset import BUILTIN_PROMPTS, MAX_FRAMES, Row
 from runner.core.errors import ConfigValueError
 
 log = logging.getLogger("runner")
@@ -329,9 +329,9 @@ class FamilyRows:
         if not bad:
             return
 
-        def fix(n: Optional[int]) -> str:
+        def fix(n: Optional[int]) -> str:  # the valid counts around n, within the rows' range (1..MAX_FRAMES)
             lo = max(1, ((n or 1) - 1) // t * t + 1)
-            return f"{lo} or {lo + t}"
+            return f"{lo} or {lo + t}" if lo + t <= MAX_FRAMES else str(lo)
 
         why = f"which model={self.cfg.name}'s VAE needs (temporal factor {t}; {self.pipeline_name()} would round it down"
         defaults = [r for r in bad if "num_frames" not in r.set_fields]

@@ -70,11 +70,11 @@ def settings(mem: Any, platform_kind: str, parallel: Any) -> MemorySettings:
     if s.offload not in ("none", "auto") and platform_kind not in GPU_KINDS:
         bad.append(f"memory.offload={s.offload} moves weights between the host and a GPU, and this platform is "
                    f"{platform_kind}; fix: memory.offload=none or auto (or platform=cuda); to see the plan a GPU "
-                   "would get: python -m runner <the same overrides> --plan")
+                   "would get: python -m runner <the same overrides, platform=cuda> --plan")
     if s.max_gpu_gb is not None and platform_kind not in GPU_KINDS:
         bad.append(f"memory.max_gpu_gb={s.max_gpu_gb} budgets GPU memory, and this platform is {platform_kind}; "
                    "fix: memory.max_gpu_gb=null; to see the plan a GPU would get under it: python -m runner "
-                   "<the same overrides> --plan")
+                   "<the same overrides, platform=cuda> --plan")
     if s.max_gpu_gb is not None and not (math.isfinite(s.max_gpu_gb) and 0 < s.max_gpu_gb <= MAX_GPU_GB):
         bad.append(f"memory.max_gpu_gb={s.max_gpu_gb} must be a finite number of GiB in (0, {MAX_GPU_GB}], or null "
                    "(no budget); fix: e.g. memory.max_gpu_gb=24")

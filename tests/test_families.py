@@ -268,6 +268,18 @@ def test_wan_frames_must_be_4k_plus_1(compose, tmp_path, write_jsonl, frames, ok
             eng.read_rows()
 
 
+def test_wan_frame_fix_stays_within_the_rows_range(compose, tmp_path, write_jsonl):
+    """New-user report: num_frames=100000 on Wan was told 'fix: num_frames=99997 or 100001', and 100001 is refused by
+    the rows' range (1..100000): the fix offers only counts the rows accept."""
+    from runner.core.dataset import MAX_FRAMES, DatasetError
+
+    rows = write_jsonl([{"prompt": "a cat", "num_frames": MAX_FRAMES}, {"prompt": "a dog", "num_frames": 6}])
+    eng = _engine(compose(["model=tiny_wan", "platform=cpu", "dataset=jsonl", f"dataset.path={rows}"]))
+    with pytest.raises(DatasetError) as e:
+        eng.read_rows()
+    assert [p.rsplit("fix: ", 1)[1] for p in e.value.problems] == ["num_frames=99997", "num_frames=5 or 9"]
+
+
 def _engine(cfg):
     import torch
 

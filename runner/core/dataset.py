@@ -413,12 +413,16 @@ def check_guidance(v: Any, context: Mapping[str, Any]) -> Optional[str]:
     return ("must be a finite number >= 0; fix: use e.g. 3.5" if v is not None and (not math.isfinite(v) or v < 0) else None)
 
 
+#: The largest ``num_frames``/``fps`` a row may ask for (a typo guard: 100000 frames is over an hour at 24 fps).
+MAX_FRAMES = 100_000
+
+
 def check_video_count(v: Any, context: Mapping[str, Any]) -> Optional[str]:
     """``num_frames``/``fps``: None (not a video) or in [1, 100000] (model rules, e.g. Wan's 4k+1, are the
     engine's); the fix names the nearest value in range."""
-    if v is None or 1 <= v <= 100_000:
+    if v is None or 1 <= v <= MAX_FRAMES:
         return None
-    return f"must be an integer from 1 to 100000; fix: use e.g. {1 if v < 1 else 100_000}"
+    return f"must be an integer from 1 to {MAX_FRAMES}; fix: use e.g. {1 if v < 1 else MAX_FRAMES}"
 
 
 def is_set(v: Any) -> bool:
