@@ -166,6 +166,23 @@ def test_ar_rows_take_the_same_mapping_and_extra_fields(compose, write_jsonl):
         ar_rows(cfg, {}, None, 256, cfg.model)
 
 
+def test_keep_keeps_metadata_columns_near_a_row_field_and_refuses_typos(compose, write_jsonl):
+    """New-user report: under dataset.extra_fields=keep a GenEval-style row's ``color``, ``text`` and ``image_id``
+    were refused as 'did you mean lora / expect / image' with a mapping that would have fed the colour into the LoRA
+    field. Under keep only a typo-near field (ratio >= 0.8) is refused; under error the near name stays a hint."""
+    import runner.core.dataset as ds
+
+    meta = {}
+    for key in ("color", "colour", "text", "image_id"):
+        assert ds.extra_field(key, "x", ds.IMAGE_ROW.by_name, "keep", "f:1", meta) is None, key
+    assert meta == {"color": "x", "colour": "x", "text": "x", "image_id": "x"}
+    for key, near in (("promt", "prompt"), ("Prompt", "prompt"), ("seeds", "seed"), ("widht", "width")):
+        why = ds.extra_field(key, "x", ds.IMAGE_ROW.by_name, "keep", "f:1", {})
+        assert why is not None and f"did you mean {near!r}" in why, (key, why)
+    why = ds.extra_field("color", "x", ds.IMAGE_ROW.by_name, "error", "f:1", {})
+    assert why is not None and "unknown field 'color'" in why
+
+
 def test_a_value_shown_in_a_problem_is_abbreviated():
     """``runner.core.media.shown``, the one formatter of row values echoed in dataset problems: bytes by kind and
     size, long strings cut and counted, containers item by item, anything short as its repr."""

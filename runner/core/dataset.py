@@ -777,10 +777,11 @@ def apply_columns(raw: List[tuple[int, Dict[str, Any]]], columns: Optional[Dict[
 
 def extra_field(key: str, value: Any, fields: Iterable[str], mode: str, where: str,
                 meta: Dict[str, Any]) -> Optional[str]:
-    """Handle a row field that is no row field: with ``mode == "keep"`` a field that is not close to a known one
-    (difflib ratio >= 0.6, case ignored) goes into ``meta`` when it is JSON data, and None is returned; else the
-    problem to report. A typo of a known field (``promt``, ``Prompt``, ``seeds``) is refused in either mode, so
-    keeping extra fields never hides one.
+    """Handle a row field that is no row field: with ``mode == "keep"`` a field that is not a typo of a known one
+    (difflib ratio >= 0.8, case ignored) goes into ``meta`` when it is JSON data, and None is returned; else the
+    problem to report (under ``error`` naming a known field at ratio >= 0.6 as the likely one). A typo of a known
+    field (``promt``, ``Prompt``, ``seeds``, ``widht``) is refused in either mode, so keeping extra fields never
+    hides one.
 
     Returns:
         The problem text (``<where>: unknown field ...; fix: ...``), or None when the field was kept.
@@ -788,7 +789,11 @@ def extra_field(key: str, value: Any, fields: Iterable[str], mode: str, where: s
     import difflib
 
     fields = list(fields)
-    close = difflib.get_close_matches(key, fields, n=1) or difflib.get_close_matches(
+    # a typo is what the close match finds: under error any near name is a hint (>= 0.6); under keep only a
+    # typo-near one (>= 0.8, case ignored) is refused, or ordinary metadata columns were told to map onto row
+    # fields (color -> lora, text -> expect, image_id -> image: a new-user report)
+    cut = 0.8 if mode == "keep" else 0.6
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=cut) or difflib.get_close_matches(
         key.lower(), fields, n=1, cutoff=0.8)
     if close:
         return (f"{where}: unknown field {key!r}; fix: did you mean {close[0]!r}? (a column of that name under "
