@@ -1051,4 +1051,4 @@ def test_ctrl_c_before_the_run_starts_is_one_line_and_exit_130(subprocess_env, t
     if "runner: interrupted before the run started (nothing was written)" in text:
         assert not (out / "manifest.json").exists() and not (out / "items.jsonl").exists()
     else:  # the signal met the run itself: its own handling wrote the interrupted status
-        assert json.loads((out / "job_status.json").read_text())["status"] == "interrupted", text[-2000:]
+        assert json.loads((out / "job_status.json").read_text())["outcome"] == "interrupted", text[-2000:]
