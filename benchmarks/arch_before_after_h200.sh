@@ -11,13 +11,14 @@
 # Device: run(carry=[".before", ".whlbench"], command="bash benchmarks/arch_before_after_h200.sh")
 set -u
 : "${OUT:?set OUT to the output folder of the device call}"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whlbench/*.whl 2>&1 | tail -2
+wheels=${WHEELS:-.whlbench}  # or .whl (the device wheels of .whl/env.sh, torchmetrics + lightning-utilities among them)
+python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/*.whl 2>&1 | tail -2
 variants=${VARIANTS:-baseline,lossless,torchao_fp8}
 prompts=${PROMPTS:-4}
-(cd .before && RUNNER_CACHE=/tmp/cache_before PYTHONPATH=/tmp/site:$PWD timeout 280 python3 benchmarks/flux_dev_1024.py \
+(cd .before && RUNNER_CACHE=/tmp/cache_before PYTHONPATH=/tmp/site:$PWD timeout ${LANE_TIMEOUT:-280} python3 benchmarks/flux_dev_1024.py \
    --prompts "$prompts" --variants "$variants" --out /tmp/before --results "$OUT/flux_before.json") > "$OUT/before.log" 2>&1
 echo "before: rc=$?"
-RUNNER_CACHE=/tmp/cache_after PYTHONPATH=/tmp/site:$PWD timeout 280 python3 benchmarks/flux_dev_1024.py \
+RUNNER_CACHE=/tmp/cache_after PYTHONPATH=/tmp/site:$PWD timeout ${LANE_TIMEOUT:-280} python3 benchmarks/flux_dev_1024.py \
    --prompts "$prompts" --variants "$variants" --out /tmp/after --results "$OUT/flux_after.json" \
    > "$OUT/after.log" 2>&1
 echo "after: rc=$?"
