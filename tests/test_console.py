@@ -56,6 +56,16 @@ def test_summary_line_names_verdict_and_accuracy_only_where_the_run_has_them():
         "evidence limited -> d"
 
 
+def test_an_interrupted_run_says_how_to_finish_it():
+    from runner.app.console import resume_hint
+
+    assert resume_hint("/r/2026-12-06/10-00-00") == ("to finish it: the same command with "
+                                                     "run.resume=/r/2026-12-06/10-00-00; finished items are kept")
+    # object storage refuses run.resume=<URL>: the same command (its output.dir) resumes there
+    assert resume_hint("/staging/x", "s3://b/run") == ("to finish it: the same command again "
+                                                       "(output.dir=s3://b/run); finished items are kept")
+
+
 def test_help_says_what_the_tool_is_without_schema_bases(subprocess_env, tmp_path):
     p = _cli(["--help"], subprocess_env, tmp_path)
     assert p.returncode == 0, p.stderr

@@ -490,8 +490,13 @@ def test_sigterm_mid_run_exits_143_then_resume_finishes(cli32, tmp_path):
     assert man["counts"]["ok"] == n
     assert not _tmp_files(d)
 
+    # the console says how to finish it; the resume below runs exactly what it says
+    hint = [ln for ln in log.read_text().splitlines() if "to finish it: the same command with " in ln]
+    assert len(hint) == 1, log.read_text()[-3000:]
+    resume_override = hint[0].split("the same command with ", 1)[1].split(";", 1)[0]
+    assert resume_override == f"run.resume={d}"
     hydra_dir = tmp_path / "hydra_resume"
-    p = _start(cli32, hydra_dir, log, f"run.resume={d}")
+    p = _start(cli32, hydra_dir, log, resume_override)
     assert p.wait(timeout=600) == 0, log.read_text()[-3000:]
     _assert_equals_reference(d, cli32.ref)
     man = json.loads((d / "manifest.json").read_text())

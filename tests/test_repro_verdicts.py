@@ -515,3 +515,20 @@ def test_repro_of_a_sweep_dir_reproduces_each_job(tmp_path, subprocess_env):
     assert f"repro of sweep {sweep}: 2 of 2 job(s) reproduced -> {out}" in p.stdout
     for job in ("0", "1"):
         assert json.loads((out / job / "repro_check.json").read_text())["ok"] is True
+
+
+def test_an_interrupted_original_is_compared_on_the_items_it_made(tmp_path):
+    # field case: a run stopped by Ctrl-C after 20 of 24 items; its repro made all 24 and said REPRO FAILED for
+    # the 4 rows the original never reached
+    o, n = pair(tmp_path, {"a": _img(0)}, {"a": _img(0), "z": _img(9), "y": _img(8)}, status="interrupted",
+                new={"status": "completed"})
+    res = repro.compare(o, n)
+    assert res["ok"] and res["problems"] == [] and [r["key"] for r in res["items"]] == ["a"]
+    assert "2 item(s) the original did not make (it was interrupted), made by the re-run: not compared" in res["notes"]
+    # what the original did make is still compared
+    o2, n2 = pair(tmp_path / "2", {"a": _img(0)}, {"a": _img(1), "z": _img(9)}, status="interrupted",
+                  new={"status": "completed"})
+    assert repro.compare(o2, n2)["problems"] == ["item 'a': bytes differ"]
+    # a completed original with the same extra item fails as before
+    o3, n3 = pair(tmp_path / "3", {"a": _img(0)}, {"a": _img(0), "z": _img(9)})
+    assert repro.compare(o3, n3)["problems"] == ["item 'z': only in the re-run"]

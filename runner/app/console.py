@@ -660,6 +660,16 @@ def summary_line(status: str, counts: Dict[str, int], seconds: Optional[float], 
     return f"run {status}: {', '.join(parts)}{tail}{took}{''.join('; ' + f for f in found)} -> {out_dir}"
 
 
+def resume_hint(out_dir: object, url: Optional[str] = None) -> str:
+    """The line an interrupted run ends with, after :func:`summary_line`: how to finish it. A local run dir is
+    resumed with ``run.resume=<dir>`` (whatever made the dir: a dated default, ``output.dir``, ``hydra.run.dir``);
+    a run mirrored to object storage by the same command (``run.resume=<URL>`` is refused there:
+    docs/object_storage.md)."""
+    if url:
+        return f"to finish it: the same command again (output.dir={url}); finished items are kept"
+    return f"to finish it: the same command with run.resume={out_dir}; finished items are kept"
+
+
 def accuracy_summary(acc: Dict[str, Any]) -> Optional[str]:
     """The oracle's accuracy (a manifest's ``accuracy``: share of items whose attribute the oracle read back as
     requested, 0..1) in one phrase: ``all 0.958 · color 1 · shape 0.958 (n 24)``; None without an oracle."""

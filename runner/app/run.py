@@ -663,7 +663,7 @@ class Run:
         Raises:
             EvidenceError: strict evidence found a mismatch (everything was written).
         """
-        from runner.app.console import summary_line
+        from runner.app.console import resume_hint, summary_line
 
         c, w = self.counts, self.worker
         # a worker's share is not the run's total: the merge logs that (runner.app.jobs, runner.app.ray_launcher)
@@ -676,6 +676,8 @@ class Run:
             raise EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
                                          + "\n  ".join(self.manifest.doc["evidence"]["mismatches"]))
         if self.status == "interrupted":
+            if w is None or w.world_size == 1:
+                log.info("%s", resume_hint(self.out_dir, None if self.mirror is None else self.mirror.url))
             return 128 + (self.stop.signum or signal.SIGINT)
         return 0 if c["failed"] == 0 and self.status != "storage_error" else 1
 

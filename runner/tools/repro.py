@@ -20,6 +20,8 @@ shell's ``HF_HOME``: :func:`rerun_environment`) and then compares:
 * AR records (vLLM stages: ``items.jsonl`` of ``model=tiny_qwen3_moe``, ``expand.jsonl`` of a pipeline), per
   record key: the ``output_token_ids`` must be identical (on every platform; ``--tolerance-db`` applies to images
   only), shown as the sha256 of the token-id list;
+* items the re-run made that the original has no record of fail it (``only in the re-run``), except when the
+  original was interrupted (its ``status``): it never reached those rows, so they are a note, not compared;
 * the ``backends`` section: the selected (and resolved) value of every stage and field must be unchanged;
 * the dataset sha256 and, for runs refused at startup, the status and error type. A run that holds no ok item (every
   item failed, or the run was refused at startup) reproduces nothing: that is a failure (exit 1) naming it, even
@@ -359,7 +361,11 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
         problems.append(_nothing_reproduced(orig_dir, mo, mn))
     notes = video_notes + _provenance_notes(mo, mn)
     extra = [k for k, n in ni.items() if n.get("status") == "ok" and k not in oi and "output_token_ids" not in n]
-    problems += [f"item {k!r}: only in the re-run" for k in extra]
+    if mo.get("status") == "interrupted":  # a stopped run never reached these rows: nothing of its to compare
+        notes += [f"{len(extra)} item(s) the original did not make (it was interrupted), made by the re-run: "
+                  f"not compared"] if extra else []
+    else:
+        problems += [f"item {k!r}: only in the re-run" for k in extra]
     return {"ok": not problems, "mode": "bytes" if exact else "psnr", "tolerance_db": None if exact else tolerance_db,
             "original": str(orig_dir), "rerun": str(new_dir), "platform": kind, "items": rows, "problems": problems, "notes": notes}
 
