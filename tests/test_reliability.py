@@ -552,6 +552,11 @@ BAD_INPUTS = [
     ("malformed-json-line", _jsonl(OK, '{"id": "b", "prompt": "a cat"'), J, DatasetError,
      [r"rows\.jsonl:2: malformed JSON"]),
     ("not-an-object", _jsonl(OK, '["a cat"]'), J, DatasetError, [r":2: expected a JSON object"]),
+    # an unreadable line and a bad row: both named in one error (the rows were checked only once every line read)
+    ("malformed-line-and-bad-row", _jsonl({"id": "a", "prompt": "x", "seed": "s"}, '{"id": "b"', OK), J,
+     DatasetError, [r"2 problem\(s\)", r":2: malformed JSON", r":1: field 'seed' = 's' is not an integer"]),
+    ("csv-too-many-cells-and-bad-row", "id,prompt,seed\na,a cat,x\nb,a dog,1,2\n", ["dataset=csv", "dataset.path={data}"],
+     DatasetError, [r":3: row has more cells", r":2: field 'seed' = 'x' is not an integer"]),
     ("missing-prompt", _jsonl(OK, {"id": "b"}), J, DatasetError, [r":2: field 'prompt' is missing"]),
     ("empty-prompt", _jsonl({"id": "a", "prompt": ""}), J, DatasetError, [r":1: field 'prompt' is empty"]),
     ("blank-prompt", _jsonl(OK, {"id": "b", "prompt": " \t "}), J, DatasetError, [r":2: field 'prompt' is empty"]),

@@ -841,9 +841,16 @@ def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optiona
     engine's row ``fields``; CSV and TXT cells are text, the other formats' cells typed).
 
     Raises:
-        DatasetError: an unknown source, unreadable or malformed input (file, line, what, fix).
+        DatasetError: an unknown source, unreadable or malformed input (file, line, what, fix); with the readable
+            rows (``rows``, columns renamed) when the reader read past the bad lines.
     """
-    return apply_columns(reader(fmt).reader()(path, split, columns), columns, path, fields)
+    try:
+        raw = reader(fmt).reader()(path, split, columns)
+    except DatasetError as e:
+        if e.rows is None:
+            raise
+        raise DatasetError(e.problems, rows=apply_columns(e.rows, columns, path, fields)) from None
+    return apply_columns(raw, columns, path, fields)
 
 
 def read_text(path: Path) -> str:
@@ -887,7 +894,7 @@ def read_jsonl(path: Path, split: Optional[str] = None, columns: Optional[Dict[s
             continue
         rows.append((n, obj))
     if problems:
-        raise DatasetError(problems)
+        raise DatasetError(problems, rows=rows)
     return rows
 
 
@@ -918,7 +925,7 @@ def read_csv(path: Path, split: Optional[str] = None, columns: Optional[Dict[str
             continue
         rows.append((n, {k: v for k, v in rec.items() if v not in (None, "")} | {source: rec.get(source) or ""}))
     if problems:
-        raise DatasetError(problems)
+        raise DatasetError(problems, rows=rows)
     return rows
 
 
@@ -1041,11 +1048,23 @@ def load_rows(fmt: str, path: Optional[str], *, defaults: Dict[str, Any], size_m
     """
     spec = spec or VIDEO_ROW
     src = source_path(fmt, path, builtin)
-    raw = read_raw(fmt, src, split, columns, spec.by_name)
+    unread: List[str] = []
+    try:
+        raw = read_raw(fmt, src, split, columns, spec.by_name)
+    except DatasetError as e:  # bad lines: the readable rows are checked too, so every problem is named at once
+        if e.rows is None:
+            raise
+        raw, unread = e.rows, e.problems
     if limit is not None:
         raw = raw[:limit]
-    rows = validate_rows(raw, spec, src, from_text=reader(fmt).from_text, extra_fields=extra_fields, defaults=defaults,
-                         context={"size_multiple": size_multiple, "max_pixels": max_pixels, **(context or {})})
+    try:
+        rows = validate_rows(raw, spec, src, from_text=reader(fmt).from_text, extra_fields=extra_fields,
+                             defaults=defaults,
+                             context={"size_multiple": size_multiple, "max_pixels": max_pixels, **(context or {})})
+    except DatasetError as e:
+        raise DatasetError(unread + e.problems) from None
+    if unread:
+        raise DatasetError(unread)
     return rows, src
 
 

@@ -106,10 +106,13 @@ class RunDirInUseError(RunDirLockError):
 
 class DatasetError(UserInputError, ValueError):
     """Raised for bad dataset input (``runner.core.dataset``, ``runner.core.media``). ``problems`` lists one message
-    per bad field, each naming file, line, field, value and the fix."""
+    per bad field, each naming file, line, field, value and the fix. ``rows``: a reader's readable rows beside the
+    lines it could not read (``(line, raw row)`` pairs), so the rows are validated too and every problem of the
+    file is reported at once (``runner.core.dataset.load_rows``); None when nothing past the problem was read."""
 
-    def __init__(self, problems: List[str]):
+    def __init__(self, problems: List[str], rows: Optional[list] = None):
         self.problems = problems
+        self.rows = rows
         head = f"{len(problems)} problem(s) in the dataset:" if len(problems) > 1 else "dataset problem:"
         super().__init__(head + "\n  " + "\n  ".join(problems))
 
