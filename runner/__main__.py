@@ -109,11 +109,12 @@ if __name__ == "__main__":
     sys.argv = sys.argv[:1] + hydra_dir_at_run_dir(sys.argv[1:])
     from runner.core.environment import OutputPathError, check_launch_dirs
 
+    from runner.tools.plan import refuse, stray_plan_flag
+
     try:
         check_launch_dirs(sys.argv[1:])  # Hydra creates the run dir before the task: a bad one is a traceback
     except OutputPathError as e:
-        print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        sys.exit(refuse(sys.argv[1:], type(e).__name__, str(e), e.exit_code))
     from runner.app.console import override_key_problem
     from runner.tools.sweep import sweep_override_problem
 
@@ -121,9 +122,8 @@ if __name__ == "__main__":
     problem = sweep_override_problem(sys.argv[1:])
     problem = problem or override_key_problem(sys.argv[1:])  # `batchsize=4`: did you mean batch_size (not "+batchsize")
     if problem:
-        print(f"runner: {problem}", file=sys.stderr)
-        sys.exit(2)
-    from runner.tools.plan import stray_plan_flag, wants_plan
+        sys.exit(refuse(sys.argv[1:], None, problem, 2))
+    from runner.tools.plan import wants_plan
 
     problem = stray_plan_flag(sys.argv[1:])
     if problem:

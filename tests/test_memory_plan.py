@@ -235,6 +235,25 @@ def test_a_refusals_fix_never_suggests_what_is_already_set(flux_plans):
     assert str(e.value).endswith("fix: lower batch_size, or raise memory.max_gpu_gb"), str(e.value)
 
 
+@pytest.mark.parametrize("overrides,error_type,text", [
+    (["model=flux", "platform=cuda", "model.load_format=dummy", "memory.max_gpu_gb=-3"], "ConfigValueError",
+     "memory.max_gpu_gb=-3.0 must be"),
+    (["model=flux", "platform=cuda"], "ModelPathError", "model=flux needs weights"),
+    (["model=no_such_model"], None, "model=no_such_model: no such model"),  # refused before composing
+])
+def test_plan_json_refusals_are_json_on_stdout(overrides, error_type, text, tmp_path, subprocess_env):
+    """Field case: ``--plan --json`` refused before planning printed nothing on stdout (the refusal on stderr only),
+    so a JSON reader failed on an empty document."""
+    p = _plan_cli([*overrides, "--json"], tmp_path, subprocess_env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    doc = json.loads(p.stdout)["refused"]
+    assert doc["error_type"] == error_type and text in doc["message"] and doc["exit_code"] == 2, doc
+    line = f"runner: {error_type + ': ' if error_type else ''}{text}"
+    assert line in p.stderr
+    q = _plan_cli(overrides, tmp_path, subprocess_env)  # without --json: the line on stderr, stdout empty
+    assert q.returncode == 2 and q.stdout.strip() == "" and line in q.stderr
+
+
 def test_a_plan_flag_without_plan_is_named_not_hydras_usage_dump(subprocess_env, tmp_path):
     """New-user report: ``python -m runner model=flux --device-gb=80`` (``--plan`` forgotten) printed Hydra's argument
     usage and 'unrecognized arguments'. One line naming the flag and the fix, exit 2, nothing run."""

@@ -10,6 +10,9 @@ the device per pipeline call, then the plan taken and why, or the refusal the ru
 ``models.memory.Fitting.section()`` as the engine's ``memory_plan`` returns it: the one function a run calls while
 it reads its rows (``models.memory.FittingPass.prepare_rows``), whose result the run records as the manifest's
 ``memory_plan`` (``applied`` is filled at placement; a refusal gives ``{"refused": message, "candidates": [...]}``).
+A command the run would refuse before planning (a config value, the weights, an override Hydra cannot compose)
+prints ``{"refused": {"error_type", "message", "exit_code"}}`` under ``--json`` (the same line on stderr; exit 2;
+``error_type`` null for an override refused before composing, e.g. an unknown model: :func:`refuse`).
 
 **Which device it plans for.** ``platform=<kind>`` of the composed config; ``platform=auto`` plans for this
 machine's GPU when it has one, else for a CUDA GPU (memory plans are for GPUs; the header then says so, and which
@@ -235,6 +238,16 @@ def _table(candidates: Sequence[Dict[str, Any]], chosen: Optional[str]) -> List[
     return rows
 
 
+def refuse(argv: Sequence[str], error_type: Optional[str], message: str, code: int) -> int:
+    """A command refused before it composes: the line on stderr (``runner: <type>: <message>``, or
+    ``runner: <message>`` without a type) and, for ``--plan --json``, ``{"refused": {...}}`` on stdout (as
+    :func:`main` prints a refusal). Returns ``code``, the exit code."""
+    print(f"runner: {error_type + ': ' if error_type else ''}{message}", file=sys.stderr)
+    if wants_plan(argv) and "--json" in argv:
+        print(json.dumps({"refused": {"error_type": error_type, "message": message, "exit_code": code}}, indent=1))
+    return code
+
+
 def main(argv: Sequence[str]) -> int:
     """Plan mode's command line; returns the exit code: 0 a plan for every planning stage, 2 a refusal or bad
     input (what the run would exit with)."""
@@ -250,12 +263,9 @@ def main(argv: Sequence[str]) -> int:
     try:
         overrides, device_gb, as_json = parse(argv)
         doc = plans(compose(overrides), overrides, device_gb)
-    except RunnerError as e:
-        print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
-        return e.exit_code
-    except (HydraException, OmegaConfBaseException) as e:  # an override Hydra cannot compose: bad input
-        print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    except (RunnerError, HydraException, OmegaConfBaseException) as e:  # Hydra's: an override it cannot compose
+        # under --json a JSON reader gets the refusal on stdout too, not an empty document
+        return refuse(argv, type(e).__name__, str(e), e.exit_code if isinstance(e, RunnerError) else 2)
     print(json.dumps(doc, indent=1) if as_json else render(doc))
     refused = any(isinstance(s, dict) and "refused" in s for s in doc["stages"].values())
     return 2 if refused else 0
