@@ -80,18 +80,22 @@ def main(cfg: DictConfig) -> int:
 
 
 def hydra_dir_at_run_dir(argv: list) -> list:
-    """``output.dir=X`` or ``run.resume=X`` (a local path, no interpolation) without ``hydra.run.dir``, in a single
-    process (not a sweep, not torchrun): Hydra's run dir is X too, so its ``.hydra/`` and job log go with the run,
-    not into a stray ``outputs/runs/<date>/<time>/`` beside the working dir (new-user report). Returns the argv."""
+    """``output.dir=X`` or ``run.resume=X`` (also ``+``/``++`` prefixed; a local path, no interpolation) without
+    ``hydra.run.dir``, in a single process (not a sweep, not torchrun): Hydra's run dir is X too, so its ``.hydra/``
+    and job log go with the run, not into a stray ``outputs/runs/<date>/<time>/`` beside the working dir (new-user
+    report). Returns the argv."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from runner.core import storage
     from runner.core.distributed import torchrun_worker
     from runner.core.paths import hydra_quote
 
-    if any(a in ("-m", "--multirun") or a.startswith("hydra.run.dir=") for a in argv) or torchrun_worker() is not None:
+    if any(a in ("-m", "--multirun") or a.lstrip("+").startswith("hydra.run.dir=") for a in argv) \
+            or torchrun_worker() is not None:
         return argv
-    given = {a.split("=", 1)[0]: a for a in argv if a.split("=", 1)[0] in ("output.dir", "run.resume")}
+    # `+output.dir=X` / `++output.dir=X` (Hydra's add / force-add forms) name the same key
+    given = {a.split("=", 1)[0].lstrip("+"): a for a in argv
+             if a.split("=", 1)[0].lstrip("+") in ("output.dir", "run.resume")}
     arg = given.get("run.resume") or given.get("output.dir")
     try:
         value = OverridesParser.create().parse_override(arg).value() if arg else None

@@ -69,3 +69,7 @@ def test_a_run_into_output_dir_leaves_no_stray_default_dir(subprocess_env, tmp_p
     p = cli(["run.resume=myout", "dataset.limit=1"], subprocess_env, tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert sorted(x.name for x in tmp_path.iterdir()) == ["myout"], list(tmp_path.iterdir())
+    p = cli(["++output.dir=forced", "dataset.limit=1"], subprocess_env, tmp_path)  # Hydra's force-add form
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["forced", "myout"], list(tmp_path.iterdir())
+    assert (tmp_path / "forced" / ".hydra" / "config.yaml").is_file()
