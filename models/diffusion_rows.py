@@ -123,7 +123,8 @@ class DiffusionRows:
         step) is not refused: the rows that take it record it under ``ignored``, in either mode.
 
         Raises:
-            ConfigValueError: a ``model.generation.<field>`` the model ignores (error mode), naming key, why, fix.
+            ConfigValueError: a ``model.generation.<field>`` the model ignores (error mode), naming key, why, fix,
+                when the user chose it (:meth:`chosen`); the model's own default is recorded as ignored instead.
             dataset.DatasetError: every row that sets one (error mode), with file:line, field, why and fix.
         """
         ignored = self.ignored_fields(rows)
@@ -138,17 +139,36 @@ class DiffusionRows:
                 if applies:  # ignored in some rows only: those that take the default record it, none is refused
                     from_config[f] = (key, value)
                     continue
-                if mode == "error":
+                if mode == "error" and self.chosen(key, value):
                     raise ConfigValueError(f"{key}={value} is ignored by model={name}: {why}; fix: {key}=null, {fix}, "
                                            "or dataset.on_ignored=record to run it and record the value as ignored")
                 from_config[f] = (key, value)
         rows = ds.apply_ignored(rows, path, ignored, mode, name, from_config)
         n = sum(1 for r in rows if r.ignored)
         if n:
-            log.warning("%d of %d rows set a value that model=%s ignores (%s); it is not applied, and their records "
-                        "list it under 'ignored' (dataset.on_ignored=record)", n, len(rows), name,
+            log.warning("%d of %d rows set or take a value that model=%s ignores (%s); it is not applied, and their "
+                        "records list it under 'ignored' (a row's value under dataset.on_ignored=record, or a default "
+                        "of the model that does not act on them)", n, len(rows), name,
                         ", ".join(sorted({f for r in rows for f in (r.ignored or {})})))
         return rows
+
+    def chosen(self, key: str, value: Any) -> bool:
+        """Whether ``key`` = ``value`` is the user's choice rather than the model's own default: set on the command
+        line, or a value other than the one the model's YAML (``conf/model/<model.name>.yaml``) gives. A model
+        default that does not act on these rows (Qwen-Image's ``true_cfg_scale: 4.0`` with no negative prompt, the
+        model card's setting) is recorded as ignored in each item, not refused (field case: ``model=qwen_image``
+        refused its own builtin prompts); a chosen one is refused under ``dataset.on_ignored=error``. A model
+        without a YAML here counts every value as chosen."""
+        from omegaconf import OmegaConf
+
+        from runner.core.paths import CONF_DIR
+        from runner.core.resolve import _set_by, cli_keys
+
+        if _set_by(cli_keys(self.ctx.overrides), key):
+            return True
+        yaml = CONF_DIR / "model" / f"{self.model_cfg.name}.yaml"
+        default = OmegaConf.select(OmegaConf.load(yaml), key[len("model."):]) if yaml.is_file() else None
+        return default is None or default != value
 
     def check_rows(self, rows: Sequence[ds.Row], path: Any) -> None:
         """Model-specific row checks (e.g. an oracle's ``expect`` vocabulary); none by default."""

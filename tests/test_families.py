@@ -518,3 +518,37 @@ def test_embedded_snapshot_rebuilds_an_incomplete_entry_and_other_ranks_wait(tmp
     with pytest.raises(RuntimeError, match="rank 1 waited 1 s for rank 0"):
         embedded_snapshot("tiny_flux", arch, str(tmp_path))
     assert missing_weights(snap) == ["vae"]  # rank 1 built nothing
+
+
+def test_a_models_own_default_that_does_not_act_is_recorded_not_refused(compose):
+    """Field case: ``model=qwen_image`` refused its own builtin prompts (its YAML's ``true_cfg_scale: 4.0``, the
+    model card's value, acts only with a negative prompt; no builtin row has one). The model's default is recorded
+    as ignored in every row; the same key chosen by the user (on the command line, even at the same value, or a
+    value other than the model's YAML) is refused under ``dataset.on_ignored=error``."""
+    import torch
+
+    from models.base import StageContext
+    from models.registry import engine_class
+    from runner.core.dataset import Row
+    from runner.core.errors import ConfigValueError
+    from runner.core.platform import detect
+
+    def engine(overrides, **generation):
+        cfg = compose(["model=qwen_image", "platform=cpu", "model.load_format=dummy", *overrides])
+        for k, v in generation.items():  # as a user's own YAML (an experiment) would set it
+            cfg.model.generation[k] = v
+        return engine_class(cfg.model.engine)(StageContext(cfg=cfg, overrides=overrides, stage="denoise",
+                                                           plat=detect("cpu", "cpu"), dtype=torch.float32))
+
+    rows = [Row(id=f"r{i}", prompt="a lighthouse", negative_prompt=None, seed=i, width=64, height=64,
+                num_inference_steps=2, guidance_scale=None, num_images_per_prompt=1, line=i + 1) for i in range(2)]
+    out = engine([]).check_ignored(rows, "rows.jsonl")
+    assert [r.ignored for r in out] == [{"true_cfg_scale": {"value": 4.0, "why": "no row has a negative_prompt, and "
+                                         "QwenImagePipeline runs true CFG only with one",
+                                         "from": "model.generation.true_cfg_scale"}}] * 2
+    for eng in (engine(["model.generation.true_cfg_scale=4"]), engine([], true_cfg_scale=6.0)):
+        with pytest.raises(ConfigValueError, match=r"true_cfg_scale=\d\.0 is ignored by model=qwen_image"):
+            eng.check_ignored(rows, "rows.jsonl")
+    # with a negative prompt in a row the default acts: nothing ignored, nothing refused
+    neg = [rows[0], Row(**{**rows[1].__dict__, "negative_prompt": " "})]
+    assert [r.ignored for r in engine([]).check_ignored(neg, "rows.jsonl")] == [None, None]
