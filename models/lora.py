@@ -414,6 +414,90 @@ def changes_nothing(deltas: Mapping[str, Tuple[torch.Tensor, torch.Tensor]]) -> 
     return sorted(n for n, (_, d) in deltas.items() if float(torch.as_tensor(d).norm()) == 0.0)
 
 
+def applied_scales(layers: Mapping[str, Any], names: Iterable[str]) -> Dict[str, Dict[str, Any]]:
+    """``{expert: {adapter: scale}}`` as peft's layers hold it after ``set_adapters``, read back from each adapted
+    layer: ``scaling / (lora_alpha / r)`` (rsLoRA: ``/ sqrt(r)``), the multiplier of the adapter's ``B @ A`` over
+    its own alpha/r (unitless). One float when every layer of the expert agrees (rounded to 6 digits), else the
+    sorted distinct values. An expert the adapter did not load into has no entry for it."""
+    seen: Dict[str, Dict[str, set]] = {}
+    for key, layer in layers.items():
+        expert = split_key(key)[0]
+        for n in names:
+            if n not in layer.scaling:
+                continue
+            r = layer.r[n]
+            unit = layer.lora_alpha[n] / (math.sqrt(r) if layer.use_rslora.get(n, False) else r)
+            seen.setdefault(expert, {}).setdefault(n, set()).add(round(float(layer.scaling[n]) / unit, 6))
+    return {e: {n: (next(iter(v)) if len(v) == 1 else sorted(v)) for n, v in sorted(by.items())}
+            for e, by in sorted(seen.items())}
+
+
+def scale_problems(applied: Mapping[str, Mapping[str, Any]], key: tuple, experts: Mapping[str, Sequence[str]]
+                   ) -> List[str]:
+    """What differs between the scales peft applies (:func:`applied_scales`) and the set ``key``'s
+    (``(name, scale)`` pairs) in each expert its entry loads it into (``experts``: ``{adapter: experts}``): a scale
+    applied to the wrong expert, one expert's adapter missing, or an adapter in an expert its entry does not name."""
+    out = []
+    for name, scale in key:
+        for e in experts.get(name, ()):
+            got = applied.get(e, {}).get(name)
+            if got is None:
+                out.append(f"{name} holds no scale in {e} (not loaded there)")
+            elif isinstance(got, list) or not math.isclose(got, float(scale), rel_tol=1e-5, abs_tol=1e-6):
+                out.append(f"{name} runs at scale {got} in {e}, its set says {scale:g}")
+        out += [f"{name} is loaded into {e} too, which its entry does not name ({', '.join(experts.get(name, ()))})"
+                for e in applied if name in applied[e] and e not in experts.get(name, ())]
+    return out
+
+
+def step_groups(log: Sequence[Tuple[str, Optional[float]]]) -> List[int]:
+    """The denoising step of each denoiser forward of a call (``log``: ``(expert, timestep)`` per forward, in order):
+    consecutive forwards of one expert at one timestep (classifier-free guidance's two passes) are one step; a
+    forward without a timestep is a step of its own. Step indices count from 0."""
+    out: List[int] = []
+    prev: Any = None
+    for e, t in log:
+        same = prev is not None and t is not None and prev == (e, t)
+        out.append(out[-1] if same else (out[-1] + 1 if out else 0))
+        prev = (e, t)
+    return out
+
+
+def step_check(log: Sequence[Tuple[str, Optional[float]]], ran: Sequence[set], declared: set,
+               expected: Sequence[Tuple[float, str]], experts: Mapping[str, Sequence[str]]
+               ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """Each active adapter's layers observed in the steps its expert runs, and no other, for one pipeline call.
+
+    Args:
+        log: ``(expert, timestep)`` of each denoiser forward, in order (:func:`step_groups` makes steps of them).
+        ran: per forward, the ``(layer key, adapter)`` pairs whose ``lora_A`` executed in it.
+        declared: the ``(layer key, adapter)`` pairs the active adapters declare (:meth:`Runtime.declared`).
+        expected: ``(timestep, expert)`` per step by the family's rule (``WanEngine.expected_experts``: ``transformer``
+            at timesteps >= the boundary).
+        experts: ``{active adapter: the experts its entry loads it into}``.
+
+    Returns:
+        ``(record, bad forwards)``: the record is ``{"expected": {adapter: steps}, "observed": {adapter: steps},
+        "experts": {expert: steps it ran}, "timesteps": [each step's timestep]}`` (steps where an adapter's branch
+        ran at least once); a bad forward
+        ``{"step", "expert", "timestep", "missing", "foreign"}`` lists the declared pairs of its expert that did not
+        run in it and the pairs that ran though not declared for that expert.
+    """
+    steps = step_groups(log)
+    names = sorted(experts)
+    observed = {n: sorted({steps[i] for i, r in enumerate(ran) if any(a == n for _, a in r)}) for n in names}
+    want = {n: [j for j, (_t, e) in enumerate(expected) if e in experts[n]] for n in names}
+    ran_by = {e: sorted({steps[i] for i, (x, _t) in enumerate(log) if x == e}) for e in sorted({x for x, _ in log})}
+    bad = []
+    for i, ((e, t), r) in enumerate(zip(log, ran)):
+        mine = {p for p in declared if split_key(p[0])[0] == e}
+        missing, foreign = sorted(mine - r), sorted(r - mine)
+        if missing or foreign:
+            bad.append({"step": steps[i], "expert": e, "timestep": t, "missing": missing, "foreign": foreign})
+    times = [t for i, (_e, t) in enumerate(log) if i == 0 or steps[i] != steps[i - 1]]
+    return {"expected": want, "observed": observed, "experts": ran_by, "timesteps": times}, bad
+
+
 class Runtime:
     """The run's adapters on the loaded pipeline: loads them, fuses or switches them, and observes them."""
 
@@ -435,6 +519,12 @@ class Runtime:
         self.multi = any(a.experts for a in self.library)  # a model of several denoisers: each may skip a call
         self.forwards: Dict[str, int] = {}  # per expert, its forwards in the current call (unfused, observed)
         self.missing_layers: List[str] = []  # layers an adapter declares that hold no LoRA branch after loading
+        # several experts, unfused and observed: (expert, timestep) of each denoiser forward of the current call and
+        # the (layer, adapter) pairs that ran in it (:func:`step_check`); per set, its first call's steps record
+        self.fwd_log: List[Tuple[str, Any]] = []
+        self.fwd_ran: List[set] = []
+        self.step_records: Dict[tuple, Dict[str, Any]] = {}
+        self.scales: Dict[tuple, Dict[str, Any]] = {}  # per set: the scales peft applies per expert, what differs
 
     def adapted_layers(self, pipe: Any) -> Dict[str, Any]:
         """``{layer key: peft LoraLayer}`` of the experts the adapters load into (:func:`layer_key`)."""
@@ -475,7 +565,8 @@ class Runtime:
                 for aname, mod in layer.lora_A.items():
                     self.handles.append(mod.register_forward_hook(self._counter(lname, aname)))
             for e in self.experts if self.multi else ():  # one denoiser: it runs in every call
-                self.handles.append(getattr(pipe, e).register_forward_pre_hook(self._forward_counter(e)))
+                self.handles.append(getattr(pipe, e).register_forward_pre_hook(self._forward_counter(e),
+                                                                                with_kwargs=True))
         return {"mode": "fused" if self.fuse else "per_batch", "why": self.why,
                 "adapters": [a.name for a in self.library], "layers": len(layers),
                 "sets": [[list(p) for p in key] for key in self.sets],
@@ -490,20 +581,36 @@ class Runtime:
         return tuple(f"{n}.{part}" for n in rel for part in ("lora_A", "lora_B"))
 
     def _forward_counter(self, expert: str) -> Any:
-        def hook(mod: Any, args: Any) -> None:
+        def hook(mod: Any, args: Any, kwargs: Dict[str, Any]) -> None:
             self.forwards[expert] = self.forwards.get(expert, 0) + 1
+            t = kwargs.get("timestep")  # a one-element copy, read after the call (no device sync in the loop)
+            self.fwd_log.append((expert, t.detach().reshape(-1)[:1].clone() if isinstance(t, torch.Tensor) else t))
+            self.fwd_ran.append(set())
         return hook
 
     def _counter(self, layer: str, adapter: str) -> Any:
         def hook(mod: Any, args: Any, out: Any) -> None:
             self.counts[(layer, adapter)] = self.counts.get((layer, adapter), 0) + 1
+            if self.fwd_ran:  # several experts: the forward it ran in
+                self.fwd_ran[-1].add((layer, adapter))
         return hook
+
+    def check_scales(self, key: tuple) -> Dict[str, Any]:
+        """The scales peft applies in each expert for the set ``key`` (:func:`applied_scales`) against the set's
+        (:func:`scale_problems`): ``{"set", "applied": {expert: {adapter: scale}}, "problems"}``, kept per set."""
+        if key not in self.scales:
+            experts = {a.name: a.loads_into() for a in self.library}
+            applied = applied_scales(self.layers, [n for n, _ in key])
+            self.scales[key] = {"set": [list(p) for p in key], "applied": applied,
+                                "problems": scale_problems(applied, key, experts)}
+        return self.scales[key]
 
     def fuse_set(self, pipe: Any, layers: Dict[str, Any], key: tuple) -> None:
         """``set_adapters`` + ``fuse_lora`` + ``unload_lora_weights``, with the checksum of every adapted layer before
         and after (module docstring); the result in :attr:`fused`."""
         names, weights = [n for n, _ in key], [s for _, s in key]
         pipe.set_adapters(names, weights)
+        scales = self.check_scales(key)
         deltas = set_deltas(layers, key)
         before = {n: (x, sketch(layers[n].get_base_layer().weight, x)) for n, (x, _) in deltas.items()}
         pipe.fuse_lora(components=list(self.experts), lora_scale=1.0, adapter_names=names)
@@ -524,8 +631,9 @@ class Runtime:
                 bad.append(n)
         self.fused = {"set": [list(p) for p in key], "layers": len(before), "changed_nothing": sorted(nil),
                       "delta_mismatch": bad, "not_loaded": self.missing_layers,
+                      **({"scales": scales["applied"], "scale_mismatch": scales["problems"]} if self.multi else {}),
                       "verdict": "verified" if before and not bad and not nil and not self.missing_layers
-                      else "mismatch"}
+                      and not scales["problems"] else "mismatch"}
         self.current = key
 
     def activate(self, pipe: Any, key: Optional[tuple]) -> None:
@@ -540,6 +648,7 @@ class Runtime:
             pipe.set_adapters([n for n, _ in key], [s for _, s in key])
             if key not in self.nil:  # what this set changes, once per set (the fused rule: set_deltas)
                 self.nil[key] = changes_nothing(set_deltas(self.layers, key))
+                self.check_scales(key)
         else:
             pipe.disable_lora()
         self.current = key
@@ -549,13 +658,17 @@ class Runtime:
         """Reset the per-call execution counts."""
         self.counts.clear()
         self.forwards.clear()
+        self.fwd_log.clear()
+        self.fwd_ran.clear()
 
-    def after_call(self, batch_keys: Sequence[str]) -> None:
+    def after_call(self, batch_keys: Sequence[str], expected: Optional[Sequence[Tuple[float, str]]] = None) -> None:
         """Record what the call's adapters did (unfused, observed): per active adapter, the layers it declares in
         each expert that ran in the call (:meth:`declared`: from its file, not from what loaded) that did not
         execute it (``missing``), and any adapter that executed where none was declared active (``foreign``: another
         adapter, or one loaded into another expert than its entry names). With several experts, each one's forwards
-        in the call (``forwards``): an expert's adapted layers are expected in the calls where it ran."""
+        in the call (``forwards``) and, per denoiser forward, its expert's declared layers against what ran
+        (:func:`step_check`): each adapter's branches in the steps its expert runs by ``expected`` (``(timestep,
+        expert)`` per step, the family's rule; None: not compared), and in no other step."""
         if self.fuse or not self.observe:
             return
         active = {n for n, _ in (self.current or ())}
@@ -567,7 +680,35 @@ class Runtime:
                 "foreign": sorted(ran - declared)}
         if self.multi:
             call["forwards"] = {e: self.forwards.get(e, 0) for e in self.experts}
+            log = [(e, float(t.float().item()) if isinstance(t, torch.Tensor) else t) for e, t in self.fwd_log]
+            experts = {a.name: a.loads_into() for a in self.library if a.name in active}
+            record, bad = step_check(log, self.fwd_ran, declared, expected or [], experts)
+            if expected is None:
+                record.pop("expected")
+            call.update(steps=record, bad_forwards=bad,
+                        steps_differ=expected is not None and record["observed"] != record["expected"])
+            self.step_records.setdefault(self.current or (), {"set": [list(p) for p in self.current or ()],
+                                                              "items": list(batch_keys)[:3], **record})
         self.calls.append(call)
+
+    def call_problem(self, stage: str, c: Dict[str, Any]) -> Optional[str]:
+        """A call's mismatch in words (:meth:`after_call`), or None."""
+        bad = c.get("bad_forwards") or []
+        if not (c["missing"] or c["foreign"] or bad or c.get("steps_differ")):
+            return None
+        out = (f"stage {stage}: items {c['items'][:3]}: adapter set {c['set']}: {len(c['missing'])} adapted layer(s) "
+               f"did not run their LoRA branch ({[tuple(x) for x in c['missing'][:3]]}), {len(c['foreign'])} ran "
+               f"another adapter's ({[tuple(x) for x in c['foreign'][:3]]})")
+        if c.get("steps_differ"):
+            out += (f"; the adapters ran in steps {c['steps']['observed']}, their experts' steps are "
+                    f"{c['steps']['expected']} (experts ran {c['steps']['experts']})")
+        if bad:
+            f = bad[0]
+            out += (f"; {len(bad)} denoiser forward(s) ran other LoRA branches than their expert's, first: step "
+                    f"{f['step']} ({f['expert']}, timestep {f['timestep']}): {len(f['missing'])} missing "
+                    f"{[tuple(x) for x in f['missing'][:3]]}, {len(f['foreign'])} foreign "
+                    f"{[tuple(x) for x in f['foreign'][:3]]}")
+        return out
 
     def evidence(self, stage: str) -> Tuple[Dict[str, Any], List[str]]:
         """``(evidence.stages.<stage>.lora, mismatches)``."""
@@ -577,6 +718,8 @@ class Runtime:
         if self.missing_layers:  # fused or not: an adapter's declared layers that did not load (another expert)
             mm.append(f"stage {stage}: {len(self.missing_layers)} layer(s) an adapter declares hold no LoRA branch "
                       f"after loading {self.missing_layers[:5]}")
+        mm += [f"stage {stage}: LoRA set {s['set']}: the scales peft applies differ from the set's: "
+               f"{'; '.join(s['problems'][:4])}" for s in self.scales.values() if s["problems"]]
         if self.fuse:
             sec["fused"] = self.fused
             nil, bad = self.fused.get("changed_nothing") or [], self.fused.get("delta_mismatch") or []
@@ -590,20 +733,21 @@ class Runtime:
         sec["changed_nothing"] = [{"set": [list(p) for p in k], "layers": v} for k, v in nil.items()]
         if self.missing_layers:
             sec["not_loaded"] = self.missing_layers
+        if self.multi:  # per set: the scales peft applies in each expert, and its first call's steps per adapter
+            sec["scales"] = [{"set": s["set"], "applied": s["applied"]} for s in self.scales.values()]
+            sec["steps"] = list(self.step_records.values())
         mm += [f"stage {stage}: unfused LoRA set {[list(p) for p in k]}: {len(v)} adapted layer(s) whose LoRA branch "
                f"changes nothing (scaling * B @ A = 0: an adapter whose lora_B are zero) {v[:5]}"
                for k, v in nil.items()]
+        wrong = nil or self.missing_layers or any(s["problems"] for s in self.scales.values())
         if not self.observe:
-            sec["verdict"] = "mismatch" if nil or self.missing_layers else "limited"
-        else:
-            bad = [c for c in self.calls if c["missing"] or c["foreign"]]
-            sec.update(calls=len(self.calls), verdict="mismatch" if bad or nil or self.missing_layers else "verified",
-                       first_bad=bad[0] if bad else None)
-            mm += [f"stage {stage}: items {c['items'][:3]}: adapter set {c['set']}: {len(c['missing'])} adapted "
-                   f"layer(s) did not run their LoRA branch ({[tuple(x) for x in c['missing'][:3]]}), "
-                   f"{len(c['foreign'])} ran another adapter's ({[tuple(x) for x in c['foreign'][:3]]})"
-                   for c in bad]
-        return sec, mm
+            sec["verdict"] = "mismatch" if wrong else "limited"
+            return sec, mm
+        said = [(c, self.call_problem(stage, c)) for c in self.calls]
+        bad = [c for c, why in said if why]
+        sec.update(calls=len(self.calls), verdict="mismatch" if bad or wrong else "verified",
+                   first_bad=bad[0] if bad else None)
+        return sec, mm + [why for _, why in said if why]
 
 
 # ------------------------------------------------------------------------------------------------- the pass
@@ -617,7 +761,7 @@ class LoraPass(Pass):
     before each call, the evidence, and the oracle's expectations of the items that ran an adapter.
 
     The engine provides ``pipeline_cls()``, ``component_class(name)``, ``component_config(name)``,
-    ``declared_experts()`` and ``row_expert_steps(row)``.
+    ``declared_experts()``, ``row_expert_steps(row)`` and, with several experts, ``expected_experts(row)``.
 
     Attributes:
         library: the checked :class:`Adapter` s (None before :meth:`prepare`).
@@ -726,8 +870,11 @@ class LoraPass(Pass):
         self.activate(batch)
 
     def after_call(self, batch: Sequence[Any], want: Optional[int]) -> None:
+        """The call's record (:meth:`Runtime.after_call`); with several experts, against the family's schedule of
+        the batch's row (the engine's ``expected_experts``: which expert runs each step)."""
         if self.runtime is not None:
-            self.runtime.after_call([it.key for it in batch])
+            expected = self.engine.expected_experts(batch[0].row) if self.runtime.multi else None
+            self.runtime.after_call([it.key for it in batch], expected)
 
     def evidence(self, section: Dict[str, Any]) -> List[str]:
         """``lora``: each adapter observed in the calls of its batches (:meth:`Runtime.evidence`)."""
