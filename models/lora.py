@@ -298,13 +298,24 @@ def resolve_rows(rows: Sequence[Any], library: Sequence[Adapter], path: Any) -> 
     return out
 
 
+def idle_experts(entry: Mapping[str, Any], steps: Optional[Mapping[str, int]]) -> List[str]:
+    """The experts of a row's adapter entry (``{name, sha256, scale, experts}``) that run no step of the row's call
+    (``steps``: ``{expert: steps}``, None on a one-denoiser model); none for an adapter at scale 0 (it runs as asked,
+    scaled by 0)."""
+    if steps is None or not entry.get("experts") or not entry["scale"]:
+        return []
+    return [e for e in entry["experts"] if not steps.get(e)]
+
+
 def drop_idle(rows: Sequence[Any], expert_steps: Any, mode: str, path: Any) -> List[Any]:
-    """Adapters that act on no step of a row's call: each loads only into experts that run none of its steps
-    (``expert_steps(row)``: ``{expert: steps}``, None on a one-denoiser model; tiny_wan22 at 1 step runs
-    ``transformer_2`` on none). They change no byte of the item, so they are not recorded as applied: a row that names
-    one (its ``lora`` field) is refused under ``dataset.on_ignored=error`` (file:line, why, fix); otherwise (the
-    library's default set, or ``record``) it leaves the row's set and is kept under the item's ``ignored.lora``
-    (``value``: the adapters, ``why``, ``from``) beside the set that applied.
+    """Adapters, or an adapter's part in an expert, that act on no step of a row's call: an expert that runs none of
+    its steps (``expert_steps(row)``: ``{expert: steps}``, None on a one-denoiser model; tiny_wan22 at 1 step runs
+    ``transformer_2`` on none) changes no byte of the item, so that part is not recorded as applied. A row that
+    names such an adapter (its ``lora`` field) is refused under ``dataset.on_ignored=error`` (file:line, why, fix);
+    otherwise (the library's default set, or ``record``) an adapter idle in every expert it loads into leaves the
+    row's set, one idle in some (``expert: all``) stays with ``experts`` narrowed to those that run (so its identity
+    is what acts), and the idle parts are kept under the item's ``ignored.lora`` (``value``: the adapters with their
+    idle ``experts``, ``why``, ``from``) beside the set that applied.
 
     Raises:
         DatasetError: error mode, every row naming such an adapter.
@@ -313,24 +324,27 @@ def drop_idle(rows: Sequence[Any], expert_steps: Any, mode: str, path: Any) -> L
     for r in rows:
         steps = expert_steps(r)
         chosen = r.values.get("lora") or []
-        idle = [d for d in chosen if steps is not None and d.get("experts") and d["scale"]
-                and not any(steps.get(e) for e in d["experts"])]
+        parts = [idle_experts(d, steps) for d in chosen]
+        idle = [{**d, "experts": p} for d, p in zip(chosen, parts) if p]
         if not idle:
             out.append(r)
             continue
         experts = ", ".join(sorted({e for d in idle for e in d["experts"]}))
+        still = [f"{d['name']} still acts in {', '.join(e for e in d['experts'] if e not in p)}"
+                 for d, p in zip(chosen, parts) if p and len(p) < len(d["experts"])]
         why = (f"{', '.join(d['name'] for d in idle)} load(s) into {experts}, which run(s) no step of the row's "
-               f"{r.num_inference_steps} (steps per expert: {steps})")
+               f"{r.num_inference_steps} (steps per expert: {steps}){' (' + '; '.join(still) + ')' if still else ''}")
         named = "lora" in r.set_fields
         if mode == "error" and named:
             problems.append(f"{path}:{r.line}: field 'lora' names adapter(s) that act on no step of row {r.id!r}: "
                             f"{why}; fix: drop them from the row's lora, more steps, or dataset.on_ignored=record to "
                             "run it and record them as ignored")
             continue
-        values = {**r.values, "lora": [d for d in chosen if d not in idle]}
-        ignored = {**(r.ignored or {}), "lora": {"value": [dict(d) for d in idle], "why": why,
+        kept = [d if not p else {**d, "experts": [e for e in d["experts"] if e not in p]}
+                for d, p in zip(chosen, parts) if not p or len(p) < len(d["experts"])]
+        ignored = {**(r.ignored or {}), "lora": {"value": idle, "why": why,
                                                  "from": f"{path}:{r.line}" if named else "model.lora"}}
-        out.append(dataclasses.replace(r, values=values, ignored=ignored))
+        out.append(dataclasses.replace(r, values={**r.values, "lora": kept}, ignored=ignored))
     if problems:
         raise DatasetError(problems)
     return out
