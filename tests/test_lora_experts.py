@@ -385,3 +385,21 @@ def test_an_expert_other_than_transformer_on_a_one_transformer_family_names_the_
     assert (f"model.lora[0] (hi): expert='transformer_2' is not a denoiser of model={model}; "
             "fix: model.lora[0].expert=<transformer | all>") in msg, msg
     assert not (tmp_path / model / "items.jsonl").exists()
+
+
+def test_a_switch_at_another_step_moves_the_adapters_and_fails_the_lora_evidence(tmp_path, files):
+    """The planted fault: after loading, the pipeline switches at boundary 0.7 (step 2, timestep 750, stays on
+    transformer). The LoRA evidence itself, against the family's schedule, sees hi run in step 2 and lo only in 3."""
+    from runner.core.errors import EvidenceError
+
+    def elsewhere(engine: Any) -> None:
+        engine.pipe.register_to_config(boundary_ratio=0.7)
+
+    r = run(tmp_path, "moved", pair(1.0, 1.0, files), "model.lora_fuse=unfused", rows=ROWS[:1], on_loaded=elsewhere,
+            catch=(EvidenceError,))
+    assert r.error is not None and r.error.exit_code == 3, r
+    ev = lora_evidence(r)
+    assert ev["verdict"] == "mismatch" and ev["first_bad"]["steps_differ"] and not ev["first_bad"]["bad_forwards"]
+    steps = ev["first_bad"]["steps"]
+    assert steps["observed"] == {"hi": [0, 1, 2], "lo": [3]} and steps["expected"] == {"hi": [0, 1], "lo": [2, 3]}
+    assert "the adapters ran in steps {'hi': [0, 1, 2], 'lo': [3]}, their experts' steps are" in str(r.error)
