@@ -24,9 +24,11 @@ backend); and the evidence that each adapter acted.
   input, one verdict); adapters at scale 0 run as asked and are not counted.
 * **Experts.** On a model of several denoisers (Wan 2.2 A14B) each entry names the expert(s) it loads into
   (``model.lora[i].expert``, :func:`entry_experts`); its layers are checked against that expert's Linears, its record
-  and each row's set carry ``experts``, the evidence expects its branches in the calls where its expert ran and
-  nowhere else; an adapter whose experts run no step of a row is left out of the row's set, recorded under the item's
-  ``ignored.lora`` (:func:`drop_idle`).
+  and each row's set carry ``experts``, the evidence expects its branches in every forward of its expert and in the
+  steps the family's schedule gives that expert, nowhere else (:func:`step_check`), and reads back the scale peft
+  applies to it in each expert (:func:`applied_scales`, :func:`scale_problems`); an adapter whose experts run no
+  step of a row is left out of the row's set, an ``all`` adapter's part in such an expert is narrowed out, both
+  recorded under the item's ``ignored.lora`` (:func:`drop_idle`).
 * **Oracle effect.** An adapter file may declare what it does to a toy oracle's attributes in its safetensors
   metadata (``runner.expect``: JSON, e.g. ``{"color": "blue"}``); items that run it at scale 1 are scored against
   that, at scale 0 against the row's own ``expect``, in between not on those attributes (:func:`effective_expect`).
