@@ -504,10 +504,12 @@ def step_check(log: Sequence[Tuple[str, Optional[float]]], ran: Sequence[set], d
     observed = {n: sorted({steps[i] for i, r in enumerate(ran) if any(a == n for _, a in r)}) for n in names}
     want = {n: [j for j, (_t, e) in enumerate(expected) if e in experts[n]] for n in names}
     ran_by = {e: sorted({steps[i] for i, (x, _t) in enumerate(log) if x == e}) for e in sorted({x for x, _ in log})}
+    mine: Dict[str, set] = {}
+    for pair in declared:
+        mine.setdefault(split_key(pair[0])[0], set()).add(pair)
     bad = []
     for i, ((e, t), r) in enumerate(zip(log, ran)):
-        mine = {p for p in declared if split_key(p[0])[0] == e}
-        missing, foreign = sorted(mine - r), sorted(r - mine)
+        missing, foreign = sorted(mine.get(e, set()) - r), sorted(r - mine.get(e, set()))
         if missing or foreign:
             bad.append({"step": steps[i], "expert": e, "timestep": t, "missing": missing, "foreign": foreign})
     times = [t for i, (_e, t) in enumerate(log) if i == 0 or steps[i] != steps[i - 1]]
@@ -701,7 +703,9 @@ class Runtime:
             record, bad = step_check(log, self.fwd_ran, declared, expected or [], experts)
             if expected is None:
                 record.pop("expected")
-            call.update(steps=record, bad_forwards=bad,
+            kept = [{**b, "missing": b["missing"][:10], "foreign": b["foreign"][:10],  # the first 3, 10 pairs each
+                     "missing_count": len(b["missing"]), "foreign_count": len(b["foreign"])} for b in bad[:3]]
+            call.update(steps=record, bad_forwards=kept, bad_forward_count=len(bad),
                         steps_differ=expected is not None and record["observed"] != record["expected"])
             self.step_records.setdefault(self.current or (), {"set": [list(p) for p in self.current or ()],
                                                               "items": list(batch_keys)[:3], **record})
@@ -720,9 +724,9 @@ class Runtime:
                     f"{c['steps']['expected']} (experts ran {c['steps']['experts']})")
         if bad:
             f = bad[0]
-            out += (f"; {len(bad)} denoiser forward(s) ran other LoRA branches than their expert's, first: step "
-                    f"{f['step']} ({f['expert']}, timestep {f['timestep']}): {len(f['missing'])} missing "
-                    f"{[tuple(x) for x in f['missing'][:3]]}, {len(f['foreign'])} foreign "
+            out += (f"; {c['bad_forward_count']} denoiser forward(s) ran other LoRA branches than their expert's, "
+                    f"first: step {f['step']} ({f['expert']}, timestep {f['timestep']}): {f['missing_count']} missing "
+                    f"{[tuple(x) for x in f['missing'][:3]]}, {f['foreign_count']} foreign "
                     f"{[tuple(x) for x in f['foreign'][:3]]}")
         return out
 
