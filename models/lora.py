@@ -24,9 +24,11 @@ backend); and the evidence that each adapter acted.
   input, one verdict); adapters at scale 0 run as asked and are not counted.
 * **Experts.** On a model of several denoisers (Wan 2.2 A14B) each entry names the expert(s) it loads into
   (``model.lora[i].expert``, :func:`entry_experts`); its layers are checked against that expert's Linears, its record
-  and each row's set carry ``experts``, the evidence expects its branches in the calls where its expert ran and
-  nowhere else; an adapter whose experts run no step of a row is left out of the row's set, recorded under the item's
-  ``ignored.lora`` (:func:`drop_idle`).
+  and each row's set carry ``experts``, the evidence expects its branches in every forward of its expert and in the
+  steps the family's schedule gives that expert, nowhere else (:func:`step_check`), and reads back the scale peft
+  applies to it in each expert (:func:`applied_scales`, :func:`scale_problems`); an adapter whose experts run no
+  step of a row is left out of the row's set, an ``all`` adapter's part in such an expert is narrowed out, both
+  recorded under the item's ``ignored.lora`` (:func:`drop_idle`).
 * **Oracle effect.** An adapter file may declare what it does to a toy oracle's attributes in its safetensors
   metadata (``runner.expect``: JSON, e.g. ``{"color": "blue"}``); items that run it at scale 1 are scored against
   that, at scale 0 against the row's own ``expect``, in between not on those attributes (:func:`effective_expect`).
@@ -298,13 +300,24 @@ def resolve_rows(rows: Sequence[Any], library: Sequence[Adapter], path: Any) -> 
     return out
 
 
+def idle_experts(entry: Mapping[str, Any], steps: Optional[Mapping[str, int]]) -> List[str]:
+    """The experts of a row's adapter entry (``{name, sha256, scale, experts}``) that run no step of the row's call
+    (``steps``: ``{expert: steps}``, None on a one-denoiser model); none for an adapter at scale 0 (it runs as asked,
+    scaled by 0)."""
+    if steps is None or not entry.get("experts") or not entry["scale"]:
+        return []
+    return [e for e in entry["experts"] if not steps.get(e)]
+
+
 def drop_idle(rows: Sequence[Any], expert_steps: Any, mode: str, path: Any) -> List[Any]:
-    """Adapters that act on no step of a row's call: each loads only into experts that run none of its steps
-    (``expert_steps(row)``: ``{expert: steps}``, None on a one-denoiser model; tiny_wan22 at 1 step runs
-    ``transformer_2`` on none). They change no byte of the item, so they are not recorded as applied: a row that names
-    one (its ``lora`` field) is refused under ``dataset.on_ignored=error`` (file:line, why, fix); otherwise (the
-    library's default set, or ``record``) it leaves the row's set and is kept under the item's ``ignored.lora``
-    (``value``: the adapters, ``why``, ``from``) beside the set that applied.
+    """Adapters, or an adapter's part in an expert, that act on no step of a row's call: an expert that runs none of
+    its steps (``expert_steps(row)``: ``{expert: steps}``, None on a one-denoiser model; tiny_wan22 at 1 step runs
+    ``transformer_2`` on none) changes no byte of the item, so that part is not recorded as applied. A row that
+    names such an adapter (its ``lora`` field) is refused under ``dataset.on_ignored=error`` (file:line, why, fix);
+    otherwise (the library's default set, or ``record``) an adapter idle in every expert it loads into leaves the
+    row's set, one idle in some (``expert: all``) stays with ``experts`` narrowed to those that run (so its identity
+    is what acts), and the idle parts are kept under the item's ``ignored.lora`` (``value``: the adapters with their
+    idle ``experts``, ``why``, ``from``) beside the set that applied.
 
     Raises:
         DatasetError: error mode, every row naming such an adapter.
@@ -313,24 +326,27 @@ def drop_idle(rows: Sequence[Any], expert_steps: Any, mode: str, path: Any) -> L
     for r in rows:
         steps = expert_steps(r)
         chosen = r.values.get("lora") or []
-        idle = [d for d in chosen if steps is not None and d.get("experts") and d["scale"]
-                and not any(steps.get(e) for e in d["experts"])]
+        parts = [idle_experts(d, steps) for d in chosen]
+        idle = [{**d, "experts": p} for d, p in zip(chosen, parts) if p]
         if not idle:
             out.append(r)
             continue
         experts = ", ".join(sorted({e for d in idle for e in d["experts"]}))
+        still = [f"{d['name']} still acts in {', '.join(e for e in d['experts'] if e not in p)}"
+                 for d, p in zip(chosen, parts) if p and len(p) < len(d["experts"])]
         why = (f"{', '.join(d['name'] for d in idle)} load(s) into {experts}, which run(s) no step of the row's "
-               f"{r.num_inference_steps} (steps per expert: {steps})")
+               f"{r.num_inference_steps} (steps per expert: {steps}){' (' + '; '.join(still) + ')' if still else ''}")
         named = "lora" in r.set_fields
         if mode == "error" and named:
             problems.append(f"{path}:{r.line}: field 'lora' names adapter(s) that act on no step of row {r.id!r}: "
                             f"{why}; fix: drop them from the row's lora, more steps, or dataset.on_ignored=record to "
                             "run it and record them as ignored")
             continue
-        values = {**r.values, "lora": [d for d in chosen if d not in idle]}
-        ignored = {**(r.ignored or {}), "lora": {"value": [dict(d) for d in idle], "why": why,
+        kept = [d if not p else {**d, "experts": [e for e in d["experts"] if e not in p]}
+                for d, p in zip(chosen, parts) if not p or len(p) < len(d["experts"])]
+        ignored = {**(r.ignored or {}), "lora": {"value": idle, "why": why,
                                                  "from": f"{path}:{r.line}" if named else "model.lora"}}
-        out.append(dataclasses.replace(r, values=values, ignored=ignored))
+        out.append(dataclasses.replace(r, values={**r.values, "lora": kept}, ignored=ignored))
     if problems:
         raise DatasetError(problems)
     return out
@@ -414,6 +430,92 @@ def changes_nothing(deltas: Mapping[str, Tuple[torch.Tensor, torch.Tensor]]) -> 
     return sorted(n for n, (_, d) in deltas.items() if float(torch.as_tensor(d).norm()) == 0.0)
 
 
+def applied_scales(layers: Mapping[str, Any], names: Iterable[str]) -> Dict[str, Dict[str, Any]]:
+    """``{expert: {adapter: scale}}`` as peft's layers hold it after ``set_adapters``, read back from each adapted
+    layer: ``scaling / (lora_alpha / r)`` (rsLoRA: ``/ sqrt(r)``), the multiplier of the adapter's ``B @ A`` over
+    its own alpha/r (unitless). One float when every layer of the expert agrees (rounded to 6 digits), else the
+    sorted distinct values. An expert the adapter did not load into has no entry for it."""
+    seen: Dict[str, Dict[str, set]] = {}
+    for key, layer in layers.items():
+        expert = split_key(key)[0]
+        for n in names:
+            if n not in layer.scaling:
+                continue
+            r = layer.r[n]
+            unit = layer.lora_alpha[n] / (math.sqrt(r) if layer.use_rslora.get(n, False) else r)
+            seen.setdefault(expert, {}).setdefault(n, set()).add(round(float(layer.scaling[n]) / unit, 6))
+    return {e: {n: (next(iter(v)) if len(v) == 1 else sorted(v)) for n, v in sorted(by.items())}
+            for e, by in sorted(seen.items())}
+
+
+def scale_problems(applied: Mapping[str, Mapping[str, Any]], key: tuple, experts: Mapping[str, Sequence[str]]
+                   ) -> List[str]:
+    """What differs between the scales peft applies (:func:`applied_scales`) and the set ``key``'s
+    (``(name, scale)`` pairs) in each expert its entry loads it into (``experts``: ``{adapter: experts}``): a scale
+    applied to the wrong expert, one expert's adapter missing, or an adapter in an expert its entry does not name."""
+    out = []
+    for name, scale in key:
+        for e in experts.get(name, ()):
+            got = applied.get(e, {}).get(name)
+            if got is None:
+                out.append(f"{name} holds no scale in {e} (not loaded there)")
+            elif isinstance(got, list) or not math.isclose(got, float(scale), rel_tol=1e-5, abs_tol=1e-6):
+                out.append(f"{name} runs at scale {got} in {e}, its set says {scale:g}")
+        out += [f"{name} is loaded into {e} too, which its entry does not name ({', '.join(experts.get(name, ()))})"
+                for e in applied if name in applied[e] and e not in experts.get(name, ())]
+    return out
+
+
+def step_groups(log: Sequence[Tuple[str, Optional[float]]]) -> List[int]:
+    """The denoising step of each denoiser forward of a call (``log``: ``(expert, timestep)`` per forward, in order):
+    consecutive forwards of one expert at one timestep (classifier-free guidance's two passes) are one step; a
+    forward without a timestep is a step of its own. Step indices count from 0."""
+    out: List[int] = []
+    prev: Any = None
+    for e, t in log:
+        same = prev is not None and t is not None and prev == (e, t)
+        out.append(out[-1] if same else (out[-1] + 1 if out else 0))
+        prev = (e, t)
+    return out
+
+
+def step_check(log: Sequence[Tuple[str, Optional[float]]], ran: Sequence[set], declared: set,
+               expected: Sequence[Tuple[float, str]], experts: Mapping[str, Sequence[str]]
+               ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """Each active adapter's layers observed in the steps its expert runs, and no other, for one pipeline call.
+
+    Args:
+        log: ``(expert, timestep)`` of each denoiser forward, in order (:func:`step_groups` makes steps of them).
+        ran: per forward, the ``(layer key, adapter)`` pairs whose ``lora_A`` executed in it.
+        declared: the ``(layer key, adapter)`` pairs the active adapters declare (:meth:`Runtime.declared`).
+        expected: ``(timestep, expert)`` per step by the family's rule (``WanEngine.expected_experts``: ``transformer``
+            at timesteps >= the boundary).
+        experts: ``{active adapter: the experts its entry loads it into}``.
+
+    Returns:
+        ``(record, bad forwards)``: the record is ``{"expected": {adapter: steps}, "observed": {adapter: steps},
+        "experts": {expert: steps it ran}, "timesteps": [each step's timestep]}`` (steps where an adapter's branch
+        ran at least once); a bad forward
+        ``{"step", "expert", "timestep", "missing", "foreign"}`` lists the declared pairs of its expert that did not
+        run in it and the pairs that ran though not declared for that expert.
+    """
+    steps = step_groups(log)
+    names = sorted(experts)
+    observed = {n: sorted({steps[i] for i, r in enumerate(ran) if any(a == n for _, a in r)}) for n in names}
+    want = {n: [j for j, (_t, e) in enumerate(expected) if e in experts[n]] for n in names}
+    ran_by = {e: sorted({steps[i] for i, (x, _t) in enumerate(log) if x == e}) for e in sorted({x for x, _ in log})}
+    mine: Dict[str, set] = {}
+    for pair in declared:
+        mine.setdefault(split_key(pair[0])[0], set()).add(pair)
+    bad = []
+    for i, ((e, t), r) in enumerate(zip(log, ran)):
+        missing, foreign = sorted(mine.get(e, set()) - r), sorted(r - mine.get(e, set()))
+        if missing or foreign:
+            bad.append({"step": steps[i], "expert": e, "timestep": t, "missing": missing, "foreign": foreign})
+    times = [t for i, (_e, t) in enumerate(log) if i == 0 or steps[i] != steps[i - 1]]
+    return {"expected": want, "observed": observed, "experts": ran_by, "timesteps": times}, bad
+
+
 class Runtime:
     """The run's adapters on the loaded pipeline: loads them, fuses or switches them, and observes them."""
 
@@ -435,6 +537,12 @@ class Runtime:
         self.multi = any(a.experts for a in self.library)  # a model of several denoisers: each may skip a call
         self.forwards: Dict[str, int] = {}  # per expert, its forwards in the current call (unfused, observed)
         self.missing_layers: List[str] = []  # layers an adapter declares that hold no LoRA branch after loading
+        # several experts, unfused and observed: (expert, timestep) of each denoiser forward of the current call and
+        # the (layer, adapter) pairs that ran in it (:func:`step_check`); per set, its first call's steps record
+        self.fwd_log: List[Tuple[str, Any]] = []
+        self.fwd_ran: List[set] = []
+        self.step_records: Dict[tuple, Dict[str, Any]] = {}
+        self.scales: Dict[tuple, Dict[str, Any]] = {}  # per set: the scales peft applies per expert, what differs
 
     def adapted_layers(self, pipe: Any) -> Dict[str, Any]:
         """``{layer key: peft LoraLayer}`` of the experts the adapters load into (:func:`layer_key`)."""
@@ -475,7 +583,8 @@ class Runtime:
                 for aname, mod in layer.lora_A.items():
                     self.handles.append(mod.register_forward_hook(self._counter(lname, aname)))
             for e in self.experts if self.multi else ():  # one denoiser: it runs in every call
-                self.handles.append(getattr(pipe, e).register_forward_pre_hook(self._forward_counter(e)))
+                self.handles.append(getattr(pipe, e).register_forward_pre_hook(self._forward_counter(e),
+                                                                                with_kwargs=True))
         return {"mode": "fused" if self.fuse else "per_batch", "why": self.why,
                 "adapters": [a.name for a in self.library], "layers": len(layers),
                 "sets": [[list(p) for p in key] for key in self.sets],
@@ -490,20 +599,36 @@ class Runtime:
         return tuple(f"{n}.{part}" for n in rel for part in ("lora_A", "lora_B"))
 
     def _forward_counter(self, expert: str) -> Any:
-        def hook(mod: Any, args: Any) -> None:
+        def hook(mod: Any, args: Any, kwargs: Dict[str, Any]) -> None:
             self.forwards[expert] = self.forwards.get(expert, 0) + 1
+            t = kwargs.get("timestep")  # a one-element copy, read after the call (no device sync in the loop)
+            self.fwd_log.append((expert, t.detach().reshape(-1)[:1].clone() if isinstance(t, torch.Tensor) else t))
+            self.fwd_ran.append(set())
         return hook
 
     def _counter(self, layer: str, adapter: str) -> Any:
         def hook(mod: Any, args: Any, out: Any) -> None:
             self.counts[(layer, adapter)] = self.counts.get((layer, adapter), 0) + 1
+            if self.fwd_ran:  # several experts: the forward it ran in
+                self.fwd_ran[-1].add((layer, adapter))
         return hook
+
+    def check_scales(self, key: tuple) -> Dict[str, Any]:
+        """The scales peft applies in each expert for the set ``key`` (:func:`applied_scales`) against the set's
+        (:func:`scale_problems`): ``{"set", "applied": {expert: {adapter: scale}}, "problems"}``, kept per set."""
+        if key not in self.scales:
+            experts = {a.name: a.loads_into() for a in self.library}
+            applied = applied_scales(self.layers, [n for n, _ in key])
+            self.scales[key] = {"set": [list(p) for p in key], "applied": applied,
+                                "problems": scale_problems(applied, key, experts)}
+        return self.scales[key]
 
     def fuse_set(self, pipe: Any, layers: Dict[str, Any], key: tuple) -> None:
         """``set_adapters`` + ``fuse_lora`` + ``unload_lora_weights``, with the checksum of every adapted layer before
         and after (module docstring); the result in :attr:`fused`."""
         names, weights = [n for n, _ in key], [s for _, s in key]
         pipe.set_adapters(names, weights)
+        scales = self.check_scales(key)
         deltas = set_deltas(layers, key)
         before = {n: (x, sketch(layers[n].get_base_layer().weight, x)) for n, (x, _) in deltas.items()}
         pipe.fuse_lora(components=list(self.experts), lora_scale=1.0, adapter_names=names)
@@ -524,8 +649,9 @@ class Runtime:
                 bad.append(n)
         self.fused = {"set": [list(p) for p in key], "layers": len(before), "changed_nothing": sorted(nil),
                       "delta_mismatch": bad, "not_loaded": self.missing_layers,
+                      **({"scales": scales["applied"], "scale_mismatch": scales["problems"]} if self.multi else {}),
                       "verdict": "verified" if before and not bad and not nil and not self.missing_layers
-                      else "mismatch"}
+                      and not scales["problems"] else "mismatch"}
         self.current = key
 
     def activate(self, pipe: Any, key: Optional[tuple]) -> None:
@@ -540,6 +666,7 @@ class Runtime:
             pipe.set_adapters([n for n, _ in key], [s for _, s in key])
             if key not in self.nil:  # what this set changes, once per set (the fused rule: set_deltas)
                 self.nil[key] = changes_nothing(set_deltas(self.layers, key))
+                self.check_scales(key)
         else:
             pipe.disable_lora()
         self.current = key
@@ -549,13 +676,17 @@ class Runtime:
         """Reset the per-call execution counts."""
         self.counts.clear()
         self.forwards.clear()
+        self.fwd_log.clear()
+        self.fwd_ran.clear()
 
-    def after_call(self, batch_keys: Sequence[str]) -> None:
+    def after_call(self, batch_keys: Sequence[str], expected: Optional[Sequence[Tuple[float, str]]] = None) -> None:
         """Record what the call's adapters did (unfused, observed): per active adapter, the layers it declares in
         each expert that ran in the call (:meth:`declared`: from its file, not from what loaded) that did not
         execute it (``missing``), and any adapter that executed where none was declared active (``foreign``: another
         adapter, or one loaded into another expert than its entry names). With several experts, each one's forwards
-        in the call (``forwards``): an expert's adapted layers are expected in the calls where it ran."""
+        in the call (``forwards``) and, per denoiser forward, its expert's declared layers against what ran
+        (:func:`step_check`): each adapter's branches in the steps its expert runs by ``expected`` (``(timestep,
+        expert)`` per step, the family's rule; None: not compared), and in no other step."""
         if self.fuse or not self.observe:
             return
         active = {n for n, _ in (self.current or ())}
@@ -567,7 +698,37 @@ class Runtime:
                 "foreign": sorted(ran - declared)}
         if self.multi:
             call["forwards"] = {e: self.forwards.get(e, 0) for e in self.experts}
+            log = [(e, float(t.float().item()) if isinstance(t, torch.Tensor) else t) for e, t in self.fwd_log]
+            experts = {a.name: a.loads_into() for a in self.library if a.name in active}
+            record, bad = step_check(log, self.fwd_ran, declared, expected or [], experts)
+            if expected is None:
+                record.pop("expected")
+            kept = [{**b, "missing": b["missing"][:10], "foreign": b["foreign"][:10],  # the first 3, 10 pairs each
+                     "missing_count": len(b["missing"]), "foreign_count": len(b["foreign"])} for b in bad[:3]]
+            call.update(steps=record, bad_forwards=kept, bad_forward_count=len(bad),
+                        steps_differ=expected is not None and record["observed"] != record["expected"])
+            self.step_records.setdefault(self.current or (), {"set": [list(p) for p in self.current or ()],
+                                                              "items": list(batch_keys)[:3], **record})
         self.calls.append(call)
+
+    def call_problem(self, stage: str, c: Dict[str, Any]) -> Optional[str]:
+        """A call's mismatch in words (:meth:`after_call`), or None."""
+        bad = c.get("bad_forwards") or []
+        if not (c["missing"] or c["foreign"] or bad or c.get("steps_differ")):
+            return None
+        out = (f"stage {stage}: items {c['items'][:3]}: adapter set {c['set']}: {len(c['missing'])} adapted layer(s) "
+               f"did not run their LoRA branch ({[tuple(x) for x in c['missing'][:3]]}), {len(c['foreign'])} ran "
+               f"another adapter's ({[tuple(x) for x in c['foreign'][:3]]})")
+        if c.get("steps_differ"):
+            out += (f"; the adapters ran in steps {c['steps']['observed']}, their experts' steps are "
+                    f"{c['steps']['expected']} (experts ran {c['steps']['experts']})")
+        if bad:
+            f = bad[0]
+            out += (f"; {c['bad_forward_count']} denoiser forward(s) ran other LoRA branches than their expert's, "
+                    f"first: step {f['step']} ({f['expert']}, timestep {f['timestep']}): {f['missing_count']} missing "
+                    f"{[tuple(x) for x in f['missing'][:3]]}, {f['foreign_count']} foreign "
+                    f"{[tuple(x) for x in f['foreign'][:3]]}")
+        return out
 
     def evidence(self, stage: str) -> Tuple[Dict[str, Any], List[str]]:
         """``(evidence.stages.<stage>.lora, mismatches)``."""
@@ -577,6 +738,8 @@ class Runtime:
         if self.missing_layers:  # fused or not: an adapter's declared layers that did not load (another expert)
             mm.append(f"stage {stage}: {len(self.missing_layers)} layer(s) an adapter declares hold no LoRA branch "
                       f"after loading {self.missing_layers[:5]}")
+        mm += [f"stage {stage}: LoRA set {s['set']}: the scales peft applies differ from the set's: "
+               f"{'; '.join(s['problems'][:4])}" for s in self.scales.values() if s["problems"]]
         if self.fuse:
             sec["fused"] = self.fused
             nil, bad = self.fused.get("changed_nothing") or [], self.fused.get("delta_mismatch") or []
@@ -590,20 +753,21 @@ class Runtime:
         sec["changed_nothing"] = [{"set": [list(p) for p in k], "layers": v} for k, v in nil.items()]
         if self.missing_layers:
             sec["not_loaded"] = self.missing_layers
+        if self.multi:  # per set: the scales peft applies in each expert, and its first call's steps per adapter
+            sec["scales"] = [{"set": s["set"], "applied": s["applied"]} for s in self.scales.values()]
+            sec["steps"] = list(self.step_records.values())
         mm += [f"stage {stage}: unfused LoRA set {[list(p) for p in k]}: {len(v)} adapted layer(s) whose LoRA branch "
                f"changes nothing (scaling * B @ A = 0: an adapter whose lora_B are zero) {v[:5]}"
                for k, v in nil.items()]
+        wrong = nil or self.missing_layers or any(s["problems"] for s in self.scales.values())
         if not self.observe:
-            sec["verdict"] = "mismatch" if nil or self.missing_layers else "limited"
-        else:
-            bad = [c for c in self.calls if c["missing"] or c["foreign"]]
-            sec.update(calls=len(self.calls), verdict="mismatch" if bad or nil or self.missing_layers else "verified",
-                       first_bad=bad[0] if bad else None)
-            mm += [f"stage {stage}: items {c['items'][:3]}: adapter set {c['set']}: {len(c['missing'])} adapted "
-                   f"layer(s) did not run their LoRA branch ({[tuple(x) for x in c['missing'][:3]]}), "
-                   f"{len(c['foreign'])} ran another adapter's ({[tuple(x) for x in c['foreign'][:3]]})"
-                   for c in bad]
-        return sec, mm
+            sec["verdict"] = "mismatch" if wrong else "limited"
+            return sec, mm
+        said = [(c, self.call_problem(stage, c)) for c in self.calls]
+        bad = [c for c, why in said if why]
+        sec.update(calls=len(self.calls), verdict="mismatch" if bad or wrong else "verified",
+                   first_bad=bad[0] if bad else None)
+        return sec, mm + [why for _, why in said if why]
 
 
 # ------------------------------------------------------------------------------------------------- the pass
@@ -617,7 +781,7 @@ class LoraPass(Pass):
     before each call, the evidence, and the oracle's expectations of the items that ran an adapter.
 
     The engine provides ``pipeline_cls()``, ``component_class(name)``, ``component_config(name)``,
-    ``declared_experts()`` and ``row_expert_steps(row)``.
+    ``declared_experts()``, ``row_expert_steps(row)`` and, with several experts, ``expected_experts(row)``.
 
     Attributes:
         library: the checked :class:`Adapter` s (None before :meth:`prepare`).
@@ -726,8 +890,11 @@ class LoraPass(Pass):
         self.activate(batch)
 
     def after_call(self, batch: Sequence[Any], want: Optional[int]) -> None:
+        """The call's record (:meth:`Runtime.after_call`); with several experts, against the family's schedule of
+        the batch's row (the engine's ``expected_experts``: which expert runs each step)."""
         if self.runtime is not None:
-            self.runtime.after_call([it.key for it in batch])
+            expected = self.engine.expected_experts(batch[0].row) if self.runtime.multi else None
+            self.runtime.after_call([it.key for it in batch], expected)
 
     def evidence(self, section: Dict[str, Any]) -> List[str]:
         """``lora``: each adapter observed in the calls of its batches (:meth:`Runtime.evidence`)."""

@@ -415,11 +415,14 @@ class LoraAdapterConfig:
     """The name rows use in their ``lora`` field (null: the file's stem); a label, recorded, not compared on resume
     (rows that name an adapter are part of the dataset, compared by its sha256)."""
     expert: Optional[str] = None
-    """The denoiser the adapter loads into on a model with several (Wan 2.2 A14B: ``transformer`` runs the
-    high-noise steps, ``transformer_2`` the low-noise ones), or ``all`` (each of them, at the one scale); required
-    there (diffusers loads into ``transformer`` alone by default: the other expert's steps would run unadapted),
-    null on a one-denoiser model. A scale per expert: one entry per expert (the same path, two names). Few-step
-    distilled pairs (Wan 2.2 Lightning) ship one file per expert."""
+    """The denoiser the adapter loads into, by the pipeline's component name: ``transformer`` (the high-noise expert
+    of Wan 2.2 A14B; the only denoiser elsewhere), ``transformer_2`` (Wan 2.2 A14B's low-noise expert, diffusers'
+    ``load_into_transformer_2``), or ``all`` (each denoiser, at this entry's one scale). Required on a two-expert model
+    (diffusers loads into ``transformer`` alone by default: the other expert's steps would run unadapted); null means
+    the one denoiser of a one-transformer family, where ``transformer_2`` is refused at startup naming the fix. A
+    scale per expert: one entry per expert, each with its ``scale`` (the same path under two names). Few-step
+    distilled pairs (Wan 2.2 Lightning / LightX2V) ship one file per expert. In the run identity (a moved adapter is
+    another output); an expert that runs no step of a row records its part under the item's ``ignored.lora``."""
 
 
 @dataclass
