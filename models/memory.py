@@ -662,6 +662,7 @@ class Fitting:
         self.why = ""
         self.candidates: List[planner.Plan] = []
         self.budget: Optional[int] = None
+        self.bound_name: Optional[str] = None  # what the budget is (Fitting.bound): memory.max_gpu_gb or the device
         self.offload_probe: Optional[OffloadProbe] = None
         self.quant_probe: Optional[QuantProbe] = None
         self.peaks: Optional[PhasePeaks] = None
@@ -712,7 +713,10 @@ class Fitting:
             runner.core.memory.MemoryBudgetError: the plan cannot fit (names estimate, budget, cheapest fit).
         """
         s = self.settings
-        self.budget = int(s.max_gpu_gb * planner.GIB) if s.max_gpu_gb is not None else device_total
+        self.budget, bound = self.bound(device_total)
+        self.bound_name = bound if self.budget is not None else None
+        if self.bound_name is None and s.max_gpu_gb is not None:
+            self.bound_name = f"memory.max_gpu_gb={s.max_gpu_gb:g}"
         # group_block keeps blocks resident up to a bound the run was given: memory.max_gpu_gb, or the device's
         # memory that auto fits against; a configured group_block without a budget streams every block
         fill = self.budget if s.max_gpu_gb is not None or s.offload == "auto" else None
@@ -724,21 +728,38 @@ class Fitting:
             self.why = (f"{where}=auto on platform {self.platform_kind}: no GPU memory to fit, nothing offloaded "
                         "(none)")
             return
-        if s.max_gpu_gb is None and s.offload != "auto":  # no budget asked: the device's memory bounds nothing
-            self.plan = {p.offload: p for p in self.candidates}[s.offload]
-            self.why = (f"{where}={s.offload} as configured (no memory.max_gpu_gb: nothing to fit against; "
-                        f"{where}=auto with a budget chooses)")
-            return
         already = [f"memory.{k}=true" for k in ("vae_slicing", "vae_tiling") if getattr(s, k)] + [
             f"model.quantization.{c}={m}" for c, m in self.choices.items()]
-        self.plan, self.why = planner.choose(s.offload, self.candidates, self.budget, where, already)
+        if s.max_gpu_gb is None and s.offload != "auto":  # no budget asked: only the device's memory bounds it
+            plan = {p.offload: p for p in self.candidates}[s.offload]
+            if device_total is not None and plan.peak > device_total:  # it cannot run here: refused, not an OOM
+                planner.choose(s.offload, self.candidates, device_total, where, already, bound)
+            self.plan = plan
+            fit = f"its peak fits {bound}" if device_total is not None else "nothing to fit against"
+            self.why = f"{where}={s.offload} as configured (no memory.max_gpu_gb: {fit}; {where}=auto with a budget chooses)"
+            return
+        self.plan, self.why = planner.choose(s.offload, self.candidates, self.budget, where, already, bound)
+
+    def bound(self, device_total: Optional[int]) -> Tuple[Optional[int], Optional[str]]:
+        """``(bytes, name)`` the plan must fit: ``memory.max_gpu_gb``, capped at ``device_total`` (the GPU's bytes;
+        None: unknown) where it is more than the device has (the budget of a shared YAML run on a smaller GPU),
+        else the device's total memory; ``name``: what a refusal says it exceeded where that is the device (None:
+        the budget, ``memory.max_gpu_gb=<GiB>``)."""
+        s = self.settings
+        dev = f"the device's {planner.gb(device_total)} GiB" if device_total is not None else None
+        if s.max_gpu_gb is None:
+            return device_total, dev or "the device's memory"
+        budget = int(s.max_gpu_gb * planner.GIB)
+        if device_total is not None and budget > device_total:
+            return device_total, f"{dev} (memory.max_gpu_gb={s.max_gpu_gb} is more than the device has)"
+        return budget, None
 
     def section(self) -> Dict[str, Any]:
         """The manifest's ``memory_plan``: the plan taken and why, the budget, every candidate's estimate, the
         quantized components, what was applied."""
         return {"offload": self.plan.offload if self.plan else self.settings.offload, "why": self.why,
                 "budget_gb": planner.gb(self.budget) if self.budget else None,
-                "max_gpu_gb": self.settings.max_gpu_gb,
+                "max_gpu_gb": self.settings.max_gpu_gb, "bound": self.bound_name,
                 "planned": self.plan.to_dict() if self.plan else None,
                 "candidates": [p.to_dict() for p in self.candidates], "reserve_gb": planner.gb(planner.RESERVE_BYTES),
                 "quantization": dict(self.choices), "applied": self.applied}

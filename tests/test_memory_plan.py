@@ -158,6 +158,36 @@ def test_capacity_comes_from_the_budget_or_device_gb(flux_plans):
             parse(["--plan", *bad])
 
 
+def test_the_device_bounds_every_plan_and_refusals_name_what_bound_them(flux_plans):
+    """New-user report: an explicit plan over the device's memory was accepted (``memory.offload=none`` planned at
+    34 GiB on a 20 GiB GPU: an OOM after loading), a budget above the device planned against the budget, and a
+    refusal against ``--device-gb`` named ``memory.max_gpu_gb`` (which the user had not set) and its fix."""
+    def denoise(extra, gib):
+        return _plans([*FLUX_DEV, *extra], device_gb=gib)["stages"]["denoise"]
+
+    none = denoise(["memory.offload=none"], 80)
+    peak = none["planned"]["peak_gb"]
+    assert none["bound"] == "the device's 80.0 GiB" and "its peak fits the device's 80.0 GiB" in none["why"]
+    for gib in (peak - 0.01, 20.0):  # just under the estimate: refused (a check of >= peak + 1 GiB would pass it)
+        refused = denoise(["memory.offload=none"], gib)["refused"]
+        assert refused.startswith(f"memory.offload=none plans a peak of {peak} GiB"), refused
+        assert f"over the device's {round(gib, 3)} GiB; fix: memory.offload=" in refused, refused
+    assert denoise(["memory.offload=none"], peak + 0.01)["planned"]["offload"] == "none"
+    # a budget above the device plans against the device, and says so; below it, against the budget
+    capped = denoise(["memory.max_gpu_gb=100"], 24)
+    assert capped["budget_gb"] == 24.0 and capped["max_gpu_gb"] == 100.0
+    assert capped["bound"] == "the device's 24.0 GiB (memory.max_gpu_gb=100.0 is more than the device has)"
+    assert capped["planned"] == flux_plans["24"]["stages"]["denoise"]["planned"]
+    under = denoise(["memory.max_gpu_gb=12"], 80)
+    assert under["bound"] == "memory.max_gpu_gb=12"
+    assert under["planned"] == flux_plans["12"]["stages"]["denoise"]["planned"]
+    # auto refused by the device: names the device, and no budget in its fix; by a budget: the budget
+    dev = denoise([], 2)["refused"]
+    assert "no plan fits the device's 2.0 GiB" in dev and "max_gpu_gb" not in dev and dev.endswith("a GPU with more memory")
+    bud = denoise(["memory.max_gpu_gb=2"], 80)["refused"]
+    assert "no plan fits memory.max_gpu_gb=2.0 " in bud and bud.endswith("or raise memory.max_gpu_gb")
+
+
 @pytest.mark.parametrize("value", ["inf", "nan", "1e308", "-1", "0"])
 def test_a_budget_that_is_no_finite_positive_number_is_refused_naming_the_fix(value):
     """New-user report: ``memory.max_gpu_gb=inf`` (or nan, 1e308) ended in an OverflowError traceback, exit 1, when

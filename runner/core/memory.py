@@ -354,7 +354,8 @@ def plans(sizes: Mapping[str, ComponentSize], stages: Sequence[Stage], denoiser:
 
 
 def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
-           where: str = "memory.offload", already: Sequence[str] = ()) -> Tuple[Plan, str]:
+           where: str = "memory.offload", already: Sequence[str] = (), bound: Optional[str] = None
+           ) -> Tuple[Plan, str]:
     """The plan to run and why.
 
     Args:
@@ -364,6 +365,8 @@ def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
             decides); None: no limit (``auto`` takes ``none``).
         already: the settings in effect that a fix could otherwise suggest (``memory.vae_slicing=true``,
             ``memory.vae_tiling=true``, ``model.quantization.transformer=<method>``): a fix never suggests them.
+        bound: what ``budget`` is, for the messages (default ``memory.max_gpu_gb=<GiB>``; ``the device's <GiB>
+            GiB`` where the device's memory bounds the plan: the fix then suggests no budget).
 
     Raises:
         MemoryBudgetError: the requested plan, or (``auto``) every plan, exceeds the budget; the message names the
@@ -375,9 +378,9 @@ def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
         p = by[requested]
         if budget is None or p.peak <= budget:
             return p, f"{where}={requested} (as configured)"
-        raise MemoryBudgetError(_refusal(p, budget, fits, where, already=already))
+        raise MemoryBudgetError(_refusal(p, budget, fits, where, already=already, bound=bound))
     if not fits:
-        raise MemoryBudgetError(_refusal(None, budget, [], where, candidates, already))
+        raise MemoryBudgetError(_refusal(None, budget, [], where, candidates, already, bound))
     skipped = [f"{p.offload} needs {gb(p.peak)} GiB" for p in candidates[:candidates.index(fits[0])]]
     kept = (f", {fits[0].resident_blocks} denoiser blocks ({gb(fits[0].resident_bytes)} GiB) kept resident"
             if fits[0].resident_blocks else "")
@@ -388,13 +391,14 @@ def choose(requested: str, candidates: Sequence[Plan], budget: Optional[int],
 
 
 def _refusal(p: Optional[Plan], budget: int, fits: Sequence[Plan], where: str,
-             candidates: Sequence[Plan] = (), already: Sequence[str] = ()) -> str:
+             candidates: Sequence[Plan] = (), already: Sequence[str] = (), bound: Optional[str] = None) -> str:
+    bound = bound or f"memory.max_gpu_gb={gb(budget)}"
     if p is not None:
         head = (f"{where}={p.offload} plans a peak of {gb(p.peak)} GiB (stages: "
                 + ", ".join(f"{k} {gb(v)}" for k, v in p.stages.items())
-                + f" GiB, plus {gb(RESERVE_BYTES)} reserve), over memory.max_gpu_gb={gb(budget)}")
+                + f" GiB, plus {gb(RESERVE_BYTES)} reserve), over {bound}")
     else:
-        head = (f"{where}=auto: no plan fits memory.max_gpu_gb={gb(budget)} ("
+        head = (f"{where}=auto: no plan fits {bound} ("
                 + ", ".join(f"{c.offload} {gb(c.peak)} GiB" for c in candidates) + ")")
     if fits:
         best = fits[0]
@@ -404,7 +408,8 @@ def _refusal(p: Optional[Plan], budget: int, fits: Sequence[Plan], where: str,
             "quantize the largest component (model.quantization.transformer=nf4 or int8wo)"]
         vae = [k for k in ("memory.vae_slicing=true", "memory.vae_tiling=true") if k not in already]
         steps += ["lower batch_size"] + (["set " + " / ".join(vae)] if vae else [])
-        fix = "fix: " + ", ".join(steps) + ", or raise memory.max_gpu_gb"
+        fix = "fix: " + ", ".join(steps) + (", or raise memory.max_gpu_gb" if bound.startswith("memory.max_gpu_gb")
+                                            else ", or a GPU with more memory")
     return f"{head}; {fix}"
 
 

@@ -215,8 +215,7 @@ def render(doc: Dict[str, Any]) -> str:
         if "refused" in sec:
             lines.append(f"  refused: {sec['refused']}")
             continue
-        budget = f"memory.max_gpu_gb={sec['max_gpu_gb']:g}" if sec["max_gpu_gb"] is not None else (
-            f"the device's {sec['budget_gb']} GiB" if sec["budget_gb"] else "no budget")
+        budget = sec.get("bound") or "no budget"
         lines.append(f"  plan: {sec['offload']} (peak {sec['planned']['peak_gb']} GiB; against {budget}): "
                      f"{sec['why']}")
         if sec["quantization"]:
