@@ -114,6 +114,8 @@ class WeightQuant:
         module_classes: class names of the modules it puts in place of ``nn.Linear`` (evidence: a module of one of
             them is a quantized Linear whatever its weight).
         before_load: ``module:callable`` called once before ``from_pretrained`` (ModelOpt's checkpoint restore).
+        inspect: ``(quantization_config, ctx) -> reasons`` a pre-quantized checkpoint's own config cannot load here
+            for (Nunchaku's NVFP4 targets off Blackwell), each naming its fix.
     """
 
     name: str
@@ -131,6 +133,7 @@ class WeightQuant:
     checkpoint: Optional[str] = None
     module_classes: Tuple[str, ...] = ()
     before_load: Optional[str] = None
+    inspect: Optional[Callable[[Dict[str, Any], SelectionContext], List[str]]] = None
 
     def unmet(self, ctx: SelectionContext) -> List[str]:
         """Every requirement not met in ``ctx`` (empty: it can run)."""
@@ -175,6 +178,37 @@ def sm_not(*sms: int) -> Requirement:
     return Requirement(f"sm not in {sms}", lambda ctx: [
         f"does not run on sm{ctx.sm} (its loader refuses {' and '.join(f'sm{s}' for s in sms)})"]
         if ctx.sm in sms else [])
+
+
+def trusts_remote_kernels() -> bool:
+    """Whether diffusers will load a kernel repository that is not a trusted publisher's (its
+    ``DIFFUSERS_TRUST_REMOTE_KERNELS``, read when diffusers was imported; the environment where it is not)."""
+    import os
+
+    try:
+        from diffusers.utils import constants
+    except ImportError:
+        constants = None
+    val = getattr(constants, "DIFFUSERS_TRUST_REMOTE_KERNELS", None)
+    if val is None:
+        return os.environ.get("DIFFUSERS_TRUST_REMOTE_KERNELS", "").upper() in ("1", "ON", "YES", "TRUE")
+    return bool(val)
+
+
+def _nunchaku_inspect(qc: Dict[str, Any], ctx: SelectionContext) -> List[str]:
+    """A Nunchaku Lite checkpoint's ``quantization_config`` against this device and environment (diffusers 0.42
+    ``NunchakuLiteQuantizer.validate_environment``; ``quantizers/nunchaku/utils.py`` at import)."""
+    out: List[str] = []
+    if (qc.get("svdq_w4a4") or {}).get("precision") == "nvfp4" and (ctx.sm or 0) < 100:
+        out.append("its svdq_w4a4 targets are NVFP4, which diffusers loads on a Blackwell GPU (sm100+) only, this "
+                   f"device is {'sm%d' % ctx.sm if ctx.sm else 'not a CUDA GPU'}; fix: platform=cuda on a Blackwell "
+                   "GPU, or an INT4 Nunchaku Lite checkpoint")
+    if not trusts_remote_kernels():
+        out.append("diffusers loads its kernels (the Hub repository rootonchair/nunchaku-lite-kernels, not a trusted "
+                   "kernel publisher's) only with DIFFUSERS_TRUST_REMOTE_KERNELS=true; fix: export "
+                   "DIFFUSERS_TRUST_REMOTE_KERNELS=true (with no network, have the kernels in the Hugging Face cache "
+                   "first)")
+    return out
 
 
 def _nf4(lib: Any, dtype: torch.dtype) -> Any:
@@ -250,7 +284,7 @@ register(WeightQuant(
     requires=(on_platform("cuda"), sm_at_least(75), sm_not(90),
               symbol("diffusers.quantizers.quantization_config:NunchakuLiteQuantizationConfig"),
               symbol("kernels:get_kernel")),
-    bits=4.75, libraries=("diffusers",), checkpoint="nunchaku_lite",
+    bits=4.75, libraries=("diffusers",), checkpoint="nunchaku_lite", inspect=_nunchaku_inspect,
     tensor_classes=("SVDQW4A4Linear", "AWQW4A16Linear"), module_classes=("SVDQW4A4Linear", "AWQW4A16Linear"),
     fix=("platform=cuda on an NVIDIA GPU that diffusers' Nunchaku Lite loader takes: Turing (sm75) or newer for "
          "INT4, Blackwell (sm100) for NVFP4, not Hopper (sm90)"),
@@ -345,6 +379,45 @@ def check(choices: Dict[str, str], libraries: Dict[str, str], ctx: SelectionCont
         raise unavailable(unmet)
 
 
+def checkpoint_problems(comp: str, q: WeightQuant, source_kind: str, config: Optional[Dict[str, Any]],
+                        ctx: SelectionContext, model: str) -> List[str]:
+    """Why a pre-quantized checkpoint's method (:attr:`WeightQuant.checkpoint`) cannot load component ``comp``:
+    the weights are no checkpoint (``load_format=dummy``, an embedded model), the component's ``config.json``
+    (``config``) declares no such ``quantization_config``, or the checkpoint's own config cannot load here
+    (:attr:`WeightQuant.inspect`). Empty: it can."""
+    key = f"model.quantization.{comp}={q.name}"
+    if source_kind != "path":
+        return [f"{key} loads a pre-quantized {q.checkpoint} checkpoint, and model={model} has no checkpoint "
+                f"(its weights are {source_kind}); fix: model.path=<a snapshot whose {comp}/config.json declares "
+                f"quantization_config.quant_method={q.checkpoint}>, or model.quantization.{comp}=int8dq to quantize "
+                "these weights"]
+    qc = (config or {}).get("quantization_config") or {}
+    have = qc.get("quant_method") if isinstance(qc, dict) else None
+    if have != q.checkpoint:
+        found = f"quant_method {have!r}" if have else "no quantization_config"
+        return [f"{key}: the snapshot's {comp}/config.json declares {found}, so it is not a {q.checkpoint} "
+                f"checkpoint; fix: model.path=<a {q.checkpoint} export of the model>, or "
+                f"model.quantization.{comp}=none (or int8dq to quantize its weights here)"]
+    return [f"{key}: {w}" for w in (q.inspect(qc, ctx) if q.inspect else [])]
+
+
+def undeclared_checkpoints(configs: Dict[str, Optional[Dict[str, Any]]], choices: Dict[str, str]) -> List[str]:
+    """Components whose ``config.json`` declares a pre-quantized checkpoint of a record (diffusers applies its
+    ``quantization_config`` whatever the runner asks) while ``model.quantization.<component>`` does not name that
+    record: the run would be quantized, and lossy, without its label."""
+    by_method = {q.checkpoint: q for q in METHODS.values() if q.checkpoint}
+    bad = []
+    for comp, conf in configs.items():
+        qc = (conf or {}).get("quantization_config")
+        rec = by_method.get(qc.get("quant_method")) if isinstance(qc, dict) else None
+        if rec is not None and choices.get(comp) != rec.name:
+            bad.append(f"model.quantization.{comp}={choices.get(comp, NONE)}: the snapshot's {comp} is a "
+                       f"pre-quantized {rec.checkpoint} checkpoint (its config.json's quantization_config), which "
+                       f"diffusers applies as it loads; fix: model.quantization.{comp}={rec.name} (the run is then "
+                       "labelled lossy and its quantized Linears observed)")
+    return bad
+
+
 def _cannot(key: str, q: WeightQuant, why: Sequence[str]) -> str:
     return f"{key}={q.name} cannot run here: " + "; ".join(why)
 
@@ -384,12 +457,33 @@ _INSTALL = {"torchao": "torchao"}
 _PIP = {"modelopt": "nvidia-modelopt"}
 
 
+def replacement_classes() -> Tuple[str, ...]:
+    """Every record's :attr:`WeightQuant.module_classes` (modules a method puts in place of ``nn.Linear``)."""
+    return tuple(dict.fromkeys(c for q in METHODS.values() for c in q.module_classes))
+
+
+def is_quantized_linear_site(module: torch.nn.Module) -> bool:
+    """An ``nn.Linear``, or a module of a method's replacement class (Nunchaku's ``SVDQW4A4Linear``): where the
+    evidence reads the class a quantized Linear runs with."""
+    if isinstance(module, torch.nn.Linear):
+        return True
+    return bool({c.__name__ for c in type(module).__mro__} & set(replacement_classes()))
+
+
 def weight_class_names(module: torch.nn.Module) -> Sequence[str]:
-    """The class names in ``type(module.weight).__mro__`` (what a quantized Linear's weight is at call time)."""
+    """What a quantized Linear is at call time: the replacement module class it is, if any (Nunchaku's
+    ``SVDQW4A4Linear``; ModelOpt's ``QuantLinearConvBase`` while its ``weight_quantizer`` is enabled), then the class
+    names in ``type(module.weight).__mro__`` (torchao's W8A8 ``Int8Tensor`` with activation quantization first as
+    ``Int8Tensor+dynamic_act``)."""
+    names: List[str] = []
+    own = [c.__name__ for c in type(module).__mro__]
+    quantizer = getattr(module, "weight_quantizer", None)
+    if quantizer is None or getattr(quantizer, "is_enabled", True):
+        names += [c for c in replacement_classes() if c in own][:1]
     w = getattr(module, "weight", None)
     if w is None:
-        return []
-    names = [c.__name__ for c in type(w).__mro__]
+        return names
+    wnames = [c.__name__ for c in type(w).__mro__]
     if getattr(w, "act_quant_kwargs", None) is not None:  # torchao W8A8: activations quantized per call
-        names.insert(0, f"{names[0]}+dynamic_act")
-    return names
+        wnames.insert(0, f"{wnames[0]}+dynamic_act")
+    return names + wnames
