@@ -432,8 +432,8 @@ def unavailable(unmet: Sequence[Tuple[str, WeightQuant, Sequence[str]]]) -> Quan
              for key, q, why in unmet for f in [_fix(key, q, why)] if f]
     other = ("choose another method (model.quantization.<component>=int8wo runs everywhere torchao is installed) "
              "or none.")
-    return QuantizationUnavailableError("; ".join(_cannot(*u) for u in unmet) + ". Fix: "
-                                        + ("; ".join(fixes) + ", or " + other if fixes else other[0].upper() + other[1:]))
+    fix = "; ".join(fixes) + ", or " + other if fixes else other[0].upper() + other[1:]
+    return QuantizationUnavailableError("; ".join(_cannot(*u) for u in unmet) + ". Fix: " + fix)
 
 
 def _fix(key: str, q: WeightQuant, why: Sequence[str]) -> str:
