@@ -105,8 +105,75 @@ def quant_choices(qcfg: Any) -> Dict[str, str]:
 
 def quant_mapping(choices: Mapping[str, str], libraries: Mapping[str, str], dtype: torch.dtype) -> Dict[str, Any]:
     """``{component: library quantization config}`` for diffusers' ``PipelineQuantizationConfig(quant_mapping=)``
-    (GGUF components are loaded apart, :func:`load_gguf`)."""
-    return {c: quant.get(m).config(libraries[c], dtype) for c, m in choices.items() if m != "gguf"}
+    (GGUF components are loaded apart, :func:`load_gguf`; a pre-quantized checkpoint's config is its own)."""
+    return {c: quant.get(m).config(libraries[c], dtype) for c, m in choices.items()
+            if m != "gguf" and quant.get(m).checkpoint is None}
+
+
+def before_loading(choices: Mapping[str, str]) -> List[str]:
+    """Call each chosen method's :attr:`runner.kernels.quantization.WeightQuant.before_load` once (ModelOpt's
+    ``enable_huggingface_checkpointing``, which restores its quantized modules in ``from_pretrained``); returns
+    what was called."""
+    from runner.kernels.registry import load_object
+
+    done = []
+    for m in dict.fromkeys(choices.values()):
+        ref = quant.get(m).before_load
+        if ref:
+            load_object(ref)()
+            done.append(ref)
+    return done
+
+
+def checkpoint_configs(source: Mapping[str, Any], components: Sequence[str]) -> Dict[str, Optional[Dict[str, Any]]]:
+    """``<component>/config.json`` of a ``model.path`` snapshot for each of ``components`` (None: no readable file);
+    empty for any other weight source."""
+    import json
+    from pathlib import Path
+
+    if source.get("kind") != "path":
+        return {}
+    out: Dict[str, Optional[Dict[str, Any]]] = {}
+    for comp in components:
+        try:
+            out[comp] = json.loads((Path(source["path"]) / comp / "config.json").read_text())
+        except (OSError, ValueError):
+            out[comp] = None
+    return out
+
+
+def check_checkpoints(choices: Mapping[str, str], source: Mapping[str, Any], components: Sequence[str], ctx: Any,
+                      model: str) -> None:
+    """Pre-quantized checkpoints before anything loads: a checkpoint method without a checkpoint of its kind
+    (:func:`runner.kernels.quantization.checkpoint_problems`), a checkpoint the config does not name
+    (:func:`runner.kernels.quantization.undeclared_checkpoints`).
+
+    Raises:
+        runner.kernels.quantization.QuantizationError: every problem, each with its fix.
+    """
+    configs = checkpoint_configs(source, components)
+    bad = quant.undeclared_checkpoints(configs, dict(choices))
+    for comp, m in choices.items():
+        q = quant.get(m)
+        if q.checkpoint is not None:
+            bad += quant.checkpoint_problems(comp, q, str(source.get("kind")), configs.get(comp), ctx, model)
+    if bad:
+        raise quant.QuantizationError("; ".join(bad))
+
+
+def checkpoint_bytes(source: Mapping[str, Any], choices: Mapping[str, str]) -> Dict[str, int]:
+    """The bytes of each pre-quantized checkpoint component's weight files (``*.safetensors`` in its folder of a
+    ``model.path`` snapshot): the planner sizes it from them (absent: at the method's bits)."""
+    from pathlib import Path
+
+    out: Dict[str, int] = {}
+    if source.get("kind") != "path":
+        return out
+    for comp, m in choices.items():
+        files = sorted((Path(source["path"]) / comp).glob("*.safetensors")) if quant.get(m).checkpoint else []
+        if files:
+            out[comp] = sum(f.stat().st_size for f in files)
+    return out
 
 
 def pipeline_quantization(choices: Mapping[str, str], libraries: Mapping[str, str], dtype: torch.dtype) -> Any:
@@ -185,17 +252,18 @@ def meta_components(classes: Mapping[str, Tuple[str, str, Optional[str]]], confi
 
 
 def component_sizes(modules: Mapping[str, torch.nn.Module], choices: Mapping[str, str],
-                    gguf_bytes: Optional[int] = None) -> Dict[str, planner.ComponentSize]:
+                    gguf_bytes: Optional[int] = None,
+                    file_bytes: Optional[Mapping[str, int]] = None) -> Dict[str, planner.ComponentSize]:
     """:class:`runner.core.memory.ComponentSize` of every model component, quantized ones at their method's bits
-    (a GGUF one at its file's bytes)."""
+    (a GGUF one at its file's bytes, a pre-quantized checkpoint's at ``file_bytes[component]`` where given)."""
     out = {}
     for name, m in modules.items():
         if not isinstance(m, torch.nn.Module):
             continue
         method = choices.get(name)
         bits = quant.get(method).bits if method else None
-        out[name] = planner.size_module(name, m, linear_bits=bits,
-                                        file_bytes=gguf_bytes if method == "gguf" else None)
+        fb = gguf_bytes if method == "gguf" else (file_bytes or {}).get(name)
+        out[name] = planner.size_module(name, m, linear_bits=bits, file_bytes=fb)
     return out
 
 
@@ -535,14 +603,15 @@ class QuantProbe:
     changed: Dict[str, List[str]] = field(default_factory=dict)
 
     def attach(self, components: Mapping[str, torch.nn.Module]) -> None:
-        """A forward pre-hook on every ``nn.Linear`` of each quantized component (read-only)."""
+        """A forward pre-hook on every ``nn.Linear`` of each quantized component, and on every module of a
+        method's replacement class (``quant.is_quantized_linear_site``; read-only)."""
         for comp, method in self.method.items():
             mod = components.get(comp)
             if not isinstance(mod, torch.nn.Module):
                 continue
             want = quant.get(method).tensor_classes
             counts, changed = self.calls.setdefault(comp, {}), self.changed.setdefault(comp, [])
-            lins = [(n, m) for n, m in mod.named_modules() if isinstance(m, torch.nn.Linear)]
+            lins = [(n, m) for n, m in mod.named_modules() if quant.is_quantized_linear_site(m)]
             self.linears[comp] = len(lins)
             self.quantized[comp] = 0
             for name, lin in lins:
@@ -560,8 +629,9 @@ class QuantProbe:
 
     def section(self) -> Tuple[Dict[str, Any], List[str]]:
         """``{component: {method, linears, quantized_linears, calls_by_weight_class, quantized_calls}}`` and the
-        mismatches: a quantized component none of whose Linears holds the method's weight class, or a Linear
-        quantized at load that ran with another weight."""
+        mismatches: a quantized component none of whose Linears holds the method's weight class, a Linear
+        quantized at load that ran with another weight, or a component whose Linears ran while none of its
+        quantized ones did (0 quantized calls: the quantization claimed is not what executed)."""
         out: Dict[str, Any] = {}
         bad: List[str] = []
         for comp, method in self.method.items():
@@ -576,6 +646,9 @@ class QuantProbe:
             if self.changed.get(comp):
                 bad.append(f"model.quantization.{comp}={method}: Linears quantized at load ran with another weight: "
                            + ", ".join(self.changed[comp][:5]))
+            elif self.quantized.get(comp) and sum(calls.values()) and not out[comp]["quantized_calls"]:
+                bad.append(f"model.quantization.{comp}={method}: its Linears ran {sum(calls.values())} times, none "
+                           f"with a {'/'.join(want)} weight (0 quantized Linears executed)")
         return out, bad
 
 
@@ -952,9 +1025,10 @@ class FittingPass(Pass):
         run, plat = e.ctx.run, e.ctx.plat
         e.fit = self.fitting(plat.kind)
         lin = e.resolutions.get("linear")
-        e.fit.check(SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=e.dtype),
-                    e.source.get("kind") == "dummy", bool(run.optimize.fuse_qkv),
+        ctx = SelectionContext(platform_kind=plat.kind, sm=plat.sm, dtype=e.dtype)
+        e.fit.check(ctx, e.source.get("kind") == "dummy", bool(run.optimize.fuse_qkv),
                     None if lin is None else str(lin.selected), int(run.batch_size))
+        check_checkpoints(e.fit.choices, e.source, list(e.fit.libraries), ctx, e.model_cfg.name)
         s = e.fit.settings
         if s.max_gpu_gb is None and (s.offload == "none" or (s.offload == "auto" and plat.kind not in GPU_KINDS)):
             self.check_free_memory()  # every weight on the device
@@ -1009,7 +1083,7 @@ class FittingPass(Pass):
         e = self.engine
         fit = e.fit
         gguf = os.path.getsize(fit.gguf_file) if fit.gguf_file else None
-        sizes = component_sizes(self.meta_modules(), fit.choices, gguf)
+        sizes = component_sizes(self.meta_modules(), fit.choices, gguf, checkpoint_bytes(e.source, fit.choices))
         forwards = max(e.expected_forwards([Item(row=r, index=0, seed=0)]) or 1 for r in rows)
         fit.choose(sizes, self.stages(rows), forwards, total)
         return fit.section()
@@ -1062,6 +1136,7 @@ class FittingPass(Pass):
         e = self.engine
         fit = e.fit
         out: Dict[str, Any] = {}
+        before_loading(fit.choices)
         q = pipeline_quantization(fit.choices, fit.libraries, e.dtype)
         if q is not None:
             out["quantization_config"] = q

@@ -467,10 +467,13 @@ class ModelConfig:
 
 @dataclass
 class QuantizationConfig:
-    """Weight quantization per pipeline component (``runner.kernels.quantization``: ``int8wo``, ``float8wo``, ``nf4``,
-    ``gguf``; null/``none``: the component's weights as stored). Lossy: a run that sets one is labelled lossy and gated
-    against the lossless run. A method whose requirements (platform, compute capability, package) are unmet, or a
-    component the model does not have, is refused at startup, every entry at once."""
+    """Weight quantization per pipeline component (``runner.kernels.quantization``: ``int8wo``, ``float8wo``, ``int8dq``
+    (W8A8), ``int4wo``, ``nvfp4``, ``nf4``, ``gguf``, and the pre-quantized checkpoints ``nunchaku`` and ``modelopt``;
+    null/``none``: the component's weights as stored). Lossy: a run that sets one is labelled lossy and gated
+    against the lossless run. A method whose requirements (platform, compute capability, dtype, package) are unmet,
+    a component the model does not have, a batch_size the method is known to fail at (``nvfp4``: 32 and more), or a
+    checkpoint method without a checkpoint of its kind is refused at startup, every entry at once, each with its
+    fix."""
 
     transformer: Optional[str] = None
     """The denoiser (``gguf``: from ``gguf_file``)."""
