@@ -87,6 +87,7 @@ These are estimates (the manifest records the observed peak per stage beside the
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -225,6 +226,46 @@ def causal_decoder_activation(batch: int, chunk: int, height: int, width: int, c
     px = batch * height * width * elem
     workspace = min(batch * chunk * height * width * upsampled * elem, GIB)
     return int(px * (CAUSAL_CACHE_FRAMES * cache_channels + CAUSAL_TRANSIENT * chunk * last_in) + workspace)
+
+
+def ltx2_decoder_activation(batch: int, level: Sequence[int], prev: Sequence[int], elem: int,
+                            reflect: bool = True) -> int:
+    """Peak activation bytes of LTX-2's video VAE decoder (``LTX2VideoDecoder3d``), the whole video in one call:
+    ``B e [C (T + 2) (4 Hd Wd + (Hd + 2) (Wd + 2)) + C_in T_in H_in W_in] + min(B C T Hd Wd e, 1 GiB)`` (module
+    docstring; the ``(Hd + 2) (Wd + 2)`` term only with a reflect / replicate spatial padding).
+
+    Args:
+        level: ``(C, T, Hd, Wd)``, the last up block's channels, frames and resolution (the pixels over
+            ``patch_size``); prev: the same of that block's input (the level before it).
+    """
+    c, t, h, w = level
+    full = c * (t + 2) * (4 * h * w + (h + 2) * (w + 2) * int(reflect))
+    return int(batch * elem * (full + math.prod(prev)) + min(batch * c * t * h * w * elem, GIB))
+
+
+#: Float32 copies a ``HunyuanVideo15RMS_norm`` makes of a half-precision input: the upcast and the normalised result.
+RMS_FLOAT_COPIES = 2
+
+
+def hunyuan15_decoder_activation(batch: int, level: Sequence[int], mid: Sequence[int], elem: int) -> int:
+    """Peak activation bytes of HunyuanVideo-1.5's video VAE decoder (``HunyuanVideo15Decoder3D``), the whole video
+    in one call: the largest of its last up block's RMS norm, ``B T Hd Wd (C (3 e + 4 k) + 4)`` (``k`` =
+    :data:`RMS_FLOAT_COPIES` in half precision, 1 in float32), that block's conv, ``B C e (4 T Hd Wd + (T + 2)
+    (Hd + 2) (Wd + 2))``, and the mid block's attention over ``S`` latent tokens, ``S^2 e (1 + 2 B) + 8 B S C_mid
+    e``; plus ``min(B C T Hd Wd e, 1 GiB)`` (module docstring).
+
+    Args:
+        level: ``(C, T, Hd, Wd)``, the last up block's channels, frames and resolution (the output's);
+        mid: ``(C_mid, S)``, the mid block's channels and latent tokens ``t h w``.
+    """
+    c, t, h, w = level
+    px = t * h * w
+    floats = RMS_FLOAT_COPIES if elem < 4 else 1
+    norm = px * (c * (3 * elem + 4 * floats) + 4)
+    conv = c * elem * (4 * px + (t + 2) * (h + 2) * (w + 2))
+    c_mid, s = mid
+    attention = s * s * elem * (1 + 2 * batch) + 8 * batch * s * c_mid * elem
+    return int(max(batch * max(norm, conv), attention) + min(batch * c * px * elem, GIB))
 
 
 # ------------------------------------------------------------------------------------------------ plans
