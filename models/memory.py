@@ -287,8 +287,9 @@ def ltx2_decoder_geometry(conf: Mapping[str, Any]) -> Dict[str, Any]:
 
     Returns ``{"channels": [C_mid, C_1, ...], "up": [(temporal, spatial) stride of each up block], "spatial",
     "temporal"`` (pixels and frames per latent one, as ``vae.spatial_compression_ratio`` / ``temporal_...``),
-    ``"patch_t", "reflect"`` (a padded copy per conv: ``decoder_spatial_padding_mode`` not ``zeros``), ``"tile",
-    "stride"`` (:data:`LTX2_TILE`, in latents)}."""
+    ``"patch_t", "reflect"`` (a padded copy per conv: ``decoder_spatial_padding_mode`` not ``zeros``),
+    ``"out_channels"`` (``conv_out``'s, ``out_channels * patch_size ** 2 * patch_size_t``), ``"tile", "stride"``
+    (:data:`LTX2_TILE`, in latents)}."""
     boc = [int(c) for c in _get(conf, "decoder_block_out_channels", default=(256, 512, 1024))][::-1]
     n = len(boc)
     scaling = _per_block(conf.get("decoder_spatio_temporal_scaling"), True, n)[::-1]
@@ -300,6 +301,7 @@ def ltx2_decoder_geometry(conf: Mapping[str, Any]) -> Dict[str, Any]:
     return {"channels": [boc[0]] + [c // f for c, f in zip(boc, factor)], "up": up, "spatial": spatial,
             "temporal": int(_get(conf, "temporal_compression_ratio", default=pt * math.prod(t for t, _ in up))),
             "patch_t": pt, "reflect": str(_get(conf, "decoder_spatial_padding_mode", default="reflect")) != "zeros",
+            "out_channels": int(_get(conf, "out_channels", default=3)) * p * p * pt,
             "tile": int(conf.get("tile_sample_min_height") or LTX2_TILE) // spatial,  # not config keys: tests pass
             "stride": int(conf.get("tile_sample_stride_height") or LTX2_STRIDE) // spatial}  # smaller tiles
 
@@ -365,12 +367,14 @@ def whole_video_decoder_activations(cls: str, conf: Mapping[str, Any], batch: in
         h, w = rows[0], cols[0]
     levels = decoder_levels(g, t, h, w)
     if ltx2:
-        core = planner.ltx2_decoder_activation(b, levels[-1], levels[-2], elem, g["reflect"])
+        core = planner.ltx2_decoder_activation(b, levels[-1], levels[-2], elem, g["reflect"], g["out_channels"])
     else:
         core = planner.hunyuan15_decoder_activation(b, levels[-1], (levels[0][0], t * h * w), elem)
     held = (batch - b) * video  # sliced: the videos decoded before the last
-    end = tiles + 2 * b * video if tiles else 0
-    return int(max(core + tiles + held, end + held, 2 * batch * video if slicing else 0))
+    c, f, hd, wd = levels[-1]
+    end = (tiles + 2 * b * video if tiles else 0) + held  # the end of a tiled decode
+    end = max(end, 2 * batch * video if slicing else 0) + planner.workspace_allowance(b * c * f * hd * wd * elem)
+    return int(max(core + tiles + held, end))
 
 
 def decoder_activations(conf: Mapping[str, Any], batch: int, frames: int, height: int, width: int, elem: int,
