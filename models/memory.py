@@ -345,36 +345,44 @@ def _tiles(n: int, tile: int, stride: int) -> List[int]:
     return [min(tile, n - i) for i in range(0, n, stride)]
 
 
+def _whole_video_call(g: Mapping[str, Any], ltx2: bool, b: int, t: int, h: int, w: int, elem: int) -> int:
+    """One decoder call's peak over ``b`` videos of ``t x h x w`` latents (``runner.core.memory``'s rule)."""
+    levels = decoder_levels(g, t, h, w)
+    if ltx2:
+        return planner.ltx2_decoder_activation(b, levels[-1], levels[-2], elem, g["reflect"], g["out_channels"])
+    return planner.hunyuan15_decoder_activation(b, levels[-1], (levels[0][0], t * h * w), elem)
+
+
 def whole_video_decoder_activations(cls: str, conf: Mapping[str, Any], batch: int, frames: int, height: int,
                                     width: int, elem: int, tiling: bool, slicing: bool) -> int:
     """Activation bytes of LTX-2's and HunyuanVideo-1.5's video VAE decoders (:data:`WHOLE_VIDEO_VAES`): one decoder
     call over all frames (``_decode``), its peak at the last up block (``runner.core.memory.ltx2_decoder_activation``
     / ``hunyuan15_decoder_activation`` with :func:`decoder_levels`). With ``memory.vae_slicing`` ``B'`` = 1, the
     videos decoded before the last held beside it, and at the end two copies of all (the slices, their
-    ``torch.cat``). With ``memory.vae_tiling`` (``tiled_decode``, where the latents exceed a tile) the largest tile
-    through all frames beside the outputs of the tiles before it (every tile's is held until they are blended),
-    and at the end the tiles' outputs and two copies of the video (the rows' and the result's ``torch.cat``)."""
+    ``torch.cat``). With ``memory.vae_tiling`` (``tiled_decode``, where the latents exceed a tile) each tile in
+    ``tiled_decode``'s order through all frames beside the outputs of the tiles before it (every tile's is held
+    until they are blended), and at the end the tiles' outputs and two copies of the video (the rows' and the
+    result's ``torch.cat``)."""
     ltx2 = cls == "AutoencoderKLLTX2Video"
     g = ltx2_decoder_geometry(conf) if ltx2 else hunyuan15_decoder_geometry(conf)
     t, h, w = (frames - 1) // g["temporal"] + 1, height // g["spatial"], width // g["spatial"]
     b = 1 if slicing else batch
     px = 3 * decoder_levels(g, t, 1, 1)[-1][1] * g["patch_t"] * g["spatial"] ** 2 * elem  # a video, per latent px
-    video = px * h * w
-    tiles = 0
+    video, held = px * h * w, (batch - b) * px * h * w  # sliced: the videos decoded before the last
+    end = 2 * batch * video if slicing else 0
     if tiling and (h > g["tile"] or w > g["tile"]):
         rows, cols = _tiles(h, g["tile"], g["stride"]), _tiles(w, g["tile"], g["stride"])
-        tiles = b * px * sum(rows) * sum(cols)
+        peak = tiles = 0
+        for th in rows:
+            for tw in cols:
+                peak = max(peak, _whole_video_call(g, ltx2, b, t, th, tw, elem) + tiles)
+                tiles += b * px * th * tw
         h, w = rows[0], cols[0]
-    levels = decoder_levels(g, t, h, w)
-    if ltx2:
-        core = planner.ltx2_decoder_activation(b, levels[-1], levels[-2], elem, g["reflect"], g["out_channels"])
+        end = max(end, tiles + 2 * b * video + held)
     else:
-        core = planner.hunyuan15_decoder_activation(b, levels[-1], (levels[0][0], t * h * w), elem)
-    held = (batch - b) * video  # sliced: the videos decoded before the last
-    c, f, hd, wd = levels[-1]
-    end = (tiles + 2 * b * video if tiles else 0) + held  # the end of a tiled decode
-    end = max(end, 2 * batch * video if slicing else 0) + planner.workspace_allowance(b * c * f * hd * wd * elem)
-    return int(max(core + tiles + held, end))
+        peak = _whole_video_call(g, ltx2, b, t, h, w, elem)
+    c, f, hd, wd = decoder_levels(g, t, h, w)[-1]
+    return int(max(peak + held, end + planner.workspace_allowance(b * c * f * hd * wd * elem)))
 
 
 def decoder_activations(conf: Mapping[str, Any], batch: int, frames: int, height: int, width: int, elem: int,

@@ -124,7 +124,7 @@ def test_the_default_workloads_are_planned_at_their_real_decoders_size():
     of decode activations (the rule before, ``AutoencoderKL``'s at ``block_out_channels[1]`` = 512 channels over
     the full pixels: 159.8); HunyuanVideo-1.5 848x480x121 needs 83.4 untiled (128 channels at the full
     resolution over all 121 frames, 7 copies of it with the float32 RMS norm: the rule before, 83.2, was about
-    right by chance) and 14.7 with ``memory.vae_tiling`` (256^2 tiles through all frames; before: 50.6)."""
+    right by chance) and 14.6 with ``memory.vae_tiling`` (256^2 tiles through all frames; before: 50.6)."""
     ltx2 = estimate("ltx2", vae_conf("ltx2"), 1, 121, 512, 768)
     hy = estimate("hunyuanvideo15", vae_conf("hunyuanvideo15"), 1, 121, 480, 848)
     hy_tiled = estimate("hunyuanvideo15", vae_conf("hunyuanvideo15"), 1, 121, 480, 848, tiling=True)
