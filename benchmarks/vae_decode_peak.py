@@ -10,8 +10,11 @@ slicing, and tiling with small tiles (``benchmarks/results/vae_decode_peak_cpu_2
 5 minutes; ``benchmarks/results/vae_decode_peak_cpu_ltx2_hunyuan_2026-12-06.json``: LTX-2 and HunyuanVideo-1.5 with
 their full-size configs, ``--family ltx2 --family hunyuanvideo15``); on a GPU the committed observations' workloads,
 Wan 2.1 14B at 832x480x81 and Wan 2.2 TI2V-5B at 1280x704x121, LTX-2 at 768x512x121 and HunyuanVideo-1.5 at
-848x480x121 (the models' defaults), plus smaller sizes, a batch of 2 with and without slicing, and tiling. Each row
-carries the planner's estimate (``models.memory.decoder_activations``). Evidence for
+848x480x121 (the models' defaults), plus smaller sizes, a batch of 2 with and without slicing, and tiling (not run
+yet when the rule was set: no device time; a device without diffusers needs its 0.42.1 wheel installed first).
+A decode that fails is a row with its ``error`` (HunyuanVideo-1.5 unsliced at batch 2 fails in diffusers 0.42.1; its
+untiled 848x480x121 is planned at 83.4 GiB of activations, past an 80 GB H100). Each row carries the planner's
+estimate (``models.memory.decoder_activations``); the JSON records its ``command``. Evidence for
 ``runner.core.memory.causal_decoder_activation``, ``ltx2_decoder_activation`` and ``hunyuan15_decoder_activation``.
 """
 

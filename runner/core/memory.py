@@ -99,8 +99,8 @@ that fits): by bytes moved host-to-device per pipeline call, none (0) < model (e
   GiB at the 480p default), taken as ``S^2 e (1 + 2 B)`` with the scores. Plus :func:`workspace_allowance`, the
   Wan rule's cuDNN allowance: ``min(u, 1 GiB)``. Measured on the CPU the estimate is 1.21 to 1.24x the live tensors
   (LTX-2) and 1.14 to 1.15x (HunyuanVideo-1.5). At the defaults (batch 1, bf16): LTX-2 768x512x121 4.51 GiB (the
-  rule before, ``AutoencoderKL``'s at ``block_out_channels[1]`` = 512 channels over the full pixels: 159.8; tiled 106.9 against 3.01 now),
-  HunyuanVideo-1.5 848x480x121 83.4 untiled (before: 83.2, right by chance: 256 channels x 3.5 = 128 x 7) and
+  rule before, ``AutoencoderKL``'s at ``block_out_channels[1]`` = 512 channels over the full pixels: 159.8; tiled
+  3.01, before 106.9), HunyuanVideo-1.5 848x480x121 83.4 untiled (before: 83.2, right by chance: 256 channels x 3.5 = 128 x 7) and
   14.6 tiled (before: 50.6). With ``memory.vae_slicing`` ``B'`` = 1 and the videos decoded before held; with
   ``memory.vae_tiling`` (LTX-2: 512^2 tiles every 448 pixels, HunyuanVideo-1.5: 256^2 every 192) each tile through
   all frames beside the outputs of the tiles before it (held until they are blended), and at the end the tiles'
