@@ -328,10 +328,133 @@ def wan_decoder_geometry(conf: Mapping[str, Any]) -> Dict[str, Any]:
 #: ``AutoencoderKLWan.tile_sample_min_height`` / ``_width`` (diffusers 0.42.1): the tile ``vae.enable_tiling()``
 #: decodes, in output pixels.
 WAN_TILE = 256
+#: ``AutoencoderKLLTX2Video.tile_sample_min_height`` and ``tile_sample_stride_height`` (diffusers 0.42.1, the same
+#: across the width): the tile ``vae.enable_tiling()`` decodes and the step between tiles, in output pixels.
+LTX2_TILE, LTX2_STRIDE = 512, 448
+#: ``AutoencoderKLHunyuanVideo15.tile_sample_min_height`` and ``tile_overlap_factor`` (diffusers 0.42.1): tiles of
+#: ``256 / spatial_compression_ratio`` latent rows and columns, one every ``int(tile * (1 - 0.25))``.
+HY15_TILE, HY15_OVERLAP = 256, 0.25
+#: The video VAEs that decode the whole video in one decoder call (no frame chunks, no caches), by class name.
+WHOLE_VIDEO_VAES = ("AutoencoderKLLTX2Video", "AutoencoderKLHunyuanVideo15")
+
+
+def _per_block(value: Any, default: Any, n: int) -> List[Any]:
+    """A per-block setting as a list of ``n``: None -> ``default`` each, a scalar repeated (diffusers' own rule)."""
+    if value is None:
+        value = default
+    return list(value)[:n] if isinstance(value, (list, tuple)) else [value] * n
+
+
+def ltx2_decoder_geometry(conf: Mapping[str, Any]) -> Dict[str, Any]:
+    """``AutoencoderKLLTX2Video``'s decoder from its config, built as ``LTX2VideoDecoder3d.__init__`` builds it
+    (diffusers 0.42.1, ``autoencoder_kl_ltx2.py``): ``decoder_block_out_channels``, ``decoder_spatio_temporal_scaling``
+    and ``upsample_factor`` reversed (``upsample_type`` is not), the mid block at ``boc[0]`` channels, up block ``i``
+    leaving ``boc[i] // upsample_factor[i]`` channels at twice the frames (``temporal`` / ``spatiotemporal``: ``T ->
+    2 T - 1``, the upsampler drops its first frame) and twice the height and width (``spatial`` /
+    ``spatiotemporal``); the decoder's output is ``patch_size`` x its last level (``unpatchify``).
+
+    Returns ``{"channels": [C_mid, C_1, ...], "up": [(temporal, spatial) stride of each up block], "spatial",
+    "temporal"`` (pixels and frames per latent one, as ``vae.spatial_compression_ratio`` / ``temporal_...``),
+    ``"patch_t", "reflect"`` (a padded copy per conv: ``decoder_spatial_padding_mode`` not ``zeros``),
+    ``"out_channels"`` (``conv_out``'s, ``out_channels * patch_size ** 2 * patch_size_t``), ``"tile", "stride"``
+    (:data:`LTX2_TILE`, in latents)}."""
+    boc = [int(c) for c in _get(conf, "decoder_block_out_channels", default=(256, 512, 1024))][::-1]
+    n = len(boc)
+    scaling = _per_block(conf.get("decoder_spatio_temporal_scaling"), True, n)[::-1]
+    factor = [int(f) for f in _per_block(conf.get("upsample_factor"), 2, n)][::-1]
+    kinds = _per_block(conf.get("upsample_type"), "spatiotemporal", n)
+    up = [(2 if k != "spatial" else 1, 2 if k != "temporal" else 1) if s else (1, 1) for s, k in zip(scaling, kinds)]
+    p, pt = int(_get(conf, "patch_size", default=4)), int(_get(conf, "patch_size_t", default=1))
+    spatial = int(_get(conf, "spatial_compression_ratio", default=p * math.prod(s for _, s in up)))
+    return {"channels": [boc[0]] + [c // f for c, f in zip(boc, factor)], "up": up, "spatial": spatial,
+            "temporal": int(_get(conf, "temporal_compression_ratio", default=pt * math.prod(t for t, _ in up))),
+            "patch_t": pt, "reflect": str(_get(conf, "decoder_spatial_padding_mode", default="reflect")) != "zeros",
+            "out_channels": int(_get(conf, "out_channels", default=3)) * p * p * pt,
+            "tile": int(conf.get("tile_sample_min_height") or LTX2_TILE) // spatial,  # not config keys: tests pass
+            "stride": int(conf.get("tile_sample_stride_height") or LTX2_STRIDE) // spatial}  # smaller tiles
+
+
+def hunyuan15_decoder_geometry(conf: Mapping[str, Any]) -> Dict[str, Any]:
+    """``AutoencoderKLHunyuanVideo15``'s decoder from its config, built as ``HunyuanVideo15Decoder3D.__init__``
+    builds it (diffusers 0.42.1, ``autoencoder_kl_hunyuanvideo15.py``): ``block_out_channels`` reversed, the mid
+    block (ResNet, attention, ResNet) at ``boc[0]`` channels; up block ``i`` upsamples twice in height and width
+    while ``i < log2(spatial_compression_ratio)`` and in frames (``T -> 2 T - 1``: the first frame is not repeated)
+    while ``i < log2(temporal_compression_ratio)``, to ``boc[i + 1]`` channels (``upsample_match_channel``, else
+    ``boc[i]``); no patching (the last level is the output's resolution).
+
+    Returns what :func:`ltx2_decoder_geometry` returns (``"patch_t"`` 1, ``"reflect"`` True: the causal conv's
+    ``F.pad`` copy), the tiles of ``tiled_decode`` (:data:`HY15_TILE`)."""
+    boc = [int(c) for c in _get(conf, "block_out_channels", default=(128, 256, 512, 1024, 1024))][::-1]
+    spatial = int(_get(conf, "spatial_compression_ratio", default=16))
+    temporal = int(_get(conf, "temporal_compression_ratio", default=4))
+    match = bool(_get(conf, "upsample_match_channel", default=True))
+    channels, up = [boc[0]], []
+    for i, c in enumerate(boc):
+        s, t = 2 ** i < spatial, 2 ** i < temporal
+        up.append((2 if t else 1, 2 if s else 1))
+        channels.append((boc[i + 1] if match else c) if s or t else c)
+    tile = int(conf.get("tile_sample_min_height") or HY15_TILE) // spatial  # not a config key: tests pass a smaller
+    return {"channels": channels, "up": up, "spatial": spatial, "temporal": temporal, "patch_t": 1,
+            "reflect": True, "tile": tile, "stride": int(tile * (1 - HY15_OVERLAP))}
+
+
+def decoder_levels(g: Mapping[str, Any], t: int, h: int, w: int) -> List[Tuple[int, int, int, int]]:
+    """``(channels, frames, height, width)`` of the mid block's output and each up block's, from ``t x h x w``
+    latents (geometry of :func:`ltx2_decoder_geometry` / :func:`hunyuan15_decoder_geometry`)."""
+    out = [(g["channels"][0], t, h, w)]
+    for (st, ss), c in zip(g["up"], g["channels"][1:]):
+        t, h, w = st * (t - 1) + 1, h * ss, w * ss
+        out.append((c, t, h, w))
+    return out
+
+
+def _tiles(n: int, tile: int, stride: int) -> List[int]:
+    """The latent sizes of the tiles ``tiled_decode`` takes along an axis of ``n`` latents."""
+    return [min(tile, n - i) for i in range(0, n, stride)]
+
+
+def _whole_video_call(g: Mapping[str, Any], ltx2: bool, b: int, t: int, h: int, w: int, elem: int) -> int:
+    """One decoder call's peak over ``b`` videos of ``t x h x w`` latents (``runner.core.memory``'s rule)."""
+    levels = decoder_levels(g, t, h, w)
+    if ltx2:
+        return planner.ltx2_decoder_activation(b, levels[-1], levels[-2], elem, g["reflect"], g["out_channels"])
+    return planner.hunyuan15_decoder_activation(b, levels[-1], (levels[0][0], t * h * w), elem)
+
+
+def whole_video_decoder_activations(cls: str, conf: Mapping[str, Any], batch: int, frames: int, height: int,
+                                    width: int, elem: int, tiling: bool, slicing: bool) -> int:
+    """Activation bytes of LTX-2's and HunyuanVideo-1.5's video VAE decoders (:data:`WHOLE_VIDEO_VAES`): one decoder
+    call over all frames (``_decode``), its peak at the last up block (``runner.core.memory.ltx2_decoder_activation``
+    / ``hunyuan15_decoder_activation`` with :func:`decoder_levels`). With ``memory.vae_slicing`` ``B'`` = 1, the
+    videos decoded before the last held beside it, and at the end two copies of all (the slices, their
+    ``torch.cat``). With ``memory.vae_tiling`` (``tiled_decode``, where the latents exceed a tile) each tile in
+    ``tiled_decode``'s order through all frames beside the outputs of the tiles before it (every tile's is held
+    until they are blended), and at the end the tiles' outputs and two copies of the video (the rows' and the
+    result's ``torch.cat``)."""
+    ltx2 = cls == "AutoencoderKLLTX2Video"
+    g = ltx2_decoder_geometry(conf) if ltx2 else hunyuan15_decoder_geometry(conf)
+    t, h, w = (frames - 1) // g["temporal"] + 1, height // g["spatial"], width // g["spatial"]
+    b = 1 if slicing else batch
+    px = 3 * decoder_levels(g, t, 1, 1)[-1][1] * g["patch_t"] * g["spatial"] ** 2 * elem  # a video, per latent px
+    video, held = px * h * w, (batch - b) * px * h * w  # sliced: the videos decoded before the last
+    end = 2 * batch * video if slicing else 0
+    if tiling and (h > g["tile"] or w > g["tile"]):
+        rows, cols = _tiles(h, g["tile"], g["stride"]), _tiles(w, g["tile"], g["stride"])
+        peak = tiles = 0
+        for th in rows:
+            for tw in cols:
+                peak = max(peak, _whole_video_call(g, ltx2, b, t, th, tw, elem) + tiles)
+                tiles += b * px * th * tw
+        h, w = rows[0], cols[0]
+        end = max(end, tiles + 2 * b * video + held)
+    else:
+        peak = _whole_video_call(g, ltx2, b, t, h, w, elem)
+    c, f, hd, wd = decoder_levels(g, t, h, w)[-1]
+    return int(max(peak + held, end + planner.workspace_allowance(b * c * f * hd * wd * elem)))
 
 
 def decoder_activations(conf: Mapping[str, Any], batch: int, frames: int, height: int, width: int, elem: int,
-                        tiling: bool, slicing: bool) -> int:
+                        tiling: bool, slicing: bool, vae_class: Optional[str] = None) -> int:
     """Activation bytes of the VAE decoder: ``AutoencoderKL`` (``block_out_channels``):
     ``runner.core.memory.decoder_activation`` with the channels of the full-resolution upsampler
     (``block_out_channels[1]``); Wan's causal VAE (``AutoencoderKLWan``): ``runner.core.memory
@@ -344,7 +467,11 @@ def decoder_activations(conf: Mapping[str, Any], batch: int, frames: int, height
     ``torch.cat``, also two). Tiled (``memory.vae_tiling``, ``AutoencoderKLWan.tiled_decode``): each 256^2 tile is
     decoded through all frames with fresh caches, and every tile's output (up to ``(256 / 192) ** 2`` of the video
     with the overlaps), the blended rows, their ``torch.cat`` and the clamped result are held at once: five
-    copies."""
+    copies. LTX-2's and HunyuanVideo-1.5's VAEs (``vae_class``, else the config's ``_class_name``, in
+    :data:`WHOLE_VIDEO_VAES`): :func:`whole_video_decoder_activations`."""
+    cls = vae_class or conf.get("_class_name")
+    if cls in WHOLE_VIDEO_VAES:
+        return whole_video_decoder_activations(str(cls), conf, batch, frames, height, width, elem, tiling, slicing)
     boc = conf.get("block_out_channels")
     b = 1 if slicing else batch
     if boc:
@@ -1126,7 +1253,7 @@ class FittingPass(Pass):
                for n in present if n.startswith("transformer")}
         s = e.fit.settings
         vae = decoder_activations(e.component_config("vae"), batch, frames, big.height, big.width, elem,
-                                  s.vae_tiling, s.vae_slicing)
+                                  s.vae_tiling, s.vae_slicing, present["vae"][1] if "vae" in present else None)
         return [Stage("text_encode", text_activations(encoders, batch, seq, elem)),
                 Stage("denoise", den), Stage("vae_decode", {"vae": vae})]
 

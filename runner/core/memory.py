@@ -81,12 +81,37 @@ that fits): by bytes moved host-to-device per pipeline call, none (0) < model (e
   video term keeps ``B``: the slices and their ``torch.cat``); with ``memory.vae_tiling`` ``Hd x Wd`` is one
   256^2 tile (``AutoencoderKLWan.tile_sample_min_height``) and the video is held five times (the tiles with their
   overlaps, the blended rows, their ``torch.cat``, the clamped result).
+* LTX-2's and HunyuanVideo-1.5's video VAE decoders (``AutoencoderKLLTX2Video``, ``AutoencoderKLHunyuanVideo15``)
+  decode the whole video in one decoder call (diffusers 0.42.1 ``_decode``: no frame chunks, no caches; tiling and
+  frame-wise decoding off unless asked for, and neither pipeline asks), so the peak is at the last up block, whose
+  ``C`` channels span all ``T`` output frames at ``Hd x Wd`` (``models.memory.ltx2_decoder_geometry`` /
+  ``hunyuan15_decoder_geometry``, ``decoder_levels``): LTX-2 128 channels at the pixels over ``patch_size`` 4 (768x512
+  x 121: 121 x 128 x 192), HunyuanVideo-1.5 128 channels at the full pixels (848x480x121). What is live there, read off
+  the modules and matched by the CPU measurement (``benchmarks/vae_decode_peak.py``,
+  ``benchmarks/results/vae_decode_peak_cpu_ltx2_hunyuan_2026-12-06.json``; full-size configs, small shapes):
+  LTX-2 (:func:`ltx2_decoder_activation`) in a ResNet's conv: its input (kept for the residual), the SiLU output,
+  the causal conv's ``torch.concatenate`` with its edge frames (``T + 2``), the reflect ``F.pad`` copy
+  (``(T + 2)(Hd + 2)(Wd + 2)``), the conv's output, and the up block's input held by the decoder's loop;
+  HunyuanVideo-1.5 (:func:`hunyuan15_decoder_activation`) in the RMS norm of the last block's 2nd and 3rd ResNets:
+  the block's input, the ResNet's residual, conv1's output, and ``HunyuanVideo15RMS_norm``'s float32 upcast and its
+  normalised float32 copy (7 ``u`` in bf16, ``u = B C T Hd Wd e``), to the byte; its mid-block attention adds
+  ``S^2 e`` for the ``(S, S)`` causal mask over the ``S = t h w`` latent tokens (never the peak at these sizes: 4.5
+  GiB at the 480p default), taken as ``S^2 e (1 + 2 B)`` with the scores. Plus :func:`workspace_allowance`, the
+  Wan rule's cuDNN allowance: ``min(u, 1 GiB)``. Measured on the CPU the estimate is 1.21 to 1.24x the live tensors
+  (LTX-2) and 1.14 to 1.15x (HunyuanVideo-1.5). At the defaults (batch 1, bf16): LTX-2 768x512x121 4.51 GiB (the
+  rule before, ``AutoencoderKL``'s at ``block_out_channels[1]`` = 512 channels over the full pixels: 159.8; tiled
+  3.01, before 106.9), HunyuanVideo-1.5 848x480x121 83.4 untiled (before: 83.2, right by chance: 256 channels x 3.5 = 128 x 7) and
+  14.6 tiled (before: 50.6). With ``memory.vae_slicing`` ``B'`` = 1 and the videos decoded before held; with
+  ``memory.vae_tiling`` (LTX-2: 512^2 tiles every 448 pixels, HunyuanVideo-1.5: 256^2 every 192) each tile through
+  all frames beside the outputs of the tiles before it (held until they are blended), and at the end the tiles'
+  outputs and two copies of the video (``models.memory.whole_video_decoder_activations``).
 
 These are estimates (the manifest records the observed peak per stage beside them).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -225,6 +250,57 @@ def causal_decoder_activation(batch: int, chunk: int, height: int, width: int, c
     px = batch * height * width * elem
     workspace = min(batch * chunk * height * width * upsampled * elem, GIB)
     return int(px * (CAUSAL_CACHE_FRAMES * cache_channels + CAUSAL_TRANSIENT * chunk * last_in) + workspace)
+
+
+def workspace_allowance(unit: int) -> int:
+    """What a video decoder's estimate adds for cuDNN's convolution workspace, which the CPU measurement cannot
+    show: its full-resolution tensor's bytes ``unit``, at most 1 GiB (module docstring)."""
+    return min(unit, GIB)
+
+
+def ltx2_decoder_activation(batch: int, level: Sequence[int], prev: Sequence[int], elem: int,
+                            reflect: bool = True, out_channels: int = 48) -> int:
+    """Peak activation bytes of LTX-2's video VAE decoder (``LTX2VideoDecoder3d``), the whole video in one call:
+    the larger of a ResNet conv of the last up block, ``C (T + 2) (4 Hd Wd + (Hd + 2) (Wd + 2)) + C_in T_in H_in
+    W_in``, and ``conv_out``, ``C (T + 2) (2 Hd Wd + (Hd + 2) (Wd + 2)) + C_out T Hd Wd``, times ``B e``; plus
+    ``min(B C T Hd Wd e, 1 GiB)`` (module docstring; the ``(Hd + 2) (Wd + 2)`` term only with a reflect / replicate
+    spatial padding).
+
+    Args:
+        level: ``(C, T, Hd, Wd)``, the last up block's channels, frames and resolution (the pixels over
+            ``patch_size``); prev: the same of that block's input (the level before it); out_channels:
+            ``C_out``, ``conv_out``'s (``3 * patch_size ** 2 * patch_size_t``).
+    """
+    c, t, h, w = level
+    pad = (t + 2) * (h + 2) * (w + 2) * int(reflect)
+    resnet = c * ((t + 2) * 4 * h * w + pad) + math.prod(prev)
+    conv_out = c * ((t + 2) * 2 * h * w + pad) + out_channels * t * h * w
+    return int(batch * elem * max(resnet, conv_out) + workspace_allowance(batch * c * t * h * w * elem))
+
+
+#: Float32 copies a ``HunyuanVideo15RMS_norm`` makes of a half-precision input: the upcast and the normalised result.
+RMS_FLOAT_COPIES = 2
+
+
+def hunyuan15_decoder_activation(batch: int, level: Sequence[int], mid: Sequence[int], elem: int) -> int:
+    """Peak activation bytes of HunyuanVideo-1.5's video VAE decoder (``HunyuanVideo15Decoder3D``), the whole video
+    in one call: the largest of its last up block's RMS norm, ``B T Hd Wd (C (3 e + 4 k) + 4)`` (``k`` =
+    :data:`RMS_FLOAT_COPIES` in half precision, 1 in float32), that block's conv, ``B C e (4 T Hd Wd + (T + 2)
+    (Hd + 2) (Wd + 2))``, and the mid block's attention over ``S`` latent tokens, ``S^2 e (1 + 2 B) + 8 B S C_mid
+    e``; plus ``min(B C T Hd Wd e, 1 GiB)`` (module docstring).
+
+    Args:
+        level: ``(C, T, Hd, Wd)``, the last up block's channels, frames and resolution (the output's);
+        mid: ``(C_mid, S)``, the mid block's channels and latent tokens ``t h w``.
+    """
+    c, t, h, w = level
+    px = t * h * w
+    floats = RMS_FLOAT_COPIES if elem < 4 else 1
+    norm = px * (c * (3 * elem + 4 * floats) + 4)
+    conv = c * elem * (4 * px + (t + 2) * (h + 2) * (w + 2))
+    c_mid, s = mid
+    attention = s * s * elem * (1 + 2 * batch) + 8 * batch * s * c_mid * elem
+    return int(max(batch * max(norm, conv), attention) + workspace_allowance(batch * c * px * elem))
 
 
 # ------------------------------------------------------------------------------------------------ plans
