@@ -239,8 +239,25 @@ def test_input_bytes_not_paths_enter_the_identity_and_the_batch_key(tmp_path):
 
 # ------------------------------------------------------------------------------------------- runs
 def test_builtin_inputs_are_the_data_modules_drawings():
-    for name, a in conditioning_inputs().items():
+    from models.toy_shapes.data import wan480_inputs
+
+    for name, a in {**conditioning_inputs(), **wan480_inputs()}.items():
         assert np.array_equal(np.asarray(Image.open(DATA / f"{name}.png")), a), name
+
+
+def test_full_size_wan_i2v_takes_its_builtin_rows_at_its_size(tmp_path, subprocess_env):
+    """New-user report: ``model=wan_i2v`` refused its builtin rows (the tiny model's 32x32 first frames against its
+    832x480: the runner never resizes an input). Its rows now carry 832x480 frames: the plan reads them, the
+    largest batch is 832x480."""
+    import json as _json
+
+    from _helpers import cli
+
+    p = cli(["model=wan_i2v", "model.load_format=dummy", "platform=cuda", "--plan", "--device-gb=139.8", "--json"],
+            subprocess_env, tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    b = _json.loads(p.stdout)["batch"]
+    assert (b["width"], b["height"], b["rows"]) == (832, 480, 2), b
 
 
 def test_inpaint_keeps_every_pixel_outside_the_mask(tmp_path):

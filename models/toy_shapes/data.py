@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -34,12 +34,13 @@ def draw(color: str, shape: str, position: str, size: int = 64, scale: float = 0
     return draw_at(color, shape, POSITIONS[position][0] * size, POSITIONS[position][1] * size, size, scale)
 
 
-def draw_at(color: str, shape: str, cx: float, cy: float, size: int = 64, scale: float = 0.36) -> np.ndarray:
-    """One ``(size, size, 3)`` uint8 image: the shape centred at pixel ``(cx, cy)`` on white (also the frames of
-    ``models.toy_motion``)."""
+def draw_at(color: str, shape: str, cx: float, cy: float, size: int = 64, scale: float = 0.36,
+            width: Optional[int] = None) -> np.ndarray:
+    """One ``(size, width or size, 3)`` uint8 image (``size``: the height): the shape centred at pixel ``(cx, cy)``
+    on white, ``scale`` x the height wide (also the frames of ``models.toy_motion``)."""
     from PIL import Image, ImageDraw
 
-    img = Image.new("RGB", (size, size), (255, 255, 255))
+    img = Image.new("RGB", (width or size, size), (255, 255, 255))
     d = ImageDraw.Draw(img)
     r = scale * size / 2
     box = (cx - r, cy - r, cx + r, cy + r)
@@ -93,11 +94,24 @@ def conditioning_inputs(size: int = 64) -> Dict[str, np.ndarray]:
     return out
 
 
+#: The first frames of the builtin image_to_video rows of the full-size Wan 2.1 I2V (``conf/model/wan_i2v.yaml``:
+#: ``builtin_prompts: wan480.jsonl``), at its 832x480 (the runner never resizes an input: the 32x32 frames of the tiny
+#: model's rows were refused there): name -> (colour, shape, position).
+WAN480_INPUTS = {"shapes832x480_input_red_circle_top_left": ("red", "circle", "top left"),
+                 "shapes832x480_input_green_triangle_bottom_left": ("green", "triangle", "bottom left")}
+
+
+def wan480_inputs(width: int = 832, height: int = 480) -> Dict[str, np.ndarray]:
+    """``{file stem: (height, width, 3) uint8}`` of :data:`WAN480_INPUTS` (positions as fractions of each side)."""
+    return {name: draw_at(c, s, POSITIONS[p][0] * width, POSITIONS[p][1] * height, height, width=width)
+            for name, (c, s, p) in WAN480_INPUTS.items()}
+
+
 def write_conditioning_inputs(folder: str) -> None:
     """Write :func:`conditioning_inputs` as ``<folder>/<stem>.png`` (how ``runner/data``'s were made)."""
     from pathlib import Path
 
     from PIL import Image
 
-    for name, a in conditioning_inputs().items():
+    for name, a in {**conditioning_inputs(), **wan480_inputs()}.items():
         Image.fromarray(a).save(Path(folder) / f"{name}.png")
