@@ -153,22 +153,14 @@ class DiffusionRows:
         return rows
 
     def chosen(self, key: str, value: Any) -> bool:
-        """Whether ``key`` = ``value`` is the user's choice rather than the model's own default: set on the command
-        line, or a value other than the one the model's YAML (``conf/model/<model.name>.yaml``) gives. A model
-        default that does not act on these rows (Qwen-Image's ``true_cfg_scale: 4.0`` with no negative prompt, the
-        model card's setting) is recorded as ignored in each item, not refused (field case: ``model=qwen_image``
-        refused its own builtin prompts); a chosen one is refused under ``dataset.on_ignored=error``. A model
-        without a YAML here counts every value as chosen."""
-        from omegaconf import OmegaConf
+        """Whether ``key`` = ``value`` is the user's choice rather than the model's own default
+        (``runner.core.resolve.user_chose``). A model default that does not act on these rows (Qwen-Image's
+        ``true_cfg_scale: 4.0`` with no negative prompt, the model card's setting) is recorded as ignored in each
+        item, not refused (field case: ``model=qwen_image`` refused its own builtin prompts); a chosen one is
+        refused under ``dataset.on_ignored=error``."""
+        from runner.core.resolve import user_chose
 
-        from runner.core.paths import CONF_DIR
-        from runner.core.resolve import _set_by, cli_keys
-
-        if _set_by(cli_keys(self.ctx.overrides), key):
-            return True
-        yaml = CONF_DIR / "model" / f"{self.model_cfg.name}.yaml"
-        default = OmegaConf.select(OmegaConf.load(yaml), key[len("model."):]) if yaml.is_file() else None
-        return default is None or default != value
+        return user_chose(self.ctx.overrides, self.model_cfg.name, key, value)
 
     def check_rows(self, rows: Sequence[ds.Row], path: Any) -> None:
         """Model-specific row checks (e.g. an oracle's ``expect`` vocabulary); none by default."""

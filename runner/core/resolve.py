@@ -190,6 +190,20 @@ def cli_keys(overrides: Iterable[str], groups: Iterable[str] = ()) -> List[str]:
             if not (o.key_or_group in groups and o.package is None and not isinstance(o.value(), dict))]
 
 
+def user_chose(overrides: Iterable[str], model_name: str, key: str, value: Any) -> bool:
+    """Whether ``key`` (``model.<...>``) = ``value`` is the user's choice rather than the model's own default: set
+    by a CLI override (:func:`cli_keys`), or a value other than the one the model's YAML
+    (``conf/model/<model_name>.yaml``) gives it (a user's own YAML: an experiment). A model without a YAML here
+    (a config from another search path) counts every value as chosen."""
+    from runner.core.paths import CONF_DIR
+
+    if _set_by(cli_keys(overrides), key):
+        return True
+    yaml = CONF_DIR / "model" / f"{model_name}.yaml"
+    default = OmegaConf.select(OmegaConf.load(yaml), key[len("model."):]) if yaml.is_file() else None
+    return default is None or default != value
+
+
 def _set_by(keys: Sequence[str], key: str) -> bool:
     """True when a CLI key sets ``key``, one of its children, or a parent node that contains it."""
     return any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in keys)
