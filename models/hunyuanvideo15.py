@@ -194,12 +194,22 @@ class HunyuanVideo15Engine(WanEngine):
 
     # ------------------------------------------------------------------------------------------ text length
     def check_config(self) -> None:
-        """The video checks, and ``model.generation.max_sequence_length`` equal to the pipeline's fixed length.
+        """The video checks, ``model.generation.max_sequence_length`` equal to the pipeline's fixed length, and
+        ``batch_size`` > 1 only with ``memory.vae_slicing=true``: diffusers 0.42.1's ``HunyuanVideo15AttnBlock``
+        builds its causal mask as ``(B, S, S)``, which SDPA broadcasts against ``(B, 1, S, C)`` queries, so a batch
+        of two or more videos fails in the VAE decode, after every denoising step of the batch
+        (``tests/test_memory_video_vae.py``; the runner then redoes its items one by one).
 
         Raises:
             ConfigValueError: naming the key, the value and the fix.
         """
         super().check_config()
+        run = self.ctx.run
+        if int(run.batch_size) > 1 and not run.memory.vae_slicing:
+            raise ConfigValueError(f"batch_size={run.batch_size} on model={self.cfg.name} without memory.vae_slicing: "
+                                   "diffusers' HunyuanVideo-1.5 VAE decode fails on a batch of two or more videos "
+                                   "(its attention mask, diffusers 0.42.1), after the batch's denoising; fix: "
+                                   "memory.vae_slicing=true (decodes one video at a time) or batch_size=1")
         msl = self.cfg.generation.max_sequence_length
         if msl is not None and int(msl) != QWEN_TOKENS:
             raise ConfigValueError(f"model.generation.max_sequence_length={msl}: HunyuanVideo15Pipeline takes no "

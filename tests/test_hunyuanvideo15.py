@@ -202,3 +202,26 @@ def test_guider_override_that_the_snapshot_contradicts_is_refused(hy_run, compos
     eng.check_architecture_matches_snapshot({"guider": {"guidance_scale": 6.0}}, snap)
     with pytest.raises(ConfigValueError, match=r"guider.guidance_scale=3.0: the snapshot's guider/guider_config.json"):
         eng.check_architecture_matches_snapshot({"guider": {"guidance_scale": 3.0}}, snap)
+
+
+def test_a_batch_of_videos_needs_vae_slicing_and_runs_with_it(tmp_path, caplog):
+    """diffusers 0.42.1's HunyuanVideo-1.5 VAE decode fails on a batch of two videos (its attention mask): the run
+    found out after the batch's denoising and redid its items one by one. Refused at startup now, naming the fix;
+    with ``memory.vae_slicing=true`` the batch of 2 runs as one batch (no retry) and is verified."""
+    import logging
+
+    from _helpers import execute
+    from runner.core.errors import ConfigValueError
+
+    r = execute(tmp_path / "refused", ["model=tiny_hunyuanvideo15", "batch_size=2", "dataset.limit=2"],
+                catch=(ConfigValueError,))
+    assert r.error is not None and "fix: memory.vae_slicing=true" in str(r.error), r.error
+    assert not (tmp_path / "refused" / "items.jsonl").exists()
+    with caplog.at_level(logging.WARNING):
+        ok = execute(tmp_path / "sliced", ["model=tiny_hunyuanvideo15", "batch_size=2", "dataset.limit=2",
+                                           "memory.vae_slicing=true"])
+    assert ok.code == 0, ok.error
+    recs = [json.loads(x) for x in (tmp_path / "sliced" / "items.jsonl").read_text().splitlines()]
+    assert [r["params"]["batch_size"] for r in recs] == [2, 2] and all(r["status"] == "ok" for r in recs)
+    assert "retrying its items one by one" not in caplog.text
+    assert json.loads((tmp_path / "sliced" / "manifest.json").read_text())["evidence"]["verdict"] == "verified"
