@@ -63,13 +63,14 @@ def test_a_w8a8_run_that_got_weight_only_int8_fails_the_evidence(tmp_path, monke
 
 
 @pytest.mark.parametrize("method, says, fix", [
-    ("int4wo", "needs compute capability >= sm80",
-     "Fix: platform=cuda dtype=bfloat16 on an sm80+ GPU (torchao 0.18's int4 weight-only is tinygemm's CUDA GEMM in "
-     "bfloat16; none of its int4 packings has a CPU kernel), or model.quantization.transformer=int8dq / int8wo on "
-     "this machine"),
-    ("nvfp4", "needs compute capability >= sm100",
-     "Fix: platform=cuda on a Blackwell GPU (sm100: B200/GB200, the FP4 tensor cores NVFP4 needs), or "
-     "model.quantization.transformer=float8wo / int4wo on Hopper"),
+    pytest.param("int4wo", "needs compute capability >= sm80",
+                 "Fix: platform=cuda dtype=bfloat16 on an sm80+ GPU (torchao 0.18's int4 weight-only is tinygemm's "
+                 "CUDA GEMM in bfloat16; none of its int4 packings has a CPU kernel), or "
+                 "model.quantization.transformer=int8dq / int8wo on this machine",
+                 marks=requires_extra("torchao")),  # without torchao the refusal names the package first
+    pytest.param("nvfp4", "needs compute capability >= sm100",
+                 "Fix: platform=cuda on a Blackwell GPU (sm100: B200/GB200, the FP4 tensor cores NVFP4 needs), or "
+                 "model.quantization.transformer=float8wo / int4wo on Hopper", marks=requires_extra("torchao")),
     ("nunchaku", "needs platform cuda, this is cpu",
      "platform=cuda on an NVIDIA GPU that diffusers' Nunchaku Lite loader takes: Turing (sm75) or newer for INT4, "
      "Blackwell (sm100) for NVFP4, not Hopper (sm90)"),
@@ -317,6 +318,7 @@ def test_a_prequantized_snapshot_the_config_does_not_name_is_refused(tmp_path):
     check_checkpoints({}, _snapshot(tmp_path / "plain"), ["transformer", "vae"], ctx, "flux")
 
 
+@requires_extra("torchao")  # the int8wo text encoder beside it builds torchao's config
 def test_checkpoint_methods_build_no_config_and_modelopt_restores_before_loading(tmp_path, monkeypatch):
     """The checkpoint's own quantization_config loads it: the runner passes none (diffusers' Nunchaku config
     without targets raises); ModelOpt's enable_huggingface_checkpointing runs once before from_pretrained; a
