@@ -108,9 +108,24 @@ def test_flux2_negative_prompt_is_ignored(compose, write_jsonl, model, pipeline)
 
 
 def test_flux2_without_guidance_embedding_ignores_guidance_scale(compose):
-    """FLUX.1's rule on FLUX.2-dev: a transformer without guidance embedding makes guidance_scale inert."""
-    eng = _engine(compose(["model=tiny_flux2", "platform=cpu", "model.architecture.transformer.guidance_embeds=false"]))
+    """FLUX.1's rule on FLUX.2-dev: a transformer without guidance embedding makes guidance_scale inert. The model's
+    own default (tiny_flux2's ``guidance_scale: 4.0``) is then recorded as ignored in every row, not applied; the
+    same value chosen on the command line is refused (``runner.core.resolve.user_chose``)."""
+    import torch
+
+    from models.base import StageContext
+    from models.registry import engine_class
+    from runner.core.platform import detect
+
+    ov = ["model=tiny_flux2", "platform=cpu", "model.architecture.transformer.guidance_embeds=false"]
+    eng = _engine(compose(ov))
     assert not eng.guidance_embeds
+    rows, _ = eng.read_rows()
+    assert rows and all(r.guidance_scale is None and r.ignored["guidance_scale"]["value"] == 4.0 for r in rows)
+    chosen = [*ov, "model.generation.guidance_scale=4"]
+    cfg = compose(chosen)
+    eng = engine_class(cfg.model.engine)(StageContext(cfg=cfg, overrides=chosen, stage="denoise",
+                                                      plat=detect("cpu", "cpu"), dtype=torch.float32))
     with pytest.raises(ConfigValueError, match="guidance_scale=4.0 is ignored.*no guidance embedding"):
         eng.read_rows()
 
