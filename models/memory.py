@@ -110,6 +110,23 @@ def quant_mapping(choices: Mapping[str, str], libraries: Mapping[str, str], dtyp
             if m != "gguf" and quant.get(m).checkpoint is None}
 
 
+def on_device_components(choices: Mapping[str, str]) -> List[str]:
+    """The components whose method quantizes on the GPU only (``WeightQuant.quantize_on_device``: int4wo), which
+    :func:`load_on_device` loads apart from the pipeline."""
+    return [c for c, m in choices.items() if quant.get(m).quantize_on_device]
+
+
+def load_on_device(model_cls: type, path: str, comp: str, config: Any, dtype: torch.dtype, device: str) -> Any:
+    """Component ``comp`` of snapshot ``path`` loaded and quantized on ``device``: diffusers'/transformers'
+    ``from_pretrained(subfolder=comp, quantization_config=config, device_map={"": device})`` (the quantizer
+    creates each quantized parameter on the device map's device; without a map, on the CPU, where torchao's int4
+    packing has no kernel: ``NotImplementedError ... _convert_weight_to_int4pack ... 'CPU' backend``, H100
+    2026-12-06)."""
+    return model_cls.from_pretrained(path, subfolder=comp, quantization_config=config, torch_dtype=dtype,
+                                     device_map={"": torch.device(device)}, local_files_only=True,
+                                     use_safetensors=True)
+
+
 def before_loading(choices: Mapping[str, str]) -> List[str]:
     """Call each chosen method's :attr:`runner.kernels.quantization.WeightQuant.before_load` once (ModelOpt's
     ``enable_huggingface_checkpointing``, which restores its quantized modules in ``from_pretrained``); returns
@@ -194,9 +211,11 @@ def load_gguf(model_cls: type, gguf_file: str, config_dir: str, dtype: torch.dty
                                       local_files_only=True)
 
 
-def quantize_built(module: torch.nn.Module, method: str, library: str, dtype: torch.dtype) -> None:
+def quantize_built(module: torch.nn.Module, method: str, library: str, dtype: torch.dtype,
+                   device: Optional[str] = None) -> None:
     """Quantize a built (``load_format=dummy``) module's Linears in place with the same torchao config diffusers'
-    ``TorchAoHfQuantizer`` applies while loading (``torchao.quantization.quantize_``, Linears only).
+    ``TorchAoHfQuantizer`` applies while loading (``torchao.quantization.quantize_``, Linears only); a method that
+    quantizes on the GPU only (``quantize_on_device``) moves each Linear to ``device`` first (``quantize_(device=)``).
 
     Raises:
         ConfigValueError: a method that quantizes only while loading a checkpoint (bitsandbytes, GGUF).
@@ -209,7 +228,8 @@ def quantize_built(module: torch.nn.Module, method: str, library: str, dtype: to
                                "torchao method (int8wo, float8wo)")
     from torchao.quantization import quantize_
 
-    quantize_(module, ao)
+    on = device if quant.get(method).quantize_on_device and device is not None else None
+    quantize_(module, ao, device=on)
 
 
 def check_dummy_methods(choices: Mapping[str, str]) -> None:
@@ -588,15 +608,19 @@ def blocks_in_order(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]
 
 def keep_blocks(module: torch.nn.Module, n: int, device: str) -> List[str]:
     """Keep the first ``n`` blocks of a block-level offloaded ``module`` on ``device``: each one's group-offload
-    hook (one block per group) is removed before the first forward, so diffusers' lazy prefetching, which orders the
-    groups it finds hooked at that forward (``LazyPrefetchGroupOffloadingHook``, diffusers 0.42), streams the others
-    only; then the block is moved to ``device``. Returns the blocks' names.
+    hook (one block per group) and, under ``use_stream``, the execution tracker diffusers' lazy prefetching put on it
+    are removed before the first forward, so that prefetching, which chains the groups it saw run in that forward
+    (``LazyPrefetchGroupOffloadingHook``, diffusers 0.42), streams the others only; then the block is moved to
+    ``device``. Returns the blocks' names.
 
     Raises:
         RuntimeError: a block to keep is not its own group (its hook's group holds other modules)."""
     from diffusers.hooks import HookRegistry
-    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+    from diffusers.hooks.group_offloading import (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER,
+                                                  _LAZY_PREFETCH_GROUP_OFFLOADING)
 
+    lazy = HookRegistry.check_if_exists_or_initialize(module).get_hook(_LAZY_PREFETCH_GROUP_OFFLOADING)
+    full = {id(m): n for n, m in module.named_modules()}
     kept = []
     for name, block in blocks_in_order(module)[:n]:
         reg = HookRegistry.check_if_exists_or_initialize(block)
@@ -605,6 +629,12 @@ def keep_blocks(module: torch.nn.Module, n: int, device: str) -> List[str]:
             raise RuntimeError(f"memory.offload=group_block: block {name} shares its offload group; a resident "
                                "block must be its own group (blocks_per_group=1)")
         reg.remove_hook(_GROUP_OFFLOADING, recurse=False)
+        # Under use_stream the lazy-prefetch hook has put an execution tracker on every hooked block: left on a
+        # kept block, its first forward lists the block among the groups to prefetch and reads its (removed)
+        # group hook: AttributeError in diffusers' post_forward, and the batch re-ran item by item unprefetched.
+        reg.remove_hook(_LAYER_EXECUTION_TRACKER, recurse=False)
+        if lazy is not None:
+            lazy._layer_execution_tracker_module_names.discard(full[id(block)])
         block.to(device)
         kept.append(name)
     return kept
@@ -1264,9 +1294,15 @@ class FittingPass(Pass):
         fit = e.fit
         out: Dict[str, Any] = {}
         before_loading(fit.choices)
-        q = pipeline_quantization(fit.choices, fit.libraries, e.dtype)
+        apart = on_device_components(fit.choices)
+        q = pipeline_quantization({c: m for c, m in fit.choices.items() if c not in apart}, fit.libraries, e.dtype)
         if q is not None:
             out["quantization_config"] = q
+        for comp in apart:
+            lib, cls_name, _ = e.task_components(e.task)[comp]
+            method = quant.get(fit.choices[comp])
+            out[comp] = load_on_device(getattr(importlib.import_module(lib), cls_name), str(path), comp,
+                                       method.config(fit.libraries[comp], e.dtype), e.dtype, str(e.device))
         for comp, method in fit.choices.items():
             if method == "gguf":
                 lib, cls_name, _ = e.task_components(e.task)[comp]

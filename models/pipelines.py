@@ -170,7 +170,7 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
                 self.source["weights_built_on"] = "cpu"  # the CPU generator's numbers: other weights than on the GPU
             comps = self.build_components(self.arch_copy(), device=build, dtype=self.dtype, task=self.task)
             for comp, method in self.fit.choices.items():  # torchao's quantize_, as diffusers applies it
-                memory.quantize_built(comps[comp], method, self.fit.libraries[comp], self.dtype)
+                memory.quantize_built(comps[comp], method, self.fit.libraries[comp], self.dtype, str(self.device))
             if park is not None:  # built where they compute, kept on the host until the offload plan onloads them
                 memory.torchao_device_copies()
                 for m in comps.values():

@@ -680,3 +680,36 @@ def test_resident_blocks_lose_their_offload_hook_and_keep_the_math():
                            offload_type="block_level", num_blocks_per_group=2)
     with pytest.raises(RuntimeError, match="shares its offload group"):
         keep_blocks(pairs, 1, "cpu")
+
+
+def test_resident_blocks_under_lazy_prefetching_chain_the_streamed_blocks_only():
+    """Regression (H100, FLUX.1-dev budget24 at batch 16, 2026-12-06: every batch failed with ``AttributeError:
+    'NoneType' object has no attribute 'group'`` and re-ran item by item without prefetching): under ``use_stream``
+    diffusers registers ``LazyPrefetchGroupOffloadingHook`` on the component, which puts an execution tracker on
+    every hooked block; a kept block's tracker must go with its group hook. Registered here as diffusers registers it
+    (CPU has no stream): both forwards equal the plain module's, the first forward raises nothing, and the prefetch
+    chain diffusers builds runs top -> blocks.2 -> blocks.3 (the streamed blocks only, in order)."""
+    from diffusers.hooks import HookRegistry, apply_group_offloading
+    from diffusers.hooks.group_offloading import (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER,
+                                                  _LAZY_PREFETCH_GROUP_OFFLOADING, LazyPrefetchGroupOffloadingHook)
+
+    from models.memory import keep_blocks
+
+    m = _Blocks()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    ref = m(x).detach()
+    apply_group_offloading(m, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1)
+    HookRegistry.check_if_exists_or_initialize(m).register_hook(LazyPrefetchGroupOffloadingHook(),
+                                                                 _LAZY_PREFETCH_GROUP_OFFLOADING)
+    assert all(b._diffusers_hook.get_hook(_LAYER_EXECUTION_TRACKER) is not None for b in m.blocks)
+    assert keep_blocks(m, 2, "cpu") == ["blocks.0", "blocks.1"]
+    assert [b._diffusers_hook.get_hook(_LAYER_EXECUTION_TRACKER) is not None for b in m.blocks] == \
+        [False, False, True, True]
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m(x), ref)
+    hook = {i: b._diffusers_hook.get_hook(_GROUP_OFFLOADING) for i, b in enumerate(m.blocks)}
+    top = m._diffusers_hook.get_hook(_GROUP_OFFLOADING)
+    assert top.next_group is hook[2].group and hook[2].next_group is hook[3].group and hook[3].next_group is None
+    assert m._diffusers_hook.get_hook(_LAZY_PREFETCH_GROUP_OFFLOADING) is None  # the first forward finished it

@@ -346,5 +346,9 @@ def test_a_budgeted_group_block_keeps_blocks_resident_and_the_images(tmp_path, b
     off = m["evidence"]["stages"]["denoise"]["memory"]["offload"]
     assert off["resident_blocks"] == applied["resident_blocks"] and off["resident_on"] == ["cuda:0"], off
     assert off["bytes_onloaded"] > 0
+    # each batch ran whole (H100 2026-12-06: the kept blocks' prefetch trackers failed every batch's first forward
+    # and its items re-ran one by one, so the images still matched)
+    recs = [json.loads(x) for x in (tmp_path / "r" / "items.jsonl").read_text().splitlines() if x.strip()]
+    assert len(recs) == 4 and all(r["batch"]["size"] == 2 for r in recs), [r.get("batch") for r in recs]
     got, want = images(tmp_path / "r"), images(base_dir)
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)

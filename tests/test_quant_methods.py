@@ -416,3 +416,28 @@ def test_quantized_linears_that_never_run_are_a_mismatch():
     assert sec["transformer"]["quantized_linears"] == 1 and sec["transformer"]["quantized_calls"] == 0
     assert bad == ["model.quantization.transformer=int8dq: its Linears ran 1 times, none with a "
                    "Int8Tensor+dynamic_act weight (0 quantized Linears executed)"], bad
+
+
+@requires_extra("torchao")
+def test_a_method_that_quantizes_on_the_device_loads_its_component_there(tmp_path, monkeypatch):
+    """Regression (H100 2026-12-06: int4wo failed at loading, ``_convert_weight_to_int4pack`` has no CPU kernel and
+    diffusers' quantizer ran on the CPU without a device map): a ``quantize_on_device`` method's component is loaded
+    apart with ``device_map`` on the run's device. Stand-in on the CPU: int8wo flagged so. The flagged run's
+    transformer carries diffusers' device map and the other components none; the unflagged run's transformer none
+    (kills a flag that is never read); the images are the same (kills a component loaded with another config)."""
+    import dataclasses
+
+    base = [*SMALL, "model.quantization.transformer=int8wo"]
+    plain, flagged = [], []
+    r0 = execute(tmp_path / "plain", base, on_loaded=plain.append)
+    assert r0.code == 0, r0.error
+    monkeypatch.setitem(quant.METHODS, "int8wo", dataclasses.replace(quant.METHODS["int8wo"], quantize_on_device=True))
+    r1 = execute(tmp_path / "flagged", base, on_loaded=flagged.append)
+    assert r1.code == 0, r1.error
+    assert getattr(plain[0].pipe.transformer, "hf_device_map", None) is None
+    assert flagged[0].pipe.transformer.hf_device_map == {"": torch.device("cpu")}
+    assert getattr(flagged[0].pipe.vae, "hf_device_map", None) is None
+    q = r1.manifest["evidence"]["stages"]["denoise"]["memory"]["quantization"]["transformer"]
+    assert q["method"] == "int8wo" and q["quantized_linears"] == q["linears"] > 0
+    a, b = _images(tmp_path / "plain"), _images(tmp_path / "flagged")
+    assert a.keys() == b.keys() and len(a) == 2 and all(np.array_equal(a[k], b[k]) for k in a)

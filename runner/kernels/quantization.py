@@ -116,6 +116,9 @@ class WeightQuant:
         before_load: ``module:callable`` called once before ``from_pretrained`` (ModelOpt's checkpoint restore).
         inspect: ``(quantization_config, ctx) -> reasons`` a pre-quantized checkpoint's own config cannot load here
             for (Nunchaku's NVFP4 targets off Blackwell), each naming its fix.
+        quantize_on_device: its quantization itself runs on the GPU only (torchao 0.18's int4 packing,
+            ``aten::_convert_weight_to_int4pack``, has no CPU kernel): the component is loaded onto the run's device
+            (``from_pretrained(device_map=)``; ``quantize_(device=)`` for built weights), not quantized on the host.
     """
 
     name: str
@@ -134,6 +137,7 @@ class WeightQuant:
     module_classes: Tuple[str, ...] = ()
     before_load: Optional[str] = None
     inspect: Optional[Callable[[Dict[str, Any], SelectionContext], List[str]]] = None
+    quantize_on_device: bool = False
 
     def unmet(self, ctx: SelectionContext) -> List[str]:
         """Every requirement not met in ``ctx`` (empty: it can run)."""
@@ -255,7 +259,7 @@ register(WeightQuant(
     "int4wo", aliases=("int4", "int4_weight_only", "torchao_int4"),
     requires=(on_platform("cuda"), sm_at_least(80), dtype_in(torch.bfloat16),
               symbol("torchao.quantization:Int4WeightOnlyConfig")),
-    bits=4.25, tensor_classes=("Int4TilePackedTo4dTensor",), signature=r"int4pack|tinygemm",
+    bits=4.25, tensor_classes=("Int4TilePackedTo4dTensor",), signature=r"int4pack|tinygemm", quantize_on_device=True,
     fix=("platform=cuda dtype=bfloat16 on an sm80+ GPU (torchao 0.18's int4 weight-only is tinygemm's CUDA GEMM in "
          "bfloat16; none of its int4 packings has a CPU kernel), or {where}=int8dq / int8wo on this machine"),
     describe="torchao int4 weight-only, group 128 (bf16 scale and zero point), tinygemm tile packing"))
