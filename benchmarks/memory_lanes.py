@@ -27,6 +27,7 @@ lossless,budget24,budget12,budget8`` and ``--lanes lossless,int8wo,float8wo,q4,w
 
     python benchmarks/memory_lanes.py --out /tmp/mem --results benchmarks/results/memory_lanes_h200.json
     python benchmarks/memory_lanes.py --smoke --out /tmp/mem   # CPU: tiny_flux, checks the script
+    python benchmarks/memory_lanes.py --merge call1.json call2.json --into benchmarks/results/memory_lanes_h200.json
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def run_lane(name: str, overrides: List[str], out: Path) -> Tuple[Dict[str, Any]
     rec["observed_le_planned"] = (None if rec["planned_gb"] is None or rec["observed_gb"] is None
                                   else rec["observed_gb"] <= rec["planned_gb"])
     rec["items_ok"] = sum(r.get("status") == "ok" for r in items)
+    sizes_ran: Dict[str, int] = {}  # a failed batch re-runs its items one by one: sizes below batch_size show it
+    for r in items:
+        k = str((r.get("batch") or {}).get("size"))
+        sizes_ran[k] = sizes_ran.get(k, 0) + 1
+    rec["batch_sizes_ran"] = sizes_ran
     return rec, {r["key"]: run_dir / r["file"] for r in items if r.get("status") == "ok"}
 
 
@@ -139,14 +145,12 @@ def flux_lanes(args: argparse.Namespace, out: Path, base: List[str], want: List[
             ref_files = files
         elif files and ref_files:
             rec["fidelity_vs_lossless"] = fidelity_vs(ref_files, files)
+        ratio(rec, res.get("lossless", {}))  # now: a call stopped at its limit keeps the finished lanes' ratios
         print(json.dumps({name: {k: rec.get(k) for k in ("exit_code", "generate_s", "peak_memory_gb", "batch_size",
                                                          "items_ok", "planned_gb", "observed_gb")}}), flush=True)
         save(res)
     ref = res.get("lossless", {})
     for name in ("budget24", "budget12", "budget8", "budget24_rs", "int8wo", "float8wo"):
-        g = res.get(name, {}).get("generate_s")
-        if g and ref.get("generate_s"):
-            res[name]["ratio_vs_lossless"] = round(g / ref["generate_s"], 4)
         w, w0 = (res.get(name, {}).get("weights_bytes", {}).get("transformer"),
                  ref.get("weights_bytes", {}).get("transformer"))
         if w and w0:
@@ -219,7 +223,60 @@ def wan_lane(args: argparse.Namespace, out: Path) -> Dict[str, Any]:
     return rec
 
 
+def ratio(rec: Dict[str, Any], lossless: Dict[str, Any]) -> None:
+    """``rec["ratio_vs_lossless"]``: its generate seconds over the lossless lane's (same call), where both ran."""
+    g, g0 = rec.get("generate_s"), lossless.get("generate_s")
+    if g and g0 and rec is not lossless:
+        rec["ratio_vs_lossless"] = round(g / g0, 4)
+
+
+def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """The top-level keys from ``doc["lanes"]`` (in place): ``budget<N>_ratio``, ``q4_transformer_gb``,
+    ``observed_le_planned`` per lane."""
+    lanes = doc["lanes"]
+    for b in ("24", "12", "8"):
+        doc[f"budget{b}_ratio"] = lanes.get(f"budget{b}", {}).get("ratio_vs_lossless")
+    doc["q4_transformer_gb"] = lanes.get("q4", {}).get("q4_transformer_gb")
+    doc["observed_le_planned"] = {k: v.get("observed_le_planned") for k, v in lanes.items()
+                                  if isinstance(v, dict) and "observed_le_planned" in v}
+    return doc
+
+
+def merge(paths: List[Path], into: Path) -> Dict[str, Any]:
+    """Lanes of several calls (each ``--results`` of one device call, lossless first in each) into one document:
+    a later file's lane replaces an earlier one's; each lane keeps its ratio against its own call's lossless run,
+    whose ``generate_s`` and source file it records (``lossless_generate_s``, ``source``). Keys of ``into`` that
+    no call writes (``lora_lanes.py``'s) are kept."""
+    doc: Dict[str, Any] = json.loads(into.read_text()) if into.exists() else {}
+    lanes: Dict[str, Any] = dict(doc.get("lanes") or {})
+    calls = []
+    for p in paths:
+        d = json.loads(p.read_text())
+        ref = d["lanes"].get("lossless", {})
+        for name, rec in d["lanes"].items():
+            lanes[name] = {**rec, "source": p.name, "lossless_generate_s": ref.get("generate_s")}
+            if name != "lossless" and "generate_s" in rec:
+                ratio(lanes[name], ref)
+        calls.append({"source": p.name, "argv": d.get("argv"), "device": d.get("device"), "torch": d.get("torch"),
+                      "workload": d.get("workload"), "lanes": sorted(d["lanes"])})
+    doc.update(calls=calls, lanes=lanes)
+    for k in ("argv", "device", "torch", "workload"):
+        doc.pop(k, None)
+    summarize(doc)
+    into.write_text(json.dumps(doc, indent=1, default=str))
+    return doc
+
+
 def main() -> int:
+    if "--merge" in sys.argv:  # python benchmarks/memory_lanes.py --merge A.json B.json --into RESULT.json
+        p = argparse.ArgumentParser()
+        p.add_argument("--merge", type=Path, nargs="+", required=True)
+        p.add_argument("--into", type=Path, required=True)
+        a = p.parse_args()
+        d = merge(a.merge, a.into)
+        print(json.dumps({k: d[k] for k in ("budget24_ratio", "budget12_ratio", "budget8_ratio",
+                                             "q4_transformer_gb", "observed_le_planned")}))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--results", default=None)
@@ -249,11 +306,7 @@ def main() -> int:
                                         "compile": args.compile, "full_run": args.prompts >= 16 and args.steps >= 28}}
     def save(lanes: Dict[str, Any]) -> None:
         doc["lanes"] = lanes
-        for b in ("24", "12", "8"):
-            doc[f"budget{b}_ratio"] = lanes.get(f"budget{b}", {}).get("ratio_vs_lossless")
-        doc["q4_transformer_gb"] = lanes.get("q4", {}).get("q4_transformer_gb")
-        doc["observed_le_planned"] = {k: v.get("observed_le_planned") for k, v in lanes.items()
-                                      if isinstance(v, dict) and "observed_le_planned" in v}
+        summarize(doc)
         text = json.dumps(doc, indent=1, default=str)
         for path in [out / "memory_lanes.json", *([Path(args.results)] if args.results else [])]:
             tmp = path.with_suffix(".tmp")
