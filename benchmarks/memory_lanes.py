@@ -245,7 +245,8 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
 def merge(paths: List[Path], into: Path) -> Dict[str, Any]:
     """Lanes of several calls (each ``--results`` of one device call, lossless first in each) into one document:
     a later file's lane replaces an earlier one's; each lane keeps its ratio against its own call's lossless run,
-    whose ``generate_s`` and source file it records (``lossless_generate_s``, ``source``). Keys of ``into`` that
+    whose ``generate_s``, source file and device it records (``lossless_generate_s``, ``source``, ``device``).
+    Keys of ``into`` that
     no call writes (``lora_lanes.py``'s) are kept."""
     doc: Dict[str, Any] = json.loads(into.read_text()) if into.exists() else {}
     lanes: Dict[str, Any] = dict(doc.get("lanes") or {})
@@ -254,7 +255,8 @@ def merge(paths: List[Path], into: Path) -> Dict[str, Any]:
         d = json.loads(p.read_text())
         ref = d["lanes"].get("lossless", {})
         for name, rec in d["lanes"].items():
-            lanes[name] = {**rec, "source": p.name, "lossless_generate_s": ref.get("generate_s")}
+            lanes[name] = {**rec, "source": p.name, "device": d.get("device"),
+                           "lossless_generate_s": ref.get("generate_s")}
             if name != "lossless" and "generate_s" in rec:
                 ratio(lanes[name], ref)
         calls.append({"source": p.name, "argv": d.get("argv"), "device": d.get("device"), "torch": d.get("torch"),
