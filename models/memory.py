@@ -122,7 +122,7 @@ def load_on_device(model_cls: type, path: str, comp: str, config: Any, dtype: to
     creates each quantized parameter on the device map's device; without a map, on the CPU, where torchao's int4
     packing has no kernel: ``NotImplementedError ... _convert_weight_to_int4pack ... 'CPU' backend``, H100
     2026-12-06)."""
-    return model_cls.from_pretrained(path, subfolder=comp, quantization_config=config, torch_dtype=dtype,
+    return model_cls.from_pretrained(path, subfolder=comp, quantization_config=config, dtype=dtype,
                                      device_map={"": torch.device(device)}, local_files_only=True,
                                      use_safetensors=True)
 
