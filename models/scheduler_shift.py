@@ -38,24 +38,27 @@ SPACING_TOL = 1e-4
 
 
 def shift_kind(conf: Dict[str, Any]) -> Optional[str]:
-    """How a scheduler config takes a static shift: ``flow_match``, ``flow_sigmas`` or None (it takes none)."""
-    if "use_dynamic_shifting" in conf or str(conf.get("_class_name")) == "FlowMatchEulerDiscreteScheduler":
-        return "flow_match"
+    """How a scheduler config takes a static shift: ``flow_sigmas`` (a ``flow_shift`` with ``use_flow_sigmas``: UniPC
+    and DPM-Solver++ with flow sigmas, which also have a ``use_dynamic_shifting`` that is off), ``flow_match`` (a
+    ``shift`` beside ``use_dynamic_shifting``, or the class ``FlowMatchEulerDiscreteScheduler``) or None."""
     if "flow_shift" in conf and conf.get("use_flow_sigmas"):
         return "flow_sigmas"
+    if ("shift" in conf and "use_dynamic_shifting" in conf
+            or str(conf.get("_class_name")) == "FlowMatchEulerDiscreteScheduler"):
+        return "flow_match"
     return None
 
 
-def shifted_config(conf: Dict[str, Any], shift: Optional[float]) -> Dict[str, Any]:
+def shifted_config(conf: Dict[str, Any], shift: Optional[float], kind: Optional[str] = None) -> Dict[str, Any]:
     """The scheduler config ``conf`` with the static ``shift`` applied (module docstring); ``conf`` unchanged for
-    None.
+    None. ``kind``: :func:`shift_kind` of the scheduler (default: of ``conf``).
 
     Raises:
         ValueError: the scheduler takes no flow shift (:func:`shift_kind` None).
     """
     if shift is None:
         return dict(conf)
-    kind = shift_kind(conf)
+    kind = kind or shift_kind(conf)
     if kind == "flow_match":
         return {**conf, "shift": float(shift), "use_dynamic_shifting": False, "shift_terminal": None}
     if kind == "flow_sigmas":
@@ -127,11 +130,11 @@ class ShiftPass(Pass):
         if s is None:
             return
         conf = self.engine.component_config("scheduler") or {}
-        self.kind = shift_kind(conf)
+        cls = conf.get("_class_name") or self._component_class()  # an architecture's config names no class
+        self.kind = shift_kind({"_class_name": cls, **conf})
         if self.kind is not None:
             self.shift = float(s)
             return
-        cls = conf.get("_class_name") or self._component_class()
         why = (f"model={self.engine.cfg.name}'s scheduler ({cls}) has no flow-matching shift (a shift or a "
                "flow_shift with use_flow_sigmas), so the value would change nothing")
         if self.engine.chosen("model.generation.shift", s):
@@ -152,7 +155,7 @@ class ShiftPass(Pass):
             return
         pipe = self.engine.pipe
         old = pipe.scheduler
-        conf = shifted_config(dict(old.config), self.shift)
+        conf = shifted_config(dict(old.config), self.shift, self.kind)
         self.installed = type(old).from_config({k: v for k, v in conf.items() if not k.startswith("_")})
         pipe.scheduler = self.installed
 

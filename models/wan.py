@@ -241,7 +241,8 @@ class WanEngine(PipelineEngine):
             conf = self.component_config("scheduler")
             cls = getattr(diffusers, str(conf.get("_class_name") or self.component_class("scheduler")))
             shift = self.cfg.generation.shift  # the scheduler the run installs (models.scheduler_shift)
-            conf = shifted_config(conf, shift) if shift is not None and shift_kind(conf) else conf
+            kind = shift_kind({"_class_name": cls.__name__, **conf})
+            conf = shifted_config(conf, shift, kind) if shift is not None and kind else conf
             sched = cls.from_config({k: v for k, v in conf.items() if not k.startswith("_")})
             sched.set_timesteps(int(steps), device="cpu")
             high = sum(1 for t in sched.timesteps if float(t) >= boundary)
