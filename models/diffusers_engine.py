@@ -65,7 +65,8 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
     applies_cache: ClassVar[bool] = True  # cache.* (models.cache): the step cache of the denoiser
 
     PASSES: ClassVar[Tuple[str, ...]] = (
-        "models.prompt_tokens:TruncationPass", "models.scheduler_shift:ShiftPass", "models.conditioning:ConditioningPass",
+        "models.prompt_tokens:TruncationPass", "models.scheduler_shift:ShiftPass",
+        "models.conditioning:ConditioningPass",
         "models.denoiser_evidence:ExpertsPass", "models.lora:LoraPass", "models.backend_passes:AttentionPass", "models.backend_passes:MoePass",
         "models.backend_passes:LinearPass", "models.context_parallel:ContextParallelPass",
         "models.memory:FittingPass", "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",

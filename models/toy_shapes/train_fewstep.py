@@ -197,7 +197,8 @@ def evaluate(weights: Path, lora_file: Path, seeds: int, seed0: int) -> Dict[str
     adapted = few(1.0)
 
     def score(imgs: np.ndarray) -> Dict[str, Any]:
-        return {"oracle": accuracy([(read(im), x) for im, x in zip(imgs, expect)]), "psnr_db_vs_base16": psnr(imgs, ref)}
+        return {"oracle": accuracy([(read(im), x) for im, x in zip(imgs, expect)]),
+                "psnr_db_vs_base16": psnr(imgs, ref)}
 
     return {"n": len(caps), "base_16": score(ref), f"base_{STEPS}": score(base_few),
             f"adapter_{STEPS}": score(adapted)}
