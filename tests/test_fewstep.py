@@ -154,7 +154,7 @@ def test_a_shift_that_did_not_act_is_an_evidence_mismatch(tmp_path):
     r = execute(tmp_path / "r", ["model=toy_shapes", "dataset.limit=1", "model.generation.num_inference_steps=2",
                                  "model.generation.shift=3.0"], on_loaded=undo, catch=(EvidenceError,))
     assert r.error is not None and r.error.exit_code == 3
-    assert "model.generation.shift=3 did not act" in str(r.error) and "not evenly spaced" in str(r.error)
+    assert "model.generation.shift=3 did not act" in str(r.error) and "not the evenly spaced [1.0, 0.5]" in str(r.error)
 
 
 def test_shift_on_wan22_sets_flow_shift_and_moves_the_expert_switch(tmp_path):
