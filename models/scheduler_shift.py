@@ -18,8 +18,8 @@ Any other scheduler has no flow shift: a chosen value is refused at startup (exi
 model YAML sets one: ``runner.core.resolve.user_chose``), a model's own is recorded as ignored. After each pipeline
 call the scheduler's ``sigmas`` (what ``set_timesteps`` produced for that call) are read back into each item's
 ``scheduler`` record; the evidence (``evidence.stages.<stage>.scheduler``) checks that un-shifting them by ``s``
-gives the evenly spaced ``linspace(1, 1/n, n)`` (the families' unshifted schedule) and that the scheduler is still
-the one installed. A schedule another shift produced fails that (exit 3).
+gives the families' unshifted schedule (evenly spaced from 1, :func:`schedule_problem`) and that the scheduler is
+still the one installed. A schedule another shift produced fails that (exit 3).
 """
 
 from __future__ import annotations
@@ -72,19 +72,22 @@ def unshift(sigmas: Sequence[float], shift: float) -> List[float]:
     return [x / (shift - (shift - 1) * x) for x in sigmas]
 
 
-def schedule_problem(sigmas: Sequence[float], steps: int, shift: float) -> Optional[str]:
+def schedule_problem(sigmas: Sequence[float], steps: int, shift: float, train_steps: int = 1000) -> Optional[str]:
     """What is wrong with ``sigmas`` (the scheduler's, ``steps`` + 1 values with the final one) as a schedule of
     ``steps`` steps at the static ``shift``: None when its first ``steps`` values, un-shifted (:func:`unshift`), are
-    the evenly spaced ``linspace(1, 1/steps, steps)`` within :data:`SPACING_TOL`, the unshifted schedule of FLUX's,
-    Qwen-Image's and SD3's pipelines (their ``sigmas``) and of a flow-sigma UniPC (Wan)."""
+    evenly spaced from 1 to ``1/steps`` (the ``sigmas`` FLUX's, Qwen-Image's, Z-Image's pipelines pass; a flow-sigma
+    UniPC's, Wan's) or to ``1/train_steps`` (a ``FlowMatchEulerDiscreteScheduler`` given no sigmas, SD3's: its
+    shifted ``sigma_min``), within :data:`SPACING_TOL`."""
     head = [float(x) for x in sigmas[:steps]]
     if len(head) < steps or not head:
         return f"{len(sigmas)} sigmas for {steps} steps"
     u = unshift(head, shift)
-    want = [1.0 - i * (1.0 - 1.0 / steps) / max(steps - 1, 1) for i in range(steps)]
-    if max(abs(a - b) for a, b in zip(u, want)) > SPACING_TOL:
+    wants = [[1.0 - i * (1.0 - end) / max(steps - 1, 1) for i in range(steps)]
+             for end in (1.0 / steps, 1.0 / max(int(train_steps), 1))]
+    if all(max(abs(a - b) for a, b in zip(u, want)) > SPACING_TOL for want in wants):
         return (f"sigmas {[round(x, 5) for x in head]} un-shifted by {shift:g} are {[round(x, 5) for x in u]}, not "
-                f"the evenly spaced {[round(x, 5) for x in want]}: another shift made them")
+                f"the evenly spaced {[round(x, 5) for x in wants[0]]} (or to {wants[1][-1]:g}): another shift made "
+                "them")
     return None
 
 
@@ -196,7 +199,8 @@ class ShiftPass(Pass):
             key = repr((c["steps"], c["sigmas"]))
             if key in seen:
                 continue
-            why = schedule_problem(c["sigmas"], c["steps"], self.shift)
+            why = schedule_problem(c["sigmas"], c["steps"], self.shift,
+                                   int(self.installed.config.get("num_train_timesteps", 1000)))
             if not c["same_scheduler"]:
                 why = "the pipeline's scheduler was replaced after the shift was installed"
             seen[key] = {"steps": c["steps"], "sigmas": c["sigmas"], "check": "verified" if why is None else why}
