@@ -115,6 +115,13 @@ def test_an_unfilled_preset_adapter_is_refused_at_startup_naming_the_entry_and_t
     assert not (tmp_path / "r" / "items.jsonl").exists()
 
 
+def test_a_preset_naming_an_adapter_its_library_lacks_is_refused(tmp_path):
+    r = execute(tmp_path / "r", ["experiment=toy_shapes_fewstep", "model.distilled.adapters=[fewstep3]"],
+                catch=(ConfigValueError,))
+    assert r.error is not None and r.error.exit_code == 2
+    assert "model.distilled.adapters names 'fewstep3'" in str(r.error) and "names: fewstep2" in str(r.error)
+
+
 def test_the_presets_set_steps_shift_guidance_and_name_their_adapters():
     from _helpers import compose
 
