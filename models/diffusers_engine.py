@@ -65,13 +65,15 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
     applies_cache: ClassVar[bool] = True  # cache.* (models.cache): the step cache of the denoiser
 
     PASSES: ClassVar[Tuple[str, ...]] = (
-        "models.prompt_tokens:TruncationPass", "models.conditioning:ConditioningPass",
+        "models.prompt_tokens:TruncationPass", "models.scheduler_shift:ShiftPass",
+        "models.conditioning:ConditioningPass",
         "models.denoiser_evidence:ExpertsPass", "models.lora:LoraPass", "models.backend_passes:AttentionPass", "models.backend_passes:MoePass",
         "models.backend_passes:LinearPass", "models.context_parallel:ContextParallelPass",
         "models.memory:FittingPass", "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
         "models.compile:CompilePass")
     """The engine's features as passes (:mod:`models.passes`), as ``"module:Class"`` paths, in install order (every
-    phase runs them in this order, ``close`` in reverse): LoRA adapters first (fused weights are what the backends
+    phase runs them in this order, ``close`` in reverse): the scheduler's shift (``model.generation.shift``) replaces
+    the scheduler only; LoRA adapters first among those that touch the weights (fused weights are what the backends
     then wrap); the attention backends before context parallelism (diffusers checks each processor's); the MoE
     backend before linear (the routed experts' Linears belong to it); the memory plan's placement after every pass
     that replaces or rewrites parameters (fused LoRA, MoE, linear backends; ``optimize`` ran before all passes) and

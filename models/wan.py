@@ -224,7 +224,8 @@ class WanEngine(PipelineEngine):
 
     def planned_expert_steps(self, steps: int) -> Dict[str, int]:
         """``{expert: steps it runs}`` of a call of ``steps`` denoising steps, known before loading: the timesteps of
-        a scheduler built from the weight source's scheduler config (``set_timesteps(steps)``, as WanPipeline), split
+        a scheduler built from the weight source's scheduler config at ``model.generation.shift`` when set
+        (``models.scheduler_shift.shifted_config``; ``set_timesteps(steps)``, as WanPipeline), split
         at :meth:`boundary_timestep` as :meth:`expected_experts` splits them (tiny_wan22, boundary 875: 1 step is
         ``{transformer: 1, transformer_2: 0}``; 4 steps at ``boundary_ratio`` 0.5 are ``{4, 0}``). One expert: all
         steps on ``transformer``."""
@@ -235,8 +236,13 @@ class WanEngine(PipelineEngine):
         if (steps, boundary) not in cache:
             import diffusers
 
+            from models.scheduler_shift import shift_kind, shifted_config
+
             conf = self.component_config("scheduler")
             cls = getattr(diffusers, str(conf.get("_class_name") or self.component_class("scheduler")))
+            shift = self.cfg.generation.shift  # the scheduler the run installs (models.scheduler_shift)
+            kind = shift_kind({"_class_name": cls.__name__, **conf})
+            conf = shifted_config(conf, shift, kind) if shift is not None and kind else conf
             sched = cls.from_config({k: v for k, v in conf.items() if not k.startswith("_")})
             sched.set_timesteps(int(steps), device="cpu")
             high = sum(1 for t in sched.timesteps if float(t) >= boundary)

@@ -97,6 +97,7 @@ def check_schema(cfg: DictConfig) -> None:
     from runner.core.schema import typed_skeleton
 
     check_renamed_keys(cfg)
+    check_distilled_paths(cfg)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:  # e.g. model=base_diffusion: a family's schema, which --help lists beside the models
         base = ("; the model option chosen is a schema base (base_diffusion, base_ar, base_pipeline), not a model"
@@ -119,6 +120,43 @@ def check_schema(cfg: DictConfig) -> None:
         msg = str(e).splitlines()[0]
         raise ConfigValueError(f"config does not match the schema: {msg}; fix: remove or correct that key "
                                "(a `+key=...` override adds keys the schema does not know)") from None
+
+
+def check_distilled_paths(cfg: DictConfig) -> None:
+    """A few-step distilled preset (``model.distilled``, ``experiment=wan22_lightning_4step`` ...) leaves its adapter
+    files for the user to fill in (``path: ???``); each unfilled one is refused here, at startup before any weight
+    loads, naming the entry, the preset, where the files are published (``model.distilled.source``) and the override
+    that fills it in. Also refused: a preset naming an adapter that ``model.lora`` lacks.
+
+    Raises:
+        ConfigValueError: every unfilled or unknown adapter of the preset at once (exit 2).
+    """
+    model = cfg.get("model")
+    d = model.get("distilled") if isinstance(model, DictConfig) else None
+    if not isinstance(d, DictConfig) or d.get("preset") in (None, ""):
+        return
+    preset, wanted = d.preset, [str(a) for a in (d.get("adapters") or [])]
+    entries = list(model.get("lora") or [])
+    names = [e.get("name") if not OmegaConf.is_missing(e, "name") else None for e in entries]
+    src = f" (published: {d.source})" if d.get("source") else ""
+    problems = []
+    for a in wanted:
+        if a not in names:
+            problems.append(f"model.distilled.adapters names {a!r}, which no model.lora entry is (names: "
+                            f"{', '.join(map(str, names)) or 'none'}); fix: add {{name: {a}, path: <file>}} to "
+                            "model.lora, or drop it from model.distilled.adapters")
+            continue
+        i = names.index(a)
+        if OmegaConf.is_missing(entries[i], "path"):
+            expert = entries[i].get("expert")
+            problems.append(f"model.lora[{i}].path ({a}{', expert ' + str(expert) if expert else ''}) is not set: "
+                            f"experiment={preset} needs the distilled adapter file, which you supply{src}; fix: "
+                            f"model.lora.{i}.path=/path/to/{a}.safetensors")
+    if not wanted:
+        problems.append(f"model.distilled.preset={preset} names no adapter (model.distilled.adapters is empty); fix: "
+                        "list the model.lora entries (by name) that are the preset's distilled adapters")
+    if problems:
+        raise ConfigValueError("; ".join(problems))
 
 
 def check_renamed_keys(cfg: DictConfig) -> None:

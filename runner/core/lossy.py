@@ -14,7 +14,9 @@ with (first_block on toy_shapes: up to 46 intensity levels between batch 1 and b
 by at most 1). A fixed schedule (``taylorseer``, ``pab``) and the lossy kernels act per item.
 
 Lanes are strings: ``cache=<method>``, ``model.quantization.<component>=<method>``, ``<stage>.linear=<backend>``, ``<stage>.attention.<role>=<backend>`` (with
-``+quant``/``+skip_softmax`` when the spec sets them).
+``+quant``/``+skip_softmax`` when the spec sets them), ``model.distilled=<preset>`` (a few-step distilled preset:
+``model.distilled``, ``docs/lora.md``; its section also holds ``distilled``: the preset, its adapters and ``base``,
+the model's own values of the generation fields a preset sets, which the gate's reference must have run).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def lanes(backends: Mapping[str, Mapping[str, Any]], config: Optional[Mapping[st
     if method is not None:
         out.append(f"cache={method}")
     out.extend(quantization_lanes(config))
+    preset = distilled_preset(config)
+    if preset is not None:
+        out.append(f"model.distilled={preset}")
     for stage, fields in (backends or {}).items():
         for fname, res in (fields or {}).items():
             sel = (res or {}).get("selected") if isinstance(res, Mapping) else None
@@ -68,6 +73,47 @@ def quantization_lanes(config: Optional[Mapping[str, Any]]) -> List[str]:
             if k != "gguf_file" and v is not None and str(v).strip().lower() not in ("none", "", "null", "off")]
 
 
+#: The ``model.generation`` fields a distilled preset sets (steps, the scheduler's shift, guidance): the gate compares
+#: its run with the base model's run of the same rows at the model's own values of these (``base``).
+DISTILLED_FIELDS = ("num_inference_steps", "shift", "guidance_scale", "guidance_scale_2", "true_cfg_scale")
+
+
+def distilled_preset(config: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """``model.distilled.preset`` of a run config (None: not a distilled run, or a config before the field)."""
+    d = (((config or {}).get("model") or {}).get("distilled")) or {}
+    p = d.get("preset") if isinstance(d, Mapping) else None
+    return None if p is None or str(p).strip().lower() in ("", "none", "null") else str(p)
+
+
+def base_generation(model_name: str, generation: Mapping[str, Any]) -> Dict[str, Any]:
+    """The model's own values of :data:`DISTILLED_FIELDS`: ``conf/model/<model_name>.yaml``'s ``generation`` (the
+    schema's default for a field it leaves out, null for ``shift``); a model without a YAML there (another config
+    search path): the run's own ``generation`` values (its gate then needs a reference at the preset's values)."""
+    from omegaconf import OmegaConf
+
+    from runner.core.paths import CONF_DIR
+    from runner.core.schema import GenerationDefaults
+
+    yaml = CONF_DIR / "model" / f"{model_name}.yaml"
+    if not yaml.is_file():
+        return {k: generation.get(k) for k in DISTILLED_FIELDS}
+    own = OmegaConf.to_container(OmegaConf.load(yaml).get("generation") or OmegaConf.create({}), resolve=False)
+    schema = GenerationDefaults()
+    return {k: own[k] if k in own else getattr(schema, k) for k in DISTILLED_FIELDS}
+
+
+def distilled_section(config: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The lossy section's ``distilled``: ``{"preset", "adapters", "base"}`` (:func:`base_generation`), None for a
+    run that is no distilled preset."""
+    preset = distilled_preset(config)
+    if preset is None:
+        return None
+    model = (config or {}).get("model") or {}
+    d = model.get("distilled") or {}
+    return {"preset": preset, "adapters": list(d.get("adapters") or []),
+            "base": base_generation(str(model.get("name")), model.get("generation") or {})}
+
+
 #: Step-cache schedules whose reuse decision is taken per pipeline call from the whole batch's activations.
 BATCH_DEPENDENT_SCHEDULES = ("adaptive",)
 
@@ -85,7 +131,11 @@ def section(backends: Mapping[str, Mapping[str, Any]], config: Optional[Mapping[
     method = _cache_method(config)
     dependent = ([f"cache={method}"] if method is not None and cache_schedule in BATCH_DEPENDENT_SCHEDULES
                  else [])
-    return {"lossy": bool(found), "lanes": found, "batch_dependent": dependent}
+    out = {"lossy": bool(found), "lanes": found, "batch_dependent": dependent}
+    distilled = distilled_section(config)
+    if distilled is not None:
+        out["distilled"] = distilled
+    return out
 
 
 def _recorded_schedule(manifest: Mapping[str, Any]) -> Optional[str]:
@@ -106,6 +156,9 @@ def of_manifest(manifest: Mapping[str, Any]) -> Dict[str, Any]:
     implied = section(manifest.get("backends") or {}, manifest.get("config") or {}, _recorded_schedule(manifest))
     if isinstance(doc, Mapping) and "lossy" in doc:
         dependent = doc["batch_dependent"] if "batch_dependent" in doc else implied["batch_dependent"]
-        return {"lossy": bool(doc["lossy"]), "lanes": list(doc.get("lanes") or []),
-                "batch_dependent": list(dependent or [])}
+        out = {"lossy": bool(doc["lossy"]), "lanes": list(doc.get("lanes") or []),
+               "batch_dependent": list(dependent or [])}
+        if doc.get("distilled"):
+            out["distilled"] = dict(doc["distilled"])
+        return out
     return implied

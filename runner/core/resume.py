@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from runner.core import media
 from runner.core.errors import UserInputError
-from runner.core.schema import IDENTITY, RESUME, factor_keys, holds_entries, omitted_fields
+from runner.core.schema import IDENTITY, RESUME, factor_keys, holds_entries, null_when_unset, omitted_fields
 
 #: Keys of the resolved config compared on resume, derived from the schema's field declarations
 #: (``runner.core.schema.declared(..., enters=(RESUME, ...))``); the ``cache`` and ``optimize.compile_mode`` keys
@@ -321,8 +321,13 @@ def _source_fingerprint(source: Dict[str, Any]) -> Dict[str, Any]:
 
 def _identity_value(cfg: Dict[str, Any], key: str) -> Any:
     """``key``'s value in the identity: as canonical JSON, without the fields declared omitted from it
-    (``runner.core.schema.omitted_fields``: row defaults, per-stage backends), in each entry of a mapping."""
+    (``runner.core.schema.omitted_fields``: row defaults, per-stage backends), in each entry of a mapping, and
+    without the fields that count only while set when they are null (``runner.core.schema.null_when_unset``:
+    ``model.generation.shift``)."""
     val = json.loads(_canonical(_get(cfg, key)))
+    if isinstance(val, dict) and not holds_entries(key):
+        unset = [k for k in null_when_unset(key) if val.get(k) is None]
+        val = {k: v for k, v in val.items() if k not in unset}
     drop = omitted_fields(key, IDENTITY)
     if drop and isinstance(val, dict):
         if holds_entries(key):

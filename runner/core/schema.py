@@ -395,6 +395,16 @@ class GenerationDefaults:
     """Video models: frames per video (Wan: 4k+1, e.g. 81); null for image models (a value there is refused)."""
     fps: Optional[int] = None
     """Video models: frames per second of the written video (Wan 2.1: 16); null for image models."""
+    shift: Optional[float] = declared(None, when_set=True)
+    """The flow-matching scheduler's static timestep shift ``s`` (> 0): every sigma of the schedule becomes
+    ``s * sigma / (1 + (s - 1) * sigma)`` whatever the image size (diffusers' ``FlowMatchEulerDiscreteScheduler``
+    ``shift`` with ``use_dynamic_shifting`` and ``shift_terminal`` off; ``flow_shift`` of a flow-sigma
+    ``UniPCMultistepScheduler``/``DPMSolverMultistepScheduler``, Wan's), applied to the loaded pipeline's scheduler
+    (``models.scheduler_shift``); the sigmas the scheduler used are read back after each call into the item's
+    ``scheduler`` record and checked in ``evidence.stages.<stage>.scheduler``. Few-step distilled adapters are
+    trained at one (Qwen-Image-Lightning: 3, Wan 2.2 Lightning: 5). null: the model's own scheduler (FLUX's and
+    Qwen-Image's resolution-dependent shift). A scheduler without a flow shift is refused at startup, naming the
+    fix. Enters the resume comparison and the run identity while set (:attr:`Factors.when_set`)."""
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -423,6 +433,23 @@ class LoraAdapterConfig:
     scale per expert: one entry per expert, each with its ``scale`` (the same path under two names). Few-step
     distilled pairs (Wan 2.2 Lightning / LightX2V) ship one file per expert. In the run identity (a moved adapter is
     another output); an expert that runs no step of a row records its part under the item's ``ignored.lora``."""
+
+
+@dataclass
+class DistilledConfig:
+    """A few-step distilled preset (``experiment=wan22_lightning_4step``, ``qwen_image_lightning_8step``,
+    ``toy_shapes_fewstep``; ``docs/lora.md``): its adapters are ``model.lora`` entries, its steps, shift and guidance
+    ``model.generation``'s. A run that names one is lossy (the lane ``model.distilled=<preset>``,
+    ``runner.core.lossy``), and ``runner.gate`` compares it with the base model's run of the same rows (the model's
+    own steps, shift and guidance, without the preset's adapters)."""
+
+    preset: Optional[str] = None
+    """The preset's name (null: not a distilled run)."""
+    adapters: List[str] = field(default_factory=list)
+    """The ``model.lora`` entries (by ``name``) that are the preset's distilled adapters, each with its file
+    (``path``) for the user to fill in; an entry without a path is refused at startup, naming it and the fix."""
+    source: Optional[str] = None
+    """Where the adapter files are published, named in that refusal's fix."""
 
 
 @dataclass
@@ -524,6 +551,9 @@ class DiffusionModelConfig(ModelConfig):
     lora: List[LoraAdapterConfig] = declared(default_factory=list, enters=(RESUME,))
     """The run's LoRA adapters (``models.lora``): every row runs all of them unless it names its own (``lora``,
     ``lora_scale`` row fields). Each adapter's sha256 and scale enter the identity of the items that run it."""
+    distilled: DistilledConfig = field(default_factory=DistilledConfig)
+    """The few-step distilled preset the run is (:class:`DistilledConfig`; set by its experiment): a label for the
+    lossy lane and the gate, entering no identity (the adapters, steps and shift it sets do)."""
     lora_fuse: LoraFuse = declared(LoraFuse.auto, enters=(RESUME,))
     """Fuse the adapters into the base weights at load (:class:`LoraFuse`); the decision is recorded in
     ``model.source.lora`` and enters the run identity."""
@@ -1145,6 +1175,17 @@ def omitted_fields(key: str, kind: str) -> tuple:
             if sub is None and typing.get_origin(held) is list:
                 sub = typing.get_args(held)[0] if dataclasses.is_dataclass(typing.get_args(held)[0]) else None
             return tuple(g.name for g in dataclasses.fields(sub) if kind in factors_of(g).omitted_from) if sub else ()
+    raise KeyError(f"{key} declares no factors")
+
+
+def null_when_unset(key: str) -> tuple:
+    """Names of the fields inside ``key``'s value declared :attr:`Factors.when_set` (``model.generation.shift``): left
+    out of the resume comparison and the identity while null, so runs that never set one keep what they had before
+    the field existed."""
+    for k, f, owner in _declared_fields():
+        if k == key:
+            sub = _field_class(owner, f.name)
+            return tuple(g.name for g in dataclasses.fields(sub) if factors_of(g).when_set) if sub else ()
     raise KeyError(f"{key} declares no factors")
 
 

@@ -9,6 +9,11 @@ compared with the lossless job of the same rows.
   ``batch_dependent``: an adaptive step cache) is ``unmatched`` without a lossless job of its batch size (the
   batch would be measured, not the lane); any other lossy job falls back to a lossless job of another batch size
   (batching alone moves a lossless pixel by at most one level), with a note saying so.
+* **Distilled presets.** A job of a few-step distilled preset (``model.distilled``; ``runner.core.lossy``'s
+  ``distilled`` section) is compared with the base model's run of the same rows: a lossless job whose rows match
+  once the preset's generation fields (``lossy.DISTILLED_FIELDS``: steps, shift, guidance) take the model's own
+  values (the section's ``base``), that runs the job's adapters without the preset's (``model.lora`` by path). Its
+  items are compared although their ``params`` differ in those fields and in ``lora`` (what the preset changes).
 * **Accuracy.** With an oracle (toy_shapes, toy_motion: the manifest's ``accuracy``), the lossy job's accuracy
   per attribute (colour, shape, position or direction) must be at least ``min_ratio`` (default
   :data:`MIN_RATIO`, 0.97) times the lossless job's (an attribute the lossless job gets 0 on passes).
@@ -59,17 +64,34 @@ NOT_ATTRIBUTES = ("oracle", "n", "all", "read")
 FAILING = ("fail", "unmatched", "not_run")
 
 
-def rows_identity(job: Job) -> str:
-    """sha256 of what makes two jobs' rows the same (see the module docstring); lanes (backends, cache) aside."""
+def rows_identity(job: Job, base: Optional[Mapping[str, Any]] = None) -> str:
+    """sha256 of what makes two jobs' rows the same (see the module docstring); lanes (backends, cache) aside.
+
+    Args:
+        base: generation values that replace the job's own (a distilled preset's ``base``: the model's own steps,
+            shift and guidance), so the job matches the base model's run. A null ``shift`` counts as unset (a
+            manifest written before the field has none).
+    """
     m = job.manifest
     cfg = m.get("config") or {}
     src = (m.get("model") or {}).get("source") or {}
     weights = src.get("files") or {k: src.get(k) for k in ("kind", "path", "weights_seed") if k in src}
+    gen = dict((cfg.get("model") or {}).get("generation") or {})
+    gen.update(base or {})
+    if gen.get("shift") is None:
+        gen.pop("shift", None)
     doc = {"model": (m.get("model") or {}).get("name"), "weights": weights,
            "dataset": (m.get("dataset") or {}).get("sha256"), "limit": (cfg.get("dataset") or {}).get("limit"),
            "seed": cfg.get("seed"), "num_images_per_prompt": cfg.get("num_images_per_prompt"),
-           "generation": (cfg.get("model") or {}).get("generation"), "dtype": m.get("dtype")}
+           "generation": gen, "dtype": m.get("dtype")}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def lora_paths(job: Job, without: Sequence[str] = ()) -> List[str]:
+    """The paths of the job's ``model.lora`` entries (sorted), without those named in ``without`` (a distilled
+    preset's adapters)."""
+    entries = ((job.manifest.get("config") or {}).get("model") or {}).get("lora") or []
+    return sorted(str(e.get("path")) for e in entries if isinstance(e, Mapping) and e.get("name") not in without)
 
 
 def batch_size(job: Job) -> Optional[int]:
@@ -193,12 +215,13 @@ def compare(job: Job, ref: Job, min_ratio: float = MIN_RATIO, min_psnr_db: Optio
     ratios (:func:`metric_ratios`), per-item PSNR and SSIM, the verdict and its reasons."""
     items: List[Dict[str, Any]] = []
     mine = job.ok_items
+    changed = (*lossy.DISTILLED_FIELDS, "lora") if lossy.of_manifest(job.manifest).get("distilled") else ()
     for key, r in ref.ok_items.items():
         row: Dict[str, Any] = {"key": key}
         if key not in mine:
             row["note"] = "missing in the lossy job"
-        elif not_comparable(ref, job, r, mine[key]):
-            row["note"] = not_comparable(ref, job, r, mine[key])
+        elif not_comparable(ref, job, _without(r, changed), _without(mine[key], changed)):
+            row["note"] = not_comparable(ref, job, _without(r, changed), _without(mine[key], changed))
         else:
             row.update(item_metrics(job.image_path(key), ref.image_path(key)))
         items.append(row)
@@ -231,6 +254,13 @@ def compare(job: Job, ref: Job, min_ratio: float = MIN_RATIO, min_psnr_db: Optio
             "cache_hit_rate": (cache or {}).get("forwards_hit_rate"), "items": items}
 
 
+def _without(rec: Dict[str, Any], params: Sequence[str]) -> Dict[str, Any]:
+    """An item record without the ``params`` a distilled preset changes (compared as the same request)."""
+    if not params:
+        return rec
+    return {**rec, "params": {k: v for k, v in (rec.get("params") or {}).items() if k not in params}}
+
+
 def evaluate(jobs: Sequence[Job], min_ratio: float = MIN_RATIO, min_psnr_db: Optional[float] = None,
              min_metric_ratio: Optional[Mapping[str, float]] = None) -> Dict[str, Any]:
     """The gate of every lossy job among ``jobs`` (see the module docstring).
@@ -252,7 +282,19 @@ def evaluate(jobs: Sequence[Job], min_ratio: float = MIN_RATIO, min_psnr_db: Opt
             v = "skipped" if j.outcome == "refused" else "not_run"
             entries.append({**base, "verdict": v, "reasons": [f"the lossy job's outcome is {j.outcome}"]})
             continue
-        same = [r for r in lossless if keys[r.label] == keys[j.label]]
+        distilled = labels[j.label].get("distilled")
+        if distilled:  # the base model's run: the model's own steps/shift/guidance, without the preset's adapters
+            mine = rows_identity(j, distilled.get("base") or {})
+            adapters = lora_paths(j, distilled.get("adapters") or ())
+            same = [r for r in lossless if keys[r.label] == mine and lora_paths(r) == adapters]
+        else:
+            same = [r for r in lossless if keys[r.label] == keys[j.label]]
+        if not same and distilled:
+            entries.append({**base, "verdict": "unmatched", "reasons": [
+                f"no lossless run of the base model on the same rows (model.distilled={distilled.get('preset')}: "
+                f"the model's own {', '.join(f'{k}={v}' for k, v in (distilled.get('base') or {}).items())}, "
+                "without the preset's adapters); fix: run the same rows without the experiment and pass its run dir"]})
+            continue
         if not same:
             entries.append({**base, "verdict": "unmatched", "reasons": [
                 "no lossless job of the same rows (model weights, dataset, limit, seed, generation, dtype); fix: add "
