@@ -150,20 +150,6 @@ def train(pipe: Any, args: Any) -> Tuple[Any, Dict[str, Any]]:
                  "parameters": sum(p.numel() for p in params)}
 
 
-def save(pipe: Any, cfg: Any, out: Path) -> int:
-    """The adapter in diffusers' LoRA format (peft config as adapter metadata); returns the file's bytes."""
-    from diffusers import FluxPipeline
-    from peft import get_peft_model_state_dict
-
-    sd = {k: v.detach().to("cpu", torch.float32).contiguous()
-          for k, v in get_peft_model_state_dict(pipe.transformer).items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.to_dict().items()}
-    FluxPipeline.save_lora_weights(out.parent, transformer_lora_layers=sd, weight_name=out.name,
-                                   transformer_lora_adapter_metadata=meta)
-    return out.stat().st_size
-
-
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     """PSNR in dB of two image stacks in [0, 1] over all their pixels."""
     return round(float(10 * np.log10(1.0 / max(float(((a - b) ** 2).mean()), 1e-12))), 3)
@@ -224,7 +210,9 @@ def main() -> None:
     out = Path(args.out)
     report: Dict[str, Any] = {"device": "cpu", "seed": args.seed, "rank": RANK, "target_modules": TARGET_MODULES,
                               "steps": STEPS, "shift": SHIFT, "teacher_steps": TEACHER_STEPS, "train": figures}
-    report["bytes"] = save(pipe, cfg, out)
+    from models.toy_shapes.train_lora import save_adapter
+
+    report["bytes"] = save_adapter(pipe, cfg, out)
     report["eval"] = evaluate(Path(args.weights), out, args.eval_seeds, args.seed + 1000)
     print(json.dumps(report, indent=1), flush=True)
     Path(args.report or out.with_suffix(".json")).write_text(json.dumps(report, indent=1) + "\n")

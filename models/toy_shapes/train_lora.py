@@ -121,14 +121,11 @@ def train(pipe: Any, args: Any, device: str) -> Dict[str, Any]:
             "parameters": sum(p.numel() for p in params)}
 
 
-def save(pipe: Any, cfg: Any, out: Path) -> int:
-    """The adapter in diffusers' LoRA format with the oracle effect in its metadata; returns the file's bytes."""
+def save_adapter(pipe: Any, cfg: Any, out: Path) -> int:
+    """The transformer's peft adapter in diffusers' LoRA format (``FluxPipeline.save_lora_weights``, float32, the
+    peft config as adapter metadata); returns the file's bytes. Shared by the toy adapters' training scripts."""
     from diffusers import FluxPipeline
     from peft import get_peft_model_state_dict
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    from models.lora import EFFECT_KEY
 
     sd = {k: v.detach().to("cpu", torch.float32).contiguous()
           for k, v in get_peft_model_state_dict(pipe.transformer).items()}
@@ -136,6 +133,17 @@ def save(pipe: Any, cfg: Any, out: Path) -> int:
     meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.to_dict().items()}
     FluxPipeline.save_lora_weights(out.parent, transformer_lora_layers=sd, weight_name=out.name,
                                    transformer_lora_adapter_metadata=meta)
+    return out.stat().st_size
+
+
+def save(pipe: Any, cfg: Any, out: Path) -> int:
+    """The adapter (:func:`save_adapter`) with the oracle effect in its metadata; returns the file's bytes."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from models.lora import EFFECT_KEY
+
+    save_adapter(pipe, cfg, out)
     with safe_open(str(out), "pt") as f:
         header = dict(f.metadata() or {})
     save_file(load_file(str(out)), str(out), metadata={**header, EFFECT_KEY: json.dumps({"color": TARGET})})
