@@ -29,6 +29,39 @@ What it does:
 
 Mutants live in ``build/mutation/<group>/mutants``; ``cd build/mutation/<group> && mutmut show <name>`` prints
 one of them.
+
+The whole core (issue #42; prepared, not yet run):
+
+    python benchmarks/mutation.py --list-whole-core    # the groups: files, lines, functions, est. mutants, tests
+    python benchmarks/mutation.py --whole-core         # every group of benchmarks/mutation_core.json, in its order
+    python benchmarks/mutation.py --whole-core --groups core_m_memory   # one group (results of others kept)
+
+Scope: every module of runner/ (app, core, kernels, tools) and models/ (engines, families, features, vllm, the
+toys' data and oracles) but the toys' training scripts and the GPU-only functions named in
+``benchmarks/mutation_core.json`` (:data:`WHOLE_CORE`, :data:`GPU_ONLY`): 100 files in 63 groups, ~53,000 mutants
+by :func:`estimate_mutants` (an estimate from the AST, fitted on the last result; mutmut's count will differ).
+
+How a session runs it:
+
+1. one commit, nothing else: start from a clean tree at the commit to score (``--whole-core`` refuses uncommitted
+   changes to tracked files) and change no scoped file (runner/, models/) for the whole run; every group must
+   record the same commit in ``group_runs`` (a group re-run after a change to its files means re-running it at
+   the new commit; a survivor killed by a new test is re-tested with ``--rerun-survivors``, which changes only
+   tests/). Run it as one command in the background with its log, e.g.
+   ``nohup python benchmarks/mutation.py --whole-core > build/mutation-core.log 2>&1 &``;
+2. order (the file's order): the 35 groups whose tests call the code directly (runner/core, kernels, app, tools,
+   then models/; ~50,000 mutants, ~5.6 h at 0.25 s a mutant), the subprocess group (``core_core_rundir_*``,
+   ~1.5 s a mutant) and the pipeline groups (``core_m_cache_*``, ~5 s a mutant, ~2 h) within them, then the 28
+   groups that only end-to-end tests reach (``e2e`` in the file: ``__main__``, manifest, pool, signals,
+   backend_passes, diffusion_rows, flux2, prompt_tokens, snapshot, source, zimage; ~2,800 mutants, ~4.7 h at 6 s);
+3. expected wall time: ~10.3 h in all at the per-group rates of :data:`RATE` (measured per group on the last
+   result: 2,859 s of group wall time for 5,983 mutants, 0.48 s a mutant on average); at the last result's
+   ``wall_s_full_run`` per mutant (436.5 s / 5,885 = 0.074 s, a run of the first, direct groups only) it would be
+   ~1.1 h, a lower bound. The budget of one session (20 minutes a group) holds a few groups: a whole-core run
+   spans sessions only if they all stay at the same commit (record it in the closing note);
+4. then: every survivor killed by a new test (``--rerun-survivors``) or written down in
+   ``benchmarks/mutation_equivalent.json`` with its reason; ``--list-whole-core`` exits 1 when a file with
+   functions of runner/ or models/ is in no group (a new module).
 """
 
 from __future__ import annotations
@@ -193,6 +226,39 @@ GROUPS: Dict[str, Dict[str, Any]] = {
 #: Survivors that cannot change what a user sees (benchmarks/mutation_equivalent.json), matched on the file,
 #: function, original line and mutated line of the mutation (stripped), each with its one-line reason. An entry
 #: with ``"survives": true`` is no equivalent: it stays a survivor, with the reason no test kills it here.
+#: The whole core (issue #42), in ``benchmarks/mutation_core.json``: every module of runner/ (app, core, kernels,
+#: tools) and models/ but the toys' training scripts (``models/toy_*/train*.py``: offline training, no runner code
+#: path imports them), in groups of one module or a cluster of small modules of one package, each estimated to take
+#: at most about 20 minutes on 2 shared cores (:func:`estimate_mutants`, ``--list-whole-core``). A file's scope is
+#: ``"*"``, or ``{"all_but": [...]}`` leaving out the functions of ``gpu_only`` (each runs only on a CUDA device:
+#: allocator statistics and caps, the device probe, Triton launches, the CUDA profiler's stop; on a CPU no test can
+#: reach them, so each of their mutants would count as survived), or a list of functions where a module needs
+#: several groups. Per group ``tests`` are the test files (or node ids) that import the module and call it
+#: directly, found statically (ast: ``import runner.x``, ``from runner.x import``, ``from models import y``), with
+#: a file's end-to-end tests (``execute``, ``run_job``, ``cli``, ``python -m runner``) left out, plus the tests the
+#: groups above give the same file; ``e2e`` names the end-to-end test files used where no direct test exists (at
+#: most two, chosen by hand; ~6 s a mutant). Regenerate the lists when tests move; ``--list-whole-core`` shows them.
+CORE = ROOT / "benchmarks" / "mutation_core.json"
+_core = json.loads(CORE.read_text())
+WHOLE_CORE: Dict[str, Dict[str, Any]] = _core["groups"]
+GPU_ONLY: Dict[str, List[str]] = _core["gpu_only"]
+
+#: Seconds per mutant on 2 shared cores, from the last recorded run's per-group wall times and mutant counts
+#: (``group_wall_s`` / killed+survived+equivalent at 81e1164): groups whose tests call the code directly took
+#: 0.11-0.34 s a mutant (0.25 taken), tests that start subprocesses ~1.5 s (rundir, context_parallel), tests that
+#: run toy pipelines ~5 s (cache); an end-to-end group is taken at 6 s.
+RATE = {"direct": 0.25, "e2e": 6.0, "runner/core/rundir.py": 1.5, "models/context_parallel.py": 1.57,
+        "models/cache.py": 5.07}
+
+#: Rough weights of :func:`estimate_mutants` per AST node (mutmut 3 mutates each call argument twice: ``None`` and
+#: removed; a string to ``"XX..XX"`` and its case; numbers +1; operators, comparisons, ``and``/``or``, ``not``,
+#: augmented and plain assignments, booleans, ``break``/``continue``, lambdas, f-strings), scaled by
+#: :data:`MUTANT_SCALE`, fitted on the 175 functions of the last result (5,936 mutants; the estimate's correlation
+#: per function 0.96, per file within about +-25%). An estimate: mutmut itself says the count.
+MUTANT_WEIGHTS = {"args": 2, "assign": 1, "aug": 2, "binop": 1.5, "bool": 1, "bool_op": 1, "brk": 1, "cmp": 1.5,
+                  "fstr": 1, "lambda": 1, "num": 1, "str": 2, "unary": 1}
+MUTANT_SCALE = 0.82
+
 NICE = 19  # a shared developer machine: the mutants run at the lowest priority
 
 EQUIVALENT: List[Dict[str, str]] = json.loads((ROOT / "benchmarks" / "mutation_equivalent.json").read_text())
@@ -224,11 +290,17 @@ def mangled(path: str, func: str) -> str:
 
 
 def functions(path: str, names: Any) -> List[str]:
-    """The functions of ``path`` a scope entry names (``"*"``: all, in file order); an unknown name is an error, so a
-    renamed function cannot silently drop out of the scope."""
+    """The functions of ``path`` a scope entry names (``"*"``: all, in file order; ``{"all_but": [...]}``: all but
+    those, the GPU-only ones of :data:`GPU_ONLY`); an unknown name is an error, so a renamed function cannot
+    silently drop out of the scope."""
     starts = _function_starts(ROOT / path)
     if names == ALL:
         return list(starts)
+    if isinstance(names, dict):
+        missing = [f for f in names["all_but"] if f not in starts]
+        if missing:
+            raise SystemExit(f"mutation: {path} has no function(s) {', '.join(missing)}; fix {CORE.name}")
+        return [f for f in starts if f not in names["all_but"]]
     missing = [f for f in names if f not in starts]
     if missing:
         raise SystemExit(f"mutation: {path} has no function(s) {', '.join(missing)}; fix GROUPS")
@@ -469,11 +541,118 @@ def collect(work: Path, group: Dict[str, Any]) -> Dict[str, Any]:
         os.chdir(here)
 
 
-def scope_doc(names: Optional[List[str]] = None) -> Dict[str, Any]:
-    """What the score covers (the groups ``names``, default all): per file its functions (``"*"`` expanded), the
-    counts of files and functions."""
+def _function_nodes(path: Path) -> Dict[str, ast.AST]:
+    tree = ast.parse(path.read_text())
+    out: Dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            for m in node.body:
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out[f"{node.name}.{m.name}"] = m
+    return out
+
+
+def estimate_mutants(fn: ast.AST) -> float:
+    """A rough count of the mutants mutmut makes of one function (:data:`MUTANT_WEIGHTS`; docstring, annotations and
+    f-string parts not counted)."""
+    body = list(fn.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    skip, n = set(), 0.0
+    w = MUTANT_WEIGHTS
+    for stmt in body:
+        for x in ast.walk(stmt):
+            if isinstance(x, ast.AnnAssign):
+                skip.update(id(y) for y in ast.walk(x.annotation))
+            elif isinstance(x, ast.JoinedStr):
+                skip.update(id(y) for y in ast.walk(x) if y is not x)
+    for stmt in body:
+        for x in ast.walk(stmt):
+            if id(x) in skip:
+                continue
+            if isinstance(x, ast.Constant):
+                v = x.value
+                n += w["bool"] if isinstance(v, bool) else w["num"] if isinstance(v, (int, float)) else \
+                    w["str"] if isinstance(v, str) else 0
+            elif isinstance(x, ast.JoinedStr):
+                n += w["fstr"]
+            elif isinstance(x, ast.BinOp):
+                n += w["binop"]
+            elif isinstance(x, ast.AugAssign):
+                n += w["aug"]
+            elif isinstance(x, ast.Compare):
+                n += w["cmp"] * len(x.ops)
+            elif isinstance(x, ast.BoolOp):
+                n += w["bool_op"] * (len(x.values) - 1)
+            elif isinstance(x, ast.UnaryOp):
+                n += w["unary"]
+            elif isinstance(x, (ast.Assign, ast.AnnAssign)) and getattr(x, "value", None) is not None:
+                n += w["assign"]
+            elif isinstance(x, ast.Call):
+                n += w["args"] * (len(x.args) + len(x.keywords))
+            elif isinstance(x, ast.Lambda):
+                n += w["lambda"]
+            elif isinstance(x, (ast.Break, ast.Continue)):
+                n += w["brk"]
+    return n * MUTANT_SCALE
+
+
+def group_estimate(group: Dict[str, Any]) -> Dict[str, Any]:
+    """Per group: files, lines, functions, estimated mutants and seconds (:data:`RATE`)."""
+    files, est, secs, nfun = {}, 0.0, 0.0, 0
+    for p, fs in expanded(group).items():
+        nodes = _function_nodes(ROOT / p)
+        e = sum(estimate_mutants(nodes[f]) for f in fs)
+        rate = RATE.get(p, RATE["e2e"] if group.get("e2e") else RATE["direct"])
+        files[p] = {"lines": len((ROOT / p).read_text().splitlines()), "functions": len(fs), "mutants": round(e)}
+        est, secs, nfun = est + e, secs + e * rate, nfun + len(fs)
+    return {"files": files, "functions": nfun, "mutants": round(est), "seconds": round(secs)}
+
+
+def core_files() -> List[str]:
+    """Every ``.py`` file of runner/ and models/ the whole core covers (the toys' training scripts excepted)."""
+    import re
+
+    out = subprocess.run(["git", "ls-files", "runner", "models"], cwd=ROOT, capture_output=True, text=True).stdout
+    return [f for f in out.split() if f.endswith(".py") and not re.fullmatch(r"models/toy_\w+/train\w*\.py", f)]
+
+
+def list_whole_core(per_mutant_s: Optional[float] = None) -> int:
+    """Print each whole-core group (its files with lines, functions and estimated mutants, its tests) and the
+    totals; files of runner/ and models/ with functions that no group covers are listed as a failure."""
+    tot_m, tot_s = 0, 0
+    for name, g in WHOLE_CORE.items():
+        e = group_estimate(g)
+        tot_m, tot_s = tot_m + e["mutants"], tot_s + e["seconds"]
+        print(f"{name}: ~{e['mutants']} mutants, {e['functions']} functions, ~{e['seconds'] / 60:.0f} min")
+        for p, fe in e["files"].items():
+            gpu = f" (GPU-only left out: {', '.join(GPU_ONLY[p])})" if p in GPU_ONLY and isinstance(
+                g["scope"][p], dict) else ""
+            part = "" if g["scope"][p] in (ALL,) or isinstance(g["scope"][p], dict) else " (part)"
+            print(f"  {p}{part}: {fe['lines']} lines, {fe['functions']} functions, ~{fe['mutants']} mutants{gpu}")
+        print(f"  tests ({len(g['tests'])}{', end-to-end: ' + ' '.join(g['e2e']) if g.get('e2e') else ''}):")
+        for t in g["tests"]:
+            print(f"    {t}")
+    covered = {p for g in WHOLE_CORE.values() for p in g["scope"]}
+    missing = [p for p in core_files() if p not in covered and _function_starts(ROOT / p)]
+    print(f"whole core: {len(WHOLE_CORE)} groups, {len(covered)} files, ~{tot_m} mutants (estimate), "
+          f"~{tot_s / 3600:.1f} h at the per-group rates of RATE"
+          + (f", ~{tot_m * per_mutant_s / 3600:.1f} h at {per_mutant_s} s a mutant" if per_mutant_s else ""))
+    if missing:
+        print("not in any whole-core group: " + ", ".join(missing), file=sys.stderr)
+        return 1
+    return 0
+
+
+def scope_doc(names: Optional[List[str]] = None, table: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """What the score covers (the groups ``names`` of ``table``, default all of :data:`GROUPS`): per file its
+    functions (``"*"`` expanded), the counts of files and functions."""
+    table = GROUPS if table is None else table
     files: Dict[str, List[str]] = {}
-    for g in (GROUPS[n] for n in (names if names is not None else GROUPS)):
+    for g in (table[n] for n in (names if names is not None else table)):
         for p, fs in expanded(g).items():
             files.setdefault(p, [])
             files[p] += [f for f in fs if f not in files[p]]
@@ -486,24 +665,44 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "mutation",
                     help="scratch copies of the checkout, one per group (default build/mutation/<group>)")
     ap.add_argument("--max-children", type=int, default=2, help="mutants run in parallel (default 2)")
-    ap.add_argument("--groups", nargs="*", default=None, choices=sorted(GROUPS), metavar="GROUP",
-                    help=f"run these groups only (default all: {', '.join(GROUPS)}); the others' results are kept "
-                         "from --work")
+    ap.add_argument("--groups", nargs="*", default=None, choices=sorted(GROUPS) + sorted(WHOLE_CORE),
+                    metavar="GROUP",
+                    help=f"run these groups only (default all: {', '.join(GROUPS)}; with --whole-core the groups "
+                         "of benchmarks/mutation_core.json); the others' results are kept from --work")
+    ap.add_argument("--whole-core", action="store_true",
+                    help="the whole core (issue #42): every module of runner/ and models/ but the toys' training "
+                         "scripts, the groups of benchmarks/mutation_core.json (default --work build/mutation-core); "
+                         "refuses a tree with uncommitted changes to tracked files")
+    ap.add_argument("--list-whole-core", action="store_true",
+                    help="print the whole core's groups (files, lines, functions, estimated mutants and minutes, "
+                         "tests) and the estimated total; runs nothing")
     ap.add_argument("--rerun-survivors", action="store_true",
                     help="keep the work dirs and re-test only the mutants that survived there (after new tests)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the JSON from --work without running")
     ap.add_argument("--out", type=Path, default=RESULT)
     a = ap.parse_args(argv)
+    if a.list_whole_core:
+        return list_whole_core(per_mutant_s=0.074)
+    table = WHOLE_CORE if a.whole_core else GROUPS
+    if a.groups and any(g not in table for g in a.groups):
+        ap.error(f"--groups {' '.join(g for g in a.groups if g not in table)}: not a group of "
+                 f"{'--whole-core' if a.whole_core else 'GROUPS (add --whole-core for the whole-core groups)'}")
+    if a.whole_core and a.work == ROOT / "build" / "mutation":
+        a.work = ROOT / "build" / "mutation-core"
+    if a.whole_core and not a.report_only and git_commit()["dirty"]:
+        print("mutation: --whole-core runs at one commit: commit (or drop) the changes to tracked files first",
+              file=sys.stderr)
+        return 2
     root = a.work.resolve()
     t0 = time.time()
-    run_groups = a.groups or list(GROUPS)
+    run_groups = a.groups or list(table)
     timings: Dict[str, float] = {}
     ran_at: Dict[str, Dict[str, Any]] = {}
     prev = json.loads(a.out.read_text()) if a.out.exists() else {}
     for name in run_groups:
         if a.report_only:
             break
-        group, work = GROUPS[name], root / name
+        group, work = table[name], root / name
         t1 = time.time()
         if a.rerun_survivors:
             names = [s["mutant"] for s in prev.get("survived", []) + prev.get("equivalent", [])
@@ -531,7 +730,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"mutation: group {name} done in {timings[name]:.0f} s", flush=True)
 
     killed, survived, equivalent, per, other = 0, [], [], {}, {}
-    for name, group in GROUPS.items():
+    for name, group in table.items():
         if not (root / name / "mutants").is_dir():
             print(f"mutation: group {name} has no results in {root / name}; left out", file=sys.stderr)
             continue
@@ -550,9 +749,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not a.rerun_survivors:
         group_s.update(timings)
     doc = {
-        "issue": "#23, #29",
+        "issue": "#23, #29, #42" if a.whole_core else "#23, #29",
+        "whole_core": a.whole_core,
         "tool": f"mutmut {mutmut.__version__}",
-        "command": "python benchmarks/mutation.py",
+        "command": "python benchmarks/mutation.py" + (" --whole-core" if a.whole_core else ""),
         "last_command": " ".join(["python benchmarks/mutation.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": f"{os.cpu_count()} CPU cores (shared), --max-children {a.max_children}, nice {NICE}",
@@ -562,8 +762,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "group_runs": {k: v for k, v in {**(prev.get("group_runs") or {}), **ran_at}.items()
                        if (root / k / "mutants").is_dir()},  # per group: the commit its last run tested
         "last_wall_s": round(time.time() - t0, 1),
-        "groups": GROUPS,
-        "scope": scope_doc([n for n in GROUPS if (root / n / "mutants").is_dir()]),
+        "groups": table,
+        "scope": scope_doc([n for n in table if (root / n / "mutants").is_dir()], table),
         "counting": "killed includes timeouts; survived includes mutants no selected test reaches (mutmut 'no "
                     "tests'); equivalent survivors are listed with their reason and left out of the score",
         "score": round(killed / (killed + len(survived)), 4) if killed + len(survived) else None,
@@ -574,7 +774,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "equivalent": equivalent,
         "per_function": per,
         "not_scored": other,
-        "groups_without_results": [n for n in GROUPS if not (root / n / "mutants").is_dir()],
+        "groups_without_results": [n for n in table if not (root / n / "mutants").is_dir()],
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
