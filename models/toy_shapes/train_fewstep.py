@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.toy_shapes.train_lora import optimizer_step, save_adapter
+
 REPO = Path(__file__).resolve().parents[2]
 RANK = 16
 TARGET_MODULES = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -137,13 +139,7 @@ def train(pipe: Any, args: Any) -> Tuple[Any, Dict[str, Any]]:
                    return_dict=False)[0]
             x = x + (s_next - s) * v
         loss = F.mse_loss(x, x0[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        if step % 50 == 0 or step == args.steps - 1:
-            print(f"fewstep step {step} loss {loss.item():.5f}", flush=True)
+        optimizer_step(loss, params, opt, sched, "fewstep", step, args.steps, every=50)
     tr.eval()
     return cfg, {"loss": loss.item(), "train_s": round(time.time() - t0, 1), "teacher_s": round(teacher_s, 1),
                  "steps": args.steps, "batch": args.batch, "samples": len(caps), "sigmas": sig,
@@ -210,8 +206,6 @@ def main() -> None:
     out = Path(args.out)
     report: Dict[str, Any] = {"device": "cpu", "seed": args.seed, "rank": RANK, "target_modules": TARGET_MODULES,
                               "steps": STEPS, "shift": SHIFT, "teacher_steps": TEACHER_STEPS, "train": figures}
-    from models.toy_shapes.train_lora import save_adapter
-
     report["bytes"] = save_adapter(pipe, cfg, out)
     report["eval"] = evaluate(Path(args.weights), out, args.eval_seeds, args.seed + 1000)
     print(json.dumps(report, indent=1), flush=True)

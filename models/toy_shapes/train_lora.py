@@ -109,16 +109,23 @@ def train(pipe: Any, args: Any, device: str) -> Dict[str, Any]:
                encoder_hidden_states=pe[cap_ids[idx]], txt_ids=txt_ids, img_ids=img_ids, guidance=None,
                return_dict=False)[0]
         loss = F.mse_loss(v.float(), e - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        if step % 250 == 0 or step == args.steps - 1:
-            print(f"lora step {step} loss {loss.item():.5f}", flush=True)
+        optimizer_step(loss, params, opt, sched, "lora", step, args.steps, every=250)
     tr.eval()
     return {"loss": loss.item(), "train_s": round(time.time() - t0, 1), "steps": args.steps, "images": args.images,
             "parameters": sum(p.numel() for p in params)}
+
+
+def optimizer_step(loss: torch.Tensor, params: List[torch.nn.Parameter], opt: Any, sched: Any, name: str, step: int,
+                   steps: int, every: int) -> None:
+    """One step of the toy adapters' training: backward, gradient norm clipped to 1, optimizer and LR scheduler
+    step; the loss printed every ``every`` steps and at the last. Shared by the toy adapters' training scripts."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    if step % every == 0 or step == steps - 1:
+        print(f"{name} step {step} loss {loss.item():.5f}", flush=True)
 
 
 def save_adapter(pipe: Any, cfg: Any, out: Path) -> int:
