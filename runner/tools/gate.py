@@ -218,10 +218,10 @@ def compare(job: Job, ref: Job, min_ratio: float = MIN_RATIO, min_psnr_db: Optio
     changed = (*lossy.DISTILLED_FIELDS, "lora") if lossy.of_manifest(job.manifest).get("distilled") else ()
     for key, r in ref.ok_items.items():
         row: Dict[str, Any] = {"key": key}
-        if key not in mine:
-            row["note"] = "missing in the lossy job"
-        elif not_comparable(ref, job, _without(r, changed), _without(mine[key], changed)):
-            row["note"] = not_comparable(ref, job, _without(r, changed), _without(mine[key], changed))
+        why = ("missing in the lossy job" if key not in mine
+               else not_comparable(ref, job, _without(r, changed), _without(mine[key], changed)))
+        if why:
+            row["note"] = why
         else:
             row.update(item_metrics(job.image_path(key), ref.image_path(key)))
         items.append(row)
