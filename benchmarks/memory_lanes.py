@@ -63,6 +63,14 @@ def compose(overrides: List[str]) -> Any:
         return hydra.compose("config", overrides=overrides)
 
 
+START = time.perf_counter()
+
+
+def stamp(msg: str) -> None:
+    """``[t=<s since start>] msg`` on stdout at once: a call stopped at its limit still shows where its time went."""
+    print(f"[t={time.perf_counter() - START:.1f}s] {msg}", flush=True)
+
+
 def free() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -88,12 +96,15 @@ def run_lane(name: str, overrides: List[str], out: Path) -> Tuple[Dict[str, Any]
                 weights[comp] = sum(tensor_bytes(t) for t in (*mod.parameters(), *mod.buffers()))
 
     t0 = time.perf_counter()
+    stamp(f"{name}: start")
+    loaded = lambda engine: (stamp(f"{name}: loaded"), sizes(engine))  # noqa: E731
     try:
-        code = execute.run(compose(overrides), run_dir, overrides, on_loaded=sizes)
+        code = execute.run(compose(overrides), run_dir, overrides, on_loaded=loaded)
     except RunnerError as e:
         return {"overrides": overrides, "exit_code": e.exit_code, "refused": f"{type(e).__name__}: {e}"}, {}
     finally:
         free()
+    stamp(f"{name}: run returned {code}")
     m = json.loads((run_dir / "manifest.json").read_text())
     items = [json.loads(x) for x in (run_dir / "items.jsonl").read_text().splitlines() if x.strip()]
     t, st = m["timing"], m["evidence"].get("stages", {}).get("denoise", {})
@@ -145,6 +156,7 @@ def flux_lanes(args: argparse.Namespace, out: Path, base: List[str], want: List[
             ref_files = files
         elif files and ref_files:
             rec["fidelity_vs_lossless"] = fidelity_vs(ref_files, files)
+            stamp(f"{name}: fidelity computed")
         ratio(rec, res.get("lossless", {}))  # now: a call stopped at its limit keeps the finished lanes' ratios
         print(json.dumps({name: {k: rec.get(k) for k in ("exit_code", "generate_s", "peak_memory_gb", "batch_size",
                                                          "items_ok", "planned_gb", "observed_gb")}}), flush=True)
