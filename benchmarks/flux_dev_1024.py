@@ -131,14 +131,17 @@ class PhaseEvents:
     host clocks on the CPU); nothing synchronises until :meth:`collect`, after the call returned.
 
     Phases: ``text_encode`` (first text-encoder pre-hook to last post-hook), ``denoise`` (first transformer
-    forward to the last), ``vae_decode`` (VAE decoder forward), in seconds.
+    forward to the last; Wan 2.2 A14B: either expert's), ``vae_decode`` (VAE decoder forward), in seconds.
     """
 
     def __init__(self, pipe: Any, device: str):
         self.cuda = device.startswith("cuda")
         self.marks: List[tuple] = []
-        for phase, mod in (("text_encode", pipe.text_encoder), ("text_encode", pipe.text_encoder_2),
-                           ("denoise", pipe.transformer), ("vae_decode", pipe.vae.decoder)):
+        for phase, mod in (("text_encode", pipe.text_encoder), ("text_encode", getattr(pipe, "text_encoder_2", None)),
+                           ("denoise", pipe.transformer), ("denoise", getattr(pipe, "transformer_2", None)),
+                           ("vae_decode", pipe.vae.decoder)):
+            if not isinstance(mod, torch.nn.Module):  # a pipeline without a second text encoder / expert
+                continue
             mod.register_forward_pre_hook(lambda m, a, _p=phase: self._mark(_p, "start"))
             mod.register_forward_hook(lambda m, a, o, _p=phase: self._mark(_p, "end"))
 
@@ -191,58 +194,82 @@ def forward_flops(pipe: Any, prompt: str, height: int, width: int, max_sequence_
 
 
 # ------------------------------------------------------------------------------------------------ variants
-def run_baseline(cfg: Any, items: List[Any], out: Path, device: str, dtype: torch.dtype,
-                 count_flops: bool = True) -> Dict[str, Any]:
-    """(a): plain diffusers, one ``FluxPipeline`` call per prompt, PIL save. Returns the variant record."""
-    from diffusers import FluxPipeline
-    from omegaconf import OmegaConf
+def save_png(output: Any, i: int, path: Path) -> Path:
+    """The ``i``-th image of a pipeline output, saved with PIL as a user would (``Image.save``, PNG)."""
+    path = path.with_suffix(".png")
+    output.images[i].save(path)
+    return path
 
-    from models.flux import build_components
+
+def run_baseline(cfg: Any, items: List[Any], out: Path, device: str, dtype: torch.dtype,
+                 count_flops: bool = True, batch_size: int = 1, pipe: Any = None,
+                 save: Callable[[Any, int, Path], Path] = save_png, what: Optional[str] = None,
+                 subdir: str = "baseline") -> Dict[str, Any]:
+    """(a): plain diffusers, the pipeline called in a loop over the rows, ``batch_size`` rows per call (a list of
+    prompts and one seeded generator per row), each output saved by ``save(output, index, path_stem)`` (default: PIL
+    PNG). ``pipe``: an already built pipeline (default: ``FluxPipeline`` from ``models.flux.build_components``); the
+    call takes the row's prompt, negative prompt (where the row has one), size and steps, and the model's
+    ``max_sequence_length``, ``guidance_scale``, ``num_frames``, ``guidance_scale_2`` where the pipeline takes them.
+    Returns the variant record and ``{key: saved path}``."""
+    import inspect
+
+    from omegaconf import OmegaConf
 
     free(device)
     t0 = time.perf_counter()
-    arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
-    pipe = FluxPipeline(**build_components(arch, device=device, dtype=dtype))
+    if pipe is None:
+        from diffusers import FluxPipeline
+
+        from models.flux import build_components
+
+        arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
+        pipe = FluxPipeline(**build_components(arch, device=device, dtype=dtype))
     pipe.set_progress_bar_config(disable=True)
     g = cfg.model.generation
     msl = int(g.max_sequence_length)
+    takes = set(inspect.signature(type(pipe).__call__).parameters)
+    model_kw = {k: g.get(k) for k in ("num_frames", "guidance_scale_2") if k in takes and g.get(k) is not None}
+
+    def call(batch: List[Any], steps: Optional[int] = None, **kw: Any) -> Any:
+        r = batch[0].row
+        args = dict(prompt=[it.row.prompt for it in batch], height=r.height, width=r.width,
+                    num_inference_steps=steps or r.num_inference_steps, guidance_scale=r.guidance_scale,
+                    max_sequence_length=msl, **model_kw, **kw)
+        if r.negative_prompt is not None and "negative_prompt" in takes:
+            args["negative_prompt"] = [it.row.negative_prompt for it in batch]
+        with torch.inference_mode():
+            return pipe(**args)
+
     r0 = items[0].row
     flops = forward_flops(pipe, r0.prompt, r0.height, r0.width, msl) if count_flops else None
-    with torch.inference_mode():  # warm-up, 2 steps, untimed
-        pipe(prompt=r0.prompt, height=r0.height, width=r0.width, num_inference_steps=2,
-             guidance_scale=r0.guidance_scale, max_sequence_length=msl,
-             generator=torch.Generator("cpu").manual_seed(0))
+    call(items[:1], steps=2, generator=torch.Generator("cpu").manual_seed(0))  # warm-up, 2 steps, untimed
     sync(device)
     setup_s = time.perf_counter() - t0
     events = PhaseEvents(pipe, device)
-    img_dir = out / "baseline"
+    img_dir = out / subdir
     img_dir.mkdir(parents=True, exist_ok=True)
     phases = {"text_encode": 0.0, "denoise": 0.0, "vae_decode": 0.0, "save": 0.0}
     per_image = []
     files = {}
     t_loop = time.perf_counter()
-    for it in items:
-        r = it.row
+    for b0 in range(0, len(items), batch_size):
+        batch = items[b0:b0 + batch_size]
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            image = pipe(prompt=r.prompt, height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
-                         guidance_scale=r.guidance_scale, max_sequence_length=msl,
-                         generator=torch.Generator("cpu").manual_seed(it.seed)).images[0]
+        output = call(batch, generator=[torch.Generator("cpu").manual_seed(it.seed) for it in batch])
         t1 = time.perf_counter()
-        path = img_dir / f"{it.filename_stem}.png"
-        image.save(path)
+        for i, it in enumerate(batch):
+            files[it.key] = save(output, i, img_dir / it.filename_stem)
         t2 = time.perf_counter()
         ph = events.collect()
         for k, v in ph.items():
             phases[k] += v
         phases["save"] += t2 - t1
-        per_image.append(round(t2 - t0, 4))
-        files[it.key] = path
+        per_image += [round((t2 - t0) / len(batch), 4)] * len(batch)
     loop_s = time.perf_counter() - t_loop
     steps = sum(it.row.num_inference_steps for it in items)
     rec = {
-        "what": "diffusers FluxPipeline per prompt + PIL save",
-        "setup_s": round(setup_s, 2), "loop_s": round(loop_s, 3), "images": len(items),
+        "what": what or "diffusers FluxPipeline per prompt + PIL save",
+        "setup_s": round(setup_s, 2), "loop_s": round(loop_s, 3), "images": len(items), "batch_size": batch_size,
         "images_per_hour": round(3600 * len(items) / loop_s, 1),
         "s_per_image": round(loop_s / len(items), 4), "per_image_s": per_image,
         "phases_s": {k: round(v, 3) for k, v in phases.items()},
@@ -275,7 +302,8 @@ def run_runner(name: str, overrides: List[str], out: Path, device: str,
     rec = {
         "overrides": overrides, "exit_code": code, "status": m["status"], "wall_s": round(wall, 2),
         "setup_s": round(t["load_s"] + t["warmup_s"], 2), "load_s": t["load_s"], "warmup_s": t["warmup_s"],
-        "loop_s": t["loop_s"], "images": len(items), "images_per_hour": t["images_per_hour"],
+        "loop_s": t["loop_s"], "images": len(items),
+        "images_per_hour": t.get("images_per_hour", t.get("videos_per_hour")),  # a video family: videos/hour
         "s_per_image": round(t["loop_s"] / max(1, len(items)), 4),
         "phases_s": ph, "write_thread_s": t["write_s"], "write_wait_s": t["write_wait_s"],
         "ms_per_step": round(1e3 * ph.get("denoise", 0) / steps, 2),
@@ -406,11 +434,14 @@ def _runner_process(overrides: List[str], run_dir: Path, prompts: Path, n: int) 
     return rec
 
 
-def gate_toy_shapes(out: Path, lanes: Dict[str, List[str]], platform: str) -> Dict[str, Any]:
+def gate_toy_shapes(out: Path, lanes: Dict[str, List[str]], platform: str, extra: List[str] = (),
+                    reuse_lossless: bool = False) -> Dict[str, Any]:
     """The quality gate on toy_shapes (96 builtin rows with expectations): a lossless job and one job per lossy
     lane (``lanes``: name -> overrides), each through ``runner.app.execute.run`` (compile off: the numerics of the
     lanes, not their speed), then ``runner.tools.gate.evaluate``. Returns per lane the accuracy ratios, PSNR/SSIM and
-    verdict, and ``accuracy_ratio`` (min ratio over the attributes)."""
+    verdict, and ``accuracy_ratio`` (min ratio over the attributes). ``extra``: overrides of every job (a CPU check
+    on fewer rows: ``dataset.limit=N``); ``reuse_lossless``: a lossless job already complete under ``out/gate`` (an
+    earlier call of the same process gating another lane) is read, not run again."""
     from runner.app import execute
     from runner.tools.gate import evaluate
     from runner.tools.report import load_jobs
@@ -419,9 +450,18 @@ def gate_toy_shapes(out: Path, lanes: Dict[str, List[str]], platform: str) -> Di
     base = ["model=toy_shapes", f"platform={platform}"]
     if platform == "cuda":  # as benchmarks/toy_shapes_gpu.sh: 24 rows x 4 images = 96 items
         base += ["dtype=bfloat16", "num_images_per_prompt=4", "batch_size=8"]
+    base += list(extra)
     res: Dict[str, Any] = {"jobs": {}}
     dirs = []
     for name, ov in [("lossless", [])] + list(lanes.items()):
+        done = root / name / "manifest.json"
+        if name == "lossless" and reuse_lossless and done.is_file() and json.loads(done.read_text()).get(
+                "status") == "completed":
+            m = json.loads(done.read_text())
+            res["jobs"][name] = {"overrides": ov, "reused": True, "evidence": m["evidence"]["verdict"],
+                                 "accuracy": {k: v for k, v in (m.get("accuracy") or {}).items() if k != "read"}}
+            dirs.append(root / name)
+            continue
         free("cuda" if platform == "cuda" else "cpu")
         t0 = time.perf_counter()
         try:
