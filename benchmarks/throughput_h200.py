@@ -20,7 +20,8 @@ Figures: ``s_per_1000_items`` = 1000 x generation-loop seconds / items (first pi
 text encode + denoise + decode + write; one-time setup, i.e. build/load, warm-up and compile, reported apart as
 ``setup_s``); ``items_per_gpu_hour`` = 3600 x items / loop seconds; ``speedup_vs_plain`` = baseline s/1000 / lane
 s/1000. Top level: ``e2e_speedup_flux``, ``e2e_speedup_wan22`` (the lossless lane's; acceptance: >= 1.3 and >= 1.2),
-``best_stack`` per family (the fastest lane whose gate passed, lossless counting as passed, with its items per
+``speedup_w8a8`` (the ``int8dq`` lane's denoising ms per step (``ms_per_step``: its W8A8 transformer) over the
+lossless lane's; acceptance >= 1.15) with ``speedup_w8a8_gate`` (that lane's toy_shapes verdict), ``best_stack`` per family (the fastest lane whose gate passed, lossless counting as passed, with its items per
 GPU-hour beside plain diffusers' at the model's default steps), and the device, torch/diffusers versions, commit and
 argv of each call. Speedups are computed from the lanes present (also across files after ``--merge``; each lane keeps
 the device that measured it).
@@ -61,7 +62,7 @@ import torch  # noqa: E402
 from common import prompt_rows, write_jsonl  # noqa: E402
 from flux_dev_1024 import compose, fidelity_vs, gate_toy_shapes, run_baseline, run_runner  # noqa: E402
 
-TARGETS = {"e2e_speedup_flux": 1.3, "e2e_speedup_wan22": 1.2}
+TARGETS = {"e2e_speedup_flux": 1.3, "e2e_speedup_wan22": 1.2, "speedup_w8a8": 1.15}
 CACHE = ["cache.method=taylorseer", "cache.lite=true", "cache.compute_every=4", "cache.warmup_steps=3"]
 WAN_NEGATIVE = "blurry"
 FAMILIES: Dict[str, Dict[str, Any]] = {
@@ -161,6 +162,10 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
             if base and s and name != "baseline":
                 rec["speedup_vs_plain"] = round(base / s, 4)
         doc[f"e2e_speedup_{fam}"] = lanes.get("lossless", {}).get("speedup_vs_plain")
+        if fam == "flux":  # W8A8's denoising step (its transformer) over the bf16 lossless step, at its gate verdict
+            m0, m1 = (lanes.get(n, {}).get("ms_per_step") for n in ("lossless", "int8dq"))
+            doc["speedup_w8a8"] = round(m0 / m1, 4) if m0 and m1 else None
+            doc["speedup_w8a8_gate"] = lanes.get("int8dq", {}).get("gate")
         doc[f"lossy_{fam}"] = {n: {"speedup_vs_plain": r.get("speedup_vs_plain"), "gate": r.get("gate")}
                                for n, r in lanes.items() if n not in ("baseline", "lossless")}
         ok = {n: r for n, r in lanes.items() if n != "baseline" and r.get("s_per_1000_items")

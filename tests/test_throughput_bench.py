@@ -95,3 +95,23 @@ def test_merge_keeps_both_families_and_recomputes_the_speedups(bench):
         assert all(r["source"] and r["device"] == "cpu" for r in lanes.values())
     assert set(m["best_stack"]) == {"flux", "wan22"}
     assert set(m["targets_met"]) == {"e2e_speedup_flux", "e2e_speedup_wan22"}
+
+
+def test_the_w8a8_speedup_is_the_lossless_step_over_the_int8dq_step_beside_its_gate():
+    """``speedup_w8a8`` (acceptance >= 1.15): the int8dq lane's ms per denoising step against the lossless lane's, on
+    hand-made lanes (a swapped ratio gives 0.8 here, a missing lane none)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("throughput_h200_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    lane = lambda ms, s, **kw: {"ms_per_step": ms, "s_per_1000_items": s, "items_per_gpu_hour": 3.6e6 / s, **kw}  # noqa: E731
+    doc = {"families": {"flux": {"workload": {}, "lanes": {
+        "baseline": lane(200.0, 9000.0), "lossless": lane(100.0, 6000.0), "int8dq": lane(80.0, 5000.0, gate="fail")}}}}
+    mod.summarize(doc)
+    assert doc["speedup_w8a8"] == 1.25 and doc["speedup_w8a8_gate"] == "fail"
+    assert doc["targets_met"]["speedup_w8a8"] == {"value": 1.25, "target": 1.15, "met": True}
+    assert doc["best_stack"]["flux"]["lane"] == "lossless"  # int8dq is faster but failed its gate
+    del doc["families"]["flux"]["lanes"]["int8dq"]
+    mod.summarize(doc)
+    assert doc["speedup_w8a8"] is None and "speedup_w8a8" not in doc["targets_met"]
