@@ -196,11 +196,13 @@ def test_image_metrics():
     assert compare_images(a, a[:16])["psnr_db"] is None           # shape mismatch: no metric, no crash
     # a reference value: torchmetrics 1.x structural_similarity_index_measure (Gaussian 11, sigma 1.5, data_range
     # 255, float64) of this deterministic pair; the report and the gate share this one implementation (they used
-    # to disagree: a numpy port matching scikit-image's 0.99726 in the report, torchmetrics in the gate)
+    # to disagree: a numpy port matching scikit-image's 0.99726 in the report, torchmetrics in the gate). Computed
+    # in float32 (23 s -> 0.23 s for a 1024^2 pair on 2 cores): 2.2e-7 from the float64 value here; sigma 1.0, or a
+    # uniform window, moves it by 3e-3
     i, j = np.mgrid[0:48, 0:40]
     x = np.stack([(i * 7 + j * 13) % 256, (i * i + 3 * j) % 256, (5 * i * j) % 256], axis=2).astype(np.uint8)
     y = np.clip(x.astype(int) + (i * j % 5)[..., None] - 2 + (i % 3)[..., None] * 3, 0, 255).astype(np.uint8)
-    assert ssim(x, y) == pytest.approx(0.9953440818933998, abs=1e-7)
+    assert ssim(x, y) == pytest.approx(0.9953440818933998, abs=5e-7)
 
 
 def test_report_and_gate_give_one_ssim_for_one_pair(tmp_path):

@@ -222,7 +222,14 @@ def psnr(a: np.ndarray, b: np.ndarray, peak: float = 255.0) -> float:
 def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, win: int = 11, sigma: float = 1.5) -> float:
     """Mean structural similarity (SSIM) of two images (H, W, C) or frame stacks (N, H, W, C), unitless, 1.0 when
     identical; the one implementation of the report's parity and of ``runner.tools.gate`` (torchmetrics'
-    ``structural_similarity_index_measure``, in float64).
+    ``structural_similarity_index_measure``, in float32).
+
+    float32, not float64: torch has no fast CPU kernel for a grouped float64 convolution (torchmetrics filters the
+    five local-statistics maps with one), so a 1024^2 RGB pair took 23 s in float64 on 2 CPU cores against 0.23 s in
+    float32 (2026-12-06; 16 FLUX.1-dev images of ``benchmarks/memory_lanes.py``'s int8wo lane took over 2 minutes on
+    the H200 host's 16 cores), which made a gate over 1,000 such items take hours. The float32 value differs from
+    float64's by ~2e-7 (the local variances ``E[x^2] - mu^2`` lose ~7 significant digits to cancellation at
+    ``L = 255``; ``C2 = (0.03 L)^2`` keeps the ratio well conditioned), below the 5 decimals records carry.
 
     Z. Wang, A. C. Bovik, H. R. Sheikh, E. P. Simoncelli, "Image quality assessment: from error visibility to
     structural similarity", IEEE Trans. Image Processing 13(4):600-612, 2004: per channel, local statistics under
@@ -238,8 +245,8 @@ def ssim(a: np.ndarray, b: np.ndarray, peak: float = 255.0, win: int = 11, sigma
 
     if a.shape != b.shape:
         raise ValueError(f"SSIM needs equal shapes, got {a.shape} and {b.shape}")
-    x = torch.from_numpy(np.asarray(a, dtype=np.float64))
-    y = torch.from_numpy(np.asarray(b, dtype=np.float64))
+    x = torch.from_numpy(np.asarray(a, dtype=np.float32))
+    y = torch.from_numpy(np.asarray(b, dtype=np.float32))
     x, y = (x[None], y[None]) if x.dim() == 3 else (x, y)
     x, y = x.permute(0, 3, 1, 2), y.permute(0, 3, 1, 2)  # (N, C, H, W)
     win = min(win, x.shape[2], x.shape[3])
