@@ -10,7 +10,9 @@ working tree. So the wheels travel in parts:
   --only-binary=:all:`` for CPython 3.12 / manylinux x86-64), repacks the vLLM wheel without the files this path
   never loads (:data:`DROP`), writes one uncompressed tar of all wheels, splits it into chunks and puts one chunk
   into each of ``.vpart1 .. .vpartN`` in the repository root (each folder <= 44 MiB), with ``vparts.json`` (sizes
-  and sha256 of every wheel, of the tar and of every chunk) in every folder.
+  and sha256 of every wheel, of the tar and of every chunk) in every folder, and adds the folders to
+  ``.git/info/exclude``. The vLLM wheel itself (:data:`VLLM_WHEEL`, 279 MB) is downloaded there first when absent
+  (a new sandbox keeps nothing of the last session's).
 * ``stage K`` (device, one call per part, carry ``.vpartK``): copies ``.vpartK/*`` into ``/tmp/keep`` and checks
   the chunk's sha256. ``/tmp/keep`` survives between calls while the machine stays warm (30 s idle).
 * ``install`` (device, after the last stage): checks that every chunk is in ``/tmp/keep`` with its sha256, joins
@@ -167,6 +169,10 @@ def pip(*args: str) -> None:
 
 def prepare(a: argparse.Namespace) -> int:
     src = Path(a.vllm_wheel)
+    if not src.is_file() and a.vllm_wheel == VLLM_WHEEL:  # the pinned wheel, fetched once (279 MB) where it is kept
+        src.parent.mkdir(parents=True, exist_ok=True)
+        pip("download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+            "--platform", "manylinux_2_28_x86_64", "-d", str(src.parent), "vllm==0.24.0")
     if not src.is_file():
         sys.exit(f"prepare: the vLLM wheel {src} is not there; fix: --vllm-wheel PATH")
     work = Path(tempfile.mkdtemp(prefix="vparts-"))
@@ -218,6 +224,11 @@ def prepare(a: argparse.Namespace) -> int:
         size = sum(p.stat().st_size for p in d.iterdir())
         assert size <= limit, (d, size)
     shutil.rmtree(work)
+    exclude = REPO / ".git" / "info" / "exclude"  # the parts travel as ignored paths (carry), never committed
+    if exclude.parent.is_dir():
+        have = set(exclude.read_text().split()) if exclude.is_file() else set()
+        with exclude.open("a") as f:
+            f.writelines(f"/.vpart{c['part']}/\n" for c in chunks if f"/.vpart{c['part']}/" not in have)
     total = sum(w["bytes"] for w in doc["wheels"])
     print(json.dumps({"parts": [f".vpart{c['part']}" for c in chunks], "wheels_bytes": total,
                       "vllm_wheel_bytes": vllm["bytes"], "dropped_bytes": sum(d["compressed"] for d in vllm["dropped"].values()),
