@@ -34,8 +34,8 @@ one lane per call at 2 videos x 40 steps):
     python3 benchmarks/throughput_h200.py --family wan22 --lanes baseline --out /tmp/tp --results $OUT/tp_wan_a.json
     python3 benchmarks/throughput_h200.py --family wan22 --lanes lossless --out /tmp/tp --results $OUT/tp_wan_b.json
     python3 benchmarks/throughput_h200.py --family wan22 --lanes fp8 --out /tmp/tp --results $OUT/tp_wan_c.json
-    python3 benchmarks/throughput_h200.py --merge tp_flux.json tp_wan_a.json tp_wan_b.json \\
-        --into benchmarks/results/throughput_h200.json
+    python3 benchmarks/throughput_h200.py --merge tp_flux.json tp_flux2.json tp_wan_a.json tp_wan_b.json \\
+        tp_wan_c.json --into benchmarks/results/throughput_h200.json
     python3 benchmarks/throughput_h200.py --smoke --out /tmp/tp    # CPU, tiny_flux + tiny_wan22: checks the script
 
 Results: ``--results`` (default ``DIR/throughput_<family>.json``); committed: ``benchmarks/results/throughput_h200.json``.
