@@ -56,6 +56,31 @@ def s3():
         server.stop()
 
 
+def test_a_second_server_of_the_process_starts_without_the_first_ones_buckets():
+    """Regression: moto's backends are per process, so a server started after another (the module fixture set up
+    twice in one session, as a selection of this file's tests interleaved with others' does) held the first one's
+    bucket and the fixture's mkdir failed with FileExistsError. In its own process: a new server empties moto's
+    backends, which would take the bucket of this module's fixture with it."""
+    code = """
+import os, s3fs
+from runner.core.testing import s3_server
+os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+for _ in range(2):
+    server = s3_server()
+    os.environ["AWS_ENDPOINT_URL_S3"] = server.endpoint
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+    print(sorted(fs.ls("")))
+    fs.mkdir("runs")
+    fs.pipe_file("runs/x", b"1")
+    server.stop()
+"""
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "[]"]
+
+
 def _fs():
     import s3fs
 

@@ -78,7 +78,8 @@ def publish_pause(rel: str, seconds: float = 600.0) -> None:
 
 def s3_server() -> Any:
     """Test-only: moto's S3 server (``moto[server]``, the ``s3-server`` extra) on a free loopback port, in a thread
-    of this process, started; ``.endpoint`` is its URL, ``.stop()`` ends it. Every request is served under one lock:
+    of this process, started and empty (no bucket of an earlier server of the process); ``.endpoint`` is its URL,
+    ``.stop()`` ends it. Every request is served under one lock:
     moto checks ``If-None-Match``/``If-Match`` and then stores the object in two steps, where S3 makes a conditional
     write atomic; serialized, moto's server keeps S3's guarantee (``tests/test_storage.py``,
     ``benchmarks/object_storage_cpu.py``)."""
@@ -107,6 +108,12 @@ def s3_server() -> Any:
     server.start()
     host, port = server.get_host_and_port()
     server.endpoint = f"http://{host}:{port}"
+    # moto keeps its buckets in module-level backends shared by every server of the process: a second server would
+    # start with the first one's buckets and objects (a fixture set up twice in one pytest session then failed its
+    # mkdir with FileExistsError). moto's own reset endpoint empties them, so each server starts as a new one would.
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{server.endpoint}/moto-api/reset", method="POST"), timeout=30)
     return server
 
 
