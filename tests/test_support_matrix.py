@@ -169,6 +169,39 @@ def test_h100_results_fill_the_sm90_cells_and_other_cards_do_not(tmp_path):
     assert re.search(r"Results from other GPUs \(A100-SXM4-80GB[^)]*\) are listed", page)
 
 
+def test_a_gate_that_failed_is_named_and_an_interrupted_run_is_no_failure(tmp_path):
+    """A lossy lane that ran with its evidence verified but failed its quality gate (``benchmarks/cache_quality.py``
+    on toy_motion, H100, 2026-12-07: pab's shape accuracy 0.9583 < 0.97) is verified with the gate's reason in its
+    note (toy_motion is a Wan-engine model: the `wan` column); a run a signal stopped (exit 143: the device call's time
+    limit interrupted taylorseer) is skipped with
+    that reason, not failed; a run that exits 1 is still failed."""
+    d = tmp_path / "benchmarks" / "results"
+    d.mkdir(parents=True)
+    job = {"evidence": "verified", "accuracy_ratio": 1.0}
+    (d / "cache_quality_h100_2030-01-06.json").write_text(json.dumps({
+        "device": "NVIDIA H100 80GB HBM3", "gate": {"toy_motion": {"jobs": {
+            "lossless": {**job, "overrides": [], "exit_code": 0},
+            "pab": {**job, "overrides": ["cache.method=pab"], "exit_code": 0, "verdict": "fail",
+                    "reasons": ["shape: accuracy 0.9583 vs lossless 1 (ratio 0.9583, needs >= 0.97)"]},
+            "taylorseer": {**job, "overrides": ["cache.method=taylorseer"], "exit_code": 143, "verdict": "not_run",
+                           "reasons": ["the lossy job's outcome is interrupted"]},
+            "first_block": {**job, "overrides": ["cache.method=first_block"], "exit_code": 0, "verdict": "pass",
+                            "reasons": []},
+            "dbcache": {**job, "overrides": ["cache.method=dbcache"], "exit_code": 1, "verdict": "not_run"},
+        }}}}))
+    ev = sm.collect(ROOT, d)
+    cells = sm.cells(ROOT, ev)
+    c = cells[("cache", "pab", "wan")]
+    assert c.state == "verified" and "quality gate failed: shape: accuracy 0.9583" in c.runs[0].reason
+    c = cells[("cache", "taylorseer", "wan")]
+    assert c.state == "skipped" and "interrupted" in c.reason and "143" in c.reason
+    first = cells[("cache", "first_block", "wan")]
+    assert first.state == "verified" and first.runs[0].reason == ""
+    assert cells[("cache", "dbcache", "wan")].state == "failed"
+    page = sm.render(ROOT, ev)
+    assert re.search(r"\(gate/toy_motion/jobs/pab\): ran, but its quality gate failed: shape", page)
+
+
 def test_refusals_come_from_the_registries_checks(synthetic):
     _, cells = synthetic
     c = cells[("attention", "TRTLLM_ATTN", "flux")]  # sm100-only cubins; no diffusers wiring

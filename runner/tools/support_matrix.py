@@ -491,7 +491,10 @@ def parse_jsonl(path: Path, rel: str, feats: Features) -> List[Run]:
 
 
 def _outcome(node: Mapping[str, Any]) -> Optional[Tuple[str, str]]:
-    """``(status, reason)`` of a benchmark record, or None when it records no outcome."""
+    """``(status, reason)`` of a benchmark record, or None when it records no outcome. A record stopped by a signal
+    (exit code 128 + N, status ``interrupted``: a device call's time limit) is skipped, not failed: it says nothing
+    of the feature. A lossy lane whose quality gate failed (``verdict: fail``, ``runner.tools.gate``) ran: it passes,
+    with the gate's first reason as its note."""
     ev = node.get("evidence") if isinstance(node.get("evidence"), dict) else {}
     verdict = node.get("verdict") if node.get("verdict") in ("verified", "mismatch", "not_collected") else None
     verdict = ev.get("verdict", verdict)
@@ -508,6 +511,9 @@ def _outcome(node: Mapping[str, Any]) -> Optional[Tuple[str, str]]:
         refused = node.get("refused") or code == 2 or status == "refused"
         return (REFUSED if refused else FAILED), _short(error)
     bad = [c for c in ([code] if code is not None else []) + (codes or []) if c != 0]
+    if status == "interrupted" or any(128 < c < 160 for c in bad):  # a signal stopped it (the call's time limit)
+        return SKIPPED, _short(f"interrupted before it finished (exit code {bad[0] if bad else '?'}: 128 + signal, "
+                               "runner.app.run); no outcome of the feature")
     if bad:
         return FAILED, _short(f"exit code {bad[0]}" + (f", status {status}" if status else "")
                               + (f", evidence {verdict}" if verdict else ""))
@@ -516,6 +522,9 @@ def _outcome(node: Mapping[str, Any]) -> Optional[Tuple[str, str]]:
     if verdict is not None and verdict != "verified":
         mism = ev.get("mismatches") or node.get("mismatches") or []
         return FAILED, _short(f"evidence verdict {verdict}" + (f": {mism[0]}" if mism else ""))
+    if node.get("verdict") == "fail":  # a lossy lane's quality gate (runner.tools.gate): it ran, its quality did not pass
+        why = node.get("reasons") or []
+        return PASSED, _short("ran, but its quality gate failed" + (f": {why[0]}" if why else ""))
     return PASSED, ""
 
 
@@ -965,11 +974,13 @@ def render(root: Path, ev: Evidence) -> str:
         "card):",
         "",
         "* **verified** — a result file shows it ran and passed on an H100 or H200 (test passed, exit 0, evidence verdict "
-        "`verified`); the note names the file, its commit and date.",
+        "`verified`); the note names the file, its commit and date, and a lossy lane's failed quality gate "
+        "(`runner.gate`) with its first reason.",
         "* **failed** — the newest result shows it failed (the note has the reason); **refused** with a note `E…`: "
         "the run itself was refused at startup (exit 2). States joined by `+` (`verified+failed`): the newest "
         "results, of one date and commit, hold both.",
-        "* **skipped** — only skips on an H100 or H200, with their reason (a missing package, typically).",
+        "* **skipped** — only skips on an H100 or H200, with their reason (a missing package, typically, or a run "
+        "a signal stopped before it finished: exit 128 + N).",
         "* **refused** — the registries' own checks refuse it on sm90 (bf16, the family's shapes; packages "
         "assumed installed) or for the family (no such stage field, task or output kind).",
         "* **CPU only** — no GPU result; the CPU accepts it (exercised by CPU tests with tiny models).",
