@@ -289,7 +289,8 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
         concatenated into one ``to_qkv`` Linear; cross-attention k|v into ``to_kv``; the text stream's into
         ``to_added_qkv``/``to_added_kv``); the unfused Linears a fused one replaces are then deleted, which frees
         their copy of the weights and keeps linear evidence exact (no module that never runs).
-        ``vae_channels_last``: the VAE's parameters in NHWC layout (``torch.channels_last``); measured slower on
+        ``vae_channels_last``: the VAE's parameters in NHWC layout (``torch.channels_last``; a video VAE's 5-D
+        weights in NDHWC, ``torch.channels_last_3d``); measured slower on
         the H200 with torch 2.11 (``benchmarks/results/flux_dev_1024_h200.json`` ablation), so off by default.
 
         Returns:
@@ -298,8 +299,10 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
         applied: Dict[str, Any] = {"fuse_qkv": False, "vae_channels_last": False}
         if opts.fuse_qkv:
             applied["fuse_qkv"] = {"modules": sum(fuse_qkv(m) for _, m in self.experts())}
-        if opts.vae_channels_last:
-            self.pipe.vae.to(memory_format=torch.channels_last)
+        if opts.vae_channels_last:  # NHWC for 2-D convolutions, NDHWC for a video VAE's 3-D ones (Wan, HunyuanVideo,
+            # LTX-2: ``Module.to(memory_format=torch.channels_last)`` raises "required rank 4 tensor" on 5-D weights)
+            layout = {4: torch.channels_last, 5: torch.channels_last_3d}
+            self.pipe.vae._apply(lambda t: t.contiguous(memory_format=layout[t.dim()]) if t.dim() in layout else t)
             applied["vae_channels_last"] = True
         return applied
 
