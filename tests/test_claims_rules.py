@@ -63,6 +63,7 @@ def test_posix_store_documents_paths_and_modes(tmp_path):
     store = posix_store(tmp_path / "run", "tok")
     assert store.root == tmp_path / "run" / CLAIMS_DIR / "tok" and (store.root / "workers").is_dir()
     assert store.where() == str(store.root) and store.name == "posix"
+    assert PosixClaimStore(store.root).root == store.root  # a second worker opens the same namespace
     old = os.umask(0o022)
     try:
         assert store.create("a.json", {"x": 1}) is True
@@ -87,16 +88,42 @@ def test_posix_store_documents_paths_and_modes(tmp_path):
 
 def test_posix_store_refuses_a_claims_dir_it_cannot_create_and_reads_a_dir_key_as_an_error(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(StorageError, match="cannot create the claims dir .*fix: a run dir"):
+    with pytest.raises(StorageError) as e:
         PosixClaimStore(tmp_path / "file" / "claims")
+    assert str(e.value).startswith(f"cannot create the claims dir {tmp_path / 'file' / 'claims'} (NotADirectoryError: ")
+    assert "); fix: a run dir on storage every worker can write" in str(e.value)
     store = PosixClaimStore(tmp_path / "c")
     (store.root / "d.json").mkdir()
     with pytest.raises(IsADirectoryError):  # not ENOENT/ESTALE: raised, not read as "no document"
         store.get("d.json")
-    with pytest.raises(StorageError, match="cannot write claim file"):
+    with pytest.raises(StorageError) as e:
         store.put("nodir/x.json", {})
-    with pytest.raises(StorageError, match="cannot create claim file"):
+    assert str(e.value).startswith(f"cannot write claim file {store.root / 'nodir' / 'x.json'} (FileNotFoundError: ")
+    with pytest.raises(StorageError) as e:
         store.create("nodir/x.json", {})
+    assert str(e.value).startswith(f"cannot create claim file {store.root / 'nodir' / 'x.json'} (FileNotFoundError: ")
+
+
+def test_a_claim_file_whose_bytes_cannot_be_written_is_a_storage_error(tmp_path):
+    """The exclusive create succeeds, its write fails (a file-size limit of 0 bytes: EFBIG, as a full disk would)."""
+    import resource
+    import signal
+
+    store = PosixClaimStore(tmp_path)
+    old_sig = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    try:
+        with pytest.raises(StorageError) as e:
+            store.create("k.json", {"beat": 0})
+        with pytest.raises(StorageError) as e2:
+            store.put("p.json", {"beat": 0})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_sig)
+    assert str(e.value).startswith(f"cannot write claim file {store.root / 'k.json'} (OSError: [Errno 27] File too large")
+    assert str(e2.value).startswith(f"cannot write claim file {store.root / 'p.json'} (OSError: [Errno 27] File too")
+    assert store.get("k.json") == {} and not store.exists("p.json")  # created, empty: read as being written
 
 
 def test_batches_sha256_is_the_hash_of_the_item_keys_in_order():
@@ -637,3 +664,114 @@ def test_take_over_claims_a_fresh_batch_and_takes_a_held_one_at_once(tmp_path, c
     holder.try_claim("b0000003")
     holder.complete("b0000003")
     assert fed.take_over("b0000003") is None and not store.exists("b0000003.g1")  # done meanwhile
+
+
+def test_the_renewer_beats_every_quarter_lease_and_retries_after_a_storage_error(tmp_path, caplog):
+    from runner.core.claims import Renewer
+
+    class Counting(Claims):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.at = []
+
+        def renew(self) -> None:
+            self.at.append(time.monotonic())
+            if len(self.at) == 1:
+                raise OSError("disk full")
+            super().renew()
+
+    c = Counting(PosixClaimStore(tmp_path), 0.4)
+    c.try_claim(B)
+    r = Renewer(c)
+    assert r.claims is c and r.thread.name == "runner-claims-renewer" and r.thread.daemon is True
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="runner"), r:
+        time.sleep(0.75)
+    assert not r.thread.is_alive()  # stopped and joined on exit
+    n = len(c.at)
+    assert 3 <= n <= 8, c.at
+    gaps = [b - a for a, b in zip([t0] + c.at, c.at)]
+    assert min(gaps) >= 0.095, gaps  # lease_s / 4 = 0.1 s between beats, never sooner
+    assert _read(c.store, f"{B}.g0")["beat"] == n - 1  # every beat after the failed one was written
+    assert [x.getMessage() for x in caplog.records if "renewing" in x.getMessage()] == [
+        "claims: renewing the leases failed (OSError: disk full); retrying"]
+    time.sleep(0.25)
+    assert len(c.at) == n  # no beat after stop
+
+
+def test_pull_walks_the_free_batches_then_takes_an_expired_one_over_and_accounts_its_time(tmp_path):
+    store = PosixClaimStore(tmp_path)
+    ids = [batch_id(i) for i in range(5)]
+    batches = [f"B{i}" for i in range(5)]
+    store.create(f"{ids[1]}.done", {})  # journaled already
+    alive, dead = Claims(store, 0.3), Claims(store, 0.3)
+    alive.try_claim(ids[2])  # held by a worker that renews it
+    dead.try_claim(ids[3])  # held by a worker that died: expires after 0.3 s
+    beating = threading.Event()
+
+    def beat():
+        while not beating.wait(0.03):
+            alive.renew()
+    threading.Thread(target=beat, daemon=True).start()
+    puller = Claims(store, 0.3, poll_s=0.02)
+    got, flushes = [], []
+    t0 = time.perf_counter()
+
+    def body():
+        for b in puller.pull(batches, ids, stop=lambda: False, flush=lambda: flushes.append(1)):
+            got.append(b)
+            time.sleep(0.05)  # generating
+            puller.complete(ids[batches.index(b)])
+            if b == "B3":  # the live worker finishes its batch
+                beating.set()
+                alive.complete(ids[2])
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(10)
+    wall = time.perf_counter() - t0
+    assert not t.is_alive() and got == ["B0", "B4", "B3"]
+    assert puller.reclaimed[0]["batch"] == ids[3] and puller.claimed == [ids[0], ids[4], ids[3]]
+    assert not store.exists(f"{ids[1]}.g0") and not store.exists(f"{ids[2]}.g1")
+    assert flushes and 0.15 <= puller.busy_s <= wall and 0.2 <= puller.idle_s <= wall
+    assert puller.busy_s + puller.idle_s <= wall
+
+
+def test_pull_stops_when_asked_before_each_batch_and_while_waiting(tmp_path):
+    store = PosixClaimStore(tmp_path)
+    ids = [batch_id(i) for i in range(3)]
+    c = Claims(store, 60, poll_s=0.01)
+    asked = []
+    stop = lambda: len(asked) >= 1  # noqa: E731
+    got = []
+    for b in c.pull(["B0", "B1", "B2"], ids, stop=stop):
+        got.append(b)
+        asked.append(b)
+    assert got == ["B0"] and c.claimed == [ids[0]]  # stopped before the second batch
+    other = Claims(store, 60, poll_s=0.01)
+    n = [0]
+
+    def stop2():
+        n[0] += 1
+        return n[0] > 5
+    assert list(other.pull(["B0"], [ids[0]], stop=stop2)) == [] and n[0] == 6  # waited on b0 until stopped
+
+
+def test_puts_of_one_key_from_two_threads_never_collide(tmp_path):
+    """The renewer thread and the generating thread may rewrite the same claim at once: each writes its own temp
+    file (a shared one would be renamed away under the other writer, failing its rename)."""
+    store = PosixClaimStore(tmp_path)
+    errors = []
+
+    def writer(n):
+        for i in range(150):
+            try:
+                store.put("b0000001.g0", {"writer": n, "beat": i})
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+    ts = [threading.Thread(target=writer, args=(n,)) for n in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert errors == [] and store.get("b0000001.g0")["beat"] == 149
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b0000001.g0", "workers"]
