@@ -104,6 +104,9 @@ def test_a_create_whose_answer_was_lost_is_settled_by_reading_the_object_back(s3
     assert other.create("b0000001.g0", {"beat": 9}) is False and "b0000001.g0" not in other.etags
     del holder.fs.fail["pipe_file"]
     del other.fs.fail["pipe_file"]
+    holder.put("b0000001.g0", {"beat": 1})  # renewals: each conditional on the ETag of the one before
+    holder.put("b0000001.g0", {"beat": 2})
+    assert holder.etags["b0000001.g0"] == holder.fs.fs.info(f"{BUCKET}/lost/b0000001.g0")["ETag"]
     other.put("b0000001.g0", {"beat": 7})  # another writer overwrites it
     with pytest.raises(StorageError, match="overwritten by another writer"):  # conditional on the recovered ETag
         holder.put("b0000001.g0", {"beat": 1})
@@ -147,3 +150,38 @@ def test_a_put_without_an_etag_in_its_answer_is_followed_by_an_unconditional_one
     holder.put("k", {"beat": 2})  # nothing to be conditional on: written
     assert other.get("k") == {"beat": 2}
     assert holder.get("absent") is None and not holder.exists("absent") and holder.exists("k")
+
+
+def test_a_failed_conditional_put_is_told_from_other_failures(s3):
+    import errno
+
+    from runner.core.errors import StorageError
+
+    url = f"s3://{BUCKET}/precond"
+    st = _store(url)
+    st.fs.fail["pipe_file"] = (True, OSError("HTTP 412 Precondition Failed"))
+    with pytest.raises(StorageError) as e:  # no ETag of its own: not a lost race, a failed write
+        st.put("fresh", {})
+    assert str(e.value).startswith(f"writing claim object {url}/fresh failed (OSError: HTTP 412")
+    del st.fs.fail["pipe_file"]
+    assert st.create("k", {"beat": 0}) and st.etags["k"]
+    for err in (OSError("An error occurred (PreconditionFailed) when calling the PutObject operation"),
+                OSError("status 412"), OSError(errno.EINVAL, "Invalid argument")):
+        st.fs.fail["pipe_file"] = (True, err)
+        with pytest.raises(StorageError) as e:
+            st.put("k", {"beat": 1})
+        assert str(e.value).startswith(f"claim object {url}/k was overwritten by another writer since this worker "
+                                       "wrote it (If-Match failed); it is not overwritten back"), (err, e.value)
+    st.fs.fail["pipe_file"] = (True, OSError("connection reset"))
+    with pytest.raises(StorageError) as e:
+        st.put("k", {"beat": 1})
+    assert str(e.value).startswith(f"writing claim object {url}/k failed (OSError: connection reset)")
+
+
+def test_an_object_that_is_not_a_document_reads_as_one_being_written(s3):
+    url = f"s3://{BUCKET}/notdoc"
+    st = _store(url)
+    st.fs.fs.pipe_file(f"{BUCKET}/notdoc/list", b"[1, 2]\n")
+    st.fs.fs.pipe_file(f"{BUCKET}/notdoc/partial", b'{"beat": ')
+    st.fs.fs.pipe_file(f"{BUCKET}/notdoc/bytes", b"\xff\xfe")
+    assert st.get("list") == {} and st.get("partial") == {} and st.get("bytes") == {}
