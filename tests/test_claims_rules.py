@@ -186,6 +186,8 @@ def test_try_reclaim_claims_a_batch_nobody_claimed_and_never_a_done_one(tmp_path
     assert _read(store, f"{B}.g0")["batch"] == B and c.held == {B: got}
     store.create("b0000006.done", {})
     assert c.try_reclaim("b0000006") is None and not store.exists("b0000006.g0")
+    (store.root / "b0000006.done").unlink()
+    assert c.done("b0000006") and c.done_seen == {"b0000006"}  # seen done once: done for good, not looked up again
 
 
 def test_a_take_over_records_whom_from_and_logs_why(tmp_path, caplog):
@@ -465,6 +467,12 @@ def test_workers_alive_ended_and_waited_for(tmp_path):
     assert t0 <= rec["ended_at"] <= time.time()
     assert obs.worker_alive(2) is False  # ended: at once
     Claims(store, 60).end()  # never registered: writes nothing
+    fresh, now2 = _clocked(store)  # each worker's record has its own lease clock
+    assert fresh.worker_alive(0) is True
+    now2[0] = 5.0
+    assert fresh.worker_alive(1) is True  # rank 1 first seen at 5 (same beat and state as rank 0)
+    now2[0] = 10.0
+    assert fresh.worker_alive(1) is True and fresh.worker_alive(0) is False
     assert [d["rank"] for d in obs.workers()] == [0, 1, 2]
 
 
