@@ -802,3 +802,17 @@ def test_a_short_write_of_a_created_claim_file_is_a_storage_error(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old_sig)
+
+
+def test_pull_claims_every_free_batch_before_taking_an_expired_one_over(tmp_path):
+    store = PosixClaimStore(tmp_path)
+    ids = [batch_id(i) for i in range(3)]
+    Claims(store, 10).try_claim(ids[1])  # its holder died
+    puller, now = _clocked(store, poll_s=0.01)
+    assert puller.try_reclaim(ids[1]) is None  # watched from t=0
+    now[0] = 10.0  # expired, as seen by this worker, before its pull starts
+    got = []
+    for b in puller.pull(["B0", "B1", "B2"], ids, stop=lambda: False):
+        got.append(b)
+        puller.complete(ids[["B0", "B1", "B2"].index(b)])
+    assert got == ["B0", "B2", "B1"] and [r["batch"] for r in puller.reclaimed] == [ids[1]]
