@@ -515,10 +515,10 @@ def test_section_accounts_for_claims_take_overs_losses_and_time(tmp_path):
     store.create("b0000002.g1", {})
     c.renew()
     c.complete("b0000001")
-    c.busy_s, c.idle_s = 1.23456, 0.0004
+    c.busy_s, c.idle_s = 1.23456, 2.5004
     s = c.section()
     assert s == {"store": "posix", "where": str(tmp_path), "lease_s": 10.0, "rank": 0, "claimed": 2, "completed": 1,
-                 "reclaimed": [], "lost": ["b0000002"], "busy_s": 1.235, "idle_s": 0.0,
+                 "reclaimed": [], "lost": ["b0000002"], "busy_s": 1.235, "idle_s": 2.5,
                  "first_claim_at": first.claimed_at, "last_done_at": c.last_done_at}
     assert s["last_done_at"] >= s["first_claim_at"]
 
