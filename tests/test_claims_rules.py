@@ -445,11 +445,11 @@ def test_register_takes_the_first_free_rank_or_the_one_given(tmp_path):
 
 def test_workers_alive_ended_and_waited_for(tmp_path):
     store = PosixClaimStore(tmp_path)
-    ws = [Claims(store, 60) for _ in range(3)]
+    ws = [Claims(store, 60) for _ in range(4)]
     for w in ws:
         w.register()
     obs, now = _clocked(store)
-    assert [d["rank"] for d in obs.workers()] == [0, 1, 2]
+    assert [d["rank"] for d in obs.workers()] == [0, 1, 2, 3]
     assert obs.worker_alive(1) is True  # first look
     now[0] = 9.0
     ws[1].renew()
@@ -470,10 +470,10 @@ def test_workers_alive_ended_and_waited_for(tmp_path):
     fresh, now2 = _clocked(store)  # each worker's record has its own lease clock
     assert fresh.worker_alive(0) is True
     now2[0] = 5.0
-    assert fresh.worker_alive(1) is True  # rank 1 first seen at 5 (same beat and state as rank 0)
+    assert fresh.worker_alive(3) is True  # rank 3 first seen at 5 (the same beat, 0, as rank 0)
     now2[0] = 10.0
-    assert fresh.worker_alive(1) is True and fresh.worker_alive(0) is False
-    assert [d["rank"] for d in obs.workers()] == [0, 1, 2]
+    assert fresh.worker_alive(3) is True and fresh.worker_alive(0) is False
+    assert [d["rank"] for d in obs.workers()] == [0, 1, 2, 3]
 
 
 def test_wait_workers_returns_once_every_worker_ended_or_died_and_names_the_awaited(tmp_path):
@@ -816,3 +816,23 @@ def test_pull_claims_every_free_batch_before_taking_an_expired_one_over(tmp_path
         got.append(b)
         puller.complete(ids[["B0", "B1", "B2"].index(b)])
     assert got == ["B0", "B2", "B1"] and [r["batch"] for r in puller.reclaimed] == [ids[1]]
+
+
+def test_a_fed_batch_journaled_by_the_running_pull_answers_its_offer(tmp_path):
+    fed = FedClaims(PosixClaimStore(tmp_path), 60, poll_s=0.01)
+    got = []
+
+    def body():
+        for b in fed.pull(["B1"], ["b0000001"], stop=lambda: False):
+            got.append(b)
+            fed.complete("b0000001")
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    out = []
+    o = threading.Thread(target=lambda: out.append(fed.offer("b0000001", lambda: True)), daemon=True)
+    o.start()
+    o.join(5)
+    assert out == ["generated"] and got == ["B1"] and t.is_alive()  # answered by complete(), the run still pulling
+    fed.close()
+    t.join(5)
+    assert not t.is_alive()
