@@ -74,15 +74,15 @@ def _store(url):
 def test_object_store_keys_lie_under_the_runs_claims_namespace(s3):
     from runner.core.claims import object_store
 
-    st = object_store(f"s3://{BUCKET}/run/", "tok")
-    assert st.url == f"s3://{BUCKET}/run/claims/tok" and st.where() == st.url and st.name == "object"
+    st = object_store(f"s3://{BUCKET}/runX/", "tokX")  # only the trailing "/" is stripped
+    assert st.url == f"s3://{BUCKET}/runX/claims/tokX" and st.where() == st.url and st.name == "object"
     assert st.create("b0000001.g0", {"beat": 0})
     doc = st.get("b0000001.g0")
     assert set(doc) == {"beat", "nonce"} and len(doc["nonce"]) == 16 and int(doc["nonce"], 16) >= 0
-    assert st.fs.cat_file(f"{BUCKET}/run/claims/tok/b0000001.g0").endswith(b"\n")
+    assert st.fs.cat_file(f"{BUCKET}/runX/claims/tokX/b0000001.g0").endswith(b"\n")
     from runner.core.claims import ObjectClaimStore
 
-    assert ObjectClaimStore(f"s3://{BUCKET}/run/claims/tok//").url == st.url
+    assert ObjectClaimStore(f"s3://{BUCKET}/runX/claims/tokX//").url == st.url
 
 
 def test_an_unknown_scheme_is_refused_naming_the_claims_store():
