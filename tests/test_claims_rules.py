@@ -123,7 +123,8 @@ def test_a_claim_file_whose_bytes_cannot_be_written_is_a_storage_error(tmp_path)
         signal.signal(signal.SIGXFSZ, old_sig)
     assert str(e.value).startswith(f"cannot write claim file {store.root / 'k.json'} (OSError: [Errno 27] File too large")
     assert str(e2.value).startswith(f"cannot write claim file {store.root / 'p.json'} (OSError: [Errno 27] File too")
-    assert store.get("k.json") == {} and not store.exists("p.json")  # created, empty: read as being written
+    # the failed create leaves no empty claim behind (it would read as being written forever)
+    assert store.get("k.json") is None and not store.exists("k.json") and not store.exists("p.json")
 
 
 def test_batches_sha256_is_the_hash_of_the_item_keys_in_order():
@@ -785,10 +786,9 @@ def test_puts_of_one_key_from_two_threads_never_collide(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b0000001.g0", "workers"]
 
 
-@pytest.mark.xfail(strict=True, reason="PosixClaimStore.create ignores os.write's count: a short write (a full disk, a "
-                   "file-size limit) leaves a truncated claim file that reads as 'being written' forever ({}), and "
-                   "create returns True; fleet.json truncated so makes every joiner wait 10 s and be refused")
 def test_a_short_write_of_a_created_claim_file_is_a_storage_error(tmp_path):
+    """Regression: create ignored os.write's count, so a short write (a full disk, a file-size limit) returned True
+    and left a truncated claim file; fleet.json truncated so made every joiner wait 10 s and be refused."""
     import resource
     import signal
 
@@ -802,6 +802,9 @@ def test_a_short_write_of_a_created_claim_file_is_a_storage_error(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old_sig)
+    # no truncated claim left behind (it would read as one being written, {}, forever): the key can be created again
+    assert not (tmp_path / "fleet.json").exists() and store.get("fleet.json") is None
+    assert store.create("fleet.json", {"run_sha": "a" * 64}) and store.get("fleet.json") == {"run_sha": "a" * 64}
 
 
 def test_pull_claims_every_free_batch_before_taking_an_expired_one_over(tmp_path):

@@ -33,6 +33,7 @@ directory by :class:`PosixClaimStore` and for object storage (S3, GCS through fs
 from __future__ import annotations
 
 import abc
+import contextlib
 import errno
 import hashlib
 import json
@@ -139,9 +140,17 @@ class PosixClaimStore(ClaimStore):
         except OSError as e:
             raise StorageError(f"cannot create claim file {path} ({type(e).__name__}: {e})") from None
         try:
-            os.write(fd, (json.dumps(doc) + "\n").encode())
+            data = memoryview((json.dumps(doc) + "\n").encode())
+            while data:  # os.write may write part (a full disk, a file-size limit): the rest, or its error
+                n = os.write(fd, data)
+                if n <= 0:
+                    raise OSError(f"write returned {n}")
+                data = data[n:]
             os.fsync(fd)
         except OSError as e:
+            # a truncated claim reads as one being written ({}) forever: remove it, so others may create the key
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             raise StorageError(f"cannot write claim file {path} ({type(e).__name__}: {e})") from None
         finally:
             os.close(fd)
