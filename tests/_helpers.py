@@ -9,6 +9,7 @@ so they work whatever tests/conftest.py provides).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import hashlib
 import os
@@ -412,3 +413,29 @@ def flux_dev_stages(confs: Dict[str, Dict[str, Any]], batch: int = 16, slicing: 
             Stage("denoise", {"transformer": memory.denoiser_activations(confs["transformer"], batch, tokens, 2)}),
             Stage("vae_decode", {"vae": memory.decoder_activations(confs["vae"], batch, 1, 1024, 1024, 2, tiling,
                                                                   slicing)})]
+
+
+@contextlib.contextmanager
+def s3_environment(bucket: str) -> Iterable[Dict[str, str]]:
+    """moto's S3 server on a free loopback port (``runner.core.testing.s3_server``: real HTTP, requests serialized as
+    S3 serializes conditional writes), the clients' environment set and ``bucket`` created; yields that environment,
+    then restores the old one and stops the server (``tests/test_storage.py``, ``tests/test_claims_object_store.py``)."""
+    import s3fs
+
+    from runner.core.testing import s3_server
+
+    server = s3_server()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL_S3": server.endpoint}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False).mkdir(bucket)
+        yield env
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()

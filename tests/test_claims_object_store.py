@@ -6,11 +6,9 @@ filesystem (the request runs, or not, and then its answer is replaced by an erro
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from _helpers import requires_extra
+from _helpers import requires_extra, s3_environment
 
 pytestmark = [pytest.mark.cpu, requires_extra("storage", "s3-server")]
 
@@ -19,25 +17,8 @@ BUCKET = "claimrules"
 
 @pytest.fixture(scope="module")
 def s3():
-    from runner.core.testing import s3_server
-
-    server = s3_server()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL_S3": server.endpoint}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        import s3fs
-
-        s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False).mkdir(BUCKET)
+    with s3_environment(BUCKET) as env:
         yield env
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 class Faulty:

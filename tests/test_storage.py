@@ -22,7 +22,7 @@ from typing import Dict, List
 
 import pytest
 
-from _helpers import requires_extra, run_module
+from _helpers import requires_extra, run_module, s3_environment
 
 pytestmark = [pytest.mark.cpu, requires_extra("storage", "s3-server")]
 
@@ -35,25 +35,10 @@ ARGS = ["platform=cpu", "cpu_threads=1", "model.generation.num_inference_steps=4
 
 @pytest.fixture(scope="module")
 def s3():
-    """moto's S3 server on a free loopback port (``runner.core.testing.s3_server``: real HTTP, requests serialized as
-    S3 serializes conditional writes), with the clients' environment set. Yields that environment."""
-    from runner.core.testing import s3_server
-
-    server = s3_server()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL_S3": server.endpoint}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        _fs().mkdir(BUCKET)
+    """moto's S3 server on the loopback with the clients' environment set (``_helpers.s3_environment``). Yields that
+    environment."""
+    with s3_environment(BUCKET) as env:
         yield env
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 def test_a_second_server_of_the_process_starts_without_the_first_ones_buckets():
