@@ -1,10 +1,13 @@
 """The Wan video decode path (issue #41, ``models/video_decode.py``) on the CPU: the patched decoder's frames are bit
 for bit diffusers' (float32 and bfloat16, several latent frames so the causal cache runs, tiled and untiled, the Wan
 2.1 VAE and Wan 2.2 TI2V's residual one), each patched convolution sees the tensor ``F.pad(torch.cat(...))`` gives
-(values, sizes, strides), and the device ``uint8`` rule gives the runner's bytes."""
+(values, sizes, strides), the device ``uint8`` rule gives the runner's bytes, and ``benchmarks/decode_wan_h200.py
+--smoke`` reports a bit-identical decode as such and a deliberately different one as not."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -209,3 +212,37 @@ def test_video_uint8_is_the_np_path_then_the_sinks_rule():
     assert frames.shape == (2, 5, 8, 12, 3) and frames.is_contiguous() and frames.dtype == torch.uint8
     base = to_uint8_frames(np.asarray(ref[0], dtype=np.float32))
     assert frames_sha256(frames[0].numpy()) == frames_sha256(base)
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("decode_wan_h200", ROOT / "benchmarks" / "decode_wan_h200.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("perturb", [False, True], ids=["same", "perturbed"])
+def test_the_benchmark_smoke_reports_what_it_compared(tmp_path, perturb):
+    """``benchmarks/decode_wan_h200.py --smoke``: its JSON has every lane's ms, both speedups as the ratio of the
+    recorded ms (diffusers over runner), the frames' sha256 per lane and ``bit_identical``: True for the patched
+    decode, False when the runner lane decodes different latents (``--perturb``), which the sha256 and the raw
+    decoder outputs both show."""
+    out = tmp_path / "decode.json"
+    _bench().main(["--smoke", "--out", str(out)] + (["--perturb"] if perturb else []))
+    doc = json.loads(out.read_text())
+    ms = doc["ms"]
+    assert set(ms) == {"vae_decode_plain", "vae_decode_exact", "diffusers", "runner"} and min(ms.values()) > 0
+    assert doc["speedup_decode_wan"] == pytest.approx(ms["diffusers"] / ms["runner"], rel=1e-2)
+    assert doc["speedup_vae_decode"] == pytest.approx(ms["vae_decode_plain"] / ms["vae_decode_exact"], rel=1e-2)
+    assert doc["after_decode_ms"]["diffusers"] == pytest.approx(ms["diffusers"] - ms["vae_decode_plain"], abs=0.02)
+    check = doc["check"]
+    assert check["plain_repeatable"] and check["frames_shape"] == [9, 32, 48, 3]
+    assert check["saturated_fraction"] < 0.5
+    shas = check["frames_sha256"]
+    assert len(shas["diffusers"]) == len(shas["runner"]) == 1
+    assert all(len(s) == 64 and int(s, 16) >= 0 for s in shas["diffusers"] + shas["runner"])
+    assert doc["bit_identical"] is (not perturb)
+    assert (shas["diffusers"] == shas["runner"]) is (not perturb)
+    assert check["decoder_output_identical"] is (not perturb)
+    assert doc["perturbed"] is perturb and doc["device"] == "cpu" and doc["latents"] == [1, 16, 3, 4, 6]
+    assert doc["patch"]["modules"]["WanCausalConv3d"] > 0
