@@ -16,12 +16,16 @@ Two lanes, each from the latents to the ``uint8`` frames (F, H, W, 3) on the hos
 Printed and written (``--out``, rewritten as each part finishes, so a killed run leaves what it measured): median
 ms of each lane and of ``vae.decode`` alone with and without the patch (CUDA events, ``--warmup`` untimed calls,
 ``--iters`` timed ones), ``speedup_decode_wan`` (diffusers over runner) and ``speedup_vae_decode`` (the decoder
-alone), ``after_decode_ms`` (each lane's ms past its decoder: the way to host ``uint8`` frames), the ``frames_sha256`` of both lanes' frames and ``bit_identical`` (equal for every item), whether the
-decoder's raw outputs are equal, whether two plain decodes are (the check means nothing if they are not), and the
-share of saturated bytes (0 or 255: a comparison of all-saturated frames would prove little).
+alone), ``after_decode_ms`` (each lane's ms past its decoder: the way to host ``uint8`` frames), the
+``frames_sha256`` of both lanes' frames and ``bit_identical`` (equal for every item), whether the decoder's raw
+outputs are equal, whether two plain decodes are (the check means nothing if they are not), and the share of
+saturated bytes (0 or 255: a comparison of all-saturated frames would prove little).
 
-    source .whl/env.sh && python benchmarks/decode_wan_h200.py --out benchmarks/results/decode_wan_h200.json
+    source .whl/env.sh && python benchmarks/decode_wan_h200.py --channels-last --out decode_wan_h200.json
     python benchmarks/decode_wan_h200.py --smoke --out /tmp/decode_smoke.json    # tiny shapes on the CPU
+
+``--channels-last`` adds ``vae_decode_channels_last``: the patched decoder in ``channels_last_3d``, reported with
+whether its output equals the plain decode (a lossy lane where it does not).
 
 ``--smoke``: ``conf/model/tiny_wan22.yaml``'s VAE, latents [1, 16, 3, 4, 6] (9 frames of 32 x 48), float32, on the
 CPU. ``--perturb``: the runner lane decodes the latents plus 0.01, a deliberately different decode that must be
@@ -101,8 +105,9 @@ def timed(doc: Dict[str, Any], key: str, fn: Callable[[], Any], args: Any, save:
     save()
 
 
-def compare(doc: Dict[str, Any], vae: Any, processor: Any, z: torch.Tensor, zc: torch.Tensor) -> None:
-    """The equality checks: lanes' frames (``frames_sha256``), raw decoder outputs, two plain decodes."""
+def compare(doc: Dict[str, Any], vae: Any, processor: Any, z: torch.Tensor, zc: torch.Tensor) -> torch.Tensor:
+    """The equality checks: lanes' frames (``frames_sha256``), raw decoder outputs, two plain decodes; returns the
+    plain decode."""
     from models import video_decode
     from runner.core.video import frames_sha256
 
@@ -124,6 +129,28 @@ def compare(doc: Dict[str, Any], vae: Any, processor: Any, z: torch.Tensor, zc: 
         "frames_shape": list(u8.shape[1:])}
     doc["bit_identical"] = sha_base == sha_ours and base_bad == ours_bad
     print(f"bit_identical: {doc['bit_identical']}  {json.dumps(doc['check'])}", flush=True)
+    return plain
+
+
+def channels_last_lane(doc: Dict[str, Any], vae: Any, z: torch.Tensor, plain: torch.Tensor, args: Any,
+                       save: Callable[[], None]) -> None:
+    """``--channels-last``: the patched decoder with its 5-D weights and the latents in ``channels_last_3d`` (the
+    layout cuDNN computes in), timed, and whether its output still equals the plain decode: a different layout may
+    reduce in another order (the RMS norm's channel sum, the convolution's algorithm), so it is a lossy lane unless
+    ``check.channels_last_output_identical`` says otherwise on that GPU."""
+    from models import video_decode
+
+    for p in vae.parameters():
+        if p.dim() == 5:
+            p.data = p.data.contiguous(memory_format=torch.channels_last_3d)
+    zl = z.contiguous(memory_format=torch.channels_last_3d)
+    video_decode.install(vae)
+    doc["check"]["channels_last_output_identical"] = bool(torch.equal(plain, decode_only(vae, zl)))
+    save()
+    timed(doc, "vae_decode_channels_last", lambda: decode_only(vae, zl), args, save)
+    video_decode.uninstall(vae)
+    doc["speedup_vae_decode_channels_last"] = round(doc["ms"]["vae_decode_plain"] /
+                                                    doc["ms"]["vae_decode_channels_last"], 3)
 
 
 def main(argv: Any = None) -> Dict[str, Any]:
@@ -135,6 +162,8 @@ def main(argv: Any = None) -> Dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls per part (default 1; smoke 0)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per part, median (default 3; smoke 1)")
     ap.add_argument("--perturb", action="store_true", help="the runner lane decodes latents + 0.01 (self-check)")
+    ap.add_argument("--channels-last", action="store_true",
+                    help="also time the patched decoder in channels_last_3d (a lossy lane unless its output is equal)")
     args = ap.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
@@ -168,7 +197,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
     processor = VideoProcessor(vae_scale_factor=vae.spatial_compression_ratio)
     z = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(args.device, dtype)
     zc = z + 0.01 if args.perturb else z
-    compare(doc, vae, processor, z, zc)
+    plain = compare(doc, vae, processor, z, zc)
     save()
     timed(doc, "vae_decode_plain", lambda: decode_only(vae, z), args, save)
     timed(doc, "diffusers", lambda: diffusers_lane(vae, processor, z), args, save)
@@ -182,6 +211,9 @@ def main(argv: Any = None) -> Dict[str, Any]:
     # what each lane spends past the decoder: to host uint8 frames (diffusers: on the host; runner: on the device)
     doc["after_decode_ms"] = {"diffusers": round(ms["diffusers"] - ms["vae_decode_plain"], 2),
                               "runner": round(ms["runner"] - ms["vae_decode_exact"], 2)}
+    save()
+    if args.channels_last:
+        channels_last_lane(doc, vae, z, plain, args, save)
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     save()
     print(f"speedup_decode_wan: {doc['speedup_decode_wan']}  speedup_vae_decode: {doc['speedup_vae_decode']}  "

@@ -226,12 +226,17 @@ def test_the_benchmark_smoke_reports_what_it_compared(tmp_path, perturb):
     """``benchmarks/decode_wan_h200.py --smoke``: its JSON has every lane's ms, both speedups as the ratio of the
     recorded ms (diffusers over runner), the frames' sha256 per lane and ``bit_identical``: True for the patched
     decode, False when the runner lane decodes different latents (``--perturb``), which the sha256 and the raw
-    decoder outputs both show."""
+    decoder outputs both show; ``--channels-last`` adds its lane."""
     out = tmp_path / "decode.json"
-    _bench().main(["--smoke", "--out", str(out)] + (["--perturb"] if perturb else []))
+    _bench().main(["--smoke", "--out", str(out)] + (["--perturb"] if perturb else ["--channels-last"]))
     doc = json.loads(out.read_text())
     ms = doc["ms"]
-    assert set(ms) == {"vae_decode_plain", "vae_decode_exact", "diffusers", "runner"} and min(ms.values()) > 0
+    lanes = {"vae_decode_plain", "vae_decode_exact", "diffusers", "runner"}
+    assert set(ms) == (lanes if perturb else lanes | {"vae_decode_channels_last"}) and min(ms.values()) > 0
+    if not perturb:  # the channels_last_3d lane: timed, and its equality to the plain decode recorded
+        assert isinstance(doc["check"]["channels_last_output_identical"], bool)
+        assert doc["speedup_vae_decode_channels_last"] == pytest.approx(
+            ms["vae_decode_plain"] / ms["vae_decode_channels_last"], rel=1e-2)
     assert doc["speedup_decode_wan"] == pytest.approx(ms["diffusers"] / ms["runner"], rel=1e-2)
     assert doc["speedup_vae_decode"] == pytest.approx(ms["vae_decode_plain"] / ms["vae_decode_exact"], rel=1e-2)
     assert doc["after_decode_ms"]["diffusers"] == pytest.approx(ms["diffusers"] - ms["vae_decode_plain"], abs=0.02)
