@@ -507,6 +507,24 @@ def test_wait_workers_returns_once_every_worker_ended_or_died_and_names_the_awai
     t.join(2)
 
 
+def test_wait_workers_waits_for_a_worker_whose_record_is_still_being_written(tmp_path):
+    """Regression: a worker record still being written reads as ``{}`` (no rank); wait_workers judged it by rank 0,
+    so once worker 0 had ended the registering worker was not waited for (the merge could start without it). It is
+    judged by its own record: awaited until it has not changed for ``lease_s``."""
+    store = PosixClaimStore(tmp_path)
+    a = Claims(store, 60)
+    a.register()
+    a.end()
+    (store.root / "workers" / "1.json").write_bytes(b"")  # an exclusive create whose bytes are not written yet
+    assert store.get("workers/1.json") == {}
+    waiter = Claims(store, 0.4, poll_s=0.02)
+    said = []
+    t0 = time.monotonic()
+    got = waiter.wait_workers(say=said.append)
+    assert time.monotonic() - t0 >= 0.4 and got[1] == {}  # waited a whole lease for record 1
+    assert said in ([], [[1]])  # named by its index
+
+
 def test_section_accounts_for_claims_take_overs_losses_and_time(tmp_path):
     store = PosixClaimStore(tmp_path)
     c = Claims(store, 10)

@@ -447,8 +447,10 @@ class Claims:
         is called with the ranks still awaited every ``lease_s``. Returns the workers' records."""
         waited = time.monotonic()
         while True:
-            ws = self.workers()
-            waiting = [w.get("rank") for w in ws if not w.get("ended") and self.worker_alive(int(w.get("rank", 0)))]
+            ws = self.workers()  # record n is workers/{n}.json: judged by its own lease, also while its bytes are
+            # still being written ({}: no rank yet; reading its rank as 0 judged worker 0 instead, and a registering
+            # worker was not waited for once worker 0 had ended)
+            waiting = [w.get("rank", n) for n, w in enumerate(ws) if not w.get("ended") and self.worker_alive(n)]
             if not waiting:
                 return ws
             if time.monotonic() - waited > self.lease_s:
