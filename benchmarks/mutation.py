@@ -3,6 +3,7 @@
     python benchmarks/mutation.py                      # every group, one after the other, writes the JSON below
     python benchmarks/mutation.py --groups gate sinks  # some groups (the others' results are kept from --work)
     python benchmarks/mutation.py --rerun-survivors    # re-test only the last run's survivors (after new tests)
+    python benchmarks/mutation.py --whole-core --resume --groups G   # go on where a stopped run of G was
 
 Not part of CI (each group is meant to stay within 20 minutes on 2 shared cores: its tests are the fast ones that
 call the code directly; ``group_wall_s`` in the result says what each took; mutmut forks per mutant and needs
@@ -678,6 +679,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "tests) and the estimated total; runs nothing")
     ap.add_argument("--rerun-survivors", action="store_true",
                     help="keep the work dirs and re-test only the mutants that survived there (after new tests)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep each group's mutants/ and copy the checkout over it: mutmut keeps the result of every "
+                         "mutant whose function is unchanged (by its hash) and tests the rest, so a run stopped "
+                         "(a session's end) or moved to a later commit goes on where it was; the result records the "
+                         "mode")
     ap.add_argument("--report-only", action="store_true", help="rewrite the JSON from --work without running")
     ap.add_argument("--out", type=Path, default=RESULT)
     a = ap.parse_args(argv)
@@ -714,9 +720,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     for dst in (work / t, work / "mutants" / t):
                         shutil.copy2(ROOT / t, dst)
         else:
-            if work.exists():
+            if work.exists() and not (a.resume and (work / "mutants").is_dir()):
                 shutil.rmtree(work)
-            work.mkdir(parents=True)
+            work.mkdir(parents=True, exist_ok=True)
             prepare(work, group)
             names = scope_globs(group)
         if names:
@@ -725,7 +731,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"mutation: mutmut exited {rc} in group {name} (log: {work / 'mutmut.log'})", file=sys.stderr)
                 return rc
         timings[name] = round(time.time() - t1, 1)
-        ran_at[name] = {**git_commit(), "mode": "rerun_survivors" if a.rerun_survivors else "full",
+        mode = "rerun_survivors" if a.rerun_survivors else "resume" if a.resume else "full"
+        ran_at[name] = {**git_commit(), "mode": mode,
                         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
         print(f"mutation: group {name} done in {timings[name]:.0f} s", flush=True)
 
