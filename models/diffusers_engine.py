@@ -69,7 +69,7 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
         "models.conditioning:ConditioningPass",
         "models.denoiser_evidence:ExpertsPass", "models.lora:LoraPass", "models.backend_passes:AttentionPass", "models.backend_passes:MoePass",
         "models.backend_passes:LinearPass", "models.context_parallel:ContextParallelPass",
-        "models.memory:FittingPass", "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
+        "models.video_decode:FastDecodePass", "models.memory:FittingPass", "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
         "models.compile:CompilePass")
     """The engine's features as passes (:mod:`models.passes`), as ``"module:Class"`` paths, in install order (every
     phase runs them in this order, ``close`` in reverse): the scheduler's shift (``model.generation.shift``) replaces
@@ -77,7 +77,8 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
     then wrap); the attention backends before context parallelism (diffusers checks each processor's); the MoE
     backend before linear (the routed experts' Linears belong to it); the memory plan's placement after every pass
     that replaces or rewrites parameters (fused LoRA, MoE, linear backends; ``optimize`` ran before all passes) and
-    before the hooks and compile that wrap the modules as they will run (``models.memory.Fitting.defers``); compile
+    before the hooks and compile that wrap the modules as they will run (``models.memory.Fitting.defers``; the fast Wan decode's forwards before that, so an
+    offload hook wraps them); compile
     beneath a step cache's hooks when both are on (the hooks stay eager), the cache after the backends (its hooks wrap
     the modules as they will run), regional compile last otherwise. A family engine may extend the tuple."""
 

@@ -31,10 +31,12 @@ diffusers' own ``VideoProcessor.postprocess_video``, with the count of non-finit
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from models.passes import Pass
 
 #: ``WanUpsample`` modes whose output elements are input elements (no arithmetic).
 NEAREST_MODES = ("nearest", "nearest-exact")
@@ -106,11 +108,22 @@ def causal_input(conv: Any, x: torch.Tensor, cache_x: Optional[torch.Tensor]) ->
 
 
 # ---------------------------------------------------------------------------------------------- forwards
+#: Instance attribute counting the calls a module's patched forward took its own path (not diffusers' fallback):
+#: the evidence that the decode path ran (:func:`fast_calls`).
+CALLS = "_runner_fast_decode_calls"
+
+
+def _count(module: Any) -> None:
+    d = module.__dict__  # not ``Module.__setattr__``: a plain int on the instance, once per call
+    d[CALLS] = d.get(CALLS, 0) + 1
+
+
 def causal_conv_forward(self: Any, x: torch.Tensor, cache_x: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``WanCausalConv3d.forward`` on :func:`causal_input` (diffusers' own forward where that returns None)."""
     buf = causal_input(self, x, cache_x)
     if buf is None:
         return type(self).forward(self, x, cache_x)
+    _count(self)
     return torch.nn.Conv3d.forward(self, buf)
 
 
@@ -118,6 +131,7 @@ def upsample_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``WanUpsample.forward`` without the float32 round trip in a nearest mode (module docstring)."""
     if self.mode not in NEAREST_MODES or x.dtype not in NARROW_DTYPES + (torch.float32,):
         return type(self).forward(self, x)
+    _count(self)
     return F.interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners,
                          recompute_scale_factor=self.recompute_scale_factor)
 
@@ -127,6 +141,7 @@ def rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     docstring); ``F.normalize``'s denominator: the 2-norm over the channel dim clamped to at least 1e-12."""
     if x.dtype not in NARROW_DTYPES:
         return type(self).forward(self, x)
+    _count(self)
     xf = x.float()
     denom = xf.norm(2.0, 1 if self.channel_first else -1, keepdim=True).clamp_min(1e-12).expand_as(xf)
     del xf
@@ -163,8 +178,19 @@ def install(vae: Any) -> Dict[str, Any]:
             skipped += 1
             continue
         m.forward = types.MethodType(fn, m)
+        m.__dict__[CALLS] = 0
         counts[type(m).__name__] += 1
     return {"modules": counts, "skipped": skipped}
+
+
+def fast_calls(vae: Any) -> Dict[str, int]:
+    """Calls per class name of ``vae.decoder``'s patched modules that took the fast path since :func:`install`
+    (a fallback to diffusers' forward is not counted)."""
+    out: Dict[str, int] = {name: 0 for name in FORWARDS}
+    for m in vae.decoder.modules():
+        if type(m).__name__ in out:
+            out[type(m).__name__] += m.__dict__.get(CALLS, 0)
+    return out
 
 
 def uninstall(vae: Any) -> int:
@@ -174,6 +200,7 @@ def uninstall(vae: Any) -> int:
         own = m.__dict__.get("forward")
         if own is not None and getattr(own, "__func__", None) in FORWARDS.values():
             del m.forward
+            m.__dict__.pop(CALLS, None)
             n += 1
     return n
 
@@ -204,3 +231,62 @@ def video_uint8(video: torch.Tensor, processor: Any) -> Tuple[torch.Tensor, torc
     pt = processor.postprocess_video(video, output_type="pt")  # (B, F, C, H, W)
     nonfinite = (~torch.isfinite(pt)).flatten(1).sum(1)
     return to_uint8(pt).permute(0, 1, 3, 4, 2).contiguous(), nonfinite
+
+
+# -------------------------------------------------------------------------------------------------- pass
+class FastDecodePass(Pass):
+    """``optimize.fast_vae_decode`` (default on): :func:`install` on the loaded pipeline's VAE where it is diffusers'
+    ``AutoencoderKLWan`` (Wan 2.1 / 2.2 A14B / TI2V), before the memory plan's hooks wrap its modules (an offload
+    hook then wraps the patched forward); any other VAE is left alone and the setting recorded as ignored there.
+
+    Manifest section ``vae_decode`` (end of run): ``fast`` (installed), the patched modules per class, the calls
+    that took the fast path per class (:func:`fast_calls`: the evidence it ran), or ``ignored`` with the reason.
+    Evidence: a run that decoded with the path installed but saw no fast call is a mismatch (the patch did not act).
+    The decode is bit-identical to diffusers' (module docstring), so the setting enters neither identity nor resume.
+    """
+
+    name = "fast_vae_decode"
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.vae: Any = None
+        self.section: Dict[str, Any] = {}
+        self.calls = 0  # pipeline calls that returned (each decoded its batch)
+
+    def install(self, sections: Dict[str, Any]) -> None:
+        run = self.engine.ctx.run
+        if run is None or not run.optimize.fast_vae_decode:
+            self.section = {"fast": False, "why": "optimize.fast_vae_decode=false"}
+            return
+        vae = getattr(self.engine.pipe, "vae", None)
+        kind = type(vae).__name__ if vae is not None else None
+        if kind != "AutoencoderKLWan":
+            self.section = {"fast": False, "ignored": f"optimize.fast_vae_decode: {kind or 'no VAE'} has no fast "
+                                                      "decode path (AutoencoderKLWan only)"}
+            return
+        self.vae = vae
+        self.section = {"fast": True, **install(vae)}
+
+    def after_call(self, batch: Sequence[Any], want: Optional[int]) -> None:
+        self.calls += 1
+
+    def evidence(self, section: Dict[str, Any]) -> List[str]:
+        if self.vae is None:
+            return []
+        calls = fast_calls(self.vae)
+        section["vae_decode"] = {"fast": True, "fast_calls": calls, "pipeline_calls": self.calls}
+        if self.calls and not any(calls.values()):
+            return ["optimize.fast_vae_decode: the Wan decode path was installed but no patched module took its fast "
+                    "path"]
+        return []
+
+    def final_sections(self) -> Dict[str, Any]:
+        if self.vae is not None:
+            self.section["fast_calls"] = fast_calls(self.vae)
+        return {"vae_decode": self.section} if self.section else {}
+
+    def close(self) -> None:
+        if self.vae is not None:  # the counts stay in the section (the manifest may be written after close)
+            self.section["fast_calls"] = fast_calls(self.vae)
+            uninstall(self.vae)
+            self.vae = None

@@ -251,3 +251,73 @@ def test_the_benchmark_smoke_reports_what_it_compared(tmp_path, perturb):
     assert check["decoder_output_identical"] is (not perturb)
     assert doc["perturbed"] is perturb and doc["device"] == "cpu" and doc["latents"] == [1, 16, 3, 4, 6]
     assert doc["patch"]["modules"]["WanCausalConv3d"] > 0
+
+
+# ------------------------------------------------------------------------------------- the run's decode path
+def _frames(run, item):
+    return np.load(run.run_dir / item["file"].replace(".mp4", ".frames.npz"))["frames"]
+
+
+@pytest.fixture(scope="module")
+def wan_runs(tmp_path_factory):
+    """tiny_wan, 5 frames (2 latent frames: the causal cache runs), the fast decode (default) and diffusers'."""
+    from _helpers import execute
+
+    args = ["model=tiny_wan", "dataset.limit=2", "model.generation.num_inference_steps=2", "output.video_frames=true",
+            "model.generation.num_frames=5"]
+    root = tmp_path_factory.mktemp("fastdecode")
+    return (execute(root / "fast", args), execute(root / "plain", args + ["optimize.fast_vae_decode=false"]))
+
+
+def test_a_wan_run_decodes_with_the_fast_path_and_the_same_bytes(wan_runs):
+    """The default Wan run installs the decode path, observes its modules' fast calls (not just the patch), and
+    writes frames equal byte for byte to diffusers' decode (``optimize.fast_vae_decode=false``)."""
+    fast, plain = wan_runs
+    for run in wan_runs:
+        assert run.code == 0 and run.manifest["evidence"]["verdict"] == "verified", run.manifest["evidence"]
+    sec = fast.manifest["vae_decode"]
+    assert sec["fast"] is True and sec["skipped"] == 0
+    assert all(n > 0 for n in sec["modules"].values()), sec  # each kind of module patched
+    calls = sec["fast_calls"]
+    assert calls["WanCausalConv3d"] > 0 and calls["WanUpsample"] > 0  # observed running, not only patched
+    assert calls["WanRMS_norm"] == 0  # float32 on the CPU: the norm keeps diffusers' forward (fast only for bf16)
+    assert plain.manifest["vae_decode"] == {"fast": False, "why": "optimize.fast_vae_decode=false"}
+    assert len(fast.items) == len(plain.items) == 2
+    for a, b in zip(fast.items, plain.items):
+        assert a["status"] == b["status"] == "ok" and a["key"] == b["key"]
+        fa, fb = _frames(fast, a), _frames(plain, b)
+        assert fa.shape == fb.shape and fa.shape[0] == 5 and np.array_equal(fa, fb)
+        assert a["frames_sha256"] == b["frames_sha256"]
+    assert not np.array_equal(_frames(fast, fast.items[0]), _frames(fast, fast.items[1]))  # two different videos
+
+
+def test_the_fast_decode_is_recorded_as_ignored_on_another_vae(tmp_path):
+    from _helpers import execute
+
+    run = execute(tmp_path / "flux", ["model=tiny_flux", "dataset.limit=1", "model.generation.num_inference_steps=2"])
+    assert run.code == 0
+    sec = run.manifest["vae_decode"]
+    assert sec["fast"] is False and "AutoencoderKL has no fast decode path" in sec["ignored"]
+
+
+def test_a_decode_path_that_never_runs_is_a_mismatch():
+    """The evidence counts the fast calls, not the patch: installed but never taking its path (every call fell back)
+    after a pipeline call is a mismatch; before any call it is none."""
+    from types import SimpleNamespace
+
+    vae = build("tiny_wan", torch.float32)
+    engine = SimpleNamespace(ctx=SimpleNamespace(run=SimpleNamespace(optimize=SimpleNamespace(fast_vae_decode=True))),
+                             pipe=SimpleNamespace(vae=vae))
+    p = video_decode.FastDecodePass(engine)
+    p.install({})
+    section = {}
+    assert p.evidence(section) == [] and section["vae_decode"]["pipeline_calls"] == 0
+    p.after_call([], None)
+    assert p.evidence({}) == ["optimize.fast_vae_decode: the Wan decode path was installed but no patched module "
+                              "took its fast path"]
+    with torch.no_grad():
+        vae.decode(torch.randn(1, vae.config.z_dim, 2, 4, 6))
+    assert p.evidence({}) == []
+    p.close()
+    assert video_decode.fast_calls(vae) == {k: 0 for k in video_decode.FORWARDS}
+    assert all("forward" not in m.__dict__ for m in vae.decoder.modules())

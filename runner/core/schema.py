@@ -783,6 +783,12 @@ class OptimizeConfig:
     vae_channels_last: bool = declared(False, enters=(RESUME, IDENTITY))
     """The VAE in channels-last (NHWC) memory format (slower on the H200 with torch 2.11: 127.9 vs 86.7 ms per
     1024x1024 decode; kept for other GPUs and builds)."""
+    fast_vae_decode: bool = True
+    """Wan video models (diffusers' ``AutoencoderKLWan``): decode with ``models.video_decode``'s forwards, which run
+    the same operations on the same values in the same order without diffusers' extra copies, so the frames are
+    bit-identical (checked against the plain decode's ``frames_sha256`` by ``tests/test_video_decode.py`` and, on
+    the GPU, ``benchmarks/decode_wan_h200.py``); the manifest's ``vae_decode`` section records the calls that took
+    it. Recorded as ignored for any other VAE. ``false``: diffusers' own decode."""
     warmup: bool = True
     """With ``compile`` on, one pipeline call of 2 steps at the first batch's shape runs before the timed loop, so
     compilation is not billed to the first batch (``timing.warmup_s``); its output is discarded."""
