@@ -287,7 +287,7 @@ def test_a_wan_run_decodes_with_the_fast_path_and_the_same_bytes(wan_runs):
         assert a["status"] == b["status"] == "ok" and a["key"] == b["key"]
         fa, fb = _frames(fast, a), _frames(plain, b)
         assert fa.shape == fb.shape and fa.shape[0] == 5 and np.array_equal(fa, fb)
-        assert a["frames_sha256"] == b["frames_sha256"]
+        assert a["frames_sha256"] == b["frames_sha256"] and len(a["frames_sha256"]) == 64
     assert not np.array_equal(_frames(fast, fast.items[0]), _frames(fast, fast.items[1]))  # two different videos
 
 
@@ -321,3 +321,56 @@ def test_a_decode_path_that_never_runs_is_a_mismatch():
     p.close()
     assert video_decode.fast_calls(vae) == {k: 0 for k in video_decode.FORWARDS}
     assert all("forward" not in m.__dict__ for m in vae.decoder.modules())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", ["tiny_wan22", "tiny_wan22_ti2v"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["whole", "tiled"])
+def test_the_patched_decode_is_bit_identical_on_the_gpu(model, tiled):
+    """On the GPU in bfloat16 (the dtype the runner gives a Wan VAE there): patched and unpatched decodes equal bit
+    for bit (cuDNN is given inputs of equal sizes, strides and dtype), every kind of patched module taking its fast
+    path, and the device uint8 bytes equal to the runner's host rule on the plain decode's float32 frames."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; none is visible on this machine (torch.cuda.is_available() is False)")
+    from diffusers.video_processor import VideoProcessor
+
+    from runner.core.artifacts import to_uint8 as host_uint8
+
+    vae = build(model, torch.bfloat16).to("cuda")
+    if tiled:
+        vae.enable_tiling(**TILES)
+    z = latents(vae, torch.bfloat16).to("cuda")
+    plain = decode(vae, z)
+    again = decode(vae, z)
+    assert torch.equal(plain, again)  # the check means something: the plain decode is deterministic here
+    video_decode.install(vae)
+    patched = decode(vae, z)
+    calls = video_decode.fast_calls(vae)
+    video_decode.uninstall(vae)
+    assert torch.equal(plain, patched)
+    assert all(n > 0 for n in calls.values()), calls
+    proc = VideoProcessor(vae_scale_factor=8)
+    frames, nonfinite = video_decode.video_uint8(patched, proc)
+    host = proc.postprocess_video(plain, output_type="np")  # (B, F, H, W, C) float32 on the host
+    assert nonfinite.tolist() == [0] and np.array_equal(frames.cpu().numpy(), host_uint8(host))
+
+
+@pytest.mark.cuda
+def test_a_wan_run_on_the_gpu_writes_the_plain_decodes_bytes(tmp_path):
+    """tiny_wan on the GPU (bfloat16): the default run (fast decode) and ``optimize.fast_vae_decode=false`` write the
+    same frames, the fast run's RMS norms (bfloat16) and convolutions observed on their fast paths."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; none is visible on this machine (torch.cuda.is_available() is False)")
+    from _helpers import execute
+
+    args = ["model=tiny_wan", "platform=cuda", "dataset.limit=2", "model.generation.num_inference_steps=2",
+            "output.video_frames=true", "model.generation.num_frames=5"]
+    fast = execute(tmp_path / "fast", args)
+    plain = execute(tmp_path / "plain", args + ["optimize.fast_vae_decode=false"])
+    for run in (fast, plain):
+        assert run.code == 0 and run.manifest["evidence"]["verdict"] == "verified", run.manifest["evidence"]
+    calls = fast.manifest["vae_decode"]["fast_calls"]
+    assert calls["WanRMS_norm"] > 0 and calls["WanCausalConv3d"] > 0, calls
+    for a, b in zip(fast.items, plain.items):
+        assert a["frames_sha256"] == b["frames_sha256"]
+        assert np.array_equal(_frames(fast, a), _frames(plain, b))
