@@ -360,3 +360,62 @@ def test_problems_lists_every_name_with_its_fix(tmp_path, monkeypatch):
     assert M.problems(["hpsv2", "clip_score"], {"clip_score": str(d)}, "image") == [
         "metrics.names: hpsv2 needs the package(s) hpsv2, not installed; fix: pip install hpsv2"]
     assert M.problems(["clip_score"], {"clip_score": str(d)}, "image") == []
+
+
+def test_score_journal_rewrites_the_journal_in_order_and_reports_scored_and_kept(tmp_path, toys):
+    """Kills: a journal not rewritten (or reordered), ``scored`` / ``kept`` / ``summary`` of other records, a
+    ``rescore`` that keeps old scores, a journal rewritten although an artifact to score is missing."""
+    import json
+
+    recs = _records(tmp_path, ["a", "bb", "ccc", "dddd"])
+    ms = M.MetricSet(names=["toy_a"], paths={"toy_a": tmp_path / "toy_a.bin"}, sources={"toy_a": {"kind": "x"}},
+                     batch_size=2)
+    digest = M.model_digests(ms)["toy_a"]["sha256"]
+    recs[1].update(metrics={"toy_a": -7.0}, metrics_models={"toy_a": digest})
+    recs[3]["status"] = "failed"
+    journal = tmp_path / "items.jsonl"
+    journal.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    sec = M.score_journal(tmp_path, "items.jsonl", ms, "cpu")
+    got = [json.loads(x) for x in journal.read_text().splitlines()]
+    assert [r["key"] for r in got] == ["0", "1", "2", "3"]
+    assert [(r.get("metrics") or {}).get("toy_a") for r in got] == [1003.0, -7.0, 3023.0, None]
+    assert got[0]["metrics_models"] == {"toy_a": digest}
+    assert {k: sec[k] for k in ("names", "device", "batch_size", "scored", "kept")} == {
+        "names": ["toy_a"], "device": "cpu", "batch_size": 2, "scored": {"toy_a": 2}, "kept": {"toy_a": 1}}
+    assert sec["models"]["toy_a"]["sha256"] == digest and sec["models"]["toy_a"]["source"] == {"kind": "x"}
+    assert sec["summary"] == M.summary(got, ["toy_a"]) and sec["summary"]["toy_a"]["n"] == 3
+    assert isinstance(sec["score_s"], float) and 0 <= sec["score_s"] < 60
+    again = M.score_journal(tmp_path, "items.jsonl", ms, "cpu", rescore=True)
+    assert (again["scored"], again["kept"]) == ({"toy_a": 3}, {"toy_a": 0})
+    got = [json.loads(x) for x in journal.read_text().splitlines()]
+    assert [(r.get("metrics") or {}).get("toy_a") for r in got] == [1003.0, 2013.0, 3023.0, None]
+    (tmp_path / recs[0]["file"]).unlink()
+    before = journal.read_bytes()
+    with pytest.raises(M.MetricError, match="images/0.png: missing"):
+        M.score_journal(tmp_path, "items.jsonl", ms, "cpu", rescore=True)
+    assert journal.read_bytes() == before
+
+
+def test_pick_score_is_the_logit_scale_times_the_cosine(clip):
+    """PickScore's README formula ``logit_scale.exp() * cos(E_I, E_C)``, recomputed with transformers (float64)."""
+    import torch
+    from transformers import CLIPModel, CLIPProcessor
+
+    rng = np.random.default_rng(4)
+    images = list(rng.integers(0, 256, (3, 32, 32, 3), dtype=np.uint8))
+    prompts = ["a red circle", "a blue square", "x"]
+    model, proc = CLIPModel.from_pretrained(clip).double().eval(), CLIPProcessor.from_pretrained(clip)
+    with torch.no_grad():
+        model.logit_scale.fill_(1.5)  # another scale than the init's log(1 / 0.07): the scale is read, not assumed
+    model.save_pretrained(clip.parent / "pick", safe_serialization=True)
+    proc.save_pretrained(clip.parent / "pick")
+    want = []
+    with torch.no_grad():
+        for img, p in zip(images, prompts):
+            px = proc(images=[torch.from_numpy(img).permute(2, 0, 1)], return_tensors="pt")["pixel_values"]
+            tx = proc(text=[p], return_tensors="pt", padding=True)
+            ei = model.visual_projection(model.vision_model(pixel_values=px.double()).pooler_output)
+            et = model.text_projection(model.text_model(**tx).pooler_output)
+            want.append(math.exp(1.5) * float(torch.nn.functional.cosine_similarity(ei, et, dim=-1)))
+    got = M.REGISTRY["pick_score"].load(clip.parent / "pick", "cpu", 2)(images, prompts)
+    assert got == pytest.approx(want, abs=1e-9) and len(set(got)) == 3
