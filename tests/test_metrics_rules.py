@@ -41,19 +41,19 @@ def _png(path: Path, array: np.ndarray) -> Path:
 def test_summary_rounds_to_five_decimals_and_matches_numpy_on_asymmetric_scores():
     """Kills: a statistic rounded to an integer (``round(x)``), a loop that stops at the first metric without
     scores, another quantile rule. Scores with decimals and one far outlier; a metric with none listed first."""
-    vals = [0.123456789, 7.654321987, 2.5, 100.000004321, 3.333333333, 2.75]
+    vals = [0.123456789, 7.654321987, 2.5, 100.123456789, 3.333333333, 2.75]
     recs = [{"status": "ok", "metrics": {"m": v}} for v in vals]
     recs.append({"status": "failed", "metrics": {"m": -50.0}})  # not ok: left out
     s = M.summary(recs, ["none", "m"])
     assert s["none"] == {"n": 0}
     v = np.array(vals)
     want = {"n": 6, "mean": round(float(v.mean()), 5), "std": round(float(v.std()), 5),
-            "min": 0.12346, "max": 100.0, **{f"p{round(q * 100)}": round(float(np.quantile(v, q)), 5)
+            "min": 0.12346, "max": 100.12346, **{f"p{round(q * 100)}": round(float(np.quantile(v, q)), 5)
                                                for q in (0.1, 0.25, 0.5, 0.75, 0.9)}}
     assert s["m"] == want
     # by hand: sorted 0.123456789, 2.5, 2.75, 3.333333333, 7.654321987, 100.000004321; p50 at position 2.5:
-    # (2.75 + 3.333333333) / 2; p90 at 4.5: (7.654321987 + 100.000004321) / 2; mean 116.361116...
-    assert s["m"]["p50"] == 3.04167 and s["m"]["p90"] == 53.82716 and s["m"]["mean"] == 19.39352
+    # (2.75 + 3.333333333) / 2; p90 at 4.5: (7.654321987 + 100.123456789) / 2; mean 116.484568... / 6
+    assert s["m"]["p50"] == 3.04167 and s["m"]["p90"] == 53.88889 and s["m"]["mean"] == 19.41409
     assert list(s["m"]) == ["n", "mean", "std", "min", "p10", "p25", "p50", "p75", "p90", "max"]
 
 
@@ -419,3 +419,91 @@ def test_pick_score_is_the_logit_scale_times_the_cosine(clip):
             want.append(math.exp(1.5) * float(torch.nn.functional.cosine_similarity(ei, et, dim=-1)))
     got = M.REGISTRY["pick_score"].load(clip.parent / "pick", "cpu", 2)(images, prompts)
     assert got == pytest.approx(want, abs=1e-9) and len(set(got)) == 3
+
+
+def test_register_refuses_a_name_twice(monkeypatch):
+    monkeypatch.setattr(M, "REGISTRY", dict(M.REGISTRY))
+    m = M.Metric("toy_new", ("image",), (), "", "file", lambda *a: None, "test")
+    assert M.register(m) is m and M.REGISTRY["toy_new"] is m
+    with pytest.raises(ValueError, match="^metric 'toy_new' is registered already$"):
+        M.register(M.Metric("toy_new", ("video",), (), "", "file", lambda *a: None, "test"))
+    assert M.REGISTRY["toy_new"] is m
+
+
+def test_model_digests_cover_the_files_by_relative_path_and_the_metric_name(tmp_path):
+    """Kills: a file model hashed as an (empty) dir, paths relative to another root, another file pattern, a digest
+    over unsorted keys or without the metric's name, the digest cache written elsewhere."""
+    import hashlib
+    import json
+
+    d = tmp_path / "clip"
+    (d / "sub").mkdir(parents=True)
+    (d / "config.json").write_bytes(b"{}")
+    (d / "sub" / "w.bin").write_bytes(b"weights")
+    ck = tmp_path / "reward.pt"
+    ck.write_bytes(b"ckpt")
+    ms = M.MetricSet(names=["clip_score", "image_reward"], paths={"clip_score": d, "image_reward": ck},
+                     sources={"clip_score": {"kind": "path"}, "image_reward": {"kind": "file"}}, batch_size=1)
+    got = M.model_digests(ms, tmp_path / "cache")
+    h = {b: hashlib.sha256(b).hexdigest() for b in (b"{}", b"weights", b"ckpt")}
+    files = {"clip_score": {"config.json": h[b"{}"], "sub/w.bin": h[b"weights"]}, "image_reward": {"reward.pt": h[b"ckpt"]}}
+    for n in ms.names:
+        whole = hashlib.sha256(json.dumps({"files": files[n], "metric": n}).encode()).hexdigest()
+        assert got[n] == {"source": ms.sources[n], "files": files[n], "sha256": whole}
+    assert ms.digests is got and (tmp_path / "cache" / "weight_digests.json").is_file()
+
+
+def test_load_artifact_decodes_a_grey_png_as_rgb_and_an_mp4_as_its_frames(tmp_path):
+    from runner.core import video
+
+    grey = np.arange(48, dtype=np.uint8).reshape(6, 8)
+    _png(tmp_path / "g.png", grey)
+    a = M.load_artifact(tmp_path / "g.png")
+    assert a.dtype == np.uint8 and a.shape == (6, 8, 3) and np.array_equal(a, np.dstack([grey] * 3))
+    frames = np.random.default_rng(0).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    video.write_video(tmp_path / "v.mp4", frames, 8, "h264_lossless")
+    assert np.array_equal(M.load_artifact(tmp_path / "v.mp4"), video.decode_mp4(tmp_path / "v.mp4"))
+    assert M.load_artifact(tmp_path / "v.mp4").shape == (3, 16, 16, 3)
+
+
+def test_aesthetic_head_refuses_a_state_dict_with_an_extra_or_a_missing_layer():
+    import torch
+
+    dims = [16, *M.AESTHETIC_WIDTHS]
+    state = {}
+    for i, (a, b) in zip(M.AESTHETIC_LINEARS, zip(dims[:-1], dims[1:])):
+        state[f"layers.{i}.weight"], state[f"layers.{i}.bias"] = torch.ones(b, a), torch.zeros(b)
+    head = M.aesthetic_head(state)
+    assert not head.training and head(torch.ones(2, 16)).shape == (2, 1)
+    with pytest.raises(RuntimeError, match="layers.9.weight|9.weight"):
+        M.aesthetic_head({**state, "layers.9.weight": torch.ones(1, 1)})
+    with pytest.raises(RuntimeError, match="7.bias"):
+        M.aesthetic_head({k: v for k, v in state.items() if k != "layers.7.bias"})
+
+
+def test_every_clip_metric_is_built_with_the_batch_size_it_is_given(clip, tmp_path, monkeypatch):
+    """Kills: a loader that drops the run's batch size (or changes the default 32) for its CLIP model."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    model_dir = tmp_path / "aes"
+    shutil.copytree(clip, model_dir)
+    dims = [16, *M.AESTHETIC_WIDTHS]
+    save_file({f"layers.{i}.{k}": (torch.zeros(b, a) if k == "weight" else torch.zeros(b))
+               for i, (a, b) in zip(M.AESTHETIC_LINEARS, zip(dims[:-1], dims[1:])) for k in ("weight", "bias")},
+              str(model_dir / M.AESTHETIC_HEAD))
+    sizes: List[int] = []
+    orig = M.ClipScorer.__init__
+
+    def spy(self, path, device, batch_size=32):
+        sizes.append(batch_size)
+        orig(self, path, device, batch_size)
+
+    monkeypatch.setattr(M.ClipScorer, "__init__", spy)
+    for name in ("clip_score", "pick_score", "temporal_consistency", "aesthetic"):
+        sizes.clear()
+        M.REGISTRY[name].load(model_dir, "cpu", 3)
+        M.REGISTRY[name].load(model_dir, "cpu")
+        assert sizes == [3, 32], name
