@@ -383,3 +383,30 @@ def test_mask_inside_overlay_records_and_digests():
     assert media.digests({"image": f.record(), "mask_image": None, "x": [{}, {"sha256": "s3"}]}) == {
         "image": "s1", "mask_image": None, "x": [None, "s3"]}
     assert media.digests(None) == {}
+
+
+def test_size_rules_by_default_and_an_image_and_its_mask_both_wrong(tmp_path):
+    """Kills: ``any_size`` on by default (``size_problems``, ``row_inputs``), and a wrongly sized image left unnamed
+    because its mask is named (the mask alone is named once)."""
+    src = tmp_path / "rows.jsonl"
+    _png(tmp_path / "tall.png", np.full((16, 4, 3), 200, np.uint8))
+    _png(tmp_path / "wide.png", np.full((4, 16), 255, np.uint8))
+    row = _row({"image": "tall.png", "mask_image": "wide.png"})  # 8x8 row
+    inputs, _ = media.row_inputs(row, "w", src, None, media.MAX_INPUT_PIXELS, any_size=True)
+    probs = media.size_problems(row, inputs)
+    assert probs == [
+        "field 'mask_image' = 'wide.png' is 16x4, its image 'tall.png' is 4x16; fix: a mask of the image's size",
+        "field 'image' = 'tall.png' is 4x16, and the row generates 8x8; the runner never resizes an input (the "
+        "pipeline would resize it and the output would not show the input as given); fix: resize the file to 8x8, "
+        "or set width=4 and height=16 in the row"]
+    assert media.size_problems(row, inputs, any_size=True) == probs[:1]
+    assert media.row_inputs(row, "w", src, None, media.MAX_INPUT_PIXELS)[1] == [f"w: {p}" for p in probs]
+
+
+def test_mask_inside_and_overlay_take_rgb_masks_and_grey_images():
+    rgb_mask = Image.fromarray(np.dstack([np.array([[127, 128]], np.uint8)] * 3))
+    assert media.mask_inside(rgb_mask).tolist() == [[False, True]]
+    grey = Image.fromarray(np.array([[51, 102]], np.uint8))
+    out = media.overlay(np.ones((1, 2, 3), np.float32), grey, rgb_mask)
+    assert out.shape == (1, 2, 3) and np.array_equal(out[0, 0], np.full(3, np.float32(51) / np.float32(255)))
+    assert (out[0, 1] == 1).all()
