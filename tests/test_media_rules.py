@@ -410,3 +410,24 @@ def test_mask_inside_and_overlay_take_rgb_masks_and_grey_images():
     out = media.overlay(np.ones((1, 2, 3), np.float32), grey, rgb_mask)
     assert out.shape == (1, 2, 3) and np.array_equal(out[0, 0], np.full(3, np.float32(51) / np.float32(255)))
     assert (out[0, 1] == 1).all()
+
+
+def test_the_empty_mask_warning_names_only_rows_whose_mask_selects_nothing(tmp_path, caplog):
+    """Kills: a warning that lists every row with an input (a non-empty mask's row included), its text changed,
+    the ``...`` after exactly five rows."""
+    src = tmp_path / "rows.jsonl"
+    _png(tmp_path / "a.png", np.full((8, 8, 3), 1, np.uint8))
+    _png(tmp_path / "black.png", np.zeros((8, 8), np.uint8))
+    _png(tmp_path / "white.png", np.full((8, 8), 255, np.uint8))
+    rows = [_row({"image": "a.png", "mask_image": "white.png"}, rid="full", line=1),
+            *(_row({"image": "a.png", "mask_image": "black.png"}, rid=f"m{i}", line=i + 2) for i in range(5))]
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        got = media.attach_inputs(rows, src)
+    assert got[0].inputs["mask_image"].repaint_pixels == 64
+    listed = ", ".join(f"{src}:{i + 2} (m{i})" for i in range(5))
+    assert [r.getMessage() for r in caplog.records if r.name == "runner"] == [
+        f"5 row(s) have a mask_image that selects no pixel to repaint (no grey value >= 128): {listed}; their items "
+        "repaint nothing (the output is the input, or its VAE reconstruction with output.inpaint_overlay=false) "
+        "and record inputs.mask_image.repaint_pixels: 0; fix: white (>= 128) where the image should change, or "
+        "drop the row"]
+    assert media.warn_empty_masks(got[:1], src) == []
