@@ -127,6 +127,11 @@ def test_mode_rules():
     la = Image.fromarray(np.dstack([grey, np.full((4, 4), 255, np.uint8)]), "LA")
     out, rule, _ = media.convert_mode(la, "L")
     assert (out.mode, rule) == ("L", "LA->L (alpha all 255, dropped)") and np.array_equal(np.asarray(out), grey)
+    la_t = np.dstack([grey, np.full((4, 4), 255, np.uint8)])
+    la_t[2, 2, 1] = 0
+    assert media.convert_mode(Image.fromarray(la_t, "LA"), "L") == (None, None, (
+        "has mode LA with 1 transparent pixel(s) (alpha < 255); what lies behind them is not defined, so it is not "
+        "converted"))
     out, rule, _ = media.convert_mode(la, "RGB")
     assert (out.mode, rule) == ("RGB", "LA->RGB (alpha all 255, dropped)") and (np.asarray(out) == 7).all()
     equal = Image.fromarray(np.dstack([grey] * 3))
@@ -191,8 +196,11 @@ def test_decode_bound_bomb_and_corruption():
     assert media.decode(b"not an image", 64) == (None, "is not an image PIL can read")
     img, why = media.decode(_png_header_only(100000, 100000), media.MAX_INPUT_PIXELS)
     assert img is None and why.startswith("declares more pixels than PIL's decompression-bomb bound (")
-    img, why = media.decode(data[:-30], 64)  # truncated
-    assert img is None and why.startswith("is corrupt (")
+    assert media.decode(data[:-30], 64) == (None, "is corrupt (OSError: Truncated File Read)")  # truncated
+    # above PIL's MAX_IMAGE_PIXELS but below twice it: PIL only warns (silenced), the runner's own bound refuses it
+    assert media.decode(_png_header_only(10000, 9000), 89_000_000) == (None, (
+        "declares 10000x9000 = 90000000 pixels, above the input bound of 89000000 (PIL's decompression-bomb bound "
+        "Image.MAX_IMAGE_PIXELS); it is not decoded"))
     assert media.MAX_INPUT_PIXELS == Image.MAX_IMAGE_PIXELS == 89478485
 
 
