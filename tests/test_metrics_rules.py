@@ -507,3 +507,42 @@ def test_every_clip_metric_is_built_with_the_batch_size_it_is_given(clip, tmp_pa
         M.REGISTRY[name].load(model_dir, "cpu", 3)
         M.REGISTRY[name].load(model_dir, "cpu")
         assert sizes == [3, 32], name
+
+
+def test_clip_scorer_defaults_empty_input_long_prompts_and_safetensors_only(clip, tmp_path):
+    """Kills: another default batch size, an empty input that fails (or scores one item), the model's config hidden
+    from torchmetrics (a prompt longer than the text tower's 77 positions is then not truncated: an index error), a
+    pickled ``pytorch_model.bin`` loaded where only safetensors may be."""
+    import shutil
+
+    import torch
+    from transformers import CLIPModel
+
+    sc = M.ClipScorer(clip, "cpu")
+    assert sc.batch_size == 32
+    assert sc.clip_scores([], []).shape == (0,)
+    img = np.random.default_rng(6).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    long = " ".join(["a red circle in the top left"] * 30)  # > 77 tokens
+    s = sc.clip_scores([img, img], [long, "a red circle"])
+    assert s.shape == (2,) and np.isfinite(s).all()
+    pickled = tmp_path / "pickled"
+    shutil.copytree(clip, pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save(CLIPModel.from_pretrained(clip).state_dict(), pickled / "pytorch_model.bin")
+    assert (pickled / "pytorch_model.bin").is_file() and not list(pickled.glob("*.safetensors"))
+    with pytest.raises(OSError):
+        M.ClipScorer(pickled, "cpu")
+
+
+def test_problems_join_kinds_and_packages(monkeypatch):
+    monkeypatch.setattr(M.importlib.util, "find_spec", lambda name: None)
+    assert M.problems(["clip_score"], {}, "text") == [
+        "metrics.names: clip_score scores image/video artifacts, this run writes text; fix: drop clip_score or use "
+        "one of "]
+    assert M.problems(["clip_score"], {}, "image") == [
+        "metrics.names: clip_score needs the package(s) torchmetrics, transformers, not installed; fix: pip install "
+        "torchmetrics transformers"]
+    with pytest.raises(M.MetricError) as e:
+        M.check(None, "image", floors={"clip_score": 0, "pick_score": -1})
+    assert str(e.value) == ("metrics cannot run:\n  " + _floor_msg("clip_score", 0) + "\n  "
+                            + _floor_msg("pick_score", -1))
