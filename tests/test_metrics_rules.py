@@ -375,7 +375,9 @@ def test_score_journal_rewrites_the_journal_in_order_and_reports_scored_and_kept
     recs[3]["status"] = "failed"
     journal = tmp_path / "items.jsonl"
     journal.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    sec = M.score_journal(tmp_path, "items.jsonl", ms, "cpu")
+    sec = M.score_journal(tmp_path, "items.jsonl", ms, "cpu", cache_dir=tmp_path / "cache")
+    assert (tmp_path / "cache" / "weight_digests.json").is_file()  # the digest cache where the run keeps it
+    assert [ld[1:] for ld in toys["toy_a"].loads] == [("cpu", 2)]  # the run's device and batch size
     got = [json.loads(x) for x in journal.read_text().splitlines()]
     assert [r["key"] for r in got] == ["0", "1", "2", "3"]
     assert [(r.get("metrics") or {}).get("toy_a") for r in got] == [1003.0, -7.0, 3023.0, None]
@@ -385,6 +387,7 @@ def test_score_journal_rewrites_the_journal_in_order_and_reports_scored_and_kept
     assert sec["models"]["toy_a"]["sha256"] == digest and sec["models"]["toy_a"]["source"] == {"kind": "x"}
     assert sec["summary"] == M.summary(got, ["toy_a"]) and sec["summary"]["toy_a"]["n"] == 3
     assert isinstance(sec["score_s"], float) and 0 <= sec["score_s"] < 60
+    assert sec["score_s"] == round(sec["score_s"], 3)  # milliseconds
     again = M.score_journal(tmp_path, "items.jsonl", ms, "cpu", rescore=True)
     assert (again["scored"], again["kept"]) == ({"toy_a": 3}, {"toy_a": 0})
     got = [json.loads(x) for x in journal.read_text().splitlines()]
@@ -446,7 +449,8 @@ def test_model_digests_cover_the_files_by_relative_path_and_the_metric_name(tmp_
                      sources={"clip_score": {"kind": "path"}, "image_reward": {"kind": "file"}}, batch_size=1)
     got = M.model_digests(ms, tmp_path / "cache")
     h = {b: hashlib.sha256(b).hexdigest() for b in (b"{}", b"weights", b"ckpt")}
-    files = {"clip_score": {"config.json": h[b"{}"], "sub/w.bin": h[b"weights"]}, "image_reward": {"reward.pt": h[b"ckpt"]}}
+    files = {"clip_score": {"config.json": h[b"{}"], "sub/w.bin": h[b"weights"]},
+             "image_reward": {"reward.pt": h[b"ckpt"]}}
     for n in ms.names:
         whole = hashlib.sha256(json.dumps({"files": files[n], "metric": n}).encode()).hexdigest()
         assert got[n] == {"source": ms.sources[n], "files": files[n], "sha256": whole}
