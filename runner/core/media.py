@@ -199,19 +199,19 @@ def convert_mode(img: Any, target: str) -> Tuple[Any, Optional[str], Optional[st
     ``(None, None, why)`` when no rule applies (the why names what is wrong with the input)."""
     import numpy as np
 
-    mode = img.mode
+    mode = file_mode = img.mode  # file_mode: what the messages name (a keyed palette is converted to RGBA below)
     if mode == target:
         return img, None, None
     if mode == "P" and "transparency" in img.info:
         img, mode = img.convert("RGBA"), "PA"
     rule = MODE_RULES.get((mode, target))
     if rule is None:
-        return None, None, (f"has mode {img.mode}, which the pipeline cannot take as {target} and no lossless rule "
+        return None, None, (f"has mode {file_mode}, which the pipeline cannot take as {target} and no lossless rule "
                             f"converts (rules: {', '.join(sorted({f'{a}->{b}' for a, b in MODE_RULES}))})")
     if mode in ("RGBA", "LA", "PA"):
         alpha = np.asarray(img.getchannel("A"))
         if (alpha < 255).any():
-            return None, None, (f"has mode {img.mode} with {int((alpha < 255).sum())} transparent pixel(s) (alpha < "
+            return None, None, (f"has mode {file_mode} with {int((alpha < 255).sum())} transparent pixel(s) (alpha < "
                                 "255); what lies behind them is not defined, so it is not converted")
         img = img.convert("RGB" if mode != "LA" else "L")
     if target == "L" and img.mode == "RGB":
