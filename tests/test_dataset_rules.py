@@ -1,0 +1,249 @@
+"""``runner.core.dataset`` rule by rule (issue #42, mutation tests): the readers' refusals (a missing package, a file
+that is not parquet, a dir ``datasets`` cannot read, a split to pick, a CSV header without the prompt column) word
+file, value and fix; the prompt summary counts; a media field's identity; the strength and LoRA scale bounds.
+Expectations are computed by hand, files are written with the packages the readers read them with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+from runner.core import dataset as ds
+from runner.core.dataset import DatasetError
+from runner.core.errors import EXTRAS
+from runner.core.media import InputFile
+from _helpers import import_extra  # noqa: E402
+
+pytestmark = pytest.mark.cpu
+
+DEFAULTS = {"width": 64, "height": 48, "num_inference_steps": 4, "guidance_scale": 3.5, "num_images_per_prompt": 1,
+            "negative_prompt": None}
+
+
+def load(path: Path, fmt: str, **kw: Any):
+    return ds.load_rows(fmt, str(path), defaults=DEFAULTS, size_multiple=16, max_pixels=1 << 20, **kw)[0]
+
+
+def problems(path: Path, fmt: str, **kw: Any) -> List[str]:
+    with pytest.raises(DatasetError) as e:
+        load(path, fmt, **kw)
+    return e.value.problems
+
+
+# ------------------------------------------------------------------------------------------------ missing packages
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were not installed
+    with pytest.raises(DatasetError) as e:
+        ds.read_parquet(tmp_path / "rows.parquet")
+    assert e.value.problems == [
+        "dataset.format=parquet needs pyarrow, which is not installed; fix: "
+        f'pip install -e ".[export]"  ({EXTRAS["export"]}; or pip install pyarrow)']
+
+
+def test_hf_without_datasets_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DatasetError) as e:
+        ds.read_hf(tmp_path / "saved")
+    assert e.value.problems == [
+        "dataset.format=hf needs the datasets package, which is not installed; fix: "
+        f'pip install -e ".[export]"  ({EXTRAS["export"]}; or pip install datasets)']
+
+
+# ------------------------------------------------------------------------------------------------ parquet
+
+
+def test_a_file_that_is_not_parquet_is_named_with_pyarrows_error(tmp_path):
+    pq = import_extra("export", "pyarrow.parquet")
+    bad = tmp_path / "rows.parquet"
+    bad.write_text("id,prompt\n")
+    try:
+        pq.read_table(bad)
+    except Exception as e:  # noqa: BLE001 - what pyarrow says of this file, named in the refusal
+        said = f"{type(e).__name__}: {e}"
+    assert said.startswith("ArrowInvalid: ")
+    assert problems(bad, "parquet") == [
+        f"{bad}: not a readable parquet file ({said}); fix: pass a .parquet file (pyarrow.parquet.write_table, "
+        "pandas.DataFrame.to_parquet, Dataset.to_parquet)"]
+
+
+# ------------------------------------------------------------------------------------------------ hf
+
+
+def test_hf_reads_the_only_split_of_a_dict_without_train(tmp_path):
+    datasets = import_extra("export", "datasets")
+    datasets.disable_progress_bars()
+    datasets.DatasetDict({"test": datasets.Dataset.from_list([{"prompt": "a fox"}, {"prompt": "a owl"}])}
+                         ).save_to_disk(str(tmp_path / "one"))
+    assert [(r.prompt, r.line) for r in load(tmp_path / "one", "hf")] == [("a fox", 1), ("a owl", 2)]
+
+
+def test_hf_dict_of_two_splits_without_train_needs_the_split(tmp_path):
+    datasets = import_extra("export", "datasets")
+    datasets.disable_progress_bars()
+    d = tmp_path / "two"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list([{"prompt": "a fox"}]),
+                          "valid": datasets.Dataset.from_list([{"prompt": "a owl"}])}).save_to_disk(str(d))
+    assert problems(d, "hf") == [f"{d} holds the splits test, valid and none is 'train'; fix: dataset.split=test"]
+    assert [r.prompt for r in load(d, "hf", split="valid")] == ["a owl"]
+
+
+def test_hf_data_file_of_another_extension_is_refused_naming_the_extensions(tmp_path):
+    import_extra("export", "datasets")
+    xml = tmp_path / "rows.xml"
+    xml.write_text("<rows/>")
+    bare = tmp_path / "rows"
+    bare.write_text("a fox\n")
+    known = ".jsonl, .json, .csv, .parquet, .txt"
+    assert problems(xml, "hf") == [f"dataset.path={str(xml)!r}: dataset=hf reads a dir written by save_to_disk or a "
+                                   f"data file ({known}), not .xml; fix: pass such a dir or file"]
+    assert problems(bare, "hf") == [f"dataset.path={str(bare)!r}: dataset=hf reads a dir written by save_to_disk or "
+                                    f"a data file ({known}), not a file without extension; fix: pass such a dir or "
+                                    "file"]
+
+
+def test_hf_dir_that_datasets_cannot_read_is_named_with_its_error(tmp_path):
+    import_extra("export", "datasets")
+    d = tmp_path / "notsaved"
+    d.mkdir()
+    (d / "rows.jsonl").write_text('{"prompt": "a fox"}\n')
+    (msg,) = problems(d, "hf")
+    assert msg.startswith(f"dataset.path={str(d)!r}: datasets cannot read it (FileNotFoundError: ")
+    assert msg.endswith("); fix: a dir written by Dataset.save_to_disk / DatasetDict.save_to_disk, or a data file "
+                        "(.jsonl, .json, .csv, .parquet, .txt)")
+
+
+def test_hf_data_file_writes_nothing_to_the_users_datasets_cache(tmp_path, monkeypatch):
+    datasets = import_extra("export", "datasets")
+    home_cache = tmp_path / "hf-home-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", home_cache)
+    f = tmp_path / "rows.jsonl"
+    f.write_text('{"prompt": "a fox", "seed": 3}\n')
+    assert [(r.prompt, r.seed) for r in load(f, "hf")] == [("a fox", 3)]
+    assert not home_cache.exists() or not any(home_cache.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------ csv
+
+
+@pytest.mark.parametrize("header,columns,fix", [
+    ("id,prompts", None, "dataset.columns={prompt: prompts} to read the prompt from 'prompts'"),  # close
+    ("id,PROMPT", None, "dataset.columns={prompt: PROMPT} to read the prompt from 'PROMPT'"),  # same but for case
+    ("id,text", None, "name the prompt column (dataset.columns={prompt: <column>})"),  # nothing close
+    ("id,text", {"prompt": "Caption"}, "name the prompt column (dataset.columns={prompt: <column>})"),
+])
+def test_csv_header_without_the_prompt_column_names_the_close_one(tmp_path, header, columns, fix):
+    p = tmp_path / "rows.csv"
+    p.write_text(f"{header}\na,a fox\n")
+    names = header.split(",")
+    source = (columns or {}).get("prompt", "prompt")
+    assert problems(p, "csv", columns=columns) == [f"{p}:1: CSV header {names!r} has no {source!r} column; fix: {fix}"]
+
+
+def test_csv_without_a_header_asks_for_one(tmp_path):
+    p = tmp_path / "rows.csv"
+    p.write_text("")
+    assert problems(p, "csv") == [f"{p}:1: CSV header None has no 'prompt' column; fix: add a header line naming the "
+                                  "columns, e.g. id,prompt"]
+
+
+def test_csv_empty_prompt_cell_is_read_as_an_empty_prompt(tmp_path):
+    p = tmp_path / "rows.csv"
+    p.write_text("id,prompt,seed\na,,3\n")
+    assert ds.read_csv(p) == [(2, {"id": "a", "seed": "3", "prompt": ""})]  # empty cells left out, but the prompt
+
+
+def test_csv_rows_past_a_bad_line_are_checked_too(tmp_path):
+    p = tmp_path / "rows.csv"
+    p.write_text("prompt,seed\na fox,1,extra\na owl,x\n")
+    got = problems(p, "csv")
+    assert len(got) == 2, got
+    assert got[0] == (f"{p}:2: row has more cells than the header has columns (3 cells, 2 columns); fix: quote prompts "
+                      "that contain commas")
+    assert got[1].startswith(f"{p}:3: ") and "'seed'" in got[1] and "'x'" in got[1]  # the bad seed of line 3
+
+
+# ------------------------------------------------------------------------------------------------ prompt summary
+
+
+RECORDS = [
+    {"status": "ok", "tokens": {"clip": {"dropped": 3}, "t5": {"dropped": 0}}},
+    {"status": "ok", "tokens": {"clip": {"dropped": 0}, "t5": {"dropped": 5}}, "ignored": {"lora": "x"}},
+    {"status": "ok", "tokens": {"clip": {"dropped": 0}}},
+    {"status": "ok"},
+    {"status": "failed", "tokens": {"clip": {"dropped": 9}}, "ignored": {"a": 1}},
+]
+
+
+def test_prompts_summary_counts_ok_items_truncated_by_encoder_and_ignored():
+    assert ds.prompts_summary(RECORDS) == {"items": 4, "truncated_items": 2,
+                                          "truncated_by_encoder": {"clip": 1, "t5": 1},
+                                          "items_with_ignored_fields": 1}
+    assert ds.prompts_summary([]) == {"items": 0, "truncated_items": 0, "truncated_by_encoder": {},
+                                      "items_with_ignored_fields": 0}
+
+
+def test_prompts_add_then_take_away_gives_back_the_summary():
+    s = ds.prompts_summary(RECORDS[:1])
+    ds.prompts_add(s, RECORDS[1])  # sign 1 by default
+    assert s == ds.prompts_summary(RECORDS[:2])
+    ds.prompts_add(s, RECORDS[1], -1)
+    assert s == ds.prompts_summary(RECORDS[:1]) == {"items": 1, "truncated_items": 1,
+                                                    "truncated_by_encoder": {"clip": 1, "t5": 0},
+                                                    "items_with_ignored_fields": 0}
+
+
+# ------------------------------------------------------------------------------------------------ media identity
+
+
+def _input(field: str, sha: str, mode: str = "RGB") -> InputFile:
+    return InputFile(field=field, given=f"{sha}.png", path=f"/data/{sha}.png", sha256=sha * 64, width=8, height=8,
+                     mode=mode, input_mode=mode)
+
+
+def test_media_identity_of_checked_inputs_is_their_digest():
+    a, b = _input("image[0]", "a"), _input("image[1]", "b", "L")
+    assert ds.media_identity(a, "a.png") == {"sha256": "a" * 64, "input_mode": "RGB"}
+    assert ds.media_identity([a, b], ["a.png", "b.png"]) == [{"sha256": "a" * 64, "input_mode": "RGB"},
+                                                            {"sha256": "b" * 64, "input_mode": "L"}]
+
+
+def test_media_identity_of_an_unchecked_value():
+    cell = {"bytes": b"\x89PNG-bytes", "path": "x.png"}
+    assert ds.media_identity(None, cell) == {"sha256": hashlib.sha256(b"\x89PNG-bytes").hexdigest(), "path": "x.png"}
+    assert ds.media_identity(None, {"bytes": None}) == {"sha256": hashlib.sha256(b"").hexdigest(), "path": None}
+    assert ds.media_identity(None, "a.png") == "a.png"
+
+
+# ------------------------------------------------------------------------------------------------ bounds
+
+
+STRENGTH_FIX = "must be in (0, 1]; fix: e.g. 0.6 (diffusers' default for FLUX img2img), 1.0 repaints fully"
+
+
+@pytest.mark.parametrize("v,said", [(None, None), (0.5, None), (1.0, None), (1e-6, None), (0.0, STRENGTH_FIX),
+                                    (1.0001, STRENGTH_FIX), (1.5, STRENGTH_FIX), (-0.5, STRENGTH_FIX),
+                                    (float("nan"), STRENGTH_FIX), (float("inf"), STRENGTH_FIX)])
+def test_strength_is_in_0_exclusive_1_inclusive(v, said):
+    assert ds.check_strength(v, {}) == said
+
+
+@pytest.mark.parametrize("v,said", [(None, None), (0.0, None), (-2.0, None), (1.5, None),
+                                    (float("nan"), "must be a finite number; fix: e.g. 1.0"),
+                                    (float("-inf"), "must be a finite number; fix: e.g. 1.0")])
+def test_lora_scale_is_any_finite_number(v, said):
+    assert ds.check_lora_scale(v, {}) == said
+
+
+def test_mask_and_last_image_take_one_path_not_a_list():
+    assert ds.parse_image("m.png", True) == "m.png"
+    assert ds.parse_image("m.png", False) == "m.png"
+    with pytest.raises(ValueError):
+        ds.parse_image('["a.png", "b.png"]', True)  # a CSV cell's JSON list: a list, refused
+    assert ds.parse_image('["a.png"]', False) == '["a.png"]'  # a JSON row's string is a path as given
