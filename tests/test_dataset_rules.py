@@ -136,6 +136,8 @@ def test_hf_data_file_writes_nothing_to_the_users_datasets_cache(tmp_path, monke
     ("id,prompts", None, "dataset.columns={prompt: prompts} to read the prompt from 'prompts'"),  # close
     ("id,PROMPT", None, "dataset.columns={prompt: PROMPT} to read the prompt from 'PROMPT'"),  # same but for case
     ("id,text", None, "name the prompt column (dataset.columns={prompt: <column>})"),  # nothing close
+    ("id,caption", {"prompt": "Caption"},  # a mapped column: the close header is named too
+     "dataset.columns={prompt: caption} to read the prompt from 'caption'"),
     ("id,text", {"prompt": "Caption"}, "name the prompt column (dataset.columns={prompt: <column>})"),
 ])
 def test_csv_header_without_the_prompt_column_names_the_close_one(tmp_path, header, columns, fix):

@@ -913,7 +913,7 @@ def read_csv(path: Path, split: Optional[str] = None, columns: Optional[Dict[str
             f for f in reader.fieldnames or [] if f.lower() == source.lower()]
         raise DatasetError([f"{path}:1: CSV header {reader.fieldnames!r} has no {source!r} column; fix: "
                             + (f"dataset.columns={{prompt: {close[0]}}} to read the prompt from {close[0]!r}"
-                               if close and source == "prompt" else
+                               if close else
                                f"name the prompt column (dataset.columns={{prompt: <column>}})"
                                if reader.fieldnames else "add a header line naming the columns, e.g. id,prompt")])
     rows: List[tuple[int, Dict[str, Any]]] = []
