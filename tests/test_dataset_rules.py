@@ -249,3 +249,121 @@ def test_mask_and_last_image_take_one_path_not_a_list():
     with pytest.raises(ValueError):
         ds.parse_image('["a.png", "b.png"]', True)  # a CSV cell's JSON list: a list, refused
     assert ds.parse_image('["a.png"]', False) == '["a.png"]'  # a JSON row's string is a path as given
+
+
+# ------------------------------------------------------------------------------------------------ task inputs
+
+IMAGE_USERS = "image_to_image, inpaint, edit, image_to_video"
+
+
+def test_a_conditioning_field_the_default_task_does_not_take_is_refused_naming_the_tasks():
+    assert ds.check_task_inputs("rows.jsonl:1", {"image": "a.png"}, {}, {}, False) == [
+        "rows.jsonl:1: field 'image' = 'a.png' is not taken by model.task=text_to_image (the pipeline would never see "
+        f"it); fix: remove it from the row, or model.task=image_to_image (tasks that take image: {IMAGE_USERS})"]
+    assert ds.check_task_inputs("rows.jsonl:1", {"image": "a.png"}, {}, {"task": "edit"}, False) == []
+
+
+def test_the_familys_own_tasks_are_named_first():
+    got = ds.check_task_inputs("r:2", {"image": "a.png"}, {}, {"task": "text_to_image",
+                                                                "tasks": ["edit", "image_to_video"]}, False)
+    assert got == ["r:2: field 'image' = 'a.png' is not taken by model.task=text_to_image (the pipeline would never "
+                   "see it); fix: remove it from the row, or model.task=edit (tasks that take image: edit, "
+                   "image_to_video, image_to_image, inpaint)"]
+
+
+def test_a_spec_without_conditioning_fields_checks_none():
+    assert ds.check_task_inputs("r:1", {"image": "a.png"}, {}, {"spec": ds.VIDEO_ROW}, False) == []
+
+
+def test_a_required_input_of_the_task_must_be_set_an_optional_one_need_not():
+    assert ds.check_task_inputs("r:1", {"image": "a.png"}, {}, {"task": "inpaint"}, False) == [
+        "r:1: field 'mask_image' is missing, and model.task=inpaint needs it; fix: give every row 'mask_image' (a "
+        "path relative to the dataset file's folder or dataset.media_root)"]
+    assert ds.check_task_inputs("r:1", {"image": "a.png"}, {}, {"task": "image_to_video"}, False) == []  # last_image
+    assert ds.task_inputs(ds.DIFFUSION_ROW)["inpaint"] == {"image": True, "mask_image": True, "strength": False}
+
+
+def test_a_list_of_references_needs_a_multi_reference_family():
+    two = {"image": ["a.png", "b.png"]}
+    assert ds.check_task_inputs("r:1", two, {}, {"task": "edit"}, False) == [
+        "r:1: field 'image' is a list of 2 paths, and model.task=edit of this family takes one image; fix: one path "
+        "per row (a family with multi-reference edit: model.engine=qwen_image)"]
+    assert ds.check_task_inputs("r:1", two, {}, {"task": "edit", "multi_image": True}, False) == []
+    assert ds.check_task_inputs("r:1", {"image": "a.png"}, {}, {"task": "edit"}, False) == []
+    assert ds.check_task_inputs("r:1", {}, {}, {"task": "text_to_image"}, False) == []
+    # a task that takes no image: only the field is refused, not the list
+    (only,) = ds.check_task_inputs("r:1", two, {}, {"task": "text_to_image"}, False)
+    assert "is not taken by model.task=text_to_image" in only
+
+
+# ------------------------------------------------------------------------------------------------ builtin path
+
+
+@pytest.mark.parametrize("given,guess", [("rows.csv", "csv"), ("rows.CSV", "csv"), ("rows.builtin", "jsonl"),
+                                         ("rows.xml", "jsonl")])
+def test_a_path_beside_builtin_is_refused_guessing_the_format(given, guess):
+    with pytest.raises(DatasetError) as e:
+        ds.source_path("builtin", given, "prompts.jsonl")
+    assert e.value.problems == [f"dataset.path={given!r} is not read by dataset=builtin (the model's builtin "
+                                f"prompts); fix: dataset={guess} dataset.path={given}"]
+
+
+# ------------------------------------------------------------------------------------------------ row identity and batching
+
+
+def _row(**kw: Any) -> ds.Row:
+    base = dict(id="a", prompt="p", negative_prompt=None, seed=None, width=64, height=48, num_inference_steps=4,
+                guidance_scale=3.5, num_images_per_prompt=1, line=1, spec=ds.DIFFUSION_ROW)
+    return ds.Row(**{**base, **kw})
+
+
+def _sized(field: str, sha: str, w: int, h: int) -> InputFile:
+    return InputFile(field=field, given=f"{sha}.png", path=None, sha256=sha * 64, width=w, height=h, mode="RGB",
+                     input_mode="RGB")
+
+
+def test_a_text_rows_identity_and_batch_key():
+    r = _row()
+    assert ds.DIFFUSION_ROW.identity(r) == {"prompt": "p", "negative_prompt": None, "seed": None, "width": 64,
+                                            "height": 48, "num_inference_steps": 4, "guidance_scale": 3.5}
+    # batch fields in spec order: negative_prompt (set or not), width, height, steps, guidance, num_frames, strength,
+    # the lora set
+    assert ds.DIFFUSION_ROW.shape_key(r) == (False, 64, 48, 4, 3.5, None, None, None)
+    # two negative prompts batch together (one part: set), a width does not
+    assert ds.DIFFUSION_ROW.shape_key(_row(negative_prompt="blurry")) == \
+        ds.DIFFUSION_ROW.shape_key(_row(negative_prompt="dark")) == (True, 64, 48, 4, 3.5, None, None, None)
+
+
+def test_a_conditioned_rows_identity_is_its_inputs_digests_not_their_paths():
+    img, mask = _sized("image", "a", 8, 6), _sized("mask_image", "b", 8, 6)
+    lora = [{"name": "style", "sha256": "c" * 64, "scale": 0.8}]
+    r = _row(values={"image": "in/a.png", "mask_image": "in/m.png", "strength": 0.6, "lora": lora},
+             inputs={"image": img, "mask_image": mask})
+    assert ds.DIFFUSION_ROW.identity(r) == {
+        "prompt": "p", "negative_prompt": None, "seed": None, "width": 64, "height": 48, "num_inference_steps": 4,
+        "guidance_scale": 3.5, "image": {"sha256": "a" * 64, "input_mode": "RGB"},
+        "mask_image": {"sha256": "b" * 64, "input_mode": "RGB"}, "strength": 0.6,
+        "lora": [{"sha256": "c" * 64, "scale": 0.8}]}
+    assert ds.DIFFUSION_ROW.shape_key(r) == (False, 64, 48, 4, 3.5, None, 0.6, (("style", 0.8),),
+                                             (("image", ((8, 6),)), ("mask_image", ((8, 6),))))
+    # unchecked (no inputs yet): the value as given
+    r = _row(values={"image": "in/a.png"})
+    assert ds.DIFFUSION_ROW.identity(r)["image"] == "in/a.png"
+    assert ds.DIFFUSION_ROW.shape_key(r) == (False, 64, 48, 4, 3.5, None, None, None)
+
+
+def test_a_row_with_a_list_of_references_is_a_batch_of_its_own():
+    refs = [_sized("image[0]", "a", 8, 6), _sized("image[1]", "b", 4, 4)]
+    r = _row(id="edit1", width=32, values={"image": ["a.png", "b.png"]}, inputs={"image": refs})
+    assert ds.DIFFUSION_ROW.shape_key(r) == (False, 32, 48, 4, 3.5, None, None, None,
+                                             (("image", ((8, 6), (4, 4))),), "edit1")
+    assert ds.DIFFUSION_ROW.identity(r)["image"] == [{"sha256": "a" * 64, "input_mode": "RGB"},
+                                                     {"sha256": "b" * 64, "input_mode": "RGB"}]
+
+
+def test_a_spec_field_without_a_value_reads_none_another_name_raises():
+    r = _row()
+    assert (r.strength, r.lora, r.image) == (None, None, None)
+    assert _row(values={"strength": 0.5}).strength == 0.5
+    with pytest.raises(AttributeError, match=r"^'Row' object has no attribute 'strenght'$"):
+        r.strenght  # noqa: B018
