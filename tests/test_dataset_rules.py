@@ -367,3 +367,87 @@ def test_a_spec_field_without_a_value_reads_none_another_name_raises():
     assert _row(values={"strength": 0.5}).strength == 0.5
     with pytest.raises(AttributeError, match=r"^'Row' object has no attribute 'strenght'$"):
         r.strenght  # noqa: B018
+
+
+# ------------------------------------------------------------------------------------------------ text and jsonl
+
+
+def test_read_text_names_a_missing_file_and_a_non_utf8_byte_by_line(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(DatasetError) as e:
+        ds.read_text(missing)
+    assert e.value.problems == [f"dataset.path: file {str(missing)!r} does not exist; fix: pass an existing file"]
+    p = tmp_path / "latin1.txt"
+    p.write_bytes(b"a fox\na cat\ncaf\xe9\n")  # the third line, offset 15
+    with pytest.raises(DatasetError) as e:
+        ds.read_text(p)
+    assert e.value.problems == [f"{p}:3: text is not UTF-8 (byte 0xe9 at offset 15); fix: re-encode the file as UTF-8"]
+
+
+def test_read_text_drops_a_leading_bom_only(tmp_path):
+    p = tmp_path / "bom.csv"
+    p.write_bytes("\ufeffprompt\na fox\ufeff\n".encode("utf-8"))
+    assert ds.read_text(p) == "prompt\na fox\ufeff\n"
+
+
+def test_read_jsonl_skips_blank_lines_and_names_every_bad_line(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text('\n{"prompt": "a fox"}\n{"prompt": \n["a cat"]\n\n{"prompt": "a owl"}\n')
+    with pytest.raises(DatasetError) as e:
+        ds.read_jsonl(p)
+    assert e.value.problems == [
+        f"{p}:3: malformed JSON (Expecting value at column 12); fix: one JSON object per line",
+        f"{p}:4: expected a JSON object with a 'prompt' field, got list"]
+    assert e.value.rows == [(2, {"prompt": "a fox"}), (6, {"prompt": "a owl"})]
+
+
+def test_jsonl_rows_past_a_bad_line_are_checked_too(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text('{"prompt": "a fox", "seed": "x"}\nnot json\n')
+    got = problems(p, "jsonl")
+    assert len(got) == 2 and got[0].startswith(f"{p}:2: malformed JSON") and got[1].startswith(f"{p}:1: ")
+    assert "'seed'" in got[1] and "'x'" in got[1]
+
+
+# ------------------------------------------------------------------------------------------------ dataset hash
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_dataset_sha256_of_a_file_is_its_bytes_and_of_a_dir_its_listed_files(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_bytes(b'{"prompt": "a fox"}\n')
+    assert ds.dataset_sha256(f) == ds.file_sha256(f) == _sha(b'{"prompt": "a fox"}\n')
+    d = tmp_path / "saved"
+    (d / "train" / ".cache").mkdir(parents=True)
+    (d / ".hidden").write_bytes(b"h")  # sorts first: left out, the files after it still hashed
+    (d / "a.arrow").write_bytes(b"A")
+    (d / "train" / "b.json").write_bytes(b"B")
+    (d / "train" / ".cache" / "c").write_bytes(b"C")
+    (d / "train" / "x.lock").write_bytes(b"L")
+    listing = f"a.arrow\0{_sha(b'A')}\ntrain/b.json\0{_sha(b'B')}\n".encode()
+    assert ds.dataset_sha256(d) == _sha(listing)
+    assert ds.dataset_sha256(str(d)) == _sha(listing)
+
+
+# ------------------------------------------------------------------------------------------------ lora rows
+
+
+def test_lora_names_a_name_a_list_or_a_csv_cells_json_list():
+    assert ds.parse_lora_names("style", False) == ["style"]
+    assert ds.parse_lora_names(' ["a", "b"]', True) == ["a", "b"]
+    assert ds.parse_lora_names('["a"]', False) == ['["a"]']  # a JSON row's string is a name as given
+    assert ds.parse_lora_names(["a", "b"], False) == ["a", "b"]
+    assert ds.parse_lora_names(["a"], True) == ["a"]
+    for bad in (5, ["a", 3], [None]):
+        with pytest.raises(ValueError):
+            ds.parse_lora_names(bad, False)
+
+
+def test_lora_set_key_and_identity():
+    resolved = [{"name": "style", "sha256": "s" * 64, "scale": 0.5}, "raw"]
+    assert ds.lora_set_key(None) is None
+    assert ds.lora_set_key(resolved) == (("style", 0.5), ("raw", None))
+    assert ds.lora_identity(resolved) == [{"sha256": "s" * 64, "scale": 0.5}, "raw"]
