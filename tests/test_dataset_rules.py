@@ -451,3 +451,56 @@ def test_lora_set_key_and_identity():
     assert ds.lora_set_key(None) is None
     assert ds.lora_set_key(resolved) == (("style", 0.5), ("raw", None))
     assert ds.lora_identity(resolved) == [{"sha256": "s" * 64, "scale": 0.5}, "raw"]
+
+
+# ------------------------------------------------------------------------------------------------ ignored fields
+
+
+def _set_row(line: int, **kw: Any) -> ds.Row:
+    set_fields = tuple(k for k in kw if k != "values") + tuple((kw.get("values") or {}))
+    return _row(id=f"r{line}", line=line, set_fields=set_fields, **kw)
+
+
+def test_an_ignored_field_a_row_sets_is_refused_naming_row_field_value_why_and_fix():
+    rows = [_set_row(1, negative_prompt="blurry"), _set_row(2), _set_row(3, values={"num_frames": 9})]
+    ignored = {"negative_prompt": ("it has no negative prompt", "model.x=y"),
+               "num_frames": ("it makes images", "drop it")}
+    with pytest.raises(DatasetError) as e:
+        ds.apply_ignored(rows, "rows.jsonl", ignored, "error", "flux")
+    assert e.value.problems == [
+        "rows.jsonl:1: field 'negative_prompt' = 'blurry' is ignored by model=flux: it has no negative prompt; fix: "
+        "remove 'negative_prompt' from the row, model.x=y, or dataset.on_ignored=record to run it and record the "
+        "value as ignored",
+        "rows.jsonl:3: field 'num_frames' = 9 is ignored by model=flux: it makes images; fix: remove 'num_frames' "
+        "from the row, drop it, or dataset.on_ignored=record to run it and record the value as ignored"]
+    assert ds.apply_ignored(rows[1:2], "rows.jsonl", ignored, "error", "flux") == rows[1:2]  # sets none: kept
+
+
+def test_record_mode_takes_the_value_off_the_row_and_records_why_and_where():
+    rows = [_set_row(1, negative_prompt="blurry", values={"num_frames": 9, "fps": 8}), _set_row(2)]
+    ignored = {"negative_prompt": (lambda r: f"row {r.id} runs without guidance", "fix",
+                                   lambda r: r.line == 1),  # applies to row 1 only
+               "num_frames": ("images only", "fix")}
+    got = ds.apply_ignored(rows, "rows.jsonl", ignored, "record", "flux")
+    assert got[0].negative_prompt is None and got[0].values == {"fps": 8} and got[0].num_frames is None
+    assert got[0].ignored == {"negative_prompt": {"value": "blurry", "why": "row r1 runs without guidance",
+                                                  "from": "rows.jsonl:1"},
+                              "num_frames": {"value": 9, "why": "images only", "from": "rows.jsonl:1"}}
+    assert got[1] == rows[1] and got[1].ignored is None
+    assert rows[0].negative_prompt == "blurry"  # the input rows are not changed
+
+
+def test_a_config_default_the_model_ignores_is_recorded_on_the_rows_that_take_it():
+    rows = [_set_row(1, negative_prompt="own"), _set_row(2)]
+    ignored = {"negative_prompt": ("no guidance", "fix", lambda r: True), "num_frames": ("images", "fix")}
+    got = ds.apply_ignored(rows, "rows.jsonl", ignored, "record", "flux",
+                           config_values={"negative_prompt": ("model.generation.negative_prompt", "ugly")})
+    assert got[0].ignored == {"negative_prompt": {"value": "own", "why": "no guidance", "from": "rows.jsonl:1"}}
+    assert got[1].ignored == {"negative_prompt": {"value": "ugly", "why": "no guidance",
+                                                  "from": "model.generation.negative_prompt"}}
+    assert got[1].negative_prompt is None
+    # error mode: a config default is not the row's doing, so it is recorded, not refused
+    got = ds.apply_ignored(rows[1:], "rows.jsonl", ignored, "error", "flux",
+                           config_values={"negative_prompt": ("model.generation.negative_prompt", "ugly")})
+    assert got[0].ignored == {"negative_prompt": {"value": "ugly", "why": "no guidance",
+                                                  "from": "model.generation.negative_prompt"}}
