@@ -504,3 +504,143 @@ def test_a_config_default_the_model_ignores_is_recorded_on_the_rows_that_take_it
                            config_values={"negative_prompt": ("model.generation.negative_prompt", "ugly")})
     assert got[0].ignored == {"negative_prompt": {"value": "ugly", "why": "no guidance",
                                                   "from": "model.generation.negative_prompt"}}
+
+
+# ------------------------------------------------------------------------------------------------ specs, mappings, extra fields
+
+
+def _rule_a(where, vals, merged, context, bad):  # cross rules of the test specs
+    return []
+
+
+def _rule_b(where, vals, merged, context, bad):
+    return []
+
+
+def _rule_c(where, vals, merged, context, bad):
+    return []
+
+
+def test_a_row_spec_refuses_a_field_twice_and_an_unknown_identity_or_type():
+    F = ds.Field
+    with pytest.raises(ValueError, match=r"^row spec 't' declares a field twice: \['a', 'b', 'a'\]$"):
+        ds.RowSpec("t", (F("a", str), F("b", str), F("a", int)), (), ds.build_diffusion_row)
+    with pytest.raises(ValueError, match=r"^row spec 't': fields \['b'\] have an identity outside"):
+        ds.RowSpec("t", (F("a", str), F("b", str, identity="sometimes")), (), ds.build_diffusion_row)
+    with pytest.raises(ValueError, match=r"^row spec 't': fields \['c'\] have an identity outside .* or a type"):
+        ds.RowSpec("t", (F("a", str), F("c", complex)), (), ds.build_diffusion_row)
+    assert [f.name for f in ds.RowSpec("t", (F("a", str), F("b", int)), (), ds.build_diffusion_row).fields] == ["a", "b"]
+
+
+def test_extend_keeps_the_spec_and_adds_fields_and_rules_after_its_own():
+    F = ds.Field
+    base = ds.RowSpec("base", (F("a", str),), (_rule_a,), ds.build_diffusion_row, quote_hint=False, order=("a",))
+    ext = base.extend("ext", F("b", int), F("c", str), cross=(_rule_b,))
+    assert (ext.name, [f.name for f in ext.fields], ext.cross) == ("ext", ["a", "b", "c"], (_rule_a, _rule_b))
+    assert (ext.build, ext.quote_hint, ext.order) == (ds.build_diffusion_row, False, ("a",))
+    assert base.extend("x", build=ds.expand_items).build is ds.expand_items
+
+
+def test_steps_follow_order_then_the_rest_in_declaration_order():
+    F = ds.Field
+    a, b = F("a", str), F("b", str)
+    spec = ds.RowSpec("t", (a, b), (_rule_a, _rule_b), ds.build_diffusion_row,
+                      order=("b", "no_such_field", _rule_b, _rule_c, ds.UNIQUE_ID))
+    assert spec.steps() == [b, _rule_b, ds.UNIQUE_ID, a, _rule_a]  # unknown names and foreign rules dropped
+
+
+def test_a_check_without_a_fix_gets_its_rule_as_the_fix():
+    even = ds.Field("n", int, check=lambda v, c: None if v % 2 == 0 else "must be even")
+    odd = ds.Field("n", int, check=lambda v, c: None if v % 2 else "is even")
+    assert ds.field_problem(even, "r:1", {"n": 3}, {}, {}) == ["r:1: field 'n' = 3 must be even; fix: set n to a "
+                                                             "value even"]
+    assert ds.field_problem(odd, "r:1", {"n": 2}, {}, {}) == ["r:1: field 'n' = 2 is even; fix: set n to a value "
+                                                            "that is valid"]
+    assert ds.field_problem(even, "r:1", {"n": 2}, {}, {}) == []
+
+
+def test_check_size_without_a_multiple_takes_any_positive_size():
+    assert ds.check_size(33, {}) is None
+    assert ds.check_size(33, {"size_multiple": 16}) == "is not a positive multiple of 16; fix: use e.g. 32"
+
+
+def test_columns_option_resolves_interpolations_and_refuses_non_names():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"name": "caption", "cols": {"prompt": "${name}", "seed": 3}})
+    assert ds.columns_option(cfg.cols) == {"prompt": "caption", "seed": "3"}
+    assert ds.columns_option(None) == {}
+    with pytest.raises(DatasetError) as e:
+        ds.columns_option("Prompt")
+    assert e.value.problems == ["dataset.columns='Prompt' is not a mapping; fix: dataset.columns={prompt: Prompt} "
+                                "(row field: source column)"]
+    with pytest.raises(DatasetError) as e:
+        ds.columns_option({"prompt": None, "seed": ["a"], "id": "ok", "width": True})
+    assert e.value.problems == [
+        "dataset.columns.prompt=None is not a column name; fix: dataset.columns.prompt=<column>",
+        "dataset.columns.seed=['a'] is not a column name; fix: dataset.columns.seed=<column>",
+        "dataset.columns.width=True is not a column name; fix: dataset.columns.width=<column>"]
+
+
+def test_apply_columns_names_unknown_fields_missing_columns_and_renames_only_rows_that_have_them():
+    fields = ["id", "prompt", "seed"]
+    src = Path("/data/rows.jsonl")
+    with pytest.raises(DatasetError) as e:
+        ds.apply_columns([(1, {"text": "a"})], {"promt": "text", "xyz": "q", "seed": "s"}, src, fields)
+    assert e.value.problems == [
+        "dataset.columns.promt: 'promt' is not a row field; fix: did you mean 'prompt'? (dataset.columns maps a row "
+        "field to the column that holds it)",
+        "dataset.columns.xyz: 'xyz' is not a row field; fix: one of id, prompt, seed (dataset.columns maps a row "
+        "field to the column that holds it)",
+        "dataset.columns.seed='s': no row of /data/rows.jsonl has a column 's'; columns: text; fix: name one of them"]
+    raw = [(1, {"text": "a fox"}), (2, {"prompt": "a owl"}), (3, {"prompt": "x", "text": "y"})]
+    with pytest.raises(DatasetError) as e:
+        ds.apply_columns(raw, {"prompt": "text"}, src, fields)
+    assert e.value.problems == ["/data/rows.jsonl:3: both 'prompt' and 'text' (mapped to 'prompt' by dataset.columns) "
+                                "are set; fix: drop one of them, or the mapping"]
+    assert ds.apply_columns(raw[:2], {"prompt": "text"}, src, fields) == [(1, {"prompt": "a fox"}),
+                                                                          (2, {"prompt": "a owl"})]
+
+
+def test_a_mapped_column_missing_from_every_row_names_the_file(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text('{"text": "a fox"}\n')
+    assert problems(p, "jsonl", columns={"prompt": "caption"}) == [
+        f"dataset.columns.prompt='caption': no row of {p} has a column 'caption'; columns: text; fix: name one of them"]
+
+
+def test_mapping_and_bad_lines_together_keep_the_readable_rows_mapped(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text('{"text": "a fox", "seed": "x"}\nnot json\n{"text": "a owl"}\n')
+    got = problems(p, "jsonl", columns={"prompt": "text"})
+    assert len(got) == 2 and got[0].startswith(f"{p}:2: malformed JSON")
+    assert got[1].startswith(f"{p}:1: field 'seed' = 'x'")  # the mapped row 1 was validated (its prompt found)
+
+
+def test_a_field_of_the_engines_spec_can_be_mapped_and_rows_keep_their_spec(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text('{"prompt": "a fox", "img": "in/a.png", "strength": 0.5}\n')
+    rows = load(p, "jsonl", columns={"image": "img"}, spec=ds.DIFFUSION_ROW, context={"task": "image_to_image"})
+    assert (rows[0].image, rows[0].strength, rows[0].spec) == ("in/a.png", 0.5, ds.DIFFUSION_ROW)
+    assert sorted(rows[0].set_fields) == ["image", "strength"]  # prompt is no generation field
+
+
+def test_a_csv_cells_json_list_of_images_is_a_list():
+    assert ds.DIFFUSION_ROW.by_name["image"].value('["a.png", "b.png"]', True) == ["a.png", "b.png"]
+    assert ds.parse_images('["a.png", "b.png"]', True) == ["a.png", "b.png"]
+    assert ds.parse_images('["a.png"]', False) == '["a.png"]'
+
+
+@pytest.mark.parametrize("mode,key,value,said", [
+    ("error", "negative", "x", "r:1: unknown field 'negative'; fix: did you mean 'negative_prompt'? (a column of "
+                               "that name under another spelling: dataset.columns={negative_prompt: negative})"),
+    ("keep", "negative", "x", None),  # ratio 0.7: metadata under keep
+    ("keep", "SEED", 1, "r:1: unknown field 'SEED'; fix: did you mean 'seed'? (a column of that name under another "
+                        "spelling: dataset.columns={seed: SEED})"),  # case ignored
+    ("keep", "blob", b"\x00", "r:1: extra field 'blob' holds bytes, which cannot be recorded as JSON; fix: drop that "
+                              "column from the dataset"),
+])
+def test_extra_field_typos_are_refused_in_either_mode_metadata_kept_under_keep(mode, key, value, said):
+    meta: Dict[str, Any] = {}
+    assert ds.extra_field(key, value, ["prompt", "negative_prompt", "seed"], mode, "r:1", meta) == said
+    assert meta == ({key: value} if said is None else {})
