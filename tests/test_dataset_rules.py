@@ -644,3 +644,12 @@ def test_extra_field_typos_are_refused_in_either_mode_metadata_kept_under_keep(m
     meta: Dict[str, Any] = {}
     assert ds.extra_field(key, value, ["prompt", "negative_prompt", "seed"], mode, "r:1", meta) == said
     assert meta == ({key: value} if said is None else {})
+
+
+def test_a_mapping_conflict_past_a_bad_line_is_named_beside_it(tmp_path):
+    p = tmp_path / "rows.jsonl"
+    p.write_text('{"prompt": "x", "text": "y"}\nnot json\n')
+    assert problems(p, "jsonl", columns={"prompt": "text"}) == [
+        f"{p}:2: malformed JSON (Expecting value at column 1); fix: one JSON object per line",
+        f"{p}:1: both 'prompt' and 'text' (mapped to 'prompt' by dataset.columns) are set; fix: drop one of them, or "
+        "the mapping"]

@@ -849,7 +849,11 @@ def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optiona
     except DatasetError as e:
         if e.rows is None:
             raise
-        raise DatasetError(e.problems, rows=apply_columns(e.rows, columns, path, fields)) from None
+        try:
+            rows = apply_columns(e.rows, columns, path, fields)
+        except DatasetError as m:  # the mapping's problems of the readable rows: named beside the bad lines
+            raise DatasetError(e.problems + m.problems) from None
+        raise DatasetError(e.problems, rows=rows) from None
     return apply_columns(raw, columns, path, fields)
 
 
