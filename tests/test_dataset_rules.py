@@ -157,8 +157,8 @@ def test_csv_without_a_header_asks_for_one(tmp_path):
 
 def test_csv_empty_prompt_cell_is_read_as_an_empty_prompt(tmp_path):
     p = tmp_path / "rows.csv"
-    p.write_text("id,prompt,seed\na,,3\n")
-    assert ds.read_csv(p) == [(2, {"id": "a", "seed": "3", "prompt": ""})]  # empty cells left out, but the prompt
+    p.write_text("id,prompt,seed\na,,3\nb,a fox,\n")
+    assert ds.read_csv(p) == [(2, {"id": "a", "seed": "3", "prompt": ""}), (3, {"id": "b", "prompt": "a fox"})]  # empty cells left out, but the prompt
 
 
 def test_csv_rows_past_a_bad_line_are_checked_too(tmp_path):
@@ -300,7 +300,7 @@ def test_a_list_of_references_needs_a_multi_reference_family():
 
 
 @pytest.mark.parametrize("given,guess", [("rows.csv", "csv"), ("rows.CSV", "csv"), ("rows.builtin", "jsonl"),
-                                         ("rows.xml", "jsonl")])
+                                         ("rows.xml", "jsonl"), ("rows.XCSV", "jsonl")])
 def test_a_path_beside_builtin_is_refused_guessing_the_format(given, guess):
     with pytest.raises(DatasetError) as e:
         ds.source_path("builtin", given, "prompts.jsonl")
@@ -388,6 +388,8 @@ def test_read_text_drops_a_leading_bom_only(tmp_path):
     p = tmp_path / "bom.csv"
     p.write_bytes("\ufeffprompt\na fox\ufeff\n".encode("utf-8"))
     assert ds.read_text(p) == "prompt\na fox\ufeff\n"
+    p.write_text("XL fox\n")  # only the BOM: a leading X is text
+    assert ds.read_text(p) == "XL fox\n"
 
 
 def test_read_jsonl_skips_blank_lines_and_names_every_bad_line(tmp_path):
@@ -586,13 +588,13 @@ def test_apply_columns_names_unknown_fields_missing_columns_and_renames_only_row
     fields = ["id", "prompt", "seed"]
     src = Path("/data/rows.jsonl")
     with pytest.raises(DatasetError) as e:
-        ds.apply_columns([(1, {"text": "a"})], {"promt": "text", "xyz": "q", "seed": "s"}, src, fields)
+        ds.apply_columns([(1, {"text": "a", "tag": "x"})], {"promt": "text", "xyz": "q", "seed": "s"}, src, fields)
     assert e.value.problems == [
         "dataset.columns.promt: 'promt' is not a row field; fix: did you mean 'prompt'? (dataset.columns maps a row "
         "field to the column that holds it)",
         "dataset.columns.xyz: 'xyz' is not a row field; fix: one of id, prompt, seed (dataset.columns maps a row "
         "field to the column that holds it)",
-        "dataset.columns.seed='s': no row of /data/rows.jsonl has a column 's'; columns: text; fix: name one of them"]
+        "dataset.columns.seed='s': no row of /data/rows.jsonl has a column 's'; columns: tag, text; fix: name one of them"]
     raw = [(1, {"text": "a fox"}), (2, {"prompt": "a owl"}), (3, {"prompt": "x", "text": "y"})]
     with pytest.raises(DatasetError) as e:
         ds.apply_columns(raw, {"prompt": "text"}, src, fields)
@@ -653,3 +655,10 @@ def test_a_mapping_conflict_past_a_bad_line_is_named_beside_it(tmp_path):
         f"{p}:2: malformed JSON (Expecting value at column 1); fix: one JSON object per line",
         f"{p}:1: both 'prompt' and 'text' (mapped to 'prompt' by dataset.columns) are set; fix: drop one of them, or "
         "the mapping"]
+
+
+def test_a_rule_that_does_not_apply_to_a_row_leaves_the_next_rules_to_run():
+    rows = [_set_row(2, values={"num_frames": 9})]
+    ignored = {"negative_prompt": ("no guidance", "fix", lambda r: False), "num_frames": ("images only", "fix")}
+    got = ds.apply_ignored(rows, "rows.jsonl", ignored, "record", "flux")
+    assert got[0].ignored == {"num_frames": {"value": 9, "why": "images only", "from": "rows.jsonl:2"}}
