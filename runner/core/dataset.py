@@ -849,7 +849,11 @@ def read_raw(fmt: str, path: Path, split: Optional[str] = None, columns: Optiona
     except DatasetError as e:
         if e.rows is None:
             raise
-        raise DatasetError(e.problems, rows=apply_columns(e.rows, columns, path, fields)) from None
+        try:
+            rows = apply_columns(e.rows, columns, path, fields)
+        except DatasetError as m:  # the mapping's problems of the readable rows: named beside the bad lines
+            raise DatasetError(e.problems + m.problems) from None
+        raise DatasetError(e.problems, rows=rows) from None
     return apply_columns(raw, columns, path, fields)
 
 
@@ -913,7 +917,7 @@ def read_csv(path: Path, split: Optional[str] = None, columns: Optional[Dict[str
             f for f in reader.fieldnames or [] if f.lower() == source.lower()]
         raise DatasetError([f"{path}:1: CSV header {reader.fieldnames!r} has no {source!r} column; fix: "
                             + (f"dataset.columns={{prompt: {close[0]}}} to read the prompt from {close[0]!r}"
-                               if close and source == "prompt" else
+                               if close else
                                f"name the prompt column (dataset.columns={{prompt: <column>}})"
                                if reader.fieldnames else "add a header line naming the columns, e.g. id,prompt")])
     rows: List[tuple[int, Dict[str, Any]]] = []
