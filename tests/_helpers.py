@@ -439,3 +439,18 @@ def s3_environment(bucket: str) -> Iterable[Dict[str, str]]:
             else:
                 os.environ[k] = v
         server.stop()
+
+
+def clip_cosines(model: Any, proc: Any, images: Sequence[Any], prompts: Sequence[str]) -> List[float]:
+    """The cosine of each (image, prompt) pair's CLIP embeddings with transformers alone, in ``model``'s dtype (the
+    metric tests' reference: a float64 ``CLIPModel`` and its ``CLIPProcessor``; images HWC ``uint8`` arrays), one
+    pair at a time, unscaled and unclamped."""
+    out = []
+    with torch.no_grad():
+        for img, p in zip(images, prompts):
+            px = proc(images=[torch.from_numpy(img).permute(2, 0, 1)], return_tensors="pt")["pixel_values"]
+            tx = proc(text=[p], return_tensors="pt", padding=True)
+            ei = model.visual_projection(model.vision_model(pixel_values=px.to(model.dtype)).pooler_output)
+            et = model.text_projection(model.text_model(**tx).pooler_output)
+            out.append(float(torch.nn.functional.cosine_similarity(ei, et, dim=-1)))
+    return out

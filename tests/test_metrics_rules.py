@@ -404,6 +404,8 @@ def test_pick_score_is_the_logit_scale_times_the_cosine(clip):
     import torch
     from transformers import CLIPModel, CLIPProcessor
 
+    from _helpers import clip_cosines
+
     rng = np.random.default_rng(4)
     images = list(rng.integers(0, 256, (3, 32, 32, 3), dtype=np.uint8))
     prompts = ["a red circle", "a blue square", "x"]
@@ -412,14 +414,7 @@ def test_pick_score_is_the_logit_scale_times_the_cosine(clip):
         model.logit_scale.fill_(1.5)  # another scale than the init's log(1 / 0.07): the scale is read, not assumed
     model.save_pretrained(clip.parent / "pick", safe_serialization=True)
     proc.save_pretrained(clip.parent / "pick")
-    want = []
-    with torch.no_grad():
-        for img, p in zip(images, prompts):
-            px = proc(images=[torch.from_numpy(img).permute(2, 0, 1)], return_tensors="pt")["pixel_values"]
-            tx = proc(text=[p], return_tensors="pt", padding=True)
-            ei = model.visual_projection(model.vision_model(pixel_values=px.double()).pooler_output)
-            et = model.text_projection(model.text_model(**tx).pooler_output)
-            want.append(math.exp(1.5) * float(torch.nn.functional.cosine_similarity(ei, et, dim=-1)))
+    want = [math.exp(1.5) * c for c in clip_cosines(model, proc, images, prompts)]
     got = M.REGISTRY["pick_score"].load(clip.parent / "pick", "cpu", 2)(images, prompts)
     assert got == pytest.approx(want, abs=1e-9) and len(set(got)) == 3
 

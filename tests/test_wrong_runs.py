@@ -398,17 +398,10 @@ def _clip_reference(clip: Path, images: List[np.ndarray], prompts: List[str]) ->
     """``100 * cos`` of each (image, prompt) pair with transformers alone (float64), unclamped."""
     from transformers import CLIPModel, CLIPProcessor
 
+    from _helpers import clip_cosines
+
     model = CLIPModel.from_pretrained(clip).double().eval()
-    proc = CLIPProcessor.from_pretrained(clip)
-    out = []
-    with torch.no_grad():
-        for img, p in zip(images, prompts):
-            px = proc(images=[torch.from_numpy(img).permute(2, 0, 1)], return_tensors="pt")["pixel_values"]
-            tx = proc(text=[p], return_tensors="pt", padding=True)
-            ei = model.visual_projection(model.vision_model(pixel_values=px.double()).pooler_output)
-            et = model.text_projection(model.text_model(**tx).pooler_output)
-            out.append(100.0 * float(torch.nn.functional.cosine_similarity(ei, et, dim=-1)))
-    return out
+    return [100.0 * c for c in clip_cosines(model, CLIPProcessor.from_pretrained(clip), images, prompts)]
 
 
 def test_the_tiny_clip_scores_depend_on_the_prompt(clip_models):
