@@ -1,0 +1,228 @@
+"""Issue #42: the rules of ``models.memory`` (the memory planner's inputs, the offload / quantization records and
+the budget it fits) asserted from hand-computed numbers on tiny configs, so that a wrong rule fails a test
+(``benchmarks/mutation.py``, group ``core_m_memory``). Pure functions only: nothing here loads a model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models import memory as mm
+from runner.core import memory as planner
+from runner.core.errors import ConfigValueError
+
+GIB = 2 ** 30
+
+
+def mem(**kw):
+    base = dict(offload="none", use_stream=False, blocks_per_group=1, record_stream=False, vae_tiling=False,
+                vae_slicing=False, max_gpu_gb=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def qcfg(**kw):
+    base = {c: None for c in mm.QUANT_COMPONENTS}
+    base["gguf_file"] = None
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+# ------------------------------------------------------------------------------------------------ settings
+
+
+def test_settings_default_is_inactive_and_each_field_alone_activates():
+    s = mm.settings(mem(), "cpu", None)
+    assert s == mm.MemorySettings("none", False, 1, False, False, False, None) and not s.active
+    assert mm.settings(mem(offload="auto"), "cpu", None).active
+    assert mm.settings(mem(vae_tiling=True), "cpu", None).active
+    assert mm.settings(mem(vae_slicing=True), "cpu", None).active
+    assert mm.settings(mem(max_gpu_gb=8), "cuda", None).active
+    # record_stream is optional in older configs: absent reads as False
+    m = mem(use_stream=1, blocks_per_group="3", max_gpu_gb="2.5")
+    del m.record_stream
+    s = mm.settings(m, "cuda", None)
+    assert (s.use_stream, s.blocks_per_group, s.record_stream, s.max_gpu_gb) == (True, 3, False, 2.5)
+    assert mm.settings(mem(record_stream=True), "cuda", None).record_stream is True
+
+
+@pytest.mark.parametrize("kind", mm.GPU_KINDS)
+def test_offload_plans_and_budgets_are_taken_on_either_gpu_kind(kind):
+    s = mm.settings(mem(offload="group_block", max_gpu_gb=mm.MAX_GPU_GB), kind, None)
+    assert s.offload == "group_block" and s.max_gpu_gb == mm.MAX_GPU_GB
+
+
+def test_every_bad_memory_field_is_named_at_once_with_its_fix():
+    with pytest.raises(ConfigValueError) as e:
+        mm.settings(mem(offload="model", max_gpu_gb=8, blocks_per_group=0), "cpu", None)
+    msg = str(e.value)
+    assert "memory.offload=model moves weights between the host and a GPU, and this platform is cpu" in msg
+    assert "fix: memory.offload=none or auto" in msg
+    assert "memory.max_gpu_gb=8.0 budgets GPU memory, and this platform is cpu; fix: memory.max_gpu_gb=null" in msg
+    assert "memory.blocks_per_group=0 must be >= 1" in msg
+    assert msg.count("; fix") + msg.count(": fix") >= 2 and "must be a finite" not in msg
+    assert mm.settings(mem(blocks_per_group=1), "cpu", None).blocks_per_group == 1
+
+
+@pytest.mark.parametrize("gb", [0, -3, float("inf"), float("nan"), mm.MAX_GPU_GB + 1])
+def test_a_budget_outside_0_to_max_is_refused_naming_range_and_fix(gb):
+    with pytest.raises(ConfigValueError) as e:
+        mm.settings(mem(max_gpu_gb=gb), "cuda", None)
+    msg = str(e.value)
+    assert f"memory.max_gpu_gb={float(gb)} must be a finite number of GiB in (0, {mm.MAX_GPU_GB}], or null" in msg
+    assert "fix: e.g. memory.max_gpu_gb=24" in msg
+
+
+def test_offload_under_context_parallelism_is_refused_auto_only_on_a_gpu():
+    par = SimpleNamespace(mode="ulysses")
+    for off, kind in (("model", "cuda"), ("auto", "cuda"), ("auto", "rocm")):
+        with pytest.raises(ConfigValueError) as e:
+            mm.settings(mem(offload=off), kind, par)
+        assert (f"memory.offload={off} under context parallelism (ulysses) is not supported; fix: "
+                "memory.offload=none, or parallelism=data") in str(e.value)
+    assert mm.settings(mem(offload="auto"), "cpu", par).offload == "auto"
+    assert mm.settings(mem(offload="none"), "cuda", par).offload == "none"
+    assert mm.settings(mem(offload="model"), "cuda", None).offload == "model"
+
+
+# ------------------------------------------------------------------------------------------------ quantization
+
+
+def test_quant_choices_keep_every_component_but_none_and_canonicalize():
+    q = qcfg(transformer="INT8", transformer_2="none", text_encoder="float8wo", text_encoder_2=None,
+             text_encoder_3="int8wo")
+    assert mm.quant_choices(q) == {"transformer": "int8wo", "text_encoder": "float8wo", "text_encoder_3": "int8wo"}
+
+
+def test_dummy_weights_name_each_checkpoint_only_component():
+    mm.check_dummy_methods({"transformer": "int8wo", "text_encoder": "float8wo"})
+    with pytest.raises(ConfigValueError) as e:
+        mm.check_dummy_methods({"transformer": "nf4", "text_encoder": "int8wo", "text_encoder_2": "gguf"})
+    msg = str(e.value)
+    assert msg.startswith("model.quantization.transformer=nf4, model.quantization.text_encoder_2=gguf with "
+                          "model.load_format=dummy")
+    assert "text_encoder=int8wo" not in msg and "fix: an embedded model or model.path" in msg
+
+
+def test_fitting_lanes_name_each_quantized_component():
+    f = mm.Fitting(mem(), qcfg(transformer="int8wo", text_encoder_2="float8wo"), {}, "cpu", None)
+    assert f.lanes() == ["model.quantization.transformer=int8wo", "model.quantization.text_encoder_2=float8wo"]
+    assert mm.Fitting(mem(), None, {}, "cpu", None).lanes() == []
+    assert mm.Fitting(mem(), qcfg(gguf_file="/x.gguf"), {}, "cpu", None).gguf_file == "/x.gguf"
+    assert mm.Fitting(mem(), qcfg(), {}, "cpu", None).gguf_file is None
+
+
+# ------------------------------------------------------------------------------------------------ activations
+
+
+def test_text_activations_read_t5_and_clip_names_and_clip_seq_to_positions():
+    t5 = {"d_model": 8, "d_ff": 20, "num_heads": 2}
+    clip = {"hidden_size": 6, "intermediate_size": 10, "num_attention_heads": 3, "max_position_embeddings": 5}
+    out = mm.text_activations({"t5": t5, "clip": clip}, batch=2, seq=7, elem=2)
+    # B S e (2 H + 3 F) + B heads S^2 (8 + 2 e)
+    assert out["t5"] == 2 * 7 * 2 * (2 * 8 + 3 * 20) + 2 * 2 * 49 * 12
+    assert out["clip"] == 2 * 5 * 2 * (2 * 6 + 3 * 10) + 2 * 3 * 25 * 12
+    # defaults: ff = 4 hidden, one head, the whole sequence
+    assert mm.text_activations({"e": {"hidden_size": 4}}, 1, 3, 4)["e"] == 3 * 4 * (8 + 48) + 9 * 16
+    # a None entry falls through to the next name
+    assert mm.text_activations({"e": {"d_model": None, "hidden_size": 4}}, 1, 3, 4)["e"] == 3 * 4 * (8 + 48) + 9 * 16
+    assert mm.text_activations({"e": {}}, 1, 3, 4)["e"] == 9 * 16
+
+
+def test_denoiser_activations_inner_width_and_mlp_ratio():
+    # B S D e (7 + 3 r), D = heads x head_dim
+    assert mm.denoiser_activations({"num_attention_heads": 3, "attention_head_dim": 4, "ffn_dim": 36}, 2, 5, 2) == \
+        2 * 5 * 12 * 2 * (7 + 3 * 3)
+    assert mm.denoiser_activations({"num_attention_heads": 3, "attention_head_dim": 4, "mlp_ratio": 2}, 1, 1, 1) == \
+        12 * (7 + 6)
+    assert mm.denoiser_activations({}, 1, 1, 1) == 64 * (7 + 12)
+    assert mm.denoiser_activations({"ffn_dim": 0, "mlp_ratio": 1.0}, 1, 1, 1) == 64 * 10
+
+
+# ------------------------------------------------------------------------------------------------ video VAEs
+
+WAN_DEFAULTS = {"base_dim": 96, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "z_dim": 16, "is_residual": False,
+                "temperal_downsample": [False, True, True], "patch_size": 1}
+
+
+def test_wan_decoder_geometry_by_hand():
+    g = mm.wan_decoder_geometry({"base_dim": 2, "dim_mult": [1, 2], "num_res_blocks": 1, "z_dim": 4,
+                                 "temperal_downsample": [True]})
+    # dims [4, 4, 2]; conv_in + mid 4/4 + 16/4; up 0: (4 + 3*4 + 4)/4; up 1: (2 + 3*2); conv_out 2
+    assert g == {"cache": 1 + 4 + 5 + 8 + 2, "last_in": 2, "upsampled": 4, "chunk": 2, "patch": 1}
+    g = mm.wan_decoder_geometry({"base_dim": 2, "dim_mult": [1, 2], "num_res_blocks": 1, "z_dim": 4,
+                                 "temperal_downsample": [True], "is_residual": True})
+    assert g["cache"] == 1 + 4 + 5 + 10 + 2 and g["last_in"] == 4
+    # three levels, asymmetric temporal upsampling (reversed: [True, False]), decoder_base_dim over base_dim
+    g = mm.wan_decoder_geometry({"decoder_base_dim": 1, "base_dim": 7, "dim_mult": [1, 2, 4], "num_res_blocks": 0,
+                                 "z_dim": 16, "temperal_downsample": [False, True], "patch_size": 2})
+    # dims [4, 4, 2, 1]: 16/16 + 16/16; (4 + 4 + 4)/16; (2 + 2)/4; (1 + 1); 1
+    assert g == {"cache": 2 + 0.75 + 1 + 2 + 1, "last_in": 1, "upsampled": 2, "chunk": 2, "patch": 2}
+
+
+def test_wan_decoder_geometry_defaults_are_wan21s():
+    assert mm.wan_decoder_geometry({}) == mm.wan_decoder_geometry(WAN_DEFAULTS)
+    assert mm.wan_decoder_geometry({})["chunk"] == 4 and mm.wan_decoder_geometry({})["patch"] == 1
+
+
+def test_per_block_repeats_a_scalar_and_cuts_a_list():
+    assert mm._per_block(None, 2, 3) == [2, 2, 2]
+    assert mm._per_block(5, 2, 2) == [5, 5]
+    assert mm._per_block([1, 2, 3, 4], 0, 3) == [1, 2, 3]
+    assert mm._per_block((True, False), 0, 2) == [True, False]
+
+
+def test_ltx2_decoder_geometry_by_hand():
+    conf = {"decoder_block_out_channels": [8, 16, 32], "decoder_spatio_temporal_scaling": [True, False, True],
+            "upsample_factor": [1, 2, 4], "upsample_type": ["spatial", "temporal", "spatiotemporal"],
+            "patch_size": 2, "patch_size_t": 3, "out_channels": 5, "decoder_spatial_padding_mode": "zeros",
+            "tile_sample_min_height": 64, "tile_sample_stride_height": 48}
+    g = mm.ltx2_decoder_geometry(conf)
+    # reversed: boc [32, 16, 8], scaling [True, False, True], factor [4, 2, 1]; kinds stay in order
+    assert g["channels"] == [32, 8, 8, 8]
+    assert g["up"] == [(1, 2), (1, 1), (2, 2)]
+    assert g["spatial"] == 2 * 2 * 1 * 2 and g["temporal"] == 3 * 1 * 1 * 2
+    assert (g["patch_t"], g["reflect"], g["out_channels"]) == (3, False, 5 * 2 * 2 * 3)
+    assert (g["tile"], g["stride"]) == (64 // 8, 48 // 8)
+    g = mm.ltx2_decoder_geometry({**conf, "spatial_compression_ratio": 16, "temporal_compression_ratio": 7,
+                                  "decoder_spatial_padding_mode": "replicate"})
+    assert (g["spatial"], g["temporal"], g["reflect"], g["tile"], g["stride"]) == (16, 7, True, 4, 3)
+
+
+def test_ltx2_decoder_geometry_defaults():
+    g = mm.ltx2_decoder_geometry({})
+    assert g["channels"] == [1024, 512, 256, 128] and g["up"] == [(2, 2)] * 3
+    assert (g["spatial"], g["temporal"], g["patch_t"], g["reflect"], g["out_channels"]) == (32, 8, 1, True, 48)
+    assert (g["tile"], g["stride"]) == (mm.LTX2_TILE // 32, mm.LTX2_STRIDE // 32)
+    assert mm.ltx2_decoder_geometry({"decoder_block_out_channels": [4, 8], "upsample_type": "temporal"})["up"] == \
+        [(2, 1), (2, 1)]
+
+
+def test_hunyuan15_decoder_geometry_by_hand():
+    conf = {"block_out_channels": [4, 8, 16, 32], "spatial_compression_ratio": 4, "temporal_compression_ratio": 2,
+            "tile_sample_min_height": 32}
+    g = mm.hunyuan15_decoder_geometry(conf)
+    # reversed [32, 16, 8, 4]; i = 0: s, t; i = 1: s only; i = 2, 3: neither
+    assert g["channels"] == [32, 16, 8, 8, 4]
+    assert g["up"] == [(2, 2), (1, 2), (1, 1), (1, 1)]
+    assert (g["spatial"], g["temporal"], g["patch_t"], g["reflect"]) == (4, 2, 1, True)
+    assert (g["tile"], g["stride"]) == (8, 6)
+    g = mm.hunyuan15_decoder_geometry({**conf, "upsample_match_channel": False})
+    assert g["channels"] == [32, 32, 16, 8, 4]
+
+
+def test_hunyuan15_decoder_geometry_defaults():
+    g = mm.hunyuan15_decoder_geometry({})
+    assert g["channels"] == [1024, 1024, 512, 256, 128, 128]
+    assert g["up"] == [(2, 2), (2, 2), (1, 2), (1, 2), (1, 1)]
+    assert (g["spatial"], g["temporal"], g["tile"], g["stride"]) == (16, 4, 16, 12)
+
+
+def test_decoder_levels_and_tiles():
+    g = {"channels": [9, 5, 3], "up": [(2, 2), (1, 3)]}
+    assert mm.decoder_levels(g, 3, 2, 4) == [(9, 3, 2, 4), (5, 5, 4, 8), (3, 5, 12, 24)]
+    assert mm._tiles(10, 4, 3) == [4, 4, 4, 1]
+    assert mm._tiles(4, 4, 3) == [4, 1]
+    assert mm._tiles(3, 4, 3) == [3]
