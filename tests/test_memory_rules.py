@@ -226,3 +226,92 @@ def test_decoder_levels_and_tiles():
     assert mm._tiles(10, 4, 3) == [4, 4, 4, 1]
     assert mm._tiles(4, 4, 3) == [4, 1]
     assert mm._tiles(3, 4, 3) == [3]
+
+
+def test_image_vae_decoder_uses_the_full_resolution_upsampler_channels_and_tiles_at_sample_size():
+    conf = {"block_out_channels": [3, 5, 7], "sample_size": 16}
+    assert mm.decoder_activations(conf, 2, 1, 32, 24, 2, False, False) == planner.decoder_activation(2, 1, 32, 24, 5, 2)
+    assert mm.decoder_activations(conf, 2, 1, 32, 24, 2, False, True) == planner.decoder_activation(1, 1, 32, 24, 5, 2)
+    assert mm.decoder_activations(conf, 2, 1, 32, 24, 2, True, False) == planner.decoder_activation(2, 1, 16, 16, 5, 2)
+    assert mm.decoder_activations({**conf, "sample_size": [8, 4]}, 1, 1, 32, 24, 2, True, False) == \
+        planner.decoder_activation(1, 1, 8, 8, 5, 2)
+    assert mm.decoder_activations({"block_out_channels": [3, 5, 7]}, 1, 1, 1024, 600, 2, True, False) == \
+        planner.decoder_activation(1, 1, 512, 512, 5, 2)
+    assert mm.decoder_activations({"block_out_channels": [6]}, 1, 1, 8, 8, 2, False, False) == \
+        planner.decoder_activation(1, 1, 8, 8, 6, 2)
+
+
+def test_wan_vae_decoder_is_the_causal_rule_plus_two_or_five_videos():
+    conf = {"base_dim": 2, "dim_mult": [1, 2], "num_res_blocks": 1, "z_dim": 4, "temperal_downsample": [True],
+            "patch_size": 2, "tile_sample_min_height": 8}
+    video = 3 * 3 * 5 * 12 * 16 * 2  # B 3 F H W e, batch 3
+    # cache 20, last_in 2, upsampled 4, chunk 2 (5 frames > 2): at H/p x W/p
+    assert mm.decoder_activations(conf, 3, 5, 12, 16, 2, False, False) == \
+        planner.causal_decoder_activation(3, 2, 6, 8, 20, 2, 4, 2) + 2 * video
+    assert mm.decoder_activations(conf, 3, 5, 12, 16, 2, False, True) == \
+        planner.causal_decoder_activation(1, 2, 6, 8, 20, 2, 4, 2) + 2 * video
+    assert mm.decoder_activations(conf, 3, 1, 12, 16, 2, False, False) == \
+        planner.causal_decoder_activation(3, 1, 6, 8, 20, 2, 4, 2) + 2 * video // 5
+    assert mm.decoder_activations(conf, 3, 5, 12, 16, 2, True, False) == \
+        planner.causal_decoder_activation(3, 2, 4, 4, 20, 2, 4, 2) + 5 * video
+    # the default tile is 256 pixels
+    big = {k: v for k, v in conf.items() if k != "tile_sample_min_height"}
+    assert mm.decoder_activations(big, 1, 1, 512, 300, 2, True, False) == \
+        planner.causal_decoder_activation(1, 1, 128, 128, 20, 2, 4, 2) + 5 * 3 * 512 * 300 * 2
+    # the class name picks the whole-video rule (vae_class over the config's _class_name)
+    lt = {"decoder_block_out_channels": [4, 8], "patch_size": 1, "patch_size_t": 1}
+    whole = mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", lt, 1, 9, 16, 16, 2, False, False)
+    assert mm.decoder_activations({**lt, "_class_name": "AutoencoderKLLTX2Video"}, 1, 9, 16, 16, 2, False, False) == whole
+    assert mm.decoder_activations(lt, 1, 9, 16, 16, 2, False, False, vae_class="AutoencoderKLLTX2Video") == whole
+
+
+LTX = {"decoder_block_out_channels": [4, 8], "patch_size": 1, "patch_size_t": 1}  # channels [8, 4, 2], x4, x4
+
+
+def _ltx(b, t, h, w):
+    levels = mm.decoder_levels(mm.ltx2_decoder_geometry(LTX), t, h, w)
+    return planner.ltx2_decoder_activation(b, levels[-1], levels[-2], 2, True, 3)
+
+
+def test_whole_video_decoder_one_call_and_sliced():
+    # 9 frames -> 3 latent frames, 16 px -> 4 latents; output level (2, 9, 16, 16); px = 3 x 9 x 16 x 2 per latent px
+    px, video = 3 * 9 * 16 * 2, 3 * 9 * 16 * 16 * 2
+    assert mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", LTX, 2, 9, 16, 16, 2, False, False) == \
+        max(_ltx(2, 3, 4, 4), planner.workspace_allowance(2 * 2 * 9 * 16 * 16 * 2))
+    assert px * 16 == video
+    # sliced: one video at a time, the first held beside the second, and two copies of both at the end
+    assert mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", LTX, 2, 9, 16, 16, 2, False, True) == \
+        max(_ltx(1, 3, 4, 4) + video, 2 * 2 * video + planner.workspace_allowance(2 * 9 * 16 * 16 * 2))
+    # tiling that the latents do not exceed changes nothing
+    assert mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", LTX, 2, 9, 16, 16, 2, True, False) == \
+        mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", LTX, 2, 9, 16, 16, 2, False, False)
+
+
+@pytest.mark.parametrize("slicing", [False, True])
+def test_whole_video_decoder_tiled_in_tiled_decodes_order(slicing):
+    conf = {**LTX, "tile_sample_min_height": 12, "tile_sample_stride_height": 8}  # tile 3, stride 2 latents
+    px, video, batch = 3 * 9 * 16 * 2, 3 * 9 * 16 * 16 * 2, 2
+    b = 1 if slicing else batch
+    held = (batch - b) * video
+    # rows and columns [3, 2]: tiles (3,3), (3,2), (2,3), (2,2), each beside the outputs of those before it
+    peak = max(_ltx(b, 3, 3, 3), _ltx(b, 3, 3, 2) + b * px * 9, _ltx(b, 3, 2, 3) + b * px * 15,
+               _ltx(b, 3, 2, 2) + b * px * 21)
+    end = max(2 * batch * video if slicing else 0, b * px * 25 + 2 * b * video + held)
+    want = max(peak + held, end + planner.workspace_allowance(b * 2 * 9 * 12 * 12 * 2))
+    assert mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, batch, 9, 16, 16, 2, True, slicing) == want
+    # only the width above a tile also tiles
+    wide = mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, batch, 9, 12, 16, 2, True, slicing)
+    assert wide != mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, batch, 9, 12, 16, 2, False,
+                                                      slicing)
+
+
+def test_hunyuan15_whole_video_decoder_reads_the_mid_block_tokens():
+    conf = {"block_out_channels": [4, 8], "spatial_compression_ratio": 2, "temporal_compression_ratio": 2}
+    g = mm.hunyuan15_decoder_geometry(conf)  # channels [8, 4, 4], up [(2, 2), (1, 1)]
+    # 5 frames -> 3 latent frames, 8 px -> 4 latents; output level (4, 5, 8, 8); mid (8, 3 x 4 x 4)
+    got = mm.whole_video_decoder_activations("AutoencoderKLHunyuanVideo15", conf, 1, 5, 8, 8, 2, False, False)
+    assert mm.decoder_levels(g, 3, 4, 4)[-1] == (4, 5, 8, 8)
+    assert got == max(planner.hunyuan15_decoder_activation(1, (4, 5, 8, 8), (8, 48), 2),
+                      planner.workspace_allowance(4 * 5 * 64 * 2))
+    assert mm.decoder_activations({**conf, "_class_name": "AutoencoderKLHunyuanVideo15"}, 1, 5, 8, 8, 2, False,
+                                  False) == got
