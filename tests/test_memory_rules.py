@@ -315,3 +315,116 @@ def test_hunyuan15_whole_video_decoder_reads_the_mid_block_tokens():
                       planner.workspace_allowance(4 * 5 * 64 * 2))
     assert mm.decoder_activations({**conf, "_class_name": "AutoencoderKLHunyuanVideo15"}, 1, 5, 8, 8, 2, False,
                                   False) == got
+
+
+# ------------------------------------------------------------------------------------------------ fitting
+
+# a 6 GiB denoiser of three 1.5 GiB blocks (largest leaf 0.5 GiB), a 1 GiB encoder, a 0.5 GiB VAE
+SIZES = {"transformer": planner.ComponentSize("transformer", 6 * GIB, int(1.5 * GIB), (GIB // 2 * 3,) * 3,
+                                              GIB // 2, GIB // 4),
+         "text_encoder": planner.ComponentSize("text_encoder", GIB, GIB // 8, (), GIB // 8, GIB // 16),
+         "vae": planner.ComponentSize("vae", GIB // 2, GIB // 2, (), GIB // 16, GIB // 16)}
+STAGES = [planner.Stage("text", {"text_encoder": GIB // 8}), planner.Stage("denoise", {"transformer": GIB}),
+          planner.Stage("decode", {"vae": GIB})]
+
+
+def fitting(kind="cuda", quant=None, **kw):
+    return mm.Fitting(mem(**kw), quant, {}, kind, None)
+
+
+def test_bound_is_the_budget_capped_at_the_device_and_names_the_device_where_it_binds():
+    assert fitting().bound(80 * GIB) == (80 * GIB, "the device's 80.0 GiB")
+    assert fitting().bound(None) == (None, "the device's memory")
+    assert fitting(max_gpu_gb=8).bound(80 * GIB) == (8 * GIB, None)
+    assert fitting(max_gpu_gb=8).bound(None) == (8 * GIB, None)
+    assert fitting(max_gpu_gb=1.5).bound(None) == (int(1.5 * GIB), None)
+    assert fitting(max_gpu_gb=80).bound(80 * GIB) == (80 * GIB, None)
+    assert fitting(max_gpu_gb=100).bound(80 * GIB) == (
+        80 * GIB, "the device's 80.0 GiB (memory.max_gpu_gb=100.0 is more than the device has)")
+
+
+def test_auto_off_a_gpu_takes_none_and_says_why():
+    f = fitting("cpu", offload="auto")
+    f.choose(SIZES, STAGES, 4, None)
+    assert f.plan.offload == "none" and f.plan.peak == 7.5 * GIB + GIB + planner.RESERVE_BYTES
+    assert f.why == "memory.offload=auto on platform cpu: no GPU memory to fit, nothing offloaded (none)"
+    assert [p.offload for p in f.candidates] == list(planner.OFFLOAD_MODES)
+    assert f.bound_name is None and f.budget is None
+
+
+def test_a_configured_plan_without_budget_runs_where_it_fits_and_is_refused_where_not():
+    f = fitting(offload="model")
+    f.choose(SIZES, STAGES, 4, None)
+    assert f.plan.offload == "model" and f.plan.peak == 7 * GIB + planner.RESERVE_BYTES
+    assert f.why == ("memory.offload=model as configured (no memory.max_gpu_gb: nothing to fit against; "
+                     "memory.offload=auto with a budget chooses)")
+    f = fitting(offload="model")
+    f.choose(SIZES, STAGES, 4, 7 * GIB + planner.RESERVE_BYTES)  # exactly its peak: fits
+    assert f.plan.offload == "model" and "its peak fits the device's 7.5 GiB" in f.why
+    # a configured group_block without a budget streams every block (nothing kept resident)
+    f = fitting(offload="group_block")
+    f.choose(SIZES, STAGES, 4, 80 * GIB)
+    assert f.plan.resident_blocks == 0
+    with pytest.raises(planner.MemoryBudgetError) as e:
+        fitting(offload="none").choose(SIZES, STAGES, 4, 8 * GIB)
+    msg = str(e.value)
+    assert "memory.offload=none plans a peak of 9.0 GiB" in msg and "over the device's 8.0 GiB" in msg
+    assert "fix: memory.offload=model (the cheapest plan that fits: 7.5 GiB)" in msg
+
+
+def test_auto_on_a_gpu_fits_the_device_and_keeps_denoiser_blocks_resident_within_it():
+    f = fitting(offload="auto")
+    f.choose(SIZES, STAGES, 4, 8 * GIB)
+    assert f.plan.offload == "model" and f.budget == 8 * GIB and f.bound_name == "the device's 8.0 GiB"
+    assert f.why.startswith("auto: model is the fastest plan that fits 8.0 GiB")
+    # a budget group_block is filled against: blocks kept resident by the budget, the plan's peak within it
+    f = fitting(offload="group_block", max_gpu_gb=8)
+    f.choose(SIZES, STAGES, 4, None)
+    gb = [p for p in f.candidates if p.offload == "group_block"][0]
+    # streamed peak 4.5 GiB, margin 1 GiB: one 1.5 GiB block fits the 2.5 GiB left
+    assert f.plan is gb and gb.resident_blocks == 1 and gb.peak == 6 * GIB
+    assert gb == planner.keep_resident(planner.plan("group_block", SIZES, STAGES, "transformer", 4, False, 1),
+                                       SIZES, "transformer", 4, 8 * GIB)
+    assert f.bound_name == "memory.max_gpu_gb=8" and f.why == "memory.offload=group_block (as configured)"
+
+
+def test_a_budget_no_plan_fits_names_the_budget_and_leaves_out_what_is_set():
+    f = fitting(offload="auto", max_gpu_gb=1, vae_slicing=True, quant=qcfg(transformer="int8wo"))
+    with pytest.raises(planner.MemoryBudgetError) as e:
+        f.choose(SIZES, STAGES, 4, None)
+    msg = str(e.value)
+    assert "memory.offload=auto: no plan fits memory.max_gpu_gb=1.0" in msg
+    assert "memory.vae_slicing=true" not in msg and "model.quantization.transformer=nf4" not in msg
+    assert "set memory.vae_tiling=true" in msg and msg.endswith("or raise memory.max_gpu_gb")
+    f = fitting(offload="auto", max_gpu_gb=1, vae_tiling=True)
+    with pytest.raises(planner.MemoryBudgetError) as e:
+        f.choose(SIZES, STAGES, 4, None)
+    assert "quantize the largest component" in str(e.value) and "memory.vae_tiling=true" not in str(e.value)
+
+
+def test_section_records_plan_budget_candidates_and_quantization():
+    f = fitting(offload="auto", max_gpu_gb=8, quant=qcfg(text_encoder="int8wo"))
+    assert f.section()["offload"] == "auto" and f.section()["planned"] is None
+    assert f.section()["budget_gb"] is None
+    f.choose(SIZES, STAGES, 4, None)
+    s = f.section()
+    assert s["offload"] == f.plan.offload and s["why"] == f.why and s["budget_gb"] == 8.0
+    assert s["max_gpu_gb"] == 8.0 and s["bound"] == "memory.max_gpu_gb=8"
+    assert s["planned"] == f.plan.to_dict() and len(s["candidates"]) == 4
+    assert s["candidates"][0] == f.candidates[0].to_dict()
+    assert s["reserve_gb"] == 0.5 and s["quantization"] == {"text_encoder": "int8wo"} and s["applied"] == {}
+
+
+def test_defers_placement_only_under_an_offload_plan():
+    assert not fitting().defers() and not fitting(offload="auto").defers()
+    assert fitting(offload="model").defers()
+    f = fitting(offload="auto")
+    f.choose(SIZES, STAGES, 4, 8 * GIB)
+    assert f.defers()
+    f.choose(SIZES, STAGES, 4, 80 * GIB)
+    assert not f.defers()
+
+
+def test_estimate_exceeded_names_only_the_phases_above_the_plan():
+    assert mm.estimate_exceeded({"denoise": 9.5, "text": 9.0, "decode": 3.0}, 9.0) == {"denoise": 9.5}
+    assert mm.estimate_exceeded({}, 1.0) == {}
