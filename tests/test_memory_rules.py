@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _helpers import requires_extra
 from models import memory as mm
 from runner.core import memory as planner
 from runner.core.errors import ConfigValueError
@@ -428,3 +429,117 @@ def test_defers_placement_only_under_an_offload_plan():
 def test_estimate_exceeded_names_only_the_phases_above_the_plan():
     assert mm.estimate_exceeded({"denoise": 9.5, "text": 9.0, "decode": 3.0}, 9.0) == {"denoise": 9.5}
     assert mm.estimate_exceeded({}, 1.0) == {}
+
+
+# ------------------------------------------------------------------------------------------------ evidence
+
+
+class Two(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+        self.out = torch.nn.Linear(2, 3, bias=False)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def test_group_levels_block_only_for_a_component_with_block_lists():
+    flat = torch.nn.Sequential(torch.nn.Linear(2, 2))  # its children are Linears, not lists
+    comps = {"transformer": Two(), "text_encoder": flat, "scheduler": object()}
+    assert mm.group_levels(comps, "group_block") == {"transformer": "block_level", "text_encoder": "leaf_level"}
+    assert mm.group_levels(comps, "group_leaf") == {"transformer": "leaf_level", "text_encoder": "leaf_level"}
+    seq = torch.nn.Module()
+    seq.layers = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert mm.group_levels({"t": seq}, "group_block") == {"t": "block_level"}
+
+
+def test_model_offload_probe_counts_a_components_bytes_each_call_it_starts_off_the_device():
+    m = Two()  # 2 x (4 + 2) + 6 floats = 18 x 4 bytes, on the CPU
+    probe = mm.OffloadProbe()
+    probe.watch_models({"transformer": m}, "cuda")
+    assert probe.groups == 1
+    m(torch.zeros(1, 2))
+    m(torch.zeros(1, 2))
+    assert (probe.onloads, probe.bytes) == (2, 2 * 18 * 4)
+    on_device, here = mm.OffloadProbe(), Two()
+    on_device.watch_models({"transformer": here, "vae": Two()}, "cpu")
+    here(torch.zeros(1, 2))
+    assert (on_device.groups, on_device.onloads, on_device.bytes) == (2, 0, 0)
+    sec, bad = mm.offload_evidence(probe, "model", 4)
+    assert sec == {"offload": "model", "observed": True, "groups": 1, "onloads": 2, "bytes_onloaded": 144,
+                   "bytes_onloaded_per_forward": 36}
+    assert bad == []
+
+
+def test_offload_evidence_flags_a_plan_that_onloaded_nothing():
+    assert mm.offload_evidence(None, "model", 3) == ({"offload": "model", "observed": False}, [])
+    sec, bad = mm.offload_evidence(mm.OffloadProbe(), "group_leaf", 0)
+    assert sec["bytes_onloaded_per_forward"] is None and sec["onloads"] == 0
+    assert bad == ["memory.offload=group_leaf: no onload was observed at diffusers' offload hooks"]
+    assert mm.offload_evidence(mm.OffloadProbe(), "none", 2)[1] == []
+    p = mm.OffloadProbe(onloads=3, bytes=10)
+    assert mm.offload_evidence(p, "model", 3)[0]["bytes_onloaded_per_forward"] == 3
+
+
+def test_a_component_that_claims_quantization_with_0_quantized_linears_is_a_mismatch():
+    probe = mm.QuantProbe({"transformer": "int8wo", "vae": "int8wo"})
+    m = Two()
+    probe.attach({"transformer": m, "vae": "not a module"})
+    m(torch.zeros(1, 2))
+    sec, bad = probe.section()
+    assert sec["transformer"] == {"method": "int8wo", "linears": 3, "quantized_linears": 0,
+                                  "calls_by_weight_class": {"Parameter": 3}, "quantized_calls": 0}
+    assert sec["vae"]["linears"] == 0 and sec["vae"]["calls_by_weight_class"] == {}
+    assert bad == ["model.quantization.transformer=int8wo: none of its 3 Linears holds a Int8Tensor weight after "
+                   "loading"]
+
+
+@requires_extra("torchao")
+def test_quantized_linears_count_their_calls_and_one_dequantized_later_is_named():
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    m = Two()
+    quantize_(m, Int8WeightOnlyConfig())
+    probe = mm.QuantProbe({"transformer": "int8wo"})
+    probe.attach({"transformer": m})
+    m(torch.zeros(1, 2))
+    sec, bad = probe.section()
+    assert sec["transformer"]["quantized_linears"] == 3 and sec["transformer"]["quantized_calls"] == 3
+    assert sec["transformer"]["calls_by_weight_class"] == {"Int8Tensor": 3} and bad == []
+    m.out.weight = torch.nn.Parameter(torch.ones(3, 2))  # dequantized behind the runner
+    m(torch.zeros(1, 2))
+    sec, bad = probe.section()
+    assert sec["transformer"]["quantized_calls"] == 5 and sec["transformer"]["calls_by_weight_class"]["Parameter"] == 1
+    assert bad == ["model.quantization.transformer=int8wo: Linears quantized at load ran with another weight: out"]
+
+
+def test_quantized_calls_of_zero_while_the_linears_ran_is_a_mismatch():
+    probe = mm.QuantProbe({"transformer": "int8wo"})
+    m = Two()
+    probe.attach({"transformer": m})
+    probe.quantized["transformer"] = 3  # loaded quantized, as the count at attach records it
+    m(torch.zeros(1, 2))
+    _, bad = probe.section()
+    assert bad == ["model.quantization.transformer=int8wo: its Linears ran 3 times, none with a Int8Tensor weight "
+                   "(0 quantized Linears executed)"]
+
+
+def test_quant_kernels_match_the_methods_signature():
+    trace = SimpleNamespace(kernels=["void at::native::gemm", "int4pack_mm_kernel", "Tinygemm_x"] + ["x"] * 3)
+    rec = {"method": "int4wo"}
+    assert mm.quant_kernels(rec, trace) == [] and rec["kernels"] == ["Tinygemm_x", "int4pack_mm_kernel"]
+    rec = {"method": "int4wo"}
+    assert mm.quant_kernels(rec, SimpleNamespace(kernels=["gemm"])) == [
+        "model.quantization.transformer=int4wo: the profiled denoiser forward ran no kernel matching "
+        "'int4pack|tinygemm'"]
+    assert rec["kernels"] == []
+    many = SimpleNamespace(kernels=[f"int4pack_{i:02d}" for i in range(25)])
+    rec = {"method": "int4wo"}
+    mm.quant_kernels(rec, many)
+    assert len(rec["kernels"]) == 20 and rec["kernels"][0] == "int4pack_00"
+    assert mm.quant_kernels(None, trace) == [] and mm.quant_kernels(rec, None) == []
+    assert mm.quant_kernels({"method": "int4wo"}, SimpleNamespace(kernels=[])) == []
+    assert mm.quant_kernels({"method": "int8wo"}, trace) == []  # no signature of its own
