@@ -543,3 +543,80 @@ def test_quant_kernels_match_the_methods_signature():
     assert mm.quant_kernels(None, trace) == [] and mm.quant_kernels(rec, None) == []
     assert mm.quant_kernels({"method": "int4wo"}, SimpleNamespace(kernels=[])) == []
     assert mm.quant_kernels({"method": "int8wo"}, trace) == []  # no signature of its own
+
+
+# ------------------------------------------------------------------------------------------------ loading inputs
+
+LIBS = {"transformer": "diffusers", "transformer_2": "diffusers", "text_encoder": "transformers"}
+
+
+@requires_extra("torchao")
+@pytest.mark.parametrize("comp", ["transformer", "transformer_2"])
+def test_a_quantized_denoiser_refuses_fused_qkv_and_a_linear_backend_naming_the_component(comp):
+    from runner.kernels.registry import SelectionContext
+
+    cpu = SelectionContext(platform_kind="cpu", sm=None, dtype=torch.float32)
+    f = mm.Fitting(mem(), qcfg(**{comp: "int8wo"}), LIBS, "cpu", None)
+    f.check(cpu, False, False, None)
+    f.check(cpu, False, False, "TORCH")
+    f.check(cpu, True, False, None)  # int8wo quantizes random weights too
+    with pytest.raises(ConfigValueError) as e:
+        f.check(cpu, False, True, None)
+    assert str(e.value) == (f"optimize.fuse_qkv=true with model.quantization.{comp}=int8wo: fusing concatenates the "
+                            "projection weights, which are quantized tensors; fix: optimize.fuse_qkv=false")
+    with pytest.raises(ConfigValueError) as e:
+        f.check(cpu, False, False, "FP8")
+    assert str(e.value) == (f"linear backend FP8 with model.quantization.{comp}=int8wo: both replace the "
+                            f"transformer's Linear weights; fix: backend.linear=TORCH (or auto), or "
+                            f"model.quantization.{comp}=none")
+    enc = mm.Fitting(mem(), qcfg(text_encoder="int8wo"), LIBS, "cpu", None)
+    enc.check(cpu, False, True, "FP8")  # a quantized text encoder combines with both
+
+
+def test_dummy_weights_check_refuses_a_checkpoint_only_method_before_anything_else():
+    from runner.kernels.registry import SelectionContext
+
+    f = mm.Fitting(mem(), qcfg(transformer="nf4"), LIBS, "cpu", None)
+    with pytest.raises(Exception) as e:
+        f.check(SelectionContext(platform_kind="cpu", sm=None, dtype=torch.float32), True, False, None)
+    assert "model.quantization.transformer=nf4" in str(e.value)
+
+
+def test_quant_mapping_skips_gguf_and_on_device_names_int4():
+    m = mm.quant_mapping({"text_encoder": "gguf"}, {"text_encoder": "transformers"}, torch.bfloat16)
+    assert m == {}
+    assert mm.pipeline_quantization({"text_encoder": "gguf"}, {"text_encoder": "transformers"}, torch.bfloat16) is None
+    assert mm.on_device_components({"transformer": "int4wo", "text_encoder": "int8wo"}) == ["transformer"]
+    assert mm.on_device_components({}) == []
+
+
+def test_component_sizes_at_the_methods_bits_and_the_files_bytes():
+    lin = torch.nn.Linear(4, 4, bias=False)  # 16 float32 = 64 bytes
+    sizes = mm.component_sizes({"transformer": lin, "text_encoder": torch.nn.Linear(4, 4, bias=False),
+                                "vae": torch.nn.Linear(4, 4, bias=False), "scheduler": object()},
+                               {"transformer": "int8wo", "text_encoder": "gguf"}, gguf_bytes=7,
+                               file_bytes={"vae": 5})
+    assert set(sizes) == {"transformer", "text_encoder", "vae"}
+    assert sizes["transformer"] == planner.size_module("transformer", lin, linear_bits=8.0)
+    assert sizes["transformer"].weights == 16
+    assert sizes["text_encoder"].weights == 7 and sizes["vae"].weights == 5
+    assert mm.component_sizes({"vae": lin}, {})["vae"].weights == 64
+
+
+def test_checkpoint_bytes_sum_a_pre_quantized_components_safetensors(tmp_path):
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "a.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "transformer" / "b.safetensors").write_bytes(b"x" * 5)
+    (tmp_path / "transformer" / "c.json").write_bytes(b"x" * 100)
+    (tmp_path / "text_encoder").mkdir()
+    (tmp_path / "text_encoder" / "a.safetensors").write_bytes(b"x" * 3)
+    src = {"kind": "path", "path": str(tmp_path)}
+    assert mm.checkpoint_bytes(src, {"transformer": "nunchaku", "text_encoder": "int8wo"}) == {"transformer": 15}
+    assert mm.checkpoint_bytes(src, {"vae": "modelopt"}) == {}
+    assert mm.checkpoint_bytes({"kind": "hub", "path": str(tmp_path)}, {"transformer": "nunchaku"}) == {}
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text('{"a": 1}')
+    (tmp_path / "text_encoder" / "config.json").write_text("{not json")
+    assert mm.checkpoint_configs(src, ["vae", "text_encoder", "unet"]) == {"vae": {"a": 1}, "text_encoder": None,
+                                                                          "unet": None}
+    assert mm.checkpoint_configs({"kind": "hub"}, ["vae"]) == {}
