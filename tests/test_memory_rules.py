@@ -104,7 +104,10 @@ def test_dummy_weights_name_each_checkpoint_only_component():
     msg = str(e.value)
     assert msg.startswith("model.quantization.transformer=nf4, model.quantization.text_encoder_2=gguf with "
                           "model.load_format=dummy")
-    assert "text_encoder=int8wo" not in msg and "fix: an embedded model or model.path" in msg
+    assert "text_encoder=int8wo" not in msg
+    assert msg.endswith("with model.load_format=dummy: bitsandbytes and GGUF quantize while a checkpoint loads; fix: "
+                        "an embedded model or model.path (a snapshot), or int8wo / float8wo (torchao) for random "
+                        "weights")
 
 
 def test_fitting_lanes_name_each_quantized_component():
@@ -212,6 +215,11 @@ def test_hunyuan15_decoder_geometry_by_hand():
     assert (g["tile"], g["stride"]) == (8, 6)
     g = mm.hunyuan15_decoder_geometry({**conf, "upsample_match_channel": False})
     assert g["channels"] == [32, 32, 16, 8, 4]
+    # frames double while 2 ** i < the temporal ratio: i = 0, 1, 2 of 8; a tile of 38 px is 9 latents, stride 6
+    g = mm.hunyuan15_decoder_geometry({"block_out_channels": [1, 1, 1, 1, 1], "spatial_compression_ratio": 4,
+                                       "temporal_compression_ratio": 8, "tile_sample_min_height": 38})
+    assert [t for t, _ in g["up"]] == [2, 2, 2, 1, 1] and [s for _, s in g["up"]] == [2, 2, 1, 1, 1]
+    assert (g["tile"], g["stride"]) == (9, 6) and isinstance(g["tile"], int)
 
 
 def test_hunyuan15_decoder_geometry_defaults():
