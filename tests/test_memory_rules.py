@@ -628,3 +628,81 @@ def test_checkpoint_bytes_sum_a_pre_quantized_components_safetensors(tmp_path):
     assert mm.checkpoint_configs(src, ["vae", "text_encoder", "unet"]) == {"vae": {"a": 1}, "text_encoder": None,
                                                                           "unet": None}
     assert mm.checkpoint_configs({"kind": "hub"}, ["vae"]) == {}
+
+
+# ------------------------------------------------------------------------------------------------ stage evidence
+
+
+def test_fitting_evidence_names_resident_blocks_off_the_device():
+    f = fitting(offload="group_block")
+    f.applied = {"offload": "group_block"}
+    f.offload_probe = mm.OffloadProbe(onloads=4, bytes=40, groups=2)
+    f.resident, f.device = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], "cpu"
+    sec, bad = f.evidence(2)
+    assert sec == {"offload": {"offload": "group_block", "observed": True, "groups": 2, "onloads": 4,
+                               "bytes_onloaded": 40, "bytes_onloaded_per_forward": 20, "resident_blocks": 2,
+                               "resident_on": ["cpu"]}}
+    assert bad == []
+    for dev in ("cuda", "cuda:0"):
+        f.device = dev
+        _, bad = f.evidence(2)
+        assert bad == [f"memory.offload=group_block: the 2 resident denoiser blocks were on cpu after the run, "
+                       f"not {dev}"]
+    f.resident = []
+    assert "resident_blocks" not in f.evidence(2)[0]["offload"]
+
+
+def test_fitting_evidence_adds_the_quantization_record_and_its_kernel_mismatch():
+    f = fitting(quant=qcfg(transformer="int4wo"))
+    m = Two()
+    f.quant_probe = mm.QuantProbe(dict(f.choices))
+    f.quant_probe.attach({"transformer": m})
+    m(torch.zeros(1, 2))
+    sec, bad = f.evidence(1, SimpleNamespace(kernels=["gemm"]))
+    assert sec["offload"] == {"offload": "none", "observed": False}
+    assert sec["quantization"]["transformer"]["linears"] == 3
+    assert bad == ["model.quantization.transformer=int4wo: none of its 3 Linears holds a Int4TilePackedTo4dTensor "
+                   "weight after loading",
+                   "model.quantization.transformer=int4wo: the profiled denoiser forward ran no kernel matching "
+                   "'int4pack|tinygemm'"]
+    assert "observed_peak_gb" not in sec
+
+
+def test_fitting_evidence_sets_observed_peaks_beside_the_plan_and_warns_where_the_estimate_is_exceeded(caplog):
+    f = fitting(offload="model")
+    f.choose(SIZES, STAGES, 4, None)  # planned peak 7.5 GiB
+    f.peaks = mm.PhasePeaks()
+    f.peaks.peaks = {"text_encode": 2 * GIB, "denoise": 8 * GIB}
+    with caplog.at_level("WARNING", logger="models.memory"):
+        sec, bad = f.evidence(4)
+    assert sec["observed_peak_gb"] == {"text_encode": 2.0, "denoise": 8.0}
+    assert sec["planned_peak_gb"] == f.plan.to_dict()["stages_gb"] and sec["estimate_exceeded"] == {"denoise": 8.0}
+    assert bad == []
+    assert "the memory planner's estimate (7.5 GiB with its reserve) is below the observed peak of denoise 8.0 GiB" \
+        in caplog.text
+    f.plan = None
+    sec, _ = f.evidence(4)
+    assert "planned_peak_gb" not in sec and sec["observed_peak_gb"]["denoise"] == 8.0
+
+
+def test_the_pass_reports_evidence_only_when_something_was_planned_applied_or_measured():
+    f = fitting()
+    eng = SimpleNamespace(fit=f, probe=None, want_forwards=3)
+    p = mm.FittingPass(eng)
+    section = {}
+    assert p.evidence(section) == [] and section == {}
+    eng.fit = None
+    assert p.evidence(section) == []
+    f.applied = {"offload": "model"}
+    f.offload_probe = mm.OffloadProbe()
+    eng.fit = f
+    assert p.evidence(section) == ["memory.offload=model: no onload was observed at diffusers' offload hooks"]
+    assert section["memory"]["offload"]["observed"] is True
+    q = fitting(quant=qcfg(transformer="int4wo"))
+    q.quant_probe = mm.QuantProbe(dict(q.choices))
+    eng.fit, eng.probe = q, SimpleNamespace(trace=SimpleNamespace(kernels=["gemm"]))
+    assert p.evidence(section)[-1].endswith("ran no kernel matching 'int4pack|tinygemm'")
+    p2 = fitting()
+    p2.peaks = mm.PhasePeaks()
+    eng.fit = p2
+    assert p.evidence(section) == [] and section["memory"]["offload"]["offload"] == "none"
