@@ -706,3 +706,69 @@ def test_the_pass_reports_evidence_only_when_something_was_planned_applied_or_me
     p2.peaks = mm.PhasePeaks()
     eng.fit = p2
     assert p.evidence(section) == [] and section["memory"]["offload"]["offload"] == "none"
+
+
+@requires_extra("torchao")
+def test_quant_mapping_builds_each_components_librarys_config():
+    libs = {"transformer": "diffusers", "text_encoder": "transformers", "text_encoder_2": "transformers"}
+    m = mm.quant_mapping({"transformer": "float8wo", "text_encoder": "int8wo", "text_encoder_2": "nunchaku"}, libs,
+                         torch.bfloat16)
+    assert set(m) == {"transformer", "text_encoder"}  # a pre-quantized checkpoint's config is its own
+    assert type(m["transformer"]).__module__.startswith("diffusers")
+    assert type(m["text_encoder"]).__module__.startswith("transformers")
+    assert type(m["transformer"].quant_type).__name__ == "Float8WeightOnlyConfig"
+    assert type(m["text_encoder"].quant_type).__name__ == "Int8WeightOnlyConfig"
+    q = mm.pipeline_quantization({"transformer": "float8wo", "text_encoder": "int8wo"}, libs, torch.float16)
+    assert type(q).__name__ == "PipelineQuantizationConfig" and set(q.quant_mapping) == {"transformer", "text_encoder"}
+    assert type(q.quant_mapping["transformer"]).__module__.startswith("diffusers")
+    assert type(q.quant_mapping["text_encoder"]).__module__.startswith("transformers")
+
+
+def _whole(conf, batch, frames, px_h, tiling=False, slicing=False, cls="AutoencoderKLLTX2Video"):
+    return mm.whole_video_decoder_activations(cls, conf, batch, frames, px_h, px_h, 2, tiling, slicing)
+
+
+def test_whole_video_latent_frames_floor_and_a_patched_decoder():
+    # 10 frames are the latent frames of 9: (10 - 1) // 4 + 1 = 3
+    assert _whole(LTX, 2, 10, 16) == _whole(LTX, 2, 9, 16)
+    # patch 2 x 2, patch_t 2: out_channels 3 x 2 x 2 x 2; spatial 2 x 4 = 8, temporal 2 x 4 = 8
+    conf = {"decoder_block_out_channels": [4, 8], "upsample_factor": 2, "patch_size": 2, "patch_size_t": 2}
+    g = mm.ltx2_decoder_geometry(conf)
+    assert (g["spatial"], g["temporal"], g["out_channels"], g["channels"]) == (8, 8, 24, [8, 4, 2])
+    # 17 frames -> 3 latent frames, 32 px -> 4 latents; the last level (2, 9, 16, 16) is the pixels over patch 2
+    levels = mm.decoder_levels(g, 3, 4, 4)
+    assert levels[-1] == (2, 9, 16, 16)
+    peak = planner.ltx2_decoder_activation(2, levels[-1], levels[-2], 2, True, 24)
+    # unsliced: the call's peak; the two copies of the video (3 x 17... pixels) are the sliced decode's only
+    assert _whole(conf, 2, 17, 32) == peak
+    video = 3 * 9 * 2 * 32 * 32 * 2  # per video: 3 x (9 x patch_t) x 32 x 32 x e
+    peak1 = planner.ltx2_decoder_activation(1, levels[-1], levels[-2], 2, True, 24)
+    assert _whole(conf, 2, 17, 32, slicing=True) == max(peak1 + video, 4 * video + planner.workspace_allowance(
+        2 * 9 * 16 * 16 * 2))
+
+
+def test_whole_video_sliced_holds_the_decoded_videos_and_two_copies_at_the_end():
+    px, video = 3 * 9 * 16 * 2, 3 * 9 * 16 * 16 * 2
+    assert _whole(LTX, 8, 9, 16, slicing=True) == max(_ltx(1, 3, 4, 4) + 7 * video,
+                                                      2 * 8 * video + planner.workspace_allowance(2 * 9 * 256 * 2))
+    assert 2 * 8 * video > _ltx(1, 3, 4, 4) + 7 * video  # the end binds here
+    assert px * 16 == video
+
+
+def test_whole_video_tiles_only_above_a_tile_in_either_axis():
+    conf = {**LTX, "tile_sample_min_height": 16, "tile_sample_stride_height": 8}  # tile 4, stride 2 latents
+    assert _whole(conf, 1, 9, 16, tiling=True) == _whole(conf, 1, 9, 16)  # 4 latents: not above a tile
+    wide = mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, 1, 9, 16, 20, 2, True, False)
+    assert wide != mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, 1, 9, 16, 20, 2, False, False)
+    tall = mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, 1, 9, 20, 16, 2, True, False)
+    assert tall != mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, 1, 9, 20, 16, 2, False, False)
+
+
+def test_hunyuan15_whole_video_peak_is_at_the_last_up_block():
+    conf = {"block_out_channels": [4, 8], "spatial_compression_ratio": 4, "temporal_compression_ratio": 2,
+            "upsample_match_channel": False}
+    g = mm.hunyuan15_decoder_geometry(conf)  # reversed [8, 4]; up [(2, 2), (1, 2)]; channels [8, 8, 4]
+    levels = mm.decoder_levels(g, 2, 2, 2)
+    assert levels == [(8, 2, 2, 2), (8, 3, 4, 4), (4, 3, 8, 8)]
+    got = mm.whole_video_decoder_activations("AutoencoderKLHunyuanVideo15", conf, 1, 3, 8, 8, 2, False, False)
+    assert got == planner.hunyuan15_decoder_activation(1, (4, 3, 8, 8), (8, 8), 2)
