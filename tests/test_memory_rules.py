@@ -772,3 +772,13 @@ def test_hunyuan15_whole_video_peak_is_at_the_last_up_block():
     assert levels == [(8, 2, 2, 2), (8, 3, 4, 4), (4, 3, 8, 8)]
     got = mm.whole_video_decoder_activations("AutoencoderKLHunyuanVideo15", conf, 1, 3, 8, 8, 2, False, False)
     assert got == planner.hunyuan15_decoder_activation(1, (4, 3, 8, 8), (8, 8), 2)
+
+
+def test_ltx2_geometry_reverses_the_scaling_and_floors_channels():
+    g = mm.ltx2_decoder_geometry({"decoder_block_out_channels": [4, 8, 16],
+                                  "decoder_spatio_temporal_scaling": [True, False, False]})
+    assert g["up"] == [(1, 1), (1, 1), (2, 2)]
+    # the default channels under a factor of 1 (the default factor 2 would floor an odd change away)
+    assert mm.ltx2_decoder_geometry({"upsample_factor": 1})["channels"] == [1024, 1024, 512, 256]
+    g = mm.ltx2_decoder_geometry({"decoder_block_out_channels": [6, 6], "upsample_factor": 4})
+    assert g["channels"] == [6, 1, 1] and all(isinstance(c, int) for c in g["channels"])
