@@ -782,3 +782,12 @@ def test_ltx2_geometry_reverses_the_scaling_and_floors_channels():
     assert mm.ltx2_decoder_geometry({"upsample_factor": 1})["channels"] == [1024, 1024, 512, 256]
     g = mm.ltx2_decoder_geometry({"decoder_block_out_channels": [6, 6], "upsample_factor": 4})
     assert g["channels"] == [6, 1, 1] and all(isinstance(c, int) for c in g["channels"])
+
+
+def test_probes_take_a_module_without_weights_and_a_trace_without_kernels():
+    probe = mm.OffloadProbe()
+    act = torch.nn.ReLU()
+    probe.watch_models({"act": act}, "cuda")
+    act(torch.zeros(2))
+    assert (probe.onloads, probe.bytes) == (0, 0)
+    assert mm.quant_kernels({"method": "int4wo"}, object()) == []
