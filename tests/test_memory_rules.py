@@ -791,3 +791,51 @@ def test_probes_take_a_module_without_weights_and_a_trace_without_kernels():
     act(torch.zeros(2))
     assert (probe.onloads, probe.bytes) == (0, 0)
     assert mm.quant_kernels({"method": "int4wo"}, object()) == []
+
+
+def _torchao_to_tables():
+    from torchao.utils import TorchAOBaseTensor
+
+    todo, out = [TorchAOBaseTensor], []
+    while todo:
+        c = todo.pop()
+        todo.extend(c.__subclasses__())
+        t = c.__dict__.get("_ATEN_OP_TABLE", {}).get(c)
+        if t is not None and torch.ops.aten.to.dtype_layout in t:
+            out.append(t)
+    return out
+
+
+@requires_extra("torchao")
+def test_torchao_device_copies_patch_every_subclass_once_from_an_unpatched_process():
+    """Whatever patched the tables before (an earlier test, a parent process), they are put back first, so the
+    count and the wrapped behaviour are this call's."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    lin = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    quantize_(lin, Int8WeightOnlyConfig())
+    op = torch.ops.aten.to.dtype_layout
+    tables = _torchao_to_tables()
+    for t in tables:
+        if getattr(t[op], "_runner_device_copy", False):
+            t[op] = t[op].__defaults__[0]  # torchao's own, kept as the wrapper's default
+    originals = [t[op] for t in tables]
+    assert not any(getattr(f, "_runner_device_copy", False) for f in originals)
+    assert mm.torchao_device_copies() == len(tables) >= 1
+    assert mm.torchao_device_copies() == 0
+    assert all(t[op]._runner_device_copy is True and t[op].__defaults__[0] is o for t, o in zip(tables, originals))
+    w = lin.weight
+    impl = type(w).__dict__["_ATEN_OP_TABLE"][type(w)][op]
+    names = type(w).tensor_data_names
+    kw = {"dtype": w.dtype, "layout": w.layout}
+    for extra in ({}, {"non_blocking": True}, {"copy": False}, {"memory_format": None}):
+        moved = impl(op, (type(w),), (w,), {**kw, **extra, "device": torch.device("meta")})
+        assert type(moved) is type(w) and all(getattr(moved, n).device.type == "meta" for n in names), extra
+    moved = impl(op, (type(w),), (w,), {"device": "meta"})  # dtype and layout left out: the same
+    assert all(getattr(moved, n).device.type == "meta" for n in names)
+    assert all(getattr(w, n).device.type == "cpu" for n in names)
+    # no device change: torchao's own (which returns self)
+    assert impl(op, (type(w),), (w,), {**kw, "device": torch.device("cpu")}) is w
+    # an unknown keyword is torchao's own too: it does not take it
+    with pytest.raises(Exception):
+        impl(op, (type(w),), (w,), {**kw, "device": torch.device("meta"), "pin_memory": False})
