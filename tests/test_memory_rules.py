@@ -839,3 +839,35 @@ def test_torchao_device_copies_patch_every_subclass_once_from_an_unpatched_proce
     # an unknown keyword is torchao's own too: it does not take it
     with pytest.raises(Exception):
         impl(op, (type(w),), (w,), {**kw, "device": torch.device("meta"), "pin_memory": False})
+
+
+def test_quant_probe_skips_a_non_module_before_the_others_and_names_every_weight_class():
+    probe = mm.QuantProbe({"vae": "int8wo", "transformer": "nunchaku"})
+    m = Two()
+    probe.attach({"vae": "not a module", "transformer": m})
+    m(torch.zeros(1, 2))
+    sec, bad = probe.section()
+    assert sec["vae"]["quantized_linears"] == 0 and sec["vae"]["linears"] == 0
+    assert sec["transformer"]["linears"] == 3 and sec["transformer"]["quantized_linears"] == 0
+    assert bad == ["model.quantization.transformer=nunchaku: none of its 3 Linears holds a "
+                   "SVDQW4A4Linear/AWQW4A16Linear weight after loading"]
+    probe.quantized["transformer"] = 3  # as if loaded quantized: its Linears then ran with plain weights
+    assert probe.section()[1] == ["model.quantization.transformer=nunchaku: its Linears ran 3 times, none with a "
+                                  "SVDQW4A4Linear/AWQW4A16Linear weight (0 quantized Linears executed)"]
+
+
+@requires_extra("torchao")
+def test_linears_dequantized_after_load_are_named_the_first_five():
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    m = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(7)])
+    quantize_(m, Int8WeightOnlyConfig())
+    probe = mm.QuantProbe({"transformer": "int8wo"})
+    probe.attach({"transformer": m})
+    for i in range(6):
+        m[i].weight = torch.nn.Parameter(torch.ones(2, 2))
+    m(torch.zeros(1, 2))
+    sec, bad = probe.section()
+    assert sec["transformer"]["quantized_linears"] == 7 and sec["transformer"]["quantized_calls"] == 1
+    assert bad == ["model.quantization.transformer=int8wo: Linears quantized at load ran with another weight: "
+                   "0, 1, 2, 3, 4"]
