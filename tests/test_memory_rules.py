@@ -871,3 +871,15 @@ def test_linears_dequantized_after_load_are_named_the_first_five():
     assert sec["transformer"]["quantized_linears"] == 7 and sec["transformer"]["quantized_calls"] == 1
     assert bad == ["model.quantization.transformer=int8wo: Linears quantized at load ran with another weight: "
                    "0, 1, 2, 3, 4"]
+
+
+def test_a_resident_block_sharing_its_group_is_refused_naming_block_and_fix():
+    from diffusers.hooks.group_offloading import apply_group_offloading
+
+    m = Two()
+    apply_group_offloading(m, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=2)
+    with pytest.raises(RuntimeError) as e:
+        mm.keep_blocks(m, 1, "cpu")
+    assert str(e.value) == ("memory.offload=group_block: block blocks.0 shares its offload group; a resident block "
+                            "must be its own group (blocks_per_group=1)")
