@@ -883,3 +883,20 @@ def test_a_resident_block_sharing_its_group_is_refused_naming_block_and_fix():
         mm.keep_blocks(m, 1, "cpu")
     assert str(e.value) == ("memory.offload=group_block: block blocks.0 shares its offload group; a resident block "
                             "must be its own group (blocks_per_group=1)")
+
+
+def test_kept_blocks_leave_lazy_prefetchings_name_set_so_it_sees_no_unexecuted_layer():
+    """diffusers' lazy prefetching compares the layers that ran in the first forward against the names it put
+    trackers on, and warns about those that did not run: a kept block's name must leave that set with its tracker."""
+    from diffusers.hooks import HookRegistry, apply_group_offloading
+    from diffusers.hooks.group_offloading import _LAZY_PREFETCH_GROUP_OFFLOADING, LazyPrefetchGroupOffloadingHook
+
+    m = torch.nn.Module()
+    m.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+    apply_group_offloading(m, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1)
+    lazy = LazyPrefetchGroupOffloadingHook()
+    HookRegistry.check_if_exists_or_initialize(m).register_hook(lazy, _LAZY_PREFETCH_GROUP_OFFLOADING)
+    assert lazy._layer_execution_tracker_module_names == {"blocks.0", "blocks.1", "blocks.2"}
+    assert mm.keep_blocks(m, 2, "cpu") == ["blocks.0", "blocks.1"]
+    assert lazy._layer_execution_tracker_module_names == {"blocks.2"}
