@@ -900,3 +900,58 @@ def test_kept_blocks_leave_lazy_prefetchings_name_set_so_it_sees_no_unexecuted_l
     assert lazy._layer_execution_tracker_module_names == {"blocks.0", "blocks.1", "blocks.2"}
     assert mm.keep_blocks(m, 2, "cpu") == ["blocks.0", "blocks.1"]
     assert lazy._layer_execution_tracker_module_names == {"blocks.2"}
+
+
+@pytest.fixture(scope="module")
+def tiny_flux_arch():
+    from omegaconf import OmegaConf
+
+    from _helpers import compose
+
+    return OmegaConf.to_container(compose(["model=tiny_flux"]).model.architecture, resolve=True)
+
+
+def _group_hooks(module):
+    return [m._diffusers_hook.get_hook("group_offloading") for m in module.modules()
+            if getattr(m, "_diffusers_hook", None) is not None
+            and m._diffusers_hook.get_hook("group_offloading") is not None]
+
+
+@pytest.mark.parametrize("per_group", [1, 2])
+def test_apply_offload_records_what_it_applied_and_groups_blocks_as_planned(tiny_flux_arch, per_group):
+    from diffusers import FluxPipeline
+
+    from models.flux import build_components
+
+    pipe = FluxPipeline(**build_components(tiny_flux_arch))
+    n_blocks = len(mm.blocks_in_order(pipe.transformer))
+    plan = planner.Plan("group_block", False, per_group, resident_blocks=1 if per_group == 1 else 0)
+    applied = mm.apply_offload(pipe, plan, "cpu")
+    levels = mm.group_levels(pipe.components, "group_block")
+    first = mm.blocks_in_order(pipe.transformer)[0][0]
+    assert applied == {"offload": "group_block", "use_stream": False, "blocks_per_group": per_group,
+                       "record_stream": False, "levels": levels, "resident_blocks": 1 if per_group == 1 else 0,
+                       "resident": [first] if per_group == 1 else []}
+    hooks = _group_hooks(pipe.transformer)
+    blocks = {id(b) for _, b in mm.blocks_in_order(pipe.transformer)}
+    block_groups = {id(h.group): h.group for h in hooks if any(id(m) in blocks for m in h.group.modules)}
+    kept = 1 if per_group == 1 else 0
+    assert sorted(len(g.modules) for g in block_groups.values()) == sorted(
+        [per_group] * ((n_blocks - kept) // per_group) + ([(n_blocks - kept) % per_group] if (n_blocks - kept)
+                                                          % per_group else []))
+    for h in hooks + _group_hooks(pipe.text_encoder):
+        assert h.group.onload_device == torch.device("cpu") and h.group.offload_device == torch.device("cpu")
+        assert h.group.stream is None and h.group.record_stream is False
+    assert _group_hooks(pipe.vae) and _group_hooks(pipe.text_encoder_2)
+
+
+def test_apply_offload_none_moves_the_pipeline_and_records_the_plan(tiny_flux_arch):
+    from diffusers import FluxPipeline
+
+    from models.flux import build_components
+
+    pipe = FluxPipeline(**build_components(tiny_flux_arch))
+    assert mm.apply_offload(pipe, planner.Plan("none", True, 3, record_stream=True), "meta") == {
+        "offload": "none", "use_stream": True, "blocks_per_group": 3, "record_stream": True}
+    assert next(pipe.transformer.parameters()).device.type == "meta"
+    assert not _group_hooks(pipe.transformer)
