@@ -190,6 +190,8 @@ def test_ltx2_decoder_geometry_by_hand():
     assert g["spatial"] == 2 * 2 * 1 * 2 and g["temporal"] == 3 * 1 * 1 * 2
     assert (g["patch_t"], g["reflect"], g["out_channels"]) == (3, False, 5 * 2 * 2 * 3)
     assert (g["tile"], g["stride"]) == (64 // 8, 48 // 8)
+    g = mm.ltx2_decoder_geometry({**conf, "tile_sample_min_height": 70, "tile_sample_stride_height": 60})
+    assert (g["tile"], g["stride"]) == (8, 7) and isinstance(g["tile"], int) and isinstance(g["stride"], int)
     g = mm.ltx2_decoder_geometry({**conf, "spatial_compression_ratio": 16, "temporal_compression_ratio": 7,
                                   "decoder_spatial_padding_mode": "replicate"})
     assert (g["spatial"], g["temporal"], g["reflect"], g["tile"], g["stride"]) == (16, 7, True, 4, 3)
@@ -836,9 +838,19 @@ def test_torchao_device_copies_patch_every_subclass_once_from_an_unpatched_proce
     assert all(getattr(w, n).device.type == "cpu" for n in names)
     # no device change: torchao's own (which returns self)
     assert impl(op, (type(w),), (w,), {**kw, "device": torch.device("cpu")}) is w
-    # an unknown keyword is torchao's own too: it does not take it
-    with pytest.raises(Exception):
-        impl(op, (type(w),), (w,), {**kw, "device": torch.device("meta"), "pin_memory": False})
+    # any other change, or an unknown keyword, is torchao's own, which asserts on what it does not support
+    for other in ({"dtype": torch.float32}, {"layout": torch.sparse_coo}, {"copy": True},
+                  {"memory_format": torch.preserve_format}, {"pin_memory": False}):
+        with pytest.raises(AssertionError):
+            impl(op, (type(w),), (w,), {**kw, **other, "device": torch.device("meta")})
+
+
+@requires_extra("torchao")
+def test_torchao_device_copies_patch_nothing_before_torchao_is_imported(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "torchao.utils")
+    assert mm.torchao_device_copies() == 0
 
 
 def test_quant_probe_skips_a_non_module_before_the_others_and_names_every_weight_class():
@@ -955,3 +967,32 @@ def test_apply_offload_none_moves_the_pipeline_and_records_the_plan(tiny_flux_ar
         "offload": "none", "use_stream": True, "blocks_per_group": 3, "record_stream": True}
     assert next(pipe.transformer.parameters()).device.type == "meta"
     assert not _group_hooks(pipe.transformer)
+
+
+PATCHED = {"decoder_block_out_channels": [4, 8], "upsample_factor": 2, "patch_size": 2, "patch_size_t": 2}
+
+
+def test_whole_video_a_latent_size_equal_to_the_tile_is_not_tiled():
+    # patched: spatial 8, so a 32 px tile is 4 latents; the end copies bind here, so tiling would show
+    conf = {**PATCHED, "tile_sample_min_height": 32, "tile_sample_stride_height": 16}
+    for hh, ww in ((32, 16), (16, 32), (32, 32)):
+        tiled = mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, 2, 17, hh, ww, 2, True, True)
+        assert tiled == mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, 2, 17, hh, ww, 2, False,
+                                                           True), (hh, ww)
+
+
+def test_whole_video_tiled_peak_is_the_largest_tile_call_beside_the_tiles_before():
+    conf = {"decoder_block_out_channels": [64, 128], "patch_size": 1, "patch_size_t": 1,
+            "tile_sample_min_height": 12, "tile_sample_stride_height": 8}  # channels [128, 64, 32]; tile 3, stride 2
+    g = mm.ltx2_decoder_geometry(conf)
+    px = 3 * 9 * 16 * 2
+
+    def call(th, tw):
+        lv = mm.decoder_levels(g, 3, th, tw)
+        return planner.ltx2_decoder_activation(1, lv[-1], lv[-2], 2, True, 3)
+
+    peak = max(call(3, 3), call(3, 2) + px * 9, call(2, 3) + px * 15, call(2, 2) + px * 21)
+    end = px * 25 + 2 * px * 16
+    assert peak > end  # the calls bind: a wrong call or a wrong sum of the tiles before shows
+    assert mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, 1, 9, 16, 16, 2, True, False) == \
+        max(peak, end + planner.workspace_allowance(32 * 9 * 12 * 12 * 2))
