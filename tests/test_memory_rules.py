@@ -996,3 +996,26 @@ def test_whole_video_tiled_peak_is_the_largest_tile_call_beside_the_tiles_before
     assert peak > end  # the calls bind: a wrong call or a wrong sum of the tiles before shows
     assert mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, 1, 9, 16, 16, 2, True, False) == \
         max(peak, end + planner.workspace_allowance(32 * 9 * 12 * 12 * 2))
+
+
+def test_wan_geometry_halves_to_whole_channels_and_the_chunk_is_a_power_of_two():
+    g = mm.wan_decoder_geometry({"base_dim": 1, "dim_mult": [1, 3], "num_res_blocks": 0, "z_dim": 4,
+                                 "temperal_downsample": [False]})
+    # dims [3, 3, 1]: 4/4 + 12/4; up 0: (3 + 3)/4; up 1: 3 // 2 = 1 in, (1 + 1); conv_out 1
+    assert g == {"cache": 1 + 3 + 1.5 + 2 + 1, "last_in": 1, "upsampled": 3, "chunk": 1, "patch": 1}
+    assert isinstance(g["last_in"], int)
+    assert mm.wan_decoder_geometry({"temperal_downsample": [True, True, True]})["chunk"] == 8
+
+
+def test_meta_components_build_at_the_dtype_skip_the_scheduler_and_restore_the_default():
+    conf = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 8}
+    classes = {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", None),
+               "text_encoder": ("transformers", "CLIPTextModel", "CLIPTextConfig")}
+    before = torch.get_default_dtype()
+    out = mm.meta_components(classes, lambda comp: conf, torch.bfloat16)
+    assert list(out) == ["text_encoder"] and torch.get_default_dtype() == before
+    p = next(out["text_encoder"].parameters())
+    assert p.device.type == "meta" and p.dtype == torch.bfloat16
+    out = mm.meta_components(classes, lambda comp: conf, torch.int8)  # not a float: built in float32
+    assert next(out["text_encoder"].parameters()).dtype == torch.float32
