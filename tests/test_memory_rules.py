@@ -849,6 +849,8 @@ def test_torchao_device_copies_patch_every_subclass_once_from_an_unpatched_proce
 def test_torchao_device_copies_patch_nothing_before_torchao_is_imported(monkeypatch):
     import sys
 
+    import torchao.utils  # noqa: F401  (imported, then hidden: the call must not look for it elsewhere)
+
     monkeypatch.delitem(sys.modules, "torchao.utils")
     assert mm.torchao_device_copies() == 0
 
