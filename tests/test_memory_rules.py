@@ -1052,3 +1052,53 @@ def test_apply_offload_model_is_diffusers_model_cpu_offload(tiny_flux_arch):
         return
     assert applied == {"offload": "model", "use_stream": False, "blocks_per_group": 1, "record_stream": False}
     assert not _group_hooks(pipe.transformer)
+
+
+def test_refusals_join_with_semicolons_and_name_the_plan_command():
+    with pytest.raises(ConfigValueError) as e:
+        mm.settings(mem(offload="model", max_gpu_gb=8), "cpu", None)
+    assert str(e.value) == (
+        "memory.offload=model moves weights between the host and a GPU, and this platform is cpu; fix: "
+        "memory.offload=none or auto (or platform=cuda); to see the plan a GPU would get: python -m runner <the same "
+        "overrides, platform=cuda> --plan; memory.max_gpu_gb=8.0 budgets GPU memory, and this platform is cpu; fix: "
+        "memory.max_gpu_gb=null; to see the plan a GPU would get under it: python -m runner <the same overrides, "
+        "platform=cuda> --plan")
+    with pytest.raises(ConfigValueError) as e:
+        mm.settings(mem(max_gpu_gb=-1), "cuda", None)
+    assert str(e.value) == (f"memory.max_gpu_gb=-1.0 must be a finite number of GiB in (0, {mm.MAX_GPU_GB}], or null "
+                            "(no budget); fix: e.g. memory.max_gpu_gb=24")
+    with pytest.raises(Exception) as e:
+        mm.quant_choices(qcfg(text_encoder="nf5"))
+    assert "model.quantization.text_encoder" in str(e.value)
+
+
+def test_sizes_skip_a_leading_non_module_and_decoders_pass_their_settings_on():
+    lin = torch.nn.Linear(4, 4, bias=False)
+    assert set(mm.component_sizes({"scheduler": object(), "vae": lin}, {})) == {"vae"}
+    # two block_out_channels: the second is the full-resolution upsampler's
+    assert mm.decoder_activations({"block_out_channels": [3, 5]}, 1, 1, 8, 8, 2, False, False) == \
+        planner.decoder_activation(1, 1, 8, 8, 5, 2)
+    # Wan at an odd size: whole latents per patch
+    conf = {"base_dim": 2, "dim_mult": [1, 2], "num_res_blocks": 1, "z_dim": 4, "temperal_downsample": [True],
+            "patch_size": 2}
+    assert mm.decoder_activations(conf, 1, 1, 13, 11, 2, False, False) == \
+        planner.causal_decoder_activation(1, 1, 6, 5, 20, 2, 4, 2) + 2 * 3 * 13 * 11 * 2
+    tiled = {**LTX, "tile_sample_min_height": 12, "tile_sample_stride_height": 8}
+    for tiling, slicing in ((True, False), (False, True), (True, True)):
+        assert mm.decoder_activations({**tiled, "_class_name": "AutoencoderKLLTX2Video"}, 2, 9, 16, 16, 2, tiling,
+                                      slicing) == _whole(tiled, 2, 9, 16, tiling, slicing)
+    assert _whole(tiled, 2, 9, 16, True, False) != _whole(tiled, 2, 9, 16, False, False)
+    assert _whole(tiled, 2, 9, 16, False, True) != _whole(tiled, 2, 9, 16, False, False)
+
+
+def test_whole_video_tiles_of_one_size_peak_at_the_last_beside_all_before():
+    conf = {"decoder_block_out_channels": [64, 128], "patch_size": 1, "patch_size_t": 1,
+            "tile_sample_min_height": 8, "tile_sample_stride_height": 8}  # tile = stride = 2 latents: 4 tiles of 2 x 2
+    g = mm.ltx2_decoder_geometry(conf)
+    px = 3 * 9 * 16 * 2
+    lv = mm.decoder_levels(g, 3, 2, 2)
+    call = planner.ltx2_decoder_activation(1, lv[-1], lv[-2], 2, True, 3)
+    peak, end = call + 3 * px * 4, px * 16 + 2 * px * 16
+    assert peak > end
+    assert mm.whole_video_decoder_activations("AutoencoderKLLTX2Video", conf, 1, 9, 16, 16, 2, True, False) == \
+        max(peak, end + planner.workspace_allowance(32 * 9 * 8 * 8 * 2))
