@@ -69,18 +69,18 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
         "models.conditioning:ConditioningPass",
         "models.denoiser_evidence:ExpertsPass", "models.lora:LoraPass", "models.backend_passes:AttentionPass", "models.backend_passes:MoePass",
         "models.backend_passes:LinearPass", "models.context_parallel:ContextParallelPass",
-        "models.video_decode:FastDecodePass", "models.memory:FittingPass", "models.compile:CompileBeneathHooksPass", "models.cache:StepCachePass",
-        "models.compile:CompilePass")
+        "models.video_decode:FastDecodePass", "models.memory:FittingPass", "models.compile:CompileBeneathHooksPass",
+        "models.cache:StepCachePass", "models.compile:CompilePass")
     """The engine's features as passes (:mod:`models.passes`), as ``"module:Class"`` paths, in install order (every
     phase runs them in this order, ``close`` in reverse): the scheduler's shift (``model.generation.shift``) replaces
     the scheduler only; LoRA adapters first among those that touch the weights (fused weights are what the backends
     then wrap); the attention backends before context parallelism (diffusers checks each processor's); the MoE
     backend before linear (the routed experts' Linears belong to it); the memory plan's placement after every pass
     that replaces or rewrites parameters (fused LoRA, MoE, linear backends; ``optimize`` ran before all passes) and
-    before the hooks and compile that wrap the modules as they will run (``models.memory.Fitting.defers``; the fast Wan decode's forwards before that, so an
-    offload hook wraps them); compile
-    beneath a step cache's hooks when both are on (the hooks stay eager), the cache after the backends (its hooks wrap
-    the modules as they will run), regional compile last otherwise. A family engine may extend the tuple."""
+    before the hooks and compile that wrap the modules as they will run (``models.memory.Fitting.defers``; the fast
+    Wan decode's forwards before that, so an offload hook wraps them); compile beneath a step cache's hooks when both
+    are on (the hooks stay eager), the cache after the backends (its hooks wrap the modules as they will run),
+    regional compile last otherwise. A family engine may extend the tuple."""
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
