@@ -50,9 +50,10 @@ class ImageOutput:
 
 @dataclass
 class VideoOutput:
-    """One generated video: ``frames`` float32, layout (F, H, W, C) with C = 3 (RGB), frames in time order, values
-    in [0, 1] (what ``diffusers.WanPipeline(..., output_type="np").frames[i]`` holds); NaN/inf are kept so that the
-    sink can refuse a non-finite output instead of writing it. ``fps``: the frame rate (frames per second) the
+    """One generated video: ``frames`` layout (F, H, W, C) with C = 3 (RGB), frames in time order, either ``uint8``
+    (the bytes the sinks write: converted on the device that decoded them, ``models.video_decode.frames_arrays``) or
+    float32 in [0, 1] (what ``diffusers.WanPipeline(..., output_type="np").frames[i]`` holds; NaN/inf are kept so
+    that the sink can refuse a non-finite output instead of writing it). ``fps``: the frame rate (frames per second) the
     engine generated for, used when the record's ``params`` carry no ``fps`` (``runner.core.sinks.MP4Sink``).
     ``audio``: the video's sound track, float32 (channels, samples) in [-1, 1] (``LTX2Pipeline``'s ``audio[i]``),
     at ``sample_rate`` Hz; None: a silent video (no audio stream is written)."""

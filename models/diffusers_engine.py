@@ -326,8 +326,8 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
         return [ImageOutput(img) for img in images]
 
     def video_outputs(self, videos: List[Any], batch: Sequence[ds.Item]) -> List[VideoOutput]:
-        """One :class:`models.base.VideoOutput` per item of a call's float32 videos (F, H, W, 3), at the row's
-        ``fps``; a family that generates audio adds it (LTX-2)."""
+        """One :class:`models.base.VideoOutput` per item of a call's videos (F, H, W, 3: ``uint8``, or float32), at
+        the row's ``fps``; a family that generates audio adds it (LTX-2)."""
         return [VideoOutput(frames, fps=it.row.fps) for frames, it in zip(videos, batch)]
 
     # -------------------------------------------------------------------------------------------- 6. evidence

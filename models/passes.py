@@ -142,8 +142,9 @@ class Pass:
         """Right before the pipeline runs with ``kwargs`` (probes armed)."""
 
     def after_pipe(self, batch: Sequence[Any], kwargs: Dict[str, Any], outputs: List[Any]) -> List[Any]:
-        """Right after the pipeline returned ``outputs`` (one float32 array per item): what the probes saw; the
-        outputs as the pass leaves them (an inpaint overlay)."""
+        """Right after the pipeline returned ``outputs`` (one array per item: float32 images, ``uint8`` or float32
+        video frames, ``models.pipelines.PipelineEngine.output_arrays``): what the probes saw; the outputs as the
+        pass leaves them (an inpaint overlay)."""
         return outputs
 
     def after_call(self, batch: Sequence[Any], want: Optional[int]) -> None:

@@ -425,23 +425,30 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
         the passes' ``before_pipe`` and ``after_pipe`` (probes armed, what they saw; an inpaint overlay).
 
         Returns:
-            One float32 array per item in [0, 1] (NaN/inf preserved for the finite check): images (H, W, C),
-            videos (F, H, W, C).
+            One array per item (:meth:`output_arrays`): images float32 (H, W, C) in [0, 1] (NaN/inf preserved for
+            the finite check); videos (F, H, W, C) as ``uint8``, or float32 where an item has a non-finite value.
         """
         gens = [torch.Generator(device="cpu").manual_seed(it.seed) for it in batch]
         kw = self.call_kwargs(batch)
         for p in self.passes:
             p.before_pipe(batch, kw)
         with torch.inference_mode():
-            out = self.pipe(**kw, generator=gens, output_type="np")
+            out = self.pipe(**kw, generator=gens, output_type="pt" if self.video else "np")
         arrays = self.output_arrays(out)
         for p in self.passes:
             arrays = p.after_pipe(batch, kw, arrays)
         return arrays
 
     def output_arrays(self, out: Any) -> List[np.ndarray]:
-        """One float32 array per item of a pipeline output ``out``: its ``frames`` (video) or ``images``; a family
-        whose pipeline returns more (LTX-2's audio) keeps that here too."""
+        """One array per item of a pipeline output ``out``: its ``images`` as float32, or its ``frames``, which a
+        video pipeline called with ``output_type="pt"`` returns as a (B, F, C, H, W) tensor on the device it decoded
+        on: converted to ``uint8`` there (``models.video_decode.frames_arrays``: the sinks' bytes; an item with a
+        non-finite value stays float32 for the sink to refuse); frames a pipeline returns as arrays are taken as
+        float32. A family whose pipeline returns more (LTX-2's audio) keeps that here too."""
+        if self.video and isinstance(out.frames, torch.Tensor):
+            from models.video_decode import frames_arrays
+
+            return frames_arrays(out.frames)
         return [np.asarray(a, dtype=np.float32) for a in (out.frames if self.video else out.images)]
 
     def expected_experts(self, row: Any) -> List[Tuple[float, str]]:

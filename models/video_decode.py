@@ -25,7 +25,10 @@ cache runs, tiled and untiled), and ``benchmarks/decode_wan_h200.py`` compares t
 
 :func:`to_uint8` is the runner's float -> ``uint8`` rule (``runner.core.artifacts.to_uint8``, the bytes every PNG and
 MP4 holds and ``frames_sha256`` hashes) on a tensor's device; :func:`video_uint8` applies it to a decoded video after
-diffusers' own ``VideoProcessor.postprocess_video``, with the count of non-finite values the sinks refuse.
+diffusers' own ``VideoProcessor.postprocess_video``, with the count of non-finite values the sinks refuse, and
+:func:`frames_arrays` is how every video engine takes a pipeline's frames (``output_type="pt"``,
+``models.pipelines.PipelineEngine.output_arrays``): converted where they were decoded, whatever
+``optimize.fast_vae_decode`` says (the bytes are the host rule's, so it is not a setting).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -215,6 +219,20 @@ def to_uint8(frames: torch.Tensor) -> torch.Tensor:
     return frames.to(torch.float32).clamp(0.0, 1.0).mul(255).round().to(torch.uint8)
 
 
+def uint8_frames(pt: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Postprocessed frames as the ``uint8`` frames the runner writes, on ``pt``'s device.
+
+    Args:
+        pt: (B, F, C, H, W) in [0, 1], any float dtype (``VideoProcessor.postprocess_video(..., output_type="pt")``).
+
+    Returns:
+        ``(frames, nonfinite)``: ``uint8`` (B, F, H, W, C) contiguous (:func:`to_uint8`), and int64 (B,) counts of
+        non-finite values per item (what ``models.base.VideoOutput.nonfinite`` counts on the float32 frames).
+    """
+    nonfinite = (~torch.isfinite(pt)).flatten(1).sum(1)
+    return to_uint8(pt).permute(0, 1, 3, 4, 2).contiguous(), nonfinite
+
+
 def video_uint8(video: torch.Tensor, processor: Any) -> Tuple[torch.Tensor, torch.Tensor]:
     """A decoded video batch as the ``uint8`` frames the runner writes, on ``video``'s device.
 
@@ -225,12 +243,24 @@ def video_uint8(video: torch.Tensor, processor: Any) -> Tuple[torch.Tensor, torc
             the host.
 
     Returns:
-        ``(frames, nonfinite)``: ``uint8`` (B, F, H, W, C) contiguous, and int64 (B,) counts of non-finite values per
-        item (what ``models.base.VideoOutput.nonfinite`` counts on the float32 frames).
+        :func:`uint8_frames` of the postprocessed video.
     """
-    pt = processor.postprocess_video(video, output_type="pt")  # (B, F, C, H, W)
-    nonfinite = (~torch.isfinite(pt)).flatten(1).sum(1)
-    return to_uint8(pt).permute(0, 1, 3, 4, 2).contiguous(), nonfinite
+    return uint8_frames(processor.postprocess_video(video, output_type="pt"))
+
+
+def frames_arrays(pt: torch.Tensor) -> List[np.ndarray]:
+    """A pipeline's postprocessed video batch (``output_type="pt"``: (B, F, C, H, W) in [0, 1], on the device it was
+    decoded on) as one host array per item, converted to ``uint8`` where it lies (:func:`uint8_frames`: the bytes the
+    sinks would make of the float32 frames, a quarter of the copy to the host, and no float32 pass on the host).
+
+    Returns:
+        Per item: ``uint8`` (F, H, W, 3); an item with a non-finite value instead keeps its float32 frames (F, H, W, 3)
+        with the NaN/inf, as ``output_type="np"`` gives them, so that the sink refuses it naming the count.
+    """
+    frames, nonfinite = uint8_frames(pt)
+    host = frames.cpu().numpy()
+    return [host[i] if not bad else pt[i].permute(0, 2, 3, 1).float().cpu().numpy()
+            for i, bad in enumerate(nonfinite.tolist())]
 
 
 # -------------------------------------------------------------------------------------------------- pass

@@ -214,6 +214,26 @@ def test_video_uint8_is_the_np_path_then_the_sinks_rule():
     assert frames_sha256(frames[0].numpy()) == frames_sha256(base)
 
 
+def test_frames_arrays_are_the_np_path_bytes_and_a_nonfinite_item_stays_float():
+    """A pipeline's ``output_type="pt"`` batch (B, F, C, H, W) in bfloat16, values outside [0, 1] and a NaN in item 1:
+    :func:`frames_arrays` gives item 0 as ``uint8`` (F, H, W, 3) with the bytes ``output_type="np"`` + the sinks' rule
+    give (``frames_sha256`` equal), and item 1 as its float32 frames with the NaN kept, which the sink refuses
+    naming the count as before (``VideoOutput.nonfinite``)."""
+    from models.base import VideoOutput
+    from runner.core.video import frames_sha256, to_uint8_frames
+
+    g = torch.Generator().manual_seed(1)
+    pt = (torch.rand(2, 4, 3, 6, 10, generator=g) * 1.4 - 0.2).to(torch.bfloat16)
+    pt[1, 2, 0, 1, 3] = float("nan")
+    got = video_decode.frames_arrays(pt)
+    np_path = pt.permute(0, 1, 3, 4, 2).float().numpy()  # what postprocess_video's "np" branch hands the engine
+    assert got[0].dtype == np.uint8 and got[0].shape == (4, 6, 10, 3)
+    assert frames_sha256(got[0]) == frames_sha256(to_uint8_frames(np_path[0]))
+    assert got[1].dtype == np.float32 and got[1].shape == (4, 6, 10, 3)
+    np.testing.assert_array_equal(got[1], np_path[1])  # NaN in place (assert_array_equal treats NaN == NaN)
+    assert [VideoOutput(frames=a, fps=16).nonfinite() for a in got] == [0, 1]
+
+
 def _bench():
     spec = importlib.util.spec_from_file_location("decode_wan_h200", ROOT / "benchmarks" / "decode_wan_h200.py")
     mod = importlib.util.module_from_spec(spec)
@@ -289,6 +309,41 @@ def test_a_wan_run_decodes_with_the_fast_path_and_the_same_bytes(wan_runs):
         assert fa.shape == fb.shape and fa.shape[0] == 5 and np.array_equal(fa, fb)
         assert a["frames_sha256"] == b["frames_sha256"] and len(a["frames_sha256"]) == 64
     assert not np.array_equal(_frames(fast, fast.items[0]), _frames(fast, fast.items[1]))  # two different videos
+
+
+def test_a_video_run_writes_the_frames_of_diffusers_np_output(tmp_path):
+    """The engine calls a video pipeline with ``output_type="pt"`` and converts the frames to ``uint8`` where they
+    were decoded; what it writes must be what ``output_type="np"`` and the sinks' host rule give. The loaded
+    pipeline is wrapped: each call the run makes is made again with ``output_type="np"`` and fresh generators of the
+    same seeds, and the written frames of every item equal those of the second call."""
+    from _helpers import execute
+    from runner.core.video import to_uint8_frames
+
+    seen = []
+
+    def on_loaded(engine):
+        pipe = engine.pipe
+        call = type(pipe).__call__
+
+        class Twice(type(pipe)):
+            def __call__(self, *a, **kw):
+                out = call(self, *a, **kw)
+                if kw.get("output_type") == "pt":
+                    gens = [torch.Generator(device="cpu").manual_seed(g.initial_seed()) for g in kw["generator"]]
+                    again = call(self, *a, **{**kw, "generator": gens, "output_type": "np"})
+                    seen.append((kw["output_type"], list(again.frames)))
+                return out
+
+        pipe.__class__ = Twice
+
+    run = execute(tmp_path / "run", ["model=tiny_wan", "dataset.limit=2", "batch_size=2", "output.video_frames=true",
+                                     "model.generation.num_inference_steps=2", "model.generation.num_frames=5",
+                                     "evidence.strict=false"],  # the second call's forwards are not the run's
+                  on_loaded=on_loaded)
+    assert run.code == 0 and [r["status"] for r in run.items] == ["ok", "ok"]
+    assert [t for t, _ in seen] == ["pt"] and len(seen[0][1]) == 2  # one call of both items, made with "pt"
+    for item, ref in zip(run.items, seen[0][1]):
+        assert np.array_equal(_frames(run, item), to_uint8_frames(np.asarray(ref, dtype=np.float32)))
 
 
 def test_the_fast_decode_is_recorded_as_ignored_on_another_vae(tmp_path):
