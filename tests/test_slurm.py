@@ -8,6 +8,7 @@ one-worker run, no item generated twice."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,19 @@ def single(tmp_path_factory):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return image_hashes(d)
+
+
+def _diagnose(d, m, pid):
+    """What a failed look at the journals needs to be understood: every rank's records (key, status), the workers,
+    the tasks' events and the claim files with their holders."""
+    out = {"pid": pid, "workers": [{k: w.get(k) for k in ("pid", "rank", "status")} for w in m["workers"]],
+           "tasks": [{k: t.get(k) for k in ("event", "pid", "job_id", "attempt", "signal", "batch_unfinished",
+                                           "batches_unfinished", "run_ended", "waited_s")} for t in m["slurm"]["tasks"]]}
+    for j in sorted(d.glob("items.rank*.jsonl")):
+        out[j.name] = [(r.get("key"), r.get("status")) for r in map(json.loads, j.read_text().splitlines())]
+    for c in sorted(d.glob("claims/*/b*")):
+        out[c.name] = c.read_text()[:200]
+    return json.dumps(out, indent=1)
 
 
 def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
@@ -71,7 +85,7 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
     rank = {w["pid"]: w["rank"] for w in m["workers"]}
     for pid in (usr2, term):
         mine = [json.loads(x) for x in (d / f"items.rank{rank[pid]}.jsonl").read_text().splitlines()]
-        assert [r for r in mine if r["status"] == "ok"], (pid, mine)
+        assert [r for r in mine if r["status"] == "ok"], _diagnose(d, m, pid)
     for pid, ev in by_pid.items():
         again = [t for t in tasks if t["event"] == "started" and t["job_id"] == ev["job_id"]
                  and t["attempt"] == ev["attempt"] + 1]
@@ -81,6 +95,70 @@ def test_preempted_tasks_requeue_and_resume_from_the_journal(tmp_path, single):
     assert sorted(status.values()) == ["completed", "completed", "interrupted", "interrupted"]
     assert [r["exit_code"] for r in m["slurm"]["results"]] == [0, 0] and m["slurm"]["errors"] == []
     assert not [q for q in d.rglob("*") if ".tmp" in q.name]
+
+
+def test_a_signal_landing_inside_a_logging_call_does_not_stall_the_run(tmp_path):
+    """Regression (a CI hang of the test above, reproduced here): SIGCONT then SIGTERM back to back; submitit's
+    SIGCONT handler logs, the SIGTERM handler interrupted that ``logging`` call while it held the root handler's lock
+    and waited (up to ``grace_s``) for the run's thread, which was blocked logging on that lock: the batch was not
+    journaled in time and the task aborted instead of requeueing. Now the handler only records the signal; the main
+    thread hands it to submitit's handler outside any handler frame, so the run's thread finishes and the checkpoint
+    sees it ended (``run_ended``). Real signals, a real ``logging`` handler lock, the real :class:`ClaimsTask`."""
+    import logging
+    import signal
+    import threading
+    import time
+
+    from runner.app.slurm_launcher import TASKS_LOG, ClaimsTask
+
+    usr = signal.SIGUSR2  # submitit.JobEnvironment._usr_sig() by default
+    main = threading.main_thread()
+    told = []
+
+    class Handler(logging.Handler):  # emit holds self.lock (logging.Handler.handle)
+        def emit(self, record):
+            if record.getMessage() == "Bypassing signal SIGUSR1" and threading.current_thread() is main:
+                os.kill(os.getpid(), usr)  # the preemption signal lands inside this logging call
+                for _ in range(50):
+                    time.sleep(0.002)
+            told.append((threading.current_thread().name, record.getMessage()))
+
+    def job(cfg, out_dir, overrides, reraise, task):
+        os.kill(os.getpid(), signal.SIGUSR1)  # the main thread's "bypass" handler logs (submitit's SIGCONT)
+        time.sleep(0.3)
+        logging.getLogger("runner.test").warning("the batch is journaled")  # needs the root handler's lock
+        return 0
+
+    task = ClaimsTask({}, str(tmp_path / "run"), [], str(tmp_path / "folder"), grace_s=4.0, job=job)
+    requeued = []
+
+    def theirs(signum, frame):  # submitit's checkpoint_and_try_requeue, without the requeue and the exit
+        requeued.append(task.checkpoint(0))
+
+    root = logging.getLogger()
+    h = Handler()
+    saved = (signal.getsignal(usr), signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM),
+             root.handlers[:], root.level)
+    try:
+        root.handlers[:] = [h]
+        root.setLevel(logging.INFO)
+        signal.signal(usr, theirs)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: logging.getLogger("submitit").warning(
+            "Bypassing signal SIGUSR1"))
+        t0 = time.monotonic()
+        assert task(0)["exit_code"] == 0
+        took = time.monotonic() - t0
+    finally:
+        signal.signal(usr, saved[0])
+        signal.signal(signal.SIGUSR1, saved[1])
+        signal.signal(signal.SIGTERM, saved[2])
+        root.handlers[:], _ = saved[3], root.setLevel(saved[4])
+    events = [json.loads(x) for x in (tmp_path / "folder" / TASKS_LOG).read_text().splitlines()]
+    req = [e for e in events if e["event"] == "requeued"]
+    assert len(requeued) == 1 and len(req) == 1 and req[0]["signal"] == "SIGUSR2", events
+    assert req[0]["run_ended"] is True and req[0]["waited_s"] < 2.0, req  # the run's thread was not held
+    assert ("runner-slurm-run", "the batch is journaled") in told and took < 4.0
+    assert [e["event"] for e in events] == ["started", "requeued", "ended"]
 
 
 @pytest.mark.parametrize("overrides,says", [

@@ -11,8 +11,11 @@ start, requeue and end, from ``<folder>/tasks.jsonl``) to the merged manifest.
 **Preemption and time-outs** go through submitit's checkpoint hook (:class:`submitit.helpers.Checkpointable`):
 submitit binds USR2 (what SLURM sends ``signal_delay_s`` before the time limit, ``--signal``) to its
 ``checkpoint_and_try_requeue``, and the task binds SIGTERM (what SLURM sends a preempted job) to the same handler.
-The run generates in a thread of the task, so the handler (the main thread) can wait for it: :meth:`ClaimsTask.
-checkpoint` halts the run after its current batch (``runner.core.claims.halt_all``: the batch is journaled, the
+The run generates in a thread of the task; the signal handler only records the signal, and the main thread, which
+waits for the run in short joins, calls submitit's handler from there (never inside a signal handler: a handler
+interrupts the main thread wherever it is, possibly inside a ``logging`` call holding a handler's lock, and a
+handler that waited there for the run would wait for as long as the run's thread needs that lock, up to the whole
+grace time). :meth:`ClaimsTask.checkpoint` halts the run after its current batch (``runner.core.claims.halt_all``: the batch is journaled, the
 batches it held are released so that the other tasks take them at once, its manifest ends ``interrupted``), then
 returns the same task to requeue (SLURM: ``scontrol requeue``; the local executor: exit 144, its controller starts
 the task again). The requeued task joins the run again and plans from the journals: nothing journaled is
@@ -91,13 +94,17 @@ class ClaimsTask(Checkpointable):
         self.requeues: List[Dict[str, Any]] = []
         self._thread: Optional[threading.Thread] = None
         self._signum: Optional[int] = None
+        self._pending: Optional[int] = None  # a signal received and not yet handed to submitit's handler
+        self._theirs: Optional[Callable[..., Any]] = None  # submitit's checkpoint-and-requeue handler
         self._result: Dict[str, Any] = {}
 
-    def __getstate__(self) -> Dict[str, Any]:  # what a requeue pickles: no thread, no signal
-        return {k: v for k, v in self.__dict__.items() if k not in ("_thread", "_signum", "_result")}
+    _UNPICKLED = ("_thread", "_signum", "_pending", "_theirs", "_result")
+
+    def __getstate__(self) -> Dict[str, Any]:  # what a requeue pickles: no thread, no signal, no handler
+        return {k: v for k, v in self.__dict__.items() if k not in self._UNPICKLED}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state, _thread=None, _signum=None, _result={})
+        self.__dict__.update(state, _thread=None, _signum=None, _pending=None, _theirs=None, _result={})
 
     def _event(self, event: str, index: int, **extra: Any) -> None:
         """One line of ``<folder>/tasks.jsonl`` (append-only, one ``write`` per line)."""
@@ -111,21 +118,34 @@ class ClaimsTask(Checkpointable):
             os.close(fd)
 
     def _bind_signals(self) -> None:
-        """SIGTERM (preemption) goes where submitit sent USR2 (its checkpoint-and-requeue handler); both record the
-        signal first, for :meth:`checkpoint`."""
+        """SIGTERM (preemption) goes where submitit sent USR2 (its checkpoint-and-requeue handler): both only record
+        the signal (the first one received), and :meth:`_wait_run` hands it to submitit's handler outside the
+        signal handler."""
         import submitit
 
         usr = submitit.JobEnvironment._usr_sig()
         theirs = signal.getsignal(usr)
         if not callable(theirs):
             return  # not started by submitit: no requeue to go through
+        self._theirs = theirs
 
         def handler(signum: int, frame: Any) -> None:
-            self._signum = signum
-            theirs(signum, frame)
+            if self._pending is None and self._signum is None:
+                self._pending = signum
 
         signal.signal(usr, handler)
         signal.signal(signal.SIGTERM, handler)
+
+    def _wait_run(self) -> None:
+        """Wait for the run's thread in short joins; a signal :meth:`_bind_signals` recorded meanwhile goes to
+        submitit's handler from here (:meth:`checkpoint`, the requeue, then ``sys.exit``), in the main thread's
+        own frame, holding no lock the run's thread may need."""
+        while self._thread.is_alive():
+            self._thread.join(0.2)
+            signum, self._pending = self._pending, None
+            if signum is not None and self._theirs is not None:
+                self._signum = signum
+                self._theirs(signum, None)
 
     def __call__(self, index: int) -> Dict[str, Any]:
         """Run the task: returns its exit code, outcome and error (its ``job_status.json``)."""
@@ -141,14 +161,13 @@ class ClaimsTask(Checkpointable):
 
         self._thread = threading.Thread(target=body, name="runner-slurm-run", daemon=True)
         self._thread.start()
-        while self._thread.is_alive():
-            self._thread.join(0.2)  # short waits: a signal's handler runs between them
+        self._wait_run()
         code = int(self._result.get("code", 1))
         self._event("ended", index, exit_code=code)
         return {"index": index, "exit_code": code, **_task_status(Path(self.out_dir))}
 
     def checkpoint(self, index: int) -> Any:
-        """submitit's hook, called in the signal's handler: halt the run after its current batch (journaled, the rest
+        """submitit's hook, called by its handler (from :meth:`_wait_run`, once a signal was recorded): halt the run after its current batch (journaled, the rest
         released), wait for it (at most ``grace_s``), and return this task to requeue."""
         from runner.core.claims import halt_all
 
