@@ -311,11 +311,14 @@ def test_a_wan_run_decodes_with_the_fast_path_and_the_same_bytes(wan_runs):
     assert not np.array_equal(_frames(fast, fast.items[0]), _frames(fast, fast.items[1]))  # two different videos
 
 
-def test_a_video_run_writes_the_frames_of_diffusers_np_output(tmp_path):
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_video_run_writes_the_frames_of_diffusers_np_output(tmp_path, platform):
     """The engine calls a video pipeline with ``output_type="pt"`` and converts the frames to ``uint8`` where they
-    were decoded; what it writes must be what ``output_type="np"`` and the sinks' host rule give. The loaded
-    pipeline is wrapped: each call the run makes is made again with ``output_type="np"`` and fresh generators of the
-    same seeds, and the written frames of every item equal those of the second call."""
+    were decoded (on the GPU: there); what it writes must be what ``output_type="np"`` and the sinks' host rule
+    give. The loaded pipeline is wrapped: each call the run makes is made again with ``output_type="np"`` and fresh
+    generators of the same seeds, and the written frames of every item equal those of the second call."""
+    if platform == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; none is visible on this machine (torch.cuda.is_available() is False)")
     from _helpers import execute
     from runner.core.video import to_uint8_frames
 
@@ -336,10 +339,10 @@ def test_a_video_run_writes_the_frames_of_diffusers_np_output(tmp_path):
 
         pipe.__class__ = Twice
 
-    run = execute(tmp_path / "run", ["model=tiny_wan", "dataset.limit=2", "batch_size=2", "output.video_frames=true",
-                                     "model.generation.num_inference_steps=2", "model.generation.num_frames=5",
-                                     "evidence.strict=false"],  # the second call's forwards are not the run's
-                  on_loaded=on_loaded)
+    args = ["model=tiny_wan", "dataset.limit=2", "batch_size=2", "output.video_frames=true", f"platform={platform}",
+            "model.generation.num_inference_steps=2", "model.generation.num_frames=5",
+            "evidence.strict=false"]  # the second call's forwards are not the run's
+    run = execute(tmp_path / "run", args, on_loaded=on_loaded)
     assert run.code == 0 and [r["status"] for r in run.items] == ["ok", "ok"]
     assert [t for t, _ in seen] == ["pt"] and len(seen[0][1]) == 2  # one call of both items, made with "pt"
     for item, ref in zip(run.items, seen[0][1]):
