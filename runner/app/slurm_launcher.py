@@ -11,13 +11,14 @@ start, requeue and end, from ``<folder>/tasks.jsonl``) to the merged manifest.
 **Preemption and time-outs** go through submitit's checkpoint hook (:class:`submitit.helpers.Checkpointable`):
 submitit binds USR2 (what SLURM sends ``signal_delay_s`` before the time limit, ``--signal``) to its
 ``checkpoint_and_try_requeue``, and the task binds SIGTERM (what SLURM sends a preempted job) to the same handler.
-The run generates in a thread of the task; the signal handler only records the signal, and the main thread, which
-waits for the run in short joins, calls submitit's handler from there (never inside a signal handler: a handler
-interrupts the main thread wherever it is, possibly inside a ``logging`` call holding a handler's lock, and a
-handler that waited there for the run would wait for as long as the run's thread needs that lock, up to the whole
-grace time). :meth:`ClaimsTask.checkpoint` halts the run after its current batch (``runner.core.claims.halt_all``: the batch is journaled, the
-batches it held are released so that the other tasks take them at once, its manifest ends ``interrupted``), then
-returns the same task to requeue (SLURM: ``scontrol requeue``; the local executor: exit 144, its controller starts
+The run generates in a thread of the task; the signal handler only halts the run (flags: it takes no further batch)
+and records the signal, and the main thread, which waits for the run in short joins, calls submitit's handler from
+there (never inside a signal handler: a handler interrupts the main thread wherever it is, possibly inside a
+``logging`` call holding a handler's lock, and a handler that waited there for the run would wait for as long as
+the run's thread needs that lock, up to the whole grace time). The run stops after its current batch
+(``runner.core.claims.halt_all``: the batch is journaled, the batches it held are released so that the other tasks
+take them at once, its manifest ends ``interrupted``); :meth:`ClaimsTask.checkpoint` waits for it, then returns the
+same task to requeue (SLURM: ``scontrol requeue``; the local executor: exit 144, its controller starts
 the task again). The requeued task joins the run again and plans from the journals: nothing journaled is
 generated again.
 """
@@ -38,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from submitit.helpers import Checkpointable
 
 from runner.app.console import profiler_in_this_thread
+from runner.core.claims import halt_all
 from runner.core.errors import RefusedError, RunnerError
 
 log = logging.getLogger("runner.slurm")
@@ -95,16 +97,18 @@ class ClaimsTask(Checkpointable):
         self._thread: Optional[threading.Thread] = None
         self._signum: Optional[int] = None
         self._pending: Optional[int] = None  # a signal received and not yet handed to submitit's handler
+        self._halted: Optional[int] = None  # the claims workers the handler halted (runner.core.claims.halt_all)
         self._theirs: Optional[Callable[..., Any]] = None  # submitit's checkpoint-and-requeue handler
         self._result: Dict[str, Any] = {}
 
-    _UNPICKLED = ("_thread", "_signum", "_pending", "_theirs", "_result")
+    _UNPICKLED = ("_thread", "_signum", "_pending", "_halted", "_theirs", "_result")
 
     def __getstate__(self) -> Dict[str, Any]:  # what a requeue pickles: no thread, no signal, no handler
         return {k: v for k, v in self.__dict__.items() if k not in self._UNPICKLED}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state, _thread=None, _signum=None, _pending=None, _theirs=None, _result={})
+        self.__dict__.update(state, _thread=None, _signum=None, _pending=None, _halted=None, _theirs=None,
+                             _result={})
 
     def _event(self, event: str, index: int, **extra: Any) -> None:
         """One line of ``<folder>/tasks.jsonl`` (append-only, one ``write`` per line)."""
@@ -118,9 +122,10 @@ class ClaimsTask(Checkpointable):
             os.close(fd)
 
     def _bind_signals(self) -> None:
-        """SIGTERM (preemption) goes where submitit sent USR2 (its checkpoint-and-requeue handler): both only record
-        the signal (the first one received), and :meth:`_wait_run` hands it to submitit's handler outside the
-        signal handler."""
+        """SIGTERM (preemption) goes where submitit sent USR2 (its checkpoint-and-requeue handler): both halt the
+        run's claims workers at once (``runner.core.claims.halt_all`` only sets flags: no lock, no I/O, so the run
+        takes no further batch) and record the signal (the first one received); :meth:`_wait_run` hands it to
+        submitit's handler outside the signal handler."""
         import submitit
 
         usr = submitit.JobEnvironment._usr_sig()
@@ -131,6 +136,7 @@ class ClaimsTask(Checkpointable):
 
         def handler(signum: int, frame: Any) -> None:
             if self._pending is None and self._signum is None:
+                self._halted = halt_all(signum)
                 self._pending = signum
 
         signal.signal(usr, handler)
@@ -167,12 +173,11 @@ class ClaimsTask(Checkpointable):
         return {"index": index, "exit_code": code, **_task_status(Path(self.out_dir))}
 
     def checkpoint(self, index: int) -> Any:
-        """submitit's hook, called by its handler (from :meth:`_wait_run`, once a signal was recorded): halt the run after its current batch (journaled, the rest
-        released), wait for it (at most ``grace_s``), and return this task to requeue."""
-        from runner.core.claims import halt_all
-
+        """submitit's hook, called by its handler (from :meth:`_wait_run`, once a signal was recorded): halt the run
+        after its current batch (journaled, the rest released; the signal handler halted it already), wait for it
+        (at most ``grace_s``), and return this task to requeue."""
         signum = self._signum or signal.SIGUSR2
-        halted = halt_all(signum)
+        halted = halt_all(signum) if self._halted is None else self._halted
         t0 = time.monotonic()
         if self._thread is not None:
             self._thread.join(self.grace_s)
