@@ -26,8 +26,8 @@ def _engine(compose, *overrides):
         dtype=torch.float32))
 
 
-def _row(line=1, set_fields=(), guidance_scale=4.0, prompt="a cat", **values):
-    return Row(id=f"r{line}", prompt=prompt, negative_prompt=None, seed=0, width=64, height=64,
+def _row(line=1, set_fields=(), guidance_scale=4.0, prompt="a cat", negative_prompt=None, **values):
+    return Row(id=f"r{line}", prompt=prompt, negative_prompt=negative_prompt, seed=0, width=64, height=64,
                num_inference_steps=3, guidance_scale=guidance_scale, num_images_per_prompt=1, line=line,
                set_fields=tuple(set_fields), values=values)
 
@@ -125,3 +125,179 @@ def test_a_default_without_a_suggested_value_names_the_rule(compose, wan):
         with pytest.raises(ConfigValueError) as e:
             wan.check_generation_defaults(s, {})
         assert str(e.value).endswith(f"(the value of 'fps' in every row that does not set it); fix: {fix}")
+
+
+# --------------------------------------------------------------------------------------- FamilyRows.check_rows
+
+
+def test_an_image_model_refuses_fps_naming_the_row_or_the_default(flux):
+    flux.check_rows([_row(1), _row(2)], "p")  # no video field set: accepted
+    with pytest.raises(ConfigValueError) as e:
+        flux.check_rows([_row(1), _row(2, ("fps",), fps=8), _row(3, ("fps",), fps=12)], "p")
+    assert str(e.value).startswith("fps=8 (p:2 (row 'r2'), 2 row(s)): model=tiny_flux writes images")
+    with pytest.raises(ConfigValueError) as e:
+        flux.check_rows([_row(1, fps=8)], "p")  # the default's value: no row set it
+    assert str(e.value).startswith("fps=8 (model.generation.fps, 1 row(s))")
+
+
+def test_a_field_the_pipeline_does_not_take_is_refused(flux):
+    assert "num_frames" not in flux.call_params()
+    with pytest.raises(ConfigValueError) as e:
+        flux.check_rows([_row(1), _row(2, ("num_frames",), num_frames=9)], "p")
+    assert str(e.value).startswith("num_frames=9 (p:2 (row 'r2'), 1 row(s)): FluxPipeline (model=tiny_flux) takes no "
+                                   "num_frames argument, so it cannot be applied; fix: remove num_frames")
+    with pytest.raises(ConfigValueError) as e:
+        flux.check_rows([_row(1, num_frames=5), _row(2, num_frames=5)], "p")
+    assert str(e.value).startswith("num_frames=5 (model.generation.num_frames, 2 row(s)): FluxPipeline")
+
+
+def test_a_video_model_takes_its_video_fields(wan):
+    wan.check_rows([_row(1, ("num_frames", "fps"), num_frames=5, fps=8)], "p")
+
+
+def test_true_cfg_scale_is_ignored_by_a_pipeline_without_it(compose, wan, flux):
+    assert "true_cfg_scale" not in _engine(compose, "model=tiny_wan").ignored_fields([_row(1)])
+    w = _engine(compose, "model=tiny_wan", "model.generation.true_cfg_scale=2.0")
+    why, fix = w.ignored_fields([_row(1)])["true_cfg_scale"]
+    assert why.startswith("WanPipeline takes no true_cfg_scale") and fix == "set guidance_scale instead"
+    # FluxPipeline takes true_cfg_scale: not ignored where a row has a negative prompt for its true CFG
+    assert _engine(compose, "model=tiny_flux", "model.generation.true_cfg_scale=2.0").ignored_fields(
+        [_row(1, negative_prompt="blurry")]) == {}
+    assert "negative_prompt" in flux.ignored_fields([_row(1)])  # true_cfg_scale 1.0: no negative prompt
+
+
+# ------------------------------------------------------------------------------------------- prompt tokens
+
+
+@pytest.fixture(scope="module")
+def flux8(compose):
+    return _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=8")
+
+
+def test_prompt_tokens_count_limit_and_dropped_per_encoder(flux8):
+    toks = flux8.tokenizers()
+    short, long = "a cat", "a red cat and a blue dog on a green sofa under a lamp"
+    out = flux8.prompt_tokens([long, short, long])
+    for p, rec in zip([long, short, long], out):
+        clip, t5 = (len(toks[k](p)["input_ids"]) for k in ("clip", "t5"))
+        assert rec == {"clip": {"count": clip, "limit": 77, "dropped": 0},
+                       "t5": {"count": t5, "limit": 8, "dropped": max(0, t5 - 8)}}
+    assert out[0]["t5"]["dropped"] > 0 and out[1]["t5"]["dropped"] == 0
+    assert flux8.prompt_tokens([short])[0] == out[1]  # from the cache, the same counts
+
+
+def test_token_limit_is_the_tokenizers_for_clip_and_max_sequence_length_for_t5(flux8):
+    toks = flux8.tokenizers()
+    assert flux8.token_limit("clip", toks["clip"]) == 77
+    assert flux8.token_limit("t5", toks["t5"]) == 8
+
+
+def test_sequence_limit_is_the_lower_of_the_pipeline_ceiling_and_the_tokenizer(compose, flux8):
+    assert flux8.sequence_limit() == 512  # FluxPipeline's 512, T5's model_max_length 512
+    flux8.max_sequence_length_limit = 300
+    try:
+        assert flux8.sequence_limit() == 300
+        flux8.max_sequence_length_limit = 600
+        assert flux8.sequence_limit() == 512
+    finally:
+        flux8.max_sequence_length_limit = 512
+    k = _engine(compose, "model=tiny_flux2_klein")  # no pipeline ceiling: the Qwen tokenizer's
+    assert k.max_sequence_length_limit is None
+    assert k.sequence_limit() == int(k.tokenizers()["qwen3"].model_max_length) == 131072
+
+
+def test_truncation_fix_only_for_a_sequence_encoder_below_its_ceiling(compose, flux8):
+    assert flux8.truncation_fix({"t5": {"dropped": 3}}) == \
+        ", raise model.generation.max_sequence_length (now 8, at most 512)"
+    assert flux8.truncation_fix({"clip": {"dropped": 3}, "t5": {"dropped": 0}}) == ""
+    assert _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=512").truncation_fix(
+        {"t5": {"dropped": 3}}) == ""
+
+
+def test_describe_lists_the_truncated_encoders_only():
+    from models.prompt_tokens import describe
+
+    assert describe({"clip": {"count": 80, "limit": 77, "dropped": 3}, "t5": {"count": 5, "limit": 8, "dropped": 0},
+                     "x": {"count": 9, "limit": 8, "dropped": 1}}) == \
+        "clip 80 tokens, 3 over its limit of 77, x 9 tokens, 1 over its limit of 8"
+
+
+LONG = "a red cat and a blue dog on a green sofa under a lamp"
+
+
+def _truncation(e):
+    return next(p for p in e.passes if p.name == "truncation")
+
+
+def test_truncated_dataset_prompts_are_refused_under_error(compose):
+    e = _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=8", "dataset.on_truncation=error")
+    rows = [_row(1, prompt="a cat"), _row(2, prompt=LONG), _row(3, prompt="a dog")]
+    assert _truncation(e).prepare_rows([rows[0], rows[2]], "p") == [rows[0], rows[2]]
+    with pytest.raises(DatasetError) as ex:
+        _truncation(e).prepare_rows(rows, "p")
+    t5 = e.prompt_tokens([LONG])[0]["t5"]
+    assert str(ex.value).count("is truncated") == 1
+    assert (f"p:2: prompt of row 'r2' is truncated: t5 {t5['count']} tokens, {t5['count'] - 8} over its limit of 8; "
+            "the image would be that of its first tokens only; fix: shorten the prompt, raise "
+            "model.generation.max_sequence_length (now 8, at most 512), or dataset.on_truncation=record") in str(ex.value)
+
+
+def test_truncated_dataset_prompts_are_counted_under_record(flux8, caplog):
+    rows = [_row(1, prompt="a cat"), _row(2, prompt=LONG), _row(3, prompt=LONG + " again")]
+    with caplog.at_level("WARNING", logger="runner"):
+        assert _truncation(flux8).prepare_rows(rows, "p") == rows
+    assert "2 of 3 rows have prompts longer than a text encoder takes (t5: 2 over 8)" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------- flux2
+
+
+class _Pipe:
+    def __call__(self, prompt=None, text_encoder_out_layers=(3, 6, 9)):
+        pass
+
+
+def test_text_layer_problems_name_too_few_layers_and_a_wrong_joint_dim():
+    from models.flux2 import text_layer_problems
+
+    assert text_layer_problems(_Pipe, {"num_hidden_layers": 9, "hidden_size": 16}, {"joint_attention_dim": 48}) == []
+    assert text_layer_problems(_Pipe, {"num_hidden_layers": 8, "hidden_size": 16}, {"joint_attention_dim": 48}) == [
+        "text_encoder num_hidden_layers=8, and _Pipe reads hidden states (3, 6, 9) (at least 9 layers)"]
+    assert text_layer_problems(_Pipe, {"text_config": {"num_hidden_layers": 9, "hidden_size": 16}},
+                               {"joint_attention_dim": 32}) == [
+        "transformer joint_attention_dim=32, and _Pipe stacks 3 hidden states of 16 (48)"]
+    assert text_layer_problems(_Pipe, {}, {"joint_attention_dim": 32}) == []  # nothing known: nothing refused
+    assert text_layer_problems(_Pipe, {"hidden_size": 16}, {}) == []
+
+
+def test_a_tiny_flux2_with_too_few_text_layers_is_refused(compose):
+    e = _engine(compose, "model=tiny_flux2_klein", "model.architecture.text_encoder.num_hidden_layers=26")
+    with pytest.raises(ConfigValueError) as ex:
+        e.check_text_layers()
+    assert str(ex.value).startswith("model=tiny_flux2_klein: text_encoder num_hidden_layers=26, and "
+                                    "Flux2KleinPipeline reads hidden states (9, 18, 27)")
+    _engine(compose, "model=tiny_flux2_klein").check_text_layers()  # the shipped config: 27 layers
+
+
+def test_neither_flux2_pipeline_takes_a_negative_prompt(compose):
+    for model, pipe in [("tiny_flux2", "Flux2Pipeline"), ("tiny_flux2_klein", "Flux2KleinPipeline")]:
+        why, fix = _engine(compose, f"model={model}").ignored_fields([_row(1)])["negative_prompt"]
+        assert why.startswith(f"{pipe} takes no negative prompt") and fix == "remove negative_prompt from the rows"
+
+
+def test_klein_distillation_sets_forwards_guidance_and_null_guidance(compose):
+    from types import SimpleNamespace
+
+    base = _engine(compose, "model=tiny_flux2_klein")
+    dist = _engine(compose, "model=tiny_flux2_klein", "model.architecture.pipeline.is_distilled=true")
+    assert (base.is_distilled, dist.is_distilled) == (False, True)
+    batch = [SimpleNamespace(row=SimpleNamespace(num_inference_steps=3, guidance_scale=4.0, negative_prompt=None))]
+    assert dist.expected_forwards(batch) == 3
+    assert base.expected_forwards(batch) == 6  # CFG: two forwards per step
+    assert "guidance_scale" in dist.ignored_fields([_row(1)]) and "guidance_scale" not in base.ignored_fields([_row(1)])
+    base.check_family_rows([_row(1)], "p")
+    dist.check_family_rows([_row(1, guidance_scale=None)], "p")
+    with pytest.raises(ConfigValueError, match="model.generation.guidance_scale=null, but model=tiny_flux2_klein"):
+        base.check_family_rows([_row(1), _row(2, guidance_scale=None)], "p")
+    comps = type(dist).build_components(dist.arch_copy())
+    assert comps["is_distilled"] is True
