@@ -301,3 +301,104 @@ def test_klein_distillation_sets_forwards_guidance_and_null_guidance(compose):
         base.check_family_rows([_row(1), _row(2, guidance_scale=None)], "p")
     comps = type(dist).build_components(dist.arch_copy())
     assert comps["is_distilled"] is True
+
+
+# ------------------------------------------------------------------------------- read_rows, ignored, records
+
+
+def _jsonl(tmp_path, *rows):
+    import json
+
+    p = tmp_path / "rows.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(p)
+
+
+def test_read_rows_fills_the_models_defaults(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"}, {"id": "b", "prompt": "a dog", "width": 64, "seed": 5})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "num_images_per_prompt=2")
+    rows, path = e.read_rows()
+    g = e.model_cfg.generation
+    assert str(path) == p and [r.id for r in rows] == ["a", "b"]
+    assert (rows[0].width, rows[0].height, rows[0].num_inference_steps, rows[0].guidance_scale) == (
+        g.width, g.height, g.num_inference_steps, g.guidance_scale)
+    assert (rows[1].width, rows[1].seed, rows[0].seed) == (64, 5, None)
+    assert rows[0].negative_prompt is None and rows[0].num_images_per_prompt == 2
+    assert rows[1].set_fields and "width" in rows[1].set_fields and "width" not in rows[0].set_fields
+
+
+def test_read_rows_refuses_a_negative_prompt_flux_ignores(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"}, {"id": "b", "prompt": "a dog", "negative_prompt": "blur"})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "dataset.on_ignored=error")
+    with pytest.raises(DatasetError, match=r"rows.jsonl:2: field 'negative_prompt' = .*is ignored by model=tiny_flux"):
+        e.read_rows()
+
+
+def test_an_ignored_value_is_stripped_and_recorded_under_record(compose, tmp_path, caplog):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"}, {"id": "b", "prompt": "a dog", "negative_prompt": "blur"})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "dataset.on_ignored=record")
+    with caplog.at_level("WARNING", logger="runner"):
+        rows, _ = e.read_rows()
+    assert rows[0].ignored is None and rows[1].negative_prompt is None
+    assert rows[1].ignored["negative_prompt"]["value"] == "blur"
+    assert rows[1].ignored["negative_prompt"]["from"].endswith("rows.jsonl:2")
+    assert "1 of 2 rows set or take a value that model=tiny_flux ignores (negative_prompt)" in caplog.text
+
+
+def test_a_chosen_default_the_model_ignores_is_refused_its_own_is_recorded(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"})
+    # tiny_wan: WanPipeline takes no true_cfg_scale; the user chose 2.0 on the command line
+    over = ["model=tiny_wan", "dataset=jsonl", f"dataset.path={p}", "dataset.on_ignored=error",
+            "model.generation.true_cfg_scale=2.0"]
+    e = _engine(compose, *over)
+    with pytest.raises(ConfigValueError) as ex:
+        e.check_ignored([_row(1)], p)
+    assert str(ex.value).startswith("model.generation.true_cfg_scale=2.0 is ignored by model=tiny_wan: WanPipeline "
+                                    "takes no true_cfg_scale")
+    assert e.chosen("model.generation.true_cfg_scale", 2.0)
+    rec = _engine(compose, *over[:-2], "dataset.on_ignored=record", over[-1])  # accepted: recorded in each row
+    out = rec.check_ignored([_row(1), _row(2)], p)
+    assert [r.ignored["true_cfg_scale"]["value"] for r in out] == [2.0, 2.0]
+    assert {r.ignored["true_cfg_scale"]["from"] for r in out} == {"model.generation.true_cfg_scale"}
+    assert all(r.ignored["true_cfg_scale"]["why"].startswith("WanPipeline takes no true_cfg_scale") for r in out)
+
+
+def test_items_and_batches_keep_seeds_and_shapes(flux):
+    rows = [_row(1), _row(2), _row(3)]
+    rows[1] = Row(**{**rows[1].__dict__, "width": 128, "seed": 7, "num_images_per_prompt": 2})
+    items = flux.items(rows, 0)
+    assert [it.seed for it in items][1:3] == [7, 8]
+    assert [[it.row.id for it in b] for b in flux.batches(items, 2)] == [["r1", "r3"], ["r2", "r2"]]
+    assert [[it.row.id for it in b] for b in flux.batches(items, 1)] == [["r1"], ["r3"], ["r2"], ["r2"]]
+
+
+def test_record_carries_the_parameters_as_applied(flux8):
+    import hashlib
+
+    row = Row(**{**_row(4, prompt=LONG).__dict__, "meta": {"k": 1}, "ignored": {"x": {"value": 1}}})
+    item = flux8.items([row], 0)[0]
+    rec = flux8.record(item, None, 3, 1.234567)
+    assert rec["id"] == "r4" and rec["index"] == item.index and rec["key"] == item.key and rec["seed"] == 0
+    assert rec["prompt"] == LONG and rec["prompt_sha256"] == hashlib.sha256(LONG.encode()).hexdigest()
+    assert rec["params"]["width"] == 64 and rec["params"]["height"] == 64 and rec["params"]["batch_size"] == 3
+    assert rec["params"]["num_inference_steps"] == 3 and rec["params"]["guidance_scale"] == 4.0
+    assert rec["tokens"] == flux8.prompt_tokens([LONG])[0] and rec["timing"] == {"generate_s": 1.2346}
+    assert rec["meta"] == {"k": 1} and rec["ignored"] == {"x": {"value": 1}} and "inputs" not in rec
+    plain = flux8.record(flux8.items([_row(5)], 0)[0], None, 1, 0.0)
+    assert "meta" not in plain and "ignored" not in plain
+
+
+def test_prompts_section_counts_truncated_items(flux, caplog):
+    recs = [{"status": "ok", "tokens": {"t5": {"dropped": 2}, "clip": {"dropped": 0}}},
+            {"status": "ok", "tokens": {"t5": {"dropped": 0}, "clip": {"dropped": 0}}}]
+    with caplog.at_level("WARNING", logger="runner"):
+        out = flux.prompts_section(recs)
+    assert out["items"] == 2 and out["truncated_items"] == 1 and out["truncated_by_encoder"]["t5"] == 1
+    assert (out["on_truncation"], out["on_ignored"]) == ("record", "error")
+    assert "1 of 2 items had prompts truncated by a text encoder (t5: 1)" in caplog.text
+
+
+def test_row_context_and_builtin_rows(compose, flux):
+    assert flux.row_context() == {"task": "text_to_image", "multi_image": False, "tasks": ("text_to_image",)} or \
+        flux.row_context()["task"] == "text_to_image"
+    assert flux.builtin_rows() == str(flux.cfg.builtin_prompts)
