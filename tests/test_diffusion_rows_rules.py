@@ -76,6 +76,12 @@ def test_a_frame_count_at_the_ceiling_names_one_fix(wan):
     assert str(e.value).endswith("fix: num_frames=99997 or 100000")
 
 
+def test_a_zero_frame_count_with_factor_1_offers_1_or_2(wan):
+    with pytest.raises(DatasetError) as e:  # lo = max(1, (1 - 1) // 1 * 1 + 1) = 1
+        wan.check_frame_counts([_row(1, ("num_frames",), num_frames=0)], "p", 1)
+    assert str(e.value).endswith("fix: num_frames=1 or 2")
+
+
 def test_a_missing_frame_count_is_refused(wan):
     with pytest.raises(DatasetError, match="num_frames=None"):
         wan.check_frame_counts([_row(1, ("num_frames",))], "p", 4)
@@ -87,6 +93,8 @@ def test_a_bad_default_frame_count_is_the_config_keys(wan):
     msg = str(e.value)
     assert msg.startswith("model.generation.num_frames=10 is not 4k+1")
     assert msg.endswith("fix: model.generation.num_frames=9")
+    with pytest.raises(ConfigValueError, match=r"num_frames=6 is not 4k\+1.*fix: model.generation.num_frames=5$"):
+        wan.check_frame_counts([_row(1, num_frames=6)], "p", 4)
     # one row set the bad count itself: the rows' error, naming both
     with pytest.raises(DatasetError) as e:
         wan.check_frame_counts([_row(1, num_frames=10), _row(2, ("num_frames",), num_frames=7)], "p", 4)
@@ -399,6 +407,37 @@ def test_prompts_section_counts_truncated_items(flux, caplog):
 
 
 def test_row_context_and_builtin_rows(compose, flux):
-    assert flux.row_context() == {"task": "text_to_image", "multi_image": False, "tasks": ("text_to_image",)} or \
-        flux.row_context()["task"] == "text_to_image"
+    assert flux.row_context() == {"task": "text_to_image", "multi_image": False,
+                                  "tasks": ("text_to_image", "image_to_image", "inpaint", "edit")}
+    q = _engine(compose, "model=tiny_qwen_image_edit")  # QwenImageEditPlus: a list of references for edit
+    assert q.row_context()["task"] == "edit" and q.row_context()["multi_image"] is True
     assert flux.builtin_rows() == str(flux.cfg.builtin_prompts)
+
+
+def _fed(e, pipeline):
+    e.ctx.run.model.pipeline = pipeline  # the run's model: a pipeline of stages whose last one this engine runs
+    return _truncation(e).fed()
+
+
+def test_a_stage_is_fed_when_it_is_the_last_of_a_pipeline_of_several(compose):
+    from types import SimpleNamespace
+
+    e = _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=8", "dataset.on_truncation=error")
+    assert e.stage == "denoise"
+    assert _fed(e, ["upstream", "denoise"]) is True
+    assert _fed(e, ["denoise"]) is False
+    assert _fed(e, ["denoise", "upstream"]) is False
+    assert _fed(e, []) is False
+    rows = [_row(1, prompt=LONG)]
+    _fed(e, ["upstream", "denoise"])
+    assert _truncation(e).prepare_rows(rows, "p") == rows  # fed prompts are checked per batch instead
+    batch = [SimpleNamespace(row=_row(1)), SimpleNamespace(row=_row(7, prompt=LONG))]
+    with pytest.raises(DatasetError) as ex:
+        _truncation(e).before_call(batch)
+    t5 = e.prompt_tokens([LONG])[0]["t5"]
+    assert str(ex.value).count("truncated") == 1
+    assert (f"row 'r7' (line 7): the prompt fed by the upstream stage is truncated: t5 {t5['count']} tokens, "
+            f"{t5['count'] - 8} over its limit of 8 (dataset.on_truncation=error)") in str(ex.value)
+    _truncation(e).before_call(batch[:1])
+    _fed(e, ["denoise"])
+    _truncation(e).before_call(batch)  # not fed: the dataset's prompts were checked at startup
