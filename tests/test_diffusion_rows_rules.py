@@ -142,7 +142,8 @@ def test_an_image_model_refuses_fps_naming_the_row_or_the_default(flux):
     flux.check_rows([_row(1), _row(2)], "p")  # no video field set: accepted
     with pytest.raises(ConfigValueError) as e:
         flux.check_rows([_row(1), _row(2, ("fps",), fps=8), _row(3, ("fps",), fps=12)], "p")
-    assert str(e.value).startswith("fps=8 (p:2 (row 'r2'), 2 row(s)): model=tiny_flux writes images")
+    assert str(e.value) == ("fps=8 (p:2 (row 'r2'), 2 row(s)): model=tiny_flux writes images, and fps applies to "
+                            "video output only; fix: remove fps from the rows (and model.generation)")
     with pytest.raises(ConfigValueError) as e:
         flux.check_rows([_row(1, fps=8)], "p")  # the default's value: no row set it
     assert str(e.value).startswith("fps=8 (model.generation.fps, 1 row(s))")
@@ -255,6 +256,27 @@ def test_truncated_dataset_prompts_are_counted_under_record(flux8, caplog):
     with caplog.at_level("WARNING", logger="runner"):
         assert _truncation(flux8).prepare_rows(rows, "p") == rows
     assert "2 of 3 rows have prompts longer than a text encoder takes (t5: 2 over 8)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runner"):
+        assert _truncation(flux8).prepare_rows(rows[1:2], "p") == rows[1:2]
+    assert caplog.messages == [
+        "1 of 1 rows have prompts longer than a text encoder takes (t5: 1 over 8); the encoder sees their first "
+        "tokens, and each item records its token counts and the tokens dropped (dataset.on_truncation=error refuses "
+        "them)"]
+
+
+def test_counts_are_untruncated_past_the_clip_limit(flux8):
+    per_word = len(flux8.tokenizers()["clip"]("cat")["input_ids"]) - 2  # BOS and EOS around the word's tokens
+    n = 100 * per_word + 2  # 100 words: past CLIP's 77
+    rec = flux8.prompt_tokens([" ".join(["cat"] * 100)])[0]["clip"]
+    assert rec == {"count": n, "limit": 77, "dropped": n - 77} and n > 77
+
+
+def test_each_encoder_counts_with_its_own_label(compose):
+    # HunyuanVideo 1.5: the ByT5 encoder counts the bytes of the quoted glyph text, none without quotes
+    e = _engine(compose, "model=tiny_hunyuanvideo15")
+    plain, quoted = e.prompt_tokens(["a cat", 'a sign saying "hi"'])
+    assert plain["byt5"]["count"] == 0 and quoted["byt5"]["count"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------- flux2
