@@ -219,6 +219,7 @@ def test_truncation_fix_only_for_a_sequence_encoder_below_its_ceiling(compose, f
     assert flux8.truncation_fix({"t5": {"dropped": 3}}) == \
         ", raise model.generation.max_sequence_length (now 8, at most 512)"
     assert flux8.truncation_fix({"clip": {"dropped": 3}, "t5": {"dropped": 0}}) == ""
+    assert flux8.truncation_fix({"clip": {"dropped": 3}}) == ""  # counts without the sequence encoder
     assert _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=512").truncation_fix(
         {"t5": {"dropped": 3}}) == ""
 
@@ -327,10 +328,25 @@ def test_klein_distillation_sets_forwards_guidance_and_null_guidance(compose):
     assert "guidance_scale" in dist.ignored_fields([_row(1)]) and "guidance_scale" not in base.ignored_fields([_row(1)])
     base.check_family_rows([_row(1)], "p")
     dist.check_family_rows([_row(1, guidance_scale=None)], "p")
-    with pytest.raises(ConfigValueError, match="model.generation.guidance_scale=null, but model=tiny_flux2_klein"):
+    with pytest.raises(ConfigValueError) as ex:
         base.check_family_rows([_row(1), _row(2, guidance_scale=None)], "p")
+    assert str(ex.value) == (
+        "model.generation.guidance_scale=null, but model=tiny_flux2_klein is not step-distilled (is_distilled=false): "
+        "Flux2KleinPipeline would apply its default 4.0 (CFG, two forwards per step) unrecorded; fix: "
+        "model.generation.guidance_scale=4.0 (or 1.0 for no CFG), or a guidance_scale in every row")
     comps = type(dist).build_components(dist.arch_copy())
     assert comps["is_distilled"] is True
+
+
+def test_klein_components_carry_is_distilled_false_by_default_on_the_device_and_dtype_asked(compose):
+    import torch
+
+    e = _engine(compose, "model=tiny_flux2_klein")
+    arch = {k: v for k, v in e.arch_copy().items() if k != "pipeline"}
+    comps = type(e).build_components(arch, device="meta", dtype=torch.bfloat16)
+    assert comps["is_distilled"] is False  # Flux2KleinPipeline's default, written to model_index.json
+    p = next(comps["transformer"].parameters())
+    assert p.device.type == "meta" and p.dtype == torch.bfloat16
 
 
 # ------------------------------------------------------------------------------- read_rows, ignored, records
