@@ -479,3 +479,33 @@ def test_a_stage_is_fed_when_it_is_the_last_of_a_pipeline_of_several(compose):
     _truncation(e).before_call(batch[:1])
     _fed(e, ["denoise"])
     _truncation(e).before_call(batch)  # not fed: the dataset's prompts were checked at startup
+
+
+def test_tokenizers_are_the_loaded_pipelines_once_loaded(compose):
+    from diffusers import FluxPipeline
+
+    e = _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=8")
+    comps = type(e).build_components(e.arch_copy(), device="meta")
+    comps["tokenizer_2"].model_max_length = 300  # differs from the built one's 512
+    built = e.tokenizers()
+    assert built["t5"].model_max_length == 512 and e.sequence_limit() == 512
+    e.pipe, e._toks = FluxPipeline(**comps), None
+    toks = e.tokenizers()
+    assert toks == {"clip": comps["tokenizer"], "t5": comps["tokenizer_2"]}
+    assert e.sequence_limit() == 300
+
+
+def test_tokenizers_are_the_snapshots_with_model_path(compose, tmp_path):
+    import json
+
+    e = _engine(compose, "model=tiny_flux")
+    toks = e.build_tokenizers(e.arch_copy())
+    toks["tokenizer_2"].model_max_length = 200
+    for comp, tok in toks.items():
+        tok.save_pretrained(tmp_path / comp)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline",
+                                                           "tokenizer": ["transformers", type(toks["tokenizer"]).__name__],
+                                                           "tokenizer_2": ["transformers", type(toks["tokenizer_2"]).__name__]}))
+    s = _engine(compose, "model=tiny_flux")
+    s.source = {"kind": "path", "path": str(tmp_path)}  # resolved: the snapshot's folders (its weights not needed)
+    assert s.tokenizers()["t5"].model_max_length == 200 and s.sequence_limit() == 200
