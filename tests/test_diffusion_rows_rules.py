@@ -509,3 +509,12 @@ def test_tokenizers_are_the_snapshots_with_model_path(compose, tmp_path):
     s = _engine(compose, "model=tiny_flux")
     s.source = {"kind": "path", "path": str(tmp_path)}  # resolved: the snapshot's folders (its weights not needed)
     assert s.tokenizers()["t5"].model_max_length == 200 and s.sequence_limit() == 200
+
+
+@pytest.mark.parametrize("m, limit", [(10 ** 9, None), (2 * 10 ** 9, None), (int(1e30), None), (None, None),
+                                      (10 ** 9 - 1, 10 ** 9 - 1), (300, 300)])
+def test_a_tokenizer_length_of_a_billion_or_more_is_no_ceiling(compose, m, limit):
+    # klein: no pipeline ceiling; HF's "no limit" is int(1e30), and anything from 10**9 up is taken for it
+    k = _engine(compose, "model=tiny_flux2_klein")
+    k.tokenizers()["qwen3"].model_max_length = m
+    assert k.sequence_limit() == limit
