@@ -1,0 +1,520 @@
+"""Issue #42: the rules of ``models.diffusion_rows``, ``models.prompt_tokens`` and ``models.flux2`` asserted function
+by function from hand-computed values, on engines of the tiny configs (``conf/model/tiny_*.yaml``) built without
+loading weights, so that a wrong rule fails a fast test (``benchmarks/mutation.py``, groups
+``core_m_diffusion_rows_*``, ``core_m_prompt_tokens_*``, ``core_m_flux2_*``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.core.dataset import MAX_FRAMES, DatasetError, Row
+from runner.core.errors import ConfigValueError
+
+
+def _engine(compose, *overrides):
+    import torch
+
+    from models.base import StageContext
+    from models.registry import engine_class
+    from runner.core.platform import detect
+
+    cfg = compose(["platform=cpu", *overrides])
+    return engine_class(cfg.model.engine)(StageContext(
+        cfg=cfg, overrides=list(overrides), stage="denoise", plat=detect(cfg.platform.name, cfg.platform.device),
+        dtype=torch.float32))
+
+
+def _row(line=1, set_fields=(), guidance_scale=4.0, prompt="a cat", negative_prompt=None, **values):
+    return Row(id=f"r{line}", prompt=prompt, negative_prompt=negative_prompt, seed=0, width=64, height=64,
+               num_inference_steps=3, guidance_scale=guidance_scale, num_images_per_prompt=1, line=line,
+               set_fields=tuple(set_fields), values=values)
+
+
+@pytest.fixture(scope="module")
+def wan(compose):
+    return _engine(compose, "model=tiny_wan")
+
+
+@pytest.fixture(scope="module")
+def flux(compose):
+    return _engine(compose, "model=tiny_flux")
+
+
+# ------------------------------------------------------------------------------------- check_frame_counts
+
+
+def test_frame_counts_of_the_form_t_k_plus_1_pass(wan):
+    wan.check_frame_counts([_row(1, num_frames=1), _row(2, num_frames=5), _row(3, num_frames=9)], "rows.jsonl", 4)
+
+
+def test_a_rows_bad_frame_count_is_refused_with_its_line_and_the_counts_around_it(wan):
+    rows = [_row(1, ("num_frames",), num_frames=9), _row(2, ("num_frames",), num_frames=10),
+            _row(3, ("num_frames",), num_frames=0), _row(4, num_frames=6)]
+    with pytest.raises(DatasetError) as e:
+        wan.check_frame_counts(rows, "rows.jsonl", 4)
+    msg = str(e.value)
+    # 10: (10 - 1) // 4 * 4 + 1 = 9, then 13; 0: lo = max(1, ...) from n=1 -> 1, then 5; 6 -> 5 or 9
+    assert "rows.jsonl:2: num_frames=10 is not 4k+1" in msg and "fix: num_frames=9 or 13" in msg
+    assert "rows.jsonl:3: num_frames=0 is not 4k+1" in msg and "fix: num_frames=1 or 5" in msg
+    assert "rows.jsonl:4: num_frames=6 is not 4k+1" in msg and "fix: num_frames=5 or 9" in msg
+    assert "rows.jsonl:1:" not in msg
+    assert "temporal factor 4" in msg and "WanPipeline would round it down" in msg and "model=tiny_wan" in msg
+    assert "writing fewer frames than recorded" in msg
+
+
+def test_a_frame_count_at_the_ceiling_names_one_fix(wan):
+    with pytest.raises(DatasetError) as e:  # 99999, t=10: lo = 99998 // 10 * 10 + 1 = 99991; 99991 + 10 > MAX_FRAMES
+        wan.check_frame_counts([_row(1, ("num_frames",), num_frames=MAX_FRAMES - 1)], "p", 10)
+    assert str(e.value).endswith("fix: num_frames=99991")
+    with pytest.raises(DatasetError) as e:  # 99990: lo = 99981, and 99991 is within the rows' range
+        wan.check_frame_counts([_row(1, ("num_frames",), num_frames=99990)], "p", 10)
+    assert str(e.value).endswith("fix: num_frames=99981 or 99991")
+    with pytest.raises(DatasetError) as e:  # 99998, t=3: lo = 99997, lo + t == MAX_FRAMES exactly: still offered
+        wan.check_frame_counts([_row(1, ("num_frames",), num_frames=99998)], "p", 3)
+    assert str(e.value).endswith("fix: num_frames=99997 or 100000")
+
+
+def test_a_zero_frame_count_with_factor_1_offers_1_or_2(wan):
+    with pytest.raises(DatasetError) as e:  # lo = max(1, (1 - 1) // 1 * 1 + 1) = 1
+        wan.check_frame_counts([_row(1, ("num_frames",), num_frames=0)], "p", 1)
+    assert str(e.value).endswith("fix: num_frames=1 or 2")
+
+
+def test_a_missing_frame_count_is_refused(wan):
+    with pytest.raises(DatasetError, match="num_frames=None"):
+        wan.check_frame_counts([_row(1, ("num_frames",))], "p", 4)
+
+
+def test_a_bad_default_frame_count_is_the_config_keys(wan):
+    with pytest.raises(ConfigValueError) as e:
+        wan.check_frame_counts([_row(1, num_frames=10), _row(2, num_frames=10)], "p", 4)
+    msg = str(e.value)
+    assert msg.startswith("model.generation.num_frames=10 is not 4k+1")
+    assert msg.endswith("fix: model.generation.num_frames=9")
+    with pytest.raises(ConfigValueError, match=r"num_frames=6 is not 4k\+1.*fix: model.generation.num_frames=5$"):
+        wan.check_frame_counts([_row(1, num_frames=6)], "p", 4)
+    # one row set the bad count itself: the rows' error, naming both
+    with pytest.raises(DatasetError) as e:
+        wan.check_frame_counts([_row(1, num_frames=10), _row(2, ("num_frames",), num_frames=7)], "p", 4)
+    assert "p:1: num_frames=10" in str(e.value) and "p:2: num_frames=7" in str(e.value)
+
+
+# -------------------------------------------------------------------------------- check_generation_defaults
+
+
+def _ctx(e):
+    return {"size_multiple": e.model_cfg.size_multiple, "max_pixels": e.ctx.run.max_pixels, **e.row_context()}
+
+
+def test_generation_defaults_are_checked_as_the_config_key(compose, wan):
+    wan.check_generation_defaults(wan.row_spec(), _ctx(wan))  # the shipped defaults pass
+    bad = _engine(compose, "model=tiny_wan", "model.generation.fps=0")
+    with pytest.raises(ConfigValueError) as e:
+        bad.check_generation_defaults(bad.row_spec(), _ctx(bad))
+    assert str(e.value) == ("model.generation.fps=0 must be an integer from 1 to 100000 (the value of 'fps' in every "
+                            "row that does not set it); fix: model.generation.fps=1")
+
+
+def test_a_default_without_a_suggested_value_names_the_rule(compose, wan):
+    from dataclasses import replace
+
+    spec = wan.row_spec()
+    fps = spec.by_name["fps"]
+    no_fix = replace(fps, check=lambda v, ctx: None if v == 16 else "must be sixteen")
+    with_fix = replace(fps, check=lambda v, ctx: None if v == 16 else "is odd; fix: set it to 16")
+    plain = replace(fps, check=lambda v, ctx: None if v == 16 else "is odd")
+    g = wan.model_cfg.generation.fps
+    assert g != 16
+    for f, fix in [(no_fix, "model.generation.fps=<sixteen>"), (with_fix, "set it to 16"),
+                   (plain, "model.generation.fps=<a valid value>")]:
+        s = replace(spec, fields=(f,))
+        with pytest.raises(ConfigValueError) as e:
+            wan.check_generation_defaults(s, {})
+        assert str(e.value).endswith(f"(the value of 'fps' in every row that does not set it); fix: {fix}")
+
+
+# --------------------------------------------------------------------------------------- FamilyRows.check_rows
+
+
+def test_an_image_model_refuses_fps_naming_the_row_or_the_default(flux):
+    flux.check_rows([_row(1), _row(2)], "p")  # no video field set: accepted
+    with pytest.raises(ConfigValueError) as e:
+        flux.check_rows([_row(1), _row(2, ("fps",), fps=8), _row(3, ("fps",), fps=12)], "p")
+    assert str(e.value) == ("fps=8 (p:2 (row 'r2'), 2 row(s)): model=tiny_flux writes images, and fps applies to "
+                            "video output only; fix: remove fps from the rows (and model.generation)")
+    with pytest.raises(ConfigValueError) as e:
+        flux.check_rows([_row(1, fps=8)], "p")  # the default's value: no row set it
+    assert str(e.value).startswith("fps=8 (model.generation.fps, 1 row(s))")
+
+
+def test_a_field_the_pipeline_does_not_take_is_refused(flux):
+    assert "num_frames" not in flux.call_params()
+    with pytest.raises(ConfigValueError) as e:
+        flux.check_rows([_row(1), _row(2, ("num_frames",), num_frames=9)], "p")
+    assert str(e.value).startswith("num_frames=9 (p:2 (row 'r2'), 1 row(s)): FluxPipeline (model=tiny_flux) takes no "
+                                   "num_frames argument, so it cannot be applied; fix: remove num_frames")
+    with pytest.raises(ConfigValueError) as e:
+        flux.check_rows([_row(1, num_frames=5), _row(2, num_frames=5)], "p")
+    assert str(e.value).startswith("num_frames=5 (model.generation.num_frames, 2 row(s)): FluxPipeline")
+
+
+def test_a_video_model_takes_its_video_fields(wan):
+    wan.check_rows([_row(1, ("num_frames", "fps"), num_frames=5, fps=8)], "p")
+
+
+def test_true_cfg_scale_is_ignored_by_a_pipeline_without_it(compose, wan, flux):
+    assert "true_cfg_scale" not in _engine(compose, "model=tiny_wan").ignored_fields([_row(1)])
+    w = _engine(compose, "model=tiny_wan", "model.generation.true_cfg_scale=2.0")
+    why, fix = w.ignored_fields([_row(1)])["true_cfg_scale"]
+    assert why.startswith("WanPipeline takes no true_cfg_scale") and fix == "set guidance_scale instead"
+    # FluxPipeline takes true_cfg_scale: not ignored where a row has a negative prompt for its true CFG
+    assert _engine(compose, "model=tiny_flux", "model.generation.true_cfg_scale=2.0").ignored_fields(
+        [_row(1, negative_prompt="blurry")]) == {}
+    assert "negative_prompt" in flux.ignored_fields([_row(1)])  # true_cfg_scale 1.0: no negative prompt
+
+
+# ------------------------------------------------------------------------------------------- prompt tokens
+
+
+@pytest.fixture(scope="module")
+def flux8(compose):
+    return _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=8")
+
+
+def test_prompt_tokens_count_limit_and_dropped_per_encoder(flux8):
+    toks = flux8.tokenizers()
+    short, long = "a cat", "a red cat and a blue dog on a green sofa under a lamp"
+    out = flux8.prompt_tokens([long, short, long])
+    for p, rec in zip([long, short, long], out):
+        clip, t5 = (len(toks[k](p)["input_ids"]) for k in ("clip", "t5"))
+        assert rec == {"clip": {"count": clip, "limit": 77, "dropped": 0},
+                       "t5": {"count": t5, "limit": 8, "dropped": max(0, t5 - 8)}}
+    assert out[0]["t5"]["dropped"] > 0 and out[1]["t5"]["dropped"] == 0
+    assert flux8.prompt_tokens([short])[0] == out[1]  # from the cache, the same counts
+
+
+def test_token_limit_is_the_tokenizers_for_clip_and_max_sequence_length_for_t5(flux8):
+    toks = flux8.tokenizers()
+    assert flux8.token_limit("clip", toks["clip"]) == 77
+    assert flux8.token_limit("t5", toks["t5"]) == 8
+
+
+def test_sequence_limit_is_the_lower_of_the_pipeline_ceiling_and_the_tokenizer(compose, flux8):
+    assert flux8.sequence_limit() == 512  # FluxPipeline's 512, T5's model_max_length 512
+    flux8.max_sequence_length_limit = 300
+    try:
+        assert flux8.sequence_limit() == 300
+        flux8.max_sequence_length_limit = 600
+        assert flux8.sequence_limit() == 512
+    finally:
+        flux8.max_sequence_length_limit = 512
+    k = _engine(compose, "model=tiny_flux2_klein")  # no pipeline ceiling: the Qwen tokenizer's
+    assert k.max_sequence_length_limit is None
+    assert k.sequence_limit() == int(k.tokenizers()["qwen3"].model_max_length) == 131072
+
+
+def test_truncation_fix_only_for_a_sequence_encoder_below_its_ceiling(compose, flux8):
+    assert flux8.truncation_fix({"t5": {"dropped": 3}}) == \
+        ", raise model.generation.max_sequence_length (now 8, at most 512)"
+    assert flux8.truncation_fix({"clip": {"dropped": 3}, "t5": {"dropped": 0}}) == ""
+    assert flux8.truncation_fix({"clip": {"dropped": 3}}) == ""  # counts without the sequence encoder
+    assert _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=512").truncation_fix(
+        {"t5": {"dropped": 3}}) == ""
+
+
+def test_describe_lists_the_truncated_encoders_only():
+    from models.prompt_tokens import describe
+
+    assert describe({"clip": {"count": 80, "limit": 77, "dropped": 3}, "t5": {"count": 5, "limit": 8, "dropped": 0},
+                     "x": {"count": 9, "limit": 8, "dropped": 1}}) == \
+        "clip 80 tokens, 3 over its limit of 77, x 9 tokens, 1 over its limit of 8"
+
+
+LONG = "a red cat and a blue dog on a green sofa under a lamp"
+
+
+def _truncation(e):
+    return next(p for p in e.passes if p.name == "truncation")
+
+
+def test_truncated_dataset_prompts_are_refused_under_error(compose):
+    e = _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=8", "dataset.on_truncation=error")
+    rows = [_row(1, prompt="a cat"), _row(2, prompt=LONG), _row(3, prompt="a dog")]
+    assert _truncation(e).prepare_rows([rows[0], rows[2]], "p") == [rows[0], rows[2]]
+    with pytest.raises(DatasetError) as ex:
+        _truncation(e).prepare_rows(rows, "p")
+    t5 = e.prompt_tokens([LONG])[0]["t5"]
+    assert str(ex.value).count("is truncated") == 1
+    assert (f"p:2: prompt of row 'r2' is truncated: t5 {t5['count']} tokens, {t5['count'] - 8} over its limit of 8; "
+            "the image would be that of its first tokens only; fix: shorten the prompt, raise "
+            "model.generation.max_sequence_length (now 8, at most 512), or dataset.on_truncation=record") in str(ex.value)
+
+
+def test_truncated_dataset_prompts_are_counted_under_record(flux8, caplog):
+    rows = [_row(1, prompt="a cat"), _row(2, prompt=LONG), _row(3, prompt=LONG + " again")]
+    with caplog.at_level("WARNING", logger="runner"):
+        assert _truncation(flux8).prepare_rows(rows, "p") == rows
+    assert "2 of 3 rows have prompts longer than a text encoder takes (t5: 2 over 8)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runner"):
+        assert _truncation(flux8).prepare_rows(rows[1:2], "p") == rows[1:2]
+    assert caplog.messages == [
+        "1 of 1 rows have prompts longer than a text encoder takes (t5: 1 over 8); the encoder sees their first "
+        "tokens, and each item records its token counts and the tokens dropped (dataset.on_truncation=error refuses "
+        "them)"]
+
+
+def test_counts_are_untruncated_past_the_clip_limit(flux8):
+    per_word = len(flux8.tokenizers()["clip"]("cat")["input_ids"]) - 2  # BOS and EOS around the word's tokens
+    n = 100 * per_word + 2  # 100 words: past CLIP's 77
+    rec = flux8.prompt_tokens([" ".join(["cat"] * 100)])[0]["clip"]
+    assert rec == {"count": n, "limit": 77, "dropped": n - 77} and n > 77
+
+
+def test_each_encoder_counts_with_its_own_label(compose):
+    # HunyuanVideo 1.5: the ByT5 encoder counts the bytes of the quoted glyph text, none without quotes
+    e = _engine(compose, "model=tiny_hunyuanvideo15")
+    plain, quoted = e.prompt_tokens(["a cat", 'a sign saying "hi"'])
+    assert plain["byt5"]["count"] == 0 and quoted["byt5"]["count"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------- flux2
+
+
+class _Pipe:
+    def __call__(self, prompt=None, text_encoder_out_layers=(3, 6, 9)):
+        pass
+
+
+def test_text_layer_problems_name_too_few_layers_and_a_wrong_joint_dim():
+    from models.flux2 import text_layer_problems
+
+    assert text_layer_problems(_Pipe, {"num_hidden_layers": 9, "hidden_size": 16}, {"joint_attention_dim": 48}) == []
+    assert text_layer_problems(_Pipe, {"num_hidden_layers": 8, "hidden_size": 16}, {"joint_attention_dim": 48}) == [
+        "text_encoder num_hidden_layers=8, and _Pipe reads hidden states (3, 6, 9) (at least 9 layers)"]
+    assert text_layer_problems(_Pipe, {"text_config": {"num_hidden_layers": 9, "hidden_size": 16}},
+                               {"joint_attention_dim": 32}) == [
+        "transformer joint_attention_dim=32, and _Pipe stacks 3 hidden states of 16 (48)"]
+    assert text_layer_problems(_Pipe, {}, {"joint_attention_dim": 32}) == []  # nothing known: nothing refused
+    assert text_layer_problems(_Pipe, {"hidden_size": 16}, {}) == []
+
+
+def test_a_tiny_flux2_with_too_few_text_layers_is_refused(compose):
+    e = _engine(compose, "model=tiny_flux2_klein", "model.architecture.text_encoder.num_hidden_layers=26")
+    with pytest.raises(ConfigValueError) as ex:
+        e.check_text_layers()
+    assert str(ex.value).startswith("model=tiny_flux2_klein: text_encoder num_hidden_layers=26, and "
+                                    "Flux2KleinPipeline reads hidden states (9, 18, 27)")
+    _engine(compose, "model=tiny_flux2_klein").check_text_layers()  # the shipped config: 27 layers
+
+
+def test_neither_flux2_pipeline_takes_a_negative_prompt(compose):
+    for model, pipe in [("tiny_flux2", "Flux2Pipeline"), ("tiny_flux2_klein", "Flux2KleinPipeline")]:
+        why, fix = _engine(compose, f"model={model}").ignored_fields([_row(1)])["negative_prompt"]
+        assert why.startswith(f"{pipe} takes no negative prompt") and fix == "remove negative_prompt from the rows"
+
+
+def test_klein_distillation_sets_forwards_guidance_and_null_guidance(compose):
+    from types import SimpleNamespace
+
+    base = _engine(compose, "model=tiny_flux2_klein")
+    dist = _engine(compose, "model=tiny_flux2_klein", "model.architecture.pipeline.is_distilled=true")
+    assert (base.is_distilled, dist.is_distilled) == (False, True)
+    batch = [SimpleNamespace(row=SimpleNamespace(num_inference_steps=3, guidance_scale=4.0, negative_prompt=None))]
+    assert dist.expected_forwards(batch) == 3
+    assert base.expected_forwards(batch) == 6  # CFG: two forwards per step
+    assert "guidance_scale" in dist.ignored_fields([_row(1)]) and "guidance_scale" not in base.ignored_fields([_row(1)])
+    base.check_family_rows([_row(1)], "p")
+    dist.check_family_rows([_row(1, guidance_scale=None)], "p")
+    with pytest.raises(ConfigValueError) as ex:
+        base.check_family_rows([_row(1), _row(2, guidance_scale=None)], "p")
+    assert str(ex.value) == (
+        "model.generation.guidance_scale=null, but model=tiny_flux2_klein is not step-distilled (is_distilled=false): "
+        "Flux2KleinPipeline would apply its default 4.0 (CFG, two forwards per step) unrecorded; fix: "
+        "model.generation.guidance_scale=4.0 (or 1.0 for no CFG), or a guidance_scale in every row")
+    comps = type(dist).build_components(dist.arch_copy())
+    assert comps["is_distilled"] is True
+
+
+def test_klein_components_carry_is_distilled_false_by_default_on_the_device_and_dtype_asked(compose):
+    import torch
+
+    e = _engine(compose, "model=tiny_flux2_klein")
+    arch = {k: v for k, v in e.arch_copy().items() if k != "pipeline"}
+    comps = type(e).build_components(arch, device="meta", dtype=torch.bfloat16)
+    assert comps["is_distilled"] is False  # Flux2KleinPipeline's default, written to model_index.json
+    p = next(comps["transformer"].parameters())
+    assert p.device.type == "meta" and p.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------- read_rows, ignored, records
+
+
+def _jsonl(tmp_path, *rows):
+    import json
+
+    p = tmp_path / "rows.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(p)
+
+
+def test_read_rows_fills_the_models_defaults(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"}, {"id": "b", "prompt": "a dog", "width": 64, "seed": 5})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "num_images_per_prompt=2")
+    rows, path = e.read_rows()
+    g = e.model_cfg.generation
+    assert str(path) == p and [r.id for r in rows] == ["a", "b"]
+    assert (rows[0].width, rows[0].height, rows[0].num_inference_steps, rows[0].guidance_scale) == (
+        g.width, g.height, g.num_inference_steps, g.guidance_scale)
+    assert (rows[1].width, rows[1].seed, rows[0].seed) == (64, 5, None)
+    assert rows[0].negative_prompt is None and rows[0].num_images_per_prompt == 2
+    assert rows[1].set_fields and "width" in rows[1].set_fields and "width" not in rows[0].set_fields
+
+
+def test_read_rows_refuses_a_negative_prompt_flux_ignores(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"}, {"id": "b", "prompt": "a dog", "negative_prompt": "blur"})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "dataset.on_ignored=error")
+    with pytest.raises(DatasetError, match=r"rows.jsonl:2: field 'negative_prompt' = .*is ignored by model=tiny_flux"):
+        e.read_rows()
+
+
+def test_an_ignored_value_is_stripped_and_recorded_under_record(compose, tmp_path, caplog):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"}, {"id": "b", "prompt": "a dog", "negative_prompt": "blur"})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "dataset.on_ignored=record")
+    with caplog.at_level("WARNING", logger="runner"):
+        rows, _ = e.read_rows()
+    assert rows[0].ignored is None and rows[1].negative_prompt is None
+    assert rows[1].ignored["negative_prompt"]["value"] == "blur"
+    assert rows[1].ignored["negative_prompt"]["from"].endswith("rows.jsonl:2")
+    assert "1 of 2 rows set or take a value that model=tiny_flux ignores (negative_prompt)" in caplog.text
+
+
+def test_a_chosen_default_the_model_ignores_is_refused_its_own_is_recorded(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"})
+    # tiny_wan: WanPipeline takes no true_cfg_scale; the user chose 2.0 on the command line
+    over = ["model=tiny_wan", "dataset=jsonl", f"dataset.path={p}", "dataset.on_ignored=error",
+            "model.generation.true_cfg_scale=2.0"]
+    e = _engine(compose, *over)
+    with pytest.raises(ConfigValueError) as ex:
+        e.check_ignored([_row(1)], p)
+    assert str(ex.value).startswith("model.generation.true_cfg_scale=2.0 is ignored by model=tiny_wan: WanPipeline "
+                                    "takes no true_cfg_scale")
+    assert e.chosen("model.generation.true_cfg_scale", 2.0)
+    rec = _engine(compose, *over[:-2], "dataset.on_ignored=record", over[-1])  # accepted: recorded in each row
+    out = rec.check_ignored([_row(1), _row(2)], p)
+    assert [r.ignored["true_cfg_scale"]["value"] for r in out] == [2.0, 2.0]
+    assert {r.ignored["true_cfg_scale"]["from"] for r in out} == {"model.generation.true_cfg_scale"}
+    assert all(r.ignored["true_cfg_scale"]["why"].startswith("WanPipeline takes no true_cfg_scale") for r in out)
+
+
+def test_items_and_batches_keep_seeds_and_shapes(flux):
+    rows = [_row(1), _row(2), _row(3)]
+    rows[1] = Row(**{**rows[1].__dict__, "width": 128, "seed": 7, "num_images_per_prompt": 2})
+    items = flux.items(rows, 0)
+    assert [it.seed for it in items][1:3] == [7, 8]
+    assert [[it.row.id for it in b] for b in flux.batches(items, 2)] == [["r1", "r3"], ["r2", "r2"]]
+    assert [[it.row.id for it in b] for b in flux.batches(items, 1)] == [["r1"], ["r3"], ["r2"], ["r2"]]
+
+
+def test_record_carries_the_parameters_as_applied(flux8):
+    import hashlib
+
+    row = Row(**{**_row(4, prompt=LONG).__dict__, "meta": {"k": 1}, "ignored": {"x": {"value": 1}}})
+    item = flux8.items([row], 0)[0]
+    rec = flux8.record(item, None, 3, 1.234567)
+    assert rec["id"] == "r4" and rec["index"] == item.index and rec["key"] == item.key and rec["seed"] == 0
+    assert rec["prompt"] == LONG and rec["prompt_sha256"] == hashlib.sha256(LONG.encode()).hexdigest()
+    assert rec["params"]["width"] == 64 and rec["params"]["height"] == 64 and rec["params"]["batch_size"] == 3
+    assert rec["params"]["num_inference_steps"] == 3 and rec["params"]["guidance_scale"] == 4.0
+    assert rec["tokens"] == flux8.prompt_tokens([LONG])[0] and rec["timing"] == {"generate_s": 1.2346}
+    assert rec["meta"] == {"k": 1} and rec["ignored"] == {"x": {"value": 1}} and "inputs" not in rec
+    plain = flux8.record(flux8.items([_row(5)], 0)[0], None, 1, 0.0)
+    assert "meta" not in plain and "ignored" not in plain
+
+
+def test_prompts_section_counts_truncated_items(flux, caplog):
+    recs = [{"status": "ok", "tokens": {"t5": {"dropped": 2}, "clip": {"dropped": 0}}},
+            {"status": "ok", "tokens": {"t5": {"dropped": 0}, "clip": {"dropped": 0}}}]
+    with caplog.at_level("WARNING", logger="runner"):
+        out = flux.prompts_section(recs)
+    assert out["items"] == 2 and out["truncated_items"] == 1 and out["truncated_by_encoder"]["t5"] == 1
+    assert (out["on_truncation"], out["on_ignored"]) == ("record", "error")
+    assert "1 of 2 items had prompts truncated by a text encoder (t5: 1)" in caplog.text
+
+
+def test_row_context_and_builtin_rows(compose, flux):
+    assert flux.row_context() == {"task": "text_to_image", "multi_image": False,
+                                  "tasks": ("text_to_image", "image_to_image", "inpaint", "edit")}
+    q = _engine(compose, "model=tiny_qwen_image_edit")  # QwenImageEditPlus: a list of references for edit
+    assert q.row_context()["task"] == "edit" and q.row_context()["multi_image"] is True
+    assert flux.builtin_rows() == str(flux.cfg.builtin_prompts)
+
+
+def _fed(e, pipeline):
+    e.ctx.run.model.pipeline = pipeline  # the run's model: a pipeline of stages whose last one this engine runs
+    return _truncation(e).fed()
+
+
+def test_a_stage_is_fed_when_it_is_the_last_of_a_pipeline_of_several(compose):
+    from types import SimpleNamespace
+
+    e = _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=8", "dataset.on_truncation=error")
+    assert e.stage == "denoise"
+    assert _fed(e, ["upstream", "denoise"]) is True
+    assert _fed(e, ["denoise"]) is False
+    assert _fed(e, ["denoise", "upstream"]) is False
+    assert _fed(e, []) is False
+    rows = [_row(1, prompt=LONG)]
+    _fed(e, ["upstream", "denoise"])
+    assert _truncation(e).prepare_rows(rows, "p") == rows  # fed prompts are checked per batch instead
+    batch = [SimpleNamespace(row=_row(1)), SimpleNamespace(row=_row(7, prompt=LONG))]
+    with pytest.raises(DatasetError) as ex:
+        _truncation(e).before_call(batch)
+    t5 = e.prompt_tokens([LONG])[0]["t5"]
+    assert str(ex.value).count("truncated") == 1
+    assert (f"row 'r7' (line 7): the prompt fed by the upstream stage is truncated: t5 {t5['count']} tokens, "
+            f"{t5['count'] - 8} over its limit of 8 (dataset.on_truncation=error)") in str(ex.value)
+    _truncation(e).before_call(batch[:1])
+    _fed(e, ["denoise"])
+    _truncation(e).before_call(batch)  # not fed: the dataset's prompts were checked at startup
+
+
+def test_tokenizers_are_the_loaded_pipelines_once_loaded(compose):
+    from diffusers import FluxPipeline
+
+    e = _engine(compose, "model=tiny_flux", "model.generation.max_sequence_length=8")
+    comps = type(e).build_components(e.arch_copy(), device="meta")
+    comps["tokenizer_2"].model_max_length = 300  # differs from the built one's 512
+    built = e.tokenizers()
+    assert built["t5"].model_max_length == 512 and e.sequence_limit() == 512
+    e.pipe, e._toks = FluxPipeline(**comps), None
+    toks = e.tokenizers()
+    assert toks == {"clip": comps["tokenizer"], "t5": comps["tokenizer_2"]}
+    assert e.sequence_limit() == 300
+
+
+def test_tokenizers_are_the_snapshots_with_model_path(compose, tmp_path):
+    import json
+
+    e = _engine(compose, "model=tiny_flux")
+    toks = e.build_tokenizers(e.arch_copy())
+    toks["tokenizer_2"].model_max_length = 200
+    for comp, tok in toks.items():
+        tok.save_pretrained(tmp_path / comp)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline",
+                                                           "tokenizer": ["transformers", type(toks["tokenizer"]).__name__],
+                                                           "tokenizer_2": ["transformers", type(toks["tokenizer_2"]).__name__]}))
+    s = _engine(compose, "model=tiny_flux")
+    s.source = {"kind": "path", "path": str(tmp_path)}  # resolved: the snapshot's folders (its weights not needed)
+    assert s.tokenizers()["t5"].model_max_length == 200 and s.sequence_limit() == 200
+
+
+@pytest.mark.parametrize("m, limit", [(10 ** 9, None), (2 * 10 ** 9, None), (int(1e30), None), (None, None),
+                                      (10 ** 9 - 1, 10 ** 9 - 1), (300, 300)])
+def test_a_tokenizer_length_of_a_billion_or_more_is_no_ceiling(compose, m, limit):
+    # klein: no pipeline ceiling; HF's "no limit" is int(1e30), and anything from 10**9 up is taken for it
+    k = _engine(compose, "model=tiny_flux2_klein")
+    k.tokenizers()["qwen3"].model_max_length = m
+    assert k.sequence_limit() == limit
