@@ -1,0 +1,192 @@
+"""Issue #42: the snapshot-reading rules of ``models.snapshot`` (``read_index``, ``check_snapshot``,
+``missing_weights``, ``snapshot_complete``, ``embedded_target``, ``component_config``) asserted on small hand-written
+snapshot folders, so that a wrong rule fails a test (``benchmarks/mutation.py``, group ``core_m_snapshot_1``).
+Nothing here loads or builds a model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from models import snapshot as snap
+from runner.core.weights import ModelPathError
+
+
+def write_snapshot(root: Path, index, files=()) -> Path:
+    """``root`` with ``model_index.json`` = ``index`` (a dict, or raw text) and each of ``files`` (relative paths,
+    ``{path: text}`` or a list of paths written empty)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "model_index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    items = files.items() if isinstance(files, dict) else ((f, "") for f in files)
+    for rel, text in items:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+# ------------------------------------------------------------------------------------------------ read_index
+
+
+def test_read_index_returns_the_json_and_names_a_missing_or_broken_file(tmp_path):
+    good = write_snapshot(tmp_path / "good", {"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]})
+    assert snap.read_index(good) == {"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]}
+    with pytest.raises(ModelPathError) as e:
+        snap.read_index(tmp_path)  # a folder without model_index.json
+    assert f"model.path={str(tmp_path)!r} has no model_index.json" in str(e.value)
+    (tmp_path / "dir" / "model_index.json").mkdir(parents=True)  # exists, but not a file
+    with pytest.raises(ModelPathError, match="has no model_index.json"):
+        snap.read_index(tmp_path / "dir")
+    bad = write_snapshot(tmp_path / "bad", "{not json")
+    with pytest.raises(ModelPathError) as e:
+        snap.read_index(bad)
+    assert f"model.path={str(bad)!r}: model_index.json is not valid JSON" in str(e.value)
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+
+
+# ------------------------------------------------------------------------------------------------ check_snapshot
+
+
+def test_check_snapshot_refuses_a_missing_path_and_expands_the_home(tmp_path, monkeypatch):
+    with pytest.raises(ModelPathError) as e:
+        snap.check_snapshot(str(tmp_path / "nowhere"))
+    assert f"model.path={str(tmp_path / 'nowhere')!r} does not exist" in str(e.value)
+    write_snapshot(tmp_path / "home" / "s", {"_class_name": "FluxPipeline"})
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    got = snap.check_snapshot("~/s")
+    assert isinstance(got, Path) and got == tmp_path / "home" / "s"
+    with pytest.raises(ModelPathError, match="has no model_index.json"):
+        snap.check_snapshot(str(tmp_path))  # exists, no index
+
+
+def test_check_snapshot_refuses_a_component_with_pickle_weights_only(tmp_path):
+    index = {"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]}
+    ok = write_snapshot(tmp_path / "ok", index, ["vae/config.json", "vae/model.bin", "vae/model.safetensors"])
+    assert snap.check_snapshot(str(ok)) == ok  # a .bin next to safetensors is never loaded: fine
+    bad = write_snapshot(tmp_path / "bad", index, ["vae/config.json", "vae/model.bin"])
+    with pytest.raises(ModelPathError) as e:
+        snap.check_snapshot(str(bad))
+    msg = str(e.value)
+    assert f"model.path={str(bad)!r}: vae/model.bin is a pickle checkpoint and vae/ has no .safetensors" in msg
+
+
+def test_check_snapshot_looks_only_at_component_entries(tmp_path):
+    """A key starting with ``_`` or a non-list value is not a component: its folder's pickle files are not checked."""
+    s = write_snapshot(tmp_path / "s", {"_class_name": "FluxPipeline", "_extra": ["x", "y"], "notes": "text"},
+                       ["_extra/model.bin", "notes/model.bin"])
+    assert snap.check_snapshot(str(s)) == s
+    t = write_snapshot(tmp_path / "t", {"_class_name": "FluxPipeline", "extra": ["x", "y"]}, ["extra/model.bin"])
+    with pytest.raises(ModelPathError, match="extra/model.bin is a pickle checkpoint"):
+        snap.check_snapshot(str(t))
+
+
+# ------------------------------------------------------------------------------------------------ missing_weights
+
+
+def test_missing_weights_lists_model_components_without_safetensors_sorted(tmp_path):
+    index = {
+        "_class_name": "FluxPipeline",
+        "vae": ["diffusers", "AutoencoderKL"],                 # a torch module, no weights: missing
+        "transformer": ["diffusers", "FluxTransformer2DModel"],  # has weights
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],  # not a module: never missing
+        "custom": ["no_such_library_xyz", "Thing"],            # cannot be imported: counts as a model
+        "absent": ["diffusers", "NoSuchClassXyz"],             # no such class: counts as a model
+        "expert": [None, None],                                 # a null entry: not there
+        "half": ["diffusers", None],                            # None in it: skipped
+        "long": ["diffusers", "AutoencoderKL", "x"],            # not a pair: skipped
+        "_hidden": ["diffusers", "AutoencoderKL"],              # private key: skipped
+        "text": "AutoencoderKL",                                # not a list: skipped
+    }
+    s = write_snapshot(tmp_path / "s", index, ["transformer/diffusion_pytorch_model.safetensors",
+                                               "vae/diffusion_pytorch_model.bin"])
+    assert snap.missing_weights(s) == ["absent", "custom", "vae"]
+    (s / "vae" / "w.safetensors").write_text("")
+    assert snap.missing_weights(str(s)) == ["absent", "custom"]  # a str path works too
+    assert not snap.snapshot_complete(s)
+
+
+def test_snapshot_complete_needs_the_index_and_every_weight(tmp_path):
+    s = write_snapshot(tmp_path / "s", {"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]})
+    assert snap.snapshot_complete(s) is False
+    (s / "vae").mkdir()
+    (s / "vae" / "m.safetensors").write_text("")
+    assert snap.snapshot_complete(s) is True and snap.snapshot_complete(str(s)) is True
+    (s / "model_index.json").unlink()
+    assert snap.snapshot_complete(s) is False  # and no exception from missing_weights
+    assert snap.snapshot_complete(tmp_path / "none") is False
+
+
+# ------------------------------------------------------------------------------------------------ embedded_target
+
+
+def test_embedded_target_root_is_the_cache_dir_else_runner_cache_else_home(tmp_path, monkeypatch):
+    arch = {"transformer": {"num_layers": 1}}
+    a = snap.embedded_target("tiny", arch, str(tmp_path / "c"))
+    assert a.parent == tmp_path / "c" and a.name.startswith("tiny-")
+    key = a.name[len("tiny-"):]
+    assert len(key) == 12 and all(ch in "0123456789abcdef" for ch in key)
+    monkeypatch.setenv("RUNNER_CACHE", str(tmp_path / "env"))
+    assert snap.embedded_target("tiny", arch, None) == tmp_path / "env" / a.name
+    assert snap.embedded_target("tiny", arch, "") == tmp_path / "env" / a.name  # an empty cache dir: the default
+    monkeypatch.delenv("RUNNER_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert snap.embedded_target("tiny", arch, None) == tmp_path / "home" / ".cache" / "runner" / a.name
+    monkeypatch.setenv("RUNNER_CACHE", "~/rc")
+    assert snap.embedded_target("tiny", arch, None) == tmp_path / "home" / "rc" / a.name
+    assert snap.embedded_target("tiny", arch, "~/cd") == tmp_path / "home" / "cd" / a.name
+
+
+def test_embedded_target_key_is_a_hash_of_arch_recipe_diffusers_and_task(tmp_path, monkeypatch):
+    import diffusers
+
+    arch = {"transformer": {"num_layers": 1, "a": 2}}
+    base = snap.embedded_target("m", arch, "/c")
+    # the key hashes exactly {arch, recipe, diffusers} (sorted keys): computed here from the documented contents
+    what = {"arch": arch, "recipe": snap.EMBEDDED_RECIPE, "diffusers": diffusers.__version__}
+    assert base.name == "m-" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
+    assert snap.embedded_target("m", {"transformer": {"a": 2, "num_layers": 1}}, "/c") == base  # key order
+    assert snap.embedded_target("m", {"transformer": {"num_layers": 2, "a": 2}}, "/c") != base
+    assert snap.embedded_target("m", arch, "/c", task=None) == base
+    with_task = snap.embedded_target("m", arch, "/c", task="edit")
+    what["task"] = "edit"
+    assert with_task.name == "m-" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
+    assert with_task != base and with_task != snap.embedded_target("m", arch, "/c", task="image_to_video")
+    monkeypatch.setattr(snap, "EMBEDDED_RECIPE", snap.EMBEDDED_RECIPE + 1)
+    assert snap.embedded_target("m", arch, "/c") != base
+    monkeypatch.undo()
+    monkeypatch.setattr(diffusers, "__version__", "0.0.1")
+    assert snap.embedded_target("m", arch, "/c") != base
+
+
+# ------------------------------------------------------------------------------------------------ component_config
+
+
+def test_component_config_reads_the_snapshot_for_a_path_source(tmp_path):
+    s = write_snapshot(tmp_path / "s", {"_class_name": "FluxPipeline"},
+                       {"vae/config.json": '{"latent_channels": 4}',
+                        "scheduler/scheduler_config.json": '{"shift": 3.0}',
+                        "scheduler/config.json": '{"shift": 1.0}'})
+    src = {"kind": "path", "path": str(s)}
+    assert snap.component_config(src, {"vae": {"latent_channels": 16}}, "vae") == {"latent_channels": 4}
+    assert snap.component_config(src, {}, "scheduler") == {"shift": 3.0}
+    with pytest.raises(ModelPathError) as e:
+        snap.component_config(src, {}, "transformer")
+    assert f"model.path={str(s)!r}: transformer/config.json cannot be read" in str(e.value)
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    (s / "text_encoder").mkdir()
+    (s / "text_encoder" / "config.json").write_text("{broken")
+    with pytest.raises(ModelPathError, match="text_encoder/config.json cannot be read"):
+        snap.component_config(src, {}, "text_encoder")
+
+
+def test_component_config_is_a_copy_of_the_architecture_otherwise():
+    arch = {"vae": {"latent_channels": 16}}
+    for kind in ("dummy", "embedded"):
+        got = snap.component_config({"kind": kind}, arch, "vae")
+        assert got == {"latent_channels": 16}
+        got["latent_channels"] = 1
+        assert arch["vae"] == {"latent_channels": 16}  # the caller's architecture is untouched
+    with pytest.raises(KeyError):
+        snap.component_config({}, arch, "transformer")
