@@ -35,14 +35,16 @@ def test_read_index_returns_the_json_and_names_a_missing_or_broken_file(tmp_path
     assert snap.read_index(good) == {"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]}
     with pytest.raises(ModelPathError) as e:
         snap.read_index(tmp_path)  # a folder without model_index.json
-    assert f"model.path={str(tmp_path)!r} has no model_index.json" in str(e.value)
+    assert str(e.value) == (f"model.path={str(tmp_path)!r} has no model_index.json, so it is not a diffusers "
+                            "pipeline layout; fix: point at the snapshot root written by save_pretrained / hf download")
     (tmp_path / "dir" / "model_index.json").mkdir(parents=True)  # exists, but not a file
     with pytest.raises(ModelPathError, match="has no model_index.json"):
         snap.read_index(tmp_path / "dir")
     bad = write_snapshot(tmp_path / "bad", "{not json")
     with pytest.raises(ModelPathError) as e:
         snap.read_index(bad)
-    assert f"model.path={str(bad)!r}: model_index.json is not valid JSON" in str(e.value)
+    assert str(e.value).startswith(f"model.path={str(bad)!r}: model_index.json is not valid JSON (")
+    assert str(e.value).endswith("); fix: download the snapshot again")
     assert e.value.__cause__ is None and e.value.__suppress_context__
 
 
@@ -52,7 +54,8 @@ def test_read_index_returns_the_json_and_names_a_missing_or_broken_file(tmp_path
 def test_check_snapshot_refuses_a_missing_path_and_expands_the_home(tmp_path, monkeypatch):
     with pytest.raises(ModelPathError) as e:
         snap.check_snapshot(str(tmp_path / "nowhere"))
-    assert f"model.path={str(tmp_path / 'nowhere')!r} does not exist" in str(e.value)
+    assert str(e.value) == (f"model.path={str(tmp_path / 'nowhere')!r} does not exist; fix: pass a local diffusers "
+                            "snapshot directory (the folder with model_index.json)")
     write_snapshot(tmp_path / "home" / "s", {"_class_name": "FluxPipeline"})
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     got = snap.check_snapshot("~/s")
@@ -69,7 +72,11 @@ def test_check_snapshot_refuses_a_component_with_pickle_weights_only(tmp_path):
     with pytest.raises(ModelPathError) as e:
         snap.check_snapshot(str(bad))
     msg = str(e.value)
-    assert f"model.path={str(bad)!r}: vae/model.bin is a pickle checkpoint and vae/ has no .safetensors" in msg
+    assert msg == (f"model.path={str(bad)!r}: vae/model.bin is a pickle checkpoint and vae/ has no .safetensors "
+                   "weights; the runner never loads pickle files (unpickling can run code); fix: use a snapshot with "
+                   "safetensors weights (hf download <repo> --include '*.safetensors' '*.json' '*.txt' "
+                   "'*.model'), or convert it once where you trust the file: load it with diffusers/transformers and "
+                   "save_pretrained(..., safe_serialization=True)")
 
 
 def test_check_snapshot_looks_only_at_component_entries(tmp_path):
