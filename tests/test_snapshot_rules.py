@@ -197,3 +197,92 @@ def test_component_config_is_a_copy_of_the_architecture_otherwise():
         assert arch["vae"] == {"latent_channels": 16}  # the caller's architecture is untouched
     with pytest.raises(KeyError):
         snap.component_config({}, arch, "transformer")
+
+
+# ------------------------------------------------------------------------------------------------ tokenizers
+
+
+def test_task_components_follow_the_spec_and_copy_without_one():
+    from models.registry import engine_class
+    from models.pipelines import PipelineEngine
+
+    wan = engine_class("wan")
+    assert wan.task_components("image_to_video") == wan.spec.components_for("image_to_video")
+    assert "image_encoder" in wan.task_components("image_to_video") and "image_encoder" not in \
+        wan.task_components(None)
+    assert PipelineEngine.spec is None and PipelineEngine.task_components("edit") == dict(PipelineEngine.components)
+    got = PipelineEngine.task_components(None)
+    got["x"] = 1
+    assert "x" not in PipelineEngine.components
+
+
+def test_corpus_is_the_named_toy_corpus_else_the_builtin_prompts():
+    from models.registry import engine_class
+    from models.tokenizers import corpus_from
+    from models.toy_motion.data import captions
+    from models.toy_shapes.data import caption, combos
+    from runner.core.dataset import BUILTIN_PROMPTS
+
+    flux = engine_class("flux")
+    builtin = corpus_from(BUILTIN_PROMPTS)
+    assert flux.corpus({}) == builtin and flux.corpus({"tokenizer": None}) == builtin
+    assert flux.corpus({"tokenizer": {"corpus": "other"}}) == builtin
+    shapes = flux.corpus({"tokenizer": {"corpus": "toy_shapes"}})
+    assert shapes == [caption(*c) for c in combos()] and shapes != builtin
+    motion = flux.corpus({"tokenizer": {"corpus": "toy_motion"}})
+    assert motion == captions() and motion != builtin and motion != shapes
+
+
+def test_build_tokenizers_vocab_size_and_snapshot_tokenizers(tmp_path):
+    import transformers
+
+    from models.registry import engine_class
+
+    flux = engine_class("flux")
+    small = flux.build_tokenizers({"tokenizer": {"vocab_size": 300}})
+    default = flux.build_tokenizers({})
+    assert set(small) == {"tokenizer", "tokenizer_2"} == set(default)
+    assert len(small["tokenizer_2"]) <= 300 < len(default["tokenizer_2"]) <= 512
+    assert flux.build_tokenizers({}, task="edit")["tokenizer"].get_vocab() == default["tokenizer"].get_vocab()
+    # snapshot_tokenizers loads them back with the classes model_index.json names
+    for comp, tok in default.items():
+        tok.save_pretrained(str(tmp_path / comp))
+    index = {"_class_name": "FluxPipeline", "tokenizer": ["transformers", type(default["tokenizer"]).__name__],
+             "tokenizer_2": ["transformers", "NoSuchTokenizerXyz"]}  # unknown class: AutoTokenizer
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    got = snap.snapshot_tokenizers(tmp_path, flux.tokenizers_spec, "FluxPipeline")
+    assert set(got) == {"tokenizer", "tokenizer_2"}
+    assert type(got["tokenizer"]) is type(default["tokenizer"])
+    assert got["tokenizer_2"].get_vocab() == default["tokenizer_2"].get_vocab()
+    assert isinstance(got["tokenizer_2"], transformers.PreTrainedTokenizerBase)
+    # a missing entry, a null class or a missing folder is refused, naming the pipeline
+    for idx, drop in ((dict(index, tokenizer_2=[None, None]), None), ({k: v for k, v in index.items()
+                                                                      if k != "tokenizer_2"}, None),
+                      (index, "tokenizer_2")):
+        (tmp_path / "model_index.json").write_text(json.dumps(idx))
+        if drop:
+            (tmp_path / drop).rename(tmp_path / "moved")
+        with pytest.raises(ModelPathError) as e:
+            snap.snapshot_tokenizers(tmp_path, flux.tokenizers_spec, "P")
+        assert str(e.value) == (f"model.path={str(tmp_path)!r} has no tokenizer_2 (model_index.json / tokenizer_2/), "
+                                "which P needs; fix: point at a complete snapshot")
+    (tmp_path / "tokenizer_2").mkdir()
+    (tmp_path / "tokenizer_2" / "tokenizer.json").write_text("{broken")  # not JSON
+    (tmp_path / "model_index.json").write_text(json.dumps(dict(index, tokenizer_2=["transformers",
+                                                                                    "T5TokenizerFast"])))
+    with pytest.raises(ModelPathError) as e:
+        snap.snapshot_tokenizers(tmp_path, flux.tokenizers_spec, "P")
+    assert str(e.value).startswith(f"model.path={str(tmp_path)!r}: tokenizer_2/ cannot be read as a T5TokenizerFast (")
+    assert str(e.value).endswith("); fix: re-download the snapshot's tokenizer files")
+
+
+def test_encoder_config_is_the_kind_record():
+    from models import tokenizer_kinds
+    from models.registry import engine_class
+
+    flux = engine_class("flux")
+    tok = flux.build_tokenizers({})["tokenizer"]
+    kw = {"hidden_size": 32}
+    got = flux.encoder_config("clip", tok, kw)
+    assert got == tokenizer_kinds.get("clip").encoder(tok, {"hidden_size": 32}) and kw == {"hidden_size": 32}
+    assert got["vocab_size"] == len(tok) and got["hidden_size"] == 32
