@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from models import snapshot as snap
 from runner.core.weights import ModelPathError
@@ -286,3 +287,79 @@ def test_encoder_config_is_the_kind_record():
     got = flux.encoder_config("clip", tok, kw)
     assert got == tokenizer_kinds.get("clip").encoder(tok, {"hidden_size": 32}) and kw == {"hidden_size": 32}
     assert got["vocab_size"] == len(tok) and got["hidden_size"] == 32
+
+
+# ------------------------------------------------------------------------------------------------ build_components
+
+
+def _arch(model: str):
+    from omegaconf import OmegaConf
+
+    from _helpers import compose
+
+    return OmegaConf.to_container(compose([f"model={model}", "platform=cpu"]).model.architecture, resolve=True)
+
+
+def _params(m):
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def test_build_components_seeded_eval_typed_and_the_default_dtype_restored():
+    from models.registry import engine_class
+
+    flux = engine_class("flux")
+    arch = _arch("tiny_flux")
+    prev = torch.get_default_dtype()
+    a = flux.build_components(arch)
+    assert torch.get_default_dtype() == prev
+    assert set(a) >= {"transformer", "vae", "text_encoder", "text_encoder_2", "scheduler", "tokenizer",
+                      "tokenizer_2"}
+    assert type(a["transformer"]).__name__ == "FluxTransformer2DModel" and not a["transformer"].training
+    assert not any(m.training for m in a["text_encoder"].modules())
+    # the text encoder's vocabulary is its tokenizer's (the kind's encoder record)
+    assert a["text_encoder"].config.vocab_size == len(a["tokenizer"])
+    assert a["scheduler"].config.shift == arch["scheduler"]["shift"] == 3.0
+    b = flux.build_components(arch)
+    pa, pb = _params(a["transformer"]), _params(b["transformer"])
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)  # same seed, same weights
+    c = flux.build_components(dict(arch, weights_seed=1))
+    pc = _params(c["transformer"])
+    assert not all(torch.equal(pa[k], pc[k]) for k in pa)
+    h = flux.build_components(arch, dtype=torch.bfloat16)
+    assert {p.dtype for p in h["transformer"].parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == prev
+    i = flux.build_components(arch, dtype=torch.int8)  # not a floating type: float32
+    assert {p.dtype for p in i["transformer"].parameters()} == {torch.float32}
+    m = flux.build_components(arch, device="meta")
+    assert all(p.is_meta for p in m["transformer"].parameters())
+
+
+def test_build_components_weight_scale_multiplies_the_experts_matrices_only():
+    from models.registry import engine_class
+
+    flux = engine_class("flux")
+    arch = _arch("tiny_flux")
+    one = flux.build_components(arch)
+    two = flux.build_components(dict(arch, dummy_weight_scale=2.0))
+    p1, p2 = dict(one["transformer"].named_parameters()), dict(two["transformer"].named_parameters())
+    mats = [k for k in p1 if p1[k].dim() >= 2]
+    vecs = [k for k in p1 if p1[k].dim() < 2]
+    assert mats and vecs
+    assert all(torch.equal(p2[k], p1[k] * 2) for k in mats)
+    assert all(torch.equal(p2[k], p1[k]) for k in vecs)
+    v1, v2 = _params(one["vae"]), _params(two["vae"])
+    assert all(torch.equal(v1[k], v2[k]) for k in v1)  # not an expert: unscaled
+    meta = flux.build_components(dict(arch, dummy_weight_scale=2.0), device="meta")
+    assert all(p.is_meta for p in meta["transformer"].parameters())
+
+
+def test_build_components_skip_an_absent_optional_expert_and_add_the_pipeline_settings():
+    from models.registry import engine_class
+
+    wan = engine_class("wan")
+    arch = _arch("tiny_wan")
+    assert arch.get("transformer_2") is None
+    got = wan.build_components(dict(arch, pipeline={"boundary_ratio": 0.5}))
+    assert "transformer_2" not in got and got["boundary_ratio"] == 0.5
+    assert type(got["scheduler"]).__name__ == "UniPCMultistepScheduler"
+    assert wan.build_processors(arch, {}, None) == {}
