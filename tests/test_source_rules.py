@@ -369,7 +369,18 @@ def test_pipeline_settings_from_the_snapshot_or_the_architecture(compose, tmp_pa
     got = wan.pipeline_settings()
     got["boundary_ratio"] = 9
     assert wan.pipeline_settings()["boundary_ratio"] == 0.25  # a fresh dict each time
-    assert engine(compose, "tiny_flux").pipeline_settings() == {}
+    flux = engine(compose, "tiny_flux")
+    assert flux.pipeline_settings() == {} and flux.source == {}  # no settings: the source is not even resolved
+    dif = engine(compose, "tiny_flux", "model.engine=diffusers")
+    assert dif.pipeline_settings() == {} and dif.source == {}
+
+
+def test_pipeline_settings_a_setting_the_pipeline_class_does_not_take_is_none(compose):
+    import dataclasses
+
+    wan = engine(compose, "tiny_wan", "+model.architecture.pipeline.boundary_ratio=0.25")
+    wan.spec = dataclasses.replace(wan.spec, pipeline_config=("boundary_ratio", "not_an_init_argument"))
+    assert wan.pipeline_settings() == {"boundary_ratio": 0.25, "not_an_init_argument": None}
 
 
 def test_declared_experts(compose, tmp_path):
@@ -416,8 +427,10 @@ def test_component_config_head_dim_and_classes(compose, tmp_path):
     assert eng.component_class("tokenizer") == "CLIPTokenizerFast"
     assert eng.component_class("nothing") == "None"
     (s / "transformer" / "config.json").write_text("{}")
-    with pytest.raises(ModelPathError, match="model=tiny_flux: the transformer's config has no attention_head_dim"):
+    with pytest.raises(ModelPathError) as e:
         eng.head_dim()
+    assert str(e.value) == ("model=tiny_flux: the transformer's config has no attention_head_dim; fix: a complete "
+                            "snapshot (transformer/config.json) of a DiT pipeline")
     dif = engine(compose, "tiny_flux", "model.engine=diffusers")
     dif.source = {"kind": "path", "path": str(s)}
     assert dif.transformer_class() == "FluxTransformer2DModel"
@@ -430,6 +443,16 @@ def test_weight_bytes_of_dummy_weights_only(compose):
     want = sum(p.numel() * 4 for v in comps.values() if isinstance(v, torch.nn.Module) for p in v.parameters())
     assert want > 0 and eng.weight_bytes() == want
     assert engine(compose, "tiny_flux").weight_bytes() is None
+    # a task's own components count: Wan's image_to_video adds the image encoder
+    i2v = engine(compose, "tiny_wan_i2v", "model.load_format=dummy", "model.task=image_to_video")
+    i2v.resolve_source()
+    arch = i2v.arch_copy()
+
+    def total(task):
+        comps = i2v.build_components(arch, device="meta", dtype=torch.float32, task=task)
+        return sum(p.numel() * 4 for v in comps.values() if isinstance(v, torch.nn.Module) for p in v.parameters())
+
+    assert i2v.weight_bytes() == total("image_to_video") > total(None)
 
 
 def test_snapshot_task_and_embedded_target(compose, tmp_path):
@@ -442,3 +465,5 @@ def test_snapshot_task_and_embedded_target(compose, tmp_path):
     flux = engine(compose, "tiny_flux", "model.task=edit")
     assert flux.snapshot_task() is None
     assert flux.embedded_target(arch) == embedded_target("tiny_flux", arch, flux.cache_dir)
+    flux.cache_dir = str(tmp_path / "cache")
+    assert flux.embedded_target(arch).parent == tmp_path / "cache"
