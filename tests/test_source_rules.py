@@ -332,8 +332,12 @@ def test_check_architecture_matches_snapshot(compose, tmp_path):
                           "\n  w.transformer.axes_dims_rope=[8, 12, 13]: the snapshot's transformer/config.json says "
                           "[8, 12, 12]\n  w.scheduler.shift=9.0: the snapshot's scheduler/scheduler_config.json says "
                           "3.0\nfix: remove those overrides")
-    with pytest.raises(ConfigValueError, match="num_layerz"):
-        eng.check_architecture_matches_snapshot({"transformer": {"num_layerz": 1}}, s)
+    with pytest.raises(ConfigValueError) as e:
+        eng.check_architecture_matches_snapshot({"transformer": {"num_layerz": 1}}, s, where="w")
+    assert str(e.value).startswith("w.transformer.num_layerz is not a parameter of diffusers.FluxTransformer2DModel")
+    # a value that is not a component (weights_seed) or a component without a config file is skipped, not the end
+    with pytest.raises(ConfigValueError, match="transformer.num_layers=2"):
+        eng.check_architecture_matches_snapshot({"weights_seed": 3, "vae": {"x": 1}, "transformer": {"num_layers": 2}}, s)
     # a component the family does not build is not compared
     (s / "extra").mkdir()
     (s / "extra" / "config.json").write_text('{"a": 1}')
