@@ -206,13 +206,15 @@ def test_layout_problems_of_a_task_with_its_own_snapshot(compose, tmp_path):
 def test_check_layout_message_and_the_transformer_rule(compose, tmp_path):
     eng = engine(compose, "tiny_flux")
     eng.check_layout(flux_snapshot(tmp_path / "ok"))
-    bad = flux_snapshot(tmp_path / "bad", index=dict(FLUX_INDEX, vae=["diffusers", "AutoencoderKLWan"]))
+    bad = flux_snapshot(tmp_path / "bad", index=dict(FLUX_INDEX, vae=["diffusers", "AutoencoderKLWan"],
+                                                     _extra=["diffusers", "Odd"]))
     with pytest.raises(ModelPathError) as e:
         eng.check_layout(bad)
     msg = str(e.value)
     assert msg.startswith(f"model.path={str(bad)!r} is not a FluxPipeline snapshot that model=tiny_flux "
                           "(model.task=text_to_image) can load: vae is AutoencoderKLWan, expected AutoencoderKL")
     assert "(the snapshot: FluxPipeline with scheduler: FlowMatchEulerDiscreteScheduler, text_encoder:" in msg
+    assert "_extra" not in msg and "Odd" not in msg  # a private key is not a component
     assert msg.endswith("fix: point model.path at a FluxPipeline snapshot (a checkpoint of model.task=text_to_image), "
                         "or model.task=<the snapshot's task>")
     odd = flux_snapshot(tmp_path / "odd", index=dict(FLUX_INDEX, _class_name="MysteryPipeline"))
@@ -234,6 +236,13 @@ def test_check_layout_message_and_the_transformer_rule(compose, tmp_path):
     # model.engine=diffusers checks no family layout, only that there is a transformer
     dif = engine(compose, "tiny_flux", "model.engine=diffusers")
     dif.check_layout(flux_snapshot(tmp_path / "d"))
+    dif.pipeline_class = "FluxPipeline"  # an engine without a family that names its pipeline class
+    with pytest.raises(ModelPathError) as e:
+        dif.check_layout(sd3)
+    assert str(e.value).startswith(f"model.path={str(sd3)!r} is not a FluxPipeline snapshot that model=tiny_flux "
+                                   "(model.task=text_to_image) can load: pipeline FluxPipeline, found "
+                                   "StableDiffusion3Pipeline")
+    dif.pipeline_class = None
     unet = write_snapshot(tmp_path / "unet", {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "U"],
                                               "vae": ["diffusers", "AutoencoderKL"], "x": [None, None]})
     with pytest.raises(ModelPathError) as e:
@@ -331,7 +340,9 @@ def test_check_architecture_matches_snapshot(compose, tmp_path):
                           "default runs)\n  w.transformer.num_layers=2: the snapshot's transformer/config.json says 1"
                           "\n  w.transformer.axes_dims_rope=[8, 12, 13]: the snapshot's transformer/config.json says "
                           "[8, 12, 12]\n  w.scheduler.shift=9.0: the snapshot's scheduler/scheduler_config.json says "
-                          "3.0\nfix: remove those overrides")
+                          "3.0\nfix: remove those overrides (the snapshot's configs are what runs), or point model.path "
+                          "at a snapshot with that architecture, or use load_format=dummy for random weights of any "
+                          "architecture")
     with pytest.raises(ConfigValueError) as e:
         eng.check_architecture_matches_snapshot({"transformer": {"num_layerz": 1}}, s, where="w")
     assert str(e.value).startswith("w.transformer.num_layerz is not a parameter of diffusers.FluxTransformer2DModel")
