@@ -482,3 +482,21 @@ def test_snapshot_task_and_embedded_target(compose, tmp_path):
     assert flux.embedded_target(arch) == embedded_target("tiny_flux", arch, flux.cache_dir)
     flux.cache_dir = str(tmp_path / "cache")
     assert flux.embedded_target(arch).parent == tmp_path / "cache"
+
+
+def test_hash_weights_digests_the_component_weights_and_reports_the_hashing(compose, tmp_path):
+    import hashlib
+
+    eng = engine(compose, "tiny_flux")
+    eng.cache_dir = str(tmp_path / "cache")
+    s = write_snapshot(tmp_path / "s", {"_class_name": "FluxPipeline", "vae": ["diffusers", "AutoencoderKL"]},
+                       {"vae/model.safetensors": "abc", "extra/model.safetensors": "zzz"})
+    got = eng.hash_weights(s)
+    assert got["files"] == {"vae/model.safetensors": hashlib.sha256(b"abc").hexdigest()}
+    assert set(got["hashing"]) == {"computed", "cached", "hub_named", "hash_s", "bytes_hashed"}
+    assert (got["hashing"]["computed"], got["hashing"]["cached"], got["hashing"]["bytes_hashed"]) == (
+        ["vae/model.safetensors"], [], 3)
+    again = eng.hash_weights(s)  # digests cached in the engine's cache dir
+    assert again["files"] == got["files"] and (again["hashing"]["computed"], again["hashing"]["cached"]) == (
+        [], ["vae/model.safetensors"])
+    assert (tmp_path / "cache" / "weight_digests.json").is_file()
