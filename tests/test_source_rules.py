@@ -500,3 +500,15 @@ def test_hash_weights_digests_the_component_weights_and_reports_the_hashing(comp
     assert again["files"] == got["files"] and (again["hashing"]["computed"], again["hashing"]["cached"]) == (
         [], ["vae/model.safetensors"])
     assert (tmp_path / "cache" / "weight_digests.json").is_file()
+
+
+def test_embedded_snapshot_is_built_at_the_target_as_the_task_pipeline(compose, tmp_path):
+    from models.snapshot import missing_weights, read_index
+
+    eng = engine(compose, "tiny_wan_i2v", "model.task=image_to_video")
+    eng.cache_dir = str(tmp_path)
+    arch = eng.arch_copy()
+    path = eng.embedded_snapshot(arch)
+    assert path == eng.embedded_target(arch) and path.parent == tmp_path
+    assert read_index(path)["_class_name"] == "WanImageToVideoPipeline" and missing_weights(path) == []
+    assert "image_encoder" in read_index(path)
