@@ -201,6 +201,31 @@ def test_layout_problems_of_a_task_with_its_own_snapshot(compose, tmp_path):
     assert base.layout_problems(s, "WanPipeline", comps) == []
     assert base.layout_problems(s, "WanPipeline", dict(comps, transformer_2="X")) == [
         "transformer_2 is X, expected WanTransformer3DModel"]
+    # an absent optional expert is skipped, and the components after it are still checked
+    assert base.layout_problems(s, "WanPipeline", dict(comps, vae="X")) == ["vae is X, expected AutoencoderKLWan"]
+    # the task's own components: image_to_video needs the image encoder
+    eng = engine(compose, "tiny_wan_i2v", "model.task=image_to_video")
+    assert eng.layout_problems(s, "WanImageToVideoPipeline", comps) == [
+        "component image_encoder (CLIPVisionModelWithProjection) is missing", "processor image_processor is missing"]
+    # several problems, each named (joined by "; " in check_layout's message)
+    with pytest.raises(ModelPathError) as e:
+        eng.check_layout(write_snapshot(tmp_path / "w2", {"_class_name": "WanImageToVideoPipeline",
+                                                          **{c: ["x", v] for c, v in comps.items() if c != "vae"}},
+                                        {f"{c}/config.json": "{}" for c in comps}))
+    assert ("can load: component vae (AutoencoderKLWan) is missing; component image_encoder "
+            "(CLIPVisionModelWithProjection) is missing; processor image_processor is missing (the snapshot: "
+            "WanImageToVideoPipeline with ") in str(e.value)
+
+
+def test_layout_problems_of_a_task_with_processors(compose, tmp_path):
+    eng = engine(compose, "tiny_qwen_image_edit")
+    assert eng.task == "edit"
+    comps = {"transformer": "QwenImageTransformer2DModel", "vae": "AutoencoderKLQwenImage",
+             "text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": "Qwen2Tokenizer",
+             "scheduler": "FlowMatchEulerDiscreteScheduler"}
+    s = write_snapshot(tmp_path / "q", {}, {f"{c}/config.json": "{}" for c in comps})
+    assert eng.layout_problems(s, "QwenImageEditPlusPipeline", comps) == ["processor processor is missing"]
+    assert eng.layout_problems(s, "QwenImageEditPlusPipeline", dict(comps, processor="Qwen2VLProcessor")) == []
 
 
 def test_check_layout_message_and_the_transformer_rule(compose, tmp_path):
@@ -247,8 +272,9 @@ def test_check_layout_message_and_the_transformer_rule(compose, tmp_path):
                                               "vae": ["diffusers", "AutoencoderKL"], "x": [None, None]})
     with pytest.raises(ModelPathError) as e:
         dif.check_layout(unet)
-    assert str(e.value).startswith(f"model.path={str(unet)!r}: StableDiffusionPipeline has no transformer "
-                                   "(unet: U, vae: AutoencoderKL); the runner serves")
+    assert str(e.value) == (f"model.path={str(unet)!r}: StableDiffusionPipeline has no transformer (unet: U, vae: "
+                            "AutoencoderKL); the runner serves transformer-based pipelines (a UNet pipeline is not "
+                            "one); fix: a DiT snapshot (FLUX.1, SD3.5, Qwen-Image, Wan...)")
 
 
 # ------------------------------------------------------------------------------------------------ architecture
