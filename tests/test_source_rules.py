@@ -451,6 +451,13 @@ def test_check_processor_keys(compose):
     with pytest.raises(ConfigValueError) as e:
         eng.check_processor_keys({comp: {"zzzzzzzz": 1}}, where="w")
     assert str(e.value).startswith(f"w.{comp}.zzzzzzzz is not an argument of the ") and "(it takes " in str(e.value)
+    with pytest.raises(ConfigValueError) as e:
+        eng.check_processor_keys({comp: {"max_pixel": 1}})
+    assert str(e.value) == (f"model.architecture.{comp}.max_pixel is not an argument of the qwen2_vl processor; did "
+                            f"you mean model.architecture.{comp}.max_pixels? fix: remove or correct it")
+    eng.check_processor_keys({comp: {"max_pixels": 1}})
+    # without a family there are no processors to check
+    assert engine(compose, "tiny_flux", "model.engine=diffusers").check_processor_keys({"processor": 3}) is None
 
 
 # ------------------------------------------------------------------------------------------------ components
