@@ -545,3 +545,34 @@ def test_embedded_snapshot_is_built_at_the_target_as_the_task_pipeline(compose, 
     assert path == eng.embedded_target(arch) and path.parent == tmp_path
     assert read_index(path)["_class_name"] == "WanImageToVideoPipeline" and missing_weights(path) == []
     assert "image_encoder" in read_index(path)
+
+
+def test_resolve_source_of_a_hub_id_in_the_local_cache(compose, tmp_path, monkeypatch):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--runner-test--tiny-flux"
+    snap = flux_snapshot(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    got = engine(compose, "tiny_flux", "model.path=runner-test/tiny-flux").resolve_source()
+    assert got["kind"] == "path" and got["path"] == str(snap.resolve()) and got["revision"] is None
+    assert got["hub"]["repo_id"] == "runner-test/tiny-flux" and got["hub"]["revision"] == commit
+    assert set(got["hub"]) <= {"repo_id", "revision", "requested_revision", "cache_dir"} and "path" not in got["hub"]
+
+
+def test_resolve_source_details(compose, tmp_path):
+    # without a weights_seed the dummy source records 0
+    assert engine(compose, "tiny_flux", "model.load_format=dummy", "~model.architecture.weights_seed"
+                  ).resolve_source() == {"kind": "dummy", "weights_seed": 0}
+    s = flux_snapshot(tmp_path / "s")
+    # with model.path the architecture is the snapshot's: a key no builder reads is not checked against the family
+    assert engine(compose, "tiny_flux", f"model.path={s}", "+model.architecture.transformr={}"
+                  ).resolve_source()["kind"] == "path"
+    (s / "transformer" / "config.json").write_text(json.dumps({"num_layers": 1, "attention_head_dim": 32}))
+    # two keys of one component are both compared
+    with pytest.raises(ConfigValueError) as e:
+        engine(compose, "tiny_flux", f"model.path={s}", "model.architecture.transformer.num_layers=1",
+               "model.architecture.transformer.attention_head_dim=16").resolve_source()
+    assert "attention_head_dim=16: the snapshot's transformer/config.json says 32" in str(e.value)
+    assert "num_layers" not in str(e.value)
