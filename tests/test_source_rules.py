@@ -307,6 +307,18 @@ def test_check_architecture_names_the_unknown_key_and_the_closest(compose):
         eng.check_architecture(dict(arch, pipeline={"x": 1}))  # flux declares no pipeline settings
 
 
+def test_check_architecture_a_backend_key_is_named_where_it_belongs(compose):
+    from runner.core.resolve import MisplacedBackendKeyError, misplaced_backend_message
+
+    eng = engine(compose, "tiny_flux")
+    arch = eng.arch_copy()
+    with pytest.raises(MisplacedBackendKeyError) as e:
+        eng.check_architecture(dict(arch, attn_backend="sdpa"), where="w")
+    assert str(e.value) == misplaced_backend_message("w.attn_backend", "sdpa")
+    # a key that is a component name is no misplaced backend key, whatever it looks like
+    eng.check_architecture(dict(arch, tokenizer={"vocab_size": 8}))
+
+
 def test_check_architecture_of_an_optional_expert_and_of_a_task(compose):
     wan = engine(compose, "tiny_wan")
     arch = wan.arch_copy()
@@ -323,6 +335,23 @@ def test_check_architecture_of_an_optional_expert_and_of_a_task(compose):
     assert "model=tiny_wan_flf2v|tiny_wan_i2v|wan_i2v" in str(e.value)
     engine(compose, "tiny_wan_i2v", "model.task=image_to_video").check_architecture(
         engine(compose, "tiny_wan_i2v").arch_copy())
+    # a task's own components and processors are known keys of the family's architecture (text_to_video too)
+    i2v_arch = engine(compose, "tiny_wan_i2v").arch_copy()
+    wan.check_architecture(dict(arch, image_encoder=i2v_arch["image_encoder"], image_processor={}))
+    i2v = engine(compose, "tiny_wan_i2v", "model.task=image_to_video")
+    with pytest.raises(ConfigValueError, match="image_encoder"):  # checked where the task builds it
+        i2v.check_architecture(dict(i2v_arch, image_encoder=dict(i2v_arch["image_encoder"], hidden_sise=1)))
+
+
+def test_check_architecture_checks_the_processor_and_pipeline_keys(compose):
+    eng = engine(compose, "tiny_qwen_image_edit")
+    arch = eng.arch_copy()
+    eng.check_architecture(arch)
+    with pytest.raises(ConfigValueError, match="processor.max_pixel is not an argument"):
+        eng.check_architecture(dict(arch, processor={"max_pixel": 1}))
+    wan = engine(compose, "tiny_wan")
+    with pytest.raises(ConfigValueError, match="w.pipeline.zeta is not a setting of WanPipeline"):
+        wan.check_architecture(dict(wan.arch_copy(), pipeline={"zeta": 1}), where="w")
 
 
 def test_check_architecture_without_components(compose):
