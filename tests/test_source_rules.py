@@ -358,7 +358,8 @@ def test_check_architecture_without_components(compose):
     eng = engine(compose, "tiny_flux", "model.engine=diffusers")
     with pytest.raises(ConfigValueError) as e:
         eng.check_architecture({})
-    assert str(e.value).startswith("model=tiny_flux: model.engine=diffusers builds no architecture")
+    assert str(e.value) == ("model=tiny_flux: model.engine=diffusers builds no architecture; fix: "
+                            f"model.path=<snapshot>, or a family engine ({', '.join(src.family_names())})")
 
 
 def test_check_pipeline_keys(compose):
@@ -367,7 +368,9 @@ def test_check_pipeline_keys(compose):
     wan.check_pipeline_keys({})
     with pytest.raises(ConfigValueError) as e:
         wan.check_pipeline_keys([1], where="w")
-    assert str(e.value).startswith("w.pipeline=[1] is not a mapping of boundary_ratio, expand_timesteps")
+    assert str(e.value) == ("w.pipeline=[1] is not a mapping of boundary_ratio, expand_timesteps; fix: a mapping (or "
+                            "remove it for the pipeline's defaults)")
+    engine(compose, "tiny_flux", "model.engine=diffusers").check_pipeline_keys({})  # no family: nothing to check
     with pytest.raises(ConfigValueError) as e:
         wan.check_pipeline_keys({"zeta": 1, "beta": 2, "boundary_ratio": 1})
     assert str(e.value).startswith("model.architecture.pipeline.beta is not a setting of WanPipeline the runner "
