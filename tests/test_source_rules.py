@@ -18,7 +18,7 @@ from runner.core.errors import ConfigValueError
 from runner.core.weights import ModelPathError
 
 
-def engine(compose, model: str, *overrides: str, cli: Optional[list] = None):
+def engine(compose, model: str, *overrides: str, cli: Optional[list] = None, dtype: torch.dtype = torch.float32):
     """The engine of ``model=<model>`` (its family's, or ``model.engine=diffusers``) composed with ``overrides``;
     ``cli``: the command-line overrides the stage context records (default: ``overrides``)."""
     from models.base import StageContext
@@ -26,7 +26,7 @@ def engine(compose, model: str, *overrides: str, cli: Optional[list] = None):
 
     cfg = compose([f"model={model}", "platform=cpu", *overrides])
     ctx = StageContext(cfg=cfg, overrides=list(overrides if cli is None else cli), stage="denoise",
-                       plat=detect("cpu", None), dtype=torch.float32)
+                       plat=detect("cpu", None), dtype=dtype)
     return engine_class(cfg.model.engine)(ctx)
 
 
@@ -449,6 +449,10 @@ def test_pipeline_settings_from_the_snapshot_or_the_architecture(compose, tmp_pa
     s = write_snapshot(tmp_path / "s", {"_class_name": "WanPipeline", "boundary_ratio": 0.75})
     wan.source = {"kind": "path", "path": str(s)}
     assert wan.pipeline_settings() == {"boundary_ratio": 0.75, "expand_timesteps": default}
+    write_snapshot(s, {"_class_name": "WanPipeline", "boundary_ratio": 0.5})
+    assert wan.pipeline_settings()["boundary_ratio"] == 0.75  # read once per weight source
+    wan.source = {"kind": "path", "path": str(s), "revision": None}
+    assert wan.pipeline_settings()["boundary_ratio"] == 0.5  # another source: read again
     wan.source = {"kind": "embedded"}
     got = wan.pipeline_settings()
     got["boundary_ratio"] = 9
@@ -544,6 +548,10 @@ def test_weight_bytes_of_dummy_weights_only(compose):
         return sum(p.numel() * 4 for v in comps.values() if isinstance(v, torch.nn.Module) for p in v.parameters())
 
     assert i2v.weight_bytes() == total("image_to_video") > total(None)
+    half = engine(compose, "tiny_wan_i2v", "model.load_format=dummy", "model.task=image_to_video",
+                  dtype=torch.bfloat16)
+    half.resolve_source()
+    assert half.weight_bytes() * 2 == total("image_to_video")  # 2 bytes a parameter
 
 
 def test_snapshot_task_and_embedded_target(compose, tmp_path):
