@@ -159,6 +159,7 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
         if self.source.get("kind") == "path":
             check_safetensors(Path(self.source["path"]))
         self.check_source()
+        self.check_task_components()
         for p in self.passes:
             p.prepare()
         self.resolutions, _ = self.resolve_backends()
@@ -205,6 +206,10 @@ class DiffusersEngine(DiffusionRows, BackendSelection, EngineBase):
     def check_source(self) -> None:
         """Config checks that need the model's own configs or tokenizers (read from the weight source, no weights
         load); none by default."""
+
+    def check_task_components(self) -> None:
+        """After :meth:`check_source`: architecture components this run's task would ignore
+        (:meth:`models.source.WeightSource.check_task_components`); none by default."""
 
     def row_expert_steps(self, row: ds.Row) -> Optional[Dict[str, int]]:
         """``{expert: steps it runs}`` in ``row``'s call on a model of several denoisers; None (one denoiser: it runs

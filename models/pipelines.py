@@ -212,6 +212,7 @@ class PipelineEngine(WeightSource, PromptTokens, FamilyRows, AttentionSites, Con
         """
         self.resolve_source()
         self.check_source()
+        self.check_task_components()
         for p in self.passes:
             p.prepare_plan(platform_kind)
 

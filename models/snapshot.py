@@ -154,6 +154,14 @@ def snapshot_tokenizers(path: Path, tokenizers_spec: Dict[str, Tuple[str, str, s
                                  f"{pipeline} needs; fix: point at a complete snapshot")
         cls = getattr(transformers, str(entry[1]), None) or transformers.AutoTokenizer
         try:
+            vocab = sorted(set((getattr(cls, "vocab_files_names", None) or {}).values()))
+        except ImportError:  # a dummy class (PixtralProcessor without torchvision): from_pretrained says so below
+            vocab = []
+        if vocab and not any((path / sub / f).is_file() for f in vocab):  # transformers would make one up (T5: 104
+            raise ModelPathError(  # tokens of specials and extra ids), so the run would encode with no vocabulary
+                f"model.path={str(path)!r}: {sub}/ has none of a {entry[1]}'s vocabulary files ({', '.join(vocab)}); "
+                "fix: re-download the snapshot's tokenizer files")
+        try:
             out[sub] = cls.from_pretrained(str(path / sub), local_files_only=True)
         except ImportError as e:  # a processor transformers declares unusable here (PixtralProcessor: torchvision)
             raise ModelPathError(f"model.path={str(path)!r}: {sub}/ is a {entry[1]}, which transformers cannot "

@@ -42,7 +42,7 @@ def models_with_task(task: str) -> List[str]:
     for p in sorted((CONF_DIR / "model").glob("*.yaml")):
         try:
             doc = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError):
+        except (OSError, ValueError, yaml.YAMLError):  # ValueError: UnicodeDecodeError (not UTF-8)
             continue
         if isinstance(doc, dict) and str(doc.get("task")) == task:
             out.append(p.stem)
@@ -235,6 +235,27 @@ class WeightSource:
             if key not in self.arch_other["tokenizer"]:
                 raise ConfigValueError(f"{where}.tokenizer.{key} is not read; it takes "
                                        f"{', '.join(self.arch_other['tokenizer'])}; fix: remove or correct it")
+
+    def check_task_components(self, where: str = "model.architecture") -> None:
+        """A ``model.architecture`` component or processor that only another task's pipeline builds (a text-to-video
+        Wan given an ``image_encoder``) would be ignored by this run's task, so it is refused. Checked for the sources
+        whose architecture :meth:`check_architecture` checks (dummy and embedded weights), after the engine's
+        :meth:`check_source` (whose rules name the task that fits a checkpoint of another task: Wan's input channels).
+
+        Raises:
+            ConfigValueError: naming the key, the tasks that build it, this run's task and the fix.
+        """
+        if self.spec is None or not (self.cfg.load_format == "dummy" or (self.cfg.embedded and not self.cfg.path)):
+            return
+        mine = {**self.task_components(self.task), **self.spec.processors_for(self.task)}
+        for key in self.arch_copy():
+            tasks = sorted(t for t, m in (*self.spec.task_components.items(), *self.spec.task_processors.items())
+                           if key in m and key not in mine)
+            if tasks:
+                raise ConfigValueError(
+                    f"{where}.{key} is built only for model.task={'|'.join(tasks)}; this run's task is {self.task} "
+                    f"(model={self.cfg.name}), whose pipeline takes no {key}; fix: remove {where}.{key}, or "
+                    f"model.task={tasks[0]}")
 
     def check_pipeline_keys(self, given: Any, where: str = "model.architecture") -> None:
         """``model.architecture.pipeline``: a mapping of the spec's ``pipeline_config`` arguments (the pipeline

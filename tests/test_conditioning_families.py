@@ -287,9 +287,12 @@ def test_engine_builds_the_task_snapshot_from_model_task(compose):
     arch = {k: v for k, v in eng.arch_copy().items() if k != "image_encoder"}
     with pytest.raises(ConfigValueError, match="image_encoder is missing"):
         eng.check_architecture(arch)
-    base = _engine(compose, "tiny_wan_i2v", "text_to_video")  # the base task: base components, extra keys accepted
-    assert base.task == "text_to_video" and base.snapshot_task() is None
+    base = _engine(compose, "tiny_wan_i2v", "text_to_video")  # the base task: base components; a component only
+    assert base.task == "text_to_video" and base.snapshot_task() is None  # another task builds is refused
     base.check_architecture(base.arch_copy())
+    with pytest.raises(ConfigValueError, match=r"^model\.architecture\.image_encoder is built only for "
+                       r"model\.task=image_to_video; this run's task is text_to_video \(model=tiny_wan_i2v\)"):
+        base.check_task_components()
     assert base.embedded_target(base.arch_copy()) != eng.embedded_target(eng.arch_copy())
     sd3 = _engine(compose, "tiny_sd3", "inpaint")  # inpaint reuses the text-to-image snapshot
     assert sd3.snapshot_task() is None and sd3.embedded_target(sd3.arch_copy()) == _engine(

@@ -81,6 +81,19 @@ def test_a_denoiser_of_another_tasks_input_channels_is_refused_before_loading(tm
     assert not list(tmp_path.rglob("*.mp4"))
 
 
+def test_a_component_only_another_task_builds_is_refused_before_loading(tmp_path):
+    """A text-to-video Wan given an ``image_encoder`` (only image-to-video's pipeline builds one) ran and ignored it;
+    it is refused at startup (exit 2, nothing loaded), naming the key, the task that builds it and the fix."""
+    loaded = []
+    r = execute(tmp_path / "run", ["model=tiny_wan", "+model.architecture.image_encoder={hidden_size:32}",
+                                   "dataset.limit=1"], on_loaded=loaded.append, catch=(RunnerError,))
+    assert isinstance(r.error, ConfigValueError) and r.error.exit_code == 2 and not loaded, r
+    assert str(r.error) == ("model.architecture.image_encoder is built only for model.task=image_to_video; this run's "
+                            "task is text_to_video (model=tiny_wan), whose pipeline takes no image_encoder; fix: "
+                            "remove model.architecture.image_encoder, or model.task=image_to_video")
+    assert not list(tmp_path.rglob("*.mp4"))
+
+
 def _video_configs():
     from pathlib import Path
 

@@ -268,6 +268,13 @@ def test_build_tokenizers_vocab_size_and_snapshot_tokenizers(tmp_path):
         assert str(e.value) == (f"model.path={str(tmp_path)!r} has no tokenizer_2 (model_index.json / tokenizer_2/), "
                                 "which P needs; fix: point at a complete snapshot")
     (tmp_path / "tokenizer_2").mkdir()
+    (tmp_path / "model_index.json").write_text(json.dumps(dict(index, tokenizer_2=["transformers",
+                                                                                    "T5TokenizerFast"])))
+    (tmp_path / "tokenizer_2" / "tokenizer_config.json").write_text("{}")  # no vocabulary: transformers would make
+    with pytest.raises(ModelPathError) as e:  # a T5 tokenizer of 104 special tokens from it
+        snap.snapshot_tokenizers(tmp_path, flux.tokenizers_spec, "P")
+    assert str(e.value) == (f"model.path={str(tmp_path)!r}: tokenizer_2/ has none of a T5TokenizerFast's vocabulary "
+                            "files (spiece.model, tokenizer.json); fix: re-download the snapshot's tokenizer files")
     (tmp_path / "tokenizer_2" / "tokenizer.json").write_text("{broken")  # not JSON
     (tmp_path / "model_index.json").write_text(json.dumps(dict(index, tokenizer_2=["transformers",
                                                                                     "T5TokenizerFast"])))

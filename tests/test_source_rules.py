@@ -69,6 +69,7 @@ def test_models_with_task_reads_each_model_config_sorted_and_skips_unreadable_on
     (d / "f.yaml").write_text("")  # empty
     (d / "g.yml").write_text("task: edit\n")  # not a .yaml file
     (d / "h.yaml").write_text("task: 5\n")
+    (d / "i.yaml").write_bytes("task: edit\nname: caf\u00e9\n".encode("latin-1"))  # not UTF-8: skipped
     monkeypatch.setattr(paths, "CONF_DIR", tmp_path)
     assert src.models_with_task("edit") == ["a", "b"]
     assert src.models_with_task("5") == ["h"]
@@ -346,9 +347,20 @@ def test_check_architecture_of_an_optional_expert_and_of_a_task(compose):
                             "task), or a model that has the task: model=tiny_wan_flf2v|tiny_wan_i2v|wan_i2v")
     engine(compose, "tiny_wan_i2v", "model.task=image_to_video").check_architecture(
         engine(compose, "tiny_wan_i2v").arch_copy())
-    # a task's own components and processors are known keys of the family's architecture (text_to_video too)
+    # a component or processor only another task builds is refused: the text_to_video pipeline would ignore it
     i2v_arch = engine(compose, "tiny_wan_i2v").arch_copy()
-    wan.check_architecture(dict(arch, image_encoder=i2v_arch["image_encoder"], image_processor={}))
+    wan.check_architecture(dict(arch, image_encoder=i2v_arch["image_encoder"], image_processor={}))  # known keys
+    wan.check_task_components()
+    for key, value in (("image_encoder", "{hidden_size:32}"), ("image_processor", "{}")):
+        t2v = engine(compose, "tiny_wan", f"+model.architecture.{key}={value}")
+        with pytest.raises(ConfigValueError) as e:
+            t2v.check_task_components(where="w")
+        assert str(e.value) == (f"w.{key} is built only for model.task=image_to_video; this run's task is "
+                                f"text_to_video (model=tiny_wan), whose pipeline takes no {key}; fix: remove "
+                                f"w.{key}, or model.task=image_to_video")
+        engine(compose, "tiny_wan", "model.load_format=auto", "model.path=/x",
+               f"+model.architecture.{key}={value}").check_task_components()  # a snapshot's configs decide
+    engine(compose, "tiny_wan_i2v").check_task_components()  # its own task builds them
     i2v = engine(compose, "tiny_wan_i2v", "model.task=image_to_video")
     with pytest.raises(ConfigValueError, match="image_encoder"):  # checked where the task builds it
         i2v.check_architecture(dict(i2v_arch, image_encoder=dict(i2v_arch["image_encoder"], hidden_sise=1)))
