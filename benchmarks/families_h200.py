@@ -49,7 +49,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -67,7 +67,8 @@ WORKLOADS = {  # the issue's workloads (#17): published defaults of each model
                 scale=0.05, iters=3),
     # LTX-2.0: 768x512, 121 frames at 24 fps, guidance 4.0 (batched CFG: one forward of batch 2 per step), with audio
     "ltx2": dict(model="ltx2", prompt="a lighthouse on a cliff at dusk, waves crashing, seagulls calling",
-                 negative="worst quality, inconsistent motion, blurry, jittery, distorted", scale=0.05, iters=3),
+                 negative="worst quality, inconsistent motion, blurry, jittery, distorted", scale=0.05, iters=3,
+                 free_text_encoder=True),  # Gemma 3 12B beside the 19B transformer and its FP8 copy: not on 80 GB
     # issue #31: FLUX.2-dev (32B, guidance-distilled, 1024^2, 50 steps; no negative prompt), klein 4B (4 steps),
     # Z-Image (1024^2, 50 steps, guidance 4 with a negative prompt, batched CFG)
     "flux2": dict(model="flux2", prompt="a photo of a lighthouse on a cliff at dusk", negative=None, scale=0.05,
@@ -160,7 +161,7 @@ def blocks_off(tr: torch.nn.Module, prefixes: Any, fwd: Any, ref: torch.Tensor) 
             "output_depends_on_blocks": d["max_abs"] != 0.0}
 
 
-def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
+def bench_family(family: str, smoke: bool, out: Path, evidence: Sequence[str] = ()) -> Dict[str, Any]:
     from omegaconf import OmegaConf
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -287,6 +288,10 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
             tr(*args[n], **captured[n])
     rec["compile_s"] = round(time.perf_counter() - t0, 1)
     timed("lossless")
+    torch._dynamo.reset()  # the lossless graphs hold the bf16 weights: freed before the FP8 copies are made
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     fp8 = None
     for _, tr in experts:
         fp8 = linear.install(tr, "FP8", prefixes=type(engine_for(cfg, device, dtype)).fp8_prefixes, observe=False,
@@ -311,7 +316,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     rec[f"speedup_{family}"], rec[f"mfu_{family}"] = rec["speedup_lossless"], rec["lossless"]["mfu"]
     if len(experts) > 1:
         rec["experts"] = per_expert
-    del pipe, experts, captured, args, refs, eng
+    del pipe, experts, captured, args, refs, eng, tr  # tr: the last expert (its weights stay alive otherwise)
     gc.collect()
     torch._dynamo.reset()
     if device == "cuda":
@@ -326,7 +331,7 @@ def bench_family(family: str, smoke: bool, out: Path) -> Dict[str, Any]:
     ev_ov = [*ov, "dataset=jsonl", f"dataset.path={rows}", "model.generation.num_inference_steps=2",
              "dataset.on_ignored=record",
              f"backend.attention={att}", f"backend.linear={'TORCH' if smoke else 'FP8'}", "compile=none",
-             *w.get("evidence", [])]
+             *w.get("evidence", []), *evidence]
     run_dir = out / f"{family}_evidence_run"
     t0 = time.perf_counter()
     code = run(compose(ev_ov), run_dir, ev_ov)
@@ -383,6 +388,8 @@ def main() -> int:
     ap.add_argument("--family", action="append", choices=list(WORKLOADS))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--evidence", action="append", default=[],
+                    help="an override added to the evidence run (memory.offload=auto on a card the model does not fit)")
     ap.add_argument("--merge", type=Path, nargs="+", help="families_<family>.json files to merge into --into")
     ap.add_argument("--into", type=Path, help="the merged result (benchmarks/results/families_2026_h200.json)")
     a = ap.parse_args()
@@ -396,12 +403,14 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     for fam in a.family:
         try:
-            rec = bench_family(fam, a.smoke, a.out)
+            rec = bench_family(fam, a.smoke, a.out, a.evidence)
         except Exception as e:  # one family failing must not lose the others' figures
             import traceback
 
             traceback.print_exc()
-            rec = {"family": fam, "error": f"{type(e).__name__}: {e}"}
+            kept = a.out / f"families_{fam}.json"  # the figures measured before the failure stay
+            rec = {**(json.loads(kept.read_text()) if kept.is_file() else {}), "family": fam,
+                   "error": f"{type(e).__name__}: {e}"}
         save(a.out, fam, rec)
     return 0
 

@@ -210,3 +210,32 @@ def test_record_add_sums_per_implementation():
     rec.add("TORCH", 3)
     rec.add("FP8", 2)
     assert rec.observed == {"TORCH": 4, "FP8": 2}
+
+
+def test_install_fp8_frees_each_dense_weight_before_quantizing_the_next(monkeypatch):
+    """The install kept every replaced ``nn.Linear`` alive until it returned, so its peak was the model plus every
+    FP8 copy (LTX-2 in bf16 on an 80 GB H100: ``OutOfMemoryError`` while loading). When layer k is quantized, the
+    dense weights of the layers replaced before it must be gone (``test_memory_cuda.py`` measures the GPU peak)."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)])
+    refs = [weakref.ref(m.weight) for m in model]
+    seen: list = []
+    quantize = L._quantize_rows
+
+    def checked(x):
+        if x.dim() == 2 and x.shape == (32, 32) and x.dtype == torch.float32:
+            k = next(i for i, r in enumerate(refs) if r() is not None and r().data_ptr() == x.data_ptr())
+            seen.append((k, [i for i, r in enumerate(refs[:k]) if r() is not None]))
+        return quantize(x)
+
+    monkeypatch.setattr(L, "_quantize_rows", checked)
+    gc.disable()  # freed by reference counting, not by a collection that might happen to run
+    try:
+        rec = L.install(model, "FP8", prefixes=("",), observe=False)
+    finally:
+        gc.enable()
+    assert rec.modules == 5 and all(type(m) is L.FP8Linear for m in model)
+    assert seen == [(k, []) for k in range(5)], seen  # (layer, earlier dense weights still alive)
+    assert all(r() is None for r in refs)

@@ -352,3 +352,23 @@ def test_a_budgeted_group_block_keeps_blocks_resident_and_the_images(tmp_path, b
     assert len(recs) == 4 and all(r["batch"]["size"] == 2 for r in recs), [r.get("batch") for r in recs]
     got, want = images(tmp_path / "r"), images(base_dir)
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
+
+
+def test_fp8_install_frees_each_bf16_weight_as_it_goes():
+    """``backend.linear=FP8`` on a model that fills most of the card: the install kept every replaced bf16 Linear
+    alive until it returned (its list of modules held them), so its peak was the model plus every FP8 copy; LTX-2
+    (63 GiB in bf16) failed to load on an 80 GB H100 with ``OutOfMemoryError`` in ``_quantize_rows``. Now each bf16
+    weight is freed when its FP8 copy replaces it: the peak is the model plus about one layer."""
+    from runner.kernels import linear
+
+    layers, n = 16, 4096  # 16 x 32 MiB of bf16 weights
+    model = torch.nn.Sequential(*[torch.nn.Linear(n, n, bias=False) for _ in range(layers)]).to("cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    rec = linear.install(model, "FP8", prefixes=("",), observe=False, device="cuda")
+    peak = torch.cuda.max_memory_allocated() - before
+    layer = n * n * 2
+    assert rec.modules == layers
+    assert torch.cuda.memory_allocated() - before < -layers * layer / 3  # bf16 (2 bytes) became FP8 (1 byte)
+    assert peak <= 5 * layer, (peak / layer, "layers")  # one layer in flight (its float32 copies: 4 layers of bf16)

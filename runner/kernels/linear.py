@@ -130,12 +130,15 @@ def install(model: nn.Module, backend: str,
         return _install_torchao(model, rec, linears, prefixes, observe)
     if backend != "FP8":
         raise ValueError(f"unknown linear backend {backend!r}")
-    for name, m in linears:
-        parent_name, _, child = name.rpartition(".")
+    for i in range(len(linears)):
+        name, m = linears[i]
+        linears[i] = None  # no reference left: each bf16 weight is freed once its FP8 copy replaces it, so the
+        parent_name, _, child = name.rpartition(".")  # peak is the model plus one layer, not plus every FP8 copy
         parent = model.get_submodule(parent_name) if parent_name else model
         if _eligible(name, m, prefixes):
             setattr(parent, child, FP8Linear(m, rec, device))
             rec.modules += 1
+            del m
         else:
             if observe:
                 m.register_forward_pre_hook(lambda mod, args, _r=rec: _r.add("TORCH"))
