@@ -1201,11 +1201,15 @@ class FittingPass(Pass):
         have = available_bytes(e.ctx.plat)
         if need is None or have is None or need <= have:
             return
+        fix = ("memory.offload=auto (the planner keeps on the device what fits and offloads the rest), a weight "
+               "quantization (model.quantization.transformer=int8wo), or a device with more free memory (another "
+               "process may hold some: nvidia-smi)" if e.ctx.plat.kind in GPU_KINDS else
+               "run it on a GPU (platform=cuda dtype=bfloat16), or use model=tiny_flux / model=toy_shapes on this "
+               "machine")
         raise ConfigValueError(
             f"model={e.model_cfg.name} needs {need / 2**30:.1f} GiB for its weights in "
             f"{str(e.dtype).replace('torch.', '')} on {e.ctx.plat.device}, but only {have / 2**30:.1f} GiB "
-            "is free; fix: run it on a GPU (platform=cuda dtype=bfloat16), or use model=tiny_flux / "
-            "model=toy_shapes on this machine")
+            f"is free; fix: {fix}")
 
     def prepare_rows(self, rows: List[Any], path: Any) -> List[Any]:
         """With an offload plan, ``auto`` or a budget, and on a CUDA device always: :meth:`plan` against the

@@ -713,3 +713,20 @@ def test_resident_blocks_under_lazy_prefetching_chain_the_streamed_blocks_only()
     top = m._diffusers_hook.get_hook(_GROUP_OFFLOADING)
     assert top.next_group is hook[2].group and hook[2].next_group is hook[3].group and hook[3].next_group is None
     assert m._diffusers_hook.get_hook(_LAZY_PREFETCH_GROUP_OFFLOADING) is None  # the first forward finished it
+
+
+def test_weights_that_cannot_fit_the_host_are_refused_naming_a_fix_for_this_machine(tmp_path):
+    """FLUX.2-dev's dummy weights in float32 (~224 GB: the 32B transformer and the 24B Mistral encoder) fit no CPU
+    host: refused before anything loads, with the sizes and the CPU fix (a GPU, or a tiny model); the GPU wording
+    (an offload plan, a quantization, a freer device) is ``test_memory_cuda.py``'s."""
+    loaded = []
+    r = execute(tmp_path / "r", ["model=flux2", "model.load_format=dummy", "dataset.limit=1"],
+                on_loaded=loaded.append, catch=(RunnerError,))
+    assert r.error is not None and r.error.exit_code == 2, (r.code, r.error)
+    msg = str(r.error)
+    assert msg.startswith("model=flux2 needs ") and " GiB for its weights in float32 on cpu, but only " in msg, msg
+    need = float(msg.split(" needs ")[1].split(" GiB")[0])
+    assert 190 < need < 240, msg  # 32B + 24B parameters and the VAE, 4 bytes each
+    assert msg.endswith("is free; fix: run it on a GPU (platform=cuda dtype=bfloat16), or use model=tiny_flux / "
+                        "model=toy_shapes on this machine"), msg
+    assert not loaded

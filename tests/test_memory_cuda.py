@@ -372,3 +372,19 @@ def test_fp8_install_frees_each_bf16_weight_as_it_goes():
     assert rec.modules == layers
     assert torch.cuda.memory_allocated() - before < -layers * layer / 3  # bf16 (2 bytes) became FP8 (1 byte)
     assert peak <= 5 * layer, (peak / layer, "layers")  # one layer in flight (its float32 copies: 4 layers of bf16)
+
+
+def test_weights_that_cannot_fit_the_gpu_are_refused_naming_the_gpu_fixes(tmp_path):
+    """On a GPU the fix is an offload plan, a quantization or a freer device, not "run it on a GPU" (the message a
+    run on an 80 GB H100 printed while another process held 22 GB). FLUX.2-dev's dummy weights in float32 (~224 GB)
+    fit no single card."""
+    from _helpers import execute
+
+    r = execute(tmp_path / "r", ["platform=cuda", "dtype=float32", "model=flux2", "model.load_format=dummy",
+                                 "dataset.limit=1"], catch=(RunnerError,))
+    assert r.error is not None and r.error.exit_code == 2, (r.code, r.error)
+    msg = str(r.error)
+    assert msg.startswith("model=flux2 needs ") and " GiB for its weights in float32 on cuda" in msg, msg
+    assert msg.endswith("is free; fix: memory.offload=auto (the planner keeps on the device what fits and offloads "
+                        "the rest), a weight quantization (model.quantization.transformer=int8wo), or a device with "
+                        "more free memory (another process may hold some: nvidia-smi)"), msg
