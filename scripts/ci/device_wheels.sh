@@ -10,6 +10,10 @@
 #   .whlb   ~9 MiB  bitsandbytes, repacked with only its CUDA 13.0 and CPU libraries (the wheel ships one per CUDA
 #                   version: 43 MiB); the device image has torch 2.11 + CUDA 13.0 (KINDS.md)
 #   .whlv  ~29 MiB  imageio-ffmpeg 0.6.0 (its ffmpeg binary; 0.8.x is 68 MiB and would not travel): video tests
+#   .whlf  ~14 MiB  flashinfer-python 0.6.12 (vLLM 0.24's pin; JIT: its kernels compile on the device with the image's
+#                   nvcc and ninja at first use) + nvidia-ml-py, tabulate, einops (what `import flashinfer.prefill`
+#                   needs beyond the image and the vLLM carry's apache-tvm-ffi); flashinfer-cubin (447 MB of
+#                   precompiled kernels) does not travel: FLASHINFER_ATTN tests (backend.attention=FLASHINFER_ATTN)
 # The image's own torch, transformers, peft, accelerate, torchmetrics, safetensors, attrs, pyyaml are used as they are
 # (KINDS.md "Python packages already there"). vLLM travels apart (benchmarks/vllm_h200_wheels.py).
 # env.sh installs every carried folder's wheels into /tmp/site (--no-deps: each dependency is listed above) and
@@ -25,7 +29,7 @@ PLAT=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --
 
 prepare() {
   mkdir -p .git/info
-  for d in .whl .whlb .whlv; do
+  for d in .whl .whlb .whlv .whlf; do
     grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
     rm -rf "$d" && mkdir -p "$d"
   done
@@ -52,9 +56,10 @@ with zipfile.ZipFile(src) as zi, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED)
 print(f"bitsandbytes repacked: {dst} ({dst.stat().st_size / 2**20:.1f} MiB)")
 PY
   python3 -m pip download -q "${PLAT[@]}" --platform manylinux2010_x86_64 -d .whlv imageio-ffmpeg==0.6.0
+  python3 -m pip download -q "${PLAT[@]}" -d .whlf flashinfer-python==0.6.12 nvidia-ml-py tabulate einops
   cat > .whl/env.sh <<'SH'
 # source .whl/env.sh (device): install the carried wheels (scripts/ci/device_wheels.sh) into /tmp/site
-for d in .whl .whlb .whlv; do
+for d in .whl .whlb .whlv .whlf; do
   if ls "$d"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl \
       2>&1 | grep -v "^WARNING: Target directory" || true
@@ -64,7 +69,7 @@ for d in .whl .whlb .whlv; do
 done
 export PYTHONPATH=/tmp/site:$PWD
 SH
-  du -sh .whl .whlb .whlv
+  du -sh .whl .whlb .whlv .whlf
 }
 
 case "${1:-}" in
