@@ -72,7 +72,7 @@ WORKLOADS = {  # the issue's workloads (#17): published defaults of each model
     # issue #31: FLUX.2-dev (32B, guidance-distilled, 1024^2, 50 steps; no negative prompt), klein 4B (4 steps),
     # Z-Image (1024^2, 50 steps, guidance 4 with a negative prompt, batched CFG)
     "flux2": dict(model="flux2", prompt="a photo of a lighthouse on a cliff at dusk", negative=None, scale=0.05,
-                  iters=1, free_text_encoder=True),
+                  iters=1, free_text_encoder=True, encode_apart_below_gb=120),  # 64 + 48 GB of bf16 weights
     # klein: weights unscaled (1.0). FLUX.2's transformer has no biases, so at 0.05 its modulation gates are ~3.5e-6
     # and the output is bit-identical with the blocks off (blocks_off): every vs_baseline read 0.0, FP8's included.
     # At 1.0 (1024^2, bf16, CPU) the output is finite and the blocks make 3.2% of it (mean abs 0.0149 of 0.461)
@@ -161,7 +161,8 @@ def blocks_off(tr: torch.nn.Module, prefixes: Any, fwd: Any, ref: torch.Tensor) 
             "output_depends_on_blocks": d["max_abs"] != 0.0}
 
 
-def bench_family(family: str, smoke: bool, out: Path, evidence: Sequence[str] = ()) -> Dict[str, Any]:
+def bench_family(family: str, smoke: bool, out: Path, evidence: Sequence[str] = (), encode_apart: bool = False
+                 ) -> Dict[str, Any]:
     from omegaconf import OmegaConf
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -185,7 +186,26 @@ def bench_family(family: str, smoke: bool, out: Path, evidence: Sequence[str] = 
                            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     t0 = time.perf_counter()
     arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
-    pipe = eng.pipeline_cls()(**eng.build_components(arch, device=device, dtype=dtype))
+    pcls = eng.pipeline_cls()
+    total_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if device == "cuda" else None
+    apart = encode_apart or bool(total_gb and total_gb < w.get("encode_apart_below_gb", 0))
+    prompt_embeds = None
+    if apart:  # the text encoder alone first (the others on the meta device), then everything but it
+        others = [c for c in type(eng).components if c not in ("text_encoder", "scheduler")]
+        enc = pcls(**eng.build_components(arch, device=device, dtype=dtype, on_meta=others))
+        with torch.inference_mode():
+            prompt_embeds = enc.encode_prompt(prompt=w["prompt"], device=device,
+                                              max_sequence_length=int(g.max_sequence_length))[0]
+        del enc
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        pipe = pcls(**eng.build_components(arch, device=device, dtype=dtype, on_meta=["text_encoder"]))
+        pipe.text_encoder = None
+        rec["encode_apart"] = (f"the prompt encoded by the text encoder alone, then freed: the card's "
+                               f"{total_gb:.0f} GiB cannot hold every component" if total_gb else "asked")
+    else:
+        pipe = pcls(**eng.build_components(arch, device=device, dtype=dtype))
     pipe.set_progress_bar_config(disable=True)
     rec["build_s"] = round(time.perf_counter() - t0, 1)
 
@@ -207,6 +227,9 @@ def bench_family(family: str, smoke: bool, out: Path, evidence: Sequence[str] = 
 
     hooks = [m.register_forward_pre_hook(grab(n), with_kwargs=True) for n, m in experts]
     call = dict(prompt=w["prompt"], height=g.height, width=g.width, num_inference_steps=2, output_type="latent")
+    if prompt_embeds is not None:
+        call.pop("prompt")
+        call["prompt_embeds"] = prompt_embeds
     if g.get("num_frames"):
         call["num_frames"] = g.num_frames
     takes = set(inspect.signature(type(pipe).__call__).parameters)  # the pipeline's own arguments
@@ -388,6 +411,9 @@ def main() -> int:
     ap.add_argument("--family", action="append", choices=list(WORKLOADS))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--encode-apart", action="store_true",
+                    help="encode the prompt with the text encoder alone, then build the rest (automatic for FLUX.2-dev "
+                         "on a card under 120 GiB)")
     ap.add_argument("--evidence", action="append", default=[],
                     help="an override added to the evidence run (memory.offload=auto on a card the model does not fit)")
     ap.add_argument("--merge", type=Path, nargs="+", help="families_<family>.json files to merge into --into")
@@ -403,7 +429,7 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     for fam in a.family:
         try:
-            rec = bench_family(fam, a.smoke, a.out, a.evidence)
+            rec = bench_family(fam, a.smoke, a.out, a.evidence, a.encode_apart)
         except Exception as e:  # one family failing must not lose the others' figures
             import traceback
 

@@ -20,7 +20,7 @@ import importlib
 import json
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Collection, Dict, List, Optional, Tuple
 
 import torch
 
@@ -231,11 +231,15 @@ class ComponentBuilder:
 
     @classmethod
     def build_components(cls, arch: Dict[str, Any], device: str | torch.device = "cpu",
-                         dtype: torch.dtype = torch.float32, task: Optional[str] = None) -> Dict[str, Any]:
+                         dtype: torch.dtype = torch.float32, task: Optional[str] = None,
+                         on_meta: Collection[str] = ()) -> Dict[str, Any]:
         """Every component of the family from ``arch`` with random weights seeded by ``arch['weights_seed']``
         (models built in ``components`` order after one ``torch.manual_seed``), plus the tokenizers; for a
         conditioning ``task`` also its task components (after the base ones, so the base weights are unchanged)
-        and processors (:meth:`models.family.FamilySpec.components_for` / ``processors_for``).
+        and processors (:meth:`models.family.FamilySpec.components_for` / ``processors_for``). ``on_meta``: components
+        built on the meta device instead (no memory, no random numbers drawn, so the others' weights differ from a
+        whole build's), for a caller that cannot hold every component at once (``benchmarks/families_h200.py``:
+        FLUX.2-dev's encoder, then its transformer, on an 80 GB card).
 
         Returns:
             ``{component: object}``, the keyword arguments of the pipeline class.
@@ -256,8 +260,8 @@ class ComponentBuilder:
         torch.set_default_dtype(dtype if dtype.is_floating_point else torch.float32)
         built: Dict[str, Any] = {}
         try:
-            with torch.device(device):
-                for comp, (model_cls, config_cls) in classes.items():
+            for comp, (model_cls, config_cls) in classes.items():
+                with torch.device("meta" if comp in on_meta else device):
                     kw = dict(arch[comp])
                     if config_cls is not None:
                         if comp in kinds:

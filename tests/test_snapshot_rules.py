@@ -339,6 +339,14 @@ def test_build_components_seeded_eval_typed_and_the_default_dtype_restored():
     assert {p.dtype for p in i["transformer"].parameters()} == {torch.float32}
     m = flux.build_components(arch, device="meta")
     assert all(p.is_meta for p in m["transformer"].parameters())
+    # on_meta: those components on the meta device (no memory), the others built as asked, typed and scaled
+    part = flux.build_components(dict(arch, dummy_weight_scale=2.0), dtype=torch.bfloat16,
+                                 on_meta=("transformer", "text_encoder_2"))
+    assert all(p.is_meta for c in ("transformer", "text_encoder_2") for p in part[c].parameters())
+    assert not any(p.is_meta for c in ("vae", "text_encoder") for p in part[c].parameters())
+    assert {p.dtype for c in ("vae", "text_encoder", "transformer") for p in part[c].parameters()} == {torch.bfloat16}
+    assert type(part["transformer"]) is type(a["transformer"]) and not part["transformer"].training
+    assert torch.get_default_dtype() == prev
 
 
 def test_build_components_weight_scale_multiplies_the_experts_matrices_only():
