@@ -518,3 +518,209 @@ def test_a_tokenizer_length_of_a_billion_or_more_is_no_ceiling(compose, m, limit
     k = _engine(compose, "model=tiny_flux2_klein")
     k.tokenizers()["qwen3"].model_max_length = m
     assert k.sequence_limit() == limit
+
+
+# ------------------------------------------------------------------ check_ignored: messages, records, the log
+
+
+WAN_TC = ("WanPipeline takes no true_cfg_scale (its classifier-free guidance is guidance_scale)",
+          "set guidance_scale instead")
+WAN_NEG = "guidance_scale <= 1 turns classifier-free guidance off, and WanPipeline uses the negative prompt only with it"
+
+
+def test_a_chosen_ignored_default_is_refused_with_key_why_and_every_fix(compose):
+    e = _engine(compose, "model=tiny_wan", "dataset.on_ignored=error", "model.generation.true_cfg_scale=2.0")
+    with pytest.raises(ConfigValueError) as ex:
+        e.check_ignored([_row(1)], "p")
+    assert str(ex.value) == (
+        f"model.generation.true_cfg_scale=2.0 is ignored by model=tiny_wan: {WAN_TC[0]}; fix: "
+        f"model.generation.true_cfg_scale=null, {WAN_TC[1]}, or dataset.on_ignored=record to run it and record the "
+        "value as ignored")
+
+
+def test_a_rows_ignored_value_is_refused_in_error_mode_with_file_line_and_model(compose):
+    e = _engine(compose, "model=tiny_wan", "dataset.on_ignored=error")
+    rows = [_row(1, ("negative_prompt",), guidance_scale=4.0, negative_prompt="blur"),
+            _row(2, ("negative_prompt",), guidance_scale=1.0, negative_prompt="ugly")]
+    with pytest.raises(DatasetError) as ex:
+        e.check_ignored(rows, "rows.jsonl")
+    assert ex.value.problems == [
+        f"rows.jsonl:2: field 'negative_prompt' = 'ugly' is ignored by model=tiny_wan: {WAN_NEG}; fix: remove "
+        "'negative_prompt' from the row, guidance_scale > 1 in that row (Wan 2.1: 5.0), or dataset.on_ignored=record "
+        "to run it and record the value as ignored"]  # the family's usual guidance (WAN's guidance_hint) in the fix
+    assert e.check_ignored(rows[:1], "rows.jsonl") == rows[:1]  # guidance on: the negative prompt acts
+
+
+def test_ignored_values_are_stripped_recorded_and_logged_under_record(compose, caplog):
+    e = _engine(compose, "model=tiny_wan", "dataset.on_ignored=record", "model.generation.true_cfg_scale=2.0")
+    rows = [_row(1, ("negative_prompt",), guidance_scale=1.0, negative_prompt="blur"),
+            _row(2, ("negative_prompt",), guidance_scale=4.0, negative_prompt="ugly"), _row(3)]
+    with caplog.at_level("WARNING", logger="runner"):
+        out = e.check_ignored(rows, "rows.jsonl")
+    tc = {"value": 2.0, "why": WAN_TC[0], "from": "model.generation.true_cfg_scale"}
+    assert [r.ignored for r in out] == [
+        {"negative_prompt": {"value": "blur", "why": WAN_NEG, "from": "rows.jsonl:1"}, "true_cfg_scale": tc},
+        {"true_cfg_scale": tc}, {"true_cfg_scale": tc}]
+    assert [r.negative_prompt for r in out] == [None, "ugly", None]
+    assert caplog.messages == [
+        "3 of 3 rows set or take a value that model=tiny_wan ignores (negative_prompt, true_cfg_scale); it is not "
+        "applied, and their records list it under 'ignored' (a row's value under dataset.on_ignored=record, or a "
+        "default of the model that does not act on them)"]
+    caplog.clear()
+    plain = _engine(compose, "model=tiny_wan", "dataset.on_ignored=record")
+    with caplog.at_level("WARNING", logger="runner"):
+        out = plain.check_ignored(rows, "rows.jsonl")
+    assert [r.ignored is None for r in out] == [False, True, True]
+    assert caplog.messages[0].startswith("1 of 3 rows set or take a value that model=tiny_wan ignores "
+                                         "(negative_prompt); it is not applied")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runner"):
+        assert plain.check_ignored(rows[1:], "rows.jsonl") == rows[1:]  # nothing ignored: no record, no log
+    assert caplog.messages == []
+
+
+def test_the_ignored_rules_read_the_rows(compose):
+    # FLUX's true CFG: true_cfg_scale > 1 is ignored only when no row has a negative prompt
+    e = _engine(compose, "model=tiny_flux", "dataset.on_ignored=record", "model.generation.true_cfg_scale=2.0")
+    assert e.check_ignored([_row(1)], "p")[0].ignored["true_cfg_scale"]["value"] == 2.0
+    with_neg = [_row(1), _row(2, ("negative_prompt",), negative_prompt="blur")]
+    assert [r.ignored for r in e.check_ignored(with_neg, "p")] == [None, None]
+
+
+def test_the_models_own_ignored_default_is_recorded_not_refused(compose):
+    # qwen_image's YAML sets true_cfg_scale: 4.0 (the model card's) and the rows have no negative prompt
+    e = _engine(compose, "model=qwen_image", "model.load_format=dummy", "dataset.on_ignored=error")
+    out = e.check_ignored([_row(1), _row(2)], "p")
+    assert [r.ignored["true_cfg_scale"]["value"] for r in out] == [4.0, 4.0]
+    assert {r.ignored["true_cfg_scale"]["from"] for r in out} == {"model.generation.true_cfg_scale"}
+    assert e.chosen("model.generation.true_cfg_scale", 4.0) is False  # the YAML's own value
+    assert e.chosen("model.generation.true_cfg_scale", 3.0) is True  # another value: the user's (an experiment)
+
+
+def _wan22_rows(e, *rows):
+    from dataclasses import replace
+
+    return [replace(r, spec=e.row_spec()) for r in rows]
+
+
+def test_a_default_ignored_in_some_rows_is_recorded_there_even_in_error_mode(compose):
+    # tiny_wan22's guidance_scale_2: 3.0 acts only under classifier-free guidance (guidance_scale > 1)
+    e = _engine(compose, "model=tiny_wan22", "dataset.on_ignored=error")
+    out = e.check_ignored(_wan22_rows(e, _row(1, guidance_scale=1.0), _row(2, guidance_scale=4.0)), "p")
+    assert out[0].ignored == {"guidance_scale_2": {
+        "value": 3.0, "why": "guidance_scale <= 1 turns classifier-free guidance off for both experts",
+        "from": "model.generation.guidance_scale_2"}}
+    assert out[1].ignored is None
+
+
+def test_a_partly_ignored_default_does_not_end_the_check_of_the_next_fields(compose):
+    # the rules after a rule that applies to some rows only are still checked: a chosen default they ignore is refused
+    e = _engine(compose, "model=tiny_wan22", "dataset.on_ignored=error", "model.generation.true_cfg_scale=2.0")
+    rules = e.ignored_fields([])
+    assert list(rules) == ["true_cfg_scale", "negative_prompt", "guidance_scale_2"]
+
+    class Later(type(e)):  # the same rules, the one that applies to some rows first
+        def ignored_fields(self, rows):
+            out = super().ignored_fields(rows)
+            return {"guidance_scale_2": out["guidance_scale_2"], "true_cfg_scale": out["true_cfg_scale"]}
+
+    e.__class__ = Later
+    with pytest.raises(ConfigValueError, match=r"^model.generation.true_cfg_scale=2.0 is ignored by model=tiny_wan22"):
+        e.check_ignored(_wan22_rows(e, _row(1, guidance_scale=1.0)), "p")
+
+
+# ------------------------------------------------------------------------- read_rows: the run's dataset options
+
+
+def test_read_rows_checks_sizes_against_the_models_multiple_and_the_runs_max_pixels(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat", "width": 72})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}")
+    with pytest.raises(DatasetError, match="field 'width' = 72 is not a positive multiple of 16"):
+        e.read_rows()  # tiny_flux: VAE factor 8 x patch 2
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"})  # 128 x 128 from model.generation
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "max_pixels=16000")
+    with pytest.raises(DatasetError, match="128x128 exceeds max_pixels=16000"):
+        e.read_rows()
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "max_pixels=16384")
+    assert [r.width * r.height for r in e.read_rows()[0]] == [16384]
+
+
+def test_a_bad_size_default_is_the_config_keys_before_any_row_is_read(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "model.generation.width=72")
+    with pytest.raises(ConfigValueError) as ex:
+        e.read_rows()
+    # round(72 / 16) * 16 = 64 (round half to even)
+    assert str(ex.value) == ("model.generation.width=72 is not a positive multiple of 16 (the value of 'width' in every "
+                             "row that does not set it); fix: model.generation.width=64")
+
+
+def test_read_rows_takes_the_runs_limit_columns_and_extra_fields(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "text": "a cat", "mood": "calm"}, {"id": "b", "text": "a dog", "mood": "wild"})
+    base = ["model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "dataset.columns={prompt: text}"]
+    rows, _ = _engine(compose, *base, "dataset.extra_fields=keep").read_rows()
+    assert [(r.prompt, r.meta) for r in rows] == [("a cat", {"mood": "calm"}), ("a dog", {"mood": "wild"})]
+    rows, _ = _engine(compose, *base, "dataset.extra_fields=keep", "dataset.limit=1").read_rows()
+    assert [r.id for r in rows] == ["a"]
+    with pytest.raises(DatasetError, match="mood"):  # extra_fields=error (the default): a field no row has
+        _engine(compose, *base).read_rows()
+    with pytest.raises(DatasetError, match="prompt"):  # without the column mapping: no prompt
+        _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "dataset.extra_fields=keep").read_rows()
+
+
+def test_read_rows_of_builtin_reads_the_models_builtin_prompts(compose):
+    from runner.core.dataset import BUILTIN_PROMPTS
+
+    e = _engine(compose, "model=tiny_flux", "dataset=builtin")
+    rows, path = e.read_rows()
+    assert path == BUILTIN_PROMPTS.parent / e.builtin_rows()
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    assert len(rows) == len(lines) > 1
+
+
+def test_read_rows_validates_by_the_engines_row_spec(compose, tmp_path):
+    # WAN_ROW has guidance_scale_2 (the low-noise expert's scale); the plain diffusion row has not
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat", "guidance_scale_2": 2.0})
+    rows, _ = _engine(compose, "model=tiny_wan22", "dataset=jsonl", f"dataset.path={p}").read_rows()
+    assert rows[0].guidance_scale_2 == 2.0 and "guidance_scale_2" in rows[0].set_fields
+    with pytest.raises(DatasetError, match="guidance_scale_2"):
+        _engine(compose, "model=tiny_wan", "dataset=jsonl", f"dataset.path={p}").read_rows()
+
+
+def test_read_rows_names_the_rows_file_in_the_engines_checks(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"}, {"id": "b", "prompt": "a dog", "num_frames": 9})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}")
+    with pytest.raises(ConfigValueError, match=f"^num_frames=9 \\({p}:2 \\(row 'b'\\), 1 row\\(s\\)\\)"):
+        e.read_rows()  # FamilyRows.check_rows
+    p = _jsonl(tmp_path, {"id": "a", "prompt": LONG})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "dataset.on_truncation=error",
+                "model.generation.max_sequence_length=8")
+    with pytest.raises(DatasetError) as ex:
+        e.read_rows()  # the truncation pass
+    assert [x.split(": prompt of")[0] for x in ex.value.problems] == [f"{p}:1"]
+
+
+def _png(path, size):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (200, 30, 30)).save(path)
+    return path
+
+
+def test_read_rows_of_an_edit_model_takes_references_beside_the_rows_or_under_media_root(compose, tmp_path):
+    # tiny_qwen_image_edit: model.task=edit, a list of references (multi_image), each sized by the pipeline from
+    # a pixel area (input_sizing: area), so a 48x80 input is taken for a 64x64 row
+    _png(tmp_path / "rows" / "a.png", (48, 80))
+    _png(tmp_path / "media" / "b.png", (48, 80))
+    p = _jsonl(tmp_path / "rows", {"id": "a", "prompt": "make it blue", "image": ["a.png", "a.png"]})
+    e = _engine(compose, "model=tiny_qwen_image_edit", "dataset=jsonl", f"dataset.path={p}")
+    rows, _ = e.read_rows()
+    assert rows[0].inputs and len(rows[0].inputs["image"]) == 2
+    assert rows[0].inputs["image"][0].path == str(tmp_path / "rows" / "a.png")
+    q = _jsonl(tmp_path / "rows", {"id": "b", "prompt": "make it blue", "image": "b.png"})
+    with pytest.raises(DatasetError, match="b.png"):  # not beside the rows file
+        _engine(compose, "model=tiny_qwen_image_edit", "dataset=jsonl", f"dataset.path={q}").read_rows()
+    rows, _ = _engine(compose, "model=tiny_qwen_image_edit", "dataset=jsonl", f"dataset.path={q}",
+                      f"dataset.media_root={tmp_path / 'media'}").read_rows()
+    assert rows[0].inputs["image"].path == str(tmp_path / "media" / "b.png")
