@@ -724,3 +724,79 @@ def test_read_rows_of_an_edit_model_takes_references_beside_the_rows_or_under_me
     rows, _ = _engine(compose, "model=tiny_qwen_image_edit", "dataset=jsonl", f"dataset.path={q}",
                       f"dataset.media_root={tmp_path / 'media'}").read_rows()
     assert rows[0].inputs["image"].path == str(tmp_path / "media" / "b.png")
+
+
+# ------------------------------------------------------------------------------------- builtin rows of a task
+
+
+def test_builtin_rows_of_a_conditioning_task_are_the_stems_task_file(compose):
+    def rows(*o):
+        return _engine(compose, "model=tiny_flux", *o).builtin_rows()
+
+    assert rows("dataset=builtin") == "prompts.jsonl"  # the generation task: builtin_prompts itself
+    assert rows("dataset=builtin", "model.task=image_to_image") == "prompts.image_to_image.jsonl"
+    assert rows("dataset=builtin", "model.task=inpaint", "model.builtin_prompts=shapes.jsonl") == \
+        "shapes.inpaint.jsonl"
+    assert rows("dataset=jsonl", "dataset.path=x.jsonl", "model.task=image_to_image") == "prompts.jsonl"  # not read
+    with pytest.raises(ConfigValueError) as ex:
+        rows("dataset=builtin", "model.task=edit", "model.builtin_prompts=shapes.jsonl")
+    assert str(ex.value) == ("model=tiny_flux ships no builtin rows for model.task=edit (no runner/data/shapes.edit.jsonl)"
+                             "; fix: dataset=jsonl dataset.path=<rows with image paths>")
+    # a video family's generation task reads builtin_prompts itself (no motion.text_to_video.jsonl)
+    assert _engine(compose, "model=tiny_wan", "dataset=builtin", "model.builtin_prompts=motion.jsonl").builtin_rows() \
+        == "motion.jsonl"
+
+
+def test_builtin_rows_may_be_a_models_own_file(compose, tmp_path):
+    own = tmp_path / "edits.jsonl"
+    own.write_text('{"id": "a", "prompt": "x"}\n')
+    assert _engine(compose, "model=tiny_flux", "dataset=builtin", "model.task=edit",
+                   f"model.builtin_prompts={own}").builtin_rows() == str(own)
+    with pytest.raises(ConfigValueError) as ex:
+        _engine(compose, "model=tiny_flux", "dataset=builtin", "model.task=edit",
+                f"model.builtin_prompts={tmp_path / 'none.jsonl'}").builtin_rows()
+    assert str(ex.value) == (f"model.builtin_prompts={str(tmp_path / 'none.jsonl')!r} (model=tiny_flux) is not a file; "
+                             "fix: the path of the model's rows file, or a name under runner/data")
+
+
+# ------------------------------------------------------------------------- row specs: passes' and family fields
+
+
+def _tag_pass(pass_name, field_name):
+    from models.passes import Pass
+    from runner.core.dataset import Field
+
+    return type(f"_{pass_name}", (Pass,), {"name": pass_name, "row_fields": (Field(field_name, str),)})
+
+
+def test_the_passes_row_fields_extend_the_diffusion_row_in_pass_order(compose):
+    from runner.core.dataset import DIFFUSION_ROW
+
+    e = _engine(compose, "model=tiny_flux")
+    assert e.row_spec().name == DIFFUSION_ROW.name and e.row_spec().fields == DIFFUSION_ROW.fields
+    tag, mood = _tag_pass("tag", "tag"), _tag_pass("mood", "mood")
+    e.__class__ = type("WithRows", (type(e),), {"PASSES": (*type(e).PASSES, tag, type(e).PASSES[0], mood)})
+    spec = e.row_spec()
+    assert spec.name == f"{DIFFUSION_ROW.name}+tag+mood"
+    assert spec.fields == DIFFUSION_ROW.fields + tag.row_fields + mood.row_fields
+
+
+def test_a_familys_row_fields_follow_the_diffusion_row_under_its_name(compose):
+    from dataclasses import replace
+
+    from runner.core.dataset import DIFFUSION_ROW, Field
+
+    e = _engine(compose, "model=tiny_flux")
+    mood = Field("mood", str)
+    e.spec = replace(e.spec, row_fields=(mood,))
+    spec = e.row_spec()
+    assert spec.name == f"{DIFFUSION_ROW.name}+flux" and spec.fields == DIFFUSION_ROW.fields + (mood,)
+    e.spec = None  # model.engine=diffusers: no family spec, the diffusion row
+    assert e.row_spec().fields == DIFFUSION_ROW.fields and e.row_spec().name == DIFFUSION_ROW.name
+    assert e.row_context() == {"task": "text_to_image", "multi_image": False, "tasks": ()}
+
+
+def test_the_base_row_context_is_a_text_to_image_row():
+    from models.diffusion_rows import DiffusionRows
+
+    assert DiffusionRows().row_context() == {"task": "text_to_image", "multi_image": False}
