@@ -800,3 +800,67 @@ def test_the_base_row_context_is_a_text_to_image_row():
     from models.diffusion_rows import DiffusionRows
 
     assert DiffusionRows().row_context() == {"task": "text_to_image", "multi_image": False}
+
+
+# ------------------------------------------------------------------------------ tokenizers of an embedded model
+
+
+def _save_tokenizers(e, root, t5_length):
+    import json
+
+    toks = e.build_tokenizers(e.arch_copy())
+    toks["tokenizer_2"].model_max_length = t5_length
+    for comp, tok in toks.items():
+        tok.save_pretrained(root / comp)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline", **{
+        comp: ["transformers", type(tok).__name__] for comp, tok in toks.items()}}))
+
+
+def test_tokenizers_of_an_embedded_model_in_the_cache_are_its_snapshots(compose, tmp_path):
+    e = _engine(compose, "model=tiny_flux")
+    e.cache_dir = str(tmp_path / "cache")
+    target = e.embedded_target(e.arch_copy())
+    _save_tokenizers(e, target, 200)
+    assert e.tokenizers()["t5"].model_max_length == 200 and e.source == {"kind": "embedded"}
+    # not yet in the cache (no model_index.json in its folder): built from the architecture
+    f = _engine(compose, "model=tiny_flux")
+    f.cache_dir = str(tmp_path / "cache")
+    f.resolve_source()
+    (target / "model_index.json").unlink()
+    assert f.tokenizers()["t5"].model_max_length == 512
+
+
+def test_tokenizers_are_built_for_the_task(compose):
+    # Qwen-Image-Edit's tokenizer has Qwen2-VL's vision tokens, the text-to-image one has not
+    e = _engine(compose, "model=tiny_qwen_image_edit")
+    assert e.task == "edit"
+    tok = e.tokenizers()["qwen2_5_vl"]
+    assert len(tok) == len(e.build_tokenizers(e.arch_copy(), "edit")["tokenizer"]) \
+        > len(e.build_tokenizers(e.arch_copy())["tokenizer"])
+
+
+# ------------------------------------------------------------------------------------ FLUX.2's token counts
+
+
+def test_flux2_counts_the_system_message_and_the_mistral_chat_markers(compose):
+    from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE
+
+    e = _engine(compose, "model=tiny_flux2")
+    tok = e.tokenizers()["mistral3"]
+    prompts = ["a cat", "a red dog on a sofa"]
+    # Mistral's template: <s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]prompt[/INST]
+    expected = [len(tok(f"<s>[SYSTEM_PROMPT]{SYSTEM_MESSAGE}[/SYSTEM_PROMPT][INST]{p}[/INST]",
+                        add_special_tokens=False)["input_ids"]) for p in prompts]
+    assert e.count_tokens("mistral3", tok, prompts) == expected
+    assert expected[0] > len(tok(SYSTEM_MESSAGE, add_special_tokens=False)["input_ids"]) + 5  # the system message counts
+    assert e.prompt_tokens(prompts[:1])[0]["mistral3"]["count"] == expected[0]
+
+
+def test_flux2_klein_counts_qwen3s_chat_template_without_thinking(compose):
+    e = _engine(compose, "model=tiny_flux2_klein")
+    tok = e.tokenizers()["qwen3"]
+    prompts = ["a cat", "a red dog on a sofa"]
+    # Qwen3's template with enable_thinking=False: the user turn, then an empty think block opening the answer
+    expected = [len(tok(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                        add_special_tokens=False)["input_ids"]) for p in prompts]
+    assert e.count_tokens("qwen3", tok, prompts) == expected
