@@ -864,3 +864,87 @@ def test_flux2_klein_counts_qwen3s_chat_template_without_thinking(compose):
     expected = [len(tok(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
                         add_special_tokens=False)["input_ids"]) for p in prompts]
     assert e.count_tokens("qwen3", tok, prompts) == expected
+
+
+# ---------------------------------------------------------------------- FamilyRows.check_rows: the other rules
+
+
+def test_a_video_pipeline_under_an_image_engine_is_refused(compose):
+    e = _engine(compose, "model=tiny_wan")
+    e.video = False  # WanPipeline (it takes num_frames) driven as an image family
+    with pytest.raises(ConfigValueError) as ex:
+        e.check_rows([_row(1)], "p")
+    assert str(ex.value) == ("model=tiny_wan: WanPipeline generates video, and model.engine=wan writes images; fix: the "
+                             "video family's engine (model.engine=wan for WanPipeline snapshots)")
+
+
+def test_rows_of_a_spec_without_video_fields_pass_an_image_models_check(flux):
+    from dataclasses import replace
+
+    from runner.core.dataset import IMAGE_ROW
+
+    row = replace(_row(1), spec=IMAGE_ROW)  # no fps, no num_frames: reading them raises
+    with pytest.raises(AttributeError):
+        row.fps
+    flux.check_rows([row], "p")
+
+
+def test_a_field_the_pipeline_does_not_take_names_every_fix(flux):
+    with pytest.raises(ConfigValueError) as ex:
+        flux.check_rows([_row(2, ("num_frames",), num_frames=9)], "p")
+    assert str(ex.value) == ("num_frames=9 (p:2 (row 'r2'), 1 row(s)): FluxPipeline (model=tiny_flux) takes no num_frames "
+                             "argument, so it cannot be applied; fix: remove num_frames from the rows (and "
+                             "model.generation), or use a model that takes it")
+
+
+def test_check_rows_runs_the_familys_rules_and_the_oracles_with_the_rows_file(compose, wan):
+    with pytest.raises(DatasetError) as ex:  # WAN's frame rule, through check_family_rows
+        wan.check_rows([_row(1, ("num_frames",), num_frames=10)], "rows.jsonl")
+    assert ex.value.problems[0].startswith("rows.jsonl:1: num_frames=10 is not 4k+1")
+    toy = _engine(compose, "model=toy_shapes")
+    good, bad = (Row(**{**_row(n).__dict__, "expect": x}) for n, x in ((1, {"color": "red"}), (2, {"colour": "red"})))
+    toy.check_rows([good], "rows.jsonl")
+    with pytest.raises(DatasetError) as ex:  # toy_shapes' oracle: expect names what it reads
+        toy.check_rows([good, bad], "rows.jsonl")
+    assert [x.split(": ")[0] for x in ex.value.problems] == ["rows.jsonl:2"]
+    assert "expect.colour is not an attribute the toy_shapes oracle reads" in ex.value.problems[0]
+
+
+def test_the_familys_cfg_threshold_decides_where_a_negative_prompt_acts(compose):
+    # Z-Image: classifier-free guidance where guidance_scale > 0 (not > 1)
+    z = _engine(compose, "model=tiny_zimage")
+    why, fix, applies = z.ignored_fields([_row(1)])["negative_prompt"]
+    assert why.startswith("guidance_scale <= 0 turns classifier-free guidance off")
+    assert [applies(_row(1, guidance_scale=g)) for g in (0.0, 0.5, 1.0)] == [True, False, False]
+
+
+# ----------------------------------------------------------------------------------------- FLUX.2's messages
+
+
+def test_flux2_negative_prompt_rules_say_why_per_pipeline(compose):
+    assert _engine(compose, "model=tiny_flux2").negative_prompt_rule() == (
+        "Flux2Pipeline takes no negative prompt (guidance-distilled: guidance_scale feeds its guidance embedding, "
+        "there is no unconditional branch)", "remove negative_prompt from the rows")
+    assert _engine(compose, "model=tiny_flux2_klein").negative_prompt_rule() == (
+        "Flux2KleinPipeline takes no negative prompt (its CFG's unconditional branch is the empty prompt)",
+        "remove negative_prompt from the rows")
+
+
+def test_a_distilled_klein_ignores_guidance_scale_saying_why(compose):
+    dist = _engine(compose, "model=tiny_flux2_klein", "model.architecture.pipeline.is_distilled=true")
+    assert dist.ignored_fields([_row(1)])["guidance_scale"] == (
+        "its pipeline config says is_distilled=true: Flux2KleinPipeline runs no classifier-free guidance, whatever "
+        "guidance_scale", "guidance_scale: null")
+
+
+def test_text_layer_problems_are_all_named_with_the_fix(compose):
+    e = _engine(compose, "model=tiny_flux2_klein", "model.architecture.text_encoder.num_hidden_layers=26",
+                "model.architecture.transformer.joint_attention_dim=24")
+    with pytest.raises(ConfigValueError) as ex:
+        e.check_text_layers()
+    hidden = e.component_config("text_encoder")["hidden_size"]
+    assert str(ex.value) == (
+        "model=tiny_flux2_klein: text_encoder num_hidden_layers=26, and Flux2KleinPipeline reads hidden states "
+        f"(9, 18, 27) (at least 27 layers); transformer joint_attention_dim=24, and Flux2KleinPipeline stacks 3 hidden "
+        f"states of {hidden} ({3 * hidden}); the pipeline would fail at the first prompt; fix: "
+        "model.architecture.text_encoder / transformer consistent with it (see conf/model/tiny_flux2*.yaml)")
