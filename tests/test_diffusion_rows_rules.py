@@ -948,3 +948,83 @@ def test_text_layer_problems_are_all_named_with_the_fix(compose):
         f"(9, 18, 27) (at least 27 layers); transformer joint_attention_dim=24, and Flux2KleinPipeline stacks 3 hidden "
         f"states of {hidden} ({3 * hidden}); the pipeline would fail at the first prompt; fix: "
         "model.architecture.text_encoder / transformer consistent with it (see conf/model/tiny_flux2*.yaml)")
+
+
+# ----------------------------------------------------------------------------- records, items, the logs' counts
+
+
+def test_record_keeps_input_files_under_inputs_and_other_values_under_params(compose, tmp_path):
+    import hashlib
+
+    img = _png(tmp_path / "a.png", (128, 128))
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat", "image": "a.png", "strength": 0.6})
+    e = _engine(compose, "model=tiny_flux", "model.task=image_to_image", "dataset=jsonl", f"dataset.path={p}")
+    rows, _ = e.read_rows()
+    rec = e.record(e.items(rows, 0)[0], None, 1, 0.0)
+    assert rec["params"]["strength"] == 0.6 and "image" not in rec["params"]
+    assert rec["inputs"]["image"]["sha256"] == hashlib.sha256(img.read_bytes()).hexdigest()
+    assert rec["inputs"]["image"]["path"] == str(img)
+
+
+def test_record_carries_the_negative_prompt_as_given(flux8):
+    rec = flux8.record(flux8.items([_row(1, negative_prompt="blurry")], 0)[0], None, 1, 0.0)
+    assert rec["negative_prompt"] == "blurry" and rec["params"]["negative_prompt"] == "blurry"
+
+
+def test_items_of_rows_without_a_seed_take_it_from_the_run_seed(flux):
+    row = Row(**{**_row(1).__dict__, "seed": None})
+    a, b = flux.items([row], 1)[0].seed, flux.items([row], 2)[0].seed
+    assert a != b and flux.items([row], 1)[0].seed == a
+
+
+def test_prompts_section_logs_each_truncating_encoder(flux, caplog):
+    recs = [{"status": "ok", "tokens": {"t5": {"dropped": 2}, "clip": {"dropped": 5}}},
+            {"status": "ok", "tokens": {"t5": {"dropped": 1}, "clip": {"dropped": 0}}},
+            {"status": "ok", "tokens": {"t5": {"dropped": 0}, "clip": {"dropped": 0}}}]
+    with caplog.at_level("WARNING", logger="runner"):
+        flux.prompts_section(recs)
+    assert caplog.messages == ["2 of 3 items had prompts truncated by a text encoder (t5: 2, clip: 1); their records "
+                               "say how many tokens were dropped"]
+
+
+def test_the_truncation_log_names_every_encoder_that_drops_tokens(flux8, caplog):
+    long = " ".join(["cat"] * 100)  # past CLIP's 77 and T5's 8
+    rows = [_row(1, prompt=long), _row(2, prompt=LONG)]
+    with caplog.at_level("WARNING", logger="runner"):
+        _truncation(flux8).prepare_rows(rows, "p")
+    assert caplog.messages[0].startswith("2 of 2 rows have prompts longer than a text encoder takes (clip: 1 over 77, "
+                                         "t5: 2 over 8);")
+
+
+def test_counting_a_long_prompt_logs_no_tokenizer_warning(compose):
+    import logging
+
+    e = _engine(compose, "model=tiny_flux")
+    tok = e.tokenizers()["clip"]
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    logger.addHandler(handler)
+    try:
+        n = e.count_tokens("clip", tok, [" ".join(["cat"] * 100)])[0]
+    finally:
+        logger.removeHandler(handler)
+    assert n > 77 and not [m for m in seen if "Token indices sequence length" in m]
+
+
+def test_a_snapshot_without_a_tokenizer_is_refused_naming_the_pipeline(compose, tmp_path):
+    import json
+
+    from runner.core.weights import ModelPathError
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    e = _engine(compose, "model=tiny_flux")
+    with pytest.raises(ModelPathError, match="which FluxPipeline needs"):
+        e.snapshot_tokenizers(tmp_path)
+
+
+def test_a_stage_without_a_run_config_is_not_fed(compose):
+    e = _engine(compose, "model=tiny_flux")
+    e.ctx.run = None
+    assert _truncation(e).fed() is False
