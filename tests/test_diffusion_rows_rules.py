@@ -1028,3 +1028,16 @@ def test_a_stage_without_a_run_config_is_not_fed(compose):
     e = _engine(compose, "model=tiny_flux")
     e.ctx.run = None
     assert _truncation(e).fed() is False
+
+
+def test_read_rows_reads_the_runs_split_of_a_hf_dataset(compose, tmp_path):
+    from _helpers import import_extra
+
+    datasets = import_extra("export", "datasets")
+    datasets.disable_progress_bars()
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "a fox"}]),
+                          "test": datasets.Dataset.from_list([{"prompt": "an owl"}, {"prompt": "a bee"}])}
+                         ).save_to_disk(str(tmp_path / "d"))
+    base = ["model=tiny_flux", "dataset=hf", f"dataset.path={tmp_path / 'd'}"]
+    assert [r.prompt for r in _engine(compose, *base, "dataset.split=test").read_rows()[0]] == ["an owl", "a bee"]
+    assert [r.prompt for r in _engine(compose, *base).read_rows()[0]] == ["a fox"]  # default: train
