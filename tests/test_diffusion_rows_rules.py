@@ -826,6 +826,9 @@ def test_tokenizers_of_an_embedded_model_in_the_cache_are_its_snapshots(compose,
     f = _engine(compose, "model=tiny_flux")
     f.cache_dir = str(tmp_path / "cache")
     f.resolve_source()
+    d = _engine(compose, "model=tiny_flux", "model.load_format=dummy")  # dummy weights never read the cache
+    d.cache_dir = str(tmp_path / "cache")
+    assert d.embedded_target(d.arch_copy()) == target and d.tokenizers()["t5"].model_max_length == 512
     (target / "model_index.json").unlink()
     assert f.tokenizers()["t5"].model_max_length == 512
 
