@@ -1044,3 +1044,9 @@ def test_read_rows_reads_the_runs_split_of_a_hf_dataset(compose, tmp_path):
     base = ["model=tiny_flux", "dataset=hf", f"dataset.path={tmp_path / 'd'}"]
     assert [r.prompt for r in _engine(compose, *base, "dataset.split=test").read_rows()[0]] == ["an owl", "a bee"]
     assert [r.prompt for r in _engine(compose, *base).read_rows()[0]] == ["a fox"]  # default: train
+
+
+def test_record_params_carry_the_rows_further_values(wan):
+    # num_frames and fps: values of the video row (no input files), applied as given
+    rec = wan.record(wan.items([_row(1, ("num_frames", "fps"), num_frames=5, fps=8)], 0)[0], None, 1, 0.0)
+    assert (rec["params"]["num_frames"], rec["params"]["fps"]) == (5, 8)
