@@ -671,9 +671,9 @@ def test_read_rows_takes_the_runs_limit_columns_and_extra_fields(compose, tmp_pa
 def test_read_rows_of_builtin_reads_the_models_builtin_prompts(compose):
     from runner.core.dataset import BUILTIN_PROMPTS
 
-    e = _engine(compose, "model=tiny_flux", "dataset=builtin")
+    e = _engine(compose, "model=tiny_flux", "dataset=builtin", "model.builtin_prompts=shapes.jsonl")
     rows, path = e.read_rows()
-    assert path == BUILTIN_PROMPTS.parent / e.builtin_rows()
+    assert path == BUILTIN_PROMPTS.parent / "shapes.jsonl" != BUILTIN_PROMPTS  # not load_rows' default file
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     assert len(rows) == len(lines) > 1
 
