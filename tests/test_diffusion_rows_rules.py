@@ -1046,7 +1046,7 @@ def test_read_rows_reads_the_runs_split_of_a_hf_dataset(compose, tmp_path):
     assert [r.prompt for r in _engine(compose, *base).read_rows()[0]] == ["a fox"]  # default: train
 
 
-def test_record_params_carry_the_rows_further_values(wan):
-    # num_frames and fps: values of the video row (no input files), applied as given
-    rec = wan.record(wan.items([_row(1, ("num_frames", "fps"), num_frames=5, fps=8)], 0)[0], None, 1, 0.0)
-    assert (rec["params"]["num_frames"], rec["params"]["fps"]) == (5, 8)
+def test_record_params_carry_the_rows_further_values(flux8):
+    # lora and lora_scale: row values no pass re-states in applied_params (strength, num_frames, fps are)
+    rec = flux8.record(flux8.items([_row(1, ("lora", "lora_scale"), lora="style", lora_scale=0.8)], 0)[0], None, 1, 0.0)
+    assert (rec["params"]["lora"], rec["params"]["lora_scale"]) == ("style", 0.8)
