@@ -518,3 +518,535 @@ def test_a_tokenizer_length_of_a_billion_or_more_is_no_ceiling(compose, m, limit
     k = _engine(compose, "model=tiny_flux2_klein")
     k.tokenizers()["qwen3"].model_max_length = m
     assert k.sequence_limit() == limit
+
+
+# ------------------------------------------------------------------ check_ignored: messages, records, the log
+
+
+WAN_TC = ("WanPipeline takes no true_cfg_scale (its classifier-free guidance is guidance_scale)",
+          "set guidance_scale instead")
+WAN_NEG = "guidance_scale <= 1 turns classifier-free guidance off, and WanPipeline uses the negative prompt only with it"
+
+
+def test_a_chosen_ignored_default_is_refused_with_key_why_and_every_fix(compose):
+    e = _engine(compose, "model=tiny_wan", "dataset.on_ignored=error", "model.generation.true_cfg_scale=2.0")
+    with pytest.raises(ConfigValueError) as ex:
+        e.check_ignored([_row(1)], "p")
+    assert str(ex.value) == (
+        f"model.generation.true_cfg_scale=2.0 is ignored by model=tiny_wan: {WAN_TC[0]}; fix: "
+        f"model.generation.true_cfg_scale=null, {WAN_TC[1]}, or dataset.on_ignored=record to run it and record the "
+        "value as ignored")
+
+
+def test_a_rows_ignored_value_is_refused_in_error_mode_with_file_line_and_model(compose):
+    e = _engine(compose, "model=tiny_wan", "dataset.on_ignored=error")
+    rows = [_row(1, ("negative_prompt",), guidance_scale=4.0, negative_prompt="blur"),
+            _row(2, ("negative_prompt",), guidance_scale=1.0, negative_prompt="ugly")]
+    with pytest.raises(DatasetError) as ex:
+        e.check_ignored(rows, "rows.jsonl")
+    assert ex.value.problems == [
+        f"rows.jsonl:2: field 'negative_prompt' = 'ugly' is ignored by model=tiny_wan: {WAN_NEG}; fix: remove "
+        "'negative_prompt' from the row, guidance_scale > 1 in that row (Wan 2.1: 5.0), or dataset.on_ignored=record "
+        "to run it and record the value as ignored"]  # the family's usual guidance (WAN's guidance_hint) in the fix
+    assert e.check_ignored(rows[:1], "rows.jsonl") == rows[:1]  # guidance on: the negative prompt acts
+
+
+def test_ignored_values_are_stripped_recorded_and_logged_under_record(compose, caplog):
+    e = _engine(compose, "model=tiny_wan", "dataset.on_ignored=record", "model.generation.true_cfg_scale=2.0")
+    rows = [_row(1, ("negative_prompt",), guidance_scale=1.0, negative_prompt="blur"),
+            _row(2, ("negative_prompt",), guidance_scale=4.0, negative_prompt="ugly"), _row(3)]
+    with caplog.at_level("WARNING", logger="runner"):
+        out = e.check_ignored(rows, "rows.jsonl")
+    tc = {"value": 2.0, "why": WAN_TC[0], "from": "model.generation.true_cfg_scale"}
+    assert [r.ignored for r in out] == [
+        {"negative_prompt": {"value": "blur", "why": WAN_NEG, "from": "rows.jsonl:1"}, "true_cfg_scale": tc},
+        {"true_cfg_scale": tc}, {"true_cfg_scale": tc}]
+    assert [r.negative_prompt for r in out] == [None, "ugly", None]
+    assert caplog.messages == [
+        "3 of 3 rows set or take a value that model=tiny_wan ignores (negative_prompt, true_cfg_scale); it is not "
+        "applied, and their records list it under 'ignored' (a row's value under dataset.on_ignored=record, or a "
+        "default of the model that does not act on them)"]
+    caplog.clear()
+    plain = _engine(compose, "model=tiny_wan", "dataset.on_ignored=record")
+    with caplog.at_level("WARNING", logger="runner"):
+        out = plain.check_ignored(rows, "rows.jsonl")
+    assert [r.ignored is None for r in out] == [False, True, True]
+    assert caplog.messages[0].startswith("1 of 3 rows set or take a value that model=tiny_wan ignores "
+                                         "(negative_prompt); it is not applied")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runner"):
+        assert plain.check_ignored(rows[1:], "rows.jsonl") == rows[1:]  # nothing ignored: no record, no log
+    assert caplog.messages == []
+
+
+def test_the_ignored_rules_read_the_rows(compose):
+    # FLUX's true CFG: true_cfg_scale > 1 is ignored only when no row has a negative prompt
+    e = _engine(compose, "model=tiny_flux", "dataset.on_ignored=record", "model.generation.true_cfg_scale=2.0")
+    assert e.check_ignored([_row(1)], "p")[0].ignored["true_cfg_scale"]["value"] == 2.0
+    with_neg = [_row(1), _row(2, ("negative_prompt",), negative_prompt="blur")]
+    assert [r.ignored for r in e.check_ignored(with_neg, "p")] == [None, None]
+
+
+def test_the_models_own_ignored_default_is_recorded_not_refused(compose):
+    # qwen_image's YAML sets true_cfg_scale: 4.0 (the model card's) and the rows have no negative prompt
+    e = _engine(compose, "model=qwen_image", "model.load_format=dummy", "dataset.on_ignored=error")
+    out = e.check_ignored([_row(1), _row(2)], "p")
+    assert [r.ignored["true_cfg_scale"]["value"] for r in out] == [4.0, 4.0]
+    assert {r.ignored["true_cfg_scale"]["from"] for r in out} == {"model.generation.true_cfg_scale"}
+    assert e.chosen("model.generation.true_cfg_scale", 4.0) is False  # the YAML's own value
+    assert e.chosen("model.generation.true_cfg_scale", 3.0) is True  # another value: the user's (an experiment)
+
+
+def _wan22_rows(e, *rows):
+    from dataclasses import replace
+
+    return [replace(r, spec=e.row_spec()) for r in rows]
+
+
+def test_a_default_ignored_in_some_rows_is_recorded_there_even_in_error_mode(compose):
+    # tiny_wan22's guidance_scale_2: 3.0 acts only under classifier-free guidance (guidance_scale > 1)
+    e = _engine(compose, "model=tiny_wan22", "dataset.on_ignored=error")
+    out = e.check_ignored(_wan22_rows(e, _row(1, guidance_scale=1.0), _row(2, guidance_scale=4.0)), "p")
+    assert out[0].ignored == {"guidance_scale_2": {
+        "value": 3.0, "why": "guidance_scale <= 1 turns classifier-free guidance off for both experts",
+        "from": "model.generation.guidance_scale_2"}}
+    assert out[1].ignored is None
+
+
+def test_a_partly_ignored_default_does_not_end_the_check_of_the_next_fields(compose):
+    # the rules after a rule that applies to some rows only are still checked: a chosen default they ignore is refused
+    e = _engine(compose, "model=tiny_wan22", "dataset.on_ignored=error", "model.generation.true_cfg_scale=2.0")
+    rules = e.ignored_fields([])
+    assert list(rules) == ["true_cfg_scale", "negative_prompt", "guidance_scale_2"]
+
+    class Later(type(e)):  # the same rules, the one that applies to some rows first
+        def ignored_fields(self, rows):
+            out = super().ignored_fields(rows)
+            return {"guidance_scale_2": out["guidance_scale_2"], "true_cfg_scale": out["true_cfg_scale"]}
+
+    e.__class__ = Later
+    with pytest.raises(ConfigValueError, match=r"^model.generation.true_cfg_scale=2.0 is ignored by model=tiny_wan22"):
+        e.check_ignored(_wan22_rows(e, _row(1, guidance_scale=1.0)), "p")
+
+
+# ------------------------------------------------------------------------- read_rows: the run's dataset options
+
+
+def test_read_rows_checks_sizes_against_the_models_multiple_and_the_runs_max_pixels(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat", "width": 72})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}")
+    with pytest.raises(DatasetError, match="field 'width' = 72 is not a positive multiple of 16"):
+        e.read_rows()  # tiny_flux: VAE factor 8 x patch 2
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"})  # 128 x 128 from model.generation
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "max_pixels=16000")
+    with pytest.raises(DatasetError, match="128x128 exceeds max_pixels=16000"):
+        e.read_rows()
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "max_pixels=16384")
+    assert [r.width * r.height for r in e.read_rows()[0]] == [16384]
+
+
+def test_a_bad_size_default_is_the_config_keys_before_any_row_is_read(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "model.generation.width=72")
+    with pytest.raises(ConfigValueError) as ex:
+        e.read_rows()
+    # round(72 / 16) * 16 = 64 (round half to even)
+    assert str(ex.value) == ("model.generation.width=72 is not a positive multiple of 16 (the value of 'width' in every "
+                             "row that does not set it); fix: model.generation.width=64")
+
+
+def test_read_rows_takes_the_runs_limit_columns_and_extra_fields(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "text": "a cat", "mood": "calm"}, {"id": "b", "text": "a dog", "mood": "wild"})
+    base = ["model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "dataset.columns={prompt: text}"]
+    rows, _ = _engine(compose, *base, "dataset.extra_fields=keep").read_rows()
+    assert [(r.prompt, r.meta) for r in rows] == [("a cat", {"mood": "calm"}), ("a dog", {"mood": "wild"})]
+    rows, _ = _engine(compose, *base, "dataset.extra_fields=keep", "dataset.limit=1").read_rows()
+    assert [r.id for r in rows] == ["a"]
+    with pytest.raises(DatasetError, match="mood"):  # extra_fields=error (the default): a field no row has
+        _engine(compose, *base).read_rows()
+    with pytest.raises(DatasetError, match="prompt"):  # without the column mapping: no prompt
+        _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "dataset.extra_fields=keep").read_rows()
+
+
+def test_read_rows_of_builtin_reads_the_models_builtin_prompts(compose):
+    from runner.core.dataset import BUILTIN_PROMPTS
+
+    e = _engine(compose, "model=tiny_flux", "dataset=builtin", "model.builtin_prompts=shapes.jsonl")
+    rows, path = e.read_rows()
+    assert path == BUILTIN_PROMPTS.parent / "shapes.jsonl" != BUILTIN_PROMPTS  # not load_rows' default file
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    assert len(rows) == len(lines) > 1
+
+
+def test_read_rows_validates_by_the_engines_row_spec(compose, tmp_path):
+    # WAN_ROW has guidance_scale_2 (the low-noise expert's scale); the plain diffusion row has not
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat", "guidance_scale_2": 2.0})
+    rows, _ = _engine(compose, "model=tiny_wan22", "dataset=jsonl", f"dataset.path={p}").read_rows()
+    assert rows[0].guidance_scale_2 == 2.0 and "guidance_scale_2" in rows[0].set_fields
+    with pytest.raises(DatasetError, match="guidance_scale_2"):
+        _engine(compose, "model=tiny_wan", "dataset=jsonl", f"dataset.path={p}").read_rows()
+
+
+def test_read_rows_names_the_rows_file_in_the_engines_checks(compose, tmp_path):
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat"}, {"id": "b", "prompt": "a dog", "num_frames": 9})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}")
+    with pytest.raises(ConfigValueError, match=f"^num_frames=9 \\({p}:2 \\(row 'b'\\), 1 row\\(s\\)\\)"):
+        e.read_rows()  # FamilyRows.check_rows
+    p = _jsonl(tmp_path, {"id": "a", "prompt": LONG})
+    e = _engine(compose, "model=tiny_flux", "dataset=jsonl", f"dataset.path={p}", "dataset.on_truncation=error",
+                "model.generation.max_sequence_length=8")
+    with pytest.raises(DatasetError) as ex:
+        e.read_rows()  # the truncation pass
+    assert [x.split(": prompt of")[0] for x in ex.value.problems] == [f"{p}:1"]
+
+
+def _png(path, size):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (200, 30, 30)).save(path)
+    return path
+
+
+def test_read_rows_of_an_edit_model_takes_references_beside_the_rows_or_under_media_root(compose, tmp_path):
+    # tiny_qwen_image_edit: model.task=edit, a list of references (multi_image), each sized by the pipeline from
+    # a pixel area (input_sizing: area), so a 48x80 input is taken for a 64x64 row
+    _png(tmp_path / "rows" / "a.png", (48, 80))
+    _png(tmp_path / "media" / "b.png", (48, 80))
+    p = _jsonl(tmp_path / "rows", {"id": "a", "prompt": "make it blue", "image": ["a.png", "a.png"]})
+    e = _engine(compose, "model=tiny_qwen_image_edit", "dataset=jsonl", f"dataset.path={p}")
+    rows, _ = e.read_rows()
+    assert rows[0].inputs and len(rows[0].inputs["image"]) == 2
+    assert rows[0].inputs["image"][0].path == str(tmp_path / "rows" / "a.png")
+    q = _jsonl(tmp_path / "rows", {"id": "b", "prompt": "make it blue", "image": "b.png"})
+    with pytest.raises(DatasetError, match="b.png"):  # not beside the rows file
+        _engine(compose, "model=tiny_qwen_image_edit", "dataset=jsonl", f"dataset.path={q}").read_rows()
+    rows, _ = _engine(compose, "model=tiny_qwen_image_edit", "dataset=jsonl", f"dataset.path={q}",
+                      f"dataset.media_root={tmp_path / 'media'}").read_rows()
+    assert rows[0].inputs["image"].path == str(tmp_path / "media" / "b.png")
+
+
+# ------------------------------------------------------------------------------------- builtin rows of a task
+
+
+def test_builtin_rows_of_a_conditioning_task_are_the_stems_task_file(compose):
+    def rows(*o):
+        return _engine(compose, "model=tiny_flux", *o).builtin_rows()
+
+    assert rows("dataset=builtin") == "prompts.jsonl"  # the generation task: builtin_prompts itself
+    assert rows("dataset=builtin", "model.task=image_to_image") == "prompts.image_to_image.jsonl"
+    assert rows("dataset=builtin", "model.task=inpaint", "model.builtin_prompts=shapes.jsonl") == \
+        "shapes.inpaint.jsonl"
+    assert rows("dataset=jsonl", "dataset.path=x.jsonl", "model.task=image_to_image") == "prompts.jsonl"  # not read
+    with pytest.raises(ConfigValueError) as ex:
+        rows("dataset=builtin", "model.task=edit", "model.builtin_prompts=shapes.jsonl")
+    assert str(ex.value) == ("model=tiny_flux ships no builtin rows for model.task=edit (no runner/data/shapes.edit.jsonl)"
+                             "; fix: dataset=jsonl dataset.path=<rows with image paths>")
+    # a video family's generation task reads builtin_prompts itself (no motion.text_to_video.jsonl)
+    assert _engine(compose, "model=tiny_wan", "dataset=builtin", "model.builtin_prompts=motion.jsonl").builtin_rows() \
+        == "motion.jsonl"
+
+
+def test_builtin_rows_may_be_a_models_own_file(compose, tmp_path):
+    own = tmp_path / "edits.jsonl"
+    own.write_text('{"id": "a", "prompt": "x"}\n')
+    assert _engine(compose, "model=tiny_flux", "dataset=builtin", "model.task=edit",
+                   f"model.builtin_prompts={own}").builtin_rows() == str(own)
+    with pytest.raises(ConfigValueError) as ex:
+        _engine(compose, "model=tiny_flux", "dataset=builtin", "model.task=edit",
+                f"model.builtin_prompts={tmp_path / 'none.jsonl'}").builtin_rows()
+    assert str(ex.value) == (f"model.builtin_prompts={str(tmp_path / 'none.jsonl')!r} (model=tiny_flux) is not a file; "
+                             "fix: the path of the model's rows file, or a name under runner/data")
+
+
+# ------------------------------------------------------------------------- row specs: passes' and family fields
+
+
+def _tag_pass(pass_name, field_name):
+    from models.passes import Pass
+    from runner.core.dataset import Field
+
+    return type(f"_{pass_name}", (Pass,), {"name": pass_name, "row_fields": (Field(field_name, str),)})
+
+
+def test_the_passes_row_fields_extend_the_diffusion_row_in_pass_order(compose):
+    from runner.core.dataset import DIFFUSION_ROW
+
+    e = _engine(compose, "model=tiny_flux")
+    assert e.row_spec().name == DIFFUSION_ROW.name and e.row_spec().fields == DIFFUSION_ROW.fields
+    tag, mood = _tag_pass("tag", "tag"), _tag_pass("mood", "mood")
+    e.__class__ = type("WithRows", (type(e),), {"PASSES": (*type(e).PASSES, tag, type(e).PASSES[0], mood)})
+    spec = e.row_spec()
+    assert spec.name == f"{DIFFUSION_ROW.name}+tag+mood"
+    assert spec.fields == DIFFUSION_ROW.fields + tag.row_fields + mood.row_fields
+
+
+def test_a_familys_row_fields_follow_the_diffusion_row_under_its_name(compose):
+    from dataclasses import replace
+
+    from runner.core.dataset import DIFFUSION_ROW, Field
+
+    e = _engine(compose, "model=tiny_flux")
+    mood = Field("mood", str)
+    e.spec = replace(e.spec, row_fields=(mood,))
+    spec = e.row_spec()
+    assert spec.name == f"{DIFFUSION_ROW.name}+flux" and spec.fields == DIFFUSION_ROW.fields + (mood,)
+    e.spec = None  # model.engine=diffusers: no family spec, the diffusion row
+    assert e.row_spec().fields == DIFFUSION_ROW.fields and e.row_spec().name == DIFFUSION_ROW.name
+    assert e.row_context() == {"task": "text_to_image", "multi_image": False, "tasks": ()}
+
+
+def test_the_base_row_context_is_a_text_to_image_row():
+    from models.diffusion_rows import DiffusionRows
+
+    assert DiffusionRows().row_context() == {"task": "text_to_image", "multi_image": False}
+
+
+# ------------------------------------------------------------------------------ tokenizers of an embedded model
+
+
+def _save_tokenizers(e, root, t5_length):
+    import json
+
+    toks = e.build_tokenizers(e.arch_copy())
+    toks["tokenizer_2"].model_max_length = t5_length
+    for comp, tok in toks.items():
+        tok.save_pretrained(root / comp)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline", **{
+        comp: ["transformers", type(tok).__name__] for comp, tok in toks.items()}}))
+
+
+def test_tokenizers_of_an_embedded_model_in_the_cache_are_its_snapshots(compose, tmp_path):
+    e = _engine(compose, "model=tiny_flux")
+    e.cache_dir = str(tmp_path / "cache")
+    target = e.embedded_target(e.arch_copy())
+    _save_tokenizers(e, target, 200)
+    assert e.tokenizers()["t5"].model_max_length == 200 and e.source == {"kind": "embedded"}
+    # not yet in the cache (no model_index.json in its folder): built from the architecture
+    f = _engine(compose, "model=tiny_flux")
+    f.cache_dir = str(tmp_path / "cache")
+    f.resolve_source()
+    d = _engine(compose, "model=tiny_flux", "model.load_format=dummy")  # dummy weights never read the cache
+    d.cache_dir = str(tmp_path / "cache")
+    assert d.embedded_target(d.arch_copy()) == target and d.tokenizers()["t5"].model_max_length == 512
+    (target / "model_index.json").unlink()
+    assert f.tokenizers()["t5"].model_max_length == 512
+
+
+def test_tokenizers_are_built_for_the_task(compose):
+    # Qwen-Image-Edit's tokenizer has Qwen2-VL's vision tokens, the text-to-image one has not
+    e = _engine(compose, "model=tiny_qwen_image_edit")
+    assert e.task == "edit"
+    tok = e.tokenizers()["qwen2_5_vl"]
+    assert len(tok) == len(e.build_tokenizers(e.arch_copy(), "edit")["tokenizer"]) \
+        > len(e.build_tokenizers(e.arch_copy())["tokenizer"])
+
+
+# ------------------------------------------------------------------------------------ FLUX.2's token counts
+
+
+def test_flux2_counts_the_system_message_and_the_mistral_chat_markers(compose):
+    from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE
+
+    e = _engine(compose, "model=tiny_flux2")
+    tok = e.tokenizers()["mistral3"]
+    prompts = ["a cat", "a red dog on a sofa"]
+    # Mistral's template: <s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]prompt[/INST]
+    expected = [len(tok(f"<s>[SYSTEM_PROMPT]{SYSTEM_MESSAGE}[/SYSTEM_PROMPT][INST]{p}[/INST]",
+                        add_special_tokens=False)["input_ids"]) for p in prompts]
+    assert e.count_tokens("mistral3", tok, prompts) == expected
+    assert expected[0] > len(tok(SYSTEM_MESSAGE, add_special_tokens=False)["input_ids"]) + 5  # the system message counts
+    assert e.prompt_tokens(prompts[:1])[0]["mistral3"]["count"] == expected[0]
+
+
+def test_flux2_klein_counts_qwen3s_chat_template_without_thinking(compose):
+    e = _engine(compose, "model=tiny_flux2_klein")
+    tok = e.tokenizers()["qwen3"]
+    prompts = ["a cat", "a red dog on a sofa"]
+    # Qwen3's template with enable_thinking=False: the user turn, then an empty think block opening the answer
+    expected = [len(tok(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                        add_special_tokens=False)["input_ids"]) for p in prompts]
+    assert e.count_tokens("qwen3", tok, prompts) == expected
+
+
+# ---------------------------------------------------------------------- FamilyRows.check_rows: the other rules
+
+
+def test_a_video_pipeline_under_an_image_engine_is_refused(compose):
+    e = _engine(compose, "model=tiny_wan")
+    e.video = False  # WanPipeline (it takes num_frames) driven as an image family
+    with pytest.raises(ConfigValueError) as ex:
+        e.check_rows([_row(1)], "p")
+    assert str(ex.value) == ("model=tiny_wan: WanPipeline generates video, and model.engine=wan writes images; fix: the "
+                             "video family's engine (model.engine=wan for WanPipeline snapshots)")
+
+
+def test_rows_of_a_spec_without_video_fields_pass_an_image_models_check(flux):
+    from dataclasses import replace
+
+    from runner.core.dataset import IMAGE_ROW
+
+    row = replace(_row(1), spec=IMAGE_ROW)  # no fps, no num_frames: reading them raises
+    with pytest.raises(AttributeError):
+        row.fps
+    flux.check_rows([row], "p")
+
+
+def test_a_field_the_pipeline_does_not_take_names_every_fix(flux):
+    with pytest.raises(ConfigValueError) as ex:
+        flux.check_rows([_row(2, ("num_frames",), num_frames=9)], "p")
+    assert str(ex.value) == ("num_frames=9 (p:2 (row 'r2'), 1 row(s)): FluxPipeline (model=tiny_flux) takes no num_frames "
+                             "argument, so it cannot be applied; fix: remove num_frames from the rows (and "
+                             "model.generation), or use a model that takes it")
+
+
+def test_check_rows_runs_the_familys_rules_and_the_oracles_with_the_rows_file(compose, wan):
+    with pytest.raises(DatasetError) as ex:  # WAN's frame rule, through check_family_rows
+        wan.check_rows([_row(1, ("num_frames",), num_frames=10)], "rows.jsonl")
+    assert ex.value.problems[0].startswith("rows.jsonl:1: num_frames=10 is not 4k+1")
+    toy = _engine(compose, "model=toy_shapes")
+    good, bad = (Row(**{**_row(n).__dict__, "expect": x}) for n, x in ((1, {"color": "red"}), (2, {"colour": "red"})))
+    toy.check_rows([good], "rows.jsonl")
+    with pytest.raises(DatasetError) as ex:  # toy_shapes' oracle: expect names what it reads
+        toy.check_rows([good, bad], "rows.jsonl")
+    assert [x.split(": ")[0] for x in ex.value.problems] == ["rows.jsonl:2"]
+    assert "expect.colour is not an attribute the toy_shapes oracle reads" in ex.value.problems[0]
+
+
+def test_the_familys_cfg_threshold_decides_where_a_negative_prompt_acts(compose):
+    # Z-Image: classifier-free guidance where guidance_scale > 0 (not > 1)
+    z = _engine(compose, "model=tiny_zimage")
+    why, fix, applies = z.ignored_fields([_row(1)])["negative_prompt"]
+    assert why.startswith("guidance_scale <= 0 turns classifier-free guidance off")
+    assert [applies(_row(1, guidance_scale=g)) for g in (0.0, 0.5, 1.0)] == [True, False, False]
+
+
+# ----------------------------------------------------------------------------------------- FLUX.2's messages
+
+
+def test_flux2_negative_prompt_rules_say_why_per_pipeline(compose):
+    assert _engine(compose, "model=tiny_flux2").negative_prompt_rule() == (
+        "Flux2Pipeline takes no negative prompt (guidance-distilled: guidance_scale feeds its guidance embedding, "
+        "there is no unconditional branch)", "remove negative_prompt from the rows")
+    assert _engine(compose, "model=tiny_flux2_klein").negative_prompt_rule() == (
+        "Flux2KleinPipeline takes no negative prompt (its CFG's unconditional branch is the empty prompt)",
+        "remove negative_prompt from the rows")
+
+
+def test_a_distilled_klein_ignores_guidance_scale_saying_why(compose):
+    dist = _engine(compose, "model=tiny_flux2_klein", "model.architecture.pipeline.is_distilled=true")
+    assert dist.ignored_fields([_row(1)])["guidance_scale"] == (
+        "its pipeline config says is_distilled=true: Flux2KleinPipeline runs no classifier-free guidance, whatever "
+        "guidance_scale", "guidance_scale: null")
+
+
+def test_text_layer_problems_are_all_named_with_the_fix(compose):
+    e = _engine(compose, "model=tiny_flux2_klein", "model.architecture.text_encoder.num_hidden_layers=26",
+                "model.architecture.transformer.joint_attention_dim=24")
+    with pytest.raises(ConfigValueError) as ex:
+        e.check_text_layers()
+    hidden = e.component_config("text_encoder")["hidden_size"]
+    assert str(ex.value) == (
+        "model=tiny_flux2_klein: text_encoder num_hidden_layers=26, and Flux2KleinPipeline reads hidden states "
+        f"(9, 18, 27) (at least 27 layers); transformer joint_attention_dim=24, and Flux2KleinPipeline stacks 3 hidden "
+        f"states of {hidden} ({3 * hidden}); the pipeline would fail at the first prompt; fix: "
+        "model.architecture.text_encoder / transformer consistent with it (see conf/model/tiny_flux2*.yaml)")
+
+
+# ----------------------------------------------------------------------------- records, items, the logs' counts
+
+
+def test_record_keeps_input_files_under_inputs_and_other_values_under_params(compose, tmp_path):
+    import hashlib
+
+    img = _png(tmp_path / "a.png", (128, 128))
+    p = _jsonl(tmp_path, {"id": "a", "prompt": "a cat", "image": "a.png", "strength": 0.6})
+    e = _engine(compose, "model=tiny_flux", "model.task=image_to_image", "dataset=jsonl", f"dataset.path={p}")
+    rows, _ = e.read_rows()
+    rec = e.record(e.items(rows, 0)[0], None, 1, 0.0)
+    assert rec["params"]["strength"] == 0.6 and "image" not in rec["params"]
+    assert rec["inputs"]["image"]["sha256"] == hashlib.sha256(img.read_bytes()).hexdigest()
+    assert rec["inputs"]["image"]["path"] == str(img)
+
+
+def test_record_carries_the_negative_prompt_as_given(flux8):
+    rec = flux8.record(flux8.items([_row(1, negative_prompt="blurry")], 0)[0], None, 1, 0.0)
+    assert rec["negative_prompt"] == "blurry" and rec["params"]["negative_prompt"] == "blurry"
+
+
+def test_items_of_rows_without_a_seed_take_it_from_the_run_seed(flux):
+    row = Row(**{**_row(1).__dict__, "seed": None})
+    a, b = flux.items([row], 1)[0].seed, flux.items([row], 2)[0].seed
+    assert a != b and flux.items([row], 1)[0].seed == a
+
+
+def test_prompts_section_logs_each_truncating_encoder(flux, caplog):
+    recs = [{"status": "ok", "tokens": {"t5": {"dropped": 2}, "clip": {"dropped": 5}}},
+            {"status": "ok", "tokens": {"t5": {"dropped": 1}, "clip": {"dropped": 0}}},
+            {"status": "ok", "tokens": {"t5": {"dropped": 0}, "clip": {"dropped": 0}}}]
+    with caplog.at_level("WARNING", logger="runner"):
+        flux.prompts_section(recs)
+    assert caplog.messages == ["2 of 3 items had prompts truncated by a text encoder (t5: 2, clip: 1); their records "
+                               "say how many tokens were dropped"]
+
+
+def test_the_truncation_log_names_every_encoder_that_drops_tokens(flux8, caplog):
+    long = " ".join(["cat"] * 100)  # past CLIP's 77 and T5's 8
+    rows = [_row(1, prompt=long), _row(2, prompt=LONG)]
+    with caplog.at_level("WARNING", logger="runner"):
+        _truncation(flux8).prepare_rows(rows, "p")
+    assert caplog.messages[0].startswith("2 of 2 rows have prompts longer than a text encoder takes (clip: 1 over 77, "
+                                         "t5: 2 over 8);")
+
+
+def test_counting_a_long_prompt_logs_no_tokenizer_warning(compose):
+    import logging
+
+    e = _engine(compose, "model=tiny_flux")
+    tok = e.tokenizers()["clip"]
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    logger.addHandler(handler)
+    try:
+        n = e.count_tokens("clip", tok, [" ".join(["cat"] * 100)])[0]
+    finally:
+        logger.removeHandler(handler)
+    assert n > 77 and not [m for m in seen if "Token indices sequence length" in m]
+
+
+def test_a_snapshot_without_a_tokenizer_is_refused_naming_the_pipeline(compose, tmp_path):
+    import json
+
+    from runner.core.weights import ModelPathError
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    e = _engine(compose, "model=tiny_flux")
+    with pytest.raises(ModelPathError, match="which FluxPipeline needs"):
+        e.snapshot_tokenizers(tmp_path)
+
+
+def test_a_stage_without_a_run_config_is_not_fed(compose):
+    e = _engine(compose, "model=tiny_flux")
+    e.ctx.run = None
+    assert _truncation(e).fed() is False
+
+
+def test_read_rows_reads_the_runs_split_of_a_hf_dataset(compose, tmp_path):
+    from _helpers import import_extra
+
+    datasets = import_extra("export", "datasets")
+    datasets.disable_progress_bars()
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "a fox"}]),
+                          "test": datasets.Dataset.from_list([{"prompt": "an owl"}, {"prompt": "a bee"}])}
+                         ).save_to_disk(str(tmp_path / "d"))
+    base = ["model=tiny_flux", "dataset=hf", f"dataset.path={tmp_path / 'd'}"]
+    assert [r.prompt for r in _engine(compose, *base, "dataset.split=test").read_rows()[0]] == ["an owl", "a bee"]
+    assert [r.prompt for r in _engine(compose, *base).read_rows()[0]] == ["a fox"]  # default: train
+
+
+def test_record_params_carry_the_rows_further_values(flux8):
+    # lora and lora_scale: row values no pass re-states in applied_params (strength, num_frames, fps are)
+    rec = flux8.record(flux8.items([_row(1, ("lora", "lora_scale"), lora="style", lora_scale=0.8)], 0)[0], None, 1, 0.0)
+    assert (rec["params"]["lora"], rec["params"]["lora_scale"]) == ("style", 0.8)
