@@ -371,3 +371,30 @@ def test_ctrl_c_during_a_sweep_stops_the_sweep(tmp_path, subprocess_env):
     assert rc == 128 + signal.SIGINT, log.read_text()[-3000:]
     assert json.loads((sweep / "0" / "job_status.json").read_text())["outcome"] == "interrupted"
     assert not (sweep / "1").exists()  # the second job never started
+
+
+# regression: a sweep re-run into a sweep dir with other values: every job was refused (its dir holds the earlier
+# job's run), yet sweep.json and the log said "ok" for each (the earlier runs' job_status.json) and the sweep exited 0
+def test_a_sweep_whose_jobs_are_refused_in_dirs_of_earlier_runs_reports_them_and_exits_1(tmp_path, subprocess_env):
+    sweep = tmp_path / "sweep"
+
+    def sweep_run(seeds):
+        return subprocess.run([sys.executable, "-m", "runner", "-m", "platform=cpu", "dataset.limit=1",
+                               f"seed={seeds}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=_env(subprocess_env),
+                              capture_output=True, text=True, timeout=600)
+
+    first = sweep_run("1,2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {d: (sweep / d / "manifest.json").read_bytes() for d in ("0", "1")}
+    second = sweep_run("4,2")  # job 0: seed 1 -> 4, refused; job 1: the same config, nothing left to do
+    out = second.stdout + second.stderr
+    assert second.returncode == 1, out[-3000:]
+    doc = json.loads((sweep / "sweep.json").read_text())
+    jobs = {j["dir"]: j for j in doc["jobs"]}
+    assert doc["exit_code"] == 1
+    assert jobs["0"]["outcome"] == "invalid" and jobs["0"]["exit_code"] == 2 and jobs["0"]["status"] == "not_run"
+    assert "seed=4" in jobs["0"]["overrides"] and "seed=1" in jobs["0"]["dir_holds"], jobs["0"]
+    assert "seed: 1 -> 4" in jobs["0"]["error"], jobs["0"]["error"]
+    assert jobs["1"]["outcome"] == "ok" and "seed=2" in jobs["1"]["overrides"], jobs["1"]
+    assert (sweep / "0" / "manifest.json").read_bytes() == before["0"]  # the earlier run's records, untouched
+    assert json.loads((sweep / "0" / "job_status.json").read_text())["outcome"] == "ok"

@@ -46,6 +46,12 @@ EXIT = {"ok": 0, "failed_items": 1, "crashed": 1, "refused": 2, "invalid": 2, "e
 # resume never trusts (``runner.core.resume.previous_run``).
 STARTUP_OUTCOMES = ("refused", "invalid")
 
+#: This process's attempts that wrote no ``job_status.json`` because their dir is another run's (it holds that run's
+#: records, or another process holds its lock), by the Hydra job dir (resolved): ``{exit_code, outcome, error_type,
+#: error, overrides}``. A sweep's summary reads them (``runner.tools.sweep.summarize``), so a job refused there is
+#: reported as refused, not as the earlier run its dir still holds.
+UNRECORDED: Dict[str, Dict[str, Any]] = {}
+
 
 def _refusal_manifest(out_dir: Path, cfg: DictConfig, overrides: List[str], status: str, err: BaseException) -> None:
     """A manifest for a run stopped before its model loaded (never trusted by a resume: status refused/invalid)."""
@@ -240,6 +246,8 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     except RunDirLockError as e:  # the dir is another run's (or unusable): write nothing into it
         log.error("%s: %s", type(e).__name__, e)
         rundir.release(lock)
+        UNRECORDED[str(hydra_dir.resolve())] = {"exit_code": e.exit_code, "outcome": e.outcome,
+                                                "error_type": type(e).__name__, "error": str(e), "overrides": overrides}
         return e.exit_code
     except KeyboardInterrupt:  # a signal outside the run loop's own handling (before it started, or after)
         log.error("interrupted")
@@ -252,6 +260,8 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         status.update(error_type=type(e).__name__, error=str(e))
         if outcome in STARTUP_OUTCOMES and _leave_refused_dirs(cfg, out_dir, hydra_dir, lock,
                                                                reraise and worker is None):
+            UNRECORDED[str(hydra_dir.resolve())] = {"exit_code": code, "outcome": outcome, **status,
+                                                    "overrides": overrides}
             return code  # nothing of the refused attempt is left (the console said why)
         if outcome in STARTUP_OUTCOMES and reraise and worker is None and _default_dir(cfg):
             lock = None  # released; the dir holds more than the refusal wrote: record the refusal there as usual

@@ -114,12 +114,23 @@ def job_dirs(sweep_dir: Path) -> List[Path]:
     return sorted(dirs, key=lambda p: (0, int(p.name)) if p.name.isdigit() else (1, p.name))
 
 
-def summarize(sweep_dir: Path) -> Dict[str, Any]:
-    """The ``sweep.json`` document: one entry per job with its overrides, outcome, exit code and error."""
+def summarize(sweep_dir: Path, unrecorded: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """The ``sweep.json`` document: one entry per job with its overrides, outcome, exit code and error.
+
+    ``unrecorded``: this process's jobs that wrote no ``job_status.json`` because their dir is another run's
+    (:data:`runner.app.jobs.UNRECORDED`, by resolved dir): such a job is reported with its own outcome and overrides
+    (a sweep re-run into a sweep dir with other values: every job refused), beside ``dir_holds``, the overrides of the
+    run its dir still holds, never as that earlier run."""
     jobs = []
     for d in job_dirs(sweep_dir):
         st = json.loads((d / "job_status.json").read_text()) if (d / "job_status.json").exists() else {}
         man = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").exists() else {}
+        attempt = (unrecorded or {}).get(str(d.resolve()))
+        if attempt is not None:
+            jobs.append({"dir": d.name, "overrides": attempt.get("overrides"), "outcome": attempt["outcome"],
+                         "exit_code": attempt["exit_code"], "status": "not_run", "error": attempt.get("error"),
+                         "dir_holds": man.get("overrides")})
+            continue
         status = rundir.effective_status(d, man) if man else None  # running with a dead owner: crashed
         outcome = status if status in ("running", "crashed") else st.get("outcome", "unknown")
         jobs.append({"dir": d.name, "overrides": man.get("overrides"), "outcome": outcome,
@@ -160,7 +171,9 @@ class SweepCallback(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
-        doc = summarize(sweep_dir)
+        from runner.app.jobs import UNRECORDED
+
+        doc = summarize(sweep_dir, UNRECORDED)
         gated = None
         try:
             gated = gate(sweep_dir, doc, self.min_metric_ratio)
