@@ -501,3 +501,27 @@ def test_get_walks_dotted_keys():
     d = {"a": {"b": {"c": 1}}, "x": 3}
     assert rs._get(d, "a.b.c") == 1 and rs._get(d, "a.b") == {"c": 1}
     assert rs._get(d, "a.z") is None and rs._get(d, "x.y") is None and rs._get(d, "q") is None
+
+
+@pytest.mark.parametrize("text, kind", [("", "JSONDecodeError"), ("garbage{", "JSONDecodeError"), ("[]", "list"),
+                                        ("\xff\xfe", "UnicodeDecodeError")])
+def test_a_dir_whose_manifest_is_not_a_json_object_is_refused_and_left_as_it_was(tmp_path, text, kind):
+    """An empty, truncated or edited ``manifest.json`` raised a traceback (JSONDecodeError; ``[]``: AttributeError)
+    and exited 1; it is refused (exit 2) naming the file, and nothing in the dir is touched."""
+    from _helpers import execute
+    from runner.core.errors import RunnerError
+    from runner.core.resume import ResumeConflictError
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "manifest.json").write_bytes(text.encode("latin-1"))
+    (d / "items.jsonl").write_text("mine\n")
+    r = execute(d, ["dataset.limit=1"], catch=(RunnerError,))
+    assert isinstance(r.error, ResumeConflictError) and r.error.exit_code == 2, r
+    msg = str(r.error)
+    assert msg.startswith(f"{d / 'manifest.json'} is not a run's manifest ({kind}: "), msg
+    assert msg.endswith("fix: another run dir (hydra.run.dir=...), or move the dir's files away if they are not a "
+                        "run's"), msg
+    assert (d / "manifest.json").read_bytes() == text.encode("latin-1")
+    assert (d / "items.jsonl").read_text() == "mine\n" and sorted(p.name for p in d.iterdir()) == [
+        "items.jsonl", "manifest.json"]

@@ -65,3 +65,15 @@ def test_broken_manifest_and_records_are_rejected(execute, tmp_path):
     p = subprocess.run([sys.executable, "-m", "runner.validate", str(d)], capture_output=True, text=True,
                        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert p.returncode == 1 and "items.jsonl:2: $.seed" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("data, msg", [(b"", "Expecting value"),
+                                       (b'{"status": "comp', "Unterminated string starting at"),
+                                       (b"\xff\xfe", "UnicodeDecodeError")])
+def test_a_manifest_that_is_not_json_is_a_violation_not_a_traceback(tmp_path, data, msg):
+    (tmp_path / "manifest.json").write_bytes(data)
+    assert validate_run_dir(tmp_path) == [f"{tmp_path / 'manifest.json'}: not JSON ({msg})"]
+    p = subprocess.run([sys.executable, "-m", "runner.validate", str(tmp_path)], capture_output=True, text=True,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert p.returncode == 1 and "manifest.json: not JSON (" in p.stdout and "Traceback" not in p.stderr, (
+        p.stdout + p.stderr)

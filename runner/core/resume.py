@@ -212,11 +212,24 @@ def lora_renames(prev: Optional[Dict[str, Any]], source: Dict[str, Any]) -> List
 
 def previous_run(out_dir: Path, names: tuple = ("manifest.json",)) -> Optional[Dict[str, Any]]:
     """The earlier manifest in ``out_dir`` (the first of ``names`` that exists), or None when the dir holds no
-    run (or only a run refused before it produced anything)."""
+    run (or only a run refused before it produced anything).
+
+    Raises:
+        ResumeConflictError: the manifest is not a JSON object (empty, truncated, edited): what the dir holds cannot be
+            compared with this run, so nothing is resumed or overwritten; names the file and the fix.
+    """
     p = next((out_dir / n for n in names if (out_dir / n).is_file()), None)
     if p is None:
         return None
-    doc = json.loads(p.read_text())
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        doc = e
+    if not isinstance(doc, dict):
+        raise ResumeConflictError(
+            f"{p} is not a run's manifest ({type(doc).__name__}: {str(doc)[:120] or 'empty'}): the dir's earlier run "
+            "cannot be compared with this one, so nothing is resumed or overwritten; fix: another run dir "
+            "(hydra.run.dir=...), or move the dir's files away if they are not a run's")
     if doc.get("status") in ("refused", "invalid"):  # stopped before any artifact: nothing to resume
         return None
     return doc

@@ -81,7 +81,10 @@ def validate_run_dir(run_dir: Path) -> List[str]:
     m = run_dir / "manifest.json"
     if not m.is_file():
         raise SchemaValidationSetupError(f"{run_dir} holds no manifest.json; fix: pass a run dir")
-    out = [f"{m}: {p}" for p in problems(json.loads(m.read_text()), "manifest")]
+    try:
+        out = [f"{m}: {p}" for p in problems(json.loads(m.read_text(encoding="utf-8")), "manifest")]
+    except ValueError as e:  # empty or truncated (JSONDecodeError), not UTF-8 (UnicodeDecodeError): a violation
+        out = [f"{m}: not JSON ({getattr(e, 'msg', None) or type(e).__name__})"]
     for name in ("items.jsonl", "items.unlisted.jsonl"):
         path = run_dir / name
         if not path.is_file():
