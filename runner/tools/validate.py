@@ -119,7 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(p)
         bad += len(found)
         if not found:
-            print(f"{d}: valid")
+            print(f"{d}: valid (the records' schemas only; the files' bytes are checked against their sha256 by a "
+                  "resume and by python -m runner.export --verify)")
     return 1 if bad else 0
 
 
