@@ -152,10 +152,11 @@ def test_fuse_qkv_cross_attention_keeps_its_query(compose):
 
 def test_fuse_qkv_skips_modules_that_cannot_fuse(compose):
     flux = transformer(engine(compose, "tiny_flux"))
-    flux.single_transformer_blocks[1].attn._supports_qkv_fusion = False
+    flux.transformer_blocks[0].attn._supports_qkv_fusion = False  # the first: the modules after it still fuse
     assert bp.fuse_qkv(flux) == 2
-    kept = flux.single_transformer_blocks[1].attn
+    kept = flux.transformer_blocks[0].attn
     assert isinstance(kept.to_q, torch.nn.Linear) and getattr(kept, "to_qkv", None) is None
+    assert isinstance(flux.single_transformer_blocks[1].attn.to_qkv, torch.nn.Linear)
     sd3 = transformer(engine(compose, "tiny_sd3"))  # attention_processor.Attention: not fused here
     before = [n for n, _ in sd3.named_modules()]
     assert bp.fuse_qkv(sd3) == 0 and [n for n, _ in sd3.named_modules()] == before
@@ -174,6 +175,30 @@ def test_attention_pass_installs_one_probe_per_site_with_its_role(compose):
     e = loaded(compose, "tiny_flux", observe=False)
     bp.AttentionPass(e).install({})
     assert [s.observing for s in e.probes["attention"]] == [False] * 3
+
+
+def test_attention_pass_hands_the_platform_sm_and_the_layer_to_their_rules(compose, monkeypatch):
+    """The wiring is planned for the platform's compute capability (FA3 over FA2 on sm90), and the family's
+    calls-per-forward rule gets each site's layer name and module."""
+    import dataclasses
+
+    from models.flux import FluxEngine
+    from runner.kernels import attention
+
+    class ByLayer(FluxEngine):
+        def site_calls_per_forward(self, layer: str, module: Any) -> int:
+            return 3 if layer.startswith("single_") and module is not None else 1
+
+    e = engine(compose, "tiny_flux", cls=ByLayer)
+    e.ctx.plat = dataclasses.replace(e.ctx.plat, capability=(9, 0))
+    e.pipe = types.SimpleNamespace(transformer=transformer(e))
+    e.observe, e.probes = True, {}
+    e.resolutions, _ = e.resolve_backends()
+    planned, real = [], attention.plan
+    monkeypatch.setattr(attention, "plan", lambda name, sm=None: planned.append((name, sm)) or real(name, sm))
+    bp.AttentionPass(e).install({})
+    assert planned == [("TORCH_SDPA", 90)]
+    assert [s.per_forward for s in e.probes["attention"]] == [1, 3, 3]
 
 
 def test_attention_pass_takes_the_family_calls_per_forward(compose):
@@ -223,6 +248,28 @@ def test_moe_pass_installs_on_every_moe_block_and_owns_the_routed_experts(compos
     assert [s.counting for s in e.probes["moe"]["sites"]] == [False] * 4
 
 
+def test_moe_pass_owns_what_the_layout_names_in_each_block(compose):
+    """The owned Linears are the layout's names read from each block (here one prefix per routed expert)."""
+    from models.hidream import HiDreamEngine, HiDreamExperts
+
+    class PerExpert(HiDreamExperts):
+        def expert_linears(self, block: torch.nn.Module):
+            return tuple(f"experts.{i}." for i in range(len(block.experts)))
+
+    class Engine(HiDreamEngine):
+        def moe_layout(self):
+            return PerExpert()
+
+    e = engine(compose, "tiny_hidream", cls=Engine)
+    e.pipe = types.SimpleNamespace(transformer=transformer(e))
+    e.observe, e.probes = True, {}
+    e.resolutions, _ = e.resolve_backends()
+    p = bp.MoePass(e)
+    p.install({})
+    blocks = [s.layer for s in e.probes["moe"]["sites"]]
+    assert p.owned_linears() == tuple(f"{b}.experts.{i}." for b in blocks for i in range(4))
+
+
 # ------------------------------------------------------------------------------------------- LinearPass
 def test_linear_pass_leaves_the_moe_experts_to_the_moe_backend(compose):
     e = loaded(compose, "tiny_hidream")
@@ -258,6 +305,16 @@ def test_linear_pass_replaces_only_the_family_blocks_under_fp8(compose):
     assert n1 > 0 and (rec.resolved, rec.modules, len(rec.skipped)) == ("FP8", n1 + n2, other)
     assert e.probes["expert_linears"] == {"transformer": n1, "transformer_2": n2}
     assert type(e.pipe.transformer_2.blocks[0].attn1.to_q).__name__ == "FP8Linear"
+
+
+def test_linear_pass_quantizes_on_the_stage_device(compose, monkeypatch):
+    from runner.kernels import linear
+
+    e = loaded(compose, "tiny_flux")
+    seen, real = [], linear.install
+    monkeypatch.setattr(linear, "install", lambda *a, **k: seen.append(k["device"]) or real(*a, **k))
+    bp.LinearPass(e).install({})
+    assert seen == ["cpu"] == [e.device]
 
 
 # ------------------------------------------------------------------------------ BackendSelection.resolve
@@ -394,6 +451,20 @@ def test_choose_moe_by_measurement_times_every_candidate(compose):
     assert m is not None, res["moe"].reason
     assert {m[1], m[3]} == {"TORCH", "GROUPED_MM"} and float(m[2]) <= float(m[4])  # fastest first
     assert m[5] == m[1] == res["moe"].selected
+
+
+def test_choose_moe_by_measurement_times_two_candidates(compose):
+    """fp16 on sm80: TRITON and TORCH can run (GROUPED_MM cannot): two candidates are timed too."""
+    from models.hidream import HiDreamEngine
+    from runner.kernels.registry import SelectionContext
+
+    e = engine(compose, "tiny_hidream", dtype=torch.float16, cls=_small_hidream(HiDreamEngine))
+    res, _ = e.resolve_backends()
+    gpu = SelectionContext(platform_kind="cuda", sm=80, dtype=torch.float16, head_dim=16, moe_dims=(32, 256))
+    e.choose_moe_by_measurement(res["moe"], gpu)
+    assert res["moe"].selected == "TORCH"
+    assert re.fullmatch(r"measured at startup on cpu \(.*, float16, .*\): TORCH [\d.]+ ms, TRITON failed "
+                        r"\(RuntimeError: .*\); TORCH is the fastest", res["moe"].reason), res["moe"].reason
 
 
 def test_choose_moe_by_measurement_with_one_candidate_or_under_data_parallelism(compose):
