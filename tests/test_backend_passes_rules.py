@@ -101,6 +101,22 @@ def test_module_dispatches_by_the_module_or_the_diffusers_attention_class_it_imp
     assert bp.module_dispatches(m.Model) is False
 
 
+def test_module_dispatches_reads_on_past_a_module_without_source(monkeypatch):
+    """A model module whose source cannot be read (built in memory) that imports FluxAttention still dispatches:
+    the unreadable source is skipped, the others are read (each of 20 such modules, whatever the set's order)."""
+    import sys
+
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
+    for i in range(20):
+        name = f"bpr_in_memory_{i}"
+        mod = types.ModuleType(name)
+        mod.FluxAttention = FluxAttention
+        mod.Model = type("Model", (), {"__module__": name})
+        monkeypatch.setitem(sys.modules, name, mod)
+        assert bp.module_dispatches(mod.Model) is True, i
+
+
 # ------------------------------------------------------------------------------------- attention_modules
 def test_attention_modules_lists_both_eras_in_model_order(compose):
     flux = transformer(engine(compose, "tiny_flux"))
@@ -348,6 +364,13 @@ def test_resolve_backends_checks_against_the_model_shape_and_platform(compose):
     with pytest.raises(BackendUnavailableError) as err:
         engine(compose, "tiny_flux", "backend.attention=FLASHINFER_ATTN", dtype=torch.bfloat16).resolve_backends()
     assert "dtype" not in str(err.value)
+    import dataclasses
+
+    e = engine(compose, "tiny_flux", "backend.attention=FLASHINFER_ATTN")
+    e.ctx.plat = dataclasses.replace(e.ctx.plat, capability=(9, 0))  # the platform's sm reaches the checks
+    with pytest.raises(BackendUnavailableError) as err:
+        e.resolve_backends()
+    assert "needs platform cuda, this is cpu" in str(err.value) and "compute capability" not in str(err.value)
     with pytest.raises(BackendUnavailableError, match=r"is not wired into the engine of stage 'denoise' \(it runs "
                                                       r"TORCH_SDPA, .*FLASHINFER_ATTN\)"):
         engine(compose, "tiny_flux", "backend.attention=TRTLLM_ATTN").resolve_backends()
@@ -380,6 +403,18 @@ def test_resolve_backends_moe_field_and_auto_measurement(compose):
     assert "the model runs in" not in res["moe"].reason and "needs platform cuda/rocm, this is cpu" in res["moe"].reason
     res, _ = engine(compose, "tiny_hidream", "backend.moe=TORCH").resolve_backends()  # explicit: not measured
     assert res["moe"].selected == "TORCH" and not (res["moe"].reason or "").startswith("the only MoE backend")
+
+
+def test_resolve_backends_offers_only_the_moe_backends_wired_into_diffusers(compose):
+    from runner.kernels import registry as reg
+    from runner.kernels.registry import Backend, BackendUnavailableError
+
+    # no DiffusersMoEWiring (a CUDA one, so that the refusal lists every reason, the wiring's included)
+    with reg.registered(Backend("moe", "BPR_UNWIRED", requires=(reg.on_platform("cuda"),))):
+        with pytest.raises(BackendUnavailableError, match=r"backend.moe=BPR_UNWIRED cannot run here: needs platform "
+                                                          r"cuda, this is cpu; is not wired into the engine of stage "
+                                                          r"'denoise' \(it runs TORCH, TRITON, GROUPED_MM\)"):
+            engine(compose, "tiny_hidream", "backend.moe=BPR_UNWIRED").resolve_backends()
 
 
 def test_resolve_backends_passes_the_moe_dims(compose):
@@ -429,6 +464,7 @@ def _small_hidream(cls_base: Any, bad_input: bool = False) -> Any:
 
         def moe_probe(self):
             block, x, shape = super().moe_probe()
+            self.drawn = getattr(self, "drawn", []) + [x.clone()]
             return (block, torch.cat([x, x[..., :1]], -1) if bad_input else x, shape)
 
     return Small
@@ -451,6 +487,28 @@ def test_choose_moe_by_measurement_times_every_candidate(compose):
     assert m is not None, res["moe"].reason
     assert {m[1], m[3]} == {"TORCH", "GROUPED_MM"} and float(m[2]) <= float(m[4])  # fastest first
     assert m[5] == m[1] == res["moe"].selected
+    torch.manual_seed(0)  # the probe is drawn from seed 0: the same block and input at every startup
+    e.moe_probe()
+    assert len(e.drawn) == 2 and torch.equal(e.drawn[0], e.drawn[1])
+
+
+def test_choose_moe_by_measurement_records_every_failed_candidate(compose):
+    """A HiDream of H = 36: GROUPED_MM (a candidate by the selection context given) raises for its row strides,
+    TRITON for the CPU tensor; both are skipped, each named with its error, TORCH is chosen."""
+    from models.hidream import HiDreamEngine
+    from runner.kernels.registry import SelectionContext
+
+    e = engine(compose, "tiny_hidream", "model.architecture.transformer.attention_head_dim=18",
+               "model.architecture.transformer.axes_dims_rope=[10,4,4]", dtype=torch.bfloat16,
+               cls=_small_hidream(HiDreamEngine))
+    res, _ = e.resolve_backends()
+    gpu = SelectionContext(platform_kind="cuda", sm=90, dtype=torch.bfloat16, head_dim=18, moe_dims=(32, 256))
+    e.choose_moe_by_measurement(res["moe"], gpu)
+    assert res["moe"].selected == "TORCH"
+    assert re.fullmatch(r"measured at startup on cpu \(HiDream MoE block H=36, .*\): TORCH [\d.]+ ms, TRITON failed "
+                        r"\(RuntimeError: MoE backend TRITON .*? on this device\), GROUPED_MM failed \(ValueError: torch's "
+                        r"grouped GEMM needs 16-byte row strides: H=36 and I=256 must be multiples of 8 in bfloat16\); "
+                        r"TORCH is the fastest", res["moe"].reason), res["moe"].reason
 
 
 def test_choose_moe_by_measurement_times_two_candidates(compose):
