@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from models import backend_passes as bp
+from models.source import family_names
 from runner.core.errors import ConfigValueError
 
 
@@ -194,7 +195,7 @@ def test_attention_pass_installs_one_probe_per_site_with_its_role(compose):
 
 
 def test_attention_pass_hands_the_platform_sm_and_the_layer_to_their_rules(compose, monkeypatch):
-    """The wiring is planned for the platform's compute capability (FA3 over FA2 on sm90), and the family's
+    """The wiring is planned (at resolution and at install) for the platform's compute capability (FA3 over FA2 on sm90), and the family's
     calls-per-forward rule gets each site's layer name and module."""
     import dataclasses
 
@@ -209,11 +210,12 @@ def test_attention_pass_hands_the_platform_sm_and_the_layer_to_their_rules(compo
     e.ctx.plat = dataclasses.replace(e.ctx.plat, capability=(9, 0))
     e.pipe = types.SimpleNamespace(transformer=transformer(e))
     e.observe, e.probes = True, {}
-    e.resolutions, _ = e.resolve_backends()
     planned, real = [], attention.plan
     monkeypatch.setattr(attention, "plan", lambda name, sm=None: planned.append((name, sm)) or real(name, sm))
+    e.resolutions, _ = e.resolve_backends()
+    assert planned == [("TORCH_SDPA", 90)]  # the resolution checks the wiring at startup, for this sm
     bp.AttentionPass(e).install({})
-    assert planned == [("TORCH_SDPA", 90)]
+    assert planned == [("TORCH_SDPA", 90)] * 2
     assert [s.per_forward for s in e.probes["attention"]] == [1, 3, 3]
 
 
@@ -620,5 +622,6 @@ def test_dispatches_and_the_refusal_of_a_non_dispatching_transformer(compose, mo
         "model=tiny_flux: its transformer (SD3Transformer2DModel) does not call diffusers' attention dispatcher, so no "
         "attention backend can be selected or observed in it; fix: a model family whose transformer uses the "
         "dispatcher (")
+    assert str(err.value).endswith(f"dispatcher ({', '.join(family_names())})") and "flux, " in str(err.value)
     monkeypatch.setitem(e.components, "transformer", ("diffusers", "NoSuchTransformer", None))
     assert e.dispatches() is False
