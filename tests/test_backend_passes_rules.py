@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 import types
 from typing import Any
 
@@ -73,7 +74,7 @@ def test_uses_dispatcher_reads_the_processor_class_source(compose):
 def _module(tmp_path, monkeypatch, name: str, body: str):
     (tmp_path / f"{name}.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    monkeypatch.delitem(sys.modules, name, raising=False)
     return importlib.import_module(name)
 
 
@@ -105,7 +106,6 @@ def test_module_dispatches_by_the_module_or_the_diffusers_attention_class_it_imp
 def test_module_dispatches_reads_on_past_a_module_without_source(monkeypatch):
     """A model module whose source cannot be read (built in memory) that imports FluxAttention still dispatches:
     the unreadable source is skipped, the others are read (each of 20 such modules, whatever the set's order)."""
-    import sys
 
     from diffusers.models.transformers.transformer_flux import FluxAttention
 
