@@ -246,9 +246,8 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
     except RunDirLockError as e:  # the dir is another run's (or unusable): write nothing into it
         log.error("%s: %s", type(e).__name__, e)
         rundir.release(lock)
-        UNRECORDED[str(hydra_dir.resolve())] = {"exit_code": e.exit_code, "outcome": e.outcome,
-                                                "error_type": type(e).__name__, "error": str(e), "overrides": overrides}
-        return e.exit_code
+        return _unrecorded(hydra_dir, e.exit_code, e.outcome, {"error_type": type(e).__name__, "error": str(e)},
+                           overrides)
     except KeyboardInterrupt:  # a signal outside the run loop's own handling (before it started, or after)
         log.error("interrupted")
         outcome, code = "interrupted", 128 + 2
@@ -260,9 +259,7 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         status.update(error_type=type(e).__name__, error=str(e))
         if outcome in STARTUP_OUTCOMES and _leave_refused_dirs(cfg, out_dir, hydra_dir, lock,
                                                                reraise and worker is None):
-            UNRECORDED[str(hydra_dir.resolve())] = {"exit_code": code, "outcome": outcome, **status,
-                                                    "overrides": overrides}
-            return code  # nothing of the refused attempt is left (the console said why)
+            return _unrecorded(hydra_dir, code, outcome, status, overrides)  # nothing of it is left (the log says why)
         if outcome in STARTUP_OUTCOMES and reraise and worker is None and _default_dir(cfg):
             lock = None  # released; the dir holds more than the refusal wrote: record the refusal there as usual
         if outcome in STARTUP_OUTCOMES:
@@ -454,6 +451,13 @@ def _track(cfg: DictConfig, out_dir: Path, code: int) -> None:
 def _dir_key(cfg: DictConfig) -> str:
     """The config key that names the run dir (for messages)."""
     return "run.resume" if cfg.run.resume else "output.dir" if cfg.output.dir else "hydra.run.dir"
+
+
+def _unrecorded(hydra_dir: Path, code: int, outcome: str, status: Dict[str, Any], overrides: List[str]) -> int:
+    """Note in :data:`UNRECORDED` an attempt that writes no ``job_status.json`` (its dir is another run's); returns
+    its exit code."""
+    UNRECORDED[str(hydra_dir.resolve())] = {"exit_code": code, "outcome": outcome, **status, "overrides": overrides}
+    return code
 
 
 def _write_status(out_dir: Path, code: int, outcome: str, status: Dict[str, Any]) -> None:
