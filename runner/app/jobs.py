@@ -487,8 +487,9 @@ class RunDirLockCallback(_HydraCallback):
     """Holds the run dir from the start of ``python -m runner`` (``on_run_start``: before Hydra writes ``.hydra/``
     and the job log into it) until the process ends; for a multirun, the sweep dir (``on_multirun_start``; each
     job's dir is then held by its job, ``run_job``). A refusal (``runner.core.errors.RunDirInUseError``: another run
-    holds the dir) ends the process with exit 2 before anything is written. Under torchrun, rank 0 takes the lock
-    and tells the other ranks (``runner.core.distributed.claim_run_dir``)."""
+    holds the dir; ``ForeignDirError``: the dir is a user's folder, ``runner.core.rundir.check_own_dir``) ends the
+    process with exit 2 before anything is written. Under torchrun, rank 0 takes the lock and tells the other ranks
+    (``runner.core.distributed.claim_run_dir``); claims workers join (never checked as the dir's owner)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from runner.core import distributed as dp
@@ -511,6 +512,7 @@ class RunDirLockCallback(_HydraCallback):
             return  # job_status.json in Hydra's dir), nothing to hold
         try:
             if slurm_submitter(config):  # its array tasks hold the dir together (runner.app.slurm_launcher)
+                rundir.check_own_dir(target, key)  # but it owns the dir's first take: not a user's folder
                 return
             if claims_worker(config):  # a peer of the dir's claims run: no worker owns the dir
                 rundir.join_fleet(target, key=key)
@@ -521,6 +523,6 @@ class RunDirLockCallback(_HydraCallback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            rundir.acquire(Path(str(OmegaConf.select(config, "hydra.sweep.dir"))).absolute())
+            rundir.acquire(Path(str(OmegaConf.select(config, "hydra.sweep.dir"))).absolute(), own=False)
         except RunDirLockError as e:
             _refuse(e)

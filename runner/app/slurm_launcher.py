@@ -41,6 +41,7 @@ from submitit.helpers import Checkpointable
 from runner.app.console import profiler_in_this_thread
 from runner.core.claims import halt_all
 from runner.core.errors import RefusedError, RunnerError
+from runner.core.rundir import SLURM_DIR
 
 log = logging.getLogger("runner.slurm")
 
@@ -62,7 +63,7 @@ class SlurmUnavailableError(RefusedError):
 
 def folder_of(cfg: DictConfig, out_dir: Path) -> Path:
     """submitit's folder (``launcher.folder``, default ``<run dir>/slurm``)."""
-    return Path(cfg.launcher.folder) if cfg.launcher.folder else Path(out_dir) / "slurm"
+    return Path(cfg.launcher.folder) if cfg.launcher.folder else Path(out_dir) / SLURM_DIR
 
 
 def _task_env() -> Dict[str, Any]:

@@ -46,11 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
+from runner.core import rundir
 from runner.core.errors import ConfigValueError, RunDirInUseError, StorageError
 
 log = logging.getLogger("runner")
 
-CLAIMS_DIR = "claims"
+CLAIMS_DIR = rundir.CLAIMS_DIR
 #: The key a scheduler's driver creates once every batch is answered (:class:`FedClaims`: idle workers end their run).
 POOL_DONE = "pool_done.json"
 #: What the merged manifest's ``parallelism.sharding`` says of a claims run.

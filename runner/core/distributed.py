@@ -35,11 +35,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from runner.core import rundir
 from runner.core.artifacts import atomic_write_json
-from runner.core.errors import ConfigValueError, RefusedError, RunDirInUseError, RunDirLockError, RunnerError
+from runner.core.errors import (ConfigValueError, ForeignDirError, RefusedError, RunDirInUseError, RunDirLockError,
+                                 RunnerError)
 
 log = logging.getLogger("runner")
 
-WORKER_SUBDIR = "workers"
+WORKER_SUBDIR = rundir.WORKER_SUBDIR
 SHARDING = "the run's batches dealt whole, in order, each to the rank with the fewest items (see shard)"
 
 
@@ -353,14 +354,15 @@ def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True,
     Outside torchrun (or with one rank) this is ``acquire``, counted like it.
 
     Raises:
-        runner.core.errors.RunDirLockError: the dir is held by another run, or cannot be created.
+        runner.core.errors.RunDirLockError: the dir is held by another run (``RunDirInUseError``), is a user's folder
+            (``ForeignDirError``, ``runner.core.rundir.check_own_dir``), or cannot be created.
     """
     if worker is None or worker.world_size == 1:
         lock = rundir.acquire(out_dir, create=create, key=key)
         return lock.token if lock is not None else None
-    key = str(Path(out_dir).resolve())
-    if key in _CLAIMED:
-        return _CLAIMED[key]
+    reg = str(Path(out_dir).resolve())
+    if reg in _CLAIMED:
+        return _CLAIMED[reg]
     import torch.distributed as dist
 
     from runner.core import resume
@@ -377,13 +379,12 @@ def claim_run_dir(out_dir: Path, worker: Optional[Worker], create: bool = True,
             box = [(type(e).__name__, str(e))]
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
-    if kind == "RunDirInUseError":
-        raise RunDirInUseError(f"(rank 0) {value}")
-    if kind != "ok":
-        raise RunDirLockError(f"(rank 0) {value}")
+    if kind != "ok":  # every rank is refused with rank 0's error, of its class
+        cls = {c.__name__: c for c in (RunDirInUseError, ForeignDirError)}.get(kind, RunDirLockError)
+        raise cls(f"(rank 0) {value}")
     if worker.rank != 0 and value is not None:
         rundir.join(out_dir, value)
-    _CLAIMED[key] = value
+    _CLAIMED[reg] = value
     return value
 
 

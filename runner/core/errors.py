@@ -104,6 +104,12 @@ class RunDirInUseError(RunDirLockError):
     outcome = "in_use"
 
 
+class ForeignDirError(RunDirLockError):
+    """The run dir named by the user is an existing folder that holds no run but files the runner did not write
+    (``runner.core.rundir.check_own_dir``): refused before anything is written there (names the key, the dir, a few
+    of its files and the fix)."""
+
+
 class DatasetError(UserInputError, ValueError):
     """Raised for bad dataset input (``runner.core.dataset``, ``runner.core.media``). ``problems`` lists one message
     per bad field, each naming file, line, field, value and the fix. ``rows``: a reader's readable rows beside the

@@ -17,6 +17,22 @@ only when both are free, i.e. no process of an earlier run still writes there.
 **Liveness.** :func:`effective_status`: a manifest at ``status: running`` whose run holds no lock any more is
 reported ``crashed`` (its process ended without writing a final status: SIGKILL, power loss, OOM killer).
 
+**A user's folder is not a run dir.** The first take of a dir by the run that will own it (:func:`acquire`: the single
+process, torchrun rank 0, the Ray driver; :func:`check_own_dir` for a SLURM submitter) refuses an existing dir that
+holds no run and holds files the runner did not write (:class:`runner.core.errors.ForeignDirError`, exit 2), before
+anything is written into it: ``hydra.run.dir=~/Pictures`` would otherwise put ``items.jsonl``, ``images/<id>.png``,
+``.hydra/`` and logs among the user's files and overwrite same-named ones. Joiners (torchrun ranks > 0, Ray actors,
+SLURM array tasks, claims workers) are never checked: the dir they join is their owner's. The rule
+(:func:`foreign_entries`): a dir *holds a run* when it has a run manifest (``manifest.json``, or a data-parallel
+worker's ``manifest.rank<r>.json``); every run writes its manifest before any artifact or journal line
+(``runner.app.run.Run.run_stages`` flushes it before the sink opens ``images/``/``videos/``), so a dir without one
+can hold only what the runner writes before a run starts (:data:`PRE_RUN_NAMES`, :data:`PRE_RUN_PATTERNS`: locks,
+Hydra's ``.hydra/`` and job log, ``job_status.json``, the torchrun ranks' ``workers/``, the claims store, submitit's
+``slurm/``, an interrupted atomic write's temp file). Any other file, at any depth, is the user's, *including*
+``images/0.png``: without a manifest no artifact of the runner can be there, and artifact names come from the
+user's row ids, so a name that looks like an artifact proves nothing. Folders holding no file lose nothing and are
+not counted. A dir that holds a run keeps the resume rules (``runner.core.resume``).
+
 **Default dirs.** ``conf/config.yaml`` names default run and sweep dirs by date, time to the microsecond and
 the process id (``${runner_pid:}``), and :func:`new_dir` creates a dir exclusively (``mkdir``, a ``-<n>`` suffix
 when the name is taken), so two runs never pick the same default dir whatever second they start in.
@@ -40,14 +56,29 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from runner.core.errors import RunDirInUseError, RunDirLockError
+from runner.core.errors import ForeignDirError, RunDirInUseError, RunDirLockError
 
 log = logging.getLogger("runner")
 
 LOCK_NAME = "run.lock"
 WORKERS_NAME = "workers.lock"
+FLEET_NAME = "fleet.lock"
+WORKER_SUBDIR = "workers"  # torchrun ranks > 0 run Hydra in <run dir>/workers/rank<r> (runner.core.distributed)
+CLAIMS_DIR = "claims"  # the claims store of a parallelism.assign=claims run (runner.core.claims)
+SLURM_DIR = "slurm"  # submitit's folder of a launcher=slurm run by default (runner.app.slurm_launcher)
+#: What the runner writes into a run dir before the run's first manifest (the module docstring): the locks, Hydra's
+#: ``.hydra/``, the job's ``job_status.json`` (also of a run refused or crashed at startup), the folders of the
+#: data-parallel launchers. Folders named here are not looked into.
+PRE_RUN_NAMES = frozenset({LOCK_NAME, WORKERS_NAME, FLEET_NAME, ".hydra", "job_status.json", WORKER_SUBDIR,
+                           CLAIMS_DIR, SLURM_DIR})
+#: Name patterns of the same (top level only): Hydra's job log ``<job name>.log``; the temp file of an atomic write
+#: that was killed (``.<name>.tmp<pid>``, ``runner.core.artifacts``), e.g. of the first ``manifest.json``.
+PRE_RUN_PATTERNS = (r"[^/]+\.log", r"\..+\.tmp\d+")
+#: A run manifest: the run's, or a data-parallel worker's (written before the merged ``manifest.json``).
+MANIFEST_PATTERN = r"manifest(\.rank\d+)?\.json"
+SCAN_CAP = 1000  # :func:`foreign_entries` stops counting there
 _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 FIX = ("fix: wait for that run to end, or write into another dir (hydra.run.dir=<new dir> or "
@@ -177,16 +208,19 @@ def _in_use(d: Path, path: Path, key: Optional[str]) -> RunDirInUseError:
                             f"their artifacts and records; {FIX}")
 
 
-def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5, key: Optional[str] = None
-            ) -> Optional[RunLock]:
+def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5, key: Optional[str] = None,
+            own: bool = True) -> Optional[RunLock]:
     """Hold ``run_dir`` for this process's run (re-entrant: a dir this process holds is counted again).
 
     Args:
         create: create the dir when missing; with False a missing dir is not held (None is returned).
         wait_s: how long a busy lock is retried (a reader's momentary probe also holds it).
         key: the config key that named the dir (``hydra.run.dir``, ``output.dir``...), for messages.
+        own: the dir is to be a run dir (:func:`check_own_dir` on the first take); False for a tool that holds an
+            existing run's dir (score) or a sweep dir.
 
     Raises:
+        ForeignDirError: (``own``) an existing dir that holds no run but files the runner did not write.
         RunDirInUseError: another process holds the dir, or workers of an earlier run still write into it.
         RunDirLockError: the dir cannot be created or written.
     """
@@ -195,6 +229,8 @@ def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5, key: Option
     if reg in _HELD:
         _HELD[reg].count += 1
         return _HELD[reg]
+    if own:
+        check_own_dir(d, key)
     if not d.is_dir():
         if not create:
             return None
@@ -241,6 +277,73 @@ def acquire(run_dir: Path, create: bool = True, wait_s: float = 0.5, key: Option
         raise _unwritable(d, e, key) from None
     _HELD[reg] = lock
     return lock
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run manifest (:data:`MANIFEST_PATTERN`: ``manifest.json`` or a worker's
+    ``manifest.rank<r>.json``), whatever its status."""
+    import re
+
+    try:
+        return any(re.fullmatch(MANIFEST_PATTERN, p.name) for p in Path(run_dir).iterdir())
+    except OSError:
+        return False
+
+
+def foreign_entries(run_dir: Path, limit: int = 4, cap: int = SCAN_CAP) -> Tuple[List[str], int]:
+    """The files of ``run_dir`` that the runner did not write (relative paths, the shallowest first, sorted; at most
+    ``limit``), and how many there are (counting stops at ``cap``: a home dir is not walked whole): none when the
+    dir is missing or holds a run (:func:`holds_run`). The rule is the module docstring's: without a manifest, only
+    :data:`PRE_RUN_NAMES` (not looked into) and :data:`PRE_RUN_PATTERNS` are the runner's; a symlink counts as a
+    file (it is not followed); folders holding no file are not counted, a sub-folder that cannot be listed counts
+    as one entry.
+
+    Raises:
+        OSError: ``run_dir`` itself cannot be listed.
+    """
+    import re
+    from collections import deque
+
+    d = Path(run_dir)
+    if not d.is_dir() or holds_run(d):
+        return [], 0
+    found: List[str] = []
+    todo = deque(sorted(p for p in d.iterdir() if p.name not in PRE_RUN_NAMES
+                        and not any(re.fullmatch(pat, p.name) for pat in PRE_RUN_PATTERNS)))
+    while todo and len(found) < cap:
+        p = todo.popleft()  # breadth first: the files a user sees at the top are named first
+        if p.is_dir() and not p.is_symlink():
+            try:
+                todo.extend(sorted(p.iterdir()))
+            except OSError:
+                found.append(f"{p.relative_to(d)}/")  # unreadable: it may hold anything
+            continue
+        found.append(str(p.relative_to(d)))
+    return found[:limit], len(found)
+
+
+def check_own_dir(run_dir: Path, key: Optional[str] = None) -> None:
+    """Refuse to make ``run_dir`` a run dir when it is an existing dir that holds no run but files the runner did
+    not write (:func:`foreign_entries`); before anything is written into it. A missing or empty dir, and one that
+    holds a run (resume rules apply), pass.
+
+    Raises:
+        ForeignDirError: naming ``key``, the dir, a few of its files and the fix (exit 2).
+    """
+    try:
+        shown, count = foreign_entries(run_dir)
+    except OSError as e:
+        shown, count = [f"(unreadable: {type(e).__name__}: {e.strerror or e})"], 1
+    if not count:
+        return
+    key = key or "hydra.run.dir"
+    more = f" and {count - len(shown)}{'+' if count >= SCAN_CAP else ''} more" if count > len(shown) else ""
+    fix = ("point run.resume at an earlier run dir (one with manifest.json)" if key == "run.resume" else
+           f"an empty or new dir ({key}=<new dir>), or move those files away")
+    raise ForeignDirError(
+        f"{key}={str(run_dir)!r} is an existing folder that holds no run (no manifest.json) but files the runner "
+        f"did not write: {', '.join(shown)}{more}; a run there would write items.jsonl, images/, .hydra/ and logs "
+        f"among them and could overwrite same-named files; nothing was written; fix: {fix}")
 
 
 def _unenforced(d: Path, token: str, reason: str) -> RunLock:
@@ -336,9 +439,6 @@ def join(run_dir: Path, token: Optional[str]) -> str:
     os.close(fd)
     raise RunDirInUseError(f"data-parallel worker: run dir {d} is not held by its run (token {token}); it is "
                            f"held by {describe(info) if busy else 'no run'}; {FIX}")
-
-
-FLEET_NAME = "fleet.lock"
 
 
 def join_fleet(run_dir: Path, key: Optional[str] = None) -> str:

@@ -450,6 +450,8 @@ def reproduce(run_dir: Any, new_dir: Any = None, tolerance_db: float = PARITY_TO
     Raises:
         ReproInputError: ``run_dir`` holds no (readable) manifest.json, ``new_dir`` already holds a run, or an input
             file of the run changed since it ran (:func:`check_inputs`).
+        runner.core.errors.ForeignDirError: ``new_dir`` is an existing folder holding files the runner did not write
+            (``runner.core.rundir.check_own_dir``).
     """
     if storage.is_url(run_dir) or storage.is_url(new_dir):
         return _reproduce_url(str(run_dir), new_dir, tolerance_db, exact, timeout_s)
@@ -507,6 +509,7 @@ def _reproduce(run_dir: Path, new_dir: Optional[Path], tolerance_db: float, exac
     new_dir = Path(new_dir).resolve()
     if (new_dir / "manifest.json").exists():
         raise ReproInputError(f"{new_dir} already holds a run; fix: choose a new --out")
+    rundir.check_own_dir(new_dir, "--out")  # a user's folder: refused now (else repro_check.json lands there)
     check_inputs(run_dir)
     cmd = rerun_command(manifest, new_dir, output)
     env = {**os.environ, **rerun_environment(manifest)}

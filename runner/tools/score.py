@@ -96,7 +96,7 @@ def score_dir(run_dir: Path, names: Sequence[str], models: Dict[str, str], devic
     if not mpath.is_file() or not jpath.is_file():
         raise ScoreInputError(f"{run_dir} is not a run dir (no manifest.json and items.jsonl); fix: pass the dir a "
                               "run wrote")
-    lock = rundir.acquire(run_dir, create=False)
+    lock = rundir.acquire(run_dir, create=False, own=False)
     try:
         manifest = json.loads(mpath.read_text())
         if manifest.get("status") == "running":
