@@ -292,6 +292,11 @@ def test_c10_library_env_var_does_not_override_the_runner(tmp_path, cli):
     m = json.loads((run_dir / "manifest.json").read_text())
     assert m["status"] == "completed"
     assert m["environment"].get("DIFFUSERS_ATTN_BACKEND") == "_native_math"
+    # the value did not act: recorded as ignored, with why and the fix, and said on the console (not silently)
+    why = m["environment_ignored"]["DIFFUSERS_ATTN_BACKEND"]
+    assert why.startswith("DIFFUSERS_ATTN_BACKEND='_native_math' is ignored: ") and \
+        "fix: backend.attention=<name>" in why, why
+    assert sum(why in line for line in (p.stdout + p.stderr).splitlines()) == 1, p.stdout + p.stderr
     layers = _layers(m)
     forwards = m["evidence"]["stages"]["denoise"]["denoiser_forwards"]
     assert sorted(layers) == sorted(_attention_layer_names())

@@ -295,7 +295,8 @@ class Run:
     # ----------------------------------------------------------------------------------- 4: the header
     def open_manifest(self) -> None:
         """4. The manifest's header: who holds the dir, the worker, what was resumed, then the provenance
-        sections (``runner.core.provenance.header_sections``)."""
+        sections (``runner.core.provenance.header_sections``) and ``environment_ignored`` (library variables set
+        that never act under the runner: ``runner.core.environment.IGNORED``)."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.manifest = m = Manifest(self.out_dir / self.manifest_name)
         lock = rundir.held(self.out_dir)
@@ -332,6 +333,11 @@ class Run:
                 backends=self.backends_doc, lossy=self.lossy_section(), pipeline=self.pipeline_section(),
                 environment=provenance.library_environment(self.sources.values())):
             m.section(name, value)
+        from runner.core.environment import ignored_environment
+
+        ignored = ignored_environment()  # a library variable set that did not act (DIFFUSERS_ATTN_BACKEND)
+        if ignored:
+            m.section("environment_ignored", ignored)
 
     def dataset_doc(self) -> Dict[str, Any]:
         """The manifest's ``dataset``: format, path, sha256, rows (and items, for artifact outputs)."""

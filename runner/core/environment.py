@@ -15,12 +15,15 @@ Hydra run dir) and the cache of embedded models (``cache_dir``).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from runner.core.errors import UserInputError
+
+log = logging.getLogger("runner")
 
 
 class EnvironmentVariableError(UserInputError, ValueError):
@@ -185,6 +188,23 @@ CHECKS: Dict[str, Callable[[str], Optional[str]]] = {
 }
 
 
+#: Variables a library reads that never act under the runner: why, and the fix. Each one set is warned about at
+#: startup and recorded in the manifest's ``environment_ignored`` (a value that did not act is recorded as ignored,
+#: never as applied); its value stays in ``environment``, which ``repro.sh`` exports.
+IGNORED = {
+    "DIFFUSERS_ATTN_BACKEND": "it sets diffusers' default attention backend, and the runner sets the backend of every "
+                              "attention call site itself (backend.attention; the evidence records what ran), so the "
+                              "default is never used; fix: backend.attention=<name>, and unset DIFFUSERS_ATTN_BACKEND",
+}
+
+
+def ignored_environment(environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """``{variable: "NAME='value' is ignored: why; fix: ..."}`` for each variable of :data:`IGNORED` that is set
+    (a valid value: :func:`check_environment` refuses an invalid one first)."""
+    env = os.environ if environ is None else environ
+    return {k: f"{k}={env[k]!r} is ignored: {why}" for k, why in IGNORED.items() if k in env}
+
+
 def check_environment(environ: Optional[Dict[str, str]] = None) -> None:
     """Check every variable of :data:`CHECKS` that is set.
 
@@ -287,6 +307,8 @@ def check_outside(cfg: Any, out_dir: Path, embedded: bool) -> None:
         EnvironmentVariableError, OutputPathError.
     """
     check_environment()
+    for line in ignored_environment().values():
+        log.warning(line)
     check_dir(out_dir, "run.resume" if cfg.run.resume else "output.dir" if cfg.output.dir else "hydra.run.dir")
     if cfg.cache_dir:
         check_dir(Path(cfg.cache_dir), "cache_dir")
