@@ -125,6 +125,29 @@ def test_sweep_override_problem_leaves_other_command_lines_alone():
     assert "exists only in model=prompt_expand_flux" in sweep_override_problem(SWEEP_ONE_MODEL_KEY)
 
 
+def test_hydra_run_dir_on_a_sweep_is_refused_naming_hydra_sweep_dir(tmp_path, subprocess_env):
+    """New-user report: ``-m ... hydra.run.dir=X`` ran the sweep under ``outputs/sweeps/...`` without a word (Hydra
+    uses ``hydra.sweep.dir`` in a multirun). Now exit 2 before any job, naming the key, the value and the fix;
+    nothing is written at X nor at the default sweep dir."""
+    from runner.tools.sweep import run_dir_in_sweep_problem
+
+    target = tmp_path / "mine"
+    p = _runner(["-m", "model=tiny_flux", "seed=1,2", "dataset.limit=1", f"hydra.run.dir={target}"], tmp_path,
+                subprocess_env)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-2000:]
+    line = next(x for x in out.splitlines() if x.startswith("runner: "))
+    assert line == "runner: " + run_dir_in_sweep_problem(["-m", f"hydra.run.dir={target}"]), line
+    assert f"hydra.run.dir={str(target)!r} is not used by a sweep (-m/--multirun)" in line
+    assert line.endswith(f"fix: hydra.sweep.dir={target}") and "Traceback" not in out
+    assert not target.exists() and not (tmp_path / "outputs").exists()
+    # the forms and command lines it leaves alone / catches
+    assert run_dir_in_sweep_problem([f"hydra.run.dir={target}", "seed=1,2"]) is None  # a single run
+    assert run_dir_in_sweep_problem(["--multirun", "seed=1,2", f"hydra.sweep.dir={target}"]) is None
+    assert run_dir_in_sweep_problem(["--multirun", f"++hydra.run.dir={target}"]).startswith("++hydra.run.dir=")
+    assert run_dir_in_sweep_problem(["-m", "hydra.run.dir.x=1"]) is None
+
+
 def test_tested_diffusers_range_is_pyprojects_pin():
     import tomllib
 

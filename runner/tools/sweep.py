@@ -42,6 +42,25 @@ def _has_key(cfg: Any, key: str) -> Optional[str]:
     return None
 
 
+def run_dir_in_sweep_problem(argv: Sequence[str]) -> Optional[str]:
+    """``hydra.run.dir=X`` (also ``+``/``++``) on a multirun (``-m``/``--multirun``) command line: Hydra does not
+    use it (each job's dir is ``hydra.sweep.dir``/``hydra.sweep.subdir``), so the sweep would write somewhere the
+    user did not name, without a word (new-user report).
+
+    Returns:
+        The message (the override, where the jobs go instead, the fix ``hydra.sweep.dir=X``), or None.
+    """
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return None
+    arg = next((a for a in argv if a.split("=", 1)[0].lstrip("+") == "hydra.run.dir"), None)
+    if arg is None:
+        return None
+    value = arg.split("=", 1)[1] if "=" in arg else ""
+    return (f"{arg.split('=', 1)[0]}={value!r} is not used by a sweep (-m/--multirun): each job writes into "
+            "hydra.sweep.dir/hydra.sweep.subdir (by default outputs/multirun/<date>/<time>-<pid>/<job number>), so the sweep "
+            f"would run somewhere else; nothing was written; fix: hydra.sweep.dir={value or '<dir>'}")
+
+
 def sweep_override_problem(argv: Sequence[str]) -> Optional[str]:
     """The first override of a multirun (``-m``) that sets a key only some of a swept group's options have
     (``-m model=prompt_expand_flux,tiny_flux model.stages.expand.backend.attention=TORCH_SDPA``: only
