@@ -132,3 +132,43 @@ def test_expect_keys_and_values_are_checked_before_loading(execute, tmp_path):
     assert "expect.colour is not an attribute" in msg and "fix: expect.color" in msg
     assert "expect.shape='sqaure' is not a value" in msg and "fix: 'square'" in msg
     assert not (tmp_path / "r" / "images").exists()
+
+
+def test_repro_sh_refuses_a_dataset_that_changed_or_is_gone(tmp_path, subprocess_env):
+    """New-user report: ``repro.sh`` re-ran a run whose dataset file had changed since (other rows: not this run's
+    re-run) without a word. Now its check ends the script with exit 2 naming the file, both sha256 and the fix,
+    before anything runs; the unchanged file runs the command (the interpreter here prints it instead)."""
+    import hashlib
+    import subprocess
+
+    from runner.core.provenance import write_repro
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": "a", "prompt": "a red cube"}\n')
+    sha = hashlib.sha256(rows.read_bytes()).hexdigest()
+    orig = tmp_path / "orig"
+    orig.mkdir()
+    write_repro(orig, ["dataset=jsonl", f"dataset.path={rows}"], {}, {}, {"path": str(rows), "sha256": sha})
+    fake = tmp_path / "fakepy"  # the check runs in the real interpreter; the run itself is only printed
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-" ]; then exec {sys.executable} -; fi\necho "RUN $*"\n')
+    fake.chmod(0o755)
+    env = dict(subprocess_env, PYTHON=str(fake))
+
+    def repro():
+        return subprocess.run(["bash", str(orig / "repro.sh"), str(tmp_path / "new")], env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    p = repro()
+    assert p.returncode == 0 and p.stdout.startswith("RUN -m runner dataset=jsonl"), p.stdout + p.stderr
+    rows.write_text('{"id": "a", "prompt": "a blue cube"}\n')
+    now = hashlib.sha256(rows.read_bytes()).hexdigest()
+    p = repro()
+    assert p.returncode == 2 and "RUN" not in p.stdout, p.stdout + p.stderr
+    assert (f"repro: the dataset is not the run's: {rows}: sha256 {sha} when the run read it, now {now}; its rows "
+            "would not re-run this run; nothing was run; fix: put the run's file back at that path") in p.stderr
+    rows.unlink()
+    p = repro()
+    assert p.returncode == 2 and "now none (FileNotFoundError: No such file or directory)" in p.stderr, p.stderr
+    # a dataset read from object storage has no local file of the run's own: nothing to compare
+    write_repro(orig, ["seed=1"], {}, {}, {"path": "s3://b/rows.jsonl", "sha256": sha, "local_copy": "/x"})
+    assert "hashlib" not in (orig / "repro.sh").read_text() and repro().returncode == 0

@@ -376,7 +376,7 @@ class Run:
         self.manifest.flush()
         if self.worker is None or self.worker.rank == 0:
             provenance.write_repro(self.out_dir, self.overrides, self.manifest.doc["packages"],
-                                   self.manifest.doc["environment"])
+                                   self.manifest.doc["environment"], self.manifest.doc["dataset"])
         from runner.app.console import Progress
 
         todo = self.plan.todo

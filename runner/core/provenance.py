@@ -48,16 +48,36 @@ def header_sections(*, resolved_cfg: Dict[str, Any], overrides: Sequence[str], p
     return out
 
 
+def _dataset_check(dataset: Optional[Dict[str, Any]]) -> List[str]:
+    """The lines of ``repro.sh``'s Python check that compare the dataset file with the run's (none for the builtin
+    prompts or a dataset read from object storage: no local file of the run's to compare)."""
+    from runner.core import storage
+
+    path, sha = (dataset or {}).get("path"), (dataset or {}).get("sha256")
+    if not path or not sha or storage.is_url(str(path)) or (dataset or {}).get("local_copy"):
+        return []
+    return ["import hashlib", f"path, want = {str(path)!r}, {sha!r}",
+            "try:", "    have = hashlib.sha256(open(path, 'rb').read()).hexdigest()",
+            "except OSError as e:", "    have = f'none ({type(e).__name__}: {e.strerror})'",
+            "if have != want:",
+            "    print(f'repro: the dataset is not the run\\'s: {path}: sha256 {want} when the run read it, now {have}; '",
+            "          'its rows would not re-run this run; nothing was run; fix: put the run\\'s file back at that path',",
+            "          file=sys.stderr)", "    sys.exit(2)"]
+
+
 REPRO_DROPPED = ("output.dir", "run.resume", "run.force", "hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 
 
 def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any],
-                environment: Optional[Dict[str, str]] = None) -> None:
+                environment: Optional[Dict[str, str]] = None, dataset: Optional[Dict[str, Any]] = None) -> None:
     """``repro.sh``: the exact command of this run (overrides shell-quoted, less those in ``REPRO_DROPPED`` that
     only say where to write), the environment variables it ran with (``environment``: the manifest's section, the
     library variables and the Hub cache that resolved the weights, ``runner.core.weights.hub_environment``; None:
-    the library variables of this process), and a check of the package versions it expects. ``repro.sh [NEW_DIR]``
-    re-runs into NEW_DIR and never into the original run dir."""
+    the library variables of this process), a check of the package versions it expects (a difference is printed),
+    and of the dataset file (``dataset``: the manifest's section; its ``path`` and ``sha256``): a file that is gone
+    or whose bytes changed since the run ends the script (exit 2) before anything runs, naming the file, both
+    hashes and the fix, since other rows would not re-run this run. ``repro.sh [NEW_DIR]`` re-runs into NEW_DIR and
+    never into the original run dir."""
     import shlex
 
     # Where the original wrote is not part of what it computed: the re-run writes into NEW_DIR only (an inherited
@@ -79,7 +99,8 @@ def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any
              "    except md.PackageNotFoundError:",
              "        have = None",
              "    bad += [f'{k}: expected {v}, found {have}'] if have != v else []",
-             "if bad: print('repro: package versions differ:', *bad, sep='\\n  ', file=sys.stderr)", "PY",
+             "if bad: print('repro: package versions differ:', *bad, sep='\\n  ', file=sys.stderr)",
+             *_dataset_check(dataset), "PY",
              # default NEW_RUN_DIR: created exclusively (mkdir fails on an existing name), so two re-runs
              # started in the same second never share a dir
              'NEW="${1:-}"',
