@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 ADAPTER = REPO / "models" / "toy_shapes" / "lora" / "all_blue.safetensors"
 
 #: ``python -m runner`` runs: (extra needed or None, overrides beyond toy_shapes' two captions).
+#: The plain run (no extra) is :func:`plain_run`'s, which the tools' test reads too.
 RUNS: Dict[str, tuple] = {
-    "plain": (None, []),
     "torchao_int8wo": ("torchao", ["model.quantization.transformer=int8wo"]),
     "lora": ("lora", [f"model.lora=[{{path:{ADAPTER}}}]"]),
     # toy_shapes has 5 double-stream blocks: DBCache's default Fn_compute_blocks=8 fails every item (not refused at
@@ -37,15 +37,27 @@ def _noise(text: str) -> List[str]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, runner_cache) -> Path:
-    """One plain toy_shapes run (2 items) the tools read."""
+def plain_run(tmp_path_factory, runner_cache):
+    """One plain toy_shapes run (2 items, no extra): its console is checked, and the tools read its dir.
+    ``(run dir, console)``."""
     import os
 
     root = tmp_path_factory.mktemp("entry_points")
-    p = cli(["dataset.limit=2", f"hydra.run.dir={root / 'run'}"], dict(os.environ), root)
+    p = cli(["dataset.limit=2", f"hydra.run.dir={root / 'run'}"], dict(os.environ, PYTHONUNBUFFERED="1"), root)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    assert not _noise(p.stdout + p.stderr), _noise(p.stdout + p.stderr)
-    return root / "run"
+    return root / "run", p.stdout + p.stderr
+
+
+@pytest.fixture(scope="module")
+def run_dir(plain_run) -> Path:
+    """The plain run's dir, which the tools read."""
+    return plain_run[0]
+
+
+def test_runner_console_of_a_plain_run_has_no_library_line(plain_run):
+    out = plain_run[1]
+    assert not _noise(out), _noise(out)
+    assert any("run completed: 2 ok" in x for x in console_lines(out)), out[-2000:]
 
 
 @pytest.mark.parametrize("name", list(RUNS))

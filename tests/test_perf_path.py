@@ -133,13 +133,28 @@ def test_writer_keeps_journal_order_and_fails_only_the_item_that_cannot_be_writt
     assert not list((tmp_path / "images").glob(".*tmp*"))
 
 
-def test_benchmark_script_runs_end_to_end_on_the_tiny_model(tmp_path, subprocess_env):
-    out = tmp_path / "bench"
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, runner_cache):
+    """One smoke run of the benchmark script (tiny model, CPU) with the #18 additions, read by both tests below:
+    the step-cache variant, ``--second-process`` (a second runner process reading the compile cache the first
+    runner process filled) and ``--gate`` (the toy_shapes gate's accuracy ratio). With ``--second-process`` the
+    smoke's lossless variant compiles (``compile=regional``); its images are still held to the baseline's (PSNR).
+    The eager fused-QKV/channels-last path against plain: test_fused_qkv_and_channels_last_vae_keep_the_images_and_
+    the_evidence above."""
+    import os
+
+    out = tmp_path_factory.mktemp("bench") / "bench18"
+    env = dict(os.environ, RUNNER_CACHE=str(runner_cache), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")  # as the subprocess_env fixture
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "flux_dev_1024.py"), "--smoke", "--prompts", "2",
-                           "--out", str(out)], cwd=REPO, env=subprocess_env, capture_output=True, text=True,
-                          timeout=600)
+                           "--variants", "baseline,lossless,cache", "--second-process", "--gate", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads((out / "flux_dev_1024.json").read_text())
+    return json.loads((out / "flux_dev_1024.json").read_text())
+
+
+def test_benchmark_script_runs_end_to_end_on_the_tiny_model(bench):
+    r = bench
     for key in ("device", "date", "command", "speedup_lossless", "mfu_lossless", "matmul_tflops", "psnr_lossless_db",
                 "ms_per_step", "peak_memory_gb", "flops_per_forward", "targets_met", "policy"):
         assert key in r, key
@@ -149,16 +164,11 @@ def test_benchmark_script_runs_end_to_end_on_the_tiny_model(tmp_path, subprocess
     assert r["flops_per_forward"] > 0 and r["ms_per_step"]["baseline"] > 0
 
 
-def test_benchmark_issue18_variants_smoke(tmp_path, subprocess_env):
+def test_benchmark_issue18_variants_smoke(bench):
     """The #18 additions on the CPU: the step-cache variant, a second runner process reading the compile cache the
     first runner process filled (a hit counted by torch), and the toy_shapes gate's accuracy ratio, as top-level
     keys."""
-    out = tmp_path / "bench18"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "flux_dev_1024.py"), "--smoke", "--prompts", "2",
-                           "--variants", "baseline,lossless,cache", "--second-process", "--gate", "--out", str(out)],
-                          cwd=REPO, env=subprocess_env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads((out / "flux_dev_1024.json").read_text())
+    r = bench
     assert r["variants"]["cache"]["evidence"]["verdict"] == "verified"
     assert r["speedup_cache"] > 0 and r["variants"]["cache"]["fidelity_vs_lossless"]["items"] == 2
     sp = r["second_process"]

@@ -412,24 +412,20 @@ def test_sigkill_at_random_points_then_resume_equals_uninterrupted(cli32, tmp_pa
     number of journal lines, in first runs and in resumed ones), then a resume without kill: the run dir equals
     the uninterrupted reference, holds no duplicate keys and no temp file of the finishing run."""
     rng = random.Random(20261129)
-    chains = [6, 4]  # kills per run dir; every kill after the first of a chain hits a resumed run
+    # the kill modes per run dir, each at a seeded random point; every kill after the first of a chain hits a
+    # resumed run, so each mode hits a first run and a resumed one (startup: before or during the model load;
+    # manifest: right after it is (re)written; lines: after a random number of journal lines, mid-item)
+    chains = [["startup", "lines", "startup", "lines"], ["manifest", "lines", "manifest"]]
     kills: List[Dict[str, Any]] = []
     t0 = time.perf_counter()
-    for c, n_kills in enumerate(chains):
+    for c, modes in enumerate(chains):
         d = tmp_path / f"chain{c}"
         log = tmp_path / f"chain{c}.log"
         stale: set = set()
-        for k in range(n_kills):
+        for k, mode in enumerate(modes):
             base = _lines(d / "items.jsonl")
             remaining = N32 - len(_journal(d))
-            if k == 0 and c == 0:
-                mode = "startup"
-            elif k == 0 and c == 1:
-                mode = "manifest"
-            elif remaining < 10 or rng.random() < 0.3:  # startup kills are cheap: no model load
-                mode = rng.choice(["startup", "startup", "manifest"])
-            else:
-                mode = "lines"
+            assert mode != "lines" or remaining >= 10, remaining  # the run must not finish before the kill
             had_manifest = (d / "manifest.json").exists()
             p = _start(cli32, d, log)
             t_start, t_wall = time.monotonic(), time.time()
@@ -451,7 +447,8 @@ def test_sigkill_at_random_points_then_resume_equals_uninterrupted(cli32, tmp_pa
                 p.send_signal(signal.SIGKILL)
             rc = p.wait(timeout=60)
             done = len(_journal(d))
-            kills.append({"chain": c, "mode": mode, "rc": rc, "before": base, "after": done, "target": target})
+            kills.append({"chain": c, "mode": mode, "rc": rc, "before": base, "after": done, "target": target,
+                          "resumed": had_manifest})
             _check_after_kill(d)
             stale |= set(_tmp_files(d))
         p = _start(cli32, d, log)
@@ -467,7 +464,10 @@ def test_sigkill_at_random_points_then_resume_equals_uninterrupted(cli32, tmp_pa
     real = [k for k in kills if k["rc"] == -signal.SIGKILL]
     summary = "\n".join(str(k) for k in kills)
     print(f"\nSIGKILL trials ({time.perf_counter() - t0:.0f} s, reference {cli32.ref_s:.0f} s):\n{summary}")
-    assert len(real) >= 10, f"only {len(real)} runs were killed:\n{summary}"
+    assert len(real) == len(kills) == 7, f"only {len(real)} runs were killed:\n{summary}"
+    hit = {(k["mode"], k["resumed"]) for k in real}  # the kills of first runs and of resumed ones
+    assert {("startup", False), ("startup", True), ("manifest", False), ("manifest", True), ("lines", True)} <= hit, \
+        f"a kill mode missed a first or a resumed run:\n{summary}"
     assert any(k["before"] == 0 and k["after"] == 0 for k in real), f"no kill before the first row:\n{summary}"
     assert any(0 < k["after"] < N32 and k["after"] > k["before"] for k in real), f"no kill mid-run:\n{summary}"
 
