@@ -312,3 +312,21 @@ def test_the_length_rule_counts_methods(tmp_path):
     (tmp_path / "models" / "m.py").write_text(f"class A:\n    def long(self):\n{body}\n    def short(self):\n"
                                              "        pass\n")
     assert long_functions(project_modules(tmp_path)) == ["models.m:long: 81 lines"]
+
+
+#: The tools that read run dirs (and start ``python -m runner`` where they re-run one): none needs torch to do so,
+#: and each ``import torch`` costs a second or more per invocation (a repro tool run imported it through
+#: ``runner.core.lossy``'s registry import until it was made lazy).
+TORCH_FREE_READERS = ("runner.tools.repro", "runner.tools.report", "runner.tools.gate", "runner.tools.matrix",
+                      "runner.tools.sweep", "runner.tools.export", "runner.tools.validate", "runner.core.rundir")
+
+
+def test_the_run_dir_readers_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+            "    assert 'torch' not in sys.modules, m + ' imports torch'\n")
+    p = subprocess.run([sys.executable, "-c", code, *TORCH_FREE_READERS], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stderr[-2000:]

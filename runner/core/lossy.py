@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional
 
-from runner.kernels.registry import is_lossy
-
 
 def _cache_method(config: Optional[Mapping[str, Any]]) -> Optional[str]:
     c = (config or {}).get("cache") or {}
@@ -39,6 +37,8 @@ def lanes(backends: Mapping[str, Mapping[str, Any]], config: Optional[Mapping[st
         backends: the manifest's ``backends``: ``{stage: {field: resolution dict with "selected"}}``.
         config: the resolved run config (its ``cache`` section).
     """
+    from runner.kernels.registry import is_lossy  # imports torch: not at module import (the readers: repro, report)
+
     out: List[str] = []
     method = _cache_method(config)
     if method is not None:
