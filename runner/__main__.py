@@ -135,11 +135,12 @@ if __name__ == "__main__":
     except OutputPathError as e:
         sys.exit(refuse(sys.argv[1:], type(e).__name__, str(e), e.exit_code))
     from runner.app.console import override_key_problem
-    from runner.tools.sweep import run_dir_in_sweep_problem, sweep_override_problem
+    from runner.tools.sweep import run_dir_in_sweep_problem, sweep_backend_problem, sweep_override_problem
 
     # `-m model=a,b key.only.a.has=x`: why, and what works (not Hydra's "+key", which fails too)
     problem = run_dir_in_sweep_problem(sys.argv[1:]) or sweep_override_problem(sys.argv[1:])
     problem = problem or override_key_problem(sys.argv[1:])  # `batchsize=4`: did you mean batch_size (not "+batchsize")
+    problem = problem or sweep_backend_problem(sys.argv[1:])  # `-m backend.attention=sdpa,cudnnx`: before any job
     if problem:
         sys.exit(refuse(sys.argv[1:], None, problem, 2))
     from runner.tools.plan import wants_plan

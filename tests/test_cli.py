@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 
@@ -146,6 +147,34 @@ def test_hydra_run_dir_on_a_sweep_is_refused_naming_hydra_sweep_dir(tmp_path, su
     assert run_dir_in_sweep_problem(["--multirun", "seed=1,2", f"hydra.sweep.dir={target}"]) is None
     assert run_dir_in_sweep_problem(["--multirun", f"++hydra.run.dir={target}"]).startswith("++hydra.run.dir=")
     assert run_dir_in_sweep_problem(["-m", "hydra.run.dir.x=1"]) is None
+
+
+def test_a_backend_typo_in_a_sweep_is_refused_before_any_job_runs(tmp_path, subprocess_env):
+    """New-user report: ``-m backend.attention=TORCH_SDPA,cudnnx`` ran job 0 (a whole generation), then job 1 was
+    refused at its startup. Now exit 2 before any job with the registry's message (key, value, closest match) and
+    the sweep named; nothing written. (Typed values and group options of a sweep were already checked up front.)"""
+    from runner.kernels.registry import UnknownBackendError, normalize
+    from runner.tools.sweep import sweep_backend_problem
+
+    sweep = tmp_path / "sw"
+    p = _runner(["-m", "model=tiny_flux", "dataset.limit=1", "backend.attention=TORCH_SDPA,cudnnx",
+                 f"hydra.sweep.dir={sweep}"], tmp_path, subprocess_env)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-2000:]
+    line = next(x for x in out.splitlines() if x.startswith("runner: "))
+    with pytest.raises(UnknownBackendError) as e:
+        normalize("attention", "cudnnx", where="backend.attention")
+    assert line == (f"runner: {e.value} (in the sweep backend.attention=TORCH_SDPA,cudnnx: its job would be refused "
+                    "when it started, after the jobs ahead of it ran; nothing ran)"), line
+    assert "closest match: CUDNN_ATTN" in line and not sweep.exists() and "Traceback" not in out
+    # a stage's backend and the second swept key too; only real typos, only sweeps
+    assert sweep_backend_problem(["-m", "seed=1,2", "model.stages.expand.backend.attention=sdpa,flashx"]).startswith(
+        "model.stages.expand.backend.attention='flashx' is not a known backend")
+    assert sweep_backend_problem(["-m", "backend.attention=sdpa,cudnn", "backend.linear=auto,fp8x"]).startswith(
+        "backend.linear='fp8x'")
+    for fine in (["-m", "backend.attention=sdpa,cudnn,auto"], ["backend.attention=TORCH_SDPA,cudnnx"],
+                 ["-m", "seed=1,2"], ["-m", "model.backend.x=1,2"]):
+        assert sweep_backend_problem(fine) is None, fine
 
 
 def test_tested_diffusers_range_is_pyprojects_pin():

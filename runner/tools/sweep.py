@@ -111,6 +111,50 @@ def sweep_override_problem(argv: Sequence[str]) -> Optional[str]:
     return None
 
 
+def sweep_backend_problem(argv: Sequence[str]) -> Optional[str]:
+    """The first backend name of a multirun (``-m backend.attention=TORCH_SDPA,cudnnx``) that names no backend. A
+    job's backends are resolved when it starts, so the jobs ahead of the typo would run first (a whole generation
+    each) and the sweep then fail half-way (new-user report); typed values and config-group options are checked for
+    sweeps too, earlier (``runner.app.console.override_key_problem``). Keys ending in ``backend.<field>`` (also a
+    stage's, ``model.stages.<s>.backend.<field>``) with a field of ``runner.kernels.registry``, choice sweeps only.
+
+    Returns:
+        ``runner.kernels.registry.normalize``'s message (the key, the value, the closest match, the valid names)
+        with "nothing ran", or None.
+    """
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return None
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.core.override_parser.types import ChoiceSweep
+
+        parser = OverridesParser.create()
+        swept = []
+        for a in argv:
+            key = a.split("=", 1)[0].lstrip("+")
+            if "=" in a and not a.startswith(("-", "~")) and key.split(".")[-2:-1] == ["backend"]:
+                o = parser.parse_override(a)
+                if isinstance(o.value(), ChoiceSweep):
+                    swept.append((key, [str(v) for v in o.sweep_string_iterator()]))
+    except Exception:  # noqa: BLE001 - Hydra reports a command line it cannot parse, and how
+        return None
+    if not swept:
+        return None
+    from runner.kernels import registry
+
+    for key, values in swept:
+        field = key.split(".")[-1]
+        if field not in registry.BACKENDS:
+            continue  # not a backend field: the key check names it
+        for v in values:
+            try:
+                registry.normalize(field, v, where=key)
+            except registry.UnknownBackendError as e:
+                return (f"{e} (in the sweep {key}={','.join(values)}: its job would be refused when it started, "
+                        "after the jobs ahead of it ran; nothing ran)")
+    return None
+
+
 def _sweep_message(arg: str, key: str, group: str, options: Sequence[str], has: Sequence[str],
                    lacks: Dict[str, Optional[str]]) -> str:
     """The message of :func:`sweep_override_problem`."""
