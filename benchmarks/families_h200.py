@@ -71,7 +71,8 @@ WORKLOADS = {  # the issue's workloads (#17): published defaults of each model
                  free_text_encoder=True),  # Gemma 3 12B beside the 19B transformer and its FP8 copy: not on 80 GB
     # issue #31: FLUX.2-dev (32B, guidance-distilled, 1024^2, 50 steps; no negative prompt), klein 4B (4 steps),
     # Z-Image (1024^2, 50 steps, guidance 4 with a negative prompt, batched CFG)
-    "flux2": dict(model="flux2", prompt="a photo of a lighthouse on a cliff at dusk", negative=None, scale=0.05,
+    # flux2 at 1.0 too (2026-12-07: at 0.05 on the H200 blocks_off was bit-identical, as klein's was)
+    "flux2": dict(model="flux2", prompt="a photo of a lighthouse on a cliff at dusk", negative=None, scale=1.0,
                   iters=1, free_text_encoder=True, encode_apart_below_gb=120),  # 64 + 48 GB of bf16 weights
     # klein: weights unscaled (1.0). FLUX.2's transformer has no biases, so at 0.05 its modulation gates are ~3.5e-6
     # and the output is bit-identical with the blocks off (blocks_off): every vs_baseline read 0.0, FP8's included.
