@@ -294,6 +294,48 @@ def test_cli_repro_of_a_run_refused_at_startup_fails_saying_so(tmp_path, subproc
     assert json.loads((out / "repro_check.json").read_text())["ok"] is False
 
 
+def test_a_rerun_refused_at_startup_names_its_refusal_alone(tmp_path):
+    """The original completed; the re-run was refused (a package gone, a device missing): the one problem is the
+    refusal with its type, message and fix and the count of items not compared (was: "the re-run exited 2", each
+    backend "-> null" and each item "missing in re-run", the cause only in the re-run's log above)."""
+    err = {"type": "QuantizationUnavailableError", "message": "needs torchao. Fix: pip install -e \".[torchao]\""}
+    o, n = pair(tmp_path, {"a": _img(0), "b": _img(1), "c": {"status": "failed"}}, {},
+                new={"status": "refused", "error": err, "backends": {}})
+    res = repro.compare(o, n)
+    assert not res["ok"] and res["items"] == [] and res["rerun_refused"] == err
+    assert res["problems"] == ["the re-run was refused at startup, so none of the original's 2 ok item(s) was "
+                               "compared: QuantizationUnavailableError: needs torchao. Fix: pip install -e "
+                               "\".[torchao]\""]
+    o2, n2 = pair(tmp_path / "2", {"a": _img(0)}, {}, new={"status": "invalid", "error": {"type": "DatasetError",
+                                                                                         "message": "m"}})
+    assert repro.compare(o2, n2)["problems"] == ["the re-run was invalid at startup, so none of the original's 1 ok "
+                                                 "item(s) was compared: DatasetError: m"]
+    o3, n3 = pair(tmp_path / "3", {"a": _img(0)}, {}, new={"status": "interrupted"})  # not a refusal: per item
+    assert repro.compare(o3, n3)["problems"] == ["item 'a': missing in re-run"]
+
+
+def test_cli_repro_whose_rerun_is_refused_leads_with_the_refusal(tmp_path, subprocess_env):
+    """A real run, then its re-run refused at startup (its manifest's overrides given memory.offload=model, which
+    the CPU refuses, as a re-run on a machine without the original's GPU or package would be): exit 1, REPRO FAILED
+    is the refusal alone, not "exited 2" and per-item noise."""
+    import subprocess
+
+    run, out = tmp_path / "run", tmp_path / "again"
+    p = subprocess.run([sys.executable, "-m", "runner", "dataset.limit=1", f"output.dir={run}"], cwd=tmp_path,
+                       env=subprocess_env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    doc = json.loads((run / "manifest.json").read_text())
+    doc["overrides"] = [*doc["overrides"], "memory.offload=model"]  # what the re-run replays: refused on the CPU
+    (run / "manifest.json").write_text(json.dumps(doc))
+    r = subprocess.run([sys.executable, "-m", "runner.repro", str(run), "--out", str(out)], cwd=tmp_path,
+                       env=subprocess_env, capture_output=True, text=True, timeout=600)
+    failed = r.stderr[r.stderr.index("REPRO FAILED:"):].splitlines()[1:]
+    assert r.returncode == 1 and [x.strip() for x in failed if x.strip()] == [
+        "the re-run was invalid at startup, so none of the original's 1 ok item(s) was compared: ConfigValueError: "
+        + json.loads((out / "manifest.json").read_text())["error"]["message"]], r.stderr[-3000:]
+    assert "memory.offload" in failed[0] and json.loads((out / "repro_check.json").read_text())["ok"] is False
+
+
 def test_a_completed_run_is_not_compared_by_status(tmp_path):
     o, n = pair(tmp_path, {"a": _img(0)}, {"a": _img(0)}, new={"status": "completed_with_failures",
                                                                "error": {"type": "X"}})

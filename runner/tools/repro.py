@@ -312,6 +312,18 @@ def _nothing_reproduced(orig_dir: Path, mo: Dict[str, Any], mn: Dict[str, Any]) 
     return f"{orig_dir} holds no ok item to compare (no image file, no AR output); nothing was reproduced"
 
 
+def _rerun_refusal(mo: Dict[str, Any], mn: Dict[str, Any], orig_dir: Path) -> Optional[str]:
+    """The one problem of a re-run refused (or invalid) at startup when its original was not: the re-run's error
+    (type, message and fix, as the run printed it) and how many of the original's items were therefore not compared;
+    None otherwise (an original refused the same way is :func:`_nothing_reproduced`'s case)."""
+    if mn.get("status") not in ("refused", "invalid") or mo.get("status") in ("refused", "invalid"):
+        return None
+    err = mn.get("error") or {}
+    n = sum(1 for r in _items(orig_dir).values() if r.get("status") == "ok")
+    return (f"the re-run was {mn['status']} at startup, so none of the original's {n} ok item(s) was compared: "
+            f"{err.get('type')}: {err.get('message')}")
+
+
 def _provenance_notes(mo: Dict[str, Any], mn: Dict[str, Any]) -> List[str]:
     """Informational: a changed code or library version explains a mismatch but is not one."""
     notes: List[str] = []
@@ -339,6 +351,11 @@ def compare(orig_dir: Path, new_dir: Path, tolerance_db: float = PARITY_TOLERANC
     mn = json.loads((new_dir / "manifest.json").read_text()) if (new_dir / "manifest.json").exists() else {}
     kind = (mo.get("platform") or {}).get("kind")
     exact = (kind == "cpu") if exact is None else exact
+    refusal = _rerun_refusal(mo, mn, orig_dir)
+    if refusal is not None:  # the cause alone: every item "missing" and every backend "-> null" only follow from it
+        return {"ok": False, "mode": "bytes" if exact else "psnr", "tolerance_db": None if exact else tolerance_db,
+                "original": str(orig_dir), "rerun": str(new_dir), "platform": kind, "items": [],
+                "problems": [refusal], "notes": _provenance_notes(mo, mn), "rerun_refused": mn.get("error")}
     problems = _run_problems(mo, mn, new_dir)
     oi, ni = _items(orig_dir), _items(new_dir)
     rows = []
@@ -526,7 +543,7 @@ def _reproduce(run_dir: Path, new_dir: Optional[Path], tolerance_db: float, exac
                                   "no process: it ended without a final status); its finished items are compared")
     orig_code = 0 if manifest.get("status") == "completed" else None
     result["rerun_exit_code"] = p.returncode
-    if orig_code == 0 and p.returncode != 0:
+    if orig_code == 0 and p.returncode != 0 and "rerun_refused" not in result:  # (a refusal names its exit)
         result["problems"].insert(0, f"the re-run exited {p.returncode} (the original completed)")
         result["ok"] = False
     if new_dir.is_dir():
