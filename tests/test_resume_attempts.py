@@ -98,6 +98,12 @@ def test_full_rerun_on_a_dirty_tree_keeps_the_first_attempts_provenance(checkout
         {"run_id": first["run_id"], "items": 2, "status": "completed", "git": first["git"], "evidence": "verified"},
         {"run_id": again["run_id"], "current": True, "items": 0, "status": "completed", "git": again["git"],
          "evidence": "not_collected"}]
+    # the report's evidence cell says it too, as the console's last line does
+    from runner.tools.report import load_jobs, render
+
+    commit = first["git"]["commit"][:7]
+    said = f"items by attempt: 2 by {first['run_id'][:8]} (verified, git {commit}), 0 by this attempt (not_collected)"
+    assert said in render(load_jobs([d]))
 
 
 def test_partial_resumes_record_which_attempt_wrote_each_item(checkout, subprocess_env, tmp_path):
