@@ -943,14 +943,17 @@ def test_row_that_raises_fails_alone_then_resume_recovers(ref, data, compose, tm
     d = tmp_path / "run"
     assert _run(compose, d, _ov(data), on_loaded=_raise_on_call(2)) == 1
     _assert_one_failed(d, ref.run_dir, "fox", r"RuntimeError: injected text encoder failure \(call 2\)")
+    first = json.loads((d / "manifest.json").read_text())
     # Nothing lost: a resume regenerates the failed row only, and the dir equals the uninterrupted run.
     assert _run(compose, d, _ov(data)) == 0
     man = json.loads((d / "manifest.json").read_text())
     assert (man["counts"]["ok"], man["counts"]["reused"]) == (1, 5)
     _assert_equals_reference(d, ref.run_dir)
-    # a third attempt: both earlier ones kept, oldest first
-    assert [a["run_id"] for a in man["resumed_from"]["attempts"]] == [ref.manifest["run_id"],
-                                                                      man["resumed_from"]["run_id"]]
+    # the regenerated row names this attempt, the others the first; the first is kept as it ended
+    assert {r["key"]: r["run_id"] for r in _journal(d)} == {
+        k: man["run_id"] if k == "fox" else first["run_id"] for k in KEYS}
+    assert [(a["run_id"], a["status"], a["counts"], a["items"]) for a in man["resumed_from"]["attempts"]] == [
+        (first["run_id"], "completed_with_failures", first["counts"], 5)]
 
 
 @pytest.fixture(scope="module")
