@@ -116,7 +116,8 @@ def test_two_completed_workers_merge_in_dataset_order(tmp_path):
     assert m["parallelism"] == {"mode": "data", "world_size": 2, "launcher": "torchrun", "sharding": dist.SHARDING}
     assert "worker" not in m and m["run_id"] == "run-1"
     assert m["workers"][1] == {
-        "rank": 1, "host": "host1", "device": "cpu:1", "device_name": "CPU", "pid": 101, "shard_items": 2,
+        "rank": 1, "run_id": "run-1", "host": "host1", "device": "cpu:1", "device_name": "CPU", "pid": 101,
+        "shard_items": 2,
         "status": "completed", "counts": {"ok": 2, "failed": 0, "reused": 0}, "evidence_verdict": "verified",
         "resumed_from": None,
         "timing": {"wall_s": 12.0, "load_s": 1.0, "warmup_s": 0.5, "loop_s": 10.0, "images_per_hour": 1.0},
@@ -376,8 +377,8 @@ def test_a_worker_manifest_with_almost_nothing(tmp_path):
     _worker(tmp_path, 0, [ok("a"), ok("c"), ok("e")])
     _minimal(tmp_path, 1)
     m = dist.merge(tmp_path, 2, KEYS, "torchrun")
-    assert m["workers"][1] == {"rank": 1, "host": None, "device": None, "device_name": None, "pid": None,
-                               "shard_items": None, "status": "crashed", "counts": None, "evidence_verdict": None,
+    assert m["workers"][1] == {"rank": 1, "run_id": None, "host": None, "device": None, "device_name": None,
+                               "pid": None, "shard_items": None, "status": "crashed", "counts": None, "evidence_verdict": None,
                                "resumed_from": None,
                                "timing": {"wall_s": None, "load_s": None, "warmup_s": None, "loop_s": None,
                                           "images_per_hour": None},

@@ -72,7 +72,13 @@ def test_resume_of_a_finished_run_reuses_every_item_and_collects_no_evidence(don
     assert m["resumed_from"]["reused_items"] == 2 and m["resumed_from"]["status"] == "completed"
     assert m["resumed_from"]["forced"] is False
     assert m["evidence"]["verdict"] == "not_collected"
-    assert m["evidence"]["reason"] == "every item was reused from the earlier run"
+    assert m["evidence"]["reason"] == ("every item was reused from an earlier attempt: the evidence of the attempt "
+                                       "that wrote each item is in resumed_from.attempts (items_by_attempt names "
+                                       "them)")
+    first = _manifest(done.run_dir)  # ... and the attempt that wrote them is kept, with its evidence
+    assert [(a["run_id"], a["evidence"]["verdict"], a["items"]) for a in m["resumed_from"]["attempts"]] == [
+        (first["run_id"], first["evidence"]["verdict"], 2)]
+    assert [r["run_id"] for r in _journal(d)] == [first["run_id"]] * 2
     assert not stale.exists(), "a resumed run (no worker) removes the temp files of the earlier one"
     assert [r["key"] for r in _journal(d)] == [r["key"] for r in _journal(done.run_dir)]
     assert m["timing"]["images_per_s"] is None

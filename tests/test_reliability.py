@@ -43,7 +43,9 @@ from runner.core.resume import ResumeConflictError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DIR = Path(os.environ.get("RUNNER_SHARED_DIR", REPO_ROOT.parent / "shared"))
 C07 = SHARED_DIR / "cases" / "c07_bad_rows.jsonl"
-TIMING_FIELDS = ("timing",)
+#: Record fields that differ between equal runs: timing, and the run_id of the attempt that wrote the record
+#: (asserted on its own where a resume keeps or rewrites records)
+TIMING_FIELDS = ("timing", "run_id")
 STEPS = "model.generation.num_inference_steps=2"
 
 ROWS = SAMPLE_ROWS
@@ -198,6 +200,15 @@ def test_resume_skips_intact_regenerates_missing_and_corrupt(ref, data, compose,
     assert man["resumed_from"]["status"] == "interrupted"
     assert man["resumed_from"]["reused_items"] == 2
     assert (man["counts"]["ok"], man["counts"]["failed"], man["counts"]["reused"]) == (4, 0, 2)
+    # the intact items keep the record of the attempt that wrote them (the reference's run_id), the rest name this
+    # one; resumed_from.attempts keeps that attempt as the dir recorded it (interrupted), items_by_attempt says so
+    writers = {r["key"]: r.get("run_id") for r in _journal(d)}
+    assert writers == {k: ref.manifest["run_id"] if k in ("lighthouse", "pinned") else man["run_id"] for k in KEYS}
+    [first] = man["resumed_from"]["attempts"]
+    assert (first["run_id"], first["status"], first["items"]) == (ref.manifest["run_id"], "interrupted", 2)
+    assert first["git"] == ref.manifest["git"] and first["evidence"]["verdict"] == ref.manifest["evidence"]["verdict"]
+    assert [(e["run_id"], e["items"]) for e in man["items_by_attempt"]] == [(ref.manifest["run_id"], 2),
+                                                                            (man["run_id"], 4)]
     for k, st in intact.items():
         now = (d / by_key[k]["file"]).stat()
         assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns), f"intact artifact {k} was rewritten"
@@ -210,6 +221,9 @@ def test_resume_skips_intact_regenerates_missing_and_corrupt(ref, data, compose,
     man = json.loads((d / "manifest.json").read_text())
     assert (man["counts"]["ok"], man["counts"]["reused"]) == (1, 5)
     _assert_equals_reference(d, ref.run_dir)
+    # a third attempt: both earlier ones kept, oldest first
+    assert [a["run_id"] for a in man["resumed_from"]["attempts"]] == [ref.manifest["run_id"],
+                                                                      man["resumed_from"]["run_id"]]
 
     # Nothing left to do: every item is reused and the model is not even loaded.
     loaded: List[Any] = []
@@ -929,11 +943,17 @@ def test_row_that_raises_fails_alone_then_resume_recovers(ref, data, compose, tm
     d = tmp_path / "run"
     assert _run(compose, d, _ov(data), on_loaded=_raise_on_call(2)) == 1
     _assert_one_failed(d, ref.run_dir, "fox", r"RuntimeError: injected text encoder failure \(call 2\)")
+    first = json.loads((d / "manifest.json").read_text())
     # Nothing lost: a resume regenerates the failed row only, and the dir equals the uninterrupted run.
     assert _run(compose, d, _ov(data)) == 0
     man = json.loads((d / "manifest.json").read_text())
     assert (man["counts"]["ok"], man["counts"]["reused"]) == (1, 5)
     _assert_equals_reference(d, ref.run_dir)
+    # the regenerated row names this attempt, the others the first; the first is kept as it ended
+    assert {r["key"]: r["run_id"] for r in _journal(d)} == {
+        k: man["run_id"] if k == "fox" else first["run_id"] for k in KEYS}
+    assert [(a["run_id"], a["status"], a["counts"], a["items"]) for a in man["resumed_from"]["attempts"]] == [
+        (first["run_id"], "completed_with_failures", first["counts"], 5)]
 
 
 @pytest.fixture(scope="module")

@@ -353,6 +353,21 @@ def test_notes_name_another_commit_and_package_versions(tmp_path):
     assert repro.compare(o2, n2)["notes"] == [f"git: original {'c' * 12} (dirty=False), re-run {'c' * 12} (dirty=True)"]
 
 
+def test_notes_name_the_earlier_attempts_that_wrote_a_resumed_originals_items(tmp_path):
+    """A resumed original whose items an earlier attempt wrote at another commit and torch: the notes name that
+    attempt (its run_id and items), not only the last attempt's git and packages; an attempt that wrote none of
+    the items is left out. Kills: notes that compare only the manifest's top-level git and packages."""
+    attempts = [{"run_id": "a" * 32, "status": "completed", "git": {"commit": "e" * 40, "dirty": False},
+                 "packages": {"torch": "2.12"}, "evidence": {"verdict": "verified"}, "items": 1},
+                {"run_id": "b" * 32, "status": "interrupted", "git": {"commit": "9" * 40, "dirty": True},
+                 "packages": {"torch": "2.11"}, "evidence": {"verdict": "verified"}, "items": 0}]
+    o, n = pair(tmp_path, {"a": _img(0)}, {"a": _img(0)},
+                resumed_from={"run_id": "b" * 32, "status": "interrupted", "attempts": attempts})
+    assert repro.compare(o, n)["notes"] == [
+        f"git: attempt {'a' * 8} (1 items) {'e' * 12} (dirty=False), re-run {'c' * 12} (dirty=False)",
+        f"attempt {'a' * 8} (1 items): package torch: 2.12 -> 2.13"]
+
+
 # ------------------------------------------------------------------------------------------------ AR tokens
 
 

@@ -642,22 +642,50 @@ class Progress:
 
 def summary_line(status: str, counts: Dict[str, int], seconds: Optional[float], out_dir: object,
                  workers: Optional[int] = None, verdict: Optional[str] = None,
-                 accuracy: Optional[Dict[str, Any]] = None) -> str:
+                 accuracy: Optional[Dict[str, Any]] = None,
+                 by_attempt: Optional[List[Dict[str, Any]]] = None) -> str:
     """The line a run ends with: ``run completed: 4 ok, 0 failed, 0 reused, 3.2 s; evidence verified; oracle
     accuracy all 1 · color 1 · shape 1 · position 1 (n 4) -> <dir>``: the counts, the wall time, the evidence
     verdict (the manifest's ``evidence.verdict``) and the oracle's accuracy (:func:`accuracy_summary`), each left
-    out when the run has none; with ``workers`` (a data-parallel run's merge) the merged total of every worker,
-    ``... over 2 workers``, and the items no worker produced (``missing``) when there are any."""
+    out when the run has none; after a resume whose items earlier attempts wrote (``by_attempt``: the manifest's
+    ``items_by_attempt``), which attempts wrote how many and with which verdict (:func:`attempts_summary`: the
+    current verdict covers only the items this attempt wrote); with ``workers`` (a data-parallel run's merge) the
+    merged total of every worker, ``... over 2 workers``, and the items no worker produced (``missing``) when there are any."""
     parts = [f"{counts.get('ok', 0)} ok", f"{counts.get('failed', 0)} failed", f"{counts.get('reused', 0)} reused"]
     if counts.get("missing"):
         parts.append(f"{counts['missing']} missing")
     tail = f" over {workers} workers" if workers else ""
     took = f", {seconds:.1f} s" if seconds is not None else ""
     found = [f"evidence {verdict}"] if verdict else []
+    written_by = attempts_summary(by_attempt or [])
+    if written_by:
+        found.append(written_by)
     acc = accuracy_summary(accuracy or {})
     if acc:
         found.append(f"oracle accuracy {acc}")
     return f"run {status}: {', '.join(parts)}{tail}{took}{''.join('; ' + f for f in found)} -> {out_dir}"
+
+
+def attempts_summary(by_attempt: List[Dict[str, Any]]) -> Optional[str]:
+    """``items by attempt: 3 by 1a2b3c4d (verified, git 4349a05), 1 by this attempt (verified)`` from the
+    manifest's ``items_by_attempt``; None when the current attempt wrote every item (nothing to tell apart)."""
+    if all(e.get("current") or not e.get("items") for e in by_attempt):
+        return None
+    parts = []
+    for e in by_attempt:
+        if not e.get("items") and not e.get("current"):
+            continue
+        if e.get("current"):
+            who = "this attempt"
+        elif e.get("run_id") in (None, "other"):
+            who = "an unknown attempt"
+        else:
+            who = str(e["run_id"])[:8]
+        git = e.get("git") or {}
+        notes = [str(e.get("evidence"))] + ([f"git {str(git['commit'])[:7]}{'+dirty' if git.get('dirty') else ''}"]
+                                            if git.get("commit") and not e.get("current") else [])
+        parts.append(f"{e.get('items', 0)} by {who} ({', '.join(notes)})")
+    return "items by attempt: " + ", ".join(parts)
 
 
 def resume_hint(out_dir: object, url: Optional[str] = None) -> str:
@@ -691,7 +719,9 @@ def merged_summary(merged: Dict[str, object], out_dir: object) -> str:
                         timing.get("wall_s") if isinstance(timing, dict) else None, out_dir,
                         workers=len(workers),  # type: ignore[arg-type]
                         verdict=evidence.get("verdict") if isinstance(evidence, dict) else None,
-                        accuracy=merged.get("accuracy") if isinstance(merged.get("accuracy"), dict) else None)
+                        accuracy=merged.get("accuracy") if isinstance(merged.get("accuracy"), dict) else None,
+                        by_attempt=merged.get("items_by_attempt")  # type: ignore[arg-type]
+                        if isinstance(merged.get("items_by_attempt"), list) else None)
 
 
 def _rate(x: Optional[float]) -> str:

@@ -323,9 +323,12 @@ class Run:
                          "resumed_from.lora_renamed, their items kept", "; ".join(
                              f"{r['from']['name']} ({r['from']['path']}) -> {r['to']['name']} ({r['to']['path']})"
                              for r in renamed))
+            # every earlier attempt's provenance (git, packages, evidence...), oldest first: the reused items carry
+            # the run_id of the attempt that wrote them (items_by_attempt, final_sections)
+            attempts = provenance.attempts_chain(prev, resume.merged_manifest(self.out_dir, self.manifest_name))
             m.section("resumed_from", {"run_id": prev.get("run_id"), "status": prev.get("status"),
                                        "reused_items": self.counts["reused"], "forced": bool(self.cfg.run.force),
-                                       **({"lora_renamed": renamed} if renamed else {})})
+                                       **({"lora_renamed": renamed} if renamed else {}), "attempts": attempts})
         for name, value in provenance.header_sections(
                 resolved_cfg=self.resolved_cfg, overrides=self.overrides, packages=self.packages,
                 identity=self.identity, run_sha=self.plan.run_sha, platform=self.plat.to_dict(),
@@ -391,7 +394,8 @@ class Run:
 
             self.renewer = Renewer(self.claims).__enter__()
         self.results[self.final.stage] = run_stage(
-            self.final, todo, self.sink, self.cfg, self.stop, self.timing, on_loaded=self.on_loaded,
+            self.final, todo, self.sink, self.cfg, self.stop, self.timing, run_id=self.manifest.doc["run_id"],
+            on_loaded=self.on_loaded,
             links=self.links, after_load=self.after_load, checkpoint=self.checkpoint,
             identity=(lambda it: resume.inputs_sha256(run_sha, originals[it.key])) if self.final.resumable else None,
             should_stop=stop_check(self.stop, self.worker), pull=self.pull if self.claims is not None else None,
@@ -421,7 +425,8 @@ class Run:
             firsts = list({it.row.id: it.row for it in todo}.values())
             up_sink = SINKS[e.output](self.out_dir, f"{e.stage}.jsonl")
             try:
-                self.results[e.stage] = run_stage(e, e.items_from(firsts), up_sink, self.cfg, self.stop, Timing())
+                self.results[e.stage] = run_stage(e, e.items_from(firsts), up_sink, self.cfg, self.stop, Timing(),
+                                                  run_id=self.manifest.doc["run_id"])
             finally:
                 up_sink.close()
                 e.close()
@@ -537,6 +542,7 @@ class Run:
             finally:
                 self.manifest.doc["status"] = self.status
                 self.manifest.doc["ended_at"] = now_iso()
+                self.attempts_section()
                 self.manifest.flush()
                 self.push_final()
         finally:
@@ -544,6 +550,19 @@ class Run:
             self.end_claims()
         if closing_error is not None and not self.raising:  # else the error that ended the loop goes on
             raise closing_error
+
+    def attempts_section(self) -> None:
+        """The manifest's ``items_by_attempt`` (which attempt wrote the run's items: its run_id, git, evidence
+        verdict; ``runner.core.provenance.count_items_by_attempt``) from the journal as it ends, and each
+        ``resumed_from.attempts`` entry's ``items``. A rank that writes no journal has none."""
+        if self.sink is None or not self.writes:
+            return
+        try:
+            records = read_journal(self.out_dir / self.journal_name)
+        except (OSError, ValueError) as e:  # the final status is written all the same
+            log.warning("items_by_attempt: could not read %s (%s)", self.out_dir / self.journal_name, e)
+            return
+        self.manifest.section("items_by_attempt", provenance.count_items_by_attempt(records, self.manifest.doc))
 
     def push_final(self) -> None:
         """Object storage: the final journal, manifest and folder indexes uploaded to the run's URL (a failure is
@@ -677,7 +696,8 @@ class Run:
                 summary_line(self.status, c, time.perf_counter() - self.t_start,
                              self.out_dir if self.mirror is None else self.mirror.url,
                              verdict=(self.manifest.doc.get("evidence") or {}).get("verdict"),
-                             accuracy=self.manifest.doc.get("accuracy")))
+                             accuracy=self.manifest.doc.get("accuracy"),
+                             by_attempt=self.manifest.doc.get("items_by_attempt")))
         if self.status == "evidence_mismatch":
             raise EvidenceError("evidence contradicts the resolved backends (evidence.strict=true):\n  "
                                          + "\n  ".join(self.manifest.doc["evidence"]["mismatches"]))
@@ -698,7 +718,9 @@ def evidence_doc(cfg: DictConfig, plat: Any, engines: Sequence[Any], results: Di
     nonfinite = sum(r.nonfinite for r in results.values())
     if not ran:
         return {"enabled": cfg.evidence.enabled, "pid": os.getpid(), "device": plat.device, "all_finite": True,
-                "verdict": "not_collected", "reason": "every item was reused from the earlier run", "mismatches": []}
+                "verdict": "not_collected", "reason": "every item was reused from an earlier attempt: the evidence "
+                "of the attempt that wrote each item is in resumed_from.attempts (items_by_attempt names them)",
+                "mismatches": []}
     if not cfg.evidence.enabled:
         return {"enabled": False, "pid": os.getpid(), "device": plat.device, "all_finite": nonfinite == 0,
                 "verdict": "not_collected", "mismatches": []}

@@ -179,7 +179,8 @@ def stop_check(stop: Stop, worker: Optional[Any]) -> Callable[[], bool]:
 
 
 def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: Stop, timing: Timing,
-              on_loaded: Optional[Callable[[Any], None]] = None, links: Optional[Dict[str, Any]] = None,
+              run_id: Optional[str] = None, on_loaded: Optional[Callable[[Any], None]] = None,
+              links: Optional[Dict[str, Any]] = None,
               after_load: Optional[Callable[[Dict[str, Any]], None]] = None,
               checkpoint: Optional[Callable[[], None]] = None,
               identity: Optional[Callable[[Any], str]] = None,
@@ -190,6 +191,8 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
     or a stop signal. The same body runs every stage of every run.
 
     Args:
+        run_id: the run's ``run_id`` (its manifest's), recorded in each record: which attempt wrote it (a resume
+            keeps the records it reuses as they are, so they name the earlier attempt).
         links: ``{row id: link}`` to the upstream record each item was rendered from (added as ``from``).
         after_load: called with the manifest sections ``engine.load`` returned.
         checkpoint: called after every batch (rewrites the manifest).
@@ -229,6 +232,8 @@ def run_stage(engine: Any, items: List[Any], sink: Any, cfg: DictConfig, stop: S
         for pos, (it, out) in enumerate(zip(batch, outputs)):
             size, at = ran_in.get(id(it), (len(batch), pos))
             rec = engine.record(it, out, size, dt / len(batch))
+            if run_id is not None:
+                rec["run_id"] = run_id
             if identity is not None:
                 rec["inputs_sha256"], rec["batch"] = identity(it), {"size": size, "position": at}
             if links and it.row.id in links:

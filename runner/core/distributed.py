@@ -477,7 +477,8 @@ def worker_entry(rank: int, doc: Optional[Dict[str, Any]], reasons: Optional[Dic
         return {"rank": rank, "status": "missing", "reason": why}
     w = doc.get("worker", {})
     role = {"role": w["role"]} if "role" in w else {}
-    return {"rank": rank, **role, "host": w.get("host"), "device": doc.get("platform", {}).get("device"),
+    return {"rank": rank, **role, "run_id": doc.get("run_id"), "host": w.get("host"),
+            "device": doc.get("platform", {}).get("device"),
             "device_name": doc.get("platform", {}).get("probes", {}).get("device_name"),
             "pid": doc.get("evidence", {}).get("pid") or w.get("pid"),  # a dead worker wrote no evidence
             "shard_items": w.get("shard_items"), "status": _ended(doc.get("status")), "counts": doc.get("counts"),
@@ -870,9 +871,27 @@ def merge(out_dir: Path, world_size: int, keys_in_order: List[str], launcher: st
         merged["lock"] = lock.record()
         merged["owner"] = lock.holder
     merged["folder_metadata"] = jm.write_outputs()  # images/metadata.jsonl follows the merged journal
+    merged_attempts(out_dir, merged, docs)
     atomic_write_json(out_dir / "manifest.json", merged)
     jm.remove()
     return merged
+
+
+def merged_attempts(out_dir: Path, merged: Dict[str, Any], docs: List[Optional[Dict[str, Any]]]) -> None:
+    """The merged manifest's ``items_by_attempt`` over the merged ``items.jsonl`` (each item carries the run_id of
+    the worker that wrote it: every worker of this attempt counts as the current attempt; earlier attempts from
+    rank 0's ``resumed_from.attempts``, kept as the base of the merged manifest), and each attempt's ``items``."""
+    from runner.core.provenance import count_items_by_attempt
+    from runner.core.sinks import read_journal
+
+    if isinstance(merged.get("resumed_from"), dict):  # rank 0's: its attempts' items counted over the whole run
+        merged["resumed_from"] = {**merged["resumed_from"], "attempts": [
+            dict(a) for a in merged["resumed_from"].get("attempts") or [] if isinstance(a, dict)]}
+    try:
+        records = read_journal(out_dir / "items.jsonl")
+    except OSError:
+        return
+    merged["items_by_attempt"] = count_items_by_attempt(records, merged, [(d or {}).get("run_id") for d in docs])
 
 
 def live_merge(out_dir: Path, jm: Any, world_size: int, launcher: str,

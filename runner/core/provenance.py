@@ -115,3 +115,112 @@ def write_repro(out_dir: Path, overrides: Sequence[str], packages: Dict[str, Any
     path = out_dir / "repro.sh"
     atomic_write_bytes(path, "\n".join(lines).encode())
     path.chmod(0o755)
+
+
+#: ``packages`` larger than this (JSON characters) are kept in an attempt as their sha256 only.
+PACKAGES_INLINE_MAX = 4096
+
+
+def attempt_record(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """One entry of ``resumed_from.attempts``: the provenance of an earlier attempt in the run dir, from its
+    manifest ``doc`` as it ended (its status as the resume read it: ``crashed`` for one still at ``running``):
+    run_id, status, started_at, ended_at, git, packages (their sha256 when larger than
+    :data:`PACKAGES_INLINE_MAX`), the evidence it collected (verdict, mismatches, each stage's checks; a merged
+    run's per-worker verdicts), counts, and a data-parallel run's workers (rank and run_id: its items carry the
+    run_id of the worker that wrote them). ``items`` (how many of the current run's items it wrote) is set by
+    :func:`count_items_by_attempt`."""
+    import hashlib
+    import json
+
+    ev = doc.get("evidence") if isinstance(doc.get("evidence"), dict) else {}
+    evidence: Dict[str, Any] = {"verdict": ev.get("verdict")}
+    for k in ("reason", "mismatches", "limits"):
+        if ev.get(k):
+            evidence[k] = ev[k]
+    stages = {s: st.get("checks") for s, st in (ev.get("stages") or {}).items() if isinstance(st, dict)}
+    if stages:
+        evidence["stages"] = stages
+    if isinstance(ev.get("workers"), dict):  # a merged run's manifest: every worker's verdict
+        evidence["workers"] = {r: (w or {}).get("verdict") for r, w in ev["workers"].items()}
+    packages = doc.get("packages")
+    text = json.dumps(packages, sort_keys=True)
+    out: Dict[str, Any] = {"run_id": doc.get("run_id"), "status": doc.get("status"),
+                           "started_at": doc.get("started_at"), "ended_at": doc.get("ended_at"),
+                           "git": doc.get("git")}
+    if len(text) <= PACKAGES_INLINE_MAX:
+        out["packages"] = packages
+    else:
+        out["packages_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    out.update(evidence=evidence, counts=doc.get("counts"))
+    if isinstance(doc.get("workers"), list):
+        out["workers"] = [{"rank": w.get("rank"), "run_id": w.get("run_id")} for w in doc["workers"]
+                          if isinstance(w, dict)]
+    return out
+
+
+def attempts_chain(prev: Dict[str, Any], merged: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+    """``resumed_from.attempts``: every earlier attempt of the run dir, oldest first: those the earlier manifest
+    ``prev`` kept in its own ``resumed_from.attempts``, then ``prev`` itself (:func:`attempt_record`). An earlier
+    manifest written before attempts were kept, that resumed yet another run, gives that run as an entry with only
+    what it recorded (run_id, status) and ``note``. ``merged``: the dir's merged manifest when ``prev`` is a
+    data-parallel worker's own manifest of the same attempt (rank 0's run_id is the merged run's): its ``workers``
+    name the run_ids the other workers' items carry, and its evidence, counts and status are the whole attempt's."""
+    rf = prev.get("resumed_from") if isinstance(prev.get("resumed_from"), dict) else {}
+    earlier = [dict(a) for a in rf.get("attempts") or [] if isinstance(a, dict)]
+    if not earlier and rf.get("run_id"):
+        earlier = [{"run_id": rf.get("run_id"), "status": rf.get("status"),
+                    "note": "recorded before resumes kept each attempt's provenance: only its run_id and status "
+                            "are known"}]
+    doc = prev
+    if (merged is not None and not prev.get("workers") and isinstance(merged.get("workers"), list)
+            and merged.get("run_id") == prev.get("run_id")):  # the whole attempt's, not rank 0's share
+        doc = {**prev, **{k: merged[k] for k in ("workers", "evidence", "counts") if k in merged}}
+        if merged.get("status") not in (None, "running"):  # a live merge's: the attempt died before its merge
+            doc["status"] = merged["status"]
+    for a in earlier:
+        a.pop("items", None)  # counted again over this run's items
+    return earlier + [attempt_record(doc)]
+
+
+def count_items_by_attempt(records: Iterable[Dict[str, Any]], doc: Dict[str, Any],
+                           workers: Sequence[Optional[str]] = ()) -> List[Dict[str, Any]]:
+    """Which attempt wrote the run's items: sets ``items`` on each of the current manifest ``doc``'s
+    ``resumed_from.attempts`` (in place) and returns its ``items_by_attempt``: one entry per earlier attempt that
+    wrote any of ``records`` (the run's journal after compaction), oldest first, then the current attempt
+    (``current: true``; ``workers``: the run_ids of a data-parallel run's workers, whose items count as the
+    current attempt's), each with its run_id, items, git and evidence verdict; records that carry no ``run_id``
+    (written before items carried one) count under ``run_id: null``, their attempt unknown."""
+    attempts = ((doc.get("resumed_from") or {}).get("attempts") or [])
+    run_id = doc.get("run_id")
+    owner: Dict[Any, int] = {}
+    for i, a in enumerate(attempts):
+        owner[a.get("run_id")] = i
+        for w in a.get("workers") or []:
+            if w.get("run_id"):
+                owner.setdefault(w["run_id"], i)
+    mine = {run_id, *[w for w in workers if w]}
+    n = [0] * len(attempts)
+    current = unknown = other = 0
+    for r in records:
+        rid = r.get("run_id")
+        if rid is None:
+            unknown += 1
+        elif rid in mine:
+            current += 1
+        elif rid in owner:
+            n[owner[rid]] += 1
+        else:
+            other += 1
+    for a, k in zip(attempts, n):
+        a["items"] = k
+    out = [{"run_id": a.get("run_id"), "items": k, "status": a.get("status"), "git": a.get("git"),
+            "evidence": (a.get("evidence") or {}).get("verdict")} for a, k in zip(attempts, n) if k]
+    out.append({"run_id": run_id, "current": True, "items": current, "status": doc.get("status"),
+                "git": doc.get("git"), "evidence": (doc.get("evidence") or {}).get("verdict")})
+    if other:
+        out.append({"run_id": "other", "items": other,
+                    "note": "records whose run_id names no attempt this manifest keeps"})
+    if unknown:
+        out.append({"run_id": None, "items": unknown,
+                    "note": "records written before items carried the run_id of their attempt: attempt unknown"})
+    return out

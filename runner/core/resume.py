@@ -235,6 +235,20 @@ def previous_run(out_dir: Path, names: tuple = ("manifest.json",)) -> Optional[D
     return doc
 
 
+def merged_manifest(out_dir: Path, manifest_name: str) -> Optional[Dict[str, Any]]:
+    """A data-parallel worker's view of the dir's merged ``manifest.json`` (a merge's: it has ``workers``), read
+    beside its own ``manifest_name``; None for a one-process run (its manifest is that file) or when there is none
+    or it cannot be read. Its ``workers`` name the run_ids the earlier attempt's items carry
+    (``runner.core.provenance.attempts_chain``)."""
+    if manifest_name == "manifest.json":
+        return None
+    try:
+        doc = json.loads((out_dir / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("workers"), list) else None
+
+
 def remove_temp_files(out_dir: Path) -> List[str]:
     """Delete temp files that a killed run or worker left: ``.<name>.tmp<pid>`` in ``out_dir``, ``out_dir/images``
     and ``out_dir/videos``, and the claim store's ``.<key>.tmp<pid>.<thread id>`` anywhere under ``out_dir/claims``

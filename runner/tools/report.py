@@ -591,6 +591,8 @@ def _jobs_table(jobs: Sequence[Job], common: Sequence[str]) -> str:
         if ev:
             v = ev.get("verdict", "—")
             fin = "" if ev.get("all_finite", True) else '<span class="sub">non-finite outputs</span>'
+            by = attempts_summary(m)  # a resumed job: the verdict covers only what this attempt wrote
+            fin += f'<span class="sub">{_e(by)}</span>' if by else ""
             cells.append(f"<td>{_badge(v, _VERDICT_CLASS.get(v, 'warn'))}{fin}</td>")
         else:
             cells.append("<td>—</td>")
@@ -635,6 +637,16 @@ def accuracy_summary(m: Dict[str, Any]) -> Optional[str]:
     from runner.app.console import accuracy_summary as phrase
 
     return phrase(m.get("accuracy") or {})
+
+
+def attempts_summary(m: Dict[str, Any]) -> Optional[str]:
+    """Which attempts wrote a resumed job's items (``runner.app.console.attempts_summary`` of the manifest's
+    ``items_by_attempt``: the phrase the run's last console line carries too); None when this attempt wrote them
+    all."""
+    from runner.app.console import attempts_summary as phrase
+
+    by = m.get("items_by_attempt")
+    return phrase(by) if isinstance(by, list) else None
 
 
 def metric_stats(m: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:

@@ -325,14 +325,23 @@ def _rerun_refusal(mo: Dict[str, Any], mn: Dict[str, Any], orig_dir: Path) -> Op
 
 
 def _provenance_notes(mo: Dict[str, Any], mn: Dict[str, Any]) -> List[str]:
-    """Informational: a changed code or library version explains a mismatch but is not one."""
+    """Informational: a changed code or library version explains a mismatch but is not one. A resumed original's
+    items may have been written by earlier attempts (``resumed_from.attempts``, each with the items it wrote): each
+    such attempt's git and packages are compared with the re-run's too, named by its run_id."""
     notes: List[str] = []
-    ga, gb = mo.get("git") or {}, mn.get("git") or {}
-    if ga.get("commit") != gb.get("commit") or gb.get("dirty"):
-        notes.append(f"git: original {str(ga.get('commit'))[:12]} (dirty={ga.get('dirty')}), re-run "
-                     f"{str(gb.get('commit'))[:12]} (dirty={gb.get('dirty')})")
-    pa, pb = mo.get("packages") or {}, mn.get("packages") or {}
-    notes += [f"package {k}: {pa.get(k)} -> {pb.get(k)}" for k in sorted(set(pa) | set(pb)) if pa.get(k) != pb.get(k)]
+    gb, pb = mn.get("git") or {}, mn.get("packages") or {}
+    attempts = [a for a in ((mo.get("resumed_from") or {}).get("attempts") or [])
+                if isinstance(a, dict) and a.get("items")]
+    for label, m in [*((f"attempt {str(a.get('run_id'))[:8]} ({a['items']} items)", a) for a in attempts),
+                     ("original", mo)]:
+        ga, pa = m.get("git") or {}, m.get("packages") or {}
+        if ga.get("commit") != gb.get("commit") or gb.get("dirty"):
+            notes.append(f"git: {label} {str(ga.get('commit'))[:12]} (dirty={ga.get('dirty')}), re-run "
+                         f"{str(gb.get('commit'))[:12]} (dirty={gb.get('dirty')})")
+        if "packages" in m:  # an attempt may keep only their sha256
+            prefix = "" if m is mo else f"{label}: "
+            notes += [f"{prefix}package {k}: {pa.get(k)} -> {pb.get(k)}" for k in sorted(set(pa) | set(pb))
+                      if pa.get(k) != pb.get(k)]
     return notes
 
 
