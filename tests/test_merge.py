@@ -212,7 +212,7 @@ def test_worker_failure_outcomes():
 def test_a_worker_that_did_not_complete(tmp_path, status):
     _two_workers(tmp_path, status=status)
     m = dist.merge(tmp_path, 2, KEYS, "torchrun")
-    assert m["status"] == "incomplete" and m["failed_workers"] == [1]
+    assert m["status"] == ("interrupted" if status == "interrupted" else "incomplete") and m["failed_workers"] == [1]
     assert m["workers"][1]["status"] == status
     assert m["workers"][1]["reason"] == f"it ended {status}"
     assert json.loads((tmp_path / "manifest.rank1.json").read_text())["status"] == status  # not rewritten
@@ -457,6 +457,31 @@ def test_merged_exit_code_logs_what_is_missing(caplog):
     with caplog.at_level(logging.ERROR, logger="runner"):
         assert dist.merged_exit_code({"status": "incomplete", "failed_workers": [1, 3], "counts": {"missing": 4}}) == 1
     assert caplog.messages == ["data-parallel run incomplete: workers not completed: [1, 3]; missing items: 4"]
+
+
+def test_merged_exit_code_of_an_interrupted_run_is_128_plus_the_workers_signal():
+    """Every worker that did not complete was stopped by a signal: 128 + that signal (SIGTERM 143, SIGINT 130, and
+    130 when no worker recorded which), as a one-process run; any other status stays 1."""
+    def merged(*workers):
+        return {"status": "interrupted", "failed_workers": [1], "counts": {"missing": 3},
+                "workers": [{"rank": 0, "status": "completed"}, *workers]}
+
+    assert dist.merged_exit_code(merged({"rank": 1, "status": "interrupted", "signal": "SIGTERM"})) == 143
+    assert dist.merged_exit_code(merged({"rank": 1, "status": "interrupted", "signal": "SIGINT"})) == 130
+    assert dist.merged_exit_code(merged({"rank": 1, "status": "interrupted"})) == 130
+    assert dist.merged_exit_code({**merged({"rank": 1, "status": "interrupted", "signal": "SIGTERM"}),
+                                  "status": "incomplete"}) == 1
+
+
+def test_merge_of_workers_all_stopped_by_a_signal_is_interrupted_and_names_it(tmp_path):
+    """A worker manifest's ``interrupt.signal`` reaches its ``workers[]`` entry; a stopped worker beside a crashed
+    one leaves the run ``incomplete`` (the crash decides)."""
+    _two_workers(tmp_path, status="interrupted")
+    doc = json.loads((tmp_path / "manifest.rank1.json").read_text())
+    (tmp_path / "manifest.rank1.json").write_text(json.dumps({**doc, "interrupt": {"signal": "SIGTERM"}}))
+    m = dist.merge(tmp_path, 2, KEYS, "torchrun")
+    assert (m["status"], m["workers"][1]["signal"], "signal" in m["workers"][0]) == ("interrupted", "SIGTERM", False)
+    assert dist.merged_exit_code(m) == 143
 
 
 def test_ray_reason_is_one_line_of_rays_message():

@@ -104,6 +104,29 @@ def test_torchrun_killed_worker_then_resume(tmp_path, single):
     assert not [p for p in d.rglob("*") if ".tmp" in p.name]
 
 
+def test_torchrun_interrupted_records_128_plus_the_signal(tmp_path):
+    """A signal to torchrun (its agent forwards it to every rank once, as a Ctrl-C or a scheduler's signal to the
+    job's main process does): each rank stops after its batch and records the signal; the merged run is
+    ``interrupted`` and job_status.json records 130, the code a one-process run stopped by SIGINT records (was:
+    ``incomplete``, exit 1, the signal nowhere). torchrun's own exit (1, its SignalException) is torchrun's."""
+    d = tmp_path / "dpi"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "runner",
+           "parallelism=data", "model.generation.num_inference_steps=200", f"hydra.run.dir={d}"]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and not all(
+            (d / f"items.rank{r}.jsonl").exists() and (d / f"items.rank{r}.jsonl").read_text().count("\n") >= 1
+            for r in (0, 1)):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=240)
+    st = json.loads((d / "job_status.json").read_text())
+    m = json.loads((d / "manifest.json").read_text())
+    assert (st["exit_code"], st["outcome"], m["status"]) == (128 + signal.SIGINT, "interrupted", "interrupted"), st
+    assert [(w["status"], w["signal"]) for w in m["workers"]] == [("interrupted", "SIGINT")] * 2
+    assert 2 <= m["counts"]["ok"] < 24 and m["counts"]["missing"] == 24 - m["counts"]["ok"]
+
+
 @requires_extra("scale")
 def test_submitit_local_two_job_sweep(tmp_path):
     sw = tmp_path / "sweep"

@@ -500,7 +500,8 @@ class Run:
         """6. The status of the loop, the evidence of every stage that ran, the oracle's accuracy, the prompts."""
         m, final = self.manifest, self.final
         if self.stop.signum is not None:
-            self.status = "interrupted"
+            self.status = "interrupted"  # the signal is recorded: a merged run's exit code is 128 + it
+            m.section("interrupt", {"signal": signal.Signals(self.stop.signum).name, "forced": False})
         else:
             self.status = "completed" if self.counts["failed"] == 0 else "completed_with_failures"
         ev = evidence_doc(self.cfg, self.plat, self.engines, self.results)

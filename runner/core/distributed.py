@@ -487,6 +487,7 @@ def worker_entry(rank: int, doc: Optional[Dict[str, Any]], reasons: Optional[Dic
             "timing": {k: doc.get("timing", {}).get(k) for k in ("wall_s", "load_s", "warmup_s", "loop_s",
                                                                  "images_per_hour")},
             "memory": doc.get("memory"), **({"claims": doc["claims"]} if doc.get("claims") else {}),
+            **({"signal": doc["interrupt"].get("signal")} if isinstance(doc.get("interrupt"), dict) else {}),
             **({"reason": why} if why else {})}
 
 
@@ -795,10 +796,11 @@ def _merged_doc(docs: List[Optional[Dict[str, Any]]], st: Dict[str, Any], worker
 
     merged["pool"] = pool_section(docs, merged["counts"], merged.get("claims"), time.time())
     missing = merged["counts"]["missing"]
+    ended = statuses - {"completed", "completed_with_failures"}
     merged["status"] = ("running" if dead is not None else
                         "completed" if statuses == {"completed"} and not missing else
-                        "completed_with_failures" if statuses <= {"completed", "completed_with_failures"}
-                        and not missing else "incomplete")
+                        "completed_with_failures" if not ended and not missing else
+                        "interrupted" if ended == {"interrupted"} else "incomplete")  # (a signal stopped them all)
     merged["failed_workers"] = [w["rank"] for w in workers if w["status"] not in ("completed",
                                                                                    "completed_with_failures",
                                                                                    "running", "starting")]
@@ -926,9 +928,19 @@ def live_merge(out_dir: Path, jm: Any, world_size: int, launcher: str,
 
 
 def merged_exit_code(merged: Dict[str, Any]) -> int:
-    """Exit code of a merged data-parallel run (``merge``'s result): 0 all written, 1 otherwise."""
+    """Exit code of a merged data-parallel run (``merge``'s result): 0 all written; ``128 + N`` when a signal N
+    stopped every worker that did not complete (``interrupted``: the code a one-process run interrupted by N
+    exits with; N read from the workers' ``interrupt.signal``, SIGINT when none recorded it); 1 otherwise."""
     if merged["status"] == "completed":
         return 0
+    if merged["status"] == "interrupted":
+        import signal
+
+        names = [w.get("signal") for w in merged.get("workers") or [] if w.get("status") == "interrupted"]
+        name = next((n for n in names if n in signal.Signals.__members__), "SIGINT")
+        log.warning("data-parallel run interrupted (%s): workers stopped: %s; missing items: %d", name,
+                    merged["failed_workers"], merged["counts"]["missing"])
+        return 128 + int(signal.Signals[name])
     log.error("data-parallel run %s: workers not completed: %s; missing items: %d", merged["status"],
               merged["failed_workers"], merged["counts"]["missing"])
     return 1
