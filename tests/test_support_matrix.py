@@ -110,6 +110,21 @@ def synthetic(tmp_path_factory):
     return ev, sm.cells(ROOT, ev)
 
 
+def test_a_verbose_log_stopped_before_its_summary_still_names_each_outcome(tmp_path):
+    """cuda.sh runs pytest -v: a call the device's time limit stopped has no summary, but each finished test's
+    line (``<id> PASSED [ 5%]``) counts, without the progress column as its reason; a later FAILED line wins."""
+    log = tmp_path / "cuda_tests_h100_2030-01-05.log"
+    log.write_text(
+        "cuda.sh: 1 device(s); device 0: NVIDIA H100 80GB HBM3 sm90; torch 2.11.0+cu130, CUDA 13.0\n"
+        "tests/test_memory_cuda.py::test_lane[tiny_flux-group_leaf] PASSED                  [  1%]\n"
+        "tests/test_gpu_e2e.py::test_x[tiny_flux-FLASH_ATTN] SKIPPED (flash-attn missing)   [  2%]\n"
+        "tests/test_memory_cuda.py::test_lane[tiny_sd3-group_leaf] FAILED                   [ 50%]\n")
+    runs, _ = sm.parse_log(log, "benchmarks/results/" + log.name, sm.Features(ROOT))
+    got = {r.detail: (r.status, r.reason, r.platform) for r in runs}
+    assert got == {"tests/test_memory_cuda.py::test_lane[tiny_flux-group_leaf]": ("passed", "", "H100"),
+                   "tests/test_memory_cuda.py::test_lane[tiny_sd3-group_leaf]": ("failed", "", "H100")}
+
+
 def test_passed_failed_skipped_refused_and_absent_lanes(synthetic):
     ev, cells = synthetic
     c = cells[("attention", "SAGE_ATTN", "flux")]

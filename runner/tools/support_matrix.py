@@ -396,6 +396,7 @@ def parse_log(path: Path, rel: str, feats: Features) -> Tuple[List[Run], Dict[st
     platform = platform_of(dev.group(1) if dev else None, rel)
     outcomes: Dict[str, Tuple[str, str]] = {}
     for i, line in enumerate(lines):
+        line = re.sub(r"\s+\[\s*\d+%\]$", "", line)  # pytest -v's progress column (cuda.sh runs -v)
         m = re.match(r"^(PASSED|FAILED|ERROR)\s+(\S+::.+?)(?:\s+-\s+(.*))?$", line) or \
             re.match(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED)\b(?:\s*\(?(.*?)\)?)?$", line)
         if m:

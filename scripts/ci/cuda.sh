@@ -25,4 +25,6 @@ else:
     print(f"cuda.sh: vLLM {vllm.__version__} ({vllm.__file__})")
 PY
 # -o addopts: one process (the pyproject's two xdist workers would share the one GPU; the device has no xdist)
-exec "$PY" -m pytest -q -o addopts=-ra -m cuda -rfEsp "$@"  # -rp: a PASSED line per test (docs/support_matrix.md)
+# -v: each test's outcome (a skip with its reason) on its own line as it ends, so a call stopped by the device's time
+# limit still says what ran; -rp: a PASSED line per test in the summary too (docs/support_matrix.md reads both)
+exec "$PY" -m pytest -v -o addopts=-ra -m cuda -rfEsp "$@"
