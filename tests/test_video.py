@@ -484,8 +484,11 @@ def test_sigkill_between_encode_and_rename_then_resume_equals_uninterrupted(vide
     m = json.loads((d / "manifest.json").read_text())
     assert m["counts"] == {"ok": 3, "failed": 0, "reused": 2} and m["status"] == "completed"
     assert _files(d) == _files(ref)  # same container bytes: the encoder is deterministic
-    strip = lambda r: {k: v for k, v in r.items() if k not in ("timing", "inputs_sha256")}  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("timing", "inputs_sha256", "run_id")}  # noqa: E731
     assert [strip(r) for r in _records(d)] == [strip(r) for r in _records(ref)]
+    # a and b were written by the killed attempt, the other three by the resume (items_by_attempt)
+    first = m["resumed_from"]["attempts"][-1]["run_id"]
+    assert [r["run_id"] for r in _records(d)] == [first] * 2 + [m["run_id"]] * 3 and first != m["run_id"]
     assert _temps(d) == []
 
 
