@@ -187,7 +187,8 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
 
 def merge(paths: List[Path], into: Path) -> Dict[str, Any]:
     """Partial files (one per device call) into ``into`` (created or updated): per family, a later file's lane
-    replaces an earlier one's; each lane keeps its call's device and source; the top-level figures are recomputed."""
+    replaces an earlier one's; each lane keeps its call's device, source, commit and date (the support matrix reads a
+    lane's own); the top-level figures are recomputed."""
     doc: Dict[str, Any] = json.loads(into.read_text()) if into.is_file() else {}
     doc.setdefault("about", "benchmarks/throughput_h200.py (module docstring); merged with --merge")
     fams = doc.setdefault("families", {})
@@ -200,7 +201,8 @@ def merge(paths: List[Path], into: Path) -> Dict[str, Any]:
             tgt = fams.setdefault(fam, {"lanes": {}})
             tgt["workload"] = fd.get("workload", tgt.get("workload"))
             for name, rec in fd.get("lanes", {}).items():
-                tgt["lanes"][name] = {**rec, "source": Path(p).name, "device": d.get("device")}
+                tgt["lanes"][name] = {**rec, "source": Path(p).name, "device": d.get("device"),
+                                      "commit": d.get("commit"), "date": d.get("date")}
     summarize(doc)
     into.parent.mkdir(parents=True, exist_ok=True)
     into.write_text(json.dumps(doc, indent=1, default=str) + "\n")

@@ -103,11 +103,24 @@ def quant_choices(qcfg: Any) -> Dict[str, str]:
     return out
 
 
-def quant_mapping(choices: Mapping[str, str], libraries: Mapping[str, str], dtype: torch.dtype) -> Dict[str, Any]:
+def quant_mapping(choices: Mapping[str, str], libraries: Mapping[str, str], dtype: torch.dtype,
+                  modules: Optional[Mapping[str, torch.nn.Module]] = None) -> Dict[str, Any]:
     """``{component: library quantization config}`` for diffusers' ``PipelineQuantizationConfig(quant_mapping=)``
-    (GGUF components are loaded apart, :func:`load_gguf`; a pre-quantized checkpoint's config is its own)."""
-    return {c: quant.get(m).config(libraries[c], dtype) for c, m in choices.items()
-            if m != "gguf" and quant.get(m).checkpoint is None}
+    (GGUF components are loaded apart, :func:`load_gguf`; a pre-quantized checkpoint's config is its own); each
+    leaving out the Linears its method keeps dense (:func:`runner.kernels.quantization.kept_dense`), named from
+    ``modules`` (the components built on the meta device)."""
+    return {c: quant.get(m).config(libraries[c], dtype, keep_dense(m, (modules or {}).get(c)))
+            for c, m in choices.items() if m != "gguf" and quant.get(m).checkpoint is None}
+
+
+def keep_dense(method: str, module: Any) -> List[str]:
+    """:func:`runner.kernels.quantization.kept_dense` of ``method`` on ``module`` (none: not a module)."""
+    return quant.kept_dense(quant.get(method), module) if isinstance(module, torch.nn.Module) else []
+
+
+def needs_names(choices: Mapping[str, str]) -> bool:
+    """Whether a chosen method leaves some Linears dense, which are named from the components' modules."""
+    return any(quant.get(m).min_rows for m in choices.values())
 
 
 def on_device_components(choices: Mapping[str, str]) -> List[str]:
@@ -193,9 +206,11 @@ def checkpoint_bytes(source: Mapping[str, Any], choices: Mapping[str, str]) -> D
     return out
 
 
-def pipeline_quantization(choices: Mapping[str, str], libraries: Mapping[str, str], dtype: torch.dtype) -> Any:
-    """diffusers' ``PipelineQuantizationConfig`` for ``from_pretrained`` (None: nothing to quantize there)."""
-    mapping = quant_mapping(choices, libraries, dtype)
+def pipeline_quantization(choices: Mapping[str, str], libraries: Mapping[str, str], dtype: torch.dtype,
+                          modules: Optional[Mapping[str, torch.nn.Module]] = None) -> Any:
+    """diffusers' ``PipelineQuantizationConfig`` for ``from_pretrained`` (None: nothing to quantize there);
+    ``modules``: as :func:`quant_mapping`'s."""
+    mapping = quant_mapping(choices, libraries, dtype, modules)
     if not mapping:
         return None
     from diffusers.quantizers import PipelineQuantizationConfig
@@ -214,22 +229,26 @@ def load_gguf(model_cls: type, gguf_file: str, config_dir: str, dtype: torch.dty
 def quantize_built(module: torch.nn.Module, method: str, library: str, dtype: torch.dtype,
                    device: Optional[str] = None) -> None:
     """Quantize a built (``load_format=dummy``) module's Linears in place with the same torchao config diffusers'
-    ``TorchAoHfQuantizer`` applies while loading (``torchao.quantization.quantize_``, Linears only); a method that
+    ``TorchAoHfQuantizer`` applies while loading (``torchao.quantization.quantize_``, Linears only, less those the
+    method keeps dense: :func:`keep_dense`, diffusers' ``modules_to_not_convert``); a method that
     quantizes on the GPU only (``quantize_on_device``) moves each Linear to ``device`` first (``quantize_(device=)``).
 
     Raises:
         ConfigValueError: a method that quantizes only while loading a checkpoint (bitsandbytes, GGUF).
     """
     cfg = quant.get(method).config(library, dtype)
+    keep = set(keep_dense(method, module))
     ao = getattr(cfg, "quant_type", None)
     if ao is None or isinstance(ao, (str, dict)):
         raise ConfigValueError(f"model.quantization={method} with model.load_format=dummy: {method} quantizes while "
                                "a checkpoint loads (from_pretrained); fix: an embedded model or model.path, or a "
                                "torchao method (int8wo, float8wo)")
     from torchao.quantization import quantize_
+    from torchao.quantization.quant_api import _is_linear
 
     on = device if quant.get(method).quantize_on_device and device is not None else None
-    quantize_(module, ao, device=on)
+    quantize_(module, ao, device=on,
+              filter_fn=lambda m, fqn: _is_linear(m, fqn) and fqn not in keep)  # torchao's default, less ``keep``
 
 
 def check_dummy_methods(choices: Mapping[str, str]) -> None:
@@ -283,7 +302,8 @@ def component_sizes(modules: Mapping[str, torch.nn.Module], choices: Mapping[str
         method = choices.get(name)
         bits = quant.get(method).bits if method else None
         fb = gguf_bytes if method == "gguf" else (file_bytes or {}).get(name)
-        out[name] = planner.size_module(name, m, linear_bits=bits, file_bytes=fb)
+        out[name] = planner.size_module(name, m, linear_bits=bits, file_bytes=fb,
+                                        dense=keep_dense(method, m) if method else ())
     return out
 
 
@@ -750,7 +770,11 @@ class QuantProbe:
     Attributes:
         method: component -> method; calls: component -> weight class name -> calls; linears: Linears per
         component; quantized: component -> Linears whose weight had the method's class at load; changed: Linears
-        quantized at load that later ran with another weight class.
+        quantized at load that later ran with another weight class; kept: component -> the Linears its method
+        leaves dense (:func:`keep_dense`), ``kept_quantized`` those of them that hold its weight all the same; rows: component -> Linear name -> the most rows (input elements over
+        ``in_features``) one call gave it, with ``samples``: component -> the most samples (the batch of its
+        ``hidden_states``, the length of Z-Image's latent list) one forward of it took; both recorded only under a method with a row limit
+        (:attr:`runner.kernels.quantization.WeightQuant.min_rows`).
     """
 
     method: Dict[str, str]
@@ -758,45 +782,81 @@ class QuantProbe:
     linears: Dict[str, int] = field(default_factory=dict)
     quantized: Dict[str, int] = field(default_factory=dict)
     changed: Dict[str, List[str]] = field(default_factory=dict)
+    kept: Dict[str, List[str]] = field(default_factory=dict)
+    rows: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    samples: Dict[str, int] = field(default_factory=dict)
+    kept_quantized: Dict[str, List[str]] = field(default_factory=dict)
+    quantized_names: Dict[str, set] = field(default_factory=dict)
 
     def attach(self, components: Mapping[str, torch.nn.Module]) -> None:
         """A forward pre-hook on every ``nn.Linear`` of each quantized component, and on every module of a
-        method's replacement class (``quant.is_quantized_linear_site``; read-only)."""
+        method's replacement class (``quant.is_quantized_linear_site``; read-only); under a method with a row
+        limit, one on the component too (the samples per forward)."""
         for comp, method in self.method.items():
             mod = components.get(comp)
             if not isinstance(mod, torch.nn.Module):
                 continue
-            want = quant.get(method).tensor_classes
+            q = quant.get(method)
+            want = q.tensor_classes
             counts, changed = self.calls.setdefault(comp, {}), self.changed.setdefault(comp, [])
             lins = [(n, m) for n, m in mod.named_modules() if quant.is_quantized_linear_site(m)]
             self.linears[comp] = len(lins)
             self.quantized[comp] = 0
+            self.kept[comp] = keep_dense(method, mod)
+            rows = self.rows.setdefault(comp, {}) if q.min_rows else None
+            if rows is not None:
+                mod.register_forward_pre_hook(self._samples_hook(comp), with_kwargs=True)
             for name, lin in lins:
                 was = bool(set(quant.weight_class_names(lin)) & set(want))
                 self.quantized[comp] += was
+                if was:
+                    self.quantized_names.setdefault(comp, set()).add(name)
+                if was and name in self.kept[comp]:
+                    self.kept_quantized.setdefault(comp, []).append(name)
 
                 def pre(m: torch.nn.Module, args: Any, _c: Dict[str, int] = counts, _was: bool = was,
-                        _n: str = name, _w: Tuple[str, ...] = want) -> None:
+                        _n: str = name, _w: Tuple[str, ...] = want, _r: Optional[Dict[str, int]] = rows) -> None:
                     names = quant.weight_class_names(m)
                     _c[names[0] if names else "None"] = _c.get(names[0] if names else "None", 0) + 1
                     if _was and not set(names) & set(_w) and _n not in changed:
                         changed.append(_n)
+                    if _r is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim():
+                        x = args[0]
+                        _r[_n] = max(_r.get(_n, 0), x.numel() // max(1, x.shape[-1]))
 
                 lin.register_forward_pre_hook(pre)
 
+    def _samples_hook(self, comp: str) -> Callable[..., None]:
+        def pre(m: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
+            x = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
+            n = len(x) if isinstance(x, (list, tuple)) else int(x.shape[0]) if isinstance(x, torch.Tensor) and \
+                x.dim() else 0  # Z-Image takes a list of per-sample latents
+            self.samples[comp] = max(self.samples.get(comp, 0), n)
+        return pre
+
     def section(self) -> Tuple[Dict[str, Any], List[str]]:
-        """``{component: {method, linears, quantized_linears, calls_by_weight_class, quantized_calls}}`` and the
-        mismatches: a quantized component none of whose Linears holds the method's weight class, a Linear
-        quantized at load that ran with another weight, or a component whose Linears ran while none of its
-        quantized ones did (0 quantized calls: the quantization claimed is not what executed)."""
+        """``{component: {method, linears, quantized_linears, calls_by_weight_class, quantized_calls, kept_dense}}``
+        and the mismatches: a quantized component none of whose Linears holds the method's weight class, a Linear
+        quantized at load that ran with another weight, a component whose Linears ran while none of its quantized
+        ones did (0 quantized calls: the quantization claimed is not what executed), a Linear recorded as kept dense
+        that holds the method's weight; under a method with a row limit, a quantized Linear that ran with no more
+        rows than the forward had samples (a per-sample Linear :data:`runner.kernels.quantization.PER_SAMPLE_LINEARS`
+        missed: its GEMM refuses it at small batches); the kept ones that ran with more rows are recorded
+        (``kept_dense.ran_per_token``)."""
         out: Dict[str, Any] = {}
         bad: List[str] = []
         for comp, method in self.method.items():
-            want = quant.get(method).tensor_classes
+            q = quant.get(method)
+            want = q.tensor_classes
             calls = self.calls.get(comp, {})
             out[comp] = {"method": method, "linears": self.linears.get(comp, 0),
                          "quantized_linears": self.quantized.get(comp, 0), "calls_by_weight_class": calls,
                          "quantized_calls": sum(n for k, n in calls.items() if k in want)}
+            kept = self.kept.get(comp, [])
+            if kept:
+                out[comp]["kept_dense"] = {"linears": len(kept), "names": kept,
+                                           "why": f"they see one row per sample; {method} needs at least "
+                                                  f"{q.min_rows} rows per call ({q.min_rows_source})"}
             if comp in self.linears and not self.quantized.get(comp):
                 bad.append(f"model.quantization.{comp}={method}: none of its {self.linears[comp]} Linears holds a "
                            f"{'/'.join(want)} weight after loading")
@@ -806,7 +866,29 @@ class QuantProbe:
             elif self.quantized.get(comp) and sum(calls.values()) and not out[comp]["quantized_calls"]:
                 bad.append(f"model.quantization.{comp}={method}: its Linears ran {sum(calls.values())} times, none "
                            f"with a {'/'.join(want)} weight (0 quantized Linears executed)")
+            if self.kept_quantized.get(comp):
+                bad.append(f"model.quantization.{comp}={method}: Linears recorded as kept dense hold a "
+                           f"{'/'.join(want)} weight: {', '.join(self.kept_quantized[comp][:5])}")
+            bad += self._rows(comp, method, kept, out[comp].get("kept_dense"))
         return out, bad
+
+    def _rows(self, comp: str, method: str, kept: Sequence[str], record: Optional[Dict[str, Any]]) -> List[str]:
+        """Under a method with a row limit: the quantized Linears that ran with no more rows than the forward had
+        samples (a mismatch: the GEMM refuses them at small batches on CUDA); the kept ones that ran with more
+        (``record["ran_per_token"]``: kept for nothing, at no risk; Wan 2.2 TI2V-5B's ``expand_timesteps`` gives
+        its time embedder one timestep per token)."""
+        rows, samples = self.rows.get(comp), self.samples.get(comp)
+        if rows is None or not samples:
+            return []
+        quantized = self.quantized_names.get(comp, set())
+        missed = sorted(n for n, r in rows.items() if r <= samples and n in quantized)
+        if record is not None:
+            record["ran_per_token"] = [n for n in kept if rows.get(n, 0) > samples]
+        if not missed:
+            return []
+        return [f"model.quantization.{comp}={method}: {len(missed)} quantized Linears ran with one row per sample "
+                f"(at most {samples}), which {method}'s GEMM refuses below {quant.get(method).min_rows} rows on "
+                f"CUDA: {', '.join(missed[:8])}; runner.kernels.quantization.PER_SAMPLE_LINEARS misses them"]
 
 
 class PhasePeaks:
@@ -1299,14 +1381,18 @@ class FittingPass(Pass):
         out: Dict[str, Any] = {}
         before_loading(fit.choices)
         apart = on_device_components(fit.choices)
-        q = pipeline_quantization({c: m for c, m in fit.choices.items() if c not in apart}, fit.libraries, e.dtype)
+        metas = self.meta_modules() if needs_names(fit.choices) else {}
+        q = pipeline_quantization({c: m for c, m in fit.choices.items() if c not in apart}, fit.libraries, e.dtype,
+                                  metas)
         if q is not None:
             out["quantization_config"] = q
         for comp in apart:
             lib, cls_name, _ = e.task_components(e.task)[comp]
             method = quant.get(fit.choices[comp])
             out[comp] = load_on_device(getattr(importlib.import_module(lib), cls_name), str(path), comp,
-                                       method.config(fit.libraries[comp], e.dtype), e.dtype, str(e.device))
+                                       method.config(fit.libraries[comp], e.dtype,
+                                                     keep_dense(method.name, metas.get(comp))),
+                                       e.dtype, str(e.device))
         for comp, method in fit.choices.items():
             if method == "gguf":
                 lib, cls_name, _ = e.task_components(e.task)[comp]

@@ -38,15 +38,106 @@ def test_w8a8_weights_are_told_from_weight_only_int8_at_call_time():
     assert not set(quant.get("int8dq").tensor_classes) & set(names["Int8WeightOnlyConfig"])
 
 
+#: tiny_flux's Linears that see one row per sample (1 double block, 2 single blocks in conf/model/tiny_flux.yaml)
+FLUX_PER_SAMPLE = sorted(
+    [f"time_text_embed.{e}.linear_{i}" for e in ("timestep_embedder", "guidance_embedder", "text_embedder")
+     for i in (1, 2)] + [f"transformer_blocks.0.{n}.linear" for n in ("norm1", "norm1_context")]
+    + [f"single_transformer_blocks.{b}.norm.linear" for b in (0, 1)] + ["norm_out.linear"])
+
+
 @requires_extra("torchao")
-def test_int8dq_runs_verified_on_cpu_every_linear_at_its_w8a8_weight(tmp_path):
-    r = execute(tmp_path / "run", ["model=tiny_flux", "dataset.limit=2", "model.quantization.transformer=int8dq"])
+def test_int8dq_runs_verified_on_cpu_every_linear_at_its_w8a8_weight_but_the_per_sample_ones(tmp_path):
+    """W8A8 quantizes every Linear of the transformer but the 11 that see one row per sample (torch's int8 GEMM
+    refuses 16 rows or fewer on CUDA under compile: issue #41, H100 2026-12-07), which run in the compute dtype
+    and are recorded by name with the reason. Kills: a run that quantizes them (FLUX at batch 4 fails every item
+    on the GPU), one that keeps others dense (a per-token Linear lost to bf16), a record that names no reason."""
+    r = execute(tmp_path / "run", ["model=tiny_flux", "dataset.limit=2", "batch_size=2",
+                                   "model.quantization.transformer=int8dq"])
     assert r.code == 0, r.error
     q = r.manifest["evidence"]["stages"]["denoise"]["memory"]["quantization"]["transformer"]
-    assert q["method"] == "int8dq" and q["quantized_linears"] == q["linears"] > 0
-    assert set(q["calls_by_weight_class"]) == {"Int8Tensor+dynamic_act"} and q["quantized_calls"] > 0
+    assert q["method"] == "int8dq" and q["quantized_linears"] == q["linears"] - len(FLUX_PER_SAMPLE) > 0
+    kept = q["kept_dense"]
+    assert sorted(kept["names"]) == FLUX_PER_SAMPLE and kept["linears"] == len(FLUX_PER_SAMPLE)
+    assert kept["ran_per_token"] == [] and "torch._int_mm" in kept["why"] and "17 rows" in kept["why"]
+    # the kept Linears ran with their plain weight (a Parameter), the rest with the W8A8 one
+    calls = q["calls_by_weight_class"]
+    assert set(calls) == {"Int8Tensor+dynamic_act", "Parameter"} and q["quantized_calls"] == calls[
+        "Int8Tensor+dynamic_act"] > calls["Parameter"] > 0
     assert r.manifest["evidence"]["verdict"] == "verified"
     assert "model.quantization.transformer=int8dq" in r.manifest["lossy"]["lanes"]
+
+
+@requires_extra("torchao")
+def test_a_per_sample_linear_the_table_misses_fails_the_evidence(tmp_path, monkeypatch):
+    """The planted fault: PER_SAMPLE_LINEARS without FLUX's AdaLN pattern (``norm1``/``norm1_context``): those 2
+    Linears are quantized, run with one row per sample, and the evidence names them (exit 3), on the CPU, where
+    their GEMM would not have failed: a family the table misses is caught before it reaches a GPU."""
+    from runner.core.errors import EvidenceError
+
+    monkeypatch.setattr(quant, "PER_SAMPLE_LINEARS",
+                        tuple(p for p in quant.PER_SAMPLE_LINEARS if "norm1" not in p))
+    r = execute(tmp_path / "run", ["model=tiny_flux", "dataset.limit=2", "batch_size=2",
+                                   "model.quantization.transformer=int8dq"], catch=(EvidenceError,))
+    assert r.error is not None and r.error.exit_code == 3
+    msg = str(r.error)
+    assert "2 quantized Linears ran with one row per sample (at most 2)" in msg, msg
+    assert "transformer_blocks.0.norm1.linear, transformer_blocks.0.norm1_context.linear;" in msg
+    assert "PER_SAMPLE_LINEARS misses them" in msg
+
+
+def test_the_planner_sizes_kept_dense_linears_at_their_stored_bits():
+    """A component under int8dq: its per-sample Linear (``norm_out.linear``) at 4 bytes per float32 weight, its
+    per-token one (``proj_out``) at 1; under int8wo (no row limit) both at 1. Kills: a plan that sizes every Linear
+    at the method's bits when some stay dense (FLUX.1-dev: ~27 % of its weights), so the observed peak passes the
+    plan."""
+    from models.memory import component_sizes
+
+    class Out(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 128, bias=False)
+
+    net = torch.nn.Module()
+    net.norm_out, net.proj_out = Out(), torch.nn.Linear(64, 64, bias=False)
+    assert quant.kept_dense(quant.get("int8dq"), net) == ["norm_out.linear"]
+    assert quant.kept_dense(quant.get("int8wo"), net) == []
+    dq = component_sizes({"transformer": net}, {"transformer": "int8dq"})["transformer"].weights
+    wo = component_sizes({"transformer": net}, {"transformer": "int8wo"})["transformer"].weights
+    assert (dq, wo) == (64 * 128 * 4 + 64 * 64, 64 * 128 + 64 * 64)
+
+
+@requires_extra("torchao")
+@pytest.mark.slow
+def test_every_family_keeps_exactly_its_per_sample_linears_dense_under_int8dq(tmp_path):
+    """Every registered family's tiny model (and Wan 2.2 A14B, TI2V-5B with its per-token timesteps) under W8A8
+    at batch 2 with CFG: each run verified, so no quantized Linear of any family ran with one row per sample (the
+    evidence's row count), and each keeps some Linears dense; every kept one ran per sample but TI2V-5B's time
+    embedder (``expand_timesteps``: one timestep per token), recorded as such. A new family whose modulation the
+    table misses fails here on the CPU."""
+    from test_report import _tail, run_module
+    from models.registry import family_names
+
+    models = [f"tiny_{n}" for n in family_names()] + ["tiny_wan22", "tiny_wan22_ti2v"]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": "a", "prompt": "a red cube", "negative_prompt": "blurry", "seed": 1}\n'
+                    '{"id": "b", "prompt": "a blue sphere", "seed": 2}\n')
+    p = run_module("runner", ["-m", f"model={','.join(models)}", "model.quantization.transformer=int8dq",
+                              "platform=cpu", "dataset=jsonl",
+                              "dataset.on_ignored=record", f"dataset.path={rows}", "batch_size=2",
+                              "memory.vae_slicing=true", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path)
+    seen = {}
+    for m in sorted((tmp_path / "sweep").glob("*/manifest.json")):
+        man = json.loads(m.read_text())
+        seen[man["model"]["name"]] = man
+    assert sorted(seen) == sorted(models), _tail(p)
+    for name, man in seen.items():
+        assert man["evidence"]["verdict"] == "verified", (name, man["evidence"]["mismatches"])
+        qs = man["evidence"]["stages"]["denoise"]["memory"]["quantization"]
+        for comp, q in qs.items():
+            kept = q["kept_dense"]
+            assert "ran_per_token" in kept, (name, comp, kept)
+            assert 0 < kept["linears"] < q["linears"] and q["quantized_linears"] == q["linears"] - kept["linears"]
+            assert kept["ran_per_token"] == (kept["names"] if name == "tiny_wan22_ti2v" else []), (name, comp, kept)
 
 
 @requires_extra("torchao")
@@ -143,7 +234,7 @@ def test_int8dq_pixels_differ_from_bf16_a_little_and_the_lane_is_gated(tmp_path)
     assert max(np.abs(qi[k] - bi[k]).max() for k in qi) > 0
     assert max(np.abs(qi[k] - bi[k]).mean() for k in qi) < 8  # intensity levels of 255
     ev = q.manifest["evidence"]["stages"]["denoise"]["memory"]["quantization"]["transformer"]
-    assert set(ev["calls_by_weight_class"]) == {"Int8Tensor+dynamic_act"}
+    assert set(ev["calls_by_weight_class"]) == {"Int8Tensor+dynamic_act", "Parameter"}  # Parameter: kept dense
     assert q.manifest["lossy"]["lanes"] == ["model.quantization.transformer=int8dq"]
     doc = write_gate([tmp_path / "lossless", tmp_path / "int8dq"], tmp_path / "gate.json")
     (entry,) = doc["jobs"]

@@ -93,6 +93,9 @@ def test_merge_keeps_both_families_and_recomputes_the_speedups(bench):
         assert m[f"e2e_speedup_{fam}"] == pytest.approx(
             lanes["baseline"]["s_per_1000_items"] / lanes["lossless"]["s_per_1000_items"], rel=1e-3)
         assert all(r["source"] and r["device"] == "cpu" for r in lanes.values())
+        # each lane carries its own call's commit and date (the support matrix attributes it to them)
+        assert all((r["commit"], r["date"]) == (bench[fam]["commit"], bench[fam]["date"]) and r["date"]
+                   for r in lanes.values())
     assert set(m["best_stack"]) == {"flux", "wan22"}
     assert set(m["targets_met"]) == {"e2e_speedup_flux", "e2e_speedup_wan22"}
 

@@ -179,14 +179,17 @@ def _bytes(tensors: Iterable[torch.Tensor], linear_bits: Optional[float], linear
 
 
 def size_module(name: str, module: torch.nn.Module, linear_bits: Optional[float] = None,
-                file_bytes: Optional[int] = None) -> ComponentSize:
+                file_bytes: Optional[int] = None, dense: Iterable[str] = ()) -> ComponentSize:
     """A component's :class:`ComponentSize` from its module (meta device: no memory).
 
     Args:
         linear_bits: bits per ``nn.Linear`` weight element when the component is quantized (None: as stored).
         file_bytes: a GGUF component's file size, which replaces the weights' total (blocks scaled to it).
+        dense: qualified names of Linears the quantization leaves as stored
+            (``runner.kernels.quantization.kept_dense``).
     """
-    lw = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Linear)}
+    keep = set(dense)
+    lw = {id(m.weight) for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) and n not in keep}
 
     def own(m: torch.nn.Module) -> int:
         return _bytes(list(m.parameters()) + list(m.buffers()), linear_bits, lw)

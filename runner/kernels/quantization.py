@@ -119,6 +119,9 @@ class WeightQuant:
         quantize_on_device: its quantization itself runs on the GPU only (torchao 0.18's int4 packing,
             ``aten::_convert_weight_to_int4pack``, has no CPU kernel): the component is loaded onto the run's device
             (``from_pretrained(device_map=)``; ``quantize_(device=)`` for built weights), not quantized on the host.
+        min_rows: the fewest rows (``M``: elements of the input over ``in_features``) its GEMM takes per call (0: no
+            limit), with ``min_rows_source``. The Linears that see one row per sample (:data:`PER_SAMPLE_LINEARS`)
+            stay in the compute dtype under such a method (:func:`kept_dense`), recorded with the reason.
     """
 
     name: str
@@ -138,6 +141,8 @@ class WeightQuant:
     before_load: Optional[str] = None
     inspect: Optional[Callable[[Dict[str, Any], SelectionContext], List[str]]] = None
     quantize_on_device: bool = False
+    min_rows: int = 0
+    min_rows_source: str = ""
 
     def unmet(self, ctx: SelectionContext) -> List[str]:
         """Every requirement not met in ``ctx`` (empty: it can run)."""
@@ -146,8 +151,11 @@ class WeightQuant:
             out.extend(req(ctx))
         return out
 
-    def config(self, library: str, dtype: torch.dtype) -> Any:
-        """The library's quantization config for a component of ``library`` computing in ``dtype``.
+    def config(self, library: str, dtype: torch.dtype, keep: Sequence[str] = ()) -> Any:
+        """The library's quantization config for a component of ``library`` computing in ``dtype``; ``keep``: the
+        qualified names of Linears it leaves unconverted (:func:`kept_dense`; the config's
+        ``modules_to_not_convert``, which diffusers and transformers match as ``name + "."`` inside a parameter's
+        name).
 
         Raises:
             QuantizationError: the method has no config for that library (GGUF: transformers components), or
@@ -159,22 +167,62 @@ class WeightQuant:
         if library not in self.libraries:
             raise QuantizationError(f"quantization method {self.name} has no {library} config (it quantizes "
                                     f"{'/'.join(self.libraries)} components)")
-        return _BUILDERS[self.name](importlib.import_module(library), dtype)
+        lib = importlib.import_module(library)
+        return _BUILDERS[self.name](lib, dtype, list(keep)) if keep else _BUILDERS[self.name](lib, dtype)
 
 
-def _torchao(cls_name: str, module: str = "torchao.quantization", **kwargs: Any) -> Callable[[Any, torch.dtype], Any]:
-    def build(lib: Any, dtype: torch.dtype) -> Any:
-        return lib.TorchAoConfig(getattr(importlib.import_module(module), cls_name)(**kwargs))
+#: Linears of the denoisers that see one row per sample (``M`` = batch, times two under batched CFG): the
+#: timestep / guidance / pooled-text embedders and the AdaLN modulation projections, whose input is the per-sample
+#: conditioning vector, not the tokens. Regular expressions, each matched in full against a Linear's qualified name
+#: in its component. One table for every family (and the generic ``model.engine=diffusers`` adapter): the names
+#: differ by family, and no family's per-token Linear matches another's per-sample pattern. Found by counting the
+#: rows of every Linear call on each family's tiny model (a method with :attr:`WeightQuant.min_rows` records the
+#: rows each Linear ran with: its evidence fails a run in which a quantized Linear ran with one row per sample, and
+#: records the kept ones that ran per token, as Wan 2.2 TI2V-5B's time embedder does: ``expand_timesteps``).
+#: Per family: FLUX.1 ``time_text_embed.*``, ``*.norm1.linear``, ``*.norm1_context.linear``, the single blocks'
+#: ``norm.linear``, ``norm_out.linear``; SD3.5 the same without guidance; FLUX.2 ``time_guidance_embed.*``,
+#: ``double_stream_modulation_{img,txt}.linear``, ``single_stream_modulation.linear``; Qwen-Image
+#: ``time_text_embed.*``, ``*.img_mod.1``, ``*.txt_mod.1``; Wan 2.1/2.2 ``condition_embedder.time_embedder.*``,
+#: ``condition_embedder.time_proj`` (its per-token ``condition_embedder.text_embedder`` is not matched); Z-Image
+#: ``t_embedder.*``, ``*.adaLN_modulation.N``; HiDream ``t_embedder.*``, ``p_embedder.*``,
+#: ``*.adaLN_modulation.N``; LTX-2 ``time_embed.*``, ``audio_time_embed.*``, ``av_cross_attn_*.*`` (the audio-video
+#: cross-attention's scale/shift and gate embedders); HunyuanVideo-1.5 ``time_embed.*``, its blocks' ``norm1.linear``
+#: / ``norm1_context.linear``, ``norm_out.linear`` and its text refiner's ``context_embedder.time_text_embed.*`` and
+#: ``context_embedder.token_refiner.refiner_blocks.N.norm_out.linear``.
+PER_SAMPLE_LINEARS: Tuple[str, ...] = (
+    r"(.*\.)?time_text_embed\..*", r"time_guidance_embed\..*", r"(.*\.)?time_embed\..*", r"audio_time_embed\..*",
+    r"av_cross_attn_\w+\..*", r"condition_embedder\.time_(embedder\..*|proj)", r"(.*\.)?[tp]_embedder\..*",
+    r"(.*\.)?norm1(_context)?\.linear", r"(.*\.)?norm\.linear", r"(.*\.)?norm_out\.linear",
+    r".*_modulation(_img|_txt)?\.linear", r"(.*\.)?(img|txt)_mod\.\d+", r"(.*\.)?adaLN_modulation\.\d+",
+)
+
+
+def kept_dense(q: "WeightQuant", module: torch.nn.Module) -> List[str]:
+    """The qualified names of ``module``'s Linears that method ``q`` leaves in the compute dtype: where
+    :attr:`WeightQuant.min_rows` is set, those matching :data:`PER_SAMPLE_LINEARS` (they see fewer rows than its
+    GEMM takes at small batches, and hold a negligible share of the FLOPs: ``M`` = batch); otherwise none."""
+    import re
+
+    if not q.min_rows:
+        return []
+    pat = re.compile("|".join(f"(?:{p})" for p in PER_SAMPLE_LINEARS))
+    return [n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) and pat.fullmatch(n)]
+
+
+def _torchao(cls_name: str, module: str = "torchao.quantization", **kwargs: Any) -> Callable[..., Any]:
+    def build(lib: Any, dtype: torch.dtype, keep: Optional[List[str]] = None) -> Any:
+        ao = getattr(importlib.import_module(module), cls_name)(**kwargs)
+        return lib.TorchAoConfig(ao, modules_to_not_convert=keep) if keep else lib.TorchAoConfig(ao)
     return build
 
 
-def _nvfp4(lib: Any, dtype: torch.dtype) -> Any:
+def _nvfp4(lib: Any, dtype: torch.dtype, keep: Optional[List[str]] = None) -> Any:
     """torchao's NVFP4 config; its activation quantization through mslk's triton kernel only where mslk imports
     (torchao 0.18 asserts on mslk when the kernel is asked for and the shape fits it)."""
     from runner.kernels.registry import has_symbol
 
     return _torchao("NVFP4DynamicActivationNVFP4WeightConfig", "torchao.prototype.mx_formats",
-                    use_triton_kernel=has_symbol("mslk"))(lib, dtype)
+                    use_triton_kernel=has_symbol("mslk"))(lib, dtype, keep)
 
 
 def sm_not(*sms: int) -> Requirement:
@@ -224,7 +272,7 @@ def _gguf(lib: Any, dtype: torch.dtype) -> Any:
     return lib.GGUFQuantizationConfig(compute_dtype=dtype)
 
 
-_BUILDERS: Dict[str, Callable[[Any, torch.dtype], Any]] = {
+_BUILDERS: Dict[str, Callable[..., Any]] = {
     "int8wo": _torchao("Int8WeightOnlyConfig"), "float8wo": _torchao("Float8WeightOnlyConfig"),
     "int8dq": _torchao("Int8DynamicActivationInt8WeightConfig"),
     "int4wo": _torchao("Int4WeightOnlyConfig", group_size=128, int4_packing_format="tile_packed_to_4d"),
@@ -253,7 +301,11 @@ register(WeightQuant(
 register(WeightQuant(
     "int8dq", aliases=("w8a8", "int8_dynamic", "int8_dynamic_activation_int8_weight"),
     requires=(symbol("torchao.quantization:Int8DynamicActivationInt8WeightConfig"),), bits=8.0,
-    tensor_classes=("Int8Tensor+dynamic_act",),
+    tensor_classes=("Int8Tensor+dynamic_act",), min_rows=17,
+    min_rows_source=("torch's int8 GEMM torch._int_mm, which Inductor emits for torchao's W8A8 under torch.compile "
+                     "(torchao 0.18's safe_int_mm falls back to a float matmul in eager mode only), raises "
+                     "'self.size(0) needs to be greater than 16' on CUDA: FLUX.1-dev at batch 4 failed every item "
+                     "on an H100, 2026-12-07, benchmarks/results/throughput_h100_2026-12-07_flux_a.json"),
     describe="torchao W8A8: int8 weights (per-row scale), activations quantized to int8 per call, int8 GEMM"))
 register(WeightQuant(
     "int4wo", aliases=("int4", "int4_weight_only", "torchao_int4"),
