@@ -787,11 +787,13 @@ class QuantProbe:
     samples: Dict[str, int] = field(default_factory=dict)
     kept_quantized: Dict[str, List[str]] = field(default_factory=dict)
     quantized_names: Dict[str, set] = field(default_factory=dict)
+    observe: bool = True
 
     def attach(self, components: Mapping[str, torch.nn.Module]) -> None:
         """A forward pre-hook on every ``nn.Linear`` of each quantized component, and on every module of a
         method's replacement class (``quant.is_quantized_linear_site``; read-only); under a method with a row
-        limit, one on the component too (the samples per forward)."""
+        limit, one on the component too (the samples per forward). Without :attr:`observe` (compiled code runs no
+        hooks) only what loading left: the Linears, the quantized and the kept ones."""
         for comp, method in self.method.items():
             mod = components.get(comp)
             if not isinstance(mod, torch.nn.Module):
@@ -803,7 +805,7 @@ class QuantProbe:
             self.linears[comp] = len(lins)
             self.quantized[comp] = 0
             self.kept[comp] = keep_dense(method, mod)
-            rows = self.rows.setdefault(comp, {}) if q.min_rows else None
+            rows = self.rows.setdefault(comp, {}) if q.min_rows and self.observe else None
             if rows is not None:
                 mod.register_forward_pre_hook(self._samples_hook(comp), with_kwargs=True)
             for name, lin in lins:
@@ -813,6 +815,8 @@ class QuantProbe:
                     self.quantized_names.setdefault(comp, set()).add(name)
                 if was and name in self.kept[comp]:
                     self.kept_quantized.setdefault(comp, []).append(name)
+                if not self.observe:
+                    continue
 
                 def pre(m: torch.nn.Module, args: Any, _c: Dict[str, int] = counts, _was: bool = was,
                         _n: str = name, _w: Tuple[str, ...] = want, _r: Optional[Dict[str, int]] = rows) -> None:
@@ -835,7 +839,8 @@ class QuantProbe:
         return pre
 
     def section(self) -> Tuple[Dict[str, Any], List[str]]:
-        """``{component: {method, linears, quantized_linears, calls_by_weight_class, quantized_calls, kept_dense}}``
+        """``{component: {method, linears, quantized_linears, calls_by_weight_class, quantized_calls, calls_observed,
+        kept_dense}}`` (``calls_observed`` false under compile: no call counted, the load-time counts stand)
         and the mismatches: a quantized component none of whose Linears holds the method's weight class, a Linear
         quantized at load that ran with another weight, a component whose Linears ran while none of its quantized
         ones did (0 quantized calls: the quantization claimed is not what executed), a Linear recorded as kept dense
@@ -851,7 +856,8 @@ class QuantProbe:
             calls = self.calls.get(comp, {})
             out[comp] = {"method": method, "linears": self.linears.get(comp, 0),
                          "quantized_linears": self.quantized.get(comp, 0), "calls_by_weight_class": calls,
-                         "quantized_calls": sum(n for k, n in calls.items() if k in want)}
+                         "quantized_calls": sum(n for k, n in calls.items() if k in want),
+                         "calls_observed": self.observe}
             kept = self.kept.get(comp, [])
             if kept:
                 out[comp]["kept_dense"] = {"linears": len(kept), "names": kept,
@@ -1143,8 +1149,8 @@ class Fitting:
         elif observe and mode == "model":
             self.offload_probe = OffloadProbe()
             self.offload_probe.watch_models(comps, device)
-        if observe and self.choices:
-            self.quant_probe = QuantProbe(dict(self.choices))
+        if self.choices:  # what loading quantized (and kept dense) is recorded even where no call is observed
+            self.quant_probe = QuantProbe(dict(self.choices), observe=observe)
             self.quant_probe.attach(comps)
         if str(device).startswith("cuda"):
             self.peaks = PhasePeaks()

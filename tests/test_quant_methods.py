@@ -107,6 +107,39 @@ def test_the_planner_sizes_kept_dense_linears_at_their_stored_bits():
 
 
 @requires_extra("torchao")
+def test_under_compile_the_load_time_quantization_is_recorded_without_calls():
+    """``compile=regional`` runs no hooks (``observe`` false): the section still says which Linears loading
+    quantized and kept dense, with ``calls_observed`` false and no call counted, and no mismatch for the calls it
+    could not see; observed, the same module's calls are counted. Kills: a compiled run whose quantization vanishes
+    from the manifest (it did before issue #41's fix), and one that blames the unobserved calls."""
+    from models.memory import QuantProbe, quantize_built
+
+    class Out(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+    def net():
+        torch.manual_seed(0)
+        n = torch.nn.Module()
+        n.norm_out, n.proj_out = Out(), torch.nn.Linear(16, 16)
+        n.forward = lambda x: n.proj_out(x.repeat(1, 8, 1)) + n.norm_out.linear(x)
+        quantize_built(n, "int8dq", "diffusers", torch.float32)
+        return n
+
+    for observe in (False, True):
+        n = net()
+        probe = QuantProbe({"transformer": "int8dq"}, observe=observe)
+        probe.attach({"transformer": n})
+        n(torch.ones(2, 1, 16))
+        sec, bad = probe.section()
+        q = sec["transformer"]
+        assert (q["linears"], q["quantized_linears"], q["kept_dense"]["names"]) == (2, 1, ["norm_out.linear"])
+        assert q["calls_observed"] is observe and bad == []
+        assert q["calls_by_weight_class"] == ({"Int8Tensor+dynamic_act": 1, "Parameter": 1} if observe else {})
+
+
+@requires_extra("torchao")
 @pytest.mark.slow
 def test_every_family_keeps_exactly_its_per_sample_linears_dense_under_int8dq(tmp_path):
     """Every registered family's tiny model (and Wan 2.2 A14B, TI2V-5B with its per-token timesteps) under W8A8
