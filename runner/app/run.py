@@ -380,8 +380,9 @@ class Run:
         if self.worker is None or self.worker.rank == 0:
             provenance.write_repro(self.out_dir, self.overrides, self.manifest.doc["packages"],
                                    self.manifest.doc["environment"], self.manifest.doc["dataset"])
-        from runner.app.console import Progress
+        from runner.app.console import Progress, loading_bars_off
 
+        loading_bars_off()  # before the first stage loads (runner.app.jobs.run_job deferred it past the checks)
         todo = self.plan.todo
         self.bar = Progress(len(self.items), len(self.items) - len(todo), self.final.unit, self.cfg.model.name,
                             self.worker)

@@ -250,7 +250,7 @@ def refuse(argv: Sequence[str], error_type: Optional[str], message: str, code: i
 def main(argv: Sequence[str]) -> int:
     """Plan mode's command line; returns the exit code: 0 a plan for every planning stage, 2 a refusal or bad
     input (what the run would exit with)."""
-    from runner.app.console import quiet_tool
+    from runner.app.console import loading_bars_off, quiet_tool
 
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
@@ -261,7 +261,9 @@ def main(argv: Sequence[str]) -> int:
 
     try:
         overrides, device_gb, as_json = parse(argv)
-        doc = plans(compose(overrides), overrides, device_gb)
+        cfg = compose(overrides)
+        loading_bars_off()  # once the command line composed (runner.app.console.quiet_tool)
+        doc = plans(cfg, overrides, device_gb)
     except (RunnerError, HydraException, OmegaConfBaseException) as e:  # Hydra's: an override it cannot compose
         # under --json a JSON reader gets the refusal on stdout too, not an empty document
         return refuse(argv, type(e).__name__, str(e), e.exit_code if isinstance(e, RunnerError) else 2)

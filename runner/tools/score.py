@@ -111,6 +111,9 @@ def score_dir(run_dir: Path, names: Sequence[str], models: Dict[str, str], devic
         if ms is None or not ms.names:
             raise ScoreInputError("no metric given; fix: --metrics clip_score --model clip_score=<dir>")
         dev = device or ("cuda" if _cuda() else "cpu")
+        from runner.app.console import loading_bars_off
+
+        loading_bars_off()  # python -m runner.score: the metric models load quietly (runner.app.console.quiet_tool)
         new = score_journal(run_dir, "items.jsonl", ms, dev, rescore=rescore)
         records = read_journal(jpath)
         section = merged_section(manifest.get("metrics"), new, records)
