@@ -87,9 +87,8 @@ def help_choices(axis: str) -> str:
     """The ``--help`` values of a closed setting, read from its registry (the OmegaConf resolver
     ``${runner_help_choices:<axis>}``): ``offload`` (``memory.offload``: ``runner.core.memory.OFFLOAD_MODES`` and
     auto), ``quantization`` (``model.quantization.<component>``: ``runner.kernels.quantization.METHODS``), joined by
-    ``|``. (``cache.method``'s registry, ``models.cache``, imports diffusers: 4.7 s and torchao's console noise for
-    ``--help``; its list is written in ``conf/config.yaml`` and ``tests/test_console.py`` checks it against the
-    registry.)
+    ``|``. (``cache.method``'s registry, ``models.cache``, imports torch: over a second for ``--help``; its list is
+    written in ``conf/config.yaml`` and ``tests/test_console.py`` checks it against the registry.)
 
     Raises:
         KeyError: another axis."""
