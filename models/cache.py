@@ -393,10 +393,6 @@ def _probe_hook_class() -> type:
     return _ProbeHook
 
 
-def _ProbeHook(on_run: Callable[[], None]) -> Any:
-    return _probe_hook_class()(on_run)
-
-
 PROBE_HOOK = "runner_cache_probe"
 
 
@@ -466,12 +462,13 @@ class CacheProbe:
         self._ran_attn: set = set()
         from diffusers.hooks import HookRegistry
 
+        probe = _probe_hook_class()
         for i, (_, block) in enumerate(self.blocks):
             HookRegistry.check_if_exists_or_initialize(block).register_hook(
-                _ProbeHook(lambda _i=i: self._ran_blocks.add(_i)), PROBE_HOOK)
+                probe(lambda _i=i: self._ran_blocks.add(_i)), PROBE_HOOK)
         for name, mod in mods:
             HookRegistry.check_if_exists_or_initialize(mod).register_hook(
-                _ProbeHook(lambda _n=name: self._ran_attn.add(_n)), PROBE_HOOK)
+                probe(lambda _n=name: self._ran_attn.add(_n)), PROBE_HOOK)
             mod.register_forward_pre_hook(lambda m, a, _n=name: self._called_attn.add(_n))
         transformer.register_forward_pre_hook(self._begin)
         transformer.register_forward_hook(self._end)

@@ -40,6 +40,19 @@ def test_default_run_prints_one_progress_bar_and_no_warning_or_profiler_line(sub
     assert f"position {acc['position']:.3g} (n 2) -> {tmp_path / 'run'}" in last, last
 
 
+def test_a_start_refused_before_loading_imports_neither_diffusers_nor_transformers(subprocess_env, tmp_path):
+    """A run refused by its startup checks (here platform=mps on a Linux machine) answers without importing the
+    libraries it would load with (7-10 s on this machine's 2 cores when the console's loading-bar switch imported
+    them first thing); a run that loads still gets them, bars off (the test above)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "runner", "platform=mps"], cwd=tmp_path,
+                       env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "platform=mps" in r.stderr + r.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported  # the parse sees top-level imports at all
+    assert not {"diffusers", "transformers", "vllm"} & imported
+
+
 def test_summary_line_names_verdict_and_accuracy_only_where_the_run_has_them():
     from runner.app.console import merged_summary, summary_line
 
