@@ -44,12 +44,16 @@ by :func:`estimate_mutants` (an estimate from the AST, fitted on the last result
 
 How a session runs it:
 
-1. one commit, nothing else: start from a clean tree at the commit to score (``--whole-core`` refuses uncommitted
-   changes to tracked files) and change no scoped file (runner/, models/) for the whole run; every group must
-   record the same commit in ``group_runs`` (a group re-run after a change to its files means re-running it at
-   the new commit; a survivor killed by a new test is re-tested with ``--rerun-survivors``, which changes only
-   tests/). Run it as one command in the background with its log, e.g.
-   ``nohup python benchmarks/mutation.py --whole-core > build/mutation-core.log 2>&1 &``;
+1. one scoped commit: the code of runner/, models/ and kernels/ (:data:`SCOPED_DIRS`) as the last commit that
+   changed it left it (``--whole-core`` refuses uncommitted changes there; commits of tests/, docs/, benchmarks/
+   after it keep the scored code as it was); change no scoped file while groups run. Each group's result is
+   written as it finishes to ``benchmarks/results/mutation_core/<group>.json`` (commit those: a session's
+   ``build/`` does not outlive it), and ``mutation.json`` is rebuilt from those files, so a whole-core run spans
+   sessions: ``--skip-done`` skips the groups already scored at the current scoped commit. Run it as one command
+   in the background with its log, e.g.
+   ``nohup python benchmarks/mutation.py --whole-core --skip-done > build/mutation-core.log 2>&1 &``;
+   ``--whole-core --report-only`` rebuilds ``mutation.json`` (and its ``changed_since``) from the committed files;
+   a survivor killed by a new test is re-tested with ``--rerun-survivors`` (same session: it needs ``build/``);
 2. order (the file's order): the 35 groups whose tests call the code directly (runner/core, kernels, app, tools,
    then models/; ~50,000 mutants, ~5.6 h at 0.25 s a mutant), the subprocess group (``core_core_rundir_*``,
    ~1.5 s a mutant) and the pipeline groups (``core_m_cache_*``, ~5 s a mutant, ~2 h) within them, then the 28
@@ -81,6 +85,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "benchmarks" / "results" / "mutation.json"
+#: ``--whole-core``: one file per group run, committed (``<group>.json``), so a whole-core score spans sessions: a
+#: session's sandbox keeps no ``build/``; the aggregate (:data:`RESULT`) is rebuilt from these files.
+GROUP_RESULTS = ROOT / "benchmarks" / "results" / "mutation_core"
+#: The directories whose code the whole-core score covers (a change elsewhere does not make it stale).
+SCOPED_DIRS = ("runner", "models", "kernels")
 
 #: A group's scope names a file's functions, or ``"*"``: every function and method of the file (top level and
 #: one class deep, as mutmut mutates them).
@@ -325,6 +334,59 @@ def git_commit() -> Dict[str, Any]:
     changed = [ln for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()
                if not ln.endswith(str(RESULT.relative_to(ROOT)))]  # the result file itself aside
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def scoped_state() -> Dict[str, Any]:
+    """The code a whole-core group tests: ``scoped_commit`` (the last commit that changed a file of
+    :data:`SCOPED_DIRS`: commits of tests/, docs/ or results after it leave the scored code as it was) and
+    ``scoped_dirty`` (uncommitted changes to those files: ``--whole-core`` refuses them)."""
+    return {"scoped_commit": _git("log", "-1", "--format=%H", "--", *SCOPED_DIRS),
+            "scoped_dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", *SCOPED_DIRS))}
+
+
+def changed_since(commit: str) -> List[str]:
+    """The files of :data:`SCOPED_DIRS` that differ between ``commit`` and HEAD (a stale score names them)."""
+    return [f for f in _git("diff", "--name-only", commit, "HEAD", "--", *SCOPED_DIRS).splitlines() if f]
+
+
+def write_group_result(name: str, res: Dict[str, Any], wall_s: float, mode: str) -> Path:
+    """``GROUP_RESULTS/<name>.json``: one whole-core group's run (:func:`collect`'s counts and every survivor,
+    equivalent or not: which ones are equivalent is decided again when the aggregate is written, from
+    ``mutation_equivalent.json`` as it is then), the scoped commit it tested, HEAD, date, wall time and mode."""
+    GROUP_RESULTS.mkdir(parents=True, exist_ok=True)
+    doc = {"group": name, **scoped_state(), "head": _git("rev-parse", "HEAD"), "mode": mode,
+           "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "wall_s": round(wall_s, 1),
+           "killed": res["killed"], "survivors": res["survived"] + res["equivalent"],
+           "per_function": res["per_function"], "not_scored": res["not_scored"]}
+    out = GROUP_RESULTS / f"{name}.json"
+    out.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    return out
+
+
+def read_group_result(name: str) -> Optional[Dict[str, Any]]:
+    """A committed group run of :func:`write_group_result`, its survivors split again into ``survived`` and
+    ``equivalent`` (:func:`_known`), per-function tallies recounted likewise; None when the group has none."""
+    path = GROUP_RESULTS / f"{name}.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    survived, equivalent = [], []
+    per = {k: {"killed": v["killed"], "survived": 0, "equivalent": 0} for k, v in doc["per_function"].items()}
+    for e in doc["survivors"]:
+        e = {k: v for k, v in e.items() if k != "reason"}
+        p = e["where"].rsplit(":", 1)[0]
+        known = _known(p, e["function"], e["original"], e["mutated"])
+        if known:
+            e["reason"] = known["reason"]
+        eq = bool(known and not known.get("survives"))
+        (equivalent if eq else survived).append(e)
+        per.setdefault(f"{p}:{e['function']}", {"killed": 0, "survived": 0, "equivalent": 0})[
+            "equivalent" if eq else "survived"] += 1
+    return {**doc, "survived": survived, "equivalent": equivalent, "per_function": per}
 
 
 #: Copied to ``mutants/sitecustomize.py``: a Python a test starts (``python -m runner``, torchrun ranks, gloo
@@ -661,6 +723,65 @@ def scope_doc(names: Optional[List[str]] = None, table: Optional[Dict[str, Dict[
             "function_count": sum(len(fs) for fs in files.values())}
 
 
+def write_whole_core(out: Path, table: Dict[str, Dict[str, Any]], argv: Optional[List[str]],
+                     max_children: int) -> int:
+    """The whole-core score (:data:`RESULT`) from the committed group results (:func:`read_group_result`), not
+    from ``build/``: ``commit`` is the scoped commit the groups tested (the most common one when they differ: the
+    groups at another are listed in ``groups_at_other_commits`` and left out of the score), ``changed_since`` the
+    scoped files changed between it and HEAD when this was written (a stale score names them; re-run with
+    ``--report-only`` to refresh), ``groups_without_results`` the groups with no result at that commit."""
+    import mutmut
+    from collections import Counter
+
+    results = {n: r for n in table if (r := read_group_result(n)) is not None}
+    at = Counter(r["scoped_commit"] for r in results.values())
+    commit = at.most_common(1)[0][0] if at else _git("log", "-1", "--format=%H", "--", *SCOPED_DIRS)
+    used = {n: r for n, r in results.items() if r["scoped_commit"] == commit}
+    killed = sum(r["killed"] for r in used.values())
+    survived = [{**e, "group": n} for n, r in used.items() for e in r["survived"]]
+    equivalent = [{**e, "group": n} for n, r in used.items() for e in r["equivalent"]]
+    per: Dict[str, Any] = {}
+    other: Dict[str, Any] = {}
+    for r in used.values():
+        per.update(r["per_function"])
+        other.update(r["not_scored"])
+    doc = {
+        "issue": "#42",
+        "whole_core": True,
+        "tool": f"mutmut {mutmut.__version__}",
+        "command": "python benchmarks/mutation.py --whole-core --skip-done",
+        "last_command": " ".join(["python benchmarks/mutation.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": f"{os.cpu_count()} CPU cores (shared), --max-children {max_children}, nice {NICE}",
+        "commit": commit,
+        "head": _git("rev-parse", "HEAD"),
+        "changed_since": changed_since(commit),
+        "complete": len(used) == len(table),
+        "group_wall_s": {n: r["wall_s"] for n, r in used.items()},
+        "group_runs": {n: {"commit": r["scoped_commit"], "head": r["head"], "mode": r["mode"], "date": r["date"]}
+                       for n, r in used.items()},
+        "groups": table,
+        "scope": scope_doc(list(used), table),
+        "counting": "killed includes timeouts; survived includes mutants no selected test reaches (mutmut 'no "
+                    "tests'); equivalent survivors are listed with their reason and left out of the score",
+        "score": round(killed / (killed + len(survived)), 4) if killed + len(survived) else None,
+        "killed": killed,
+        "survived_count": len(survived),
+        "equivalent_count": len(equivalent),
+        "survived": survived,
+        "equivalent": equivalent,
+        "per_function": per,
+        "not_scored": other,
+        "groups_at_other_commits": {n: r["scoped_commit"] for n, r in results.items() if n not in used},
+        "groups_without_results": [n for n in table if n not in used],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+    print(f"mutation: whole core at {commit[:12]}: {len(used)} of {len(table)} groups, score {doc['score']} "
+          f"(killed {killed}, survived {len(survived)}, equivalent {len(equivalent)}) -> {out}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "mutation",
@@ -684,6 +805,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "mutant whose function is unchanged (by its hash) and tests the rest, so a run stopped "
                          "(a session's end) or moved to a later commit goes on where it was; the result records the "
                          "mode")
+    ap.add_argument("--skip-done", action="store_true",
+                    help="--whole-core: skip the groups whose committed result (benchmarks/results/mutation_core/) "
+                         "tested the current scoped commit: a later session goes on where the last one stopped")
     ap.add_argument("--report-only", action="store_true", help="rewrite the JSON from --work without running")
     ap.add_argument("--out", type=Path, default=RESULT)
     a = ap.parse_args(argv)
@@ -695,13 +819,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                  f"{'--whole-core' if a.whole_core else 'GROUPS (add --whole-core for the whole-core groups)'}")
     if a.whole_core and a.work == ROOT / "build" / "mutation":
         a.work = ROOT / "build" / "mutation-core"
-    if a.whole_core and not a.report_only and git_commit()["dirty"]:
-        print("mutation: --whole-core runs at one commit: commit (or drop) the changes to tracked files first",
-              file=sys.stderr)
+    state = scoped_state() if a.whole_core else {}
+    if a.whole_core and not a.report_only and state["scoped_dirty"]:
+        print(f"mutation: --whole-core runs at one commit: commit (or drop) the changes to {', '.join(SCOPED_DIRS)} "
+              "first", file=sys.stderr)
         return 2
     root = a.work.resolve()
     t0 = time.time()
     run_groups = a.groups or list(table)
+    if a.skip_done:  # the groups a committed result already holds at this scoped commit (an earlier session's)
+        done = [n for n in run_groups if (read_group_result(n) or {}).get("scoped_commit") == state["scoped_commit"]]
+        if done:
+            print(f"mutation: {len(done)} group(s) already scored at {state['scoped_commit'][:12]}: skipped",
+                  flush=True)
+        run_groups = [n for n in run_groups if n not in done]
     timings: Dict[str, float] = {}
     ran_at: Dict[str, Dict[str, Any]] = {}
     prev = json.loads(a.out.read_text()) if a.out.exists() else {}
@@ -711,8 +842,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         group, work = table[name], root / name
         t1 = time.time()
         if a.rerun_survivors:
-            names = [s["mutant"] for s in prev.get("survived", []) + prev.get("equivalent", [])
-                     if s.get("group") == name]
+            last = read_group_result(name) if a.whole_core else None
+            names = ([s["mutant"] for s in last["survivors"]] if last else
+                     [s["mutant"] for s in prev.get("survived", []) + prev.get("equivalent", [])
+                      if s.get("group") == name])
             # the group's table as it is now (a test file added to the group is selected), then the new tests
             (work / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + mutmut_table(group))
             for t in {t.split("::")[0] for t in group["tests"]} | {"tests/conftest.py", "tests/_helpers.py"}:
@@ -734,7 +867,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         mode = "rerun_survivors" if a.rerun_survivors else "resume" if a.resume else "full"
         ran_at[name] = {**git_commit(), "mode": mode,
                         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        if a.whole_core:
+            out = write_group_result(name, collect(work, group), timings[name], mode)
+            print(f"mutation: group {name} written to {out.relative_to(ROOT)}", flush=True)
         print(f"mutation: group {name} done in {timings[name]:.0f} s", flush=True)
+
+    if a.whole_core:
+        return write_whole_core(a.out, table, argv, a.max_children)
 
     killed, survived, equivalent, per, other = 0, [], [], {}, {}
     for name, group in table.items():
