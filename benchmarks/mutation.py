@@ -49,7 +49,8 @@ How a session runs it:
    after it keep the scored code as it was); change no scoped file while groups run. Each group's result is
    written as it finishes to ``benchmarks/results/mutation_core/<group>.json`` (commit those: a session's
    ``build/`` does not outlive it), and ``mutation.json`` is rebuilt from those files, so a whole-core run spans
-   sessions: ``--skip-done`` skips the groups already scored at the current scoped commit. Run it as one command
+   sessions: ``--skip-done`` skips the groups already scored on their files as HEAD has them (a group's result
+   holds while its own files are unchanged: :func:`write_whole_core`). Run it as one command
    in the background with its log, e.g.
    ``nohup python benchmarks/mutation.py --whole-core --skip-done > build/mutation-core.log 2>&1 &``;
    ``--whole-core --report-only`` rebuilds ``mutation.json`` (and its ``changed_since``) from the committed files;
@@ -348,6 +349,11 @@ def scoped_state() -> Dict[str, Any]:
             "scoped_dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", *SCOPED_DIRS))}
 
 
+def scope_blobs(group: Dict[str, Any], commit: str = "HEAD") -> Dict[str, str]:
+    """``{file: git blob id}`` of the group's scoped files at ``commit``: what its mutants were made from."""
+    return {p: _git("rev-parse", f"{commit}:{p}") for p in sorted(group["scope"])}
+
+
 def changed_since(commit: str) -> List[str]:
     """The files of :data:`SCOPED_DIRS` that differ between ``commit`` and HEAD (a stale score names them)."""
     return [f for f in _git("diff", "--name-only", commit, "HEAD", "--", *SCOPED_DIRS).splitlines() if f]
@@ -358,7 +364,8 @@ def write_group_result(name: str, res: Dict[str, Any], wall_s: float, mode: str)
     equivalent or not: which ones are equivalent is decided again when the aggregate is written, from
     ``mutation_equivalent.json`` as it is then), the scoped commit it tested, HEAD, date, wall time and mode."""
     GROUP_RESULTS.mkdir(parents=True, exist_ok=True)
-    doc = {"group": name, **scoped_state(), "head": _git("rev-parse", "HEAD"), "mode": mode,
+    doc = {"group": name, **scoped_state(), "scope_blobs": scope_blobs(WHOLE_CORE[name]),
+           "head": _git("rev-parse", "HEAD"), "mode": mode,
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "wall_s": round(wall_s, 1),
            "killed": res["killed"], "survivors": res["survived"] + res["equivalent"],
            "per_function": res["per_function"], "not_scored": res["not_scored"]}
@@ -374,6 +381,8 @@ def read_group_result(name: str) -> Optional[Dict[str, Any]]:
     if not path.is_file():
         return None
     doc = json.loads(path.read_text())
+    if "scope_blobs" not in doc:  # written before the blobs were recorded: the scoped commit's
+        doc["scope_blobs"] = scope_blobs(WHOLE_CORE[name], doc["scoped_commit"])
     survived, equivalent = [], []
     per = {k: {"killed": v["killed"], "survived": 0, "equivalent": 0} for k, v in doc["per_function"].items()}
     for e in doc["survivors"]:
@@ -726,17 +735,24 @@ def scope_doc(names: Optional[List[str]] = None, table: Optional[Dict[str, Dict[
 def write_whole_core(out: Path, table: Dict[str, Dict[str, Any]], argv: Optional[List[str]],
                      max_children: int) -> int:
     """The whole-core score (:data:`RESULT`) from the committed group results (:func:`read_group_result`), not
-    from ``build/``: ``commit`` is the scoped commit the groups tested (the most common one when they differ: the
-    groups at another are listed in ``groups_at_other_commits`` and left out of the score), ``changed_since`` the
-    scoped files changed between it and HEAD when this was written (a stale score names them; re-run with
-    ``--report-only`` to refresh), ``groups_without_results`` the groups with no result at that commit."""
-    import mutmut
-    from collections import Counter
+    from ``build/``. ``commit`` is the scoped commit of HEAD (the last commit that changed runner/, models/ or
+    kernels/); a group counts when the files it mutated are, blob for blob, the files of that commit (a group run
+    at an older scoped commit whose own files have not changed since still holds: the rest of the tree changed
+    around them, which ``group_runs[g].changed_since`` names); a group whose files changed is left out of the score
+    and listed in ``groups_stale`` with those files (re-run it); ``groups_without_results`` lists both those and
+    the groups never run. Re-run with ``--report-only`` to refresh after commits."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        tool = f"mutmut {version('mutmut')}"
+    except PackageNotFoundError:  # --report-only needs no mutmut
+        tool = "mutmut (not installed where this was written)"
+    commit = _git("log", "-1", "--format=%H", "--", *SCOPED_DIRS)
     results = {n: r for n in table if (r := read_group_result(n)) is not None}
-    at = Counter(r["scoped_commit"] for r in results.values())
-    commit = at.most_common(1)[0][0] if at else _git("log", "-1", "--format=%H", "--", *SCOPED_DIRS)
-    used = {n: r for n, r in results.items() if r["scoped_commit"] == commit}
+    now = {n: scope_blobs(table[n], commit) for n in results}
+    used = {n: r for n, r in results.items() if r["scope_blobs"] == now[n]}
+    stale = {n: sorted(p for p in now[n] if now[n][p] != r["scope_blobs"].get(p))
+             for n, r in results.items() if n not in used}
     killed = sum(r["killed"] for r in used.values())
     survived = [{**e, "group": n} for n, r in used.items() for e in r["survived"]]
     equivalent = [{**e, "group": n} for n, r in used.items() for e in r["equivalent"]]
@@ -748,18 +764,20 @@ def write_whole_core(out: Path, table: Dict[str, Dict[str, Any]], argv: Optional
     doc = {
         "issue": "#42",
         "whole_core": True,
-        "tool": f"mutmut {mutmut.__version__}",
+        "tool": tool,
         "command": "python benchmarks/mutation.py --whole-core --skip-done",
         "last_command": " ".join(["python benchmarks/mutation.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": f"{os.cpu_count()} CPU cores (shared), --max-children {max_children}, nice {NICE}",
         "commit": commit,
         "head": _git("rev-parse", "HEAD"),
-        "changed_since": changed_since(commit),
         "complete": len(used) == len(table),
         "group_wall_s": {n: r["wall_s"] for n, r in used.items()},
-        "group_runs": {n: {"commit": r["scoped_commit"], "head": r["head"], "mode": r["mode"], "date": r["date"]}
+        "group_runs": {n: {"commit": r["scoped_commit"], "head": r["head"], "mode": r["mode"], "date": r["date"],
+                           "changed_since": changed_since(r["scoped_commit"]) if r["scoped_commit"] != commit else []}
                        for n, r in used.items()},
+        "changed_since": sorted({f for n, r in used.items() if r["scoped_commit"] != commit
+                                 for f in changed_since(r["scoped_commit"])}),
         "groups": table,
         "scope": scope_doc(list(used), table),
         "counting": "killed includes timeouts; survived includes mutants no selected test reaches (mutmut 'no "
@@ -772,7 +790,7 @@ def write_whole_core(out: Path, table: Dict[str, Dict[str, Any]], argv: Optional
         "equivalent": equivalent,
         "per_function": per,
         "not_scored": other,
-        "groups_at_other_commits": {n: r["scoped_commit"] for n, r in results.items() if n not in used},
+        "groups_stale": stale,
         "groups_without_results": [n for n in table if n not in used],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -827,10 +845,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     root = a.work.resolve()
     t0 = time.time()
     run_groups = a.groups or list(table)
-    if a.skip_done:  # the groups a committed result already holds at this scoped commit (an earlier session's)
-        done = [n for n in run_groups if (read_group_result(n) or {}).get("scoped_commit") == state["scoped_commit"]]
+    if a.skip_done:  # the groups whose committed result mutated the files as HEAD has them (an earlier session's)
+        done = [n for n in run_groups if (r := read_group_result(n)) and r["scope_blobs"] == scope_blobs(table[n])]
         if done:
-            print(f"mutation: {len(done)} group(s) already scored at {state['scoped_commit'][:12]}: skipped",
+            print(f"mutation: {len(done)} group(s) already scored on their files as HEAD has them: skipped",
                   flush=True)
         run_groups = [n for n in run_groups if n not in done]
     timings: Dict[str, float] = {}

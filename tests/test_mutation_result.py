@@ -87,3 +87,54 @@ def test_outside_a_git_checkout_the_check_skips_with_its_reason(tmp_path):
         pytest.skip("git is not installed")
     with pytest.raises(pytest.skip.Exception, match="is not a git checkout"):
         not_ancestors(["0" * 40], tmp_path)
+
+
+def _mutation_tool(monkeypatch, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_tool", REPO / "benchmarks" / "mutation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "GROUP_RESULTS", tmp_path / "groups")
+    return mod
+
+
+def test_the_whole_core_score_counts_a_group_only_on_the_files_it_mutated(monkeypatch, tmp_path):
+    """benchmarks/mutation.py --whole-core rebuilds mutation.json from the committed group results: a group whose
+    files are, blob for blob, those of the scoped commit counts (its killed and survivors add up, a survivor that
+    mutation_equivalent.json names goes to equivalent); a group whose own file changed is left out, named stale
+    with that file; a group with no result is listed as such. Real git of this checkout (skips outside one)."""
+    if shutil.which("git") is None or _git("rev-parse", "--is-inside-work-tree").stdout.strip() != "true":
+        pytest.skip("needs a git checkout of this repository")
+    mt = _mutation_tool(monkeypatch, tmp_path)
+    table = {n: mt.WHOLE_CORE[n] for n in list(mt.WHOLE_CORE)[:3]}
+    (a, ga), (b, gb), (c, _) = table.items()
+    commit = mt._git("log", "-1", "--format=%H", "--", *mt.SCOPED_DIRS)
+    pa, pb = sorted(ga["scope"])[0], sorted(gb["scope"])[0]
+    survivor = {"mutant": "x__mutmut_1", "where": f"{pa}:10", "function": "f", "original": "a < b",
+                "mutated": "a <= b", "status": "survived"}
+    equiv = {**survivor, "mutant": "x__mutmut_2", "where": f"{pa}:11", "original": "n = 1", "mutated": "n = 2"}
+    monkeypatch.setattr(mt, "EQUIVALENT", [{"file": pa, "function": "f", "original": "n = 1", "mutated": "n = 2",
+                                            "reason": "planted"}])
+    tally = {f"{pa}:f": {"killed": 7, "survived": 0, "equivalent": 0}}
+    mt.GROUP_RESULTS.mkdir()
+    base = {"scoped_commit": commit, "scoped_dirty": False, "head": commit, "mode": "full", "date": "d",
+            "wall_s": 1.0, "not_scored": {}}
+    (mt.GROUP_RESULTS / f"{a}.json").write_text(json.dumps(
+        {**base, "group": a, "scope_blobs": mt.scope_blobs(ga, commit), "killed": 7, "survivors": [survivor, equiv],
+         "per_function": tally}))
+    blobs_b = {**mt.scope_blobs(gb, commit), pb: "0" * 40}  # as if pb changed after the run
+    (mt.GROUP_RESULTS / f"{b}.json").write_text(json.dumps(
+        {**base, "group": b, "scope_blobs": blobs_b, "killed": 100, "survivors": [], "per_function": {}}))
+    out = tmp_path / "mutation.json"
+    assert mt.write_whole_core(out, table, ["--report-only"], 2) == 0
+    doc = json.loads(out.read_text())
+    assert doc["commit"] == commit and doc["complete"] is False
+    assert doc["killed"] == 7 and doc["score"] == round(7 / 8, 4)  # b's 100 kills do not count
+    assert [e["mutant"] for e in doc["survived"]] == ["x__mutmut_1"]
+    assert [(e["mutant"], e["reason"]) for e in doc["equivalent"]] == [("x__mutmut_2", "planted")]
+    assert doc["per_function"][f"{pa}:f"] == {"killed": 7, "survived": 1, "equivalent": 1}
+    assert doc["groups_stale"] == {b: [pb]}
+    assert doc["groups_without_results"] == [b, c]
+    assert list(doc["group_runs"]) == [a] and doc["group_runs"][a]["commit"] == commit
+    assert not not_ancestors([doc["commit"]])
