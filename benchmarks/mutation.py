@@ -732,6 +732,23 @@ def scope_doc(names: Optional[List[str]] = None, table: Optional[Dict[str, Dict[
             "function_count": sum(len(fs) for fs in files.values())}
 
 
+def score_fields(killed: int, survived: List[Dict[str, Any]], equivalent: List[Dict[str, Any]],
+                 per: Dict[str, Any], other: Dict[str, Any]) -> Dict[str, Any]:
+    """The counts, survivors and score of a result (``score = killed / (killed + survived)``)."""
+    return {
+        "counting": "killed includes timeouts; survived includes mutants no selected test reaches (mutmut 'no "
+                    "tests'); equivalent survivors are listed with their reason and left out of the score",
+        "score": round(killed / (killed + len(survived)), 4) if killed + len(survived) else None,
+        "killed": killed,
+        "survived_count": len(survived),
+        "equivalent_count": len(equivalent),
+        "survived": survived,
+        "equivalent": equivalent,
+        "per_function": per,
+        "not_scored": other,
+    }
+
+
 def write_whole_core(out: Path, table: Dict[str, Dict[str, Any]], argv: Optional[List[str]],
                      max_children: int) -> int:
     """The whole-core score (:data:`RESULT`) from the committed group results (:func:`read_group_result`), not
@@ -780,16 +797,7 @@ def write_whole_core(out: Path, table: Dict[str, Dict[str, Any]], argv: Optional
                                  for f in changed_since(r["scoped_commit"])}),
         "groups": table,
         "scope": scope_doc(list(used), table),
-        "counting": "killed includes timeouts; survived includes mutants no selected test reaches (mutmut 'no "
-                    "tests'); equivalent survivors are listed with their reason and left out of the score",
-        "score": round(killed / (killed + len(survived)), 4) if killed + len(survived) else None,
-        "killed": killed,
-        "survived_count": len(survived),
-        "equivalent_count": len(equivalent),
-        "survived": survived,
-        "equivalent": equivalent,
-        "per_function": per,
-        "not_scored": other,
+        **score_fields(killed, survived, equivalent, per, other),
         "groups_stale": stale,
         "groups_without_results": [n for n in table if n not in used],
     }
@@ -928,16 +936,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "last_wall_s": round(time.time() - t0, 1),
         "groups": table,
         "scope": scope_doc([n for n in table if (root / n / "mutants").is_dir()], table),
-        "counting": "killed includes timeouts; survived includes mutants no selected test reaches (mutmut 'no "
-                    "tests'); equivalent survivors are listed with their reason and left out of the score",
-        "score": round(killed / (killed + len(survived)), 4) if killed + len(survived) else None,
-        "killed": killed,
-        "survived_count": len(survived),
-        "equivalent_count": len(equivalent),
-        "survived": survived,
-        "equivalent": equivalent,
-        "per_function": per,
-        "not_scored": other,
+        **score_fields(killed, survived, equivalent, per, other),
         "groups_without_results": [n for n in table if not (root / n / "mutants").is_dir()],
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
