@@ -501,7 +501,8 @@ def test_a_component_that_claims_quantization_with_0_quantized_linears_is_a_mism
     m(torch.zeros(1, 2))
     sec, bad = probe.section()
     assert sec["transformer"] == {"method": "int8wo", "linears": 3, "quantized_linears": 0,
-                                  "calls_by_weight_class": {"Parameter": 3}, "quantized_calls": 0}
+                                  "calls_by_weight_class": {"Parameter": 3}, "quantized_calls": 0,
+                                  "calls_observed": True}
     assert sec["vae"]["linears"] == 0 and sec["vae"]["calls_by_weight_class"] == {}
     assert bad == ["model.quantization.transformer=int8wo: none of its 3 Linears holds a Int8Tensor weight after "
                    "loading"]
