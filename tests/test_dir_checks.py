@@ -73,3 +73,24 @@ def test_a_run_into_output_dir_leaves_no_stray_default_dir(subprocess_env, tmp_p
     assert p.returncode == 0, p.stderr[-2000:]
     assert sorted(x.name for x in tmp_path.iterdir()) == ["forced", "myout"], list(tmp_path.iterdir())
     assert (tmp_path / "forced" / ".hydra" / "config.yaml").is_file()
+
+
+def _check_often(args):
+    root, rank, times = args
+    from runner.core.environment import _dir_problem
+
+    return [w for _ in range(times) if (w := _dir_problem(Path(root) / "run" / "workers" / f"rank{rank}"))]
+
+
+def test_concurrent_checkers_of_sibling_dirs_never_refuse_a_creatable_one(tmp_path):
+    """torchrun ranks check their own ``workers/rank<r>`` dirs at once, each creating the shared parents and removing
+    what it created: a rank's ``mkdir`` failed with ENOENT after another removed the parent, and the parent was back
+    (a third re-created it) by the time the rank looked, so a creatable dir was refused ("cannot be created (No such
+    file or directory)": CI, tests/test_context_parallel.py four ranks, 2026-12-08; 11 of 1,800 checks here before
+    the fix). Real processes; the check retries an ENOENT under an existing parent and refuses only a lasting one
+    (the /proc test above)."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(6) as pool:
+        bad = [w for r in pool.map(_check_often, [(str(tmp_path), k, 300) for k in range(6)]) for w in r]
+    assert bad == []

@@ -230,15 +230,21 @@ def _dir_problem(path: Path) -> Optional[str]:
     import random
     import time
 
+    enoent = None
     for _ in range(20):  # concurrent checkers (torchrun ranks) may remove a dir one of them created between our steps
         why = _try_dir(Path(path))
-        if why != _VANISHED:
+        if why is not None and why.startswith(_ENOENT):
+            enoent = why[len(_ENOENT):]
+        elif why != _VANISHED:
             return why
         time.sleep(random.uniform(0.005, 0.05))  # let the other checker finish its step
-    return f"{path} vanished while it was being checked (another process removes it)"
+    return enoent or f"{path} vanished while it was being checked (another process removes it)"
 
 
 _VANISHED = "vanished"
+#: :func:`_try_dir`'s prefix of an ENOENT under a parent that exists now: real (``/proc``) or a concurrent checker's
+#: removed and re-created dir; :func:`_dir_problem` refuses it only when every try gets it.
+_ENOENT = "enoent:"
 
 
 def _try_dir(path: Path) -> Optional[str]:
@@ -263,7 +269,9 @@ def _try_dir(path: Path) -> Optional[str]:
             except FileNotFoundError as e:
                 if not d.parent.is_dir():  # its parent, a concurrent checker's, was removed by that checker meanwhile
                     return _VANISHED
-                return f"{d} cannot be created ({e.strerror or e})"  # /proc answers ENOENT under an existing parent
+                # /proc answers ENOENT under an existing parent; so does a parent that a concurrent checker removed
+                # and another re-created between our mkdir and the look above: _dir_problem tries again
+                return _ENOENT + f"{d} cannot be created ({e.strerror or e})"
             except OSError as e:
                 return f"{d} cannot be created ({e.strerror or e})"
         probe = path / f".runner-write-check-{os.getpid()}-{os.urandom(4).hex()}"
